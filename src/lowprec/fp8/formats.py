@@ -1,0 +1,61 @@
+"""FP8 formats: the two dtypes, their ranges, and the named format pairs.
+
+E4M3 (``float8_e4m3fn``): 4 exponent bits, 3 mantissa bits, max 448, no inf, has NaN.
+E5M2 (``float8_e5m2``):   5 exponent bits, 2 mantissa bits, max 57344, has inf and NaN.
+
+``Format.HYBRID`` casts forward operands (activations, weights) to E4M3 and gradients to
+E5M2 (TransformerEngine's default); ``Format.E4M3`` uses E4M3 everywhere (DeepSeek-V3,
+torchao rowwise).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+__all__ = ["E4M3", "E5M2", "Format", "fp8_max", "is_fp8_dtype"]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+
+_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+    try:
+        return _MAX[dtype]
+    except KeyError:
+        raise ValueError(f"{dtype} is not an FP8 dtype; use lowprec.fp8.E4M3 or E5M2") from None
+
+
+def is_fp8_dtype(dtype: torch.dtype) -> bool:
+    return dtype in _MAX
+
+
+class Format(str, Enum):
+    """Named pair (forward dtype, gradient dtype), spelled as TransformerEngine spells it."""
+
+    E4M3 = "E4M3"
+    HYBRID = "HYBRID"
+
+    @classmethod
+    def parse(cls, value: "Format | str") -> "Format":
+        if isinstance(value, Format):
+            return value
+        try:
+            return cls(str(value).upper())
+        except ValueError:
+            raise ValueError(
+                f"fp8_format={value!r} is not known; use 'HYBRID' (E4M3 forward, E5M2 gradients) "
+                "or 'E4M3' (E4M3 everywhere)"
+            ) from None
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        return E4M3
+
+    @property
+    def backward_dtype(self) -> torch.dtype:
+        return E5M2 if self is Format.HYBRID else E4M3

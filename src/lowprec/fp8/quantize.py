@@ -1,0 +1,163 @@
+"""Scaled casts to FP8 at three granularities, and their inverse.
+
+A quantized operand is a :class:`Float8Data`: FP8 ``data`` plus a float32 ``scale`` with
+``data ~= saturate(x * scale)``. The scale's shape says the granularity:
+
+========== ============================== =============================================
+tensor     ``()``                         one scale (tensorwise, delayed)
+axis       ``(rows, 1)`` or ``(1, cols)`` one scale per slice across the contraction dim
+block      ``(ceil(rows/br), ceil(cols/bc))`` one scale per ``br x bc`` tile (DeepSeek-V3)
+========== ============================== =============================================
+
+All functions here are pure: no module state, no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowprec.fp8.formats import fp8_max
+from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, block_amax
+
+__all__ = [
+    "Float8Data",
+    "saturated_cast",
+    "quantize",
+    "quantize_tensorwise",
+    "quantize_axiswise",
+    "quantize_blockwise",
+    "dequantize",
+]
+
+GRANULARITIES = ("tensor", "axis", "block")
+
+
+@dataclass
+class Float8Data:
+    """FP8 values and the scale that produced them (``x ~= data / scale``).
+
+    ``block`` is the tile shape for block granularity, in the same orientation as ``data``.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    granularity: str = "tensor"
+    block: tuple[int, int] | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def t(self) -> "Float8Data":
+        """Transposed view (no copy): data, scale and block are all transposed."""
+        scale = self.scale if self.scale.dim() == 0 else self.scale.t()
+        block = None if self.block is None else (self.block[1], self.block[0])
+        return Float8Data(self.data.t(), scale, self.granularity, block)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+
+
+def saturated_cast(x_scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cast already-scaled values to FP8, saturating finite values at +-fp8_max.
+
+    ``clamp`` alone would turn +-inf into +-fp8_max (and torch's own E4M3 cast does the
+    same), silently making an overflow finite. Adding ``x - x`` (0 for finite values, NaN
+    for inf and NaN) keeps every non-finite input non-finite. It is one fused elementwise
+    expression under ``torch.compile``.
+    """
+    m = fp8_max(dtype)
+    x32 = x_scaled.to(torch.float32)
+    return (x32.clamp(-m, m) + (x32 - x32)).to(dtype)
+
+
+def quantize_tensorwise(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
+    *,
+    margin: int = 0,
+    power_of_2: bool = False,
+) -> Float8Data:
+    """One scale for the whole tensor; computed from ``amax(x)`` unless ``scale`` is given
+    (delayed scaling passes the scale derived from its amax history)."""
+    if scale is None:
+        scale = amax_to_scale(amax(x), dtype, margin=margin, power_of_2=power_of_2)
+    return Float8Data(saturated_cast(x.to(torch.float32) * scale, dtype), scale, "tensor")
+
+
+def quantize_axiswise(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    dim: int,
+    *,
+    power_of_2: bool = True,
+) -> Float8Data:
+    """One scale per slice along ``dim`` (the GEMM's contraction dim).
+
+    For ``x`` of shape (M, K) and ``dim=1`` this is torchao's "rowwise": scale shape (M, 1).
+    """
+    scale = amax_to_scale(amax_along(x, dim), dtype, power_of_2=power_of_2)
+    return Float8Data(saturated_cast(x.to(torch.float32) * scale, dtype), scale, "axis")
+
+
+def _expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    full = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    return full[: shape[0], : shape[1]]
+
+
+def quantize_blockwise(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    block: tuple[int, int],
+    *,
+    power_of_2: bool = True,
+) -> Float8Data:
+    """One scale per ``block`` tile of a 2-D tensor (1x128 activations, 128x128 weights).
+
+    Ragged edges are handled by zero padding for the amax only; zeros never raise an amax.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"blockwise quantization needs a 2-D tensor, got shape {tuple(x.shape)}")
+    r, c = x.shape
+    br, bc = block
+    pr, pc = (-r) % br, (-c) % bc
+    xp = torch.nn.functional.pad(x.detach(), (0, pc, 0, pr)) if (pr or pc) else x
+    scale = amax_to_scale(block_amax(xp, block), dtype, power_of_2=power_of_2)
+    data = saturated_cast(x.to(torch.float32) * _expand_blocks(scale, block, x.shape), dtype)
+    return Float8Data(data, scale, "block", (br, bc))
+
+
+def quantize(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: str,
+    *,
+    dim: int = -1,
+    block: tuple[int, int] = (1, 128),
+    scale: torch.Tensor | None = None,
+    margin: int = 0,
+    power_of_2: bool = False,
+) -> Float8Data:
+    """Dispatch on granularity: ``tensor`` (``scale`` may be given), ``axis`` (over
+    ``dim``), ``block`` (``block`` tiles)."""
+    if granularity == "tensor":
+        return quantize_tensorwise(x, dtype, scale, margin=margin, power_of_2=power_of_2)
+    if granularity == "axis":
+        return quantize_axiswise(x, dtype, dim, power_of_2=power_of_2)
+    if granularity == "block":
+        return quantize_blockwise(x, dtype, block, power_of_2=power_of_2)
+    raise ValueError(f"granularity={granularity!r}; use one of {GRANULARITIES}")
+
+
+def dequantize(q: Float8Data, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data / scale`` in ``dtype`` (float32 arithmetic)."""
+    scale = q.scale
+    if q.granularity == "block":
+        scale = _expand_blocks(scale, q.block, q.data.shape)
+    return (q.data.to(torch.float32) / scale).to(dtype)
