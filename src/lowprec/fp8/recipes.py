@@ -1,0 +1,238 @@
+"""Scaling recipes: frozen, validated dataclasses with named constructors.
+
+A recipe answers, for each of the three GEMMs of a Linear layer, which operands are cast to
+which FP8 dtype at which granularity. ``Recipe.from_name`` builds the five named recipes:
+
+================== ========= ================= ============================================
+name               scaling   formats           notes
+================== ========= ================= ============================================
+delayed            per-tensor HYBRID (default) scale from an amax history (TransformerEngine
+                                               DelayedScaling); margin, interval, override
+tensorwise         per-tensor HYBRID           scale from this tensor's amax (torchao default)
+rowwise            per-row    E4M3 everywhere  power-of-two scales (torchao rowwise)
+rowwise_with_gw_hp per-row    E4M3             weight-gradient GEMM in high precision; the
+                                               weight is tensorwise for grad_input (torchao)
+blockwise          tiles      E4M3 everywhere  1x128 activations/gradients, 128x128 weights,
+                                               power-of-two scales (DeepSeek-V3)
+================== ========= ================= ============================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lowprec.fp8.formats import Format
+
+__all__ = ["Recipe", "OperandCast", "GemmCast", "LinearPlan", "RECIPE_NAMES"]
+
+RECIPE_NAMES = ("delayed", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
+SCALINGS = ("delayed", "tensorwise", "rowwise", "blockwise")
+GEMM_BACKENDS = ("auto", "scaled_mm", "emulate")
+
+
+@dataclass(frozen=True)
+class OperandCast:
+    """How one operand of one GEMM is cast. ``granularity`` is ``tensor``, ``axis`` (one
+    scale per slice across the contraction dim) or ``block`` (tiles; ``block_2d`` makes them
+    square, as for weights)."""
+
+    dtype: torch.dtype
+    granularity: str = "tensor"
+    block_2d: bool = False
+
+
+@dataclass(frozen=True)
+class GemmCast:
+    """Both operands of one GEMM, or ``None`` fields for a high-precision GEMM."""
+
+    a: OperandCast | None
+    b: OperandCast | None
+
+    @property
+    def high_precision(self) -> bool:
+        return self.a is None
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """The three GEMMs of a Linear: output = x W^T, grad_input = dY W, grad_weight = dY^T x."""
+
+    fprop: GemmCast
+    dgrad: GemmCast
+    wgrad: GemmCast
+
+
+_HP = GemmCast(None, None)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """An FP8 scaling recipe.
+
+    Fields
+    ------
+    scaling: ``delayed`` | ``tensorwise`` | ``rowwise`` | ``blockwise``.
+    fp8_format: ``HYBRID`` (E4M3 forward, E5M2 gradients) or ``E4M3``.
+    margin: scale = fp8_max / amax / 2**margin (per-tensor recipes).
+    amax_history_len, amax_compute_algo, interval: delayed scaling only. The scale used at a
+        step comes from the amaxes recorded at earlier steps; it is refreshed every
+        ``interval`` steps. The very first step (empty history) uses the current amax.
+    override_linear_precision: (fprop, dgrad, wgrad); ``True`` runs that GEMM in high
+        precision (TransformerEngine's field).
+    power_of_2_scales: round scales down to powers of two.
+    dgrad_weight_tensorwise: cast the weight tensorwise for grad_input (rowwise_with_gw_hp).
+    block_size: tile edge for blockwise (multiple of 16).
+    gemm: ``auto`` (``torch._scaled_mm`` where the device has it, else emulation),
+        ``scaled_mm`` (require it) or ``emulate`` (dequantize + float32 matmul, any device).
+    use_fast_accum: fast accumulation in the forward GEMM on Hopper (backward GEMMs always
+        accumulate in full precision, as TE and torchao do).
+    use_during_eval: keep FP8 on in ``model.eval()`` (off by default, as in TE/Accelerate).
+    save_fp8_activations: save the FP8 copy of the input for the weight-gradient GEMM instead
+        of the high-precision input (half the activation memory of a bf16 Linear).
+    """
+
+    scaling: str = "tensorwise"
+    fp8_format: Format = Format.HYBRID
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    interval: int = 1
+    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    power_of_2_scales: bool = False
+    dgrad_weight_tensorwise: bool = False
+    block_size: int = 128
+    gemm: str = "auto"
+    use_fast_accum: bool = True
+    use_during_eval: bool = False
+    save_fp8_activations: bool = True
+    name: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        set_("fp8_format", Format.parse(self.fp8_format))
+        set_("scaling", str(self.scaling).lower())
+        set_("amax_compute_algo", str(self.amax_compute_algo).lower())
+        set_("gemm", str(self.gemm).lower())
+        olp = tuple(self.override_linear_precision)
+        if len(olp) != 3 or not all(isinstance(v, bool) for v in olp):
+            raise ValueError(
+                "override_linear_precision must be three booleans (fprop, dgrad, wgrad), "
+                f"got {self.override_linear_precision!r}"
+            )
+        set_("override_linear_precision", olp)
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"scaling={self.scaling!r} is not known; use one of {SCALINGS}")
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"amax_compute_algo={self.amax_compute_algo!r}; use 'max' or 'most_recent'"
+            )
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len must be an integer >= 1, got {self.amax_history_len!r}")
+        if not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"interval must be an integer >= 1, got {self.interval!r}")
+        if not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"margin must be an integer >= 0, got {self.margin!r}")
+        if self.gemm not in GEMM_BACKENDS:
+            raise ValueError(f"gemm={self.gemm!r}; use one of {GEMM_BACKENDS}")
+        if self.block_size < 16 or self.block_size % 16:
+            raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
+        if self.dgrad_weight_tensorwise and self.scaling != "rowwise":
+            raise ValueError("dgrad_weight_tensorwise applies to scaling='rowwise' only")
+        if self.margin and self.scaling in ("rowwise", "blockwise"):
+            raise ValueError(
+                f"margin applies to per-tensor scaling; scaling={self.scaling!r} "
+                "uses power-of-two per-row/per-block scales: set margin=0"
+            )
+        if all(olp):
+            raise ValueError(
+                "override_linear_precision=(True, True, True) runs no GEMM in FP8; "
+                "turn FP8 off instead (mixed_precision='bf16')"
+            )
+        if not self.name:
+            set_("name", self.scaling)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "Recipe":
+        """One of ``delayed``, ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``,
+        ``blockwise``; keyword arguments override single fields."""
+        key = str(name).lower().replace("-", "_")
+        presets: dict[str, dict[str, Any]] = {
+            "delayed": dict(scaling="delayed"),
+            "tensorwise": dict(scaling="tensorwise"),
+            "rowwise": dict(scaling="rowwise", fp8_format=Format.E4M3, power_of_2_scales=True),
+            "rowwise_with_gw_hp": dict(
+                scaling="rowwise",
+                fp8_format=Format.E4M3,
+                power_of_2_scales=True,
+                dgrad_weight_tensorwise=True,
+                override_linear_precision=(False, False, True),
+            ),
+            "blockwise": dict(scaling="blockwise", fp8_format=Format.E4M3, power_of_2_scales=True),
+        }
+        if key not in presets:
+            import difflib
+
+            near = difflib.get_close_matches(key, presets, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"unknown FP8 recipe {name!r}{hint}; choose one of {RECIPE_NAMES}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(overrides) - fields)
+        if bad:
+            import difflib
+
+            hints = [
+                f"{b!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(b, fields, n=1)) else "")
+                for b in bad
+            ]
+            raise ValueError(f"unknown recipe field(s) {', '.join(hints)}")
+        return cls(**{**presets[key], "name": key, **overrides})
+
+    def replace(self, **changes: Any) -> "Recipe":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["fp8_format"] = self.fp8_format.value
+        d["override_linear_precision"] = list(self.override_linear_precision)
+        return d
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def per_tensor(self) -> bool:
+        return self.scaling in ("delayed", "tensorwise")
+
+    def plan(self) -> LinearPlan:
+        """Per-GEMM, per-operand casts (the dtype table of Float8Linear)."""
+        fwd, bwd = self.fp8_format.forward_dtype, self.fp8_format.backward_dtype
+        olp = self.override_linear_precision
+        if self.per_tensor:
+            t = lambda dt: OperandCast(dt, "tensor")  # noqa: E731
+            g = [GemmCast(t(fwd), t(fwd)), GemmCast(t(bwd), t(fwd)), GemmCast(t(bwd), t(fwd))]
+        elif self.scaling == "rowwise":
+            ax = lambda dt: OperandCast(dt, "axis")  # noqa: E731
+            w_dgrad = OperandCast(fwd, "tensor") if self.dgrad_weight_tensorwise else ax(fwd)
+            g = [GemmCast(ax(fwd), ax(fwd)), GemmCast(ax(bwd), w_dgrad), GemmCast(ax(bwd), ax(fwd))]
+        else:  # blockwise: 1-D tiles for activations and gradients, square tiles for weights
+            tile = lambda dt: OperandCast(dt, "block")  # noqa: E731
+            sq = OperandCast(fwd, "block", block_2d=True)
+            g = [GemmCast(tile(fwd), sq), GemmCast(tile(bwd), sq), GemmCast(tile(bwd), tile(fwd))]
+        g = [_HP if hp else gc for gc, hp in zip(g, olp)]
+        return LinearPlan(*g)
+
+    def describe(self) -> str:
+        """One line per GEMM, e.g. for reports and docs."""
+        rows = []
+        plan = self.plan()
+        for gemm in ("fprop", "dgrad", "wgrad"):
+            gc: GemmCast = getattr(plan, gemm)
+            if gc.high_precision:
+                rows.append(f"{gemm}: high precision")
+                continue
+            op = lambda o: f"{str(o.dtype).replace('torch.float8_', '')}/{o.granularity}"  # noqa: E731
+            rows.append(f"{gemm}: {op(gc.a)} x {op(gc.b)}")
+        return "; ".join(rows)
