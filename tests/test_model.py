@@ -69,7 +69,7 @@ def test_llama_tiny_learns_a_fixed_batch():
         losses.append(loss.item())
     # random tokens: only memorisation lowers the loss, from ~ln(272) = 5.6
     assert losses[0] > 5.0
-    assert losses[-1] < 0.6 * losses[0], losses[::5]
+    assert losses[-1] < 0.3 * losses[0], losses[::5]
 
 
 def test_tied_and_untied_parameter_counts():

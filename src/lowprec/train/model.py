@@ -25,7 +25,7 @@ Named sizes (``LlamaConfig.from_name``; parameter counts with tied embeddings):
 =========== ====== ====== ====== ===== ====== ======== =========== ==================================
 name        vocab  dim    layers heads kv     ffn      params      use
 =========== ====== ====== ====== ===== ====== ======== =========== ==================================
-llama-tiny  272    128    4      4     2      384      0.74 M      CPU tests, golden loss curves
+llama-tiny  272    128    4      4     2      384      0.82 M      CPU tests, golden loss curves
 llama-small 272    512    8      8     4      1408     23.7 M      CPU/GPU examples
 llama-base  272    768    12     12    12     3072     113 M       GPU examples (GPT-2-small class)
 llama-1b    128256 2048   16     32    8      8192     1.24 B      GPU benchmarks (Llama-3.2-1B shape)
