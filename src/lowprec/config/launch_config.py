@@ -196,15 +196,15 @@ class LaunchConfig(_Strict):
     ``LaunchSettings`` fields (one layer of ``LaunchSettings.from_layers``)."""
 
     compute_environment: Optional[str] = None
-    distributed_type: Annotated[Optional[str], _opt(lambda v: V.choice(v, DISTRIBUTED_TYPES))] = None
+    distributed_type: Annotated[Optional[str], _opt(lambda v: V.choice("NO" if v is False else v, DISTRIBUTED_TYPES))] = None
     mixed_precision: Annotated[Optional[str], _opt(V.parse_mixed_precision)] = None
     num_processes: Annotated[Optional[int], _int_min(1)] = None
     num_machines: Annotated[Optional[int], _int_min(1)] = None
     machine_rank: Annotated[Optional[int], _int_min(0)] = None
-    main_process_ip: Optional[str] = None
+    main_process_ip: Annotated[Optional[str], _opt(str)] = None
     main_process_port: Annotated[Optional[int], _int_min(0)] = None
     use_cpu: OptBool = None
-    gpu_ids: Optional[str] = None
+    gpu_ids: Annotated[Optional[str], _opt(str)] = None
     fp8_config: Optional[FP8Config] = None
     fsdp_config: Optional[FSDPConfig] = None
     deepspeed_config: Optional[DeepSpeedConfig] = None

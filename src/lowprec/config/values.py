@@ -117,8 +117,14 @@ def parse_float(value: Any) -> float:
         raise ValueError(f"{value!r} is not a number") from None
 
 
+def _no(value: Any) -> Any:
+    # YAML 1.1 reads an unquoted `no` as False; Accelerate's files quote it, hand-written ones
+    # often do not.
+    return "no" if value is False else value
+
+
 def parse_mixed_precision(value: Any) -> str:
-    return choice(value, MIXED_PRECISIONS)
+    return choice(_no(value), MIXED_PRECISIONS)
 
 
 def parse_fp8_backend(value: Any) -> str:
@@ -150,7 +156,7 @@ def parse_fp8_fallback(value: Any) -> str:
 
 
 def parse_dynamo_backend(value: Any) -> str:
-    return choice(value, DYNAMO_BACKENDS)
+    return choice(_no(value), DYNAMO_BACKENDS)
 
 
 def parse_override_linear_precision(value: Any) -> tuple[bool, bool, bool]:
