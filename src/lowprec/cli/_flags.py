@@ -144,13 +144,13 @@ def check_cli_flags_apply(cli: dict[str, Any], settings: LaunchSettings) -> None
     fp8 = flags(("fp8_",))
     if fp8 and not settings.fp8:
         raise UsageError(
-            f"{', '.join(fp8)} apply to FP8 only, but mixed_precision is "
+            f"{', '.join(fp8)}: FP8 option(s), but mixed_precision is "
             f"{settings.mixed_precision!r}: add --mixed_precision fp8 or drop them"
         )
     fsdp = [f for f in flags(("fsdp_",)) if f != "--fsdp_version"]
     if fsdp and not settings.use_fsdp:
-        raise UsageError(f"{', '.join(fsdp)} apply to FSDP only: add --use_fsdp or drop them")
+        raise UsageError(f"{', '.join(fsdp)}: FSDP option(s) without --use_fsdp: add it or drop them")
     ds = flags((), ("zero_stage", "offload_optimizer_device", "offload_param_device",
                     "zero3_init_flag", "deepspeed_config_file"))
     if ds and not settings.use_deepspeed:
-        raise UsageError(f"{', '.join(ds)} apply to DeepSpeed only: add --use_deepspeed or drop them")
+        raise UsageError(f"{', '.join(ds)}: DeepSpeed option(s) without --use_deepspeed: add it or drop them")
