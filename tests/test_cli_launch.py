@@ -243,3 +243,30 @@ def test_torchrun_two_cpu_processes_subprocess(tmp_path):
         assert report["env"]["ACCELERATE_FP8_BACKEND"] == "AO"
         assert report["env"]["ACCELERATE_FP8_AMAX_HISTORY_LEN"] == "32"
         assert report["env"]["ACCELERATE_MIXED_PRECISION"] == "fp8"
+
+
+def test_signal_death_maps_to_128_plus_signal(tmp_path, capsys):
+    script = tmp_path / "die.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
+    assert main(["launch", str(script)]) == 128 + 15
+
+
+def test_port_zero_means_any_free_port_on_one_machine(capsys):
+    _, _, cmd = dry_run(["--num_processes", "2", "--main_process_port", "0", SCRIPT], capsys)
+    assert "--standalone" in cmd
+    err = usage_error(["launch", "--dry_run", "--num_processes", "2", "--num_machines", "2",
+                       "--main_process_ip", "h", "--main_process_port", "0", SCRIPT], capsys)
+    assert "every machine must know the port" in err
+
+
+def test_launcher_does_not_import_torch_or_pydantic_without_config(tmp_path):
+    """The launcher starts fast: the parent process needs neither torch nor pydantic."""
+    code = (
+        "import sys; from lowprec.cli.main import main; "
+        f"rc = main(['launch', '--dry_run', '--mixed_precision', 'fp8', {SCRIPT!r}]); "
+        "assert rc == 0; bad = {'torch', 'pydantic'} & set(sys.modules); assert not bad, bad"
+    )
+    env = {k: v for k, v in os.environ.items() if not owned_env_var(k)}
+    env.update(PYTHONPATH=SRC, LOWPREC_CONFIG_HOME=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

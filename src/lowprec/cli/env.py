@@ -108,7 +108,7 @@ def _cpu_scaled_mm(torch: Any) -> str:
 
 
 def collect() -> dict[str, Any]:
-    from lowprec.config.launch_config import default_config_path
+    from lowprec.config.paths import default_config_path
 
     info: dict[str, Any] = {
         "lowprec": __version__,

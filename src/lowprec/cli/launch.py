@@ -21,6 +21,7 @@ from typing import Any
 
 from lowprec.cli._flags import add_settings_flags, check_cli_flags_apply, settings_from_args
 from lowprec.config.env import FP8_FIELDS, LaunchSettings, owned_env_var
+from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError
 
 __all__ = ["NAME", "HELP", "add_parser", "split_argv", "run", "LaunchPlan", "plan_launch", "build_command"]
@@ -85,7 +86,7 @@ def build_command(settings: LaunchSettings, script: str, script_args: Sequence[s
     if not settings.distributed:
         return [sys.executable, *target]
     cmd = [sys.executable, "-m", "torch.distributed.run"]
-    if settings.num_machines == 1 and settings.main_process_port is None:
+    if settings.num_machines == 1 and not settings.main_process_port:  # None or 0: any free port
         # c10d rendezvous on a free local port: parallel launches on one box do not collide.
         cmd += ["--standalone", f"--nproc_per_node={settings.processes_per_machine}"]
     else:
@@ -109,8 +110,6 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
 
     config_file = args.config_file
     if config_file is None:
-        from lowprec.config.launch_config import default_config_path
-
         default = default_config_path()
         config_file = str(default) if default.is_file() else None
     yaml_layer: dict[str, Any] = {}

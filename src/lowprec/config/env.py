@@ -267,6 +267,11 @@ class LaunchSettings:
                 f"num_machines={self.num_machines} needs main_process_ip (the address of the "
                 "machine with machine_rank 0)"
             )
+        if self.num_machines > 1 and self.main_process_port == 0:
+            raise UsageError(
+                "main_process_port=0 (any free port) works on one machine only; with "
+                f"num_machines={self.num_machines} every machine must know the port: set one, e.g. 29500"
+            )
         if self.fp8_format == "E5M2" and self.fp8_backend != "te":
             raise UsageError(
                 "fp8_format=E5M2 (E5M2 in the forward pass too) is a TransformerEngine option; "

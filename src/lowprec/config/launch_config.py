@@ -34,6 +34,7 @@ from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field
 
 from lowprec.config import values as V
 from lowprec.config.env import LaunchSettings
+from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError, did_you_mean
 
 __all__ = [
@@ -50,13 +51,6 @@ __all__ = [
 ]
 
 DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "FSDP", "DEEPSPEED")
-
-
-def default_config_path() -> Path:
-    """``$LOWPREC_CONFIG_HOME/default_config.yaml``, else ``~/.cache/lowprec/default_config.yaml``."""
-    home = os.environ.get("LOWPREC_CONFIG_HOME")
-    base = Path(home).expanduser() if home else Path.home() / ".cache" / "lowprec"
-    return base / "default_config.yaml"
 
 
 def _opt(parse: Callable[[Any], Any]) -> BeforeValidator:
