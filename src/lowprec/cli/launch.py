@@ -35,7 +35,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         NAME,
         help=HELP,
-        description=__doc__.split("\n\n")[0].strip("`"),
+        description="Run a training script with the resolved precision and distributed settings: "
+        "flags > config file > defaults, exported as environment variables; several processes "
+        "or machines run under torchrun.",
         usage="lowprec launch [options] script.py [script args...]\n"
         "       lowprec launch [options] -m package.module [module args...]",
     )
