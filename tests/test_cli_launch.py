@@ -126,6 +126,8 @@ def test_default_config_file_is_read(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("LOWPREC_CONFIG_HOME", str(home))
     env, _, _ = dry_run([SCRIPT], capsys)
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and env["ACCELERATE_USE_CPU"] == "true"
+    assert main(["launch", "--dry_run", SCRIPT]) == 0
+    assert f"# note: using the default config file {home / 'default_config.yaml'}" in capsys.readouterr().out
 
 
 def test_stale_launch_variables_are_removed(monkeypatch, capsys):
