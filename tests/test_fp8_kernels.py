@@ -27,13 +27,13 @@ def no_triton(monkeypatch):
     """Pretend triton is not installed (whatever this machine has)."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
-    monkeypatch.setattr(select, "_IMPORTABLE", [])
+    monkeypatch.setattr(select, "TRITON_IMPORTABLE", select._find_triton())
     monkeypatch.delenv(select.DISABLE_ENV, raising=False)
 
 
 @pytest.fixture
 def fake_triton(monkeypatch):
-    monkeypatch.setattr(select, "_IMPORTABLE", [True])
+    monkeypatch.setattr(select, "TRITON_IMPORTABLE", True)
     monkeypatch.delenv(select.DISABLE_ENV, raising=False)
 
 

@@ -5,9 +5,10 @@ when ``LOWPREC_DISABLE_TRITON=1``. Nothing here imports triton: ``importlib.util
 answers whether it *could* be imported, so ``import lowprec.fp8`` stays torch-only and works
 where triton is absent (CPU CI).
 
-Both checks are wrapped in ``torch.compiler.assume_constant_result``: under
-``torch.compile`` Dynamo evaluates them once while tracing and bakes the answer into the graph
-instead of breaking the graph on ``importlib`` / ``os.environ``.
+Under ``torch.compile`` both checks trace without a graph break: the importability is
+decided once, at import, into a module constant (``find_spec`` does not import the package),
+and Dynamo reads ``os.environ`` as a guarded constant. (``torch.compiler.assume_constant_result``
+would do as well, but applying it imports torch._dynamo, which imports triton.)
 """
 
 from __future__ import annotations
@@ -21,21 +22,22 @@ __all__ = ["DISABLE_ENV", "available", "triton_importable", "disabled_by_env"]
 
 DISABLE_ENV = "LOWPREC_DISABLE_TRITON"
 
-_IMPORTABLE: list[bool] = []  # memo; a list so tests can clear it
+
+def _find_triton() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or half-installed package
+        return False
 
 
-@torch.compiler.assume_constant_result
+TRITON_IMPORTABLE = _find_triton()
+
+
 def triton_importable() -> bool:
-    """Whether ``import triton`` would succeed (checked once, without importing it)."""
-    if not _IMPORTABLE:
-        try:
-            _IMPORTABLE.append(importlib.util.find_spec("triton") is not None)
-        except (ImportError, ValueError):  # a broken or half-installed package
-            _IMPORTABLE.append(False)
-    return _IMPORTABLE[0]
+    """Whether ``import triton`` would succeed (decided once, without importing it)."""
+    return TRITON_IMPORTABLE
 
 
-@torch.compiler.assume_constant_result
 def disabled_by_env() -> bool:
     """``LOWPREC_DISABLE_TRITON=1`` (or true/yes/on) forces the torch path everywhere."""
     return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
