@@ -175,3 +175,27 @@ def test_dispatch_compiles_without_graph_breaks(no_triton, seed):
     x, s = torch.randn(24, 40), torch.tensor(4.0)
     got = torch.compile(f, fullgraph=True, backend="eager")(x, s)
     assert torch.equal(got, f(x, s))
+
+
+def _cast_benchmark():
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "cast.py")
+    spec = importlib.util.spec_from_file_location("lowprec_bench_cast", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the benchmark")
+def test_cast_benchmark_on_cpu(tmp_path, capsys):
+    """Without a GPU: one clear line and exit 2; with --tiny, a smoke run of the torch path
+    whose results equal the reference (times are not checked)."""
+    import json
+
+    bench = _cast_benchmark()
+    assert bench.main(["--out", str(tmp_path / "no.json")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out and not (tmp_path / "no.json").exists()
+    out = tmp_path / "cast.json"
+    assert bench.main(["--tiny", "--iters", "1", "--warmup", "0", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["triton"] is False and {r["impl"] for r in data["results"]} == {"torch_eager"}
+    assert len(data["results"]) == 6 and all(r["exact"] and r["ms"] > 0 for r in data["results"])
