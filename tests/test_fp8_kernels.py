@@ -199,3 +199,50 @@ def test_cast_benchmark_on_cpu(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["triton"] is False and {r["impl"] for r in data["results"]} == {"torch_eager"}
     assert len(data["results"]) == 6 and all(r["exact"] and r["ms"] > 0 for r in data["results"])
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, seed):
+    """Float8Linear with the one-pass cast+transpose for its input (forced on, on CPU, with
+    the torch path standing in for the kernel): same outputs and gradients, bit for bit,
+    and the FP8 input kept for backward is column-major (no transpose copy in backward)."""
+    import lowprec.fp8 as fp8
+
+    base = torch.nn.Linear(64, 48)
+    x = torch.randn(4, 32, 64)
+
+    def run(fused):
+        calls = []
+        if fused:
+            monkeypatch.setattr(kernels, "available", lambda device: True)
+            monkeypatch.setattr(kernels, "cast_transpose_amax", lambda *a: calls.append(1) or reference.cast_transpose_amax(*a))
+        lin = fp8.Float8Linear.from_linear(torch.nn.Linear(64, 48), fp8.Recipe.from_name(recipe))
+        lin.load_state_dict(base.state_dict(), strict=False)
+        saved = []
+
+        def pack(t):
+            if t.dtype in (E4M3, E5M2):
+                saved.append(t)
+            return t
+
+        outs = []
+        for _ in range(3):
+            xi = x.clone().requires_grad_()
+            with fp8.autocast(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = lin(xi)
+            y.square().mean().backward()
+            outs += [y.detach(), xi.grad, lin.weight.grad.clone()]
+            lin.weight.grad = None
+        monkeypatch.undo()
+        return outs, saved, calls
+
+    fused, saved_f, calls = run(True)
+    plain, saved_p, _ = run(False)
+    assert len(calls) == 3
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+    x_f = [t for t in saved_f if t.shape == (128, 64)]
+    x_p = [t for t in saved_p if t.shape == (128, 64)]
+    assert len(x_f) == len(x_p) == 3
+    assert all(t.t().is_contiguous() and not t.is_contiguous() for t in x_f)
+    assert all(t.is_contiguous() for t in x_p)

@@ -168,11 +168,13 @@ def test_no_host_synchronisation(ops, dev, seed):
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
 def test_float8_linear_is_identical_with_and_without_the_kernels(dev, monkeypatch, recipe, seed):
-    """The quantize hook routes Float8Linear's casts to the kernels; results are bit-equal."""
+    """Float8Linear's casts go to the kernels (quantize hook, and the input's one-pass
+    cast+transpose for tensorwise/delayed); results are bit-equal to the torch path."""
     routed = []
-    real = kernels.cast_amax, kernels.cast_rowwise
+    real = kernels.cast_amax, kernels.cast_rowwise, kernels.cast_transpose_amax
     monkeypatch.setattr(kernels, "cast_amax", lambda *a: routed.append(1) or real[0](*a))
     monkeypatch.setattr(kernels, "cast_rowwise", lambda *a: routed.append(1) or real[1](*a))
+    monkeypatch.setattr(kernels, "cast_transpose_amax", lambda *a: routed.append(1) or real[2](*a))
     base = torch.nn.Linear(1024, 512, device=dev)
     x = torch.randn(4, 256, 1024, device=dev)
 
