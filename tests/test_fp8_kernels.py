@@ -203,9 +203,9 @@ def test_cast_benchmark_on_cpu(tmp_path, capsys):
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
 def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, seed):
-    """Float8Linear with the one-pass cast+transpose for its input (forced on, on CPU, with
-    the torch path standing in for the kernel): same outputs and gradients, bit for bit,
-    and the FP8 input kept for backward is column-major (no transpose copy in backward)."""
+    """Float8Linear with the one-pass cast+transpose for its input and for dY (forced on, on
+    CPU, with the torch path standing in for the kernel): same outputs and gradients, bit for
+    bit, and the FP8 input kept for backward is column-major (no transpose copy in backward)."""
     import lowprec.fp8 as fp8
 
     base = torch.nn.Linear(64, 48)
@@ -216,6 +216,16 @@ def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, see
         if fused:
             monkeypatch.setattr(kernels, "available", lambda device: True)
             monkeypatch.setattr(kernels, "cast_transpose_amax", lambda *a: calls.append(1) or reference.cast_transpose_amax(*a))
+        linear_mod = importlib.import_module("lowprec.fp8.linear")
+        real_mm = linear_mod.scaled_mm
+        layouts = []  # wgrad GEMM: (A row-major, B column-major), i.e. nothing to copy
+
+        def spy_mm(a, b, out_dtype, **kw):
+            if tuple(a.shape) == (48, 128):  # dY^T (N, M) x x (M, K): the weight gradient
+                layouts.append((a.data.is_contiguous(), b.data.t().is_contiguous()))
+            return real_mm(a, b, out_dtype, **kw)
+
+        monkeypatch.setattr(linear_mod, "scaled_mm", spy_mm)
         lin = fp8.Float8Linear.from_linear(torch.nn.Linear(64, 48), fp8.Recipe.from_name(recipe))
         lin.load_state_dict(base.state_dict(), strict=False)
         saved = []
@@ -234,11 +244,12 @@ def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, see
             outs += [y.detach(), xi.grad, lin.weight.grad.clone()]
             lin.weight.grad = None
         monkeypatch.undo()
-        return outs, saved, calls
+        return outs, saved, calls, layouts
 
-    fused, saved_f, calls = run(True)
-    plain, saved_p, _ = run(False)
-    assert len(calls) == 3
+    fused, saved_f, calls, layouts_f = run(True)
+    plain, saved_p, _, layouts_p = run(False)
+    assert layouts_f == [(True, True)] * 3 and layouts_p == [(False, False)] * 3
+    assert len(calls) == 6  # x in forward, dY in backward, 3 steps
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)
     x_f = [t for t in saved_f if t.shape == (128, 64)]

@@ -97,22 +97,23 @@ def _cast(x: torch.Tensor, spec: OperandCast, contract: int, recipe: Recipe, sca
     )
 
 
-def _cast_input_both_ways(x: torch.Tensor, spec: OperandCast, recipe: Recipe, scale=None) -> tuple[Float8Data, Float8Data]:
-    """The input cast for the output GEMM (row-major) and for the weight-gradient GEMM.
+def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale=None) -> tuple[Float8Data, Float8Data]:
+    """One per-tensor cast of ``x`` or ``dY`` that serves two GEMMs: ``(row-major, column-major)``.
 
     On CUDA with the Triton kernels (``lowprec.fp8.kernels``) one pass writes the FP8 tensor
-    and its transpose (TransformerEngine's cast_transpose): the second copy is handed over
-    column-major, so backward's ``scaled_mm`` finds its B operand already in the layout
-    cuBLAS wants and copies nothing. Elsewhere both are the same :class:`Float8Data`.
-    Values are identical either way; only the memory layout differs.
+    and its transpose (TransformerEngine's cast_transpose). The second is handed over as a
+    column-major view, so the weight-gradient GEMM, which contracts over the token dim, finds
+    its operand already in the layout ``scaled_mm`` asks cuBLAS for, and nothing is copied in
+    backward. Elsewhere both are the same :class:`Float8Data`. Values are identical either
+    way; only the memory layout differs.
     """
-    if spec.granularity == "tensor" and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and kernels.available(x.device):
+    if spec.granularity == "tensor" and t.dtype in (torch.bfloat16, torch.float16, torch.float32) and kernels.available(t.device):
         if scale is None:
-            scale = amax_to_scale(amax(x), spec.dtype, margin=recipe.margin, power_of_2=recipe.power_of_2_scales)
-        q, qt, _ = kernels.cast_transpose_amax(x, scale, spec.dtype)
+            scale = amax_to_scale(amax(t), spec.dtype, margin=recipe.margin, power_of_2=recipe.power_of_2_scales)
+        q, qt, _ = kernels.cast_transpose_amax(t, scale, spec.dtype)
         return Float8Data(q, scale, "tensor"), Float8Data(qt.t(), scale, "tensor")
-    xq = _cast(x, spec, 1, recipe, scale)
-    return xq, xq
+    q = _cast(t, spec, 1, recipe, scale)
+    return q, q
 
 
 def _stats(x: torch.Tensor, q: Float8Data) -> torch.Tensor:
@@ -181,7 +182,7 @@ class _Float8LinearFn(torch.autograd.Function):
                     wg.b == fp.a and wg.b.granularity == "tensor"
                 )
                 if x_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
-                    xq, x_col = _cast_input_both_ways(x, fp.a, recipe, x_scale)
+                    xq, x_col = _cast_both_layouts(x, fp.a, recipe, x_scale)
                 else:
                     xq = _cast(x, fp.a, 1, recipe, x_scale)
                 wq = _cast(weight, fp.b, 1, recipe, w_scale)
@@ -243,9 +244,17 @@ class _Float8LinearFn(torch.autograd.Function):
                 if dg.high_precision:
                     grad_x = torch.matmul(dy.to(hp), w_saved.to(hp))
                 else:
-                    dyq = cast_dy(dg.a, 1)
-                    if dg.a.granularity == "tensor":
-                        dyq_tensor = dyq
+                    wg = plan.wgrad
+                    dy_both = dg.a.granularity == "tensor" and ctx.needs_input_grad[1] and not wg.high_precision and (
+                        wg.a == dg.a
+                    )
+                    if dy_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
+                        dyq, dyq_tensor = _cast_both_layouts(dy, dg.a, recipe, dy_scale)
+                        first_cast.append(dyq)
+                    else:
+                        dyq = cast_dy(dg.a, 1)
+                        if dg.a.granularity == "tensor":
+                            dyq_tensor = dyq
                     wq = w_saved if isinstance(w_saved, Float8Data) else _cast(w_saved, dg.b, 0, recipe)
                     grad_x = scaled_mm(dyq, wq, hp, path=recipe.gemm)
                 grad_x = grad_x.to(ctx.x_dtype)
