@@ -40,15 +40,23 @@ for cc in (90,):
                       BLOCK_M=TILE[0], BLOCK_N=TILE[1])
             rw = dict(FP8_MAX=fp8_max, E4M3=e4m3, POW2=True, SOFT_CAST=soft, EPS_BITS=_EPS_BITS,
                       BLOCK_M=ROW_TILE[0], BLOCK_N=ROW_TILE[1])
-            for name, fn, sig, const, warps in (("ct", cast_transpose_amax_kernel, CT, ct, TILE[2]),
-                                                ("row", cast_rowwise_kernel, RW, rw, ROW_TILE[2])):
+            # What a launch on a contiguous tensor with dims divisible by 16 specialises to:
+            # stride_xn == 1 a constant, pointers and M, N, stride_xm 16-divisible.
+            for name, fn, sig, const, warps, aligned in (
+                ("ct", cast_transpose_amax_kernel, CT, ct, TILE[2], (0, 1, 2, 3, 4, 5, 6, 7)),
+                ("row", cast_rowwise_kernel, RW, rw, ROW_TILE[2], (0, 1, 2, 3, 4, 5)),
+            ):
+                const = dict(const, stride_xn=1)
                 sig = dict(sig, **{k: "constexpr" for k in const})
-                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=target,
-                                   options={"num_warps": warps})
+                attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                                   target=target, options={"num_warps": warps})
                 ptx = k.asm["ptx"]
                 out.append(dict(cc=cc, kernel=name, e4m3=e4m3, soft=soft, cubin=len(k.asm["cubin"]),
                                 hw_cvt=("cvt.rn.satfinite.e4m3x2.f32" in ptx) or ("cvt.rn.satfinite.e5m2x2.f32" in ptx),
-                                atomics=ptx.count("atom.global")))
+                                atomics=ptx.count("atom.global"),
+                                vector_loads="ld.global.v4" in ptx, vector_stores="st.global.v4" in ptx,
+                                scalar_byte_stores=ptx.count("st.global.b8")))
 print(json.dumps(out))
 """
 
@@ -66,3 +74,6 @@ def test_kernels_compile_for_hopper():
         assert r["hw_cvt"] == (not r["soft"]), r
         # one atomic per tile for the tensor amax; none in the rowwise kernel
         assert r["atomics"] == (1 if r["kernel"] == "ct" else 0), r
+        # 16-byte global loads and stores (both layouts of the transpose kernel): a
+        # bandwidth-bound kernel that moves single bytes would be several times slower
+        assert r["vector_loads"] and r["vector_stores"] and r["scalar_byte_stores"] == 0, r
