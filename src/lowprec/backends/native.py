@@ -55,7 +55,8 @@ class NativeBackend(BaseBackend):
         return model
 
     def fp8_context(self, model: nn.Module) -> ContextManager:
-        return fp8.autocast(enabled=True, recipe=self.recipe)
+        # layers own their recipe (and its eval rule); the region only switches FP8 on
+        return fp8.autocast(enabled=True)
 
     def plain_state_dict(self, state_dict: dict) -> dict:
         return fp8.plain_state_dict(state_dict)
