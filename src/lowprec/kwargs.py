@@ -182,6 +182,9 @@ class DistributedDataParallelKwargs(KwargsHandler):
     def to_kwargs(self) -> dict[str, Any]:
         d = self.to_dict()
         d.pop("check_reduction")  # accepted for Accelerate scripts; DDP deprecated it
+        if d["broadcast_buffers"]:
+            # DDP's own default; passing it explicitly triggers torch's deprecation warning
+            d.pop("broadcast_buffers")
         return d
 
 
