@@ -102,12 +102,13 @@ def parse_override_linear_precision(value: Any, key: str = "override_linear_prec
     return tuple(parse_bool(v, key) for v in items)
 
 
-def _resolve(explicit: Any, env_name: str, default: Any, convert: Callable[[str], Any] = str) -> Any:
+def _resolve(explicit: Any, env_name: str, default: Any, convert: Callable[[Any], Any] = lambda v: v) -> Any:
+    """explicit > ``ACCELERATE_FP8_<env_name>`` > default, converted; an env error names the variable."""
     if explicit is not None:
-        return explicit
+        return convert(explicit)
     raw = env_get(FP8_PREFIX + env_name)
     if raw is None:
-        return default
+        return convert(default)
     try:
         return convert(raw)
     except ValueError as err:
@@ -124,11 +125,19 @@ def _int(key: str) -> Callable[[Any], int]:
     return convert
 
 
+def _bool(key: str) -> Callable[[Any], bool]:
+    return lambda value: parse_bool(value, key)
+
+
 def _choice(value: Any, key: str, choices: tuple[str, ...], upper: bool = True) -> str:
     text = str(value).upper() if upper else str(value).lower()
     if text not in choices:
         raise ValueError(f"{key}={value!r} is not known; use one of {', '.join(choices)}")
     return text
+
+
+def _one_of(key: str, choices: tuple[str, ...], upper: bool = True) -> Callable[[Any], str]:
+    return lambda value: _choice(value, key, choices, upper)
 
 
 def _alias(obj: Any, name: str, alias: str, value: Any) -> None:
@@ -316,21 +325,21 @@ class TERecipeKwargs(RecipeKwargs):
 
     def _resolve_te_fields(self) -> None:
         s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
-        s("use_autocast_during_eval", parse_bool(
-            _resolve(self.use_autocast_during_eval, "USE_AUTOCAST_DURING_EVAL", False), "use_autocast_during_eval"))
-        s("margin", _int("margin")(_resolve(self.margin, "MARGIN", 0)))
-        s("interval", _int("interval")(_resolve(self.interval, "INTERVAL", 1)))
-        s("fp8_format", _choice(_resolve(self.fp8_format, "FORMAT", "HYBRID"), "fp8_format", ("HYBRID", "E4M3", "E5M2")))
-        s("amax_history_len", _int("amax_history_len")(_resolve(self.amax_history_len, "AMAX_HISTORY_LEN", 1024)))
-        s("amax_compute_algo", _choice(
-            _resolve(self.amax_compute_algo, "AMAX_COMPUTE_ALGO", "most_recent"),
-            "amax_compute_algo", ("max", "most_recent"), upper=False))
+        s("use_autocast_during_eval", _resolve(
+            self.use_autocast_during_eval, "USE_AUTOCAST_DURING_EVAL", False, _bool("use_autocast_during_eval")))
+        s("margin", _resolve(self.margin, "MARGIN", 0, _int("margin")))
+        s("interval", _resolve(self.interval, "INTERVAL", 1, _int("interval")))
+        s("fp8_format", _resolve(self.fp8_format, "FORMAT", "HYBRID", _one_of("fp8_format", ("HYBRID", "E4M3", "E5M2"))))
+        s("amax_history_len", _resolve(self.amax_history_len, "AMAX_HISTORY_LEN", 1024, _int("amax_history_len")))
+        s("amax_compute_algo", _resolve(
+            self.amax_compute_algo, "AMAX_COMPUTE_ALGO", "most_recent",
+            _one_of("amax_compute_algo", ("max", "most_recent"), upper=False)))
         olp = self.override_linear_precision
         if olp is None:
             olp = tuple(env_flag(FP8_PREFIX + f"OVERRIDE_{g}") for g in ("FPROP", "DGRAD", "WGRAD"))
         s("override_linear_precision", parse_override_linear_precision(olp))
-        s("use_mxfp8_block_scaling", parse_bool(
-            _resolve(self.use_mxfp8_block_scaling, "USE_MXFP8_BLOCK_SCALING", False), "use_mxfp8_block_scaling"))
+        s("use_mxfp8_block_scaling", _resolve(
+            self.use_mxfp8_block_scaling, "USE_MXFP8_BLOCK_SCALING", False, _bool("use_mxfp8_block_scaling")))
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
         if self.interval < 1:
@@ -354,8 +363,7 @@ class MSAMPRecipeKwargs(RecipeKwargs):
         self._resolve_opt_level()
 
     def _resolve_opt_level(self) -> None:
-        level = _resolve(self.opt_level, "OPT_LEVEL", "O2")
-        object.__setattr__(self, "opt_level", _choice(level, "opt_level", ("O1", "O2")))
+        object.__setattr__(self, "opt_level", _resolve(self.opt_level, "OPT_LEVEL", "O2", _one_of("opt_level", ("O1", "O2"))))
 
 
 @dataclass(frozen=True)
@@ -378,10 +386,10 @@ class AORecipeKwargs(RecipeKwargs):
 
     def __post_init__(self) -> None:
         s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        s("pad_inner_dim", parse_bool(_resolve(self.pad_inner_dim, "PAD_INNER_DIM", True), "pad_inner_dim"))
-        s("enable_fsdp_float8_all_gather", parse_bool(
-            _resolve(self.enable_fsdp_float8_all_gather, "ENABLE_FSDP_FLOAT8_ALL_GATHER", True),
-            "enable_fsdp_float8_all_gather"))
+        s("pad_inner_dim", _resolve(self.pad_inner_dim, "PAD_INNER_DIM", True, _bool("pad_inner_dim")))
+        s("enable_fsdp_float8_all_gather", _resolve(
+            self.enable_fsdp_float8_all_gather, "ENABLE_FSDP_FLOAT8_ALL_GATHER", True,
+            _bool("enable_fsdp_float8_all_gather")))
         if self.recipe is not None:
             s("recipe", _choice(self.recipe, "recipe", ("tensorwise", "rowwise", "rowwise_with_gw_hp"), upper=False))
         if self.module_filter_func is not None and not callable(self.module_filter_func):
@@ -409,8 +417,8 @@ class NativeRecipeKwargs(RecipeKwargs):
         object.__setattr__(self, "recipe", str(name).lower().replace("-", "_"))
         object.__setattr__(self, "overrides", dict(self.overrides))
         object.__setattr__(self, "skip_patterns", tuple(self.skip_patterns))
-        object.__setattr__(self, "use_autocast_during_eval", parse_bool(
-            _resolve(self.use_autocast_during_eval, "USE_AUTOCAST_DURING_EVAL", False), "use_autocast_during_eval"))
+        object.__setattr__(self, "use_autocast_during_eval", _resolve(
+            self.use_autocast_during_eval, "USE_AUTOCAST_DURING_EVAL", False, _bool("use_autocast_during_eval")))
         self.to_recipe()  # validate name and overrides now, with the engine's own messages
 
     def to_recipe(self):
