@@ -3,7 +3,8 @@
 A checkpoint directory holds, per prepared object: ``model_{i}.safetensors`` (or
 ``pytorch_model_{i}.bin`` with ``safe_serialization=False``; FP8 scaling state included, as
 buffers), ``optimizer_{i}.bin``, ``scheduler_{i}.bin``, ``dataloader_{i}.json`` (position),
-``scaler.pt``, ``custom_checkpoint_{i}.pkl``, ``random_states_{rank}.pkl`` and
+``scaler.pt``, ``custom_checkpoint_{i}.pkl``, ``random_states_{rank}.pkl``, under FSDP2
+``buffers_{i}_rank{rank}.safetensors`` (each process's own FP8 scaling state) and
 ``lowprec_state.json`` (precision and backend, checked on load).
 
 Writes are atomic: everything goes to a sibling temporary directory that replaces the target
@@ -22,6 +23,7 @@ import torch
 
 from lowprec.utils.distributed import (
     full_model_state_dict,
+    is_fsdp2,
     full_optimizer_state_dict,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
@@ -145,6 +147,12 @@ def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> st
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f, indent=1)
     torch.save(_rng_state(), os.path.join(tmp, f"random_states_{acc.process_index}.pkl"))
+    for i, m in enumerate(acc._models):
+        if is_fsdp2(m):
+            # FSDP2 does not synchronise buffers (DDP broadcasts rank 0's): each process keeps its
+            # own FP8 scaling state (amax histories of its own data), so each saves its own
+            buffers = {k: b.detach().cpu() for k, b in acc.unwrap_model(m).named_buffers()}
+            save_tensors(buffers, os.path.join(tmp, f"buffers_{i}_rank{acc.process_index}.safetensors"), True)
     acc.wait_for_everyone()
     if acc.is_main_process:
         old = f"{output_dir}.old-{os.getpid()}"
@@ -172,7 +180,14 @@ def load_state(acc: Any, input_dir: str) -> None:
         )
     safe = meta.get("safe_serialization", True)
     for i, m in enumerate(acc._models):
-        load_full_model_state_dict(acc.unwrap_model(m), load_tensors(_model_file(input_dir, i, safe)))
+        inner = acc.unwrap_model(m)
+        load_full_model_state_dict(inner, load_tensors(_model_file(input_dir, i, safe)))
+        own = os.path.join(input_dir, f"buffers_{i}_rank{acc.process_index}.safetensors")
+        if is_fsdp2(m) and os.path.isfile(own):
+            with torch.no_grad():
+                named = dict(inner.named_buffers())
+                for k, v in load_tensors(own).items():
+                    named[k].copy_(v)
     for i, o in enumerate(acc._optimizers):
         osd = torch.load(os.path.join(input_dir, f"optimizer_{i}.bin"), map_location="cpu", weights_only=False)
         load_full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer, osd)
