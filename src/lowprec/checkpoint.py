@@ -119,14 +119,21 @@ def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> st
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     acc.wait_for_everyone()
-    # collectives first (FSDP2 gathers full state on every process), files on the main process
-    models = [full_model_state_dict(acc.unwrap_model(m)) for m in acc._models]
-    opts = [full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer) for o in acc._optimizers]
+    # collectives first (FSDP2 gathers full state on every process), files on the main process;
+    # a DeepSpeed engine writes its own (partitioned) model and optimizer state
+    models = [None if _is_ds(m) else full_model_state_dict(acc.unwrap_model(m)) for m in acc._models]
+    for i, m in enumerate(acc._models):
+        if _is_ds(m):
+            m.save_checkpoint(os.path.join(tmp, f"deepspeed_{i}"), tag="state")
+    opts = [None if _is_ds(acc._optimizer_models.get(id(o))) else
+            full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer) for o in acc._optimizers]
     if acc.is_main_process:
         for i, sd in enumerate(models):
-            save_tensors(sd, _model_file(tmp, i, safe_serialization), safe_serialization)
+            if sd is not None:
+                save_tensors(sd, _model_file(tmp, i, safe_serialization), safe_serialization)
         for i, osd in enumerate(opts):
-            torch.save(osd, os.path.join(tmp, f"optimizer_{i}.bin"))
+            if osd is not None:
+                torch.save(osd, os.path.join(tmp, f"optimizer_{i}.bin"))
         for i, s in enumerate(acc._schedulers):
             torch.save(s.state_dict(), os.path.join(tmp, f"scheduler_{i}.bin"))
         for i, d in enumerate(acc._dataloaders):
@@ -180,6 +187,9 @@ def load_state(acc: Any, input_dir: str) -> None:
         )
     safe = meta.get("safe_serialization", True)
     for i, m in enumerate(acc._models):
+        if _is_ds(m):
+            m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")
+            continue
         inner = acc.unwrap_model(m)
         load_full_model_state_dict(inner, load_tensors(_model_file(input_dir, i, safe)))
         own = os.path.join(input_dir, f"buffers_{i}_rank{acc.process_index}.safetensors")
@@ -189,6 +199,8 @@ def load_state(acc: Any, input_dir: str) -> None:
                 for k, v in load_tensors(own).items():
                     named[k].copy_(v)
     for i, o in enumerate(acc._optimizers):
+        if _is_ds(acc._optimizer_models.get(id(o))):
+            continue
         osd = torch.load(os.path.join(input_dir, f"optimizer_{i}.bin"), map_location="cpu", weights_only=False)
         load_full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer, osd)
     for i, s in enumerate(acc._schedulers):
@@ -210,14 +222,21 @@ def load_state(acc: Any, input_dir: str) -> None:
 def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bool = True) -> None:
     """Plain weights (no FP8 scaling state, no wrappers) that load into the unconverted model."""
     inner = acc.unwrap_model(model)
-    sd = full_model_state_dict(inner)
-    if acc.backend is not None:
-        sd = acc.backend.plain_state_dict(sd)
+    if _is_ds(model) and model.zero_optimization_stage() == 3:
+        sd = model._zero3_consolidated_16bit_state_dict()  # collective; full on the main process only
+    else:
+        sd = full_model_state_dict(inner)
     if acc.is_main_process:
+        if acc.backend is not None:
+            sd = acc.backend.plain_state_dict(sd)
         os.makedirs(save_directory, exist_ok=True)
         name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
         save_tensors(sd, os.path.join(save_directory, name), safe_serialization)
     acc.wait_for_everyone()
+
+
+def _is_ds(obj: Any) -> bool:
+    return type(obj).__name__ == "DeepSpeedEngine"
 
 
 def _jsonable(obj: Any) -> Any:
