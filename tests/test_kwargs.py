@@ -197,3 +197,61 @@ def test_handlers_are_frozen_and_grad_scaler_forwards_everything():
         h.init_scale = 2.0  # type: ignore[misc]
     assert h.to_kwargs() == {"init_scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5,
                              "growth_interval": 2000, "enabled": True}
+
+
+def test_native_recipe_takes_set_launch_variables_only(monkeypatch):
+    # `lowprec launch --fp8_recipe delayed --fp8_amax_history_len 32` writes these two
+    monkeypatch.setenv("LOWPREC_FP8_RECIPE", "delayed")
+    monkeypatch.setenv("ACCELERATE_FP8_AMAX_HISTORY_LEN", "32")
+    monkeypatch.setenv("ACCELERATE_FP8_OVERRIDE_WGRAD", "true")
+    r = NativeRecipeKwargs().to_recipe()
+    assert (r.scaling, r.amax_history_len, r.override_linear_precision) == ("delayed", 32, (False, False, True))
+    assert NativeRecipeKwargs(overrides={"amax_history_len": 8}).to_recipe().amax_history_len == 8
+    monkeypatch.delenv("ACCELERATE_FP8_OVERRIDE_WGRAD")
+    monkeypatch.setenv("LOWPREC_FP8_RECIPE", "rowwise")
+    assert NativeRecipeKwargs().to_recipe().fp8_format.value == "E4M3"  # preset kept: FORMAT unset
+    monkeypatch.setenv("ACCELERATE_FP8_MARGIN", "2")
+    with pytest.raises(ValueError, match="margin"):
+        NativeRecipeKwargs()
+
+
+def test_deepspeed_plugin_env(monkeypatch, tmp_path):
+    from lowprec.kwargs import DeepSpeedPlugin
+    from lowprec.utils.deepspeed import build_ds_config
+
+    cfg_file = tmp_path / "ds.json"
+    cfg_file.write_text('{"bf16": {"enabled": true}, "zero_optimization": {"stage": 1}}')
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "0.5")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu")
+    p = DeepSpeedPlugin()
+    assert (p.zero_stage, p.gradient_clipping, p.offload_optimizer_device) == (3, 0.5, "cpu")
+    cfg = build_ds_config(p, "fp8", micro_batch_size=4, accumulation_steps=2, world=2)
+    assert cfg["bf16"] == {"enabled": True} and cfg["fp16"] == {"enabled": False}
+    assert cfg["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"}}
+    assert (cfg["train_batch_size"], cfg["gradient_clipping"]) == (16, 0.5)
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(cfg_file))
+    from_file = DeepSpeedPlugin()
+    assert build_ds_config(from_file, "bf16", 4, 1, 1)["zero_optimization"]["stage"] == 1  # the file wins
+    with pytest.raises(ValueError, match="bf16.enabled"):
+        build_ds_config(from_file, "fp16", 4, 1, 1)
+
+
+def test_fsdp_plugin_env_and_policies(monkeypatch):
+    from torch import nn
+
+    from lowprec.kwargs import FullyShardedDataParallelPlugin
+    from lowprec.utils.distributed import fsdp2_units
+
+    model = nn.Sequential(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), nn.Linear(32, 4))
+    monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", "Linear")
+    p = FullyShardedDataParallelPlugin()
+    assert p.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and len(fsdp2_units(model, p)) == 3
+    monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP")
+    monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "size_based_wrap")
+    monkeypatch.setenv("FSDP_MIN_NUM_PARAMS", "1000")
+    assert [type(u).__name__ for u in fsdp2_units(model, FullyShardedDataParallelPlugin())] == ["Linear", "Linear", "Sequential"]
+    with pytest.raises(ValueError, match="FSDP2"):
+        FullyShardedDataParallelPlugin(fsdp_version=1)
+    with pytest.raises(ValueError, match="not found in the model"):
+        fsdp2_units(model, FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap="Block"))

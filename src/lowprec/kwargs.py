@@ -220,50 +220,98 @@ class GradientAccumulationPlugin(KwargsHandler):
 class FullyShardedDataParallelPlugin(KwargsHandler):
     """FSDP2 (``torch.distributed.fsdp.fully_shard``). ``fsdp_version`` 1 is not supported.
 
-    ``transformer_cls_names_to_wrap``: module class names sharded on their own (each block is a
-    unit of all-gather); the root is always sharded. Env: ``FSDP_VERSION``,
-    ``FSDP_TRANSFORMER_CLS_TO_WRAP`` (comma separated), ``FSDP_RESHARD_AFTER_FORWARD``.
+    ``auto_wrap_policy``: ``TRANSFORMER_BASED_WRAP`` (shard each module whose class name is in
+    ``transformer_cls_names_to_wrap``), ``SIZE_BASED_WRAP`` (each module holding at least
+    ``min_num_params`` parameters of its own subtree) or ``NO_WRAP``; the root is always sharded.
+    ``offload_params``: parameters live on CPU between uses (``CPUOffloadPolicy``). Env, as
+    ``lowprec launch`` writes them: ``FSDP_VERSION``, ``FSDP_AUTO_WRAP_POLICY``,
+    ``FSDP_TRANSFORMER_CLS_TO_WRAP``, ``FSDP_MIN_NUM_PARAMS``, ``FSDP_RESHARD_AFTER_FORWARD``,
+    ``FSDP_OFFLOAD_PARAMS``. Checkpoints are always full state dicts.
     """
 
     fsdp_version: Optional[int] = None
     transformer_cls_names_to_wrap: Optional[tuple] = None
     reshard_after_forward: Optional[bool] = None
+    auto_wrap_policy: Optional[str] = None
+    min_num_params: Optional[int] = None
+    offload_params: Optional[bool] = None
 
     def __post_init__(self) -> None:
+        s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         version = self.fsdp_version if self.fsdp_version is not None else int(env_get("FSDP_VERSION") or 2)
         if int(version) != 2:
             raise ValueError(
                 f"fsdp_version={version}: lowprec supports FSDP2 (fully_shard) only; set fsdp_version: 2"
             )
-        object.__setattr__(self, "fsdp_version", 2)
+        s("fsdp_version", 2)
         names = self.transformer_cls_names_to_wrap
+        explicit_names = names is not None
         if names is None:
-            raw = env_get("FSDP_TRANSFORMER_CLS_TO_WRAP")
-            names = tuple(n.strip() for n in raw.split(",") if n.strip()) if raw else ()
-        elif isinstance(names, str):
+            names = env_get("FSDP_TRANSFORMER_CLS_TO_WRAP") or ()
+        if isinstance(names, str):
             names = tuple(n.strip() for n in names.split(",") if n.strip())
-        object.__setattr__(self, "transformer_cls_names_to_wrap", tuple(names))
+        s("transformer_cls_names_to_wrap", tuple(names))
+        policy = self.auto_wrap_policy
+        if policy is None and not explicit_names:  # explicit class names imply their policy
+            policy = env_get("FSDP_AUTO_WRAP_POLICY")
+        if policy is None:
+            policy = "TRANSFORMER_BASED_WRAP" if names else "NO_WRAP"
+        policy = str(policy).upper()
+        if policy not in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"):
+            raise ValueError(f"auto_wrap_policy={policy!r}; use TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP")
+        s("auto_wrap_policy", policy)
+        min_params = self.min_num_params if self.min_num_params is not None else env_get("FSDP_MIN_NUM_PARAMS")
+        s("min_num_params", int(min_params) if min_params is not None else 100_000_000)
         reshard = self.reshard_after_forward
-        if reshard is None:
-            reshard = env_flag("FSDP_RESHARD_AFTER_FORWARD", True)
-        object.__setattr__(self, "reshard_after_forward", parse_bool(reshard, "reshard_after_forward"))
+        s("reshard_after_forward", env_flag("FSDP_RESHARD_AFTER_FORWARD", True) if reshard is None
+          else parse_bool(reshard, "reshard_after_forward"))
+        offload = self.offload_params
+        s("offload_params", env_flag("FSDP_OFFLOAD_PARAMS", False) if offload is None
+          else parse_bool(offload, "offload_params"))
+        for env in ("FSDP_ACTIVATION_CHECKPOINTING", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
+            if env_flag(env):
+                import logging
+
+                logging.getLogger("lowprec").warning("lowprec: %s=true is not supported by lowprec's FSDP2 path; ignored", env)
 
 
 @dataclass(frozen=True)
 class DeepSpeedPlugin(KwargsHandler):
-    """DeepSpeed ZeRO 1-3 (optional extra). Env: ``ACCELERATE_DEEPSPEED_ZERO_STAGE``."""
+    """DeepSpeed ZeRO 1-3 (optional extra). Env (as ``lowprec launch`` writes them):
+    ``ACCELERATE_DEEPSPEED_ZERO_STAGE``, ``ACCELERATE_DEEPSPEED_CONFIG_FILE``,
+    ``ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE``, ``ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE``,
+    ``ACCELERATE_GRADIENT_CLIPPING``. ``hf_ds_config`` is a dict or a JSON file path."""
 
     zero_stage: Optional[int] = None
     gradient_clipping: Optional[float] = None
-    hf_ds_config: Optional[dict] = None
+    hf_ds_config: Optional[Any] = None
+    offload_optimizer_device: Optional[str] = None
+    offload_param_device: Optional[str] = None
 
     def __post_init__(self) -> None:
-        stage = self.zero_stage
-        if stage is None:
-            stage = int(env_get("ACCELERATE_DEEPSPEED_ZERO_STAGE") or 2)
+        s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        stage = self.zero_stage if self.zero_stage is not None else int(env_get("ACCELERATE_DEEPSPEED_ZERO_STAGE") or 2)
         if int(stage) not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={stage!r}; use 0, 1, 2 or 3")
-        object.__setattr__(self, "zero_stage", int(stage))
+        s("zero_stage", int(stage))
+        clip = self.gradient_clipping if self.gradient_clipping is not None else env_get("ACCELERATE_GRADIENT_CLIPPING")
+        s("gradient_clipping", None if clip is None else float(clip))
+        cfg = self.hf_ds_config if self.hf_ds_config is not None else env_get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if isinstance(cfg, str):
+            import json
+
+            try:
+                with open(cfg) as f:
+                    cfg = json.load(f)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"DeepSpeed config file {cfg!r} could not be read: {err}") from None
+        s("hf_ds_config", cfg)
+        for name, env in (("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+                          ("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")):
+            value = getattr(self, name) if getattr(self, name) is not None else env_get(env)
+            if value is not None and str(value).lower() not in ("none", "cpu", "nvme"):
+                raise ValueError(f"{name}={value!r}; use none, cpu or nvme")
+            s(name, None if value is None else str(value).lower())
 
 
 # --------------------------------------------------------------------------- FP8 recipe kwargs
@@ -400,8 +448,10 @@ class AORecipeKwargs(RecipeKwargs):
 class NativeRecipeKwargs(RecipeKwargs):
     """lowprec's own engine, by recipe name: ``delayed``, ``tensorwise``, ``rowwise``,
     ``rowwise_with_gw_hp``, ``blockwise`` (env ``LOWPREC_FP8_RECIPE``). ``overrides`` sets single
-    :class:`lowprec.fp8.Recipe` fields; ``module_filter_func(module, fqn) -> bool`` picks layers;
-    ``skip_first_last`` / ``skip_patterns`` are the engine's conversion defaults."""
+    :class:`lowprec.fp8.Recipe` fields; ``ACCELERATE_FP8_*`` variables that are *set* (as
+    ``lowprec launch`` writes them) override the named preset too, explicit ``overrides`` win.
+    ``module_filter_func(module, fqn) -> bool`` picks layers; ``skip_first_last`` /
+    ``skip_patterns`` are the engine's conversion defaults."""
 
     recipe: Optional[str] = None
     overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -415,7 +465,7 @@ class NativeRecipeKwargs(RecipeKwargs):
     def __post_init__(self) -> None:
         name = self.recipe if self.recipe is not None else (env_get("LOWPREC_FP8_RECIPE") or "tensorwise")
         object.__setattr__(self, "recipe", str(name).lower().replace("-", "_"))
-        object.__setattr__(self, "overrides", dict(self.overrides))
+        object.__setattr__(self, "overrides", {**_env_recipe_overrides(), **dict(self.overrides)})
         object.__setattr__(self, "skip_patterns", tuple(self.skip_patterns))
         object.__setattr__(self, "use_autocast_during_eval", _resolve(
             self.use_autocast_during_eval, "USE_AUTOCAST_DURING_EVAL", False, _bool("use_autocast_during_eval")))
@@ -427,6 +477,23 @@ class NativeRecipeKwargs(RecipeKwargs):
         overrides = dict(self.overrides)
         overrides.setdefault("use_during_eval", self.use_autocast_during_eval)
         return Recipe.from_name(self.recipe, **overrides)
+
+
+def _env_recipe_overrides() -> dict[str, Any]:
+    """Recipe fields from the ``ACCELERATE_FP8_*`` variables that are set (unset ones leave the
+    named preset's own values, e.g. rowwise's E4M3)."""
+    table = {"FORMAT": ("fp8_format", str), "AMAX_HISTORY_LEN": ("amax_history_len", _int("amax_history_len")),
+             "AMAX_COMPUTE_ALGO": ("amax_compute_algo", str), "MARGIN": ("margin", _int("margin")),
+             "INTERVAL": ("interval", _int("interval"))}
+    out: dict[str, Any] = {}
+    for suffix, (name, convert) in table.items():
+        if env_get(FP8_PREFIX + suffix) is not None:
+            out[name] = _resolve(None, suffix, None, convert)
+    flags = [env_get(FP8_PREFIX + f"OVERRIDE_{g}") for g in ("FPROP", "DGRAD", "WGRAD")]
+    if any(f is not None for f in flags):
+        out["override_linear_precision"] = tuple(
+            env_flag(FP8_PREFIX + f"OVERRIDE_{g}") for g in ("FPROP", "DGRAD", "WGRAD"))
+    return out
 
 
 _FP8_WARNED = [False]

@@ -29,7 +29,11 @@ def build_ds_config(plugin: Any, mixed_precision: str, micro_batch_size: int, ac
                 f"{mixed_precision!r}; make them agree (fp8 trains on bf16)"
             )
         section["enabled"] = want
-    cfg.setdefault("zero_optimization", {}).setdefault("stage", plugin.zero_stage)
+    zero = cfg.setdefault("zero_optimization", {})
+    zero.setdefault("stage", plugin.zero_stage)
+    for key, device in (("offload_optimizer", plugin.offload_optimizer_device), ("offload_param", plugin.offload_param_device)):
+        if device not in (None, "none"):
+            zero.setdefault(key, {"device": device})
     cfg.setdefault("train_micro_batch_size_per_gpu", micro_batch_size)
     cfg.setdefault("gradient_accumulation_steps", accumulation_steps)
     cfg.setdefault("train_batch_size", micro_batch_size * accumulation_steps * world)
