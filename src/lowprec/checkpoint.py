@@ -2,7 +2,7 @@
 
 A checkpoint directory holds, per prepared object: ``model_{i}.safetensors`` (or
 ``pytorch_model_{i}.bin`` with ``safe_serialization=False``; FP8 scaling state included, as
-buffers), ``optimizer_{i}.bin``, ``scheduler_{i}.bin``, ``dataloader_{i}.json`` (position),
+buffers), ``optimizer_{i}.safetensors`` (or ``.bin``), ``scheduler_{i}.bin``, ``dataloader_{i}.json`` (position),
 ``scaler.pt``, ``custom_checkpoint_{i}.pkl``, ``random_states_{rank}.pkl``, under FSDP2
 ``buffers_{i}_rank{rank}.safetensors`` (each process's own FP8 scaling state) and
 ``lowprec_state.json`` (precision and backend, checked on load).
@@ -29,7 +29,7 @@ from lowprec.utils.distributed import (
     load_full_optimizer_state_dict,
 )
 
-__all__ = ["save_state", "load_state", "save_model", "save_tensors", "load_tensors"]
+__all__ = ["save_state", "load_state", "save_model", "save_tensors", "load_tensors", "save_optimizer", "load_optimizer"]
 
 META = "lowprec_state.json"
 
@@ -70,6 +70,45 @@ def load_tensors(path: str) -> dict:
     for key, target in aliases.items():
         tensors[key] = tensors[target]
     return tensors
+
+
+def save_optimizer(state_dict: dict, path_stem: str, safe: bool) -> None:
+    """Optimizer state: tensors in safetensors, the rest (param groups, step counts kept as
+    numbers) as JSON in its metadata; or one pickle with ``safe=False``."""
+    if not safe:
+        torch.save(state_dict, path_stem + ".bin")
+        return
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton: dict[str, dict] = {}
+    for pid, entry in state_dict["state"].items():
+        skeleton[str(pid)] = {}
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{pid}/{k}"] = v.detach().cpu().contiguous()
+                skeleton[str(pid)][k] = None
+            else:
+                skeleton[str(pid)][k] = v
+    meta = {"state": skeleton, "param_groups": state_dict["param_groups"],
+            "int_keys": all(isinstance(k, int) for k in state_dict["state"])}
+    from safetensors.torch import save_file
+
+    save_file({k: v.clone() for k, v in tensors.items()}, path_stem + ".safetensors",
+              metadata={"lowprec_optimizer": json.dumps(meta)})
+
+
+def load_optimizer(path_stem: str) -> dict:
+    if os.path.isfile(path_stem + ".bin"):
+        return torch.load(path_stem + ".bin", map_location="cpu", weights_only=False)
+    from safetensors import safe_open
+
+    with safe_open(path_stem + ".safetensors", framework="pt") as f:
+        meta = json.loads(f.metadata()["lowprec_optimizer"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    state: dict = {}
+    for pid, entry in meta["state"].items():
+        key = int(pid) if meta["int_keys"] else pid
+        state[key] = {k: tensors[f"{pid}/{k}"] if v is None else v for k, v in entry.items()}
+    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def _model_file(directory: str, i: int, safe: bool) -> str:
@@ -133,7 +172,7 @@ def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> st
                 save_tensors(sd, _model_file(tmp, i, safe_serialization), safe_serialization)
         for i, osd in enumerate(opts):
             if osd is not None:
-                torch.save(osd, os.path.join(tmp, f"optimizer_{i}.bin"))
+                save_optimizer(osd, os.path.join(tmp, f"optimizer_{i}"), safe_serialization)
         for i, s in enumerate(acc._schedulers):
             torch.save(s.state_dict(), os.path.join(tmp, f"scheduler_{i}.bin"))
         for i, d in enumerate(acc._dataloaders):
@@ -201,7 +240,7 @@ def load_state(acc: Any, input_dir: str) -> None:
     for i, o in enumerate(acc._optimizers):
         if _is_ds(acc._optimizer_models.get(id(o))):
             continue
-        osd = torch.load(os.path.join(input_dir, f"optimizer_{i}.bin"), map_location="cpu", weights_only=False)
+        osd = load_optimizer(os.path.join(input_dir, f"optimizer_{i}"))
         load_full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer, osd)
     for i, s in enumerate(acc._schedulers):
         s.load_state_dict(torch.load(os.path.join(input_dir, f"scheduler_{i}.bin"), weights_only=False))
