@@ -1,0 +1,98 @@
+"""Compressed storage of Adam's moments: pure encode/decode functions, no optimizer state.
+
+First moment ``m`` (signed, roughly the size of the gradient):
+    FP8 (E4M3 by default) with one power-of-two scale per ``block_size`` consecutive elements
+    of the flattened tensor, or one per tensor (``block_size=None``). Encoding goes through
+    ``lowprec.fp8.quantize``; nothing here re-implements the cast.
+
+Second moment ``v`` (non-negative, roughly the *square* of the gradient):
+    we store ``sqrt(v)`` in FP16 (or BF16/FP32) with one power-of-two scale per tensor.
+    Why the square root: ``v`` spans the square of the gradient's dynamic range. A tensor whose
+    gradients span 1e6 has ``v`` spanning 1e12, past FP16's ~1e12 total range (1e9 of it
+    normal), and a ``v`` that flushes to zero while ``m`` does not turns the update into
+    ``m / eps`` -- a blow-up. ``sqrt(v)`` spans only the gradient's range. The per-tensor scale
+    moves that range to the top of FP16, so tiny gradients (1e-8 and below) do not underflow.
+    Cost: the denominator of the update *is* ``sqrt(v)``, so storing it directly gives the
+    denominator FP16's 11-bit precision; the measurement is in docs/log/optim.md.
+
+Scales are powers of two, so rescaling is exact, and are recomputed from the current value on
+every step ("current scaling"): no history, nothing to go stale, no margin needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowprec.fp8.formats import is_fp8_dtype
+from lowprec.fp8.quantize import dequantize, quantize_blockwise, quantize_tensorwise, Float8Data
+
+__all__ = [
+    "EXP_AVG_DTYPES",
+    "EXP_AVG_SQ_DTYPES",
+    "encode_exp_avg",
+    "decode_exp_avg",
+    "encode_exp_avg_sq",
+    "decode_exp_avg_sq",
+    "state_bytes",
+]
+
+EXP_AVG_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16, torch.float32)
+EXP_AVG_SQ_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _pow2_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Largest power of two with ``amax * scale <= finfo(dtype).max`` (1 for float32)."""
+    if dtype == torch.float32:
+        return torch.ones((), dtype=torch.float32, device=amax.device)
+    top = torch.finfo(dtype).max
+    safe = torch.clamp(amax.to(torch.float64), min=1e-30)
+    # Non-finite amax: NaN/inf scale. The caller's values carry the NaN into the state, where
+    # the next step's update shows it; a NaN is never turned into a finite number.
+    # Capped at 2**100 so that BF16's huge max cannot push the scale past float32's range.
+    exponent = torch.clamp(torch.floor(torch.log2(top / safe)), max=100.0)
+    return torch.exp2(exponent).to(torch.float32)
+
+
+def encode_exp_avg(
+    m: torch.Tensor, dtype: torch.dtype, block_size: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``m`` -> (payload in ``m``'s shape, float32 scale).
+
+    Scale shape: ``()`` per tensor, ``(ceil(numel / block_size),)`` blockwise. FP16/BF16/FP32
+    payloads are stored unscaled (scale 1).
+    """
+    if not is_fp8_dtype(dtype):
+        return m.to(dtype), torch.ones((), dtype=torch.float32, device=m.device)
+    flat = m.reshape(1, -1)
+    if block_size is None or flat.shape[1] <= block_size:
+        q: Float8Data = quantize_tensorwise(flat, dtype, power_of_2=True)
+        return q.data.view(m.shape), q.scale.reshape(())
+    q = quantize_blockwise(flat, dtype, (1, block_size), power_of_2=True)
+    return q.data.view(m.shape), q.scale.reshape(-1)
+
+
+def decode_exp_avg(data: torch.Tensor, scale: torch.Tensor, block_size: int | None) -> torch.Tensor:
+    """Inverse of :func:`encode_exp_avg`, in float32."""
+    if scale.dim() == 0:
+        return data.to(torch.float32) / scale
+    flat = data.reshape(1, -1)
+    q = Float8Data(flat, scale.reshape(1, -1), "block", (1, block_size))
+    return dequantize(q).view(data.shape)
+
+
+def encode_exp_avg_sq(v: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``v`` (>= 0) -> (``sqrt(v) * scale`` in ``dtype``, float32 per-tensor scale)."""
+    root = v.sqrt()
+    scale = _pow2_scale(root.abs().amax() if root.numel() else torch.zeros(()), dtype)
+    return (root * scale).to(dtype), scale
+
+
+def decode_exp_avg_sq(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`encode_exp_avg_sq`: returns ``v`` in float32."""
+    root = data.to(torch.float32) / scale
+    return root * root
+
+
+def state_bytes(state: dict) -> int:
+    """Bytes held by one parameter's optimizer state (tensors only)."""
+    return sum(t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor))
