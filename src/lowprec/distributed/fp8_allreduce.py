@@ -27,9 +27,10 @@ inf after the MAX; the whole tensor comes back NaN on every rank. Never finite, 
 so a GradScaler or a NaN check sees it.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: DDP inspects the hook's annotations at runtime
+# and needs the real dist.GradBucket class there, not a string.
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -52,18 +53,20 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 class FP8AllReduceState:
     """State of the hook: which group and dtype, and what went over the wire from this rank.
 
-    ``bytes_sent`` counts FP8 payload and amax bytes sent by this rank. ``bf16_bytes`` and
+    ``bytes_sent`` counts what this rank sent: FP8 payload (``payload_bytes``, half of bf16)
+    plus the amax all-reduce (``amax_bytes``, 4 bytes per tensor per hop). ``bf16_bytes`` and
     ``fp32_bytes`` are what a ring all-reduce of the same buckets in bf16 / fp32 would send.
     """
 
     process_group: dist.ProcessGroup | None = None
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     bytes_sent: int = 0
+    payload_bytes: int = 0
+    amax_bytes: int = 0
     bf16_bytes: int = 0
     fp32_bytes: int = 0
     calls: int = 0
     numel: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.fp8_dtype not in _FP8:
@@ -73,13 +76,16 @@ class FP8AllReduceState:
             )
 
     def reset_counters(self) -> None:
-        self.bytes_sent = self.bf16_bytes = self.fp32_bytes = self.calls = self.numel = 0
+        self.bytes_sent = self.payload_bytes = self.amax_bytes = 0
+        self.bf16_bytes = self.fp32_bytes = self.calls = self.numel = 0
 
     def counters(self) -> dict:
         return {
             "calls": self.calls,
             "numel": self.numel,
             "fp8_bytes": self.bytes_sent,
+            "fp8_payload_bytes": self.payload_bytes,
+            "amax_bytes": self.amax_bytes,
             "bf16_bytes": self.bf16_bytes,
             "fp32_bytes": self.fp32_bytes,
         }
@@ -141,7 +147,11 @@ def fp8_all_reduce_(
 
     state.calls += 1
     state.numel += n
-    state.bytes_sent += 2 * (world - 1) * shard + ring_allreduce_bytes(len(numels), 4, world)
+    payload = 2 * (world - 1) * shard  # all-to-all + all-gather, (W-1) shards each
+    amax_bytes = ring_allreduce_bytes(len(numels), 4, world)
+    state.payload_bytes += payload
+    state.amax_bytes += amax_bytes
+    state.bytes_sent += payload + amax_bytes
     state.bf16_bytes += ring_allreduce_bytes(n, 2, world)
     state.fp32_bytes += ring_allreduce_bytes(n, 4, world)
     return flat
