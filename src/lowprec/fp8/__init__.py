@@ -1,17 +1,59 @@
-"""lowprec.fp8: the FP8 engine (torch only)."""
+"""lowprec.fp8: the FP8 engine. Needs nothing but torch.
 
+    import lowprec.fp8 as fp8
+    report = fp8.convert(model, recipe=fp8.Recipe.from_name("delayed"))
+    print(report)
+    with fp8.autocast():
+        loss = model(x).loss
+    loss.backward()
+"""
+
+from lowprec.fp8.autocast import autocast, fp8_enabled
+from lowprec.fp8.convert import (
+    DEFAULT_SKIP_PATTERNS,
+    ConversionReport,
+    convert,
+    default_module_filter,
+    has_fp8_layers,
+    plain_state_dict,
+    unconvert,
+)
 from lowprec.fp8.formats import E4M3, E5M2, Format, fp8_max
+from lowprec.fp8.gemm import native_scaled_mm_available, scaled_mm
+from lowprec.fp8.linear import Float8Linear, delayed_scale_step
 from lowprec.fp8.quantize import Float8Data, dequantize, quantize, saturated_cast
+from lowprec.fp8.recipes import RECIPE_NAMES, Recipe
 from lowprec.fp8.scaling import amax_to_scale
+from lowprec.fp8.telemetry import disable as disable_telemetry
+from lowprec.fp8.telemetry import enable as enable_telemetry
+from lowprec.fp8.telemetry import telemetry
 
 __all__ = [
     "E4M3",
     "E5M2",
     "Format",
     "fp8_max",
+    "Recipe",
+    "RECIPE_NAMES",
     "Float8Data",
     "quantize",
     "dequantize",
     "saturated_cast",
     "amax_to_scale",
+    "scaled_mm",
+    "native_scaled_mm_available",
+    "Float8Linear",
+    "delayed_scale_step",
+    "convert",
+    "unconvert",
+    "has_fp8_layers",
+    "plain_state_dict",
+    "default_module_filter",
+    "DEFAULT_SKIP_PATTERNS",
+    "ConversionReport",
+    "autocast",
+    "fp8_enabled",
+    "telemetry",
+    "enable_telemetry",
+    "disable_telemetry",
 ]

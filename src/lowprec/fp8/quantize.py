@@ -156,8 +156,12 @@ def quantize(
 
 
 def dequantize(q: Float8Data, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``data / scale`` in ``dtype`` (float32 arithmetic)."""
-    scale = q.scale
+    """``data * (1 / scale)`` in ``dtype`` (float32 arithmetic).
+
+    Multiplying by the reciprocal, not dividing, is what ``torch._scaled_mm`` does with its
+    dequantization scales; doing the same here is what makes emulation bit-exact on CPU.
+    """
+    inv = q.scale.reciprocal()
     if q.granularity == "block":
-        scale = _expand_blocks(scale, q.block, q.data.shape)
-    return (q.data.to(torch.float32) / scale).to(dtype)
+        inv = _expand_blocks(inv, q.block, q.data.shape)
+    return (q.data.to(torch.float32) * inv).to(dtype)

@@ -1,0 +1,77 @@
+"""``fp8.autocast``: the one switch between FP8 and high precision.
+
+Float8Linear runs its GEMMs in FP8 only inside an enabled ``autocast()`` region, and only in
+training mode unless the recipe says ``use_during_eval`` (TransformerEngine's behaviour:
+evaluation metrics are usually better in high precision). Outside, the same module is a plain
+``nn.Linear`` (which ``torch.autocast`` still runs in bf16 if active).
+
+Regions nest: the innermost decides. ``autocast(enabled=False)`` inside an FP8 region turns
+FP8 off for its body; ``autocast(recipe=...)`` overrides every layer's recipe for its body
+(per-tensor recipes only, since layers own their scaling state). An ``autocast`` object can be
+entered again, and re-entered recursively; each exit restores the state its enter saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowprec.fp8.recipes import Recipe
+
+__all__ = ["autocast", "fp8_enabled", "current_recipe_override"]
+
+
+@dataclass
+class _State:
+    enabled: bool = False
+    recipe: Recipe | None = None
+
+
+# One module-level object: torch.compile guards on its attributes, so entering or leaving a
+# region re-specialises a compiled model instead of breaking its graph.
+_STATE = _State()
+
+
+def fp8_enabled() -> bool:
+    """True inside an enabled ``autocast()`` region."""
+    return _STATE.enabled
+
+
+def current_recipe_override() -> Recipe | None:
+    return _STATE.recipe
+
+
+class autocast:  # noqa: N801 - a context manager named like torch.autocast
+    """Context manager: ``with fp8.autocast(): loss = model(x)``.
+
+    Args:
+        enabled: FP8 on (True) or off (False) for the body.
+        recipe: optional recipe that overrides each layer's own for the body.
+    """
+
+    def __init__(self, enabled: bool = True, recipe: Recipe | None = None) -> None:
+        if recipe is not None and not isinstance(recipe, Recipe):
+            raise TypeError(f"recipe must be a lowprec.fp8.Recipe, got {type(recipe).__name__}")
+        self.enabled = bool(enabled)
+        self.recipe = recipe
+        self._saved: list[tuple[bool, Recipe | None]] = []
+
+    def __enter__(self) -> "autocast":
+        self._saved.append((_STATE.enabled, _STATE.recipe))
+        _STATE.enabled = self.enabled
+        if self.recipe is not None:
+            _STATE.recipe = self.recipe
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _STATE.enabled, _STATE.recipe = self._saved.pop()
+
+    def __call__(self, fn):
+        """Use as a decorator: the function body runs inside this region."""
+        import functools
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with autocast(self.enabled, self.recipe):
+                return fn(*args, **kwargs)
+
+        return wrapper

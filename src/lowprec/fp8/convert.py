@@ -1,0 +1,202 @@
+"""Model conversion: swap ``nn.Linear`` for ``Float8Linear`` in place, and back.
+
+The default filter keeps in high precision, each with its reason in the report:
+
+* the first and the last Linear of the model (in module order), for stability (as Accelerate's
+  ``AORecipeKwargs`` and TransformerEngine users do: the embedding-side projection and the
+  output head are the most sensitive);
+* Linear layers whose ``in_features`` or ``out_features`` is not a multiple of 16 (FP8 GEMM
+  kernels need it; padding would cost more than FP8 saves);
+* layers whose name has a component equal to one of ``skip_patterns`` (default ``lm_head``,
+  ``router``, ``gate``: output heads and MoE routers). Components are matched exactly, so a
+  SwiGLU ``gate_proj`` is converted; a pattern with ``*`` or ``?`` is a glob on the full name.
+
+A custom ``module_filter(module, fqn) -> bool`` replaces the default rules. A skipped layer
+never stops its siblings from converting (Accelerate's ``convert_model`` returns early).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from lowprec.fp8.gemm import native_scaled_mm_available
+from lowprec.fp8.linear import Float8Linear, _STATE_BUFFERS
+from lowprec.fp8.recipes import Recipe
+
+__all__ = [
+    "ConversionReport",
+    "DEFAULT_SKIP_PATTERNS",
+    "convert",
+    "unconvert",
+    "has_fp8_layers",
+    "plain_state_dict",
+    "default_module_filter",
+]
+
+DEFAULT_SKIP_PATTERNS = ("lm_head", "router", "gate")
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+@dataclass
+class ConversionReport:
+    """What ``convert`` did: converted layers, skipped layers with reasons, GEMM path."""
+
+    recipe: Recipe
+    converted: list[tuple[str, int, int]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    gemm: str = ""
+
+    @property
+    def num_converted(self) -> int:
+        return len(self.converted)
+
+    def to_dict(self) -> dict:
+        return {
+            "recipe": self.recipe.to_dict(),
+            "converted": [{"name": n, "in_features": i, "out_features": o} for n, i, o in self.converted],
+            "skipped": [{"name": n, "reason": r} for n, r in self.skipped],
+            "gemm": self.gemm,
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"FP8 conversion: recipe {self.recipe.name} ({self.recipe.describe()})",
+            f"  GEMMs: {self.gemm}",
+            f"  {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high precision",
+        ]
+        for name, i, o in self.converted:
+            lines.append(f"    fp8   {name}  ({i} -> {o})")
+        for name, reason in self.skipped:
+            lines.append(f"    skip  {name}  ({reason})")
+        return "\n".join(lines)
+
+
+def _matches(fqn: str, patterns: Iterable[str]) -> str | None:
+    parts = fqn.split(".")
+    for p in patterns:
+        if any(ch in p for ch in "*?[") and fnmatch.fnmatchcase(fqn, p):
+            return p
+        if p in parts:
+            return p
+    return None
+
+
+def default_module_filter(
+    model: nn.Module,
+    *,
+    skip_first_last: bool = True,
+    skip_patterns: Iterable[str] = DEFAULT_SKIP_PATTERNS,
+) -> Callable[[nn.Module, str], str | None]:
+    """Build the default rule: returns ``None`` to convert, or the reason to skip."""
+    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    edges = {linears[0], linears[-1]} if (skip_first_last and linears) else set()
+    patterns = tuple(skip_patterns)
+
+    def rule(module: nn.Module, fqn: str) -> str | None:
+        if fqn in edges:
+            return "first Linear" if fqn == linears[0] else "last Linear"
+        if module.in_features % 16 or module.out_features % 16:
+            return f"dims {module.in_features}x{module.out_features} not multiples of 16"
+        hit = _matches(fqn, patterns)
+        if hit is not None:
+            return f"name matches {hit!r}"
+        return None
+
+    return rule
+
+
+def _gemm_note(recipe: Recipe, device: torch.device) -> str:
+    if recipe.gemm == "emulate":
+        return "emulated (dequantize + float32 matmul), as asked"
+    if recipe.scaling == "blockwise":
+        return "emulated: torch has no portable 1x128/128x128-scaled GEMM kernel"
+    gran = "axis" if recipe.scaling == "rowwise" else "tensor"
+    if native_scaled_mm_available(device, gran):
+        return f"torch._scaled_mm on {device.type}"
+    return f"emulated: torch._scaled_mm cannot run {recipe.scaling} scales on {device}"
+
+
+def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, child = fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def convert(
+    model: nn.Module,
+    recipe: Recipe | str | None = None,
+    module_filter: ModuleFilter | None = None,
+    *,
+    skip_first_last: bool = True,
+    skip_patterns: Iterable[str] = DEFAULT_SKIP_PATTERNS,
+) -> ConversionReport:
+    """Swap eligible ``nn.Linear`` layers of ``model`` for ``Float8Linear``, in place.
+
+    Args:
+        recipe: a :class:`Recipe` or a recipe name (default ``tensorwise``).
+        module_filter: ``fn(module, fqn) -> bool``; True converts. Replaces the default rules.
+        skip_first_last, skip_patterns: knobs of the default rules (see module docstring).
+    """
+    if isinstance(recipe, str) or recipe is None:
+        recipe = Recipe.from_name(recipe or "tensorwise")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert() needs an nn.Module, got {type(model).__name__}")
+    report = ConversionReport(recipe)
+    rule = default_module_filter(model, skip_first_last=skip_first_last, skip_patterns=skip_patterns)
+    device = None
+    for fqn, module in list(model.named_modules()):
+        if isinstance(module, Float8Linear):
+            report.skipped.append((fqn, "already Float8Linear"))
+            continue
+        if not isinstance(module, nn.Linear):
+            continue
+        if type(module) is not nn.Linear:
+            report.skipped.append((fqn, f"{type(module).__name__} is a Linear subclass with its own forward"))
+            continue
+        if module_filter is not None:
+            reason = None if module_filter(module, fqn) else "module_filter returned False"
+        else:
+            reason = rule(module, fqn)
+        if reason is not None:
+            report.skipped.append((fqn, reason))
+            continue
+        new = Float8Linear.from_linear(module, recipe)
+        if fqn == "":
+            raise ValueError("convert() got a bare nn.Linear; wrap it in a module or use Float8Linear.from_linear")
+        _set_submodule(model, fqn, new)
+        report.converted.append((fqn, module.in_features, module.out_features))
+        device = device or module.weight.device
+    report.gemm = _gemm_note(recipe, device or torch.device("cpu"))
+    return report
+
+
+def unconvert(model: nn.Module) -> int:
+    """Swap every ``Float8Linear`` back to ``nn.Linear`` (same Parameter objects); returns
+    how many layers were swapped. The FP8 scaling state is dropped."""
+    count = 0
+    for fqn, module in list(model.named_modules()):
+        if isinstance(module, Float8Linear):
+            _set_submodule(model, fqn, module.to_linear())
+            count += 1
+    return count
+
+
+def has_fp8_layers(model: nn.Module) -> bool:
+    """True if any submodule is a ``Float8Linear``."""
+    return any(isinstance(m, Float8Linear) for m in model.modules())
+
+
+def plain_state_dict(state_dict_or_model) -> dict[str, torch.Tensor]:
+    """A state dict without FP8 scaling state, loadable by the unconverted model.
+
+    Accepts a model or a state dict. The reverse direction needs no helper: a converted model
+    loads a plain state dict as is (its layers keep fresh scaling state).
+    """
+    sd = state_dict_or_model.state_dict() if isinstance(state_dict_or_model, nn.Module) else state_dict_or_model
+    names = set(_STATE_BUFFERS)
+    return {k: v for k, v in sd.items() if k.rpartition(".")[2] not in names}

@@ -1,0 +1,51 @@
+"""FP8 telemetry: per-layer amax, scale, and saturation / underflow fractions.
+
+``enable(model)`` turns the extra statistics on (two more elementwise passes per cast, so it is
+off by default); ``telemetry(model)`` reads the last step's values of every Float8Linear as a
+plain dict (one host synchronisation, at read time only):
+
+    {"layers.0.mlp.up_proj": {"input": {"amax": .., "scale": .., "saturated": .., "underflow": ..},
+                              "weight": {...}, "grad_output": {...}}, ...}
+
+``saturated`` is the fraction of values whose scaled magnitude exceeded the format's max (they
+were clamped); ``underflow`` the fraction of non-zero values that became 0. For rowwise and
+blockwise casts ``scale`` is the smallest scale of the tensor. An operand whose GEMM ran in
+high precision, or that has not run yet, reports zeros.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lowprec.fp8.linear import OPERANDS, Float8Linear
+
+__all__ = ["enable", "disable", "telemetry"]
+
+_FIELDS = ("amax", "scale", "saturated", "underflow")
+
+
+def _set(model: nn.Module, on: bool) -> int:
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Float8Linear):
+            m.fp8_telemetry = on
+            n += 1
+    return n
+
+
+def enable(model: nn.Module) -> int:
+    """Turn statistics on for every Float8Linear; returns how many layers."""
+    return _set(model, True)
+
+
+def disable(model: nn.Module) -> int:
+    return _set(model, False)
+
+
+def telemetry(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Float8Linear):
+            rows = m.fp8_stats.detach().cpu().tolist()
+            out[name] = {op: dict(zip(_FIELDS, row)) for op, row in zip(OPERANDS, rows)}
+    return out
