@@ -122,7 +122,8 @@ def fp8_all_reduce_(
     bad = torch.isinf(amaxes)
     scales = amax_to_scale(amaxes, dtype, power_of_2=True)  # S per tensor (0 where inf)
     counts = torch.tensor(numels, device=x.device)
-    per_elem = torch.repeat_interleave(scales, counts)
+    # output_size: no device-to-host sync to size the result on CUDA
+    per_elem = torch.repeat_interleave(scales, counts, output_size=n)
 
     # 2. pre-divided cast; zero padding to a multiple of W (zeros stay zeros)
     pad = (-n) % world
@@ -142,7 +143,8 @@ def fp8_all_reduce_(
     gathered = torch.empty_like(q)
     dist.all_gather_into_tensor(gathered, mine, group=group)
     mean = gathered.view(dtype)[:n].to(torch.float32) / per_elem
-    mean = torch.where(torch.repeat_interleave(bad, counts), torch.full_like(mean, float("nan")), mean)
+    bad_elem = torch.repeat_interleave(bad, counts, output_size=n)
+    mean = torch.where(bad_elem, torch.full_like(mean, float("nan")), mean)
     flat.copy_(mean.view(flat.shape))
 
     state.calls += 1
