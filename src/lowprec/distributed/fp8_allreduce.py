@@ -91,6 +91,10 @@ class FP8AllReduceState:
         }
 
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def ring_allreduce_bytes(numel: int, element_size: int, world: int) -> int:
     """Bytes one rank sends in a ring all-reduce: reduce-scatter + all-gather."""
     return 2 * (world - 1) * numel * element_size // world
@@ -141,7 +145,7 @@ def fp8_all_reduce_(
 
     # 5. all-gather the FP8 sums and dequantize to the mean
     gathered = torch.empty_like(q)
-    dist.all_gather_into_tensor(gathered, mine, group=group)
+    _all_gather_single(gathered, mine, group=group)
     mean = gathered.view(dtype)[:n].to(torch.float32) / per_elem
     bad_elem = torch.repeat_interleave(bad, counts, output_size=n)
     mean = torch.where(bad_elem, torch.full_like(mean, float("nan")), mean)
