@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from lowprec.fp8.quantize import quantize_tensorwise
 from lowprec.optim import FP8AdamW, apply_opt_level, clip_grad_norm_, fp8_grad, materialize_grads
 
 
@@ -52,6 +53,21 @@ def test_o1_with_any_optimizer_steps_on_the_dequantized_gradient():
     for p, b, g in zip(model.parameters(), before, held):
         torch.testing.assert_close(p.detach(), b - 0.5 * g)
         assert fp8_grad(p) is None  # consumed by the step
+
+
+def test_o1_round_trip_mode_keeps_grad_visible():
+    model = _model()
+    x = torch.randn(32, 16)
+    ref = _fp32_grads(model, [x])
+    model, opt = apply_opt_level(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1",
+                                 hold_grads=False)
+    model(x).pow(2).mean().backward()
+    for p, r in zip(model.parameters(), ref):
+        assert fp8_grad(p) is None and p.grad.dtype == torch.float32
+        assert 0 < _rel(p.grad, r) < 2**-4  # rounded through E4M3, not untouched
+        # values already lie on the FP8 grid: a second round trip changes nothing
+        again = quantize_tensorwise(p.grad, torch.float8_e4m3fn).dequantize()
+        torch.testing.assert_close(again, p.grad, rtol=1e-6, atol=0)
 
 
 def test_clip_grad_norm_on_fp8_gradients():

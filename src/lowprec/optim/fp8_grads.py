@@ -19,6 +19,10 @@ Who reads the FP8 gradients:
 
 Not for DDP: DDP owns its gradient buckets, so under DDP the FP8 part of O1 is the FP8
 all-reduce hook (``lowprec.distributed``) instead.
+
+``hold=False`` rounds ``.grad`` through FP8 in place instead (same numerics, no memory saved):
+for code that must see ``.grad`` between backward and step, such as ``GradScaler.unscale_``
+or a plain ``torch.nn.utils.clip_grad_norm_``, which would otherwise see no gradients.
 """
 
 from __future__ import annotations
@@ -49,10 +53,13 @@ def fp8_grad(p: torch.Tensor) -> Float8Data | None:
     return getattr(p, FP8_GRAD_ATTR, None)
 
 
-def _make_hook(dtype: torch.dtype):
+def _make_hook(dtype: torch.dtype, hold: bool):
     def hook(p: torch.Tensor) -> None:
         g = p.grad
         if g is None:
+            return
+        if not hold:
+            g.copy_(dequantize(quantize_tensorwise(g, dtype), g.dtype))
             return
         held = fp8_grad(p)
         if held is not None:  # accumulation over micro-batches
@@ -79,15 +86,18 @@ class FP8GradHandles:
 
 
 def hold_grads_in_fp8(
-    params: Iterable[torch.nn.Parameter], dtype: torch.dtype = torch.float8_e4m3fn
+    params: Iterable[torch.nn.Parameter],
+    dtype: torch.dtype = torch.float8_e4m3fn,
+    hold: bool = True,
 ) -> FP8GradHandles:
-    """Register the FP8 gradient hooks on every parameter that requires grad."""
+    """Register the FP8 gradient hooks on every parameter that requires grad (``hold=False``:
+    round ``.grad`` through FP8 in place instead of holding it)."""
     if dtype not in GRAD_DTYPES:
         raise ValueError(
             f"grad dtype {dtype} is not an FP8 dtype; use torch.float8_e4m3fn or torch.float8_e5m2"
         )
     params = [p for p in params if p.requires_grad]
-    handles = [p.register_post_accumulate_grad_hook(_make_hook(dtype)) for p in params]
+    handles = [p.register_post_accumulate_grad_hook(_make_hook(dtype, hold)) for p in params]
     return FP8GradHandles(params, handles, dtype)
 
 

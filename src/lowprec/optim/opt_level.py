@@ -82,12 +82,15 @@ def apply_opt_level(
     opt_level: str,
     *,
     grad_dtype: torch.dtype = torch.float8_e4m3fn,
+    hold_grads: bool = True,
     **fp8_adamw_kwargs,
 ):
     """Apply ``"O1"`` or ``"O2"`` (see module docstring); returns ``(model, optimizer)``.
 
     ``grad_dtype`` is the FP8 dtype of held gradients / the all-reduce (E4M3: measured 2x
-    lower error than E5M2 with per-tensor scales, see docs/log/optim.md). Extra keyword
+    lower error than E5M2 with per-tensor scales, see docs/log/optim.md). ``hold_grads=False``
+    rounds ``.grad`` through FP8 in place instead of holding it (no memory saved; for a
+    GradScaler or a plain ``clip_grad_norm_`` that must see ``.grad``). Extra keyword
     arguments go to :class:`FP8AdamW` (O2 only).
     """
     level = str(opt_level).upper()
@@ -110,7 +113,7 @@ def apply_opt_level(
         return model, optimizer
 
     if getattr(model, "lowprec_fp8_grads", None) is None:
-        model.lowprec_fp8_grads = hold_grads_in_fp8(model.parameters(), grad_dtype)
+        model.lowprec_fp8_grads = hold_grads_in_fp8(model.parameters(), grad_dtype, hold_grads)
     if not isinstance(optimizer, FP8AdamW):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: materialize_grads(params))
