@@ -186,3 +186,26 @@ def test_stochastic_rounding_removes_the_drift_of_the_second_moment():
 def test_bad_arguments_name_the_argument(kwargs, word):
     with pytest.raises(ValueError, match=word):
         FP8AdamW([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+@pytest.mark.gpu
+def test_update_sqnr_on_cuda_with_bf16_params():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w0 = torch.randn(512, 1024, device="cuda", generator=gen)
+    w = torch.nn.Parameter(w0.to(torch.bfloat16))
+    w_ref = torch.nn.Parameter(w0.clone())
+    opt, ref = FP8AdamW([w], lr=1e-3), torch.optim.AdamW([w_ref], lr=1e-3)
+    out = []
+    for _ in range(20):
+        grad = torch.randn(512, 1024, device="cuda", generator=gen)
+        w.grad, w_ref.grad = grad.to(torch.bfloat16), grad.to(torch.bfloat16).float()
+        master = opt.state[w]["master_param"].clone() if opt.state[w] else w.detach().float()
+        with torch.no_grad():
+            w_ref.copy_(master)
+        opt.step()
+        ref.step()
+        out.append(sqnr_db(w_ref.detach() - master, opt.state[w]["master_param"] - master))
+    assert opt.state[w]["exp_avg"].is_cuda and opt.state[w]["exp_avg_sq"].dtype == torch.float16
+    assert sum(out[-5:]) / 5 > 20.0

@@ -190,7 +190,7 @@ class FP8AdamW(Optimizer):
                 state["exp_avg_sq"], state["exp_avg_sq_scale"] = encode_exp_avg_sq(
                     v, self.exp_avg_sq_dtype, self._noise(p, int(t), index)
                 )
-            clear_fp8_grads(group["params"])  # consumed, as a step consumes nothing else
+            clear_fp8_grads(group["params"])  # held FP8 gradients are used up by the step
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
