@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 
 from lowprec.distributed import FP8AllReduceState, fp8_all_reduce_, register_fp8_allreduce
+from lowprec.optim import apply_opt_level
 
 WORLD = 2
 NUMELS = [1000, 37, 513, 1]
@@ -86,6 +87,24 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     res["ddp_ref"] = [_mean_fp32(p.grad) for p in plain.parameters()]
     res["ddp_counters"] = state.counters()
     res["ddp_numel"] = sum(p.numel() for p in model.parameters())
+
+    # 5. apply_opt_level on a DDP model: O2 = FP8 all-reduce hook + FP8AdamW; replicas (their
+    #    weights and their stochastically rounded state) stay bit-identical over steps
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(12, 48), nn.Tanh(), nn.Linear(48, 3))
+    ddp2 = nn.parallel.DistributedDataParallel(net)
+    ddp2, opt = apply_opt_level(ddp2, torch.optim.AdamW(ddp2.parameters(), lr=1e-2), "O2")
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = ddp2(data).pow(2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    res["o2_losses"] = losses
+    res["o2_params"] = [p.detach().clone() for p in net.parameters()]
+    res["o2_state"] = [opt.state[p]["exp_avg_sq"].clone() for p in net.parameters()]
+    res["o2_hook_calls"] = ddp2.lowprec_fp8_allreduce.calls
     torch.save(res, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -151,6 +170,16 @@ def test_ddp_hook_matches_fp32_gradients(results):
             assert ((g - ref).norm() / ref.norm()).item() < 0.06
         for g0, g1 in zip(results[0]["ddp_grads"], results[1]["ddp_grads"]):
             assert torch.equal(g0, g1)  # replicas stay identical
+
+
+def test_o2_on_ddp_keeps_replicas_identical(results):
+    r0, r1 = results
+    assert r0["o2_hook_calls"] >= 3  # the FP8 all-reduce ran every step
+    assert r0["o2_losses"][-1] < r0["o2_losses"][0]
+    for a, b in zip(r0["o2_params"], r1["o2_params"]):
+        assert torch.equal(a, b)
+    for a, b in zip(r0["o2_state"], r1["o2_state"]):
+        assert torch.equal(a, b)
 
 
 def test_bytes_on_the_wire_are_half_of_bf16(results):
