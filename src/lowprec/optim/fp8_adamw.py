@@ -47,6 +47,7 @@ from lowprec.optim.moments import (
 __all__ = ["FP8AdamW", "FP8Adam"]
 
 DEFAULT_BLOCK_SIZE = 128
+ROUNDINGS = ("nearest", "stochastic")
 
 
 class FP8AdamW(Optimizer):
@@ -62,11 +63,14 @@ class FP8AdamW(Optimizer):
             bfloat16 or float32, with a per-tensor power-of-2 scale.
         block_size: elements per scale of the FP8 first moment; None for one scale per tensor.
         master_weights: keep fp32 master copies of non-fp32 parameters (bf16/fp16 models).
-        stochastic_rounding: round the second moment stochastically (default). Round-to-nearest
-            lets FP16 ``sqrt(v)`` drift low by ~6% over a few thousand steps (see moments.py).
+        exp_avg_rounding: ``"nearest"`` (default) or ``"stochastic"`` for the FP8 first
+            moment. Stochastic removes the stall of nearly constant gradients (14 -> 28 dB)
+            but costs ~3 dB with noisy gradients (docs/log/optim.md).
+        exp_avg_sq_rounding: ``"stochastic"`` (default) or ``"nearest"`` for ``sqrt(v)``.
+            Round-to-nearest lets FP16 ``sqrt(v)`` drift low by ~6% over a few thousand steps.
         seed: seed of the rounding noise. The noise of parameter ``i`` at step ``t`` comes
-            from a generator seeded with ``(seed, t, i)``: runs, resumed runs and data-parallel
-            replicas round identically, and no RNG state needs checkpointing.
+            from a generator seeded with ``(seed, t, i, moment)``: runs, resumed runs and
+            data-parallel replicas round identically, and no RNG state needs checkpointing.
     """
 
     def __init__(
@@ -82,7 +86,8 @@ class FP8AdamW(Optimizer):
         exp_avg_sq_dtype: torch.dtype = torch.float16,
         block_size: int | None = DEFAULT_BLOCK_SIZE,
         master_weights: bool = True,
-        stochastic_rounding: bool = True,
+        exp_avg_rounding: str = "nearest",
+        exp_avg_sq_rounding: str = "stochastic",
         seed: int = 0,
     ):
         if not 0.0 <= lr:
@@ -110,7 +115,12 @@ class FP8AdamW(Optimizer):
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
         self.block_size = block_size
         self.master_weights = master_weights
-        self.stochastic_rounding = stochastic_rounding
+        for name, value in (("exp_avg_rounding", exp_avg_rounding),
+                            ("exp_avg_sq_rounding", exp_avg_sq_rounding)):
+            if value not in ROUNDINGS:
+                raise ValueError(f"{name}={value!r}; use one of {ROUNDINGS}")
+        self.exp_avg_rounding = exp_avg_rounding
+        self.exp_avg_sq_rounding = exp_avg_sq_rounding
         self.seed = int(seed)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw=adamw)
         super().__init__(params, defaults)
@@ -140,10 +150,14 @@ class FP8AdamW(Optimizer):
         held = fp8_grad(p)
         return None if held is None else dequantize(held)
 
-    def _noise(self, p: torch.Tensor, step: int, index: int) -> torch.Tensor | None:
-        if not self.stochastic_rounding or self.exp_avg_sq_dtype == torch.float32:
+    def _noise(
+        self, p: torch.Tensor, step: int, index: int, moment: int, rounding: str, dtype
+    ) -> torch.Tensor | None:
+        if rounding != "stochastic" or dtype == torch.float32:
             return None
-        mixed = (self.seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + index) % (1 << 63)
+        mixed = (
+            self.seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + index * 2 + moment
+        ) % (1 << 63)
         gen = torch.Generator(device=p.device)
         gen.manual_seed(mixed)
         return torch.rand(p.shape, generator=gen, device=p.device, dtype=torch.float32)
@@ -184,11 +198,14 @@ class FP8AdamW(Optimizer):
                 if master is not p:
                     p.copy_(master)
 
+                step = int(t)
                 state["exp_avg"], state["exp_avg_scale"] = encode_exp_avg(
-                    m, self.exp_avg_dtype, self.block_size
+                    m, self.exp_avg_dtype, self.block_size,
+                    self._noise(p, step, index, 0, self.exp_avg_rounding, self.exp_avg_dtype),
                 )
                 state["exp_avg_sq"], state["exp_avg_sq_scale"] = encode_exp_avg_sq(
-                    v, self.exp_avg_sq_dtype, self._noise(p, int(t), index)
+                    v, self.exp_avg_sq_dtype,
+                    self._noise(p, step, index, 1, self.exp_avg_sq_rounding, self.exp_avg_sq_dtype),
                 )
             clear_fp8_grads(group["params"])  # held FP8 gradients are used up by the step
         return loss
