@@ -63,7 +63,8 @@ def state_bytes_per_param(model_name: str, device: torch.device, seq: int) -> di
         "fp8adamw_per_tensor_scale": (torch.float32, lambda ps: FP8AdamW(ps, block_size=None)),
     }
     torch.manual_seed(0)
-    base = build_model(model_name).to(device)
+    with device:  # parameters created on the device directly (llama-1b is 5 GB in fp32)
+        base = build_model(model_name)
     for name, (dtype, make) in cases.items():
         model = copy.deepcopy(base).to(dtype=dtype)
         opt = make(model.parameters())
@@ -115,7 +116,8 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, steps: int,
 
     def train():
         torch.manual_seed(0)
-        model = build_model(model_name).to(device)
+        with device:
+            model = build_model(model_name)
         use_fp8 = variant.startswith("fp8")
         if use_fp8:
             recipe = fp8.Recipe.from_name("tensorwise", save_fp8_activations=True)
