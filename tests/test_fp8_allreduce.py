@@ -105,6 +105,19 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     res["o2_params"] = [p.detach().clone() for p in net.parameters()]
     res["o2_state"] = [opt.state[p]["exp_avg_sq"].clone() for p in net.parameters()]
     res["o2_hook_calls"] = ddp2.lowprec_fp8_allreduce.calls
+
+    # 6. the wrong order (apply_opt_level, then DDP) must fail loudly, not add the local held
+    #    gradient to DDP's reduced one
+    torch.manual_seed(0)
+    net3 = nn.Sequential(nn.Linear(12, 48), nn.Tanh(), nn.Linear(48, 3))
+    net3, opt3 = apply_opt_level(net3, torch.optim.AdamW(net3.parameters()), "O2")
+    ddp3 = nn.parallel.DistributedDataParallel(net3)
+    ddp3(data).sum().backward()
+    try:
+        opt3.step()
+        res["wrong_order_error"] = ""
+    except ValueError as e:
+        res["wrong_order_error"] = str(e)
     torch.save(res, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -180,6 +193,12 @@ def test_o2_on_ddp_keeps_replicas_identical(results):
         assert torch.equal(a, b)
     for a, b in zip(r0["o2_state"], r1["o2_state"]):
         assert torch.equal(a, b)
+
+
+def test_ddp_wrapped_after_apply_opt_level_is_a_clear_error(results):
+    for r in range(WORLD):
+        msg = results[r]["wrong_order_error"]
+        assert "DistributedDataParallel" in msg and "apply_opt_level" in msg
 
 
 def test_bytes_on_the_wire_are_half_of_bf16(results):

@@ -34,7 +34,7 @@ import torch
 from torch.optim import Optimizer
 
 from lowprec.fp8.quantize import dequantize
-from lowprec.optim.fp8_grads import clear_fp8_grads, fp8_grad
+from lowprec.optim.fp8_grads import clear_fp8_grads, held_grad
 from lowprec.optim.moments import (
     EXP_AVG_DTYPES,
     EXP_AVG_SQ_DTYPES,
@@ -141,14 +141,14 @@ class FP8AdamW(Optimizer):
         return state
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
-        if p.grad is not None:
-            if p.grad.is_sparse:
-                raise TypeError("FP8AdamW does not support sparse gradients; use dense embeddings")
-            g = p.grad.to(torch.float32)
-            held = fp8_grad(p)
-            return g if held is None else g + dequantize(held)
-        held = fp8_grad(p)
-        return None if held is None else dequantize(held)
+        held = held_grad(p)  # raises if .grad is set too (DDP wrapped after apply_opt_level)
+        if held is not None:
+            return dequantize(held)
+        if p.grad is None:
+            return None
+        if p.grad.is_sparse:
+            raise TypeError("FP8AdamW does not support sparse gradients; use dense embeddings")
+        return p.grad.to(torch.float32)
 
     def _noise(
         self, p: torch.Tensor, step: int, index: int, moment: int, rounding: str, dtype

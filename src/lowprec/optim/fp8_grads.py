@@ -39,6 +39,7 @@ __all__ = [
     "FP8GradHandles",
     "hold_grads_in_fp8",
     "fp8_grad",
+    "held_grad",
     "materialize_grads",
     "clear_fp8_grads",
     "clip_grad_norm_",
@@ -51,6 +52,25 @@ GRAD_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 def fp8_grad(p: torch.Tensor) -> Float8Data | None:
     """The FP8 gradient held for ``p`` (None when there is none)."""
     return getattr(p, FP8_GRAD_ATTR, None)
+
+
+def held_grad(p: torch.Tensor) -> Float8Data | None:
+    """The held FP8 gradient of ``p``, checking that ``.grad`` was not set behind our back.
+
+    Both at once means something wrote ``.grad`` after our hook ran. In practice that is
+    DistributedDataParallel applied *after* ``apply_opt_level``: DDP writes the all-reduced
+    gradient into ``.grad`` while we hold the local, un-reduced one. Adding the two would be
+    silently wrong, so this is an error.
+    """
+    held = fp8_grad(p)
+    if held is not None and p.grad is not None:
+        raise ValueError(
+            "a parameter has both .grad and an FP8 gradient held by apply_opt_level: the model "
+            "was most likely wrapped in DistributedDataParallel after apply_opt_level (or "
+            "apply_opt_level was given ddp.module). Call apply_opt_level on the DDP-wrapped "
+            "model, which then uses the FP8 all-reduce hook instead of holding gradients"
+        )
+    return held
 
 
 def _make_hook(dtype: torch.dtype, hold: bool):
@@ -104,11 +124,10 @@ def hold_grads_in_fp8(
 def materialize_grads(params: Iterable[torch.Tensor]) -> None:
     """Move held FP8 gradients back into ``.grad`` (in the parameter's dtype)."""
     for p in params:
-        held = fp8_grad(p)
+        held = held_grad(p)
         if held is None:
             continue
-        g = dequantize(held, p.dtype)
-        p.grad = g if p.grad is None else p.grad + g
+        p.grad = dequantize(held, p.dtype)
         setattr(p, FP8_GRAD_ATTR, None)
 
 
@@ -129,9 +148,9 @@ def clip_grad_norm_(
     params = [p for p in params]
     norms = []
     for p in params:
+        held = held_grad(p)
         if p.grad is not None:
             norms.append(torch.linalg.vector_norm(p.grad.float(), norm_type))
-        held = fp8_grad(p)
         if held is not None:
             norms.append(torch.linalg.vector_norm(dequantize(held), norm_type))
     if not norms:

@@ -10,7 +10,9 @@ O2  O1 + Adam/AdamW rebuilt as :class:`FP8AdamW` (FP8 first moment, FP16 second 
     fp32 masters for non-fp32 parameters), same param groups and hyper-parameters.
 === ======================================================================================
 
-Like ``msamp.initialize`` it returns ``(model, optimizer)``; the model's Parameter objects are
+Under DDP, call it on the *wrapped* model (``apply_opt_level(ddp_model, ...)``): wrapping after
+would hold local gradients while DDP writes reduced ones, which the optimizer step rejects
+with an error naming this fix. Like ``msamp.initialize`` it returns ``(model, optimizer)``; the model's Parameter objects are
 the same ones (nothing is re-created), the optimizer may be a new object: build LR schedulers
 *after* calling it. FP8 GEMMs are a separate switch (``lowprec.fp8.convert``).
 """
