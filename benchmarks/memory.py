@@ -12,6 +12,8 @@ step, zero_grad), per variant:
 
 * ``bf16_amp``   fp32 params, ``torch.autocast(bfloat16)``, ``torch.optim.AdamW(foreach=False)``
                  (foreach off: its temporaries would inflate the baseline we compare against);
+* ``bf16_amp_o1`` the same plus ``apply_opt_level("O1")``: FP8-held gradients, dequantized
+                 back into ``.grad`` just before ``torch.optim.AdamW`` steps;
 * ``bf16_amp_o2`` the same plus ``apply_opt_level("O2")``: FP8-held gradients + FP8AdamW;
 * ``fp8``        ``lowprec.fp8.convert`` (tensorwise, FP8 activations saved for backward),
                  ``torch.optim.AdamW``;
@@ -42,7 +44,7 @@ from lowprec.optim import FP8AdamW, apply_opt_level  # noqa: E402
 from lowprec.optim.fp8_grads import fp8_grad  # noqa: E402
 from lowprec.train.model import build_model  # noqa: E402
 
-VARIANTS = ("bf16_amp", "bf16_amp_o2", "fp8", "fp8_o2")
+VARIANTS = ("bf16_amp", "bf16_amp_o1", "bf16_amp_o2", "fp8", "fp8_o2")
 
 
 def _state_bytes(opt: torch.optim.Optimizer, keys: tuple[str, ...] | None) -> int:
@@ -123,8 +125,8 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, steps: int,
             recipe = fp8.Recipe.from_name("tensorwise", save_fp8_activations=True)
             info["converted_layers"] = fp8.convert(model, recipe).num_converted
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
-        if variant.endswith("o2"):
-            model, opt = apply_opt_level(model, opt, "O2")
+        if variant.endswith(("o1", "o2")):
+            model, opt = apply_opt_level(model, opt, variant[-2:].upper())
         g = torch.Generator(device=device).manual_seed(0)
         for _ in range(steps):
             ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device, generator=g)

@@ -3,7 +3,9 @@
 === ======================================================================================
 O1  weight gradients in FP8. Without DDP: held as FP8 payload + scale between backward and
     the optimizer step (``fp8_grads``; saves ``param_bytes - 1`` bytes per parameter of
-    gradient memory at the end of backward). Under DDP: gradient buckets are all-reduced in
+    gradient memory at the end of backward). A torch optimizer gets them back as full
+    ``.grad`` at its step, where the peak usually is: measured peak unchanged (1.00x);
+    only FP8AdamW (O2) reads them in FP8. Under DDP: gradient buckets are all-reduced in
     FP8 (``lowprec.distributed``), half the bytes of bf16; DDP keeps its own full-precision
     buckets, so there is no local gradient memory saving under DDP.
 O2  O1 + Adam/AdamW rebuilt as :class:`FP8AdamW` (FP8 first moment, FP16 second moment,
