@@ -10,7 +10,7 @@ micro-batch).
 
 Who reads the FP8 gradients:
 
-* :class:`lowprec.optim.FP8AdamW` reads them directly (``fp8_grad(p)``);
+* :class:`lowprec.optim.FP8AdamW` reads them directly (:func:`held_grad`);
 * any other optimizer gets them back as ``.grad`` through a step pre-hook
   (:func:`materialize_grads`), and the FP8 copies are dropped after its step;
 * :func:`clip_grad_norm_` clips them in place by scaling the *scales* (no dequantize pass).
