@@ -1,0 +1,87 @@
+"""Shared helpers for benchmarks: timing (warm-up, CUDA events, median), saved-tensor bytes,
+and the JSON envelope (device, torch version, date, exact command). torch only."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]})"
+    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+def time_fn(fn, device: torch.device, warmup: int = 3, iters: int = 10) -> float:
+    """Median milliseconds of ``fn()`` after ``warmup`` calls; CUDA events on GPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+@contextmanager
+def count_saved_bytes(exclude: list[torch.Tensor] | None = None):
+    """Bytes autograd saves for backward inside the block, by distinct storage.
+
+    Tensors that share storage with ``exclude`` (the layer's Parameters, which exist anyway)
+    are not counted: what is counted is the memory backward adds.
+    """
+    excluded = {t.untyped_storage().data_ptr() for t in (exclude or [])}
+    seen: dict[int, int] = {}
+    result = {"bytes": 0}
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in excluded:
+                seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield result
+    result["bytes"] = sum(seen.values())
+
+
+def write_json(payload: dict, out: str | None, default_name: str) -> Path:
+    device = payload.get("device", "")
+    envelope = {
+        "command": " ".join(shlex.quote(a) for a in [sys.executable.rsplit("/", 1)[-1], *sys.argv]),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        **payload,
+    }
+    path = Path(out) if out else Path(__file__).parent / "results" / default_name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(envelope, indent=2) + "\n")
+    os.replace(tmp, path)
+    print(f"wrote {path} ({device})")
+    return path

@@ -1,0 +1,33 @@
+import os
+
+import pytest
+import torch
+
+# Two CI cores, several test processes: keep each one single-threaded and deterministic.
+torch.set_num_threads(int(os.environ.get("LOWPREC_TEST_THREADS", "1")))
+
+
+@pytest.fixture
+def seed(request):
+    """A fresh seed per test (derived from its name), so data is random but reproducible."""
+    import zlib
+
+    s = zlib.crc32(request.node.nodeid.encode()) % (2**31)
+    torch.manual_seed(s)
+    return s
+
+
+def sqnr(ref: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB, computed in float64."""
+    ref, test = ref.detach().double(), test.detach().double()
+    noise = (ref - test).pow(2).sum()
+    return float(10 * torch.log10(ref.pow(2).sum() / noise.clamp_min(1e-300)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

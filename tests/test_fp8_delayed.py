@@ -1,0 +1,103 @@
+"""Delayed scaling: the scale at each step, walked by hand."""
+
+import pytest
+import torch
+from torch import nn
+
+import lowprec.fp8 as fp8
+from lowprec.fp8.scaling import amax_to_scale
+
+E4 = fp8.E4M3
+
+
+def _walk(amaxes, **fields):
+    """Feed a sequence of amaxes through delayed_scale_step; return the scale used at each step."""
+    recipe = fp8.Recipe.from_name("delayed", **fields)
+    hist = torch.zeros(recipe.amax_history_len)
+    scale = torch.ones(())
+    used = []
+    for step, a in enumerate(amaxes):
+        s, hist, scale = fp8.delayed_scale_step(hist, scale, torch.tensor(step), torch.tensor(float(a)), E4, recipe)
+        used.append(s.item())
+    return used
+
+
+def S(a, margin=0):
+    return 448.0 / a / 2**margin
+
+
+def test_first_step_uses_current_amax_then_history_max():
+    used = _walk([2.0, 8.0, 1.0, 1.0, 1.0], amax_history_len=3, amax_compute_algo="max")
+    # step 0: no history -> current amax (2); step t uses max of amaxes at steps t-3..t-1
+    assert used == pytest.approx([S(2), S(2), S(8), S(8), S(8)])
+    used = _walk([2.0, 8.0, 1.0, 1.0, 1.0, 1.0], amax_history_len=3, amax_compute_algo="max")
+    assert used[5] == pytest.approx(S(1))  # the 8 has left the 3-step window
+
+
+def test_most_recent():
+    used = _walk([2.0, 8.0, 1.0, 4.0], amax_history_len=16, amax_compute_algo="most_recent")
+    assert used == pytest.approx([S(2), S(2), S(8), S(1)])
+
+
+def test_margin():
+    used = _walk([2.0, 4.0], margin=3)
+    assert used == pytest.approx([S(2, 3), S(2, 3)])
+
+
+def test_interval():
+    # refreshed after steps 1, 3, 5 (every 2nd); in between the previous scale is kept
+    used = _walk([1.0, 2.0, 4.0, 8.0, 16.0, 32.0], interval=2, amax_compute_algo="most_recent")
+    assert used == pytest.approx([S(1), S(1), S(2), S(2), S(8), S(8)])
+
+
+def test_non_finite_amax_does_not_poison_the_history():
+    used = _walk([2.0, float("nan"), float("inf"), 1.0, 1.0], amax_history_len=2)
+    # the NaN/inf steps are not recorded: the window still holds 2.0 afterwards
+    assert used[1:4] == pytest.approx([S(2), S(2), S(2)])
+
+
+def test_zero_inputs_keep_bootstrapping():
+    used = _walk([0.0, 0.0, 3.0, 1.0], amax_history_len=4)
+    assert used[2] == pytest.approx(S(3))  # still no history at step 2: current amax
+    assert used[3] == pytest.approx(S(3))
+
+
+def _layer(name, **kw):
+    torch.manual_seed(0)
+    return fp8.Float8Linear.from_linear(nn.Linear(64, 64), fp8.Recipe.from_name(name, **kw))
+
+
+def _saturated_fraction(layer, x):
+    fp8.enable_telemetry(layer)
+    with fp8.autocast():
+        layer(x)
+    return fp8.telemetry(layer)[""]["input"]["saturated"]
+
+
+def test_sudden_1000x_jump_saturates_with_delayed_not_tensorwise():
+    torch.manual_seed(1)
+    calm = [torch.randn(32, 64) for _ in range(4)]
+    spike = torch.randn(32, 64) * 1000
+    delayed, tensorwise = _layer("delayed", amax_history_len=4), _layer("tensorwise")
+    for x in calm:
+        _saturated_fraction(delayed, x)
+    assert _saturated_fraction(delayed, spike) > 0.5
+    assert _saturated_fraction(tensorwise, spike) == 0.0
+    # and the history catches up: next step's scale accounts for the spike
+    assert _saturated_fraction(delayed, spike) == 0.0
+
+
+def test_layer_state_walks_like_the_pure_function():
+    layer = _layer("delayed", amax_history_len=8)
+    xs = [torch.randn(16, 64) * s for s in (1.0, 3.0, 0.5)]
+    for x in xs:
+        x.requires_grad_()
+        with fp8.autocast():
+            layer(x).sum().backward()
+    hist = layer.fp8_amax_history_input
+    assert hist[:3].tolist() == pytest.approx([x.abs().max().item() for x in reversed(xs)])
+    assert layer.fp8_scale_input.item() == pytest.approx(amax_to_scale(hist.max(), E4).item())
+    assert int(layer.fp8_step) == 3 and int(layer.fp8_step_grad) == 3
+    # dY = ones: gradient amax 1.0 recorded each step, E5M2 scale 57344
+    assert layer.fp8_amax_history_grad_output[:3].tolist() == [1.0, 1.0, 1.0]
+    assert layer.fp8_scale_grad_output.item() == pytest.approx(57344.0)

@@ -1,0 +1,71 @@
+"""The torch._scaled_mm path against emulation."""
+
+import pytest
+import torch
+
+import lowprec.fp8 as fp8
+from lowprec.fp8.gemm import gemm_path, native_scaled_mm_available
+from tests.conftest import sqnr
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.skipif(not native_scaled_mm_available(CPU), reason="torch._scaled_mm has no CPU kernel in this torch")
+@pytest.mark.parametrize("gran", ["tensor", "axis"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 128, 48), (33, 80, 17), (1, 16, 16)])
+@pytest.mark.parametrize("b_dtype", [fp8.E4M3, fp8.E5M2])
+def test_scaled_mm_matches_emulation_on_cpu(seed, gran, out_dtype, shape, b_dtype):
+    # On CPU both paths dequantize as data * (1/scale) and accumulate in float32. They are
+    # bit-exact for M >= 4; for M < 4 the kernel takes a GEMV path whose summation order
+    # differs; there they agree to float32 summation-order rounding (a few ulps of the
+    # output's magnitude).
+    m, k, n = shape
+    a = fp8.quantize(torch.randn(m, k) * 5, fp8.E4M3, gran, dim=1)
+    b = fp8.quantize(torch.randn(n, k) / 7, b_dtype, gran, dim=1).t()
+    native = fp8.scaled_mm(a, b, out_dtype, path="scaled_mm")
+    emulated = fp8.scaled_mm(a, b, out_dtype, path="emulate")
+    assert native.dtype == out_dtype
+    if m >= 4:
+        assert torch.equal(native, emulated)
+    else:
+        ulp = 4 * torch.finfo(out_dtype).eps * emulated.float().abs().max()
+        assert (native.float() - emulated.float()).abs().max() <= ulp
+
+
+def test_mixed_tensor_and_axis_operands(seed):
+    a = fp8.quantize(torch.randn(32, 64), fp8.E4M3, "axis", dim=1)
+    b = fp8.quantize(torch.randn(64, 48), fp8.E4M3, "tensor")
+    ref = a.dequantize() @ b.dequantize()
+    assert torch.allclose(fp8.scaled_mm(a, b, torch.float32), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_block_scales_emulated(seed):
+    x, w = torch.randn(64, 256), torch.randn(128, 256)
+    a = fp8.quantize(x, fp8.E4M3, "block", block=(1, 128))
+    b = fp8.quantize(w, fp8.E4M3, "block", block=(128, 128)).t()
+    assert gemm_path("auto", CPU, a, b) == "emulate"
+    assert sqnr(x @ w.t(), fp8.scaled_mm(a, b, torch.float32)) > 25
+    with pytest.raises(RuntimeError, match="gemm='auto' or 'emulate'"):
+        fp8.scaled_mm(a, b, torch.float32, path="scaled_mm")
+
+
+def test_shape_mismatch_is_a_clear_error():
+    a = fp8.quantize(torch.randn(4, 16), fp8.E4M3, "tensor")
+    with pytest.raises(ValueError, match=r"\(M, K\) x \(K, N\)"):
+        fp8.scaled_mm(a, a, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gran", ["tensor", "axis"])
+def test_scaled_mm_matches_emulation_on_cuda(gran):
+    dev = torch.device("cuda")
+    if not native_scaled_mm_available(dev, gran):
+        pytest.skip("GPU has no FP8 GEMM for this granularity")
+    torch.manual_seed(0)
+    a = fp8.quantize(torch.randn(1000, 4096, device=dev), fp8.E4M3, gran, dim=1)
+    b = fp8.quantize(torch.randn(3000, 4096, device=dev), fp8.E4M3, gran, dim=1).t()
+    native = fp8.scaled_mm(a, b, torch.float32, path="scaled_mm")
+    emulated = fp8.scaled_mm(a, b, torch.float32, path="emulate")
+    # cuBLAS sums in another order (bf16 output for axis scales): agree to output rounding.
+    assert sqnr(emulated, native) > (45 if gran == "axis" else 80)

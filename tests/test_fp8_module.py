@@ -1,0 +1,275 @@
+"""Float8Linear and convert(): drop-in behaviour, conversion rules, checkpoints, compile."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lowprec.fp8 as fp8
+from tests.conftest import sqnr
+
+
+class Block(nn.Module):
+    def __init__(self, d=64, ffn=128):
+        super().__init__()
+        self.q_proj = nn.Linear(d, d)
+        self.gate_proj = nn.Linear(d, ffn, bias=False)
+        self.up_proj = nn.Linear(d, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, d, bias=False)
+
+    def forward(self, x):
+        x = x + self.q_proj(x)
+        return x + self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Net(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.embed = nn.Linear(16, d)
+        self.blocks = nn.ModuleList([Block(d) for _ in range(2)])
+        self.router = nn.Linear(d, 16)
+        self.lm_head = nn.Linear(d, 32)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.lm_head(h) + self.router(h).sum(-1, keepdim=True)
+
+
+def test_default_filter_and_report(seed):
+    net = Net()
+    report = fp8.convert(net, "tensorwise")
+    converted = {n for n, *_ in report.converted}
+    assert converted == {f"blocks.{i}.{p}" for i in range(2) for p in ("q_proj", "gate_proj", "up_proj", "down_proj")}
+    reasons = dict(report.skipped)
+    assert reasons["embed"] == "first Linear"
+    assert reasons["lm_head"] == "last Linear"
+    assert "router" in reasons["router"]
+    text = str(report)
+    assert "8 Linear layer(s) converted" in text and "skip  router" in text
+    assert fp8.has_fp8_layers(net)
+
+
+def test_odd_middle_layer_does_not_stop_siblings(seed):
+    net = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 40), nn.Linear(40, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 16))
+    report = fp8.convert(net)
+    assert [n for n, *_ in report.converted] == ["3", "4"]
+    assert "not multiples of 16" in dict(report.skipped)["1"]
+
+
+def test_patterns_match_components_and_globs(seed):
+    net = Net()
+    report = fp8.convert(net, skip_patterns=("gate", "blocks.1.*"), skip_first_last=False)
+    converted = {n for n, *_ in report.converted}
+    assert "blocks.0.gate_proj" in converted  # 'gate' does not match 'gate_proj'
+    assert not any(n.startswith("blocks.1.") for n in converted)
+    assert "embed" in converted and "router" in converted
+
+
+def test_custom_filter(seed):
+    net = Net()
+    report = fp8.convert(net, module_filter=lambda m, fqn: fqn.endswith("up_proj"))
+    assert sorted(n for n, *_ in report.converted) == ["blocks.0.up_proj", "blocks.1.up_proj"]
+
+
+def test_same_parameters_and_optimizer_keeps_training(seed):
+    net = Net()
+    params_before = {n: p for n, p in net.named_parameters()}
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    report = fp8.convert(net, "delayed")
+    assert {n: p for n, p in net.named_parameters()} == params_before  # same objects, same names
+    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    snapshot = {n: net.get_submodule(n).weight.detach().clone() for n, *_ in report.converted}
+    with fp8.autocast():
+        net(torch.randn(8, 16)).pow(2).mean().backward()
+    opt.step()
+    for name in snapshot:
+        w = net.get_submodule(name).weight
+        assert id(w) in in_opt
+        assert not torch.equal(w, snapshot[name]), name
+
+
+def test_unconvert_restores_identical_weights_and_outputs(seed):
+    net = Net()
+    x = torch.randn(4, 16)
+    before = net(x)
+    sd = copy.deepcopy(net.state_dict())
+    fp8.convert(net, "delayed")
+    with fp8.autocast():
+        net(x)
+    assert fp8.unconvert(net) == 8
+    assert not fp8.has_fp8_layers(net)
+    assert all(type(m) is nn.Linear for m in net.modules() if isinstance(m, nn.Linear))
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, sd[k])
+    assert torch.equal(net(x), before)
+
+
+def test_high_precision_outside_autocast_and_in_eval(seed):
+    net = Net()
+    x = torch.randn(4, 16)
+    ref = net(x)
+    fp8.convert(net, "tensorwise")
+    assert torch.equal(net(x), ref)  # outside fp8.autocast(): plain Linear
+    with fp8.autocast():
+        train_out = net(x)
+        net.eval()
+        eval_out = net(x)
+    assert not torch.equal(train_out, ref)
+    assert torch.equal(eval_out, ref)  # eval: high precision by default
+    fp8.convert(net2 := Net(), fp8.Recipe.from_name("tensorwise", use_during_eval=True))
+    net2.load_state_dict(net.state_dict())
+    net2.eval()
+    with fp8.autocast():
+        assert not torch.equal(net2(x), ref)
+
+
+def test_autocast_nesting_and_reentry(seed):
+    ctx = fp8.autocast()
+    assert not fp8.fp8_enabled()
+    with ctx:
+        assert fp8.fp8_enabled()
+        with fp8.autocast(enabled=False):
+            assert not fp8.fp8_enabled()
+            with ctx:  # the same object, re-entered
+                assert fp8.fp8_enabled()
+            assert not fp8.fp8_enabled()
+        assert fp8.fp8_enabled()
+    assert not fp8.fp8_enabled()
+
+
+def test_autocast_recipe_override(seed):
+    lin = nn.Linear(256, 64)  # K > 128, so 1x128 tiles differ from whole rows
+    layer = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("tensorwise"))
+    x = torch.randn(8, 256) * torch.linspace(0.01, 10, 256)
+    with fp8.autocast():
+        a = layer(x)
+    with fp8.autocast(recipe=fp8.Recipe.from_name("rowwise")):
+        b = layer(x)
+    with fp8.autocast(), fp8.autocast(recipe=fp8.Recipe.from_name("blockwise")):
+        c = layer(x)
+    assert not torch.equal(a, b) and not torch.equal(b, c)
+    with pytest.raises(ValueError, match="convert the model with a delayed recipe"):
+        with fp8.autocast(recipe=fp8.Recipe.from_name("delayed")):
+            layer(x)
+
+
+def test_frozen_weights(seed):
+    lin = nn.Linear(64, 32)
+    lin.weight.requires_grad_(False)
+    layer = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("rowwise"))
+    x = torch.randn(8, 64, requires_grad=True)
+    with fp8.autocast():
+        layer(x).sum().backward()
+    assert lin.weight.grad is None and x.grad is not None and lin.bias.grad is not None
+
+
+def test_state_dict_round_trip_and_plain_model(seed):
+    net = Net()
+    fp8.convert(net, fp8.Recipe.from_name("delayed", amax_history_len=8))
+    with fp8.autocast():
+        for _ in range(3):
+            net(torch.randn(4, 16)).sum().backward()
+    sd = net.state_dict()
+    assert "blocks.0.q_proj.fp8_amax_history_input" in sd
+    # converted -> converted: scaling state continues exactly
+    other = Net()
+    fp8.convert(other, fp8.Recipe.from_name("delayed", amax_history_len=8))
+    other.load_state_dict(sd)
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, sd[k]), k
+    # converted -> plain, via the helper; plain -> converted, directly (fresh scaling state)
+    plain = Net()
+    plain.load_state_dict(fp8.plain_state_dict(net))
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        Net().load_state_dict(sd)
+    again = Net()
+    fp8.convert(again, "delayed")
+    again.load_state_dict(plain.state_dict())
+    assert int(again.blocks[0].q_proj.fp8_step) == 0
+
+
+def test_nan_input_propagates_to_outputs_and_grads(seed):
+    for name in fp8.RECIPE_NAMES:
+        layer = fp8.Float8Linear.from_linear(nn.Linear(64, 32), fp8.Recipe.from_name(name))
+        x = torch.randn(8, 64)
+        x[2, 3] = float("nan")
+        x.requires_grad_()
+        with fp8.autocast():
+            y = layer(x)
+        assert torch.isnan(y).any(), name
+        y.sum().backward()
+        assert torch.isnan(layer.weight.grad).any(), name
+
+
+@pytest.mark.parametrize("name", ["delayed", "tensorwise", "rowwise", "blockwise"])
+def test_compile_fullgraph_matches_eager(seed, name):
+    torch._dynamo.reset()
+    lin = nn.Linear(64, 48)
+    eager = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name(name))
+    compiled_layer = fp8.Float8Linear.from_linear(copy.deepcopy(lin), fp8.Recipe.from_name(name))
+    compiled = torch.compile(compiled_layer, fullgraph=True)  # fails on any graph break
+    for _ in range(2):
+        x = torch.randn(2, 16, 64)
+        outs = []
+        for m, layer in ((eager, eager), (compiled, compiled_layer)):
+            xi = x.clone().requires_grad_()
+            with fp8.autocast(), torch.autocast("cpu", dtype=torch.bfloat16):
+                y = m(xi)
+            y.float().pow(2).sum().backward()
+            outs.append((y.float(), xi.grad, layer.weight.grad.clone()))
+            layer.weight.grad = None
+        # Inductor skips intermediate bf16 roundings and may round x * scale one ulp apart,
+        # flipping an FP8 rounding here and there: compare by SQNR, well above FP8 noise (~28 dB).
+        for a, b in zip(*outs):
+            assert sqnr(a, b) > 35
+    if name == "delayed":
+        assert torch.equal(eager.fp8_amax_history_grad_output, compiled_layer.fp8_amax_history_grad_output)
+
+
+def test_telemetry_reports_every_operand(seed):
+    net = Net()
+    fp8.convert(net, "tensorwise")
+    fp8.enable_telemetry(net)
+    with fp8.autocast():
+        net(torch.randn(4, 16)).sum().backward()
+    stats = fp8.telemetry(net)
+    assert set(stats) == {f"blocks.{i}.{p}" for i in range(2) for p in ("q_proj", "gate_proj", "up_proj", "down_proj")}
+    for layer in stats.values():
+        for op in ("input", "weight", "grad_output"):
+            assert layer[op]["amax"] > 0 and layer[op]["scale"] > 0
+            assert 0 <= layer[op]["saturated"] <= 1 and 0 <= layer[op]["underflow"] <= 1
+
+
+def test_resume_from_state_dict_continues_exactly(seed):
+    """Delayed scaling state travels in state_dict: 3 + 3 resumed steps == 6 straight steps."""
+    data = [torch.randn(8, 16) * (1 + i) for i in range(6)]
+
+    def make():
+        torch.manual_seed(7)
+        net = Net()
+        fp8.convert(net, fp8.Recipe.from_name("delayed", amax_history_len=4))
+        return net, torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+    def steps(net, opt, xs):
+        out = []
+        for x in xs:
+            with fp8.autocast():
+                loss = net(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    net, opt = make()
+    straight = steps(net, opt, data)
+    net, opt = make()
+    first = steps(net, opt, data[:3])
+    ckpt = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict()})
+    net2, opt2 = make()
+    net2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    assert first + steps(net2, opt2, data[3:]) == straight
