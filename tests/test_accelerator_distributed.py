@@ -26,7 +26,7 @@ WORKER = textwrap.dedent(
     from torch.utils.data import DataLoader, TensorDataset
     import lowprec.fp8 as fp8
     from lowprec import Accelerator
-    from lowprec.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, TERecipeKwargs, set_seed
+    from lowprec.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, MSAMPRecipeKwargs, TERecipeKwargs, set_seed
 
     mode, out_dir = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
@@ -36,8 +36,9 @@ WORKER = textwrap.dedent(
         model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if mode == "fsdp2" else None
         ds = DeepSpeedPlugin(zero_stage=int(mode[-1])) if mode.startswith("zero") else None
-        acc = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, deepspeed_plugin=ds,
-                          kwargs_handlers=[TERecipeKwargs(amax_history_len=8, amax_compute_algo="max", margin=1)])
+        recipe = (MSAMPRecipeKwargs(opt_level="O2") if mode == "ddp_o2"
+                  else TERecipeKwargs(amax_history_len=8, amax_compute_algo="max", margin=1))
+        acc = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, deepspeed_plugin=ds, kwargs_handlers=[recipe])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(0)
         x = torch.randn(40, 32, generator=g)
@@ -74,6 +75,8 @@ WORKER = textwrap.dedent(
     report["opt_is_model"] = mode.startswith("zero") or ({id(p) for g in opt.param_groups for p in g["params"]}
                                                          == {id(p) for p in model.parameters()})
     report["param_types"] = sorted({type(p.data).__name__ for p in model.parameters()})
+    report["optimizer"] = type(getattr(opt, "optimizer", opt)).__name__
+    report["fp8_allreduce"] = getattr(model, "lowprec_fp8_allreduce", None) is not None
 
     path = os.path.join(out_dir, "ckpt")
     report["losses"] = train(acc, model, opt, dl, 14, save_at=8, path=path)
@@ -134,14 +137,18 @@ def has_deepspeed() -> bool:
 @pytest.mark.parametrize("mode, dtype", [
     ("ddp", "MULTI"),
     ("fsdp2", "FSDP"),
+    ("ddp_o2", "MULTI"),
     pytest.param("zero3", "DEEPSPEED", marks=pytest.mark.skipif(not has_deepspeed(), reason="DeepSpeed is an optional extra")),
 ])
 def test_distributed_path(tmp_path, mode, dtype):
     reports = launch(tmp_path, mode)
     for rep in reports:
         assert rep["distributed_type"] == dtype and rep["num_processes"] == 2
-        # the TE recipe reaches every FP8 layer (the first and last included, TE's rule) ...
-        assert rep["recipes"] == [["delayed", 8, "max", 1]] * 3
+        # the recipe reaches every FP8 layer (the first and last included, TE's rule) ...
+        expected = ["delayed", 1024, "max", 0] if mode == "ddp_o2" else ["delayed", 8, "max", 1]
+        assert rep["recipes"] == [expected] * 3
+        if mode == "ddp_o2":  # MS-AMP O2 on lowprec: FP8/FP16 Adam state, FP8 gradient all-reduce
+            assert rep["optimizer"] == "FP8AdamW" and rep["fp8_allreduce"]
         # ... and the FP8 region is entered on this path
         assert rep["fp8_region"] == [True]
         assert rep["opt_is_model"]
