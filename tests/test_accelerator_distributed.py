@@ -26,7 +26,7 @@ WORKER = textwrap.dedent(
     from torch.utils.data import DataLoader, TensorDataset
     import lowprec.fp8 as fp8
     from lowprec import Accelerator
-    from lowprec.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, MSAMPRecipeKwargs, TERecipeKwargs, set_seed
+    from lowprec.utils import MSAMPRecipeKwargs, TERecipeKwargs, set_seed
 
     mode, out_dir = sys.argv[1], sys.argv[2]
     rank = int(os.environ["RANK"])
@@ -34,8 +34,8 @@ WORKER = textwrap.dedent(
     def make():
         set_seed(11)
         model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2) if mode == "fsdp2" else None
-        ds = DeepSpeedPlugin(zero_stage=int(mode[-1])) if mode.startswith("zero") else None
+        # FSDP2 and DeepSpeed come from the launch contract's variables (see launch() below)
+        plugin, ds = None, None
         recipe = (MSAMPRecipeKwargs(opt_level="O2") if mode == "ddp_o2"
                   else TERecipeKwargs(amax_history_len=8, amax_compute_algo="max", margin=1))
         acc = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, deepspeed_plugin=ds, kwargs_handlers=[recipe])
@@ -76,6 +76,7 @@ WORKER = textwrap.dedent(
                                                          == {id(p) for p in model.parameters()})
     report["param_types"] = sorted({type(p.data).__name__ for p in model.parameters()})
     report["optimizer"] = type(getattr(opt, "optimizer", opt)).__name__
+    report["zero_stage"] = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else None
     report["fp8_allreduce"] = getattr(model, "lowprec_fp8_allreduce", None) is not None
 
     path = os.path.join(out_dir, "ckpt")
@@ -116,6 +117,11 @@ def launch(tmp_path, mode: str) -> list[dict]:
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     env["DS_ACCELERATOR"] = "cpu"
+    # what `lowprec launch --use_fsdp` / `--use_deepspeed --zero_stage 3` export
+    if mode == "fsdp2":
+        env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
+    if mode.startswith("zero"):
+        env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=mode[-1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(script), mode, str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
@@ -159,6 +165,8 @@ def test_distributed_path(tmp_path, mode, dtype):
     assert reports[0]["losses"][-1] < reports[0]["losses"][0]
     if mode == "fsdp2":
         assert reports[0]["param_types"] == ["DTensor"]
+    if mode == "zero3":
+        assert reports[0]["zero_stage"] == 3
     plain = os.listdir(tmp_path / "plain")
     assert plain == ["model.safetensors"]
     from safetensors.torch import load_file
