@@ -348,6 +348,23 @@ def check_ao_training(model, opt, acc, f8_cls):
     assert all(not torch.equal(b, m.weight.detach()) for b, m in zip(before, converted))
 
 
+def check_ao_eval_toggle(model, f8_cls):
+    # bug 15: FP8 is off in eval mode unless asked (Accelerate's AO path had no switch)
+    calls = []
+    layer = next(m for m in model.modules() if isinstance(m, f8_cls))
+    original = type(layer).forward
+    type(layer).forward = lambda self, x: (self is layer and calls.append(self.training)) or original(self, x)
+    try:
+        model.train()
+        model(torch.randn(16, 32))
+        model.eval()
+        model(torch.randn(16, 32))
+    finally:
+        type(layer).forward = original
+    assert calls == [True]  # the eval call ran nn.Linear.forward
+    assert "forward" not in layer.__dict__
+
+
 def test_torchao_adapter_with_stand_in(monkeypatch):
     rec, f8_cls = fake_torchao(monkeypatch)
     acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
@@ -360,6 +377,7 @@ def test_torchao_adapter_with_stand_in(monkeypatch):
     kinds = [type(m).__name__ for m in model if isinstance(m, nn.Linear)]
     assert kinds == ["Linear", "Float8Linear", "Float8Linear", "Linear"]  # bug 8: first/last of the model
     check_ao_training(model, opt, acc, f8_cls)
+    check_ao_eval_toggle(model, f8_cls)
 
 
 def test_torchao_real(tmp_path):
@@ -374,6 +392,7 @@ def test_torchao_real(tmp_path):
     model, opt = acc.prepare(model, opt)
     assert [isinstance(m, Float8Linear) for m in model if isinstance(m, nn.Linear)] == [False, True, True, False]
     check_ao_training(model, opt, acc, Float8Linear)
+    check_ao_eval_toggle(model, Float8Linear)
     acc.save_state(str(tmp_path / "ckpt"))  # bug 1: crashed with safetensors in Accelerate
     acc.load_state(str(tmp_path / "ckpt"))
 

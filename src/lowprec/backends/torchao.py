@@ -11,7 +11,9 @@ Differences from Accelerate, each a fix of a bug in reference section 8:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import types
 from typing import Any, Callable
 
 from torch import nn
@@ -35,6 +37,20 @@ def first_last_linear_filter(model: nn.Module) -> Callable[[nn.Module, str], boo
         return True
 
     return module_filter
+
+
+@contextlib.contextmanager
+def _high_precision(model: nn.Module):
+    from torchao.float8.float8_linear import Float8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    for m in layers:
+        m.forward = types.MethodType(nn.Linear.forward, m)
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m.forward
 
 
 class TorchAOBackend(BaseBackend):
@@ -86,6 +102,13 @@ class TorchAOBackend(BaseBackend):
         # Accelerator, by name, whatever the order of prepare calls
         convert_to_float8_training(model, module_filter_fn=module_filter, config=self.config)
         return model
+
+    def fp8_context(self, model: nn.Module):
+        """torchao's Float8Linear has no off switch: in eval mode (unless
+        ``use_autocast_during_eval``) its layers run ``nn.Linear.forward`` for the call."""
+        if model.training or self.handler.use_autocast_during_eval:
+            return contextlib.nullcontext()
+        return _high_precision(model)
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         if self._fsdp_all_gather:
