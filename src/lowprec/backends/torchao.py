@@ -24,19 +24,13 @@ __all__ = ["TorchAOBackend", "first_last_linear_filter"]
 
 
 def first_last_linear_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
-    """A torchao ``module_filter_fn`` that skips the model's first and last Linear and any
-    Linear with a dimension not divisible by 16 (``torch._scaled_mm`` needs multiples of 16)."""
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    skip = {linears[0], linears[-1]} if linears else set()
+    """A torchao ``module_filter_fn`` with the engine's default rule (:func:`lowprec.fp8.
+    default_module_filter`): skip the model's first and last Linear, any Linear with a dim not
+    divisible by 16, and output heads / MoE routers by name."""
+    from lowprec.fp8 import default_module_filter
 
-    def module_filter(module: nn.Module, fqn: str) -> bool:
-        if isinstance(module, nn.Linear):
-            if module.in_features % 16 or module.out_features % 16:
-                return False
-            return fqn not in skip
-        return True
-
-    return module_filter
+    rule = default_module_filter(model)
+    return lambda module, fqn: not isinstance(module, nn.Linear) or rule(module, fqn) is None
 
 
 @contextlib.contextmanager
