@@ -8,7 +8,8 @@ Numerics (all checked against :mod:`lowprec.fp8.kernels.reference`):
 
 * ``y = float32(x) * scale``: one float32 multiply, as in ``quantize_tensorwise``.
 * finite ``y`` is clamped to +-fp8_max; ``y`` that is NaN or +-inf (a NaN/inf input, or an
-  overflow of the product) becomes NaN; -0.0 becomes +0.0 (as ``saturated_cast`` does). NaN is built from its bit pattern, never from
+  overflow of the product) becomes NaN (``saturated_cast``'s ``nan_to_num`` + ``clamp``);
+  -0.0 stays -0.0. NaN is built from its bit pattern, never from
   ``y - y``: with FMA contraction ``x*s - y`` is the product's rounding error, not 0 or NaN.
 * float32 -> FP8 rounds to nearest, ties to even. On the GPU that is the hardware convert
   (``cvt.rn.satfinite`` on sm_89+; inputs are in range by then, so "satfinite" never acts).
@@ -75,8 +76,6 @@ def _saturate_to_fp8_bits(y, FP8_MAX: tl.constexpr, E4M3: tl.constexpr, SOFT_CAS
     bad = (y != y) | (tl.abs(y) == float("inf"))
     nan = tl.full(y.shape, _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
     y = tl.where(bad, nan, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
-    # -0.0 -> +0.0: the reference's ``clamp(y) + (y - y)`` adds +0.0, which does exactly that
-    y = tl.where(y == 0.0, 0.0, y)
     if SOFT_CAST:
         return _soft_fp8_bits(y, E4M3).to(tl.uint8)
     elif E4M3:
