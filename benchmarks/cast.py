@@ -21,6 +21,7 @@ benchmarks/results/cast.json.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -94,6 +95,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/cast.json)")
     a = p.parse_args(argv)
+    os.environ.setdefault("LOWPREC_TRITON_KERNELS", "1")  # the kernels are opt-in; this measures them
     cuda = torch.cuda.is_available()
     if not cuda and not a.tiny:
         print("benchmarks/cast.py times Triton kernels and needs a CUDA GPU; use --tiny for a CPU smoke run of the torch path")

@@ -29,12 +29,14 @@ def no_triton(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     monkeypatch.setattr(select, "TRITON_IMPORTABLE", select._find_triton())
     monkeypatch.delenv(select.DISABLE_ENV, raising=False)
+    monkeypatch.setenv(select.ENABLE_ENV, "1")
 
 
 @pytest.fixture
 def fake_triton(monkeypatch):
     monkeypatch.setattr(select, "TRITON_IMPORTABLE", True)
     monkeypatch.delenv(select.DISABLE_ENV, raising=False)
+    monkeypatch.setenv(select.ENABLE_ENV, "1")
 
 
 def test_importing_the_engine_does_not_import_triton():
@@ -57,6 +59,13 @@ def test_cuda_selects_triton_only_when_importable_and_not_disabled(fake_triton, 
     for value in ("0", "", "no"):
         monkeypatch.setenv(select.DISABLE_ENV, value)
         assert kernels.available("cuda"), value
+
+
+def test_triton_kernels_are_opt_in(fake_triton, monkeypatch):
+    monkeypatch.delenv(select.ENABLE_ENV)
+    assert not kernels.available("cuda")
+    monkeypatch.setenv(select.ENABLE_ENV, "0")
+    assert not kernels.available("cuda")
 
 
 def test_cuda_falls_back_when_triton_is_absent(no_triton):

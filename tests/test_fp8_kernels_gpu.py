@@ -27,6 +27,7 @@ def dev(monkeypatch):
         pytest.skip("needs a GPU with FP8 (sm_89+)")
     pytest.importorskip("triton")
     monkeypatch.delenv(select.DISABLE_ENV, raising=False)
+    monkeypatch.setenv(select.ENABLE_ENV, "1")
     assert kernels.available("cuda")
     return torch.device("cuda")
 

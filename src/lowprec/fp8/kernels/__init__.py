@@ -6,7 +6,8 @@ One pass over ``x`` gives the FP8 tensor, its contiguous transpose (for the GEMM
 over the other dim) and ``amax(|x|)`` for the delayed-scaling history (TransformerEngine's
 ``cast_transpose``); ``cast_amax`` skips the transpose; ``cast_rowwise`` computes one scale
 per row and casts in the same kernel. The functions choose at run time (:func:`available`):
-Triton on CUDA when triton imports and ``LOWPREC_DISABLE_TRITON`` is unset, otherwise
+Triton on CUDA when triton imports and ``LOWPREC_TRITON_KERNELS=1`` (opt-in until the kernels
+have run on a GPU; ``LOWPREC_DISABLE_TRITON=1`` always wins), otherwise
 :mod:`lowprec.fp8.kernels.reference` (same results; what CPU and CI run). Importing this
 package never imports triton.
 """
