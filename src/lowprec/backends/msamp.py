@@ -9,12 +9,20 @@ Native: the delayed-scaling recipe on lowprec's engine, plus
 ``lowprec.optim.apply_opt_level(model, optimizer, opt_level)`` (O1: FP8 weight gradients, FP8
 gradient all-reduce under DDP; O2: also FP8/FP16 Adam moments), imported lazily: if a build
 lacks it, FP8 GEMMs still run and one log line says what is not applied.
+
+Native under DeepSpeed (measured, docs/log/dsopt.md): DeepSpeed owns gradient reduction, so
+the FP8 gradient part of O1/O2 cannot apply there. O2 keeps its optimizer half: the client
+optimizer handed to ``deepspeed.initialize`` is :class:`lowprec.optim.FP8AdamW`, which ZeRO
+steps on its flat fp32 partitions (FP8 first moment, FP16 second moment per partition; works
+and resumes exactly under ZeRO 1, 2 and 3). O1 under DeepSpeed would change nothing, so it is
+an error naming the fixes.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from lowprec.backends.base import BaseBackend, PrepareContext, log_once
@@ -62,8 +70,9 @@ class NativeOptLevelBackend(NativeBackend):
     so it registers the FP8 gradient all-reduce itself. Gradients are rounded through FP8 in
     place (``hold_grads=False``) rather than held aside, so ``accelerator.clip_grad_norm_`` and
     a GradScaler still see ``.grad`` (the optim log measured no peak-memory gain from holding
-    them with a torch optimizer anyway). Not under FSDP2 (as MS-AMP); under DeepSpeed the
-    engine owns the optimizer, so only the FP8 GEMMs run.
+    them with a torch optimizer anyway). Not under FSDP2 (as MS-AMP). Under DeepSpeed: O2 hands
+    DeepSpeed an :class:`~lowprec.optim.FP8AdamW` as its client optimizer and DeepSpeed reduces
+    the gradients (no FP8 all-reduce); O1 is an error (module docstring).
     """
 
     def __init__(self, recipe: Any, opt_level: str, reason: str) -> None:
@@ -71,6 +80,7 @@ class NativeOptLevelBackend(NativeBackend):
         self.opt_level = opt_level
         self.engine = f"lowprec native engine (delayed recipe, {opt_level})"
         self.applied = False
+        self.deepspeed = False
 
     def prepare_optimizer(self, optimizer: Any, model: Optional[nn.Module], ctx: PrepareContext):
         if ctx.distributed_type == "FSDP":
@@ -79,9 +89,7 @@ class NativeOptLevelBackend(NativeBackend):
                 "use DDP or DeepSpeed, or an FP8 recipe without an opt level (TERecipeKwargs)"
             )
         if ctx.distributed_type == "DEEPSPEED":
-            log_once(f"lowprec: under DeepSpeed the engine owns the optimizer; opt_level {self.opt_level} "
-                     "is not applied (FP8 GEMMs still run)")
-            return optimizer, model
+            return self._prepare_for_deepspeed(optimizer), model
         try:
             from lowprec.optim import apply_opt_level
         except ImportError:
@@ -99,5 +107,46 @@ class NativeOptLevelBackend(NativeBackend):
         self.applied = True
         return optimizer, model
 
+    def _prepare_for_deepspeed(self, optimizer: Any) -> Any:
+        """O2: FP8AdamW as DeepSpeed's client optimizer. O1: ValueError (nothing of it applies)."""
+        if self.opt_level == "O1":
+            raise ValueError(
+                "MSAMPRecipeKwargs(opt_level='O1') does not compose with DeepSpeed: O1 is FP8 "
+                "gradients and an FP8 gradient all-reduce, and DeepSpeed ZeRO reduces and "
+                "partitions the gradients itself. Use opt_level='O2' (FP8AdamW optimizer state, "
+                "which DeepSpeed ZeRO steps on its partitions), DDP instead of DeepSpeed for O1, "
+                "or TERecipeKwargs for FP8 GEMMs without an opt level"
+            )
+        from lowprec.optim import FP8AdamW, to_fp8_adamw
+
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, FP8AdamW)):
+            raise ValueError(
+                f"MSAMPRecipeKwargs(opt_level='O2') under DeepSpeed needs torch.optim.Adam or "
+                f"torch.optim.AdamW (it becomes lowprec.optim.FP8AdamW), got "
+                f"{type(optimizer).__name__}; use one of those, or TERecipeKwargs for FP8 GEMMs "
+                f"without an opt level"
+            )
+        for group in optimizer.param_groups:
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag):
+                    raise ValueError(
+                        f"MSAMPRecipeKwargs(opt_level='O2') does not support "
+                        f"{type(optimizer).__name__}({flag}=True); set {flag}=False, or use "
+                        f"TERecipeKwargs for FP8 GEMMs without an opt level"
+                    )
+        optimizer = to_fp8_adamw(optimizer)
+        self.applied = True
+        self.deepspeed = True
+        log_once(
+            "lowprec: MS-AMP O2 under DeepSpeed: the optimizer state is FP8AdamW's (FP8/FP16, on "
+            "ZeRO's partitions); DeepSpeed reduces the gradients in its own precision (no FP8 "
+            "all-reduce)"
+        )
+        return optimizer
+
     def describe(self) -> dict:
-        return {**super().describe(), "opt_level": self.opt_level, "applied": self.applied}
+        info = {**super().describe(), "opt_level": self.opt_level, "applied": self.applied}
+        if self.deepspeed:
+            info["optimizer"] = "FP8AdamW (DeepSpeed client optimizer)"
+            info["gradients"] = "reduced by DeepSpeed (no FP8 all-reduce)"
+        return info

@@ -5,6 +5,12 @@ must come in the same ``prepare`` call (DeepSpeed's constraint, said in the erro
 working here: the model is converted before DeepSpeed wraps it and its forward runs inside the
 FP8 region with the user's recipe (Accelerate passes only the legacy handler here, bug 3), and
 ``accelerator.autocast()`` is bf16 under fp8 (Accelerate uses the device default, bug 13).
+
+lowprec's FP8AdamW (MS-AMP O2) is a valid client optimizer: ZeRO 1-3 step it on flat fp32
+partitions and checkpoint its state per rank (docs/log/dsopt.md). The one ZeRO feature that
+cannot hold it is ``elastic_checkpoint``, which re-slices every state tensor by element count
+(blockwise scales are not per element; measured: the checkpoint then fails to load with a bare
+AssertionError): :func:`check_client_optimizer` rejects it up front.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
-__all__ = ["build_ds_config", "deepspeed_initialize", "DeepSpeedOptimizer"]
+__all__ = ["build_ds_config", "check_client_optimizer", "deepspeed_initialize", "DeepSpeedOptimizer"]
 
 
 def build_ds_config(plugin: Any, mixed_precision: str, micro_batch_size: int, accumulation_steps: int, world: int) -> dict:
@@ -44,7 +50,23 @@ def build_ds_config(plugin: Any, mixed_precision: str, micro_batch_size: int, ac
     return cfg
 
 
+def check_client_optimizer(optimizer: Any, config: dict) -> None:
+    """Reject DeepSpeed settings that would silently corrupt FP8AdamW's compressed state."""
+    from lowprec.optim import FP8AdamW
+
+    if not isinstance(optimizer, FP8AdamW):
+        return
+    if (config.get("zero_optimization") or {}).get("elastic_checkpoint"):
+        raise ValueError(
+            "DeepSpeed zero_optimization.elastic_checkpoint=true cannot hold lowprec's FP8AdamW "
+            "state (MS-AMP O2): it re-slices optimizer state by element (FP8 block scales are "
+            "not per element) and such a checkpoint fails to load. Set elastic_checkpoint to "
+            "false (the default)"
+        )
+
+
 def deepspeed_initialize(model: Any, optimizer: Any, config: dict) -> tuple[Any, Any]:
+    check_client_optimizer(optimizer, config)
     try:
         import deepspeed
     except ImportError:
