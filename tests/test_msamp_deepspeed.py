@@ -4,8 +4,9 @@
   ZeRO's flat fp32 partitions. Checked in 2-process torchrun launches (gloo, DS_ACCELERATOR=cpu,
   tests/scripts/msamp_deepspeed_worker.py): the loss falls, the state is FP8/FP16 and
   partitioned, and save_state/load_state resumes with identical losses.
-* Flat partitions cost FP8AdamW nothing (block scales straddle parameters, one FP16 scale per
-  partition): checked in-process against per-parameter FP8AdamW.
+* Flat partitions cost FP8AdamW nothing once the glue marks where each parameter starts
+  (blocks restart there): checked in-process against per-parameter FP8AdamW, including the
+  case unmarked blocks get wrong (a small parameter next to one 1e5x larger).
 * O1 under DeepSpeed, other optimizers under O2, elastic checkpoints: one ValueError each.
 """
 
@@ -21,9 +22,9 @@ import torch
 from torch import nn
 
 from lowprec import Accelerator
-from lowprec.optim import FP8AdamW
+from lowprec.optim import FP8AdamW, set_block_segments
 from lowprec.utils import DeepSpeedPlugin, MSAMPRecipeKwargs
-from lowprec.utils.deepspeed import check_client_optimizer
+from lowprec.utils.deepspeed import _overlaps, check_client_optimizer
 from tests.test_accelerator_distributed import GLOO_TEARDOWN, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,6 +76,9 @@ def test_o2_trains_under_zero_with_fp8_state_and_exact_resume(tmp_path, stage, d
         # partitioned: each rank holds part of the state, 3 bytes + block scales per element (AdamW: 8)
         assert 0 < rep["state_elems"] < rep["model_numel"]
         assert rep["state_bytes"] / rep["state_elems"] < 3.1
+        # the FP8 blocks restart at every model parameter inside the partition
+        assert len(rep["segments"]) == 1 and len(rep["segments"][0]) >= 3
+        assert sum(rep["segments"][0]) == rep["state_elems"]
         assert rep["backend_info"]["applied"] == "True" and "DeepSpeed" in rep["backend_info"]["gradients"]
         # trains, and resumes from step SAVE_AT with identical losses and the same state dtypes
         assert rep["losses"][-1] < 0.5 * rep["losses"][0]
@@ -85,15 +89,15 @@ def test_o2_trains_under_zero_with_fp8_state_and_exact_resume(tmp_path, stage, d
 
 
 # ------------------------------------------------------------- FP8AdamW on flat partitions
-def _update_sqnr_per_param(flat_parts: int | None, seed: int, steps: int = 30) -> list[float]:
+def _update_sqnr_per_param(flat_parts: int | None, seed: int, sizes=(1.0, 1e-2, 1e-3, 0.3),
+                           segments: bool = True, steps: int = 30) -> list[float]:
     """Per-parameter update SQNR (dB, mean of the last 5 steps) of FP8AdamW against fp32 AdamW
     fed the same gradients. ``flat_parts``: None steps each parameter on its own, else the
-    parameters are concatenated and split into that many flat partitions, as ZeRO does."""
+    parameters are concatenated and split into that many flat partitions, as ZeRO does, with
+    the parameter boundaries marked (``segments``) as lowprec's DeepSpeed glue marks them.
+    ``sizes``: gradient size of each parameter (the first also has rows 1e2 apart)."""
     g = torch.Generator().manual_seed(seed)
     shapes = [(48, 80), (80,), (200, 24), (33,)]
-    # gradients 1e3 apart across parameters (neighbours up to 300x), rows 1e2 apart in the
-    # first. Neighbours 1e4-1e5 apart do cost at the boundary block (docs/log/dsopt.md).
-    sizes = [1.0, 1e-2, 1e-3, 0.3]
     sizes_n = [int(torch.tensor(s).prod()) for s in shapes]
     total = sum(sizes_n)
     w = torch.randn(total, generator=g) * 0.1
@@ -102,6 +106,9 @@ def _update_sqnr_per_param(flat_parts: int | None, seed: int, steps: int = 30) -
     else:
         edge = -(-total // flat_parts)  # not a multiple of the block size: blocks straddle parameters
         params = [nn.Parameter(t.clone()) for t in w.split(edge)]
+        for k, p in enumerate(params):
+            if segments:
+                set_block_segments(p, _overlaps(sizes_n, k * edge, k * edge + p.numel()))
     ref_w = nn.Parameter(w.clone())
     opt = FP8AdamW([{"params": [p]} for p in params], lr=1e-3, weight_decay=0.01)
     ref = torch.optim.AdamW([ref_w], lr=1e-3, weight_decay=0.01)
@@ -139,6 +146,39 @@ def test_fp8_adamw_on_flat_partitions_matches_per_parameter(seed):
         # E4M3 first moment: ~25 dB per parameter (docs/log/optim.md), flat or not
         assert min(flat) > 20.0, flat
         assert all(abs(a - b) < 1.0 for a, b in zip(flat, per_param)), (flat, per_param)
+
+
+def test_segments_keep_a_small_parameter_next_to_a_large_one():
+    # the 33-element last parameter has gradients 1e5x smaller than its neighbour: in a block
+    # shared with it, its first moment flushes to zero; restarting the blocks at the boundary
+    # gives it per-parameter quality back
+    sizes = (1.0, 1.0, 1.0, 1e-5)
+    per_param = _update_sqnr_per_param(None, 2, sizes)
+    marked = _update_sqnr_per_param(1, 2, sizes)
+    unmarked = _update_sqnr_per_param(1, 2, sizes, segments=False)
+    assert min(per_param) > 20.0 and abs(marked[3] - per_param[3]) < 1.0, (marked, per_param)
+    assert unmarked[3] < 10.0, unmarked
+
+
+def test_block_segments_are_checked():
+    p = nn.Parameter(torch.zeros(300))
+    with pytest.raises(ValueError, match=r"sum to the parameter's 300 elements \(they sum to 299\)"):
+        set_block_segments(p, [200, 99])
+    set_block_segments(p, [200, 0, 100])
+    opt = FP8AdamW([p])
+    p.grad = torch.randn(300)
+    opt.step()
+    assert opt.state[p]["exp_avg_scale"].shape == (3,)  # 2 blocks for 200 elements, 1 for 100
+    set_block_segments(p, [10, 10, 280])  # another layout (5 blocks): the saved scales no longer fit
+    with pytest.raises(ValueError, match=r"has 3 block scales but its parameter's segments need 5"):
+        opt.step()
+
+
+def test_overlaps_cut_parameters_at_partition_edges():
+    # parameters of 5, 3 and 4 elements, then 4 of alignment padding: partitions of 8 elements
+    assert _overlaps([5, 3, 4], 0, 8) == [5, 3]
+    assert _overlaps([5, 3, 4], 8, 16) == [4, 4]
+    assert _overlaps([5, 0, 3, 4], 3, 10) == [2, 3, 2]
 
 
 # ---------------------------------------------------------------------- what does not compose

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lowprec import Accelerator
+from lowprec.optim import block_segments
 from lowprec.utils import DeepSpeedPlugin, MSAMPRecipeKwargs, set_seed
 
 STEPS, SAVE_AT = 12, 7
@@ -73,6 +74,7 @@ def describe(model) -> dict:
         "state_bytes": sum(v.numel() * v.element_size() for st in states for v in st.values()
                            if isinstance(v, torch.Tensor)),
         "model_param_dtypes": sorted({str(p.dtype) for p in model.module.parameters()}),
+        "segments": [list(block_segments(p) or ()) for p in client.state],
         "model_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.module.parameters()),
     }
 

@@ -1,6 +1,6 @@
 """lowprec.optim: low-precision optimizer state and MS-AMP style opt levels (torch only)."""
 
-from lowprec.optim.fp8_adamw import FP8Adam, FP8AdamW
+from lowprec.optim.fp8_adamw import FP8Adam, FP8AdamW, block_segments, set_block_segments
 from lowprec.optim.opt_level import OPT_LEVELS, apply_opt_level, to_fp8_adamw
 from lowprec.optim.fp8_grads import (
     clip_grad_norm_,
@@ -12,6 +12,8 @@ from lowprec.optim.fp8_grads import (
 __all__ = [
     "FP8AdamW",
     "FP8Adam",
+    "set_block_segments",
+    "block_segments",
     "apply_opt_level",
     "to_fp8_adamw",
     "OPT_LEVELS",

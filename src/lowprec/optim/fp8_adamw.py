@@ -23,6 +23,10 @@ problem for per-group scales; with 128-element blocks we measured no need for it
 
 Gradients: ``p.grad`` when set, otherwise the FP8 gradient held by O1
 (``lowprec.optim.fp8_grads``), read directly without materialising a high-precision ``.grad``.
+
+Flat parameters (DeepSpeed ZeRO partitions, which concatenate many model parameters): mark the
+boundaries with :func:`set_block_segments` so that no block of the first moment mixes two model
+parameters (lowprec's DeepSpeed glue does this; see ``moments.py``).
 """
 
 from __future__ import annotations
@@ -44,10 +48,29 @@ from lowprec.optim.moments import (
     encode_exp_avg_sq,
 )
 
-__all__ = ["FP8AdamW", "FP8Adam"]
+__all__ = ["FP8AdamW", "FP8Adam", "set_block_segments", "block_segments"]
 
 DEFAULT_BLOCK_SIZE = 128
 ROUNDINGS = ("nearest", "stochastic")
+SEGMENTS_ATTR = "_lowprec_block_segments"
+
+
+def set_block_segments(p: torch.Tensor, lengths) -> None:
+    """Declare ``p`` (flat) as consecutive segments of ``lengths`` elements: FP8AdamW's
+    first-moment blocks then restart at each segment. Set it before the first step and keep it:
+    the block scales saved in a checkpoint follow this layout."""
+    lengths = tuple(int(n) for n in lengths)
+    if any(n < 0 for n in lengths) or sum(lengths) != p.numel():
+        raise ValueError(
+            f"block segments {lengths[:8]}{'...' if len(lengths) > 8 else ''} must be >= 0 and "
+            f"sum to the parameter's {p.numel()} elements (they sum to {sum(lengths)})"
+        )
+    setattr(p, SEGMENTS_ATTR, tuple(n for n in lengths if n))
+
+
+def block_segments(p: torch.Tensor) -> tuple[int, ...] | None:
+    """The segments set by :func:`set_block_segments` (None: blocks run over the flat tensor)."""
+    return getattr(p, SEGMENTS_ATTR, None)
 
 
 class FP8AdamW(Optimizer):
@@ -131,7 +154,7 @@ class FP8AdamW(Optimizer):
         zeros = torch.zeros_like(p, dtype=torch.float32)
         state["step"] = torch.zeros((), dtype=torch.float32)
         state["exp_avg"], state["exp_avg_scale"] = encode_exp_avg(
-            zeros, self.exp_avg_dtype, self.block_size
+            zeros, self.exp_avg_dtype, self.block_size, segments=block_segments(p)
         )
         state["exp_avg_sq"], state["exp_avg_sq_scale"] = encode_exp_avg_sq(
             zeros, self.exp_avg_sq_dtype
@@ -184,7 +207,8 @@ class FP8AdamW(Optimizer):
                 state["step"] += 1
                 t = state["step"].item()
 
-                m = decode_exp_avg(state["exp_avg"], state["exp_avg_scale"], self.block_size)
+                segments = block_segments(p)
+                m = decode_exp_avg(state["exp_avg"], state["exp_avg_scale"], self.block_size, segments)
                 v = decode_exp_avg_sq(state["exp_avg_sq"], state["exp_avg_sq_scale"])
                 m.lerp_(g, 1.0 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
@@ -202,6 +226,7 @@ class FP8AdamW(Optimizer):
                 state["exp_avg"], state["exp_avg_scale"] = encode_exp_avg(
                     m, self.exp_avg_dtype, self.block_size,
                     self._noise(p, step, index, 0, self.exp_avg_rounding, self.exp_avg_dtype),
+                    segments,
                 )
                 state["exp_avg_sq"], state["exp_avg_sq_scale"] = encode_exp_avg_sq(
                     v, self.exp_avg_sq_dtype,

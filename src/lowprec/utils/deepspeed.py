@@ -7,7 +7,9 @@ FP8 region with the user's recipe (Accelerate passes only the legacy handler her
 ``accelerator.autocast()`` is bf16 under fp8 (Accelerate uses the device default, bug 13).
 
 lowprec's FP8AdamW (MS-AMP O2) is a valid client optimizer: ZeRO 1-3 step it on flat fp32
-partitions and checkpoint its state per rank (docs/log/dsopt.md). The one ZeRO feature that
+partitions and checkpoint its state per rank (docs/log/dsopt.md). Each partition concatenates
+many parameters, so :func:`mark_partition_segments` tells FP8AdamW where they start (its FP8
+blocks must not mix a parameter with a neighbour 1e5x larger). The one ZeRO feature that
 cannot hold it is ``elastic_checkpoint``, which re-slices every state tensor by element count
 (blockwise scales are not per element; measured: the checkpoint then fails to load with a bare
 AssertionError): :func:`check_client_optimizer` rejects it up front.
@@ -16,9 +18,18 @@ AssertionError): :func:`check_client_optimizer` rejects it up front.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any, Optional
 
-__all__ = ["build_ds_config", "check_client_optimizer", "deepspeed_initialize", "DeepSpeedOptimizer"]
+logger = logging.getLogger("lowprec")
+
+__all__ = [
+    "build_ds_config",
+    "check_client_optimizer",
+    "deepspeed_initialize",
+    "mark_partition_segments",
+    "DeepSpeedOptimizer",
+]
 
 
 def build_ds_config(plugin: Any, mixed_precision: str, micro_batch_size: int, accumulation_steps: int, world: int) -> dict:
@@ -75,7 +86,64 @@ def deepspeed_initialize(model: Any, optimizer: Any, config: dict) -> tuple[Any,
             "installed: pip install 'lowprec[deepspeed]' (on CPU also set DS_ACCELERATOR=cpu)"
         ) from None
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    mark_partition_segments(ds_optimizer)
     return engine, ds_optimizer
+
+
+def _overlaps(lengths: list[int], start: int, end: int) -> list[int]:
+    """Lengths of the pieces of consecutive intervals (``lengths`` from 0) inside [start, end)."""
+    out, cur = [], 0
+    for n in lengths:
+        piece = min(cur + n, end) - max(cur, start)
+        if piece > 0:
+            out.append(piece)
+        cur += n
+    if end > max(cur, start):  # the group's trailing alignment padding
+        out.append(end - max(cur, start))
+    return out
+
+
+def _zero_partitions(zo: Any) -> list[tuple[Any, list[int]]]:
+    """(flat fp32 partition, lengths of the model parameters' pieces in it) for ZeRO 1-2 and 3."""
+    import torch.distributed as dist
+
+    if hasattr(zo, "single_partition_of_fp32_groups"):  # ZeRO 1-2: flat group, cut into equal parts
+        out = []
+        for i, flat in enumerate(zo.single_partition_of_fp32_groups):
+            tensors = zo.round_robin_bit16_groups[i]
+            pads = getattr(zo, "round_robin_bit16_padding", None)
+            pads = pads[i] if pads else [0] * len(tensors)
+            lengths = [n for t, pad in zip(tensors, pads) for n in (t.numel(), pad)]
+            start = int(zo.partition_size[i]) * dist.get_rank(group=zo.real_dp_process_group[i])
+            out.append((flat, _overlaps(lengths, start, start + flat.numel())))
+        return out
+    if hasattr(zo, "fp32_partitioned_groups_flat"):  # ZeRO 3: each parameter's own partition, end to end
+        return [(flat, [t.numel() for t in zo.fp16_partitioned_groups[i]])
+                for i, flat in enumerate(zo.fp32_partitioned_groups_flat)]
+    return []
+
+
+def mark_partition_segments(ds_optimizer: Any) -> int:
+    """Tell an FP8AdamW client optimizer where each model parameter starts inside ZeRO's flat
+    fp32 partitions (``lowprec.optim.set_block_segments``); returns how many partitions were
+    marked. A layout this code does not recognise is logged and left unsegmented (FP8AdamW then
+    runs its blocks over the flat partition: correct, less precise at parameter boundaries)."""
+    from lowprec.optim import FP8AdamW, set_block_segments
+
+    client = getattr(ds_optimizer, "optimizer", None)
+    if not isinstance(client, FP8AdamW) or client.block_size is None:
+        return 0
+    marked = 0
+    for flat, lengths in _zero_partitions(ds_optimizer):
+        if client.state.get(flat) or sum(lengths) != flat.numel():
+            logger.warning(
+                "lowprec: FP8AdamW under DeepSpeed: could not map a ZeRO partition of %d elements "
+                "to model parameters; its FP8 blocks run across parameter boundaries", flat.numel()
+            )
+            continue
+        set_block_segments(flat, lengths)
+        marked += 1
+    return marked
 
 
 class DeepSpeedOptimizer:
