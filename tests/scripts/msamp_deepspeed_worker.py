@@ -24,6 +24,7 @@ from lowprec.optim import block_segments
 from lowprec.utils import DeepSpeedPlugin, MSAMPRecipeKwargs, set_seed
 
 STEPS, SAVE_AT = 12, 7
+MAX_NORM = 0.5
 
 
 def make(stage: int):
@@ -43,15 +44,18 @@ def batches():
     return x, (x[..., :16] * 3).argmax(-1)
 
 
-def train(acc, model, opt, start, stop, path=None):
+def train(acc, model, opt, start, stop, path=None, norms=None):
     xs, ys = batches()
     losses = []
     for step in range(start, stop):
         loss = nn.functional.cross_entropy(model(xs[step]), ys[step])
         acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), MAX_NORM)  # DeepSpeed clips the partitions FP8AdamW reads
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if norms is not None:  # the norm before clipping, as DeepSpeed computed it in its step
+            norms.append(float(model.get_global_grad_norm()))
         if step + 1 == SAVE_AT and path is not None:
             acc.save_state(path)
     return losses
@@ -86,7 +90,8 @@ def main() -> None:
     path = os.path.join(out_dir, "ckpt")
     report = {"distributed_type": str(acc.distributed_type), "num_processes": acc.num_processes,
               "backend_info": {k: str(v) for k, v in acc.fp8_backend_info.items() if k != "recipe"}}
-    report["losses"] = train(acc, model, opt, 0, STEPS, path=path)
+    report["grad_norms"] = []
+    report["losses"] = train(acc, model, opt, 0, STEPS, path=path, norms=report["grad_norms"])
     report.update(describe(model))
     acc2, model2, opt2 = make(stage)
     acc2.load_state(path)
