@@ -3,7 +3,7 @@
 A checkpoint directory holds, per prepared object: ``model_{i}.safetensors`` (or
 ``pytorch_model_{i}.bin`` with ``safe_serialization=False``; FP8 scaling state included, as
 buffers), ``optimizer_{i}.safetensors`` (or ``.bin``), ``scheduler_{i}.bin``, ``dataloader_{i}.json`` (position),
-``scaler.pt``, ``custom_checkpoint_{i}.pkl``, ``random_states_{rank}.pkl``, under FSDP2
+``scaler.pt``, ``custom_checkpoint_{i}.pkl``, ``random_states_{rank}.pkl``, under FSDP2 and DeepSpeed
 ``buffers_{i}_rank{rank}.safetensors`` (each process's own FP8 scaling state) and
 ``lowprec_state.json`` (precision and backend, checked on load).
 
@@ -159,6 +159,11 @@ def _broadcast_str(acc: Any, text: str) -> str:
     return box[0]
 
 
+def _per_rank_buffers(model: Any) -> bool:
+    """Engines that keep each process's buffers apart (so each process saves its own)."""
+    return is_fsdp2(model) or _is_ds(model)
+
+
 def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> str:
     output_dir = os.path.abspath(output_dir)
     tmp = _broadcast_str(acc, f"{output_dir}.tmp-{os.getpid()}")
@@ -202,9 +207,10 @@ def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> st
             json.dump(meta, f, indent=1)
     torch.save(_rng_state(), os.path.join(tmp, f"random_states_{acc.process_index}.pkl"))
     for i, m in enumerate(acc._models):
-        if is_fsdp2(m):
-            # FSDP2 does not synchronise buffers (DDP broadcasts rank 0's): each process keeps its
-            # own FP8 scaling state (amax histories of its own data), so each saves its own
+        if _per_rank_buffers(m):
+            # FSDP2 and DeepSpeed do not synchronise buffers (DDP broadcasts rank 0's; DeepSpeed
+            # writes rank 0's only): each process keeps its own FP8 scaling state (amax histories
+            # of its own data), so each saves its own
             buffers = {k: b.detach().cpu() for k, b in acc.unwrap_model(m).named_buffers()}
             save_tensors(buffers, os.path.join(tmp, f"buffers_{i}_rank{acc.process_index}.safetensors"), True)
     acc.wait_for_everyone()
@@ -234,13 +240,13 @@ def load_state(acc: Any, input_dir: str) -> None:
         )
     safe = meta.get("safe_serialization", True)
     for i, m in enumerate(acc._models):
+        inner = acc.unwrap_model(m)
         if _is_ds(m):
             m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")
-            continue
-        inner = acc.unwrap_model(m)
-        load_full_model_state_dict(inner, load_tensors(_model_file(input_dir, i, safe)))
+        else:
+            load_full_model_state_dict(inner, load_tensors(_model_file(input_dir, i, safe)))
         own = os.path.join(input_dir, f"buffers_{i}_rank{acc.process_index}.safetensors")
-        if is_fsdp2(m) and os.path.isfile(own):
+        if _per_rank_buffers(m) and os.path.isfile(own):
             with torch.no_grad():
                 named = dict(inner.named_buffers())
                 for k, v in load_tensors(own).items():
