@@ -1,0 +1,420 @@
+"""A Llama-style decoder-only transformer: the built-in model of the trainer and benchmarks.
+
+RMSNorm -> causal self-attention (RoPE, optional grouped-query attention, SDPA) -> residual,
+RMSNorm -> SwiGLU MLP -> residual; a final RMSNorm and an LM head (tied to the embedding by
+default). Module names follow Hugging Face ``LlamaForCausalLM`` exactly, so layer filters,
+FSDP wrap policies (``LlamaDecoderLayer``) and state-dict keys read the same as for HF models::
+
+    model.embed_tokens
+    model.layers.{i}.input_layernorm
+    model.layers.{i}.self_attn.{q_proj,k_proj,v_proj,o_proj}
+    model.layers.{i}.post_attention_layernorm
+    model.layers.{i}.mlp.{gate_proj,up_proj,down_proj}     # gate_proj: SwiGLU gate, not a router
+    model.norm
+    lm_head
+
+Every Linear has in/out features that are multiples of 16, because ``torch._scaled_mm`` (the FP8
+GEMM) requires it; ``LlamaConfig`` rejects shapes that break this and pads the vocabulary.
+
+``forward(input_ids, labels=None, attention_mask=None)`` follows Hugging Face semantics: labels
+are aligned with ``input_ids`` (often the same tensor), the model shifts them by one, and
+positions labelled -100 are ignored. So ``model(**batch).loss`` works as in Accelerate scripts.
+
+Named sizes (``LlamaConfig.from_name``; parameter counts with tied embeddings):
+
+=========== ====== ====== ====== ===== ====== ======== =========== ==================================
+name        vocab  dim    layers heads kv     ffn      params      use
+=========== ====== ====== ====== ===== ====== ======== =========== ==================================
+llama-tiny  272    128    4      4     2      384      0.82 M      CPU tests, golden loss curves
+llama-small 272    512    8      8     4      1408     23.7 M      CPU/GPU examples
+llama-base  272    768    12     12    12     3072     113 M       GPU examples (GPT-2-small class)
+llama-1b    128256 2048   16     32    8      8192     1.24 B      GPU benchmarks (Llama-3.2-1B shape)
+=========== ====== ====== ====== ===== ====== ======== =========== ==================================
+
+The first three use the byte tokenizer's vocabulary (272 = 259 padded to 16); llama-1b keeps
+Llama 3's vocabulary so that benchmarks pay for a realistic embedding and LM head. Any vocab
+at least as large as the tokenizer's works; pass ``vocab_size=`` to override.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "LlamaDecoderLayer",
+    "CausalLMOutput",
+    "build_model",
+    "MODEL_NAMES",
+    "round_up",
+]
+
+# Linear dims must be multiples of this for FP8 GEMMs (torch._scaled_mm).
+GEMM_MULTIPLE = 16
+
+
+def round_up(n: int, multiple: int = GEMM_MULTIPLE) -> int:
+    return -(-int(n) // multiple) * multiple
+
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    "llama-tiny": dict(
+        vocab_size=272, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=512
+    ),
+    "llama-small": dict(
+        vocab_size=272, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, max_seq_len=1024
+    ),
+    "llama-base": dict(
+        vocab_size=272, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=3072, max_seq_len=2048
+    ),
+    # Llama-3.2-1B: same widths, GQA 32/8, rope_theta 5e5, tied embeddings.
+    "llama-1b": dict(
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim=8192,
+        max_seq_len=4096,
+        rope_theta=500000.0,
+    ),
+}
+MODEL_NAMES = tuple(_PRESETS)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and initialisation of a Llama-style model.
+
+    vocab_size: rounded up to a multiple of 16 (the LM head is a GEMM too).
+    n_kv_heads: key/value heads for grouped-query attention; ``None`` means ``n_heads`` (MHA).
+    ffn_dim: hidden width of the SwiGLU MLP (Llama uses about 8/3 * dim).
+    max_seq_len: longest sequence ``forward`` accepts (RoPE angles are computed on the fly).
+    init_std: std of the normal init; residual projections (o_proj, down_proj) use
+        init_std / sqrt(2 * n_layers) so the residual stream's variance does not grow with depth.
+    """
+
+    vocab_size: int = 272
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_dim: int = 384
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    name: str = dataclasses.field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        if self.n_kv_heads is None:
+            set_("n_kv_heads", self.n_heads)
+        for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"model {f} must be a positive integer, got {v!r}")
+        for f in ("rope_theta", "norm_eps", "init_std"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"model {f} must be a positive number, got {v!r}")
+            set_(f, float(v))
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"model tie_embeddings must be true or false, got {self.tie_embeddings!r}")
+        set_("vocab_size", round_up(self.vocab_size))
+        if self.dim % self.n_heads:
+            raise ValueError(
+                f"model dim={self.dim} is not divisible by n_heads={self.n_heads}; "
+                f"pick n_heads among {_divisors(self.dim, even_quotient=True)}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"model head_dim = dim / n_heads = {self.head_dim} must be even for RoPE; "
+                "change dim or n_heads"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}; "
+                f"pick n_kv_heads among {_divisors(self.n_heads)}"
+            )
+        for f, v in (("dim", self.dim), ("ffn_dim", self.ffn_dim)):
+            if v % GEMM_MULTIPLE:
+                raise ValueError(
+                    f"model {f}={v} must be a multiple of {GEMM_MULTIPLE} (FP8 GEMMs need it); "
+                    f"use {v - v % GEMM_MULTIPLE or GEMM_MULTIPLE} or {round_up(v)}"
+                )
+        if (self.n_kv_heads * self.head_dim) % GEMM_MULTIPLE:
+            raise ValueError(
+                f"model n_kv_heads * head_dim = {self.n_kv_heads} * {self.head_dim} must be a "
+                f"multiple of {GEMM_MULTIPLE} (the k_proj/v_proj width, an FP8 GEMM dim); "
+                "raise n_kv_heads or head_dim"
+            )
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_name(cls, name: str, **overrides: Any) -> "LlamaConfig":
+        """One of ``llama-tiny``, ``llama-small``, ``llama-base``, ``llama-1b``; keyword
+        arguments override single fields (``vocab_size=tok.vocab_size``, ``n_layers=2``...)."""
+        key = str(name).lower().replace("_", "-")
+        if key not in _PRESETS:
+            near = difflib.get_close_matches(key, _PRESETS, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(f"unknown model name {name!r}{hint}; choose one of {MODEL_NAMES}")
+        fields = {f.name for f in dataclasses.fields(cls)} - {"name"}
+        bad = sorted(set(overrides) - fields)
+        if bad:
+            hints = [
+                f"{b!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(b, fields, n=1)) else "")
+                for b in bad
+            ]
+            raise ValueError(f"unknown model field(s) {', '.join(hints)}; fields are {sorted(fields)}")
+        return cls(**{**_PRESETS[key], **overrides, "name": key})
+
+    def replace(self, **changes: Any) -> "LlamaConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Analytic parameter count (equals ``LlamaForCausalLM(self).num_parameters()``)."""
+        d, kv = self.dim, self.n_kv_heads * self.head_dim
+        per_layer = 2 * d * d + 2 * d * kv + 3 * d * self.ffn_dim + 2 * d
+        body = self.n_layers * per_layer + d
+        if exclude_embeddings:
+            return body
+        embed = self.vocab_size * d
+        return body + embed + (0 if self.tie_embeddings else embed)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward): 6 * (matmul params) + 12 * L * d * T
+        for attention scores and values (PaLM appendix B; causality is not halved)."""
+        d, kv = self.dim, self.n_kv_heads * self.head_dim
+        matmul = self.n_layers * (2 * d * d + 2 * d * kv + 3 * d * self.ffn_dim) + self.vocab_size * d
+        return 6.0 * matmul + 12.0 * self.n_layers * d * seq_len
+
+
+def _divisors(n: int, even_quotient: bool = False) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0 and (not even_quotient or (n // k) % 2 == 0)][:12]
+
+
+# ---------------------------------------------------------------------- modules
+class CausalLMOutput(NamedTuple):
+    """``loss`` is None without labels. A NamedTuple (not a dataclass) so that
+    ``torch.compile(fullgraph=True)`` returns it without a graph break."""
+
+    loss: torch.Tensor | None
+    logits: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the activation dtype (bf16 mean-of-squares loses ~3
+        # digits); cast back before the weight, as HF Llama does.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (seq_len, head_dim) in float32, HF's non-interleaved layout.
+
+    Computed per forward instead of cached in a buffer: it is (T x head_dim) work, it survives
+    ``.to(bfloat16)`` (a buffer would be rounded) and meta-device init with no re-init step."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, hd) by position: x*cos + rotate_half(x)*sin, in float32."""
+    h = x.float()
+    x1, x2 = h.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (h * cos + rotated * sin).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            # GQA: each kv head serves n_heads / n_kv_heads query heads (HF repeat_kv layout).
+            # expand+reshape rather than SDPA's enable_gqa, which needs torch >= 2.5.
+            rep = self.n_heads // self.n_kv_heads
+            k = k[:, :, None].expand(b, self.n_kv_heads, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+            v = v[:, :, None].expand(b, self.n_kv_heads, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Named as in HF so FSDP wrap policies (``transformer_layer_cls_to_wrap``) find it."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"LlamaForCausalLM takes a LlamaConfig, got {type(config).__name__}")
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head (tie_embeddings). ``to_empty()`` allocates each
+        parameter separately, which unties them; ``init_weights`` re-ties first."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) for embeddings and Linears, init_std / sqrt(2 * n_layers) for the
+        projections that write into the residual stream (GPT-2 / nanoGPT), ones for norms.
+        Deterministic under ``torch.manual_seed``; call again after ``to_empty()`` from meta."""
+        self.tie_weights()
+        std = self.config.init_std
+        resid_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if module is self.lm_head and self.config.tie_embeddings:
+                    continue  # same Parameter as embed_tokens
+                s = resid_std if name.endswith(("o_proj", "down_proj")) else std
+                nn.init.normal_(module.weight, mean=0.0, std=s)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Unique parameters (a tied LM head counts once)."""
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.model.embed_tokens.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.lm_head.weight.numel()
+        return n
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
+        """input_ids, labels, attention_mask: (B, T). ``labels`` are aligned with input_ids and
+        shifted here (position t predicts labels[t+1]); -100 is ignored. ``attention_mask`` has
+        1 for tokens and 0 for padding; without it attention is plain causal (the fast path)."""
+        b, t = input_ids.shape
+        if t > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {t} exceeds the model's max_seq_len={self.config.max_seq_len}; "
+                "raise max_seq_len or shorten seq_len"
+            )
+        cos, sin = rope_cos_sin(t, self.config.head_dim, self.config.rope_theta, input_ids.device)
+        mask = None if attention_mask is None else _padding_causal_mask(attention_mask)
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, mask)
+        logits = self.lm_head(self.model.norm(h))
+        loss = None
+        if labels is not None:
+            # Cross-entropy in float32 even when the logits are bf16 (autocast / bf16 weights).
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.size(-1)).float(),
+                labels[:, 1:].reshape(-1),
+                ignore_index=-100,
+            )
+        return CausalLMOutput(loss, logits)
+
+
+def _padding_causal_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) 1/0 padding mask -> (B, 1, T, T) boolean SDPA mask (True = attend).
+
+    A query always sees itself, so rows of padding tokens are never fully masked (SDPA would
+    return NaN there, and NaN times a zero gradient is still NaN)."""
+    t = attention_mask.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=attention_mask.device).tril()
+    keys = attention_mask.bool()[:, None, None, :]
+    eye = torch.eye(t, dtype=torch.bool, device=attention_mask.device)
+    return causal & (keys | eye)
+
+
+def build_model(name_or_config: str | LlamaConfig, **overrides: Any) -> LlamaForCausalLM:
+    """``build_model("llama-tiny", vocab_size=tok.vocab_size)`` or ``build_model(config)``.
+
+    Parameters are created on the current default device; build on ``torch.device("meta")``
+    to inspect large sizes without memory, then ``to_empty(device=...)`` and ``init_weights()``."""
+    if isinstance(name_or_config, LlamaConfig):
+        cfg = name_or_config.replace(**overrides) if overrides else name_or_config
+    elif isinstance(name_or_config, str):
+        cfg = LlamaConfig.from_name(name_or_config, **overrides)
+    else:
+        raise TypeError(
+            f"build_model takes a model name {MODEL_NAMES} or a LlamaConfig, "
+            f"got {type(name_or_config).__name__}"
+        )
+    return LlamaForCausalLM(cfg)

@@ -1,0 +1,144 @@
+"""Tokenizers: a dependency-free byte tokenizer (default) and a thin Hugging Face wrapper.
+
+Both expose the same small surface, which is all the data pipeline and trainer use::
+
+    name, vocab_size (padded to a multiple of 16), bos_id, eos_id, pad_id,
+    encode(text) -> list[int], decode(ids) -> str,
+    encode_documents(docs) -> 1-D int32 tensor of all documents, each followed by EOS.
+
+The byte tokenizer maps byte b to id b (0-255) and adds BOS=256, EOS=257, PAD=258, so every
+UTF-8 text round-trips exactly and the vocabulary (272 after padding) never needs training.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Protocol, Sequence
+
+import torch
+
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "BYTE_VOCAB_SIZE"]
+
+
+def _round_up16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def encode_documents(self, docs: Sequence[str | bytes]) -> torch.Tensor: ...
+
+
+class ByteTokenizer:
+    """ids 0-255 are bytes; 256 BOS, 257 EOS, 258 PAD; vocab_size 272 (259 padded to 16)."""
+
+    name = "byte"
+    bos_id = 256
+    eos_id = 257
+    pad_id = 258
+    n_tokens = 259
+    vocab_size = _round_up16(n_tokens)
+
+    def encode(self, text: str | bytes, bos: bool = False, eos: bool = False) -> list[int]:
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        return [self.bos_id] * bos + list(data) + [self.eos_id] * eos
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Special and padding ids are dropped; bytes that are not valid UTF-8 (a sequence
+        cut mid-character, a model's sample) decode to U+FFFD instead of raising."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def encode_documents(self, docs: Sequence[str | bytes]) -> torch.Tensor:
+        """All documents, each followed by EOS, as one int32 tensor, without a Python loop over
+        bytes: the joined bytes go through ``torch.frombuffer`` and EOS ids are scattered in."""
+        raw = [d.encode("utf-8") if isinstance(d, str) else bytes(d) for d in docs]
+        if not raw:
+            return torch.empty(0, dtype=torch.int32)
+        lengths = torch.tensor([len(r) + 1 for r in raw], dtype=torch.int64)
+        eos_at = lengths.cumsum(0) - 1
+        out = torch.empty(int(lengths.sum()), dtype=torch.int32)
+        is_byte = torch.ones(out.numel(), dtype=torch.bool)
+        is_byte[eos_at] = False
+        joined = b"".join(raw)
+        if joined:
+            # bytearray: frombuffer on immutable bytes warns about a non-writable buffer
+            out[is_byte] = torch.frombuffer(bytearray(joined), dtype=torch.uint8).to(torch.int32)
+        out[eos_at] = self.eos_id
+        return out
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=272)"
+
+
+BYTE_VOCAB_SIZE = ByteTokenizer.vocab_size
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer directory (``tokenizer.json`` etc.), loaded offline."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as e:  # None in sys.modules also lands here
+            raise ValueError(
+                f"tokenizer {path!r} is a Hugging Face tokenizer directory, which needs the "
+                "'transformers' package; install it with `pip install transformers` "
+                "or use tokenizer: byte"
+            ) from e
+        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self.name = f"hf:{os.path.basename(os.path.normpath(path))}"
+        eos = self._tok.eos_token_id
+        if eos is None:
+            raise ValueError(
+                f"tokenizer {path!r} defines no eos_token; documents are joined with EOS, "
+                "so set eos_token in its tokenizer_config.json"
+            )
+        self.eos_id = int(eos)
+        self.bos_id = None if self._tok.bos_token_id is None else int(self._tok.bos_token_id)
+        self.pad_id = self.eos_id if self._tok.pad_token_id is None else int(self._tok.pad_token_id)
+        self.vocab_size = _round_up16(len(self._tok))
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = list(self._tok.encode(text, add_special_tokens=False))
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        return head + ids + [self.eos_id] * eos
+
+    def decode(self, ids: Iterable[int]) -> str:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def encode_documents(self, docs: Sequence[str | bytes]) -> torch.Tensor:
+        texts = [d.decode("utf-8", errors="replace") if isinstance(d, bytes) else d for d in docs]
+        ids: list[int] = []
+        for row in self._tok(texts, add_special_tokens=False)["input_ids"] if texts else []:
+            ids.extend(row)
+            ids.append(self.eos_id)
+        return torch.tensor(ids, dtype=torch.int32)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(spec: str | None = "byte") -> Tokenizer:
+    """``"byte"`` (or None) for the byte tokenizer, or the path of a local Hugging Face
+    tokenizer directory (needs ``transformers``)."""
+    if spec is None or str(spec).lower() == "byte":
+        return ByteTokenizer()
+    if isinstance(spec, (str, os.PathLike)) and os.path.isdir(spec):
+        return HFTokenizer(os.fspath(spec))
+    raise ValueError(
+        f"tokenizer {spec!r} is neither 'byte' nor an existing directory; use tokenizer: byte "
+        "or the path of a local Hugging Face tokenizer directory"
+    )
