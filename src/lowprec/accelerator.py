@@ -1,0 +1,525 @@
+"""``lowprec.Accelerator``: Hugging Face Accelerate's training-loop API over lowprec.
+
+It holds no numerics. At construction it resolves, once and with logged reasons, the precision,
+the device, the distributed type and (for fp8) one backend; ``prepare`` then asks the backend to
+convert models, wraps them (precision wrapper, DDP / FSDP2) and wraps optimizers, schedulers and
+dataloaders. Objects may be prepared in any mix and order, over several calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import inspect
+import logging
+from enum import Enum
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lowprec.backends import PrepareContext, remap_optimizer_params, select_backend
+from lowprec.backends.base import Backend, named_params
+from lowprec.kwargs import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradientAccumulationPlugin,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    KwargsHandler,
+    RecipeKwargs,
+    env_get,
+)
+from lowprec.state import AcceleratorState, Decision, DistributedType
+from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
+from lowprec.utils.distributed import wrap_ddp, wrap_fsdp2
+from lowprec.utils.operations import gather, pad_across_processes, reduce
+from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler
+from lowprec.utils.precision import autocast_context, unwrap_forward, wrap_forward
+
+__all__ = ["Accelerator", "FP8BackendType"]
+
+logger = logging.getLogger("lowprec")
+
+
+class FP8BackendType(str, Enum):
+    """Accelerate's enum, plus NATIVE; compares equal to its string value."""
+
+    NO = "NO"
+    NATIVE = "NATIVE"
+    AO = "AO"
+    TE = "TE"
+    MSAMP = "MSAMP"
+
+
+_BACKEND_ENUM = {"native": FP8BackendType.NATIVE, "torchao": FP8BackendType.AO, "te": FP8BackendType.TE, "msamp": FP8BackendType.MSAMP}
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+        hasattr(obj, "step") and hasattr(obj, "optimizer") and not isinstance(obj, torch.optim.Optimizer)
+    )
+
+
+class Accelerator:
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: bool = False,
+        mixed_precision: Optional[str] = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        deepspeed_plugin: Any = None,
+        fsdp_plugin: Any = None,
+        rng_types: Optional[list] = None,
+        project_dir: Optional[str] = None,
+        gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: Optional[list] = None,
+        fp8_fallback: Optional[str] = None,
+        **kwargs: Any,
+    ) -> None:
+        handlers = list(kwargs_handlers or [])
+        if "kwarg_handlers" in kwargs:  # the spelling Accelerate's own FP8 docs use
+            handlers += list(kwargs.pop("kwarg_handlers") or [])
+        for ignored in ("log_with", "dynamo_backend", "dataloader_config", "project_config"):
+            if kwargs.pop(ignored, None) is not None:
+                logger.warning("lowprec: Accelerator(%s=...) is accepted and ignored", ignored)
+        if kwargs:
+            known = list(inspect.signature(Accelerator.__init__).parameters) + ["kwarg_handlers"]
+            bad = next(iter(kwargs))
+            near = difflib.get_close_matches(bad, known, n=1)
+            raise TypeError(f"Accelerator() got an unexpected argument {bad!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+        if split_batches:
+            raise ValueError("split_batches=True is not supported; give each process its own batch size")
+        self.handlers = self._sort_handlers(handlers)
+        recipe_handler: Optional[RecipeKwargs] = self.handlers.get("recipe")
+
+        explicit_mp = mixed_precision is not None or env_get("ACCELERATE_MIXED_PRECISION") is not None
+        sharded = fsdp_plugin is not None or deepspeed_plugin is not None
+        if recipe_handler is not None and not explicit_mp and sharded:
+            mixed_precision = "fp8"  # Accelerate's FSDP/DeepSpeed rule: a recipe alone enables FP8
+        self.state = AcceleratorState(
+            mixed_precision=mixed_precision,
+            cpu=cpu,
+            fp8_fallback=fp8_fallback,
+            fsdp_plugin=fsdp_plugin,
+            deepspeed_plugin=deepspeed_plugin,
+            init_kwargs=self.handlers.get(InitProcessGroupKwargs),
+        )
+        if recipe_handler is not None and self.state.requested_mixed_precision != "fp8":
+            raise ValueError(
+                f"{type(recipe_handler).__name__} was passed but mixed_precision="
+                f"{self.state.requested_mixed_precision!r}; set mixed_precision='fp8' (argument, "
+                "--mixed_precision fp8, or ACCELERATE_MIXED_PRECISION=fp8) or drop the recipe"
+            )
+        self.backend: Optional[Backend] = None
+        if self.state.mixed_precision == "fp8":
+            self.backend = select_backend(recipe_handler)
+            self.state._decide("fp8_backend", Decision(self.backend.engine, self.backend.reason))
+        elif recipe_handler is not None:
+            logger.warning("lowprec: FP8 recipe ignored: %s", self.state.decisions["fp8_hardware"].reason)
+
+        plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
+            num_steps=int(env_get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS") or gradient_accumulation_steps)
+        )
+        if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
+            raise ValueError("pass gradient_accumulation_steps or gradient_accumulation_plugin, not both")
+        self.accumulation = plugin
+        self.gradient_state = GradientState(plugin.num_steps, plugin.sync_with_dataloader)
+        self.step = 0
+        self.device_placement = device_placement
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.rng_types = rng_types
+        self.project_dir = project_dir
+        self.scaler = self._make_scaler()
+        self._models: list[nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[DataLoaderShard] = []
+        self._custom_objects: list[Any] = []
+        self._param_maps: list[tuple[dict, dict]] = []
+        self._optimizer_models: dict[int, Optional[nn.Module]] = {}
+        self._data_seed: Optional[int] = None
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _sort_handlers(handlers: list) -> dict:
+        out: dict = {}
+        for h in handlers:
+            if not isinstance(h, KwargsHandler):
+                raise TypeError(f"kwargs_handlers takes lowprec.utils *Kwargs objects, got {type(h).__name__}")
+            key = "recipe" if isinstance(h, RecipeKwargs) else type(h)
+            if key in out:
+                first = type(out[key]).__name__
+                raise ValueError(
+                    f"kwargs_handlers has two FP8 recipes ({first} and {type(h).__name__}); pass one"
+                    if key == "recipe"
+                    else f"kwargs_handlers has two {first}; pass one"
+                )
+            out[key] = h
+        return out
+
+    def _make_scaler(self):
+        mp, device = self.state.mixed_precision, self.state.device
+        needs = mp == "fp16" or (self.backend is not None and self.backend.needs_grad_scaler)
+        if not needs or self.distributed_type == DistributedType.DEEPSPEED:
+            return None
+        if mp == "fp16" and device.type == "cpu":
+            logger.info("lowprec: fp16 on CPU runs torch.autocast('cpu', float16) with a CPU GradScaler (slow)")
+        kw = (self.handlers.get(GradScalerKwargs) or GradScalerKwargs()).to_kwargs()
+        return torch.amp.GradScaler(device.type, **kw)
+
+    # ------------------------------------------------------------------ properties
+    device = property(lambda self: self.state.device)
+    process_index = property(lambda self: self.state.process_index)
+    local_process_index = property(lambda self: self.state.local_process_index)
+    num_processes = property(lambda self: self.state.num_processes)
+    is_main_process = property(lambda self: self.state.is_main_process)
+    is_local_main_process = property(lambda self: self.state.local_process_index == 0)
+    distributed_type = property(lambda self: self.state.distributed_type)
+    mixed_precision = property(lambda self: self.state.mixed_precision)
+    use_distributed = property(lambda self: self.state.use_distributed)
+    sync_gradients = property(lambda self: self.gradient_state.sync_gradients)
+    gradient_accumulation_steps = property(lambda self: self.gradient_state.num_steps)
+    fp8_enabled = property(lambda self: self.state.mixed_precision == "fp8")
+    native_amp = property(lambda self: self.state.mixed_precision != "no")
+
+    @property
+    def fp8_backend(self) -> FP8BackendType:
+        return FP8BackendType.NO if self.backend is None else _BACKEND_ENUM[self.backend.name]
+
+    @property
+    def fp8_backend_info(self) -> dict:
+        """What runs FP8 and why (``engine``, ``reason``, recipe/config)."""
+        return {} if self.backend is None else self.backend.describe()
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return any(o.step_was_skipped for o in self._optimizers)
+
+    def _ctx(self) -> PrepareContext:
+        return PrepareContext(self.distributed_type, self.device, self.state.fp8_emulate)
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: Optional[list] = None) -> Any:
+        results = list(args)
+        for i, obj in enumerate(args):
+            if isinstance(obj, nn.Module):
+                results[i] = self.prepare_model(obj)
+        for i, obj in enumerate(args):
+            if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
+                results[i] = self.prepare_optimizer(obj)
+        self._finish_optimizers(results)
+        for i, obj in enumerate(args):
+            if isinstance(obj, DataLoader):
+                results[i] = self.prepare_data_loader(obj)
+            elif _is_scheduler(obj) and not isinstance(obj, AcceleratedScheduler):
+                results[i] = self.prepare_scheduler(obj)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
+        if any(model is m or self.unwrap_model(m) is model for m in self._models):
+            return model
+        placement = self.device_placement if device_placement is None else device_placement
+        before = named_params(model)
+        if placement:
+            model = model.to(self.device)
+        if self.backend is not None:
+            model = self.backend.convert(model, self._ctx())
+        fp8_ctx = self.backend.fp8_context if self.backend is not None else None
+        dt = self.distributed_type
+        # under FSDP2 the MixedPrecisionPolicy sets dtypes; elsewhere torch.autocast does
+        mp = "no" if dt == DistributedType.FSDP else self.mixed_precision
+        autocast = functools.partial(autocast_context, self.device.type, mp, self.handlers.get(AutocastKwargs))
+        if self.mixed_precision != "no" or fp8_ctx is not None:
+            wrap_forward(model, autocast, fp8_ctx)
+        if not evaluation_mode:
+            if dt == DistributedType.MULTI:
+                kw = (self.handlers.get(DistributedDataParallelKwargs) or DistributedDataParallelKwargs()).to_kwargs()
+                model = wrap_ddp(model, self.device, kw)
+            elif dt == DistributedType.FSDP:
+                model = wrap_fsdp2(model, self.mixed_precision, self.state.fsdp_plugin, self.device)
+            elif dt == DistributedType.DEEPSPEED:
+                raise NotImplementedError(
+                    "DeepSpeed is not wired into lowprec.Accelerator yet; use FSDP2 (fsdp_plugin) or DDP"
+                )
+            if self.backend is not None:
+                self.backend.after_wrap(model, self._ctx())
+        self._param_maps.append((before, named_params(self.unwrap_model(model))))
+        self._models.append(model)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> AcceleratedOptimizer:
+        wrapped = AcceleratedOptimizer(optimizer, self.scaler, self.gradient_state)
+        self._optimizers.append(wrapped)
+        self._finish_optimizers([])
+        return wrapped
+
+    def _owner(self, optimizer: Any) -> Optional[nn.Module]:
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        for model in self._models:
+            if ids & {id(p) for p in model.parameters()}:
+                return model
+        return None
+
+    def _finish_optimizers(self, results: list) -> None:
+        """Point every optimizer at the final parameters (conversion and FSDP2 may make new
+        ones) and give the backend its optimizer hook once the owning model is known."""
+        for opt in self._optimizers:
+            for before, after in self._param_maps:
+                remap_optimizer_params(opt.optimizer, before, after)
+            if id(opt) in self._optimizer_models:
+                continue
+            owner = self._owner(opt.optimizer)
+            if owner is None and self.backend is not None and self.backend.name == "msamp":
+                continue  # wait for the model (a later prepare call)
+            self._optimizer_models[id(opt)] = owner
+            if self.backend is None:
+                continue
+            inner = self.unwrap_model(owner) if owner is not None else None
+            new_opt, new_model = self.backend.prepare_optimizer(opt.optimizer, inner, self._ctx())
+            opt.optimizer = new_opt
+            if owner is not None:
+                opt.after_step = functools.partial(self.backend.after_optimizer_step, owner)
+            if new_model is not None and new_model is not inner:
+                idx = next((i for i, r in enumerate(results) if r is owner), None)
+                if idx is None:
+                    raise ValueError(
+                        f"the {self.backend.engine} backend replaced the model while preparing its "
+                        "optimizer; pass the model and the optimizer in the same prepare() call"
+                    )
+                results[idx] = new_model
+                self._models[self._models.index(owner)] = new_model
+                self._optimizer_models[id(opt)] = new_model
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        wrapped = AcceleratedScheduler(scheduler, self._optimizers, self.gradient_state)
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: Optional[bool] = None) -> DataLoaderShard:
+        if self._data_seed is None:
+            seed = torch.tensor([torch.initial_seed() % (2**31)], dtype=torch.int64)
+            if self.use_distributed:
+                dist.broadcast(seed, src=0)
+            self._data_seed = int(seed)
+        placement = self.device_placement if device_placement is None else device_placement
+        shard = DataLoaderShard(
+            data_loader,
+            rank=self.process_index,
+            world_size=self.num_processes,
+            device=self.device if placement else None,
+            seed=self._data_seed,
+            gradient_state=self.gradient_state,
+        )
+        self._dataloaders.append(shard)
+        return shard
+
+    def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
+        return skip_first_batches(dataloader, num_batches)
+
+    # ------------------------------------------------------------------ training step
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        loss = loss / self.gradient_accumulation_steps
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    def _do_sync(self) -> None:
+        gs = self.gradient_state
+        if gs.sync_with_dataloader and gs.end_of_dataloader:
+            self.step = 0
+            gs.sync_gradients = True
+        else:
+            self.step += 1
+            gs.sync_gradients = self.step % gs.num_steps == 0 or self.accumulation.sync_each_batch
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module):
+        if hasattr(model, "no_sync"):  # DDP
+            with model.no_sync():
+                yield
+        elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            model.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                model.set_requires_gradient_sync(True)
+        else:
+            yield
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module):
+        self._do_sync()
+        with contextlib.ExitStack() as stack:
+            if not self.sync_gradients:
+                for m in models:
+                    stack.enter_context(self.no_sync(m))
+            yield
+
+    def autocast(self, autocast_handler: Optional[AutocastKwargs] = None):
+        """Mixed-precision region for code outside the prepared model's forward (e.g. a loss).
+        Under fp8 this is bf16 autocast plus the FP8 backend's region."""
+        handler = autocast_handler or self.handlers.get(AutocastKwargs)
+        stack = contextlib.ExitStack()
+        stack.enter_context(autocast_context(self.device.type, self.mixed_precision, handler))
+        if self.backend is not None and (handler is None or handler.enabled):
+            model = self._models[0] if self._models else nn.Module()
+            stack.enter_context(self.backend.fp8_context(model))
+        return stack
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        if self.scaler is None:
+            return
+        opts = self._optimizers if optimizer is None else (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        for opt in opts:
+            if isinstance(opt, AcceleratedOptimizer) and not opt.unscaled:
+                self.scaler.unscale_(opt.optimizer)
+                opt.unscaled = True
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0):
+        """Unscales first (fp16 and MS-AMP alike), then clips. On accumulation micro-steps it does
+        nothing and returns None: clipping a partial sum would distort the final gradient."""
+        if not self.sync_gradients:
+            return None
+        self.unscale_gradients()
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def clip_grad_value_(self, parameters, clip_value: float) -> None:
+        if not self.sync_gradients:
+            return
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    # ------------------------------------------------------------------ collectives
+    def gather(self, tensor: Any) -> Any:
+        return gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather, then drop the samples duplicated to pad the last batch."""
+        if use_gather_object or not _has_tensor(input_data):
+            data = _gather_object(input_data)
+        else:
+            data = gather(input_data)
+        rem = self.gradient_state.remainder
+        if self.gradient_state.end_of_dataloader and rem > 0:
+            from lowprec.utils.operations import recursively_apply
+
+            if isinstance(data, list) and not _has_tensor(data):
+                return data[:rem]
+            return recursively_apply(lambda t: t[:rem], data)
+        return data
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        return reduce(tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        return pad_across_processes(tensor, dim, pad_index, pad_first)
+
+    def wait_for_everyone(self) -> None:
+        if self.use_distributed:
+            dist.barrier()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    def end_training(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ models and checkpoints
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
+        while True:
+            if hasattr(model, "_orig_mod"):  # torch.compile
+                model = model._orig_mod
+            elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                model = model.module
+            else:
+                break
+        if not keep_fp32_wrapper:
+            unwrap_forward(model)
+        return model
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        bad = [o for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if bad:
+            raise TypeError(f"register_for_checkpointing needs objects with state_dict/load_state_dict; got {bad!r}")
+        self._custom_objects.extend(objects)
+
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True) -> str:
+        from lowprec.checkpoint import save_state
+
+        return save_state(self, output_dir or _default_dir(self.project_dir), safe_serialization)
+
+    def load_state(self, input_dir: Optional[str] = None) -> None:
+        from lowprec.checkpoint import load_state
+
+        load_state(self, input_dir or _default_dir(self.project_dir))
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
+        from lowprec.utils.distributed import full_model_state_dict
+
+        return full_model_state_dict(self.unwrap_model(model) if unwrap else model)
+
+    def save_model(self, model: nn.Module, save_directory: str, safe_serialization: bool = True, **_: Any) -> None:
+        from lowprec.checkpoint import save_model
+
+        save_model(self, model, save_directory, safe_serialization)
+
+    def save(self, obj: Any, f: str, safe_serialization: bool = False) -> None:
+        if self.is_main_process:
+            if safe_serialization:
+                from safetensors.torch import save_file
+
+                save_file(obj, f)
+            else:
+                torch.save(obj, f)
+
+    def free_memory(self, *objects: Any):
+        self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
+        return objects
+
+
+def _default_dir(project_dir: Optional[str]) -> str:
+    if project_dir is None:
+        raise ValueError("save_state/load_state need a directory (or Accelerator(project_dir=...))")
+    import os
+
+    return os.path.join(project_dir, "checkpoint")
+
+
+def _has_tensor(data: Any) -> bool:
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, (list, tuple)):
+        return any(_has_tensor(d) for d in data)
+    if isinstance(data, dict):
+        return any(_has_tensor(v) for v in data.values())
+    return False
+
+
+def _gather_object(obj: Any) -> list:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    flat: list = []
+    for part in out:
+        flat.extend(part if isinstance(part, (list, tuple)) else [part])
+    return flat

@@ -1,0 +1,115 @@
+"""Pick the FP8 backend, once: explicit handler > ``ACCELERATE_FP8_BACKEND`` > auto (native).
+
+A TE, MS-AMP or torchao recipe asked for where that library is missing runs the same recipe on
+lowprec's native engine, and the choice is logged once with its reason.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lowprec.backends.availability import is_available
+from lowprec.backends.base import Backend, log_once
+from lowprec.kwargs import (
+    AORecipeKwargs,
+    FP8RecipeKwargs,
+    MSAMPRecipeKwargs,
+    NativeRecipeKwargs,
+    RecipeKwargs,
+    TERecipeKwargs,
+    env_get,
+    normalize_backend,
+)
+
+__all__ = ["select_backend", "default_handler", "native_recipe_for"]
+
+_DEFAULT_HANDLERS = {
+    "native": NativeRecipeKwargs,
+    "torchao": AORecipeKwargs,
+    "te": TERecipeKwargs,
+    "msamp": MSAMPRecipeKwargs,
+}
+_LIBRARY = {"torchao": "torchao", "te": "transformer_engine", "msamp": "msamp"}
+
+
+def default_handler(handler: Optional[RecipeKwargs]) -> tuple[RecipeKwargs, str]:
+    """The handler to use and why: the user's, or one built for the env-named backend."""
+    if isinstance(handler, FP8RecipeKwargs):
+        return handler.to_handler(), f"FP8RecipeKwargs(backend={handler.backend!r}) (deprecated spelling)"
+    if handler is not None:
+        return handler, f"{type(handler).__name__} passed in kwargs_handlers"
+    raw = env_get("ACCELERATE_FP8_BACKEND")
+    name = normalize_backend(raw, "ACCELERATE_FP8_BACKEND")
+    if name is not None:
+        return _DEFAULT_HANDLERS[name](), f"env ACCELERATE_FP8_BACKEND={raw}"
+    return NativeRecipeKwargs(), "auto: no FP8 backend asked for; the native engine is always available"
+
+
+def native_recipe_for(handler: RecipeKwargs):
+    """The native engine's recipe equivalent to a handler (the fallback's 'same recipe')."""
+    from lowprec.fp8.recipes import Recipe
+
+    if isinstance(handler, NativeRecipeKwargs):
+        return handler.to_recipe()
+    if isinstance(handler, TERecipeKwargs):
+        if handler.fp8_format == "E5M2":
+            raise ValueError(
+                "fp8_format='E5M2' needs TransformerEngine; the native engine runs HYBRID or E4M3"
+            )
+        if handler.use_mxfp8_block_scaling:
+            # MXFP8: E4M3 everywhere, power-of-two scales per 32-element block
+            return Recipe.from_name("blockwise", block_size=32, use_during_eval=handler.use_autocast_during_eval)
+        return Recipe.from_name(
+            "delayed",
+            fp8_format=handler.fp8_format,
+            margin=handler.margin,
+            interval=handler.interval,
+            amax_history_len=handler.amax_history_len,
+            amax_compute_algo=handler.amax_compute_algo,
+            override_linear_precision=tuple(handler.override_linear_precision),
+            use_during_eval=handler.use_autocast_during_eval,
+        )
+    if isinstance(handler, MSAMPRecipeKwargs):
+        return Recipe.from_name("delayed")
+    if isinstance(handler, AORecipeKwargs):
+        return Recipe.from_name(handler.recipe or "tensorwise")
+    raise TypeError(f"not an FP8 recipe handler: {type(handler).__name__}")
+
+
+def select_backend(handler: Optional[RecipeKwargs]) -> Backend:
+    handler, why = default_handler(handler)
+    name = handler.backend
+    library = _LIBRARY.get(name)
+    if library is not None and is_available(name):
+        if name == "torchao":
+            from lowprec.backends.torchao import TorchAOBackend
+
+            return TorchAOBackend(handler, reason=f"{why}; torchao installed")
+        if name == "te":
+            from lowprec.backends.te import TEBackend
+
+            return TEBackend(handler, reason=f"{why}; transformer_engine installed")
+        from lowprec.backends.msamp import MSAMPBackend
+
+        return MSAMPBackend(handler.opt_level, reason=f"{why}; msamp installed")
+
+    from lowprec.backends.native import NativeBackend
+
+    recipe = native_recipe_for(handler)
+    if library is None:
+        return NativeBackend(
+            recipe,
+            reason=why,
+            module_filter=handler.module_filter_func,
+            skip_first_last=handler.skip_first_last,
+            skip_patterns=handler.skip_patterns,
+        )
+    reason = f"{why}; {library} is not installed, so lowprec's native engine runs the same recipe ({recipe.name})"
+    log_once(f"lowprec: FP8 backend {name!r}: {reason}")
+    if name == "msamp":
+        from lowprec.backends.msamp import NativeOptLevelBackend
+
+        return NativeOptLevelBackend(recipe, handler.opt_level, reason)
+    if name == "te":  # TE converts every eligible Linear, the first and last included
+        return NativeBackend(recipe, name="te", reason=reason, skip_first_last=False, skip_patterns=())
+    return NativeBackend(recipe, name="torchao", reason=reason, module_filter=handler.module_filter_func)

@@ -1,0 +1,110 @@
+"""The torchao backend: ``torchao.float8.convert_to_float8_training`` (real torchao, optional).
+
+Differences from Accelerate, each a fix of a bug in reference section 8:
+
+* the default module filter excludes the first and last Linear *of the whole model* and any
+  Linear whose dims are not multiples of 16 (bug 8);
+* FSDP2 float8 all-gather is only switched on under FSDP2; elsewhere it would swap every weight
+  for a new Parameter behind the optimizer (bug 1). Parameters that do change are remapped in
+  the optimizer by name on every path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+from torch import nn
+
+from lowprec.backends.base import BaseBackend, PrepareContext, log_once, named_params, remap_optimizer_params
+
+__all__ = ["TorchAOBackend", "first_last_linear_filter"]
+
+
+def first_last_linear_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
+    """A torchao ``module_filter_fn`` that skips the model's first and last Linear and any
+    Linear with a dimension not divisible by 16 (``torch._scaled_mm`` needs multiples of 16)."""
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    skip = {linears[0], linears[-1]} if linears else set()
+
+    def module_filter(module: nn.Module, fqn: str) -> bool:
+        if isinstance(module, nn.Linear):
+            if module.in_features % 16 or module.out_features % 16:
+                return False
+            return fqn not in skip
+        return True
+
+    return module_filter
+
+
+class TorchAOBackend(BaseBackend):
+    name = "torchao"
+
+    def __init__(self, handler: Any, reason: str = "") -> None:
+        import torchao  # noqa: F401 - fail here, with the import error, if it is missing
+
+        self.handler = handler
+        self.engine = f"torchao {getattr(torchao, '__version__', '?')} Float8Linear"
+        self.reason = reason or "AORecipeKwargs / fp8_backend=ao and torchao is installed"
+        self._before: dict[str, nn.Parameter] = {}
+        self._after: dict[str, nn.Parameter] = {}
+        self.config: Any = None
+        self._fsdp_all_gather = False
+
+    def build_config(self, ctx: PrepareContext) -> Any:
+        from torchao.float8 import Float8LinearConfig
+
+        h = self.handler
+        fsdp2 = ctx.distributed_type == "FSDP"
+        if h.config is not None:
+            config = h.config
+        elif h.recipe is not None and h.recipe != "tensorwise":
+            config = Float8LinearConfig.from_recipe_name(h.recipe)
+        else:
+            config = Float8LinearConfig(
+                pad_inner_dim=h.pad_inner_dim,
+                enable_fsdp_float8_all_gather=h.enable_fsdp_float8_all_gather and fsdp2,
+            )
+        if config.enable_fsdp_float8_all_gather and not fsdp2:
+            log_once(
+                "lowprec: torchao enable_fsdp_float8_all_gather only applies under FSDP2; "
+                "switched off here so the optimizer keeps the model's parameters"
+            )
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
+        if ctx.emulate and not config.emulate:
+            config = dataclasses.replace(config, emulate=True)
+        self._fsdp_all_gather = bool(config.enable_fsdp_float8_all_gather)
+        return config
+
+    def convert(self, model: nn.Module, ctx: PrepareContext) -> nn.Module:
+        from torchao.float8 import convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
+
+        if any(isinstance(m, Float8Linear) for m in model.modules()):
+            return model
+        self.config = self.build_config(ctx)
+        module_filter = self.handler.module_filter_func or first_last_linear_filter(model)
+        before = named_params(model)
+        convert_to_float8_training(model, module_filter_fn=module_filter, config=self.config)
+        self._before.update(before)
+        self._after.update(named_params(model))
+        return model
+
+    def prepare_optimizer(self, optimizer: Any, model: Optional[nn.Module], ctx: PrepareContext):
+        remap_optimizer_params(optimizer, self._before, self._after)
+        return optimizer, model
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        if self._fsdp_all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            # one all-reduce for all scales instead of one per layer in the next forward
+            precompute_float8_dynamic_scale_for_fsdp(model)
+
+    def plain_state_dict(self, state_dict: dict) -> dict:
+        # WeightWithDynamicFloat8CastTensor wraps the real tensor in ``_tensor``
+        return {k: getattr(v, "_tensor", v) for k, v in state_dict.items()}
+
+    def describe(self) -> dict:
+        cfg = None if self.config is None else repr(self.config)
+        return {**super().describe(), "config": cfg}

@@ -1,0 +1,209 @@
+"""``save_state`` / ``load_state`` / ``save_model`` for the Accelerator.
+
+A checkpoint directory holds, per prepared object: ``model_{i}.safetensors`` (or
+``pytorch_model_{i}.bin`` with ``safe_serialization=False``; FP8 scaling state included, as
+buffers), ``optimizer_{i}.bin``, ``scheduler_{i}.bin``, ``dataloader_{i}.json`` (position),
+``scaler.pt``, ``custom_checkpoint_{i}.pkl``, ``random_states_{rank}.pkl`` and
+``lowprec_state.json`` (precision and backend, checked on load).
+
+Writes are atomic: everything goes to a sibling temporary directory that replaces the target
+only when complete, so a crash never leaves a half-written checkpoint under the real name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from typing import Any
+
+import torch
+
+from lowprec.utils.distributed import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_full_model_state_dict,
+    load_full_optimizer_state_dict,
+)
+
+__all__ = ["save_state", "load_state", "save_model", "save_tensors", "load_tensors"]
+
+META = "lowprec_state.json"
+
+
+# --------------------------------------------------------------------------- tensors
+def save_tensors(state_dict: dict, path: str, safe: bool) -> None:
+    """safetensors (shared tensors stored once, aliases in the metadata) or pickle."""
+    if not safe:
+        torch.save(state_dict, path)
+        return
+    from safetensors.torch import save_file
+
+    seen: dict[tuple, str] = {}
+    tensors, aliases = {}, {}
+    for key, t in state_dict.items():
+        t = t.detach()
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype) if t.numel() else None
+        if ident is not None and ident in seen:
+            aliases[key] = seen[ident]
+            continue
+        if ident is not None:
+            seen[ident] = key
+        tensors[key] = t.contiguous().clone() if not t.is_contiguous() else t
+    # safetensors refuses tensors sharing memory: give every kept tensor its own storage
+    tensors = {k: v.clone() for k, v in tensors.items()}
+    save_file(tensors, path, metadata={"aliases": json.dumps(aliases)})
+
+
+def load_tensors(path: str) -> dict:
+    if not path.endswith(".safetensors"):
+        return torch.load(path, map_location="cpu", weights_only=False)
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    with safe_open(path, framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    for key, target in aliases.items():
+        tensors[key] = tensors[target]
+    return tensors
+
+
+def _model_file(directory: str, i: int, safe: bool) -> str:
+    return os.path.join(directory, f"model_{i}.safetensors" if safe else f"pytorch_model_{i}.bin")
+
+
+# --------------------------------------------------------------------------- RNG
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- save / load
+def _broadcast_str(acc: Any, text: str) -> str:
+    if not acc.use_distributed:
+        return text
+    import torch.distributed as dist
+
+    box = [text]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> str:
+    output_dir = os.path.abspath(output_dir)
+    tmp = _broadcast_str(acc, f"{output_dir}.tmp-{os.getpid()}")
+    if acc.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    acc.wait_for_everyone()
+    # collectives first (FSDP2 gathers full state on every process), files on the main process
+    models = [full_model_state_dict(acc.unwrap_model(m)) for m in acc._models]
+    opts = [full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer) for o in acc._optimizers]
+    if acc.is_main_process:
+        for i, sd in enumerate(models):
+            save_tensors(sd, _model_file(tmp, i, safe_serialization), safe_serialization)
+        for i, osd in enumerate(opts):
+            torch.save(osd, os.path.join(tmp, f"optimizer_{i}.bin"))
+        for i, s in enumerate(acc._schedulers):
+            torch.save(s.state_dict(), os.path.join(tmp, f"scheduler_{i}.bin"))
+        for i, d in enumerate(acc._dataloaders):
+            with open(os.path.join(tmp, f"dataloader_{i}.json"), "w") as f:
+                json.dump(d.state_dict(), f)
+        if acc.scaler is not None:
+            torch.save(acc.scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
+        for i, obj in enumerate(acc._custom_objects):
+            torch.save(obj.state_dict(), os.path.join(tmp, f"custom_checkpoint_{i}.pkl"))
+        meta = {
+            "mixed_precision": acc.mixed_precision,
+            "fp8_backend": acc.fp8_backend.value,
+            "fp8_backend_info": _jsonable(acc.fp8_backend_info),
+            "num_processes": acc.num_processes,
+            "step": acc.step,
+            "safe_serialization": safe_serialization,
+        }
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(meta, f, indent=1)
+    torch.save(_rng_state(), os.path.join(tmp, f"random_states_{acc.process_index}.pkl"))
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        old = f"{output_dir}.old-{os.getpid()}"
+        if os.path.exists(output_dir):
+            os.replace(output_dir, old)
+        os.replace(tmp, output_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
+    return output_dir
+
+
+def load_state(acc: Any, input_dir: str) -> None:
+    input_dir = os.path.abspath(input_dir)
+    meta_path = os.path.join(input_dir, META)
+    if not os.path.isfile(meta_path):
+        raise ValueError(f"{input_dir} is not a lowprec checkpoint (no {META}); pass the directory save_state wrote")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta["mixed_precision"] != acc.mixed_precision or meta["fp8_backend"] != acc.fp8_backend.value:
+        raise ValueError(
+            f"checkpoint {input_dir} was saved with mixed_precision={meta['mixed_precision']!r}, "
+            f"fp8_backend={meta['fp8_backend']!r}; this Accelerator runs {acc.mixed_precision!r}, "
+            f"{acc.fp8_backend.value!r}. Use the same settings, or load the weights alone with "
+            "model.load_state_dict"
+        )
+    safe = meta.get("safe_serialization", True)
+    for i, m in enumerate(acc._models):
+        load_full_model_state_dict(acc.unwrap_model(m), load_tensors(_model_file(input_dir, i, safe)))
+    for i, o in enumerate(acc._optimizers):
+        osd = torch.load(os.path.join(input_dir, f"optimizer_{i}.bin"), map_location="cpu", weights_only=False)
+        load_full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer, osd)
+    for i, s in enumerate(acc._schedulers):
+        s.load_state_dict(torch.load(os.path.join(input_dir, f"scheduler_{i}.bin"), weights_only=False))
+    for i, d in enumerate(acc._dataloaders):
+        with open(os.path.join(input_dir, f"dataloader_{i}.json")) as f:
+            d.load_state_dict(json.load(f))
+    if acc.scaler is not None:
+        acc.scaler.load_state_dict(torch.load(os.path.join(input_dir, "scaler.pt"), weights_only=False))
+    for i, obj in enumerate(acc._custom_objects):
+        obj.load_state_dict(torch.load(os.path.join(input_dir, f"custom_checkpoint_{i}.pkl"), weights_only=False))
+    acc.step = int(meta.get("step", 0))
+    rng = os.path.join(input_dir, f"random_states_{acc.process_index}.pkl")
+    if os.path.isfile(rng):
+        _set_rng_state(torch.load(rng, weights_only=False))
+    acc.wait_for_everyone()
+
+
+def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bool = True) -> None:
+    """Plain weights (no FP8 scaling state, no wrappers) that load into the unconverted model."""
+    inner = acc.unwrap_model(model)
+    sd = full_model_state_dict(inner)
+    if acc.backend is not None:
+        sd = acc.backend.plain_state_dict(sd)
+    if acc.is_main_process:
+        os.makedirs(save_directory, exist_ok=True)
+        name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+        save_tensors(sd, os.path.join(save_directory, name), safe_serialization)
+    acc.wait_for_everyone()
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))

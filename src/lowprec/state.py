@@ -1,0 +1,218 @@
+"""Resolve, once, where and how this process trains: precision, device, distributed type.
+
+Every ``auto``/default is resolved here into a :class:`Decision` (value plus reason) and logged
+once. Environment values come from :func:`lowprec.kwargs.environ` only; under torchrun the
+standard ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` are read.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lowprec.kwargs import (
+    DeepSpeedPlugin,
+    FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
+    env_flag,
+    env_get,
+)
+
+__all__ = [
+    "PRECISIONS",
+    "DistributedType",
+    "Decision",
+    "DistributedEnv",
+    "read_distributed_env",
+    "resolve_mixed_precision",
+    "fp8_hardware_check",
+    "AcceleratorState",
+]
+
+logger = logging.getLogger("lowprec")
+
+PRECISIONS = ("no", "fp16", "bf16", "fp8")
+FP8_FALLBACKS = ("bf16", "emulate")
+
+
+class DistributedType:
+    NO = "NO"
+    MULTI = "MULTI"  # DistributedDataParallel
+    FSDP = "FSDP"  # FSDP2, fully_shard
+    DEEPSPEED = "DEEPSPEED"
+
+
+@dataclass(frozen=True)
+class Decision:
+    value: Any
+    reason: str
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[str] = None
+
+
+def read_distributed_env() -> DistributedEnv:
+    """The variables torchrun sets for each worker."""
+    return DistributedEnv(
+        rank=int(env_get("RANK") or 0),
+        world_size=int(env_get("WORLD_SIZE") or 1),
+        local_rank=int(env_get("LOCAL_RANK") or 0),
+        master_addr=env_get("MASTER_ADDR"),
+        master_port=env_get("MASTER_PORT"),
+    )
+
+
+def resolve_mixed_precision(explicit: Optional[str]) -> Decision:
+    if explicit is not None:
+        value, reason = explicit, "Accelerator(mixed_precision=...)"
+    elif env_get("ACCELERATE_MIXED_PRECISION") is not None:
+        value, reason = env_get("ACCELERATE_MIXED_PRECISION"), "env ACCELERATE_MIXED_PRECISION"
+    else:
+        value, reason = "no", "default (no argument, no ACCELERATE_MIXED_PRECISION)"
+    value = str(value).lower()
+    if value not in PRECISIONS:
+        raise ValueError(f"mixed_precision={value!r} is not known; use one of {', '.join(PRECISIONS)}")
+    return Decision(value, reason)
+
+
+def fp8_hardware_check(device: torch.device, fallback: Optional[str]) -> Decision:
+    """FP8 needs compute capability 8.9+ on CUDA. Returns the effective precision mode:
+    ``fp8``, ``fp8-emulate`` or ``bf16``; never a silent switch (Accelerate falls back to fp16
+    and still converts the model, reference bug 11)."""
+    if device.type == "cpu":
+        return Decision("fp8", "CPU: FP8 casts run for real on CPU (slow; for tests and debugging)")
+    if device.type != "cuda":
+        return Decision("fp8-emulate", f"device {device.type}: FP8 GEMMs emulated in float32")
+    cap = torch.cuda.get_device_capability(device)
+    if cap >= (8, 9):
+        return Decision("fp8", f"CUDA compute capability {cap[0]}.{cap[1]} >= 8.9")
+    if fallback is None:
+        raise ValueError(
+            f"mixed_precision='fp8' needs a GPU with compute capability 8.9+ (Ada, Hopper or newer); "
+            f"this GPU has {cap[0]}.{cap[1]}. Use mixed_precision='bf16', or pass "
+            "fp8_fallback='bf16' (train in bf16, model not converted) or fp8_fallback='emulate' "
+            "(FP8 numerics emulated in float32, slow); env LOWPREC_FP8_FALLBACK does the same"
+        )
+    if fallback == "bf16":
+        return Decision("bf16", f"compute capability {cap[0]}.{cap[1]} < 8.9 and fp8_fallback='bf16'")
+    return Decision("fp8-emulate", f"compute capability {cap[0]}.{cap[1]} < 8.9 and fp8_fallback='emulate'")
+
+
+def _resolve_device(cpu: bool, env: DistributedEnv) -> Decision:
+    if cpu:
+        return Decision(torch.device("cpu"), "cpu=True / ACCELERATE_USE_CPU")
+    if torch.cuda.is_available():
+        return Decision(torch.device("cuda", env.local_rank), f"CUDA available, LOCAL_RANK={env.local_rank}")
+    return Decision(torch.device("cpu"), "no CUDA device")
+
+
+def _resolve_distributed(env: DistributedEnv, fsdp_plugin, deepspeed_plugin) -> tuple[Decision, Any, Any]:
+    use_fsdp = fsdp_plugin is not None or env_flag("ACCELERATE_USE_FSDP")
+    use_ds = deepspeed_plugin is not None or env_flag("ACCELERATE_USE_DEEPSPEED")
+    if use_fsdp and use_ds:
+        raise ValueError("both FSDP and DeepSpeed were asked for; pick one (fsdp_plugin or deepspeed_plugin)")
+    if use_fsdp:
+        plugin = fsdp_plugin if fsdp_plugin is not None else FullyShardedDataParallelPlugin()
+        why = "fsdp_plugin" if fsdp_plugin is not None else "env ACCELERATE_USE_FSDP"
+        return Decision(DistributedType.FSDP, why), plugin, None
+    if use_ds:
+        plugin = deepspeed_plugin if deepspeed_plugin is not None else DeepSpeedPlugin()
+        why = "deepspeed_plugin" if deepspeed_plugin is not None else "env ACCELERATE_USE_DEEPSPEED"
+        return Decision(DistributedType.DEEPSPEED, why), None, plugin
+    if env.world_size > 1:
+        return Decision(DistributedType.MULTI, f"WORLD_SIZE={env.world_size}: DistributedDataParallel"), None, None
+    return Decision(DistributedType.NO, "single process"), None, None
+
+
+class AcceleratorState:
+    """What the Accelerator resolved: precision, device, process group, plugins."""
+
+    def __init__(
+        self,
+        mixed_precision: Optional[str] = None,
+        cpu: bool = False,
+        fp8_fallback: Optional[str] = None,
+        fsdp_plugin: Optional[FullyShardedDataParallelPlugin] = None,
+        deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
+        init_kwargs: Optional[InitProcessGroupKwargs] = None,
+    ) -> None:
+        self.decisions: dict[str, Decision] = {}
+        self.env = read_distributed_env()
+        cpu = cpu or env_flag("ACCELERATE_USE_CPU")
+        device = self._decide("device", _resolve_device(cpu, self.env))
+        dist_decision, self.fsdp_plugin, self.deepspeed_plugin = _resolve_distributed(
+            self.env, fsdp_plugin, deepspeed_plugin
+        )
+        self.distributed_type = self._decide("distributed_type", dist_decision)
+        requested = self._decide("mixed_precision", resolve_mixed_precision(mixed_precision))
+        self.requested_mixed_precision = requested
+        fallback = fp8_fallback if fp8_fallback is not None else env_get("LOWPREC_FP8_FALLBACK")
+        if fallback is not None and str(fallback).lower() not in FP8_FALLBACKS:
+            raise ValueError(f"fp8_fallback={fallback!r}; use 'bf16' or 'emulate' (or leave it unset)")
+        self.fp8_fallback = None if fallback is None else str(fallback).lower()
+        self.fp8_emulate = False
+        if requested == "fp8":
+            hw = self._decide("fp8_hardware", fp8_hardware_check(device, self.fp8_fallback))
+            self.fp8_emulate = hw == "fp8-emulate"
+            mode = "bf16" if hw == "bf16" else "fp8"
+        else:
+            mode = requested
+        self.mixed_precision = mode
+        self.device = device
+        self._init_process_group(init_kwargs or InitProcessGroupKwargs())
+
+    def _decide(self, key: str, decision: Decision) -> Any:
+        self.decisions[key] = decision
+        if self.env.rank == 0:
+            logger.info("lowprec: %s = %s (%s)", key, decision.value, decision.reason)
+        return decision.value
+
+    def _init_process_group(self, kwargs: InitProcessGroupKwargs) -> None:
+        needs_group = self.env.world_size > 1 or self.distributed_type != DistributedType.NO
+        if not needs_group or dist.is_initialized():
+            return
+        backend = kwargs.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        extra: dict[str, Any] = {}
+        if kwargs.timeout is not None:
+            extra["timeout"] = kwargs.timeout
+        if self.env.world_size == 1 and self.env.master_addr is None:
+            # FSDP2 / DeepSpeed in one plain process: a private in-memory store, no rendezvous
+            extra["store"] = dist.HashStore()
+            dist.init_process_group(backend, rank=0, world_size=1, **extra)
+        else:
+            if kwargs.init_method is not None:
+                extra["init_method"] = kwargs.init_method
+            dist.init_process_group(backend, rank=self.env.rank, world_size=self.env.world_size, **extra)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    # Accelerate names
+    @property
+    def process_index(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else self.env.rank
+
+    @property
+    def num_processes(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else self.env.world_size
+
+    @property
+    def local_process_index(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1

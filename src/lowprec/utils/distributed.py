@@ -1,0 +1,103 @@
+"""Distributed wrappers (DDP, FSDP2) and full-state-dict helpers for checkpoints."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "wrap_ddp",
+    "wrap_fsdp2",
+    "is_fsdp2",
+    "full_model_state_dict",
+    "full_optimizer_state_dict",
+    "load_full_model_state_dict",
+    "load_full_optimizer_state_dict",
+]
+
+_FSDP_DTYPES = {"fp8": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def wrap_ddp(model: nn.Module, device: torch.device, ddp_kwargs: dict) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+
+
+def wrap_fsdp2(model: nn.Module, mixed_precision: str, plugin: Any, device: torch.device) -> nn.Module:
+    """``fully_shard`` each block named in the plugin, then the root. Parameters are computed in
+    bf16 under fp8/bf16 (FP8 layers sit inside the bf16 policy), gradients reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    param_dtype = _FSDP_DTYPES.get(mixed_precision)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=plugin.reshard_after_forward)
+    names = set(plugin.transformer_cls_names_to_wrap)
+    if names:
+        found = {type(m).__name__ for m in model.modules()}
+        missing = names - found
+        if missing:
+            raise ValueError(
+                f"FSDP transformer_cls_names_to_wrap {sorted(missing)} not found in the model; "
+                f"module classes present: {sorted(found)}"
+            )
+        for module in list(model.modules()):
+            if module is not model and type(module).__name__ in names:
+                fully_shard(module, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - old torch
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def full_model_state_dict(model: nn.Module) -> dict:
+    """Full (unsharded) state dict; collective under FSDP2, on every process."""
+    if not is_fsdp2(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(cpu_offload=True))
+
+
+def full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any) -> dict:
+    if model is None or not is_fsdp2(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+
+
+def load_full_model_state_dict(model: nn.Module, state_dict: dict) -> None:
+    if not is_fsdp2(model):
+        model.load_state_dict(state_dict)
+        return
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state_dict, options=_options())
+
+
+def load_full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any, state_dict: dict) -> None:
+    if model is None or not is_fsdp2(model):
+        optimizer.load_state_dict(state_dict)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state_dict, options=_options())

@@ -1,0 +1,87 @@
+"""Collectives over nested tensors (gather, reduce, pad) and device moves, Accelerate-named."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["recursively_apply", "send_to_device", "gather", "reduce", "pad_across_processes", "to_fp32"]
+
+
+def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, (list, tuple)):
+        out = [recursively_apply(fn, d) for d in data]
+        return type(data)(*out) if hasattr(data, "_fields") else type(data)(out)
+    if isinstance(data, dict):
+        return type(data)({k: recursively_apply(fn, v) for k, v in data.items()})
+    return data
+
+
+def send_to_device(data: Any, device: torch.device) -> Any:
+    return recursively_apply(lambda t: t.to(device, non_blocking=True), data)
+
+
+def to_fp32(data: Any) -> Any:
+    """fp16/bf16 outputs to float32 (the model's interior stays low precision)."""
+    return recursively_apply(lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, data)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _gather_one(t: torch.Tensor) -> torch.Tensor:
+    if not _distributed():
+        return t
+    t = t.contiguous()
+    if t.ndim == 0:
+        t = t[None]
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.cat(out, dim=0)
+
+
+def gather(data: Any) -> Any:
+    """Concatenate each tensor across processes along dim 0 (scalars become shape [world])."""
+    return recursively_apply(_gather_one, data)
+
+
+def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+    if reduction not in ("sum", "mean", "none"):
+        raise ValueError(f"reduction={reduction!r}; use 'sum', 'mean' or 'none'")
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        if _distributed() and reduction != "none":
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            if reduction == "mean":
+                t = t / dist.get_world_size()
+        return t * scale if scale != 1.0 else t
+
+    return recursively_apply(one, data)
+
+
+def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    """Pad each tensor along ``dim`` to the largest size across processes (so it can be gathered)."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if not _distributed() or dim >= t.ndim:
+            return t
+        size = torch.tensor([t.shape[dim]], device=t.device)
+        sizes = _gather_one(size)
+        longest = int(sizes.max())
+        if longest == t.shape[dim]:
+            return t
+        shape = list(t.shape)
+        shape[dim] = longest
+        out = t.new_full(shape, pad_index)
+        idx = [slice(None)] * t.ndim
+        idx[dim] = slice(longest - t.shape[dim], longest) if pad_first else slice(0, t.shape[dim])
+        out[tuple(idx)] = t
+        return out
+
+    return recursively_apply(one, data)

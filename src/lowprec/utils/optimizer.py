@@ -1,0 +1,112 @@
+"""Optimizer and scheduler wrappers: step only on gradient-sync steps, through the loss scaler."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps a user optimizer. ``step``/``zero_grad`` act only when gradients are synced (the
+    last micro-batch of an accumulation window); with a GradScaler, ``step`` goes through
+    ``scaler.step`` + ``scaler.update`` and records whether the step was skipped (inf/nan)."""
+
+    def __init__(self, optimizer: Any, scaler: Any, gradient_state: Any, after_step: Optional[Callable[[], None]] = None) -> None:
+        # no super().__init__: this object forwards to ``optimizer`` (it is an Optimizer only so
+        # that isinstance checks in LR schedulers and user code pass)
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.gradient_state = gradient_state
+        self.after_step = after_step
+        self.step_was_skipped = False
+        self.unscaled = False
+
+    # forwarding -----------------------------------------------------------------------
+    @property
+    def param_groups(self):  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self):  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group):
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+    def __getstate__(self):
+        return self.__dict__
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    # behaviour ------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        if not self.gradient_state.sync_gradients:
+            return None
+        result = None
+        if self.scaler is not None:
+            scale_before = self.scaler.get_scale()
+            result = self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
+            self.scaler.update()
+            # GradScaler lowers the scale exactly when it found inf/nan and skipped the step
+            self.step_was_skipped = self.scaler.get_scale() < scale_before
+        else:
+            result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            self.step_was_skipped = False
+        self.unscaled = False
+        if self.after_step is not None and not self.step_was_skipped:
+            self.after_step()
+        return result
+
+
+class AcceleratedScheduler:
+    """Steps the LR scheduler once per real optimizer step (not on accumulation micro-steps,
+    not after a step the scaler skipped)."""
+
+    def __init__(self, scheduler: Any, optimizers: list, gradient_state: Any) -> None:
+        self.scheduler = scheduler
+        self.optimizers = optimizers
+        self.gradient_state = gradient_state
+
+    def step(self, *args, **kwargs) -> None:
+        if not self.gradient_state.sync_gradients:
+            return
+        if any(getattr(o, "step_was_skipped", False) for o in self.optimizers):
+            return
+        self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self):
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self):
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["scheduler"], name)

@@ -1,0 +1,61 @@
+"""The precision wrapper put around a prepared model's ``forward``.
+
+Order, outermost first: ``torch.autocast`` (bf16 for bf16/fp8, fp16 for fp16), then the FP8
+backend's context (FP8 runs on top of bf16 autocast, as in Accelerate), then the model; the
+outputs are converted to float32. ``unwrap_model(keep_fp32_wrapper=False)`` removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lowprec.utils.operations import to_fp32
+
+__all__ = ["AUTOCAST_DTYPES", "autocast_context", "PrecisionForward", "wrap_forward", "unwrap_forward"]
+
+AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+
+def autocast_context(device_type: str, mixed_precision: str, kwargs: Any = None) -> contextlib.AbstractContextManager:
+    dtype = AUTOCAST_DTYPES.get(mixed_precision)
+    enabled = True if kwargs is None else kwargs.enabled
+    if dtype is None or not enabled:
+        return contextlib.nullcontext()
+    extra = {}
+    if kwargs is not None and kwargs.cache_enabled is not None:
+        extra["cache_enabled"] = kwargs.cache_enabled
+    return torch.autocast(device_type, dtype=dtype, **extra)
+
+
+class PrecisionForward:
+    """A picklable replacement for ``model.forward``."""
+
+    def __init__(self, model: nn.Module, original: Callable, autocast: Callable[[], Any], fp8: Optional[Callable[[nn.Module], Any]]) -> None:
+        self.model = model
+        self.original = original
+        self.autocast = autocast
+        self.fp8 = fp8
+        self.__wrapped__ = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.autocast():
+            with (self.fp8(self.model) if self.fp8 is not None else contextlib.nullcontext()):
+                out = self.original(*args, **kwargs)
+        return to_fp32(out)
+
+
+def wrap_forward(model: nn.Module, autocast: Callable[[], Any], fp8: Optional[Callable[[nn.Module], Any]]) -> None:
+    if isinstance(model.__dict__.get("forward"), PrecisionForward):
+        return  # prepared before
+    model._original_forward = model.forward
+    model.forward = PrecisionForward(model, model.forward, autocast, fp8)
+
+
+def unwrap_forward(model: nn.Module) -> None:
+    if isinstance(model.__dict__.get("forward"), PrecisionForward):
+        del model.forward
+        model.__dict__.pop("_original_forward", None)
