@@ -1,0 +1,161 @@
+"""``lowprec launch``: resolve flags > config file > defaults, export, run the script.
+
+One process runs as ``python script.py args``; several processes or machines run under
+torchrun (``python -m torch.distributed.run``). The settings travel as environment variables
+(:mod:`lowprec.config.env`); the script's own arguments (everything after the script path,
+including ones that look like our flags) are passed through untouched. The exit code is the
+script's (128 + N when it dies from signal N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lowprec.cli._flags import add_settings_flags, check_cli_flags_apply, settings_from_args
+from lowprec.config.env import FP8_FIELDS, LaunchSettings, owned_env_var
+from lowprec.config.paths import default_config_path
+from lowprec.errors import UsageError
+
+__all__ = ["NAME", "HELP", "add_parser", "split_argv", "run", "LaunchPlan", "plan_launch", "build_command"]
+
+NAME = "launch"
+HELP = "run a training script with the resolved precision and distributed settings"
+DEFAULT_PORT = 29500
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        NAME,
+        help=HELP,
+        description=__doc__.split("\n\n")[0].strip("`"),
+        usage="lowprec launch [options] script.py [script args...]\n"
+        "       lowprec launch [options] -m package.module [module args...]",
+    )
+    p.add_argument("--config_file", "--config-file", metavar="YAML", default=None,
+                   help="launch config (default: $LOWPREC_CONFIG_HOME/default_config.yaml or "
+                   "~/.cache/lowprec/default_config.yaml when it exists)")
+    p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
+    p.add_argument("--dry_run", "--dry-run", "--print_command", "--print-command", dest="dry_run",
+                   action="store_true", help="print the environment and command, run nothing")
+    add_settings_flags(p)
+    p.add_argument("training_script", nargs="?", help="the script (or module with -m)")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="passed to the script unchanged")
+    return p
+
+
+def split_argv(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(our options, [script, *script args])``: the script is the first token that is not an
+    option of ours or an option's value. argparse's REMAINDER is not used to find it because it
+    still scans the script's arguments for our option names (abbreviations, ``--help``)."""
+    actions = parser._option_string_actions  # noqa: SLF001 - the parser's own option table
+    i = 0
+    while i < len(tokens):
+        tok = tokens[i]
+        if tok == "--":
+            return list(tokens[:i]), list(tokens[i + 1:])
+        if tok.startswith("-") and tok != "-":
+            action = actions.get(tok.split("=", 1)[0])
+            takes_value = action is not None and action.nargs != 0  # nargs=0: a switch
+            i += 2 if takes_value and "=" not in tok else 1
+            continue
+        return list(tokens[:i]), list(tokens[i:])
+    return list(tokens), []
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    settings: LaunchSettings
+    command: list[str]
+    exported: dict[str, str]  # what this launch sets
+    removed: list[str]  # inherited variables of the contract that were dropped
+    env: dict[str, str]  # the child's full environment
+    config_file: str | None
+    notes: list[str]
+
+
+def build_command(settings: LaunchSettings, script: str, script_args: Sequence[str], module: bool) -> list[str]:
+    target = (["-m"] if module else []) + [script, *script_args]
+    if not settings.distributed:
+        return [sys.executable, *target]
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if settings.num_machines == 1 and not settings.main_process_port:  # None or 0: any free port
+        # c10d rendezvous on a free local port: parallel launches on one box do not collide.
+        cmd += ["--standalone", f"--nproc_per_node={settings.processes_per_machine}"]
+    else:
+        cmd += [
+            f"--nproc_per_node={settings.processes_per_machine}",
+            f"--nnodes={settings.num_machines}",
+            f"--node_rank={settings.machine_rank}",
+            f"--master_addr={settings.main_process_ip or '127.0.0.1'}",
+            f"--master_port={settings.main_process_port or DEFAULT_PORT}",
+        ]
+    return cmd + target
+
+
+def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchPlan:
+    environ = dict(os.environ if environ is None else environ)
+    script = args.training_script
+    if not script:
+        raise UsageError("launch needs a training script: lowprec launch [options] script.py [args]")
+    if not args.module and not Path(script).is_file():
+        raise UsageError(f"training script {script!r} not found (for a module, add -m)")
+
+    config_file = args.config_file
+    if config_file is None:
+        default = default_config_path()
+        config_file = str(default) if default.is_file() else None
+    yaml_layer: dict[str, Any] = {}
+    if config_file is not None:
+        from lowprec.config.launch_config import load_launch_config
+
+        yaml_layer = load_launch_config(config_file).to_settings()
+    cli_layer = settings_from_args(args)
+    settings = LaunchSettings.from_layers(yaml_layer, cli_layer)
+    check_cli_flags_apply(cli_layer, settings)
+
+    notes = []
+    ignored = sorted(k for k in yaml_layer if k in FP8_FIELDS and k not in cli_layer)
+    if ignored and not settings.fp8:
+        notes.append(
+            f"fp8_config in {config_file} is not used: mixed_precision is {settings.mixed_precision!r}"
+        )
+    exported = settings.to_env()
+    removed = sorted(k for k in environ if owned_env_var(k) and k not in exported)
+    env = {k: v for k, v in environ.items() if k not in removed}
+    env.update(exported)
+    command = build_command(settings, script, args.training_script_args, args.module)
+    return LaunchPlan(settings, command, exported, removed, env, config_file, notes)
+
+
+def format_plan(plan: LaunchPlan) -> str:
+    lines = [f"# config file: {plan.config_file or '(none)'}"]
+    lines += [f"# note: {n}" for n in plan.notes]
+    lines.append("# environment of the training processes")
+    lines += [f"unset {k}" for k in plan.removed]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.exported.items())]
+    lines.append("# command")
+    lines.append(shlex.join(plan.command))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = plan_launch(args)
+    if args.dry_run:
+        print(format_plan(plan))
+        return 0
+    for note in plan.notes:
+        print(f"lowprec: note: {note}", file=sys.stderr)
+    try:
+        proc = subprocess.run(plan.command, env=plan.env, check=False)
+    except KeyboardInterrupt:  # the child got the same SIGINT from the terminal
+        return 130
+    code = proc.returncode
+    return 128 - code if code < 0 else code

@@ -1,0 +1,400 @@
+"""The launch contract: resolved settings and the environment variables that carry them.
+
+``lowprec launch`` resolves flags > YAML > defaults into one :class:`LaunchSettings`, exports
+it with :meth:`LaunchSettings.to_env` and runs the script; inside the script the Accelerator
+reads it back with :meth:`LaunchSettings.from_env`. Names are Hugging Face Accelerate's where
+Accelerate has one, so a script launched by ``accelerate launch`` configures lowprec too.
+
+Environment variables (only the ones in this table are written; ``launch`` removes stale
+copies inherited from the parent shell so the child sees exactly the resolved settings)
+
+============================================== ====================== =====================================
+variable                                       when written           meaning / values
+============================================== ====================== =====================================
+ACCELERATE_MIXED_PRECISION                     always                 no | fp16 | bf16 | fp8
+ACCELERATE_USE_CPU                             always                 true | false: run on CPU even with GPUs
+ACCELERATE_USE_FSDP                            always                 true | false: FSDP2 (fully_shard)
+FSDP_VERSION                                   FSDP                   2 (FSDP1 is rejected at launch)
+FSDP_RESHARD_AFTER_FORWARD                     FSDP, if set           true | false
+FSDP_AUTO_WRAP_POLICY                          FSDP, if set           TRANSFORMER_BASED_WRAP | SIZE_BASED_WRAP | NO_WRAP
+FSDP_TRANSFORMER_CLS_TO_WRAP                   FSDP, if set           comma-separated class names
+FSDP_MIN_NUM_PARAMS                            FSDP, if set           int (SIZE_BASED_WRAP)
+FSDP_ACTIVATION_CHECKPOINTING                  FSDP, if set           true | false
+FSDP_CPU_RAM_EFFICIENT_LOADING                 FSDP, if set           true | false
+FSDP_OFFLOAD_PARAMS                            FSDP, if set           true | false
+FSDP_STATE_DICT_TYPE                           FSDP, if set           FULL_STATE_DICT | SHARDED_STATE_DICT
+ACCELERATE_USE_DEEPSPEED                       always                 true | false
+ACCELERATE_DEEPSPEED_ZERO_STAGE                DeepSpeed, if set      0 | 1 | 2 | 3
+ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE  DeepSpeed, if set      none | cpu | nvme
+ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE      DeepSpeed, if set      none | cpu | nvme
+ACCELERATE_DEEPSPEED_ZERO3_INIT                DeepSpeed, if set      true | false
+ACCELERATE_DEEPSPEED_CONFIG_FILE               DeepSpeed, if set      path to a DeepSpeed JSON
+ACCELERATE_GRADIENT_ACCUMULATION_STEPS         if set                 int >= 1
+ACCELERATE_GRADIENT_CLIPPING                   if set                 float (max grad norm)
+ACCELERATE_DYNAMO_BACKEND                      if set                 NO | EAGER | AOT_EAGER | INDUCTOR | CUDAGRAPHS
+CUDA_VISIBLE_DEVICES                           if gpu_ids set         e.g. 0,1 (not written for "all")
+ACCELERATE_FP8_BACKEND                         fp8, if set            NATIVE | TE | MSAMP | AO | AUTO (upper case,
+                                                                      as Accelerate's FP8BackendType; read any case)
+LOWPREC_FP8_RECIPE                             fp8, if set            delayed | tensorwise | rowwise |
+                                                                      rowwise_with_gw_hp | blockwise
+LOWPREC_FP8_FALLBACK                           fp8, if set            bf16 | emulate: what to do where the device
+                                                                      has no FP8 GEMMs (run bf16, or FP8 numerics
+                                                                      through the emulated GEMM)
+ACCELERATE_FP8_FORMAT                          fp8, if set            HYBRID | E4M3 | E5M2 (E5M2: te only)
+ACCELERATE_FP8_AMAX_HISTORY_LEN                fp8, if set            int >= 1 (delayed scaling)
+ACCELERATE_FP8_AMAX_COMPUTE_ALGO               fp8, if set            max | most_recent
+ACCELERATE_FP8_MARGIN                          fp8, if set            int >= 0
+ACCELERATE_FP8_INTERVAL                        fp8, if set            int >= 1
+ACCELERATE_FP8_OVERRIDE_FPROP                  fp8, if set            true | false: forward GEMM in high precision
+ACCELERATE_FP8_OVERRIDE_DGRAD                  fp8, if set            true | false: grad-input GEMM in high precision
+ACCELERATE_FP8_OVERRIDE_WGRAD                  fp8, if set            true | false: grad-weight GEMM in high precision
+ACCELERATE_FP8_OPT_LEVEL                       fp8, if set            O1 | O2 (low-precision optimizer state/comm)
+ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL        fp8, if set            true | false: keep FP8 on in model.eval()
+ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER   fp8, if set            true | false: FP8 all-gather under FSDP2
+ACCELERATE_FP8_PAD_INNER_DIM                   fp8, if set            true | false: pad GEMM dims to 16 (torchao)
+============================================== ====================== =====================================
+
+"If set" means the user gave the value (flag or YAML); an unset value is not written, so the
+consumer's own default applies (for ``fp8_recipe: rowwise`` that is the recipe's E4M3 format,
+not a launcher default of HYBRID). Accelerate instead exported every default (reference §3.1),
+which made every value look user-chosen. Launch-only settings (``num_processes``,
+``num_machines``, ``machine_rank``, ``main_process_ip``, ``main_process_port``) go to torchrun
+as flags; torchrun then sets ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from lowprec.config import values as V
+from lowprec.errors import UsageError, did_you_mean
+
+__all__ = ["LaunchSettings", "ENV_VARS", "FP8_OVERRIDE_VARS", "owned_env_var"]
+
+FP8_OVERRIDE_VARS = (
+    "ACCELERATE_FP8_OVERRIDE_FPROP",
+    "ACCELERATE_FP8_OVERRIDE_DGRAD",
+    "ACCELERATE_FP8_OVERRIDE_WGRAD",
+)
+
+
+@dataclass(frozen=True)
+class _Var:
+    field: str
+    name: str
+    parse: Callable[[Any], Any]
+    when: str  # "always" | "set" | "fp8" | "fsdp" | "deepspeed"
+    render: Callable[[Any], str] = str
+
+
+def _upper(value: Any) -> str:
+    return str(value).upper()
+
+
+_B, _I = V.parse_bool, V.parse_int
+# (field, variable, parser, when written). One row per variable; fp8_override_linear_precision
+# fans out to FP8_OVERRIDE_VARS and is handled apart.
+ENV_VARS: tuple[_Var, ...] = (
+    _Var("mixed_precision", "ACCELERATE_MIXED_PRECISION", V.parse_mixed_precision, "always"),
+    _Var("use_cpu", "ACCELERATE_USE_CPU", _B, "always", V.format_bool),
+    _Var("use_fsdp", "ACCELERATE_USE_FSDP", _B, "always", V.format_bool),
+    _Var("fsdp_version", "FSDP_VERSION", _I, "fsdp"),
+    _Var("fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD", _B, "fsdp", V.format_bool),
+    _Var("fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", str, "fsdp"),
+    _Var("fsdp_transformer_layer_cls_to_wrap", "FSDP_TRANSFORMER_CLS_TO_WRAP", str, "fsdp"),
+    _Var("fsdp_min_num_params", "FSDP_MIN_NUM_PARAMS", _I, "fsdp"),
+    _Var("fsdp_activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING", _B, "fsdp", V.format_bool),
+    _Var("fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING", _B, "fsdp", V.format_bool),
+    _Var("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS", _B, "fsdp", V.format_bool),
+    _Var("fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE", str, "fsdp"),
+    _Var("use_deepspeed", "ACCELERATE_USE_DEEPSPEED", _B, "always", V.format_bool),
+    _Var("zero_stage", "ACCELERATE_DEEPSPEED_ZERO_STAGE", _I, "deepspeed"),
+    _Var("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", str, "deepspeed"),
+    _Var("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", str, "deepspeed"),
+    _Var("zero3_init_flag", "ACCELERATE_DEEPSPEED_ZERO3_INIT", _B, "deepspeed", V.format_bool),
+    _Var("deepspeed_config_file", "ACCELERATE_DEEPSPEED_CONFIG_FILE", str, "deepspeed"),
+    _Var("gradient_accumulation_steps", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", _I, "set"),
+    _Var("gradient_clipping", "ACCELERATE_GRADIENT_CLIPPING", V.parse_float, "set"),
+    _Var("dynamo_backend", "ACCELERATE_DYNAMO_BACKEND", V.parse_dynamo_backend, "set", _upper),
+    _Var("gpu_ids", "CUDA_VISIBLE_DEVICES", str, "set"),
+    _Var("fp8_backend", "ACCELERATE_FP8_BACKEND", V.parse_fp8_backend, "fp8", _upper),
+    _Var("fp8_recipe", "LOWPREC_FP8_RECIPE", V.parse_fp8_recipe, "fp8"),
+    _Var("fp8_fallback", "LOWPREC_FP8_FALLBACK", V.parse_fp8_fallback, "fp8"),
+    _Var("fp8_format", "ACCELERATE_FP8_FORMAT", V.parse_fp8_format, "fp8"),
+    _Var("fp8_amax_history_len", "ACCELERATE_FP8_AMAX_HISTORY_LEN", _I, "fp8"),
+    _Var("fp8_amax_compute_algo", "ACCELERATE_FP8_AMAX_COMPUTE_ALGO", V.parse_amax_compute_algo, "fp8"),
+    _Var("fp8_margin", "ACCELERATE_FP8_MARGIN", _I, "fp8"),
+    _Var("fp8_interval", "ACCELERATE_FP8_INTERVAL", _I, "fp8"),
+    _Var("fp8_opt_level", "ACCELERATE_FP8_OPT_LEVEL", V.parse_opt_level, "fp8"),
+    _Var("fp8_use_autocast_during_eval", "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", _B, "fp8", V.format_bool),
+    _Var(
+        "fp8_enable_fsdp_float8_all_gather",
+        "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER",
+        _B,
+        "fp8",
+        V.format_bool,
+    ),
+    _Var("fp8_pad_inner_dim", "ACCELERATE_FP8_PAD_INNER_DIM", _B, "fp8", V.format_bool),
+)
+
+_OWNED = frozenset(v.name for v in ENV_VARS) | frozenset(FP8_OVERRIDE_VARS)
+
+
+def owned_env_var(name: str) -> bool:
+    """True for variables this contract writes (and ``launch`` scrubs from the parent env),
+    including Accelerate's FP8/FSDP/DeepSpeed families we do not write, so that a stale
+    ``ACCELERATE_FP8_*`` from the user's shell cannot reach the child unseen."""
+    if name == "CUDA_VISIBLE_DEVICES":  # the user's own device mask stays unless gpu_ids is set
+        return False
+    return name in _OWNED or name.startswith(("ACCELERATE_FP8_", "LOWPREC_FP8_", "FSDP_"))
+
+
+_FSDP_FIELDS = tuple(v.field for v in ENV_VARS if v.when == "fsdp" and v.field != "fsdp_version")
+_DS_FIELDS = tuple(v.field for v in ENV_VARS if v.when == "deepspeed")
+FP8_FIELDS = tuple(v.field for v in ENV_VARS if v.when == "fp8") + ("fp8_override_linear_precision",)
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """Everything ``lowprec launch`` resolved. ``None`` means "not set by the user": it is not
+    exported and the consumer (Accelerator, backend, recipe) keeps its own default.
+
+    Values are normalised in ``__post_init__`` (any case in, canonical case out), so a
+    settings object built from flags, from YAML or from the environment compares equal when
+    it means the same thing.
+    """
+
+    mixed_precision: str = "no"
+    num_processes: int = 1
+    num_machines: int = 1
+    machine_rank: int = 0
+    main_process_ip: str | None = None
+    main_process_port: int | None = None
+    use_cpu: bool = False
+    gpu_ids: str | None = None
+    dynamo_backend: str | None = None
+    gradient_accumulation_steps: int | None = None
+    gradient_clipping: float | None = None
+    # FSDP (always FSDP2: torch.distributed.fsdp.fully_shard)
+    use_fsdp: bool = False
+    fsdp_version: int = 2
+    fsdp_reshard_after_forward: bool | None = None
+    fsdp_auto_wrap_policy: str | None = None
+    fsdp_transformer_layer_cls_to_wrap: str | None = None
+    fsdp_min_num_params: int | None = None
+    fsdp_activation_checkpointing: bool | None = None
+    fsdp_cpu_ram_efficient_loading: bool | None = None
+    fsdp_offload_params: bool | None = None
+    fsdp_state_dict_type: str | None = None
+    # DeepSpeed
+    use_deepspeed: bool = False
+    zero_stage: int | None = None
+    offload_optimizer_device: str | None = None
+    offload_param_device: str | None = None
+    zero3_init_flag: bool | None = None
+    deepspeed_config_file: str | None = None
+    # FP8 (exported only when mixed_precision == "fp8")
+    fp8_backend: str | None = None
+    fp8_recipe: str | None = None
+    fp8_fallback: str | None = None
+    fp8_format: str | None = None
+    fp8_amax_history_len: int | None = None
+    fp8_amax_compute_algo: str | None = None
+    fp8_margin: int | None = None
+    fp8_interval: int | None = None
+    fp8_override_linear_precision: tuple[bool, bool, bool] | None = None
+    fp8_opt_level: str | None = None
+    fp8_use_autocast_during_eval: bool | None = None
+    fp8_enable_fsdp_float8_all_gather: bool | None = None
+    fp8_pad_inner_dim: bool | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        parsers: dict[str, Callable[[Any], Any]] = {v.field: v.parse for v in ENV_VARS}
+        parsers.update(
+            num_processes=lambda x: V.parse_int(x, minimum=1),
+            num_machines=lambda x: V.parse_int(x, minimum=1),
+            machine_rank=lambda x: V.parse_int(x, minimum=0),
+            main_process_port=lambda x: V.parse_int(x, minimum=0),
+            main_process_ip=str,
+            gradient_accumulation_steps=lambda x: V.parse_int(x, minimum=1),
+            fp8_amax_history_len=lambda x: V.parse_int(x, minimum=1),
+            fp8_margin=lambda x: V.parse_int(x, minimum=0),
+            fp8_interval=lambda x: V.parse_int(x, minimum=1),
+            fsdp_min_num_params=lambda x: V.parse_int(x, minimum=0),
+            fp8_override_linear_precision=V.parse_override_linear_precision,
+            zero_stage=_parse_zero_stage,
+            fsdp_auto_wrap_policy=lambda x: V.choice(x, _WRAP_POLICIES),
+            fsdp_state_dict_type=lambda x: V.choice(x, _STATE_DICT_TYPES),
+            offload_optimizer_device=lambda x: V.choice(x, _OFFLOAD_DEVICES),
+            offload_param_device=lambda x: V.choice(x, _OFFLOAD_DEVICES),
+        )
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None or f.name not in parsers:
+                continue
+            try:
+                set_(f.name, parsers[f.name](value))
+            except ValueError as exc:
+                raise UsageError(f"{f.name}: {exc}") from None
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        if self.use_fsdp and self.use_deepspeed:
+            raise UsageError(
+                "use_fsdp and use_deepspeed are both set; pick one (FSDP2 or DeepSpeed ZeRO)"
+            )
+        if self.fsdp_version != 2:
+            raise UsageError(
+                f"fsdp_version={self.fsdp_version}: FSDP1 is not supported; lowprec shards with "
+                "FSDP2 (torch fully_shard): set fsdp_version to 2"
+            )
+        if self.num_processes % self.num_machines:
+            raise UsageError(
+                f"num_processes={self.num_processes} is not a multiple of num_machines="
+                f"{self.num_machines}; num_processes counts all processes on all machines"
+            )
+        if self.machine_rank >= self.num_machines:
+            raise UsageError(
+                f"machine_rank={self.machine_rank} must be below num_machines={self.num_machines}"
+            )
+        if self.num_machines > 1 and not self.main_process_ip:
+            raise UsageError(
+                f"num_machines={self.num_machines} needs main_process_ip (the address of the "
+                "machine with machine_rank 0)"
+            )
+        if self.num_machines > 1 and self.main_process_port == 0:
+            raise UsageError(
+                "main_process_port=0 (any free port) works on one machine only; with "
+                f"num_machines={self.num_machines} every machine must know the port: set one, e.g. 29500"
+            )
+        if self.fp8_format == "E5M2" and self.fp8_backend != "te":
+            raise UsageError(
+                "fp8_format=E5M2 (E5M2 in the forward pass too) is a TransformerEngine option; "
+                "with the native engine use HYBRID (E4M3 forward, E5M2 gradients) or E4M3"
+            )
+        if self.fp8_override_linear_precision == (True, True, True):
+            raise UsageError(
+                "fp8_override_linear_precision=(true, true, true) runs no GEMM in FP8; "
+                "use mixed_precision bf16 instead"
+            )
+        if self.zero_stage == 3 and self.fp8_backend == "msamp" and self.use_deepspeed:
+            raise UsageError("MS-AMP does not support DeepSpeed ZeRO-3; use zero_stage 1 or 2")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def fp8(self) -> bool:
+        return self.mixed_precision == "fp8"
+
+    @property
+    def processes_per_machine(self) -> int:
+        return self.num_processes // self.num_machines
+
+    @property
+    def distributed(self) -> bool:
+        """True when launched through torchrun (several processes or machines)."""
+        return self.num_processes > 1 or self.num_machines > 1
+
+    def replace(self, **changes: Any) -> "LaunchSettings":
+        return dataclasses.replace(self, **changes)
+
+    def explicit(self) -> dict[str, Any]:
+        """Fields that differ from the defaults (what a YAML needs to store)."""
+        default = LaunchSettings()
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        }
+
+    def fp8_recipe_overrides(self) -> dict[str, Any]:
+        """The user-set FP8 values under the field names of ``lowprec.fp8.Recipe``, for
+        ``Recipe.from_name(settings.fp8_recipe or default, **overrides)``."""
+        names = {
+            "fp8_format": "fp8_format",
+            "fp8_amax_history_len": "amax_history_len",
+            "fp8_amax_compute_algo": "amax_compute_algo",
+            "fp8_margin": "margin",
+            "fp8_interval": "interval",
+            "fp8_override_linear_precision": "override_linear_precision",
+            "fp8_use_autocast_during_eval": "use_during_eval",
+        }
+        return {r: getattr(self, s) for s, r in names.items() if getattr(self, s) is not None}
+
+    # ------------------------------------------------------------------ environment
+    def _written(self, var: _Var) -> bool:
+        value = getattr(self, var.field)
+        if var.when == "always":
+            return True
+        if value is None:
+            return False
+        if var.when == "fp8":
+            return self.fp8
+        if var.when == "fsdp":
+            return self.use_fsdp
+        if var.when == "deepspeed":
+            return self.use_deepspeed
+        if var.field == "gpu_ids":
+            return str(value).lower() != "all"
+        return True
+
+    def to_env(self) -> dict[str, str]:
+        """The variables to export for the training processes (see the module table)."""
+        env = {v.name: v.render(getattr(self, v.field)) for v in ENV_VARS if self._written(v)}
+        if self.fp8 and self.fp8_override_linear_precision is not None:
+            for name, flag in zip(FP8_OVERRIDE_VARS, self.fp8_override_linear_precision):
+                env[name] = V.format_bool(flag)
+        return env
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "LaunchSettings":
+        """Read the settings a launcher exported (``os.environ`` by default). Values in any
+        case are accepted; a bad value raises ``UsageError`` naming the variable."""
+        environ = os.environ if environ is None else environ
+        kwargs: dict[str, Any] = {}
+        for var in ENV_VARS:
+            raw = environ.get(var.name)
+            if raw is None or raw == "" or var.field == "gpu_ids":
+                continue
+            try:
+                kwargs[var.field] = var.parse(raw)
+            except ValueError as exc:
+                raise UsageError(f"environment variable {var.name}={raw!r}: {exc}") from None
+        raw_overrides = [environ.get(name) for name in FP8_OVERRIDE_VARS]
+        if any(r not in (None, "") for r in raw_overrides):
+            flags = []
+            for name, raw in zip(FP8_OVERRIDE_VARS, raw_overrides):
+                try:
+                    flags.append(False if raw in (None, "") else V.parse_bool(raw))
+                except ValueError as exc:
+                    raise UsageError(f"environment variable {name}={raw!r}: {exc}") from None
+            kwargs["fp8_override_linear_precision"] = tuple(flags)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_layers(cls, *layers: Mapping[str, Any]) -> "LaunchSettings":
+        """Merge partial settings, later layers winning (defaults < YAML < CLI)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        merged: dict[str, Any] = {}
+        for layer in layers:
+            for key, value in layer.items():
+                if key not in known:
+                    raise UsageError(f"unknown launch setting {key!r}{did_you_mean(key, known)}")
+                merged[key] = value
+        return cls(**merged)
+
+
+_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+_STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def _parse_zero_stage(value: Any) -> int:
+    stage = V.parse_int(value)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"{stage} is not a ZeRO stage; choose 0, 1, 2 or 3")
+    return stage

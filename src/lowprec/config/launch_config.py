@@ -1,0 +1,381 @@
+"""The launch YAML: a strict pydantic schema in Accelerate's spelling.
+
+A config written by ``accelerate config`` loads unchanged (its keys, its upper-case enum
+values, its wizard spellings ``amax_history_length`` / ``amax_compute_algorithm`` /
+``optimization_level``, which Accelerate itself then ignored, reference §3.4 bug 2). Unknown
+keys are errors with a "did you mean", inside ``fp8_config`` as well (Accelerate forwarded
+any ``fp8_config`` key as an env var nobody reads). Example::
+
+    compute_environment: LOCAL_MACHINE
+    distributed_type: MULTI_GPU        # NO | MULTI_GPU | MULTI_CPU | FSDP | DEEPSPEED
+    mixed_precision: fp8
+    num_processes: 8
+    fp8_config:
+      backend: NATIVE                  # NATIVE | TE | AO | MSAMP | AUTO, any case
+      recipe: rowwise                  # native: delayed|tensorwise|rowwise|rowwise_with_gw_hp|blockwise
+      fallback: emulate                # where FP8 GEMMs are missing: bf16 | emulate
+      amax_history_len: 1024
+      override_linear_precision: [false, false, true]   # or "(false, false, true)"
+
+Keys Accelerate writes that mean nothing here (``debug``, ``main_training_function``,
+``rdzv_backend``, ``tpu_*``, FSDP1-only ``fsdp_*`` keys ...) are accepted and ignored, so an
+existing Accelerate config keeps working. Settings a config cannot express (TPU, Megatron,
+FSDP1) are rejected with the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import yaml
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from lowprec.config import values as V
+from lowprec.config.env import LaunchSettings
+from lowprec.config.paths import default_config_path
+from lowprec.errors import UsageError, did_you_mean
+
+__all__ = [
+    "LaunchConfig",
+    "FP8Config",
+    "FSDPConfig",
+    "DeepSpeedConfig",
+    "DynamoConfig",
+    "default_config_path",
+    "load_launch_config",
+    "parse_launch_config",
+    "settings_to_yaml_dict",
+    "write_launch_config",
+]
+
+DISTRIBUTED_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU", "FSDP", "DEEPSPEED")
+
+
+def _opt(parse: Callable[[Any], Any]) -> BeforeValidator:
+    return BeforeValidator(lambda v: v if v is None else parse(v))
+
+
+def _int_min(minimum: int) -> BeforeValidator:
+    return _opt(lambda v: V.parse_int(v, minimum=minimum))
+
+
+def _alias(*names: str) -> Any:
+    return Field(default=None, validation_alias=AliasChoices(*names))
+
+
+OptBool = Annotated[Optional[bool], _opt(V.parse_bool)]
+Ignored = Optional[Any]  # accepted for Accelerate compatibility, not used
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class FP8Config(_Strict):
+    """``fp8_config:``. Aliases: the names ``accelerate config`` writes."""
+
+    backend: Annotated[Optional[str], _opt(V.parse_fp8_backend)] = None
+    recipe: Annotated[Optional[str], _opt(V.parse_fp8_recipe)] = None
+    fallback: Annotated[Optional[str], _opt(V.parse_fp8_fallback)] = None
+    fp8_format: Annotated[Optional[str], _opt(V.parse_fp8_format)] = None
+    margin: Annotated[Optional[int], _int_min(0)] = None
+    interval: Annotated[Optional[int], _int_min(1)] = None
+    amax_history_len: Annotated[Optional[int], _int_min(1)] = _alias(
+        "amax_history_len", "amax_history_length"
+    )
+    amax_compute_algo: Annotated[Optional[str], _opt(V.parse_amax_compute_algo)] = _alias(
+        "amax_compute_algo", "amax_compute_algorithm"
+    )
+    override_linear_precision: Annotated[
+        Optional[tuple[bool, bool, bool]], _opt(V.parse_override_linear_precision)
+    ] = None
+    opt_level: Annotated[Optional[str], _opt(V.parse_opt_level)] = _alias(
+        "opt_level", "optimization_level"
+    )
+    use_autocast_during_eval: OptBool = _alias("use_autocast_during_eval", "use_during_eval")
+    enable_fsdp_float8_all_gather: OptBool = None
+    pad_inner_dim: OptBool = None
+    use_mxfp8_block_scaling: OptBool = None
+
+    def to_settings(self) -> dict[str, Any]:
+        if self.use_mxfp8_block_scaling:
+            raise UsageError(
+                "fp8_config.use_mxfp8_block_scaling: MXFP8 is not supported; "
+                "use `recipe: blockwise` (128-element FP8 blocks) instead"
+            )
+        names = {"backend": "fp8_backend", "recipe": "fp8_recipe", "fallback": "fp8_fallback"}
+        out = {}
+        for key in self.model_fields_set - {"use_mxfp8_block_scaling"}:
+            value = getattr(self, key)
+            if value is not None:
+                out[names.get(key, key if key.startswith("fp8_") else f"fp8_{key}")] = value
+        return out
+
+
+class FSDPConfig(_Strict):
+    """``fsdp_config:``; keys with Accelerate's ``fsdp_`` prefix or without it."""
+
+    fsdp_version: Annotated[Optional[int], _int_min(1)] = _alias("fsdp_version", "version")
+    fsdp_reshard_after_forward: OptBool = _alias("fsdp_reshard_after_forward", "reshard_after_forward")
+    fsdp_auto_wrap_policy: Optional[str] = _alias("fsdp_auto_wrap_policy", "auto_wrap_policy")
+    fsdp_transformer_layer_cls_to_wrap: Optional[str] = _alias(
+        "fsdp_transformer_layer_cls_to_wrap", "transformer_layer_cls_to_wrap"
+    )
+    fsdp_min_num_params: Annotated[Optional[int], _int_min(0)] = _alias(
+        "fsdp_min_num_params", "min_num_params"
+    )
+    fsdp_activation_checkpointing: OptBool = _alias(
+        "fsdp_activation_checkpointing", "activation_checkpointing"
+    )
+    fsdp_cpu_ram_efficient_loading: OptBool = _alias(
+        "fsdp_cpu_ram_efficient_loading", "cpu_ram_efficient_loading"
+    )
+    fsdp_offload_params: OptBool = _alias("fsdp_offload_params", "offload_params")
+    fsdp_state_dict_type: Optional[str] = _alias("fsdp_state_dict_type", "state_dict_type")
+    # FSDP1 spellings Accelerate's wizard writes; FSDP2 maps sharding_strategy to resharding.
+    fsdp_sharding_strategy: Optional[str] = _alias("fsdp_sharding_strategy", "sharding_strategy")
+    fsdp_sync_module_states: Ignored = _alias("fsdp_sync_module_states", "sync_module_states")
+    fsdp_use_orig_params: Ignored = _alias("fsdp_use_orig_params", "use_orig_params")
+    fsdp_forward_prefetch: Ignored = _alias("fsdp_forward_prefetch", "forward_prefetch")
+    fsdp_backward_prefetch: Ignored = _alias("fsdp_backward_prefetch", "backward_prefetch")
+
+    def to_settings(self) -> dict[str, Any]:
+        skip = {"fsdp_sharding_strategy", "fsdp_sync_module_states", "fsdp_use_orig_params",
+                "fsdp_forward_prefetch", "fsdp_backward_prefetch"}
+        out = {k: getattr(self, k) for k in self.model_fields_set - skip if getattr(self, k) is not None}
+        if self.fsdp_sharding_strategy is not None and "fsdp_reshard_after_forward" not in out:
+            strategy = str(self.fsdp_sharding_strategy).upper()
+            # FSDP2 has one knob: FULL_SHARD reshards after forward, SHARD_GRAD_OP keeps them.
+            reshard = {"FULL_SHARD": True, "HYBRID_SHARD": True, "SHARD_GRAD_OP": False,
+                       "_HYBRID_SHARD_ZERO2": False, "1": True, "2": False}
+            if strategy not in reshard:
+                raise UsageError(
+                    f"fsdp_config.fsdp_sharding_strategy={self.fsdp_sharding_strategy!r}: use "
+                    "FULL_SHARD or SHARD_GRAD_OP (NO_SHARD is plain data parallel: drop FSDP)"
+                )
+            out["fsdp_reshard_after_forward"] = reshard[strategy]
+        return out
+
+
+class DeepSpeedConfig(_Strict):
+    """``deepspeed_config:`` as Accelerate writes it."""
+
+    zero_stage: Optional[int] = None
+    offload_optimizer_device: Optional[str] = None
+    offload_param_device: Optional[str] = None
+    zero3_init_flag: OptBool = None
+    deepspeed_config_file: Optional[str] = None
+    gradient_accumulation_steps: Annotated[Optional[int], _int_min(1)] = None
+    gradient_clipping: Annotated[Optional[float], _opt(V.parse_float)] = None
+    zero3_save_16bit_model: Ignored = None
+    deepspeed_multinode_launcher: Ignored = None
+
+    def to_settings(self) -> dict[str, Any]:
+        skip = {"zero3_save_16bit_model", "deepspeed_multinode_launcher"}
+        return {k: getattr(self, k) for k in self.model_fields_set - skip if getattr(self, k) is not None}
+
+
+class DynamoConfig(_Strict):
+    dynamo_backend: Annotated[Optional[str], _opt(V.parse_dynamo_backend)] = None
+    dynamo_mode: Ignored = None
+    dynamo_use_fullgraph: Ignored = None
+    dynamo_use_dynamic: Ignored = None
+    dynamo_use_regional_compilation: Ignored = None
+
+
+class LaunchConfig(_Strict):
+    """The whole launch YAML. :meth:`to_settings` gives the keys the user wrote, as
+    ``LaunchSettings`` fields (one layer of ``LaunchSettings.from_layers``)."""
+
+    compute_environment: Optional[str] = None
+    distributed_type: Annotated[Optional[str], _opt(lambda v: V.choice("NO" if v is False else v, DISTRIBUTED_TYPES))] = None
+    mixed_precision: Annotated[Optional[str], _opt(V.parse_mixed_precision)] = None
+    num_processes: Annotated[Optional[int], _int_min(1)] = None
+    num_machines: Annotated[Optional[int], _int_min(1)] = None
+    machine_rank: Annotated[Optional[int], _int_min(0)] = None
+    main_process_ip: Annotated[Optional[str], _opt(str)] = None
+    main_process_port: Annotated[Optional[int], _int_min(0)] = None
+    use_cpu: OptBool = None
+    gpu_ids: Annotated[Optional[str], _opt(str)] = None
+    fp8_config: Optional[FP8Config] = None
+    fsdp_config: Optional[FSDPConfig] = None
+    deepspeed_config: Optional[DeepSpeedConfig] = None
+    dynamo_config: Optional[DynamoConfig] = None
+    # Accelerate keys with no meaning for lowprec (accepted so its configs load)
+    debug: Ignored = None
+    downcast_bf16: Ignored = None
+    enable_cpu_affinity: Ignored = None
+    main_training_function: Ignored = None
+    rdzv_backend: Ignored = None
+    same_network: Ignored = None
+    tpu_env: Ignored = None
+    tpu_use_cluster: Ignored = None
+    tpu_use_sudo: Ignored = None
+
+    def to_settings(self) -> dict[str, Any]:
+        if self.compute_environment not in (None, "LOCAL_MACHINE"):
+            raise UsageError(
+                f"compute_environment={self.compute_environment!r}: only LOCAL_MACHINE is "
+                "supported (launch on each machine with machine_rank set)"
+            )
+        if self.downcast_bf16 not in (None, False, "no", "false"):
+            raise UsageError("downcast_bf16 is a TPU option; lowprec does not run on TPU: remove it")
+        top = ("mixed_precision", "num_processes", "num_machines", "machine_rank",
+               "main_process_ip", "main_process_port", "use_cpu", "gpu_ids")
+        out: dict[str, Any] = {k: getattr(self, k) for k in top if getattr(self, k) is not None}
+        if self.gpu_ids is not None:
+            out["gpu_ids"] = str(self.gpu_ids)
+        kind = self.distributed_type
+        if kind is not None:
+            out["use_fsdp"] = kind == "FSDP"
+            out["use_deepspeed"] = kind == "DEEPSPEED"
+            if kind == "MULTI_CPU":
+                if self.use_cpu is False:
+                    raise UsageError("distributed_type MULTI_CPU contradicts use_cpu: false; drop one")
+                out["use_cpu"] = True
+        for section in (self.fp8_config, self.fsdp_config, self.deepspeed_config):
+            if section is not None:
+                out.update(section.to_settings())
+        if self.dynamo_config is not None and self.dynamo_config.dynamo_backend is not None:
+            out["dynamo_backend"] = self.dynamo_config.dynamo_backend
+        return out
+
+
+# ---------------------------------------------------------------------- loading / errors
+def _known_keys(model: type[BaseModel]) -> list[str]:
+    keys = []
+    for name, info in model.model_fields.items():
+        keys.append(name)
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            keys.extend(str(c) for c in alias.choices)
+    return keys
+
+
+_SECTIONS: dict[str, type[BaseModel]] = {
+    "fp8_config": FP8Config,
+    "fsdp_config": FSDPConfig,
+    "deepspeed_config": DeepSpeedConfig,
+    "dynamo_config": DynamoConfig,
+}
+
+
+def _describe(err: dict[str, Any]) -> str:
+    loc = [str(p) for p in err["loc"]]
+    key = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        model = _SECTIONS.get(loc[0], LaunchConfig) if len(loc) > 1 else LaunchConfig
+        hint = did_you_mean(loc[-1], _known_keys(model))
+        return f"unknown key {key!r}{hint}"
+    msg = str(err["msg"])
+    for prefix in ("Value error, ", "Assertion failed, "):
+        msg = msg.removeprefix(prefix)
+    if err["type"] in ("model_type", "dict_type"):
+        msg = "expected a mapping of keys (key: value lines under it)"
+    if err["type"] == "value_error" or isinstance(err.get("input"), dict):
+        return f"{key}: {msg}"
+    return f"{key}: {msg} (got {err.get('input')!r})"
+
+
+def parse_launch_config(data: Any, source: str = "launch config") -> LaunchConfig:
+    """Validate a mapping (already parsed YAML); errors become one ``UsageError`` line."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UsageError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}")
+    data = {k: ({} if v is None and k in _SECTIONS else v) for k, v in data.items()}
+    for section in _SECTIONS:  # reject "both spellings of one key" instead of silently picking one
+        body = data.get(section)
+        if isinstance(body, dict):
+            _check_duplicate_aliases(_SECTIONS[section], body, f"{section}.")
+    try:
+        return LaunchConfig.model_validate(data)
+    except ValidationError as exc:
+        raise UsageError(f"{source}: " + "; ".join(_describe(e) for e in exc.errors())) from None
+
+
+def _check_duplicate_aliases(model: type[BaseModel], body: dict[str, Any], prefix: str) -> None:
+    for info in model.model_fields.values():
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            given = [str(c) for c in alias.choices if c in body]
+            if len(given) > 1:
+                raise UsageError(f"{prefix}{given[0]} and {prefix}{given[1]} mean the same; keep one")
+
+
+def load_launch_config(path: str | os.PathLike[str]) -> LaunchConfig:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UsageError(f"config file {str(path)!r} does not exist; create it with `lowprec config`")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise UsageError(f"config file {str(path)!r}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    return parse_launch_config(data, source=str(path))
+
+
+# ---------------------------------------------------------------------- writing
+def settings_to_yaml_dict(settings: LaunchSettings) -> dict[str, Any]:
+    """The YAML (Accelerate's layout) that loads back into ``settings``."""
+    s = settings
+    if s.use_fsdp:
+        kind = "FSDP"
+    elif s.use_deepspeed:
+        kind = "DEEPSPEED"
+    elif s.distributed:
+        kind = "MULTI_CPU" if s.use_cpu else "MULTI_GPU"
+    else:
+        kind = "NO"
+    out: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": kind,
+        "mixed_precision": s.mixed_precision,
+        "num_processes": s.num_processes,
+        "num_machines": s.num_machines,
+        "machine_rank": s.machine_rank,
+        "use_cpu": s.use_cpu,
+    }
+    for key in ("main_process_ip", "main_process_port", "gpu_ids"):
+        if getattr(s, key) is not None:
+            out[key] = getattr(s, key)
+    fp8 = {
+        "backend": s.fp8_backend.upper() if s.fp8_backend else None,
+        "recipe": s.fp8_recipe,
+        "fallback": s.fp8_fallback,
+        "fp8_format": s.fp8_format,
+        "amax_history_len": s.fp8_amax_history_len,
+        "amax_compute_algo": s.fp8_amax_compute_algo,
+        "margin": s.fp8_margin,
+        "interval": s.fp8_interval,
+        "override_linear_precision": list(s.fp8_override_linear_precision)
+        if s.fp8_override_linear_precision is not None
+        else None,
+        "opt_level": s.fp8_opt_level,
+        "use_autocast_during_eval": s.fp8_use_autocast_during_eval,
+        "enable_fsdp_float8_all_gather": s.fp8_enable_fsdp_float8_all_gather,
+        "pad_inner_dim": s.fp8_pad_inner_dim,
+    }
+    fp8 = {k: v for k, v in fp8.items() if v is not None}
+    if fp8:
+        out["fp8_config"] = fp8
+    fsdp = {k: getattr(s, k) for k in FSDPConfig.model_fields if hasattr(s, k) and getattr(s, k) is not None}
+    if s.use_fsdp:
+        out["fsdp_config"] = fsdp
+    ds = {k: getattr(s, k) for k in DeepSpeedConfig.model_fields if hasattr(s, k) and getattr(s, k) is not None}
+    if ds:
+        out["deepspeed_config"] = ds
+    if s.dynamo_backend is not None:
+        out["dynamo_config"] = {"dynamo_backend": s.dynamo_backend.upper()}
+    return out
+
+
+def write_launch_config(settings: LaunchSettings, path: str | os.PathLike[str]) -> Path:
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(settings_to_yaml_dict(settings), sort_keys=False)
+    path.write_text("# written by `lowprec config`; read by `lowprec launch`\n" + text)
+    return path

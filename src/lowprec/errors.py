@@ -1,0 +1,40 @@
+"""User-facing errors: one line, naming the key or flag and the fix.
+
+Library code raises ``ValueError``/``TypeError`` (or :class:`UsageError`, a ``ValueError``);
+the CLI turns any of them into ``lowprec: error: <message>`` on stderr and exit code 2,
+without a traceback (:func:`exit_with_usage_error`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Iterable
+from typing import NoReturn
+
+__all__ = ["UsageError", "did_you_mean", "exit_with_usage_error", "format_usage_error"]
+
+EXIT_USAGE = 2  # argparse's exit code for a bad command line; we use it for bad config too
+
+
+class UsageError(ValueError):
+    """A mistake in what the user asked for (flag, YAML key, env var), not a bug."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest choice, or ``''`` when nothing is close."""
+    match = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def format_usage_error(exc: BaseException) -> str:
+    """The one line printed for ``exc``; multi-line messages are joined with '; '."""
+    text = " ".join(str(exc).split("\n")) if str(exc) else type(exc).__name__
+    return f"lowprec: error: {text.strip()}"
+
+
+def exit_with_usage_error(exc: BaseException | str) -> NoReturn:
+    """Print one line on stderr and exit with code 2."""
+    line = format_usage_error(exc if isinstance(exc, BaseException) else UsageError(exc))
+    print(line, file=sys.stderr)
+    sys.exit(EXIT_USAGE)

@@ -1,0 +1,175 @@
+"""`lowprec config`: wizard on stdin, --default, flags; what it writes, launch reads back."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import shlex
+from pathlib import Path
+
+import pytest
+
+from lowprec.cli.main import main
+from lowprec.config import values as V
+from lowprec.config.env import LaunchSettings, owned_env_var
+from lowprec.config.launch_config import default_config_path, load_launch_config
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "report_launch_env.py")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOWPREC_CONFIG_HOME", str(tmp_path / "config_home"))
+    for key in list(os.environ):
+        if owned_env_var(key):
+            monkeypatch.delenv(key)
+
+
+def launch_env(argv, capsys) -> dict[str, str]:
+    assert main(["launch", "--dry_run", *argv, SCRIPT]) == 0
+    out = capsys.readouterr().out
+    env = {}
+    for line in out.splitlines():
+        if line.startswith("export "):
+            key, _, value = line[len("export "):].partition("=")
+            env[key] = shlex.split(value)[0]
+    return env
+
+
+def loaded(path) -> LaunchSettings:
+    return LaunchSettings.from_layers(load_launch_config(path).to_settings())
+
+
+def feed(monkeypatch, answers):
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(f"{a}\n" for a in answers)))
+
+
+def test_wizard_round_trip_fsdp_fp8(monkeypatch, tmp_path, capsys):
+    answers = [
+        "1",  # machines
+        "2",  # processes
+        "yes",  # cpu
+        "FSDP",  # parallelism, any case
+        "",  # reshard after forward: default yes
+        "LlamaDecoderLayer",
+        "fp8",
+        "native",
+        "delayed",
+        "bf16",  # fallback
+        "e4m3",
+        "1",  # margin
+        "16",  # amax history
+        "most_recent",
+        "yes",  # override some GEMMs
+        "no",
+        "no",
+        "true",
+        "",  # eval: default no
+        "no",  # fp8 all-gather
+    ]
+    feed(monkeypatch, answers)
+    path = tmp_path / "wizard.yaml"
+    assert main(["config", "--config_file", str(path)]) == 0
+    capsys.readouterr()
+    s = loaded(path)
+    assert s == LaunchSettings(
+        num_processes=2, use_cpu=True, use_fsdp=True, fsdp_reshard_after_forward=True,
+        fsdp_auto_wrap_policy="TRANSFORMER_BASED_WRAP", fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer",
+        mixed_precision="fp8", fp8_backend="native", fp8_recipe="delayed", fp8_fallback="bf16",
+        fp8_format="E4M3", fp8_margin=1, fp8_amax_history_len=16, fp8_amax_compute_algo="most_recent",
+        fp8_override_linear_precision=(False, False, True), fp8_use_autocast_during_eval=False,
+        fp8_enable_fsdp_float8_all_gather=False,
+    )
+    env = launch_env(["--config_file", str(path)], capsys)
+    assert env == s.to_env()
+
+
+def test_wizard_reasks_on_bad_answer_and_fails_cleanly_on_eof(monkeypatch, tmp_path, capsys):
+    feed(monkeypatch, ["0", "1", "1", "no", "fp4", "bf16"])  # 0 machines and fp4 are re-asked
+    path = tmp_path / "w.yaml"
+    assert main(["config", "--config_file", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "too small" in captured.err and "'fp4' is not valid" in captured.err
+    assert loaded(path) == LaunchSettings(mixed_precision="bf16")
+
+    feed(monkeypatch, ["1"])
+    assert main(["config", "--config_file", str(tmp_path / "eof.yaml")]) == 2
+    assert "stdin ended" in capsys.readouterr().err
+    assert not (tmp_path / "eof.yaml").exists()
+
+
+def test_wizard_msamp_deepspeed(monkeypatch, tmp_path, capsys):
+    feed(monkeypatch, ["1", "4", "no", "deepspeed", "1", "fp8", "ms-amp", "o1", "no"])
+    path = tmp_path / "ds.yaml"
+    assert main(["config", "--config_file", str(path)]) == 0
+    s = loaded(path)
+    assert (s.use_deepspeed, s.zero_stage, s.fp8_backend, s.fp8_opt_level) == (True, 1, "msamp", "O1")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_flags_round_trip_through_config_file(seed, tmp_path, capsys):
+    """config with flags, then launch with that file == launch with the same flags."""
+    rng = random.Random(seed)
+    flags = ["--mixed_precision", "fp8", "--num_processes", str(rng.randint(1, 4)),
+             "--fp8_backend", rng.choice(["native", "TE", "torchao", "auto"]),
+             "--fp8_amax_history_len", str(rng.randint(1, 4096)),
+             "--fp8_amax_compute_algo", rng.choice(V.AMAX_COMPUTE_ALGOS),
+             "--fp8_override_linear_precision", rng.choice(["(false,false,true)", "false,true,false"]),
+             "--fp8_opt_level", rng.choice(V.OPT_LEVELS)]
+    if rng.random() < 0.5:
+        flags += ["--use_fsdp", "--fp8_enable_fsdp_float8_all_gather", rng.choice(["true", "false"])]
+    if rng.random() < 0.5:
+        flags += ["--fp8_use_during_eval", "--cpu"]
+    path = tmp_path / "flags.yaml"
+    assert main(["config", "--config_file", str(path), *flags]) == 0
+    capsys.readouterr()
+    direct = launch_env(flags, capsys)
+    via_file = launch_env(["--config_file", str(path)], capsys)
+    assert via_file == direct
+    assert direct["ACCELERATE_MIXED_PRECISION"] == "fp8"
+
+
+def test_default_writes_default_location(monkeypatch, tmp_path, capsys):
+    assert main(["config", "--default"]) == 0
+    out = capsys.readouterr().out
+    path = default_config_path()
+    assert path.is_file() and str(path) in out
+    assert path.parent == tmp_path / "config_home"
+    s = loaded(path)
+    # launch finds it without --config_file
+    assert launch_env([], capsys)["ACCELERATE_MIXED_PRECISION"] == s.mixed_precision
+
+
+def _fake_cuda(monkeypatch, count, cc, bf16=True):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=0: cc)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
+
+
+@pytest.mark.parametrize(
+    "count, cc, bf16, precision, procs",
+    [(0, (0, 0), True, "bf16", 1), (2, (9, 0), True, "fp8", 2), (4, (8, 0), True, "bf16", 4), (1, (7, 0), False, "fp16", 1)],
+)
+def test_default_follows_hardware(monkeypatch, tmp_path, capsys, count, cc, bf16, precision, procs):
+    _fake_cuda(monkeypatch, count, cc, bf16)
+    path = tmp_path / "d.yaml"
+    assert main(["config", "--default", "--config_file", str(path)]) == 0
+    s = loaded(path)
+    assert (s.mixed_precision, s.num_processes) == (precision, procs)
+    assert "lowprec config:" in capsys.readouterr().out  # the reason is printed
+
+
+def test_default_with_flag_override(tmp_path, capsys):
+    path = tmp_path / "d.yaml"
+    assert main(["config", "--default", "--mixed_precision", "no", "--config_file", str(path)]) == 0
+    assert loaded(path).mixed_precision == "no"
+
+
+def test_config_flag_errors(tmp_path, capsys):
+    assert main(["config", "--fp8_margin", "2", "--config_file", str(tmp_path / "x.yaml")]) == 2
+    assert "FP8 option(s)" in capsys.readouterr().err
+    assert not (tmp_path / "x.yaml").exists()

@@ -1,0 +1,109 @@
+"""`lowprec env` and the subcommand registry of `lowprec.cli.main`."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import sys
+import types
+
+import pytest
+
+from lowprec.cli import env as env_cmd
+from lowprec.cli import main as main_module
+from lowprec.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def config_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOWPREC_CONFIG_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_env_reports_versions_devices_and_backends(capsys):
+    import torch
+
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["torch"] == torch.__version__
+    assert info["python"] == sys.version.split()[0]
+    assert info["cuda_available"] == torch.cuda.is_available()
+    assert len(info["devices"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert info["fp8_gemm"].startswith(("native", "emulated"))
+    assert set(info["optional_backends"]) == set(env_cmd.OPTIONAL_PACKAGES)
+    assert info["default_config_exists"] is False
+
+
+def test_env_text_lists_backends_and_default_config(config_home, monkeypatch, capsys):
+    (config_home / "default_config.yaml").write_text("mixed_precision: bf16\n")
+    monkeypatch.setenv("ACCELERATE_FP8_MARGIN", "3")
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    for name in env_cmd.OPTIONAL_PACKAGES:
+        assert f"    {name}: " in out
+    assert "(present)" in out and "mixed_precision: bf16" in out
+    assert "ACCELERATE_FP8_MARGIN=3" in out
+
+
+def test_package_version_is_import_free(monkeypatch):
+    assert env_cmd.package_version("pydantic") == importlib.metadata.version("pydantic")
+    assert env_cmd.package_version("surely_not_installed_pkg_xyz") is None
+    # An installed backend is reported without being imported.
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "9.9" if dist == "torchao" else
+                        (_ for _ in ()).throw(importlib.metadata.PackageNotFoundError(dist)))
+    before = set(sys.modules)
+    assert env_cmd.package_version("torchao") == "9.9"
+    assert "torchao" not in set(sys.modules) - before
+
+
+def test_env_never_crashes_when_probes_fail(monkeypatch, capsys):
+    def broken():
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setattr(env_cmd, "_torch_info", broken)
+    monkeypatch.setattr(env_cmd, "package_version", lambda name: broken())
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "torch: unknown (RuntimeError: driver exploded)" in out
+
+
+def test_cpu_scaled_mm_probe_reports_emulation_without_scaled_mm():
+    fake_torch = types.SimpleNamespace()
+    assert env_cmd._cpu_scaled_mm(fake_torch).startswith("emulated")
+
+
+def test_registry_skips_missing_commands_and_loads_present_ones(monkeypatch):
+    monkeypatch.setattr(main_module, "COMMANDS", ("launch", "config", "env", "no_such_command_yet"))
+    parser, commands = main_module.build_parser()
+    assert list(commands) == ["launch", "config", "env"]
+
+
+def test_registry_adds_a_new_command_module(monkeypatch, capsys):
+    module = types.ModuleType("lowprec.cli.hello")
+    module.NAME, module.HELP = "hello", "say hello"
+
+    def add_parser(subparsers):
+        p = subparsers.add_parser("hello", help=module.HELP)
+        p.add_argument("--name", default="world")
+        return p
+
+    def run(args):
+        if args.name == "bad":
+            raise ValueError("name: 'bad' is not allowed; pick another")
+        print(f"hello {args.name}")
+        return 0
+
+    module.add_parser, module.run = add_parser, run
+    monkeypatch.setitem(sys.modules, "lowprec.cli.hello", module)
+    monkeypatch.setattr(main_module, "COMMANDS", ("env", "hello"))
+    assert main(["hello", "--name", "x"]) == 0
+    assert capsys.readouterr().out == "hello x\n"
+    assert main(["hello", "--name", "bad"]) == 2
+    err = capsys.readouterr().err
+    assert err == "lowprec: error: name: 'bad' is not allowed; pick another\n"
+
+
+def test_debug_env_shows_traceback(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOWPREC_DEBUG", "1")
+    with pytest.raises(ValueError, match="not found"):
+        main(["launch", "no_such_script.py"])

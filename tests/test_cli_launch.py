@@ -1,0 +1,272 @@
+"""`lowprec launch`: precedence, passthrough, errors, exit codes, and one real torchrun run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowprec.cli.main import main
+from lowprec.config.env import owned_env_var
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "report_launch_env.py")
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    """No default config from the user's home, no launch variables from the shell."""
+    monkeypatch.setenv("LOWPREC_CONFIG_HOME", str(tmp_path / "config_home"))
+    for key in list(os.environ):
+        if owned_env_var(key):
+            monkeypatch.delenv(key)
+
+
+def dry_run(argv, capsys):
+    """Run `launch --dry_run` in-process; return (exported, unset, command)."""
+    code = main(["launch", "--dry_run", *argv])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    exported, unset = {}, []
+    lines = out.strip().splitlines()
+    for line in lines:
+        if line.startswith("export "):
+            key, _, value = line[len("export "):].partition("=")
+            exported[key] = shlex.split(value)[0] if value else ""
+        elif line.startswith("unset "):
+            unset.append(line.split()[1])
+    return exported, unset, shlex.split(lines[-1])
+
+
+def usage_error(argv, capsys) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    return err
+
+
+def write(tmp_path, text, name="launch.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_single_process_command_and_passthrough(capsys):
+    script_args = ["--fp8_backend=ao", "--mixed_precision", "bf16", "-m", "x", "--help", "--", "--cpu"]
+    env, _, cmd = dry_run(["--mixed_precision", "fp8", "--fp8_backend", "te", SCRIPT, *script_args], capsys)
+    assert cmd == [sys.executable, SCRIPT, *script_args]
+    assert env["ACCELERATE_MIXED_PRECISION"] == "fp8" and env["ACCELERATE_FP8_BACKEND"] == "TE"
+    assert env["ACCELERATE_USE_CPU"] == "false"
+
+
+def test_double_dash_separates_script(capsys):
+    _, _, cmd = dry_run(["--cpu", "--", SCRIPT, "--cpu"], capsys)
+    assert cmd == [sys.executable, SCRIPT, "--cpu"]
+
+
+def test_options_with_equals_and_dashes(capsys):
+    env, _, cmd = dry_run(["--mixed-precision=fp8", "--fp8-backend=Ao", "--fp8-margin", "2", SCRIPT], capsys)
+    assert (env["ACCELERATE_FP8_BACKEND"], env["ACCELERATE_FP8_MARGIN"]) == ("AO", "2")
+    assert cmd == [sys.executable, SCRIPT]
+
+
+def test_torchrun_standalone_for_several_processes(capsys):
+    _, _, cmd = dry_run(["--num_processes", "4", SCRIPT, "a"], capsys)
+    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", SCRIPT, "a"]
+
+
+def test_torchrun_multi_machine(capsys):
+    _, _, cmd = dry_run(["--num_processes", "8", "--num_machines", "2", "--machine_rank", "1",
+                         "--main_process_ip", "10.1.2.3", "--main_process_port", "1234", "-m", "pkg.train", "--lr", "1"], capsys)
+    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--nnodes=2",
+                   "--node_rank=1", "--master_addr=10.1.2.3", "--master_port=1234", "-m", "pkg.train", "--lr", "1"]
+
+
+def test_module_single_process(capsys):
+    _, _, cmd = dry_run(["-m", "pkg.train", "--x"], capsys)
+    assert cmd == [sys.executable, "-m", "pkg.train", "--x"]
+
+
+def test_precedence_cli_over_yaml_over_defaults(tmp_path, capsys):
+    cfg = write(tmp_path, "mixed_precision: fp8\nfp8_config: {margin: 2, amax_history_len: 16, backend: te}\n")
+    env, _, _ = dry_run(["--config_file", cfg, "--fp8_margin", "3", SCRIPT], capsys)
+    assert env["ACCELERATE_FP8_MARGIN"] == "3"  # CLI beats YAML
+    assert env["ACCELERATE_FP8_AMAX_HISTORY_LEN"] == "16"  # YAML kept
+    assert env["ACCELERATE_MIXED_PRECISION"] == "fp8"  # no CLI default overrides the YAML
+    assert "ACCELERATE_FP8_INTERVAL" not in env  # default: not exported
+    env, _, _ = dry_run(["--config_file", cfg, "--fp8_backend", "native", "--mixed_precision", "fp8", SCRIPT], capsys)
+    assert env["ACCELERATE_FP8_BACKEND"] == "NATIVE"
+
+
+def test_cli_mixed_precision_overrides_yaml_fp8_and_notes_it(tmp_path, capsys):
+    cfg = write(tmp_path, "mixed_precision: fp8\nfp8_config: {margin: 2}\n")
+    code = main(["launch", "--dry_run", "--config_file", cfg, "--mixed_precision", "bf16", SCRIPT])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "export ACCELERATE_MIXED_PRECISION=bf16" in out
+    assert "ACCELERATE_FP8_MARGIN" not in out and "fp8_config" in out  # the note says why
+
+
+def test_parallelism_flag_replaces_yaml_choice(tmp_path, capsys):
+    cfg = write(tmp_path, "distributed_type: FSDP\nnum_processes: 2\nfsdp_config: {fsdp_version: 2}\n")
+    env, _, _ = dry_run(["--config_file", cfg, "--use_deepspeed", "--zero_stage", "2", SCRIPT], capsys)
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_USE_FSDP"] == "false"
+    assert env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2" and "FSDP_VERSION" not in env
+
+
+def test_default_config_file_is_read(monkeypatch, tmp_path, capsys):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "default_config.yaml").write_text("mixed_precision: bf16\nuse_cpu: true\n")
+    monkeypatch.setenv("LOWPREC_CONFIG_HOME", str(home))
+    env, _, _ = dry_run([SCRIPT], capsys)
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and env["ACCELERATE_USE_CPU"] == "true"
+
+
+def test_stale_launch_variables_are_removed(monkeypatch, capsys):
+    """A leftover ACCELERATE_FP8_MARGIN in the shell must not reach the child unseen."""
+    monkeypatch.setenv("ACCELERATE_FP8_MARGIN", "7")
+    monkeypatch.setenv("LOWPREC_FP8_RECIPE", "blockwise")
+    monkeypatch.setenv("UNRELATED_VAR", "kept")
+    env, unset, _ = dry_run(["--mixed_precision", "fp8", "--fp8_recipe", "rowwise", SCRIPT], capsys)
+    assert "ACCELERATE_FP8_MARGIN" in unset and "ACCELERATE_FP8_MARGIN" not in env
+    assert env["LOWPREC_FP8_RECIPE"] == "rowwise" and "LOWPREC_FP8_RECIPE" not in unset
+
+    from lowprec.cli.launch import plan_launch
+    from lowprec.cli.main import build_parser
+
+    _, commands = build_parser()
+    args = commands["launch"][1].parse_args(["--mixed_precision", "fp8", SCRIPT])
+    plan = plan_launch(args)
+    assert "ACCELERATE_FP8_MARGIN" not in plan.env and plan.env["UNRELATED_VAR"] == "kept"
+
+
+def test_override_linear_precision_flag(capsys):
+    env, _, _ = dry_run(["--mixed_precision", "fp8", "--fp8_override_linear_precision", "(false,false,true)", SCRIPT], capsys)
+    assert [env[f"ACCELERATE_FP8_OVERRIDE_{g}"] for g in ("FPROP", "DGRAD", "WGRAD")] == ["false", "false", "true"]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--fp8_backend", "te", SCRIPT], "FP8 option(s), but mixed_precision is 'no'"),
+        (["--fsdp_version", "1", "--use_fsdp", SCRIPT], "FSDP1 is not supported"),
+        (["--use_fsdp", "--use_deepspeed", SCRIPT], "pick one"),
+        (["--zero_stage", "2", SCRIPT], "DeepSpeed option(s) without --use_deepspeed"),
+        (["--fsdp_offload_params", "true", SCRIPT], "FSDP option(s) without --use_fsdp"),
+        (["--num_machines", "2", "--num_processes", "2", SCRIPT], "needs main_process_ip"),
+        (["missing_script.py"], "training script 'missing_script.py' not found"),
+        ([], "launch needs a training script"),
+        (["--mixed_precision", "fp8", "--fp8_format", "E5M2", SCRIPT], "TransformerEngine option"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(argv, expected, capsys):
+    err = usage_error(["launch", "--dry_run", *argv], capsys)
+    assert err.startswith("lowprec: error: ") and expected in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_yaml_is_one_line_exit_2(tmp_path, capsys):
+    cfg = write(tmp_path, "mixed_precision: fp8\nfp8_config:\n  amax_history_length: 16\n  amax_histroy_len: 3\n")
+    err = usage_error(["launch", "--dry_run", "--config_file", cfg, SCRIPT], capsys)
+    assert "did you mean 'amax_history_len'?" in err and cfg in err and err.count("\n") == 1
+    err = usage_error(["launch", "--config_file", str(tmp_path / "nope.yaml"), SCRIPT], capsys)
+    assert "does not exist; create it with `lowprec config`" in err
+    cfg = write(tmp_path, "mixed_precision: [fp8\n", "broken.yaml")
+    err = usage_error(["launch", "--config_file", cfg, SCRIPT], capsys)
+    assert "not valid YAML" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--fp8_backnd", "te", SCRIPT], "--fp8_backnd (did you mean '--fp8_backend'?)"),
+        (["--mixed_precision", "fp4", SCRIPT], "argument --mixed_precision"),
+        (["--fp8_backend", "tee", "--mixed_precision", "fp8", SCRIPT], "did you mean 'te'?"),
+        (["--zero_stage", "7", SCRIPT], "argument --zero_stage"),
+    ],
+)
+def test_bad_flags_exit_2_with_hint(argv, expected, capsys):
+    err = usage_error(["launch", "--dry_run", *argv], capsys)
+    assert expected in err
+
+
+def test_unknown_command_did_you_mean(capsys):
+    assert "did you mean 'launch'?" in usage_error(["lanch"], capsys)
+
+
+def test_help_and_version(capsys):
+    assert main(["launch", "--help"]) == 0
+    assert "--fp8_backend" in capsys.readouterr().out
+    assert main(["--version"]) == 0
+    assert "lowprec" in capsys.readouterr().out
+
+
+def test_exit_code_and_env_of_a_real_single_process_run(tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code = main(["launch", "--mixed_precision", "fp8", "--fp8_recipe", "blockwise", "--fp8_fallback", "emulate",
+                 SCRIPT, str(out_dir), "--fp8_recipe", "x", "--exit-with", "3"])
+    assert code == 3
+    report = json.loads((out_dir / "rank0.json").read_text())
+    assert report["argv"] == ["--fp8_recipe", "x", "--exit-with", "3"]
+    assert report["env"]["LOWPREC_FP8_RECIPE"] == "blockwise"
+    assert report["env"]["LOWPREC_FP8_FALLBACK"] == "emulate"
+    assert report["world_size"] == 1
+
+
+def test_torchrun_two_cpu_processes_subprocess(tmp_path):
+    """The real thing: a fresh interpreter, torchrun, gloo, two ranks."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not owned_env_var(k)}
+    env.update(PYTHONPATH=SRC + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
+               LOWPREC_CONFIG_HOME=str(tmp_path / "none"))
+    passthrough = [str(out_dir), "--num_processes", "5", "--fp8_backend=te", "-m", "x"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2",
+         "--mixed_precision", "fp8", "--fp8_backend", "ao", "--fp8_amax_history_len", "32", SCRIPT, *passthrough],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    reports = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, report in enumerate(reports):
+        assert report["rank"] == rank and report["world_size"] == 2
+        assert report["all_reduce_sum"] == 3.0  # 1 + 2: both ranks joined one gloo group
+        assert report["argv"] == passthrough[1:]
+        assert report["env"]["ACCELERATE_USE_CPU"] == "true"
+        assert report["env"]["ACCELERATE_FP8_BACKEND"] == "AO"
+        assert report["env"]["ACCELERATE_FP8_AMAX_HISTORY_LEN"] == "32"
+        assert report["env"]["ACCELERATE_MIXED_PRECISION"] == "fp8"
+
+
+def test_signal_death_maps_to_128_plus_signal(tmp_path, capsys):
+    script = tmp_path / "die.py"
+    script.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n")
+    assert main(["launch", str(script)]) == 128 + 15
+
+
+def test_port_zero_means_any_free_port_on_one_machine(capsys):
+    _, _, cmd = dry_run(["--num_processes", "2", "--main_process_port", "0", SCRIPT], capsys)
+    assert "--standalone" in cmd
+    err = usage_error(["launch", "--dry_run", "--num_processes", "2", "--num_machines", "2",
+                       "--main_process_ip", "h", "--main_process_port", "0", SCRIPT], capsys)
+    assert "every machine must know the port" in err
+
+
+def test_launcher_does_not_import_torch_or_pydantic_without_config(tmp_path):
+    """The launcher starts fast: the parent process needs neither torch nor pydantic."""
+    code = (
+        "import sys; from lowprec.cli.main import main; "
+        f"rc = main(['launch', '--dry_run', '--mixed_precision', 'fp8', {SCRIPT!r}]); "
+        "assert rc == 0; bad = {'torch', 'pydantic'} & set(sys.modules); assert not bad, bad"
+    )
+    env = {k: v for k, v in os.environ.items() if not owned_env_var(k)}
+    env.update(PYTHONPATH=SRC, LOWPREC_CONFIG_HOME=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
