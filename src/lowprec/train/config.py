@@ -200,6 +200,16 @@ class TrainConfig(_Strict):
     )
 
     # ---------------------------------------------------------------- validators
+    @field_validator("datasets", mode="before")
+    @classmethod
+    def _datasets_shorthand(cls, v: Any) -> Any:
+        """``datasets: data.txt`` or ``[a.txt, b.jsonl]`` mean ``[{path: ...}, ...]``."""
+        if isinstance(v, str):
+            v = [v]
+        if isinstance(v, list):
+            return [{"path": d} if isinstance(d, str) else d for d in v]
+        return v
+
     @field_validator("fp8_recipe")
     @classmethod
     def _recipe(cls, v: Union[str, FP8RecipeSpec]) -> FP8RecipeSpec:

@@ -403,6 +403,12 @@ def train(
         eval_losses=[(r["step"], r["loss"]) for r in records if r["kind"] == "eval"],
         files=files,
     )
+    if main:
+        import dataclasses
+        import json
+
+        with open(os.path.join(output_dir, "summary.json"), "w") as f:
+            json.dump(dataclasses.asdict(result), f, indent=1)
     with contextlib.suppress(Exception):
         acc.end_training()
     return result
