@@ -457,11 +457,30 @@ def load_config(path: Optional[str | os.PathLike], overrides: Optional[dict[str,
             raise ValueError(f"{source}:{where}: not valid YAML ({problem}); fix the syntax") from None
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a mapping of keys to values at the top level, got {type(data).__name__}")
-        if "deepspeed" in data and isinstance(data["deepspeed"], str) and not os.path.isabs(data["deepspeed"]):
-            data["deepspeed"] = str(p.parent / data["deepspeed"]) if (p.parent / data["deepspeed"]).exists() else data["deepspeed"]
+        data = _relative_to(p.parent, data)
     for key, value in (overrides or {}).items():
         _set_dotted(data, key, value)
     return parse_config(data, source)
+
+
+def _relative_to(base: Path, data: dict[str, Any]) -> dict[str, Any]:
+    """Relative data / deepspeed paths that do not exist from the working directory but do
+    next to the config file are read from there (so examples run from any directory)."""
+
+    def fix(path: Any) -> Any:
+        if not isinstance(path, str) or path.startswith("builtin:") or os.path.isabs(path) or os.path.exists(path):
+            return path
+        return str(base / path) if (base / path).exists() else path
+
+    data = dict(data)
+    ds = data.get("datasets")
+    if isinstance(ds, str):
+        data["datasets"] = fix(ds)
+    elif isinstance(ds, list):
+        data["datasets"] = [fix(d) if isinstance(d, str) else ({**d, "path": fix(d.get("path"))} if isinstance(d, dict) and "path" in d else d) for d in ds]
+    if isinstance(data.get("deepspeed"), str):
+        data["deepspeed"] = fix(data["deepspeed"])
+    return data
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
