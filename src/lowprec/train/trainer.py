@@ -176,7 +176,7 @@ def evaluate(model: nn.Module, loader, n_batches: int, accelerator) -> float:
 
 def _telemetry_summary(tele: dict) -> dict:
     return {
-        layer: {op: {k: round(v, 8) for k, v in stats.items()} for op, stats in ops.items()}
+        layer: {op: {k: float(f"{v:.6g}") for k, v in stats.items()} for op, stats in ops.items()}
         for layer, ops in tele.items()
     }
 
