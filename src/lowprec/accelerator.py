@@ -35,6 +35,7 @@ from lowprec.kwargs import (
 )
 from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
+from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_initialize
 from lowprec.utils.distributed import wrap_ddp, wrap_fsdp2
 from lowprec.utils.operations import gather, pad_across_processes, reduce
 from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler
@@ -144,6 +145,7 @@ class Accelerator:
         self._param_maps: list[tuple[dict, dict]] = []
         self._optimizer_models: dict[int, Optional[nn.Module]] = {}
         self._data_seed: Optional[int] = None
+        self._ds_engine: Any = None
 
     # ------------------------------------------------------------------ construction helpers
     @staticmethod
@@ -207,11 +209,13 @@ class Accelerator:
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: Optional[list] = None) -> Any:
         results = list(args)
+        if self.distributed_type == DistributedType.DEEPSPEED:
+            self._prepare_deepspeed(results)
         for i, obj in enumerate(args):
-            if isinstance(obj, nn.Module):
+            if isinstance(obj, nn.Module) and not self._is_ds(results[i]):
                 results[i] = self.prepare_model(obj)
         for i, obj in enumerate(args):
-            if isinstance(obj, torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
+            if isinstance(results[i], torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
                 results[i] = self.prepare_optimizer(obj)
         self._finish_optimizers(results)
         for i, obj in enumerate(args):
@@ -228,15 +232,8 @@ class Accelerator:
         before = named_params(model)
         if placement:
             model = model.to(self.device)
-        if self.backend is not None:
-            model = self.backend.convert(model, self._ctx())
-        fp8_ctx = self.backend.fp8_context if self.backend is not None else None
+        model = self._convert_and_wrap_forward(model)
         dt = self.distributed_type
-        # under FSDP2 the MixedPrecisionPolicy sets dtypes; elsewhere torch.autocast does
-        mp = "no" if dt == DistributedType.FSDP else self.mixed_precision
-        autocast = functools.partial(autocast_context, self.device.type, mp, self.handlers.get(AutocastKwargs))
-        if self.mixed_precision != "no" or fp8_ctx is not None:
-            wrap_forward(model, autocast, fp8_ctx)
         if not evaluation_mode:
             if dt == DistributedType.MULTI:
                 kw = (self.handlers.get(DistributedDataParallelKwargs) or DistributedDataParallelKwargs()).to_kwargs()
@@ -244,14 +241,62 @@ class Accelerator:
             elif dt == DistributedType.FSDP:
                 model = wrap_fsdp2(model, self.mixed_precision, self.state.fsdp_plugin, self.device)
             elif dt == DistributedType.DEEPSPEED:
-                raise NotImplementedError(
-                    "DeepSpeed is not wired into lowprec.Accelerator yet; use FSDP2 (fsdp_plugin) or DDP"
+                raise ValueError(
+                    "under DeepSpeed, pass the model together with its optimizer in one prepare() "
+                    "call (deepspeed.initialize takes both); for inference use evaluation_mode=True"
                 )
             if self.backend is not None:
                 self.backend.after_wrap(model, self._ctx())
         self._param_maps.append((before, named_params(self.unwrap_model(model))))
         self._models.append(model)
         return model
+
+    def _convert_and_wrap_forward(self, model: nn.Module) -> nn.Module:
+        """Backend conversion, then the precision wrapper (autocast outside, FP8 region inside)."""
+        if self.backend is not None:
+            model = self.backend.convert(model, self._ctx())
+        fp8_ctx = self.backend.fp8_context if self.backend is not None else None
+        # under FSDP2 the MixedPrecisionPolicy sets dtypes; elsewhere torch.autocast does
+        mp = "no" if self.distributed_type == DistributedType.FSDP else self.mixed_precision
+        autocast = functools.partial(autocast_context, self.device.type, mp, self.handlers.get(AutocastKwargs))
+        if self.mixed_precision != "no" or fp8_ctx is not None:
+            wrap_forward(model, autocast, fp8_ctx)
+        return model
+
+    @staticmethod
+    def _is_ds(obj: Any) -> bool:
+        return type(obj).__name__ == "DeepSpeedEngine" or isinstance(obj, DeepSpeedOptimizer)
+
+    def _prepare_deepspeed(self, results: list) -> None:
+        """deepspeed.initialize on the (model, optimizer) pair of this call, in place in results."""
+        models = [i for i, o in enumerate(results) if isinstance(o, nn.Module)]
+        opts = [i for i, o in enumerate(results) if isinstance(o, torch.optim.Optimizer)]
+        if not models and not opts:
+            return
+        if len(models) != 1 or len(opts) != 1:
+            raise ValueError(
+                "under DeepSpeed, pass exactly one model and its optimizer in the same prepare() call "
+                f"(got {len(models)} model(s) and {len(opts)} optimizer(s)): deepspeed.initialize takes both"
+            )
+        loaders = [o for o in results if isinstance(o, DataLoader)] + [d.base for d in self._dataloaders]
+        micro = (loaders[0].batch_size if loaders else None) or 1
+        model = results[models[0]].to(self.device)
+        before = named_params(model)
+        model = self._convert_and_wrap_forward(model)
+        optimizer = results[opts[0]]
+        remap_optimizer_params(optimizer, before, named_params(model))
+        cfg = build_ds_config(self.state.deepspeed_plugin, self.mixed_precision, micro,
+                              self.gradient_accumulation_steps, self.num_processes)
+        engine, ds_opt = deepspeed_initialize(model, optimizer, cfg)
+        wrapped = DeepSpeedOptimizer(engine, ds_opt)
+        if self.backend is not None:
+            wrapped.after_step = functools.partial(self.backend.after_optimizer_step, engine.module)
+            self.backend.after_wrap(engine, self._ctx())
+        self._ds_engine = engine
+        self._models.append(engine)
+        self._optimizers.append(wrapped)  # type: ignore[arg-type]
+        self._optimizer_models[id(wrapped)] = engine
+        results[models[0]], results[opts[0]] = engine, wrapped
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> AcceleratedOptimizer:
         wrapped = AcceleratedOptimizer(optimizer, self.scaler, self.gradient_state)
@@ -270,6 +315,8 @@ class Accelerator:
         """Point every optimizer at the final parameters (conversion and FSDP2 may make new
         ones) and give the backend its optimizer hook once the owning model is known."""
         for opt in self._optimizers:
+            if isinstance(opt, DeepSpeedOptimizer):
+                continue
             for before, after in self._param_maps:
                 remap_optimizer_params(opt.optimizer, before, after)
             if id(opt) in self._optimizer_models:
@@ -324,6 +371,9 @@ class Accelerator:
 
     # ------------------------------------------------------------------ training step
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        if self._ds_engine is not None:
+            self._ds_engine.backward(loss, **kwargs)  # DeepSpeed scales by its accumulation steps
+            return
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             self.scaler.scale(loss).backward(**kwargs)
@@ -338,6 +388,8 @@ class Accelerator:
         else:
             self.step += 1
             gs.sync_gradients = self.step % gs.num_steps == 0 or self.accumulation.sync_each_batch
+        if self._ds_engine is not None:
+            self._ds_engine.set_gradient_accumulation_boundary(gs.sync_gradients)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):
@@ -387,6 +439,8 @@ class Accelerator:
         nothing and returns None: clipping a partial sum would distort the final gradient."""
         if not self.sync_gradients:
             return None
+        if self._ds_engine is not None:
+            return _deepspeed_clip(self._ds_engine, max_norm)
         self.unscale_gradients()
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -448,7 +502,7 @@ class Accelerator:
         while True:
             if hasattr(model, "_orig_mod"):  # torch.compile
                 model = model._orig_mod
-            elif isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            elif isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
                 model = model.module
             else:
                 break
@@ -494,6 +548,16 @@ class Accelerator:
     def free_memory(self, *objects: Any):
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         return objects
+
+
+def _deepspeed_clip(engine: Any, max_norm: float) -> None:
+    """DeepSpeed clips inside its own step (the gradients are partitioned by then): hand it
+    ``max_norm`` for the step that follows. The norm is known only after that step
+    (``engine.get_global_grad_norm()``), so this returns None."""
+    engine._config.gradient_clipping = max_norm
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = max_norm
+    return None
 
 
 def _default_dir(project_dir: Optional[str]) -> str:

@@ -2,8 +2,9 @@
 
 A checkpoint directory holds, per prepared object: ``model_{i}.safetensors`` (or
 ``pytorch_model_{i}.bin`` with ``safe_serialization=False``; FP8 scaling state included, as
-buffers), ``optimizer_{i}.bin``, ``scheduler_{i}.bin``, ``dataloader_{i}.json`` (position),
-``scaler.pt``, ``custom_checkpoint_{i}.pkl``, ``random_states_{rank}.pkl`` and
+buffers), ``optimizer_{i}.safetensors`` (or ``.bin``), ``scheduler_{i}.bin``, ``dataloader_{i}.json`` (position),
+``scaler.pt``, ``custom_checkpoint_{i}.pkl``, ``random_states_{rank}.pkl``, under FSDP2
+``buffers_{i}_rank{rank}.safetensors`` (each process's own FP8 scaling state) and
 ``lowprec_state.json`` (precision and backend, checked on load).
 
 Writes are atomic: everything goes to a sibling temporary directory that replaces the target
@@ -22,12 +23,13 @@ import torch
 
 from lowprec.utils.distributed import (
     full_model_state_dict,
+    is_fsdp2,
     full_optimizer_state_dict,
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
 
-__all__ = ["save_state", "load_state", "save_model", "save_tensors", "load_tensors"]
+__all__ = ["save_state", "load_state", "save_model", "save_tensors", "load_tensors", "save_optimizer", "load_optimizer"]
 
 META = "lowprec_state.json"
 
@@ -68,6 +70,45 @@ def load_tensors(path: str) -> dict:
     for key, target in aliases.items():
         tensors[key] = tensors[target]
     return tensors
+
+
+def save_optimizer(state_dict: dict, path_stem: str, safe: bool) -> None:
+    """Optimizer state: tensors in safetensors, the rest (param groups, step counts kept as
+    numbers) as JSON in its metadata; or one pickle with ``safe=False``."""
+    if not safe:
+        torch.save(state_dict, path_stem + ".bin")
+        return
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton: dict[str, dict] = {}
+    for pid, entry in state_dict["state"].items():
+        skeleton[str(pid)] = {}
+        for k, v in entry.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{pid}/{k}"] = v.detach().cpu().contiguous()
+                skeleton[str(pid)][k] = None
+            else:
+                skeleton[str(pid)][k] = v
+    meta = {"state": skeleton, "param_groups": state_dict["param_groups"],
+            "int_keys": all(isinstance(k, int) for k in state_dict["state"])}
+    from safetensors.torch import save_file
+
+    save_file({k: v.clone() for k, v in tensors.items()}, path_stem + ".safetensors",
+              metadata={"lowprec_optimizer": json.dumps(meta)})
+
+
+def load_optimizer(path_stem: str) -> dict:
+    if os.path.isfile(path_stem + ".bin"):
+        return torch.load(path_stem + ".bin", map_location="cpu", weights_only=False)
+    from safetensors import safe_open
+
+    with safe_open(path_stem + ".safetensors", framework="pt") as f:
+        meta = json.loads(f.metadata()["lowprec_optimizer"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    state: dict = {}
+    for pid, entry in meta["state"].items():
+        key = int(pid) if meta["int_keys"] else pid
+        state[key] = {k: tensors[f"{pid}/{k}"] if v is None else v for k, v in entry.items()}
+    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def _model_file(directory: str, i: int, safe: bool) -> str:
@@ -117,14 +158,21 @@ def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> st
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     acc.wait_for_everyone()
-    # collectives first (FSDP2 gathers full state on every process), files on the main process
-    models = [full_model_state_dict(acc.unwrap_model(m)) for m in acc._models]
-    opts = [full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer) for o in acc._optimizers]
+    # collectives first (FSDP2 gathers full state on every process), files on the main process;
+    # a DeepSpeed engine writes its own (partitioned) model and optimizer state
+    models = [None if _is_ds(m) else full_model_state_dict(acc.unwrap_model(m)) for m in acc._models]
+    for i, m in enumerate(acc._models):
+        if _is_ds(m):
+            m.save_checkpoint(os.path.join(tmp, f"deepspeed_{i}"), tag="state")
+    opts = [None if _is_ds(acc._optimizer_models.get(id(o))) else
+            full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer) for o in acc._optimizers]
     if acc.is_main_process:
         for i, sd in enumerate(models):
-            save_tensors(sd, _model_file(tmp, i, safe_serialization), safe_serialization)
+            if sd is not None:
+                save_tensors(sd, _model_file(tmp, i, safe_serialization), safe_serialization)
         for i, osd in enumerate(opts):
-            torch.save(osd, os.path.join(tmp, f"optimizer_{i}.bin"))
+            if osd is not None:
+                save_optimizer(osd, os.path.join(tmp, f"optimizer_{i}"), safe_serialization)
         for i, s in enumerate(acc._schedulers):
             torch.save(s.state_dict(), os.path.join(tmp, f"scheduler_{i}.bin"))
         for i, d in enumerate(acc._dataloaders):
@@ -145,6 +193,12 @@ def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> st
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f, indent=1)
     torch.save(_rng_state(), os.path.join(tmp, f"random_states_{acc.process_index}.pkl"))
+    for i, m in enumerate(acc._models):
+        if is_fsdp2(m):
+            # FSDP2 does not synchronise buffers (DDP broadcasts rank 0's): each process keeps its
+            # own FP8 scaling state (amax histories of its own data), so each saves its own
+            buffers = {k: b.detach().cpu() for k, b in acc.unwrap_model(m).named_buffers()}
+            save_tensors(buffers, os.path.join(tmp, f"buffers_{i}_rank{acc.process_index}.safetensors"), True)
     acc.wait_for_everyone()
     if acc.is_main_process:
         old = f"{output_dir}.old-{os.getpid()}"
@@ -172,9 +226,21 @@ def load_state(acc: Any, input_dir: str) -> None:
         )
     safe = meta.get("safe_serialization", True)
     for i, m in enumerate(acc._models):
-        load_full_model_state_dict(acc.unwrap_model(m), load_tensors(_model_file(input_dir, i, safe)))
+        if _is_ds(m):
+            m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")
+            continue
+        inner = acc.unwrap_model(m)
+        load_full_model_state_dict(inner, load_tensors(_model_file(input_dir, i, safe)))
+        own = os.path.join(input_dir, f"buffers_{i}_rank{acc.process_index}.safetensors")
+        if is_fsdp2(m) and os.path.isfile(own):
+            with torch.no_grad():
+                named = dict(inner.named_buffers())
+                for k, v in load_tensors(own).items():
+                    named[k].copy_(v)
     for i, o in enumerate(acc._optimizers):
-        osd = torch.load(os.path.join(input_dir, f"optimizer_{i}.bin"), map_location="cpu", weights_only=False)
+        if _is_ds(acc._optimizer_models.get(id(o))):
+            continue
+        osd = load_optimizer(os.path.join(input_dir, f"optimizer_{i}"))
         load_full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer, osd)
     for i, s in enumerate(acc._schedulers):
         s.load_state_dict(torch.load(os.path.join(input_dir, f"scheduler_{i}.bin"), weights_only=False))
@@ -195,14 +261,21 @@ def load_state(acc: Any, input_dir: str) -> None:
 def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bool = True) -> None:
     """Plain weights (no FP8 scaling state, no wrappers) that load into the unconverted model."""
     inner = acc.unwrap_model(model)
-    sd = full_model_state_dict(inner)
-    if acc.backend is not None:
-        sd = acc.backend.plain_state_dict(sd)
+    if _is_ds(model) and model.zero_optimization_stage() == 3:
+        sd = model._zero3_consolidated_16bit_state_dict()  # collective; full on the main process only
+    else:
+        sd = full_model_state_dict(inner)
     if acc.is_main_process:
+        if acc.backend is not None:
+            sd = acc.backend.plain_state_dict(sd)
         os.makedirs(save_directory, exist_ok=True)
         name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
         save_tensors(sd, os.path.join(save_directory, name), safe_serialization)
     acc.wait_for_everyone()
+
+
+def _is_ds(obj: Any) -> bool:
+    return type(obj).__name__ == "DeepSpeedEngine"
 
 
 def _jsonable(obj: Any) -> Any:

@@ -102,12 +102,13 @@ def parse_override_linear_precision(value: Any, key: str = "override_linear_prec
     return tuple(parse_bool(v, key) for v in items)
 
 
-def _resolve(explicit: Any, env_name: str, default: Any, convert: Callable[[str], Any] = str) -> Any:
+def _resolve(explicit: Any, env_name: str, default: Any, convert: Callable[[Any], Any] = lambda v: v) -> Any:
+    """explicit > ``ACCELERATE_FP8_<env_name>`` > default, converted; an env error names the variable."""
     if explicit is not None:
-        return explicit
+        return convert(explicit)
     raw = env_get(FP8_PREFIX + env_name)
     if raw is None:
-        return default
+        return convert(default)
     try:
         return convert(raw)
     except ValueError as err:
@@ -124,11 +125,19 @@ def _int(key: str) -> Callable[[Any], int]:
     return convert
 
 
+def _bool(key: str) -> Callable[[Any], bool]:
+    return lambda value: parse_bool(value, key)
+
+
 def _choice(value: Any, key: str, choices: tuple[str, ...], upper: bool = True) -> str:
     text = str(value).upper() if upper else str(value).lower()
     if text not in choices:
         raise ValueError(f"{key}={value!r} is not known; use one of {', '.join(choices)}")
     return text
+
+
+def _one_of(key: str, choices: tuple[str, ...], upper: bool = True) -> Callable[[Any], str]:
+    return lambda value: _choice(value, key, choices, upper)
 
 
 def _alias(obj: Any, name: str, alias: str, value: Any) -> None:
@@ -182,6 +191,9 @@ class DistributedDataParallelKwargs(KwargsHandler):
     def to_kwargs(self) -> dict[str, Any]:
         d = self.to_dict()
         d.pop("check_reduction")  # accepted for Accelerate scripts; DDP deprecated it
+        if d["broadcast_buffers"]:
+            # DDP's own default; passing it explicitly triggers torch's deprecation warning
+            d.pop("broadcast_buffers")
         return d
 
 
@@ -208,50 +220,98 @@ class GradientAccumulationPlugin(KwargsHandler):
 class FullyShardedDataParallelPlugin(KwargsHandler):
     """FSDP2 (``torch.distributed.fsdp.fully_shard``). ``fsdp_version`` 1 is not supported.
 
-    ``transformer_cls_names_to_wrap``: module class names sharded on their own (each block is a
-    unit of all-gather); the root is always sharded. Env: ``FSDP_VERSION``,
-    ``FSDP_TRANSFORMER_CLS_TO_WRAP`` (comma separated), ``FSDP_RESHARD_AFTER_FORWARD``.
+    ``auto_wrap_policy``: ``TRANSFORMER_BASED_WRAP`` (shard each module whose class name is in
+    ``transformer_cls_names_to_wrap``), ``SIZE_BASED_WRAP`` (each module holding at least
+    ``min_num_params`` parameters of its own subtree) or ``NO_WRAP``; the root is always sharded.
+    ``offload_params``: parameters live on CPU between uses (``CPUOffloadPolicy``). Env, as
+    ``lowprec launch`` writes them: ``FSDP_VERSION``, ``FSDP_AUTO_WRAP_POLICY``,
+    ``FSDP_TRANSFORMER_CLS_TO_WRAP``, ``FSDP_MIN_NUM_PARAMS``, ``FSDP_RESHARD_AFTER_FORWARD``,
+    ``FSDP_OFFLOAD_PARAMS``. Checkpoints are always full state dicts.
     """
 
     fsdp_version: Optional[int] = None
     transformer_cls_names_to_wrap: Optional[tuple] = None
     reshard_after_forward: Optional[bool] = None
+    auto_wrap_policy: Optional[str] = None
+    min_num_params: Optional[int] = None
+    offload_params: Optional[bool] = None
 
     def __post_init__(self) -> None:
+        s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         version = self.fsdp_version if self.fsdp_version is not None else int(env_get("FSDP_VERSION") or 2)
         if int(version) != 2:
             raise ValueError(
                 f"fsdp_version={version}: lowprec supports FSDP2 (fully_shard) only; set fsdp_version: 2"
             )
-        object.__setattr__(self, "fsdp_version", 2)
+        s("fsdp_version", 2)
         names = self.transformer_cls_names_to_wrap
+        explicit_names = names is not None
         if names is None:
-            raw = env_get("FSDP_TRANSFORMER_CLS_TO_WRAP")
-            names = tuple(n.strip() for n in raw.split(",") if n.strip()) if raw else ()
-        elif isinstance(names, str):
+            names = env_get("FSDP_TRANSFORMER_CLS_TO_WRAP") or ()
+        if isinstance(names, str):
             names = tuple(n.strip() for n in names.split(",") if n.strip())
-        object.__setattr__(self, "transformer_cls_names_to_wrap", tuple(names))
+        s("transformer_cls_names_to_wrap", tuple(names))
+        policy = self.auto_wrap_policy
+        if policy is None and not explicit_names:  # explicit class names imply their policy
+            policy = env_get("FSDP_AUTO_WRAP_POLICY")
+        if policy is None:
+            policy = "TRANSFORMER_BASED_WRAP" if names else "NO_WRAP"
+        policy = str(policy).upper()
+        if policy not in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"):
+            raise ValueError(f"auto_wrap_policy={policy!r}; use TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP")
+        s("auto_wrap_policy", policy)
+        min_params = self.min_num_params if self.min_num_params is not None else env_get("FSDP_MIN_NUM_PARAMS")
+        s("min_num_params", int(min_params) if min_params is not None else 100_000_000)
         reshard = self.reshard_after_forward
-        if reshard is None:
-            reshard = env_flag("FSDP_RESHARD_AFTER_FORWARD", True)
-        object.__setattr__(self, "reshard_after_forward", parse_bool(reshard, "reshard_after_forward"))
+        s("reshard_after_forward", env_flag("FSDP_RESHARD_AFTER_FORWARD", True) if reshard is None
+          else parse_bool(reshard, "reshard_after_forward"))
+        offload = self.offload_params
+        s("offload_params", env_flag("FSDP_OFFLOAD_PARAMS", False) if offload is None
+          else parse_bool(offload, "offload_params"))
+        for env in ("FSDP_ACTIVATION_CHECKPOINTING", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
+            if env_flag(env):
+                import logging
+
+                logging.getLogger("lowprec").warning("lowprec: %s=true is not supported by lowprec's FSDP2 path; ignored", env)
 
 
 @dataclass(frozen=True)
 class DeepSpeedPlugin(KwargsHandler):
-    """DeepSpeed ZeRO 1-3 (optional extra). Env: ``ACCELERATE_DEEPSPEED_ZERO_STAGE``."""
+    """DeepSpeed ZeRO 1-3 (optional extra). Env (as ``lowprec launch`` writes them):
+    ``ACCELERATE_DEEPSPEED_ZERO_STAGE``, ``ACCELERATE_DEEPSPEED_CONFIG_FILE``,
+    ``ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE``, ``ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE``,
+    ``ACCELERATE_GRADIENT_CLIPPING``. ``hf_ds_config`` is a dict or a JSON file path."""
 
     zero_stage: Optional[int] = None
     gradient_clipping: Optional[float] = None
-    hf_ds_config: Optional[dict] = None
+    hf_ds_config: Optional[Any] = None
+    offload_optimizer_device: Optional[str] = None
+    offload_param_device: Optional[str] = None
 
     def __post_init__(self) -> None:
-        stage = self.zero_stage
-        if stage is None:
-            stage = int(env_get("ACCELERATE_DEEPSPEED_ZERO_STAGE") or 2)
+        s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        stage = self.zero_stage if self.zero_stage is not None else int(env_get("ACCELERATE_DEEPSPEED_ZERO_STAGE") or 2)
         if int(stage) not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={stage!r}; use 0, 1, 2 or 3")
-        object.__setattr__(self, "zero_stage", int(stage))
+        s("zero_stage", int(stage))
+        clip = self.gradient_clipping if self.gradient_clipping is not None else env_get("ACCELERATE_GRADIENT_CLIPPING")
+        s("gradient_clipping", None if clip is None else float(clip))
+        cfg = self.hf_ds_config if self.hf_ds_config is not None else env_get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if isinstance(cfg, str):
+            import json
+
+            try:
+                with open(cfg) as f:
+                    cfg = json.load(f)
+            except (OSError, ValueError) as err:
+                raise ValueError(f"DeepSpeed config file {cfg!r} could not be read: {err}") from None
+        s("hf_ds_config", cfg)
+        for name, env in (("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
+                          ("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")):
+            value = getattr(self, name) if getattr(self, name) is not None else env_get(env)
+            if value is not None and str(value).lower() not in ("none", "cpu", "nvme"):
+                raise ValueError(f"{name}={value!r}; use none, cpu or nvme")
+            s(name, None if value is None else str(value).lower())
 
 
 # --------------------------------------------------------------------------- FP8 recipe kwargs
@@ -313,21 +373,21 @@ class TERecipeKwargs(RecipeKwargs):
 
     def _resolve_te_fields(self) -> None:
         s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
-        s("use_autocast_during_eval", parse_bool(
-            _resolve(self.use_autocast_during_eval, "USE_AUTOCAST_DURING_EVAL", False), "use_autocast_during_eval"))
-        s("margin", _int("margin")(_resolve(self.margin, "MARGIN", 0)))
-        s("interval", _int("interval")(_resolve(self.interval, "INTERVAL", 1)))
-        s("fp8_format", _choice(_resolve(self.fp8_format, "FORMAT", "HYBRID"), "fp8_format", ("HYBRID", "E4M3", "E5M2")))
-        s("amax_history_len", _int("amax_history_len")(_resolve(self.amax_history_len, "AMAX_HISTORY_LEN", 1024)))
-        s("amax_compute_algo", _choice(
-            _resolve(self.amax_compute_algo, "AMAX_COMPUTE_ALGO", "most_recent"),
-            "amax_compute_algo", ("max", "most_recent"), upper=False))
+        s("use_autocast_during_eval", _resolve(
+            self.use_autocast_during_eval, "USE_AUTOCAST_DURING_EVAL", False, _bool("use_autocast_during_eval")))
+        s("margin", _resolve(self.margin, "MARGIN", 0, _int("margin")))
+        s("interval", _resolve(self.interval, "INTERVAL", 1, _int("interval")))
+        s("fp8_format", _resolve(self.fp8_format, "FORMAT", "HYBRID", _one_of("fp8_format", ("HYBRID", "E4M3", "E5M2"))))
+        s("amax_history_len", _resolve(self.amax_history_len, "AMAX_HISTORY_LEN", 1024, _int("amax_history_len")))
+        s("amax_compute_algo", _resolve(
+            self.amax_compute_algo, "AMAX_COMPUTE_ALGO", "most_recent",
+            _one_of("amax_compute_algo", ("max", "most_recent"), upper=False)))
         olp = self.override_linear_precision
         if olp is None:
             olp = tuple(env_flag(FP8_PREFIX + f"OVERRIDE_{g}") for g in ("FPROP", "DGRAD", "WGRAD"))
         s("override_linear_precision", parse_override_linear_precision(olp))
-        s("use_mxfp8_block_scaling", parse_bool(
-            _resolve(self.use_mxfp8_block_scaling, "USE_MXFP8_BLOCK_SCALING", False), "use_mxfp8_block_scaling"))
+        s("use_mxfp8_block_scaling", _resolve(
+            self.use_mxfp8_block_scaling, "USE_MXFP8_BLOCK_SCALING", False, _bool("use_mxfp8_block_scaling")))
         if self.margin < 0:
             raise ValueError(f"margin must be >= 0, got {self.margin}")
         if self.interval < 1:
@@ -351,8 +411,7 @@ class MSAMPRecipeKwargs(RecipeKwargs):
         self._resolve_opt_level()
 
     def _resolve_opt_level(self) -> None:
-        level = _resolve(self.opt_level, "OPT_LEVEL", "O2")
-        object.__setattr__(self, "opt_level", _choice(level, "opt_level", ("O1", "O2")))
+        object.__setattr__(self, "opt_level", _resolve(self.opt_level, "OPT_LEVEL", "O2", _one_of("opt_level", ("O1", "O2"))))
 
 
 @dataclass(frozen=True)
@@ -375,10 +434,10 @@ class AORecipeKwargs(RecipeKwargs):
 
     def __post_init__(self) -> None:
         s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        s("pad_inner_dim", parse_bool(_resolve(self.pad_inner_dim, "PAD_INNER_DIM", True), "pad_inner_dim"))
-        s("enable_fsdp_float8_all_gather", parse_bool(
-            _resolve(self.enable_fsdp_float8_all_gather, "ENABLE_FSDP_FLOAT8_ALL_GATHER", True),
-            "enable_fsdp_float8_all_gather"))
+        s("pad_inner_dim", _resolve(self.pad_inner_dim, "PAD_INNER_DIM", True, _bool("pad_inner_dim")))
+        s("enable_fsdp_float8_all_gather", _resolve(
+            self.enable_fsdp_float8_all_gather, "ENABLE_FSDP_FLOAT8_ALL_GATHER", True,
+            _bool("enable_fsdp_float8_all_gather")))
         if self.recipe is not None:
             s("recipe", _choice(self.recipe, "recipe", ("tensorwise", "rowwise", "rowwise_with_gw_hp"), upper=False))
         if self.module_filter_func is not None and not callable(self.module_filter_func):
@@ -389,8 +448,10 @@ class AORecipeKwargs(RecipeKwargs):
 class NativeRecipeKwargs(RecipeKwargs):
     """lowprec's own engine, by recipe name: ``delayed``, ``tensorwise``, ``rowwise``,
     ``rowwise_with_gw_hp``, ``blockwise`` (env ``LOWPREC_FP8_RECIPE``). ``overrides`` sets single
-    :class:`lowprec.fp8.Recipe` fields; ``module_filter_func(module, fqn) -> bool`` picks layers;
-    ``skip_first_last`` / ``skip_patterns`` are the engine's conversion defaults."""
+    :class:`lowprec.fp8.Recipe` fields; ``ACCELERATE_FP8_*`` variables that are *set* (as
+    ``lowprec launch`` writes them) override the named preset too, explicit ``overrides`` win.
+    ``module_filter_func(module, fqn) -> bool`` picks layers; ``skip_first_last`` /
+    ``skip_patterns`` are the engine's conversion defaults."""
 
     recipe: Optional[str] = None
     overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -404,10 +465,10 @@ class NativeRecipeKwargs(RecipeKwargs):
     def __post_init__(self) -> None:
         name = self.recipe if self.recipe is not None else (env_get("LOWPREC_FP8_RECIPE") or "tensorwise")
         object.__setattr__(self, "recipe", str(name).lower().replace("-", "_"))
-        object.__setattr__(self, "overrides", dict(self.overrides))
+        object.__setattr__(self, "overrides", {**_env_recipe_overrides(), **dict(self.overrides)})
         object.__setattr__(self, "skip_patterns", tuple(self.skip_patterns))
-        object.__setattr__(self, "use_autocast_during_eval", parse_bool(
-            _resolve(self.use_autocast_during_eval, "USE_AUTOCAST_DURING_EVAL", False), "use_autocast_during_eval"))
+        object.__setattr__(self, "use_autocast_during_eval", _resolve(
+            self.use_autocast_during_eval, "USE_AUTOCAST_DURING_EVAL", False, _bool("use_autocast_during_eval")))
         self.to_recipe()  # validate name and overrides now, with the engine's own messages
 
     def to_recipe(self):
@@ -416,6 +477,23 @@ class NativeRecipeKwargs(RecipeKwargs):
         overrides = dict(self.overrides)
         overrides.setdefault("use_during_eval", self.use_autocast_during_eval)
         return Recipe.from_name(self.recipe, **overrides)
+
+
+def _env_recipe_overrides() -> dict[str, Any]:
+    """Recipe fields from the ``ACCELERATE_FP8_*`` variables that are set (unset ones leave the
+    named preset's own values, e.g. rowwise's E4M3)."""
+    table = {"FORMAT": ("fp8_format", str), "AMAX_HISTORY_LEN": ("amax_history_len", _int("amax_history_len")),
+             "AMAX_COMPUTE_ALGO": ("amax_compute_algo", str), "MARGIN": ("margin", _int("margin")),
+             "INTERVAL": ("interval", _int("interval"))}
+    out: dict[str, Any] = {}
+    for suffix, (name, convert) in table.items():
+        if env_get(FP8_PREFIX + suffix) is not None:
+            out[name] = _resolve(None, suffix, None, convert)
+    flags = [env_get(FP8_PREFIX + f"OVERRIDE_{g}") for g in ("FPROP", "DGRAD", "WGRAD")]
+    if any(f is not None for f in flags):
+        out["override_linear_precision"] = tuple(
+            env_flag(FP8_PREFIX + f"OVERRIDE_{g}") for g in ("FPROP", "DGRAD", "WGRAD"))
+    return out
 
 
 _FP8_WARNED = [False]

@@ -16,7 +16,7 @@ from typing import Any, ContextManager, Optional
 import torch
 from torch import nn
 
-from lowprec.backends.base import BaseBackend, PrepareContext, log_once, named_params, remap_optimizer_params
+from lowprec.backends.base import BaseBackend, PrepareContext, log_once
 
 __all__ = ["TEBackend", "te_convert", "build_te_recipe"]
 
@@ -82,19 +82,11 @@ class TEBackend(BaseBackend):
         self.recipe = build_te_recipe(handler, te_recipe)
         self.engine = "TransformerEngine"
         self.reason = reason or "TERecipeKwargs / fp8_backend=te and transformer_engine is installed"
-        self._before: dict[str, nn.Parameter] = {}
-        self._after: dict[str, nn.Parameter] = {}
 
     def convert(self, model: nn.Module, ctx: PrepareContext) -> nn.Module:
-        before = named_params(model)
+        # TE modules bring new Parameters; the Accelerator remaps the optimizer by name
         te_convert(model, self.te)
-        self._before.update(before)
-        self._after.update(named_params(model))
         return model
-
-    def prepare_optimizer(self, optimizer: Any, model: Optional[nn.Module], ctx: PrepareContext):
-        remap_optimizer_params(optimizer, self._before, self._after)
-        return optimizer, model
 
     def fp8_context(self, model: nn.Module) -> ContextManager:
         enabled = model.training or self.handler.use_autocast_during_eval

@@ -6,17 +6,17 @@ Differences from Accelerate, each a fix of a bug in reference section 8:
   Linear whose dims are not multiples of 16 (bug 8);
 * FSDP2 float8 all-gather is only switched on under FSDP2; elsewhere it would swap every weight
   for a new Parameter behind the optimizer (bug 1). Parameters that do change are remapped in
-  the optimizer by name on every path.
+  the optimizer by name on every path (by the Accelerator, for every backend).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from torch import nn
 
-from lowprec.backends.base import BaseBackend, PrepareContext, log_once, named_params, remap_optimizer_params
+from lowprec.backends.base import BaseBackend, PrepareContext, log_once
 
 __all__ = ["TorchAOBackend", "first_last_linear_filter"]
 
@@ -46,8 +46,6 @@ class TorchAOBackend(BaseBackend):
         self.handler = handler
         self.engine = f"torchao {getattr(torchao, '__version__', '?')} Float8Linear"
         self.reason = reason or "AORecipeKwargs / fp8_backend=ao and torchao is installed"
-        self._before: dict[str, nn.Parameter] = {}
-        self._after: dict[str, nn.Parameter] = {}
         self.config: Any = None
         self._fsdp_all_gather = False
 
@@ -84,15 +82,10 @@ class TorchAOBackend(BaseBackend):
             return model
         self.config = self.build_config(ctx)
         module_filter = self.handler.module_filter_func or first_last_linear_filter(model)
-        before = named_params(model)
+        # new weight Parameters (FSDP2 all-gather) are remapped into the optimizer by the
+        # Accelerator, by name, whatever the order of prepare calls
         convert_to_float8_training(model, module_filter_fn=module_filter, config=self.config)
-        self._before.update(before)
-        self._after.update(named_params(model))
         return model
-
-    def prepare_optimizer(self, optimizer: Any, model: Optional[nn.Module], ctx: PrepareContext):
-        remap_optimizer_params(optimizer, self._before, self._after)
-        return optimizer, model
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         if self._fsdp_all_gather:

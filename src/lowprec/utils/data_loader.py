@@ -105,6 +105,9 @@ class DataLoaderShard:
                     num_workers=self.base.num_workers,
                     pin_memory=self.base.pin_memory,
                     worker_init_fn=self.base.worker_init_fn,
+                    # its own generator: starting an epoch must not draw from the global RNG, or
+                    # a run resumed mid-epoch would see a shifted dropout/noise stream
+                    generator=torch.Generator().manual_seed(self.seed + self.epoch),
                 )
                 source, count = iter(loader), len(mine)
             self.batches_yielded = skip

@@ -11,6 +11,7 @@ from torch import nn
 __all__ = [
     "wrap_ddp",
     "wrap_fsdp2",
+    "fsdp2_units",
     "is_fsdp2",
     "full_model_state_dict",
     "full_optimizer_state_dict",
@@ -28,18 +29,10 @@ def wrap_ddp(model: nn.Module, device: torch.device, ddp_kwargs: dict) -> nn.Mod
     return DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
 
 
-def wrap_fsdp2(model: nn.Module, mixed_precision: str, plugin: Any, device: torch.device) -> nn.Module:
-    """``fully_shard`` each block named in the plugin, then the root. Parameters are computed in
-    bf16 under fp8/bf16 (FP8 layers sit inside the bf16 policy), gradients reduced in fp32."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    param_dtype = _FSDP_DTYPES.get(mixed_precision)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
-    kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=plugin.reshard_after_forward)
-    names = set(plugin.transformer_cls_names_to_wrap)
-    if names:
+def fsdp2_units(model: nn.Module, plugin: Any) -> list[nn.Module]:
+    """The submodules sharded on their own (each one all-gather unit), innermost first."""
+    if plugin.auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
+        names = set(plugin.transformer_cls_names_to_wrap)
         found = {type(m).__name__ for m in model.modules()}
         missing = names - found
         if missing:
@@ -47,9 +40,29 @@ def wrap_fsdp2(model: nn.Module, mixed_precision: str, plugin: Any, device: torc
                 f"FSDP transformer_cls_names_to_wrap {sorted(missing)} not found in the model; "
                 f"module classes present: {sorted(found)}"
             )
-        for module in list(model.modules()):
-            if module is not model and type(module).__name__ in names:
-                fully_shard(module, **kw)
+        units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
+    elif plugin.auto_wrap_policy == "SIZE_BASED_WRAP":
+        units = [m for m in model.modules() if m is not model
+                 and sum(p.numel() for p in m.parameters()) >= plugin.min_num_params]
+    else:
+        units = []
+    return list(reversed(units))  # children before parents, as fully_shard expects
+
+
+def wrap_fsdp2(model: nn.Module, mixed_precision: str, plugin: Any, device: torch.device) -> nn.Module:
+    """``fully_shard`` each unit of the plugin's wrap policy, then the root. Parameters are
+    computed in bf16 under fp8/bf16 (FP8 layers sit inside the bf16 policy), gradients reduced
+    in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    param_dtype = _FSDP_DTYPES.get(mixed_precision)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    offload = CPUOffloadPolicy() if plugin.offload_params else OffloadPolicy()
+    kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=plugin.reshard_after_forward, offload_policy=offload)
+    for unit in fsdp2_units(model, plugin):
+        fully_shard(unit, **kw)
     fully_shard(model, **kw)
     return model
 

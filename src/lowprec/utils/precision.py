@@ -22,9 +22,11 @@ AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.b
 
 def autocast_context(device_type: str, mixed_precision: str, kwargs: Any = None) -> contextlib.AbstractContextManager:
     dtype = AUTOCAST_DTYPES.get(mixed_precision)
-    enabled = True if kwargs is None else kwargs.enabled
-    if dtype is None or not enabled:
+    if dtype is None:
         return contextlib.nullcontext()
+    if kwargs is not None and not kwargs.enabled:
+        # an explicit off switch: also turns off an enclosing autocast region
+        return torch.autocast(device_type, enabled=False)
     extra = {}
     if kwargs is not None and kwargs.cache_enabled is not None:
         extra["cache_enabled"] = kwargs.cache_enabled
