@@ -275,6 +275,10 @@ def test_resume_mid_epoch_reproduces_the_uninterrupted_run():
     reference = TokenBatches(tokens, 4, 16, seed=9)
     steps = 3 * len(reference) // 2 + 5  # crosses an epoch boundary after resuming
     expected = [x["input_ids"] for _, x in zip(range(steps), reference.forever())]
+    n = len(reference)
+    # the reference itself walks a full permutation per epoch, then a new one
+    assert torch.unique(torch.cat(expected[:n]), dim=0).shape[0] == 4 * n
+    assert not torch.equal(torch.cat(expected[:5]), torch.cat(expected[n : n + 5]))
     for stop in (0, 7, len(reference) - 1, len(reference), len(reference) + 3):
         first = TokenBatches(tokens, 4, 16, seed=9)
         got = [x["input_ids"] for _, x in zip(range(stop), first.forever())]

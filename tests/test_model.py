@@ -241,6 +241,8 @@ def test_config_validation_messages():
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             LlamaConfig(**{**MICRO, **kw})
+    cfg = LlamaConfig.from_name("llama-small", n_layers=3)
+    assert LlamaConfig(**cfg.to_dict()) == cfg and cfg.to_dict()["name"] == "llama-small"
     with pytest.raises(ValueError, match="did you mean 'llama-tiny'"):
         LlamaConfig.from_name("llama-tiy")
     with pytest.raises(ValueError, match="did you mean 'n_layers'"):

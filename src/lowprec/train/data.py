@@ -198,9 +198,6 @@ class TokenDataset:
     def n_tokens(self) -> int:
         return self.tokens.numel()
 
-    def __len__(self) -> int:
-        return self.n_tokens
-
 
 _CACHE: dict[tuple, tuple[TokenDataset, TokenDataset | None]] = {}
 

@@ -97,7 +97,7 @@ class HFTokenizer:
                 "or use tokenizer: byte"
             ) from e
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        self.name = f"hf:{os.path.basename(os.path.normpath(path))}"
+        self.name = f"hf:{os.path.abspath(path)}"
         eos = self._tok.eos_token_id
         if eos is None:
             raise ValueError(
