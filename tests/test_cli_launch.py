@@ -126,6 +126,8 @@ def test_default_config_file_is_read(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("LOWPREC_CONFIG_HOME", str(home))
     env, _, _ = dry_run([SCRIPT], capsys)
     assert env["ACCELERATE_MIXED_PRECISION"] == "bf16" and env["ACCELERATE_USE_CPU"] == "true"
+    assert main(["launch", "--dry_run", SCRIPT]) == 0
+    assert f"# note: using the default config file {home / 'default_config.yaml'}" in capsys.readouterr().out
 
 
 def test_stale_launch_variables_are_removed(monkeypatch, capsys):
@@ -270,3 +272,15 @@ def test_launcher_does_not_import_torch_or_pydantic_without_config(tmp_path):
     env.update(PYTHONPATH=SRC, LOWPREC_CONFIG_HOME=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_no_bug_fp8_refused_without_a_third_party_library(monkeypatch, capsys):
+    """Accelerate's launcher raised "FP8 is not available" unless TE, MS-AMP or torchao was
+    installed (reference §3.1); lowprec's native engine needs none, so fp8 launches anyway."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in (
+        "transformer_engine", "msamp", "torchao") else real_find_spec(name, *a))
+    env, _, cmd = dry_run(["--mixed_precision", "fp8", SCRIPT], capsys)
+    assert env["ACCELERATE_MIXED_PRECISION"] == "fp8" and cmd == [sys.executable, SCRIPT]

@@ -50,10 +50,10 @@ def _int(minimum: int) -> Callable[[str], int]:
 
 
 def _add(group: Any, name: str, dest: str | None = None, **kwargs: Any) -> None:
-    spellings = [f"--{name}"]
-    if "_" in name:
-        spellings.append(f"--{name.replace('_', '-')}")
-    group.add_argument(*spellings, dest=dest or name, default=argparse.SUPPRESS, **kwargs)
+    group.add_argument(f"--{name}", dest=dest or name, default=argparse.SUPPRESS, **kwargs)
+    if "_" in name:  # Accelerate's dash spelling, kept out of --help to halve its length
+        kwargs["help"] = argparse.SUPPRESS
+        group.add_argument(f"--{name.replace('_', '-')}", dest=dest or name, default=argparse.SUPPRESS, **kwargs)
 
 
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:

@@ -21,7 +21,8 @@ HELP = "write a launch config file (wizard, --default, or flags)"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(NAME, help=HELP, description=__doc__.split("\n\n")[0].strip("`"))
+    p = subparsers.add_parser(NAME, help=HELP, description="Write the launch config that `lowprec launch` reads: interactive "
+                              "questions, --default (chosen from this hardware), or the same flags as launch.")
     p.add_argument("--config_file", "--config-file", metavar="YAML", default=None,
                    help="where to write (default: $LOWPREC_CONFIG_HOME/default_config.yaml or "
                    "~/.cache/lowprec/default_config.yaml)")

@@ -39,7 +39,8 @@ OPTIONAL_PACKAGES: dict[str, tuple[str, ...]] = {
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(NAME, help=HELP, description=__doc__.split("\n\n")[0].strip("`"))
+    p = subparsers.add_parser(NAME, help=HELP, description="Print versions, devices, FP8 GEMM support, installed "
+                              "backends and the default config (for bug reports).")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 

@@ -35,7 +35,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         NAME,
         help=HELP,
-        description=__doc__.split("\n\n")[0].strip("`"),
+        description="Run a training script with the resolved precision and distributed settings: "
+        "flags > config file > defaults, exported as environment variables; several processes "
+        "or machines run under torchrun.",
         usage="lowprec launch [options] script.py [script args...]\n"
         "       lowprec launch [options] -m package.module [module args...]",
     )
@@ -108,10 +110,13 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     if not args.module and not Path(script).is_file():
         raise UsageError(f"training script {script!r} not found (for a module, add -m)")
 
+    notes = []
     config_file = args.config_file
     if config_file is None:
         default = default_config_path()
         config_file = str(default) if default.is_file() else None
+        if config_file is not None:  # an unseen file deciding the run confuses; say it is used
+            notes.append(f"using the default config file {config_file}")
     yaml_layer: dict[str, Any] = {}
     if config_file is not None:
         from lowprec.config.launch_config import load_launch_config
@@ -121,7 +126,6 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     settings = LaunchSettings.from_layers(yaml_layer, cli_layer)
     check_cli_flags_apply(cli_layer, settings)
 
-    notes = []
     ignored = sorted(k for k in yaml_layer if k in FP8_FIELDS and k not in cli_layer)
     if ignored and not settings.fp8:
         notes.append(

@@ -73,7 +73,7 @@ from typing import Any, Callable
 from lowprec.config import values as V
 from lowprec.errors import UsageError, did_you_mean
 
-__all__ = ["LaunchSettings", "ENV_VARS", "FP8_OVERRIDE_VARS", "owned_env_var"]
+__all__ = ["LaunchSettings", "ENV_VARS", "FP8_OVERRIDE_VARS", "FP8_FIELDS", "owned_env_var"]
 
 FP8_OVERRIDE_VARS = (
     "ACCELERATE_FP8_OVERRIDE_FPROP",
