@@ -241,3 +241,35 @@ def test_telemetry_reports_every_operand(seed):
         for op in ("input", "weight", "grad_output"):
             assert layer[op]["amax"] > 0 and layer[op]["scale"] > 0
             assert 0 <= layer[op]["saturated"] <= 1 and 0 <= layer[op]["underflow"] <= 1
+
+
+def test_resume_from_state_dict_continues_exactly(seed):
+    """Delayed scaling state travels in state_dict: 3 + 3 resumed steps == 6 straight steps."""
+    data = [torch.randn(8, 16) * (1 + i) for i in range(6)]
+
+    def make():
+        torch.manual_seed(7)
+        net = Net()
+        fp8.convert(net, fp8.Recipe.from_name("delayed", amax_history_len=4))
+        return net, torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+    def steps(net, opt, xs):
+        out = []
+        for x in xs:
+            with fp8.autocast():
+                loss = net(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+        return out
+
+    net, opt = make()
+    straight = steps(net, opt, data)
+    net, opt = make()
+    first = steps(net, opt, data[:3])
+    ckpt = copy.deepcopy({"model": net.state_dict(), "opt": opt.state_dict()})
+    net2, opt2 = make()
+    net2.load_state_dict(ckpt["model"])
+    opt2.load_state_dict(ckpt["opt"])
+    assert first + steps(net2, opt2, data[3:]) == straight

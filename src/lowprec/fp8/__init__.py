@@ -18,6 +18,7 @@ from lowprec.fp8.convert import (
     plain_state_dict,
     unconvert,
 )
+from lowprec.fp8.cost_model import DeviceProfile, auto_module_filter, predict_speedup
 from lowprec.fp8.formats import E4M3, E5M2, Format, fp8_max
 from lowprec.fp8.gemm import native_scaled_mm_available, scaled_mm
 from lowprec.fp8.linear import Float8Linear, delayed_scale_step
@@ -56,4 +57,7 @@ __all__ = [
     "telemetry",
     "enable_telemetry",
     "disable_telemetry",
+    "DeviceProfile",
+    "predict_speedup",
+    "auto_module_filter",
 ]

@@ -161,7 +161,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 wq = _cast(weight, fp.b, 1, recipe, w_scale)
                 out = scaled_mm(xq, wq.t(), hp, path=recipe.gemm, use_fast_accum=recipe.use_fast_accum)
                 if cfg.stats:
-                    stats.index_copy_(0, torch.tensor([0, 1], device=stats.device),
+                    stats.index_copy_(0, torch.arange(2, device=stats.device),
                                       torch.stack([_stats(x, xq), _stats(weight, wq)]))
 
             # What grad_input needs: the weight, cast for a GEMM contracting over N.
@@ -235,7 +235,7 @@ class _Float8LinearFn(torch.autograd.Function):
                     grad_w = scaled_mm(dyq.t(), xq, torch.float32, path=recipe.gemm)
                 grad_w = grad_w.to(ctx.w_dtype)
             if cfg.stats and first_cast:
-                ctx.stats.index_copy_(0, torch.tensor([2], device=dy.device), _stats(dy, first_cast[0])[None])
+                ctx.stats.index_copy_(0, torch.arange(2, 3, device=dy.device), _stats(dy, first_cast[0])[None])
         return grad_x, grad_w, None, None, None, None, None
 
 

@@ -67,13 +67,19 @@ def saturated_cast(x_scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast already-scaled values to FP8, saturating finite values at +-fp8_max.
 
     ``clamp`` alone would turn +-inf into +-fp8_max (and torch's own E4M3 cast does the
-    same), silently making an overflow finite. Adding ``x - x`` (0 for finite values, NaN
-    for inf and NaN) keeps every non-finite input non-finite. It is one fused elementwise
-    expression under ``torch.compile``.
+    same), silently making an overflow finite. Mapping +-inf to NaN first (``nan_to_num`` with
+    NaN for every non-finite value) keeps every non-finite input non-finite; NaN survives
+    ``clamp``. Two in-place passes over a float32 temporary, fused by ``torch.compile``.
     """
+    return _saturate_(x_scaled.to(torch.float32, copy=True), dtype)
+
+
+def _saturate_(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``saturated_cast`` on a float32 temporary the caller owns (modified in place)."""
     m = fp8_max(dtype)
-    x32 = x_scaled.to(torch.float32)
-    return (x32.clamp(-m, m) + (x32 - x32)).to(dtype)
+    nan = float("nan")
+    torch.nan_to_num_(y, nan=nan, posinf=nan, neginf=nan)
+    return y.clamp_(-m, m).to(dtype)
 
 
 def quantize_tensorwise(
@@ -88,7 +94,7 @@ def quantize_tensorwise(
     (delayed scaling passes the scale derived from its amax history)."""
     if scale is None:
         scale = amax_to_scale(amax(x), dtype, margin=margin, power_of_2=power_of_2)
-    return Float8Data(saturated_cast(x.to(torch.float32) * scale, dtype), scale, "tensor")
+    return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "tensor")
 
 
 def quantize_axiswise(
@@ -103,7 +109,7 @@ def quantize_axiswise(
     For ``x`` of shape (M, K) and ``dim=1`` this is torchao's "rowwise": scale shape (M, 1).
     """
     scale = amax_to_scale(amax_along(x, dim), dtype, power_of_2=power_of_2)
-    return Float8Data(saturated_cast(x.to(torch.float32) * scale, dtype), scale, "axis")
+    return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "axis")
 
 
 def _expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
@@ -129,7 +135,7 @@ def quantize_blockwise(
     pr, pc = (-r) % br, (-c) % bc
     xp = torch.nn.functional.pad(x.detach(), (0, pc, 0, pr)) if (pr or pc) else x
     scale = amax_to_scale(block_amax(xp, block), dtype, power_of_2=power_of_2)
-    data = saturated_cast(x.to(torch.float32) * _expand_blocks(scale, block, x.shape), dtype)
+    data = _saturate_(x.to(torch.float32) * _expand_blocks(scale, block, x.shape), dtype)
     return Float8Data(data, scale, "block", (br, bc))
 
 

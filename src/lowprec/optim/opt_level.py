@@ -1,0 +1,124 @@
+"""MS-AMP style optimization levels on our own engine: ``apply_opt_level(model, opt, "O2")``.
+
+=== ======================================================================================
+O1  weight gradients in FP8. Without DDP: held as FP8 payload + scale between backward and
+    the optimizer step (``fp8_grads``; saves ``param_bytes - 1`` bytes per parameter of
+    gradient memory at the end of backward). A torch optimizer gets them back as full
+    ``.grad`` at its step, where the peak usually is: measured peak unchanged (1.00x);
+    only FP8AdamW (O2) reads them in FP8. Under DDP: gradient buckets are all-reduced in
+    FP8 (``lowprec.distributed``), half the bytes of bf16; DDP keeps its own full-precision
+    buckets, so there is no local gradient memory saving under DDP.
+O2  O1 + Adam/AdamW rebuilt as :class:`FP8AdamW` (FP8 first moment, FP16 second moment,
+    fp32 masters for non-fp32 parameters), same param groups and hyper-parameters.
+=== ======================================================================================
+
+Under DDP, call it on the *wrapped* model (``apply_opt_level(ddp_model, ...)``): wrapping after
+would hold local gradients while DDP writes reduced ones, which the optimizer step rejects
+with an error naming this fix. Like ``msamp.initialize`` it returns ``(model, optimizer)``; the model's Parameter objects are
+the same ones (nothing is re-created), the optimizer may be a new object: build LR schedulers
+*after* calling it. FP8 GEMMs are a separate switch (``lowprec.fp8.convert``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from lowprec.optim.fp8_adamw import FP8AdamW
+from lowprec.optim.fp8_grads import hold_grads_in_fp8, materialize_grads
+from lowprec.optim.moments import encode_exp_avg, encode_exp_avg_sq
+
+__all__ = ["OPT_LEVELS", "apply_opt_level", "to_fp8_adamw"]
+
+OPT_LEVELS = ("O1", "O2")
+# Keys torch's Adam/AdamW put in every param group that FP8AdamW does not take.
+_TORCH_ADAM_KEYS = (
+    "amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+    "decoupled_weight_decay",
+)
+
+
+def to_fp8_adamw(optimizer: torch.optim.Optimizer, **fp8_kwargs) -> FP8AdamW:
+    """Rebuild a ``torch.optim.Adam``/``AdamW`` as :class:`FP8AdamW` over the same params.
+
+    Param groups keep their hyper-parameters and any extra keys (names, ``initial_lr``).
+    Existing moments (an optimizer that already stepped) are encoded, not dropped.
+    """
+    if isinstance(optimizer, FP8AdamW):
+        return optimizer
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(
+            f"opt_level='O2' needs torch.optim.Adam or torch.optim.AdamW, got "
+            f"{type(optimizer).__name__}; use one of those, or opt_level='O1' (FP8 gradients "
+            f"only, any optimizer)"
+        )
+    groups = []
+    for g in optimizer.param_groups:
+        for flag in ("amsgrad", "maximize"):
+            if g.get(flag):
+                raise ValueError(
+                    f"opt_level='O2' does not support {type(optimizer).__name__}({flag}=True); "
+                    f"set {flag}=False or use opt_level='O1'"
+                )
+        adamw = isinstance(optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay"))
+        new = {k: v for k, v in g.items() if k not in _TORCH_ADAM_KEYS}
+        new["lr"] = float(new["lr"])  # a tensor lr (capturable setups) becomes a float
+        new["adamw"] = adamw
+        groups.append(new)
+    fp8 = FP8AdamW(groups, **fp8_kwargs)
+    for p, old in optimizer.state.items():
+        if "exp_avg" not in old:
+            continue
+        st = fp8._init_state(p)
+        st["step"] = torch.as_tensor(old["step"], dtype=torch.float32).clone().cpu()
+        st["exp_avg"], st["exp_avg_scale"] = encode_exp_avg(
+            old["exp_avg"].float(), fp8.exp_avg_dtype, fp8.block_size
+        )
+        st["exp_avg_sq"], st["exp_avg_sq_scale"] = encode_exp_avg_sq(
+            old["exp_avg_sq"].float(), fp8.exp_avg_sq_dtype
+        )
+    return fp8
+
+
+def apply_opt_level(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    opt_level: str,
+    *,
+    grad_dtype: torch.dtype = torch.float8_e4m3fn,
+    hold_grads: bool = True,
+    **fp8_adamw_kwargs,
+):
+    """Apply ``"O1"`` or ``"O2"`` (see module docstring); returns ``(model, optimizer)``.
+
+    ``grad_dtype`` is the FP8 dtype of held gradients / the all-reduce (E4M3: measured 2x
+    lower error than E5M2 with per-tensor scales, see docs/log/optim.md). ``hold_grads=False``
+    rounds ``.grad`` through FP8 in place instead of holding it (no memory saved; for a
+    GradScaler or a plain ``clip_grad_norm_`` that must see ``.grad``). Extra keyword
+    arguments go to :class:`FP8AdamW` (O2 only).
+    """
+    level = str(opt_level).upper()
+    if level not in OPT_LEVELS:
+        hint = " (O3 = FP8 weights for ZeRO is not implemented)" if level == "O3" else ""
+        raise ValueError(f"opt_level={opt_level!r} is not supported{hint}; use 'O1' or 'O2'")
+    if fp8_adamw_kwargs and level != "O2":
+        raise ValueError(
+            f"{sorted(fp8_adamw_kwargs)} configure FP8AdamW and only apply to opt_level='O2'"
+        )
+    if level == "O2":
+        optimizer = to_fp8_adamw(optimizer, **fp8_adamw_kwargs)
+
+    # Applying a level twice must not stack a second quantization on the gradients.
+    if isinstance(model, DistributedDataParallel):
+        from lowprec.distributed import register_fp8_allreduce  # layer below us; lazy import
+
+        if getattr(model, "lowprec_fp8_allreduce", None) is None:
+            model.lowprec_fp8_allreduce = register_fp8_allreduce(model, fp8_dtype=grad_dtype)
+        return model, optimizer
+
+    if getattr(model, "lowprec_fp8_grads", None) is None:
+        model.lowprec_fp8_grads = hold_grads_in_fp8(model.parameters(), grad_dtype, hold_grads)
+    if not isinstance(optimizer, FP8AdamW):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs: materialize_grads(params))
+    return model, optimizer

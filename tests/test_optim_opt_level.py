@@ -1,0 +1,141 @@
+"""apply_opt_level: O1 FP8-held gradients, O2 optimizer rebuild, user errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lowprec.fp8.quantize import quantize_tensorwise
+from lowprec.optim import FP8AdamW, apply_opt_level, clip_grad_norm_, fp8_grad, materialize_grads
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8))
+
+
+def _fp32_grads(model, xs):
+    ref = _model()
+    ref.load_state_dict(model.state_dict())
+    for x in xs:
+        ref(x).pow(2).mean().backward()
+    return [p.grad.clone() for p in ref.parameters()]
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_o1_holds_weight_gradients_in_fp8_and_accumulates():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = apply_opt_level(model, opt, "O1")
+    xs = [torch.randn(32, 16), torch.randn(32, 16)]
+    ref = _fp32_grads(model, xs)
+    for x in xs:  # two micro-batches
+        model(x).pow(2).mean().backward()
+    for p, r in zip(model.parameters(), ref):
+        assert p.grad is None  # the high-precision gradient is gone
+        held = fp8_grad(p)
+        assert held.data.dtype == torch.float8_e4m3fn and held.data.shape == p.shape
+        # E4M3: 3 mantissa bits, half-ulp 2^-4 relative, two roundings with accumulation
+        assert _rel(held.dequantize(), r) < 2 * 2**-4
+
+
+def test_o1_with_any_optimizer_steps_on_the_dequantized_gradient():
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    model, opt = apply_opt_level(model, torch.optim.SGD(model.parameters(), lr=0.5), "O1")
+    model(torch.randn(8, 16)).pow(2).mean().backward()
+    held = [fp8_grad(p).dequantize() for p in model.parameters()]
+    opt.step()
+    for p, b, g in zip(model.parameters(), before, held):
+        torch.testing.assert_close(p.detach(), b - 0.5 * g)
+        assert fp8_grad(p) is None  # consumed by the step
+
+
+def test_o1_round_trip_mode_keeps_grad_visible():
+    model = _model()
+    x = torch.randn(32, 16)
+    ref = _fp32_grads(model, [x])
+    model, opt = apply_opt_level(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1",
+                                 hold_grads=False)
+    model(x).pow(2).mean().backward()
+    for p, r in zip(model.parameters(), ref):
+        assert fp8_grad(p) is None and p.grad.dtype == torch.float32
+        assert 0 < _rel(p.grad, r) < 2**-4  # rounded through E4M3, not untouched
+        # values already lie on the FP8 grid: a second round trip changes nothing
+        again = quantize_tensorwise(p.grad, torch.float8_e4m3fn).dequantize()
+        torch.testing.assert_close(again, p.grad, rtol=1e-6, atol=0)
+
+
+def test_clip_grad_norm_on_fp8_gradients():
+    model = _model()
+    model, opt = apply_opt_level(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1")
+    (model(torch.randn(8, 16)).pow(2).mean() * 1e4).backward()
+    params = list(model.parameters())
+    norm = clip_grad_norm_(params, 1.0)
+    assert norm > 10.0
+    materialize_grads(params)
+    total = torch.cat([p.grad.flatten() for p in params]).norm()
+    assert total.item() == pytest.approx(1.0, rel=1e-4)
+
+
+def test_o2_rebuilds_adamw_with_same_params_and_groups():
+    model = _model()
+    ids = [id(p) for p in model.parameters()]
+    opt = torch.optim.AdamW(
+        [{"params": model[0].parameters(), "lr": 1e-2, "name": "first"},
+         {"params": model[2].parameters(), "weight_decay": 0.0}],
+        lr=1e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1,
+    )
+    model2, opt2 = apply_opt_level(model, opt, "O2")
+    assert model2 is model and [id(p) for p in model2.parameters()] == ids
+    assert isinstance(opt2, FP8AdamW) and isinstance(opt2, torch.optim.Optimizer)
+    g0, g1 = opt2.param_groups
+    assert (g0["lr"], g0["name"], g0["betas"], g0["eps"], g0["weight_decay"], g0["adamw"]) == (
+        1e-2, "first", (0.8, 0.95), 1e-6, 0.1, True)
+    assert (g1["lr"], g1["weight_decay"]) == (1e-3, 0.0)
+    assert [id(p) for g in opt2.param_groups for p in g["params"]] == ids
+
+
+def test_o2_keeps_moments_of_an_optimizer_that_already_stepped():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 16)).pow(2).mean().backward()
+    opt.step()
+    m_ref = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    _, opt2 = apply_opt_level(model, opt, "O2")
+    assert opt2.param_groups[0]["adamw"] is False  # Adam semantics kept
+    from lowprec.optim.moments import decode_exp_avg
+
+    for p, m in zip(model.parameters(), m_ref):
+        st = opt2.state[p]
+        assert st["step"].item() == 1.0
+        assert _rel(decode_exp_avg(st["exp_avg"], st["exp_avg_scale"], opt2.block_size), m) < 0.07
+
+
+def test_applying_twice_does_not_quantize_twice():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = apply_opt_level(model, opt, "O1")
+    model, opt = apply_opt_level(model, opt, "O2")
+    model(torch.randn(4, 16)).sum().backward()
+    assert all(fp8_grad(p) is not None and p.grad is None for p in model.parameters())
+    assert len(model.lowprec_fp8_grads.handles) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize(
+    "make, level, words",
+    [(lambda ps: torch.optim.SGD(ps, lr=0.1), "O2", ["SGD", "Adam", "O1"]),
+     (lambda ps: torch.optim.Adam(ps, amsgrad=True), "O2", ["amsgrad=False"]),
+     (lambda ps: torch.optim.AdamW(ps), "O3", ["O3", "'O1' or 'O2'"]),
+     (lambda ps: torch.optim.AdamW(ps), "fp8", ["'O1' or 'O2'"])],
+)
+def test_user_errors_name_the_problem_and_the_fix(make, level, words):
+    model = _model()
+    with pytest.raises(ValueError) as e:
+        apply_opt_level(model, make(model.parameters()), level)
+    for w in words:
+        assert w in str(e.value)
