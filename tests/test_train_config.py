@@ -209,3 +209,30 @@ def test_missing_optional_packages(tmp_path):
 def test_torch_compile_auto():
     assert resolve(parse_config({"torch_compile": "auto"}), CPU).torch_compile is False
     assert resolve(parse_config({"torch_compile": "auto"}), H100).torch_compile is True
+
+
+def test_stale_launch_env_is_dropped_and_named(tmp_path, monkeypatch, capsys):
+    """A leftover ACCELERATE_MIXED_PRECISION=fp16 in the shell must not change an fp32 run."""
+    from lowprec.cli import train as train_cmd
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "1")
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("lowprec").addHandler(handler)
+    try:
+        train_cmd._drop_launch_env()
+    finally:
+        logging.getLogger("lowprec").removeHandler(handler)
+    assert "ACCELERATE_MIXED_PRECISION" not in os.environ and "ACCELERATE_USE_FSDP" not in os.environ
+    assert any("ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_FSDP" in r.getMessage() for r in records)
+
+
+def test_deepspeed_file_must_exist(tmp_path):
+    with pytest.raises(ValueError, match="DeepSpeed config file .* not found"):
+        parse_config({"deepspeed": str(tmp_path / "ds.json")})
+    (tmp_path / "ds.json").write_text("{}")
+    assert parse_config({"deepspeed": str(tmp_path / "ds.json")}).deepspeed.endswith("ds.json")

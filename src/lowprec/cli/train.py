@@ -96,6 +96,22 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def _drop_launch_env() -> None:
+    """The YAML is the one source of precision and distribution settings: launch variables left
+    in the shell (Axolotl issue #760: a stale ``mixed_precision: fp8`` broke every run) are
+    dropped, and named, instead of silently changing the run."""
+    from lowprec.config.env import owned_env_var
+
+    dropped = sorted(k for k in os.environ if owned_env_var(k) and k != "CUDA_VISIBLE_DEVICES")
+    for k in dropped:
+        del os.environ[k]
+    if dropped and int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("lowprec").warning(
+            "lowprec train: ignoring %s from the environment (the YAML config sets precision and "
+            "distribution)", ", ".join(dropped)
+        )
+
+
 def _setup_logging(quiet: bool) -> None:
     log = logging.getLogger("lowprec")
     if not log.handlers:
@@ -121,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         proc = subprocess.run(cmd, env=_child_env(), check=False)
         return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
     _setup_logging(args.quiet)
+    _drop_launch_env()
     from lowprec.train.trainer import train
 
     result = train(cfg)

@@ -249,6 +249,13 @@ class TrainConfig(_Strict):
             )
         return v
 
+    @field_validator("deepspeed")
+    @classmethod
+    def _deepspeed(cls, v: Optional[Union[str, dict[str, Any]]]) -> Optional[Union[str, dict[str, Any]]]:
+        if isinstance(v, str) and not os.path.isfile(v):
+            raise ValueError(f"DeepSpeed config file {v!r} not found; give a JSON file path or an inline mapping")
+        return v
+
     @field_validator("fsdp_version")
     @classmethod
     def _fsdp_version(cls, v: Optional[int]) -> Optional[int]:

@@ -124,10 +124,6 @@ def _packages(cfg: TrainConfig, caps: Capabilities) -> None:
         need("tensorboard", "use_tensorboard: true")
     if cfg.deepspeed is not None:
         need("deepspeed", "deepspeed")
-        raise ValueError(
-            "deepspeed: the lowprec Accelerator does not drive DeepSpeed yet; shard with "
-            "fsdp_version: 2 (FSDP2) instead"
-        )
 
 
 def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: int = 1) -> RunPlan:
@@ -168,8 +164,8 @@ def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: i
     else:
         d["use_tensorboard"] = Decision(bool(cfg.use_tensorboard), "from the config")
     if world_size > 1:
-        kind = "FSDP2" if cfg.fsdp_version == 2 else "DDP"
-        d["distributed"] = Decision(kind, f"{world_size} processes" + (", fsdp_version: 2" if kind == "FSDP2" else ""))
+        kind = "FSDP2" if cfg.fsdp_version == 2 else ("DeepSpeed" if cfg.deepspeed is not None else "DDP")
+        d["distributed"] = Decision(kind, f"{world_size} processes" + {"FSDP2": ", fsdp_version: 2", "DeepSpeed": ", deepspeed"}.get(kind, ""))
     return RunPlan(
         mixed_precision=mp.value,
         bf16_autocast=autocast,

@@ -141,10 +141,16 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
             transformer_cls_names_to_wrap=(fc.transformer_layer_cls_to_wrap if fc else "LlamaDecoderLayer",),
             reshard_after_forward=fc.reshard_after_forward if fc else True,
         )
+    deepspeed = None
+    if cfg.deepspeed is not None:  # a JSON file path or an inline mapping, as in Axolotl
+        from lowprec.kwargs import DeepSpeedPlugin
+
+        deepspeed = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed, gradient_clipping=cfg.max_grad_norm)
     return Accelerator(
         mixed_precision=plan.mixed_precision,
         kwargs_handlers=handlers,
         fsdp_plugin=fsdp,
+        deepspeed_plugin=deepspeed,
         # explicit, so an ambient ACCELERATE_GRADIENT_ACCUMULATION_STEPS cannot change the run
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps),
         fp8_fallback=cfg.fp8_fallback,
