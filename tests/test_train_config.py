@@ -236,3 +236,9 @@ def test_deepspeed_file_must_exist(tmp_path):
         parse_config({"deepspeed": str(tmp_path / "ds.json")})
     (tmp_path / "ds.json").write_text("{}")
     assert parse_config({"deepspeed": str(tmp_path / "ds.json")}).deepspeed.endswith("ds.json")
+
+
+def test_fp8_all_gather_is_refused_not_ignored():
+    cfg = parse_config({"fp8": True, "fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2})
+    with pytest.raises(ValueError, match="does not all-gather weights in FP8 yet.*drop the key"):
+        resolve(cfg, H100, world_size=2)

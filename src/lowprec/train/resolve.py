@@ -129,6 +129,12 @@ def _packages(cfg: TrainConfig, caps: Capabilities) -> None:
 def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: int = 1) -> RunPlan:
     caps = caps or Capabilities.detect()
     _packages(cfg, caps)
+    if cfg.fp8 and cfg.fp8_enable_fsdp_float8_all_gather:
+        # an accepted no-op flag is what Axolotl ships (force_recompute_fp8_weight_in_bwd); refuse
+        raise ValueError(
+            "fp8_enable_fsdp_float8_all_gather: lowprec's FP8 engine does not all-gather weights in "
+            "FP8 yet (FSDP2 gathers them in high precision); drop the key"
+        )
     d: dict[str, Decision] = {}
     d["device"] = Decision(caps.device, "CUDA available" if caps.device == "cuda" else "no CUDA device")
     bf16 = _bf16(cfg, caps)

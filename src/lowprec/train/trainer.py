@@ -197,11 +197,6 @@ def train(
     wall0 = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan = resolve(cfg, caps, world_size=world)
-    if cfg.fp8 and cfg.fp8_enable_fsdp_float8_all_gather:
-        raise ValueError(
-            "fp8_enable_fsdp_float8_all_gather: the native FP8 engine does not all-gather in FP8 yet "
-            "(weights are gathered in high precision); drop the key"
-        )
     acc = _accelerator(cfg, plan)
     main = acc.is_main_process
     decisions = dict(plan.decisions)
