@@ -242,3 +242,19 @@ def test_fp8_all_gather_is_refused_not_ignored():
     cfg = parse_config({"fp8": True, "fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2})
     with pytest.raises(ValueError, match="does not all-gather weights in FP8 yet.*drop the key"):
         resolve(cfg, H100, world_size=2)
+
+
+def test_generated_config_keys_are_up_to_date():
+    """lowprec/train/config_keys.py (the CLI's flag table) is regenerated from the schema."""
+    from lowprec.train.config import render_config_keys
+
+    path = os.path.join(ROOT, "src", "lowprec", "train", "config_keys.py")
+    assert open(path).read() == render_config_keys(), "stale: run `python -m lowprec.train.config`"
+
+
+def test_cli_parser_does_not_import_pydantic_or_torch():
+    code = ("import sys; from lowprec.cli.main import build_parser; build_parser(); "
+            "bad = {'torch', 'pydantic'} & set(sys.modules); assert not bad, bad")
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

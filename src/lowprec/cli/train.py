@@ -25,12 +25,12 @@ _UNDER_LAUNCHER = "LOWPREC_TRAIN_CHILD"
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--key`` flag per schema key (``--key-with-dashes`` too), default: not given."""
-    from lowprec.train.config import config_field_help
+    # plain data generated from the schema: building the parser imports neither pydantic nor torch
+    from lowprec.train.config_keys import KEYS
 
     group = parser.add_argument_group("config keys (override the YAML; values are read as YAML)")
-    for name, description, default in config_field_help():
+    for name, description, shown in KEYS:
         spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
-        shown = "null" if default is None else default
         group.add_argument(
             *spellings, dest=f"cfg__{name}", metavar="VALUE", default=argparse.SUPPRESS,
             help=f"{description} (default: {shown})".replace("%", "%%"),

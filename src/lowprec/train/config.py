@@ -36,6 +36,7 @@ __all__ = [
     "parse_config",
     "parse_override_value",
     "config_field_help",
+    "render_config_keys",
     "OPTIMIZERS",
     "LR_SCHEDULERS",
 ]
@@ -516,3 +517,23 @@ def config_field_help() -> list[tuple[str, str, Any]]:
             default = [d.model_dump() if isinstance(d, BaseModel) else d for d in default]
         out.append((name, field.description or "", default))
     return out
+
+
+def render_config_keys() -> str:
+    """The text of ``lowprec/train/config_keys.py``: the schema's keys, descriptions and defaults
+    as plain data, so the CLI builds its flags and help without importing pydantic or torch.
+    Regenerate with ``python -m lowprec.train.config``; a test fails when the file is stale."""
+    rows = [(name, desc, _yaml(default)) for name, desc, default in config_field_help()]
+    body = "".join(f"    ({n!r}, {d!r}, {v!r}),\n" for n, d, v in rows)
+    return (
+        '"""Generated from lowprec.train.config.TrainConfig by `python -m lowprec.train.config`;\n'
+        "do not edit. (key, description, default as YAML) for every top-level config key.\"\"\"\n\n"
+        '__all__ = ["KEYS"]\n\n'
+        "KEYS = (\n" + body + ")\n"
+    )
+
+
+if __name__ == "__main__":
+    _path = Path(__file__).with_name("config_keys.py")
+    _path.write_text(render_config_keys())
+    print(f"wrote {_path}")
