@@ -157,3 +157,15 @@ def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path
     ddp_losses = [r["loss"] for r in read_metrics(str(ddp), "train")]
     assert ddp_losses == pytest.approx([x for _, x in single.train_losses], rel=1e-5)
     assert json.loads((ddp / "summary.json").read_text())["steps"] == 3
+
+
+def test_fp8_filter_keeps_matching_layers_in_high_precision(tmp_path):
+    cfg = load_config(TINY, {**FAST, "max_steps": 1, "logging_steps": 1, "output_dir": str(tmp_path),
+                             "fp8_filter": ["o_proj", "model.layers.0.*"]})
+    train(cfg)
+    layers = set(read_metrics(str(tmp_path), "fp8")[0]["layers"])
+    assert layers and not any(n.endswith("o_proj") or n.startswith("model.layers.0.") for n in layers)
+    assert "model.layers.1.self_attn.q_proj" in layers and "model.layers.3.mlp.down_proj" in layers
+    # 27 converted by default (28 block Linears + lm_head, less the first and last); the filter
+    # removes the other 6 of layer 0 and o_proj of layers 1-3
+    assert len(layers) == 27 - 6 - 3
