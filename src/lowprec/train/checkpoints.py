@@ -62,7 +62,7 @@ def rotate(output_dir: str, keep: Optional[int]) -> list[str]:
     if keep is None:
         return []
     found = list_checkpoints(output_dir)
-    removed = [p for _, p in found[: max(0, len(found) - keep)]]
+    removed = [p for _, p in found[: max(0, len(found) - keep)]] if keep > 0 else [p for _, p in found]
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed

@@ -74,9 +74,10 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str) -> str | No
             if i == len(ops) - 1:
                 ax.set_xlabel("step")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7)
+    ncol = min(len(labels), max(4, -(-len(labels) // 8)))  # at most 8 legend rows
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=7)
     fig.suptitle("FP8 telemetry per layer (saturated / underflow: fraction of values)")
-    fig.tight_layout(rect=(0, 0.08 + 0.02 * (len(labels) // 4), 1, 0.96))
+    fig.tight_layout(rect=(0, 0.02 + 0.025 * -(-len(labels) // ncol), 1, 0.96))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

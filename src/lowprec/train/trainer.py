@@ -276,6 +276,18 @@ def train(
         acc.load_state(resume_path)
         if main:
             truncate_after(output_dir, state.step)
+    elif main:
+        # checkpoints of an earlier run here would be mistaken for this run's by a later
+        # resume_from_checkpoint: auto (and outrank its own by step number)
+        stale = ckpt.list_checkpoints(output_dir)
+        if stale:
+            logger.warning(
+                "lowprec: fresh run in %s: removing %d checkpoint(s) of an earlier run (%s); set "
+                "resume_from_checkpoint: auto to continue a run instead",
+                output_dir, len(stale), ", ".join(os.path.basename(p) for _, p in stale),
+            )
+            ckpt.rotate(output_dir, 0)
+    acc.wait_for_everyone()
     writer = MetricsWriter(output_dir, main, plan.use_tensorboard, append=resume_path is not None)
     if main:
         from lowprec.train.outputs import write_resolved_config
