@@ -169,3 +169,13 @@ def test_fp8_filter_keeps_matching_layers_in_high_precision(tmp_path):
     # 27 converted by default (28 block Linears + lm_head, less the first and last); the filter
     # removes the other 6 of layer 0 and o_proj of layers 1-3
     assert len(layers) == 27 - 6 - 3
+
+
+def test_fp16_runs_with_a_grad_scaler_and_counts_skipped_steps(tmp_path):
+    cfg = load_config(TINY, {**FAST, "fp8": False, "fp16": True, "max_steps": 4, "logging_steps": 1, "output_dir": str(tmp_path)})
+    result = train(cfg)
+    assert result.precision == "fp16"
+    recs = read_metrics(str(tmp_path), "train")
+    skipped = [r["skipped_steps"] for r in recs]
+    assert skipped == sorted(skipped) and 0 <= skipped[-1] < 4  # cumulative, and training happened
+    assert 3.0 < result.final_train_loss < 5.7

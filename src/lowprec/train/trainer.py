@@ -305,6 +305,7 @@ def train(
     window_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
     window_steps, window_t0, window_tokens = 0, time.perf_counter(), 0
     last_train, last_eval = None, None
+    skipped = 0
     model.train()
     try:
         while state.step < total:
@@ -324,6 +325,7 @@ def train(
                         if cfg.max_grad_norm is not None:
                             grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                         optimizer.step()
+                        skipped += int(acc.optimizer_step_was_skipped)  # fp16: inf/nan gradients
                         scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
             state.step += 1
@@ -343,6 +345,7 @@ def train(
                     "lr": lr,
                     "grad_norm": None if grad_norm is None else float(grad_norm),
                     "tokens": state.tokens,
+                    "skipped_steps": skipped,  # optimizer steps the fp16 scaler skipped (this process)
                     "tokens_per_s": window_tokens / max(elapsed, 1e-9),
                     "peak_mem_mb": peak_memory_mb(acc.device),
                     "epoch": loader.epoch + loader.position / max(1, len(loader)),
