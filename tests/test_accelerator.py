@@ -339,3 +339,14 @@ def test_gather_and_reduce_single_process():
     model, dl = acc.prepare(mlp(), loader(n=20, batch_size=8))
     got = [acc.gather_for_metrics(y) for _, y in dl]
     assert sum(len(g) for g in got) == 20
+
+
+def test_safetensors_writer_handles_tied_views_and_transposes(tmp_path):
+    from lowprec.checkpoint import load_tensors, save_tensors
+
+    w = torch.randn(4, 4)
+    sd = {"a": w, "tied": w, "view": w[1:], "t": w.t(), "empty": torch.empty(0)}
+    save_tensors(sd, str(tmp_path / "x.safetensors"), True)
+    back = load_tensors(str(tmp_path / "x.safetensors"))
+    assert all(torch.equal(back[k], v) for k, v in sd.items())
+    assert back["tied"] is back["a"]  # stored once, restored as one tensor

@@ -243,8 +243,8 @@ def test_msamp_native_calls_apply_opt_level(monkeypatch):
     calls = []
     optim_mod = types.ModuleType("lowprec.optim")
 
-    def apply_opt_level(model, optimizer, opt_level):
-        calls.append((type(model).__name__, type(optimizer).__name__, opt_level))
+    def apply_opt_level(model, optimizer, opt_level, hold_grads=True):
+        calls.append((type(model).__name__, type(optimizer).__name__, opt_level, hold_grads))
         return model, optimizer
 
     optim_mod.apply_opt_level = apply_opt_level
@@ -254,11 +254,32 @@ def test_msamp_native_calls_apply_opt_level(monkeypatch):
     optimizer = acc.prepare(torch.optim.Adam(model.parameters()))  # optimizer first: waits for its model
     assert calls == []
     model = acc.prepare(model)
-    assert calls == [("Sequential", "Adam", "O1")]
+    assert calls == [("Sequential", "Adam", "O1", False)]  # .grad stays visible to clip_grad_norm_
     info = acc.fp8_backend_info
-    assert info["opt_level"] == "O1" and info["applied"]["apply_opt_level"] is True
+    assert info["opt_level"] == "O1" and info["applied"] is True
     assert all(isinstance(m, fp8.Float8Linear) for m in model if isinstance(m, nn.Linear))
     assert model[0].recipe.scaling == "delayed"
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_msamp_native_with_real_optim(level):
+    pytest.importorskip("lowprec.optim")
+    torch.manual_seed(0)
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[MSAMPRecipeKwargs(opt_level=level)])
+    model = mlp(32, 32, 32)
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert acc.fp8_backend_info["applied"] is True
+    assert (type(opt.optimizer).__name__ == "FP8AdamW") == (level == "O2")
+    x = torch.randn(16, 32)
+    losses = []
+    for _ in range(10):
+        loss = model(x).square().mean()
+        acc.backward(loss)
+        assert acc.clip_grad_norm_(model.parameters(), 1.0) > 0
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
 
 
 def test_msamp_native_without_optim_still_trains(monkeypatch, caplog):
@@ -268,7 +289,7 @@ def test_msamp_native_without_optim_still_trains(monkeypatch, caplog):
     model = mlp(32, 32, 32)
     model, opt = acc.prepare(model, torch.optim.Adam(model.parameters()))
     assert any("apply_opt_level is not in this build" in r.getMessage() for r in caplog.records)
-    assert acc.fp8_backend_info["applied"]["apply_opt_level"] is False
+    assert acc.fp8_backend_info["applied"] is False
     before = model[0].weight.detach().clone()
     acc.backward(model(torch.randn(8, 32)).square().mean())
     opt.step()
@@ -327,6 +348,23 @@ def check_ao_training(model, opt, acc, f8_cls):
     assert all(not torch.equal(b, m.weight.detach()) for b, m in zip(before, converted))
 
 
+def check_ao_eval_toggle(model, f8_cls):
+    # bug 15: FP8 is off in eval mode unless asked (Accelerate's AO path had no switch)
+    calls = []
+    layer = next(m for m in model.modules() if isinstance(m, f8_cls))
+    original = type(layer).forward
+    type(layer).forward = lambda self, x: (self is layer and calls.append(self.training)) or original(self, x)
+    try:
+        model.train()
+        model(torch.randn(16, 32))
+        model.eval()
+        model(torch.randn(16, 32))
+    finally:
+        type(layer).forward = original
+    assert calls == [True]  # the eval call ran nn.Linear.forward
+    assert "forward" not in layer.__dict__
+
+
 def test_torchao_adapter_with_stand_in(monkeypatch):
     rec, f8_cls = fake_torchao(monkeypatch)
     acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
@@ -339,6 +377,7 @@ def test_torchao_adapter_with_stand_in(monkeypatch):
     kinds = [type(m).__name__ for m in model if isinstance(m, nn.Linear)]
     assert kinds == ["Linear", "Float8Linear", "Float8Linear", "Linear"]  # bug 8: first/last of the model
     check_ao_training(model, opt, acc, f8_cls)
+    check_ao_eval_toggle(model, f8_cls)
 
 
 def test_torchao_real(tmp_path):
@@ -353,6 +392,7 @@ def test_torchao_real(tmp_path):
     model, opt = acc.prepare(model, opt)
     assert [isinstance(m, Float8Linear) for m in model if isinstance(m, nn.Linear)] == [False, True, True, False]
     check_ao_training(model, opt, acc, Float8Linear)
+    check_ao_eval_toggle(model, Float8Linear)
     acc.save_state(str(tmp_path / "ckpt"))  # bug 1: crashed with safetensors in Accelerate
     acc.load_state(str(tmp_path / "ckpt"))
 

@@ -50,6 +50,10 @@ def test_example(script, procs):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), path, *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    if proc.returncode != 0 and procs > 1 and "terminate called without an active exception" in proc.stderr:
+        # a known gloo race at process exit (rare): run once more; a second failure fails
+        cmd[cmd.index("--master_port") + 1] = str(free_port())
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout

@@ -285,6 +285,8 @@ class Accelerator:
         model = self._convert_and_wrap_forward(model)
         optimizer = results[opts[0]]
         remap_optimizer_params(optimizer, before, named_params(model))
+        if self.backend is not None:
+            optimizer, model = self.backend.prepare_optimizer(optimizer, model, self._ctx())
         cfg = build_ds_config(self.state.deepspeed_plugin, self.mixed_precision, micro,
                               self.gradient_accumulation_steps, self.num_processes)
         engine, ds_opt = deepspeed_initialize(model, optimizer, cfg)
@@ -327,12 +329,12 @@ class Accelerator:
             self._optimizer_models[id(opt)] = owner
             if self.backend is None:
                 continue
-            inner = self.unwrap_model(owner) if owner is not None else None
-            new_opt, new_model = self.backend.prepare_optimizer(opt.optimizer, inner, self._ctx())
+            # the model as held (DDP-wrapped): MS-AMP O-levels hook DDP's gradient all-reduce
+            new_opt, new_model = self.backend.prepare_optimizer(opt.optimizer, owner, self._ctx())
             opt.optimizer = new_opt
             if owner is not None:
                 opt.after_step = functools.partial(self.backend.after_optimizer_step, owner)
-            if new_model is not None and new_model is not inner:
+            if new_model is not None and new_model is not owner:
                 idx = next((i for i, r in enumerate(results) if r is owner), None)
                 if idx is None:
                     raise ValueError(

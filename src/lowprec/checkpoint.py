@@ -46,15 +46,23 @@ def save_tensors(state_dict: dict, path: str, safe: bool) -> None:
     tensors, aliases = {}, {}
     for key, t in state_dict.items():
         t = t.detach()
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype) if t.numel() else None
-        if ident is not None and ident in seen:
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) if t.numel() else None
+        if ident is not None and ident in seen:  # the same tensor twice (tied weights): store once
             aliases[key] = seen[ident]
             continue
         if ident is not None:
             seen[ident] = key
-        tensors[key] = t.contiguous().clone() if not t.is_contiguous() else t
-    # safetensors refuses tensors sharing memory: give every kept tensor its own storage
-    tensors = {k: v.clone() for k, v in tensors.items()}
+        tensors[key] = t
+    # safetensors refuses distinct tensors that share memory (views) and non-contiguous ones:
+    # copy exactly those, not the whole model
+    storages: dict[int, int] = {}
+    for t in tensors.values():
+        if t.numel():
+            storages[t.untyped_storage().data_ptr()] = storages.get(t.untyped_storage().data_ptr(), 0) + 1
+    tensors = {
+        k: t.contiguous().clone() if (not t.is_contiguous() or (t.numel() and storages[t.untyped_storage().data_ptr()] > 1)) else t
+        for k, t in tensors.items()
+    }
     save_file(tensors, path, metadata={"aliases": json.dumps(aliases)})
 
 

@@ -421,7 +421,9 @@ class AORecipeKwargs(RecipeKwargs):
     ``enable_fsdp_float8_all_gather`` only takes effect under FSDP2: elsewhere it would replace
     the weights with new Parameter objects behind the optimizer's back (reference bug 1).
     ``recipe``: a torchao recipe name (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``);
-    lowprec's extension, used when ``config`` is not given.
+    lowprec's extension, used when ``config`` is not given. ``use_autocast_during_eval``
+    (lowprec's extension, env ``ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL``): FP8 in
+    ``model.eval()`` too; off by default as for TE (Accelerate's AO path had no switch, bug 15).
     """
 
     config: Optional[Any] = None
@@ -429,6 +431,7 @@ class AORecipeKwargs(RecipeKwargs):
     pad_inner_dim: Optional[bool] = None
     enable_fsdp_float8_all_gather: Optional[bool] = None
     recipe: Optional[str] = None
+    use_autocast_during_eval: Optional[bool] = None
 
     backend = "torchao"
 
@@ -438,6 +441,8 @@ class AORecipeKwargs(RecipeKwargs):
         s("enable_fsdp_float8_all_gather", _resolve(
             self.enable_fsdp_float8_all_gather, "ENABLE_FSDP_FLOAT8_ALL_GATHER", True,
             _bool("enable_fsdp_float8_all_gather")))
+        s("use_autocast_during_eval", _resolve(
+            self.use_autocast_during_eval, "USE_AUTOCAST_DURING_EVAL", False, _bool("use_autocast_during_eval")))
         if self.recipe is not None:
             s("recipe", _choice(self.recipe, "recipe", ("tensorwise", "rowwise", "rowwise_with_gw_hp"), upper=False))
         if self.module_filter_func is not None and not callable(self.module_filter_func):

@@ -6,10 +6,9 @@ optimizer (LBAdam/LBAdamW), so it needs both; weights are fp16, so a loss scaler
 ``clip_grad_norm_`` unscales first (Accelerate clips scaled gradients, bug 12).
 
 Native: the delayed-scaling recipe on lowprec's engine, plus
-``lowprec.optim.apply_opt_level(model, optimizer, opt_level)`` (FP8/FP16 Adam state) and, under
-DDP, ``lowprec.distributed.register_fp8_allreduce(ddp_model)`` (FP8 gradient all-reduce), both
-imported lazily: if this build lacks them, FP8 GEMMs still run and one log line says what
-is not applied.
+``lowprec.optim.apply_opt_level(model, optimizer, opt_level)`` (O1: FP8 weight gradients, FP8
+gradient all-reduce under DDP; O2: also FP8/FP16 Adam moments), imported lazily: if a build
+lacks it, FP8 GEMMs still run and one log line says what is not applied.
 """
 
 from __future__ import annotations
@@ -45,26 +44,50 @@ class MSAMPBackend(BaseBackend):
                 "MS-AMP's msamp.initialize needs the model and its optimizer: prepare the model "
                 "too (in this or an earlier prepare call)"
             )
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            # msamp.initialize swaps Linear layers, which DDP has already bucketed
+            raise ValueError(
+                "real MS-AMP under DDP is not supported by lowprec's adapter (msamp.initialize must "
+                "run before DDP wraps the model); use the native O1/O2 (uninstall msamp or pass "
+                "NativeRecipeKwargs) or DeepSpeed"
+            )
         new_model, new_optimizer = self.msamp.initialize(model, optimizer, opt_level=self.opt_level)
         return new_optimizer, new_model
 
 
 class NativeOptLevelBackend(NativeBackend):
-    """MS-AMP's O1/O2 on lowprec: delayed scaling GEMMs + low-precision optimizer/comm."""
+    """MS-AMP's O1/O2 on lowprec: delayed-scaling FP8 GEMMs + ``lowprec.optim.apply_opt_level``.
+
+    ``apply_opt_level`` gets the model as the Accelerator holds it: under DDP the wrapped model,
+    so it registers the FP8 gradient all-reduce itself. Gradients are rounded through FP8 in
+    place (``hold_grads=False``) rather than held aside, so ``accelerator.clip_grad_norm_`` and
+    a GradScaler still see ``.grad`` (the optim log measured no peak-memory gain from holding
+    them with a torch optimizer anyway). Not under FSDP2 (as MS-AMP); under DeepSpeed the
+    engine owns the optimizer, so only the FP8 GEMMs run.
+    """
 
     def __init__(self, recipe: Any, opt_level: str, reason: str) -> None:
         super().__init__(recipe, name="msamp", reason=reason, skip_first_last=False, skip_patterns=())
         self.opt_level = opt_level
         self.engine = f"lowprec native engine (delayed recipe, {opt_level})"
-        self.applied: dict[str, bool] = {"apply_opt_level": False, "register_fp8_allreduce": False}
+        self.applied = False
 
     def prepare_optimizer(self, optimizer: Any, model: Optional[nn.Module], ctx: PrepareContext):
+        if ctx.distributed_type == "FSDP":
+            raise ValueError(
+                f"MS-AMP opt_level {self.opt_level} is not supported with FSDP2 (nor by MS-AMP); "
+                "use DDP or DeepSpeed, or an FP8 recipe without an opt level (TERecipeKwargs)"
+            )
+        if ctx.distributed_type == "DEEPSPEED":
+            log_once(f"lowprec: under DeepSpeed the engine owns the optimizer; opt_level {self.opt_level} "
+                     "is not applied (FP8 GEMMs still run)")
+            return optimizer, model
         try:
             from lowprec.optim import apply_opt_level
         except ImportError:
             log_once(
                 f"lowprec: lowprec.optim.apply_opt_level is not in this build; MS-AMP {self.opt_level} "
-                "optimizer state stays float32 (FP8 GEMMs still run)"
+                "optimizer state and gradients stay in full precision (FP8 GEMMs still run)"
             )
             return optimizer, model
         if model is None:
@@ -72,23 +95,9 @@ class NativeOptLevelBackend(NativeBackend):
                 f"MS-AMP {self.opt_level} needs the model that owns the optimizer's parameters: "
                 "prepare the model too (in this or an earlier prepare call)"
             )
-        model, optimizer = apply_opt_level(model, optimizer, self.opt_level)
-        self.applied["apply_opt_level"] = True
+        model, optimizer = apply_opt_level(model, optimizer, self.opt_level, hold_grads=False)
+        self.applied = True
         return optimizer, model
 
-    def after_wrap(self, model: nn.Module, ctx: PrepareContext) -> None:
-        if ctx.distributed_type != "MULTI":
-            return
-        try:
-            from lowprec.distributed import register_fp8_allreduce
-        except ImportError:
-            log_once(
-                "lowprec: lowprec.distributed.register_fp8_allreduce is not in this build; "
-                "gradients are all-reduced in full precision"
-            )
-            return
-        register_fp8_allreduce(model)
-        self.applied["register_fp8_allreduce"] = True
-
     def describe(self) -> dict:
-        return {**super().describe(), "opt_level": self.opt_level, "applied": dict(self.applied)}
+        return {**super().describe(), "opt_level": self.opt_level, "applied": self.applied}

@@ -11,7 +11,9 @@ Differences from Accelerate, each a fix of a bug in reference section 8:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import types
 from typing import Any, Callable
 
 from torch import nn
@@ -22,19 +24,27 @@ __all__ = ["TorchAOBackend", "first_last_linear_filter"]
 
 
 def first_last_linear_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
-    """A torchao ``module_filter_fn`` that skips the model's first and last Linear and any
-    Linear with a dimension not divisible by 16 (``torch._scaled_mm`` needs multiples of 16)."""
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    skip = {linears[0], linears[-1]} if linears else set()
+    """A torchao ``module_filter_fn`` with the engine's default rule (:func:`lowprec.fp8.
+    default_module_filter`): skip the model's first and last Linear, any Linear with a dim not
+    divisible by 16, and output heads / MoE routers by name."""
+    from lowprec.fp8 import default_module_filter
 
-    def module_filter(module: nn.Module, fqn: str) -> bool:
-        if isinstance(module, nn.Linear):
-            if module.in_features % 16 or module.out_features % 16:
-                return False
-            return fqn not in skip
-        return True
+    rule = default_module_filter(model)
+    return lambda module, fqn: not isinstance(module, nn.Linear) or rule(module, fqn) is None
 
-    return module_filter
+
+@contextlib.contextmanager
+def _high_precision(model: nn.Module):
+    from torchao.float8.float8_linear import Float8Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    for m in layers:
+        m.forward = types.MethodType(nn.Linear.forward, m)
+    try:
+        yield
+    finally:
+        for m in layers:
+            del m.forward
 
 
 class TorchAOBackend(BaseBackend):
@@ -86,6 +96,13 @@ class TorchAOBackend(BaseBackend):
         # Accelerator, by name, whatever the order of prepare calls
         convert_to_float8_training(model, module_filter_fn=module_filter, config=self.config)
         return model
+
+    def fp8_context(self, model: nn.Module):
+        """torchao's Float8Linear has no off switch: in eval mode (unless
+        ``use_autocast_during_eval``) its layers run ``nn.Linear.forward`` for the call."""
+        if model.training or self.handler.use_autocast_during_eval:
+            return contextlib.nullcontext()
+        return _high_precision(model)
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         if self._fsdp_all_gather:

@@ -52,11 +52,13 @@ class DataLoaderShard:
         self.epoch = 0
         self.batches_yielded = 0
         self._skip = 0
-        self.iterable = isinstance(dataloader.dataset, IterableDataset)
+        # an IterableDataset, or batch_size=None (no batching), is passed through unsharded
+        self.iterable = isinstance(dataloader.dataset, IterableDataset) or dataloader.batch_sampler is None
         if self.iterable and world_size > 1:
             raise ValueError(
-                "prepare() cannot shard an IterableDataset across processes; shard it inside the "
-                "dataset (e.g. by torch.distributed.get_rank()) and pass a plain DataLoader per process"
+                "prepare() can shard only a DataLoader with a batch size over a map-style dataset; "
+                "shard an IterableDataset inside the dataset (e.g. by torch.distributed.get_rank()) "
+                "and pass that DataLoader per process"
             )
 
     # ------------------------------------------------------------------ batches of this process
