@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowprec.fp8 import kernels
 from lowprec.fp8.autocast import current_recipe_override, fp8_enabled
 from lowprec.fp8.formats import fp8_max
 from lowprec.fp8.gemm import scaled_mm
@@ -96,6 +97,25 @@ def _cast(x: torch.Tensor, spec: OperandCast, contract: int, recipe: Recipe, sca
     )
 
 
+def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale=None) -> tuple[Float8Data, Float8Data]:
+    """One per-tensor cast of ``x`` or ``dY`` that serves two GEMMs: ``(row-major, column-major)``.
+
+    On CUDA with the Triton kernels (``lowprec.fp8.kernels``) one pass writes the FP8 tensor
+    and its transpose (TransformerEngine's cast_transpose). The second is handed over as a
+    column-major view, so the weight-gradient GEMM, which contracts over the token dim, finds
+    its operand already in the layout ``scaled_mm`` asks cuBLAS for, and nothing is copied in
+    backward. Elsewhere both are the same :class:`Float8Data`. Values are identical either
+    way; only the memory layout differs.
+    """
+    if spec.granularity == "tensor" and t.dtype in (torch.bfloat16, torch.float16, torch.float32) and kernels.available(t.device):
+        if scale is None:
+            scale = amax_to_scale(amax(t), spec.dtype, margin=recipe.margin, power_of_2=recipe.power_of_2_scales)
+        q, qt, _ = kernels.cast_transpose_amax(t, scale, spec.dtype)
+        return Float8Data(q, scale, "tensor"), Float8Data(qt.t(), scale, "tensor")
+    q = _cast(t, spec, 1, recipe, scale)
+    return q, q
+
+
 def _stats(x: torch.Tensor, q: Float8Data) -> torch.Tensor:
     """(amax, scale, saturated fraction, underflow fraction) of one cast, as a float32 (4,)."""
     from lowprec.fp8.quantize import _expand_blocks
@@ -153,11 +173,18 @@ class _Float8LinearFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch.autocast(x.device.type, enabled=False):
             fp = plan.fprop
-            xq = wq = None
+            xq = wq = x_col = None
             if fp.high_precision:
                 out = torch.matmul(x.to(hp), weight.to(hp).t())
             else:
-                xq = _cast(x, fp.a, 1, recipe, x_scale)
+                wg = plan.wgrad
+                x_both = need_wgrad and recipe.save_fp8_activations and not wg.high_precision and (
+                    wg.b == fp.a and wg.b.granularity == "tensor"
+                )
+                if x_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
+                    xq, x_col = _cast_both_layouts(x, fp.a, recipe, x_scale)
+                else:
+                    xq = _cast(x, fp.a, 1, recipe, x_scale)
                 wq = _cast(weight, fp.b, 1, recipe, w_scale)
                 out = scaled_mm(xq, wq.t(), hp, path=recipe.gemm, use_fast_accum=recipe.use_fast_accum)
                 if cfg.stats:
@@ -178,8 +205,8 @@ class _Float8LinearFn(torch.autograd.Function):
                 wg = plan.wgrad
                 if wg.high_precision or not recipe.save_fp8_activations:
                     x_saved = x.to(hp)
-                elif xq is not None and wg.b == fp.a and wg.b.granularity == "tensor":
-                    x_saved = xq
+                elif x_col is not None:
+                    x_saved = x_col
                 else:
                     x_saved = _cast(x, wg.b, 0, recipe, x_scale if wg.b.granularity == "tensor" else None)
         _pack(ctx, [w_saved, x_saved])
@@ -217,9 +244,17 @@ class _Float8LinearFn(torch.autograd.Function):
                 if dg.high_precision:
                     grad_x = torch.matmul(dy.to(hp), w_saved.to(hp))
                 else:
-                    dyq = cast_dy(dg.a, 1)
-                    if dg.a.granularity == "tensor":
-                        dyq_tensor = dyq
+                    wg = plan.wgrad
+                    dy_both = dg.a.granularity == "tensor" and ctx.needs_input_grad[1] and not wg.high_precision and (
+                        wg.a == dg.a
+                    )
+                    if dy_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
+                        dyq, dyq_tensor = _cast_both_layouts(dy, dg.a, recipe, dy_scale)
+                        first_cast.append(dyq)
+                    else:
+                        dyq = cast_dy(dg.a, 1)
+                        if dg.a.granularity == "tensor":
+                            dyq_tensor = dyq
                     wq = w_saved if isinstance(w_saved, Float8Data) else _cast(w_saved, dg.b, 0, recipe)
                     grad_x = scaled_mm(dyq, wq, hp, path=recipe.gemm)
                 grad_x = grad_x.to(ctx.x_dtype)

@@ -82,6 +82,23 @@ def _saturate_(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y.clamp_(-m, m).to(dtype)
 
 
+# --- dispatch hook: fused Triton casts (lowprec.fp8.kernels) -------------------------------
+# On CUDA with triton importable (and LOWPREC_DISABLE_TRITON unset), 2-D tensorwise and
+# rowwise casts run as one Triton kernel with bit-identical results; everywhere else the torch
+# expressions below run. The import is local: kernels.reference imports this module.
+def _fused_cast(x: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    if x.device.type != "cuda" or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if scale is not None and not (
+        isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype == torch.float32 and scale.device == x.device
+    ):
+        return False
+    from lowprec.fp8 import kernels
+
+    return kernels.available(x.device)
+
+
+# -------------------------------------------------------------------------------------------
 def quantize_tensorwise(
     x: torch.Tensor,
     dtype: torch.dtype,
@@ -94,6 +111,10 @@ def quantize_tensorwise(
     (delayed scaling passes the scale derived from its amax history)."""
     if scale is None:
         scale = amax_to_scale(amax(x), dtype, margin=margin, power_of_2=power_of_2)
+    if _fused_cast(x, scale):
+        from lowprec.fp8 import kernels
+
+        return Float8Data(kernels.cast_amax(x, scale, dtype)[0], scale, "tensor")
     return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "tensor")
 
 
@@ -108,6 +129,11 @@ def quantize_axiswise(
 
     For ``x`` of shape (M, K) and ``dim=1`` this is torchao's "rowwise": scale shape (M, 1).
     """
+    if _fused_cast(x) and dim in (1, -1):
+        from lowprec.fp8 import kernels
+
+        data, scale = kernels.cast_rowwise(x, dtype, power_of_2)
+        return Float8Data(data, scale, "axis")
     scale = amax_to_scale(amax_along(x, dim), dtype, power_of_2=power_of_2)
     return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "axis")
 

@@ -1,0 +1,116 @@
+"""``torch.library`` operators around the Triton kernels (imports triton: load lazily).
+
+``torch.library.triton_op`` makes each a real operator (``torch.ops.lowprec.*``) whose body
+Inductor can see: it works in eager and under ``torch.compile(fullgraph=True)`` without a
+graph break, and its fake (meta) implementation is the same Python body traced with fake
+tensors, so no separate ``register_fake`` is needed. The bodies allocate fresh outputs and
+launch through ``wrap_triton``; nothing reads a device value on the host.
+
+Launch shapes are fixed (no autotuning, so no benchmark runs inside a training step);
+``benchmarks/cast.py --sweep`` times the alternatives through :func:`launch_cast`.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from lowprec.fp8.formats import fp8_max
+from lowprec.fp8.kernels.triton_cast import cast_rowwise_kernel, cast_transpose_amax_kernel
+from lowprec.fp8.scaling import AMAX_EPS
+
+__all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise", "launch_cast", "interpreting"]
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_EPS_BITS = struct.unpack("<q", struct.pack("<d", AMAX_EPS))[0]  # float64 bits of AMAX_EPS
+
+# (BLOCK_M, BLOCK_N, num_warps): 64x64 tiles, TransformerEngine's cast_transpose tile size.
+TILE = (64, 64, 4)
+ROW_TILE = (4, 512, 4)
+
+
+# Decided once, from the kernel objects themselves: under ``TRITON_INTERPRET=1`` at import
+# ``triton.jit`` returns an InterpretedFunction, whatever the variable says later.
+_INTERPRETED = type(cast_transpose_amax_kernel).__name__ == "InterpretedFunction"
+
+
+def interpreting() -> bool:
+    """True when the kernels run in Triton's CPU interpreter (tests): use the software FP8
+    convert, since the interpreter's own is not round-to-nearest-even."""
+    return _INTERPRETED
+
+
+def _check(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"the fused FP8 cast takes a 2-D tensor, got shape {tuple(x.shape)}; reshape to (-1, last_dim)")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"the fused FP8 cast takes bfloat16/float16/float32 input, got {x.dtype}")
+    fp8_max(fp8_dtype)  # raises a clear ValueError for a non-FP8 dtype
+
+
+def launch_cast(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    q: torch.Tensor,
+    qt: torch.Tensor | None,
+    amax_bits: torch.Tensor | None,
+    tile: tuple[int, int, int] = TILE,
+    soft_cast: bool | None = None,
+) -> None:
+    """Launch the cast kernel into uint8 ``q`` (and ``qt``, int32 ``amax_bits`` if given)."""
+    m, n = x.shape
+    bm, bn, warps = tile
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    wrap_triton(cast_transpose_amax_kernel)[grid](
+        x, scale, q, q if qt is None else qt, q if amax_bits is None else amax_bits,
+        m, n, x.stride(0), x.stride(1),
+        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
+        WRITE_T=qt is not None, WRITE_AMAX=amax_bits is not None,
+        SOFT_CAST=interpreting() if soft_cast is None else soft_cast,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+    )
+
+
+@triton_op("lowprec::cast_transpose_amax", mutates_args=())
+def cast_transpose_amax(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pass: ``(q, q.t().contiguous(), amax)``; see ``reference.cast_transpose_amax``."""
+    _check(x, fp8_dtype)
+    m, n = x.shape
+    q = torch.empty((m, n), dtype=torch.uint8, device=x.device)
+    qt = torch.empty((n, m), dtype=torch.uint8, device=x.device)
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)  # bits of +0.0
+    launch_cast(x, scale, fp8_dtype, q, qt, amax_bits)
+    return q.view(fp8_dtype), qt.view(fp8_dtype), amax_bits.view(torch.float32)
+
+
+@triton_op("lowprec::cast_amax", mutates_args=())
+def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass: ``(q, amax)`` (no transpose); see ``reference.cast_amax``."""
+    _check(x, fp8_dtype)
+    q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
+    launch_cast(x, scale, fp8_dtype, q, None, amax_bits)
+    return q.view(fp8_dtype), amax_bits.view(torch.float32)
+
+
+@triton_op("lowprec::cast_rowwise", mutates_args=())
+def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row scales and the cast in one kernel: ``(q, scale (rows, 1))``."""
+    _check(x, fp8_dtype)
+    m, n = x.shape
+    q = torch.empty((m, n), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    bm, bn, warps = ROW_TILE
+    wrap_triton(cast_rowwise_kernel)[(triton.cdiv(m, bm),)](
+        x, q, scale, m, n, x.stride(0), x.stride(1),
+        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn, POW2=power_of_2,
+        SOFT_CAST=interpreting(), EPS_BITS=_EPS_BITS,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+    )
+    return q.view(fp8_dtype), scale

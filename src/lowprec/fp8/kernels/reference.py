@@ -1,0 +1,38 @@
+"""The torch path of the fused casts: the same results, built from the engine's own pieces.
+
+These functions *define* what the Triton kernels must produce (bit for bit: same float32
+product ``x * scale``, same saturation rule, round-to-nearest-even to FP8) and are what runs
+on CPU, without triton, or with ``LOWPREC_DISABLE_TRITON=1``. Under ``torch.compile`` Inductor
+fuses each of them into one or two generated kernels of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowprec.fp8.quantize import saturated_cast
+from lowprec.fp8.scaling import amax, amax_along, amax_to_scale
+
+__all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise"]
+
+
+def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(saturate(x * scale) in fp8_dtype, amax(|x|))``; amax is NaN when x holds a NaN."""
+    q = saturated_cast(x.to(torch.float32) * scale, fp8_dtype)
+    return q, amax(x)
+
+
+def cast_transpose_amax(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cast_amax` plus a contiguous copy of the transposed FP8 tensor (for the GEMM
+    that contracts over the other dim: Hopper's FP8 GEMM is TN-only)."""
+    q, a = cast_amax(x, scale, fp8_dtype)
+    return q, q.t().contiguous(), a
+
+
+def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row from the row's amax (``quantize_axiswise(x, dtype, dim=1)``):
+    returns ``(q, scale)`` with scale of shape ``(rows, 1)``."""
+    scale = amax_to_scale(amax_along(x, 1), fp8_dtype, power_of_2=power_of_2)
+    return saturated_cast(x.to(torch.float32) * scale, fp8_dtype), scale

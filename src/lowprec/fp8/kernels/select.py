@@ -1,0 +1,66 @@
+"""Run-time choice between the Triton kernels and the torch path.
+
+The Triton path runs only on CUDA tensors, only when ``triton`` can be imported, only when
+``LOWPREC_TRITON_KERNELS=1`` asks for it, and never when ``LOWPREC_DISABLE_TRITON=1``.
+
+Opt-in for now: the kernels are bit-exact against the torch path in Triton's interpreter and
+compile to sm_90 cubins, but have not yet run on a GPU (no GPU was lent when they were
+written). The default flips once ``pytest -m gpu tests/test_fp8_kernels_gpu.py`` has passed
+on an H100/H200 (issue 6). Nothing here imports triton: ``importlib.util.find_spec``
+answers whether it *could* be imported, so ``import lowprec.fp8`` stays torch-only and works
+where triton is absent (CPU CI).
+
+Under ``torch.compile`` both checks trace without a graph break: the importability is
+decided once, at import, into a module constant (``find_spec`` does not import the package),
+and Dynamo reads ``os.environ`` as a guarded constant. (``torch.compiler.assume_constant_result``
+would do as well, but applying it imports torch._dynamo, which imports triton.)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["DISABLE_ENV", "ENABLE_ENV", "available", "triton_importable", "disabled_by_env", "enabled_by_env"]
+
+DISABLE_ENV = "LOWPREC_DISABLE_TRITON"
+ENABLE_ENV = "LOWPREC_TRITON_KERNELS"
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _find_triton() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or half-installed package
+        return False
+
+
+TRITON_IMPORTABLE = _find_triton()
+
+
+def triton_importable() -> bool:
+    """Whether ``import triton`` would succeed (decided once, without importing it)."""
+    return TRITON_IMPORTABLE
+
+
+def disabled_by_env() -> bool:
+    """``LOWPREC_DISABLE_TRITON=1`` (or true/yes/on) forces the torch path everywhere."""
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in _TRUE
+
+
+def enabled_by_env() -> bool:
+    """``LOWPREC_TRITON_KERNELS=1`` opts in to the fused Triton casts on CUDA."""
+    return os.environ.get(ENABLE_ENV, "").strip().lower() in _TRUE
+
+
+def available(device: torch.device | str) -> bool:
+    """True where the fused Triton casts run: a CUDA device, triton importable, asked for with
+    ``LOWPREC_TRITON_KERNELS=1``, not disabled.
+
+    CPU tensors always take the torch path (the Triton interpreter is for tests only).
+    """
+    if torch.device(device).type != "cuda":
+        return False
+    return triton_importable() and enabled_by_env() and not disabled_by_env()

@@ -1,0 +1,268 @@
+"""lowprec.fp8.kernels without triton: run-time selection, the torch path, the quantize hook.
+
+The kernels themselves are checked in test_fp8_kernels_interpret.py (Triton's CPU
+interpreter, skipped where triton is absent) and test_fp8_kernels_gpu.py (``-m gpu``).
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lowprec.fp8 import E4M3, E5M2, kernels
+from lowprec.fp8.kernels import reference, select
+from lowprec.fp8.quantize import quantize_axiswise, quantize_tensorwise, saturated_cast
+from lowprec.fp8.scaling import amax_to_scale
+
+FP8 = [E4M3, E5M2]
+# ``lowprec.fp8.quantize`` the attribute is the function; the module is needed here
+quantize_mod = importlib.import_module("lowprec.fp8.quantize")
+
+
+@pytest.fixture
+def no_triton(monkeypatch):
+    """Pretend triton is not installed (whatever this machine has)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    monkeypatch.setattr(select, "TRITON_IMPORTABLE", select._find_triton())
+    monkeypatch.delenv(select.DISABLE_ENV, raising=False)
+    monkeypatch.setenv(select.ENABLE_ENV, "1")
+
+
+@pytest.fixture
+def fake_triton(monkeypatch):
+    monkeypatch.setattr(select, "TRITON_IMPORTABLE", True)
+    monkeypatch.delenv(select.DISABLE_ENV, raising=False)
+    monkeypatch.setenv(select.ENABLE_ENV, "1")
+
+
+def test_importing_the_engine_does_not_import_triton():
+    code = "import sys, lowprec.fp8, lowprec.fp8.kernels; assert 'triton' not in sys.modules, 'triton imported'"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_cpu_never_selects_triton(fake_triton):
+    assert not kernels.available("cpu")
+    assert not kernels.available(torch.device("cpu"))
+
+
+def test_cuda_selects_triton_only_when_importable_and_not_disabled(fake_triton, monkeypatch):
+    assert kernels.available("cuda")
+    assert kernels.available(torch.device("cuda", 1))
+    for value in ("1", "true", "YES", " on "):
+        monkeypatch.setenv(select.DISABLE_ENV, value)
+        assert not kernels.available("cuda"), value
+    for value in ("0", "", "no"):
+        monkeypatch.setenv(select.DISABLE_ENV, value)
+        assert kernels.available("cuda"), value
+
+
+def test_triton_kernels_are_opt_in(fake_triton, monkeypatch):
+    monkeypatch.delenv(select.ENABLE_ENV)
+    assert not kernels.available("cuda")
+    monkeypatch.setenv(select.ENABLE_ENV, "0")
+    assert not kernels.available("cuda")
+
+
+def test_cuda_falls_back_when_triton_is_absent(no_triton):
+    assert not select.triton_importable()
+    assert not kernels.available("cuda")
+
+
+def test_dispatch_takes_the_torch_path_when_unavailable(no_triton, monkeypatch, seed):
+    def boom():
+        raise AssertionError("the Triton ops were imported")
+
+    monkeypatch.setattr(kernels, "_ops", boom)
+    x = torch.randn(33, 70) * 40
+    s = torch.tensor(3.0)
+    q, qt, a = kernels.cast_transpose_amax(x, s, E4M3)
+    assert torch.equal(q.view(torch.uint8), saturated_cast(x * s, E4M3).view(torch.uint8))
+    q2, a2 = kernels.cast_amax(x, s, E4M3)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(a2, a)
+    qr, sr = kernels.cast_rowwise(x, E4M3)
+    assert qr.shape == x.shape and sr.shape == (33, 1)
+
+
+def test_dispatch_takes_the_triton_path_when_available(monkeypatch, seed):
+    """With ``available`` true the public functions call the ops (here a recording stand-in)."""
+    calls = []
+
+    class FakeOps:
+        def cast_transpose_amax(self, x, s, d):
+            calls.append("ct")
+            return reference.cast_transpose_amax(x, s, d)
+
+        def cast_amax(self, x, s, d):
+            calls.append("c")
+            return reference.cast_amax(x, s, d)
+
+        def cast_rowwise(self, x, d, p):
+            calls.append("r")
+            return reference.cast_rowwise(x, d, p)
+
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    monkeypatch.setattr(kernels, "_ops", lambda: FakeOps())
+    x = torch.randn(8, 16)
+    kernels.cast_transpose_amax(x, torch.tensor(1.0), E4M3)
+    kernels.cast_amax(x, torch.tensor(1.0), E4M3)
+    kernels.cast_rowwise(x, E4M3)
+    assert calls == ["ct", "c", "r"]
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_reference_cast_transpose_amax(dtype, in_dtype, seed):
+    x = (torch.randn(45, 77) * 100).to(in_dtype)
+    s = torch.tensor(7.5)
+    q, qt, a = reference.cast_transpose_amax(x, s, dtype)
+    assert q.dtype == qt.dtype == dtype and qt.shape == (77, 45) and qt.is_contiguous()
+    assert torch.equal(qt.view(torch.uint8), q.view(torch.uint8).t())
+    expect = quantize_tensorwise(x, dtype, s).data
+    assert torch.equal(q.view(torch.uint8), expect.view(torch.uint8))
+    assert a.dtype == torch.float32 and a.dim() == 0
+    assert a.item() == x.float().abs().max().item()
+
+
+def test_reference_nan_and_inf_rules(seed):
+    x = torch.randn(16, 16)
+    x[2, 3], x[4, 5], x[6, 7] = float("nan"), float("inf"), -float("inf")
+    q, qt, a = reference.cast_transpose_amax(x, torch.tensor(2.0), E4M3)
+    bad = ~torch.isfinite(x)
+    assert torch.isnan(q.float()[bad]).all() and torch.isfinite(q.float()[~bad]).all()
+    assert torch.isnan(a)
+    x[2, 3] = 1.0
+    assert torch.isinf(reference.cast_amax(x, torch.tensor(2.0), E4M3)[1])
+
+
+@pytest.mark.parametrize("power_of_2", [True, False])
+def test_reference_rowwise_is_quantize_axiswise(power_of_2, seed):
+    x = torch.randn(31, 50) * torch.logspace(-3, 3, 31)[:, None]
+    q, s = reference.cast_rowwise(x, E4M3, power_of_2)
+    expect = quantize_axiswise(x, E4M3, 1, power_of_2=power_of_2)
+    assert torch.equal(q.view(torch.uint8), expect.data.view(torch.uint8))
+    assert torch.equal(s, expect.scale)
+
+
+def test_quantize_hook_routes_tensorwise_and_rowwise_casts(monkeypatch, seed):
+    """Force the hook on (CPU tensors, the reference standing in for the kernels): the
+    results must be those of the torch path, and only eligible calls may be routed."""
+    routed = []
+    real_amax, real_row = kernels.cast_amax, kernels.cast_rowwise
+    monkeypatch.setattr(quantize_mod, "_fused_cast", lambda x, scale=None: True)
+    monkeypatch.setattr(kernels, "cast_amax", lambda *a: routed.append("t") or real_amax(*a))
+    monkeypatch.setattr(kernels, "cast_rowwise", lambda *a: routed.append("r") or real_row(*a))
+    x = torch.randn(40, 24) * 9
+    s = amax_to_scale(x.abs().amax(), E4M3)
+    q = quantize_tensorwise(x, E4M3, s)
+    assert torch.equal(q.data.view(torch.uint8), saturated_cast(x * s, E4M3).view(torch.uint8))
+    assert q.scale is s and q.granularity == "tensor"
+    r = quantize_axiswise(x, E5M2, 1)
+    monkeypatch.undo()
+    ref = quantize_axiswise(x, E5M2, 1)
+    assert torch.equal(r.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(r.scale, ref.scale)
+    assert r.granularity == "axis" and routed == ["t", "r"]
+
+
+def test_quantize_hook_is_off_on_cpu_and_for_ineligible_tensors(fake_triton):
+    assert not quantize_mod._fused_cast(torch.randn(4, 4))  # CPU
+    assert not quantize_mod._fused_cast(torch.randn(4, 4), torch.tensor(1.0))
+
+
+def test_dispatch_compiles_without_graph_breaks(no_triton, seed):
+    """The selection is constant-folded by Dynamo (``assume_constant_result``)."""
+    torch._dynamo.reset()
+
+    def f(x, s):
+        q, qt, a = kernels.cast_transpose_amax(x, s, E4M3)
+        return q.float().sum() + qt.float().sum() + a
+
+    x, s = torch.randn(24, 40), torch.tensor(4.0)
+    got = torch.compile(f, fullgraph=True, backend="eager")(x, s)
+    assert torch.equal(got, f(x, s))
+
+
+def _cast_benchmark():
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "cast.py")
+    spec = importlib.util.spec_from_file_location("lowprec_bench_cast", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU behaviour of the benchmark")
+def test_cast_benchmark_on_cpu(tmp_path, capsys):
+    """Without a GPU: one clear line and exit 2; with --tiny, a smoke run of the torch path
+    whose results equal the reference (times are not checked)."""
+    import json
+
+    bench = _cast_benchmark()
+    assert bench.main(["--out", str(tmp_path / "no.json")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out and not (tmp_path / "no.json").exists()
+    out = tmp_path / "cast.json"
+    assert bench.main(["--tiny", "--iters", "1", "--warmup", "0", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["triton"] is False and {r["impl"] for r in data["results"]} == {"torch_eager"}
+    assert len(data["results"]) == 6 and all(r["exact"] and r["ms"] > 0 for r in data["results"])
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, seed):
+    """Float8Linear with the one-pass cast+transpose for its input and for dY (forced on, on
+    CPU, with the torch path standing in for the kernel): same outputs and gradients, bit for
+    bit, and the FP8 input kept for backward is column-major (no transpose copy in backward)."""
+    import lowprec.fp8 as fp8
+
+    base = torch.nn.Linear(64, 48)
+    x = torch.randn(4, 32, 64)
+
+    def run(fused):
+        calls = []
+        if fused:
+            monkeypatch.setattr(kernels, "available", lambda device: True)
+            monkeypatch.setattr(kernels, "cast_transpose_amax", lambda *a: calls.append(1) or reference.cast_transpose_amax(*a))
+        linear_mod = importlib.import_module("lowprec.fp8.linear")
+        real_mm = linear_mod.scaled_mm
+        layouts = []  # wgrad GEMM: (A row-major, B column-major), i.e. nothing to copy
+
+        def spy_mm(a, b, out_dtype, **kw):
+            if tuple(a.shape) == (48, 128):  # dY^T (N, M) x x (M, K): the weight gradient
+                layouts.append((a.data.is_contiguous(), b.data.t().is_contiguous()))
+            return real_mm(a, b, out_dtype, **kw)
+
+        monkeypatch.setattr(linear_mod, "scaled_mm", spy_mm)
+        lin = fp8.Float8Linear.from_linear(torch.nn.Linear(64, 48), fp8.Recipe.from_name(recipe))
+        lin.load_state_dict(base.state_dict(), strict=False)
+        saved = []
+
+        def pack(t):
+            if t.dtype in (E4M3, E5M2):
+                saved.append(t)
+            return t
+
+        outs = []
+        for _ in range(3):
+            xi = x.clone().requires_grad_()
+            with fp8.autocast(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = lin(xi)
+            y.square().mean().backward()
+            outs += [y.detach(), xi.grad, lin.weight.grad.clone()]
+            lin.weight.grad = None
+        monkeypatch.undo()
+        return outs, saved, calls, layouts
+
+    fused, saved_f, calls, layouts_f = run(True)
+    plain, saved_p, _, layouts_p = run(False)
+    assert layouts_f == [(True, True)] * 3 and layouts_p == [(False, False)] * 3
+    assert len(calls) == 6  # x in forward, dY in backward, 3 steps
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+    x_f = [t for t in saved_f if t.shape == (128, 64)]
+    x_p = [t for t in saved_p if t.shape == (128, 64)]
+    assert len(x_f) == len(x_p) == 3
+    assert all(t.t().is_contiguous() and not t.is_contiguous() for t in x_f)
+    assert all(t.is_contiguous() for t in x_p)

@@ -1,0 +1,205 @@
+"""The compiled Triton kernels on CUDA against the torch path (``pytest -m gpu``).
+
+Skipped without a CUDA device with FP8 (sm_89+) or without triton. What the CPU runs cannot
+check is checked here: the hardware FP8 convert, atomics on the device, large tensors,
+``torch.compile(fullgraph=True)``, the operators' fake implementations (opcheck), no host
+synchronisation, and the kernels inside Float8Linear.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+import lowprec.fp8 as fp8
+from lowprec.fp8 import E4M3, E5M2, kernels
+from lowprec.fp8.kernels import reference, select
+from tests.conftest import sqnr
+
+pytestmark = pytest.mark.gpu
+FP8 = [E4M3, E5M2]
+quantize_mod = importlib.import_module("lowprec.fp8.quantize")
+
+
+@pytest.fixture
+def dev(monkeypatch):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with FP8 (sm_89+)")
+    pytest.importorskip("triton")
+    monkeypatch.delenv(select.DISABLE_ENV, raising=False)
+    monkeypatch.setenv(select.ENABLE_ENV, "1")
+    assert kernels.available("cuda")
+    return torch.device("cuda")
+
+
+@pytest.fixture
+def ops(dev):
+    from lowprec.fp8.kernels import ops
+
+    assert not ops.interpreting()
+    return ops
+
+
+def bits(q):
+    return q.view(torch.uint8)
+
+
+def assert_same_fp8(got, ref):
+    nan = torch.isnan(ref.float())
+    assert torch.equal(torch.isnan(got.float()), nan)
+    assert torch.equal(bits(got)[~nan], bits(ref)[~nan])
+
+
+def awkward(shape, dtype, device):
+    x = torch.randn(shape, device=device) * torch.exp2(torch.empty(shape, device=device).uniform_(-12, 12))
+    x.view(-1)[:3] = torch.tensor([0.0, -0.0, 1.0625], device=device)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (65, 130), (129, 63), (2048, 4096), (4097, 1000)])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", FP8)
+def test_cast_transpose_amax_matches_the_torch_path(ops, dev, dtype, in_dtype, shape, seed):
+    x = awkward(shape, in_dtype, dev)
+    scale = torch.tensor(fp8.fp8_max(dtype) / 64.0, device=dev)
+    q, qt, a = ops.cast_transpose_amax(x, scale, dtype)
+    rq, rqt, ra = reference.cast_transpose_amax(x, scale, dtype)
+    assert_same_fp8(q, rq)
+    assert qt.is_contiguous() and torch.equal(bits(qt), bits(q).t())
+    assert torch.equal(a, ra)
+    q2, a2 = ops.cast_amax(x, scale, dtype)
+    assert torch.equal(bits(q2), bits(q)) and torch.equal(a2, a)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_hardware_and_software_converts_agree_on_every_bfloat16(ops, dev, dtype):
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256).to(dev)
+    one = torch.tensor(1.0, device=dev)
+    ref = reference.cast_amax(x, one, dtype)[0]
+    for soft in (False, True):
+        q = torch.empty(x.shape, dtype=torch.uint8, device=dev)
+        ops.launch_cast(x, one, dtype, q, None, None, soft_cast=soft)
+        assert_same_fp8(q.view(dtype), ref)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_nan_and_inf_rules_on_device(ops, dev, dtype, seed):
+    x = torch.randn(1000, 1000, device=dev, dtype=torch.bfloat16)
+    x[0, 0], x[999, 999], x[500, 3] = float("inf"), -float("inf"), float("nan")
+    q, qt, a = ops.cast_transpose_amax(x, torch.tensor(1.0, device=dev), dtype)
+    bad = ~torch.isfinite(x)
+    assert torch.isnan(q.float()[bad]).all() and torch.isfinite(q.float()[~bad]).all()
+    assert torch.isnan(qt.float().t()[bad]).all() and torch.isnan(a)
+    x[500, 3] = 2.0
+    assert torch.isinf(ops.cast_amax(x, torch.tensor(1.0, device=dev), dtype)[1])
+    huge = torch.full((4, 4), 3e38, device=dev)
+    assert torch.isnan(ops.cast_amax(huge, torch.tensor(10.0, device=dev), dtype)[0].float()).all()
+
+
+def test_amax_with_many_tiles_racing(ops, dev, seed):
+    """~16k tiles publish their amax with atomics: the result is the exact max."""
+    for _ in range(3):
+        x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+        assert torch.equal(ops.cast_amax(x, torch.tensor(1.0, device=dev), E4M3)[1], x.float().abs().max())
+
+
+def test_tensors_beyond_int32_offsets(ops, dev, seed):
+    """2**31 + elements: the kernels index in int64."""
+    m, n = 65536 + 3, 32768 + 5
+    x = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    s = torch.tensor(100.0, device=dev)
+    q, qt, a = ops.cast_transpose_amax(x, s, E4M3)
+    for r0 in (0, m - 1024):
+        rq = reference.cast_amax(x[r0 : r0 + 1024], s, E4M3)[0]
+        assert torch.equal(bits(q[r0 : r0 + 1024]), bits(rq))
+        assert torch.equal(bits(qt[:, r0 : r0 + 1024]), bits(rq).t())
+    assert torch.equal(a, x.abs().amax().float())
+
+
+@pytest.mark.parametrize("power_of_2", [True, False])
+@pytest.mark.parametrize("dtype", FP8)
+def test_rowwise_matches_the_torch_path(ops, dev, dtype, power_of_2, seed):
+    x = torch.randn(1000, 5000, device=dev) * torch.logspace(-6, 6, 1000, device=dev)[:, None]
+    x[3], x[5, 7], x[8, 4000] = 0.0, float("nan"), float("inf")
+    x = x.to(torch.bfloat16)
+    q, s = ops.cast_rowwise(x, dtype, power_of_2)
+    rq, rs = reference.cast_rowwise(x, dtype, power_of_2)
+    nan = torch.isnan(rs)
+    assert torch.equal(torch.isnan(s), nan) and torch.equal(s[~nan], rs[~nan])
+    assert_same_fp8(q, rq)
+
+
+def test_operators_pass_opcheck(ops, dev, seed):
+    x = torch.randn(300, 200, device=dev, dtype=torch.bfloat16)
+    s = torch.tensor(3.0, device=dev)
+    torch.library.opcheck(torch.ops.lowprec.cast_transpose_amax.default, (x, s, E4M3))
+    torch.library.opcheck(torch.ops.lowprec.cast_amax.default, (x, s, E5M2))
+    torch.library.opcheck(torch.ops.lowprec.cast_rowwise.default, (x, E4M3, True))
+
+
+def test_compiled_fullgraph_matches_eager(ops, dev, seed):
+    torch._dynamo.reset()
+
+    def f(x, s):
+        q, qt, a = kernels.cast_transpose_amax(x, s, E4M3)
+        r, rs = kernels.cast_rowwise(x, E5M2)
+        return q, qt, a, r, rs
+
+    x = torch.randn(1000, 3000, device=dev, dtype=torch.bfloat16)
+    s = torch.tensor(5.0, device=dev)
+    eager = f(x, s)
+    compiled = torch.compile(f, fullgraph=True)(x, s)
+    for e, c in zip(eager, compiled):
+        assert torch.equal(e.view(torch.uint8) if e.element_size() == 1 else e, c.view(torch.uint8) if c.element_size() == 1 else c)
+
+
+def test_no_host_synchronisation(ops, dev, seed):
+    x = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
+    s = torch.tensor(5.0, device=dev)
+    ops.cast_transpose_amax(x, s, E4M3), ops.cast_rowwise(x, E4M3)  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        kernels.cast_transpose_amax(x, s, E4M3)
+        kernels.cast_amax(x, s, E5M2)
+        kernels.cast_rowwise(x, E4M3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
+def test_float8_linear_is_identical_with_and_without_the_kernels(dev, monkeypatch, recipe, seed):
+    """Float8Linear's casts go to the kernels (quantize hook, and the input's one-pass
+    cast+transpose for tensorwise/delayed); results are bit-equal to the torch path."""
+    routed = []
+    real = kernels.cast_amax, kernels.cast_rowwise, kernels.cast_transpose_amax
+    monkeypatch.setattr(kernels, "cast_amax", lambda *a: routed.append(1) or real[0](*a))
+    monkeypatch.setattr(kernels, "cast_rowwise", lambda *a: routed.append(1) or real[1](*a))
+    monkeypatch.setattr(kernels, "cast_transpose_amax", lambda *a: routed.append(1) or real[2](*a))
+    base = torch.nn.Linear(1024, 512, device=dev)
+    x = torch.randn(4, 256, 1024, device=dev)
+
+    def run():
+        torch.manual_seed(0)
+        lin = fp8.Float8Linear.from_linear(torch.nn.Linear(1024, 512, device=dev), fp8.Recipe.from_name(recipe))
+        lin.load_state_dict(base.state_dict(), strict=False)
+        xi = x.clone().requires_grad_()
+        outs = []
+        for _ in range(3):  # several steps: delayed scaling uses its history from step 1
+            with fp8.autocast(), torch.autocast("cuda", dtype=torch.bfloat16):
+                y = lin(xi)
+            y.float().square().mean().backward()
+            outs += [y.detach().clone(), xi.grad.clone(), lin.weight.grad.clone()]
+            xi.grad = None
+            lin.weight.grad = None
+        return outs
+
+    fused = run()
+    assert routed, "the kernels were not used"
+    monkeypatch.setenv(select.DISABLE_ENV, "1")
+    routed.clear()
+    plain = run()
+    assert not routed
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+    assert sqnr(base(x).float(), fused[0].float()) > 20

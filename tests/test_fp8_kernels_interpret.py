@@ -1,0 +1,196 @@
+"""The Triton kernels run by Triton's CPU interpreter (``TRITON_INTERPRET=1``) against the
+torch path, bit for bit.
+
+Skipped where triton is not installed (CI) and on machines with a GPU, where
+test_fp8_kernels_gpu.py runs the compiled kernels instead. The interpreter executes the
+kernels' logic (tiling, masks for ragged edges, strides, the transposed store, the NaN/inf
+rules, the amax atomics, the rowwise two-pass loop) with numpy; it does not compile them,
+and its own float32 -> FP8 convert is not round-to-nearest-even, so the kernels' software
+convert (``SOFT_CAST``) runs here, and the GPU tests check it equals the hardware one.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("a GPU is present: test_fp8_kernels_gpu.py covers the compiled kernels", allow_module_level=True)
+if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
+    pytest.skip("triton was imported for a device in this process; run this file alone", allow_module_level=True)
+# Triton reads TRITON_INTERPRET when it is imported (its standard library) and when it
+# decorates and launches kernels; set it for the import here and around each test below.
+_old = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    pytest.importorskip("triton")
+    from lowprec.fp8.kernels import ops  # noqa: E402
+finally:
+    if _old is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _old
+
+from lowprec.fp8 import E4M3, E5M2  # noqa: E402
+from lowprec.fp8.kernels import reference  # noqa: E402
+
+FP8 = [E4M3, E5M2]
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ops.interpreting()
+
+
+def bits(q):
+    return q.view(torch.uint8)
+
+
+def assert_same_fp8(got, ref):
+    """Bit-identical finite codes, NaN exactly where the reference has NaN."""
+    nan = torch.isnan(ref.float())
+    assert torch.equal(torch.isnan(got.float()), nan)
+    assert torch.equal(bits(got)[~nan], bits(ref)[~nan])
+
+
+def awkward(shape, in_dtype, spread=3.0):
+    """Random values over many binades (saturating, normal, subnormal in FP8), exact zeros
+    of both signs, and ties: what makes rounding and saturation rules visible."""
+    x = torch.randn(shape) * torch.exp2(torch.empty(shape).uniform_(-spread * 4, spread * 4))
+    flat = x.view(-1)
+    n = flat.numel()
+    if n >= 4:
+        idx = torch.randperm(n)[: max(4, n // 10)]
+        flat[idx[0]], flat[idx[1]] = 0.0, -0.0
+        # ties between two E4M3/E5M2 codes: 1 + 2**-4 (E4M3 half ulp), 1 + 2**-3 (E5M2)
+        flat[idx[2:]] = torch.tensor([1.0625, -17.0, 1.125, 0.0048828125])[torch.arange(len(idx) - 2) % 4]
+    return x.to(in_dtype)
+
+
+SHAPES = [(1, 1), (3, 200), (64, 64), (65, 130), (129, 63)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", FP8)
+def test_cast_transpose_amax_matches_the_torch_path(dtype, in_dtype, shape, seed):
+    x = awkward(shape, in_dtype)
+    scale = torch.tensor(FP8_MAX[dtype] / 64.0)  # values above 64 saturate
+    q, qt, a = ops.cast_transpose_amax(x, scale, dtype)
+    rq, rqt, ra = reference.cast_transpose_amax(x, scale, dtype)
+    assert q.dtype == qt.dtype == dtype and q.shape == shape and qt.shape == shape[::-1]
+    assert qt.is_contiguous()
+    assert_same_fp8(q, rq)
+    assert torch.equal(bits(qt), bits(q).t())
+    assert a.dtype == torch.float32 and a.dim() == 0 and torch.equal(a, ra)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_every_bfloat16_value_rounds_like_torch(dtype):
+    """All 65536 bf16 bit patterns (every binade, subnormals, +-0, inf, NaN) at scale 1.
+
+    Passed as float32: the interpreter's own bf16 -> float32 upcast (numpy bit emulation)
+    turns the negative power-of-two bf16 subnormals into +0. A GPU test sends them as bf16.
+    """
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+    x = x.float()
+    q, a = ops.cast_amax(x, torch.tensor(1.0), dtype)
+    assert_same_fp8(q, reference.cast_amax(x, torch.tensor(1.0), dtype)[0])
+    assert torch.isnan(a)  # the sweep holds NaNs
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_float32_near_every_fp8_rounding_boundary(dtype, seed):
+    """Each FP8 value's midpoints with its neighbours, and one float32 ulp either side."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    v = codes[torch.isfinite(codes)].unique()
+    mids = (v[1:] + v[:-1]) / 2
+    near = torch.cat([mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1), v])
+    x = torch.cat([near, -near])[torch.randperm(2 * near.numel())].reshape(2, -1)
+    q, _ = ops.cast_amax(x, torch.tensor(1.0), dtype)
+    assert_same_fp8(q, reference.cast_amax(x, torch.tensor(1.0), dtype)[0])
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_nan_and_inf_never_become_finite(dtype, seed):
+    x = torch.randn(70, 90, dtype=torch.bfloat16)
+    x[1, 2], x[69, 89], x[40, 0] = float("inf"), -float("inf"), float("nan")
+    q, qt, a = ops.cast_transpose_amax(x, torch.tensor(1.0), dtype)
+    bad = ~torch.isfinite(x)
+    assert torch.isnan(q.float()[bad]).all() and torch.isnan(qt.float().t()[bad]).all()
+    assert torch.isfinite(q.float()[~bad]).all()
+    assert torch.isnan(a), "a NaN anywhere makes the amax NaN"
+    x[40, 0] = 0.0
+    assert torch.isinf(ops.cast_transpose_amax(x, torch.tensor(1.0), dtype)[2])
+
+
+def test_nan_in_one_tile_wins_over_inf_in_another():
+    """amax is an atomic max over tiles' bits: NaN (0x7FC00000) must beat inf (0x7F800000)
+    whichever tile lands last."""
+    for nan_at, inf_at in [((0, 0), (100, 100)), ((100, 100), (0, 0))]:
+        x = torch.zeros(128, 128)
+        x[nan_at], x[inf_at] = float("nan"), float("inf")
+        assert torch.isnan(ops.cast_amax(x, torch.tensor(1.0), E4M3)[1])
+
+
+def test_finite_input_overflowing_the_product_becomes_nan():
+    """x * scale = inf in float32: NaN, as the torch path gives, never +-fp8_max."""
+    x = torch.tensor([[3e38, -3e38, 1.0]])
+    q, _ = ops.cast_amax(x, torch.tensor(10.0), E4M3)
+    assert torch.isnan(q.float()[0, :2]).all() and q.float()[0, 2] == 10.0
+    assert_same_fp8(q, reference.cast_amax(x, torch.tensor(10.0), E4M3)[0])
+
+
+def test_zero_and_negative_zero_inputs():
+    x = torch.tensor([[0.0, -0.0, 1e-30, -1e-30]])
+    q, a = ops.cast_amax(x, torch.tensor(1.0), E4M3)
+    assert_same_fp8(q, reference.cast_amax(x, torch.tensor(1.0), E4M3)[0])
+    assert a.item() == 1e-30 or a.item() == torch.tensor(1e-30).item()
+
+
+def test_strided_input(seed):
+    base = torch.randn(96, 80, dtype=torch.bfloat16) * 30
+    x = base.t()[:, 5:70]  # non-contiguous: strides (1, 80)
+    s = torch.tensor(2.0)
+    q, qt, a = ops.cast_transpose_amax(x, s, E4M3)
+    rq, rqt, ra = reference.cast_transpose_amax(x, s, E4M3)
+    assert_same_fp8(q, rq)
+    assert torch.equal(bits(qt), bits(rqt)) and torch.equal(a, ra)
+
+
+def test_cast_amax_equals_cast_transpose_amax(seed):
+    x = torch.randn(77, 100) * 50
+    s = torch.tensor(1.5)
+    q1, _, a1 = ops.cast_transpose_amax(x, s, E5M2)
+    q2, a2 = ops.cast_amax(x, s, E5M2)
+    assert torch.equal(bits(q1), bits(q2)) and torch.equal(a1, a2)
+
+
+@pytest.mark.parametrize("power_of_2", [True, False])
+@pytest.mark.parametrize("dtype", FP8)
+def test_rowwise_matches_the_torch_path(dtype, power_of_2, seed):
+    rows, cols = 13, 1100  # > 2 column chunks, ragged rows and columns
+    x = torch.randn(rows, cols) * torch.logspace(-6, 6, rows)[:, None]
+    x[3] = 0.0  # all-zero row: scale from AMAX_EPS, zeros stay zeros
+    x[5, 7] = float("nan")  # that row's scale and values NaN
+    x[8, 1000] = float("inf")  # that row's scale 0: finite -> 0, inf -> NaN
+    x = x.to(torch.bfloat16)
+    q, s = ops.cast_rowwise(x, dtype, power_of_2)
+    rq, rs = reference.cast_rowwise(x, dtype, power_of_2)
+    assert s.shape == (rows, 1) and s.dtype == torch.float32
+    nan = torch.isnan(rs)
+    assert torch.equal(torch.isnan(s), nan) and torch.equal(s[~nan], rs[~nan])
+    assert_same_fp8(q, rq)
+    assert torch.isnan(q.float()[5]).all() and q.float()[3].eq(0).all()
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="2-D"):
+        ops.cast_amax(torch.randn(2, 3, 4), torch.tensor(1.0), E4M3)
+    with pytest.raises(TypeError, match="bfloat16"):
+        ops.cast_amax(torch.ones(2, 3, dtype=torch.int32), torch.tensor(1.0), E4M3)
+    with pytest.raises(ValueError, match="not an FP8 dtype"):
+        ops.cast_amax(torch.randn(2, 3), torch.tensor(1.0), torch.float16)
