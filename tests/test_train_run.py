@@ -179,3 +179,24 @@ def test_fp16_runs_with_a_grad_scaler_and_counts_skipped_steps(tmp_path):
     skipped = [r["skipped_steps"] for r in recs]
     assert skipped == sorted(skipped) and 0 <= skipped[-1] < 4  # cumulative, and training happened
     assert 3.0 < result.final_train_loss < 5.7
+
+
+def test_deepspeed_zero2_two_processes_match_one_process(tmp_path):
+    """`deepspeed:` inline in the YAML (here as a flag), through the Accelerator's DeepSpeed plugin."""
+    pytest.importorskip("deepspeed")
+    env = _env()
+    if not torch.cuda.is_available():
+        env["DS_ACCELERATOR"] = "cpu"
+    out = tmp_path / "ds"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowprec.cli.main", "train", TINY, "--num_processes", "2", "--micro_batch_size", "2",
+         "--deepspeed", "{zero_optimization: {stage: 2}}", "--fp8", "false", "--bf16", "false",
+         "--max_steps", "3", "--warmup_steps", "0", "--sequence_len", "32", "--dataset_max_bytes", "100000",
+         "--eval_batches", "1", "--output_dir", str(out), "--quiet"],
+        capture_output=True, text=True, env=env, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = train(load_config(TINY, {**FAST, "fp8": False, "bf16": False, "max_steps": 3, "logging_steps": 1,
+                                       "micro_batch_size": 4, "output_dir": str(tmp_path / "one")}))
+    ds_losses = [r["loss"] for r in read_metrics(str(out), "train")]
+    assert ds_losses == pytest.approx([x for _, x in single.train_losses], rel=1e-4)
