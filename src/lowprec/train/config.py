@@ -163,6 +163,9 @@ class TrainConfig(_Strict):
     use_tensorboard: Union[Literal["auto"], bool] = Field(
         default="auto", description="TensorBoard events in output_dir/runs (auto: when tensorboard is installed)"
     )
+    cpu_threads: Optional[int] = Field(
+        default=None, ge=1, description="intra-op CPU threads per process (null: torch's default, OMP_NUM_THREADS or all cores)"
+    )
     progress_bar: bool = Field(default=True, description="show a tqdm progress bar (loss, tokens/s, lr, memory)")
 
     # ---------------------------------------------------------------- precision

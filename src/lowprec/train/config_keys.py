@@ -31,6 +31,7 @@ KEYS = (
     ('save_total_limit', 'keep the last N checkpoints (null: all)', '2'),
     ('resume_from_checkpoint', 'auto (latest checkpoint in output_dir, if any) or a checkpoint directory', 'null'),
     ('use_tensorboard', 'TensorBoard events in output_dir/runs (auto: when tensorboard is installed)', 'auto'),
+    ('cpu_threads', "intra-op CPU threads per process (null: torch's default, OMP_NUM_THREADS or all cores)", 'null'),
     ('progress_bar', 'show a tqdm progress bar (loss, tokens/s, lr, memory)', 'true'),
     ('fp16', 'fp16 autocast with a gradient scaler', 'null'),
     ('bf16', 'auto (bf16 autocast where the device supports it), true (fp32 weights, bf16 autocast), full (pure bf16 weights, no autocast), false', 'auto'),

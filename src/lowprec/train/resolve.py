@@ -169,6 +169,10 @@ def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: i
         d["use_tensorboard"] = Decision(has, "tensorboard installed" if has else "tensorboard not installed")
     else:
         d["use_tensorboard"] = Decision(bool(cfg.use_tensorboard), "from the config")
+    if cfg.cpu_threads is not None:
+        d["cpu_threads"] = Decision(cfg.cpu_threads, "cpu_threads from the config")
+    else:
+        d["cpu_threads"] = Decision(torch.get_num_threads(), "torch's default (OMP_NUM_THREADS or the core count)")
     if world_size > 1:
         kind = "FSDP2" if cfg.fsdp_version == 2 else ("DeepSpeed" if cfg.deepspeed is not None else "DDP")
         d["distributed"] = Decision(kind, f"{world_size} processes" + {"FSDP2": ", fsdp_version: 2", "DeepSpeed": ", deepspeed"}.get(kind, ""))

@@ -197,6 +197,8 @@ def train(
     wall0 = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan = resolve(cfg, caps, world_size=world)
+    if cfg.cpu_threads is not None:
+        torch.set_num_threads(cfg.cpu_threads)
     acc = _accelerator(cfg, plan)
     main = acc.is_main_process
     decisions = dict(plan.decisions)
