@@ -1,0 +1,152 @@
+"""``lowprec train CONFIG.yaml [--key value ...] [--num_processes N]``: the YAML trainer.
+
+Every key of the trainer schema (:class:`lowprec.train.config.TrainConfig`) is also a flag; the
+flags and their help are generated from the schema. A flag's value is read as YAML, so
+``--fp8_filter "[o_proj]"`` and ``--fsdp_config "{reshard_after_forward: false}"`` work, and
+flags win over the file. ``--num_processes N`` (N > 1) re-runs this command under torchrun
+through ``lowprec launch``'s command builder (DDP, or FSDP2 with ``fsdp_version: 2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+from typing import Any, Sequence
+
+__all__ = ["NAME", "HELP", "add_parser", "run", "add_config_flags", "overrides_from_args", "relaunch_command"]
+
+NAME = "train"
+HELP = "train the built-in (or a local HF) model from an Axolotl-style YAML config"
+_UNDER_LAUNCHER = "LOWPREC_TRAIN_CHILD"
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--key`` flag per schema key (``--key-with-dashes`` too), default: not given."""
+    # plain data generated from the schema: building the parser imports neither pydantic nor torch
+    from lowprec.train.config_keys import KEYS
+
+    group = parser.add_argument_group("config keys (override the YAML; values are read as YAML)")
+    for name, description, shown in KEYS:
+        spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+        group.add_argument(
+            *spellings, dest=f"cfg__{name}", metavar="VALUE", default=argparse.SUPPRESS,
+            help=f"{description} (default: {shown})".replace("%", "%%"),
+        )
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    from lowprec.train.config import parse_override_value
+
+    return {k[len("cfg__"):]: parse_override_value(v) for k, v in vars(args).items() if k.startswith("cfg__")}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        NAME, help=HELP,
+        description="Train from an Axolotl-style YAML config; every config key is also a --flag.",
+        usage="lowprec train CONFIG.yaml [--key value ...] [--num_processes N]",
+    )
+    p.add_argument("config", nargs="?", help="the YAML config (omit to run on defaults and flags alone)")
+    p.add_argument("--num_processes", "--num-processes", type=int, default=1, metavar="N",
+                   help="processes on this machine (N > 1: torchrun, gloo on CPU, nccl on GPU)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or info log")
+    add_config_flags(p)
+    return p
+
+
+def relaunch_command(argv: Sequence[str], num_processes: int) -> list[str]:
+    """``python -m torch.distributed.run ... -m lowprec.cli.main train <argv without --num_processes>``."""
+    from lowprec.cli.launch import build_command
+    from lowprec.config.env import LaunchSettings
+
+    rest, skip = [], False
+    for tok in argv:
+        if skip:
+            skip = False
+            continue
+        if tok in ("--num_processes", "--num-processes"):
+            skip = True
+            continue
+        if tok.startswith(("--num_processes=", "--num-processes=")):
+            continue
+        rest.append(tok)
+    settings = LaunchSettings(num_processes=num_processes)
+    return build_command(settings, "lowprec.cli.main", ["train", *rest], module=True)
+
+
+def _argv_of(args: argparse.Namespace) -> list[str]:
+    """The command line again, from the parsed namespace (flags as typed, config first)."""
+    argv = [args.config] if args.config else []
+    for k, v in vars(args).items():
+        if k.startswith("cfg__"):
+            argv += [f"--{k[len('cfg__'):]}", v]
+    return argv + (["--quiet"] if args.quiet else [])
+
+
+def _child_env() -> dict[str, str]:
+    """The workers' environment: the YAML is the only source of settings, so launch variables
+    inherited from the shell (ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_FSDP, ...) are dropped."""
+    from lowprec.config.env import owned_env_var
+
+    env = {k: v for k, v in os.environ.items() if not owned_env_var(k)}
+    env[_UNDER_LAUNCHER] = "1"
+    return env
+
+
+def _drop_launch_env() -> None:
+    """The YAML is the one source of precision and distribution settings: launch variables left
+    in the shell (Axolotl issue #760: a stale ``mixed_precision: fp8`` broke every run) are
+    dropped, and named, instead of silently changing the run."""
+    from lowprec.config.env import owned_env_var
+
+    dropped = sorted(k for k in os.environ if owned_env_var(k) and k != "CUDA_VISIBLE_DEVICES")
+    for k in dropped:
+        del os.environ[k]
+    if dropped and int(os.environ.get("RANK", "0")) == 0:
+        logging.getLogger("lowprec").warning(
+            "lowprec train: ignoring %s from the environment (the YAML config sets precision and "
+            "distribution)", ", ".join(dropped)
+        )
+
+
+def _setup_logging(quiet: bool) -> None:
+    log = logging.getLogger("lowprec")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    rank = int(os.environ.get("RANK", "0"))
+    log.setLevel(logging.WARNING if quiet or rank != 0 else logging.INFO)
+    log.propagate = False
+
+
+def run(args: argparse.Namespace) -> int:
+    from lowprec.train.config import load_config
+
+    overrides = overrides_from_args(args)
+    if args.quiet:
+        overrides.setdefault("progress_bar", False)
+    cfg = load_config(args.config, overrides)  # validate before launching any worker
+    if args.num_processes < 1:
+        raise ValueError(f"--num_processes {args.num_processes}: use 1 or more")
+    if args.num_processes > 1 and "WORLD_SIZE" not in os.environ:
+        cmd = relaunch_command(_argv_of(args), args.num_processes)
+        proc = subprocess.run(cmd, env=_child_env(), check=False)
+        return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
+    _setup_logging(args.quiet)
+    _drop_launch_env()
+    from lowprec.train.trainer import train
+
+    result = train(cfg)
+    if int(os.environ.get("RANK", "0")) == 0:
+        ev = "n/a" if result.final_eval_loss is None else f"{result.final_eval_loss:.4f}"
+        tr = "n/a" if result.final_train_loss is None else f"{result.final_train_loss:.4f}"
+        print(
+            f"lowprec train: {result.steps} steps ({result.precision}), final train loss {tr}, "
+            f"validation loss {ev}, {result.tokens_per_s:.0f} tokens/s, {result.wall_s:.1f} s; "
+            f"outputs in {result.output_dir}"
+        )
+    return 0

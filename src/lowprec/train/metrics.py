@@ -1,0 +1,104 @@
+"""Run metrics: ``metrics.jsonl`` (one JSON object per line) and, optionally, TensorBoard.
+
+Records carry a ``kind``: ``train`` (every ``logging_steps``: loss averaged over the window,
+learning rate, gradient norm, tokens/s, peak memory), ``eval`` (validation loss) and ``fp8``
+(per-layer telemetry). Each line is flushed as written, so a killed run leaves a readable file;
+on resume, :func:`truncate_after` drops the lines past the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from typing import Any, Iterator, Optional
+
+import torch
+
+__all__ = ["MetricsWriter", "read_metrics", "truncate_after", "peak_memory_mb"]
+
+FILE = "metrics.jsonl"
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak on GPU, max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
+
+
+def read_metrics(output_dir: str, kind: Optional[str] = None) -> list[dict[str, Any]]:
+    path = os.path.join(output_dir, FILE)
+    if not os.path.isfile(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a killed run may be cut
+                continue
+            if kind is None or rec.get("kind") == kind:
+                out.append(rec)
+    return out
+
+
+def truncate_after(output_dir: str, step: int) -> None:
+    """Keep only records up to ``step`` (a resumed run rewrites what came after)."""
+    kept = [r for r in read_metrics(output_dir) if r.get("step", 0) <= step]
+    path = os.path.join(output_dir, FILE)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+class MetricsWriter:
+    """Writes records on the main process only; no-op elsewhere."""
+
+    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool, append: bool) -> None:
+        self.enabled = enabled
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        self._file = open(os.path.join(output_dir, FILE), "a" if append else "w")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(output_dir, "runs"))
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for tag, value in _scalars(record):
+                self._tb.add_scalar(tag, value, record["step"])
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _scalars(record: dict[str, Any]) -> Iterator[tuple[str, float]]:
+    kind = record["kind"]
+    if kind == "fp8":
+        for layer, ops in record["layers"].items():
+            for op, stats in ops.items():
+                for name, v in stats.items():
+                    yield f"fp8/{layer}/{op}/{name}", v
+        return
+    for k, v in record.items():
+        if k not in ("kind", "step") and isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield f"{kind}/{k}", v

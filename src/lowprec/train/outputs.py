@@ -1,0 +1,65 @@
+"""The end products of a run: ``model.safetensors`` (bf16, plain model), ``config.json`` and the
+resolved training config.
+
+``model.safetensors`` holds the weights in bfloat16 under the plain model's names: FP8 scaling
+state is dropped (``lowprec.fp8.plain_state_dict``) and tied tensors are stored once per key,
+so ``build_model(...).load_state_dict(safetensors.torch.load_file(path))`` works with nothing
+but torch and safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import yaml
+
+__all__ = ["export_model", "write_resolved_config", "load_exported_model"]
+
+
+def export_model(state_dict: dict[str, torch.Tensor], model_config: dict[str, Any], output_dir: str) -> str:
+    from safetensors.torch import save_file
+
+    from lowprec.fp8 import plain_state_dict
+
+    sd = plain_state_dict(state_dict)
+    out = {}
+    for k, t in sd.items():
+        t = t.detach().to("cpu")
+        out[k] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous().clone()
+    path = os.path.join(output_dir, "model.safetensors")
+    tmp = path + ".tmp"
+    save_file(out, tmp, metadata={"format": "pt", "dtype": "bfloat16"})
+    os.replace(tmp, path)
+    with open(os.path.join(output_dir, "config.json"), "w") as f:
+        json.dump(model_config, f, indent=1)
+    return path
+
+
+def load_exported_model(output_dir: str, dtype: torch.dtype = torch.float32):
+    """The plain built-in model with the exported weights (for tests and users)."""
+    from safetensors.torch import load_file
+
+    from lowprec.train.model import LlamaConfig, LlamaForCausalLM
+
+    with open(os.path.join(output_dir, "config.json")) as f:
+        cfg = LlamaConfig(**json.load(f))
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(load_file(os.path.join(output_dir, "model.safetensors")))
+    return model.to(dtype)
+
+
+def write_resolved_config(config: dict[str, Any], decisions: dict[str, Any], output_dir: str) -> str:
+    """``resolved_config.yaml``: the full config (defaults filled in) plus every decision made."""
+    path = os.path.join(output_dir, "resolved_config.yaml")
+    body = dict(config)
+    body["_resolved"] = {k: {"value": _plain(d.value), "reason": d.reason} for k, d in decisions.items()}
+    with open(path, "w") as f:
+        yaml.safe_dump(body, f, sort_keys=False)
+    return path
+
+
+def _plain(v: Any) -> Any:
+    return v if isinstance(v, (bool, int, float, str, type(None))) else str(v)

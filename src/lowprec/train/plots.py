@@ -1,0 +1,104 @@
+"""The run's pictures, drawn from ``metrics.jsonl`` with matplotlib's Agg backend (no display).
+
+* ``loss.png``: training loss (per logging window) and validation loss against the step;
+* ``fp8_report.png``: per-layer FP8 telemetry over time (amax, scale, saturated and underflow
+  fractions of each operand), one line per layer;
+* ``compare.png``: ``lowprec compare``'s overlaid loss curves, one colour per precision.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+__all__ = ["plot_loss", "plot_fp8_report", "plot_compare"]
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _xy(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list, list]:
+    pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_loss(records: Sequence[Mapping[str, Any]], path: str, title: str = "") -> str:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    x, y = _xy([r for r in records if r["kind"] == "train"], "loss")
+    ax.plot(x, y, label="train", lw=1.5)
+    x, y = _xy([r for r in records if r["kind"] == "eval"], "loss")
+    if x:
+        ax.plot(x, y, "o-", label="validation", lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title or "loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str) -> str | None:
+    """A grid: rows = operand (input, weight, grad_output), columns = statistic."""
+    fp8 = [r for r in records if r["kind"] == "fp8"]
+    if not fp8:
+        return None
+    plt = _plt()
+    ops = list(next(iter(fp8[0]["layers"].values())).keys())
+    stats = ("amax", "scale", "saturated", "underflow")
+    layers = list(fp8[0]["layers"])
+    fig, axes = plt.subplots(len(ops), len(stats), figsize=(4 * len(stats), 2.8 * len(ops)), squeeze=False)
+    steps = [r["step"] for r in fp8]
+    cmap = plt.get_cmap("viridis")
+    for i, op in enumerate(ops):
+        for j, st in enumerate(stats):
+            ax = axes[i][j]
+            for k, layer in enumerate(layers):
+                ys = [r["layers"].get(layer, {}).get(op, {}).get(st, float("nan")) for r in fp8]
+                ax.plot(steps, ys, lw=1, color=cmap(k / max(1, len(layers) - 1)), label=layer)
+            if st in ("amax", "scale") and all(
+                v > 0 for r in fp8 for lay in r["layers"].values() for v in [lay.get(op, {}).get(st, 1.0)]
+            ):
+                ax.set_yscale("log")
+            ax.set_title(f"{op}: {st}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if i == len(ops) - 1:
+                ax.set_xlabel("step")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    ncol = min(len(labels), max(4, -(-len(labels) // 8)))  # at most 8 legend rows
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=7)
+    fig.suptitle("FP8 telemetry per layer (saturated / underflow: fraction of values)")
+    fig.tight_layout(rect=(0, 0.02 + 0.025 * -(-len(labels) // ncol), 1, 0.96))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_compare(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str, title: str = "") -> str:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, (name, records) in enumerate(runs.items()):
+        color = f"C{i}"
+        x, y = _xy([r for r in records if r["kind"] == "train"], "loss")
+        ax.plot(x, y, color=color, lw=1.3, label=f"{name} train")
+        x, y = _xy([r for r in records if r["kind"] == "eval"], "loss")
+        if x:
+            ax.plot(x, y, "o--", color=color, lw=1.3, label=f"{name} validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title or "loss by precision (same seed, same data order)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

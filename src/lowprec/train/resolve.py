@@ -1,0 +1,187 @@
+"""Resolve a validated :class:`TrainConfig` against the machine, once, with reasons.
+
+Every ``auto`` (``bf16``, ``torch_compile``, ``use_tensorboard``) and every machine-dependent
+rule (FP8 on an old GPU, bf16 without support, missing optional packages) is decided here from a
+:class:`Capabilities` object. The trainer reads only the resulting :class:`RunPlan`; nothing
+else probes the hardware. Tests pass hand-made capabilities to cover GPUs they do not have.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from lowprec.train.config import TrainConfig
+
+__all__ = ["Capabilities", "Decision", "RunPlan", "resolve", "precision_label"]
+
+logger = logging.getLogger("lowprec")
+
+OPTIONAL_PACKAGES = ("transformers", "tensorboard", "deepspeed")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the machine offers. ``cuda_capability`` is None on a CPU-only machine."""
+
+    cuda_capability: Optional[tuple[int, int]] = None
+    packages: frozenset = frozenset()
+
+    @classmethod
+    def detect(cls) -> "Capabilities":
+        cap = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+        found = frozenset(p for p in OPTIONAL_PACKAGES if importlib.util.find_spec(p) is not None)
+        return cls(cuda_capability=cap, packages=found)
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.cuda_capability is None else "cuda"
+
+    def sm(self) -> str:
+        return "" if self.cuda_capability is None else f"sm_{self.cuda_capability[0]}{self.cuda_capability[1]}"
+
+
+@dataclass(frozen=True)
+class Decision:
+    value: Any
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """How the run trains. ``mixed_precision`` is what the Accelerator gets."""
+
+    mixed_precision: str  # no | fp16 | bf16 | fp8
+    bf16_autocast: bool  # bf16 autocast around non-FP8 ops (under fp8 or bf16: true)
+    weights_dtype: str  # float32 | bfloat16 (bf16: full)
+    torch_compile: bool
+    use_tensorboard: bool
+    label: str  # fp32 | fp16 | bf16 | bf16-full | fp8 | fp8-full
+    decisions: dict = field(default_factory=dict)
+
+    def log(self) -> None:
+        for key, d in self.decisions.items():
+            logger.info("lowprec: %s = %s (%s)", key, d.value, d.reason)
+
+
+def precision_label(mixed_precision: str, weights_dtype: str) -> str:
+    base = {"no": "fp32"}.get(mixed_precision, mixed_precision)
+    if weights_dtype == "bfloat16":
+        return "bf16-full" if base in ("fp32", "bf16") else f"{base}-full"
+    return base
+
+
+def _bf16(cfg: TrainConfig, caps: Capabilities) -> Decision:
+    v = cfg.bf16
+    if v == "auto":
+        if cfg.fp16:
+            return Decision(False, "bf16: auto and fp16: true")
+        if caps.cuda_capability is None:
+            return Decision(True, "bf16: auto on CPU: torch.autocast runs bfloat16 on CPU")
+        if caps.cuda_capability >= (8, 0):
+            return Decision(True, f"bf16: auto on {caps.sm()} (bf16 needs sm_80+)")
+        return Decision(False, f"bf16: auto on {caps.sm()}, which has no bf16 (needs sm_80+)")
+    if v in (True, "full") and caps.cuda_capability is not None and caps.cuda_capability < (8, 0):
+        raise ValueError(
+            f"bf16: {str(v).lower()} on a GPU without bfloat16 ({caps.sm()}, needs sm_80+); "
+            "set bf16: false and fp16: true"
+        )
+    return Decision(v, "from the config")
+
+
+def _fp8_check(cfg: TrainConfig, caps: Capabilities) -> Optional[str]:
+    """None when FP8 runs, else the fallback (``bf16`` / ``emulate``) with its reason logged."""
+    cap = caps.cuda_capability
+    if not cfg.fp8 or cap is None or cap >= (8, 9):
+        return None
+    if cfg.fp8_fallback is None:
+        raise ValueError(
+            f"fp8: true needs a GPU with compute capability 8.9+ (Ada, Hopper or newer); this one is "
+            f"{caps.sm()}. Set fp8: false and bf16: true, or fp8_fallback: emulate (FP8 numerics, slow) "
+            "or fp8_fallback: bf16"
+        )
+    return cfg.fp8_fallback
+
+
+def _packages(cfg: TrainConfig, caps: Capabilities) -> None:
+    import os
+
+    def need(pkg: str, what: str) -> None:
+        if pkg not in caps.packages:
+            raise ValueError(f"{what} needs the optional package {pkg!r}: pip install {pkg}")
+
+    if not cfg.base_model.startswith("builtin:"):
+        need("transformers", f"base_model: {cfg.base_model} (a Hugging Face model directory)")
+    if cfg.tokenizer != "byte":
+        if not os.path.isdir(cfg.tokenizer):
+            raise ValueError(f"tokenizer: {cfg.tokenizer!r} is neither byte nor a local tokenizer directory")
+        need("transformers", f"tokenizer: {cfg.tokenizer}")
+    if cfg.use_tensorboard is True:
+        need("tensorboard", "use_tensorboard: true")
+    if cfg.deepspeed is not None:
+        need("deepspeed", "deepspeed")
+
+
+def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: int = 1) -> RunPlan:
+    caps = caps or Capabilities.detect()
+    _packages(cfg, caps)
+    if cfg.fp8 and cfg.fp8_enable_fsdp_float8_all_gather:
+        # an accepted no-op flag is what Axolotl ships (force_recompute_fp8_weight_in_bwd); refuse
+        raise ValueError(
+            "fp8_enable_fsdp_float8_all_gather: lowprec's FP8 engine does not all-gather weights in "
+            "FP8 yet (FSDP2 gathers them in high precision); drop the key"
+        )
+    d: dict[str, Decision] = {}
+    d["device"] = Decision(caps.device, "CUDA available" if caps.device == "cuda" else "no CUDA device")
+    bf16 = _bf16(cfg, caps)
+    d["bf16"] = bf16
+    fallback = _fp8_check(cfg, caps)
+    if cfg.fp8 and fallback == "bf16":
+        mp = Decision("bf16", f"fp8: true on {caps.sm()} (< sm_89) with fp8_fallback: bf16")
+    elif cfg.fp8:
+        why = "fp8: true" + (f", FP8 GEMMs emulated on {caps.sm()} (fp8_fallback: emulate)" if fallback else "")
+        mp = Decision("fp8", why)
+    elif bf16.value is True:
+        mp = Decision("bf16", f"bf16: true ({bf16.reason})")
+    elif cfg.fp16:
+        mp = Decision("fp16", "fp16: true")
+    else:
+        mp = Decision("no", "no fp8/bf16/fp16: float32" if bf16.value != "full" else "bf16: full: pure bf16 weights, no autocast")
+    d["mixed_precision"] = mp
+    weights = "bfloat16" if bf16.value == "full" else "float32"
+    d["weights_dtype"] = Decision(weights, "bf16: full" if weights == "bfloat16" else "float32 master weights")
+    autocast = mp.value == "bf16" or (mp.value == "fp8" and bf16.value is True)
+    if mp.value == "fp8":
+        d["bf16_autocast"] = Decision(
+            autocast,
+            "non-FP8 ops in bf16 autocast (bf16 resolved true)" if autocast else f"bf16: {cfg.bf16}: non-FP8 ops in {weights}",
+        )
+    if cfg.torch_compile == "auto":
+        d["torch_compile"] = Decision(caps.device == "cuda", f"torch_compile: auto on {caps.device}")
+    else:
+        d["torch_compile"] = Decision(bool(cfg.torch_compile), "from the config")
+    if cfg.use_tensorboard == "auto":
+        has = "tensorboard" in caps.packages
+        d["use_tensorboard"] = Decision(has, "tensorboard installed" if has else "tensorboard not installed")
+    else:
+        d["use_tensorboard"] = Decision(bool(cfg.use_tensorboard), "from the config")
+    if cfg.cpu_threads is not None:
+        d["cpu_threads"] = Decision(cfg.cpu_threads, "cpu_threads from the config")
+    else:
+        d["cpu_threads"] = Decision(torch.get_num_threads(), "torch's default (OMP_NUM_THREADS or the core count)")
+    if world_size > 1:
+        kind = "FSDP2" if cfg.fsdp_version == 2 else ("DeepSpeed" if cfg.deepspeed is not None else "DDP")
+        d["distributed"] = Decision(kind, f"{world_size} processes" + {"FSDP2": ", fsdp_version: 2", "DeepSpeed": ", deepspeed"}.get(kind, ""))
+    return RunPlan(
+        mixed_precision=mp.value,
+        bf16_autocast=autocast,
+        weights_dtype=weights,
+        torch_compile=d["torch_compile"].value,
+        use_tensorboard=d["use_tensorboard"].value,
+        label=precision_label(mp.value, weights),
+        decisions=d,
+    )

@@ -1,0 +1,432 @@
+"""The training loop of ``lowprec train``: a client of :class:`lowprec.Accelerator` like any script.
+
+    plan = resolve(config)                       # every auto decided once, reasons logged
+    accelerator = Accelerator(mixed_precision=plan.mixed_precision, kwargs_handlers=[recipe])
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    for step:  for micro-batch:  with accelerator.accumulate(model): loss -> accelerator.backward
+               clip, optimizer.step, scheduler.step, zero_grad
+               log / evaluate / checkpoint (accelerator.save_state)
+    export model.safetensors (bf16, plain model), plots, resolved config
+
+The data loader is the model helper's :class:`TokenBatches` (deterministic block order per
+epoch, sharded by rank); it and a :class:`TrainerState` are registered for checkpointing, so
+``accelerator.save_state`` stores the data position and the step next to the weights,
+optimizer, scheduler, FP8 scaling state and RNG, and a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from lowprec.train import checkpoints as ckpt
+from lowprec.train.config import TrainConfig
+from lowprec.train.metrics import MetricsWriter, peak_memory_mb, read_metrics, truncate_after
+from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
+
+__all__ = ["train", "RunResult", "build_optimizer", "build_scheduler", "lr_lambda"]
+
+logger = logging.getLogger("lowprec")
+
+
+@dataclass
+class RunResult:
+    output_dir: str
+    precision: str
+    steps: int
+    final_train_loss: Optional[float]
+    final_eval_loss: Optional[float]
+    tokens_per_s: float
+    peak_mem_mb: float
+    wall_s: float
+    train_losses: list = field(default_factory=list)  # (step, loss) per logging window
+    eval_losses: list = field(default_factory=list)  # (step, loss)
+    files: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------ pieces
+def lr_lambda(step: int, warmup: int, total: int, kind: str) -> float:
+    """Multiplier of the peak learning rate at optimizer step ``step`` (0-based): linear warmup
+    from 1/(warmup+1), then cosine or linear decay to 0 at ``total``, or constant."""
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if kind == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (not on norms, biases), or SGD."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    other = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.learning_rate, momentum=0.9)
+    fused = cfg.optimizer == "adamw_torch_fused"
+    return torch.optim.AdamW(
+        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused or None
+    )
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, cfg.warmup_steps, total_steps, cfg.lr_scheduler)
+    )
+
+
+def _build_model(cfg: TrainConfig, vocab_size: int) -> tuple[nn.Module, dict[str, Any]]:
+    if cfg.base_model.startswith("builtin:"):
+        from lowprec.train.model import LlamaConfig, LlamaForCausalLM
+
+        mc = LlamaConfig.from_name(cfg.base_model[len("builtin:"):])
+        if vocab_size > mc.vocab_size:
+            mc = mc.replace(vocab_size=vocab_size)
+        return LlamaForCausalLM(mc), mc.to_dict()
+    from transformers import AutoConfig, AutoModelForCausalLM  # checked in resolve()
+
+    hf = AutoConfig.from_pretrained(cfg.base_model)
+    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, torch_dtype=torch.float32)
+    return _HFLoss(model), hf.to_dict()
+
+
+class _HFLoss(nn.Module):
+    """A Hugging Face causal LM behind the built-in model's ``forward(input_ids, labels)``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask)
+
+
+def _accelerator(cfg: TrainConfig, plan: RunPlan):
+    from lowprec import Accelerator
+    from lowprec.fp8 import DEFAULT_SKIP_PATTERNS
+    from lowprec.kwargs import (
+        AutocastKwargs,
+        FullyShardedDataParallelPlugin,
+        GradientAccumulationPlugin,
+        NativeRecipeKwargs,
+    )
+
+    handlers: list = []
+    if cfg.fp8:
+        handlers.append(
+            NativeRecipeKwargs(
+                recipe=cfg.fp8_recipe.name,
+                overrides=cfg.fp8_recipe.overrides,
+                skip_patterns=tuple(DEFAULT_SKIP_PATTERNS) + tuple(cfg.fp8_filter),
+            )
+        )
+        if not plan.bf16_autocast:
+            handlers.append(AutocastKwargs(enabled=False))
+    fsdp = None
+    if cfg.fsdp_version == 2:
+        fc = cfg.fsdp_config
+        fsdp = FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            transformer_cls_names_to_wrap=(fc.transformer_layer_cls_to_wrap if fc else "LlamaDecoderLayer",),
+            reshard_after_forward=fc.reshard_after_forward if fc else True,
+        )
+    deepspeed = None
+    if cfg.deepspeed is not None:  # a JSON file path or an inline mapping, as in Axolotl
+        from lowprec.kwargs import DeepSpeedPlugin
+
+        deepspeed = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed, gradient_clipping=cfg.max_grad_norm)
+    return Accelerator(
+        mixed_precision=plan.mixed_precision,
+        kwargs_handlers=handlers,
+        fsdp_plugin=fsdp,
+        deepspeed_plugin=deepspeed,
+        # explicit, so an ambient ACCELERATE_GRADIENT_ACCUMULATION_STEPS cannot change the run
+        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps),
+        fp8_fallback=cfg.fp8_fallback,
+    )
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, n_batches: int, accelerator) -> float:
+    """Mean validation loss over the first ``n_batches`` batches (the same ones every time)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    loader.set_epoch(0)
+    for i, batch in enumerate(loader):
+        if i >= n_batches:
+            break
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        total[0] += model(**batch).loss.double()
+        total[1] += 1
+    total = accelerator.reduce(total, "sum")
+    model.train(was_training)
+    return float(total[0] / total[1])
+
+
+def _telemetry_summary(tele: dict) -> dict:
+    return {
+        layer: {op: {k: float(f"{v:.6g}") for k, v in stats.items()} for op, stats in ops.items()}
+        for layer, ops in tele.items()
+    }
+
+
+# ------------------------------------------------------------------------ the loop
+def train(
+    cfg: TrainConfig,
+    caps: Optional[Capabilities] = None,
+    *,
+    on_log: Optional[Callable[[dict], None]] = None,
+) -> RunResult:
+    wall0 = time.perf_counter()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    plan = resolve(cfg, caps, world_size=world)
+    if cfg.cpu_threads is not None:
+        torch.set_num_threads(cfg.cpu_threads)
+    acc = _accelerator(cfg, plan)
+    main = acc.is_main_process
+    decisions = dict(plan.decisions)
+    if main:
+        plan.log()
+    output_dir = os.path.abspath(cfg.output_dir)
+    if main:
+        os.makedirs(output_dir, exist_ok=True)
+    acc.wait_for_everyone()
+
+    # data
+    from lowprec.train.data import TokenBatches, build_datasets
+    from lowprec.train.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    with acc.main_process_first():
+        train_ds, val_ds = build_datasets(
+            cfg.dataset_paths,
+            tokenizer,
+            seq_len=cfg.sequence_len,
+            max_bytes=cfg.dataset_max_bytes,
+            val_fraction=cfg.val_set_size,
+            seed=cfg.seed,
+            text_field=cfg.text_field,
+        )
+    loader = TokenBatches(
+        train_ds, cfg.micro_batch_size, cfg.sequence_len, seed=cfg.seed,
+        rank=acc.process_index, world_size=acc.num_processes,
+    )
+    val_loader = None
+    if val_ds is not None:
+        val_loader = TokenBatches(
+            val_ds, cfg.micro_batch_size, cfg.sequence_len, seed=cfg.seed,
+            rank=acc.process_index, world_size=acc.num_processes, shuffle=False,
+        )
+    per_epoch = len(loader) // cfg.gradient_accumulation_steps
+    if cfg.max_steps is not None:
+        total = cfg.max_steps
+        why = "max_steps" + (" (wins over num_epochs)" if cfg.num_epochs is not None else "")
+    else:
+        epochs = cfg.num_epochs if cfg.num_epochs is not None else 1.0
+        total = max(1, math.ceil(epochs * per_epoch))
+        why = f"num_epochs: {epochs} x {per_epoch} steps per epoch" + ("" if cfg.num_epochs else " (default 1 epoch)")
+    decisions["total_steps"] = Decision(total, why)
+    if cfg.warmup_steps >= total:
+        raise ValueError(f"warmup_steps: {cfg.warmup_steps} >= the run's {total} steps; lower warmup_steps")
+    if main:
+        logger.info("lowprec: total_steps = %d (%s)", total, why)
+        logger.info(
+            "lowprec: data %s: %d train tokens, %d validation tokens, fingerprint %s",
+            train_ds.name, train_ds.n_tokens, 0 if val_ds is None else val_ds.n_tokens, train_ds.fingerprint,
+        )
+
+    # model, optimizer, schedule
+    _seed_everything(cfg.seed)
+    model, model_config = _build_model(cfg, tokenizer.vocab_size)
+    if plan.weights_dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    optimizer = build_optimizer(cfg, model)
+    scheduler = build_scheduler(cfg, optimizer, total)
+    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    if plan.torch_compile:
+        model = torch.compile(model)
+    state = ckpt.TrainerState()
+    acc.register_for_checkpointing(loader, state)
+    inner = acc.unwrap_model(model)
+    fp8_layers = bool(cfg.fp8) and acc.fp8_enabled
+    if fp8_layers:
+        from lowprec import fp8 as fp8_engine
+
+    # resume
+    resume_path, resume_why = ckpt.resolve_resume(cfg.resume_from_checkpoint, output_dir)
+    decisions["resume"] = Decision(resume_path, resume_why)
+    if main:
+        logger.info("lowprec: resume = %s (%s)", resume_path, resume_why)
+    if resume_path is not None:
+        acc.load_state(resume_path)
+        if main:
+            truncate_after(output_dir, state.step)
+    elif main:
+        # checkpoints of an earlier run here would be mistaken for this run's by a later
+        # resume_from_checkpoint: auto (and outrank its own by step number)
+        stale = ckpt.list_checkpoints(output_dir)
+        if stale:
+            logger.warning(
+                "lowprec: fresh run in %s: removing %d checkpoint(s) of an earlier run (%s); set "
+                "resume_from_checkpoint: auto to continue a run instead",
+                output_dir, len(stale), ", ".join(os.path.basename(p) for _, p in stale),
+            )
+            ckpt.rotate(output_dir, 0)
+    acc.wait_for_everyone()
+    writer = MetricsWriter(output_dir, main, plan.use_tensorboard, append=resume_path is not None)
+    if main:
+        from lowprec.train.outputs import write_resolved_config
+
+        write_resolved_config(cfg.to_yaml_dict(), decisions, output_dir)
+
+    # loop
+    tokens_per_step = cfg.micro_batch_size * cfg.sequence_len * cfg.gradient_accumulation_steps * acc.num_processes
+    bar = None
+    if main and cfg.progress_bar:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, initial=state.step, desc=f"train {plan.label}", unit="step", dynamic_ncols=True)
+    batches = loader.forever()
+    window_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
+    window_steps, window_t0, window_tokens = 0, time.perf_counter(), 0
+    last_train, last_eval = None, None
+    skipped = 0
+    model.train()
+    try:
+        while state.step < total:
+            logging_now = (state.step + 1) % cfg.logging_steps == 0 or state.step + 1 == total
+            if fp8_layers and logging_now:
+                fp8_engine.enable_telemetry(inner)
+            step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
+            grad_norm = None
+            lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
+            for _ in range(cfg.gradient_accumulation_steps):
+                batch = {k: v.to(acc.device, non_blocking=True) for k, v in next(batches).items()}
+                with acc.accumulate(model):
+                    loss = model(**batch).loss
+                    acc.backward(loss)
+                    step_loss += loss.detach().double()
+                    if acc.sync_gradients:
+                        if cfg.max_grad_norm is not None:
+                            grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                        optimizer.step()
+                        skipped += int(acc.optimizer_step_was_skipped)  # fp16: inf/nan gradients
+                        scheduler.step()
+                        optimizer.zero_grad(set_to_none=True)
+            state.step += 1
+            state.tokens += tokens_per_step
+            window_loss += step_loss / cfg.gradient_accumulation_steps
+            window_steps += 1
+            window_tokens += tokens_per_step
+
+            if logging_now:
+                loss_mean = float(acc.reduce(window_loss / window_steps, "mean"))
+                elapsed = time.perf_counter() - window_t0
+                state.train_time_s += elapsed
+                rec = {
+                    "kind": "train",
+                    "step": state.step,
+                    "loss": loss_mean,
+                    "lr": lr,
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "tokens": state.tokens,
+                    "skipped_steps": skipped,  # optimizer steps the fp16 scaler skipped (this process)
+                    "tokens_per_s": window_tokens / max(elapsed, 1e-9),
+                    "peak_mem_mb": peak_memory_mb(acc.device),
+                    "epoch": loader.epoch + loader.position / max(1, len(loader)),
+                }
+                writer.write(rec)
+                last_train = loss_mean
+                if on_log is not None and main:
+                    on_log(rec)
+                if bar is not None:
+                    bar.set_postfix(
+                        loss=f"{loss_mean:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                        lr=f"{rec['lr']:.2e}", mem=f"{rec['peak_mem_mb']:.0f}MB", refresh=False,
+                    )
+                if fp8_layers:
+                    writer.write({"kind": "fp8", "step": state.step, "layers": _telemetry_summary(fp8_engine.telemetry(inner))})
+                    fp8_engine.disable_telemetry(inner)
+                window_loss.zero_()
+                window_steps, window_tokens, window_t0 = 0, 0, time.perf_counter()
+            if bar is not None:
+                bar.update(1)
+
+            eval_now = val_loader is not None and (
+                (cfg.eval_steps is not None and state.step % cfg.eval_steps == 0) or state.step == total
+            )
+            if eval_now:
+                t = time.perf_counter()
+                last_eval = evaluate(model, val_loader, cfg.eval_batches, acc)
+                writer.write({"kind": "eval", "step": state.step, "loss": last_eval})
+                window_t0 += time.perf_counter() - t  # evaluation time is not training time
+            if cfg.save_steps is not None and state.step % cfg.save_steps == 0 and state.step < total:
+                t = time.perf_counter()
+                acc.save_state(ckpt.checkpoint_dir(output_dir, state.step))
+                if main:
+                    ckpt.rotate(output_dir, cfg.save_total_limit)
+                window_t0 += time.perf_counter() - t
+    finally:
+        if bar is not None:
+            bar.close()
+        writer.close()
+
+    # outputs
+    files: dict[str, str] = {}
+    sd = acc.get_state_dict(model)  # collective under FSDP2: every process calls it
+    if main:
+        from lowprec.train.outputs import export_model
+        from lowprec.train.plots import plot_fp8_report, plot_loss
+
+        files["model"] = export_model(sd, model_config, output_dir)
+        records = read_metrics(output_dir)
+        files["loss_plot"] = plot_loss(records, os.path.join(output_dir, "loss.png"), f"{cfg.base_model} ({plan.label})")
+        if fp8_layers:
+            p = plot_fp8_report(records, os.path.join(output_dir, "fp8_report.png"))
+            if p:
+                files["fp8_report"] = p
+        files["metrics"] = os.path.join(output_dir, "metrics.jsonl")
+        files["resolved_config"] = os.path.join(output_dir, "resolved_config.yaml")
+    acc.wait_for_everyone()
+    records = read_metrics(output_dir) if main else []
+    train_recs = [r for r in records if r["kind"] == "train"]
+    tok_s = sum(r["tokens"] for r in train_recs[-1:]) / max(state.train_time_s, 1e-9) if train_recs else 0.0
+    result = RunResult(
+        output_dir=output_dir,
+        precision=plan.label,
+        steps=state.step,
+        final_train_loss=last_train if last_train is not None else (train_recs[-1]["loss"] if train_recs else None),
+        final_eval_loss=last_eval,
+        tokens_per_s=tok_s,
+        peak_mem_mb=peak_memory_mb(acc.device),
+        wall_s=time.perf_counter() - wall0,
+        train_losses=[(r["step"], r["loss"]) for r in train_recs],
+        eval_losses=[(r["step"], r["loss"]) for r in records if r["kind"] == "eval"],
+        files=files,
+    )
+    if main:
+        import dataclasses
+        import json
+
+        with open(os.path.join(output_dir, "summary.json"), "w") as f:
+            json.dump(dataclasses.asdict(result), f, indent=1)
+    with contextlib.suppress(Exception):
+        acc.end_training()
+    return result

@@ -1,0 +1,115 @@
+"""Resume: a run killed with SIGKILL and resumed reproduces the uninterrupted run's losses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lowprec.train.checkpoints import latest_checkpoint, list_checkpoints, resolve_resume, rotate
+from lowprec.train.config import load_config
+from lowprec.train.metrics import read_metrics
+from lowprec.train.trainer import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "examples", "tiny.yaml")
+# delayed scaling: the FP8 amax history is state that must survive the restart too
+RUN = {
+    "max_steps": 10,
+    "save_steps": 3,
+    "save_total_limit": 2,
+    "logging_steps": 1,
+    "eval_steps": 5,
+    "fp8_recipe": {"name": "delayed", "amax_history_len": 4},
+    "use_tensorboard": False,
+    "progress_bar": False,
+}
+
+
+def _flags(d: dict) -> list[str]:
+    import yaml
+
+    out = []
+    for k, v in d.items():
+        out += [f"--{k}", yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()]
+    return out
+
+
+def test_sigkill_then_resume_reproduces_the_uninterrupted_losses(tmp_path):
+    ref = train(load_config(TINY, {**RUN, "output_dir": str(tmp_path / "ref")}))
+    ref_losses = dict(ref.train_losses)
+    assert len(ref_losses) == 10
+
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "lowprec.cli.main", "train", TINY, *_flags({**RUN, "output_dir": str(out)})]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline:  # kill as soon as step 7 is logged (checkpoint-6 exists)
+            steps = [r["step"] for r in read_metrics(str(out), "train")]
+            if steps and max(steps) >= 7:
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"the run ended (code {proc.returncode}) before it could be killed")
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    done = max(r["step"] for r in read_metrics(str(out), "train"))
+    assert 7 <= done < 10, "killed too late to test anything"
+    assert [s for s, _ in list_checkpoints(str(out))] == [3, 6]
+    assert not (out / "model.safetensors").exists()
+
+    resumed = train(load_config(TINY, {**RUN, "output_dir": str(out), "resume_from_checkpoint": "auto"}))
+    assert resumed.steps == 10
+    recs = read_metrics(str(out), "train")
+    assert [r["step"] for r in recs] == list(range(1, 11))  # steps after the checkpoint logged once
+    for r in recs:  # bit-for-bit on CPU: weights, Adam state, schedule, data position, FP8 history
+        assert r["loss"] == ref_losses[r["step"]], r["step"]
+    assert [r["step"] for r in read_metrics(str(out), "eval")] == [5, 10]
+    assert resumed.final_eval_loss == ref.final_eval_loss
+
+
+def test_resume_from_an_explicit_checkpoint_path(tmp_path):
+    cfg = {**RUN, "max_steps": 6, "eval_steps": None, "fp8": False, "output_dir": str(tmp_path / "a")}
+    full = train(load_config(TINY, cfg))
+    ckpt = tmp_path / "a" / "checkpoint-3"
+    assert ckpt.is_dir()
+    again = train(load_config(TINY, {**cfg, "output_dir": str(tmp_path / "b"), "resume_from_checkpoint": str(ckpt)}))
+    # the new run starts at step 3 (its own metrics cover steps 4..6) and ends where the first did
+    assert [s for s, _ in again.train_losses] == [4, 5, 6]
+    assert dict(again.train_losses) == {s: l for s, l in full.train_losses if s > 3}
+
+
+def test_resume_rules(tmp_path):
+    assert resolve_resume(None, str(tmp_path))[0] is None
+    path, why = resolve_resume("auto", str(tmp_path))
+    assert path is None and "fresh run" in why
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        resolve_resume(str(tmp_path / "nope"), str(tmp_path))
+    for step in (2, 10, 4):
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        (d / "lowprec_state.json").write_text("{}")
+    (tmp_path / "checkpoint-12.tmp-99").mkdir()  # an interrupted save is never picked
+    (tmp_path / "checkpoint-11").mkdir()  # nor a directory without the state file
+    assert latest_checkpoint(str(tmp_path)).endswith("checkpoint-10")
+    assert resolve_resume("auto", str(tmp_path))[0].endswith("checkpoint-10")
+    removed = rotate(str(tmp_path), 2)
+    assert [os.path.basename(p) for p in removed] == ["checkpoint-2"]
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [4, 10]
+
+
+def test_a_fresh_run_removes_an_earlier_runs_checkpoints(tmp_path):
+    cfg = {**RUN, "fp8": False, "eval_steps": None, "output_dir": str(tmp_path)}
+    train(load_config(TINY, {**cfg, "max_steps": 7}))
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [3, 6]
+    train(load_config(TINY, {**cfg, "max_steps": 5}))  # fresh: its own checkpoint-3 only
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [3]
+    assert [r["step"] for r in read_metrics(str(tmp_path), "train")] == [1, 2, 3, 4, 5]
