@@ -350,3 +350,11 @@ def test_safetensors_writer_handles_tied_views_and_transposes(tmp_path):
     back = load_tensors(str(tmp_path / "x.safetensors"))
     assert all(torch.equal(back[k], v) for k, v in sd.items())
     assert back["tied"] is back["a"]  # stored once, restored as one tensor
+
+
+def test_explicit_gradient_accumulation_steps_beat_the_environment(monkeypatch):
+    from lowprec import Accelerator
+
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "8")
+    assert Accelerator(cpu=True, gradient_accumulation_steps=4).gradient_accumulation_steps == 4
+    assert Accelerator(cpu=True).gradient_accumulation_steps == 8

@@ -124,9 +124,12 @@ class Accelerator:
         elif recipe_handler is not None:
             logger.warning("lowprec: FP8 recipe ignored: %s", self.state.decisions["fp8_hardware"].reason)
 
-        plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(
-            num_steps=int(env_get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS") or gradient_accumulation_steps)
-        )
+        # The argument wins; the launcher's variable fills in only when the script left the
+        # default of 1 (Accelerate's rule, so `launch --gradient_accumulation_steps` still works).
+        steps = gradient_accumulation_steps
+        if steps == 1:
+            steps = int(env_get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS") or 1)
+        plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(num_steps=steps)
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
             raise ValueError("pass gradient_accumulation_steps or gradient_accumulation_plugin, not both")
         self.accumulation = plugin
