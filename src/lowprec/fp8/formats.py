@@ -14,12 +14,15 @@ from enum import Enum
 
 import torch
 
-__all__ = ["E4M3", "E5M2", "Format", "fp8_max", "is_fp8_dtype"]
+__all__ = ["E4M3", "E5M2", "Format", "fp8_max", "is_fp8_dtype", "saturation_threshold"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 
 _MAX = {E4M3: 448.0, E5M2: 57344.0}
+# Half the spacing between the largest finite value and the one below it: values up to
+# max + this would round to max anyway (E4M3: 448 +- 16, E5M2: 57344 + 4096).
+_HALF_TOP_ULP = {E4M3: 16.0, E5M2: 4096.0}
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -28,6 +31,15 @@ def fp8_max(dtype: torch.dtype) -> float:
         return _MAX[dtype]
     except KeyError:
         raise ValueError(f"{dtype} is not an FP8 dtype; use lowprec.fp8.E4M3 or E5M2") from None
+
+
+def saturation_threshold(dtype: torch.dtype) -> float:
+    """Magnitude above which a scaled value is *clipped* rather than rounded to ``fp8_max``.
+
+    A value in (fp8_max, threshold] would round to fp8_max under round-to-nearest anyway; only
+    beyond it does saturation lose information. Telemetry counts those.
+    """
+    return fp8_max(dtype) + _HALF_TOP_ULP[dtype]
 
 
 def is_fp8_dtype(dtype: torch.dtype) -> bool:

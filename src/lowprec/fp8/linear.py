@@ -39,7 +39,7 @@ from torch import nn
 
 from lowprec.fp8 import kernels
 from lowprec.fp8.autocast import current_recipe_override, fp8_enabled
-from lowprec.fp8.formats import fp8_max
+from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, quantize
 from lowprec.fp8.recipes import OperandCast, Recipe
@@ -124,7 +124,7 @@ def _stats(x: torch.Tensor, q: Float8Data) -> torch.Tensor:
     full = _expand_blocks(scale, q.block, x.shape) if q.granularity == "block" else scale
     x32 = x.detach().to(torch.float32)
     scaled = (x32 * full).abs()
-    saturated = (scaled > fp8_max(q.data.dtype)).float().mean()
+    saturated = (scaled > saturation_threshold(q.data.dtype)).float().mean()
     underflow = ((x32 != 0) & (q.data.to(torch.float32) == 0)).float().mean()
     return torch.stack([x32.abs().amax(), scale.amin().to(torch.float32), saturated, underflow])
 

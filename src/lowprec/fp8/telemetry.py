@@ -7,8 +7,8 @@ plain dict (one host synchronisation, at read time only):
     {"layers.0.mlp.up_proj": {"input": {"amax": .., "scale": .., "saturated": .., "underflow": ..},
                               "weight": {...}, "grad_output": {...}}, ...}
 
-``saturated`` is the fraction of values whose scaled magnitude exceeded the format's max (they
-were clamped); ``underflow`` the fraction of non-zero values that became 0. For rowwise and
+``saturated`` is the fraction of values whose scaled magnitude went beyond what rounding to the
+format's max would cover (they were clipped: E4M3 > 464, E5M2 > 61440); ``underflow`` the fraction of non-zero values that became 0. For rowwise and
 blockwise casts ``scale`` is the smallest scale of the tensor. An operand whose GEMM ran in
 high precision, or that has not run yet, reports zeros.
 """
