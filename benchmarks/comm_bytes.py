@@ -39,6 +39,8 @@ def _free_port() -> int:
 
 def _worker(rank, world, port, model_name, batch, seq, dtype_name, out):
     torch.set_num_threads(1)
+    if dist.is_initialized():  # forked from a process that holds a group (an in-process Accelerator)
+        dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     torch.manual_seed(0)

@@ -24,6 +24,17 @@ def sqnr(ref: torch.Tensor, test: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).sum() / noise.clamp_min(1e-300)))
 
 
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    """A test that built an in-process Accelerator (FSDP2 / DeepSpeed in one process) leaves a
+    default process group behind; tests that fork workers must not inherit it."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -43,6 +43,8 @@ def _mean_fp32(x: torch.Tensor) -> torch.Tensor:
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
+    if dist.is_initialized():  # forked from a test process that holds a group
+        dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)
     res = {}
