@@ -286,3 +286,15 @@ def test_current_scaling_never_reports_saturation(seed):
                 layer(x).sum().backward()
             for op, stats in fp8.telemetry(layer)[""].items():
                 assert stats["saturated"] == 0.0, (name, op, stats)
+
+
+def test_emulation_fallback_is_logged(seed, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="lowprec.fp8"):
+        fp8.convert(Net(), "blockwise")
+    assert any("emulated" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lowprec.fp8"):
+        fp8.convert(Net(), fp8.Recipe.from_name("tensorwise", gemm="emulate"))  # asked for: no warning
+    assert not caplog.records

@@ -18,6 +18,7 @@ never stops its siblings from converting (Accelerate's ``convert_model`` returns
 from __future__ import annotations
 
 import fnmatch
+import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -39,6 +40,7 @@ __all__ = [
 ]
 
 DEFAULT_SKIP_PATTERNS = ("lm_head", "router", "gate")
+logger = logging.getLogger("lowprec.fp8")
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 
@@ -172,6 +174,9 @@ def convert(
         report.converted.append((fqn, module.in_features, module.out_features))
         device = device or module.weight.device
     report.gemm = _gemm_note(recipe, device or torch.device("cpu"))
+    if report.converted and report.gemm.startswith("emulated") and recipe.gemm != "emulate":
+        # a fallback is never silent: emulation is correct but slower than bf16
+        logger.warning("lowprec.fp8: FP8 GEMMs will be %s", report.gemm)
     return report
 
 
