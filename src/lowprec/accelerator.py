@@ -392,7 +392,9 @@ class Accelerator:
             gs.sync_gradients = True
         else:
             self.step += 1
-            gs.sync_gradients = self.step % gs.num_steps == 0 or self.accumulation.sync_each_batch
+            # sync_each_batch only skips no_sync (Accelerate's meaning); the optimizer still
+            # steps at the accumulation boundary
+            gs.sync_gradients = self.step % gs.num_steps == 0
         if self._ds_engine is not None:
             self._ds_engine.set_gradient_accumulation_boundary(gs.sync_gradients)
 
@@ -414,7 +416,7 @@ class Accelerator:
     def accumulate(self, *models: nn.Module):
         self._do_sync()
         with contextlib.ExitStack() as stack:
-            if not self.sync_gradients:
+            if not self.sync_gradients and not self.accumulation.sync_each_batch:
                 for m in models:
                     stack.enter_context(self.no_sync(m))
             yield
