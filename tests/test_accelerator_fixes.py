@@ -63,3 +63,30 @@ def test_sync_each_batch_keeps_the_accumulation_boundary():
     assert syncs == [False, False, False, True] * 2
     assert inner.steps == 2
     assert entered == []
+
+
+def _shard(loader_, rank, world):
+    from lowprec.utils.data_loader import DataLoaderShard, GradientState
+
+    return DataLoaderShard(loader_, rank=rank, world_size=world, device=None, seed=0, gradient_state=GradientState())
+
+
+def test_one_process_keeps_the_short_last_batch():
+    ds = TensorDataset(torch.arange(10))
+    acc = Accelerator()
+    dl = acc.prepare(DataLoader(ds, batch_size=4))
+    got = [b[0].tolist() for b in dl]
+    assert got == [b[0].tolist() for b in DataLoader(ds, batch_size=4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert acc.gather_for_metrics(torch.tensor([8, 9])).tolist() == [8, 9]
+
+
+def test_padding_keeps_custom_batch_boundaries_and_remainder():
+    ds = TensorDataset(torch.arange(9))
+    custom = [[0, 1, 2], [3], [4, 5, 6, 7, 8]]  # uneven custom batch sampler
+    loaders = [_shard(DataLoader(ds, batch_sampler=custom), r, 2) for r in range(2)]
+    mine = [loaders[r]._local_batches() for r in range(2)]
+    assert mine[0] == ([[0, 1, 2], [4, 5, 6, 7, 8]], 5)
+    assert mine[1] == ([[3], [0, 1, 2]], 5)  # a whole batch, not a re-chunked index list
+    # a plain sampler over 2 processes still fills the short last batch (equal shapes for gather)
+    plain = [_shard(DataLoader(TensorDataset(torch.arange(10)), batch_size=4), r, 2)._local_batches() for r in range(2)]
+    assert plain == [([[0, 1, 2, 3], [8, 9, 0, 1]], 2), ([[4, 5, 6, 7], [0, 1, 2, 3]], 2)]

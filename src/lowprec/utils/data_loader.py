@@ -3,9 +3,10 @@ position (for ``save_state``/``load_state``) and the last batch (for gradient ac
 ``gather_for_metrics``).
 
 Sharding follows Accelerate's ``BatchSamplerShard``: the original batch sampler's batches are
-dealt round-robin, process ``r`` gets batches ``r, r + W, r + 2W, ...``. The last step is padded
-by cycling from the start so every process runs the same number of equal-sized steps; the
-padding is dropped again by ``gather_for_metrics``. Shuffling uses a generator seeded with
+dealt round-robin, process ``r`` gets batches ``r, r + W, r + 2W, ...``. With several processes
+the last step is padded from the start (a short last batch filled, missing batches added as whole
+batches) so every process runs the same number of steps; the padding is dropped again by
+``gather_for_metrics``. One process gets the original batches unchanged. Shuffling uses a generator seeded with
 ``seed + epoch``, identical on every process, so shards never overlap.
 """
 
@@ -71,19 +72,24 @@ class DataLoaderShard:
 
     def _local_batches(self) -> tuple[list[list[int]], int]:
         batches = self._global_batches()
-        total = sum(len(b) for b in batches)
-        if not batches:
-            return [], -1
-        width = len(batches[0])
-        steps = -(-len(batches) // self.world_size)
-        # pad: short last batch filled, missing batches appended, both cycling from the start
-        flat = [i for b in batches for i in b]
-        needed = steps * self.world_size * width
-        remainder = total - (steps - 1) * self.world_size * width
-        if needed != total:
-            flat = flat + [flat[k % len(flat)] for k in range(needed - total)]
-        padded = [flat[k * width:(k + 1) * width] for k in range(steps * self.world_size)]
-        return padded[self.rank::self.world_size], (remainder if needed != total else -1)
+        if self.world_size == 1 or not batches:
+            return batches, -1  # one process: exactly the original batches (PyTorch's behaviour)
+        n, width = len(batches), len(batches[0])
+        steps = -(-n // self.world_size)
+        last_step = range((steps - 1) * self.world_size, n)
+        remainder = sum(len(batches[i]) for i in last_step)
+        padded = [list(b) for b in batches]
+        regular = all(len(b) == width for b in batches[:-1])
+        if regular and len(batches[-1]) < width:
+            # a plain BatchSampler's short last batch: fill it from the start (as Accelerate), so
+            # every process holds equal-sized batches for gather()
+            flat = [i for b in batches for i in b]
+            padded[-1] += [flat[k % len(flat)] for k in range(width - len(batches[-1]))]
+        # missing batches: whole batches cycled from the start, so a custom batch sampler's
+        # boundaries are kept
+        padded += [list(batches[k % n]) for k in range(steps * self.world_size - n)]
+        changed = len(padded) != n or len(padded[n - 1]) != len(batches[-1])
+        return padded[self.rank::self.world_size], (remainder if changed else -1)
 
     def __len__(self) -> int:
         if self.iterable:
