@@ -98,6 +98,19 @@ def test_ao_fallback_skips_first_and_last():
     assert kinds == ["Linear", "Float8Linear", "Linear"]
 
 
+def test_ao_fallback_keeps_eval_switch_and_logs_ignored_fields(caplog):
+    from lowprec.backends import native_recipe_for
+
+    caplog.set_level("WARNING", logger="lowprec")
+    assert native_recipe_for(AORecipeKwargs(use_autocast_during_eval=True)).use_during_eval is True
+    assert native_recipe_for(AORecipeKwargs(recipe="rowwise")).use_during_eval is False
+    assert not any("torchao only" in r.getMessage() for r in caplog.records)
+    for _ in range(2):
+        native_recipe_for(AORecipeKwargs(config=object(), pad_inner_dim=False))
+    hits = [r.getMessage() for r in caplog.records if "torchao only" in r.getMessage()]
+    assert len(hits) == 1 and "config, pad_inner_dim" in hits[0]
+
+
 # --------------------------------------------------------------------------- TransformerEngine stand-in
 class Recorder:
     def __init__(self):

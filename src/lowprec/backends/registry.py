@@ -72,7 +72,11 @@ def native_recipe_for(handler: RecipeKwargs):
     if isinstance(handler, MSAMPRecipeKwargs):
         return Recipe.from_name("delayed")
     if isinstance(handler, AORecipeKwargs):
-        return Recipe.from_name(handler.recipe or "tensorwise")
+        ignored = [k for k, v in (("config", handler.config is not None), ("pad_inner_dim", handler.pad_inner_dim is False)) if v]
+        if ignored:
+            log_once(f"lowprec: AORecipeKwargs {', '.join(ignored)} configure torchao only and have no "
+                     "effect on lowprec's native engine (torchao is not installed)")
+        return Recipe.from_name(handler.recipe or "tensorwise", use_during_eval=handler.use_autocast_during_eval)
     raise TypeError(f"not an FP8 recipe handler: {type(handler).__name__}")
 
 
