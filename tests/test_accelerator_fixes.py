@@ -90,3 +90,83 @@ def test_padding_keeps_custom_batch_boundaries_and_remainder():
     # a plain sampler over 2 processes still fills the short last batch (equal shapes for gather)
     plain = [_shard(DataLoader(TensorDataset(torch.arange(10)), batch_size=4), r, 2)._local_batches() for r in range(2)]
     assert plain == [([[0, 1, 2, 3], [8, 9, 0, 1]], 2), ([[4, 5, 6, 7], [0, 1, 2, 3]], 2)]
+
+
+def _trained(tmp_path):
+    set_seed(3)
+    acc = Accelerator()
+    base = mlp()
+    model, opt = acc.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1))
+    return acc, model, opt
+
+
+def _train_step(acc, model, opt):
+    x = torch.randn(8, 16)
+    acc.backward(model(x).square().mean())
+    opt.step()
+    opt.zero_grad()
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_load_state_checks_num_processes_and_warns_on_missing_rng(tmp_path, caplog):
+    import json
+
+    from lowprec.backends.base import _LOGGED
+
+    _LOGGED.clear()
+    acc, model, opt = _trained(tmp_path)
+    out = acc.save_state(str(tmp_path / "ck"))
+    meta_path = tmp_path / "ck" / "lowprec_state.json"
+    meta = json.loads(meta_path.read_text())
+    meta["num_processes"] = 4
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"saved by 4 process.*this run has 1.*--num_processes 4"):
+        acc.load_state(out)
+    meta["num_processes"] = 1
+    meta_path.write_text(json.dumps(meta))
+    (tmp_path / "ck" / "random_states_0.pkl").unlink()
+    caplog.set_level("WARNING", logger="lowprec")
+    acc.load_state(out)
+    acc.load_state(out)
+    hits = [r for r in caplog.records if "random_states_0.pkl is missing" in r.getMessage()]
+    assert len(hits) == 1
+
+
+def test_interrupted_save_keeps_the_old_checkpoint_and_leaves_no_temp(tmp_path, monkeypatch):
+    import lowprec.checkpoint as ckpt
+
+    acc, model, opt = _trained(tmp_path)
+    target = str(tmp_path / "ck")
+    _train_step(acc, model, opt)
+    acc.save_state(target)
+    saved = _weights(model)
+    _train_step(acc, model, opt)
+    assert not all(torch.equal(a, b) for a, b in zip(saved, _weights(model)))
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full (simulated)")
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "save_optimizer", boom)
+        with pytest.raises(OSError, match="simulated"):
+            acc.save_state(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    acc.load_state(target)
+    assert all(torch.equal(a, b) for a, b in zip(saved, _weights(model)))
+
+    # a hard crash (no except clause ran) leaves siblings: the next save removes them
+    (tmp_path / "ck.tmp-99999").mkdir()
+    (tmp_path / "ck.old-99998").mkdir()
+    acc.save_state(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+    # a crash between moving the old checkpoint aside and the new one in: load finds the old one
+    (tmp_path / "ck").rename(tmp_path / "ck.old-12345")
+    _train_step(acc, model, opt)
+    acc.load_state(target)
+    assert all(torch.equal(a, b) for a, b in zip(saved, _weights(model)))
+    acc.save_state(target)  # and the next save puts it back under the real name first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]

@@ -13,7 +13,9 @@ only when complete, so a crash never leaves a half-written checkpoint under the 
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
 import random
 import shutil
@@ -32,6 +34,8 @@ from lowprec.utils.distributed import (
 __all__ = ["save_state", "load_state", "save_model", "save_tensors", "load_tensors", "save_optimizer", "load_optimizer"]
 
 META = "lowprec_state.json"
+
+logger = logging.getLogger("lowprec")
 
 
 # --------------------------------------------------------------------------- tensors
@@ -168,9 +172,27 @@ def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> st
     output_dir = os.path.abspath(output_dir)
     tmp = _broadcast_str(acc, f"{output_dir}.tmp-{os.getpid()}")
     if acc.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _clean_stale_siblings(output_dir)
         os.makedirs(tmp)
     acc.wait_for_everyone()
+    try:
+        _write_state(acc, tmp, safe_serialization)
+    except BaseException:
+        if acc.is_main_process:  # the previous checkpoint stays as it was; no half-written copy
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        old = f"{output_dir}.old-{os.getpid()}"
+        if os.path.exists(output_dir):
+            os.replace(output_dir, old)
+        os.replace(tmp, output_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
+    return output_dir
+
+
+def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
     # collectives first (FSDP2 gathers full state on every process), files on the main process;
     # a DeepSpeed engine writes its own (partitioned) model and optimizer state
     models = [None if _is_ds(m) else full_model_state_dict(acc.unwrap_model(m)) for m in acc._models]
@@ -213,19 +235,39 @@ def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> st
             # of its own data), so each saves its own
             buffers = {k: b.detach().cpu() for k, b in acc.unwrap_model(m).named_buffers()}
             save_tensors(buffers, os.path.join(tmp, f"buffers_{i}_rank{acc.process_index}.safetensors"), True)
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        old = f"{output_dir}.old-{os.getpid()}"
-        if os.path.exists(output_dir):
-            os.replace(output_dir, old)
-        os.replace(tmp, output_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    acc.wait_for_everyone()
-    return output_dir
+
+
+def _siblings(directory: str, kind: str) -> list[str]:
+    """``<directory>.tmp-*`` / ``.old-*`` folders, newest first."""
+    found = [p for p in glob.glob(glob.escape(directory) + f".{kind}-*") if os.path.isdir(p)]
+    return sorted(found, key=os.path.getmtime, reverse=True)
+
+
+def _clean_stale_siblings(output_dir: str) -> None:
+    """Remove what a crashed save left beside the checkpoint. If the crash came between moving
+    the old checkpoint aside and moving the new one in, the ``.old-*`` copy is the last complete
+    checkpoint: it is put back under the real name first."""
+    olds = _siblings(output_dir, "old")
+    if not os.path.exists(output_dir) and olds and os.path.isfile(os.path.join(olds[0], META)):
+        logger.warning("lowprec: %s was missing; restored the last complete checkpoint from %s", output_dir, olds[0])
+        os.replace(olds.pop(0), output_dir)
+    for stale in _siblings(output_dir, "tmp") + olds:
+        logger.warning("lowprec: removing %s left by an interrupted save_state", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _resolve_input(input_dir: str) -> str:
+    if os.path.exists(input_dir):
+        return input_dir
+    olds = [p for p in _siblings(input_dir, "old") if os.path.isfile(os.path.join(p, META))]
+    if olds:
+        logger.warning("lowprec: %s is missing (a save_state was interrupted); loading %s instead", input_dir, olds[0])
+        return olds[0]
+    return input_dir
 
 
 def load_state(acc: Any, input_dir: str) -> None:
-    input_dir = os.path.abspath(input_dir)
+    input_dir = _resolve_input(os.path.abspath(input_dir))
     meta_path = os.path.join(input_dir, META)
     if not os.path.isfile(meta_path):
         raise ValueError(f"{input_dir} is not a lowprec checkpoint (no {META}); pass the directory save_state wrote")
@@ -237,6 +279,13 @@ def load_state(acc: Any, input_dir: str) -> None:
             f"fp8_backend={meta['fp8_backend']!r}; this Accelerator runs {acc.mixed_precision!r}, "
             f"{acc.fp8_backend.value!r}. Use the same settings, or load the weights alone with "
             "model.load_state_dict"
+        )
+    saved_procs = meta.get("num_processes", acc.num_processes)
+    if saved_procs != acc.num_processes:
+        raise ValueError(
+            f"checkpoint {input_dir} was saved by {saved_procs} process(es); this run has "
+            f"{acc.num_processes}. Resume with the same number of processes (e.g. `lowprec launch "
+            f"--num_processes {saved_procs}`), or load the weights alone with model.load_state_dict"
         )
     safe = meta.get("safe_serialization", True)
     for i, m in enumerate(acc._models):
@@ -269,6 +318,11 @@ def load_state(acc: Any, input_dir: str) -> None:
     rng = os.path.join(input_dir, f"random_states_{acc.process_index}.pkl")
     if os.path.isfile(rng):
         _set_rng_state(torch.load(rng, weights_only=False))
+    else:
+        from lowprec.backends.base import log_once
+
+        log_once(f"lowprec: {rng} is missing; random states were not restored (the resumed run's "
+                 "dropout/shuffle streams will differ)")
     acc.wait_for_everyone()
 
 
