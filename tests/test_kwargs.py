@@ -255,3 +255,27 @@ def test_fsdp_plugin_env_and_policies(monkeypatch):
         FullyShardedDataParallelPlugin(fsdp_version=1)
     with pytest.raises(ValueError, match="not found in the model"):
         fsdp2_units(model, FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap="Block"))
+
+
+@pytest.mark.parametrize("text", ["[lm_head, router]", "(1, 2", "[os.getcwd()]"])
+def test_config_block_bad_literal_names_the_key(text):
+    with pytest.raises(ValueError, match="fp8_config key 'skip_patterns'"):
+        recipe_kwargs_from_config({"backend": "native", "skip_patterns": text})
+
+
+@pytest.mark.parametrize("name", ["FSDP_VERSION", "FSDP_MIN_NUM_PARAMS", "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+                                  "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "WORLD_SIZE"])
+def test_bad_integer_env_names_the_variable(monkeypatch, name):
+    from lowprec import Accelerator
+    from lowprec.kwargs import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+    from lowprec.state import read_distributed_env
+
+    for other in ("FSDP_VERSION", "FSDP_MIN_NUM_PARAMS", "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+                  "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "WORLD_SIZE", "RANK", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, "two")
+    build = {"FSDP_VERSION": FullyShardedDataParallelPlugin, "FSDP_MIN_NUM_PARAMS": FullyShardedDataParallelPlugin,
+             "ACCELERATE_DEEPSPEED_ZERO_STAGE": DeepSpeedPlugin, "WORLD_SIZE": read_distributed_env,
+             "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": lambda: Accelerator(cpu=True)}[name]
+    with pytest.raises(ValueError, match=f"environment variable {name} must be an integer, got 'two'"):
+        build()

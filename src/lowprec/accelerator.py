@@ -32,6 +32,7 @@ from lowprec.kwargs import (
     KwargsHandler,
     RecipeKwargs,
     env_get,
+    env_int,
 )
 from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
@@ -128,7 +129,7 @@ class Accelerator:
         # default of 1 (Accelerate's rule, so `launch --gradient_accumulation_steps` still works).
         steps = gradient_accumulation_steps
         if steps == 1:
-            steps = int(env_get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS") or 1)
+            steps = env_int("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1)
         plugin = gradient_accumulation_plugin or GradientAccumulationPlugin(num_steps=steps)
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
             raise ValueError("pass gradient_accumulation_steps or gradient_accumulation_plugin, not both")

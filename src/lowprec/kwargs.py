@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 __all__ = [
     "environ",
     "env_flag",
+    "env_int",
     "parse_bool",
     "parse_override_linear_precision",
     "KwargsHandler",
@@ -55,6 +56,12 @@ def environ() -> Mapping[str, str]:
 def env_get(name: str) -> Optional[str]:
     value = environ().get(name)
     return None if value is None or value == "" else value
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer variable; a bad value is an error naming the variable."""
+    raw = env_get(name)
+    return default if raw is None else _int(f"environment variable {name}")(raw)
 
 
 _TRUE = {"y", "yes", "t", "true", "on", "1"}
@@ -238,8 +245,8 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
 
     def __post_init__(self) -> None:
         s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        version = self.fsdp_version if self.fsdp_version is not None else int(env_get("FSDP_VERSION") or 2)
-        if int(version) != 2:
+        version = self.fsdp_version if self.fsdp_version is not None else env_int("FSDP_VERSION", 2)
+        if _int("fsdp_version")(version) != 2:
             raise ValueError(
                 f"fsdp_version={version}: lowprec supports FSDP2 (fully_shard) only; set fsdp_version: 2"
             )
@@ -260,8 +267,8 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
         if policy not in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"):
             raise ValueError(f"auto_wrap_policy={policy!r}; use TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP")
         s("auto_wrap_policy", policy)
-        min_params = self.min_num_params if self.min_num_params is not None else env_get("FSDP_MIN_NUM_PARAMS")
-        s("min_num_params", int(min_params) if min_params is not None else 100_000_000)
+        min_params = self.min_num_params if self.min_num_params is not None else env_int("FSDP_MIN_NUM_PARAMS", 100_000_000)
+        s("min_num_params", _int("min_num_params")(min_params))
         reshard = self.reshard_after_forward
         s("reshard_after_forward", env_flag("FSDP_RESHARD_AFTER_FORWARD", True) if reshard is None
           else parse_bool(reshard, "reshard_after_forward"))
@@ -290,8 +297,8 @@ class DeepSpeedPlugin(KwargsHandler):
 
     def __post_init__(self) -> None:
         s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        stage = self.zero_stage if self.zero_stage is not None else int(env_get("ACCELERATE_DEEPSPEED_ZERO_STAGE") or 2)
-        if int(stage) not in (0, 1, 2, 3):
+        stage = self.zero_stage if self.zero_stage is not None else env_int("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2)
+        if _int("zero_stage")(stage) not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={stage!r}; use 0, 1, 2 or 3")
         s("zero_stage", int(stage))
         clip = self.gradient_clipping if self.gradient_clipping is not None else env_get("ACCELERATE_GRADIENT_CLIPPING")
@@ -574,6 +581,12 @@ def recipe_kwargs_from_config(config: Mapping[str, Any]) -> RecipeKwargs:
                 f"fp8_config key {key!r} is not a {cls.__name__} field{hint}; known: {', '.join(sorted(known))}"
             )
         if isinstance(value, str) and name != "override_linear_precision" and value.strip().startswith(("(", "[")):
-            value = ast.literal_eval(value)
+            try:
+                value = ast.literal_eval(value)
+            except (SyntaxError, ValueError):
+                raise ValueError(
+                    f"fp8_config key {key!r}={value!r} is not a valid Python literal list/tuple; "
+                    "write e.g. [\"lm_head\", \"router\"] or a YAML list"
+                ) from None
         kwargs[name] = value
     return cls(**kwargs)

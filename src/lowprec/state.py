@@ -20,6 +20,7 @@ from lowprec.kwargs import (
     InitProcessGroupKwargs,
     env_flag,
     env_get,
+    env_int,
 )
 
 __all__ = [
@@ -64,9 +65,9 @@ class DistributedEnv:
 def read_distributed_env() -> DistributedEnv:
     """The variables torchrun sets for each worker."""
     return DistributedEnv(
-        rank=int(env_get("RANK") or 0),
-        world_size=int(env_get("WORLD_SIZE") or 1),
-        local_rank=int(env_get("LOCAL_RANK") or 0),
+        rank=env_int("RANK", 0),
+        world_size=env_int("WORLD_SIZE", 1),
+        local_rank=env_int("LOCAL_RANK", 0),
         master_addr=env_get("MASTER_ADDR"),
         master_port=env_get("MASTER_PORT"),
     )
