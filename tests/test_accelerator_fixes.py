@@ -170,3 +170,36 @@ def test_interrupted_save_keeps_the_old_checkpoint_and_leaves_no_temp(tmp_path, 
     assert all(torch.equal(a, b) for a, b in zip(saved, _weights(model)))
     acc.save_state(target)  # and the next save puts it back under the real name first
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # expected when not tied
+@pytest.mark.parametrize("with_optimizer,adjust", [(True, True), (True, False), (False, True)])
+def test_scheduler_stepping_options(with_optimizer, adjust):
+    set_seed(4)
+    plugin = GradientAccumulationPlugin(num_steps=2, adjust_scheduler=adjust)
+    acc = Accelerator(gradient_accumulation_plugin=plugin, step_scheduler_with_optimizer=with_optimizer)
+    base = mlp()
+    opt = torch.optim.SGD(base.parameters(), lr=0.8)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    model, opt, sched, dl = acc.prepare(base, opt, sched, loader(16, 4))
+    for x, y in dl:
+        with acc.accumulate(model):
+            acc.backward(nn.functional.cross_entropy(model(x), y))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    real_steps = 4 if not with_optimizer else 2
+    assert sched.get_last_lr() == [0.8 * 0.5 ** real_steps]
+    # torch counts the constructor's call too; adjust_scheduler also counts skipped micro-steps
+    assert sched.scheduler._step_count == 1 + (4 if (adjust or not with_optimizer) else 2)
+
+
+def test_rng_types_warns_and_device_placement_list_is_used(caplog):
+    caplog.set_level("WARNING", logger="lowprec")
+    acc = Accelerator(rng_types=["generator"])
+    assert any("rng_types" in r.getMessage() for r in caplog.records)
+    a, b = loader(8, 4), loader(8, 4)
+    dl_a, dl_b = acc.prepare(a, b, device_placement=[False, True])
+    assert dl_a.device is None and dl_b.device == acc.device
+    with pytest.raises(ValueError, match="device_placement"):
+        acc.prepare(loader(8, 4), device_placement=[True, False])

@@ -139,6 +139,11 @@ class Accelerator:
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types
+        if rng_types is not None:
+            logger.warning(
+                "lowprec: Accelerator(rng_types=...) is accepted and ignored: prepared dataloaders "
+                "shuffle with their own generator, seeded identically on every process"
+            )
         self.project_dir = project_dir
         self.scaler = self._make_scaler()
         self._models: list[nn.Module] = []
@@ -212,19 +217,28 @@ class Accelerator:
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: Optional[list] = None) -> Any:
+        if device_placement is None:
+            placement: list = [None] * len(args)
+        elif len(device_placement) != len(args):
+            raise ValueError(
+                f"prepare(device_placement=...) has {len(device_placement)} entries for {len(args)} "
+                "objects; give one bool per object"
+            )
+        else:
+            placement = list(device_placement)
         results = list(args)
         if self.distributed_type == DistributedType.DEEPSPEED:
             self._prepare_deepspeed(results)
         for i, obj in enumerate(args):
             if isinstance(obj, nn.Module) and not self._is_ds(results[i]):
-                results[i] = self.prepare_model(obj)
+                results[i] = self.prepare_model(obj, device_placement=placement[i])
         for i, obj in enumerate(args):
             if isinstance(results[i], torch.optim.Optimizer) and not isinstance(obj, AcceleratedOptimizer):
                 results[i] = self.prepare_optimizer(obj)
         self._finish_optimizers(results)
         for i, obj in enumerate(args):
             if isinstance(obj, DataLoader):
-                results[i] = self.prepare_data_loader(obj)
+                results[i] = self.prepare_data_loader(obj, device_placement=placement[i])
             elif _is_scheduler(obj) and not isinstance(obj, AcceleratedScheduler):
                 results[i] = self.prepare_scheduler(obj)
         return results[0] if len(results) == 1 else tuple(results)
@@ -350,7 +364,8 @@ class Accelerator:
                 self._optimizer_models[id(opt)] = new_model
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        wrapped = AcceleratedScheduler(scheduler, self._optimizers, self.gradient_state)
+        wrapped = AcceleratedScheduler(scheduler, self._optimizers, self.gradient_state,
+                                       self.step_scheduler_with_optimizer, self.accumulation.adjust_scheduler)
         self._schedulers.append(wrapped)
         return wrapped
 

@@ -85,15 +85,26 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
 class AcceleratedScheduler:
     """Steps the LR scheduler once per real optimizer step (not on accumulation micro-steps,
-    not after a step the scaler skipped)."""
+    not after a step the scaler skipped). ``step_with_optimizer=False``
+    (``Accelerator(step_scheduler_with_optimizer=False)``) steps it on every call instead. With
+    ``adjust_scheduler`` a micro-step still counts the call, so torch's "scheduler before
+    optimizer" check stays quiet (Accelerate's behaviour)."""
 
-    def __init__(self, scheduler: Any, optimizers: list, gradient_state: Any) -> None:
+    def __init__(self, scheduler: Any, optimizers: list, gradient_state: Any,
+                 step_with_optimizer: bool = True, adjust_scheduler: bool = True) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.gradient_state = gradient_state
+        self.step_with_optimizer = step_with_optimizer
+        self.adjust_scheduler = adjust_scheduler
 
     def step(self, *args, **kwargs) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
         if not self.gradient_state.sync_gradients:
+            if self.adjust_scheduler and hasattr(self.scheduler, "_step_count"):
+                self.scheduler._step_count += 1
             return
         if any(getattr(o, "step_was_skipped", False) for o in self.optimizers):
             return
