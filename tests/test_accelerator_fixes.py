@@ -203,3 +203,29 @@ def test_rng_types_warns_and_device_placement_list_is_used(caplog):
     assert dl_a.device is None and dl_b.device == acc.device
     with pytest.raises(ValueError, match="device_placement"):
         acc.prepare(loader(8, 4), device_placement=[True, False])
+
+
+def test_free_memory_drops_every_reference():
+    import gc
+    import weakref
+
+    acc = Accelerator()
+    base = mlp()
+    model, opt = acc.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1))
+
+    class Counter:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    counter = Counter()
+    acc.register_for_checkpointing(counter)
+    probe, cprobe = weakref.ref(base[0].weight), weakref.ref(counter)
+    model, opt = acc.free_memory(model, opt)
+    del base, counter
+    gc.collect()
+    assert [model, opt] == [None, None]
+    assert acc._param_maps == [] and acc._optimizer_models == {} and acc._custom_objects == [] and acc._ds_engine is None
+    assert probe() is None and cprobe() is None

@@ -569,8 +569,19 @@ class Accelerator:
                 torch.save(obj, f)
 
     def free_memory(self, *objects: Any):
+        """Forget every prepared object (and the bookkeeping that holds references to them),
+        then collect garbage; like Accelerate, returns a list with ``None`` for each object passed, so
+        ``model, opt = accelerator.free_memory(model, opt)`` drops the caller's references too."""
+        import gc
+
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
-        return objects
+        self._param_maps, self._optimizer_models, self._custom_objects = [], {}, []
+        self._ds_engine = None
+        self.step = 0
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None] * len(objects)
 
 
 def _deepspeed_clip(engine: Any, max_norm: float) -> None:
