@@ -111,6 +111,30 @@ def test_ao_fallback_keeps_eval_switch_and_logs_ignored_fields(caplog):
     assert len(hits) == 1 and "config, pad_inner_dim" in hits[0]
 
 
+@pytest.mark.parametrize("env,handler,unread", [
+    ({"ACCELERATE_FP8_BACKEND": "TE", "LOWPREC_FP8_RECIPE": "rowwise"}, None, ["LOWPREC_FP8_RECIPE"]),
+    ({"ACCELERATE_FP8_AMAX_HISTORY_LEN": "16", "ACCELERATE_FP8_OPT_LEVEL": "O1"}, MSAMPRecipeKwargs,
+     ["ACCELERATE_FP8_AMAX_HISTORY_LEN"]),
+    ({"LOWPREC_FP8_RECIPE": "rowwise", "ACCELERATE_FP8_OPT_LEVEL": "O2",
+      "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL": "1"}, None,
+     ["ACCELERATE_FP8_OPT_LEVEL"]),
+    ({"ACCELERATE_FP8_MARGIN": "1", "ACCELERATE_FP8_PAD_INNER_DIM": "false"}, TERecipeKwargs,
+     ["ACCELERATE_FP8_PAD_INNER_DIM"]),
+])
+def test_set_but_unread_fp8_env_is_logged_once(monkeypatch, caplog, env, handler, unread):
+    for name in [n for n in __import__("os").environ if n.startswith("ACCELERATE_FP8_")]:
+        monkeypatch.delenv(name)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    caplog.set_level("WARNING", logger="lowprec")
+    for _ in range(2):
+        select_backend(handler() if handler is not None else None)
+    hits = [r.getMessage() for r in caplog.records if "does not read it" in r.getMessage()]
+    assert [h.split()[1] for h in hits] == unread
+    if "OPT_LEVEL" in unread[0]:
+        assert "ACCELERATE_FP8_BACKEND=MSAMP" in hits[0] and "native FP8 backend" in hits[0]
+
+
 # --------------------------------------------------------------------------- TransformerEngine stand-in
 class Recorder:
     def __init__(self):

@@ -11,6 +11,7 @@ from typing import Optional
 from lowprec.backends.availability import is_available
 from lowprec.backends.base import Backend, log_once
 from lowprec.kwargs import (
+    FP8_PREFIX,
     AORecipeKwargs,
     FP8RecipeKwargs,
     MSAMPRecipeKwargs,
@@ -18,10 +19,11 @@ from lowprec.kwargs import (
     RecipeKwargs,
     TERecipeKwargs,
     env_get,
+    environ,
     normalize_backend,
 )
 
-__all__ = ["select_backend", "default_handler", "native_recipe_for"]
+__all__ = ["select_backend", "default_handler", "native_recipe_for", "warn_unread_env"]
 
 _DEFAULT_HANDLERS = {
     "native": NativeRecipeKwargs,
@@ -80,8 +82,43 @@ def native_recipe_for(handler: RecipeKwargs):
     raise TypeError(f"not an FP8 recipe handler: {type(handler).__name__}")
 
 
+_OVERRIDES = ("OVERRIDE_FPROP", "OVERRIDE_DGRAD", "OVERRIDE_WGRAD")
+_SCALING = ("FORMAT", "AMAX_HISTORY_LEN", "AMAX_COMPUTE_ALGO", "MARGIN", "INTERVAL") + _OVERRIDES
+# the FP8 variables each handler reads (ACCELERATE_FP8_ prefix unless spelled out); every
+# backend reads ACCELERATE_FP8_BACKEND through the selection itself
+_ENV_READ = {
+    TERecipeKwargs: _SCALING + ("USE_AUTOCAST_DURING_EVAL", "USE_MXFP8_BLOCK_SCALING"),
+    MSAMPRecipeKwargs: ("OPT_LEVEL",),
+    AORecipeKwargs: ("PAD_INNER_DIM", "ENABLE_FSDP_FLOAT8_ALL_GATHER", "USE_AUTOCAST_DURING_EVAL"),
+    NativeRecipeKwargs: _SCALING + ("USE_AUTOCAST_DURING_EVAL", "LOWPREC_FP8_RECIPE"),
+}
+_HINT = {
+    "LOWPREC_FP8_RECIPE": "it picks a recipe for the native backend only (ACCELERATE_FP8_BACKEND=NATIVE)",
+    FP8_PREFIX + "OPT_LEVEL": "O1/O2 come with the msamp backend only (ACCELERATE_FP8_BACKEND=MSAMP)",
+}
+
+
+def warn_unread_env(handler: RecipeKwargs) -> list[str]:
+    """Log once per variable each ``ACCELERATE_FP8_*`` / ``LOWPREC_FP8_RECIPE`` that is set but
+    that the chosen backend's handler never reads (so the user does not believe it took effect).
+    Returns the names."""
+    reads = {name if name.startswith("LOWPREC_") else FP8_PREFIX + name
+             for name in _ENV_READ.get(type(handler), ())}
+    reads.add(FP8_PREFIX + "BACKEND")
+    unread = sorted(
+        name for name, value in environ().items()
+        if value != "" and (name.startswith(FP8_PREFIX) or name == "LOWPREC_FP8_RECIPE") and name not in reads
+    )
+    for name in unread:
+        hint = _HINT.get(name, "it has no effect there")
+        log_once(f"lowprec: {name} is set but the {handler.backend} FP8 backend ({type(handler).__name__}) "
+                 f"does not read it; {hint}")
+    return unread
+
+
 def select_backend(handler: Optional[RecipeKwargs]) -> Backend:
     handler, why = default_handler(handler)
+    warn_unread_env(handler)
     name = handler.backend
     library = _LIBRARY.get(name)
     if library is not None and is_available(name):
