@@ -298,3 +298,17 @@ def test_emulation_fallback_is_logged(seed, caplog):
     with caplog.at_level(logging.WARNING, logger="lowprec.fp8"):
         fp8.convert(Net(), fp8.Recipe.from_name("tensorwise", gemm="emulate"))  # asked for: no warning
     assert not caplog.records
+
+
+def test_autocast_eval_override(seed):
+    net = Net()
+    x = torch.randn(4, 16)
+    ref = net(x)
+    fp8.convert(net, "tensorwise")
+    net.eval()
+    with fp8.autocast(use_during_eval=True):
+        assert not torch.equal(net(x), ref)
+        with fp8.autocast(use_during_eval=False):
+            assert torch.equal(net(x), ref)
+    with fp8.autocast():
+        assert torch.equal(net(x), ref)  # back to the recipe's own choice

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.fp8 import kernels
-from lowprec.fp8.autocast import current_recipe_override, fp8_enabled
+from lowprec.fp8.autocast import current_eval_override, current_recipe_override, fp8_enabled
 from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, quantize
@@ -329,7 +329,9 @@ class Float8Linear(nn.Linear):
     def _active_recipe(self) -> Recipe | None:
         override = current_recipe_override()
         recipe = override if override is not None else self.recipe
-        if not fp8_enabled() or not (self.training or recipe.use_during_eval):
+        eval_override = current_eval_override()
+        in_eval = recipe.use_during_eval if eval_override is None else eval_override
+        if not fp8_enabled() or not (self.training or in_eval):
             return None
         if recipe.scaling == "delayed" and not hasattr(self, "fp8_amax_history_input"):
             raise ValueError(
