@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from lowprec.optim.fp8_adamw import FP8AdamW
+from lowprec.optim.fp8_adamw import FP8AdamW, block_segments
 from lowprec.optim.fp8_grads import hold_grads_in_fp8, materialize_grads
 from lowprec.optim.moments import encode_exp_avg, encode_exp_avg_sq
 
@@ -72,7 +72,7 @@ def to_fp8_adamw(optimizer: torch.optim.Optimizer, **fp8_kwargs) -> FP8AdamW:
         st = fp8._init_state(p)
         st["step"] = torch.as_tensor(old["step"], dtype=torch.float32).clone().cpu()
         st["exp_avg"], st["exp_avg_scale"] = encode_exp_avg(
-            old["exp_avg"].float(), fp8.exp_avg_dtype, fp8.block_size
+            old["exp_avg"].float(), fp8.exp_avg_dtype, fp8.block_size, segments=block_segments(p)
         )
         st["exp_avg_sq"], st["exp_avg_sq_scale"] = encode_exp_avg_sq(
             old["exp_avg_sq"].float(), fp8.exp_avg_sq_dtype
