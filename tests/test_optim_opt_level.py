@@ -162,3 +162,23 @@ def test_to_fp8_adamw_encodes_moments_with_the_parameters_block_segments():
     rel = ((got - m).norm() / m.norm()).item()
     small = ((got[100:] - m[100:]).norm() / m[100:].norm()).item()
     assert rel < 0.1 and small < 0.1, (rel, small)
+
+
+def test_o1_zero_grad_drops_held_fp8_gradients():
+    """backward; zero_grad; backward; step must apply one gradient, not two."""
+    import torch
+
+    from lowprec.optim import apply_opt_level
+    from lowprec.optim.fp8_grads import fp8_grad
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt = apply_opt_level(model, opt, "O1")
+    x = torch.randn(4, 16)
+    model(x).sum().backward()
+    once = fp8_grad(model.weight).dequantize().clone()
+    opt.zero_grad()
+    assert fp8_grad(model.weight) is None
+    model(x).sum().backward()
+    assert torch.allclose(fp8_grad(model.weight).dequantize(), once)
