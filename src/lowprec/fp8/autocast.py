@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from lowprec.fp8.recipes import Recipe
 
-__all__ = ["autocast", "fp8_enabled", "current_recipe_override", "current_eval_override"]
+__all__ = ["autocast", "fp8_enabled", "current_recipe_override", "current_eval_override", "recomputing", "replay_context"]
 
 
 @dataclass
@@ -26,6 +26,7 @@ class _State:
     enabled: bool = False
     recipe: Recipe | None = None
     use_during_eval: bool | None = None
+    recomputing: bool = False  # inside an activation-checkpoint recompute (fp8.checkpoint)
 
 
 # One module-level object: torch.compile guards on its attributes, so entering or leaving a
@@ -40,6 +41,36 @@ def fp8_enabled() -> bool:
 
 def current_recipe_override() -> Recipe | None:
     return _STATE.recipe
+
+
+def recomputing() -> bool:
+    """True while ``fp8.checkpoint`` re-runs a forward for backward: layers must reproduce the
+    first forward (same scales) and must not update their scaling state a second time."""
+    return _STATE.recomputing
+
+
+class _Replay:
+    """The FP8 region a checkpointed forward ran in, re-entered for its recompute."""
+
+    def __init__(self, enabled: bool, recipe: Recipe | None, use_during_eval: bool | None) -> None:
+        self.state = (enabled, recipe, use_during_eval, True)
+        self._saved: list = []
+
+    def __enter__(self) -> "_Replay":
+        self._saved.append((_STATE.enabled, _STATE.recipe, _STATE.use_during_eval, _STATE.recomputing))
+        _STATE.enabled, _STATE.recipe, _STATE.use_during_eval, _STATE.recomputing = self.state
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _STATE.enabled, _STATE.recipe, _STATE.use_during_eval, _STATE.recomputing = self._saved.pop()
+
+
+def replay_context():
+    """(forward context, recompute context) for ``torch.utils.checkpoint``'s ``context_fn``:
+    the recompute runs in the FP8 region of the original forward, wherever backward is called."""
+    import contextlib
+
+    return contextlib.nullcontext(), _Replay(_STATE.enabled, _STATE.recipe, _STATE.use_during_eval)
 
 
 def current_eval_override() -> bool | None:

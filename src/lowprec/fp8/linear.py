@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.fp8 import kernels
-from lowprec.fp8.autocast import current_eval_override, current_recipe_override, fp8_enabled
+from lowprec.fp8.autocast import current_eval_override, current_recipe_override, fp8_enabled, recomputing
 from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, quantize
@@ -320,6 +320,9 @@ class Float8Linear(nn.Linear):
                 self.register_buffer(f"fp8_scale_{o}", torch.ones((), device=device))
             self.register_buffer("fp8_step", torch.zeros((), dtype=torch.int64, device=device))
             self.register_buffer("fp8_step_grad", torch.zeros((), dtype=torch.int64, device=device))
+            # the (input, weight) scales of the last forward, replayed by an activation-checkpoint
+            # recompute (fp8.checkpoint) so it casts exactly as the first forward did
+            self.register_buffer("fp8_last_scales", torch.ones(2, device=device), persistent=False)
         # (amax, scale, saturated fraction, underflow fraction) x (input, weight, grad_output)
         self.register_buffer("fp8_stats", torch.zeros(3, 4, device=device), persistent=False)
 
@@ -399,9 +402,13 @@ class Float8Linear(nn.Linear):
         x_scale = w_scale = grad_state = None
         if recipe.scaling == "delayed":
             fwd = recipe.fp8_format.forward_dtype
-            x_scale = self._delayed_scale("input", x2, fwd, recipe)
-            w_scale = self._delayed_scale("weight", self.weight, fwd, recipe)
-            self.fp8_step.add_(1)
+            if recomputing():  # same scales as the first forward; its state update already ran
+                x_scale, w_scale = self.fp8_last_scales[0], self.fp8_last_scales[1]
+            else:
+                x_scale = self._delayed_scale("input", x2, fwd, recipe)
+                w_scale = self._delayed_scale("weight", self.weight, fwd, recipe)
+                self.fp8_step.add_(1)
+                self.fp8_last_scales.copy_(torch.stack([x_scale, w_scale]))
             grad_state = (self.fp8_amax_history_grad_output, self.fp8_scale_grad_output, self.fp8_step_grad)
         cfg = _FnConfig(recipe, hp, self.fp8_telemetry)
         out = _Float8LinearFn.apply(x2, self.weight, cfg, x_scale, w_scale, grad_state, self.fp8_stats)
