@@ -7,7 +7,7 @@
 What is timed, per shape, for E4M3 with a given per-tensor scale (delayed scaling's cast):
 
 * ``cast_transpose_amax``: FP8 tensor + its transpose + amax (what Float8Linear's input needs
-  for the output GEMM, the weight-gradient GEMM and the next step's scale), Triton one pass vs
+  for the output GEMM, the weight-gradient GEMM and the amax a delayed scale needs), Triton one pass vs
   ``reference.cast_transpose_amax`` in eager and under ``torch.compile``;
 * ``cast_amax``: the same without the transpose;
 * ``cast_rowwise``: per-row scales computed and applied (rowwise recipe).

@@ -36,8 +36,12 @@ def _torchao_convert(name):
         return None
 
     def convert(model):
+        # the same layers as lowprec's default filter (first/last Linear, lm_head, dims % 16),
+        # so the engines are compared on the same GEMMs
+        rule = fp8.default_module_filter(model)
+
         def keep(mod, fqn):
-            return fqn != "lm_head" and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+            return rule(mod, fqn) is None
 
         convert_to_float8_training(model, module_filter_fn=keep, config=Float8LinearConfig.from_recipe_name(name))
 

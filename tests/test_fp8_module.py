@@ -298,3 +298,91 @@ def test_emulation_fallback_is_logged(seed, caplog):
     with caplog.at_level(logging.WARNING, logger="lowprec.fp8"):
         fp8.convert(Net(), fp8.Recipe.from_name("tensorwise", gemm="emulate"))  # asked for: no warning
     assert not caplog.records
+
+
+def test_autocast_eval_override(seed):
+    net = Net()
+    x = torch.randn(4, 16)
+    ref = net(x)
+    fp8.convert(net, "tensorwise")
+    net.eval()
+    with fp8.autocast(use_during_eval=True):
+        assert not torch.equal(net(x), ref)
+        with fp8.autocast(use_during_eval=False):
+            assert torch.equal(net(x), ref)
+    with fp8.autocast():
+        assert torch.equal(net(x), ref)  # back to the recipe's own choice
+
+
+def test_empty_batch_passes_through(seed):
+    for name in fp8.RECIPE_NAMES:
+        layer = fp8.Float8Linear.from_linear(nn.Linear(32, 16), fp8.Recipe.from_name(name))
+        x = torch.randn(0, 32, requires_grad=True)
+        with fp8.autocast():
+            y = layer(x)
+        y.sum().backward()
+        assert y.shape == (0, 16) and x.grad.shape == (0, 32)
+
+
+def test_delayed_honours_power_of_2_scales(seed):
+    import math
+
+    layer = fp8.Float8Linear.from_linear(nn.Linear(32, 32), fp8.Recipe.from_name("delayed", power_of_2_scales=True))
+    for _ in range(3):
+        with fp8.autocast():
+            layer(torch.randn(4, 32) * 3).sum().backward()
+    for o in ("input", "weight", "grad_output"):
+        assert math.frexp(getattr(layer, f"fp8_scale_{o}").item())[0] == 0.5, o
+
+
+def test_meta_init_then_reset_gives_clean_scaling_state():
+    net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(3)]).to("meta")
+    report = fp8.convert(net, "delayed")
+    assert "run time" in report.gemm
+    net.to_empty(device="cpu")
+    for m in net.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    mid = net[1]
+    assert mid.fp8_amax_history_input.abs().sum() == 0 and mid.fp8_scale_input.item() == 1.0
+    assert int(mid.fp8_step) == 0
+
+
+def test_hooks_survive_conversion_both_ways(seed):
+    lin = nn.Linear(32, 32)
+    lin.register_forward_hook(lambda m, args, kwargs, out: out * 2, with_kwargs=True)
+    lin.register_forward_pre_hook(lambda m, args: (args[0] + 1,))
+    x = torch.randn(4, 32)
+    want = lin(x)
+    layer = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("tensorwise"))
+    assert torch.equal(layer(x), want)
+    assert torch.equal(layer.to_linear()(x), want)
+
+
+@pytest.mark.parametrize("name", list(fp8.RECIPE_NAMES))
+def test_checkpointed_blocks_match_plain_ones_exactly(seed, name):
+    """fp8.checkpoint: backward (called outside the FP8 region) recomputes in FP8 with the
+    first forward's scales; gradients and delayed-scaling state equal the uncheckpointed run."""
+    torch.manual_seed(3)
+    plain = Net()
+    fp8.convert(plain, fp8.Recipe.from_name(name))
+    ckpt = copy.deepcopy(plain)
+    x = torch.randn(8, 16)
+
+    def run(net, use_ckpt):
+        with fp8.autocast():
+            h = net.embed(x)
+            for b in net.blocks:
+                h = fp8.checkpoint(b, h) if use_ckpt else b(h)
+            loss = net.lm_head(h).pow(2).mean()
+        loss.backward()  # outside the region, as in a usual loop
+        return loss
+
+    for _ in range(2):
+        assert torch.equal(run(plain, False), run(ckpt, True))
+    for (n, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        if n.startswith("router"):  # unused in run()
+            continue
+        assert torch.equal(a.grad, b.grad), n
+    for (n, a), b in zip(plain.named_buffers(), ckpt.buffers()):
+        assert torch.equal(a, b), n

@@ -139,3 +139,46 @@ def test_user_errors_name_the_problem_and_the_fix(make, level, words):
         apply_opt_level(model, make(model.parameters()), level)
     for w in words:
         assert w in str(e.value)
+
+
+def test_to_fp8_adamw_encodes_moments_with_the_parameters_block_segments():
+    """A converted optimizer decodes its moments with the segment layout it steps with."""
+    import torch
+
+    from lowprec.optim import FP8AdamW, set_block_segments, to_fp8_adamw
+    from lowprec.optim.moments import decode_exp_avg
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(300))
+    set_block_segments(p, [100, 200])
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.cat([torch.randn(100) * 1e3, torch.randn(200) * 1e-2])
+    opt.step()
+    m = opt.state[p]["exp_avg"].clone()
+    fp8_opt = to_fp8_adamw(opt)
+    assert isinstance(fp8_opt, FP8AdamW)
+    st = fp8_opt.state[p]
+    got = decode_exp_avg(st["exp_avg"], st["exp_avg_scale"], fp8_opt.block_size, segments=[100, 200])
+    rel = ((got - m).norm() / m.norm()).item()
+    small = ((got[100:] - m[100:]).norm() / m[100:].norm()).item()
+    assert rel < 0.1 and small < 0.1, (rel, small)
+
+
+def test_o1_zero_grad_drops_held_fp8_gradients():
+    """backward; zero_grad; backward; step must apply one gradient, not two."""
+    import torch
+
+    from lowprec.optim import apply_opt_level
+    from lowprec.optim.fp8_grads import fp8_grad
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt = apply_opt_level(model, opt, "O1")
+    x = torch.randn(4, 16)
+    model(x).sum().backward()
+    once = fp8_grad(model.weight).dequantize().clone()
+    opt.zero_grad()
+    assert fp8_grad(model.weight) is None
+    model(x).sum().backward()
+    assert torch.allclose(fp8_grad(model.weight).dequantize(), once)

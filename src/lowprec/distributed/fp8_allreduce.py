@@ -100,6 +100,13 @@ def ring_allreduce_bytes(numel: int, element_size: int, world: int) -> int:
     return 2 * (world - 1) * numel * element_size // world
 
 
+def _per_element(values: torch.Tensor, numels: list[int]) -> torch.Tensor:
+    """One value per tensor, repeated over that tensor's elements. Built with expand + cat, so
+    no host-to-device copy of the counts (a blocking copy on CUDA once per bucket would stall
+    backward) and no device-to-host read to size the result."""
+    return torch.cat([v.expand(k) for v, k in zip(values.unbind(), numels)])
+
+
 def fp8_all_reduce_(
     flat: torch.Tensor, numels: list[int] | None, state: FP8AllReduceState
 ) -> torch.Tensor:
@@ -125,9 +132,7 @@ def fp8_all_reduce_(
     dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
     bad = torch.isinf(amaxes)
     scales = amax_to_scale(amaxes, dtype, power_of_2=True)  # S per tensor (0 where inf)
-    counts = torch.tensor(numels, device=x.device)
-    # output_size: no device-to-host sync to size the result on CUDA
-    per_elem = torch.repeat_interleave(scales, counts, output_size=n)
+    per_elem = _per_element(scales, numels)
 
     # 2. pre-divided cast; zero padding to a multiple of W (zeros stay zeros)
     pad = (-n) % world
@@ -147,7 +152,7 @@ def fp8_all_reduce_(
     gathered = torch.empty_like(q)
     _all_gather_single(gathered, mine, group=group)
     mean = gathered.view(dtype)[:n].to(torch.float32) / per_elem
-    bad_elem = torch.repeat_interleave(bad, counts, output_size=n)
+    bad_elem = _per_element(bad, numels)
     mean = torch.where(bad_elem, torch.full_like(mean, float("nan")), mean)
     flat.copy_(mean.view(flat.shape))
 

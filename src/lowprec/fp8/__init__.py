@@ -9,6 +9,7 @@
 """
 
 from lowprec.fp8.autocast import autocast, fp8_enabled
+from lowprec.fp8.checkpoint import checkpoint
 from lowprec.fp8.convert import (
     DEFAULT_SKIP_PATTERNS,
     ConversionReport,
@@ -53,6 +54,7 @@ __all__ = [
     "DEFAULT_SKIP_PATTERNS",
     "ConversionReport",
     "autocast",
+    "checkpoint",
     "fp8_enabled",
     "telemetry",
     "enable_telemetry",

@@ -6,8 +6,9 @@ evaluation metrics are usually better in high precision). Outside, the same modu
 ``nn.Linear`` (which ``torch.autocast`` still runs in bf16 if active).
 
 Regions nest: the innermost decides. ``autocast(enabled=False)`` inside an FP8 region turns
-FP8 off for its body; ``autocast(recipe=...)`` overrides every layer's recipe for its body
-(per-tensor recipes only, since layers own their scaling state). An ``autocast`` object can be
+FP8 off for its body; ``autocast(recipe=...)`` overrides every layer's recipe for its body (any
+recipe, except delayed scaling on a layer converted without an amax history);
+``autocast(use_during_eval=True/False)`` overrides the recipes' ``use_during_eval``. An ``autocast`` object can be
 entered again, and re-entered recursively; each exit restores the state its enter saw.
 """
 
@@ -17,13 +18,15 @@ from dataclasses import dataclass
 
 from lowprec.fp8.recipes import Recipe
 
-__all__ = ["autocast", "fp8_enabled", "current_recipe_override"]
+__all__ = ["autocast", "fp8_enabled", "current_recipe_override", "current_eval_override", "recomputing", "replay_context"]
 
 
 @dataclass
 class _State:
     enabled: bool = False
     recipe: Recipe | None = None
+    use_during_eval: bool | None = None
+    recomputing: bool = False  # inside an activation-checkpoint recompute (fp8.checkpoint)
 
 
 # One module-level object: torch.compile guards on its attributes, so entering or leaving a
@@ -40,30 +43,70 @@ def current_recipe_override() -> Recipe | None:
     return _STATE.recipe
 
 
+def recomputing() -> bool:
+    """True while ``fp8.checkpoint`` re-runs a forward for backward: layers must reproduce the
+    first forward (same scales) and must not update their scaling state a second time."""
+    return _STATE.recomputing
+
+
+class _Replay:
+    """The FP8 region a checkpointed forward ran in, re-entered for its recompute."""
+
+    def __init__(self, enabled: bool, recipe: Recipe | None, use_during_eval: bool | None) -> None:
+        self.state = (enabled, recipe, use_during_eval, True)
+        self._saved: list = []
+
+    def __enter__(self) -> "_Replay":
+        self._saved.append((_STATE.enabled, _STATE.recipe, _STATE.use_during_eval, _STATE.recomputing))
+        _STATE.enabled, _STATE.recipe, _STATE.use_during_eval, _STATE.recomputing = self.state
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _STATE.enabled, _STATE.recipe, _STATE.use_during_eval, _STATE.recomputing = self._saved.pop()
+
+
+def replay_context():
+    """(forward context, recompute context) for ``torch.utils.checkpoint``'s ``context_fn``:
+    the recompute runs in the FP8 region of the original forward, wherever backward is called."""
+    import contextlib
+
+    return contextlib.nullcontext(), _Replay(_STATE.enabled, _STATE.recipe, _STATE.use_during_eval)
+
+
+def current_eval_override() -> bool | None:
+    """``use_during_eval`` of the innermost region that set it, else None (the recipe decides)."""
+    return _STATE.use_during_eval
+
+
 class autocast:  # noqa: N801 - a context manager named like torch.autocast
     """Context manager: ``with fp8.autocast(): loss = model(x)``.
 
     Args:
         enabled: FP8 on (True) or off (False) for the body.
         recipe: optional recipe that overrides each layer's own for the body.
+        use_during_eval: True/False overrides the recipes' ``use_during_eval`` for the body;
+            None (default) leaves it to them.
     """
 
-    def __init__(self, enabled: bool = True, recipe: Recipe | None = None) -> None:
+    def __init__(self, enabled: bool = True, recipe: Recipe | None = None, use_during_eval: bool | None = None) -> None:
         if recipe is not None and not isinstance(recipe, Recipe):
             raise TypeError(f"recipe must be a lowprec.fp8.Recipe, got {type(recipe).__name__}")
         self.enabled = bool(enabled)
         self.recipe = recipe
-        self._saved: list[tuple[bool, Recipe | None]] = []
+        self.use_during_eval = use_during_eval
+        self._saved: list[tuple[bool, Recipe | None, bool | None]] = []
 
     def __enter__(self) -> "autocast":
-        self._saved.append((_STATE.enabled, _STATE.recipe))
+        self._saved.append((_STATE.enabled, _STATE.recipe, _STATE.use_during_eval))
         _STATE.enabled = self.enabled
         if self.recipe is not None:
             _STATE.recipe = self.recipe
+        if self.use_during_eval is not None:
+            _STATE.use_during_eval = self.use_during_eval
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _STATE.enabled, _STATE.recipe = self._saved.pop()
+        _STATE.enabled, _STATE.recipe, _STATE.use_during_eval = self._saved.pop()
 
     def __call__(self, fn):
         """Use as a decorator: the function body runs inside this region."""
@@ -71,7 +114,7 @@ class autocast:  # noqa: N801 - a context manager named like torch.autocast
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            with autocast(self.enabled, self.recipe):
+            with autocast(self.enabled, self.recipe, self.use_during_eval):
                 return fn(*args, **kwargs)
 
         return wrapper

@@ -113,6 +113,8 @@ def default_module_filter(
 
 
 def _gemm_note(recipe: Recipe, device: torch.device) -> str:
+    if device.type == "meta":
+        return "chosen at run time on the device the model is materialised on"
     if recipe.gemm == "emulate":
         return "emulated (dequantize + float32 matmul), as asked"
     if recipe.scaling == "blockwise":

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.fp8 import kernels
-from lowprec.fp8.autocast import current_recipe_override, fp8_enabled
+from lowprec.fp8.autocast import current_eval_override, current_recipe_override, fp8_enabled, recomputing
 from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, quantize
@@ -69,12 +69,13 @@ def delayed_scale_step(
     ``(step + 1) % interval == 0``, otherwise kept).
     """
     have_history = history_to_amax(history, "max") > 0
-    scale_now = amax_to_scale(amax_now, dtype, margin=recipe.margin)
+    pow2 = recipe.power_of_2_scales
+    scale_now = amax_to_scale(amax_now, dtype, margin=recipe.margin, power_of_2=pow2)
     scale_used = torch.where(have_history, scale, scale_now)
     new_history = record_amax(history, amax_now)
     refresh = ((step + 1) % recipe.interval == 0) | ~have_history
     candidate = amax_to_scale(
-        history_to_amax(new_history, recipe.amax_compute_algo), dtype, margin=recipe.margin
+        history_to_amax(new_history, recipe.amax_compute_algo), dtype, margin=recipe.margin, power_of_2=pow2
     )
     new_scale = torch.where(refresh, candidate, scale_used)
     return scale_used, new_history, new_scale
@@ -274,6 +275,28 @@ class _Float8LinearFn(torch.autograd.Function):
         return grad_x, grad_w, None, None, None, None, None
 
 
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def _copy_hooks(src: nn.Module, dst: nn.Module) -> None:
+    """Carry every per-module hook across a swap, so conversion is invisible to hook users."""
+    for name in _HOOK_DICTS:
+        if hasattr(src, name) and hasattr(dst, name):
+            getattr(dst, name).update(getattr(src, name))
+
+
 class Float8Linear(nn.Linear):
     """``nn.Linear`` with FP8 GEMMs inside ``lowprec.fp8.autocast()`` (see module docstring).
 
@@ -297,6 +320,9 @@ class Float8Linear(nn.Linear):
                 self.register_buffer(f"fp8_scale_{o}", torch.ones((), device=device))
             self.register_buffer("fp8_step", torch.zeros((), dtype=torch.int64, device=device))
             self.register_buffer("fp8_step_grad", torch.zeros((), dtype=torch.int64, device=device))
+            # the (input, weight) scales of the last forward, replayed by an activation-checkpoint
+            # recompute (fp8.checkpoint) so it casts exactly as the first forward did
+            self.register_buffer("fp8_last_scales", torch.ones(2, device=device), persistent=False)
         # (amax, scale, saturated fraction, underflow fraction) x (input, weight, grad_output)
         self.register_buffer("fp8_stats", torch.zeros(3, 4, device=device), persistent=False)
 
@@ -308,19 +334,36 @@ class Float8Linear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)
-        for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks"):
-            getattr(new, hooks).update(getattr(linear, hooks))
+        _copy_hooks(linear, new)
         new._init_fp8(recipe)
         return new
 
     def to_linear(self) -> nn.Linear:
-        """The plain ``nn.Linear`` with the same Parameter objects."""
+        """The plain ``nn.Linear`` with the same Parameter objects (and the same hooks)."""
         lin = nn.Linear.__new__(nn.Linear)
         nn.Module.__init__(lin)
         lin.in_features, lin.out_features = self.in_features, self.out_features
         lin.weight, lin.bias = self.weight, self.bias
         lin.train(self.training)
+        _copy_hooks(self, lin)
         return lin
+
+    def reset_parameters(self) -> None:
+        """Re-initialise weight and bias (as nn.Linear) *and* the FP8 scaling state, so a model
+        converted on the meta device and materialised with ``to_empty`` starts clean."""
+        super().reset_parameters()
+        if hasattr(self, "fp8_stats"):  # nn.Linear.__init__ calls this before _init_fp8
+            self.reset_fp8_state()
+
+    def reset_fp8_state(self) -> None:
+        with torch.no_grad():
+            self.fp8_stats.zero_()
+            if self.recipe.scaling == "delayed":
+                for o in OPERANDS:
+                    getattr(self, f"fp8_amax_history_{o}").zero_()
+                    getattr(self, f"fp8_scale_{o}").fill_(1.0)
+                self.fp8_step.zero_()
+                self.fp8_step_grad.zero_()
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
@@ -329,7 +372,9 @@ class Float8Linear(nn.Linear):
     def _active_recipe(self) -> Recipe | None:
         override = current_recipe_override()
         recipe = override if override is not None else self.recipe
-        if not fp8_enabled() or not (self.training or recipe.use_during_eval):
+        eval_override = current_eval_override()
+        in_eval = recipe.use_during_eval if eval_override is None else eval_override
+        if not fp8_enabled() or not (self.training or in_eval):
             return None
         if recipe.scaling == "delayed" and not hasattr(self, "fp8_amax_history_input"):
             raise ValueError(
@@ -349,7 +394,7 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe = self._active_recipe()
-        if recipe is None:
+        if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
             return F.linear(x, self.weight, self.bias)
         dev = x.device.type
         hp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
@@ -357,9 +402,13 @@ class Float8Linear(nn.Linear):
         x_scale = w_scale = grad_state = None
         if recipe.scaling == "delayed":
             fwd = recipe.fp8_format.forward_dtype
-            x_scale = self._delayed_scale("input", x2, fwd, recipe)
-            w_scale = self._delayed_scale("weight", self.weight, fwd, recipe)
-            self.fp8_step.add_(1)
+            if recomputing():  # same scales as the first forward; its state update already ran
+                x_scale, w_scale = self.fp8_last_scales[0], self.fp8_last_scales[1]
+            else:
+                x_scale = self._delayed_scale("input", x2, fwd, recipe)
+                w_scale = self._delayed_scale("weight", self.weight, fwd, recipe)
+                self.fp8_step.add_(1)
+                self.fp8_last_scales.copy_(torch.stack([x_scale, w_scale]))
             grad_state = (self.fp8_amax_history_grad_output, self.fp8_scale_grad_output, self.fp8_step_grad)
         cfg = _FnConfig(recipe, hp, self.fp8_telemetry)
         out = _Float8LinearFn.apply(x2, self.weight, cfg, x_scale, w_scale, grad_state, self.fp8_stats)

@@ -18,8 +18,6 @@ Special values, one rule each:
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from lowprec.fp8.formats import fp8_max
@@ -100,7 +98,3 @@ def history_to_amax(history: torch.Tensor, algo: str) -> torch.Tensor:
     if algo == "most_recent":
         return history[0]
     raise ValueError(f"amax_compute_algo={algo!r}; use 'max' or 'most_recent'")
-
-
-def _is_pow2(v: float) -> bool:  # used by tests and telemetry
-    return v > 0 and math.frexp(v)[0] == 0.5

@@ -9,8 +9,9 @@ plain dict (one host synchronisation, at read time only):
 
 ``saturated`` is the fraction of values whose scaled magnitude went beyond what rounding to the
 format's max would cover (they were clipped: E4M3 > 464, E5M2 > 61440); ``underflow`` the fraction of non-zero values that became 0. For rowwise and
-blockwise casts ``scale`` is the smallest scale of the tensor. An operand whose GEMM ran in
-high precision, or that has not run yet, reports zeros.
+blockwise casts ``scale`` is the smallest scale of the tensor. An operand that has not been
+cast in FP8 yet reports zeros; one whose GEMM ran in high precision since keeps the values of
+the last step in which it was cast.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from lowprec.optim.fp8_adamw import FP8AdamW
-from lowprec.optim.fp8_grads import hold_grads_in_fp8, materialize_grads
+from lowprec.optim.fp8_adamw import FP8AdamW, block_segments
+from lowprec.optim.fp8_grads import clear_fp8_grads, hold_grads_in_fp8, materialize_grads
 from lowprec.optim.moments import encode_exp_avg, encode_exp_avg_sq
 
 __all__ = ["OPT_LEVELS", "apply_opt_level", "to_fp8_adamw"]
@@ -72,7 +72,7 @@ def to_fp8_adamw(optimizer: torch.optim.Optimizer, **fp8_kwargs) -> FP8AdamW:
         st = fp8._init_state(p)
         st["step"] = torch.as_tensor(old["step"], dtype=torch.float32).clone().cpu()
         st["exp_avg"], st["exp_avg_scale"] = encode_exp_avg(
-            old["exp_avg"].float(), fp8.exp_avg_dtype, fp8.block_size
+            old["exp_avg"].float(), fp8.exp_avg_dtype, fp8.block_size, segments=block_segments(p)
         )
         st["exp_avg_sq"], st["exp_avg_sq_scale"] = encode_exp_avg_sq(
             old["exp_avg_sq"].float(), fp8.exp_avg_sq_dtype
@@ -121,4 +121,21 @@ def apply_opt_level(
     if not isinstance(optimizer, FP8AdamW):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: materialize_grads(params))
+        _clear_held_grads_on_zero_grad(optimizer, params)
     return model, optimizer
+
+
+def _clear_held_grads_on_zero_grad(optimizer: torch.optim.Optimizer, params: list) -> None:
+    """``optimizer.zero_grad()`` must also drop gradients held in FP8 (a backward that no step
+    consumed, e.g. a skipped step, would otherwise be added into the next one). torch has no
+    zero_grad hook, so the instance's method is wrapped once."""
+    if getattr(optimizer, "_lowprec_clears_fp8_grads", False):
+        return
+    inner = optimizer.zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        clear_fp8_grads(params)
+        inner(set_to_none=set_to_none)
+
+    optimizer.zero_grad = zero_grad
+    optimizer._lowprec_clears_fp8_grads = True

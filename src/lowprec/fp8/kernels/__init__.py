@@ -3,9 +3,10 @@
     q, q_t, amax = kernels.cast_transpose_amax(x_2d, scale, torch.float8_e4m3fn)
 
 One pass over ``x`` gives the FP8 tensor, its contiguous transpose (for the GEMM contracting
-over the other dim) and ``amax(|x|)`` for the delayed-scaling history (TransformerEngine's
-``cast_transpose``); ``cast_amax`` skips the transpose; ``cast_rowwise`` computes one scale
-per row and casts in the same kernel. The functions choose at run time (:func:`available`):
+over the other dim) and ``amax(|x|)`` (TransformerEngine's ``cast_transpose``). The amax is
+meant for the delayed-scaling history; Float8Linear does not feed it back yet (docs/LOG.md).
+``cast_amax`` skips the transpose; ``cast_rowwise`` computes one scale per row and casts in the
+same kernel. The functions choose at run time (:func:`available`):
 Triton on CUDA when triton imports and ``LOWPREC_TRITON_KERNELS=1`` (opt-in until the kernels
 have run on a GPU; ``LOWPREC_DISABLE_TRITON=1`` always wins), otherwise
 :mod:`lowprec.fp8.kernels.reference` (same results; what CPU and CI run). Importing this
