@@ -229,3 +229,28 @@ def test_free_memory_drops_every_reference():
     assert [model, opt] == [None, None]
     assert acc._param_maps == [] and acc._optimizer_models == {} and acc._custom_objects == [] and acc._ds_engine is None
     assert probe() is None and cprobe() is None
+
+
+@pytest.mark.parametrize("use_during_eval", [True, False])
+def test_contextual_fp8_autocast_use_during_eval_runs_fp8_in_eval(use_during_eval):
+    import copy
+
+    import lowprec.fp8 as fp8
+    from lowprec.utils.fp8 import contextual_fp8_autocast
+
+    set_seed(6)
+    plain = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16))
+    model = copy.deepcopy(plain)
+    fp8.convert(model, skip_first_last=False, skip_patterns=())
+    assert fp8.has_fp8_layers(model)
+    model.forward = contextual_fp8_autocast(model.forward, None, use_during_eval).__get__(model)
+    model.eval()
+    plain.eval()
+    x = torch.randn(8, 32)
+    with torch.no_grad():
+        out, ref = model(x), plain(x)
+    if use_during_eval:
+        err = (out - ref).abs().max().item()
+        assert 1e-4 < err < 0.2 * ref.abs().max().item()  # FP8 rounding: close, not equal
+    else:
+        torch.testing.assert_close(out, ref)

@@ -68,7 +68,10 @@ def contextual_fp8_autocast(model_forward: Callable, fp8_recipe: Optional[Any] =
     recipe = fp8_recipe if isinstance(fp8_recipe, fp8.Recipe) else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with fp8.autocast(enabled=use_during_eval or self.training, recipe=recipe):
+        # in eval, use_during_eval=True must beat each layer's own recipe (use_during_eval=False
+        # by default), so it is passed as an override; otherwise the recipes decide
+        with fp8.autocast(enabled=use_during_eval or self.training, recipe=recipe,
+                          use_during_eval=True if use_during_eval else None):
             return model_forward(*args, **kwargs)
 
     forward.__wrapped__ = model_forward  # type: ignore[attr-defined]
