@@ -258,3 +258,15 @@ def test_cli_parser_does_not_import_pydantic_or_torch():
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_unwritable_output_dir_is_one_line_exit_2(tmp_path, capsys, where):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    out = str(blocker / "run") if where == "under_a_file" else "/proc/lowprec-not-here"
+    code = main(["train", "--output_dir", out, "--max_steps", "1", "--progress_bar", "false"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("lowprec: error: output_dir: ") and "writable" in lines[0], lines[0]

@@ -31,6 +31,7 @@ from torch import nn
 from lowprec.train import checkpoints as ckpt
 from lowprec.train.config import TrainConfig
 from lowprec.train.metrics import MetricsWriter, peak_memory_mb, read_metrics, truncate_after
+from lowprec.train.outputs import make_output_dir
 from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
 
 __all__ = ["train", "RunResult", "build_optimizer", "build_scheduler", "lr_lambda"]
@@ -197,6 +198,9 @@ def train(
     wall0 = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan = resolve(cfg, caps, world_size=world)
+    output_dir = os.path.abspath(cfg.output_dir)
+    if int(os.environ.get("RANK", "0")) == 0:  # before any log line: a bad path is a one-line error
+        make_output_dir(output_dir)
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
     acc = _accelerator(cfg, plan)
@@ -204,9 +208,6 @@ def train(
     decisions = dict(plan.decisions)
     if main:
         plan.log()
-    output_dir = os.path.abspath(cfg.output_dir)
-    if main:
-        os.makedirs(output_dir, exist_ok=True)
     acc.wait_for_everyone()
 
     # data
