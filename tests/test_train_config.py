@@ -54,6 +54,7 @@ BAD = [
     ({"bf16": "half"}, "bf16: expected 'auto' or 'full' or true or false"),
     ({"fp16": True, "bf16": True}, "fp16: true and bf16: true are both set"),
     ({"fp16": True, "bf16": "full"}, "fp16: true and bf16: full are both set"),
+    ({"fp8": True, "fp16": True}, "fp8: true and fp16: true are both set; FP8 runs on top of bf16"),
     ({"fp8": True, "fp8_enable_fsdp_float8_all_gather": True}, "requires FSDP2; add fsdp_version: 2"),
     ({"fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2}, "needs fp8: true"),
     ({"fsdp_version": 1}, "FSDP2 only: set fsdp_version: 2"),
