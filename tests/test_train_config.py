@@ -271,3 +271,28 @@ def test_unwritable_output_dir_is_one_line_exit_2(tmp_path, capsys, where):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith("lowprec: error: output_dir: ") and "writable" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "overrides,keys",
+    [
+        # one file of about 400 bytes: too few tokens for a train and a validation sequence of 512
+        ({"sequence_len": 512}, ("sequence_len: 512", "val_set_size: 0")),
+        ({"sequence_len": 512, "val_set_size": 0}, ("sequence_len: 512", "dataset_max_bytes")),
+        ({"sequence_len": 16, "micro_batch_size": 64, "val_set_size": 0}, ("micro_batch_size: 64", "sequence_len: 16")),
+    ],
+    ids=["val_split", "train_tokens", "batches"],
+)
+def test_data_errors_name_the_yaml_keys(tmp_path, capsys, overrides, keys):
+    data = tmp_path / "a.txt"
+    data.write_text("lowprec trains in low precision. " * 12)
+    flags = [f"--{k}={v}" for k, v in overrides.items()]
+    code = main(["train", "--datasets", f"[{{path: {data}}}]", "--output_dir", str(tmp_path / "out"),
+                 "--max_steps", "1", "--warmup_steps", "0", "--progress_bar", "false", "--quiet", *flags])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    for key in keys:
+        assert key in lines[0], lines[0]
+    for lib_name in ("seq_len", "max_bytes", "val_fraction", "batch_size="):
+        assert lib_name not in lines[0].replace("dataset_max_bytes", "").replace("micro_batch_size", ""), lines[0]

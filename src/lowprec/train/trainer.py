@@ -188,6 +188,16 @@ def _telemetry_summary(tele: dict) -> dict:
     }
 
 
+# data.py's parameter names -> the YAML keys (and flag) a user can change, for its error messages
+DATA_KEYS = {
+    "seq_len": "sequence_len",
+    "max_bytes": "dataset_max_bytes",
+    "val_fraction": "val_set_size",
+    "batch_size": "micro_batch_size",
+    "world_size": "--num_processes",
+}
+
+
 # ------------------------------------------------------------------------ the loop
 def train(
     cfg: TrainConfig,
@@ -224,16 +234,18 @@ def train(
             val_fraction=cfg.val_set_size,
             seed=cfg.seed,
             text_field=cfg.text_field,
+            names=DATA_KEYS,
         )
     loader = TokenBatches(
         train_ds, cfg.micro_batch_size, cfg.sequence_len, seed=cfg.seed,
-        rank=acc.process_index, world_size=acc.num_processes,
+        rank=acc.process_index, world_size=acc.num_processes, names=DATA_KEYS,
     )
     val_loader = None
     if val_ds is not None:
         val_loader = TokenBatches(
             val_ds, cfg.micro_batch_size, cfg.sequence_len, seed=cfg.seed,
             rank=acc.process_index, world_size=acc.num_processes, shuffle=False,
+            names={**DATA_KEYS, "batch_size": "micro_batch_size (validation)"},
         )
     per_epoch = len(loader) // cfg.gradient_accumulation_steps
     if cfg.max_steps is not None:
