@@ -111,15 +111,20 @@ def test_wizard_msamp_deepspeed(monkeypatch, tmp_path, capsys):
 def test_flags_round_trip_through_config_file(seed, tmp_path, capsys):
     """config with flags, then launch with that file == launch with the same flags."""
     rng = random.Random(seed)
-    flags = ["--mixed_precision", "fp8", "--num_processes", str(rng.randint(1, 4)),
-             "--fp8_backend", rng.choice(["native", "TE", "torchao", "auto"]),
-             "--fp8_amax_history_len", str(rng.randint(1, 4096)),
-             "--fp8_amax_compute_algo", rng.choice(V.AMAX_COMPUTE_ALGOS),
-             "--fp8_override_linear_precision", rng.choice(["(false,false,true)", "false,true,false"]),
-             "--fp8_opt_level", rng.choice(V.OPT_LEVELS)]
-    if rng.random() < 0.5:
-        flags += ["--use_fsdp", "--fp8_enable_fsdp_float8_all_gather", rng.choice(["true", "false"])]
-    if rng.random() < 0.5:
+    backend = rng.choice(["native", "TE", "torchao", "auto", "msamp"])
+    flags = ["--mixed_precision", "fp8", "--num_processes", str(rng.randint(1, 4)), "--fp8_backend", backend]
+    # only fields the backend reads (launch rejects the others, see FP8_FIELDS_READ)
+    if backend in ("native", "TE", "auto"):
+        flags += ["--fp8_amax_history_len", str(rng.randint(1, 4096)),
+                  "--fp8_amax_compute_algo", rng.choice(V.AMAX_COMPUTE_ALGOS),
+                  "--fp8_override_linear_precision", rng.choice(["(false,false,true)", "false,true,false"])]
+    if backend == "msamp":
+        flags += ["--fp8_opt_level", rng.choice(V.OPT_LEVELS)]
+    if backend == "torchao":
+        flags += ["--fp8_pad_inner_dim", rng.choice(["true", "false"])]
+        if rng.random() < 0.5:
+            flags += ["--use_fsdp", "--fp8_enable_fsdp_float8_all_gather", rng.choice(["true", "false"])]
+    if rng.random() < 0.5 and backend != "msamp":
         flags += ["--fp8_use_during_eval", "--cpu"]
     path = tmp_path / "flags.yaml"
     assert main(["config", "--config_file", str(path), *flags]) == 0

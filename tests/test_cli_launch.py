@@ -70,8 +70,8 @@ def test_double_dash_separates_script(capsys):
 
 
 def test_options_with_equals_and_dashes(capsys):
-    env, _, cmd = dry_run(["--mixed-precision=fp8", "--fp8-backend=Ao", "--fp8-margin", "2", SCRIPT], capsys)
-    assert (env["ACCELERATE_FP8_BACKEND"], env["ACCELERATE_FP8_MARGIN"]) == ("AO", "2")
+    env, _, cmd = dry_run(["--mixed-precision=fp8", "--fp8-backend=Te", "--fp8-margin", "2", SCRIPT], capsys)
+    assert (env["ACCELERATE_FP8_BACKEND"], env["ACCELERATE_FP8_MARGIN"]) == ("TE", "2")
     assert cmd == [sys.executable, SCRIPT]
 
 
@@ -232,7 +232,7 @@ def test_torchrun_two_cpu_processes_subprocess(tmp_path):
     passthrough = [str(out_dir), "--num_processes", "5", "--fp8_backend=te", "-m", "x"]
     proc = subprocess.run(
         [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2",
-         "--mixed_precision", "fp8", "--fp8_backend", "ao", "--fp8_amax_history_len", "32", SCRIPT, *passthrough],
+         "--mixed_precision", "fp8", "--fp8_backend", "te", "--fp8_amax_history_len", "32", SCRIPT, *passthrough],
         env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -242,7 +242,7 @@ def test_torchrun_two_cpu_processes_subprocess(tmp_path):
         assert report["all_reduce_sum"] == 3.0  # 1 + 2: both ranks joined one gloo group
         assert report["argv"] == passthrough[1:]
         assert report["env"]["ACCELERATE_USE_CPU"] == "true"
-        assert report["env"]["ACCELERATE_FP8_BACKEND"] == "AO"
+        assert report["env"]["ACCELERATE_FP8_BACKEND"] == "TE"
         assert report["env"]["ACCELERATE_FP8_AMAX_HISTORY_LEN"] == "32"
         assert report["env"]["ACCELERATE_MIXED_PRECISION"] == "fp8"
 
@@ -284,3 +284,56 @@ def test_no_bug_fp8_refused_without_a_third_party_library(monkeypatch, capsys):
         "transformer_engine", "msamp", "torchao") else real_find_spec(name, *a))
     env, _, cmd = dry_run(["--mixed_precision", "fp8", SCRIPT], capsys)
     assert env["ACCELERATE_MIXED_PRECISION"] == "fp8" and cmd == [sys.executable, SCRIPT]
+
+
+def test_inherited_variables_removed_or_overridden_are_noted_on_stderr(monkeypatch, tmp_path, capsys):
+    """A shell's ACCELERATE_MIXED_PRECISION=bf16 replaced by `no`, and a stale ACCELERATE_FP8_MARGIN
+    dropped, are said once on stderr in a real run (not only under --dry_run)."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    monkeypatch.setenv("ACCELERATE_FP8_MARGIN", "7")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    assert main(["launch", SCRIPT, str(out_dir)]) == 0
+    err = capsys.readouterr().err
+    notes = [ln for ln in err.splitlines() if ln.startswith("lowprec: note: ")]
+    assert len([n for n in notes if "ACCELERATE_FP8_MARGIN" in n]) == 1, err
+    assert len([n for n in notes if "ACCELERATE_MIXED_PRECISION=bf16 with no" in n]) == 1, err
+    report = json.loads((out_dir / "rank0.json").read_text())
+    assert report["env"]["ACCELERATE_MIXED_PRECISION"] == "no" and "ACCELERATE_FP8_MARGIN" not in report["env"]
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--gradient_clipping", "1.0", SCRIPT], "accelerator.clip_grad_norm_"),
+        (["--dynamo_backend", "inductor", SCRIPT], "--dynamo_backend: no effect in lowprec"),
+        (["--use_fsdp", "--fsdp_state_dict_type", "FULL_STATE_DICT", SCRIPT], "--fsdp_state_dict_type: no effect"),
+        (["--use_deepspeed", "--zero3_init_flag", "true", SCRIPT], "--zero3_init_flag: no effect"),
+        (["--mixed_precision", "fp8", "--fp8_backend", "te", "--fp8_recipe", "rowwise", SCRIPT],
+         "--fp8_recipe: the te FP8 backend does not read it (read by: native)"),
+        (["--mixed_precision", "fp8", "--fp8_backend", "msamp", "--fp8_amax_history_len", "8", SCRIPT],
+         "--fp8_amax_history_len: the msamp FP8 backend does not read it"),
+        (["--mixed_precision", "fp8", "--fp8_recipe", "rowwise", "--fp8_opt_level", "O2", SCRIPT],
+         "--fp8_opt_level: the native FP8 backend does not read it (read by: msamp)"),
+        (["--mixed_precision", "fp8", "--fp8_backend", "ao", "--fp8_margin", "2", SCRIPT],
+         "--fp8_margin: the ao FP8 backend does not read it"),
+    ],
+)
+def test_flags_nothing_reads_are_usage_errors(argv, expected, capsys):
+    err = usage_error(["launch", "--dry_run", *argv], capsys)
+    assert err.startswith("lowprec: error: ") and expected in err and err.count("\n") == 1, err
+
+
+def test_gradient_clipping_only_under_deepspeed_and_unread_settings_not_exported(tmp_path, capsys):
+    env, _, _ = dry_run(["--use_deepspeed", "--gradient_clipping", "0.5", SCRIPT], capsys)
+    assert env["ACCELERATE_GRADIENT_CLIPPING"] == "0.5"
+    cfg = write(tmp_path, "deepspeed_config: {gradient_clipping: 1.0}\ndynamo_config: {dynamo_backend: INDUCTOR}\n"
+                          "mixed_precision: fp8\nfp8_config: {backend: TE, opt_level: O2, margin: 1}\n")
+    assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
+    out = capsys.readouterr().out
+    assert "ACCELERATE_GRADIENT_CLIPPING" not in out and "ACCELERATE_DYNAMO_BACKEND" not in out
+    notes = [ln for ln in out.splitlines() if ln.startswith("# note: ")]
+    assert any("gradient_clipping" in n and "clip_grad_norm_" in n for n in notes), out
+    assert any("dynamo_backend" in n and "no effect" in n for n in notes), out
+    assert any("opt_level" in n and "te FP8 backend does not read it" in n for n in notes), out
+    assert not any("margin" in n for n in notes), out  # te reads margin

@@ -54,6 +54,7 @@ BAD = [
     ({"bf16": "half"}, "bf16: expected 'auto' or 'full' or true or false"),
     ({"fp16": True, "bf16": True}, "fp16: true and bf16: true are both set"),
     ({"fp16": True, "bf16": "full"}, "fp16: true and bf16: full are both set"),
+    ({"fp8": True, "fp16": True}, "fp8: true and fp16: true are both set; FP8 runs on top of bf16"),
     ({"fp8": True, "fp8_enable_fsdp_float8_all_gather": True}, "requires FSDP2; add fsdp_version: 2"),
     ({"fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2}, "needs fp8: true"),
     ({"fsdp_version": 1}, "FSDP2 only: set fsdp_version: 2"),
@@ -258,3 +259,40 @@ def test_cli_parser_does_not_import_pydantic_or_torch():
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "proc"])
+def test_unwritable_output_dir_is_one_line_exit_2(tmp_path, capsys, where):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    out = str(blocker / "run") if where == "under_a_file" else "/proc/lowprec-not-here"
+    code = main(["train", "--output_dir", out, "--max_steps", "1", "--progress_bar", "false"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("lowprec: error: output_dir: ") and "writable" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "overrides,keys",
+    [
+        # one file of about 400 bytes: too few tokens for a train and a validation sequence of 512
+        ({"sequence_len": 512}, ("sequence_len: 512", "val_set_size: 0")),
+        ({"sequence_len": 512, "val_set_size": 0}, ("sequence_len: 512", "dataset_max_bytes")),
+        ({"sequence_len": 16, "micro_batch_size": 64, "val_set_size": 0}, ("micro_batch_size: 64", "sequence_len: 16")),
+    ],
+    ids=["val_split", "train_tokens", "batches"],
+)
+def test_data_errors_name_the_yaml_keys(tmp_path, capsys, overrides, keys):
+    data = tmp_path / "a.txt"
+    data.write_text("lowprec trains in low precision. " * 12)
+    flags = [f"--{k}={v}" for k, v in overrides.items()]
+    code = main(["train", "--datasets", f"[{{path: {data}}}]", "--output_dir", str(tmp_path / "out"),
+                 "--max_steps", "1", "--warmup_steps", "0", "--progress_bar", "false", "--quiet", *flags])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, err
+    for key in keys:
+        assert key in lines[0], lines[0]
+    for lib_name in ("seq_len", "max_bytes", "val_fraction", "batch_size="):
+        assert lib_name not in lines[0].replace("dataset_max_bytes", "").replace("micro_batch_size", ""), lines[0]

@@ -13,7 +13,7 @@ import argparse
 from typing import Any, Callable
 
 from lowprec.config import values as V
-from lowprec.config.env import LaunchSettings
+from lowprec.config.env import UNREAD_FIELDS, LaunchSettings, fp8_fields_unread, fp8_readers
 from lowprec.errors import UsageError, did_you_mean
 
 __all__ = ["LowprecArgumentParser", "add_settings_flags", "settings_from_args", "check_cli_flags_apply"]
@@ -154,3 +154,19 @@ def check_cli_flags_apply(cli: dict[str, Any], settings: LaunchSettings) -> None
                     "zero3_init_flag", "deepspeed_config_file"))
     if ds and not settings.use_deepspeed:
         raise UsageError(f"{', '.join(ds)}: DeepSpeed option(s) without --use_deepspeed: add it or drop them")
+    if "gradient_clipping" in cli and not settings.use_deepspeed:
+        raise UsageError(
+            "--gradient_clipping is applied by DeepSpeed only (add --use_deepspeed); otherwise drop it "
+            "and clip in the script with accelerator.clip_grad_norm_(model.parameters(), max_norm)"
+        )
+    unread = sorted(f"--{k}" for k in cli if k in UNREAD_FIELDS)
+    if unread:
+        raise UsageError(f"{', '.join(unread)}: no effect in lowprec (nothing reads it); drop it")
+    if settings.fp8:
+        backend = settings.fp8_backend or "native"
+        for name in fp8_fields_unread(settings.fp8_backend, cli):
+            readers = ", ".join(fp8_readers(name))
+            raise UsageError(
+                f"--{name}: the {backend} FP8 backend does not read it (read by: {readers}); "
+                "drop it or pick --fp8_backend accordingly"
+            )

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lowprec.cli._flags import add_settings_flags, check_cli_flags_apply, settings_from_args
-from lowprec.config.env import FP8_FIELDS, LaunchSettings, owned_env_var
+from lowprec.config.env import FP8_FIELDS, UNREAD_FIELDS, LaunchSettings, fp8_fields_unread, owned_env_var
 from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError
 
@@ -131,12 +131,45 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         notes.append(
             f"fp8_config in {config_file} is not used: mixed_precision is {settings.mixed_precision!r}"
         )
+    notes += _yaml_notes(yaml_layer, cli_layer, settings, config_file)
     exported = settings.to_env()
     removed = sorted(k for k in environ if owned_env_var(k) and k not in exported)
+    overridden = sorted(k for k in exported if k in environ and environ[k] != exported[k])
+    if removed:  # a stale shell variable changing nothing must still be seen (not only in --dry_run)
+        notes.append(f"removed {', '.join(removed)} inherited from the environment (the launch settings decide)")
+    if overridden:
+        notes.append(
+            "overriding " + ", ".join(f"{k}={environ[k]} with {exported[k]}" for k in overridden)
+            + " from the environment (flags and config file decide)"
+        )
     env = {k: v for k, v in environ.items() if k not in removed}
     env.update(exported)
     command = build_command(settings, script, args.training_script_args, args.module)
     return LaunchPlan(settings, command, exported, removed, env, config_file, notes)
+
+
+def _yaml_notes(yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], settings: LaunchSettings,
+                config_file: str | None) -> list[str]:
+    """Config-file values that would change nothing: a note each (the same values as flags are
+    usage errors, see ``check_cli_flags_apply``; a file may come from Accelerate, so it is not)."""
+    from_yaml = {k: v for k, v in yaml_layer.items() if k not in cli_layer}
+    notes = []
+    unread = sorted(k for k in from_yaml if k in UNREAD_FIELDS and not (k == "dynamo_backend" and from_yaml[k] == "no"))
+    if unread:
+        notes.append(f"{', '.join(unread)} in {config_file}: no effect in lowprec (nothing reads it)")
+    if "gradient_clipping" in from_yaml and not settings.use_deepspeed:
+        notes.append(
+            f"gradient_clipping in {config_file} is applied by DeepSpeed only; clip in the script "
+            "with accelerator.clip_grad_norm_"
+        )
+    if settings.fp8:
+        dropped = fp8_fields_unread(settings.fp8_backend, from_yaml)
+        if dropped:
+            notes.append(
+                f"fp8_config {', '.join(f.removeprefix('fp8_') for f in dropped)} in {config_file}: "
+                f"the {settings.fp8_backend or 'native'} FP8 backend does not read it"
+            )
+    return notes
 
 
 def format_plan(plan: LaunchPlan) -> str:

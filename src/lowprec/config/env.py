@@ -22,16 +22,13 @@ FSDP_MIN_NUM_PARAMS                            FSDP, if set           int (SIZE_
 FSDP_ACTIVATION_CHECKPOINTING                  FSDP, if set           true | false
 FSDP_CPU_RAM_EFFICIENT_LOADING                 FSDP, if set           true | false
 FSDP_OFFLOAD_PARAMS                            FSDP, if set           true | false
-FSDP_STATE_DICT_TYPE                           FSDP, if set           FULL_STATE_DICT | SHARDED_STATE_DICT
 ACCELERATE_USE_DEEPSPEED                       always                 true | false
 ACCELERATE_DEEPSPEED_ZERO_STAGE                DeepSpeed, if set      0 | 1 | 2 | 3
 ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE  DeepSpeed, if set      none | cpu | nvme
 ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE      DeepSpeed, if set      none | cpu | nvme
-ACCELERATE_DEEPSPEED_ZERO3_INIT                DeepSpeed, if set      true | false
 ACCELERATE_DEEPSPEED_CONFIG_FILE               DeepSpeed, if set      path to a DeepSpeed JSON
 ACCELERATE_GRADIENT_ACCUMULATION_STEPS         if set                 int >= 1
-ACCELERATE_GRADIENT_CLIPPING                   if set                 float (max grad norm)
-ACCELERATE_DYNAMO_BACKEND                      if set                 NO | EAGER | AOT_EAGER | INDUCTOR | CUDAGRAPHS
+ACCELERATE_GRADIENT_CLIPPING                   DeepSpeed, if set      float (max grad norm; DeepSpeed clips)
 CUDA_VISIBLE_DEVICES                           if gpu_ids set         e.g. 0,1 (not written for "all")
 ACCELERATE_FP8_BACKEND                         fp8, if set            NATIVE | TE | MSAMP | AO | AUTO (upper case,
                                                                       as Accelerate's FP8BackendType; read any case)
@@ -54,6 +51,10 @@ ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER   fp8, if set            true | fal
 ACCELERATE_FP8_PAD_INNER_DIM                   fp8, if set            true | false: pad GEMM dims to 16 (torchao)
 ============================================== ====================== =====================================
 
+Not written: ``dynamo_backend`` (ACCELERATE_DYNAMO_BACKEND), ``fsdp_state_dict_type``
+(FSDP_STATE_DICT_TYPE) and ``zero3_init_flag`` (ACCELERATE_DEEPSPEED_ZERO3_INIT) are accepted in
+a config file (Accelerate writes them) but nothing in lowprec reads them (``UNREAD_FIELDS``).
+
 "If set" means the user gave the value (flag or YAML); an unset value is not written, so the
 consumer's own default applies (for ``fp8_recipe: rowwise`` that is the recipe's E4M3 format,
 not a launcher default of HYBRID). Accelerate instead exported every default (reference §3.1),
@@ -73,7 +74,10 @@ from typing import Any, Callable
 from lowprec.config import values as V
 from lowprec.errors import UsageError, did_you_mean
 
-__all__ = ["LaunchSettings", "ENV_VARS", "FP8_OVERRIDE_VARS", "FP8_FIELDS", "owned_env_var"]
+__all__ = [
+    "LaunchSettings", "ENV_VARS", "FP8_OVERRIDE_VARS", "FP8_FIELDS", "FP8_FIELDS_READ", "UNREAD_FIELDS",
+    "fp8_fields_unread", "fp8_readers", "owned_env_var",
+]
 
 FP8_OVERRIDE_VARS = (
     "ACCELERATE_FP8_OVERRIDE_FPROP",
@@ -118,7 +122,7 @@ ENV_VARS: tuple[_Var, ...] = (
     _Var("zero3_init_flag", "ACCELERATE_DEEPSPEED_ZERO3_INIT", _B, "deepspeed", V.format_bool),
     _Var("deepspeed_config_file", "ACCELERATE_DEEPSPEED_CONFIG_FILE", str, "deepspeed"),
     _Var("gradient_accumulation_steps", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", _I, "set"),
-    _Var("gradient_clipping", "ACCELERATE_GRADIENT_CLIPPING", V.parse_float, "set"),
+    _Var("gradient_clipping", "ACCELERATE_GRADIENT_CLIPPING", V.parse_float, "deepspeed"),
     _Var("dynamo_backend", "ACCELERATE_DYNAMO_BACKEND", V.parse_dynamo_backend, "set", _upper),
     _Var("gpu_ids", "CUDA_VISIBLE_DEVICES", str, "set"),
     _Var("fp8_backend", "ACCELERATE_FP8_BACKEND", V.parse_fp8_backend, "fp8", _upper),
@@ -156,6 +160,33 @@ def owned_env_var(name: str) -> bool:
 _FSDP_FIELDS = tuple(v.field for v in ENV_VARS if v.when == "fsdp" and v.field != "fsdp_version")
 _DS_FIELDS = tuple(v.field for v in ENV_VARS if v.when == "deepspeed")
 FP8_FIELDS = tuple(v.field for v in ENV_VARS if v.when == "fp8") + ("fp8_override_linear_precision",)
+
+# Accepted for Accelerate compatibility (its config files carry them) but read by nothing in
+# lowprec: never exported, and `launch` says so instead of pretending they act.
+UNREAD_FIELDS = ("dynamo_backend", "fsdp_state_dict_type", "zero3_init_flag")
+
+# The FP8 fields each backend's handler reads (lowprec.kwargs); fp8_backend and fp8_fallback are
+# read whatever the backend. te is DelayedScaling (no recipe name), msamp is its opt level on the
+# delayed recipe, ao reads its own switches; a field outside its row would be dropped silently.
+_TUNING = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin", "fp8_interval",
+           "fp8_override_linear_precision", "fp8_use_autocast_during_eval")
+FP8_FIELDS_READ: dict[str, tuple[str, ...]] = {
+    "native": ("fp8_recipe", *_TUNING),
+    "te": _TUNING,
+    "ao": ("fp8_pad_inner_dim", "fp8_enable_fsdp_float8_all_gather", "fp8_use_autocast_during_eval"),
+    "msamp": ("fp8_opt_level",),
+}
+
+
+def fp8_fields_unread(backend: str | None, fields: Any) -> list[str]:
+    """Which of ``fields`` (FP8 setting names) the ``backend`` (None/auto: native) never reads."""
+    key = "native" if backend in (None, "auto") else backend
+    read = set(FP8_FIELDS_READ[key]) | {"fp8_backend", "fp8_fallback"}
+    return sorted(f for f in fields if f in FP8_FIELDS and f not in read)
+
+
+def fp8_readers(field_name: str) -> list[str]:
+    return [b for b, read in FP8_FIELDS_READ.items() if field_name in read]
 
 
 @dataclass(frozen=True)
@@ -328,6 +359,8 @@ class LaunchSettings:
     # ------------------------------------------------------------------ environment
     def _written(self, var: _Var) -> bool:
         value = getattr(self, var.field)
+        if var.field in UNREAD_FIELDS:
+            return False
         if var.when == "always":
             return True
         if value is None:

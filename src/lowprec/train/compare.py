@@ -151,7 +151,9 @@ def compare(
         configs[p] = cfg.replace(
             **precision_overrides(p, cfg), output_dir=os.path.join(out, p), resume_from_checkpoint=None, save_steps=None
         )
-    os.makedirs(out, exist_ok=True)
+    from lowprec.train.outputs import make_output_dir
+
+    make_output_dir(out, "--output_dir" if output_dir else "output_dir")
     summaries: dict[str, dict[str, Any]] = {}
     for p, c in configs.items():
         path = os.path.join(out, f"{p}.yaml")

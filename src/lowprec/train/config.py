@@ -271,6 +271,11 @@ class TrainConfig(_Strict):
     def _combinations(self) -> "TrainConfig":
         if self.fp16 and self.bf16 not in ("auto", False):
             raise ValueError(f"fp16: true and bf16: {_yaml(self.bf16)} are both set; keep one (bf16 is the safer choice)")
+        if self.fp8 and self.fp16:
+            # FP8 GEMMs run inside bf16 (or fp32) autocast; fp16 would be dropped without a word
+            raise ValueError(
+                "fp8: true and fp16: true are both set; FP8 runs on top of bf16: drop fp16 (keep bf16: auto or true)"
+            )
         if self.fp8_enable_fsdp_float8_all_gather and self.fsdp_version != 2:
             raise ValueError(
                 "fp8_enable_fsdp_float8_all_gather: true requires FSDP2; add fsdp_version: 2 (and run with "

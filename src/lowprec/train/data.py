@@ -26,7 +26,7 @@ import os
 import platform
 import sysconfig
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -210,18 +210,23 @@ def build_datasets(
     val_fraction: float = 0.03,
     seed: int = 0,
     text_field: str = "text",
+    names: Mapping[str, str] | None = None,
 ) -> tuple[TokenDataset, TokenDataset | None]:
     """(train, validation) token streams; validation is None when ``val_fraction`` is 0.
 
     ``spec`` is ``"builtin:stdlib"`` or local ``.txt``/``.jsonl`` paths. Documents go to
     validation by a hash of their key (about ``val_fraction`` of them). When that leaves either
     side shorter than one sequence (a single .txt file, a tiny corpus) the last
-    ``val_fraction`` of the tokens becomes the validation set instead."""
+    ``val_fraction`` of the tokens becomes the validation set instead.
+
+    ``names`` renames the parameters in error messages (a caller with its own config keys,
+    e.g. the trainer's ``sequence_len``), see :func:`_named`."""
+    n = _named(names)
     tokenizer = tokenizer or ByteTokenizer()
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction!r}")
+        raise ValueError(f"{n('val_fraction')} must be in [0, 1), got {val_fraction!r}")
     if seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        raise ValueError(f"{n('seq_len')} must be a positive integer, got {seq_len!r}")
     builtin = isinstance(spec, str) and spec.startswith("builtin:")
     if builtin:
         if spec not in BUILTIN_CORPORA:
@@ -249,20 +254,34 @@ def build_datasets(
         if stream.numel() - n_val < seq_len:
             raise ValueError(
                 f"{name} has {stream.numel()} tokens, too few for a train and a validation sequence "
-                f"of seq_len={seq_len}; add data, lower seq_len or set val_fraction: 0"
+                f"of {n('seq_len', seq_len)}; add data, lower {n('seq_len')} or set {n('val_fraction', 0)}"
             )
         train_tokens, val_tokens = stream[:-n_val], stream[-n_val:]
         n_val_docs = 0
     if train_tokens.numel() < seq_len:
         raise ValueError(
-            f"{name} has {train_tokens.numel()} training tokens, fewer than seq_len={seq_len}; "
-            "add data, raise max_bytes or lower seq_len"
+            f"{name} has {train_tokens.numel()} training tokens, fewer than {n('seq_len', seq_len)}; "
+            f"add data, raise {n('max_bytes')} or lower {n('seq_len')}"
         )
     train = TokenDataset(train_tokens, f"{name} (train)", fingerprint, len(docs) - n_val_docs)
     val = TokenDataset(val_tokens, f"{name} (validation)", fingerprint, n_val_docs) if val_fraction else None
     if builtin:
         _CACHE[key] = (train, val)
     return train, val
+
+
+def _named(names: Mapping[str, str] | None) -> Callable[..., str]:
+    """``n(key)`` / ``n(key, value)`` for messages: ``seq_len`` / ``seq_len=128`` by default; with
+    ``names={"seq_len": "sequence_len"}`` it is ``sequence_len`` / ``sequence_len: 128``, so a
+    YAML user reads the key they can change."""
+    table = dict(names or {})
+
+    def n(key: str, *value: Any) -> str:
+        if not value:
+            return table.get(key, key)
+        return f"{table[key]}: {value[0]}" if key in table else f"{key}={value[0]}"
+
+    return n
 
 
 # ---------------------------------------------------------------------- batches
@@ -286,7 +305,9 @@ class TokenBatches:
         world_size: int = 1,
         shuffle: bool = True,
         drop_last: bool = True,
+        names: Mapping[str, str] | None = None,
     ) -> None:
+        n = _named(names)
         tokens = dataset.tokens if isinstance(dataset, TokenDataset) else dataset
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
             raise TypeError("TokenBatches takes a TokenDataset or a 1-D tensor of token ids")
@@ -304,9 +325,9 @@ class TokenBatches:
         self._len = math.floor(div) if drop_last else math.ceil(div)
         if self._len == 0:
             raise ValueError(
-                f"{tokens.numel()} tokens make {self.n_blocks} sequences of seq_len={seq_len}, fewer "
-                f"than batch_size={batch_size} x world_size={world_size}; lower batch_size or "
-                "seq_len, or use more data"
+                f"{tokens.numel()} tokens make {self.n_blocks} sequences of {n('seq_len', seq_len)}, fewer "
+                f"than {n('batch_size', batch_size)} x {n('world_size', world_size)}; lower {n('batch_size')} or "
+                f"{n('seq_len')}, or use more data"
             )
         self.epoch = 0
         self.position = 0  # batches of self.epoch already handed out

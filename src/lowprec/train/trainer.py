@@ -31,6 +31,7 @@ from torch import nn
 from lowprec.train import checkpoints as ckpt
 from lowprec.train.config import TrainConfig
 from lowprec.train.metrics import MetricsWriter, peak_memory_mb, read_metrics, truncate_after
+from lowprec.train.outputs import make_output_dir
 from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
 
 __all__ = ["train", "RunResult", "build_optimizer", "build_scheduler", "lr_lambda"]
@@ -187,6 +188,16 @@ def _telemetry_summary(tele: dict) -> dict:
     }
 
 
+# data.py's parameter names -> the YAML keys (and flag) a user can change, for its error messages
+DATA_KEYS = {
+    "seq_len": "sequence_len",
+    "max_bytes": "dataset_max_bytes",
+    "val_fraction": "val_set_size",
+    "batch_size": "micro_batch_size",
+    "world_size": "--num_processes",
+}
+
+
 # ------------------------------------------------------------------------ the loop
 def train(
     cfg: TrainConfig,
@@ -197,6 +208,9 @@ def train(
     wall0 = time.perf_counter()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan = resolve(cfg, caps, world_size=world)
+    output_dir = os.path.abspath(cfg.output_dir)
+    if int(os.environ.get("RANK", "0")) == 0:  # before any log line: a bad path is a one-line error
+        make_output_dir(output_dir)
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
     acc = _accelerator(cfg, plan)
@@ -204,9 +218,6 @@ def train(
     decisions = dict(plan.decisions)
     if main:
         plan.log()
-    output_dir = os.path.abspath(cfg.output_dir)
-    if main:
-        os.makedirs(output_dir, exist_ok=True)
     acc.wait_for_everyone()
 
     # data
@@ -223,16 +234,18 @@ def train(
             val_fraction=cfg.val_set_size,
             seed=cfg.seed,
             text_field=cfg.text_field,
+            names=DATA_KEYS,
         )
     loader = TokenBatches(
         train_ds, cfg.micro_batch_size, cfg.sequence_len, seed=cfg.seed,
-        rank=acc.process_index, world_size=acc.num_processes,
+        rank=acc.process_index, world_size=acc.num_processes, names=DATA_KEYS,
     )
     val_loader = None
     if val_ds is not None:
         val_loader = TokenBatches(
             val_ds, cfg.micro_batch_size, cfg.sequence_len, seed=cfg.seed,
             rank=acc.process_index, world_size=acc.num_processes, shuffle=False,
+            names={**DATA_KEYS, "batch_size": "micro_batch_size (validation)"},
         )
     per_epoch = len(loader) // cfg.gradient_accumulation_steps
     if cfg.max_steps is not None:
