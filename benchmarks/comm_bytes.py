@@ -39,8 +39,6 @@ def _free_port() -> int:
 
 def _worker(rank, world, port, model_name, batch, seq, dtype_name, out):
     torch.set_num_threads(1)
-    if dist.is_initialized():  # forked from a process that holds a group (an in-process Accelerator)
-        dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
     torch.manual_seed(0)
@@ -76,7 +74,7 @@ def measure(world: int, model: str, batch: int, seq: int, dtype_name: str) -> di
     with tempfile.TemporaryDirectory() as d:
         out = f"{d}/r.pt"
         mp.start_processes(_worker, args=(world, _free_port(), model, batch, seq, dtype_name, out),
-                           nprocs=world, start_method="fork")
+                           nprocs=world, start_method="spawn")  # fork can deadlock a threaded parent
         r = torch.load(out, weights_only=True)
     c = r.pop("counters")
     r.update(c)

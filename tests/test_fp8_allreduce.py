@@ -127,8 +127,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8_allreduce")
+    # spawn, not fork: forking a pytest worker that already runs threads (intra-op pools,
+    # an earlier test's gloo threads) can deadlock the child on a lock held at fork time
     mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD,
-                       start_method="fork")
+                       start_method="spawn")
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
