@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from tests.torchrun_util import free_port, run_torchrun
 
 WORKER = textwrap.dedent(
     '''
@@ -100,13 +101,6 @@ WORKER = textwrap.dedent(
 )
 
 
-GLOO_TEARDOWN = "terminate called without an active exception"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(tmp_path, mode: str) -> list[dict]:
@@ -124,13 +118,8 @@ def launch(tmp_path, mode: str) -> list[dict]:
         env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=mode[-1])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), str(script), mode, str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    if proc.returncode != 0 and GLOO_TEARDOWN in proc.stderr:
-        # a known gloo race when processes exit (about 1 run in 20 on a loaded 2-core box):
-        # run once more; a second failure fails the test
-        cmd[cmd.index("--master_port") + 1] = str(free_port())
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(2)),
+                 env=env, timeout=180)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 

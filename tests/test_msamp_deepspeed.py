@@ -25,7 +25,7 @@ from lowprec import Accelerator
 from lowprec.optim import FP8AdamW, set_block_segments
 from lowprec.utils import DeepSpeedPlugin, MSAMPRecipeKwargs
 from lowprec.utils.deepspeed import _overlaps, check_client_optimizer
-from tests.test_accelerator_distributed import GLOO_TEARDOWN, free_port
+from tests.torchrun_util import free_port, run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "scripts", "msamp_deepspeed_worker.py")
@@ -47,11 +47,8 @@ def launch(tmp_path, stage: int) -> list[dict]:
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(free_port()), WORKER, str(stage), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    if proc.returncode != 0 and GLOO_TEARDOWN in proc.stderr:  # gloo's exit race: once more
-        cmd[cmd.index("--master_port") + 1] = str(free_port())
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(2)),
+                 env=env, timeout=180)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
