@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.torchrun_util import run_torchrun
+
 from lowprec.cli.main import main
 from lowprec.config.env import owned_env_var
 
@@ -230,12 +232,11 @@ def test_torchrun_two_cpu_processes_subprocess(tmp_path):
     env.update(PYTHONPATH=SRC + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
                LOWPREC_CONFIG_HOME=str(tmp_path / "none"))
     passthrough = [str(out_dir), "--num_processes", "5", "--fp8_backend=te", "-m", "x"]
-    proc = subprocess.run(
+    run_torchrun(
         [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2",
          "--mixed_precision", "fp8", "--fp8_backend", "te", "--fp8_amax_history_len", "32", SCRIPT, *passthrough],
-        env=env, capture_output=True, text=True, timeout=120,
+        lambda p: all((out_dir / f"rank{r}.json").exists() for r in (0, 1)), env=env, timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr
     reports = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, report in enumerate(reports):
         assert report["rank"] == rank and report["world_size"] == 2
