@@ -36,9 +36,9 @@ from lowprec.kwargs import (
 )
 from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
-from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_initialize
+from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_clip, deepspeed_initialize
 from lowprec.utils.distributed import wrap_ddp, wrap_fsdp2
-from lowprec.utils.operations import gather, pad_across_processes, reduce
+from lowprec.utils.operations import gather, gather_object, has_tensor, pad_across_processes, reduce
 from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from lowprec.utils.precision import autocast_context, unwrap_forward, wrap_forward
 
@@ -463,7 +463,7 @@ class Accelerator:
         if not self.sync_gradients:
             return None
         if self._ds_engine is not None:
-            return _deepspeed_clip(self._ds_engine, max_norm)
+            return deepspeed_clip(self._ds_engine, max_norm)
         self.unscale_gradients()
         norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -480,15 +480,15 @@ class Accelerator:
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather, then drop the samples duplicated to pad the last batch."""
-        if use_gather_object or not _has_tensor(input_data):
-            data = _gather_object(input_data)
+        if use_gather_object or not has_tensor(input_data):
+            data = gather_object(input_data)
         else:
             data = gather(input_data)
         rem = self.gradient_state.remainder
         if self.gradient_state.end_of_dataloader and rem > 0:
             from lowprec.utils.operations import recursively_apply
 
-            if isinstance(data, list) and not _has_tensor(data):
+            if isinstance(data, list) and not has_tensor(data):
                 return data[:rem]
             return recursively_apply(lambda t: t[:rem], data)
         return data
@@ -584,40 +584,9 @@ class Accelerator:
         return [None] * len(objects)
 
 
-def _deepspeed_clip(engine: Any, max_norm: float) -> None:
-    """DeepSpeed clips inside its own step (the gradients are partitioned by then): hand it
-    ``max_norm`` for the step that follows. The norm is known only after that step
-    (``engine.get_global_grad_norm()``), so this returns None."""
-    engine._config.gradient_clipping = max_norm
-    if hasattr(engine.optimizer, "clip_grad"):
-        engine.optimizer.clip_grad = max_norm
-    return None
-
-
 def _default_dir(project_dir: Optional[str]) -> str:
     if project_dir is None:
         raise ValueError("save_state/load_state need a directory (or Accelerator(project_dir=...))")
     import os
 
     return os.path.join(project_dir, "checkpoint")
-
-
-def _has_tensor(data: Any) -> bool:
-    if isinstance(data, torch.Tensor):
-        return True
-    if isinstance(data, (list, tuple)):
-        return any(_has_tensor(d) for d in data)
-    if isinstance(data, dict):
-        return any(_has_tensor(v) for v in data.values())
-    return False
-
-
-def _gather_object(obj: Any) -> list:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return list(obj) if isinstance(obj, (list, tuple)) else [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    flat: list = []
-    for part in out:
-        flat.extend(part if isinstance(part, (list, tuple)) else [part])
-    return flat

@@ -26,6 +26,7 @@ logger = logging.getLogger("lowprec")
 __all__ = [
     "build_ds_config",
     "check_client_optimizer",
+    "deepspeed_clip",
     "deepspeed_initialize",
     "mark_partition_segments",
     "DeepSpeedOptimizer",
@@ -177,3 +178,13 @@ class DeepSpeedOptimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.optimizer.load_state_dict(state_dict)
+
+
+def deepspeed_clip(engine: Any, max_norm: float) -> None:
+    """DeepSpeed clips inside its own step (the gradients are partitioned by then): hand it
+    ``max_norm`` for the step that follows. The norm is known only after that step
+    (``engine.get_global_grad_norm()``), so this returns None."""
+    engine._config.gradient_clipping = max_norm
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = max_norm
+    return None

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["recursively_apply", "send_to_device", "gather", "reduce", "pad_across_processes", "to_fp32"]
+__all__ = ["recursively_apply", "send_to_device", "gather", "reduce", "pad_across_processes", "to_fp32", "has_tensor", "gather_object"]
 
 
 def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
@@ -85,3 +85,26 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
         return out
 
     return recursively_apply(one, data)
+
+
+def has_tensor(data: Any) -> bool:
+    """Whether a (nested list / tuple / dict) structure holds any tensor."""
+    if isinstance(data, torch.Tensor):
+        return True
+    if isinstance(data, (list, tuple)):
+        return any(has_tensor(d) for d in data)
+    if isinstance(data, dict):
+        return any(has_tensor(v) for v in data.values())
+    return False
+
+
+def gather_object(obj: Any) -> list:
+    """All processes' picklable objects, flattened one level (lists are concatenated)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    flat: list = []
+    for part in out:
+        flat.extend(part if isinstance(part, (list, tuple)) else [part])
+    return flat
