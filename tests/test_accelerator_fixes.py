@@ -13,15 +13,7 @@ from lowprec import Accelerator
 from lowprec.kwargs import GradientAccumulationPlugin
 from lowprec.utils import set_seed
 
-ENV = ["ACCELERATE_MIXED_PRECISION", "ACCELERATE_FP8_BACKEND", "LOWPREC_FP8_RECIPE", "LOWPREC_FP8_FALLBACK",
-       "WORLD_SIZE", "RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_CPU",
-       "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]
-
-
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    for name in ENV:
-        monkeypatch.delenv(name, raising=False)
+from tests.test_accelerator import ENV, clean  # noqa: F401  (autouse: no stray launch variables)
 
 
 def mlp() -> nn.Sequential:
