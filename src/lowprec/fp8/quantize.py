@@ -29,6 +29,7 @@ __all__ = [
     "quantize_axiswise",
     "quantize_blockwise",
     "dequantize",
+    "expand_blocks",
 ]
 
 GRANULARITIES = ("tensor", "axis", "block")
@@ -39,12 +40,16 @@ class Float8Data:
     """FP8 values and the scale that produced them (``x ~= data / scale``).
 
     ``block`` is the tile shape for block granularity, in the same orientation as ``data``.
+    ``pow2_scale`` says the scales were rounded to powers of two (known when casting, so that
+    kernels can rely on it without inspecting the scale tensor: the CPU path folds such block
+    scales into bf16 operands exactly).
     """
 
     data: torch.Tensor
     scale: torch.Tensor
     granularity: str = "tensor"
     block: tuple[int, int] | None = None
+    pow2_scale: bool = False
 
     @property
     def shape(self) -> torch.Size:
@@ -54,7 +59,7 @@ class Float8Data:
         """Transposed view (no copy): data, scale and block are all transposed."""
         scale = self.scale if self.scale.dim() == 0 else self.scale.t()
         block = None if self.block is None else (self.block[1], self.block[0])
-        return Float8Data(self.data.t(), scale, self.granularity, block)
+        return Float8Data(self.data.t(), scale, self.granularity, block, self.pow2_scale)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self, dtype)
@@ -114,8 +119,8 @@ def quantize_tensorwise(
     if _fused_cast(x, scale):
         from lowprec.fp8 import kernels
 
-        return Float8Data(kernels.cast_amax(x, scale, dtype)[0], scale, "tensor")
-    return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "tensor")
+        return Float8Data(kernels.cast_amax(x, scale, dtype)[0], scale, "tensor", None, power_of_2)
+    return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "tensor", None, power_of_2)
 
 
 def quantize_axiswise(
@@ -133,12 +138,13 @@ def quantize_axiswise(
         from lowprec.fp8 import kernels
 
         data, scale = kernels.cast_rowwise(x, dtype, power_of_2)
-        return Float8Data(data, scale, "axis")
+        return Float8Data(data, scale, "axis", None, power_of_2)
     scale = amax_to_scale(amax_along(x, dim), dtype, power_of_2=power_of_2)
-    return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "axis")
+    return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "axis", None, power_of_2)
 
 
-def _expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+def expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    """Per-tile ``scale`` repeated to every element of a ``shape`` tensor (ragged edges cut)."""
     full = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
     return full[: shape[0], : shape[1]]
 
@@ -161,8 +167,8 @@ def quantize_blockwise(
     pr, pc = (-r) % br, (-c) % bc
     xp = torch.nn.functional.pad(x.detach(), (0, pc, 0, pr)) if (pr or pc) else x
     scale = amax_to_scale(block_amax(xp, block), dtype, power_of_2=power_of_2)
-    data = _saturate_(x.to(torch.float32) * _expand_blocks(scale, block, x.shape), dtype)
-    return Float8Data(data, scale, "block", (br, bc))
+    data = _saturate_(x.to(torch.float32) * expand_blocks(scale, block, x.shape), dtype)
+    return Float8Data(data, scale, "block", (br, bc), power_of_2)
 
 
 def quantize(
@@ -195,5 +201,5 @@ def dequantize(q: Float8Data, dtype: torch.dtype = torch.float32) -> torch.Tenso
     """
     inv = q.scale.reciprocal()
     if q.granularity == "block":
-        inv = _expand_blocks(inv, q.block, q.data.shape)
+        inv = expand_blocks(inv, q.block, q.data.shape)
     return (q.data.to(torch.float32) * inv).to(dtype)
