@@ -240,7 +240,11 @@ def test_compile_fullgraph_matches_eager(seed, name):
         for r, e, c in zip(ref, *outs):
             assert sqnr(r, c) > sqnr(r, e) - 1.5 and sqnr(r, c) > 22
     if name == "delayed":
-        assert torch.equal(eager.fp8_amax_history_grad_output, compiled_layer.fp8_amax_history_grad_output)
+        # the history is written in compiled backward too; its values are amaxes of dY = 2y, and
+        # y may differ by a bf16 ulp (the eager CPU GEMM rounds its output once, Inductor's twice)
+        he, hc = eager.fp8_amax_history_grad_output, compiled_layer.fp8_amax_history_grad_output
+        assert torch.equal(he == 0, hc == 0) and (he[:2] > 0).all()
+        assert torch.allclose(he, hc, rtol=2.0**-6, atol=0)
 
 
 def test_telemetry_reports_every_operand(seed):

@@ -11,7 +11,7 @@ speed depends on which CPU it landed on is a trap, so the CPU path is the GEMM a
 * The bf16 GEMM (oneDNN; AMX or AVX512-BF16 where the CPU has them) multiplies exactly and
   accumulates in float32, then rounds the output to bf16 once.
 * Scales are applied to the output: ``out * (1/scale_a) * (1/scale_b)`` in float32 arithmetic,
-  per tensor or per row/column. Block scales (which vary along the contraction dim) cannot
+  per tensor (as the GEMM's ``alpha``, on the float32 accumulator) or per row/column. Block scales (which vary along the contraction dim) cannot
   factor out of the sum: they are folded into the bf16 operands instead, which is exact when
   they are powers of two (the blockwise recipe's default); other block scales take the float32
   emulation.
@@ -106,13 +106,29 @@ def upcast_mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Ten
         av = _dequant_blocks_bf16(a) if a.granularity == "block" else _scaled_bf16(a)
         bv = _dequant_blocks_bf16(b) if b.granularity == "block" else _scaled_bf16(b)
         return torch.mm(av, bv).to(out_dtype)
-    out = torch.mm(upcast_to_bf16(a.data), upcast_to_bf16(b.data))
+    av, bv = _cached_upcast(a), _cached_upcast(b)
     inv_a, inv_b = a.scale.reciprocal(), b.scale.reciprocal()
+    if inv_a.dim() == 0 and inv_b.dim() == 0 and not torch.compiler.is_compiling():
+        # the scale as the GEMM's alpha: applied to the float32 accumulator, one rounding of
+        # the output, no extra pass (a host read of a CPU scalar is no device sync)
+        zero = torch.zeros((), dtype=torch.bfloat16)
+        out = torch.addmm(zero, av, bv, beta=0, alpha=float(inv_a * inv_b))
+        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+    out = torch.mm(av, bv)
     if out_dtype != torch.bfloat16:
         out = out.to(out_dtype)
     if inv_a.dim() == 0 and inv_b.dim() == 0:
-        return out.mul_(inv_a * inv_b)  # one float32 scale, one rounding of the output
+        return out.mul_(inv_a * inv_b)
     return out.mul_(inv_a).mul_(inv_b)  # (M, 1) then (1, N): broadcast in place
+
+
+def _cached_upcast(q: Float8Data) -> torch.Tensor:
+    """``upcast_to_bf16(q.data)``, kept on ``q`` so a cast that feeds two GEMMs is upcast once."""
+    if torch.compiler.is_compiling():
+        return upcast_to_bf16(q.data)
+    if q.bf16_cache is None:
+        q.bf16_cache = upcast_to_bf16(q.data)
+    return q.bf16_cache
 
 
 def _scaled_bf16(q: Float8Data) -> torch.Tensor:

@@ -14,7 +14,7 @@ All functions here are pure: no module state, no host synchronisation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +50,9 @@ class Float8Data:
     granularity: str = "tensor"
     block: tuple[int, int] | None = None
     pow2_scale: bool = False
+    # the exact bf16 upcast of ``data``, made once by the CPU GEMM path and reused when the same
+    # cast feeds two GEMMs (dY in backward); never saved for backward
+    bf16_cache: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -59,7 +62,8 @@ class Float8Data:
         """Transposed view (no copy): data, scale and block are all transposed."""
         scale = self.scale if self.scale.dim() == 0 else self.scale.t()
         block = None if self.block is None else (self.block[1], self.block[0])
-        return Float8Data(self.data.t(), scale, self.granularity, block, self.pow2_scale)
+        cache = None if self.bf16_cache is None else self.bf16_cache.t()
+        return Float8Data(self.data.t(), scale, self.granularity, block, self.pow2_scale, cache)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self, dtype)
@@ -79,12 +83,29 @@ def saturated_cast(x_scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _saturate_(x_scaled.to(torch.float32, copy=True), dtype)
 
 
-def _saturate_(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``saturated_cast`` on a float32 temporary the caller owns (modified in place)."""
+def _saturate_(y: torch.Tensor, dtype: torch.dtype, *, may_hold_inf: bool = True) -> torch.Tensor:
+    """``saturated_cast`` on a float32 temporary the caller owns (modified in place).
+
+    ``may_hold_inf=False`` skips the inf -> NaN pass where it cannot change anything: when the
+    scale was computed from this tensor's own amax, an inf anywhere made the scale 0 (``inf *
+    0 = NaN``) and finite values times ``fp8_max / amax`` stay finite (scaling.py).
+    """
     m = fp8_max(dtype)
-    nan = float("nan")
-    torch.nan_to_num_(y, nan=nan, posinf=nan, neginf=nan)
+    if may_hold_inf:
+        nan = float("nan")
+        torch.nan_to_num_(y, nan=nan, posinf=nan, neginf=nan)
     return y.clamp_(-m, m).to(dtype)
+
+
+def _as_fp32(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``x`` in float32, detached, and whether that is a fresh copy the caller may overwrite."""
+    x = x.detach()
+    return (x, False) if x.dtype == torch.float32 else (x.to(torch.float32), True)
+
+
+def _scaled(x32: torch.Tensor, owned: bool, scale: torch.Tensor) -> torch.Tensor:
+    """``x32 * scale`` in float32, in place on a copy we own (one pass fewer)."""
+    return x32.mul_(scale) if owned else x32 * scale
 
 
 # --- dispatch hook: fused Triton casts (lowprec.fp8.kernels) -------------------------------
@@ -114,13 +135,18 @@ def quantize_tensorwise(
 ) -> Float8Data:
     """One scale for the whole tensor; computed from ``amax(x)`` unless ``scale`` is given
     (delayed scaling passes the scale derived from its amax history)."""
-    if scale is None:
-        scale = amax_to_scale(amax(x), dtype, margin=margin, power_of_2=power_of_2)
+    given = scale is not None
     if _fused_cast(x, scale):
         from lowprec.fp8 import kernels
 
+        if scale is None:
+            scale = amax_to_scale(amax(x), dtype, margin=margin, power_of_2=power_of_2)
         return Float8Data(kernels.cast_amax(x, scale, dtype)[0], scale, "tensor", None, power_of_2)
-    return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "tensor", None, power_of_2)
+    x32, owned = _as_fp32(x)  # the amax of the float32 copy: one bf16 pass fewer
+    if scale is None:
+        scale = amax_to_scale(amax(x32), dtype, margin=margin, power_of_2=power_of_2)
+    data = _saturate_(_scaled(x32, owned, scale), dtype, may_hold_inf=given)
+    return Float8Data(data, scale, "tensor", None, power_of_2)
 
 
 def quantize_axiswise(
@@ -139,8 +165,10 @@ def quantize_axiswise(
 
         data, scale = kernels.cast_rowwise(x, dtype, power_of_2)
         return Float8Data(data, scale, "axis", None, power_of_2)
-    scale = amax_to_scale(amax_along(x, dim), dtype, power_of_2=power_of_2)
-    return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "axis", None, power_of_2)
+    x32, owned = _as_fp32(x)
+    scale = amax_to_scale(amax_along(x32, dim), dtype, power_of_2=power_of_2)
+    data = _saturate_(_scaled(x32, owned, scale), dtype, may_hold_inf=False)
+    return Float8Data(data, scale, "axis", None, power_of_2)
 
 
 def expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
@@ -167,7 +195,8 @@ def quantize_blockwise(
     pr, pc = (-r) % br, (-c) % bc
     xp = torch.nn.functional.pad(x.detach(), (0, pc, 0, pr)) if (pr or pc) else x
     scale = amax_to_scale(block_amax(xp, block), dtype, power_of_2=power_of_2)
-    data = _saturate_(x.to(torch.float32) * expand_blocks(scale, block, x.shape), dtype)
+    x32, owned = _as_fp32(x)
+    data = _saturate_(_scaled(x32, owned, expand_blocks(scale, block, x.shape)), dtype, may_hold_inf=False)
     return Float8Data(data, scale, "block", (br, bc), power_of_2)
 
 
