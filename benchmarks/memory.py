@@ -18,7 +18,9 @@ step, zero_grad), per variant:
 * ``fp8``        ``lowprec.fp8.convert`` (tensorwise, FP8 activations saved for backward),
                  ``torch.optim.AdamW``;
 * ``fp8_o2``     FP8 GEMMs + FP8-saved activations + O2: the configuration with the target
-                 (at most 0.65x the peak of ``bf16_amp``).
+                 (at most 0.65x the peak of ``bf16_amp``);
+* ``fp8_o2_bf16w`` the same with bf16 weights and no fp32 master copy (FP8AdamW
+                 ``master_weights="stochastic"``: updates written back with stochastic rounding).
 
 GPU: ``torch.cuda.max_memory_allocated`` minus the memory allocated before the variant.
 CPU: the profiler's allocator events (``profile_memory=True``), replayed in time order: each
@@ -44,7 +46,7 @@ from lowprec.optim import FP8AdamW, apply_opt_level  # noqa: E402
 from lowprec.optim.fp8_grads import fp8_grad  # noqa: E402
 from lowprec.train.model import build_model  # noqa: E402
 
-VARIANTS = ("bf16_amp", "bf16_amp_o1", "bf16_amp_o2", "fp8", "fp8_o2")
+VARIANTS = ("bf16_amp", "bf16_amp_o1", "bf16_amp_o2", "fp8", "fp8_o2", "fp8_o2_bf16w")
 
 
 def _state_bytes(opt: torch.optim.Optimizer, keys: tuple[str, ...] | None) -> int:
@@ -62,6 +64,7 @@ def state_bytes_per_param(model_name: str, device: torch.device, seq: int) -> di
         "torch_adamw_fp32_params": (torch.float32, lambda ps: torch.optim.AdamW(ps, foreach=False)),
         "fp8adamw_fp32_params": (torch.float32, lambda ps: FP8AdamW(ps)),
         "fp8adamw_bf16_params": (torch.bfloat16, lambda ps: FP8AdamW(ps)),
+        "fp8adamw_bf16_params_no_master": (torch.bfloat16, lambda ps: FP8AdamW(ps, master_weights="stochastic")),
         "fp8adamw_per_tensor_scale": (torch.float32, lambda ps: FP8AdamW(ps, block_size=None)),
     }
     torch.manual_seed(0)
@@ -120,6 +123,8 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, steps: int,
         torch.manual_seed(0)
         with device:
             model = build_model(model_name)
+        if variant.endswith("bf16w"):
+            model = model.to(torch.bfloat16)
         use_fp8 = variant.startswith("fp8")
         if use_fp8:
             recipe = fp8.Recipe.from_name("tensorwise", save_fp8_activations=True)
@@ -127,6 +132,8 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, steps: int,
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         if variant.endswith(("o1", "o2")):
             model, opt = apply_opt_level(model, opt, variant[-2:].upper())
+        elif variant.endswith("o2_bf16w"):
+            model, opt = apply_opt_level(model, opt, "O2", master_weights="stochastic")
         g = torch.Generator(device=device).manual_seed(0)
         for _ in range(steps):
             ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device, generator=g)

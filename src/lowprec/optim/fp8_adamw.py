@@ -1,4 +1,4 @@
-"""FP8AdamW: Adam/AdamW with an FP8 first moment, an FP16 second moment and fp32 masters.
+"""FP8AdamW: Adam/AdamW with an FP8 first moment, an FP16 second moment, fp32 or no masters.
 
 Per parameter ``p`` the state holds
 
@@ -7,7 +7,8 @@ Per parameter ``p`` the state holds
 ``exp_avg_scale``   float32 ``(numel/block,)``    one scale per ``block_size`` elements
 ``exp_avg_sq``      FP16, ``p``'s shape           ``sqrt(v) * scale`` (see moments.py: why sqrt)
 ``exp_avg_sq_scale`` float32 ``()``               one power-of-2 scale per tensor
-``master_param``    float32 (only if ``p`` is not) the weights the update is applied to
+``master_param``    float32 (only if ``p`` is not, the weights the update is applied to;
+                    and ``master_weights`` fp32)
 ``step``            float32 ``()``                as torch.optim.Adam keeps it
 =================== ============================= =============================================
 
@@ -15,6 +16,16 @@ So the moments cost ``1 + 2 + 4 / block_size`` bytes per parameter (3.03 at bloc
 of 8. Each step decodes one parameter's moments to fp32, applies the textbook Adam(W) update in
 fp32 with the fresh moments, and re-encodes them; the transient fp32 buffers are those of the
 largest single parameter.
+
+16-bit parameters (a bf16 or fp16 model): ``master_weights="fp32"`` (default) keeps a 4-byte
+master copy, 7.03 bytes per parameter with the moments. ``master_weights="stochastic"`` keeps
+none: the update is computed in fp32 from the 16-bit weight and written back with stochastic
+rounding (unbiased: an update smaller than half a bf16 ulp still moves the weight on average,
+where round-to-nearest would drop it every step), 3.03 bytes per parameter. The rounding noise
+is seeded like the moments' (``seed``, step, parameter index), so runs and resumed runs are
+identical. MS-AMP instead keeps a 16-bit master with a scaling factor (5.03 bytes here);
+Kahan-compensated bf16 updates would also cost 2 more bytes. ``master_weights="nearest"`` keeps
+none and rounds to nearest (what ``torch.optim.AdamW`` does on bf16 parameters).
 
 Why blockwise scales for ``m``: E4M3 spans ~2^17 from its max to its smallest subnormal, and
 ``m`` of one weight matrix can span more (rows seen by rare tokens); a per-tensor scale flushes
@@ -46,12 +57,22 @@ from lowprec.optim.moments import (
     decode_exp_avg_sq,
     encode_exp_avg,
     encode_exp_avg_sq,
+    stochastic_round,
 )
 
 __all__ = ["FP8AdamW", "FP8Adam", "set_block_segments", "block_segments"]
 
 DEFAULT_BLOCK_SIZE = 128
 ROUNDINGS = ("nearest", "stochastic")
+MASTER_WEIGHTS = ("fp32", "stochastic", "nearest")
+
+
+def _master_mode(value) -> str:
+    """``master_weights`` as one of MASTER_WEIGHTS (True/False keep their old meaning)."""
+    mode = {True: "fp32", False: "nearest"}.get(value, value) if isinstance(value, bool) else value
+    if mode not in MASTER_WEIGHTS:
+        raise ValueError(f"master_weights={value!r}; use one of {MASTER_WEIGHTS} (or True / False)")
+    return mode
 SEGMENTS_ATTR = "_lowprec_block_segments"
 
 
@@ -85,7 +106,10 @@ class FP8AdamW(Optimizer):
         exp_avg_sq_dtype: storage of ``sqrt`` of the second moment: float16 (default),
             bfloat16 or float32, with a per-tensor power-of-2 scale.
         block_size: elements per scale of the FP8 first moment; None for one scale per tensor.
-        master_weights: keep fp32 master copies of non-fp32 parameters (bf16/fp16 models).
+        master_weights: for non-fp32 parameters (bf16/fp16 models): ``"fp32"`` (or True, the
+            default) keeps fp32 master copies; ``"stochastic"`` keeps none and writes each
+            update back with seeded stochastic rounding; ``"nearest"`` (or False) keeps none
+            and rounds to nearest. fp32 parameters are updated in place in every mode.
         exp_avg_rounding: ``"nearest"`` (default) or ``"stochastic"`` for the FP8 first
             moment. Stochastic removes the stall of nearly constant gradients (14 -> 28 dB)
             but costs ~3 dB with noisy gradients (docs/log/optim.md).
@@ -108,7 +132,7 @@ class FP8AdamW(Optimizer):
         exp_avg_dtype: torch.dtype = torch.float8_e4m3fn,
         exp_avg_sq_dtype: torch.dtype = torch.float16,
         block_size: int | None = DEFAULT_BLOCK_SIZE,
-        master_weights: bool = True,
+        master_weights: bool | str = "fp32",
         exp_avg_rounding: str = "nearest",
         exp_avg_sq_rounding: str = "stochastic",
         seed: int = 0,
@@ -137,7 +161,7 @@ class FP8AdamW(Optimizer):
         self.exp_avg_dtype = exp_avg_dtype
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
         self.block_size = block_size
-        self.master_weights = master_weights
+        self.master_weights = _master_mode(master_weights)
         for name, value in (("exp_avg_rounding", exp_avg_rounding),
                             ("exp_avg_sq_rounding", exp_avg_sq_rounding)):
             if value not in ROUNDINGS:
@@ -159,7 +183,7 @@ class FP8AdamW(Optimizer):
         state["exp_avg_sq"], state["exp_avg_sq_scale"] = encode_exp_avg_sq(
             zeros, self.exp_avg_sq_dtype
         )
-        if self.master_weights and p.dtype != torch.float32:
+        if self.master_weights == "fp32" and p.dtype != torch.float32:
             state["master_param"] = p.detach().to(torch.float32).clone()
         return state
 
@@ -202,6 +226,8 @@ class FP8AdamW(Optimizer):
                     continue
                 state = self.state[p] if len(self.state[p]) else self._init_state(p)
                 master = state.get("master_param", p)
+                if master.dtype != torch.float32:  # no master copy: update a transient fp32 copy
+                    master = p.to(torch.float32)
                 if wd and not group["adamw"]:
                     g = g.add(master, alpha=wd)
                 state["step"] += 1
@@ -219,10 +245,12 @@ class FP8AdamW(Optimizer):
                 bias2 = 1.0 - beta2**t
                 denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
                 master.addcdiv_(m, denom, value=-lr / bias1)
-                if master is not p:
-                    p.copy_(master)
-
                 step = int(t)
+                if master is not p:
+                    mode = "stochastic" if self.master_weights == "stochastic" else "nearest"
+                    noise = self._noise(p, step, index, 2, mode, p.dtype)
+                    p.copy_(master if noise is None else stochastic_round(master, p.dtype, noise))
+
                 state["exp_avg"], state["exp_avg_scale"] = encode_exp_avg(
                     m, self.exp_avg_dtype, self.block_size,
                     self._noise(p, step, index, 0, self.exp_avg_rounding, self.exp_avg_dtype),
