@@ -15,7 +15,8 @@ Paths
                (power-of-two block scales). See ``cpu_gemm.py`` for why and the error bound.
 ``emulate``    dequantize both operands to float32 (``data * (1/scale)``) and ``torch.matmul``
                in float32; any device, any granularity. The reference the others are tested
-               against. Block scales on CUDA take this path (no portable blockwise kernel yet).
+               against. Block scales on CUDA take this path where torch's blockwise kernel
+               (``block_gemm.py``: sm_90, 1x128 x 128x128 and 1x128 x 1x128) cannot run.
 
 ``auto`` picks ``scaled_mm`` on FP8 GPUs, the probe's choice on CPU, ``emulate`` elsewhere.
 The kernels agree with ``emulate`` within documented bounds, not bit for bit: cuBLAS and
@@ -28,7 +29,7 @@ import logging
 
 import torch
 
-from lowprec.fp8 import cpu_gemm
+from lowprec.fp8 import block_gemm, cpu_gemm
 from lowprec.fp8.quantize import Float8Data, dequantize
 from lowprec.fp8.recipes import GEMM_BACKENDS as GEMM_PATHS
 
@@ -81,7 +82,13 @@ def gemm_path(requested: str, device: torch.device, a: Float8Data, b: Float8Data
         raise ValueError(f"gemm={requested!r}; use one of {GEMM_PATHS}")
     gran = _granularity(a, b)
     both_e5m2 = a.data.dtype == _E5M2 and b.data.dtype == _E5M2
-    native = native_scaled_mm_available(device, gran) and not both_e5m2
+    if gran == "block":  # torch's blockwise kernel: sm_90, supported tile pairs, self-checked once
+        native = (
+            device.type == "cuda" and native_scaled_mm_available(device, "axis")
+            and block_gemm.supported(a, b) and block_gemm.self_check(device)
+        )
+    else:
+        native = native_scaled_mm_available(device, gran) and not both_e5m2
     if requested == "emulate":
         return "emulate"
     if requested == "upcast":
@@ -95,6 +102,15 @@ def gemm_path(requested: str, device: torch.device, a: Float8Data, b: Float8Data
                 f"{device} (torch {torch.__version__}); use gemm='auto' or 'emulate'"
             )
         return "scaled_mm"
+    if gran == "block" and device.type == "cuda":
+        if not native and "block_cuda" not in _LOGGED:
+            _LOGGED.add("block_cuda")
+            logger.warning(
+                "lowprec.fp8: a blockwise GEMM on %s (%sx%sx%s, tiles %s x %s) runs emulated in float32: "
+                "torch's blockwise kernel needs sm_90, E4M3, K in whole 128-tiles and 16-aligned M/N",
+                device, a.data.shape[0], a.data.shape[1], b.data.shape[1], a.block, b.block,
+            )
+        return "scaled_mm" if native else "emulate"
     path = default_path(device, gran)
     return "emulate" if path == "scaled_mm" and not native else path
 
@@ -158,6 +174,8 @@ def scaled_mm(
         raise ValueError(f"scaled_mm needs (M, K) x (K, N), got {tuple(a.shape)} x {tuple(b.shape)}")
     resolved = gemm_path(path, a.data.device, a, b)
     if resolved == "scaled_mm":
+        if "block" in (a.granularity, b.granularity):
+            return block_gemm.blockwise_mm(a, b, out_dtype)
         return _native(a, b, out_dtype, use_fast_accum)
     if resolved == "upcast":
         out = cpu_gemm.upcast_mm(a, b, out_dtype)

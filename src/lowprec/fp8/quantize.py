@@ -173,7 +173,8 @@ def quantize_axiswise(
 
 def expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
     """Per-tile ``scale`` repeated to every element of a ``shape`` tensor (ragged edges cut)."""
-    full = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    rows, cols = scale.shape
+    full = scale.reshape(rows, 1, cols, 1).expand(rows, block[0], cols, block[1]).reshape(rows * block[0], cols * block[1])
     return full[: shape[0], : shape[1]]
 
 

@@ -1,0 +1,106 @@
+"""The CUDA blockwise GEMM path, checked without a GPU: every GEMM of the blockwise recipe goes
+through torch's own meta function for ``F.scaled_mm`` on meta tensors (it checks the scale
+shapes and strides the cuBLAS kernel needs), and the dispatch picks the kernel only on sm_90
+after the self-check (decided from shapes and dtypes: CPU tensors stand in for CUDA ones). The
+kernel's numbers are checked on a GPU by ``pytest -m gpu``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import lowprec.fp8 as fp8
+from lowprec.fp8 import block_gemm, gemm
+from lowprec.fp8.gemm import gemm_path
+
+pytestmark = pytest.mark.skipif(not block_gemm._torch_has_it(), reason="this torch has no blockwise F.scaled_mm")
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def as_sm90(monkeypatch):
+    """Dispatch as on an H100 whose self-check passed (no GPU here)."""
+    monkeypatch.setitem(gemm._CAPABILITY, ("cuda", None), (9, 0))
+    monkeypatch.setattr(block_gemm, "self_check", lambda device: True)
+
+
+def test_every_blockwise_gemm_passes_torchs_layout_checks():
+    """The three GEMMs of the blockwise recipe, cast as ``Float8Linear`` casts them (its plan and
+    ``_cast``), on meta tensors: each reaches ``F.scaled_mm``'s meta function, which checks the
+    scale shapes and strides cuBLAS needs."""
+    from lowprec.fp8.linear import _cast
+
+    recipe = fp8.Recipe.from_name("blockwise")
+    plan = recipe.plan()
+    m, k, n = 256, 640, 384
+    x, w, dy = (torch.empty(s, device="meta") for s in ((m, k), (n, k), (m, n)))
+    gemms = {
+        "output": (_cast(x, plan.fprop.a, 1, recipe), _cast(w, plan.fprop.b, 1, recipe).t(), (m, n)),
+        "grad_input": (_cast(dy, plan.dgrad.a, 1, recipe), _cast(w, plan.dgrad.b, 0, recipe), (m, k)),
+        "grad_weight": (_cast(dy, plan.wgrad.a, 0, recipe).t(), _cast(x, plan.wgrad.b, 0, recipe), (n, k)),
+    }
+    for name, (a, b, shape) in gemms.items():
+        assert block_gemm.supported(a, b), name
+        assert block_gemm.blockwise_mm(a, b, torch.float32).shape == shape, name
+    assert gemms["grad_weight"][1].block == (128, 1)  # the 1x128 x 1x128 pair
+
+
+def _operands(m, k, n):
+    a = fp8.quantize(torch.randn(m, k), fp8.E4M3, "block", block=(1, 128))
+    b = fp8.quantize(torch.randn(n, k), fp8.E4M3, "block", block=(128, 128)).t()
+    return a, b
+
+
+def test_sm90_picks_the_kernel_after_its_self_check(as_sm90):
+    a, b = _operands(256, 640, 384)
+    assert gemm_path("auto", CUDA, a, b) == "scaled_mm"
+    assert gemm_path("scaled_mm", CUDA, a, b) == "scaled_mm"
+    assert gemm_path("emulate", CUDA, a, b) == "emulate"
+
+
+def test_shapes_the_kernel_cannot_take_are_emulated_and_logged_once(as_sm90, caplog):
+    gemm._LOGGED.discard("block_cuda")
+    a, b = _operands(24, 200, 48)  # K=200 is not whole 128-tiles
+    with caplog.at_level(logging.WARNING, logger="lowprec.fp8"):
+        assert gemm_path("auto", CUDA, a, b) == "emulate"
+        assert gemm_path("auto", CUDA, a, b) == "emulate"
+    with pytest.raises(RuntimeError, match="gemm='auto' or 'emulate'"):
+        gemm_path("scaled_mm", CUDA, a, b)
+    assert sum("runs emulated" in r.message for r in caplog.records) == 1
+
+
+def test_below_sm90_blockwise_is_emulated(monkeypatch):
+    monkeypatch.setitem(gemm._CAPABILITY, ("cuda", None), (8, 9))
+    monkeypatch.setattr(block_gemm, "self_check", lambda device: pytest.fail("no self-check below sm_90"))
+    a, b = _operands(128, 256, 128)
+    assert gemm_path("auto", CUDA, a, b) == "emulate"
+
+
+def test_a_failed_self_check_means_emulation_logged_once(monkeypatch, caplog):
+    block_gemm._CHECKED.clear()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(block_gemm, "blockwise_mm", broken)
+    dev = torch.device("cpu")  # the check itself runs anywhere: the kernel call is what fails
+    with caplog.at_level(logging.WARNING, logger="lowprec.fp8"):
+        assert block_gemm.self_check(dev) is False
+        assert block_gemm.self_check(dev) is False
+    block_gemm._CHECKED.clear()
+    assert sum("are emulated" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.gpu
+def test_blockwise_kernel_matches_emulation_on_gpu():
+    dev = torch.device("cuda")
+    if torch.cuda.get_device_capability(dev) < (9, 0):
+        pytest.skip("torch's blockwise FP8 GEMM needs sm_90")
+    assert block_gemm.self_check(dev)
+    a = fp8.quantize(torch.randn(256, 512, device=dev), fp8.E4M3, "block", block=(1, 128))
+    b = fp8.quantize(torch.randn(384, 512, device=dev), fp8.E4M3, "block", block=(128, 128)).t()
+    got = fp8.scaled_mm(a, b, torch.float32)
+    ref = fp8.scaled_mm(a, b, torch.float32, path="emulate")
+    assert (got - ref).abs().max() <= 2.0**-7 * ref.abs().max()
