@@ -16,7 +16,7 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
-__all__ = ["NAME", "HELP", "add_parser", "run", "add_config_flags", "overrides_from_args", "relaunch_command"]
+__all__ = ["NAME", "HELP", "add_parser", "run", "add_config_flags", "overrides_from_args", "relaunch_command", "resume_command"]
 
 NAME = "train"
 HELP = "train the built-in (or a local HF) model from an Axolotl-style YAML config"
@@ -86,6 +86,20 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
     return argv + (["--quiet"] if args.quiet else [])
 
 
+def resume_command(args: argparse.Namespace) -> str:
+    """``lowprec train ... --resume_from_checkpoint auto``: this command line, continuing."""
+    import shlex
+
+    argv = [a for a in _argv_of(args)]
+    for i, tok in enumerate(argv[:-1]):
+        if tok == "--resume_from_checkpoint":
+            del argv[i:i + 2]
+            break
+    if getattr(args, "num_processes", 1) > 1:
+        argv += ["--num_processes", str(args.num_processes)]
+    return shlex.join(["lowprec", "train", *argv, "--resume_from_checkpoint", "auto"])
+
+
 def _child_env() -> dict[str, str]:
     """The workers' environment: the YAML is the only source of settings, so launch variables
     inherited from the shell (ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_FSDP, ...) are dropped."""
@@ -138,9 +152,15 @@ def run(args: argparse.Namespace) -> int:
         return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
     _setup_logging(args.quiet)
     _drop_launch_env()
+    from lowprec.errors import NonFiniteError
     from lowprec.train.trainer import train
 
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except (NonFiniteError, KeyboardInterrupt) as exc:
+        # one line, with the command that continues the run (the CLI prints it and exits 3 / 130)
+        text = f"{exc or 'interrupted'}; to continue: {resume_command(args)}"
+        raise type(exc)(text) from None
     if int(os.environ.get("RANK", "0")) == 0:
         ev = "n/a" if result.final_eval_loss is None else f"{result.final_eval_loss:.4f}"
         tr = "n/a" if result.final_train_loss is None else f"{result.final_train_loss:.4f}"
