@@ -78,6 +78,7 @@ def _parse(argv: list[str]):
     else:
         args = sub.parse_args(tokens)
     args.command = name
+    args.argv = list(tokens)  # the command line as typed (for "to continue: ..." hints)
     return module, args
 
 

@@ -58,7 +58,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def relaunch_command(argv: Sequence[str], num_processes: int) -> list[str]:
-    """``python -m torch.distributed.run ... -m lowprec.cli.main train <argv without --num_processes>``."""
+    """``python -m lowprec.cli._torchrun ... -m lowprec.cli.main train <argv without --num_processes>``."""
     from lowprec.cli.launch import build_command
     from lowprec.config.env import LaunchSettings
 
@@ -147,8 +147,10 @@ def run(args: argparse.Namespace) -> int:
     if args.num_processes < 1:
         raise ValueError(f"--num_processes {args.num_processes}: use 1 or more")
     if args.num_processes > 1 and "WORLD_SIZE" not in os.environ:
+        from lowprec.cli._torchrun import CONTINUE_VAR
+
         cmd = relaunch_command(_argv_of(args), args.num_processes)
-        proc = subprocess.run(cmd, env=_child_env(), check=False)
+        proc = subprocess.run(cmd, env={**_child_env(), CONTINUE_VAR: resume_command(args)}, check=False)
         return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
     _setup_logging(args.quiet)
     _drop_launch_env()

@@ -117,6 +117,17 @@ class NonFiniteGuard:
             flag = flag + self._loss_flag.to(flag.device)
         return bool(self._reduce(flag).item() > 0)
 
+    def loss_flag_pending(self) -> bool:
+        return self._loss_flag is not None
+
+    def fold_into_scaler(self, scaler: Any, optimizer: Any) -> None:
+        """Add the loss flag to GradScaler's per-device found-inf tensors of ``optimizer`` (set by
+        ``unscale_``; private but stable since torch 1.6), so ``scaler.step`` skips on it too."""
+        infs = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device") or {}
+        for found in infs.values():
+            found.add_(self._loss_flag.to(found.device))
+            break
+
     def loss_was_nonfinite(self) -> bool:
         """Host read of the loss flag; only called after a scaler already skipped the step."""
         return self._loss_flag is not None and bool(self._loss_flag.item() > 0)

@@ -74,6 +74,13 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         guard = self.guard
         counts, why = True, "loss or gradients not finite"
         if self.scaler is not None:
+            if guard is not None and guard.enabled and guard.loss_flag_pending():
+                # an inf loss can give finite gradients: hand the loss flag to the scaler's own
+                # found-inf check, so one decision (and no extra host read) covers both
+                if not self.unscaled:
+                    self.scaler.unscale_(self.optimizer)
+                    self.unscaled = True
+                guard.fold_into_scaler(self.scaler, self.optimizer)
             scale_before = self.scaler.get_scale()
             result = self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
             self.scaler.update()
