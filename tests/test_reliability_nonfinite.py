@@ -159,3 +159,34 @@ def test_the_check_adds_at_most_one_host_read_per_step(precision, extra, monkeyp
         monkeypatch.undo()
         counts[enabled] = n
     assert counts[True] - counts[False] == 3 * extra
+
+
+# ----------------------------------------------------------------------------- the trainer
+def test_trainer_diverging_run_stops_with_exit_3_and_saves_nothing_nonfinite(tmp_path, capsys):
+    """learning_rate 1e30: the weights blow up after step 1; every later step is skipped, the
+    run stops after 3 in a row (exit 3, one line naming the last good checkpoint and how to
+    continue), metrics.jsonl counts the skips, and neither a checkpoint nor the exported model
+    holds a NaN."""
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    from lowprec.cli.main import main
+
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny.yaml")
+    out = tmp_path / "run"
+    rc = main(["train", tiny, "--learning_rate", "1e30", "--max_steps", "8", "--save_steps", "2", "--eval_steps", "null",
+               "--output_dir", str(out), "--use_tensorboard", "false", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 3
+    assert err[-1].startswith("lowprec: stopped: 3 consecutive optimizer steps") and "Traceback" not in "".join(err)
+    assert f"last good checkpoint: {out}" in err[-1] and "--resume_from_checkpoint auto" in err[-1]
+    skips = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"skip"' in line]
+    assert [r["step"] for r in skips] == [2, 3, 4]
+    assert len([line for line in err if "step skipped" in line]) == 3  # logged once each
+    assert not (out / "model.safetensors").exists() or all(
+        torch.isfinite(t.float()).all() for t in load_file(str(out / "model.safetensors")).values())
+    for ckpt in out.glob("checkpoint-*"):
+        for name, t in load_file(str(ckpt / "model_0.safetensors")).items():
+            assert not t.is_floating_point() or torch.isfinite(t.float()).all(), (ckpt.name, name)
