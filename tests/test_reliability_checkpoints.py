@@ -208,3 +208,32 @@ def test_trainer_resume_auto_executes_nothing(trainer_checkpoint, tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith("lowprec: error: ") and os.path.basename(str(target)) in err[-1], err
     assert not any("Traceback" in line for line in err)
+
+
+# ----------------------------------------------------------------------------- DeepSpeed's own files
+@pytest.mark.parametrize("name", ["mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+def test_deepspeed_files_are_scanned_before_deepspeed_unpickles_them(tmp_path, name):
+    """DeepSpeed loads with ``weights_only=False``; the scan (opcodes only) must refuse a file
+    naming any global outside torch's safe set and DeepSpeed's own data classes, and accept
+    what DeepSpeed writes. (A full ZeRO-2 save, tamper and load_state was run by hand: see
+    docs/log/rel.md.)"""
+    from lowprec.checkpoint_io import check_deepspeed_dir
+
+    state = tmp_path / "deepspeed_0" / "state"
+    state.mkdir(parents=True)
+    (tmp_path / "deepspeed_0" / "latest").write_text("state")
+    (tmp_path / "deepspeed_0" / "zero_to_fp32.py").write_text("print('helper DeepSpeed copies; never loaded')\n")
+    good = {"module": {"w": torch.zeros(2)}, "ds_version": "0.19", "lr": [1e-3], "ok": (1, None)}
+    try:
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+
+        good["zero_stage"] = ZeroStageEnum(2)
+    except ImportError:
+        pass
+    torch.save(good, str(state / name))
+    check_deepspeed_dir(str(tmp_path / "deepspeed_0"))
+    marker = tmp_path / "MARKER"
+    _tamper(str(state / name), str(marker))
+    with pytest.raises(CheckpointError, match=rf"{name}.*posix.system"):
+        check_deepspeed_dir(str(tmp_path / "deepspeed_0"))
+    assert not marker.exists()

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lowprec.checkpoint_io import load_object, load_pickle, read_checked, save_object
+from lowprec.checkpoint_io import check_deepspeed_dir, load_object, load_pickle, read_checked, save_object
 from lowprec.errors import CheckpointError
 from lowprec.utils.distributed import (
     full_model_state_dict,
@@ -310,6 +310,7 @@ def load_state(acc: Any, input_dir: str) -> None:
     for i, m in enumerate(acc._models):
         inner = acc.unwrap_model(m)
         if _is_ds(m):
+            check_deepspeed_dir(os.path.join(input_dir, f"deepspeed_{i}"))  # DeepSpeed itself unpickles freely
             m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")
         else:
             load_full_model_state_dict(inner, load_tensors(_model_file(input_dir, i, safe)))

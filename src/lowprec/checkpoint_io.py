@@ -13,6 +13,9 @@ unpickles freely:
   unpickler builds tensors and plain containers only, plus the explicit allow-list
   :data:`LEGACY_ALLOWED` (numpy's array reconstruction, for the RNG states older versions
   pickled);
+* DeepSpeed reads its own files with ``torch.load(weights_only=False)``; before it may,
+  :func:`check_deepspeed_dir` lists the globals each file names (torch's opcode scan, nothing
+  executed) and refuses any outside torch's safe set and :data:`DEEPSPEED_ALLOWED`;
 * any file that fails to parse raises :class:`~lowprec.errors.CheckpointError`, one line naming
   the file.
 """
@@ -27,7 +30,10 @@ import torch
 
 from lowprec.errors import CheckpointError
 
-__all__ = ["save_object", "load_object", "load_pickle", "read_checked", "LEGACY_ALLOWED", "OBJECT_KEY"]
+__all__ = [
+    "save_object", "load_object", "load_pickle", "read_checked", "check_deepspeed_dir", "LEGACY_ALLOWED",
+    "DEEPSPEED_ALLOWED", "OBJECT_KEY",
+]
 
 OBJECT_KEY = "lowprec_object"  # the safetensors metadata entry holding the JSON skeleton
 _T = TypeVar("_T")
@@ -50,6 +56,14 @@ def _legacy_allowed() -> list:
 
 
 LEGACY_ALLOWED = _legacy_allowed()
+# what DeepSpeed 0.1x pickles besides tensors (ZeRO 1-3, bf16/fp16/fp32; found by saving each):
+# plain data classes and an enum, rebuilt without running code of theirs
+DEEPSPEED_ALLOWED = frozenset({
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+})
 
 
 # --------------------------------------------------------------------------- encode / decode
@@ -153,3 +167,21 @@ def load_pickle(path: str) -> Any:
     torch's restricted unpickler: tensors, plain containers and :data:`LEGACY_ALLOWED` only; a
     file naming any other global (a class, ``os.system``) is refused before anything runs."""
     return read_checked(path, _read_pickle)
+
+
+def _check_globals(path: str) -> None:
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)  # parses opcodes only
+    bad = sorted(set(unsafe) - DEEPSPEED_ALLOWED)
+    if bad:
+        raise ValueError(f"it names {', '.join(bad[:3])}, which DeepSpeed never writes: refused before loading")
+
+
+def check_deepspeed_dir(directory: str) -> None:
+    """Refuse a DeepSpeed checkpoint directory holding a pickle that would run code on load."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint directory {directory} is missing; the checkpoint is incomplete")
+    for root, _, names in os.walk(directory):
+        for name in sorted(names):
+            if name == "latest" or name.endswith(".py"):  # a text tag and helper scripts DeepSpeed copies
+                continue
+            read_checked(os.path.join(root, name), _check_globals)
