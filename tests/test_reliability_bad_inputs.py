@@ -62,6 +62,7 @@ TRAIN_YAML = [
     ("fsdp-config-alone", {"fsdp_config": {"reshard_after_forward": False}}, "add fsdp_version: 2"),
     ("deepspeed-and-fsdp", {"deepspeed": {"zero_optimization": {"stage": 1}}, "fsdp_version": 2}, "pick one"),
     ("deepspeed-missing-file", {"deepspeed": "/nonexistent/ds.json"}, "not found"),
+    ("deepspeed-bad-json", {"deepspeed": "{bad_json}"}, "not valid JSON"),
     ("eval-without-validation", {"eval_steps": 5, "val_set_size": 0}, "set val_set_size"),
     ("val-set-size-1.5", {"val_set_size": 1.5}, "val_set_size"),
     ("bf16-maybe", {"bf16": "maybe"}, "bf16"),
@@ -159,6 +160,10 @@ def _write(tmp_path, body, base: dict) -> str:
 
 @pytest.mark.parametrize("body, expected", [r[1:] for r in TRAIN_YAML], ids=[r[0] for r in TRAIN_YAML])
 def test_trainer_yaml(tmp_path, capsys, body, expected):
+    bad_json = tmp_path / "ds.json"
+    bad_json.write_text("{zero_optimization: 1")
+    if isinstance(body, dict):
+        body = {k: v.format(bad_json=bad_json) if isinstance(v, str) else v for k, v in body.items()}
     path = _write(tmp_path, body, {**BASE, "output_dir": str(tmp_path / "out")})
     _check_one_line(*_cli(["train", path, "--quiet"], capsys), expected)
 

@@ -152,3 +152,25 @@ def test_ctrl_c_writes_a_summary_and_says_how_to_resume(tmp_path):
     assert last.endswith("--resume_from_checkpoint auto")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["steps"] >= 2
+
+
+def test_a_killed_rank_ends_in_one_lowprec_line(tmp_path):
+    """``lowprec launch --num_processes 2``: rank 1 dies of SIGKILL; the launch ends with one
+    lowprec line naming the rank, the cause and the command to continue, no torchrun traceback,
+    and the worker's exit status (128 + 9)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "worker.py"
+    script.write_text("import os, signal, time\n"
+                      "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "time.sleep(30)\n")
+    env = {**os.environ, "PYTHONPATH": os.path.join(root, "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "lowprec.cli.main", "launch", "--num_processes", "2", str(script)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 137, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("lowprec: rank 1 (local rank 1") and "killed by SIGKILL" in last, last
+    assert last.endswith(f"to continue: lowprec launch --num_processes 2 {script}")
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr

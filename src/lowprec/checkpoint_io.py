@@ -50,8 +50,11 @@ def _legacy_allowed() -> list:
     except ImportError:
         return []
     core = getattr(np, "_core", None) or np.core
-    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype]
+    rebuild = core.multiarray._reconstruct
+    allowed: list = [rebuild, np.ndarray, np.dtype]
     allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float64")]
+    # a file pickled under numpy 1.x names the function by its old module path
+    allowed += [(rebuild, "numpy.core.multiarray._reconstruct")]
     return allowed
 
 

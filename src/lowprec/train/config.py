@@ -264,6 +264,16 @@ class TrainConfig(_Strict):
     def _deepspeed(cls, v: Optional[Union[str, dict[str, Any]]]) -> Optional[Union[str, dict[str, Any]]]:
         if isinstance(v, str) and not os.path.isfile(v):
             raise ValueError(f"DeepSpeed config file {v!r} not found; give a JSON file path or an inline mapping")
+        if isinstance(v, str):  # read now: a broken file would otherwise fail inside every worker
+            import json
+
+            try:
+                with open(v) as f:
+                    body = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"DeepSpeed config file {v!r} is not valid JSON ({exc}); fix the file") from None
+            if not isinstance(body, dict):
+                raise ValueError(f"DeepSpeed config file {v!r} holds a JSON {type(body).__name__}, not an object")
         return v
 
     @field_validator("fsdp_version")

@@ -370,10 +370,12 @@ def train(
                             grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                         try:
                             optimizer.step()
-                        finally:  # a step skipped for NaN/inf loss or gradients (every precision)
-                            if acc.optimizer_step_was_skipped:
-                                skipped += 1
-                                writer.write({"kind": "skip", "step": state.step + 1, "skipped_steps": skipped})
+                        except NonFiniteError:  # the last skip of too many in a row: count it too
+                            writer.write({"kind": "skip", "step": state.step + 1, "skipped_steps": skipped + 1})
+                            raise
+                        if acc.optimizer_step_was_skipped:  # NaN/inf loss or gradients, every precision
+                            skipped += 1
+                            writer.write({"kind": "skip", "step": state.step + 1, "skipped_steps": skipped})
                         scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
             state.step += 1
