@@ -126,10 +126,23 @@ def _drop_launch_env() -> None:
         )
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a line is logged, not as it was when the handler
+    was made (callers that swap stderr, pytest's capture among them, would leave it closed)."""
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def _setup_logging(quiet: bool) -> None:
     log = logging.getLogger("lowprec")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
     rank = int(os.environ.get("RANK", "0"))
