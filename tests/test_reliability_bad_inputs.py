@@ -107,6 +107,10 @@ FLAGS = [
     ("launch-fsdp-and-deepspeed", ["launch", "--use_fsdp", "--use_deepspeed", "{script}"], "pick one"),
     ("launch-machine-rank", ["launch", "--num_processes", "2", "--num_machines", "2", "--machine_rank", "2", "{script}"], "machine_rank"),
     ("launch-missing-config", ["launch", "--config_file", "/nonexistent.yaml", "{script}"], "does not exist"),
+    ("launch-flag-blamed-not-yaml", ["launch", "--config_file", "{launch_yaml}", "--num_machines", "3", "{script}"],
+     "num_processes from {launch_yaml}; num_machines from --num_machines"),
+    ("launch-flag-fsdp1-over-yaml", ["launch", "--config_file", "{launch_yaml}", "--use_fsdp", "--fsdp_version", "1", "{script}"],
+     "fsdp_version from --fsdp_version"),
     ("compare-unknown-precision", ["compare", TINY, "--precisions", "fp9"], "unknown precision 'fp9'"),
 ]
 
@@ -174,7 +178,11 @@ def test_command_line_flags(tmp_path, capsys, argv, expected):
     script.write_text("raise SystemExit('the script must not run')\n")
     bad_json = tmp_path / "ds.json"
     bad_json.write_text("{zero_optimization: 1")
-    argv = [a.format(script=script, bad_json=bad_json) for a in argv]
+    launch_yaml = tmp_path / "launch.yaml"
+    launch_yaml.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
+    names = {"script": script, "bad_json": bad_json, "launch_yaml": launch_yaml}
+    argv = [a.format(**names) for a in argv]
+    expected = expected.format(**names)
     if argv[0] == "train" and argv[1] == TINY:  # the row's own flags come last and win
         argv = argv[:2] + ["--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--quiet"] + argv[2:]
     _check_one_line(*_cli(argv, capsys), expected)

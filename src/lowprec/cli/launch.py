@@ -124,7 +124,10 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
 
         yaml_layer = load_launch_config(config_file).to_settings()
     cli_layer = settings_from_args(args)
-    settings = LaunchSettings.from_layers(yaml_layer, cli_layer)
+    try:
+        settings = LaunchSettings.from_layers(yaml_layer, cli_layer)
+    except UsageError as exc:  # a combination: say where each value named in it came from
+        raise UsageError(f"{exc}{_origins(str(exc), yaml_layer, cli_layer, config_file)}") from None
     check_cli_flags_apply(cli_layer, settings)
     _check_files(settings, cli_layer, config_file)
 
@@ -148,6 +151,17 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     env.update(exported)
     command = build_command(settings, script, args.training_script_args, args.module)
     return LaunchPlan(settings, command, exported, removed, env, config_file, notes)
+
+
+def _origins(message: str, yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], config_file: str | None) -> str:
+    """`` (num_machines from --num_machines; num_processes from cfg.yaml)`` for the settings a
+    message names, so an error caused by a flag is not blamed on the file (or the reverse)."""
+    import re
+
+    named = dict.fromkeys(re.findall(r"\b([a-z][a-z0-9_]+)\b", message))
+    parts = [f"{k} from --{k}" if k in cli_layer else f"{k} from {config_file}"
+             for k in named if k in cli_layer or k in yaml_layer]
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _check_files(settings: LaunchSettings, cli_layer: Mapping[str, Any], config_file: str | None) -> None:

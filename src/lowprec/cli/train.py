@@ -173,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = train(cfg)
     except (NonFiniteError, KeyboardInterrupt) as exc:
+        if int(os.environ.get("RANK", "0")) != 0:  # every rank stops alike; rank 0 says why
+            return 3 if isinstance(exc, NonFiniteError) else 130
         # one line, with the command that continues the run (the CLI prints it and exits 3 / 130)
         text = f"{exc or 'interrupted'}; to continue: {resume_command(args)}"
         raise type(exc)(text) from None
