@@ -237,3 +237,15 @@ def test_deepspeed_files_are_scanned_before_deepspeed_unpickles_them(tmp_path, n
     with pytest.raises(CheckpointError, match=rf"{name}.*posix.system"):
         check_deepspeed_dir(str(tmp_path / "deepspeed_0"))
     assert not marker.exists()
+
+
+def test_a_well_formed_file_of_another_model_is_one_line(accelerator_checkpoints, tmp_path):
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(accelerator_checkpoints[True], ckpt)
+    save_file({"other.weight": torch.zeros(3, 3)}, str(ckpt / "model_0.safetensors"))
+    acc = _accelerator_run("fp16")
+    with pytest.raises(CheckpointError, match=r"model_0.safetensors does not fit this run") as info:
+        acc.load_state(str(ckpt))
+    assert "\n" not in str(info.value)

@@ -103,14 +103,9 @@ def test_poisoned_step_is_skipped(precision, site, value):
 def test_each_skip_is_logged_once_with_its_step(caplog):
     acc, model, opt = _setup("bf16")
     x = torch.randn(32, DIM)
-    log = logging.getLogger("lowprec")  # propagate may be off (the CLI's logging set-up)
-    log.addHandler(caplog.handler)
-    try:
-        with caplog.at_level(logging.WARNING, logger="lowprec"):
-            _step(acc, model, opt, x)
-            _step(acc, model, opt, x, "loss", float("nan"))
-    finally:
-        log.removeHandler(caplog.handler)
+    with caplog.at_level(logging.WARNING, logger="lowprec"):
+        _step(acc, model, opt, x)
+        _step(acc, model, opt, x, "loss", float("nan"))
     lines = [r.getMessage() for r in caplog.records if "step skipped" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("lowprec: optimizer step 2: ")
 

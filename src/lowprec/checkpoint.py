@@ -313,7 +313,8 @@ def load_state(acc: Any, input_dir: str) -> None:
             check_deepspeed_dir(os.path.join(input_dir, f"deepspeed_{i}"))  # DeepSpeed itself unpickles freely
             m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")
         else:
-            load_full_model_state_dict(inner, load_tensors(_model_file(input_dir, i, safe)))
+            path = _model_file(input_dir, i, safe)
+            _apply(lambda sd: load_full_model_state_dict(inner, sd), load_tensors(path), path)
         own = os.path.join(input_dir, f"buffers_{i}_rank{acc.process_index}.safetensors")
         if _per_rank_buffers(m) and os.path.isfile(own):
             with torch.no_grad():
@@ -324,7 +325,8 @@ def load_state(acc: Any, input_dir: str) -> None:
         if _is_ds(acc._optimizer_models.get(id(o))):
             continue
         osd = load_optimizer(os.path.join(input_dir, f"optimizer_{i}"))
-        load_full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer, osd)
+        owner = acc._optimizer_models.get(id(o))
+        _apply(lambda sd: load_full_optimizer_state_dict(owner, o.optimizer, sd), osd, os.path.join(input_dir, f"optimizer_{i}"))
     for i, s in enumerate(acc._schedulers):
         _apply(s, _read_state(input_dir, f"scheduler_{i}", ".bin"))
     for i, d in enumerate(acc._dataloaders):
@@ -373,14 +375,16 @@ def _read_state(directory: str, stem: str, legacy_ext: str) -> Any:
     return load_object(path)
 
 
-def _apply(obj: Any, state: Any) -> None:
-    """``obj.load_state_dict(state)``; a parsed file whose contents do not fit is one line too."""
+def _apply(obj: Any, state: Any, where: str = "") -> None:
+    """``obj.load_state_dict(state)`` (or ``obj(state)``); a parsed file whose contents do not
+    fit is one line too, naming the file when given."""
     try:
-        obj.load_state_dict(state)
+        obj(state) if callable(obj) and not hasattr(obj, "load_state_dict") else obj.load_state_dict(state)
     except Exception as exc:  # noqa: BLE001
+        what = where or f"the checkpoint's state for {type(obj).__name__}"
         raise CheckpointError(
-            f"the checkpoint's state for {type(obj).__name__} does not fit it ({type(exc).__name__}: "
-            f"{' '.join(str(exc).split())[:200]}); was the checkpoint written by another script?"
+            f"{what} does not fit this run ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); "
+            "was the checkpoint written by another script or model?"
         ) from None
 
 
