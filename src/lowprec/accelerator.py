@@ -149,9 +149,8 @@ class Accelerator:
             )
         self.project_dir = project_dir
         self.scaler = self._make_scaler()
-        # skip steps with NaN/inf loss or gradients, every precision (see utils/nonfinite.py)
-        self.nonfinite = NonFiniteGuard(skip_nonfinite_steps, max_consecutive_skipped_steps,
-                                        distributed=self.use_distributed, device=self.device)
+        # skip steps with NaN/inf loss or gradients, every precision (utils/nonfinite.py)
+        self.nonfinite = NonFiniteGuard(skip_nonfinite_steps, max_consecutive_skipped_steps, self.use_distributed, self.device)
         self._models: list[nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
