@@ -267,3 +267,19 @@ def test_python_arguments(call, expected):
 
 def test_the_tables_hold_at_least_80_bad_inputs():
     assert len(TRAIN_YAML) + len(FLAGS) + len(LAUNCH_YAML) + len(PYTHON) >= 80
+
+
+def test_a_smoke_run_shorter_than_the_warmup_is_clamped_with_a_note(tmp_path, caplog):
+    """``--max_steps 3`` on a config with ``warmup_steps: 10`` is a normal smoke run: the
+    warmup is clamped (logged, and recorded in resolved_config.yaml), not refused."""
+    from lowprec.train.config import load_config
+    from lowprec.train.trainer import train
+
+    cfg = load_config(TINY, {"max_steps": 3, "warmup_steps": 10, "output_dir": str(tmp_path), "fp8": False,
+                             "eval_steps": None, "val_set_size": 0.0, "use_tensorboard": False})
+    with caplog.at_level("WARNING", logger="lowprec"):
+        result = train(cfg)
+    assert result.steps == 3
+    assert any("warmup_steps: 10 clamped to 2" in r.getMessage() for r in caplog.records)
+    resolved = yaml.safe_load((tmp_path / "resolved_config.yaml").read_text())
+    assert resolved["_resolved"]["warmup_steps"]["value"] == 2
