@@ -149,7 +149,7 @@ class NonFiniteGuard:
             "lowprec: optimizer step %d: %s; step skipped, weights unchanged (%d skipped in a row, %d in all)",
             self.optimizer_steps, why, self.consecutive, self.skipped,
         )
-        if counts and self.max_consecutive is not None and self.consecutive >= self.max_consecutive:
+        if self.enabled and counts and self.max_consecutive is not None and self.consecutive >= self.max_consecutive:
             raise NonFiniteError(
                 f"{self.consecutive} consecutive optimizer steps (up to step {self.optimizer_steps}) had "
                 f"non-finite loss or gradients (limit max_consecutive_skipped_steps={self.max_consecutive}); "
