@@ -61,3 +61,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_lowprec_logger():
+    """``lowprec train`` run in-process sets up the "lowprec" logger for a terminal (its own
+    handler, propagate off); later tests' caplog must still see its records."""
+    import logging
+
+    log = logging.getLogger("lowprec")
+    saved = (list(log.handlers), log.propagate, log.level)
+    yield
+    log.handlers[:], log.propagate, log.level = saved[0], saved[1], saved[2]

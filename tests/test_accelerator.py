@@ -275,8 +275,8 @@ def test_resume_gives_identical_losses(tmp_path, mp, safe):
     files = set(os.listdir(tmp_path / "ckpt"))
     assert ("model_0.safetensors" in files) == safe and ("pytorch_model_0.bin" in files) == (not safe)
     assert ("optimizer_0.safetensors" in files) == safe and ("optimizer_0.bin" in files) == (not safe)
-    assert {"scheduler_0.bin", "dataloader_0.json", "random_states_0.pkl"} <= files
-    assert ("scaler.pt" in files) == (mp == "fp16")
+    assert {"scheduler_0.safetensors", "dataloader_0.json", "random_states_0.safetensors"} <= files
+    assert ("scaler.safetensors" in files) == (mp == "fp16")
     if mp == "fp8":  # delayed-scaling state is part of the checkpoint
         layer = next(m for m in model.modules() if isinstance(m, fp8.Float8Linear))
         assert any(k.startswith("fp8_") for k in layer.state_dict())

@@ -119,11 +119,11 @@ def test_load_state_checks_num_processes_and_warns_on_missing_rng(tmp_path, capl
         acc.load_state(out)
     meta["num_processes"] = 1
     meta_path.write_text(json.dumps(meta))
-    (tmp_path / "ck" / "random_states_0.pkl").unlink()
+    (tmp_path / "ck" / "random_states_0.safetensors").unlink()
     caplog.set_level("WARNING", logger="lowprec")
     acc.load_state(out)
     acc.load_state(out)
-    hits = [r for r in caplog.records if "random_states_0.pkl is missing" in r.getMessage()]
+    hits = [r for r in caplog.records if "random_states_0.safetensors is missing" in r.getMessage()]
     assert len(hits) == 1
 
 

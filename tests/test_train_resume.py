@@ -109,7 +109,7 @@ def test_resume_rules(tmp_path):
 def test_a_fresh_run_removes_an_earlier_runs_checkpoints(tmp_path):
     cfg = {**RUN, "fp8": False, "eval_steps": None, "output_dir": str(tmp_path)}
     train(load_config(TINY, {**cfg, "max_steps": 7}))
-    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [3, 6]
-    train(load_config(TINY, {**cfg, "max_steps": 5}))  # fresh: its own checkpoint-3 only
-    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [3]
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [6, 7]  # the final step is checkpointed too
+    train(load_config(TINY, {**cfg, "max_steps": 5}))  # fresh: its own checkpoints 3 and 5 only
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [3, 5]
     assert [r["step"] for r in read_metrics(str(tmp_path), "train")] == [1, 2, 3, 4, 5]

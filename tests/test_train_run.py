@@ -64,8 +64,8 @@ def test_e2e_outputs(e2e_run):
                  "resolved_config.yaml", "summary.json"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert any((out / "runs").iterdir())  # TensorBoard events
-    # checkpoints every 2 steps, last 2 kept (8 is the end: no checkpoint), no temporary dirs left
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-4", "checkpoint-6"]
+    # checkpoints every 2 steps and at the final step, last 2 kept, no temporary dirs left
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-6", "checkpoint-8"]
     assert "lowprec train: 8 steps (fp8)" in proc.stdout
 
 

@@ -38,6 +38,7 @@ from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_clip, deepspeed_initialize
 from lowprec.utils.distributed import wrap_ddp, wrap_fsdp2
+from lowprec.utils.nonfinite import NonFiniteGuard
 from lowprec.utils.operations import gather, gather_object, has_tensor, pad_across_processes, reduce
 from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from lowprec.utils.precision import autocast_context, unwrap_forward, wrap_forward
@@ -82,6 +83,8 @@ class Accelerator:
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: Optional[list] = None,
         fp8_fallback: Optional[str] = None,
+        skip_nonfinite_steps: bool = True,
+        max_consecutive_skipped_steps: Optional[int] = 3,
         **kwargs: Any,
     ) -> None:
         handlers = list(kwargs_handlers or [])
@@ -146,6 +149,8 @@ class Accelerator:
             )
         self.project_dir = project_dir
         self.scaler = self._make_scaler()
+        # skip steps with NaN/inf loss or gradients, every precision (utils/nonfinite.py)
+        self.nonfinite = NonFiniteGuard(skip_nonfinite_steps, max_consecutive_skipped_steps, self.use_distributed, self.device)
         self._models: list[nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -198,6 +203,7 @@ class Accelerator:
     gradient_accumulation_steps = property(lambda self: self.gradient_state.num_steps)
     fp8_enabled = property(lambda self: self.state.mixed_precision == "fp8")
     native_amp = property(lambda self: self.state.mixed_precision != "no")
+    skipped_steps = property(lambda self: self.nonfinite.skipped)  # non-finite steps skipped, scaler's too
 
     @property
     def fp8_backend(self) -> FP8BackendType:
@@ -319,7 +325,7 @@ class Accelerator:
         results[models[0]], results[opts[0]] = engine, wrapped
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> AcceleratedOptimizer:
-        wrapped = AcceleratedOptimizer(optimizer, self.scaler, self.gradient_state)
+        wrapped = AcceleratedOptimizer(optimizer, self.scaler, self.gradient_state, guard=self.nonfinite)
         self._optimizers.append(wrapped)
         self._finish_optimizers([])
         return wrapped
@@ -392,6 +398,7 @@ class Accelerator:
 
     # ------------------------------------------------------------------ training step
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.nonfinite.note_loss(loss)
         if self._ds_engine is not None:
             self._ds_engine.backward(loss, **kwargs)  # DeepSpeed scales by its accumulation steps
             return

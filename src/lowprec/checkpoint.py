@@ -2,10 +2,16 @@
 
 A checkpoint directory holds, per prepared object: ``model_{i}.safetensors`` (or
 ``pytorch_model_{i}.bin`` with ``safe_serialization=False``; FP8 scaling state included, as
-buffers), ``optimizer_{i}.safetensors`` (or ``.bin``), ``scheduler_{i}.bin``, ``dataloader_{i}.json`` (position),
-``scaler.pt``, ``custom_checkpoint_{i}.pkl``, ``random_states_{rank}.pkl``, under FSDP2 and DeepSpeed
+buffers), ``optimizer_{i}.safetensors`` (or ``.bin``), ``scheduler_{i}.safetensors``,
+``dataloader_{i}.json`` (position), ``scaler.safetensors``, ``custom_checkpoint_{i}.safetensors``,
+``random_states_{rank}.safetensors``, under FSDP2 and DeepSpeed
 ``buffers_{i}_rank{rank}.safetensors`` (each process's own FP8 scaling state) and
 ``lowprec_state.json`` (precision and backend, checked on load).
+
+Loading never unpickles code (:mod:`lowprec.checkpoint_io`): safetensors and JSON are parsed,
+``.bin`` weights and the ``.pkl``/``.bin``/``.pt`` files of earlier versions go through
+``torch.load(weights_only=True)``; a file that does not parse is one error line naming it.
+A model whose weights are not finite is refused by ``save_state`` and ``save_model``.
 
 Writes are atomic: everything goes to a sibling temporary directory that replaces the target
 only when complete, so a crash never leaves a half-written checkpoint under the real name.
@@ -23,6 +29,8 @@ from typing import Any
 
 import torch
 
+from lowprec.checkpoint_io import check_deepspeed_dir, load_object, load_pickle, read_checked, save_object
+from lowprec.errors import CheckpointError
 from lowprec.utils.distributed import (
     full_model_state_dict,
     is_fsdp2,
@@ -72,7 +80,11 @@ def save_tensors(state_dict: dict, path: str, safe: bool) -> None:
 
 def load_tensors(path: str) -> dict:
     if not path.endswith(".safetensors"):
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return load_pickle(path)
+    return read_checked(path, _read_tensors)
+
+
+def _read_tensors(path: str) -> dict:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -110,10 +122,14 @@ def save_optimizer(state_dict: dict, path_stem: str, safe: bool) -> None:
 
 def load_optimizer(path_stem: str) -> dict:
     if os.path.isfile(path_stem + ".bin"):
-        return torch.load(path_stem + ".bin", map_location="cpu", weights_only=False)
+        return load_pickle(path_stem + ".bin")
+    return read_checked(path_stem + ".safetensors", _read_optimizer)
+
+
+def _read_optimizer(path: str) -> dict:
     from safetensors import safe_open
 
-    with safe_open(path_stem + ".safetensors", framework="pt") as f:
+    with safe_open(path, framework="pt") as f:
         meta = json.loads(f.metadata()["lowprec_optimizer"])
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     state: dict = {}
@@ -170,6 +186,8 @@ def _per_rank_buffers(model: Any) -> bool:
 
 def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> str:
     output_dir = os.path.abspath(output_dir)
+    for m in acc._models:  # a NaN model would replace the last good checkpoint
+        acc.nonfinite.check_model(m, f"save_state({output_dir!r})")
     tmp = _broadcast_str(acc, f"{output_dir}.tmp-{os.getpid()}")
     if acc.is_main_process:
         _clean_stale_siblings(output_dir)
@@ -209,25 +227,27 @@ def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
             if osd is not None:
                 save_optimizer(osd, os.path.join(tmp, f"optimizer_{i}"), safe_serialization)
         for i, s in enumerate(acc._schedulers):
-            torch.save(s.state_dict(), os.path.join(tmp, f"scheduler_{i}.bin"))
+            save_object(s.state_dict(), os.path.join(tmp, f"scheduler_{i}.safetensors"), f"scheduler {i}")
         for i, d in enumerate(acc._dataloaders):
             with open(os.path.join(tmp, f"dataloader_{i}.json"), "w") as f:
                 json.dump(d.state_dict(), f)
         if acc.scaler is not None:
-            torch.save(acc.scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
+            save_object(acc.scaler.state_dict(), os.path.join(tmp, "scaler.safetensors"), "the grad scaler")
         for i, obj in enumerate(acc._custom_objects):
-            torch.save(obj.state_dict(), os.path.join(tmp, f"custom_checkpoint_{i}.pkl"))
+            save_object(obj.state_dict(), os.path.join(tmp, f"custom_checkpoint_{i}.safetensors"),
+                        f"registered object {i} ({type(obj).__name__})")
         meta = {
             "mixed_precision": acc.mixed_precision,
             "fp8_backend": acc.fp8_backend.value,
             "fp8_backend_info": _jsonable(acc.fp8_backend_info),
             "num_processes": acc.num_processes,
             "step": acc.step,
+            "optimizer_steps": acc.nonfinite.optimizer_steps,
             "safe_serialization": safe_serialization,
         }
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f, indent=1)
-    torch.save(_rng_state(), os.path.join(tmp, f"random_states_{acc.process_index}.pkl"))
+    save_object(_rng_state(), os.path.join(tmp, f"random_states_{acc.process_index}.safetensors"), "the RNG states")
     for i, m in enumerate(acc._models):
         if _per_rank_buffers(m):
             # FSDP2 and DeepSpeed do not synchronise buffers (DDP broadcasts rank 0's; DeepSpeed
@@ -271,8 +291,7 @@ def load_state(acc: Any, input_dir: str) -> None:
     meta_path = os.path.join(input_dir, META)
     if not os.path.isfile(meta_path):
         raise ValueError(f"{input_dir} is not a lowprec checkpoint (no {META}); pass the directory save_state wrote")
-    with open(meta_path) as f:
-        meta = json.load(f)
+    meta = read_checked(meta_path, _read_meta)
     if meta["mixed_precision"] != acc.mixed_precision or meta["fp8_backend"] != acc.fp8_backend.value:
         raise ValueError(
             f"checkpoint {input_dir} was saved with mixed_precision={meta['mixed_precision']!r}, "
@@ -291,9 +310,11 @@ def load_state(acc: Any, input_dir: str) -> None:
     for i, m in enumerate(acc._models):
         inner = acc.unwrap_model(m)
         if _is_ds(m):
+            check_deepspeed_dir(os.path.join(input_dir, f"deepspeed_{i}"))  # DeepSpeed itself unpickles freely
             m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")
         else:
-            load_full_model_state_dict(inner, load_tensors(_model_file(input_dir, i, safe)))
+            path = _model_file(input_dir, i, safe)
+            _apply(lambda sd: load_full_model_state_dict(inner, sd), load_tensors(path), path)
         own = os.path.join(input_dir, f"buffers_{i}_rank{acc.process_index}.safetensors")
         if _per_rank_buffers(m) and os.path.isfile(own):
             with torch.no_grad():
@@ -304,31 +325,73 @@ def load_state(acc: Any, input_dir: str) -> None:
         if _is_ds(acc._optimizer_models.get(id(o))):
             continue
         osd = load_optimizer(os.path.join(input_dir, f"optimizer_{i}"))
-        load_full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer, osd)
+        owner = acc._optimizer_models.get(id(o))
+        _apply(lambda sd: load_full_optimizer_state_dict(owner, o.optimizer, sd), osd, os.path.join(input_dir, f"optimizer_{i}"))
     for i, s in enumerate(acc._schedulers):
-        s.load_state_dict(torch.load(os.path.join(input_dir, f"scheduler_{i}.bin"), weights_only=False))
+        _apply(s, _read_state(input_dir, f"scheduler_{i}", ".bin"))
     for i, d in enumerate(acc._dataloaders):
-        with open(os.path.join(input_dir, f"dataloader_{i}.json")) as f:
-            d.load_state_dict(json.load(f))
+        _apply(d, read_checked(os.path.join(input_dir, f"dataloader_{i}.json"), _read_json))
     if acc.scaler is not None:
-        acc.scaler.load_state_dict(torch.load(os.path.join(input_dir, "scaler.pt"), weights_only=False))
+        _apply(acc.scaler, _read_state(input_dir, "scaler", ".pt"))
     for i, obj in enumerate(acc._custom_objects):
-        obj.load_state_dict(torch.load(os.path.join(input_dir, f"custom_checkpoint_{i}.pkl"), weights_only=False))
+        _apply(obj, _read_state(input_dir, f"custom_checkpoint_{i}", ".pkl"))
     acc.step = int(meta.get("step", 0))
-    rng = os.path.join(input_dir, f"random_states_{acc.process_index}.pkl")
-    if os.path.isfile(rng):
-        _set_rng_state(torch.load(rng, weights_only=False))
+    acc.nonfinite.optimizer_steps = int(meta.get("optimizer_steps", 0))
+    rng = os.path.join(input_dir, f"random_states_{acc.process_index}")
+    if os.path.isfile(rng + ".safetensors") or os.path.isfile(rng + ".pkl"):
+        where = rng + (".safetensors" if os.path.isfile(rng + ".safetensors") else ".pkl")
+        state = _read_state(input_dir, os.path.basename(rng), ".pkl")
+        try:
+            _set_rng_state(state)
+        except Exception as exc:  # noqa: BLE001 - a well-formed file with the wrong contents
+            raise CheckpointError(f"checkpoint file {where} does not hold RNG states ({type(exc).__name__}: {exc})") from None
     else:
         from lowprec.backends.base import log_once
 
-        log_once(f"lowprec: {rng} is missing; random states were not restored (the resumed run's "
+        log_once(f"lowprec: {rng}.safetensors is missing; random states were not restored (the resumed run's "
                  "dropout/shuffle streams will differ)")
     acc.wait_for_everyone()
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _read_meta(path: str) -> dict:
+    meta = _read_json(path)
+    if not isinstance(meta, dict) or not {"mixed_precision", "fp8_backend"} <= set(meta):
+        raise ValueError("not a lowprec_state.json mapping (needs mixed_precision and fp8_backend)")
+    return meta
+
+
+def _read_state(directory: str, stem: str, legacy_ext: str) -> Any:
+    """``<stem>.safetensors`` (this version), else ``<stem><legacy_ext>`` (earlier versions'
+    pickle, read with the restricted unpickler)."""
+    path = os.path.join(directory, stem + ".safetensors")
+    legacy = os.path.join(directory, stem + legacy_ext)
+    if not os.path.isfile(path) and os.path.isfile(legacy):
+        return load_pickle(legacy)
+    return load_object(path)
+
+
+def _apply(obj: Any, state: Any, where: str = "") -> None:
+    """``obj.load_state_dict(state)`` (or ``obj(state)``); a parsed file whose contents do not
+    fit is one line too, naming the file when given."""
+    try:
+        obj(state) if callable(obj) and not hasattr(obj, "load_state_dict") else obj.load_state_dict(state)
+    except Exception as exc:  # noqa: BLE001
+        what = where or f"the checkpoint's state for {type(obj).__name__}"
+        raise CheckpointError(
+            f"{what} does not fit this run ({type(exc).__name__}: {' '.join(str(exc).split())[:200]}); "
+            "was the checkpoint written by another script or model?"
+        ) from None
 
 
 def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bool = True) -> None:
     """Plain weights (no FP8 scaling state, no wrappers) that load into the unconverted model."""
     inner = acc.unwrap_model(model)
+    acc.nonfinite.check_model(model, f"save_model({save_directory!r})")
     if _is_ds(model) and model.zero_optimization_stage() == 3:
         sd = model._zero3_consolidated_16bit_state_dict()  # collective; full on the main process only
     else:

@@ -12,13 +12,31 @@ import sys
 from collections.abc import Iterable
 from typing import NoReturn
 
-__all__ = ["UsageError", "did_you_mean", "exit_with_usage_error", "format_usage_error"]
+__all__ = [
+    "UsageError",
+    "CheckpointError",
+    "NonFiniteError",
+    "EXIT_NONFINITE",
+    "did_you_mean",
+    "exit_with_usage_error",
+    "format_usage_error",
+]
 
 EXIT_USAGE = 2  # argparse's exit code for a bad command line; we use it for bad config too
+EXIT_NONFINITE = 3  # training stopped: too many consecutive non-finite steps, or a non-finite model
 
 
 class UsageError(ValueError):
     """A mistake in what the user asked for (flag, YAML key, env var), not a bug."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that is missing, damaged, or not safe to read (one line naming the file)."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training cannot go on: loss or gradients were not finite for too many consecutive steps,
+    or a model with non-finite weights was about to be saved. Not a usage error (exit code 3)."""
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

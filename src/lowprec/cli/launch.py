@@ -87,7 +87,8 @@ def build_command(settings: LaunchSettings, script: str, script_args: Sequence[s
     target = (["-m"] if module else []) + [script, *script_args]
     if not settings.distributed:
         return [sys.executable, *target]
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    # torchrun's own run(), ending in one lowprec line when a worker fails (cli/_torchrun.py)
+    cmd = [sys.executable, "-m", "lowprec.cli._torchrun"]
     if settings.num_machines == 1 and not settings.main_process_port:  # None or 0: any free port
         # c10d rendezvous on a free local port: parallel launches on one box do not collide.
         cmd += ["--standalone", f"--nproc_per_node={settings.processes_per_machine}"]
@@ -123,8 +124,12 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
 
         yaml_layer = load_launch_config(config_file).to_settings()
     cli_layer = settings_from_args(args)
-    settings = LaunchSettings.from_layers(yaml_layer, cli_layer)
+    try:
+        settings = LaunchSettings.from_layers(yaml_layer, cli_layer)
+    except UsageError as exc:  # a combination: say where each value named in it came from
+        raise UsageError(f"{exc}{_origins(str(exc), yaml_layer, cli_layer, config_file)}") from None
     check_cli_flags_apply(cli_layer, settings)
+    _check_files(settings, cli_layer, config_file)
 
     ignored = sorted(k for k in yaml_layer if k in FP8_FIELDS and k not in cli_layer)
     if ignored and not settings.fp8:
@@ -146,6 +151,38 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     env.update(exported)
     command = build_command(settings, script, args.training_script_args, args.module)
     return LaunchPlan(settings, command, exported, removed, env, config_file, notes)
+
+
+def _origins(message: str, yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], config_file: str | None) -> str:
+    """`` (num_machines from --num_machines; num_processes from cfg.yaml)`` for the settings a
+    message names, so an error caused by a flag is not blamed on the file (or the reverse)."""
+    import re
+
+    named = dict.fromkeys(re.findall(r"\b([a-z][a-z0-9_]+)\b", message))
+    parts = [f"{k} from --{k}" if k in cli_layer else f"{k} from {config_file}"
+             for k in named if k in cli_layer or k in yaml_layer]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _check_files(settings: LaunchSettings, cli_layer: Mapping[str, Any], config_file: str | None) -> None:
+    """Every file the launch is given is read now, before any process starts (a missing
+    DeepSpeed config otherwise surfaces as a traceback inside each worker)."""
+    path = settings.deepspeed_config_file
+    if path is None:
+        return
+    where = "--deepspeed_config_file" if "deepspeed_config_file" in cli_layer else (
+        f"deepspeed_config.deepspeed_config_file in {config_file}")
+    if not os.path.isfile(path):
+        raise UsageError(f"{where}: {path!r} does not exist; give the path of a DeepSpeed JSON config")
+    import json
+
+    try:
+        with open(path) as f:
+            body = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{where}: {path!r} is not valid JSON ({exc}); fix the file") from None
+    if not isinstance(body, dict):
+        raise UsageError(f"{where}: {path!r} holds a JSON {type(body).__name__}, not an object of DeepSpeed settings")
 
 
 def _yaml_notes(yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], settings: LaunchSettings,
@@ -190,9 +227,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for note in plan.notes:
         print(f"lowprec: note: {note}", file=sys.stderr)
+    from lowprec.cli._torchrun import CONTINUE_VAR, describe_exit
+
+    again = plan.env.get(CONTINUE_VAR) or shlex.join(["lowprec", "launch", *getattr(args, "argv", sys.argv[2:])])
     try:
-        proc = subprocess.run(plan.command, env=plan.env, check=False)
+        proc = subprocess.run(plan.command, env={**plan.env, CONTINUE_VAR: again}, check=False)
     except KeyboardInterrupt:  # the child got the same SIGINT from the terminal
+        print(f"lowprec: interrupted; to continue: {again}", file=sys.stderr)
         return 130
     code = proc.returncode
+    if code and not plan.settings.distributed:  # under torchrun, cli/_torchrun.py says it
+        print(f"lowprec: the script failed: {describe_exit(code)}; to continue: {again}", file=sys.stderr)
     return 128 - code if code < 0 else code

@@ -27,7 +27,7 @@ from types import ModuleType
 
 from lowprec import __version__
 from lowprec.cli._flags import LowprecArgumentParser
-from lowprec.errors import EXIT_USAGE, did_you_mean, format_usage_error
+from lowprec.errors import EXIT_NONFINITE, EXIT_USAGE, NonFiniteError, did_you_mean, format_usage_error
 
 __all__ = ["COMMANDS", "main", "build_parser"]
 
@@ -78,6 +78,7 @@ def _parse(argv: list[str]):
     else:
         args = sub.parse_args(tokens)
     args.command = name
+    args.argv = list(tokens)  # the command line as typed (for "to continue: ..." hints)
     return module, args
 
 
@@ -94,6 +95,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(format_usage_error(exc), file=sys.stderr)
         return EXIT_USAGE
+    except NonFiniteError as exc:  # training diverged: not a usage error, still one line
+        if os.environ.get("LOWPREC_DEBUG"):
+            raise
+        print(f"lowprec: stopped: {exc}", file=sys.stderr)
+        return EXIT_NONFINITE
+    except KeyboardInterrupt as exc:
+        if os.environ.get("LOWPREC_DEBUG"):
+            raise
+        print(f"lowprec: {exc or 'interrupted'}", file=sys.stderr)
+        return 130  # the shell's code for SIGINT
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
-__all__ = ["NAME", "HELP", "add_parser", "run", "add_config_flags", "overrides_from_args", "relaunch_command"]
+__all__ = ["NAME", "HELP", "add_parser", "run", "add_config_flags", "overrides_from_args", "relaunch_command", "resume_command"]
 
 NAME = "train"
 HELP = "train the built-in (or a local HF) model from an Axolotl-style YAML config"
@@ -58,7 +58,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def relaunch_command(argv: Sequence[str], num_processes: int) -> list[str]:
-    """``python -m torch.distributed.run ... -m lowprec.cli.main train <argv without --num_processes>``."""
+    """``python -m lowprec.cli._torchrun ... -m lowprec.cli.main train <argv without --num_processes>``."""
     from lowprec.cli.launch import build_command
     from lowprec.config.env import LaunchSettings
 
@@ -84,6 +84,20 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
         if k.startswith("cfg__"):
             argv += [f"--{k[len('cfg__'):]}", v]
     return argv + (["--quiet"] if args.quiet else [])
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """``lowprec train ... --resume_from_checkpoint auto``: this command line, continuing."""
+    import shlex
+
+    argv = [a for a in _argv_of(args)]
+    for i, tok in enumerate(argv[:-1]):
+        if tok == "--resume_from_checkpoint":
+            del argv[i:i + 2]
+            break
+    if getattr(args, "num_processes", 1) > 1:
+        argv += ["--num_processes", str(args.num_processes)]
+    return shlex.join(["lowprec", "train", *argv, "--resume_from_checkpoint", "auto"])
 
 
 def _child_env() -> dict[str, str]:
@@ -112,10 +126,23 @@ def _drop_launch_env() -> None:
         )
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to ``sys.stderr`` as it is when a line is logged, not as it was when the handler
+    was made (callers that swap stderr, pytest's capture among them, would leave it closed)."""
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def _setup_logging(quiet: bool) -> None:
     log = logging.getLogger("lowprec")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
     rank = int(os.environ.get("RANK", "0"))
@@ -133,14 +160,24 @@ def run(args: argparse.Namespace) -> int:
     if args.num_processes < 1:
         raise ValueError(f"--num_processes {args.num_processes}: use 1 or more")
     if args.num_processes > 1 and "WORLD_SIZE" not in os.environ:
+        from lowprec.cli._torchrun import CONTINUE_VAR
+
         cmd = relaunch_command(_argv_of(args), args.num_processes)
-        proc = subprocess.run(cmd, env=_child_env(), check=False)
+        proc = subprocess.run(cmd, env={**_child_env(), CONTINUE_VAR: resume_command(args)}, check=False)
         return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
     _setup_logging(args.quiet)
     _drop_launch_env()
+    from lowprec.errors import NonFiniteError
     from lowprec.train.trainer import train
 
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except (NonFiniteError, KeyboardInterrupt) as exc:
+        if int(os.environ.get("RANK", "0")) != 0:  # every rank stops alike; rank 0 says why
+            return 3 if isinstance(exc, NonFiniteError) else 130
+        # one line, with the command that continues the run (the CLI prints it and exits 3 / 130)
+        text = f"{exc or 'interrupted'}; to continue: {resume_command(args)}"
+        raise type(exc)(text) from None
     if int(os.environ.get("RANK", "0")) == 0:
         ev = "n/a" if result.final_eval_loss is None else f"{result.final_eval_loss:.4f}"
         tr = "n/a" if result.final_train_loss is None else f"{result.final_train_loss:.4f}"

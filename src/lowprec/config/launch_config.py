@@ -309,12 +309,9 @@ def load_launch_config(path: str | os.PathLike[str]) -> LaunchConfig:
     path = Path(path).expanduser()
     if not path.is_file():
         raise UsageError(f"config file {str(path)!r} does not exist; create it with `lowprec config`")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise UsageError(f"config file {str(path)!r}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    from lowprec.config.yaml_file import read_yaml_mapping
+
+    data = read_yaml_mapping(path, example="distributed_type: MULTI_GPU")
     return parse_launch_config(data, source=str(path))
 
 

@@ -167,6 +167,12 @@ class TrainConfig(_Strict):
         default=None, ge=1, description="intra-op CPU threads per process (null: torch's default, OMP_NUM_THREADS or all cores)"
     )
     progress_bar: bool = Field(default=True, description="show a tqdm progress bar (loss, tokens/s, lr, memory)")
+    skip_nonfinite_steps: bool = Field(
+        default=True, description="skip an optimizer step whose loss or gradients hold NaN/inf (weights unchanged)"
+    )
+    max_consecutive_skipped_steps: Optional[int] = Field(
+        default=3, ge=1, description="stop (exit code 3) after this many skipped steps in a row (null: never)"
+    )
 
     # ---------------------------------------------------------------- precision
     fp16: Optional[bool] = Field(default=None, description="fp16 autocast with a gradient scaler")
@@ -258,13 +264,23 @@ class TrainConfig(_Strict):
     def _deepspeed(cls, v: Optional[Union[str, dict[str, Any]]]) -> Optional[Union[str, dict[str, Any]]]:
         if isinstance(v, str) and not os.path.isfile(v):
             raise ValueError(f"DeepSpeed config file {v!r} not found; give a JSON file path or an inline mapping")
+        if isinstance(v, str):  # read now: a broken file would otherwise fail inside every worker
+            import json
+
+            try:
+                with open(v) as f:
+                    body = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"DeepSpeed config file {v!r} is not valid JSON ({exc}); fix the file") from None
+            if not isinstance(body, dict):
+                raise ValueError(f"DeepSpeed config file {v!r} holds a JSON {type(body).__name__}, not an object")
         return v
 
     @field_validator("fsdp_version")
     @classmethod
     def _fsdp_version(cls, v: Optional[int]) -> Optional[int]:
         if v is not None and v != 2:
-            raise ValueError(f"fsdp_version: {v} is not supported; lowprec shards with FSDP2 only: set fsdp_version: 2")
+            raise ValueError(f"{v} is not supported; lowprec shards with FSDP2 only: set fsdp_version: 2")
         return v
 
     @model_validator(mode="after")
@@ -299,11 +315,6 @@ class TrainConfig(_Strict):
             )
         if self.eval_steps is not None and self.val_set_size == 0:
             raise ValueError("eval_steps is set but val_set_size is 0 (no validation data); set val_set_size: 0.03 or drop eval_steps")
-        if self.max_steps is not None and self.warmup_steps >= self.max_steps:
-            raise ValueError(
-                f"warmup_steps: {self.warmup_steps} >= max_steps: {self.max_steps}: the run would never "
-                "reach learning_rate; lower warmup_steps"
-            )
         if self.base_model.startswith("builtin:"):
             from lowprec.train.model import LlamaConfig
 
@@ -418,15 +429,16 @@ def _describe_key(loc: tuple, errs: list[dict[str, Any]]) -> str:
     return f"{key}: {err['msg']}{shown}"
 
 
-def _describe_all(errors: list[dict[str, Any]]) -> list[str]:
+def _describe_all(errors: list[dict[str, Any]]) -> list[tuple[tuple, str]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for e in errors:
         groups.setdefault(_split_loc(e["loc"])[0], []).append(e)
-    return [_describe_key(loc, errs) for loc, errs in groups.items()]
+    return [(loc, _describe_key(loc, errs)) for loc, errs in groups.items()]
 
 
-def parse_config(data: Any, source: str = "config") -> TrainConfig:
-    """Validate a mapping; raises ``ValueError`` with one line per problem (the first few)."""
+def parse_config(data: Any, source: str = "config", flags: frozenset[str] | set[str] = frozenset()) -> TrainConfig:
+    """Validate a mapping; raises ``ValueError`` with one line per problem (the first few).
+    A problem with a key set by a ``--key`` flag (``flags``) is blamed on the flag."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -434,8 +446,12 @@ def parse_config(data: Any, source: str = "config") -> TrainConfig:
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as exc:
-        lines = _describe_all(exc.errors(include_url=False))
-        raise ValueError(f"{source}: " + "; ".join(lines[:3])) from None
+        found = _describe_all(exc.errors(include_url=False))[:3]
+        lines = [f"flag --{loc[0]}: {line}" if loc and loc[0] in flags else line for loc, line in found]
+        if all(loc and loc[0] in flags for loc, _ in found):
+            raise ValueError("; ".join(lines)) from None
+        where = source + (f" (with flags {', '.join('--' + f for f in sorted(flags))})" if flags and any(not loc for loc, _ in found) else "")
+        raise ValueError(f"{where}: " + "; ".join(lines)) from None
 
 
 def parse_override_value(text: str) -> Any:
@@ -464,19 +480,12 @@ def load_config(path: Optional[str | os.PathLike], overrides: Optional[dict[str,
         source = str(p)
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} not found (working directory {os.getcwd()!r})")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(exc, "problem", None) or str(exc).split("\n")[0]
-            raise ValueError(f"{source}:{where}: not valid YAML ({problem}); fix the syntax") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{source}: expected a mapping of keys to values at the top level, got {type(data).__name__}")
-        data = _relative_to(p.parent, data)
+        from lowprec.config.yaml_file import read_yaml_mapping
+
+        data = _relative_to(p.parent, read_yaml_mapping(p, example="base_model: builtin:llama-tiny"))
     for key, value in (overrides or {}).items():
         _set_dotted(data, key, value)
-    return parse_config(data, source)
+    return parse_config(data, source, flags={k.split(".")[0] for k in overrides or {}})
 
 
 def _relative_to(base: Path, data: dict[str, Any]) -> dict[str, Any]:

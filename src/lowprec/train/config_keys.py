@@ -33,6 +33,8 @@ KEYS = (
     ('use_tensorboard', 'TensorBoard events in output_dir/runs (auto: when tensorboard is installed)', 'auto'),
     ('cpu_threads', "intra-op CPU threads per process (null: torch's default, OMP_NUM_THREADS or all cores)", 'null'),
     ('progress_bar', 'show a tqdm progress bar (loss, tokens/s, lr, memory)', 'true'),
+    ('skip_nonfinite_steps', 'skip an optimizer step whose loss or gradients hold NaN/inf (weights unchanged)', 'true'),
+    ('max_consecutive_skipped_steps', 'stop (exit code 3) after this many skipped steps in a row (null: never)', '3'),
     ('fp16', 'fp16 autocast with a gradient scaler', 'null'),
     ('bf16', 'auto (bf16 autocast where the device supports it), true (fp32 weights, bf16 autocast), full (pure bf16 weights, no autocast), false', 'auto'),
     ('fp8', "FP8 GEMMs in the Linear layers (lowprec's engine)", 'null'),

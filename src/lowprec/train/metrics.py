@@ -1,8 +1,9 @@
 """Run metrics: ``metrics.jsonl`` (one JSON object per line) and, optionally, TensorBoard.
 
 Records carry a ``kind``: ``train`` (every ``logging_steps``: loss averaged over the window,
-learning rate, gradient norm, tokens/s, peak memory), ``eval`` (validation loss) and ``fp8``
-(per-layer telemetry). Each line is flushed as written, so a killed run leaves a readable file;
+learning rate, gradient norm, tokens/s, peak memory, ``skipped_steps``), ``eval`` (validation
+loss), ``fp8`` (per-layer telemetry) and ``skip`` (one per optimizer step skipped for NaN/inf
+loss or gradients, with the running count). Each line is flushed as written, so a killed run leaves a readable file;
 on resume, :func:`truncate_after` drops the lines past the checkpoint's step.
 """
 

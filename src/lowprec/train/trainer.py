@@ -28,13 +28,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lowprec.errors import NonFiniteError
 from lowprec.train import checkpoints as ckpt
 from lowprec.train.config import TrainConfig
 from lowprec.train.metrics import MetricsWriter, peak_memory_mb, read_metrics, truncate_after
 from lowprec.train.outputs import make_output_dir
 from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
 
-__all__ = ["train", "RunResult", "build_optimizer", "build_scheduler", "lr_lambda"]
+__all__ = ["train", "RunResult", "Interrupted", "build_optimizer", "build_scheduler", "lr_lambda"]
 
 logger = logging.getLogger("lowprec")
 
@@ -52,6 +53,10 @@ class RunResult:
     train_losses: list = field(default_factory=list)  # (step, loss) per logging window
     eval_losses: list = field(default_factory=list)  # (step, loss)
     files: dict = field(default_factory=dict)
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during training, after the run's summary was written; the message says where."""
 
 
 # ------------------------------------------------------------------------ pieces
@@ -82,8 +87,9 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
 
 
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):
+    warmup = min(cfg.warmup_steps, max(0, total_steps - 1))  # clamped (and said so) in train()
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, cfg.warmup_steps, total_steps, cfg.lr_scheduler)
+        optimizer, lambda s: lr_lambda(s, warmup, total_steps, cfg.lr_scheduler)
     )
 
 
@@ -155,6 +161,8 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
         # explicit, so an ambient ACCELERATE_GRADIENT_ACCUMULATION_STEPS cannot change the run
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps),
         fp8_fallback=cfg.fp8_fallback,
+        skip_nonfinite_steps=cfg.skip_nonfinite_steps,
+        max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps,
     )
 
 
@@ -186,6 +194,18 @@ def _telemetry_summary(tele: dict) -> dict:
         layer: {op: {k: float(f"{v:.6g}") for k, v in stats.items()} for op, stats in ops.items()}
         for layer, ops in tele.items()
     }
+
+
+def _write_interrupted(output_dir: str, state: ckpt.TrainerState, main: bool, last: Optional[str]) -> str:
+    """``summary.json`` of an interrupted run (written even before the first log line)."""
+    import json
+
+    path = os.path.join(output_dir, "summary.json")
+    if main:
+        with open(path, "w") as f:
+            json.dump({"interrupted": True, "steps": state.step, "tokens": state.tokens,
+                       "last_checkpoint": last, "output_dir": output_dir}, f, indent=1)
+    return path
 
 
 # data.py's parameter names -> the YAML keys (and flag) a user can change, for its error messages
@@ -256,8 +276,11 @@ def train(
         total = max(1, math.ceil(epochs * per_epoch))
         why = f"num_epochs: {epochs} x {per_epoch} steps per epoch" + ("" if cfg.num_epochs else " (default 1 epoch)")
     decisions["total_steps"] = Decision(total, why)
-    if cfg.warmup_steps >= total:
-        raise ValueError(f"warmup_steps: {cfg.warmup_steps} >= the run's {total} steps; lower warmup_steps")
+    if cfg.warmup_steps >= total:  # a smoke run (--max_steps 3) of a config with a long warmup
+        warmup = max(0, total - 1)
+        decisions["warmup_steps"] = Decision(warmup, f"warmup_steps: {cfg.warmup_steps} clamped to the run's {total} steps")
+        if main:
+            logger.warning("lowprec: note: warmup_steps: %d clamped to %d for this %d-step run", cfg.warmup_steps, warmup, total)
     if main:
         logger.info("lowprec: total_steps = %d (%s)", total, why)
         logger.info(
@@ -322,6 +345,12 @@ def train(
     last_train, last_eval = None, None
     skipped = 0
     model.train()
+
+    def stop_line(text: str) -> str:
+        last = ckpt.latest_checkpoint(output_dir)
+        none = "none yet" if cfg.save_steps else "none (set save_steps to write checkpoints)"
+        return f"{text}; last good checkpoint: {last or none}"
+
     try:
         while state.step < total:
             logging_now = (state.step + 1) % cfg.logging_steps == 0 or state.step + 1 == total
@@ -339,8 +368,14 @@ def train(
                     if acc.sync_gradients:
                         if cfg.max_grad_norm is not None:
                             grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                        optimizer.step()
-                        skipped += int(acc.optimizer_step_was_skipped)  # fp16: inf/nan gradients
+                        try:
+                            optimizer.step()
+                        except NonFiniteError:  # the last skip of too many in a row: count it too
+                            writer.write({"kind": "skip", "step": state.step + 1, "skipped_steps": skipped + 1})
+                            raise
+                        if acc.optimizer_step_was_skipped:  # NaN/inf loss or gradients, every precision
+                            skipped += 1
+                            writer.write({"kind": "skip", "step": state.step + 1, "skipped_steps": skipped})
                         scheduler.step()
                         optimizer.zero_grad(set_to_none=True)
             state.step += 1
@@ -360,7 +395,7 @@ def train(
                     "lr": lr,
                     "grad_norm": None if grad_norm is None else float(grad_norm),
                     "tokens": state.tokens,
-                    "skipped_steps": skipped,  # optimizer steps the fp16 scaler skipped (this process)
+                    "skipped_steps": skipped,  # optimizer steps skipped for NaN/inf (the fp16 scaler's too)
                     "tokens_per_s": window_tokens / max(elapsed, 1e-9),
                     "peak_mem_mb": peak_memory_mb(acc.device),
                     "epoch": loader.epoch + loader.position / max(1, len(loader)),
@@ -390,12 +425,17 @@ def train(
                 last_eval = evaluate(model, val_loader, cfg.eval_batches, acc)
                 writer.write({"kind": "eval", "step": state.step, "loss": last_eval})
                 window_t0 += time.perf_counter() - t  # evaluation time is not training time
-            if cfg.save_steps is not None and state.step % cfg.save_steps == 0 and state.step < total:
+            if cfg.save_steps is not None and (state.step % cfg.save_steps == 0 or state.step == total):
                 t = time.perf_counter()
                 acc.save_state(ckpt.checkpoint_dir(output_dir, state.step))
                 if main:
                     ckpt.rotate(output_dir, cfg.save_total_limit)
                 window_t0 += time.perf_counter() - t
+    except NonFiniteError as exc:
+        raise NonFiniteError(stop_line(str(exc))) from None
+    except KeyboardInterrupt:
+        summary = _write_interrupted(output_dir, state, main, ckpt.latest_checkpoint(output_dir))
+        raise Interrupted(stop_line(f"interrupted at step {state.step} of {total} (summary: {summary})")) from None
     finally:
         if bar is not None:
             bar.close()
@@ -403,6 +443,10 @@ def train(
 
     # outputs
     files: dict[str, str] = {}
+    try:  # a NaN model is never exported
+        acc.nonfinite.check_model(model, f"export to {output_dir}/model.safetensors")
+    except NonFiniteError as exc:
+        raise NonFiniteError(stop_line(str(exc))) from None
     sd = acc.get_state_dict(model)  # collective under FSDP2: every process calls it
     if main:
         from lowprec.train.outputs import export_model

@@ -12,15 +12,18 @@ __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
 class AcceleratedOptimizer(torch.optim.Optimizer):
     """Wraps a user optimizer. ``step``/``zero_grad`` act only when gradients are synced (the
     last micro-batch of an accumulation window); with a GradScaler, ``step`` goes through
-    ``scaler.step`` + ``scaler.update`` and records whether the step was skipped (inf/nan)."""
+    ``scaler.step`` + ``scaler.update`` and records whether the step was skipped (inf/nan).
+    Without a scaler, the non-finite ``guard`` (:mod:`lowprec.utils.nonfinite`) decides."""
 
-    def __init__(self, optimizer: Any, scaler: Any, gradient_state: Any, after_step: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, optimizer: Any, scaler: Any, gradient_state: Any, after_step: Optional[Callable[[], None]] = None,
+                 guard: Any = None) -> None:
         # no super().__init__: this object forwards to ``optimizer`` (it is an Optimizer only so
         # that isinstance checks in LR schedulers and user code pass)
         self.optimizer = optimizer
         self.scaler = scaler
         self.gradient_state = gradient_state
         self.after_step = after_step
+        self.guard = guard
         self.step_was_skipped = False
         self.unscaled = False
 
@@ -68,18 +71,36 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if not self.gradient_state.sync_gradients:
             return None
         result = None
+        guard = self.guard
+        counts, why = True, "loss or gradients not finite"
         if self.scaler is not None:
+            if guard is not None and guard.enabled and guard.loss_flag_pending():
+                # an inf loss can give finite gradients: hand the loss flag to the scaler's own
+                # found-inf check, so one decision (and no extra host read) covers both
+                if not self.unscaled:
+                    self.scaler.unscale_(self.optimizer)
+                    self.unscaled = True
+                guard.fold_into_scaler(self.scaler, self.optimizer)
             scale_before = self.scaler.get_scale()
             result = self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
             self.scaler.update()
             # GradScaler lowers the scale exactly when it found inf/nan and skipped the step
             self.step_was_skipped = self.scaler.get_scale() < scale_before
+            if self.step_was_skipped and guard is not None:
+                # an overflow under a large scale is the scaler's normal work; a non-finite loss,
+                # or a scale driven below 1, is a run going wrong
+                counts = guard.loss_was_nonfinite() or self.scaler.get_scale() < 1.0
+                why = f"gradient scaler found inf/nan (scale lowered to {self.scaler.get_scale():g})"
+        elif guard is not None and guard.enabled and guard.step_is_nonfinite(self.optimizer):
+            self.step_was_skipped = True
         else:
             result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
             self.step_was_skipped = False
         self.unscaled = False
         if self.after_step is not None and not self.step_was_skipped:
             self.after_step()
+        if guard is not None:
+            guard.record(self.step_was_skipped, counts=counts, why=why)
         return result
 
 

@@ -1,0 +1,190 @@
+"""Checkpoint files that cannot run code when read.
+
+Pickle runs whatever a file tells it to (``__reduce__`` -> ``os.system``), so nothing here
+unpickles freely:
+
+* every object a checkpoint holds besides model and optimizer (LR schedulers, the grad scaler,
+  registered custom objects, RNG states) is written by :func:`save_object` as one safetensors
+  file: its tensors as tensors, everything else (numbers, strings, lists, tuples, dicts) as JSON
+  in the file's metadata. A state that holds anything else is refused *when saving*, with the
+  object named, instead of being written in a form a later load could not check;
+* files in pickle format (``safe_serialization=False`` weights, checkpoints of earlier lowprec
+  versions) are read by :func:`load_pickle` with ``torch.load(weights_only=True)``, whose
+  unpickler builds tensors and plain containers only, plus the explicit allow-list
+  :data:`LEGACY_ALLOWED` (numpy's array reconstruction, for the RNG states older versions
+  pickled);
+* DeepSpeed reads its own files with ``torch.load(weights_only=False)``; before it may,
+  :func:`check_deepspeed_dir` lists the globals each file names (torch's opcode scan, nothing
+  executed) and refuses any outside torch's safe set and :data:`DEEPSPEED_ALLOWED`;
+* any file that fails to parse raises :class:`~lowprec.errors.CheckpointError`, one line naming
+  the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from lowprec.errors import CheckpointError
+
+__all__ = [
+    "save_object", "load_object", "load_pickle", "read_checked", "check_deepspeed_dir", "LEGACY_ALLOWED",
+    "DEEPSPEED_ALLOWED", "OBJECT_KEY",
+]
+
+OBJECT_KEY = "lowprec_object"  # the safetensors metadata entry holding the JSON skeleton
+_T = TypeVar("_T")
+# markers of values JSON has no literal for; a str-keyed dict using one of these keys is
+# itself written through the pair-list form, so decoding is unambiguous
+_MARKERS = ("__tensor__", "__tuple__", "__pairs__", "__ndarray__")
+
+
+def _legacy_allowed() -> list:
+    """Globals that RNG states pickled by earlier lowprec versions need: numpy's array
+    reconstruction and dtypes (data, no code path of their own)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    core = getattr(np, "_core", None) or np.core
+    rebuild = core.multiarray._reconstruct
+    allowed: list = [rebuild, np.ndarray, np.dtype]
+    allowed += [type(np.dtype(t)) for t in ("uint32", "int64", "float64")]
+    # a file pickled under numpy 1.x names the function by its old module path
+    allowed += [(rebuild, "numpy.core.multiarray._reconstruct")]
+    return allowed
+
+
+LEGACY_ALLOWED = _legacy_allowed()
+# what DeepSpeed 0.1x pickles besides tensors (ZeRO 1-3, bf16/fp16/fp32; found by saving each):
+# plain data classes and an enum, rebuilt without running code of theirs
+DEEPSPEED_ALLOWED = frozenset({
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+})
+
+
+# --------------------------------------------------------------------------- encode / decode
+def _encode(obj: Any, tensors: dict[str, torch.Tensor], what: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        key = str(len(tensors))
+        tensors[key] = obj.detach().cpu().contiguous().clone()  # clone: safetensors refuses shared memory
+        return {"__tensor__": key}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, list):
+        return [_encode(v, tensors, what) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return {"__tuple__": [_encode(v, tensors, what) for v in obj]}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not any(k in _MARKERS for k in obj):
+            return {k: _encode(v, tensors, what) for k, v in obj.items()}
+        return {"__pairs__": [[_encode(k, tensors, what), _encode(v, tensors, what)] for k, v in obj.items()]}
+    kind = type(obj).__module__
+    if kind == "numpy":
+        if hasattr(obj, "tolist") and hasattr(obj, "dtype") and getattr(obj, "ndim", 0) > 0:
+            return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
+        return obj.item()  # numpy scalar
+    raise CheckpointError(
+        f"{what}: its state_dict() holds a {type(obj).__module__}.{type(obj).__qualname__}, which a "
+        "checkpoint cannot store without pickle; return tensors, numbers, strings, lists, tuples and dicts"
+    )
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if len(obj) == 1 and "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if len(obj) == 1 and "__tuple__" in obj:
+        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    if len(obj) == 1 and "__pairs__" in obj:
+        return {_hashable(_decode(k, tensors)): _decode(v, tensors) for k, v in obj["__pairs__"]}
+    if set(obj) == {"__ndarray__", "dtype"}:
+        import numpy as np
+
+        return np.asarray(obj["__ndarray__"], dtype=np.dtype(obj["dtype"]))
+    return {k: _decode(v, tensors) for k, v in obj.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(key) if isinstance(key, list) else key
+
+
+# --------------------------------------------------------------------------- files
+def save_object(state: Any, path: str, what: str) -> None:
+    """``state`` (a state_dict) as one safetensors file: tensors + a JSON skeleton."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _encode(state, tensors, what)
+    save_file(tensors, path, metadata={OBJECT_KEY: json.dumps(skeleton)})
+
+
+def read_checked(path: str, reader: Callable[[str], _T]) -> _T:
+    """``reader(path)``, with any failure to parse turned into one line naming the file."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete")
+    try:
+        return reader(path)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any parse failure is the same user-facing problem
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise CheckpointError(
+            f"checkpoint file {path} cannot be read ({type(exc).__name__}: {reason}); it is damaged, "
+            "was replaced, or was not written by lowprec: restore it or resume from another checkpoint"
+        ) from None
+
+
+def _read_object(path: str) -> Any:
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        if OBJECT_KEY not in meta:
+            raise ValueError(f"no {OBJECT_KEY!r} metadata")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return _decode(json.loads(meta[OBJECT_KEY]), tensors)
+
+
+def load_object(path: str) -> Any:
+    """What :func:`save_object` wrote (no pickle involved)."""
+    return read_checked(path, _read_object)
+
+
+def _read_pickle(path: str) -> Any:
+    with torch.serialization.safe_globals(LEGACY_ALLOWED):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_pickle(path: str) -> Any:
+    """A pickle-format file (``safe_serialization=False`` weights, older checkpoints) through
+    torch's restricted unpickler: tensors, plain containers and :data:`LEGACY_ALLOWED` only; a
+    file naming any other global (a class, ``os.system``) is refused before anything runs."""
+    return read_checked(path, _read_pickle)
+
+
+def _check_globals(path: str) -> None:
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)  # parses opcodes only
+    bad = sorted(set(unsafe) - DEEPSPEED_ALLOWED)
+    if bad:
+        raise ValueError(f"it names {', '.join(bad[:3])}, which DeepSpeed never writes: refused before loading")
+
+
+def check_deepspeed_dir(directory: str) -> None:
+    """Refuse a DeepSpeed checkpoint directory holding a pickle that would run code on load."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint directory {directory} is missing; the checkpoint is incomplete")
+    for root, _, names in os.walk(directory):
+        for name in sorted(names):
+            if name == "latest" or name.endswith(".py"):  # a text tag and helper scripts DeepSpeed copies
+                continue
+            read_checked(os.path.join(root, name), _check_globals)
