@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from lowprec.fp8.capability import cuda_capability, is_cuda
 from lowprec.fp8.quantize import Float8Data, dequantize
 
 __all__ = ["scaled_mm", "native_scaled_mm_available", "gemm_path"]
@@ -35,21 +36,15 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
 
-_CAPABILITY: dict[tuple[str, int | None], tuple[int, int]] = {}
-
-
 def native_scaled_mm_available(device: torch.device, granularity: str = "tensor") -> bool:
     """Whether ``torch._scaled_mm`` runs here for this granularity (no probing kernel call)."""
     if granularity == "block" or not hasattr(torch, "_scaled_mm"):
         return False
     if device.type == "cpu":
         return _torch_version() >= (2, 8)
-    if device.type == "cuda":
-        key = (device.type, device.index)
-        if key not in _CAPABILITY:
-            _CAPABILITY[key] = torch.cuda.get_device_capability(device)
+    if is_cuda(device):
         need = (9, 0) if granularity == "axis" else (8, 9)
-        return _CAPABILITY[key] >= need
+        return cuda_capability(device) >= need  # fp8.trace_as may state it for a trace
     return False
 
 
@@ -95,7 +90,7 @@ def _native(a: Float8Data, b: Float8Data, out_dtype: torch.dtype, use_fast_accum
     else:
         sa, sb = _axis_scale(a, (m, 1)), _axis_scale(b, (1, n))
     ad, bd = a.data, b.data
-    cuda = ad.device.type == "cuda"
+    cuda = is_cuda(ad.device)
     if cuda:
         mp, kp, np_ = (-(-d // 16) * 16 for d in (m, k, n))
         ad, bd = _pad_to(ad, mp, kp), _pad_to(bd, kp, np_)

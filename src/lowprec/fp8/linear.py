@@ -38,7 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.fp8 import kernels
-from lowprec.fp8.autocast import current_eval_override, current_recipe_override, fp8_enabled, recomputing
+from lowprec.fp8.autocast import (
+    current_eval_override,
+    current_recipe_override,
+    fp8_enabled,
+    recomputing,
+    torch_autocast_dtype,
+    torch_autocast_off,
+)
 from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, quantize
@@ -172,7 +179,7 @@ class _Float8LinearFn(torch.autograd.Function):
         recipe, hp = cfg.recipe, cfg.hp_dtype
         plan = recipe.plan()
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        with torch.autocast(x.device.type, enabled=False):
+        with torch_autocast_off(x.device.type):
             fp = plan.fprop
             xq = wq = x_col = None
             if fp.high_precision:
@@ -222,7 +229,7 @@ class _Float8LinearFn(torch.autograd.Function):
         recipe, hp = cfg.recipe, cfg.hp_dtype
         plan = recipe.plan()
         grad_x = grad_w = None
-        with torch.autocast(dy.device.type, enabled=False):
+        with torch_autocast_off(dy.device.type):
             dy_scale = None
             if ctx.grad_state is not None:  # delayed scaling: record dY's amax, use the history
                 hist, scale, step = ctx.grad_state
@@ -397,7 +404,7 @@ class Float8Linear(nn.Linear):
         if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
             return F.linear(x, self.weight, self.bias)
         dev = x.device.type
-        hp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        hp = torch_autocast_dtype(dev, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         x_scale = w_scale = grad_state = None
         if recipe.scaling == "delayed":

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowprec.fp8.capability import is_cuda
 from lowprec.fp8.formats import fp8_max
 from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, block_amax
 
@@ -87,7 +88,7 @@ def _saturate_(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # rowwise casts run as one Triton kernel with bit-identical results; everywhere else the torch
 # expressions below run. The import is local: kernels.reference imports this module.
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
-    if x.device.type != "cuda" or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if not is_cuda(x.device) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     if scale is not None and not (
         isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype == torch.float32 and scale.device == x.device

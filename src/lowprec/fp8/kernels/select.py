@@ -61,6 +61,12 @@ def available(device: torch.device | str) -> bool:
 
     CPU tensors always take the torch path (the Triton interpreter is for tests only).
     """
-    if torch.device(device).type != "cuda":
+    from lowprec.fp8.capability import is_cuda, triton_override
+
+    if not is_cuda(torch.device(device)):
         return False
+
+    traced = triton_override()  # fp8.trace_as(triton=...) decides for a trace
+    if traced is not None:
+        return traced
     return triton_importable() and enabled_by_env() and not disabled_by_env()
