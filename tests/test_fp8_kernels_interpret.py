@@ -194,3 +194,40 @@ def test_bad_arguments_raise_clear_errors():
         ops.cast_amax(torch.ones(2, 3, dtype=torch.int32), torch.tensor(1.0), E4M3)
     with pytest.raises(ValueError, match="not an FP8 dtype"):
         ops.cast_amax(torch.randn(2, 3), torch.tensor(1.0), torch.float16)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (65, 130), (129, 63)])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_amax_and_column_amax_match_the_torch_path(in_dtype, shape, seed):
+    x = awkward(shape, in_dtype)
+    assert torch.equal(ops.amax(x), reference.amax(x))
+    got, want = ops.amax_cols(x), reference.amax_cols(x)
+    assert got.shape == (1, shape[1]) and torch.equal(got, want)
+    x[shape[0] // 2, shape[1] - 1] = float("nan")  # that column's amax (and the tensor's) NaN
+    assert torch.isnan(ops.amax(x))
+    got, want = ops.amax_cols(x), reference.amax_cols(x)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got[~torch.isnan(want)], want[~torch.isnan(want)])
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_both_axis_casts_in_one_pass_match_the_torch_path(dtype, seed):
+    rows, cols = 45, 300  # ragged against the 32 x 128 tile
+    x = torch.randn(rows, cols) * torch.logspace(-6, 6, rows)[:, None]
+    x[3] = 0.0
+    x[8, 100] = float("inf")
+    x = x.to(torch.bfloat16)
+    from lowprec.fp8.scaling import amax_to_scale
+
+    col_scale = amax_to_scale(reference.amax_cols(x), dtype, power_of_2=True)
+    q, rs, qt = ops.cast_rowwise_dual(x, col_scale, dtype, True)
+    rq, rrs, rqt = reference.cast_rowwise_dual(x, col_scale, dtype, True)
+    assert qt.shape == (cols, rows) and qt.is_contiguous()
+    assert torch.equal(rs, rrs)
+    assert_same_fp8(q, rq)
+    assert_same_fp8(qt, rqt)
+    assert_same_fp8(ops.cast_cols_t(x, col_scale, dtype), rqt)
+
+
+def test_amax_alone_writes_no_cast(seed):
+    x = awkward((70, 90), torch.bfloat16)
+    assert torch.equal(ops.amax(x), ops.cast_amax(x, torch.tensor(1.0), E4M3)[1])

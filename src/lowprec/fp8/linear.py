@@ -106,22 +106,30 @@ def _cast(x: torch.Tensor, spec: OperandCast, contract: int, recipe: Recipe, sca
 
 
 def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale=None) -> tuple[Float8Data, Float8Data]:
-    """One per-tensor cast of ``x`` or ``dY`` that serves two GEMMs: ``(row-major, column-major)``.
+    """The casts of ``x``, ``W`` or ``dY`` for two GEMMs: ``(row-major, contracting dim 1;
+    column-major, contracting dim 0)``.
 
-    On CUDA with the Triton kernels (``lowprec.fp8.kernels``) one pass writes the FP8 tensor
-    and its transpose (TransformerEngine's cast_transpose). The second is handed over as a
-    column-major view, so the weight-gradient GEMM, which contracts over the token dim, finds
-    its operand already in the layout ``scaled_mm`` asks cuBLAS for, and nothing is copied in
-    backward. Elsewhere both are the same :class:`Float8Data`. Values are identical either
-    way; only the memory layout differs.
+    On CUDA with the Triton kernels (``lowprec.fp8.kernels``) one pass writes both: for a
+    per-tensor scale the FP8 tensor and its transpose (TransformerEngine's cast_transpose),
+    for axis scales the row-scaled cast and the column-scaled one, transposed (after one read
+    for the column amaxes). The second is handed over as a column-major view, so the other
+    GEMM finds its operand already in the layout ``scaled_mm`` asks cuBLAS for, and nothing is
+    copied. Elsewhere: one per-tensor cast serving both, or two axis casts. Values are
+    identical either way; only the memory layout differs.
     """
-    if spec.granularity == "tensor" and t.dtype in (torch.bfloat16, torch.float16, torch.float32) and kernels.available(t.device):
+    fused = t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.dim() == 2 and kernels.available(t.device)
+    pow2 = recipe.power_of_2_scales
+    if spec.granularity == "tensor" and fused:
         if scale is None:
-            scale = amax_to_scale(amax(t), spec.dtype, margin=recipe.margin, power_of_2=recipe.power_of_2_scales)
+            scale = amax_to_scale(kernels.amax(t), spec.dtype, margin=recipe.margin, power_of_2=pow2)
         q, qt, _ = kernels.cast_transpose_amax(t, scale, spec.dtype)
         return Float8Data(q, scale, "tensor"), Float8Data(qt.t(), scale, "tensor")
+    if spec.granularity == "axis" and fused:
+        col_scale = amax_to_scale(kernels.amax_cols(t), spec.dtype, power_of_2=pow2)
+        q, row_scale, qt = kernels.cast_rowwise_dual(t, col_scale, spec.dtype, pow2)
+        return Float8Data(q, row_scale, "axis"), Float8Data(qt.t(), col_scale, "axis")
     q = _cast(t, spec, 1, recipe, scale)
-    return q, q
+    return q, (_cast(t, spec, 0, recipe) if spec.granularity == "axis" else q)
 
 
 def _stats(x: torch.Tensor, q: Float8Data) -> torch.Tensor:
@@ -181,19 +189,23 @@ class _Float8LinearFn(torch.autograd.Function):
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch_autocast_off(x.device.type):
             fp = plan.fprop
-            xq = wq = x_col = None
+            xq = wq = w_col = x_col = None
             if fp.high_precision:
                 out = torch.matmul(x.to(hp), weight.to(hp).t())
             else:
                 wg = plan.wgrad
                 x_both = need_wgrad and recipe.save_fp8_activations and not wg.high_precision and (
-                    wg.b == fp.a and wg.b.granularity == "tensor"
+                    wg.b == fp.a and wg.b.granularity in ("tensor", "axis")
                 )
                 if x_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
                     xq, x_col = _cast_both_layouts(x, fp.a, recipe, x_scale)
                 else:
                     xq = _cast(x, fp.a, 1, recipe, x_scale)
-                wq = _cast(weight, fp.b, 1, recipe, w_scale)
+                dg = plan.dgrad
+                if need_dgrad and not dg.high_precision and dg.b == fp.b and fp.b.granularity == "tensor":
+                    wq, w_col = _cast_both_layouts(weight, fp.b, recipe, w_scale)  # dgrad reads w_col
+                else:
+                    wq = w_col = _cast(weight, fp.b, 1, recipe, w_scale)
                 out = scaled_mm(xq, wq.t(), hp, path=recipe.gemm, use_fast_accum=recipe.use_fast_accum)
                 if cfg.stats:
                     stats.index_copy_(0, torch.arange(2, device=stats.device),
@@ -206,7 +218,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 reusable = wq is not None and not dg.high_precision and dg.b == fp.b and (
                     dg.b.granularity == "tensor" or dg.b.block_2d
                 )
-                w_saved = wq if reusable else weight
+                w_saved = w_col if reusable else weight
             # What grad_weight needs: the input, cast for a GEMM contracting over M.
             x_saved = None
             if need_wgrad:
@@ -246,14 +258,14 @@ class _Float8LinearFn(torch.autograd.Function):
                     first_cast.append(q)
                 return q
 
-            dyq_tensor = None  # one per-tensor cast of dY serves both GEMMs
+            dyq_tensor = None  # the cast of dY the weight-gradient GEMM reads, when one pass wrote it
             if ctx.needs_input_grad[0]:
                 dg = plan.dgrad
                 if dg.high_precision:
                     grad_x = torch.matmul(dy.to(hp), w_saved.to(hp))
                 else:
                     wg = plan.wgrad
-                    dy_both = dg.a.granularity == "tensor" and ctx.needs_input_grad[1] and not wg.high_precision and (
+                    dy_both = dg.a.granularity in ("tensor", "axis") and ctx.needs_input_grad[1] and not wg.high_precision and (
                         wg.a == dg.a
                     )
                     if dy_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
@@ -271,7 +283,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 if wg.high_precision:
                     grad_w = torch.matmul(dy.t().to(hp), x_saved.to(hp))
                 else:
-                    reuse = dyq_tensor is not None and wg.a.granularity == "tensor" and wg.a == plan.dgrad.a
+                    reuse = dyq_tensor is not None and wg.a == plan.dgrad.a
                     dyq = dyq_tensor if reuse else cast_dy(wg.a, 0)
                     # the input was kept in high precision when save_fp8_activations is off
                     xq = x_saved if isinstance(x_saved, Float8Data) else _cast(x_saved, wg.b, 0, recipe)

@@ -99,6 +99,12 @@ def _fused_cast(x: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
     return kernels.available(x.device)
 
 
+def _kernels():
+    from lowprec.fp8 import kernels
+
+    return kernels
+
+
 # -------------------------------------------------------------------------------------------
 def quantize_tensorwise(
     x: torch.Tensor,
@@ -111,7 +117,8 @@ def quantize_tensorwise(
     """One scale for the whole tensor; computed from ``amax(x)`` unless ``scale`` is given
     (delayed scaling passes the scale derived from its amax history)."""
     if scale is None:
-        scale = amax_to_scale(amax(x), dtype, margin=margin, power_of_2=power_of_2)
+        a = _kernels().amax(x) if _fused_cast(x) else amax(x)  # CUDA: one read, no abs() tensor
+        scale = amax_to_scale(a, dtype, margin=margin, power_of_2=power_of_2)
     if _fused_cast(x, scale):
         from lowprec.fp8 import kernels
 
@@ -135,6 +142,10 @@ def quantize_axiswise(
 
         data, scale = kernels.cast_rowwise(x, dtype, power_of_2)
         return Float8Data(data, scale, "axis")
+    if _fused_cast(x) and dim == 0:  # CUDA: written transposed, the layout a GEMM contracting dim 0 reads
+        kernels = _kernels()
+        scale = amax_to_scale(kernels.amax_cols(x), dtype, power_of_2=power_of_2)
+        return Float8Data(kernels.cast_cols_t(x, scale, dtype).t(), scale, "axis")
     scale = amax_to_scale(amax_along(x, dim), dtype, power_of_2=power_of_2)
     return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "axis")
 

@@ -13,7 +13,8 @@ import torch
 from lowprec.fp8.quantize import saturated_cast
 from lowprec.fp8.scaling import amax, amax_along, amax_to_scale
 
-__all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise"]
+
+__all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t"]
 
 
 def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,3 +37,21 @@ def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = Tru
     returns ``(q, scale)`` with scale of shape ``(rows, 1)``."""
     scale = amax_to_scale(amax_along(x, 1), fp8_dtype, power_of_2=power_of_2)
     return saturated_cast(x.to(torch.float32) * scale, fp8_dtype), scale
+
+
+def amax_cols(x: torch.Tensor) -> torch.Tensor:
+    """Per-column ``max |x|``: ``amax_along(x, 0)``, shape ``(1, cols)``."""
+    return amax_along(x, 0)
+
+
+def cast_cols_t(x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast with per-column scales ``(1, cols)``, as a contiguous ``(cols, rows)`` tensor."""
+    return saturated_cast(x.to(torch.float32) * col_scale, fp8_dtype).t().contiguous()
+
+
+def cast_rowwise_dual(
+    x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cast_rowwise` and :func:`cast_cols_t` together: ``(q, row_scale, qt)``."""
+    q, scale = cast_rowwise(x, fp8_dtype, power_of_2)
+    return q, scale, cast_cols_t(x, col_scale, fp8_dtype)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["cast_transpose_amax_kernel", "cast_rowwise_kernel"]
+__all__ = ["cast_transpose_amax_kernel", "cast_rowwise_kernel", "amax_cols_kernel"]
 
 _NAN_BITS = tl.constexpr(0x7FC00000)  # positive quiet NaN, float32
 _EXP_MASK_F64 = tl.constexpr(0x7FF0000000000000)  # sign (0) and exponent: floor to a power of 2
@@ -99,24 +99,46 @@ def cast_transpose_amax_kernel(
     x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr,
     M, N, stride_xm, stride_xn,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, WRITE_T: tl.constexpr, WRITE_AMAX: tl.constexpr, SOFT_CAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_Q: tl.constexpr = True,
 ):
-    """One BLOCK_M x BLOCK_N tile: q[m, n] and (WRITE_T) qt[n, m] as uint8 bits, and
-    (WRITE_AMAX) atomic max of the tile's amax bits into ``*amax_ptr`` (int32, starts at 0)."""
+    """One BLOCK_M x BLOCK_N tile: (WRITE_Q) q[m, n] and (WRITE_T) qt[n, m] as uint8 bits, and
+    (WRITE_AMAX) atomic max of the tile's amax bits into ``*amax_ptr`` (int32, starts at 0).
+    With neither store it is the amax alone (one read of ``x``, no abs() tensor)."""
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :] * stride_xn, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    scale = tl.load(scale_ptr)
-    q = _saturate_to_fp8_bits(x * scale, FP8_MAX, E4M3, SOFT_CAST)
-    tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
-    if WRITE_T:
-        # Same registers, transposed addresses: Triton routes them through shared memory so
-        # that both stores are coalesced.
-        tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=mask)
+    if WRITE_Q or WRITE_T:
+        scale = tl.load(scale_ptr)
+        q = _saturate_to_fp8_bits(x * scale, FP8_MAX, E4M3, SOFT_CAST)
+        if WRITE_Q:
+            tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
+        if WRITE_T:
+            # Same registers, transposed addresses: Triton routes them through shared memory so
+            # that both stores are coalesced.
+            tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=mask)
     if WRITE_AMAX:
         tl.atomic_max(amax_ptr, _amax_bits(x, mask))
+
+
+@triton.jit
+def amax_cols_kernel(
+    x_ptr, amax_ptr, M, N, stride_xm, stride_xn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Per-column ``max |x|`` (``amax_along(x, 0)``): each tile's column maxima, as float32
+    bits, atomically maxed into ``amax_ptr[n]`` (int32, zero-initialised); NaN wins as in
+    :func:`_amax_bits`."""
+    rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :] * stride_xn, mask=mask, other=0.0)
+    a = tl.where(mask, tl.abs(x.to(tl.float32)), 0.0)
+    is_nan = a != a
+    col = tl.max(tl.where(is_nan, 0.0, a), axis=0).to(tl.int32, bitcast=True)
+    has_nan = tl.max(is_nan.to(tl.int32), axis=0)
+    tl.atomic_max(amax_ptr + rn, tl.where(has_nan > 0, _NAN_BITS, col), mask=rn < N)
 
 
 @triton.jit
@@ -125,33 +147,43 @@ def cast_rowwise_kernel(
     M, N, stride_xm, stride_xn,
     FP8_MAX: tl.constexpr, E4M3: tl.constexpr, POW2: tl.constexpr, SOFT_CAST: tl.constexpr, EPS_BITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    col_scale_ptr=None, qt_ptr=None, ROW: tl.constexpr = True, COL: tl.constexpr = False,
 ):
-    """BLOCK_M rows: the rows' amax (pass 1), scale = fp8_max / max(amax, eps) in float64
-    (``amax_to_scale``), optionally floored to a power of two, then the cast (pass 2, the
-    rows are re-read from L2)."""
+    """BLOCK_M rows. ROW: the rows' amax (pass 1), scale = fp8_max / max(amax, eps) in float64
+    (``amax_to_scale``), optionally floored to a power of two, then the row-scaled cast into
+    ``q`` (pass 2, the rows are re-read from L2). COL: in the same pass 2, the cast with the
+    given per-column scales (``col_scale_ptr``, from the column amaxes) stored transposed into
+    ``qt`` (N, M): both axis casts a rowwise recipe needs, from one pass over ``x``."""
     rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rm < M
-    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    nan_seen = tl.zeros([BLOCK_M], dtype=tl.int32)
+    if ROW:
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        nan_seen = tl.zeros([BLOCK_M], dtype=tl.int32)
+        for start in range(0, N, BLOCK_N):
+            rn = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
+            mask = row_ok[:, None] & (rn[None, :] < N)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :] * stride_xn, mask=mask, other=0.0)
+            a = tl.abs(x.to(tl.float32))
+            is_nan = a != a
+            amax = tl.maximum(amax, tl.max(tl.where(is_nan, 0.0, a), axis=1))
+            nan_seen = tl.maximum(nan_seen, tl.max(is_nan.to(tl.int32), axis=1))
+        eps = tl.full([BLOCK_M], EPS_BITS, tl.int64).to(tl.float64, bitcast=True)
+        scale64 = FP8_MAX / tl.maximum(amax.to(tl.float64), eps)
+        if POW2:
+            # floor(log2(s)) as a bit mask: exact for the positive normal (or zero) s here
+            scale64 = (scale64.to(tl.int64, bitcast=True) & _EXP_MASK_F64).to(tl.float64, bitcast=True)
+        nan = tl.full([BLOCK_M], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+        scale = tl.where(nan_seen > 0, nan, scale64.to(tl.float32))
+        tl.store(scale_ptr + rm, scale, mask=row_ok)
     for start in range(0, N, BLOCK_N):
         rn = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
         mask = row_ok[:, None] & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :] * stride_xn, mask=mask, other=0.0)
-        a = tl.abs(x.to(tl.float32))
-        is_nan = a != a
-        amax = tl.maximum(amax, tl.max(tl.where(is_nan, 0.0, a), axis=1))
-        nan_seen = tl.maximum(nan_seen, tl.max(is_nan.to(tl.int32), axis=1))
-    eps = tl.full([BLOCK_M], EPS_BITS, tl.int64).to(tl.float64, bitcast=True)
-    scale64 = FP8_MAX / tl.maximum(amax.to(tl.float64), eps)
-    if POW2:
-        # floor(log2(s)) as a bit mask: exact for the positive normal (or zero) s here
-        scale64 = (scale64.to(tl.int64, bitcast=True) & _EXP_MASK_F64).to(tl.float64, bitcast=True)
-    nan = tl.full([BLOCK_M], _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
-    scale = tl.where(nan_seen > 0, nan, scale64.to(tl.float32))
-    tl.store(scale_ptr + rm, scale, mask=row_ok)
-    for start in range(0, N, BLOCK_N):
-        rn = (start + tl.arange(0, BLOCK_N)).to(tl.int64)
-        mask = row_ok[:, None] & (rn[None, :] < N)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :] * stride_xn, mask=mask, other=0.0)
-        q = _saturate_to_fp8_bits(x.to(tl.float32) * scale[:, None], FP8_MAX, E4M3, SOFT_CAST)
-        tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
+        x = x.to(tl.float32)
+        if ROW:
+            q = _saturate_to_fp8_bits(x * scale[:, None], FP8_MAX, E4M3, SOFT_CAST)
+            tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
+        if COL:
+            cs = tl.load(col_scale_ptr + rn, mask=rn < N, other=1.0)
+            qt = _saturate_to_fp8_bits(x * cs[None, :], FP8_MAX, E4M3, SOFT_CAST)
+            tl.store(qt_ptr + rn[None, :] * M + rm[:, None], qt, mask=mask)
