@@ -246,7 +246,7 @@ class _Float8LinearFn(torch.autograd.Function):
             if ctx.grad_state is not None:  # delayed scaling: record dY's amax, use the history
                 hist, scale, step = ctx.grad_state
                 dtype = recipe.fp8_format.backward_dtype
-                dy_scale, new_hist, new_scale = delayed_scale_step(hist, scale, step, amax(dy), dtype, recipe)
+                dy_scale, new_hist, new_scale = delayed_scale_step(hist, scale, step, kernels.amax(dy), dtype, recipe)
                 hist.copy_(new_hist)
                 scale.copy_(new_scale)
                 step.add_(1)
@@ -406,7 +406,7 @@ class Float8Linear(nn.Linear):
     def _delayed_scale(self, which: str, t: torch.Tensor, dtype: torch.dtype, recipe: Recipe) -> torch.Tensor:
         hist = getattr(self, f"fp8_amax_history_{which}")
         scale = getattr(self, f"fp8_scale_{which}")
-        used, new_hist, new_scale = delayed_scale_step(hist, scale, self.fp8_step, amax(t), dtype, recipe)
+        used, new_hist, new_scale = delayed_scale_step(hist, scale, self.fp8_step, kernels.amax(t), dtype, recipe)
         hist.copy_(new_hist)
         scale.copy_(new_scale)
         return used

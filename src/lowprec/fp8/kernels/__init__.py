@@ -62,16 +62,16 @@ def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = Tru
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """``max |x|`` of a 2-D ``x`` as a float32 scalar; one read of ``x`` on CUDA."""
-    if available(x.device):
-        return _ops().amax(x)
+    """``max |x|`` as a float32 scalar; one read of ``x`` on CUDA (2-D bf16/fp16/fp32 ``x``)."""
+    if x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and available(x.device):
+        return _ops().amax(x.detach())  # a scale statistic: no gradient, as scaling.amax
     return reference.amax(x)
 
 
 def amax_cols(x: torch.Tensor) -> torch.Tensor:
     """Per-column ``max |x|`` of a 2-D ``x``, shape ``(1, cols)``; one read on CUDA."""
     if available(x.device):
-        return _ops().amax_cols(x)
+        return _ops().amax_cols(x.detach())
     return reference.amax_cols(x)
 
 
