@@ -23,13 +23,15 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from lowprec.fp8.kernels.triton_cast import amax_cols_kernel, cast_rowwise_kernel, cast_transpose_amax_kernel
+from lowprec.fp8.kernels.triton_cast import amax_cols_kernel, cast_rowwise_kernel, cast_transpose_amax_kernel, recast_if_changed_kernel
 from lowprec.fp8.kernels.ops import DUAL_TILE, ROW_TILE, TILE, _EPS_BITS
 
 CT = {"x_ptr": "*bf16", "scale_ptr": "*fp32", "q_ptr": "*u8", "qt_ptr": "*u8", "amax_ptr": "*i32",
       "M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32"}
 RW = {"x_ptr": "*bf16", "q_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32", "N": "i32",
       "stride_xm": "i32", "stride_xn": "i32", "col_scale_ptr": "*fp32", "qt_ptr": "*u8"}
+RC = {"x_ptr": "*bf16", "used_ptr": "*fp32", "cast_ptr": "*fp32", "q_ptr": "*u8", "qt_ptr": "*u8",
+      "M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32"}
 AC = {"x_ptr": "*bf16", "amax_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32"}
 out = []
 for cc in (89, 90):
@@ -49,6 +51,8 @@ for cc in (89, 90):
                 ("ct", cast_transpose_amax_kernel, CT, ct, TILE[2], (0, 1, 2, 3, 4, 5, 6, 7)),
                 ("row", cast_rowwise_kernel, RW, rw, ROW_TILE[2], (0, 1, 2, 3, 4, 5, 7, 8)),
                 ("dual", cast_rowwise_kernel, RW, dual, DUAL_TILE[2], (0, 1, 2, 3, 4, 5, 7, 8)),
+                ("recast", recast_if_changed_kernel, RC, dict(FP8_MAX=fp8_max, E4M3=e4m3, SOFT_CAST=soft,
+                 BLOCK_M=TILE[0], BLOCK_N=TILE[1]), TILE[2], (0, 1, 2, 3, 4, 5, 6, 7)),
             ]
             if e4m3 and not soft:  # no FP8 convert in these: compile them once per target
                 kernels += [("amax", cast_transpose_amax_kernel, CT, amax_only, TILE[2], (0, 1, 2, 3, 4, 5, 6, 7)),
@@ -75,7 +79,7 @@ def test_kernels_compile_for_hopper():
     res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(rows) == 2 * (4 * 3 + 2)
+    assert len(rows) == 2 * (4 * 4 + 2)
     assert {r["cc"] for r in rows} == {89, 90}
     for r in rows:
         assert r["cubin"] > 0, r
@@ -86,6 +90,8 @@ def test_kernels_compile_for_hopper():
         assert r["hw_cvt"] == (not r["soft"]), r
         # one atomic per tile for the tensor amax; none in the rowwise kernels
         assert r["atomics"] == (1 if r["kernel"] == "ct" else 0), r
+        if r["kernel"] == "recast":  # a conditional re-cast: its stores are checked by the interpreter
+            continue
         # 16-byte global loads and stores (both layouts of the transpose kernel): a
         # bandwidth-bound kernel that moves single bytes would be several times slower
         assert r["vector_loads"], r

@@ -231,3 +231,18 @@ def test_both_axis_casts_in_one_pass_match_the_torch_path(dtype, seed):
 def test_amax_alone_writes_no_cast(seed):
     x = awkward((70, 90), torch.bfloat16)
     assert torch.equal(ops.amax(x), ops.cast_amax(x, torch.tensor(1.0), E4M3)[1])
+
+
+@pytest.mark.parametrize("changed", [False, True, "nan"])
+def test_recast_if_changed_matches_the_torch_path(changed, seed):
+    x = awkward((70, 90), torch.bfloat16)
+    cast = torch.tensor(2.0)
+    used = {False: torch.tensor(2.0), True: torch.tensor(0.25), "nan": torch.tensor(float("nan"))}[changed]
+    q, qt, _ = ops.cast_transpose_amax(x, cast, E4M3)
+    rq, rqt = q.clone(), qt.clone()
+    ops.recast_if_changed(x, used, cast, q, qt)
+    reference.recast_if_changed(x, used, cast, rq, rqt)
+    assert_same_fp8(q, rq)
+    assert torch.equal(bits(qt), bits(rqt))
+    if changed is True:
+        assert_same_fp8(q, reference.cast_amax(x, used, E4M3)[0])

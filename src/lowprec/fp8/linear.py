@@ -132,6 +132,27 @@ def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale
     return q, (_cast(t, spec, 0, recipe) if spec.granularity == "axis" else q)
 
 
+_HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _cast_delayed_fused(t, spec: OperandCast, recipe: Recipe, hist, scale, step) -> tuple[Float8Data, Float8Data, torch.Tensor]:
+    """Delayed scaling on CUDA with the Triton kernels: one pass over ``t`` (TE semantics).
+
+    Cast (both layouts) with the scale the history holds, take this step's amax from that same
+    pass into the history, and re-cast only if the scale to use differs: it does exactly when
+    the history had nothing in it (the first step), where the scale comes from this amax; the
+    re-cast kernel returns at once otherwise. Same values as :func:`delayed_scale_step` followed
+    by a cast with its ``scale_used``. Updates ``hist`` and ``scale`` in place; returns
+    ``(row-major cast, column-major cast, scale_used)``.
+    """
+    q, qt, amax_now = kernels.cast_transpose_amax(t, scale, spec.dtype)
+    used, new_hist, new_scale = delayed_scale_step(hist, scale, step, amax_now, spec.dtype, recipe)
+    kernels.recast_if_changed(t, used, scale, q, qt)
+    hist.copy_(new_hist)
+    scale.copy_(new_scale)
+    return Float8Data(q, used, "tensor"), Float8Data(qt.t(), used, "tensor"), used
+
+
 def _stats(x: torch.Tensor, q: Float8Data) -> torch.Tensor:
     """(amax, scale, saturated fraction, underflow fraction) of one cast, as a float32 (4,)."""
     from lowprec.fp8.quantize import _expand_blocks
@@ -183,7 +204,7 @@ def _unpack(ctx) -> list:
 
 class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, cfg: _FnConfig, x_scale, w_scale, grad_state, stats):
+    def forward(ctx, x, weight, cfg: _FnConfig, x_scale, w_scale, grad_state, stats, fwd_state=None):
         recipe, hp = cfg.recipe, cfg.hp_dtype
         plan = recipe.plan()
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -197,14 +218,20 @@ class _Float8LinearFn(torch.autograd.Function):
                 x_both = need_wgrad and recipe.save_fp8_activations and not wg.high_precision and (
                     wg.b == fp.a and wg.b.granularity in ("tensor", "axis")
                 )
-                if x_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
+                if fwd_state is not None:  # delayed scaling, fused (Float8Linear._fused_delayed)
+                    hx, sx, hw, sw, step, last = fwd_state
+                    xq, x_col, x_used = _cast_delayed_fused(x, fp.a, recipe, hx, sx, step)
+                    wq, w_col, w_used = _cast_delayed_fused(weight, fp.b, recipe, hw, sw, step)
+                    step.add_(1)
+                    last.copy_(torch.stack([x_used, w_used]))
+                elif x_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
                     xq, x_col = _cast_both_layouts(x, fp.a, recipe, x_scale)
                 else:
                     xq = _cast(x, fp.a, 1, recipe, x_scale)
                 dg = plan.dgrad
-                if need_dgrad and not dg.high_precision and dg.b == fp.b and fp.b.granularity == "tensor":
+                if fwd_state is None and need_dgrad and not dg.high_precision and dg.b == fp.b and fp.b.granularity == "tensor":
                     wq, w_col = _cast_both_layouts(weight, fp.b, recipe, w_scale)  # dgrad reads w_col
-                else:
+                elif fwd_state is None:
                     wq = w_col = _cast(weight, fp.b, 1, recipe, w_scale)
                 out = scaled_mm(xq, wq.t(), hp, path=recipe.gemm, use_fast_accum=recipe.use_fast_accum)
                 if cfg.stats:
@@ -231,6 +258,7 @@ class _Float8LinearFn(torch.autograd.Function):
                     x_saved = _cast(x, wg.b, 0, recipe, x_scale if wg.b.granularity == "tensor" else None)
         _pack(ctx, [w_saved, x_saved])
         ctx.cfg, ctx.grad_state, ctx.stats = cfg, grad_state, stats
+        ctx.fused_delayed = fwd_state is not None
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         return out
 
@@ -243,7 +271,7 @@ class _Float8LinearFn(torch.autograd.Function):
         grad_x = grad_w = None
         with torch_autocast_off(dy.device.type):
             dy_scale = None
-            if ctx.grad_state is not None:  # delayed scaling: record dY's amax, use the history
+            if ctx.grad_state is not None and not ctx.fused_delayed:  # delayed: record dY's amax, use the history
                 hist, scale, step = ctx.grad_state
                 dtype = recipe.fp8_format.backward_dtype
                 dy_scale, new_hist, new_scale = delayed_scale_step(hist, scale, step, kernels.amax(dy), dtype, recipe)
@@ -268,7 +296,12 @@ class _Float8LinearFn(torch.autograd.Function):
                     dy_both = dg.a.granularity in ("tensor", "axis") and ctx.needs_input_grad[1] and not wg.high_precision and (
                         wg.a == dg.a
                     )
-                    if dy_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
+                    if dy_both and ctx.fused_delayed:  # one pass: cast, amax into the history
+                        hist, scale, step = ctx.grad_state
+                        dyq, dyq_tensor, _ = _cast_delayed_fused(dy, dg.a, recipe, hist, scale, step)
+                        step.add_(1)
+                        first_cast.append(dyq)
+                    elif dy_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
                         dyq, dyq_tensor = _cast_both_layouts(dy, dg.a, recipe, dy_scale)
                         first_cast.append(dyq)
                     else:
@@ -291,7 +324,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 grad_w = grad_w.to(ctx.w_dtype)
             if cfg.stats and first_cast:
                 ctx.stats.index_copy_(0, torch.arange(2, 3, device=dy.device), _stats(dy, first_cast[0])[None])
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 _HOOK_DICTS = (
@@ -411,6 +444,18 @@ class Float8Linear(nn.Linear):
         scale.copy_(new_scale)
         return used
 
+    def _fused_delayed(self, x2: torch.Tensor, recipe: Recipe) -> bool:
+        """Whether this step's delayed scaling runs inside the fused casts (one pass per operand,
+        :func:`_cast_delayed_fused`): CUDA with the Triton kernels, every GEMM in FP8, both
+        gradients wanted and the FP8 input kept, so that each operand's one cast serves both of
+        its GEMMs. Otherwise the scales are computed here first (an amax read per operand)."""
+        w = self.weight
+        return (
+            kernels.available(x2.device) and x2.dtype in _HP_DTYPES and w.dtype in _HP_DTYPES and w.dim() == 2
+            and torch.is_grad_enabled() and x2.requires_grad and w.requires_grad
+            and recipe.save_fp8_activations and not any(recipe.override_linear_precision)
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe = self._active_recipe()
         if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
@@ -418,11 +463,14 @@ class Float8Linear(nn.Linear):
         dev = x.device.type
         hp = torch_autocast_dtype(dev, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
-        x_scale = w_scale = grad_state = None
+        x_scale = w_scale = grad_state = fwd_state = None
         if recipe.scaling == "delayed":
             fwd = recipe.fp8_format.forward_dtype
             if recomputing():  # same scales as the first forward; its state update already ran
                 x_scale, w_scale = self.fp8_last_scales[0], self.fp8_last_scales[1]
+            elif self._fused_delayed(x2, recipe):  # the casts update the state (one pass each)
+                fwd_state = (self.fp8_amax_history_input, self.fp8_scale_input, self.fp8_amax_history_weight,
+                             self.fp8_scale_weight, self.fp8_step, self.fp8_last_scales)
             else:
                 x_scale = self._delayed_scale("input", x2, fwd, recipe)
                 w_scale = self._delayed_scale("weight", self.weight, fwd, recipe)
@@ -430,7 +478,7 @@ class Float8Linear(nn.Linear):
                 self.fp8_last_scales.copy_(torch.stack([x_scale, w_scale]))
             grad_state = (self.fp8_amax_history_grad_output, self.fp8_scale_grad_output, self.fp8_step_grad)
         cfg = _FnConfig(recipe, hp, self.fp8_telemetry)
-        out = _Float8LinearFn.apply(x2, self.weight, cfg, x_scale, w_scale, grad_state, self.fp8_stats)
+        out = _Float8LinearFn.apply(x2, self.weight, cfg, x_scale, w_scale, grad_state, self.fp8_stats, fwd_state)
         out = out.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

@@ -18,7 +18,9 @@ Rules (one each):
   ``copy_``/``fill_``/``zero_``, which only write it);
 * a custom op (``torch.ops.lowprec.*``) declares its cost through its schema and fake
   implementation: its tensor inputs read, its outputs written, once. That is the traffic of a
-  single fused kernel, which is what those ops are.
+  single fused kernel, which is what those ops are. A conditional kernel declares its
+  steady-state cost in :data:`STEADY_STATE_BYTES` instead (``recast_if_changed`` reads two
+  scalars and returns unless delayed scaling's amax history was empty, as on the first step).
 
 GEMMs (``mm``, ``addmm``, ``bmm``, ``_scaled_mm``, ...) are recorded with their FLOPs and kept
 apart: the question the counts answer is how many bytes move *outside* the GEMMs.
@@ -32,11 +34,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["OpRecord", "ByteCounter", "tensor_bytes", "GEMM_OPS", "trace_linear"]
+__all__ = ["OpRecord", "ByteCounter", "tensor_bytes", "GEMM_OPS", "STEADY_STATE_BYTES", "trace_linear"]
 
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm"})
 _FREE = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                    "lift_fresh", "lift_fresh_copy", "set_", "resize_", "_to_copy_noop"})
+# (read, written) of conditional kernels in steady state; see the module docstring
+STEADY_STATE_BYTES = {"lowprec.recast_if_changed": (8, 0)}
 _WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_"})
 
 
@@ -94,6 +98,9 @@ class ByteCounter(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         ns = func.namespace
         if ns == "aten" and (func.is_view or name in _FREE):
+            return
+        if f"{ns}.{name}" in STEADY_STATE_BYTES:
+            self.records.append(OpRecord(f"{ns}.{name}", *STEADY_STATE_BYTES[f"{ns}.{name}"], phase=self.phase))
             return
         written_args, read_ids, read = [], set(), 0
         for arg, value in zip(func._schema.arguments, list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]):

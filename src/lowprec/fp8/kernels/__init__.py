@@ -24,7 +24,7 @@ from lowprec.fp8.kernels.select import DISABLE_ENV, available
 
 __all__ = [
     "available", "DISABLE_ENV", "cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols",
-    "cast_rowwise_dual", "cast_cols_t", "reference",
+    "cast_rowwise_dual", "cast_cols_t", "recast_if_changed", "reference",
 ]
 
 
@@ -90,3 +90,13 @@ def cast_cols_t(x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype
     if available(x.device):
         return _ops().cast_cols_t(x, col_scale, fp8_dtype)
     return reference.cast_cols_t(x, col_scale, fp8_dtype)
+
+
+def recast_if_changed(
+    x: torch.Tensor, scale_used: torch.Tensor, scale_cast: torch.Tensor, q: torch.Tensor, qt: torch.Tensor
+) -> None:
+    """Delayed scaling: re-cast ``x`` into ``q``/``qt`` in place when ``scale_used`` differs
+    from ``scale_cast`` (an empty amax history); on CUDA a kernel that returns at once otherwise."""
+    if available(x.device):
+        return _ops().recast_if_changed(x, scale_used, scale_cast, q, qt)
+    return reference.recast_if_changed(x, scale_used, scale_cast, q, qt)

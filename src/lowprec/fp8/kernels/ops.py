@@ -19,12 +19,17 @@ import triton
 from torch.library import triton_op, wrap_triton
 
 from lowprec.fp8.formats import fp8_max
-from lowprec.fp8.kernels.triton_cast import amax_cols_kernel, cast_rowwise_kernel, cast_transpose_amax_kernel
+from lowprec.fp8.kernels.triton_cast import (
+    amax_cols_kernel,
+    cast_rowwise_kernel,
+    cast_transpose_amax_kernel,
+    recast_if_changed_kernel,
+)
 from lowprec.fp8.scaling import AMAX_EPS
 
 __all__ = [
     "cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t",
-    "launch_cast", "interpreting",
+    "recast_if_changed", "launch_cast", "interpreting",
 ]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -182,3 +187,21 @@ def cast_cols_t(x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype
     qt = torch.empty((n, m), dtype=torch.uint8, device=x.device)
     _launch_axes(x, fp8_dtype, False, None, None, col_scale, qt, DUAL_TILE)
     return qt.view(fp8_dtype)
+
+
+@triton_op("lowprec::recast_if_changed", mutates_args={"q", "qt"})
+def recast_if_changed(
+    x: torch.Tensor, scale_used: torch.Tensor, scale_cast: torch.Tensor, q: torch.Tensor, qt: torch.Tensor
+) -> None:
+    """Re-cast ``x`` into ``q`` and ``qt`` (its transpose) with ``scale_used`` when it differs
+    from ``scale_cast``, the scale they hold; a no-op kernel otherwise (no read of ``x``)."""
+    _check(x, q.dtype)
+    if x.device.type == "meta":
+        return
+    m, n = x.shape
+    bm, bn, warps = TILE
+    wrap_triton(recast_if_changed_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x, scale_used, scale_cast, q.view(torch.uint8), qt.view(torch.uint8), m, n, x.stride(0), x.stride(1),
+        FP8_MAX=fp8_max(q.dtype), E4M3=q.dtype == torch.float8_e4m3fn, SOFT_CAST=interpreting(),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+    )

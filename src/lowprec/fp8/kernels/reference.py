@@ -14,7 +14,7 @@ from lowprec.fp8.quantize import saturated_cast
 from lowprec.fp8.scaling import amax, amax_along, amax_to_scale
 
 
-__all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t"]
+__all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t", "recast_if_changed"]
 
 
 def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,3 +55,14 @@ def cast_rowwise_dual(
     """:func:`cast_rowwise` and :func:`cast_cols_t` together: ``(q, row_scale, qt)``."""
     q, scale = cast_rowwise(x, fp8_dtype, power_of_2)
     return q, scale, cast_cols_t(x, col_scale, fp8_dtype)
+
+
+def recast_if_changed(
+    x: torch.Tensor, scale_used: torch.Tensor, scale_cast: torch.Tensor, q: torch.Tensor, qt: torch.Tensor
+) -> None:
+    """Where ``scale_used != scale_cast`` (NaN included), overwrite ``q`` and ``qt`` (its
+    contiguous transpose) with ``x`` cast at ``scale_used``; else leave them (in place)."""
+    redo = scale_used != scale_cast
+    new = saturated_cast(x.to(torch.float32) * scale_used, q.dtype).view(torch.uint8)
+    q.view(torch.uint8).copy_(torch.where(redo, new, q.view(torch.uint8)))
+    qt.view(torch.uint8).copy_(torch.where(redo, new.t(), qt.view(torch.uint8)))

@@ -60,6 +60,13 @@ def run_checks(ops, ref, device: torch.device) -> list[str]:
         for name, (got, want) in pairs.items():
             if not all(_same(a, b) for a, b in zip(got, want)):
                 bad.append(f"{name}({str(dtype).replace('torch.', '')})")
+    for used in (scale, scale * 2):  # delayed scaling's re-cast: a no-op, then a real one
+        got = ops.cast_transpose_amax(x, scale, torch.float8_e4m3fn)[:2]
+        want = tuple(t.clone() for t in got)
+        ops.recast_if_changed(x, used, scale, *got)
+        ref.recast_if_changed(x, used, scale, *want)
+        if not all(_same(a, b) for a, b in zip(got, want)):
+            bad.append("recast_if_changed")
     xn = x.clone()
     xn[5, 7] = float("nan")
     for name, got, want in (("amax", ops.amax(x), ref.amax(x)), ("amax(NaN)", ops.amax(xn), ref.amax(xn)),

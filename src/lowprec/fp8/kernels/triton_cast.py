@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["cast_transpose_amax_kernel", "cast_rowwise_kernel", "amax_cols_kernel"]
+__all__ = ["cast_transpose_amax_kernel", "cast_rowwise_kernel", "amax_cols_kernel", "recast_if_changed_kernel"]
 
 _NAN_BITS = tl.constexpr(0x7FC00000)  # positive quiet NaN, float32
 _EXP_MASK_F64 = tl.constexpr(0x7FF0000000000000)  # sign (0) and exponent: floor to a power of 2
@@ -120,6 +120,29 @@ def cast_transpose_amax_kernel(
             tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=mask)
     if WRITE_AMAX:
         tl.atomic_max(amax_ptr, _amax_bits(x, mask))
+
+
+@triton.jit
+def recast_if_changed_kernel(
+    x_ptr, used_ptr, cast_ptr, q_ptr, qt_ptr,
+    M, N, stride_xm, stride_xn,
+    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, SOFT_CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Delayed scaling's second chance: when the scale to use (``*used_ptr``) differs from
+    the one ``q``/``qt`` were cast with (``*cast_ptr``: the history was empty, so the scale
+    comes from this step's amax), cast the tile again into both; otherwise return before
+    touching ``x``. NaN compares unequal, so a NaN scale re-casts (to NaN), as the torch path."""
+    used = tl.load(used_ptr)
+    cast = tl.load(cast_ptr)
+    if used != cast:
+        rm = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        rn = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :] * stride_xn, mask=mask, other=0.0)
+        q = _saturate_to_fp8_bits(x.to(tl.float32) * used, FP8_MAX, E4M3, SOFT_CAST)
+        tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
+        tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=mask)
 
 
 @triton.jit
