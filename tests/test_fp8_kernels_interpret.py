@@ -246,3 +246,20 @@ def test_recast_if_changed_matches_the_torch_path(changed, seed):
     assert torch.equal(bits(qt), bits(rqt))
     if changed is True:
         assert_same_fp8(q, reference.cast_amax(x, used, E4M3)[0])
+
+
+@pytest.mark.parametrize("case", ["empty", "filled", "nan_amax", "zero_history", "interval", "no_refresh", "most_recent", "pow2_margin"])
+def test_delayed_scale_update_matches_the_torch_path(case):
+    """One kernel for a step of delayed scaling (TE semantics) against linear.delayed_scale_step."""
+    L = 16
+    hist = torch.zeros(L) if case in ("empty", "zero_history") else torch.rand(L) * 100
+    amax_now = torch.tensor(float("nan") if case == "nan_amax" else (0.0 if case == "zero_history" else 37.5))
+    scale, step = torch.tensor(3.0), torch.tensor(4 if case == "interval" else 6)  # (4 + 1) % 5 == 0: refresh
+    kw = dict(fp8_dtype=E5M2 if case == "pow2_margin" else E4M3, margin=2 if case == "pow2_margin" else 0,
+              power_of_2=case == "pow2_margin", interval=5 if case in ("interval", "no_refresh") else 1,
+              algo_max=case != "most_recent")
+    h1, s1, h2, s2 = hist.clone(), scale.clone(), hist.clone(), scale.clone()
+    got = ops.delayed_scale_update(h1, s1, step, amax_now, **kw)
+    want = reference.delayed_scale_update(h2, s2, step, amax_now, **kw)
+    for a, b in [*zip(got, want), (h1, h2), (s1, s2)]:
+        assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a[~torch.isnan(a)], b[~torch.isnan(b)]), case

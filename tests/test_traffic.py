@@ -130,3 +130,13 @@ def test_bytes_outside_the_gemms_within_budget_on_the_cuda_default_path(recipe):
 def test_ideal_bytes_are_the_issues_figures():
     assert round(bench.ideal_bytes("tensorwise", M, K, N) / 1e9, 1) == 2.4
     assert round(bench.ideal_bytes("delayed", M, K, N) / 1e9, 1) == 1.6 <= 2.0
+
+
+@pytest.mark.skipif(not triton_importable(), reason="the fused ops' fake implementations come from triton")
+def test_delayed_bookkeeping_is_a_few_ops_on_the_cuda_default_path():
+    """Per operand: cast (both layouts + amax), one state-update kernel, the conditional re-cast."""
+    fused = trace_linear(bench._lowprec("delayed"), 512, 256, 384, triton=True)
+    plain = trace_linear(bench._lowprec("delayed"), 512, 256, 384, triton=False)
+    names = [r.name for r in fused.records if not r.gemm]
+    assert names.count("lowprec.delayed_scale_update") == 3 and names.count("lowprec.recast_if_changed") == 3
+    assert len(names) <= 20 < len([r for r in plain.records if not r.gemm])

@@ -146,10 +146,8 @@ def _cast_delayed_fused(t, spec: OperandCast, recipe: Recipe, hist, scale, step)
     ``(row-major cast, column-major cast, scale_used)``.
     """
     q, qt, amax_now = kernels.cast_transpose_amax(t, scale, spec.dtype)
-    used, new_hist, new_scale = delayed_scale_step(hist, scale, step, amax_now, spec.dtype, recipe)
-    kernels.recast_if_changed(t, used, scale, q, qt)
-    hist.copy_(new_hist)
-    scale.copy_(new_scale)
+    used, cast_with = kernels.delayed_scale_update(hist, scale, step, amax_now, spec.dtype, recipe)
+    kernels.recast_if_changed(t, used, cast_with, q, qt)
     return Float8Data(q, used, "tensor"), Float8Data(qt.t(), used, "tensor"), used
 
 

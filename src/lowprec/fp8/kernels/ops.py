@@ -23,13 +23,14 @@ from lowprec.fp8.kernels.triton_cast import (
     amax_cols_kernel,
     cast_rowwise_kernel,
     cast_transpose_amax_kernel,
+    delayed_scale_kernel,
     recast_if_changed_kernel,
 )
 from lowprec.fp8.scaling import AMAX_EPS
 
 __all__ = [
     "cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t",
-    "recast_if_changed", "launch_cast", "interpreting",
+    "recast_if_changed", "delayed_scale_update", "launch_cast", "interpreting",
 ]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -205,3 +206,23 @@ def recast_if_changed(
         FP8_MAX=fp8_max(q.dtype), E4M3=q.dtype == torch.float8_e4m3fn, SOFT_CAST=interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
     )
+
+
+@triton_op("lowprec::delayed_scale_update", mutates_args={"history", "scale"})
+def delayed_scale_update(
+    history: torch.Tensor, scale: torch.Tensor, step: torch.Tensor, amax_now: torch.Tensor, fp8_dtype: torch.dtype,
+    margin: int, power_of_2: bool, interval: int, algo_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``delayed_scale_step`` in one kernel, updating ``history`` and ``scale`` in place;
+    returns ``(scale to use now, scale before the update)``."""
+    used = torch.empty((), dtype=torch.float32, device=history.device)
+    old = torch.empty((), dtype=torch.float32, device=history.device)
+    if history.device.type == "meta":
+        return used, old
+    n = history.numel()
+    wrap_triton(delayed_scale_kernel)[(1,)](
+        history, scale, step, amax_now, used, old, n,
+        FP8_MAX=fp8_max(fp8_dtype), EPS_BITS=_EPS_BITS, MARGIN=margin, POW2=power_of_2,
+        INTERVAL=interval, ALGO_MAX=algo_max, BLOCK=triton.next_power_of_2(n), num_warps=4,
+    )
+    return used, old

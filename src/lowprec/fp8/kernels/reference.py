@@ -14,7 +14,8 @@ from lowprec.fp8.quantize import saturated_cast
 from lowprec.fp8.scaling import amax, amax_along, amax_to_scale
 
 
-__all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t", "recast_if_changed"]
+__all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t", "recast_if_changed",
+           "delayed_scale_update"]
 
 
 def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,3 +67,22 @@ def recast_if_changed(
     new = saturated_cast(x.to(torch.float32) * scale_used, q.dtype).view(torch.uint8)
     q.view(torch.uint8).copy_(torch.where(redo, new, q.view(torch.uint8)))
     qt.view(torch.uint8).copy_(torch.where(redo, new.t(), qt.view(torch.uint8)))
+
+
+def delayed_scale_update(
+    history: torch.Tensor, scale: torch.Tensor, step: torch.Tensor, amax_now: torch.Tensor, fp8_dtype: torch.dtype,
+    margin: int, power_of_2: bool, interval: int, algo_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Float8Linear``'s ``delayed_scale_step`` with the state written back in place; returns
+    ``(scale to use now, scale before the update)`` (the definition the kernel must match)."""
+    from types import SimpleNamespace
+
+    from lowprec.fp8.linear import delayed_scale_step
+
+    recipe = SimpleNamespace(power_of_2_scales=power_of_2, margin=margin, interval=interval,
+                             amax_compute_algo="max" if algo_max else "most_recent")
+    old = scale.clone()
+    used, new_hist, new_scale = delayed_scale_step(history, scale, step, amax_now, fp8_dtype, recipe)
+    history.copy_(new_hist)
+    scale.copy_(new_scale)
+    return used, old

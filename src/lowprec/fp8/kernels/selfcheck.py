@@ -67,6 +67,12 @@ def run_checks(ops, ref, device: torch.device) -> list[str]:
         ref.recast_if_changed(x, used, scale, *want)
         if not all(_same(a, b) for a, b in zip(got, want)):
             bad.append("recast_if_changed")
+    for hist in (torch.zeros(16, device=device), torch.rand(16, generator=torch.Generator(device="cpu").manual_seed(1)).to(device)):
+        args = (torch.tensor(6, device=device), ops.amax(x), torch.float8_e4m3fn, 0, False, 1, True)
+        h1, s1, h2, s2 = hist.clone(), scale.clone(), hist.clone(), scale.clone()
+        got, want = ops.delayed_scale_update(h1, s1, *args), ref.delayed_scale_update(h2, s2, *args)
+        if not all(_same(a, b) for a, b in zip((*got, h1, s1), (*want, h2, s2))):
+            bad.append("delayed_scale_update")
     xn = x.clone()
     xn[5, 7] = float("nan")
     for name, got, want in (("amax", ops.amax(x), ref.amax(x)), ("amax(NaN)", ops.amax(xn), ref.amax(xn)),

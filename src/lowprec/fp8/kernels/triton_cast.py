@@ -29,7 +29,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["cast_transpose_amax_kernel", "cast_rowwise_kernel", "amax_cols_kernel", "recast_if_changed_kernel"]
+__all__ = [
+    "cast_transpose_amax_kernel", "cast_rowwise_kernel", "amax_cols_kernel", "recast_if_changed_kernel",
+    "delayed_scale_kernel",
+]
 
 _NAN_BITS = tl.constexpr(0x7FC00000)  # positive quiet NaN, float32
 _EXP_MASK_F64 = tl.constexpr(0x7FF0000000000000)  # sign (0) and exponent: floor to a power of 2
@@ -210,3 +213,54 @@ def cast_rowwise_kernel(
             cs = tl.load(col_scale_ptr + rn, mask=rn < N, other=1.0)
             qt = _saturate_to_fp8_bits(x * cs[None, :], FP8_MAX, E4M3, SOFT_CAST)
             tl.store(qt_ptr + rn[None, :] * M + rm[:, None], qt, mask=mask)
+
+
+@triton.jit
+def _amax_to_scale64(a, FP8_MAX: tl.constexpr, EPS_BITS: tl.constexpr, MARGIN: tl.constexpr, POW2: tl.constexpr):
+    """``amax_to_scale`` in float64, float32 result: fp8_max / max(amax, eps) / 2**margin,
+    optionally floored to a power of two; NaN stays NaN (``torch.clamp`` keeps it)."""
+    a64 = a.to(tl.float64)
+    eps = tl.full(a64.shape, EPS_BITS, tl.int64).to(tl.float64, bitcast=True)
+    safe = tl.where(a64 != a64, a64, tl.maximum(a64, eps))
+    s = FP8_MAX / safe
+    if MARGIN > 0:
+        s = s / (2.0**MARGIN)
+    if POW2:
+        s = tl.exp2(tl.floor(tl.log2(s)))
+    return s.to(tl.float32)
+
+
+@triton.jit
+def delayed_scale_kernel(
+    hist_ptr, scale_ptr, step_ptr, amax_ptr, used_ptr, old_ptr, L,
+    FP8_MAX: tl.constexpr, EPS_BITS: tl.constexpr, MARGIN: tl.constexpr, POW2: tl.constexpr,
+    INTERVAL: tl.constexpr, ALGO_MAX: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program: ``delayed_scale_step`` for one operand, in place. Reads the history (all
+    of it, into registers, before any store), this step's amax, the scale and the step;
+    writes the scale to use now, the scale as it was (``old_ptr``: what a cast made before this
+    update used), the history with the amax pushed (unless non-finite), and the next scale.
+    Replaces ~24 tiny torch ops per operand and step."""
+    idx = tl.arange(0, BLOCK)
+    ok = idx < L
+    hist = tl.load(hist_ptr + idx, mask=ok, other=0.0)
+    prev = tl.load(hist_ptr + idx - 1, mask=ok & (idx > 0), other=0.0)
+    scale = tl.load(scale_ptr)
+    step = tl.load(step_ptr)
+    amax_now = tl.load(amax_ptr)
+    have = tl.max(tl.where(ok, hist, -float("inf")), axis=0) > 0
+    used = tl.where(have, scale, _amax_to_scale64(amax_now, FP8_MAX, EPS_BITS, MARGIN, POW2))
+    finite = tl.abs(amax_now) < float("inf")  # False for +-inf and NaN
+    pushed = tl.where(idx == 0, amax_now, prev)
+    new_hist = tl.where(finite, pushed, hist)
+    if ALGO_MAX:
+        a = tl.max(tl.where(ok, new_hist, -float("inf")), axis=0)
+    else:
+        a = tl.sum(tl.where(idx == 0, new_hist, 0.0), axis=0)
+    refresh = ((step + 1) % INTERVAL == 0) | (not have)
+    new_scale = tl.where(refresh, _amax_to_scale64(a, FP8_MAX, EPS_BITS, MARGIN, POW2), used)
+    tl.debug_barrier()  # every load above is done before the in-place stores
+    tl.store(hist_ptr + idx, new_hist, mask=ok)
+    tl.store(scale_ptr, new_scale)
+    tl.store(used_ptr, used)
+    tl.store(old_ptr, scale)
