@@ -5,18 +5,22 @@
 
 Variants in one run: bf16 (AMP, float32 master weights), every lowprec recipe (default
 filter: first/last Linear and lm_head stay bf16; plus ``<recipe>+auto`` with the cost-model
-filter), and torchao tensorwise / rowwise when torchao imports. Each variant builds the model
-from the same seed, runs ``--warmup`` steps, then times ``--steps`` steps (median step time,
-CUDA events on GPU). Peak memory: ``torch.cuda.max_memory_allocated`` on GPU; on CPU the
-process's peak RSS growth is not comparable between variants run in one process, so it is
-reported as null. torch only.
+filter), and torchao tensorwise / rowwise when torchao imports. Every variant's model and
+optimizer is built first (same seed), then the variants take turns, one timed step each per
+round (``--warmup`` untimed rounds, then ``--steps`` timed ones), so that a machine that gets
+busier or cooler mid-run affects them all alike; the median step time is reported, with the
+spread (min, max). CUDA events on GPU. Peak memory is not reported here (every variant is
+resident at once): ``benchmarks/memory.py`` measures it one variant per process. torch only.
+
+    PYTHONPATH=src python3 benchmarks/train_step.py --model llama-tiny --seq_len 128 --batch_size 8 \
+        --no-compile --steps 30 --threads 1     # the quickstart's shapes on CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
+import statistics
 import sys
 from pathlib import Path
 
@@ -61,37 +65,43 @@ def variants(recipes, tokens, device_kind):
     return out
 
 
-def run_variant(name, convert, use_fp8, args, device):
-    torch.manual_seed(0)
-    model = build_model(args.model, max_seq_len=args.seq_len).to(device)
-    if convert is not None:
-        convert(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    step_model = torch.compile(model) if args.compile else model
-    vocab = model.config.vocab_size
-    batches = [torch.randint(0, vocab, (args.batch_size, args.seq_len), device=device) for _ in range(4)]
-    it = iter(range(10**9))
+class Variant:
+    """One model + optimizer + step function; built once, stepped in turns with the others."""
 
-    def step():
-        ids = batches[next(it) % len(batches)]
-        ctx = fp8.autocast() if use_fp8 else contextlib.nullcontext()
-        with ctx, torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = step_model(input_ids=ids, labels=ids).loss
+    def __init__(self, name, convert, use_fp8, args, device):
+        torch.manual_seed(0)
+        self.name, self.device = name, device
+        self.model = build_model(args.model, max_seq_len=args.seq_len).to(device)
+        if convert is not None:
+            convert(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        self.step_model = torch.compile(self.model) if args.compile else self.model
+        vocab = self.model.config.vocab_size
+        self.batches = [torch.randint(0, vocab, (args.batch_size, args.seq_len), device=device) for _ in range(4)]
+        self.use_fp8, self.calls, self.times = use_fp8, 0, []
+        self.fp8_layers = sum(isinstance(m, fp8.Float8Linear) for m in self.model.modules())
+
+    def step(self):
+        ids = self.batches[self.calls % len(self.batches)]
+        self.calls += 1
+        ctx = fp8.autocast() if self.use_fp8 else contextlib.nullcontext()
+        with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = self.step_model(input_ids=ids, labels=ids).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    ms = time_fn(step, device, warmup=args.warmup, iters=args.steps)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    n_fp8 = sum(isinstance(m, fp8.Float8Linear) for m in model.modules())
-    del model, opt, step_model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    tokens = args.batch_size * args.seq_len
-    return {"variant": name, "ms_per_step": ms, "tokens_per_s": tokens / (ms / 1e3), "peak_bytes": peak, "fp8_layers": n_fp8}
+    def timed_step(self):
+        self.times.append(time_fn(self.step, self.device, warmup=0, iters=1))
+
+
+def run_interleaved(built: list, warmup: int, steps: int) -> None:
+    for _ in range(warmup):
+        for v in built:
+            v.step()
+    for _ in range(steps):
+        for v in built:
+            v.timed_step()
 
 
 def main(argv=None):
@@ -104,6 +114,7 @@ def main(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -114,22 +125,32 @@ def main(argv=None):
     args.steps = args.steps or (2 if args.tiny else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 5)
     kind = "h200" if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device) else "h100"
-    rows = []
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows, built = [], []
     for name, (convert, use_fp8) in variants(args.recipes.split(","), args.batch_size * args.seq_len, kind).items():
         try:
-            rows.append(run_variant(name, convert, use_fp8, args, device))
+            built.append(Variant(name, convert, use_fp8, args, device))
+            built[-1].step()  # fails here, not mid-run, if the variant cannot run
         except Exception as e:  # noqa: BLE001 - report and continue
             rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(rows[-1], flush=True)
+    run_interleaved(built, args.warmup, args.steps)
+    tokens = args.batch_size * args.seq_len
+    for v in built:
+        ms = statistics.median(v.times)
+        rows.append({"variant": v.name, "ms_per_step": ms, "ms_min": min(v.times), "ms_max": max(v.times),
+                     "tokens_per_s": tokens / (ms / 1e3), "fp8_layers": v.fp8_layers,
+                     "peak_bytes": None})  # all variants are resident at once: benchmarks/memory.py measures memory
         print(rows[-1], flush=True)
     base = next((r for r in rows if r["variant"] == "bf16" and "tokens_per_s" in r), None)
     for r in rows:
         if base and "tokens_per_s" in r:
             r["speedup_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
-            if base["peak_bytes"] and r["peak_bytes"]:
-                r["peak_memory_vs_bf16"] = r["peak_bytes"] / base["peak_bytes"]
     tag = "tiny" if args.tiny else device.type
     return write_json({"benchmark": "train_step", "device": device_name(device), "model": args.model,
                        "seq_len": args.seq_len, "batch_size": args.batch_size, "compile": args.compile,
+                       "timing": f"interleaved rounds: {args.warmup} warm-up, {args.steps} timed; median ms",
                        "results": rows}, args.out, f"train_step_{tag}.json")
 
 

@@ -24,6 +24,25 @@ def sqnr(ref: torch.Tensor, test: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).sum() / noise.clamp_min(1e-300)))
 
 
+def assert_within_gemm_bound(got, ref, a, b, *, output_roundings: int) -> None:
+    """``got`` and ``ref`` are two kernels' results for ``dequant(a) @ dequant(b)``.
+
+    The documented bound (lowprec/fp8/cpu_gemm.py): the same exact products summed in another
+    order (at most ``K * eps32 * (|A| @ |B|)``), plus ``output_roundings`` roundings of the
+    output to bf16 (each at most one bf16 ulp, ``2**-7`` relative) on top of the reference's.
+    Computed in float64 from the operands, so it holds on any CPU's summation order.
+    """
+    da, db = a.dequantize().double(), b.dequantize().double()
+    k = da.shape[1]
+    magnitude = da.abs() @ db.abs()
+    bound = k * torch.finfo(torch.float32).eps * magnitude
+    if output_roundings or got.dtype == torch.bfloat16 or ref.dtype == torch.bfloat16:
+        bound = bound + (output_roundings + 1) * 2.0**-7 * ref.double().abs()
+    err = (got.double() - ref.double()).abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"kernels differ beyond the documented bound by {worst:.3e}"
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_process_group():
     """A test that built an in-process Accelerator (FSDP2 / DeepSpeed in one process) leaves a

@@ -29,7 +29,10 @@ def test_env_reports_versions_devices_and_backends(capsys):
     assert info["python"] == sys.version.split()[0]
     assert info["cuda_available"] == torch.cuda.is_available()
     assert len(info["devices"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
-    assert info["fp8_gemm"].startswith(("native", "emulated"))
+    if torch.cuda.is_available():
+        assert info["fp8_gemm"].startswith(("native", "emulated"))
+    else:  # the CPU kernel in use and the probe's reason, as the trainer logs it
+        assert info["fp8_gemm"].startswith(("cpu: upcast", "cpu: scaled_mm"))
     assert set(info["optional_backends"]) == set(env_cmd.OPTIONAL_PACKAGES)
     assert info["default_config_exists"] is False
 
@@ -67,9 +70,16 @@ def test_env_never_crashes_when_probes_fail(monkeypatch, capsys):
     assert "torch: unknown (RuntimeError: driver exploded)" in out
 
 
-def test_cpu_scaled_mm_probe_reports_emulation_without_scaled_mm():
-    fake_torch = types.SimpleNamespace()
-    assert env_cmd._cpu_scaled_mm(fake_torch).startswith("emulated")
+def test_env_names_the_forced_cpu_fp8_gemm(monkeypatch):
+    from lowprec.fp8 import cpu_gemm
+
+    monkeypatch.setenv(cpu_gemm.CPU_GEMM_ENV, "upcast")
+    cpu_gemm.reset_cpu_gemm_choice()
+    try:
+        assert env_cmd._cpu_fp8_gemm() == "cpu: " + cpu_gemm.cpu_gemm_choice().describe()
+        assert "LOWPREC_CPU_FP8_GEMM=upcast" in env_cmd._cpu_fp8_gemm()
+    finally:
+        cpu_gemm.reset_cpu_gemm_choice()
 
 
 def test_registry_skips_missing_commands_and_loads_present_ones(monkeypatch):

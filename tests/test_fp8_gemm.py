@@ -5,7 +5,7 @@ import torch
 
 import lowprec.fp8 as fp8
 from lowprec.fp8.gemm import gemm_path, native_scaled_mm_available
-from tests.conftest import sqnr
+from tests.conftest import assert_within_gemm_bound, sqnr
 
 CPU = torch.device("cpu")
 
@@ -16,35 +16,31 @@ CPU = torch.device("cpu")
 @pytest.mark.parametrize("shape", [(64, 128, 48), (33, 80, 17), (1, 16, 16)])
 @pytest.mark.parametrize("b_dtype", [fp8.E4M3, fp8.E5M2])
 def test_scaled_mm_matches_emulation_on_cpu(seed, gran, out_dtype, shape, b_dtype):
-    # On CPU both paths dequantize as data * (1/scale) and accumulate in float32. They are
-    # bit-exact for M >= 4; for M < 4 the kernel takes a GEMV path whose summation order
-    # differs; there they agree to float32 summation-order rounding (a few ulps of the
-    # output's magnitude).
+    # torch's CPU kernel dequantizes as data * (1/scale) and accumulates in float32, like the
+    # emulation; on some CPUs it is bit-exact with it, on others (other summation orders, a GEMV
+    # path for small M) not. So: agreement within float32 summation-order rounding, on any CPU.
+    # Tiny shapes: this kernel runs at ~0.2 GFLOP/s on some CPUs.
     m, k, n = shape
     a = fp8.quantize(torch.randn(m, k) * 5, fp8.E4M3, gran, dim=1)
     b = fp8.quantize(torch.randn(n, k) / 7, b_dtype, gran, dim=1).t()
     native = fp8.scaled_mm(a, b, out_dtype, path="scaled_mm")
     emulated = fp8.scaled_mm(a, b, out_dtype, path="emulate")
     assert native.dtype == out_dtype
-    if m >= 4:
-        assert torch.equal(native, emulated)
-    else:
-        ulp = 4 * torch.finfo(out_dtype).eps * emulated.float().abs().max()
-        assert (native.float() - emulated.float()).abs().max() <= ulp
+    assert_within_gemm_bound(native, emulated, a, b, output_roundings=1 if out_dtype == torch.bfloat16 else 0)
 
 
 def test_mixed_tensor_and_axis_operands(seed):
     a = fp8.quantize(torch.randn(32, 64), fp8.E4M3, "axis", dim=1)
     b = fp8.quantize(torch.randn(64, 48), fp8.E4M3, "tensor")
     ref = a.dequantize() @ b.dequantize()
-    assert torch.allclose(fp8.scaled_mm(a, b, torch.float32), ref, rtol=1e-5, atol=1e-5)
+    assert_within_gemm_bound(fp8.scaled_mm(a, b, torch.float32), ref, a, b, output_roundings=1)
 
 
-def test_block_scales_emulated(seed):
+def test_block_scales_take_the_upcast_path_on_cpu(seed):
     x, w = torch.randn(64, 256), torch.randn(128, 256)
     a = fp8.quantize(x, fp8.E4M3, "block", block=(1, 128))
     b = fp8.quantize(w, fp8.E4M3, "block", block=(128, 128)).t()
-    assert gemm_path("auto", CPU, a, b) == "emulate"
+    assert gemm_path("auto", CPU, a, b) == "upcast"
     assert sqnr(x @ w.t(), fp8.scaled_mm(a, b, torch.float32)) > 25
     with pytest.raises(RuntimeError, match="gemm='auto' or 'emulate'"):
         fp8.scaled_mm(a, b, torch.float32, path="scaled_mm")

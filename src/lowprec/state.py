@@ -91,7 +91,9 @@ def fp8_hardware_check(device: torch.device, fallback: Optional[str]) -> Decisio
     ``fp8``, ``fp8-emulate`` or ``bf16``; never a silent switch (Accelerate falls back to fp16
     and still converts the model, reference bug 11)."""
     if device.type == "cpu":
-        return Decision("fp8", "CPU: FP8 casts run for real on CPU (slow; for tests and debugging)")
+        from lowprec.fp8.cpu_gemm import cpu_gemm_choice
+
+        return Decision("fp8", f"CPU: FP8 casts run for real; GEMMs: {cpu_gemm_choice().describe()}")
     if device.type != "cuda":
         return Decision("fp8-emulate", f"device {device.type}: FP8 GEMMs emulated in float32")
     cap = torch.cuda.get_device_capability(device)

@@ -32,12 +32,23 @@ OVERRIDES = {
 
 
 def run_curve(output_dir: str) -> dict:
+    from lowprec.fp8 import cpu_gemm
     from lowprec.train.config import load_config
     from lowprec.train.data import corpus_fingerprint
     from lowprec.train.trainer import train
 
     cfg = load_config(CONFIG, {**OVERRIDES, "output_dir": output_dir})
-    result = train(cfg)
+    # The curve is of the CPU path every machine can run (the bf16-upcast FP8 GEMM), not of
+    # whichever kernel this CPU's probe would pick (torch._scaled_mm rounds differently).
+    saved = os.environ.get(cpu_gemm.CPU_GEMM_ENV)
+    os.environ[cpu_gemm.CPU_GEMM_ENV] = "upcast"
+    try:
+        result = train(cfg)
+    finally:
+        if saved is None:
+            os.environ.pop(cpu_gemm.CPU_GEMM_ENV)
+        else:
+            os.environ[cpu_gemm.CPU_GEMM_ENV] = saved
     return {
         "config": "examples/quickstart.yaml",
         "overrides": OVERRIDES,

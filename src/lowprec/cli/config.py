@@ -37,8 +37,11 @@ def hardware_default() -> tuple[LaunchSettings, str]:
     import torch
 
     if not torch.cuda.is_available():
+        from lowprec.fp8.cpu_gemm import cpu_gemm_choice
+
         return LaunchSettings(mixed_precision="bf16"), (
-            "no CUDA device: bf16 autocast on CPU (FP8 would run emulated, slower than bf16)"
+            "no CUDA device: bf16 autocast on CPU (FP8 runs here, correct but slower than bf16 because "
+            f"of its casts; its GEMMs would be {cpu_gemm_choice().describe()})"
         )
     count = torch.cuda.device_count()
     cc = min(torch.cuda.get_device_capability(i) for i in range(count))

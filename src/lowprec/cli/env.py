@@ -88,24 +88,15 @@ def _torch_info() -> dict[str, Any]:
             else "emulated (needs CUDA compute capability >= 8.9; these GPUs are older)"
         )
     else:
-        info["fp8_gemm"] = _cpu_scaled_mm(torch)
+        info["fp8_gemm"] = _cpu_fp8_gemm()
     return info
 
 
-def _cpu_scaled_mm(torch: Any) -> str:
-    """Try one tiny FP8 ``torch._scaled_mm`` on CPU: builds differ in whether it exists."""
-    if not hasattr(torch, "_scaled_mm"):
-        return "emulated (this torch has no torch._scaled_mm)"
-    try:
-        a = torch.ones(16, 32).to(torch.float8_e4m3fn)
-        b = torch.ones(16, 32).to(torch.float8_e4m3fn).t()
-        one = torch.tensor(1.0)
-        out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
-        if float(out[0, 0]) != 32.0:
-            return "emulated (torch._scaled_mm on CPU gave a wrong result)"
-        return "native on CPU (torch._scaled_mm accepts FP8 here; no speedup over fp32)"
-    except Exception as exc:  # noqa: BLE001
-        return f"emulated (torch._scaled_mm on CPU: {type(exc).__name__})"
+def _cpu_fp8_gemm() -> str:
+    """The CPU FP8 GEMM this process uses and why: the same sentence the trainer logs."""
+    from lowprec.fp8.cpu_gemm import cpu_gemm_choice
+
+    return f"cpu: {cpu_gemm_choice().describe()}"
 
 
 def collect() -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 from lowprec.fp8.gemm import native_scaled_mm_available
 from lowprec.fp8.linear import Float8Linear, _STATE_BUFFERS
 from lowprec.fp8.recipes import Recipe
@@ -117,6 +118,14 @@ def _gemm_note(recipe: Recipe, device: torch.device) -> str:
         return "chosen at run time on the device the model is materialised on"
     if recipe.gemm == "emulate":
         return "emulated (dequantize + float32 matmul), as asked"
+    if device.type == "cpu":
+        if recipe.scaling == "blockwise" and not recipe.power_of_2_scales:
+            return "emulated: block scales that are not powers of two cannot fold exactly into bf16 operands"
+        path = "upcast" if recipe.gemm == "upcast" or recipe.scaling == "blockwise" else cpu_gemm_choice().path
+        if path == "upcast":
+            scales = "block scales folded into the operands" if recipe.scaling == "blockwise" else "scales on the output"
+            return f"bf16 GEMM over exactly upcast FP8 operands on cpu ({scales})"
+        return "torch._scaled_mm on cpu (measured faster than the bf16-upcast GEMM here)"
     if recipe.scaling == "blockwise":
         return "emulated: torch has no portable 1x128/128x128-scaled GEMM kernel"
     gran = "axis" if recipe.scaling == "rowwise" else "tensor"

@@ -1,4 +1,4 @@
-"""Scaled GEMM dispatch: ``torch._scaled_mm`` where the device has it, emulation elsewhere.
+"""Scaled GEMM dispatch: ``torch._scaled_mm`` on FP8 GPUs, the exact bf16-upcast GEMM on CPU.
 
 ``scaled_mm(a, b)`` computes ``dequant(a) @ dequant(b)`` for ``a`` of logical shape (M, K)
 and ``b`` of logical shape (K, N), both :class:`Float8Data`, contraction over K.
@@ -6,63 +6,92 @@ and ``b`` of logical shape (K, N), both :class:`Float8Data`, contraction over K.
 Paths
 -----
 ``scaled_mm``  ``torch._scaled_mm``: CUDA with compute capability 8.9+ (axiswise scales need
-               9.0), and CPU in recent torch (2.8+). Layout rules handled here: A row-major,
-               B column-major, and on CUDA every dim padded to a multiple of 16 with zeros
-               (zeros add nothing to a dot product; padded output is sliced away).
+               9.0). Layout rules handled here: A row-major, B column-major, every dim padded to
+               a multiple of 16 with zeros (zeros add nothing to a dot product; padded output is
+               sliced away). On CPU only where ``cpu_gemm.cpu_gemm_choice()`` measured it
+               faster than ``upcast`` (or ``LOWPREC_CPU_FP8_GEMM=scaled_mm`` forces it).
+``upcast``     CPU: FP8 operands upcast exactly to bf16, one bf16 GEMM accumulating in float32,
+               scales on the output (per-tensor/per-axis) or folded into the operands
+               (power-of-two block scales). See ``cpu_gemm.py`` for why and the error bound.
 ``emulate``    dequantize both operands to float32 (``data * (1/scale)``) and ``torch.matmul``
-               in float32; any device, any granularity. Block scales always take this path:
-               torch has no portable kernel for 1x128 / 128x128 scales.
+               in float32; any device, any granularity. The reference the others are tested
+               against. Block scales on CUDA take this path (no portable blockwise kernel yet).
 
-On CPU the two paths are bit-identical (``_scaled_mm``'s CPU kernel dequantizes the same way
-and accumulates in float32); ``tests/test_fp8_gemm.py`` checks it. On CUDA, cuBLAS
-accumulates in a different order (and with fast accumulation, at lower precision), so the two
-agree to within float32/fast-accum rounding, checked by ``pytest -m gpu``.
+``auto`` picks ``scaled_mm`` on FP8 GPUs, the probe's choice on CPU, ``emulate`` elsewhere.
+The kernels agree with ``emulate`` within documented bounds, not bit for bit: cuBLAS and
+oneDNN sum in their own orders (``tests/test_fp8_gemm.py``, ``tests/test_fp8_cpu_gemm.py``).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from lowprec.fp8 import cpu_gemm
 from lowprec.fp8.capability import cuda_capability, is_cuda
 from lowprec.fp8.quantize import Float8Data, dequantize
+from lowprec.fp8.recipes import GEMM_BACKENDS as GEMM_PATHS
 
-__all__ = ["scaled_mm", "native_scaled_mm_available", "gemm_path"]
+__all__ = ["scaled_mm", "native_scaled_mm_available", "gemm_path", "GEMM_PATHS"]
+
+logger = logging.getLogger("lowprec.fp8")
 
 _E5M2 = torch.float8_e5m2
 
 
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
-
-
 def native_scaled_mm_available(device: torch.device, granularity: str = "tensor") -> bool:
-    """Whether ``torch._scaled_mm`` runs here for this granularity (no probing kernel call)."""
+    """Whether ``torch._scaled_mm`` runs here for this granularity (no probing kernel call).
+
+    On CPU this says whether the kernel exists, not whether it is used: ``auto`` uses it only
+    where the one-time probe in ``cpu_gemm`` measured it faster than the upcast path.
+    """
     if granularity == "block" or not hasattr(torch, "_scaled_mm"):
         return False
     if device.type == "cpu":
-        return _torch_version() >= (2, 8)
+        return cpu_gemm.cpu_scaled_mm_exists()
     if is_cuda(device):
         need = (9, 0) if granularity == "axis" else (8, 9)
         return cuda_capability(device) >= need  # fp8.trace_as may state it for a trace
     return False
 
 
+def _granularity(a: Float8Data, b: Float8Data) -> str:
+    grans = (a.granularity, b.granularity)
+    return "block" if "block" in grans else ("axis" if "axis" in grans else "tensor")
+
+
+def default_path(device: torch.device, granularity: str) -> str:
+    """What ``auto`` runs for this device and granularity (before operand dtypes are known)."""
+    if device.type == "cpu":
+        if granularity == "block":
+            return "upcast"
+        return cpu_gemm.cpu_gemm_choice().path
+    return "scaled_mm" if native_scaled_mm_available(device, granularity) else "emulate"
+
+
 def gemm_path(requested: str, device: torch.device, a: Float8Data, b: Float8Data) -> str:
-    """Resolve ``auto`` | ``scaled_mm`` | ``emulate`` for one GEMM into the path that runs."""
-    gran = "block" if "block" in (a.granularity, b.granularity) else (
-        "axis" if "axis" in (a.granularity, b.granularity) else "tensor"
-    )
+    """Resolve ``auto`` | ``scaled_mm`` | ``upcast`` | ``emulate`` for one GEMM into the path that runs."""
+    if requested not in GEMM_PATHS:
+        raise ValueError(f"gemm={requested!r}; use one of {GEMM_PATHS}")
+    gran = _granularity(a, b)
     both_e5m2 = a.data.dtype == _E5M2 and b.data.dtype == _E5M2
     native = native_scaled_mm_available(device, gran) and not both_e5m2
     if requested == "emulate":
         return "emulate"
-    if requested == "scaled_mm" and not native:
-        raise RuntimeError(
-            f"gemm='scaled_mm' was asked for, but torch._scaled_mm cannot run {gran} scales on "
-            f"{device} (torch {torch.__version__}); use gemm='auto' or 'emulate'"
-        )
-    return "scaled_mm" if native else "emulate"
+    if requested == "upcast":
+        if device.type != "cpu":
+            raise RuntimeError(f"gemm='upcast' is the CPU path; this GEMM runs on {device}: use gemm='auto'")
+        return "upcast"
+    if requested == "scaled_mm":
+        if not native:
+            raise RuntimeError(
+                f"gemm='scaled_mm' was asked for, but torch._scaled_mm cannot run {gran} scales on "
+                f"{device} (torch {torch.__version__}); use gemm='auto' or 'emulate'"
+            )
+        return "scaled_mm"
+    path = default_path(device, gran)
+    return "emulate" if path == "scaled_mm" and not native else path
 
 
 def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -125,4 +154,22 @@ def scaled_mm(
     resolved = gemm_path(path, a.data.device, a, b)
     if resolved == "scaled_mm":
         return _native(a, b, out_dtype, use_fast_accum)
+    if resolved == "upcast":
+        out = cpu_gemm.upcast_mm(a, b, out_dtype)
+        if out is not None:
+            return out
+        _log_block_emulation()
     return _emulate(a, b, out_dtype)
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_block_emulation() -> None:
+    if "block" not in _LOGGED:
+        _LOGGED.add("block")
+        logger.warning(
+            "lowprec.fp8: block scales that are not powers of two cannot be folded exactly into bf16 "
+            "operands; those GEMMs run emulated in float32 on CPU (set power_of_2_scales=True for the "
+            "bf16 path)"
+        )

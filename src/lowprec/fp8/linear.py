@@ -48,9 +48,9 @@ from lowprec.fp8.autocast import (
 )
 from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.gemm import scaled_mm
-from lowprec.fp8.quantize import Float8Data, quantize
+from lowprec.fp8.quantize import Float8Data, expand_blocks, quantize
 from lowprec.fp8.recipes import OperandCast, Recipe
-from lowprec.fp8.scaling import amax, amax_to_scale, history_to_amax, record_amax
+from lowprec.fp8.scaling import amax_to_scale, history_to_amax, record_amax
 
 __all__ = ["Float8Linear", "delayed_scale_step"]
 
@@ -79,6 +79,10 @@ def delayed_scale_step(
     pow2 = recipe.power_of_2_scales
     scale_now = amax_to_scale(amax_now, dtype, margin=recipe.margin, power_of_2=pow2)
     scale_used = torch.where(have_history, scale, scale_now)
+    # A non-finite tensor casts with a NaN scale, as current scaling does (scaling.py): the
+    # history keeps it out, and the NaN reaches the GEMM output on every kernel path, including
+    # the CPU upcast, which does not decode NaN bytes (cpu_gemm.py).
+    scale_used = torch.where(torch.isfinite(amax_now), scale_used, torch.full_like(scale_used, float("nan")))
     new_history = record_amax(history, amax_now)
     refresh = ((step + 1) % recipe.interval == 0) | ~have_history
     candidate = amax_to_scale(
@@ -123,11 +127,11 @@ def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale
         if scale is None:
             scale = amax_to_scale(kernels.amax(t), spec.dtype, margin=recipe.margin, power_of_2=pow2)
         q, qt, _ = kernels.cast_transpose_amax(t, scale, spec.dtype)
-        return Float8Data(q, scale, "tensor"), Float8Data(qt.t(), scale, "tensor")
+        return Float8Data(q, scale, "tensor", None, pow2), Float8Data(qt.t(), scale, "tensor", None, pow2)
     if spec.granularity == "axis" and fused:
         col_scale = amax_to_scale(kernels.amax_cols(t), spec.dtype, power_of_2=pow2)
         q, row_scale, qt = kernels.cast_rowwise_dual(t, col_scale, spec.dtype, pow2)
-        return Float8Data(q, row_scale, "axis"), Float8Data(qt.t(), col_scale, "axis")
+        return Float8Data(q, row_scale, "axis", None, pow2), Float8Data(qt.t(), col_scale, "axis", None, pow2)
     q = _cast(t, spec, 1, recipe, scale)
     return q, (_cast(t, spec, 0, recipe) if spec.granularity == "axis" else q)
 
@@ -148,15 +152,14 @@ def _cast_delayed_fused(t, spec: OperandCast, recipe: Recipe, hist, scale, step)
     q, qt, amax_now = kernels.cast_transpose_amax(t, scale, spec.dtype)
     used, cast_with = kernels.delayed_scale_update(hist, scale, step, amax_now, spec.dtype, recipe)
     kernels.recast_if_changed(t, used, cast_with, q, qt)
-    return Float8Data(q, used, "tensor"), Float8Data(qt.t(), used, "tensor"), used
+    pow2 = recipe.power_of_2_scales
+    return Float8Data(q, used, "tensor", None, pow2), Float8Data(qt.t(), used, "tensor", None, pow2), used
 
 
 def _stats(x: torch.Tensor, q: Float8Data) -> torch.Tensor:
     """(amax, scale, saturated fraction, underflow fraction) of one cast, as a float32 (4,)."""
-    from lowprec.fp8.quantize import _expand_blocks
-
     scale = q.scale
-    full = _expand_blocks(scale, q.block, x.shape) if q.granularity == "block" else scale
+    full = expand_blocks(scale, q.block, x.shape) if q.granularity == "block" else scale
     x32 = x.detach().to(torch.float32)
     scaled = (x32 * full).abs()
     saturated = (scaled > saturation_threshold(q.data.dtype)).float().mean()
@@ -176,7 +179,7 @@ def _pack(ctx, items: list) -> None:
     tensors, meta = [], []
     for it in items:
         if isinstance(it, Float8Data):
-            meta.append(("fp8", it.granularity, it.block))
+            meta.append(("fp8", it.granularity, (it.block, it.pow2_scale)))
             tensors += [it.data, it.scale]
         else:
             meta.append(("t" if it is not None else "none", None, None))
@@ -189,10 +192,10 @@ def _pack(ctx, items: list) -> None:
 def _unpack(ctx) -> list:
     tensors = list(ctx.saved_tensors)
     out = []
-    for kind, gran, block in ctx.meta:
+    for kind, gran, layout in ctx.meta:
         if kind == "fp8":
             data, scale = tensors.pop(0), tensors.pop(0)
-            out.append(Float8Data(data, scale, gran, block))
+            out.append(Float8Data(data, scale, gran, *layout))  # layout: (block, pow2_scale)
         elif kind == "t":
             out.append(tensors.pop(0))
         else:

@@ -14,7 +14,7 @@ All functions here are pure: no module state, no host synchronisation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ __all__ = [
     "quantize_axiswise",
     "quantize_blockwise",
     "dequantize",
+    "expand_blocks",
 ]
 
 GRANULARITIES = ("tensor", "axis", "block")
@@ -40,12 +41,19 @@ class Float8Data:
     """FP8 values and the scale that produced them (``x ~= data / scale``).
 
     ``block`` is the tile shape for block granularity, in the same orientation as ``data``.
+    ``pow2_scale`` says the scales were rounded to powers of two (known when casting, so that
+    kernels can rely on it without inspecting the scale tensor: the CPU path folds such block
+    scales into bf16 operands exactly).
     """
 
     data: torch.Tensor
     scale: torch.Tensor
     granularity: str = "tensor"
     block: tuple[int, int] | None = None
+    pow2_scale: bool = False
+    # the exact bf16 upcast of ``data``, made once by the CPU GEMM path and reused when the same
+    # cast feeds two GEMMs (dY in backward); never saved for backward
+    bf16_cache: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def shape(self) -> torch.Size:
@@ -55,7 +63,8 @@ class Float8Data:
         """Transposed view (no copy): data, scale and block are all transposed."""
         scale = self.scale if self.scale.dim() == 0 else self.scale.t()
         block = None if self.block is None else (self.block[1], self.block[0])
-        return Float8Data(self.data.t(), scale, self.granularity, block)
+        cache = None if self.bf16_cache is None else self.bf16_cache.t()
+        return Float8Data(self.data.t(), scale, self.granularity, block, self.pow2_scale, cache)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize(self, dtype)
@@ -75,12 +84,29 @@ def saturated_cast(x_scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _saturate_(x_scaled.to(torch.float32, copy=True), dtype)
 
 
-def _saturate_(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``saturated_cast`` on a float32 temporary the caller owns (modified in place)."""
+def _saturate_(y: torch.Tensor, dtype: torch.dtype, *, may_hold_inf: bool = True) -> torch.Tensor:
+    """``saturated_cast`` on a float32 temporary the caller owns (modified in place).
+
+    ``may_hold_inf=False`` skips the inf -> NaN pass where it cannot change anything: when the
+    scale was computed from this tensor's own amax, an inf anywhere made the scale 0 (``inf *
+    0 = NaN``) and finite values times ``fp8_max / amax`` stay finite (scaling.py).
+    """
     m = fp8_max(dtype)
-    nan = float("nan")
-    torch.nan_to_num_(y, nan=nan, posinf=nan, neginf=nan)
+    if may_hold_inf:
+        nan = float("nan")
+        torch.nan_to_num_(y, nan=nan, posinf=nan, neginf=nan)
     return y.clamp_(-m, m).to(dtype)
+
+
+def _as_fp32(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """``x`` in float32, detached, and whether that is a fresh copy the caller may overwrite."""
+    x = x.detach()
+    return (x, False) if x.dtype == torch.float32 else (x.to(torch.float32), True)
+
+
+def _scaled(x32: torch.Tensor, owned: bool, scale: torch.Tensor) -> torch.Tensor:
+    """``x32 * scale`` in float32, in place on a copy we own (one pass fewer)."""
+    return x32.mul_(scale) if owned else x32 * scale
 
 
 # --- dispatch hook: fused Triton casts (lowprec.fp8.kernels) -------------------------------
@@ -99,12 +125,6 @@ def _fused_cast(x: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
     return kernels.available(x.device)
 
 
-def _kernels():
-    from lowprec.fp8 import kernels
-
-    return kernels
-
-
 # -------------------------------------------------------------------------------------------
 def quantize_tensorwise(
     x: torch.Tensor,
@@ -116,14 +136,18 @@ def quantize_tensorwise(
 ) -> Float8Data:
     """One scale for the whole tensor; computed from ``amax(x)`` unless ``scale`` is given
     (delayed scaling passes the scale derived from its amax history)."""
-    if scale is None:
-        a = _kernels().amax(x) if _fused_cast(x) else amax(x)  # CUDA: one read, no abs() tensor
-        scale = amax_to_scale(a, dtype, margin=margin, power_of_2=power_of_2)
+    given = scale is not None
     if _fused_cast(x, scale):
         from lowprec.fp8 import kernels
 
-        return Float8Data(kernels.cast_amax(x, scale, dtype)[0], scale, "tensor")
-    return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "tensor")
+        if scale is None:  # one read, no abs() tensor
+            scale = amax_to_scale(kernels.amax(x), dtype, margin=margin, power_of_2=power_of_2)
+        return Float8Data(kernels.cast_amax(x, scale, dtype)[0], scale, "tensor", None, power_of_2)
+    x32, owned = _as_fp32(x)  # the amax of the float32 copy: one bf16 pass fewer
+    if scale is None:
+        scale = amax_to_scale(amax(x32), dtype, margin=margin, power_of_2=power_of_2)
+    data = _saturate_(_scaled(x32, owned, scale), dtype, may_hold_inf=given)
+    return Float8Data(data, scale, "tensor", None, power_of_2)
 
 
 def quantize_axiswise(
@@ -141,16 +165,20 @@ def quantize_axiswise(
         from lowprec.fp8 import kernels
 
         data, scale = kernels.cast_rowwise(x, dtype, power_of_2)
-        return Float8Data(data, scale, "axis")
+        return Float8Data(data, scale, "axis", None, power_of_2)
     if _fused_cast(x) and dim == 0:  # CUDA: written transposed, the layout a GEMM contracting dim 0 reads
-        kernels = _kernels()
+        from lowprec.fp8 import kernels
+
         scale = amax_to_scale(kernels.amax_cols(x), dtype, power_of_2=power_of_2)
-        return Float8Data(kernels.cast_cols_t(x, scale, dtype).t(), scale, "axis")
-    scale = amax_to_scale(amax_along(x, dim), dtype, power_of_2=power_of_2)
-    return Float8Data(_saturate_(x.to(torch.float32) * scale, dtype), scale, "axis")
+        return Float8Data(kernels.cast_cols_t(x, scale, dtype).t(), scale, "axis", None, power_of_2)
+    x32, owned = _as_fp32(x)
+    scale = amax_to_scale(amax_along(x32, dim), dtype, power_of_2=power_of_2)
+    data = _saturate_(_scaled(x32, owned, scale), dtype, may_hold_inf=False)
+    return Float8Data(data, scale, "axis", None, power_of_2)
 
 
-def _expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+def expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    """Per-tile ``scale`` repeated to every element of a ``shape`` tensor (ragged edges cut)."""
     full = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
     return full[: shape[0], : shape[1]]
 
@@ -173,8 +201,9 @@ def quantize_blockwise(
     pr, pc = (-r) % br, (-c) % bc
     xp = torch.nn.functional.pad(x.detach(), (0, pc, 0, pr)) if (pr or pc) else x
     scale = amax_to_scale(block_amax(xp, block), dtype, power_of_2=power_of_2)
-    data = _saturate_(x.to(torch.float32) * _expand_blocks(scale, block, x.shape), dtype)
-    return Float8Data(data, scale, "block", (br, bc))
+    x32, owned = _as_fp32(x)
+    data = _saturate_(_scaled(x32, owned, expand_blocks(scale, block, x.shape)), dtype, may_hold_inf=False)
+    return Float8Data(data, scale, "block", (br, bc), power_of_2)
 
 
 def quantize(
@@ -207,5 +236,5 @@ def dequantize(q: Float8Data, dtype: torch.dtype = torch.float32) -> torch.Tenso
     """
     inv = q.scale.reciprocal()
     if q.granularity == "block":
-        inv = _expand_blocks(inv, q.block, q.data.shape)
+        inv = expand_blocks(inv, q.block, q.data.shape)
     return (q.data.to(torch.float32) * inv).to(dtype)

@@ -31,7 +31,7 @@ __all__ = ["Recipe", "OperandCast", "GemmCast", "LinearPlan", "RECIPE_NAMES"]
 
 RECIPE_NAMES = ("delayed", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
 SCALINGS = ("delayed", "tensorwise", "rowwise", "blockwise")
-GEMM_BACKENDS = ("auto", "scaled_mm", "emulate")
+GEMM_BACKENDS = ("auto", "scaled_mm", "upcast", "emulate")
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,10 @@ class Recipe:
     power_of_2_scales: round scales down to powers of two.
     dgrad_weight_tensorwise: cast the weight tensorwise for grad_input (rowwise_with_gw_hp).
     block_size: tile edge for blockwise (multiple of 16).
-    gemm: ``auto`` (``torch._scaled_mm`` where the device has it, else emulation),
-        ``scaled_mm`` (require it) or ``emulate`` (dequantize + float32 matmul, any device).
+    gemm: ``auto`` (``torch._scaled_mm`` on FP8 GPUs; on CPU the exact bf16-upcast GEMM unless
+        a one-time probe finds ``torch._scaled_mm`` faster; else emulation), ``scaled_mm``
+        (require it), ``upcast`` (the CPU path, always) or ``emulate`` (dequantize + float32
+        matmul, any device).
     use_fast_accum: fast accumulation in the forward GEMM on Hopper (backward GEMMs always
         accumulate in full precision, as TE and torchao do).
     use_during_eval: keep FP8 on in ``model.eval()`` (off by default, as in TE/Accelerate).

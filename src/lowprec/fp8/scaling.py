@@ -38,13 +38,19 @@ AMAX_EPS = 1e-12
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """Per-tensor absolute maximum as a float32 scalar (NaN propagates)."""
-    return x.detach().abs().amax().to(torch.float32)
+    """Per-tensor absolute maximum as a float32 scalar (NaN propagates).
+
+    ``max(-min, max)`` from one ``aminmax`` pass: no ``abs()`` temporary the size of ``x``
+    (on CPU a fresh large temporary costs page faults on every call).
+    """
+    lo, hi = torch.aminmax(x.detach())
+    return torch.maximum(-lo, hi).to(torch.float32)
 
 
 def amax_along(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Absolute maximum over ``dim`` (kept), one value per slice: rowwise / axiswise scaling."""
-    return x.detach().abs().amax(dim=dim, keepdim=True).to(torch.float32)
+    lo, hi = torch.aminmax(x.detach(), dim=dim, keepdim=True)
+    return torch.maximum(-lo, hi).to(torch.float32)
 
 
 def block_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -251,6 +251,8 @@ def delayed_scale_kernel(
     have = tl.max(tl.where(ok, hist, -float("inf")), axis=0) > 0
     used = tl.where(have, scale, _amax_to_scale64(amax_now, FP8_MAX, EPS_BITS, MARGIN, POW2))
     finite = tl.abs(amax_now) < float("inf")  # False for +-inf and NaN
+    # a non-finite tensor casts with a NaN scale (linear.delayed_scale_step)
+    used = tl.where(finite, used, tl.full(used.shape, _NAN_BITS, tl.int32).to(tl.float32, bitcast=True))
     pushed = tl.where(idx == 0, amax_now, prev)
     new_hist = tl.where(finite, pushed, hist)
     if ALGO_MAX:
