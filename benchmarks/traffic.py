@@ -21,8 +21,8 @@ counted (``lowprec.fp8.traffic``). Exact and deterministic on any machine. Varia
 The time estimate is a roofline **estimate, not a measurement**: GEMM FLOPs at achieved H100
 rates (FP8 ~1300, bf16 ~750, fp32 without TF32 ~50 TFLOP/s) plus bytes outside the GEMMs at
 3.35 TB/s; every op outside the GEMMs is taken as bandwidth-bound and launch latency is
-ignored. Compiled (Inductor) traffic is not counted: Inductor cannot generate CUDA kernels
-without a GPU to query, and its byte metrics come from the generated kernels.
+ignored. Compiled (Inductor) traffic is not counted: its byte metrics come from the kernels
+Inductor generates for a real CUDA device, which this trace does not have (not attempted).
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
             "hbm_bytes_per_s": HBM_BYTES_PER_S,
             "gemm_flops_per_s": FLOPS_PER_S,
         },
-        "compiled": "not counted: Inductor needs a GPU to generate CUDA kernels",
+        "compiled": "not counted (not attempted): Inductor's byte metrics come from kernels generated for a real CUDA device",
         "results": rows,
     }
     write_json(payload, args.out, "traffic_tiny.json" if args.tiny else "traffic.json")
