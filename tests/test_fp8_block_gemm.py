@@ -22,7 +22,7 @@ CUDA = torch.device("cuda")
 @pytest.fixture
 def as_sm90(monkeypatch):
     """Dispatch as on an H100 whose self-check passed (no GPU here)."""
-    monkeypatch.setitem(gemm._CAPABILITY, ("cuda", None), (9, 0))
+    monkeypatch.setattr(gemm, "cuda_capability", lambda device: (9, 0))
     monkeypatch.setattr(block_gemm, "self_check", lambda device: True)
 
 
@@ -45,6 +45,23 @@ def test_every_blockwise_gemm_passes_torchs_layout_checks():
         assert block_gemm.supported(a, b), name
         assert block_gemm.blockwise_mm(a, b, torch.float32).shape == shape, name
     assert gemms["grad_weight"][1].block == (128, 1)  # the 1x128 x 1x128 pair
+
+
+def test_a_traced_h100_runs_blockwise_on_torchs_kernel(monkeypatch):
+    """The whole Float8Linear fwd+bwd traced as an H100 (meta tensors): all three GEMMs take the
+    kernel path, and each passes torch's meta checks."""
+    calls = []
+    real = block_gemm.blockwise_mm
+    monkeypatch.setattr(block_gemm, "blockwise_mm", lambda a, b, o: calls.append((a.block, b.block)) or real(a, b, o))
+    m, k, n = 256, 640, 384
+    with fp8.trace_as(sm=(9, 0), triton=False):
+        layer = fp8.Float8Linear.from_linear(torch.nn.Linear(k, n, bias=False, device="meta"), fp8.Recipe.from_name("blockwise"))
+        x = torch.randn(m, k, device="meta", requires_grad=True)
+        with fp8.autocast():
+            y = layer(x)
+        y.backward(torch.ones_like(y))
+    assert y.shape == (m, n) and layer.weight.grad.shape == (n, k)
+    assert sorted(calls) == sorted([((1, 128), (128, 128)), ((1, 128), (128, 128)), ((1, 128), (128, 1))])
 
 
 def _operands(m, k, n):
@@ -72,7 +89,7 @@ def test_shapes_the_kernel_cannot_take_are_emulated_and_logged_once(as_sm90, cap
 
 
 def test_below_sm90_blockwise_is_emulated(monkeypatch):
-    monkeypatch.setitem(gemm._CAPABILITY, ("cuda", None), (8, 9))
+    monkeypatch.setattr(gemm, "cuda_capability", lambda device: (8, 9))
     monkeypatch.setattr(block_gemm, "self_check", lambda device: pytest.fail("no self-check below sm_90"))
     a, b = _operands(128, 256, 128)
     assert gemm_path("auto", CUDA, a, b) == "emulate"

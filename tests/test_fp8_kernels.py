@@ -34,9 +34,13 @@ def no_triton(monkeypatch):
 
 @pytest.fixture
 def fake_triton(monkeypatch):
+    """Pretend triton is installed and the first-use self-check passed on cuda:0 and cuda:1."""
+    from lowprec.fp8.kernels import selfcheck
+
     monkeypatch.setattr(select, "TRITON_IMPORTABLE", True)
+    monkeypatch.setattr(selfcheck, "_RESULT", {0: True, 1: True})
     monkeypatch.delenv(select.DISABLE_ENV, raising=False)
-    monkeypatch.setenv(select.ENABLE_ENV, "1")
+    monkeypatch.delenv(select.ENABLE_ENV, raising=False)
 
 
 def test_importing_the_engine_does_not_import_triton():
@@ -61,11 +65,38 @@ def test_cuda_selects_triton_only_when_importable_and_not_disabled(fake_triton, 
         assert kernels.available("cuda"), value
 
 
-def test_triton_kernels_are_opt_in(fake_triton, monkeypatch):
-    monkeypatch.delenv(select.ENABLE_ENV)
-    assert not kernels.available("cuda")
-    monkeypatch.setenv(select.ENABLE_ENV, "0")
-    assert not kernels.available("cuda")
+def test_triton_kernels_are_on_by_default_and_can_be_turned_off(fake_triton, monkeypatch):
+    assert kernels.available("cuda")
+    monkeypatch.setenv(select.ENABLE_ENV, "1")
+    assert kernels.available("cuda")
+    for value in ("0", "false", "off"):
+        monkeypatch.setenv(select.ENABLE_ENV, value)
+        assert not kernels.available("cuda"), value
+
+
+def test_a_failed_self_check_falls_back_with_one_log_line(monkeypatch, caplog):
+    """On CPU-only torch the self-check cannot run a kernel: the dispatch says no, once, and logs why."""
+    from lowprec.fp8.kernels import selfcheck
+
+    monkeypatch.setattr(select, "TRITON_IMPORTABLE", True)
+    monkeypatch.setattr(selfcheck, "_RESULT", {})
+    monkeypatch.delenv(select.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(selfcheck, "run_checks", lambda ops, ref, dev: ["cast_amax(float8_e4m3fn)"])
+    monkeypatch.setitem(sys.modules, "lowprec.fp8.kernels.ops", object())  # no triton import needed
+    with caplog.at_level("WARNING", logger="lowprec.fp8"):
+        assert not kernels.available("cuda") and not kernels.available("cuda:0")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "differ from the torch path: cast_amax(float8_e4m3fn)" in lines[0]
+
+
+def test_self_check_compares_bits_and_nan_positions():
+    from lowprec.fp8.kernels import selfcheck
+
+    x = torch.tensor([1.0, float("nan"), -0.0])
+    assert selfcheck._same(x, x.clone())
+    assert not selfcheck._same(x, torch.tensor([1.0, float("nan"), 0.0]))  # -0.0 vs +0.0
+    assert not selfcheck._same(x, torch.tensor([1.0, 2.0, -0.0]))
+    assert selfcheck.run_checks(reference, reference, torch.device("cpu")) == []
 
 
 def test_cuda_falls_back_when_triton_is_absent(no_triton):
@@ -210,7 +241,7 @@ def test_cast_benchmark_on_cpu(tmp_path, capsys):
     assert len(data["results"]) == 6 and all(r["exact"] and r["ms"] > 0 for r in data["results"])
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])
 def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, seed):
     """Float8Linear with the one-pass cast+transpose for its input and for dY (forced on, on
     CPU, with the torch path standing in for the kernel): same outputs and gradients, bit for
@@ -223,8 +254,13 @@ def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, see
     def run(fused):
         calls = []
         if fused:
+            class Spy:  # the torch path standing in for the Triton ops, recording each call
+                def __getattr__(self, name):
+                    calls.append(name)
+                    return getattr(reference, name)
+
             monkeypatch.setattr(kernels, "available", lambda device: True)
-            monkeypatch.setattr(kernels, "cast_transpose_amax", lambda *a: calls.append(1) or reference.cast_transpose_amax(*a))
+            monkeypatch.setattr(kernels, "_ops", lambda: Spy())
         linear_mod = importlib.import_module("lowprec.fp8.linear")
         real_mm = linear_mod.scaled_mm
         layouts = []  # wgrad GEMM: (A row-major, B column-major), i.e. nothing to copy
@@ -252,13 +288,19 @@ def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, see
             y.square().mean().backward()
             outs += [y.detach(), xi.grad, lin.weight.grad.clone()]
             lin.weight.grad = None
+        outs += [b.clone() for b in lin.buffers()]  # delayed: histories, scales, step counters
         monkeypatch.undo()
         return outs, saved, calls, layouts
 
     fused, saved_f, calls, layouts_f = run(True)
     plain, saved_p, _, layouts_p = run(False)
     assert layouts_f == [(True, True)] * 3 and layouts_p == [(False, False)] * 3
-    assert len(calls) == 6  # x in forward, dY in backward, 3 steps
+    if recipe == "rowwise":  # x and dY: both axis casts in one pass (amax_cols first), 3 steps
+        assert calls.count("cast_rowwise_dual") == 6 and calls.count("amax_cols") == 6
+    else:  # x and W in forward, dY in backward, 3 steps
+        assert calls.count("cast_transpose_amax") == 9
+    if recipe == "delayed":  # the casts' own amaxes feed the history: no separate amax pass
+        assert "amax" not in calls and calls.count("recast_if_changed") == 9
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)
     x_f = [t for t in saved_f if t.shape == (128, 64)]

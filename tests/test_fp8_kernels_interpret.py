@@ -194,3 +194,72 @@ def test_bad_arguments_raise_clear_errors():
         ops.cast_amax(torch.ones(2, 3, dtype=torch.int32), torch.tensor(1.0), E4M3)
     with pytest.raises(ValueError, match="not an FP8 dtype"):
         ops.cast_amax(torch.randn(2, 3), torch.tensor(1.0), torch.float16)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (65, 130), (129, 63)])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+def test_amax_and_column_amax_match_the_torch_path(in_dtype, shape, seed):
+    x = awkward(shape, in_dtype)
+    assert torch.equal(ops.amax(x), reference.amax(x))
+    got, want = ops.amax_cols(x), reference.amax_cols(x)
+    assert got.shape == (1, shape[1]) and torch.equal(got, want)
+    x[shape[0] // 2, shape[1] - 1] = float("nan")  # that column's amax (and the tensor's) NaN
+    assert torch.isnan(ops.amax(x))
+    got, want = ops.amax_cols(x), reference.amax_cols(x)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got[~torch.isnan(want)], want[~torch.isnan(want)])
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_both_axis_casts_in_one_pass_match_the_torch_path(dtype, seed):
+    rows, cols = 45, 300  # ragged against the 32 x 128 tile
+    x = torch.randn(rows, cols) * torch.logspace(-6, 6, rows)[:, None]
+    x[3] = 0.0
+    x[8, 100] = float("inf")
+    x = x.to(torch.bfloat16)
+    from lowprec.fp8.scaling import amax_to_scale
+
+    col_scale = amax_to_scale(reference.amax_cols(x), dtype, power_of_2=True)
+    q, rs, qt = ops.cast_rowwise_dual(x, col_scale, dtype, True)
+    rq, rrs, rqt = reference.cast_rowwise_dual(x, col_scale, dtype, True)
+    assert qt.shape == (cols, rows) and qt.is_contiguous()
+    assert torch.equal(rs, rrs)
+    assert_same_fp8(q, rq)
+    assert_same_fp8(qt, rqt)
+    assert_same_fp8(ops.cast_cols_t(x, col_scale, dtype), rqt)
+
+
+def test_amax_alone_writes_no_cast(seed):
+    x = awkward((70, 90), torch.bfloat16)
+    assert torch.equal(ops.amax(x), ops.cast_amax(x, torch.tensor(1.0), E4M3)[1])
+
+
+@pytest.mark.parametrize("changed", [False, True, "nan"])
+def test_recast_if_changed_matches_the_torch_path(changed, seed):
+    x = awkward((70, 90), torch.bfloat16)
+    cast = torch.tensor(2.0)
+    used = {False: torch.tensor(2.0), True: torch.tensor(0.25), "nan": torch.tensor(float("nan"))}[changed]
+    q, qt, _ = ops.cast_transpose_amax(x, cast, E4M3)
+    rq, rqt = q.clone(), qt.clone()
+    ops.recast_if_changed(x, used, cast, q, qt)
+    reference.recast_if_changed(x, used, cast, rq, rqt)
+    assert_same_fp8(q, rq)
+    assert torch.equal(bits(qt), bits(rqt))
+    if changed is True:
+        assert_same_fp8(q, reference.cast_amax(x, used, E4M3)[0])
+
+
+@pytest.mark.parametrize("case", ["empty", "filled", "nan_amax", "zero_history", "interval", "no_refresh", "most_recent", "pow2_margin"])
+def test_delayed_scale_update_matches_the_torch_path(case):
+    """One kernel for a step of delayed scaling (TE semantics) against linear.delayed_scale_step."""
+    L = 16
+    hist = torch.zeros(L) if case in ("empty", "zero_history") else torch.rand(L) * 100
+    amax_now = torch.tensor(float("nan") if case == "nan_amax" else (0.0 if case == "zero_history" else 37.5))
+    scale, step = torch.tensor(3.0), torch.tensor(4 if case == "interval" else 6)  # (4 + 1) % 5 == 0: refresh
+    kw = dict(fp8_dtype=E5M2 if case == "pow2_margin" else E4M3, margin=2 if case == "pow2_margin" else 0,
+              power_of_2=case == "pow2_margin", interval=5 if case in ("interval", "no_refresh") else 1,
+              algo_max=case != "most_recent")
+    h1, s1, h2, s2 = hist.clone(), scale.clone(), hist.clone(), scale.clone()
+    got = ops.delayed_scale_update(h1, s1, step, amax_now, **kw)
+    want = reference.delayed_scale_update(h2, s2, step, amax_now, **kw)
+    for a, b in [*zip(got, want), (h1, h2), (s1, s2)]:
+        assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a[~torch.isnan(a)], b[~torch.isnan(b)]), case

@@ -9,6 +9,7 @@
 """
 
 from lowprec.fp8.autocast import autocast, fp8_enabled
+from lowprec.fp8.capability import trace_as
 from lowprec.fp8.checkpoint import checkpoint
 from lowprec.fp8.convert import (
     DEFAULT_SKIP_PATTERNS,
@@ -62,4 +63,5 @@ __all__ = [
     "DeviceProfile",
     "predict_speedup",
     "auto_module_filter",
+    "trace_as",
 ]

@@ -14,11 +14,17 @@ entered again, and re-entered recursively; each exit restores the state its ente
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+
+import torch
 
 from lowprec.fp8.recipes import Recipe
 
-__all__ = ["autocast", "fp8_enabled", "current_recipe_override", "current_eval_override", "recomputing", "replay_context"]
+__all__ = [
+    "autocast", "fp8_enabled", "current_recipe_override", "current_eval_override", "recomputing", "replay_context",
+    "torch_autocast_dtype", "torch_autocast_off",
+]
 
 
 @dataclass
@@ -118,3 +124,20 @@ class autocast:  # noqa: N801 - a context manager named like torch.autocast
                 return fn(*args, **kwargs)
 
         return wrapper
+
+
+# --- torch.autocast on any device ----------------------------------------------------------
+# torch.autocast raises for device types it does not know (meta, which fp8.trace_as traces on,
+# and out-of-tree backends); there is no autocast state to read or turn off on those.
+def torch_autocast_dtype(device_type: str, default):
+    """The ``torch.autocast`` dtype active for ``device_type``, else ``default``."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return default
+
+
+def torch_autocast_off(device_type: str):
+    """``torch.autocast(device_type, enabled=False)``, or a no-op where autocast does not exist."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return nullcontext()

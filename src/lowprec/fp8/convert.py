@@ -127,7 +127,7 @@ def _gemm_note(recipe: Recipe, device: torch.device) -> str:
             return f"bf16 GEMM over exactly upcast FP8 operands on cpu ({scales})"
         return "torch._scaled_mm on cpu (measured faster than the bf16-upcast GEMM here)"
     if recipe.scaling == "blockwise":
-        if device.type == "cuda" and recipe.block_size == 128 and native_scaled_mm_available(device, "axis"):
+        if device.type != "cpu" and recipe.block_size == 128 and native_scaled_mm_available(device, "axis"):
             return ("torch blockwise-scaled scaled_mm on cuda (1x128 x 128x128; self-checked at first use; "
                     "GEMMs whose shapes it cannot take are emulated)")
         return "emulated: torch's blockwise FP8 GEMM needs sm_90 and block_size 128"

@@ -30,6 +30,7 @@ import logging
 import torch
 
 from lowprec.fp8 import block_gemm, cpu_gemm
+from lowprec.fp8.capability import cuda_capability, is_cuda
 from lowprec.fp8.quantize import Float8Data, dequantize
 from lowprec.fp8.recipes import GEMM_BACKENDS as GEMM_PATHS
 
@@ -38,9 +39,6 @@ __all__ = ["scaled_mm", "native_scaled_mm_available", "gemm_path", "GEMM_PATHS"]
 logger = logging.getLogger("lowprec.fp8")
 
 _E5M2 = torch.float8_e5m2
-
-
-_CAPABILITY: dict[tuple[str, int | None], tuple[int, int]] = {}
 
 
 def native_scaled_mm_available(device: torch.device, granularity: str = "tensor") -> bool:
@@ -53,12 +51,9 @@ def native_scaled_mm_available(device: torch.device, granularity: str = "tensor"
         return False
     if device.type == "cpu":
         return cpu_gemm.cpu_scaled_mm_exists()
-    if device.type == "cuda":
-        key = (device.type, device.index)
-        if key not in _CAPABILITY:
-            _CAPABILITY[key] = torch.cuda.get_device_capability(device)
+    if is_cuda(device):
         need = (9, 0) if granularity == "axis" else (8, 9)
-        return _CAPABILITY[key] >= need
+        return cuda_capability(device) >= need  # fp8.trace_as may state it for a trace
     return False
 
 
@@ -84,7 +79,7 @@ def gemm_path(requested: str, device: torch.device, a: Float8Data, b: Float8Data
     both_e5m2 = a.data.dtype == _E5M2 and b.data.dtype == _E5M2
     if gran == "block":  # torch's blockwise kernel: sm_90, supported tile pairs, self-checked once
         native = (
-            device.type == "cuda" and native_scaled_mm_available(device, "axis")
+            is_cuda(device) and native_scaled_mm_available(device, "axis")
             and block_gemm.supported(a, b) and block_gemm.self_check(device)
         )
     else:
@@ -102,7 +97,7 @@ def gemm_path(requested: str, device: torch.device, a: Float8Data, b: Float8Data
                 f"{device} (torch {torch.__version__}); use gemm='auto' or 'emulate'"
             )
         return "scaled_mm"
-    if gran == "block" and device.type == "cuda":
+    if gran == "block" and is_cuda(device):
         if not native and "block_cuda" not in _LOGGED:
             _LOGGED.add("block_cuda")
             logger.warning(
@@ -140,7 +135,7 @@ def _native(a: Float8Data, b: Float8Data, out_dtype: torch.dtype, use_fast_accum
     else:
         sa, sb = _axis_scale(a, (m, 1)), _axis_scale(b, (1, n))
     ad, bd = a.data, b.data
-    cuda = ad.device.type == "cuda"
+    cuda = is_cuda(ad.device)
     if cuda:
         mp, kp, np_ = (-(-d // 16) * 16 for d in (m, k, n))
         ad, bd = _pad_to(ad, mp, kp), _pad_to(bd, kp, np_)

@@ -38,12 +38,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.fp8 import kernels
-from lowprec.fp8.autocast import current_eval_override, current_recipe_override, fp8_enabled, recomputing
+from lowprec.fp8.autocast import (
+    current_eval_override,
+    current_recipe_override,
+    fp8_enabled,
+    recomputing,
+    torch_autocast_dtype,
+    torch_autocast_off,
+)
 from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, expand_blocks, quantize
 from lowprec.fp8.recipes import OperandCast, Recipe
-from lowprec.fp8.scaling import amax, amax_to_scale, history_to_amax, record_amax
+from lowprec.fp8.scaling import amax_to_scale, history_to_amax, record_amax
 
 __all__ = ["Float8Linear", "delayed_scale_step"]
 
@@ -103,23 +110,50 @@ def _cast(x: torch.Tensor, spec: OperandCast, contract: int, recipe: Recipe, sca
 
 
 def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale=None) -> tuple[Float8Data, Float8Data]:
-    """One per-tensor cast of ``x`` or ``dY`` that serves two GEMMs: ``(row-major, column-major)``.
+    """The casts of ``x``, ``W`` or ``dY`` for two GEMMs: ``(row-major, contracting dim 1;
+    column-major, contracting dim 0)``.
 
-    On CUDA with the Triton kernels (``lowprec.fp8.kernels``) one pass writes the FP8 tensor
-    and its transpose (TransformerEngine's cast_transpose). The second is handed over as a
-    column-major view, so the weight-gradient GEMM, which contracts over the token dim, finds
-    its operand already in the layout ``scaled_mm`` asks cuBLAS for, and nothing is copied in
-    backward. Elsewhere both are the same :class:`Float8Data`. Values are identical either
-    way; only the memory layout differs.
+    On CUDA with the Triton kernels (``lowprec.fp8.kernels``) one pass writes both: for a
+    per-tensor scale the FP8 tensor and its transpose (TransformerEngine's cast_transpose),
+    for axis scales the row-scaled cast and the column-scaled one, transposed (after one read
+    for the column amaxes). The second is handed over as a column-major view, so the other
+    GEMM finds its operand already in the layout ``scaled_mm`` asks cuBLAS for, and nothing is
+    copied. Elsewhere: one per-tensor cast serving both, or two axis casts. Values are
+    identical either way; only the memory layout differs.
     """
-    if spec.granularity == "tensor" and t.dtype in (torch.bfloat16, torch.float16, torch.float32) and kernels.available(t.device):
+    fused = t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.dim() == 2 and kernels.available(t.device)
+    pow2 = recipe.power_of_2_scales
+    if spec.granularity == "tensor" and fused:
         if scale is None:
-            scale = amax_to_scale(amax(t), spec.dtype, margin=recipe.margin, power_of_2=recipe.power_of_2_scales)
+            scale = amax_to_scale(kernels.amax(t), spec.dtype, margin=recipe.margin, power_of_2=pow2)
         q, qt, _ = kernels.cast_transpose_amax(t, scale, spec.dtype)
-        pow2 = recipe.power_of_2_scales
         return Float8Data(q, scale, "tensor", None, pow2), Float8Data(qt.t(), scale, "tensor", None, pow2)
+    if spec.granularity == "axis" and fused:
+        col_scale = amax_to_scale(kernels.amax_cols(t), spec.dtype, power_of_2=pow2)
+        q, row_scale, qt = kernels.cast_rowwise_dual(t, col_scale, spec.dtype, pow2)
+        return Float8Data(q, row_scale, "axis", None, pow2), Float8Data(qt.t(), col_scale, "axis", None, pow2)
     q = _cast(t, spec, 1, recipe, scale)
-    return q, q
+    return q, (_cast(t, spec, 0, recipe) if spec.granularity == "axis" else q)
+
+
+_HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _cast_delayed_fused(t, spec: OperandCast, recipe: Recipe, hist, scale, step) -> tuple[Float8Data, Float8Data, torch.Tensor]:
+    """Delayed scaling on CUDA with the Triton kernels: one pass over ``t`` (TE semantics).
+
+    Cast (both layouts) with the scale the history holds, take this step's amax from that same
+    pass into the history, and re-cast only if the scale to use differs: it does exactly when
+    the history had nothing in it (the first step), where the scale comes from this amax; the
+    re-cast kernel returns at once otherwise. Same values as :func:`delayed_scale_step` followed
+    by a cast with its ``scale_used``. Updates ``hist`` and ``scale`` in place; returns
+    ``(row-major cast, column-major cast, scale_used)``.
+    """
+    q, qt, amax_now = kernels.cast_transpose_amax(t, scale, spec.dtype)
+    used, cast_with = kernels.delayed_scale_update(hist, scale, step, amax_now, spec.dtype, recipe)
+    kernels.recast_if_changed(t, used, cast_with, q, qt)
+    pow2 = recipe.power_of_2_scales
+    return Float8Data(q, used, "tensor", None, pow2), Float8Data(qt.t(), used, "tensor", None, pow2), used
 
 
 def _stats(x: torch.Tensor, q: Float8Data) -> torch.Tensor:
@@ -171,25 +205,35 @@ def _unpack(ctx) -> list:
 
 class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, cfg: _FnConfig, x_scale, w_scale, grad_state, stats):
+    def forward(ctx, x, weight, cfg: _FnConfig, x_scale, w_scale, grad_state, stats, fwd_state=None):
         recipe, hp = cfg.recipe, cfg.hp_dtype
         plan = recipe.plan()
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        with torch.autocast(x.device.type, enabled=False):
+        with torch_autocast_off(x.device.type):
             fp = plan.fprop
-            xq = wq = x_col = None
+            xq = wq = w_col = x_col = None
             if fp.high_precision:
                 out = torch.matmul(x.to(hp), weight.to(hp).t())
             else:
                 wg = plan.wgrad
                 x_both = need_wgrad and recipe.save_fp8_activations and not wg.high_precision and (
-                    wg.b == fp.a and wg.b.granularity == "tensor"
+                    wg.b == fp.a and wg.b.granularity in ("tensor", "axis")
                 )
-                if x_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
+                if fwd_state is not None:  # delayed scaling, fused (Float8Linear._fused_delayed)
+                    hx, sx, hw, sw, step, last = fwd_state
+                    xq, x_col, x_used = _cast_delayed_fused(x, fp.a, recipe, hx, sx, step)
+                    wq, w_col, w_used = _cast_delayed_fused(weight, fp.b, recipe, hw, sw, step)
+                    step.add_(1)
+                    last.copy_(torch.stack([x_used, w_used]))
+                elif x_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
                     xq, x_col = _cast_both_layouts(x, fp.a, recipe, x_scale)
                 else:
                     xq = _cast(x, fp.a, 1, recipe, x_scale)
-                wq = _cast(weight, fp.b, 1, recipe, w_scale)
+                dg = plan.dgrad
+                if fwd_state is None and need_dgrad and not dg.high_precision and dg.b == fp.b and fp.b.granularity == "tensor":
+                    wq, w_col = _cast_both_layouts(weight, fp.b, recipe, w_scale)  # dgrad reads w_col
+                elif fwd_state is None:
+                    wq = w_col = _cast(weight, fp.b, 1, recipe, w_scale)
                 out = scaled_mm(xq, wq.t(), hp, path=recipe.gemm, use_fast_accum=recipe.use_fast_accum)
                 if cfg.stats:
                     stats.index_copy_(0, torch.arange(2, device=stats.device),
@@ -202,7 +246,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 reusable = wq is not None and not dg.high_precision and dg.b == fp.b and (
                     dg.b.granularity == "tensor" or dg.b.block_2d
                 )
-                w_saved = wq if reusable else weight
+                w_saved = w_col if reusable else weight
             # What grad_weight needs: the input, cast for a GEMM contracting over M.
             x_saved = None
             if need_wgrad:
@@ -215,6 +259,7 @@ class _Float8LinearFn(torch.autograd.Function):
                     x_saved = _cast(x, wg.b, 0, recipe, x_scale if wg.b.granularity == "tensor" else None)
         _pack(ctx, [w_saved, x_saved])
         ctx.cfg, ctx.grad_state, ctx.stats = cfg, grad_state, stats
+        ctx.fused_delayed = fwd_state is not None
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         return out
 
@@ -225,12 +270,12 @@ class _Float8LinearFn(torch.autograd.Function):
         recipe, hp = cfg.recipe, cfg.hp_dtype
         plan = recipe.plan()
         grad_x = grad_w = None
-        with torch.autocast(dy.device.type, enabled=False):
+        with torch_autocast_off(dy.device.type):
             dy_scale = None
-            if ctx.grad_state is not None:  # delayed scaling: record dY's amax, use the history
+            if ctx.grad_state is not None and not ctx.fused_delayed:  # delayed: record dY's amax, use the history
                 hist, scale, step = ctx.grad_state
                 dtype = recipe.fp8_format.backward_dtype
-                dy_scale, new_hist, new_scale = delayed_scale_step(hist, scale, step, amax(dy), dtype, recipe)
+                dy_scale, new_hist, new_scale = delayed_scale_step(hist, scale, step, kernels.amax(dy), dtype, recipe)
                 hist.copy_(new_hist)
                 scale.copy_(new_scale)
                 step.add_(1)
@@ -242,17 +287,22 @@ class _Float8LinearFn(torch.autograd.Function):
                     first_cast.append(q)
                 return q
 
-            dyq_tensor = None  # one per-tensor cast of dY serves both GEMMs
+            dyq_tensor = None  # the cast of dY the weight-gradient GEMM reads, when one pass wrote it
             if ctx.needs_input_grad[0]:
                 dg = plan.dgrad
                 if dg.high_precision:
                     grad_x = torch.matmul(dy.to(hp), w_saved.to(hp))
                 else:
                     wg = plan.wgrad
-                    dy_both = dg.a.granularity == "tensor" and ctx.needs_input_grad[1] and not wg.high_precision and (
+                    dy_both = dg.a.granularity in ("tensor", "axis") and ctx.needs_input_grad[1] and not wg.high_precision and (
                         wg.a == dg.a
                     )
-                    if dy_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
+                    if dy_both and ctx.fused_delayed:  # one pass: cast, amax into the history
+                        hist, scale, step = ctx.grad_state
+                        dyq, dyq_tensor, _ = _cast_delayed_fused(dy, dg.a, recipe, hist, scale, step)
+                        step.add_(1)
+                        first_cast.append(dyq)
+                    elif dy_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
                         dyq, dyq_tensor = _cast_both_layouts(dy, dg.a, recipe, dy_scale)
                         first_cast.append(dyq)
                     else:
@@ -267,7 +317,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 if wg.high_precision:
                     grad_w = torch.matmul(dy.t().to(hp), x_saved.to(hp))
                 else:
-                    reuse = dyq_tensor is not None and wg.a.granularity == "tensor" and wg.a == plan.dgrad.a
+                    reuse = dyq_tensor is not None and wg.a == plan.dgrad.a
                     dyq = dyq_tensor if reuse else cast_dy(wg.a, 0)
                     # the input was kept in high precision when save_fp8_activations is off
                     xq = x_saved if isinstance(x_saved, Float8Data) else _cast(x_saved, wg.b, 0, recipe)
@@ -275,7 +325,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 grad_w = grad_w.to(ctx.w_dtype)
             if cfg.stats and first_cast:
                 ctx.stats.index_copy_(0, torch.arange(2, 3, device=dy.device), _stats(dy, first_cast[0])[None])
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 _HOOK_DICTS = (
@@ -390,23 +440,38 @@ class Float8Linear(nn.Linear):
     def _delayed_scale(self, which: str, t: torch.Tensor, dtype: torch.dtype, recipe: Recipe) -> torch.Tensor:
         hist = getattr(self, f"fp8_amax_history_{which}")
         scale = getattr(self, f"fp8_scale_{which}")
-        used, new_hist, new_scale = delayed_scale_step(hist, scale, self.fp8_step, amax(t), dtype, recipe)
+        used, new_hist, new_scale = delayed_scale_step(hist, scale, self.fp8_step, kernels.amax(t), dtype, recipe)
         hist.copy_(new_hist)
         scale.copy_(new_scale)
         return used
+
+    def _fused_delayed(self, x2: torch.Tensor, recipe: Recipe) -> bool:
+        """Whether this step's delayed scaling runs inside the fused casts (one pass per operand,
+        :func:`_cast_delayed_fused`): CUDA with the Triton kernels, every GEMM in FP8, both
+        gradients wanted and the FP8 input kept, so that each operand's one cast serves both of
+        its GEMMs. Otherwise the scales are computed here first (an amax read per operand)."""
+        w = self.weight
+        return (
+            kernels.available(x2.device) and x2.dtype in _HP_DTYPES and w.dtype in _HP_DTYPES and w.dim() == 2
+            and torch.is_grad_enabled() and x2.requires_grad and w.requires_grad
+            and recipe.save_fp8_activations and not any(recipe.override_linear_precision)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe = self._active_recipe()
         if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
             return F.linear(x, self.weight, self.bias)
         dev = x.device.type
-        hp = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        hp = torch_autocast_dtype(dev, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
-        x_scale = w_scale = grad_state = None
+        x_scale = w_scale = grad_state = fwd_state = None
         if recipe.scaling == "delayed":
             fwd = recipe.fp8_format.forward_dtype
             if recomputing():  # same scales as the first forward; its state update already ran
                 x_scale, w_scale = self.fp8_last_scales[0], self.fp8_last_scales[1]
+            elif self._fused_delayed(x2, recipe):  # the casts update the state (one pass each)
+                fwd_state = (self.fp8_amax_history_input, self.fp8_scale_input, self.fp8_amax_history_weight,
+                             self.fp8_scale_weight, self.fp8_step, self.fp8_last_scales)
             else:
                 x_scale = self._delayed_scale("input", x2, fwd, recipe)
                 w_scale = self._delayed_scale("weight", self.weight, fwd, recipe)
@@ -414,7 +479,7 @@ class Float8Linear(nn.Linear):
                 self.fp8_last_scales.copy_(torch.stack([x_scale, w_scale]))
             grad_state = (self.fp8_amax_history_grad_output, self.fp8_scale_grad_output, self.fp8_step_grad)
         cfg = _FnConfig(recipe, hp, self.fp8_telemetry)
-        out = _Float8LinearFn.apply(x2, self.weight, cfg, x_scale, w_scale, grad_state, self.fp8_stats)
+        out = _Float8LinearFn.apply(x2, self.weight, cfg, x_scale, w_scale, grad_state, self.fp8_stats, fwd_state)
         out = out.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lowprec.fp8.capability import is_cuda
 from lowprec.fp8.formats import fp8_max
 from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, block_amax
 
@@ -113,7 +114,7 @@ def _scaled(x32: torch.Tensor, owned: bool, scale: torch.Tensor) -> torch.Tensor
 # rowwise casts run as one Triton kernel with bit-identical results; everywhere else the torch
 # expressions below run. The import is local: kernels.reference imports this module.
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
-    if x.device.type != "cuda" or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if not is_cuda(x.device) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     if scale is not None and not (
         isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype == torch.float32 and scale.device == x.device
@@ -139,8 +140,8 @@ def quantize_tensorwise(
     if _fused_cast(x, scale):
         from lowprec.fp8 import kernels
 
-        if scale is None:
-            scale = amax_to_scale(amax(x), dtype, margin=margin, power_of_2=power_of_2)
+        if scale is None:  # one read, no abs() tensor
+            scale = amax_to_scale(kernels.amax(x), dtype, margin=margin, power_of_2=power_of_2)
         return Float8Data(kernels.cast_amax(x, scale, dtype)[0], scale, "tensor", None, power_of_2)
     x32, owned = _as_fp32(x)  # the amax of the float32 copy: one bf16 pass fewer
     if scale is None:
@@ -165,6 +166,11 @@ def quantize_axiswise(
 
         data, scale = kernels.cast_rowwise(x, dtype, power_of_2)
         return Float8Data(data, scale, "axis", None, power_of_2)
+    if _fused_cast(x) and dim == 0:  # CUDA: written transposed, the layout a GEMM contracting dim 0 reads
+        from lowprec.fp8 import kernels
+
+        scale = amax_to_scale(kernels.amax_cols(x), dtype, power_of_2=power_of_2)
+        return Float8Data(kernels.cast_cols_t(x, scale, dtype).t(), scale, "axis", None, power_of_2)
     x32, owned = _as_fp32(x)
     scale = amax_to_scale(amax_along(x32, dim), dtype, power_of_2=power_of_2)
     data = _saturate_(_scaled(x32, owned, scale), dtype, may_hold_inf=False)

@@ -3,14 +3,16 @@
     q, q_t, amax = kernels.cast_transpose_amax(x_2d, scale, torch.float8_e4m3fn)
 
 One pass over ``x`` gives the FP8 tensor, its contiguous transpose (for the GEMM contracting
-over the other dim) and ``amax(|x|)`` (TransformerEngine's ``cast_transpose``). The amax is
-meant for the delayed-scaling history; Float8Linear does not feed it back yet (docs/LOG.md).
-``cast_amax`` skips the transpose; ``cast_rowwise`` computes one scale per row and casts in the
-same kernel. The functions choose at run time (:func:`available`):
-Triton on CUDA when triton imports and ``LOWPREC_TRITON_KERNELS=1`` (opt-in until the kernels
-have run on a GPU; ``LOWPREC_DISABLE_TRITON=1`` always wins), otherwise
-:mod:`lowprec.fp8.kernels.reference` (same results; what CPU and CI run). Importing this
-package never imports triton.
+over the other dim) and ``amax(|x|)`` (TransformerEngine's ``cast_transpose``).
+``cast_amax`` skips the transpose; ``amax`` is the amax alone (one read, no ``abs()`` tensor);
+``cast_rowwise`` computes one scale per row and casts in the same kernel; ``amax_cols`` gives
+per-column amaxes, and ``cast_rowwise_dual`` writes both axis casts a rowwise recipe needs (row
+scales, and given column scales stored transposed) from one pass; ``cast_cols_t`` the second
+alone. The functions choose at run time (:func:`available`): Triton on CUDA by default when
+triton imports and a one-time self-check on the device agrees with the torch path
+(:mod:`lowprec.fp8.kernels.selfcheck`; ``LOWPREC_DISABLE_TRITON=1`` always wins), otherwise
+:mod:`lowprec.fp8.kernels.reference` (same results; what CPU runs). Importing this package
+never imports triton.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import torch
 from lowprec.fp8.kernels import reference
 from lowprec.fp8.kernels.select import DISABLE_ENV, available
 
-__all__ = ["available", "DISABLE_ENV", "cast_transpose_amax", "cast_amax", "cast_rowwise", "reference"]
+__all__ = [
+    "available", "DISABLE_ENV", "cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols",
+    "cast_rowwise_dual", "cast_cols_t", "recast_if_changed", "delayed_scale_update", "reference",
+]
 
 
 def _ops():
@@ -54,3 +59,54 @@ def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = Tru
     if available(x.device):
         return _ops().cast_rowwise(x, fp8_dtype, power_of_2)
     return reference.cast_rowwise(x, fp8_dtype, power_of_2)
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as a float32 scalar; one read of ``x`` on CUDA (2-D bf16/fp16/fp32 ``x``)."""
+    if x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and available(x.device):
+        return _ops().amax(x.detach())  # a scale statistic: no gradient, as scaling.amax
+    return reference.amax(x)
+
+
+def amax_cols(x: torch.Tensor) -> torch.Tensor:
+    """Per-column ``max |x|`` of a 2-D ``x``, shape ``(1, cols)``; one read on CUDA."""
+    if available(x.device):
+        return _ops().amax_cols(x.detach())
+    return reference.amax_cols(x)
+
+
+def cast_rowwise_dual(
+    x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, row_scale, qt)``: the row-scaled cast and, with ``col_scale`` (1, cols), the
+    column-scaled cast as a contiguous (cols, rows) tensor; one pass over ``x`` on CUDA."""
+    if available(x.device):
+        return _ops().cast_rowwise_dual(x, col_scale, fp8_dtype, power_of_2)
+    return reference.cast_rowwise_dual(x, col_scale, fp8_dtype, power_of_2)
+
+
+def cast_cols_t(x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast with per-column scales (1, cols), as a contiguous (cols, rows) tensor."""
+    if available(x.device):
+        return _ops().cast_cols_t(x, col_scale, fp8_dtype)
+    return reference.cast_cols_t(x, col_scale, fp8_dtype)
+
+
+def recast_if_changed(
+    x: torch.Tensor, scale_used: torch.Tensor, scale_cast: torch.Tensor, q: torch.Tensor, qt: torch.Tensor
+) -> None:
+    """Delayed scaling: re-cast ``x`` into ``q``/``qt`` in place when ``scale_used`` differs
+    from ``scale_cast`` (an empty amax history); on CUDA a kernel that returns at once otherwise."""
+    if available(x.device):
+        return _ops().recast_if_changed(x, scale_used, scale_cast, q, qt)
+    return reference.recast_if_changed(x, scale_used, scale_cast, q, qt)
+
+
+def delayed_scale_update(history, scale, step, amax_now, fp8_dtype, recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of delayed scaling for one operand (``linear.delayed_scale_step``), the state
+    updated in place; returns ``(scale to use now, scale before the update)``. One kernel on CUDA."""
+    args = (history, scale, step, amax_now, fp8_dtype, recipe.margin, recipe.power_of_2_scales, recipe.interval,
+            recipe.amax_compute_algo == "max")
+    if available(history.device) and history.dtype == torch.float32 and history.dim() == 1:
+        return _ops().delayed_scale_update(*args)
+    return reference.delayed_scale_update(*args)

@@ -19,10 +19,19 @@ import triton
 from torch.library import triton_op, wrap_triton
 
 from lowprec.fp8.formats import fp8_max
-from lowprec.fp8.kernels.triton_cast import cast_rowwise_kernel, cast_transpose_amax_kernel
+from lowprec.fp8.kernels.triton_cast import (
+    amax_cols_kernel,
+    cast_rowwise_kernel,
+    cast_transpose_amax_kernel,
+    delayed_scale_kernel,
+    recast_if_changed_kernel,
+)
 from lowprec.fp8.scaling import AMAX_EPS
 
-__all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise", "launch_cast", "interpreting"]
+__all__ = [
+    "cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t",
+    "recast_if_changed", "delayed_scale_update", "launch_cast", "interpreting",
+]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _EPS_BITS = struct.unpack("<q", struct.pack("<d", AMAX_EPS))[0]  # float64 bits of AMAX_EPS
@@ -30,6 +39,8 @@ _EPS_BITS = struct.unpack("<q", struct.pack("<d", AMAX_EPS))[0]  # float64 bits 
 # (BLOCK_M, BLOCK_N, num_warps): 64x64 tiles, TransformerEngine's cast_transpose tile size.
 TILE = (64, 64, 4)
 ROW_TILE = (4, 512, 4)
+# both axis casts: taller row blocks so the transposed store writes 32-byte runs
+DUAL_TILE = (32, 128, 4)
 
 
 # Decided once, from the kernel objects themselves: under ``TRITON_INTERPRET=1`` at import
@@ -55,23 +66,27 @@ def launch_cast(
     x: torch.Tensor,
     scale: torch.Tensor,
     fp8_dtype: torch.dtype,
-    q: torch.Tensor,
+    q: torch.Tensor | None,
     qt: torch.Tensor | None,
     amax_bits: torch.Tensor | None,
     tile: tuple[int, int, int] = TILE,
     soft_cast: bool | None = None,
 ) -> None:
-    """Launch the cast kernel into uint8 ``q`` (and ``qt``, int32 ``amax_bits`` if given)."""
+    """Launch the cast kernel into uint8 ``q`` (and ``qt``, int32 ``amax_bits`` if given;
+    with ``q`` and ``qt`` both None it computes the amax alone)."""
+    if x.device.type == "meta":  # a trace (fp8.trace_as): outputs carry shapes only
+        return
     m, n = x.shape
     bm, bn, warps = tile
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    dummy = next(t for t in (q, qt, amax_bits) if t is not None)
     wrap_triton(cast_transpose_amax_kernel)[grid](
-        x, scale, q, q if qt is None else qt, q if amax_bits is None else amax_bits,
+        x, scale, dummy if q is None else q, dummy if qt is None else qt, dummy if amax_bits is None else amax_bits,
         m, n, x.stride(0), x.stride(1),
         FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
         WRITE_T=qt is not None, WRITE_AMAX=amax_bits is not None,
         SOFT_CAST=interpreting() if soft_cast is None else soft_cast,
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+        BLOCK_M=bm, BLOCK_N=bn, WRITE_Q=q is not None, num_warps=warps,
     )
 
 
@@ -106,11 +121,108 @@ def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = Tru
     m, n = x.shape
     q = torch.empty((m, n), dtype=torch.uint8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    bm, bn, warps = ROW_TILE
+    _launch_axes(x, fp8_dtype, power_of_2, q, scale, None, None, ROW_TILE)
+    return q.view(fp8_dtype), scale
+
+
+def _launch_axes(x, fp8_dtype, power_of_2, q, row_scale, col_scale, qt, tile) -> None:
+    """cast_rowwise_kernel: row-scaled ``q`` (if given) and column-scaled ``qt`` (if given)."""
+    if x.device.type == "meta":
+        return
+    m, n = x.shape
+    bm, bn, warps = tile
+    dummy = q if q is not None else qt
     wrap_triton(cast_rowwise_kernel)[(triton.cdiv(m, bm),)](
-        x, q, scale, m, n, x.stride(0), x.stride(1),
+        x, dummy if q is None else q, x if row_scale is None else row_scale, m, n, x.stride(0), x.stride(1),
         FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn, POW2=power_of_2,
         SOFT_CAST=interpreting(), EPS_BITS=_EPS_BITS,
+        BLOCK_M=bm, BLOCK_N=bn,
+        col_scale_ptr=x if col_scale is None else col_scale, qt_ptr=dummy if qt is None else qt,
+        ROW=q is not None, COL=qt is not None, num_warps=warps,
+    )
+
+
+@triton_op("lowprec::amax", mutates_args=())
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as a float32 scalar, one read of ``x`` (no ``abs()`` tensor in between)."""
+    _check(x, torch.float8_e4m3fn)
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
+    launch_cast(x, amax_bits, torch.float8_e4m3fn, None, None, amax_bits)
+    return amax_bits.view(torch.float32)
+
+
+@triton_op("lowprec::amax_cols", mutates_args=())
+def amax_cols(x: torch.Tensor) -> torch.Tensor:
+    """``amax_along(x, 0)``: per-column ``max |x|``, shape ``(1, cols)`` float32, one read."""
+    _check(x, torch.float8_e4m3fn)
+    m, n = x.shape
+    bits = torch.zeros((1, n), dtype=torch.int32, device=x.device)
+    bm, bn, warps = TILE
+    if x.device.type != "meta":
+        wrap_triton(amax_cols_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            x, bits, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps
+        )
+    return bits.view(torch.float32)
+
+
+@triton_op("lowprec::cast_rowwise_dual", mutates_args=())
+def cast_rowwise_dual(
+    x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both axis casts in one pass: ``(q, row_scale (rows, 1), qt)`` where ``qt`` (cols, rows)
+    is ``x`` cast with ``col_scale`` (1, cols) and stored transposed."""
+    _check(x, fp8_dtype)
+    m, n = x.shape
+    q = torch.empty((m, n), dtype=torch.uint8, device=x.device)
+    qt = torch.empty((n, m), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    _launch_axes(x, fp8_dtype, power_of_2, q, scale, col_scale, qt, DUAL_TILE)
+    return q.view(fp8_dtype), scale, qt.view(fp8_dtype)
+
+
+@triton_op("lowprec::cast_cols_t", mutates_args=())
+def cast_cols_t(x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast with per-column scales (1, cols), stored transposed: (cols, rows), one pass."""
+    _check(x, fp8_dtype)
+    m, n = x.shape
+    qt = torch.empty((n, m), dtype=torch.uint8, device=x.device)
+    _launch_axes(x, fp8_dtype, False, None, None, col_scale, qt, DUAL_TILE)
+    return qt.view(fp8_dtype)
+
+
+@triton_op("lowprec::recast_if_changed", mutates_args={"q", "qt"})
+def recast_if_changed(
+    x: torch.Tensor, scale_used: torch.Tensor, scale_cast: torch.Tensor, q: torch.Tensor, qt: torch.Tensor
+) -> None:
+    """Re-cast ``x`` into ``q`` and ``qt`` (its transpose) with ``scale_used`` when it differs
+    from ``scale_cast``, the scale they hold; a no-op kernel otherwise (no read of ``x``)."""
+    _check(x, q.dtype)
+    if x.device.type == "meta":
+        return
+    m, n = x.shape
+    bm, bn, warps = TILE
+    wrap_triton(recast_if_changed_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        x, scale_used, scale_cast, q.view(torch.uint8), qt.view(torch.uint8), m, n, x.stride(0), x.stride(1),
+        FP8_MAX=fp8_max(q.dtype), E4M3=q.dtype == torch.float8_e4m3fn, SOFT_CAST=interpreting(),
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
     )
-    return q.view(fp8_dtype), scale
+
+
+@triton_op("lowprec::delayed_scale_update", mutates_args={"history", "scale"})
+def delayed_scale_update(
+    history: torch.Tensor, scale: torch.Tensor, step: torch.Tensor, amax_now: torch.Tensor, fp8_dtype: torch.dtype,
+    margin: int, power_of_2: bool, interval: int, algo_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``delayed_scale_step`` in one kernel, updating ``history`` and ``scale`` in place;
+    returns ``(scale to use now, scale before the update)``."""
+    used = torch.empty((), dtype=torch.float32, device=history.device)
+    old = torch.empty((), dtype=torch.float32, device=history.device)
+    if history.device.type == "meta":
+        return used, old
+    n = history.numel()
+    wrap_triton(delayed_scale_kernel)[(1,)](
+        history, scale, step, amax_now, used, old, n,
+        FP8_MAX=fp8_max(fp8_dtype), EPS_BITS=_EPS_BITS, MARGIN=margin, POW2=power_of_2,
+        INTERVAL=interval, ALGO_MAX=algo_max, BLOCK=triton.next_power_of_2(n), num_warps=4,
+    )
+    return used, old

@@ -13,7 +13,9 @@ import torch
 from lowprec.fp8.quantize import saturated_cast
 from lowprec.fp8.scaling import amax, amax_along, amax_to_scale
 
-__all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise"]
+
+__all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t", "recast_if_changed",
+           "delayed_scale_update"]
 
 
 def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,3 +38,51 @@ def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = Tru
     returns ``(q, scale)`` with scale of shape ``(rows, 1)``."""
     scale = amax_to_scale(amax_along(x, 1), fp8_dtype, power_of_2=power_of_2)
     return saturated_cast(x.to(torch.float32) * scale, fp8_dtype), scale
+
+
+def amax_cols(x: torch.Tensor) -> torch.Tensor:
+    """Per-column ``max |x|``: ``amax_along(x, 0)``, shape ``(1, cols)``."""
+    return amax_along(x, 0)
+
+
+def cast_cols_t(x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast with per-column scales ``(1, cols)``, as a contiguous ``(cols, rows)`` tensor."""
+    return saturated_cast(x.to(torch.float32) * col_scale, fp8_dtype).t().contiguous()
+
+
+def cast_rowwise_dual(
+    x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cast_rowwise` and :func:`cast_cols_t` together: ``(q, row_scale, qt)``."""
+    q, scale = cast_rowwise(x, fp8_dtype, power_of_2)
+    return q, scale, cast_cols_t(x, col_scale, fp8_dtype)
+
+
+def recast_if_changed(
+    x: torch.Tensor, scale_used: torch.Tensor, scale_cast: torch.Tensor, q: torch.Tensor, qt: torch.Tensor
+) -> None:
+    """Where ``scale_used != scale_cast`` (NaN included), overwrite ``q`` and ``qt`` (its
+    contiguous transpose) with ``x`` cast at ``scale_used``; else leave them (in place)."""
+    redo = scale_used != scale_cast
+    new = saturated_cast(x.to(torch.float32) * scale_used, q.dtype).view(torch.uint8)
+    q.view(torch.uint8).copy_(torch.where(redo, new, q.view(torch.uint8)))
+    qt.view(torch.uint8).copy_(torch.where(redo, new.t(), qt.view(torch.uint8)))
+
+
+def delayed_scale_update(
+    history: torch.Tensor, scale: torch.Tensor, step: torch.Tensor, amax_now: torch.Tensor, fp8_dtype: torch.dtype,
+    margin: int, power_of_2: bool, interval: int, algo_max: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Float8Linear``'s ``delayed_scale_step`` with the state written back in place; returns
+    ``(scale to use now, scale before the update)`` (the definition the kernel must match)."""
+    from types import SimpleNamespace
+
+    from lowprec.fp8.linear import delayed_scale_step
+
+    recipe = SimpleNamespace(power_of_2_scales=power_of_2, margin=margin, interval=interval,
+                             amax_compute_algo="max" if algo_max else "most_recent")
+    old = scale.clone()
+    used, new_hist, new_scale = delayed_scale_step(history, scale, step, amax_now, fp8_dtype, recipe)
+    history.copy_(new_hist)
+    scale.copy_(new_scale)
+    return used, old

@@ -1,12 +1,12 @@
 """Run-time choice between the Triton kernels and the torch path.
 
-The Triton path runs only on CUDA tensors, only when ``triton`` can be imported, only when
-``LOWPREC_TRITON_KERNELS=1`` asks for it, and never when ``LOWPREC_DISABLE_TRITON=1``.
-
-Opt-in for now: the kernels are bit-exact against the torch path in Triton's interpreter and
-compile to sm_90 cubins, but have not yet run on a GPU (no GPU was lent when they were
-written). The default flips once ``pytest -m gpu tests/test_fp8_kernels_gpu.py`` has passed
-on an H100/H200 (issue 6). Nothing here imports triton: ``importlib.util.find_spec``
+The Triton path runs only on CUDA tensors, only when ``triton`` can be imported, never when
+``LOWPREC_DISABLE_TRITON=1`` (or ``LOWPREC_TRITON_KERNELS=0``), and only on a device where the
+one-time self-check against the torch path passed (:mod:`lowprec.fp8.kernels.selfcheck`; a
+failure is logged once and the torch path runs). On by default (issue 9): the kernels are
+bit-exact against the torch path in Triton's interpreter (CI) and compile to sm_89/sm_90
+cubins (CI); the self-check covers the hardware neither of those runs. Inside
+``fp8.trace_as`` the trace decides instead. Nothing here imports triton: ``importlib.util.find_spec``
 answers whether it *could* be imported, so ``import lowprec.fp8`` stays torch-only and works
 where triton is absent (CPU CI).
 
@@ -51,16 +51,27 @@ def disabled_by_env() -> bool:
 
 
 def enabled_by_env() -> bool:
-    """``LOWPREC_TRITON_KERNELS=1`` opts in to the fused Triton casts on CUDA."""
-    return os.environ.get(ENABLE_ENV, "").strip().lower() in _TRUE
+    """False only when ``LOWPREC_TRITON_KERNELS`` is set to 0/false/no/off (the kernels are on
+    by default; the variable was the opt-in before they were)."""
+    return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def available(device: torch.device | str) -> bool:
-    """True where the fused Triton casts run: a CUDA device, triton importable, asked for with
-    ``LOWPREC_TRITON_KERNELS=1``, not disabled.
+    """True where the fused Triton casts run: a CUDA device, triton importable, not disabled,
+    and the device's self-check passed.
 
     CPU tensors always take the torch path (the Triton interpreter is for tests only).
     """
-    if torch.device(device).type != "cuda":
+    from lowprec.fp8.capability import is_cuda, triton_override
+
+    if not is_cuda(torch.device(device)):
         return False
-    return triton_importable() and enabled_by_env() and not disabled_by_env()
+
+    traced = triton_override()  # fp8.trace_as(triton=...) decides for a trace
+    if traced is not None:
+        return traced
+    if not (triton_importable() and enabled_by_env() and not disabled_by_env()):
+        return False
+    from lowprec.fp8.kernels import selfcheck
+
+    return selfcheck.passed(torch.device(device))
