@@ -200,10 +200,19 @@ def quantize_blockwise(
     r, c = x.shape
     br, bc = block
     pr, pc = (-r) % br, (-c) % bc
-    xp = torch.nn.functional.pad(x.detach(), (0, pc, 0, pr)) if (pr or pc) else x
-    scale = amax_to_scale(block_amax(xp, block), dtype, power_of_2=power_of_2)
+    if pr or pc:  # ragged: zero-pad for the amax, expand the scales to the ragged shape
+        xp = torch.nn.functional.pad(x.detach(), (0, pc, 0, pr))
+        scale = amax_to_scale(block_amax(xp, block), dtype, power_of_2=power_of_2)
+        x32, owned = _as_fp32(x)
+        data = _saturate_(_scaled(x32, owned, expand_blocks(scale, block, x.shape)), dtype, may_hold_inf=False)
+        return Float8Data(data, scale, "block", (br, bc), power_of_2)
+    # whole tiles: the scales broadcast over a tiled view, never expanded to x's size
     x32, owned = _as_fp32(x)
-    data = _saturate_(_scaled(x32, owned, expand_blocks(scale, block, x.shape)), dtype, may_hold_inf=False)
+    scale = amax_to_scale(block_amax(x32, block), dtype, power_of_2=power_of_2)
+    tiles = x32.reshape(r // br, br, c // bc, bc)
+    tile_scale = scale.reshape(r // br, 1, c // bc, 1)
+    scaled = tiles.mul_(tile_scale) if owned else tiles * tile_scale
+    data = _saturate_(scaled.reshape(r, c), dtype, may_hold_inf=False)
     return Float8Data(data, scale, "block", (br, bc), power_of_2)
 
 
