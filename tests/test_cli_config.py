@@ -113,7 +113,10 @@ def test_flags_round_trip_through_config_file(seed, tmp_path, capsys):
     rng = random.Random(seed)
     backend = rng.choice(["native", "TE", "torchao", "auto", "msamp"])
     flags = ["--mixed_precision", "fp8", "--num_processes", str(rng.randint(1, 4)), "--fp8_backend", backend]
-    # only fields the backend reads (launch rejects the others, see FP8_FIELDS_READ)
+    # only fields the backend and its recipe read (launch rejects the others: each backend's
+    # SPEC.reads, lowprec.catalog's RecipeInfo.reads)
+    if backend in ("native", "auto"):
+        flags += ["--fp8_recipe", "delayed"]
     if backend in ("native", "TE", "auto"):
         flags += ["--fp8_amax_history_len", str(rng.randint(1, 4096)),
                   "--fp8_amax_compute_algo", rng.choice(V.AMAX_COMPUTE_ALGOS),

@@ -9,7 +9,6 @@ dataloaders. Objects may be prepared in any mix and order, over several calls.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import inspect
 import logging
@@ -21,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lowprec.backends import PrepareContext, remap_optimizer_params, select_backend
-from lowprec.backends.base import Backend, named_params
+from lowprec.backends.base import Backend, PrepareContext, named_params, remap_optimizer_params
+from lowprec.backends.registry import FP8Settings, resolve_fp8_settings, select_backend
 from lowprec.kwargs import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -34,6 +33,7 @@ from lowprec.kwargs import (
     env_get,
     env_int,
 )
+from lowprec.errors import did_you_mean
 from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_clip, deepspeed_initialize
@@ -55,9 +55,6 @@ class FP8BackendType(str, Enum):
     AO = "AO"
     TE = "TE"
     MSAMP = "MSAMP"
-
-
-_BACKEND_ENUM = {"native": FP8BackendType.NATIVE, "torchao": FP8BackendType.AO, "te": FP8BackendType.TE, "msamp": FP8BackendType.MSAMP}
 
 
 def _is_scheduler(obj: Any) -> bool:
@@ -93,8 +90,7 @@ class Accelerator:
         if kwargs:
             known = list(inspect.signature(Accelerator.__init__).parameters) + ["kwarg_handlers"]
             bad = next(iter(kwargs))
-            near = difflib.get_close_matches(bad, known, n=1)
-            raise TypeError(f"Accelerator() got an unexpected argument {bad!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+            raise TypeError(f"Accelerator() got an unexpected argument {bad!r}{did_you_mean(bad, known)}")
         if split_batches:
             raise ValueError("split_batches=True is not supported; give each process its own batch size")
         self.handlers = self._sort_handlers(handlers)
@@ -119,8 +115,10 @@ class Accelerator:
                 "--mixed_precision fp8, or ACCELERATE_MIXED_PRECISION=fp8) or drop the recipe"
             )
         self.backend: Optional[Backend] = None
+        self.fp8_settings: Optional[FP8Settings] = None
         if self.state.mixed_precision == "fp8":
-            self.backend = select_backend(recipe_handler)
+            self.fp8_settings = resolve_fp8_settings(recipe_handler)  # the one FP8 resolver
+            self.backend = select_backend(self.fp8_settings)
             self.state._decide("fp8_backend", Decision(self.backend.engine, self.backend.reason))
         elif recipe_handler is not None:
             logger.warning("lowprec: FP8 recipe ignored: %s", self.state.decisions["fp8_hardware"].reason)
@@ -201,7 +199,11 @@ class Accelerator:
 
     @property
     def fp8_backend(self) -> FP8BackendType:
-        return FP8BackendType.NO if self.backend is None else _BACKEND_ENUM[self.backend.name]
+        if self.backend is None:
+            return FP8BackendType.NO
+        from lowprec.backends.spec import get_spec
+
+        return FP8BackendType(get_spec(self.backend.name).env_value)
 
     @property
     def fp8_backend_info(self) -> dict:
@@ -342,7 +344,7 @@ class Accelerator:
             if id(opt) in self._optimizer_models:
                 continue
             owner = self._owner(opt.optimizer)
-            if owner is None and self.backend is not None and self.backend.name == "msamp":
+            if owner is None and self.backend is not None and self.backend.needs_model_for_optimizer:
                 continue  # wait for the model (a later prepare call)
             self._optimizer_models[id(opt)] = owner
             if self.backend is None:

@@ -13,7 +13,7 @@ import argparse
 from typing import Any, Callable
 
 from lowprec.config import values as V
-from lowprec.config.env import UNREAD_FIELDS, LaunchSettings, fp8_fields_unread, fp8_readers
+from lowprec.config.env import FP8_FIELDS, UNREAD_FIELDS, LaunchSettings, check_fp8_fields
 from lowprec.errors import UsageError, did_you_mean
 
 __all__ = ["LowprecArgumentParser", "add_settings_flags", "settings_from_args", "check_cli_flags_apply"]
@@ -163,10 +163,5 @@ def check_cli_flags_apply(cli: dict[str, Any], settings: LaunchSettings) -> None
     if unread:
         raise UsageError(f"{', '.join(unread)}: no effect in lowprec (nothing reads it); drop it")
     if settings.fp8:
-        backend = settings.fp8_backend or "native"
-        for name in fp8_fields_unread(settings.fp8_backend, cli):
-            readers = ", ".join(fp8_readers(name))
-            raise UsageError(
-                f"--{name}: the {backend} FP8 backend does not read it (read by: {readers}); "
-                "drop it or pick --fp8_backend accordingly"
-            )
+        fp8_cli = {k: v for k, v in cli.items() if k in FP8_FIELDS}
+        check_fp8_fields(settings.fp8_backend, settings.fp8_recipe, fp8_cli, lambda k: f"--{k}")

@@ -9,9 +9,10 @@ Pure functions, no torch: the launcher must start fast.
 from __future__ import annotations
 
 import ast
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from lowprec.catalog import FIELD_MINIMUMS, MXFP8_UNSUPPORTED, RECIPE_NAMES
 from lowprec.errors import did_you_mean
 
 __all__ = [
@@ -36,26 +37,12 @@ __all__ = [
     "parse_fp8_fallback",
     "parse_dynamo_backend",
     "parse_override_linear_precision",
+    "parse_recipe_int",
     "format_bool",
 ]
 
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
-# Canonical backend names are lower case here and upper case in ACCELERATE_FP8_BACKEND
-# (Accelerate's FP8BackendType values are TE/MSAMP/AO; lower case crashed its child
-# processes, reference §3.4 bug 1). "native" is lowprec's own engine; "auto" picks one.
-FP8_BACKENDS = ("native", "te", "msamp", "ao", "auto")
-_BACKEND_ALIASES = {
-    "torchao": "ao",
-    "transformer_engine": "te",
-    "transformerengine": "te",
-    "transformer-engine": "te",
-    "ms-amp": "msamp",
-    "ms_amp": "msamp",
-    "lowprec": "native",
-}
-# Must equal lowprec.fp8.recipes.RECIPE_NAMES (a test checks it); repeated here so that the
-# launcher does not import torch.
-FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
+FP8_RECIPES = RECIPE_NAMES  # lowprec.catalog: the one torch-free table of recipes
 FP8_FORMATS = ("HYBRID", "E4M3", "E5M2")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 OPT_LEVELS = ("O1", "O2")
@@ -127,13 +114,40 @@ def parse_mixed_precision(value: Any) -> str:
     return choice(_no(value), MIXED_PRECISIONS)
 
 
+def __getattr__(name: str) -> Any:
+    if name == "FP8_BACKENDS":  # generated from the backend declarations (lowprec.backends.spec)
+        from lowprec.backends.spec import AUTO, specs
+
+        return (*(s.env_value.lower() for s in specs()), AUTO)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def parse_fp8_backend(value: Any) -> str:
+    """Any spelling of a backend -> the lower-case ``ACCELERATE_FP8_BACKEND`` value that
+    ``lowprec launch`` stores (``torchao`` -> ``ao``, as Accelerate's FP8BackendType);
+    ``auto`` stays ``auto``."""
+    from lowprec.backends.spec import AUTO, spelling_table
+
     key = str(value).strip().lower()
-    return _BACKEND_ALIASES.get(key, None) or choice(key, FP8_BACKENDS)
+    table = spelling_table()
+    if key == AUTO:
+        return AUTO
+    if key not in table:
+        names = (*(s.env_value.lower() for s in table.values()), AUTO)
+        raise ValueError(f"{str(value).strip()!r} is not valid{did_you_mean(key, table)}; "
+                         f"choose one of {', '.join(dict.fromkeys(names))}")
+    return table[key].env_value.lower()
 
 
 def parse_fp8_recipe(value: Any) -> str:
+    if str(value).strip().lower().replace("-", "_") in ("mxfp8", "mx_fp8"):
+        raise ValueError(MXFP8_UNSUPPORTED)
     return choice(value, FP8_RECIPES)
+
+
+def parse_recipe_int(name: str) -> Callable[[Any], int]:
+    """The parser of an integer recipe field with its one minimum (lowprec.catalog)."""
+    return lambda value: parse_int(value, minimum=FIELD_MINIMUMS[name])
 
 
 def parse_fp8_format(value: Any) -> str:
