@@ -203,7 +203,9 @@ class Accelerator:
             return FP8BackendType.NO
         from lowprec.backends.spec import get_spec
 
-        return FP8BackendType(get_spec(self.backend.name).env_value)
+        value = get_spec(self.backend.name).env_value
+        # a backend registered beyond Accelerate's enum (a plug-in) reports its plain string
+        return FP8BackendType(value) if value in FP8BackendType.__members__ else value
 
     @property
     def fp8_backend_info(self) -> dict:

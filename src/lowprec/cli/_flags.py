@@ -97,7 +97,7 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
     fp8 = parser.add_argument_group("FP8 (need --mixed_precision fp8)")
     _add(fp8, "fp8_backend", type=_argtype(V.parse_fp8_backend), metavar="BACKEND",
-         help="native (lowprec's engine), te, ao/torchao, msamp or auto; any case")
+         help=f"{', '.join(V.FP8_BACKENDS)} (any case; `lowprec env` lists what runs each)")
     _add(fp8, "fp8_recipe", type=_argtype(V.parse_fp8_recipe), metavar="RECIPE",
          help=f"native recipe: {', '.join(V.FP8_RECIPES)}")
     _add(fp8, "fp8_fallback", type=_argtype(V.parse_fp8_fallback), metavar="{bf16,emulate}",
