@@ -46,6 +46,14 @@ class FP8Settings:
     def spec(self) -> BackendSpec:
         return get_spec(self.backend.value)
 
+    def values(self) -> dict[str, Any]:
+        """What the settings mean, without the reasons: equal for the same request made through
+        any entry point (Accelerator kwargs, environment, launch flags or YAML, trainer YAML)."""
+        recipe = self.spec.native_recipe(self.handler) if self.spec.native_recipe is not None else None
+        return {"backend": self.backend.value, "recipe": None if recipe is None else recipe.to_dict(),
+                "use_during_eval": self.use_during_eval.value, "opt_level": self.opt_level.value,
+                "fsdp_float8_all_gather": self.fsdp_float8_all_gather.value}
+
     def decisions(self) -> dict[str, Decision]:
         return {"fp8_backend_requested": self.backend, "fp8_use_during_eval": self.use_during_eval,
                 "fp8_opt_level": self.opt_level, "fp8_fsdp_float8_all_gather": self.fsdp_float8_all_gather}

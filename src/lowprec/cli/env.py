@@ -22,7 +22,7 @@ from typing import Any, Callable
 from lowprec import __version__
 from lowprec.config.env import owned_env_var
 
-__all__ = ["NAME", "HELP", "add_parser", "run", "collect", "OPTIONAL_PACKAGES"]
+__all__ = ["NAME", "HELP", "add_parser", "run", "collect", "OPTIONAL_PACKAGES"]  # noqa: F822 - module __getattr__
 
 NAME = "env"
 HELP = "print versions, devices, FP8 support and installed backends"
@@ -169,7 +169,7 @@ def _format(info: dict[str, Any]) -> str:
         lines.append(f"    {name}: {version or 'not installed'}")
     lines.append("- FP8 backends (--fp8_backend):")
     backends = info.get("fp8_backends")
-    for name, b in (backends.items() if isinstance(backends, dict) else ()):
+    for b in (backends.values() if isinstance(backends, dict) else ()):
         lines.append(f"    {b['fp8_backend']}: {b['kwargs']}, runs on {b['runs']}")
     state = "present" if info.get("default_config_exists") is True else "not present"
     lines.append(f"- default config: {info['default_config']} ({state})")

@@ -19,6 +19,7 @@ line naming the key and the fix. ``auto`` values are resolved later, once, by
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -493,7 +494,14 @@ def load_config(path: Optional[str | os.PathLike], overrides: Optional[dict[str,
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a mapping of keys to values at the top level, got {type(data).__name__}")
         data = _relative_to(p.parent, data)
-    for key, value in (overrides or {}).items():
+    overrides = dict(overrides or {})
+    recipe_overridden = any(k == "fp8_recipe" or k.startswith("fp8_recipe.") for k in overrides)
+    if "fp8_recipe" in data and not overrides.get("fp8", True) and not recipe_overridden:
+        # `--fp8 false` on an FP8 config: the file's recipe no longer applies; say so (not an
+        # error: the flag, not the file, turned FP8 off)
+        data = {k: v for k, v in data.items() if k != "fp8_recipe"}
+        logging.getLogger("lowprec").info("lowprec: fp8_recipe in %s is not used: fp8 is false", source)
+    for key, value in overrides.items():
         _set_dotted(data, key, value)
     return parse_config(data, source)
 

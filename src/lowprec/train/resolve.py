@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
