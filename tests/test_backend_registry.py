@@ -132,3 +132,8 @@ def test_launcher_reads_declarations_without_torch():
             "specs(); V.FP8_BACKENDS; assert 'torch' not in sys.modules, 'torch imported'")
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_docs_table_is_generated_from_the_declarations():
+    with open(os.path.join(ROOT, "docs", "backends.md")) as f:
+        assert f.read() == S.docs_page(), "stale: python -m lowprec.backends.spec > docs/backends.md"

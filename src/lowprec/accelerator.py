@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from lowprec.backends.base import Backend, PrepareContext, named_params, remap_optimizer_params
 from lowprec.backends.registry import FP8Settings, resolve_fp8_settings, select_backend
+from lowprec.backends.spec import get_spec
 from lowprec.kwargs import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -108,20 +109,7 @@ class Accelerator:
             deepspeed_plugin=deepspeed_plugin,
             init_kwargs=self.handlers.get(InitProcessGroupKwargs),
         )
-        if recipe_handler is not None and self.state.requested_mixed_precision != "fp8":
-            raise ValueError(
-                f"{type(recipe_handler).__name__} was passed but mixed_precision="
-                f"{self.state.requested_mixed_precision!r}; set mixed_precision='fp8' (argument, "
-                "--mixed_precision fp8, or ACCELERATE_MIXED_PRECISION=fp8) or drop the recipe"
-            )
-        self.backend: Optional[Backend] = None
-        self.fp8_settings: Optional[FP8Settings] = None
-        if self.state.mixed_precision == "fp8":
-            self.fp8_settings = resolve_fp8_settings(recipe_handler)  # the one FP8 resolver
-            self.backend = select_backend(self.fp8_settings)
-            self.state._decide("fp8_backend", Decision(self.backend.engine, self.backend.reason))
-        elif recipe_handler is not None:
-            logger.warning("lowprec: FP8 recipe ignored: %s", self.state.decisions["fp8_hardware"].reason)
+        self.fp8_settings, self.backend = self._resolve_fp8(recipe_handler)
 
         # The argument wins; the launcher's variable fills in only when the script left the
         # default of 1 (Accelerate's rule, so `launch --gradient_accumulation_steps` still works).
@@ -155,6 +143,23 @@ class Accelerator:
         self._ds_engine: Any = None
 
     # ------------------------------------------------------------------ construction helpers
+    def _resolve_fp8(self, recipe_handler: Optional[RecipeKwargs]) -> tuple[Optional[FP8Settings], Optional[Backend]]:
+        """The FP8 settings (the one resolver) and the backend they name, or ``(None, None)``."""
+        if recipe_handler is not None and self.state.requested_mixed_precision != "fp8":
+            raise ValueError(
+                f"{type(recipe_handler).__name__} was passed but mixed_precision="
+                f"{self.state.requested_mixed_precision!r}; set mixed_precision='fp8' (argument, "
+                "--mixed_precision fp8, or ACCELERATE_MIXED_PRECISION=fp8) or drop the recipe"
+            )
+        if self.state.mixed_precision != "fp8":
+            if recipe_handler is not None:
+                logger.warning("lowprec: FP8 recipe ignored: %s", self.state.decisions["fp8_hardware"].reason)
+            return None, None
+        settings = resolve_fp8_settings(recipe_handler)
+        backend = select_backend(settings)
+        self.state._decide("fp8_backend", Decision(backend.engine, backend.reason))
+        return settings, backend
+
     @staticmethod
     def _sort_handlers(handlers: list) -> dict:
         out: dict = {}
@@ -199,12 +204,8 @@ class Accelerator:
 
     @property
     def fp8_backend(self) -> FP8BackendType:
-        if self.backend is None:
-            return FP8BackendType.NO
-        from lowprec.backends.spec import get_spec
-
-        value = get_spec(self.backend.name).env_value
-        # a backend registered beyond Accelerate's enum (a plug-in) reports its plain string
+        # the declaration's ACCELERATE_FP8_BACKEND spelling; a plug-in beyond the enum: its string
+        value = "NO" if self.backend is None else get_spec(self.backend.name).env_value
         return FP8BackendType(value) if value in FP8BackendType.__members__ else value
 
     @property

@@ -5,18 +5,9 @@ schema and the engine (:class:`lowprec.fp8.Recipe`) all read the same names, pre
 messages. Adding a recipe means one :class:`RecipeInfo` row here plus its GEMM plan in
 ``lowprec/fp8/recipes.py`` (and its test).
 
-Each recipe is a scaling *kind* (where the scale comes from) at a *granularity* (how many
-elements share one scale):
-
-================== =========== =========== ================= ===================================
-name               kind        granularity formats           notes
-================== =========== =========== ================= ===================================
-delayed            delayed     tensor      HYBRID            scale from an amax history (TE)
-tensorwise         dynamic     tensor      HYBRID            scale from this tensor's amax
-rowwise            dynamic     axis        E4M3              power-of-two scales (torchao)
-rowwise_with_gw_hp dynamic     axis        E4M3              weight-gradient GEMM in high prec.
-blockwise          dynamic     block       E4M3              1x128 / 128x128 tiles (DeepSeek-V3)
-================== =========== =========== ================= ===================================
+Each recipe is a scaling *kind* (where the scale comes from: an amax history or the tensor
+itself) at a *granularity* (how many elements share one scale: tensor, row, block); the table
+of them is generated into ``docs/backends.md`` (:func:`recipes_markdown`).
 
 MXFP8 (1x32 blocks with E8M0 scales) is not implemented: every entry point rejects it with
 :data:`MXFP8_UNSUPPORTED`.
@@ -44,6 +35,7 @@ __all__ = [
     "FSDP_FP8_ALL_GATHER_UNSUPPORTED",
     "recipe_info",
     "unread_recipe_fields",
+    "recipes_markdown",
 ]
 
 
@@ -180,3 +172,12 @@ def unread_recipe_fields(name: str, fields: Iterable[str]) -> list[str]:
     """Which of ``fields`` (engine field names) the recipe ``name`` never reads."""
     reads = set(recipe_info(name).reads)
     return sorted(f for f in fields if f in SCALING_FIELDS and f not in reads)
+
+
+def recipes_markdown() -> str:
+    """The docs table of recipes, generated from :data:`RECIPES`."""
+    rows = ["| recipe | scaling kind | granularity | reads | meaning |", "| --- | --- | --- | --- | --- |"]
+    for r in RECIPES.values():
+        reads = ", ".join(r.reads) or "-"
+        rows.append(f"| {r.name} | {r.kind.value} | {r.granularity.value} | {reads} | {r.summary} |")
+    return "\n".join(rows)

@@ -29,6 +29,7 @@ __all__ = [
     "lookup",
     "spelling_table",
     "backends_markdown",
+    "docs_page",
     "RECIPE_SETTINGS",
     "handler_field",
     "recipe_field",
@@ -166,3 +167,26 @@ def backends_markdown() -> str:
             f"{s.kwargs_class.__name__} | {', '.join(s.reads) or '-'} |"
         )
     return "\n".join(rows)
+
+
+def docs_page() -> str:
+    """``docs/backends.md``: regenerate with ``python -m lowprec.backends.spec > docs/backends.md``."""
+    from lowprec.catalog import MXFP8_UNSUPPORTED, recipes_markdown
+
+    return (
+        "# FP8 backends and recipes\n\n"
+        "Generated from the declarations (`SPEC` in `src/lowprec/backends/<name>.py`, `RECIPES` in\n"
+        "`src/lowprec/catalog.py`) by `python -m lowprec.backends.spec > docs/backends.md`; a test keeps\n"
+        "it current. `reads` lists the launch settings (flags `--<name>`, `fp8_config:` keys without the\n"
+        "`fp8_` prefix, `ACCELERATE_FP8_*` variables) each backend uses; any other is an error at launch.\n\n"
+        "## Backends\n\n" + backends_markdown() + "\n\n"
+        "## Recipes (the native engine)\n\n"
+        "`reads`: the scaling fields the recipe uses besides `fp8_format`, `override_linear_precision`\n"
+        "and `use_during_eval`; setting another one is an error in launch and the trainer's YAML and\n"
+        "one warning in the Python API.\n\n" + recipes_markdown() + "\n\n"
+        f"MXFP8: {MXFP8_UNSUPPORTED}.\n"
+    )
+
+
+if __name__ == "__main__":
+    print(docs_page(), end="")
