@@ -78,16 +78,19 @@ RECIPE_FIELDS = (*FIELD_DEFAULTS, "scaling", "power_of_2_scales", "dgrad_weight_
 FIELD_MINIMUMS: Mapping[str, int] = MappingProxyType({"amax_history_len": 1, "interval": 1, "margin": 0})
 
 
-def check_int_field(name: str, value: Any) -> int:
-    """``value`` as an integer within its field's range; ``ValueError`` naming the field."""
+def check_int_field(name: str, value: Any, convert: bool = True) -> int:
+    """``value`` as an integer within its field's range; ``ValueError`` naming the field.
+    ``convert=False`` (the engine's dataclass) takes ints only, not ``"3"``."""
     minimum = FIELD_MINIMUMS[name]
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or (not convert and not isinstance(value, int)):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if not isinstance(value, int):
         try:
             value = int(str(value).strip())
         except ValueError:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
     if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ValueError(f"{value} is too small; {name} must be an integer >= {minimum}")
     return value
 
 

@@ -124,25 +124,11 @@ class NativeOptLevelBackend(NativeBackend):
                 "which DeepSpeed ZeRO steps on its partitions), DDP instead of DeepSpeed for O1, "
                 "or TERecipeKwargs for FP8 GEMMs without an opt level"
             )
-        import torch
+        from lowprec.optim import to_fp8_adamw
+        from lowprec.optim.opt_level import check_o2_optimizer
 
-        from lowprec.optim import FP8AdamW, to_fp8_adamw
-
-        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, FP8AdamW)):
-            raise ValueError(
-                f"MSAMPRecipeKwargs(opt_level='O2') under DeepSpeed needs torch.optim.Adam or "
-                f"torch.optim.AdamW (it becomes lowprec.optim.FP8AdamW), got "
-                f"{type(optimizer).__name__}; use one of those, or TERecipeKwargs for FP8 GEMMs "
-                f"without an opt level"
-            )
-        for group in optimizer.param_groups:
-            for flag in ("amsgrad", "maximize"):
-                if group.get(flag):
-                    raise ValueError(
-                        f"MSAMPRecipeKwargs(opt_level='O2') does not support "
-                        f"{type(optimizer).__name__}({flag}=True); set {flag}=False, or use "
-                        f"TERecipeKwargs for FP8 GEMMs without an opt level"
-                    )
+        check_o2_optimizer(optimizer, "MSAMPRecipeKwargs(opt_level='O2') under DeepSpeed",
+                           "TERecipeKwargs for FP8 GEMMs without an opt level")
         optimizer = to_fp8_adamw(optimizer)
         self.applied = True
         self.deepspeed = True

@@ -103,10 +103,10 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     _add(fp8, "fp8_fallback", type=_argtype(V.parse_fp8_fallback), metavar="{bf16,emulate}",
          help="where the device has no FP8 GEMMs: train in bf16, or emulate the FP8 GEMMs")
     _add(fp8, "fp8_format", type=_argtype(V.parse_fp8_format), metavar="{HYBRID,E4M3,E5M2}")
-    _add(fp8, "fp8_amax_history_len", type=_int(1), metavar="N")
+    _add(fp8, "fp8_amax_history_len", type=_argtype(V.parse_recipe_int("amax_history_len"), "int"), metavar="N")
     _add(fp8, "fp8_amax_compute_algo", type=_argtype(V.parse_amax_compute_algo), metavar="{max,most_recent}")
-    _add(fp8, "fp8_margin", type=_int(0), metavar="N")
-    _add(fp8, "fp8_interval", type=_int(1), metavar="N")
+    _add(fp8, "fp8_margin", type=_argtype(V.parse_recipe_int("margin"), "int"), metavar="N")
+    _add(fp8, "fp8_interval", type=_argtype(V.parse_recipe_int("interval"), "int"), metavar="N")
     _add(fp8, "fp8_override_linear_precision", type=_argtype(V.parse_override_linear_precision),
          metavar="FPROP,DGRAD,WGRAD", help='high-precision GEMMs, e.g. "false,false,true"')
     _add(fp8, "fp8_opt_level", type=_argtype(V.parse_opt_level), metavar="{O1,O2}")

@@ -82,9 +82,9 @@ class FP8Config(_Strict):
     recipe: Annotated[Optional[str], _opt(V.parse_fp8_recipe)] = None
     fallback: Annotated[Optional[str], _opt(V.parse_fp8_fallback)] = None
     fp8_format: Annotated[Optional[str], _opt(V.parse_fp8_format)] = None
-    margin: Annotated[Optional[int], _int_min(0)] = None
-    interval: Annotated[Optional[int], _int_min(1)] = None
-    amax_history_len: Annotated[Optional[int], _int_min(1)] = _alias(
+    margin: Annotated[Optional[int], _opt(V.parse_recipe_int("margin"))] = None
+    interval: Annotated[Optional[int], _opt(V.parse_recipe_int("interval"))] = None
+    amax_history_len: Annotated[Optional[int], _opt(V.parse_recipe_int("amax_history_len"))] = _alias(
         "amax_history_len", "amax_history_length"
     )
     amax_compute_algo: Annotated[Optional[str], _opt(V.parse_amax_compute_algo)] = _alias(

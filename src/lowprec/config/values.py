@@ -12,7 +12,7 @@ import ast
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lowprec.catalog import FIELD_MINIMUMS, MXFP8_UNSUPPORTED, RECIPE_NAMES
+from lowprec.catalog import MXFP8_UNSUPPORTED, RECIPE_NAMES, check_int_field
 from lowprec.errors import did_you_mean
 
 __all__ = [
@@ -147,7 +147,7 @@ def parse_fp8_recipe(value: Any) -> str:
 
 def parse_recipe_int(name: str) -> Callable[[Any], int]:
     """The parser of an integer recipe field with its one minimum (lowprec.catalog)."""
-    return lambda value: parse_int(value, minimum=FIELD_MINIMUMS[name])
+    return lambda value: check_int_field(name, value)
 
 
 def parse_fp8_format(value: Any) -> str:

@@ -134,9 +134,7 @@ class Recipe:
                 f"amax_compute_algo={self.amax_compute_algo!r}; use 'max' or 'most_recent'"
             )
         for name in FIELD_MINIMUMS:  # the catalog's one range check per field
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
-                raise ValueError(f"{name} must be an integer >= {FIELD_MINIMUMS[name]}, got {getattr(self, name)!r}")
-            check_int_field(name, getattr(self, name))
+            check_int_field(name, getattr(self, name), convert=False)
         if self.gemm not in GEMM_BACKENDS:
             raise ValueError(f"gemm={self.gemm!r}; use one of {GEMM_BACKENDS}")
         if self.block_size < 16 or self.block_size % 16:

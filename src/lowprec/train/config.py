@@ -231,19 +231,13 @@ class TrainConfig(_Strict):
     def _recipe(cls, v: Union[str, FP8RecipeSpec]) -> FP8RecipeSpec:
         return FP8RecipeSpec(name=v) if isinstance(v, str) else v
 
-    @field_validator("optimizer")
+    @field_validator("optimizer", "lr_scheduler")
     @classmethod
-    def _optimizer(cls, v: str) -> str:
-        v = {"adamw": "adamw_torch"}.get(v, v)
-        if v not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {v!r}{_hint(v, OPTIMIZERS)}; use one of {', '.join(OPTIMIZERS)}")
-        return v
-
-    @field_validator("lr_scheduler")
-    @classmethod
-    def _scheduler(cls, v: str) -> str:
-        if v not in LR_SCHEDULERS:
-            raise ValueError(f"unknown lr_scheduler {v!r}{_hint(v, LR_SCHEDULERS)}; use one of {', '.join(LR_SCHEDULERS)}")
+    def _named_choice(cls, v: str, info: Any) -> str:
+        choices = {"optimizer": OPTIMIZERS, "lr_scheduler": LR_SCHEDULERS}[info.field_name]
+        v = {"adamw": "adamw_torch"}.get(v, v) if info.field_name == "optimizer" else v
+        if v not in choices:
+            raise ValueError(f"unknown {info.field_name} {v!r}{_hint(v, choices)}; use one of {', '.join(choices)}")
         return v
 
     @field_validator("base_model")
