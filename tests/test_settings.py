@@ -73,6 +73,10 @@ def test_settings_are_frozen_and_carry_reasons(monkeypatch):
         s.backend = None  # type: ignore[misc]
     assert s.backend.value == "te" and "ACCELERATE_FP8_BACKEND" in s.backend.reason
     assert s.values()["recipe"]["amax_compute_algo"] == FIELD_DEFAULTS["amax_compute_algo"] == "most_recent"
+    monkeypatch.delenv("ACCELERATE_FP8_BACKEND")
+    monkeypatch.setenv("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "off")  # set, false: not refused
+    s = resolve_fp8_settings()
+    assert s.backend.value == "native" and s.backend.reason.startswith("auto")
 
 
 def test_one_default_for_amax_compute_algo():

@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 from lowprec.backends.base import Backend, log_once
 from lowprec.backends.spec import BackendSpec, get_spec, lookup, specs
 from lowprec.decision import Decision
-from lowprec.kwargs import FP8_PREFIX, FP8RecipeKwargs, RecipeKwargs, env_get, environ
+from lowprec.kwargs import FP8_PREFIX, FP8RecipeKwargs, RecipeKwargs, env_flag, env_get, environ
 
 __all__ = [
     "FP8Settings",
@@ -86,9 +86,9 @@ def resolve_fp8_settings(handler: Optional[RecipeKwargs] = None) -> FP8Settings:
     handler, why = default_handler(handler)
     spec = get_spec(handler.backend)
     unread = tuple(warn_unread_env(handler))
-    rejected = [f for f in spec.rejects if env_get(_env_names().get(f, "")) not in (None, "false", "0", "False")]
-    if rejected:
-        raise ValueError(spec.rejects[rejected[0]])
+    for setting, refusal in spec.rejects.items():  # e.g. native + ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER=true
+        if setting in _env_names() and env_flag(_env_names()[setting]):
+            raise ValueError(refusal)
     return FP8Settings(
         backend=Decision(spec.name, why),
         handler=handler,
