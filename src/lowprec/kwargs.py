@@ -1,12 +1,13 @@
 """Kwargs handlers: the Accelerate-named dataclasses a script passes in ``kwargs_handlers``.
 
-Every field resolves once, in ``__post_init__``, in this order: the explicit argument, then the
-``ACCELERATE_FP8_*`` environment variable, then the documented default. Unlike Accelerate
-(reference section 8, bug 10), ``to_kwargs()`` returns *every* resolved value, so the value a
-user reads in the docs is the value the backend receives, not the backend library's default.
+Every field resolves once, in ``__post_init__``: the explicit argument, then its environment
+variable, then the documented default. ``to_kwargs()`` returns *every* resolved value (unlike
+Accelerate, reference section 8, bug 10), so the value a user reads in the docs is the value the
+backend receives. The FP8 recipe handlers live in :mod:`lowprec.fp8_kwargs` and are importable
+from here too.
 
-All environment reading goes through :func:`environ` (one place, so the CLI's config module can
-later supply the mapping instead of ``os.environ``).
+All environment reading goes through :func:`environ` (one place; the launch variables are parsed
+by :func:`lowprec.config.env.read_env` over it).
 """
 
 from __future__ import annotations

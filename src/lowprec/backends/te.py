@@ -106,8 +106,12 @@ def native_recipe(handler: TERecipeKwargs) -> Any:
     """TE's DelayedScaling on lowprec's engine: the delayed recipe with every resolved field."""
     from lowprec.fp8.recipes import Recipe
 
-    if handler.fp8_format == "E5M2":
-        raise ValueError("fp8_format='E5M2' needs TransformerEngine; the native engine runs HYBRID or E4M3")
+    from lowprec.backends.spec import get_spec
+
+    engine_formats = get_spec("native").fp8_formats  # the rule lives in the declarations (E5M2: TE only)
+    if handler.fp8_format not in engine_formats:
+        raise ValueError(f"fp8_format={handler.fp8_format!r} needs TransformerEngine; the native engine runs "
+                         f"{' or '.join(engine_formats)}")
     if handler.use_mxfp8_block_scaling:
         raise ValueError(f"TERecipeKwargs(use_mxfp8_block_scaling=True) without TransformerEngine: {MXFP8_UNSUPPORTED}")
     return Recipe.from_name(
