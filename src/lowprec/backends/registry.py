@@ -75,9 +75,9 @@ def default_handler(handler: Optional[RecipeKwargs]) -> tuple[RecipeKwargs, str]
 def _field(handler: RecipeKwargs, name: str, default: Any, env: str) -> Decision:
     if not hasattr(handler, name):
         return Decision(default, f"{type(handler).__name__} has no {name}")
-    set_env = env_get(FP8_PREFIX + env) is not None
-    why = f"{type(handler).__name__}.{name}" + (f" (env {FP8_PREFIX + env} is set)" if set_env else "")
-    return Decision(getattr(handler, name), why)
+    # the handler resolved it: explicit argument > variable > the one default (lowprec.catalog)
+    source = f"env {FP8_PREFIX + env}" if env_get(FP8_PREFIX + env) is not None else "the default"
+    return Decision(getattr(handler, name), f"{type(handler).__name__}.{name}: the argument if given, else {source}")
 
 
 def resolve_fp8_settings(handler: Optional[RecipeKwargs] = None) -> FP8Settings:
