@@ -148,10 +148,12 @@ class NativeOptLevelBackend(NativeBackend):
 
 
 def native_recipe(handler: MSAMPRecipeKwargs) -> Any:
-    """MS-AMP's O1/O2 run on the delayed recipe."""
+    """MS-AMP's O1/O2 run on the delayed recipe. ``amax_compute_algo="max"`` is pinned: it is
+    what this fallback always ran (the recipe default became Accelerate's ``most_recent``,
+    docs/log/settings.md), and MSAMPRecipeKwargs has no field to choose it."""
     from lowprec.fp8.recipes import Recipe
 
-    return Recipe.from_name("delayed")
+    return Recipe.from_name("delayed", amax_compute_algo="max")
 
 
 def _create(handler: MSAMPRecipeKwargs, why: str) -> BaseBackend:
