@@ -134,7 +134,7 @@ def test_fp8_region_off_in_eval_unless_asked():
         model.eval()
         hits = []
         layer = next(m for m in model.modules() if isinstance(m, fp8.Float8Linear))
-        layer.register_forward_hook(lambda mod, i, o: hits.append(mod.recipe.use_during_eval and fp8.fp8_enabled()))
+        layer.register_forward_hook(lambda mod, i, o, hits=hits: hits.append(mod.recipe.use_during_eval and fp8.fp8_enabled()))
         model(torch.randn(4, 32))
         assert hits == [during_eval]
 

@@ -288,7 +288,7 @@ def test_msamp_native_calls_apply_opt_level(monkeypatch):
     monkeypatch.setitem(sys.modules, "lowprec.optim", optim_mod)
     acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[MSAMPRecipeKwargs(opt_level="O1")])
     model = mlp(32, 32, 32)
-    optimizer = acc.prepare(torch.optim.Adam(model.parameters()))  # optimizer first: waits for its model
+    acc.prepare(torch.optim.Adam(model.parameters()))  # optimizer first: waits for its model
     assert calls == []
     model = acc.prepare(model)
     assert calls == [("Sequential", "Adam", "O1", False)]  # .grad stays visible to clip_grad_norm_

@@ -101,8 +101,12 @@ def test_precedence_cli_over_yaml_over_defaults(tmp_path, capsys):
     assert env["ACCELERATE_FP8_AMAX_HISTORY_LEN"] == "16"  # YAML kept
     assert env["ACCELERATE_MIXED_PRECISION"] == "fp8"  # no CLI default overrides the YAML
     assert "ACCELERATE_FP8_INTERVAL" not in env  # default: not exported
-    env, _, _ = dry_run(["--config_file", cfg, "--fp8_backend", "native", "--mixed_precision", "fp8", SCRIPT], capsys)
+    # native + the YAML's delayed-scaling fields needs the delayed recipe (tensorwise reads no history)
+    env, _, _ = dry_run(["--config_file", cfg, "--fp8_backend", "native", "--fp8_recipe", "delayed",
+                         "--mixed_precision", "fp8", SCRIPT], capsys)
     assert env["ACCELERATE_FP8_BACKEND"] == "NATIVE"
+    err = usage_error(["launch", "--dry_run", "--config_file", cfg, "--fp8_backend", "native", SCRIPT], capsys)
+    assert "fp8_config.amax_history_len in" in err and "tensorwise recipe does not read it" in err, err
 
 
 def test_cli_mixed_precision_overrides_yaml_fp8_and_notes_it(tmp_path, capsys):

@@ -1,6 +1,5 @@
 """CUDA-only checks (run with `pytest -m gpu` on a GPU machine; skipped elsewhere)."""
 
-import contextlib
 
 import pytest
 import torch

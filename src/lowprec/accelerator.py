@@ -9,7 +9,6 @@ dataloaders. Objects may be prepared in any mix and order, over several calls.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import inspect
 import logging
@@ -21,8 +20,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lowprec.backends import PrepareContext, remap_optimizer_params, select_backend
-from lowprec.backends.base import Backend, named_params
+from lowprec.backends.base import Backend, PrepareContext, named_params, remap_optimizer_params
+from lowprec.backends.registry import FP8Settings, resolve_fp8_settings, select_backend
+from lowprec.backends.spec import get_spec
 from lowprec.kwargs import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -34,6 +34,7 @@ from lowprec.kwargs import (
     env_get,
     env_int,
 )
+from lowprec.errors import did_you_mean
 from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_clip, deepspeed_initialize
@@ -56,9 +57,6 @@ class FP8BackendType(str, Enum):
     AO = "AO"
     TE = "TE"
     MSAMP = "MSAMP"
-
-
-_BACKEND_ENUM = {"native": FP8BackendType.NATIVE, "torchao": FP8BackendType.AO, "te": FP8BackendType.TE, "msamp": FP8BackendType.MSAMP}
 
 
 def _is_scheduler(obj: Any) -> bool:
@@ -96,8 +94,7 @@ class Accelerator:
         if kwargs:
             known = list(inspect.signature(Accelerator.__init__).parameters) + ["kwarg_handlers"]
             bad = next(iter(kwargs))
-            near = difflib.get_close_matches(bad, known, n=1)
-            raise TypeError(f"Accelerator() got an unexpected argument {bad!r}" + (f"; did you mean {near[0]!r}?" if near else ""))
+            raise TypeError(f"Accelerator() got an unexpected argument {bad!r}{did_you_mean(bad, known)}")
         if split_batches:
             raise ValueError("split_batches=True is not supported; give each process its own batch size")
         self.handlers = self._sort_handlers(handlers)
@@ -115,18 +112,7 @@ class Accelerator:
             deepspeed_plugin=deepspeed_plugin,
             init_kwargs=self.handlers.get(InitProcessGroupKwargs),
         )
-        if recipe_handler is not None and self.state.requested_mixed_precision != "fp8":
-            raise ValueError(
-                f"{type(recipe_handler).__name__} was passed but mixed_precision="
-                f"{self.state.requested_mixed_precision!r}; set mixed_precision='fp8' (argument, "
-                "--mixed_precision fp8, or ACCELERATE_MIXED_PRECISION=fp8) or drop the recipe"
-            )
-        self.backend: Optional[Backend] = None
-        if self.state.mixed_precision == "fp8":
-            self.backend = select_backend(recipe_handler)
-            self.state._decide("fp8_backend", Decision(self.backend.engine, self.backend.reason))
-        elif recipe_handler is not None:
-            logger.warning("lowprec: FP8 recipe ignored: %s", self.state.decisions["fp8_hardware"].reason)
+        self.fp8_settings, self.backend = self._resolve_fp8(recipe_handler)
 
         # The argument wins; the launcher's variable fills in only when the script left the
         # default of 1 (Accelerate's rule, so `launch --gradient_accumulation_steps` still works).
@@ -162,6 +148,23 @@ class Accelerator:
         self._ds_engine: Any = None
 
     # ------------------------------------------------------------------ construction helpers
+    def _resolve_fp8(self, recipe_handler: Optional[RecipeKwargs]) -> tuple[Optional[FP8Settings], Optional[Backend]]:
+        """The FP8 settings (the one resolver) and the backend they name, or ``(None, None)``."""
+        if recipe_handler is not None and self.state.requested_mixed_precision != "fp8":
+            raise ValueError(
+                f"{type(recipe_handler).__name__} was passed but mixed_precision="
+                f"{self.state.requested_mixed_precision!r}; set mixed_precision='fp8' (argument, "
+                "--mixed_precision fp8, or ACCELERATE_MIXED_PRECISION=fp8) or drop the recipe"
+            )
+        if self.state.mixed_precision != "fp8":
+            if recipe_handler is not None:
+                logger.warning("lowprec: FP8 recipe ignored: %s", self.state.decisions["fp8_hardware"].reason)
+            return None, None
+        settings = resolve_fp8_settings(recipe_handler)
+        backend = select_backend(settings)
+        self.state._decide("fp8_backend", Decision(backend.engine, backend.reason))
+        return settings, backend
+
     @staticmethod
     def _sort_handlers(handlers: list) -> dict:
         out: dict = {}
@@ -207,7 +210,9 @@ class Accelerator:
 
     @property
     def fp8_backend(self) -> FP8BackendType:
-        return FP8BackendType.NO if self.backend is None else _BACKEND_ENUM[self.backend.name]
+        # the declaration's ACCELERATE_FP8_BACKEND spelling; a plug-in beyond the enum: its string
+        value = "NO" if self.backend is None else get_spec(self.backend.name).env_value
+        return FP8BackendType(value) if value in FP8BackendType.__members__ else value
 
     @property
     def fp8_backend_info(self) -> dict:
@@ -348,7 +353,7 @@ class Accelerator:
             if id(opt) in self._optimizer_models:
                 continue
             owner = self._owner(opt.optimizer)
-            if owner is None and self.backend is not None and self.backend.name == "msamp":
+            if owner is None and self.backend is not None and self.backend.needs_model_for_optimizer:
                 continue  # wait for the model (a later prepare call)
             self._optimizer_models[id(opt)] = owner
             if self.backend is None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from lowprec.decision import Decision
 from lowprec.kwargs import (
     DeepSpeedPlugin,
     FullyShardedDataParallelPlugin,
@@ -31,6 +32,7 @@ __all__ = [
     "read_distributed_env",
     "resolve_mixed_precision",
     "fp8_hardware_check",
+    "fp8_capability_check",
     "AcceleratorState",
 ]
 
@@ -45,12 +47,6 @@ class DistributedType:
     MULTI = "MULTI"  # DistributedDataParallel
     FSDP = "FSDP"  # FSDP2, fully_shard
     DEEPSPEED = "DEEPSPEED"
-
-
-@dataclass(frozen=True)
-class Decision:
-    value: Any
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -86,6 +82,21 @@ def resolve_mixed_precision(explicit: Optional[str]) -> Decision:
     return Decision(value, reason)
 
 
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def fp8_capability_check(cap: Tuple[int, int], fallback: Optional[str], fix: str) -> Optional[str]:
+    """The one sm_89 rule (Accelerator and trainer): ``None`` when FP8 GEMMs run on a GPU of
+    compute capability ``cap``, else the fallback (``bf16`` / ``emulate``); without a fallback a
+    ``ValueError`` whose message ends with ``fix`` (the caller's spelling of the options)."""
+    if cap >= FP8_MIN_CAPABILITY:
+        return None
+    if fallback is None:
+        raise ValueError(f"FP8 needs a GPU with compute capability 8.9+ (Ada, Hopper or newer); this GPU is "
+                         f"sm_{cap[0]}{cap[1]} ({cap[0]}.{cap[1]}). {fix}")
+    return fallback
+
+
 def fp8_hardware_check(device: torch.device, fallback: Optional[str]) -> Decision:
     """FP8 needs compute capability 8.9+ on CUDA. Returns the effective precision mode:
     ``fp8``, ``fp8-emulate`` or ``bf16``; never a silent switch (Accelerate falls back to fp16
@@ -97,16 +108,12 @@ def fp8_hardware_check(device: torch.device, fallback: Optional[str]) -> Decisio
     if device.type != "cuda":
         return Decision("fp8-emulate", f"device {device.type}: FP8 GEMMs emulated in float32")
     cap = torch.cuda.get_device_capability(device)
-    if cap >= (8, 9):
+    chosen = fp8_capability_check(cap, fallback, (
+        "Use mixed_precision='bf16', or pass fp8_fallback='bf16' (train in bf16, model not converted) or "
+        "fp8_fallback='emulate' (FP8 numerics emulated in float32, slow); env LOWPREC_FP8_FALLBACK does the same"))
+    if chosen is None:
         return Decision("fp8", f"CUDA compute capability {cap[0]}.{cap[1]} >= 8.9")
-    if fallback is None:
-        raise ValueError(
-            f"mixed_precision='fp8' needs a GPU with compute capability 8.9+ (Ada, Hopper or newer); "
-            f"this GPU has {cap[0]}.{cap[1]}. Use mixed_precision='bf16', or pass "
-            "fp8_fallback='bf16' (train in bf16, model not converted) or fp8_fallback='emulate' "
-            "(FP8 numerics emulated in float32, slow); env LOWPREC_FP8_FALLBACK does the same"
-        )
-    if fallback == "bf16":
+    if chosen == "bf16":
         return Decision("bf16", f"compute capability {cap[0]}.{cap[1]} < 8.9 and fp8_fallback='bf16'")
     return Decision("fp8-emulate", f"compute capability {cap[0]}.{cap[1]} < 8.9 and fp8_fallback='emulate'")
 

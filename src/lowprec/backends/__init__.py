@@ -1,12 +1,19 @@
-"""FP8 backends behind one protocol (:class:`Backend`): native, torchao, te, msamp."""
+"""FP8 backends behind one protocol (:class:`Backend`), each declared as data
+(:class:`BackendSpec` in ``backends/<name>.py``): native, torchao, te, msamp.
 
-from lowprec.backends.availability import is_available
-from lowprec.backends.base import Backend, BaseBackend, PrepareContext, remap_optimizer_params
-from lowprec.backends.registry import default_handler, native_recipe_for, select_backend
+Attributes load lazily (PEP 562) so that the launcher can read the declarations
+(:mod:`lowprec.backends.spec`) without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = [
     "Backend",
     "BaseBackend",
+    "BackendSpec",
     "PrepareContext",
     "is_available",
     "remap_optimizer_params",
@@ -14,3 +21,15 @@ __all__ = [
     "default_handler",
     "native_recipe_for",
 ]
+
+_WHERE = {
+    "Backend": "base", "BaseBackend": "base", "PrepareContext": "base", "remap_optimizer_params": "base",
+    "BackendSpec": "spec", "is_available": "availability",
+    "select_backend": "registry", "default_handler": "registry", "native_recipe_for": "registry",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"lowprec.backends.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'lowprec.backends' has no attribute {name!r}")

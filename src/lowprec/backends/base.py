@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
-from typing import Any, ContextManager, Iterable, Optional, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Optional, Protocol, runtime_checkable
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported by the backends' methods, not by their declarations
+    import torch
+    from torch import nn
 
 __all__ = ["Backend", "PrepareContext", "BaseBackend", "remap_optimizer_params", "named_params", "log_once"]
 
@@ -39,8 +40,14 @@ class PrepareContext:
     """Where the model will run: ``distributed_type`` is NO | MULTI | FSDP | DEEPSPEED."""
 
     distributed_type: str = "NO"
-    device: torch.device = torch.device("cpu")
+    device: "torch.device" = field(default_factory=lambda: _cpu())
     emulate: bool = False  # FP8 GEMMs emulated (fp8_fallback='emulate' or a non-CUDA device)
+
+
+def _cpu() -> "torch.device":
+    import torch
+
+    return torch.device("cpu")
 
 
 @runtime_checkable
@@ -48,6 +55,7 @@ class Backend(Protocol):
     name: str  # native | torchao | te | msamp: what the user asked for
     needs_grad_scaler: bool  # a loss scaler is needed (MS-AMP keeps fp16 weights)
     engine: str  # what actually runs, e.g. "lowprec native engine (delayed scaling)"
+    needs_model_for_optimizer: bool  # prepare(optimizer) waits until its model is prepared
     reason: str  # why this engine runs it
 
     def convert(self, model: nn.Module, ctx: PrepareContext) -> nn.Module: ...
@@ -72,6 +80,7 @@ class BaseBackend:
 
     name = "base"
     needs_grad_scaler = False
+    needs_model_for_optimizer = False
     engine = "none"
     reason = ""
 
@@ -128,6 +137,6 @@ def remap_optimizer_params(optimizer: Any, before: dict[str, nn.Parameter], afte
     return swapped
 
 
-def iter_params(optimizer: Any) -> Iterable[torch.Tensor]:
+def iter_params(optimizer: Any) -> "Iterable[torch.Tensor]":
     for group in getattr(optimizer, "param_groups", []):
         yield from group["params"]

@@ -20,20 +20,23 @@ an error naming the fixes.
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, Optional
 
 from lowprec.backends.base import BaseBackend, PrepareContext, log_once
 from lowprec.backends.native import NativeBackend
+from lowprec.backends.spec import BackendSpec
+from lowprec.kwargs import MSAMPRecipeKwargs
 
-__all__ = ["MSAMPBackend", "NativeOptLevelBackend"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["MSAMPBackend", "NativeOptLevelBackend", "SPEC"]
 
 
 class MSAMPBackend(BaseBackend):
     name = "msamp"
     needs_grad_scaler = True
+    needs_model_for_optimizer = True  # msamp.initialize takes the model and the optimizer
 
     def __init__(self, opt_level: str, reason: str = "") -> None:
         import msamp
@@ -42,9 +45,11 @@ class MSAMPBackend(BaseBackend):
         self.opt_level = opt_level
         self.engine = f"MS-AMP {getattr(msamp, '__version__', '?')} ({opt_level})"
         self.reason = reason or "MSAMPRecipeKwargs / fp8_backend=msamp and msamp is installed"
-        self._pending: dict[int, nn.Module] = {}
+        self._pending: dict[int, "nn.Module"] = {}
 
-    def prepare_optimizer(self, optimizer: Any, model: Optional[nn.Module], ctx: PrepareContext):
+    def prepare_optimizer(self, optimizer: Any, model: Optional["nn.Module"], ctx: PrepareContext):
+        from torch import nn
+
         if ctx.distributed_type == "FSDP":
             raise ValueError("MS-AMP does not support FSDP2; use DeepSpeed, DDP, or the native backend")
         if model is None:
@@ -75,6 +80,8 @@ class NativeOptLevelBackend(NativeBackend):
     the gradients (no FP8 all-reduce); O1 is an error (module docstring).
     """
 
+    needs_model_for_optimizer = True  # apply_opt_level hooks the model's gradients
+
     def __init__(self, recipe: Any, opt_level: str, reason: str) -> None:
         super().__init__(recipe, name="msamp", reason=reason, skip_first_last=False, skip_patterns=())
         self.opt_level = opt_level
@@ -82,7 +89,7 @@ class NativeOptLevelBackend(NativeBackend):
         self.applied = False
         self.deepspeed = False
 
-    def prepare_optimizer(self, optimizer: Any, model: Optional[nn.Module], ctx: PrepareContext):
+    def prepare_optimizer(self, optimizer: Any, model: Optional["nn.Module"], ctx: PrepareContext):
         if ctx.distributed_type == "FSDP":
             raise ValueError(
                 f"MS-AMP opt_level {self.opt_level} is not supported with FSDP2 (nor by MS-AMP); "
@@ -117,23 +124,11 @@ class NativeOptLevelBackend(NativeBackend):
                 "which DeepSpeed ZeRO steps on its partitions), DDP instead of DeepSpeed for O1, "
                 "or TERecipeKwargs for FP8 GEMMs without an opt level"
             )
-        from lowprec.optim import FP8AdamW, to_fp8_adamw
+        from lowprec.optim import to_fp8_adamw
+        from lowprec.optim.opt_level import check_o2_optimizer
 
-        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, FP8AdamW)):
-            raise ValueError(
-                f"MSAMPRecipeKwargs(opt_level='O2') under DeepSpeed needs torch.optim.Adam or "
-                f"torch.optim.AdamW (it becomes lowprec.optim.FP8AdamW), got "
-                f"{type(optimizer).__name__}; use one of those, or TERecipeKwargs for FP8 GEMMs "
-                f"without an opt level"
-            )
-        for group in optimizer.param_groups:
-            for flag in ("amsgrad", "maximize"):
-                if group.get(flag):
-                    raise ValueError(
-                        f"MSAMPRecipeKwargs(opt_level='O2') does not support "
-                        f"{type(optimizer).__name__}({flag}=True); set {flag}=False, or use "
-                        f"TERecipeKwargs for FP8 GEMMs without an opt level"
-                    )
+        check_o2_optimizer(optimizer, "MSAMPRecipeKwargs(opt_level='O2') under DeepSpeed",
+                           "TERecipeKwargs for FP8 GEMMs without an opt level")
         optimizer = to_fp8_adamw(optimizer)
         self.applied = True
         self.deepspeed = True
@@ -150,3 +145,35 @@ class NativeOptLevelBackend(NativeBackend):
             info["optimizer"] = "FP8AdamW (DeepSpeed client optimizer)"
             info["gradients"] = "reduced by DeepSpeed (no FP8 all-reduce)"
         return info
+
+
+def native_recipe(handler: MSAMPRecipeKwargs) -> Any:
+    """MS-AMP's O1/O2 run on the delayed recipe. ``amax_compute_algo="max"`` is pinned: it is
+    what this fallback always ran (the recipe default became Accelerate's ``most_recent``,
+    docs/log/settings.md), and MSAMPRecipeKwargs has no field to choose it."""
+    from lowprec.fp8.recipes import Recipe
+
+    return Recipe.from_name("delayed", amax_compute_algo="max")
+
+
+def _create(handler: MSAMPRecipeKwargs, why: str) -> BaseBackend:
+    if SPEC.available():
+        return MSAMPBackend(handler.opt_level, reason=f"{why}; msamp installed")
+    from lowprec.backends.native import fallback_recipe
+
+    recipe, reason = fallback_recipe(SPEC, handler, why)
+    return NativeOptLevelBackend(recipe, handler.opt_level, reason)
+
+
+SPEC = BackendSpec(
+    name="msamp",
+    env_value="MSAMP",
+    aliases=("ms-amp", "ms_amp"),
+    summary="Microsoft MS-AMP O1/O2 (FP8 gradients and all-reduce; O2 also FP8/FP16 Adam state); else lowprec's O1/O2",
+    kwargs_class=MSAMPRecipeKwargs,
+    reads=("fp8_opt_level",),
+    library="msamp",
+    distributions=("msamp", "ms-amp"),
+    create=_create,
+    native_recipe=native_recipe,
+)

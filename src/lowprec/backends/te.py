@@ -11,19 +11,25 @@ distributed path (bugs 2, 3), and no "model and optimizer together" rule (bug 16
 from __future__ import annotations
 
 import inspect
-from typing import Any, ContextManager, Optional
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
 from lowprec.backends.base import BaseBackend, PrepareContext, log_once
+from lowprec.backends.spec import RECIPE_SETTINGS, BackendSpec
+from lowprec.catalog import MXFP8_UNSUPPORTED
+from lowprec.kwargs import TERecipeKwargs
 
-__all__ = ["TEBackend", "te_convert", "build_te_recipe"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["TEBackend", "te_convert", "build_te_recipe", "SPEC"]
 
 
-def te_convert(model: nn.Module, te: Any) -> int:
+def te_convert(model: "nn.Module", te: Any) -> int:
     """Swap ``nn.Linear`` (dims divisible by 16) and ``nn.LayerNorm`` for TE modules, in place,
     copying weights. Returns the number of swapped modules."""
+    import torch
+    from torch import nn
+
     swapped = 0
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
@@ -83,14 +89,64 @@ class TEBackend(BaseBackend):
         self.engine = "TransformerEngine"
         self.reason = reason or "TERecipeKwargs / fp8_backend=te and transformer_engine is installed"
 
-    def convert(self, model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    def convert(self, model: "nn.Module", ctx: PrepareContext) -> "nn.Module":
         # TE modules bring new Parameters; the Accelerator remaps the optimizer by name
         te_convert(model, self.te)
         return model
 
-    def fp8_context(self, model: nn.Module) -> ContextManager:
+    def fp8_context(self, model: "nn.Module") -> ContextManager:
         enabled = model.training or self.handler.use_autocast_during_eval
         return self.te.fp8_autocast(enabled=enabled, fp8_recipe=self.recipe)
 
     def plain_state_dict(self, state_dict: dict) -> dict:
         return {k: v for k, v in state_dict.items() if not k.endswith("_extra_state")}
+
+
+def native_recipe(handler: TERecipeKwargs) -> Any:
+    """TE's DelayedScaling on lowprec's engine: the delayed recipe with every resolved field."""
+    from lowprec.fp8.recipes import Recipe
+
+    from lowprec.backends.spec import get_spec
+
+    engine_formats = get_spec("native").fp8_formats  # the rule lives in the declarations (E5M2: TE only)
+    if handler.fp8_format not in engine_formats:
+        raise ValueError(f"fp8_format={handler.fp8_format!r} needs TransformerEngine; the native engine runs "
+                         f"{' or '.join(engine_formats)}")
+    if handler.use_mxfp8_block_scaling:
+        raise ValueError(f"TERecipeKwargs(use_mxfp8_block_scaling=True) without TransformerEngine: {MXFP8_UNSUPPORTED}")
+    return Recipe.from_name(
+        "delayed",
+        fp8_format=handler.fp8_format,
+        margin=handler.margin,
+        interval=handler.interval,
+        amax_history_len=handler.amax_history_len,
+        amax_compute_algo=handler.amax_compute_algo,
+        override_linear_precision=tuple(handler.override_linear_precision),
+        use_during_eval=handler.use_autocast_during_eval,
+    )
+
+
+def _create(handler: TERecipeKwargs, why: str) -> BaseBackend:
+    if SPEC.available():
+        return TEBackend(handler, reason=f"{why}; transformer_engine installed")
+    from lowprec.backends.native import NativeBackend, fallback_recipe
+
+    recipe, reason = fallback_recipe(SPEC, handler, why)
+    # TE converts every eligible Linear, the first and last included
+    return NativeBackend(recipe, name="te", reason=reason, skip_first_last=False, skip_patterns=())
+
+
+SPEC = BackendSpec(
+    name="te",
+    env_value="TE",
+    aliases=("transformer_engine", "transformerengine", "transformer-engine"),
+    summary="NVIDIA TransformerEngine (DelayedScaling; MXFP8 with TE only); else the delayed recipe natively",
+    kwargs_class=TERecipeKwargs,
+    reads=RECIPE_SETTINGS,
+    reads_env=("ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING",),
+    fp8_formats=("HYBRID", "E4M3", "E5M2"),
+    library="transformer_engine",
+    distributions=("transformer_engine", "transformer-engine", "transformer_engine_torch"),
+    create=_create,
+    native_recipe=native_recipe,
+)

@@ -14,19 +14,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
-from typing import Any, Callable
-
-from torch import nn
+from typing import TYPE_CHECKING, Any, Callable
 
 from lowprec.backends.base import BaseBackend, PrepareContext, log_once
+from lowprec.backends.spec import BackendSpec
+from lowprec.kwargs import AORecipeKwargs
 
-__all__ = ["TorchAOBackend", "first_last_linear_filter"]
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["TorchAOBackend", "first_last_linear_filter", "SPEC"]
 
 
-def first_last_linear_filter(model: nn.Module) -> Callable[[nn.Module, str], bool]:
+def first_last_linear_filter(model: "nn.Module") -> Callable[["nn.Module", str], bool]:
     """A torchao ``module_filter_fn`` with the engine's default rule (:func:`lowprec.fp8.
     default_module_filter`): skip the model's first and last Linear, any Linear with a dim not
     divisible by 16, and output heads / MoE routers by name."""
+    from torch import nn
+
     from lowprec.fp8 import default_module_filter
 
     rule = default_module_filter(model)
@@ -34,7 +39,8 @@ def first_last_linear_filter(model: nn.Module) -> Callable[[nn.Module, str], boo
 
 
 @contextlib.contextmanager
-def _high_precision(model: nn.Module):
+def _high_precision(model: "nn.Module"):
+    from torch import nn
     from torchao.float8.float8_linear import Float8Linear
 
     layers = [m for m in model.modules() if isinstance(m, Float8Linear)]
@@ -84,7 +90,7 @@ class TorchAOBackend(BaseBackend):
         self._fsdp_all_gather = bool(config.enable_fsdp_float8_all_gather)
         return config
 
-    def convert(self, model: nn.Module, ctx: PrepareContext) -> nn.Module:
+    def convert(self, model: "nn.Module", ctx: PrepareContext) -> "nn.Module":
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
@@ -97,14 +103,14 @@ class TorchAOBackend(BaseBackend):
         convert_to_float8_training(model, module_filter_fn=module_filter, config=self.config)
         return model
 
-    def fp8_context(self, model: nn.Module):
+    def fp8_context(self, model: "nn.Module"):
         """torchao's Float8Linear has no off switch: in eval mode (unless
         ``use_autocast_during_eval``) its layers run ``nn.Linear.forward`` for the call."""
         if model.training or self.handler.use_autocast_during_eval:
             return contextlib.nullcontext()
         return _high_precision(model)
 
-    def after_optimizer_step(self, model: nn.Module) -> None:
+    def after_optimizer_step(self, model: "nn.Module") -> None:
         if self._fsdp_all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -118,3 +124,37 @@ class TorchAOBackend(BaseBackend):
     def describe(self) -> dict:
         cfg = None if self.config is None else repr(self.config)
         return {**super().describe(), "config": cfg}
+
+
+def native_recipe(handler: AORecipeKwargs) -> Any:
+    """torchao's recipe by name on lowprec's engine (torchao-only switches logged as unused)."""
+    from lowprec.fp8.recipes import Recipe
+
+    ignored = [k for k, v in (("config", handler.config is not None), ("pad_inner_dim", handler.pad_inner_dim is False)) if v]
+    if ignored:
+        log_once(f"lowprec: AORecipeKwargs {', '.join(ignored)} configure torchao only and have no "
+                 "effect on lowprec's native engine (torchao is not installed)")
+    return Recipe.from_name(handler.recipe or "tensorwise", use_during_eval=handler.use_autocast_during_eval)
+
+
+def _create(handler: AORecipeKwargs, why: str) -> BaseBackend:
+    if SPEC.available():
+        return TorchAOBackend(handler, reason=f"{why}; torchao installed")
+    from lowprec.backends.native import NativeBackend, fallback_recipe
+
+    recipe, reason = fallback_recipe(SPEC, handler, why)
+    return NativeBackend(recipe, name="torchao", reason=reason, module_filter=handler.module_filter_func)
+
+
+SPEC = BackendSpec(
+    name="torchao",
+    env_value="AO",
+    aliases=("torchao",),
+    summary="PyTorch torchao Float8Linear (tensorwise/rowwise, FSDP2 FP8 all-gather); else the same recipe natively",
+    kwargs_class=AORecipeKwargs,
+    reads=("fp8_pad_inner_dim", "fp8_enable_fsdp_float8_all_gather", "fp8_use_autocast_during_eval"),
+    library="torchao",
+    distributions=("torchao",),
+    create=_create,
+    native_recipe=native_recipe,
+)

@@ -13,7 +13,7 @@ import argparse
 from typing import Any, Callable
 
 from lowprec.config import values as V
-from lowprec.config.env import UNREAD_FIELDS, LaunchSettings, fp8_fields_unread, fp8_readers
+from lowprec.config.env import FP8_FIELDS, UNREAD_FIELDS, LaunchSettings, check_fp8_fields
 from lowprec.errors import UsageError, did_you_mean
 
 __all__ = ["LowprecArgumentParser", "add_settings_flags", "settings_from_args", "check_cli_flags_apply"]
@@ -97,16 +97,16 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
     fp8 = parser.add_argument_group("FP8 (need --mixed_precision fp8)")
     _add(fp8, "fp8_backend", type=_argtype(V.parse_fp8_backend), metavar="BACKEND",
-         help="native (lowprec's engine), te, ao/torchao, msamp or auto; any case")
+         help=f"{', '.join(V.FP8_BACKENDS)} (any case; `lowprec env` lists what runs each)")
     _add(fp8, "fp8_recipe", type=_argtype(V.parse_fp8_recipe), metavar="RECIPE",
          help=f"native recipe: {', '.join(V.FP8_RECIPES)}")
     _add(fp8, "fp8_fallback", type=_argtype(V.parse_fp8_fallback), metavar="{bf16,emulate}",
          help="where the device has no FP8 GEMMs: train in bf16, or emulate the FP8 GEMMs")
     _add(fp8, "fp8_format", type=_argtype(V.parse_fp8_format), metavar="{HYBRID,E4M3,E5M2}")
-    _add(fp8, "fp8_amax_history_len", type=_int(1), metavar="N")
+    _add(fp8, "fp8_amax_history_len", type=_argtype(V.parse_recipe_int("amax_history_len"), "int"), metavar="N")
     _add(fp8, "fp8_amax_compute_algo", type=_argtype(V.parse_amax_compute_algo), metavar="{max,most_recent}")
-    _add(fp8, "fp8_margin", type=_int(0), metavar="N")
-    _add(fp8, "fp8_interval", type=_int(1), metavar="N")
+    _add(fp8, "fp8_margin", type=_argtype(V.parse_recipe_int("margin"), "int"), metavar="N")
+    _add(fp8, "fp8_interval", type=_argtype(V.parse_recipe_int("interval"), "int"), metavar="N")
     _add(fp8, "fp8_override_linear_precision", type=_argtype(V.parse_override_linear_precision),
          metavar="FPROP,DGRAD,WGRAD", help='high-precision GEMMs, e.g. "false,false,true"')
     _add(fp8, "fp8_opt_level", type=_argtype(V.parse_opt_level), metavar="{O1,O2}")
@@ -163,10 +163,5 @@ def check_cli_flags_apply(cli: dict[str, Any], settings: LaunchSettings) -> None
     if unread:
         raise UsageError(f"{', '.join(unread)}: no effect in lowprec (nothing reads it); drop it")
     if settings.fp8:
-        backend = settings.fp8_backend or "native"
-        for name in fp8_fields_unread(settings.fp8_backend, cli):
-            readers = ", ".join(fp8_readers(name))
-            raise UsageError(
-                f"--{name}: the {backend} FP8 backend does not read it (read by: {readers}); "
-                "drop it or pick --fp8_backend accordingly"
-            )
+        fp8_cli = {k: v for k, v in cli.items() if k in FP8_FIELDS}
+        check_fp8_fields(settings.fp8_backend, settings.fp8_recipe, fp8_cli, lambda k: f"--{k}")

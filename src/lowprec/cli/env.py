@@ -22,20 +22,31 @@ from typing import Any, Callable
 from lowprec import __version__
 from lowprec.config.env import owned_env_var
 
-__all__ = ["NAME", "HELP", "add_parser", "run", "collect", "OPTIONAL_PACKAGES"]
+__all__ = ["NAME", "HELP", "add_parser", "run", "collect", "OPTIONAL_PACKAGES"]  # noqa: F822 - module __getattr__
 
 NAME = "env"
 HELP = "print versions, devices, FP8 support and installed backends"
 
-# import name -> distribution names to try (pip spells some differently)
-OPTIONAL_PACKAGES: dict[str, tuple[str, ...]] = {
-    "torchao": ("torchao",),
-    "transformer_engine": ("transformer_engine", "transformer-engine", "transformer_engine_torch"),
-    "msamp": ("msamp", "ms-amp"),
+# import name -> distribution names to try (pip spells some differently): the FP8 backends'
+# libraries as their declarations name them (lowprec.backends.spec), then the other extras
+_OTHER_PACKAGES: dict[str, tuple[str, ...]] = {
     "deepspeed": ("deepspeed",),
     "transformers": ("transformers",),
     "accelerate": ("accelerate",),
 }
+
+
+def optional_packages() -> dict[str, tuple[str, ...]]:
+    from lowprec.backends.spec import specs
+
+    libs = {s.library: s.distributions or (s.library,) for s in specs() if s.library is not None}
+    return {**libs, **_OTHER_PACKAGES}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OPTIONAL_PACKAGES":
+        return optional_packages()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -54,7 +65,7 @@ def _probe(fn: Callable[[], Any]) -> Any:
 
 def package_version(import_name: str) -> str | None:
     """Installed version, or ``None``; metadata first, ``find_spec`` for source installs."""
-    for dist in OPTIONAL_PACKAGES.get(import_name, (import_name,)):
+    for dist in optional_packages().get(import_name, (import_name,)):
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -99,6 +110,18 @@ def _cpu_fp8_gemm() -> str:
     return f"cpu: {cpu_gemm_choice().describe()}"
 
 
+def _fp8_backends() -> dict[str, dict[str, Any]]:
+    """Every declared FP8 backend: what runs it here (its library, or lowprec's engine)."""
+    from lowprec.backends.spec import specs
+
+    out = {}
+    for s in specs():
+        runs = "lowprec engine" if s.library is None else (
+            s.library if s.available() else f"lowprec engine ({s.library} not installed)")
+        out[s.name] = {"fp8_backend": s.env_value, "kwargs": s.kwargs_class.__name__, "runs": runs}
+    return out
+
+
 def collect() -> dict[str, Any]:
     from lowprec.config.paths import default_config_path
 
@@ -113,7 +136,8 @@ def collect() -> dict[str, Any]:
         info.update(torch_info)
     else:
         info["torch"] = torch_info
-    info["optional_backends"] = {name: _probe(lambda n=name: package_version(n)) for name in OPTIONAL_PACKAGES}
+    info["optional_backends"] = {name: _probe(lambda n=name: package_version(n)) for name in optional_packages()}
+    info["fp8_backends"] = _probe(_fp8_backends)
     path = _probe(default_config_path)
     info["default_config"] = str(path)
     info["default_config_exists"] = _probe(lambda: path.is_file())
@@ -134,6 +158,10 @@ def _format(info: dict[str, Any]) -> str:
     lines.append("- optional backends:")
     for name, version in info["optional_backends"].items():
         lines.append(f"    {name}: {version or 'not installed'}")
+    lines.append("- FP8 backends (--fp8_backend):")
+    backends = info.get("fp8_backends")
+    for b in (backends.values() if isinstance(backends, dict) else ()):
+        lines.append(f"    {b['fp8_backend']}: {b['kwargs']}, runs on {b['runs']}")
     state = "present" if info.get("default_config_exists") is True else "not present"
     lines.append(f"- default config: {info['default_config']} ({state})")
     for text_line in str(info.get("default_config_text", "")).splitlines():

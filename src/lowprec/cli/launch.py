@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from lowprec.cli._flags import add_settings_flags, check_cli_flags_apply, settings_from_args
-from lowprec.config.env import FP8_FIELDS, UNREAD_FIELDS, LaunchSettings, fp8_fields_unread, owned_env_var
+from lowprec.config.env import (
+    FP8_FIELDS,
+    UNREAD_FIELDS,
+    LaunchSettings,
+    check_fp8_fields,
+    fp8_fields_unread,
+    owned_env_var,
+)
 from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError
 
@@ -200,6 +207,10 @@ def _yaml_notes(yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], set
             "with accelerator.clip_grad_norm_"
         )
     if settings.fp8:
+        # refused settings and fields the recipe does not read are errors; fields another backend
+        # reads stay notes (an Accelerate-written file may carry them)
+        check_fp8_fields(settings.fp8_backend, settings.fp8_recipe, {k: v for k, v in from_yaml.items() if k in FP8_FIELDS},
+                         lambda k: f"fp8_config.{k.removeprefix('fp8_')} in {config_file}", backend_unread=False)
         dropped = fp8_fields_unread(settings.fp8_backend, from_yaml)
         if dropped:
             notes.append(

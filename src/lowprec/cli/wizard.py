@@ -73,31 +73,40 @@ def run_wizard() -> LaunchSettings:
 
 
 def _zero_stage(value: Any) -> int:
-    stage = V.parse_int(value)
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"{stage} is not a ZeRO stage; choose 0, 1, 2 or 3")
-    return stage
+    from lowprec.config.env import _parse_zero_stage
+
+    return _parse_zero_stage(value)
 
 
 def _fp8_questions(s: dict[str, Any]) -> None:
+    """Only what the chosen backend and recipe read (their declarations decide, no names here)."""
+    from lowprec.backends.spec import spec_or_native
+    from lowprec.catalog import FIELD_DEFAULTS, Granularity, recipe_info
+
     backend = s["fp8_backend"] = ask("FP8 backend?", "native", V.parse_fp8_backend, V.FP8_BACKENDS)
-    if backend in ("native", "auto"):
+    spec = spec_or_native(backend)
+    reads = set(spec.reads)
+    recipe = None
+    if "fp8_recipe" in reads:
         s["fp8_recipe"] = ask("FP8 recipe?", "tensorwise", V.parse_fp8_recipe, V.FP8_RECIPES)
+        recipe = recipe_info(s["fp8_recipe"])
+    if spec.library is None:  # lowprec's engine runs it: say what to do where FP8 GEMMs are missing
         s["fp8_fallback"] = ask(
             "Where the device has no FP8 GEMMs: train in bf16, or emulate FP8?", "emulate",
             V.parse_fp8_fallback, V.FP8_FALLBACKS,
         )
-    delayed = backend == "te" or s.get("fp8_recipe") == "delayed"
-    per_tensor = backend == "te" or s.get("fp8_recipe") in ("delayed", "tensorwise")
-    if per_tensor:
-        formats = V.FP8_FORMATS if backend == "te" else ("HYBRID", "E4M3")
-        s["fp8_format"] = ask("FP8 format?", "HYBRID", V.parse_fp8_format, formats)
-        s["fp8_margin"] = ask("Scaling margin (powers of two of headroom)?", 0, _int(0))
-    if delayed:
-        s["fp8_amax_history_len"] = ask("Amax history length?", 1024, _int(1))
-        s["fp8_amax_compute_algo"] = ask("Amax compute algorithm?", "max", V.parse_amax_compute_algo,
-                                         V.AMAX_COMPUTE_ALGOS)
-    if backend in ("native", "te", "auto") and ask(
+    recipe_reads = set(spec_reads_of(recipe))
+    if "fp8_format" in reads and (recipe is None or recipe.granularity is Granularity.TENSOR):
+        s["fp8_format"] = ask("FP8 format?", FIELD_DEFAULTS["fp8_format"], V.parse_fp8_format, spec.fp8_formats)
+    if "fp8_margin" in reads and "margin" in recipe_reads:
+        s["fp8_margin"] = ask("Scaling margin (powers of two of headroom)?", FIELD_DEFAULTS["margin"],
+                              V.parse_recipe_int("margin"))
+    if "fp8_amax_history_len" in reads and "amax_history_len" in recipe_reads:
+        s["fp8_amax_history_len"] = ask("Amax history length?", FIELD_DEFAULTS["amax_history_len"],
+                                        V.parse_recipe_int("amax_history_len"))
+        s["fp8_amax_compute_algo"] = ask("Amax compute algorithm?", FIELD_DEFAULTS["amax_compute_algo"],
+                                         V.parse_amax_compute_algo, V.AMAX_COMPUTE_ALGOS)
+    if "fp8_override_linear_precision" in reads and ask(
         "Run some GEMMs of Linear layers in high precision?", False, V.parse_bool
     ):
         s["fp8_override_linear_precision"] = (
@@ -105,8 +114,17 @@ def _fp8_questions(s: dict[str, Any]) -> None:
             ask("  grad-input GEMM (dgrad) in high precision?", False, V.parse_bool),
             ask("  grad-weight GEMM (wgrad) in high precision?", False, V.parse_bool),
         )
-    if backend == "msamp":
+    if "fp8_opt_level" in reads:
         s["fp8_opt_level"] = ask("MS-AMP optimization level?", "O2", V.parse_opt_level, V.OPT_LEVELS)
-    s["fp8_use_autocast_during_eval"] = ask("Keep FP8 on in eval mode?", False, V.parse_bool)
-    if s.get("use_fsdp"):
+    if "fp8_use_autocast_during_eval" in reads:
+        s["fp8_use_autocast_during_eval"] = ask("Keep FP8 on in eval mode?", False, V.parse_bool)
+    if s.get("use_fsdp") and "fp8_enable_fsdp_float8_all_gather" in reads:
         s["fp8_enable_fsdp_float8_all_gather"] = ask("All-gather FSDP weights in FP8?", True, V.parse_bool)
+
+
+def spec_reads_of(recipe: Any) -> tuple[str, ...]:
+    """The scaling fields a recipe reads; a backend without recipe names (TE: DelayedScaling)
+    reads them all."""
+    from lowprec.catalog import SCALING_FIELDS
+
+    return SCALING_FIELDS if recipe is None else recipe.reads

@@ -75,8 +75,8 @@ from lowprec.config import values as V
 from lowprec.errors import UsageError, did_you_mean
 
 __all__ = [
-    "LaunchSettings", "ENV_VARS", "FP8_OVERRIDE_VARS", "FP8_FIELDS", "FP8_FIELDS_READ", "UNREAD_FIELDS",
-    "fp8_fields_unread", "fp8_readers", "owned_env_var",
+    "LaunchSettings", "ENV_VARS", "FP8_OVERRIDE_VARS", "FP8_FIELDS", "UNREAD_FIELDS",
+    "fp8_fields_unread", "fp8_readers", "check_fp8_fields", "owned_env_var", "read_env",
 ]
 
 FP8_OVERRIDE_VARS = (
@@ -129,10 +129,10 @@ ENV_VARS: tuple[_Var, ...] = (
     _Var("fp8_recipe", "LOWPREC_FP8_RECIPE", V.parse_fp8_recipe, "fp8"),
     _Var("fp8_fallback", "LOWPREC_FP8_FALLBACK", V.parse_fp8_fallback, "fp8"),
     _Var("fp8_format", "ACCELERATE_FP8_FORMAT", V.parse_fp8_format, "fp8"),
-    _Var("fp8_amax_history_len", "ACCELERATE_FP8_AMAX_HISTORY_LEN", _I, "fp8"),
+    _Var("fp8_amax_history_len", "ACCELERATE_FP8_AMAX_HISTORY_LEN", V.parse_recipe_int("amax_history_len"), "fp8"),
     _Var("fp8_amax_compute_algo", "ACCELERATE_FP8_AMAX_COMPUTE_ALGO", V.parse_amax_compute_algo, "fp8"),
-    _Var("fp8_margin", "ACCELERATE_FP8_MARGIN", _I, "fp8"),
-    _Var("fp8_interval", "ACCELERATE_FP8_INTERVAL", _I, "fp8"),
+    _Var("fp8_margin", "ACCELERATE_FP8_MARGIN", V.parse_recipe_int("margin"), "fp8"),
+    _Var("fp8_interval", "ACCELERATE_FP8_INTERVAL", V.parse_recipe_int("interval"), "fp8"),
     _Var("fp8_opt_level", "ACCELERATE_FP8_OPT_LEVEL", V.parse_opt_level, "fp8"),
     _Var("fp8_use_autocast_during_eval", "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", _B, "fp8", V.format_bool),
     _Var(
@@ -165,28 +165,75 @@ FP8_FIELDS = tuple(v.field for v in ENV_VARS if v.when == "fp8") + ("fp8_overrid
 # lowprec: never exported, and `launch` says so instead of pretending they act.
 UNREAD_FIELDS = ("dynamo_backend", "fsdp_state_dict_type", "zero3_init_flag")
 
-# The FP8 fields each backend's handler reads (lowprec.kwargs); fp8_backend and fp8_fallback are
-# read whatever the backend. te is DelayedScaling (no recipe name), msamp is its opt level on the
-# delayed recipe, ao reads its own switches; a field outside its row would be dropped silently.
-_TUNING = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin", "fp8_interval",
-           "fp8_override_linear_precision", "fp8_use_autocast_during_eval")
-FP8_FIELDS_READ: dict[str, tuple[str, ...]] = {
-    "native": ("fp8_recipe", *_TUNING),
-    "te": _TUNING,
-    "ao": ("fp8_pad_inner_dim", "fp8_enable_fsdp_float8_all_gather", "fp8_use_autocast_during_eval"),
-    "msamp": ("fp8_opt_level",),
-}
-
-
 def fp8_fields_unread(backend: str | None, fields: Any) -> list[str]:
-    """Which of ``fields`` (FP8 setting names) the ``backend`` (None/auto: native) never reads."""
-    key = "native" if backend in (None, "auto") else backend
-    read = set(FP8_FIELDS_READ[key]) | {"fp8_backend", "fp8_fallback"}
+    """Which of ``fields`` (FP8 setting names) the ``backend`` (None/auto: native) never reads
+    (each backend declares what it reads: ``SPEC.reads`` in ``lowprec/backends/<name>.py``)."""
+    from lowprec.backends.spec import spec_or_native
+
+    read = set(spec_or_native(backend).reads) | {"fp8_backend", "fp8_fallback"}
     return sorted(f for f in fields if f in FP8_FIELDS and f not in read)
 
 
 def fp8_readers(field_name: str) -> list[str]:
-    return [b for b, read in FP8_FIELDS_READ.items() if field_name in read]
+    from lowprec.backends.spec import specs
+
+    return [s.env_value.lower() for s in specs() if field_name in s.reads]
+
+
+def check_fp8_fields(backend: str | None, recipe: str | None, fields: Any, spell: Callable[[str], str] = str,
+                     backend_unread: bool = True) -> None:
+    """FP8 settings the chosen backend refuses, or that it (``backend_unread``) or the chosen
+    recipe would ignore, are errors naming the key (``spell`` renders a setting name as the
+    user wrote it: ``--fp8_margin``, ``fp8_config.margin``)."""
+    from lowprec.backends.spec import recipe_field, spec_or_native
+    from lowprec.catalog import unread_recipe_fields
+
+    spec = spec_or_native(backend)
+    for name in sorted(fields):
+        if name in spec.rejects and fields[name] not in (None, False):
+            raise UsageError(f"{spell(name)}: {spec.rejects[name]}")
+    for name in fp8_fields_unread(backend, fields) if backend_unread else ():
+        if name in spec.rejects:
+            continue
+        readers = ", ".join(fp8_readers(name)) or "none"
+        raise UsageError(
+            f"{spell(name)}: the {spec.env_value.lower()} FP8 backend does not read it (read by: {readers}); "
+            "drop it or pick the fp8 backend accordingly"
+        )
+    if "fp8_recipe" in spec.reads:
+        by_engine = {recipe_field(f): f for f in fields}
+        for name in unread_recipe_fields(recipe or "tensorwise", by_engine):
+            raise UsageError(
+                f"{spell(by_engine[name])}: the {recipe or 'tensorwise'} recipe does not read it "
+                "(it tunes delayed/per-tensor/block scaling); drop it or pick a recipe that reads it"
+            )
+
+
+def read_env(environ: Mapping[str, str] | None = None, fields: Any = None) -> dict[str, Any]:
+    """The one reader of the launch variables: ``{setting: value}`` for each variable that is set
+    (``fields`` limits which), each parsed by its one parser; a bad value is a ``UsageError``
+    naming the variable. ``LaunchSettings.from_env`` and the kwargs handlers both read here."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for var in ENV_VARS:
+        raw = environ.get(var.name)
+        if raw is None or raw == "" or var.field == "gpu_ids" or (fields is not None and var.field not in fields):
+            continue
+        try:
+            out[var.field] = var.parse(raw)
+        except ValueError as exc:
+            raise UsageError(f"environment variable {var.name}={raw!r}: {exc}") from None
+    raw_overrides = [environ.get(name) for name in FP8_OVERRIDE_VARS]
+    wanted = fields is None or "fp8_override_linear_precision" in fields
+    if wanted and any(r not in (None, "") for r in raw_overrides):
+        flags = []
+        for name, raw in zip(FP8_OVERRIDE_VARS, raw_overrides):
+            try:
+                flags.append(False if raw in (None, "") else V.parse_bool(raw))
+            except ValueError as exc:
+                raise UsageError(f"environment variable {name}={raw!r}: {exc}") from None
+        out["fp8_override_linear_precision"] = tuple(flags)
+    return out
 
 
 @dataclass(frozen=True)
@@ -253,9 +300,6 @@ class LaunchSettings:
             main_process_port=lambda x: V.parse_int(x, minimum=0),
             main_process_ip=str,
             gradient_accumulation_steps=lambda x: V.parse_int(x, minimum=1),
-            fp8_amax_history_len=lambda x: V.parse_int(x, minimum=1),
-            fp8_margin=lambda x: V.parse_int(x, minimum=0),
-            fp8_interval=lambda x: V.parse_int(x, minimum=1),
             fsdp_min_num_params=lambda x: V.parse_int(x, minimum=0),
             fp8_override_linear_precision=V.parse_override_linear_precision,
             zero_stage=_parse_zero_stage,
@@ -303,7 +347,9 @@ class LaunchSettings:
                 "main_process_port=0 (any free port) works on one machine only; with "
                 f"num_machines={self.num_machines} every machine must know the port: set one, e.g. 29500"
             )
-        if self.fp8_format == "E5M2" and self.fp8_backend != "te":
+        from lowprec.backends.spec import spec_or_native
+
+        if self.fp8_format is not None and self.fp8_format not in spec_or_native(self.fp8_backend).fp8_formats:
             raise UsageError(
                 "fp8_format=E5M2 (E5M2 in the forward pass too) is a TransformerEngine option; "
                 "with the native engine use HYBRID (E4M3 forward, E5M2 gradients) or E4M3"
@@ -345,16 +391,9 @@ class LaunchSettings:
     def fp8_recipe_overrides(self) -> dict[str, Any]:
         """The user-set FP8 values under the field names of ``lowprec.fp8.Recipe``, for
         ``Recipe.from_name(settings.fp8_recipe or default, **overrides)``."""
-        names = {
-            "fp8_format": "fp8_format",
-            "fp8_amax_history_len": "amax_history_len",
-            "fp8_amax_compute_algo": "amax_compute_algo",
-            "fp8_margin": "margin",
-            "fp8_interval": "interval",
-            "fp8_override_linear_precision": "override_linear_precision",
-            "fp8_use_autocast_during_eval": "use_during_eval",
-        }
-        return {r: getattr(self, s) for s, r in names.items() if getattr(self, s) is not None}
+        from lowprec.backends.spec import RECIPE_SETTINGS, recipe_field
+
+        return {recipe_field(s): getattr(self, s) for s in RECIPE_SETTINGS if getattr(self, s) is not None}
 
     # ------------------------------------------------------------------ environment
     def _written(self, var: _Var) -> bool:
@@ -387,25 +426,7 @@ class LaunchSettings:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "LaunchSettings":
         """Read the settings a launcher exported (``os.environ`` by default). Values in any
         case are accepted; a bad value raises ``UsageError`` naming the variable."""
-        environ = os.environ if environ is None else environ
-        kwargs: dict[str, Any] = {}
-        for var in ENV_VARS:
-            raw = environ.get(var.name)
-            if raw is None or raw == "" or var.field == "gpu_ids":
-                continue
-            try:
-                kwargs[var.field] = var.parse(raw)
-            except ValueError as exc:
-                raise UsageError(f"environment variable {var.name}={raw!r}: {exc}") from None
-        raw_overrides = [environ.get(name) for name in FP8_OVERRIDE_VARS]
-        if any(r not in (None, "") for r in raw_overrides):
-            flags = []
-            for name, raw in zip(FP8_OVERRIDE_VARS, raw_overrides):
-                try:
-                    flags.append(False if raw in (None, "") else V.parse_bool(raw))
-                except ValueError as exc:
-                    raise UsageError(f"environment variable {name}={raw!r}: {exc}") from None
-            kwargs["fp8_override_linear_precision"] = tuple(flags)
+        kwargs = read_env(environ)
         return cls(**kwargs)
 
     @classmethod

@@ -32,6 +32,7 @@ from typing import Annotated, Any, Callable, Optional
 import yaml
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from lowprec.catalog import MXFP8_UNSUPPORTED
 from lowprec.config import values as V
 from lowprec.config.env import LaunchSettings
 from lowprec.config.paths import default_config_path
@@ -46,6 +47,7 @@ __all__ = [
     "default_config_path",
     "load_launch_config",
     "parse_launch_config",
+    "parse_fp8_config",
     "settings_to_yaml_dict",
     "write_launch_config",
 ]
@@ -80,9 +82,9 @@ class FP8Config(_Strict):
     recipe: Annotated[Optional[str], _opt(V.parse_fp8_recipe)] = None
     fallback: Annotated[Optional[str], _opt(V.parse_fp8_fallback)] = None
     fp8_format: Annotated[Optional[str], _opt(V.parse_fp8_format)] = None
-    margin: Annotated[Optional[int], _int_min(0)] = None
-    interval: Annotated[Optional[int], _int_min(1)] = None
-    amax_history_len: Annotated[Optional[int], _int_min(1)] = _alias(
+    margin: Annotated[Optional[int], _opt(V.parse_recipe_int("margin"))] = None
+    interval: Annotated[Optional[int], _opt(V.parse_recipe_int("interval"))] = None
+    amax_history_len: Annotated[Optional[int], _opt(V.parse_recipe_int("amax_history_len"))] = _alias(
         "amax_history_len", "amax_history_length"
     )
     amax_compute_algo: Annotated[Optional[str], _opt(V.parse_amax_compute_algo)] = _alias(
@@ -101,10 +103,7 @@ class FP8Config(_Strict):
 
     def to_settings(self) -> dict[str, Any]:
         if self.use_mxfp8_block_scaling:
-            raise UsageError(
-                "fp8_config.use_mxfp8_block_scaling: MXFP8 is not supported; "
-                "use `recipe: blockwise` (128-element FP8 blocks) instead"
-            )
+            raise UsageError(f"fp8_config.use_mxfp8_block_scaling: {MXFP8_UNSUPPORTED}")
         names = {"backend": "fp8_backend", "recipe": "fp8_recipe", "fallback": "fp8_fallback"}
         out = {}
         for key in self.model_fields_set - {"use_mxfp8_block_scaling"}:
@@ -294,6 +293,13 @@ def parse_launch_config(data: Any, source: str = "launch config") -> LaunchConfi
         return LaunchConfig.model_validate(data)
     except ValidationError as exc:
         raise UsageError(f"{source}: " + "; ".join(_describe(e) for e in exc.errors())) from None
+
+
+def parse_fp8_config(data: Any, source: str = "fp8_config") -> dict[str, Any]:
+    """One ``fp8_config:`` block (a mapping) -> launch settings (``fp8_backend``, ``fp8_margin``...),
+    validated by :class:`FP8Config` (the one parser of that block)."""
+    config = parse_launch_config({"fp8_config": dict(data)}, source=source).fp8_config
+    return {} if config is None else config.to_settings()
 
 
 def _check_duplicate_aliases(model: type[BaseModel], body: dict[str, Any], prefix: str) -> None:

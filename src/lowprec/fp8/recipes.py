@@ -25,12 +25,15 @@ from typing import Any
 
 import torch
 
+from lowprec.catalog import FIELD_DEFAULTS, FIELD_MINIMUMS, RECIPE_NAMES, check_int_field, recipe_info
+from lowprec.errors import did_you_mean
 from lowprec.fp8.formats import Format
 
 __all__ = ["Recipe", "OperandCast", "GemmCast", "LinearPlan", "RECIPE_NAMES"]
 
-RECIPE_NAMES = ("delayed", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
+# names, presets and defaults live in lowprec.catalog (torch-free, shared with the launcher)
 SCALINGS = ("delayed", "tensorwise", "rowwise", "blockwise")
+_D = FIELD_DEFAULTS
 GEMM_BACKENDS = ("auto", "scaled_mm", "upcast", "emulate")
 
 
@@ -98,18 +101,18 @@ class Recipe:
     """
 
     scaling: str = "tensorwise"
-    fp8_format: Format = Format.HYBRID
-    margin: int = 0
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
-    interval: int = 1
-    override_linear_precision: tuple[bool, bool, bool] = (False, False, False)
+    fp8_format: Format = Format(_D["fp8_format"])
+    margin: int = _D["margin"]
+    amax_history_len: int = _D["amax_history_len"]
+    amax_compute_algo: str = _D["amax_compute_algo"]
+    interval: int = _D["interval"]
+    override_linear_precision: tuple[bool, bool, bool] = _D["override_linear_precision"]
     power_of_2_scales: bool = False
     dgrad_weight_tensorwise: bool = False
-    block_size: int = 128
+    block_size: int = _D["block_size"]
     gemm: str = "auto"
     use_fast_accum: bool = True
-    use_during_eval: bool = False
+    use_during_eval: bool = _D["use_during_eval"]
     save_fp8_activations: bool = True
     name: str = field(default="", compare=False)
 
@@ -132,12 +135,8 @@ class Recipe:
             raise ValueError(
                 f"amax_compute_algo={self.amax_compute_algo!r}; use 'max' or 'most_recent'"
             )
-        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
-            raise ValueError(f"amax_history_len must be an integer >= 1, got {self.amax_history_len!r}")
-        if not isinstance(self.interval, int) or self.interval < 1:
-            raise ValueError(f"interval must be an integer >= 1, got {self.interval!r}")
-        if not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"margin must be an integer >= 0, got {self.margin!r}")
+        for name in FIELD_MINIMUMS:  # the catalog's one range check per field
+            check_int_field(name, getattr(self, name), convert=False)
         if self.gemm not in GEMM_BACKENDS:
             raise ValueError(f"gemm={self.gemm!r}; use one of {GEMM_BACKENDS}")
         if self.block_size < 16 or self.block_size % 16:
@@ -162,37 +161,12 @@ class Recipe:
     def from_name(cls, name: str, **overrides: Any) -> "Recipe":
         """One of ``delayed``, ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``,
         ``blockwise``; keyword arguments override single fields."""
-        key = str(name).lower().replace("-", "_")
-        presets: dict[str, dict[str, Any]] = {
-            "delayed": dict(scaling="delayed"),
-            "tensorwise": dict(scaling="tensorwise"),
-            "rowwise": dict(scaling="rowwise", fp8_format=Format.E4M3, power_of_2_scales=True),
-            "rowwise_with_gw_hp": dict(
-                scaling="rowwise",
-                fp8_format=Format.E4M3,
-                power_of_2_scales=True,
-                dgrad_weight_tensorwise=True,
-                override_linear_precision=(False, False, True),
-            ),
-            "blockwise": dict(scaling="blockwise", fp8_format=Format.E4M3, power_of_2_scales=True),
-        }
-        if key not in presets:
-            import difflib
-
-            near = difflib.get_close_matches(key, presets, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ValueError(f"unknown FP8 recipe {name!r}{hint}; choose one of {RECIPE_NAMES}")
+        info = recipe_info(name)  # unknown names (and MXFP8) rejected with the catalog's message
         fields = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(overrides) - fields)
         if bad:
-            import difflib
-
-            hints = [
-                f"{b!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(b, fields, n=1)) else "")
-                for b in bad
-            ]
-            raise ValueError(f"unknown recipe field(s) {', '.join(hints)}")
-        return cls(**{**presets[key], "name": key, **overrides})
+            raise ValueError(f"unknown recipe field(s) {', '.join(repr(b) + did_you_mean(b, fields) for b in bad)}")
+        return cls(**{**info.preset, "name": info.name, **overrides})
 
     def replace(self, **changes: Any) -> "Recipe":
         return dataclasses.replace(self, **changes)

@@ -21,6 +21,8 @@ the same ones (nothing is re-created), the optimizer may be a new object: build 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -28,7 +30,7 @@ from lowprec.optim.fp8_adamw import FP8AdamW, block_segments
 from lowprec.optim.fp8_grads import clear_fp8_grads, hold_grads_in_fp8, materialize_grads
 from lowprec.optim.moments import encode_exp_avg, encode_exp_avg_sq
 
-__all__ = ["OPT_LEVELS", "apply_opt_level", "to_fp8_adamw"]
+__all__ = ["OPT_LEVELS", "apply_opt_level", "check_o2_optimizer", "to_fp8_adamw"]
 
 OPT_LEVELS = ("O1", "O2")
 # Keys torch's Adam/AdamW put in every param group that FP8AdamW does not take.
@@ -36,6 +38,22 @@ _TORCH_ADAM_KEYS = (
     "amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
     "decoupled_weight_decay",
 )
+
+
+def check_o2_optimizer(optimizer: Any, what: str = "opt_level='O2'",
+                       fix: str = "opt_level='O1' (FP8 gradients only, any optimizer)") -> None:
+    """O2's optimizer rule, one place: torch Adam/AdamW (or FP8AdamW) without amsgrad/maximize.
+    ``what`` names the caller's setting and ``fix`` its alternative in the message."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, FP8AdamW)):
+        raise ValueError(
+            f"{what} needs torch.optim.Adam or torch.optim.AdamW (it becomes lowprec.optim.FP8AdamW), got "
+            f"{type(optimizer).__name__}; use one of those, or {fix}"
+        )
+    for group in optimizer.param_groups:
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ValueError(f"{what} does not support {type(optimizer).__name__}({flag}=True); "
+                                 f"set {flag}=False, or use {fix}")
 
 
 def to_fp8_adamw(optimizer: torch.optim.Optimizer, **fp8_kwargs) -> FP8AdamW:
@@ -46,20 +64,9 @@ def to_fp8_adamw(optimizer: torch.optim.Optimizer, **fp8_kwargs) -> FP8AdamW:
     """
     if isinstance(optimizer, FP8AdamW):
         return optimizer
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        raise ValueError(
-            f"opt_level='O2' needs torch.optim.Adam or torch.optim.AdamW, got "
-            f"{type(optimizer).__name__}; use one of those, or opt_level='O1' (FP8 gradients "
-            f"only, any optimizer)"
-        )
+    check_o2_optimizer(optimizer)
     groups = []
     for g in optimizer.param_groups:
-        for flag in ("amsgrad", "maximize"):
-            if g.get(flag):
-                raise ValueError(
-                    f"opt_level='O2' does not support {type(optimizer).__name__}({flag}=True); "
-                    f"set {flag}=False or use opt_level='O1'"
-                )
         adamw = isinstance(optimizer, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay"))
         new = {k: v for k, v in g.items() if k not in _TORCH_ADAM_KEYS}
         new["lr"] = float(new["lr"])  # a tensor lr (capturable setups) becomes a float

@@ -19,13 +19,16 @@ line naming the key and the fix. ``auto`` values are resolved later, once, by
 
 from __future__ import annotations
 
-import difflib
+import logging
 import os
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lowprec.catalog import FSDP_FP8_ALL_GATHER_UNSUPPORTED, RECIPE_NAMES, unread_recipe_fields
+from lowprec.errors import did_you_mean
 
 __all__ = [
     "TrainConfig",
@@ -74,11 +77,20 @@ class FP8RecipeSpec(_Strict):
 
     model_config = ConfigDict(extra="allow", frozen=True)  # recipe fields, checked in the validator
 
-    name: str = Field(default="tensorwise", description="delayed, tensorwise, rowwise, rowwise_with_gw_hp or blockwise")
+    name: str = Field(default="tensorwise", description=", ".join(RECIPE_NAMES))
 
     @model_validator(mode="after")
     def _known(self) -> "FP8RecipeSpec":
-        self.to_recipe()  # the engine's own messages: unknown name / field with "did you mean"
+        # validation only (the engine's own messages: unknown name / field with "did you mean",
+        # cross-field rules); the Recipe that runs is built once, by the backend
+        self.to_recipe()
+        unread = unread_recipe_fields(self.name, self.overrides)
+        if unread:  # issue 10 item 8: a setting that does nothing is an error, not kept silently
+            raise ValueError(
+                f"fp8_recipe.{unread[0]}: the {self.name} recipe does not read it (it tunes "
+                f"{'delayed scaling' if unread[0] != 'block_size' else 'blockwise scaling'}); drop it or "
+                "pick a recipe that reads it"
+            )
         return self
 
     @property
@@ -184,7 +196,7 @@ class TrainConfig(_Strict):
     fp8: Optional[bool] = Field(default=None, description="FP8 GEMMs in the Linear layers (lowprec's engine)")
     fp8_recipe: Union[str, FP8RecipeSpec] = Field(
         default="tensorwise",
-        description="named FP8 recipe (delayed, tensorwise, rowwise, rowwise_with_gw_hp, blockwise) or "
+        description=f"named FP8 recipe ({', '.join(RECIPE_NAMES)}) or "
         "{name: ..., <recipe field>: ...}",
     )
     fp8_filter: list[str] = Field(
@@ -225,19 +237,13 @@ class TrainConfig(_Strict):
     def _recipe(cls, v: Union[str, FP8RecipeSpec]) -> FP8RecipeSpec:
         return FP8RecipeSpec(name=v) if isinstance(v, str) else v
 
-    @field_validator("optimizer")
+    @field_validator("optimizer", "lr_scheduler")
     @classmethod
-    def _optimizer(cls, v: str) -> str:
-        v = {"adamw": "adamw_torch"}.get(v, v)
-        if v not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {v!r}{_hint(v, OPTIMIZERS)}; use one of {', '.join(OPTIMIZERS)}")
-        return v
-
-    @field_validator("lr_scheduler")
-    @classmethod
-    def _scheduler(cls, v: str) -> str:
-        if v not in LR_SCHEDULERS:
-            raise ValueError(f"unknown lr_scheduler {v!r}{_hint(v, LR_SCHEDULERS)}; use one of {', '.join(LR_SCHEDULERS)}")
+    def _named_choice(cls, v: str, info: Any) -> str:
+        choices = {"optimizer": OPTIMIZERS, "lr_scheduler": LR_SCHEDULERS}[info.field_name]
+        v = {"adamw": "adamw_torch"}.get(v, v) if info.field_name == "optimizer" else v
+        if v not in choices:
+            raise ValueError(f"unknown {info.field_name} {v!r}{_hint(v, choices)}; use one of {', '.join(choices)}")
         return v
 
     @field_validator("base_model")
@@ -292,6 +298,9 @@ class TrainConfig(_Strict):
             raise ValueError(
                 "fp8: true and fp16: true are both set; FP8 runs on top of bf16: drop fp16 (keep bf16: auto or true)"
             )
+        if not self.fp8 and "fp8_recipe" in self.model_fields_set:
+            raise ValueError(f"fp8_recipe is set but fp8 is {_yaml(self.fp8)}: the recipe would do nothing; "
+                             "set fp8: true or drop fp8_recipe")
         if self.fp8_enable_fsdp_float8_all_gather and self.fsdp_version != 2:
             raise ValueError(
                 "fp8_enable_fsdp_float8_all_gather: true requires FSDP2; add fsdp_version: 2 (and run with "
@@ -304,6 +313,9 @@ class TrainConfig(_Strict):
                 f"fp8_enable_fsdp_float8_all_gather needs a per-tensor recipe, not {self.fp8_recipe.name!r} "
                 "(rowwise scales are per row of each shard); use fp8_recipe: tensorwise or drop the all-gather"
             )
+        if self.fp8 and self.fp8_enable_fsdp_float8_all_gather:
+            # an accepted no-op flag is what Axolotl ships (force_recompute_fp8_weight_in_bwd); refuse
+            raise ValueError(FSDP_FP8_ALL_GATHER_UNSUPPORTED)
         if self.fsdp_config is not None and self.fsdp_version != 2:
             raise ValueError("fsdp_config is set but fsdp_version is not; add fsdp_version: 2")
         if self.deepspeed is not None and self.fsdp_version is not None:
@@ -343,19 +355,21 @@ class TrainConfig(_Strict):
     def to_yaml_dict(self) -> dict[str, Any]:
         d = self.model_dump(mode="json")
         d["fp8_recipe"] = {"name": self.fp8_recipe.name, **self.fp8_recipe.overrides}
+        if not self.fp8:  # a recipe without fp8 does nothing (and is an error when read back)
+            del d["fp8_recipe"]
         return d
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A validated copy with some keys changed (used by ``compare`` and overrides)."""
         data = self.to_yaml_dict()
         data.update(changes)
+        if not data.get("fp8") and "fp8_recipe" not in changes:
+            data.pop("fp8_recipe", None)  # e.g. `compare`'s fp32/bf16 variants of an fp8 config
         return parse_config(data, "config")
 
 
 # -------------------------------------------------------------------- loading
-def _hint(word: str, choices: Any) -> str:
-    m = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {m[0]!r}?)" if m else ""
+_hint = did_you_mean
 
 
 def _yaml(v: Any) -> str:
@@ -483,7 +497,14 @@ def load_config(path: Optional[str | os.PathLike], overrides: Optional[dict[str,
         from lowprec.config.yaml_file import read_yaml_mapping
 
         data = _relative_to(p.parent, read_yaml_mapping(p, example="base_model: builtin:llama-tiny"))
-    for key, value in (overrides or {}).items():
+    overrides = dict(overrides or {})
+    recipe_overridden = any(k == "fp8_recipe" or k.startswith("fp8_recipe.") for k in overrides)
+    if "fp8_recipe" in data and not overrides.get("fp8", True) and not recipe_overridden:
+        # `--fp8 false` on an FP8 config: the file's recipe no longer applies; say so (not an
+        # error: the flag, not the file, turned FP8 off)
+        data = {k: v for k, v in data.items() if k != "fp8_recipe"}
+        logging.getLogger("lowprec").info("lowprec: fp8_recipe in %s is not used: fp8 is false", source)
+    for key, value in overrides.items():
         _set_dotted(data, key, value)
     return parse_config(data, source, flags={k.split(".")[0] for k in overrides or {}})
 

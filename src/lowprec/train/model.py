@@ -39,7 +39,6 @@ at least as large as the tokenizer's works; pass ``vocab_size=`` to override.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -47,6 +46,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lowprec.errors import did_you_mean
 
 __all__ = [
     "LlamaConfig",
@@ -167,16 +168,11 @@ class LlamaConfig:
         arguments override single fields (``vocab_size=tok.vocab_size``, ``n_layers=2``...)."""
         key = str(name).lower().replace("_", "-")
         if key not in _PRESETS:
-            near = difflib.get_close_matches(key, _PRESETS, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise ValueError(f"unknown model name {name!r}{hint}; choose one of {MODEL_NAMES}")
+            raise ValueError(f"unknown model name {name!r}{did_you_mean(key, _PRESETS)}; choose one of {MODEL_NAMES}")
         fields = {f.name for f in dataclasses.fields(cls)} - {"name"}
         bad = sorted(set(overrides) - fields)
         if bad:
-            hints = [
-                f"{b!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(b, fields, n=1)) else "")
-                for b in bad
-            ]
+            hints = [f"{b!r}{did_you_mean(b, fields)}" for b in bad]
             raise ValueError(f"unknown model field(s) {', '.join(hints)}; fields are {sorted(fields)}")
         return cls(**{**_PRESETS[key], **overrides, "name": key})
 

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping, Sequence
 
 __all__ = ["plot_loss", "plot_fp8_report", "plot_compare"]

@@ -11,10 +11,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
+from lowprec.decision import Decision
+from lowprec.state import fp8_capability_check
 from lowprec.train.config import TrainConfig
 
 __all__ = ["Capabilities", "Decision", "RunPlan", "resolve", "precision_label"]
@@ -43,12 +45,6 @@ class Capabilities:
 
     def sm(self) -> str:
         return "" if self.cuda_capability is None else f"sm_{self.cuda_capability[0]}{self.cuda_capability[1]}"
-
-
-@dataclass(frozen=True)
-class Decision:
-    value: Any
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -95,16 +91,10 @@ def _bf16(cfg: TrainConfig, caps: Capabilities) -> Decision:
 
 def _fp8_check(cfg: TrainConfig, caps: Capabilities) -> Optional[str]:
     """None when FP8 runs, else the fallback (``bf16`` / ``emulate``) with its reason logged."""
-    cap = caps.cuda_capability
-    if not cfg.fp8 or cap is None or cap >= (8, 9):
+    if not cfg.fp8 or caps.cuda_capability is None:
         return None
-    if cfg.fp8_fallback is None:
-        raise ValueError(
-            f"fp8: true needs a GPU with compute capability 8.9+ (Ada, Hopper or newer); this one is "
-            f"{caps.sm()}. Set fp8: false and bf16: true, or fp8_fallback: emulate (FP8 numerics, slow) "
-            "or fp8_fallback: bf16"
-        )
-    return cfg.fp8_fallback
+    return fp8_capability_check(caps.cuda_capability, cfg.fp8_fallback, (
+        "Set fp8: false and bf16: true, or fp8_fallback: emulate (FP8 numerics, slow) or fp8_fallback: bf16"))
 
 
 def _packages(cfg: TrainConfig, caps: Capabilities) -> None:
@@ -129,12 +119,6 @@ def _packages(cfg: TrainConfig, caps: Capabilities) -> None:
 def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: int = 1) -> RunPlan:
     caps = caps or Capabilities.detect()
     _packages(cfg, caps)
-    if cfg.fp8 and cfg.fp8_enable_fsdp_float8_all_gather:
-        # an accepted no-op flag is what Axolotl ships (force_recompute_fp8_weight_in_bwd); refuse
-        raise ValueError(
-            "fp8_enable_fsdp_float8_all_gather: lowprec's FP8 engine does not all-gather weights in "
-            "FP8 yet (FSDP2 gathers them in high precision); drop the key"
-        )
     d: dict[str, Decision] = {}
     d["device"] = Decision(caps.device, "CUDA available" if caps.device == "cuda" else "no CUDA device")
     bf16 = _bf16(cfg, caps)

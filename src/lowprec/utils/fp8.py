@@ -14,7 +14,6 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from lowprec import fp8
-from lowprec.backends.availability import is_available
 
 __all__ = [
     "convert_model",
@@ -26,11 +25,23 @@ __all__ = [
 ]
 
 
+def _te_installed() -> bool:
+    from lowprec.backends.te import SPEC
+
+    return SPEC.available()
+
+
+def _ao_installed() -> bool:
+    from lowprec.backends.torchao import SPEC
+
+    return SPEC.available()
+
+
 def convert_model(model: nn.Module, to_transformer_engine: bool = True, _convert_linear: bool = True, _convert_ln: bool = True) -> nn.Module:
     if not to_transformer_engine:
         fp8.unconvert(model)
         return model
-    if is_available("te"):
+    if _te_installed():
         import transformer_engine.pytorch as te
 
         from lowprec.backends.te import te_convert
@@ -43,7 +54,7 @@ def convert_model(model: nn.Module, to_transformer_engine: bool = True, _convert
 
 
 def has_transformer_engine_layers(model: nn.Module) -> bool:
-    if is_available("te"):
+    if _te_installed():
         import transformer_engine.pytorch as te
 
         if any(isinstance(m, (te.Linear, te.LayerNorm)) for m in model.modules()):
@@ -52,7 +63,7 @@ def has_transformer_engine_layers(model: nn.Module) -> bool:
 
 
 def has_ao_layers(model: nn.Module) -> bool:
-    if is_available("torchao"):
+    if _ao_installed():
         from torchao.float8.float8_linear import Float8Linear
 
         if any(isinstance(m, Float8Linear) for m in model.modules()):

@@ -1,0 +1,192 @@
+"""What a backend declares about itself (:class:`BackendSpec`), and the registry of them.
+
+Each ``lowprec/backends/<name>.py`` ends with one ``SPEC = BackendSpec(...)``: its name, the
+spellings users type, the library it needs, its kwargs class, the FP8 settings it reads and
+how it becomes a running :class:`~lowprec.backends.base.Backend` (and, where its library is
+missing, which recipe lowprec's engine runs instead). Everything that lists backends (the
+registry, ``--fp8_backend``'s help, the wizard, ``lowprec env``, the docs tables, the
+"this backend does not read that field" checks) is generated from these declarations, so a
+new backend is one module plus one line in :data:`BACKEND_MODULES` (torchtitan keeps its
+converters the same way). Torch-free: the launcher imports this.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+from lowprec.errors import did_you_mean
+
+__all__ = [
+    "BackendSpec",
+    "BACKEND_MODULES",
+    "AUTO",
+    "register",
+    "unregister",
+    "specs",
+    "get_spec",
+    "lookup",
+    "spelling_table",
+    "backends_markdown",
+    "docs_page",
+    "RECIPE_SETTINGS",
+    "handler_field",
+    "recipe_field",
+    "spec_or_native",
+]
+
+AUTO = "auto"  # "pick for me": the native engine, which is always available
+# The modules that declare a backend, in the order they are listed to users.
+BACKEND_MODULES = ("native", "torchao", "te", "msamp")
+# Launch settings that tune an FP8 scaling recipe (read by the backends that run one).
+RECIPE_SETTINGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin", "fp8_interval",
+                   "fp8_override_linear_precision", "fp8_use_autocast_during_eval")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend, as data.
+
+    ``name`` is the canonical name (``RecipeKwargs.backend``, ``Backend.name``); ``env_value``
+    the spelling of ``ACCELERATE_FP8_BACKEND`` (Accelerate's ``FP8BackendType``); its lower
+    case is what ``lowprec launch`` stores. ``reads`` are launch setting names
+    (``fp8_format``, ...; see :mod:`lowprec.config.env`). ``create(handler, why)`` returns the
+    running backend (its own library's, or the native engine's fallback, with a logged reason).
+    """
+
+    name: str
+    env_value: str
+    summary: str
+    kwargs_class: type
+    reads: tuple[str, ...]
+    create: Callable[[Any, str], Any]
+    aliases: tuple[str, ...] = ()
+    library: Optional[str] = None  # import name; None: always available
+    distributions: tuple[str, ...] = ()  # pip names to look up for `lowprec env`
+    reads_env: tuple[str, ...] = ()  # variables it reads that are no launch setting
+    native_recipe: Optional[Callable[[Any], Any]] = None  # handler -> lowprec.fp8.Recipe
+    to_handler_fields: Optional[Callable[[Mapping[str, Any]], dict]] = None  # launch fields -> kwargs
+    rejects: Mapping[str, str] = field(default_factory=dict)  # launch field -> why it is refused
+    fp8_formats: tuple[str, ...] = ("HYBRID", "E4M3")  # E5M2 in the forward pass: TE only
+
+    def spellings(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((self.name, self.env_value.lower(), *self.aliases)))
+
+    def available(self) -> bool:
+        from lowprec.backends.availability import module_available
+
+        return self.library is None or module_available(self.library)
+
+    def handler_from_fields(self, fields: Mapping[str, Any]) -> Any:
+        """The kwargs handler for launch-style settings (``fp8_margin=2`` -> ``margin=2``)."""
+        if self.to_handler_fields is not None:
+            return self.kwargs_class(**self.to_handler_fields(fields))
+        return self.kwargs_class(**{handler_field(k): v for k, v in fields.items()})
+
+
+def spec_or_native(value: Any) -> BackendSpec:
+    """The backend a launch setting names; ``None``/``auto`` is the native engine."""
+    return lookup(value) or get_spec("native")
+
+
+def handler_field(setting: str) -> str:
+    """Launch setting name -> kwargs field name (``fp8_format`` keeps its prefix)."""
+    return setting if setting == "fp8_format" else setting.removeprefix("fp8_")
+
+
+def recipe_field(setting: str) -> str:
+    """Launch setting name -> :class:`lowprec.fp8.Recipe` field name."""
+    return "use_during_eval" if setting == "fp8_use_autocast_during_eval" else handler_field(setting)
+
+
+_REGISTRY: dict[str, BackendSpec] = {}
+_LOADED = [False]
+
+
+def _load() -> None:
+    if not _LOADED[0]:
+        _LOADED[0] = True
+        for module in BACKEND_MODULES:
+            spec = importlib.import_module(f"lowprec.backends.{module}").SPEC
+            _REGISTRY.setdefault(spec.name, spec)
+
+
+def register(spec: BackendSpec) -> BackendSpec:
+    """Add a backend (a plug-in or a test's); its spellings must be new."""
+    _load()
+    taken = {s: other.name for other in _REGISTRY.values() for s in other.spellings()}
+    clash = [s for s in spec.spellings() if s in taken and taken[s] != spec.name]
+    if clash:
+        raise ValueError(f"backend {spec.name!r}: spelling(s) {clash} already name {taken[clash[0]]!r}")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def specs() -> tuple[BackendSpec, ...]:
+    _load()
+    return tuple(_REGISTRY.values())
+
+
+def spelling_table() -> dict[str, BackendSpec]:
+    return {s: spec for spec in specs() for s in spec.spellings()}
+
+
+def lookup(value: Any, key: str = "fp8_backend") -> Optional[BackendSpec]:
+    """The backend a user spelt (any case); ``None`` for no/none/auto/empty."""
+    if value is None:
+        return None
+    text = str(value).strip().lower()
+    if text in ("", "no", "none", AUTO):
+        return None
+    table = spelling_table()
+    if text not in table:
+        names = ", ".join(s.env_value.lower() for s in specs())
+        raise ValueError(f"{key}={value!r} is not known{did_you_mean(text, table)}; use one of {names} (any case)")
+    return table[text]
+
+
+def get_spec(name: str) -> BackendSpec:
+    """The spec of a canonical name (or any spelling)."""
+    spec = lookup(name)
+    if spec is None:
+        raise ValueError(f"{name!r} names no backend")
+    return spec
+
+
+def backends_markdown() -> str:
+    """The docs table of backends, generated from the declarations."""
+    rows = ["| backend | spellings | library | kwargs class | reads |", "| --- | --- | --- | --- | --- |"]
+    for s in specs():
+        rows.append(
+            f"| {s.name} | {', '.join(s.spellings())} | {s.library or '(none: lowprec engine)'} | "
+            f"{s.kwargs_class.__name__} | {', '.join(s.reads) or '-'} |"
+        )
+    return "\n".join(rows)
+
+
+def docs_page() -> str:
+    """``docs/backends.md``: regenerate with ``python -m lowprec.backends.spec > docs/backends.md``."""
+    from lowprec.catalog import MXFP8_UNSUPPORTED, recipes_markdown
+
+    return (
+        "# FP8 backends and recipes\n\n"
+        "Generated from the declarations (`SPEC` in `src/lowprec/backends/<name>.py`, `RECIPES` in\n"
+        "`src/lowprec/catalog.py`) by `python -m lowprec.backends.spec > docs/backends.md`; a test keeps\n"
+        "it current. `reads` lists the launch settings (flags `--<name>`, `fp8_config:` keys without the\n"
+        "`fp8_` prefix, `ACCELERATE_FP8_*` variables) each backend uses; any other is an error at launch.\n\n"
+        "## Backends\n\n" + backends_markdown() + "\n\n"
+        "## Recipes (the native engine)\n\n"
+        "`reads`: the scaling fields the recipe uses besides `fp8_format`, `override_linear_precision`\n"
+        "and `use_during_eval`; setting another one is an error in launch and the trainer's YAML and\n"
+        "one warning in the Python API.\n\n" + recipes_markdown() + "\n\n"
+        f"MXFP8: {MXFP8_UNSUPPORTED}.\n"
+    )
+
+
+if __name__ == "__main__":
+    print(docs_page(), end="")

@@ -1,0 +1,186 @@
+"""FP8 recipe names, what they mean and which fields they read: the one torch-free table.
+
+Layer 0: imports nothing of lowprec and no torch, so the launcher, the wizard, the trainer's
+schema and the engine (:class:`lowprec.fp8.Recipe`) all read the same names, presets and
+messages. Adding a recipe means one :class:`RecipeInfo` row here plus its GEMM plan in
+``lowprec/fp8/recipes.py`` (and its test).
+
+Each recipe is a scaling *kind* (where the scale comes from: an amax history or the tensor
+itself) at a *granularity* (how many elements share one scale: tensor, row, block); the table
+of them is generated into ``docs/backends.md`` (:func:`recipes_markdown`).
+
+MXFP8 (1x32 blocks with E8M0 scales) is not implemented: every entry point rejects it with
+:data:`MXFP8_UNSUPPORTED`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping
+
+__all__ = [
+    "ScalingKind",
+    "Granularity",
+    "RecipeInfo",
+    "RECIPES",
+    "RECIPE_NAMES",
+    "SCALING_FIELDS",
+    "FIELD_DEFAULTS",
+    "FIELD_MINIMUMS",
+    "RECIPE_FIELDS",
+    "check_int_field",
+    "MXFP8_UNSUPPORTED",
+    "FSDP_FP8_ALL_GATHER_UNSUPPORTED",
+    "recipe_info",
+    "unread_recipe_fields",
+    "recipes_markdown",
+]
+
+
+class ScalingKind(str, Enum):
+    """Where a scale comes from."""
+
+    DELAYED = "delayed"  # from the amaxes of earlier steps (an amax history)
+    DYNAMIC = "dynamic"  # from the tensor being cast, at cast time
+
+
+class Granularity(str, Enum):
+    """How many elements share one scale."""
+
+    TENSOR = "tensor"  # one scale per tensor
+    AXIS = "axis"  # one scale per row (slice across the contraction dim)
+    BLOCK = "block"  # one scale per tile
+
+
+# One default per field, for every entry point (Recipe, TERecipeKwargs, launch, wizard, docs).
+# amax_compute_algo: Accelerate documents "most_recent" for TERecipeKwargs and has always
+# forwarded it there; the engine's Recipe said "max" (TransformerEngine's DelayedScaling
+# default). The engine now takes Accelerate's documented default too; a recipe built by name
+# without the field therefore uses "most_recent" (docs/log/settings.md records the change).
+FIELD_DEFAULTS: Mapping[str, Any] = MappingProxyType({
+    "fp8_format": "HYBRID",
+    "margin": 0,
+    "amax_history_len": 1024,
+    "amax_compute_algo": "most_recent",
+    "interval": 1,
+    "override_linear_precision": (False, False, False),
+    "use_during_eval": False,
+    "block_size": 128,
+})
+
+# Every field of lowprec.fp8.Recipe (a test keeps this equal to the dataclass's fields).
+RECIPE_FIELDS = (*FIELD_DEFAULTS, "scaling", "power_of_2_scales", "dgrad_weight_tensorwise", "gemm",
+                 "use_fast_accum", "save_fp8_activations", "name")
+
+# The one range check of each integer field (Recipe, kwargs, launch flags/YAML/env, wizard).
+FIELD_MINIMUMS: Mapping[str, int] = MappingProxyType({"amax_history_len": 1, "interval": 1, "margin": 0})
+
+
+def check_int_field(name: str, value: Any, convert: bool = True) -> int:
+    """``value`` as an integer within its field's range; ``ValueError`` naming the field.
+    ``convert=False`` (the engine's dataclass) takes ints only, not ``"3"``."""
+    minimum = FIELD_MINIMUMS[name]
+    if isinstance(value, bool) or (not convert and not isinstance(value, int)):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if not isinstance(value, int):
+        try:
+            value = int(str(value).strip())
+        except ValueError:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if value < minimum:
+        raise ValueError(f"{value} is too small; {name} must be an integer >= {minimum}")
+    return value
+
+
+# Fields that mean something for some scaling kinds only; a recipe that does not read one of
+# them gets an error (trainer, launch) or a warning (Python API) when it is set.
+SCALING_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "block_size")
+_DELAYED_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "interval")
+
+MXFP8_UNSUPPORTED = (
+    "MXFP8 (1x32 blocks with E8M0 scales) is not implemented in lowprec yet; use the blockwise "
+    "recipe (FP8 1x128 / 128x128 blocks) or a per-tensor recipe (tensorwise, delayed)"
+)
+FSDP_FP8_ALL_GATHER_UNSUPPORTED = (
+    "fp8_enable_fsdp_float8_all_gather: lowprec's FP8 engine does not all-gather weights in FP8 "
+    "yet (FSDP2 gathers them in high precision); drop the key"
+)
+
+
+@dataclass(frozen=True)
+class RecipeInfo:
+    """A named recipe: its meaning and the :class:`lowprec.fp8.Recipe` field values it sets
+    (``preset``, plain values: no torch here)."""
+
+    name: str
+    kind: ScalingKind
+    granularity: Granularity
+    summary: str
+    preset: Mapping[str, Any] = field(default_factory=dict)
+    reads: tuple[str, ...] = ()  # which SCALING_FIELDS it reads
+
+    @property
+    def scaling(self) -> str:
+        """The engine's ``Recipe.scaling`` value."""
+        if self.kind is ScalingKind.DELAYED:
+            return "delayed"
+        return {Granularity.TENSOR: "tensorwise", Granularity.AXIS: "rowwise", Granularity.BLOCK: "blockwise"}[
+            self.granularity
+        ]
+
+
+_ROWWISE = {"fp8_format": "E4M3", "power_of_2_scales": True}
+RECIPES: Mapping[str, RecipeInfo] = MappingProxyType({
+    r.name: r
+    for r in (
+        RecipeInfo("delayed", ScalingKind.DELAYED, Granularity.TENSOR,
+                   "per-tensor scale from an amax history (TransformerEngine DelayedScaling)",
+                   {"scaling": "delayed"}, _DELAYED_FIELDS),
+        RecipeInfo("tensorwise", ScalingKind.DYNAMIC, Granularity.TENSOR,
+                   "per-tensor scale from this tensor's amax (torchao default)",
+                   {"scaling": "tensorwise"}, ("margin",)),
+        RecipeInfo("rowwise", ScalingKind.DYNAMIC, Granularity.AXIS,
+                   "per-row power-of-two scales, E4M3 everywhere (torchao rowwise)",
+                   {"scaling": "rowwise", **_ROWWISE}),
+        RecipeInfo("rowwise_with_gw_hp", ScalingKind.DYNAMIC, Granularity.AXIS,
+                   "rowwise; weight-gradient GEMM in high precision, weight tensorwise for dgrad",
+                   {"scaling": "rowwise", **_ROWWISE, "dgrad_weight_tensorwise": True,
+                    "override_linear_precision": (False, False, True)}),
+        RecipeInfo("blockwise", ScalingKind.DYNAMIC, Granularity.BLOCK,
+                   "1x128 activation/gradient tiles, 128x128 weight tiles, power-of-two scales (DeepSeek-V3)",
+                   {"scaling": "blockwise", **_ROWWISE}, ("block_size",)),
+    )
+})
+RECIPE_NAMES: tuple[str, ...] = tuple(RECIPES)
+_MXFP8_SPELLINGS = ("mxfp8", "mx_fp8", "mxfp8_block_scaling", "mx")
+
+
+def recipe_info(name: Any) -> RecipeInfo:
+    """The recipe called ``name`` (any case, ``-`` or ``_``); ``ValueError`` with a hint."""
+    from lowprec.errors import did_you_mean
+
+    key = str(name).strip().lower().replace("-", "_")
+    if key in _MXFP8_SPELLINGS:
+        raise ValueError(MXFP8_UNSUPPORTED)
+    if key not in RECIPES:
+        raise ValueError(
+            f"unknown FP8 recipe {name!r}{did_you_mean(key, RECIPES)}; choose one of {', '.join(RECIPE_NAMES)}"
+        )
+    return RECIPES[key]
+
+
+def unread_recipe_fields(name: str, fields: Iterable[str]) -> list[str]:
+    """Which of ``fields`` (engine field names) the recipe ``name`` never reads."""
+    reads = set(recipe_info(name).reads)
+    return sorted(f for f in fields if f in SCALING_FIELDS and f not in reads)
+
+
+def recipes_markdown() -> str:
+    """The docs table of recipes, generated from :data:`RECIPES`."""
+    rows = ["| recipe | scaling kind | granularity | reads | meaning |", "| --- | --- | --- | --- | --- |"]
+    for r in RECIPES.values():
+        reads = ", ".join(r.reads) or "-"
+        rows.append(f"| {r.name} | {r.kind.value} | {r.granularity.value} | {reads} | {r.summary} |")
+    return "\n".join(rows)

@@ -1,0 +1,311 @@
+"""The FP8 recipe handlers a script passes in ``kwargs_handlers`` (Accelerate's names).
+
+Every field resolves once, in ``__post_init__``: the explicit argument (checked by the field's
+one parser, :mod:`lowprec.config.values`), else its ``ACCELERATE_FP8_*`` variable (read by the
+one reader, :func:`lowprec.config.env.read_env`), else the one default
+(:data:`lowprec.catalog.FIELD_DEFAULTS`). Unlike Accelerate (reference section 8, bug 10),
+``to_kwargs()`` returns *every* resolved value. Wrong types fail here, at construction, with
+one line naming the field (issue 10 item 7), not later inside ``prepare``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import InitVar, dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+from lowprec.catalog import FIELD_DEFAULTS, RECIPE_FIELDS, recipe_info, unread_recipe_fields
+from lowprec.config import values as V
+from lowprec.kwargs import _FP8_NAMES, FP8_PREFIX, KwargsHandler, _alias, env_get, environ
+
+__all__ = list(_FP8_NAMES)
+
+# handler field -> (launch setting it shares a variable and a parser with, default)
+_D = FIELD_DEFAULTS
+_FIELDS: dict[str, tuple[str, Any]] = {
+    "use_autocast_during_eval": ("fp8_use_autocast_during_eval", _D["use_during_eval"]),
+    "margin": ("fp8_margin", _D["margin"]),
+    "interval": ("fp8_interval", _D["interval"]),
+    "fp8_format": ("fp8_format", _D["fp8_format"]),
+    "amax_history_len": ("fp8_amax_history_len", _D["amax_history_len"]),
+    "amax_compute_algo": ("fp8_amax_compute_algo", _D["amax_compute_algo"]),
+    "override_linear_precision": ("fp8_override_linear_precision", _D["override_linear_precision"]),
+    "opt_level": ("fp8_opt_level", "O2"),
+    "pad_inner_dim": ("fp8_pad_inner_dim", True),
+    "enable_fsdp_float8_all_gather": ("fp8_enable_fsdp_float8_all_gather", True),
+}
+
+
+def _parser(setting: str) -> Callable[[Any], Any]:
+    from lowprec.config.env import ENV_VARS
+
+    if setting == "fp8_override_linear_precision":
+        return V.parse_override_linear_precision
+    return next(v.parse for v in ENV_VARS if v.field == setting)
+
+
+def _resolve_fields(obj: Any, names: tuple[str, ...]) -> None:
+    """explicit > ``ACCELERATE_FP8_*`` > default, each through the field's one parser."""
+    from lowprec.config.env import read_env
+
+    settings = {_FIELDS[n][0] for n in names}
+    from_env = read_env(environ(), settings)
+    for name in names:
+        setting, default = _FIELDS[name]
+        value = getattr(obj, name)
+        if value is None:
+            value = from_env.get(setting, default)
+        else:
+            try:
+                value = _parser(setting)(value)
+            except ValueError as err:
+                raise ValueError(f"{type(obj).__name__}({name}={value!r}): {err}") from None
+        object.__setattr__(obj, name, value)
+
+
+def _check_type(obj: Any, name: str, ok: bool, expected: str) -> None:
+    if not ok:
+        value = getattr(obj, name)
+        raise TypeError(f"{type(obj).__name__}({name}={value!r}): expected {expected}, got {type(value).__name__}")
+
+
+def normalize_backend(value: Any, key: str = "fp8_backend") -> Optional[str]:
+    """``te`` / ``TE`` / ``transformer_engine`` -> ``te``; ``no`` / empty -> None (any case)."""
+    from lowprec.backends.spec import lookup
+
+    spec = lookup(value, key)
+    return None if spec is None else spec.name
+
+
+@dataclass(frozen=True)
+class RecipeKwargs(KwargsHandler):
+    """Base of the FP8 recipe handlers; ``backend`` names the backend it asks for."""
+
+    backend = "native"
+
+
+@dataclass(frozen=True)
+class TERecipeKwargs(RecipeKwargs):
+    """TransformerEngine ``DelayedScaling`` recipe (runs on the native engine without TE).
+
+    ``use_mxfp8_block_scaling`` asks for TE's MXFP8BlockScaling: with TE installed TE runs it;
+    lowprec's engine has no MXFP8 and refuses it (:data:`lowprec.catalog.MXFP8_UNSUPPORTED`)."""
+
+    use_autocast_during_eval: Optional[bool] = None
+    margin: Optional[int] = None
+    interval: Optional[int] = None
+    fp8_format: Optional[str] = None
+    amax_history_len: Optional[int] = None
+    amax_compute_algo: Optional[str] = None
+    override_linear_precision: Optional[Any] = None
+    use_mxfp8_block_scaling: Optional[bool] = None
+    # spellings written by the `accelerate config` wizard (reference section 3.4, bug 5)
+    amax_history_length: InitVar[Optional[int]] = None
+    amax_compute_algorithm: InitVar[Optional[str]] = None
+
+    backend = "te"
+
+    def __post_init__(self, amax_history_length=None, amax_compute_algorithm=None) -> None:
+        _alias(self, "amax_history_len", "amax_history_length", amax_history_length)
+        _alias(self, "amax_compute_algo", "amax_compute_algorithm", amax_compute_algorithm)
+        self._resolve_te_fields()
+
+    def _resolve_te_fields(self) -> None:
+        _resolve_fields(self, ("use_autocast_during_eval", "margin", "interval", "fp8_format", "amax_history_len",
+                               "amax_compute_algo", "override_linear_precision"))
+        mx = self.use_mxfp8_block_scaling
+        if mx is None:
+            mx = env_get(FP8_PREFIX + "USE_MXFP8_BLOCK_SCALING") or False
+            key = f"environment variable {FP8_PREFIX}USE_MXFP8_BLOCK_SCALING"
+        else:
+            key = "use_mxfp8_block_scaling"
+        try:
+            object.__setattr__(self, "use_mxfp8_block_scaling", V.parse_bool(mx))
+        except ValueError as err:
+            raise ValueError(f"{key}: {err}") from None
+
+
+@dataclass(frozen=True)
+class MSAMPRecipeKwargs(RecipeKwargs):
+    """MS-AMP optimisation level: O1 (FP8 weight gradients and all-reduce) or O2 (also FP8/FP16
+    Adam moments). Runs on lowprec's own O1/O2 when MS-AMP is not installed."""
+
+    opt_level: Optional[str] = None
+    optimization_level: InitVar[Optional[str]] = None  # the docs' and the wizard's spelling
+
+    backend = "msamp"
+
+    def __post_init__(self, optimization_level=None) -> None:
+        _alias(self, "opt_level", "optimization_level", optimization_level)
+        self._resolve_opt_level()
+
+    def _resolve_opt_level(self) -> None:
+        _resolve_fields(self, ("opt_level",))
+
+
+_PLAIN_DATA = (bool, int, float, str, bytes, list, tuple, dict, set)
+
+
+@dataclass(frozen=True)
+class AORecipeKwargs(RecipeKwargs):
+    """torchao ``Float8Linear`` training (runs the same tensorwise recipe natively without torchao).
+
+    ``enable_fsdp_float8_all_gather`` only takes effect under FSDP2: elsewhere it would replace
+    the weights with new Parameter objects behind the optimizer's back (reference bug 1).
+    ``recipe``: a torchao recipe name (``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``);
+    lowprec's extension, used when ``config`` is not given. ``use_autocast_during_eval``
+    (lowprec's extension, env ``ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL``): FP8 in
+    ``model.eval()`` too; off by default as for TE (Accelerate's AO path had no switch, bug 15).
+    """
+
+    config: Optional[Any] = None
+    module_filter_func: Optional[Callable] = None
+    pad_inner_dim: Optional[bool] = None
+    enable_fsdp_float8_all_gather: Optional[bool] = None
+    recipe: Optional[str] = None
+    use_autocast_during_eval: Optional[bool] = None
+
+    backend = "torchao"
+
+    def __post_init__(self) -> None:
+        _resolve_fields(self, ("pad_inner_dim", "enable_fsdp_float8_all_gather", "use_autocast_during_eval"))
+        _check_type(self, "config", not isinstance(self.config, _PLAIN_DATA),
+                    "a torchao.float8.Float8LinearConfig (or None)")
+        if self.recipe is not None:
+            try:
+                object.__setattr__(self, "recipe", V.choice(self.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp")))
+            except ValueError as err:
+                raise ValueError(f"AORecipeKwargs(recipe=...): {err}") from None
+        if self.module_filter_func is not None and not callable(self.module_filter_func):
+            raise TypeError("module_filter_func must be a callable (module, fqn) -> bool")
+
+
+@dataclass(frozen=True)
+class NativeRecipeKwargs(RecipeKwargs):
+    """lowprec's own engine, by recipe name: ``delayed``, ``tensorwise``, ``rowwise``,
+    ``rowwise_with_gw_hp``, ``blockwise`` (env ``LOWPREC_FP8_RECIPE``). ``overrides`` sets single
+    :class:`lowprec.fp8.Recipe` fields; ``ACCELERATE_FP8_*`` variables that are *set* (as
+    ``lowprec launch`` writes them) override the named preset too, explicit ``overrides`` win.
+    A field the named recipe accepts but does not read (``amax_history_len`` for
+    ``tensorwise``) is kept, as Accelerate would, with one warning. ``module_filter_func(module,
+    fqn) -> bool`` picks layers; ``skip_first_last`` / ``skip_patterns`` are the engine's
+    conversion defaults. The engine's :class:`~lowprec.fp8.Recipe` is built once, here (so a bad
+    combination fails at construction with the engine's message); :meth:`to_recipe` returns it."""
+
+    recipe: Optional[str] = None
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    module_filter_func: Optional[Callable] = None
+    skip_first_last: bool = True
+    skip_patterns: tuple = ("lm_head", "router", "gate")
+    use_autocast_during_eval: Optional[bool] = None
+
+    backend = "native"
+
+    def __post_init__(self) -> None:
+        name = self.recipe if self.recipe is not None else (env_get("LOWPREC_FP8_RECIPE") or "tensorwise")
+        object.__setattr__(self, "recipe", recipe_info(name).name)  # unknown names / MXFP8: one message
+        _check_type(self, "overrides", isinstance(self.overrides, Mapping), "a mapping of Recipe fields")
+        _check_type(self, "skip_first_last", isinstance(self.skip_first_last, bool), "True or False")
+        _check_type(self, "skip_patterns", isinstance(self.skip_patterns, (list, tuple))
+                    and all(isinstance(p, str) for p in self.skip_patterns), "a list of strings")
+        if self.module_filter_func is not None and not callable(self.module_filter_func):
+            raise TypeError("module_filter_func must be a callable (module, fqn) -> bool")
+        object.__setattr__(self, "overrides", {**_env_recipe_overrides(), **dict(self.overrides)})
+        object.__setattr__(self, "skip_patterns", tuple(self.skip_patterns))
+        _resolve_fields(self, ("use_autocast_during_eval",))
+        self._check_overrides()
+        from lowprec.fp8.recipes import Recipe
+
+        overrides = dict(self.overrides)
+        overrides.setdefault("use_during_eval", self.use_autocast_during_eval)
+        object.__setattr__(self, "_recipe", Recipe.from_name(self.recipe, **overrides))
+
+    def _check_overrides(self) -> None:
+        from lowprec.errors import did_you_mean
+
+        known = set(RECIPE_FIELDS)
+        for key in self.overrides:
+            if key not in known:
+                raise ValueError(f"unknown recipe field(s) {key!r}{did_you_mean(key, known)}")
+        unread = unread_recipe_fields(self.recipe, self.overrides)
+        if unread:
+            warnings.warn(f"NativeRecipeKwargs: the {self.recipe} recipe does not read {', '.join(unread)}; "
+                          "they have no effect (pick a recipe that reads them, or drop them)", UserWarning, stacklevel=3)
+
+    def to_recipe(self):
+        """The engine recipe (built once, in ``__post_init__``)."""
+        return self._recipe
+
+
+def _env_recipe_overrides() -> dict[str, Any]:
+    """Recipe fields from the ``ACCELERATE_FP8_*`` variables that are set (unset ones leave the
+    named preset's own values, e.g. rowwise's E4M3)."""
+    from lowprec.backends.spec import recipe_field
+    from lowprec.config.env import read_env
+
+    tuning = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin", "fp8_interval",
+              "fp8_override_linear_precision")
+    return {recipe_field(k): v for k, v in read_env(environ(), tuning).items()}
+
+
+_FP8_WARNED = [False]
+
+
+@dataclass(frozen=True)
+class FP8RecipeKwargs(TERecipeKwargs):
+    """Deprecated (as in Accelerate): ``backend="te"`` or ``"msamp"`` plus that backend's fields.
+
+    Unlike Accelerate it validates ``opt_level``, does not need TE for MS-AMP, and never leaks
+    ``backend`` into the TE recipe (reference bug 9). :meth:`to_handler` gives the modern class.
+    """
+
+    backend: Optional[str] = None  # type: ignore[assignment]
+    opt_level: Optional[str] = None
+    optimization_level: InitVar[Optional[str]] = None
+
+    def __post_init__(self, amax_history_length=None, amax_compute_algorithm=None, optimization_level=None) -> None:
+        from lowprec.backends.spec import get_spec, lookup
+
+        if not _FP8_WARNED[0]:
+            _FP8_WARNED[0] = True
+            warnings.warn(
+                "FP8RecipeKwargs is deprecated; use TERecipeKwargs, MSAMPRecipeKwargs, AORecipeKwargs "
+                "or NativeRecipeKwargs",
+                FutureWarning,
+                stacklevel=3,
+            )
+        _alias(self, "amax_history_len", "amax_history_length", amax_history_length)
+        _alias(self, "amax_compute_algo", "amax_compute_algorithm", amax_compute_algorithm)
+        _alias(self, "opt_level", "optimization_level", optimization_level)
+        legacy = (TERecipeKwargs, MSAMPRecipeKwargs)  # the two classes Accelerate's FP8RecipeKwargs covered
+        raw = self.backend if self.backend is not None else env_get(FP8_PREFIX + "BACKEND")
+        if raw is None:  # Accelerate's rule: MS-AMP when installed, else TE
+            raw = MSAMPRecipeKwargs.backend if get_spec(MSAMPRecipeKwargs.backend).available() else TERecipeKwargs.backend
+        spec = lookup(raw, "backend")
+        if spec is None or spec.kwargs_class not in legacy:
+            raise ValueError(f"FP8RecipeKwargs backend={raw!r}; use 'te' or 'msamp' (or AORecipeKwargs for torchao)")
+        object.__setattr__(self, "backend", spec.name)
+        self._resolve_te_fields()
+        MSAMPRecipeKwargs._resolve_opt_level(self)  # type: ignore[arg-type]
+
+    def to_handler(self) -> RecipeKwargs:
+        from lowprec.backends.spec import get_spec
+
+        cls = get_spec(self.backend).kwargs_class
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
+
+
+def recipe_kwargs_from_config(config: Mapping[str, Any]) -> RecipeKwargs:
+    """The handler for a YAML ``fp8_config:`` block, parsed by the launch schema
+    (:class:`lowprec.config.launch_config.FP8Config`, the one ``fp8_config`` parser) and mapped
+    by the backend's declaration; unknown keys and keys the backend does not read are errors."""
+    from lowprec.backends.spec import spec_or_native
+    from lowprec.config.env import check_fp8_fields
+    from lowprec.config.launch_config import parse_fp8_config
+
+    fields = parse_fp8_config(config)
+    backend = fields.pop("fp8_backend", None)
+    fields.pop("fp8_fallback", None)  # the Accelerator's fp8_fallback=, not a recipe field
+    check_fp8_fields(backend, fields.get("fp8_recipe"), fields, lambda k: f"fp8_config.{k.removeprefix('fp8_')}")
+    return spec_or_native(backend).handler_from_fields(fields)

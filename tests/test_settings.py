@@ -1,0 +1,171 @@
+"""One FP8 settings path (issue 11 item 1, issue 10 items 7-8): every entry point resolves the
+same request to the same FP8Settings; recipe names, defaults and refusals come from one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+
+import pytest
+
+from lowprec import Accelerator
+from lowprec.backends.registry import resolve_fp8_settings
+from lowprec.catalog import (FIELD_DEFAULTS, FSDP_FP8_ALL_GATHER_UNSUPPORTED, MXFP8_UNSUPPORTED, RECIPE_FIELDS,
+                             RECIPES, Granularity, ScalingKind)
+from lowprec.cli.main import main
+from lowprec.kwargs import AORecipeKwargs, NativeRecipeKwargs, TERecipeKwargs
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "report_launch_env.py")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in [n for n in os.environ if n.startswith(("ACCELERATE_", "LOWPREC_FP8", "FSDP_"))]:
+        monkeypatch.delenv(name)
+
+
+def _exported(argv, capsys) -> dict[str, str]:
+    assert main(["launch", "--dry_run", *argv]) == 0
+    out = capsys.readouterr().out
+    return {k: shlex.split(v)[0] for k, _, v in (ln[7:].partition("=") for ln in out.splitlines()
+                                                    if ln.startswith("export "))}
+
+
+def _from_env(monkeypatch, env) -> dict:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return Accelerator(cpu=True).fp8_settings.values()
+
+
+def test_every_entry_point_resolves_the_same_settings(monkeypatch, capsys, tmp_path):
+    # the request: native delayed scaling, 16-step history, weight-gradient GEMM in high precision
+    python = Accelerator(mixed_precision="fp8", cpu=True, kwargs_handlers=[NativeRecipeKwargs(
+        recipe="delayed", overrides={"amax_history_len": 16, "override_linear_precision": (False, False, True)})])
+    want = python.fp8_settings.values()
+    assert want["recipe"]["amax_history_len"] == 16 and want["backend"] == "native"
+
+    flags = ["--mixed_precision", "fp8", "--fp8_backend", "native", "--fp8_recipe", "delayed",
+             "--fp8_amax_history_len", "16", "--fp8_override_linear_precision", "false,false,true"]
+    env = _exported([*flags, SCRIPT], capsys)
+    cfg = tmp_path / "launch.yaml"
+    cfg.write_text("mixed_precision: fp8\nfp8_config:\n  backend: NATIVE\n  recipe: delayed\n"
+                   "  amax_history_length: 16\n  override_linear_precision: (false, false, true)\n")
+    assert _exported(["--config_file", str(cfg), SCRIPT], capsys) == env
+    assert _from_env(monkeypatch, env) == want
+
+    from lowprec.train.config import parse_config
+    from lowprec.train.resolve import Capabilities, resolve
+    from lowprec.train.trainer import _accelerator
+
+    for name in env:
+        monkeypatch.delenv(name)
+    tcfg = parse_config({"fp8": True, "fp8_recipe": {"name": "delayed", "amax_history_len": 16,
+                                                     "override_linear_precision": [False, False, True]}})
+    acc = _accelerator(tcfg, resolve(tcfg, Capabilities()))
+    assert acc.fp8_settings.values() == want
+
+
+def test_settings_are_frozen_and_carry_reasons(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "te")
+    s = resolve_fp8_settings()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.backend = None  # type: ignore[misc]
+    assert s.backend.value == "te" and "ACCELERATE_FP8_BACKEND" in s.backend.reason
+    assert s.values()["recipe"]["amax_compute_algo"] == FIELD_DEFAULTS["amax_compute_algo"] == "most_recent"
+    monkeypatch.delenv("ACCELERATE_FP8_BACKEND")
+    monkeypatch.setenv("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "off")  # set, false: not refused
+    s = resolve_fp8_settings()
+    assert s.backend.value == "native" and s.backend.reason.startswith("auto")
+
+
+def test_one_default_for_amax_compute_algo():
+    # Accelerate documents most_recent for TERecipeKwargs; the engine's Recipe takes the same
+    from lowprec.fp8 import Recipe
+
+    assert Recipe().amax_compute_algo == TERecipeKwargs().amax_compute_algo == "most_recent"
+    assert NativeRecipeKwargs(recipe="delayed").to_recipe().amax_compute_algo == "most_recent"
+
+
+def test_catalog_is_the_engine_recipes():
+    from lowprec.fp8 import Recipe
+
+    assert set(RECIPE_FIELDS) == {f.name for f in dataclasses.fields(Recipe)}
+    for name, info in RECIPES.items():
+        r = Recipe.from_name(name)
+        assert r.scaling == info.scaling and r.name == name
+        plan = r.plan()
+        gran = {Granularity.TENSOR: "tensor", Granularity.AXIS: "axis", Granularity.BLOCK: "block"}[info.granularity]
+        assert plan.fprop.a.granularity == gran
+        assert (info.kind is ScalingKind.DELAYED) == (r.scaling == "delayed")
+
+
+def test_recipe_kwargs_types_checked_at_construction():
+    # issue 10 item 7: one line naming the field, at construction (not inside prepare)
+    with pytest.raises(TypeError, match=r"AORecipeKwargs\(config=123\)"):
+        AORecipeKwargs(config=123)
+    with pytest.raises(TypeError, match="skip_patterns"):
+        NativeRecipeKwargs(skip_patterns="lm_head")
+    with pytest.raises(TypeError, match="overrides"):
+        NativeRecipeKwargs(overrides=[("margin", 1)])
+    with pytest.raises(ValueError, match=r"TERecipeKwargs\(margin='lots'\)"):
+        TERecipeKwargs(margin="lots")
+    with pytest.raises(ValueError, match="pad_inner_dim"):
+        AORecipeKwargs(pad_inner_dim="maybe")
+
+
+def test_fields_the_recipe_does_not_read(capsys):
+    # issue 10 item 8: one warning in the Python API (Accelerate accepts them) ...
+    with pytest.warns(UserWarning, match="tensorwise recipe does not read amax_history_len"):
+        NativeRecipeKwargs(recipe="tensorwise", overrides={"amax_history_len": 16})
+    # ... an error in the trainer's YAML and in launch, naming the key
+    from lowprec.train.config import parse_config
+
+    with pytest.raises(ValueError, match="fp8_recipe.amax_history_len: the tensorwise recipe does not read it"):
+        parse_config({"fp8": True, "fp8_recipe": {"name": "tensorwise", "amax_history_len": 16}})
+    with pytest.raises(ValueError, match="fp8_recipe is set but fp8 is false"):
+        parse_config({"fp8": False, "fp8_recipe": "rowwise"})
+    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_amax_history_len", "16", SCRIPT]) == 2
+    assert "--fp8_amax_history_len: the tensorwise recipe does not read it" in capsys.readouterr().err
+
+
+def test_mxfp8_is_refused_everywhere_with_one_message(monkeypatch, tmp_path, capsys):
+    from lowprec.backends import select_backend
+    from lowprec.fp8 import Recipe
+    from lowprec.train.config import parse_config
+
+    with pytest.raises(ValueError) as e1:
+        Recipe.from_name("mxfp8")
+    with pytest.raises(ValueError) as e2:
+        NativeRecipeKwargs(recipe="MXFP8")
+    with pytest.raises(ValueError) as e3:
+        parse_config({"fp8": True, "fp8_recipe": "mxfp8"})
+    from lowprec.backends.te import SPEC as TE
+
+    if not TE.available():  # with TE installed, TE runs its own MXFP8BlockScaling
+        with pytest.raises(ValueError) as e4:
+            select_backend(TERecipeKwargs(use_mxfp8_block_scaling=True))
+        assert MXFP8_UNSUPPORTED in str(e4.value)  # no longer blockwise with 32x32 weight tiles
+    for err in (e1, e2, e3):
+        assert MXFP8_UNSUPPORTED in str(err.value)
+    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_recipe", "mxfp8", SCRIPT]) == 2
+    assert MXFP8_UNSUPPORTED in capsys.readouterr().err
+    cfg = tmp_path / "mx.yaml"
+    cfg.write_text("mixed_precision: fp8\nfp8_config: {backend: TE, use_mxfp8_block_scaling: true}\n")
+    assert main(["launch", "--dry_run", "--config_file", str(cfg), SCRIPT]) == 2
+    assert MXFP8_UNSUPPORTED in capsys.readouterr().err
+
+
+def test_native_fsdp_fp8_all_gather_is_refused_with_one_message(monkeypatch, capsys):
+    from lowprec.train.config import parse_config
+
+    with pytest.raises(ValueError) as e1:
+        parse_config({"fp8": True, "fsdp_version": 2, "fp8_enable_fsdp_float8_all_gather": True})
+    assert FSDP_FP8_ALL_GATHER_UNSUPPORTED in str(e1.value)
+    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--use_fsdp",
+                 "--fp8_enable_fsdp_float8_all_gather", "true", SCRIPT]) == 2
+    assert FSDP_FP8_ALL_GATHER_UNSUPPORTED in capsys.readouterr().err
+    monkeypatch.setenv("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "true")
+    with pytest.raises(ValueError) as e3:
+        Accelerator(mixed_precision="fp8", cpu=True)
+    assert FSDP_FP8_ALL_GATHER_UNSUPPORTED in str(e3.value)
