@@ -314,7 +314,7 @@ def load_state(acc: Any, input_dir: str) -> None:
             m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")
         else:
             path = _model_file(input_dir, i, safe)
-            _apply(lambda sd: load_full_model_state_dict(inner, sd), load_tensors(path), path)
+            _apply(lambda sd, inner=inner: load_full_model_state_dict(inner, sd), load_tensors(path), path)
         own = os.path.join(input_dir, f"buffers_{i}_rank{acc.process_index}.safetensors")
         if _per_rank_buffers(m) and os.path.isfile(own):
             with torch.no_grad():
@@ -326,7 +326,7 @@ def load_state(acc: Any, input_dir: str) -> None:
             continue
         osd = load_optimizer(os.path.join(input_dir, f"optimizer_{i}"))
         owner = acc._optimizer_models.get(id(o))
-        _apply(lambda sd: load_full_optimizer_state_dict(owner, o.optimizer, sd), osd, os.path.join(input_dir, f"optimizer_{i}"))
+        _apply(lambda sd, owner=owner, o=o: load_full_optimizer_state_dict(owner, o.optimizer, sd), osd, os.path.join(input_dir, f"optimizer_{i}"))
     for i, s in enumerate(acc._schedulers):
         _apply(s, _read_state(input_dir, f"scheduler_{i}", ".bin"))
     for i, d in enumerate(acc._dataloaders):
