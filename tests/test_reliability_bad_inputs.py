@@ -126,7 +126,7 @@ LAUNCH_YAML = [
     ("num-processes-0", {"num_processes": 0}, "num_processes"),
     ("fsdp-version-1", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 1}}, "FSDP1 is not supported"),
     ("fp8-backend-unknown", {"mixed_precision": "fp8", "fp8_config": {"backend": "nope"}}, "backend"),
-    ("mxfp8", {"mixed_precision": "fp8", "fp8_config": {"use_mxfp8_block_scaling": True}}, "MXFP8 is not supported"),
+    ("mxfp8", {"mixed_precision": "fp8", "fp8_config": {"use_mxfp8_block_scaling": True}}, "MXFP8 (1x32 blocks with E8M0 scales) is not implemented"),
     ("sagemaker", {"compute_environment": "AMAZON_SAGEMAKER"}, "only LOCAL_MACHINE"),
     ("downcast-bf16", {"downcast_bf16": True}, "TPU option"),
     ("multi-cpu-without-cpu", {"distributed_type": "MULTI_CPU", "use_cpu": False}, "contradicts use_cpu"),

@@ -33,6 +33,7 @@ from lowprec.train import checkpoints as ckpt
 from lowprec.train.config import TrainConfig
 from lowprec.train.metrics import MetricsWriter, peak_memory_mb, read_metrics, truncate_after
 from lowprec.train.outputs import make_output_dir
+from lowprec.train.loop import Run, run_loop
 from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
 
 __all__ = ["train", "RunResult", "Interrupted", "build_optimizer", "build_scheduler", "lr_lambda"]
@@ -171,31 +172,6 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, loader, n_batches: int, accelerator) -> float:
-    """Mean validation loss over the first ``n_batches`` batches (the same ones every time)."""
-    was_training = model.training
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-    loader.set_epoch(0)
-    for i, batch in enumerate(loader):
-        if i >= n_batches:
-            break
-        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        total[0] += model(**batch).loss.double()
-        total[1] += 1
-    total = accelerator.reduce(total, "sum")
-    model.train(was_training)
-    return float(total[0] / total[1])
-
-
-def _telemetry_summary(tele: dict) -> dict:
-    return {
-        layer: {op: {k: float(f"{v:.6g}") for k, v in stats.items()} for op, stats in ops.items()}
-        for layer, ops in tele.items()
-    }
-
-
 def _write_interrupted(output_dir: str, state: ckpt.TrainerState, main: bool, last: Optional[str]) -> str:
     """``summary.json`` of an interrupted run (written even before the first log line)."""
     import json
@@ -225,9 +201,9 @@ def train(
     *,
     on_log: Optional[Callable[[dict], None]] = None,
 ) -> RunResult:
+    """One training run: set up, resume, the loop (``loop.py``), outputs."""
     wall0 = time.perf_counter()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    plan = resolve(cfg, caps, world_size=world)
+    plan = resolve(cfg, caps, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     output_dir = os.path.abspath(cfg.output_dir)
     if int(os.environ.get("RANK", "0")) == 0:  # before any log line: a bad path is a one-line error
         make_output_dir(output_dir)
@@ -239,8 +215,30 @@ def train(
     if main:
         plan.log()
     acc.wait_for_everyone()
+    tokenizer, loader, val_loader = _data(cfg, acc)
+    total = _total_steps(cfg, len(loader), decisions, main)
+    run = _build(cfg, plan, acc, tokenizer.vocab_size, total, output_dir, loader, val_loader)
+    run.on_log = on_log
+    resume_path = _resume(run, decisions)
+    run.writer = MetricsWriter(output_dir, main, plan.use_tensorboard, append=resume_path is not None)
+    if main:
+        from lowprec.train.outputs import write_resolved_config
 
-    # data
+        write_resolved_config(cfg.to_yaml_dict(), decisions, output_dir)
+    try:
+        loop = run_loop(run)
+    except NonFiniteError as exc:
+        raise NonFiniteError(run.stop_line(str(exc))) from None
+    except KeyboardInterrupt:
+        summary = _write_interrupted(output_dir, run.state, main, ckpt.latest_checkpoint(output_dir))
+        raise Interrupted(run.stop_line(f"interrupted at step {run.state.step} of {total} (summary: {summary})")) from None
+    finally:
+        run.writer.close()
+    return _finish(run, plan, loop, wall0)
+
+
+def _data(cfg: TrainConfig, acc):
+    """Tokenizer, training batches (this rank's share) and validation batches (or None)."""
     from lowprec.train.data import TokenBatches, build_datasets
     from lowprec.train.tokenizer import load_tokenizer
 
@@ -267,7 +265,17 @@ def train(
             rank=acc.process_index, world_size=acc.num_processes, shuffle=False,
             names={**DATA_KEYS, "batch_size": "micro_batch_size (validation)"},
         )
-    per_epoch = len(loader) // cfg.gradient_accumulation_steps
+    if acc.is_main_process:
+        logger.info(
+            "lowprec: data %s: %d train tokens, %d validation tokens, fingerprint %s",
+            train_ds.name, train_ds.n_tokens, 0 if val_ds is None else val_ds.n_tokens, train_ds.fingerprint,
+        )
+    return tokenizer, loader, val_loader
+
+
+def _total_steps(cfg: TrainConfig, batches_per_epoch: int, decisions: dict, main: bool) -> int:
+    """Optimizer steps of the run (``max_steps`` or epochs), with warmup clamped for smoke runs."""
+    per_epoch = batches_per_epoch // cfg.gradient_accumulation_steps
     if cfg.max_steps is not None:
         total = cfg.max_steps
         why = "max_steps" + (" (wins over num_epochs)" if cfg.num_epochs is not None else "")
@@ -283,14 +291,13 @@ def train(
             logger.warning("lowprec: note: warmup_steps: %d clamped to %d for this %d-step run", cfg.warmup_steps, warmup, total)
     if main:
         logger.info("lowprec: total_steps = %d (%s)", total, why)
-        logger.info(
-            "lowprec: data %s: %d train tokens, %d validation tokens, fingerprint %s",
-            train_ds.name, train_ds.n_tokens, 0 if val_ds is None else val_ds.n_tokens, train_ds.fingerprint,
-        )
+    return total
 
-    # model, optimizer, schedule
+
+def _build(cfg: TrainConfig, plan: RunPlan, acc, vocab_size: int, total: int, output_dir: str, loader, val_loader) -> Run:
+    """Model, optimizer and schedule, prepared by the accelerator; the run's shared state."""
     _seed_everything(cfg.seed)
-    model, model_config = _build_model(cfg, tokenizer.vocab_size)
+    model, model_config = _build_model(cfg, vocab_size)
     if plan.weights_dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     optimizer = build_optimizer(cfg, model)
@@ -300,20 +307,25 @@ def train(
         model = torch.compile(model)
     state = ckpt.TrainerState()
     acc.register_for_checkpointing(loader, state)
-    inner = acc.unwrap_model(model)
-    fp8_layers = bool(cfg.fp8) and acc.fp8_enabled
-    if fp8_layers:
-        from lowprec import fp8 as fp8_engine
+    return Run(
+        cfg=cfg, acc=acc, output_dir=output_dir, total=total, label=plan.label, model=model,
+        inner=acc.unwrap_model(model), optimizer=optimizer, scheduler=scheduler, loader=loader,
+        val_loader=val_loader, state=state, writer=None, fp8_layers=bool(cfg.fp8) and acc.fp8_enabled,
+        main=acc.is_main_process, model_config=model_config,
+    )
 
-    # resume
-    resume_path, resume_why = ckpt.resolve_resume(cfg.resume_from_checkpoint, output_dir)
+
+def _resume(run: Run, decisions: dict) -> Optional[str]:
+    """Load the checkpoint to continue from, or clear an earlier run's checkpoints."""
+    acc, output_dir, main = run.acc, run.output_dir, run.main
+    resume_path, resume_why = ckpt.resolve_resume(run.cfg.resume_from_checkpoint, output_dir)
     decisions["resume"] = Decision(resume_path, resume_why)
     if main:
         logger.info("lowprec: resume = %s (%s)", resume_path, resume_why)
     if resume_path is not None:
         acc.load_state(resume_path)
         if main:
-            truncate_after(output_dir, state.step)
+            truncate_after(output_dir, run.state.step)
     elif main:
         # checkpoints of an earlier run here would be mistaken for this run's by a later
         # resume_from_checkpoint: auto (and outrank its own by step number)
@@ -326,136 +338,26 @@ def train(
             )
             ckpt.rotate(output_dir, 0)
     acc.wait_for_everyone()
-    writer = MetricsWriter(output_dir, main, plan.use_tensorboard, append=resume_path is not None)
-    if main:
-        from lowprec.train.outputs import write_resolved_config
+    return resume_path
 
-        write_resolved_config(cfg.to_yaml_dict(), decisions, output_dir)
 
-    # loop
-    tokens_per_step = cfg.micro_batch_size * cfg.sequence_len * cfg.gradient_accumulation_steps * acc.num_processes
-    bar = None
-    if main and cfg.progress_bar:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, initial=state.step, desc=f"train {plan.label}", unit="step", dynamic_ncols=True)
-    batches = loader.forever()
-    window_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
-    window_steps, window_t0, window_tokens = 0, time.perf_counter(), 0
-    last_train, last_eval = None, None
-    skipped = 0
-    model.train()
-
-    def stop_line(text: str) -> str:
-        last = ckpt.latest_checkpoint(output_dir)
-        none = "none yet" if cfg.save_steps else "none (set save_steps to write checkpoints)"
-        return f"{text}; last good checkpoint: {last or none}"
-
-    try:
-        while state.step < total:
-            logging_now = (state.step + 1) % cfg.logging_steps == 0 or state.step + 1 == total
-            if fp8_layers and logging_now:
-                fp8_engine.enable_telemetry(inner)
-            step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
-            grad_norm = None
-            lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
-            for _ in range(cfg.gradient_accumulation_steps):
-                batch = {k: v.to(acc.device, non_blocking=True) for k, v in next(batches).items()}
-                with acc.accumulate(model):
-                    loss = model(**batch).loss
-                    acc.backward(loss)
-                    step_loss += loss.detach().double()
-                    if acc.sync_gradients:
-                        if cfg.max_grad_norm is not None:
-                            grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-                        try:
-                            optimizer.step()
-                        except NonFiniteError:  # the last skip of too many in a row: count it too
-                            writer.write({"kind": "skip", "step": state.step + 1, "skipped_steps": skipped + 1})
-                            raise
-                        if acc.optimizer_step_was_skipped:  # NaN/inf loss or gradients, every precision
-                            skipped += 1
-                            writer.write({"kind": "skip", "step": state.step + 1, "skipped_steps": skipped})
-                        scheduler.step()
-                        optimizer.zero_grad(set_to_none=True)
-            state.step += 1
-            state.tokens += tokens_per_step
-            window_loss += step_loss / cfg.gradient_accumulation_steps
-            window_steps += 1
-            window_tokens += tokens_per_step
-
-            if logging_now:
-                loss_mean = float(acc.reduce(window_loss / window_steps, "mean"))
-                elapsed = time.perf_counter() - window_t0
-                state.train_time_s += elapsed
-                rec = {
-                    "kind": "train",
-                    "step": state.step,
-                    "loss": loss_mean,
-                    "lr": lr,
-                    "grad_norm": None if grad_norm is None else float(grad_norm),
-                    "tokens": state.tokens,
-                    "skipped_steps": skipped,  # optimizer steps skipped for NaN/inf (the fp16 scaler's too)
-                    "tokens_per_s": window_tokens / max(elapsed, 1e-9),
-                    "peak_mem_mb": peak_memory_mb(acc.device),
-                    "epoch": loader.epoch + loader.position / max(1, len(loader)),
-                }
-                writer.write(rec)
-                last_train = loss_mean
-                if on_log is not None and main:
-                    on_log(rec)
-                if bar is not None:
-                    bar.set_postfix(
-                        loss=f"{loss_mean:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                        lr=f"{rec['lr']:.2e}", mem=f"{rec['peak_mem_mb']:.0f}MB", refresh=False,
-                    )
-                if fp8_layers:
-                    writer.write({"kind": "fp8", "step": state.step, "layers": _telemetry_summary(fp8_engine.telemetry(inner))})
-                    fp8_engine.disable_telemetry(inner)
-                window_loss.zero_()
-                window_steps, window_tokens, window_t0 = 0, 0, time.perf_counter()
-            if bar is not None:
-                bar.update(1)
-
-            eval_now = val_loader is not None and (
-                (cfg.eval_steps is not None and state.step % cfg.eval_steps == 0) or state.step == total
-            )
-            if eval_now:
-                t = time.perf_counter()
-                last_eval = evaluate(model, val_loader, cfg.eval_batches, acc)
-                writer.write({"kind": "eval", "step": state.step, "loss": last_eval})
-                window_t0 += time.perf_counter() - t  # evaluation time is not training time
-            if cfg.save_steps is not None and (state.step % cfg.save_steps == 0 or state.step == total):
-                t = time.perf_counter()
-                acc.save_state(ckpt.checkpoint_dir(output_dir, state.step))
-                if main:
-                    ckpt.rotate(output_dir, cfg.save_total_limit)
-                window_t0 += time.perf_counter() - t
-    except NonFiniteError as exc:
-        raise NonFiniteError(stop_line(str(exc))) from None
-    except KeyboardInterrupt:
-        summary = _write_interrupted(output_dir, state, main, ckpt.latest_checkpoint(output_dir))
-        raise Interrupted(stop_line(f"interrupted at step {state.step} of {total} (summary: {summary})")) from None
-    finally:
-        if bar is not None:
-            bar.close()
-        writer.close()
-
-    # outputs
+def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
+    """Export the model and plots (never a non-finite model), write ``summary.json``."""
+    acc, output_dir, main, cfg, state = run.acc, run.output_dir, run.main, run.cfg, run.state
     files: dict[str, str] = {}
     try:  # a NaN model is never exported
-        acc.nonfinite.check_model(model, f"export to {output_dir}/model.safetensors")
+        acc.nonfinite.check_model(run.model, f"export to {output_dir}/model.safetensors")
     except NonFiniteError as exc:
-        raise NonFiniteError(stop_line(str(exc))) from None
-    sd = acc.get_state_dict(model)  # collective under FSDP2: every process calls it
+        raise NonFiniteError(run.stop_line(str(exc))) from None
+    sd = acc.get_state_dict(run.model)  # collective under FSDP2: every process calls it
     if main:
         from lowprec.train.outputs import export_model
         from lowprec.train.plots import plot_fp8_report, plot_loss
 
-        files["model"] = export_model(sd, model_config, output_dir)
+        files["model"] = export_model(sd, run.model_config, output_dir)
         records = read_metrics(output_dir)
         files["loss_plot"] = plot_loss(records, os.path.join(output_dir, "loss.png"), f"{cfg.base_model} ({plan.label})")
-        if fp8_layers:
+        if run.fp8_layers:
             p = plot_fp8_report(records, os.path.join(output_dir, "fp8_report.png"))
             if p:
                 files["fp8_report"] = p
@@ -469,8 +371,8 @@ def train(
         output_dir=output_dir,
         precision=plan.label,
         steps=state.step,
-        final_train_loss=last_train if last_train is not None else (train_recs[-1]["loss"] if train_recs else None),
-        final_eval_loss=last_eval,
+        final_train_loss=loop.last_train if loop.last_train is not None else (train_recs[-1]["loss"] if train_recs else None),
+        final_eval_loss=loop.last_eval,
         tokens_per_s=tok_s,
         peak_mem_mb=peak_memory_mb(acc.device),
         wall_s=time.perf_counter() - wall0,

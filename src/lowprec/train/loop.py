@@ -1,0 +1,210 @@
+"""The training loop of ``lowprec train``: optimizer steps, logging windows, evaluation, checkpoints.
+
+``trainer.train`` sets a run up (data, model, resume) and hands a :class:`Run` to
+:func:`run_loop`; everything the loop changes lives on :class:`Loop` (the current logging
+window) and on the run's ``TrainerState`` (what a checkpoint saves).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from lowprec.errors import NonFiniteError
+from lowprec.train import checkpoints as ckpt
+from lowprec.train.config import TrainConfig
+from lowprec.train.metrics import MetricsWriter, peak_memory_mb
+
+__all__ = ["Run", "Loop", "run_loop", "evaluate"]
+
+
+@dataclass
+class Run:
+    """What the phases of one training run share (built once by ``trainer.train``)."""
+
+    cfg: TrainConfig
+    acc: Any
+    output_dir: str
+    total: int
+    label: str
+    model: torch.nn.Module
+    inner: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loader: Any
+    val_loader: Any
+    state: ckpt.TrainerState
+    writer: MetricsWriter
+    fp8_layers: bool
+    main: bool
+    model_config: Any = None
+    on_log: Optional[Callable[[dict], None]] = None
+
+    def stop_line(self, text: str) -> str:
+        last = ckpt.latest_checkpoint(self.output_dir)
+        none = "none yet" if self.cfg.save_steps else "none (set save_steps to write checkpoints)"
+        return f"{text}; last good checkpoint: {last or none}"
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, n_batches: int, accelerator) -> float:
+    """Mean validation loss over the first ``n_batches`` batches (the same ones every time)."""
+    was_training = model.training
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    loader.set_epoch(0)
+    for i, batch in enumerate(loader):
+        if i >= n_batches:
+            break
+        batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+        total[0] += model(**batch).loss.double()
+        total[1] += 1
+    total = accelerator.reduce(total, "sum")
+    model.train(was_training)
+    return float(total[0] / total[1])
+
+
+def _telemetry_summary(tele: dict) -> dict:
+    return {
+        layer: {op: {k: float(f"{v:.6g}") for k, v in stats.items()} for op, stats in ops.items()}
+        for layer, ops in tele.items()
+    }
+
+
+@dataclass
+class Loop:
+    """The loop's counters: the current logging window and the last losses."""
+
+    run: Run
+    tokens_per_step: int
+    batches: Any
+    bar: Any = None
+    skipped: int = 0
+    last_train: Optional[float] = None
+    last_eval: Optional[float] = None
+    window_steps: int = 0
+    window_tokens: int = 0
+    window_t0: float = field(default_factory=time.perf_counter)
+    window_loss: Optional[torch.Tensor] = None
+
+    def optimizer_step(self) -> tuple[float, Optional[torch.Tensor]]:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the
+        learning rate it used and the grad norm when clipped. Adds its mean loss to the window."""
+        run = self.run
+        cfg, acc, model, optimizer = run.cfg, run.acc, run.model, run.optimizer
+        step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
+        grad_norm = None
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
+        for _ in range(cfg.gradient_accumulation_steps):
+            batch = {k: v.to(acc.device, non_blocking=True) for k, v in next(self.batches).items()}
+            with acc.accumulate(model):
+                loss = model(**batch).loss
+                acc.backward(loss)
+                step_loss += loss.detach().double()
+                if acc.sync_gradients:
+                    if cfg.max_grad_norm is not None:
+                        grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    self._step_optimizer()
+        run.state.step += 1
+        run.state.tokens += self.tokens_per_step
+        self.window_loss += step_loss / cfg.gradient_accumulation_steps
+        self.window_steps += 1
+        self.window_tokens += self.tokens_per_step
+        return lr, grad_norm
+
+    def _step_optimizer(self) -> None:
+        run = self.run
+        try:
+            run.optimizer.step()
+        except NonFiniteError:  # the last skip of too many in a row: count it too
+            run.writer.write({"kind": "skip", "step": run.state.step + 1, "skipped_steps": self.skipped + 1})
+            raise
+        if run.acc.optimizer_step_was_skipped:  # NaN/inf loss or gradients, every precision
+            self.skipped += 1
+            run.writer.write({"kind": "skip", "step": run.state.step + 1, "skipped_steps": self.skipped})
+        run.scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+
+    def log_window(self, lr: float, grad_norm) -> None:
+        run = self.run
+        acc, state = run.acc, run.state
+        loss_mean = float(acc.reduce(self.window_loss / self.window_steps, "mean"))
+        elapsed = time.perf_counter() - self.window_t0
+        state.train_time_s += elapsed
+        rec = {
+            "kind": "train",
+            "step": state.step,
+            "loss": loss_mean,
+            "lr": lr,
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "tokens": state.tokens,
+            "skipped_steps": self.skipped,  # optimizer steps skipped for NaN/inf (the fp16 scaler's too)
+            "tokens_per_s": self.window_tokens / max(elapsed, 1e-9),
+            "peak_mem_mb": peak_memory_mb(acc.device),
+            "epoch": run.loader.epoch + run.loader.position / max(1, len(run.loader)),
+        }
+        run.writer.write(rec)
+        self.last_train = loss_mean
+        if run.on_log is not None and run.main:
+            run.on_log(rec)
+        if self.bar is not None:
+            self.bar.set_postfix(
+                loss=f"{loss_mean:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                lr=f"{rec['lr']:.2e}", mem=f"{rec['peak_mem_mb']:.0f}MB", refresh=False,
+            )
+        if run.fp8_layers:
+            from lowprec import fp8 as fp8_engine
+
+            run.writer.write({"kind": "fp8", "step": state.step, "layers": _telemetry_summary(fp8_engine.telemetry(run.inner))})
+            fp8_engine.disable_telemetry(run.inner)
+        self.window_loss.zero_()
+        self.window_steps, self.window_tokens, self.window_t0 = 0, 0, time.perf_counter()
+
+    def eval_and_save(self) -> None:
+        run = self.run
+        cfg, state = run.cfg, run.state
+        at_end = state.step == run.total
+        if run.val_loader is not None and ((cfg.eval_steps is not None and state.step % cfg.eval_steps == 0) or at_end):
+            t = time.perf_counter()
+            self.last_eval = evaluate(run.model, run.val_loader, cfg.eval_batches, run.acc)
+            run.writer.write({"kind": "eval", "step": state.step, "loss": self.last_eval})
+            self.window_t0 += time.perf_counter() - t  # evaluation time is not training time
+        if cfg.save_steps is not None and (state.step % cfg.save_steps == 0 or at_end):
+            t = time.perf_counter()
+            run.acc.save_state(ckpt.checkpoint_dir(run.output_dir, state.step))
+            if run.main:
+                ckpt.rotate(run.output_dir, cfg.save_total_limit)
+            self.window_t0 += time.perf_counter() - t
+
+
+def run_loop(run: Run) -> Loop:
+    """Train from ``run.state.step`` to ``run.total``; returns the loop (its last losses)."""
+    cfg, acc = run.cfg, run.acc
+    tokens_per_step = cfg.micro_batch_size * cfg.sequence_len * cfg.gradient_accumulation_steps * acc.num_processes
+    loop = Loop(run, tokens_per_step, run.loader.forever())
+    loop.window_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
+    if run.main and cfg.progress_bar:
+        from tqdm.auto import tqdm
+
+        loop.bar = tqdm(total=run.total, initial=run.state.step, desc=f"train {run.label}", unit="step", dynamic_ncols=True)
+    run.model.train()
+    try:
+        while run.state.step < run.total:
+            logging_now = (run.state.step + 1) % cfg.logging_steps == 0 or run.state.step + 1 == run.total
+            if run.fp8_layers and logging_now:
+                from lowprec import fp8 as fp8_engine
+
+                fp8_engine.enable_telemetry(run.inner)
+            lr, grad_norm = loop.optimizer_step()
+            if logging_now:
+                loop.log_window(lr, grad_norm)
+            if loop.bar is not None:
+                loop.bar.update(1)
+            loop.eval_and_save()
+    finally:
+        if loop.bar is not None:
+            loop.bar.close()
+    return loop
