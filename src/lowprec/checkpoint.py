@@ -67,7 +67,7 @@ def save_tensors(state_dict: dict, path: str, safe: bool) -> None:
         k: t.contiguous().clone() if (not t.is_contiguous() or (t.numel() and storages[t.untyped_storage().data_ptr()] > 1)) else t
         for k, t in tensors.items()
     }
-    save_file(tensors, path, metadata={"aliases": json.dumps(aliases)})
+    save_file(tensors, path, metadata={"format": "pt", "aliases": json.dumps(aliases)})
 
 
 def load_tensors(path: str) -> dict:
@@ -196,6 +196,7 @@ def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
     # collectives first (FSDP2 gathers full state on every process), files on the main process;
     # a DeepSpeed engine writes its own (partitioned) model and optimizer state
     models = [None if _is_ds(m) else full_model_state_dict(acc.unwrap_model(m)) for m in acc._models]
+    models = acc._run_save_hooks(tmp, models)  # a hook may write files into tmp, or drop a model
     for i, m in enumerate(acc._models):
         if _is_ds(m):
             m.save_checkpoint(os.path.join(tmp, f"deepspeed_{i}"), tag="state")
@@ -288,8 +289,11 @@ def load_state(acc: Any, input_dir: str) -> None:
             f"--num_processes {saved_procs}`), or load the weights alone with model.load_state_dict"
         )
     safe = meta.get("safe_serialization", True)
+    to_load = acc._run_load_hooks(input_dir)  # a hook may read its files, or drop a model
     for i, m in enumerate(acc._models):
         inner = acc.unwrap_model(m)
+        if id(m) not in to_load:
+            continue
         if _is_ds(m):
             m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")
         else:
@@ -326,7 +330,7 @@ def load_state(acc: Any, input_dir: str) -> None:
     acc.wait_for_everyone()
 
 
-def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bool = True) -> None:
+def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bool = True, max_shard_size: Any = "10GB") -> None:
     """Plain weights (no FP8 scaling state, no wrappers) that load into the unconverted model."""
     inner = acc.unwrap_model(model)
     if _is_ds(model) and model.zero_optimization_stage() == 3:
@@ -337,8 +341,9 @@ def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bo
         if acc.backend is not None:
             sd = acc.backend.plain_state_dict(sd)
         os.makedirs(save_directory, exist_ok=True)
-        name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
-        save_tensors(sd, os.path.join(save_directory, name), safe_serialization)
+        from lowprec.utils.checkpointing import write_sharded
+
+        write_sharded(sd, save_directory, safe_serialization, max_shard_size, save_tensors)
     acc.wait_for_everyone()
 
 
