@@ -34,7 +34,21 @@ FILES = [
 ]
 
 # test id (file::Class::test) -> why lowprec does not pass it although Accelerate does
-KNOWN_GAPS: dict[str, str] = {}
+KNOWN_GAPS: dict[str, str] = {
+    "test_accelerator.py::AcceleratorTester::test_can_pickle_dataloader_0":
+        "dispatch_batches=True expects Accelerate's DataLoaderDispatcher (process 0 reads and scatters); "
+        "lowprec shards the sampler on every process instead",
+    "test_accelerator.py::AcceleratorTester::test_save_model_offload_use_pytorch":
+        "saves a model offloaded to disk by accelerate.big_modeling (meta parameters + Accelerate hooks); "
+        "lowprec has no big-model offload and refuses meta parameters with a clear error",
+    "test_accelerator.py::AcceleratorTester::test_save_model_offload_use_safetensors": "same as above",
+    "test_kwargs_handlers.py::KwargsHandlerTester::test_kwargs_handler":
+        "the file defines a non-frozen dataclass subclass of KwargsHandler, which lowprec keeps frozen "
+        "(import error for the whole file); lowprec's to_kwargs also returns every resolved value, not "
+        "only those changed from the default (deliberate, see kwargs.py)",
+    "test_kwargs_handlers.py::KwargsHandlerTester::test_torch_dynamo_plugin":
+        "same import error (frozen KwargsHandler); TorchDynamoPlugin is Accelerate's own",
+}
 
 HERE = Path(__file__).resolve().parent
 
@@ -75,9 +89,10 @@ def _extract(sdist: Path, dest: Path) -> Path:
     return tests
 
 
-def _run(tests: Path, lowprec: bool, out: Path) -> dict[str, str]:
-    """One pytest process over all files; returns {test id: passed|failed|skipped}."""
-    run_dir = out / ("lowprec" if lowprec else "accelerate")
+def _run(tests: Path, lowprec: bool, out: Path, file: str) -> dict[str, str]:
+    """One pytest process per file (Accelerate's files fork workers; a fork after another file's
+    threads can hang); returns {test id: passed|failed|skipped}."""
+    run_dir = out / ("lowprec" if lowprec else "accelerate") / file[:-3]
     shutil.copytree(tests, run_dir)
     shutil.copy(HERE / "accelerate_shim.py", run_dir / "conftest.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
@@ -86,7 +101,7 @@ def _run(tests: Path, lowprec: bool, out: Path) -> dict[str, str]:
                HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
     xml = run_dir / "report.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly",
-           "--rootdir", str(run_dir), "--junitxml", str(xml), "-o", "addopts=", "-o", "timeout=300", *FILES]
+           "--continue-on-collection-errors", "--rootdir", str(run_dir), "--junitxml", str(xml), "-o", "addopts=", "-o", "timeout=300", file]
     proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=900)
     if not xml.exists():
         pytest.fail(f"pytest wrote no report (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}", pytrace=False)
@@ -115,9 +130,12 @@ def test_lowprec_passes_what_accelerate_passes(request, tmp_path_factory):
     cache = request.config.cache.mkdir("accelerate-sdist") if request.config.cache else tmp_path_factory.mktemp("sdist")
     tests = _extract(_sdist(Path(cache)), tmp_path_factory.mktemp("accelerate-src"))
     out = tmp_path_factory.mktemp("runs")
-    with ThreadPoolExecutor(2) as pool:  # two processes: CI's two cores
-        ref_f, ours_f = pool.submit(_run, tests, False, out), pool.submit(_run, tests, True, out)
-        ref, ours = ref_f.result(), ours_f.result()
+    with ThreadPoolExecutor(2) as pool:  # two processes at a time: CI's two cores
+        jobs = [(side, pool.submit(_run, tests, side, out, f)) for f in FILES for side in (False, True)]
+        ref: dict[str, str] = {}
+        ours: dict[str, str] = {}
+        for side, job in jobs:
+            (ours if side else ref).update(job.result())
 
     lines = []
     for f in FILES:
@@ -131,6 +149,6 @@ def test_lowprec_passes_what_accelerate_passes(request, tmp_path_factory):
     assert ref, "real accelerate ran no tests: see the log under " + str(out)
     assert not unexpected, (
         "lowprec fails tests real Accelerate passes:\n  " + "\n  ".join(unexpected)
-        + f"\n(per-file results above; logs in {out}/lowprec/log.txt)\n" + "\n".join(lines)
+        + f"\n(per-file results above; logs in {out}/lowprec/<file>/log.txt)\n" + "\n".join(lines)
     )
     assert not fixed, "these KNOWN_GAPS pass now; remove them from the list:\n  " + "\n  ".join(fixed)

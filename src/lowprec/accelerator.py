@@ -40,7 +40,7 @@ from lowprec.utils.checkpointing import CheckpointingMixin
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
 from lowprec.utils.dataclasses import DataLoaderConfiguration, ProjectConfiguration
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_clip, deepspeed_initialize
-from lowprec.utils.distributed import wrap_ddp, wrap_fsdp2
+from lowprec.utils.distributed import trigger_sync_in_backward, wrap_ddp, wrap_fsdp2
 from lowprec.utils.operations import gather, gather_object, has_tensor, pad_across_processes, reduce
 from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from lowprec.utils.modeling import extract_model_from_parallel
@@ -221,7 +221,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
 
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, value: int) -> None:
-        self.gradient_state.num_steps = self.accumulation.num_steps = int(value)
+        self.gradient_state.num_steps = int(value)
     fp8_enabled = property(lambda self: self.state.mixed_precision == "fp8")
     native_amp = property(lambda self: self.state.mixed_precision != "no")
 
@@ -276,6 +276,10 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
         if any(model is m or self.unwrap_model(m) is model for m in self._models):
             return model
+        offloaded = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()} & {"cpu", "disk"}
+        if (getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)) and offloaded:
+            raise ValueError("a model loaded in 8-bit or 4-bit with CPU or disk offload cannot be trained; "
+                             "load it with every layer on the accelerator (device_map={'': 0})")
         placement = self.device_placement if device_placement is None else device_placement
         before = named_params(model)
         if placement:
@@ -463,6 +467,9 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         else:
             yield
 
+    def trigger_sync_in_backward(self, model: nn.Module):
+        return trigger_sync_in_backward(model)
+
     @contextlib.contextmanager
     def accumulate(self, *models: nn.Module):
         self._do_sync()
@@ -545,10 +552,6 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
 
         return full_model_state_dict(self.unwrap_model(model) if unwrap else model)
 
-    def save_model(self, model: nn.Module, save_directory: str, max_shard_size: Any = "10GB", safe_serialization: bool = True) -> None:
-        from lowprec.checkpoint import save_model
-
-        save_model(self, model, save_directory, safe_serialization, max_shard_size)
 
     def free_memory(self, *objects: Any):
         """Forget every prepared object (and the bookkeeping that holds references to them),

@@ -101,7 +101,10 @@ def save_optimizer(state_dict: dict, path_stem: str, safe: bool) -> None:
             else:
                 skeleton[str(pid)][k] = v
     meta = {"state": skeleton, "param_groups": state_dict["param_groups"],
-            "int_keys": all(isinstance(k, int) for k in state_dict["state"])}
+            "int_keys": all(isinstance(k, int) for k in state_dict["state"]),
+            # JSON has no tuples: remember which group values were (Adam's betas), so a loaded
+            # optimizer's state_dict equals the saved one
+            "tuple_keys": [[k for k, v in g.items() if isinstance(v, tuple)] for g in state_dict["param_groups"]]}
     from safetensors.torch import save_file
 
     save_file({k: v.clone() for k, v in tensors.items()}, path_stem + ".safetensors",
@@ -120,7 +123,10 @@ def load_optimizer(path_stem: str) -> dict:
     for pid, entry in meta["state"].items():
         key = int(pid) if meta["int_keys"] else pid
         state[key] = {k: tensors[f"{pid}/{k}"] if v is None else v for k, v in entry.items()}
-    return {"state": state, "param_groups": meta["param_groups"]}
+    groups = meta["param_groups"]
+    for g, keys in zip(groups, meta.get("tuple_keys", [])):
+        g.update({k: tuple(g[k]) for k in keys})
+    return {"state": state, "param_groups": groups}
 
 
 def _model_file(directory: str, i: int, safe: bool) -> str:

@@ -196,6 +196,10 @@ class AcceleratorState:
     def initialized(self) -> bool:
         return "device" in self.__dict__
 
+    def destroy_process_group(self, group: Any = None) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+
     def __getattr__(self, name: str) -> Any:
         if name in type(self)._known_attrs:
             raise AttributeError(

@@ -115,6 +115,7 @@ class _HFLoss(nn.Module):
 
 def _accelerator(cfg: TrainConfig, plan: RunPlan):
     from lowprec import Accelerator
+    from lowprec.utils.dataclasses import DataLoaderConfiguration
     from lowprec.fp8 import DEFAULT_SKIP_PATTERNS
     from lowprec.kwargs import (
         AutocastKwargs,
@@ -155,6 +156,9 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
         # explicit, so an ambient ACCELERATE_GRADIENT_ACCUMULATION_STEPS cannot change the run
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps),
         fp8_fallback=cfg.fp8_fallback,
+        # the schedule counts optimizer steps and the loader is not prepared: step the scheduler
+        # once per optimizer step (Accelerate's split_batches rule), not once per process
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
     )
 
 

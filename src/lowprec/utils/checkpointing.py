@@ -190,6 +190,19 @@ class CheckpointingMixin:
             input_dir = os.path.join(self._need_project_dir(), "checkpoint")
         load_state(self, input_dir)
 
+    def save_model(self, model: Any, save_directory: str, max_shard_size: Any = "10GB", safe_serialization: bool = True) -> None:
+        """Plain weights that load into the unconverted model (``model.safetensors``, or shards of
+        at most ``max_shard_size`` plus ``model.safetensors.index.json``)."""
+        from lowprec.checkpoint import save_model
+
+        meta = [n for n, p in self.unwrap_model(model).named_parameters() if p.is_meta]
+        if meta:
+            raise ValueError(
+                f"save_model: {len(meta)} parameters (first {meta[0]!r}) are on the meta device (offloaded "
+                "or built under init_empty_weights); lowprec saves materialized weights only: load them first"
+            )
+        save_model(self, model, save_directory, safe_serialization, max_shard_size)
+
     def save(self, obj: Any, f: str, safe_serialization: bool = False) -> None:
         """``torch.save`` (or safetensors) on the main process only."""
         if self.is_main_process:
