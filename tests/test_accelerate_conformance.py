@@ -89,10 +89,14 @@ def _extract(sdist: Path, dest: Path) -> Path:
     return tests
 
 
-def _run(tests: Path, lowprec: bool, out: Path, file: str) -> dict[str, str]:
-    """One pytest process per file (Accelerate's files fork workers; a fork after another file's
-    threads can hang); returns {test id: passed|failed|skipped}."""
-    run_dir = out / ("lowprec" if lowprec else "accelerate") / file[:-3]
+# one pytest process per group: test_grad_sync fork-launches workers and hung when it ran after
+# test_optimizer in the same process, so it runs alone
+GROUPS = [[f for f in FILES if f != "test_grad_sync.py"], ["test_grad_sync.py"]]
+
+
+def _run(tests: Path, lowprec: bool, out: Path, targets: list, tag: str) -> dict[str, str]:
+    """One pytest process over ``targets`` (files or test ids); returns {test id: passed|failed|skipped}."""
+    run_dir = out / ("lowprec" if lowprec else "accelerate") / tag
     shutil.copytree(tests, run_dir)
     shutil.copy(HERE / "accelerate_shim.py", run_dir / "conftest.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
@@ -101,7 +105,7 @@ def _run(tests: Path, lowprec: bool, out: Path, file: str) -> dict[str, str]:
                HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
     xml = run_dir / "report.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly",
-           "--continue-on-collection-errors", "--rootdir", str(run_dir), "--junitxml", str(xml), "-o", "addopts=", "-o", "timeout=300", file]
+           "--continue-on-collection-errors", "--rootdir", str(run_dir), "--junitxml", str(xml), "-o", "addopts=", "-o", "timeout=300", *targets]
     proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=900)
     if not xml.exists():
         pytest.fail(f"pytest wrote no report (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}", pytrace=False)
@@ -131,11 +135,19 @@ def test_lowprec_passes_what_accelerate_passes(request, tmp_path_factory):
     tests = _extract(_sdist(Path(cache)), tmp_path_factory.mktemp("accelerate-src"))
     out = tmp_path_factory.mktemp("runs")
     with ThreadPoolExecutor(2) as pool:  # two processes at a time: CI's two cores
-        jobs = [(side, pool.submit(_run, tests, side, out, f)) for f in FILES for side in (False, True)]
+        jobs = [(side, pool.submit(_run, tests, side, out, g, g[0][:-3])) for g in GROUPS for side in (False, True)]
         ref: dict[str, str] = {}
         ours: dict[str, str] = {}
         for side, job in jobs:
             (ours if side else ref).update(job.result())
+    # a few of Accelerate's tests are random by themselves (fresh unseeded weights compared with a
+    # tolerance; machine-wide free RAM): each lowprec failure gets one retry in a fresh process
+    retry = [t for t, st in ref.items() if st == "passed" and ours.get(t) != "passed" and t not in KNOWN_GAPS]
+    if retry:
+        again = _run(tests, True, out, retry, "retry")
+        flaky = [t for t in retry if again.get(t) == "passed"]
+        ours.update({t: "passed" for t in flaky})
+        print("passed on retry (random in the test itself):", flaky)
 
     lines = []
     for f in FILES:
