@@ -31,7 +31,12 @@ FILES = [
     "test_grad_sync.py",
     "test_optimizer.py",
     "test_fp8.py",
+    "test_tracking.py",
+    "test_memory_utils.py",
 ]
+# not chosen: test_data_loader.py and test_utils.py build Accelerate's internal classes with their
+# own constructor signatures (DataLoaderShard(dataset, ...), recursively_apply(..., test_type=...)),
+# which lowprec's objects of the same name do not share
 
 # test id (file::Class::test) -> why lowprec does not pass it although Accelerate does
 KNOWN_GAPS: dict[str, str] = {

@@ -41,7 +41,7 @@ def test_tensorboard_tracker_writes_event_files(tmp_path):
 def test_unknown_or_dirless_tracker_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="not a tracker"):
         Accelerator(cpu=True, log_with="tensorbored", project_dir=str(tmp_path))
-    with pytest.raises(ValueError, match="project_dir"):
+    with pytest.raises(ValueError, match="requires a `logging_dir`"):
         Accelerator(cpu=True, log_with="tensorboard")
 
 
@@ -214,3 +214,40 @@ def test_save_model_shards_with_format_metadata(tmp_path):
     assert len(shards) > 1
     with safe_open(shards[0], framework="pt") as f:
         assert f.metadata()["format"] == "pt"
+
+
+class Conv1D(torch.nn.Module):
+    """transformers.pytorch_utils.Conv1D's shape: weight stored (in, out), ``nf`` output features."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf))
+        self.bias = torch.nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
+class LoraLinear(torch.nn.Module):
+    """peft's lora.Linear layout: base_layer plus lora_A / lora_B ModuleDicts keyed by adapter name."""
+
+    def __init__(self, d: int, r: int) -> None:
+        super().__init__()
+        self.base_layer = torch.nn.Linear(d, d)
+        self.lora_A = torch.nn.ModuleDict({"default": torch.nn.Linear(d, r, bias=False)})
+        self.lora_B = torch.nn.ModuleDict({"default": torch.nn.Linear(r, d, bias=False)})
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
+
+
+def test_conversion_reports_conv1d_and_skips_lora_adapters():
+    from lowprec.fp8 import convert
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), Conv1D(64, 64), LoraLinear(64, 16), torch.nn.Linear(64, 64))
+    report = convert(model)
+    skipped = dict(report.skipped)
+    assert "transformers Conv1D" in skipped["1"]
+    assert "peft adapter" in skipped["2.lora_A.default"] and "peft adapter" in skipped["2.lora_B.default"]
+    assert [name for name, _, _ in report.converted] == ["2.base_layer"]

@@ -11,22 +11,22 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any, Optional
 
 from lowprec.utils.dataclasses import LoggerType
 from lowprec.utils.imports import is_comet_ml_available, is_mlflow_available, is_tensorboard_available, is_wandb_available
 
 __all__ = ["GeneralTracker", "TensorBoardTracker", "WandBTracker", "MLflowTracker", "CometMLTracker",
-           "filter_trackers", "TrackingMixin"]
+           "LOGGER_TYPE_TO_CLASS", "register_tracker_class", "filter_trackers", "TrackingMixin"]
 
 logger = logging.getLogger("lowprec")
 
 
 class GeneralTracker:
-    """Base for trackers; a custom subclass may be passed in ``log_with`` as an instance."""
+    """Base for trackers. A subclass sets ``name`` and ``requires_logging_directory``; pass an
+    instance in ``log_with``, or ``register_tracker_class`` it and pass its name."""
 
-    name = "general"
-    requires_logging_directory = False
     main_process_only = True
 
     def start(self) -> None:
@@ -44,6 +44,13 @@ class GeneralTracker:
     @property
     def tracker(self) -> Any:
         return self
+
+
+class _NoTracker(GeneralTracker):
+    """What ``get_tracker`` returns on processes that run no tracker."""
+
+    name = "none"
+    requires_logging_directory = False
 
 
 class TensorBoardTracker(GeneralTracker):
@@ -92,6 +99,7 @@ class TensorBoardTracker(GeneralTracker):
 
 class WandBTracker(GeneralTracker):
     name = "wandb"
+    requires_logging_directory = False
 
     def __init__(self, run_name: str, **kwargs: Any) -> None:
         self.run_name, self.kwargs, self.run = run_name, kwargs, None
@@ -117,6 +125,7 @@ class WandBTracker(GeneralTracker):
 
 class MLflowTracker(GeneralTracker):
     name = "mlflow"
+    requires_logging_directory = False
 
     def __init__(self, experiment_name: str, logging_dir: Optional[str] = None, **kwargs: Any) -> None:
         self.experiment_name, self.logging_dir, self.kwargs, self.run = experiment_name, logging_dir, kwargs, None
@@ -151,6 +160,7 @@ class MLflowTracker(GeneralTracker):
 
 class CometMLTracker(GeneralTracker):
     name = "comet_ml"
+    requires_logging_directory = False
 
     def __init__(self, run_name: str, **kwargs: Any) -> None:
         self.run_name, self.kwargs, self.experiment = run_name, kwargs, None
@@ -174,18 +184,38 @@ class CometMLTracker(GeneralTracker):
         self.experiment.end()
 
 
-# name -> (tracker class, availability check, package to install)
-_TRACKERS = {
-    LoggerType.TENSORBOARD: (TensorBoardTracker, is_tensorboard_available, "tensorboard"),
-    LoggerType.WANDB: (WandBTracker, is_wandb_available, "wandb"),
-    LoggerType.MLFLOW: (MLflowTracker, is_mlflow_available, "mlflow"),
-    LoggerType.COMETML: (CometMLTracker, is_comet_ml_available, "comet_ml"),
+# tracker name -> class (built-ins, then those added by register_tracker_class)
+LOGGER_TYPE_TO_CLASS: dict[str, type] = {
+    "tensorboard": TensorBoardTracker, "wandb": WandBTracker, "mlflow": MLflowTracker, "comet_ml": CometMLTracker,
+}
+# built-in name -> (availability check, package to install)
+_PACKAGES = {
+    "tensorboard": (is_tensorboard_available, "tensorboard"),
+    "wandb": (is_wandb_available, "wandb"),
+    "mlflow": (is_mlflow_available, "mlflow"),
+    "comet_ml": (is_comet_ml_available, "comet_ml"),
 }
 
 
+def register_tracker_class(tracker_class: type) -> None:
+    """Make ``log_with="<tracker_class.name>"`` build this tracker: it is called with the project
+    name (and the logging directory when ``requires_logging_directory``) plus its ``init_kwargs``."""
+    if not (isinstance(tracker_class, type) and issubclass(tracker_class, GeneralTracker)):
+        raise ValueError(f"register_tracker_class needs a GeneralTracker subclass, got {tracker_class!r}")
+    if not getattr(tracker_class, "name", None):
+        raise ValueError(f"{tracker_class.__name__} needs a non-empty `name` class attribute to be registered")
+    if not hasattr(tracker_class, "requires_logging_directory"):
+        raise ValueError(f"{tracker_class.__name__} needs a `requires_logging_directory` class attribute "
+                         "(True if it writes under the project's logging directory)")
+    if tracker_class.name in LOGGER_TYPE_TO_CLASS:
+        warnings.warn(f"tracker name {tracker_class.name!r} was registered already; {tracker_class.__name__} "
+                      "replaces it", UserWarning, stacklevel=2)
+    LOGGER_TYPE_TO_CLASS[tracker_class.name] = tracker_class
+
+
 def filter_trackers(log_with: Any, logging_dir: Optional[str] = None) -> list:
-    """``log_with`` (a name, LoggerType, GeneralTracker or a list of them) as a list of names and
-    tracker instances; an unknown or uninstalled tracker is an error that says what to do."""
+    """``log_with`` (a name, LoggerType, GeneralTracker or a list of them) as a list of tracker
+    names and instances; an unknown or uninstalled tracker is an error that says what to do."""
     if log_with is None:
         return []
     items = log_with if isinstance(log_with, (list, tuple)) else [log_with]
@@ -196,24 +226,19 @@ def filter_trackers(log_with: Any, logging_dir: Optional[str] = None) -> list:
             continue
         name = str(item).lower()
         if name == LoggerType.ALL:
-            out += [t for t, (_, ok, _) in _TRACKERS.items() if ok() and t not in out]
+            out += [n for n, (ok, _) in _PACKAGES.items() if ok() and n not in out]
             continue
-        try:
-            kind = LoggerType(name)
-        except ValueError:
-            raise ValueError(f"log_with={item!r} is not a tracker; use one of {', '.join(t.value for t in _TRACKERS)}, "
-                             "'all', or a GeneralTracker instance") from None
-        if kind not in _TRACKERS:
-            raise ValueError(f"log_with={item!r}: lowprec has no {kind.value} tracker; use one of "
-                             f"{', '.join(t.value for t in _TRACKERS)} or pass a GeneralTracker instance")
-        cls, ok, package = _TRACKERS[kind]
+        if name not in LOGGER_TYPE_TO_CLASS:
+            raise ValueError(f"log_with={item!r} is not a tracker; use one of {', '.join(LOGGER_TYPE_TO_CLASS)}, "
+                             "'all', a GeneralTracker instance, or register_tracker_class(...) first")
+        ok, package = _PACKAGES.get(name, (lambda: True, None))
         if not ok():
             raise ImportError(f"log_with={item!r} needs the {package} package: pip install {package}")
-        if cls.requires_logging_directory and logging_dir is None:
-            raise ValueError(f"log_with={item!r} writes files: pass Accelerator(project_dir=...) "
-                             "or ProjectConfiguration(logging_dir=...)")
-        if kind not in out:
-            out.append(kind)
+        if LOGGER_TYPE_TO_CLASS[name].requires_logging_directory and logging_dir is None:
+            raise ValueError(f"Logging with `{name}` requires a `logging_dir` to be passed in: use "
+                             "Accelerator(project_dir=...) or ProjectConfiguration(logging_dir=...)")
+        if name not in out:
+            out.append(name)
     return out
 
 
@@ -229,8 +254,8 @@ class TrackingMixin:
             if isinstance(item, GeneralTracker):
                 tracker = item
             else:
-                cls = _TRACKERS[item][0]
-                kw = init_kwargs.get(item.value, {})
+                cls = LOGGER_TYPE_TO_CLASS[item]
+                kw = init_kwargs.get(item, {})
                 tracker = cls(project_name, self.logging_dir, **kw) if cls.requires_logging_directory else cls(project_name, **kw)
             if self.is_main_process or not tracker.main_process_only:
                 tracker.start()
@@ -245,7 +270,7 @@ class TrackingMixin:
             if tracker.name == str(name):
                 return tracker.tracker if unwrap else tracker
         if not self.is_main_process:
-            return GeneralTracker()
+            return _NoTracker()
         raise ValueError(f"{name!r} is not an initialized tracker; started: {[t.name for t in self.trackers]} "
                          "(pass it in Accelerator(log_with=...) and call init_trackers)")
 

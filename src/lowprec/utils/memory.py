@@ -17,6 +17,7 @@ _OOM_MESSAGES = (
     "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED.",  # CUDNN SNAFU
     "DefaultCPUAllocator: can't allocate memory",  # CPU OOM
     "CUDA error: out of memory",
+    "out of memory.",  # "<DEVICE> out of memory." (XPU, NPU, ... and CPU, Accelerate's wording)
 )
 
 
