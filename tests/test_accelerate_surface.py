@@ -251,3 +251,14 @@ def test_conversion_reports_conv1d_and_skips_lora_adapters():
     assert "transformers Conv1D" in skipped["1"]
     assert "peft adapter" in skipped["2.lora_A.default"] and "peft adapter" in skipped["2.lora_B.default"]
     assert [name for name, _, _ in report.converted] == ["2.base_layer"]
+
+
+def test_gpt2_conv1d_layers_are_reported():
+    transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
+    from lowprec.fp8 import convert
+
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=16)
+    report = convert(transformers.GPT2LMHeadModel(cfg))
+    conv1d = [n for n, r in report.skipped if "Conv1D" in r]
+    assert sorted(conv1d) == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
+                              "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"]
