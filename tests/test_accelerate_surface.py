@@ -262,3 +262,13 @@ def test_gpt2_conv1d_layers_are_reported():
     conv1d = [n for n, r in report.skipped if "Conv1D" in r]
     assert sorted(conv1d) == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
                               "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"]
+
+
+def test_profile_writes_a_trace(tmp_path):
+    from lowprec.utils import ProfileKwargs
+
+    acc = Accelerator(cpu=True, kwargs_handlers=[ProfileKwargs(output_trace_dir=str(tmp_path), record_shapes=True)])
+    with acc.profile() as prof:
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    assert any("mm" in e.key for e in prof.key_averages())
+    assert (tmp_path / "trace_rank0.json").exists()

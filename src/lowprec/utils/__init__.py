@@ -26,7 +26,7 @@ from lowprec.utils.fp8 import (
 )
 from lowprec.process_state import DistributedType
 from lowprec.utils.data_loader import skip_first_batches
-from lowprec.utils.dataclasses import DataLoaderConfiguration, LoggerType, ProjectConfiguration
+from lowprec.utils.dataclasses import DataLoaderConfiguration, LoggerType, ProfileKwargs, ProjectConfiguration
 from lowprec.utils.imports import (
     is_deepspeed_available,
     is_msamp_available,
@@ -74,6 +74,7 @@ __all__ = [
     "DataLoaderConfiguration",
     "DistributedType",
     "LoggerType",
+    "ProfileKwargs",
     "ProjectConfiguration",
     "broadcast",
     "broadcast_object_list",

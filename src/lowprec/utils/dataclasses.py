@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional
+from typing import Any, Callable, Optional
 
-__all__ = ["DataLoaderConfiguration", "ProjectConfiguration", "LoggerType"]
+from lowprec.kwargs import KwargsHandler
+
+__all__ = ["DataLoaderConfiguration", "ProjectConfiguration", "LoggerType", "ProfileKwargs"]
 
 
 class LoggerType(str, Enum):
@@ -95,3 +97,19 @@ class ProjectConfiguration:
     @property
     def checkpoints_dir(self) -> Optional[str]:
         return None if self.project_dir is None else os.path.join(self.project_dir, "checkpoints")
+
+
+@dataclass(frozen=True)
+class ProfileKwargs(KwargsHandler):
+    """``accelerator.profile()`` settings (pass in ``kwargs_handlers`` or to ``profile``):
+    ``torch.profiler`` options; ``schedule_option`` is ``torch.profiler.schedule``'s keywords;
+    ``output_trace_dir`` gets one Chrome trace per process."""
+
+    activities: Optional[tuple] = None  # "cpu", "cuda" or ProfilerActivity members
+    schedule_option: Optional[dict] = None
+    on_trace_ready: Optional[Callable[[Any], None]] = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    output_trace_dir: Optional[str] = None

@@ -16,7 +16,7 @@ __all__ = ["ProcessControlMixin"]
 
 
 class ProcessControlMixin:
-    """Needs ``self.device`` and ``self.reduce``."""
+    """Needs ``self.device``, ``self.reduce`` and ``self.handlers``."""
 
     _flag_tensor: Optional[torch.Tensor] = None
 
@@ -82,7 +82,9 @@ class ProcessControlMixin:
         per process is written there)."""
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        h = profile_handler
+        from lowprec.utils.dataclasses import ProfileKwargs
+
+        h = profile_handler if profile_handler is not None else self.handlers.get(ProfileKwargs)
         acts = getattr(h, "activities", None) or (
             [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else []))
         acts = [getattr(ProfilerActivity, a.upper()) if isinstance(a, str) else a for a in acts]
