@@ -61,6 +61,8 @@ class DataLoaderConfiguration:
     use_stateful_dataloader: bool = False
 
     def __post_init__(self) -> None:
+        from lowprec.backends.base import log_once
+
         if self.use_stateful_dataloader:
             from lowprec.utils.imports import is_torchdata_stateful_dataloader_available
 
@@ -69,6 +71,12 @@ class DataLoaderConfiguration:
                     "DataLoaderConfiguration(use_stateful_dataloader=True) needs torchdata>=0.8 "
                     "(pip install torchdata); lowprec's prepared dataloaders resume mid-epoch without it"
                 )
+            log_once("lowprec: use_stateful_dataloader=True: prepared dataloaders save and restore their "
+                     "position themselves (state_dict/load_state_dict); they are not torchdata StatefulDataLoaders")
+        if self.dispatch_batches:
+            log_once("lowprec: dispatch_batches=True: every process reads its own shard of the batch sampler "
+                     "instead of process 0 reading and scattering (same batches for a map-style dataset; an "
+                     "IterableDataset must shard itself)")
 
 
 @dataclass
