@@ -80,7 +80,6 @@ def main(out_dir: str) -> None:
     parts = build(accelerator)
     half = STEPS // 2
     losses = run(accelerator, *parts, steps=STEPS, save_at=half)
-    accelerator.end_training()
 
     # resume: a fresh Accelerator and model, the newest automatically named checkpoint
     resumed_acc = Accelerator(mixed_precision="fp8", gradient_accumulation_steps=ACCUM,
@@ -101,7 +100,7 @@ def main(out_dir: str) -> None:
             "fp8_layers": fp8_layers, "tensorboard_files": len(events),
             "checkpoints": sorted(os.listdir(os.path.join(out_dir, "checkpoints"))),
         }))
-    resumed_acc.end_training()
+    accelerator.end_training()  # closes the trackers, then the process group (both runs')
 
 
 if __name__ == "__main__":

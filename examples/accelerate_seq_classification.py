@@ -109,7 +109,6 @@ def main(out_dir: str) -> None:
         accelerator.log({"train/loss": losses[-1], "eval/accuracy": accs[-1]}, step=epoch)
         if epoch == EPOCHS // 2 - 1:
             accelerator.save_state()
-    accelerator.end_training()
 
     # resume from the checkpoint after epoch EPOCHS // 2 in a fresh Accelerator: same later epochs
     again = Accelerator(mixed_precision="fp8", gradient_accumulation_steps=ACCUM, kwargs_handlers=[TERecipeKwargs()],
@@ -124,7 +123,7 @@ def main(out_dir: str) -> None:
             "resume_max_abs_diff": max(abs(a - b) for a, b in zip(resumed, losses[EPOCHS // 2:])),
             "fp8_layers": fp8_layers,
         }))
-    again.end_training()
+    accelerator.end_training()  # closes the trackers, then the process group (both runs')
 
 
 if __name__ == "__main__":

@@ -281,8 +281,13 @@ class TrackingMixin:
             tracker.log(values, step=step, **log_kwargs.get(tracker.name, {}))
 
     def end_training(self) -> None:
-        """Close the trackers, then wait for every process."""
+        """Close the trackers, wait for every process, then destroy the process group (as
+        Accelerate; a later Accelerator creates a new one)."""
+        import torch.distributed as dist
+
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
-        self.wait_for_everyone()
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
