@@ -129,9 +129,9 @@ def has_deepspeed() -> bool:
 
 
 @pytest.mark.parametrize("mode, dtype", [
-    ("ddp", "MULTI"),
+    ("ddp", "MULTI_CPU"),
     ("fsdp2", "FSDP"),
-    ("ddp_o2", "MULTI"),
+    ("ddp_o2", "MULTI_CPU"),
     pytest.param("zero3", "DEEPSPEED", marks=pytest.mark.skipif(not has_deepspeed(), reason="DeepSpeed is an optional extra")),
 ])
 def test_distributed_path(tmp_path, mode, dtype):

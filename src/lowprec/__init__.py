@@ -1,20 +1,35 @@
 """lowprec: low-precision (FP8, BF16, FP16) training for PyTorch.
 
 ``import lowprec.fp8`` needs nothing but torch. The Accelerate-compatible front
-(``lowprec.Accelerator``) is imported lazily so that the engine stays importable
-on machines that only have torch.
+(``lowprec.Accelerator`` and the names Accelerate exports at its top level) is imported lazily so
+that the engine stays importable on machines that only have torch.
 """
 
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
 
-__all__ = ["Accelerator", "__version__"]
+# name -> module that defines it (imported on first access)
+_LAZY = {
+    "Accelerator": "lowprec.accelerator",
+    "AcceleratorState": "lowprec.state",
+    "PartialState": "lowprec.process_state",
+    "DistributedType": "lowprec.process_state",
+    "GradientState": "lowprec.utils.data_loader",
+    "skip_first_batches": "lowprec.utils.data_loader",
+    "DataLoaderConfiguration": "lowprec.utils.dataclasses",
+    "ProjectConfiguration": "lowprec.utils.dataclasses",
+    "find_executable_batch_size": "lowprec.utils.memory",
+    "init_empty_weights": "lowprec.utils.modeling",
+    "init_on_device": "lowprec.utils.modeling",
+}
+
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str):
-    if name == "Accelerator":
-        from lowprec.accelerator import Accelerator
-
-        return Accelerator
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'lowprec' has no attribute {name!r}")

@@ -36,13 +36,18 @@ from lowprec.kwargs import (
 )
 from lowprec.errors import did_you_mean
 from lowprec.state import AcceleratorState, Decision, DistributedType
+from lowprec.tracking import TrackingMixin, filter_trackers
+from lowprec.utils.checkpointing import CheckpointingMixin
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
+from lowprec.utils.dataclasses import DataLoaderConfiguration, ProjectConfiguration
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_clip, deepspeed_initialize
-from lowprec.utils.distributed import wrap_ddp, wrap_fsdp2
+from lowprec.utils.distributed import trigger_sync_in_backward, wrap_ddp, wrap_fsdp2
 from lowprec.utils.nonfinite import NonFiniteGuard
 from lowprec.utils.operations import gather, gather_object, has_tensor, pad_across_processes, reduce
 from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler
-from lowprec.utils.precision import autocast_context, unwrap_forward, wrap_forward
+from lowprec.utils.modeling import extract_model_from_parallel
+from lowprec.utils.precision import autocast_context, wrap_forward
+from lowprec.utils.process_control import ProcessControlMixin
 
 __all__ = ["Accelerator", "FP8BackendType"]
 
@@ -65,7 +70,7 @@ def _is_scheduler(obj: Any) -> bool:
     )
 
 
-class Accelerator:
+class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
     def __init__(
         self,
         device_placement: bool = True,
@@ -83,20 +88,24 @@ class Accelerator:
         fp8_fallback: Optional[str] = None,
         skip_nonfinite_steps: bool = True,
         max_consecutive_skipped_steps: Optional[int] = 3,
+        dataloader_config: Optional[DataLoaderConfiguration] = None,
+        log_with: Any = None,
+        project_config: Optional[ProjectConfiguration] = None,
         **kwargs: Any,
     ) -> None:
         handlers = list(kwargs_handlers or [])
         if "kwarg_handlers" in kwargs:  # the spelling Accelerate's own FP8 docs use
             handlers += list(kwargs.pop("kwarg_handlers") or [])
-        for ignored in ("log_with", "dynamo_backend", "dataloader_config", "project_config"):
+        for ignored in ("dynamo_backend",):
             if kwargs.pop(ignored, None) is not None:
                 logger.warning("lowprec: Accelerator(%s=...) is accepted and ignored", ignored)
         if kwargs:
             known = list(inspect.signature(Accelerator.__init__).parameters) + ["kwarg_handlers"]
             bad = next(iter(kwargs))
             raise TypeError(f"Accelerator() got an unexpected argument {bad!r}{did_you_mean(bad, known)}")
-        if split_batches:
-            raise ValueError("split_batches=True is not supported; give each process its own batch size")
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        if split_batches:  # Accelerate's older spelling of DataLoaderConfiguration(split_batches=True)
+            self.dataloader_config.split_batches = True
         self.handlers = self._sort_handlers(handlers)
         recipe_handler: Optional[RecipeKwargs] = self.handlers.get("recipe")
 
@@ -133,7 +142,9 @@ class Accelerator:
                 "lowprec: Accelerator(rng_types=...) is accepted and ignored: prepared dataloaders "
                 "shuffle with their own generator, seeded identically on every process"
             )
-        self.project_dir = project_dir
+        self._init_project(project_dir, project_config)
+        self.log_with = filter_trackers(log_with, self.logging_dir)
+        self.trackers: list = []
         self.scaler = self._make_scaler()
         # skip steps with NaN/inf loss or gradients, every precision (utils/nonfinite.py)
         self.nonfinite = NonFiniteGuard(skip_nonfinite_steps, max_consecutive_skipped_steps, self.use_distributed, self.device)
@@ -202,8 +213,23 @@ class Accelerator:
     distributed_type = property(lambda self: self.state.distributed_type)
     mixed_precision = property(lambda self: self.state.mixed_precision)
     use_distributed = property(lambda self: self.state.use_distributed)
-    sync_gradients = property(lambda self: self.gradient_state.sync_gradients)
-    gradient_accumulation_steps = property(lambda self: self.gradient_state.num_steps)
+    split_batches = property(lambda self: self.dataloader_config.split_batches)
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = value
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, value: int) -> None:
+        self.gradient_state.num_steps = int(value)
     fp8_enabled = property(lambda self: self.state.mixed_precision == "fp8")
     native_amp = property(lambda self: self.state.mixed_precision != "no")
     skipped_steps = property(lambda self: self.nonfinite.skipped)  # non-finite steps skipped, scaler's too
@@ -252,11 +278,19 @@ class Accelerator:
                 results[i] = self.prepare_data_loader(obj, device_placement=placement[i])
             elif _is_scheduler(obj) and not isinstance(obj, AcceleratedScheduler):
                 results[i] = self.prepare_scheduler(obj)
+        for i, obj in enumerate(results):
+            if obj is not args[i] or isinstance(obj, nn.Module):
+                with contextlib.suppress(AttributeError, TypeError):
+                    obj._is_accelerate_prepared = True
         return results[0] if len(results) == 1 else tuple(results)
 
     def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
         if any(model is m or self.unwrap_model(m) is model for m in self._models):
             return model
+        offloaded = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()} & {"cpu", "disk"}
+        if (getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)) and offloaded:
+            raise ValueError("a model loaded in 8-bit or 4-bit with CPU or disk offload cannot be trained; "
+                             "load it with every layer on the accelerator (device_map={'': 0})")
         placement = self.device_placement if device_placement is None else device_placement
         before = named_params(model)
         if placement:
@@ -264,7 +298,7 @@ class Accelerator:
         model = self._convert_and_wrap_forward(model)
         dt = self.distributed_type
         if not evaluation_mode:
-            if dt == DistributedType.MULTI:
+            if dt.is_ddp:
                 kw = (self.handlers.get(DistributedDataParallelKwargs) or DistributedDataParallelKwargs()).to_kwargs()
                 model = wrap_ddp(model, self.device, kw)
             elif dt == DistributedType.FSDP:
@@ -376,7 +410,8 @@ class Accelerator:
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         wrapped = AcceleratedScheduler(scheduler, self._optimizers, self.gradient_state,
-                                       self.step_scheduler_with_optimizer, self.accumulation.adjust_scheduler)
+                                       self.step_scheduler_with_optimizer, self.accumulation.adjust_scheduler,
+                                       1 if self.split_batches else self.num_processes)
         self._schedulers.append(wrapped)
         return wrapped
 
@@ -387,13 +422,17 @@ class Accelerator:
                 dist.broadcast(seed, src=0)
             self._data_seed = int(seed)
         placement = self.device_placement if device_placement is None else device_placement
+        cfg = self.dataloader_config
         shard = DataLoaderShard(
             data_loader,
             rank=self.process_index,
             world_size=self.num_processes,
             device=self.device if placement else None,
-            seed=self._data_seed,
+            seed=self._data_seed if cfg.data_seed is None else cfg.data_seed,
             gradient_state=self.gradient_state,
+            split_batches=cfg.split_batches,
+            even_batches=cfg.even_batches,
+            non_blocking=cfg.non_blocking,
         )
         self._dataloaders.append(shard)
         return shard
@@ -439,6 +478,9 @@ class Accelerator:
                 model.set_requires_gradient_sync(True)
         else:
             yield
+
+    def trigger_sync_in_backward(self, model: nn.Module):
+        return trigger_sync_in_backward(model)
 
     @contextlib.contextmanager
     def accumulate(self, *models: nn.Module):
@@ -511,74 +553,17 @@ class Accelerator:
     def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
         return pad_across_processes(tensor, dim, pad_index, pad_first)
 
-    def wait_for_everyone(self) -> None:
-        if self.use_distributed:
-            dist.barrier()
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_main_process:
-            print(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def main_process_first(self):
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
-
-    def end_training(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
-
     # ------------------------------------------------------------------ models and checkpoints
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True) -> nn.Module:
-        while True:
-            if hasattr(model, "_orig_mod"):  # torch.compile
-                model = model._orig_mod
-            elif isinstance(model, torch.nn.parallel.DistributedDataParallel) or type(model).__name__ == "DeepSpeedEngine":
-                model = model.module
-            else:
-                break
-        if not keep_fp32_wrapper:
-            unwrap_forward(model)
-        return model
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        bad = [o for o in objects if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
-        if bad:
-            raise TypeError(f"register_for_checkpointing needs objects with state_dict/load_state_dict; got {bad!r}")
-        self._custom_objects.extend(objects)
-
-    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True) -> str:
-        from lowprec.checkpoint import save_state
-
-        return save_state(self, output_dir or _default_dir(self.project_dir), safe_serialization)
-
-    def load_state(self, input_dir: Optional[str] = None) -> None:
-        from lowprec.checkpoint import load_state
-
-        load_state(self, input_dir or _default_dir(self.project_dir))
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = False) -> nn.Module:
+        """The user's model, out of DDP / DeepSpeed / torch.compile wrappers (a compiled model
+        stays compiled with ``keep_torch_compile=True``)."""
+        return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
         from lowprec.utils.distributed import full_model_state_dict
 
         return full_model_state_dict(self.unwrap_model(model) if unwrap else model)
 
-    def save_model(self, model: nn.Module, save_directory: str, safe_serialization: bool = True, **_: Any) -> None:
-        from lowprec.checkpoint import save_model
-
-        save_model(self, model, save_directory, safe_serialization)
-
-    def save(self, obj: Any, f: str, safe_serialization: bool = False) -> None:
-        if self.is_main_process:
-            if safe_serialization:
-                from safetensors.torch import save_file
-
-                save_file(obj, f)
-            else:
-                torch.save(obj, f)
 
     def free_memory(self, *objects: Any):
         """Forget every prepared object (and the bookkeeping that holds references to them),
@@ -595,10 +580,3 @@ class Accelerator:
             torch.cuda.empty_cache()
         return [None] * len(objects)
 
-
-def _default_dir(project_dir: Optional[str]) -> str:
-    if project_dir is None:
-        raise ValueError("save_state/load_state need a directory (or Accelerator(project_dir=...))")
-    import os
-
-    return os.path.join(project_dir, "checkpoint")

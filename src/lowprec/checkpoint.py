@@ -75,7 +75,7 @@ def save_tensors(state_dict: dict, path: str, safe: bool) -> None:
         k: t.contiguous().clone() if (not t.is_contiguous() or (t.numel() and storages[t.untyped_storage().data_ptr()] > 1)) else t
         for k, t in tensors.items()
     }
-    save_file(tensors, path, metadata={"aliases": json.dumps(aliases)})
+    save_file(tensors, path, metadata={"format": "pt", "aliases": json.dumps(aliases)})
 
 
 def load_tensors(path: str) -> dict:
@@ -113,7 +113,10 @@ def save_optimizer(state_dict: dict, path_stem: str, safe: bool) -> None:
             else:
                 skeleton[str(pid)][k] = v
     meta = {"state": skeleton, "param_groups": state_dict["param_groups"],
-            "int_keys": all(isinstance(k, int) for k in state_dict["state"])}
+            "int_keys": all(isinstance(k, int) for k in state_dict["state"]),
+            # JSON has no tuples: remember which group values were (Adam's betas), so a loaded
+            # optimizer's state_dict equals the saved one
+            "tuple_keys": [[k for k, v in g.items() if isinstance(v, tuple)] for g in state_dict["param_groups"]]}
     from safetensors.torch import save_file
 
     save_file({k: v.clone() for k, v in tensors.items()}, path_stem + ".safetensors",
@@ -136,7 +139,10 @@ def _read_optimizer(path: str) -> dict:
     for pid, entry in meta["state"].items():
         key = int(pid) if meta["int_keys"] else pid
         state[key] = {k: tensors[f"{pid}/{k}"] if v is None else v for k, v in entry.items()}
-    return {"state": state, "param_groups": meta["param_groups"]}
+    groups = meta["param_groups"]
+    for g, keys in zip(groups, meta.get("tuple_keys", [])):
+        g.update({k: tuple(g[k]) for k in keys})
+    return {"state": state, "param_groups": groups}
 
 
 def _model_file(directory: str, i: int, safe: bool) -> str:
@@ -214,6 +220,7 @@ def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
     # collectives first (FSDP2 gathers full state on every process), files on the main process;
     # a DeepSpeed engine writes its own (partitioned) model and optimizer state
     models = [None if _is_ds(m) else full_model_state_dict(acc.unwrap_model(m)) for m in acc._models]
+    models = acc._run_save_hooks(tmp, models)  # a hook may write files into tmp, or drop a model
     for i, m in enumerate(acc._models):
         if _is_ds(m):
             m.save_checkpoint(os.path.join(tmp, f"deepspeed_{i}"), tag="state")
@@ -307,8 +314,11 @@ def load_state(acc: Any, input_dir: str) -> None:
             f"--num_processes {saved_procs}`), or load the weights alone with model.load_state_dict"
         )
     safe = meta.get("safe_serialization", True)
+    to_load = acc._run_load_hooks(input_dir)  # a hook may read its files, or drop a model
     for i, m in enumerate(acc._models):
         inner = acc.unwrap_model(m)
+        if id(m) not in to_load:
+            continue
         if _is_ds(m):
             check_deepspeed_dir(os.path.join(input_dir, f"deepspeed_{i}"))  # DeepSpeed itself unpickles freely
             m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")
@@ -388,7 +398,7 @@ def _apply(obj: Any, state: Any, where: str = "") -> None:
         ) from None
 
 
-def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bool = True) -> None:
+def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bool = True, max_shard_size: Any = "10GB") -> None:
     """Plain weights (no FP8 scaling state, no wrappers) that load into the unconverted model."""
     inner = acc.unwrap_model(model)
     acc.nonfinite.check_model(model, f"save_model({save_directory!r})")
@@ -400,8 +410,9 @@ def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bo
         if acc.backend is not None:
             sd = acc.backend.plain_state_dict(sd)
         os.makedirs(save_directory, exist_ok=True)
-        name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
-        save_tensors(sd, os.path.join(save_directory, name), safe_serialization)
+        from lowprec.utils.checkpointing import write_sharded
+
+        write_sharded(sd, save_directory, safe_serialization, max_shard_size, save_tensors)
     acc.wait_for_everyone()
 
 

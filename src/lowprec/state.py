@@ -8,6 +8,7 @@ standard ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT`` 
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -23,6 +24,7 @@ from lowprec.kwargs import (
     env_get,
     env_int,
 )
+from lowprec.process_state import DistributedType, PartialState, _resolve_device as _device_and_reason
 
 __all__ = [
     "PRECISIONS",
@@ -34,19 +36,14 @@ __all__ = [
     "fp8_hardware_check",
     "fp8_capability_check",
     "AcceleratorState",
+    "PartialState",
+    "GradientState",  # noqa: F822 - served by __getattr__ below (it lives with the dataloaders)
 ]
 
 logger = logging.getLogger("lowprec")
 
 PRECISIONS = ("no", "fp16", "bf16", "fp8")
 FP8_FALLBACKS = ("bf16", "emulate")
-
-
-class DistributedType:
-    NO = "NO"
-    MULTI = "MULTI"  # DistributedDataParallel
-    FSDP = "FSDP"  # FSDP2, fully_shard
-    DEEPSPEED = "DEEPSPEED"
 
 
 @dataclass(frozen=True)
@@ -119,11 +116,7 @@ def fp8_hardware_check(device: torch.device, fallback: Optional[str]) -> Decisio
 
 
 def _resolve_device(cpu: bool, env: DistributedEnv) -> Decision:
-    if cpu:
-        return Decision(torch.device("cpu"), "cpu=True / ACCELERATE_USE_CPU")
-    if torch.cuda.is_available():
-        return Decision(torch.device("cuda", env.local_rank), f"CUDA available, LOCAL_RANK={env.local_rank}")
-    return Decision(torch.device("cpu"), "no CUDA device")
+    return Decision(*_device_and_reason(cpu, env.local_rank))
 
 
 def _resolve_distributed(env: DistributedEnv, fsdp_plugin, deepspeed_plugin) -> tuple[Decision, Any, Any]:
@@ -140,12 +133,22 @@ def _resolve_distributed(env: DistributedEnv, fsdp_plugin, deepspeed_plugin) -> 
         why = "deepspeed_plugin" if deepspeed_plugin is not None else "env ACCELERATE_USE_DEEPSPEED"
         return Decision(DistributedType.DEEPSPEED, why), None, plugin
     if env.world_size > 1:
-        return Decision(DistributedType.MULTI, f"WORLD_SIZE={env.world_size}: DistributedDataParallel"), None, None
+        kind = DistributedType.MULTI_GPU if torch.cuda.is_available() and not env_flag("ACCELERATE_USE_CPU") else DistributedType.MULTI_CPU
+        return Decision(kind, f"WORLD_SIZE={env.world_size}: DistributedDataParallel"), None, None
     return Decision(DistributedType.NO, "single process"), None, None
 
 
 class AcceleratorState:
-    """What the Accelerator resolved: precision, device, process group, plugins."""
+    """What the Accelerator resolved: precision, device, process group, plugins.
+
+    One per Accelerator (not shared like Accelerate's: several Accelerators with different
+    precisions may live in one process); ``_reset_state`` forgets every live one, as Accelerate's
+    does, and ``PartialState`` shows the process facts of the latest."""
+
+    _instances: "weakref.WeakSet[AcceleratorState]" = weakref.WeakSet()
+    _known_attrs = ("device", "distributed_type", "mixed_precision", "env", "decisions", "num_processes",
+                    "process_index", "local_process_index", "is_main_process", "use_distributed",
+                    "fsdp_plugin", "deepspeed_plugin", "requested_mixed_precision", "fp8_fallback", "fp8_emulate")
 
     def __init__(
         self,
@@ -180,6 +183,40 @@ class AcceleratorState:
         self.mixed_precision = mode
         self.device = device
         self._init_process_group(init_kwargs or InitProcessGroupKwargs())
+        AcceleratorState._instances.add(self)
+        PartialState._reset_state()
+        shared = PartialState._shared_state
+        shared.update(device=device, decisions=dict(self.decisions), debug=env_flag("ACCELERATE_DEBUG_MODE"),
+                      backend=dist.get_backend() if dist.is_initialized() else None,
+                      process_index=self.process_index, num_processes=self.num_processes,
+                      local_process_index=self.local_process_index,
+                      distributed_type=self.distributed_type if self.num_processes > 1 else DistributedType.NO)
+
+    @staticmethod
+    def _reset_state(reset_partial_state: bool = False) -> None:
+        """Forget every live state (Accelerate's test helper): their Accelerators are unusable
+        afterwards, with an error that says why."""
+        for state in list(AcceleratorState._instances):
+            state.__dict__.clear()
+        if reset_partial_state:
+            PartialState._reset_state()
+
+    @property
+    def initialized(self) -> bool:
+        return "device" in self.__dict__
+
+    def destroy_process_group(self, group: Any = None) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in type(self)._known_attrs:
+            raise AttributeError(
+                f"`AcceleratorState` object has no attribute `{name}`. This happens if "
+                "`AcceleratorState._reset_state()` was called and an `Accelerator` or "
+                "`PartialState` was not reinitialized."
+            )
+        raise AttributeError(f"'AcceleratorState' object has no attribute '{name}'")
 
     def _decide(self, key: str, decision: Decision) -> Any:
         self.decisions[key] = decision
@@ -224,5 +261,21 @@ class AcceleratorState:
         return self.process_index == 0
 
     @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    @property
     def use_distributed(self) -> bool:
         return self.num_processes > 1
+
+
+def __getattr__(name: str):
+    if name == "GradientState":  # lives with the dataloaders that update it
+        from lowprec.utils.data_loader import GradientState
+
+        return GradientState
+    raise AttributeError(f"module 'lowprec.state' has no attribute {name!r}")

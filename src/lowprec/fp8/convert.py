@@ -9,7 +9,15 @@ The default filter keeps in high precision, each with its reason in the report:
   kernels need it; padding would cost more than FP8 saves);
 * layers whose name has a component equal to one of ``skip_patterns`` (default ``lm_head``,
   ``router``, ``gate``: output heads and MoE routers). Components are matched exactly, so a
-  SwiGLU ``gate_proj`` is converted; a pattern with ``*`` or ``?`` is a glob on the full name.
+  SwiGLU ``gate_proj`` is converted; a pattern with ``*`` or ``?`` is a glob on the full name;
+* peft adapter layers (a name component ``lora_A``, ``lora_B``, ...): rank-r GEMMs are too small
+  for FP8 to pay, and adapter quality is what fine-tuning optimises (the frozen base layer inside
+  the peft wrapper is converted as usual).
+
+Layers that are not ``nn.Linear`` are reported, not converted, when they are GEMM layers lowprec
+recognises: ``transformers``' ``Conv1D`` (GPT-2) stores its weight transposed (in x out);
+converting it would change its parameter's layout and its state_dict, so GPT-2 checkpoints would
+no longer load. Accelerate + torchao skip it silently; here the report says so.
 
 A custom ``module_filter(module, fqn) -> bool`` replaces the default rules. A skipped layer
 never stops its siblings from converting (Accelerate's ``convert_model`` returns early).
@@ -33,6 +41,7 @@ from lowprec.fp8.recipes import Recipe
 __all__ = [
     "ConversionReport",
     "DEFAULT_SKIP_PATTERNS",
+    "ADAPTER_PATTERNS",
     "convert",
     "unconvert",
     "has_fp8_layers",
@@ -41,6 +50,7 @@ __all__ = [
 ]
 
 DEFAULT_SKIP_PATTERNS = ("lm_head", "router", "gate")
+ADAPTER_PATTERNS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 logger = logging.getLogger("lowprec.fp8")
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -94,6 +104,7 @@ def default_module_filter(
     *,
     skip_first_last: bool = True,
     skip_patterns: Iterable[str] = DEFAULT_SKIP_PATTERNS,
+    skip_adapters: bool = True,
 ) -> Callable[[nn.Module, str], str | None]:
     """Build the default rule: returns ``None`` to convert, or the reason to skip."""
     linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
@@ -103,6 +114,9 @@ def default_module_filter(
     def rule(module: nn.Module, fqn: str) -> str | None:
         if fqn in edges:
             return "first Linear" if fqn == linears[0] else "last Linear"
+        adapter = _matches(fqn, ADAPTER_PATTERNS) if skip_adapters else None
+        if adapter is not None:
+            return f"peft adapter layer ({adapter}): rank-r GEMM too small for FP8"
         if module.in_features % 16 or module.out_features % 16:
             return f"dims {module.in_features}x{module.out_features} not multiples of 16"
         hit = _matches(fqn, patterns)
@@ -168,6 +182,10 @@ def convert(
     for fqn, module in list(model.named_modules()):
         if isinstance(module, Float8Linear):
             report.skipped.append((fqn, "already Float8Linear"))
+            continue
+        if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+            report.skipped.append((fqn, "transformers Conv1D (weight stored in x out): converting would "
+                                        "change its parameter layout and state_dict"))
             continue
         if not isinstance(module, nn.Linear):
             continue

@@ -122,6 +122,7 @@ class _HFLoss(nn.Module):
 
 def _accelerator(cfg: TrainConfig, plan: RunPlan):
     from lowprec import Accelerator
+    from lowprec.utils.dataclasses import DataLoaderConfiguration
     from lowprec.fp8 import DEFAULT_SKIP_PATTERNS
     from lowprec.kwargs import (
         AutocastKwargs,
@@ -164,6 +165,9 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
         fp8_fallback=cfg.fp8_fallback,
         skip_nonfinite_steps=cfg.skip_nonfinite_steps,
         max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps,
+        # the schedule counts optimizer steps and the loader is not prepared: step the scheduler
+        # once per optimizer step (Accelerate's split_batches rule), not once per process
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
     )
 
 

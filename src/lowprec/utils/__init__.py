@@ -24,7 +24,29 @@ from lowprec.utils.fp8 import (
     has_fp8_layers,
     has_transformer_engine_layers,
 )
-from lowprec.utils.operations import gather, pad_across_processes, reduce, send_to_device
+from lowprec.process_state import DistributedType
+from lowprec.utils.data_loader import skip_first_batches
+from lowprec.utils.dataclasses import DataLoaderConfiguration, LoggerType, ProfileKwargs, ProjectConfiguration
+from lowprec.utils.imports import (
+    is_deepspeed_available,
+    is_msamp_available,
+    is_tensorboard_available,
+    is_torchao_available,
+    is_torchdata_stateful_dataloader_available,
+    is_transformer_engine_available,
+    is_wandb_available,
+)
+from lowprec.utils.memory import find_executable_batch_size, release_memory
+from lowprec.utils.modeling import extract_model_from_parallel, init_empty_weights
+from lowprec.utils.operations import (
+    broadcast,
+    broadcast_object_list,
+    gather,
+    gather_object,
+    pad_across_processes,
+    reduce,
+    send_to_device,
+)
 from lowprec.utils.random import set_seed
 
 __all__ = [
@@ -49,8 +71,28 @@ __all__ = [
     "has_ao_layers",
     "has_fp8_layers",
     "has_transformer_engine_layers",
+    "DataLoaderConfiguration",
+    "DistributedType",
+    "LoggerType",
+    "ProfileKwargs",
+    "ProjectConfiguration",
+    "broadcast",
+    "broadcast_object_list",
+    "extract_model_from_parallel",
+    "find_executable_batch_size",
     "gather",
+    "gather_object",
+    "init_empty_weights",
+    "is_deepspeed_available",
+    "is_msamp_available",
+    "is_tensorboard_available",
+    "is_torchao_available",
+    "is_torchdata_stateful_dataloader_available",
+    "is_transformer_engine_available",
+    "is_wandb_available",
     "pad_across_processes",
+    "release_memory",
+    "skip_first_batches",
     "reduce",
     "send_to_device",
     "set_seed",

@@ -19,22 +19,72 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from lowprec.utils.operations import send_to_device
 
-__all__ = ["GradientState", "DataLoaderShard", "skip_first_batches"]
+__all__ = ["GradientState", "DataLoaderShard", "SkipDataLoader", "skip_first_batches"]
 
 
 class GradientState:
-    """Shared between the Accelerator and its dataloaders: where the loop is."""
+    """Where the training loop is, shared by every instance in the process (Accelerate's borg:
+    ``GradientState()`` anywhere sees the Accelerator's). An Accelerator passes its settings and
+    starts a fresh loop position; a bare ``GradientState()`` only reads."""
 
-    def __init__(self, num_steps: int = 1, sync_with_dataloader: bool = True) -> None:
-        self.num_steps = num_steps
+    _shared_state: dict = {}
+
+    def __init__(self, num_steps: Any = None, sync_with_dataloader: bool = True) -> None:
+        self.__dict__ = self._shared_state
+        if num_steps is not None and not isinstance(num_steps, int):  # a GradientAccumulationPlugin
+            num_steps, sync_with_dataloader = num_steps.num_steps, num_steps.sync_with_dataloader
+        if num_steps is None and self._shared_state:
+            return
+        self.num_steps = 1 if num_steps is None else num_steps
         self.sync_with_dataloader = sync_with_dataloader
         self.sync_gradients = True
         self.end_of_dataloader = False
         self.remainder = -1  # real samples in the last global batch (-1: no padding)
         self.active: list["DataLoaderShard"] = []
 
+    @staticmethod
+    def _reset_state() -> None:
+        GradientState._shared_state.clear()
 
-class DataLoaderShard:
+    @property
+    def initialized(self) -> bool:
+        return self._shared_state != {}
+
+    @property
+    def in_dataloader(self) -> bool:
+        return bool(self.active)
+
+    @property
+    def active_dataloader(self):
+        return self.active[-1] if self.active else None
+
+    def _set_sync_gradients(self, sync_gradients: bool) -> None:
+        self.sync_gradients = sync_gradients
+
+
+class SkipDataLoader(DataLoader):
+    """A plain DataLoader whose iterations start ``skip_batches`` batches in (what
+    ``skip_first_batches`` returns for a dataloader that was not prepared)."""
+
+    def __init__(self, dataset: Any, skip_batches: int = 0, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.skip_batches = skip_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        for i, batch in enumerate(super().__iter__()):
+            if i >= self.skip_batches:
+                yield batch
+
+    def __len__(self) -> int:
+        return max(0, super().__len__() - self.skip_batches)
+
+
+class DataLoaderShard(DataLoader):
+    """A ``DataLoader`` (for ``isinstance`` checks) that iterates this process's share of the
+    wrapped one; other DataLoader attributes are the wrapped loader's. With ``split_batches``
+    each batch is cut into ``world_size`` equal slices instead of dealt whole; with
+    ``even_batches=False`` nothing is padded (processes may run a different number of steps)."""
+
     def __init__(
         self,
         dataloader: DataLoader,
@@ -44,15 +94,28 @@ class DataLoaderShard:
         device: Optional[torch.device],
         seed: int,
         gradient_state: GradientState,
+        split_batches: bool = False,
+        even_batches: bool = True,
+        non_blocking: bool = False,
     ) -> None:
+        # DataLoader.__init__ is not called: this object builds a fresh DataLoader per epoch
+        self.skip_batches = 0
+        if isinstance(dataloader, SkipDataLoader):
+            self.skip_batches = dataloader.skip_batches
         self.base = dataloader
         self.rank, self.world_size = rank, world_size
         self.device = device
         self.seed = seed
         self.gradient_state = gradient_state
+        self.split_batches, self.even_batches, self.non_blocking = split_batches, even_batches, non_blocking
         self.epoch = 0
         self.batches_yielded = 0
         self._skip = 0
+        if split_batches and world_size > 1 and dataloader.batch_size is not None and dataloader.batch_size % world_size:
+            raise ValueError(
+                f"split_batches=True splits each batch across {world_size} processes, but batch_size="
+                f"{dataloader.batch_size} does not divide by {world_size}; use a multiple of {world_size}"
+            )
         # an IterableDataset, or batch_size=None (no batching), is passed through unsharded
         self.iterable = isinstance(dataloader.dataset, IterableDataset) or dataloader.batch_sampler is None
         if self.iterable and world_size > 1:
@@ -68,12 +131,16 @@ class DataLoaderShard:
         if isinstance(sampler, RandomSampler):
             # every process draws the same permutation for this epoch
             sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return [list(b) for b in self.base.batch_sampler]
+        return [list(b) for b in self.base.batch_sampler][self.skip_batches:]
 
     def _local_batches(self) -> tuple[list[list[int]], int]:
         batches = self._global_batches()
         if self.world_size == 1 or not batches:
             return batches, -1  # one process: exactly the original batches (PyTorch's behaviour)
+        if self.split_batches:
+            return self._split(batches), -1
+        if not self.even_batches:
+            return batches[self.rank::self.world_size], -1
         n, width = len(batches), len(batches[0])
         steps = -(-n // self.world_size)
         last_step = range((steps - 1) * self.world_size, n)
@@ -91,10 +158,43 @@ class DataLoaderShard:
         changed = len(padded) != n or len(padded[n - 1]) != len(batches[-1])
         return padded[self.rank::self.world_size], (remainder if changed else -1)
 
+    def _split(self, batches: list[list[int]]) -> list[list[int]]:
+        """Slice ``rank`` of each batch; a short last batch is padded from the start first (as
+        Accelerate) so every slice has the same size."""
+        width = len(batches[0])
+        flat = [i for b in batches for i in b]
+        out = []
+        for b in batches:
+            b = b + [flat[k % len(flat)] for k in range(width - len(b))] if len(b) < width else b
+            k = len(b) // self.world_size
+            out.append(b[self.rank * k:(self.rank + 1) * k])
+        return out
+
     def __len__(self) -> int:
         if self.iterable:
             return len(self.base)
-        return -(-len(self.base.batch_sampler) // self.world_size)
+        n = max(0, len(self.base.batch_sampler) - self.skip_batches)
+        if self.split_batches or self.world_size == 1:
+            return n
+        if not self.even_batches:
+            return len(range(self.rank, n, self.world_size))
+        return -(-n // self.world_size)
+
+    def __getattr__(self, name: str) -> Any:
+        # DataLoader attributes this object does not set (sampler, collate_fn, num_workers, ...)
+        base = self.__dict__.get("base")
+        if base is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(base, name)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("gradient_state", None)  # process-wide; re-attached on load
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.gradient_state = GradientState()
 
     def __iter__(self) -> Iterator[Any]:
         gs = self.gradient_state
@@ -124,11 +224,12 @@ class DataLoaderShard:
                 last = count is not None and self.batches_yielded == count
                 gs.end_of_dataloader = last
                 gs.remainder = remainder if last else -1
-                yield send_to_device(batch, self.device) if self.device is not None else batch
+                yield send_to_device(batch, self.device, self.non_blocking) if self.device is not None else batch
             self.epoch += 1
             self.batches_yielded = 0
         finally:
-            gs.active.remove(self)
+            if self in gs.active:  # a new Accelerator may have reset the loop state meanwhile
+                gs.active.remove(self)
             gs.end_of_dataloader = False if not gs.active else gs.end_of_dataloader
 
     def set_epoch(self, epoch: int) -> None:
@@ -154,9 +255,17 @@ class DataLoaderShard:
         return self.base.batch_size
 
 
-def skip_first_batches(dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
-    """The next iteration of ``dataloader`` starts ``num_batches`` in (Accelerate's helper)."""
-    if not isinstance(dataloader, DataLoaderShard):
-        raise TypeError("skip_first_batches needs a dataloader returned by accelerator.prepare()")
-    dataloader._skip = int(num_batches)
-    return dataloader
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+    """A prepared dataloader: its next iteration starts ``num_batches`` in (resume mid-epoch).
+    A plain DataLoader: a ``SkipDataLoader`` over the same data whose every iteration skips them
+    (prepare it as usual)."""
+    if isinstance(dataloader, DataLoaderShard):
+        dataloader._skip = int(num_batches)
+        return dataloader
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(f"skip_first_batches takes a DataLoader, got {type(dataloader).__name__}")
+    if dataloader.batch_sampler is None or isinstance(dataloader.dataset, IterableDataset):
+        raise TypeError("skip_first_batches on an unprepared DataLoader needs a map-style dataset with batches")
+    return SkipDataLoader(dataloader.dataset, skip_batches=int(num_batches), batch_sampler=dataloader.batch_sampler,
+                          collate_fn=dataloader.collate_fn, num_workers=dataloader.num_workers,
+                          pin_memory=dataloader.pin_memory, worker_init_fn=dataloader.worker_init_fn)

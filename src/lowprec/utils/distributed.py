@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 __all__ = [
     "wrap_ddp",
+    "trigger_sync_in_backward",
     "wrap_fsdp2",
     "fsdp2_units",
     "is_fsdp2",
@@ -27,6 +29,22 @@ def wrap_ddp(model: nn.Module, device: torch.device, ddp_kwargs: dict) -> nn.Mod
 
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+
+
+@contextlib.contextmanager
+def trigger_sync_in_backward(model: nn.Module):
+    """Under DDP, the next backward all-reduces gradients even inside ``no_sync`` (for a last
+    micro-step run under ``no_sync`` for other reasons); elsewhere a no-op."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        yield
+        return
+    old_fwd, old_bwd = model.require_forward_param_sync, model.require_backward_grad_sync
+    model.require_forward_param_sync = model.require_backward_grad_sync = True
+    model.reducer.prepare_for_backward([])
+    try:
+        yield
+    finally:
+        model.require_forward_param_sync, model.require_backward_grad_sync = old_fwd, old_bwd
 
 
 def fsdp2_units(model: nn.Module, plugin: Any) -> list[nn.Module]:

@@ -7,7 +7,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["recursively_apply", "send_to_device", "gather", "reduce", "pad_across_processes", "to_fp32", "has_tensor", "gather_object"]
+__all__ = ["recursively_apply", "send_to_device", "gather", "reduce", "pad_across_processes", "to_fp32", "has_tensor", "gather_object",
+           "broadcast", "broadcast_object_list"]
 
 
 def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
@@ -21,8 +22,8 @@ def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
     return data
 
 
-def send_to_device(data: Any, device: torch.device) -> Any:
-    return recursively_apply(lambda t: t.to(device, non_blocking=True), data)
+def send_to_device(data: Any, device: torch.device, non_blocking: bool = True) -> Any:
+    return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
 
 
 def to_fp32(data: Any) -> Any:
@@ -108,3 +109,21 @@ def gather_object(obj: Any) -> list:
     for part in out:
         flat.extend(part if isinstance(part, (list, tuple)) else [part])
     return flat
+
+
+def broadcast(data: Any, from_process: int = 0) -> Any:
+    """Every tensor (nested) takes process ``from_process``'s value, in place; returned too."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if _distributed():
+            dist.broadcast(t, src=from_process)
+        return t
+
+    return recursively_apply(one, data)
+
+
+def broadcast_object_list(object_list: list, from_process: int = 0) -> list:
+    """Picklable objects from process ``from_process``, into ``object_list`` in place."""
+    if _distributed():
+        dist.broadcast_object_list(object_list, src=from_process)
+    return object_list

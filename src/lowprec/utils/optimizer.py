@@ -24,8 +24,17 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.gradient_state = gradient_state
         self.after_step = after_step
         self.guard = guard
-        self.step_was_skipped = False
+        self._is_overflow = False  # step_was_skipped (Accelerate's attribute name behind it)
         self.unscaled = False
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step`` was skipped (the loss scaler found inf/nan gradients)."""
+        return self._is_overflow
+
+    @step_was_skipped.setter
+    def step_was_skipped(self, value: bool) -> None:
+        self._is_overflow = value
 
     # forwarding -----------------------------------------------------------------------
     @property
@@ -105,19 +114,23 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
 
 class AcceleratedScheduler:
-    """Steps the LR scheduler once per real optimizer step (not on accumulation micro-steps,
-    not after a step the scaler skipped). ``step_with_optimizer=False``
+    """Steps the LR scheduler with each real optimizer step (not on accumulation micro-steps,
+    not after a step the scaler skipped), ``steps_per_call`` times: Accelerate's rule is one
+    step per process, since each optimizer step consumed ``num_processes`` batches of the
+    dataloader the schedule was written for (1 with ``split_batches=True``; a schedule with a
+    ``total_steps`` is never stepped past it). ``step_with_optimizer=False``
     (``Accelerator(step_scheduler_with_optimizer=False)``) steps it on every call instead. With
     ``adjust_scheduler`` a micro-step still counts the call, so torch's "scheduler before
     optimizer" check stays quiet (Accelerate's behaviour)."""
 
     def __init__(self, scheduler: Any, optimizers: list, gradient_state: Any,
-                 step_with_optimizer: bool = True, adjust_scheduler: bool = True) -> None:
+                 step_with_optimizer: bool = True, adjust_scheduler: bool = True, steps_per_call: int = 1) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.gradient_state = gradient_state
         self.step_with_optimizer = step_with_optimizer
         self.adjust_scheduler = adjust_scheduler
+        self.steps_per_call = steps_per_call
 
     def step(self, *args, **kwargs) -> None:
         if not self.step_with_optimizer:
@@ -129,7 +142,10 @@ class AcceleratedScheduler:
             return
         if any(getattr(o, "step_was_skipped", False) for o in self.optimizers):
             return
-        self.scheduler.step(*args, **kwargs)
+        for _ in range(self.steps_per_call):
+            total = getattr(self.scheduler, "total_steps", None)
+            if total is None or self.scheduler._step_count <= total:
+                self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self):
         return self.scheduler.get_last_lr()

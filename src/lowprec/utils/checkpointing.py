@@ -1,0 +1,214 @@
+"""The Accelerator's checkpoint API around ``lowprec.checkpoint``: project layout and automatic
+checkpoint naming (``ProjectConfiguration``), save/load pre-hooks, custom objects, and sharded
+``save_model`` files (Accelerate's ``model-0000i-of-0000n.safetensors`` + index)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import re
+import shutil
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from lowprec.utils.dataclasses import ProjectConfiguration
+
+__all__ = ["CheckpointingMixin", "parse_size", "write_sharded"]
+
+logger = logging.getLogger("lowprec")
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: Any) -> int:
+    """``100``, ``"10GB"``, ``"500MiB"`` -> bytes."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+    if not m:
+        raise ValueError(f"max_shard_size={size!r}; use bytes (an int) or a string like '10GB' or '500MiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
+
+
+def write_sharded(state_dict: dict, directory: str, safe: bool, max_shard_size: Any,
+                  save: Callable[[dict, str, bool], None]) -> None:
+    """One file when it fits in ``max_shard_size``, else shards plus a JSON index mapping each
+    tensor to its file (the layout transformers and Accelerate load)."""
+    limit = parse_size(max_shard_size)
+    shards: list[dict] = [{}]
+    size = 0
+    for k, t in state_dict.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nbytes
+    stem, ext = ("model", "safetensors") if safe else ("pytorch_model", "bin")
+    if len(shards) == 1:
+        save(state_dict, os.path.join(directory, f"{stem}.{ext}"), safe)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}"
+        save(shard, os.path.join(directory, name), safe)
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state_dict.values())
+    with open(os.path.join(directory, f"{stem}.{ext}.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+
+
+def _numbered(folder: str) -> list[str]:
+    """``checkpoint_{n}`` folders in ``folder``, oldest (smallest n) first."""
+    if not os.path.isdir(folder):
+        return []
+    found = [d for d in os.listdir(folder) if re.fullmatch(r"checkpoint_\d+", d)]
+    return [os.path.join(folder, d) for d in sorted(found, key=lambda d: int(d.split("_")[1]))]
+
+
+class CheckpointingMixin:
+    """Needs ``self.is_main_process``, ``self._models``, ``self._custom_objects``."""
+
+    def _init_project(self, project_dir: Optional[str], project_config: Optional[ProjectConfiguration]) -> None:
+        self.project_configuration = project_config if project_config is not None else ProjectConfiguration()
+        if project_dir is not None:
+            self.project_configuration.set_directories(project_dir)
+        self._save_model_state_pre_hook: dict = collections.OrderedDict()
+        self._load_model_state_pre_hook: dict = collections.OrderedDict()
+
+    @property
+    def project_dir(self) -> Optional[str]:
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> Optional[str]:
+        return self.project_configuration.logging_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """The number the next automatically named checkpoint gets."""
+        return self.project_configuration.iteration
+
+    # ------------------------------------------------------------------ hooks
+    def register_save_state_pre_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(models, weights, output_dir)`` runs before ``save_state`` writes (files it writes
+        into ``output_dir`` become part of the checkpoint); removing a state dict from ``weights``
+        skips writing that model."""
+        handle = RemovableHandle(self._save_model_state_pre_hook)
+        self._save_model_state_pre_hook[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable) -> RemovableHandle:
+        """``hook(models, input_dir)`` runs before ``load_state`` reads; removing a model from
+        ``models`` skips loading its weights."""
+        handle = RemovableHandle(self._load_model_state_pre_hook)
+        self._load_model_state_pre_hook[handle.id] = hook
+        return handle
+
+    def _run_save_hooks(self, output_dir: str, weights: list) -> list:
+        """Called by ``lowprec.checkpoint`` with the state dicts it is about to write; returns
+        them with ``None`` for each one a hook removed."""
+        if not self._save_model_state_pre_hook:
+            return weights
+        kept = list(weights)
+        for hook in self._save_model_state_pre_hook.values():
+            hook(self._models, kept, output_dir)
+        ids = {id(w) for w in kept}
+        return [w if id(w) in ids else None for w in weights]
+
+    def _run_load_hooks(self, input_dir: str) -> set:
+        """Ids of the models whose weights ``load_state`` should load."""
+        models = list(self._models)
+        for hook in self._load_model_state_pre_hook.values():
+            hook(models, input_dir)
+        return {id(m) for m in models}
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Objects with ``state_dict``/``load_state_dict`` saved and restored with the state."""
+        bad = [f"- Item at index {i}, `{type(o).__name__}`" for i, o in enumerate(objects)
+               if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        if bad:
+            raise ValueError("All `objects` must include a `state_dict` and `load_state_dict` function to be "
+                             "stored. The following inputs are invalid:\n" + "\n".join(bad))
+        self._custom_objects.extend(objects)
+
+    # ------------------------------------------------------------------ save / load
+    def _auto_dir(self) -> str:
+        folder = self.project_configuration.checkpoints_dir
+        if folder is None:
+            raise ValueError("automatic_checkpoint_naming needs a project directory: "
+                             "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
+        return folder
+
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **_: Any) -> str:
+        """Everything needed to resume (models, optimizers, schedulers, dataloader positions,
+        scaler, registered objects, RNG), written atomically. With automatic checkpoint naming and
+        no ``output_dir``: ``{project_dir}/checkpoints/checkpoint_{iteration}``, keeping at most
+        ``total_limit`` (the oldest are removed after the new one is complete)."""
+        from lowprec.checkpoint import save_state
+
+        pc = self.project_configuration
+        if pc.automatic_checkpoint_naming and output_dir is None:
+            output_dir = os.path.join(self._auto_dir(), f"checkpoint_{pc.iteration}")
+            if os.path.exists(output_dir):
+                raise ValueError(f"checkpoint directory {output_dir} already exists; set "
+                                 "ProjectConfiguration(iteration=...) to the next free number")
+        elif output_dir is None:
+            output_dir = os.path.join(self._need_project_dir(), "checkpoint")
+        path = save_state(self, output_dir, safe_serialization)
+        if pc.automatic_checkpoint_naming:
+            pc.iteration += 1
+            if pc.total_limit is not None and self.is_main_process:
+                for old in _numbered(self._auto_dir())[:-pc.total_limit]:
+                    shutil.rmtree(old, ignore_errors=True)
+            self.wait_for_everyone()
+        return path
+
+    def _need_project_dir(self) -> str:
+        if self.project_dir is None:
+            raise ValueError("save_state/load_state need a directory (or Accelerator(project_dir=...))")
+        return self.project_dir
+
+    def load_state(self, input_dir: Optional[str] = None, map_location: Any = None, **_: Any) -> None:
+        """Restore what ``save_state`` wrote. Without ``input_dir``: the newest automatically
+        named checkpoint, else ``{project_dir}/checkpoint``. Optimizer state always lands on its
+        parameters' device (``map_location`` 'cpu'/'on_device' accepted for Accelerate's sake)."""
+        from lowprec.checkpoint import load_state
+
+        if map_location not in (None, "cpu", "on_device"):
+            raise TypeError(f"Unsupported optimizer map location passed: {map_location!r}; use 'cpu' or 'on_device'")
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            found = _numbered(self._auto_dir())
+            if not found:
+                raise ValueError(f"no checkpoint_* folder in {self._auto_dir()} to load")
+            input_dir = found[-1]
+        elif input_dir is None:
+            input_dir = os.path.join(self._need_project_dir(), "checkpoint")
+        load_state(self, input_dir)
+
+    def save_model(self, model: Any, save_directory: str, max_shard_size: Any = "10GB", safe_serialization: bool = True) -> None:
+        """Plain weights that load into the unconverted model (``model.safetensors``, or shards of
+        at most ``max_shard_size`` plus ``model.safetensors.index.json``)."""
+        from lowprec.checkpoint import save_model
+
+        meta = [n for n, p in self.unwrap_model(model).named_parameters() if p.is_meta]
+        if meta:
+            raise ValueError(
+                f"save_model: {len(meta)} parameters (first {meta[0]!r}) are on the meta device (offloaded "
+                "or built under init_empty_weights); lowprec saves materialized weights only: load them first"
+            )
+        save_model(self, model, save_directory, safe_serialization, max_shard_size)
+
+    def save(self, obj: Any, f: str, safe_serialization: bool = False) -> None:
+        """``torch.save`` (or safetensors) on the main process only."""
+        if self.is_main_process:
+            if safe_serialization:
+                from safetensors.torch import save_file
+
+                save_file(obj, f, metadata={"format": "pt"})
+            else:
+                torch.save(obj, f)

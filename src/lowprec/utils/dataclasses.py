@@ -1,0 +1,123 @@
+"""Accelerate's configuration dataclasses for data loading and project layout, and ``LoggerType``.
+
+``DataLoaderConfiguration`` fields lowprec does not act on are refused when set to a value that
+would change behaviour (never accepted and ignored); ``dispatch_batches=True`` is the one accepted
+with a logged difference, because for a map-style dataset sharding gives every process the same
+batches dispatching would.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Callable, Optional
+
+from lowprec.kwargs import KwargsHandler
+
+__all__ = ["DataLoaderConfiguration", "ProjectConfiguration", "LoggerType", "ProfileKwargs"]
+
+
+class LoggerType(str, Enum):
+    """Experiment trackers by name (``Accelerator(log_with=...)``)."""
+
+    ALL = "all"
+    AIM = "aim"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    TRACKIO = "trackio"
+    COMETML = "comet_ml"
+    MLFLOW = "mlflow"
+    CLEARML = "clearml"
+    DVCLIVE = "dvclive"
+    SWANLAB = "swanlab"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How ``prepare`` shards dataloaders.
+
+    - ``split_batches``: each batch the dataloader yields is split across processes (its batch size
+      must divide by the number of processes); otherwise each process gets whole batches.
+    - ``even_batches``: pad the last step so every process runs the same number of batches (the
+      padding is dropped again by ``gather_for_metrics``); ``False`` gives some processes one
+      batch less.
+    - ``use_seedable_sampler`` / ``data_seed``: shuffling always uses a generator seeded
+      identically on every process (``data_seed`` when given, else the torch seed).
+    - ``non_blocking``: asynchronous host-to-device copies.
+    - ``use_stateful_dataloader``: lowprec's prepared dataloader already saves and restores its
+      position (``state_dict`` / ``load_state_dict``); ``True`` needs torchdata, as in Accelerate.
+    """
+
+    split_batches: bool = False
+    dispatch_batches: Optional[bool] = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: Optional[int] = None
+    non_blocking: bool = False
+    use_stateful_dataloader: bool = False
+
+    def __post_init__(self) -> None:
+        from lowprec.backends.base import log_once
+
+        if self.use_stateful_dataloader:
+            from lowprec.utils.imports import is_torchdata_stateful_dataloader_available
+
+            if not is_torchdata_stateful_dataloader_available():
+                raise ImportError(
+                    "DataLoaderConfiguration(use_stateful_dataloader=True) needs torchdata>=0.8 "
+                    "(pip install torchdata); lowprec's prepared dataloaders resume mid-epoch without it"
+                )
+            log_once("lowprec: use_stateful_dataloader=True: prepared dataloaders save and restore their "
+                     "position themselves (state_dict/load_state_dict); they are not torchdata StatefulDataLoaders")
+        if self.dispatch_batches:
+            log_once("lowprec: dispatch_batches=True: every process reads its own shard of the batch sampler "
+                     "instead of process 0 reading and scattering (same batches for a map-style dataset; an "
+                     "IterableDataset must shard itself)")
+
+
+@dataclass
+class ProjectConfiguration:
+    """Where checkpoints and logs go. With ``automatic_checkpoint_naming`` ``save_state()`` writes
+    ``{project_dir}/checkpoints/checkpoint_{iteration}`` and keeps at most ``total_limit`` of them
+    (oldest removed first); ``load_state()`` reads the newest."""
+
+    project_dir: Optional[str] = None
+    logging_dir: Optional[str] = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: Optional[int] = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def set_directories(self, project_dir: Optional[str] = None) -> None:
+        self.project_dir = project_dir
+        if self.logging_dir is None:
+            self.logging_dir = project_dir
+
+    def __post_init__(self) -> None:
+        self.set_directories(self.project_dir)
+        if self.total_limit is not None and self.total_limit < 1:
+            raise ValueError(f"ProjectConfiguration(total_limit={self.total_limit}); use a positive count or None")
+
+    @property
+    def checkpoints_dir(self) -> Optional[str]:
+        return None if self.project_dir is None else os.path.join(self.project_dir, "checkpoints")
+
+
+@dataclass(frozen=True)
+class ProfileKwargs(KwargsHandler):
+    """``accelerator.profile()`` settings (pass in ``kwargs_handlers`` or to ``profile``):
+    ``torch.profiler`` options; ``schedule_option`` is ``torch.profiler.schedule``'s keywords;
+    ``output_trace_dir`` gets one Chrome trace per process."""
+
+    activities: Optional[tuple] = None  # "cpu", "cuda" or ProfilerActivity members
+    schedule_option: Optional[dict] = None
+    on_trace_ready: Optional[Callable[[Any], None]] = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    output_trace_dir: Optional[str] = None

@@ -1,0 +1,171 @@
+"""Accelerate's own test files as lowprec's conformance suite.
+
+At test time the pinned ``accelerate`` source distribution is downloaded from the package index
+(never copied into this repository), the chosen test files are extracted, and each file runs
+twice on this machine: against real Accelerate (installed by the dev extra at the same version)
+and with Accelerate's public objects rebound to lowprec's (tests/accelerate_shim.py). On every
+file lowprec must pass at least every test real Accelerate passes, except the gaps listed in
+``KNOWN_GAPS`` with their reason; a listed gap that now passes fails the test too, so the list
+only shrinks. No network: the test fails and says so (it does not skip).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+PINNED = "1.15.0"
+FILES = [
+    "test_accelerator.py",
+    "test_state_checkpointing.py",
+    "test_scheduler.py",
+    "test_kwargs_handlers.py",
+    "test_grad_sync.py",
+    "test_optimizer.py",
+    "test_fp8.py",
+    "test_tracking.py",
+    "test_memory_utils.py",
+]
+# not chosen: test_data_loader.py and test_utils.py build Accelerate's internal classes with their
+# own constructor signatures (DataLoaderShard(dataset, ...), recursively_apply(..., test_type=...)),
+# which lowprec's objects of the same name do not share
+
+# test id (file::Class::test) -> why lowprec does not pass it although Accelerate does
+KNOWN_GAPS: dict[str, str] = {
+    "test_accelerator.py::AcceleratorTester::test_can_pickle_dataloader_0":
+        "dispatch_batches=True expects Accelerate's DataLoaderDispatcher (process 0 reads and scatters); "
+        "lowprec shards the sampler on every process instead",
+    "test_accelerator.py::AcceleratorTester::test_save_model_offload_use_pytorch":
+        "saves a model offloaded to disk by accelerate.big_modeling (meta parameters + Accelerate hooks); "
+        "lowprec has no big-model offload and refuses meta parameters with a clear error",
+    "test_accelerator.py::AcceleratorTester::test_save_model_offload_use_safetensors": "same as above",
+    "test_kwargs_handlers.py::KwargsHandlerTester::test_kwargs_handler":
+        "the file defines a non-frozen dataclass subclass of KwargsHandler, which lowprec keeps frozen "
+        "(import error for the whole file); lowprec's to_kwargs also returns every resolved value, not "
+        "only those changed from the default (deliberate, see kwargs.py)",
+    "test_kwargs_handlers.py::KwargsHandlerTester::test_torch_dynamo_plugin":
+        "same import error (frozen KwargsHandler); TorchDynamoPlugin is Accelerate's own",
+}
+
+HERE = Path(__file__).resolve().parent
+
+
+def _sdist(cache: Path) -> Path:
+    """The pinned sdist, downloaded once per cache (pip's own client, source only)."""
+    found = sorted(cache.glob(f"accelerate-{PINNED}.tar.gz"))
+    if found:
+        return found[0]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "--no-build-isolation", "-d", str(cache), f"accelerate=={PINNED}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    found = sorted(cache.glob(f"accelerate-{PINNED}.tar.gz"))
+    if proc.returncode != 0 or not found:
+        pytest.fail(
+            f"could not download the accelerate=={PINNED} source distribution from the package index "
+            f"(this test needs network access to PyPI):\n$ {' '.join(cmd)}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}",
+            pytrace=False,
+        )
+    return found[0]
+
+
+def _extract(sdist: Path, dest: Path) -> Path:
+    """Only the chosen test files (and their data folder, if any) into dest/tests."""
+    tests = dest / "tests"
+    if tests.exists():
+        shutil.rmtree(tests)
+    tests.mkdir(parents=True)
+    prefix = f"accelerate-{PINNED}/tests/"
+    with tarfile.open(sdist) as tar:
+        for member in tar.getmembers():
+            rel = member.name[len(prefix):] if member.name.startswith(prefix) else None
+            if rel and member.isfile() and (rel in FILES or rel.startswith("test_samples/")):
+                member.name = rel
+                tar.extract(member, tests, filter="data")
+    missing = [f for f in FILES if not (tests / f).exists()]
+    assert not missing, f"accelerate {PINNED} sdist lacks {missing}"
+    return tests
+
+
+# one pytest process per group: test_grad_sync fork-launches workers and hung when it ran after
+# test_optimizer in the same process, so it runs alone
+GROUPS = [[f for f in FILES if f != "test_grad_sync.py"], ["test_grad_sync.py"]]
+
+
+def _run(tests: Path, lowprec: bool, out: Path, targets: list, tag: str) -> dict[str, str]:
+    """One pytest process over ``targets`` (files or test ids); returns {test id: passed|failed|skipped}."""
+    run_dir = out / ("lowprec" if lowprec else "accelerate") / tag
+    shutil.copytree(tests, run_dir)
+    shutil.copy(HERE / "accelerate_shim.py", run_dir / "conftest.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
+    src = str(HERE.parent / "src")
+    env.update(LOWPREC_SHIM="1" if lowprec else "0", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]),
+               HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    xml = run_dir / "report.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly",
+           "--continue-on-collection-errors", "--rootdir", str(run_dir), "--junitxml", str(xml), "-o", "addopts=", "-o", "timeout=300", *targets]
+    proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=900)
+    if not xml.exists():
+        pytest.fail(f"pytest wrote no report (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}", pytrace=False)
+    results: dict[str, str] = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        cls = case.get("classname", "")
+        file = cls.split(".")[0] + ".py"
+        tid = f"{file}::{cls.split('.', 1)[1] if '.' in cls else ''}::{case.get('name')}"
+        if case.find("failure") is not None or case.find("error") is not None:
+            results[tid] = "failed"
+        elif case.find("skipped") is not None:
+            results[tid] = "skipped"
+        else:
+            results[tid] = "passed"
+    (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
+    return results
+
+
+def test_lowprec_passes_what_accelerate_passes(request, tmp_path_factory):
+    import accelerate
+
+    assert accelerate.__version__ == PINNED, (
+        f"accelerate {accelerate.__version__} is installed; the conformance suite compares against "
+        f"{PINNED}: pip install -e '.[dev]' (it pins accelerate=={PINNED})"
+    )
+    cache = request.config.cache.mkdir("accelerate-sdist") if request.config.cache else tmp_path_factory.mktemp("sdist")
+    tests = _extract(_sdist(Path(cache)), tmp_path_factory.mktemp("accelerate-src"))
+    out = tmp_path_factory.mktemp("runs")
+    with ThreadPoolExecutor(2) as pool:  # two processes at a time: CI's two cores
+        jobs = [(side, pool.submit(_run, tests, side, out, g, g[0][:-3])) for g in GROUPS for side in (False, True)]
+        ref: dict[str, str] = {}
+        ours: dict[str, str] = {}
+        for side, job in jobs:
+            (ours if side else ref).update(job.result())
+    # a few of Accelerate's tests are random by themselves (fresh unseeded weights compared with a
+    # tolerance; machine-wide free RAM): each lowprec failure gets one retry in a fresh process
+    retry = [t for t, st in ref.items() if st == "passed" and ours.get(t) != "passed" and t not in KNOWN_GAPS]
+    if retry:
+        again = _run(tests, True, out, retry, "retry")
+        flaky = [t for t in retry if again.get(t) == "passed"]
+        ours.update({t: "passed" for t in flaky})
+        print("passed on retry (random in the test itself):", flaky)
+
+    lines = []
+    for f in FILES:
+        r = [t for t in ref if t.startswith(f + "::")]
+        lines.append(f"{f}: accelerate {sum(ref[t] == 'passed' for t in r)} passed / "
+                     f"lowprec {sum(ours.get(t) == 'passed' for t in r)} passed (of {len(r)})")
+    print("\n".join(lines))
+    gaps = sorted(t for t, s in ref.items() if s == "passed" and ours.get(t) != "passed")
+    unexpected = [t for t in gaps if t not in KNOWN_GAPS]
+    fixed = [t for t in KNOWN_GAPS if ours.get(t) == "passed"]
+    assert ref, "real accelerate ran no tests: see the log under " + str(out)
+    assert not unexpected, (
+        "lowprec fails tests real Accelerate passes:\n  " + "\n  ".join(unexpected)
+        + f"\n(per-file results above; logs in {out}/lowprec/<file>/log.txt)\n" + "\n".join(lines)
+    )
+    assert not fixed, "these KNOWN_GAPS pass now; remove them from the list:\n  " + "\n  ".join(fixed)
