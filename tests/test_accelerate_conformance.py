@@ -136,7 +136,8 @@ def test_lowprec_passes_what_accelerate_passes(request, tmp_path_factory):
         f"accelerate {accelerate.__version__} is installed; the conformance suite compares against "
         f"{PINNED}: pip install -e '.[dev]' (it pins accelerate=={PINNED})"
     )
-    cache = request.config.cache.mkdir("accelerate-sdist") if request.config.cache else tmp_path_factory.mktemp("sdist")
+    cache_plugin = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    cache = cache_plugin.mkdir("accelerate-sdist") if cache_plugin else tmp_path_factory.mktemp("sdist")
     tests = _extract(_sdist(Path(cache)), tmp_path_factory.mktemp("accelerate-src"))
     out = tmp_path_factory.mktemp("runs")
     with ThreadPoolExecutor(2) as pool:  # two processes at a time: CI's two cores

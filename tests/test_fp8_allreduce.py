@@ -1,7 +1,7 @@
 """FP8 gradient all-reduce on 2 CPU processes (gloo): accuracy, overflow, NaN, DDP, bytes.
 
 One 2-process job (fork, a free port on 127.0.0.1) runs every scenario and saves its results;
-the tests below assert on them. Documented tolerance (docs/log/optim.md): each element is the
+the tests below assert on them. Documented tolerance (docs/LOG.md, optim entry): each element is the
 mean of per-rank values rounded to E4M3 (half-ulp 2^-4 relative) plus one rounding of the FP8
 sum, so |out - ref| <= 2^-4 * (mean_r |g_r| + |ref|) + one E4M3 subnormal step of the tensor.
 """

@@ -142,7 +142,7 @@ def test_fp8_adamw_on_flat_partitions_matches_per_parameter(seed):
     per_param = _update_sqnr_per_param(None, seed)
     for parts in (1, 2):
         flat = _update_sqnr_per_param(parts, seed)
-        # E4M3 first moment: ~25 dB per parameter (docs/log/optim.md), flat or not
+        # E4M3 first moment: ~25 dB per parameter (docs/LOG.md, optim entry), flat or not
         assert min(flat) > 20.0, flat
         assert all(abs(a - b) < 1.0 for a, b in zip(flat, per_param)), (flat, per_param)
 

@@ -190,7 +190,7 @@ def test_sqrt_v_storage_keeps_tiny_second_moments():
 
 def test_stochastic_rounding_removes_the_drift_of_the_second_moment():
     """Stationary noise, beta2 = 0.999: round-to-nearest FP16 sqrt(v) drifts low; stochastic
-    rounding stays unbiased (docs/log/optim.md: -5.6% vs +0.02% after 4000 steps)."""
+    rounding stays unbiased (docs/LOG.md, optim entry: -5.6% vs +0.02% after 4000 steps)."""
     gen = torch.Generator().manual_seed(0)
     n, steps = 4000, 1500
     sizes = 10 ** (-3 * torch.rand(n, generator=gen))

@@ -223,7 +223,7 @@ def _python_rows():
     return [
         ("mixed-precision-fp9", lambda: _acc(mixed_precision="fp9"), "fp9"),
         ("misspelt-argument", lambda: _acc(mixd_precision="bf16"), "did you mean 'mixed_precision'"),
-        ("split-batches", lambda: _acc(split_batches=True), "split_batches"),
+        ("accumulation-steps-0", lambda: _acc(gradient_accumulation_steps=0), "integer >= 1, got 0"),
         ("handler-not-kwargs", lambda: _acc(kwargs_handlers=[object()]), "kwargs_handlers"),
         ("accumulation-twice", lambda: _acc(gradient_accumulation_steps=2,
                                            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2)), "not both"),
@@ -238,7 +238,7 @@ def _python_rows():
         ("two-recipes", lambda: _acc(mixed_precision="fp8", kwargs_handlers=[_recipe_kwargs(), _recipe_kwargs()]), "two FP8 recipes"),
         ("load-missing-checkpoint", lambda: _acc().load_state("/nonexistent/ckpt"), "not a lowprec checkpoint"),
         ("save-without-dir", lambda: _acc().save_state(), "need a directory"),
-        ("register-plain-object", lambda: _acc().register_for_checkpointing(object()), "state_dict/load_state_dict"),
+        ("register-plain-object", lambda: _acc().register_for_checkpointing(object()), "Item at index 0"),
         ("placement-mismatch", lambda: _acc().prepare(nn.Linear(2, 2), device_placement=[True, False]), "one bool per object"),
         ("parse-config-negative-lr", lambda: parse_config({"learning_rate": -1}), "learning_rate"),
         ("parse-config-not-mapping", lambda: parse_config([1, 2]), "expected a mapping"),

@@ -216,7 +216,7 @@ def test_deepspeed_files_are_scanned_before_deepspeed_unpickles_them(tmp_path, n
     """DeepSpeed loads with ``weights_only=False``; the scan (opcodes only) must refuse a file
     naming any global outside torch's safe set and DeepSpeed's own data classes, and accept
     what DeepSpeed writes. (A full ZeRO-2 save, tamper and load_state was run by hand: see
-    docs/log/rel.md.)"""
+    docs/LOG.md, rel entry.)"""
     from lowprec.checkpoint_io import check_deepspeed_dir
 
     state = tmp_path / "deepspeed_0" / "state"

@@ -58,7 +58,7 @@ class Granularity(str, Enum):
 # amax_compute_algo: Accelerate documents "most_recent" for TERecipeKwargs and has always
 # forwarded it there; the engine's Recipe said "max" (TransformerEngine's DelayedScaling
 # default). The engine now takes Accelerate's documented default too; a recipe built by name
-# without the field therefore uses "most_recent" (docs/log/settings.md records the change).
+# without the field therefore uses "most_recent" (docs/LOG.md, settings entry records the change).
 FIELD_DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "fp8_format": "HYBRID",
     "margin": 0,

@@ -8,7 +8,7 @@ to ``OUT_DIR/rank{r}.json``; the test makes the assertions.
 
 Every rank gets the same batches. Why: ZeRO-1/2 checkpoints hold rank 0's module buffers only,
 and the FP8 scaling state (amax histories) lives in buffers that DeepSpeed does not keep in step
-across ranks; with per-rank data, rank 1 would resume with rank 0's scales (docs/log/dsopt.md).
+across ranks; with per-rank data, rank 1 would resume with rank 0's scales (docs/LOG.md, dsopt entry).
 Identical data keeps those buffers identical, so the resume check isolates the optimizer state.
 """
 

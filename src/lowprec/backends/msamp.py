@@ -10,7 +10,7 @@ Native: the delayed-scaling recipe on lowprec's engine, plus
 gradient all-reduce under DDP; O2: also FP8/FP16 Adam moments), imported lazily: if a build
 lacks it, FP8 GEMMs still run and one log line says what is not applied.
 
-Native under DeepSpeed (measured, docs/log/dsopt.md): DeepSpeed owns gradient reduction, so
+Native under DeepSpeed (measured, docs/LOG.md, dsopt entry): DeepSpeed owns gradient reduction, so
 the FP8 gradient part of O1/O2 cannot apply there. O2 keeps its optimizer half: the client
 optimizer handed to ``deepspeed.initialize`` is :class:`lowprec.optim.FP8AdamW`, which ZeRO
 steps on its flat fp32 partitions (FP8 first moment, FP16 second moment per partition; works
@@ -150,7 +150,7 @@ class NativeOptLevelBackend(NativeBackend):
 def native_recipe(handler: MSAMPRecipeKwargs) -> Any:
     """MS-AMP's O1/O2 run on the delayed recipe. ``amax_compute_algo="max"`` is pinned: it is
     what this fallback always ran (the recipe default became Accelerate's ``most_recent``,
-    docs/log/settings.md), and MSAMPRecipeKwargs has no field to choose it."""
+    docs/LOG.md, settings entry), and MSAMPRecipeKwargs has no field to choose it."""
     from lowprec.fp8.recipes import Recipe
 
     return Recipe.from_name("delayed", amax_compute_algo="max")

@@ -112,7 +112,7 @@ class FP8AdamW(Optimizer):
             and rounds to nearest. fp32 parameters are updated in place in every mode.
         exp_avg_rounding: ``"nearest"`` (default) or ``"stochastic"`` for the FP8 first
             moment. Stochastic removes the stall of nearly constant gradients (14 -> 28 dB)
-            but costs ~3 dB with noisy gradients (docs/log/optim.md).
+            but costs ~3 dB with noisy gradients (docs/LOG.md, optim entry).
         exp_avg_sq_rounding: ``"stochastic"`` (default) or ``"nearest"`` for ``sqrt(v)``.
             Round-to-nearest lets FP16 ``sqrt(v)`` drift low by ~6% over a few thousand steps.
         seed: seed of the rounding noise. The noise of parameter ``i`` at step ``t`` comes

@@ -6,7 +6,7 @@ First moment ``m`` (signed, roughly the size of the gradient):
     ``lowprec.fp8`` (quantize, scaling, saturated_cast); nothing here re-implements the cast.
     Round to nearest by default. Optional stochastic rounding (``noise``) fixes the stall of a
     nearly constant gradient: the update's SQNR goes from 14 to 28 dB. It costs 3 dB when
-    gradients are noisy (docs/log/optim.md).
+    gradients are noisy (docs/LOG.md, optim entry).
 
 Second moment ``v`` (non-negative, roughly the *square* of the gradient):
     we store ``sqrt(v)`` in FP16 (or BF16/FP32) with one power-of-two scale per tensor.
@@ -17,7 +17,7 @@ Second moment ``v`` (non-negative, roughly the *square* of the gradient):
     moves that range to the top of FP16, so tiny gradients (1e-8 and below) do not underflow.
     Rounding: with beta2 = 0.999 each step moves ``sqrt(v)`` by ~5e-4 relative, the size of
     an FP16 half-ulp, so round-to-nearest drifts: -5.6% in ``v`` after 4000 steps of
-    stationary noise (measured, docs/log/optim.md). Stochastic rounding (``noise``, uniform in
+    stationary noise (measured, docs/LOG.md, optim entry). Stochastic rounding (``noise``, uniform in
     [0, 1)) is unbiased: +0.02% after 4000 steps.
 
 Scales are powers of two, so rescaling is exact, and are recomputed from the current value on
@@ -26,7 +26,7 @@ every step ("current scaling"): no history, nothing to go stale, no margin neede
 Segments: DeepSpeed ZeRO steps the optimizer on flat partitions that concatenate many
 parameters. Plain blocks would then straddle parameter boundaries, and a small parameter
 sharing a block with a neighbour whose gradients are 1e5x larger flushes to zero (measured:
-0.4 dB update SQNR, docs/log/dsopt.md). ``segments`` (lengths summing to ``numel``) restarts
+0.4 dB update SQNR, docs/LOG.md, dsopt entry). ``segments`` (lengths summing to ``numel``) restarts
 the blocks at every segment start, so no block mixes two parameters.
 """
 

@@ -99,7 +99,7 @@ def apply_opt_level(
     """Apply ``"O1"`` or ``"O2"`` (see module docstring); returns ``(model, optimizer)``.
 
     ``grad_dtype`` is the FP8 dtype of held gradients / the all-reduce (E4M3: measured 2x
-    lower error than E5M2 with per-tensor scales, see docs/log/optim.md). ``hold_grads=False``
+    lower error than E5M2 with per-tensor scales, see docs/LOG.md, optim entry). ``hold_grads=False``
     rounds ``.grad`` through FP8 in place instead of holding it (no memory saved; for a
     GradScaler or a plain ``clip_grad_norm_`` that must see ``.grad``). Extra keyword
     arguments go to :class:`FP8AdamW` (O2 only).

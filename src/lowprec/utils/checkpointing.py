@@ -129,11 +129,11 @@ class CheckpointingMixin:
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Objects with ``state_dict``/``load_state_dict`` saved and restored with the state."""
-        bad = [f"- Item at index {i}, `{type(o).__name__}`" for i, o in enumerate(objects)
+        bad = [f"Item at index {i} (`{type(o).__name__}`)" for i, o in enumerate(objects)
                if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
-        if bad:
+        if bad:  # one line (lowprec's rule); names each item as Accelerate's message does
             raise ValueError("All `objects` must include a `state_dict` and `load_state_dict` function to be "
-                             "stored. The following inputs are invalid:\n" + "\n".join(bad))
+                             "stored; invalid: " + ", ".join(bad))
         self._custom_objects.extend(objects)
 
     # ------------------------------------------------------------------ save / load

@@ -7,7 +7,7 @@ FP8 region with the user's recipe (Accelerate passes only the legacy handler her
 ``accelerator.autocast()`` is bf16 under fp8 (Accelerate uses the device default, bug 13).
 
 lowprec's FP8AdamW (MS-AMP O2) is a valid client optimizer: ZeRO 1-3 step it on flat fp32
-partitions and checkpoint its state per rank (docs/log/dsopt.md). Each partition concatenates
+partitions and checkpoint its state per rank (docs/LOG.md, dsopt entry). Each partition concatenates
 many parameters, so :func:`mark_partition_segments` tells FP8AdamW where they start (its FP8
 blocks must not mix a parameter with a neighbour 1e5x larger). The one ZeRO feature that
 cannot hold it is ``elastic_checkpoint``, which re-slices every state tensor by element count
