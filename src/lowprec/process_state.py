@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lowprec.kwargs import env_flag, env_get, env_int
 
-__all__ = ["DistributedType", "PartialState", "split_between"]
+__all__ = ["DistributedType", "PartialState", "ProcessFacts", "split_between"]
 
 logger = logging.getLogger("lowprec")
 
@@ -88,7 +88,28 @@ def split_between(inputs: Any, index: int, count: int, apply_padding: bool = Fal
     return part
 
 
-class PartialState:
+class ProcessFacts:
+    """What follows from ``process_index``, ``local_process_index`` and ``num_processes``: one
+    definition for :class:`PartialState` and ``AcceleratorState``."""
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+
+class PartialState(ProcessFacts):
     """Device, ranks and distributed type of this process, shared by every instance."""
 
     _shared_state: dict = {}
@@ -146,22 +167,6 @@ class PartialState:
         raise AttributeError(f"'PartialState' object has no attribute '{name}'")
 
     # ------------------------------------------------------------------ derived facts
-    @property
-    def use_distributed(self) -> bool:
-        return self.num_processes > 1
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.process_index == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.local_process_index == 0
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.process_index == self.num_processes - 1
-
     @property
     def default_device(self) -> torch.device:
         return self.device

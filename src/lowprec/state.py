@@ -24,7 +24,7 @@ from lowprec.kwargs import (
     env_get,
     env_int,
 )
-from lowprec.process_state import DistributedType, PartialState, _resolve_device as _device_and_reason
+from lowprec.process_state import DistributedType, PartialState, ProcessFacts, _resolve_device as _device_and_reason
 
 __all__ = [
     "PRECISIONS",
@@ -138,7 +138,7 @@ def _resolve_distributed(env: DistributedEnv, fsdp_plugin, deepspeed_plugin) -> 
     return Decision(DistributedType.NO, "single process"), None, None
 
 
-class AcceleratorState:
+class AcceleratorState(ProcessFacts):
     """What the Accelerator resolved: precision, device, process group, plugins.
 
     One per Accelerator (not shared like Accelerate's: several Accelerators with different
@@ -256,21 +256,6 @@ class AcceleratorState:
     def local_process_index(self) -> int:
         return self.env.local_rank
 
-    @property
-    def is_main_process(self) -> bool:
-        return self.process_index == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.local_process_index == 0
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.process_index == self.num_processes - 1
-
-    @property
-    def use_distributed(self) -> bool:
-        return self.num_processes > 1
 
 
 def __getattr__(name: str):

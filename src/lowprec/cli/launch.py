@@ -179,17 +179,12 @@ def _check_files(settings: LaunchSettings, cli_layer: Mapping[str, Any], config_
         return
     where = "--deepspeed_config_file" if "deepspeed_config_file" in cli_layer else (
         f"deepspeed_config.deepspeed_config_file in {config_file}")
-    if not os.path.isfile(path):
-        raise UsageError(f"{where}: {path!r} does not exist; give the path of a DeepSpeed JSON config")
-    import json
+    from lowprec.config.yaml_file import read_json_object
 
     try:
-        with open(path) as f:
-            body = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{where}: {path!r} is not valid JSON ({exc}); fix the file") from None
-    if not isinstance(body, dict):
-        raise UsageError(f"{where}: {path!r} holds a JSON {type(body).__name__}, not an object of DeepSpeed settings")
+        read_json_object(path)
+    except ValueError as exc:
+        raise UsageError(f"{where}: {exc}") from None
 
 
 def _yaml_notes(yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], settings: LaunchSettings,

@@ -271,15 +271,12 @@ class TrainConfig(_Strict):
         if isinstance(v, str) and not os.path.isfile(v):
             raise ValueError(f"DeepSpeed config file {v!r} not found; give a JSON file path or an inline mapping")
         if isinstance(v, str):  # read now: a broken file would otherwise fail inside every worker
-            import json
+            from lowprec.config.yaml_file import read_json_object
 
             try:
-                with open(v) as f:
-                    body = json.load(f)
-            except (OSError, ValueError) as exc:
-                raise ValueError(f"DeepSpeed config file {v!r} is not valid JSON ({exc}); fix the file") from None
-            if not isinstance(body, dict):
-                raise ValueError(f"DeepSpeed config file {v!r} holds a JSON {type(body).__name__}, not an object")
+                read_json_object(v)
+            except ValueError as exc:
+                raise ValueError(f"DeepSpeed config file: {exc}") from None
         return v
 
     @field_validator("fsdp_version")
