@@ -47,12 +47,6 @@ KNOWN_GAPS: dict[str, str] = {
         "saves a model offloaded to disk by accelerate.big_modeling (meta parameters + Accelerate hooks); "
         "lowprec has no big-model offload and refuses meta parameters with a clear error",
     "test_accelerator.py::AcceleratorTester::test_save_model_offload_use_safetensors": "same as above",
-    "test_kwargs_handlers.py::KwargsHandlerTester::test_kwargs_handler":
-        "the file defines a non-frozen dataclass subclass of KwargsHandler, which lowprec keeps frozen "
-        "(import error for the whole file); lowprec's to_kwargs also returns every resolved value, not "
-        "only those changed from the default (deliberate, see kwargs.py)",
-    "test_kwargs_handlers.py::KwargsHandlerTester::test_torch_dynamo_plugin":
-        "same import error (frozen KwargsHandler); TorchDynamoPlugin is Accelerate's own",
 }
 
 HERE = Path(__file__).resolve().parent

@@ -272,3 +272,35 @@ def test_profile_writes_a_trace(tmp_path):
         torch.ones(8, 8) @ torch.ones(8, 8)
     assert any("mm" in e.key for e in prof.key_averages())
     assert (tmp_path / "trace_rank0.json").exists()
+
+
+def test_a_scripts_own_kwargs_handler_gets_accelerates_to_kwargs_contract():
+    import dataclasses
+
+    from lowprec.utils import GradScalerKwargs, KwargsHandler
+
+    @dataclasses.dataclass  # not frozen: the base is not a dataclass, as in Accelerate
+    class Mock(KwargsHandler):
+        a: int = 0
+        c: float = 3.0
+
+    assert Mock().to_kwargs() == {} and Mock(a=2).to_kwargs() == {"a": 2}
+    # handlers that configure a library forward every field (defaults included) on purpose
+    assert GradScalerKwargs(init_scale=1024.0).to_kwargs()["growth_interval"] == 2000
+
+
+def test_dynamo_plugin_reads_accelerates_variables_and_prepare_compiles(monkeypatch):
+    from lowprec.utils import TorchDynamoPlugin, clear_environment
+
+    with clear_environment():
+        os.environ["ACCELERATE_DYNAMO_BACKEND"] = "EAGER"
+        os.environ["ACCELERATE_DYNAMO_MODE"] = "reduce-overhead"
+        assert TorchDynamoPlugin().to_kwargs() == {"backend": "eager", "mode": "reduce-overhead"}
+    assert os.environ.get("ACCELERATE_DYNAMO_BACKEND") is None  # the environment came back
+    model = torch.nn.Linear(4, 4)
+    acc = Accelerator(cpu=True, dynamo_backend="eager")
+    compiled = acc.prepare(model)
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    assert acc.unwrap_model(compiled) is model
+    assert compiled(torch.randn(2, 4)).shape == (2, 4)
+    assert not isinstance(Accelerator(cpu=True).prepare(torch.nn.Linear(4, 4)), torch._dynamo.eval_frame.OptimizedModule)

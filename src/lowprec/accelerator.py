@@ -39,7 +39,7 @@ from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.tracking import TrackingMixin, filter_trackers
 from lowprec.utils.checkpointing import CheckpointingMixin
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
-from lowprec.utils.dataclasses import DataLoaderConfiguration, ProjectConfiguration
+from lowprec.utils.dataclasses import DataLoaderConfiguration, ProjectConfiguration, TorchDynamoPlugin
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_clip, deepspeed_initialize
 from lowprec.utils.distributed import trigger_sync_in_backward, wrap_ddp, wrap_fsdp2
 from lowprec.utils.nonfinite import NonFiniteGuard
@@ -96,9 +96,8 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         handlers = list(kwargs_handlers or [])
         if "kwarg_handlers" in kwargs:  # the spelling Accelerate's own FP8 docs use
             handlers += list(kwargs.pop("kwarg_handlers") or [])
-        for ignored in ("dynamo_backend",):
-            if kwargs.pop(ignored, None) is not None:
-                logger.warning("lowprec: Accelerator(%s=...) is accepted and ignored", ignored)
+        # torch.compile of prepared models (Accelerate's dynamo_backend / dynamo_plugin)
+        self.dynamo_plugin = kwargs.pop("dynamo_plugin", None) or TorchDynamoPlugin(backend=kwargs.pop("dynamo_backend", None))
         if kwargs:
             known = list(inspect.signature(Accelerator.__init__).parameters) + ["kwarg_handlers"]
             bad = next(iter(kwargs))
@@ -310,6 +309,8 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
                 )
             if self.backend is not None:
                 self.backend.after_wrap(model, self._ctx())
+        if self.dynamo_plugin.enabled:
+            model = torch.compile(model, **self.dynamo_plugin.compile_kwargs())
         self._param_maps.append((before, named_params(self.unwrap_model(model))))
         self._models.append(model)
         return model

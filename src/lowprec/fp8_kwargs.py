@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from lowprec.catalog import FIELD_DEFAULTS, RECIPE_FIELDS, recipe_info, unread_recipe_fields
 from lowprec.config import values as V
-from lowprec.kwargs import _FP8_NAMES, FP8_PREFIX, KwargsHandler, _alias, env_get, environ
+from lowprec.kwargs import _FP8_NAMES, FP8_PREFIX, ForwardEveryField, _alias, env_get, environ
 
 __all__ = list(_FP8_NAMES)
 
@@ -79,7 +79,7 @@ def normalize_backend(value: Any, key: str = "fp8_backend") -> Optional[str]:
 
 
 @dataclass(frozen=True)
-class RecipeKwargs(KwargsHandler):
+class RecipeKwargs(ForwardEveryField):
     """Base of the FP8 recipe handlers; ``backend`` names the backend it asks for."""
 
     backend = "native"

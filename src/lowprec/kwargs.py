@@ -24,6 +24,7 @@ __all__ = [
     "parse_bool",
     "parse_override_linear_precision",
     "KwargsHandler",
+    "ForwardEveryField",
     "AutocastKwargs",
     "GradScalerKwargs",
     "DistributedDataParallelKwargs",
@@ -106,16 +107,32 @@ def _alias(obj: Any, name: str, alias: str, value: Any) -> None:
 
 
 # --------------------------------------------------------------------------- base
-@dataclass(frozen=True)
 class KwargsHandler:
-    """Base of every handler: ``to_dict`` and ``to_kwargs`` return all resolved fields."""
+    """Base of every handler, as in Accelerate: not a dataclass itself, so a script's own
+    ``@dataclass`` subclass (frozen or not) works.
+
+    ``to_kwargs()`` keeps Accelerate's contract: the fields that differ from a default instance
+    built with the environment cleared. lowprec's handlers that configure another library
+    (``GradScalerKwargs``, the FP8 recipes) derive from :class:`ForwardEveryField` instead.
+    """
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
 
     def to_kwargs(self) -> dict[str, Any]:
-        # Deliberately every field: forwarding only non-defaults lets the backend library's own
-        # defaults win silently (Accelerate's TE amax_compute_algo='max' vs documented 'most_recent').
+        from lowprec.utils.environment import clear_environment
+
+        with clear_environment():
+            default = self.__class__().to_dict()
+        return {k: v for k, v in self.to_dict().items() if default.get(k) != v}
+
+
+class ForwardEveryField(KwargsHandler):
+    """``to_kwargs()`` returns every resolved field: forwarding only non-defaults lets the
+    library's own defaults win silently (Accelerate's TE ``amax_compute_algo='max'`` against
+    its documented ``'most_recent'``, reference section 8)."""
+
+    def to_kwargs(self) -> dict[str, Any]:
         return self.to_dict()
 
 
@@ -126,7 +143,7 @@ class AutocastKwargs(KwargsHandler):
 
 
 @dataclass(frozen=True)
-class GradScalerKwargs(KwargsHandler):
+class GradScalerKwargs(ForwardEveryField):
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5

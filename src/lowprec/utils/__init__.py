@@ -26,7 +26,8 @@ from lowprec.utils.fp8 import (
 )
 from lowprec.process_state import DistributedType
 from lowprec.utils.data_loader import skip_first_batches
-from lowprec.utils.dataclasses import DataLoaderConfiguration, LoggerType, ProfileKwargs, ProjectConfiguration
+from lowprec.utils.dataclasses import DataLoaderConfiguration, LoggerType, ProfileKwargs, ProjectConfiguration, TorchDynamoPlugin
+from lowprec.utils.environment import clear_environment
 from lowprec.utils.imports import (
     is_deepspeed_available,
     is_msamp_available,
@@ -75,6 +76,8 @@ __all__ = [
     "DistributedType",
     "LoggerType",
     "ProfileKwargs",
+    "TorchDynamoPlugin",
+    "clear_environment",
     "ProjectConfiguration",
     "broadcast",
     "broadcast_object_list",

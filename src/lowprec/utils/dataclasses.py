@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from lowprec.kwargs import KwargsHandler
 
-__all__ = ["DataLoaderConfiguration", "ProjectConfiguration", "LoggerType", "ProfileKwargs"]
+__all__ = ["DataLoaderConfiguration", "ProjectConfiguration", "LoggerType", "ProfileKwargs", "TorchDynamoPlugin"]
 
 
 class LoggerType(str, Enum):
@@ -121,3 +121,48 @@ class ProfileKwargs(KwargsHandler):
     with_stack: bool = False
     with_flops: bool = False
     output_trace_dir: Optional[str] = None
+
+
+DYNAMO_PREFIX = "ACCELERATE_DYNAMO_"
+
+
+@dataclass(frozen=True)
+class TorchDynamoPlugin(KwargsHandler):
+    """``torch.compile`` settings for the models ``prepare`` returns (Accelerate's plugin).
+
+    Each field unset reads ``ACCELERATE_DYNAMO_<FIELD>`` (what ``accelerate launch
+    --dynamo_backend`` exports), else the default; ``backend="no"`` compiles nothing.
+    """
+
+    backend: Optional[str] = None
+    mode: Optional[str] = None
+    fullgraph: Optional[bool] = None
+    dynamic: Optional[bool] = None
+    options: Optional[dict] = None
+    disable: bool = False
+
+    def __post_init__(self) -> None:
+        from lowprec.config.values import parse_bool
+
+        env = os.environ
+        backend = self.backend if self.backend is not None else env.get(DYNAMO_PREFIX + "BACKEND", "no")
+        object.__setattr__(self, "backend", str(backend).lower())
+        object.__setattr__(self, "mode", self.mode if self.mode is not None else env.get(DYNAMO_PREFIX + "MODE", "default"))
+        for name in ("fullgraph", "dynamic"):
+            if getattr(self, name) is None and DYNAMO_PREFIX + name.upper() in env:
+                object.__setattr__(self, name, parse_bool(env[DYNAMO_PREFIX + name.upper()]))
+        if self.fullgraph is None:
+            object.__setattr__(self, "fullgraph", False)
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "no" and not self.disable
+
+    def compile_kwargs(self) -> dict:
+        """Keywords for ``torch.compile``."""
+        kw = {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        if self.options:
+            kw["options"] = self.options
+        else:
+            kw["mode"] = None if self.mode == "default" else self.mode
+        return kw
