@@ -108,6 +108,16 @@ class ProcessFacts:
     def is_last_process(self) -> bool:
         return self.process_index == self.num_processes - 1
 
+    def __getattr__(self, name: str) -> Any:
+        """Accelerate's message for a state read after ``_reset_state()`` (``_known_attrs``)."""
+        cls = type(self).__name__
+        if name in getattr(type(self), "_known_attrs", ()):
+            raise AttributeError(
+                f"`{cls}` object has no attribute `{name}`. This happens if `{cls}._reset_state()` "
+                "was called and an `Accelerator` or `PartialState` was not reinitialized."
+            )
+        raise AttributeError(f"'{cls}' object has no attribute '{name}'")
+
 
 class PartialState(ProcessFacts):
     """Device, ranks and distributed type of this process, shared by every instance."""
@@ -156,15 +166,6 @@ class PartialState(ProcessFacts):
     @property
     def initialized(self) -> bool:
         return self._shared_state != {}
-
-    def __getattr__(self, name: str) -> Any:
-        if name in type(self)._known_attrs:
-            raise AttributeError(
-                f"`PartialState` object has no attribute `{name}`. This happens if "
-                "`PartialState._reset_state()` was called and an `Accelerator` or `PartialState` "
-                "was not reinitialized."
-            )
-        raise AttributeError(f"'PartialState' object has no attribute '{name}'")
 
     # ------------------------------------------------------------------ derived facts
     @property

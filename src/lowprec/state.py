@@ -209,14 +209,6 @@ class AcceleratorState(ProcessFacts):
         if dist.is_initialized():
             dist.destroy_process_group(group)
 
-    def __getattr__(self, name: str) -> Any:
-        if name in type(self)._known_attrs:
-            raise AttributeError(
-                f"`AcceleratorState` object has no attribute `{name}`. This happens if "
-                "`AcceleratorState._reset_state()` was called and an `Accelerator` or "
-                "`PartialState` was not reinitialized."
-            )
-        raise AttributeError(f"'AcceleratorState' object has no attribute '{name}'")
 
     def _decide(self, key: str, decision: Decision) -> Any:
         self.decisions[key] = decision
