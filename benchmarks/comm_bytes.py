@@ -1,13 +1,22 @@
-"""Bytes on the wire per training step: FP8 all-reduce hook vs bf16 and fp32 all-reduce.
+"""Bytes on the wire per training step: FP8 all-reduce hook vs bf16 and fp32 all-reduce (DDP),
+and FSDP2 weight all-gather in FP8 vs bf16.
 
     PYTHONPATH=src python3 benchmarks/comm_bytes.py --tiny          # gloo, CPU, seconds
     PYTHONPATH=src python3 benchmarks/comm_bytes.py --world 4 --model llama-small
+    PYTHONPATH=src python3 benchmarks/comm_bytes.py --setups fsdp2 --world 2,4
 
 Spawns ``--world`` gloo processes on 127.0.0.1, wraps the built-in Llama model in DDP with
 ``register_fp8_allreduce``, runs one step, and reports the hook's counters (bytes this rank
 sent: FP8 payload + amax exchange; bf16/fp32: what a ring all-reduce of the same buckets would
 send) and the accuracy of the reduced gradients against an fp32 all-reduce of the same local
 gradients (normwise relative error, whole model and worst tensor).
+
+``fsdp2``: the model converted to FP8 (tensorwise), each decoder layer and the root sharded with
+FSDP2 (bf16 ``param_dtype``), trained 3 steps with the FP8 all-gather off and on
+(``lowprec.distributed.fsdp_float8``); the bytes each rank hands the all-gather collective are
+counted there (``FSDPModule.set_custom_all_gather``), for the decoder layers (FP8 weights plus
+their bf16 norms) and the whole model (the embedding / tied head stays bf16), with the largest
+loss difference between the two runs.
 """
 
 from __future__ import annotations
@@ -70,6 +79,69 @@ def _worker(rank, world, port, model_name, batch, seq, dtype_name, out):
     dist.destroy_process_group()
 
 
+def _fsdp2_run(model_name, batch, seq, rank, fp8_all_gather: bool) -> tuple[dict, list]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import lowprec.fp8 as fp8
+    from lowprec.distributed.fsdp_float8 import (enable_fsdp_float8_all_gather, install_counting_all_gather,
+                                                 precompute_float8_scales_for_fsdp)
+
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    fp8.convert(model, recipe=fp8.Recipe.from_name("tensorwise"))
+    if fp8_all_gather:
+        enable_fsdp_float8_all_gather(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    for layer in layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    counters = [install_counting_all_gather(layer) for layer in layers]
+    root = install_counting_all_gather(model)  # the root last: its own unit keeps this counter
+    for layer, c in zip(layers, counters):
+        layer.set_custom_all_gather(c)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+        with fp8.autocast():
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if fp8_all_gather:
+            precompute_float8_scales_for_fsdp(model)
+        losses.append(loss.item())
+    layer_bytes = sum(c.input_bytes for c in counters)
+    return {"layers": layer_bytes, "total": layer_bytes + root.input_bytes}, losses
+
+
+def _fsdp2_worker(rank, world, port, model_name, batch, seq, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    bf16, bf16_losses = _fsdp2_run(model_name, batch, seq, rank, False)
+    f8, f8_losses = _fsdp2_run(model_name, batch, seq, rank, True)
+    if rank == 0:
+        torch.save({"bf16_layer_bytes": bf16["layers"], "fp8_layer_bytes": f8["layers"],
+                    "bf16_total_bytes": bf16["total"], "fp8_total_bytes": f8["total"],
+                    "max_abs_loss_diff": max(abs(a - b) for a, b in zip(bf16_losses, f8_losses))}, out)
+    dist.destroy_process_group()
+
+
+def measure_fsdp2(world: int, model: str, batch: int, seq: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = f"{d}/r.pt"
+        mp.start_processes(_fsdp2_worker, args=(world, _free_port(), model, batch, seq, out),
+                           nprocs=world, start_method="spawn")
+        r = torch.load(out, weights_only=True)
+    r["layers_fp8_over_bf16"] = r["fp8_layer_bytes"] / r["bf16_layer_bytes"]
+    r["total_fp8_over_bf16"] = r["fp8_total_bytes"] / r["bf16_total_bytes"]
+    return r
+
+
 def measure(world: int, model: str, batch: int, seq: int, dtype_name: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = f"{d}/r.pt"
@@ -91,10 +163,19 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dtypes", default="e4m3,e5m2")
+    ap.add_argument("--setups", default="ddp,fsdp2", help="ddp (FP8 all-reduce hook), fsdp2 (FP8 all-gather)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    rows = []
-    for w in [int(x) for x in args.world.split(",")]:
+    setups = args.setups.split(",")
+    rows, fsdp2_rows = [], []
+    for w in [int(x) for x in args.world.split(",")] if "fsdp2" in setups else ():
+        r = measure_fsdp2(w, args.model, args.batch, args.seq)
+        r["world"] = w
+        fsdp2_rows.append(r)
+        print(f"FSDP2 W={w}: decoder-layer all-gather {r['fp8_layer_bytes']} B (FP8) vs {r['bf16_layer_bytes']} B "
+              f"(bf16) per rank over 3 steps = {r['layers_fp8_over_bf16']:.4f}x; whole model "
+              f"{r['total_fp8_over_bf16']:.4f}x; max |loss diff| {r['max_abs_loss_diff']:.3g}", flush=True)
+    for w in [int(x) for x in args.world.split(",")] if "ddp" in setups else ():
         for dt in args.dtypes.split(","):
             r = measure(w, args.model, args.batch, args.seq, dt)
             r.update(world=w, fp8_dtype=dt)
@@ -104,7 +185,7 @@ def main(argv=None) -> dict:
                   f"grad rel err {r['rel_err']:.4f} (worst tensor {r['worst_tensor_rel_err']:.4f})",
                   flush=True)
     result = {"device": device_name(torch.device("cpu")), "backend": "gloo", "model": args.model,
-              "batch": args.batch, "seq": args.seq, "rows": rows}
+              "batch": args.batch, "seq": args.seq, "rows": rows, "fsdp2_all_gather": fsdp2_rows}
     write_json(result, args.out, "comm_bytes_cpu.json")
     return result
 

@@ -66,7 +66,7 @@ def test_wizard_round_trip_fsdp_fp8(monkeypatch, tmp_path, capsys):
         "no",
         "true",
         "",  # eval: default no
-        # no FP8 all-gather question: the native engine has none (the backend does not read it)
+        # no FP8 all-gather question: the native engine all-gathers in FP8 for tensorwise only
     ]
     feed(monkeypatch, answers)
     path = tmp_path / "wizard.yaml"

@@ -45,7 +45,7 @@ def test_comm_bytes_benchmark_counts_half_of_bf16(tmp_path):
 
     out = tmp_path / "comm.json"
     env = dict(os.environ, PYTHONPATH=str(BENCH.parent / "src"), OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, str(BENCH / "comm_bytes.py"), "--world", "2", "--dtypes", "e4m3",
+    subprocess.run([sys.executable, str(BENCH / "comm_bytes.py"), "--world", "2", "--dtypes", "e4m3", "--setups", "ddp",
                     "--batch", "1", "--seq", "16", "--out", str(out)], check=True, env=env, timeout=300,
                    capture_output=True)
     data = json.loads(out.read_text())

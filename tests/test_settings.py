@@ -11,7 +11,7 @@ import pytest
 
 from lowprec import Accelerator
 from lowprec.backends.registry import resolve_fp8_settings
-from lowprec.catalog import (FIELD_DEFAULTS, FSDP_FP8_ALL_GATHER_UNSUPPORTED, MXFP8_UNSUPPORTED, RECIPE_FIELDS,
+from lowprec.catalog import (FIELD_DEFAULTS, FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE, MXFP8_UNSUPPORTED, RECIPE_FIELDS,
                              RECIPES, Granularity, ScalingKind)
 from lowprec.cli.main import main
 from lowprec.kwargs import AORecipeKwargs, NativeRecipeKwargs, TERecipeKwargs
@@ -156,16 +156,22 @@ def test_mxfp8_is_refused_everywhere_with_one_message(monkeypatch, tmp_path, cap
     assert MXFP8_UNSUPPORTED in capsys.readouterr().err
 
 
-def test_native_fsdp_fp8_all_gather_is_refused_with_one_message(monkeypatch, capsys):
+def test_native_fsdp_fp8_all_gather_needs_tensorwise_with_one_message(monkeypatch, capsys):
     from lowprec.train.config import parse_config
 
+    ok = parse_config({"fp8": True, "fsdp_version": 2, "fp8_enable_fsdp_float8_all_gather": True})
+    assert ok.fp8_enable_fsdp_float8_all_gather is True
+    message = FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe="delayed")
     with pytest.raises(ValueError) as e1:
-        parse_config({"fp8": True, "fsdp_version": 2, "fp8_enable_fsdp_float8_all_gather": True})
-    assert FSDP_FP8_ALL_GATHER_UNSUPPORTED in str(e1.value)
-    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--use_fsdp",
+        parse_config({"fp8": True, "fsdp_version": 2, "fp8_recipe": "delayed", "fp8_enable_fsdp_float8_all_gather": True})
+    assert message in str(e1.value)
+    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--use_fsdp", "--fp8_recipe", "delayed",
                  "--fp8_enable_fsdp_float8_all_gather", "true", SCRIPT]) == 2
-    assert FSDP_FP8_ALL_GATHER_UNSUPPORTED in capsys.readouterr().err
+    assert message in capsys.readouterr().err
     monkeypatch.setenv("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "true")
+    monkeypatch.setenv("LOWPREC_FP8_RECIPE", "delayed")
     with pytest.raises(ValueError) as e3:
         Accelerator(mixed_precision="fp8", cpu=True)
-    assert FSDP_FP8_ALL_GATHER_UNSUPPORTED in str(e3.value)
+    assert message in str(e3.value)
+
+

@@ -238,13 +238,12 @@ def test_deepspeed_file_must_exist(tmp_path):
     assert parse_config({"deepspeed": str(tmp_path / "ds.json")}).deepspeed.endswith("ds.json")
 
 
-def test_fp8_all_gather_is_refused_not_ignored():
-    # refused by the schema now (issue 11: the same message as launch and the Accelerator)
-    from lowprec.catalog import FSDP_FP8_ALL_GATHER_UNSUPPORTED
-
-    with pytest.raises(ValueError, match="does not all-gather weights in FP8 yet.*drop"):
-        parse_config({"fp8": True, "fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2})
-    assert "drop" in FSDP_FP8_ALL_GATHER_UNSUPPORTED
+def test_fp8_all_gather_needs_tensorwise():
+    # accepted for tensorwise (FSDP2 FP8 all-gather, lowprec.distributed.fsdp_float8); refused otherwise
+    assert parse_config({"fp8": True, "fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2})
+    with pytest.raises(ValueError, match="needs the tensorwise recipe.*'rowwise'"):
+        parse_config({"fp8": True, "fp8_recipe": "rowwise", "fp8_enable_fsdp_float8_all_gather": True,
+                      "fsdp_version": 2})
 
 
 def test_generated_config_keys_are_up_to_date():

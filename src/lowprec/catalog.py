@@ -32,7 +32,7 @@ __all__ = [
     "RECIPE_FIELDS",
     "check_int_field",
     "MXFP8_UNSUPPORTED",
-    "FSDP_FP8_ALL_GATHER_UNSUPPORTED",
+    "FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE",
     "recipe_info",
     "unread_recipe_fields",
     "recipes_markdown",
@@ -72,7 +72,7 @@ FIELD_DEFAULTS: Mapping[str, Any] = MappingProxyType({
 
 # Every field of lowprec.fp8.Recipe (a test keeps this equal to the dataclass's fields).
 RECIPE_FIELDS = (*FIELD_DEFAULTS, "scaling", "power_of_2_scales", "dgrad_weight_tensorwise", "gemm",
-                 "use_fast_accum", "save_fp8_activations", "name")
+                 "use_fast_accum", "save_fp8_activations", "reduce_amax", "name")
 
 # The one range check of each integer field (Recipe, kwargs, launch flags/YAML/env, wizard).
 FIELD_MINIMUMS: Mapping[str, int] = MappingProxyType({"amax_history_len": 1, "interval": 1, "margin": 0})
@@ -96,16 +96,17 @@ def check_int_field(name: str, value: Any, convert: bool = True) -> int:
 
 # Fields that mean something for some scaling kinds only; a recipe that does not read one of
 # them gets an error (trainer, launch) or a warning (Python API) when it is set.
-SCALING_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "block_size")
-_DELAYED_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "interval")
+SCALING_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "block_size", "reduce_amax")
+_DELAYED_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "reduce_amax")
 
 MXFP8_UNSUPPORTED = (
     "MXFP8 (1x32 blocks with E8M0 scales) is not implemented in lowprec yet; use the blockwise "
     "recipe (FP8 1x128 / 128x128 blocks) or a per-tensor recipe (tensorwise, delayed)"
 )
-FSDP_FP8_ALL_GATHER_UNSUPPORTED = (
-    "fp8_enable_fsdp_float8_all_gather: lowprec's FP8 engine does not all-gather weights in FP8 "
-    "yet (FSDP2 gathers them in high precision); drop the key"
+FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE = (
+    "fp8_enable_fsdp_float8_all_gather needs the tensorwise recipe on lowprec's engine, not {recipe!r} "
+    "(delayed scales come from per-rank histories, rowwise/blockwise scales are per row/tile of the "
+    "whole weight); use fp8_recipe: tensorwise or drop fp8_enable_fsdp_float8_all_gather"
 )
 
 

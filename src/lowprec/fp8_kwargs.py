@@ -185,7 +185,9 @@ class AORecipeKwargs(RecipeKwargs):
 class NativeRecipeKwargs(RecipeKwargs):
     """lowprec's own engine, by recipe name: ``delayed``, ``tensorwise``, ``rowwise``,
     ``rowwise_with_gw_hp``, ``blockwise`` (env ``LOWPREC_FP8_RECIPE``). ``overrides`` sets single
-    :class:`lowprec.fp8.Recipe` fields; ``ACCELERATE_FP8_*`` variables that are *set* (as
+    :class:`lowprec.fp8.Recipe` fields (``reduce_amax=False`` keeps per-rank delayed-scaling
+    amaxes); ``enable_fsdp_float8_all_gather`` (env ``ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER``,
+    default off) all-gathers FSDP2 weights in FP8 (tensorwise only); ``ACCELERATE_FP8_*`` variables that are *set* (as
     ``lowprec launch`` writes them) override the named preset too, explicit ``overrides`` win.
     A field the named recipe accepts but does not read (``amax_history_len`` for
     ``tensorwise``) is kept, as Accelerate would, with one warning. ``module_filter_func(module,
@@ -199,6 +201,7 @@ class NativeRecipeKwargs(RecipeKwargs):
     skip_first_last: bool = True
     skip_patterns: tuple = ("lm_head", "router", "gate")
     use_autocast_during_eval: Optional[bool] = None
+    enable_fsdp_float8_all_gather: Optional[bool] = None
 
     backend = "native"
 
@@ -213,7 +216,11 @@ class NativeRecipeKwargs(RecipeKwargs):
             raise TypeError("module_filter_func must be a callable (module, fqn) -> bool")
         object.__setattr__(self, "overrides", {**_env_recipe_overrides(), **dict(self.overrides)})
         object.__setattr__(self, "skip_patterns", tuple(self.skip_patterns))
-        _resolve_fields(self, ("use_autocast_during_eval",))
+        if self.enable_fsdp_float8_all_gather is None and env_get(FP8_PREFIX + "ENABLE_FSDP_FLOAT8_ALL_GATHER") is None:
+            # off unless asked for on the native engine (torchao's handler defaults it on): it changes
+            # what FSDP2 gathers and needs the tensorwise recipe, so it is never switched on silently
+            object.__setattr__(self, "enable_fsdp_float8_all_gather", False)
+        _resolve_fields(self, ("use_autocast_during_eval", "enable_fsdp_float8_all_gather"))
         self._check_overrides()
         from lowprec.fp8.recipes import Recipe
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional
 
-from lowprec.backends.base import BaseBackend, PrepareContext
+from lowprec.backends.base import BaseBackend, PrepareContext, log_once
 from lowprec.backends.spec import RECIPE_SETTINGS, BackendSpec, recipe_field
-from lowprec.catalog import FSDP_FP8_ALL_GATHER_UNSUPPORTED
+from lowprec.catalog import FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE
 from lowprec.kwargs import NativeRecipeKwargs
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ class NativeBackend(BaseBackend):
         module_filter: Optional[Callable[["nn.Module", str], bool]] = None,
         skip_first_last: bool = True,
         skip_patterns: tuple = ("lm_head", "router", "gate"),
+        fsdp_float8_all_gather: bool = False,
     ) -> None:
         self.recipe = recipe
         self.name = name
@@ -43,6 +44,10 @@ class NativeBackend(BaseBackend):
         self.skip_first_last = skip_first_last
         self.skip_patterns = tuple(skip_patterns)
         self.report: Any = None
+        if fsdp_float8_all_gather and recipe.scaling != "tensorwise":
+            raise ValueError(FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe=recipe.name))
+        self.fsdp_float8_all_gather = fsdp_float8_all_gather
+        self._fp8_all_gather_on = False  # the model is FSDP2-sharded with FP8 all-gather
 
     def convert(self, model: "nn.Module", ctx: PrepareContext) -> "nn.Module":
         from lowprec import fp8
@@ -59,6 +64,15 @@ class NativeBackend(BaseBackend):
             skip_patterns=self.skip_patterns,
         )
         logger.info("lowprec: FP8 conversion (%s):\n%s", self.engine, self.report)
+        if self.fsdp_float8_all_gather and ctx.distributed_type == "FSDP":
+            from lowprec.distributed.fsdp_float8 import enable_fsdp_float8_all_gather
+
+            # new weight Parameters: the Accelerator remaps the optimizer to them by name
+            enable_fsdp_float8_all_gather(model)
+            self._fp8_all_gather_on = True
+        elif self.fsdp_float8_all_gather:
+            log_once(f"lowprec: fp8_enable_fsdp_float8_all_gather applies under FSDP2 only; "
+                     f"{ctx.distributed_type} all-gathers no weights, so it has no effect here")
         return model
 
     def fp8_context(self, model: "nn.Module") -> ContextManager:
@@ -66,6 +80,18 @@ class NativeBackend(BaseBackend):
 
         # layers own their recipe (and its eval rule); the region only switches FP8 on
         return fp8.autocast(enabled=True)
+
+    def after_optimizer_step(self, model: "nn.Module") -> None:
+        if self._fp8_all_gather_on:
+            from lowprec.distributed.fsdp_float8 import precompute_float8_scales_for_fsdp
+
+            # all weights' scales for the next FP8 all-gather: one all-reduce, not one per layer
+            precompute_float8_scales_for_fsdp(model)
+        if self.recipe.scaling == "delayed" and self.recipe.reduce_amax:
+            from lowprec.distributed.amax_sync import reduce_delayed_amaxes
+
+            # every rank casts with the same scales next step (one all-reduce for all layers)
+            reduce_delayed_amaxes(model)
 
     def plain_state_dict(self, state_dict: dict) -> dict:
         from lowprec import fp8
@@ -78,7 +104,8 @@ class NativeBackend(BaseBackend):
 
 def _create(handler: NativeRecipeKwargs, why: str) -> NativeBackend:
     return NativeBackend(handler.to_recipe(), reason=why, module_filter=handler.module_filter_func,
-                         skip_first_last=handler.skip_first_last, skip_patterns=handler.skip_patterns)
+                         skip_first_last=handler.skip_first_last, skip_patterns=handler.skip_patterns,
+                         fsdp_float8_all_gather=handler.enable_fsdp_float8_all_gather)
 
 
 def _handler_fields(fields: Mapping[str, Any]) -> dict:
@@ -88,9 +115,18 @@ def _handler_fields(fields: Mapping[str, Any]) -> dict:
             out["recipe"] = value
         elif key == "fp8_use_autocast_during_eval":
             out["use_autocast_during_eval"] = value
+        elif key == "fp8_enable_fsdp_float8_all_gather":
+            out["enable_fsdp_float8_all_gather"] = value
         else:
             out["overrides"][recipe_field(key)] = value
     return out
+
+
+def _check_fields(recipe: Optional[str], fields: Mapping[str, Any]) -> Optional[tuple[str, str]]:
+    """Launch-time refusal of what :class:`NativeBackend` would refuse at construction."""
+    if fields.get("fp8_enable_fsdp_float8_all_gather") and (recipe or "tensorwise") != "tensorwise":
+        return "fp8_enable_fsdp_float8_all_gather", FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe=recipe)
+    return None
 
 
 SPEC = BackendSpec(
@@ -99,11 +135,11 @@ SPEC = BackendSpec(
     aliases=("lowprec",),
     summary="lowprec's own FP8 engine (always available; every recipe, CPU included)",
     kwargs_class=NativeRecipeKwargs,
-    reads=("fp8_recipe", *RECIPE_SETTINGS),
+    reads=("fp8_recipe", *RECIPE_SETTINGS, "fp8_enable_fsdp_float8_all_gather"),
     create=_create,
     native_recipe=NativeRecipeKwargs.to_recipe,
     to_handler_fields=_handler_fields,
-    rejects={"fp8_enable_fsdp_float8_all_gather": FSDP_FP8_ALL_GATHER_UNSUPPORTED},
+    check_fields=_check_fields,
 )
 
 

@@ -68,6 +68,8 @@ class BackendSpec:
     native_recipe: Optional[Callable[[Any], Any]] = None  # handler -> lowprec.fp8.Recipe
     to_handler_fields: Optional[Callable[[Mapping[str, Any]], dict]] = None  # launch fields -> kwargs
     rejects: Mapping[str, str] = field(default_factory=dict)  # launch field -> why it is refused
+    # (recipe name, launch fields) -> (field, why) for a combination it refuses, or None
+    check_fields: Optional[Callable[[Optional[str], Mapping[str, Any]], Optional[tuple[str, str]]]] = None
     fp8_formats: tuple[str, ...] = ("HYBRID", "E4M3")  # E5M2 in the forward pass: TE only
 
     def spellings(self) -> tuple[str, ...]:

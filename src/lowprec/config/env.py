@@ -200,6 +200,10 @@ def check_fp8_fields(backend: str | None, recipe: str | None, fields: Any, spell
             f"{spell(name)}: the {spec.env_value.lower()} FP8 backend does not read it (read by: {readers}); "
             "drop it or pick the fp8 backend accordingly"
         )
+    refusal = spec.check_fields(recipe, fields) if spec.check_fields is not None else None
+    if refusal is not None:  # a combination the backend cannot run, e.g. native FP8 all-gather + delayed
+        name, why = refusal
+        raise UsageError(f"{spell(name)}: {why}")
     if "fp8_recipe" in spec.reads:
         by_engine = {recipe_field(f): f for f in fields}
         for name in unread_recipe_fields(recipe or "tensorwise", by_engine):

@@ -47,6 +47,7 @@ from lowprec.fp8.autocast import (
     torch_autocast_off,
 )
 from lowprec.fp8.formats import saturation_threshold
+from lowprec.fp8.gathered import as_float8_data
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, expand_blocks, quantize
 from lowprec.fp8.recipes import OperandCast, Recipe
@@ -94,6 +95,9 @@ def delayed_scale_step(
 
 def _cast(x: torch.Tensor, spec: OperandCast, contract: int, recipe: Recipe, scale=None) -> Float8Data:
     """Quantize a 2-D operand for a GEMM that contracts over dim ``contract``."""
+    pre = as_float8_data(x, spec.dtype, spec.granularity)  # FSDP2 FP8 all-gather: already cast
+    if pre is not None:
+        return pre
     if spec.granularity == "block":
         bs = recipe.block_size
         block = (bs, bs) if spec.block_2d else ((1, bs) if contract == 1 else (bs, 1))
@@ -121,6 +125,9 @@ def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale
     copied. Elsewhere: one per-tensor cast serving both, or two axis casts. Values are
     identical either way; only the memory layout differs.
     """
+    pre = as_float8_data(t, spec.dtype, spec.granularity)  # FSDP2 FP8 all-gather: already cast
+    if pre is not None:
+        return pre, pre
     fused = t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.dim() == 2 and kernels.available(t.device)
     pow2 = recipe.power_of_2_scales
     if spec.granularity == "tensor" and fused:

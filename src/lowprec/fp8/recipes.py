@@ -98,6 +98,11 @@ class Recipe:
     use_during_eval: keep FP8 on in ``model.eval()`` (off by default, as in TE/Accelerate).
     save_fp8_activations: save the FP8 copy of the input for the weight-gradient GEMM instead
         of the high-precision input (half the activation memory of a bf16 Linear).
+    reduce_amax: delayed scaling under data parallelism: the amax histories of every layer are
+        MAX-reduced over the data-parallel group once per optimizer step (one collective for
+        all layers), so every rank casts with the same scales (TransformerEngine's
+        ``DelayedScaling.reduce_amax``, default on there too). ``False`` keeps per-rank
+        histories. See :mod:`lowprec.distributed.amax_sync`.
     """
 
     scaling: str = "tensorwise"
@@ -114,6 +119,7 @@ class Recipe:
     use_fast_accum: bool = True
     use_during_eval: bool = _D["use_during_eval"]
     save_fp8_activations: bool = True
+    reduce_amax: bool = True
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:

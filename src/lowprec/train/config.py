@@ -27,7 +27,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from lowprec.catalog import FSDP_FP8_ALL_GATHER_UNSUPPORTED, RECIPE_NAMES, unread_recipe_fields
+from lowprec.catalog import FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE, RECIPE_NAMES, unread_recipe_fields
 from lowprec.errors import did_you_mean
 
 __all__ = [
@@ -205,7 +205,7 @@ class TrainConfig(_Strict):
         "model.layers.0.*), added to the defaults (first/last Linear, lm_head, router, gate)",
     )
     fp8_enable_fsdp_float8_all_gather: Optional[bool] = Field(
-        default=None, description="all-gather FSDP2 weights in FP8 (needs fsdp_version: 2 and a per-tensor recipe)"
+        default=None, description="all-gather FSDP2 weights in FP8 (needs fsdp_version: 2 and fp8_recipe: tensorwise)"
     )
     fp8_fallback: Optional[Literal["bf16", "emulate"]] = Field(
         default=None, description="on a GPU without FP8 (below sm_89): bf16 (train in bf16) or emulate (FP8 numerics, slow)"
@@ -305,14 +305,8 @@ class TrainConfig(_Strict):
             )
         if self.fp8_enable_fsdp_float8_all_gather and not self.fp8:
             raise ValueError("fp8_enable_fsdp_float8_all_gather: true needs fp8: true; set fp8: true or drop it")
-        if self.fp8_enable_fsdp_float8_all_gather and self.fp8_recipe.name not in ("tensorwise", "delayed"):
-            raise ValueError(
-                f"fp8_enable_fsdp_float8_all_gather needs a per-tensor recipe, not {self.fp8_recipe.name!r} "
-                "(rowwise scales are per row of each shard); use fp8_recipe: tensorwise or drop the all-gather"
-            )
-        if self.fp8 and self.fp8_enable_fsdp_float8_all_gather:
-            # an accepted no-op flag is what Axolotl ships (force_recompute_fp8_weight_in_bwd); refuse
-            raise ValueError(FSDP_FP8_ALL_GATHER_UNSUPPORTED)
+        if self.fp8_enable_fsdp_float8_all_gather and self.fp8_recipe.name != "tensorwise":
+            raise ValueError(FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe=self.fp8_recipe.name))
         if self.fsdp_config is not None and self.fsdp_version != 2:
             raise ValueError("fsdp_config is set but fsdp_version is not; add fsdp_version: 2")
         if self.deepspeed is not None and self.fsdp_version is not None:

@@ -138,6 +138,7 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
                 recipe=cfg.fp8_recipe.name,
                 overrides=cfg.fp8_recipe.overrides,
                 skip_patterns=tuple(DEFAULT_SKIP_PATTERNS) + tuple(cfg.fp8_filter),
+                enable_fsdp_float8_all_gather=cfg.fp8_enable_fsdp_float8_all_gather,
             )
         )
         if not plan.bf16_autocast:

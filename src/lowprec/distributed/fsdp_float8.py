@@ -1,0 +1,233 @@
+"""FSDP2 FP8 all-gather for per-tensor scaling (the native engine's counterpart of torchao's
+``enable_fsdp_float8_all_gather`` + ``precompute_float8_dynamic_scale_for_fsdp``).
+
+FSDP2 all-gathers each weight before its forward. With :func:`enable_fsdp_float8_all_gather`
+the weight of every tensorwise :class:`~lowprec.fp8.Float8Linear` becomes a
+:class:`Float8AllGatherWeight` (a wrapper around the high-precision tensor) whose FSDP2
+extension hooks move FP8 instead of bf16:
+
+* ``fsdp_pre_all_gather``: each rank casts its shard (first rounded to FSDP2's ``param_dtype``,
+  as FSDP2 itself would) to FP8 with the weight's scale and hands FSDP2 the bytes: 1 byte per
+  element on the wire instead of 2 (bf16) or 4 (fp32);
+* ``fsdp_post_all_gather``: the gathered bytes become a
+  :class:`~lowprec.fp8.gathered.Float8GatheredWeight`, which the FP8 GEMM takes as its weight
+  cast (no second cast).
+
+The scale is ``fp8_max / amax(whole weight)``, so every rank needs the amax of the whole
+weight: :func:`precompute_float8_scales_for_fsdp`, run after each optimizer step (the native
+backend's ``after_optimizer_step``), computes the shard amaxes of all weights and reduces them
+in **one** MAX all-reduce (``4 bytes x layers``), instead of one collective per layer in the
+next forward. A shard changed since its scale was computed (the first step, a checkpoint load,
+a manual edit) falls back to one all-reduce for that weight inside the hook, logged once. The
+scale equals the tensorwise recipe's own (same amax of the bf16-rounded weight, same
+``amax_to_scale``), and the FP8 cast is elementwise, so a run with the FP8 all-gather computes
+the same GEMMs as one without it: losses agree bitwise (tests/test_distributed_fp8.py).
+
+Interaction with the rest:
+
+* Only ``scaling="tensorwise"`` (delayed scales come from per-rank histories of the whole weight
+  during forward; rowwise/blockwise scales are per row/tile of the full weight): other recipes
+  are refused by the Accelerator/trainer with the fix in the message.
+* O1 (FP8 gradient communication) is a DDP communication hook; under FSDP2 gradients are
+  reduce-scattered in ``reduce_dtype`` (fp32) whatever this setting. O2 (FP8AdamW) steps the
+  sharded high-precision master shard inside the wrapper, as any optimizer does.
+* Activation checkpointing: the recompute runs the layer's forward again on the FSDP2-unsharded
+  weight (FP8 bytes still resident, or re-gathered with the same precomputed scale when FSDP2
+  resharded after forward), so the recomputed GEMM uses the same FP8 weight as the first.
+* Outside the FP8 region (eval without ``use_during_eval``) the layer sees the dequantized FP8
+  weight, as with torchao's FP8 all-gather.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from lowprec.fp8.gathered import Float8GatheredWeight
+from lowprec.fp8.linear import Float8Linear
+from lowprec.fp8.quantize import quantize_tensorwise
+from lowprec.fp8.scaling import amax, amax_to_scale
+
+__all__ = [
+    "Float8AllGatherWeight",
+    "enable_fsdp_float8_all_gather",
+    "precompute_float8_scales_for_fsdp",
+    "CountingAllGather",
+    "install_counting_all_gather",
+]
+
+logger = logging.getLogger("lowprec")
+_FALLBACK_LOGGED: set[str] = set()
+
+# FSDP2 pads, slices, copies and moves the sharded tensor: those keep the wrapper (torchao's
+# list); anything else (optimizer math, amax) runs on the plain high-precision tensor
+_KEEP = {
+    torch.ops.aten.empty_like.default, torch.ops.aten.new_zeros.default, torch.ops.aten.slice.Tensor,
+    torch.ops.aten.copy_.default, torch.ops.aten.view.default, torch.ops.aten.as_strided.default,
+    torch.ops.aten._to_copy.default, torch.ops.aten._pin_memory.default, torch.ops.aten.split.Tensor,
+    torch.ops.aten.clone.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+}
+
+
+class Float8AllGatherWeight(torch.Tensor):
+    """A high-precision weight (``_tensor``) that FSDP2 all-gathers in FP8 (see module doc)."""
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, pow2: bool = False):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, device=tensor.device, requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, pow2: bool = False):
+        self._tensor = tensor
+        self._fp8_dtype = fp8_dtype
+        self._margin = margin
+        self._pow2 = pow2
+        self._param_dtype: Optional[torch.dtype] = None  # FSDP2's, learnt at the first all-gather
+        self._precomputed: Optional[tuple[torch.Tensor, int]] = None  # (scale, _tensor._version)
+
+    def __repr__(self) -> str:
+        return f"Float8AllGatherWeight({self._tensor!r}, fp8={self._fp8_dtype})"
+
+    def _meta(self) -> tuple:
+        return (self._fp8_dtype, self._margin, self._pow2)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], self._meta()
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Float8AllGatherWeight(inner["_tensor"], *meta)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        meta = next(a._meta() for a in args if isinstance(a, Float8AllGatherWeight))
+        args, kwargs = tree_map_only(Float8AllGatherWeight, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _KEEP:
+            return out
+        return tree_map_only(torch.Tensor, lambda t: Float8AllGatherWeight(t, *meta), out)
+
+    # ---------------------------------------------------------------- FSDP2 extension hooks
+    def _rounded(self) -> torch.Tensor:
+        # the values FSDP2 would gather: the shard in param_dtype
+        dt = self._param_dtype
+        return self._tensor if dt is None or dt == self._tensor.dtype else self._tensor.to(dt)
+
+    def _scale(self, mesh: Any) -> torch.Tensor:
+        pre = self._precomputed
+        if pre is not None and pre[1] == self._tensor._version:
+            return pre[0]
+        why = "first step" if pre is None else "the weight changed after its scale was precomputed"
+        if why not in _FALLBACK_LOGGED:
+            _FALLBACK_LOGGED.add(why)
+            logger.info("lowprec: FSDP2 FP8 all-gather: one amax all-reduce per weight (%s)", why)
+        a = amax(self._rounded()).reshape(1)
+        dist.all_reduce(a, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        return amax_to_scale(a[0], self._fp8_dtype, margin=self._margin, power_of_2=self._pow2)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        self._param_dtype = mp_policy.param_dtype or self._tensor.dtype
+        q = quantize_tensorwise(self._rounded(), self._fp8_dtype, self._scale(mesh), power_of_2=self._pow2)
+        # bytes, not FP8: FSDP2 packs all inputs of a group into one buffer, and gloo has no FP8
+        return (q.data.view(torch.uint8),), (q.scale,)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (data,), (scale,) = outputs, metadata
+        if out is not None:  # later steps: FSDP2 refilled the same bytes in place
+            out._scale = scale
+            return None
+        return Float8GatheredWeight(data.view(self._fp8_dtype), scale, param_dtype, self._pow2), (data,)
+
+
+def _layers(model: nn.Module) -> list[Float8Linear]:
+    return [m for m in model.modules() if isinstance(m, Float8Linear)]
+
+
+def enable_fsdp_float8_all_gather(model: nn.Module) -> int:
+    """Wrap the weight of every tensorwise Float8Linear (before ``fully_shard``); returns how
+    many. New Parameter objects: an optimizer built earlier must be remapped (the Accelerator
+    does, by name). Raises ``ValueError`` for a layer whose recipe is not tensorwise."""
+    n = 0
+    for m in _layers(model):
+        if m.recipe.scaling != "tensorwise":
+            raise ValueError(
+                f"fp8_enable_fsdp_float8_all_gather needs the tensorwise recipe; a layer uses "
+                f"{m.recipe.name!r}: use fp8_recipe: tensorwise or drop fp8_enable_fsdp_float8_all_gather"
+            )
+        w = m.weight
+        if isinstance(w, Float8AllGatherWeight):
+            continue
+        r = m.recipe
+        wrapped = Float8AllGatherWeight(w.detach(), r.fp8_format.forward_dtype, r.margin, r.power_of_2_scales)
+        m.weight = nn.Parameter(wrapped, requires_grad=w.requires_grad)
+        n += 1
+    return n
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return getattr(w, "_local_tensor", w)  # FSDP2 keeps a DTensor around the wrapper
+
+
+@torch.no_grad()
+def precompute_float8_scales_for_fsdp(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> int:
+    """Every wrapped weight's scale for the next all-gather, from one MAX all-reduce of the shard
+    amaxes (after ``optimizer.step()``); returns the number of collectives (0 or 1)."""
+    shards = [_local(m.weight) for m in _layers(model)]
+    shards = [s for s in shards if isinstance(s, Float8AllGatherWeight)]
+    if not shards:
+        return 0
+    # amax of the shard rounded to param_dtype = amax rounded to it (rounding is monotonic):
+    # the same amax the tensorwise recipe takes of the gathered bf16 weight, without a copy
+    amaxes = torch.stack([_rounded_amax(s) for s in shards])
+    if dist.is_initialized():
+        dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
+    for s, a in zip(shards, amaxes):
+        scale = amax_to_scale(a, s._fp8_dtype, margin=s._margin, power_of_2=s._pow2)
+        s._precomputed = (scale, s._tensor._version)
+    return 1 if dist.is_initialized() else 0
+
+
+def _rounded_amax(s: Float8AllGatherWeight) -> torch.Tensor:
+    a = amax(s._tensor)
+    dt = s._param_dtype
+    return a if dt is None else a.to(dt).to(torch.float32)
+
+
+class CountingAllGather:
+    """An FSDP2 custom all-gather (``FSDPModule.set_custom_all_gather``) that counts the bytes
+    each rank puts on the wire: ``(world - 1) x input bytes`` per call (ring / direct), plus the
+    input bytes themselves in ``input_bytes``."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.input_bytes = 0
+        self.sent_bytes = 0
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        nbytes = input_tensor.numel() * input_tensor.element_size()
+        self.calls += 1
+        self.input_bytes += nbytes
+        self.sent_bytes += (dist.get_world_size(group) - 1) * nbytes
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def install_counting_all_gather(model: nn.Module) -> CountingAllGather:
+    """One :class:`CountingAllGather` on every FSDP2 module of ``model``; returns it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    counter = CountingAllGather()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(counter)
+    return counter

@@ -1,0 +1,81 @@
+"""A weight that arrives already in FP8: the output of an FSDP2 FP8 all-gather.
+
+:class:`Float8GatheredWeight` is what FSDP2's ``fsdp_post_all_gather`` hands the layer as its
+unsharded weight (``lowprec.distributed.fsdp_float8``): the FP8 bytes that went over the wire
+and the one per-tensor scale every rank cast its shard with. It reports the high-precision
+dtype (FSDP2's ``param_dtype``), so autograd gives its gradient in that dtype and FSDP2
+reduce-scatters it as usual.
+
+* :func:`as_float8_data` lets the FP8 GEMM take the bytes as they are (no second cast): the
+  weight's per-tensor cast *is* this data, so a layer computes exactly what it would have
+  computed from the high-precision weight cast with the same scale.
+* Any other op (a high-precision GEMM under ``override_linear_precision``, telemetry, a plain
+  ``F.linear`` outside the FP8 region, ``state_dict``) sees the dequantized weight
+  ``data / scale``: the FP8-rounded values, never garbage.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from lowprec.fp8.quantize import Float8Data
+
+__all__ = ["Float8GatheredWeight", "as_float8_data"]
+
+# ops that keep the FP8 payload (views FSDP2 takes of the unsharded parameter, detach for
+# nn.Parameter); every other op runs on the dequantized tensor
+_VIEW_OPS = {
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten.view.default,
+}
+
+
+class Float8GatheredWeight(torch.Tensor):
+    """FP8 ``data`` (the gathered bytes, viewed as FP8) and a 0-d float32 ``scale``
+    (``weight ~= data / scale``), presenting as a ``dtype`` tensor."""
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
+            dtype=dtype, device=data.device, requires_grad=False,
+        )
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
+        self._data = data
+        self._scale = scale
+        self._pow2 = pow2
+
+    def __repr__(self) -> str:
+        return f"Float8GatheredWeight(shape={tuple(self.shape)}, fp8={self._data.dtype}, dtype={self.dtype})"
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], (self.dtype, self._pow2)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Float8GatheredWeight(inner["_data"], inner["_scale"], *meta)
+
+    def dequantize(self) -> torch.Tensor:
+        return (self._data.to(torch.float32) / self._scale).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _VIEW_OPS:
+            src = args[0]
+            data = func(src._data, *args[1:], **kwargs)
+            return Float8GatheredWeight(data, src._scale, src.dtype, src._pow2)
+        args, kwargs = tree_map_only(Float8GatheredWeight, lambda t: t.dequantize(), (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def as_float8_data(t: torch.Tensor, dtype: torch.dtype, granularity: str) -> Float8Data | None:
+    """The FP8 cast a GEMM operand already carries, when it is a :class:`Float8GatheredWeight`
+    of the asked-for dtype and a per-tensor cast is asked for; else ``None`` (cast as usual)."""
+    if isinstance(t, Float8GatheredWeight) and granularity == "tensor" and t._data.dtype == dtype:
+        return Float8Data(t._data, t._scale, "tensor", None, t._pow2)
+    return None
