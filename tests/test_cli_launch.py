@@ -312,7 +312,6 @@ def test_inherited_variables_removed_or_overridden_are_noted_on_stderr(monkeypat
     [
         (["--gradient_clipping", "1.0", SCRIPT], "accelerator.clip_grad_norm_"),
         (["--dynamo_backend", "inductor", SCRIPT], "--dynamo_backend: no effect in lowprec"),
-        (["--use_fsdp", "--fsdp_state_dict_type", "FULL_STATE_DICT", SCRIPT], "--fsdp_state_dict_type: no effect"),
         (["--use_deepspeed", "--zero3_init_flag", "true", SCRIPT], "--zero3_init_flag: no effect"),
         (["--mixed_precision", "fp8", "--fp8_backend", "te", "--fp8_recipe", "rowwise", SCRIPT],
          "--fp8_recipe: the te FP8 backend does not read it (read by: native)"),

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lowprec.backends.base import log_once
 from lowprec.checkpoint_io import check_deepspeed_dir, load_object, load_pickle, read_checked, save_object
 from lowprec.errors import CheckpointError
 from lowprec.utils.distributed import (
@@ -219,12 +220,19 @@ def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> st
 def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
     # collectives first (FSDP2 gathers full state on every process), files on the main process;
     # a DeepSpeed engine writes its own (partitioned) model and optimizer state
-    models = [None if _is_ds(m) else full_model_state_dict(acc.unwrap_model(m)) for m in acc._models]
+    from lowprec.checkpoint_sharded import save_sharded, uses_sharded
+
+    sharded = [uses_sharded(acc, m) for m in acc._models]
+    models = [None if _is_ds(m) or sh else full_model_state_dict(acc.unwrap_model(m))
+              for m, sh in zip(acc._models, sharded)]
     models = acc._run_save_hooks(tmp, models)  # a hook may write files into tmp, or drop a model
     for i, m in enumerate(acc._models):
         if _is_ds(m):
             m.save_checkpoint(os.path.join(tmp, f"deepspeed_{i}"), tag="state")
-    opts = [None if _is_ds(acc._optimizer_models.get(id(o))) else
+        elif sharded[i]:  # model and its optimizer, each process its own shards (checkpoint_sharded)
+            save_sharded(acc, m, os.path.join(tmp, f"sharded_{i}"))
+    skip = lambda owner: _is_ds(owner) or (owner is not None and uses_sharded(acc, owner))  # noqa: E731
+    opts = [None if skip(acc._optimizer_models.get(id(o))) else
             full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer) for o in acc._optimizers]
     if acc.is_main_process:
         for i, sd in enumerate(models):
@@ -237,7 +245,8 @@ def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
             save_object(s.state_dict(), os.path.join(tmp, f"scheduler_{i}.safetensors"), f"scheduler {i}")
         for i, d in enumerate(acc._dataloaders):
             with open(os.path.join(tmp, f"dataloader_{i}.json"), "w") as f:
-                json.dump(d.state_dict(), f)
+                # samples per step over all processes: the position in another world size
+                json.dump({**d.state_dict(), "global_batch": _global_batch(acc, d)}, f)
         if acc.scaler is not None:
             save_object(acc.scaler.state_dict(), os.path.join(tmp, "scaler.safetensors"), "the grad scaler")
         for i, obj in enumerate(acc._custom_objects):
@@ -251,6 +260,7 @@ def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
             "step": acc.step,
             "optimizer_steps": acc.nonfinite.optimizer_steps,
             "safe_serialization": safe_serialization,
+            "sharded": [i for i, sh in enumerate(sharded) if sh],  # reshardable onto another world size
         }
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f, indent=1)
@@ -307,11 +317,15 @@ def load_state(acc: Any, input_dir: str) -> None:
             "model.load_state_dict"
         )
     saved_procs = meta.get("num_processes", acc.num_processes)
-    if saved_procs != acc.num_processes:
+    sharded = set(meta.get("sharded", []))
+    reshard = saved_procs != acc.num_processes
+    if reshard and not (sharded and sharded == {i for i, m in enumerate(acc._models) if not _is_ds(m)}):
         raise ValueError(
             f"checkpoint {input_dir} was saved by {saved_procs} process(es); this run has "
             f"{acc.num_processes}. Resume with the same number of processes (e.g. `lowprec launch "
-            f"--num_processes {saved_procs}`), or load the weights alone with model.load_state_dict"
+            f"--num_processes {saved_procs}`), save with FSDP2 sharded checkpoints (fsdp_state_dict_type: "
+            "SHARDED_STATE_DICT), which load on any number of processes, or load the weights alone with "
+            "model.load_state_dict"
         )
     safe = meta.get("safe_serialization", True)
     to_load = acc._run_load_hooks(input_dir)  # a hook may read its files, or drop a model
@@ -322,32 +336,45 @@ def load_state(acc: Any, input_dir: str) -> None:
         if _is_ds(m):
             check_deepspeed_dir(os.path.join(input_dir, f"deepspeed_{i}"))  # DeepSpeed itself unpickles freely
             m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")
+        elif i in sharded:
+            from lowprec.checkpoint_sharded import load_sharded
+
+            load_sharded(acc, m, os.path.join(input_dir, f"sharded_{i}"))
         else:
             path = _model_file(input_dir, i, safe)
             _apply(lambda sd, inner=inner: load_full_model_state_dict(inner, sd), load_tensors(path), path)
         own = os.path.join(input_dir, f"buffers_{i}_rank{acc.process_index}.safetensors")
+        if reshard and not os.path.isfile(own):
+            log_once(f"lowprec: {os.path.basename(own)} is not in the checkpoint (saved by {saved_procs} processes); "
+                     "this process keeps the FP8 scaling state of the sharded model state (rank 0's)")
         if _per_rank_buffers(m) and os.path.isfile(own):
             with torch.no_grad():
                 named = dict(inner.named_buffers())
                 for k, v in load_tensors(own).items():
                     named[k].copy_(v)
     for i, o in enumerate(acc._optimizers):
-        if _is_ds(acc._optimizer_models.get(id(o))):
-            continue
+        owner = acc._optimizer_models.get(id(o))
+        if _is_ds(owner) or any(owner is acc._models[j] for j in sharded if j < len(acc._models)):
+            continue  # DeepSpeed's own files / loaded with its model's shards
         osd = load_optimizer(os.path.join(input_dir, f"optimizer_{i}"))
         owner = acc._optimizer_models.get(id(o))
         _apply(lambda sd, owner=owner, o=o: load_full_optimizer_state_dict(owner, o.optimizer, sd), osd, os.path.join(input_dir, f"optimizer_{i}"))
     for i, s in enumerate(acc._schedulers):
         _apply(s, _read_state(input_dir, f"scheduler_{i}", ".bin"))
     for i, d in enumerate(acc._dataloaders):
-        _apply(d, read_checked(os.path.join(input_dir, f"dataloader_{i}.json"), _read_json))
+        where = os.path.join(input_dir, f"dataloader_{i}.json")
+        _apply(d, _data_position(read_checked(where, _read_json), _global_batch(acc, d), where))
     if acc.scaler is not None:
         _apply(acc.scaler, _read_state(input_dir, "scaler", ".pt"))
     for i, obj in enumerate(acc._custom_objects):
         _apply(obj, _read_state(input_dir, f"custom_checkpoint_{i}", ".pkl"))
     acc.step = int(meta.get("step", 0))
     acc.nonfinite.optimizer_steps = int(meta.get("optimizer_steps", 0))
-    rng = os.path.join(input_dir, f"random_states_{acc.process_index}")
+    rng = os.path.join(input_dir, f"random_states_{acc.process_index % saved_procs if reshard else acc.process_index}")
+    if reshard:
+        log_once(f"lowprec: resumed on {acc.num_processes} processes from a checkpoint of {saved_procs}: process r "
+                 f"restores the random states of saved process r mod {saved_procs} (dropout/shuffle streams "
+                 "differ from an uninterrupted run)")
     if os.path.isfile(rng + ".safetensors") or os.path.isfile(rng + ".pkl"):
         where = rng + (".safetensors" if os.path.isfile(rng + ".safetensors") else ".pkl")
         state = _read_state(input_dir, os.path.basename(rng), ".pkl")
@@ -356,11 +383,33 @@ def load_state(acc: Any, input_dir: str) -> None:
         except Exception as exc:  # noqa: BLE001 - a well-formed file with the wrong contents
             raise CheckpointError(f"checkpoint file {where} does not hold RNG states ({type(exc).__name__}: {exc})") from None
     else:
-        from lowprec.backends.base import log_once
-
         log_once(f"lowprec: {rng}.safetensors is missing; random states were not restored (the resumed run's "
                  "dropout/shuffle streams will differ)")
     acc.wait_for_everyone()
+
+
+def _global_batch(acc: Any, loader: Any) -> int | None:
+    """Samples one step takes over all processes (None where the loader has no fixed batch)."""
+    bs = getattr(loader, "batch_size", None)
+    if not isinstance(bs, int):
+        return None
+    return bs if getattr(acc, "split_batches", False) else bs * acc.num_processes
+
+
+def _data_position(state: Any, global_batch: int | None, where: str) -> Any:
+    """The saved loader position in this run's batches: the same samples consumed."""
+    if not isinstance(state, dict):
+        return state
+    saved = state.pop("global_batch", None)
+    if saved is None or global_batch is None or saved == global_batch:
+        return state
+    samples = int(state["batches_yielded"]) * saved
+    if samples % global_batch:
+        raise CheckpointError(
+            f"{where}: the saved run consumed {samples} samples ({saved} per step); this run takes "
+            f"{global_batch} per step, which does not divide them. Keep batch_size x processes at {saved}"
+        )
+    return {**state, "batches_yielded": samples // global_batch}
 
 
 def _read_json(path: str) -> Any:

@@ -199,7 +199,10 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     ``offload_params``: parameters live on CPU between uses (``CPUOffloadPolicy``). Env, as
     ``lowprec launch`` writes them: ``FSDP_VERSION``, ``FSDP_AUTO_WRAP_POLICY``,
     ``FSDP_TRANSFORMER_CLS_TO_WRAP``, ``FSDP_MIN_NUM_PARAMS``, ``FSDP_RESHARD_AFTER_FORWARD``,
-    ``FSDP_OFFLOAD_PARAMS``. Checkpoints are always full state dicts.
+    ``FSDP_OFFLOAD_PARAMS``, ``FSDP_STATE_DICT_TYPE``. ``state_dict_type``: ``FULL_STATE_DICT``
+    (default: ``save_state`` gathers full tensors, written by the main process) or
+    ``SHARDED_STATE_DICT`` (each process writes its shards through torch.distributed.checkpoint;
+    the checkpoint loads on any number of processes: :mod:`lowprec.checkpoint_sharded`).
     """
 
     fsdp_version: Optional[int] = None
@@ -208,6 +211,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     auto_wrap_policy: Optional[str] = None
     min_num_params: Optional[int] = None
     offload_params: Optional[bool] = None
+    state_dict_type: Optional[str] = None
 
     def __post_init__(self) -> None:
         s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -241,6 +245,10 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
         offload = self.offload_params
         s("offload_params", env_flag("FSDP_OFFLOAD_PARAMS", False) if offload is None
           else parse_bool(offload, "offload_params"))
+        sdt = str(self.state_dict_type or env_get("FSDP_STATE_DICT_TYPE") or "FULL_STATE_DICT").upper()
+        if sdt not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            raise ValueError(f"state_dict_type={sdt!r}; use FULL_STATE_DICT or SHARDED_STATE_DICT")
+        s("state_dict_type", sdt)
         for env in ("FSDP_ACTIVATION_CHECKPOINTING", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
             if env_flag(env):
                 import logging

@@ -22,6 +22,7 @@ FSDP_MIN_NUM_PARAMS                            FSDP, if set           int (SIZE_
 FSDP_ACTIVATION_CHECKPOINTING                  FSDP, if set           true | false
 FSDP_CPU_RAM_EFFICIENT_LOADING                 FSDP, if set           true | false
 FSDP_OFFLOAD_PARAMS                            FSDP, if set           true | false
+FSDP_STATE_DICT_TYPE                           FSDP, if set           FULL_STATE_DICT | SHARDED_STATE_DICT (DCP, reshardable)
 ACCELERATE_USE_DEEPSPEED                       always                 true | false
 ACCELERATE_DEEPSPEED_ZERO_STAGE                DeepSpeed, if set      0 | 1 | 2 | 3
 ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE  DeepSpeed, if set      none | cpu | nvme
@@ -51,8 +52,8 @@ ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER   fp8, if set            true | fal
 ACCELERATE_FP8_PAD_INNER_DIM                   fp8, if set            true | false: pad GEMM dims to 16 (torchao)
 ============================================== ====================== =====================================
 
-Not written: ``dynamo_backend`` (ACCELERATE_DYNAMO_BACKEND), ``fsdp_state_dict_type``
-(FSDP_STATE_DICT_TYPE) and ``zero3_init_flag`` (ACCELERATE_DEEPSPEED_ZERO3_INIT) are accepted in
+Not written: ``dynamo_backend`` (ACCELERATE_DYNAMO_BACKEND) and ``zero3_init_flag``
+(ACCELERATE_DEEPSPEED_ZERO3_INIT) are accepted in
 a config file (Accelerate writes them) but nothing in lowprec reads them (``UNREAD_FIELDS``).
 
 "If set" means the user gave the value (flag or YAML); an unset value is not written, so the
@@ -163,7 +164,7 @@ FP8_FIELDS = tuple(v.field for v in ENV_VARS if v.when == "fp8") + ("fp8_overrid
 
 # Accepted for Accelerate compatibility (its config files carry them) but read by nothing in
 # lowprec: never exported, and `launch` says so instead of pretending they act.
-UNREAD_FIELDS = ("dynamo_backend", "fsdp_state_dict_type", "zero3_init_flag")
+UNREAD_FIELDS = ("dynamo_backend", "zero3_init_flag")
 
 def fp8_fields_unread(backend: str | None, fields: Any) -> list[str]:
     """Which of ``fields`` (FP8 setting names) the ``backend`` (None/auto: native) never reads

@@ -114,8 +114,10 @@ class FSDPConfig(_Strict):
         default="TRANSFORMER_BASED_WRAP", description="TRANSFORMER_BASED_WRAP (the only policy with FSDP2 here)"
     )
     offload_params: Literal[False] = Field(default=False, description="CPU offload of parameters (not supported: false)")
-    state_dict_type: Literal["FULL_STATE_DICT"] = Field(
-        default="FULL_STATE_DICT", description="checkpoints hold full (gathered) tensors"
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = Field(
+        default="FULL_STATE_DICT", description="FULL_STATE_DICT: checkpoints hold full (gathered) tensors; "
+        "SHARDED_STATE_DICT: each process writes its shards (torch.distributed.checkpoint), loadable on "
+        "any number of processes"
     )
 
 

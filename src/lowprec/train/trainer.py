@@ -150,6 +150,7 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
             fsdp_version=2,
             transformer_cls_names_to_wrap=(fc.transformer_layer_cls_to_wrap if fc else "LlamaDecoderLayer",),
             reshard_after_forward=fc.reshard_after_forward if fc else True,
+            state_dict_type=fc.state_dict_type if fc else "FULL_STATE_DICT",
         )
     deepspeed = None
     if cfg.deepspeed is not None:  # a JSON file path or an inline mapping, as in Axolotl
