@@ -48,6 +48,7 @@ from lowprec.fp8.autocast import (
 )
 from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.gathered import as_float8_data
+from lowprec.fp8.tp_linear import is_tensor_parallel, tp_forward
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, expand_blocks, quantize
 from lowprec.fp8.recipes import OperandCast, Recipe
@@ -470,6 +471,8 @@ class Float8Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         dev = x.device.type
         hp = torch_autocast_dtype(dev, x.dtype)
+        if is_tensor_parallel(self.weight):  # DTensor weight: local GEMMs, whole-tensor scales
+            return tp_forward(self, x, recipe, hp, _Float8LinearFn, _FnConfig)
         x2 = x.reshape(-1, x.shape[-1])
         x_scale = w_scale = grad_state = fwd_state = None
         if recipe.scaling == "delayed":

@@ -1,0 +1,48 @@
+"""Tensor parallelism for FP8 layers: parallel styles for :class:`~lowprec.fp8.Float8Linear`
+(torchao's ``Float8ColwiseParallel`` / ``Float8RowwiseParallel`` names) on DTensor.
+
+The styles shard like torch's ``ColwiseParallel`` / ``RowwiseParallel`` (weight ``Shard(0)`` /
+``Shard(1)``, the same input and output layouts, ``Shard(1)`` inputs or outputs for sequence
+parallelism) and check that the layer is an FP8 layer with the tensorwise recipe; the layer's
+forward then runs its FP8 GEMMs on the local shards with whole-tensor scales
+(:mod:`lowprec.fp8.tp_linear`). Order, as in torchtitan: convert to FP8, then
+``parallelize_module`` over the tensor-parallel mesh, then FSDP2 ``fully_shard`` over the
+data-parallel mesh of the same 2-D device mesh.
+
+Sequence-parallel inputs (``input_layouts=Shard(1)``) are all-gathered in high precision before
+the colwise GEMMs (torchao casts them to FP8 first: not done here yet).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from lowprec.fp8.linear import Float8Linear
+
+__all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "check_float8_tp_layer"]
+
+
+def check_float8_tp_layer(module: nn.Module, style: str) -> None:
+    if not isinstance(module, Float8Linear):
+        raise ValueError(f"Float8{style}Parallel applies to lowprec Float8Linear layers, got {type(module).__name__}; "
+                         f"convert the model first (lowprec.fp8.convert) or use torch's {style}Parallel")
+    if module.recipe.scaling != "tensorwise":
+        raise ValueError(f"tensor parallel FP8 needs the tensorwise recipe, this layer uses {module.recipe.name!r}; "
+                         "use fp8_recipe: tensorwise")
+
+
+class Float8ColwiseParallel(ColwiseParallel):
+    """Output features sharded; input replicated (or ``Shard(1)`` for sequence parallelism)."""
+
+    def _apply(self, module: nn.Module, device_mesh):
+        check_float8_tp_layer(module, "Colwise")
+        return super()._apply(module, device_mesh)
+
+
+class Float8RowwiseParallel(RowwiseParallel):
+    """Input features sharded; output summed (``Replicate``) or reduce-scattered (``Shard(1)``)."""
+
+    def _apply(self, module: nn.Module, device_mesh):
+        check_float8_tp_layer(module, "Rowwise")
+        return super()._apply(module, device_mesh)
