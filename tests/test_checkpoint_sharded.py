@@ -90,3 +90,22 @@ def test_sharded_checkpoint_reshards_4_to_2_to_1(tmp_path):
     for mode, nproc in (("two", 2), ("one", 1)):
         resumed = launch(tmp_path, mode, nproc)["resumed"]
         assert max(abs(a - b) for a, b in zip(resumed, saved["losses"][3:])) < 1e-3, (mode, resumed, saved)
+
+
+def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
+    # DCP reads .metadata with pickle.load; lowprec's reader builds DCP's metadata classes only
+    import pickle
+
+    import pytest
+
+    from lowprec.checkpoint_sharded import SafeFileSystemReader
+    from lowprec.errors import CheckpointError
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "ran"),))
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(CheckpointError, match="not DCP metadata.*system"):
+        SafeFileSystemReader(str(tmp_path)).read_metadata()
+    assert not (tmp_path / "ran").exists()
