@@ -3,7 +3,8 @@
 * amax agreement (delayed scaling, ``reduce_amax``): every rank ends each step with the same
   amax histories and scales, through one all-reduce per optimizer step; the weight amax is the
   amax of the whole weight; with ``reduce_amax=False`` the ranks' scales differ (per-rank data);
-* FSDP2 FP8 all-gather (tensorwise): the losses equal the run without it bitwise, and the
+* FSDP2 FP8 all-gather (tensorwise): the losses equal the run without it bitwise (with
+  activation checkpointing of the FP8 units too), and the
   all-gathers of the FP8 layers move at most 0.52x the bytes of bf16, counted at the collective.
 
 Each rank writes what it saw to a JSON file; the assertions are made here.
@@ -37,10 +38,17 @@ WORKER = textwrap.dedent(
         calls.append(1)
         return _all_reduce(*a, **k)
 
-    def run(recipe, steps=4, **handler):
+    class Net(nn.Sequential):  # activation checkpointing of the FP8 units when asked
+        def forward(self, x):
+            for i, m in enumerate(self):
+                x = fp8.checkpoint(m, x) if self.ckpt and i in (2, 4) else m(x)
+            return x
+
+    def run(recipe, steps=4, ckpt=False, **handler):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32),
-                              nn.GELU(), nn.Linear(32, 8))
+        model = Net(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32),
+                    nn.GELU(), nn.Linear(32, 8))
+        model.ckpt = ckpt
         # one FSDP2 unit per 32x32 Linear (the FP8 ones; the first and last stay bf16, in the root)
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=1000)
         acc = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin,
@@ -78,6 +86,7 @@ WORKER = textwrap.dedent(
         "per_rank": run("delayed", overrides={"amax_history_len": 4, "reduce_amax": False}),
         "bf16_gather": run("tensorwise"),
         "fp8_gather": run("tensorwise", enable_fsdp_float8_all_gather=True),
+        "fp8_gather_ckpt": run("tensorwise", ckpt=True, enable_fsdp_float8_all_gather=True),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
@@ -114,9 +123,11 @@ def test_fsdp2_amax_agreement_and_fp8_all_gather(tmp_path):
     assert r0["per_rank"]["scales"] != r1["per_rank"]["scales"]
     assert r0["per_rank"]["losses"][0] == r0["reduce"]["losses"][0]  # step 0 casts with current amaxes
 
-    # FP8 all-gather: the same GEMMs (same scale, elementwise cast) -> bitwise equal losses
+    # FP8 all-gather: the same GEMMs (same scale, elementwise cast) -> bitwise equal losses, with
+    # activation checkpointing too (the recompute reads the same gathered FP8 weight)
     for r in (r0, r1):
         assert r["fp8_gather"]["losses"] == r["bf16_gather"]["losses"]
+        assert r["fp8_gather_ckpt"]["losses"] == r["bf16_gather"]["losses"]
         extra = [a - b for a, b in zip(r["fp8_gather"]["opt_step_all_reduces"], r["bf16_gather"]["opt_step_all_reduces"])]
         assert extra == [1, 1, 1, 1]  # one batched scale reduction for all weights
         for unit, fp8_bytes in r["fp8_gather"]["gather_bytes"].items():
