@@ -24,6 +24,7 @@ _LAZY = {
     "find_executable_batch_size": "lowprec.utils.memory",
     "init_empty_weights": "lowprec.utils.modeling",
     "init_on_device": "lowprec.utils.modeling",
+    "ParallelismConfig": "lowprec.parallelism_config",
 }
 
 __all__ = ["__version__", *_LAZY]

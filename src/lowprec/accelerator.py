@@ -35,13 +35,14 @@ from lowprec.kwargs import (
     env_int,
 )
 from lowprec.errors import did_you_mean
+from lowprec.parallelism_config import apply_tp_plan, data_shard, for_accelerator
 from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.tracking import TrackingMixin, filter_trackers
 from lowprec.utils.checkpointing import CheckpointingMixin
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
 from lowprec.utils.dataclasses import DataLoaderConfiguration, ProjectConfiguration, TorchDynamoPlugin
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_clip, deepspeed_initialize
-from lowprec.utils.distributed import trigger_sync_in_backward, wrap_ddp, wrap_fsdp2
+from lowprec.utils.distributed import clip_grad_norm, trigger_sync_in_backward, wrap_ddp, wrap_fsdp2
 from lowprec.utils.nonfinite import NonFiniteGuard
 from lowprec.utils.operations import gather, gather_object, has_tensor, pad_across_processes, reduce
 from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler
@@ -98,6 +99,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
             handlers += list(kwargs.pop("kwarg_handlers") or [])
         # torch.compile of prepared models (Accelerate's dynamo_backend / dynamo_plugin)
         self.dynamo_plugin = kwargs.pop("dynamo_plugin", None) or TorchDynamoPlugin(backend=kwargs.pop("dynamo_backend", None))
+        parallelism_config = kwargs.pop("parallelism_config", None)  # tensor parallelism (parallelism_config.py)
         if kwargs:
             known = list(inspect.signature(Accelerator.__init__).parameters) + ["kwarg_handlers"]
             bad = next(iter(kwargs))
@@ -121,6 +123,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
             init_kwargs=self.handlers.get(InitProcessGroupKwargs),
         )
         self.fp8_settings, self.backend = self._resolve_fp8(recipe_handler)
+        self.parallelism_config = for_accelerator(parallelism_config, self.num_processes, self.distributed_type)
 
         # The argument wins; the launcher's variable fills in only when the script left the
         # default of 1 (Accelerate's rule, so `launch --gradient_accumulation_steps` still works).
@@ -240,6 +243,10 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         return FP8BackendType(value) if value in FP8BackendType.__members__ else value
 
     @property
+    def torch_device_mesh(self) -> Any:  # Accelerate's name: the (dp_shard, tp) mesh, or None
+        return None if self.parallelism_config is None else self.parallelism_config.mesh(self.device.type)
+
+    @property
     def fp8_backend_info(self) -> dict:
         """What runs FP8 and why (``engine``, ``reason``, recipe/config)."""
         return {} if self.backend is None else self.backend.describe()
@@ -295,13 +302,16 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         if placement:
             model = model.to(self.device)
         model = self._convert_and_wrap_forward(model)
-        dt = self.distributed_type
+        dt, pc = self.distributed_type, self.parallelism_config
+        if pc is not None:  # FP8 conversion, then tensor parallelism, then FSDP2 over dp_shard
+            apply_tp_plan(model, pc.mesh(self.device.type)["tp"])
         if not evaluation_mode:
-            if dt.is_ddp:
+            if dt.is_ddp and pc is None:
                 kw = (self.handlers.get(DistributedDataParallelKwargs) or DistributedDataParallelKwargs()).to_kwargs()
                 model = wrap_ddp(model, self.device, kw)
             elif dt == DistributedType.FSDP:
-                model = wrap_fsdp2(model, self.mixed_precision, self.state.fsdp_plugin, self.device)
+                model = wrap_fsdp2(model, self.mixed_precision, self.state.fsdp_plugin, self.device,
+                                   pc.mesh(self.device.type)["dp_shard"] if pc is not None else None)
             elif dt == DistributedType.DEEPSPEED:
                 raise ValueError(
                     "under DeepSpeed, pass the model together with its optimizer in one prepare() "
@@ -424,10 +434,11 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
             self._data_seed = int(seed)
         placement = self.device_placement if device_placement is None else device_placement
         cfg = self.dataloader_config
+        rank, world = data_shard(self.parallelism_config, self.process_index, self.num_processes, self.device.type)
         shard = DataLoaderShard(
             data_loader,
-            rank=self.process_index,
-            world_size=self.num_processes,
+            rank=rank,
+            world_size=world,
             device=self.device if placement else None,
             seed=self._data_seed if cfg.data_seed is None else cfg.data_seed,
             gradient_state=self.gradient_state,
@@ -520,7 +531,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         if self._ds_engine is not None:
             return deepspeed_clip(self._ds_engine, max_norm)
         self.unscale_gradients()
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        norm = clip_grad_norm(parameters, max_norm, norm_type=norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def clip_grad_value_(self, parameters, clip_value: float) -> None:

@@ -32,12 +32,23 @@ def check_float8_tp_layer(module: nn.Module, style: str) -> None:
                          "use fp8_recipe: tensorwise")
 
 
+def _plain_buffers(module: nn.Module) -> nn.Module:
+    """torch's styles replicate buffers as DTensors; the FP8 scaling state and telemetry stay
+    plain tensors (the same on every rank), read and written by the engine as before."""
+    from torch.distributed.tensor import DTensor
+
+    for name, buf in list(module._buffers.items()):
+        if isinstance(buf, DTensor):
+            module._buffers[name] = buf.to_local()
+    return module
+
+
 class Float8ColwiseParallel(ColwiseParallel):
     """Output features sharded; input replicated (or ``Shard(1)`` for sequence parallelism)."""
 
     def _apply(self, module: nn.Module, device_mesh):
         check_float8_tp_layer(module, "Colwise")
-        return super()._apply(module, device_mesh)
+        return _plain_buffers(super()._apply(module, device_mesh))
 
 
 class Float8RowwiseParallel(RowwiseParallel):
@@ -45,4 +56,4 @@ class Float8RowwiseParallel(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh):
         check_float8_tp_layer(module, "Rowwise")
-        return super()._apply(module, device_mesh)
+        return _plain_buffers(super()._apply(module, device_mesh))

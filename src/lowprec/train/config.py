@@ -219,6 +219,8 @@ class TrainConfig(_Strict):
     # ---------------------------------------------------------------- distributed
     fsdp_version: Optional[int] = Field(default=None, description="2: shard the model with FSDP2 (under --num_processes N)")
     fsdp_config: Optional[FSDPConfig] = Field(default=None, description="FSDP2 settings (needs fsdp_version: 2)")
+    tp_size: int = Field(default=1, ge=1, description="tensor parallel processes per model replica (the built-in "
+                         "model's _tp_plan; FP8 layers need fp8_recipe: tensorwise); the rest shard with FSDP2")
     deepspeed: Optional[Union[str, dict[str, Any]]] = Field(
         default=None, description="DeepSpeed config: a JSON file path or an inline mapping"
     )
@@ -309,6 +311,9 @@ class TrainConfig(_Strict):
             raise ValueError("fp8_enable_fsdp_float8_all_gather: true needs fp8: true; set fp8: true or drop it")
         if self.fp8_enable_fsdp_float8_all_gather and self.fp8_recipe.name != "tensorwise":
             raise ValueError(FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe=self.fp8_recipe.name))
+        if self.tp_size > 1 and (self.deepspeed is not None or (self.fp8 and self.fp8_recipe.name != "tensorwise")):
+            raise ValueError(f"tp_size: {self.tp_size} runs with FSDP2 (not deepspeed) and, with fp8, fp8_recipe: "
+                             "tensorwise (whole-tensor scales across the shards); change those or set tp_size: 1")
         if self.fsdp_config is not None and self.fsdp_version != 2:
             raise ValueError("fsdp_config is set but fsdp_version is not; add fsdp_version: 2")
         if self.deepspeed is not None and self.fsdp_version is not None:

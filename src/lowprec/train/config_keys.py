@@ -45,5 +45,6 @@ KEYS = (
     ('torch_compile', 'torch.compile the model (auto: on CUDA only)', 'false'),
     ('fsdp_version', '2: shard the model with FSDP2 (under --num_processes N)', 'null'),
     ('fsdp_config', 'FSDP2 settings (needs fsdp_version: 2)', 'null'),
+    ('tp_size', "tensor parallel processes per model replica (the built-in model's _tp_plan; FP8 layers need fp8_recipe: tensorwise); the rest shard with FSDP2", '1'),
     ('deepspeed', 'DeepSpeed config: a JSON file path or an inline mapping', 'null'),
 )

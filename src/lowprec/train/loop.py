@@ -183,7 +183,7 @@ class Loop:
 def run_loop(run: Run) -> Loop:
     """Train from ``run.state.step`` to ``run.total``; returns the loop (its last losses)."""
     cfg, acc = run.cfg, run.acc
-    tokens_per_step = cfg.micro_batch_size * cfg.sequence_len * cfg.gradient_accumulation_steps * acc.num_processes
+    tokens_per_step = cfg.micro_batch_size * cfg.sequence_len * cfg.gradient_accumulation_steps * acc.num_processes // cfg.tp_size
     loop = Loop(run, tokens_per_step, run.loader.forever())
     loop.window_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
     if run.main and cfg.progress_bar:

@@ -265,18 +265,21 @@ class LlamaAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # head counts from the projections' outputs (-1), not the config: under tensor
+        # parallelism (_tp_plan) each process holds n_heads / tp_size of them
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
+        n_heads, n_kv_heads = q.shape[1], k.shape[1]
+        if n_kv_heads != n_heads:
             # GQA: each kv head serves n_heads / n_kv_heads query heads (HF repeat_kv layout).
             # expand+reshape rather than SDPA's enable_gqa, which needs torch >= 2.5.
-            rep = self.n_heads // self.n_kv_heads
-            k = k[:, :, None].expand(b, self.n_kv_heads, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
-            v = v[:, :, None].expand(b, self.n_kv_heads, rep, t, self.head_dim).reshape(b, self.n_heads, t, self.head_dim)
+            rep = n_heads // n_kv_heads
+            k = k[:, :, None].expand(b, n_kv_heads, rep, t, self.head_dim).reshape(b, n_heads, t, self.head_dim)
+            v = v[:, :, None].expand(b, n_kv_heads, rep, t, self.head_dim).reshape(b, n_heads, t, self.head_dim)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, n_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -314,6 +317,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # tensor parallelism (transformers' convention, read by lowprec.parallelism_config): attention
+    # heads and the MLP's hidden units split across processes, one all-reduce per block half
+    _tp_plan = {
+        "model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+        "model.layers.*.mlp.down_proj": "rowwise",
+    }
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         if not isinstance(config, LlamaConfig):

@@ -157,7 +157,11 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
         from lowprec.kwargs import DeepSpeedPlugin
 
         deepspeed = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed, gradient_clipping=cfg.max_grad_norm)
+    from lowprec.parallelism_config import ParallelismConfig
+
     return Accelerator(
+        # tensor parallelism over tp_size processes, FSDP2 (fsdp_version: 2) over the rest
+        parallelism_config=ParallelismConfig(tp_size=cfg.tp_size) if cfg.tp_size > 1 else None,
         mixed_precision=plan.mixed_precision,
         kwargs_handlers=handlers,
         fsdp_plugin=fsdp,
@@ -260,15 +264,19 @@ def _data(cfg: TrainConfig, acc):
             text_field=cfg.text_field,
             names=DATA_KEYS,
         )
+    from lowprec.parallelism_config import data_shard
+
+    # the processes of one tensor-parallel group read the same batches
+    rank, world = data_shard(acc.parallelism_config, acc.process_index, acc.num_processes, acc.device.type)
     loader = TokenBatches(
         train_ds, cfg.micro_batch_size, cfg.sequence_len, seed=cfg.seed,
-        rank=acc.process_index, world_size=acc.num_processes, names=DATA_KEYS,
+        rank=rank, world_size=world, names=DATA_KEYS,
     )
     val_loader = None
     if val_ds is not None:
         val_loader = TokenBatches(
             val_ds, cfg.micro_batch_size, cfg.sequence_len, seed=cfg.seed,
-            rank=acc.process_index, world_size=acc.num_processes, shuffle=False,
+            rank=rank, world_size=world, shuffle=False,
             names={**DATA_KEYS, "batch_size": "micro_batch_size (validation)"},
         )
     if acc.is_main_process:

@@ -67,14 +67,14 @@ def fsdp2_units(model: nn.Module, plugin: Any) -> list[nn.Module]:
     return list(reversed(units))  # children before parents, as fully_shard expects
 
 
-def wrap_fsdp2(model: nn.Module, mixed_precision: str, plugin: Any, device: torch.device) -> nn.Module:
+def wrap_fsdp2(model: nn.Module, mixed_precision: str, plugin: Any, device: torch.device, mesh: Any = None) -> nn.Module:
     """``fully_shard`` each unit of the plugin's wrap policy, then the root. Parameters are
     computed in bf16 under fp8/bf16 (FP8 layers sit inside the bf16 policy), gradients reduced
     in fp32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     param_dtype = _FSDP_DTYPES.get(mixed_precision)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     offload = CPUOffloadPolicy() if plugin.offload_params else OffloadPolicy()
@@ -83,6 +83,15 @@ def wrap_fsdp2(model: nn.Module, mixed_precision: str, plugin: Any, device: torc
         fully_shard(unit, **kw)
     fully_shard(model, **kw)
     return model
+
+
+def _dtensor_params(model: nn.Module) -> bool:
+    """FSDP2 or tensor parallelism: parameters are DTensors, gathered into full state dicts."""
+    if is_fsdp2(model):
+        return True
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def is_fsdp2(model: nn.Module) -> bool:
@@ -101,7 +110,7 @@ def _options(**kw):
 
 def full_model_state_dict(model: nn.Module) -> dict:
     """Full (unsharded) state dict; collective under FSDP2, on every process."""
-    if not is_fsdp2(model):
+    if not _dtensor_params(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -109,7 +118,7 @@ def full_model_state_dict(model: nn.Module) -> dict:
 
 
 def full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any) -> dict:
-    if model is None or not is_fsdp2(model):
+    if model is None or not _dtensor_params(model):
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -117,7 +126,7 @@ def full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any) -> dic
 
 
 def load_full_model_state_dict(model: nn.Module, state_dict: dict) -> None:
-    if not is_fsdp2(model):
+    if not _dtensor_params(model):
         model.load_state_dict(state_dict)
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -126,9 +135,28 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict) -> None:
 
 
 def load_full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any, state_dict: dict) -> None:
-    if model is None or not is_fsdp2(model):
+    if model is None or not _dtensor_params(model):
         optimizer.load_state_dict(state_dict)
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     set_optimizer_state_dict(model, optimizer, state_dict, options=_options())
+
+
+def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, also over a mix of DTensor and plain gradients (tensor
+    parallelism without FSDP2: the split Linears are DTensors, norms and embeddings are not; torch's
+    foreach kernels refuse the mix): the two groups' norms are combined into the one total."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters) if p.grad is not None]
+    split = [p for p in params if isinstance(p.grad, DTensor)]
+    if not split or len(split) == len(params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    plain = [p for p in params if not isinstance(p.grad, DTensor)]
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in split], norm_type).full_tensor(),
+             torch.nn.utils.get_total_norm([p.grad for p in plain], norm_type)]
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    for group in (split, plain):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
