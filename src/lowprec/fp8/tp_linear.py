@@ -38,10 +38,12 @@ def is_tensor_parallel(weight: torch.Tensor) -> bool:
     return isinstance(weight, DTensor)
 
 
-def tp_forward(layer, x: torch.Tensor, recipe, hp: torch.dtype, fn, make_cfg) -> torch.Tensor:
-    """``layer``'s forward on a DTensor weight; ``fn`` / ``make_cfg`` are linear.py's autograd
-    function and its config (passed in: linear.py imports this module, not the reverse)."""
+def tp_forward(layer, x: torch.Tensor, recipe, hp: torch.dtype) -> torch.Tensor:
+    """``layer``'s forward on a DTensor weight (called from ``Float8Linear.forward``)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from lowprec.fp8.cast_state import CastState
+    from lowprec.fp8.linear import _Float8LinearFn, _FnConfig  # linear.py imports this module
 
     w = layer.weight
     mesh = w.device_mesh
@@ -65,8 +67,9 @@ def tp_forward(layer, x: torch.Tensor, recipe, hp: torch.dtype, fn, make_cfg) ->
     dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=mesh.get_group())
     scales = amax_to_scale(amaxes, fwd, margin=recipe.margin, power_of_2=recipe.power_of_2_scales)
     x2 = x_local.reshape(-1, x_local.shape[-1])
-    out = fn.apply(x2, w_local, make_cfg(recipe, hp, layer.fp8_telemetry), scales[0], scales[1], None,
-                   layer.fp8_stats, None)
+    state = CastState(layer.fp8_stats if layer.fp8_telemetry else None)
+    state.x_scale, state.w_scale = scales[0], scales[1]  # whole-tensor scales, handed in
+    out = _Float8LinearFn.apply(x2, w_local, _FnConfig(recipe, hp, recipe.plan()), state)
     out = out.reshape(*x_local.shape[:-1], w_local.shape[0])
     bias = layer.bias
     if colwise:
