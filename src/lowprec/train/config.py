@@ -29,12 +29,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lowprec.catalog import FSDP_FP8_ALL_GATHER_UNSUPPORTED, RECIPE_NAMES, unread_recipe_fields
 from lowprec.errors import did_you_mean
+from lowprec.train.config_compare import CompareKeys, CompareSpec, check_fp8_backend
 
 __all__ = [
     "TrainConfig",
     "DatasetSpec",
     "FP8RecipeSpec",
     "FSDPConfig",
+    "CompareSpec",
     "load_config",
     "parse_config",
     "parse_override_value",
@@ -119,7 +121,7 @@ class FSDPConfig(_Strict):
     )
 
 
-class TrainConfig(_Strict):
+class TrainConfig(CompareKeys, _Strict):
     """Everything ``lowprec train`` reads. Keys follow Axolotl where Axolotl has one."""
 
     # ---------------------------------------------------------------- model and data
@@ -330,6 +332,7 @@ class TrainConfig(_Strict):
             limit = LlamaConfig.from_name(self.base_model[len("builtin:"):]).max_seq_len
             if self.sequence_len > limit:
                 raise ValueError(f"sequence_len: {self.sequence_len} exceeds {self.base_model}'s max_seq_len {limit}; lower sequence_len")
+        check_fp8_backend(self)
         return self
 
     # ---------------------------------------------------------------- helpers

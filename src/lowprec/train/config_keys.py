@@ -4,6 +4,8 @@ do not edit. (key, description, default as YAML) for every top-level config key.
 __all__ = ["KEYS"]
 
 KEYS = (
+    ('fp8_backend', "native (lowprec's engine) or torchao (torchao.float8 Float8Linear; recipes tensorwise, rowwise, rowwise_with_gw_hp)", 'native'),
+    ('compare', 'settings read by `lowprec compare` (precisions, seeds, threshold, workers, ...)', 'null'),
     ('base_model', 'builtin:llama-tiny | builtin:llama-small | builtin:llama-base | builtin:llama-1b, or a local Hugging Face model directory (needs transformers)', 'builtin:llama-tiny'),
     ('tokenizer', 'byte (built-in byte-level tokenizer) or a local Hugging Face tokenizer directory', 'byte'),
     ('datasets', 'training text: [{path: builtin:stdlib}] (default) or local .txt/.jsonl files', "[{field: text, path: 'builtin:stdlib', type: completion}]"),
