@@ -25,17 +25,17 @@ HELP = "run one config at several precisions and seeds and report loss parity wi
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from lowprec.cli.train import add_config_flags
+    from lowprec.cli.train import add_config_flags, config_command
 
-    p = subparsers.add_parser(
-        NAME, help=HELP,
-        description="Run one config at several precisions with the same seeds and compare the losses "
+    p = config_command(
+        subparsers, NAME, HELP,
+        "Run one config at several precisions with the same seeds and compare the losses "
         "(95%% intervals, paired gaps, a verdict). Exit codes: 0 within the threshold, 1 outside, "
         "2 usage error, 4 inconclusive.",
-        usage="lowprec compare CONFIG.yaml [--precisions bf16,fp8] [--seeds N|LIST] [--threshold 0.005] "
+        "lowprec compare CONFIG.yaml [--precisions bf16,fp8] [--seeds N|LIST] [--threshold 0.005] "
         "[--workers N] [--key value ...]",
+        "the YAML config",
     )
-    p.add_argument("config", nargs="?", help="the YAML config")
     p.add_argument("--precisions", default=None, metavar="LIST",
                    help="comma-separated: fp32, bf16, fp16, bf16-full, fp8 (the config's recipe), fp8-<recipe> "
                    "(fp8-tensorwise, fp8-delayed, fp8-rowwise, fp8-rowwise_with_gw_hp, fp8-blockwise), fp8-torchao, "
