@@ -16,16 +16,14 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from lowprec.train.config_base import StrictModel as _Strict
 
 __all__ = ["CompareSpec", "CompareKeys", "FP8_BACKENDS", "TORCHAO_RECIPES", "check_fp8_backend"]
 
 FP8_BACKENDS = ("native", "torchao")
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
 
 
 class CompareSpec(_Strict):

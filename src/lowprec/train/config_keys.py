@@ -4,14 +4,21 @@ do not edit. (key, description, default as YAML) for every top-level config key.
 __all__ = ["KEYS"]
 
 KEYS = (
-    ('fp8_backend', "native (lowprec's engine) or torchao (torchao.float8 Float8Linear; recipes tensorwise, rowwise, rowwise_with_gw_hp)", 'native'),
-    ('compare', 'settings read by `lowprec compare` (precisions, seeds, threshold, workers, ...)', 'null'),
     ('base_model', 'builtin:llama-tiny | builtin:llama-small | builtin:llama-base | builtin:llama-1b, or a local Hugging Face model directory (needs transformers)', 'builtin:llama-tiny'),
     ('tokenizer', 'byte (built-in byte-level tokenizer) or a local Hugging Face tokenizer directory', 'byte'),
-    ('datasets', 'training text: [{path: builtin:stdlib}] (default) or local .txt/.jsonl files', "[{field: text, path: 'builtin:stdlib', type: completion}]"),
+    ('datasets', 'training text: [{path: builtin:stdlib}] (default) or local .txt/.jsonl files', "[{chat_template: null, chat_template_jinja: null, drop_system_message: false, ds_type: null,\n    field: text, field_messages: messages, message_field_content: null, message_field_role: null,\n    message_property_mappings: null, path: 'builtin:stdlib', roles: null, roles_to_train: [\n      assistant], split: null, train_on_eos: turn, type: null}]"),
     ('dataset_max_bytes', 'read at most this many bytes of text (null: all)', '8000000'),
     ('val_set_size', 'fraction of documents held out for validation (0: none)', '0.03'),
     ('sequence_len', 'tokens per training sequence', '128'),
+    ('train_on_inputs', 'false: prompt tokens (instructions, user turns) are labelled -100 and not learned', 'false'),
+    ('sample_packing', 'pack short examples into rows of sequence_len, each attending only to itself', 'null'),
+    ('eval_sample_packing', 'pack validation examples too (default: as sample_packing)', 'null'),
+    ('pad_to_sequence_len', 'pad every batch to sequence_len (default: true with packing; else to the longest, rounded to 16)', 'null'),
+    ('dataset_prepared_path', 'directory caching tokenized data, keyed by tokenizer, data and config; reused next run', 'null'),
+    ('chat_template', 'template of type: chat_template data: tokenizer_default, chatml, llama3, jinja, tokenizer_default_fallback_chatml', 'tokenizer_default'),
+    ('chat_template_jinja', 'template text for chat_template: jinja', 'null'),
+    ('eot_tokens', 'end-of-turn strings trained with their turn', 'null'),
+    ('special_tokens', 'bos/eos/pad/unk tokens set on a Hugging Face tokenizer (e.g. pad_token: <|end_of_text|>)', 'null'),
     ('micro_batch_size', 'sequences per forward pass per process', '8'),
     ('gradient_accumulation_steps', 'micro-batches per optimizer step', '1'),
     ('num_epochs', 'passes over the training data (used when max_steps is not set; default 1)', 'null'),
@@ -48,4 +55,6 @@ KEYS = (
     ('fsdp_version', '2: shard the model with FSDP2 (under --num_processes N)', 'null'),
     ('fsdp_config', 'FSDP2 settings (needs fsdp_version: 2)', 'null'),
     ('deepspeed', 'DeepSpeed config: a JSON file path or an inline mapping', 'null'),
+    ('fp8_backend', "native (lowprec's engine) or torchao (torchao.float8 Float8Linear; recipes tensorwise, rowwise, rowwise_with_gw_hp)", 'native'),
+    ('compare', 'settings read by `lowprec compare` (precisions, seeds, threshold, workers, ...)', 'null'),
 )

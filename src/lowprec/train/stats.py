@@ -17,6 +17,7 @@ part of the spread the two runs share.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
@@ -80,6 +81,7 @@ def _t_cdf(t: float, df: float) -> float:
     return 1.0 - tail if t >= 0 else tail
 
 
+@functools.lru_cache(maxsize=512)  # the same few (level, n - 1) pairs come back for every step of a curve
 def t_quantile(p: float, df: float) -> float:
     """The ``p`` quantile of Student's t (``t_quantile(0.975, 4) = 2.776``), by bisection on the CDF."""
     if not 0.0 < p < 1.0 or df <= 0:
