@@ -59,6 +59,18 @@ def test_plan_runs_pairs_seeds_across_precisions(tmp_path):
         plan_runs(cfg, ["bf16", "bf16"], [1], str(tmp_path))
 
 
+def test_the_shipped_compare_config_plans_every_recipe(tmp_path):
+    from lowprec.train.config import load_config
+
+    cfg = load_config(os.path.join(ROOT, "examples", "compare.yaml"))
+    spec = cfg.compare
+    runs = plan_runs(cfg, spec.precisions, spec.seed_list(cfg.seed), str(tmp_path))
+    assert len(runs) == len(spec.precisions) * 5 and spec.threshold == 0.005
+    recipes = {(r.config.fp8_backend, r.config.fp8_recipe.name) for r in runs if r.config.fp8}
+    assert {n for b, n in recipes if b == "native"} == {"tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise"}
+    assert ("torchao", "tensorwise") in recipes
+
+
 def test_workers_resolved_once_with_a_reason():
     cfg = parse_config({"cpu_threads": 1})
     w, threads = resolve_workers("auto", cfg, 10, "cpu")
