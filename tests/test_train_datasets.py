@@ -2,6 +2,7 @@
 (issue 13 part 2), on data and models the tests create."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -175,3 +176,21 @@ def test_yaml_dataset_types_and_axolotl_keys(tmp_path):
         parse_config({"wandb_project": "mine"})
     with pytest.raises(ValueError, match="unknown key 'sample_pakcing' \\(did you mean 'sample_packing'"):
         parse_config({"sample_pakcing": None})  # a typo stays an error even when null
+
+
+@pytest.mark.parametrize("name", ["alpaca_fp8.yaml", "chat_fp8.yaml"])
+def test_example_configs_train_in_fp8_on_cpu(name, tmp_path):
+    """The shipped instruction and chat examples run (3 steps here), in FP8, with the data cache."""
+    import os
+
+    from lowprec.train.config import load_config
+    from lowprec.train.trainer import train
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "examples", name), {
+        "max_steps": 3, "output_dir": str(tmp_path / "out"), "dataset_prepared_path": str(tmp_path / "prep"),
+        "logging_steps": 1, "eval_batches": 1, "cpu_threads": 1, "saves_per_epoch": None, "micro_batch_size": 2,
+    })
+    result = train(cfg)
+    assert cfg.fp8 and result.steps == 3 and all(math.isfinite(loss) for _, loss in result.train_losses)
+    assert os.path.isfile(result.files["model"]) and result.final_eval_loss is not None

@@ -71,7 +71,8 @@ def plan_runs(cfg: TrainConfig, precisions: Sequence[str], seeds: Sequence[int],
         for p in precisions:
             where = os.path.join(out, p, f"seed{seed}")
             c = cfg.replace(**precision_overrides(p, cfg), seed=seed, output_dir=where, compare=None,
-                            resume_from_checkpoint=None, save_steps=None, progress_bar=False)
+                            resume_from_checkpoint=None, save_steps=None, saves_per_epoch=None,
+                            progress_bar=False)
             runs.append(CompareRun(p, seed, c, where + ".yaml", where + ".log"))
     return runs
 

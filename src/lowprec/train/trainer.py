@@ -87,8 +87,8 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     )
 
 
-def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):
-    warmup = min(cfg.warmup_steps, max(0, total_steps - 1))  # clamped (and said so) in train()
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int, warmup: Optional[int] = None):
+    warmup = min(cfg.warmup_steps if warmup is None else warmup, max(0, total_steps - 1))  # clamped (and said so) in train()
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, warmup, total_steps, cfg.lr_scheduler)
     )
@@ -224,6 +224,8 @@ def train(
         make_output_dir(output_dir)
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
+    if cfg.tf32 != "auto" and torch.cuda.is_available():  # TF32 is an NVIDIA matmul mode; CPUs have none
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
     acc = _accelerator(cfg, plan)
     main = acc.is_main_process
     decisions = dict(plan.decisions)
@@ -232,7 +234,7 @@ def train(
     acc.wait_for_everyone()
     tokenizer, loader, val_loader = _data(cfg, acc)
     total = _total_steps(cfg, len(loader), decisions, main)
-    run = _build(cfg, plan, acc, tokenizer.vocab_size, total, output_dir, loader, val_loader)
+    run = _build(cfg, plan, acc, tokenizer.vocab_size, total, output_dir, loader, val_loader, decisions)
     run.on_log = on_log
     resume_path = _resume(run, decisions)
     run.writer = MetricsWriter(output_dir, main, plan.use_tensorboard, append=resume_path is not None)
@@ -302,24 +304,39 @@ def _total_steps(cfg: TrainConfig, batches_per_epoch: int, decisions: dict, main
         total = max(1, math.ceil(epochs * per_epoch))
         why = f"num_epochs: {epochs} x {per_epoch} steps per epoch" + ("" if cfg.num_epochs else " (default 1 epoch)")
     decisions["total_steps"] = Decision(total, why)
-    if cfg.warmup_steps >= total:  # a smoke run (--max_steps 3) of a config with a long warmup
+    if cfg.warmup_ratio is not None:  # Axolotl: warmup_steps = ratio x the run's steps
+        decisions["warmup_steps"] = Decision(int(cfg.warmup_ratio * total), f"warmup_ratio: {cfg.warmup_ratio} x {total} steps")
+    elif cfg.warmup_steps >= total:  # a smoke run (--max_steps 3) of a config with a long warmup
         warmup = max(0, total - 1)
         decisions["warmup_steps"] = Decision(warmup, f"warmup_steps: {cfg.warmup_steps} clamped to the run's {total} steps")
         if main:
             logger.warning("lowprec: note: warmup_steps: %d clamped to %d for this %d-step run", cfg.warmup_steps, warmup, total)
+    # evals_per_epoch / saves_per_epoch -> a step interval, as Axolotl: steps per epoch // N
+    for key, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
+        n = getattr(cfg, key)
+        if n is not None:
+            decisions[steps] = Decision(max(1, per_epoch // n), f"{key}: {n} in {per_epoch} steps per epoch")
     if main:
         logger.info("lowprec: total_steps = %d (%s)", total, why)
+        for key in ("warmup_steps", "eval_steps", "save_steps"):
+            if key in decisions and (key != "warmup_steps" or cfg.warmup_ratio is not None):
+                logger.info("lowprec: %s = %s (%s)", key, decisions[key].value, decisions[key].reason)
     return total
 
 
-def _build(cfg: TrainConfig, plan: RunPlan, acc, vocab_size: int, total: int, output_dir: str, loader, val_loader) -> Run:
+def _build(cfg: TrainConfig, plan: RunPlan, acc, vocab_size: int, total: int, output_dir: str, loader, val_loader,
+           decisions: dict) -> Run:
     """Model, optimizer and schedule, prepared by the accelerator; the run's shared state."""
     _seed_everything(cfg.seed)
     model, model_config = _build_model(cfg, vocab_size)
+    if cfg.gradient_checkpointing:  # built-in and transformers models share the method name
+        inner = model.model if isinstance(model, _HFLoss) else model
+        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(cfg.gradient_checkpointing_kwargs or {"use_reentrant": False}))
     if plan.weights_dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     optimizer = build_optimizer(cfg, model)
-    scheduler = build_scheduler(cfg, optimizer, total)
+    warmup = decisions["warmup_steps"].value if "warmup_steps" in decisions else None
+    scheduler = build_scheduler(cfg, optimizer, total, warmup)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     if plan.torch_compile:
         model = torch.compile(model)
@@ -335,6 +352,8 @@ def _build(cfg: TrainConfig, plan: RunPlan, acc, vocab_size: int, total: int, ou
         inner=inner, optimizer=optimizer, scheduler=scheduler, loader=loader,
         val_loader=val_loader, state=state, writer=None, fp8_layers=fp8_layers,
         main=acc.is_main_process, model_config=model_config,
+        eval_every=decisions["eval_steps"].value if "eval_steps" in decisions else cfg.eval_steps,
+        save_every=decisions["save_steps"].value if "save_steps" in decisions else cfg.save_steps,
     )
 
 
