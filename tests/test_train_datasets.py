@@ -2,7 +2,6 @@
 (issue 13 part 2), on data and models the tests create."""
 
 import json
-import math
 
 import pytest
 import torch
@@ -178,19 +177,57 @@ def test_yaml_dataset_types_and_axolotl_keys(tmp_path):
         parse_config({"sample_pakcing": None})  # a typo stays an error even when null
 
 
-@pytest.mark.parametrize("name", ["alpaca_fp8.yaml", "chat_fp8.yaml"])
-def test_example_configs_train_in_fp8_on_cpu(name, tmp_path):
-    """The shipped instruction and chat examples run (3 steps here), in FP8, with the data cache."""
-    import os
+def test_fp8_report_picks_the_worst_layers():
+    from lowprec.train.plots import worst_layers
 
-    from lowprec.train.config import load_config
-    from lowprec.train.trainer import train
+    def rec(step, bad):
+        layers = {f"l{i}": {"input": {"saturated": 0.0, "underflow": 0.0}} for i in range(8)}
+        for name, frac in bad.items():
+            layers[name]["input"]["underflow"] = frac
+        return {"kind": "fp8", "step": step, "layers": layers}
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = load_config(os.path.join(root, "examples", name), {
-        "max_steps": 3, "output_dir": str(tmp_path / "out"), "dataset_prepared_path": str(tmp_path / "prep"),
-        "logging_steps": 1, "eval_batches": 1, "cpu_threads": 1, "saves_per_epoch": None, "micro_batch_size": 2,
-    })
-    result = train(cfg)
-    assert cfg.fp8 and result.steps == 3 and all(math.isfinite(loss) for _, loss in result.train_losses)
-    assert os.path.isfile(result.files["model"]) and result.final_eval_loss is not None
+    records = [rec(1, {"l5": 0.01}), rec(2, {"l2": 0.3, "l5": 0.02})]
+    assert worst_layers(records, top=3) == ["l2", "l5", "l0"]  # worst first, ties in layer order
+
+
+def test_other_ranks_log_errors_only(monkeypatch, caplog):
+    import logging
+
+    from lowprec.train import trainer
+
+    log = logging.getLogger("lowprec")
+    monkeypatch.setenv("RANK", "1")
+    trainer._quiet_other_ranks()
+    try:
+        with caplog.at_level("INFO", logger="lowprec"):
+            log.warning("lowprec: a warning every rank would repeat")
+            log.error("lowprec: an error")
+        assert [r.getMessage() for r in caplog.records] == ["lowprec: an error"]
+    finally:
+        log.filters[:] = [f for f in log.filters if not isinstance(f, trainer._RankZeroOnly)]
+
+
+def test_chat_template_tokenizer_default_with_a_hf_tokenizer(tmp_path):
+    """tokenizer_default renders with the tokenizer's own template; its special tokens stay
+    single ids; special_tokens sets the pad token (Axolotl's special_tokens: pad_token)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from lowprec.train.chat_templates import template_text
+    from lowprec.train.tokenizer import load_tokenizer
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "<pad>", "user", "assistant", "hi", "hello", "there"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # the newline after the role is dropped
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", unk_token="<unk>",
+                                                additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' }}"
+                          "{% endfor %}")
+    fast.save_pretrained(tmp_path / "tok")
+    tok = load_tokenizer(str(tmp_path / "tok"), {"pad_token": "<pad>"})
+    assert tok.pad_id == 3 and tok.eos_id == 2
+    opt = PromptOptions("chat_template", chat_template=template_text("tokenizer_default", tok._tok.chat_template, None))
+    row = {"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]}
+    ids, labels = tokenize_row(row, opt, tok, "row")
+    assert ids == [1, 4, 6, 8, 2, 1, 5, 7, 2]  # <|im_start|> user hi there <|im_end|> <|im_start|> assistant hello <|im_end|>
+    assert [i for i, y in zip(ids, labels) if y != IGNORE] == [7, 2]  # "hello" and its <|im_end|>

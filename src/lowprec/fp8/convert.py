@@ -76,6 +76,11 @@ class ConversionReport:
             "gemm": self.gemm,
         }
 
+    def summary(self) -> str:
+        """One line for the console; ``str(report)`` is the full table (one line per layer)."""
+        return (f"FP8 conversion: {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high "
+                f"precision; recipe {self.recipe.name}; GEMMs: {self.gemm}")
+
     def __str__(self) -> str:
         lines = [
             f"FP8 conversion: recipe {self.recipe.name} ({self.recipe.describe()})",

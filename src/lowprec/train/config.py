@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional, Union, get_args
+from typing import Any, Optional, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError, model_validator

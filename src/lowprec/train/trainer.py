@@ -182,6 +182,33 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
     )
 
 
+class _RankZeroOnly(logging.Filter):
+    """Under ``launch`` every rank runs the same setup: only rank 0 tells the user about it
+    (errors still come from every rank)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+def _quiet_other_ranks() -> None:
+    if int(os.environ.get("RANK", "0")) != 0:
+        for name in ("lowprec", "lowprec.fp8"):
+            log = logging.getLogger(name)
+            if not any(isinstance(f, _RankZeroOnly) for f in log.filters):
+                log.addFilter(_RankZeroOnly())
+
+
+def _write_conversion_report(acc, output_dir: str) -> Optional[str]:
+    """The full per-layer FP8 conversion table, next to the metrics (the console has one line)."""
+    report = getattr(getattr(acc, "backend", None), "report", None)
+    if report is None:
+        return None
+    path = os.path.join(output_dir, "fp8_conversion.txt")
+    with open(path, "w") as f:
+        f.write(str(report) + "\n")
+    return path
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -218,6 +245,7 @@ def train(
 ) -> RunResult:
     """One training run: set up, resume, the loop (``loop.py``), outputs."""
     wall0 = time.perf_counter()
+    _quiet_other_ranks()
     plan = resolve(cfg, caps, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     output_dir = os.path.abspath(cfg.output_dir)
     if int(os.environ.get("RANK", "0")) == 0:  # before any log line: a bad path is a one-line error
@@ -230,7 +258,7 @@ def train(
     main = acc.is_main_process
     decisions = dict(plan.decisions)
     if main:
-        plan.log()
+        plan.log(skip=set(getattr(acc.state, "decisions", {})))  # the accelerator logged those
     acc.wait_for_everyone()
     tokenizer, loader, val_loader = _data(cfg, acc)
     total = _total_steps(cfg, len(loader), decisions, main)
@@ -242,6 +270,7 @@ def train(
         from lowprec.train.outputs import write_resolved_config
 
         write_resolved_config(cfg.to_yaml_dict(), decisions, output_dir)
+        _write_conversion_report(acc, output_dir)
     try:
         loop = run_loop(run)
     except NonFiniteError as exc:
