@@ -359,8 +359,15 @@ def _build(cfg: TrainConfig, plan: RunPlan, acc, vocab_size: int, total: int, ou
     _seed_everything(cfg.seed)
     model, model_config = _build_model(cfg, vocab_size)
     if cfg.gradient_checkpointing:  # built-in and transformers models share the method name
-        inner = model.model if isinstance(model, _HFLoss) else model
-        inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(cfg.gradient_checkpointing_kwargs or {"use_reentrant": False}))
+        kwargs = dict(cfg.gradient_checkpointing_kwargs or {"use_reentrant": False})
+        if isinstance(model, _HFLoss):
+            from lowprec.fp8.autocast import replay_context
+
+            # transformers passes these to torch.utils.checkpoint: the recompute re-enters the
+            # FP8 region of the first forward, as lowprec.fp8.checkpoint does for the built-in model
+            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={**kwargs, "context_fn": replay_context})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if plan.weights_dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     optimizer = build_optimizer(cfg, model)
