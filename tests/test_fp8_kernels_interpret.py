@@ -263,3 +263,109 @@ def test_delayed_scale_update_matches_the_torch_path(case):
     want = reference.delayed_scale_update(h2, s2, step, amax_now, **kw)
     for a, b in [*zip(got, want), (h1, h2), (s1, s2)]:
         assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a[~torch.isnan(a)], b[~torch.isnan(b)]), case
+
+
+def blocky(rows, cols, in_dtype, block):
+    """Per-tile magnitudes over many binades, an all-zero tile row, a NaN, an inf, ties."""
+    x = torch.randn(rows, cols) * torch.exp2(torch.empty(rows, cols).uniform_(-8, 8))
+    x = x * torch.logspace(-6, 6, rows)[:, None]
+    x[: min(rows, block), : min(cols, block)] *= 0.0  # a whole zero tile: scale from AMAX_EPS
+    x[-1, 0], x[rows // 2, -1] = float("nan"), float("inf")  # one tile NaN, one with scale 0
+    x[1, block - 1 if cols >= block else 0] = 1.0625  # an E4M3 tie
+    return x.to(in_dtype)
+
+
+def assert_same_scale(got, want):
+    nan = torch.isnan(want)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("power_of_2", [True, False])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("shape,block", [((200, 300), 128), ((70, 40), 32)])
+def test_blockwise_1d_casts_match_the_torch_path(dtype, in_dtype, power_of_2, shape, block, seed):
+    """1 x block tiles into q and block x 1 tiles into the transposed qt, scales included, from one read."""
+    x = blocky(*shape, in_dtype, block)
+    q, rs, qt, cs = ops.cast_block_1d(x, dtype, block, power_of_2, True, True)
+    rq, rrs, rqt, rcs = reference.cast_block_1d(x, dtype, block, power_of_2, True, True)
+    assert qt.shape == shape[::-1] and qt.is_contiguous() and rs.t().is_contiguous()
+    assert_same_scale(rs, rrs)
+    assert_same_scale(cs, rcs)
+    assert_same_fp8(q, rq)
+    assert_same_fp8(qt, rqt)
+    # one layout alone: the other outputs are empty
+    q1, rs1, qt1, cs1 = ops.cast_block_1d(x, dtype, block, power_of_2, False, True)
+    assert q1.numel() == rs1.numel() == 0 and torch.equal(bits(qt1), bits(qt))
+    assert_same_scale(cs1, cs)
+
+
+@pytest.mark.parametrize("power_of_2", [True, False])
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("shape,block", [((300, 200), 128), ((40, 70), 32)])
+def test_blockwise_square_casts_match_the_torch_path(dtype, power_of_2, shape, block, seed):
+    x = blocky(*shape, torch.float32, block)
+    q, s, qt, st = ops.cast_block_2d(x, dtype, block, power_of_2, True)
+    rq, rs, rqt, rst = reference.cast_block_2d(x, dtype, block, power_of_2, True)
+    assert_same_scale(s, rs)
+    assert_same_scale(st, rst)
+    assert_same_fp8(q, rq)
+    assert_same_fp8(qt, rqt)
+    assert qt.is_contiguous() and st.t().is_contiguous()
+
+
+@pytest.mark.parametrize("power_of_2", [True, False])
+def test_block_scales_at_exact_powers_of_two(power_of_2):
+    """Tile amaxes that make fp8_max / amax an exact power of two, and amaxes just off them:
+    where floor(log2) and the float64 reciprocal-then-multiply rounding show."""
+    base = torch.tensor([448.0, 1.75, 3.5, 7.0, 0.4375, 1e-13, 2.0**-20])
+    amaxes = torch.cat([base, torch.nextafter(base, base * 2), torch.nextafter(base, base / 2)])
+    x = torch.rand(amaxes.numel(), 128) * amaxes[:, None]
+    x[:, 5] = amaxes
+    q, rs, _, _ = ops.cast_block_1d(x, E4M3, 128, power_of_2, True, False)
+    rq, rrs, _, _ = reference.cast_block_1d(x, E4M3, 128, power_of_2, True, False)
+    assert_same_scale(rs, rrs)
+    assert_same_fp8(q, rq)
+
+
+def test_fused_blockwise_layouts_feed_the_gemms_without_copies(monkeypatch, seed):
+    """cast_block_both through the kernels (as on CUDA): same values as the torch path, every
+    operand already in the layout block_gemm hands to torch's kernel (A row-major, B column-major)."""
+    from lowprec import fp8
+    from lowprec.fp8 import block_cast, kernels
+
+    x = torch.randn(256, 384, dtype=torch.bfloat16) * 3
+    plain = [block_cast.cast_block_both(x, sq, E4M3, 128, False) for sq in (False, True)]
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    fused = [block_cast.cast_block_both(x, sq, E4M3, 128, False) for sq in (False, True)]
+    for (a, b), (fa, fb) in zip(plain, fused):
+        for p, f in ((a, fa), (b, fb)):
+            assert (p.block, p.granularity) == (f.block, f.granularity)
+            assert torch.equal(p.dequantize(), f.dequantize())
+    (rows, cols), (w, w_col) = fused
+    assert rows.data.is_contiguous() and rows.scale.t().is_contiguous()  # A of the output/grad_input GEMMs
+    assert cols.data.t().is_contiguous() and cols.scale.is_contiguous()  # x as B (and dY^T as A) of wgrad
+    assert w.data.t().t().is_contiguous() and w_col.data.t().is_contiguous() and w_col.scale.t().is_contiguous()
+    # and a whole Float8Linear fwd+bwd through the fused casts agrees with the torch path
+    lin = torch.nn.Linear(384, 256, bias=False)
+    outs = []
+    for fused_on in (True, False):
+        if not fused_on:
+            monkeypatch.undo()
+        m = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("blockwise", gemm="emulate"))
+        xi = x.float().clone().requires_grad_()
+        with fp8.autocast():
+            y = m(xi)
+        y.backward(torch.ones_like(y))
+        outs.append((y.detach(), xi.grad, m.weight.grad))
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+def test_the_first_use_self_check_passes_under_the_interpreter():
+    """What a GPU runs once before trusting the kernels (selfcheck.run_checks), every fused op
+    included, agrees here: a kernel added without a self-check entry, or one that disagrees, fails."""
+    from lowprec.fp8.kernels import selfcheck
+
+    assert selfcheck.run_checks(ops, reference, torch.device("cpu")) == []

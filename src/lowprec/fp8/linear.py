@@ -46,6 +46,7 @@ from lowprec.fp8.autocast import (
     torch_autocast_dtype,
     torch_autocast_off,
 )
+from lowprec.fp8.block_cast import cast_block_both
 from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, expand_blocks, quantize
@@ -121,8 +122,10 @@ def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale
     copied. Elsewhere: one per-tensor cast serving both, or two axis casts. Values are
     identical either way; only the memory layout differs.
     """
-    fused = t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.dim() == 2 and kernels.available(t.device)
     pow2 = recipe.power_of_2_scales
+    if spec.granularity == "block":  # 1x128 + 128x1 tiles, or 128x128 blocks and their transpose
+        return cast_block_both(t, spec.block_2d, spec.dtype, recipe.block_size, pow2)
+    fused = t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.dim() == 2 and kernels.available(t.device)
     if spec.granularity == "tensor" and fused:
         if scale is None:
             scale = amax_to_scale(kernels.amax(t), spec.dtype, margin=recipe.margin, power_of_2=pow2)
@@ -217,7 +220,7 @@ class _Float8LinearFn(torch.autograd.Function):
             else:
                 wg = plan.wgrad
                 x_both = need_wgrad and recipe.save_fp8_activations and not wg.high_precision and (
-                    wg.b == fp.a and wg.b.granularity in ("tensor", "axis")
+                    wg.b == fp.a and wg.b.granularity in ("tensor", "axis", "block")
                 )
                 if fwd_state is not None:  # delayed scaling, fused (Float8Linear._fused_delayed)
                     hx, sx, hw, sw, step, last = fwd_state
@@ -230,7 +233,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 else:
                     xq = _cast(x, fp.a, 1, recipe, x_scale)
                 dg = plan.dgrad
-                if fwd_state is None and need_dgrad and not dg.high_precision and dg.b == fp.b and fp.b.granularity == "tensor":
+                if fwd_state is None and need_dgrad and not dg.high_precision and dg.b == fp.b and (fp.b.granularity == "tensor" or fp.b.block_2d):
                     wq, w_col = _cast_both_layouts(weight, fp.b, recipe, w_scale)  # dgrad reads w_col
                 elif fwd_state is None:
                     wq = w_col = _cast(weight, fp.b, 1, recipe, w_scale)
@@ -294,7 +297,7 @@ class _Float8LinearFn(torch.autograd.Function):
                     grad_x = torch.matmul(dy.to(hp), w_saved.to(hp))
                 else:
                     wg = plan.wgrad
-                    dy_both = dg.a.granularity in ("tensor", "axis") and ctx.needs_input_grad[1] and not wg.high_precision and (
+                    dy_both = dg.a.granularity in ("tensor", "axis", "block") and ctx.needs_input_grad[1] and not wg.high_precision and (
                         wg.a == dg.a
                     )
                     if dy_both and ctx.fused_delayed:  # one pass: cast, amax into the history

@@ -19,6 +19,7 @@ import triton
 from torch.library import triton_op, wrap_triton
 
 from lowprec.fp8.formats import fp8_max
+from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
 from lowprec.fp8.kernels.triton_cast import (
     amax_cols_kernel,
     cast_rowwise_kernel,
@@ -30,7 +31,7 @@ from lowprec.fp8.scaling import AMAX_EPS
 
 __all__ = [
     "cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t",
-    "recast_if_changed", "delayed_scale_update", "launch_cast", "interpreting",
+    "recast_if_changed", "delayed_scale_update", "launch_cast", "interpreting", "cast_block_1d", "cast_block_2d",
 ]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -226,3 +227,66 @@ def delayed_scale_update(
         INTERVAL=interval, ALGO_MAX=algo_max, BLOCK=triton.next_power_of_2(n), num_warps=4,
     )
     return used, old
+
+
+# blockwise casts: one 128x128 tile per program (8 warps: 64 float32 values per thread)
+BLOCK_WARPS = 8
+
+
+def _launch_block(x, fp8_dtype, block, power_of_2, square, q, qt, s, st) -> None:
+    if x.device.type == "meta":
+        return
+    m, n = x.shape
+    dummy = q if q is not None else qt
+    wrap_triton(cast_blockwise_kernel)[(triton.cdiv(m, block), triton.cdiv(n, block))](
+        x, dummy if q is None else q, dummy if qt is None else qt, x if s is None else s, x if st is None else st,
+        m, n, x.stride(0), x.stride(1),
+        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn, POW2=power_of_2,
+        SOFT_CAST=interpreting(), EPS_BITS=_EPS_BITS, BLOCK=block, SQUARE=square,
+        ROW=q is not None, COL=qt is not None, num_warps=BLOCK_WARPS if block >= 128 else 4,
+    )
+
+
+def _check_block(x: torch.Tensor, fp8_dtype: torch.dtype, block: int) -> None:
+    _check(x, fp8_dtype)
+    if block < 16 or block > 128 or block & (block - 1):
+        raise ValueError(f"the fused blockwise cast takes a power-of-two block of 16..128, got {block}")
+
+
+@triton_op("lowprec::cast_block_1d", mutates_args=())
+def cast_block_1d(
+    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, rows: bool, cols: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1-D tiles from one read: ``(q, row_scale, qt, col_scale)``. ``rows``: ``q`` (M, N) cast
+    with 1 x block tiles, ``row_scale`` (M, ceil(N/block)) (column-major storage); ``cols``:
+    ``qt`` (N, M) = ``x`` cast with block x 1 tiles, transposed, ``col_scale`` (ceil(M/block), N).
+    Outputs not asked for are empty (0 elements)."""
+    _check_block(x, fp8_dtype, block)
+    m, n = x.shape
+    dev = x.device
+    q = torch.empty((m, n) if rows else (0,), dtype=torch.uint8, device=dev)
+    rs = torch.empty((triton.cdiv(n, block), m) if rows else (0,), dtype=torch.float32, device=dev)
+    qt = torch.empty((n, m) if cols else (0,), dtype=torch.uint8, device=dev)
+    cs = torch.empty((triton.cdiv(m, block), n) if cols else (0,), dtype=torch.float32, device=dev)
+    _launch_block(x, fp8_dtype, block, power_of_2, False, q if rows else None, qt if cols else None,
+                  rs if rows else None, cs if cols else None)
+    return q.view(fp8_dtype), rs.t() if rows else rs, qt.view(fp8_dtype), cs
+
+
+@triton_op("lowprec::cast_block_2d", mutates_args=())
+def cast_block_2d(
+    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Square tiles from one read: ``(q, scale, qt, scale_t)`` with ``scale`` (ceil(M/block),
+    ceil(N/block)); with ``transpose`` also ``qt`` (N, M) contiguous and the same scales
+    stored transposed (``scale_t``, an (ceil(M/block), ceil(N/block)) column-major view)."""
+    _check_block(x, fp8_dtype, block)
+    m, n = x.shape
+    dev = x.device
+    bm, bn = triton.cdiv(m, block), triton.cdiv(n, block)
+    q = torch.empty((m, n), dtype=torch.uint8, device=dev)
+    s = torch.empty((bm, bn), dtype=torch.float32, device=dev)
+    qt = torch.empty((n, m) if transpose else (0,), dtype=torch.uint8, device=dev)
+    st = torch.empty((bn, bm) if transpose else (0,), dtype=torch.float32, device=dev)
+    _launch_block(x, fp8_dtype, block, power_of_2, True, q, qt if transpose else None, s, st if transpose else None)
+    return q.view(fp8_dtype), s, qt.view(fp8_dtype), st.t() if transpose else st
