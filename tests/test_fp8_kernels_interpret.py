@@ -369,3 +369,84 @@ def test_the_first_use_self_check_passes_under_the_interpreter():
     from lowprec.fp8.kernels import selfcheck
 
     assert selfcheck.run_checks(ops, reference, torch.device("cpu")) == []
+
+
+# --- the Triton blockwise GEMM (block_gemm_triton): against the float32 emulation ----------------
+def _block_operands(m, k, n, bs, a_dtype, square):
+    from lowprec.fp8.quantize import quantize_blockwise_torch as qb
+
+    a = qb(torch.randn(m, k) * 4, a_dtype, (1, bs))
+    if square:  # output / grad_input: B = W^T in bs x bs blocks
+        b = qb(torch.randn(n, k), E4M3, (bs, bs)).t()
+    else:  # grad_weight: B = X in bs x 1 tiles (contracting over its rows)
+        b = qb(torch.randn(k, n), E4M3, (bs, 1))
+    return a, b
+
+
+@pytest.mark.parametrize("mkn,bs,a_dtype,square,out_dtype", [
+    ((64, 256, 96), 128, E4M3, True, torch.bfloat16),  # the output / grad_input GEMMs
+    ((64, 256, 96), 128, E4M3, False, torch.float32),  # grad_weight
+    ((70, 200, 90), 128, E5M2, True, torch.float32),  # ragged M, K, N
+    ((70, 200, 90), 128, E4M3, False, torch.bfloat16),
+    ((40, 96, 72), 32, E4M3, True, torch.float32),  # block_size 32
+])
+def test_triton_block_gemm_is_within_the_documented_bound(mkn, bs, a_dtype, square, out_dtype, seed):
+    """Whole and ragged tiles, both B tilings, E4M3/E5M2 A, float32 and bf16 output: the kernel
+    differs from dequantize-then-matmul only by summation order (cpu_gemm.py's bound)."""
+    from lowprec import fp8
+    from lowprec.fp8 import block_gemm_triton
+    from tests.conftest import assert_within_gemm_bound
+
+    a, b = _block_operands(*mkn, bs, a_dtype, square)
+    assert block_gemm_triton.supported(a, b)
+    got = block_gemm_triton.mm(a, b, out_dtype)
+    ref = fp8.scaled_mm(a, b, torch.float32, path="emulate")
+    assert got.dtype == out_dtype and got.shape == (mkn[0], mkn[2])
+    assert_within_gemm_bound(got, ref, a, b, output_roundings=int(out_dtype == torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_triton_block_gemm_decodes_every_fp8_code_exactly(dtype):
+    """A holds every finite FP8 code once, B is the identity: C = A exactly (the interpreter's
+    software decode, subnormals included); a NaN code makes its row NaN."""
+    from lowprec.fp8 import block_gemm_triton
+    from lowprec.fp8.quantize import Float8Data
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    finite = codes[torch.isfinite(codes.float())]
+    a_data = torch.zeros(4, 128, dtype=torch.uint8).view(dtype)
+    a_data.view(-1)[: finite.numel()] = finite
+    eye = torch.eye(128).to(E4M3)
+    one = lambda r, c: torch.ones(r, c)  # noqa: E731 - unit scales
+    a = Float8Data(a_data, one(4, 1), "block", (1, 128))
+    b = Float8Data(eye, one(1, 1), "block", (128, 128))
+    got = block_gemm_triton.mm(a, b, torch.float32)
+    assert torch.equal(got, a_data.float())  # (-0.0 comes out +0.0: the dot adds +0.0 products)
+    a_data.view(torch.uint8)[2, 5] = 0x7F  # NaN in both formats
+    got = block_gemm_triton.mm(a, b, torch.float32)
+    assert torch.isnan(got[2]).all() and not torch.isnan(got[[0, 1, 3]]).any()
+
+
+def test_float8_linear_blockwise_on_the_triton_gemm(monkeypatch, seed):
+    """The whole blockwise Float8Linear fwd+bwd with all three GEMMs on the Triton kernel (as on
+    an sm_89 GPU: the dispatch says "triton"), against the emulated run."""
+    from lowprec import fp8
+    from lowprec.fp8 import block_gemm_triton, gemm
+
+    lin = torch.nn.Linear(256, 128, bias=False)  # K spans two 128-tiles
+    x = torch.randn(48, 256) * 2
+    paths, runs = [], []
+    real = gemm.gemm_path
+    monkeypatch.setattr(gemm, "gemm_path", lambda *a: paths.append(real(*a)) or paths[-1])
+    for on in (True, False):
+        monkeypatch.setattr(block_gemm_triton, "runs", lambda device, a, b, on=on: on)
+        m = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("blockwise", gemm="auto" if on else "emulate"))
+        xi = x.clone().requires_grad_()
+        with fp8.autocast():
+            y = m(xi)
+        y.backward(torch.ones_like(y))
+        runs.append((y.detach(), xi.grad, m.weight.grad))
+    assert paths == ["triton"] * 3 + ["emulate"] * 3
+    for got, want in zip(*runs):
+        assert got.dtype == want.dtype
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()

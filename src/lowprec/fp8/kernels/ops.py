@@ -20,6 +20,7 @@ from torch.library import triton_op, wrap_triton
 
 from lowprec.fp8.formats import fp8_max
 from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
+from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
 from lowprec.fp8.kernels.triton_cast import (
     amax_cols_kernel,
     cast_rowwise_kernel,
@@ -32,6 +33,7 @@ from lowprec.fp8.scaling import AMAX_EPS
 __all__ = [
     "cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t",
     "recast_if_changed", "delayed_scale_update", "launch_cast", "interpreting", "cast_block_1d", "cast_block_2d",
+    "block_scaled_mm", "GEMM_TILE",
 ]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -290,3 +292,49 @@ def cast_block_2d(
     st = torch.empty((bn, bm) if transpose else (0,), dtype=torch.float32, device=dev)
     _launch_block(x, fp8_dtype, block, power_of_2, True, q, qt if transpose else None, s, st if transpose else None)
     return q.view(fp8_dtype), s, qt.view(fp8_dtype), st.t() if transpose else st
+
+
+# blockwise GEMM: (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M); BLOCK_K is the scale block.
+# Three stages of 128x128 FP8 A and B tiles are 96 KiB of shared memory: sm_90/sm_100 hold it,
+# Ada (sm_89, 100 KiB per SM) gets two (tests/test_fp8_kernels_compile.py checks both).
+GEMM_TILE = {"default": (128, 128, 8, 3, 8), "sm89": (128, 128, 8, 2, 8), "interpreter": (64, 64, 4, 1, 2)}
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _gemm_tile(device: torch.device) -> tuple[int, int, int, int, int]:
+    if interpreting():
+        return GEMM_TILE["interpreter"]
+    return GEMM_TILE["sm89"] if torch.cuda.get_device_capability(device) < (9, 0) else GEMM_TILE["default"]
+
+
+@triton_op("lowprec::block_scaled_mm", mutates_args=())
+def block_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, a_inv_scale: torch.Tensor, b_inv_scale: torch.Tensor, block: int,
+    group_n: int, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)``: FP8 ``a`` (M, K) with dequantization scales (M, ceil(K/block)),
+    FP8 ``b`` (K, N) with (ceil(K/block), ceil(N/group_n)); ``group_n`` is ``block`` for square
+    B blocks, 1 for block x 1 tiles. Any strides; float32 accumulation; ``out_dtype`` written."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"block_scaled_mm needs (M, K) x (K, N), got {tuple(a.shape)} x {tuple(b.shape)}")
+    if block not in (32, 64, 128) or group_n not in (1, block):
+        raise ValueError(f"block_scaled_mm takes block 32/64/128 and group_n 1 or block, got {block}, {group_n}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"block_scaled_mm writes bfloat16/float16/float32, got {out_dtype}")
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if a.device.type == "meta":
+        return c
+    bm, bn, warps, stages, group_m = _gemm_tile(a.device)
+    au, bu = a.view(torch.uint8), b.view(torch.uint8)
+    wrap_triton(block_scaled_mm_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+        au, bu, a_inv_scale, b_inv_scale, c, m, n, k,
+        au.stride(0), au.stride(1), bu.stride(0), bu.stride(1),
+        a_inv_scale.stride(0), a_inv_scale.stride(1), b_inv_scale.stride(0), b_inv_scale.stride(1),
+        c.stride(0), c.stride(1),
+        A_E4M3=a.dtype == torch.float8_e4m3fn, B_E4M3=b.dtype == torch.float8_e4m3fn, GROUP_N=group_n,
+        SOFT_FP8=interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block, GROUP_M=group_m,
+        num_warps=warps, num_stages=stages,
+    )
+    return c

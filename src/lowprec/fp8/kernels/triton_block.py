@@ -12,7 +12,7 @@ registers, writes what the blockwise recipe's GEMMs read:
 Numerics are :func:`lowprec.fp8.quantize.quantize_blockwise`'s, bit for bit (checked under the
 Triton interpreter): tile amax of the float32 values (NaN wins), the scale as
 ``amax_to_scale`` computes it in float64 (clamp to ``AMAX_EPS``, reciprocal, times fp8_max,
-``exp2(floor(log2))`` for powers of two, one rounding to float32), one float32 multiply, and
+floored to a power of two if asked, one rounding to float32), one float32 multiply, and
 the saturating round-to-nearest-even cast of ``triton_cast``. A tile with a NaN gets a NaN scale
 (every value NaN); with an inf, scale 0 (finite -> 0, inf -> NaN), as the torch path.
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowprec.fp8.kernels.triton_cast import _NAN_BITS, _saturate_to_fp8_bits
+from lowprec.fp8.kernels.triton_cast import _EXP_MASK_F64, _NAN_BITS, _saturate_to_fp8_bits
 
 __all__ = ["cast_blockwise_kernel"]
 
@@ -35,12 +35,18 @@ __all__ = ["cast_blockwise_kernel"]
 @triton.jit
 def _block_scale(amax, has_nan, FP8_MAX: tl.constexpr, EPS_BITS: tl.constexpr, POW2: tl.constexpr):
     """``amax_to_scale(amax)`` as torch evaluates it: float64 clamp to eps, ``reciprocal`` then
-    ``* fp8_max`` (what ``fp8_max / t`` runs), ``exp2(floor(log2))``, one rounding to float32."""
+    ``* fp8_max`` (what ``fp8_max / t`` runs), one rounding to float32.
+
+    Powers of two: torch's ``exp2(floor(log2(s)))`` is the exponent of ``s``, taken here from its
+    bits. The two differ only where ``log2`` rounds up to an integer, i.e. for ``s`` within a few
+    float64 ulps below a power of two; for a float32 amax that happens only when
+    ``fp8_max / amax`` is that power of two exactly, and then ``s`` is exact too
+    (``test_block_scales_at_exact_powers_of_two``)."""
     a64 = amax.to(tl.float64)
     eps = tl.full(a64.shape, EPS_BITS, tl.int64).to(tl.float64, bitcast=True)
     s = (1.0 / tl.maximum(a64, eps)) * FP8_MAX
     if POW2:
-        s = tl.exp2(tl.floor(tl.log2(s)))
+        s = (s.to(tl.int64, bitcast=True) & _EXP_MASK_F64).to(tl.float64, bitcast=True)
     nan = tl.full(a64.shape, _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
     return tl.where(has_nan, nan, s.to(tl.float32))
 
