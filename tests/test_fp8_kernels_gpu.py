@@ -210,7 +210,7 @@ def test_float8_linear_is_identical_with_and_without_the_kernels(dev, monkeypatc
 def test_blockwise_casts_match_the_torch_path(ops, dev, dtype, shape, seed):
     x = awkward(shape, torch.bfloat16, dev)
     for got, want in ((ops.cast_block_1d(x, dtype, 128, True, True, True), reference.cast_block_1d(x, dtype, 128, True, True, True)),
-                      (ops.cast_block_2d(x, dtype, 128, False, True), reference.cast_block_2d(x, dtype, 128, False, True))):
+                      (ops.cast_block_2d(x, dtype, 128, False, True, True), reference.cast_block_2d(x, dtype, 128, False, True, True))):
         for g, w in zip(got, want):
             if g.dtype == torch.float32:
                 assert torch.equal(g, w)

@@ -306,13 +306,17 @@ def test_blockwise_1d_casts_match_the_torch_path(dtype, in_dtype, power_of_2, sh
 @pytest.mark.parametrize("shape,block", [((300, 200), 128), ((40, 70), 32)])
 def test_blockwise_square_casts_match_the_torch_path(dtype, power_of_2, shape, block, seed):
     x = blocky(*shape, torch.float32, block)
-    q, s, qt, st = ops.cast_block_2d(x, dtype, block, power_of_2, True)
-    rq, rs, rqt, rst = reference.cast_block_2d(x, dtype, block, power_of_2, True)
+    q, s, qt, st = ops.cast_block_2d(x, dtype, block, power_of_2, True, True)
+    rq, rs, rqt, rst = reference.cast_block_2d(x, dtype, block, power_of_2, True, True)
     assert_same_scale(s, rs)
     assert_same_scale(st, rst)
     assert_same_fp8(q, rq)
     assert_same_fp8(qt, rqt)
     assert qt.is_contiguous() and st.t().is_contiguous()
+    # the transpose alone (the weight re-cast for grad_input in backward)
+    q1, s1, qt1, st1 = ops.cast_block_2d(x, dtype, block, power_of_2, False, True)
+    assert q1.numel() == 0 and torch.equal(bits(qt1), bits(qt))
+    assert_same_scale(st1, rst)
 
 
 @pytest.mark.parametrize("power_of_2", [True, False])
@@ -330,23 +334,28 @@ def test_block_scales_at_exact_powers_of_two(power_of_2):
 
 
 def test_fused_blockwise_layouts_feed_the_gemms_without_copies(monkeypatch, seed):
-    """cast_block_both through the kernels (as on CUDA): same values as the torch path, every
-    operand already in the layout block_gemm hands to torch's kernel (A row-major, B column-major)."""
+    """The blockwise casts Float8Linear makes, through the kernels (as on CUDA): same values as
+    the torch path, every operand already in the layout block_gemm hands to torch's kernel
+    (A row-major, B column-major)."""
     from lowprec import fp8
     from lowprec.fp8 import block_cast, kernels
 
     x = torch.randn(256, 384, dtype=torch.bfloat16) * 3
-    plain = [block_cast.cast_block_both(x, sq, E4M3, 128, False) for sq in (False, True)]
+
+    def casts():
+        return (*block_cast.cast_block_both(x, E4M3, 128, False), block_cast.quantize_blockwise_fused(x, E4M3, (128, 128), False),
+                block_cast.quantize_square_transposed(x, E4M3, 128, False))
+
+    plain = casts()
     monkeypatch.setattr(kernels, "available", lambda device: True)
-    fused = [block_cast.cast_block_both(x, sq, E4M3, 128, False) for sq in (False, True)]
-    for (a, b), (fa, fb) in zip(plain, fused):
-        for p, f in ((a, fa), (b, fb)):
-            assert (p.block, p.granularity) == (f.block, f.granularity)
-            assert torch.equal(p.dequantize(), f.dequantize())
-    (rows, cols), (w, w_col) = fused
+    fused = casts()
+    for p, f in zip(plain, fused):
+        assert (p.block, p.granularity) == (f.block, f.granularity)
+        assert torch.equal(p.dequantize(), f.dequantize())
+    rows, cols, w, w_col = fused
     assert rows.data.is_contiguous() and rows.scale.t().is_contiguous()  # A of the output/grad_input GEMMs
     assert cols.data.t().is_contiguous() and cols.scale.is_contiguous()  # x as B (and dY^T as A) of wgrad
-    assert w.data.t().t().is_contiguous() and w_col.data.t().is_contiguous() and w_col.scale.t().is_contiguous()
+    assert w.data.is_contiguous() and w_col.data.t().is_contiguous() and w_col.scale.t().is_contiguous()
     # and a whole Float8Linear fwd+bwd through the fused casts agrees with the torch path
     lin = torch.nn.Linear(384, 256, bias=False)
     outs = []

@@ -18,9 +18,10 @@ runs a GEMM in hp instead. The bias is added in hp outside the FP8 GEMM.
 
 What backward keeps (the memory story): the FP8 copy of ``x`` quantized for the weight-
 gradient GEMM (1 byte/element, against 2 for a bf16 Linear's saved input) and, for per-tensor
-and blockwise recipes, the FP8 weight from the forward GEMM (a tensor scale and square blocks
-serve both orientations). Rowwise re-casts the weight from the Parameter in backward (a
-reference, no extra memory), since its grad_input GEMM needs scales along the other axis.
+recipes, the FP8 weight from the forward GEMM (a tensor scale serves both orientations).
+Rowwise re-casts the weight from the Parameter in backward (a reference, no extra memory),
+since its grad_input GEMM needs scales along the other axis; blockwise does too (same values:
+the cast is deterministic), so that backward keeps no FP8 weight.
 
 Delayed scaling (per-tensor, TransformerEngine semantics): each operand keeps an amax history
 buffer. The scale used at step t is built from amaxes recorded at steps < t and refreshed
@@ -46,7 +47,7 @@ from lowprec.fp8.autocast import (
     torch_autocast_dtype,
     torch_autocast_off,
 )
-from lowprec.fp8.block_cast import cast_block_both
+from lowprec.fp8.block_cast import cast_block_both, quantize_square_transposed
 from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, expand_blocks, quantize
@@ -97,6 +98,8 @@ def _cast(x: torch.Tensor, spec: OperandCast, contract: int, recipe: Recipe, sca
     """Quantize a 2-D operand for a GEMM that contracts over dim ``contract``."""
     if spec.granularity == "block":
         bs = recipe.block_size
+        if spec.block_2d and contract == 0:  # W for grad_input: written transposed on CUDA
+            return quantize_square_transposed(x, spec.dtype, bs, recipe.power_of_2_scales)
         block = (bs, bs) if spec.block_2d else ((1, bs) if contract == 1 else (bs, 1))
         return quantize(x, spec.dtype, "block", block=block, power_of_2=recipe.power_of_2_scales)
     return quantize(
@@ -123,8 +126,8 @@ def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale
     identical either way; only the memory layout differs.
     """
     pow2 = recipe.power_of_2_scales
-    if spec.granularity == "block":  # 1x128 + 128x1 tiles, or 128x128 blocks and their transpose
-        return cast_block_both(t, spec.block_2d, spec.dtype, recipe.block_size, pow2)
+    if spec.granularity == "block" and not spec.block_2d:  # 1x128 + 128x1 tiles in one pass
+        return cast_block_both(t, spec.dtype, recipe.block_size, pow2)
     fused = t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.dim() == 2 and kernels.available(t.device)
     if spec.granularity == "tensor" and fused:
         if scale is None:
@@ -233,7 +236,7 @@ class _Float8LinearFn(torch.autograd.Function):
                 else:
                     xq = _cast(x, fp.a, 1, recipe, x_scale)
                 dg = plan.dgrad
-                if fwd_state is None and need_dgrad and not dg.high_precision and dg.b == fp.b and (fp.b.granularity == "tensor" or fp.b.block_2d):
+                if fwd_state is None and need_dgrad and not dg.high_precision and dg.b == fp.b and fp.b.granularity == "tensor":
                     wq, w_col = _cast_both_layouts(weight, fp.b, recipe, w_scale)  # dgrad reads w_col
                 elif fwd_state is None:
                     wq = w_col = _cast(weight, fp.b, 1, recipe, w_scale)
@@ -246,9 +249,9 @@ class _Float8LinearFn(torch.autograd.Function):
             w_saved = None
             if need_dgrad:
                 dg = plan.dgrad
-                reusable = wq is not None and not dg.high_precision and dg.b == fp.b and (
-                    dg.b.granularity == "tensor" or dg.b.block_2d
-                )
+                # blockwise re-casts W in backward (as rowwise): an FP8 copy saved per layer costs
+                # 1 byte/param at the memory peak; the second cast reads W once more
+                reusable = wq is not None and not dg.high_precision and dg.b == fp.b and dg.b.granularity == "tensor"
                 w_saved = w_col if reusable else weight
             # What grad_weight needs: the input, cast for a GEMM contracting over M.
             x_saved = None

@@ -126,10 +126,10 @@ def cast_block_1d(
 
 
 def cast_block_2d(
-    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, transpose: bool = True
+    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, rows: bool = True, cols: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q, scale, qt, scale_t)``: ``x`` cast with ``block`` x ``block`` tiles and (with
-    ``transpose``) its contiguous transpose, with the same scales; one read on CUDA."""
+    """``(q, scale, qt, scale_t)``: ``x`` cast with ``block`` x ``block`` tiles (``rows``) and
+    its contiguous transpose with the same scales (``cols``); one read on CUDA."""
     if available(x.device):
-        return _ops().cast_block_2d(x, fp8_dtype, block, power_of_2, transpose)
-    return reference.cast_block_2d(x, fp8_dtype, block, power_of_2, transpose)
+        return _ops().cast_block_2d(x, fp8_dtype, block, power_of_2, rows, cols)
+    return reference.cast_block_2d(x, fp8_dtype, block, power_of_2, rows, cols)

@@ -277,21 +277,22 @@ def cast_block_1d(
 
 @triton_op("lowprec::cast_block_2d", mutates_args=())
 def cast_block_2d(
-    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, transpose: bool
+    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, rows: bool, cols: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Square tiles from one read: ``(q, scale, qt, scale_t)`` with ``scale`` (ceil(M/block),
-    ceil(N/block)); with ``transpose`` also ``qt`` (N, M) contiguous and the same scales
-    stored transposed (``scale_t``, an (ceil(M/block), ceil(N/block)) column-major view)."""
+    ceil(N/block)); ``rows``: ``q`` (M, N); ``cols``: ``qt`` (N, M) contiguous and the same
+    scales stored transposed (``scale_t``, an (ceil(M/block), ceil(N/block)) column-major view).
+    Outputs not asked for are empty."""
     _check_block(x, fp8_dtype, block)
     m, n = x.shape
     dev = x.device
     bm, bn = triton.cdiv(m, block), triton.cdiv(n, block)
-    q = torch.empty((m, n), dtype=torch.uint8, device=dev)
+    q = torch.empty((m, n) if rows else (0,), dtype=torch.uint8, device=dev)
     s = torch.empty((bm, bn), dtype=torch.float32, device=dev)
-    qt = torch.empty((n, m) if transpose else (0,), dtype=torch.uint8, device=dev)
-    st = torch.empty((bn, bm) if transpose else (0,), dtype=torch.float32, device=dev)
-    _launch_block(x, fp8_dtype, block, power_of_2, True, q, qt if transpose else None, s, st if transpose else None)
-    return q.view(fp8_dtype), s, qt.view(fp8_dtype), st.t() if transpose else st
+    qt = torch.empty((n, m) if cols else (0,), dtype=torch.uint8, device=dev)
+    st = torch.empty((bn, bm) if cols else (0,), dtype=torch.float32, device=dev)
+    _launch_block(x, fp8_dtype, block, power_of_2, True, q if rows else None, qt if cols else None, s, st if cols else None)
+    return q.view(fp8_dtype), s, qt.view(fp8_dtype), st.t() if cols else st
 
 
 # blockwise GEMM: (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M); BLOCK_K is the scale block.

@@ -104,13 +104,14 @@ def cast_block_1d(
 
 
 def cast_block_2d(
-    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, transpose: bool
+    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, rows: bool, cols: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q, scale, qt, scale_t)``: ``x`` cast with block x block tiles, and with ``transpose``
-    the transposed copy (contiguous) and the same scales (``scale_t`` equal to ``scale``)."""
+    """``(q, scale, qt, scale_t)``: ``x`` cast with block x block tiles (``rows``), its
+    transpose (contiguous) with the same scales as ``scale_t`` (``cols``); empty where not asked."""
     from lowprec.fp8.quantize import quantize_blockwise_torch
 
     b = quantize_blockwise_torch(x, fp8_dtype, (block, block), power_of_2=power_of_2)
-    if not transpose:
-        return b.data, b.scale, torch.empty(0, dtype=fp8_dtype, device=x.device), torch.empty(0, device=x.device)
-    return b.data, b.scale, b.data.t().contiguous(), b.scale
+    empty = torch.empty(0, dtype=fp8_dtype, device=x.device), torch.empty(0, device=x.device)
+    q = b.data if rows else empty[0]
+    qt, st = (b.data.t().contiguous(), b.scale) if cols else empty
+    return q, b.scale, qt, st
