@@ -135,6 +135,12 @@ def test_operators_pass_opcheck(ops, dev, seed):
     torch.library.opcheck(torch.ops.lowprec.cast_transpose_amax.default, (x, s, E4M3))
     torch.library.opcheck(torch.ops.lowprec.cast_amax.default, (x, s, E5M2))
     torch.library.opcheck(torch.ops.lowprec.cast_rowwise.default, (x, E4M3, True))
+    torch.library.opcheck(torch.ops.lowprec.cast_block_1d.default, (x, E4M3, 128, True, True, True))
+    torch.library.opcheck(torch.ops.lowprec.cast_block_2d.default, (x, E4M3, 128, False, False, True))
+    a = fp8.quantize(torch.randn(256, 256, device=dev), E4M3, "block", block=(1, 128))
+    b = fp8.quantize(torch.randn(384, 256, device=dev), E4M3, "block", block=(128, 128)).t()
+    torch.library.opcheck(torch.ops.lowprec.block_scaled_mm.default,
+                          (a.data, b.data, a.scale.reciprocal(), b.scale.reciprocal(), 128, 128, torch.bfloat16))
 
 
 def test_compiled_fullgraph_matches_eager(ops, dev, seed):
