@@ -1,4 +1,5 @@
-"""``tp_size`` in the trainer: `lowprec train --num_processes 2 --tp_size 2` splits every block's
+"""``tensor_parallel_size`` (Axolotl's key) in the trainer: `lowprec train --num_processes 2
+--tensor_parallel_size 2` splits every block's
 Linears over two processes (the built-in model's _tp_plan; FP8 layers through
 Float8ColwiseParallel / Float8RowwiseParallel) and follows the one-process run of the same
 config: both processes read the same batches (one tensor-parallel group), the scales are the
@@ -23,16 +24,16 @@ RUN = {"max_steps": 3, "warmup_steps": 0, "sequence_len": 32, "dataset_max_bytes
        "eval_batches": 1, "micro_batch_size": 4, "logging_steps": 1}
 
 
-def test_tp_size_needs_tensorwise_fp8():
-    with pytest.raises(ValueError, match="tp_size: 2 .*fp8_recipe: tensorwise"):
-        parse_config({"tp_size": 2, "fp8": True, "fp8_recipe": "rowwise"})
+def test_tensor_parallel_size_needs_tensorwise_fp8():
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 .*fp8_recipe: tensorwise"):
+        parse_config({"tensor_parallel_size": 2, "fp8": True, "fp8_recipe": "rowwise"})
 
 
 def test_tensor_parallel_training_follows_one_process(tmp_path):
     out = tmp_path / "tp"
     flags = [f"--{k}={'null' if v is None else v}" for k, v in RUN.items()]
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
-    run_torchrun([sys.executable, "-m", "lowprec.cli.main", "train", TINY, "--num_processes", "2", "--tp_size", "2",
+    run_torchrun([sys.executable, "-m", "lowprec.cli.main", "train", TINY, "--num_processes", "2", "--tensor_parallel_size", "2",
                   "--output_dir", str(out), "--quiet", *flags],
                  lambda p: (out / "summary.json").exists(), env=env, timeout=300)
     single = train(load_config(TINY, {**RUN, "output_dir": str(tmp_path / "one")}))
