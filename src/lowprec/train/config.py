@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from lowprec.catalog import FSDP_FP8_ALL_GATHER_UNSUPPORTED, RECIPE_NAMES, unread_recipe_fields
 from lowprec.errors import did_you_mean
+from lowprec.train.config_model import LoraKeys, ModelKeys
 
 __all__ = [
     "TrainConfig",
@@ -119,17 +120,19 @@ class FSDPConfig(_Strict):
     )
 
 
-class TrainConfig(_Strict):
+class TrainConfig(_Strict, ModelKeys, LoraKeys):
     """Everything ``lowprec train`` reads. Keys follow Axolotl where Axolotl has one."""
 
     # ---------------------------------------------------------------- model and data
     base_model: str = Field(
         default="builtin:llama-tiny",
         description="builtin:llama-tiny | builtin:llama-small | builtin:llama-base | builtin:llama-1b, "
-        "or a local Hugging Face model directory (needs transformers)",
+        "a local Hugging Face model directory, or a hub id (org/name) already in the local Hugging Face cache "
+        "(needs transformers; nothing is downloaded)",
     )
-    tokenizer: str = Field(
-        default="byte", description="byte (built-in byte-level tokenizer) or a local Hugging Face tokenizer directory"
+    tokenizer: Optional[str] = Field(
+        default=None, description="byte (built-in byte-level tokenizer) or a local Hugging Face tokenizer directory "
+        "(default: byte for a built-in base_model, the base model's own tokenizer for a Hugging Face one)"
     )
     datasets: list[DatasetSpec] = Field(
         default_factory=lambda: [DatasetSpec(path="builtin:stdlib")],
@@ -258,11 +261,10 @@ class TrainConfig(_Strict):
                     f"unknown built-in model {v!r}{_hint(name, MODEL_NAMES)}; use one of "
                     + ", ".join(f"builtin:{n}" for n in MODEL_NAMES)
                 )
-        elif not os.path.exists(v):
-            raise ValueError(
-                f"{v!r} is neither builtin:<name> nor an existing local Hugging Face model directory; "
-                "downloads are not supported: give a local path or builtin:llama-tiny"
-            )
+        else:  # a local directory, or a hub id found in the local cache (never downloaded)
+            from lowprec.train.hf_model import locate_pretrained
+
+            locate_pretrained(v, key="")
         return v
 
     @field_validator("deepspeed")

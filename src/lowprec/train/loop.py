@@ -41,6 +41,7 @@ class Run:
     fp8_layers: bool
     main: bool
     model_config: Any = None
+    tokenizer: Any = None  # saved next to a Hugging Face model's export
     on_log: Optional[Callable[[dict], None]] = None
 
     def stop_line(self, text: str) -> str:
