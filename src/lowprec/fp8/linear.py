@@ -450,17 +450,22 @@ class Float8Linear(nn.Linear):
         :func:`_cast_delayed_fused`): CUDA with the Triton kernels, every GEMM in FP8, both
         gradients wanted and the FP8 input kept, so that each operand's one cast serves both of
         its GEMMs. Otherwise the scales are computed here first (an amax read per operand)."""
-        w = self.weight
+        w = self.gemm_weight()
         return (
             kernels.available(x2.device) and x2.dtype in _HP_DTYPES and w.dtype in _HP_DTYPES and w.dim() == 2
             and torch.is_grad_enabled() and x2.requires_grad and w.requires_grad
             and recipe.save_fp8_activations and not any(recipe.override_linear_precision)
         )
 
+    def gemm_weight(self) -> torch.Tensor:
+        """The weight as the GEMMs read it, (out, in); a layer that stores it otherwise
+        (``Float8Conv1D``) returns a view or copy here, so autograd carries the layout back."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe = self._active_recipe()
         if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.gemm_weight(), self.bias)
         dev = x.device.type
         hp = torch_autocast_dtype(dev, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
@@ -474,12 +479,12 @@ class Float8Linear(nn.Linear):
                              self.fp8_scale_weight, self.fp8_step, self.fp8_last_scales)
             else:
                 x_scale = self._delayed_scale("input", x2, fwd, recipe)
-                w_scale = self._delayed_scale("weight", self.weight, fwd, recipe)
+                w_scale = self._delayed_scale("weight", self.gemm_weight(), fwd, recipe)
                 self.fp8_step.add_(1)
                 self.fp8_last_scales.copy_(torch.stack([x_scale, w_scale]))
             grad_state = (self.fp8_amax_history_grad_output, self.fp8_scale_grad_output, self.fp8_step_grad)
         cfg = _FnConfig(recipe, hp, self.fp8_telemetry)
-        out = _Float8LinearFn.apply(x2, self.weight, cfg, x_scale, w_scale, grad_state, self.fp8_stats, fwd_state)
+        out = _Float8LinearFn.apply(x2, self.gemm_weight(), cfg, x_scale, w_scale, grad_state, self.fp8_stats, fwd_state)
         out = out.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
