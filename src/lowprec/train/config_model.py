@@ -1,30 +1,38 @@
-"""Schema keys for Hugging Face models and LoRA adapters (Axolotl's names), mixed into
-:class:`lowprec.train.config.TrainConfig`.
+"""Trainer keys for the model and tokenizer (Axolotl's names).
 
-Models: ``model_type`` (a transformers causal-LM class name, default AutoModelForCausalLM),
-``tokenizer_config`` (a tokenizer directory or cached hub id; default: the base model's own),
-``tokenizer_type`` (a transformers tokenizer class name, default AutoTokenizer),
-``trust_remote_code`` (false: a model whose code lives in its directory is refused).
-
-Adapters: ``adapter: lora | qlora`` with ``lora_r``, ``lora_alpha``, ``lora_dropout``,
-``lora_target_modules``, ``lora_target_linear``, ``lora_modules_to_save``,
-``lora_fan_in_fan_out``; ``merge_lora`` saves the merged model too; ``load_in_4bit`` is what
-``qlora`` loads with. A key set to null means "unset" (Axolotl configs list many that way).
+``base_model``: ``builtin:<name>``, a local directory written by ``save_pretrained``, or a hub id
+(``org/name``) already in the local Hugging Face cache (nothing is downloaded; a missing one is
+a one-line error naming the missing files). ``model_type``: a transformers causal-LM class name
+(default AutoModelForCausalLM). ``tokenizer_config``: a tokenizer directory or cached hub id
+(default: the base model's own tokenizer). ``tokenizer_type``: a transformers tokenizer class
+(default AutoTokenizer). ``trust_remote_code``: false, so a model whose code ships in its
+directory is refused unless asked for. ``tokenizer`` is lowprec's own key (``byte`` or a
+directory), kept for the built-in models.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Optional
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-__all__ = ["ModelKeys", "LoraKeys", "LORA_KEYS"]
+from lowprec.errors import did_you_mean
+from lowprec.train.config_base import StrictModel
 
-LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear",
-             "lora_modules_to_save", "lora_fan_in_fan_out")
+__all__ = ["ModelKeys"]
 
 
-class ModelKeys(BaseModel):
+class ModelKeys(StrictModel):
+    base_model: str = Field(
+        default="builtin:llama-tiny",
+        description="builtin:llama-tiny | builtin:llama-small | builtin:llama-base | builtin:llama-1b, "
+        "a local Hugging Face model directory, or a hub id (org/name) already in the local Hugging Face cache "
+        "(needs transformers; nothing is downloaded)",
+    )
+    tokenizer: Optional[str] = Field(
+        default=None, description="byte (built-in byte-level tokenizer) or a local Hugging Face tokenizer directory "
+        "(default: byte for a built-in base_model, the base model's own tokenizer for a Hugging Face one)"
+    )
     model_type: Optional[str] = Field(
         default=None, description="transformers class that loads base_model: AutoModelForCausalLM (default) or a "
         "causal LM class such as LlamaForCausalLM")
@@ -37,63 +45,35 @@ class ModelKeys(BaseModel):
     trust_remote_code: bool = Field(
         default=False, description="run model/tokenizer code shipped in the model directory (off: such models are refused)")
 
+    @field_validator("base_model")
+    @classmethod
+    def _model(cls, v: str) -> str:
+        if v.startswith("builtin:"):
+            from lowprec.train.model import MODEL_NAMES
+
+            name = v[len("builtin:"):]
+            if name not in MODEL_NAMES:
+                raise ValueError(
+                    f"unknown built-in model {v!r}{did_you_mean(name, MODEL_NAMES)}; use one of "
+                    + ", ".join(f"builtin:{n}" for n in MODEL_NAMES)
+                )
+        else:  # a local directory, or a hub id found in the local cache (never downloaded)
+            from lowprec.train.hf_model import locate_pretrained
+
+            locate_pretrained(v, key="")
+        return v
+
     @model_validator(mode="after")
     def _model_keys(self):
-        builtin = str(getattr(self, "base_model", "")).startswith("builtin:")
+        builtin = self.base_model.startswith("builtin:")
         for key in ("model_type", "tokenizer_type"):
             if getattr(self, key) is not None and builtin:
                 raise ValueError(f"{key} is set but base_model is built-in; {key} applies to Hugging Face models: "
                                  "drop it or set base_model to a local model directory")
-        if self.tokenizer_config is not None and getattr(self, "tokenizer", None) is not None:
+        if self.tokenizer_config is not None and self.tokenizer is not None:
             raise ValueError("tokenizer and tokenizer_config are both set; keep tokenizer_config (Axolotl's key)")
         if self.tokenizer_config is not None:
             from lowprec.train.hf_model import locate_pretrained
 
             locate_pretrained(self.tokenizer_config, "tokenizer_config", tokenizer=True)
-        return self
-
-
-class LoraKeys(BaseModel):
-    adapter: Optional[Literal["lora", "qlora"]] = Field(
-        default=None, description="lora (peft LoRA on the frozen base model; FP8 runs the frozen base GEMMs) or "
-        "qlora (4-bit base: needs bitsandbytes and a CUDA GPU)")
-    lora_r: Optional[int] = Field(default=None, ge=1, description="LoRA rank (default 8)")
-    lora_alpha: Optional[float] = Field(default=None, gt=0, description="LoRA scaling numerator: updates scale by "
-                                        "lora_alpha / lora_r (default lora_r)")
-    lora_dropout: Optional[float] = Field(default=None, ge=0, lt=1, description="dropout on the adapter input (default 0)")
-    lora_target_modules: Optional[Union[list[str], str]] = Field(
-        default=None, description="module names that get adapters, e.g. [q_proj, v_proj]")
-    lora_target_linear: Optional[bool] = Field(
-        default=None, description="adapters on every Linear / Conv1D but the output head (added to lora_target_modules)")
-    lora_modules_to_save: Optional[list[str]] = Field(
-        default=None, description="modules trained in full next to the adapters (e.g. [embed_tokens, lm_head])")
-    lora_fan_in_fan_out: Optional[bool] = Field(
-        default=None, description="weights stored (in, out), as GPT-2's Conv1D (default: detected)")
-    merge_lora: bool = Field(default=False, description="also save the base model with the adapters merged in, "
-                             "to output_dir/merged")
-    load_in_4bit: Optional[bool] = Field(default=None, description="load the base model in 4 bits (what adapter: "
-                                         "qlora does; needs bitsandbytes)")
-
-    @model_validator(mode="after")
-    def _lora_keys(self):
-        set_keys = [k for k in LORA_KEYS if getattr(self, k) is not None]
-        if self.adapter is None:
-            if set_keys:
-                raise ValueError(f"{set_keys[0]} is set but adapter is not; add adapter: lora or drop {set_keys[0]}")
-            if self.merge_lora:
-                raise ValueError("merge_lora: true needs adapter: lora; drop merge_lora or add an adapter")
-        if self.load_in_4bit and self.adapter != "qlora":
-            raise ValueError("load_in_4bit: true is what adapter: qlora loads with; set adapter: qlora "
-                             "(needs bitsandbytes and a CUDA GPU) or drop load_in_4bit")
-        if self.adapter is not None:
-            if str(getattr(self, "base_model", "")).startswith("builtin:"):
-                raise ValueError(f"adapter: {self.adapter} needs a Hugging Face base_model (a local directory or "
-                                 "cached hub id); built-in models train in full: drop adapter")
-            if not self.lora_target_modules and not self.lora_target_linear:
-                raise ValueError(f"adapter: {self.adapter} needs lora_target_modules (e.g. [q_proj, v_proj]) or "
-                                 "lora_target_linear: true")
-            for key in ("fsdp_version", "deepspeed"):
-                if getattr(self, key, None) is not None:
-                    raise ValueError(f"adapter: {self.adapter} with {key} is not supported yet; train adapters on one "
-                                     "process or with DDP (--num_processes N), or drop the adapter")
         return self
