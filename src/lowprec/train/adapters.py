@@ -41,7 +41,7 @@ class LoraSettings:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LoraSettings":
-        return cls(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout or 0.0,
+        return cls(r=cfg.lora_r or 8, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout or 0.0,
                    target_modules=cfg.lora_target_modules, target_linear=bool(cfg.lora_target_linear),
                    modules_to_save=cfg.lora_modules_to_save, fan_in_fan_out=cfg.lora_fan_in_fan_out)
 

@@ -33,7 +33,6 @@ __all__ = [
     "hf_cache_dir",
     "missing_model_files",
     "load_causal_lm",
-    "HFCausalLM",
     "export_pretrained",
     "tokenizer_choice",
     "load_run_tokenizer",
@@ -152,18 +151,6 @@ def load_causal_lm(path: str, model_type: Optional[str] = None, trust_remote_cod
     return model
 
 
-class HFCausalLM(nn.Module):
-    """A Hugging Face causal LM (or a peft model around one) behind the built-in model's
-    ``forward(input_ids, labels=None, attention_mask=None, **extra)``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, labels=None, attention_mask=None, **extra):
-        return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask, **extra)
-
-
 def _bf16_state(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """The wrapped model's plain tensors (no FP8 scaling state), prefix stripped, floats in bf16."""
     from lowprec.fp8 import plain_state_dict
@@ -181,7 +168,7 @@ def export_pretrained(wrapper: nn.Module, state_dict: dict[str, torch.Tensor], t
                       merge_lora: bool = False) -> dict[str, str]:
     """Write the trained model where ``from_pretrained`` finds it; returns {what: path}.
 
-    ``wrapper`` is the trainer's :class:`HFCausalLM` (unwrapped from DDP), ``state_dict`` its
+    ``wrapper`` is the trainer's wrapper around the model (unwrapped from DDP; ``.model``), ``state_dict`` its
     full state dict (gathered under FSDP2). A full fine-tune saves the model; a peft model
     saves its adapter and, with ``merge_lora``, the merged model in ``output_dir/merged``."""
     from lowprec.train.adapters import is_peft_model, save_adapter

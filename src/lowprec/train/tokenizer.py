@@ -103,7 +103,8 @@ class HFTokenizer:
             names = [n for n in dir(transformers) if n.endswith(("Tokenizer", "TokenizerFast"))]
             raise ValueError(f"tokenizer_type: {tokenizer_type!r} is not a transformers tokenizer class"
                              f"{did_you_mean(tokenizer_type, names)}; use AutoTokenizer or e.g. PreTrainedTokenizerFast")
-        self._tok = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        remote = {"trust_remote_code": True} if trust_remote_code else {}  # transformers' default is False
+        self._tok = cls.from_pretrained(path, local_files_only=True, **remote)
         self.name = f"hf:{os.path.abspath(path)}"
         eos = self._tok.eos_token_id
         if eos is None:

@@ -102,7 +102,7 @@ def _build_model(cfg: TrainConfig, vocab_size: int) -> tuple[nn.Module, dict[str
         if vocab_size > mc.vocab_size:
             mc = mc.replace(vocab_size=vocab_size)
         return LlamaForCausalLM(mc), mc.to_dict()
-    from lowprec.train.hf_model import HFCausalLM, load_causal_lm, locate_pretrained
+    from lowprec.train.hf_model import load_causal_lm, locate_pretrained
 
     model = load_causal_lm(locate_pretrained(cfg.base_model), cfg.model_type, cfg.trust_remote_code)
     if vocab_size > model.get_input_embeddings().num_embeddings:
@@ -113,7 +113,18 @@ def _build_model(cfg: TrainConfig, vocab_size: int) -> tuple[nn.Module, dict[str
         from lowprec.train.adapters import LoraSettings, apply_lora
 
         model = apply_lora(model, LoraSettings.from_config(cfg))
-    return HFCausalLM(model), model.config.to_dict()
+    return _HFLoss(model), model.config.to_dict()
+
+
+class _HFLoss(nn.Module):
+    """A Hugging Face causal LM behind the built-in model's ``forward(input_ids, labels)``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, labels=None, attention_mask=None):
+        return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask)
 
 
 def _accelerator(cfg: TrainConfig, plan: RunPlan):

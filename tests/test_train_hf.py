@@ -1,0 +1,222 @@
+"""`lowprec train` on Hugging Face models: a tiny Llama and a tiny GPT-2 written by
+examples/make_tiny_llama.py into tmp (random weights, local byte-level tokenizer, no hub), LoRA
+through peft with FP8 on the frozen base layers, merge, reload in transformers and peft; the
+hub cache lookup; the qlora error; FP8 for GPT-2's Conv1D; the frozen-weight GEMMs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
+peft = pytest.importorskip("peft", reason="needs peft (dev extra)")
+
+from lowprec import fp8  # noqa: E402
+from lowprec.train.config import load_config, parse_config  # noqa: E402
+from lowprec.train.metrics import read_metrics  # noqa: E402
+from lowprec.train.resolve import Capabilities, resolve  # noqa: E402
+from lowprec.train.trainer import train  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTES = os.path.join(ROOT, "examples", "data", "notes.jsonl")
+CPU = Capabilities(packages=frozenset({"transformers", "peft"}))
+
+
+def _maker():
+    spec = importlib.util.spec_from_file_location("make_tiny_llama", os.path.join(ROOT, "examples", "make_tiny_llama.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("tiny-llama"))
+    return _maker().main([out, "--hidden", "32"])
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("tiny-gpt2"))
+    return _maker().main([out, "--arch", "gpt2", "--hidden", "32"])
+
+
+FAST = {"sequence_len": 32, "micro_batch_size": 2, "eval_batches": 1, "progress_bar": False,
+        "use_tensorboard": False, "logging_steps": 4, "fp8": True, "val_set_size": 0.1}
+
+
+def test_alpaca_lora_example_trains_in_fp8_merges_and_reloads(tiny_llama, tmp_path):
+    """examples/hf/alpaca_lora.yaml on the tiny Llama: base layers in FP8, adapters not; the loss
+    falls; the adapter loads with peft, the merged model with transformers, and they agree."""
+    out = tmp_path / "run"
+    cfg = load_config(os.path.join(ROOT, "examples", "hf", "alpaca_lora.yaml"),
+                      {**FAST, "base_model": tiny_llama, "output_dir": str(out), "max_steps": 12})
+    result = train(cfg)
+    losses = [loss for _, loss in result.train_losses]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.1, losses
+    fp8_layers = [r for r in read_metrics(str(out)) if r["kind"] == "fp8"][-1]["layers"]
+    assert any(n.endswith("mlp.up_proj.base_layer") for n in fp8_layers)  # frozen base GEMMs run in FP8
+    assert not any("lora_" in n for n in fp8_layers)  # the adapters never do
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
+    adapted = peft.PeftModel.from_pretrained(base, str(out))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(out / "merged"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(out / "merged"))
+    ids = tok("### Instruction:\nName a colour.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        a, m = adapted(ids).logits.float(), merged(ids).logits.float()
+        b = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)(ids).logits.float()
+    assert merged.dtype == torch.bfloat16
+    assert (a - m).abs().max() < 0.05 * a.abs().max()  # merged == base + adapters (bf16 rounding)
+    assert (a - b).abs().max() > 10 * (a - m).abs().max()  # ... and the adapters learned something
+
+
+def test_gpt2_full_finetune_saves_pretrained(tiny_gpt2, tmp_path):
+    """A full fine-tune of a Hugging Face model writes a save_pretrained directory (bf16 weights,
+    config, generation config, tokenizer). bf16 here: Conv1D in FP8 is covered below, without
+    paying for a second run's FP8 report plot."""
+    cfg = parse_config({**FAST, "fp8": False, "base_model": tiny_gpt2, "output_dir": str(tmp_path), "max_steps": 2,
+                        "datasets": [NOTES], "learning_rate": 3e-3})
+    assert train(cfg).steps == 2
+    names = set(os.listdir(tmp_path))
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= names
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert type(model).__name__ == "GPT2LMHeadModel" and model.transformer.h[0].mlp.c_fc.weight.shape == (32, 128)
+
+
+def _fake_cache(root, repo_id: str, src: str, files) -> None:
+    """huggingface_hub's cache layout: models--org--name/{refs/main, snapshots/<commit>/...}."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    for f in files:
+        os.symlink(os.path.join(src, f), snap / f)
+
+
+def test_hub_id_resolves_from_the_local_cache_only(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    _fake_cache(tmp_path, "tiny/llama", tiny_llama, ["config.json", "model.safetensors", "tokenizer.json",
+                                                      "tokenizer_config.json"])
+    cfg = parse_config({"base_model": "tiny/llama"})
+    plan = resolve(cfg, CPU)
+    assert plan.decisions["tokenizer"].value.endswith("snapshots/0123abcd")
+    _fake_cache(tmp_path, "tiny/no-weights", tiny_llama, ["config.json"])
+    with pytest.raises(ValueError, match=r"'tiny/no-weights' is incomplete in the local Hugging Face cache .*"
+                                         r"missing model weights \(model.safetensors\); downloads are not supported"):
+        parse_config({"base_model": "tiny/no-weights"})
+    with pytest.raises(ValueError, match=r"'org/absent' is not in the local .* missing config.json"):
+        parse_config({"base_model": "org/absent"})
+
+
+def test_qlora_and_4bit_need_bitsandbytes_one_line_exit_2(tiny_llama, tmp_path, capsys):
+    from lowprec.cli.main import main
+
+    base = {"base_model": tiny_llama, "adapter": "qlora", "lora_target_linear": True}
+    with pytest.raises(ValueError, match=r"adapter: qlora needs a 4-bit backend: pip install bitsandbytes"):
+        resolve(parse_config(base), CPU)
+    with pytest.raises(ValueError, match=r"adapter: qlora needs a CUDA GPU"):
+        resolve(parse_config(base), Capabilities(packages=frozenset({"transformers", "peft", "bitsandbytes"})))
+    with pytest.raises(ValueError, match="adapter: lora needs the optional package 'peft'"):
+        resolve(parse_config({**base, "adapter": "lora"}), Capabilities(packages=frozenset({"transformers"})))
+    path = tmp_path / "q.yaml"
+    path.write_text(json.dumps({**base, "load_in_4bit": True, "output_dir": str(tmp_path / "o")}))
+    if importlib.util.find_spec("bitsandbytes") is None:  # this CPU-only CI machine: the CLI's one line
+        assert main(["train", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "pip install bitsandbytes" in err[0]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"lora_r": 8}, "lora_r is set but adapter is not; add adapter: lora"),
+    ({"adapter": "lora"}, "needs lora_target_modules"),
+    ({"adapter": "lora", "lora_target_modules": ["q_prj"]}, "no module named 'q_prj' in the model \\(did you mean 'q_proj'"),
+    ({"model_type": "LlamaForCasualLM"}, "not a transformers causal LM class \\(did you mean 'LlamaForCausalLM'"),
+    ({"load_in_4bit": True}, "load_in_4bit: true is what adapter: qlora loads with"),
+    ({"merge_lora": True}, "merge_lora: true needs adapter: lora"),
+])
+def test_adapter_and_model_key_errors(tiny_llama, tmp_path, bad, match):
+    with pytest.raises(ValueError, match=match):
+        cfg = parse_config({"base_model": tiny_llama, "output_dir": str(tmp_path), "max_steps": 1, **bad,
+                            "datasets": [NOTES], "val_set_size": 0, "sequence_len": 32, "progress_bar": False})
+        train(cfg, CPU)
+
+
+def test_adapter_on_builtin_model_is_refused():
+    with pytest.raises(ValueError, match="adapter: lora needs a Hugging Face base_model"):
+        parse_config({"adapter": "lora", "lora_target_linear": True})
+
+
+# ---------------------------------------------------------------------- the engine side
+def test_float8_conv1d_is_float8_linear_on_the_transposed_weight():
+    """Same outputs and gradients as a Float8Linear holding W^T (bit for bit: the same GEMMs),
+    state_dict unchanged, and unconvert gives back transformers' Conv1D."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    conv = Conv1D(48, 32)
+    conv.bias.data.normal_()
+    lin = torch.nn.Linear(32, 48)
+    lin.weight.data.copy_(conv.weight.data.t())
+    lin.bias.data.copy_(conv.bias.data)
+    model_c, model_l = torch.nn.Sequential(conv), torch.nn.Sequential(lin)
+    keys = {k: v.shape for k, v in model_c.state_dict().items()}
+    for m in (model_c, model_l):
+        fp8.convert(m, "tensorwise", skip_first_last=False)
+    assert isinstance(model_c[0], fp8.Float8Conv1D) and {k: v.shape for k, v in model_c.state_dict().items()} == keys
+    x = torch.randn(4, 16, 32)
+    with fp8.autocast():
+        yc, yl = model_c(x), model_l(x)
+    torch.testing.assert_close(yc, yl, rtol=0, atol=0)
+    g = torch.randn_like(yc)
+    yc.backward(g)
+    yl.backward(g)
+    torch.testing.assert_close(conv.weight.grad, lin.weight.grad.t(), rtol=0, atol=0)
+    assert fp8.unconvert(model_c) == 1 and type(model_c[0]) is Conv1D and model_c[0].weight is conv.weight
+
+
+def test_frozen_base_layer_runs_two_gemms_and_casts_its_weight_once(monkeypatch):
+    """A frozen Float8Linear (a LoRA base layer): forward + backward = output and input-gradient
+    GEMMs only (no weight-gradient GEMM), and one FP8 cast of the weight feeds both."""
+    import lowprec.fp8.linear as linear
+
+    gemms, casts = [], []
+    real_mm, real_quantize = linear.scaled_mm, linear.quantize
+    monkeypatch.setattr(linear, "scaled_mm", lambda a, b, *args, **kw: gemms.append(a.data.shape) or real_mm(a, b, *args, **kw))
+    monkeypatch.setattr(linear, "quantize", lambda t, *a, **kw: casts.append(t.shape) or real_quantize(t, *a, **kw))
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    fp8.convert(layer, "tensorwise", skip_first_last=False)
+    layer[0].weight.requires_grad_(False)
+    x = torch.randn(16, 64, requires_grad=True)
+    with fp8.autocast():
+        layer(x).sum().backward()
+    assert len(gemms) == 2 and layer[0].weight.grad is None and x.grad is not None
+    assert casts.count(torch.Size([32, 64])) == 1  # the weight: cast once, both GEMMs read it
+    layer[0].weight.requires_grad_(True)
+    gemms.clear()
+    with fp8.autocast():
+        layer(x).sum().backward()
+    assert len(gemms) == 3  # trainable: the weight-gradient GEMM is back
+
+
+def test_accelerator_keeps_peft_adapters_in_high_precision_and_converts_gpt2_conv1d():
+    from lowprec import Accelerator
+
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(cfg),
+                                peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True))
+    acc = Accelerator(mixed_precision="fp8", cpu=True)
+    acc.prepare(model)
+    report = acc.backend.report
+    converted = {n for n, _, _ in report.converted}
+    assert "base_model.model.transformer.h.1.mlp.c_fc.base_layer" in converted  # Conv1D inside a LoRA layer
+    assert "base_model.model.transformer.h.1.mlp.c_proj" in converted  # plain Conv1D
+    assert any("lora_A" in n and "peft adapter" in r for n, r in report.skipped)
+    kept = report.to_dict()["kept_in_high_precision_by_type"]
+    assert kept["peft adapter Linear"]["count"] == 8 and kept["Embedding"]["reasons"] == ["lookups, not GEMMs"]
+    assert "high precision by layer type:" in str(report)
