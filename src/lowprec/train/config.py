@@ -26,13 +26,14 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError, model_validator
 
 from lowprec.catalog import FSDP_FP8_ALL_GATHER_UNSUPPORTED
 from lowprec.errors import did_you_mean
+from lowprec.train.axolotl_keys import screen_top_level
 from lowprec.train.config_adapter import AdapterKeys
 from lowprec.train.config_base import yaml_text
 from lowprec.train.config_data import DataKeys, DatasetSpec
@@ -127,6 +128,8 @@ class TrainConfig(AdapterKeys, DistributedKeys, PrecisionKeys, OutputKeys, Optim
 
 # -------------------------------------------------------------------- loading
 _hint = did_you_mean
+# keys whose null means something (dataset_max_bytes: null = all); other keys at null take their default
+_NULLABLE = {k for k, f in TrainConfig.model_fields.items() if type(None) in get_args(f.annotation)}
 
 
 def _model_at(loc: tuple) -> type[BaseModel] | None:
@@ -211,8 +214,11 @@ def parse_config(data: Any, source: str = "config", flags: frozenset[str] | set[
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a mapping of keys to values at the top level, got {type(data).__name__}")
     try:
+        data = screen_top_level(data, set(TrainConfig.model_fields), _NULLABLE)
         return TrainConfig.model_validate(data)
-    except ValidationError as exc:
+    except ValueError as exc:
+        if not isinstance(exc, ValidationError):  # an Axolotl key lowprec does not support
+            raise ValueError(f"{source}: {exc}") from None
         found = _describe_all(exc.errors(include_url=False))[:3]
         lines = [f"flag --{loc[0]}: {line}" if loc and loc[0] in flags else line for loc, line in found]
         if all(loc and loc[0] in flags for loc, _ in found):

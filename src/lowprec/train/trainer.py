@@ -123,8 +123,15 @@ class _HFLoss(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, labels=None, attention_mask=None):
-        return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask)
+    def forward(self, input_ids, labels=None, attention_mask=None, position_ids=None):
+        if position_ids is not None and attention_mask is None:
+            # packed rows: transformers' SDPA path does not infer example boundaries from
+            # position_ids (5.x; measured on logits in tests/test_train_datasets.py), so pass the
+            # block-diagonal causal mask, a 4-D mask it uses as given
+            from lowprec.train.packing import packed_causal_mask
+
+            attention_mask = packed_causal_mask(position_ids)
+        return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids)
 
 
 def _accelerator(cfg: TrainConfig, plan: RunPlan):
@@ -252,9 +259,12 @@ def train(
 def _data(cfg: TrainConfig, acc):
     """Tokenizer, training batches (this rank's share) and validation batches (or None)."""
     from lowprec.train.data import TokenBatches, build_datasets
+    from lowprec.train.data_setup import example_loaders, uses_examples
     from lowprec.train.hf_model import load_run_tokenizer
 
     tokenizer = load_run_tokenizer(cfg)
+    if uses_examples(cfg):  # instruction / chat / pre-tokenized data, or packing
+        return (tokenizer, *example_loaders(cfg, tokenizer, acc))
     with acc.main_process_first():
         train_ds, val_ds = build_datasets(
             cfg.dataset_paths,
