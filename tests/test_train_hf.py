@@ -221,3 +221,15 @@ def test_accelerator_keeps_peft_adapters_in_high_precision_and_converts_gpt2_con
     kept = report.to_dict()["kept_in_high_precision_by_type"]
     assert kept["peft adapter Linear"]["count"] == 8 and kept["Embedding"]["reasons"] == ["lookups, not GEMMs"]
     assert "high precision by layer type:" in str(report)
+
+
+def test_torchao_backend_names_the_conv1d_layers_it_leaves_in_high_precision(caplog):
+    pytest.importorskip("torchao", reason="needs torchao (dev extra)")
+    from lowprec import Accelerator
+    from lowprec.utils import AORecipeKwargs
+
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
+    acc = Accelerator(mixed_precision="fp8", cpu=True, kwargs_handlers=[AORecipeKwargs()])
+    with caplog.at_level("WARNING", logger="lowprec"):
+        acc.prepare(transformers.GPT2LMHeadModel(cfg))
+    assert "torchao converts nn.Linear only: 8 transformers Conv1D layer(s) stay in high precision" in caplog.text
