@@ -36,7 +36,7 @@ def _maker():
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("tiny-llama"))
-    return _maker().main([out, "--hidden", "32", "--pretrain_steps", "60"])
+    return _maker().main([out, "--hidden", "32", "--pretrain_steps", "30"])
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +55,10 @@ def test_alpaca_lora_example_trains_in_fp8_merges_and_reloads(tiny_llama, tmp_pa
     out = tmp_path / "run"
     fast = {k: v for k, v in FAST.items() if k != "sequence_len"}  # alpaca prompts need the example's 256
     cfg = load_config(os.path.join(ROOT, "examples", "hf", "alpaca_lora.yaml"),
-                      {**fast, "base_model": tiny_llama, "output_dir": str(out), "max_steps": 12, "eval_steps": None})
+                      {**fast, "base_model": tiny_llama, "output_dir": str(out), "max_steps": 8, "eval_steps": None})
     result = train(cfg)
     losses = [loss for _, loss in result.train_losses]
-    assert len(losses) == 3 and losses[-1] < losses[0] - 0.1, losses
+    assert len(losses) == 2 and losses[-1] < losses[0] - 0.1, losses
     fp8_layers = [r for r in read_metrics(str(out)) if r["kind"] == "fp8"][-1]["layers"]
     assert any(n.endswith("mlp.up_proj.base_layer") for n in fp8_layers)  # frozen base GEMMs run in FP8
     assert not any("lora_" in n for n in fp8_layers)  # the adapters never do
