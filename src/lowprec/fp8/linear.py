@@ -36,6 +36,7 @@ updates and telemetry go through one per-call object (``cast_state.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,7 @@ from lowprec.fp8.autocast import (
     torch_autocast_off,
 )
 from lowprec.fp8.cast_state import GRAD_OUTPUT, INPUT, WEIGHT, CastState, DelayedCastState
+from lowprec.fp8.frozen import drop_frozen_cache, frozen_weight_cache
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, quantize
 from lowprec.fp8.recipes import LinearPlan, OperandCast, Recipe
@@ -128,6 +130,7 @@ class _FnConfig:
     recipe: Recipe
     hp_dtype: torch.dtype
     plan: LinearPlan  # recipe.plan(), built once per recipe
+    weight_cache: Any = None  # a frozen weight's cast store (fp8/frozen.py), or None
 
 
 def _pack(ctx, items: list) -> None:
@@ -178,7 +181,8 @@ class _Float8LinearFn(torch.autograd.Function):
                     (xq, x_col), (wq, w_col) = state.fused_forward(x, weight, fp.a, fp.b, recipe)
                 else:  # a dual cast writes the layout a backward GEMM reads in the same pass
                     xq, x_col = _cast_pair(x, fp.a, recipe, state.x_scale, need_wgrad and plan.x_dual)
-                    wq, w_col = _cast_pair(weight, fp.b, recipe, state.w_scale, need_dgrad and plan.w_dual)
+                    make_w = lambda: _cast_pair(weight, fp.b, recipe, state.w_scale, need_dgrad and plan.w_dual)  # noqa: E731
+                    wq, w_col = cfg.weight_cache(make_w) if cfg.weight_cache is not None else make_w()
                 out = scaled_mm(xq, wq.t(), hp, path=recipe.gemm, use_fast_accum=recipe.use_fast_accum)
                 state.observe(INPUT, x, xq)
                 state.observe(WEIGHT, weight, wq)
@@ -322,6 +326,7 @@ class Float8Linear(nn.Linear):
             self.reset_fp8_state()
 
     def reset_fp8_state(self) -> None:
+        drop_frozen_cache(self)
         with torch.no_grad():
             self.fp8_stats.zero_()
             if self.recipe.scaling == "delayed":
@@ -381,7 +386,9 @@ class Float8Linear(nn.Linear):
             return F.linear(x, self.gemm_weight(), self.bias)
         hp = torch_autocast_dtype(x.device.type, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
-        cfg = _FnConfig(recipe, hp, recipe.plan())
+        plan = recipe.plan()
+        cache = frozen_weight_cache(self, self.weight, recipe, plan, torch.is_grad_enabled() and x2.requires_grad)
+        cfg = _FnConfig(recipe, hp, plan, cache)
         out = _Float8LinearFn.apply(x2, self.gemm_weight(), cfg, self._cast_state(x2, recipe))
         out = out.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
