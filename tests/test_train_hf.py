@@ -198,7 +198,7 @@ def test_frozen_base_layer_runs_two_gemms_and_casts_its_weight_once_per_version(
         fp8.convert(m, "tensorwise", skip_first_last=False)
     frozen[0].weight.requires_grad_(False)
     w_casts = lambda: casts.count(torch.Size([32, 64]))  # noqa: E731
-    for step in range(3):  # three micro-batches
+    for _ in range(3):  # three micro-batches
         x = torch.randn(16, 64, requires_grad=True)
         with fp8.autocast():
             y = frozen(x)
