@@ -2,6 +2,7 @@
 (issue 13 part 2), on data and models the tests create."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -175,3 +176,60 @@ def test_yaml_dataset_types_and_axolotl_keys(tmp_path):
         parse_config({"wandb_project": "mine"})
     with pytest.raises(ValueError, match="unknown key 'sample_pakcing' \\(did you mean 'sample_packing'"):
         parse_config({"sample_pakcing": None})  # a typo stays an error even when null
+
+
+@pytest.mark.parametrize("name", ["alpaca_fp8.yaml", "chat_fp8.yaml"])
+def test_example_configs_train_in_fp8_on_cpu(name, tmp_path, caplog):
+    """The shipped instruction and chat examples run (3 steps here), in FP8, with the data cache;
+    the console gets one conversion line and each setting once, the full table goes to a file."""
+    import os
+
+    from lowprec.train.config import load_config
+    from lowprec.train.trainer import train
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "examples", name), {
+        "max_steps": 3, "output_dir": str(tmp_path / "out"), "dataset_prepared_path": str(tmp_path / "prep"),
+        "logging_steps": 1, "eval_batches": 1, "cpu_threads": 1, "saves_per_epoch": None, "micro_batch_size": 2,
+    })
+    with caplog.at_level("INFO", logger="lowprec"):
+        result = train(cfg)
+    assert cfg.fp8 and result.steps == 3 and all(math.isfinite(loss) for _, loss in result.train_losses)
+    assert os.path.isfile(result.files["model"]) and result.final_eval_loss is not None
+    lines = [r.getMessage() for r in caplog.records]
+    for key in ("device", "mixed_precision", "distributed_type", "total_steps"):
+        assert sum(m.startswith(f"lowprec: {key} = ") for m in lines) == 1, key
+    conversion = [m for m in lines if "FP8 conversion" in m]
+    assert len(conversion) == 1 and "\n" not in conversion[0] and "converted" in conversion[0]
+    table = open(os.path.join(result.output_dir, "fp8_conversion.txt")).read()
+    assert table.count("    fp8   model.layers.") >= 8 and "skip  lm_head" in table
+
+
+def test_fp8_report_picks_the_worst_layers():
+    from lowprec.train.plots import worst_layers
+
+    def rec(step, bad):
+        layers = {f"l{i}": {"input": {"saturated": 0.0, "underflow": 0.0}} for i in range(8)}
+        for name, frac in bad.items():
+            layers[name]["input"]["underflow"] = frac
+        return {"kind": "fp8", "step": step, "layers": layers}
+
+    records = [rec(1, {"l5": 0.01}), rec(2, {"l2": 0.3, "l5": 0.02})]
+    assert worst_layers(records, top=3) == ["l2", "l5", "l0"]  # worst first, ties in layer order
+
+
+def test_other_ranks_log_errors_only(monkeypatch, caplog):
+    import logging
+
+    from lowprec.train import trainer
+
+    log = logging.getLogger("lowprec")
+    monkeypatch.setenv("RANK", "1")
+    trainer._quiet_other_ranks()
+    try:
+        with caplog.at_level("INFO", logger="lowprec"):
+            log.warning("lowprec: a warning every rank would repeat")
+            log.error("lowprec: an error")
+        assert [r.getMessage() for r in caplog.records] == ["lowprec: an error"]
+    finally:
+        log.filters[:] = [f for f in log.filters if not isinstance(f, trainer._RankZeroOnly)]

@@ -82,6 +82,13 @@ class ConversionReport:
             "kept_in_high_precision_by_type": {t: {"count": n, "reasons": r} for t, (n, r) in self.kept_types.items()},
         }
 
+    def summary(self) -> str:
+        """One line for the console; ``str(report)`` is the full table (one line per layer)."""
+        gemm_kept = {t: n for t, (n, _) in self.kept_types.items() if "Linear" in t or "Conv1D" in t}
+        by_type = f" ({', '.join(f'{t} {n}' for t, n in gemm_kept.items())})" if gemm_kept else ""
+        return (f"FP8 conversion: {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high "
+                f"precision{by_type}; recipe {self.recipe.name}; GEMMs: {self.gemm}")
+
     def __str__(self) -> str:
         lines = [
             f"FP8 conversion: recipe {self.recipe.name} ({self.recipe.describe()})",

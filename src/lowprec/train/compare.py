@@ -149,7 +149,7 @@ def compare(
     configs = {}
     for p in precisions:  # validate every variant before running any
         configs[p] = cfg.replace(
-            **precision_overrides(p, cfg), output_dir=os.path.join(out, p), resume_from_checkpoint=None, save_steps=None
+            **precision_overrides(p, cfg), output_dir=os.path.join(out, p), resume_from_checkpoint=None, save_steps=None, saves_per_epoch=None
         )
     from lowprec.train.outputs import make_output_dir
 

@@ -67,6 +67,9 @@ class PrecisionKeys(StrictModel):
     fp8_fallback: Optional[Literal["bf16", "emulate"]] = Field(
         default=None, description="on a GPU without FP8 (below sm_89): bf16 (train in bf16) or emulate (FP8 numerics, slow)"
     )
+    tf32: Union[Literal["auto"], bool] = Field(
+        default="auto", description="TF32 matmuls on NVIDIA GPUs (auto: torch's setting; no effect on CPU)"
+    )
     torch_compile: Union[Literal["auto"], bool] = Field(
         default=False, description="torch.compile the model (auto: on CUDA only)"
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-__all__ = ["plot_loss", "plot_fp8_report", "plot_compare"]
+__all__ = ["plot_loss", "plot_fp8_report", "plot_compare", "worst_layers"]
 
 
 def _plt():
@@ -46,8 +46,10 @@ def plot_loss(records: Sequence[Mapping[str, Any]], path: str, title: str = "") 
     return path
 
 
-def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str) -> str | None:
-    """A grid: rows = operand (input, weight, grad_output), columns = statistic."""
+def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 5) -> str | None:
+    """A grid: rows = operand (input, weight, grad_output), columns = statistic. The ``top``
+    layers with the worst saturation / underflow are drawn in colour and labelled, the rest in
+    grey; a statistic that is zero everywhere is said in words, not drawn as flat lines."""
     fp8 = [r for r in records if r["kind"] == "fp8"]
     if not fp8:
         return None
@@ -55,31 +57,52 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str) -> str | No
     ops = list(next(iter(fp8[0]["layers"].values())).keys())
     stats = ("amax", "scale", "saturated", "underflow")
     layers = list(fp8[0]["layers"])
+    worst = worst_layers(fp8, top)
     fig, axes = plt.subplots(len(ops), len(stats), figsize=(4 * len(stats), 2.8 * len(ops)), squeeze=False)
     steps = [r["step"] for r in fp8]
-    cmap = plt.get_cmap("viridis")
     for i, op in enumerate(ops):
         for j, st in enumerate(stats):
             ax = axes[i][j]
-            for k, layer in enumerate(layers):
-                ys = [r["layers"].get(layer, {}).get(op, {}).get(st, float("nan")) for r in fp8]
-                ax.plot(steps, ys, lw=1, color=cmap(k / max(1, len(layers) - 1)), label=layer)
-            if st in ("amax", "scale") and all(
-                v > 0 for r in fp8 for lay in r["layers"].values() for v in [lay.get(op, {}).get(st, 1.0)]
-            ):
-                ax.set_yscale("log")
+            series = {lay: [r["layers"].get(lay, {}).get(op, {}).get(st, float("nan")) for r in fp8] for lay in layers}
+            if st in ("saturated", "underflow") and not any(v > 0 for ys in series.values() for v in ys):
+                # a flat zero line for every layer says nothing; say it in words
+                ax.text(0.5, 0.5, f"no {st} values\n(all layers, all steps)", ha="center", va="center",
+                        transform=ax.transAxes, fontsize=9, color="0.4")
+                ax.set_xticks([])
+                ax.set_yticks([])
+            else:
+                for lay, ys in series.items():  # the other layers: a grey background
+                    if lay not in worst:
+                        ax.plot(steps, ys, lw=0.6, color="0.8")
+                for k, lay in enumerate(worst):  # the layers that matter, in distinct colours
+                    ax.plot(steps, series[lay], lw=1.4, color=f"C{k}", label=lay)
+                if st in ("amax", "scale") and all(v > 0 for ys in series.values() for v in ys if v == v):
+                    ax.set_yscale("log")
             ax.set_title(f"{op}: {st}", fontsize=9)
             ax.grid(alpha=0.3)
             if i == len(ops) - 1:
                 ax.set_xlabel("step")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    ncol = min(len(labels), max(4, -(-len(labels) // 8)))  # at most 8 legend rows
-    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=7)
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8,
+                   title=f"worst {len(worst)} of {len(layers)} layers by saturated + underflow fraction (others grey)")
     fig.suptitle("FP8 telemetry per layer (saturated / underflow: fraction of values)")
-    fig.tight_layout(rect=(0, 0.02 + 0.025 * -(-len(labels) // ncol), 1, 0.96))
+    fig.tight_layout(rect=(0, 0.1, 1, 0.96))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def worst_layers(fp8_records: Sequence[Mapping[str, Any]], top: int = 5) -> list[str]:
+    """The ``top`` layers with the largest saturated + underflow fraction (any operand, any
+    logged step), worst first; ties (all zero) keep the model's layer order."""
+    score: dict[str, float] = {}
+    for r in fp8_records:
+        for lay, ops in r["layers"].items():
+            s = max((st.get("saturated", 0.0) + st.get("underflow", 0.0) for st in ops.values()), default=0.0)
+            score[lay] = max(score.get(lay, 0.0), s)
+    order = sorted(score, key=lambda lay: -score[lay])  # sorted is stable: ties in layer order
+    return order[:top]
 
 
 def plot_compare(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str, title: str = "") -> str:
