@@ -76,17 +76,21 @@ def test_alpaca_lora_example_trains_in_fp8_merges_and_reloads(tiny_llama, tmp_pa
     assert (a - b).abs().max() > 10 * (a - m).abs().max()  # ... and the adapters learned something
 
 
-def test_gpt2_full_finetune_saves_pretrained(tiny_gpt2, tmp_path):
-    """A full fine-tune of a Hugging Face model writes a save_pretrained directory (bf16 weights,
-    config, generation config, tokenizer). bf16 here: Conv1D in FP8 is covered below, without
-    paying for a second run's FP8 report plot."""
-    cfg = parse_config({**FAST, "fp8": False, "base_model": tiny_gpt2, "output_dir": str(tmp_path), "max_steps": 2,
-                        "datasets": [NOTES], "learning_rate": 3e-3})
+def test_full_finetune_example_on_gpt2_converts_conv1d_and_saves_pretrained(tiny_gpt2, tmp_path):
+    """examples/hf/full_finetune.yaml with a GPT-2 as base_model: its Conv1D layers train in FP8,
+    and output_dir is a save_pretrained directory (bf16 weights, config, generation config,
+    tokenizer) that transformers loads."""
+    fast = {k: v for k, v in FAST.items() if k != "sequence_len"}
+    cfg = load_config(os.path.join(ROOT, "examples", "hf", "full_finetune.yaml"),
+                      {**fast, "base_model": tiny_gpt2, "output_dir": str(tmp_path), "max_steps": 2})
     assert train(cfg).steps == 2
+    fp8_layers = [r for r in read_metrics(str(tmp_path)) if r["kind"] == "fp8"][-1]["layers"]
+    assert "model.transformer.h.1.mlp.c_fc" in fp8_layers  # a Conv1D, in FP8
     names = set(os.listdir(tmp_path))
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= names
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
     assert type(model).__name__ == "GPT2LMHeadModel" and model.transformer.h[0].mlp.c_fc.weight.shape == (32, 128)
+    assert model.dtype == torch.bfloat16
 
 
 def _fake_cache(root, repo_id: str, src: str, files) -> None:
@@ -231,13 +235,11 @@ def test_accelerator_keeps_peft_adapters_in_high_precision_and_converts_gpt2_con
     assert "high precision by layer type:" in str(report)
 
 
-def test_torchao_backend_names_the_conv1d_layers_it_leaves_in_high_precision(caplog):
-    pytest.importorskip("torchao", reason="needs torchao (dev extra)")
-    from lowprec import Accelerator
-    from lowprec.utils import AORecipeKwargs
+def test_linear_only_backends_name_the_conv1d_layers_they_leave_in_high_precision(caplog):
+    """torchao and TransformerEngine swap nn.Linear only; their convert() calls this note."""
+    from lowprec.backends.base import note_unconverted_conv1d
 
     cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
-    acc = Accelerator(mixed_precision="fp8", cpu=True, kwargs_handlers=[AORecipeKwargs()])
     with caplog.at_level("WARNING", logger="lowprec"):
-        acc.prepare(transformers.GPT2LMHeadModel(cfg))
+        note_unconverted_conv1d(transformers.GPT2LMHeadModel(cfg), "torchao")
     assert "torchao converts nn.Linear only: 8 transformers Conv1D layer(s) stay in high precision" in caplog.text

@@ -17,6 +17,7 @@ their own format (:mod:`lowprec.train.outputs`).
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -194,8 +195,12 @@ def _save_model(model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]],
     dict the model itself is cast: only done at the very end, to a model nothing trains again."""
     if state_dict is None:
         model.to(torch.bfloat16)
-    model.config.dtype = torch.bfloat16
     model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    # save_pretrained writes the dtype of the model's own (float32 master) parameters; the
+    # file holds bf16, and the config says what the file holds
+    config = copy.deepcopy(model.config)
+    config.dtype = torch.bfloat16
+    config.save_pretrained(out)
 
 
 def tokenizer_choice(cfg: Any) -> tuple[str, str]:
