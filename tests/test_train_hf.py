@@ -152,6 +152,23 @@ def test_adapter_and_model_key_errors(tiny_llama, tmp_path, bad, match):
         train(cfg, CPU)
 
 
+def test_tokenizer_keys(tiny_llama, tiny_gpt2):
+    from lowprec.train.hf_model import load_run_tokenizer
+
+    cfg = parse_config({"base_model": tiny_gpt2, "tokenizer_config": tiny_llama, "tokenizer_type": "PreTrainedTokenizerFast"})
+    assert resolve(cfg, CPU).decisions["tokenizer"].value == tiny_llama
+    tok = load_run_tokenizer(cfg)
+    assert isinstance(tok.hf_tokenizer, transformers.PreTrainedTokenizerFast) and tok.eos_id == tok.hf_tokenizer.eos_token_id
+    with pytest.raises(ValueError, match="tokenizer_type: 'LlamaTokenizerFsat' is not a transformers tokenizer class "
+                                         "\\(did you mean 'LlamaTokenizerFast'"):
+        load_run_tokenizer(parse_config({"base_model": tiny_llama, "tokenizer_type": "LlamaTokenizerFsat"}))
+    with pytest.raises(ValueError, match="tokenizer and tokenizer_config are both set"):
+        parse_config({"base_model": tiny_llama, "tokenizer": "byte", "tokenizer_config": tiny_llama})
+    with pytest.raises(ValueError, match="model_type is set but base_model is built-in"):
+        parse_config({"model_type": "LlamaForCausalLM"})
+    assert resolve(parse_config({"base_model": tiny_llama, "tokenizer": "byte"}), CPU).decisions["tokenizer"].value == "byte"
+
+
 def test_adapter_on_builtin_model_is_refused():
     with pytest.raises(ValueError, match="adapter: lora needs a Hugging Face base_model"):
         parse_config({"adapter": "lora", "lora_target_linear": True})
