@@ -123,10 +123,13 @@ def test_qlora_and_4bit_need_bitsandbytes_one_line_exit_2(tiny_llama, tmp_path, 
     from lowprec.cli.main import main
 
     base = {"base_model": tiny_llama, "adapter": "qlora", "lora_target_linear": True}
-    with pytest.raises(ValueError, match=r"adapter: qlora needs a 4-bit backend: pip install bitsandbytes"):
+    with pytest.raises(ValueError, match=r"adapter: qlora .* not supported by lowprec yet; it needs bitsandbytes "
+                                         r"\(pip install bitsandbytes\) and a CUDA GPU; use adapter: lora"):
         resolve(parse_config(base), CPU)
-    with pytest.raises(ValueError, match=r"adapter: qlora needs a CUDA GPU"):
+    with pytest.raises(ValueError, match=r"not supported by lowprec yet; it needs a CUDA GPU; use adapter: lora"):
         resolve(parse_config(base), Capabilities(packages=frozenset({"transformers", "peft", "bitsandbytes"})))
+    with pytest.raises(ValueError, match=r"not supported by lowprec yet; use adapter: lora"):  # never a silent bf16 base
+        resolve(parse_config(base), Capabilities((9, 0), frozenset({"transformers", "peft", "bitsandbytes"})))
     with pytest.raises(ValueError, match="adapter: lora needs the optional package 'peft'"):
         resolve(parse_config({**base, "adapter": "lora"}), Capabilities(packages=frozenset({"transformers"})))
     path = tmp_path / "q.yaml"

@@ -25,7 +25,7 @@ LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lor
 class AdapterKeys(StrictModel):
     adapter: Optional[Literal["lora", "qlora"]] = Field(
         default=None, description="lora (peft LoRA on the frozen base model; FP8 runs the frozen base GEMMs) or "
-        "qlora (4-bit base: needs bitsandbytes and a CUDA GPU)")
+        "qlora (4-bit base through bitsandbytes: not supported yet, a one-line error)")
     lora_r: Optional[int] = Field(default=None, ge=1, description="LoRA rank (default 8)")
     lora_alpha: Optional[float] = Field(default=None, gt=0, description="LoRA scaling numerator: updates scale by "
                                         "lora_alpha / lora_r (default lora_r)")
@@ -41,7 +41,7 @@ class AdapterKeys(StrictModel):
     merge_lora: bool = Field(default=False, description="also save the base model with the adapters merged in, "
                              "to output_dir/merged")
     load_in_4bit: Optional[bool] = Field(default=None, description="load the base model in 4 bits (what adapter: "
-                                         "qlora does; needs bitsandbytes)")
+                                         "qlora does; not supported yet)")
 
     @model_validator(mode="after")
     def _lora_keys(self):
@@ -52,8 +52,8 @@ class AdapterKeys(StrictModel):
             if self.merge_lora:
                 raise ValueError("merge_lora: true needs adapter: lora; drop merge_lora or add an adapter")
         if self.load_in_4bit and self.adapter != "qlora":
-            raise ValueError("load_in_4bit: true is what adapter: qlora loads with; set adapter: qlora "
-                             "(needs bitsandbytes and a CUDA GPU) or drop load_in_4bit")
+            raise ValueError("load_in_4bit: true is what adapter: qlora loads with, which lowprec does not support "
+                             "yet; drop load_in_4bit (adapter: lora trains on the bf16/FP8 base)")
         if self.adapter is not None:
             if str(getattr(self, "base_model", "")).startswith("builtin:"):
                 raise ValueError(f"adapter: {self.adapter} needs a Hugging Face base_model (a local directory or "

@@ -69,7 +69,7 @@ KEYS = (
     ('fsdp_version', '2: shard the model with FSDP2 (under --num_processes N)', 'null'),
     ('fsdp_config', 'FSDP2 settings (needs fsdp_version: 2)', 'null'),
     ('deepspeed', 'DeepSpeed config: a JSON file path or an inline mapping', 'null'),
-    ('adapter', 'lora (peft LoRA on the frozen base model; FP8 runs the frozen base GEMMs) or qlora (4-bit base: needs bitsandbytes and a CUDA GPU)', 'null'),
+    ('adapter', 'lora (peft LoRA on the frozen base model; FP8 runs the frozen base GEMMs) or qlora (4-bit base through bitsandbytes: not supported yet, a one-line error)', 'null'),
     ('lora_r', 'LoRA rank (default 8)', 'null'),
     ('lora_alpha', 'LoRA scaling numerator: updates scale by lora_alpha / lora_r (default lora_r)', 'null'),
     ('lora_dropout', 'dropout on the adapter input (default 0)', 'null'),
@@ -78,5 +78,5 @@ KEYS = (
     ('lora_modules_to_save', 'modules trained in full next to the adapters (e.g. [embed_tokens, lm_head])', 'null'),
     ('lora_fan_in_fan_out', "weights stored (in, out), as GPT-2's Conv1D (default: detected)", 'null'),
     ('merge_lora', 'also save the base model with the adapters merged in, to output_dir/merged', 'false'),
-    ('load_in_4bit', 'load the base model in 4 bits (what adapter: qlora does; needs bitsandbytes)', 'null'),
+    ('load_in_4bit', 'load the base model in 4 bits (what adapter: qlora does; not supported yet)', 'null'),
 )
