@@ -14,7 +14,7 @@ peak memory does not grow on CPU (one cast serves both GEMMs); on CUDA the row-m
 copy (1 byte per weight) is held as well. Rowwise recipes re-cast the weight along the other
 axis in backward; caching both would hold two bytes per weight, so they are not cached.
 Delayed scaling is not cached either: its scales come from the amax history, which the layer
-keeps updating. Writes through ``.data`` bypass the version counter: call
+keeps updating; nor is anything under ``torch.compile``. Writes through ``.data`` bypass the version counter: call
 ``Float8Linear.reset_fp8_state()`` after such a write (it drops the cache).
 """
 
@@ -35,6 +35,8 @@ def frozen_weight_cache(layer: nn.Module, weight: torch.Tensor, recipe: Any, pla
     """``None`` when the weight's casts cannot be reused; else ``cached(make)``, which returns
     the stored casts when the key still matches and otherwise stores and returns ``make()``."""
     if weight.requires_grad or recipe.scaling == "delayed" or plan.fprop.high_precision:
+        return None
+    if torch.compiler.is_compiling():  # a Python-side store is no graph op: compiled code casts each call
         return None
     if need_dgrad and not plan.w_reused and not plan.dgrad.high_precision:
         return None  # backward would cast the weight again (rowwise): nothing to gain cheaply
