@@ -82,7 +82,8 @@ def test_full_finetune_example_on_gpt2_converts_conv1d_and_saves_pretrained(tiny
     tokenizer) that transformers loads."""
     fast = {k: v for k, v in FAST.items() if k != "sequence_len"}
     cfg = load_config(os.path.join(ROOT, "examples", "hf", "full_finetune.yaml"),
-                      {**fast, "base_model": tiny_gpt2, "output_dir": str(tmp_path), "max_steps": 2})
+                      {**fast, "base_model": tiny_gpt2, "output_dir": str(tmp_path), "max_steps": 2,
+                       "gradient_accumulation_steps": 1})
     assert train(cfg).steps == 2
     fp8_layers = [r for r in read_metrics(str(tmp_path)) if r["kind"] == "fp8"][-1]["layers"]
     assert "model.transformer.h.1.mlp.c_fc" in fp8_layers  # a Conv1D, in FP8
