@@ -118,6 +118,9 @@ def test_hub_id_resolves_from_the_local_cache_only(tiny_llama, tmp_path, monkeyp
         parse_config({"base_model": "tiny/no-weights"})
     with pytest.raises(ValueError, match=r"'org/absent' is not in the local .* missing config.json"):
         parse_config({"base_model": "org/absent"})
+    _fake_cache(tmp_path, "tiny/no-tokenizer", tiny_llama, ["config.json", "model.safetensors"])
+    with pytest.raises(ValueError, match=r"has no tokenizer files .*; set tokenizer_config: <tokenizer directory>"):
+        resolve(parse_config({"base_model": "tiny/no-tokenizer"}), CPU)
 
 
 def test_qlora_and_4bit_need_bitsandbytes_one_line_exit_2(tiny_llama, tmp_path, capsys):

@@ -55,6 +55,13 @@ def hf_cache_dir() -> str:
     return os.path.join(home, "hub")
 
 
+_NO_TOKENIZER = "tokenizer files (tokenizer.json or tokenizer_config.json)"
+
+
+def _has_tokenizer(path: Optional[str]) -> bool:
+    return bool(path and os.path.isdir(path) and set(os.listdir(path)) & set(_TOKENIZER))
+
+
 def missing_model_files(path: Optional[str], tokenizer: bool = False) -> list[str]:
     """What a model directory lacks: ``config.json``, weights (every shard an index names) and,
     with ``tokenizer``, tokenizer files. An absent directory lacks everything."""
@@ -67,8 +74,8 @@ def missing_model_files(path: Optional[str], tokenizer: bool = False) -> list[st
         missing += [s for s in shards if s not in have]
     elif not have & set(_WEIGHTS):
         missing.append("model weights (model.safetensors)")
-    if tokenizer and not have & set(_TOKENIZER):
-        missing.append("tokenizer files (tokenizer.json or tokenizer_config.json)")
+    if tokenizer and not _has_tokenizer(path):
+        missing.append(_NO_TOKENIZER)
     return missing
 
 
@@ -89,7 +96,7 @@ def locate_pretrained(spec: str, key: str = "base_model", tokenizer: bool = Fals
     cache = hf_cache_dir()
     path = _cached_snapshot(spec, cache)
     if tokenizer:
-        missing = [] if path and set(os.listdir(path)) & set(_TOKENIZER) else ["tokenizer files (tokenizer.json or tokenizer_config.json)"]
+        missing = [] if _has_tokenizer(path) else [_NO_TOKENIZER]
     else:
         missing = missing_model_files(path)
     if missing:
@@ -213,7 +220,7 @@ def tokenizer_choice(cfg: Any) -> tuple[str, str]:
     if cfg.base_model.startswith("builtin:"):
         return "byte", f"the byte tokenizer of {cfg.base_model}"
     path = locate_pretrained(cfg.base_model)
-    if missing_model_files(path, tokenizer=True)[-1:] == ["tokenizer files (tokenizer.json or tokenizer_config.json)"]:
+    if not _has_tokenizer(path):
         raise ValueError(f"base_model: {path} has no tokenizer files (tokenizer.json or tokenizer_config.json); "
                          "set tokenizer_config: <tokenizer directory> (or tokenizer: byte)")
     return path, "base_model's own tokenizer"
