@@ -2,7 +2,6 @@
 (issue 13 part 2), on data and models the tests create."""
 
 import json
-import math
 
 import pytest
 import torch
@@ -178,33 +177,6 @@ def test_yaml_dataset_types_and_axolotl_keys(tmp_path):
         parse_config({"sample_pakcing": None})  # a typo stays an error even when null
 
 
-@pytest.mark.parametrize("name", ["alpaca_fp8.yaml", "chat_fp8.yaml"])
-def test_example_configs_train_in_fp8_on_cpu(name, tmp_path, caplog):
-    """The shipped instruction and chat examples run (3 steps here), in FP8, with the data cache;
-    the console gets one conversion line and each setting once, the full table goes to a file."""
-    import os
-
-    from lowprec.train.config import load_config
-    from lowprec.train.trainer import train
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cfg = load_config(os.path.join(root, "examples", name), {
-        "max_steps": 3, "output_dir": str(tmp_path / "out"), "dataset_prepared_path": str(tmp_path / "prep"),
-        "logging_steps": 1, "eval_batches": 1, "cpu_threads": 1, "saves_per_epoch": None, "micro_batch_size": 2,
-    })
-    with caplog.at_level("INFO", logger="lowprec"):
-        result = train(cfg)
-    assert cfg.fp8 and result.steps == 3 and all(math.isfinite(loss) for _, loss in result.train_losses)
-    assert os.path.isfile(result.files["model"]) and result.final_eval_loss is not None
-    lines = [r.getMessage() for r in caplog.records]
-    for key in ("device", "mixed_precision", "distributed_type", "total_steps"):
-        assert sum(m.startswith(f"lowprec: {key} = ") for m in lines) == 1, key
-    conversion = [m for m in lines if "FP8 conversion" in m]
-    assert len(conversion) == 1 and "\n" not in conversion[0] and "converted" in conversion[0]
-    table = open(os.path.join(result.output_dir, "fp8_conversion.txt")).read()
-    assert table.count("    fp8   model.layers.") >= 8 and "skip  lm_head" in table
-
-
 def test_fp8_report_picks_the_worst_layers():
     from lowprec.train.plots import worst_layers
 
@@ -233,3 +205,29 @@ def test_other_ranks_log_errors_only(monkeypatch, caplog):
         assert [r.getMessage() for r in caplog.records] == ["lowprec: an error"]
     finally:
         log.filters[:] = [f for f in log.filters if not isinstance(f, trainer._RankZeroOnly)]
+
+
+def test_chat_template_tokenizer_default_with_a_hf_tokenizer(tmp_path):
+    """tokenizer_default renders with the tokenizer's own template; its special tokens stay
+    single ids; special_tokens sets the pad token (Axolotl's special_tokens: pad_token)."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from lowprec.train.chat_templates import template_text
+    from lowprec.train.tokenizer import load_tokenizer
+
+    words = ["<unk>", "<|im_start|>", "<|im_end|>", "<pad>", "user", "assistant", "hi", "hello", "there"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # the newline after the role is dropped
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", unk_token="<unk>",
+                                                additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' }}"
+                          "{% endfor %}")
+    fast.save_pretrained(tmp_path / "tok")
+    tok = load_tokenizer(str(tmp_path / "tok"), {"pad_token": "<pad>"})
+    assert tok.pad_id == 3 and tok.eos_id == 2
+    opt = PromptOptions("chat_template", chat_template=template_text("tokenizer_default", tok._tok.chat_template, None))
+    row = {"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]}
+    ids, labels = tokenize_row(row, opt, tok, "row")
+    assert ids == [1, 4, 6, 8, 2, 1, 5, 7, 2]  # <|im_start|> user hi there <|im_end|> <|im_start|> assistant hello <|im_end|>
+    assert [i for i, y in zip(ids, labels) if y != IGNORE] == [7, 2]  # "hello" and its <|im_end|>

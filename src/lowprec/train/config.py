@@ -109,11 +109,6 @@ class TrainConfig(AdapterKeys, DistributedKeys, PrecisionKeys, OutputKeys, Optim
             raise ValueError("evals_per_epoch is set but val_set_size is 0 (no validation data); set val_set_size: 0.05 or drop it")
         if self.early_stopping_patience is not None and self.val_set_size == 0:
             raise ValueError("early_stopping_patience needs validation losses; set val_set_size: 0.05 (and eval_steps or evals_per_epoch)")
-        if self.gradient_checkpointing and self.fp8:
-            # measured: under the trainer's accelerator the FP8 layers save a different set of
-            # tensors when a checkpointed layer is recomputed (torch raises CheckpointError)
-            raise ValueError("gradient_checkpointing: true with fp8: true is not supported yet (FP8 layers save other "
-                             "tensors when recomputed); drop gradient_checkpointing or fp8")
         if self.loss_watchdog_patience is not None and self.loss_watchdog_threshold is None:
             raise ValueError("loss_watchdog_patience is set without loss_watchdog_threshold; add the threshold (about 2x the first loss)")
         if self.eval_steps is not None and self.val_set_size == 0:

@@ -114,7 +114,7 @@ class DataKeys(StrictModel):
         description="training text: [{path: builtin:stdlib}] (default) or local .txt/.jsonl files",
     )
     dataset_max_bytes: Optional[int] = Field(
-        default=8_000_000, ge=1, description="read at most this many bytes of text (null: all)"
+        default=8_000_000, ge=1, description="read at most this many bytes of plain text (completion data without packing; null: all)"
     )
     val_set_size: float = Field(
         default=0.03, ge=0.0, lt=1.0, description="fraction of documents held out for validation (0: none)"

@@ -11,7 +11,7 @@ KEYS = (
     ('tokenizer_type', 'transformers tokenizer class: AutoTokenizer (default) or e.g. PreTrainedTokenizerFast', 'null'),
     ('trust_remote_code', 'run model/tokenizer code shipped in the model directory (off: such models are refused)', 'false'),
     ('datasets', 'training text: [{path: builtin:stdlib}] (default) or local .txt/.jsonl files', "[{chat_template: null, chat_template_jinja: null, drop_system_message: false, ds_type: null,\n    field: text, field_messages: messages, message_field_content: null, message_field_role: null,\n    message_property_mappings: null, path: 'builtin:stdlib', roles: null, roles_to_train: [\n      assistant], split: null, train_on_eos: turn, type: null}]"),
-    ('dataset_max_bytes', 'read at most this many bytes of text (null: all)', '8000000'),
+    ('dataset_max_bytes', 'read at most this many bytes of plain text (completion data without packing; null: all)', '8000000'),
     ('val_set_size', 'fraction of documents held out for validation (0: none)', '0.03'),
     ('sequence_len', 'tokens per training sequence', '128'),
     ('train_on_inputs', 'false: prompt tokens (instructions, user turns) are labelled -100 and not learned', 'false'),

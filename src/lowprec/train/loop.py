@@ -105,8 +105,10 @@ class Loop:
         step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
         grad_norm = None
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
+        seen = 0  # tokens in this step's batches (rows may be shorter than sequence_len when padded to the longest)
         for _ in range(cfg.gradient_accumulation_steps):
             batch = {k: v.to(acc.device, non_blocking=True) for k, v in next(self.batches).items()}
+            seen += batch["input_ids"].numel()
             with acc.accumulate(model):
                 loss = model(**batch).loss
                 acc.backward(loss)
@@ -116,12 +118,13 @@ class Loop:
                         grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     self._step_optimizer()
         run.state.step += 1
-        run.state.tokens += self.tokens_per_step
+        step_tokens = seen * acc.num_processes  # = tokens_per_step for fixed-length blocks
+        run.state.tokens += step_tokens
         if cfg.loss_watchdog_threshold is not None:
             self._watch(float(acc.reduce(step_loss / cfg.gradient_accumulation_steps, "mean")))
         self.window_loss += step_loss / cfg.gradient_accumulation_steps
         self.window_steps += 1
-        self.window_tokens += self.tokens_per_step
+        self.window_tokens += step_tokens
         return lr, grad_norm
 
     def _watch(self, loss: float) -> None:

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 
@@ -394,8 +393,12 @@ class LlamaForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                # recompute the layer in backward instead of keeping its activations
-                h = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, mask, use_reentrant=False)
+                # recompute the layer in backward instead of keeping its activations; fp8's
+                # checkpoint re-enters the FP8 region for the recompute (torch's alone would
+                # recompute FP8 layers in high precision: a CheckpointError)
+                from lowprec.fp8.checkpoint import checkpoint
+
+                h = checkpoint(layer, h, cos, sin, mask)
             else:
                 h = layer(h, cos, sin, mask)
         logits = self.lm_head(self.model.norm(h))
