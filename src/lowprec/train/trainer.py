@@ -365,6 +365,10 @@ def _build(cfg: TrainConfig, plan: RunPlan, acc, vocab_size: int, total: int, ou
     if cfg.gradient_checkpointing:  # built-in and transformers models share the method name
         inner = model.model if isinstance(model, _HFLoss) else model
         inner.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(cfg.gradient_checkpointing_kwargs or {"use_reentrant": False}))
+        if inner is not model:  # transformers: recompute inside the FP8 region, as the built-in model does
+            from lowprec.train.hf_model import fp8_aware_checkpointing
+
+            fp8_aware_checkpointing(inner)
     if plan.weights_dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     optimizer = build_optimizer(cfg, model)
