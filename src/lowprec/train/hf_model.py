@@ -37,7 +37,6 @@ __all__ = [
     "export_pretrained",
     "tokenizer_choice",
     "load_run_tokenizer",
-    "fp8_aware_checkpointing",
 ]
 
 logger = logging.getLogger("lowprec")
@@ -238,17 +237,3 @@ def load_run_tokenizer(cfg: Any):
         return load_tokenizer(spec, special)  # the byte tokenizer, or its own one-line error
     return HFTokenizer(spec, special, cfg.tokenizer_type, cfg.trust_remote_code)
 
-
-def fp8_aware_checkpointing(model: nn.Module) -> int:
-    """After transformers' ``gradient_checkpointing_enable``: recompute through
-    :func:`lowprec.fp8.checkpoint`, which re-enters the FP8 region for the recompute (backward
-    runs outside it; torch's checkpoint would recompute FP8 layers in high precision and fail
-    with "a different number of tensors was saved"). Returns how many modules were switched."""
-    from lowprec.fp8 import checkpoint
-
-    switched = 0
-    for module in model.modules():
-        if getattr(module, "_gradient_checkpointing_func", None) is not None:
-            module._gradient_checkpointing_func = checkpoint
-            switched += 1
-    return switched
