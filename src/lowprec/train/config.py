@@ -36,6 +36,7 @@ from lowprec.errors import did_you_mean
 from lowprec.train.axolotl_keys import screen_top_level
 from lowprec.train.config_adapter import AdapterKeys
 from lowprec.train.config_base import yaml_text
+from lowprec.train.config_compare import CompareKeys, CompareSpec, check_fp8_backend
 from lowprec.train.config_data import DataKeys, DatasetSpec
 from lowprec.train.config_dist import DistributedKeys, FSDPConfig
 from lowprec.train.config_fp8 import FP8RecipeSpec, PrecisionKeys
@@ -48,6 +49,7 @@ __all__ = [
     "DatasetSpec",
     "FP8RecipeSpec",
     "FSDPConfig",
+    "CompareSpec",
     "load_config",
     "parse_config",
     "parse_override_value",
@@ -61,7 +63,7 @@ __all__ = [
 # pydantic lists inherited fields in reverse MRO order: the bases are written last topic first so
 # that `lowprec train --help` and config_keys.py list model, data, optim, output, precision,
 # distributed, adapter keys in that order.
-class TrainConfig(AdapterKeys, DistributedKeys, PrecisionKeys, OutputKeys, OptimKeys, DataKeys, ModelKeys):
+class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, OutputKeys, OptimKeys, DataKeys, ModelKeys):
     """Everything ``lowprec train`` reads. Keys follow Axolotl where Axolotl has one."""
 
     @model_validator(mode="after")
@@ -119,6 +121,7 @@ class TrainConfig(AdapterKeys, DistributedKeys, PrecisionKeys, OutputKeys, Optim
             limit = LlamaConfig.from_name(self.base_model[len("builtin:"):]).max_seq_len
             if self.sequence_len > limit:
                 raise ValueError(f"sequence_len: {self.sequence_len} exceeds {self.base_model}'s max_seq_len {limit}; lower sequence_len")
+        check_fp8_backend(self)
         return self
 
     def to_yaml_dict(self) -> dict[str, Any]:

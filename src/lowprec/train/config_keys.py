@@ -65,4 +65,6 @@ KEYS = (
     ('fsdp_version', '2: shard the model with FSDP2 (under --num_processes N)', 'null'),
     ('fsdp_config', 'FSDP2 settings (needs fsdp_version: 2)', 'null'),
     ('deepspeed', 'DeepSpeed config: a JSON file path or an inline mapping', 'null'),
+    ('fp8_backend', "native (lowprec's engine) or torchao (torchao.float8 Float8Linear; recipes tensorwise, rowwise, rowwise_with_gw_hp)", 'native'),
+    ('compare', 'settings read by `lowprec compare` (precisions, seeds, threshold, workers, ...)', 'null'),
 )

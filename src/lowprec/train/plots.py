@@ -3,7 +3,8 @@
 * ``loss.png``: training loss (per logging window) and validation loss against the step;
 * ``fp8_report.png``: per-layer FP8 telemetry over time (amax, scale, saturated and underflow
   fractions of each operand), one line per layer;
-* ``compare.png``: ``lowprec compare``'s overlaid loss curves, one colour per precision.
+* ``compare.png``: ``lowprec compare``'s mean curves over seeds with 95% bands, and the paired
+  gap of each precision to the baseline against the threshold.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 
     """A grid: rows = operand (input, weight, grad_output), columns = statistic. The ``top``
     layers with the worst saturation / underflow are drawn in colour and labelled, the rest in
     grey; a statistic that is zero everywhere is said in words, not drawn as flat lines."""
-    fp8 = [r for r in records if r["kind"] == "fp8"]
+    fp8 = [r for r in records if r["kind"] == "fp8" and r["layers"]]  # torchao layers: no telemetry
     if not fp8:
         return None
     plt = _plt()
@@ -105,21 +106,56 @@ def worst_layers(fp8_records: Sequence[Mapping[str, Any]], top: int = 5) -> list
     return order[:top]
 
 
-def plot_compare(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str, title: str = "") -> str:
+def _band(per_seed: Sequence[Mapping[int, float]]) -> tuple[list, list, list, list]:
+    """Steps logged by every seed; the mean and its 95% t interval at each (the mean alone for one seed)."""
+    from lowprec.train.stats import interval
+
+    steps = sorted(set.intersection(*(set(m) for m in per_seed))) if per_seed else []
+    ivs = [interval([m[s] for m in per_seed]) for s in steps]
+    mean = [iv.mean for iv in ivs]
+    low = [iv.low if iv.low is not None else iv.mean for iv in ivs]
+    high = [iv.high if iv.high is not None else iv.mean for iv in ivs]
+    return steps, mean, low, high
+
+
+def plot_compare(report: Mapping[str, Any], path: str) -> str:
+    """``lowprec compare``'s picture from its report: top, each precision's mean training loss
+    with its 95% band over seeds (validation means as markers); bottom, the paired relative gap
+    of each precision's training loss to the baseline, with its band and the threshold."""
+    from lowprec.train.stats import gap_curves
+
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for i, (name, records) in enumerate(runs.items()):
-        color = f"C{i}"
-        x, y = _xy([r for r in records if r["kind"] == "train"], "loss")
-        ax.plot(x, y, color=color, lw=1.3, label=f"{name} train")
-        x, y = _xy([r for r in records if r["kind"] == "eval"], "loss")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    base = report["baseline"]
+    base_runs = {r["seed"]: r for r in report["precisions"][base]["runs"]}
+    for i, (name, row) in enumerate(report["precisions"].items()):
+        color, runs = f"C{i}", row["runs"]
+        if not runs:
+            continue
+        x, m, lo, hi = _band([{int(s): v for s, v in r["train_losses"]} for r in runs])
+        top.plot(x, m, color=color, lw=1.3, label=f"{name} ({len(runs)} seeds)")
+        top.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
+        x, m, lo, hi = _band([{int(s): v for s, v in r["eval_losses"]} for r in runs])
         if x:
-            ax.plot(x, y, "o--", color=color, lw=1.3, label=f"{name} validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title or "loss by precision (same seed, same data order)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+            top.errorbar(x, m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]], fmt="o",
+                         color=color, ms=4, capsize=3)
+        paired = [r for r in runs if r["seed"] in base_runs]
+        if name == base or not paired:
+            continue
+        gaps = gap_curves([r["train_losses"] for r in paired], [base_runs[r["seed"]]["train_losses"] for r in paired])
+        x, m, lo, hi = _band([{s: 100 * g[k] for s, g in gaps.items()} for k in range(len(paired))])
+        bottom.plot(x, m, color=color, lw=1.3, label=name)
+        bottom.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
+    thr = 100 * report["threshold"]
+    bottom.axhline(thr, color="k", ls="--", lw=1, label=f"threshold +{thr:g}%")
+    bottom.axhline(0.0, color="k", lw=0.6)
+    top.set_ylabel("loss (nats/token)")
+    top.set_title(f"mean loss over seeds, 95% bands (validation: markers); baseline {base}")
+    bottom.set_ylabel(f"training loss gap vs {base} (%)")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -139,7 +139,11 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
     )
 
     handlers: list = []
-    if cfg.fp8:
+    if cfg.fp8 and cfg.fp8_backend == "torchao":  # recipe / filter limits checked in the schema
+        from lowprec.kwargs import AORecipeKwargs
+
+        handlers.append(AORecipeKwargs(recipe=cfg.fp8_recipe.name))
+    elif cfg.fp8:
         handlers.append(
             NativeRecipeKwargs(
                 recipe=cfg.fp8_recipe.name,
@@ -374,10 +378,15 @@ def _build(cfg: TrainConfig, plan: RunPlan, acc, vocab_size: int, total: int, ou
         model = torch.compile(model)
     state = ckpt.TrainerState()
     acc.register_for_checkpointing(loader, state)
+    inner = acc.unwrap_model(model)
+    from lowprec.fp8 import has_fp8_layers
+
+    # telemetry reads lowprec's own Float8Linear; torchao's layers (fp8_backend: torchao) have none
+    fp8_layers = bool(cfg.fp8) and acc.fp8_enabled and has_fp8_layers(inner)
     return Run(
         cfg=cfg, acc=acc, output_dir=output_dir, total=total, label=plan.label, model=model,
-        inner=acc.unwrap_model(model), optimizer=optimizer, scheduler=scheduler, loader=loader,
-        val_loader=val_loader, state=state, writer=None, fp8_layers=bool(cfg.fp8) and acc.fp8_enabled,
+        inner=inner, optimizer=optimizer, scheduler=scheduler, loader=loader,
+        val_loader=val_loader, state=state, writer=None, fp8_layers=fp8_layers,
         main=acc.is_main_process, model_config=model_config,
         eval_every=decisions["eval_steps"].value if "eval_steps" in decisions else cfg.eval_steps,
         save_every=decisions["save_steps"].value if "save_steps" in decisions else cfg.save_steps,
