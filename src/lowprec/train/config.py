@@ -105,7 +105,7 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         for per_epoch, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
             if getattr(self, per_epoch) is not None and getattr(self, steps) is not None:
                 raise ValueError(f"{per_epoch} and {steps} are both set; keep one")
-        if self.warmup_ratio is not None and "warmup_steps" in self.model_fields_set:
+        if self.warmup_ratio is not None and self.warmup_steps > 0:
             raise ValueError("warmup_ratio and warmup_steps are both set; keep one")
         if self.evals_per_epoch is not None and self.val_set_size == 0:
             raise ValueError("evals_per_epoch is set but val_set_size is 0 (no validation data); set val_set_size: 0.05 or drop it")
