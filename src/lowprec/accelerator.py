@@ -352,9 +352,9 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         if self.backend is not None:
             optimizer, model = self.backend.prepare_optimizer(optimizer, model, self._ctx())
         cfg = build_ds_config(self.state.deepspeed_plugin, self.mixed_precision, micro,
-                              self.gradient_accumulation_steps, self.num_processes)
+                              self.gradient_accumulation_steps, self.num_processes, self.nonfinite.enabled)
         engine, ds_opt = deepspeed_initialize(model, optimizer, cfg)
-        wrapped = DeepSpeedOptimizer(engine, ds_opt)
+        wrapped = DeepSpeedOptimizer(engine, ds_opt, self.nonfinite)
         if self.backend is not None:
             wrapped.after_step = functools.partial(self.backend.after_optimizer_step, engine.module)
             self.backend.after_wrap(engine, self._ctx())
@@ -445,7 +445,8 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.nonfinite.note_loss(loss)
         if self._ds_engine is not None:
-            self._ds_engine.backward(loss, **kwargs)  # DeepSpeed scales by its accumulation steps
+            # DeepSpeed refuses NaN/inf gradients itself; make a non-finite loss reach it as such
+            self._ds_engine.backward(self.nonfinite.nan_if_nonfinite(loss), **kwargs)  # DeepSpeed scales by its accumulation steps
             return
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
