@@ -15,8 +15,10 @@ the command that continues) instead of the failed-rank line, so the run ends in 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from typing import Optional, Sequence
 
 __all__ = ["main", "describe_exit", "CONTINUE_VAR", "STOP_FILE_VAR", "report_stop"]
@@ -34,7 +36,6 @@ def report_stop(reason: str, rank: int, code: int = 3, wait_s: float = 60.0) -> 
     process group is up, else for the file), turns SIGTERM into the same exit ``code`` (the
     stop is decided), and leaves with ``os._exit`` (no interpreter teardown to be caught in;
     the caller has flushed its files)."""
-    import signal
     import time
 
     path = os.environ.get(STOP_FILE_VAR)
@@ -58,6 +59,17 @@ def report_stop(reason: str, rank: int, code: int = 3, wait_s: float = 60.0) -> 
     os._exit(code)
 
 
+def describe_exit(code: int) -> str:
+    """``exit code 1`` / ``killed by SIGKILL (signal 9)``."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name} (signal {-code})" + (" (out of memory, or killed by hand?)" if -code == 9 else "")
+    return f"exit code {code}"
+
+
 def _continue_hint() -> str:
     cmd = os.environ.get(CONTINUE_VAR)
     return f"; to continue: {cmd}" if cmd else ""
@@ -67,9 +79,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
-
-    import shutil
-    import tempfile
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     stop_dir = tempfile.mkdtemp(prefix="lowprec-stop-")
