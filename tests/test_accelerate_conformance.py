@@ -43,10 +43,6 @@ KNOWN_GAPS: dict[str, str] = {
     "test_accelerator.py::AcceleratorTester::test_can_pickle_dataloader_0":
         "dispatch_batches=True expects Accelerate's DataLoaderDispatcher (process 0 reads and scatters); "
         "lowprec shards the sampler on every process instead",
-    "test_accelerator.py::AcceleratorTester::test_save_model_offload_use_pytorch":
-        "saves a model offloaded to disk by accelerate.big_modeling (meta parameters + Accelerate hooks); "
-        "lowprec has no big-model offload and refuses meta parameters with a clear error",
-    "test_accelerator.py::AcceleratorTester::test_save_model_offload_use_safetensors": "same as above",
 }
 
 HERE = Path(__file__).resolve().parent

@@ -58,7 +58,8 @@ def nonfinite_flag(tensors: Iterable[torch.Tensor], device: torch.device, fused:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         t = _local(t)
-        if t.is_floating_point() and t.numel() and t.element_size() > 1:  # FP8 storage has no inf
+        # FP8 storage has no inf; a meta tensor (offloaded by a big-model dispatch) has no values here
+        if t.is_floating_point() and t.numel() and t.element_size() > 1 and not t.is_meta:
             groups.setdefault((t.device, t.dtype), []).append(t)
     for (dev, dtype), ts in groups.items():
         if fused and dtype in _FUSED_DTYPES:
