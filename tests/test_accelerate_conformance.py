@@ -40,9 +40,6 @@ FILES = [
 
 # test id (file::Class::test) -> why lowprec does not pass it although Accelerate does
 KNOWN_GAPS: dict[str, str] = {
-    "test_accelerator.py::AcceleratorTester::test_can_pickle_dataloader_0":
-        "dispatch_batches=True expects Accelerate's DataLoaderDispatcher (process 0 reads and scatters); "
-        "lowprec shards the sampler on every process instead",
 }
 
 HERE = Path(__file__).resolve().parent

@@ -1,4 +1,5 @@
-"""A new Accelerator after ``end_training`` under ``lowprec launch`` (issue 12).
+"""A new Accelerator after ``end_training`` under ``lowprec launch`` (issue 12); the same launch
+checks ``DataLoaderDispatcher`` on 2 processes (one launch for both: launches dominate the cost).
 
 ``end_training`` destroys the process group; the next Accelerator creates a new one through
 the launcher's store, where the old group's rendezvous keys remain. Before
@@ -27,4 +28,11 @@ def test_accelerator_after_end_training_under_launch(tmp_path):
     run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(2)), env=env, timeout=240)
     for r in range(2):
         report = json.loads((tmp_path / f"rank{r}.json").read_text())
-        assert report == {"sums": [3.0] * 6, "num_processes": 2}
+        assert report["sums"] == [3.0] * 6 and report["num_processes"] == 2
+        # dispatch_batches (Accelerate's default for an IterableDataset on several processes):
+        # process 0 reads 5 batches of 2 and deals them out; the last step is filled with the
+        # first batch, and gather_for_metrics drops the filling
+        d = report["dispatch"]
+        assert d["type"] == "DataLoaderDispatcher" and d["len"] == 3
+        assert d["seen"] == ([[0, 1], [4, 5], [8, 9]] if r == 0 else [[2, 3], [6, 7], [0, 1]])
+        assert d["gathered"] == [float(v) for v in range(10)]
