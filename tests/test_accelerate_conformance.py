@@ -140,6 +140,9 @@ def _run(tests: Path, lowprec: bool, out: Path, targets: list, tag: str) -> dict
     return results
 
 
+# ~3.5 min of CPU over two processes (measured: 184 s for nine files, +25 s for the two added);
+# on a shared, loaded machine the wall time passed the suite's 10-minute default once
+@pytest.mark.timeout(1200)
 def test_lowprec_passes_what_accelerate_passes(request, tmp_path_factory):
     import accelerate
 
