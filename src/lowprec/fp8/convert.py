@@ -33,6 +33,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from lowprec.fp8 import block_gemm_triton
 from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 from lowprec.fp8.gemm import native_scaled_mm_available
 from lowprec.fp8.linear import Float8Linear, _STATE_BUFFERS
@@ -75,6 +76,11 @@ class ConversionReport:
             "skipped": [{"name": n, "reason": r} for n, r in self.skipped],
             "gemm": self.gemm,
         }
+
+    def summary(self) -> str:
+        """One line for the console; ``str(report)`` is the full table (one line per layer)."""
+        return (f"FP8 conversion: {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high "
+                f"precision; recipe {self.recipe.name}; GEMMs: {self.gemm}")
 
     def __str__(self) -> str:
         lines = [
@@ -141,10 +147,9 @@ def _gemm_note(recipe: Recipe, device: torch.device) -> str:
             return f"bf16 GEMM over exactly upcast FP8 operands on cpu ({scales})"
         return "torch._scaled_mm on cpu (measured faster than the bf16-upcast GEMM here)"
     if recipe.scaling == "blockwise":
-        if device.type != "cpu" and recipe.block_size == 128 and native_scaled_mm_available(device, "axis"):
-            return ("torch blockwise-scaled scaled_mm on cuda (1x128 x 128x128; self-checked at first use; "
-                    "GEMMs whose shapes it cannot take are emulated)")
-        return "emulated: torch's blockwise FP8 GEMM needs sm_90 and block_size 128"
+        if device.type == "cuda":
+            return block_gemm_triton.describe_cuda(device, recipe.block_size)
+        return f"emulated: no blockwise FP8 GEMM on {device.type}"
     gran = "axis" if recipe.scaling == "rowwise" else "tensor"
     if native_scaled_mm_available(device, gran):
         return f"torch._scaled_mm on {device.type}"

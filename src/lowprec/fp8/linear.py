@@ -18,9 +18,10 @@ runs a GEMM in hp instead. The bias is added in hp outside the FP8 GEMM.
 
 What backward keeps (the memory story): the FP8 copy of ``x`` quantized for the weight-
 gradient GEMM (1 byte/element, against 2 for a bf16 Linear's saved input) and, for per-tensor
-and blockwise recipes, the FP8 weight from the forward GEMM (a tensor scale and square blocks
-serve both orientations). Rowwise re-casts the weight from the Parameter in backward (a
-reference, no extra memory), since its grad_input GEMM needs scales along the other axis.
+recipes, the FP8 weight from the forward GEMM (a tensor scale serves both orientations).
+Rowwise re-casts the weight from the Parameter in backward (a reference, no extra memory),
+since its grad_input GEMM needs scales along the other axis; blockwise does too (same values:
+the cast is deterministic), so that backward keeps no FP8 weight.
 
 Delayed scaling (per-tensor, TransformerEngine semantics): each operand keeps an amax history
 buffer. The scale used at step t is built from amaxes recorded at steps < t and refreshed
@@ -50,6 +51,7 @@ from lowprec.fp8.autocast import (
     torch_autocast_dtype,
     torch_autocast_off,
 )
+from lowprec.fp8.block_cast import cast_block_both, quantize_square_transposed
 from lowprec.fp8.cast_state import GRAD_OUTPUT, INPUT, WEIGHT, CastState, DelayedCastState
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, quantize
@@ -68,6 +70,8 @@ def _cast(x: torch.Tensor, spec: OperandCast, contract: int, recipe: Recipe, sca
     """Quantize a 2-D operand for a GEMM that contracts over dim ``contract``."""
     if spec.granularity == "block":
         bs = recipe.block_size
+        if spec.block_2d and contract == 0:  # W for grad_input: written transposed on CUDA
+            return quantize_square_transposed(x, spec.dtype, bs, recipe.power_of_2_scales)
         block = (bs, bs) if spec.block_2d else ((1, bs) if contract == 1 else (bs, 1))
         return quantize(x, spec.dtype, "block", block=block, power_of_2=recipe.power_of_2_scales)
     return quantize(
@@ -88,13 +92,15 @@ def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale
     On CUDA with the Triton kernels (``lowprec.fp8.kernels``) one pass writes both: for a
     per-tensor scale the FP8 tensor and its transpose (TransformerEngine's cast_transpose),
     for axis scales the row-scaled cast and the column-scaled one, transposed (after one read
-    for the column amaxes). The second is handed over as a column-major view, so the other
-    GEMM finds its operand already in the layout ``scaled_mm`` asks cuBLAS for, and nothing is
-    copied. Elsewhere: one per-tensor cast serving both, or two axis casts. Values are
+    for the column amaxes), for 1-D blocks the 1x128 and the 128x1 tiles (``block_cast.py``).
+    The second is handed over as a column-major view, so the other GEMM finds its operand
+    already in the layout ``scaled_mm`` asks cuBLAS for, and nothing is copied. Elsewhere: one per-tensor cast serving both, or two axis casts. Values are
     identical either way; only the memory layout differs.
     """
-    fused = t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.dim() == 2 and kernels.available(t.device)
     pow2 = recipe.power_of_2_scales
+    if spec.granularity == "block" and not spec.block_2d:  # 1x128 + 128x1 tiles in one pass
+        return cast_block_both(t, spec.dtype, recipe.block_size, pow2)
+    fused = t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.dim() == 2 and kernels.available(t.device)
     if spec.granularity == "tensor" and fused:
         if scale is None:
             scale = amax_to_scale(kernels.amax(t), spec.dtype, margin=recipe.margin, power_of_2=pow2)

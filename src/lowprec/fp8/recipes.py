@@ -73,10 +73,11 @@ class LinearPlan:
     the gradient concerned is wanted at all; Float8Linear checks that per call).
 
     * ``x_dual``: the forward casts ``x`` in both layouts and keeps the column-major one for
-      grad_weight (same dtype and scaling; axis scales are written for each orientation).
+      grad_weight (same dtype and scaling; axis and 1-D block scales are written for each
+      orientation).
     * ``w_dual``: the forward casts ``W`` in both layouts (one tensor scale serves both).
-    * ``w_reused``: grad_input reads the forward's cast of ``W`` (a tensor scale, or square
-      blocks, serve both orientations) instead of re-casting the weight in backward.
+    * ``w_reused``: grad_input reads the forward's cast of ``W`` (a tensor scale serves both
+      orientations) instead of re-casting the weight in backward (rowwise, blockwise).
     * ``dy_dual``: grad_input casts ``dY`` in both layouts and grad_weight reads the second.
     """
 
@@ -91,15 +92,33 @@ class LinearPlan:
 
     def __post_init__(self) -> None:
         fp, dg, wg = self.fprop, self.dgrad, self.wgrad
-        axes = ("tensor", "axis")
+        axes = ("tensor", "axis", "block")  # block: 1x128 and 128x1 tiles from one pass (block_cast.py)
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
         set_("x_dual", self.save_fp8_input and _same_cast(fp, fp.a, wg, wg.b, axes))
         set_("w_dual", _same_cast(fp, fp.b, dg, dg.b, ("tensor",)))
-        set_("w_reused", self.w_dual or (_same_cast(fp, fp.b, dg, dg.b, ("block",)) and dg.b.block_2d))
+        # square blocks would serve both orientations, but blockwise re-casts W in backward: an
+        # FP8 copy kept per layer costs 1 byte/param at the memory peak (same values either way)
+        set_("w_reused", self.w_dual)
         set_("dy_dual", _same_cast(dg, dg.a, wg, wg.a, axes))
 
 
 _HP = GemmCast(None, None)
+# (class, every field with its type) -> the Recipe built for it: a request made twice in a
+# process (the trainer's schema check, then the settings resolver) gets one object, built once.
+_BUILT: dict = {}
+
+
+def _built_once(cls: type, given: dict[str, Any]) -> "Recipe":
+    full = {f.name: f.default for f in dataclasses.fields(cls)} | given
+    # the type is part of the key, so margin=True (an error) never finds margin=1's recipe
+    key = (cls, tuple((k, type(v), tuple(v) if isinstance(v, list) else v) for k, v in sorted(full.items())))
+    try:
+        recipe = _BUILT.get(key)
+    except TypeError:  # another unhashable value: build it, keep nothing
+        return cls(**given)
+    if recipe is None:
+        recipe = _BUILT[key] = cls(**given)
+    return recipe
 
 
 @dataclass(frozen=True)
@@ -199,7 +218,7 @@ class Recipe:
         bad = sorted(set(overrides) - fields)
         if bad:
             raise ValueError(f"unknown recipe field(s) {', '.join(repr(b) + did_you_mean(b, fields) for b in bad)}")
-        return cls(**{**info.preset, "name": info.name, **overrides})
+        return _built_once(cls, {**info.preset, "name": info.name, **overrides})
 
     def replace(self, **changes: Any) -> "Recipe":
         return dataclasses.replace(self, **changes)

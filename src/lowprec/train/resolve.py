@@ -59,9 +59,11 @@ class RunPlan:
     label: str  # fp32 | fp16 | bf16 | bf16-full | fp8 | fp8-full
     decisions: dict = field(default_factory=dict)
 
-    def log(self) -> None:
+    def log(self, skip: "set[str] | frozenset[str]" = frozenset()) -> None:
+        """Each decision once; ``skip``: keys the accelerator already logged (device...)."""
         for key, d in self.decisions.items():
-            logger.info("lowprec: %s = %s (%s)", key, d.value, d.reason)
+            if key not in skip:
+                logger.info("lowprec: %s = %s (%s)", key, d.value, d.reason)
 
 
 def precision_label(mixed_precision: str, weights_dtype: str) -> str:

@@ -87,7 +87,7 @@ BYTE_VOCAB_SIZE = ByteTokenizer.vocab_size
 class HFTokenizer:
     """A local Hugging Face tokenizer directory (``tokenizer.json`` etc.), loaded offline."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, special_tokens: dict | None = None) -> None:
         try:
             from transformers import AutoTokenizer
         except ImportError as e:  # None in sys.modules also lands here
@@ -97,6 +97,8 @@ class HFTokenizer:
                 "or use tokenizer: byte"
             ) from e
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        if special_tokens:  # Axolotl's special_tokens: set (or add) before anything is tokenized
+            self._tok.add_special_tokens(dict(special_tokens))
         self.name = f"hf:{os.path.abspath(path)}"
         eos = self._tok.eos_token_id
         if eos is None:
@@ -131,13 +133,19 @@ class HFTokenizer:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(spec: str | None = "byte") -> Tokenizer:
+def load_tokenizer(spec: str | None = "byte", special_tokens: dict | None = None) -> Tokenizer:
     """``"byte"`` (or None) for the byte tokenizer, or the path of a local Hugging Face
-    tokenizer directory (needs ``transformers``)."""
+    tokenizer directory (needs ``transformers``); ``special_tokens`` (``{"pad_token": ...}``)
+    are set on a Hugging Face tokenizer (the byte tokenizer's are fixed)."""
     if spec is None or str(spec).lower() == "byte":
+        if special_tokens:
+            raise ValueError(
+                "special_tokens: the byte tokenizer's BOS/EOS/PAD are fixed; drop special_tokens or set "
+                "tokenizer: to a local Hugging Face tokenizer directory"
+            )
         return ByteTokenizer()
     if isinstance(spec, (str, os.PathLike)) and os.path.isdir(spec):
-        return HFTokenizer(os.fspath(spec))
+        return HFTokenizer(os.fspath(spec), special_tokens)
     raise ValueError(
         f"tokenizer {spec!r} is neither 'byte' nor an existing directory; use tokenizer: byte "
         "or the path of a local Hugging Face tokenizer directory"
