@@ -113,3 +113,15 @@ def test_gradient_checkpointing_gives_the_same_gradients(fp8):
         loss.backward()  # outside the FP8 region, as in a training loop
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("name", ["alpaca_fp8.yaml", "chat_fp8.yaml"])
+def test_new_keys_survive_replace_as_compare_uses_it(name):
+    """`lowprec compare` re-validates a dumped config per precision: the dump must load back."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "examples", name))
+    other = cfg.replace(fp8=False, bf16=False)
+    assert other.datasets == cfg.datasets and other.warmup_ratio == cfg.warmup_ratio
+    assert other.evals_per_epoch == cfg.evals_per_epoch and other.sample_packing == cfg.sample_packing

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lowprec.backends.base import Backend, PrepareContext, named_params, remap_optimizer_params
 from lowprec.backends.registry import FP8Settings, resolve_fp8_settings, select_backend
@@ -35,11 +35,12 @@ from lowprec.kwargs import (
     env_int,
 )
 from lowprec.errors import did_you_mean
-from lowprec.parallelism_config import apply_tp_plan, data_shard, for_accelerator
+from lowprec.parallelism_config import apply_tp, data_shard, dp_mesh, for_accelerator
 from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.tracking import TrackingMixin, filter_trackers
 from lowprec.utils.checkpointing import CheckpointingMixin
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
+from lowprec.utils.dispatcher import DataLoaderDispatcher
 from lowprec.utils.dataclasses import DataLoaderConfiguration, ProjectConfiguration, TorchDynamoPlugin
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_clip, deepspeed_initialize
 from lowprec.utils.distributed import clip_grad_norm, trigger_sync_in_backward, wrap_ddp, wrap_fsdp2
@@ -248,10 +249,6 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         return FP8BackendType(value) if value in FP8BackendType.__members__ else value
 
     @property
-    def torch_device_mesh(self) -> Any:  # Accelerate's name: the (dp_shard, tp) mesh, or None
-        return None if self.parallelism_config is None else self.parallelism_config.mesh(self.device.type)
-
-    @property
     def fp8_backend_info(self) -> dict:
         """What runs FP8 and why (``engine``, ``reason``, recipe/config)."""
         return {} if self.backend is None else self.backend.describe()
@@ -308,15 +305,14 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
             model = model.to(self.device)
         model = self._convert_and_wrap_forward(model)
         dt, pc = self.distributed_type, self.parallelism_config
-        if pc is not None:  # FP8 conversion, then tensor parallelism, then FSDP2 over dp_shard
-            apply_tp_plan(model, pc.mesh(self.device.type)["tp"])
+        apply_tp(pc, model, self.device.type)  # tensor parallelism: after FP8 conversion, before FSDP2
         if not evaluation_mode:
             if dt.is_ddp and pc is None:
                 kw = (self.handlers.get(DistributedDataParallelKwargs) or DistributedDataParallelKwargs()).to_kwargs()
                 model = wrap_ddp(model, self.device, kw)
             elif dt == DistributedType.FSDP:
                 model = wrap_fsdp2(model, self.mixed_precision, self.state.fsdp_plugin, self.device,
-                                   pc.mesh(self.device.type)["dp_shard"] if pc is not None else None)
+                                   dp_mesh(pc, self.device.type))
             elif dt == DistributedType.DEEPSPEED:
                 raise ValueError(
                     "under DeepSpeed, pass the model together with its optimizer in one prepare() "
@@ -367,9 +363,9 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         if self.backend is not None:
             optimizer, model = self.backend.prepare_optimizer(optimizer, model, self._ctx())
         cfg = build_ds_config(self.state.deepspeed_plugin, self.mixed_precision, micro,
-                              self.gradient_accumulation_steps, self.num_processes)
+                              self.gradient_accumulation_steps, self.num_processes, self.nonfinite.enabled)
         engine, ds_opt = deepspeed_initialize(model, optimizer, cfg)
-        wrapped = DeepSpeedOptimizer(engine, ds_opt)
+        wrapped = DeepSpeedOptimizer(engine, ds_opt, self.nonfinite)
         if self.backend is not None:
             wrapped.after_step = functools.partial(self.backend.after_optimizer_step, engine.module)
             self.backend.after_wrap(engine, self._ctx())
@@ -440,7 +436,10 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         placement = self.device_placement if device_placement is None else device_placement
         cfg = self.dataloader_config
         rank, world = data_shard(self.parallelism_config, self.process_index, self.num_processes, self.device.type)
-        shard = DataLoaderShard(
+        dispatch = cfg.dispatch_batches
+        if dispatch is None:  # Accelerate's default: a stream cannot be sharded by index
+            dispatch = isinstance(data_loader.dataset, IterableDataset) and world > 1
+        shard = (DataLoaderDispatcher if dispatch else DataLoaderShard)(
             data_loader,
             rank=rank,
             world_size=world,
@@ -461,7 +460,8 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.nonfinite.note_loss(loss)
         if self._ds_engine is not None:
-            self._ds_engine.backward(loss, **kwargs)  # DeepSpeed scales by its accumulation steps
+            # DeepSpeed refuses NaN/inf gradients itself; make a non-finite loss reach it as such
+            self._ds_engine.backward(self.nonfinite.nan_if_nonfinite(loss), **kwargs)  # DeepSpeed scales by its accumulation steps
             return
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:

@@ -1,5 +1,6 @@
 """``ParallelismConfig``: data-parallel sharding x tensor parallelism on one device mesh
-(Accelerate's class and environment names, ``Accelerator(parallelism_config=...)``).
+(Accelerate's class and environment names, ``Accelerator(parallelism_config=...)``; the mesh is
+``accelerator.parallelism_config.mesh(device_type)``).
 
 ``tp_size`` processes split each Linear of the model's ``_tp_plan`` (the transformers convention:
 ``{"model.layers.*.self_attn.q_proj": "colwise", ...}``; lowprec's built-in Llama has one) with
@@ -18,7 +19,7 @@ from typing import Any, Optional
 
 from lowprec.kwargs import env_int
 
-__all__ = ["ParallelismConfig", "apply_tp_plan", "for_accelerator", "data_shard"]
+__all__ = ["ParallelismConfig", "apply_tp_plan", "for_accelerator", "data_shard", "apply_tp", "dp_mesh"]
 
 
 @dataclass
@@ -88,7 +89,8 @@ def apply_tp_plan(model: Any, tp_mesh: Any) -> int:
     return len(applied)
 
 
-def for_accelerator(config: Optional[ParallelismConfig], world: int, distributed_type: str) -> Optional[ParallelismConfig]:
+def for_accelerator(config: Optional[ParallelismConfig], world: int,
+                    distributed_type: str) -> Optional[ParallelismConfig]:
     """The Accelerator's resolved config (None: plain data parallelism, nothing to do)."""
     if config is None and env_int("PARALLELISM_CONFIG_TP_SIZE", 1) == 1:
         return None
@@ -105,3 +107,14 @@ def data_shard(config: Optional[ParallelismConfig], rank: int, world: int, devic
     if config is None:
         return rank, world
     return config.mesh(device_type)["dp_shard"].get_local_rank(), config.dp_shard_size
+
+
+def apply_tp(config: Optional[ParallelismConfig], model: Any, device_type: str) -> None:
+    """The Accelerator's step between FP8 conversion and FSDP2 (nothing without tensor parallelism)."""
+    if config is not None:
+        apply_tp_plan(model, config.mesh(device_type)["tp"])
+
+
+def dp_mesh(config: Optional[ParallelismConfig], device_type: str) -> Any:
+    """The mesh FSDP2 shards over: ``dp_shard`` under tensor parallelism, else None (all processes)."""
+    return None if config is None else config.mesh(device_type)["dp_shard"]

@@ -37,6 +37,7 @@ updates and telemetry go through one per-call object (``cast_state.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ from lowprec.fp8.autocast import (
 )
 from lowprec.fp8.block_cast import cast_block_both, quantize_square_transposed
 from lowprec.fp8.cast_state import GRAD_OUTPUT, INPUT, WEIGHT, CastState, DelayedCastState
+from lowprec.fp8.frozen import drop_frozen_cache, frozen_weight_cache
 from lowprec.fp8.gathered import as_float8_data
 from lowprec.fp8.tp_linear import is_tensor_parallel, tp_forward
 from lowprec.fp8.gemm import scaled_mm
@@ -142,6 +144,7 @@ class _FnConfig:
     recipe: Recipe
     hp_dtype: torch.dtype
     plan: LinearPlan  # recipe.plan(), built once per recipe
+    weight_cache: Any = None  # a frozen weight's cast store (fp8/frozen.py), or None
 
 
 def _pack(ctx, items: list) -> None:
@@ -192,7 +195,8 @@ class _Float8LinearFn(torch.autograd.Function):
                     (xq, x_col), (wq, w_col) = state.fused_forward(x, weight, fp.a, fp.b, recipe)
                 else:  # a dual cast writes the layout a backward GEMM reads in the same pass
                     xq, x_col = _cast_pair(x, fp.a, recipe, state.x_scale, need_wgrad and plan.x_dual)
-                    wq, w_col = _cast_pair(weight, fp.b, recipe, state.w_scale, need_dgrad and plan.w_dual)
+                    make_w = lambda: _cast_pair(weight, fp.b, recipe, state.w_scale, need_dgrad and plan.w_dual)  # noqa: E731
+                    wq, w_col = cfg.weight_cache(make_w) if cfg.weight_cache is not None else make_w()
                 out = scaled_mm(xq, wq.t(), hp, path=recipe.gemm, use_fast_accum=recipe.use_fast_accum)
                 state.observe(INPUT, x, xq)
                 state.observe(WEIGHT, weight, wq)
@@ -336,6 +340,7 @@ class Float8Linear(nn.Linear):
             self.reset_fp8_state()
 
     def reset_fp8_state(self) -> None:
+        drop_frozen_cache(self)
         with torch.no_grad():
             self.fp8_stats.zero_()
             if self.recipe.scaling == "delayed":
@@ -376,6 +381,11 @@ class Float8Linear(nn.Linear):
             and recipe.save_fp8_activations and not any(recipe.override_linear_precision)
         )
 
+    def gemm_weight(self) -> torch.Tensor:
+        """The weight as the GEMMs read it, (out, in); a layer that stores it otherwise
+        (``Float8Conv1D``) returns a view or copy here, so autograd carries the layout back."""
+        return self.weight
+
     def _cast_state(self, x2: torch.Tensor, recipe: Recipe) -> CastState:
         stats = self.fp8_stats if self.fp8_telemetry else None
         if recipe.scaling != "delayed":
@@ -387,13 +397,15 @@ class Float8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe = self._active_recipe()
         if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.gemm_weight(), self.bias)
         hp = torch_autocast_dtype(x.device.type, x.dtype)
         if is_tensor_parallel(self.weight):  # DTensor weight: local GEMMs, whole-tensor scales
             return tp_forward(self, x, recipe, hp)
         x2 = x.reshape(-1, x.shape[-1])
-        cfg = _FnConfig(recipe, hp, recipe.plan())
-        out = _Float8LinearFn.apply(x2, self.weight, cfg, self._cast_state(x2, recipe))
+        plan = recipe.plan()
+        cache = frozen_weight_cache(self, self.weight, recipe, plan, torch.is_grad_enabled() and x2.requires_grad)
+        cfg = _FnConfig(recipe, hp, plan, cache)
+        out = _Float8LinearFn.apply(x2, self.gemm_weight(), cfg, self._cast_state(x2, recipe))
         out = out.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

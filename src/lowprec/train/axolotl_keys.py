@@ -29,7 +29,8 @@ def _keys(text: str) -> tuple[str, ...]:
 # key group -> (why / what to use instead). Messages read "<key>: an Axolotl key lowprec does not support (<msg>)".
 _GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "models": (
-        "model and tokenizer loading beyond base_model/tokenizer; give a local Hugging Face directory in base_model",
+        "model and tokenizer loading beyond base_model, model_type, tokenizer_config, tokenizer_type and "
+        "trust_remote_code; give a local Hugging Face directory (or a cached hub id) in base_model",
         _keys("base_model_config cls_model_config tokenizer_config tokenizer_use_fast tokenizer_legacy "
               "tokenizer_use_mistral_common tokenizer_type processor_type processor_kwargs tokenizer_save_jinja_files "
               "trust_remote_code experimental_skip_move_to_device use_kernels model_quantization_config "
@@ -40,7 +41,8 @@ _GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
               "tokens added_tokens_overrides fix_untrained_tokens save_safetensors"),
     ),
     "adapters": (
-        "adapters (LoRA/QLoRA) are not supported yet; train the full model (drop adapter and the lora_* keys)",
+        "this adapter option is not supported; adapter: lora reads lora_r, lora_alpha, lora_dropout, "
+        "lora_target_modules, lora_target_linear, lora_modules_to_save, lora_fan_in_fan_out and merge_lora",
         _keys("adapter lora_model_dir lora_r lora_alpha lora_fan_in_fan_out lora_target_modules lora_target_parameters "
               "lora_target_linear lora_modules_to_save lora_rank_pattern lora_alpha_pattern lora_dropout "
               "peft_layers_to_transform peft_layers_pattern peft peft_use_dora peft_use_rslora peft_layer_replication "

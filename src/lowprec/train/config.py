@@ -103,7 +103,7 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         for per_epoch, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
             if getattr(self, per_epoch) is not None and getattr(self, steps) is not None:
                 raise ValueError(f"{per_epoch} and {steps} are both set; keep one")
-        if self.warmup_ratio is not None and "warmup_steps" in self.model_fields_set:
+        if self.warmup_ratio is not None and self.warmup_steps > 0:
             raise ValueError("warmup_ratio and warmup_steps are both set; keep one")
         if self.evals_per_epoch is not None and self.val_set_size == 0:
             raise ValueError("evals_per_epoch is set but val_set_size is 0 (no validation data); set val_set_size: 0.05 or drop it")
@@ -232,7 +232,9 @@ def parse_config(data: Any, source: str = "config", flags: frozenset[str] | set[
         if not isinstance(exc, ValidationError):  # an Axolotl key lowprec does not support
             raise ValueError(f"{source}: {exc}") from None
         found = _describe_all(exc.errors(include_url=False))[:3]
-        lines = [f"flag --{loc[0]}: {line}" if loc and loc[0] in flags else line for loc, line in found]
+        # a flag names its key already: "flag --k: msg", not "flag --k: k: msg" (nested keys stay)
+        lines = [f"flag --{loc[0]}: {line.removeprefix(f'{loc[0]}: ')}" if loc and loc[0] in flags else line
+                 for loc, line in found]
         if all(loc and loc[0] in flags for loc, _ in found):
             raise ValueError("; ".join(lines)) from None
         where = source + (f" (with flags {', '.join('--' + f for f in sorted(flags))})" if flags and any(not loc for loc, _ in found) else "")

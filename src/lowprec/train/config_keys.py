@@ -4,8 +4,12 @@ do not edit. (key, description, default as YAML) for every top-level config key.
 __all__ = ["KEYS"]
 
 KEYS = (
-    ('base_model', 'builtin:llama-tiny | builtin:llama-small | builtin:llama-base | builtin:llama-1b, or a local Hugging Face model directory (needs transformers)', 'builtin:llama-tiny'),
-    ('tokenizer', 'byte (built-in byte-level tokenizer) or a local Hugging Face tokenizer directory', 'byte'),
+    ('base_model', 'builtin:llama-tiny | builtin:llama-small | builtin:llama-base | builtin:llama-1b, a local Hugging Face model directory, or a hub id (org/name) already in the local Hugging Face cache (needs transformers; nothing is downloaded)', 'builtin:llama-tiny'),
+    ('tokenizer', "byte (built-in byte-level tokenizer) or a local Hugging Face tokenizer directory (default: byte for a built-in base_model, the base model's own tokenizer for a Hugging Face one)", 'null'),
+    ('model_type', 'transformers class that loads base_model: AutoModelForCausalLM (default) or a causal LM class such as LlamaForCausalLM', 'null'),
+    ('tokenizer_config', "tokenizer directory or cached hub id (default: base_model's own tokenizer for a Hugging Face base_model)", 'null'),
+    ('tokenizer_type', 'transformers tokenizer class: AutoTokenizer (default) or e.g. PreTrainedTokenizerFast', 'null'),
+    ('trust_remote_code', 'run model/tokenizer code shipped in the model directory (off: such models are refused)', 'false'),
     ('datasets', 'training text: [{path: builtin:stdlib}] (default) or local .txt/.jsonl files', "[{chat_template: null, chat_template_jinja: null, drop_system_message: false, ds_type: null,\n    field: text, field_messages: messages, message_field_content: null, message_field_role: null,\n    message_property_mappings: null, path: 'builtin:stdlib', roles: null, roles_to_train: [\n      assistant], split: null, train_on_eos: turn, type: null}]"),
     ('dataset_max_bytes', 'read at most this many bytes of plain text (completion data without packing; null: all)', '8000000'),
     ('val_set_size', 'fraction of documents held out for validation (0: none)', '0.03'),
@@ -66,6 +70,16 @@ KEYS = (
     ('fsdp_config', 'FSDP2 settings (needs fsdp_version: 2)', 'null'),
     ('tensor_parallel_size', "tensor parallel processes per model replica (Axolotl's key; the built-in model's _tp_plan; FP8 layers need fp8_recipe: tensorwise); the other processes shard with FSDP2", '1'),
     ('deepspeed', 'DeepSpeed config: a JSON file path or an inline mapping', 'null'),
+    ('adapter', 'lora (peft LoRA on the frozen base model; FP8 runs the frozen base GEMMs) or qlora (4-bit base through bitsandbytes: not supported yet, a one-line error)', 'null'),
+    ('lora_r', 'LoRA rank (default 8)', 'null'),
+    ('lora_alpha', 'LoRA scaling numerator: updates scale by lora_alpha / lora_r (default lora_r)', 'null'),
+    ('lora_dropout', 'dropout on the adapter input (default 0)', 'null'),
+    ('lora_target_modules', 'module names that get adapters, e.g. [q_proj, v_proj]', 'null'),
+    ('lora_target_linear', 'adapters on every Linear / Conv1D but the output head (added to lora_target_modules)', 'null'),
+    ('lora_modules_to_save', 'modules trained in full next to the adapters (e.g. [embed_tokens, lm_head])', 'null'),
+    ('lora_fan_in_fan_out', "weights stored (in, out), as GPT-2's Conv1D (default: detected)", 'null'),
+    ('merge_lora', 'also save the base model with the adapters merged in, to output_dir/merged', 'false'),
+    ('load_in_4bit', 'load the base model in 4 bits (what adapter: qlora does; not supported yet)', 'null'),
     ('fp8_backend', "native (lowprec's engine) or torchao (torchao.float8 Float8Linear; recipes tensorwise, rowwise, rowwise_with_gw_hp)", 'native'),
     ('compare', 'settings read by `lowprec compare` (precisions, seeds, threshold, workers, ...)', 'null'),
 )

@@ -41,6 +41,7 @@ class Run:
     fp8_layers: bool
     main: bool
     model_config: Any = None
+    tokenizer: Any = None  # saved next to a Hugging Face model's export
     on_log: Optional[Callable[[dict], None]] = None
     eval_every: Optional[int] = None  # eval_steps, or resolved from evals_per_epoch
     save_every: Optional[int] = None  # save_steps, or resolved from saves_per_epoch

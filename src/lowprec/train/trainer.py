@@ -102,11 +102,18 @@ def _build_model(cfg: TrainConfig, vocab_size: int) -> tuple[nn.Module, dict[str
         if vocab_size > mc.vocab_size:
             mc = mc.replace(vocab_size=vocab_size)
         return LlamaForCausalLM(mc), mc.to_dict()
-    from transformers import AutoConfig, AutoModelForCausalLM  # checked in resolve()
+    from lowprec.train.hf_model import load_causal_lm, locate_pretrained
 
-    hf = AutoConfig.from_pretrained(cfg.base_model)
-    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, torch_dtype=torch.float32)
-    return _HFLoss(model), hf.to_dict()
+    model = load_causal_lm(locate_pretrained(cfg.base_model), cfg.model_type, cfg.trust_remote_code)
+    if vocab_size > model.get_input_embeddings().num_embeddings:
+        logger.info("lowprec: resizing the token embeddings from %d to %d (the tokenizer's size, padded to 16)",
+                    model.get_input_embeddings().num_embeddings, vocab_size)
+        model.resize_token_embeddings(vocab_size)
+    if cfg.adapter is not None:
+        from lowprec.train.adapters import LoraSettings, apply_lora
+
+        model = apply_lora(model, LoraSettings.from_config(cfg))
+    return _HFLoss(model), model.config.to_dict()
 
 
 class _HFLoss(nn.Module):
@@ -269,6 +276,7 @@ def train(
     tokenizer, loader, val_loader = _data(cfg, acc)
     total = _total_steps(cfg, len(loader), decisions, main)
     run = _build(cfg, plan, acc, tokenizer.vocab_size, total, output_dir, loader, val_loader, decisions)
+    run.tokenizer = tokenizer
     run.on_log = on_log
     resume_path = _resume(run, decisions)
     run.writer = MetricsWriter(output_dir, main, plan.use_tensorboard, append=resume_path is not None)
@@ -293,9 +301,9 @@ def _data(cfg: TrainConfig, acc):
     """Tokenizer, training batches (this rank's share) and validation batches (or None)."""
     from lowprec.train.data import TokenBatches, build_datasets
     from lowprec.train.data_setup import example_loaders, uses_examples
-    from lowprec.train.tokenizer import load_tokenizer
+    from lowprec.train.hf_model import load_run_tokenizer
 
-    tokenizer = load_tokenizer(cfg.tokenizer, cfg.special_tokens.model_dump(exclude_none=True) if cfg.special_tokens else None)
+    tokenizer = load_run_tokenizer(cfg)
     if uses_examples(cfg):  # instruction / chat / pre-tokenized data, or packing
         return (tokenizer, *example_loaders(cfg, tokenizer, acc))
     with acc.main_process_first():
@@ -442,7 +450,12 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
         from lowprec.train.outputs import export_model
         from lowprec.train.plots import plot_fp8_report, plot_loss
 
-        files["model"] = export_model(sd, run.model_config, output_dir)
+        if cfg.base_model.startswith("builtin:"):
+            files["model"] = export_model(sd, run.model_config, output_dir)
+        else:
+            from lowprec.train.hf_model import export_pretrained
+
+            files.update(export_pretrained(run.inner, sd, run.tokenizer, output_dir, cfg.merge_lora))
         records = read_metrics(output_dir)
         files["loss_plot"] = plot_loss(records, os.path.join(output_dir, "loss.png"), f"{cfg.base_model} ({plan.label})")
         if run.fp8_layers:
