@@ -234,7 +234,9 @@ def parse_config(data: Any, source: str = "config", flags: frozenset[str] | set[
         if not isinstance(exc, ValidationError):  # an Axolotl key lowprec does not support
             raise ValueError(f"{source}: {exc}") from None
         found = _describe_all(exc.errors(include_url=False))[:3]
-        lines = [f"flag --{loc[0]}: {line}" if loc and loc[0] in flags else line for loc, line in found]
+        # a flag names its key already: "flag --k: msg", not "flag --k: k: msg" (nested keys stay)
+        lines = [f"flag --{loc[0]}: {line.removeprefix(f'{loc[0]}: ')}" if loc and loc[0] in flags else line
+                 for loc, line in found]
         if all(loc and loc[0] in flags for loc, _ in found):
             raise ValueError("; ".join(lines)) from None
         where = source + (f" (with flags {', '.join('--' + f for f in sorted(flags))})" if flags and any(not loc for loc, _ in found) else "")
