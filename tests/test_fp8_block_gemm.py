@@ -194,3 +194,30 @@ def test_backward_keeps_half_of_bf16s_bytes_or_less():
     bf16 = 2 * m * k + 2 * n * k
     assert saved["bytes"] == m * k + (m // 128) * k * 4  # FP8 x + float32 scales
     assert saved["bytes"] <= 0.50 * bf16
+
+
+def test_a_frozen_weight_is_cast_once_and_serves_both_gemms(monkeypatch):
+    """A frozen blockwise weight (a LoRA base layer): its 128x128 cast is made once over several
+    micro-batches (fp8/frozen.py) and grad_input reads it, with the same values as a trained
+    layer's backward re-cast."""
+    from lowprec.fp8 import linear
+
+    squares = []
+    real = linear.cast_block_both
+    monkeypatch.setattr(linear, "cast_block_both", lambda *a, **k: squares.append(k.get("square")) or real(*a, **k))
+    lins = [torch.nn.Linear(256, 128, bias=False) for _ in range(2)]
+    lins[1].load_state_dict(lins[0].state_dict())
+    frozen, trained = (fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("blockwise")) for lin in lins)
+    frozen.weight.requires_grad_(False)
+    for step in range(3):
+        x = torch.randn(64, 256, generator=torch.Generator().manual_seed(step))
+        grads = []
+        for layer in (frozen, trained):
+            xi = x.clone().requires_grad_()
+            with fp8.autocast():
+                y = layer(xi)
+            y.square().sum().backward()
+            grads.append((y.detach(), xi.grad))
+        for a, b in zip(*grads):
+            assert torch.equal(a, b)
+    assert squares.count(True) == 1

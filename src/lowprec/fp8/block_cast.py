@@ -53,10 +53,19 @@ def quantize_blockwise_fused(x: torch.Tensor, dtype: torch.dtype, block: tuple[i
     return Float8Data(qt.t(), cs, "block", block, power_of_2)
 
 
-def cast_block_both(t: torch.Tensor, dtype: torch.dtype, size: int, power_of_2: bool) -> tuple[Float8Data, Float8Data]:
+def cast_block_both(t: torch.Tensor, dtype: torch.dtype, size: int, power_of_2: bool, square: bool = False
+                    ) -> tuple[Float8Data, Float8Data]:
     """``(1 x size tiles, row-major; size x 1 tiles, column-major)`` of ``x`` or ``dY``: the
     casts for the GEMM contracting its dim 1 and for the one contracting dim 0. One pass on
-    CUDA; two torch casts elsewhere."""
+    CUDA; two torch casts elsewhere. ``square``: size x size blocks, row-major and transposed
+    (a frozen weight, whose casts are kept for both GEMMs)."""
+    if square:
+        sq = (size, size)
+        if not _fused(t, size):
+            q = quantize_blockwise(t, dtype, sq, power_of_2=power_of_2)
+            return q, q
+        q, s, qt, st = kernels.cast_block_2d(t.detach(), dtype, size, power_of_2, rows=True, cols=True)
+        return Float8Data(q, s, "block", sq, power_of_2), Float8Data(qt.t(), st, "block", sq, power_of_2)
     if not _fused(t, size):
         return (quantize_blockwise(t, dtype, (1, size), power_of_2=power_of_2),
                 quantize_blockwise(t, dtype, (size, 1), power_of_2=power_of_2))

@@ -9,7 +9,8 @@ whether backward wants the dgrad layout: with gradient accumulation over k micro
 weight is cast once, not k times (and not again in an activation-checkpoint recompute).
 
 Only where the forward's cast is also the one grad_input reads (``plan.w_reused``: per-tensor
-scales, 128x128 blocks): there the cached cast is the tensor backward keeps alive anyway, so
+scales; ``plan.w_square``: 128x128 blocks, which a trained layer re-casts in backward but a
+frozen one keeps, both layouts, in the cache): there the cached cast is the tensor backward keeps alive anyway, so
 peak memory does not grow on CPU (one cast serves both GEMMs); on CUDA the row-major forward
 copy (1 byte per weight) is held as well. Rowwise recipes re-cast the weight along the other
 axis in backward; caching both would hold two bytes per weight, so they are not cached.
@@ -38,7 +39,7 @@ def frozen_weight_cache(layer: nn.Module, weight: torch.Tensor, recipe: Any, pla
         return None
     if torch.compiler.is_compiling():  # a Python-side store is no graph op: compiled code casts each call
         return None
-    if need_dgrad and not plan.w_reused and not plan.dgrad.high_precision:
+    if need_dgrad and not (plan.w_reused or plan.w_square) and not plan.dgrad.high_precision:
         return None  # backward would cast the weight again (rowwise): nothing to gain cheaply
     key = (id(weight), weight._version, weight.data_ptr(), weight.dtype, weight.device, recipe, need_dgrad)
 

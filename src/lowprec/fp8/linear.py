@@ -108,8 +108,8 @@ def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale
     if pre is not None:
         return pre, pre
     pow2 = recipe.power_of_2_scales
-    if spec.granularity == "block" and not spec.block_2d:  # 1x128 + 128x1 tiles in one pass
-        return cast_block_both(t, spec.dtype, recipe.block_size, pow2)
+    if spec.granularity == "block":  # 1x128 + 128x1 tiles, or square blocks and their transpose, in one pass
+        return cast_block_both(t, spec.dtype, recipe.block_size, pow2, square=spec.block_2d)
     fused = t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.dim() == 2 and kernels.available(t.device)
     if spec.granularity == "tensor" and fused:
         if scale is None:
@@ -195,7 +195,8 @@ class _Float8LinearFn(torch.autograd.Function):
                     (xq, x_col), (wq, w_col) = state.fused_forward(x, weight, fp.a, fp.b, recipe)
                 else:  # a dual cast writes the layout a backward GEMM reads in the same pass
                     xq, x_col = _cast_pair(x, fp.a, recipe, state.x_scale, need_wgrad and plan.x_dual)
-                    make_w = lambda: _cast_pair(weight, fp.b, recipe, state.w_scale, need_dgrad and plan.w_dual)  # noqa: E731
+                    w_dual = plan.w_dual or (plan.w_square and cfg.weight_cache is not None)  # frozen: both layouts kept
+                    make_w = lambda: _cast_pair(weight, fp.b, recipe, state.w_scale, need_dgrad and w_dual)  # noqa: E731
                     wq, w_col = cfg.weight_cache(make_w) if cfg.weight_cache is not None else make_w()
                 out = scaled_mm(xq, wq.t(), hp, path=recipe.gemm, use_fast_accum=recipe.use_fast_accum)
                 state.observe(INPUT, x, xq)
@@ -203,7 +204,8 @@ class _Float8LinearFn(torch.autograd.Function):
             # What grad_input needs: the weight, cast for a GEMM contracting over N.
             w_saved = None
             if need_dgrad:
-                w_saved = (wq if w_col is None else w_col) if plan.w_reused else weight
+                reuse = plan.w_reused or (plan.w_square and cfg.weight_cache is not None)
+                w_saved = (wq if w_col is None else w_col) if reuse else weight
             # What grad_weight needs: the input, cast for a GEMM contracting over M.
             x_saved = None
             if need_wgrad:

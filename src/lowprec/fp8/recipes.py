@@ -78,6 +78,8 @@ class LinearPlan:
     * ``w_dual``: the forward casts ``W`` in both layouts (one tensor scale serves both).
     * ``w_reused``: grad_input reads the forward's cast of ``W`` (a tensor scale serves both
       orientations) instead of re-casting the weight in backward (rowwise, blockwise).
+    * ``w_square``: both GEMMs of ``W`` use the same square blocks, so one cast could serve
+      both; used only for a frozen weight, whose cast is kept anyway (``frozen.py``).
     * ``dy_dual``: grad_input casts ``dY`` in both layouts and grad_weight reads the second.
     """
 
@@ -88,6 +90,7 @@ class LinearPlan:
     x_dual: bool = field(init=False)
     w_dual: bool = field(init=False)
     w_reused: bool = field(init=False)
+    w_square: bool = field(init=False)
     dy_dual: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -99,6 +102,7 @@ class LinearPlan:
         # square blocks would serve both orientations, but blockwise re-casts W in backward: an
         # FP8 copy kept per layer costs 1 byte/param at the memory peak (same values either way)
         set_("w_reused", self.w_dual)
+        set_("w_square", _same_cast(fp, fp.b, dg, dg.b, ("block",)) and dg.b.block_2d)
         set_("dy_dual", _same_cast(dg, dg.a, wg, wg.a, axes))
 
 
