@@ -48,8 +48,9 @@ from lowprec.fp8.autocast import (
 )
 from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.gemm import scaled_mm
+from lowprec.fp8.mx_linear import MX_STATE_BUFFER, init_mx_state, mx_linear
 from lowprec.fp8.quantize import Float8Data, expand_blocks, quantize
-from lowprec.fp8.recipes import OperandCast, Recipe
+from lowprec.fp8.recipes import BLOCK_SCALED, OperandCast, Recipe
 from lowprec.fp8.scaling import amax_to_scale, history_to_amax, record_amax
 
 __all__ = ["Float8Linear", "delayed_scale_step"]
@@ -57,7 +58,7 @@ __all__ = ["Float8Linear", "delayed_scale_step"]
 OPERANDS = ("input", "weight", "grad_output")
 _STATE_BUFFERS = tuple(f"fp8_amax_history_{o}" for o in OPERANDS) + tuple(
     f"fp8_scale_{o}" for o in OPERANDS
-) + ("fp8_step", "fp8_step_grad")
+) + ("fp8_step", "fp8_step_grad", MX_STATE_BUFFER)
 
 
 def delayed_scale_step(
@@ -376,6 +377,7 @@ class Float8Linear(nn.Linear):
             # the (input, weight) scales of the last forward, replayed by an activation-checkpoint
             # recompute (fp8.checkpoint) so it casts exactly as the first forward did
             self.register_buffer("fp8_last_scales", torch.ones(2, device=device), persistent=False)
+        init_mx_state(self, recipe)  # block-scaled recipes (fp8/mx_linear.py)
         # (amax, scale, saturated fraction, underflow fraction) x (input, weight, grad_output)
         self.register_buffer("fp8_stats", torch.zeros(3, 4, device=device), persistent=False)
 
@@ -478,8 +480,11 @@ class Float8Linear(nn.Linear):
                 self.fp8_step.add_(1)
                 self.fp8_last_scales.copy_(torch.stack([x_scale, w_scale]))
             grad_state = (self.fp8_amax_history_grad_output, self.fp8_scale_grad_output, self.fp8_step_grad)
-        cfg = _FnConfig(recipe, hp, self.fp8_telemetry)
-        out = _Float8LinearFn.apply(x2, self.weight, cfg, x_scale, w_scale, grad_state, self.fp8_stats, fwd_state)
+        if recipe.scaling in BLOCK_SCALED:  # MXFP8 / NVFP4: their own GEMMs (fp8/mx_linear.py)
+            out = mx_linear(self, x2, recipe, hp)
+        else:
+            cfg = _FnConfig(recipe, hp, self.fp8_telemetry)
+            out = _Float8LinearFn.apply(x2, self.weight, cfg, x_scale, w_scale, grad_state, self.fp8_stats, fwd_state)
         out = out.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
