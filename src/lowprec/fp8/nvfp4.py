@@ -45,8 +45,6 @@ NVFP4_BLOCK = 16
 FP4_MAX = 6.0
 _E4M3_MAX = 448.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7 (sign in bit 3)
-# midpoints between neighbours; a tie at an odd index (0.75, 1.75, 3.5) goes up to the even code
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 FP4X2 = torch.float4_e2m1fn_x2
 
 
@@ -54,29 +52,35 @@ def _grid(device) -> torch.Tensor:
     return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
 
 
+def _code_of(a: torch.Tensor, rnd) -> torch.Tensor:
+    """Magnitudes in [0, 6] -> E2M1 codes with ``rnd`` (``torch.round``: ties to even, or
+    ``torch.floor``) applied in the binade's own step: 0.5 below 2, 1 in [2, 4), 2 in [4, 6].
+    Below 2 the code is the count of halves; above, the code counts on from 4 (value 2)."""
+    return torch.where(a < 2, rnd(a * 2), torch.where(a < 4, rnd(a) + 2, rnd(a * 0.5) + 4)).clamp_(max=7)
+
+
 def e2m1_encode(y: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Already-scaled float32 values -> E2M1 codes (uint8, 0..15), saturating at +-6.
 
-    ``generator=None``: round to nearest, ties to even. Otherwise stochastic rounding with noise
-    from ``generator``: up with probability (|y| - lo) / (hi - lo). NaN becomes code 0; callers
-    carry NaN in the scale instead (E2M1 has no NaN).
+    ``generator=None``: round to nearest, ties to even (``torch.round`` in each binade's step
+    gives the even code at a tie: 0.75 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). Otherwise
+    stochastic rounding with noise from ``generator``: up with probability (|y| - lo) / (hi - lo).
+    NaN becomes code 0; callers carry NaN in the scale instead (E2M1 has no NaN).
     """
     a = torch.nan_to_num(y.abs(), nan=0.0).clamp_(max=FP4_MAX)
     if generator is None:
-        mids = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=y.device)
-        code = torch.bucketize(a, mids)  # a == midpoint: the lower bucket
-        tie_up = (code % 2 == 1) & (code < len(_MIDPOINTS)) & (a == mids[code.clamp(max=len(_MIDPOINTS) - 1)])
-        code = code + tie_up.to(code.dtype)
+        code = _code_of(a, torch.round)
     else:
         grid = _grid(y.device)
-        lo = (torch.bucketize(a, grid, right=True) - 1).clamp_(0, 7)
+        lo = _code_of(a, torch.floor).to(torch.int64)
         hi = (lo + 1).clamp_(max=7)
-        step = grid[hi] - grid[lo]
-        p = torch.where(step > 0, (a - grid[lo]) / torch.where(step > 0, step, 1.0), 0.0)
+        lo_v, step = grid[lo], grid[hi] - grid[lo]
+        p = torch.where(step > 0, (a - lo_v) / torch.where(step > 0, step, 1.0), 0.0)
         u = torch.rand(a.shape, generator=generator, device=generator.device).to(a.device)
         code = lo + (u < p).to(lo.dtype)
+    code = code.to(torch.uint8)
     sign = ((y < 0) & (code > 0)).to(torch.uint8) << 3  # no negative zero
-    return code.to(torch.uint8) | sign
+    return code | sign
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
