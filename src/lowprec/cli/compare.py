@@ -27,7 +27,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("config", nargs="?", help="the YAML config")
     p.add_argument("--precisions", default="fp32,bf16,fp8", metavar="LIST",
-                   help="comma-separated: fp32, bf16, fp16, bf16-full, fp8 (default fp32,bf16,fp8)")
+                   help="comma-separated: fp32, bf16, fp16, bf16-full, fp8, fp8:<recipe> (fp8 with that "
+                        "fp8_recipe, e.g. fp8:mxfp8,fp8:nvfp4) (default fp32,bf16,fp8)")
     p.add_argument("--threshold", type=float, default=0.02, metavar="FRACTION",
                    help="largest allowed excess of FP8's final validation loss over BF16's (default 0.02 = 2%%)")
     p.add_argument("--compare_dir", "--compare-dir", default=None, metavar="DIR",

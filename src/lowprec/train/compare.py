@@ -9,6 +9,10 @@ run's alone) in ``output_dir/compare/<precision>/``, with only the precision key
   plus the parity verdict;
 * a printed table, and exit code 1 when FP8's final validation loss is more than ``threshold``
   (default 2%) above BF16's (above the reference run's when bf16 is not among the precisions).
+
+``fp8:<recipe>`` (e.g. ``fp8:mxfp8``, ``fp8:nvfp4``) is the fp8 precision with that
+``fp8_recipe``, so that several recipes run beside bf16 in one comparison; each gets its
+parity line, and the verdict needs all of them to pass.
 """
 
 from __future__ import annotations
@@ -37,6 +41,14 @@ PRECISIONS: dict[str, dict[str, Any]] = {
 
 
 def precision_overrides(name: str, cfg: TrainConfig) -> dict[str, Any]:
+    if name.startswith("fp8:"):  # the fp8 precision with another recipe
+        from lowprec.catalog import recipe_info
+
+        try:
+            recipe = recipe_info(name[4:]).name
+        except ValueError as err:
+            raise ValueError(f"--precisions {name}: {err}") from None
+        return {**precision_overrides("fp8", cfg), "fp8_recipe": recipe}
     if name not in PRECISIONS:
         from lowprec.errors import did_you_mean
 
@@ -65,10 +77,12 @@ class CompareResult:
     rows: list = field(default_factory=list)
     threshold: float = 0.02
     parity: Optional[dict] = None  # {"fp8": .., "baseline": .., "rel_diff": .., "passed": ..}
+    parities: dict = field(default_factory=dict)  # per fp8 variant ("fp8", "fp8:mxfp8", ...)
 
     @property
     def passed(self) -> bool:
-        return self.parity is None or bool(self.parity["passed"])
+        return all(bool(p["passed"]) for p in self.parities.values()) if self.parities else (
+            self.parity is None or bool(self.parity["passed"]))
 
 
 def _rel_gap(curve: Sequence[Sequence[float]], ref: Sequence[Sequence[float]]) -> Optional[float]:
@@ -79,7 +93,7 @@ def _rel_gap(curve: Sequence[Sequence[float]], ref: Sequence[Sequence[float]]) -
 
 def summarize(summaries: dict[str, dict[str, Any]], threshold: float = 0.02) -> CompareResult:
     """Rows and verdict from each run's ``summary.json`` (a RunResult as a dict)."""
-    order = [p for p in PRECISIONS if p in summaries]
+    order = [p for p in PRECISIONS if p in summaries] + sorted(p for p in summaries if p.startswith("fp8:"))
     reference = order[0]
     ref_curve = summaries[reference]["train_losses"]
     result = CompareResult(reference=reference, threshold=threshold)
@@ -97,16 +111,17 @@ def summarize(summaries: dict[str, dict[str, Any]], threshold: float = 0.02) -> 
                 output_dir=s["output_dir"],
             )
         )
-    if "fp8" in summaries and len(order) > 1:
-        baseline = "bf16" if "bf16" in summaries else reference
-        if baseline != "fp8":
-            key = "final_eval_loss" if summaries["fp8"]["final_eval_loss"] is not None else "final_train_loss"
-            f, b = summaries["fp8"][key], summaries[baseline][key]
+    baseline = "bf16" if "bf16" in summaries else reference
+    for variant in (p for p in order if p == "fp8" or p.startswith("fp8:")):
+        if len(order) > 1 and baseline != variant:
+            key = "final_eval_loss" if summaries[variant]["final_eval_loss"] is not None else "final_train_loss"
+            f, b = summaries[variant][key], summaries[baseline][key]
             rel = (f - b) / abs(b)
-            result.parity = {
-                "fp8": f, "baseline": baseline, "baseline_loss": b, "metric": key,
+            result.parities[variant] = {
+                "fp8": f, "variant": variant, "baseline": baseline, "baseline_loss": b, "metric": key,
                 "rel_diff": rel, "threshold": threshold, "passed": rel <= threshold,
             }
+    result.parity = next(iter(result.parities.values()), None)
     return result
 
 
@@ -125,13 +140,12 @@ def format_table(result: CompareResult) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
-    if result.parity is not None:
-        p = result.parity
+    for p in result.parities.values() or ([result.parity] if result.parity else []):
         what = "validation" if p["metric"] == "final_eval_loss" else "train (no validation set)"
         verdict = "PASS" if p["passed"] else "FAIL"
         out.append(
-            f"parity: fp8 final {what} loss {p['fp8']:.4f} vs {p['baseline']} {p['baseline_loss']:.4f}: "
-            f"{100 * p['rel_diff']:+.2f}% (threshold +{100 * p['threshold']:.1f}%) {verdict}"
+            f"parity: {p.get('variant', 'fp8')} final {what} loss {p['fp8']:.4f} vs {p['baseline']} "
+            f"{p['baseline_loss']:.4f}: {100 * p['rel_diff']:+.2f}% (threshold +{100 * p['threshold']:.1f}%) {verdict}"
         )
     return "\n".join(out)
 
@@ -174,5 +188,6 @@ def compare(
     plot_compare({p: read_metrics(s["output_dir"]) for p, s in summaries.items()}, os.path.join(out, "compare.png"))
     with open(os.path.join(out, "compare.json"), "w") as f:
         json.dump({"reference": result.reference, "threshold": threshold, "parity": result.parity,
+                   "parities": result.parities,
                    "rows": [asdict(r) for r in result.rows]}, f, indent=1)
     return result
