@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lowprec.fp8.autocast import torch_autocast_off
+from lowprec.fp8.autocast import recomputing, torch_autocast_off
 from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.hadamard import apply_rht, random_hadamard
 from lowprec.fp8.mx import BlockScaledData, e8m0_decode, quantize_mx
@@ -225,7 +225,10 @@ def mx_linear(module: nn.Module, x2: torch.Tensor, recipe: Recipe, hp: torch.dty
             )
         if torch.is_grad_enabled():
             layer, step = (int(v) for v in state.tolist())  # one read of a 2-element buffer per step
+            if recomputing():  # fp8.checkpoint's recompute: the first forward's stream, state untouched
+                step -= 1
+            else:
+                state[1] += 1
             seeds = (_stream_seed(recipe, layer, step, 0), _stream_seed(recipe, layer, step, 1))
-            state[1] += 1
     cfg = _MXConfig(recipe, hp, bool(module.fp8_telemetry), seeds)
     return _MXLinearFn.apply(x2, module.weight, cfg, module.fp8_stats)
