@@ -43,8 +43,14 @@ def _final(losses):
     return sum(losses[-20:]) / 20
 
 
+# The block-scaled recipes run emulated on CPU at 2-3x the step time of the others (many small
+# ops per cast): their end-to-end parity is measured with `lowprec compare` (docs/log/mx.md), and
+# their numerics are tested per GEMM (tests/test_mx_linear.py), to keep the suite in CI's budget.
+E2E_RECIPES = [r for r in fp8.RECIPE_NAMES if r not in ("mxfp8", "nvfp4")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", fp8.RECIPE_NAMES)
+@pytest.mark.parametrize("recipe", E2E_RECIPES)
 def test_fp8_final_loss_within_5_percent_of_bf16(bf16_losses, recipe):
     losses = train(recipe)
     assert _final(bf16_losses) < 0.8 * sum(bf16_losses[:5]) / 5  # the baseline did learn
