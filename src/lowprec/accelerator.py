@@ -93,19 +93,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         project_config: Optional[ProjectConfiguration] = None,
         **kwargs: Any,
     ) -> None:
-        handlers = list(kwargs_handlers or [])
-        if "kwarg_handlers" in kwargs:  # the spelling Accelerate's own FP8 docs use
-            handlers += list(kwargs.pop("kwarg_handlers") or [])
-        # torch.compile of prepared models (Accelerate's dynamo_backend / dynamo_plugin)
-        self.dynamo_plugin = kwargs.pop("dynamo_plugin", None) or TorchDynamoPlugin(backend=kwargs.pop("dynamo_backend", None))
-        if kwargs:
-            known = list(inspect.signature(Accelerator.__init__).parameters) + ["kwarg_handlers"]
-            bad = next(iter(kwargs))
-            raise TypeError(f"Accelerator() got an unexpected argument {bad!r}{did_you_mean(bad, known)}")
-        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
-        if split_batches:  # Accelerate's older spelling of DataLoaderConfiguration(split_batches=True)
-            self.dataloader_config.split_batches = True
-        self.handlers = self._sort_handlers(handlers)
+        self._init_extras(kwargs_handlers, kwargs, dataloader_config, split_batches)
         recipe_handler: Optional[RecipeKwargs] = self.handlers.get("recipe")
 
         explicit_mp = mixed_precision is not None or env_get("ACCELERATE_MIXED_PRECISION") is not None
@@ -158,6 +146,23 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         self._ds_engine: Any = None
 
     # ------------------------------------------------------------------ construction helpers
+    def _init_extras(self, kwargs_handlers: Optional[list], kwargs: dict, dataloader_config, split_batches: bool) -> None:
+        """The kwargs handlers, the dynamo plugin and the dataloader configuration, with the
+        spellings Accelerate also accepts; an unknown keyword is an error with a suggestion."""
+        handlers = list(kwargs_handlers or [])
+        if "kwarg_handlers" in kwargs:  # the spelling Accelerate's own FP8 docs use
+            handlers += list(kwargs.pop("kwarg_handlers") or [])
+        # torch.compile of prepared models (Accelerate's dynamo_backend / dynamo_plugin)
+        self.dynamo_plugin = kwargs.pop("dynamo_plugin", None) or TorchDynamoPlugin(backend=kwargs.pop("dynamo_backend", None))
+        if kwargs:
+            known = list(inspect.signature(Accelerator.__init__).parameters) + ["kwarg_handlers"]
+            bad = next(iter(kwargs))
+            raise TypeError(f"Accelerator() got an unexpected argument {bad!r}{did_you_mean(bad, known)}")
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
+        if split_batches:  # Accelerate's older spelling of DataLoaderConfiguration(split_batches=True)
+            self.dataloader_config.split_batches = True
+        self.handlers = self._sort_handlers(handlers)
+
     def _resolve_fp8(self, recipe_handler: Optional[RecipeKwargs]) -> tuple[Optional[FP8Settings], Optional[Backend]]:
         """The FP8 settings (the one resolver) and the backend they name, or ``(None, None)``."""
         if recipe_handler is not None and self.state.requested_mixed_precision != "fp8":

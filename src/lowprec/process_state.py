@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lowprec.kwargs import env_flag, env_get, env_int
+from lowprec.shared_state import SharedState
 
 __all__ = ["DistributedType", "PartialState", "ProcessFacts", "split_between"]
 
@@ -119,7 +120,7 @@ class ProcessFacts:
         raise AttributeError(f"'{cls}' object has no attribute '{name}'")
 
 
-class PartialState(ProcessFacts):
+class PartialState(SharedState, ProcessFacts):
     """Device, ranks and distributed type of this process, shared by every instance."""
 
     _shared_state: dict = {}
@@ -157,15 +158,6 @@ class PartialState(ProcessFacts):
         self.process_index, self.num_processes, self.local_process_index = rank, world, local
         multi = DistributedType.MULTI_GPU if device.type == "cuda" else DistributedType.MULTI_CPU
         self.distributed_type = multi if world > 1 else DistributedType.NO
-
-    @staticmethod
-    def _reset_state() -> None:
-        """Forget the shared state (Accelerate's test helper; the next instance re-resolves)."""
-        PartialState._shared_state.clear()
-
-    @property
-    def initialized(self) -> bool:
-        return self._shared_state != {}
 
     # ------------------------------------------------------------------ derived facts
     @property

@@ -97,21 +97,27 @@ class TensorBoardTracker(GeneralTracker):
             self.writer.close()
 
 
-class WandBTracker(GeneralTracker):
-    name = "wandb"
+class _HostedTracker(GeneralTracker):
+    """A tracker whose library keeps the run (not a directory of ours): ``run`` is the
+    library's run object once started, and what ``tracker`` returns."""
+
     requires_logging_directory = False
 
     def __init__(self, run_name: str, **kwargs: Any) -> None:
         self.run_name, self.kwargs, self.run = run_name, kwargs, None
 
+    @property
+    def tracker(self) -> Any:
+        return self.run
+
+
+class WandBTracker(_HostedTracker):
+    name = "wandb"
+
     def start(self) -> None:
         import wandb
 
         self.run = wandb.init(project=self.run_name, **self.kwargs)
-
-    @property
-    def tracker(self) -> Any:
-        return self.run
 
     def store_init_configuration(self, values: dict) -> None:
         self.run.config.update(values, allow_val_change=True)
@@ -123,12 +129,12 @@ class WandBTracker(GeneralTracker):
         self.run.finish()
 
 
-class MLflowTracker(GeneralTracker):
+class MLflowTracker(_HostedTracker):
     name = "mlflow"
-    requires_logging_directory = False
 
     def __init__(self, experiment_name: str, logging_dir: Optional[str] = None, **kwargs: Any) -> None:
-        self.experiment_name, self.logging_dir, self.kwargs, self.run = experiment_name, logging_dir, kwargs, None
+        super().__init__(experiment_name, **kwargs)
+        self.experiment_name, self.logging_dir = experiment_name, logging_dir
 
     def start(self) -> None:
         import mlflow
@@ -137,10 +143,6 @@ class MLflowTracker(GeneralTracker):
             mlflow.set_tracking_uri(self.logging_dir)
         mlflow.set_experiment(self.experiment_name)
         self.run = mlflow.start_run(**self.kwargs)
-
-    @property
-    def tracker(self) -> Any:
-        return self.run
 
     def store_init_configuration(self, values: dict) -> None:
         import mlflow
@@ -158,30 +160,27 @@ class MLflowTracker(GeneralTracker):
         mlflow.end_run()
 
 
-class CometMLTracker(GeneralTracker):
+class CometMLTracker(_HostedTracker):
     name = "comet_ml"
-    requires_logging_directory = False
-
-    def __init__(self, run_name: str, **kwargs: Any) -> None:
-        self.run_name, self.kwargs, self.experiment = run_name, kwargs, None
 
     def start(self) -> None:
         import comet_ml
 
-        self.experiment = comet_ml.start(project_name=self.run_name, **self.kwargs)
+        self.run = comet_ml.start(project_name=self.run_name, **self.kwargs)
 
     @property
-    def tracker(self) -> Any:
-        return self.experiment
+    def experiment(self) -> Any:
+        """The Comet experiment (``tracker``)."""
+        return self.run
 
     def store_init_configuration(self, values: dict) -> None:
-        self.experiment.log_parameters(values)
+        self.run.log_parameters(values)
 
     def log(self, values: dict, step: Optional[int] = None, **kwargs: Any) -> None:
-        self.experiment.log_metrics(values, step=step, **kwargs)
+        self.run.log_metrics(values, step=step, **kwargs)
 
     def finish(self) -> None:
-        self.experiment.end()
+        self.run.end()
 
 
 # tracker name -> class (built-ins, then those added by register_tracker_class)

@@ -18,14 +18,13 @@ HELP = "run one config at several precisions and report loss parity"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from lowprec.cli.train import add_config_flags
+    from lowprec.cli.train import add_config_flags, config_command
 
-    p = subparsers.add_parser(
-        NAME, help=HELP,
-        description="Run one config at several precisions (same seed and data order) and compare the losses.",
-        usage="lowprec compare CONFIG.yaml [--precisions fp32,bf16,fp8] [--threshold 0.02] [--key value ...]",
+    p = config_command(
+        subparsers, NAME, HELP, "Run one config at several precisions (same seed and data order) and compare the losses.",
+        "lowprec compare CONFIG.yaml [--precisions fp32,bf16,fp8] [--threshold 0.02] [--key value ...]",
+        "the YAML config",
     )
-    p.add_argument("config", nargs="?", help="the YAML config")
     p.add_argument("--precisions", default="fp32,bf16,fp8", metavar="LIST",
                    help="comma-separated: fp32, bf16, fp16, bf16-full, fp8, fp8:<recipe> (fp8 with that "
                         "fp8_recipe, e.g. fp8:mxfp8,fp8:nvfp4) (default fp32,bf16,fp8)")

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
-__all__ = ["NAME", "HELP", "add_parser", "run", "add_config_flags", "overrides_from_args", "relaunch_command", "resume_command"]
+__all__ = ["NAME", "HELP", "add_parser", "run", "add_config_flags", "config_command", "overrides_from_args", "relaunch_command", "resume_command"]
 
 NAME = "train"
 HELP = "train the built-in (or a local HF) model from an Axolotl-style YAML config"
@@ -43,13 +43,20 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {k[len("cfg__"):]: parse_override_value(v) for k, v in vars(args).items() if k.startswith("cfg__")}
 
 
+def config_command(subparsers: Any, name: str, summary: str, description: str, usage: str, config_help: str) -> argparse.ArgumentParser:
+    """A subcommand that reads a trainer YAML config (positional, optional): ``train``, ``compare``.
+    The caller adds its own flags, then :func:`add_config_flags`."""
+    p = subparsers.add_parser(name, help=summary, description=description, usage=usage)
+    p.add_argument("config", nargs="?", help=config_help)
+    return p
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        NAME, help=HELP,
-        description="Train from an Axolotl-style YAML config; every config key is also a --flag.",
-        usage="lowprec train CONFIG.yaml [--key value ...] [--num_processes N]",
+    p = config_command(
+        subparsers, NAME, HELP, "Train from an Axolotl-style YAML config; every config key is also a --flag.",
+        "lowprec train CONFIG.yaml [--key value ...] [--num_processes N]",
+        "the YAML config (omit to run on defaults and flags alone)",
     )
-    p.add_argument("config", nargs="?", help="the YAML config (omit to run on defaults and flags alone)")
     p.add_argument("--num_processes", "--num-processes", type=int, default=1, metavar="N",
                    help="processes on this machine (N > 1: torchrun, gloo on CPU, nccl on GPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or info log")

@@ -27,6 +27,10 @@ buffer. The scale used at step t is built from amaxes recorded at steps < t and 
 every ``interval`` steps; while no finite non-zero amax has been recorded (the first step, or
 after all-zero inputs) the current tensor's amax is used, so step 0 is exactly tensorwise.
 Gradient histories are updated in backward.
+
+Layout of the code: ``_Float8LinearFn`` is the three GEMMs and their casts; which cast one GEMM
+hands to another is decided once per recipe (``LinearPlan``); scales handed in, scaling-state
+updates and telemetry go through one per-call object (``cast_state.py``).
 """
 
 from __future__ import annotations
@@ -46,12 +50,12 @@ from lowprec.fp8.autocast import (
     torch_autocast_dtype,
     torch_autocast_off,
 )
-from lowprec.fp8.formats import saturation_threshold
+from lowprec.fp8.cast_state import GRAD_OUTPUT, INPUT, WEIGHT, CastState, DelayedCastState
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.mx_linear import MX_STATE_BUFFER, init_mx_state, mx_linear
-from lowprec.fp8.quantize import Float8Data, expand_blocks, quantize
-from lowprec.fp8.recipes import BLOCK_SCALED, OperandCast, Recipe
-from lowprec.fp8.scaling import amax_to_scale, history_to_amax, record_amax
+from lowprec.fp8.quantize import Float8Data, quantize
+from lowprec.fp8.recipes import BLOCK_SCALED, LinearPlan, OperandCast, Recipe
+from lowprec.fp8.scaling import amax_to_scale, delayed_scale_step
 
 __all__ = ["Float8Linear", "delayed_scale_step"]
 
@@ -59,38 +63,6 @@ OPERANDS = ("input", "weight", "grad_output")
 _STATE_BUFFERS = tuple(f"fp8_amax_history_{o}" for o in OPERANDS) + tuple(
     f"fp8_scale_{o}" for o in OPERANDS
 ) + ("fp8_step", "fp8_step_grad", MX_STATE_BUFFER)
-
-
-def delayed_scale_step(
-    history: torch.Tensor,
-    scale: torch.Tensor,
-    step: torch.Tensor,
-    amax_now: torch.Tensor,
-    dtype: torch.dtype,
-    recipe: Recipe,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One step of delayed scaling for one operand; pure.
-
-    Returns ``(scale_used, new_history, new_scale)``: the scale to cast this step's tensor
-    with (from earlier steps, or from ``amax_now`` while the history holds nothing), the
-    history with ``amax_now`` recorded, and the scale for the next step (refreshed when
-    ``(step + 1) % interval == 0``, otherwise kept).
-    """
-    have_history = history_to_amax(history, "max") > 0
-    pow2 = recipe.power_of_2_scales
-    scale_now = amax_to_scale(amax_now, dtype, margin=recipe.margin, power_of_2=pow2)
-    scale_used = torch.where(have_history, scale, scale_now)
-    # A non-finite tensor casts with a NaN scale, as current scaling does (scaling.py): the
-    # history keeps it out, and the NaN reaches the GEMM output on every kernel path, including
-    # the CPU upcast, which does not decode NaN bytes (cpu_gemm.py).
-    scale_used = torch.where(torch.isfinite(amax_now), scale_used, torch.full_like(scale_used, float("nan")))
-    new_history = record_amax(history, amax_now)
-    refresh = ((step + 1) % recipe.interval == 0) | ~have_history
-    candidate = amax_to_scale(
-        history_to_amax(new_history, recipe.amax_compute_algo), dtype, margin=recipe.margin, power_of_2=pow2
-    )
-    new_scale = torch.where(refresh, candidate, scale_used)
-    return scale_used, new_history, new_scale
 
 
 def _cast(x: torch.Tensor, spec: OperandCast, contract: int, recipe: Recipe, scale=None) -> Float8Data:
@@ -140,39 +112,23 @@ def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale
 _HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _cast_delayed_fused(t, spec: OperandCast, recipe: Recipe, hist, scale, step) -> tuple[Float8Data, Float8Data, torch.Tensor]:
-    """Delayed scaling on CUDA with the Triton kernels: one pass over ``t`` (TE semantics).
-
-    Cast (both layouts) with the scale the history holds, take this step's amax from that same
-    pass into the history, and re-cast only if the scale to use differs: it does exactly when
-    the history had nothing in it (the first step), where the scale comes from this amax; the
-    re-cast kernel returns at once otherwise. Same values as :func:`delayed_scale_step` followed
-    by a cast with its ``scale_used``. Updates ``hist`` and ``scale`` in place; returns
-    ``(row-major cast, column-major cast, scale_used)``.
-    """
-    q, qt, amax_now = kernels.cast_transpose_amax(t, scale, spec.dtype)
-    used, cast_with = kernels.delayed_scale_update(hist, scale, step, amax_now, spec.dtype, recipe)
-    kernels.recast_if_changed(t, used, cast_with, q, qt)
-    pow2 = recipe.power_of_2_scales
-    return Float8Data(q, used, "tensor", None, pow2), Float8Data(qt.t(), used, "tensor", None, pow2), used
+def _cast_pair(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale, dual: bool) -> tuple[Float8Data, Float8Data | None]:
+    """``(cast for the forward GEMM, column-major cast for a backward GEMM or None)``."""
+    if dual:
+        return _cast_both_layouts(t, spec, recipe, scale)
+    return _cast(t, spec, 1, recipe, scale), None
 
 
-def _stats(x: torch.Tensor, q: Float8Data) -> torch.Tensor:
-    """(amax, scale, saturated fraction, underflow fraction) of one cast, as a float32 (4,)."""
-    scale = q.scale
-    full = expand_blocks(scale, q.block, x.shape) if q.granularity == "block" else scale
-    x32 = x.detach().to(torch.float32)
-    scaled = (x32 * full).abs()
-    saturated = (scaled > saturation_threshold(q.data.dtype)).float().mean()
-    underflow = ((x32 != 0) & (q.data.to(torch.float32) == 0)).float().mean()
-    return torch.stack([x32.abs().amax(), scale.amin().to(torch.float32), saturated, underflow])
+def _tensor_scale(spec: OperandCast, scale):
+    """A per-tensor scale handed in (delayed scaling) applies to tensor-granularity casts only."""
+    return scale if spec.granularity == "tensor" else None
 
 
 @dataclass(frozen=True)
 class _FnConfig:
     recipe: Recipe
     hp_dtype: torch.dtype
-    stats: bool
+    plan: LinearPlan  # recipe.plan(), built once per recipe
 
 
 def _pack(ctx, items: list) -> None:
@@ -205,49 +161,32 @@ def _unpack(ctx) -> list:
 
 
 class _Float8LinearFn(torch.autograd.Function):
+    """The three GEMMs of the table above and their casts. Scales handed in, state updates and
+    telemetry go through ``state`` (:mod:`lowprec.fp8.cast_state`); which cast serves which
+    GEMM is decided once, in ``cfg.plan``."""
+
     @staticmethod
-    def forward(ctx, x, weight, cfg: _FnConfig, x_scale, w_scale, grad_state, stats, fwd_state=None):
-        recipe, hp = cfg.recipe, cfg.hp_dtype
-        plan = recipe.plan()
+    def forward(ctx, x, weight, cfg: _FnConfig, state: CastState):
+        recipe, hp, plan = cfg.recipe, cfg.hp_dtype, cfg.plan
+        fp = plan.fprop
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         with torch_autocast_off(x.device.type):
-            fp = plan.fprop
-            xq = wq = w_col = x_col = None
+            wq = x_col = w_col = None
             if fp.high_precision:
                 out = torch.matmul(x.to(hp), weight.to(hp).t())
             else:
-                wg = plan.wgrad
-                x_both = need_wgrad and recipe.save_fp8_activations and not wg.high_precision and (
-                    wg.b == fp.a and wg.b.granularity in ("tensor", "axis")
-                )
-                if fwd_state is not None:  # delayed scaling, fused (Float8Linear._fused_delayed)
-                    hx, sx, hw, sw, step, last = fwd_state
-                    xq, x_col, x_used = _cast_delayed_fused(x, fp.a, recipe, hx, sx, step)
-                    wq, w_col, w_used = _cast_delayed_fused(weight, fp.b, recipe, hw, sw, step)
-                    step.add_(1)
-                    last.copy_(torch.stack([x_used, w_used]))
-                elif x_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
-                    xq, x_col = _cast_both_layouts(x, fp.a, recipe, x_scale)
-                else:
-                    xq = _cast(x, fp.a, 1, recipe, x_scale)
-                dg = plan.dgrad
-                if fwd_state is None and need_dgrad and not dg.high_precision and dg.b == fp.b and fp.b.granularity == "tensor":
-                    wq, w_col = _cast_both_layouts(weight, fp.b, recipe, w_scale)  # dgrad reads w_col
-                elif fwd_state is None:
-                    wq = w_col = _cast(weight, fp.b, 1, recipe, w_scale)
+                if state.fused:  # delayed scaling inside the casts, one pass per operand
+                    (xq, x_col), (wq, w_col) = state.fused_forward(x, weight, fp.a, fp.b, recipe)
+                else:  # a dual cast writes the layout a backward GEMM reads in the same pass
+                    xq, x_col = _cast_pair(x, fp.a, recipe, state.x_scale, need_wgrad and plan.x_dual)
+                    wq, w_col = _cast_pair(weight, fp.b, recipe, state.w_scale, need_dgrad and plan.w_dual)
                 out = scaled_mm(xq, wq.t(), hp, path=recipe.gemm, use_fast_accum=recipe.use_fast_accum)
-                if cfg.stats:
-                    stats.index_copy_(0, torch.arange(2, device=stats.device),
-                                      torch.stack([_stats(x, xq), _stats(weight, wq)]))
-
+                state.observe(INPUT, x, xq)
+                state.observe(WEIGHT, weight, wq)
             # What grad_input needs: the weight, cast for a GEMM contracting over N.
             w_saved = None
             if need_dgrad:
-                dg = plan.dgrad
-                reusable = wq is not None and not dg.high_precision and dg.b == fp.b and (
-                    dg.b.granularity == "tensor" or dg.b.block_2d
-                )
-                w_saved = w_col if reusable else weight
+                w_saved = (wq if w_col is None else w_col) if plan.w_reused else weight
             # What grad_weight needs: the input, cast for a GEMM contracting over M.
             x_saved = None
             if need_wgrad:
@@ -257,76 +196,50 @@ class _Float8LinearFn(torch.autograd.Function):
                 elif x_col is not None:
                     x_saved = x_col
                 else:
-                    x_saved = _cast(x, wg.b, 0, recipe, x_scale if wg.b.granularity == "tensor" else None)
+                    x_saved = _cast(x, wg.b, 0, recipe, _tensor_scale(wg.b, state.x_scale))
         _pack(ctx, [w_saved, x_saved])
-        ctx.cfg, ctx.grad_state, ctx.stats = cfg, grad_state, stats
-        ctx.fused_delayed = fwd_state is not None
+        ctx.cfg, ctx.state = cfg, state
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         return out
 
     @staticmethod
     def backward(ctx, dy):
         w_saved, x_saved = _unpack(ctx)
-        cfg = ctx.cfg
-        recipe, hp = cfg.recipe, cfg.hp_dtype
-        plan = recipe.plan()
-        grad_x = grad_w = None
+        cfg, state = ctx.cfg, ctx.state
+        recipe, hp, plan = cfg.recipe, cfg.hp_dtype, cfg.plan
+        dg, wg = plan.dgrad, plan.wgrad
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = grad_w = dyq_col = dy_first = None  # dy_first: dY's first FP8 cast, for telemetry
         with torch_autocast_off(dy.device.type):
-            dy_scale = None
-            if ctx.grad_state is not None and not ctx.fused_delayed:  # delayed: record dY's amax, use the history
-                hist, scale, step = ctx.grad_state
-                dtype = recipe.fp8_format.backward_dtype
-                dy_scale, new_hist, new_scale = delayed_scale_step(hist, scale, step, kernels.amax(dy), dtype, recipe)
-                hist.copy_(new_hist)
-                scale.copy_(new_scale)
-                step.add_(1)
-            first_cast: list = []  # (dY, its first FP8 cast), for telemetry
-
-            def cast_dy(spec, contract):
-                q = _cast(dy, spec, contract, recipe, dy_scale if spec.granularity == "tensor" else None)
-                if not first_cast:
-                    first_cast.append(q)
-                return q
-
-            dyq_tensor = None  # the cast of dY the weight-gradient GEMM reads, when one pass wrote it
-            if ctx.needs_input_grad[0]:
-                dg = plan.dgrad
+            dy_scale = state.grad_scale(dy, recipe)
+            if need_dgrad:
                 if dg.high_precision:
                     grad_x = torch.matmul(dy.to(hp), w_saved.to(hp))
                 else:
-                    wg = plan.wgrad
-                    dy_both = dg.a.granularity in ("tensor", "axis") and ctx.needs_input_grad[1] and not wg.high_precision and (
-                        wg.a == dg.a
-                    )
-                    if dy_both and ctx.fused_delayed:  # one pass: cast, amax into the history
-                        hist, scale, step = ctx.grad_state
-                        dyq, dyq_tensor, _ = _cast_delayed_fused(dy, dg.a, recipe, hist, scale, step)
-                        step.add_(1)
-                        first_cast.append(dyq)
-                    elif dy_both:  # the weight-gradient GEMM reuses this cast: write both layouts at once
-                        dyq, dyq_tensor = _cast_both_layouts(dy, dg.a, recipe, dy_scale)
-                        first_cast.append(dyq)
+                    if need_wgrad and plan.dy_dual:  # grad_weight reads the second layout
+                        if state.fused:
+                            dyq, dyq_col = state.fused_grad(dy, dg.a, recipe)
+                        else:
+                            dyq, dyq_col = _cast_both_layouts(dy, dg.a, recipe, dy_scale)
                     else:
-                        dyq = cast_dy(dg.a, 1)
-                        if dg.a.granularity == "tensor":
-                            dyq_tensor = dyq
+                        dyq = _cast(dy, dg.a, 1, recipe, _tensor_scale(dg.a, dy_scale))
+                    dy_first = dyq
                     wq = w_saved if isinstance(w_saved, Float8Data) else _cast(w_saved, dg.b, 0, recipe)
                     grad_x = scaled_mm(dyq, wq, hp, path=recipe.gemm)
                 grad_x = grad_x.to(ctx.x_dtype)
-            if ctx.needs_input_grad[1]:
-                wg = plan.wgrad
+            if need_wgrad:
                 if wg.high_precision:
                     grad_w = torch.matmul(dy.t().to(hp), x_saved.to(hp))
                 else:
-                    reuse = dyq_tensor is not None and wg.a == plan.dgrad.a
-                    dyq = dyq_tensor if reuse else cast_dy(wg.a, 0)
+                    dyq = dyq_col if dyq_col is not None else _cast(dy, wg.a, 0, recipe, _tensor_scale(wg.a, dy_scale))
+                    dy_first = dyq if dy_first is None else dy_first
                     # the input was kept in high precision when save_fp8_activations is off
                     xq = x_saved if isinstance(x_saved, Float8Data) else _cast(x_saved, wg.b, 0, recipe)
                     grad_w = scaled_mm(dyq.t(), xq, torch.float32, path=recipe.gemm)
                 grad_w = grad_w.to(ctx.w_dtype)
-            if cfg.stats and first_cast:
-                ctx.stats.index_copy_(0, torch.arange(2, 3, device=dy.device), _stats(dy, first_cast[0])[None])
-        return grad_x, grad_w, None, None, None, None, None, None
+            if dy_first is not None:
+                state.observe(GRAD_OUTPUT, dy, dy_first)
+        return grad_x, grad_w, None, None
 
 
 _HOOK_DICTS = (
@@ -439,14 +352,6 @@ class Float8Linear(nn.Linear):
             )
         return recipe
 
-    def _delayed_scale(self, which: str, t: torch.Tensor, dtype: torch.dtype, recipe: Recipe) -> torch.Tensor:
-        hist = getattr(self, f"fp8_amax_history_{which}")
-        scale = getattr(self, f"fp8_scale_{which}")
-        used, new_hist, new_scale = delayed_scale_step(hist, scale, self.fp8_step, kernels.amax(t), dtype, recipe)
-        hist.copy_(new_hist)
-        scale.copy_(new_scale)
-        return used
-
     def _fused_delayed(self, x2: torch.Tensor, recipe: Recipe) -> bool:
         """Whether this step's delayed scaling runs inside the fused casts (one pass per operand,
         :func:`_cast_delayed_fused`): CUDA with the Triton kernels, every GEMM in FP8, both
@@ -459,32 +364,25 @@ class Float8Linear(nn.Linear):
             and recipe.save_fp8_activations and not any(recipe.override_linear_precision)
         )
 
+    def _cast_state(self, x2: torch.Tensor, recipe: Recipe) -> CastState:
+        stats = self.fp8_stats if self.fp8_telemetry else None
+        if recipe.scaling != "delayed":
+            return CastState(stats)
+        # replay: the scales of the first forward (its state update already ran)
+        mode = "replay" if recomputing() else "fused" if self._fused_delayed(x2, recipe) else "eager"
+        return DelayedCastState(self, recipe, x2, mode, stats)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe = self._active_recipe()
         if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
             return F.linear(x, self.weight, self.bias)
-        dev = x.device.type
-        hp = torch_autocast_dtype(dev, x.dtype)
+        hp = torch_autocast_dtype(x.device.type, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
-        x_scale = w_scale = grad_state = fwd_state = None
-        if recipe.scaling == "delayed":
-            fwd = recipe.fp8_format.forward_dtype
-            if recomputing():  # same scales as the first forward; its state update already ran
-                x_scale, w_scale = self.fp8_last_scales[0], self.fp8_last_scales[1]
-            elif self._fused_delayed(x2, recipe):  # the casts update the state (one pass each)
-                fwd_state = (self.fp8_amax_history_input, self.fp8_scale_input, self.fp8_amax_history_weight,
-                             self.fp8_scale_weight, self.fp8_step, self.fp8_last_scales)
-            else:
-                x_scale = self._delayed_scale("input", x2, fwd, recipe)
-                w_scale = self._delayed_scale("weight", self.weight, fwd, recipe)
-                self.fp8_step.add_(1)
-                self.fp8_last_scales.copy_(torch.stack([x_scale, w_scale]))
-            grad_state = (self.fp8_amax_history_grad_output, self.fp8_scale_grad_output, self.fp8_step_grad)
         if recipe.scaling in BLOCK_SCALED:  # MXFP8 / NVFP4: their own GEMMs (fp8/mx_linear.py)
             out = mx_linear(self, x2, recipe, hp)
         else:
-            cfg = _FnConfig(recipe, hp, self.fp8_telemetry)
-            out = _Float8LinearFn.apply(x2, self.weight, cfg, x_scale, w_scale, grad_state, self.fp8_stats, fwd_state)
+            cfg = _FnConfig(recipe, hp, recipe.plan())
+            out = _Float8LinearFn.apply(x2, self.weight, cfg, self._cast_state(x2, recipe))
         out = out.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

@@ -68,13 +68,43 @@ class GemmCast:
         return self.a is None
 
 
+def _same_cast(first: GemmCast, a: OperandCast | None, second: GemmCast, b: OperandCast | None, grans: tuple) -> bool:
+    """Whether an operand's cast for one FP8 GEMM is the cast another FP8 GEMM reads."""
+    return not first.high_precision and not second.high_precision and a == b and a.granularity in grans
+
+
 @dataclass(frozen=True)
 class LinearPlan:
-    """The three GEMMs of a Linear: output = x W^T, grad_input = dY W, grad_weight = dY^T x."""
+    """The three GEMMs of a Linear: output = x W^T, grad_input = dY W, grad_weight = dY^T x.
+
+    Derived once here, not per call: which casts one GEMM can hand to another (each holds when
+    the gradient concerned is wanted at all; Float8Linear checks that per call).
+
+    * ``x_dual``: the forward casts ``x`` in both layouts and keeps the column-major one for
+      grad_weight (same dtype and scaling; axis scales are written for each orientation).
+    * ``w_dual``: the forward casts ``W`` in both layouts (one tensor scale serves both).
+    * ``w_reused``: grad_input reads the forward's cast of ``W`` (a tensor scale, or square
+      blocks, serve both orientations) instead of re-casting the weight in backward.
+    * ``dy_dual``: grad_input casts ``dY`` in both layouts and grad_weight reads the second.
+    """
 
     fprop: GemmCast
     dgrad: GemmCast
     wgrad: GemmCast
+    save_fp8_input: bool = True
+    x_dual: bool = field(init=False)
+    w_dual: bool = field(init=False)
+    w_reused: bool = field(init=False)
+    dy_dual: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        fp, dg, wg = self.fprop, self.dgrad, self.wgrad
+        axes = ("tensor", "axis")
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        set_("x_dual", self.save_fp8_input and _same_cast(fp, fp.a, wg, wg.b, axes))
+        set_("w_dual", _same_cast(fp, fp.b, dg, dg.b, ("tensor",)))
+        set_("w_reused", self.w_dual or (_same_cast(fp, fp.b, dg, dg.b, ("block",)) and dg.b.block_2d))
+        set_("dy_dual", _same_cast(dg, dg.a, wg, wg.a, axes))
 
 
 _HP = GemmCast(None, None)
@@ -182,6 +212,9 @@ class Recipe:
             )
         if not self.name:
             set_("name", self.scaling)
+        # Built here, once: the fields are frozen, and Float8Linear reads the plan on every
+        # call (a plain attribute, which torch.compile traces without a guard on a lock).
+        set_("_plan", self._build_plan())
 
     def _check_block_scaled(self) -> None:
         if self.scaling == "nvfp4" and self.fp8_format is not Format.E4M3:
@@ -218,7 +251,10 @@ class Recipe:
         return self.scaling in ("delayed", "tensorwise")
 
     def plan(self) -> LinearPlan:
-        """Per-GEMM, per-operand casts (the dtype table of Float8Linear)."""
+        """Per-GEMM, per-operand casts (the dtype table of Float8Linear); built once per recipe."""
+        return self._plan
+
+    def _build_plan(self) -> LinearPlan:
         fwd, bwd = self.fp8_format.forward_dtype, self.fp8_format.backward_dtype
         olp = self.override_linear_precision
         if self.scaling == "mxfp8":  # 1x32 along each GEMM's contraction dim, every operand
@@ -240,7 +276,7 @@ class Recipe:
             sq = OperandCast(fwd, "block", block_2d=True)
             g = [GemmCast(tile(fwd), sq), GemmCast(tile(bwd), sq), GemmCast(tile(bwd), tile(fwd))]
         g = [_HP if hp else gc for gc, hp in zip(g, olp)]
-        return LinearPlan(*g)
+        return LinearPlan(*g, save_fp8_input=self.save_fp8_activations)
 
     def describe(self) -> str:
         """One line per GEMM, e.g. for reports and docs."""

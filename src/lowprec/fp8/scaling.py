@@ -18,9 +18,14 @@ Special values, one rule each:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from lowprec.fp8.formats import fp8_max
+
+if TYPE_CHECKING:
+    from lowprec.fp8.recipes import Recipe
 
 __all__ = [
     "AMAX_EPS",
@@ -30,6 +35,7 @@ __all__ = [
     "amax_to_scale",
     "record_amax",
     "history_to_amax",
+    "delayed_scale_step",
 ]
 
 # Smallest amax used to build a scale. With E5M2 (max 57344) the scale stays below 6e16,
@@ -105,3 +111,35 @@ def history_to_amax(history: torch.Tensor, algo: str) -> torch.Tensor:
     if algo == "most_recent":
         return history[0]
     raise ValueError(f"amax_compute_algo={algo!r}; use 'max' or 'most_recent'")
+
+
+def delayed_scale_step(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    step: torch.Tensor,
+    amax_now: torch.Tensor,
+    dtype: torch.dtype,
+    recipe: Recipe,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of delayed scaling for one operand; pure.
+
+    Returns ``(scale_used, new_history, new_scale)``: the scale to cast this step's tensor
+    with (from earlier steps, or from ``amax_now`` while the history holds nothing), the
+    history with ``amax_now`` recorded, and the scale for the next step (refreshed when
+    ``(step + 1) % interval == 0``, otherwise kept).
+    """
+    have_history = history_to_amax(history, "max") > 0
+    pow2 = recipe.power_of_2_scales
+    scale_now = amax_to_scale(amax_now, dtype, margin=recipe.margin, power_of_2=pow2)
+    scale_used = torch.where(have_history, scale, scale_now)
+    # A non-finite tensor casts with a NaN scale, as current scaling does (module docstring): the
+    # history keeps it out, and the NaN reaches the GEMM output on every kernel path, including
+    # the CPU upcast, which does not decode NaN bytes (cpu_gemm.py).
+    scale_used = torch.where(torch.isfinite(amax_now), scale_used, torch.full_like(scale_used, float("nan")))
+    new_history = record_amax(history, amax_now)
+    refresh = ((step + 1) % recipe.interval == 0) | ~have_history
+    candidate = amax_to_scale(
+        history_to_amax(new_history, recipe.amax_compute_algo), dtype, margin=recipe.margin, power_of_2=pow2
+    )
+    new_scale = torch.where(refresh, candidate, scale_used)
+    return scale_used, new_history, new_scale

@@ -18,11 +18,12 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from lowprec.utils.operations import send_to_device
+from lowprec.shared_state import SharedState
 
 __all__ = ["GradientState", "DataLoaderShard", "SkipDataLoader", "skip_first_batches"]
 
 
-class GradientState:
+class GradientState(SharedState):
     """Where the training loop is, shared by every instance in the process (Accelerate's borg:
     ``GradientState()`` anywhere sees the Accelerator's). An Accelerator passes its settings and
     starts a fresh loop position; a bare ``GradientState()`` only reads."""
@@ -41,14 +42,6 @@ class GradientState:
         self.end_of_dataloader = False
         self.remainder = -1  # real samples in the last global batch (-1: no padding)
         self.active: list["DataLoaderShard"] = []
-
-    @staticmethod
-    def _reset_state() -> None:
-        GradientState._shared_state.clear()
-
-    @property
-    def initialized(self) -> bool:
-        return self._shared_state != {}
 
     @property
     def in_dataloader(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from lowprec.fp8.quantize import saturated_cast
-from lowprec.fp8.scaling import amax, amax_along, amax_to_scale
+from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
 
 
 __all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t", "recast_if_changed",
@@ -73,11 +73,9 @@ def delayed_scale_update(
     history: torch.Tensor, scale: torch.Tensor, step: torch.Tensor, amax_now: torch.Tensor, fp8_dtype: torch.dtype,
     margin: int, power_of_2: bool, interval: int, algo_max: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Float8Linear``'s ``delayed_scale_step`` with the state written back in place; returns
+    """``scaling.delayed_scale_step`` with the state written back in place; returns
     ``(scale to use now, scale before the update)`` (the definition the kernel must match)."""
     from types import SimpleNamespace
-
-    from lowprec.fp8.linear import delayed_scale_step
 
     recipe = SimpleNamespace(power_of_2_scales=power_of_2, margin=margin, interval=interval,
                              amax_compute_algo="max" if algo_max else "most_recent")

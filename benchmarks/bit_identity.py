@@ -1,0 +1,79 @@
+"""Bit-identity check for refactors of Float8Linear: records, for every recipe, the outputs, all
+gradients and all buffers (amax histories, scales, step counters, telemetry) over four steps,
+in fp32 and under bf16 autocast, with and without fp8.checkpoint and telemetry, for the
+reuse-relevant variants (save_fp8_activations off, each GEMM overridden to high precision,
+input-only / weight-only gradients), then compares a later tree with torch.equal.
+
+    PYTHONPATH=<old tree>/src python benchmarks/bit_identity.py save /tmp/base.pt
+    PYTHONPATH=src python benchmarks/bit_identity.py cmp /tmp/base.pt            # torch path
+    PYTHONPATH=src python benchmarks/bit_identity.py cmp /tmp/base.pt --fused    # fused paths
+
+``--fused`` runs the CUDA code paths (fused casts, delayed scaling inside the casts) on CPU
+with the kernels' torch reference standing in for Triton (same values by its contract).
+CPU, ~30 s; exit status 1 on any difference.
+"""
+import sys, itertools, torch
+import lowprec.fp8 as fp8
+from lowprec.fp8.linear import Float8Linear
+
+torch.set_num_threads(1)
+RECIPES = ["tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise"]
+VARIANTS = {
+    "plain": {},
+    "no_save_fp8": {"save_fp8_activations": False},
+    "olp_f": {"override_linear_precision": (True, False, False)},
+    "olp_d": {"override_linear_precision": (False, True, False)},
+    "olp_w": {"override_linear_precision": (False, False, True)},
+}
+GRADS = ["both", "x_only", "w_only"]
+
+def run(name, variant, grads, autocast, ckpt, telemetry):
+    torch.manual_seed(0)
+    recipe = fp8.Recipe.from_name(name, **VARIANTS[variant], **({"interval": 2, "amax_history_len": 3} if name == "delayed" else {}))
+    lin = torch.nn.Linear(256, 128)
+    m = Float8Linear.from_linear(lin, recipe)
+    m.fp8_telemetry = telemetry
+    m.weight.requires_grad_(grads != "x_only")
+    rec = {}
+    for step in range(4):
+        x = (torch.randn(3, 64, 256) * (10 ** (step - 1))).requires_grad_(grads != "w_only")
+        if step == 2:
+            x = x.detach().clone(); x[0, 0, :5] = 0; x.requires_grad_(grads != "w_only")
+        with fp8.autocast(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = fp8.checkpoint(m, x) if ckpt else m(x)
+        (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        rec[f"{step}/y"] = y.detach().clone()
+        if x.grad is not None: rec[f"{step}/gx"] = x.grad.clone()
+        for n, p in m.named_parameters():
+            if p.grad is not None: rec[f"{step}/g{n}"] = p.grad.clone(); p.grad = None
+        for n, b in m.named_buffers():
+            rec[f"{step}/buf_{n}"] = b.clone()
+    return rec
+
+import lowprec.fp8.kernels as K
+from lowprec.fp8.kernels import reference
+FUSED = "--fused" in sys.argv
+if FUSED:  # the fused (Triton) code paths, with the torch reference standing in for the kernels
+    K.available = lambda device: True
+    K._ops = lambda: reference
+out = {}
+for name, variant, grads, ac, ck, tel in itertools.product(RECIPES, VARIANTS, GRADS, [False, True], [False, True], [False, True]):
+    if (ck or tel) and (variant != "plain" or grads != "both"):
+        continue
+    key = f"{name}|{variant}|{grads}|ac={ac}|ck={ck}|tel={tel}"
+    out[key] = run(name, variant, grads, ac, ck, tel)
+if sys.argv[1] == "save":
+    torch.save(out, sys.argv[2]); print("saved", len(out), "configs", sum(len(v) for v in out.values()), "tensors")
+else:
+    ref = torch.load(sys.argv[2])
+    bad = 0
+    assert ref.keys() == out.keys()
+    for k in ref:
+        if ref[k].keys() != out[k].keys():
+            print("KEYS differ", k, set(ref[k]) ^ set(out[k])); bad += 1; continue
+        for t in ref[k]:
+            a, b = ref[k][t], out[k][t]
+            if not (a.dtype == b.dtype and torch.equal(a.nan_to_num(1e9), b.nan_to_num(1e9)) and torch.equal(a.isnan(), b.isnan())):
+                print("DIFF", k, t); bad += 1
+    print("compared", len(ref), "configs", sum(len(v) for v in ref.values()), "tensors;", bad, "differences")
+    sys.exit(1 if bad else 0)
