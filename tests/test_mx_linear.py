@@ -100,6 +100,8 @@ def test_convert_report_and_high_precision_layers():
     assert "e2m1/16x16" in str(report) and "exact nvfp4 dequantization" in report.gemm
     assert [int(model[i].fp8_sr_state[0]) for i in range(1, 5)] == [0, 1, 2, 3]  # one stream per layer
     assert fp8.convert(_model(), fp8.Recipe.from_name("nvfp4", high_precision_last=0.0)).num_converted == 5
+    with pytest.raises(ValueError, match="no speed model for the mxfp8 recipe on H100"):
+        fp8.predict_speedup(4096, 4096, 4096, "mxfp8", "h100")  # no MX datapath: no made-up figure
 
 
 def _train(model, steps, x):
