@@ -75,3 +75,18 @@ def test_precision_overrides_and_bad_list(capsys):
         precision_overrides("bf61", cfg)
     assert main(["compare", TINY, "--precisions", "fp32,fp32"]) == 2
     assert "list each precision once" in capsys.readouterr().err
+
+
+def test_fp8_recipe_variants_run_beside_each_other():
+    cfg = parse_config({"fp8": True})
+    assert precision_overrides("fp8:mxfp8", cfg) == {**precision_overrides("fp8", cfg), "fp8_recipe": "mxfp8"}
+    with pytest.raises(ValueError, match="--precisions fp8:mxfp9: unknown FP8 recipe"):
+        precision_overrides("fp8:mxfp9", cfg)
+    s = {"bf16": _summary([5.0, 4.0], 4.0), "fp8": _summary([5.0, 4.1], 4.04),
+         "fp8:mxfp8": _summary([5.0, 4.0], 4.01), "fp8:nvfp4": _summary([5.0, 4.3], 4.2)}
+    r = summarize(s, threshold=0.02)
+    assert [x.precision for x in r.rows] == ["bf16", "fp8", "fp8:mxfp8", "fp8:nvfp4"]
+    assert r.parities["fp8:mxfp8"]["rel_diff"] == pytest.approx(0.0025) and r.parities["fp8"]["passed"]
+    assert not r.passed  # nvfp4 is 5% above bf16
+    table = format_table(r)
+    assert "parity: fp8:mxfp8 final validation loss" in table and "parity: fp8:nvfp4" in table
