@@ -177,3 +177,26 @@ def test_native_fsdp_fp8_all_gather_is_refused_with_one_message(monkeypatch, cap
     with pytest.raises(ValueError) as e3:
         Accelerator(mixed_precision="fp8", cpu=True)
     assert FSDP_FP8_ALL_GATHER_UNSUPPORTED in str(e3.value)
+
+
+def test_the_trainer_builds_its_recipe_once(monkeypatch):
+    """Issue 11: the trainer's schema check and the settings resolver share one Recipe."""
+    from lowprec.fp8 import recipes
+    from lowprec.train.config import parse_config
+    from lowprec.train.resolve import Capabilities, resolve
+    from lowprec.train.trainer import _accelerator
+
+    built = []
+    post_init = recipes.Recipe.__post_init__
+    monkeypatch.setattr(recipes, "_BUILT", {})
+    monkeypatch.setattr(recipes.Recipe, "__post_init__", lambda self: (built.append(self), post_init(self))[1])
+    tcfg = parse_config({"fp8": True, "fp8_recipe": {"name": "delayed", "amax_history_len": 16,
+                                                     "override_linear_precision": [False, False, True]}})
+    acc = _accelerator(tcfg, resolve(tcfg, Capabilities()))
+    assert acc.backend.recipe is tcfg.fp8_recipe.to_recipe() and len(built) == 1
+    assert acc.backend.recipe.amax_history_len == 16
+    # a different request is a different recipe; an invalid one still fails every time
+    assert recipes.Recipe.from_name("delayed", amax_history_len=8) is not acc.backend.recipe
+    for _ in range(2):
+        with pytest.raises(ValueError):
+            recipes.Recipe.from_name("delayed", margin=True)

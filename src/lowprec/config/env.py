@@ -69,7 +69,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from lowprec.config import values as V
 from lowprec.errors import UsageError, did_you_mean
@@ -92,7 +92,11 @@ class _Var:
     name: str
     parse: Callable[[Any], Any]
     when: str  # "always" | "set" | "fp8" | "fsdp" | "deepspeed"
-    render: Callable[[Any], str] = str
+    render: Optional[Callable[[Any], str]] = None  # None: true/false for a boolean, else str
+
+    def __post_init__(self) -> None:
+        if self.render is None:
+            object.__setattr__(self, "render", V.format_bool if self.parse is V.parse_bool else str)
 
 
 def _upper(value: Any) -> str:
@@ -104,22 +108,22 @@ _B, _I = V.parse_bool, V.parse_int
 # fans out to FP8_OVERRIDE_VARS and is handled apart.
 ENV_VARS: tuple[_Var, ...] = (
     _Var("mixed_precision", "ACCELERATE_MIXED_PRECISION", V.parse_mixed_precision, "always"),
-    _Var("use_cpu", "ACCELERATE_USE_CPU", _B, "always", V.format_bool),
-    _Var("use_fsdp", "ACCELERATE_USE_FSDP", _B, "always", V.format_bool),
+    _Var("use_cpu", "ACCELERATE_USE_CPU", _B, "always"),
+    _Var("use_fsdp", "ACCELERATE_USE_FSDP", _B, "always"),
     _Var("fsdp_version", "FSDP_VERSION", _I, "fsdp"),
-    _Var("fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD", _B, "fsdp", V.format_bool),
+    _Var("fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD", _B, "fsdp"),
     _Var("fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", str, "fsdp"),
     _Var("fsdp_transformer_layer_cls_to_wrap", "FSDP_TRANSFORMER_CLS_TO_WRAP", str, "fsdp"),
     _Var("fsdp_min_num_params", "FSDP_MIN_NUM_PARAMS", _I, "fsdp"),
-    _Var("fsdp_activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING", _B, "fsdp", V.format_bool),
-    _Var("fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING", _B, "fsdp", V.format_bool),
-    _Var("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS", _B, "fsdp", V.format_bool),
+    _Var("fsdp_activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING", _B, "fsdp"),
+    _Var("fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING", _B, "fsdp"),
+    _Var("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS", _B, "fsdp"),
     _Var("fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE", str, "fsdp"),
-    _Var("use_deepspeed", "ACCELERATE_USE_DEEPSPEED", _B, "always", V.format_bool),
+    _Var("use_deepspeed", "ACCELERATE_USE_DEEPSPEED", _B, "always"),
     _Var("zero_stage", "ACCELERATE_DEEPSPEED_ZERO_STAGE", _I, "deepspeed"),
     _Var("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", str, "deepspeed"),
     _Var("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", str, "deepspeed"),
-    _Var("zero3_init_flag", "ACCELERATE_DEEPSPEED_ZERO3_INIT", _B, "deepspeed", V.format_bool),
+    _Var("zero3_init_flag", "ACCELERATE_DEEPSPEED_ZERO3_INIT", _B, "deepspeed"),
     _Var("deepspeed_config_file", "ACCELERATE_DEEPSPEED_CONFIG_FILE", str, "deepspeed"),
     _Var("gradient_accumulation_steps", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", _I, "set"),
     _Var("gradient_clipping", "ACCELERATE_GRADIENT_CLIPPING", V.parse_float, "deepspeed"),
@@ -134,15 +138,9 @@ ENV_VARS: tuple[_Var, ...] = (
     _Var("fp8_margin", "ACCELERATE_FP8_MARGIN", V.parse_recipe_int("margin"), "fp8"),
     _Var("fp8_interval", "ACCELERATE_FP8_INTERVAL", V.parse_recipe_int("interval"), "fp8"),
     _Var("fp8_opt_level", "ACCELERATE_FP8_OPT_LEVEL", V.parse_opt_level, "fp8"),
-    _Var("fp8_use_autocast_during_eval", "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", _B, "fp8", V.format_bool),
-    _Var(
-        "fp8_enable_fsdp_float8_all_gather",
-        "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER",
-        _B,
-        "fp8",
-        V.format_bool,
-    ),
-    _Var("fp8_pad_inner_dim", "ACCELERATE_FP8_PAD_INNER_DIM", _B, "fp8", V.format_bool),
+    _Var("fp8_use_autocast_during_eval", "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", _B, "fp8"),
+    _Var("fp8_enable_fsdp_float8_all_gather", "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", _B, "fp8"),
+    _Var("fp8_pad_inner_dim", "ACCELERATE_FP8_PAD_INNER_DIM", _B, "fp8"),
 )
 
 _OWNED = frozenset(v.name for v in ENV_VARS) | frozenset(FP8_OVERRIDE_VARS)

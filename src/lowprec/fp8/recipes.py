@@ -108,6 +108,22 @@ class LinearPlan:
 
 
 _HP = GemmCast(None, None)
+# (class, every field with its type) -> the Recipe built for it: a request made twice in a
+# process (the trainer's schema check, then the settings resolver) gets one object, built once.
+_BUILT: dict = {}
+
+
+def _built_once(cls: type, given: dict[str, Any]) -> "Recipe":
+    full = {f.name: f.default for f in dataclasses.fields(cls)} | given
+    # the type is part of the key, so margin=True (an error) never finds margin=1's recipe
+    key = (cls, tuple((k, type(v), tuple(v) if isinstance(v, list) else v) for k, v in sorted(full.items())))
+    try:
+        recipe = _BUILT.get(key)
+    except TypeError:  # another unhashable value: build it, keep nothing
+        return cls(**given)
+    if recipe is None:
+        recipe = _BUILT[key] = cls(**given)
+    return recipe
 
 
 @dataclass(frozen=True)
@@ -234,7 +250,7 @@ class Recipe:
         bad = sorted(set(overrides) - fields)
         if bad:
             raise ValueError(f"unknown recipe field(s) {', '.join(repr(b) + did_you_mean(b, fields) for b in bad)}")
-        return cls(**{**info.preset, "name": info.name, **overrides})
+        return _built_once(cls, {**info.preset, "name": info.name, **overrides})
 
     def replace(self, **changes: Any) -> "Recipe":
         return dataclasses.replace(self, **changes)
