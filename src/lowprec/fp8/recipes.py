@@ -1,7 +1,7 @@
 """Scaling recipes: frozen, validated dataclasses with named constructors.
 
 A recipe answers, for each of the three GEMMs of a Linear layer, which operands are cast to
-which FP8 dtype at which granularity. ``Recipe.from_name`` builds the five named recipes:
+which FP8 dtype at which granularity. ``Recipe.from_name`` builds the seven named recipes:
 
 ================== ========= ================= ============================================
 name               scaling   formats           notes
@@ -244,8 +244,8 @@ class Recipe:
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "Recipe":
         """One of ``delayed``, ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``,
-        ``blockwise``; keyword arguments override single fields."""
-        info = recipe_info(name)  # unknown names (and MXFP8) rejected with the catalog's message
+        ``blockwise``, ``mxfp8``, ``nvfp4``; keyword arguments override single fields."""
+        info = recipe_info(name)  # unknown names rejected with the catalog's message
         fields = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(overrides) - fields)
         if bad:
