@@ -121,8 +121,8 @@ def test_nvfp4_stochastic_rounding_is_reproducible_and_resumes_from_a_checkpoint
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(5))
     a, b = _model(), _model()
     fp8.convert(a, "nvfp4"), fp8.convert(b, "nvfp4")
-    full = _train(a, 4, x)
-    assert full == _train(b, 2, x) + _train(b, 2, x)  # same seed: same noise, step by step
+    full = _train(a, 3, x)
+    assert full == _train(b, 2, x) + _train(b, 1, x)  # same seed: same noise, step by step
     sd = b.state_dict()
     assert "1.fp8_sr_state" in sd and "1.fp8_sr_state" not in fp8.plain_state_dict(sd)
     c = _model()
@@ -131,10 +131,10 @@ def test_nvfp4_stochastic_rounding_is_reproducible_and_resumes_from_a_checkpoint
     c.load_state_dict(sd)
     torch.save(c.state_dict(), tmp_path / "c.pt")
     c.load_state_dict(torch.load(tmp_path / "c.pt", weights_only=True))
-    assert _train(c, 2, x) == _train(b, 2, x)  # resumed: the same stream positions as the original
+    assert _train(c, 1, x) == _train(b, 1, x)  # resumed: the same stream positions as the original
     other = _model()
     fp8.convert(other, fp8.Recipe.from_name("nvfp4", seed=1))
-    assert _train(other, 4, x) != full
+    assert _train(other, 3, x) != full
 
 
 def test_block_telemetry_counts_saturation_and_underflow():
