@@ -13,6 +13,8 @@ counted (``lowprec.fp8.traffic``). Exact and deterministic on any machine. Varia
 * each lowprec recipe on the CUDA default path (fused Triton casts where triton is
   installed), and on the torch path (``LOWPREC_DISABLE_TRITON=1``);
 * torchao's ``Float8Linear`` (tensorwise, rowwise, rowwise_with_gw_hp), when torchao imports;
+* blockwise traced as sm_89 and sm_100, where torch has no blockwise FP8 GEMM and lowprec's
+  Triton one runs (the weight gradient written in float32 by the kernel);
 * ``ideal``: one read of each high-precision operand per pass that must finish before its cast
   (current scaling needs the amax first: one extra read; delayed scaling none), each FP8
   layout a GEMM needs written once, amax fused into a pass, the weight gradient written by its
@@ -125,6 +127,14 @@ def trace_variants(m, k, n, recipes, torchao: bool, sm=(9, 0)) -> list[dict]:
             if path == "default" and (m, k, n) == FULL and name in TARGET_GB:
                 row["target_gb"] = TARGET_GB[name]
                 row["meets_target"] = row["outside_gemm_gb"] <= TARGET_GB[name]
+            rows.append(row)
+    if "blockwise" in recipes and triton_importable():  # where torch has no blockwise kernel: lowprec's Triton GEMM
+        for other in ((8, 9), (10, 0)):
+            tag = f"sm_{other[0]}{other[1]}"
+            row = _row(f"blockwise [{tag}, Triton GEMM]", trace_linear(_lowprec("blockwise"), m, k, n, sm=other, triton=True), m, k, n)
+            row.update(recipe="blockwise", path=f"fused Triton casts + Triton blockwise GEMM, traced as {tag}",
+                       ideal_outside_gemm_bytes=ideal_bytes("blockwise", m, k, n),
+                       estimate_note="GEMM FLOPs at the H100 rates above, not the traced GPU's")
             rows.append(row)
     if torchao:
         for name in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):

@@ -34,6 +34,7 @@ PAIRS = [
     ("accelerate.utils.memory", "lowprec.utils.memory"),
     ("accelerate.utils.imports", "lowprec.utils.imports"),
     ("accelerate.data_loader", "lowprec.utils.data_loader"),
+    ("accelerate.data_loader", "lowprec.utils.dispatcher"),
     ("accelerate.optimizer", "lowprec.utils.optimizer"),
     ("accelerate.scheduler", "lowprec.utils.optimizer"),
     ("accelerate.tracking", "lowprec.tracking"),

@@ -242,26 +242,29 @@ class LoraLinear(torch.nn.Module):
         return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x))
 
 
-def test_conversion_reports_conv1d_and_skips_lora_adapters():
-    from lowprec.fp8 import convert
+def test_conversion_converts_conv1d_and_skips_lora_adapters():
+    from lowprec.fp8 import Float8Conv1D, convert
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), Conv1D(64, 64), LoraLinear(64, 16), torch.nn.Linear(64, 64))
     report = convert(model)
     skipped = dict(report.skipped)
-    assert "transformers Conv1D" in skipped["1"]
     assert "peft adapter" in skipped["2.lora_A.default"] and "peft adapter" in skipped["2.lora_B.default"]
-    assert [name for name, _, _ in report.converted] == ["2.base_layer"]
+    assert [name for name, _, _ in report.converted] == ["1", "2.base_layer"]
+    assert isinstance(model[1], Float8Conv1D) and model[1].weight.shape == (64, 64)
+    kept = report.to_dict()["kept_in_high_precision_by_type"]
+    assert kept["peft adapter Linear"]["count"] == 2 and kept["Linear"]["count"] == 2  # first and last
 
 
-def test_gpt2_conv1d_layers_are_reported():
+def test_gpt2_conv1d_layers_convert():
     transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
     from lowprec.fp8 import convert
 
     cfg = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=16)
     report = convert(transformers.GPT2LMHeadModel(cfg))
-    conv1d = [n for n, r in report.skipped if "Conv1D" in r]
-    assert sorted(conv1d) == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
-                              "transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj"]
+    assert sorted(n for n, _, _ in report.converted) == ["transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+                                                          "transformer.h.0.mlp.c_proj"]
+    assert dict(report.skipped)["transformer.h.0.attn.c_attn"] == "first Linear"  # the first GEMM, a Conv1D
+    assert "Embedding x2 (lookups, not GEMMs)" in str(report)
 
 
 def test_profile_writes_a_trace(tmp_path):

@@ -168,6 +168,8 @@ def test_default_follows_hardware(monkeypatch, tmp_path, capsys, count, cc, bf16
     s = loaded(path)
     assert (s.mixed_precision, s.num_processes) == (precision, procs)
     assert "lowprec config:" in capsys.readouterr().out  # the reason is printed
+    # a GPU-less machine says use_cpu: true (issue 13: it wrote false); with GPUs it stays unset
+    assert ("use_cpu: true" in path.read_text()) == (count == 0) and bool(s.use_cpu) == (count == 0)
 
 
 def test_default_with_flag_override(tmp_path, capsys):

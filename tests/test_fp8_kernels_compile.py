@@ -77,12 +77,20 @@ print(json.dumps(out))
 """
 
 
-def test_kernels_compile_for_hopper():
+@pytest.fixture(scope="module")
+def compiled():
+    """Every kernel compiled in one subprocess (triton imported once): ``(cast rows, blockwise rows)``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    script = SCRIPT + "\n" + BLOCK_SCRIPT
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    lines = res.stdout.strip().splitlines()
+    return json.loads(lines[-2]), json.loads(lines[-1])
+
+
+def test_kernels_compile_for_hopper(compiled):
+    rows = compiled[0]
     assert len(rows) == 2 * (4 * 4 + 3)
     assert {r["cc"] for r in rows} == {89, 90}
     for r in rows:
@@ -103,3 +111,69 @@ def test_kernels_compile_for_hopper():
         assert r["vector_loads"], r
         if r["kernel"] != "dual":
             assert r["vector_stores"] and r["scalar_byte_stores"] == 0, r
+
+
+BLOCK_SCRIPT = r"""
+import re
+from lowprec.fp8.kernels.ops import BLOCK_WARPS, GEMM_TILE, _EPS_BITS
+from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
+from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
+
+BK = {"x_ptr": "*bf16", "q_ptr": "*u8", "qt_ptr": "*u8", "s_ptr": "*fp32", "st_ptr": "*fp32",
+      "M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32"}
+GM = {"a_ptr": "*u8", "b_ptr": "*u8", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "c_ptr": "*bf16", "M": "i32", "N": "i32",
+      "K": "i32", "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "i32", "stride_sam": "i32",
+      "stride_sak": "i32", "stride_sbk": "i32", "stride_sbn": "i32", "stride_cm": "i32", "stride_cn": "i32"}
+
+
+def build(fn, sig, const, aligned, cc, warps, stages=None):
+    sig = dict(sig, **{k: "constexpr" for k in const})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    opts = {"num_warps": warps, **({"num_stages": stages} if stages else {})}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", cc, 32), options=opts)
+
+
+out = []
+# the GEMM for every FP8 tensor-core generation it serves: Ada (mma.sync), Hopper (wgmma), Blackwell (tcgen05);
+# A and B contiguous along K (what the fused casts write), the launch tiles ops.py uses on each
+for cc in (89, 90, 100):
+    bm, bn, warps, stages, gm = GEMM_TILE["sm89" if cc == 89 else "default"]
+    const = dict(A_E4M3=True, B_E4M3=True, GROUP_N=128, SOFT_FP8=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=gm,
+                 stride_ak=1, stride_bk=1, stride_cn=1)
+    k = build(block_scaled_mm_kernel, GM, const, (0, 1, 2, 3, 4, 5, 6, 7, 8, 10), cc, warps, stages)
+    ptx = k.asm["ptx"]
+    out.append(dict(cc=cc, kernel="gemm", cubin=len(k.asm["cubin"]), shared=k.metadata.shared, spills=".local" in ptx,
+                    mma=sorted(set(re.findall(r"(?:mma\.sync|wgmma\.mma_async|tcgen05\.mma)\S*", ptx)))))
+# the blockwise cast (hardware FP8 convert), 1-D tiles with both layouts, on Hopper
+for square in (False,):
+    const = dict(FP8_MAX=448.0, E4M3=True, POW2=True, SOFT_CAST=False, EPS_BITS=_EPS_BITS, BLOCK=128, SQUARE=square,
+                 ROW=True, COL=True, stride_xn=1)
+    k = build(cast_blockwise_kernel, BK, const, (0, 1, 2, 3, 4, 5, 6, 7), 90, BLOCK_WARPS)
+    ptx = k.asm["ptx"]
+    out.append(dict(cc=90, kernel="cast_2d" if square else "cast_1d", cubin=len(k.asm["cubin"]), spills=".local" in ptx,
+                    hw_cvt="cvt.rn.satfinite.e4m3x2.f32" in ptx, vector_loads="ld.global.v4" in ptx,
+                    vector_stores="st.global.v4" in ptx, scalar_byte_stores=ptx.count("st.global.b8")))
+print(json.dumps(out))
+"""
+
+# shared memory one block may use (opt-in maximum): Ada 99 KiB, Hopper and Blackwell 227 KiB
+SHARED_LIMIT = {89: 101376, 90: 232448, 100: 232448}
+MMA = {89: "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32", 90: "wgmma.mma_async.sync.aligned", 100: "tcgen05.mma"}
+
+
+def test_blockwise_kernels_compile_for_ada_hopper_and_blackwell(compiled):
+    """The Triton blockwise GEMM to sm_89/sm_90/sm_100 cubins on FP8 tensor-core instructions,
+    within each one's shared memory and without spills; the blockwise cast (both layouts of
+    1-D tiles) with 16-byte loads and stores and the hardware round-to-nearest-even convert."""
+    rows = compiled[1]
+    gemms = [r for r in rows if r["kernel"] == "gemm"]
+    assert [r["cc"] for r in gemms] == [89, 90, 100]
+    for r in rows:
+        assert r["cubin"] > 0 and not r["spills"], r
+    for r in gemms:
+        assert r["shared"] <= SHARED_LIMIT[r["cc"]], r
+        assert any(MMA[r["cc"]] in m for m in r["mma"]), r
+        assert all("e4m3" in m or "f8f6f4" in m for m in r["mma"] if "mma" in m), r  # FP8 operands, not upcast
+    for r in rows:
+        if r["kernel"].startswith("cast"):
+            assert r["hw_cvt"] and r["vector_loads"] and r["vector_stores"] and r["scalar_byte_stores"] == 0, r

@@ -135,6 +135,12 @@ def test_operators_pass_opcheck(ops, dev, seed):
     torch.library.opcheck(torch.ops.lowprec.cast_transpose_amax.default, (x, s, E4M3))
     torch.library.opcheck(torch.ops.lowprec.cast_amax.default, (x, s, E5M2))
     torch.library.opcheck(torch.ops.lowprec.cast_rowwise.default, (x, E4M3, True))
+    torch.library.opcheck(torch.ops.lowprec.cast_block_1d.default, (x, E4M3, 128, True, True, True))
+    torch.library.opcheck(torch.ops.lowprec.cast_block_2d.default, (x, E4M3, 128, False, False, True))
+    a = fp8.quantize(torch.randn(256, 256, device=dev), E4M3, "block", block=(1, 128))
+    b = fp8.quantize(torch.randn(384, 256, device=dev), E4M3, "block", block=(128, 128)).t()
+    torch.library.opcheck(torch.ops.lowprec.block_scaled_mm.default,
+                          (a.data, b.data, a.scale.reciprocal(), b.scale.reciprocal(), 128, 128, torch.bfloat16))
 
 
 def test_compiled_fullgraph_matches_eager(ops, dev, seed):
@@ -203,3 +209,33 @@ def test_float8_linear_is_identical_with_and_without_the_kernels(dev, monkeypatc
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)
     assert sqnr(base(x).float(), fused[0].float()) > 20
+
+
+@pytest.mark.parametrize("shape", [(65, 130), (2048, 4096), (4097, 1000)])
+@pytest.mark.parametrize("dtype", FP8)
+def test_blockwise_casts_match_the_torch_path(ops, dev, dtype, shape, seed):
+    x = awkward(shape, torch.bfloat16, dev)
+    for got, want in ((ops.cast_block_1d(x, dtype, 128, True, True, True), reference.cast_block_1d(x, dtype, 128, True, True, True)),
+                      (ops.cast_block_2d(x, dtype, 128, False, True, True), reference.cast_block_2d(x, dtype, 128, False, True, True))):
+        for g, w in zip(got, want):
+            if g.dtype == torch.float32:
+                assert torch.equal(g, w)
+            else:
+                assert_same_fp8(g, w)
+
+
+@pytest.mark.parametrize("square", [True, False])
+def test_triton_block_gemm_matches_emulation(dev, square, seed):
+    """The Triton blockwise GEMM on hardware (FP8 tensor cores) against dequantize + matmul."""
+    from lowprec.fp8 import block_gemm_triton
+
+    assert block_gemm_triton.self_check(dev)
+    a = fp8.quantize(torch.randn(1024, 2048, device=dev), E4M3, "block", block=(1, 128))
+    if square:
+        b = fp8.quantize(torch.randn(768, 2048, device=dev), E4M3, "block", block=(128, 128)).t()
+    else:
+        b = fp8.quantize(torch.randn(2048, 768, device=dev), E4M3, "block", block=(128, 1))
+    got = block_gemm_triton.mm(a, b, torch.float32)
+    ref = fp8.scaled_mm(a, b, torch.float32, path="emulate")
+    assert (got - ref).abs().max() <= 2.0**-7 * ref.abs().max()
+    assert sqnr(ref, got) > 40

@@ -263,3 +263,193 @@ def test_delayed_scale_update_matches_the_torch_path(case):
     want = reference.delayed_scale_update(h2, s2, step, amax_now, **kw)
     for a, b in [*zip(got, want), (h1, h2), (s1, s2)]:
         assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a[~torch.isnan(a)], b[~torch.isnan(b)]), case
+
+
+def blocky(rows, cols, in_dtype, block):
+    """Per-tile magnitudes over many binades, an all-zero tile row, a NaN, an inf, ties."""
+    x = torch.randn(rows, cols) * torch.exp2(torch.empty(rows, cols).uniform_(-8, 8))
+    x = x * torch.logspace(-6, 6, rows)[:, None]
+    x[: min(rows, block), : min(cols, block)] *= 0.0  # a whole zero tile: scale from AMAX_EPS
+    x[-1, 0], x[rows // 2, -1] = float("nan"), float("inf")  # one tile NaN, one with scale 0
+    x[1, block - 1 if cols >= block else 0] = 1.0625  # an E4M3 tie
+    return x.to(in_dtype)
+
+
+def assert_same_scale(got, want):
+    nan = torch.isnan(want)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan])
+
+
+@pytest.mark.parametrize("dtype,in_dtype,power_of_2,shape,block", [
+    (E4M3, torch.bfloat16, True, (200, 300), 128),  # the recipe's default, ragged against 128 tiles
+    (E4M3, torch.float32, False, (200, 300), 128),
+    (E5M2, torch.bfloat16, False, (200, 300), 128),
+    (E5M2, torch.float32, True, (70, 40), 32),  # block_size 32
+])
+def test_blockwise_1d_casts_match_the_torch_path(dtype, in_dtype, power_of_2, shape, block, seed):
+    """1 x block tiles into q and block x 1 tiles into the transposed qt, scales included, from one read."""
+    x = blocky(*shape, in_dtype, block)
+    q, rs, qt, cs = ops.cast_block_1d(x, dtype, block, power_of_2, True, True)
+    rq, rrs, rqt, rcs = reference.cast_block_1d(x, dtype, block, power_of_2, True, True)
+    assert qt.shape == shape[::-1] and qt.is_contiguous() and rs.t().is_contiguous()
+    assert_same_scale(rs, rrs)
+    assert_same_scale(cs, rcs)
+    assert_same_fp8(q, rq)
+    assert_same_fp8(qt, rqt)
+    # one layout alone: the other outputs are empty
+    q1, rs1, qt1, cs1 = ops.cast_block_1d(x, dtype, block, power_of_2, False, True)
+    assert q1.numel() == rs1.numel() == 0 and torch.equal(bits(qt1), bits(qt))
+    assert_same_scale(cs1, cs)
+
+
+@pytest.mark.parametrize("dtype,power_of_2,shape,block", [
+    (E4M3, True, (300, 200), 128), (E5M2, False, (300, 200), 128), (E4M3, False, (40, 70), 32)])
+def test_blockwise_square_casts_match_the_torch_path(dtype, power_of_2, shape, block, seed):
+    x = blocky(*shape, torch.float32, block)
+    q, s, qt, st = ops.cast_block_2d(x, dtype, block, power_of_2, True, True)
+    rq, rs, rqt, rst = reference.cast_block_2d(x, dtype, block, power_of_2, True, True)
+    assert_same_scale(s, rs)
+    assert_same_scale(st, rst)
+    assert_same_fp8(q, rq)
+    assert_same_fp8(qt, rqt)
+    assert qt.is_contiguous() and st.t().is_contiguous()
+    # the transpose alone (the weight re-cast for grad_input in backward)
+    q1, s1, qt1, st1 = ops.cast_block_2d(x, dtype, block, power_of_2, False, True)
+    assert q1.numel() == 0 and torch.equal(bits(qt1), bits(qt))
+    assert_same_scale(st1, rst)
+
+
+@pytest.mark.parametrize("power_of_2", [True, False])
+def test_block_scales_at_exact_powers_of_two(power_of_2):
+    """Tile amaxes that make fp8_max / amax an exact power of two, and amaxes just off them:
+    where floor(log2) and the float64 reciprocal-then-multiply rounding show."""
+    base = torch.tensor([448.0, 1.75, 3.5, 7.0, 0.4375, 1e-13, 2.0**-20])
+    amaxes = torch.cat([base, torch.nextafter(base, base * 2), torch.nextafter(base, base / 2)])
+    x = torch.rand(amaxes.numel(), 128) * amaxes[:, None]
+    x[:, 5] = amaxes
+    q, rs, _, _ = ops.cast_block_1d(x, E4M3, 128, power_of_2, True, False)
+    rq, rrs, _, _ = reference.cast_block_1d(x, E4M3, 128, power_of_2, True, False)
+    assert_same_scale(rs, rrs)
+    assert_same_fp8(q, rq)
+
+
+def test_fused_blockwise_layouts_feed_the_gemms_without_copies(monkeypatch, seed):
+    """The blockwise casts Float8Linear makes, through the kernels (as on CUDA): same values as
+    the torch path, every operand already in the layout block_gemm hands to torch's kernel
+    (A row-major, B column-major)."""
+    from lowprec import fp8
+    from lowprec.fp8 import block_cast, kernels
+
+    x = torch.randn(256, 384, dtype=torch.bfloat16) * 3
+
+    def casts():
+        return (*block_cast.cast_block_both(x, E4M3, 128, False), block_cast.quantize_blockwise_fused(x, E4M3, (128, 128), False),
+                block_cast.quantize_square_transposed(x, E4M3, 128, False))
+
+    plain = casts()
+    monkeypatch.setattr(kernels, "available", lambda device: True)
+    fused = casts()
+    for p, f in zip(plain, fused):
+        assert (p.block, p.granularity) == (f.block, f.granularity)
+        assert torch.equal(p.dequantize(), f.dequantize())
+    rows, cols, w, w_col = fused
+    assert rows.data.is_contiguous() and rows.scale.t().is_contiguous()  # A of the output/grad_input GEMMs
+    assert cols.data.t().is_contiguous() and cols.scale.is_contiguous()  # x as B (and dY^T as A) of wgrad
+    assert w.data.is_contiguous() and w_col.data.t().is_contiguous() and w_col.scale.t().is_contiguous()
+    # and a whole Float8Linear fwd+bwd through the fused casts agrees with the torch path
+    lin = torch.nn.Linear(384, 256, bias=False)
+    outs = []
+    for fused_on in (True, False):
+        if not fused_on:
+            monkeypatch.undo()
+        m = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("blockwise", gemm="emulate"))
+        xi = x.float().clone().requires_grad_()
+        with fp8.autocast():
+            y = m(xi)
+        y.backward(torch.ones_like(y))
+        outs.append((y.detach(), xi.grad, m.weight.grad))
+    for a, b in zip(*outs):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+
+# --- the Triton blockwise GEMM (block_gemm_triton): against the float32 emulation ----------------
+def _block_operands(m, k, n, bs, a_dtype, square):
+    from lowprec.fp8.quantize import quantize_blockwise_torch as qb
+
+    a = qb(torch.randn(m, k) * 4, a_dtype, (1, bs))
+    if square:  # output / grad_input: B = W^T in bs x bs blocks
+        b = qb(torch.randn(n, k), E4M3, (bs, bs)).t()
+    else:  # grad_weight: B = X in bs x 1 tiles (contracting over its rows)
+        b = qb(torch.randn(k, n), E4M3, (bs, 1))
+    return a, b
+
+
+@pytest.mark.parametrize("mkn,bs,a_dtype,square,out_dtype", [
+    ((64, 256, 96), 128, E4M3, True, torch.bfloat16),  # the output / grad_input GEMMs
+    ((64, 256, 96), 128, E4M3, False, torch.float32),  # grad_weight
+    ((70, 200, 90), 128, E5M2, True, torch.float32),  # ragged M, K, N
+    ((70, 200, 90), 128, E4M3, False, torch.bfloat16),
+    ((40, 96, 72), 32, E4M3, True, torch.float32),  # block_size 32
+])
+def test_triton_block_gemm_is_within_the_documented_bound(mkn, bs, a_dtype, square, out_dtype, seed):
+    """Whole and ragged tiles, both B tilings, E4M3/E5M2 A, float32 and bf16 output: the kernel
+    differs from dequantize-then-matmul only by summation order (cpu_gemm.py's bound)."""
+    from lowprec import fp8
+    from lowprec.fp8 import block_gemm_triton
+    from tests.conftest import assert_within_gemm_bound
+
+    a, b = _block_operands(*mkn, bs, a_dtype, square)
+    assert block_gemm_triton.supported(a, b)
+    got = block_gemm_triton.mm(a, b, out_dtype)
+    ref = fp8.scaled_mm(a, b, torch.float32, path="emulate")
+    assert got.dtype == out_dtype and got.shape == (mkn[0], mkn[2])
+    assert_within_gemm_bound(got, ref, a, b, output_roundings=int(out_dtype == torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", FP8)
+def test_triton_block_gemm_decodes_every_fp8_code_exactly(dtype):
+    """A holds every finite FP8 code once, B is the identity: C = A exactly (the interpreter's
+    software decode, subnormals included); a NaN code makes its row NaN."""
+    from lowprec.fp8 import block_gemm_triton
+    from lowprec.fp8.quantize import Float8Data
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
+    finite = codes[torch.isfinite(codes.float())]
+    a_data = torch.zeros(4, 128, dtype=torch.uint8).view(dtype)
+    a_data.view(-1)[: finite.numel()] = finite
+    eye = torch.eye(128).to(E4M3)
+    one = lambda r, c: torch.ones(r, c)  # noqa: E731 - unit scales
+    a = Float8Data(a_data, one(4, 1), "block", (1, 128))
+    b = Float8Data(eye, one(1, 1), "block", (128, 128))
+    got = block_gemm_triton.mm(a, b, torch.float32)
+    assert torch.equal(got, a_data.float())  # (-0.0 comes out +0.0: the dot adds +0.0 products)
+    a_data.view(torch.uint8)[2, 5] = 0x7F  # NaN in both formats
+    got = block_gemm_triton.mm(a, b, torch.float32)
+    assert torch.isnan(got[2]).all() and not torch.isnan(got[[0, 1, 3]]).any()
+
+
+def test_float8_linear_blockwise_on_the_triton_gemm(monkeypatch, seed):
+    """The whole blockwise Float8Linear fwd+bwd with all three GEMMs on the Triton kernel (as on
+    an sm_89 GPU: the dispatch says "triton"), against the emulated run."""
+    from lowprec import fp8
+    from lowprec.fp8 import block_gemm_triton, gemm
+
+    lin = torch.nn.Linear(256, 128, bias=False)  # K spans two 128-tiles
+    x = torch.randn(48, 256) * 2
+    paths, runs = [], []
+    real = gemm.gemm_path
+    monkeypatch.setattr(gemm, "gemm_path", lambda *a: paths.append(real(*a)) or paths[-1])
+    for on in (True, False):
+        monkeypatch.setattr(block_gemm_triton, "runs", lambda device, a, b, on=on: on)
+        m = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("blockwise", gemm="auto" if on else "emulate"))
+        xi = x.clone().requires_grad_()
+        with fp8.autocast():
+            y = m(xi)
+        y.backward(torch.ones_like(y))
+        runs.append((y.detach(), xi.grad, m.weight.grad))
+    assert paths == ["triton"] * 3 + ["emulate"] * 3
+    for got, want in zip(*runs):
+        assert got.dtype == want.dtype
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()

@@ -94,6 +94,9 @@ FLAGS = [
     ("train-nested-unknown", ["train", TINY, "--fsdp_config", "{{reshard: 1}}"], "unknown key 'reshard'"),
     ("train-missing-config", ["train", "/nonexistent/config.yaml"], "not found"),
     ("train-skip-limit-0", ["train", TINY, "--max_consecutive_skipped_steps", "0"], "flag --max_consecutive_skipped_steps"),
+    # the flag names its key once ("flag --fsdp_version: 1 is not ...", not "... fsdp_version: 1 ...")
+    ("train-fsdp-version-1", ["train", TINY, "--fsdp_version", "1"], "flag --fsdp_version: 1 is not supported"),
+    ("train-recipe-named-once", ["train", TINY, "--fp8_recipe", "nope"], "flag --fp8_recipe: unknown FP8 recipe"),
     ("unknown-command", ["trian"], "unknown command 'trian'"),
     ("launch-no-script", ["launch"], "needs a training script"),
     ("launch-missing-script", ["launch", "/nonexistent/script.py"], "not found"),

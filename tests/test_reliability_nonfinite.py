@@ -190,3 +190,35 @@ def test_trainer_diverging_run_stops_with_exit_3_and_saves_nothing_nonfinite(tmp
     for ckpt in out.glob("checkpoint-*"):
         for name, t in load_file(str(ckpt / "model_0.safetensors")).items():
             assert not t.is_floating_point() or torch.isfinite(t.float()).all(), (ckpt.name, name)
+
+
+def test_two_process_fsdp2_run_stops_every_rank_with_exit_3_and_one_line(tmp_path):
+    """The same divergence under `lowprec train --num_processes 2` (torchrun, gloo) with FSDP2:
+    the shards decide together (an all-reduced flag), each skip is logged once (not once per
+    rank), every rank stops at the same step with exit 3, and the run ends in one lowprec line
+    naming the last good checkpoint and the 2-process command that continues; torchrun's
+    failed-rank line and traceback do not appear."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
+    env.update(PYTHONPATH=os.path.join(root, "src"), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowprec.cli.main", "train", os.path.join(root, "examples", "tiny.yaml"),
+         "--num_processes", "2", "--fsdp_version", "2", "--learning_rate", "1e30", "--max_steps", "6",
+         "--save_steps", "2", "--warmup_steps", "0", "--sequence_len", "16", "--micro_batch_size", "2",
+         "--dataset_max_bytes", "20000", "--eval_steps", "null", "--use_tensorboard", "false",
+         "--output_dir", str(out), "--quiet"],
+        capture_output=True, text=True, env=env, timeout=300)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("lowprec")]
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert [line.split(":")[1] for line in ours] == [" optimizer step 2", " optimizer step 3", " optimizer step 4",
+                                                     " stopped"], ours
+    assert "3 consecutive optimizer steps" in ours[-1] and f"last good checkpoint: {out}/checkpoint-2" in ours[-1]
+    assert ours[-1].endswith("--num_processes 2 --resume_from_checkpoint auto")
+    # the worker that torchrun saw first ended with 3, not a signal (the others exit 3 on SIGTERM too)
+    assert "exitcode: 3" in proc.stderr and "exitcode: -" not in proc.stderr

@@ -91,7 +91,7 @@ def test_counts_are_deterministic_and_the_gemms_are_fp8(recipe):
     assert len(dtypes) == 3
     if recipe == "rowwise_with_gw_hp":  # its weight-gradient GEMM is bf16 by definition
         assert dtypes[:2] == ["float8_e4m3fn"] * 2 and dtypes[2] == "bfloat16"
-    elif recipe != "blockwise":
+    else:  # blockwise too: torch's blockwise kernel on sm_90
         assert all(d.startswith("float8") for d in dtypes), dtypes
 
 
@@ -110,9 +110,10 @@ def test_benchmark_tiny_writes_its_json(tmp_path):
 
 
 # Bytes outside the GEMMs on the CUDA default path (fused casts) at the issue's shape, in GB:
-# issue 9's targets (tensorwise 2.8, delayed 2.0, rowwise 3.5), and for rowwise_with_gw_hp,
+# issue 9's targets (tensorwise 2.8, delayed 2.0, rowwise 3.5, blockwise 3.5 on torch's blockwise
+# FP8 GEMM, traced as sm_90: 1.97 reached), and for rowwise_with_gw_hp,
 # which has none, the level this branch reached (2.20).
-BUDGET_GB = {"tensorwise": 2.8, "delayed": 2.0, "rowwise": 3.5, "rowwise_with_gw_hp": 2.25}
+BUDGET_GB = {"tensorwise": 2.8, "delayed": 2.0, "rowwise": 3.5, "rowwise_with_gw_hp": 2.25, "blockwise": 3.5}
 
 
 @pytest.mark.skipif(not triton_importable(), reason="the fused ops' fake implementations come from triton")

@@ -68,7 +68,7 @@ BAD = [
     ({"base_model": "meta-llama/Llama-3.2-1B"}, "downloads are not supported"),
     ({"datasets": [{"path": "builtin:wiki"}]}, "unknown builtin corpus 'builtin:wiki'"),
     ({"datasets": [{"paht": "a.txt"}]}, "did you mean 'path'"),
-    ({"datasets": [{"path": "a.txt", "type": "alpaca"}]}, "datasets.0.type"),
+    ({"datasets": [{"path": "a.txt", "type": "oasst"}]}, "datasets.0.type: dataset type 'oasst' is not supported"),
     ({"fp8": True, "sequence_len": 100}, "use sequence_len: 112"),
     ({"sequence_len": 4096}, "exceeds builtin:llama-tiny's max_seq_len"),
     ({"eval_steps": 5, "val_set_size": 0}, "set val_set_size"),

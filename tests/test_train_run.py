@@ -13,6 +13,7 @@ import pytest
 
 from tests.torchrun_util import run_torchrun
 import torch
+import yaml
 
 from lowprec.train.config import load_config
 from lowprec.train.metrics import read_metrics
@@ -31,6 +32,9 @@ FAST = {
     "warmup_steps": 0,
     "progress_bar": False,
     "use_tensorboard": False,
+    "saves_per_epoch": None,  # save_steps / eval_steps / warmup_steps below win
+    "evals_per_epoch": None,
+    "warmup_ratio": None,
 }
 
 
@@ -40,7 +44,11 @@ def _env() -> dict:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=os.path.basename)
 def test_every_example_runs_a_few_steps(tmp_path, path):
-    cfg = load_config(path, {**FAST, "max_steps": 2, "save_steps": 1, "output_dir": str(tmp_path)})
+    raw = yaml.safe_load(open(path))
+    typed = any(isinstance(d, dict) and d.get("type") not in (None, "completion") for d in raw.get("datasets") or [])
+    # instruction / chat rows need room for their prompt: 256 tokens, not 32
+    fast = {**FAST, "sequence_len": 256} if typed else FAST
+    cfg = load_config(path, {**fast, "max_steps": 2, "save_steps": 1, "output_dir": str(tmp_path)})
     result = train(cfg)
     assert result.steps == 2
     assert result.final_train_loss is not None and 3.0 < result.final_train_loss < 6.5  # ln(272) = 5.6
@@ -67,6 +75,19 @@ def test_e2e_outputs(e2e_run):
     # checkpoints every 2 steps and at the final step, last 2 kept, no temporary dirs left
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-6", "checkpoint-8"]
     assert "lowprec train: 8 steps (fp8)" in proc.stdout
+
+
+def test_e2e_console_says_each_setting_once(e2e_run):
+    """Issue 13: one FP8 conversion line (the table goes to a file), each setting logged once."""
+    out, proc = e2e_run
+    lines = proc.stderr.splitlines()
+    for key in ("device", "mixed_precision", "distributed_type", "total_steps"):
+        assert sum(f"lowprec: {key} = " in line for line in lines) == 1, key
+    conversion = [line for line in lines if "FP8 conversion" in line]
+    assert len(conversion) == 1 and "converted" in conversion[0], conversion
+    assert not any(line.lstrip().startswith("fp8   model.layers") for line in lines)
+    table = (out / "fp8_conversion.txt").read_text()
+    assert table.count("    fp8   model.layers.") >= 8 and "skip  lm_head" in table
 
 
 def test_e2e_metrics_and_decisions(e2e_run):

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lowprec.backends.base import Backend, PrepareContext, named_params, remap_optimizer_params
 from lowprec.backends.registry import FP8Settings, resolve_fp8_settings, select_backend
@@ -39,6 +39,7 @@ from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.tracking import TrackingMixin, filter_trackers
 from lowprec.utils.checkpointing import CheckpointingMixin
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
+from lowprec.utils.dispatcher import DataLoaderDispatcher
 from lowprec.utils.dataclasses import DataLoaderConfiguration, ProjectConfiguration, TorchDynamoPlugin
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_clip, deepspeed_initialize
 from lowprec.utils.distributed import trigger_sync_in_backward, wrap_ddp, wrap_fsdp2
@@ -357,9 +358,9 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         if self.backend is not None:
             optimizer, model = self.backend.prepare_optimizer(optimizer, model, self._ctx())
         cfg = build_ds_config(self.state.deepspeed_plugin, self.mixed_precision, micro,
-                              self.gradient_accumulation_steps, self.num_processes)
+                              self.gradient_accumulation_steps, self.num_processes, self.nonfinite.enabled)
         engine, ds_opt = deepspeed_initialize(model, optimizer, cfg)
-        wrapped = DeepSpeedOptimizer(engine, ds_opt)
+        wrapped = DeepSpeedOptimizer(engine, ds_opt, self.nonfinite)
         if self.backend is not None:
             wrapped.after_step = functools.partial(self.backend.after_optimizer_step, engine.module)
             self.backend.after_wrap(engine, self._ctx())
@@ -429,7 +430,10 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
             self._data_seed = int(seed)
         placement = self.device_placement if device_placement is None else device_placement
         cfg = self.dataloader_config
-        shard = DataLoaderShard(
+        dispatch = cfg.dispatch_batches
+        if dispatch is None:  # Accelerate's default: a stream cannot be sharded by index
+            dispatch = isinstance(data_loader.dataset, IterableDataset) and self.num_processes > 1
+        shard = (DataLoaderDispatcher if dispatch else DataLoaderShard)(
             data_loader,
             rank=self.process_index,
             world_size=self.num_processes,
@@ -450,7 +454,8 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         self.nonfinite.note_loss(loss)
         if self._ds_engine is not None:
-            self._ds_engine.backward(loss, **kwargs)  # DeepSpeed scales by its accumulation steps
+            # DeepSpeed refuses NaN/inf gradients itself; make a non-finite loss reach it as such
+            self._ds_engine.backward(self.nonfinite.nan_if_nonfinite(loss), **kwargs)  # DeepSpeed scales by its accumulation steps
             return
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:

@@ -400,12 +400,14 @@ def _apply(obj: Any, state: Any, where: str = "") -> None:
 
 def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bool = True, max_shard_size: Any = "10GB") -> None:
     """Plain weights (no FP8 scaling state, no wrappers) that load into the unconverted model."""
+    from lowprec.utils.offload import fill_offloaded
+
     inner = acc.unwrap_model(model)
-    acc.nonfinite.check_model(model, f"save_model({save_directory!r})")
     if _is_ds(model) and model.zero_optimization_stage() == 3:
         sd = model._zero3_consolidated_16bit_state_dict()  # collective; full on the main process only
     else:
-        sd = full_model_state_dict(inner)
+        sd = fill_offloaded(inner, full_model_state_dict(inner))  # disk-offloaded weights read back
+    acc.nonfinite.check_model(model, f"save_model({save_directory!r})")
     if acc.is_main_process:
         if acc.backend is not None:
             sd = acc.backend.plain_state_dict(sd)

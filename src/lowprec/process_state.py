@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lowprec.kwargs import env_flag, env_get, env_int
+from lowprec.process_group import init_default_group
 from lowprec.shared_state import SharedState
 
 __all__ = ["DistributedType", "PartialState", "ProcessFacts", "split_between"]
@@ -144,12 +145,7 @@ class PartialState(SharedState, ProcessFacts):
 
             kw = init_kwargs or InitProcessGroupKwargs()
             self.backend = kw.backend or ("nccl" if device.type == "cuda" else "gloo")
-            extra: dict[str, Any] = {}
-            if kw.timeout is not None:
-                extra["timeout"] = kw.timeout
-            if kw.init_method is not None:
-                extra["init_method"] = kw.init_method
-            dist.init_process_group(self.backend, rank=rank, world_size=world, **extra)
+            init_default_group(self.backend, rank, world, kw.timeout, kw.init_method)
             if device.type == "cuda":
                 torch.cuda.set_device(device)
         if dist.is_initialized():

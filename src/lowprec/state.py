@@ -25,6 +25,7 @@ from lowprec.kwargs import (
     env_int,
 )
 from lowprec.process_state import DistributedType, PartialState, ProcessFacts, _resolve_device as _device_and_reason
+from lowprec.process_group import init_default_group
 
 __all__ = [
     "PRECISIONS",
@@ -221,17 +222,11 @@ class AcceleratorState(ProcessFacts):
         if not needs_group or dist.is_initialized():
             return
         backend = kwargs.backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        extra: dict[str, Any] = {}
-        if kwargs.timeout is not None:
-            extra["timeout"] = kwargs.timeout
         if self.env.world_size == 1 and self.env.master_addr is None:
             # FSDP2 / DeepSpeed in one plain process: a private in-memory store, no rendezvous
-            extra["store"] = dist.HashStore()
-            dist.init_process_group(backend, rank=0, world_size=1, **extra)
+            init_default_group(backend, 0, 1, kwargs.timeout, store=dist.HashStore())
         else:
-            if kwargs.init_method is not None:
-                extra["init_method"] = kwargs.init_method
-            dist.init_process_group(backend, rank=self.env.rank, world_size=self.env.world_size, **extra)
+            init_default_group(backend, self.env.rank, self.env.world_size, kwargs.timeout, kwargs.init_method)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 

@@ -23,7 +23,8 @@ if TYPE_CHECKING:  # torch is imported by the backends' methods, not by their de
     import torch
     from torch import nn
 
-__all__ = ["Backend", "PrepareContext", "BaseBackend", "remap_optimizer_params", "named_params", "log_once"]
+__all__ = ["Backend", "PrepareContext", "BaseBackend", "remap_optimizer_params", "named_params", "log_once",
+           "note_unconverted_conv1d"]
 
 logger = logging.getLogger("lowprec")
 _LOGGED: set[str] = set()
@@ -33,6 +34,17 @@ def log_once(message: str) -> None:
     if message not in _LOGGED:
         _LOGGED.add(message)
         logger.warning(message)
+
+
+def note_unconverted_conv1d(model: "nn.Module", library: str) -> None:
+    """A library that swaps ``nn.Linear`` only leaves transformers' ``Conv1D`` (GPT-2) in high
+    precision; say so once (the native engine converts them)."""
+    from lowprec.fp8.conv1d import is_conv1d
+
+    n = sum(1 for m in model.modules() if is_conv1d(m))
+    if n:
+        log_once(f"lowprec: {library} converts nn.Linear only: {n} transformers Conv1D layer(s) stay in high "
+                 "precision; the native backend (fp8_backend: native) converts them to FP8")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional
 
 from lowprec.backends.base import BaseBackend, PrepareContext
@@ -58,7 +59,11 @@ class NativeBackend(BaseBackend):
             skip_first_last=self.skip_first_last,
             skip_patterns=self.skip_patterns,
         )
-        logger.info("lowprec: FP8 conversion (%s):\n%s", self.engine, self.report)
+        # one line on the console (rank 0); the per-layer table at debug level and, from the
+        # trainer, in output_dir/fp8_conversion.txt
+        if int(os.environ.get("RANK", "0")) == 0:
+            logger.info("lowprec: %s", self.report.summary())
+        logger.debug("lowprec: FP8 conversion (%s):\n%s", self.engine, self.report)
         return model
 
     def fp8_context(self, model: "nn.Module") -> ContextManager:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
-from lowprec.backends.base import BaseBackend, PrepareContext, log_once
+from lowprec.backends.base import BaseBackend, PrepareContext, log_once, note_unconverted_conv1d
 from lowprec.backends.spec import RECIPE_SETTINGS, BackendSpec
 from lowprec.catalog import te_switch_recipe
 from lowprec.kwargs import TERecipeKwargs
@@ -95,6 +95,7 @@ class TEBackend(BaseBackend):
     def convert(self, model: "nn.Module", ctx: PrepareContext) -> "nn.Module":
         # TE modules bring new Parameters; the Accelerator remaps the optimizer by name
         te_convert(model, self.te)
+        note_unconverted_conv1d(model, "TransformerEngine")
         return model
 
     def fp8_context(self, model: "nn.Module") -> ContextManager:

@@ -16,7 +16,7 @@ import dataclasses
 import types
 from typing import TYPE_CHECKING, Any, Callable
 
-from lowprec.backends.base import BaseBackend, PrepareContext, log_once
+from lowprec.backends.base import BaseBackend, PrepareContext, log_once, note_unconverted_conv1d
 from lowprec.backends.spec import BackendSpec
 from lowprec.kwargs import AORecipeKwargs
 
@@ -101,6 +101,7 @@ class TorchAOBackend(BaseBackend):
         # new weight Parameters (FSDP2 all-gather) are remapped into the optimizer by the
         # Accelerator, by name, whatever the order of prepare calls
         convert_to_float8_training(model, module_filter_fn=module_filter, config=self.config)
+        note_unconverted_conv1d(model, "torchao")
         return model
 
     def fp8_context(self, model: "nn.Module"):

@@ -5,18 +5,58 @@ neither the cause in plain words nor what to do next. This runs torchrun's own `
 that ending into one line: which rank failed first, its exit cause (exit code or signal), and
 the command that continues (``LOWPREC_CONTINUE_COMMAND``, set by ``lowprec train`` /
 ``lowprec launch``). The exit code is the failed worker's (128 + N for signal N).
+
+A run the workers stop on purpose (``lowprec train``: too many non-finite steps, exit 3) is not a
+crash: rank 0 writes its one-line reason to ``LOWPREC_STOP_FILE`` (a fresh file per launch) and
+every rank exits with the same code (:func:`report_stop`); this then prints that reason (with
+the command that continues) instead of the failed-rank line, so the run ends in one line.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from typing import Optional, Sequence
 
-__all__ = ["main", "describe_exit", "CONTINUE_VAR"]
+__all__ = ["main", "describe_exit", "CONTINUE_VAR", "STOP_FILE_VAR", "report_stop"]
 
 CONTINUE_VAR = "LOWPREC_CONTINUE_COMMAND"
+STOP_FILE_VAR = "LOWPREC_STOP_FILE"
+
+
+def report_stop(reason: str, rank: int, code: int = 3, wait_s: float = 60.0) -> None:
+    """End a worker that stops the run on purpose, the same way on every rank (never returns
+    under a launcher; without one it returns and the caller reports as usual).
+
+    Rank 0 writes ``reason`` to the launcher's stop file. torchrun stops the other workers with
+    SIGTERM as soon as one exits, so every rank first waits for the others (a barrier when the
+    process group is up, else for the file), turns SIGTERM into the same exit ``code`` (the
+    stop is decided), and leaves with ``os._exit`` (no interpreter teardown to be caught in;
+    the caller has flushed its files)."""
+    import time
+
+    path = os.environ.get(STOP_FILE_VAR)
+    if not path:
+        return
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+    if rank == 0:
+        with open(path + ".tmp", "w") as f:
+            f.write(reason)
+        os.replace(path + ".tmp", path)  # whole or absent
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    elif rank != 0 and os.environ.get("GROUP_RANK", "0") == "0":  # rank 0 runs on this machine
+        deadline = time.monotonic() + wait_s
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def describe_exit(code: int) -> str:
@@ -41,11 +81,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    stop_dir = tempfile.mkdtemp(prefix="lowprec-stop-")
+    stop_file = os.environ[STOP_FILE_VAR] = os.path.join(stop_dir, "reason")  # the workers inherit it
     try:
         run(args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         code = failure.exitcode
+        if os.path.exists(stop_file):
+            with open(stop_file) as f:
+                print(f"lowprec: stopped: {f.read().strip()}{_continue_hint()}", file=sys.stderr)
+            return code
         print(
             f"lowprec: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) failed first: "
             f"{describe_exit(code)}; the other workers were stopped{_continue_hint()}",
@@ -57,6 +103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"lowprec: interrupted ({signal.Signals(sig).name}); the workers were stopped{_continue_hint()}",
               file=sys.stderr)
         return 128 + int(sig)
+    finally:
+        shutil.rmtree(stop_dir, ignore_errors=True)
     return 0
 
 

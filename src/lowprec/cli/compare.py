@@ -1,53 +1,120 @@
-"""``lowprec compare CONFIG.yaml --precisions fp32,bf16,fp8``: precision parity of one config.
+"""``lowprec compare CONFIG.yaml --precisions bf16,fp8 --seeds 5``: precision parity with intervals.
 
-Runs the config once per precision (same seed, same data order), writes ``compare.png`` and
-``compare.json`` under ``output_dir/compare`` (or ``--compare_dir``), prints a table, and exits
-1 when FP8's final validation loss is more than ``--threshold`` above BF16's.
+Runs the config once per precision and seed (same seeds for every precision: same
+initialisation, data order and validation split per seed), several runs at a time, writes
+``compare.png`` and ``compare.json`` under ``output_dir/compare`` (or ``--compare_dir``), prints
+a table with 95% intervals and exits with the verdict:
+
+* 0: every precision below the baseline is within ``--threshold`` of it at 95% confidence;
+* 1: at least one is outside (its whole interval above the threshold), or diverged;
+* 2: a usage error (bad flag, key or precision name);
+* 4: none outside, at least one inconclusive (the line says about how many seeds would decide).
+
+Every flag has a key of the same name under ``compare:`` in the YAML; the flag wins.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-from typing import Any
+from typing import Any, Union
 
-__all__ = ["NAME", "HELP", "add_parser", "run"]
+__all__ = ["NAME", "HELP", "add_parser", "run", "parse_seeds", "compare_settings"]
 
 NAME = "compare"
-HELP = "run one config at several precisions and report loss parity"
+HELP = "run one config at several precisions and seeds and report loss parity with confidence intervals"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from lowprec.cli.train import add_config_flags, config_command
 
     p = config_command(
-        subparsers, NAME, HELP, "Run one config at several precisions (same seed and data order) and compare the losses.",
-        "lowprec compare CONFIG.yaml [--precisions fp32,bf16,fp8] [--threshold 0.02] [--key value ...]",
+        subparsers, NAME, HELP,
+        "Run one config at several precisions with the same seeds and compare the losses "
+        "(95%% intervals, paired gaps, a verdict). Exit codes: 0 within the threshold, 1 outside, "
+        "2 usage error, 4 inconclusive.",
+        "lowprec compare CONFIG.yaml [--precisions bf16,fp8] [--seeds N|LIST] [--threshold 0.005] "
+        "[--workers N] [--key value ...]",
         "the YAML config",
     )
-    p.add_argument("--precisions", default="fp32,bf16,fp8", metavar="LIST",
-                   help="comma-separated: fp32, bf16, fp16, bf16-full, fp8, fp8:<recipe> (fp8 with that "
-                        "fp8_recipe, e.g. fp8:mxfp8,fp8:nvfp4) (default fp32,bf16,fp8)")
-    p.add_argument("--threshold", type=float, default=0.02, metavar="FRACTION",
-                   help="largest allowed excess of FP8's final validation loss over BF16's (default 0.02 = 2%%)")
+    p.add_argument("--precisions", default=None, metavar="LIST",
+                   help="comma-separated: fp32, bf16, fp16, bf16-full, fp8 (the config's recipe), fp8-<recipe> "
+                   "(fp8-tensorwise, fp8-delayed, fp8-rowwise, fp8-rowwise_with_gw_hp, fp8-blockwise), fp8-torchao, "
+                   "fp8-torchao-<recipe> (default: compare.precisions, else fp32,bf16,fp8)")
+    p.add_argument("--seeds", default=None, metavar="N|LIST",
+                   help="N seeds (seed, seed+1, ...) or a comma-separated list (default: compare.seeds, else 1)")
+    p.add_argument("--threshold", type=float, default=None, metavar="FRACTION",
+                   help="largest allowed excess of a loss over the baseline's at 95%% confidence "
+                   "(default: compare.threshold, else 0.02 = 2%%)")
+    p.add_argument("--baseline", default=None, metavar="PRECISION",
+                   help="the precision the others are judged against (default bf16 when listed, else the highest)")
+    p.add_argument("--workers", default=None, metavar="N",
+                   help="runs at once (default auto: CPU cores / cpu_threads; 1 on a GPU)")
+    p.add_argument("--tail_fraction", "--tail-fraction", type=float, default=None, metavar="FRACTION",
+                   help="the last part of training compared as a curve gap (default 0.2)")
     p.add_argument("--compare_dir", "--compare-dir", default=None, metavar="DIR",
                    help="where runs and reports go (default: <output_dir>/compare)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars or info logs from the runs")
+    p.add_argument("--quiet", action="store_true", help="no progress lines (each run's log is in its own file)")
     add_config_flags(p)
     return p
 
 
+def parse_seeds(text: str) -> Union[int, list[int]]:
+    """``5`` -> 5 seeds; ``1,2,3`` -> those seeds."""
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise ValueError(f"--seeds {text}: give a number of seeds (5) or a comma-separated list (1,2,3)")
+    return values[0] if "," not in text else values
+
+
+def compare_settings(args: argparse.Namespace, cfg: Any):
+    """The YAML's ``compare:`` with the flags given on the command line applied (validated)."""
+    from lowprec.train.config import CompareSpec
+
+    spec = cfg.compare or CompareSpec()
+    flags: dict[str, Any] = {}
+    if args.precisions is not None:
+        flags["precisions"] = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    if args.seeds is not None:
+        flags["seeds"] = parse_seeds(args.seeds)
+    for key in ("threshold", "baseline", "tail_fraction"):
+        if getattr(args, key) is not None:
+            flags[key] = getattr(args, key)
+    if args.workers is not None:
+        flags["workers"] = args.workers if args.workers == "auto" else _int_flag("--workers", args.workers)
+    try:
+        return CompareSpec.model_validate({**spec.model_dump(), **flags})
+    except Exception as exc:  # pydantic's ValidationError: name the flag, not the model
+        errs = getattr(exc, "errors", lambda **_: [])(include_url=False)
+        if not errs:
+            raise
+        e = errs[0]
+        key = str(e["loc"][0]) if e["loc"] else "compare"
+        where = f"--{key}" if key in flags else f"compare.{key}"
+        raise ValueError(f"{where}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})") from None
+
+
+def _int_flag(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name} {text}: give a whole number or auto") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from lowprec.cli.train import overrides_from_args
-    from lowprec.train.compare import compare, format_table
+    from lowprec.train.compare import compare
+    from lowprec.train.compare_report import format_report
     from lowprec.train.config import load_config
 
-    if not 0 <= args.threshold < 1:
-        raise ValueError(f"--threshold {args.threshold}: use a fraction in [0, 1), e.g. 0.02 for 2%")
     cfg = load_config(args.config, overrides_from_args(args))
-    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-    result = compare(cfg, precisions, args.threshold, args.compare_dir, quiet=args.quiet)
-    print(format_table(result))
-    out = os.path.dirname(result.rows[0].output_dir)
-    print(f"lowprec compare: wrote {os.path.join(out, 'compare.png')} and {os.path.join(out, 'compare.json')}")
-    return 0 if result.passed else 1
+    spec = compare_settings(args, cfg)
+    report, out = compare(
+        cfg, spec.precisions, spec.seed_list(cfg.seed), spec.threshold, args.compare_dir,
+        workers=spec.workers, baseline=spec.baseline, tail_fraction=spec.tail_fraction, quiet=args.quiet,
+    )
+    print(format_report(report))
+    print(f"lowprec compare: wrote {out}/compare.png and {out}/compare.json")
+    return int(report["exit_code"])

@@ -39,8 +39,9 @@ def hardware_default() -> tuple[LaunchSettings, str]:
     if not torch.cuda.is_available():
         from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 
-        return LaunchSettings(mixed_precision="bf16"), (
-            "no CUDA device: bf16 autocast on CPU (FP8 runs here, correct but slower than bf16 because "
+        # use_cpu: true, so the file says what the machine is (not use_cpu: false on a GPU-less box)
+        return LaunchSettings(mixed_precision="bf16", use_cpu=True), (
+            "no CUDA device: use_cpu: true, bf16 autocast on CPU (FP8 runs here, correct but slower than bf16 because "
             f"of its casts; its GEMMs would be {cpu_gemm_choice().describe()})"
         )
     count = torch.cuda.device_count()

@@ -87,7 +87,8 @@ def _torch_info() -> dict[str, Any]:
         for i in range(torch.cuda.device_count()):
             cc = torch.cuda.get_device_capability(i)
             devices.append({"index": i, "name": torch.cuda.get_device_name(i),
-                            "compute_capability": f"{cc[0]}.{cc[1]}", "fp8_gemm": cc >= (8, 9)})
+                            "compute_capability": f"{cc[0]}.{cc[1]}", "fp8_gemm": cc >= (8, 9),
+                            "blockwise_gemm": _probe(lambda i=i: _blockwise_gemm(i))})
     info["devices"] = devices
     info["bf16_supported"] = _probe(
         lambda: torch.cuda.is_bf16_supported() if info["cuda_available"] else True
@@ -101,6 +102,15 @@ def _torch_info() -> dict[str, Any]:
     else:
         info["fp8_gemm"] = _cpu_fp8_gemm()
     return info
+
+
+def _blockwise_gemm(index: int) -> str:
+    """The kernel the blockwise recipe's GEMMs take on CUDA device ``index`` (as the conversion report says)."""
+    import torch
+
+    from lowprec.fp8.block_gemm_triton import describe_cuda
+
+    return describe_cuda(torch.device("cuda", index), 128)
 
 
 def _cpu_fp8_gemm() -> str:

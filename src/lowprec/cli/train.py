@@ -174,13 +174,19 @@ def run(args: argparse.Namespace) -> int:
         return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
     _setup_logging(args.quiet)
     _drop_launch_env()
+    from lowprec.cli._torchrun import report_stop
     from lowprec.errors import NonFiniteError
     from lowprec.train.trainer import train
 
     try:
         result = train(cfg)
     except (NonFiniteError, KeyboardInterrupt) as exc:
-        if int(os.environ.get("RANK", "0")) != 0:  # every rank stops alike; rank 0 says why
+        rank = int(os.environ.get("RANK", "0"))
+        if isinstance(exc, NonFiniteError):
+            # under the launcher: every rank stops alike; rank 0's reason becomes the one line
+            # the launcher prints (with the multi-process command that continues)
+            report_stop(str(exc), rank)  # does not return under a launcher
+        if rank != 0:  # every rank stops alike; rank 0 says why
             return 3 if isinstance(exc, NonFiniteError) else 130
         # one line, with the command that continues the run (the CLI prints it and exits 3 / 130)
         text = f"{exc or 'interrupted'}; to continue: {resume_command(args)}"

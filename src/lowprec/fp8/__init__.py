@@ -24,6 +24,7 @@ from lowprec.fp8.cost_model import DeviceProfile, auto_module_filter, predict_sp
 from lowprec.fp8.formats import E4M3, E5M2, Format, fp8_max
 from lowprec.fp8.gemm import native_scaled_mm_available, scaled_mm
 from lowprec.fp8.linear import Float8Linear, delayed_scale_step
+from lowprec.fp8.conv1d import Float8Conv1D
 from lowprec.fp8.quantize import Float8Data, dequantize, quantize, saturated_cast
 from lowprec.fp8.recipes import RECIPE_NAMES, Recipe
 from lowprec.fp8.scaling import amax_to_scale
@@ -46,6 +47,7 @@ __all__ = [
     "scaled_mm",
     "native_scaled_mm_available",
     "Float8Linear",
+    "Float8Conv1D",
     "delayed_scale_step",
     "convert",
     "unconvert",

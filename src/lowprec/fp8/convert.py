@@ -14,10 +14,12 @@ The default filter keeps in high precision, each with its reason in the report:
   for FP8 to pay, and adapter quality is what fine-tuning optimises (the frozen base layer inside
   the peft wrapper is converted as usual).
 
-Layers that are not ``nn.Linear`` are reported, not converted, when they are GEMM layers lowprec
-recognises: ``transformers``' ``Conv1D`` (GPT-2) stores its weight transposed (in x out);
-converting it would change its parameter's layout and its state_dict, so GPT-2 checkpoints would
-no longer load. Accelerate + torchao skip it silently; here the report says so.
+``transformers``' ``Conv1D`` (GPT-2: a Linear whose weight is stored in x out) converts to
+:class:`~lowprec.fp8.conv1d.Float8Conv1D` under the same rules, keeping its parameter layout
+and state_dict (Accelerate + torchao leave it in high precision without a word). Every other
+layer type with parameters that stays in high precision is counted in the report by type, with
+the reason (embeddings are lookups, norms are elementwise, Linear subclasses such as 4-bit
+layers have their own forward).
 
 A recipe with ``high_precision_last > 0`` (nvfp4: 0.15, as NVIDIA keeps about 15% of the Linear
 layers, mostly the last ones, in BF16) then keeps that fraction of the layers that would convert,
@@ -38,6 +40,8 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
+from lowprec.fp8 import block_gemm_triton
+from lowprec.fp8.conv1d import Float8Conv1D, gemm_dims, is_conv1d
 from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 from lowprec.fp8.gemm import native_scaled_mm_available
 from lowprec.fp8.linear import Float8Linear, _STATE_BUFFERS
@@ -70,6 +74,8 @@ class ConversionReport:
     converted: list[tuple[str, int, int]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     gemm: str = ""
+    # type name -> (count, reasons): every parameterised layer type left in high precision
+    kept_types: dict[str, tuple[int, list[str]]] = field(default_factory=dict)
 
     @property
     def num_converted(self) -> int:
@@ -81,7 +87,15 @@ class ConversionReport:
             "converted": [{"name": n, "in_features": i, "out_features": o} for n, i, o in self.converted],
             "skipped": [{"name": n, "reason": r} for n, r in self.skipped],
             "gemm": self.gemm,
+            "kept_in_high_precision_by_type": {t: {"count": n, "reasons": r} for t, (n, r) in self.kept_types.items()},
         }
+
+    def summary(self) -> str:
+        """One line for the console; ``str(report)`` is the full table (one line per layer)."""
+        gemm_kept = {t: n for t, (n, _) in self.kept_types.items() if "Linear" in t or "Conv1D" in t}
+        by_type = f" ({', '.join(f'{t} {n}' for t, n in gemm_kept.items())})" if gemm_kept else ""
+        return (f"FP8 conversion: {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high "
+                f"precision{by_type}; recipe {self.recipe.name}; GEMMs: {self.gemm}")
 
     def __str__(self) -> str:
         lines = [
@@ -89,6 +103,9 @@ class ConversionReport:
             f"  GEMMs: {self.gemm}",
             f"  {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high precision",
         ]
+        if self.kept_types:
+            kept = "; ".join(f"{t} x{n} ({', '.join(r)})" for t, (n, r) in self.kept_types.items())
+            lines.append(f"  high precision by layer type: {kept}")
         for name, i, o in self.converted:
             lines.append(f"    fp8   {name}  ({i} -> {o})")
         for name, reason in self.skipped:
@@ -114,7 +131,7 @@ def default_module_filter(
     skip_adapters: bool = True,
 ) -> Callable[[nn.Module, str], str | None]:
     """Build the default rule: returns ``None`` to convert, or the reason to skip."""
-    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    linears = [n for n, m in model.named_modules() if type(m) is nn.Linear or is_conv1d(m)]
     edges = {linears[0], linears[-1]} if (skip_first_last and linears) else set()
     patterns = tuple(skip_patterns)
 
@@ -124,8 +141,9 @@ def default_module_filter(
         adapter = _matches(fqn, ADAPTER_PATTERNS) if skip_adapters else None
         if adapter is not None:
             return f"peft adapter layer ({adapter}): rank-r GEMM too small for FP8"
-        if module.in_features % 16 or module.out_features % 16:
-            return f"dims {module.in_features}x{module.out_features} not multiples of 16"
+        n_in, n_out = gemm_dims(module)
+        if n_in % 16 or n_out % 16:
+            return f"dims {n_in}x{n_out} not multiples of 16"
         hit = _matches(fqn, patterns)
         if hit is not None:
             return f"name matches {hit!r}"
@@ -155,14 +173,39 @@ def _gemm_note(recipe: Recipe, device: torch.device) -> str:
             return f"bf16 GEMM over exactly upcast FP8 operands on cpu ({scales})"
         return "torch._scaled_mm on cpu (measured faster than the bf16-upcast GEMM here)"
     if recipe.scaling == "blockwise":
-        if device.type != "cpu" and recipe.block_size == 128 and native_scaled_mm_available(device, "axis"):
-            return ("torch blockwise-scaled scaled_mm on cuda (1x128 x 128x128; self-checked at first use; "
-                    "GEMMs whose shapes it cannot take are emulated)")
-        return "emulated: torch's blockwise FP8 GEMM needs sm_90 and block_size 128"
+        if device.type == "cuda":
+            return block_gemm_triton.describe_cuda(device, recipe.block_size)
+        return f"emulated: no blockwise FP8 GEMM on {device.type}"
     gran = "axis" if recipe.scaling == "rowwise" else "tensor"
     if native_scaled_mm_available(device, gran):
         return f"torch._scaled_mm on {device.type}"
     return f"emulated: torch._scaled_mm cannot run {recipe.scaling} scales on {device}"
+
+
+_KEPT_WHY = {
+    nn.Embedding: "lookups, not GEMMs",
+    nn.EmbeddingBag: "lookups, not GEMMs",
+    nn.LayerNorm: "normalisation: elementwise",
+    nn.modules.conv._ConvNd: "convolutions: FP8 covers Linear GEMMs",
+}
+
+
+def _count_kept(report: ConversionReport, module: nn.Module, reason: str | None = None) -> None:
+    """Count a parameterised layer left in high precision under its type, with the reason;
+    containers (whose parameters live in children) are not layers."""
+    if reason is None:
+        if not any(True for _ in module.parameters(recurse=False)):
+            return
+        reason = next((why for cls, why in _KEPT_WHY.items() if isinstance(module, cls)), None)
+        if reason is None:
+            reason = "normalisation: elementwise" if "norm" in type(module).__name__.lower() else "not a Linear layer"
+    if reason.startswith("dims "):
+        reason = "dims not multiples of 16"
+    name = "peft adapter Linear" if reason.startswith("peft adapter") else type(module).__name__
+    count, reasons = report.kept_types.get(name, (0, []))
+    if reason.startswith("peft adapter"):
+        reason = "rank-r GEMMs too small for FP8; adapter quality"
+    report.kept_types[name] = (count + 1, reasons if reason in reasons else reasons + [reason])
 
 
 def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
@@ -198,14 +241,14 @@ def convert(
         if isinstance(module, Float8Linear):
             report.skipped.append((fqn, "already Float8Linear"))
             continue
-        if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-            report.skipped.append((fqn, "transformers Conv1D (weight stored in x out): converting would "
-                                        "change its parameter layout and state_dict"))
+        conv1d = is_conv1d(module)
+        if not isinstance(module, nn.Linear) and not conv1d:
+            _count_kept(report, module)
             continue
-        if not isinstance(module, nn.Linear):
-            continue
-        if type(module) is not nn.Linear:
-            report.skipped.append((fqn, f"{type(module).__name__} is a Linear subclass with its own forward"))
+        if type(module) is not nn.Linear and not conv1d:
+            reason = f"{type(module).__name__} is a Linear subclass with its own forward"
+            report.skipped.append((fqn, reason))
+            _count_kept(report, module, reason)
             continue
         if module_filter is not None:
             reason = None if module_filter(module, fqn) else "module_filter returned False"
@@ -213,20 +256,24 @@ def convert(
             reason = rule(module, fqn)
         if reason is not None:
             report.skipped.append((fqn, reason))
+            _count_kept(report, module, reason)
             continue
         if fqn == "":
             raise ValueError("convert() got a bare nn.Linear; wrap it in a module or use Float8Linear.from_linear")
         chosen.append((fqn, module))
     keep = math.ceil(recipe.high_precision_last * len(chosen) - 1e-9)  # rounded up; 0 keeps none
-    for fqn, _ in chosen[len(chosen) - keep:] if keep else ():
-        report.skipped.append((fqn, f"the {recipe.name} recipe keeps the last {recipe.high_precision_last:.0%} "
-                                    "of its Linear layers in high precision (high_precision_last)"))
+    for fqn, module in chosen[len(chosen) - keep:] if keep else ():
+        reason = (f"the {recipe.name} recipe keeps the last {recipe.high_precision_last:.0%} "
+                  "of its Linear layers in high precision (high_precision_last)")
+        report.skipped.append((fqn, reason))
+        _count_kept(report, module, reason)
     for index, (fqn, module) in enumerate(chosen[: len(chosen) - keep]):
-        new = Float8Linear.from_linear(module, recipe)
+        conv1d = is_conv1d(module)
+        new = Float8Conv1D.from_conv1d(module, recipe) if conv1d else Float8Linear.from_linear(module, recipe)
         if hasattr(new, MX_STATE_BUFFER):  # a distinct, reproducible rounding stream per layer
             getattr(new, MX_STATE_BUFFER)[0] = index
         _set_submodule(model, fqn, new)
-        report.converted.append((fqn, module.in_features, module.out_features))
+        report.converted.append((fqn, *gemm_dims(module)))
         device = device or module.weight.device
     report.gemm = _gemm_note(recipe, device or torch.device("cpu"))
     if report.converted and report.gemm.startswith("emulated") and recipe.gemm != "emulate":

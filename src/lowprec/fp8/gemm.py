@@ -16,7 +16,11 @@ Paths
 ``emulate``    dequantize both operands to float32 (``data * (1/scale)``) and ``torch.matmul``
                in float32; any device, any granularity. The reference the others are tested
                against. Block scales on CUDA take this path where torch's blockwise kernel
-               (``block_gemm.py``: sm_90, 1x128 x 128x128 and 1x128 x 1x128) cannot run.
+               (``block_gemm.py``: sm_90, 1x128 x 128x128 and 1x128 x 1x128) and lowprec's
+               Triton blockwise kernel (``triton`` below) cannot run.
+``triton``     blockwise scales on CUDA sm_89+ where torch's kernel cannot run: lowprec's Triton
+               GEMM (``block_gemm_triton.py``), self-checked once per device. A resolved path
+               only: ``gemm='auto'`` and ``gemm='scaled_mm'`` (a real FP8 kernel) both take it.
 
 ``auto`` picks ``scaled_mm`` on FP8 GPUs, the probe's choice on CPU, ``emulate`` elsewhere.
 The kernels agree with ``emulate`` within documented bounds, not bit for bit: cuBLAS and
@@ -29,7 +33,7 @@ import logging
 
 import torch
 
-from lowprec.fp8 import block_gemm, cpu_gemm
+from lowprec.fp8 import block_gemm, block_gemm_triton, cpu_gemm
 from lowprec.fp8.capability import cuda_capability, is_cuda
 from lowprec.fp8.quantize import Float8Data, dequantize
 from lowprec.fp8.recipes import GEMM_BACKENDS as GEMM_PATHS
@@ -78,10 +82,12 @@ def gemm_path(requested: str, device: torch.device, a: Float8Data, b: Float8Data
     gran = _granularity(a, b)
     both_e5m2 = a.data.dtype == _E5M2 and b.data.dtype == _E5M2
     if gran == "block":  # torch's blockwise kernel: sm_90, supported tile pairs, self-checked once
-        native = (
-            is_cuda(device) and native_scaled_mm_available(device, "axis")
+        native = (  # torch gates its DeepSeek-style kernel to Hopper (sm_90) in ScaledBlas.cpp
+            is_cuda(device) and native_scaled_mm_available(device, "axis") and cuda_capability(device)[0] == 9
             and block_gemm.supported(a, b) and block_gemm.self_check(device)
         )
+        if not native and requested in ("auto", "scaled_mm") and block_gemm_triton.runs(device, a, b):
+            return "triton"  # lowprec's Triton blockwise kernel: sm_89+, where torch's cannot run
     else:
         native = native_scaled_mm_available(device, gran) and not both_e5m2
     if requested == "emulate":
@@ -102,7 +108,8 @@ def gemm_path(requested: str, device: torch.device, a: Float8Data, b: Float8Data
             _LOGGED.add("block_cuda")
             logger.warning(
                 "lowprec.fp8: a blockwise GEMM on %s (%sx%sx%s, tiles %s x %s) runs emulated in float32: "
-                "torch's blockwise kernel needs sm_90, E4M3, K in whole 128-tiles and 16-aligned M/N",
+                "torch's blockwise kernel needs sm_90, E4M3, K in whole 128-tiles and 16-aligned M/N; "
+                "lowprec's Triton one needs sm_89+, triton, block_size 32/64/128 and its self-check",
                 device, a.data.shape[0], a.data.shape[1], b.data.shape[1], a.block, b.block,
             )
         return "scaled_mm" if native else "emulate"
@@ -168,6 +175,8 @@ def scaled_mm(
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[0]:
         raise ValueError(f"scaled_mm needs (M, K) x (K, N), got {tuple(a.shape)} x {tuple(b.shape)}")
     resolved = gemm_path(path, a.data.device, a, b)
+    if resolved == "triton":
+        return block_gemm_triton.mm(a, b, out_dtype)
     if resolved == "scaled_mm":
         if "block" in (a.granularity, b.granularity):
             return block_gemm.blockwise_mm(a, b, out_dtype)

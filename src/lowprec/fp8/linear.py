@@ -18,9 +18,10 @@ runs a GEMM in hp instead. The bias is added in hp outside the FP8 GEMM.
 
 What backward keeps (the memory story): the FP8 copy of ``x`` quantized for the weight-
 gradient GEMM (1 byte/element, against 2 for a bf16 Linear's saved input) and, for per-tensor
-and blockwise recipes, the FP8 weight from the forward GEMM (a tensor scale and square blocks
-serve both orientations). Rowwise re-casts the weight from the Parameter in backward (a
-reference, no extra memory), since its grad_input GEMM needs scales along the other axis.
+recipes, the FP8 weight from the forward GEMM (a tensor scale serves both orientations).
+Rowwise re-casts the weight from the Parameter in backward (a reference, no extra memory),
+since its grad_input GEMM needs scales along the other axis; blockwise does too (same values:
+the cast is deterministic), so that backward keeps no FP8 weight.
 
 Delayed scaling (per-tensor, TransformerEngine semantics): each operand keeps an amax history
 buffer. The scale used at step t is built from amaxes recorded at steps < t and refreshed
@@ -36,6 +37,7 @@ updates and telemetry go through one per-call object (``cast_state.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +52,9 @@ from lowprec.fp8.autocast import (
     torch_autocast_dtype,
     torch_autocast_off,
 )
+from lowprec.fp8.block_cast import cast_block_both, quantize_square_transposed
 from lowprec.fp8.cast_state import GRAD_OUTPUT, INPUT, WEIGHT, CastState, DelayedCastState
+from lowprec.fp8.frozen import drop_frozen_cache, frozen_weight_cache
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.mx_linear import MX_STATE_BUFFER, init_mx_state, mx_linear
 from lowprec.fp8.quantize import Float8Data, quantize
@@ -69,6 +73,8 @@ def _cast(x: torch.Tensor, spec: OperandCast, contract: int, recipe: Recipe, sca
     """Quantize a 2-D operand for a GEMM that contracts over dim ``contract``."""
     if spec.granularity == "block":
         bs = recipe.block_size
+        if spec.block_2d and contract == 0:  # W for grad_input: written transposed on CUDA
+            return quantize_square_transposed(x, spec.dtype, bs, recipe.power_of_2_scales)
         block = (bs, bs) if spec.block_2d else ((1, bs) if contract == 1 else (bs, 1))
         return quantize(x, spec.dtype, "block", block=block, power_of_2=recipe.power_of_2_scales)
     return quantize(
@@ -89,13 +95,15 @@ def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale
     On CUDA with the Triton kernels (``lowprec.fp8.kernels``) one pass writes both: for a
     per-tensor scale the FP8 tensor and its transpose (TransformerEngine's cast_transpose),
     for axis scales the row-scaled cast and the column-scaled one, transposed (after one read
-    for the column amaxes). The second is handed over as a column-major view, so the other
-    GEMM finds its operand already in the layout ``scaled_mm`` asks cuBLAS for, and nothing is
-    copied. Elsewhere: one per-tensor cast serving both, or two axis casts. Values are
+    for the column amaxes), for 1-D blocks the 1x128 and the 128x1 tiles (``block_cast.py``).
+    The second is handed over as a column-major view, so the other GEMM finds its operand
+    already in the layout ``scaled_mm`` asks cuBLAS for, and nothing is copied. Elsewhere: one per-tensor cast serving both, or two axis casts. Values are
     identical either way; only the memory layout differs.
     """
-    fused = t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.dim() == 2 and kernels.available(t.device)
     pow2 = recipe.power_of_2_scales
+    if spec.granularity == "block":  # 1x128 + 128x1 tiles, or square blocks and their transpose, in one pass
+        return cast_block_both(t, spec.dtype, recipe.block_size, pow2, square=spec.block_2d)
+    fused = t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.dim() == 2 and kernels.available(t.device)
     if spec.granularity == "tensor" and fused:
         if scale is None:
             scale = amax_to_scale(kernels.amax(t), spec.dtype, margin=recipe.margin, power_of_2=pow2)
@@ -129,6 +137,7 @@ class _FnConfig:
     recipe: Recipe
     hp_dtype: torch.dtype
     plan: LinearPlan  # recipe.plan(), built once per recipe
+    weight_cache: Any = None  # a frozen weight's cast store (fp8/frozen.py), or None
 
 
 def _pack(ctx, items: list) -> None:
@@ -179,14 +188,17 @@ class _Float8LinearFn(torch.autograd.Function):
                     (xq, x_col), (wq, w_col) = state.fused_forward(x, weight, fp.a, fp.b, recipe)
                 else:  # a dual cast writes the layout a backward GEMM reads in the same pass
                     xq, x_col = _cast_pair(x, fp.a, recipe, state.x_scale, need_wgrad and plan.x_dual)
-                    wq, w_col = _cast_pair(weight, fp.b, recipe, state.w_scale, need_dgrad and plan.w_dual)
+                    w_dual = plan.w_dual or (plan.w_square and cfg.weight_cache is not None)  # frozen: both layouts kept
+                    make_w = lambda: _cast_pair(weight, fp.b, recipe, state.w_scale, need_dgrad and w_dual)  # noqa: E731
+                    wq, w_col = cfg.weight_cache(make_w) if cfg.weight_cache is not None else make_w()
                 out = scaled_mm(xq, wq.t(), hp, path=recipe.gemm, use_fast_accum=recipe.use_fast_accum)
                 state.observe(INPUT, x, xq)
                 state.observe(WEIGHT, weight, wq)
             # What grad_input needs: the weight, cast for a GEMM contracting over N.
             w_saved = None
             if need_dgrad:
-                w_saved = (wq if w_col is None else w_col) if plan.w_reused else weight
+                reuse = plan.w_reused or (plan.w_square and cfg.weight_cache is not None)
+                w_saved = (wq if w_col is None else w_col) if reuse else weight
             # What grad_weight needs: the input, cast for a GEMM contracting over M.
             x_saved = None
             if need_wgrad:
@@ -324,6 +336,7 @@ class Float8Linear(nn.Linear):
             self.reset_fp8_state()
 
     def reset_fp8_state(self) -> None:
+        drop_frozen_cache(self)
         with torch.no_grad():
             self.fp8_stats.zero_()
             if self.recipe.scaling == "delayed":
@@ -364,6 +377,11 @@ class Float8Linear(nn.Linear):
             and recipe.save_fp8_activations and not any(recipe.override_linear_precision)
         )
 
+    def gemm_weight(self) -> torch.Tensor:
+        """The weight as the GEMMs read it, (out, in); a layer that stores it otherwise
+        (``Float8Conv1D``) returns a view or copy here, so autograd carries the layout back."""
+        return self.weight
+
     def _cast_state(self, x2: torch.Tensor, recipe: Recipe) -> CastState:
         stats = self.fp8_stats if self.fp8_telemetry else None
         if recipe.scaling != "delayed":
@@ -375,14 +393,16 @@ class Float8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         recipe = self._active_recipe()
         if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.gemm_weight(), self.bias)
         hp = torch_autocast_dtype(x.device.type, x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         if recipe.scaling in BLOCK_SCALED:  # MXFP8 / NVFP4: their own GEMMs (fp8/mx_linear.py)
             out = mx_linear(self, x2, recipe, hp)
         else:
-            cfg = _FnConfig(recipe, hp, recipe.plan())
-            out = _Float8LinearFn.apply(x2, self.weight, cfg, self._cast_state(x2, recipe))
+            plan = recipe.plan()
+            cache = frozen_weight_cache(self, self.weight, recipe, plan, torch.is_grad_enabled() and x2.requires_grad)
+            cfg = _FnConfig(recipe, hp, plan, cache)
+            out = _Float8LinearFn.apply(x2, self.gemm_weight(), cfg, self._cast_state(x2, recipe))
         out = out.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

@@ -231,4 +231,4 @@ def mx_linear(module: nn.Module, x2: torch.Tensor, recipe: Recipe, hp: torch.dty
                 state[1] += 1
             seeds = (_stream_seed(recipe, layer, step, 0), _stream_seed(recipe, layer, step, 1))
     cfg = _MXConfig(recipe, hp, bool(module.fp8_telemetry), seeds)
-    return _MXLinearFn.apply(x2, module.weight, cfg, module.fp8_stats)
+    return _MXLinearFn.apply(x2, module.gemm_weight(), cfg, module.fp8_stats)

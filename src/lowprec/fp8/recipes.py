@@ -81,10 +81,13 @@ class LinearPlan:
     the gradient concerned is wanted at all; Float8Linear checks that per call).
 
     * ``x_dual``: the forward casts ``x`` in both layouts and keeps the column-major one for
-      grad_weight (same dtype and scaling; axis scales are written for each orientation).
+      grad_weight (same dtype and scaling; axis and 1-D block scales are written for each
+      orientation).
     * ``w_dual``: the forward casts ``W`` in both layouts (one tensor scale serves both).
-    * ``w_reused``: grad_input reads the forward's cast of ``W`` (a tensor scale, or square
-      blocks, serve both orientations) instead of re-casting the weight in backward.
+    * ``w_reused``: grad_input reads the forward's cast of ``W`` (a tensor scale serves both
+      orientations) instead of re-casting the weight in backward (rowwise, blockwise).
+    * ``w_square``: both GEMMs of ``W`` use the same square blocks, so one cast could serve
+      both; used only for a frozen weight, whose cast is kept anyway (``frozen.py``).
     * ``dy_dual``: grad_input casts ``dY`` in both layouts and grad_weight reads the second.
     """
 
@@ -95,15 +98,19 @@ class LinearPlan:
     x_dual: bool = field(init=False)
     w_dual: bool = field(init=False)
     w_reused: bool = field(init=False)
+    w_square: bool = field(init=False)
     dy_dual: bool = field(init=False)
 
     def __post_init__(self) -> None:
         fp, dg, wg = self.fprop, self.dgrad, self.wgrad
-        axes = ("tensor", "axis")
+        axes = ("tensor", "axis", "block")  # block: 1x128 and 128x1 tiles from one pass (block_cast.py)
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
         set_("x_dual", self.save_fp8_input and _same_cast(fp, fp.a, wg, wg.b, axes))
         set_("w_dual", _same_cast(fp, fp.b, dg, dg.b, ("tensor",)))
-        set_("w_reused", self.w_dual or (_same_cast(fp, fp.b, dg, dg.b, ("block",)) and dg.b.block_2d))
+        # square blocks would serve both orientations, but blockwise re-casts W in backward: an
+        # FP8 copy kept per layer costs 1 byte/param at the memory peak (same values either way)
+        set_("w_reused", self.w_dual)
+        set_("w_square", _same_cast(fp, fp.b, dg, dg.b, ("block",)) and dg.b.block_2d)
         set_("dy_dual", _same_cast(dg, dg.a, wg, wg.a, axes))
 
 

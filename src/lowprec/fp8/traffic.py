@@ -22,7 +22,8 @@ Rules (one each):
   steady-state cost in :data:`STEADY_STATE_BYTES` instead (``recast_if_changed`` reads two
   scalars and returns unless delayed scaling's amax history was empty, as on the first step).
 
-GEMMs (``mm``, ``addmm``, ``bmm``, ``_scaled_mm``, ...) are recorded with their FLOPs and kept
+GEMMs (``mm``, ``addmm``, ``bmm``, ``_scaled_mm``, ..., and lowprec's Triton blockwise GEMM
+``lowprec.block_scaled_mm``) are recorded with their FLOPs and kept
 apart: the question the counts answer is how many bytes move *outside* the GEMMs.
 """
 
@@ -34,9 +35,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["OpRecord", "ByteCounter", "tensor_bytes", "GEMM_OPS", "STEADY_STATE_BYTES", "trace_linear"]
+__all__ = ["OpRecord", "ByteCounter", "tensor_bytes", "GEMM_OPS", "CUSTOM_GEMM_OPS", "STEADY_STATE_BYTES", "trace_linear"]
 
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm"})
+# lowprec's own GEMM kernels (custom ops): (M, K) x (K, N) in their first two arguments
+CUSTOM_GEMM_OPS = frozenset({"lowprec.block_scaled_mm"})
 _FREE = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
                    "lift_fresh", "lift_fresh_copy", "set_", "resize_", "_to_copy_noop"})
 # (read, written) of conditional kernels in steady state; see the module docstring
@@ -118,7 +121,7 @@ class ByteCounter(TorchDispatchMode):
         if not written_args:  # functional op: its outputs are fresh tensors
             written = sum(tensor_bytes(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         rec = OpRecord(f"{ns}.{name}", read, written, phase=self.phase)
-        if ns == "aten" and name in GEMM_OPS:
+        if (ns == "aten" and name in GEMM_OPS) or f"{ns}.{name}" in CUSTOM_GEMM_OPS:
             rec.gemm = True
             rec.flops, rec.operand_dtype = _gemm_flops(name, args)
         self.records.append(rec)

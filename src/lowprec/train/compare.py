@@ -1,193 +1,213 @@
-"""``lowprec compare``: one config, several precisions, same seed and data order; a parity report.
+"""``lowprec compare``: one config, several precisions, N seeds each; a parity report with intervals.
 
-Each precision runs as its own ``lowprec train`` process (so peak memory and tokens/s are that
-run's alone) in ``output_dir/compare/<precision>/``, with only the precision keys changed. Then:
+Each (precision, seed) runs as its own ``lowprec train`` process in
+``<compare dir>/<precision>/seed<N>/``, with only the precision keys and the seed changed, so the
+runs of one seed share initialisation, data order and validation split across precisions.
+Up to ``workers`` processes run at once. Then (:mod:`lowprec.train.compare_report`):
 
-* ``compare.png``: the training and validation curves overlaid;
-* ``compare.json``: per precision the final train / validation loss, the largest relative gap
-  of its training curve to the reference (the highest precision run), tokens/s, peak memory,
-  plus the parity verdict;
-* a printed table, and exit code 1 when FP8's final validation loss is more than ``threshold``
-  (default 2%) above BF16's (above the reference run's when bf16 is not among the precisions).
+* ``compare.json``: every run's summary, per precision the mean and 95% interval of the final
+  losses, the paired gaps to the baseline, the curve gaps, the verdicts, the noise floor;
+* ``compare.png``: mean curves with 95% bands, and the paired gap curves against the threshold;
+* a printed table; the exit code says within (0), outside (1) or inconclusive (4).
 
-``fp8:<recipe>`` (e.g. ``fp8:mxfp8``, ``fp8:nvfp4``) is the fp8 precision with that
-``fp8_recipe``, so that several recipes run beside bf16 in one comparison; each gets its
-parity line, and the verdict needs all of them to pass.
+A precision that cannot run here (``fp8-torchao`` without torchao) is skipped with the reason,
+logged and in the report; it never disappears silently.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import yaml
 
+from lowprec.decision import Decision
+from lowprec.train.compare_report import build_report, choose_baseline
 from lowprec.train.config import TrainConfig
+from lowprec.train.precisions import is_torchao, precision_overrides
 
-__all__ = ["PRECISIONS", "precision_overrides", "CompareRow", "CompareResult", "compare", "summarize", "format_table"]
+__all__ = ["CompareRun", "plan_runs", "resolve_workers", "torchao_skip_reason", "compare"]
 
-# precision -> config keys; listed from highest to lowest precision (the first present is the reference)
-PRECISIONS: dict[str, dict[str, Any]] = {
-    "fp32": {"fp8": False, "fp16": None, "bf16": False},
-    "bf16": {"fp8": False, "fp16": None, "bf16": True},
-    "fp16": {"fp8": False, "fp16": True, "bf16": False},
-    "bf16-full": {"fp8": False, "fp16": None, "bf16": "full"},
-    "fp8": {"fp8": True, "fp16": None},
-}
+logger = logging.getLogger("lowprec")
 
 
-def precision_overrides(name: str, cfg: TrainConfig) -> dict[str, Any]:
-    if name.startswith("fp8:"):  # the fp8 precision with another recipe
-        from lowprec.catalog import recipe_info
-
-        try:
-            recipe = recipe_info(name[4:]).name
-        except ValueError as err:
-            raise ValueError(f"--precisions {name}: {err}") from None
-        return {**precision_overrides("fp8", cfg), "fp8_recipe": recipe}
-    if name not in PRECISIONS:
-        from lowprec.errors import did_you_mean
-
-        raise ValueError(f"--precisions: unknown precision {name!r}{did_you_mean(name, PRECISIONS)}; use {', '.join(PRECISIONS)}")
-    keys = dict(PRECISIONS[name])
-    if name == "fp8":  # FP8 keeps the config's bf16 choice for the non-FP8 ops (auto by default)
-        keys["bf16"] = cfg.bf16 if cfg.bf16 is not False else "auto"
-    return keys
-
-
-@dataclass
-class CompareRow:
+@dataclass(frozen=True)
+class CompareRun:
     precision: str
-    final_train_loss: Optional[float]
-    final_eval_loss: Optional[float]
-    max_rel_gap: Optional[float]  # max over steps of |loss - ref| / ref, training curve
-    tokens_per_s: float
-    peak_mem_mb: float
-    wall_s: float
-    output_dir: str
-
-
-@dataclass
-class CompareResult:
-    reference: str
-    rows: list = field(default_factory=list)
-    threshold: float = 0.02
-    parity: Optional[dict] = None  # {"fp8": .., "baseline": .., "rel_diff": .., "passed": ..}
-    parities: dict = field(default_factory=dict)  # per fp8 variant ("fp8", "fp8:mxfp8", ...)
+    seed: int
+    config: TrainConfig
+    config_path: str
+    log_path: str
 
     @property
-    def passed(self) -> bool:
-        return all(bool(p["passed"]) for p in self.parities.values()) if self.parities else (
-            self.parity is None or bool(self.parity["passed"]))
+    def output_dir(self) -> str:
+        return self.config.output_dir
 
 
-def _rel_gap(curve: Sequence[Sequence[float]], ref: Sequence[Sequence[float]]) -> Optional[float]:
-    ref_at = {int(s): v for s, v in ref}
-    gaps = [abs(v - ref_at[int(s)]) / abs(ref_at[int(s)]) for s, v in curve if int(s) in ref_at and ref_at[int(s)]]
-    return max(gaps) if gaps else None
+def torchao_skip_reason() -> Optional[str]:
+    """Why ``fp8-torchao`` cannot run here, or None when it can."""
+    from lowprec.backends.torchao import SPEC
+
+    if not SPEC.available():
+        return "torchao is not installed (pip install torchao), so fp8_backend: torchao cannot run"
+    return None
 
 
-def summarize(summaries: dict[str, dict[str, Any]], threshold: float = 0.02) -> CompareResult:
-    """Rows and verdict from each run's ``summary.json`` (a RunResult as a dict)."""
-    order = [p for p in PRECISIONS if p in summaries] + sorted(p for p in summaries if p.startswith("fp8:"))
-    reference = order[0]
-    ref_curve = summaries[reference]["train_losses"]
-    result = CompareResult(reference=reference, threshold=threshold)
-    for p in order:
-        s = summaries[p]
-        result.rows.append(
-            CompareRow(
-                precision=p,
-                final_train_loss=s["final_train_loss"],
-                final_eval_loss=s["final_eval_loss"],
-                max_rel_gap=0.0 if p == reference else _rel_gap(s["train_losses"], ref_curve),
-                tokens_per_s=s["tokens_per_s"],
-                peak_mem_mb=s["peak_mem_mb"],
-                wall_s=s["wall_s"],
-                output_dir=s["output_dir"],
-            )
-        )
-    baseline = "bf16" if "bf16" in summaries else reference
-    for variant in (p for p in order if p == "fp8" or p.startswith("fp8:")):
-        if len(order) > 1 and baseline != variant:
-            key = "final_eval_loss" if summaries[variant]["final_eval_loss"] is not None else "final_train_loss"
-            f, b = summaries[variant][key], summaries[baseline][key]
-            rel = (f - b) / abs(b)
-            result.parities[variant] = {
-                "fp8": f, "variant": variant, "baseline": baseline, "baseline_loss": b, "metric": key,
-                "rel_diff": rel, "threshold": threshold, "passed": rel <= threshold,
-            }
-    result.parity = next(iter(result.parities.values()), None)
-    return result
+def plan_runs(cfg: TrainConfig, precisions: Sequence[str], seeds: Sequence[int], out: str) -> list[CompareRun]:
+    """Every run's validated config, seed-major (a partial result still has whole seeds);
+    a bad precision or combination fails here, before anything runs."""
+    if not precisions or len(set(precisions)) != len(precisions):
+        raise ValueError(f"--precisions {','.join(precisions)}: list each precision once, e.g. fp32,bf16,fp8")
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {seeds}: list each seed once")
+    runs = []
+    for seed in seeds:
+        for p in precisions:
+            where = os.path.join(out, p, f"seed{seed}")
+            c = cfg.replace(**precision_overrides(p, cfg), seed=seed, output_dir=where, compare=None,
+                            resume_from_checkpoint=None, save_steps=None, saves_per_epoch=None,
+                            progress_bar=False)
+            runs.append(CompareRun(p, seed, c, where + ".yaml", where + ".log"))
+    return runs
 
 
-def _fmt(v: Optional[float], spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+def resolve_workers(requested: Any, cfg: TrainConfig, n_runs: int, device: str) -> tuple[Decision, Optional[int]]:
+    """(workers with the reason, cpu_threads per run or None to keep the config's): resolved once."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if requested not in (None, "auto"):
+        workers = Decision(min(int(requested), n_runs), f"--workers {requested}")
+    elif device != "cpu":
+        workers = Decision(1, f"one {device} device: parallel runs would share it and distort memory and speed")
+    else:
+        per_run = cfg.cpu_threads or 1
+        workers = Decision(max(1, min(n_runs, cores // per_run)),
+                           f"{cores} CPU cores / cpu_threads {per_run} per run, at most {n_runs} runs")
+    threads = None
+    if device == "cpu" and cfg.cpu_threads is None and workers.value > 1:
+        # torch's default is every core in every process: N processes would oversubscribe N-fold
+        threads = max(1, cores // workers.value)
+    return workers, threads
 
 
-def format_table(result: CompareResult) -> str:
-    head = ("precision", "train loss", "val loss", f"max gap vs {result.reference}", "tokens/s", "peak mem MB")
-    rows = [
-        (r.precision, _fmt(r.final_train_loss, ".4f"), _fmt(r.final_eval_loss, ".4f"),
-         "reference" if r.precision == result.reference else _fmt(None if r.max_rel_gap is None else 100 * r.max_rel_gap, ".2f") + "%",
-         _fmt(r.tokens_per_s, ".0f"), _fmt(r.peak_mem_mb, ".0f"))
-        for r in result.rows
-    ]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
-    for p in result.parities.values() or ([result.parity] if result.parity else []):
-        what = "validation" if p["metric"] == "final_eval_loss" else "train (no validation set)"
-        verdict = "PASS" if p["passed"] else "FAIL"
-        out.append(
-            f"parity: {p.get('variant', 'fp8')} final {what} loss {p['fp8']:.4f} vs {p['baseline']} "
-            f"{p['baseline_loss']:.4f}: {100 * p['rel_diff']:+.2f}% (threshold +{100 * p['threshold']:.1f}%) {verdict}"
-        )
-    return "\n".join(out)
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _launch(run: CompareRun) -> subprocess.Popen:
+    os.makedirs(os.path.dirname(run.config_path), exist_ok=True)
+    with open(run.config_path, "w") as f:
+        yaml.safe_dump(run.config.to_yaml_dict(), f, sort_keys=False)
+    cmd = [sys.executable, "-m", "lowprec.cli.main", "train", run.config_path]
+    log = open(run.log_path, "w")  # noqa: SIM115 - closed when the process is reaped
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_file = log  # type: ignore[attr-defined]
+    proc.started = time.perf_counter()  # type: ignore[attr-defined]
+    return proc
+
+
+def _run_all(runs: list[CompareRun], workers: int, quiet: bool) -> tuple[dict, dict]:
+    """Run with up to ``workers`` processes; returns (summaries, failures) keyed precision -> seed.
+    A run that stopped on non-finite values (exit 3) is a failure of its precision; any other
+    failure stops the comparison with the run's log named."""
+    from lowprec.errors import EXIT_NONFINITE
+
+    pending, active = list(runs), []
+    summaries: dict[str, dict[int, dict]] = {}
+    failed: dict[str, dict[int, str]] = {}
+    done = 0
+    try:
+        while pending or active:
+            while pending and len(active) < workers:
+                run = pending.pop(0)
+                active.append((run, _launch(run)))
+            time.sleep(0.2)
+            for item in [a for a in active if a[1].poll() is not None]:
+                active.remove(item)
+                run, proc = item
+                proc.log_file.close()
+                done += 1
+                secs = time.perf_counter() - proc.started
+                if proc.returncode == EXIT_NONFINITE:
+                    failed.setdefault(run.precision, {})[run.seed] = _last_line(run.log_path)
+                    status = "diverged (non-finite)"
+                elif proc.returncode != 0:
+                    raise ValueError(f"the {run.precision} run, seed {run.seed}, failed with exit code "
+                                     f"{proc.returncode}: {_last_line(run.log_path)} (log {run.log_path})")
+                else:
+                    with open(os.path.join(run.output_dir, "summary.json")) as f:
+                        summaries.setdefault(run.precision, {})[run.seed] = json.load(f)
+                    s = summaries[run.precision][run.seed]
+                    loss = s["final_eval_loss"] if s["final_eval_loss"] is not None else s["final_train_loss"]
+                    status = f"loss {loss:.4f}"
+                if not quiet:
+                    print(f"lowprec compare: [{done}/{len(runs)}] {run.precision} seed {run.seed}: {status} "
+                          f"in {secs:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        for _, proc in active:  # Ctrl-C or a failed run: stop the others (only ours, by handle)
+            proc.terminate()
+            proc.wait()
+            proc.log_file.close()
+    return summaries, failed
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except OSError:
+        return "?"
+    return lines[-1][:300] if lines else "(no output)"
 
 
 def compare(
     cfg: TrainConfig,
     precisions: Sequence[str],
+    seeds: Sequence[int],
     threshold: float = 0.02,
     output_dir: Optional[str] = None,
+    *,
+    workers: Any = "auto",
+    baseline: Optional[str] = None,
+    tail_fraction: float = 0.2,
     quiet: bool = False,
-) -> CompareResult:
-    if len(set(precisions)) != len(precisions) or not precisions:
-        raise ValueError(f"--precisions {','.join(precisions)}: list each precision once, e.g. fp32,bf16,fp8")
+) -> tuple[dict[str, Any], str]:
+    """Run every precision with every seed; returns (the report, the compare directory)."""
     out = os.path.abspath(output_dir or os.path.join(cfg.output_dir, "compare"))
-    configs = {}
-    for p in precisions:  # validate every variant before running any
-        configs[p] = cfg.replace(
-            **precision_overrides(p, cfg), output_dir=os.path.join(out, p), resume_from_checkpoint=None, save_steps=None
-        )
+    base = choose_baseline(precisions, baseline)
+    skipped: dict[str, str] = {}
+    why = torchao_skip_reason() if any(is_torchao(p) for p in precisions) else None
+    for p in precisions:
+        if is_torchao(p) and why:
+            skipped[p] = why
+            logger.warning("lowprec compare: skipping %s: %s", p, why)
+    if base in skipped:
+        raise ValueError(f"the baseline {base} cannot run: {skipped[base]}")
+    runs = plan_runs(cfg, [p for p in precisions if p not in skipped], seeds, out)
+    decision, threads = resolve_workers(workers, cfg, len(runs), _device())
+    logger.info("lowprec compare: workers = %s (%s)", decision.value, decision.reason)
+    if threads is not None:
+        logger.info("lowprec compare: cpu_threads = %d per run (%d runs in parallel; cpu_threads unset)", threads, decision.value)
+        runs = [CompareRun(r.precision, r.seed, r.config.replace(cpu_threads=threads), r.config_path, r.log_path) for r in runs]
     from lowprec.train.outputs import make_output_dir
 
-    make_output_dir(out, "--output_dir" if output_dir else "output_dir")
-    summaries: dict[str, dict[str, Any]] = {}
-    for p, c in configs.items():
-        path = os.path.join(out, f"{p}.yaml")
-        with open(path, "w") as f:
-            yaml.safe_dump(c.to_yaml_dict(), f, sort_keys=False)
-        cmd = [sys.executable, "-m", "lowprec.cli.main", "train", path] + (["--quiet"] if quiet else [])
-        if not quiet:
-            print(f"lowprec compare: {p}: {' '.join(cmd[1:])}", file=sys.stderr)
-        proc = subprocess.run(cmd, check=False)
-        if proc.returncode != 0:
-            raise ValueError(f"the {p} run failed with exit code {proc.returncode} (config {path})")
-        with open(os.path.join(c.output_dir, "summary.json")) as f:
-            summaries[p] = json.load(f)
-    result = summarize(summaries, threshold)
-    from lowprec.train.metrics import read_metrics
+    make_output_dir(out, "--compare_dir" if output_dir else "output_dir")
+    if not quiet:
+        print(f"lowprec compare: {len(runs)} runs ({len(precisions) - len(skipped)} precisions x {len(seeds)} seeds), "
+              f"{decision.value} at a time, in {out}", file=sys.stderr, flush=True)
+    summaries, failed = _run_all(runs, decision.value, quiet)
+    report = build_report(summaries, base, threshold, tail_fraction, failed, skipped)
+    report["workers"] = {"value": decision.value, "reason": decision.reason}
     from lowprec.train.plots import plot_compare
 
-    plot_compare({p: read_metrics(s["output_dir"]) for p, s in summaries.items()}, os.path.join(out, "compare.png"))
+    report["plot"] = plot_compare(report, os.path.join(out, "compare.png"))
     with open(os.path.join(out, "compare.json"), "w") as f:
-        json.dump({"reference": result.reference, "threshold": threshold, "parity": result.parity,
-                   "parities": result.parities,
-                   "rows": [asdict(r) for r in result.rows]}, f, indent=1)
-    return result
+        json.dump(report, f, indent=1)
+    return report, out

@@ -35,6 +35,7 @@ from lowprec.train.tokenizer import ByteTokenizer, Tokenizer
 __all__ = [
     "TokenDataset",
     "TokenBatches",
+    "ShardedEpochs",
     "build_datasets",
     "corpus_fingerprint",
     "stdlib_documents",
@@ -285,15 +286,88 @@ def _named(names: Mapping[str, str] | None) -> Callable[..., str]:
 
 
 # ---------------------------------------------------------------------- batches
-class TokenBatches:
-    """Fixed-length blocks of a token stream, batched, shuffled per epoch, sharded by rank.
+class ShardedEpochs:
+    """Batches of indexed items, shuffled per epoch, sharded by rank, resumable.
 
     Iterating yields the rest of the current epoch, then moves to the next epoch, so both
     ``for epoch ...: for batch in loader`` and ``for batch in loader.forever()`` work. The
-    block order of an epoch is ``randperm(n_blocks, seed + epoch)``; rank r takes every
-    world_size-th block of it (all ranks get the same number of batches, so DDP never waits
+    item order of an epoch is ``randperm(n_items, seed + epoch)``; rank r takes every
+    world_size-th item of it (all ranks get the same number of batches, so DDP never waits
     on a rank that ran out). ``state_dict()`` after n batches + ``load_state_dict()`` in a new
-    loader continues with batch n+1 exactly."""
+    loader continues with batch n+1 exactly. Subclasses set ``n_items`` and ``_batch(idx)``."""
+
+    _CHECKED: tuple[str, ...] = ("seed", "batch_size", "world_size", "shuffle", "drop_last")
+
+    def _setup(self, n_items: int, batch_size: int, seed: int, rank: int, world_size: int,
+               shuffle: bool, drop_last: bool) -> None:
+        for k, v in (("batch_size", batch_size), ("world_size", world_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{k} must be a positive integer, got {v!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        self.batch_size, self.seed = batch_size, int(seed)
+        self.rank, self.world_size, self.shuffle, self.drop_last = rank, world_size, shuffle, drop_last
+        self._n_items = n_items
+        self.items_per_rank = n_items // world_size
+        div = self.items_per_rank / batch_size
+        self._len = math.floor(div) if drop_last else math.ceil(div)
+        self.epoch = 0
+        self.position = 0  # batches of self.epoch already handed out
+
+    def _batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return self._len
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            order = torch.randperm(self._n_items, generator=g)
+        else:
+            order = torch.arange(self._n_items)
+        return order[self.rank :: self.world_size][: self.items_per_rank]
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self.position >= self._len:  # stopped right after an epoch's last batch
+            self.epoch, self.position = self.epoch + 1, 0
+        order = self._order(self.epoch)
+        while self.position < self._len:
+            i = self.position
+            idx = order[i * self.batch_size : (i + 1) * self.batch_size]
+            self.position = i + 1  # count it before yielding: a state_dict taken now resumes after it
+            yield self._batch(idx)
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def forever(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Batches across epochs without end (for step-based training loops)."""
+        while True:
+            yield from self
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.position = int(epoch), 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, **{k: getattr(self, k) for k in self._CHECKED}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at (epoch, position). The data settings must match the saved ones, since a
+        different batch size or corpus would silently feed different data."""
+        diff = [f"{k}: saved {state[k]!r}, now {getattr(self, k)!r}" for k in self._CHECKED if k in state and state[k] != getattr(self, k)]
+        if diff:
+            raise ValueError(
+                "cannot resume the data loader, its settings changed (" + "; ".join(diff) + "); "
+                "restore the original data settings or start a fresh run"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class TokenBatches(ShardedEpochs):
+    """Fixed-length blocks of a token stream (the items), ``{"input_ids", "labels"}`` with
+    labels == input_ids, batched as described in :class:`ShardedEpochs`."""
+
+    _CHECKED = ("seed", "batch_size", "seq_len", "world_size", "n_blocks", "shuffle", "drop_last")
 
     def __init__(
         self,
@@ -311,71 +385,20 @@ class TokenBatches:
         tokens = dataset.tokens if isinstance(dataset, TokenDataset) else dataset
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
             raise TypeError("TokenBatches takes a TokenDataset or a 1-D tensor of token ids")
-        for k, v in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{k} must be a positive integer, got {v!r}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
-        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, int(seed)
-        self.rank, self.world_size, self.shuffle, self.drop_last = rank, world_size, shuffle, drop_last
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        self.seq_len = seq_len
         self.n_blocks = tokens.numel() // seq_len
         self._blocks = tokens[: self.n_blocks * seq_len].view(self.n_blocks, seq_len)
-        self.blocks_per_rank = self.n_blocks // world_size
-        div = self.blocks_per_rank / batch_size
-        self._len = math.floor(div) if drop_last else math.ceil(div)
+        self._setup(self.n_blocks, batch_size, seed, rank, world_size, shuffle, drop_last)
+        self.blocks_per_rank = self.items_per_rank
         if self._len == 0:
             raise ValueError(
                 f"{tokens.numel()} tokens make {self.n_blocks} sequences of {n('seq_len', seq_len)}, fewer "
                 f"than {n('batch_size', batch_size)} x {n('world_size', world_size)}; lower {n('batch_size')} or "
                 f"{n('seq_len')}, or use more data"
             )
-        self.epoch = 0
-        self.position = 0  # batches of self.epoch already handed out
 
-    def __len__(self) -> int:
-        """Batches per epoch on this rank."""
-        return self._len
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(self.n_blocks, generator=g)
-        else:
-            order = torch.arange(self.n_blocks)
-        return order[self.rank :: self.world_size][: self.blocks_per_rank]
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        if self.position >= self._len:  # stopped right after an epoch's last batch
-            self.epoch, self.position = self.epoch + 1, 0
-        order = self._order(self.epoch)
-        while self.position < self._len:
-            i = self.position
-            idx = order[i * self.batch_size : (i + 1) * self.batch_size]
-            self.position = i + 1  # count it before yielding: a state_dict taken now resumes after it
-            x = self._blocks[idx].long()
-            yield {"input_ids": x, "labels": x.clone()}
-        self.epoch, self.position = self.epoch + 1, 0
-
-    def forever(self) -> Iterator[dict[str, torch.Tensor]]:
-        """Batches across epochs without end (for step-based training loops)."""
-        while True:
-            yield from self
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.position = int(epoch), 0
-
-    _CHECKED = ("seed", "batch_size", "seq_len", "world_size", "n_blocks", "shuffle", "drop_last")
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, **{k: getattr(self, k) for k in self._CHECKED}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at (epoch, position). The data settings must match the saved ones, since a
-        different batch size or corpus would silently feed different data."""
-        diff = [f"{k}: saved {state[k]!r}, now {getattr(self, k)!r}" for k in self._CHECKED if k in state and state[k] != getattr(self, k)]
-        if diff:
-            raise ValueError(
-                "cannot resume the data loader, its settings changed (" + "; ".join(diff) + "); "
-                "restore the original data settings or start a fresh run"
-            )
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+    def _batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self._blocks[idx].long()
+        return {"input_ids": x, "labels": x.clone()}

@@ -41,11 +41,14 @@ class Run:
     fp8_layers: bool
     main: bool
     model_config: Any = None
+    tokenizer: Any = None  # saved next to a Hugging Face model's export
     on_log: Optional[Callable[[dict], None]] = None
+    eval_every: Optional[int] = None  # eval_steps, or resolved from evals_per_epoch
+    save_every: Optional[int] = None  # save_steps, or resolved from saves_per_epoch
 
     def stop_line(self, text: str) -> str:
         last = ckpt.latest_checkpoint(self.output_dir)
-        none = "none yet" if self.cfg.save_steps else "none (set save_steps to write checkpoints)"
+        none = "none yet" if self.save_every else "none (set save_steps to write checkpoints)"
         return f"{text}; last good checkpoint: {last or none}"
 
 
@@ -89,6 +92,10 @@ class Loop:
     window_tokens: int = 0
     window_t0: float = field(default_factory=time.perf_counter)
     window_loss: Optional[torch.Tensor] = None
+    high_loss_steps: int = 0  # loss_watchdog: optimizer steps in a row above the threshold
+    best_eval: Optional[float] = None
+    evals_without_gain: int = 0  # early_stopping_patience
+    stop_early: bool = False
 
     def optimizer_step(self) -> tuple[float, Optional[torch.Tensor]]:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the
@@ -98,8 +105,10 @@ class Loop:
         step_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
         grad_norm = None
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
+        seen = 0  # tokens in this step's batches (rows may be shorter than sequence_len when padded to the longest)
         for _ in range(cfg.gradient_accumulation_steps):
             batch = {k: v.to(acc.device, non_blocking=True) for k, v in next(self.batches).items()}
+            seen += batch["input_ids"].numel()
             with acc.accumulate(model):
                 loss = model(**batch).loss
                 acc.backward(loss)
@@ -109,11 +118,27 @@ class Loop:
                         grad_norm = acc.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     self._step_optimizer()
         run.state.step += 1
-        run.state.tokens += self.tokens_per_step
+        step_tokens = seen * acc.num_processes  # = tokens_per_step for fixed-length blocks
+        run.state.tokens += step_tokens
+        if cfg.loss_watchdog_threshold is not None:
+            self._watch(float(acc.reduce(step_loss / cfg.gradient_accumulation_steps, "mean")))
         self.window_loss += step_loss / cfg.gradient_accumulation_steps
         self.window_steps += 1
-        self.window_tokens += self.tokens_per_step
+        self.window_tokens += step_tokens
         return lr, grad_norm
+
+    def _watch(self, loss: float) -> None:
+        """Axolotl's loss watchdog: a loss above the threshold for ``patience`` steps in a row
+        means training has broken down; stop (exit code 3) instead of burning the budget."""
+        cfg = self.run.cfg
+        self.high_loss_steps = self.high_loss_steps + 1 if loss > cfg.loss_watchdog_threshold else 0
+        patience = cfg.loss_watchdog_patience or 3
+        if self.high_loss_steps >= patience:
+            raise NonFiniteError(
+                f"loss_watchdog: training loss above loss_watchdog_threshold: {cfg.loss_watchdog_threshold} for "
+                f"{patience} steps in a row (last {loss:.4g} at step {self.run.state.step}); lower the learning rate "
+                "or raise the threshold"
+            )
 
     def _step_optimizer(self) -> None:
         run = self.run
@@ -167,17 +192,39 @@ class Loop:
         run = self.run
         cfg, state = run.cfg, run.state
         at_end = state.step == run.total
-        if run.val_loader is not None and ((cfg.eval_steps is not None and state.step % cfg.eval_steps == 0) or at_end):
+        if run.val_loader is not None and ((run.eval_every is not None and state.step % run.eval_every == 0) or at_end):
             t = time.perf_counter()
             self.last_eval = evaluate(run.model, run.val_loader, cfg.eval_batches, run.acc)
             run.writer.write({"kind": "eval", "step": state.step, "loss": self.last_eval})
+            self._early_stopping(self.last_eval)
+            at_end = at_end or self.stop_early
             self.window_t0 += time.perf_counter() - t  # evaluation time is not training time
-        if cfg.save_steps is not None and (state.step % cfg.save_steps == 0 or at_end):
+        if run.save_every is not None and (state.step % run.save_every == 0 or at_end):
             t = time.perf_counter()
             run.acc.save_state(ckpt.checkpoint_dir(run.output_dir, state.step))
             if run.main:
                 ckpt.rotate(run.output_dir, cfg.save_total_limit)
             self.window_t0 += time.perf_counter() - t
+
+
+    def _early_stopping(self, loss: float) -> None:
+        """Hugging Face's EarlyStoppingCallback rule: stop after ``early_stopping_patience``
+        evaluations in a row without a lower validation loss."""
+        patience = self.run.cfg.early_stopping_patience
+        if patience is None:
+            return
+        if self.best_eval is None or loss < self.best_eval:
+            self.best_eval, self.evals_without_gain = loss, 0
+            return
+        self.evals_without_gain += 1
+        if self.evals_without_gain >= patience:
+            self.stop_early = True
+            if self.run.main:
+                import logging
+
+                logging.getLogger("lowprec").warning(
+                    "lowprec: early stopping at step %d: validation loss %.4f has not improved on %.4f for %d "
+                    "evaluations (early_stopping_patience: %d)", self.run.state.step, loss, self.best_eval, patience, patience)
 
 
 def run_loop(run: Run) -> Loop:
@@ -192,7 +239,7 @@ def run_loop(run: Run) -> Loop:
         loop.bar = tqdm(total=run.total, initial=run.state.step, desc=f"train {run.label}", unit="step", dynamic_ncols=True)
     run.model.train()
     try:
-        while run.state.step < run.total:
+        while run.state.step < run.total and not loop.stop_early:
             logging_now = (run.state.step + 1) % cfg.logging_steps == 0 or run.state.step + 1 == run.total
             if run.fp8_layers and logging_now:
                 from lowprec import fp8 as fp8_engine

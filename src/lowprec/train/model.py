@@ -323,6 +323,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.init_weights()
 
+    gradient_checkpointing = False
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """Recompute each decoder layer in backward (``gradient_checkpointing: true``), as the
+        transformers method of the same name; only ``use_reentrant: false`` is supported."""
+        if (gradient_checkpointing_kwargs or {}).get("use_reentrant", False):
+            raise ValueError("gradient_checkpointing_kwargs: use_reentrant: true is not supported; use false")
+        self.gradient_checkpointing = True
+
     def tie_weights(self) -> None:
         """Share the embedding with the LM head (tie_embeddings). ``to_empty()`` allocates each
         parameter separately, which unties them; ``init_weights`` re-ties first."""
@@ -360,10 +369,13 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> CausalLMOutput:
-        """input_ids, labels, attention_mask: (B, T). ``labels`` are aligned with input_ids and
-        shifted here (position t predicts labels[t+1]); -100 is ignored. ``attention_mask`` has
-        1 for tokens and 0 for padding; without it attention is plain causal (the fast path)."""
+        """input_ids, labels, attention_mask, position_ids: (B, T). ``labels`` are aligned with
+        input_ids and shifted here (position t predicts labels[t+1]); -100 is ignored.
+        ``attention_mask`` has 1 for tokens and 0 for padding; without it attention is plain
+        causal (the fast path). ``position_ids`` restarting at 0 mark packed examples
+        (``sample_packing``): RoPE uses them and attention stays within each example."""
         b, t = input_ids.shape
         if t > self.config.max_seq_len:
             raise ValueError(
@@ -372,9 +384,23 @@ class LlamaForCausalLM(nn.Module):
             )
         cos, sin = rope_cos_sin(t, self.config.head_dim, self.config.rope_theta, input_ids.device)
         mask = None if attention_mask is None else _padding_causal_mask(attention_mask)
+        if position_ids is not None:
+            from lowprec.train.packing import packed_causal_mask
+
+            cos, sin = cos[position_ids][:, None], sin[position_ids][:, None]  # (B, 1, T, hd)
+            packed = packed_causal_mask(position_ids)
+            mask = packed if mask is None else mask & packed
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, mask)
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                # recompute the layer in backward instead of keeping its activations; fp8's
+                # checkpoint re-enters the FP8 region for the recompute (torch's alone would
+                # recompute FP8 layers in high precision: a CheckpointError)
+                from lowprec.fp8.checkpoint import checkpoint
+
+                h = checkpoint(layer, h, cos, sin, mask)
+            else:
+                h = layer(h, cos, sin, mask)
         logits = self.lm_head(self.model.norm(h))
         loss = None
         if labels is not None:

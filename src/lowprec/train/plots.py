@@ -3,14 +3,15 @@
 * ``loss.png``: training loss (per logging window) and validation loss against the step;
 * ``fp8_report.png``: per-layer FP8 telemetry over time (amax, scale, saturated and underflow
   fractions of each operand), one line per layer;
-* ``compare.png``: ``lowprec compare``'s overlaid loss curves, one colour per precision.
+* ``compare.png``: ``lowprec compare``'s mean curves over seeds with 95% bands, and the paired
+  gap of each precision to the baseline against the threshold.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-__all__ = ["plot_loss", "plot_fp8_report", "plot_compare"]
+__all__ = ["plot_loss", "plot_fp8_report", "plot_compare", "worst_layers"]
 
 
 def _plt():
@@ -46,57 +47,115 @@ def plot_loss(records: Sequence[Mapping[str, Any]], path: str, title: str = "") 
     return path
 
 
-def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str) -> str | None:
-    """A grid: rows = operand (input, weight, grad_output), columns = statistic."""
-    fp8 = [r for r in records if r["kind"] == "fp8"]
+def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 5) -> str | None:
+    """A grid: rows = operand (input, weight, grad_output), columns = statistic. The ``top``
+    layers with the worst saturation / underflow are drawn in colour and labelled, the rest in
+    grey; a statistic that is zero everywhere is said in words, not drawn as flat lines."""
+    fp8 = [r for r in records if r["kind"] == "fp8" and r["layers"]]  # torchao layers: no telemetry
     if not fp8:
         return None
     plt = _plt()
     ops = list(next(iter(fp8[0]["layers"].values())).keys())
     stats = ("amax", "scale", "saturated", "underflow")
     layers = list(fp8[0]["layers"])
+    worst = worst_layers(fp8, top)
     fig, axes = plt.subplots(len(ops), len(stats), figsize=(4 * len(stats), 2.8 * len(ops)), squeeze=False)
     steps = [r["step"] for r in fp8]
-    cmap = plt.get_cmap("viridis")
     for i, op in enumerate(ops):
         for j, st in enumerate(stats):
             ax = axes[i][j]
-            for k, layer in enumerate(layers):
-                ys = [r["layers"].get(layer, {}).get(op, {}).get(st, float("nan")) for r in fp8]
-                ax.plot(steps, ys, lw=1, color=cmap(k / max(1, len(layers) - 1)), label=layer)
-            if st in ("amax", "scale") and all(
-                v > 0 for r in fp8 for lay in r["layers"].values() for v in [lay.get(op, {}).get(st, 1.0)]
-            ):
-                ax.set_yscale("log")
+            series = {lay: [r["layers"].get(lay, {}).get(op, {}).get(st, float("nan")) for r in fp8] for lay in layers}
+            if st in ("saturated", "underflow") and not any(v > 0 for ys in series.values() for v in ys):
+                # a flat zero line for every layer says nothing; say it in words
+                ax.text(0.5, 0.5, f"no {st} values\n(all layers, all steps)", ha="center", va="center",
+                        transform=ax.transAxes, fontsize=9, color="0.4")
+                ax.set_xticks([])
+                ax.set_yticks([])
+            else:
+                for lay, ys in series.items():  # the other layers: a grey background
+                    if lay not in worst:
+                        ax.plot(steps, ys, lw=0.6, color="0.8")
+                for k, lay in enumerate(worst):  # the layers that matter, in distinct colours
+                    ax.plot(steps, series[lay], lw=1.4, color=f"C{k}", label=lay)
+                if st in ("amax", "scale") and all(v > 0 for ys in series.values() for v in ys if v == v):
+                    ax.set_yscale("log")
             ax.set_title(f"{op}: {st}", fontsize=9)
             ax.grid(alpha=0.3)
             if i == len(ops) - 1:
                 ax.set_xlabel("step")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    ncol = min(len(labels), max(4, -(-len(labels) // 8)))  # at most 8 legend rows
-    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=7)
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8,
+                   title=f"worst {len(worst)} of {len(layers)} layers by saturated + underflow fraction (others grey)")
     fig.suptitle("FP8 telemetry per layer (saturated / underflow: fraction of values)")
-    fig.tight_layout(rect=(0, 0.02 + 0.025 * -(-len(labels) // ncol), 1, 0.96))
+    fig.tight_layout(rect=(0, 0.1, 1, 0.96))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def plot_compare(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str, title: str = "") -> str:
+def worst_layers(fp8_records: Sequence[Mapping[str, Any]], top: int = 5) -> list[str]:
+    """The ``top`` layers with the largest saturated + underflow fraction (any operand, any
+    logged step), worst first; ties (all zero) keep the model's layer order."""
+    score: dict[str, float] = {}
+    for r in fp8_records:
+        for lay, ops in r["layers"].items():
+            s = max((st.get("saturated", 0.0) + st.get("underflow", 0.0) for st in ops.values()), default=0.0)
+            score[lay] = max(score.get(lay, 0.0), s)
+    order = sorted(score, key=lambda lay: -score[lay])  # sorted is stable: ties in layer order
+    return order[:top]
+
+
+def _band(per_seed: Sequence[Mapping[int, float]]) -> tuple[list, list, list, list]:
+    """Steps logged by every seed; the mean and its 95% t interval at each (the mean alone for one seed)."""
+    from lowprec.train.stats import interval
+
+    steps = sorted(set.intersection(*(set(m) for m in per_seed))) if per_seed else []
+    ivs = [interval([m[s] for m in per_seed]) for s in steps]
+    mean = [iv.mean for iv in ivs]
+    low = [iv.low if iv.low is not None else iv.mean for iv in ivs]
+    high = [iv.high if iv.high is not None else iv.mean for iv in ivs]
+    return steps, mean, low, high
+
+
+def plot_compare(report: Mapping[str, Any], path: str) -> str:
+    """``lowprec compare``'s picture from its report: top, each precision's mean training loss
+    with its 95% band over seeds (validation means as markers); bottom, the paired relative gap
+    of each precision's training loss to the baseline, with its band and the threshold."""
+    from lowprec.train.stats import gap_curves
+
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for i, (name, records) in enumerate(runs.items()):
-        color = f"C{i}"
-        x, y = _xy([r for r in records if r["kind"] == "train"], "loss")
-        ax.plot(x, y, color=color, lw=1.3, label=f"{name} train")
-        x, y = _xy([r for r in records if r["kind"] == "eval"], "loss")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    base = report["baseline"]
+    base_runs = {r["seed"]: r for r in report["precisions"][base]["runs"]}
+    for i, (name, row) in enumerate(report["precisions"].items()):
+        color, runs = f"C{i}", row["runs"]
+        if not runs:
+            continue
+        x, m, lo, hi = _band([{int(s): v for s, v in r["train_losses"]} for r in runs])
+        top.plot(x, m, color=color, lw=1.3, label=f"{name} ({len(runs)} seeds)")
+        top.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
+        x, m, lo, hi = _band([{int(s): v for s, v in r["eval_losses"]} for r in runs])
         if x:
-            ax.plot(x, y, "o--", color=color, lw=1.3, label=f"{name} validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title or "loss by precision (same seed, same data order)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+            top.errorbar(x, m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]], fmt="o",
+                         color=color, ms=4, capsize=3)
+        paired = [r for r in runs if r["seed"] in base_runs]
+        if name == base or not paired:
+            continue
+        gaps = gap_curves([r["train_losses"] for r in paired], [base_runs[r["seed"]]["train_losses"] for r in paired])
+        x, m, lo, hi = _band([{s: 100 * g[k] for s, g in gaps.items()} for k in range(len(paired))])
+        bottom.plot(x, m, color=color, lw=1.3, label=name)
+        bottom.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
+    thr = 100 * report["threshold"]
+    bottom.axhline(thr, color="k", ls="--", lw=1, label=f"threshold +{thr:g}%")
+    bottom.axhline(0.0, color="k", lw=0.6)
+    top.set_ylabel("loss (nats/token)")
+    top.set_title(f"mean loss over seeds, 95% bands (validation: markers); baseline {base}")
+    bottom.set_ylabel(f"training loss gap vs {base} (%)")
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -18,12 +18,13 @@ import torch
 from lowprec.decision import Decision
 from lowprec.state import fp8_capability_check
 from lowprec.train.config import TrainConfig
+from lowprec.train.hf_model import tokenizer_choice
 
 __all__ = ["Capabilities", "Decision", "RunPlan", "resolve", "precision_label"]
 
 logger = logging.getLogger("lowprec")
 
-OPTIONAL_PACKAGES = ("transformers", "tensorboard", "deepspeed")
+OPTIONAL_PACKAGES = ("transformers", "tensorboard", "deepspeed", "peft", "bitsandbytes")
 
 
 @dataclass(frozen=True)
@@ -59,9 +60,11 @@ class RunPlan:
     label: str  # fp32 | fp16 | bf16 | bf16-full | fp8 | fp8-full
     decisions: dict = field(default_factory=dict)
 
-    def log(self) -> None:
+    def log(self, skip: "set[str] | frozenset[str]" = frozenset()) -> None:
+        """Each decision once; ``skip``: keys the accelerator already logged (device...)."""
         for key, d in self.decisions.items():
-            logger.info("lowprec: %s = %s (%s)", key, d.value, d.reason)
+            if key not in skip:
+                logger.info("lowprec: %s = %s (%s)", key, d.value, d.reason)
 
 
 def precision_label(mixed_precision: str, weights_dtype: str) -> str:
@@ -106,7 +109,7 @@ def _packages(cfg: TrainConfig, caps: Capabilities) -> None:
 
     if not cfg.base_model.startswith("builtin:"):
         need("transformers", f"base_model: {cfg.base_model} (a Hugging Face model directory)")
-    if cfg.tokenizer != "byte":
+    if cfg.tokenizer not in (None, "byte"):
         if not os.path.isdir(cfg.tokenizer):
             raise ValueError(f"tokenizer: {cfg.tokenizer!r} is neither byte nor a local tokenizer directory")
         need("transformers", f"tokenizer: {cfg.tokenizer}")
@@ -114,6 +117,9 @@ def _packages(cfg: TrainConfig, caps: Capabilities) -> None:
         need("tensorboard", "use_tensorboard: true")
     if cfg.deepspeed is not None:
         need("deepspeed", "deepspeed")
+    from lowprec.train.adapters import check_adapter_backend
+
+    check_adapter_backend(cfg.adapter, caps.packages, caps.cuda_capability is not None)
 
 
 def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: int = 1) -> RunPlan:
@@ -121,6 +127,7 @@ def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: i
     _packages(cfg, caps)
     d: dict[str, Decision] = {}
     d["device"] = Decision(caps.device, "CUDA available" if caps.device == "cuda" else "no CUDA device")
+    d["tokenizer"] = Decision(*tokenizer_choice(cfg))
     bf16 = _bf16(cfg, caps)
     d["bf16"] = bf16
     fallback = _fp8_check(cfg, caps)

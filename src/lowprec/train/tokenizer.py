@@ -87,16 +87,27 @@ BYTE_VOCAB_SIZE = ByteTokenizer.vocab_size
 class HFTokenizer:
     """A local Hugging Face tokenizer directory (``tokenizer.json`` etc.), loaded offline."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, special_tokens: dict | None = None, tokenizer_type: str | None = None,
+                 trust_remote_code: bool = False) -> None:
         try:
-            from transformers import AutoTokenizer
+            import transformers
         except ImportError as e:  # None in sys.modules also lands here
             raise ValueError(
                 f"tokenizer {path!r} is a Hugging Face tokenizer directory, which needs the "
                 "'transformers' package; install it with `pip install transformers` "
                 "or use tokenizer: byte"
             ) from e
-        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        cls = getattr(transformers, tokenizer_type or "AutoTokenizer", None)
+        if cls is None or not hasattr(cls, "from_pretrained") or "Tokenizer" not in (tokenizer_type or "AutoTokenizer"):
+            from lowprec.errors import did_you_mean
+
+            names = [n for n in dir(transformers) if n.endswith(("Tokenizer", "TokenizerFast"))]
+            raise ValueError(f"tokenizer_type: {tokenizer_type!r} is not a transformers tokenizer class"
+                             f"{did_you_mean(tokenizer_type, names)}; use AutoTokenizer or e.g. PreTrainedTokenizerFast")
+        remote = {"trust_remote_code": True} if trust_remote_code else {}  # transformers' default is False
+        self._tok = cls.from_pretrained(path, local_files_only=True, **remote)
+        if special_tokens:  # Axolotl's special_tokens: set (or add) before anything is tokenized
+            self._tok.add_special_tokens(dict(special_tokens))
         self.name = f"hf:{os.path.abspath(path)}"
         eos = self._tok.eos_token_id
         if eos is None:
@@ -108,6 +119,11 @@ class HFTokenizer:
         self.bos_id = None if self._tok.bos_token_id is None else int(self._tok.bos_token_id)
         self.pad_id = self.eos_id if self._tok.pad_token_id is None else int(self._tok.pad_token_id)
         self.vocab_size = _round_up16(len(self._tok))
+
+    @property
+    def hf_tokenizer(self):
+        """The transformers tokenizer (saved next to a trained Hugging Face model)."""
+        return self._tok
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         ids = list(self._tok.encode(text, add_special_tokens=False))
@@ -131,13 +147,19 @@ class HFTokenizer:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(spec: str | None = "byte") -> Tokenizer:
+def load_tokenizer(spec: str | None = "byte", special_tokens: dict | None = None) -> Tokenizer:
     """``"byte"`` (or None) for the byte tokenizer, or the path of a local Hugging Face
-    tokenizer directory (needs ``transformers``)."""
+    tokenizer directory (needs ``transformers``); ``special_tokens`` (``{"pad_token": ...}``)
+    are set on a Hugging Face tokenizer (the byte tokenizer's are fixed)."""
     if spec is None or str(spec).lower() == "byte":
+        if special_tokens:
+            raise ValueError(
+                "special_tokens: the byte tokenizer's BOS/EOS/PAD are fixed; drop special_tokens or set "
+                "tokenizer: to a local Hugging Face tokenizer directory"
+            )
         return ByteTokenizer()
     if isinstance(spec, (str, os.PathLike)) and os.path.isdir(spec):
-        return HFTokenizer(os.fspath(spec))
+        return HFTokenizer(os.fspath(spec), special_tokens)
     raise ValueError(
         f"tokenizer {spec!r} is neither 'byte' nor an existing directory; use tokenizer: byte "
         "or the path of a local Hugging Face tokenizer directory"

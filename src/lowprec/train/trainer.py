@@ -87,8 +87,8 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     )
 
 
-def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int):
-    warmup = min(cfg.warmup_steps, max(0, total_steps - 1))  # clamped (and said so) in train()
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int, warmup: Optional[int] = None):
+    warmup = min(cfg.warmup_steps if warmup is None else warmup, max(0, total_steps - 1))  # clamped (and said so) in train()
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, warmup, total_steps, cfg.lr_scheduler)
     )
@@ -102,11 +102,18 @@ def _build_model(cfg: TrainConfig, vocab_size: int) -> tuple[nn.Module, dict[str
         if vocab_size > mc.vocab_size:
             mc = mc.replace(vocab_size=vocab_size)
         return LlamaForCausalLM(mc), mc.to_dict()
-    from transformers import AutoConfig, AutoModelForCausalLM  # checked in resolve()
+    from lowprec.train.hf_model import load_causal_lm, locate_pretrained
 
-    hf = AutoConfig.from_pretrained(cfg.base_model)
-    model = AutoModelForCausalLM.from_pretrained(cfg.base_model, torch_dtype=torch.float32)
-    return _HFLoss(model), hf.to_dict()
+    model = load_causal_lm(locate_pretrained(cfg.base_model), cfg.model_type, cfg.trust_remote_code)
+    if vocab_size > model.get_input_embeddings().num_embeddings:
+        logger.info("lowprec: resizing the token embeddings from %d to %d (the tokenizer's size, padded to 16)",
+                    model.get_input_embeddings().num_embeddings, vocab_size)
+        model.resize_token_embeddings(vocab_size)
+    if cfg.adapter is not None:
+        from lowprec.train.adapters import LoraSettings, apply_lora
+
+        model = apply_lora(model, LoraSettings.from_config(cfg))
+    return _HFLoss(model), model.config.to_dict()
 
 
 class _HFLoss(nn.Module):
@@ -116,8 +123,15 @@ class _HFLoss(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, labels=None, attention_mask=None):
-        return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask)
+    def forward(self, input_ids, labels=None, attention_mask=None, position_ids=None):
+        if position_ids is not None and attention_mask is None:
+            # packed rows: transformers' SDPA path does not infer example boundaries from
+            # position_ids (5.x; measured on logits in tests/test_train_datasets.py), so pass the
+            # block-diagonal causal mask, a 4-D mask it uses as given
+            from lowprec.train.packing import packed_causal_mask
+
+            attention_mask = packed_causal_mask(position_ids)
+        return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids)
 
 
 def _accelerator(cfg: TrainConfig, plan: RunPlan):
@@ -132,7 +146,11 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
     )
 
     handlers: list = []
-    if cfg.fp8:
+    if cfg.fp8 and cfg.fp8_backend == "torchao":  # recipe / filter limits checked in the schema
+        from lowprec.kwargs import AORecipeKwargs
+
+        handlers.append(AORecipeKwargs(recipe=cfg.fp8_recipe.name))
+    elif cfg.fp8:
         handlers.append(
             NativeRecipeKwargs(
                 recipe=cfg.fp8_recipe.name,
@@ -171,6 +189,33 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
     )
 
 
+class _RankZeroOnly(logging.Filter):
+    """Under ``launch`` every rank runs the same setup: only rank 0 tells the user about it
+    (errors still come from every rank)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+def _quiet_other_ranks() -> None:
+    if int(os.environ.get("RANK", "0")) != 0:
+        for name in ("lowprec", "lowprec.fp8"):
+            log = logging.getLogger(name)
+            if not any(isinstance(f, _RankZeroOnly) for f in log.filters):
+                log.addFilter(_RankZeroOnly())
+
+
+def _write_conversion_report(acc, output_dir: str) -> Optional[str]:
+    """The full per-layer FP8 conversion table, next to the metrics (the console has one line)."""
+    report = getattr(getattr(acc, "backend", None), "report", None)
+    if report is None:
+        return None
+    path = os.path.join(output_dir, "fp8_conversion.txt")
+    with open(path, "w") as f:
+        f.write(str(report) + "\n")
+    return path
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -207,21 +252,25 @@ def train(
 ) -> RunResult:
     """One training run: set up, resume, the loop (``loop.py``), outputs."""
     wall0 = time.perf_counter()
+    _quiet_other_ranks()
     plan = resolve(cfg, caps, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     output_dir = os.path.abspath(cfg.output_dir)
     if int(os.environ.get("RANK", "0")) == 0:  # before any log line: a bad path is a one-line error
         make_output_dir(output_dir)
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
+    if cfg.tf32 != "auto" and torch.cuda.is_available():  # TF32 is an NVIDIA matmul mode; CPUs have none
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
     acc = _accelerator(cfg, plan)
     main = acc.is_main_process
     decisions = dict(plan.decisions)
     if main:
-        plan.log()
+        plan.log(skip=set(getattr(acc.state, "decisions", {})))  # the accelerator logged those
     acc.wait_for_everyone()
     tokenizer, loader, val_loader = _data(cfg, acc)
     total = _total_steps(cfg, len(loader), decisions, main)
-    run = _build(cfg, plan, acc, tokenizer.vocab_size, total, output_dir, loader, val_loader)
+    run = _build(cfg, plan, acc, tokenizer.vocab_size, total, output_dir, loader, val_loader, decisions)
+    run.tokenizer = tokenizer
     run.on_log = on_log
     resume_path = _resume(run, decisions)
     run.writer = MetricsWriter(output_dir, main, plan.use_tensorboard, append=resume_path is not None)
@@ -229,6 +278,7 @@ def train(
         from lowprec.train.outputs import write_resolved_config
 
         write_resolved_config(cfg.to_yaml_dict(), decisions, output_dir)
+        _write_conversion_report(acc, output_dir)
     try:
         loop = run_loop(run)
     except NonFiniteError as exc:
@@ -244,9 +294,12 @@ def train(
 def _data(cfg: TrainConfig, acc):
     """Tokenizer, training batches (this rank's share) and validation batches (or None)."""
     from lowprec.train.data import TokenBatches, build_datasets
-    from lowprec.train.tokenizer import load_tokenizer
+    from lowprec.train.data_setup import example_loaders, uses_examples
+    from lowprec.train.hf_model import load_run_tokenizer
 
-    tokenizer = load_tokenizer(cfg.tokenizer)
+    tokenizer = load_run_tokenizer(cfg)
+    if uses_examples(cfg):  # instruction / chat / pre-tokenized data, or packing
+        return (tokenizer, *example_loaders(cfg, tokenizer, acc))
     with acc.main_process_first():
         train_ds, val_ds = build_datasets(
             cfg.dataset_paths,
@@ -288,34 +341,63 @@ def _total_steps(cfg: TrainConfig, batches_per_epoch: int, decisions: dict, main
         total = max(1, math.ceil(epochs * per_epoch))
         why = f"num_epochs: {epochs} x {per_epoch} steps per epoch" + ("" if cfg.num_epochs else " (default 1 epoch)")
     decisions["total_steps"] = Decision(total, why)
-    if cfg.warmup_steps >= total:  # a smoke run (--max_steps 3) of a config with a long warmup
+    if cfg.warmup_ratio is not None:  # Axolotl: warmup_steps = ratio x the run's steps
+        decisions["warmup_steps"] = Decision(int(cfg.warmup_ratio * total), f"warmup_ratio: {cfg.warmup_ratio} x {total} steps")
+    elif cfg.warmup_steps >= total:  # a smoke run (--max_steps 3) of a config with a long warmup
         warmup = max(0, total - 1)
         decisions["warmup_steps"] = Decision(warmup, f"warmup_steps: {cfg.warmup_steps} clamped to the run's {total} steps")
         if main:
             logger.warning("lowprec: note: warmup_steps: %d clamped to %d for this %d-step run", cfg.warmup_steps, warmup, total)
+    # evals_per_epoch / saves_per_epoch -> a step interval, as Axolotl: steps per epoch // N
+    for key, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
+        n = getattr(cfg, key)
+        if n is not None:
+            decisions[steps] = Decision(max(1, per_epoch // n), f"{key}: {n} in {per_epoch} steps per epoch")
     if main:
         logger.info("lowprec: total_steps = %d (%s)", total, why)
+        for key in ("warmup_steps", "eval_steps", "save_steps"):
+            if key in decisions and (key != "warmup_steps" or cfg.warmup_ratio is not None):
+                logger.info("lowprec: %s = %s (%s)", key, decisions[key].value, decisions[key].reason)
     return total
 
 
-def _build(cfg: TrainConfig, plan: RunPlan, acc, vocab_size: int, total: int, output_dir: str, loader, val_loader) -> Run:
+def _build(cfg: TrainConfig, plan: RunPlan, acc, vocab_size: int, total: int, output_dir: str, loader, val_loader,
+           decisions: dict) -> Run:
     """Model, optimizer and schedule, prepared by the accelerator; the run's shared state."""
     _seed_everything(cfg.seed)
     model, model_config = _build_model(cfg, vocab_size)
+    if cfg.gradient_checkpointing:  # built-in and transformers models share the method name
+        kwargs = dict(cfg.gradient_checkpointing_kwargs or {"use_reentrant": False})
+        if isinstance(model, _HFLoss):
+            from lowprec.fp8.autocast import replay_context
+
+            # transformers passes these to torch.utils.checkpoint: the recompute re-enters the
+            # FP8 region of the first forward, as lowprec.fp8.checkpoint does for the built-in model
+            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={**kwargs, "context_fn": replay_context})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if plan.weights_dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     optimizer = build_optimizer(cfg, model)
-    scheduler = build_scheduler(cfg, optimizer, total)
+    warmup = decisions["warmup_steps"].value if "warmup_steps" in decisions else None
+    scheduler = build_scheduler(cfg, optimizer, total, warmup)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     if plan.torch_compile:
         model = torch.compile(model)
     state = ckpt.TrainerState()
     acc.register_for_checkpointing(loader, state)
+    inner = acc.unwrap_model(model)
+    from lowprec.fp8 import has_fp8_layers
+
+    # telemetry reads lowprec's own Float8Linear; torchao's layers (fp8_backend: torchao) have none
+    fp8_layers = bool(cfg.fp8) and acc.fp8_enabled and has_fp8_layers(inner)
     return Run(
         cfg=cfg, acc=acc, output_dir=output_dir, total=total, label=plan.label, model=model,
-        inner=acc.unwrap_model(model), optimizer=optimizer, scheduler=scheduler, loader=loader,
-        val_loader=val_loader, state=state, writer=None, fp8_layers=bool(cfg.fp8) and acc.fp8_enabled,
+        inner=inner, optimizer=optimizer, scheduler=scheduler, loader=loader,
+        val_loader=val_loader, state=state, writer=None, fp8_layers=fp8_layers,
         main=acc.is_main_process, model_config=model_config,
+        eval_every=decisions["eval_steps"].value if "eval_steps" in decisions else cfg.eval_steps,
+        save_every=decisions["save_steps"].value if "save_steps" in decisions else cfg.save_steps,
     )
 
 
@@ -358,7 +440,12 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
         from lowprec.train.outputs import export_model
         from lowprec.train.plots import plot_fp8_report, plot_loss
 
-        files["model"] = export_model(sd, run.model_config, output_dir)
+        if cfg.base_model.startswith("builtin:"):
+            files["model"] = export_model(sd, run.model_config, output_dir)
+        else:
+            from lowprec.train.hf_model import export_pretrained
+
+            files.update(export_pretrained(run.inner, sd, run.tokenizer, output_dir, cfg.merge_lora))
         records = read_metrics(output_dir)
         files["loss_plot"] = plot_loss(records, os.path.join(output_dir, "loss.png"), f"{cfg.base_model} ({plan.label})")
         if run.fp8_layers:

@@ -192,15 +192,12 @@ class CheckpointingMixin:
 
     def save_model(self, model: Any, save_directory: str, max_shard_size: Any = "10GB", safe_serialization: bool = True) -> None:
         """Plain weights that load into the unconverted model (``model.safetensors``, or shards of
-        at most ``max_shard_size`` plus ``model.safetensors.index.json``)."""
+        at most ``max_shard_size`` plus ``model.safetensors.index.json``); weights a big-model
+        dispatch offloaded to disk or CPU are read back from its hooks, as Accelerate does."""
         from lowprec.checkpoint import save_model
 
-        meta = [n for n, p in self.unwrap_model(model).named_parameters() if p.is_meta]
-        if meta:
-            raise ValueError(
-                f"save_model: {len(meta)} parameters (first {meta[0]!r}) are on the meta device (offloaded "
-                "or built under init_empty_weights); lowprec saves materialized weights only: load them first"
-            )
+        # meta parameters: read back from a big-model dispatch's offload hooks, or an error naming
+        # the first one (lowprec.utils.offload)
         save_model(self, model, save_directory, safe_serialization, max_shard_size)
 
     def save(self, obj: Any, f: str, safe_serialization: bool = False) -> None:

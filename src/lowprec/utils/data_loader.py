@@ -73,6 +73,8 @@ class SkipDataLoader(DataLoader):
 
 
 class DataLoaderShard(DataLoader):
+    dispatches = False  # DataLoaderDispatcher (utils/dispatcher.py): process 0 reads, the others receive
+
     """A ``DataLoader`` (for ``isinstance`` checks) that iterates this process's share of the
     wrapped one; other DataLoader attributes are the wrapped loader's. With ``split_batches``
     each batch is cut into ``world_size`` equal slices instead of dealt whole; with
@@ -111,11 +113,12 @@ class DataLoaderShard(DataLoader):
             )
         # an IterableDataset, or batch_size=None (no batching), is passed through unsharded
         self.iterable = isinstance(dataloader.dataset, IterableDataset) or dataloader.batch_sampler is None
-        if self.iterable and world_size > 1:
+        if self.iterable and world_size > 1 and not self.dispatches:
             raise ValueError(
                 "prepare() can shard only a DataLoader with a batch size over a map-style dataset; "
                 "shard an IterableDataset inside the dataset (e.g. by torch.distributed.get_rank()) "
-                "and pass that DataLoader per process"
+                "and pass that DataLoader per process, or let process 0 read it and dispatch: "
+                "DataLoaderConfiguration(dispatch_batches=True)"
             )
 
     # ------------------------------------------------------------------ batches of this process

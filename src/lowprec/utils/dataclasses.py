@@ -1,9 +1,7 @@
 """Accelerate's configuration dataclasses for data loading and project layout, and ``LoggerType``.
 
 ``DataLoaderConfiguration`` fields lowprec does not act on are refused when set to a value that
-would change behaviour (never accepted and ignored); ``dispatch_batches=True`` is the one accepted
-with a logged difference, because for a map-style dataset sharding gives every process the same
-batches dispatching would.
+would change behaviour (never accepted and ignored).
 """
 
 from __future__ import annotations
@@ -47,6 +45,9 @@ class DataLoaderConfiguration:
       batch less.
     - ``use_seedable_sampler`` / ``data_seed``: shuffling always uses a generator seeded
       identically on every process (``data_seed`` when given, else the torch seed).
+    - ``dispatch_batches``: process 0 reads the dataloader and sends each process its batch
+      (``DataLoaderDispatcher``); ``None``: only for an ``IterableDataset`` on several processes
+      (as Accelerate), a map-style dataset is sharded.
     - ``non_blocking``: asynchronous host-to-device copies.
     - ``use_stateful_dataloader``: lowprec's prepared dataloader already saves and restores its
       position (``state_dict`` / ``load_state_dict``); ``True`` needs torchdata, as in Accelerate.
@@ -73,10 +74,6 @@ class DataLoaderConfiguration:
                 )
             log_once("lowprec: use_stateful_dataloader=True: prepared dataloaders save and restore their "
                      "position themselves (state_dict/load_state_dict); they are not torchdata StatefulDataLoaders")
-        if self.dispatch_batches:
-            log_once("lowprec: dispatch_batches=True: every process reads its own shard of the batch sampler "
-                     "instead of process 0 reading and scattering (same batches for a map-style dataset; an "
-                     "IterableDataset must shard itself)")
 
 
 @dataclass

@@ -33,9 +33,11 @@ __all__ = [
 ]
 
 
-def build_ds_config(plugin: Any, mixed_precision: str, micro_batch_size: int, accumulation_steps: int, world: int) -> dict:
+def build_ds_config(plugin: Any, mixed_precision: str, micro_batch_size: int, accumulation_steps: int, world: int,
+                    skip_nonfinite: bool = False) -> dict:
     """The DeepSpeed config: the user's ``hf_ds_config`` with precision, ZeRO stage, batch sizes
-    and clipping filled in where it does not set them; a conflicting precision is an error."""
+    and clipping filled in where it does not set them; a conflicting precision is an error.
+    ``skip_nonfinite`` (the non-finite guard is on) needs DeepSpeed's own bf16 overflow check."""
     cfg = copy.deepcopy(plugin.hf_ds_config or {})
     want_bf16 = mixed_precision in ("bf16", "fp8")  # FP8 sits on bf16, as in Accelerate
     want_fp16 = mixed_precision == "fp16"
@@ -47,6 +49,14 @@ def build_ds_config(plugin: Any, mixed_precision: str, micro_batch_size: int, ac
                 f"{mixed_precision!r}; make them agree (fp8 trains on bf16)"
             )
         section["enabled"] = want
+    if skip_nonfinite and want_bf16:
+        if cfg["bf16"].get("check_grad_overflow") is False:
+            raise ValueError(
+                "DeepSpeed config has bf16.check_grad_overflow=false, so DeepSpeed would apply steps "
+                "with NaN/inf gradients, but lowprec's non-finite guard is on: remove the key, or pass "
+                "Accelerator(skip_nonfinite_steps=False) (trainer: skip_nonfinite_steps: false)"
+            )
+        cfg["bf16"]["check_grad_overflow"] = True
     zero = cfg.setdefault("zero_optimization", {})
     zero.setdefault("stage", plugin.zero_stage)
     for key, device in (("offload_optimizer", plugin.offload_optimizer_device), ("offload_param", plugin.offload_param_device)):
@@ -149,29 +159,54 @@ def mark_partition_segments(ds_optimizer: Any) -> int:
 
 class DeepSpeedOptimizer:
     """What ``prepare`` returns for the optimizer under DeepSpeed: ``step`` runs the engine's step
-    (DeepSpeed decides on accumulation boundaries), ``zero_grad`` is the engine's business."""
+    (DeepSpeed decides on accumulation boundaries), ``zero_grad`` is the engine's business.
 
-    def __init__(self, engine: Any, optimizer: Any) -> None:
+    The non-finite guard (:mod:`lowprec.utils.nonfinite`): DeepSpeed ZeRO 1-3 already refuse to
+    apply a step whose gradients hold NaN/inf, under every precision (fp16: its loss scaler; bf16
+    and fp32: ``bf16.check_grad_overflow`` and the invalid-norm test, DeepSpeed >= 0.16), and
+    clear the gradients; ``Accelerator.backward`` turns a non-finite loss into NaN gradients
+    (``nan_if_nonfinite``) so a finite-gradient ``loss + inf`` is refused the same way. Here
+    each accumulation boundary is counted, a refused step skips the backend's after-step hook,
+    is logged, and counts toward ``max_consecutive_skipped_steps`` like elsewhere."""
+
+    def __init__(self, engine: Any, optimizer: Any, guard: Any = None) -> None:
         self.engine = engine
         self.optimizer = optimizer
+        self.guard = guard
         self.scaler = None
         self.unscaled = False
         self.after_step: Optional[Any] = None
+        self._skipped = False
 
     param_groups = property(lambda self: self.optimizer.param_groups)
     state = property(lambda self: self.optimizer.state)
 
     def step(self, closure: Any = None) -> None:
+        boundary = self.engine.is_gradient_accumulation_boundary()
         self.engine.step()
-        if self.after_step is not None:
+        if not boundary:
+            return None
+        self._skipped = not self.engine.was_step_applied()
+        if self.after_step is not None and not self._skipped:
             self.after_step()
+        if self.guard is None:
+            return None
+        counts, why = True, "loss or gradients not finite (DeepSpeed refused the step)"
+        if self._skipped and self.engine.fp16_enabled():
+            # an overflow under a large loss scale is the scaler's normal work (as for GradScaler)
+            scale = float(getattr(self.optimizer, "loss_scale", 1.0))
+            counts = self.guard.loss_was_nonfinite() or scale < 1.0
+            why = f"DeepSpeed's loss scaler found inf/nan (scale lowered to {scale:g})"
+        self.guard.record(self._skipped, counts=counts, why=why)
+        return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         return None  # the engine zeroes gradients at each boundary
 
     @property
     def step_was_skipped(self) -> bool:
-        return bool(getattr(self.optimizer, "overflow", False))
+        """Whether the last accumulation boundary's update was refused (inf/nan)."""
+        return self._skipped
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()

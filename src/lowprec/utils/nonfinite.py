@@ -15,9 +15,13 @@ precision:
   state), and the LR scheduler with it. Delayed scaling keeps a non-finite amax out of its
   history by itself (``lowprec.fp8.scaling``), so the skipped step leaves no NaN there either;
 * every skip is logged once, with its step; after ``max_consecutive`` skips in a row
-  :class:`~lowprec.errors.NonFiniteError` stops the run (the trainer exits with code 3).
+  :class:`~lowprec.errors.NonFiniteError` stops the run (the trainer exits with code 3);
+* DeepSpeed engines step themselves and refuse NaN/inf gradients on their own: there the
+  loss is made NaN when it is not finite (:meth:`NonFiniteGuard.nan_if_nonfinite`) and the
+  wrapper (``lowprec.utils.deepspeed.DeepSpeedOptimizer``) counts DeepSpeed's decision.
 
-:meth:`NonFiniteGuard.check_model` refuses to save or export a model with non-finite weights.
+:meth:`NonFiniteGuard.check_model` refuses to save or export a model with non-finite weights; it
+reads each process's own part (FSDP2 shards, ZeRO-3 partitions) and all-reduces the verdict.
 """
 
 from __future__ import annotations
@@ -37,8 +41,11 @@ _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The process's own part of a DTensor (FSDP2); the tensor itself otherwise."""
+    """The process's own part of a DTensor (FSDP2) or of a ZeRO-3 parameter (whose ``data`` is an
+    empty placeholder outside forward/backward; ``ds_tensor`` is this process's partition); the
+    tensor itself otherwise."""
     t = t._local_tensor if hasattr(t, "_local_tensor") else t
+    t = t.ds_tensor if getattr(t, "ds_tensor", None) is not None else t
     return t.coalesce().values() if t.is_sparse else t
 
 
@@ -51,7 +58,8 @@ def nonfinite_flag(tensors: Iterable[torch.Tensor], device: torch.device, fused:
     groups: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         t = _local(t)
-        if t.is_floating_point() and t.numel() and t.element_size() > 1:  # FP8 storage has no inf
+        # FP8 storage has no inf; a meta tensor (offloaded by a big-model dispatch) has no values here
+        if t.is_floating_point() and t.numel() and t.element_size() > 1 and not t.is_meta:
             groups.setdefault((t.device, t.dtype), []).append(t)
     for (dev, dtype), ts in groups.items():
         if fused and dtype in _FUSED_DTYPES:
@@ -101,6 +109,16 @@ class NonFiniteGuard:
         bad = (~torch.isfinite(loss.detach())).any().float()
         self._loss_flag = bad if self._loss_flag is None else self._loss_flag + bad.to(self._loss_flag.device)
 
+    def nan_if_nonfinite(self, loss: Any) -> Any:
+        """``loss`` times 1, or times NaN when it is not finite (device-side, no sync): engines
+        that run their own overflow check on the gradients (DeepSpeed) then refuse a step whose
+        loss alone was not finite (``loss + inf`` has finite gradients). Bit-exact otherwise."""
+        if not self.enabled or not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
+            return loss
+        ok = torch.isfinite(loss.detach()).all()
+        return loss * torch.where(ok, torch.ones((), dtype=loss.dtype, device=loss.device),
+                                  torch.full((), float("nan"), dtype=loss.dtype, device=loss.device))
+
     def _reduce(self, flag: torch.Tensor) -> torch.Tensor:
         if self.distributed:
             import torch.distributed as dist
@@ -132,6 +150,11 @@ class NonFiniteGuard:
         """Host read of the loss flag; only called after a scaler already skipped the step."""
         return self._loss_flag is not None and bool(self._loss_flag.item() > 0)
 
+    def _is_main(self) -> bool:
+        import torch.distributed as dist
+
+        return not (self.distributed and dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
     def record(self, skipped: bool, counts: bool = True, why: str = "loss or gradients not finite") -> None:
         """Count an optimizer step; log a skip; stop after too many in a row.
 
@@ -145,10 +168,11 @@ class NonFiniteGuard:
         self.skipped += 1
         if counts:
             self.consecutive += 1
-        logger.warning(
-            "lowprec: optimizer step %d: %s; step skipped, weights unchanged (%d skipped in a row, %d in all)",
-            self.optimizer_steps, why, self.consecutive, self.skipped,
-        )
+        if self._is_main():  # every process takes the same (all-reduced) decision: say it once
+            logger.warning(
+                "lowprec: optimizer step %d: %s; step skipped, weights unchanged (%d skipped in a row, %d in all)",
+                self.optimizer_steps, why, self.consecutive, self.skipped,
+            )
         if self.enabled and counts and self.max_consecutive is not None and self.consecutive >= self.max_consecutive:
             raise NonFiniteError(
                 f"{self.consecutive} consecutive optimizer steps (up to step {self.optimizer_steps}) had "

@@ -22,7 +22,13 @@ def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
     return data
 
 
-def send_to_device(data: Any, device: torch.device, non_blocking: bool = True) -> Any:
+def send_to_device(data: Any, device: torch.device, non_blocking: bool = True, skip_keys: Any = None) -> Any:
+    """Every tensor in ``data`` to ``device``; entries of a mapping named in ``skip_keys`` (a key
+    or a list of keys, Accelerate's argument) stay where they are."""
+    if skip_keys is not None and isinstance(data, dict):
+        skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys)
+        return type(data)({k: v if k in skip else send_to_device(v, device, non_blocking, skip_keys)
+                           for k, v in data.items()})
     return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
 
 

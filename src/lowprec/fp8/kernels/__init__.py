@@ -8,7 +8,8 @@ over the other dim) and ``amax(|x|)`` (TransformerEngine's ``cast_transpose``).
 ``cast_rowwise`` computes one scale per row and casts in the same kernel; ``amax_cols`` gives
 per-column amaxes, and ``cast_rowwise_dual`` writes both axis casts a rowwise recipe needs (row
 scales, and given column scales stored transposed) from one pass; ``cast_cols_t`` the second
-alone. The functions choose at run time (:func:`available`): Triton on CUDA by default when
+alone; ``cast_block_1d`` / ``cast_block_2d`` are the blockwise (DeepSeek-V3 tile) casts, both
+layouts and the scales from one read. The functions choose at run time (:func:`available`): Triton on CUDA by default when
 triton imports and a one-time self-check on the device agrees with the torch path
 (:mod:`lowprec.fp8.kernels.selfcheck`; ``LOWPREC_DISABLE_TRITON=1`` always wins), otherwise
 :mod:`lowprec.fp8.kernels.reference` (same results; what CPU runs). Importing this package
@@ -25,6 +26,7 @@ from lowprec.fp8.kernels.select import DISABLE_ENV, available
 __all__ = [
     "available", "DISABLE_ENV", "cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols",
     "cast_rowwise_dual", "cast_cols_t", "recast_if_changed", "delayed_scale_update", "reference",
+    "cast_block_1d", "cast_block_2d",
 ]
 
 
@@ -110,3 +112,24 @@ def delayed_scale_update(history, scale, step, amax_now, fp8_dtype, recipe) -> t
     if available(history.device) and history.dtype == torch.float32 and history.dim() == 1:
         return _ops().delayed_scale_update(*args)
     return reference.delayed_scale_update(*args)
+
+
+def cast_block_1d(
+    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, rows: bool = True, cols: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, row_scale, qt, col_scale)``: ``x`` (M, N) cast with 1 x ``block`` tiles, scales
+    (M, N/block); and cast with ``block`` x 1 tiles, stored transposed as a contiguous (N, M)
+    ``qt``, scales (M/block, N). One read of ``x`` on CUDA; unrequested outputs are empty."""
+    if available(x.device):
+        return _ops().cast_block_1d(x, fp8_dtype, block, power_of_2, rows, cols)
+    return reference.cast_block_1d(x, fp8_dtype, block, power_of_2, rows, cols)
+
+
+def cast_block_2d(
+    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, rows: bool = True, cols: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, qt, scale_t)``: ``x`` cast with ``block`` x ``block`` tiles (``rows``) and
+    its contiguous transpose with the same scales (``cols``); one read on CUDA."""
+    if available(x.device):
+        return _ops().cast_block_2d(x, fp8_dtype, block, power_of_2, rows, cols)
+    return reference.cast_block_2d(x, fp8_dtype, block, power_of_2, rows, cols)

@@ -19,6 +19,8 @@ import triton
 from torch.library import triton_op, wrap_triton
 
 from lowprec.fp8.formats import fp8_max
+from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
+from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
 from lowprec.fp8.kernels.triton_cast import (
     amax_cols_kernel,
     cast_rowwise_kernel,
@@ -30,7 +32,8 @@ from lowprec.fp8.scaling import AMAX_EPS
 
 __all__ = [
     "cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t",
-    "recast_if_changed", "delayed_scale_update", "launch_cast", "interpreting",
+    "recast_if_changed", "delayed_scale_update", "launch_cast", "interpreting", "cast_block_1d", "cast_block_2d",
+    "block_scaled_mm", "GEMM_TILE",
 ]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -226,3 +229,113 @@ def delayed_scale_update(
         INTERVAL=interval, ALGO_MAX=algo_max, BLOCK=triton.next_power_of_2(n), num_warps=4,
     )
     return used, old
+
+
+# blockwise casts: one 128x128 tile per program (8 warps: 64 float32 values per thread)
+BLOCK_WARPS = 8
+
+
+def _launch_block(x, fp8_dtype, block, power_of_2, square, q, qt, s, st) -> None:
+    if x.device.type == "meta":
+        return
+    m, n = x.shape
+    dummy = q if q is not None else qt
+    wrap_triton(cast_blockwise_kernel)[(triton.cdiv(m, block), triton.cdiv(n, block))](
+        x, dummy if q is None else q, dummy if qt is None else qt, x if s is None else s, x if st is None else st,
+        m, n, x.stride(0), x.stride(1),
+        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn, POW2=power_of_2,
+        SOFT_CAST=interpreting(), EPS_BITS=_EPS_BITS, BLOCK=block, SQUARE=square,
+        ROW=q is not None, COL=qt is not None, num_warps=BLOCK_WARPS if block >= 128 else 4,
+    )
+
+
+def _check_block(x: torch.Tensor, fp8_dtype: torch.dtype, block: int) -> None:
+    _check(x, fp8_dtype)
+    if block < 16 or block > 128 or block & (block - 1):
+        raise ValueError(f"the fused blockwise cast takes a power-of-two block of 16..128, got {block}")
+
+
+@triton_op("lowprec::cast_block_1d", mutates_args=())
+def cast_block_1d(
+    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, rows: bool, cols: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1-D tiles from one read: ``(q, row_scale, qt, col_scale)``. ``rows``: ``q`` (M, N) cast
+    with 1 x block tiles, ``row_scale`` (M, ceil(N/block)) (column-major storage); ``cols``:
+    ``qt`` (N, M) = ``x`` cast with block x 1 tiles, transposed, ``col_scale`` (ceil(M/block), N).
+    Outputs not asked for are empty (0 elements)."""
+    _check_block(x, fp8_dtype, block)
+    m, n = x.shape
+    dev = x.device
+    q = torch.empty((m, n) if rows else (0,), dtype=torch.uint8, device=dev)
+    rs = torch.empty((triton.cdiv(n, block), m) if rows else (0,), dtype=torch.float32, device=dev)
+    qt = torch.empty((n, m) if cols else (0,), dtype=torch.uint8, device=dev)
+    cs = torch.empty((triton.cdiv(m, block), n) if cols else (0,), dtype=torch.float32, device=dev)
+    _launch_block(x, fp8_dtype, block, power_of_2, False, q if rows else None, qt if cols else None,
+                  rs if rows else None, cs if cols else None)
+    return q.view(fp8_dtype), rs.t() if rows else rs, qt.view(fp8_dtype), cs
+
+
+@triton_op("lowprec::cast_block_2d", mutates_args=())
+def cast_block_2d(
+    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, rows: bool, cols: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Square tiles from one read: ``(q, scale, qt, scale_t)`` with ``scale`` (ceil(M/block),
+    ceil(N/block)); ``rows``: ``q`` (M, N); ``cols``: ``qt`` (N, M) contiguous and the same
+    scales stored transposed (``scale_t``, an (ceil(M/block), ceil(N/block)) column-major view).
+    Outputs not asked for are empty."""
+    _check_block(x, fp8_dtype, block)
+    m, n = x.shape
+    dev = x.device
+    bm, bn = triton.cdiv(m, block), triton.cdiv(n, block)
+    q = torch.empty((m, n) if rows else (0,), dtype=torch.uint8, device=dev)
+    s = torch.empty((bm, bn), dtype=torch.float32, device=dev)
+    qt = torch.empty((n, m) if cols else (0,), dtype=torch.uint8, device=dev)
+    st = torch.empty((bn, bm) if cols else (0,), dtype=torch.float32, device=dev)
+    _launch_block(x, fp8_dtype, block, power_of_2, True, q if rows else None, qt if cols else None, s, st if cols else None)
+    return q.view(fp8_dtype), s, qt.view(fp8_dtype), st.t() if cols else st
+
+
+# blockwise GEMM: (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M); BLOCK_K is the scale block.
+# Three stages of 128x128 FP8 A and B tiles are 96 KiB of shared memory: sm_90/sm_100 hold it,
+# Ada (sm_89, 100 KiB per SM) gets two (tests/test_fp8_kernels_compile.py checks both).
+GEMM_TILE = {"default": (128, 128, 8, 3, 8), "sm89": (128, 128, 8, 2, 8), "interpreter": (64, 64, 4, 1, 2)}
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _gemm_tile(device: torch.device) -> tuple[int, int, int, int, int]:
+    if interpreting():
+        return GEMM_TILE["interpreter"]
+    return GEMM_TILE["sm89"] if torch.cuda.get_device_capability(device) < (9, 0) else GEMM_TILE["default"]
+
+
+@triton_op("lowprec::block_scaled_mm", mutates_args=())
+def block_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, a_inv_scale: torch.Tensor, b_inv_scale: torch.Tensor, block: int,
+    group_n: int, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)``: FP8 ``a`` (M, K) with dequantization scales (M, ceil(K/block)),
+    FP8 ``b`` (K, N) with (ceil(K/block), ceil(N/group_n)); ``group_n`` is ``block`` for square
+    B blocks, 1 for block x 1 tiles. Any strides; float32 accumulation; ``out_dtype`` written."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"block_scaled_mm needs (M, K) x (K, N), got {tuple(a.shape)} x {tuple(b.shape)}")
+    if block not in (32, 64, 128) or group_n not in (1, block):
+        raise ValueError(f"block_scaled_mm takes block 32/64/128 and group_n 1 or block, got {block}, {group_n}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"block_scaled_mm writes bfloat16/float16/float32, got {out_dtype}")
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if a.device.type == "meta":
+        return c
+    bm, bn, warps, stages, group_m = _gemm_tile(a.device)
+    au, bu = a.view(torch.uint8), b.view(torch.uint8)
+    wrap_triton(block_scaled_mm_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+        au, bu, a_inv_scale, b_inv_scale, c, m, n, k,
+        au.stride(0), au.stride(1), bu.stride(0), bu.stride(1),
+        a_inv_scale.stride(0), a_inv_scale.stride(1), b_inv_scale.stride(0), b_inv_scale.stride(1),
+        c.stride(0), c.stride(1),
+        A_E4M3=a.dtype == torch.float8_e4m3fn, B_E4M3=b.dtype == torch.float8_e4m3fn, GROUP_N=group_n,
+        SOFT_FP8=interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block, GROUP_M=group_m,
+        num_warps=warps, num_stages=stages,
+    )
+    return c

@@ -15,7 +15,7 @@ from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, delayed_scale_s
 
 
 __all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t", "recast_if_changed",
-           "delayed_scale_update"]
+           "delayed_scale_update", "cast_block_1d", "cast_block_2d"]
 
 
 def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,3 +84,32 @@ def delayed_scale_update(
     history.copy_(new_hist)
     scale.copy_(new_scale)
     return used, old
+
+
+def cast_block_1d(
+    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, rows: bool, cols: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, row_scale, qt, col_scale)``: ``x`` cast with 1 x block tiles (``rows``) and with
+    block x 1 tiles stored transposed, contiguous (``cols``); empty tensors for what is not asked."""
+    from lowprec.fp8.quantize import quantize_blockwise_torch
+
+    none = torch.empty(0, dtype=fp8_dtype, device=x.device), torch.empty(0, device=x.device)
+    r = quantize_blockwise_torch(x, fp8_dtype, (1, block), power_of_2=power_of_2) if rows else None
+    c = quantize_blockwise_torch(x, fp8_dtype, (block, 1), power_of_2=power_of_2) if cols else None
+    q, rs = (r.data, r.scale) if rows else none
+    qt, cs = (c.data.t().contiguous(), c.scale) if cols else none
+    return q, rs, qt, cs
+
+
+def cast_block_2d(
+    x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, rows: bool, cols: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, qt, scale_t)``: ``x`` cast with block x block tiles (``rows``), its
+    transpose (contiguous) with the same scales as ``scale_t`` (``cols``); empty where not asked."""
+    from lowprec.fp8.quantize import quantize_blockwise_torch
+
+    b = quantize_blockwise_torch(x, fp8_dtype, (block, block), power_of_2=power_of_2)
+    empty = torch.empty(0, dtype=fp8_dtype, device=x.device), torch.empty(0, device=x.device)
+    q = b.data if rows else empty[0]
+    qt, st = (b.data.t().contiguous(), b.scale) if cols else empty
+    return q, b.scale, qt, st

@@ -56,6 +56,10 @@ def run_checks(ops, ref, device: torch.device) -> list[str]:
             "cast_rowwise": (ops.cast_rowwise(x, dtype, True), ref.cast_rowwise(x, dtype, True)),
             "cast_rowwise_dual": (ops.cast_rowwise_dual(x, cols, dtype, True), ref.cast_rowwise_dual(x, cols, dtype, True)),
             "cast_cols_t": ((ops.cast_cols_t(x, cols, dtype),), (ref.cast_cols_t(x, cols, dtype),)),
+            "cast_block_1d": (ops.cast_block_1d(x, dtype, 128, True, True, True),
+                              ref.cast_block_1d(x, dtype, 128, True, True, True)),
+            "cast_block_2d": (ops.cast_block_2d(x, dtype, 128, False, True, True),
+                              ref.cast_block_2d(x, dtype, 128, False, True, True)),
         }
         for name, (got, want) in pairs.items():
             if not all(_same(a, b) for a, b in zip(got, want)):

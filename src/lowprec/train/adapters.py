@@ -1,0 +1,129 @@
+"""LoRA adapters through peft (Axolotl's ``adapter: lora | qlora`` and ``lora_*`` keys).
+
+The base model's weights are frozen; FP8 then applies to them and never to the adapters: the
+default conversion filter (``lowprec.fp8.convert``) converts the ``base_layer`` inside each
+peft ``lora.Linear`` and keeps ``lora_A`` / ``lora_B`` in high precision (named in the report).
+A frozen ``Float8Linear`` runs two GEMMs instead of three: autograd asks for no weight
+gradient, so the weight-gradient GEMM and the FP8 copy of the input it would need are skipped;
+its weight's FP8 cast is made once and reused while the weight is unchanged (fp8/frozen.py).
+
+``merge_lora: true`` folds the adapters into the base weights at the end and saves the merged
+model next to the adapter (``output_dir/merged``), as ``axolotl merge-lora`` does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from typing import Any, Optional, Sequence
+
+from torch import nn
+
+from lowprec.errors import did_you_mean
+
+__all__ = ["LoraSettings", "apply_lora", "is_peft_model", "save_adapter", "check_adapter_backend", "linear_module_names"]
+
+logger = logging.getLogger("lowprec")
+
+
+class LoraSettings:
+    """The ``lora_*`` keys, as read from the config (Axolotl's names and defaults)."""
+
+    def __init__(self, r: int = 8, alpha: Optional[float] = None, dropout: float = 0.0,
+                 target_modules: Optional[Sequence[str]] = None, target_linear: bool = False,
+                 modules_to_save: Optional[Sequence[str]] = None, fan_in_fan_out: Optional[bool] = None) -> None:
+        self.r, self.dropout = int(r), float(dropout)
+        self.alpha = float(alpha) if alpha is not None else float(r)  # peft's default alpha is 8; Axolotl's r
+        self.target_modules = [target_modules] if isinstance(target_modules, str) else list(target_modules or [])
+        self.target_linear = bool(target_linear)
+        self.modules_to_save = list(modules_to_save or [])
+        self.fan_in_fan_out = fan_in_fan_out
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "LoraSettings":
+        return cls(r=cfg.lora_r or 8, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout or 0.0,
+                   target_modules=cfg.lora_target_modules, target_linear=bool(cfg.lora_target_linear),
+                   modules_to_save=cfg.lora_modules_to_save, fan_in_fan_out=cfg.lora_fan_in_fan_out)
+
+
+def check_adapter_backend(adapter: Optional[str], packages: frozenset, cuda: bool) -> None:
+    """One-line errors for what ``adapter`` needs and this machine lacks (called by resolve)."""
+    if adapter is None:
+        return
+    if "peft" not in packages:
+        raise ValueError(f"adapter: {adapter} needs the optional package 'peft': pip install 'lowprec[peft]'")
+    if adapter == "qlora":
+        # 4-bit base weights would also need bitsandbytes' layers placed on the GPU at load time
+        # and kept out of Accelerator.prepare's .to(device); not built or tested here (no GPU)
+        missing = [what for what, ok in (("bitsandbytes (pip install bitsandbytes)", "bitsandbytes" in packages),
+                                         ("a CUDA GPU", cuda)) if not ok]
+        needs = f"; it needs {' and '.join(missing)}" if missing else ""
+        raise ValueError(f"adapter: qlora (4-bit base weights through bitsandbytes) is not supported by lowprec yet{needs}; "
+                         "use adapter: lora, which trains the adapters on the bf16/FP8 base model")
+
+
+def _gemm_leaf(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Last name components of the GEMM layers (nn.Linear, transformers Conv1D), output head
+    excluded: what ``lora_target_linear: true`` targets (Axolotl's rule; peft's "all-linear")."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {n.rpartition(".")[2] for n, m in model.named_modules() if _gemm_leaf(m) and m is not head and n}
+    return sorted(names)
+
+
+def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
+    """``peft.get_peft_model`` with the config's LoRA settings; every base weight frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    available = linear_module_names(model)
+    targets = list(lora.target_modules) + (available if lora.target_linear else [])
+    targets = list(dict.fromkeys(targets))
+    if not targets:
+        raise ValueError("adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]) or lora_target_linear: true")
+    known = {n.rpartition(".")[2] for n, _ in model.named_modules()}
+    for t in targets:
+        if t not in known and not any(ch in t for ch in "*.?["):
+            raise ValueError(f"lora_target_modules: no module named {t!r} in the model{did_you_mean(t, available)}; "
+                             f"its GEMM layers are {', '.join(available)}")
+    for t in lora.modules_to_save:
+        if t not in known:
+            raise ValueError(f"lora_modules_to_save: no module named {t!r} in the model{did_you_mean(t, sorted(known))}")
+    kwargs: dict[str, Any] = {}
+    if lora.fan_in_fan_out is not None:
+        kwargs["fan_in_fan_out"] = lora.fan_in_fan_out
+    elif any(type(m).__name__ == "Conv1D" for m in model.modules()):
+        kwargs["fan_in_fan_out"] = True  # GPT-2's Conv1D stores weights (in, out); peft needs to know
+    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
+                        modules_to_save=lora.modules_to_save or None, bias="none", task_type="CAUSAL_LM", **kwargs)
+    peft_model = get_peft_model(model, config)
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in peft_model.parameters())
+    logger.info("lowprec: adapter lora r=%d alpha=%g on %s: %d trainable parameters of %d (%.2f%%)",
+                lora.r, lora.alpha, ", ".join(targets), trainable, total, 100.0 * trainable / max(total, 1))
+    return peft_model
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return importlib.util.find_spec("peft") is not None and type(model).__module__.startswith("peft.")
+
+
+def save_adapter(peft_model: nn.Module, output_dir: str, merge: bool) -> dict[str, str]:
+    """The adapter (``adapter_model.safetensors`` + ``adapter_config.json``) and, with ``merge``,
+    the merged model in ``output_dir/merged``. Merging changes the model in place, so it runs
+    last; FP8 layers go back to ``nn.Linear`` first (merged weights are plain weights)."""
+    from lowprec.fp8 import unconvert
+    from lowprec.train.hf_model import _save_model
+
+    peft_model.save_pretrained(output_dir, safe_serialization=True)
+    files = {"adapter": os.path.join(output_dir, "adapter_model.safetensors")}
+    if merge:
+        unconvert(peft_model)
+        merged = peft_model.merge_and_unload()
+        out = os.path.join(output_dir, "merged")
+        _save_model(merged, None, out)
+        files["merged"] = out
+    return files

@@ -1,0 +1,68 @@
+"""Trainer keys for parameter-efficient adapters (Axolotl's names), part of
+:class:`lowprec.train.config.TrainConfig`'s bases.
+
+``adapter: lora | qlora`` with ``lora_r``, ``lora_alpha``, ``lora_dropout``,
+``lora_target_modules``, ``lora_target_linear``, ``lora_modules_to_save``,
+``lora_fan_in_fan_out``; ``merge_lora`` saves the merged model too; ``load_in_4bit`` is what
+``qlora`` loads with. A key set to null means "unset" (Axolotl configs list many that way).
+What runs is in :mod:`lowprec.train.adapters`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import Field, model_validator
+
+from lowprec.train.config_base import StrictModel
+
+__all__ = ["AdapterKeys", "LORA_KEYS"]
+
+LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear",
+             "lora_modules_to_save", "lora_fan_in_fan_out")
+
+
+class AdapterKeys(StrictModel):
+    adapter: Optional[Literal["lora", "qlora"]] = Field(
+        default=None, description="lora (peft LoRA on the frozen base model; FP8 runs the frozen base GEMMs) or "
+        "qlora (4-bit base through bitsandbytes: not supported yet, a one-line error)")
+    lora_r: Optional[int] = Field(default=None, ge=1, description="LoRA rank (default 8)")
+    lora_alpha: Optional[float] = Field(default=None, gt=0, description="LoRA scaling numerator: updates scale by "
+                                        "lora_alpha / lora_r (default lora_r)")
+    lora_dropout: Optional[float] = Field(default=None, ge=0, lt=1, description="dropout on the adapter input (default 0)")
+    lora_target_modules: Optional[Union[list[str], str]] = Field(
+        default=None, description="module names that get adapters, e.g. [q_proj, v_proj]")
+    lora_target_linear: Optional[bool] = Field(
+        default=None, description="adapters on every Linear / Conv1D but the output head (added to lora_target_modules)")
+    lora_modules_to_save: Optional[list[str]] = Field(
+        default=None, description="modules trained in full next to the adapters (e.g. [embed_tokens, lm_head])")
+    lora_fan_in_fan_out: Optional[bool] = Field(
+        default=None, description="weights stored (in, out), as GPT-2's Conv1D (default: detected)")
+    merge_lora: bool = Field(default=False, description="also save the base model with the adapters merged in, "
+                             "to output_dir/merged")
+    load_in_4bit: Optional[bool] = Field(default=None, description="load the base model in 4 bits (what adapter: "
+                                         "qlora does; not supported yet)")
+
+    @model_validator(mode="after")
+    def _lora_keys(self):
+        set_keys = [k for k in LORA_KEYS if getattr(self, k) is not None]
+        if self.adapter is None:
+            if set_keys:
+                raise ValueError(f"{set_keys[0]} is set but adapter is not; add adapter: lora or drop {set_keys[0]}")
+            if self.merge_lora:
+                raise ValueError("merge_lora: true needs adapter: lora; drop merge_lora or add an adapter")
+        if self.load_in_4bit and self.adapter != "qlora":
+            raise ValueError("load_in_4bit: true is what adapter: qlora loads with, which lowprec does not support "
+                             "yet; drop load_in_4bit (adapter: lora trains on the bf16/FP8 base)")
+        if self.adapter is not None:
+            if str(getattr(self, "base_model", "")).startswith("builtin:"):
+                raise ValueError(f"adapter: {self.adapter} needs a Hugging Face base_model (a local directory or "
+                                 "cached hub id); built-in models train in full: drop adapter")
+            if not self.lora_target_modules and not self.lora_target_linear:
+                raise ValueError(f"adapter: {self.adapter} needs lora_target_modules (e.g. [q_proj, v_proj]) or "
+                                 "lora_target_linear: true")
+            for key in ("fsdp_version", "deepspeed"):
+                if getattr(self, key, None) is not None:
+                    raise ValueError(f"adapter: {self.adapter} with {key} is not supported yet; train adapters on one "
+                                     "process or with DDP (--num_processes N), or drop the adapter")
+        return self

@@ -1,0 +1,25 @@
+"""What every part of the trainer schema shares: the strict frozen base model and the YAML
+spelling of a value in messages. The schema itself is split by topic into mixins
+(``config_model``, ``config_data``, ``config_optim``, ``config_output``, ``config_fp8``,
+``config_dist``, ``config_adapter``) that :class:`lowprec.train.config.TrainConfig` composes by
+multiple inheritance, so the YAML stays one flat mapping as in Axolotl."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict
+
+__all__ = ["StrictModel", "yaml_text"]
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are errors; values are frozen once validated; defaults validate too."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+def yaml_text(v: Any) -> str:
+    """``v`` as the user would write it in YAML (``true``, ``[a, b]``), for error messages."""
+    return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()

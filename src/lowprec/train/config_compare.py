@@ -1,0 +1,100 @@
+"""Trainer keys for precision comparisons (issue 16): ``compare:`` and ``fp8_backend``.
+
+``compare:`` holds what ``lowprec compare`` reads (``lowprec train`` ignores it), so a config
+file carries its own parity test::
+
+    compare:
+      precisions: [bf16, fp8-tensorwise, fp8-torchao]
+      seeds: 5            # or a list: [1, 2, 3]
+      threshold: 0.005    # FP8 may be at most 0.5% worse than the baseline at 95% confidence
+
+``fp8_backend: torchao`` routes the FP8 conversion through torchao's ``Float8Linear`` instead of
+lowprec's engine (the ``fp8-torchao`` precision of ``lowprec compare`` sets it).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import Field, field_validator
+
+from lowprec.train.config_base import StrictModel as _Strict
+
+__all__ = ["CompareSpec", "CompareKeys", "FP8_BACKENDS", "TORCHAO_RECIPES", "check_fp8_backend"]
+
+FP8_BACKENDS = ("native", "torchao")
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName
+
+
+class CompareSpec(_Strict):
+    """``compare:`` settings; each has a ``lowprec compare --flag`` of the same name that wins."""
+
+    precisions: list[str] = Field(
+        default_factory=lambda: ["fp32", "bf16", "fp8"],
+        description="precisions to run: fp32, bf16, fp16, bf16-full, fp8 (the config's recipe), fp8-<recipe>, "
+        "fp8-torchao, fp8-torchao-<recipe>",
+    )
+    seeds: Union[int, list[int]] = Field(
+        default=1, description="N (seeds seed, seed+1, ..., seed+N-1) or an explicit list; every precision runs each"
+    )
+    threshold: float = Field(
+        default=0.02, ge=0.0, lt=1.0,
+        description="largest allowed excess of a precision's loss over the baseline's, as a fraction (0.005 = 0.5%)",
+    )
+    baseline: Optional[str] = Field(default=None, description="the precision others are judged against (default bf16, else the highest)")
+    workers: Union[Literal["auto"], int] = Field(
+        default="auto", description="runs in parallel (auto: CPU cores / cpu_threads on CPU, 1 on a GPU)"
+    )
+    tail_fraction: float = Field(
+        default=0.2, gt=0.0, le=1.0, description="the last part of training (fraction of logged steps) for the curve gap"
+    )
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, v: Union[int, list[int]]) -> Union[int, list[int]]:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"{v}: give a number of seeds >= 1 or a list of seeds")
+        if isinstance(v, list) and (not v or len(set(v)) != len(v)):
+            raise ValueError(f"{v}: list each seed once, at least one")
+        return v
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, v: Union[str, int]) -> Union[str, int]:
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"{v}: use auto or a number of processes >= 1")
+        return v
+
+    def seed_list(self, base: int) -> list[int]:
+        return list(self.seeds) if isinstance(self.seeds, list) else [base + i for i in range(self.seeds)]
+
+
+class CompareKeys(_Strict):
+    """The top-level keys this file adds to :class:`lowprec.train.config.TrainConfig`."""
+
+    fp8_backend: Literal["native", "torchao"] = Field(
+        default="native",
+        description="native (lowprec's engine) or torchao (torchao.float8 Float8Linear; recipes "
+        + ", ".join(TORCHAO_RECIPES) + ")",
+    )
+    compare: Optional[CompareSpec] = Field(
+        default=None, description="settings read by `lowprec compare` (precisions, seeds, threshold, workers, ...)"
+    )
+
+
+def check_fp8_backend(cfg) -> None:
+    """Cross-field rules of ``fp8_backend: torchao`` (called from TrainConfig's validator)."""
+    if cfg.fp8_backend != "torchao":
+        return
+    if not cfg.fp8:
+        raise ValueError("fp8_backend: torchao needs fp8: true; set fp8: true or drop fp8_backend")
+    name = cfg.fp8_recipe.name
+    if name not in TORCHAO_RECIPES:
+        raise ValueError(f"fp8_backend: torchao has no {name!r} recipe; use fp8_recipe: "
+                         f"{' | '.join(TORCHAO_RECIPES)} or fp8_backend: native")
+    if cfg.fp8_recipe.overrides:
+        raise ValueError(f"fp8_recipe.{next(iter(cfg.fp8_recipe.overrides))}: lowprec recipe fields do not reach "
+                         "torchao; drop it or use fp8_backend: native")
+    if cfg.fp8_filter:
+        raise ValueError("fp8_filter with fp8_backend: torchao: torchao keeps only the default layers (first/last "
+                         "Linear, lm_head, router, gate) in high precision here; drop fp8_filter or use fp8_backend: native")

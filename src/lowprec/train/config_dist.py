@@ -1,0 +1,57 @@
+"""Trainer keys for distributed training: FSDP2 and DeepSpeed."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Optional, Union
+
+from pydantic import Field, field_validator
+
+from lowprec.train.config_base import StrictModel
+
+__all__ = ["FSDPConfig", "DistributedKeys"]
+
+
+class FSDPConfig(StrictModel):
+    """``fsdp_config:`` (FSDP2, ``torch.distributed.fsdp.fully_shard``). Axolotl's keys."""
+
+    reshard_after_forward: bool = Field(default=True, description="free gathered weights after forward (ZeRO-3 style)")
+    transformer_layer_cls_to_wrap: str = Field(
+        default="LlamaDecoderLayer", description="module class sharded as its own unit (one all-gather per block)"
+    )
+    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP"] = Field(
+        default="TRANSFORMER_BASED_WRAP", description="TRANSFORMER_BASED_WRAP (the only policy with FSDP2 here)"
+    )
+    offload_params: Literal[False] = Field(default=False, description="CPU offload of parameters (not supported: false)")
+    state_dict_type: Literal["FULL_STATE_DICT"] = Field(
+        default="FULL_STATE_DICT", description="checkpoints hold full (gathered) tensors"
+    )
+
+
+class DistributedKeys(StrictModel):
+    fsdp_version: Optional[int] = Field(default=None, description="2: shard the model with FSDP2 (under --num_processes N)")
+    fsdp_config: Optional[FSDPConfig] = Field(default=None, description="FSDP2 settings (needs fsdp_version: 2)")
+    deepspeed: Optional[Union[str, dict[str, Any]]] = Field(
+        default=None, description="DeepSpeed config: a JSON file path or an inline mapping"
+    )
+
+    @field_validator("deepspeed")
+    @classmethod
+    def _deepspeed(cls, v: Optional[Union[str, dict[str, Any]]]) -> Optional[Union[str, dict[str, Any]]]:
+        if isinstance(v, str) and not os.path.isfile(v):
+            raise ValueError(f"DeepSpeed config file {v!r} not found; give a JSON file path or an inline mapping")
+        if isinstance(v, str):  # read now: a broken file would otherwise fail inside every worker
+            from lowprec.config.yaml_file import read_json_object
+
+            try:
+                read_json_object(v)
+            except ValueError as exc:
+                raise ValueError(f"DeepSpeed config file: {exc}") from None
+        return v
+
+    @field_validator("fsdp_version")
+    @classmethod
+    def _fsdp_version(cls, v: Optional[int]) -> Optional[int]:
+        if v is not None and v != 2:
+            raise ValueError(f"{v} is not supported; lowprec shards with FSDP2 only: set fsdp_version: 2")
+        return v

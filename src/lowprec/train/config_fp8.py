@@ -1,0 +1,80 @@
+"""Trainer keys for numerics: fp16 / bf16 / fp8, the FP8 recipe and filter, torch.compile."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from lowprec.catalog import RECIPE_NAMES, unread_recipe_fields
+from lowprec.train.config_base import StrictModel
+
+__all__ = ["FP8RecipeSpec", "PrecisionKeys"]
+
+
+class FP8RecipeSpec(StrictModel):
+    """``fp8_recipe:`` as a mapping: a named recipe plus single-field overrides."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)  # recipe fields, checked in the validator
+
+    name: str = Field(default="tensorwise", description=", ".join(RECIPE_NAMES))
+
+    @model_validator(mode="after")
+    def _known(self) -> "FP8RecipeSpec":
+        # validation only (the engine's own messages: unknown name / field with "did you mean",
+        # cross-field rules); the Recipe that runs is built once, by the backend
+        self.to_recipe()
+        unread = unread_recipe_fields(self.name, self.overrides)
+        if unread:  # issue 10 item 8: a setting that does nothing is an error, not kept silently
+            raise ValueError(
+                f"fp8_recipe.{unread[0]}: the {self.name} recipe does not read it (it tunes "
+                f"{'delayed scaling' if unread[0] != 'block_size' else 'blockwise scaling'}); drop it or "
+                "pick a recipe that reads it"
+            )
+        return self
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    def to_recipe(self):
+        from lowprec.fp8.recipes import Recipe
+
+        return Recipe.from_name(self.name, **self.overrides)
+
+
+class PrecisionKeys(StrictModel):
+    fp16: Optional[bool] = Field(default=None, description="fp16 autocast with a gradient scaler")
+    bf16: Union[Literal["auto", "full"], bool] = Field(
+        default="auto",
+        description="auto (bf16 autocast where the device supports it), true (fp32 weights, bf16 autocast), "
+        "full (pure bf16 weights, no autocast), false",
+    )
+    fp8: Optional[bool] = Field(default=None, description="FP8 GEMMs in the Linear layers (lowprec's engine)")
+    fp8_recipe: Union[str, FP8RecipeSpec] = Field(
+        default="tensorwise",
+        description=f"named FP8 recipe ({', '.join(RECIPE_NAMES)}) or "
+        "{name: ..., <recipe field>: ...}",
+    )
+    fp8_filter: list[str] = Field(
+        default_factory=list,
+        description="layer name patterns kept in high precision (a name part like o_proj, or a glob like "
+        "model.layers.0.*), added to the defaults (first/last Linear, lm_head, router, gate)",
+    )
+    fp8_enable_fsdp_float8_all_gather: Optional[bool] = Field(
+        default=None, description="all-gather FSDP2 weights in FP8 (needs fsdp_version: 2 and a per-tensor recipe)"
+    )
+    fp8_fallback: Optional[Literal["bf16", "emulate"]] = Field(
+        default=None, description="on a GPU without FP8 (below sm_89): bf16 (train in bf16) or emulate (FP8 numerics, slow)"
+    )
+    tf32: Union[Literal["auto"], bool] = Field(
+        default="auto", description="TF32 matmuls on NVIDIA GPUs (auto: torch's setting; no effect on CPU)"
+    )
+    torch_compile: Union[Literal["auto"], bool] = Field(
+        default=False, description="torch.compile the model (auto: on CUDA only)"
+    )
+
+    @field_validator("fp8_recipe")
+    @classmethod
+    def _recipe(cls, v: Union[str, FP8RecipeSpec]) -> FP8RecipeSpec:
+        return FP8RecipeSpec(name=v) if isinstance(v, str) else v

@@ -1,0 +1,56 @@
+"""Trainer keys for what a run writes and watches: logs, evaluation, checkpoints, progress."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import Field
+
+from lowprec.train.config_base import StrictModel
+
+__all__ = ["OutputKeys"]
+
+
+class OutputKeys(StrictModel):
+    output_dir: str = Field(default="./outputs/lowprec-run", description="where metrics, plots, checkpoints and the model go")
+    logging_steps: int = Field(default=10, ge=1, description="log (and FP8 telemetry) every N steps")
+    eval_steps: Optional[int] = Field(
+        default=None, ge=1, description="validate every N steps (null: at the end only; needs val_set_size > 0)"
+    )
+    evals_per_epoch: Optional[int] = Field(
+        default=None, ge=1, description="validate this many times per epoch (instead of eval_steps)"
+    )
+    eval_batches: int = Field(default=20, ge=1, description="validation batches per evaluation")
+    save_steps: Optional[int] = Field(default=None, ge=1, description="checkpoint every N steps (null: no checkpoints)")
+    saves_per_epoch: Optional[int] = Field(
+        default=None, ge=1, description="checkpoint this many times per epoch (instead of save_steps)"
+    )
+    save_total_limit: Optional[int] = Field(default=2, ge=1, description="keep the last N checkpoints (null: all)")
+    resume_from_checkpoint: Optional[str] = Field(
+        default=None, description="auto (latest checkpoint in output_dir, if any) or a checkpoint directory"
+    )
+    use_tensorboard: Union[Literal["auto"], bool] = Field(
+        default="auto", description="TensorBoard events in output_dir/runs (auto: when tensorboard is installed)"
+    )
+    cpu_threads: Optional[int] = Field(
+        default=None, ge=1, description="intra-op CPU threads per process (null: torch's default, OMP_NUM_THREADS or all cores)"
+    )
+    progress_bar: bool = Field(default=True, description="show a tqdm progress bar (loss, tokens/s, lr, memory)")
+    skip_nonfinite_steps: bool = Field(
+        default=True, description="skip an optimizer step whose loss or gradients hold NaN/inf (weights unchanged)"
+    )
+    loss_watchdog_threshold: Optional[float] = Field(
+        default=None, gt=0, description="stop (exit code 3) when the training loss stays above this (null: never)"
+    )
+    loss_watchdog_patience: Optional[int] = Field(
+        default=None, ge=1, description="optimizer steps in a row above loss_watchdog_threshold before stopping (default 3)"
+    )
+    early_stopping_patience: Optional[int] = Field(
+        default=None, ge=1, description="end training after this many evaluations in a row without a lower validation loss"
+    )
+    strict: bool = Field(
+        default=False, description="true: a --key flag may only change a key the YAML file sets"
+    )
+    max_consecutive_skipped_steps: Optional[int] = Field(
+        default=3, ge=1, description="stop (exit code 3) after this many skipped steps in a row (null: never)"
+    )

@@ -1,0 +1,91 @@
+"""The trainer's data for instruction, chat and pre-tokenized datasets (and any packed data):
+config keys -> :class:`~lowprec.train.examples.DataSource` list -> examples -> loaders.
+
+Plain ``completion`` text without packing keeps the token-stream path (``data.build_datasets``),
+whose golden loss curves and resume format predate this module."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from lowprec.train.data_files import ROW_EXTENSIONS, is_saved_dataset, read_rows
+
+__all__ = ["uses_examples", "data_sources", "example_loaders"]
+
+logger = logging.getLogger("lowprec")
+
+
+def _is_pretokenized(path: str, split: Any) -> bool:
+    """An entry without ``type:`` holds pre-tokenized rows when its first row has input_ids."""
+    if path.endswith(".txt") or path.startswith("builtin:") or (os.path.isdir(path) and not is_saved_dataset(path)):
+        return False
+    first = next(iter(read_rows(path, split)), (None, {}))[1]
+    return "input_ids" in first
+
+
+def _resolved_type(spec: Any) -> str:
+    if spec.type is not None:
+        return spec.type
+    return "pretokenized" if _is_pretokenized(spec.path, spec.split) else "completion"
+
+
+def uses_examples(cfg: Any) -> bool:
+    return bool(cfg.sample_packing) or any(_resolved_type(d) != "completion" for d in cfg.datasets) or any(
+        d.path.endswith(ROW_EXTENSIONS[1:]) or is_saved_dataset(d.path) or d.split for d in cfg.datasets
+    )
+
+
+def data_sources(cfg: Any, tokenizer: Any) -> list:
+    from lowprec.train.chat_templates import template_text
+    from lowprec.train.examples import DataSource
+    from lowprec.train.prompts import PromptOptions
+
+    out = []
+    for i, d in enumerate(cfg.datasets):
+        if d.path.startswith("builtin:"):
+            raise ValueError(f"datasets.{i}: {d.path} is plain text; sample_packing and typed datasets need local files")
+        kind = _resolved_type(d)
+        template = ""
+        if kind == "chat_template":
+            own = getattr(getattr(tokenizer, "_tok", None), "chat_template", None)
+            template = template_text(d.chat_template or cfg.chat_template, own, d.chat_template_jinja or cfg.chat_template_jinja)
+        opt = PromptOptions(
+            type=kind, field=d.field, train_on_inputs=cfg.train_on_inputs, chat_template=template,
+            field_messages=d.field_messages, role_key=d.role_key, content_key=d.content_key,
+            **({"roles": d.roles} if d.roles else {}), roles_to_train=tuple(d.roles_to_train),
+            train_on_eos=d.train_on_eos, drop_system_message=d.drop_system_message, eot_tokens=tuple(cfg.eot_tokens or ()),
+        )
+        paths = [d.path]
+        if os.path.isdir(d.path) and not is_saved_dataset(d.path):
+            paths = sorted(os.path.join(r, f) for r, _, fs in os.walk(d.path) for f in fs if f.endswith(ROW_EXTENSIONS))
+            if not paths:
+                raise ValueError(f"datasets.{i}: directory {d.path!r} holds no {'/'.join(ROW_EXTENSIONS)} files")
+        out.append(DataSource(tuple(paths), d.split, opt))
+    return out
+
+
+def example_loaders(cfg: Any, tokenizer: Any, acc: Any):
+    """(train loader, validation loader or None) of :class:`ExampleBatches`."""
+    from lowprec.train.examples import ExampleBatches, build_examples
+
+    with acc.main_process_first():  # rank 0 tokenizes and fills the cache; the others read it
+        train, val = build_examples(
+            data_sources(cfg, tokenizer), tokenizer, cfg.sequence_len, cfg.val_set_size, cfg.seed, cfg.dataset_prepared_path
+        )
+    pack = bool(cfg.sample_packing)
+    common = dict(seq_len=cfg.sequence_len, pad_id=tokenizer.pad_id, seed=cfg.seed, rank=acc.process_index,
+                  world_size=acc.num_processes, pad_to_sequence_len=bool(cfg.pad_to_sequence_len))
+    loader = ExampleBatches(train, cfg.micro_batch_size, pack=pack, **common)
+    val_loader = None
+    if val is not None:
+        eval_pack = pack if cfg.eval_sample_packing is None else bool(cfg.eval_sample_packing)
+        val_loader = ExampleBatches(val, cfg.micro_batch_size, pack=eval_pack, shuffle=False, drop_last=False, **common)
+    if acc.is_main_process:
+        logger.info(
+            "lowprec: data %s: %d train examples (%d tokens, %d trained), %d validation examples, %s, key %s",
+            train.name, len(train), train.n_tokens, train.n_trained, 0 if val is None else len(val),
+            f"packed into {loader.n_rows} rows of {cfg.sequence_len}" if pack else "one example per row", train.fingerprint,
+        )
+    return loader, val_loader

@@ -1,0 +1,239 @@
+"""Hugging Face causal LMs in the trainer: find them (a local directory or the local Hugging Face
+cache, never the network), load them, and save what training made of them.
+
+``base_model`` is the built-in ``builtin:<name>``, a local directory written by
+``save_pretrained``, or a hub id (``org/name``) that is already in the local cache
+(``$HF_HUB_CACHE``, or ``$HF_HOME/hub``, default ``~/.cache/huggingface/hub``). Nothing here
+downloads: a hub id that is not cached is a one-line error naming the files that are missing
+and the command that fetches them on a machine with network.
+
+Outputs (:func:`export_pretrained`): ``output_dir`` holds a ``save_pretrained`` directory
+(``config.json``, ``model.safetensors`` in bf16, ``generation_config.json``, the tokenizer
+files) that ``AutoModelForCausalLM.from_pretrained(output_dir)`` loads; with an adapter, the
+adapter (``adapter_config.json``, ``adapter_model.safetensors``, loaded by peft) and, with
+``merge_lora: true``, the merged model in ``output_dir/merged``. The built-in models keep
+their own format (:mod:`lowprec.train.outputs`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import re
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lowprec.errors import did_you_mean
+
+__all__ = [
+    "locate_pretrained",
+    "hf_cache_dir",
+    "missing_model_files",
+    "load_causal_lm",
+    "export_pretrained",
+    "tokenizer_choice",
+    "load_run_tokenizer",
+]
+
+logger = logging.getLogger("lowprec")
+
+# org/name or name, as the hub spells repository ids
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def hf_cache_dir() -> str:
+    """The hub cache the way huggingface_hub finds it, read now (not at import time)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+_NO_TOKENIZER = "tokenizer files (tokenizer.json or tokenizer_config.json)"
+
+
+def _has_tokenizer(path: Optional[str]) -> bool:
+    return bool(path and os.path.isdir(path) and set(os.listdir(path)) & set(_TOKENIZER))
+
+
+def missing_model_files(path: Optional[str], tokenizer: bool = False) -> list[str]:
+    """What a model directory lacks: ``config.json``, weights (every shard an index names) and,
+    with ``tokenizer``, tokenizer files. An absent directory lacks everything."""
+    have = set(os.listdir(path)) if path and os.path.isdir(path) else set()
+    missing = [] if "config.json" in have else ["config.json"]
+    index = next((w for w in _WEIGHTS if w.endswith(".index.json") and w in have), None)
+    if index is not None:
+        with open(os.path.join(path, index)) as f:
+            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+        missing += [s for s in shards if s not in have]
+    elif not have & set(_WEIGHTS):
+        missing.append("model weights (model.safetensors)")
+    if tokenizer and not _has_tokenizer(path):
+        missing.append(_NO_TOKENIZER)
+    return missing
+
+
+def locate_pretrained(spec: str, key: str = "base_model", tokenizer: bool = False) -> str:
+    """The local directory of ``spec``: the directory itself, or the cached snapshot of a hub id.
+
+    Raises ``ValueError`` (one line, naming ``key``) when it is neither, or when the cached
+    snapshot lacks files; ``tokenizer=True`` checks for tokenizer files instead of weights.
+    ``key=""`` leaves the key out (a field validator's message, which the schema prefixes)."""
+    head = f"{key}: " if key else ""
+    if os.path.isdir(spec):
+        return os.path.abspath(spec)
+    if os.path.exists(spec):
+        raise ValueError(f"{head}{spec!r} is a file; give a Hugging Face model directory (written by save_pretrained)")
+    if spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
+        raise ValueError(f"{head}{spec!r} is neither builtin:<name>, an existing local directory nor a hub id "
+                         "(org/name) in the local Hugging Face cache; downloads are not supported")
+    cache = hf_cache_dir()
+    path = _cached_snapshot(spec, cache)
+    if tokenizer:
+        missing = [] if _has_tokenizer(path) else [_NO_TOKENIZER]
+    else:
+        missing = missing_model_files(path)
+    if missing:
+        where = "is not in" if path is None else "is incomplete in"
+        raise ValueError(
+            f"{head}{spec!r} {where} the local Hugging Face cache ({cache}): missing {', '.join(missing)}; "
+            f"downloads are not supported: run `hf download {spec}` on a machine with network and copy "
+            "the cache here (or set HF_HUB_CACHE), or give a local directory"
+        )
+    return path
+
+
+def _cached_snapshot(repo_id: str, cache: str) -> Optional[str]:
+    """The snapshot directory ``refs/main`` points at (huggingface_hub's cache layout), or None."""
+    repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+    try:
+        with open(os.path.join(repo, "refs", "main")) as f:
+            commit = f.read().strip()
+    except OSError:
+        snaps = os.path.join(repo, "snapshots")
+        found = sorted(os.listdir(snaps)) if os.path.isdir(snaps) else []
+        commit = found[-1] if len(found) == 1 else ""  # one snapshot and no ref: unambiguous
+    path = os.path.join(repo, "snapshots", commit) if commit else None
+    return path if path and os.path.isdir(path) else None
+
+
+def _transformers(what: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"{what} needs the optional package 'transformers': pip install 'lowprec[transformers]'") from None
+    return transformers
+
+
+def _model_class(transformers, model_type: Optional[str]):
+    """``model_type`` as Axolotl reads it: a transformers class name (AutoModelForCausalLM,
+    LlamaForCausalLM, ...). Only causal LMs train here."""
+    if model_type in (None, "AutoModelForCausalLM"):
+        return transformers.AutoModelForCausalLM
+    names = [n for n in dir(transformers) if n.endswith("ForCausalLM")]
+    cls = getattr(transformers, model_type, None) if model_type in names else None
+    if cls is None:
+        raise ValueError(f"model_type: {model_type!r} is not a transformers causal LM class{did_you_mean(model_type, names)}; "
+                         "use AutoModelForCausalLM (the default) or a class such as LlamaForCausalLM")
+    return cls
+
+
+def load_causal_lm(path: str, model_type: Optional[str] = None, trust_remote_code: bool = False) -> nn.Module:
+    """A causal LM from a local directory, float32 master weights, offline."""
+    transformers = _transformers(f"base_model: {path}")
+    cls = _model_class(transformers, model_type)
+    try:
+        model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = "" if trust_remote_code else " (a model with its own code needs trust_remote_code: true, which runs that code)"
+        raise ValueError(f"base_model: {path} cannot be loaded as a causal LM: {first}{hint}") from None
+    logger.info("lowprec: base_model %s: %s, %.2f M parameters", path, type(model).__name__,
+                sum(p.numel() for p in model.parameters()) / 1e6)
+    return model
+
+
+def _bf16_state(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The wrapped model's plain tensors (no FP8 scaling state), prefix stripped, floats in bf16."""
+    from lowprec.fp8 import plain_state_dict
+
+    out = {}
+    for k, t in plain_state_dict(state_dict).items():
+        if not k.startswith(prefix):
+            continue
+        t = t.detach().to("cpu")
+        out[k[len(prefix):]] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
+    return out
+
+
+def export_pretrained(wrapper: nn.Module, state_dict: dict[str, torch.Tensor], tokenizer: Any, output_dir: str,
+                      merge_lora: bool = False) -> dict[str, str]:
+    """Write the trained model where ``from_pretrained`` finds it; returns {what: path}.
+
+    ``wrapper`` is the trainer's wrapper around the model (unwrapped from DDP; ``.model``), ``state_dict`` its
+    full state dict (gathered under FSDP2). A full fine-tune saves the model; a peft model
+    saves its adapter and, with ``merge_lora``, the merged model in ``output_dir/merged``."""
+    from lowprec.train.adapters import is_peft_model, save_adapter
+
+    inner = wrapper.model
+    tok = getattr(tokenizer, "hf_tokenizer", None)
+    files: dict[str, str] = {}
+    if is_peft_model(inner):
+        files.update(save_adapter(inner, output_dir, merge_lora))
+        targets = [output_dir] + ([files["merged"]] if "merged" in files else [])
+    else:
+        _save_model(inner, _bf16_state(state_dict, "model."), output_dir)
+        files["model"] = os.path.join(output_dir, "model.safetensors")
+        targets = [output_dir]
+    if tok is not None:
+        for d in targets:
+            tok.save_pretrained(d)
+    return files
+
+
+def _save_model(model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]], out: str) -> None:
+    """``save_pretrained`` in bf16 (config says so, so dtype="auto" loads bf16). Without a state
+    dict the model itself is cast: only done at the very end, to a model nothing trains again."""
+    if state_dict is None:
+        model.to(torch.bfloat16)
+    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    # save_pretrained writes the dtype of the model's own (float32 master) parameters; the
+    # file holds bf16, and the config says what the file holds
+    config = copy.deepcopy(model.config)
+    config.dtype = torch.bfloat16
+    config.save_pretrained(out)
+
+
+def tokenizer_choice(cfg: Any) -> tuple[str, str]:
+    """(``byte`` or a tokenizer directory, the reason): ``tokenizer_config``, else ``tokenizer``,
+    else the base model's own tokenizer (Hugging Face) or the byte tokenizer (built-in)."""
+    if cfg.tokenizer_config is not None:
+        return locate_pretrained(cfg.tokenizer_config, "tokenizer_config", tokenizer=True), "tokenizer_config"
+    if cfg.tokenizer is not None:
+        return cfg.tokenizer, "tokenizer from the config"
+    if cfg.base_model.startswith("builtin:"):
+        return "byte", f"the byte tokenizer of {cfg.base_model}"
+    path = locate_pretrained(cfg.base_model)
+    if not _has_tokenizer(path):
+        raise ValueError(f"base_model: {path} has no tokenizer files (tokenizer.json or tokenizer_config.json); "
+                         "set tokenizer_config: <tokenizer directory> (or tokenizer: byte)")
+    return path, "base_model's own tokenizer"
+
+
+def load_run_tokenizer(cfg: Any):
+    """The tokenizer :func:`tokenizer_choice` picks, with ``special_tokens``, ``tokenizer_type`` and
+    ``trust_remote_code``."""
+    from lowprec.train.tokenizer import HFTokenizer, load_tokenizer
+
+    spec, _ = tokenizer_choice(cfg)
+    special = cfg.special_tokens.model_dump(exclude_none=True) if cfg.special_tokens else None
+    if spec == "byte" or not os.path.isdir(spec):
+        return load_tokenizer(spec, special)  # the byte tokenizer, or its own one-line error
+    return HFTokenizer(spec, special, cfg.tokenizer_type, cfg.trust_remote_code)
+

@@ -1,0 +1,85 @@
+"""The precisions ``lowprec compare`` runs, by name, and the config keys each one sets.
+
+Names, from highest to lowest precision (the order decides the default baseline)::
+
+    fp32  bf16  fp16  bf16-full
+    fp8                      the config's fp8_recipe on lowprec's engine
+    fp8-<recipe>             a named recipe on lowprec's engine: fp8-tensorwise, fp8-delayed, ...
+    fp8-torchao              the config's recipe through torchao's Float8Linear (fp8_backend: torchao)
+    fp8-torchao-<recipe>     a named torchao recipe: fp8-torchao-rowwise, ...
+
+Only the precision keys change between the runs of one comparison; everything else (model,
+data, schedule, seed) is the config's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lowprec.catalog import RECIPE_NAMES
+from lowprec.errors import did_you_mean
+from lowprec.train.config import TrainConfig
+from lowprec.train.config_compare import TORCHAO_RECIPES
+
+__all__ = ["HIGH_PRECISIONS", "precision_names", "precision_overrides", "precision_rank", "is_torchao", "is_fp8"]
+
+# precision -> config keys, highest first
+HIGH_PRECISIONS: dict[str, dict[str, Any]] = {
+    "fp32": {"fp8": False, "fp16": None, "bf16": False},
+    "bf16": {"fp8": False, "fp16": None, "bf16": True},
+    "fp16": {"fp8": False, "fp16": True, "bf16": False},
+    "bf16-full": {"fp8": False, "fp16": None, "bf16": "full"},
+}
+
+
+def precision_names() -> list[str]:
+    """Every valid name (for messages and ``--help``)."""
+    fp8 = ["fp8"] + [f"fp8-{r}" for r in RECIPE_NAMES] + ["fp8-torchao"] + [f"fp8-torchao-{r}" for r in TORCHAO_RECIPES]
+    return list(HIGH_PRECISIONS) + fp8
+
+
+def _fp8_parts(name: str) -> tuple[str, str | None]:
+    """``fp8-torchao-rowwise`` -> (torchao, rowwise); ``fp8`` -> (native, None: the config's)."""
+    rest = name[len("fp8"):].lstrip("-")
+    backend = "native"
+    if rest == "torchao" or rest.startswith("torchao-"):
+        backend, rest = "torchao", rest[len("torchao"):].lstrip("-")
+    return backend, (rest or None)
+
+
+def is_fp8(name: str) -> bool:
+    return name == "fp8" or name.startswith("fp8-")
+
+
+def is_torchao(name: str) -> bool:
+    return is_fp8(name) and _fp8_parts(name)[0] == "torchao"
+
+
+def precision_rank(name: str) -> int:
+    """Position in highest-to-lowest order (every FP8 variant shares the last place)."""
+    return list(HIGH_PRECISIONS).index(name) if name in HIGH_PRECISIONS else len(HIGH_PRECISIONS)
+
+
+def precision_overrides(name: str, cfg: TrainConfig) -> dict[str, Any]:
+    """The config keys that turn ``cfg`` into the ``name`` run (``ValueError`` for a bad name)."""
+    if name in HIGH_PRECISIONS:
+        return {**HIGH_PRECISIONS[name], "fp8_backend": "native"}
+    names = precision_names()
+    if not is_fp8(name):
+        raise ValueError(f"--precisions: unknown precision {name!r}{did_you_mean(name, names)}; use {', '.join(names)}")
+    backend, recipe = _fp8_parts(name)
+    valid = TORCHAO_RECIPES if backend == "torchao" else RECIPE_NAMES
+    if recipe is not None and recipe not in valid:
+        raise ValueError(f"--precisions: unknown precision {name!r}{did_you_mean(name, names)}; use {', '.join(names)}")
+    keys: dict[str, Any] = {"fp8": True, "fp16": None, "fp8_backend": backend}
+    # FP8 keeps the config's bf16 choice for the non-FP8 ops (auto by default)
+    keys["bf16"] = cfg.bf16 if cfg.bf16 is not False else "auto"
+    own = cfg.fp8_recipe.name
+    if recipe is None or recipe == own:  # the config's recipe, with its field overrides
+        keys["fp8_recipe"] = {"name": own, **cfg.fp8_recipe.overrides}
+    else:
+        keys["fp8_recipe"] = recipe
+    if backend == "torchao" and (recipe or own) not in TORCHAO_RECIPES:
+        raise ValueError(f"--precisions {name}: torchao has no {own!r} recipe (the config's fp8_recipe); "
+                         f"name one: {', '.join('fp8-torchao-' + r for r in TORCHAO_RECIPES)}")
+    return keys

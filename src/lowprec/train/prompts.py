@@ -1,0 +1,148 @@
+"""Axolotl's dataset types: one data row -> ``(input_ids, labels)``, prompt tokens labelled -100.
+
+==============  ==========================================  ==================================
+type            row                                         trained tokens
+==============  ==========================================  ==================================
+completion      ``{field: text}`` (field default ``text``)  all (long texts cut in pieces)
+alpaca          ``instruction``, ``input`` (optional),      the response and EOS
+                ``output``
+input_output    ``segments: [{text, label}]``               segments with ``label: true``
+chat_template   ``messages: [{role, content}]``             turns of ``roles_to_train``
+(none)          ``input_ids`` (+ ``labels``)                as given (pre-tokenized)
+==============  ==========================================  ==================================
+
+Every type first becomes text segments ``[(text, trained)]``, each tokenized on its own and
+concatenated, so the mask follows segment boundaries exactly (Axolotl does the same for
+``input_output``; for alpaca it tokenizes the prompt alone to count its tokens, which is this).
+``train_on_inputs: true`` trains every token (the chat template's roles included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+__all__ = ["PromptOptions", "row_segments", "tokenize_row", "check_vocab", "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "IGNORE"]
+
+IGNORE = -100
+# the Stanford Alpaca prompt (as Axolotl's `type: alpaca` writes it)
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+_DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant", "model"], "system": ["system"], "tool": ["tool"]}
+
+
+@dataclass(frozen=True)
+class PromptOptions:
+    """What turns a row into tokens, besides the row: one dataset entry plus top-level keys."""
+
+    type: str
+    field: str = "text"
+    train_on_inputs: bool = False
+    chat_template: str = ""  # Jinja source, resolved by chat_templates.template_text
+    field_messages: str = "messages"
+    role_key: str = "role"
+    content_key: str = "content"
+    roles: dict[str, list[str]] = dataclasses.field(default_factory=lambda: dict(_DEFAULT_ROLES))
+    roles_to_train: tuple[str, ...] = ("assistant",)
+    train_on_eos: str = "turn"
+    drop_system_message: bool = False
+    eot_tokens: tuple[str, ...] = ()
+
+
+def _need(row: dict[str, Any], key: str, where: str, kind: str) -> Any:
+    if key not in row:
+        raise ValueError(f"{where}: no {key!r} field (keys: {sorted(row)}); type: {kind} rows need it")
+    return row[key]
+
+
+def _text(value: Any, key: str, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def row_segments(row: dict[str, Any], opt: PromptOptions, where: str, tokenizer: Any = None) -> list[tuple[str, bool]]:
+    """The row as ``[(text, trained)]`` (not for pre-tokenized rows)."""
+    kind = opt.type
+    if kind == "completion":
+        return [(_text(_need(row, opt.field, where, kind), opt.field, where), True)]
+    if kind == "alpaca":
+        instruction = _text(_need(row, "instruction", where, kind), "instruction", where)
+        output = _text(_need(row, "output", where, kind), "output", where)
+        extra = _text(row.get("input"), "input", where)
+        prompt = (ALPACA_PROMPT if extra.strip() else ALPACA_PROMPT_NO_INPUT).format(instruction=instruction, input=extra)
+        return [(prompt, False), (output, True)]
+    if kind == "input_output":
+        segs = _need(row, "segments", where, kind)
+        if not isinstance(segs, list) or not all(isinstance(s, dict) and "text" in s for s in segs):
+            raise ValueError(f"{where}: 'segments' must be a list of {{text, label}} objects")
+        return [(_text(s["text"], "text", where), bool(s.get("label", True))) for s in segs]
+    if kind == "chat_template":
+        from lowprec.train.chat_templates import render_segments
+
+        messages = _messages(row, opt, where)
+        trained = tuple(opt.roles_to_train) if not opt.train_on_inputs else tuple({m["role"] for m in messages})
+        tok = getattr(tokenizer, "_tok", None)  # the HF tokenizer's own special-token strings
+        return render_segments(
+            opt.chat_template, messages, trained, opt.train_on_eos,
+            bos_token=getattr(tok, "bos_token", None) or "", eos_token=getattr(tok, "eos_token", None) or "",
+            eot_tokens=opt.eot_tokens,
+        )
+    raise ValueError(f"unknown dataset type {kind!r}")
+
+
+def _messages(row: dict[str, Any], opt: PromptOptions, where: str) -> list[dict[str, str]]:
+    raw = row.get(opt.field_messages)
+    if raw is None:
+        hint = " (ShareGPT data: set field_messages: conversations and message_property_mappings: {role: from, content: value})" if "conversations" in row else ""
+        raise ValueError(f"{where}: no {opt.field_messages!r} field (keys: {sorted(row)}){hint}")
+    if not isinstance(raw, list):
+        raise ValueError(f"{where}: {opt.field_messages!r} must be a list of messages")
+    to_role = {alias: role for role, aliases in opt.roles.items() for alias in aliases}
+    out = []
+    for j, m in enumerate(raw):
+        if not isinstance(m, dict) or opt.role_key not in m:
+            raise ValueError(f"{where}: message {j} has no {opt.role_key!r} (set message_property_mappings: {{role: <key>}})")
+        role = to_role.get(m[opt.role_key], m[opt.role_key])
+        if role == "system" and opt.drop_system_message:
+            continue
+        out.append({"role": role, "content": _text(m.get(opt.content_key), opt.content_key, where)})
+    return out
+
+
+def tokenize_row(row: dict[str, Any], opt: PromptOptions, tokenizer: Any, where: str) -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` of one row; labels are -100 where the loss must not look."""
+    if opt.type == "pretokenized":
+        ids = _need(row, "input_ids", where, "pre-tokenized (no type:)")
+        labels = row.get("labels", ids)
+        if not isinstance(ids, (list, tuple)) or len(labels) != len(ids):
+            raise ValueError(f"{where}: input_ids must be a list of token ids and labels (if given) as long")
+        return [int(i) for i in ids], [int(i) for i in labels]
+    ids: list[int] = []
+    labels: list[int] = []
+    if opt.type in ("completion", "alpaca") and tokenizer.bos_id is not None:
+        ids.append(tokenizer.bos_id)
+        labels.append(tokenizer.bos_id if opt.type == "completion" or opt.train_on_inputs else IGNORE)
+    for text, trained in row_segments(row, opt, where, tokenizer):
+        part = tokenizer.encode(text)
+        ids += part
+        labels += part if (trained or opt.train_on_inputs) else [IGNORE] * len(part)
+    if opt.type in ("completion", "alpaca"):  # the model learns to stop
+        ids.append(tokenizer.eos_id)
+        labels.append(tokenizer.eos_id)
+    return ids, labels
+
+
+def check_vocab(ids: Sequence[int], vocab_size: int, where: str) -> Optional[str]:
+    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+    return None if bad is None else f"{where}: token id {bad} is outside the tokenizer's vocabulary (size {vocab_size})"

@@ -1,0 +1,104 @@
+"""``dispatch_batches=True``: process 0 reads the dataloader and sends each process its batch.
+
+Accelerate's ``DataLoaderDispatcher``. Where :class:`DataLoaderShard` has every process read its
+own shard of the batch sampler (map-style datasets only), here only process 0 iterates the
+original loader, so an ``IterableDataset`` (a stream that cannot be indexed or sharded) trains
+on several processes too, each step on different data. Per step process 0 takes
+``num_processes`` batches (with ``split_batches``, one batch cut into ``num_processes`` equal
+slices), and broadcasts them (``broadcast_object_list``: pickled, fine for CPU/gloo batches;
+Accelerate broadcasts the concatenated tensors); each process keeps its own. A last step with
+fewer batches is filled with the epoch's first batches (as ``even_batches``), and
+``GradientState.remainder`` says how many samples were real, so ``gather_for_metrics`` drops
+the filling. Process 0 reads one step ahead to know which step is the last.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from lowprec.utils.data_loader import DataLoaderShard
+from lowprec.utils.operations import recursively_apply, send_to_device
+
+__all__ = ["DataLoaderDispatcher"]
+
+
+def _batch_len(batch: Any) -> int:
+    found: list[int] = []
+    recursively_apply(lambda t: found.append(t.shape[0] if t.ndim else 1) or t, batch)
+    return found[0] if found else 1
+
+
+class DataLoaderDispatcher(DataLoaderShard):
+    """A prepared dataloader whose batches are read on process 0 and dispatched."""
+
+    dispatches = True
+
+    def __len__(self) -> int:
+        n = len(self.base) if self.iterable else len(self.base.batch_sampler) - self.skip_batches
+        return n if self.split_batches or self.world_size == 1 else -(-n // self.world_size)
+
+    def _source(self, skip_steps: int) -> Iterator[Any]:
+        """Process 0: the original loader's batches of this epoch (same shuffle as a shard)."""
+        per_step = 1 if self.split_batches else self.world_size
+        if self.iterable:
+            return itertools.islice(iter(self.base), skip_steps * per_step, None)
+        batches = self._global_batches()[skip_steps * per_step:]
+        return iter(DataLoader(self.base.dataset, batch_sampler=batches, collate_fn=self.base.collate_fn,
+                               num_workers=self.base.num_workers, pin_memory=self.base.pin_memory,
+                               worker_init_fn=self.base.worker_init_fn,
+                               generator=torch.Generator().manual_seed(self.seed + self.epoch)))
+
+    def _steps(self, skip_steps: int) -> Iterator[tuple[list, int]]:
+        """Process 0: (one batch per process, real samples or -1 when nothing was filled)."""
+        w = self.world_size
+        if self.split_batches:
+            for b in self._source(skip_steps):
+                yield [recursively_apply(lambda t, r=r: t.tensor_split(w)[r], b) for r in range(w)], -1
+            return
+        step: list = []
+        first: list = []
+        for b in self._source(skip_steps):
+            step.append(b)
+            if len(first) < w:
+                first.append(b)
+            if len(step) == w:
+                yield step, -1
+                step = []
+        if step:
+            real = sum(_batch_len(b) for b in step)
+            yield step + [first[k % len(first)] for k in range(w - len(step))], real
+
+    def _next(self, steps: Optional[Iterator]) -> Optional[tuple[Any, int]]:
+        box = [next(steps, None) if steps is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        return None if box[0] is None else (box[0][0][self.rank], box[0][1])
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.world_size == 1:
+            yield from super().__iter__()  # one process: the original batches, as a shard
+            return
+        gs = self.gradient_state
+        gs.active.append(self)
+        gs.end_of_dataloader = False
+        try:
+            skip, self._skip = self._skip, 0
+            steps = self._steps(skip) if self.rank == 0 else None
+            self.batches_yielded = skip
+            nxt = self._next(steps)
+            while nxt is not None:
+                (batch, remainder), nxt = nxt, self._next(steps)
+                self.batches_yielded += 1
+                gs.end_of_dataloader = nxt is None
+                gs.remainder = remainder if nxt is None else -1
+                yield send_to_device(batch, self.device, self.non_blocking) if self.device is not None else batch
+            self.epoch += 1
+            self.batches_yielded = 0
+        finally:
+            if self in gs.active:
+                gs.active.remove(self)
+            gs.end_of_dataloader = False if not gs.active else gs.end_of_dataloader

@@ -1,0 +1,136 @@
+"""Reliability table 2b: the non-finite guard inside DeepSpeed ZeRO engines (issue 10).
+
+DeepSpeed runs its own optimizer step; lowprec's ``DeepSpeedOptimizer`` wrapper counts each
+accumulation boundary DeepSpeed refused (``engine.was_step_applied()``), logs it and stops after
+``max_consecutive_skipped_steps``; ``Accelerator.backward`` turns a non-finite loss into NaN
+gradients so that ``loss + inf`` (finite gradients) is refused as well. Under ZeRO-3 the
+parameters are empty placeholders outside forward: the save-time check reads each process's
+partition (``ds_tensor``), so a NaN model is still never saved.
+
+One process, in-process, DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``), tiny models.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec import Accelerator
+from lowprec.errors import NonFiniteError
+from lowprec.utils import DeepSpeedPlugin
+from tests.torchrun_util import free_port
+
+DIM = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leftover_process_group():
+    """Overrides conftest's per-test teardown: DeepSpeed caches a clone of the world group
+    (``deepspeed.utils.groups``), so its engines need one process group for the whole module;
+    it is destroyed once, after the last test here."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def ds_env(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+        monkeypatch.setenv(name, value)
+
+
+def _setup(stage: int, precision: str, zero: Optional[dict] = None, **kw):
+    torch.manual_seed(0)
+    plugin = DeepSpeedPlugin(hf_ds_config={"zero_optimization": {"stage": stage, **(zero or {})}})
+    acc = Accelerator(mixed_precision=precision, deepspeed_plugin=plugin, **kw)
+    # four Linear layers: the middle two run FP8 under fp8 (first and last stay high precision)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(DIM, DIM), nn.ReLU())][:-1])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    return acc, model, opt
+
+
+def _weights(model) -> list[torch.Tensor]:
+    """This process's copy of every parameter (its partition under ZeRO-3)."""
+    return [getattr(p, "ds_tensor", p).detach().float().clone() for p in model.parameters()]
+
+
+def _step(acc, model, opt, poison: str = "") -> bool:
+    x = torch.randn(4, DIM, dtype=torch.bfloat16)
+    loss = model(x).float().pow(2).mean()
+    if poison == "nan":  # NaN gradients
+        loss = loss * float("nan")
+    elif poison == "loss+inf":  # finite gradients, non-finite loss
+        loss = loss + float("inf")
+    acc.backward(loss)
+    opt.step()
+    opt.zero_grad()
+    return acc.optimizer_step_was_skipped
+
+
+@pytest.mark.parametrize("stage, precision", [(2, "bf16"), (2, "fp8"), (3, "bf16"), (3, "fp8")])
+def test_poisoned_steps_are_skipped_counted_and_stop_the_run(ds_env, stage, precision, caplog):
+    acc, model, opt = _setup(stage, precision, max_consecutive_skipped_steps=3)
+    assert type(opt.optimizer).__name__ == ("DeepSpeedZeroOptimizer_Stage3" if stage == 3 else "DeepSpeedZeroOptimizer")
+    assert not _step(acc, model, opt)
+    for poison in ("nan", "loss+inf"):
+        before = _weights(model)
+        assert _step(acc, model, opt, poison), poison
+        assert all(torch.equal(a, b) for a, b in zip(before, _weights(model))), f"{poison}: weights changed"
+    before = _weights(model)
+    assert not _step(acc, model, opt)  # a clean step updates again and resets the run of skips
+    after = _weights(model)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.isfinite(w).all() for w in after)
+    assert acc.skipped_steps == 2 and acc.nonfinite.optimizer_steps == 4
+    skips = [r.getMessage() for r in caplog.records if "step skipped" in r.getMessage()]
+    assert len(skips) == 2 and "optimizer step 2:" in skips[0] and "optimizer step 3:" in skips[1]
+    if precision == "fp8":
+        bufs = [b for n, b in model.named_buffers() if "fp8" in n]
+        assert bufs and all(torch.isfinite(b).all() for b in bufs)
+    _step(acc, model, opt, "nan")
+    _step(acc, model, opt, "loss+inf")
+    with pytest.raises(NonFiniteError, match="3 consecutive optimizer steps"):
+        _step(acc, model, opt, "nan")
+    assert all(torch.isfinite(w).all() for w in _weights(model))
+
+
+def test_accumulation_counts_boundaries_only(ds_env):
+    """With 2 micro-batches per step, a NaN micro-batch poisons its optimizer step, counted once."""
+    acc, model, opt = _setup(2, "bf16", gradient_accumulation_steps=2)
+    for poison in ("nan", "", "", ""):
+        _step(acc, model, opt, poison)
+    assert acc.skipped_steps == 1 and acc.nonfinite.optimizer_steps == 2 and not acc.optimizer_step_was_skipped
+
+
+def test_zero3_never_saves_a_nonfinite_model(ds_env, tmp_path):
+    # persistence threshold 0: every parameter is partitioned (small ones are kept whole otherwise)
+    acc, model, opt = _setup(3, "bf16", zero={"stage3_param_persistence_threshold": 0})
+    _step(acc, model, opt)
+    assert all(p.numel() == 0 for p in model.parameters())  # placeholders: the old check saw nothing
+    acc.nonfinite.check_model(model, "clean")  # finite partitions pass
+    with torch.no_grad():
+        list(model.parameters())[2].ds_tensor.view(-1)[0] = float("nan")
+    for save in (lambda: acc.save_state(str(tmp_path / "ckpt")), lambda: acc.save_model(model, str(tmp_path / "export"))):
+        with pytest.raises(NonFiniteError, match=r"module\.2\.weight holds NaN/inf"):
+            save()
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_config_that_switches_deepspeeds_check_off_is_an_error(ds_env):
+    acc = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(
+        hf_ds_config={"bf16": {"check_grad_overflow": False}, "zero_optimization": {"stage": 2}}))
+    model = nn.Linear(DIM, DIM)
+    with pytest.raises(ValueError, match="bf16.check_grad_overflow=false.*skip_nonfinite_steps=False"):
+        acc.prepare(model, torch.optim.AdamW(model.parameters()))

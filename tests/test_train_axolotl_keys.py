@@ -1,0 +1,127 @@
+"""Axolotl's configs as written (issue 13 part 0): every key Axolotl documents is known, null
+means unset, unsupported keys name what to use instead, and the listed working keys work."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lowprec.errors import NonFiniteError
+from lowprec.train.axolotl_keys import OWNED_BY_MODELS, UNSUPPORTED
+from lowprec.train.config import TrainConfig, load_config, parse_config
+
+# Axolotl's examples/llama-3/fft-8b.yaml with only the model, data and sizes changed
+AXOLOTL_FFT = {
+    "base_model": "builtin:llama-tiny", "datasets": [{"path": "data.jsonl", "type": "alpaca"}],
+    "dataset_prepared_path": "last_run_prepared", "val_set_size": 0.05, "output_dir": "./outputs/out",
+    "sequence_len": 256, "sample_packing": True, "wandb_project": None, "wandb_entity": None, "wandb_watch": None,
+    "wandb_name": None, "wandb_log_model": None, "gradient_accumulation_steps": 8, "micro_batch_size": 1,
+    "num_epochs": 1, "optimizer": "adamw_torch_fused", "lr_scheduler": "cosine", "learning_rate": 2e-5, "bf16": "auto",
+    "tf32": False, "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False},
+    "resume_from_checkpoint": None, "logging_steps": 1, "warmup_ratio": 0.1, "evals_per_epoch": 2,
+    "saves_per_epoch": 1, "weight_decay": 0.0, "loss_watchdog_threshold": 5.0, "loss_watchdog_patience": 3,
+}
+
+
+def test_every_axolotl_key_is_known_null_accepted_values_named():
+    fields = set(TrainConfig.model_fields)
+    for key in sorted(set(UNSUPPORTED) - fields):
+        parse_config({key: None})  # null: unset
+        with pytest.raises(ValueError, match=f"^config: {key}: an Axolotl key lowprec does not support \\(.+\\)$"):
+            parse_config({key: "something"})
+    assert "lora_r" in OWNED_BY_MODELS and "load_in_8bit" in OWNED_BY_MODELS and len(UNSUPPORTED) > 300
+
+
+def test_axolotl_example_config_validates_and_its_gpu_only_keys_are_named(tmp_path):
+    (tmp_path / "data.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+    cfg = parse_config({**AXOLOTL_FFT, "datasets": [{"path": str(tmp_path / "data.jsonl"), "type": "alpaca"}]})
+    assert cfg.sample_packing and cfg.evals_per_epoch == 2 and cfg.gradient_checkpointing
+    for key, value, text in [("optimizer", "paged_adamw_8bit", "paged optimizers need bitsandbytes"),
+                             ("attn_implementation", "flash_attention_2", "attn_implementation: an Axolotl key"),
+                             ("load_in_8bit", True, "bitsandbytes"), ("flash_attention", True, "scaled_dot_product_attention")]:
+        with pytest.raises(ValueError, match=text):
+            parse_config({**AXOLOTL_FFT, key: value, "datasets": cfg.to_yaml_dict()["datasets"]})
+    with pytest.raises(ValueError, match="evals_per_epoch and eval_steps are both set"):
+        parse_config({"evals_per_epoch": 2, "eval_steps": 3})
+
+
+def test_per_epoch_intervals_and_warmup_ratio_resolve_once():
+    from lowprec.train.trainer import _total_steps
+
+    cfg = parse_config({"evals_per_epoch": 4, "saves_per_epoch": 1, "warmup_ratio": 0.1, "num_epochs": 2,
+                        "gradient_accumulation_steps": 2})
+    decisions: dict = {}
+    assert _total_steps(cfg, 100, decisions, main=False) == 100  # 50 steps per epoch x 2
+    assert decisions["eval_steps"].value == 12 and decisions["save_steps"].value == 50
+    assert decisions["warmup_steps"].value == 10 and "warmup_ratio" in decisions["warmup_steps"].reason
+
+
+def test_strict_limits_flags_to_keys_the_file_sets(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("strict: true\nlearning_rate: 0.001\n")
+    assert load_config(path, {"learning_rate": 0.002}).learning_rate == 0.002
+    with pytest.raises(ValueError, match="strict: true in .*--seed set keys the file does not have"):
+        load_config(path, {"seed": 3})
+    path.write_text("learning_rate: 0.001\n")
+    assert load_config(path, {"seed": 3}).seed == 3  # strict: false (Axolotl's default)
+
+
+def _loop(**cfg):
+    from lowprec.train.loop import Loop
+
+    run = SimpleNamespace(cfg=SimpleNamespace(**cfg), state=SimpleNamespace(step=7), main=False)
+    return Loop(run=run, tokens_per_step=1, batches=None)
+
+
+def test_loss_watchdog_stops_after_patience_high_steps():
+    loop = _loop(loss_watchdog_threshold=5.0, loss_watchdog_patience=2)
+    loop._watch(6.0)
+    loop._watch(4.0)  # a good step resets the count
+    loop._watch(6.0)
+    with pytest.raises(NonFiniteError, match="loss_watchdog: training loss above loss_watchdog_threshold: 5.0 for 2 steps"):
+        loop._watch(7.0)
+
+
+def test_early_stopping_after_patience_evaluations_without_gain():
+    loop = _loop(early_stopping_patience=2)
+    for loss in (3.0, 2.5, 2.6, 2.4, 2.5):
+        loop._early_stopping(loss)
+    assert not loop.stop_early  # 2.4 improved: the count restarted
+    loop._early_stopping(2.45)
+    assert loop.stop_early
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gradient_checkpointing_gives_the_same_gradients(fp8):
+    """Also with FP8 layers: the recompute runs in the FP8 region of the first forward
+    (lowprec.fp8.checkpoint), so it saves the same tensors and gives the same gradients."""
+    from lowprec import fp8 as engine
+    from lowprec.train.model import build_model
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 256, (2, 16))
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_model("llama-tiny", n_layers=2)
+        if fp8:
+            engine.convert(model, recipe=engine.Recipe.from_name("tensorwise", gemm="emulate"))
+        if checkpointing:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        with engine.autocast(enabled=fp8):
+            loss = model(x, labels=x).loss
+        loss.backward()  # outside the FP8 region, as in a training loop
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("name", ["alpaca_fp8.yaml", "chat_fp8.yaml"])
+def test_new_keys_survive_replace_as_compare_uses_it(name):
+    """`lowprec compare` re-validates a dumped config per precision: the dump must load back."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cfg = load_config(os.path.join(root, "examples", name))
+    other = cfg.replace(fp8=False, bf16=False)
+    assert other.datasets == cfg.datasets and other.warmup_ratio == cfg.warmup_ratio
+    assert other.evals_per_epoch == cfg.evals_per_epoch and other.sample_packing == cfg.sample_packing

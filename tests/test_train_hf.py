@@ -1,0 +1,269 @@
+"""`lowprec train` on Hugging Face models: a tiny Llama and a tiny GPT-2 written by
+examples/make_tiny_llama.py into tmp (random weights, local byte-level tokenizer, no hub), LoRA
+through peft with FP8 on the frozen base layers, merge, reload in transformers and peft; the
+hub cache lookup; the qlora error; FP8 for GPT-2's Conv1D; the frozen-weight GEMMs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
+peft = pytest.importorskip("peft", reason="needs peft (dev extra)")
+
+from lowprec import fp8  # noqa: E402
+from lowprec.train.config import load_config, parse_config  # noqa: E402
+from lowprec.train.metrics import read_metrics  # noqa: E402
+from lowprec.train.resolve import Capabilities, resolve  # noqa: E402
+from lowprec.train.trainer import train  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTES = os.path.join(ROOT, "examples", "data", "notes.jsonl")
+CPU = Capabilities(packages=frozenset({"transformers", "peft"}))
+
+
+def _maker():
+    spec = importlib.util.spec_from_file_location("make_tiny_llama", os.path.join(ROOT, "examples", "make_tiny_llama.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("tiny-llama"))
+    return _maker().main([out, "--hidden", "32", "--pretrain_steps", "30"])
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("tiny-gpt2"))
+    return _maker().main([out, "--arch", "gpt2", "--hidden", "32", "--pretrain_steps", "0"])
+
+
+FAST = {"sequence_len": 32, "micro_batch_size": 2, "eval_batches": 1, "progress_bar": False,
+        "use_tensorboard": False, "logging_steps": 4, "fp8": True, "val_set_size": 0.1}
+
+
+def test_alpaca_lora_example_trains_in_fp8_merges_and_reloads(tiny_llama, tmp_path):
+    """examples/hf/alpaca_lora.yaml on the tiny Llama: base layers in FP8, adapters not; the loss
+    falls; the adapter loads with peft, the merged model with transformers, and they agree."""
+    out = tmp_path / "run"
+    fast = {k: v for k, v in FAST.items() if k != "sequence_len"}  # alpaca prompts need the example's 256
+    cfg = load_config(os.path.join(ROOT, "examples", "hf", "alpaca_lora.yaml"),
+                      {**fast, "base_model": tiny_llama, "output_dir": str(out), "max_steps": 8, "eval_steps": None})
+    result = train(cfg)
+    losses = [loss for _, loss in result.train_losses]
+    assert len(losses) == 2 and losses[-1] < losses[0] - 0.1, losses
+    fp8_layers = [r for r in read_metrics(str(out)) if r["kind"] == "fp8"][-1]["layers"]
+    assert any(n.endswith("mlp.up_proj.base_layer") for n in fp8_layers)  # frozen base GEMMs run in FP8
+    assert not any("lora_" in n for n in fp8_layers)  # the adapters never do
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
+    adapted = peft.PeftModel.from_pretrained(base, str(out))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(out / "merged"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(out / "merged"))
+    ids = tok("### Instruction:\nName a colour.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        a, m = adapted(ids).logits.float(), merged(ids).logits.float()
+        b = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)(ids).logits.float()
+    assert merged.dtype == torch.bfloat16
+    assert (a - m).abs().max() < 0.05 * a.abs().max()  # merged == base + adapters (bf16 rounding)
+    assert (a - b).abs().max() > 10 * (a - m).abs().max()  # ... and the adapters learned something
+
+
+def test_full_finetune_example_on_gpt2_converts_conv1d_and_saves_pretrained(tiny_gpt2, tmp_path):
+    """examples/hf/full_finetune.yaml with a GPT-2 as base_model: its Conv1D layers train in FP8,
+    and output_dir is a save_pretrained directory (bf16 weights, config, generation config,
+    tokenizer) that transformers loads."""
+    fast = {k: v for k, v in FAST.items() if k != "sequence_len"}
+    cfg = load_config(os.path.join(ROOT, "examples", "hf", "full_finetune.yaml"),
+                      {**fast, "base_model": tiny_gpt2, "output_dir": str(tmp_path), "max_steps": 2,
+                       "gradient_accumulation_steps": 1})
+    assert train(cfg).steps == 2
+    fp8_layers = [r for r in read_metrics(str(tmp_path)) if r["kind"] == "fp8"][-1]["layers"]
+    assert "model.transformer.h.1.mlp.c_fc" in fp8_layers  # a Conv1D, in FP8
+    names = set(os.listdir(tmp_path))
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= names
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert type(model).__name__ == "GPT2LMHeadModel" and model.transformer.h[0].mlp.c_fc.weight.shape == (32, 128)
+    assert model.dtype == torch.bfloat16
+
+
+def _fake_cache(root, repo_id: str, src: str, files) -> None:
+    """huggingface_hub's cache layout: models--org--name/{refs/main, snapshots/<commit>/...}."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    for f in files:
+        os.symlink(os.path.join(src, f), snap / f)
+
+
+def test_hub_id_resolves_from_the_local_cache_only(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    _fake_cache(tmp_path, "tiny/llama", tiny_llama, ["config.json", "model.safetensors", "tokenizer.json",
+                                                      "tokenizer_config.json"])
+    cfg = parse_config({"base_model": "tiny/llama"})
+    plan = resolve(cfg, CPU)
+    assert plan.decisions["tokenizer"].value.endswith("snapshots/0123abcd")
+    _fake_cache(tmp_path, "tiny/no-weights", tiny_llama, ["config.json"])
+    with pytest.raises(ValueError, match=r"'tiny/no-weights' is incomplete in the local Hugging Face cache .*"
+                                         r"missing model weights \(model.safetensors\); downloads are not supported"):
+        parse_config({"base_model": "tiny/no-weights"})
+    with pytest.raises(ValueError, match=r"'org/absent' is not in the local .* missing config.json"):
+        parse_config({"base_model": "org/absent"})
+    _fake_cache(tmp_path, "tiny/no-tokenizer", tiny_llama, ["config.json", "model.safetensors"])
+    with pytest.raises(ValueError, match=r"has no tokenizer files .*; set tokenizer_config: <tokenizer directory>"):
+        resolve(parse_config({"base_model": "tiny/no-tokenizer"}), CPU)
+
+
+def test_qlora_and_4bit_need_bitsandbytes_one_line_exit_2(tiny_llama, tmp_path, capsys):
+    from lowprec.cli.main import main
+
+    base = {"base_model": tiny_llama, "adapter": "qlora", "lora_target_linear": True}
+    with pytest.raises(ValueError, match=r"adapter: qlora .* not supported by lowprec yet; it needs bitsandbytes "
+                                         r"\(pip install bitsandbytes\) and a CUDA GPU; use adapter: lora"):
+        resolve(parse_config(base), CPU)
+    with pytest.raises(ValueError, match=r"not supported by lowprec yet; it needs a CUDA GPU; use adapter: lora"):
+        resolve(parse_config(base), Capabilities(packages=frozenset({"transformers", "peft", "bitsandbytes"})))
+    with pytest.raises(ValueError, match=r"not supported by lowprec yet; use adapter: lora"):  # never a silent bf16 base
+        resolve(parse_config(base), Capabilities((9, 0), frozenset({"transformers", "peft", "bitsandbytes"})))
+    with pytest.raises(ValueError, match="adapter: lora needs the optional package 'peft'"):
+        resolve(parse_config({**base, "adapter": "lora"}), Capabilities(packages=frozenset({"transformers"})))
+    path = tmp_path / "q.yaml"
+    path.write_text(json.dumps({**base, "load_in_4bit": True, "output_dir": str(tmp_path / "o")}))
+    if importlib.util.find_spec("bitsandbytes") is None:  # this CPU-only CI machine: the CLI's one line
+        assert main(["train", str(path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "pip install bitsandbytes" in err[0]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"lora_r": 8}, "lora_r is set but adapter is not; add adapter: lora"),
+    ({"adapter": "lora"}, "needs lora_target_modules"),
+    ({"adapter": "lora", "lora_target_modules": ["q_prj"]}, "no module named 'q_prj' in the model \\(did you mean 'q_proj'"),
+    ({"model_type": "LlamaForCasualLM"}, "not a transformers causal LM class \\(did you mean 'LlamaForCausalLM'"),
+    ({"load_in_4bit": True}, "load_in_4bit: true is what adapter: qlora loads with"),
+    ({"merge_lora": True}, "merge_lora: true needs adapter: lora"),
+])
+def test_adapter_and_model_key_errors(tiny_llama, tmp_path, bad, match):
+    with pytest.raises(ValueError, match=match):
+        cfg = parse_config({"base_model": tiny_llama, "output_dir": str(tmp_path), "max_steps": 1, **bad,
+                            "datasets": [NOTES], "val_set_size": 0, "sequence_len": 32, "progress_bar": False})
+        train(cfg, CPU)
+
+
+def test_tokenizer_keys(tiny_llama, tiny_gpt2):
+    from lowprec.train.hf_model import load_run_tokenizer
+
+    cfg = parse_config({"base_model": tiny_gpt2, "tokenizer_config": tiny_llama, "tokenizer_type": "PreTrainedTokenizerFast"})
+    assert resolve(cfg, CPU).decisions["tokenizer"].value == tiny_llama
+    tok = load_run_tokenizer(cfg)
+    assert isinstance(tok.hf_tokenizer, transformers.PreTrainedTokenizerFast) and tok.eos_id == tok.hf_tokenizer.eos_token_id
+    with pytest.raises(ValueError, match="tokenizer_type: 'LlamaTokenizerFsat' is not a transformers tokenizer class "
+                                         "\\(did you mean 'LlamaTokenizerFast'"):
+        load_run_tokenizer(parse_config({"base_model": tiny_llama, "tokenizer_type": "LlamaTokenizerFsat"}))
+    with pytest.raises(ValueError, match="tokenizer and tokenizer_config are both set"):
+        parse_config({"base_model": tiny_llama, "tokenizer": "byte", "tokenizer_config": tiny_llama})
+    with pytest.raises(ValueError, match="model_type is set but base_model is built-in"):
+        parse_config({"model_type": "LlamaForCausalLM"})
+    assert resolve(parse_config({"base_model": tiny_llama, "tokenizer": "byte"}), CPU).decisions["tokenizer"].value == "byte"
+
+
+def test_adapter_on_builtin_model_is_refused():
+    with pytest.raises(ValueError, match="adapter: lora needs a Hugging Face base_model"):
+        parse_config({"adapter": "lora", "lora_target_linear": True})
+
+
+# ---------------------------------------------------------------------- the engine side
+def test_float8_conv1d_is_float8_linear_on_the_transposed_weight():
+    """Same outputs and gradients as a Float8Linear holding W^T (bit for bit: the same GEMMs),
+    state_dict unchanged, and unconvert gives back transformers' Conv1D."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    conv = Conv1D(48, 32)
+    conv.bias.data.normal_()
+    lin = torch.nn.Linear(32, 48)
+    lin.weight.data.copy_(conv.weight.data.t())
+    lin.bias.data.copy_(conv.bias.data)
+    model_c, model_l = torch.nn.Sequential(conv), torch.nn.Sequential(lin)
+    keys = {k: v.shape for k, v in model_c.state_dict().items()}
+    for m in (model_c, model_l):
+        fp8.convert(m, "tensorwise", skip_first_last=False)
+    assert isinstance(model_c[0], fp8.Float8Conv1D) and {k: v.shape for k, v in model_c.state_dict().items()} == keys
+    x = torch.randn(4, 16, 32)
+    with fp8.autocast():
+        yc, yl = model_c(x), model_l(x)
+    torch.testing.assert_close(yc, yl, rtol=0, atol=0)
+    g = torch.randn_like(yc)
+    yc.backward(g)
+    yl.backward(g)
+    torch.testing.assert_close(conv.weight.grad, lin.weight.grad.t(), rtol=0, atol=0)
+    assert fp8.unconvert(model_c) == 1 and type(model_c[0]) is Conv1D and model_c[0].weight is conv.weight
+
+
+def test_frozen_base_layer_runs_two_gemms_and_casts_its_weight_once_per_version(monkeypatch):
+    """A frozen Float8Linear (a LoRA base layer): forward + backward = output and input-gradient
+    GEMMs only (no weight-gradient GEMM); its weight is cast once for several micro-batches and
+    again only after the weight changes; outputs bit-identical to the uncached path."""
+    import lowprec.fp8.linear as linear
+
+    gemms, casts = [], []
+    real_mm, real_quantize = linear.scaled_mm, linear.quantize
+    monkeypatch.setattr(linear, "scaled_mm", lambda a, b, *args, **kw: gemms.append(a.data.shape) or real_mm(a, b, *args, **kw))
+    monkeypatch.setattr(linear, "quantize", lambda t, *a, **kw: casts.append(t.shape) or real_quantize(t, *a, **kw))
+    torch.manual_seed(0)
+    frozen, trained = (torch.nn.Sequential(torch.nn.Linear(64, 32)) for _ in range(2))
+    trained.load_state_dict(frozen.state_dict())
+    for m in (frozen, trained):
+        fp8.convert(m, "tensorwise", skip_first_last=False)
+    frozen[0].weight.requires_grad_(False)
+    w_casts = lambda: casts.count(torch.Size([32, 64]))  # noqa: E731
+    for _ in range(3):  # three micro-batches
+        x = torch.randn(16, 64, requires_grad=True)
+        with fp8.autocast():
+            y = frozen(x)
+            y.sum().backward()
+            torch.testing.assert_close(y, trained(x), rtol=0, atol=0)
+    assert w_casts() == 1 + 3  # the frozen weight once; the trained one every micro-batch
+    assert len(gemms) == 3 * 2 + 3 and frozen[0].weight.grad is None  # 2 GEMMs each (trained: forward only)
+    with torch.no_grad():
+        frozen[0].weight.mul_(0.5)  # a new version: cast again
+    with fp8.autocast():
+        frozen(x).sum().backward()
+    assert w_casts() == 5
+
+
+def test_accelerator_keeps_peft_adapters_in_high_precision_and_converts_gpt2_conv1d():
+    from lowprec import Accelerator
+
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(cfg),
+                                peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True))
+    acc = Accelerator(mixed_precision="fp8", cpu=True)
+    acc.prepare(model)
+    report = acc.backend.report
+    converted = {n for n, _, _ in report.converted}
+    assert "base_model.model.transformer.h.1.mlp.c_fc.base_layer" in converted  # Conv1D inside a LoRA layer
+    assert "base_model.model.transformer.h.1.mlp.c_proj" in converted  # plain Conv1D
+    assert any("lora_A" in n and "peft adapter" in r for n, r in report.skipped)
+    kept = report.to_dict()["kept_in_high_precision_by_type"]
+    assert kept["peft adapter Linear"]["count"] == 8 and kept["Embedding"]["reasons"] == ["lookups, not GEMMs"]
+    assert "high precision by layer type:" in str(report)
+
+
+def test_linear_only_backends_name_the_conv1d_layers_they_leave_in_high_precision(caplog):
+    """torchao and TransformerEngine swap nn.Linear only; their convert() calls this note."""
+    from lowprec.backends.base import note_unconverted_conv1d
+
+    cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
+    with caplog.at_level("WARNING", logger="lowprec"):
+        note_unconverted_conv1d(transformers.GPT2LMHeadModel(cfg), "torchao")
+    assert "torchao converts nn.Linear only: 8 transformers Conv1D layer(s) stay in high precision" in caplog.text
