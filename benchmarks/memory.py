@@ -20,7 +20,12 @@ step, zero_grad), per variant:
 * ``fp8_o2``     FP8 GEMMs + FP8-saved activations + O2: the configuration with the target
                  (at most 0.65x the peak of ``bf16_amp``);
 * ``fp8_o2_bf16w`` the same with bf16 weights and no fp32 master copy (FP8AdamW
-                 ``master_weights="stochastic"``: updates written back with stochastic rounding).
+                 ``master_weights="stochastic"``: updates written back with stochastic rounding);
+* ``mxfp8``, ``nvfp4`` the ``fp8`` variant with the block-scaled recipes (``fp8/mx_linear.py``).
+
+Part 3, saved bytes: what autograd keeps for backward in one forward of the model (Parameters
+excluded, they exist anyway), per recipe (``bf16_amp`` and each of ``SAVED_RECIPES``), and the
+ratio to ``bf16_amp``: the backward-memory story of each recipe in one number.
 
 GPU: ``torch.cuda.max_memory_allocated`` minus the memory allocated before the variant.
 CPU: the profiler's allocator events (``profile_memory=True``), replayed in time order: each
@@ -39,14 +44,39 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_name, write_json  # noqa: E402
+from _common import count_saved_bytes, device_name, write_json  # noqa: E402
 
 import lowprec.fp8 as fp8  # noqa: E402
 from lowprec.optim import FP8AdamW, apply_opt_level  # noqa: E402
 from lowprec.optim.fp8_grads import fp8_grad  # noqa: E402
 from lowprec.train.model import build_model  # noqa: E402
 
-VARIANTS = ("bf16_amp", "bf16_amp_o1", "bf16_amp_o2", "fp8", "fp8_o2", "fp8_o2_bf16w")
+VARIANTS = ("bf16_amp", "bf16_amp_o1", "bf16_amp_o2", "fp8", "fp8_o2", "fp8_o2_bf16w", "mxfp8", "nvfp4")
+SAVED_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
+_BLOCK_SCALED = ("mxfp8", "nvfp4")
+
+
+def saved_bytes(model_name: str, batch: int, seq: int, device: torch.device) -> dict:
+    """Bytes saved for backward by one forward, per recipe (see module docstring, part 3)."""
+    out = {}
+    for name in ("bf16_amp", *SAVED_RECIPES):
+        torch.manual_seed(0)
+        with device:
+            model = build_model(model_name)
+        use_fp8 = name != "bf16_amp"
+        if use_fp8:
+            fp8.convert(model, fp8.Recipe.from_name(name))
+        ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16), fp8.autocast(enabled=use_fp8):
+            with count_saved_bytes(exclude=list(model.parameters())) as saved:
+                loss = model(ids, labels=ids).loss
+        loss.backward()
+        out[name] = {"bytes": saved["bytes"]}
+        del model, loss
+    base = out["bf16_amp"]["bytes"]
+    for r in out.values():
+        r["ratio_vs_bf16_amp"] = r["bytes"] / base
+    return out
 
 
 def _state_bytes(opt: torch.optim.Optimizer, keys: tuple[str, ...] | None) -> int:
@@ -125,9 +155,10 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, steps: int,
             model = build_model(model_name)
         if variant.endswith("bf16w"):
             model = model.to(torch.bfloat16)
-        use_fp8 = variant.startswith("fp8")
+        use_fp8 = variant.startswith("fp8") or variant in _BLOCK_SCALED
         if use_fp8:
-            recipe = fp8.Recipe.from_name("tensorwise", save_fp8_activations=True)
+            name = variant if variant in _BLOCK_SCALED else "tensorwise"
+            recipe = fp8.Recipe.from_name(name, save_fp8_activations=True)
             info["converted_layers"] = fp8.convert(model, recipe).num_converted
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         if variant.endswith(("o1", "o2")):
@@ -202,6 +233,8 @@ def main(argv=None) -> dict:
         result["peak_ratio_vs_bf16_amp"] = {
             v: r["peak_bytes"] / base for v, r in result["peak"].items()
         }
+    result["saved_bytes"] = saved_bytes(model, batch, seq, device)
+    print("saved for backward vs bf16_amp:", {k: round(v["ratio_vs_bf16_amp"], 3) for k, v in result["saved_bytes"].items()})
     sb = result["state_bytes_per_param"]
     print("moments bytes/param: torch AdamW %.3f, FP8AdamW %.3f" % (
         sb["torch_adamw_fp32_params"]["moments_bytes_per_param"],

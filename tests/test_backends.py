@@ -189,6 +189,7 @@ def fake_te(monkeypatch, with_interval: bool):
 
     recipe_mod.Format, recipe_mod.DelayedScaling = Format, DelayedScaling
     recipe_mod.MXFP8BlockScaling = lambda fp8_format: rec.calls.append(("MXFP8", fp8_format)) or "mx"
+    recipe_mod.NVFP4BlockScaling = lambda: rec.calls.append(("NVFP4",)) or "nv"
     te_pt.Linear, te_pt.LayerNorm, te_pt.fp8_autocast = Linear, LayerNorm, fp8_autocast
     te.pytorch, te.common, common.recipe = te_pt, common, recipe_mod
     for name, mod in [("transformer_engine", te), ("transformer_engine.pytorch", te_pt),
@@ -241,6 +242,12 @@ def test_te_mxfp8(monkeypatch):
     rec, _ = fake_te(monkeypatch, with_interval=False)
     Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(use_mxfp8_block_scaling=True)])
     assert [c[0] for c in rec.calls] == ["MXFP8"]
+
+
+def test_te_nvfp4(monkeypatch):
+    rec, _ = fake_te(monkeypatch, with_interval=False)
+    Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(use_nvfp4_block_scaling=True)])
+    assert [c[0] for c in rec.calls] == ["NVFP4"]
 
 
 # --------------------------------------------------------------------------- MS-AMP stand-in

@@ -5,6 +5,8 @@ Thresholds (dB SQNR, N(0,1) inputs; measured values are 3-5 dB above them):
   grad_input/weight >= 22   HYBRID (E5M2 gradient: ~24.7);  >= 26 E4M3 recipes (~28.5-29)
   grad_bias         >= 100  (computed in high precision)
   high-precision GEMMs (override_linear_precision): >= 100
+  nvfp4 (E2M1: 4-bit elements): output >= 15 (~16.6), gradients >= 13 (~14.9 grad_input with
+  stochastic rounding, ~15.5 grad_weight); mxfp8 meets the E4M3 floors (~28.5)
 A wrong scale or transposed operand shows as < 10 dB.
 """
 
@@ -48,6 +50,8 @@ def test_sqnr_against_float64(seed, name, in_shape, out_features):
     res = _run(recipe, in_shape, out_features)
     grad_floor = 22 if recipe.fp8_format == fp8.Format.HYBRID else 26
     floors = {"out": 26, "grad_input": grad_floor, "grad_weight": grad_floor, "grad_bias": 100}
+    if name == "nvfp4":
+        floors.update(out=15, grad_input=13, grad_weight=13)
     if recipe.override_linear_precision[2]:
         floors["grad_weight"] = 100
     for key, (r, t) in res.items():
@@ -61,11 +65,12 @@ def test_under_bf16_autocast(seed, name):
     out_ref, out = res["out"]
     assert out.dtype == torch.bfloat16
     # bf16 output rounding (8 bits) costs a little on top of FP8 quantization
-    assert sqnr(out_ref, out) >= 25
+    fp4 = name == "nvfp4"
+    assert sqnr(out_ref, out) >= (15 if fp4 else 25)
     for key in ("grad_input", "grad_weight"):
         r, t = res[key]
         assert t.dtype == torch.float32
-        assert sqnr(r, t) >= 20
+        assert sqnr(r, t) >= (13 if fp4 else 20)
 
 
 def test_bf16_model(seed):

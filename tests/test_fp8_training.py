@@ -1,6 +1,7 @@
 """End-to-end: a small transformer trains 200 steps on CPU; FP8 ends within 5% of BF16."""
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ def train(recipe: str | None, steps: int = STEPS, seed: int = 1234) -> list[floa
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     if recipe is not None:
         report = fp8.convert(model, recipe)
-        assert report.num_converted == 8  # 2 blocks x (qkv, o_proj, up_proj, down_proj)
+        kept = sum("high_precision_last" in why for _, why in report.skipped)  # nvfp4 keeps the last 15%
+        assert report.num_converted + kept == 8 and kept == math.ceil(report.recipe.high_precision_last * 8)
+        # 2 blocks x (qkv, o_proj, up_proj, down_proj)
     fp8_ctx = fp8.autocast() if recipe else contextlib.nullcontext()
     losses = []
     for x, y in markov_batches(steps, seed=seed):
@@ -40,8 +43,14 @@ def _final(losses):
     return sum(losses[-20:]) / 20
 
 
+# The block-scaled recipes run emulated on CPU at 2-3x the step time of the others (many small
+# ops per cast): their end-to-end parity is measured with `lowprec compare` (docs/log/mx.md), and
+# their numerics are tested per GEMM (tests/test_mx_linear.py), to keep the suite in CI's budget.
+E2E_RECIPES = [r for r in fp8.RECIPE_NAMES if r not in ("mxfp8", "nvfp4")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", fp8.RECIPE_NAMES)
+@pytest.mark.parametrize("recipe", E2E_RECIPES)
 def test_fp8_final_loss_within_5_percent_of_bf16(bf16_losses, recipe):
     losses = train(recipe)
     assert _final(bf16_losses) < 0.8 * sum(bf16_losses[:5]) / 5  # the baseline did learn

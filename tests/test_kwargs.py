@@ -44,6 +44,7 @@ def test_te_defaults_are_the_documented_ones_and_all_are_forwarded():
         "use_autocast_during_eval": False, "margin": 0, "interval": 1, "fp8_format": "HYBRID",
         "amax_history_len": 1024, "amax_compute_algo": "most_recent",
         "override_linear_precision": (False, False, False), "use_mxfp8_block_scaling": False,
+        "use_nvfp4_block_scaling": False,
     }
 
 

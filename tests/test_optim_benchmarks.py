@@ -35,6 +35,9 @@ def test_memory_benchmark_tiny_writes_json(tmp_path):
     assert base["peak_bytes"] > 0 and 0 < o2["peak_bytes"] < base["peak_bytes"]
     # O2 holds gradients in FP8: 1 byte per element + 4 per tensor, vs 4 for fp32 grads
     assert o2["grad_bytes_after_backward"] < 0.3 * base["grad_bytes_after_backward"]
+    saved = data["saved_bytes"]  # what backward keeps: FP8 / FP4 inputs of the Linear layers
+    for recipe in ("tensorwise", "mxfp8", "nvfp4"):
+        assert 0 < saved[recipe]["bytes"] < saved["bf16_amp"]["bytes"], recipe
 
 
 def test_comm_bytes_benchmark_counts_half_of_bf16(tmp_path):

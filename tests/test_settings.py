@@ -11,7 +11,7 @@ import pytest
 
 from lowprec import Accelerator
 from lowprec.backends.registry import resolve_fp8_settings
-from lowprec.catalog import (FIELD_DEFAULTS, FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE, MXFP8_UNSUPPORTED, RECIPE_FIELDS,
+from lowprec.catalog import (FIELD_DEFAULTS, FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE, RECIPE_FIELDS,
                              RECIPES, Granularity, ScalingKind)
 from lowprec.cli.main import main
 from lowprec.kwargs import AORecipeKwargs, NativeRecipeKwargs, TERecipeKwargs
@@ -95,8 +95,9 @@ def test_catalog_is_the_engine_recipes():
         r = Recipe.from_name(name)
         assert r.scaling == info.scaling and r.name == name
         plan = r.plan()
-        gran = {Granularity.TENSOR: "tensor", Granularity.AXIS: "axis", Granularity.BLOCK: "block"}[info.granularity]
-        assert plan.fprop.a.granularity == gran
+        gran = {Granularity.TENSOR: ("tensor",), Granularity.AXIS: ("axis",), Granularity.BLOCK: ("block",),
+                Granularity.MICRO: ("mx32", "nv16")}[info.granularity]
+        assert plan.fprop.a.granularity in gran
         assert (info.kind is ScalingKind.DELAYED) == (r.scaling == "delayed")
 
 
@@ -129,31 +130,38 @@ def test_fields_the_recipe_does_not_read(capsys):
     assert "--fp8_amax_history_len: the tensorwise recipe does not read it" in capsys.readouterr().err
 
 
-def test_mxfp8_is_refused_everywhere_with_one_message(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("name,switch", [("mxfp8", "use_mxfp8_block_scaling"), ("nvfp4", "use_nvfp4_block_scaling")])
+def test_block_scaled_recipes_mean_one_thing_everywhere(monkeypatch, tmp_path, capsys, name, switch):
     from lowprec.backends import select_backend
     from lowprec.fp8 import Recipe
     from lowprec.train.config import parse_config
 
-    with pytest.raises(ValueError) as e1:
-        Recipe.from_name("mxfp8")
-    with pytest.raises(ValueError) as e2:
-        NativeRecipeKwargs(recipe="MXFP8")
-    with pytest.raises(ValueError) as e3:
-        parse_config({"fp8": True, "fp8_recipe": "mxfp8"})
+    expected = Recipe.from_name(name)
+    assert expected.scaling == name and Recipe.from_name(name.upper().replace("FP", "_FP")).scaling == name
+    assert NativeRecipeKwargs(recipe=name.upper()).to_recipe() == expected
+    assert parse_config({"fp8": True, "fp8_recipe": name}).fp8_recipe.name == name
     from lowprec.backends.te import SPEC as TE
 
-    if not TE.available():  # with TE installed, TE runs its own MXFP8BlockScaling
-        with pytest.raises(ValueError) as e4:
-            select_backend(TERecipeKwargs(use_mxfp8_block_scaling=True))
-        assert MXFP8_UNSUPPORTED in str(e4.value)  # no longer blockwise with 32x32 weight tiles
-    for err in (e1, e2, e3):
-        assert MXFP8_UNSUPPORTED in str(err.value)
-    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_recipe", "mxfp8", SCRIPT]) == 2
-    assert MXFP8_UNSUPPORTED in capsys.readouterr().err
+    if not TE.available():  # with TE installed, TE runs its own MXFP8BlockScaling / NVFP4BlockScaling
+        handler = TERecipeKwargs(**{switch: True})
+        backend = select_backend(handler)
+        # TE's MXFP8BlockScaling gets the handler's fp8_format (HYBRID: E5M2 gradients); NVFP4 has none
+        fmt = handler.fp8_format if name == "mxfp8" else "E4M3"
+        assert backend.recipe == expected.replace(fp8_format=fmt, use_during_eval=backend.recipe.use_during_eval)
+    monkeypatch.setenv("ACCELERATE_FP8_" + switch.upper(), "true")
+    assert getattr(TERecipeKwargs(), switch) is True
+    monkeypatch.delenv("ACCELERATE_FP8_" + switch.upper())
+    with pytest.raises(ValueError, match="both set"):
+        TERecipeKwargs(use_mxfp8_block_scaling=True, use_nvfp4_block_scaling=True)
+    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_recipe", name, SCRIPT]) == 0
+    assert f"LOWPREC_FP8_RECIPE={name}" in capsys.readouterr().out
     cfg = tmp_path / "mx.yaml"
-    cfg.write_text("mixed_precision: fp8\nfp8_config: {backend: TE, use_mxfp8_block_scaling: true}\n")
+    cfg.write_text(f"mixed_precision: fp8\nfp8_config: {{{switch}: true}}\n")
+    assert main(["launch", "--dry_run", "--config_file", str(cfg), SCRIPT]) == 0
+    assert f"LOWPREC_FP8_RECIPE={name}" in capsys.readouterr().out
+    cfg.write_text(f"mixed_precision: fp8\nfp8_config: {{backend: TE, {switch}: true}}\n")
     assert main(["launch", "--dry_run", "--config_file", str(cfg), SCRIPT]) == 2
-    assert MXFP8_UNSUPPORTED in capsys.readouterr().err
+    assert f"TERecipeKwargs({switch}=True)" in capsys.readouterr().err
 
 
 def test_native_fsdp_fp8_all_gather_needs_tensorwise_with_one_message(monkeypatch, capsys):

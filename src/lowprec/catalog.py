@@ -9,8 +9,10 @@ Each recipe is a scaling *kind* (where the scale comes from: an amax history or 
 itself) at a *granularity* (how many elements share one scale: tensor, row, block); the table
 of them is generated into ``docs/backends.md`` (:func:`recipes_markdown`).
 
-MXFP8 (1x32 blocks with E8M0 scales) is not implemented: every entry point rejects it with
-:data:`MXFP8_UNSUPPORTED`.
+The microscaling recipes (``mxfp8``: 1x32 blocks with E8M0 scales; ``nvfp4``: E2M1 with 1x16
+E4M3-scaled blocks) are named here like the others; TE's switches
+(``use_mxfp8_block_scaling``, ``use_nvfp4_block_scaling``) map to them through
+:func:`te_switch_recipe`.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ __all__ = [
     "FIELD_MINIMUMS",
     "RECIPE_FIELDS",
     "check_int_field",
-    "MXFP8_UNSUPPORTED",
     "FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE",
+    "TE_SWITCHES",
+    "te_switch_recipe",
     "recipe_info",
     "unread_recipe_fields",
     "recipes_markdown",
@@ -52,6 +55,7 @@ class Granularity(str, Enum):
     TENSOR = "tensor"  # one scale per tensor
     AXIS = "axis"  # one scale per row (slice across the contraction dim)
     BLOCK = "block"  # one scale per tile
+    MICRO = "microblock"  # one scale per 32 (MXFP8) or 16 (NVFP4) elements, hardware block formats
 
 
 # One default per field, for every entry point (Recipe, TERecipeKwargs, launch, wizard, docs).
@@ -72,7 +76,8 @@ FIELD_DEFAULTS: Mapping[str, Any] = MappingProxyType({
 
 # Every field of lowprec.fp8.Recipe (a test keeps this equal to the dataclass's fields).
 RECIPE_FIELDS = (*FIELD_DEFAULTS, "scaling", "power_of_2_scales", "dgrad_weight_tensorwise", "gemm",
-                 "use_fast_accum", "save_fp8_activations", "reduce_amax", "name")
+                 "use_fast_accum", "save_fp8_activations", "reduce_amax", "scale_rounding", "seed",
+                 "high_precision_last", "name")
 
 # The one range check of each integer field (Recipe, kwargs, launch flags/YAML/env, wizard).
 FIELD_MINIMUMS: Mapping[str, int] = MappingProxyType({"amax_history_len": 1, "interval": 1, "margin": 0})
@@ -96,13 +101,27 @@ def check_int_field(name: str, value: Any, convert: bool = True) -> int:
 
 # Fields that mean something for some scaling kinds only; a recipe that does not read one of
 # them gets an error (trainer, launch) or a warning (Python API) when it is set.
-SCALING_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "block_size", "reduce_amax")
+SCALING_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "block_size", "reduce_amax",
+                  "scale_rounding", "seed", "high_precision_last")
 _DELAYED_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "reduce_amax")
 
-MXFP8_UNSUPPORTED = (
-    "MXFP8 (1x32 blocks with E8M0 scales) is not implemented in lowprec yet; use the blockwise "
-    "recipe (FP8 1x128 / 128x128 blocks) or a per-tensor recipe (tensorwise, delayed)"
-)
+# TransformerEngine's recipe switches (TERecipeKwargs fields, ACCELERATE_FP8_* variables) and the
+# native recipe each one names
+TE_SWITCHES: Mapping[str, str] = MappingProxyType({
+    "use_mxfp8_block_scaling": "mxfp8",
+    "use_nvfp4_block_scaling": "nvfp4",
+})
+
+
+def te_switch_recipe(switches: Mapping[str, Any]) -> str | None:
+    """The native recipe named by TE's switches that are on (``None``: DelayedScaling);
+    ``ValueError`` when more than one is on."""
+    on = [k for k in TE_SWITCHES if switches.get(k)]
+    if len(on) > 1:
+        raise ValueError(f"{' and '.join(on)} are both set; TransformerEngine runs one recipe: keep one")
+    return TE_SWITCHES[on[0]] if on else None
+
+
 FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE = (
     "fp8_enable_fsdp_float8_all_gather needs the tensorwise recipe on lowprec's engine, not {recipe!r} "
     "(delayed scales come from per-rank histories, rowwise/blockwise scales are per row/tile of the "
@@ -127,6 +146,8 @@ class RecipeInfo:
         """The engine's ``Recipe.scaling`` value."""
         if self.kind is ScalingKind.DELAYED:
             return "delayed"
+        if self.granularity is Granularity.MICRO:
+            return self.name
         return {Granularity.TENSOR: "tensorwise", Granularity.AXIS: "rowwise", Granularity.BLOCK: "blockwise"}[
             self.granularity
         ]
@@ -152,10 +173,22 @@ RECIPES: Mapping[str, RecipeInfo] = MappingProxyType({
         RecipeInfo("blockwise", ScalingKind.DYNAMIC, Granularity.BLOCK,
                    "1x128 activation/gradient tiles, 128x128 weight tiles, power-of-two scales (DeepSeek-V3)",
                    {"scaling": "blockwise", **_ROWWISE}, ("block_size",)),
+        RecipeInfo("mxfp8", ScalingKind.DYNAMIC, Granularity.MICRO,
+                   "MXFP8 (OCP MX v1.0): E4M3, one E8M0 power-of-two scale per 32 elements along the "
+                   "contraction dim, each GEMM orientation cast from the source (TE MXFP8BlockScaling)",
+                   {"scaling": "mxfp8", "fp8_format": "E4M3"}, ("scale_rounding",)),
+        RecipeInfo("nvfp4", ScalingKind.DYNAMIC, Granularity.MICRO,
+                   "NVFP4: E2M1 + E4M3 scale per 16 + fp32 tensor scale, 16x16 weight tiles, stochastic "
+                   "rounding of gradients, Hadamard on wgrad inputs, last 15% of layers high precision "
+                   "(TE NVFP4BlockScaling)",
+                   {"scaling": "nvfp4", "fp8_format": "E4M3", "high_precision_last": 0.15},
+                   ("seed", "high_precision_last")),
     )
 })
 RECIPE_NAMES: tuple[str, ...] = tuple(RECIPES)
-_MXFP8_SPELLINGS = ("mxfp8", "mx_fp8", "mxfp8_block_scaling", "mx")
+# other spellings users write (TE's class names, torchao's recipe names)
+_ALIASES = {"mx_fp8": "mxfp8", "mxfp8_block_scaling": "mxfp8", "mx": "mxfp8", "mxfp8_rceil": "mxfp8",
+            "nv_fp4": "nvfp4", "nvfp4_block_scaling": "nvfp4"}
 
 
 def recipe_info(name: Any) -> RecipeInfo:
@@ -163,8 +196,7 @@ def recipe_info(name: Any) -> RecipeInfo:
     from lowprec.errors import did_you_mean
 
     key = str(name).strip().lower().replace("-", "_")
-    if key in _MXFP8_SPELLINGS:
-        raise ValueError(MXFP8_UNSUPPORTED)
+    key = _ALIASES.get(key, key)
     if key not in RECIPES:
         raise ValueError(
             f"unknown FP8 recipe {name!r}{did_you_mean(key, RECIPES)}; choose one of {', '.join(RECIPE_NAMES)}"

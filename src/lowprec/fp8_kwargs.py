@@ -15,7 +15,7 @@ import warnings
 from dataclasses import InitVar, dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from lowprec.catalog import FIELD_DEFAULTS, RECIPE_FIELDS, recipe_info, unread_recipe_fields
+from lowprec.catalog import FIELD_DEFAULTS, RECIPE_FIELDS, TE_SWITCHES, recipe_info, te_switch_recipe, unread_recipe_fields
 from lowprec.config import values as V
 from lowprec.kwargs import _FP8_NAMES, FP8_PREFIX, ForwardEveryField, _alias, env_get, environ
 
@@ -89,8 +89,9 @@ class RecipeKwargs(ForwardEveryField):
 class TERecipeKwargs(RecipeKwargs):
     """TransformerEngine ``DelayedScaling`` recipe (runs on the native engine without TE).
 
-    ``use_mxfp8_block_scaling`` asks for TE's MXFP8BlockScaling: with TE installed TE runs it;
-    lowprec's engine has no MXFP8 and refuses it (:data:`lowprec.catalog.MXFP8_UNSUPPORTED`)."""
+    ``use_mxfp8_block_scaling`` asks for TE's MXFP8BlockScaling, ``use_nvfp4_block_scaling``
+    (lowprec's name for TE's ``NVFP4BlockScaling``; env ``ACCELERATE_FP8_USE_NVFP4_BLOCK_SCALING``)
+    for NVFP4: TE runs them where installed, the native ``mxfp8`` / ``nvfp4`` recipes elsewhere."""
 
     use_autocast_during_eval: Optional[bool] = None
     margin: Optional[int] = None
@@ -100,6 +101,7 @@ class TERecipeKwargs(RecipeKwargs):
     amax_compute_algo: Optional[str] = None
     override_linear_precision: Optional[Any] = None
     use_mxfp8_block_scaling: Optional[bool] = None
+    use_nvfp4_block_scaling: Optional[bool] = None
     # spellings written by the `accelerate config` wizard (reference section 3.4, bug 5)
     amax_history_length: InitVar[Optional[int]] = None
     amax_compute_algorithm: InitVar[Optional[str]] = None
@@ -114,16 +116,18 @@ class TERecipeKwargs(RecipeKwargs):
     def _resolve_te_fields(self) -> None:
         _resolve_fields(self, ("use_autocast_during_eval", "margin", "interval", "fp8_format", "amax_history_len",
                                "amax_compute_algo", "override_linear_precision"))
-        mx = self.use_mxfp8_block_scaling
-        if mx is None:
-            mx = env_get(FP8_PREFIX + "USE_MXFP8_BLOCK_SCALING") or False
-            key = f"environment variable {FP8_PREFIX}USE_MXFP8_BLOCK_SCALING"
-        else:
-            key = "use_mxfp8_block_scaling"
-        try:
-            object.__setattr__(self, "use_mxfp8_block_scaling", V.parse_bool(mx))
-        except ValueError as err:
-            raise ValueError(f"{key}: {err}") from None
+        for name in TE_SWITCHES:
+            value = getattr(self, name)
+            if value is None:
+                value = env_get(FP8_PREFIX + name.upper()) or False
+                key = f"environment variable {FP8_PREFIX}{name.upper()}"
+            else:
+                key = name
+            try:
+                object.__setattr__(self, name, V.parse_bool(value))
+            except ValueError as err:
+                raise ValueError(f"{key}: {err}") from None
+        te_switch_recipe(vars(self))  # both on: one message
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,7 @@ def backends_markdown() -> str:
 
 def docs_page() -> str:
     """``docs/backends.md``: regenerate with ``python -m lowprec.backends.spec > docs/backends.md``."""
-    from lowprec.catalog import MXFP8_UNSUPPORTED, recipes_markdown
+    from lowprec.catalog import TE_SWITCHES, recipes_markdown
 
     return (
         "# FP8 backends and recipes\n\n"
@@ -186,7 +186,9 @@ def docs_page() -> str:
         "`reads`: the scaling fields the recipe uses besides `fp8_format`, `override_linear_precision`\n"
         "and `use_during_eval`; setting another one is an error in launch and the trainer's YAML and\n"
         "one warning in the Python API.\n\n" + recipes_markdown() + "\n\n"
-        f"MXFP8: {MXFP8_UNSUPPORTED}.\n"
+        "TransformerEngine's switches name these recipes: "
+        + ", ".join(f"`{k}` -> `{v}`" for k, v in TE_SWITCHES.items())
+        + " (TE runs its own recipe where it is installed, the native engine this one elsewhere).\n"
     )
 
 

@@ -2,7 +2,7 @@
 
 Written against TE's documented API (``transformer_engine.pytorch.Linear``, ``LayerNorm``,
 ``fp8_autocast``; ``transformer_engine.common.recipe.DelayedScaling``, ``MXFP8BlockScaling``,
-``Format``) and covered by tests with a recording stand-in module. Fixes over Accelerate:
+``NVFP4BlockScaling``, ``Format``) and covered by tests with a recording stand-in module. Fixes over Accelerate:
 no early return on a non-%16 Linear (bug 7), every resolved recipe field forwarded (bug 10),
 ``interval`` only passed to TE versions that still take it, the handler used on every
 distributed path (bugs 2, 3), and no "model and optimizer together" rule (bug 16).
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
 from lowprec.backends.base import BaseBackend, PrepareContext, log_once, note_unconverted_conv1d
 from lowprec.backends.spec import RECIPE_SETTINGS, BackendSpec
-from lowprec.catalog import MXFP8_UNSUPPORTED
+from lowprec.catalog import te_switch_recipe
 from lowprec.kwargs import TERecipeKwargs
 
 if TYPE_CHECKING:
@@ -59,8 +59,11 @@ def te_convert(model: "nn.Module", te: Any) -> int:
 def build_te_recipe(handler: Any, recipe_module: Any) -> Any:
     """The TE recipe object from a resolved :class:`TERecipeKwargs`: all fields, explicitly."""
     fmt = recipe_module.Format[handler.fp8_format]
-    if handler.use_mxfp8_block_scaling:
+    switch = te_switch_recipe(vars(handler))
+    if switch == "mxfp8":
         return recipe_module.MXFP8BlockScaling(fp8_format=fmt)
+    if switch == "nvfp4":
+        return recipe_module.NVFP4BlockScaling()
     kwargs = dict(
         margin=handler.margin,
         fp8_format=fmt,
@@ -104,7 +107,9 @@ class TEBackend(BaseBackend):
 
 
 def native_recipe(handler: TERecipeKwargs) -> Any:
-    """TE's DelayedScaling on lowprec's engine: the delayed recipe with every resolved field."""
+    """TE's recipe on lowprec's engine: DelayedScaling as the delayed recipe with every resolved
+    field; ``use_mxfp8_block_scaling`` / ``use_nvfp4_block_scaling`` as the mxfp8 / nvfp4 recipes
+    (TE's MXFP8BlockScaling / NVFP4BlockScaling semantics, ``lowprec/fp8/mx.py``, ``nvfp4.py``)."""
     from lowprec.fp8.recipes import Recipe
 
     from lowprec.backends.spec import get_spec
@@ -113,8 +118,16 @@ def native_recipe(handler: TERecipeKwargs) -> Any:
     if handler.fp8_format not in engine_formats:
         raise ValueError(f"fp8_format={handler.fp8_format!r} needs TransformerEngine; the native engine runs "
                          f"{' or '.join(engine_formats)}")
-    if handler.use_mxfp8_block_scaling:
-        raise ValueError(f"TERecipeKwargs(use_mxfp8_block_scaling=True) without TransformerEngine: {MXFP8_UNSUPPORTED}")
+    switch = te_switch_recipe(vars(handler))
+    if switch is not None:
+        # TE's block-scaled recipes have no amax history, margin or interval: those fields are
+        # TE-DelayedScaling's; fp8_format stays (MXFP8BlockScaling takes it; E4M3 is TE's default)
+        fmt = {"fp8_format": "E4M3"} if switch == "nvfp4" else {"fp8_format": handler.fp8_format}
+        return Recipe.from_name(
+            switch, **fmt,
+            override_linear_precision=tuple(handler.override_linear_precision),
+            use_during_eval=handler.use_autocast_during_eval,
+        )
     return Recipe.from_name(
         "delayed",
         fp8_format=handler.fp8_format,
@@ -141,10 +154,10 @@ SPEC = BackendSpec(
     name="te",
     env_value="TE",
     aliases=("transformer_engine", "transformerengine", "transformer-engine"),
-    summary="NVIDIA TransformerEngine (DelayedScaling; MXFP8 with TE only); else the delayed recipe natively",
+    summary="NVIDIA TransformerEngine (DelayedScaling, MXFP8BlockScaling, NVFP4BlockScaling); else the same recipe natively",
     kwargs_class=TERecipeKwargs,
     reads=RECIPE_SETTINGS,
-    reads_env=("ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING",),
+    reads_env=("ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING", "ACCELERATE_FP8_USE_NVFP4_BLOCK_SCALING"),
     fp8_formats=("HYBRID", "E4M3", "E5M2"),
     library="transformer_engine",
     distributions=("transformer_engine", "transformer-engine", "transformer_engine_torch"),

@@ -32,7 +32,7 @@ from typing import Annotated, Any, Callable, Optional
 import yaml
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from lowprec.catalog import MXFP8_UNSUPPORTED
+from lowprec.catalog import TE_SWITCHES, te_switch_recipe
 from lowprec.config import values as V
 from lowprec.config.env import LaunchSettings
 from lowprec.config.paths import default_config_path
@@ -100,13 +100,27 @@ class FP8Config(_Strict):
     enable_fsdp_float8_all_gather: OptBool = None
     pad_inner_dim: OptBool = None
     use_mxfp8_block_scaling: OptBool = None
+    use_nvfp4_block_scaling: OptBool = None
 
     def to_settings(self) -> dict[str, Any]:
-        if self.use_mxfp8_block_scaling:
-            raise UsageError(f"fp8_config.use_mxfp8_block_scaling: {MXFP8_UNSUPPORTED}")
         names = {"backend": "fp8_backend", "recipe": "fp8_recipe", "fallback": "fp8_fallback"}
         out = {}
-        for key in self.model_fields_set - {"use_mxfp8_block_scaling"}:
+        try:
+            switched = te_switch_recipe({k: getattr(self, k) for k in TE_SWITCHES})
+        except ValueError as err:
+            raise UsageError(f"fp8_config: {err}") from None
+        if switched is not None:  # TE's switch names the native recipe of the same meaning
+            key = next(k for k in TE_SWITCHES if getattr(self, k))
+            if self.recipe not in (None, switched):
+                raise UsageError(f"fp8_config.{key} asks for the {switched} recipe but recipe: {self.recipe}; keep one")
+            if self.backend not in (None, "native"):
+                raise UsageError(
+                    f"fp8_config.{key}: launch runs it on the native engine (recipe {switched}); for "
+                    f"TransformerEngine's own, pass TERecipeKwargs({key}=True) in the script; or set "
+                    f"backend: native, recipe: {switched}"
+                )
+            out["fp8_recipe"] = switched
+        for key in self.model_fields_set - set(TE_SWITCHES):
             value = getattr(self, key)
             if value is not None:
                 out[names.get(key, key if key.startswith("fp8_") else f"fp8_{key}")] = value

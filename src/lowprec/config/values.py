@@ -12,7 +12,7 @@ import ast
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lowprec.catalog import MXFP8_UNSUPPORTED, RECIPE_NAMES, check_int_field
+from lowprec.catalog import RECIPE_NAMES, check_int_field, recipe_info
 from lowprec.errors import did_you_mean
 
 __all__ = [
@@ -140,9 +140,10 @@ def parse_fp8_backend(value: Any) -> str:
 
 
 def parse_fp8_recipe(value: Any) -> str:
-    if str(value).strip().lower().replace("-", "_") in ("mxfp8", "mx_fp8"):
-        raise ValueError(MXFP8_UNSUPPORTED)
-    return choice(value, FP8_RECIPES)
+    try:  # the catalog's spellings (mx_fp8, nvfp4_block_scaling, ...) name the same recipes
+        return recipe_info(value).name
+    except ValueError:
+        return choice(value, FP8_RECIPES)
 
 
 def parse_recipe_int(name: str) -> Callable[[Any], int]:

@@ -21,6 +21,10 @@ layer type with parameters that stays in high precision is counted in the report
 the reason (embeddings are lookups, norms are elementwise, Linear subclasses such as 4-bit
 layers have their own forward).
 
+A recipe with ``high_precision_last > 0`` (nvfp4: 0.15, as NVIDIA keeps about 15% of the Linear
+layers, mostly the last ones, in BF16) then keeps that fraction of the layers that would convert,
+the last ones in module order (rounded up), in high precision, each with the reason.
+
 A custom ``module_filter(module, fqn) -> bool`` replaces the default rules. A skipped layer
 never stops its siblings from converting (Accelerate's ``convert_model`` returns early).
 """
@@ -28,6 +32,7 @@ never stops its siblings from converting (Accelerate's ``convert_model`` returns
 from __future__ import annotations
 
 import fnmatch
+import math
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -40,7 +45,9 @@ from lowprec.fp8.conv1d import Float8Conv1D, gemm_dims, is_conv1d
 from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 from lowprec.fp8.gemm import native_scaled_mm_available
 from lowprec.fp8.linear import Float8Linear, _STATE_BUFFERS
-from lowprec.fp8.recipes import Recipe
+from lowprec.fp8.mx_gemm import native_block_scaled_available
+from lowprec.fp8.mx_linear import MX_STATE_BUFFER
+from lowprec.fp8.recipes import BLOCK_SCALED, Recipe
 
 __all__ = [
     "ConversionReport",
@@ -150,6 +157,13 @@ def _gemm_note(recipe: Recipe, device: torch.device) -> str:
         return "chosen at run time on the device the model is materialised on"
     if recipe.gemm == "emulate":
         return "emulated (dequantize + float32 matmul), as asked"
+    if recipe.scaling in BLOCK_SCALED:
+        if native_block_scaled_available(device):
+            return f"torch block-scaled scaled_mm on {device.type} ({recipe.scaling}, swizzled scales)"
+        why = f"exact {recipe.scaling} dequantization + float32 matmul on {device.type}"
+        if device.type == "cpu":  # the CPU path by design, as the bf16 upcast is for the other recipes
+            return why
+        return f"emulated: {why} (torch's block-scaled scaled_mm needs CUDA sm_100+)"
     if device.type == "cpu":
         if recipe.scaling == "blockwise" and not recipe.power_of_2_scales:
             return "emulated: block scales that are not powers of two cannot fold exactly into bf16 operands"
@@ -222,6 +236,7 @@ def convert(
     report = ConversionReport(recipe)
     rule = default_module_filter(model, skip_first_last=skip_first_last, skip_patterns=skip_patterns)
     device = None
+    chosen: list[tuple[str, nn.Linear]] = []
     for fqn, module in list(model.named_modules()):
         if isinstance(module, Float8Linear):
             report.skipped.append((fqn, "already Float8Linear"))
@@ -243,9 +258,20 @@ def convert(
             report.skipped.append((fqn, reason))
             _count_kept(report, module, reason)
             continue
-        new = Float8Conv1D.from_conv1d(module, recipe) if conv1d else Float8Linear.from_linear(module, recipe)
         if fqn == "":
             raise ValueError("convert() got a bare nn.Linear; wrap it in a module or use Float8Linear.from_linear")
+        chosen.append((fqn, module))
+    keep = math.ceil(recipe.high_precision_last * len(chosen) - 1e-9)  # rounded up; 0 keeps none
+    for fqn, module in chosen[len(chosen) - keep:] if keep else ():
+        reason = (f"the {recipe.name} recipe keeps the last {recipe.high_precision_last:.0%} "
+                  "of its Linear layers in high precision (high_precision_last)")
+        report.skipped.append((fqn, reason))
+        _count_kept(report, module, reason)
+    for index, (fqn, module) in enumerate(chosen[: len(chosen) - keep]):
+        conv1d = is_conv1d(module)
+        new = Float8Conv1D.from_conv1d(module, recipe) if conv1d else Float8Linear.from_linear(module, recipe)
+        if hasattr(new, MX_STATE_BUFFER):  # a distinct, reproducible rounding stream per layer
+            getattr(new, MX_STATE_BUFFER)[0] = index
         _set_submodule(model, fqn, new)
         report.converted.append((fqn, *gemm_dims(module)))
         device = device or module.weight.device

@@ -46,6 +46,7 @@ class DeviceProfile:
     mem_eff: float = 0.40  # casts reach well under peak bandwidth (amax reductions, transposes)
     cast_overhead_us: float = 10.0  # per cast kernel (launch + tail)
     small_gemm_flops: float = 3e10  # below this, GEMMs lose efficiency (wave quantisation)
+    block_scaled: bool = False  # an MXFP8/NVFP4 datapath (sm_100+); H100/H200 have none
 
 
 # Datasheet peaks (dense): H100 SXM 989 bf16 / 1979 fp8 TFLOPS, 3.35 TB/s; H200 the same
@@ -97,6 +98,9 @@ def predict_speedup(m: int, k: int, n: int, recipe: Recipe | str, device: str | 
     """Predicted bf16 time / FP8 time of one Linear's fwd+bwd (compiled, fused casts)."""
     recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
     p = PROFILES[device.lower()] if isinstance(device, str) else device
+    if recipe.scaling in ("mxfp8", "nvfp4") and not p.block_scaled:
+        raise ValueError(f"no speed model for the {recipe.scaling} recipe on {p.name}: it has no MXFP8/NVFP4 "
+                         "GEMMs (sm_100+) and lowprec runs them emulated there; pick another recipe or device")
     bf16, fp8 = _times(m, k, n, recipe, p)
     return bf16 / fp8
 

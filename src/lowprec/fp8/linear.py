@@ -58,8 +58,9 @@ from lowprec.fp8.frozen import drop_frozen_cache, frozen_weight_cache
 from lowprec.fp8.gathered import as_float8_data
 from lowprec.fp8.tp_linear import is_tensor_parallel, tp_forward
 from lowprec.fp8.gemm import scaled_mm
+from lowprec.fp8.mx_linear import MX_STATE_BUFFER, init_mx_state, mx_linear
 from lowprec.fp8.quantize import Float8Data, quantize
-from lowprec.fp8.recipes import LinearPlan, OperandCast, Recipe
+from lowprec.fp8.recipes import BLOCK_SCALED, LinearPlan, OperandCast, Recipe
 from lowprec.fp8.scaling import amax_to_scale, delayed_scale_step
 
 __all__ = ["Float8Linear", "delayed_scale_step"]
@@ -67,7 +68,7 @@ __all__ = ["Float8Linear", "delayed_scale_step"]
 OPERANDS = ("input", "weight", "grad_output")
 _STATE_BUFFERS = tuple(f"fp8_amax_history_{o}" for o in OPERANDS) + tuple(
     f"fp8_scale_{o}" for o in OPERANDS
-) + ("fp8_step", "fp8_step_grad")
+) + ("fp8_step", "fp8_step_grad", MX_STATE_BUFFER)
 
 
 def _cast(x: torch.Tensor, spec: OperandCast, contract: int, recipe: Recipe, scale=None) -> Float8Data:
@@ -309,6 +310,7 @@ class Float8Linear(nn.Linear):
             # the (input, weight) scales of the last forward, replayed by an activation-checkpoint
             # recompute (fp8.checkpoint) so it casts exactly as the first forward did
             self.register_buffer("fp8_last_scales", torch.ones(2, device=device), persistent=False)
+        init_mx_state(self, recipe)  # block-scaled recipes (fp8/mx_linear.py)
         # (amax, scale, saturated fraction, underflow fraction) x (input, weight, grad_output)
         self.register_buffer("fp8_stats", torch.zeros(3, 4, device=device), persistent=False)
 
@@ -404,10 +406,13 @@ class Float8Linear(nn.Linear):
         if is_tensor_parallel(self.weight):  # DTensor weight: local GEMMs, whole-tensor scales
             return tp_forward(self, x, recipe, hp)
         x2 = x.reshape(-1, x.shape[-1])
-        plan = recipe.plan()
-        cache = frozen_weight_cache(self, self.weight, recipe, plan, torch.is_grad_enabled() and x2.requires_grad)
-        cfg = _FnConfig(recipe, hp, plan, cache)
-        out = _Float8LinearFn.apply(x2, self.gemm_weight(), cfg, self._cast_state(x2, recipe))
+        if recipe.scaling in BLOCK_SCALED:  # MXFP8 / NVFP4: their own GEMMs (fp8/mx_linear.py)
+            out = mx_linear(self, x2, recipe, hp)
+        else:
+            plan = recipe.plan()
+            cache = frozen_weight_cache(self, self.weight, recipe, plan, torch.is_grad_enabled() and x2.requires_grad)
+            cfg = _FnConfig(recipe, hp, plan, cache)
+            out = _Float8LinearFn.apply(x2, self.gemm_weight(), cfg, self._cast_state(x2, recipe))
         out = out.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

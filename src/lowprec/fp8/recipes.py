@@ -1,7 +1,7 @@
 """Scaling recipes: frozen, validated dataclasses with named constructors.
 
 A recipe answers, for each of the three GEMMs of a Linear layer, which operands are cast to
-which FP8 dtype at which granularity. ``Recipe.from_name`` builds the five named recipes:
+which FP8 dtype at which granularity. ``Recipe.from_name`` builds the seven named recipes:
 
 ================== ========= ================= ============================================
 name               scaling   formats           notes
@@ -14,6 +14,12 @@ rowwise_with_gw_hp per-row    E4M3             weight-gradient GEMM in high prec
                                                weight is tensorwise for grad_input (torchao)
 blockwise          tiles      E4M3 everywhere  1x128 activations/gradients, 128x128 weights,
                                                power-of-two scales (DeepSeek-V3)
+mxfp8              1x32       E4M3 (HYBRID:    E8M0 power-of-two scale per 32 elements along
+                              E5M2 gradients)  the contraction dim, each GEMM orientation cast
+                                               from the high-precision source (``fp8/mx.py``)
+nvfp4              1x16       E2M1 + E4M3      fp32 tensor scale; 16x16 weight tiles;
+                              block scales     stochastic rounding of gradients; Hadamard
+                                               transform on the wgrad inputs (``fp8/nvfp4.py``)
 ================== ========= ================= ============================================
 """
 
@@ -32,7 +38,9 @@ from lowprec.fp8.formats import Format
 __all__ = ["Recipe", "OperandCast", "GemmCast", "LinearPlan", "RECIPE_NAMES"]
 
 # names, presets and defaults live in lowprec.catalog (torch-free, shared with the launcher)
-SCALINGS = ("delayed", "tensorwise", "rowwise", "blockwise")
+SCALINGS = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
+BLOCK_SCALED = ("mxfp8", "nvfp4")  # the microscaling recipes (fp8/mx_linear.py runs their GEMMs)
+SCALE_ROUNDINGS = ("rceil", "floor")  # MXFP8's E8M0 scale rule; fp8/mx.py says why rceil is the default
 _D = FIELD_DEFAULTS
 GEMM_BACKENDS = ("auto", "scaled_mm", "upcast", "emulate")
 
@@ -142,6 +150,12 @@ class Recipe:
     power_of_2_scales: round scales down to powers of two.
     dgrad_weight_tensorwise: cast the weight tensorwise for grad_input (rowwise_with_gw_hp).
     block_size: tile edge for blockwise (multiple of 16).
+    scale_rounding: MXFP8's E8M0 scale rule, ``rceil`` (default: never saturates; what NVIDIA's
+        hardware recipes use) or ``floor`` (the OCP spec's); see ``lowprec/fp8/mx.py``.
+    seed: NVFP4's stochastic rounding and Hadamard signs (reproducible from it).
+    high_precision_last: NVFP4: the fraction of the convertible Linear layers, the last ones in
+        module order, that ``convert`` keeps in high precision (NVIDIA keeps ~15%, mostly the
+        last blocks); 0 converts them all.
     gemm: ``auto`` (``torch._scaled_mm`` on FP8 GPUs; on CPU the exact bf16-upcast GEMM unless
         a one-time probe finds ``torch._scaled_mm`` faster; else emulation), ``scaled_mm``
         (require it), ``upcast`` (the CPU path, always) or ``emulate`` (dequantize + float32
@@ -173,6 +187,9 @@ class Recipe:
     use_during_eval: bool = _D["use_during_eval"]
     save_fp8_activations: bool = True
     reduce_amax: bool = True
+    scale_rounding: str = "rceil"
+    seed: int = 0
+    high_precision_last: float = 0.0
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -200,9 +217,19 @@ class Recipe:
             raise ValueError(f"gemm={self.gemm!r}; use one of {GEMM_BACKENDS}")
         if self.block_size < 16 or self.block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {self.block_size}")
+        set_("scale_rounding", str(self.scale_rounding).lower())
+        if self.scale_rounding not in SCALE_ROUNDINGS:
+            raise ValueError(f"scale_rounding={self.scale_rounding!r}; use one of {SCALE_ROUNDINGS}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        hpl = self.high_precision_last
+        if isinstance(hpl, bool) or not isinstance(hpl, (int, float)) or not 0 <= hpl < 1:
+            raise ValueError(f"high_precision_last must be a fraction in [0, 1), got {hpl!r}")
+        if self.scaling in BLOCK_SCALED:
+            self._check_block_scaled()
         if self.dgrad_weight_tensorwise and self.scaling != "rowwise":
             raise ValueError("dgrad_weight_tensorwise applies to scaling='rowwise' only")
-        if self.margin and self.scaling in ("rowwise", "blockwise"):
+        if self.margin and self.scaling in ("rowwise", "blockwise", *BLOCK_SCALED):
             raise ValueError(
                 f"margin applies to per-tensor scaling; scaling={self.scaling!r} "
                 "uses power-of-two per-row/per-block scales: set margin=0"
@@ -218,12 +245,20 @@ class Recipe:
         # call (a plain attribute, which torch.compile traces without a guard on a lock).
         set_("_plan", self._build_plan())
 
+    def _check_block_scaled(self) -> None:
+        if self.scaling == "nvfp4" and self.fp8_format is not Format.E4M3:
+            raise ValueError("fp8_format applies to FP8 elements; nvfp4 holds E2M1 elements with E4M3 "
+                             "scales: set fp8_format='E4M3'")
+        if self.scaling == "nvfp4" and not self.save_fp8_activations:
+            raise ValueError("nvfp4 keeps the FP4 input for the weight-gradient GEMM; save_fp8_activations=False "
+                             "is not supported with it")
+
     # ------------------------------------------------------------------ constructors
     @classmethod
     def from_name(cls, name: str, **overrides: Any) -> "Recipe":
         """One of ``delayed``, ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``,
-        ``blockwise``; keyword arguments override single fields."""
-        info = recipe_info(name)  # unknown names (and MXFP8) rejected with the catalog's message
+        ``blockwise``, ``mxfp8``, ``nvfp4``; keyword arguments override single fields."""
+        info = recipe_info(name)  # unknown names rejected with the catalog's message
         fields = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(overrides) - fields)
         if bad:
@@ -251,7 +286,14 @@ class Recipe:
     def _build_plan(self) -> LinearPlan:
         fwd, bwd = self.fp8_format.forward_dtype, self.fp8_format.backward_dtype
         olp = self.override_linear_precision
-        if self.per_tensor:
+        if self.scaling == "mxfp8":  # 1x32 along each GEMM's contraction dim, every operand
+            mx = lambda dt: OperandCast(dt, "mx32")  # noqa: E731
+            g = [GemmCast(mx(fwd), mx(fwd)), GemmCast(mx(bwd), mx(fwd)), GemmCast(mx(bwd), mx(fwd))]
+        elif self.scaling == "nvfp4":  # E2M1 elements (E4M3 names the block scales' format)
+            nv = OperandCast(fwd, "nv16")
+            w2d = OperandCast(fwd, "nv16", block_2d=True)
+            g = [GemmCast(nv, w2d), GemmCast(nv, w2d), GemmCast(nv, nv)]
+        elif self.per_tensor:
             t = lambda dt: OperandCast(dt, "tensor")  # noqa: E731
             g = [GemmCast(t(fwd), t(fwd)), GemmCast(t(bwd), t(fwd)), GemmCast(t(bwd), t(fwd))]
         elif self.scaling == "rowwise":
@@ -274,6 +316,13 @@ class Recipe:
             if gc.high_precision:
                 rows.append(f"{gemm}: high precision")
                 continue
-            op = lambda o: f"{str(o.dtype).replace('torch.float8_', '')}/{o.granularity}"  # noqa: E731
+            op = lambda o: _describe_operand(o, self.scaling)  # noqa: E731
             rows.append(f"{gemm}: {op(gc.a)} x {op(gc.b)}")
         return "; ".join(rows)
+
+
+def _describe_operand(o: OperandCast, scaling: str) -> str:
+    if scaling == "nvfp4":
+        return "e2m1/16x16" if o.block_2d else "e2m1/1x16"
+    gran = "1x32" if scaling == "mxfp8" else o.granularity
+    return f"{str(o.dtype).replace('torch.float8_', '')}/{gran}"

@@ -60,7 +60,7 @@ KEYS = (
     ('fp16', 'fp16 autocast with a gradient scaler', 'null'),
     ('bf16', 'auto (bf16 autocast where the device supports it), true (fp32 weights, bf16 autocast), full (pure bf16 weights, no autocast), false', 'auto'),
     ('fp8', "FP8 GEMMs in the Linear layers (lowprec's engine)", 'null'),
-    ('fp8_recipe', 'named FP8 recipe (delayed, tensorwise, rowwise, rowwise_with_gw_hp, blockwise) or {name: ..., <recipe field>: ...}', 'tensorwise'),
+    ('fp8_recipe', 'named FP8 recipe (delayed, tensorwise, rowwise, rowwise_with_gw_hp, blockwise, mxfp8, nvfp4) or {name: ..., <recipe field>: ...}', 'tensorwise'),
     ('fp8_filter', 'layer name patterns kept in high precision (a name part like o_proj, or a glob like model.layers.0.*), added to the defaults (first/last Linear, lm_head, router, gate)', '[]'),
     ('fp8_enable_fsdp_float8_all_gather', 'all-gather FSDP2 weights in FP8 (needs fsdp_version: 2 and fp8_recipe: tensorwise)', 'null'),
     ('fp8_fallback', 'on a GPU without FP8 (below sm_89): bf16 (train in bf16) or emulate (FP8 numerics, slow)', 'null'),

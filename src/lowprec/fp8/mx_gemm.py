@@ -1,0 +1,136 @@
+"""Block-scaled GEMMs (MXFP8, NVFP4): torch's block-scaled ``scaled_mm`` on sm_100+, else exact emulation.
+
+``mx_mm(a, bt)`` computes ``dequant(a) @ dequant(bt)^T`` for ``a`` (M, K) and ``bt`` (N, K), both
+:class:`~lowprec.fp8.mx.BlockScaledData` quantized along K with the same block size (the layout
+cuBLAS reads: A row-major, B column-major).
+
+Paths
+-----
+``emulate``  any device: elements times their block scale in float32 (exact: an E4M3 value
+             times a power of two, or an E2M1 value times an E4M3 scale, has at most 5
+             significant bits), one float32 matmul, NVFP4's two tensor scales applied to the
+             output (as cuBLAS applies them, as ``alpha``). The CPU path, and the reference.
+``scaled_mm`` CUDA sm_100+ where ``torch.nn.functional.scaled_mm`` exists:
+             ``ScalingType.BlockWise1x32`` with E8M0 scales (MXFP8), ``BlockWise1x16`` with E4M3
+             scales plus a ``TensorWise`` float32 scale (NVFP4), scales in the swizzled layout
+             below. No sm_100 GPU was available to this project when it was written: the path
+             is selected by capability, and ``tests/test_mx_gemm.py`` checks its scale layout on
+             CPU against a reference written from the cuBLAS documentation.
+
+``auto`` (the recipes' default) takes ``scaled_mm`` where it can run, else ``emulate`` (logged
+once on CUDA). ``upcast`` (the CPU path of the per-tensor recipes) means ``emulate`` here.
+
+Scale layout (cuBLAS "1D block scaling factors layout"; cuDNN's "128x4" layout): the (rows,
+K/block) scale matrix is padded to whole 128 x 4 tiles; tiles are stored one after the other,
+row of tiles by row of tiles; inside a tile the scale of (row r, column c) sits at byte
+``(r % 32) * 16 + (r // 32) * 4 + c``, so the scales of rows r, r+32, r+64, r+96 are adjacent.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lowprec.fp8.capability import cuda_capability, is_cuda
+from lowprec.fp8.mx import BlockScaledData, e8m0_decode
+from lowprec.fp8.nvfp4 import e2m1_unpack
+
+__all__ = ["mx_mm", "swizzle_scales", "native_block_scaled_available", "mx_gemm_path"]
+
+logger = logging.getLogger("lowprec.fp8")
+_LOGGED: set[str] = set()
+
+
+def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) block scales -> the flat tiled layout cuBLAS reads (see module docstring).
+
+    Padding (rows to 128, cols to 4) is zero bytes: it scales padded zero data only.
+    """
+    rows, cols = scale.shape
+    raw = scale.view(torch.uint8)
+    pr, pc = (-rows) % 128, (-cols) % 4
+    if pr or pc:
+        raw = torch.nn.functional.pad(raw, (0, pc, 0, pr))
+    nr, nc = raw.shape[0] // 128, raw.shape[1] // 4
+    # (tile row, r//32, r%32, tile col, c) -> (tile row, tile col, r%32, r//32, c)
+    tiles = raw.reshape(nr, 4, 32, nc, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().reshape(-1).view(scale.dtype)
+
+
+def native_block_scaled_available(device: torch.device) -> bool:
+    """Whether torch's block-scaled ``scaled_mm`` can run here: CUDA sm_100+ and a torch that has
+    ``torch.nn.functional.scaled_mm`` with block scaling types (no kernel call)."""
+    F = torch.nn.functional
+    if not (is_cuda(device) and hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")):
+        return False
+    if not hasattr(F.ScalingType, "BlockWise1x32"):
+        return False
+    return cuda_capability(device) >= (10, 0)
+
+
+def mx_gemm_path(requested: str, device: torch.device) -> str:
+    """Resolve a recipe's ``gemm`` field for a block-scaled GEMM on ``device``."""
+    native = native_block_scaled_available(device)
+    if requested == "scaled_mm":
+        if not native:
+            raise RuntimeError(
+                f"gemm='scaled_mm' was asked for, but torch's block-scaled scaled_mm needs CUDA sm_100+ "
+                f"(this GEMM runs on {device}, torch {torch.__version__}); use gemm='auto' or 'emulate'"
+            )
+        return "scaled_mm"
+    if requested == "auto" and native:
+        return "scaled_mm"
+    if requested == "auto" and is_cuda(device) and "cuda" not in _LOGGED:
+        _LOGGED.add("cuda")
+        logger.warning("lowprec.fp8: MXFP8/NVFP4 GEMMs on %s run emulated in float32: torch's block-scaled "
+                       "scaled_mm needs sm_100+", device)
+    return "emulate"
+
+
+def _elements(q: BlockScaledData) -> torch.Tensor:
+    """Elements times block scales, float32, padded width (exact; see module docstring)."""
+    if q.tensor_scale is None:
+        elems, scale = q.data.to(torch.float32), e8m0_decode(q.scale)
+    else:
+        elems, scale = e2m1_unpack(q.data), q.scale.to(torch.float32)
+    return (elems.reshape(q.rows, -1, q.block) * scale.unsqueeze(-1)).reshape(q.rows, -1)
+
+
+def _emulate(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> torch.Tensor:
+    out = torch.matmul(_elements(a), _elements(bt).t())
+    if a.tensor_scale is not None:
+        out = out * (a.tensor_scale * bt.tensor_scale)
+    return out.to(out_dtype)
+
+
+def _native(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> torch.Tensor:
+    F = torch.nn.functional
+    m, n = a.rows, bt.rows
+    pad_rows = lambda t, r: F.pad(t.view(torch.uint8), (0, 0, 0, r - t.shape[0])).view(t.dtype)  # noqa: E731
+    mp, np_ = -(-m // 16) * 16, -(-n // 16) * 16
+    ad, bd = pad_rows(a.data, mp), pad_rows(bt.data, np_)
+    swz = F.SwizzleType.SWIZZLE_32_4_4
+    if a.tensor_scale is None:
+        rec = F.ScalingType.BlockWise1x32
+        sa, sb, ra, rb = swizzle_scales(a.scale), swizzle_scales(bt.scale), rec, rec
+        za, zb = swz, swz
+    else:
+        blk, tw = F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise
+        sa, sb = [swizzle_scales(a.scale), a.tensor_scale], [swizzle_scales(bt.scale), bt.tensor_scale]
+        ra = rb = [blk, tw]
+        za = zb = [swz, F.SwizzleType.NO_SWIZZLE]
+    out = F.scaled_mm(ad, bd.t(), sa, ra, sb, rb, swizzle_a=za, swizzle_b=zb, output_dtype=torch.bfloat16)
+    return out[:m, :n].to(out_dtype)
+
+
+def mx_mm(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype, *, path: str = "auto") -> torch.Tensor:
+    """``dequant(a) @ dequant(bt)^T`` in ``out_dtype`` (see module docstring for the paths)."""
+    if a.cols != bt.cols or a.block != bt.block or a.fmt != bt.fmt:
+        raise ValueError(
+            f"mx_mm needs two {a.fmt} operands quantized along the same K: got {a.fmt} {a.shape}/{a.block} "
+            f"and {bt.fmt} {bt.shape}/{bt.block}"
+        )
+    if mx_gemm_path(path, a.data.device) == "scaled_mm":
+        return _native(a, bt, out_dtype)
+    return _emulate(a, bt, out_dtype)

@@ -1,0 +1,234 @@
+"""The three GEMMs of a Linear for the block-scaled recipes (``mxfp8``, ``nvfp4``).
+
+``Float8Linear.forward`` hands a layer whose recipe is block-scaled to :func:`mx_linear`. GEMMs
+(``x``: input (M, K), ``W``: weight (N, K), ``dY``: grad of output (M, N)); every operand is
+quantized along its GEMM's contraction dim, from the high-precision tensor:
+
+============  ===========================  ===========================  ==================
+GEMM          A (contract)                 B^T (contract)               output
+============  ===========================  ===========================  ==================
+output        x (K)                        W (K)                        hp
+grad_input    dY (N)                       W^T (N)                      hp
+grad_weight   dY^T (M)                     x^T (M)                      float32
+============  ===========================  ===========================  ==================
+
+mxfp8: 1x32 E8M0 blocks everywhere; E4M3 elements (E5M2 for dY with ``fp8_format=HYBRID``).
+W^T is cast from the Parameter in backward (its blocks run along N, not K: other numbers).
+nvfp4: 1x16 blocks; W in 16x16 tiles, so grad_input reads the forward's FP4 weight transposed;
+dY rounded stochastically (seeded: ``recipe.seed``, the layer's index, its step); the grad_weight
+operands pass through the random Hadamard transform along M first (``hadamard.py``).
+``override_linear_precision`` runs a GEMM in hp instead.
+
+What backward keeps: x^T quantized for grad_weight (mxfp8 1 + 1/32 bytes per element, nvfp4
+0.5 + 1/16: against 2 for bf16), and the weight: a reference to the Parameter (mxfp8) or the FP4
+tiles of the forward (nvfp4, 0.5 + 1/16 bytes per weight element). ``benchmarks/memory.py``
+measures it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lowprec.fp8.autocast import recomputing, torch_autocast_off
+from lowprec.fp8.formats import saturation_threshold
+from lowprec.fp8.hadamard import apply_rht, random_hadamard
+from lowprec.fp8.mx import BlockScaledData, e8m0_decode, quantize_mx
+from lowprec.fp8.mx_gemm import mx_mm
+from lowprec.fp8.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
+from lowprec.fp8.recipes import Recipe
+
+__all__ = ["mx_linear", "init_mx_state", "MX_STATE_BUFFER", "block_stats"]
+
+MX_STATE_BUFFER = "fp8_sr_state"  # nvfp4: (layer index, step) of the stochastic rounding stream
+_NV_SATURATION = 7.0  # E2M1: values up to 6 + half the top step (2) round to 6 anyway
+
+
+def init_mx_state(module: nn.Module, recipe: Recipe) -> None:
+    """Register the state a block-scaled recipe keeps (nvfp4: the rounding stream's position, in
+    the state_dict so that a resumed run draws the same noise as an uninterrupted one)."""
+    if recipe.scaling == "nvfp4":
+        module.register_buffer(MX_STATE_BUFFER, torch.zeros(2, dtype=torch.int64, device=module.weight.device))
+
+
+def _stream_seed(recipe: Recipe, layer: int, step: int, which: int) -> int:
+    """A 63-bit seed per (recipe seed, layer, step, GEMM): distinct streams, reproducible."""
+    h = (recipe.seed * 0x9E3779B97F4A7C15 + layer * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB + which) & (2**63 - 1)
+    return h
+
+
+@dataclass(frozen=True)
+class _MXConfig:
+    recipe: Recipe
+    hp_dtype: torch.dtype
+    stats: bool
+    seeds: tuple[int, int] | None  # nvfp4: stochastic rounding seeds for dgrad's and wgrad's dY
+
+
+def _quantize(t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None) -> BlockScaledData:
+    """One operand, quantized along its last dim, from the high-precision ``t``."""
+    if recipe.scaling == "mxfp8":
+        return quantize_mx(t, dtype, recipe.scale_rounding)
+    gen = None
+    if seed is not None:
+        gen = torch.Generator(device=t.device)
+        gen.manual_seed(seed)
+    return quantize_nvfp4(t, gen)
+
+
+def _decode_scales(q: BlockScaledData) -> torch.Tensor:
+    if q.tensor_scale is None:
+        return e8m0_decode(q.scale)
+    return q.scale.to(torch.float32) * q.tensor_scale
+
+
+def block_stats(x: torch.Tensor, q: BlockScaledData) -> torch.Tensor:
+    """(amax, smallest encode scale, saturated fraction, underflow fraction) of one cast.
+
+    Judged per block: an element saturated when its magnitude over its own block's decode scale
+    is beyond what rounding to the format's max covers (E4M3 464, E5M2 61440, E2M1 7: with
+    ``floor`` MX scales or NVFP4's rounded E4M3 scales); underflowed when it is non-zero and
+    decodes to 0 (an NVFP4 block whose E4M3 scale rounded to 0 counts whole).
+    """
+    x32 = x.detach().to(torch.float32)
+    dec = _decode_scales(q)
+    per_elem = dec.repeat_interleave(q.block, dim=1)[:, : q.cols]
+    thr = _NV_SATURATION if q.tensor_scale is not None else saturation_threshold(q.data.dtype)
+    ratio = x32.abs() / per_elem
+    saturated = (ratio > thr).float().mean()
+    underflow = ((x32 != 0) & (q.dequantize() == 0)).float().mean()
+    finite = dec[torch.isfinite(dec) & (dec > 0)]
+    smallest = finite.amax().reciprocal() if finite.numel() else torch.zeros((), device=x.device)
+    return torch.stack([x32.abs().amax(), smallest.to(torch.float32), saturated, underflow])
+
+
+def _pack(ctx, items: list) -> None:
+    """save_for_backward every tensor (BlockScaledData as its data/scale/tensor scale)."""
+    tensors, meta = [], []
+    for it in items:
+        if isinstance(it, BlockScaledData):
+            ts = it.tensor_scale
+            meta.append(("q", it.cols, it.block, ts is not None))
+            tensors += [it.data, it.scale] + ([ts] if ts is not None else [])
+        elif it is None:
+            meta.append(("none",))
+        else:
+            meta.append(("t",))
+            tensors.append(it)
+    ctx.save_for_backward(*tensors)
+    ctx.meta = meta
+
+
+def _unpack(ctx) -> list:
+    tensors, out = list(ctx.saved_tensors), []
+    for m in ctx.meta:
+        if m[0] == "q":
+            data, scale = tensors.pop(0), tensors.pop(0)
+            ts = tensors.pop(0) if m[3] else None
+            out.append(BlockScaledData(data, scale, m[1], m[2], ts))
+        else:
+            out.append(tensors.pop(0) if m[0] == "t" else None)
+    return out
+
+
+def _wgrad_operand(t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+    """(M, C) -> (C, M') high precision, ready to quantize along M (Hadamard first for nvfp4)."""
+    if recipe.scaling == "nvfp4":
+        return apply_rht(t, random_hadamard(recipe.seed, device=t.device)).t()
+    return t.t()
+
+
+class _MXLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, cfg: _MXConfig, stats):
+        recipe, hp = cfg.recipe, cfg.hp_dtype
+        fwd = recipe.fp8_format.forward_dtype
+        olp = recipe.override_linear_precision
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        nv = recipe.scaling == "nvfp4"
+        with torch_autocast_off(x.device.type):
+            wq = None
+            if olp[0]:
+                out = torch.matmul(x.to(hp), weight.to(hp).t())
+            else:
+                xq = _quantize(x, recipe, fwd)
+                wq = quantize_nvfp4_2d(weight) if nv else _quantize(weight, recipe, fwd)
+                out = mx_mm(xq, wq, hp, path=recipe.gemm)
+                if cfg.stats:
+                    stats[0].copy_(block_stats(x, xq))
+                    stats[1].copy_(block_stats(weight, wq))
+            w_saved = None
+            if need_dgrad:
+                # nvfp4: the forward's 16x16 tiles serve grad_input too (one weight both ways)
+                w_saved = wq if (nv and not olp[1] and wq is not None) else weight
+                if nv and w_saved is weight and not olp[1]:
+                    w_saved = quantize_nvfp4_2d(weight)
+            x_saved = None
+            if need_wgrad:
+                if olp[2] or not recipe.save_fp8_activations:
+                    x_saved = x.to(hp)
+                else:  # x^T cast along M, from the high-precision x, now (not from xq)
+                    x_saved = _quantize(_wgrad_operand(x, recipe), recipe, fwd)
+        _pack(ctx, [w_saved, x_saved])
+        ctx.cfg, ctx.stats = cfg, stats
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        w_saved, x_saved = _unpack(ctx)
+        cfg = ctx.cfg
+        recipe, hp = cfg.recipe, cfg.hp_dtype
+        fwd, bwd = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
+        olp = recipe.override_linear_precision
+        seeds = cfg.seeds or (None, None)
+        grad_x = grad_w = None
+        first = None
+        with torch_autocast_off(dy.device.type):
+            if ctx.needs_input_grad[0]:
+                if olp[1]:
+                    grad_x = torch.matmul(dy.to(hp), w_saved.to(hp))
+                else:
+                    dyq = _quantize(dy, recipe, bwd, seeds[0])
+                    first = dyq
+                    if isinstance(w_saved, BlockScaledData):
+                        wtq = transpose_2d(w_saved)
+                    else:  # W^T along N, from the Parameter
+                        wtq = _quantize(w_saved.t(), recipe, fwd)
+                    grad_x = mx_mm(dyq, wtq, hp, path=recipe.gemm)
+                grad_x = grad_x.to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                if olp[2]:
+                    grad_w = torch.matmul(dy.t().to(hp), x_saved.to(hp))
+                else:
+                    dytq = _quantize(_wgrad_operand(dy, recipe), recipe, bwd, seeds[1])
+                    xq = x_saved if isinstance(x_saved, BlockScaledData) else _quantize(
+                        _wgrad_operand(x_saved, recipe), recipe, fwd)
+                    grad_w = mx_mm(dytq, xq, torch.float32, path=recipe.gemm)
+                grad_w = grad_w.to(ctx.w_dtype)
+            if cfg.stats and first is not None:
+                ctx.stats[2].copy_(block_stats(dy, first))
+        return grad_x, grad_w, None, None
+
+
+def mx_linear(module: nn.Module, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype) -> torch.Tensor:
+    """The output of a Float8Linear with a block-scaled recipe (bias not added), for 2-D ``x2``."""
+    seeds = None
+    if recipe.scaling == "nvfp4":
+        state = getattr(module, MX_STATE_BUFFER, None)
+        if state is None:
+            raise ValueError(
+                f"fp8.autocast(recipe={recipe.name!r}) asks for nvfp4, but this layer was converted with "
+                f"{module.recipe.name!r} and has no stochastic-rounding state; convert the model with nvfp4"
+            )
+        if torch.is_grad_enabled():
+            layer, step = (int(v) for v in state.tolist())  # one read of a 2-element buffer per step
+            if recomputing():  # fp8.checkpoint's recompute: the first forward's stream, state untouched
+                step -= 1
+            else:
+                state[1] += 1
+            seeds = (_stream_seed(recipe, layer, step, 0), _stream_seed(recipe, layer, step, 1))
+    cfg = _MXConfig(recipe, hp, bool(module.fp8_telemetry), seeds)
+    return _MXLinearFn.apply(x2, module.gemm_weight(), cfg, module.fp8_stats)

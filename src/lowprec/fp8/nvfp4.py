@@ -1,0 +1,166 @@
+"""NVFP4 (TransformerEngine's NVFP4BlockScaling): E2M1 elements, an E4M3 scale per 16, an fp32 tensor scale.
+
+E2M1 (1 sign, 2 exponent, 1 mantissa bit) holds 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives;
+two values are packed per byte (``torch.float4_e2m1fn_x2``; the element with the even index in
+the low nibble, as cuBLAS reads it). Two scale levels (NVIDIA, arXiv 2509.25149, section 2):
+
+* per tensor: ``S = 448 * 6 / amax(x)`` (float32), so that every block scale fits E4M3;
+  ``tensor_scale = 1 / S`` is the decode factor kept beside the data;
+* per block of 16 along the contraction dim: ``s_b = e4m3(amax_b / 6 * S)`` (at most 448),
+  elements ``e2m1(x * S / s_b)`` (saturated at 6). Decode: ``x ~= e * s_b * tensor_scale``.
+
+A block whose E4M3 scale rounds to 0 (its amax below 2**-9 * amax / 448 * 6 ... i.e. tiny next to
+the tensor's largest value) is flushed to zero: telemetry counts it as underflow.
+
+Weights are quantized in 16x16 tiles (:func:`quantize_nvfp4_2d`): one scale per tile, so the
+dgrad GEMM's W^T (quantized along the other dim) is the *same* numbers transposed
+(:func:`transpose_2d`), and forward and backward see one weight. Activations and gradients use
+1x16 blocks. Gradients are rounded stochastically (:func:`e2m1_encode` with a seeded
+``torch.Generator``: P(round up) = distance to the lower grid value / grid step, so the rounding
+is unbiased in expectation); weights and activations round to nearest, ties to even.
+Padding as for MXFP8 (``mx.py``): the contraction dim is zero-padded to whole blocks before the
+amax and stored padded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowprec.fp8.formats import E4M3
+from lowprec.fp8.mx import BlockScaledData, pad_to_blocks
+
+__all__ = [
+    "NVFP4_BLOCK",
+    "E2M1_VALUES",
+    "e2m1_encode",
+    "e2m1_decode",
+    "e2m1_pack",
+    "e2m1_unpack",
+    "quantize_nvfp4",
+    "quantize_nvfp4_2d",
+    "transpose_2d",
+]
+
+NVFP4_BLOCK = 16
+FP4_MAX = 6.0
+_E4M3_MAX = 448.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7 (sign in bit 3)
+FP4X2 = torch.float4_e2m1fn_x2
+
+
+def _grid(device) -> torch.Tensor:
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+
+
+def _code_of(a: torch.Tensor, rnd) -> torch.Tensor:
+    """Magnitudes in [0, 6] -> E2M1 codes with ``rnd`` (``torch.round``: ties to even, or
+    ``torch.floor``) applied in the binade's own step: 0.5 below 2, 1 in [2, 4), 2 in [4, 6].
+    Below 2 the code is the count of halves; above, the code counts on from 4 (value 2)."""
+    return torch.where(a < 2, rnd(a * 2), torch.where(a < 4, rnd(a) + 2, rnd(a * 0.5) + 4)).clamp_(max=7)
+
+
+def e2m1_encode(y: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Already-scaled float32 values -> E2M1 codes (uint8, 0..15), saturating at +-6.
+
+    ``generator=None``: round to nearest, ties to even (``torch.round`` in each binade's step
+    gives the even code at a tie: 0.75 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). Otherwise
+    stochastic rounding with noise from ``generator``: up with probability (|y| - lo) / (hi - lo).
+    NaN becomes code 0; callers carry NaN in the scale instead (E2M1 has no NaN).
+    """
+    a = torch.nan_to_num(y.abs(), nan=0.0).clamp_(max=FP4_MAX)
+    if generator is None:
+        code = _code_of(a, torch.round)
+    else:
+        grid = _grid(y.device)
+        lo = _code_of(a, torch.floor).to(torch.int64)
+        hi = (lo + 1).clamp_(max=7)
+        lo_v, step = grid[lo], grid[hi] - grid[lo]
+        p = torch.where(step > 0, (a - lo_v) / torch.where(step > 0, step, 1.0), 0.0)
+        u = torch.rand(a.shape, generator=generator, device=generator.device).to(a.device)
+        code = lo + (u < p).to(lo.dtype)
+    code = code.to(torch.uint8)
+    sign = ((y < 0) & (code > 0)).to(torch.uint8) << 3  # no negative zero
+    return code | sign
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8, 0..15) -> float32."""
+    c = codes.to(torch.int64)
+    mag = _grid(codes.device)[c & 7]
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
+def e2m1_pack(codes: torch.Tensor) -> torch.Tensor:
+    """(R, C) codes, C even -> (R, C/2) ``float4_e2m1fn_x2`` (even index in the low nibble)."""
+    lo, hi = codes[:, 0::2], codes[:, 1::2]
+    return (lo | (hi << 4)).contiguous().view(FP4X2)
+
+
+def e2m1_unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    b = packed.view(torch.uint8)
+    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1)
+
+
+def e2m1_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """(R, C/2) packed -> (R, C) float32 values."""
+    return e2m1_decode(e2m1_unpack_codes(packed))
+
+
+def _tensor_scales(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, 1/S): encode and decode per-tensor factors; S = 448 * 6 / amax (1 for a zero tensor,
+    NaN for a non-finite one, which then reaches every decoded value)."""
+    amax = x32.abs().amax()
+    s = torch.where(amax > 0, (_E4M3_MAX * FP4_MAX) / amax, torch.ones_like(amax))
+    s = torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
+    return s, s.reciprocal()
+
+
+def _encode_blocks(tiles: torch.Tensor, block_amax: torch.Tensor, s: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 block scales and E2M1 codes for ``tiles`` (..., block) given each block's amax."""
+    scale = (block_amax / FP4_MAX * s).clamp(max=_E4M3_MAX).to(E4M3)
+    sf = scale.to(torch.float32)
+    enc = torch.where(sf > 0, s / torch.where(sf > 0, sf, 1.0), torch.zeros_like(sf))  # flushed block: zeros
+    codes = e2m1_encode(tiles * enc.unsqueeze(-1), generator)
+    return scale, codes
+
+
+def quantize_nvfp4(x: torch.Tensor, generator: torch.Generator | None = None, block: int = NVFP4_BLOCK) -> BlockScaledData:
+    """NVFP4 with 1x``block`` blocks along the last dim of a 2-D ``x``; ``generator`` turns on
+    stochastic rounding (gradients)."""
+    if x.dim() != 2:
+        raise ValueError(f"NVFP4 quantization needs a 2-D tensor, got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    x32 = pad_to_blocks(x.detach().to(torch.float32), block)
+    s, decode = _tensor_scales(x32)
+    tiles = x32.reshape(rows, -1, block)
+    scale, codes = _encode_blocks(tiles, tiles.abs().amax(-1), s, generator)
+    return BlockScaledData(e2m1_pack(codes.reshape(rows, -1)), scale, cols, block, decode)
+
+
+def quantize_nvfp4_2d(w: torch.Tensor, block: int = NVFP4_BLOCK) -> BlockScaledData:
+    """NVFP4 with ``block`` x ``block`` tiles (weights), round to nearest. The result is quantized
+    along the last dim like any operand; its scale is the tile's, repeated on each of its rows."""
+    rows, cols = w.shape
+    w32 = pad_to_blocks(w.detach().to(torch.float32), block)
+    rp = (-rows) % block
+    wp = torch.nn.functional.pad(w32, (0, 0, 0, rp)) if rp else w32  # zero rows: amax only
+    s, decode = _tensor_scales(w32)
+    nr, nc = wp.shape[0] // block, wp.shape[1] // block
+    tile_amax = wp.reshape(nr, block, nc, block).abs().amax(dim=(1, 3))  # (nr, nc)
+    row_amax = tile_amax.repeat_interleave(block, dim=0)[:rows]  # each row's blocks: its tile's amax
+    scale, codes = _encode_blocks(w32.reshape(rows, nc, block), row_amax, s, None)
+    return BlockScaledData(e2m1_pack(codes.reshape(rows, -1)), scale, cols, block, decode)
+
+
+def transpose_2d(q: BlockScaledData) -> BlockScaledData:
+    """The 2-D-quantized (R, C) operand as the (C, R) operand quantized along R: the same E2M1
+    values and tile scales, transposed (no rounding happens; nothing is re-quantized)."""
+    b = q.block
+    rows, cols = q.shape
+    codes = e2m1_unpack_codes(q.data)[:, :cols]  # (R, C)
+    codes_t = pad_to_blocks(codes.t().contiguous(), b)  # (C, R padded)
+    nr = -(-rows // b)
+    tile = q.scale[0::b]  # (nr, C padded / b): one row per tile row
+    scale_t = tile.t().contiguous().view(torch.uint8).repeat_interleave(b, dim=0)[:cols].view(E4M3)
+    assert scale_t.shape == (cols, nr)
+    return BlockScaledData(e2m1_pack(codes_t), scale_t.contiguous(), rows, b, q.tensor_scale)
