@@ -34,6 +34,7 @@ __all__ = [
     "handler_field",
     "recipe_field",
     "spec_or_native",
+    "trainer_backends",
 ]
 
 AUTO = "auto"  # "pick for me": the native engine, which is always available
@@ -71,6 +72,10 @@ class BackendSpec:
     # (recipe name, launch fields) -> (field, why) for a combination it refuses, or None
     check_fields: Optional[Callable[[Optional[str], Mapping[str, Any]], Optional[tuple[str, str]]]] = None
     fp8_formats: tuple[str, ...] = ("HYBRID", "E4M3")  # E5M2 in the forward pass: TE only
+    # `lowprec train`'s `fp8_backend: <name>`: the recipes it runs through the backend's own
+    # library (empty: the trainer does not offer this backend; the native engine is its default)
+    trainer_recipes: tuple[str, ...] = ()
+    trainer_handler: Optional[Callable[[str], Any]] = None  # recipe name -> kwargs handler
 
     def spellings(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys((self.name, self.env_value.lower(), *self.aliases)))
@@ -90,6 +95,11 @@ class BackendSpec:
 def spec_or_native(value: Any) -> BackendSpec:
     """The backend a launch setting names; ``None``/``auto`` is the native engine."""
     return lookup(value) or get_spec("native")
+
+
+def trainer_backends() -> dict[str, BackendSpec]:
+    """The backends ``lowprec train``'s ``fp8_backend`` offers besides the native engine."""
+    return {spec.name: spec for spec in specs() if spec.trainer_recipes}
 
 
 def handler_field(setting: str) -> str:

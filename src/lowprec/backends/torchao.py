@@ -158,4 +158,6 @@ SPEC = BackendSpec(
     distributions=("torchao",),
     create=_create,
     native_recipe=native_recipe,
+    trainer_recipes=("tensorwise", "rowwise", "rowwise_with_gw_hp"),  # torchao's Float8LinearRecipeName
+    trainer_handler=lambda recipe: AORecipeKwargs(recipe=recipe),
 )

@@ -30,9 +30,9 @@ import yaml
 from lowprec.decision import Decision
 from lowprec.train.compare_report import build_report, choose_baseline
 from lowprec.train.config import TrainConfig
-from lowprec.train.precisions import is_torchao, precision_overrides
+from lowprec.train.precisions import library_backend, precision_overrides
 
-__all__ = ["CompareRun", "plan_runs", "resolve_workers", "torchao_skip_reason", "compare"]
+__all__ = ["CompareRun", "plan_runs", "resolve_workers", "skip_reason", "compare"]
 
 logger = logging.getLogger("lowprec")
 
@@ -50,13 +50,13 @@ class CompareRun:
         return self.config.output_dir
 
 
-def torchao_skip_reason() -> Optional[str]:
-    """Why ``fp8-torchao`` cannot run here, or None when it can."""
-    from lowprec.backends.torchao import SPEC
-
-    if not SPEC.available():
-        return "torchao is not installed (pip install torchao), so fp8_backend: torchao cannot run"
-    return None
+def skip_reason(precision: str) -> Optional[str]:
+    """Why ``precision`` cannot run here (``fp8-torchao`` without torchao), or None when it can."""
+    spec = library_backend(precision)
+    if spec is None or spec.available():
+        return None
+    return (f"{spec.library} is not installed (pip install {' '.join(spec.distributions) or spec.library}), "
+            f"so fp8_backend: {spec.name} cannot run")
 
 
 def plan_runs(cfg: TrainConfig, precisions: Sequence[str], seeds: Sequence[int], out: str) -> list[CompareRun]:
@@ -183,9 +183,9 @@ def compare(
     out = os.path.abspath(output_dir or os.path.join(cfg.output_dir, "compare"))
     base = choose_baseline(precisions, baseline)
     skipped: dict[str, str] = {}
-    why = torchao_skip_reason() if any(is_torchao(p) for p in precisions) else None
     for p in precisions:
-        if is_torchao(p) and why:
+        why = skip_reason(p)
+        if why:
             skipped[p] = why
             logger.warning("lowprec compare: skipping %s: %s", p, why)
     if base in skipped:

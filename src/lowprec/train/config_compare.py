@@ -18,12 +18,13 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
+from lowprec.backends.spec import get_spec, trainer_backends
 from lowprec.train.config_base import StrictModel as _Strict
 
-__all__ = ["CompareSpec", "CompareKeys", "FP8_BACKENDS", "TORCHAO_RECIPES", "check_fp8_backend"]
+__all__ = ["CompareSpec", "CompareKeys", "FP8_BACKENDS", "check_fp8_backend"]
 
-FP8_BACKENDS = ("native", "torchao")
-TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName
+# the engine first (the default), then each backend that declares trainer recipes (backends/<name>.py)
+FP8_BACKENDS = (get_spec("native").name, *trainer_backends())
 
 
 class CompareSpec(_Strict):
@@ -72,10 +73,11 @@ class CompareSpec(_Strict):
 class CompareKeys(_Strict):
     """The top-level keys this file adds to :class:`lowprec.train.config.TrainConfig`."""
 
-    fp8_backend: Literal["native", "torchao"] = Field(
-        default="native",
-        description="native (lowprec's engine) or torchao (torchao.float8 Float8Linear; recipes "
-        + ", ".join(TORCHAO_RECIPES) + ")",
+    fp8_backend: Literal[FP8_BACKENDS] = Field(
+        default=FP8_BACKENDS[0],
+        description=f"{FP8_BACKENDS[0]} (lowprec's engine) or "
+        + "; ".join(f"{n} ({n}'s own FP8 layers; recipes {', '.join(s.trainer_recipes)})"
+                    for n, s in trainer_backends().items()),
     )
     compare: Optional[CompareSpec] = Field(
         default=None, description="settings read by `lowprec compare` (precisions, seeds, threshold, workers, ...)"
@@ -83,18 +85,21 @@ class CompareKeys(_Strict):
 
 
 def check_fp8_backend(cfg) -> None:
-    """Cross-field rules of ``fp8_backend: torchao`` (called from TrainConfig's validator)."""
-    if cfg.fp8_backend != "torchao":
+    """Cross-field rules of ``fp8_backend: <library backend>`` (called from TrainConfig's validator)."""
+    spec = trainer_backends().get(cfg.fp8_backend)
+    if spec is None:  # the native engine
         return
+    key = f"fp8_backend: {spec.name}"
     if not cfg.fp8:
-        raise ValueError("fp8_backend: torchao needs fp8: true; set fp8: true or drop fp8_backend")
+        raise ValueError(f"{key} needs fp8: true; set fp8: true or drop fp8_backend")
     name = cfg.fp8_recipe.name
-    if name not in TORCHAO_RECIPES:
-        raise ValueError(f"fp8_backend: torchao has no {name!r} recipe; use fp8_recipe: "
-                         f"{' | '.join(TORCHAO_RECIPES)} or fp8_backend: native")
+    if name not in spec.trainer_recipes:
+        raise ValueError(f"{key} has no {name!r} recipe; use fp8_recipe: "
+                         f"{' | '.join(spec.trainer_recipes)} or fp8_backend: {FP8_BACKENDS[0]}")
     if cfg.fp8_recipe.overrides:
         raise ValueError(f"fp8_recipe.{next(iter(cfg.fp8_recipe.overrides))}: lowprec recipe fields do not reach "
-                         "torchao; drop it or use fp8_backend: native")
+                         f"{spec.name}; drop it or use fp8_backend: {FP8_BACKENDS[0]}")
     if cfg.fp8_filter:
-        raise ValueError("fp8_filter with fp8_backend: torchao: torchao keeps only the default layers (first/last "
-                         "Linear, lm_head, router, gate) in high precision here; drop fp8_filter or use fp8_backend: native")
+        raise ValueError(f"fp8_filter with {key}: {spec.name} keeps only the default layers (first/last "
+                         f"Linear, lm_head, router, gate) in high precision here; drop fp8_filter or use "
+                         f"fp8_backend: {FP8_BACKENDS[0]}")

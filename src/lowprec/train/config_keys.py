@@ -80,6 +80,6 @@ KEYS = (
     ('lora_fan_in_fan_out', "weights stored (in, out), as GPT-2's Conv1D (default: detected)", 'null'),
     ('merge_lora', 'also save the base model with the adapters merged in, to output_dir/merged', 'false'),
     ('load_in_4bit', 'load the base model in 4 bits (what adapter: qlora does; not supported yet)', 'null'),
-    ('fp8_backend', "native (lowprec's engine) or torchao (torchao.float8 Float8Linear; recipes tensorwise, rowwise, rowwise_with_gw_hp)", 'native'),
+    ('fp8_backend', "native (lowprec's engine) or torchao (torchao's own FP8 layers; recipes tensorwise, rowwise, rowwise_with_gw_hp)", 'native'),
     ('compare', 'settings read by `lowprec compare` (precisions, seeds, threshold, workers, ...)', 'null'),
 )

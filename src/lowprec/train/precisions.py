@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowprec.backends.spec import BackendSpec, trainer_backends
 from lowprec.catalog import RECIPE_NAMES
 from lowprec.errors import did_you_mean
 from lowprec.train.config import TrainConfig
-from lowprec.train.config_compare import TORCHAO_RECIPES
+from lowprec.train.config_compare import FP8_BACKENDS
 
-__all__ = ["HIGH_PRECISIONS", "precision_names", "precision_overrides", "precision_rank", "is_torchao", "is_fp8"]
+__all__ = ["HIGH_PRECISIONS", "precision_names", "precision_overrides", "precision_rank", "library_backend", "is_fp8"]
 
 # precision -> config keys, highest first
 HIGH_PRECISIONS: dict[str, dict[str, Any]] = {
@@ -34,25 +35,28 @@ HIGH_PRECISIONS: dict[str, dict[str, Any]] = {
 
 def precision_names() -> list[str]:
     """Every valid name (for messages and ``--help``)."""
-    fp8 = ["fp8"] + [f"fp8-{r}" for r in RECIPE_NAMES] + ["fp8-torchao"] + [f"fp8-torchao-{r}" for r in TORCHAO_RECIPES]
+    fp8 = ["fp8"] + [f"fp8-{r}" for r in RECIPE_NAMES]
+    for name, spec in trainer_backends().items():
+        fp8 += [f"fp8-{name}"] + [f"fp8-{name}-{r}" for r in spec.trainer_recipes]
     return list(HIGH_PRECISIONS) + fp8
 
 
 def _fp8_parts(name: str) -> tuple[str, str | None]:
     """``fp8-torchao-rowwise`` -> (torchao, rowwise); ``fp8`` -> (native, None: the config's)."""
     rest = name[len("fp8"):].lstrip("-")
-    backend = "native"
-    if rest == "torchao" or rest.startswith("torchao-"):
-        backend, rest = "torchao", rest[len("torchao"):].lstrip("-")
-    return backend, (rest or None)
+    for backend in trainer_backends():
+        if rest == backend or rest.startswith(backend + "-"):
+            return backend, (rest[len(backend):].lstrip("-") or None)
+    return FP8_BACKENDS[0], (rest or None)
 
 
 def is_fp8(name: str) -> bool:
     return name == "fp8" or name.startswith("fp8-")
 
 
-def is_torchao(name: str) -> bool:
-    return is_fp8(name) and _fp8_parts(name)[0] == "torchao"
+def library_backend(name: str) -> BackendSpec | None:
+    """The library backend an FP8 precision runs through (``fp8-torchao``), None for the engine."""
+    return trainer_backends().get(_fp8_parts(name)[0]) if is_fp8(name) else None
 
 
 def precision_rank(name: str) -> int:
@@ -63,12 +67,13 @@ def precision_rank(name: str) -> int:
 def precision_overrides(name: str, cfg: TrainConfig) -> dict[str, Any]:
     """The config keys that turn ``cfg`` into the ``name`` run (``ValueError`` for a bad name)."""
     if name in HIGH_PRECISIONS:
-        return {**HIGH_PRECISIONS[name], "fp8_backend": "native"}
+        return {**HIGH_PRECISIONS[name], "fp8_backend": FP8_BACKENDS[0]}
     names = precision_names()
     if not is_fp8(name):
         raise ValueError(f"--precisions: unknown precision {name!r}{did_you_mean(name, names)}; use {', '.join(names)}")
     backend, recipe = _fp8_parts(name)
-    valid = TORCHAO_RECIPES if backend == "torchao" else RECIPE_NAMES
+    library = trainer_backends().get(backend)
+    valid = library.trainer_recipes if library else RECIPE_NAMES
     if recipe is not None and recipe not in valid:
         raise ValueError(f"--precisions: unknown precision {name!r}{did_you_mean(name, names)}; use {', '.join(names)}")
     keys: dict[str, Any] = {"fp8": True, "fp16": None, "fp8_backend": backend}
@@ -79,7 +84,7 @@ def precision_overrides(name: str, cfg: TrainConfig) -> dict[str, Any]:
         keys["fp8_recipe"] = {"name": own, **cfg.fp8_recipe.overrides}
     else:
         keys["fp8_recipe"] = recipe
-    if backend == "torchao" and (recipe or own) not in TORCHAO_RECIPES:
-        raise ValueError(f"--precisions {name}: torchao has no {own!r} recipe (the config's fp8_recipe); "
-                         f"name one: {', '.join('fp8-torchao-' + r for r in TORCHAO_RECIPES)}")
+    if library and (recipe or own) not in library.trainer_recipes:
+        raise ValueError(f"--precisions {name}: {backend} has no {own!r} recipe (the config's fp8_recipe); "
+                         f"name one: {', '.join(f'fp8-{backend}-{r}' for r in library.trainer_recipes)}")
     return keys

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lowprec.backends.spec import trainer_backends
 from lowprec.errors import NonFiniteError
 from lowprec.train import checkpoints as ckpt
 from lowprec.train.config import TrainConfig
@@ -146,10 +147,9 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
     )
 
     handlers: list = []
-    if cfg.fp8 and cfg.fp8_backend == "torchao":  # recipe / filter limits checked in the schema
-        from lowprec.kwargs import AORecipeKwargs
-
-        handlers.append(AORecipeKwargs(recipe=cfg.fp8_recipe.name))
+    library = trainer_backends().get(cfg.fp8_backend) if cfg.fp8 else None
+    if library is not None:  # e.g. torchao; recipe / filter limits checked in the schema
+        handlers.append(library.trainer_handler(cfg.fp8_recipe.name))
     elif cfg.fp8:
         handlers.append(
             NativeRecipeKwargs(
@@ -203,10 +203,12 @@ class _RankZeroOnly(logging.Filter):
         return record.levelno >= logging.ERROR
 
 
+_RANK_ZERO_LOGGERS = ("lowprec", "lowprec.fp8")
+
+
 def _quiet_other_ranks() -> None:
     if int(os.environ.get("RANK", "0")) != 0:
-        for name in ("lowprec", "lowprec.fp8"):
-            log = logging.getLogger(name)
+        for log in map(logging.getLogger, _RANK_ZERO_LOGGERS):
             if not any(isinstance(f, _RankZeroOnly) for f in log.filters):
                 log.addFilter(_RankZeroOnly())
 
