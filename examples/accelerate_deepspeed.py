@@ -21,6 +21,7 @@ from accelerate_common import SEED, check, loss_fn, make_loader, make_model, ran
 
 import lowprec.fp8 as fp8  # noqa: E402
 from lowprec import Accelerator  # noqa: E402
+from lowprec.distributed.amax_sync import reduce_delayed_amaxes  # noqa: E402
 from lowprec.utils import DeepSpeedPlugin, TERecipeKwargs, set_seed  # noqa: E402
 
 EPOCHS, LR, BATCH = 6, 1e-2, 16
@@ -76,6 +77,8 @@ def train_baseline(stage: int) -> list[float]:
             loss = loss_fn(logits, y)
             engine.backward(loss)
             engine.step()
+            # what the Accelerator does after each step: delayed amaxes agree across ranks (TE's reduce_amax)
+            reduce_delayed_amaxes(engine.module)
             avg = loss.detach().clone()
             dist.all_reduce(avg)
             losses.append((avg / world).item())
