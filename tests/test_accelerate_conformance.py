@@ -45,25 +45,10 @@ SLOW = [
     "test_utils.py::UtilsTester::test_dynamo_extract_model_keep_torch_compile",
     "test_data_loader.py::DataLoaderTester::test_iterable_dataset_native_sharding_when_n_shards_equals_num_processes",
 ]
-_SHARD_INIT = ("constructs DataLoaderShard/DataLoaderDispatcher from a dataset with DataLoader keyword arguments "
-               "(Accelerate's internal constructor); lowprec's are built by prepare() from a DataLoader")
-
-# test id (file::Class::test) -> why lowprec does not pass it although Accelerate does
-KNOWN_GAPS: dict[str, str] = {
-    **{f"test_data_loader.py::DataLoaderTester::{t}": _SHARD_INIT for t in (
-        "test_dataloader_inheritance", "test_end_of_dataloader", "test_end_of_dataloader_dispatcher",
-        "test_iterable_dataset_using_none_batch_size", "test_reproducibility_num_workers_1",
-        "test_reproducibility_num_workers_2", "test_skip_first_batches_preserves_iteration",
-        "test_skip_first_batches_does_not_reset_sampler_epoch")},
-    "test_data_loader.py::DataLoaderTester::test_set_epoch_in_batch_sampler":
-        "expects prepare() to call set_epoch on a custom batch sampler; lowprec seeds its own shuffle per epoch",
-    "test_utils.py::UtilsTester::test_honor_type":
-        "checks Accelerate's exact error text for an unsupported type in recursively_apply",
-    "test_utils.py::UtilsTester::test_slice_and_concatenate":
-        "calls recursively_apply(error_on_other_type=...), an internal argument lowprec's does not take",
-    "test_utils.py::UtilsTester::test_pad_across_processes":
-        "expects Accelerate's CannotPadNestedTensorWarning for a nested tensor",
-}
+# test id (file::Class::test) -> why lowprec does not pass it although Accelerate does (none left:
+# the last 12, DataLoaderShard/DataLoaderDispatcher's public constructors and recursively_apply's
+# arguments, were closed 2026-11-23, docs/log/dls.md)
+KNOWN_GAPS: dict[str, str] = {}
 
 HERE = Path(__file__).resolve().parent
 

@@ -122,7 +122,7 @@ def test_split_batches_needs_divisible_batch():
     from lowprec.utils.data_loader import DataLoaderShard, GradientState
 
     with pytest.raises(ValueError, match="does not divide"):
-        DataLoaderShard(DataLoader(TensorDataset(torch.arange(6)), batch_size=3), rank=0, world_size=2,
+        DataLoaderShard.wrap(DataLoader(TensorDataset(torch.arange(6)), batch_size=3), rank=0, world_size=2,
                         device=None, seed=0, gradient_state=GradientState(), split_batches=True)
 
 

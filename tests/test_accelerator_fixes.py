@@ -60,7 +60,7 @@ def test_sync_each_batch_keeps_the_accumulation_boundary():
 def _shard(loader_, rank, world):
     from lowprec.utils.data_loader import DataLoaderShard, GradientState
 
-    return DataLoaderShard(loader_, rank=rank, world_size=world, device=None, seed=0, gradient_state=GradientState())
+    return DataLoaderShard.wrap(loader_, rank=rank, world_size=world, device=None, seed=0, gradient_state=GradientState())
 
 
 def test_one_process_keeps_the_short_last_batch():

@@ -439,7 +439,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         dispatch = cfg.dispatch_batches
         if dispatch is None:  # Accelerate's default: a stream cannot be sharded by index
             dispatch = isinstance(data_loader.dataset, IterableDataset) and world > 1
-        shard = (DataLoaderDispatcher if dispatch else DataLoaderShard)(
+        shard = (DataLoaderDispatcher if dispatch else DataLoaderShard).wrap(
             data_loader,
             rank=rank,
             world_size=world,

@@ -40,6 +40,7 @@ from lowprec.utils.imports import (
 from lowprec.utils.memory import find_executable_batch_size, release_memory
 from lowprec.utils.modeling import extract_model_from_parallel, init_empty_weights
 from lowprec.utils.operations import (
+    CannotPadNestedTensorWarning,
     broadcast,
     broadcast_object_list,
     gather,
@@ -79,6 +80,7 @@ __all__ = [
     "TorchDynamoPlugin",
     "clear_environment",
     "ProjectConfiguration",
+    "CannotPadNestedTensorWarning",
     "broadcast",
     "broadcast_object_list",
     "extract_model_from_parallel",

@@ -12,15 +12,17 @@ batches) so every process runs the same number of steps; the padding is dropped 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from lowprec.utils.operations import send_to_device
+from lowprec.utils.random import synchronize_rng_states
 from lowprec.shared_state import SharedState
 
-__all__ = ["GradientState", "DataLoaderShard", "SkipDataLoader", "skip_first_batches"]
+__all__ = ["GradientState", "DataLoaderStateMixin", "DataLoaderShard", "SkipDataLoader", "skip_first_batches"]
 
 
 class GradientState(SharedState):
@@ -71,23 +73,104 @@ class SkipDataLoader(DataLoader):
     def __len__(self) -> int:
         return max(0, super().__len__() - self.skip_batches)
 
+    @property
+    def base_dataloader(self) -> DataLoader:
+        """Itself: a DataLoader subclass, not a wrapper (Accelerate's attribute name)."""
+        return self
 
-class DataLoaderShard(DataLoader):
+
+class DataLoaderStateMixin:
+    """Where the current iteration of one dataloader is (Accelerate's mixin, for ``isinstance``):
+    ``end_of_dataloader`` is True while its last batch is out, ``remainder`` the real samples of a
+    padded last global batch (-1: nothing padded). ``GradientState`` holds the same for the
+    innermost active loader."""
+
+    end_of_dataloader: bool = False
+    remainder: int = -1
+
+    def reset(self) -> None:
+        self.end_of_dataloader = False
+        self.remainder = -1
+
+
+def _check_constructor(use_stateful_dataloader: bool, torch_device_mesh: Any) -> None:
+    """Accelerate constructor arguments lowprec's loaders do not take another way."""
+    if torch_device_mesh is not None:
+        raise ValueError(
+            "torch_device_mesh: lowprec's dataloaders take the data-parallel shard from the Accelerator "
+            "(Accelerator(parallelism_config=ParallelismConfig(...)).prepare(dataloader)); build them without it"
+        )
+    if use_stateful_dataloader:
+        from lowprec.utils.dataclasses import DataLoaderConfiguration
+
+        DataLoaderConfiguration(use_stateful_dataloader=True)  # the same check and log line as prepare()
+
+
+class DataLoaderShard(DataLoader, DataLoaderStateMixin):
     dispatches = False  # DataLoaderDispatcher (utils/dispatcher.py): process 0 reads, the others receive
 
     """A ``DataLoader`` (for ``isinstance`` checks) that iterates this process's share of the
     wrapped one; other DataLoader attributes are the wrapped loader's. With ``split_batches``
     each batch is cut into ``world_size`` equal slices instead of dealt whole; with
-    ``even_batches=False`` nothing is padded (processes may run a different number of steps)."""
+    ``even_batches=False`` nothing is padded (processes may run a different number of steps).
+
+    Two ways to build one: ``prepare()`` wraps a user's DataLoader (:meth:`wrap`: lowprec shards,
+    shuffles and pads it); Accelerate's public constructor, ``DataLoaderShard(dataset, device=None,
+    ..., **dataloader_kwargs)``, builds a DataLoader from ``dataset`` and the keyword arguments and
+    iterates it as given (any sharding is its batch sampler's, as in Accelerate), adding device
+    placement, ``skip_batches``, ``set_epoch`` and the end-of-dataloader state."""
 
     def __init__(
         self,
+        dataset: Any,
+        device: Optional[torch.device] = None,
+        rng_types: Optional[list] = None,
+        synchronized_generator: Optional[torch.Generator] = None,
+        skip_batches: int = 0,
+        use_stateful_dataloader: bool = False,
+        _drop_last: bool = False,
+        _non_blocking: bool = False,
+        torch_device_mesh: Any = None,
+        iteration: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        _check_constructor(use_stateful_dataloader, torch_device_mesh)
+        self._setup(DataLoader(dataset, **kwargs), rank=0, world_size=1, device=device, seed=None,
+                    gradient_state=GradientState(), non_blocking=_non_blocking)
+        self.skip_batches = skip_batches
+        self.rng_types, self.synchronized_generator = rng_types, synchronized_generator
+        self.epoch = iteration
+
+    @classmethod
+    def wrap(
+        cls,
         dataloader: DataLoader,
         *,
         rank: int,
         world_size: int,
         device: Optional[torch.device],
         seed: int,
+        gradient_state: GradientState,
+        split_batches: bool = False,
+        even_batches: bool = True,
+        non_blocking: bool = False,
+    ) -> "DataLoaderShard":
+        """What ``prepare()`` builds: ``dataloader`` sharded over ``world_size`` processes, shuffled
+        with ``seed + epoch`` on every process."""
+        self = cls.__new__(cls)
+        self._setup(dataloader, rank=rank, world_size=world_size, device=device, seed=seed,
+                    gradient_state=gradient_state, split_batches=split_batches, even_batches=even_batches,
+                    non_blocking=non_blocking)
+        return self
+
+    def _setup(
+        self,
+        dataloader: DataLoader,
+        *,
+        rank: int,
+        world_size: int,
+        device: Optional[torch.device],
+        seed: Optional[int],
         gradient_state: GradientState,
         split_batches: bool = False,
         even_batches: bool = True,
@@ -100,9 +183,11 @@ class DataLoaderShard(DataLoader):
         self.base = dataloader
         self.rank, self.world_size = rank, world_size
         self.device = device
-        self.seed = seed
+        self.seed = seed  # None: built by the public constructor, iterated as given
         self.gradient_state = gradient_state
         self.split_batches, self.even_batches, self.non_blocking = split_batches, even_batches, non_blocking
+        self.rng_types, self.synchronized_generator = None, None
+        self._drop_last = False
         self.epoch = 0
         self.batches_yielded = 0
         self._skip = 0
@@ -120,6 +205,20 @@ class DataLoaderShard(DataLoader):
                 "and pass that DataLoader per process, or let process 0 read it and dispatch: "
                 "DataLoaderConfiguration(dispatch_batches=True)"
             )
+
+    @property
+    def given(self) -> bool:
+        """Built by the public constructor: its DataLoader is iterated as given, not resharded."""
+        return self.seed is None
+
+    @property
+    def iteration(self) -> int:
+        """Accelerate's name for the epoch counter."""
+        return self.epoch
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self.epoch = value
 
     # ------------------------------------------------------------------ batches of this process
     def _global_batches(self) -> list[list[int]]:
@@ -167,6 +266,8 @@ class DataLoaderShard(DataLoader):
         return out
 
     def __len__(self) -> int:
+        if self.given:
+            return max(0, len(self.base) - self.skip_batches)
         if self.iterable:
             return len(self.base)
         n = max(0, len(self.base.batch_sampler) - self.skip_batches)
@@ -178,10 +279,11 @@ class DataLoaderShard(DataLoader):
 
     def __getattr__(self, name: str) -> Any:
         # DataLoader attributes this object does not set (sampler, collate_fn, num_workers, ...)
+        # (not a property: on the class itself ``base_dataloader`` is an AttributeError, as in Accelerate)
         base = self.__dict__.get("base")
         if base is None or name.startswith("__"):
             raise AttributeError(name)
-        return getattr(base, name)
+        return base if name == "base_dataloader" else getattr(base, name)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -194,14 +296,19 @@ class DataLoaderShard(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         gs = self.gradient_state
+        if self.rng_types:
+            synchronize_rng_states(self.rng_types, self.synchronized_generator)
+        self.set_epoch(self.epoch)  # a custom sampler / dataset with set_epoch reshuffles per epoch
         gs.active.append(self)
         gs.end_of_dataloader = False
+        self.reset()
         try:
-            if self.iterable:
-                source, count, remainder, skip = iter(self.base), None, -1, 0
+            skip, self._skip = self._skip, 0
+            if self.iterable or self.given:
+                source = itertools.islice(iter(self.base), skip + (self.skip_batches if self.given else 0), None)
+                count, remainder = None, -1
             else:
                 mine, remainder = self._local_batches()
-                skip, self._skip = self._skip, 0
                 loader = DataLoader(
                     self.base.dataset,
                     batch_sampler=mine[skip:],
@@ -215,11 +322,10 @@ class DataLoaderShard(DataLoader):
                 )
                 source, count = iter(loader), len(mine)
             self.batches_yielded = skip
-            for batch in source:
+            for batch, last in _with_last(source, count, skip):
                 self.batches_yielded += 1
-                last = count is not None and self.batches_yielded == count
-                gs.end_of_dataloader = last
-                gs.remainder = remainder if last else -1
+                self.end_of_dataloader = gs.end_of_dataloader = last
+                self.remainder = gs.remainder = remainder if last else -1
                 yield send_to_device(batch, self.device, self.non_blocking) if self.device is not None else batch
             self.epoch += 1
             self.batches_yielded = 0
@@ -229,7 +335,16 @@ class DataLoaderShard(DataLoader):
             gs.end_of_dataloader = False if not gs.active else gs.end_of_dataloader
 
     def set_epoch(self, epoch: int) -> None:
+        """The epoch, passed on (as Accelerate) to a batch sampler, its sampler, or else the dataset
+        that has ``set_epoch`` (a custom or distributed sampler, an HF dataset)."""
         self.epoch = epoch
+        batch_sampler = self.base.batch_sampler
+        samplers = [t for t in (batch_sampler, getattr(batch_sampler, "sampler", None),
+                                getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None))
+                    if hasattr(t, "set_epoch")]
+        dataset = self.base.dataset
+        for t in samplers or ([dataset] if hasattr(dataset, "set_epoch") else []):
+            t.set_epoch(epoch)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
@@ -238,7 +353,7 @@ class DataLoaderShard(DataLoader):
     def load_state_dict(self, state: dict) -> None:
         """The next iteration resumes where the saved one was (same epoch, same shuffle)."""
         self.epoch = int(state["epoch"])
-        self.seed = int(state["seed"])
+        self.seed = None if state["seed"] is None else int(state["seed"])
         self._skip = int(state["batches_yielded"])
         self.batches_yielded = self._skip
 
@@ -249,6 +364,20 @@ class DataLoaderShard(DataLoader):
     @property
     def batch_size(self):
         return self.base.batch_size
+
+
+def _with_last(source: Iterator[Any], count: Optional[int], start: int) -> Iterator[tuple[Any, bool]]:
+    """(batch, is it the last) for each batch; without a known ``count``, by reading one ahead."""
+    if count is not None:
+        for i, batch in enumerate(source, start + 1):
+            yield batch, i == count
+        return
+    sentinel = object()
+    current = next(source, sentinel)
+    while current is not sentinel:
+        following = next(source, sentinel)
+        yield current, following is sentinel
+        current = following
 
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:

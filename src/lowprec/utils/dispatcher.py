@@ -15,13 +15,14 @@ the filling. Process 0 reads one step ahead to know which step is the last.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from lowprec.utils.data_loader import DataLoaderShard
+from lowprec.process_state import PartialState
+from lowprec.utils.data_loader import DataLoaderShard, GradientState, _check_constructor
 from lowprec.utils.operations import recursively_apply, send_to_device
 
 __all__ = ["DataLoaderDispatcher"]
@@ -38,14 +39,50 @@ class DataLoaderDispatcher(DataLoaderShard):
 
     dispatches = True
 
+    def __init__(
+        self,
+        dataset: Any,
+        split_batches: bool = False,
+        skip_batches: int = 0,
+        use_stateful_dataloader: bool = False,
+        _drop_last: bool = False,
+        _non_blocking: bool = False,
+        slice_fn: Optional[Callable] = None,
+        torch_device_mesh: Any = None,
+        iteration: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        """Accelerate's public constructor: a DataLoader over ``dataset`` from the keyword
+        arguments, read on process 0 and dispatched to this job's processes (``PartialState``),
+        batches on the process's device. ``skip_batches`` steps are skipped every epoch;
+        ``_drop_last`` drops a last step without a batch for every process instead of filling it;
+        ``slice_fn(batch, slice, process_index=, num_processes=)`` cuts a batch under ``split_batches``."""
+        _check_constructor(use_stateful_dataloader, torch_device_mesh)
+        if slice_fn is not None and not split_batches:
+            raise ValueError("slice_fn: lowprec's dispatcher sends whole batches unless split_batches=True; "
+                             "pass split_batches=True to have each batch cut by slice_fn, or drop slice_fn")
+        state = PartialState()
+        self._setup(DataLoader(dataset, **kwargs), rank=state.process_index, world_size=state.num_processes,
+                    device=state.device, seed=None, gradient_state=GradientState(), split_batches=split_batches,
+                    non_blocking=_non_blocking)
+        self.skip_batches = skip_batches
+        self._drop_last = _drop_last
+        self.slice_fn = slice_fn
+        self.epoch = iteration
+
     def __len__(self) -> int:
+        if self.given:
+            n = len(self.base)
+            steps = n if self.split_batches or self.world_size == 1 else (
+                n // self.world_size if self._drop_last else -(-n // self.world_size))
+            return max(0, steps - self.skip_batches)
         n = len(self.base) if self.iterable else len(self.base.batch_sampler) - self.skip_batches
         return n if self.split_batches or self.world_size == 1 else -(-n // self.world_size)
 
     def _source(self, skip_steps: int) -> Iterator[Any]:
         """Process 0: the original loader's batches of this epoch (same shuffle as a shard)."""
         per_step = 1 if self.split_batches else self.world_size
-        if self.iterable:
+        if self.iterable or self.given:
             return itertools.islice(iter(self.base), skip_steps * per_step, None)
         batches = self._global_batches()[skip_steps * per_step:]
         return iter(DataLoader(self.base.dataset, batch_sampler=batches, collate_fn=self.base.collate_fn,
@@ -58,7 +95,12 @@ class DataLoaderDispatcher(DataLoaderShard):
         w = self.world_size
         if self.split_batches:
             for b in self._source(skip_steps):
-                yield [recursively_apply(lambda t, r=r: t.tensor_split(w)[r], b) for r in range(w)], -1
+                if getattr(self, "slice_fn", None) is not None:
+                    k = _batch_len(b) // w
+                    yield [self.slice_fn(b, slice(r * k, (r + 1) * k), process_index=r, num_processes=w)
+                           for r in range(w)], -1
+                else:
+                    yield [recursively_apply(lambda t, r=r: t.tensor_split(w)[r], b) for r in range(w)], -1
             return
         step: list = []
         first: list = []
@@ -69,7 +111,7 @@ class DataLoaderDispatcher(DataLoaderShard):
             if len(step) == w:
                 yield step, -1
                 step = []
-        if step:
+        if step and not self._drop_last:
             real = sum(_batch_len(b) for b in step)
             yield step + [first[k % len(first)] for k in range(w - len(step))], real
 
@@ -83,18 +125,20 @@ class DataLoaderDispatcher(DataLoaderShard):
             yield from super().__iter__()  # one process: the original batches, as a shard
             return
         gs = self.gradient_state
+        self.set_epoch(self.epoch)
         gs.active.append(self)
         gs.end_of_dataloader = False
+        self.reset()
         try:
             skip, self._skip = self._skip, 0
-            steps = self._steps(skip) if self.rank == 0 else None
+            steps = self._steps(skip + (self.skip_batches if self.given else 0)) if self.rank == 0 else None
             self.batches_yielded = skip
             nxt = self._next(steps)
             while nxt is not None:
                 (batch, remainder), nxt = nxt, self._next(steps)
                 self.batches_yielded += 1
-                gs.end_of_dataloader = nxt is None
-                gs.remainder = remainder if nxt is None else -1
+                self.end_of_dataloader = gs.end_of_dataloader = nxt is None
+                self.remainder = gs.remainder = remainder if nxt is None else -1
                 yield send_to_device(batch, self.device, self.non_blocking) if self.device is not None else batch
             self.epoch += 1
             self.batches_yielded = 0

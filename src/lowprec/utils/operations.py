@@ -2,23 +2,44 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["recursively_apply", "send_to_device", "gather", "reduce", "pad_across_processes", "to_fp32", "has_tensor", "gather_object",
+__all__ = ["CannotPadNestedTensorWarning", "is_torch_tensor", "recursively_apply", "send_to_device", "gather", "reduce", "pad_across_processes", "to_fp32", "has_tensor", "gather_object",
            "broadcast", "broadcast_object_list"]
 
 
-def recursively_apply(fn: Callable[[torch.Tensor], Any], data: Any) -> Any:
-    if isinstance(data, torch.Tensor):
-        return fn(data)
+class CannotPadNestedTensorWarning(UserWarning):
+    """``pad_across_processes`` was given a nested tensor (ragged: no single size to pad); it is returned as is."""
+
+
+def is_torch_tensor(data: Any) -> bool:
+    return isinstance(data, torch.Tensor)
+
+
+def recursively_apply(fn: Callable[..., Any], data: Any, *args: Any, test_type: Callable[[Any], bool] = is_torch_tensor,
+                      error_on_other_type: bool = False, **kwargs: Any) -> Any:
+    """``fn(leaf, *args, **kwargs)`` on every leaf of nested lists/tuples/dicts for which
+    ``test_type`` holds; other leaves are kept, or with ``error_on_other_type`` refused (TypeError)."""
     if isinstance(data, (list, tuple)):
-        out = [recursively_apply(fn, d) for d in data]
+        out = [recursively_apply(fn, d, *args, test_type=test_type, error_on_other_type=error_on_other_type, **kwargs)
+               for d in data]
         return type(data)(*out) if hasattr(data, "_fields") else type(data)(out)
     if isinstance(data, dict):
-        return type(data)({k: recursively_apply(fn, v) for k, v in data.items()})
+        return type(data)({k: recursively_apply(fn, v, *args, test_type=test_type,
+                                                error_on_other_type=error_on_other_type, **kwargs)
+                           for k, v in data.items()})
+    if test_type(data):
+        return fn(data, *args, **kwargs)
+    if error_on_other_type:
+        # Accelerate's wording, which its users and tests match
+        raise TypeError(
+            f"Unsupported types ({type(data)}) passed to `{getattr(fn, '__name__', fn)}`. Only nested list/tuple/dicts "
+            f"of objects that are valid for `{getattr(test_type, '__name__', test_type)}` should be passed."
+        )
     return data
 
 
@@ -75,9 +96,14 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
 def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
     """Pad each tensor along ``dim`` to the largest size across processes (so it can be gathered)."""
 
-    def one(t: torch.Tensor) -> torch.Tensor:
-        if not _distributed() or dim >= t.ndim:
+    def one(t: torch.Tensor, dim: int = dim) -> torch.Tensor:
+        if t.is_nested:
+            warnings.warn("pad_across_processes: a nested tensor has no single size to pad along; returned unpadded",
+                          CannotPadNestedTensorWarning, stacklevel=3)
             return t
+        if not _distributed() or not -t.ndim <= dim < t.ndim:
+            return t
+        dim %= t.ndim
         size = torch.tensor([t.shape[dim]], device=t.device)
         sizes = _gather_one(size)
         longest = int(sizes.max())

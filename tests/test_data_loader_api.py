@@ -1,0 +1,102 @@
+"""Accelerate's public dataloader constructors and helpers on lowprec: ``DataLoaderShard`` and
+``DataLoaderDispatcher`` built from a dataset and DataLoader keyword arguments, ``set_epoch``
+reaching a custom batch sampler, ``recursively_apply``'s arguments and nested-tensor padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+from lowprec import Accelerator
+from lowprec.utils import CannotPadNestedTensorWarning, pad_across_processes, skip_first_batches
+from lowprec.utils.data_loader import DataLoaderShard, DataLoaderStateMixin
+from lowprec.utils.dispatcher import DataLoaderDispatcher
+from lowprec.utils.operations import recursively_apply
+
+
+class EpochBatchSampler(BatchSampler):
+    """Batches in an order that depends on the epoch it was told (reverses on odd epochs)."""
+
+    def __init__(self, n: int, batch_size: int) -> None:
+        super().__init__(SequentialSampler(range(n)), batch_size, drop_last=False)
+        self.epoch = 0
+
+    def __iter__(self):
+        batches = list(super().__iter__())
+        return iter(batches[::-1] if self.epoch % 2 else batches)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+@pytest.mark.parametrize("cls", [DataLoaderShard, DataLoaderDispatcher])
+def test_public_constructor_iterates_the_loader_it_builds(cls):
+    dl = cls(list(range(10)), batch_size=4)
+    assert isinstance(dl, DataLoader) and isinstance(dl, DataLoaderStateMixin)
+    assert isinstance(dl.base_dataloader, DataLoader) and dl.batch_size == 4 and len(dl) == 3
+    with pytest.raises(AttributeError):
+        cls.base_dataloader  # noqa: B018  (only instances have one)
+    for _ in range(2):  # the end is found again on the next epoch
+        seen = [(b.tolist(), dl.end_of_dataloader) for b in dl]
+        assert seen == [([0, 1, 2, 3], False), ([4, 5, 6, 7], False), ([8, 9], True)]
+    assert dl.iteration == 2
+
+
+def test_shard_skip_batches_device_and_resume_position():
+    dl = DataLoaderShard(list(range(10)), device=torch.device("cpu"), skip_batches=1, batch_size=4)
+    assert len(dl) == 2 and [b.tolist() for b in dl] == [[4, 5, 6, 7], [8, 9]]
+    assert [b.tolist() for b in skip_first_batches(dl, 1)] == [[8, 9]]  # once, on top of skip_batches
+    assert [b.tolist() for b in dl] == [[4, 5, 6, 7], [8, 9]]
+
+
+def test_set_epoch_reaches_a_custom_batch_sampler_through_prepare():
+    sampler = EpochBatchSampler(6, 2)
+    dl = Accelerator(cpu=True).prepare_data_loader(DataLoader(list(range(6)), batch_sampler=sampler))
+    assert sampler.epoch == 0
+    dl.set_epoch(1)
+    assert sampler.epoch == 1 and dl.iteration == 1
+    assert [b.tolist() for b in dl] == [[4, 5], [2, 3], [0, 1]]  # the sampler's odd-epoch order
+    assert [b.tolist() for b in dl] == [[0, 1], [2, 3], [4, 5]]  # next epoch passed on by iterating
+
+
+def test_dispatcher_rank0_of_two_drop_last_skip_and_slice_fn(monkeypatch):
+    """Process 0's side of a 2-process dispatch (the broadcast is the identity on one process)."""
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src=0: box)
+    dl = DataLoaderDispatcher(list(range(10)), batch_size=2, _drop_last=True)
+    dl.world_size = 2  # as process 0 of two sees it: 5 batches are 2 full steps, the third dropped
+    assert len(dl) == 2 and [b.tolist() for b in dl] == [[0, 1], [4, 5]] and dl.end_of_dataloader
+    dl = DataLoaderDispatcher(list(range(10)), batch_size=2, skip_batches=1)
+    dl.world_size = 2  # a short last step is filled from the start; skip_batches counts steps
+    assert len(dl) == 2 and [b.tolist() for b in dl] == [[4, 5], [8, 9]]
+
+    def halves(batch, sl, process_index, num_processes):
+        return batch[sl] * 10
+
+    dl = DataLoaderDispatcher(list(range(8)), split_batches=True, slice_fn=halves, batch_size=4)
+    dl.world_size = 2
+    assert [b.tolist() for b in dl] == [[0, 10], [40, 50]]
+
+
+def test_constructor_refuses_what_it_cannot_honour():
+    with pytest.raises(ValueError, match="split_batches=True"):
+        DataLoaderDispatcher(list(range(4)), slice_fn=lambda *a, **k: a[0])
+    with pytest.raises(ValueError, match="parallelism_config"):
+        DataLoaderShard(list(range(4)), torch_device_mesh=object())
+
+
+def test_recursively_apply_arguments_and_other_types():
+    out = recursively_apply(torch.add, {"a": (torch.ones(1), "x")}, 2, alpha=3)
+    assert out["a"][0].item() == 7 and out["a"][1] == "x"
+    assert recursively_apply(len, ["ab", [1, 2, 3]], test_type=lambda x: isinstance(x, str)) == [2, [1, 2, 3]]
+    with pytest.raises(TypeError, match=r"Unsupported types \(<class 'int'>\) passed to `as_tensor`"):
+        recursively_apply(torch.as_tensor, (torch.tensor(1), 1), error_on_other_type=True)
+
+
+def test_pad_across_processes_returns_a_nested_tensor_unpadded_with_a_warning():
+    nt = torch.nested.nested_tensor([torch.ones(3), torch.ones(1)])
+    with pytest.warns(CannotPadNestedTensorWarning):
+        assert pad_across_processes(nt) is nt
+    t = torch.ones(2, 3)
+    assert pad_across_processes(t, dim=-3) is t
