@@ -8,6 +8,9 @@ the last step is padded from the start (a short last batch filled, missing batch
 batches) so every process runs the same number of steps; the padding is dropped again by
 ``gather_for_metrics``. One process gets the original batches unchanged. Shuffling uses a generator seeded with
 ``seed + epoch``, identical on every process, so shards never overlap.
+
+Accelerate's public constructor, ``DataLoaderShard(dataset, device=None, ..., **dataloader_kwargs)``,
+builds a DataLoader and iterates it as given (its batch sampler does any sharding, as in Accelerate).
 """
 
 from __future__ import annotations
@@ -107,8 +110,6 @@ def _check_constructor(use_stateful_dataloader: bool, torch_device_mesh: Any) ->
 
 
 class DataLoaderShard(DataLoader, DataLoaderStateMixin):
-    dispatches = False  # DataLoaderDispatcher (utils/dispatcher.py): process 0 reads, the others receive
-
     """A ``DataLoader`` (for ``isinstance`` checks) that iterates this process's share of the
     wrapped one; other DataLoader attributes are the wrapped loader's. With ``split_batches``
     each batch is cut into ``world_size`` equal slices instead of dealt whole; with
@@ -119,6 +120,8 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
     ..., **dataloader_kwargs)``, builds a DataLoader from ``dataset`` and the keyword arguments and
     iterates it as given (any sharding is its batch sampler's, as in Accelerate), adding device
     placement, ``skip_batches``, ``set_epoch`` and the end-of-dataloader state."""
+
+    dispatches = False  # DataLoaderDispatcher (utils/dispatcher.py): process 0 reads, the others receive
 
     def __init__(
         self,
