@@ -100,3 +100,14 @@ def test_pad_across_processes_returns_a_nested_tensor_unpadded_with_a_warning():
         assert pad_across_processes(nt) is nt
     t = torch.ones(2, 3)
     assert pad_across_processes(t, dim=-3) is t
+
+
+def test_prepared_stream_marks_its_last_batch():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(5))
+
+    accelerator = Accelerator(cpu=True)
+    dl = accelerator.prepare(DataLoader(Stream(), batch_size=2))
+    seen = [(b.tolist(), accelerator.gradient_state.end_of_dataloader, dl.end_of_dataloader) for b in dl]
+    assert seen == [([0, 1], False, False), ([2, 3], False, False), ([4], True, True)]
