@@ -106,7 +106,7 @@ class HFTokenizer:
                              f"{did_you_mean(tokenizer_type, names)}; use AutoTokenizer or e.g. PreTrainedTokenizerFast")
         remote = {"trust_remote_code": True} if trust_remote_code else {}  # transformers' default is False
         self._tok = cls.from_pretrained(path, local_files_only=True, **remote)
-        known = set(self._tok.get_vocab())
+        known = set(self._tok.get_vocab()) if special_tokens or tokens else set()
         if special_tokens:  # Axolotl's special_tokens: set (or add) before anything is tokenized
             self._tok.add_special_tokens(dict(special_tokens))
         if tokens:  # Axolotl's tokens: plain added tokens, never split
