@@ -59,21 +59,48 @@ def test_alpaca_lora_example_trains_in_fp8_merges_and_reloads(tiny_llama, tmp_pa
     result = train(cfg)
     losses = [loss for _, loss in result.train_losses]
     assert len(losses) == 2 and losses[-1] < losses[0] - 0.1, losses
+    tok = _check_lora_outputs(tiny_llama, out)
+    _check_merged_agrees(tiny_llama, out, tok("### Instruction:\nName a colour.", return_tensors="pt")["input_ids"])
+
+
+def _check_lora_outputs(tiny_llama, out):
+    """FP8 ran the frozen base GEMMs and never the adapters; the merged dir's tokenizer loads."""
     fp8_layers = [r for r in read_metrics(str(out)) if r["kind"] == "fp8"][-1]["layers"]
     assert any(n.endswith("mlp.up_proj.base_layer") for n in fp8_layers)  # frozen base GEMMs run in FP8
     assert not any("lora_" in n for n in fp8_layers)  # the adapters never do
+    return transformers.AutoTokenizer.from_pretrained(str(out / "merged"))
 
+
+def _check_merged_agrees(tiny_llama, out, ids):
+    """The adapter loads with peft, the merged model with transformers, and they agree."""
     base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
     adapted = peft.PeftModel.from_pretrained(base, str(out))
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(out / "merged"))
-    tok = transformers.AutoTokenizer.from_pretrained(str(out / "merged"))
-    ids = tok("### Instruction:\nName a colour.", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         a, m = adapted(ids).logits.float(), merged(ids).logits.float()
         b = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)(ids).logits.float()
     assert merged.dtype == torch.bfloat16
     assert (a - m).abs().max() < 0.05 * a.abs().max()  # merged == base + adapters (bf16 rounding)
     assert (a - b).abs().max() > 10 * (a - m).abs().max()  # ... and the adapters learned something
+
+
+def test_chat_lora_example_trains_assistant_turns_packed_in_fp8_and_reloads(tiny_llama, tmp_path):
+    """examples/hf/chat_lora.yaml (Axolotl's Llama 3 instruct LoRA shape) on the tiny Llama: the
+    tokenizer's ChatML template, assistant turns only, packed rows, LoRA on every linear layer
+    with FP8 under it; the loss falls and the adapter and merged model reload and agree."""
+    out = tmp_path / "run"
+    cfg = load_config(os.path.join(ROOT, "examples", "hf", "chat_lora.yaml"),
+                      {**FAST, "sequence_len": 128, "base_model": tiny_llama, "output_dir": str(out), "max_steps": 8,
+                       "eval_steps": None, "lora_alpha": 64})  # 8 steps on the 32-wide model need a 4x larger LoRA scale
+    assert cfg.sample_packing and cfg.datasets[0].type == "chat_template" and cfg.adapter == "lora"
+    result = train(cfg)
+    losses = [loss for _, loss in result.train_losses]
+    assert len(losses) == 2 and losses[-1] < losses[0] - 0.1, losses
+    tok = _check_lora_outputs(tiny_llama, out)
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template  # the template travels with the model
+    ids = tok.apply_chat_template([{"role": "user", "content": "Reverse stone."}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    _check_merged_agrees(tiny_llama, out, ids)
 
 
 def test_full_finetune_example_on_gpt2_converts_conv1d_and_saves_pretrained(tiny_gpt2, tmp_path):
@@ -157,6 +184,47 @@ def test_adapter_and_model_key_errors(tiny_llama, tmp_path, bad, match):
         cfg = parse_config({"base_model": tiny_llama, "output_dir": str(tmp_path), "max_steps": 1, **bad,
                             "datasets": [NOTES], "val_set_size": 0, "sequence_len": 32, "progress_bar": False})
         train(cfg, CPU)
+
+
+NEW_TOKENS = [f"<|tool_{i}|>" for i in range(12)]  # with <|sep|>: 261 + 13 ids > the 272 padded rows
+
+
+def test_added_tokens_grow_the_embeddings_and_need_lora_modules_to_save(tiny_llama, tmp_path):
+    """special_tokens / tokens new to the vocabulary resize the embeddings (272 -> 288 rows); with
+    LoRA they are refused unless lora_modules_to_save trains embed_tokens and lm_head (Axolotl's
+    rule), and then the adapter carries the grown layers: peft loads it onto a resized base and
+    agrees with the merged model, which transformers loads at the new size."""
+    from lowprec.train.adapters import LoraSettings, check_new_tokens
+
+    rows = [{"text": f"{NEW_TOKENS[i % 12]} note {i} <|sep|> {NEW_TOKENS[(i + 3) % 12]} done"} for i in range(40)]
+    data = tmp_path / "tools.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = {**FAST, "base_model": tiny_llama, "datasets": [{"path": str(data), "type": "completion"}], "max_steps": 2,
+            "logging_steps": 1, "adapter": "lora", "lora_target_modules": ["q_proj", "v_proj"], "lora_alpha": 16,
+            "special_tokens": {"pad_token": "<pad>", "additional_special_tokens": ["<|sep|>"]}, "tokens": NEW_TOKENS,
+            "sample_packing": True}
+    with pytest.raises(ValueError, match=r"special_tokens\.additional_special_tokens/tokens: 13 token\(s\) new to the "
+                                         r"tokenizer \(<\|sep\|>, .* and 8 more\) .* set lora_modules_to_save: "
+                                         r"\[embed_tokens, lm_head\]"):
+        train(parse_config({**base, "output_dir": str(tmp_path / "refused")}), CPU)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
+    check_new_tokens(model, LoraSettings(), {"<new-pad>": "special_tokens.pad_token"})  # a new pad token is exempt, as in Axolotl
+
+    out = tmp_path / "run"
+    train(parse_config({**base, "output_dir": str(out), "lora_modules_to_save": ["embed_tokens", "lm_head"],
+                        "merge_lora": True}), CPU)
+    tok = transformers.AutoTokenizer.from_pretrained(str(out / "merged"))
+    assert len(tok) == 274 and tok.convert_tokens_to_ids("<|tool_7|>") >= 261  # <pad> was known
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(out / "merged"))
+    assert merged.get_input_embeddings().num_embeddings == 288 == merged.config.vocab_size
+    grown = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
+    grown.resize_token_embeddings(len(tok), pad_to_multiple_of=16)  # as the README says
+    adapted = peft.PeftModel.from_pretrained(grown, str(out))
+    ids = tok("<|tool_7|> note <|sep|>", return_tensors="pt")["input_ids"]
+    assert ids.shape[1] == 8  # the added tokens are single ids
+    with torch.no_grad():
+        a, m = adapted(ids).logits.float(), merged(ids).logits.float()
+    assert a.shape[-1] == 288 and (a - m).abs().max() < 0.05 * a.abs().max()
 
 
 def test_tokenizer_keys(tiny_llama, tiny_gpt2):

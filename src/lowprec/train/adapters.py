@@ -22,7 +22,8 @@ from torch import nn
 
 from lowprec.errors import did_you_mean
 
-__all__ = ["LoraSettings", "apply_lora", "is_peft_model", "save_adapter", "check_adapter_backend", "linear_module_names"]
+__all__ = ["LoraSettings", "apply_lora", "is_peft_model", "save_adapter", "check_adapter_backend", "linear_module_names",
+           "check_new_tokens"]
 
 logger = logging.getLogger("lowprec")
 
@@ -73,6 +74,26 @@ def linear_module_names(model: nn.Module) -> list[str]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = {n.rpartition(".")[2] for n, m in model.named_modules() if _gemm_leaf(m) and m is not head and n}
     return sorted(names)
+
+
+def check_new_tokens(model: nn.Module, lora: LoraSettings, new_tokens: dict[str, str]) -> None:
+    """Axolotl's rule: tokens new to the vocabulary (``special_tokens``, ``tokens``) have embedding
+    and output rows that no adapter trains (the base weights are frozen), so with LoRA the input
+    and output embeddings must be trained in full through ``lora_modules_to_save``. A new
+    ``pad_token`` is exempt, as in Axolotl: padding is masked out of attention and loss."""
+    trained = [t for t, key in new_tokens.items() if key != "special_tokens.pad_token"]
+    if not trained:
+        return
+    layers = [model.get_input_embeddings(), model.get_output_embeddings()]
+    names = [n.rpartition(".")[2] for n, m in model.named_modules() if n and any(m is x for x in layers)]
+    missing = [n for n in dict.fromkeys(names) if n not in lora.modules_to_save]
+    if missing:
+        keys = sorted({new_tokens[t] for t in trained})
+        shown = ", ".join(trained[:5]) + (f" and {len(trained) - 5} more" if len(trained) > 5 else "")
+        raise ValueError(
+            f"{'/'.join(keys)}: {len(trained)} token(s) new to the tokenizer ({shown}) get embedding rows that LoRA "
+            f"alone leaves untrained; set lora_modules_to_save: [{', '.join(dict.fromkeys(names))}] to train "
+            "those layers in full next to the adapters (as Axolotl requires)")
 
 
 def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:

@@ -38,7 +38,7 @@ _GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
               "resize_token_embeddings_to_32x mean_resizing_embeddings shrink_embeddings embeddings_skip_upcast "
               "reinit_weights attn_implementation device_map max_memory gpu_memory_limit low_cpu_mem_usage "
               "is_falcon_derived_model is_llama_derived_model is_mistral_derived_model is_qwen_derived_model "
-              "tokens added_tokens_overrides fix_untrained_tokens save_safetensors"),
+              "added_tokens_overrides fix_untrained_tokens save_safetensors"),
     ),
     "adapters": (
         "this adapter option is not supported; adapter: lora reads lora_r, lora_alpha, lora_dropout, "
@@ -62,7 +62,7 @@ _GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
               "comet_api_key comet_workspace comet_project_name comet_experiment_key comet_mode comet_online "
               "comet_experiment_config use_trackio trackio_project_name trackio_run_name trackio_space_id "
               "use_otel_metrics otel_metrics_host otel_metrics_port profiler_steps profiler_steps_start "
-              "include_tokens_per_second include_tkps"),
+              "include_tokens_per_second include_tkps debug"),
     ),
     "hub": (
         "lowprec never uploads or downloads; the model is written to output_dir, copy or upload it yourself",

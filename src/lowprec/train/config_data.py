@@ -143,6 +143,10 @@ class DataKeys(StrictModel):
     special_tokens: Optional[SpecialTokens] = Field(
         default=None, description="bos/eos/pad/unk tokens set on a Hugging Face tokenizer (e.g. pad_token: <|end_of_text|>)"
     )
+    tokens: Optional[list[str]] = Field(
+        default=None, description="tokens added to a Hugging Face tokenizer (the embeddings grow to fit; with "
+        "adapter: lora set lora_modules_to_save: [embed_tokens, lm_head])"
+    )
 
     @field_validator("datasets", mode="before")
     @classmethod

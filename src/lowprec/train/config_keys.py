@@ -23,6 +23,7 @@ KEYS = (
     ('chat_template_jinja', 'template text for chat_template: jinja', 'null'),
     ('eot_tokens', 'end-of-turn strings trained with their turn', 'null'),
     ('special_tokens', 'bos/eos/pad/unk tokens set on a Hugging Face tokenizer (e.g. pad_token: <|end_of_text|>)', 'null'),
+    ('tokens', 'tokens added to a Hugging Face tokenizer (the embeddings grow to fit; with adapter: lora set lora_modules_to_save: [embed_tokens, lm_head])', 'null'),
     ('micro_batch_size', 'sequences per forward pass per process', '8'),
     ('gradient_accumulation_steps', 'micro-batches per optimizer step', '1'),
     ('num_epochs', 'passes over the training data (used when max_steps is not set; default 1)', 'null'),

@@ -154,7 +154,8 @@ def _cache_key(sources: Sequence[DataSource], tokenizer: Any, seq_len: int, val_
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """The tokenizer's name plus a hash of its files (an edited tokenizer.json re-tokenizes)."""
     path = tokenizer.name.removeprefix("hf:")
-    return f"{tokenizer.name}:{_file_digest(path) if os.path.isdir(path) else ''}:{tokenizer.vocab_size}"
+    extra = getattr(tokenizer, "settings", "")  # special_tokens / tokens set on top of the files
+    return f"{tokenizer.name}:{_file_digest(path) if os.path.isdir(path) else ''}:{tokenizer.vocab_size}{extra}"
 
 
 def _file_digest(path: str) -> str:

@@ -227,13 +227,13 @@ def tokenizer_choice(cfg: Any) -> tuple[str, str]:
 
 
 def load_run_tokenizer(cfg: Any):
-    """The tokenizer :func:`tokenizer_choice` picks, with ``special_tokens``, ``tokenizer_type`` and
-    ``trust_remote_code``."""
+    """The tokenizer :func:`tokenizer_choice` picks, with ``special_tokens``, ``tokens``,
+    ``tokenizer_type`` and ``trust_remote_code``."""
     from lowprec.train.tokenizer import HFTokenizer, load_tokenizer
 
     spec, _ = tokenizer_choice(cfg)
     special = cfg.special_tokens.model_dump(exclude_none=True) if cfg.special_tokens else None
     if spec == "byte" or not os.path.isdir(spec):
-        return load_tokenizer(spec, special)  # the byte tokenizer, or its own one-line error
-    return HFTokenizer(spec, special, cfg.tokenizer_type, cfg.trust_remote_code)
+        return load_tokenizer(spec, special, cfg.tokens)  # the byte tokenizer, or its own one-line error
+    return HFTokenizer(spec, special, cfg.tokenizer_type, cfg.trust_remote_code, cfg.tokens)
 

@@ -88,7 +88,7 @@ class HFTokenizer:
     """A local Hugging Face tokenizer directory (``tokenizer.json`` etc.), loaded offline."""
 
     def __init__(self, path: str, special_tokens: dict | None = None, tokenizer_type: str | None = None,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, tokens: Sequence[str] | None = None) -> None:
         try:
             import transformers
         except ImportError as e:  # None in sys.modules also lands here
@@ -106,8 +106,21 @@ class HFTokenizer:
                              f"{did_you_mean(tokenizer_type, names)}; use AutoTokenizer or e.g. PreTrainedTokenizerFast")
         remote = {"trust_remote_code": True} if trust_remote_code else {}  # transformers' default is False
         self._tok = cls.from_pretrained(path, local_files_only=True, **remote)
+        known = set(self._tok.get_vocab()) if special_tokens or tokens else set()
         if special_tokens:  # Axolotl's special_tokens: set (or add) before anything is tokenized
             self._tok.add_special_tokens(dict(special_tokens))
+        if tokens:  # Axolotl's tokens: plain added tokens, never split
+            self._tok.add_tokens(list(tokens))
+        # strings the vocabulary did not have -> the key that added them; their embedding rows
+        # are new (resized or never trained), which LoRA alone cannot train (adapters.check_new_tokens)
+        special = dict(special_tokens or {})
+        named = [(f"special_tokens.{k}", v) for k, v in special.items() if k != "additional_special_tokens"]
+        named += [("special_tokens.additional_special_tokens", v) for v in special.get("additional_special_tokens") or []]
+        named += [("tokens", v) for v in tokens or []]
+        self.new_tokens = {v: k for k, v in named if v not in known}
+        # the added tokens change tokenization without always changing the padded vocab_size,
+        # so the prepared-data cache key includes them
+        self.settings = repr((sorted((special_tokens or {}).items()), list(tokens or [])))
         self.name = f"hf:{os.path.abspath(path)}"
         eos = self._tok.eos_token_id
         if eos is None:
@@ -147,19 +160,21 @@ class HFTokenizer:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(spec: str | None = "byte", special_tokens: dict | None = None) -> Tokenizer:
+def load_tokenizer(spec: str | None = "byte", special_tokens: dict | None = None,
+                   tokens: Sequence[str] | None = None) -> Tokenizer:
     """``"byte"`` (or None) for the byte tokenizer, or the path of a local Hugging Face
     tokenizer directory (needs ``transformers``); ``special_tokens`` (``{"pad_token": ...}``)
-    are set on a Hugging Face tokenizer (the byte tokenizer's are fixed)."""
+    and added ``tokens`` go to a Hugging Face tokenizer (the byte tokenizer's are fixed)."""
     if spec is None or str(spec).lower() == "byte":
-        if special_tokens:
-            raise ValueError(
-                "special_tokens: the byte tokenizer's BOS/EOS/PAD are fixed; drop special_tokens or set "
-                "tokenizer: to a local Hugging Face tokenizer directory"
-            )
+        for key, value in (("special_tokens", special_tokens), ("tokens", tokens)):
+            if value:
+                raise ValueError(
+                    f"{key}: the byte tokenizer's vocabulary and BOS/EOS/PAD are fixed; drop {key} or set "
+                    "tokenizer: to a local Hugging Face tokenizer directory"
+                )
         return ByteTokenizer()
     if isinstance(spec, (str, os.PathLike)) and os.path.isdir(spec):
-        return HFTokenizer(os.fspath(spec), special_tokens)
+        return HFTokenizer(os.fspath(spec), special_tokens, tokens=tokens)
     raise ValueError(
         f"tokenizer {spec!r} is neither 'byte' nor an existing directory; use tokenizer: byte "
         "or the path of a local Hugging Face tokenizer directory"

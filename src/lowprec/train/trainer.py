@@ -95,7 +95,7 @@ def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_st
     )
 
 
-def _build_model(cfg: TrainConfig, vocab_size: int) -> tuple[nn.Module, dict[str, Any]]:
+def _build_model(cfg: TrainConfig, vocab_size: int, new_tokens: Optional[dict] = None) -> tuple[nn.Module, dict[str, Any]]:
     if cfg.base_model.startswith("builtin:"):
         from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 
@@ -111,9 +111,11 @@ def _build_model(cfg: TrainConfig, vocab_size: int) -> tuple[nn.Module, dict[str
                     model.get_input_embeddings().num_embeddings, vocab_size)
         model.resize_token_embeddings(vocab_size)
     if cfg.adapter is not None:
-        from lowprec.train.adapters import LoraSettings, apply_lora
+        from lowprec.train.adapters import LoraSettings, apply_lora, check_new_tokens
 
-        model = apply_lora(model, LoraSettings.from_config(cfg))
+        lora = LoraSettings.from_config(cfg)
+        check_new_tokens(model, lora, new_tokens or {})
+        model = apply_lora(model, lora)
     return _HFLoss(model), model.config.to_dict()
 
 
@@ -277,7 +279,7 @@ def train(
     acc.wait_for_everyone()
     tokenizer, loader, val_loader = _data(cfg, acc)
     total = _total_steps(cfg, len(loader), decisions, main)
-    run = _build(cfg, plan, acc, tokenizer.vocab_size, total, output_dir, loader, val_loader, decisions)
+    run = _build(cfg, plan, acc, tokenizer, total, output_dir, loader, val_loader, decisions)
     run.tokenizer = tokenizer
     run.on_log = on_log
     resume_path = _resume(run, decisions)
@@ -373,11 +375,11 @@ def _total_steps(cfg: TrainConfig, batches_per_epoch: int, decisions: dict, main
     return total
 
 
-def _build(cfg: TrainConfig, plan: RunPlan, acc, vocab_size: int, total: int, output_dir: str, loader, val_loader,
+def _build(cfg: TrainConfig, plan: RunPlan, acc, tokenizer, total: int, output_dir: str, loader, val_loader,
            decisions: dict) -> Run:
     """Model, optimizer and schedule, prepared by the accelerator; the run's shared state."""
     _seed_everything(cfg.seed)
-    model, model_config = _build_model(cfg, vocab_size)
+    model, model_config = _build_model(cfg, tokenizer.vocab_size, getattr(tokenizer, "new_tokens", None))
     if cfg.gradient_checkpointing:  # built-in and transformers models share the method name
         kwargs = dict(cfg.gradient_checkpointing_kwargs or {"use_reentrant": False})
         if isinstance(model, _HFLoss):
