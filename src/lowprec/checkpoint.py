@@ -328,6 +328,32 @@ def load_state(acc: Any, input_dir: str) -> None:
             "model.load_state_dict"
         )
     safe = meta.get("safe_serialization", True)
+    _load_models(acc, input_dir, sharded, saved_procs, reshard, safe)
+    for i, o in enumerate(acc._optimizers):
+        owner = acc._optimizer_models.get(id(o))
+        if _is_ds(owner) or any(owner is acc._models[j] for j in sharded if j < len(acc._models)):
+            continue  # DeepSpeed's own files / loaded with its model's shards
+        osd = load_optimizer(os.path.join(input_dir, f"optimizer_{i}"))
+        owner = acc._optimizer_models.get(id(o))
+        _apply(lambda sd, owner=owner, o=o: load_full_optimizer_state_dict(owner, o.optimizer, sd), osd, os.path.join(input_dir, f"optimizer_{i}"))
+    for i, s in enumerate(acc._schedulers):
+        _apply(s, _read_state(input_dir, f"scheduler_{i}", ".bin"))
+    for i, d in enumerate(acc._dataloaders):
+        where = os.path.join(input_dir, f"dataloader_{i}.json")
+        _apply(d, _data_position(read_checked(where, _read_json), _global_batch(acc, d), where))
+    if acc.scaler is not None:
+        _apply(acc.scaler, _read_state(input_dir, "scaler", ".pt"))
+    for i, obj in enumerate(acc._custom_objects):
+        _apply(obj, _read_state(input_dir, f"custom_checkpoint_{i}", ".pkl"))
+    acc.step = int(meta.get("step", 0))
+    acc.nonfinite.optimizer_steps = int(meta.get("optimizer_steps", 0))
+    _load_rng(acc, input_dir, saved_procs, reshard)
+    acc.wait_for_everyone()
+
+
+def _load_models(acc: Any, input_dir: str, sharded: set, saved_procs: int, reshard: bool, safe: bool) -> None:
+    """Each prepared model's weights (DeepSpeed's own files, FSDP2 shards or one full state) and
+    its per-rank FP8 scaling buffers."""
     to_load = acc._run_load_hooks(input_dir)  # a hook may read its files, or drop a model
     for i, m in enumerate(acc._models):
         inner = acc.unwrap_model(m)
@@ -352,24 +378,10 @@ def load_state(acc: Any, input_dir: str) -> None:
                 named = dict(inner.named_buffers())
                 for k, v in load_tensors(own).items():
                     named[k].copy_(v)
-    for i, o in enumerate(acc._optimizers):
-        owner = acc._optimizer_models.get(id(o))
-        if _is_ds(owner) or any(owner is acc._models[j] for j in sharded if j < len(acc._models)):
-            continue  # DeepSpeed's own files / loaded with its model's shards
-        osd = load_optimizer(os.path.join(input_dir, f"optimizer_{i}"))
-        owner = acc._optimizer_models.get(id(o))
-        _apply(lambda sd, owner=owner, o=o: load_full_optimizer_state_dict(owner, o.optimizer, sd), osd, os.path.join(input_dir, f"optimizer_{i}"))
-    for i, s in enumerate(acc._schedulers):
-        _apply(s, _read_state(input_dir, f"scheduler_{i}", ".bin"))
-    for i, d in enumerate(acc._dataloaders):
-        where = os.path.join(input_dir, f"dataloader_{i}.json")
-        _apply(d, _data_position(read_checked(where, _read_json), _global_batch(acc, d), where))
-    if acc.scaler is not None:
-        _apply(acc.scaler, _read_state(input_dir, "scaler", ".pt"))
-    for i, obj in enumerate(acc._custom_objects):
-        _apply(obj, _read_state(input_dir, f"custom_checkpoint_{i}", ".pkl"))
-    acc.step = int(meta.get("step", 0))
-    acc.nonfinite.optimizer_steps = int(meta.get("optimizer_steps", 0))
+
+
+def _load_rng(acc: Any, input_dir: str, saved_procs: int, reshard: bool) -> None:
+    """This process's random states (saved process r mod N's when the process count changed)."""
     rng = os.path.join(input_dir, f"random_states_{acc.process_index % saved_procs if reshard else acc.process_index}")
     if reshard:
         log_once(f"lowprec: resumed on {acc.num_processes} processes from a checkpoint of {saved_procs}: process r "
@@ -385,7 +397,6 @@ def load_state(acc: Any, input_dir: str) -> None:
     else:
         log_once(f"lowprec: {rng}.safetensors is missing; random states were not restored (the resumed run's "
                  "dropout/shuffle streams will differ)")
-    acc.wait_for_everyone()
 
 
 def _global_batch(acc: Any, loader: Any) -> int | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowprec.fp8.linear import Float8Linear, _copy_hooks
+from lowprec.fp8.linear import Float8Linear, _copy_hooks, plain_module
 from lowprec.fp8.recipes import Recipe
 
 __all__ = ["Float8Conv1D", "is_conv1d", "gemm_dims"]
@@ -57,13 +57,7 @@ class Float8Conv1D(Float8Linear):
 
     def to_linear(self) -> nn.Module:
         """The original ``Conv1D`` class with the same Parameters (what ``unconvert`` restores)."""
-        conv = self._conv1d_cls.__new__(self._conv1d_cls)
-        nn.Module.__init__(conv)
-        conv.nx, conv.nf = self.in_features, self.out_features
-        conv.weight, conv.bias = self.weight, self.bias
-        conv.train(self.training)
-        _copy_hooks(self, conv)
-        return conv
+        return plain_module(self, self._conv1d_cls, nx=self.in_features, nf=self.out_features)
 
     def reset_parameters(self) -> None:
         """Conv1D's own initialisation (normal, std 0.02; zero bias) and fresh FP8 state."""

@@ -63,7 +63,7 @@ from lowprec.fp8.quantize import Float8Data, quantize
 from lowprec.fp8.recipes import BLOCK_SCALED, LinearPlan, OperandCast, Recipe
 from lowprec.fp8.scaling import amax_to_scale, delayed_scale_step
 
-__all__ = ["Float8Linear", "delayed_scale_step"]
+__all__ = ["Float8Linear", "delayed_scale_step", "plain_module"]
 
 OPERANDS = ("input", "weight", "grad_output")
 _STATE_BUFFERS = tuple(f"fp8_amax_history_{o}" for o in OPERANDS) + tuple(
@@ -277,6 +277,19 @@ _HOOK_DICTS = (
 )
 
 
+def plain_module(src: nn.Module, cls: type, **dims: int) -> nn.Module:
+    """A ``cls`` module (its ``__init__`` not run: no fresh weights) holding ``src``'s weight and
+    bias Parameters, its train/eval mode and its hooks; ``dims`` are ``cls``'s size attributes."""
+    mod = cls.__new__(cls)
+    nn.Module.__init__(mod)
+    for name, value in dims.items():
+        setattr(mod, name, value)
+    mod.weight, mod.bias = src.weight, src.bias
+    mod.train(src.training)
+    _copy_hooks(src, mod)
+    return mod
+
+
 def _copy_hooks(src: nn.Module, dst: nn.Module) -> None:
     """Carry every per-module hook across a swap, so conversion is invisible to hook users."""
     for name in _HOOK_DICTS:
@@ -328,13 +341,7 @@ class Float8Linear(nn.Linear):
 
     def to_linear(self) -> nn.Linear:
         """The plain ``nn.Linear`` with the same Parameter objects (and the same hooks)."""
-        lin = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(lin)
-        lin.in_features, lin.out_features = self.in_features, self.out_features
-        lin.weight, lin.bias = self.weight, self.bias
-        lin.train(self.training)
-        _copy_hooks(self, lin)
-        return lin
+        return plain_module(self, nn.Linear, in_features=self.in_features, out_features=self.out_features)
 
     def reset_parameters(self) -> None:
         """Re-initialise weight and bias (as nn.Linear) *and* the FP8 scaling state, so a model
