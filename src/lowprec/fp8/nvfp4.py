@@ -94,6 +94,13 @@ def _encode_rne(y: torch.Tensor) -> torch.Tensor:
     return codes[torch.bucketize(y, bounds, out_int32=True)]
 
 
+def _sr_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid (0 .. 6) and 1 / (step to the next grid value) per code (0 for 6, the top)."""
+    grid = _grid(device)
+    step = torch.cat([grid[1:] - grid[:-1], torch.zeros(1, device=grid.device)])
+    return grid, torch.where(step > 0, 1 / torch.where(step > 0, step, 1.0), 0.0)
+
+
 def e2m1_encode(y: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Already-scaled float32 values -> E2M1 codes (uint8, 0..15), saturating at +-6.
 
@@ -105,14 +112,13 @@ def e2m1_encode(y: torch.Tensor, generator: torch.Generator | None = None) -> to
     if generator is None:  # one pass (see _rne_boundaries); same codes as _code_of with round
         return _encode_rne(y.to(torch.float32))
     a = torch.nan_to_num(y.abs(), nan=0.0).clamp_(max=FP4_MAX)
-    grid = _grid(y.device)
-    lo = _code_of(a, torch.floor).to(torch.int64)
-    hi = (lo + 1).clamp_(max=7)
-    lo_v, step = grid[lo], grid[hi] - grid[lo]
-    p = torch.where(step > 0, (a - lo_v) / torch.where(step > 0, step, 1.0), 0.0)
+    grid, inv_step = _sr_tables(y.device)
+    # lo: the largest grid value <= a (one bucketize; the same code as _code_of with floor)
+    lo = torch.bucketize(a, grid, right=True, out_int32=True).sub_(1)
+    # (a - lo) / step as a multiply by 1/step (powers of two: exact, the same p); 6 -> p = 0
+    p = (a - grid[lo]).mul_(inv_step[lo])
     u = torch.rand(a.shape, generator=generator, device=generator.device).to(a.device)
-    code = lo + (u < p).to(lo.dtype)
-    code = code.to(torch.uint8)
+    code = (lo + (u < p)).to(torch.uint8)
     sign = ((y < 0) & (code > 0)).to(torch.uint8) << 3  # no negative zero
     return code | sign
 
