@@ -5,7 +5,9 @@
 
 Two parts, JSON into ``benchmarks/results/mx_cpu.json``:
 
-* ``ms``: median fwd+bwd milliseconds per variant (bf16 nn.Linear under autocast, tensorwise,
+* ``cpu_ms``: median fwd+bwd milliseconds of this thread's CPU time (one torch thread by
+  default: on a shared, overloaded machine CPU time is what stays comparable; ``wall_ms`` too)
+  per variant (bf16 nn.Linear under autocast, tensorwise,
   mxfp8, nvfp4, and the block-scaled recipes with ``gemm="emulate"``, the exact float32
   reference), *interleaved*: each round times every variant once, so load on a shared machine
   hits all of them alike; the median is over rounds.
@@ -73,14 +75,17 @@ def time_shape(m, k, n, rounds: int) -> dict:
     runs = {v: _step(_build(v, k, n), x) for v in VARIANTS}
     for fn in runs.values():  # warm-up (and the one-time CPU GEMM probe)
         fn(), fn()
-    times = {v: [] for v in VARIANTS}
+    wall = {v: [] for v in VARIANTS}
+    cpu = {v: [] for v in VARIANTS}
     for _ in range(rounds):
         for v, fn in runs.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             fn()
-            times[v].append((time.perf_counter() - t0) * 1e3)
-    med = {v: round(statistics.median(t), 3) for v, t in times.items()}
-    return {"shape": f"{m}x{k}x{n}", "ms": med, "vs_bf16": {v: round(med[v] / med["bf16"], 2) for v in VARIANTS}}
+            cpu[v].append((time.thread_time() - c0) * 1e3)
+            wall[v].append((time.perf_counter() - t0) * 1e3)
+    med = {v: round(statistics.median(t), 3) for v, t in cpu.items()}
+    return {"shape": f"{m}x{k}x{n}", "cpu_ms": med, "vs_bf16": {v: round(med[v] / med["bf16"], 2) for v in VARIANTS},
+            "wall_ms": {v: round(statistics.median(t), 3) for v, t in wall.items()}}
 
 
 def _wrap(mod, name, label):
@@ -122,11 +127,13 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", default="256x128x256,1024x512x1024")
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--out", default=None)
+    p.add_argument("--threads", type=int, default=1)
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     timing = [time_shape(*s, args.rounds) for s in shapes]
     for row in timing:
-        print(row["shape"], row["ms"])
+        print(row["shape"], row["cpu_ms"])
     prof = [profile_shape(*s, r) for s in shapes for r in ("mxfp8", "nvfp4")]
     for row in prof:
         print(row["shape"], row["recipe"], row["phase_ms_inclusive"])
