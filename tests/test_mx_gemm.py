@@ -59,7 +59,7 @@ def test_emulation_is_dequantize_then_matmul():
     assert torch.allclose(mx_mm(qa, qb, torch.float32, path="emulate").double(), ref, rtol=1e-5, atol=1e-4)
     na, nb = quantize_nvfp4(a), quantize_nvfp4_2d(b)
     ref = na.dequantize().double() @ nb.dequantize().double().t()
-    assert torch.allclose(mx_mm(na, nb, torch.float32).double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(mx_mm(na, nb, torch.float32, path="emulate").double(), ref, rtol=1e-5, atol=1e-4)
     with pytest.raises(ValueError, match="quantized along the same K"):
         mx_mm(qa, quantize_mx(torch.randn(20, 64)), torch.float32)
     with pytest.raises(ValueError, match="nvfp4"):
@@ -69,7 +69,8 @@ def test_emulation_is_dequantize_then_matmul():
 def test_paths_on_a_machine_without_the_kernel():
     cpu = torch.device("cpu")
     assert not native_block_scaled_available(cpu)
-    assert mx_gemm_path("auto", cpu) == "emulate" and mx_gemm_path("upcast", cpu) == "emulate"
+    assert mx_gemm_path("auto", cpu) == "upcast" and mx_gemm_path("upcast", cpu) == "upcast"
+    assert mx_gemm_path("emulate", cpu) == "emulate"
     with pytest.raises(RuntimeError, match="sm_100"):
         mx_gemm_path("scaled_mm", cpu)
 

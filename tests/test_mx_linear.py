@@ -64,7 +64,10 @@ def test_mxfp8_at_least_torchao_mx_emulation_on_the_same_data():
     ours_default = [sqnr(r, o) for r, o in zip(refs, _run(fp8.Recipe.from_name("mxfp8"), x, w, dy))]
     for mode, ours_name in ((ScaleCalculationMode.FLOOR, "floor"), (ScaleCalculationMode.RCEIL, "rceil")):
         theirs = [sqnr(r, _torchao_mx(a, mode) @ _torchao_mx(b, mode).t()) for r, (a, b) in zip(refs, operands)]
-        ours = [sqnr(r, o) for r, o in zip(refs, _run(fp8.Recipe.from_name("mxfp8", scale_rounding=ours_name), x, w, dy))]
+        # like for like: torchao's emulation is a float32 matmul, so is ours with gemm="emulate"
+        # (the default CPU path, a bf16 GEMM, is ours_default)
+        same = fp8.Recipe.from_name("mxfp8", scale_rounding=ours_name, gemm="emulate")
+        ours = [sqnr(r, o) for r, o in zip(refs, _run(same, x, w, dy))]
         # the same quantized numbers as torchao (bit for bit) ...
         for a, _ in operands:
             assert torch.equal(_torchao_mx(a, mode), quantize_mx(a.float(), rounding=ours_name).dequantize())
@@ -97,7 +100,7 @@ def test_convert_report_and_high_precision_layers():
     # default rules skip the first and last Linear; nvfp4 keeps the last 15% of the other 5 (1) in hp
     assert [n for n, *_ in report.converted] == ["1", "2", "3", "4"]
     assert ("5", "the nvfp4 recipe keeps the last 15% of its Linear layers in high precision (high_precision_last)") in report.skipped
-    assert "e2m1/16x16" in str(report) and "exact nvfp4 dequantization" in report.gemm
+    assert "e2m1/16x16" in str(report) and "bf16 GEMM over exact bf16 nvfp4 operands" in report.gemm
     assert [int(model[i].fp8_sr_state[0]) for i in range(1, 5)] == [0, 1, 2, 3]  # one stream per layer
     assert fp8.convert(_model(), fp8.Recipe.from_name("nvfp4", high_precision_last=0.0)).num_converted == 5
     with pytest.raises(ValueError, match="no speed model for the mxfp8 recipe on H100"):

@@ -162,7 +162,8 @@ def _gemm_note(recipe: Recipe, device: torch.device) -> str:
             return f"torch block-scaled scaled_mm on {device.type} ({recipe.scaling}, swizzled scales)"
         why = f"exact {recipe.scaling} dequantization + float32 matmul on {device.type}"
         if device.type == "cpu":  # the CPU path by design, as the bf16 upcast is for the other recipes
-            return why
+            scales = "block scales folded in" + (", tensor scales on the output" if recipe.scaling == "nvfp4" else "")
+            return f"bf16 GEMM over exact bf16 {recipe.scaling} operands on cpu ({scales}; mx_gemm.py)"
         return f"emulated: {why} (torch's block-scaled scaled_mm needs CUDA sm_100+)"
     if device.type == "cpu":
         if recipe.scaling == "blockwise" and not recipe.power_of_2_scales:

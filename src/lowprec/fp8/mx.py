@@ -148,9 +148,10 @@ def quantize_mx(
     if elem_dtype not in _EMAX:
         raise ValueError(f"MXFP8 elements are E4M3 or E5M2, got {elem_dtype}")
     rows, cols = x.shape
-    xp = pad_to_blocks(x.detach().to(torch.float32), block)
+    xp = pad_to_blocks(x.detach().to(torch.float32, memory_format=torch.contiguous_format), block)
     tiles = xp.reshape(rows, -1, block)
-    amax = tiles.abs().amax(dim=-1)
+    lo, hi = torch.aminmax(tiles, dim=-1)  # one pass, no |x| temporary; NaN propagates
+    amax = torch.maximum(hi, -lo)
     # a NaN anywhere in a block: amax() propagates it, so the block's scale is NaN too
     k = mx_scale_exponent(amax, elem_dtype, rounding)
     scale = _encode_with_nan(k)
@@ -158,7 +159,8 @@ def quantize_mx(
     inv = torch.ldexp(torch.ones_like(amax), (-k).clamp(-127, 127))
     m = fp8_max(elem_dtype)
     y = tiles * inv.unsqueeze(-1)
-    y = torch.nan_to_num(y, nan=float("nan"), posinf=float("nan"), neginf=float("nan")).clamp_(-m, m)
+    # clamp_ keeps NaN and saturates +-inf: a block holding either has the NaN scale anyway
+    y = y.clamp_(-m, m)
     return BlockScaledData(y.reshape(rows, -1).to(elem_dtype), scale, cols, block)
 
 

@@ -17,8 +17,23 @@ Paths
              is selected by capability, and ``tests/test_mx_gemm.py`` checks its scale layout on
              CPU against a reference written from the cuBLAS documentation.
 
-``auto`` (the recipes' default) takes ``scaled_mm`` where it can run, else ``emulate`` (logged
-once on CUDA). ``upcast`` (the CPU path of the per-tensor recipes) means ``emulate`` here.
+``upcast``    CPU: the GEMM in bf16 (oneDNN; fp32 accumulation, one bf16 rounding of the
+             output), its operands built straight in bf16 and exact: an E4M3/E5M2 element's
+             bits shifted into bf16 position (``cpu_gemm.upcast_to_bf16``), an E2M1 element
+             from a 16-entry table; times its block scale in bf16 (E8M0 bits shifted into the
+             bf16 exponent; an E4M3 scale upcast the same way). The products are exact in bf16
+             (at most 6 significant bits, against bf16's 8) as long as they are normal numbers:
+             always for NVFP4 (E2M1 x E4M3 spans 2**-10 .. 2688), and for MXFP8 unless a block
+             with a non-zero element has a scale below 2**-117 (E4M3; 2**-110 for E5M2), where
+             the smallest element would fall below bf16's normal range: such a GEMM takes
+             ``emulate`` (checked on the scales, 1/32 of the data). NVFP4's tensor scales (not
+             powers of two) are the GEMM's ``alpha``, applied to the fp32 accumulator.
+             Bound against ``emulate``: the same exact products summed in another order
+             (<= K * eps32 * sum|a||b|) plus the bf16 rounding of the output (2**-8 relative);
+             ``tests/test_mx_cpu_fast.py`` checks it.
+
+``auto`` (the recipes' default) takes ``scaled_mm`` where it can run, ``upcast`` on CPU, else
+``emulate`` (logged once on CUDA). ``emulate`` stays reachable everywhere (``gemm="emulate"``).
 
 Scale layout (cuBLAS "1D block scaling factors layout"; cuDNN's "128x4" layout): the (rows,
 K/block) scale matrix is padded to whole 128 x 4 tiles; tiles are stored one after the other,
@@ -33,10 +48,11 @@ import logging
 import torch
 
 from lowprec.fp8.capability import cuda_capability, is_cuda
+from lowprec.fp8.cpu_gemm import upcast_to_bf16
 from lowprec.fp8.mx import BlockScaledData, e8m0_decode
-from lowprec.fp8.nvfp4 import e2m1_unpack
+from lowprec.fp8.nvfp4 import E2M1_VALUES, e2m1_unpack
 
-__all__ = ["mx_mm", "swizzle_scales", "native_block_scaled_available", "mx_gemm_path"]
+__all__ = ["mx_mm", "swizzle_scales", "native_block_scaled_available", "mx_gemm_path"]  # paths: see docstring
 
 logger = logging.getLogger("lowprec.fp8")
 _LOGGED: set[str] = set()
@@ -81,6 +97,10 @@ def mx_gemm_path(requested: str, device: torch.device) -> str:
         return "scaled_mm"
     if requested == "auto" and native:
         return "scaled_mm"
+    if requested in ("auto", "upcast") and device.type == "cpu":
+        return "upcast"
+    if requested == "upcast":
+        raise RuntimeError(f"gemm='upcast' is the CPU path; this GEMM runs on {device}: use gemm='auto'")
     if requested == "auto" and is_cuda(device) and "cuda" not in _LOGGED:
         _LOGGED.add("cuda")
         logger.warning("lowprec.fp8: MXFP8/NVFP4 GEMMs on %s run emulated in float32: torch's block-scaled "
@@ -102,6 +122,67 @@ def _emulate(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) ->
     if a.tensor_scale is not None:
         out = out * (a.tensor_scale * bt.tensor_scale)
     return out.to(out_dtype)
+
+
+# E8M0 bytes below which an MXFP8 block's smallest element times its scale is not a normal bf16
+# number: scale 2**k, element bits down to 2**-9 (E4M3) / 2**-16 (E5M2), normal from 2**-126
+_MIN_EXACT_BYTE = {torch.float8_e4m3fn: 127 - 117, torch.float8_e5m2: 127 - 110}
+_BF16_NAN = 0x7FC0
+
+
+def _e8m0_to_bf16(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 -> bf16 by bits: the byte is the bf16 exponent field (255 -> NaN, 0 -> 0: callers
+    only let byte 0 through for blocks whose elements are all zero)."""
+    bits = scale.view(torch.uint8).to(torch.int16)
+    bits = torch.where(bits == 255, _BF16_NAN, bits << 7)
+    return bits.view(torch.bfloat16)
+
+
+def _e2m1_table(device) -> torch.Tensor:
+    """The two bf16 values of each byte's E2M1 codes (low nibble first) as one int32 word per
+    byte, shape (256,): decoding is then a 4-byte ``index_select`` per byte (17x faster on CPU
+    than advanced indexing of a (256, 2) table)."""
+    vals = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.bfloat16)
+    b = torch.arange(256)
+    pairs = torch.stack([vals[b & 15], vals[b >> 4]], dim=-1).contiguous()
+    return pairs.view(torch.int32).reshape(256).to(device)
+
+
+_TABLES: dict = {}
+
+
+def _bf16_operand(q: BlockScaledData) -> torch.Tensor | None:
+    """Elements times block scales as exact bf16, padded width; ``None`` where not exact."""
+    if q.tensor_scale is None:
+        raw = q.scale.view(torch.uint8)
+        small = raw < _MIN_EXACT_BYTE[q.data.dtype]
+        if bool(small.any()):  # rare: tiny blocks; exact only if all their elements are zero
+            blocks = q.data.view(torch.uint8).reshape(q.rows, -1, q.block)[small]
+            if bool((blocks & 0x7F).any()):
+                return None
+        elems, scale = upcast_to_bf16(q.data), _e8m0_to_bf16(q.scale)
+    else:
+        key = q.data.device
+        if key not in _TABLES:
+            _TABLES[key] = _e2m1_table(key)
+        idx = q.data.view(torch.uint8).reshape(-1).to(torch.int32)
+        elems = _TABLES[key].index_select(0, idx).view(torch.bfloat16).reshape(q.rows, -1)
+        scale = upcast_to_bf16(q.scale)
+    out = elems.reshape(q.rows, -1, q.block).mul_(scale.unsqueeze(-1))
+    return out.reshape(q.rows, -1)
+
+
+def _upcast(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> torch.Tensor:
+    av = _bf16_operand(a)
+    bv = _bf16_operand(bt) if av is not None else None
+    if bv is None:
+        return _emulate(a, bt, out_dtype)
+    if a.tensor_scale is None:
+        out = torch.mm(av, bv.t())
+    else:  # the tensor scales as alpha: on the fp32 accumulator, one rounding of the output
+        alpha = float(a.tensor_scale * bt.tensor_scale)
+        out = torch.addmm(torch.zeros((), dtype=torch.bfloat16, device=av.device), av, bv.t(), beta=0, alpha=alpha)
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
 def _native(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> torch.Tensor:
@@ -131,6 +212,9 @@ def mx_mm(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype, *, pa
             f"mx_mm needs two {a.fmt} operands quantized along the same K: got {a.fmt} {a.shape}/{a.block} "
             f"and {bt.fmt} {bt.shape}/{bt.block}"
         )
-    if mx_gemm_path(path, a.data.device) == "scaled_mm":
+    resolved = mx_gemm_path(path, a.data.device)
+    if resolved == "scaled_mm":
         return _native(a, bt, out_dtype)
+    if resolved == "upcast":
+        return _upcast(a, bt, out_dtype)
     return _emulate(a, bt, out_dtype)

@@ -59,6 +59,48 @@ def _code_of(a: torch.Tensor, rnd) -> torch.Tensor:
     return torch.where(a < 2, rnd(a * 2), torch.where(a < 4, rnd(a) + 2, rnd(a * 0.5) + 4)).clamp_(max=7)
 
 
+def _rne_boundaries() -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest-even E2M1 encoding as one ``bucketize`` over the signed line.
+
+    Between two neighbouring values of the signed grid (-6 .. 6) the midpoint is the boundary;
+    at a tie the value goes to the even code (the one with mantissa bit 0): ``bucketize``
+    (``right=False``) sends a value equal to a boundary to the lower bucket, so a boundary whose
+    tie must go up is moved one float32 ulp down (no float32 lies between: exact). Returns
+    (15 boundaries, 16 codes: bucket i -> code; bucket 15 is NaN's -> 0). Checked against the
+    per-binade ``torch.round`` rule (``_code_of``) in ``tests/test_mx_cpu_fast.py``.
+    """
+    mags = list(E2M1_VALUES)
+    signed = [-v for v in reversed(mags[1:])] + mags  # -6 .. 6, 15 values
+    code = [8 | mags.index(-v) for v in signed if v < 0] + list(range(8))
+    bounds = []
+    for lo, hi, c_lo, c_hi in zip(signed, signed[1:], code, code[1:]):
+        mid = torch.tensor((lo + hi) / 2, dtype=torch.float32)
+        if c_hi % 2 == 0 and c_lo % 2 == 1:  # tie goes up (to hi): just below the midpoint
+            mid = torch.nextafter(mid, torch.tensor(-float("inf")))
+        bounds.append(float(mid))
+    bounds.append(float("inf"))  # +inf saturates to 6 (bucket 14); only NaN lands above (15)
+    code = [c if c != 8 else 0 for c in code] + [0]  # no negative zero; NaN -> 0
+    return torch.tensor(bounds, dtype=torch.float32), torch.tensor(code, dtype=torch.uint8)
+
+
+_RNE: dict = {}
+
+
+def _encode_rne(y: torch.Tensor) -> torch.Tensor:
+    if y.device not in _RNE:
+        b, c = _rne_boundaries()
+        _RNE[y.device] = (b.to(y.device), c.to(y.device))
+    bounds, codes = _RNE[y.device]
+    return codes[torch.bucketize(y, bounds, out_int32=True)]
+
+
+def _sr_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid (0 .. 6) and 1 / (step to the next grid value) per code (0 for 6, the top)."""
+    grid = _grid(device)
+    step = torch.cat([grid[1:] - grid[:-1], torch.zeros(1, device=grid.device)])
+    return grid, torch.where(step > 0, 1 / torch.where(step > 0, step, 1.0), 0.0)
+
+
 def e2m1_encode(y: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Already-scaled float32 values -> E2M1 codes (uint8, 0..15), saturating at +-6.
 
@@ -67,18 +109,16 @@ def e2m1_encode(y: torch.Tensor, generator: torch.Generator | None = None) -> to
     stochastic rounding with noise from ``generator``: up with probability (|y| - lo) / (hi - lo).
     NaN becomes code 0; callers carry NaN in the scale instead (E2M1 has no NaN).
     """
+    if generator is None:  # one pass (see _rne_boundaries); same codes as _code_of with round
+        return _encode_rne(y.to(torch.float32))
     a = torch.nan_to_num(y.abs(), nan=0.0).clamp_(max=FP4_MAX)
-    if generator is None:
-        code = _code_of(a, torch.round)
-    else:
-        grid = _grid(y.device)
-        lo = _code_of(a, torch.floor).to(torch.int64)
-        hi = (lo + 1).clamp_(max=7)
-        lo_v, step = grid[lo], grid[hi] - grid[lo]
-        p = torch.where(step > 0, (a - lo_v) / torch.where(step > 0, step, 1.0), 0.0)
-        u = torch.rand(a.shape, generator=generator, device=generator.device).to(a.device)
-        code = lo + (u < p).to(lo.dtype)
-    code = code.to(torch.uint8)
+    grid, inv_step = _sr_tables(y.device)
+    # lo: the largest grid value <= a (one bucketize; the same code as _code_of with floor)
+    lo = torch.bucketize(a, grid, right=True, out_int32=True).sub_(1)
+    # (a - lo) / step as a multiply by 1/step (powers of two: exact, the same p); 6 -> p = 0
+    p = (a - grid[lo]).mul_(inv_step[lo])
+    u = torch.rand(a.shape, generator=generator, device=generator.device).to(a.device)
+    code = (lo + (u < p)).to(torch.uint8)
     sign = ((y < 0) & (code > 0)).to(torch.uint8) << 3  # no negative zero
     return code | sign
 
@@ -115,6 +155,12 @@ def _tensor_scales(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return s, s.reciprocal()
 
 
+def _block_amax(tiles: torch.Tensor) -> torch.Tensor:
+    """max |x| over the last dim in one pass (``aminmax``: no |x| temporary); NaN propagates."""
+    lo, hi = torch.aminmax(tiles, dim=-1)
+    return torch.maximum(hi, -lo)
+
+
 def _encode_blocks(tiles: torch.Tensor, block_amax: torch.Tensor, s: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 block scales and E2M1 codes for ``tiles`` (..., block) given each block's amax."""
     scale = (block_amax / FP4_MAX * s).clamp(max=_E4M3_MAX).to(E4M3)
@@ -130,10 +176,11 @@ def quantize_nvfp4(x: torch.Tensor, generator: torch.Generator | None = None, bl
     if x.dim() != 2:
         raise ValueError(f"NVFP4 quantization needs a 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape
-    x32 = pad_to_blocks(x.detach().to(torch.float32), block)
-    s, decode = _tensor_scales(x32)
+    x32 = pad_to_blocks(x.detach().to(torch.float32, memory_format=torch.contiguous_format), block)
     tiles = x32.reshape(rows, -1, block)
-    scale, codes = _encode_blocks(tiles, tiles.abs().amax(-1), s, generator)
+    block_amax = _block_amax(tiles)
+    s, decode = _tensor_scales(block_amax)  # the tensor amax is the largest block amax
+    scale, codes = _encode_blocks(tiles, block_amax, s, generator)
     return BlockScaledData(e2m1_pack(codes.reshape(rows, -1)), scale, cols, block, decode)
 
 
