@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -185,10 +186,17 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_on_the_full_base(tiny_l
     out = tmp_path / "run"
     cfg = parse_config({**FAST, "base_model": tiny_llama_64, "output_dir": str(out), "max_steps": 8, "eval_steps": None,
                         "datasets": [NOTES], "adapter": "qlora", "load_in_4bit": True, "lora_target_linear": True,
-                        "lora_r": 8, "lora_alpha": 64, "learning_rate": 1e-2, "merge_lora": True})
-    result = train(cfg, Capabilities(packages=frozenset({"transformers", "peft", "bitsandbytes"})))
+                        "lora_r": 8, "lora_alpha": 64, "learning_rate": 1e-2, "merge_lora": True, "save_steps": 4})
+    caps = Capabilities(packages=frozenset({"transformers", "peft", "bitsandbytes"}))
+    result = train(cfg, caps)
     losses = [loss for _, loss in result.train_losses]
     assert len(losses) == 2 and losses[-1] < losses[0] - 0.1, losses
+    # resuming from step 4 (the 4-bit base is made again from base_model; the checkpoint's copy is skipped)
+    # gives the uninterrupted run's steps 5-8
+    shutil.copytree(out / "checkpoint-4", tmp_path / "resumed" / "checkpoint-4")
+    resumed = train(cfg.model_copy(update={"output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": "auto",
+                                           "merge_lora": False}), caps)
+    assert resumed.train_losses[-1][1] == pytest.approx(losses[-1], rel=1e-4), (resumed.train_losses, losses)
     report = (out / "fp8_conversion.txt").read_text()
     assert "Linear4bit x14 (4-bit base weights: QLoRA" in report, report  # 2 layers x 7 projections
     assert " 0 Linear layer(s) converted" in report  # the head is kept by the recipe; the adapters never convert
