@@ -148,13 +148,15 @@ def load_causal_lm(path: str, model_type: Optional[str] = None, trust_remote_cod
                    load_in_4bit: bool = False) -> nn.Module:
     """A causal LM from a local directory, float32 master weights, offline. ``load_in_4bit``
     (QLoRA) quantizes its Linear layers but the output head to NF4 through bitsandbytes, with bf16
-    compute (QLoRA's settings); embeddings, norms and the head stay float32."""
+    compute and double quantization (Axolotl's QLoRA settings); embeddings, norms and the head stay
+    float32."""
     transformers = _transformers(f"base_model: {path}")
     cls = _model_class(transformers, model_type)
     kwargs: dict[str, Any] = {}
     if load_in_4bit:
         kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=True)  # the per-block scales are quantized too
     try:
         model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch.float32,
                                     **kwargs)
