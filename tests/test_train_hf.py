@@ -1,13 +1,14 @@
 """`lowprec train` on Hugging Face models: a tiny Llama and a tiny GPT-2 written by
 examples/make_tiny_llama.py into tmp (random weights, local byte-level tokenizer, no hub), LoRA
 through peft with FP8 on the frozen base layers, merge, reload in transformers and peft; the
-hub cache lookup; the qlora error; FP8 for GPT-2's Conv1D; the frozen-weight GEMMs."""
+hub cache lookup; QLoRA on a 4-bit base (bitsandbytes) and its error without it; FP8 for GPT-2's Conv1D; the frozen-weight GEMMs."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -150,25 +151,64 @@ def test_hub_id_resolves_from_the_local_cache_only(tiny_llama, tmp_path, monkeyp
         resolve(parse_config({"base_model": "tiny/no-tokenizer"}), CPU)
 
 
-def test_qlora_and_4bit_need_bitsandbytes_one_line_exit_2(tiny_llama, tmp_path, capsys):
+def test_qlora_without_bitsandbytes_is_one_line_exit_2(tiny_llama, tmp_path, capsys, monkeypatch):
+    """Where bitsandbytes is not installed (simulated: find_spec sees None), adapter: qlora is
+    one line naming what to install, exit 2; adapter: lora still needs peft."""
+    import sys
+
     from lowprec.cli.main import main
 
-    base = {"base_model": tiny_llama, "adapter": "qlora", "lora_target_linear": True}
-    with pytest.raises(ValueError, match=r"adapter: qlora .* not supported by lowprec yet; it needs bitsandbytes "
-                                         r"\(pip install bitsandbytes\) and a CUDA GPU; use adapter: lora"):
+    base = {"base_model": tiny_llama, "adapter": "qlora", "load_in_4bit": True, "lora_target_linear": True}
+    with pytest.raises(ValueError, match=r"adapter: qlora .* 'bitsandbytes': pip install 'lowprec\[qlora\]'"):
         resolve(parse_config(base), CPU)
-    with pytest.raises(ValueError, match=r"not supported by lowprec yet; it needs a CUDA GPU; use adapter: lora"):
-        resolve(parse_config(base), Capabilities(packages=frozenset({"transformers", "peft", "bitsandbytes"})))
-    with pytest.raises(ValueError, match=r"not supported by lowprec yet; use adapter: lora"):  # never a silent bf16 base
-        resolve(parse_config(base), Capabilities((9, 0), frozenset({"transformers", "peft", "bitsandbytes"})))
     with pytest.raises(ValueError, match="adapter: lora needs the optional package 'peft'"):
-        resolve(parse_config({**base, "adapter": "lora"}), Capabilities(packages=frozenset({"transformers"})))
+        resolve(parse_config({**base, "adapter": "lora", "load_in_4bit": None}), Capabilities(packages=frozenset({"transformers"})))
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # importlib.util.find_spec now answers None
     path = tmp_path / "q.yaml"
-    path.write_text(json.dumps({**base, "load_in_4bit": True, "output_dir": str(tmp_path / "o")}))
-    if importlib.util.find_spec("bitsandbytes") is None:  # this CPU-only CI machine: the CLI's one line
-        assert main(["train", str(path)]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "pip install bitsandbytes" in err[0]
+    path.write_text(json.dumps({**base, "output_dir": str(tmp_path / "o")}))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install bitsandbytes" in err[0], err
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_64(tmp_path_factory) -> str:
+    # 64 wide: bitsandbytes quantizes in blocks of 64 inputs, and its CPU inference packing needs a whole block
+    out = str(tmp_path_factory.mktemp("tiny-llama-64"))
+    return _maker().main([out, "--hidden", "64", "--pretrain_steps", "20"])
+
+
+def test_qlora_trains_adapters_on_a_4bit_base_and_merges_on_the_full_base(tiny_llama_64, tmp_path):
+    """adapter: qlora + load_in_4bit: the base Linear layers load as bitsandbytes NF4 Linear4bit,
+    FP8 leaves them alone (named in the report) and never touches the adapters; the loss falls;
+    the adapter loads with peft; merge_lora merges onto the base loaded in full precision."""
+    pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (dev extra)")
+    out = tmp_path / "run"
+    cfg = parse_config({**FAST, "base_model": tiny_llama_64, "output_dir": str(out), "max_steps": 8, "eval_steps": None,
+                        "datasets": [NOTES], "adapter": "qlora", "load_in_4bit": True, "lora_target_linear": True,
+                        "lora_r": 8, "lora_alpha": 64, "learning_rate": 1e-2, "merge_lora": True, "save_steps": 4})
+    caps = Capabilities(packages=frozenset({"transformers", "peft", "bitsandbytes"}))
+    result = train(cfg, caps)
+    losses = [loss for _, loss in result.train_losses]
+    assert len(losses) == 2 and losses[-1] < losses[0] - 0.1, losses
+    # resuming from step 4 (the 4-bit base is made again from base_model; the checkpoint's copy is skipped)
+    # gives the uninterrupted run's steps 5-8
+    shutil.copytree(out / "checkpoint-4", tmp_path / "resumed" / "checkpoint-4")
+    resumed = train(cfg.model_copy(update={"output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": "auto",
+                                           "merge_lora": False}), caps)
+    assert resumed.train_losses[-1][1] == pytest.approx(losses[-1], rel=1e-4), (resumed.train_losses, losses)
+    report = (out / "fp8_conversion.txt").read_text()
+    assert "Linear4bit x14 (4-bit base weights: QLoRA" in report, report  # 2 layers x 7 projections
+    assert " 0 Linear layer(s) converted" in report  # the head is kept by the recipe; the adapters never convert
+    # the adapter reloads with peft on a 4-bit base (its base layers are Linear4bit) and on the full one
+    bnb = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    q = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_64, quantization_config=bnb), str(out))
+    assert type(q.base_model.model.model.layers[0].mlp.up_proj.base_layer).__name__ == "Linear4bit"
+    _check_merged_agrees(tiny_llama_64, out, torch.tensor([[1, 72, 101, 108, 108, 111, 32, 119, 111]]))
+    with torch.no_grad():  # the 4-bit base + adapter is close to the merged full-precision model (NF4 error only)
+        a, m = q(torch.tensor([[1, 72, 101, 108]])).logits.float(), transformers.AutoModelForCausalLM.from_pretrained(
+            str(out / "merged"))(torch.tensor([[1, 72, 101, 108]])).logits.float()
+    assert (a - m).abs().max() < 0.25 * a.abs().max(), (a - m).abs().max()
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -177,6 +217,7 @@ def test_qlora_and_4bit_need_bitsandbytes_one_line_exit_2(tiny_llama, tmp_path, 
     ({"adapter": "lora", "lora_target_modules": ["q_prj"]}, "no module named 'q_prj' in the model \\(did you mean 'q_proj'"),
     ({"model_type": "LlamaForCasualLM"}, "not a transformers causal LM class \\(did you mean 'LlamaForCausalLM'"),
     ({"load_in_4bit": True}, "load_in_4bit: true is what adapter: qlora loads with"),
+    ({"adapter": "qlora", "lora_target_linear": True}, "adapter: qlora needs load_in_4bit: true"),
     ({"merge_lora": True}, "merge_lora: true needs adapter: lora"),
 ])
 def test_adapter_and_model_key_errors(tiny_llama, tmp_path, bad, match):

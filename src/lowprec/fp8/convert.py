@@ -248,6 +248,8 @@ def convert(
             continue
         if type(module) is not nn.Linear and not conv1d:
             reason = f"{type(module).__name__} is a Linear subclass with its own forward"
+            if type(module).__name__ == "Linear4bit":  # bitsandbytes' NF4 weights under adapter: qlora
+                reason = "4-bit base weights: QLoRA; bitsandbytes runs their GEMMs"
             report.skipped.append((fqn, reason))
             _count_kept(report, module, reason)
             continue

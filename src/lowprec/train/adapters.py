@@ -48,20 +48,16 @@ class LoraSettings:
                    modules_to_save=cfg.lora_modules_to_save, fan_in_fan_out=cfg.lora_fan_in_fan_out)
 
 
-def check_adapter_backend(adapter: Optional[str], packages: frozenset, cuda: bool) -> None:
+def check_adapter_backend(adapter: Optional[str], packages: frozenset) -> None:
     """One-line errors for what ``adapter`` needs and this machine lacks (called by resolve)."""
     if adapter is None:
         return
     if "peft" not in packages:
         raise ValueError(f"adapter: {adapter} needs the optional package 'peft': pip install 'lowprec[peft]'")
-    if adapter == "qlora":
-        # 4-bit base weights would also need bitsandbytes' layers placed on the GPU at load time
-        # and kept out of Accelerator.prepare's .to(device); not built or tested here (no GPU)
-        missing = [what for what, ok in (("bitsandbytes (pip install bitsandbytes)", "bitsandbytes" in packages),
-                                         ("a CUDA GPU", cuda)) if not ok]
-        needs = f"; it needs {' and '.join(missing)}" if missing else ""
-        raise ValueError(f"adapter: qlora (4-bit base weights through bitsandbytes) is not supported by lowprec yet{needs}; "
-                         "use adapter: lora, which trains the adapters on the bf16/FP8 base model")
+    if adapter == "qlora" and "bitsandbytes" not in packages:
+        # bitsandbytes >= 0.48 runs its NF4 layers on CPU as well as CUDA, so the package is all it needs
+        raise ValueError("adapter: qlora loads the base model in 4 bits through the optional package 'bitsandbytes': "
+                         "pip install 'lowprec[qlora]' (or pip install bitsandbytes), or use adapter: lora")
 
 
 def _gemm_leaf(module: nn.Module) -> bool:
@@ -97,8 +93,15 @@ def check_new_tokens(model: nn.Module, lora: LoraSettings, new_tokens: dict[str,
 
 
 def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
-    """``peft.get_peft_model`` with the config's LoRA settings; every base weight frozen."""
-    from peft import LoraConfig, get_peft_model
+    """``peft.get_peft_model`` with the config's LoRA settings; every base weight frozen. A base
+    loaded in 4 bits goes through peft's ``prepare_model_for_kbit_training`` first (as peft's
+    QLoRA recipe does: it freezes the base, keeps norms and embeddings in float32 and makes the
+    input embeddings' output need grad so the adapters below the first layer get gradients)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    if getattr(model, "is_loaded_in_4bit", False):
+        # gradient checkpointing stays the trainer's gradient_checkpointing key, not peft's default
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
     available = linear_module_names(model)
     targets = list(lora.target_modules) + (available if lora.target_linear else [])
@@ -123,8 +126,8 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
     peft_model = get_peft_model(model, config)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
-    logger.info("lowprec: adapter lora r=%d alpha=%g on %s: %d trainable parameters of %d (%.2f%%)",
-                lora.r, lora.alpha, ", ".join(targets), trainable, total, 100.0 * trainable / max(total, 1))
+    logger.info("lowprec: adapter %s r=%d alpha=%g on %s: %d trainable parameters of %d (%.2f%%)",
+                "qlora" if getattr(model, "is_loaded_in_4bit", False) else "lora", lora.r, lora.alpha, ", ".join(targets), trainable, total, 100.0 * trainable / max(total, 1))
     return peft_model
 
 
@@ -143,8 +146,28 @@ def save_adapter(peft_model: nn.Module, output_dir: str, merge: bool) -> dict[st
     files = {"adapter": os.path.join(output_dir, "adapter_model.safetensors")}
     if merge:
         unconvert(peft_model)
-        merged = peft_model.merge_and_unload()
+        if getattr(peft_model.get_base_model(), "is_loaded_in_4bit", False):
+            merged = _merge_on_full_precision_base(peft_model, output_dir)
+        else:
+            merged = peft_model.merge_and_unload()
         out = os.path.join(output_dir, "merged")
         _save_model(merged, None, out)
         files["merged"] = out
     return files
+
+
+def _merge_on_full_precision_base(peft_model: nn.Module, adapter_dir: str) -> nn.Module:
+    """QLoRA's merge, as ``axolotl merge-lora`` does it: the saved adapter onto the base model
+    loaded again unquantized (float32, then saved bf16). Merging into the NF4 weights instead
+    would round the merged weights to 4 bits, which is neither the base nor the trained model."""
+    from peft import PeftModel
+
+    from lowprec.train.hf_model import load_causal_lm
+
+    base_path = peft_model.peft_config["default"].base_model_name_or_path
+    logger.info("lowprec: merge_lora with a 4-bit base: merging the adapter onto %s loaded in full precision", base_path)
+    base = load_causal_lm(base_path)
+    rows = peft_model.get_input_embeddings().num_embeddings
+    if base.get_input_embeddings().num_embeddings != rows:
+        base.resize_token_embeddings(rows)  # the trainer resized it for new tokens
+    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()

@@ -51,8 +51,8 @@ _GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
               "lora_mlp_kernel lora_qkv_kernel lora_o_kernel lora_embedding_kernel"),
     ),
     "quantized loading": (
-        "8-/4-bit weight loading needs bitsandbytes/GPTQ, which lowprec does not use; drop it (lowprec's low "
-        "precision is fp8: true on the Linear GEMMs)",
+        "8-bit (bitsandbytes) and GPTQ weight loading are not supported; drop it (4 bits: adapter: qlora with load_in_4bit: true; "
+        "lowprec's own low precision is fp8: true on the Linear GEMMs)",
         _keys("load_in_8bit load_in_4bit gptq bnb_config_kwargs quantize_moe_experts qat quantization"),
     ),
     "trackers": (

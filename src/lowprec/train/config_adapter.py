@@ -25,7 +25,7 @@ LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lor
 class AdapterKeys(StrictModel):
     adapter: Optional[Literal["lora", "qlora"]] = Field(
         default=None, description="lora (peft LoRA on the frozen base model; FP8 runs the frozen base GEMMs) or "
-        "qlora (4-bit base through bitsandbytes: not supported yet, a one-line error)")
+        "qlora (the same on a base model loaded in 4 bits, NF4, through bitsandbytes; needs load_in_4bit: true)")
     lora_r: Optional[int] = Field(default=None, ge=1, description="LoRA rank (default 8)")
     lora_alpha: Optional[float] = Field(default=None, gt=0, description="LoRA scaling numerator: updates scale by "
                                         "lora_alpha / lora_r (default lora_r)")
@@ -40,8 +40,8 @@ class AdapterKeys(StrictModel):
         default=None, description="weights stored (in, out), as GPT-2's Conv1D (default: detected)")
     merge_lora: bool = Field(default=False, description="also save the base model with the adapters merged in, "
                              "to output_dir/merged")
-    load_in_4bit: Optional[bool] = Field(default=None, description="load the base model in 4 bits (what adapter: "
-                                         "qlora does; not supported yet)")
+    load_in_4bit: Optional[bool] = Field(default=None, description="load the base model in 4 bits (NF4 through "
+                                         "bitsandbytes, bf16 compute): what adapter: qlora needs")
 
     @model_validator(mode="after")
     def _lora_keys(self):
@@ -51,9 +51,13 @@ class AdapterKeys(StrictModel):
                 raise ValueError(f"{set_keys[0]} is set but adapter is not; add adapter: lora or drop {set_keys[0]}")
             if self.merge_lora:
                 raise ValueError("merge_lora: true needs adapter: lora; drop merge_lora or add an adapter")
+        # Axolotl's rules: qlora requires load_in_4bit; a 4-bit base only trains through adapters
         if self.load_in_4bit and self.adapter != "qlora":
-            raise ValueError("load_in_4bit: true is what adapter: qlora loads with, which lowprec does not support "
-                             "yet; drop load_in_4bit (adapter: lora trains on the bf16/FP8 base)")
+            raise ValueError("load_in_4bit: true is what adapter: qlora loads with; set adapter: qlora, or drop "
+                             "load_in_4bit (adapter: lora trains on the bf16/FP8 base)")
+        if self.adapter == "qlora" and not self.load_in_4bit:
+            raise ValueError("adapter: qlora needs load_in_4bit: true (the base model loaded in 4 bits); add it, or "
+                             "use adapter: lora for a bf16/FP8 base")
         if self.adapter is not None:
             if str(getattr(self, "base_model", "")).startswith("builtin:"):
                 raise ValueError(f"adapter: {self.adapter} needs a Hugging Face base_model (a local directory or "

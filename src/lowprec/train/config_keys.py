@@ -71,7 +71,7 @@ KEYS = (
     ('fsdp_config', 'FSDP2 settings (needs fsdp_version: 2)', 'null'),
     ('tensor_parallel_size', "tensor parallel processes per model replica (Axolotl's key; the built-in model's _tp_plan; FP8 layers need fp8_recipe: tensorwise); the other processes shard with FSDP2", '1'),
     ('deepspeed', 'DeepSpeed config: a JSON file path or an inline mapping', 'null'),
-    ('adapter', 'lora (peft LoRA on the frozen base model; FP8 runs the frozen base GEMMs) or qlora (4-bit base through bitsandbytes: not supported yet, a one-line error)', 'null'),
+    ('adapter', 'lora (peft LoRA on the frozen base model; FP8 runs the frozen base GEMMs) or qlora (the same on a base model loaded in 4 bits, NF4, through bitsandbytes; needs load_in_4bit: true)', 'null'),
     ('lora_r', 'LoRA rank (default 8)', 'null'),
     ('lora_alpha', 'LoRA scaling numerator: updates scale by lora_alpha / lora_r (default lora_r)', 'null'),
     ('lora_dropout', 'dropout on the adapter input (default 0)', 'null'),
@@ -80,7 +80,7 @@ KEYS = (
     ('lora_modules_to_save', 'modules trained in full next to the adapters (e.g. [embed_tokens, lm_head])', 'null'),
     ('lora_fan_in_fan_out', "weights stored (in, out), as GPT-2's Conv1D (default: detected)", 'null'),
     ('merge_lora', 'also save the base model with the adapters merged in, to output_dir/merged', 'false'),
-    ('load_in_4bit', 'load the base model in 4 bits (what adapter: qlora does; not supported yet)', 'null'),
+    ('load_in_4bit', 'load the base model in 4 bits (NF4 through bitsandbytes, bf16 compute): what adapter: qlora needs', 'null'),
     ('fp8_backend', "native (lowprec's engine) or torchao (torchao's own FP8 layers; recipes tensorwise, rowwise, rowwise_with_gw_hp)", 'native'),
     ('compare', 'settings read by `lowprec compare` (precisions, seeds, threshold, workers, ...)', 'null'),
 )

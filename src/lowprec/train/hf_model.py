@@ -144,12 +144,22 @@ def _model_class(transformers, model_type: Optional[str]):
     return cls
 
 
-def load_causal_lm(path: str, model_type: Optional[str] = None, trust_remote_code: bool = False) -> nn.Module:
-    """A causal LM from a local directory, float32 master weights, offline."""
+def load_causal_lm(path: str, model_type: Optional[str] = None, trust_remote_code: bool = False,
+                   load_in_4bit: bool = False) -> nn.Module:
+    """A causal LM from a local directory, float32 master weights, offline. ``load_in_4bit``
+    (QLoRA) quantizes its Linear layers but the output head to NF4 through bitsandbytes, with bf16
+    compute and double quantization (Axolotl's QLoRA settings); embeddings, norms and the head stay
+    float32."""
     transformers = _transformers(f"base_model: {path}")
     cls = _model_class(transformers, model_type)
+    kwargs: dict[str, Any] = {}
+    if load_in_4bit:
+        kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=True)  # the per-block scales are quantized too
     try:
-        model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch.float32)
+        model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch.float32,
+                                    **kwargs)
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = "" if trust_remote_code else " (a model with its own code needs trust_remote_code: true, which runs that code)"

@@ -119,7 +119,7 @@ def _packages(cfg: TrainConfig, caps: Capabilities) -> None:
         need("deepspeed", "deepspeed")
     from lowprec.train.adapters import check_adapter_backend
 
-    check_adapter_backend(cfg.adapter, caps.packages, caps.cuda_capability is not None)
+    check_adapter_backend(cfg.adapter, caps.packages)
 
 
 def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: int = 1) -> RunPlan:

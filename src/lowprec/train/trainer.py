@@ -105,7 +105,8 @@ def _build_model(cfg: TrainConfig, vocab_size: int, new_tokens: Optional[dict] =
         return LlamaForCausalLM(mc), mc.to_dict()
     from lowprec.train.hf_model import load_causal_lm, locate_pretrained
 
-    model = load_causal_lm(locate_pretrained(cfg.base_model), cfg.model_type, cfg.trust_remote_code)
+    model = load_causal_lm(locate_pretrained(cfg.base_model), cfg.model_type, cfg.trust_remote_code,
+                           bool(cfg.load_in_4bit))
     if vocab_size > model.get_input_embeddings().num_embeddings:
         logger.info("lowprec: resizing the token embeddings from %d to %d (the tokenizer's size, padded to 16)",
                     model.get_input_embeddings().num_embeddings, vocab_size)

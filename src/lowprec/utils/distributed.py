@@ -127,7 +127,19 @@ def full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any) -> dic
 
 def load_full_model_state_dict(model: nn.Module, state_dict: dict) -> None:
     if not _dtensor_params(model):
-        model.load_state_dict(state_dict)
+        frozen_4bit = tuple(f"{n}.weight" for n, m in model.named_modules() if type(m).__name__ == "Linear4bit")
+        if not frozen_4bit:
+            model.load_state_dict(state_dict)
+            return
+        # QLoRA: bitsandbytes' 4-bit base weights are frozen and made again from base_model when
+        # the run starts; their saved copy (packed NF4 + quant-state keys, which Linear4bit's
+        # load_state_dict does not take) is skipped, every other key loads strictly
+        result = model.load_state_dict({k: v for k, v in state_dict.items() if not k.startswith(frozen_4bit)},
+                                       strict=False)
+        missing = [k for k in result.missing_keys if not k.startswith(frozen_4bit)]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}: missing keys "
+                               f"{missing[:5]}, unexpected keys {result.unexpected_keys[:5]}")
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
