@@ -37,7 +37,7 @@ FILES = [
     "test_utils.py",
 ]
 # not run on either side: each takes 13-64 s on a 2-core CPU (torch.compile, or a datasets stream),
-# more than the rest of both files together (measured 2026-11-23, docs/log/rel.md)
+# more than the rest of both files together (measured 2026-11-23, docs/LOG.md (2026-11-23, branch rel))
 SLOW = [
     "test_utils.py::UtilsTester::test_convert_to_fp32",
     "test_utils.py::UtilsTester::test_can_undo_convert_outputs",
@@ -47,7 +47,7 @@ SLOW = [
 ]
 # test id (file::Class::test) -> why lowprec does not pass it although Accelerate does (none left:
 # the last 12, DataLoaderShard/DataLoaderDispatcher's public constructors and recursively_apply's
-# arguments, were closed 2026-11-23, docs/log/dls.md)
+# arguments, were closed 2026-11-23, docs/LOG.md (2026-11-23, branch dls))
 KNOWN_GAPS: dict[str, str] = {}
 
 HERE = Path(__file__).resolve().parent

@@ -44,7 +44,7 @@ def _final(losses):
 
 
 # The block-scaled recipes run emulated on CPU at 2-3x the step time of the others (many small
-# ops per cast): their end-to-end parity is measured with `lowprec compare` (docs/log/mx.md), and
+# ops per cast): their end-to-end parity is measured with `lowprec compare` (docs/LOG.md (2026-11-23, branch mx)), and
 # their numerics are tested per GEMM (tests/test_mx_linear.py), to keep the suite in CI's budget.
 E2E_RECIPES = [r for r in fp8.RECIPE_NAMES if r not in ("mxfp8", "nvfp4")]
 
