@@ -15,8 +15,8 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 # Axolotl / transformers spellings of the same thing (warmup is always linear, then the schedule)
 _ALIASES = {"adamw": "adamw_torch", "constant_with_warmup": "constant"}
-_8BIT = ("8-bit and paged optimizers: lowprec uses bitsandbytes only to load 4-bit QLoRA bases, not for "
-         "optimizer state")
+_8BIT = ("8-bit and paged optimizers need bitsandbytes' optimizer states, which lowprec's trainer does not "
+         "use (it uses bitsandbytes only to load 4-bit QLoRA bases)")
 _AXOLOTL_ONLY = {
     **dict.fromkeys(("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "paged_lion_8bit",
                      "lion_8bit", "paged_ademamix_8bit", "ademamix_8bit", "adamw_torch_4bit", "ao_adamw_4bit",
