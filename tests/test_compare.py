@@ -11,7 +11,7 @@ import pytest
 from lowprec.cli.main import main
 from lowprec.train.compare import plan_runs, resolve_workers
 from lowprec.train.compare_report import build_report, choose_baseline, format_report
-from lowprec.train.config import parse_config
+from lowprec.train.config import load_config, parse_config
 from lowprec.train.precisions import precision_names, precision_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -197,3 +197,24 @@ def test_compare_end_to_end_two_seeds(tmp_path, capsys, monkeypatch):
     assert fp8["gap"]["per_seed"] == pytest.approx(gaps)
     assert code == report["exit_code"] == {"within": 0, "outside": 1, "inconclusive": 4}[report["outcome"]]
     assert f"exit code {code}" in out
+
+    # --reuse: the same comparison again reads every finished run and launches nothing
+    import lowprec.train.compare as compare_mod
+
+    monkeypatch.setattr(compare_mod, "_launch", lambda run: pytest.fail(f"{run.precision} seed {run.seed} re-ran"))
+    args = ["compare", TINY, "--precisions", "bf16,fp8", "--seeds", "2", "--max_steps", "2", "--eval_steps", "2",
+            "--logging_steps", "1", "--workers", "2", "--threshold", "0.5", "--compare_dir", str(tmp_path), "--reuse"]
+    assert main(args) == code
+    again = json.loads((tmp_path / "compare.json").read_text())
+    assert again["precisions"]["fp8"]["gap"] == fp8["gap"] and "reused" in capsys.readouterr().err
+    # any other key (here max_steps), and a summary from another lowprec version, run again
+    cfg = load_config(TINY, {"max_steps": 2, "eval_steps": 2, "logging_steps": 1})
+    same = plan_runs(cfg.replace(cpu_threads=1), ["fp8"], [7], str(tmp_path))[0]
+    assert compare_mod.finished_summary(same) is not None
+    other = plan_runs(cfg.replace(cpu_threads=1, max_steps=3), ["fp8"], [7], str(tmp_path))[0]
+    assert compare_mod.finished_summary(other) is None
+    summary = os.path.join(same.output_dir, "summary.json")
+    old = json.loads(open(summary).read())
+    with open(summary, "w") as f:
+        json.dump({**old, "lowprec_version": "0.0.0"}, f)
+    assert compare_mod.finished_summary(same) is None

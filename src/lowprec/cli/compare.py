@@ -36,9 +36,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "[--workers N] [--key value ...]",
         "the YAML config",
     )
+    from lowprec.catalog import RECIPE_NAMES
+
     p.add_argument("--precisions", default=None, metavar="LIST",
                    help="comma-separated: fp32, bf16, fp16, bf16-full, fp8 (the config's recipe), fp8-<recipe> "
-                   "(fp8-tensorwise, fp8-delayed, fp8-rowwise, fp8-rowwise_with_gw_hp, fp8-blockwise), fp8-torchao, "
+                   f"({', '.join('fp8-' + r for r in RECIPE_NAMES)}), fp8-torchao, "
                    "fp8-torchao-<recipe> (default: compare.precisions, else fp32,bf16,fp8)")
     p.add_argument("--seeds", default=None, metavar="N|LIST",
                    help="N seeds (seed, seed+1, ...) or a comma-separated list (default: compare.seeds, else 1)")
@@ -53,6 +55,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="the last part of training compared as a curve gap (default 0.2)")
     p.add_argument("--compare_dir", "--compare-dir", default=None, metavar="DIR",
                    help="where runs and reports go (default: <output_dir>/compare)")
+    p.add_argument("--reuse", action="store_true", default=None,
+                   help="read finished runs of the identical config (same YAML, same lowprec version) from the "
+                   "compare directory instead of running them again: continue an interrupted comparison or add seeds")
     p.add_argument("--quiet", action="store_true", help="no progress lines (each run's log is in its own file)")
     add_config_flags(p)
     return p
@@ -79,8 +84,8 @@ def compare_settings(args: argparse.Namespace, cfg: Any):
         flags["precisions"] = [p.strip() for p in args.precisions.split(",") if p.strip()]
     if args.seeds is not None:
         flags["seeds"] = parse_seeds(args.seeds)
-    for key in ("threshold", "baseline", "tail_fraction"):
-        if getattr(args, key) is not None:
+    for key in ("threshold", "baseline", "tail_fraction", "reuse"):
+        if getattr(args, key, None) is not None:  # a Namespace built by hand may lack newer flags
             flags[key] = getattr(args, key)
     if args.workers is not None:
         flags["workers"] = args.workers if args.workers == "auto" else _int_flag("--workers", args.workers)
@@ -114,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     report, out = compare(
         cfg, spec.precisions, spec.seed_list(cfg.seed), spec.threshold, args.compare_dir,
         workers=spec.workers, baseline=spec.baseline, tail_fraction=spec.tail_fraction, quiet=args.quiet,
+        reuse=spec.reuse,
     )
     print(format_report(report))
     print(f"lowprec compare: wrote {out}/compare.png and {out}/compare.json")

@@ -101,10 +101,33 @@ def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _config_text(run: CompareRun) -> str:
+    return yaml.safe_dump(run.config.to_yaml_dict(), sort_keys=False)
+
+
+def finished_summary(run: CompareRun) -> Optional[dict]:
+    """The summary of an earlier, finished run of exactly this config (``--reuse``), else None.
+
+    A run counts as finished when its ``summary.json`` exists and was written by this lowprec
+    version, and its YAML (written before it started) is identical to the one planned now: any
+    other key, seed or precision re-runs it. Code changes within one version are not detected,
+    so reuse runs made by the code you are comparing."""
+    from lowprec import __version__
+
+    try:
+        with open(run.config_path) as f:
+            same = f.read() == _config_text(run)
+        with open(os.path.join(run.output_dir, "summary.json")) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return summary if same and summary.get("lowprec_version") == __version__ else None
+
+
 def _launch(run: CompareRun) -> subprocess.Popen:
     os.makedirs(os.path.dirname(run.config_path), exist_ok=True)
     with open(run.config_path, "w") as f:
-        yaml.safe_dump(run.config.to_yaml_dict(), f, sort_keys=False)
+        f.write(_config_text(run))
     cmd = [sys.executable, "-m", "lowprec.cli.main", "train", run.config_path]
     log = open(run.log_path, "w")  # noqa: SIM115 - closed when the process is reaped
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -113,16 +136,27 @@ def _launch(run: CompareRun) -> subprocess.Popen:
     return proc
 
 
-def _run_all(runs: list[CompareRun], workers: int, quiet: bool) -> tuple[dict, dict]:
+def _run_all(runs: list[CompareRun], workers: int, quiet: bool, reuse: bool = False) -> tuple[dict, dict]:
     """Run with up to ``workers`` processes; returns (summaries, failures) keyed precision -> seed.
     A run that stopped on non-finite values (exit 3) is a failure of its precision; any other
-    failure stops the comparison with the run's log named."""
+    failure stops the comparison with the run's log named. With ``reuse``, finished runs of the
+    same config are read, not run again (:func:`finished_summary`)."""
     from lowprec.errors import EXIT_NONFINITE
 
-    pending, active = list(runs), []
+    pending, active = [], []
     summaries: dict[str, dict[int, dict]] = {}
     failed: dict[str, dict[int, str]] = {}
     done = 0
+    for run in runs:
+        old = finished_summary(run) if reuse else None
+        if old is None:
+            pending.append(run)
+            continue
+        summaries.setdefault(run.precision, {})[run.seed] = old
+        done += 1
+        if not quiet:
+            print(f"lowprec compare: [{done}/{len(runs)}] {run.precision} seed {run.seed}: reused "
+                  f"({run.output_dir}/summary.json)", file=sys.stderr, flush=True)
     try:
         while pending or active:
             while pending and len(active) < workers:
@@ -178,6 +212,7 @@ def compare(
     baseline: Optional[str] = None,
     tail_fraction: float = 0.2,
     quiet: bool = False,
+    reuse: bool = False,
 ) -> tuple[dict[str, Any], str]:
     """Run every precision with every seed; returns (the report, the compare directory)."""
     out = os.path.abspath(output_dir or os.path.join(cfg.output_dir, "compare"))
@@ -202,7 +237,7 @@ def compare(
     if not quiet:
         print(f"lowprec compare: {len(runs)} runs ({len(precisions) - len(skipped)} precisions x {len(seeds)} seeds), "
               f"{decision.value} at a time, in {out}", file=sys.stderr, flush=True)
-    summaries, failed = _run_all(runs, decision.value, quiet)
+    summaries, failed = _run_all(runs, decision.value, quiet, reuse)
     report = build_report(summaries, base, threshold, tail_fraction, failed, skipped)
     report["workers"] = {"value": decision.value, "reason": decision.reason}
     from lowprec.train.plots import plot_compare

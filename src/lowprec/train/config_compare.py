@@ -49,6 +49,11 @@ class CompareSpec(_Strict):
     tail_fraction: float = Field(
         default=0.2, gt=0.0, le=1.0, description="the last part of training (fraction of logged steps) for the curve gap"
     )
+    reuse: bool = Field(
+        default=False,
+        description="read finished runs of the identical config from the compare directory instead of running them "
+        "again (continue an interrupted comparison, or add seeds)",
+    )
 
     @field_validator("seeds")
     @classmethod

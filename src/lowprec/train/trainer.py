@@ -490,8 +490,10 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
         import dataclasses
         import json
 
-        with open(os.path.join(output_dir, "summary.json"), "w") as f:
-            json.dump(dataclasses.asdict(result), f, indent=1)
+        from lowprec import __version__
+
+        with open(os.path.join(output_dir, "summary.json"), "w") as f:  # lowprec compare --reuse reads the version
+            json.dump({**dataclasses.asdict(result), "lowprec_version": __version__}, f, indent=1)
     with contextlib.suppress(Exception):
         acc.end_training()
     return result
