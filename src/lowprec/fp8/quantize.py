@@ -53,8 +53,8 @@ class Float8Data:
     block: tuple[int, int] | None = None
     pow2_scale: bool = False
     # the exact bf16 upcast of ``data``, made once by the CPU GEMM path and reused when the same
-    # cast feeds two GEMMs (dY in backward); never saved for backward
-    bf16_cache: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # cast feeds two GEMMs (dY in backward); never saved for backward (fp8/saved.py)
+    bf16_cache: torch.Tensor | None = field(default=None, repr=False, compare=False, metadata={"saved": False})
 
     @property
     def shape(self) -> torch.Size:
