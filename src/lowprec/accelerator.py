@@ -96,6 +96,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         **kwargs: Any,
     ) -> None:
         parallelism_config = kwargs.pop("parallelism_config", None)  # tensor parallelism (parallelism_config.py)
+        fp8_hardware = kwargs.pop("fp8_hardware", None)  # the trainer's sm_89 decision (train/resolve.py)
         self._init_extras(kwargs_handlers, kwargs, dataloader_config, split_batches)
         recipe_handler: Optional[RecipeKwargs] = self.handlers.get("recipe")
 
@@ -110,6 +111,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
             fsdp_plugin=fsdp_plugin,
             deepspeed_plugin=deepspeed_plugin,
             init_kwargs=self.handlers.get(InitProcessGroupKwargs),
+            fp8_hardware=fp8_hardware,
         )
         self.fp8_settings, self.backend = self._resolve_fp8(recipe_handler)
         self.parallelism_config = for_accelerator(parallelism_config, self.num_processes, self.distributed_type)
