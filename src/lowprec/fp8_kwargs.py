@@ -252,11 +252,11 @@ class NativeRecipeKwargs(RecipeKwargs):
 def _env_recipe_overrides() -> dict[str, Any]:
     """Recipe fields from the ``ACCELERATE_FP8_*`` variables that are set (unset ones leave the
     named preset's own values, e.g. rowwise's E4M3)."""
-    from lowprec.backends.spec import recipe_field
+    from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field
     from lowprec.config.env import read_env
 
-    tuning = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin", "fp8_interval",
-              "fp8_override_linear_precision")
+    # use_autocast_during_eval is the handler's own field, resolved in __post_init__
+    tuning = tuple(s for s in (*RECIPE_SETTINGS, *ENGINE_SETTINGS) if s != "fp8_use_autocast_during_eval")
     return {recipe_field(k): v for k, v in read_env(environ(), tuning).items()}
 
 

@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional
 
 from lowprec.backends.base import BaseBackend, PrepareContext, log_once
-from lowprec.backends.spec import RECIPE_SETTINGS, BackendSpec, recipe_field
+from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, BackendSpec, recipe_field
 from lowprec.catalog import FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE
 from lowprec.kwargs import NativeRecipeKwargs
 
@@ -140,7 +140,7 @@ SPEC = BackendSpec(
     aliases=("lowprec",),
     summary="lowprec's own FP8 engine (always available; every recipe, CPU included)",
     kwargs_class=NativeRecipeKwargs,
-    reads=("fp8_recipe", *RECIPE_SETTINGS, "fp8_enable_fsdp_float8_all_gather"),
+    reads=("fp8_recipe", *RECIPE_SETTINGS, *ENGINE_SETTINGS, "fp8_enable_fsdp_float8_all_gather"),
     create=_create,
     native_recipe=NativeRecipeKwargs.to_recipe,
     to_handler_fields=_handler_fields,

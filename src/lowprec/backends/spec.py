@@ -16,6 +16,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
+from lowprec.catalog import RECIPE_OPTIONS
 from lowprec.errors import did_you_mean
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "backends_markdown",
     "docs_page",
     "RECIPE_SETTINGS",
+    "ENGINE_SETTINGS",
     "handler_field",
     "recipe_field",
     "spec_or_native",
@@ -43,6 +45,8 @@ BACKEND_MODULES = ("native", "torchao", "te", "msamp")
 # Launch settings that tune an FP8 scaling recipe (read by the backends that run one).
 RECIPE_SETTINGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin", "fp8_interval",
                    "fp8_override_linear_precision", "fp8_use_autocast_during_eval")
+# Recipe options only lowprec's engine has (lowprec.catalog.RECIPE_OPTIONS, accelerate=False).
+ENGINE_SETTINGS = tuple(o.setting for o in RECIPE_OPTIONS.values() if not o.accelerate)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ ACCELERATE_FP8_AMAX_HISTORY_LEN                fp8, if set            int >= 1 (
 ACCELERATE_FP8_AMAX_COMPUTE_ALGO               fp8, if set            max | most_recent
 ACCELERATE_FP8_MARGIN                          fp8, if set            int >= 0
 ACCELERATE_FP8_INTERVAL                        fp8, if set            int >= 1
+LOWPREC_FP8_SCALE_ROUNDING                     fp8, if set            rceil | floor: MXFP8's E8M0 scale rule (native)
 ACCELERATE_FP8_OVERRIDE_FPROP                  fp8, if set            true | false: forward GEMM in high precision
 ACCELERATE_FP8_OVERRIDE_DGRAD                  fp8, if set            true | false: grad-input GEMM in high precision
 ACCELERATE_FP8_OVERRIDE_WGRAD                  fp8, if set            true | false: grad-weight GEMM in high precision
@@ -138,6 +139,7 @@ ENV_VARS: tuple[_Var, ...] = (
     _Var("fp8_amax_compute_algo", "ACCELERATE_FP8_AMAX_COMPUTE_ALGO", V.parse_amax_compute_algo, "fp8"),
     _Var("fp8_margin", "ACCELERATE_FP8_MARGIN", V.parse_recipe_int("margin"), "fp8"),
     _Var("fp8_interval", "ACCELERATE_FP8_INTERVAL", V.parse_recipe_int("interval"), "fp8"),
+    _Var("fp8_scale_rounding", "LOWPREC_FP8_SCALE_ROUNDING", V.parse_recipe_option("scale_rounding"), "fp8"),
     _Var("fp8_opt_level", "ACCELERATE_FP8_OPT_LEVEL", V.parse_opt_level, "fp8"),
     _Var("fp8_use_autocast_during_eval", "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", _B, "fp8"),
     _Var("fp8_enable_fsdp_float8_all_gather", "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", _B, "fp8"),
@@ -287,6 +289,7 @@ class LaunchSettings:
     fp8_amax_compute_algo: str | None = None
     fp8_margin: int | None = None
     fp8_interval: int | None = None
+    fp8_scale_rounding: str | None = None
     fp8_override_linear_precision: tuple[bool, bool, bool] | None = None
     fp8_opt_level: str | None = None
     fp8_use_autocast_during_eval: bool | None = None
@@ -394,9 +397,9 @@ class LaunchSettings:
     def fp8_recipe_overrides(self) -> dict[str, Any]:
         """The user-set FP8 values under the field names of ``lowprec.fp8.Recipe``, for
         ``Recipe.from_name(settings.fp8_recipe or default, **overrides)``."""
-        from lowprec.backends.spec import RECIPE_SETTINGS, recipe_field
+        from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field
 
-        return {recipe_field(s): getattr(self, s) for s in RECIPE_SETTINGS if getattr(self, s) is not None}
+        return {recipe_field(s): getattr(self, s) for s in (*RECIPE_SETTINGS, *ENGINE_SETTINGS) if getattr(self, s) is not None}
 
     # ------------------------------------------------------------------ environment
     def _written(self, var: _Var) -> bool:
