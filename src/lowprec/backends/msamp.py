@@ -156,13 +156,6 @@ def native_recipe(handler: MSAMPRecipeKwargs) -> Any:
     return Recipe.from_name("delayed", amax_compute_algo="max")
 
 
-def _create(handler: MSAMPRecipeKwargs, why: str) -> BaseBackend:
-    if SPEC.available():
-        return MSAMPBackend(handler.opt_level, reason=f"{why}; msamp installed")
-    from lowprec.backends.native import fallback_recipe
-
-    recipe, reason = fallback_recipe(SPEC, handler, why)
-    return NativeOptLevelBackend(recipe, handler.opt_level, reason)
 
 
 SPEC = BackendSpec(
@@ -174,6 +167,7 @@ SPEC = BackendSpec(
     reads=("fp8_opt_level",),
     library="msamp",
     distributions=("msamp", "ms-amp"),
-    create=_create,
+    create=lambda handler, reason: MSAMPBackend(handler.opt_level, reason),
     native_recipe=native_recipe,
+    fallback=lambda handler, recipe, reason: NativeOptLevelBackend(recipe, handler.opt_level, reason),
 )

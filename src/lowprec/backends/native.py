@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from lowprec import fp8
 
-__all__ = ["NativeBackend", "SPEC", "fallback_recipe"]
+__all__ = ["NativeBackend", "SPEC"]
 
 logger = logging.getLogger("lowprec")
 
@@ -147,12 +147,3 @@ SPEC = BackendSpec(
     check_fields=_check_fields,
 )
 
-
-def fallback_recipe(spec: BackendSpec, handler: Any, why: str) -> tuple["fp8.Recipe", str]:
-    """The native recipe that stands in for ``spec``'s library, and the logged reason."""
-    from lowprec.backends.base import log_once
-
-    recipe = spec.native_recipe(handler)
-    reason = f"{why}; {spec.library} is not installed, so lowprec's native engine runs the same recipe ({recipe.name})"
-    log_once(f"lowprec: FP8 backend {spec.name!r}: {reason}")
-    return recipe, reason

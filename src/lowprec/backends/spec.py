@@ -56,8 +56,10 @@ class BackendSpec:
     ``name`` is the canonical name (``RecipeKwargs.backend``, ``Backend.name``); ``env_value``
     the spelling of ``ACCELERATE_FP8_BACKEND`` (Accelerate's ``FP8BackendType``); its lower
     case is what ``lowprec launch`` stores. ``reads`` are launch setting names
-    (``fp8_format``, ...; see :mod:`lowprec.config.env`). ``create(handler, why)`` returns the
-    running backend (its own library's, or the native engine's fallback, with a logged reason).
+    (``fp8_format``, ...; see :mod:`lowprec.config.env`). ``create(handler, reason)`` returns the
+    running backend on its ``library``; where that is missing, ``fallback(handler, recipe,
+    reason)`` returns the native engine running ``native_recipe(handler)`` (:meth:`build`
+    decides and logs why).
     """
 
     name: str
@@ -65,12 +67,13 @@ class BackendSpec:
     summary: str
     kwargs_class: type
     reads: tuple[str, ...]
-    create: Callable[[Any, str], Any]
+    create: Callable[[Any, str], Any]  # (handler, reason) -> the backend running on `library`
     aliases: tuple[str, ...] = ()
     library: Optional[str] = None  # import name; None: always available
     distributions: tuple[str, ...] = ()  # pip names to look up for `lowprec env`
     reads_env: tuple[str, ...] = ()  # variables it reads that are no launch setting
     native_recipe: Optional[Callable[[Any], Any]] = None  # handler -> lowprec.fp8.Recipe
+    fallback: Optional[Callable[[Any, Any, str], Any]] = None  # (handler, recipe, reason) -> native stand-in
     to_handler_fields: Optional[Callable[[Mapping[str, Any]], dict]] = None  # launch fields -> kwargs
     rejects: Mapping[str, str] = field(default_factory=dict)  # launch field -> why it is refused
     # (recipe name, launch fields) -> (field, why) for a combination it refuses, or None
@@ -88,6 +91,18 @@ class BackendSpec:
         from lowprec.backends.availability import module_available
 
         return self.library is None or module_available(self.library)
+
+    def build(self, handler: Any, why: str) -> Any:
+        """The running backend: on the library where it is installed (or none is needed), else
+        the native engine running the same recipe, the reason logged once."""
+        if self.available():
+            return self.create(handler, why if self.library is None else f"{why}; {self.library} installed")
+        from lowprec.backends.base import log_once
+
+        recipe = self.native_recipe(handler)
+        reason = f"{why}; {self.library} is not installed, so lowprec's native engine runs the same recipe ({recipe.name})"
+        log_once(f"lowprec: FP8 backend {self.name!r}: {reason}")
+        return self.fallback(handler, recipe, reason)
 
     def handler_from_fields(self, fields: Mapping[str, Any]) -> Any:
         """The kwargs handler for launch-style settings (``fp8_margin=2`` -> ``margin=2``)."""
