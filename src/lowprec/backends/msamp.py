@@ -159,7 +159,6 @@ def native_recipe(handler: MSAMPRecipeKwargs) -> Any:
 
 
 SPEC = BackendSpec(
-    name="msamp",
     env_value="MSAMP",
     aliases=("ms-amp", "ms_amp"),
     summary="Microsoft MS-AMP O1/O2 (FP8 gradients and all-reduce; O2 also FP8/FP16 Adam state); else lowprec's O1/O2",

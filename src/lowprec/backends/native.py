@@ -135,7 +135,6 @@ def _check_fields(recipe: Optional[str], fields: Mapping[str, Any]) -> Optional[
 
 
 SPEC = BackendSpec(
-    name="native",
     env_value="NATIVE",
     aliases=("lowprec",),
     summary="lowprec's own FP8 engine (always available; every recipe, CPU included)",

@@ -53,7 +53,7 @@ ENGINE_SETTINGS = tuple(o.setting for o in RECIPE_OPTIONS.values() if not o.acce
 class BackendSpec:
     """One backend, as data.
 
-    ``name`` is the canonical name (``RecipeKwargs.backend``, ``Backend.name``); ``env_value``
+    ``name`` is the canonical name, the kwargs class's ``backend`` (``Backend.name`` too); ``env_value``
     the spelling of ``ACCELERATE_FP8_BACKEND`` (Accelerate's ``FP8BackendType``); its lower
     case is what ``lowprec launch`` stores. ``reads`` are launch setting names
     (``fp8_format``, ...; see :mod:`lowprec.config.env`). ``create(handler, reason)`` returns the
@@ -62,12 +62,12 @@ class BackendSpec:
     decides and logs why).
     """
 
-    name: str
     env_value: str
     summary: str
     kwargs_class: type
     reads: tuple[str, ...]
     create: Callable[[Any, str], Any]  # (handler, reason) -> the backend running on `library`
+    name: str = ""  # kwargs_class.backend; given, it must agree
     aliases: tuple[str, ...] = ()
     library: Optional[str] = None  # import name; None: always available
     distributions: tuple[str, ...] = ()  # pip names to look up for `lowprec env`
@@ -83,6 +83,13 @@ class BackendSpec:
     # library (empty: the trainer does not offer this backend; the native engine is its default)
     trainer_recipes: tuple[str, ...] = ()
     trainer_handler: Optional[Callable[[str], Any]] = None  # recipe name -> kwargs handler
+
+    def __post_init__(self) -> None:
+        declared = getattr(self.kwargs_class, "backend", None)
+        if not isinstance(declared, str) or (self.name and self.name != declared):
+            raise ValueError(f"BackendSpec: {self.kwargs_class.__name__}.backend ({declared!r}) must name the backend "
+                             f"({self.name or declared!r})")
+        object.__setattr__(self, "name", declared)
 
     def spellings(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys((self.name, self.env_value.lower(), *self.aliases)))

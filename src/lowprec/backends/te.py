@@ -148,7 +148,6 @@ def _fallback(handler: TERecipeKwargs, recipe: Any, reason: str) -> BaseBackend:
 
 
 SPEC = BackendSpec(
-    name="te",
     env_value="TE",
     aliases=("transformer_engine", "transformerengine", "transformer-engine"),
     summary="NVIDIA TransformerEngine (DelayedScaling, MXFP8BlockScaling, NVFP4BlockScaling); else the same recipe natively",

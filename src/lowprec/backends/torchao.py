@@ -145,9 +145,7 @@ def _fallback(handler: AORecipeKwargs, recipe: Any, reason: str) -> BaseBackend:
 
 
 SPEC = BackendSpec(
-    name="torchao",
     env_value="AO",
-    aliases=("torchao",),
     summary="PyTorch torchao Float8Linear (tensorwise/rowwise, FSDP2 FP8 all-gather); else the same recipe natively",
     kwargs_class=AORecipeKwargs,
     reads=("fp8_pad_inner_dim", "fp8_enable_fsdp_float8_all_gather", "fp8_use_autocast_during_eval"),
