@@ -7,17 +7,28 @@ input-only / weight-only gradients), then compares a later tree with torch.equal
     PYTHONPATH=<old tree>/src python benchmarks/bit_identity.py save /tmp/base.pt
     PYTHONPATH=src python benchmarks/bit_identity.py cmp /tmp/base.pt            # torch path
     PYTHONPATH=src python benchmarks/bit_identity.py cmp /tmp/base.pt --fused    # fused paths
+    ... --recipes tensorwise,mxfp8                                              # a subset
+
+Every recipe of ``lowprec.catalog.RECIPES`` by default (mxfp8 and nvfp4 run their block-scaled
+path, ``fp8/mx_linear.py``); a recipe that reads ``scale_rounding`` also runs with ``floor``.
 
 ``--fused`` runs the CUDA code paths (fused casts, delayed scaling inside the casts) on CPU
 with the kernels' torch reference standing in for Triton (same values by its contract).
-CPU, ~30 s; exit status 1 on any difference.
+CPU, ~30 s for the five FP8 recipes (more with mxfp8/nvfp4); exit status 1 on any difference.
 """
-import sys, itertools, torch
+import argparse, itertools, sys, torch
 import lowprec.fp8 as fp8
+from lowprec.catalog import RECIPES as CATALOG
 from lowprec.fp8.linear import Float8Linear
 
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("mode", choices=["save", "cmp"], help="save a record, or compare this tree with one")
+ap.add_argument("path", help="the record (.pt)")
+ap.add_argument("--fused", action="store_true", help="the CUDA code paths, torch reference for the kernels")
+ap.add_argument("--recipes", default=",".join(CATALOG), help="comma-separated recipe names (default: all)")
+args = ap.parse_args()
 torch.set_num_threads(1)
-RECIPES = ["tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise"]
+RECIPES = args.recipes.split(",")
 VARIANTS = {
     "plain": {},
     "no_save_fp8": {"save_fp8_activations": False},
@@ -27,9 +38,19 @@ VARIANTS = {
 }
 GRADS = ["both", "x_only", "w_only"]
 
+
+def variants(name):
+    extra = ["floor"] if "scale_rounding" in CATALOG[name].reads else []
+    return list(VARIANTS) + extra
+
+
 def run(name, variant, grads, autocast, ckpt, telemetry):
     torch.manual_seed(0)
-    recipe = fp8.Recipe.from_name(name, **VARIANTS[variant], **({"interval": 2, "amax_history_len": 3} if name == "delayed" else {}))
+    knobs = {"scale_rounding": "floor"} if variant == "floor" else VARIANTS[variant]
+    try:
+        recipe = fp8.Recipe.from_name(name, **knobs, **({"interval": 2, "amax_history_len": 3} if name == "delayed" else {}))
+    except ValueError:  # a variant the recipe refuses (nvfp4 without save_fp8_activations)
+        return None
     lin = torch.nn.Linear(256, 128)
     m = Float8Linear.from_linear(lin, recipe)
     m.fp8_telemetry = telemetry
@@ -52,20 +73,23 @@ def run(name, variant, grads, autocast, ckpt, telemetry):
 
 import lowprec.fp8.kernels as K
 from lowprec.fp8.kernels import reference
-FUSED = "--fused" in sys.argv
+FUSED = args.fused
 if FUSED:  # the fused (Triton) code paths, with the torch reference standing in for the kernels
     K.available = lambda device: True
     K._ops = lambda: reference
 out = {}
-for name, variant, grads, ac, ck, tel in itertools.product(RECIPES, VARIANTS, GRADS, [False, True], [False, True], [False, True]):
+for name, variant, grads, ac, ck, tel in ((n, *rest) for n in RECIPES for rest in itertools.product(
+        variants(n), GRADS, [False, True], [False, True], [False, True])):
     if (ck or tel) and (variant != "plain" or grads != "both"):
         continue
     key = f"{name}|{variant}|{grads}|ac={ac}|ck={ck}|tel={tel}"
-    out[key] = run(name, variant, grads, ac, ck, tel)
-if sys.argv[1] == "save":
-    torch.save(out, sys.argv[2]); print("saved", len(out), "configs", sum(len(v) for v in out.values()), "tensors")
+    rec = run(name, variant, grads, ac, ck, tel)
+    if rec is not None:
+        out[key] = rec
+if args.mode == "save":
+    torch.save(out, args.path); print("saved", len(out), "configs", sum(len(v) for v in out.values()), "tensors")
 else:
-    ref = torch.load(sys.argv[2])
+    ref = torch.load(args.path)
     bad = 0
     assert ref.keys() == out.keys()
     for k in ref:

@@ -59,9 +59,13 @@ def test_registry_and_spellings(echo):
     assert S.lookup("Echo-FP8") is echo and S.get_spec("ECHO") is echo
     assert "echo" in V.FP8_BACKENDS and V.parse_fp8_backend("ECHO") == "echo"
     assert "| echo | echo, echo-fp8 |" in S.backends_markdown()
+    other = type("OtherRecipeKwargs", (EchoRecipeKwargs,), {"backend": "other"})
     with pytest.raises(ValueError, match="already name"):
-        S.register(S.BackendSpec(name="other", env_value="TE", summary="", kwargs_class=EchoRecipeKwargs,
-                                 reads=(), create=ECHO.create))
+        S.register(S.BackendSpec(env_value="TE", summary="", kwargs_class=other, reads=(), create=ECHO.create))
+    # the name is the kwargs class's backend, declared once
+    with pytest.raises(ValueError, match="must name the backend"):
+        S.BackendSpec(name="other", env_value="OTHER", summary="", kwargs_class=EchoRecipeKwargs, reads=(),
+                      create=ECHO.create)
 
 
 def test_launch_flags_and_their_checks(echo, capsys):

@@ -182,3 +182,39 @@ def test_config_flag_errors(tmp_path, capsys):
     assert main(["config", "--fp8_margin", "2", "--config_file", str(tmp_path / "x.yaml")]) == 2
     assert "FP8 option(s)" in capsys.readouterr().err
     assert not (tmp_path / "x.yaml").exists()
+
+
+def test_wizard_asks_the_recipe_options_the_catalog_declares(monkeypatch, tmp_path, capsys):
+    """Issue 14: mxfp8's scale_rounding is asked (its question comes from
+    lowprec.catalog.RECIPE_OPTIONS), written to the launch YAML, exported by launch, and reaches
+    the engine's Recipe inside the launched script."""
+    from lowprec import Accelerator
+    from lowprec.catalog import RECIPE_OPTIONS, recipe_info
+
+    option = RECIPE_OPTIONS["scale_rounding"]
+    assert option.name in recipe_info("mxfp8").reads
+    # machines, processes, cpu, precision, backend, recipe, fallback, scale rounding, override GEMMs?, eval
+    feed(monkeypatch, ["1", "1", "no", "fp8", "native", "mxfp8", "", "FLOOR", "", ""])
+    path = tmp_path / "mx.yaml"
+    assert main(["config", "--config_file", str(path)]) == 0
+    assert option.question in capsys.readouterr().out
+    assert "scale_rounding: floor" in path.read_text()
+    s = loaded(path)
+    assert (s.fp8_recipe, s.fp8_scale_rounding, s.fp8_margin) == ("mxfp8", "floor", None)
+    env = launch_env(["--config_file", str(path)], capsys)
+    assert env["LOWPREC_FP8_SCALE_ROUNDING"] == "floor" and env == s.to_env()
+    for key, value in env.items():  # what the launched script sees
+        monkeypatch.setenv(key, value)
+    recipe = Accelerator().backend.recipe
+    assert (recipe.name, recipe.scale_rounding) == ("mxfp8", "floor")
+    # the flag spelling, and a recipe that does not read the option: one usage error
+    assert launch_env(["--mixed_precision", "fp8", "--fp8_recipe", "mxfp8", "--fp8_scale_rounding", "rceil"],
+                      capsys)["LOWPREC_FP8_SCALE_ROUNDING"] == "rceil"
+    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_recipe", "tensorwise",
+                 "--fp8_scale_rounding", "floor", SCRIPT]) == 2
+    assert "--fp8_scale_rounding: the tensorwise recipe does not read it" in capsys.readouterr().err
+    # a delayed recipe is not asked it (its options: margin, history, algorithm)
+    feed(monkeypatch, ["1", "1", "no", "fp8", "native", "delayed"] + [""] * 7)
+    assert main(["config", "--config_file", str(tmp_path / "d.yaml")]) == 0
+    assert option.question not in capsys.readouterr().out
+    assert loaded(tmp_path / "d.yaml").fp8_scale_rounding is None

@@ -376,7 +376,11 @@ def test_fused_blockwise_layouts_feed_the_gemms_without_copies(monkeypatch, seed
 
 # --- the Triton blockwise GEMM (block_gemm_triton): against the float32 emulation ----------------
 def _block_operands(m, k, n, bs, a_dtype, square):
-    from lowprec.fp8.quantize import quantize_blockwise_torch as qb
+    from functools import partial
+
+    from lowprec.fp8.quantize import quantize_blockwise
+
+    qb = partial(quantize_blockwise, fused=False)
 
     a = qb(torch.randn(m, k) * 4, a_dtype, (1, bs))
     if square:  # output / grad_input: B = W^T in bs x bs blocks

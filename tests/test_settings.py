@@ -204,3 +204,33 @@ def test_the_trainer_builds_its_recipe_once(monkeypatch):
     for _ in range(2):
         with pytest.raises(ValueError):
             recipes.Recipe.from_name("delayed", margin=True)
+
+
+@pytest.mark.parametrize("sm, fallback, mode", [((9, 0), None, "fp8"), ((8, 6), "emulate", "fp8-emulate")])
+def test_the_sm89_rule_is_evaluated_once_on_a_trainer_run(monkeypatch, sm, fallback, mode):
+    """Issue 11: on a CUDA trainer run the trainer's plan makes the sm_89 decision and the
+    Accelerator takes it. Faked GPU: the trainer's Capabilities say ``sm``, and the
+    Accelerator's state sees a CUDA device of the same capability."""
+    import torch
+
+    from lowprec import state
+    from lowprec.decision import Decision
+    from lowprec.train.config import parse_config
+    from lowprec.train.resolve import Capabilities, resolve
+    from lowprec.train.trainer import _accelerator
+
+    calls = []
+    rule = state.fp8_capability_check
+    monkeypatch.setattr(state, "fp8_capability_check", lambda *a: (calls.append(a[0]), rule(*a))[1])
+    monkeypatch.setattr(state, "_resolve_device", lambda cpu, env: Decision(torch.device("cuda", 0), "test: a faked GPU"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: sm)
+    tcfg = parse_config({"fp8": True, "fp8_fallback": fallback, "bf16": True, "torch_compile": False})
+    plan = resolve(tcfg, Capabilities(cuda_capability=sm))
+    acc = _accelerator(tcfg, plan)
+    assert calls == [sm]  # resolve evaluated it; the Accelerator did not again
+    assert acc.state.decisions["fp8_hardware"] == plan.fp8_hardware
+    assert acc.state.decisions["fp8_hardware"].value == mode and acc.state.fp8_emulate == (mode == "fp8-emulate")
+    # the same decision as an Accelerator that makes it itself (what a script without the trainer gets)
+    calls.clear()
+    own = Accelerator(mixed_precision="fp8", fp8_fallback=fallback)
+    assert calls == [sm] and own.state.decisions["fp8_hardware"] == plan.fp8_hardware

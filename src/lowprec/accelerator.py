@@ -38,6 +38,7 @@ from lowprec.errors import did_you_mean
 from lowprec.parallelism_config import apply_tp, data_shard, dp_mesh, for_accelerator
 from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.tracking import TrackingMixin, filter_trackers
+from lowprec.utils.aliases import alias
 from lowprec.utils.checkpointing import CheckpointingMixin
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
 from lowprec.utils.dispatcher import DataLoaderDispatcher
@@ -96,6 +97,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         **kwargs: Any,
     ) -> None:
         parallelism_config = kwargs.pop("parallelism_config", None)  # tensor parallelism (parallelism_config.py)
+        fp8_hardware = kwargs.pop("fp8_hardware", None)  # the trainer's sm_89 decision (train/resolve.py)
         self._init_extras(kwargs_handlers, kwargs, dataloader_config, split_batches)
         recipe_handler: Optional[RecipeKwargs] = self.handlers.get("recipe")
 
@@ -110,6 +112,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
             fsdp_plugin=fsdp_plugin,
             deepspeed_plugin=deepspeed_plugin,
             init_kwargs=self.handlers.get(InitProcessGroupKwargs),
+            fp8_hardware=fp8_hardware,
         )
         self.fp8_settings, self.backend = self._resolve_fp8(recipe_handler)
         self.parallelism_config = for_accelerator(parallelism_config, self.num_processes, self.distributed_type)
@@ -223,13 +226,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
     use_distributed = property(lambda self: self.state.use_distributed)
     split_batches = property(lambda self: self.dataloader_config.split_batches)
 
-    @property
-    def sync_gradients(self) -> bool:
-        return self.gradient_state.sync_gradients
-
-    @sync_gradients.setter
-    def sync_gradients(self, value: bool) -> None:
-        self.gradient_state.sync_gradients = value
+    sync_gradients = alias("gradient_state.sync_gradients")
 
     @property
     def gradient_accumulation_steps(self) -> int:

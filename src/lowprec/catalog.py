@@ -32,6 +32,8 @@ __all__ = [
     "FIELD_DEFAULTS",
     "FIELD_MINIMUMS",
     "RECIPE_FIELDS",
+    "RecipeOption",
+    "RECIPE_OPTIONS",
     "check_int_field",
     "FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE",
     "TE_SWITCHES",
@@ -72,11 +74,12 @@ FIELD_DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "override_linear_precision": (False, False, False),
     "use_during_eval": False,
     "block_size": 128,
+    "scale_rounding": "rceil",  # MXFP8's E8M0 rule: never saturates (fp8/mx.py says why)
 })
 
 # Every field of lowprec.fp8.Recipe (a test keeps this equal to the dataclass's fields).
 RECIPE_FIELDS = (*FIELD_DEFAULTS, "scaling", "power_of_2_scales", "dgrad_weight_tensorwise", "gemm",
-                 "use_fast_accum", "save_fp8_activations", "reduce_amax", "scale_rounding", "seed",
+                 "use_fast_accum", "save_fp8_activations", "reduce_amax", "seed",
                  "high_precision_last", "name")
 
 # The one range check of each integer field (Recipe, kwargs, launch flags/YAML/env, wizard).
@@ -97,6 +100,43 @@ def check_int_field(name: str, value: Any, convert: bool = True) -> int:
     if value < minimum:
         raise ValueError(f"{value} is too small; {name} must be an integer >= {minimum}")
     return value
+
+
+@dataclass(frozen=True)
+class RecipeOption:
+    """A scaling field users choose by name: the launch flag ``--fp8_<name>``, the launch
+    YAML's ``fp8_config.<name>``, its variable, and the question ``lowprec config`` asks when
+    the chosen backend and recipe read it (the wizard's questions are generated from
+    :data:`RECIPE_OPTIONS`). ``choices`` empty: an integer with its :data:`FIELD_MINIMUMS`
+    floor. ``accelerate``: Accelerate/TransformerEngine know it (``ACCELERATE_FP8_<NAME>``);
+    else lowprec's engine alone reads it (``LOWPREC_FP8_<NAME>``)."""
+
+    name: str
+    question: str
+    choices: tuple[str, ...] = ()
+    accelerate: bool = True
+
+    @property
+    def default(self) -> Any:
+        return FIELD_DEFAULTS[self.name]
+
+    @property
+    def setting(self) -> str:
+        """The launch setting's name (flag, ``LaunchSettings`` field)."""
+        return f"fp8_{self.name}"
+
+
+# In the order the wizard asks them. interval is a launch setting the wizard leaves at its default.
+RECIPE_OPTIONS: Mapping[str, RecipeOption] = MappingProxyType({
+    o.name: o
+    for o in (
+        RecipeOption("margin", "Scaling margin (powers of two of headroom)?"),
+        RecipeOption("amax_history_len", "Amax history length?"),
+        RecipeOption("amax_compute_algo", "Amax compute algorithm?", ("max", "most_recent")),
+        RecipeOption("scale_rounding", "MXFP8 scale rounding (rceil: never saturates; floor: the OCP spec's)?",
+                     ("rceil", "floor"), accelerate=False),
+    )
+})
 
 
 # Fields that mean something for some scaling kinds only; a recipe that does not read one of

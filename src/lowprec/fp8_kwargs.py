@@ -21,20 +21,20 @@ from lowprec.kwargs import _FP8_NAMES, FP8_PREFIX, ForwardEveryField, _alias, en
 
 __all__ = list(_FP8_NAMES)
 
-# handler field -> (launch setting it shares a variable and a parser with, default)
-_D = FIELD_DEFAULTS
-_FIELDS: dict[str, tuple[str, Any]] = {
-    "use_autocast_during_eval": ("fp8_use_autocast_during_eval", _D["use_during_eval"]),
-    "margin": ("fp8_margin", _D["margin"]),
-    "interval": ("fp8_interval", _D["interval"]),
-    "fp8_format": ("fp8_format", _D["fp8_format"]),
-    "amax_history_len": ("fp8_amax_history_len", _D["amax_history_len"]),
-    "amax_compute_algo": ("fp8_amax_compute_algo", _D["amax_compute_algo"]),
-    "override_linear_precision": ("fp8_override_linear_precision", _D["override_linear_precision"]),
-    "opt_level": ("fp8_opt_level", "O2"),
-    "pad_inner_dim": ("fp8_pad_inner_dim", True),
-    "enable_fsdp_float8_all_gather": ("fp8_enable_fsdp_float8_all_gather", True),
-}
+_CATALOG = object()  # "the field's default is lowprec.catalog.FIELD_DEFAULTS's"
+
+
+def _setting(name: str, default: Any = _CATALOG) -> Any:
+    """A handler field that is the launch setting ``name`` (it shares its variable and its
+    parser): ``None`` until :func:`_resolve_fields` resolves it."""
+    return field(default=None, metadata={"setting": name, "default": default})
+
+
+def _default(f: dataclasses.Field) -> Any:
+    from lowprec.backends.spec import recipe_field
+
+    default = f.metadata["default"]
+    return FIELD_DEFAULTS[recipe_field(f.metadata["setting"])] if default is _CATALOG else default
 
 
 def _parser(setting: str) -> Callable[[Any], Any]:
@@ -45,23 +45,23 @@ def _parser(setting: str) -> Callable[[Any], Any]:
     return next(v.parse for v in ENV_VARS if v.field == setting)
 
 
-def _resolve_fields(obj: Any, names: tuple[str, ...]) -> None:
-    """explicit > ``ACCELERATE_FP8_*`` > default, each through the field's one parser."""
+def _resolve_fields(obj: Any) -> None:
+    """Each :func:`_setting` field of ``obj``: explicit > ``ACCELERATE_FP8_*`` > default,
+    through the setting's one parser."""
     from lowprec.config.env import read_env
 
-    settings = {_FIELDS[n][0] for n in names}
-    from_env = read_env(environ(), settings)
-    for name in names:
-        setting, default = _FIELDS[name]
-        value = getattr(obj, name)
+    fields = [f for f in dataclasses.fields(obj) if "setting" in f.metadata]
+    from_env = read_env(environ(), {f.metadata["setting"] for f in fields})
+    for f in fields:
+        setting, value = f.metadata["setting"], getattr(obj, f.name)
         if value is None:
-            value = from_env.get(setting, default)
+            value = from_env.get(setting, _default(f))
         else:
             try:
                 value = _parser(setting)(value)
             except ValueError as err:
-                raise ValueError(f"{type(obj).__name__}({name}={value!r}): {err}") from None
-        object.__setattr__(obj, name, value)
+                raise ValueError(f"{type(obj).__name__}({f.name}={value!r}): {err}") from None
+        object.__setattr__(obj, f.name, value)
 
 
 def _check_type(obj: Any, name: str, ok: bool, expected: str) -> None:
@@ -93,13 +93,13 @@ class TERecipeKwargs(RecipeKwargs):
     (lowprec's name for TE's ``NVFP4BlockScaling``; env ``ACCELERATE_FP8_USE_NVFP4_BLOCK_SCALING``)
     for NVFP4: TE runs them where installed, the native ``mxfp8`` / ``nvfp4`` recipes elsewhere."""
 
-    use_autocast_during_eval: Optional[bool] = None
-    margin: Optional[int] = None
-    interval: Optional[int] = None
-    fp8_format: Optional[str] = None
-    amax_history_len: Optional[int] = None
-    amax_compute_algo: Optional[str] = None
-    override_linear_precision: Optional[Any] = None
+    use_autocast_during_eval: Optional[bool] = _setting("fp8_use_autocast_during_eval")
+    margin: Optional[int] = _setting("fp8_margin")
+    interval: Optional[int] = _setting("fp8_interval")
+    fp8_format: Optional[str] = _setting("fp8_format")
+    amax_history_len: Optional[int] = _setting("fp8_amax_history_len")
+    amax_compute_algo: Optional[str] = _setting("fp8_amax_compute_algo")
+    override_linear_precision: Optional[Any] = _setting("fp8_override_linear_precision")
     use_mxfp8_block_scaling: Optional[bool] = None
     use_nvfp4_block_scaling: Optional[bool] = None
     # spellings written by the `accelerate config` wizard (reference section 3.4, bug 5)
@@ -114,8 +114,7 @@ class TERecipeKwargs(RecipeKwargs):
         self._resolve_te_fields()
 
     def _resolve_te_fields(self) -> None:
-        _resolve_fields(self, ("use_autocast_during_eval", "margin", "interval", "fp8_format", "amax_history_len",
-                               "amax_compute_algo", "override_linear_precision"))
+        _resolve_fields(self)
         for name in TE_SWITCHES:
             value = getattr(self, name)
             if value is None:
@@ -135,17 +134,14 @@ class MSAMPRecipeKwargs(RecipeKwargs):
     """MS-AMP optimisation level: O1 (FP8 weight gradients and all-reduce) or O2 (also FP8/FP16
     Adam moments). Runs on lowprec's own O1/O2 when MS-AMP is not installed."""
 
-    opt_level: Optional[str] = None
+    opt_level: Optional[str] = _setting("fp8_opt_level", "O2")
     optimization_level: InitVar[Optional[str]] = None  # the docs' and the wizard's spelling
 
     backend = "msamp"
 
     def __post_init__(self, optimization_level=None) -> None:
         _alias(self, "opt_level", "optimization_level", optimization_level)
-        self._resolve_opt_level()
-
-    def _resolve_opt_level(self) -> None:
-        _resolve_fields(self, ("opt_level",))
+        _resolve_fields(self)
 
 
 _PLAIN_DATA = (bool, int, float, str, bytes, list, tuple, dict, set)
@@ -165,15 +161,15 @@ class AORecipeKwargs(RecipeKwargs):
 
     config: Optional[Any] = None
     module_filter_func: Optional[Callable] = None
-    pad_inner_dim: Optional[bool] = None
-    enable_fsdp_float8_all_gather: Optional[bool] = None
+    pad_inner_dim: Optional[bool] = _setting("fp8_pad_inner_dim", True)
+    enable_fsdp_float8_all_gather: Optional[bool] = _setting("fp8_enable_fsdp_float8_all_gather", True)
     recipe: Optional[str] = None
-    use_autocast_during_eval: Optional[bool] = None
+    use_autocast_during_eval: Optional[bool] = _setting("fp8_use_autocast_during_eval")
 
     backend = "torchao"
 
     def __post_init__(self) -> None:
-        _resolve_fields(self, ("pad_inner_dim", "enable_fsdp_float8_all_gather", "use_autocast_during_eval"))
+        _resolve_fields(self)
         _check_type(self, "config", not isinstance(self.config, _PLAIN_DATA),
                     "a torchao.float8.Float8LinearConfig (or None)")
         if self.recipe is not None:
@@ -204,8 +200,10 @@ class NativeRecipeKwargs(RecipeKwargs):
     module_filter_func: Optional[Callable] = None
     skip_first_last: bool = True
     skip_patterns: tuple = ("lm_head", "router", "gate")
-    use_autocast_during_eval: Optional[bool] = None
-    enable_fsdp_float8_all_gather: Optional[bool] = None
+    use_autocast_during_eval: Optional[bool] = _setting("fp8_use_autocast_during_eval")
+    # off unless asked for on the native engine (torchao's handler defaults it on): it changes
+    # what FSDP2 gathers and needs the tensorwise recipe, so it is never switched on silently
+    enable_fsdp_float8_all_gather: Optional[bool] = _setting("fp8_enable_fsdp_float8_all_gather", False)
 
     backend = "native"
 
@@ -220,11 +218,7 @@ class NativeRecipeKwargs(RecipeKwargs):
             raise TypeError("module_filter_func must be a callable (module, fqn) -> bool")
         object.__setattr__(self, "overrides", {**_env_recipe_overrides(), **dict(self.overrides)})
         object.__setattr__(self, "skip_patterns", tuple(self.skip_patterns))
-        if self.enable_fsdp_float8_all_gather is None and env_get(FP8_PREFIX + "ENABLE_FSDP_FLOAT8_ALL_GATHER") is None:
-            # off unless asked for on the native engine (torchao's handler defaults it on): it changes
-            # what FSDP2 gathers and needs the tensorwise recipe, so it is never switched on silently
-            object.__setattr__(self, "enable_fsdp_float8_all_gather", False)
-        _resolve_fields(self, ("use_autocast_during_eval", "enable_fsdp_float8_all_gather"))
+        _resolve_fields(self)
         self._check_overrides()
         from lowprec.fp8.recipes import Recipe
 
@@ -252,11 +246,11 @@ class NativeRecipeKwargs(RecipeKwargs):
 def _env_recipe_overrides() -> dict[str, Any]:
     """Recipe fields from the ``ACCELERATE_FP8_*`` variables that are set (unset ones leave the
     named preset's own values, e.g. rowwise's E4M3)."""
-    from lowprec.backends.spec import recipe_field
+    from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field
     from lowprec.config.env import read_env
 
-    tuning = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin", "fp8_interval",
-              "fp8_override_linear_precision")
+    # use_autocast_during_eval is the handler's own field, resolved in __post_init__
+    tuning = tuple(s for s in (*RECIPE_SETTINGS, *ENGINE_SETTINGS) if s != "fp8_use_autocast_during_eval")
     return {recipe_field(k): v for k, v in read_env(environ(), tuning).items()}
 
 
@@ -272,7 +266,7 @@ class FP8RecipeKwargs(TERecipeKwargs):
     """
 
     backend: Optional[str] = None  # type: ignore[assignment]
-    opt_level: Optional[str] = None
+    opt_level: Optional[str] = _setting("fp8_opt_level", "O2")
     optimization_level: InitVar[Optional[str]] = None
 
     def __post_init__(self, amax_history_length=None, amax_compute_algorithm=None, optimization_level=None) -> None:
@@ -297,8 +291,7 @@ class FP8RecipeKwargs(TERecipeKwargs):
         if spec is None or spec.kwargs_class not in legacy:
             raise ValueError(f"FP8RecipeKwargs backend={raw!r}; use 'te' or 'msamp' (or AORecipeKwargs for torchao)")
         object.__setattr__(self, "backend", spec.name)
-        self._resolve_te_fields()
-        MSAMPRecipeKwargs._resolve_opt_level(self)  # type: ignore[arg-type]
+        self._resolve_te_fields()  # its fields and MSAMPRecipeKwargs's opt_level
 
     def to_handler(self) -> RecipeKwargs:
         from lowprec.backends.spec import get_spec

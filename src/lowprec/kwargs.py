@@ -177,6 +177,41 @@ class InitProcessGroupKwargs(KwargsHandler):
     timeout: Optional[Any] = None  # datetime.timedelta
 
 
+def _env_field(var: str, default: Any, parse: Callable[[Any, str], Any]) -> Any:
+    """A plugin field that, left ``None``, takes the variable ``var`` (as ``lowprec launch``
+    writes it), else ``default``; an explicit or environment value goes through ``parse(value,
+    key)`` (``key``: the field, or ``environment variable VAR``, for the error)."""
+    return dataclasses.field(default=None, metadata={"env": var, "default": default, "parse": parse})
+
+
+def _resolve_env_fields(obj: Any) -> None:
+    """Every :func:`_env_field` of ``obj``: explicit > its variable > its default."""
+    for f in dataclasses.fields(obj):
+        if "env" not in f.metadata:
+            continue
+        value, key = getattr(obj, f.name), f.name
+        if value is None:
+            value, key = env_get(f.metadata["env"]), f"environment variable {f.metadata['env']}"
+        object.__setattr__(obj, f.name, f.metadata["default"] if value is None else f.metadata["parse"](value, key))
+
+
+def _names(value: Any) -> tuple:
+    """Class names: a comma-separated string or a sequence."""
+    if isinstance(value, str):
+        return tuple(n.strip() for n in value.split(",") if n.strip())
+    return tuple(value)
+
+
+def _upper_choice(*choices: str) -> Callable[[Any, str], str]:
+    def parse(value: Any, key: str) -> str:
+        text = str(value).upper()
+        if text not in choices:
+            raise ValueError(f"{key}={text!r}; use {' or '.join(choices)}")
+        return text
+
+    return parse
+
+
 @dataclass(frozen=True)
 class GradientAccumulationPlugin(KwargsHandler):
     num_steps: int = 1
@@ -205,55 +240,61 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     the checkpoint loads on any number of processes: :mod:`lowprec.checkpoint_sharded`).
     """
 
-    fsdp_version: Optional[int] = None
-    transformer_cls_names_to_wrap: Optional[tuple] = None
-    reshard_after_forward: Optional[bool] = None
-    auto_wrap_policy: Optional[str] = None
-    min_num_params: Optional[int] = None
-    offload_params: Optional[bool] = None
-    state_dict_type: Optional[str] = None
+    fsdp_version: Optional[int] = _env_field("FSDP_VERSION", 2, lambda v, key: _int(key)(v))
+    transformer_cls_names_to_wrap: Optional[tuple] = _env_field("FSDP_TRANSFORMER_CLS_TO_WRAP", (), lambda v, key: _names(v))
+    reshard_after_forward: Optional[bool] = _env_field("FSDP_RESHARD_AFTER_FORWARD", True, parse_bool)
+    auto_wrap_policy: Optional[str] = None  # its variable counts only without explicit class names
+    min_num_params: Optional[int] = _env_field("FSDP_MIN_NUM_PARAMS", 100_000_000, lambda v, key: _int(key)(v))
+    offload_params: Optional[bool] = _env_field("FSDP_OFFLOAD_PARAMS", False, parse_bool)
+    state_dict_type: Optional[str] = _env_field("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT",
+                                                _upper_choice("FULL_STATE_DICT", "SHARDED_STATE_DICT"))
 
     def __post_init__(self) -> None:
-        s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        version = self.fsdp_version if self.fsdp_version is not None else env_int("FSDP_VERSION", 2)
-        if _int("fsdp_version")(version) != 2:
+        explicit_names = self.transformer_cls_names_to_wrap is not None  # they imply their policy
+        _resolve_env_fields(self)
+        if self.fsdp_version != 2:
             raise ValueError(
-                f"fsdp_version={version}: lowprec supports FSDP2 (fully_shard) only; set fsdp_version: 2"
+                f"fsdp_version={self.fsdp_version}: lowprec supports FSDP2 (fully_shard) only; set fsdp_version: 2"
             )
-        s("fsdp_version", 2)
-        names = self.transformer_cls_names_to_wrap
-        explicit_names = names is not None
-        if names is None:
-            names = env_get("FSDP_TRANSFORMER_CLS_TO_WRAP") or ()
-        if isinstance(names, str):
-            names = tuple(n.strip() for n in names.split(",") if n.strip())
-        s("transformer_cls_names_to_wrap", tuple(names))
         policy = self.auto_wrap_policy
-        if policy is None and not explicit_names:  # explicit class names imply their policy
+        if policy is None and not explicit_names:
             policy = env_get("FSDP_AUTO_WRAP_POLICY")
         if policy is None:
-            policy = "TRANSFORMER_BASED_WRAP" if names else "NO_WRAP"
+            policy = "TRANSFORMER_BASED_WRAP" if self.transformer_cls_names_to_wrap else "NO_WRAP"
         policy = str(policy).upper()
         if policy not in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"):
             raise ValueError(f"auto_wrap_policy={policy!r}; use TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP")
-        s("auto_wrap_policy", policy)
-        min_params = self.min_num_params if self.min_num_params is not None else env_int("FSDP_MIN_NUM_PARAMS", 100_000_000)
-        s("min_num_params", _int("min_num_params")(min_params))
-        reshard = self.reshard_after_forward
-        s("reshard_after_forward", env_flag("FSDP_RESHARD_AFTER_FORWARD", True) if reshard is None
-          else parse_bool(reshard, "reshard_after_forward"))
-        offload = self.offload_params
-        s("offload_params", env_flag("FSDP_OFFLOAD_PARAMS", False) if offload is None
-          else parse_bool(offload, "offload_params"))
-        sdt = str(self.state_dict_type or env_get("FSDP_STATE_DICT_TYPE") or "FULL_STATE_DICT").upper()
-        if sdt not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
-            raise ValueError(f"state_dict_type={sdt!r}; use FULL_STATE_DICT or SHARDED_STATE_DICT")
-        s("state_dict_type", sdt)
+        object.__setattr__(self, "auto_wrap_policy", policy)
         for env in ("FSDP_ACTIVATION_CHECKPOINTING", "FSDP_CPU_RAM_EFFICIENT_LOADING"):
             if env_flag(env):
                 import logging
 
                 logging.getLogger("lowprec").warning("lowprec: %s=true is not supported by lowprec's FSDP2 path; ignored", env)
+
+
+def _zero_stage(value: Any, key: str) -> int:
+    if _int(key)(value) not in (0, 1, 2, 3):
+        raise ValueError(f"{key}={value!r}; use 0, 1, 2 or 3")
+    return int(value)
+
+
+def _ds_config(cfg: Any) -> Any:
+    """A DeepSpeed config: a dict as given, a path read as JSON."""
+    if isinstance(cfg, str):
+        import json
+
+        try:
+            with open(cfg) as f:
+                return json.load(f)
+        except (OSError, ValueError) as err:
+            raise ValueError(f"DeepSpeed config file {cfg!r} could not be read: {err}") from None
+    return cfg
+
+
+def _offload_device(value: Any, key: str) -> str:
+    if str(value).lower() not in ("none", "cpu", "nvme"):
+        raise ValueError(f"{key}={value!r}; use none, cpu or nvme")
+    return str(value).lower()
 
 
 @dataclass(frozen=True)
@@ -263,36 +304,15 @@ class DeepSpeedPlugin(KwargsHandler):
     ``ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE``, ``ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE``,
     ``ACCELERATE_GRADIENT_CLIPPING``. ``hf_ds_config`` is a dict or a JSON file path."""
 
-    zero_stage: Optional[int] = None
-    gradient_clipping: Optional[float] = None
-    hf_ds_config: Optional[Any] = None
-    offload_optimizer_device: Optional[str] = None
-    offload_param_device: Optional[str] = None
+    zero_stage: Optional[int] = _env_field("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2, _zero_stage)
+    gradient_clipping: Optional[float] = _env_field("ACCELERATE_GRADIENT_CLIPPING", None, lambda v, key: float(v))
+    hf_ds_config: Optional[Any] = _env_field("ACCELERATE_DEEPSPEED_CONFIG_FILE", None, lambda v, key: _ds_config(v))
+    offload_optimizer_device: Optional[str] = _env_field("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", None,
+                                                         _offload_device)
+    offload_param_device: Optional[str] = _env_field("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", None, _offload_device)
 
     def __post_init__(self) -> None:
-        s = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        stage = self.zero_stage if self.zero_stage is not None else env_int("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2)
-        if _int("zero_stage")(stage) not in (0, 1, 2, 3):
-            raise ValueError(f"zero_stage={stage!r}; use 0, 1, 2 or 3")
-        s("zero_stage", int(stage))
-        clip = self.gradient_clipping if self.gradient_clipping is not None else env_get("ACCELERATE_GRADIENT_CLIPPING")
-        s("gradient_clipping", None if clip is None else float(clip))
-        cfg = self.hf_ds_config if self.hf_ds_config is not None else env_get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-        if isinstance(cfg, str):
-            import json
-
-            try:
-                with open(cfg) as f:
-                    cfg = json.load(f)
-            except (OSError, ValueError) as err:
-                raise ValueError(f"DeepSpeed config file {cfg!r} could not be read: {err}") from None
-        s("hf_ds_config", cfg)
-        for name, env in (("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"),
-                          ("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE")):
-            value = getattr(self, name) if getattr(self, name) is not None else env_get(env)
-            if value is not None and str(value).lower() not in ("none", "cpu", "nvme"):
-                raise ValueError(f"{name}={value!r}; use none, cpu or nvme")
-            s(name, None if value is None else str(value).lower())
+        _resolve_env_fields(self)
 
 
 # --------------------------------------------------------------------------- FP8 recipe kwargs

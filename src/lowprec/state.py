@@ -36,6 +36,7 @@ __all__ = [
     "resolve_mixed_precision",
     "fp8_hardware_check",
     "fp8_capability_check",
+    "fp8_capability_decision",
     "AcceleratorState",
     "PartialState",
     "GradientState",  # noqa: F822 - served by __getattr__ below (it lives with the dataloaders)
@@ -95,6 +96,24 @@ def fp8_capability_check(cap: Tuple[int, int], fallback: Optional[str], fix: str
     return fallback
 
 
+_ACCELERATOR_FIX = (
+    "Use mixed_precision='bf16', or pass fp8_fallback='bf16' (train in bf16, model not converted) or "
+    "fp8_fallback='emulate' (FP8 numerics emulated in float32, slow); env LOWPREC_FP8_FALLBACK does the same")
+
+
+def fp8_capability_decision(cap: Tuple[int, int], fallback: Optional[str], fix: str = _ACCELERATOR_FIX) -> Decision:
+    """:func:`fp8_capability_check` as the precision mode it picks on a GPU of capability ``cap``
+    (``fp8``, ``fp8-emulate`` or ``bf16``), with its reason. The trainer makes this decision
+    while planning (against its :class:`~lowprec.train.resolve.Capabilities`) and hands it to
+    the Accelerator, which then does not make it again."""
+    chosen = fp8_capability_check(cap, fallback, fix)
+    if chosen is None:
+        return Decision("fp8", f"CUDA compute capability {cap[0]}.{cap[1]} >= 8.9")
+    if chosen == "bf16":
+        return Decision("bf16", f"compute capability {cap[0]}.{cap[1]} < 8.9 and fp8_fallback='bf16'")
+    return Decision("fp8-emulate", f"compute capability {cap[0]}.{cap[1]} < 8.9 and fp8_fallback='emulate'")
+
+
 def fp8_hardware_check(device: torch.device, fallback: Optional[str]) -> Decision:
     """FP8 needs compute capability 8.9+ on CUDA. Returns the effective precision mode:
     ``fp8``, ``fp8-emulate`` or ``bf16``; never a silent switch (Accelerate falls back to fp16
@@ -105,15 +124,7 @@ def fp8_hardware_check(device: torch.device, fallback: Optional[str]) -> Decisio
         return Decision("fp8", f"CPU: FP8 casts run for real; GEMMs: {cpu_gemm_choice().describe()}")
     if device.type != "cuda":
         return Decision("fp8-emulate", f"device {device.type}: FP8 GEMMs emulated in float32")
-    cap = torch.cuda.get_device_capability(device)
-    chosen = fp8_capability_check(cap, fallback, (
-        "Use mixed_precision='bf16', or pass fp8_fallback='bf16' (train in bf16, model not converted) or "
-        "fp8_fallback='emulate' (FP8 numerics emulated in float32, slow); env LOWPREC_FP8_FALLBACK does the same"))
-    if chosen is None:
-        return Decision("fp8", f"CUDA compute capability {cap[0]}.{cap[1]} >= 8.9")
-    if chosen == "bf16":
-        return Decision("bf16", f"compute capability {cap[0]}.{cap[1]} < 8.9 and fp8_fallback='bf16'")
-    return Decision("fp8-emulate", f"compute capability {cap[0]}.{cap[1]} < 8.9 and fp8_fallback='emulate'")
+    return fp8_capability_decision(torch.cuda.get_device_capability(device), fallback)
 
 
 def _resolve_device(cpu: bool, env: DistributedEnv) -> Decision:
@@ -159,6 +170,7 @@ class AcceleratorState(ProcessFacts):
         fsdp_plugin: Optional[FullyShardedDataParallelPlugin] = None,
         deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
         init_kwargs: Optional[InitProcessGroupKwargs] = None,
+        fp8_hardware: Optional[Decision] = None,
     ) -> None:
         self.decisions: dict[str, Decision] = {}
         self.env = read_distributed_env()
@@ -176,7 +188,9 @@ class AcceleratorState(ProcessFacts):
         self.fp8_fallback = None if fallback is None else str(fallback).lower()
         self.fp8_emulate = False
         if requested == "fp8":
-            hw = self._decide("fp8_hardware", fp8_hardware_check(device, self.fp8_fallback))
+            # a CUDA decision made by the caller (the trainer's plan) stands; else made here
+            made = fp8_hardware if fp8_hardware is not None and device.type == "cuda" else None
+            hw = self._decide("fp8_hardware", made if made is not None else fp8_hardware_check(device, self.fp8_fallback))
             self.fp8_emulate = hw == "fp8-emulate"
             mode = "bf16" if hw == "bf16" else "fp8"
         else:

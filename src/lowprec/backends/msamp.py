@@ -156,17 +156,9 @@ def native_recipe(handler: MSAMPRecipeKwargs) -> Any:
     return Recipe.from_name("delayed", amax_compute_algo="max")
 
 
-def _create(handler: MSAMPRecipeKwargs, why: str) -> BaseBackend:
-    if SPEC.available():
-        return MSAMPBackend(handler.opt_level, reason=f"{why}; msamp installed")
-    from lowprec.backends.native import fallback_recipe
-
-    recipe, reason = fallback_recipe(SPEC, handler, why)
-    return NativeOptLevelBackend(recipe, handler.opt_level, reason)
 
 
 SPEC = BackendSpec(
-    name="msamp",
     env_value="MSAMP",
     aliases=("ms-amp", "ms_amp"),
     summary="Microsoft MS-AMP O1/O2 (FP8 gradients and all-reduce; O2 also FP8/FP16 Adam state); else lowprec's O1/O2",
@@ -174,6 +166,7 @@ SPEC = BackendSpec(
     reads=("fp8_opt_level",),
     library="msamp",
     distributions=("msamp", "ms-amp"),
-    create=_create,
+    create=lambda handler, reason: MSAMPBackend(handler.opt_level, reason),
     native_recipe=native_recipe,
+    fallback=lambda handler, recipe, reason: NativeOptLevelBackend(recipe, handler.opt_level, reason),
 )

@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Optional
 
 from lowprec.backends.base import BaseBackend, PrepareContext, log_once
-from lowprec.backends.spec import RECIPE_SETTINGS, BackendSpec, recipe_field
+from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, BackendSpec, recipe_field
 from lowprec.catalog import FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE
 from lowprec.kwargs import NativeRecipeKwargs
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from lowprec import fp8
 
-__all__ = ["NativeBackend", "SPEC", "fallback_recipe"]
+__all__ = ["NativeBackend", "SPEC"]
 
 logger = logging.getLogger("lowprec")
 
@@ -135,24 +135,14 @@ def _check_fields(recipe: Optional[str], fields: Mapping[str, Any]) -> Optional[
 
 
 SPEC = BackendSpec(
-    name="native",
     env_value="NATIVE",
     aliases=("lowprec",),
     summary="lowprec's own FP8 engine (always available; every recipe, CPU included)",
     kwargs_class=NativeRecipeKwargs,
-    reads=("fp8_recipe", *RECIPE_SETTINGS, "fp8_enable_fsdp_float8_all_gather"),
+    reads=("fp8_recipe", *RECIPE_SETTINGS, *ENGINE_SETTINGS, "fp8_enable_fsdp_float8_all_gather"),
     create=_create,
     native_recipe=NativeRecipeKwargs.to_recipe,
     to_handler_fields=_handler_fields,
     check_fields=_check_fields,
 )
 
-
-def fallback_recipe(spec: BackendSpec, handler: Any, why: str) -> tuple["fp8.Recipe", str]:
-    """The native recipe that stands in for ``spec``'s library, and the logged reason."""
-    from lowprec.backends.base import log_once
-
-    recipe = spec.native_recipe(handler)
-    reason = f"{why}; {spec.library} is not installed, so lowprec's native engine runs the same recipe ({recipe.name})"
-    log_once(f"lowprec: FP8 backend {spec.name!r}: {reason}")
-    return recipe, reason

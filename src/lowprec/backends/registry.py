@@ -102,7 +102,7 @@ def resolve_fp8_settings(handler: Optional[RecipeKwargs] = None) -> FP8Settings:
 def select_backend(handler: Union[None, RecipeKwargs, FP8Settings]) -> Backend:
     """The running backend for a handler (or already resolved settings)."""
     settings = handler if isinstance(handler, FP8Settings) else resolve_fp8_settings(handler)
-    return settings.spec.create(settings.handler, settings.backend.reason)
+    return settings.spec.build(settings.handler, settings.backend.reason)
 
 
 def native_recipe_for(handler: RecipeKwargs):

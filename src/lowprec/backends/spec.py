@@ -16,6 +16,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
+from lowprec.catalog import RECIPE_OPTIONS
 from lowprec.errors import did_you_mean
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "backends_markdown",
     "docs_page",
     "RECIPE_SETTINGS",
+    "ENGINE_SETTINGS",
     "handler_field",
     "recipe_field",
     "spec_or_native",
@@ -43,30 +45,35 @@ BACKEND_MODULES = ("native", "torchao", "te", "msamp")
 # Launch settings that tune an FP8 scaling recipe (read by the backends that run one).
 RECIPE_SETTINGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin", "fp8_interval",
                    "fp8_override_linear_precision", "fp8_use_autocast_during_eval")
+# Recipe options only lowprec's engine has (lowprec.catalog.RECIPE_OPTIONS, accelerate=False).
+ENGINE_SETTINGS = tuple(o.setting for o in RECIPE_OPTIONS.values() if not o.accelerate)
 
 
 @dataclass(frozen=True)
 class BackendSpec:
     """One backend, as data.
 
-    ``name`` is the canonical name (``RecipeKwargs.backend``, ``Backend.name``); ``env_value``
+    ``name`` is the canonical name, the kwargs class's ``backend`` (``Backend.name`` too); ``env_value``
     the spelling of ``ACCELERATE_FP8_BACKEND`` (Accelerate's ``FP8BackendType``); its lower
     case is what ``lowprec launch`` stores. ``reads`` are launch setting names
-    (``fp8_format``, ...; see :mod:`lowprec.config.env`). ``create(handler, why)`` returns the
-    running backend (its own library's, or the native engine's fallback, with a logged reason).
+    (``fp8_format``, ...; see :mod:`lowprec.config.env`). ``create(handler, reason)`` returns the
+    running backend on its ``library``; where that is missing, ``fallback(handler, recipe,
+    reason)`` returns the native engine running ``native_recipe(handler)`` (:meth:`build`
+    decides and logs why).
     """
 
-    name: str
     env_value: str
     summary: str
     kwargs_class: type
     reads: tuple[str, ...]
-    create: Callable[[Any, str], Any]
+    create: Callable[[Any, str], Any]  # (handler, reason) -> the backend running on `library`
+    name: str = ""  # kwargs_class.backend; given, it must agree
     aliases: tuple[str, ...] = ()
     library: Optional[str] = None  # import name; None: always available
     distributions: tuple[str, ...] = ()  # pip names to look up for `lowprec env`
     reads_env: tuple[str, ...] = ()  # variables it reads that are no launch setting
     native_recipe: Optional[Callable[[Any], Any]] = None  # handler -> lowprec.fp8.Recipe
+    fallback: Optional[Callable[[Any, Any, str], Any]] = None  # (handler, recipe, reason) -> native stand-in
     to_handler_fields: Optional[Callable[[Mapping[str, Any]], dict]] = None  # launch fields -> kwargs
     rejects: Mapping[str, str] = field(default_factory=dict)  # launch field -> why it is refused
     # (recipe name, launch fields) -> (field, why) for a combination it refuses, or None
@@ -77,6 +84,13 @@ class BackendSpec:
     trainer_recipes: tuple[str, ...] = ()
     trainer_handler: Optional[Callable[[str], Any]] = None  # recipe name -> kwargs handler
 
+    def __post_init__(self) -> None:
+        declared = getattr(self.kwargs_class, "backend", None)
+        if not isinstance(declared, str) or (self.name and self.name != declared):
+            raise ValueError(f"BackendSpec: {self.kwargs_class.__name__}.backend ({declared!r}) must name the backend "
+                             f"({self.name or declared!r})")
+        object.__setattr__(self, "name", declared)
+
     def spellings(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys((self.name, self.env_value.lower(), *self.aliases)))
 
@@ -84,6 +98,18 @@ class BackendSpec:
         from lowprec.backends.availability import module_available
 
         return self.library is None or module_available(self.library)
+
+    def build(self, handler: Any, why: str) -> Any:
+        """The running backend: on the library where it is installed (or none is needed), else
+        the native engine running the same recipe, the reason logged once."""
+        if self.available():
+            return self.create(handler, why if self.library is None else f"{why}; {self.library} installed")
+        from lowprec.backends.base import log_once
+
+        recipe = self.native_recipe(handler)
+        reason = f"{why}; {self.library} is not installed, so lowprec's native engine runs the same recipe ({recipe.name})"
+        log_once(f"lowprec: FP8 backend {self.name!r}: {reason}")
+        return self.fallback(handler, recipe, reason)
 
     def handler_from_fields(self, fields: Mapping[str, Any]) -> Any:
         """The kwargs handler for launch-style settings (``fp8_margin=2`` -> ``margin=2``)."""

@@ -140,18 +140,14 @@ def native_recipe(handler: TERecipeKwargs) -> Any:
     )
 
 
-def _create(handler: TERecipeKwargs, why: str) -> BaseBackend:
-    if SPEC.available():
-        return TEBackend(handler, reason=f"{why}; transformer_engine installed")
-    from lowprec.backends.native import NativeBackend, fallback_recipe
+def _fallback(handler: TERecipeKwargs, recipe: Any, reason: str) -> BaseBackend:
+    from lowprec.backends.native import NativeBackend
 
-    recipe, reason = fallback_recipe(SPEC, handler, why)
     # TE converts every eligible Linear, the first and last included
     return NativeBackend(recipe, name="te", reason=reason, skip_first_last=False, skip_patterns=())
 
 
 SPEC = BackendSpec(
-    name="te",
     env_value="TE",
     aliases=("transformer_engine", "transformerengine", "transformer-engine"),
     summary="NVIDIA TransformerEngine (DelayedScaling, MXFP8BlockScaling, NVFP4BlockScaling); else the same recipe natively",
@@ -161,6 +157,7 @@ SPEC = BackendSpec(
     fp8_formats=("HYBRID", "E4M3", "E5M2"),
     library="transformer_engine",
     distributions=("transformer_engine", "transformer-engine", "transformer_engine_torch"),
-    create=_create,
+    create=TEBackend,
     native_recipe=native_recipe,
+    fallback=_fallback,
 )

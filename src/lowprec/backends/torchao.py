@@ -138,26 +138,22 @@ def native_recipe(handler: AORecipeKwargs) -> Any:
     return Recipe.from_name(handler.recipe or "tensorwise", use_during_eval=handler.use_autocast_during_eval)
 
 
-def _create(handler: AORecipeKwargs, why: str) -> BaseBackend:
-    if SPEC.available():
-        return TorchAOBackend(handler, reason=f"{why}; torchao installed")
-    from lowprec.backends.native import NativeBackend, fallback_recipe
+def _fallback(handler: AORecipeKwargs, recipe: Any, reason: str) -> BaseBackend:
+    from lowprec.backends.native import NativeBackend
 
-    recipe, reason = fallback_recipe(SPEC, handler, why)
     return NativeBackend(recipe, name="torchao", reason=reason, module_filter=handler.module_filter_func)
 
 
 SPEC = BackendSpec(
-    name="torchao",
     env_value="AO",
-    aliases=("torchao",),
     summary="PyTorch torchao Float8Linear (tensorwise/rowwise, FSDP2 FP8 all-gather); else the same recipe natively",
     kwargs_class=AORecipeKwargs,
     reads=("fp8_pad_inner_dim", "fp8_enable_fsdp_float8_all_gather", "fp8_use_autocast_during_eval"),
     library="torchao",
     distributions=("torchao",),
-    create=_create,
+    create=TorchAOBackend,
     native_recipe=native_recipe,
+    fallback=_fallback,
     trainer_recipes=("tensorwise", "rowwise", "rowwise_with_gw_hp"),  # torchao's Float8LinearRecipeName
     trainer_handler=lambda recipe: AORecipeKwargs(recipe=recipe),
 )

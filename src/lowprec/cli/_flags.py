@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+from lowprec.catalog import RECIPE_OPTIONS
 from lowprec.config import values as V
 from lowprec.config.env import FP8_FIELDS, UNREAD_FIELDS, LaunchSettings, check_fp8_fields
 from lowprec.errors import UsageError, did_you_mean
@@ -103,9 +104,10 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     _add(fp8, "fp8_fallback", type=_argtype(V.parse_fp8_fallback), metavar="{bf16,emulate}",
          help="where the device has no FP8 GEMMs: train in bf16, or emulate the FP8 GEMMs")
     _add(fp8, "fp8_format", type=_argtype(V.parse_fp8_format), metavar="{HYBRID,E4M3,E5M2}")
-    _add(fp8, "fp8_amax_history_len", type=_argtype(V.parse_recipe_int("amax_history_len"), "int"), metavar="N")
-    _add(fp8, "fp8_amax_compute_algo", type=_argtype(V.parse_amax_compute_algo), metavar="{max,most_recent}")
-    _add(fp8, "fp8_margin", type=_argtype(V.parse_recipe_int("margin"), "int"), metavar="N")
+    for option in RECIPE_OPTIONS.values():  # margin, amax_history_len, amax_compute_algo, scale_rounding
+        metavar = "{" + ",".join(option.choices) + "}" if option.choices else "N"
+        _add(fp8, option.setting, type=_argtype(V.parse_recipe_option(option.name), option.setting if option.choices else "int"),
+             metavar=metavar)
     _add(fp8, "fp8_interval", type=_argtype(V.parse_recipe_int("interval"), "int"), metavar="N")
     _add(fp8, "fp8_override_linear_precision", type=_argtype(V.parse_override_linear_precision),
          metavar="FPROP,DGRAD,WGRAD", help='high-precision GEMMs, e.g. "false,false,true"')

@@ -81,7 +81,7 @@ def _zero_stage(value: Any) -> int:
 def _fp8_questions(s: dict[str, Any]) -> None:
     """Only what the chosen backend and recipe read (their declarations decide, no names here)."""
     from lowprec.backends.spec import spec_or_native
-    from lowprec.catalog import FIELD_DEFAULTS, Granularity, recipe_info
+    from lowprec.catalog import FIELD_DEFAULTS, RECIPE_OPTIONS, Granularity, recipe_info
 
     backend = s["fp8_backend"] = ask("FP8 backend?", "native", V.parse_fp8_backend, V.FP8_BACKENDS)
     spec = spec_or_native(backend)
@@ -98,14 +98,9 @@ def _fp8_questions(s: dict[str, Any]) -> None:
     recipe_reads = set(spec_reads_of(recipe))
     if "fp8_format" in reads and (recipe is None or recipe.granularity is Granularity.TENSOR):
         s["fp8_format"] = ask("FP8 format?", FIELD_DEFAULTS["fp8_format"], V.parse_fp8_format, spec.fp8_formats)
-    if "fp8_margin" in reads and "margin" in recipe_reads:
-        s["fp8_margin"] = ask("Scaling margin (powers of two of headroom)?", FIELD_DEFAULTS["margin"],
-                              V.parse_recipe_int("margin"))
-    if "fp8_amax_history_len" in reads and "amax_history_len" in recipe_reads:
-        s["fp8_amax_history_len"] = ask("Amax history length?", FIELD_DEFAULTS["amax_history_len"],
-                                        V.parse_recipe_int("amax_history_len"))
-        s["fp8_amax_compute_algo"] = ask("Amax compute algorithm?", FIELD_DEFAULTS["amax_compute_algo"],
-                                         V.parse_amax_compute_algo, V.AMAX_COMPUTE_ALGOS)
+    for option in RECIPE_OPTIONS.values():  # the catalog's recipe options this backend and recipe read
+        if option.setting in reads and option.name in recipe_reads:
+            s[option.setting] = ask(option.question, option.default, V.parse_recipe_option(option.name), option.choices)
     if "fp8_override_linear_precision" in reads and ask(
         "Run some GEMMs of Linear layers in high precision?", False, V.parse_bool
     ):

@@ -43,6 +43,7 @@ ACCELERATE_FP8_AMAX_HISTORY_LEN                fp8, if set            int >= 1 (
 ACCELERATE_FP8_AMAX_COMPUTE_ALGO               fp8, if set            max | most_recent
 ACCELERATE_FP8_MARGIN                          fp8, if set            int >= 0
 ACCELERATE_FP8_INTERVAL                        fp8, if set            int >= 1
+LOWPREC_FP8_SCALE_ROUNDING                     fp8, if set            rceil | floor: MXFP8's E8M0 scale rule (native)
 ACCELERATE_FP8_OVERRIDE_FPROP                  fp8, if set            true | false: forward GEMM in high precision
 ACCELERATE_FP8_OVERRIDE_DGRAD                  fp8, if set            true | false: grad-input GEMM in high precision
 ACCELERATE_FP8_OVERRIDE_WGRAD                  fp8, if set            true | false: grad-weight GEMM in high precision
@@ -104,6 +105,22 @@ def _upper(value: Any) -> str:
     return str(value).upper()
 
 
+_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
+_STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def _parse_zero_stage(value: Any) -> int:
+    stage = V.parse_int(value)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"{stage} is not a ZeRO stage; choose 0, 1, 2 or 3")
+    return stage
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    return lambda value: V.choice(value, choices)
+
+
 _B, _I = V.parse_bool, V.parse_int
 # (field, variable, parser, when written). One row per variable; fp8_override_linear_precision
 # fans out to FP8_OVERRIDE_VARS and is handled apart.
@@ -113,20 +130,20 @@ ENV_VARS: tuple[_Var, ...] = (
     _Var("use_fsdp", "ACCELERATE_USE_FSDP", _B, "always"),
     _Var("fsdp_version", "FSDP_VERSION", _I, "fsdp"),
     _Var("fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD", _B, "fsdp"),
-    _Var("fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", str, "fsdp"),
+    _Var("fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY", _one_of(_WRAP_POLICIES), "fsdp"),
     _Var("fsdp_transformer_layer_cls_to_wrap", "FSDP_TRANSFORMER_CLS_TO_WRAP", str, "fsdp"),
-    _Var("fsdp_min_num_params", "FSDP_MIN_NUM_PARAMS", _I, "fsdp"),
+    _Var("fsdp_min_num_params", "FSDP_MIN_NUM_PARAMS", lambda x: _I(x, minimum=0), "fsdp"),
     _Var("fsdp_activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING", _B, "fsdp"),
     _Var("fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING", _B, "fsdp"),
     _Var("fsdp_offload_params", "FSDP_OFFLOAD_PARAMS", _B, "fsdp"),
-    _Var("fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE", str, "fsdp"),
+    _Var("fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE", _one_of(_STATE_DICT_TYPES), "fsdp"),
     _Var("use_deepspeed", "ACCELERATE_USE_DEEPSPEED", _B, "always"),
-    _Var("zero_stage", "ACCELERATE_DEEPSPEED_ZERO_STAGE", _I, "deepspeed"),
-    _Var("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", str, "deepspeed"),
-    _Var("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", str, "deepspeed"),
+    _Var("zero_stage", "ACCELERATE_DEEPSPEED_ZERO_STAGE", _parse_zero_stage, "deepspeed"),
+    _Var("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", _one_of(_OFFLOAD_DEVICES), "deepspeed"),
+    _Var("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", _one_of(_OFFLOAD_DEVICES), "deepspeed"),
     _Var("zero3_init_flag", "ACCELERATE_DEEPSPEED_ZERO3_INIT", _B, "deepspeed"),
     _Var("deepspeed_config_file", "ACCELERATE_DEEPSPEED_CONFIG_FILE", str, "deepspeed"),
-    _Var("gradient_accumulation_steps", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", _I, "set"),
+    _Var("gradient_accumulation_steps", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", lambda x: _I(x, minimum=1), "set"),
     _Var("gradient_clipping", "ACCELERATE_GRADIENT_CLIPPING", V.parse_float, "deepspeed"),
     _Var("dynamo_backend", "ACCELERATE_DYNAMO_BACKEND", V.parse_dynamo_backend, "set", _upper),
     _Var("gpu_ids", "CUDA_VISIBLE_DEVICES", str, "set"),
@@ -138,6 +155,7 @@ ENV_VARS: tuple[_Var, ...] = (
     _Var("fp8_amax_compute_algo", "ACCELERATE_FP8_AMAX_COMPUTE_ALGO", V.parse_amax_compute_algo, "fp8"),
     _Var("fp8_margin", "ACCELERATE_FP8_MARGIN", V.parse_recipe_int("margin"), "fp8"),
     _Var("fp8_interval", "ACCELERATE_FP8_INTERVAL", V.parse_recipe_int("interval"), "fp8"),
+    _Var("fp8_scale_rounding", "LOWPREC_FP8_SCALE_ROUNDING", V.parse_recipe_option("scale_rounding"), "fp8"),
     _Var("fp8_opt_level", "ACCELERATE_FP8_OPT_LEVEL", V.parse_opt_level, "fp8"),
     _Var("fp8_use_autocast_during_eval", "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", _B, "fp8"),
     _Var("fp8_enable_fsdp_float8_all_gather", "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", _B, "fp8"),
@@ -287,6 +305,7 @@ class LaunchSettings:
     fp8_amax_compute_algo: str | None = None
     fp8_margin: int | None = None
     fp8_interval: int | None = None
+    fp8_scale_rounding: str | None = None
     fp8_override_linear_precision: tuple[bool, bool, bool] | None = None
     fp8_opt_level: str | None = None
     fp8_use_autocast_during_eval: bool | None = None
@@ -302,14 +321,7 @@ class LaunchSettings:
             machine_rank=lambda x: V.parse_int(x, minimum=0),
             main_process_port=lambda x: V.parse_int(x, minimum=0),
             main_process_ip=str,
-            gradient_accumulation_steps=lambda x: V.parse_int(x, minimum=1),
-            fsdp_min_num_params=lambda x: V.parse_int(x, minimum=0),
             fp8_override_linear_precision=V.parse_override_linear_precision,
-            zero_stage=_parse_zero_stage,
-            fsdp_auto_wrap_policy=lambda x: V.choice(x, _WRAP_POLICIES),
-            fsdp_state_dict_type=lambda x: V.choice(x, _STATE_DICT_TYPES),
-            offload_optimizer_device=lambda x: V.choice(x, _OFFLOAD_DEVICES),
-            offload_param_device=lambda x: V.choice(x, _OFFLOAD_DEVICES),
         )
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -394,9 +406,9 @@ class LaunchSettings:
     def fp8_recipe_overrides(self) -> dict[str, Any]:
         """The user-set FP8 values under the field names of ``lowprec.fp8.Recipe``, for
         ``Recipe.from_name(settings.fp8_recipe or default, **overrides)``."""
-        from lowprec.backends.spec import RECIPE_SETTINGS, recipe_field
+        from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field
 
-        return {recipe_field(s): getattr(self, s) for s in RECIPE_SETTINGS if getattr(self, s) is not None}
+        return {recipe_field(s): getattr(self, s) for s in (*RECIPE_SETTINGS, *ENGINE_SETTINGS) if getattr(self, s) is not None}
 
     # ------------------------------------------------------------------ environment
     def _written(self, var: _Var) -> bool:
@@ -444,14 +456,3 @@ class LaunchSettings:
                 merged[key] = value
         return cls(**merged)
 
-
-_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
-_STATE_DICT_TYPES = ("FULL_STATE_DICT", "SHARDED_STATE_DICT")
-_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-
-
-def _parse_zero_stage(value: Any) -> int:
-    stage = V.parse_int(value)
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"{stage} is not a ZeRO stage; choose 0, 1, 2 or 3")
-    return stage

@@ -90,6 +90,7 @@ class FP8Config(_Strict):
     amax_compute_algo: Annotated[Optional[str], _opt(V.parse_amax_compute_algo)] = _alias(
         "amax_compute_algo", "amax_compute_algorithm"
     )
+    scale_rounding: Annotated[Optional[str], _opt(V.parse_recipe_option("scale_rounding"))] = None
     override_linear_precision: Annotated[
         Optional[tuple[bool, bool, bool]], _opt(V.parse_override_linear_precision)
     ] = None
@@ -368,6 +369,7 @@ def settings_to_yaml_dict(settings: LaunchSettings) -> dict[str, Any]:
         "amax_compute_algo": s.fp8_amax_compute_algo,
         "margin": s.fp8_margin,
         "interval": s.fp8_interval,
+        "scale_rounding": s.fp8_scale_rounding,
         "override_linear_precision": list(s.fp8_override_linear_precision)
         if s.fp8_override_linear_precision is not None
         else None,

@@ -12,7 +12,7 @@ import ast
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lowprec.catalog import RECIPE_NAMES, check_int_field, recipe_info
+from lowprec.catalog import RECIPE_NAMES, RECIPE_OPTIONS, check_int_field, recipe_info
 from lowprec.errors import did_you_mean
 
 __all__ = [
@@ -38,13 +38,14 @@ __all__ = [
     "parse_dynamo_backend",
     "parse_override_linear_precision",
     "parse_recipe_int",
+    "parse_recipe_option",
     "format_bool",
 ]
 
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
 FP8_RECIPES = RECIPE_NAMES  # lowprec.catalog: the one torch-free table of recipes
 FP8_FORMATS = ("HYBRID", "E4M3", "E5M2")
-AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+AMAX_COMPUTE_ALGOS = RECIPE_OPTIONS["amax_compute_algo"].choices
 OPT_LEVELS = ("O1", "O2")
 FP8_FALLBACKS = ("bf16", "emulate")
 DYNAMO_BACKENDS = ("no", "eager", "aot_eager", "inductor", "cudagraphs")
@@ -151,12 +152,19 @@ def parse_recipe_int(name: str) -> Callable[[Any], int]:
     return lambda value: check_int_field(name, value)
 
 
+def parse_recipe_option(name: str) -> Callable[[Any], Any]:
+    """The parser of a :data:`lowprec.catalog.RECIPE_OPTIONS` field: one of its choices, or
+    an integer within its minimum."""
+    choices = RECIPE_OPTIONS[name].choices
+    return (lambda value: choice(value, choices)) if choices else parse_recipe_int(name)
+
+
 def parse_fp8_format(value: Any) -> str:
     return choice(value, FP8_FORMATS)
 
 
 def parse_amax_compute_algo(value: Any) -> str:
-    return choice(value, AMAX_COMPUTE_ALGOS)
+    return parse_recipe_option("amax_compute_algo")(value)
 
 
 def parse_opt_level(value: Any) -> str:

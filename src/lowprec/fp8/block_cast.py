@@ -8,7 +8,7 @@ FP8 weight), transposed for grad_input. On CUDA with the Triton kernels
 (:func:`lowprec.fp8.kernels.cast_block_1d` / ``cast_block_2d``) one read of each
 high-precision tensor writes both, each in the memory layout its GEMM reads (torch's blockwise
 ``scaled_mm``: A row-major, B column-major), so :mod:`lowprec.fp8.block_gemm` copies nothing.
-Values are those of :func:`lowprec.fp8.quantize.quantize_blockwise_torch`; only the layouts
+Values are those of :func:`lowprec.fp8.quantize.quantize_blockwise` (``fused=False``); only the layouts
 (of data and scales) differ, and every consumer reads through strides.
 """
 

@@ -61,6 +61,7 @@ from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.mx_linear import MX_STATE_BUFFER, init_mx_state, mx_linear
 from lowprec.fp8.quantize import Float8Data, quantize
 from lowprec.fp8.recipes import BLOCK_SCALED, LinearPlan, OperandCast, Recipe
+from lowprec.fp8.saved import save_operands, saved_operands
 from lowprec.fp8.scaling import amax_to_scale, delayed_scale_step
 
 __all__ = ["Float8Linear", "delayed_scale_step", "plain_module"]
@@ -148,35 +149,6 @@ class _FnConfig:
     weight_cache: Any = None  # a frozen weight's cast store (fp8/frozen.py), or None
 
 
-def _pack(ctx, items: list) -> None:
-    """Save tensors and Float8Data through save_for_backward (so saved-tensor hooks see them)."""
-    tensors, meta = [], []
-    for it in items:
-        if isinstance(it, Float8Data):
-            meta.append(("fp8", it.granularity, (it.block, it.pow2_scale)))
-            tensors += [it.data, it.scale]
-        else:
-            meta.append(("t" if it is not None else "none", None, None))
-            if it is not None:
-                tensors.append(it)
-    ctx.save_for_backward(*tensors)
-    ctx.meta = meta
-
-
-def _unpack(ctx) -> list:
-    tensors = list(ctx.saved_tensors)
-    out = []
-    for kind, gran, layout in ctx.meta:
-        if kind == "fp8":
-            data, scale = tensors.pop(0), tensors.pop(0)
-            out.append(Float8Data(data, scale, gran, *layout))  # layout: (block, pow2_scale)
-        elif kind == "t":
-            out.append(tensors.pop(0))
-        else:
-            out.append(None)
-    return out
-
-
 class _Float8LinearFn(torch.autograd.Function):
     """The three GEMMs of the table above and their casts. Scales handed in, state updates and
     telemetry go through ``state`` (:mod:`lowprec.fp8.cast_state`); which cast serves which
@@ -217,14 +189,12 @@ class _Float8LinearFn(torch.autograd.Function):
                     x_saved = x_col
                 else:
                     x_saved = _cast(x, wg.b, 0, recipe, _tensor_scale(wg.b, state.x_scale))
-        _pack(ctx, [w_saved, x_saved])
-        ctx.cfg, ctx.state = cfg, state
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        save_operands(ctx, (w_saved, x_saved), cfg=cfg, state=state, x_dtype=x.dtype, w_dtype=weight.dtype)
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        w_saved, x_saved = _unpack(ctx)
+        w_saved, x_saved = saved_operands(ctx)
         cfg, state = ctx.cfg, ctx.state
         recipe, hp, plan = cfg.recipe, cfg.hp_dtype, cfg.plan
         dg, wg = plan.dgrad, plan.wgrad

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowprec.catalog import FIELD_DEFAULTS, RECIPE_OPTIONS
 from lowprec.fp8.formats import E4M3, E5M2, fp8_max
 
 __all__ = [
@@ -52,8 +53,8 @@ __all__ = [
 ]
 
 MX_BLOCK = 32
-SCALE_ROUNDINGS = ("rceil", "floor")
-DEFAULT_SCALE_ROUNDING = "rceil"
+SCALE_ROUNDINGS = RECIPE_OPTIONS["scale_rounding"].choices  # lowprec.catalog: the one list
+DEFAULT_SCALE_ROUNDING = FIELD_DEFAULTS["scale_rounding"]
 E8M0 = torch.float8_e8m0fnu
 _EMAX = {E4M3: 8, E5M2: 15}  # largest exponent of each element format (448 = 1.75 * 2**8)
 _E8M0_NAN = 255

@@ -39,6 +39,7 @@ from lowprec.fp8.mx import BlockScaledData, e8m0_decode, quantize_mx
 from lowprec.fp8.mx_gemm import mx_mm
 from lowprec.fp8.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
 from lowprec.fp8.recipes import Recipe
+from lowprec.fp8.saved import save_operands, saved_operands
 
 __all__ = ["mx_linear", "init_mx_state", "MX_STATE_BUFFER", "block_stats"]
 
@@ -104,35 +105,6 @@ def block_stats(x: torch.Tensor, q: BlockScaledData) -> torch.Tensor:
     return torch.stack([x32.abs().amax(), smallest.to(torch.float32), saturated, underflow])
 
 
-def _pack(ctx, items: list) -> None:
-    """save_for_backward every tensor (BlockScaledData as its data/scale/tensor scale)."""
-    tensors, meta = [], []
-    for it in items:
-        if isinstance(it, BlockScaledData):
-            ts = it.tensor_scale
-            meta.append(("q", it.cols, it.block, ts is not None))
-            tensors += [it.data, it.scale] + ([ts] if ts is not None else [])
-        elif it is None:
-            meta.append(("none",))
-        else:
-            meta.append(("t",))
-            tensors.append(it)
-    ctx.save_for_backward(*tensors)
-    ctx.meta = meta
-
-
-def _unpack(ctx) -> list:
-    tensors, out = list(ctx.saved_tensors), []
-    for m in ctx.meta:
-        if m[0] == "q":
-            data, scale = tensors.pop(0), tensors.pop(0)
-            ts = tensors.pop(0) if m[3] else None
-            out.append(BlockScaledData(data, scale, m[1], m[2], ts))
-        else:
-            out.append(tensors.pop(0) if m[0] == "t" else None)
-    return out
-
-
 def _wgrad_operand(t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
     """(M, C) -> (C, M') high precision, ready to quantize along M (Hadamard first for nvfp4)."""
     if recipe.scaling == "nvfp4":
@@ -171,14 +143,12 @@ class _MXLinearFn(torch.autograd.Function):
                     x_saved = x.to(hp)
                 else:  # x^T cast along M, from the high-precision x, now (not from xq)
                     x_saved = _quantize(_wgrad_operand(x, recipe), recipe, fwd)
-        _pack(ctx, [w_saved, x_saved])
-        ctx.cfg, ctx.stats = cfg, stats
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        save_operands(ctx, (w_saved, x_saved), cfg=cfg, stats=stats, x_dtype=x.dtype, w_dtype=weight.dtype)
         return out
 
     @staticmethod
     def backward(ctx, dy):
-        w_saved, x_saved = _unpack(ctx)
+        w_saved, x_saved = saved_operands(ctx)
         cfg = ctx.cfg
         recipe, hp = cfg.recipe, cfg.hp_dtype
         fwd, bwd = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype

@@ -29,7 +29,6 @@ __all__ = [
     "quantize_tensorwise",
     "quantize_axiswise",
     "quantize_blockwise",
-    "quantize_blockwise_torch",
     "dequantize",
     "expand_blocks",
 ]
@@ -53,8 +52,8 @@ class Float8Data:
     block: tuple[int, int] | None = None
     pow2_scale: bool = False
     # the exact bf16 upcast of ``data``, made once by the CPU GEMM path and reused when the same
-    # cast feeds two GEMMs (dY in backward); never saved for backward
-    bf16_cache: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # cast feeds two GEMMs (dY in backward); never saved for backward (fp8/saved.py)
+    bf16_cache: torch.Tensor | None = field(default=None, repr=False, compare=False, metadata={"saved": False})
 
     @property
     def shape(self) -> torch.Size:
@@ -191,31 +190,23 @@ def quantize_blockwise(
     block: tuple[int, int],
     *,
     power_of_2: bool = True,
+    fused: bool = True,
 ) -> Float8Data:
     """One scale per ``block`` tile of a 2-D tensor (1x128 activations, 128x128 weights).
 
     Ragged edges are handled by zero padding for the amax only; zeros never raise an amax.
     On CUDA with the Triton kernels one fused pass computes the same values
     (:mod:`lowprec.fp8.block_cast`); a ``(block, 1)`` cast then comes back as a column-major view.
+    ``fused=False``: the torch ops below wherever it runs (the definition the fused kernel
+    matches; its reference, ``kernels/reference.py``, calls this).
     """
     if x.dim() != 2:
         raise ValueError(f"blockwise quantization needs a 2-D tensor, got shape {tuple(x.shape)}")
-    if _fused_cast(x):
+    if fused and _fused_cast(x):
         from lowprec.fp8 import block_cast
 
         if block_cast.fusable(block):
             return block_cast.quantize_blockwise_fused(x, dtype, block, power_of_2)
-    return quantize_blockwise_torch(x, dtype, block, power_of_2=power_of_2)
-
-
-def quantize_blockwise_torch(
-    x: torch.Tensor,
-    dtype: torch.dtype,
-    block: tuple[int, int],
-    *,
-    power_of_2: bool = True,
-) -> Float8Data:
-    """:func:`quantize_blockwise` in torch ops (CPU; the definition the fused kernel matches)."""
     r, c = x.shape
     br, bc = block
     pr, pc = (-r) % br, (-c) % bc

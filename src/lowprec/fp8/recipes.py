@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from lowprec.catalog import FIELD_DEFAULTS, FIELD_MINIMUMS, RECIPE_NAMES, check_int_field, recipe_info
+from lowprec.catalog import FIELD_DEFAULTS, FIELD_MINIMUMS, RECIPE_NAMES, RECIPE_OPTIONS, check_int_field, recipe_info
 from lowprec.errors import did_you_mean
 from lowprec.fp8.formats import Format
 
@@ -40,7 +40,8 @@ __all__ = ["Recipe", "OperandCast", "GemmCast", "LinearPlan", "RECIPE_NAMES"]
 # names, presets and defaults live in lowprec.catalog (torch-free, shared with the launcher)
 SCALINGS = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
 BLOCK_SCALED = ("mxfp8", "nvfp4")  # the microscaling recipes (fp8/mx_linear.py runs their GEMMs)
-SCALE_ROUNDINGS = ("rceil", "floor")  # MXFP8's E8M0 scale rule; fp8/mx.py says why rceil is the default
+SCALE_ROUNDINGS = RECIPE_OPTIONS["scale_rounding"].choices  # MXFP8's E8M0 rule; fp8/mx.py says why rceil is the default
+AMAX_COMPUTE_ALGOS = RECIPE_OPTIONS["amax_compute_algo"].choices
 _D = FIELD_DEFAULTS
 GEMM_BACKENDS = ("auto", "scaled_mm", "upcast", "emulate")
 
@@ -187,7 +188,7 @@ class Recipe:
     use_during_eval: bool = _D["use_during_eval"]
     save_fp8_activations: bool = True
     reduce_amax: bool = True
-    scale_rounding: str = "rceil"
+    scale_rounding: str = _D["scale_rounding"]
     seed: int = 0
     high_precision_last: float = 0.0
     name: str = field(default="", compare=False)
@@ -207,7 +208,7 @@ class Recipe:
         set_("override_linear_precision", olp)
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling={self.scaling!r} is not known; use one of {SCALINGS}")
-        if self.amax_compute_algo not in ("max", "most_recent"):
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise ValueError(
                 f"amax_compute_algo={self.amax_compute_algo!r}; use 'max' or 'most_recent'"
             )

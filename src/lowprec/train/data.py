@@ -367,7 +367,7 @@ class TokenBatches(ShardedEpochs):
     """Fixed-length blocks of a token stream (the items), ``{"input_ids", "labels"}`` with
     labels == input_ids, batched as described in :class:`ShardedEpochs`."""
 
-    _CHECKED = ("seed", "batch_size", "seq_len", "world_size", "n_blocks", "shuffle", "drop_last")
+    _CHECKED = (*ShardedEpochs._CHECKED, "seq_len", "n_blocks")
 
     def __init__(
         self,

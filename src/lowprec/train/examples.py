@@ -209,7 +209,7 @@ class ExampleBatches(ShardedEpochs):
     (``pad_to_sequence_len``, always when packing) or to the batch's longest rounded up to 16,
     the multiple FP8 GEMMs need."""
 
-    _CHECKED = ("seed", "batch_size", "seq_len", "world_size", "n_rows", "shuffle", "drop_last", "pack")
+    _CHECKED = (*ShardedEpochs._CHECKED, "seq_len", "n_rows", "pack")
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from lowprec.decision import Decision
-from lowprec.state import fp8_capability_check
+from lowprec.state import fp8_capability_decision
 from lowprec.train.config import TrainConfig
 from lowprec.train.hf_model import tokenizer_choice
 
@@ -59,6 +59,9 @@ class RunPlan:
     use_tensorboard: bool
     label: str  # fp32 | fp16 | bf16 | bf16-full | fp8 | fp8-full
     decisions: dict = field(default_factory=dict)
+    # the sm_89 decision of an FP8 run on a GPU, for the Accelerator (which logs it and does not
+    # make it again); None on CPU, without FP8 or when the run fell back to bf16
+    fp8_hardware: Optional[Decision] = None
 
     def log(self, skip: "set[str] | frozenset[str]" = frozenset()) -> None:
         """Each decision once; ``skip``: keys the accelerator already logged (device...)."""
@@ -92,11 +95,12 @@ def _bf16(cfg: TrainConfig, caps: Capabilities) -> Decision:
     return Decision(v, "from the config")
 
 
-def _fp8_check(cfg: TrainConfig, caps: Capabilities) -> Optional[str]:
-    """None when FP8 runs, else the fallback (``bf16`` / ``emulate``) with its reason logged."""
+def _fp8_check(cfg: TrainConfig, caps: Capabilities) -> Optional[Decision]:
+    """The sm_89 decision for an FP8 run on a GPU (``fp8``, ``fp8-emulate`` or ``bf16``); None
+    on CPU or without FP8. Made once, here: the Accelerator is handed it (``RunPlan.fp8_hardware``)."""
     if not cfg.fp8 or caps.cuda_capability is None:
         return None
-    return fp8_capability_check(caps.cuda_capability, cfg.fp8_fallback, (
+    return fp8_capability_decision(caps.cuda_capability, cfg.fp8_fallback, (
         "Set fp8: false and bf16: true, or fp8_fallback: emulate (FP8 numerics, slow) or fp8_fallback: bf16"))
 
 
@@ -130,7 +134,8 @@ def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: i
     d["tokenizer"] = Decision(*tokenizer_choice(cfg))
     bf16 = _bf16(cfg, caps)
     d["bf16"] = bf16
-    fallback = _fp8_check(cfg, caps)
+    hardware = _fp8_check(cfg, caps)
+    fallback = {"fp8": None, "fp8-emulate": "emulate"}.get(hardware.value, "bf16") if hardware else None
     if cfg.fp8 and fallback == "bf16":
         mp = Decision("bf16", f"fp8: true on {caps.sm()} (< sm_89) with fp8_fallback: bf16")
     elif cfg.fp8:
@@ -175,4 +180,5 @@ def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: i
         use_tensorboard=d["use_tensorboard"].value,
         label=precision_label(mp.value, weights),
         decisions=d,
+        fp8_hardware=hardware if mp.value == "fp8" else None,
     )

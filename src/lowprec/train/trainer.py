@@ -190,6 +190,7 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
         # explicit, so an ambient ACCELERATE_GRADIENT_ACCUMULATION_STEPS cannot change the run
         gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=cfg.gradient_accumulation_steps),
         fp8_fallback=cfg.fp8_fallback,
+        fp8_hardware=plan.fp8_hardware,  # the sm_89 rule, evaluated once, by resolve()
         skip_nonfinite_steps=cfg.skip_nonfinite_steps,
         max_consecutive_skipped_steps=cfg.max_consecutive_skipped_steps,
         # the schedule counts optimizer steps and the loader is not prepared: step the scheduler

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
+from lowprec.utils.aliases import alias
 from lowprec.utils.operations import send_to_device
 from lowprec.utils.random import synchronize_rng_states
 from lowprec.shared_state import SharedState
@@ -214,14 +215,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         """Built by the public constructor: its DataLoader is iterated as given, not resharded."""
         return self.seed is None
 
-    @property
-    def iteration(self) -> int:
-        """Accelerate's name for the epoch counter."""
-        return self.epoch
-
-    @iteration.setter
-    def iteration(self, value: int) -> None:
-        self.epoch = value
+    iteration = alias("epoch", "Accelerate's name for the epoch counter.")
 
     # ------------------------------------------------------------------ batches of this process
     def _global_batches(self) -> list[list[int]]:

@@ -6,6 +6,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lowprec.utils.aliases import alias
+
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
 
 
@@ -27,31 +29,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._is_overflow = False  # step_was_skipped (Accelerate's attribute name behind it)
         self.unscaled = False
 
-    @property
-    def step_was_skipped(self) -> bool:
-        """Whether the last ``step`` was skipped (the loss scaler found inf/nan gradients)."""
-        return self._is_overflow
-
-    @step_was_skipped.setter
-    def step_was_skipped(self, value: bool) -> None:
-        self._is_overflow = value
+    step_was_skipped = alias("_is_overflow", "Whether the last ``step`` was skipped (the loss scaler found inf/nan gradients).")
 
     # forwarding -----------------------------------------------------------------------
-    @property
-    def param_groups(self):  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self):  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self):  # type: ignore[override]
-        return self.optimizer.defaults
+    param_groups = alias("optimizer.param_groups")  # type: ignore[assignment]
+    state = alias("optimizer.state", settable=False)  # type: ignore[assignment]
+    defaults = alias("optimizer.defaults", settable=False)  # type: ignore[assignment]
 
     def state_dict(self):
         return self.optimizer.state_dict()

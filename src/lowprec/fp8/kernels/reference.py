@@ -91,11 +91,11 @@ def cast_block_1d(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, row_scale, qt, col_scale)``: ``x`` cast with 1 x block tiles (``rows``) and with
     block x 1 tiles stored transposed, contiguous (``cols``); empty tensors for what is not asked."""
-    from lowprec.fp8.quantize import quantize_blockwise_torch
+    from lowprec.fp8.quantize import quantize_blockwise
 
     none = torch.empty(0, dtype=fp8_dtype, device=x.device), torch.empty(0, device=x.device)
-    r = quantize_blockwise_torch(x, fp8_dtype, (1, block), power_of_2=power_of_2) if rows else None
-    c = quantize_blockwise_torch(x, fp8_dtype, (block, 1), power_of_2=power_of_2) if cols else None
+    r = quantize_blockwise(x, fp8_dtype, (1, block), power_of_2=power_of_2, fused=False) if rows else None
+    c = quantize_blockwise(x, fp8_dtype, (block, 1), power_of_2=power_of_2, fused=False) if cols else None
     q, rs = (r.data, r.scale) if rows else none
     qt, cs = (c.data.t().contiguous(), c.scale) if cols else none
     return q, rs, qt, cs
@@ -106,9 +106,9 @@ def cast_block_2d(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, scale, qt, scale_t)``: ``x`` cast with block x block tiles (``rows``), its
     transpose (contiguous) with the same scales as ``scale_t`` (``cols``); empty where not asked."""
-    from lowprec.fp8.quantize import quantize_blockwise_torch
+    from lowprec.fp8.quantize import quantize_blockwise
 
-    b = quantize_blockwise_torch(x, fp8_dtype, (block, block), power_of_2=power_of_2)
+    b = quantize_blockwise(x, fp8_dtype, (block, block), power_of_2=power_of_2, fused=False)
     empty = torch.empty(0, dtype=fp8_dtype, device=x.device), torch.empty(0, device=x.device)
     q = b.data if rows else empty[0]
     qt, st = (b.data.t().contiguous(), b.scale) if cols else empty
