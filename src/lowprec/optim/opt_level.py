@@ -21,6 +21,7 @@ the same ones (nothing is re-created), the optimizer may be a new object: build 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from lowprec.optim.moments import encode_exp_avg, encode_exp_avg_sq
 
 __all__ = ["OPT_LEVELS", "apply_opt_level", "check_o2_optimizer", "to_fp8_adamw"]
 
+logger = logging.getLogger("lowprec")
 OPT_LEVELS = ("O1", "O2")
 # Keys torch's Adam/AdamW put in every param group that FP8AdamW does not take.
 _TORCH_ADAM_KEYS = (
@@ -123,6 +125,15 @@ def apply_opt_level(
             model.lowprec_fp8_allreduce = register_fp8_allreduce(model, fp8_dtype=grad_dtype)
         return model, optimizer
 
+    if _is_fsdp2(model):
+        # FSDP2 reduce-scatters the gradients itself and writes the reduced shard into .grad
+        # (no per-parameter accumulation hook on the DTensor); FP8AdamW reads that shard
+        if getattr(model, "lowprec_fp8_grads", None) is None:
+            model.lowprec_fp8_grads = "fsdp2"
+            logger.info("lowprec: %s under FSDP2: gradients are reduce-scattered in FSDP2's reduce_dtype, "
+                        "not rounded through FP8 (no FP8 reduce-scatter); optimizer: %s",
+                        level, type(optimizer).__name__)
+        return model, optimizer
     if getattr(model, "lowprec_fp8_grads", None) is None:
         model.lowprec_fp8_grads = hold_grads_in_fp8(model.parameters(), grad_dtype, hold_grads)
     if not isinstance(optimizer, FP8AdamW):
@@ -130,6 +141,12 @@ def apply_opt_level(
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: materialize_grads(params))
         _clear_held_grads_on_zero_grad(optimizer, params)
     return model, optimizer
+
+
+def _is_fsdp2(model: torch.nn.Module) -> bool:
+    from lowprec.utils.distributed import is_fsdp2  # torch.distributed only when asked
+
+    return is_fsdp2(model)
 
 
 def _clear_held_grads_on_zero_grad(optimizer: torch.optim.Optimizer, params: list) -> None:

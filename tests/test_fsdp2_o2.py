@@ -1,0 +1,136 @@
+"""MS-AMP O2 (FP8AdamW) under FSDP2, on CPU with gloo: two launches (2 processes, then 1).
+
+2 processes:
+* the optimizer alone: FP8AdamW on FSDP2 shards and FP8AdamW on the whole parameters, fed the
+  same gradients for 4 steps (shapes whose shards cut FP8 blocks, a tensor smaller than a block
+  split over both ranks, stochastic rounding of both moments): weights, FP8 payloads, FP16
+  payloads and every scale equal **bitwise**, and ``state_dict()`` (the DCP form) holds the
+  one-process block scales;
+* training through the Accelerator (``MSAMPRecipeKwargs(opt_level="O2")`` + FSDP2,
+  SHARDED_STATE_DICT): the optimizer is FP8AdamW, a checkpoint saved after 3 of 6 steps resumes
+  on 2 processes bitwise.
+1 process: the 2-process checkpoint resumed on FSDP2 with 1 process (global batch 8 everywhere:
+only the gradient sum order differs; measured max |loss diff| 2.4e-4, tolerance 1e-3 as for
+AdamW in test_checkpoint_sharded.py), and the same training without FSDP2, the one-process O2
+run. That one differs by more (measured 3.3e-4 at step 0, before any update, up to 3.6e-3 at
+step 6; tolerance 5e-3 = 0.25% of the loss): FSDP2 rounds the weights to its bf16 param_dtype
+before the FP8 cast, and the one-process O2 rounds gradients through FP8 (O1) where FSDP2
+reduce-scatters them in fp32 (docs/log/o2dt.md).
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+from tests.test_checkpoint_sharded import launch
+
+WORKER = textwrap.dedent(
+    '''
+    import copy, json, os, sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    from lowprec import Accelerator
+    from lowprec.kwargs import FullyShardedDataParallelPlugin, MSAMPRecipeKwargs
+    from lowprec.optim import FP8AdamW
+    from lowprec.utils import set_seed
+
+    mode, out_dir = sys.argv[1], sys.argv[2]
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    ckpt = os.path.join(out_dir, "ckpt")
+    report = {}
+
+    def optimizer_alone():
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import distribute_tensor
+
+        torch.manual_seed(0)
+        # 40x16: shards of 320 elements cut 128-element blocks; 3x40 = 120 < 128: one scale
+        # for a tensor split 2 rows / 1 row; biases of 40 and 3 elements
+        ref = nn.Sequential(nn.Linear(16, 40), nn.Linear(40, 3))
+        model = copy.deepcopy(ref)
+        for m in model:
+            fully_shard(m)
+        fully_shard(model)
+        kw = dict(lr=1e-2, exp_avg_rounding="stochastic", seed=3)
+        opt, ref_opt = FP8AdamW(model.parameters(), **kw), FP8AdamW(ref.parameters(), **kw)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(4):
+            for p, q in zip(model.parameters(), ref.parameters()):
+                g = torch.randn(q.shape, generator=gen) * 10.0 ** (step - 2)
+                q.grad = g.clone()
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            opt.step(); ref_opt.step()
+        same = []
+        sd = opt.state_dict()
+        for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters())):
+            sr, st, rst = opt._shard(p), opt.state[p], ref_opt.state[q]
+            flat = lambda t: t.reshape(-1)[sr.start:sr.start + sr.numel].view(torch.uint8 if t.element_size() == 1 else torch.int16)
+            local = lambda t: t.reshape(-1).view(torch.uint8 if t.element_size() == 1 else torch.int16)
+            same.append(torch.equal(p.to_local().reshape(-1), q.detach().reshape(-1)[sr.start:sr.start + sr.numel]))
+            same.append(torch.equal(local(st["exp_avg"]), flat(rst["exp_avg"])))
+            same.append(torch.equal(local(st["exp_avg_sq"]), flat(rst["exp_avg_sq"])))
+            same.append(torch.equal(st["exp_avg_sq_scale"], rst["exp_avg_sq_scale"]))
+            same.append(torch.equal(sd["state"][i]["exp_avg_scale"], rst["exp_avg_scale"]))
+            same.append(type(sd["state"][i]["exp_avg"]).__name__ == "DTensor")
+        report["optimizer_bitwise"] = same
+
+    def make(fsdp=True):
+        set_seed(5)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8))
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT") if fsdp else None
+        acc = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, kwargs_handlers=[MSAMPRecipeKwargs(opt_level="O2")])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(48, 16, generator=g)
+        y = (x[:, :8] * 2).argmax(1)
+        dl = DataLoader(TensorDataset(x, y), batch_size=8 // world, shuffle=False)
+        return (acc, *acc.prepare(model, opt, dl))
+
+    def train(acc, model, opt, dl, steps, save_at=None):
+        losses = []
+        for xb, yb in dl:
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            acc.backward(loss)
+            opt.step(); opt.zero_grad()
+            losses.append(acc.reduce(loss.detach(), "mean").item())
+            if len(losses) == save_at:
+                acc.save_state(ckpt)
+            if len(losses) == steps:
+                break
+        return losses
+
+    if mode == "two":
+        optimizer_alone()
+        acc, model, opt, dl = make()
+        report["optimizer"] = type(opt.optimizer).__name__
+        report["losses"] = train(acc, model, opt, dl, 6, save_at=3)
+    else:  # one process: the run without FSDP2 first, then FSDP2 on 1 process from the checkpoint
+        acc, model, opt, dl = make(fsdp=False)
+        report["optimizer"] = type(opt.optimizer).__name__
+        report["plain"] = train(acc, model, opt, dl, 6)
+        acc.end_training()
+        from lowprec.state import AcceleratorState
+        AcceleratorState._reset_state(True)
+        os.environ["ACCELERATE_USE_FSDP"], os.environ["FSDP_VERSION"] = "true", "2"
+    acc, model, opt, dl = make()
+    acc.load_state(ckpt)
+    report["resumed"] = train(acc, model, opt, dl, 3)
+    with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    acc.end_training()
+    '''
+)
+
+
+def test_o2_under_fsdp2_matches_one_process_and_reshards(tmp_path):
+    two = launch(tmp_path, "two", 2, WORKER)
+    assert all(two["optimizer_bitwise"]), two["optimizer_bitwise"]
+    assert two["optimizer"] == "FP8AdamW"
+    assert two["resumed"] == two["losses"][3:]  # same world size: bitwise
+    one = launch(tmp_path, "one", 1, WORKER, fsdp_env=False)
+    assert one["optimizer"] == "FP8AdamW"
+    assert max(abs(a - b) for a, b in zip(one["resumed"], two["losses"][3:])) < 1e-3, (one, two)
+    assert max(abs(a - b) for a, b in zip(one["plain"], two["losses"])) < 5e-3, (one, two)
+    assert two["losses"][-1] < two["losses"][0]
