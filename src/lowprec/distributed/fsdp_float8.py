@@ -30,8 +30,9 @@ Interaction with the rest:
   are refused by the Accelerator/trainer with the fix in the message.
 * O1 / O2 (MS-AMP opt levels) under FSDP2: O2's FP8AdamW steps the DTensor shards with the
   one-process scales (``lowprec.optim.sharded``); the optimizer steps the high-precision shard
-  inside the wrapper, as any torch optimizer does. Gradients are reduce-scattered in FSDP2's
-  ``reduce_dtype`` (fp32), not in FP8 (see ``lowprec.optim.opt_level``).
+  inside the wrapper, as any torch optimizer does. With O1/O2 the gradient reduce-scatter is FP8
+  too (``fsdp_fp8_reduce_scatter.py``, installed by ``lowprec.optim.apply_opt_level``); without
+  an opt level FSDP2 reduce-scatters in its ``reduce_dtype`` (fp32).
 * Activation checkpointing: the recompute runs the layer's forward again on the FSDP2-unsharded
   weight (FP8 bytes still resident, or re-gathered with the same precomputed scale when FSDP2
   resharded after forward), so the recomputed GEMM uses the same FP8 weight as the first.

@@ -7,9 +7,12 @@ O1  weight gradients in FP8. Without DDP: held as FP8 payload + scale between ba
     ``.grad`` at its step, where the peak usually is: measured peak unchanged (1.00x);
     only FP8AdamW (O2) reads them in FP8. Under DDP: gradient buckets are all-reduced in
     FP8 (``lowprec.distributed``), half the bytes of bf16; DDP keeps its own full-precision
-    buckets, so there is no local gradient memory saving under DDP.
+    buckets, so there is no local gradient memory saving under DDP. Under FSDP2: the
+    gradient reduce-scatter is FP8 (``distributed/fsdp_fp8_reduce_scatter.py``), half the
+    bytes of bf16; one process has no reduce-scatter and keeps full-precision gradients.
 O2  O1 + Adam/AdamW rebuilt as :class:`FP8AdamW` (FP8 first moment, FP16 second moment,
-    fp32 masters for non-fp32 parameters), same param groups and hyper-parameters.
+    fp32 masters for non-fp32 parameters), same param groups and hyper-parameters; on FSDP2
+    shards with the one-process scales (``sharded.py``).
 === ======================================================================================
 
 Under DDP, call it on the *wrapped* model (``apply_opt_level(ddp_model, ...)``): wrapping after
@@ -21,7 +24,6 @@ the same ones (nothing is re-created), the optimizer may be a new object: build 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -33,7 +35,6 @@ from lowprec.optim.moments import encode_exp_avg, encode_exp_avg_sq
 
 __all__ = ["OPT_LEVELS", "apply_opt_level", "check_o2_optimizer", "to_fp8_adamw"]
 
-logger = logging.getLogger("lowprec")
 OPT_LEVELS = ("O1", "O2")
 # Keys torch's Adam/AdamW put in every param group that FP8AdamW does not take.
 _TORCH_ADAM_KEYS = (
@@ -126,13 +127,12 @@ def apply_opt_level(
         return model, optimizer
 
     if _is_fsdp2(model):
-        # FSDP2 reduce-scatters the gradients itself and writes the reduced shard into .grad
-        # (no per-parameter accumulation hook on the DTensor); FP8AdamW reads that shard
-        if getattr(model, "lowprec_fp8_grads", None) is None:
-            model.lowprec_fp8_grads = "fsdp2"
-            logger.info("lowprec: %s under FSDP2: gradients are reduce-scattered in FSDP2's reduce_dtype, "
-                        "not rounded through FP8 (no FP8 reduce-scatter); optimizer: %s",
-                        level, type(optimizer).__name__)
+        # FSDP2 owns the gradient reduction, as DDP does: O1's FP8 part is its reduce-scatter
+        # (FP8 chunks, float32 sum); the reduced shard lands in .grad, which FP8AdamW reads
+        if getattr(model, "lowprec_fp8_reduce_scatter", None) is None:
+            from lowprec.distributed.fsdp_fp8_reduce_scatter import install_fp8_reduce_scatter
+
+            model.lowprec_fp8_reduce_scatter = install_fp8_reduce_scatter(model, grad_dtype)
         return model, optimizer
     if getattr(model, "lowprec_fp8_grads", None) is None:
         model.lowprec_fp8_grads = hold_grads_in_fp8(model.parameters(), grad_dtype, hold_grads)
