@@ -48,6 +48,7 @@ from typing import Iterable
 import torch
 from torch.optim import Optimizer
 
+from lowprec.fp8.formats import is_fp8_dtype
 from lowprec.fp8.quantize import dequantize
 from lowprec.optim.fp8_grads import clear_fp8_grads, held_grad
 from lowprec.optim.moments import (
@@ -328,12 +329,14 @@ class FP8AdamW(Optimizer):
                     if isinstance(v, torch.Tensor):
                         if sr is not None:  # DTensor parameter: keep this process's shard
                             v = local_state(sr, k, v, self.block_size)
+                        if k == "exp_avg" and v.dtype == torch.uint8 and is_fp8_dtype(self.exp_avg_dtype):
+                            v = v.view(self.exp_avg_dtype)  # saved from FSDP2 shards as bytes
                         dev = v.device if k == "step" else p.device
                         self.state[p][k] = v.detach().to(device=dev, copy=True)
 
     def state_dict(self) -> dict:
         """As torch's; for DTensor (FSDP2) parameters in the one-process layout that DCP
-        reshards: payloads and masters as DTensors placed like the parameter, the first moment's
+        reshards: payloads (FP8 as uint8) and masters as DTensors placed like the parameter, the first moment's
         block scales whole on every process (optim/sharded.py). Collective then."""
         sd = super().state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
@@ -343,8 +346,9 @@ class FP8AdamW(Optimizer):
                 continue
             st = dict(sd["state"][i])  # torch packs the live dicts: never edit those
             for k in ("exp_avg", "exp_avg_sq", "master_param"):
-                if k in st:
-                    st[k] = as_state_dtensor(sr, st[k])
+                if k in st:  # FP8 as bytes: gloo cannot all-gather FP8 (FULL_STATE_DICT gathers)
+                    t = st[k]
+                    st[k] = as_state_dtensor(sr, t.view(torch.uint8) if is_fp8_dtype(t.dtype) else t)
             st["exp_avg_scale"] = full_block_scales(sr, st["exp_avg_scale"], self.block_size)
             sd["state"][i] = st
         return sd
