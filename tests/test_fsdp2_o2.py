@@ -2,8 +2,9 @@
 launches (2 processes, then 1).
 
 2 processes:
-* the optimizer alone: FP8AdamW on FSDP2 shards and FP8AdamW on the whole parameters, fed the
-  same gradients for 4 steps (shapes whose shards cut FP8 blocks, a tensor smaller than a block
+* the optimizer alone: FP8AdamW on FSDP2 shards and FP8AdamW on the whole parameters, both
+  rebuilt from torch's AdamW after one step (``to_fp8_adamw``), fed the same gradients for 4
+  steps (shapes whose shards cut FP8 blocks, a tensor smaller than a block
   split over both ranks, stochastic rounding of both moments): weights, FP8 payloads, FP16
   payloads and every scale equal **bitwise**, and ``state_dict()`` (the DCP form) holds the
   one-process block scales;
@@ -37,7 +38,7 @@ WORKER = textwrap.dedent(
     from torch.utils.data import DataLoader, TensorDataset
     from lowprec import Accelerator
     from lowprec.kwargs import FullyShardedDataParallelPlugin, MSAMPRecipeKwargs
-    from lowprec.optim import FP8AdamW
+    from lowprec.optim import to_fp8_adamw
     from lowprec.utils import set_seed
 
     mode, out_dir = sys.argv[1], sys.argv[2]
@@ -57,8 +58,9 @@ WORKER = textwrap.dedent(
         for m in model:
             fully_shard(m)
         fully_shard(model)
-        kw = dict(lr=1e-2, exp_avg_rounding="stochastic", seed=3)
-        opt, ref_opt = FP8AdamW(model.parameters(), **kw), FP8AdamW(ref.parameters(), **kw)
+        # step 0 with torch's AdamW, then rebuilt as FP8AdamW with its moments (to_fp8_adamw)
+        opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (model, ref))
+        kw = dict(exp_avg_rounding="stochastic", seed=3)
         gen = torch.Generator().manual_seed(1)
         for step in range(4):
             for p, q in zip(model.parameters(), ref.parameters()):
@@ -66,6 +68,8 @@ WORKER = textwrap.dedent(
                 q.grad = g.clone()
                 p.grad = distribute_tensor(g, p.device_mesh, p.placements)
             opt.step(); ref_opt.step()
+            if step == 0:
+                opt, ref_opt = to_fp8_adamw(opt, **kw), to_fp8_adamw(ref_opt, **kw)
         same = []
         sd = opt.state_dict()
         for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters())):
