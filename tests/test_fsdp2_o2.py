@@ -164,3 +164,18 @@ def test_o2_under_fsdp2_matches_one_process_and_reshards(tmp_path):
     assert max(abs(a - b) for a, b in zip(one["resumed"], two["losses"][3:])) < 1e-3, (one, two)
     assert max(abs(a - b) for a, b in zip(one["plain"], two["losses"])) < 5e-3, (one, two)
     assert two["losses"][-1] < two["losses"][0]
+
+
+def test_rounding_noise_does_not_depend_on_the_split(monkeypatch):
+    # what lets an FSDP2 shard round its moments exactly as one process does: any range of the
+    # stream equals that slice of the whole, also across the independently seeded stretches
+    import torch
+
+    from lowprec.optim import sharded
+
+    monkeypatch.setattr(sharded, "NOISE_CHUNK", 64)
+    whole = sharded.chunked_uniform(7, 0, 300, 300)
+    for start, n in ((0, 300), (10, 50), (60, 10), (63, 130), (256, 44), (299, 1), (5, 0)):
+        assert torch.equal(sharded.chunked_uniform(7, start, n, 300), whole[start:start + n])
+    assert not torch.equal(sharded.chunked_uniform(8, 0, 300, 300), whole)  # another key, another stream
+    assert 0.0 <= float(whole.min()) and float(whole.max()) < 1.0

@@ -63,7 +63,7 @@ from lowprec.optim.moments import (
 from lowprec.optim.sharded import (
     ShardRange,
     as_state_dtensor,
-    counter_uniform,
+    chunked_uniform,
     decode_exp_avg_shard,
     encode_moments_shard,
     full_block_scales,
@@ -235,10 +235,10 @@ class FP8AdamW(Optimizer):
         mixed = (
             self.seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + index * 3 + moment
         ) % (1 << 63)
-        # counter-based: element i of the parameter gets the same noise in one process and in
-        # whichever FSDP2 shard holds it (optim/sharded.py)
-        start = sr.start if sr is not None else 0
-        return counter_uniform(mixed, start, local.numel(), local.device).view(local.shape)
+        # element i of the parameter gets the same noise in one process and in whichever FSDP2
+        # shard holds it (optim/sharded.py)
+        start, total = (sr.start, sr.total) if sr is not None else (0, local.numel())
+        return chunked_uniform(mixed, start, local.numel(), total, local.device).view(local.shape)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -23,9 +23,9 @@ process. With reduced scales the state of a shard *is* that slice of the one-pro
   Resuming on 4, 2 or 1 processes restores the same optimizer state, nothing is requantized.
 
 Stochastic rounding needs noise that does not depend on how the tensor is cut either:
-:func:`counter_uniform` hashes ``(key, global element index)`` (a counter-based generator, as
-Philox is used on GPUs), so element ``i`` gets the same noise whichever process holds it, on any
-device, and a shard draws only its own ``n`` values.
+:func:`chunked_uniform` seeds each fixed stretch of 2**18 elements of the flat tensor on its
+own, so element ``i`` gets the same noise whichever process holds it, and a shard draws only
+the stretches it overlaps.
 
 Supported placements: ``Shard(0)`` on any number of mesh dimensions (FSDP2, also nested) and
 ``Replicate`` (HSDP replicas hold the same range). Tensor parallel shards along other dims are
@@ -45,11 +45,8 @@ from lowprec.fp8.quantize import saturated_cast
 from lowprec.fp8.scaling import amax, amax_to_scale, block_amax
 from lowprec.optim.moments import dither, encode_exp_avg, encode_root
 
-__all__ = ["ShardRange", "shard_range", "counter_uniform", "gather_boundary_amaxes", "encode_moments_shard",
+__all__ = ["ShardRange", "shard_range", "chunked_uniform", "NOISE_CHUNK", "gather_boundary_amaxes", "encode_moments_shard",
            "decode_exp_avg_shard", "full_block_scales", "as_state_dtensor", "local_state"]
-
-_M32 = 0xFFFFFFFF
-
 
 @dataclass(frozen=True)
 class ShardRange:
@@ -116,30 +113,27 @@ def _mesh_group(mesh) -> Optional[dist.ProcessGroup]:
     return None
 
 
-# ----------------------------------------------------------------------- counter-based noise
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2**32`` for 32-bit ``x`` in int64 without signed overflow (16-bit halves)."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+# ------------------------------------------------------------------ split-independent noise
+NOISE_CHUNK = 1 << 18  # elements per independently seeded stretch of the noise
 
 
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    # MurmurHash3's finaliser: every input bit flips each output bit with probability ~1/2
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-def counter_uniform(key: int, start: int, n: int, device=None) -> torch.Tensor:
-    """Uniform [0, 1) float32 noise for elements ``start .. start + n - 1`` of the stream ``key``
-    (64-bit): a pure function of ``(key, index)``, identical for any split of the index range."""
-    k1, k2 = key & _M32, (key >> 32) & _M32
-    idx = torch.arange(start, start + n, dtype=torch.int64, device=device)
-    h = _fmix32(((idx & _M32) ^ k1) ^ ((idx >> 32) * 0x9E3779B1 & _M32))
-    h = _fmix32((h + k2) & _M32)
-    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+def chunked_uniform(key: int, start: int, n: int, total: int, device=None) -> torch.Tensor:
+    """Uniform [0, 1) float32 noise for elements ``start .. start + n - 1`` of a ``total``-element
+    stream ``key``: the stream is cut into fixed stretches of :data:`NOISE_CHUNK` elements, each
+    drawn from a generator seeded with ``(key, stretch)``, so an element's noise does not depend
+    on which range a process asks for. A shard draws its own stretches only (at most two partly
+    used), at ``torch.rand``'s speed; a hash of the index per element (counter-based, as Philox)
+    gave the same property but ran ~40x slower than ``torch.rand`` on CPU (measured, 1M elements)."""
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float32, device=device)
+    gen = torch.Generator(device=device if device is not None else "cpu")
+    parts = []
+    for c in range(start // NOISE_CHUNK, (start + n - 1) // NOISE_CHUNK + 1):
+        gen.manual_seed((key * 0x94D049BB133111EB + c * 0xD6E8FEB86659FD93 + c) % (1 << 63))
+        lo = c * NOISE_CHUNK
+        draw = torch.rand(min(NOISE_CHUNK, total - lo), generator=gen, device=device, dtype=torch.float32)
+        parts.append(draw[max(start - lo, 0):start + n - lo])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 # ------------------------------------------------------------------------ scale agreement
