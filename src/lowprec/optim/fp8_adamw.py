@@ -35,6 +35,10 @@ problem for per-group scales; with 128-element blocks we measured no need for it
 Gradients: ``p.grad`` when set, otherwise the FP8 gradient held by O1
 (``lowprec.optim.fp8_grads``), read directly without materialising a high-precision ``.grad``.
 
+DTensor parameters (FSDP2 shards): each process steps its shard with the scales of the whole
+parameter (one small all_gather per parameter per step), so the state of a shard is bitwise
+that slice of the one-process state and checkpoints reshard to any process count (``sharded.py``).
+
 Flat parameters (DeepSpeed ZeRO partitions, which concatenate many model parameters): mark the
 boundaries with :func:`set_block_segments` so that no block of the first moment mixes two model
 parameters (lowprec's DeepSpeed glue does this; see ``moments.py``).
@@ -127,8 +131,9 @@ class FP8AdamW(Optimizer):
         exp_avg_sq_rounding: ``"stochastic"`` (default) or ``"nearest"`` for ``sqrt(v)``.
             Round-to-nearest lets FP16 ``sqrt(v)`` drift low by ~6% over a few thousand steps.
         seed: seed of the rounding noise. The noise of parameter ``i`` at step ``t`` comes
-            from a generator seeded with ``(seed, t, i, moment)``: runs, resumed runs and
-            data-parallel replicas round identically, and no RNG state needs checkpointing.
+            from generators seeded with ``(seed, t, i, moment)`` and the element's position:
+            runs, resumed runs, data-parallel replicas and FSDP2 shards round identically, and
+            no RNG state needs checkpointing.
     """
 
     def __init__(
