@@ -24,7 +24,8 @@ scales. Counted in :attr:`FP8ReduceScatter.counters`.
 Non-finite gradients: an inf or NaN in a sender's shard of a parameter makes that shard's
 scale 0 or NaN, and the receiver's whole shard of that parameter NaN: never finite, never hidden.
 One process (``W = 1``): FSDP2 does not communicate and does not call this; gradients stay in
-full precision.
+full precision. HSDP (a replicate dimension): only the reduce-scatter over the shard group is
+FP8; FSDP2's all-reduce across replicas that follows stays in ``reduce_dtype``.
 """
 
 from __future__ import annotations
