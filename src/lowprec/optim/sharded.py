@@ -48,6 +48,7 @@ from lowprec.optim.moments import dither, encode_exp_avg, encode_root
 __all__ = ["ShardRange", "shard_range", "chunked_uniform", "NOISE_CHUNK", "gather_boundary_amaxes", "encode_moments_shard",
            "decode_exp_avg_shard", "full_block_scales", "as_state_dtensor", "local_state"]
 
+
 @dataclass(frozen=True)
 class ShardRange:
     """Where a DTensor parameter's local shard sits in its flattened global tensor."""
@@ -94,7 +95,7 @@ def shard_range(p: torch.Tensor) -> Optional[ShardRange]:
     start = (offset[0] if len(offset) else 0) * row
     group = _mesh_group(mesh)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    mine = torch.tensor([start, local.numel()], dtype=torch.int64)
+    mine = torch.tensor([start, local.numel()], dtype=torch.int64, device=local.device)  # NCCL: on the GPU
     everyone = [torch.empty_like(mine) for _ in range(world)]
     if world > 1:  # once per parameter, at its first step: the layout never changes
         dist.all_gather(everyone, mine, group=group)
