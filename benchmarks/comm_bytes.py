@@ -1,5 +1,5 @@
 """Bytes on the wire per training step: FP8 all-reduce hook vs bf16 and fp32 all-reduce (DDP),
-and FSDP2 weight all-gather in FP8 vs bf16.
+and FSDP2 weight all-gather and gradient reduce-scatter in FP8 vs bf16.
 
     PYTHONPATH=src python3 benchmarks/comm_bytes.py --tiny          # gloo, CPU, seconds
     PYTHONPATH=src python3 benchmarks/comm_bytes.py --world 4 --model llama-small
@@ -16,7 +16,10 @@ FSDP2 (bf16 ``param_dtype``), trained 3 steps with the FP8 all-gather off and on
 (``lowprec.distributed.fsdp_float8``); the bytes each rank hands the all-gather collective are
 counted there (``FSDPModule.set_custom_all_gather``), for the decoder layers (FP8 weights plus
 their bf16 norms) and the whole model (the embedding / tied head stays bf16), with the largest
-loss difference between the two runs.
+loss difference between the two runs. A third run adds O1's FP8 gradient reduce-scatter
+(``lowprec.distributed.fsdp_fp8_reduce_scatter``); the reduce-scatter bytes are counted at
+``FSDPModule.set_custom_reduce_scatter`` (FSDP2's own fp32 one in the first run, the FP8 one in
+the third; bf16 = what a bf16 reduce-scatter of the same gradients sends).
 """
 
 from __future__ import annotations
@@ -79,13 +82,14 @@ def _worker(rank, world, port, model_name, batch, seq, dtype_name, out):
     dist.destroy_process_group()
 
 
-def _fsdp2_run(model_name, batch, seq, rank, fp8_all_gather: bool) -> tuple[dict, list]:
+def _fsdp2_run(model_name, batch, seq, rank, fp8_all_gather: bool, fp8_reduce_scatter: bool = False) -> tuple[dict, list]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import lowprec.fp8 as fp8
     from lowprec.distributed.fsdp_float8 import (enable_fsdp_float8_all_gather, install_counting_all_gather,
                                                  precompute_float8_scales_for_fsdp)
+    from lowprec.distributed.fsdp_fp8_reduce_scatter import install_counting_reduce_scatter, install_fp8_reduce_scatter
 
     torch.manual_seed(0)
     model = build_model(model_name)
@@ -102,6 +106,8 @@ def _fsdp2_run(model_name, batch, seq, rank, fp8_all_gather: bool) -> tuple[dict
     root = install_counting_all_gather(model)  # the root last: its own unit keeps this counter
     for layer, c in zip(layers, counters):
         layer.set_custom_all_gather(c)
+    # gradients: FSDP2's own reduce-scatter (fp32 reduce_dtype), counted, or O1's FP8 one
+    rs = (install_fp8_reduce_scatter if fp8_reduce_scatter else install_counting_reduce_scatter)(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(rank)
     losses = []
@@ -116,7 +122,8 @@ def _fsdp2_run(model_name, batch, seq, rank, fp8_all_gather: bool) -> tuple[dict
             precompute_float8_scales_for_fsdp(model)
         losses.append(loss.item())
     layer_bytes = sum(c.input_bytes for c in counters)
-    return {"layers": layer_bytes, "total": layer_bytes + root.input_bytes}, losses
+    rs_bytes = {k: sum(c.counters[k] for c in rs) for k in ("sent_bytes", "bf16_bytes", "fp32_bytes")}
+    return {"layers": layer_bytes, "total": layer_bytes + root.input_bytes, "rs": rs_bytes}, losses
 
 
 def _fsdp2_worker(rank, world, port, model_name, batch, seq, out):
@@ -124,10 +131,16 @@ def _fsdp2_worker(rank, world, port, model_name, batch, seq, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     bf16, bf16_losses = _fsdp2_run(model_name, batch, seq, rank, False)
     f8, f8_losses = _fsdp2_run(model_name, batch, seq, rank, True)
+    o1, o1_losses = _fsdp2_run(model_name, batch, seq, rank, True, fp8_reduce_scatter=True)
     if rank == 0:
         torch.save({"bf16_layer_bytes": bf16["layers"], "fp8_layer_bytes": f8["layers"],
                     "bf16_total_bytes": bf16["total"], "fp8_total_bytes": f8["total"],
-                    "max_abs_loss_diff": max(abs(a - b) for a, b in zip(bf16_losses, f8_losses))}, out)
+                    "max_abs_loss_diff": max(abs(a - b) for a, b in zip(bf16_losses, f8_losses)),
+                    # reduce-scatter: FSDP2's fp32 one as run, its bf16 equivalent, O1's FP8 one
+                    "fp32_reduce_scatter_bytes": bf16["rs"]["sent_bytes"],
+                    "bf16_reduce_scatter_bytes": o1["rs"]["bf16_bytes"],
+                    "fp8_reduce_scatter_bytes": o1["rs"]["sent_bytes"],
+                    "max_abs_loss_diff_fp8_reduce_scatter": max(abs(a - b) for a, b in zip(bf16_losses, o1_losses))}, out)
     dist.destroy_process_group()
 
 
@@ -139,6 +152,8 @@ def measure_fsdp2(world: int, model: str, batch: int, seq: int) -> dict:
         r = torch.load(out, weights_only=True)
     r["layers_fp8_over_bf16"] = r["fp8_layer_bytes"] / r["bf16_layer_bytes"]
     r["total_fp8_over_bf16"] = r["fp8_total_bytes"] / r["bf16_total_bytes"]
+    r["reduce_scatter_fp8_over_bf16"] = r["fp8_reduce_scatter_bytes"] / r["bf16_reduce_scatter_bytes"]
+    r["reduce_scatter_fp8_over_fp32"] = r["fp8_reduce_scatter_bytes"] / r["fp32_reduce_scatter_bytes"]
     return r
 
 
@@ -163,7 +178,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dtypes", default="e4m3,e5m2")
-    ap.add_argument("--setups", default="ddp,fsdp2", help="ddp (FP8 all-reduce hook), fsdp2 (FP8 all-gather)")
+    ap.add_argument("--setups", default="ddp,fsdp2", help="ddp (FP8 all-reduce hook), fsdp2 (FP8 all-gather, FP8 reduce-scatter)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     setups = args.setups.split(",")
@@ -175,6 +190,10 @@ def main(argv=None) -> dict:
         print(f"FSDP2 W={w}: decoder-layer all-gather {r['fp8_layer_bytes']} B (FP8) vs {r['bf16_layer_bytes']} B "
               f"(bf16) per rank over 3 steps = {r['layers_fp8_over_bf16']:.4f}x; whole model "
               f"{r['total_fp8_over_bf16']:.4f}x; max |loss diff| {r['max_abs_loss_diff']:.3g}", flush=True)
+        print(f"FSDP2 W={w}: gradient reduce-scatter {r['fp8_reduce_scatter_bytes']} B (FP8, O1) vs "
+              f"{r['bf16_reduce_scatter_bytes']} B (bf16), {r['fp32_reduce_scatter_bytes']} B (fp32) = "
+              f"{r['reduce_scatter_fp8_over_bf16']:.4f}x bf16, {r['reduce_scatter_fp8_over_fp32']:.4f}x fp32; max |loss diff| "
+              f"{r['max_abs_loss_diff_fp8_reduce_scatter']:.3g} (FP8 all-gather and reduce-scatter vs neither)", flush=True)
     for w in [int(x) for x in args.world.split(",")] if "ddp" in setups else ():
         for dt in args.dtypes.split(","):
             r = measure(w, args.model, args.batch, args.seq, dt)

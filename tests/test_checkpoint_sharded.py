@@ -70,15 +70,22 @@ WORKER = textwrap.dedent(
 )
 
 
-def launch(tmp_path, mode: str, nproc: int) -> dict:
+def launch(tmp_path, mode: str, nproc: int, worker: str = WORKER, fsdp_env: bool = True) -> dict:
+    """Run ``worker`` on ``nproc`` processes; returns the JSON its rank 0 wrote (``<mode>_rank0.json``)."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(worker)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env.update(PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
-               ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), mode, str(tmp_path)]
+    env.update(PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    if fsdp_env:
+        env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
+    if nproc == 1:  # torchrun's own process would import torch once more (seconds on a busy box)
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))
+        cmd = [sys.executable, str(script), mode, str(tmp_path)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), str(script), mode, str(tmp_path)]
     run_torchrun(cmd, lambda p: (tmp_path / f"{mode}_rank0.json").exists(), env=env, timeout=300)
     return json.loads((tmp_path / f"{mode}_rank0.json").read_text())
 

@@ -75,7 +75,9 @@ class NativeOptLevelBackend(NativeBackend):
     so it registers the FP8 gradient all-reduce itself. Gradients are rounded through FP8 in
     place (``hold_grads=False``) rather than held aside, so ``accelerator.clip_grad_norm_`` and
     a GradScaler still see ``.grad`` (the optim log measured no peak-memory gain from holding
-    them with a torch optimizer anyway). Not under FSDP2 (as MS-AMP). Under DeepSpeed: O2 hands
+    them with a torch optimizer anyway). Under FSDP2 (which MS-AMP lacks): O2's FP8AdamW steps the
+    DTensor shards with the one-process scales (``lowprec.optim.sharded``); see ``apply_opt_level``
+    for the gradients. Under DeepSpeed: O2 hands
     DeepSpeed an :class:`~lowprec.optim.FP8AdamW` as its client optimizer and DeepSpeed reduces
     the gradients (no FP8 all-reduce); O1 is an error (module docstring).
     """
@@ -90,11 +92,6 @@ class NativeOptLevelBackend(NativeBackend):
         self.deepspeed = False
 
     def prepare_optimizer(self, optimizer: Any, model: Optional["nn.Module"], ctx: PrepareContext):
-        if ctx.distributed_type == "FSDP":
-            raise ValueError(
-                f"MS-AMP opt_level {self.opt_level} is not supported with FSDP2 (nor by MS-AMP); "
-                "use DDP or DeepSpeed, or an FP8 recipe without an opt level (TERecipeKwargs)"
-            )
         if ctx.distributed_type == "DEEPSPEED":
             return self._prepare_for_deepspeed(optimizer), model
         try:

@@ -28,10 +28,11 @@ Interaction with the rest:
 * Only ``scaling="tensorwise"`` (delayed scales come from per-rank histories of the whole weight
   during forward; rowwise/blockwise scales are per row/tile of the full weight): other recipes
   are refused by the Accelerator/trainer with the fix in the message.
-* O1 / O2 (MS-AMP opt levels: FP8 gradient all-reduce as a DDP hook, FP8AdamW) are refused under
-  FSDP2 by the Accelerator, with or without this setting; FSDP2 reduce-scatters gradients in
-  ``reduce_dtype`` (fp32), not in FP8. Any torch optimizer steps the high-precision shard inside
-  the wrapper (FP8AdamW used directly does not step DTensor parameters yet).
+* O1 / O2 (MS-AMP opt levels) under FSDP2: O2's FP8AdamW steps the DTensor shards with the
+  one-process scales (``lowprec.optim.sharded``); the optimizer steps the high-precision shard
+  inside the wrapper, as any torch optimizer does. With O1/O2 the gradient reduce-scatter is FP8
+  too (``fsdp_fp8_reduce_scatter.py``, installed by ``lowprec.optim.apply_opt_level``); without
+  an opt level FSDP2 reduce-scatters in its ``reduce_dtype`` (fp32).
 * Activation checkpointing: the recompute runs the layer's forward again on the FSDP2-unsharded
   weight (FP8 bytes still resident, or re-gathered with the same precomputed scale when FSDP2
   resharded after forward), so the recomputed GEMM uses the same FP8 weight as the first.

@@ -35,6 +35,10 @@ problem for per-group scales; with 128-element blocks we measured no need for it
 Gradients: ``p.grad`` when set, otherwise the FP8 gradient held by O1
 (``lowprec.optim.fp8_grads``), read directly without materialising a high-precision ``.grad``.
 
+DTensor parameters (FSDP2 shards): each process steps its shard with the scales of the whole
+parameter (one small all_gather per parameter per step), so the state of a shard is bitwise
+that slice of the one-process state and checkpoints reshard to any process count (``sharded.py``).
+
 Flat parameters (DeepSpeed ZeRO partitions, which concatenate many model parameters): mark the
 boundaries with :func:`set_block_segments` so that no block of the first moment mixes two model
 parameters (lowprec's DeepSpeed glue does this; see ``moments.py``).
@@ -48,6 +52,7 @@ from typing import Iterable
 import torch
 from torch.optim import Optimizer
 
+from lowprec.fp8.formats import is_fp8_dtype
 from lowprec.fp8.quantize import dequantize
 from lowprec.optim.fp8_grads import clear_fp8_grads, held_grad
 from lowprec.optim.moments import (
@@ -58,6 +63,16 @@ from lowprec.optim.moments import (
     encode_exp_avg,
     encode_exp_avg_sq,
     stochastic_round,
+)
+from lowprec.optim.sharded import (
+    ShardRange,
+    as_state_dtensor,
+    chunked_uniform,
+    decode_exp_avg_shard,
+    encode_moments_shard,
+    full_block_scales,
+    local_state,
+    shard_range,
 )
 
 __all__ = ["FP8AdamW", "FP8Adam", "set_block_segments", "block_segments"]
@@ -116,8 +131,9 @@ class FP8AdamW(Optimizer):
         exp_avg_sq_rounding: ``"stochastic"`` (default) or ``"nearest"`` for ``sqrt(v)``.
             Round-to-nearest lets FP16 ``sqrt(v)`` drift low by ~6% over a few thousand steps.
         seed: seed of the rounding noise. The noise of parameter ``i`` at step ``t`` comes
-            from a generator seeded with ``(seed, t, i, moment)``: runs, resumed runs and
-            data-parallel replicas round identically, and no RNG state needs checkpointing.
+            from generators seeded with ``(seed, t, i, moment)`` and the element's position:
+            runs, resumed runs, data-parallel replicas and FSDP2 shards round identically, and
+            no RNG state needs checkpointing.
     """
 
     def __init__(
@@ -175,17 +191,35 @@ class FP8AdamW(Optimizer):
     # ----------------------------------------------------------------------------- state
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
-        zeros = torch.zeros_like(p, dtype=torch.float32)
+        sr = self._shard(p)
+        local = p.to_local() if sr is not None else p
+        zeros = torch.zeros_like(local, dtype=torch.float32)
         state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"], state["exp_avg_scale"] = encode_exp_avg(
-            zeros, self.exp_avg_dtype, self.block_size, segments=block_segments(p)
-        )
-        state["exp_avg_sq"], state["exp_avg_sq_scale"] = encode_exp_avg_sq(
-            zeros, self.exp_avg_sq_dtype
-        )
+        if sr is not None:  # a DTensor shard: the one-process layout's slice (optim/sharded.py)
+            (state["exp_avg"], state["exp_avg_scale"], state["exp_avg_sq"],
+             state["exp_avg_sq_scale"]) = encode_moments_shard(
+                sr, zeros, zeros, self.exp_avg_dtype, self.exp_avg_sq_dtype, self.block_size)
+        else:
+            state["exp_avg"], state["exp_avg_scale"] = encode_exp_avg(
+                zeros, self.exp_avg_dtype, self.block_size, segments=block_segments(p)
+            )
+            state["exp_avg_sq"], state["exp_avg_sq_scale"] = encode_exp_avg_sq(
+                zeros, self.exp_avg_sq_dtype
+            )
         if self.master_weights == "fp32" and p.dtype != torch.float32:
-            state["master_param"] = p.detach().to(torch.float32).clone()
+            state["master_param"] = local.detach().to(torch.float32).clone()
         return state
+
+    def _shard(self, p: torch.Tensor) -> ShardRange | None:
+        """Where a DTensor parameter's shard lies (None for a plain tensor); computed once (one
+        small all_gather at the parameter's first step, in parameter order on every process)."""
+        shards = self.__dict__.setdefault("_shard_ranges", {})
+        if p not in shards:
+            sr = shard_range(p)
+            if sr is not None and block_segments(p) is not None:
+                raise ValueError("set_block_segments (flat ZeRO partitions) does not apply to DTensor parameters")
+            shards[p] = sr
+        return shards[p]
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
         held = held_grad(p)  # raises if .grad is set too (DDP wrapped after apply_opt_level)
@@ -195,19 +229,21 @@ class FP8AdamW(Optimizer):
             return None
         if p.grad.is_sparse:
             raise TypeError("FP8AdamW does not support sparse gradients; use dense embeddings")
-        return p.grad.to(torch.float32)
+        g = p.grad.to_local() if self._shard(p) is not None else p.grad
+        return g.to(torch.float32)
 
     def _noise(
-        self, p: torch.Tensor, step: int, index: int, moment: int, rounding: str, dtype
+        self, local: torch.Tensor, sr: ShardRange | None, step: int, index: int, moment: int, rounding: str, dtype
     ) -> torch.Tensor | None:
         if rounding != "stochastic" or dtype == torch.float32:
             return None
         mixed = (
-            self.seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + index * 2 + moment
+            self.seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + index * 3 + moment
         ) % (1 << 63)
-        gen = torch.Generator(device=p.device)
-        gen.manual_seed(mixed)
-        return torch.rand(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+        # element i of the parameter gets the same noise in one process and in whichever FSDP2
+        # shard holds it (optim/sharded.py)
+        start, total = (sr.start, sr.total) if sr is not None else (0, local.numel())
+        return chunked_uniform(mixed, start, local.numel(), total, local.device).view(local.shape)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -225,16 +261,21 @@ class FP8AdamW(Optimizer):
                 if g is None or p.numel() == 0:
                     continue
                 state = self.state[p] if len(self.state[p]) else self._init_state(p)
-                master = state.get("master_param", p)
+                sr = self._shard(p)
+                local = p.to_local() if sr is not None else p  # a DTensor's shard, updated in place
+                master = state.get("master_param", local)
                 if master.dtype != torch.float32:  # no master copy: update a transient fp32 copy
-                    master = p.to(torch.float32)
+                    master = local.to(torch.float32)
                 if wd and not group["adamw"]:
                     g = g.add(master, alpha=wd)
                 state["step"] += 1
                 t = state["step"].item()
 
                 segments = block_segments(p)
-                m = decode_exp_avg(state["exp_avg"], state["exp_avg_scale"], self.block_size, segments)
+                if sr is not None:
+                    m = decode_exp_avg_shard(sr, state["exp_avg"], state["exp_avg_scale"], self.block_size)
+                else:
+                    m = decode_exp_avg(state["exp_avg"], state["exp_avg_scale"], self.block_size, segments)
                 v = decode_exp_avg_sq(state["exp_avg_sq"], state["exp_avg_sq_scale"])
                 m.lerp_(g, 1.0 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
@@ -246,19 +287,23 @@ class FP8AdamW(Optimizer):
                 denom = (v.sqrt() / math.sqrt(bias2)).add_(eps)
                 master.addcdiv_(m, denom, value=-lr / bias1)
                 step = int(t)
-                if master is not p:
+                if master is not local:
                     mode = "stochastic" if self.master_weights == "stochastic" else "nearest"
-                    noise = self._noise(p, step, index, 2, mode, p.dtype)
-                    p.copy_(master if noise is None else stochastic_round(master, p.dtype, noise))
+                    noise = self._noise(local, sr, step, index, 2, mode, p.dtype)
+                    local.copy_(master if noise is None else stochastic_round(master, p.dtype, noise))
 
+                m_noise = self._noise(local, sr, step, index, 0, self.exp_avg_rounding, self.exp_avg_dtype)
+                v_noise = self._noise(local, sr, step, index, 1, self.exp_avg_sq_rounding, self.exp_avg_sq_dtype)
+                if sr is not None:
+                    (state["exp_avg"], state["exp_avg_scale"], state["exp_avg_sq"],
+                     state["exp_avg_sq_scale"]) = encode_moments_shard(
+                        sr, m, v, self.exp_avg_dtype, self.exp_avg_sq_dtype, self.block_size, m_noise, v_noise)
+                    continue
                 state["exp_avg"], state["exp_avg_scale"] = encode_exp_avg(
-                    m, self.exp_avg_dtype, self.block_size,
-                    self._noise(p, step, index, 0, self.exp_avg_rounding, self.exp_avg_dtype),
-                    segments,
+                    m, self.exp_avg_dtype, self.block_size, m_noise, segments
                 )
                 state["exp_avg_sq"], state["exp_avg_sq_scale"] = encode_exp_avg_sq(
-                    v, self.exp_avg_sq_dtype,
-                    self._noise(p, step, index, 1, self.exp_avg_sq_rounding, self.exp_avg_sq_dtype),
+                    v, self.exp_avg_sq_dtype, v_noise
                 )
             clear_fp8_grads(group["params"])  # held FP8 gradients are used up by the step
         return loss
@@ -284,10 +329,34 @@ class FP8AdamW(Optimizer):
             for pid, p in zip(saved_g["params"], g["params"]):
                 if pid not in saved_state:
                     continue
+                sr = self._shard(p)
                 for k, v in saved_state[pid].items():
                     if isinstance(v, torch.Tensor):
+                        if sr is not None:  # DTensor parameter: keep this process's shard
+                            v = local_state(sr, k, v, self.block_size)
+                        if k == "exp_avg" and v.dtype == torch.uint8 and is_fp8_dtype(self.exp_avg_dtype):
+                            v = v.view(self.exp_avg_dtype)  # saved from FSDP2 shards as bytes
                         dev = v.device if k == "step" else p.device
                         self.state[p][k] = v.detach().to(device=dev, copy=True)
+
+    def state_dict(self) -> dict:
+        """As torch's; for DTensor (FSDP2) parameters in the one-process layout that DCP
+        reshards: payloads (FP8 as uint8) and masters as DTensors placed like the parameter, the first moment's
+        block scales whole on every process (optim/sharded.py). Collective then."""
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            sr = self._shard(p) if i in sd["state"] else None
+            if sr is None:
+                continue
+            st = dict(sd["state"][i])  # torch packs the live dicts: never edit those
+            for k in ("exp_avg", "exp_avg_sq", "master_param"):
+                if k in st:  # FP8 as bytes: gloo cannot all-gather FP8 (FULL_STATE_DICT gathers)
+                    t = st[k]
+                    st[k] = as_state_dtensor(sr, t.view(torch.uint8) if is_fp8_dtype(t.dtype) else t)
+            st["exp_avg_scale"] = full_block_scales(sr, st["exp_avg_scale"], self.block_size)
+            sd["state"][i] = st
+        return sd
 
 
 class FP8Adam(FP8AdamW):

@@ -52,8 +52,10 @@ __all__ = [
     "encode_exp_avg",
     "decode_exp_avg",
     "encode_exp_avg_sq",
+    "encode_root",
     "decode_exp_avg_sq",
     "stochastic_round",
+    "dither",
     "state_bytes",
     "segment_layout",
 ]
@@ -108,7 +110,7 @@ def encode_exp_avg(
     """
     one = torch.ones((), dtype=torch.float32, device=m.device)
     if not is_fp8_dtype(dtype):
-        return (m if noise is None else _dither(m, dtype, noise)).to(dtype), one
+        return (m if noise is None else dither(m, dtype, noise)).to(dtype), one
     if segments is not None and block_size is not None:
         keep, padded_n = segment_layout(segments, block_size, m.device)
         flat = m.reshape(-1)
@@ -118,7 +120,7 @@ def encode_exp_avg(
         scale = scale.reshape(-1)
         scaled = flat * scale.repeat_interleave(block_size)[keep]
         if noise is not None:
-            scaled = _dither(scaled, dtype, noise.reshape(-1))
+            scaled = dither(scaled, dtype, noise.reshape(-1))
         return saturated_cast(scaled, dtype).view(m.shape), scale
     flat = m.reshape(1, -1)
     per_tensor = block_size is None or flat.shape[1] <= block_size
@@ -138,7 +140,7 @@ def encode_exp_avg(
         padded = torch.nn.functional.pad(flat, (0, pad))
         scale = amax_to_scale(block_amax(padded, (1, block_size)), dtype, power_of_2=True)
         full = scale.repeat_interleave(block_size, dim=1)[:, : flat.shape[1]]
-    data = saturated_cast(_dither(flat * full, dtype, noise.reshape(1, -1)), dtype)
+    data = saturated_cast(dither(flat * full, dtype, noise.reshape(1, -1)), dtype)
     return data.view(m.shape), scale.reshape(()) if per_tensor else scale.reshape(-1)
 
 
@@ -174,7 +176,7 @@ _MANTISSA_BITS = {
 }
 
 
-def _dither(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.Tensor:
+def dither(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.Tensor:
     """``x + (noise - 1/2) * ulp_dtype(x)`` in float32: rounding this to nearest rounds ``x``
     up with probability equal to its distance from the grid point below (exact within a
     binade). ``noise`` is uniform in [0, 1) and supplied by the caller, so the function stays
@@ -188,8 +190,8 @@ def _dither(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.T
 
 
 def stochastic_round(x: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.Tensor:
-    """Round fp32 ``x`` to FP16/BF16/FP32 ``dtype`` stochastically (see :func:`_dither`)."""
-    return _dither(x, dtype, noise).to(dtype)
+    """Round fp32 ``x`` to FP16/BF16/FP32 ``dtype`` stochastically (see :func:`dither`)."""
+    return dither(x, dtype, noise).to(dtype)
 
 
 def encode_exp_avg_sq(
@@ -199,8 +201,17 @@ def encode_exp_avg_sq(
 
     ``noise`` (uniform [0, 1), ``v``'s shape) selects stochastic rounding; None rounds to nearest.
     """
-    root = v.sqrt()
-    scale = _pow2_scale(root.abs().amax() if root.numel() else torch.zeros(()), dtype)
+    return encode_root(v.sqrt(), dtype, noise)
+
+
+def encode_root(
+    root: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor | None = None, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`encode_exp_avg_sq` from ``sqrt(v)``; ``amax`` of the whole tensor when ``root`` is
+    a shard of it (FSDP2: ``lowprec.optim.sharded``), else computed here."""
+    if amax is None:
+        amax = root.abs().amax() if root.numel() else torch.zeros((), device=root.device)
+    scale = _pow2_scale(amax, dtype)
     scaled = root * scale
     if noise is None:
         return scaled.to(dtype), scale

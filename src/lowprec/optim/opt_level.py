@@ -7,9 +7,12 @@ O1  weight gradients in FP8. Without DDP: held as FP8 payload + scale between ba
     ``.grad`` at its step, where the peak usually is: measured peak unchanged (1.00x);
     only FP8AdamW (O2) reads them in FP8. Under DDP: gradient buckets are all-reduced in
     FP8 (``lowprec.distributed``), half the bytes of bf16; DDP keeps its own full-precision
-    buckets, so there is no local gradient memory saving under DDP.
+    buckets, so there is no local gradient memory saving under DDP. Under FSDP2: the
+    gradient reduce-scatter is FP8 (``distributed/fsdp_fp8_reduce_scatter.py``), half the
+    bytes of bf16; one process has no reduce-scatter and keeps full-precision gradients.
 O2  O1 + Adam/AdamW rebuilt as :class:`FP8AdamW` (FP8 first moment, FP16 second moment,
-    fp32 masters for non-fp32 parameters), same param groups and hyper-parameters.
+    fp32 masters for non-fp32 parameters), same param groups and hyper-parameters; on FSDP2
+    shards with the one-process scales (``sharded.py``).
 === ======================================================================================
 
 Under DDP, call it on the *wrapped* model (``apply_opt_level(ddp_model, ...)``): wrapping after
@@ -29,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lowprec.optim.fp8_adamw import FP8AdamW, block_segments
 from lowprec.optim.fp8_grads import clear_fp8_grads, hold_grads_in_fp8, materialize_grads
 from lowprec.optim.moments import encode_exp_avg, encode_exp_avg_sq
+from lowprec.optim.sharded import encode_moments_shard
 
 __all__ = ["OPT_LEVELS", "apply_opt_level", "check_o2_optimizer", "to_fp8_adamw"]
 
@@ -78,6 +82,12 @@ def to_fp8_adamw(optimizer: torch.optim.Optimizer, **fp8_kwargs) -> FP8AdamW:
             continue
         st = fp8._init_state(p)
         st["step"] = torch.as_tensor(old["step"], dtype=torch.float32).clone().cpu()
+        sr = fp8._shard(p)
+        if sr is not None:  # FSDP2: torch's moments are DTensors placed like the parameter
+            (st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"]) = encode_moments_shard(
+                sr, old["exp_avg"].to_local().float(), old["exp_avg_sq"].to_local().float(),
+                fp8.exp_avg_dtype, fp8.exp_avg_sq_dtype, fp8.block_size)
+            continue
         st["exp_avg"], st["exp_avg_scale"] = encode_exp_avg(
             old["exp_avg"].float(), fp8.exp_avg_dtype, fp8.block_size, segments=block_segments(p)
         )
@@ -123,6 +133,14 @@ def apply_opt_level(
             model.lowprec_fp8_allreduce = register_fp8_allreduce(model, fp8_dtype=grad_dtype)
         return model, optimizer
 
+    if _is_fsdp2(model):
+        # FSDP2 owns the gradient reduction, as DDP does: O1's FP8 part is its reduce-scatter
+        # (FP8 chunks, float32 sum); the reduced shard lands in .grad, which FP8AdamW reads
+        if getattr(model, "lowprec_fp8_reduce_scatter", None) is None:
+            from lowprec.distributed.fsdp_fp8_reduce_scatter import install_fp8_reduce_scatter
+
+            model.lowprec_fp8_reduce_scatter = install_fp8_reduce_scatter(model, grad_dtype)
+        return model, optimizer
     if getattr(model, "lowprec_fp8_grads", None) is None:
         model.lowprec_fp8_grads = hold_grads_in_fp8(model.parameters(), grad_dtype, hold_grads)
     if not isinstance(optimizer, FP8AdamW):
@@ -130,6 +148,12 @@ def apply_opt_level(
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: materialize_grads(params))
         _clear_held_grads_on_zero_grad(optimizer, params)
     return model, optimizer
+
+
+def _is_fsdp2(model: torch.nn.Module) -> bool:
+    from lowprec.utils.distributed import is_fsdp2  # torch.distributed only when asked
+
+    return is_fsdp2(model)
 
 
 def _clear_held_grads_on_zero_grad(optimizer: torch.optim.Optimizer, params: list) -> None:
