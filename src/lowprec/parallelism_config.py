@@ -28,6 +28,9 @@ class ParallelismConfig:
     dp_shard_size: Optional[int] = None
     tp_size: Optional[int] = None
     cp_size: Optional[int] = None
+    # lowprec's: Megatron-style sequence parallelism inside the tensor-parallel group (the
+    # model's _sp_plan; block inputs all-gathered in FP8). Accelerate has no such field.
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         self.tp_size = self.tp_size if self.tp_size is not None else env_int("PARALLELISM_CONFIG_TP_SIZE", 1)
@@ -37,6 +40,9 @@ class ParallelismConfig:
                                  "sharding (dp_shard_size) and tensor parallelism (tp_size) only; set it to 1")
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"ParallelismConfig(tp_size={self.tp_size!r}): a positive integer")
+        if self.sequence_parallel and self.tp_size == 1:
+            raise ValueError("ParallelismConfig(sequence_parallel=True) shards the sequence inside the tensor-parallel "
+                             "group: set tp_size > 1 or drop sequence_parallel")
         self._mesh: Any = None
 
     def resolve(self, world: int) -> None:
@@ -63,27 +69,61 @@ class ParallelismConfig:
         return self._mesh
 
 
-def apply_tp_plan(model: Any, tp_mesh: Any) -> int:
-    """Parallelize every Linear the model's ``_tp_plan`` names; returns how many. FP8 layers get
-    lowprec's Float8 styles (tensorwise), the others torch's. A model without a plan is an error."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def _styles(sequence_parallel: bool) -> dict:
+    """Plan value -> style factory (FP8 layers get lowprec's Float8 styles)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
+                                                   SequenceParallel)
 
+    from lowprec.distributed.sequence_parallel import PrepareFloat8ModuleInput
     from lowprec.distributed.tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    # under sequence parallelism the rowwise outputs are reduce-scattered to sequence slices
+    row = {"output_layouts": Shard(1)} if sequence_parallel else {}
+    return {
+        ("colwise", False): ColwiseParallel, ("colwise", True): Float8ColwiseParallel,
+        ("rowwise", False): lambda: RowwiseParallel(**row), ("rowwise", True): lambda: Float8RowwiseParallel(**row),
+        "sequence_parallel": SequenceParallel,
+        "sequence_gather": lambda: PrepareFloat8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+        "sequence_gather_local": lambda: PrepareFloat8ModuleInput(
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True),
+        "sequence_shard_output": lambda: PrepareModuleOutput(
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True),
+    }
+
+
+def apply_tp_plan(model: Any, tp_mesh: Any, sequence_parallel: bool = False) -> int:
+    """Parallelize every module the model's ``_tp_plan`` names (and, with ``sequence_parallel``,
+    its ``_sp_plan``); returns how many. FP8 layers get lowprec's Float8 styles (tensorwise),
+    the others torch's. A model without a plan is an error, raised before ``tp_mesh`` is used.
+
+    ``_sp_plan`` values: ``sequence_parallel`` (a norm on sequence slices, torch's style),
+    ``sequence_gather`` (the module's first input arrives sharded on the sequence and is
+    all-gathered, in FP8 when its Linears are FP8), ``sequence_gather_local`` (the same, handed
+    on as a plain tensor: a consumer whose weights are not split), ``sequence_shard_output``
+    (a replicated output split along the sequence)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
     from lowprec.fp8.linear import Float8Linear
 
     plan = getattr(model, "_tp_plan", None) or getattr(model, "base_model_tp_plan", None)
     if not plan:
         raise ValueError(f"tp_size > 1 but {type(model).__name__} has no _tp_plan "
                          "({'<module pattern>': 'colwise' | 'rowwise'}); add one or set tp_size to 1")
-    styles = {("colwise", False): ColwiseParallel, ("rowwise", False): RowwiseParallel,
-              ("colwise", True): Float8ColwiseParallel, ("rowwise", True): Float8RowwiseParallel}
+    sp_plan = getattr(model, "_sp_plan", None) if sequence_parallel else {}
+    if sp_plan is None:
+        raise ValueError(f"sequence_parallel with {type(model).__name__}, which has no _sp_plan ({{'<module pattern>': "
+                         "'sequence_parallel' | 'sequence_gather' | ...}}); add one or turn sequence_parallel off")
+    styles = _styles(sequence_parallel)
     applied = {}
     for name, module in model.named_modules():
-        for pattern, style in plan.items():
+        for pattern, style in [*plan.items(), *sp_plan.items()]:
             if fnmatch.fnmatchcase(name, pattern):
-                if style not in ("colwise", "rowwise"):
-                    raise ValueError(f"_tp_plan[{pattern!r}] = {style!r}; use 'colwise' or 'rowwise'")
-                applied[name] = styles[(style, isinstance(module, Float8Linear))]()
+                key = (style, isinstance(module, Float8Linear)) if style in ("colwise", "rowwise") else style
+                if key not in styles:
+                    raise ValueError(f"plan entry {pattern!r}: {style!r} is not a style; use one of "
+                                     f"colwise, rowwise{', ' + ', '.join(k for k in styles if isinstance(k, str)) if sp_plan else ''}")
+                applied[name] = styles[key]()
                 break
     parallelize_module(model, tp_mesh, applied)
     return len(applied)
@@ -112,7 +152,7 @@ def data_shard(config: Optional[ParallelismConfig], rank: int, world: int, devic
 def apply_tp(config: Optional[ParallelismConfig], model: Any, device_type: str) -> None:
     """The Accelerator's step between FP8 conversion and FSDP2 (nothing without tensor parallelism)."""
     if config is not None:
-        apply_tp_plan(model, config.mesh(device_type)["tp"])
+        apply_tp_plan(model, config.mesh(device_type)["tp"], config.sequence_parallel)
 
 
 def dp_mesh(config: Optional[ParallelismConfig], device_type: str) -> Any:
