@@ -57,11 +57,12 @@ class _Float8SequenceAllGather(torch.autograd.Function):
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=mesh.get_group())  # the whole tensor's amax
         scale = amax_to_scale(a[0], fp8, margin=recipe.margin, power_of_2=recipe.power_of_2_scales)
         q = quantize(x, fp8, "tensor", scale=scale, margin=recipe.margin, power_of_2=recipe.power_of_2_scales)
-        from torch.distributed._functional_collectives import AsyncCollectiveTensor, all_gather_tensor
-
-        gathered = all_gather_tensor(q.data.contiguous().view(torch.uint8), gather_dim=dim, group=mesh)
-        if isinstance(gathered, AsyncCollectiveTensor):
-            gathered = gathered.wait()
+        local = q.data.contiguous().view(torch.uint8)
+        world = mesh.size()
+        stacked = local.new_empty((world * local.shape[0], *local.shape[1:]))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        gather(stacked, local, group=mesh.get_group())  # along dim 0: the slices in rank order
+        gathered = torch.cat(stacked.chunk(world, dim=0), dim=dim) if dim != 0 else stacked
         full = Float8GatheredWeight(gathered.view(fp8), scale, x.dtype, recipe.power_of_2_scales)
         ctx.mesh, ctx.dim = mesh, dim
         return DTensor.from_local(full, mesh, [Replicate()], run_check=False) if as_dtensor else full
