@@ -1,6 +1,6 @@
 """``ParallelismConfig``: data-parallel sharding x tensor parallelism on one device mesh
 (Accelerate's class and environment names, ``Accelerator(parallelism_config=...)``; the mesh is
-``accelerator.parallelism_config.mesh(device_type)``).
+``accelerator.torch_device_mesh``; the Accelerator's side is :mod:`lowprec.utils.parallelism`).
 
 ``tp_size`` processes split each Linear of the model's ``_tp_plan`` (the transformers convention:
 ``{"model.layers.*.self_attn.q_proj": "colwise", ...}``; lowprec's built-in Llama has one) with
@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from lowprec.kwargs import env_int
 
-__all__ = ["ParallelismConfig", "apply_tp_plan", "for_accelerator", "data_shard", "apply_tp", "dp_mesh"]
+__all__ = ["ParallelismConfig", "apply_tp_plan"]
 
 
 @dataclass
@@ -35,7 +35,9 @@ class ParallelismConfig:
     def __post_init__(self) -> None:
         self.tp_size = self.tp_size if self.tp_size is not None else env_int("PARALLELISM_CONFIG_TP_SIZE", 1)
         for name in ("dp_replicate_size", "cp_size"):
-            if (getattr(self, name) or 1) != 1:
+            if getattr(self, name) is None:  # Accelerate's launcher exports 1 for both
+                setattr(self, name, env_int(f"PARALLELISM_CONFIG_{name.upper()}", 1))
+            if getattr(self, name) != 1:
                 raise ValueError(f"ParallelismConfig({name}={getattr(self, name)}): lowprec runs data-parallel "
                                  "sharding (dp_shard_size) and tensor parallelism (tp_size) only; set it to 1")
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
@@ -58,6 +60,31 @@ class ParallelismConfig:
     @property
     def tp_enabled(self) -> bool:
         return self.tp_size > 1
+
+    # Accelerate's read-only surface (dp_replicate and cp are always 1 here)
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return (self.dp_shard_size or 1) > 1
+
+    dp_replicate_enabled = cp_enabled = sp_enabled = property(lambda self: False)
+
+    @property
+    def total_size(self) -> int:
+        return (self.dp_shard_size or 1) * self.tp_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.dp_shard_size or 1
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        return self.tp_size
+
+    def get_device_mesh(self, device_type: Optional[str] = None):
+        """Accelerate's name for :meth:`mesh`."""
+        if self._mesh is None and device_type is None:
+            raise ValueError("ParallelismConfig.get_device_mesh: pass a device_type (e.g. 'cuda') to build the mesh")
+        return self.mesh(device_type or self._mesh.device_type)
 
     def mesh(self, device_type: str):
         """The ``(dp_shard, tp)`` device mesh (built once)."""
@@ -127,34 +154,3 @@ def apply_tp_plan(model: Any, tp_mesh: Any, sequence_parallel: bool = False) -> 
                 break
     parallelize_module(model, tp_mesh, applied)
     return len(applied)
-
-
-def for_accelerator(config: Optional[ParallelismConfig], world: int,
-                    distributed_type: str) -> Optional[ParallelismConfig]:
-    """The Accelerator's resolved config (None: plain data parallelism, nothing to do)."""
-    if config is None and env_int("PARALLELISM_CONFIG_TP_SIZE", 1) == 1:
-        return None
-    config = config or ParallelismConfig()
-    config.resolve(world)
-    if config.tp_enabled and config.dp_shard_size > 1 and distributed_type != "FSDP":
-        raise ValueError(f"tp_size {config.tp_size} with dp_shard_size {config.dp_shard_size} needs FSDP2 for the "
-                         "data-parallel dimension: launch with --use_fsdp (or fsdp_version: 2)")
-    return config if config.tp_enabled else None
-
-
-def data_shard(config: Optional[ParallelismConfig], rank: int, world: int, device_type: str) -> tuple[int, int]:
-    """(rank, world size) the data is split over: the dp_shard dimension under tensor parallelism."""
-    if config is None:
-        return rank, world
-    return config.mesh(device_type)["dp_shard"].get_local_rank(), config.dp_shard_size
-
-
-def apply_tp(config: Optional[ParallelismConfig], model: Any, device_type: str) -> None:
-    """The Accelerator's step between FP8 conversion and FSDP2 (nothing without tensor parallelism)."""
-    if config is not None:
-        apply_tp_plan(model, config.mesh(device_type)["tp"], config.sequence_parallel)
-
-
-def dp_mesh(config: Optional[ParallelismConfig], device_type: str) -> Any:
-    """The mesh FSDP2 shards over: ``dp_shard`` under tensor parallelism, else None (all processes)."""
-    return None if config is None else config.mesh(device_type)["dp_shard"]

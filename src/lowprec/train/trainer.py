@@ -322,7 +322,7 @@ def _data(cfg: TrainConfig, acc):
             text_field=cfg.text_field,
             names=DATA_KEYS,
         )
-    from lowprec.parallelism_config import data_shard
+    from lowprec.utils.parallelism import data_shard
 
     # the processes of one tensor-parallel group read the same batches
     rank, world = data_shard(acc.parallelism_config, acc.process_index, acc.num_processes, acc.device.type)
