@@ -140,3 +140,12 @@ def test_train_refuses_a_process_count_tp_does_not_divide(capsys):
     assert "tensor_parallel_size: 2 does not divide --num_processes 3" in err
     err = one_line_error(["train", tiny, "--num_processes", "4", "--tensor_parallel_size", "2"], capsys)
     assert "add fsdp_version: 2" in err
+
+
+def test_trainer_sequence_parallel_needs_tensor_parallelism():
+    from lowprec.train.config import parse_config
+
+    with pytest.raises(ValueError, match="sequence_parallel: true splits each sequence"):
+        parse_config({"sequence_parallel": True})
+    with pytest.raises(ValueError, match="sequence_len it divides"):
+        parse_config({"sequence_parallel": True, "tensor_parallel_size": 3, "sequence_len": 32, "fp8": False})

@@ -182,7 +182,8 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
 
     return Accelerator(
         # tensor parallelism over tensor_parallel_size processes, FSDP2 (fsdp_version: 2) over the rest
-        parallelism_config=ParallelismConfig(tp_size=cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None,
+        parallelism_config=ParallelismConfig(tp_size=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel)
+        if cfg.tensor_parallel_size > 1 else None,
         mixed_precision=plan.mixed_precision,
         kwargs_handlers=handlers,
         fsdp_plugin=fsdp,
