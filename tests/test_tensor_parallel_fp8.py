@@ -12,6 +12,7 @@ run                                    measured  asserted
 =====================================  ========  =========
 MLP, TP tp=4                           8.3e-4    3e-3
 MLP, FSDP2+TP (dp=2 x tp=2)            4.1e-3    1e-2
+MLP, TP+SP tp=4 (Float8Colwise gather) 8.3e-4    3e-3
 llama, TP+SP tp=2                      6.7e-4    3e-3
 llama, FSDP2+TP (dp=2 x tp=2)          1.5e-3    1e-2
 llama, FSDP2+TP+SP (dp=2 x tp=2)       1.2e-3    1e-2
@@ -62,15 +63,25 @@ WORKER = textwrap.dedent(
             return self.out(torch.relu(self.down(torch.relu(self.up(torch.relu(self.inp(x)))))))
 
     PLAN = {"up": Float8ColwiseParallel(), "down": Float8RowwiseParallel()}
+    # torchao's style of sequence parallelism on the colwise layer itself: rows (dim 0 here) sharded
+    # between the layers, gathered in FP8 by Float8ColwiseParallel(input_layouts=Shard(0))
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput
+    SP_PLAN = {"inp": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0), use_local_output=True),
+               "up": Float8ColwiseParallel(input_layouts=Shard(0)), "down": Float8RowwiseParallel(output_layouts=Shard(0)),
+               "out": PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate(), use_local_output=True)}
 
-    def run(dp=1, tp=1):
+    from lowprec.distributed.comm_count import CommBytes
+    SENT = CommBytes()  # the forward collectives of every MLP run
+
+    def run(dp=1, tp=1, sp=False):
         torch.manual_seed(0)
         model = MLP()
         fp8.convert(model, recipe=fp8.Recipe.from_name("tensorwise"))  # up, down (first/last stay bf16)
         mesh = None
         if tp > 1:
             mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-            parallelize_module(model, mesh["tp"], PLAN)  # FP8 first, then TP, then FSDP2
+            parallelize_module(model, mesh["tp"], SP_PLAN if sp else PLAN)  # FP8 first, then TP, then FSDP2
         if dp > 1:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
@@ -82,7 +93,7 @@ WORKER = textwrap.dedent(
             x = torch.randn(16, 16, generator=g)
             y = x[:, :8].argmax(1)  # learnable labels: the loss must fall
             xs, ys = x.chunk(dp)[part], y.chunk(dp)[part]  # each dp rank its half of the batch
-            with fp8.autocast(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with fp8.autocast(), torch.autocast("cpu", dtype=torch.bfloat16), SENT:
                 loss = nn.functional.cross_entropy(model(xs).float(), ys)
             loss.backward()
             opt.step()
@@ -137,6 +148,9 @@ WORKER = textwrap.dedent(
         return losses, sent.as_dict(), norms
 
     report = {"tp": run(tp=4), "fsdp_tp": run(dp=2, tp=2)}
+    SENT.bytes.clear()
+    report["tp_sp"] = run(tp=4, sp=True)
+    report["bytes_mlp_sp"] = SENT.as_dict()
     report["llama_tp_sp"], _, report["norms_tp_sp"] = llama(dp=2, tp=2, sp=True)
     report["llama_fsdp_tp"], _, report["norms_fsdp_tp"] = llama(dp=2, tp=2, fsdp=True)
     report["llama_fsdp_tp_sp"], _, report["norms_fsdp_tp_sp"] = llama(dp=2, tp=2, sp=True, fsdp=True)
@@ -171,9 +185,11 @@ def test_tensor_parallel_and_fsdp2_tp_follow_one_process(tmp_path):
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     single = reports[0]["single"]
     for rep in reports:
-        for run, tol in (("tp", 3e-3), ("fsdp_tp", 1e-2)):
+        for run, tol in (("tp", 3e-3), ("fsdp_tp", 1e-2), ("tp_sp", 3e-3)):
             assert max(abs(a - b) for a, b in zip(rep[run], single)) < tol, (run, rep[run], single)
-        assert rep["tp"] == reports[0]["tp"]  # every rank computes the same (replicated) loss
+        assert rep["tp"] == reports[0]["tp"] and rep["tp_sp"] == reports[0]["tp_sp"]  # the same (replicated) loss
+        # up's input gathered in FP8 (5 steps x 4 of 16 x 32 rows per rank); out's input in bf16
+        assert rep["bytes_mlp_sp"]["all_gather"] == {"uint8": 5 * 4 * 32, "bfloat16": 5 * 4 * 32 * 2}, rep
         for run, tol in (("llama_tp_sp", 3e-3), ("llama_fsdp_tp", 1e-2), ("llama_fsdp_tp_sp", 1e-2)):
             assert max(abs(a - b) for a, b in zip(rep[run], reports[0]["llama_single"])) < tol, (run, rep[run])
         assert rep["llama_tp_sp"] == reports[0]["llama_tp_sp"]
