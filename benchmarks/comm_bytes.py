@@ -23,7 +23,8 @@ loss difference between the two runs.
 FP8 off, without and with sequence parallelism (``_sp_plan``: block inputs all-gathered in
 FP8). Bytes are counted at the collectives (``lowprec.distributed.comm_count.CommBytes``:
 every c10d / functional collective, DTensor's own included), per kind and dtype, forward and
-backward apart; FP8 travels as uint8 on gloo.
+backward apart, and as the bytes a ring algorithm sends per process (``ring_bytes``, comparable
+across all-reduce / all-gather / reduce-scatter); FP8 travels as uint8 on gloo.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def _tp_worker(rank, world, port, model_name, batch, seq, out):
                 loss.backward()
             rows.append({"setup": "TP+SP" if sp else "TP", "fp8": use_fp8, "forward": fwd.as_dict(),
                          "backward": bwd.as_dict(), "forward_bytes": sum(map(fwd.total, fwd.as_dict())),
-                         "backward_bytes": sum(map(bwd.total, bwd.as_dict())), "loss": loss.item()})
+                         "backward_bytes": sum(map(bwd.total, bwd.as_dict())), "loss": loss.item(),
+                         "ring_bytes": fwd.ring_bytes(world) + bwd.ring_bytes(world)})
     if rank == 0:
         torch.save(rows, out)
     dist.destroy_process_group()
@@ -225,9 +227,9 @@ def main(argv=None) -> dict:
         tp_rows += measure_tp(w, args.model, args.batch, args.seq)
         for r in tp_rows[-4:]:
             gathers = r["forward"].get("all_gather", {})
-            print(f"{r['setup']} W={w} {'fp8' if r['fp8'] else 'bf16'}: {r['step_bytes']} B per rank per step "
-                  f"(forward {r['forward_bytes']}, backward {r['backward_bytes']}); forward all-gathers {gathers}",
-                  flush=True)
+            print(f"{r['setup']} W={w} {'fp8' if r['fp8'] else 'bf16'}: {r['step_bytes']} B handed to collectives "
+                  f"per rank per step (forward {r['forward_bytes']}, backward {r['backward_bytes']}), "
+                  f"{r['ring_bytes']} B sent by ring algorithms; forward all-gathers {gathers}", flush=True)
     for w in [int(x) for x in args.world.split(",")] if "fsdp2" in setups else ():
         r = measure_fsdp2(w, args.model, args.batch, args.seq)
         r["world"] = w

@@ -114,6 +114,9 @@ def _styles(sequence_parallel: bool) -> dict:
         "sequence_gather": lambda: PrepareFloat8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
         "sequence_gather_local": lambda: PrepareFloat8ModuleInput(
             input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True),
+        # tensor parallelism alone: a block's colwise layers take one replicated DTensor input, so
+        # their input gradients (partial sums) add up before one all-reduce instead of one each
+        "replicated_input": lambda: PrepareFloat8ModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate()),
         "sequence_shard_output": lambda: PrepareModuleOutput(
             output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True),
     }
@@ -137,7 +140,9 @@ def apply_tp_plan(model: Any, tp_mesh: Any, sequence_parallel: bool = False) -> 
     if not plan:
         raise ValueError(f"tp_size > 1 but {type(model).__name__} has no _tp_plan "
                          "({'<module pattern>': 'colwise' | 'rowwise'}); add one or set tp_size to 1")
-    sp_plan = getattr(model, "_sp_plan", None) if sequence_parallel else {}
+    sp_plan = getattr(model, "_sp_plan", None)
+    if not sequence_parallel:  # its gather points still share one input among the colwise layers
+        sp_plan = {k: "replicated_input" for k, v in (sp_plan or {}).items() if v == "sequence_gather"}
     if sp_plan is None:
         raise ValueError(f"sequence_parallel with {type(model).__name__}, which has no _sp_plan ({{'<module pattern>': "
                          "'sequence_parallel' | 'sequence_gather' | ...}}); add one or turn sequence_parallel off")
@@ -148,8 +153,8 @@ def apply_tp_plan(model: Any, tp_mesh: Any, sequence_parallel: bool = False) -> 
             if fnmatch.fnmatchcase(name, pattern):
                 key = (style, isinstance(module, Float8Linear)) if style in ("colwise", "rowwise") else style
                 if key not in styles:
-                    raise ValueError(f"plan entry {pattern!r}: {style!r} is not a style; use one of "
-                                     f"colwise, rowwise{', ' + ', '.join(k for k in styles if isinstance(k, str)) if sp_plan else ''}")
+                    names = ", ".join(["colwise", "rowwise", *(k for k in styles if isinstance(k, str))])
+                    raise ValueError(f"plan entry {pattern!r}: {style!r} is not a style; use one of {names}")
                 applied[name] = styles[key]()
                 break
     parallelize_module(model, tp_mesh, applied)

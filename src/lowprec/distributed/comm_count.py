@@ -7,8 +7,8 @@ tensor(s) to a counter keyed by ``(kind, dtype)``. No wrapper of ours has to be 
 what DTensor, FSDP2 or a parallel style sends on its own is counted too.
 
 The count is the payload one process contributes: an all-gather's local shard, a
-reduce-scatter's or all-reduce's whole input. Multiply by the algorithm's factor for the bytes
-a ring moves (all-gather: ``(W-1)`` shards received; all-reduce: ``2 (W-1)/W`` of the input).
+reduce-scatter's or all-reduce's whole input; :meth:`CommBytes.ring_bytes` converts it to the
+bytes a ring algorithm sends per process, comparable across kinds.
 FP8 payloads travel as ``uint8`` on gloo (no FP8 dtype), and are counted as such.
 """
 
@@ -65,6 +65,14 @@ class CommBytes(TorchDispatchMode):
 
     def total(self, kind: str) -> int:
         return sum(b for (k, _), b in self.bytes.items() if k == kind)
+
+    def ring_bytes(self, world: int) -> int:
+        """Bytes one process sends under ring algorithms over ``world`` processes: an all-gather
+        ``(W-1)`` shards, a reduce-scatter ``(W-1)/W`` of its input, an all-reduce twice that
+        (reduce-scatter + all-gather), a broadcast or all-to-all its input once."""
+        factor = {"all_gather": world - 1, "reduce_scatter": (world - 1) / world,
+                  "all_reduce": 2 * (world - 1) / world}
+        return round(sum(b * factor.get(kind, 1) for (kind, _), b in self.bytes.items()))
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         """``{"all_gather": {"uint8": bytes, ...}, ...}`` (JSON-ready)."""
