@@ -9,6 +9,9 @@ FSDP2 shards over the ``dp_shard`` dimension; the data is split over ``dp_shard`
 processes of one tensor-parallel group read the same batch). Environment:
 ``PARALLELISM_CONFIG_TP_SIZE``, ``PARALLELISM_CONFIG_DP_SHARD_SIZE``. Context parallelism and
 replicated data parallelism (``cp_size``, ``dp_replicate_size`` > 1) are not implemented.
+``sequence_parallel=True`` (lowprec's field) adds the model's ``_sp_plan``: norms and the
+residual stream on sequence slices, block inputs all-gathered in FP8
+(:mod:`lowprec.distributed.sequence_parallel`), rowwise outputs reduce-scattered.
 """
 
 from __future__ import annotations
