@@ -27,6 +27,7 @@ precision, exactly as torch's ``PrepareModuleInput`` / ``ColwiseParallel``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -41,6 +42,8 @@ from lowprec.fp8.quantize import quantize
 from lowprec.fp8.scaling import amax, amax_to_scale
 
 __all__ = ["PrepareFloat8ModuleInput", "fp8_sequence_all_gather", "is_float8_input", "maybe_fp8_gather"]
+
+logger = logging.getLogger("lowprec")
 
 
 def is_float8_input(x: Any) -> bool:
@@ -102,6 +105,18 @@ def maybe_fp8_gather(x: Any, mesh, src, dst, recipe, as_dtensor: bool) -> Option
     return fp8_sequence_all_gather(x, mesh, dim, recipe, as_dtensor)
 
 
+def _colwise_in_high_precision(module: nn.Module) -> list[str]:
+    """The module's colwise-split Linears (weight ``Shard(0)`` on the tensor-parallel mesh) that
+    are not FP8: they read the gathered input too, and must get it in high precision."""
+    names = []
+    for name, m in module.named_modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, nn.Linear) and isinstance(w, DTensor) and w.placements[-1] == Shard(0):
+            if not isinstance(m, Float8Linear):
+                names.append(name)
+    return names
+
+
 def _first_float8(module: nn.Module, fqn: Optional[str]) -> Optional[Float8Linear]:
     if fqn is not None:
         layer = module.get_submodule(fqn)
@@ -116,7 +131,9 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
     """torch's ``PrepareModuleInput`` whose ``Shard(d) -> Replicate`` moves cast to FP8 first
     (torchao's name and keywords). The recipe is that of the module's first Float8Linear (or of
     ``fwd_config_submodule_fqn``), read at each call, so outside ``fp8.autocast`` the gather is
-    in high precision. Inputs beyond ``input_layouts`` (RoPE tables, masks) pass through."""
+    in high precision; so it is (logged once) when a colwise Linear of the module is not FP8 (it
+    reads the same input and must not get it FP8-rounded). Inputs beyond ``input_layouts`` (RoPE
+    tables, masks) pass through."""
 
     def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
                  desired_input_kwarg_layouts=None, use_local_output: bool = False,
@@ -146,8 +163,17 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
             raise ValueError(f"sequence-parallel FP8 inputs need the tensorwise recipe, {type(module).__name__} uses "
                              f"{layer.recipe.name!r}; use fp8_recipe: tensorwise")
 
+        state = {"checked": False, "layer": layer}
+
         def prepare(_module, args, kwargs):
-            self._layer = layer  # one style object may serve several modules (a plan's wildcard)
+            if not state["checked"]:  # the first call: every split Linear is in place by then
+                state["checked"] = True
+                plain = _colwise_in_high_precision(module) if layer is not None else []
+                if plain:  # e.g. the first Linear, kept in high precision by skip_first_last
+                    state["layer"] = None
+                    logger.info("lowprec: %s's input is all-gathered in high precision, not FP8: its colwise layer(s) "
+                                "%s are not FP8 and read it too", type(module).__name__, ", ".join(plain))
+            self._layer = state["layer"]  # one style object may serve several modules (a plan's wildcard)
             if self.with_kwargs:
                 return self._prepare_input_kwarg_fn(args, kwargs, device_mesh)
             return self._prepare_input_fn(args, device_mesh), kwargs
