@@ -20,6 +20,14 @@ loss difference between the two runs. A third run adds O1's FP8 gradient reduce-
 (``lowprec.distributed.fsdp_fp8_reduce_scatter``); the reduce-scatter bytes are counted at
 ``FSDPModule.set_custom_reduce_scatter`` (FSDP2's own fp32 one in the first run, the FP8 one in
 the third; bf16 = what a bf16 reduce-scatter of the same gradients sends).
+
+``tp``: the model in bf16, tensor parallel over all ``--world`` processes (its ``_tp_plan``;
+``--world`` must divide its kv heads), one training step with FP8 (tensorwise) and one with
+FP8 off, without and with sequence parallelism (``_sp_plan``: block inputs all-gathered in
+FP8). Bytes are counted at the collectives (``lowprec.distributed.comm_count.CommBytes``:
+every c10d / functional collective, DTensor's own included), per kind and dtype, forward and
+backward apart, and as the bytes a ring algorithm sends per process (``ring_bytes``, comparable
+across all-reduce / all-gather / reduce-scatter); FP8 travels as uint8 on gloo.
 """
 
 from __future__ import annotations
@@ -144,6 +152,51 @@ def _fsdp2_worker(rank, world, port, model_name, batch, seq, out):
     dist.destroy_process_group()
 
 
+def _tp_worker(rank, world, port, model_name, batch, seq, out):
+    import lowprec.fp8 as fp8
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lowprec.distributed.comm_count import CommBytes
+    from lowprec.parallelism_config import apply_tp_plan
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rows = []
+    for sp in (False, True):
+        for use_fp8 in (True, False):
+            torch.manual_seed(0)
+            model = build_model(model_name).to(torch.bfloat16)
+            if use_fp8:
+                fp8.convert(model, recipe=fp8.Recipe.from_name("tensorwise"))
+            apply_tp_plan(model, init_device_mesh("cpu", (world,)), sequence_parallel=sp)
+            ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+            fwd, bwd = CommBytes(), CommBytes()
+            with fp8.autocast(enabled=use_fp8):
+                with fwd:
+                    loss = model(ids, labels=ids).loss
+            with bwd:
+                loss.backward()
+            rows.append({"setup": "TP+SP" if sp else "TP", "fp8": use_fp8, "forward": fwd.as_dict(),
+                         "backward": bwd.as_dict(), "forward_bytes": sum(map(fwd.total, fwd.as_dict())),
+                         "backward_bytes": sum(map(bwd.total, bwd.as_dict())), "loss": loss.item(),
+                         "ring_bytes": fwd.ring_bytes(world) + bwd.ring_bytes(world)})
+    if rank == 0:
+        torch.save(rows, out)
+    dist.destroy_process_group()
+
+
+def measure_tp(world: int, model: str, batch: int, seq: int) -> list:
+    with tempfile.TemporaryDirectory() as d:
+        out = f"{d}/r.pt"
+        mp.start_processes(_tp_worker, args=(world, _free_port(), model, batch, seq, out), nprocs=world,
+                           start_method="spawn")
+        rows = torch.load(out, weights_only=True)
+    for r in rows:
+        r["world"] = world
+        r["step_bytes"] = r["forward_bytes"] + r["backward_bytes"]
+    return rows
+
+
 def measure_fsdp2(world: int, model: str, batch: int, seq: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = f"{d}/r.pt"
@@ -178,11 +231,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dtypes", default="e4m3,e5m2")
-    ap.add_argument("--setups", default="ddp,fsdp2", help="ddp (FP8 all-reduce hook), fsdp2 (FP8 all-gather, FP8 reduce-scatter)")
+    ap.add_argument("--setups", default="ddp,fsdp2,tp",
+                    help="ddp (FP8 all-reduce hook), fsdp2 (FP8 all-gather, FP8 reduce-scatter), tp (TP and TP+SP, FP8 vs bf16)")
+    ap.add_argument("--tp_world", default="2", help="comma-separated tensor-parallel sizes (divide the kv heads)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     setups = args.setups.split(",")
-    rows, fsdp2_rows = [], []
+    rows, fsdp2_rows, tp_rows = [], [], []
+    for w in [int(x) for x in args.tp_world.split(",")] if "tp" in setups else ():
+        tp_rows += measure_tp(w, args.model, args.batch, args.seq)
+        for r in tp_rows[-4:]:
+            gathers = r["forward"].get("all_gather", {})
+            print(f"{r['setup']} W={w} {'fp8' if r['fp8'] else 'bf16'}: {r['step_bytes']} B handed to collectives "
+                  f"per rank per step (forward {r['forward_bytes']}, backward {r['backward_bytes']}), "
+                  f"{r['ring_bytes']} B sent by ring algorithms; forward all-gathers {gathers}", flush=True)
     for w in [int(x) for x in args.world.split(",")] if "fsdp2" in setups else ():
         r = measure_fsdp2(w, args.model, args.batch, args.seq)
         r["world"] = w
@@ -204,7 +266,7 @@ def main(argv=None) -> dict:
                   f"grad rel err {r['rel_err']:.4f} (worst tensor {r['worst_tensor_rel_err']:.4f})",
                   flush=True)
     result = {"device": device_name(torch.device("cpu")), "backend": "gloo", "model": args.model,
-              "batch": args.batch, "seq": args.seq, "rows": rows, "fsdp2_all_gather": fsdp2_rows}
+              "batch": args.batch, "seq": args.seq, "rows": rows, "fsdp2_all_gather": fsdp2_rows, "tensor_parallel": tp_rows}
     write_json(result, args.out, "comm_bytes_cpu.json")
     return result
 

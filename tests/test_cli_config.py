@@ -53,6 +53,7 @@ def test_wizard_round_trip_fsdp_fp8(monkeypatch, tmp_path, capsys):
         "FSDP",  # parallelism, any case
         "",  # reshard after forward: default yes
         "LlamaDecoderLayer",
+        "",  # tensor parallel size: default 1
         "fp8",
         "native",
         "delayed",

@@ -1,10 +1,13 @@
-"""``tensor_parallel_size`` (Axolotl's key) in the trainer: `lowprec train --num_processes 2
---tensor_parallel_size 2` splits every block's
+"""``tensor_parallel_size`` (Axolotl's key) with ``sequence_parallel`` in the trainer: `lowprec
+train --num_processes 2 --tensor_parallel_size 2 --sequence_parallel true` splits every block's
 Linears over two processes (the built-in model's _tp_plan; FP8 layers through
-Float8ColwiseParallel / Float8RowwiseParallel) and follows the one-process run of the same
-config: both processes read the same batches (one tensor-parallel group), the scales are the
-whole tensors' and only the order of bf16 sums and the per-shard grad_output scales differ
-(measured: max |loss diff| 7.1e-3 at loss ~5 over 3 steps; tolerance 2e-2)."""
+Float8ColwiseParallel / Float8RowwiseParallel) and its norms and residual stream over the
+sequence (_sp_plan; attention and MLP inputs all-gathered in FP8), and follows the one-process
+run of the same config: both processes read the same batches (one tensor-parallel group), the
+scales are the whole tensors' and only the order of bf16 sums and the per-shard grad_output
+scales differ (measured: max |loss diff| 7.1e-3 without sequence parallelism, 7.1e-3 with it,
+at loss ~5 over 3 steps; tolerance 2e-2). The numerics of TP alone, FSDP2+TP and FSDP2+TP+SP
+are compared in test_tensor_parallel_fp8.py."""
 
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ def test_tensor_parallel_training_follows_one_process(tmp_path):
     flags = [f"--{k}={'null' if v is None else v}" for k, v in RUN.items()]
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
     run_torchrun([sys.executable, "-m", "lowprec.cli.main", "train", TINY, "--num_processes", "2", "--tensor_parallel_size", "2",
-                  "--output_dir", str(out), "--quiet", *flags],
+                  "--sequence_parallel", "true", "--output_dir", str(out), "--quiet", *flags],
                  lambda p: (out / "summary.json").exists(), env=env, timeout=300)
     single = train(load_config(TINY, {**RUN, "output_dir": str(tmp_path / "one")}))
     tp_losses = [r["loss"] for r in read_metrics(str(out), "train")]

@@ -35,7 +35,6 @@ from lowprec.kwargs import (
     env_int,
 )
 from lowprec.errors import did_you_mean
-from lowprec.parallelism_config import apply_tp, data_shard, dp_mesh, for_accelerator
 from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.tracking import TrackingMixin, filter_trackers
 from lowprec.utils.aliases import alias
@@ -50,6 +49,7 @@ from lowprec.utils.operations import gather, gather_object, has_tensor, pad_acro
 from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from lowprec.utils.modeling import extract_model_from_parallel
 from lowprec.utils.precision import autocast_context, wrap_forward
+from lowprec.utils.parallelism import ParallelismMixin, apply_tp, data_shard, dp_mesh, for_accelerator
 from lowprec.utils.process_control import ProcessControlMixin
 
 __all__ = ["Accelerator", "FP8BackendType"]
@@ -73,7 +73,7 @@ def _is_scheduler(obj: Any) -> bool:
     )
 
 
-class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
+class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, ParallelismMixin):
     def __init__(
         self,
         device_placement: bool = True,
@@ -96,7 +96,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin):
         project_config: Optional[ProjectConfiguration] = None,
         **kwargs: Any,
     ) -> None:
-        parallelism_config = kwargs.pop("parallelism_config", None)  # tensor parallelism (parallelism_config.py)
+        parallelism_config = self._parallelism_from_kwargs(kwargs)  # tensor parallelism (utils/parallelism.py)
         fp8_hardware = kwargs.pop("fp8_hardware", None)  # the trainer's sm_89 decision (train/resolve.py)
         self._init_extras(kwargs_handlers, kwargs, dataloader_config, split_batches)
         recipe_handler: Optional[RecipeKwargs] = self.handlers.get("recipe")

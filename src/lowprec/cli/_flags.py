@@ -88,6 +88,15 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     _add(fsdp, "fsdp_min_num_params", type=_int(0), metavar="N")
     _add(fsdp, "fsdp_state_dict_type", metavar="TYPE", help="FULL_STATE_DICT or SHARDED_STATE_DICT")
 
+    tp = parser.add_argument_group("tensor parallelism (Accelerate's ParallelismConfig)")
+    _add(tp, "tp_size", type=_int(1), metavar="N",
+         help="processes per model replica that split each Linear of the model's _tp_plan; the rest shard with "
+         "FSDP2 (--use_fsdp) unless tp_size = num_processes")
+    _add(tp, "parallelism_config_tp_size", dest="tp_size", type=_int(1), metavar="N", help="Accelerate's --tp_size")
+    _add(tp, "dp_shard_size", type=_int(1), metavar="N", help="FSDP2 shards (default num_processes / tp_size)")
+    _add(tp, "parallelism_config_dp_shard_size", dest="dp_shard_size", type=_int(1), metavar="N",
+         help="Accelerate's --dp_shard_size")
+
     ds = parser.add_argument_group("DeepSpeed")
     _add(ds, "use_deepspeed", action="store_const", const=True, help="use DeepSpeed ZeRO")
     _add(ds, "zero_stage", type=_int(0), choices=[0, 1, 2, 3], metavar="{0,1,2,3}")

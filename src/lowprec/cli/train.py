@@ -157,6 +157,18 @@ def _setup_logging(quiet: bool) -> None:
     log.propagate = False
 
 
+def _check_tensor_parallel(cfg: Any, processes: int) -> None:
+    """Before any worker starts: the process count must split into tensor-parallel groups, and
+    more than one group needs FSDP2 to hold the data-parallel dimension."""
+    tp = cfg.tensor_parallel_size
+    if tp > 1 and processes % tp:
+        raise ValueError(f"tensor_parallel_size: {tp} does not divide --num_processes {processes}; launch a "
+                         f"multiple of {tp} processes or change tensor_parallel_size")
+    if tp > 1 and processes // tp > 1 and cfg.fsdp_version != 2:
+        raise ValueError(f"tensor_parallel_size: {tp} with --num_processes {processes} leaves {processes // tp} "
+                         f"data-parallel groups, which FSDP2 shards: add fsdp_version: 2, or run {tp} processes")
+
+
 def run(args: argparse.Namespace) -> int:
     from lowprec.train.config import load_config
 
@@ -166,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides)  # validate before launching any worker
     if args.num_processes < 1:
         raise ValueError(f"--num_processes {args.num_processes}: use 1 or more")
+    _check_tensor_parallel(cfg, int(os.environ.get("WORLD_SIZE", args.num_processes)))
     if args.num_processes > 1 and "WORLD_SIZE" not in os.environ:
         from lowprec.cli._torchrun import CONTINUE_VAR
 

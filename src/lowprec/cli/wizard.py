@@ -66,10 +66,29 @@ def run_wizard() -> LaunchSettings:
                 s["fsdp_auto_wrap_policy"] = "TRANSFORMER_BASED_WRAP"
         if mode == "deepspeed":
             s["zero_stage"] = ask("ZeRO stage?", 2, _zero_stage, ("0", "1", "2", "3"))
+        else:
+            tp = ask("Tensor parallel size (processes splitting each Linear of the model's _tp_plan; 1: none)?", 1,
+                     _tp_size(s["num_processes"], mode == "fsdp"))
+            s["tp_size"] = tp if tp > 1 else None
     s["mixed_precision"] = ask("Mixed precision?", "bf16", V.parse_mixed_precision, V.MIXED_PRECISIONS)
     if s["mixed_precision"] == "fp8":
         _fp8_questions(s)
     return LaunchSettings(**{k: v for k, v in s.items() if v is not None})
+
+
+def _tp_size(processes: int, fsdp: bool) -> Callable[[Any], int]:
+    """A tensor-parallel size that divides the processes; without FSDP2 nothing holds the other
+    dimension, so it must be all of them."""
+
+    def parse(value: Any) -> int:
+        tp = V.parse_int(value, minimum=1)
+        if processes % tp:
+            raise ValueError(f"{tp} does not divide the {processes} processes")
+        if not fsdp and tp not in (1, processes):
+            raise ValueError(f"with ddp, 1 or {processes} (all processes); other sizes shard the rest with fsdp")
+        return tp
+
+    return parse
 
 
 def _zero_stage(value: Any) -> int:

@@ -28,6 +28,9 @@ ACCELERATE_DEEPSPEED_ZERO_STAGE                DeepSpeed, if set      0 | 1 | 2 
 ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE  DeepSpeed, if set      none | cpu | nvme
 ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE      DeepSpeed, if set      none | cpu | nvme
 ACCELERATE_DEEPSPEED_CONFIG_FILE               DeepSpeed, if set      path to a DeepSpeed JSON
+PARALLELISM_CONFIG_TP_SIZE                     if set                 int >= 1: tensor-parallel processes per model
+                                                                      replica (the model's _tp_plan)
+PARALLELISM_CONFIG_DP_SHARD_SIZE               if set                 int >= 1: FSDP2 shards; x tp_size = processes
 ACCELERATE_GRADIENT_ACCUMULATION_STEPS         if set                 int >= 1
 ACCELERATE_GRADIENT_CLIPPING                   DeepSpeed, if set      float (max grad norm; DeepSpeed clips)
 CUDA_VISIBLE_DEVICES                           if gpu_ids set         e.g. 0,1 (not written for "all")
@@ -143,6 +146,8 @@ ENV_VARS: tuple[_Var, ...] = (
     _Var("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", _one_of(_OFFLOAD_DEVICES), "deepspeed"),
     _Var("zero3_init_flag", "ACCELERATE_DEEPSPEED_ZERO3_INIT", _B, "deepspeed"),
     _Var("deepspeed_config_file", "ACCELERATE_DEEPSPEED_CONFIG_FILE", str, "deepspeed"),
+    _Var("tp_size", "PARALLELISM_CONFIG_TP_SIZE", lambda x: _I(x, minimum=1), "set"),
+    _Var("dp_shard_size", "PARALLELISM_CONFIG_DP_SHARD_SIZE", lambda x: _I(x, minimum=1), "set"),
     _Var("gradient_accumulation_steps", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", lambda x: _I(x, minimum=1), "set"),
     _Var("gradient_clipping", "ACCELERATE_GRADIENT_CLIPPING", V.parse_float, "deepspeed"),
     _Var("dynamo_backend", "ACCELERATE_DYNAMO_BACKEND", V.parse_dynamo_backend, "set", _upper),
@@ -171,7 +176,7 @@ def owned_env_var(name: str) -> bool:
     ``ACCELERATE_FP8_*`` from the user's shell cannot reach the child unseen."""
     if name == "CUDA_VISIBLE_DEVICES":  # the user's own device mask stays unless gpu_ids is set
         return False
-    return name in _OWNED or name.startswith(("ACCELERATE_FP8_", "LOWPREC_FP8_", "FSDP_"))
+    return name in _OWNED or name.startswith(("ACCELERATE_FP8_", "LOWPREC_FP8_", "FSDP_", "PARALLELISM_CONFIG_"))
 
 
 _FSDP_FIELDS = tuple(v.field for v in ENV_VARS if v.when == "fsdp" and v.field != "fsdp_version")
@@ -278,6 +283,9 @@ class LaunchSettings:
     dynamo_backend: str | None = None
     gradient_accumulation_steps: int | None = None
     gradient_clipping: float | None = None
+    # tensor parallelism (Accelerate's ParallelismConfig sizes); dp_shard_size: num_processes / tp_size
+    tp_size: int | None = None
+    dp_shard_size: int | None = None
     # FSDP (always FSDP2: torch.distributed.fsdp.fully_shard)
     use_fsdp: bool = False
     fsdp_version: int = 2
@@ -362,6 +370,7 @@ class LaunchSettings:
                 "main_process_port=0 (any free port) works on one machine only; with "
                 f"num_machines={self.num_machines} every machine must know the port: set one, e.g. 29500"
             )
+        self._check_tensor_parallel()
         from lowprec.backends.spec import spec_or_native
 
         if self.fp8_format is not None and self.fp8_format not in spec_or_native(self.fp8_backend).fp8_formats:
@@ -376,6 +385,31 @@ class LaunchSettings:
             )
         # msamp + ZeRO-3 is not rejected here: lowprec's native O2 (FP8AdamW as DeepSpeed's
         # client optimizer) runs under ZeRO-3; the backend decides for the real MS-AMP library.
+
+    def _check_tensor_parallel(self) -> None:
+        tp = self.tp_size or 1
+        if self.num_processes % tp:
+            raise UsageError(f"tp_size={tp} does not divide num_processes={self.num_processes}; launch a multiple "
+                             f"of {tp} processes or pick a tp_size that divides {self.num_processes}")
+        dp = self.num_processes // tp
+        if self.dp_shard_size is not None and self.dp_shard_size != dp:
+            raise UsageError(f"dp_shard_size={self.dp_shard_size} x tp_size={tp} != num_processes={self.num_processes}; "
+                             f"set dp_shard_size to {dp} (or drop it: it is num_processes / tp_size)")
+        if tp == 1:
+            return
+        if self.use_deepspeed:
+            raise UsageError(f"tp_size={tp} runs with FSDP2 (or alone), not DeepSpeed; drop use_deepspeed or tp_size")
+        if dp > 1 and not self.use_fsdp:
+            raise UsageError(f"tp_size={tp} with num_processes={self.num_processes} leaves {dp} data-parallel shards, "
+                             f"which FSDP2 holds: add --use_fsdp (distributed_type: FSDP), or launch {tp} processes")
+        from lowprec.backends.spec import spec_or_native
+
+        if self.fp8 and spec_or_native(self.fp8_backend).library is not None:  # another library's FP8 layers
+            raise UsageError(f"tp_size={tp} with fp8_backend={self.fp8_backend}: tensor parallel FP8 runs on lowprec's "
+                             "native engine; set fp8_backend: native")
+        if self.fp8 and (self.fp8_recipe or "tensorwise") != "tensorwise":
+            raise UsageError(f"tp_size={tp} with fp8_recipe={self.fp8_recipe}: tensor parallel FP8 needs whole-tensor "
+                             "scales across the shards; set fp8_recipe: tensorwise")
 
     # ------------------------------------------------------------------ properties
     @property

@@ -16,6 +16,8 @@ any ``fp8_config`` key as an env var nobody reads). Example::
       fallback: emulate                # where FP8 GEMMs are missing: bf16 | emulate
       amax_history_len: 1024
       override_linear_precision: [false, false, true]   # or "(false, false, true)"
+    parallelism_config:                # Accelerate's keys: tensor parallelism x FSDP2 shards
+      parallelism_config_tp_size: 2
 
 Keys Accelerate writes that mean nothing here (``debug``, ``main_training_function``,
 ``rdzv_backend``, ``tpu_*``, FSDP1-only ``fsdp_*`` keys ...) are accepted and ignored, so an
@@ -44,6 +46,7 @@ __all__ = [
     "FSDPConfig",
     "DeepSpeedConfig",
     "DynamoConfig",
+    "ParallelismSection",
     "default_config_path",
     "load_launch_config",
     "parse_launch_config",
@@ -191,6 +194,29 @@ class DeepSpeedConfig(_Strict):
         return {k: getattr(self, k) for k in self.model_fields_set - skip if getattr(self, k) is not None}
 
 
+class ParallelismSection(_Strict):
+    """``parallelism_config:`` as ``accelerate config`` writes it (``parallelism_config_`` prefix
+    or without it). lowprec runs FSDP2 shards x tensor parallelism; the other sizes must be 1."""
+
+    tp_size: Annotated[Optional[int], _int_min(1)] = _alias("parallelism_config_tp_size", "tp_size")
+    dp_shard_size: Annotated[Optional[int], _int_min(1)] = _alias("parallelism_config_dp_shard_size", "dp_shard_size")
+    dp_replicate_size: Annotated[Optional[int], _int_min(1)] = _alias(
+        "parallelism_config_dp_replicate_size", "dp_replicate_size")
+    cp_size: Annotated[Optional[int], _int_min(1)] = _alias("parallelism_config_cp_size", "cp_size")
+    sp_size: Annotated[Optional[int], _int_min(1)] = _alias("parallelism_config_sp_size", "sp_size")
+    cp_comm_strategy: Ignored = _alias("parallelism_config_cp_comm_strategy", "cp_comm_strategy")
+    cp_backend: Ignored = _alias("parallelism_config_cp_backend", "cp_backend")
+    sp_backend: Ignored = _alias("parallelism_config_sp_backend", "sp_backend")
+
+    def to_settings(self) -> dict[str, Any]:
+        for key, what in (("dp_replicate_size", "replicated data parallelism (HSDP)"), ("cp_size", "context parallelism"),
+                          ("sp_size", "DeepSpeed Ulysses sequence parallelism")):
+            if (getattr(self, key) or 1) != 1:
+                raise UsageError(f"parallelism_config.parallelism_config_{key}={getattr(self, key)}: {what} is not "
+                                 "implemented in lowprec (FSDP2 shards x tensor parallelism only); set it to 1")
+        return {k: getattr(self, k) for k in ("tp_size", "dp_shard_size") if getattr(self, k) is not None}
+
+
 class DynamoConfig(_Strict):
     dynamo_backend: Annotated[Optional[str], _opt(V.parse_dynamo_backend)] = None
     dynamo_mode: Ignored = None
@@ -217,6 +243,7 @@ class LaunchConfig(_Strict):
     fsdp_config: Optional[FSDPConfig] = None
     deepspeed_config: Optional[DeepSpeedConfig] = None
     dynamo_config: Optional[DynamoConfig] = None
+    parallelism_config: Optional[ParallelismSection] = None
     # Accelerate keys with no meaning for lowprec (accepted so its configs load)
     debug: Ignored = None
     downcast_bf16: Ignored = None
@@ -249,7 +276,7 @@ class LaunchConfig(_Strict):
                 if self.use_cpu is False:
                     raise UsageError("distributed_type MULTI_CPU contradicts use_cpu: false; drop one")
                 out["use_cpu"] = True
-        for section in (self.fp8_config, self.fsdp_config, self.deepspeed_config):
+        for section in (self.fp8_config, self.fsdp_config, self.deepspeed_config, self.parallelism_config):
             if section is not None:
                 out.update(section.to_settings())
         if self.dynamo_config is not None and self.dynamo_config.dynamo_backend is not None:
@@ -273,6 +300,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "fsdp_config": FSDPConfig,
     "deepspeed_config": DeepSpeedConfig,
     "dynamo_config": DynamoConfig,
+    "parallelism_config": ParallelismSection,
 }
 
 
@@ -387,6 +415,9 @@ def settings_to_yaml_dict(settings: LaunchSettings) -> dict[str, Any]:
     ds = {k: getattr(s, k) for k in DeepSpeedConfig.model_fields if hasattr(s, k) and getattr(s, k) is not None}
     if ds:
         out["deepspeed_config"] = ds
+    if s.tp_size is not None:  # Accelerate's spelling, so `accelerate launch` reads it too
+        out["parallelism_config"] = {"parallelism_config_tp_size": s.tp_size,
+                                     "parallelism_config_dp_shard_size": s.num_processes // s.tp_size}
     if s.dynamo_backend is not None:
         out["dynamo_config"] = {"dynamo_backend": s.dynamo_backend.upper()}
     return out

@@ -9,8 +9,10 @@ forward then runs its FP8 GEMMs on the local shards with whole-tensor scales
 ``parallelize_module`` over the tensor-parallel mesh, then FSDP2 ``fully_shard`` over the
 data-parallel mesh of the same 2-D device mesh.
 
-Sequence-parallel inputs (``input_layouts=Shard(1)``) are all-gathered in high precision before
-the colwise GEMMs (torchao casts them to FP8 first: not done here yet).
+Sequence-parallel inputs (``input_layouts=Shard(1)``) are cast to FP8 with the whole tensor's
+scale and all-gathered in FP8 inside fp8.autocast (:mod:`lowprec.distributed.sequence_parallel`,
+which also has torchao's ``PrepareFloat8ModuleInput`` for a block whose colwise layers share
+one gathered input).
 """
 
 from __future__ import annotations
@@ -44,7 +46,18 @@ def _plain_buffers(module: nn.Module) -> nn.Module:
 
 
 class Float8ColwiseParallel(ColwiseParallel):
-    """Output features sharded; input replicated (or ``Shard(1)`` for sequence parallelism)."""
+    """Output features sharded; input replicated (or ``Shard(1)`` for sequence parallelism:
+    all-gathered in FP8 inside fp8.autocast)."""
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
+        from lowprec.distributed.sequence_parallel import maybe_fp8_gather
+
+        recipe = mod._active_recipe() if isinstance(mod, Float8Linear) else None
+        out = maybe_fp8_gather(inputs[0], device_mesh, input_layouts[0], desired_input_layouts[0], recipe, True)
+        if out is None:
+            return ColwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh)
+        return out
 
     def _apply(self, module: nn.Module, device_mesh):
         check_float8_tp_layer(module, "Colwise")

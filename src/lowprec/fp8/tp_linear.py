@@ -14,7 +14,10 @@ rowwise     Shard(1)         Shard(-1)          x, W: MAX of the shard amaxes   
 ==========  ===============  =================  =====================================  ==============
 
 so the forward casts with exactly the scales one process would use for the whole tensors (one
-8-byte MAX all-reduce over the tensor-parallel group per layer and step). The input's gradient
+8-byte MAX all-reduce over the tensor-parallel group per layer and step). Under sequence
+parallelism a colwise input may arrive already cast and gathered in FP8
+(:mod:`lowprec.distributed.sequence_parallel`): its data is the cast, its scale the whole
+input's, and only W's amax is reduced (4 bytes). The input's gradient
 of a colwise layer is a partial sum (``Partial``), reduced by DTensor; a rowwise layer's bias
 is added on the first rank only, so the partial sums add it once. The gradient of the output
 (grad_output) is cast per shard in backward: for colwise it is ``Shard(-1)``, so its scale is the
@@ -27,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lowprec.fp8.gathered import as_float8_data
 from lowprec.fp8.scaling import amax, amax_to_scale
 
 __all__ = ["is_tensor_parallel", "tp_forward"]
@@ -62,13 +66,16 @@ def tp_forward(layer, x: torch.Tensor, recipe, hp: torch.dtype) -> torch.Tensor:
     x_local = x.to_local(grad_placements=[Partial()] if colwise else None)
     w_local = w.to_local()
     fwd = recipe.fp8_format.forward_dtype
-    amaxes = torch.stack([amax(x_local), amax(w_local)])
-    # one collective for both (a colwise input is replicated: the MAX leaves its amax as it is)
+    pre = as_float8_data(x_local, recipe.plan().fprop.a.dtype, "tensor")  # an FP8-gathered sequence-parallel input
+    # one collective for both amaxes (a colwise input is replicated: the MAX leaves its amax as
+    # it is); an input cast before its gather already carries the whole tensor's scale
+    amaxes = torch.stack([amax(w_local)] if pre is not None else [amax(x_local), amax(w_local)])
     dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=mesh.get_group())
     scales = amax_to_scale(amaxes, fwd, margin=recipe.margin, power_of_2=recipe.power_of_2_scales)
     x2 = x_local.reshape(-1, x_local.shape[-1])
     state = CastState(layer.fp8_stats if layer.fp8_telemetry else None)
-    state.x_scale, state.w_scale = scales[0], scales[1]  # whole-tensor scales, handed in
+    # whole-tensor scales, handed in
+    state.x_scale, state.w_scale = (pre.scale, scales[0]) if pre is not None else (scales[0], scales[1])
     out = _Float8LinearFn.apply(x2, w_local, _FnConfig(recipe, hp, recipe.plan()), state)
     out = out.reshape(*x_local.shape[:-1], w_local.shape[0])
     bias = layer.bias

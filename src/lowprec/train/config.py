@@ -91,6 +91,9 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         if tp > 1 and (self.deepspeed is not None or (self.fp8 and self.fp8_recipe.name != "tensorwise")):
             raise ValueError(f"tensor_parallel_size: {tp} runs with FSDP2 (not deepspeed) and, with fp8, fp8_recipe: "
                              "tensorwise (whole-tensor scales across the shards); change those or set it to 1")
+        if self.sequence_parallel and (tp == 1 or self.sequence_len % tp):
+            raise ValueError(f"sequence_parallel: true splits each sequence over the tensor_parallel_size ({tp}) "
+                             f"processes: set tensor_parallel_size > 1 and a sequence_len it divides (now {self.sequence_len})")
         if self.fsdp_config is not None and self.fsdp_version != 2:
             raise ValueError("fsdp_config is set but fsdp_version is not; add fsdp_version: 2")
         if self.deepspeed is not None and self.fsdp_version is not None:

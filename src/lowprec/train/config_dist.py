@@ -37,6 +37,11 @@ class DistributedKeys(StrictModel):
         default=1, ge=1, description="tensor parallel processes per model replica (Axolotl's key; the built-in "
         "model's _tp_plan; FP8 layers need fp8_recipe: tensorwise); the other processes shard with FSDP2"
     )
+    sequence_parallel: bool = Field(
+        default=False, description="Megatron-style sequence parallelism inside each tensor-parallel group (needs "
+        "tensor_parallel_size > 1): norms and the residual stream on sequence slices, attention/MLP inputs all-gathered "
+        "in FP8 under fp8; not Axolotl's sequence_parallel_degree (context-parallel attention)"
+    )
     deepspeed: Optional[Union[str, dict[str, Any]]] = Field(
         default=None, description="DeepSpeed config: a JSON file path or an inline mapping"
     )

@@ -325,6 +325,14 @@ class LlamaForCausalLM(nn.Module):
         "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
         "model.layers.*.mlp.down_proj": "rowwise",
     }
+    # sequence parallelism on top of it (ParallelismConfig(sequence_parallel=True)): the residual
+    # stream and the norms hold a slice of the sequence per process; attention and MLP inputs are
+    # all-gathered (in FP8 for FP8 layers), their rowwise outputs reduce-scattered
+    _sp_plan = {
+        "model.embed_tokens": "sequence_shard_output", "model.layers.*.input_layernorm": "sequence_parallel",
+        "model.layers.*.self_attn": "sequence_gather", "model.layers.*.post_attention_layernorm": "sequence_parallel",
+        "model.layers.*.mlp": "sequence_gather", "model.norm": "sequence_parallel", "lm_head": "sequence_gather_local",
+    }
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()

@@ -182,7 +182,8 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
 
     return Accelerator(
         # tensor parallelism over tensor_parallel_size processes, FSDP2 (fsdp_version: 2) over the rest
-        parallelism_config=ParallelismConfig(tp_size=cfg.tensor_parallel_size) if cfg.tensor_parallel_size > 1 else None,
+        parallelism_config=ParallelismConfig(tp_size=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel)
+        if cfg.tensor_parallel_size > 1 else None,
         mixed_precision=plan.mixed_precision,
         kwargs_handlers=handlers,
         fsdp_plugin=fsdp,
@@ -323,7 +324,7 @@ def _data(cfg: TrainConfig, acc):
             text_field=cfg.text_field,
             names=DATA_KEYS,
         )
-    from lowprec.parallelism_config import data_shard
+    from lowprec.utils.parallelism import data_shard
 
     # the processes of one tensor-parallel group read the same batches
     rank, world = data_shard(acc.parallelism_config, acc.process_index, acc.num_processes, acc.device.type)

@@ -49,9 +49,11 @@ from lowprec.utils.operations import (
     reduce,
     send_to_device,
 )
+from lowprec.utils.parallelism import TorchTensorParallelPlugin
 from lowprec.utils.random import set_seed
 
 __all__ = [
+    "TorchTensorParallelPlugin",
     "AORecipeKwargs",
     "AutocastKwargs",
     "DeepSpeedPlugin",

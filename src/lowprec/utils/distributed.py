@@ -156,19 +156,23 @@ def load_full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any, s
 
 
 def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``, also over a mix of DTensor and plain gradients (tensor
-    parallelism without FSDP2: the split Linears are DTensors, norms and embeddings are not; torch's
-    foreach kernels refuse the mix): the two groups' norms are combined into the one total."""
+    """``torch.nn.utils.clip_grad_norm_``, also over gradients on several meshes or none (tensor
+    parallelism: the split Linears are DTensors on the tensor-parallel mesh, embeddings plain;
+    under FSDP2 + TP, 2-D DTensors beside the 1-D ones FSDP2 made of the embeddings; torch's
+    foreach kernels refuse the mix): each group's norm, whole, is combined into the one total."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters) if p.grad is not None]
-    split = [p for p in params if isinstance(p.grad, DTensor)]
-    if not split or len(split) == len(params):
+    groups: dict[Any, list] = {}
+    for p in params:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    if len(groups) <= 1:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-    plain = [p for p in params if not isinstance(p.grad, DTensor)]
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in split], norm_type).full_tensor(),
-             torch.nn.utils.get_total_norm([p.grad for p in plain], norm_type)]
+    norms = []
+    for mesh, group in groups.items():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
+        norms.append(norm if mesh is None else norm.full_tensor())
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    for group in (split, plain):
+    for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
