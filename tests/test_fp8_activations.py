@@ -137,6 +137,9 @@ def test_hf_llama_modules_switch_and_back():
     assert sorted(report.fp8_activations) == ["model.layers.0.input_layernorm", "model.layers.0.mlp",
                                               "model.layers.0.post_attention_layernorm", "model.norm"]
     assert isinstance(model.model.norm, norm_cls) and type(model.model.norm) is not norm_cls
+    switched = type(model.model.norm)
+    activations.enable(model)  # twice: no subclass of the subclass
+    assert type(model.model.norm) is switched and type(model.model.norm).__mro__[1] is norm_cls
     with torch.no_grad():  # outside fp8.autocast the switched modules compute the same
         assert torch.equal(model(ids).logits, ref)
     with fp8.autocast():
@@ -154,3 +157,38 @@ def test_recipe_field_is_validated_and_reaches_the_trainer_spec():
         fp8.Recipe.from_name("tensorwise", fp8_activations="yes")
     spec = FP8RecipeSpec(name="rowwise", fp8_activations=True)
     assert spec.to_recipe().fp8_activations and not fp8.Recipe.from_name("rowwise").fp8_activations
+
+
+def test_resume_from_a_state_dict_is_bit_identical():
+    """The option adds no state: 2 steps in one go equal 1 step, a save/load round trip of the
+    model and optimizer state (weights_only) into a freshly converted model, and 1 more step."""
+    import io
+
+    recipe = fp8.Recipe.from_name("tensorwise", fp8_activations=True)
+    ids = [torch.randint(0, 272, (2, 32), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+
+    def fresh():
+        model = _tiny()
+        fp8.convert(model, recipe)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(model, opt, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16), fp8.autocast():
+            model(batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    a, opt_a = fresh()
+    for batch in ids:
+        step(a, opt_a, batch)
+    b, opt_b = fresh()
+    step(b, opt_b, ids[0])
+    buf = io.BytesIO()
+    torch.save({"model": b.state_dict(), "opt": opt_b.state_dict()}, buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    c, opt_c = fresh()
+    c.load_state_dict(state["model"])
+    opt_c.load_state_dict(state["opt"])
+    step(c, opt_c, ids[1])
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))

@@ -162,9 +162,11 @@ def enable(model: nn.Module) -> list[str]:
     for fqn, module in model.named_modules():
         if hasattr(type(module), "fp8_activations"):  # declared support (the built-in model)
             module.fp8_activations = True
+        elif hasattr(type(module), "_lowprec_base"):  # switched already (convert called twice)
+            pass
         elif type(module).__name__ in _HF_FORWARDS and _hf_supported(module):
             module.__class__ = _fp8_subclass(type(module))
-        elif not hasattr(type(module), "_lowprec_base"):
+        else:
             continue
         names.append(fqn)
     return names
