@@ -21,11 +21,14 @@ step, zero_grad), per variant:
                  (at most 0.65x the peak of ``bf16_amp``);
 * ``fp8_o2_bf16w`` the same with bf16 weights and no fp32 master copy (FP8AdamW
                  ``master_weights="stochastic"``: updates written back with stochastic rounding);
-* ``mxfp8``, ``nvfp4`` the ``fp8`` variant with the block-scaled recipes (``fp8/mx_linear.py``).
+* ``mxfp8``, ``nvfp4`` the ``fp8`` variant with the block-scaled recipes (``fp8/mx_linear.py``);
+* ``<variant>_acts`` (``fp8_acts``, ``fp8_o2_acts``, ``fp8_o2_bf16w_acts``): the same with
+  ``Recipe(fp8_activations=True)``: RMSNorm and SwiGLU keep E4M3 copies for backward too
+  (``fp8/activations.py``).
 
 Part 3, saved bytes: what autograd keeps for backward in one forward of the model (Parameters
-excluded, they exist anyway), per recipe (``bf16_amp`` and each of ``SAVED_RECIPES``), and the
-ratio to ``bf16_amp``: the backward-memory story of each recipe in one number.
+excluded, they exist anyway), per recipe (``bf16_amp``, each of ``SAVED_RECIPES`` and
+``tensorwise+fp8_activations``), and the ratio to ``bf16_amp``: the backward-memory story of each recipe in one number.
 
 GPU: ``torch.cuda.max_memory_allocated`` minus the memory allocated before the variant.
 CPU: the profiler's allocator events (``profile_memory=True``), replayed in time order: each
@@ -51,7 +54,8 @@ from lowprec.optim import FP8AdamW, apply_opt_level  # noqa: E402
 from lowprec.optim.fp8_grads import fp8_grad  # noqa: E402
 from lowprec.train.model import build_model  # noqa: E402
 
-VARIANTS = ("bf16_amp", "bf16_amp_o1", "bf16_amp_o2", "fp8", "fp8_o2", "fp8_o2_bf16w", "mxfp8", "nvfp4")
+VARIANTS = ("bf16_amp", "bf16_amp_o1", "bf16_amp_o2", "fp8", "fp8_o2", "fp8_o2_bf16w", "mxfp8", "nvfp4",
+            "fp8_acts", "fp8_o2_acts", "fp8_o2_bf16w_acts")
 SAVED_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
 _BLOCK_SCALED = ("mxfp8", "nvfp4")
 
@@ -59,13 +63,14 @@ _BLOCK_SCALED = ("mxfp8", "nvfp4")
 def saved_bytes(model_name: str, batch: int, seq: int, device: torch.device) -> dict:
     """Bytes saved for backward by one forward, per recipe (see module docstring, part 3)."""
     out = {}
-    for name in ("bf16_amp", *SAVED_RECIPES):
+    for name in ("bf16_amp", *SAVED_RECIPES, "tensorwise+fp8_activations"):
         torch.manual_seed(0)
         with device:
             model = build_model(model_name)
         use_fp8 = name != "bf16_amp"
         if use_fp8:
-            fp8.convert(model, fp8.Recipe.from_name(name))
+            recipe, _, acts = name.partition("+")
+            fp8.convert(model, fp8.Recipe.from_name(recipe, fp8_activations=bool(acts)))
         ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
         with torch.autocast(device.type, dtype=torch.bfloat16), fp8.autocast(enabled=use_fp8):
             with count_saved_bytes(exclude=list(model.parameters())) as saved:
@@ -148,6 +153,8 @@ def _grad_bytes(model) -> int:
 def run_variant(variant: str, model_name: str, batch: int, seq: int, steps: int,
                 device: torch.device) -> dict:
     info: dict = {}
+    acts = variant.endswith("_acts")
+    variant = variant.removesuffix("_acts")
 
     def train():
         torch.manual_seed(0)
@@ -158,7 +165,7 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, steps: int,
         use_fp8 = variant.startswith("fp8") or variant in _BLOCK_SCALED
         if use_fp8:
             name = variant if variant in _BLOCK_SCALED else "tensorwise"
-            recipe = fp8.Recipe.from_name(name, save_fp8_activations=True)
+            recipe = fp8.Recipe.from_name(name, save_fp8_activations=True, fp8_activations=acts)
             info["converted_layers"] = fp8.convert(model, recipe).num_converted
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         if variant.endswith(("o1", "o2")):

@@ -105,3 +105,25 @@ def test_high_precision_saved_activations_give_the_same_gradients(seed):
     hp_saved = _run(fp8.Recipe.from_name("rowwise", save_fp8_activations=False), (32, 64), 32)
     assert torch.equal(fp8_saved["grad_weight"][1], hp_saved["grad_weight"][1])
     assert sqnr(*a["grad_weight"]) > 26
+
+
+@pytest.mark.parametrize("m, k, n", [(256, 128, 256), (128, 256, 64)])
+def test_rowwise_with_gw_hp_keeps_only_the_hp_input(m, k, n):
+    """Its weight-gradient GEMM reads every bit of the bf16 x, so 2 bytes/element of x is the
+    floor for its numerics; the weight is re-cast from the Parameter in backward (no copy).
+    Against a bf16 Linear under autocast (bf16 x + bf16 weight copy) that is M / (M + N):
+    0.50 at M = N, above 0.50 wherever M > N (docs/log/act.md)."""
+    lin = nn.Linear(k, n, bias=False)
+    layer = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("rowwise_with_gw_hp"))
+    x = torch.randn(m, k, requires_grad=True)
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() != layer.weight.untyped_storage().data_ptr():
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fp8.autocast():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x)
+    assert sum(seen.values()) == 2 * m * k

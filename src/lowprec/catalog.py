@@ -79,7 +79,7 @@ FIELD_DEFAULTS: Mapping[str, Any] = MappingProxyType({
 
 # Every field of lowprec.fp8.Recipe (a test keeps this equal to the dataclass's fields).
 RECIPE_FIELDS = (*FIELD_DEFAULTS, "scaling", "power_of_2_scales", "dgrad_weight_tensorwise", "gemm",
-                 "use_fast_accum", "save_fp8_activations", "reduce_amax", "seed",
+                 "use_fast_accum", "save_fp8_activations", "fp8_activations", "reduce_amax", "seed",
                  "high_precision_last", "name")
 
 # The one range check of each integer field (Recipe, kwargs, launch flags/YAML/env, wizard).

@@ -25,6 +25,10 @@ A recipe with ``high_precision_last > 0`` (nvfp4: 0.15, as NVIDIA keeps about 15
 layers, mostly the last ones, in BF16) then keeps that fraction of the layers that would convert,
 the last ones in module order (rounded up), in high precision, each with the reason.
 
+With ``Recipe(fp8_activations=True)`` the non-Linear ops that support it (the built-in model's
+RMSNorm and SwiGLU MLP, Hugging Face ``LlamaRMSNorm`` / ``LlamaMLP``) also keep E4M3 copies for
+backward (:mod:`lowprec.fp8.activations`); the report lists them.
+
 A custom ``module_filter(module, fqn) -> bool`` replaces the default rules. A skipped layer
 never stops its siblings from converting (Accelerate's ``convert_model`` returns early).
 """
@@ -40,7 +44,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from lowprec.fp8 import block_gemm_triton
+from lowprec.fp8 import activations, block_gemm_triton
 from lowprec.fp8.conv1d import Float8Conv1D, gemm_dims, is_conv1d
 from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 from lowprec.fp8.gemm import native_scaled_mm_available
@@ -76,6 +80,8 @@ class ConversionReport:
     gemm: str = ""
     # type name -> (count, reasons): every parameterised layer type left in high precision
     kept_types: dict[str, tuple[int, list[str]]] = field(default_factory=dict)
+    # modules whose non-Linear activations backward keeps in E4M3 (recipe.fp8_activations)
+    fp8_activations: list[str] = field(default_factory=list)
 
     @property
     def num_converted(self) -> int:
@@ -88,14 +94,16 @@ class ConversionReport:
             "skipped": [{"name": n, "reason": r} for n, r in self.skipped],
             "gemm": self.gemm,
             "kept_in_high_precision_by_type": {t: {"count": n, "reasons": r} for t, (n, r) in self.kept_types.items()},
+            "fp8_activations": list(self.fp8_activations),
         }
 
     def summary(self) -> str:
         """One line for the console; ``str(report)`` is the full table (one line per layer)."""
         gemm_kept = {t: n for t, (n, _) in self.kept_types.items() if "Linear" in t or "Conv1D" in t}
         by_type = f" ({', '.join(f'{t} {n}' for t, n in gemm_kept.items())})" if gemm_kept else ""
+        acts = f"; E4M3 activations saved in {len(self.fp8_activations)} module(s)" if self.recipe.fp8_activations else ""
         return (f"FP8 conversion: {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high "
-                f"precision{by_type}; recipe {self.recipe.name}; GEMMs: {self.gemm}")
+                f"precision{by_type}; recipe {self.recipe.name}; GEMMs: {self.gemm}{acts}")
 
     def __str__(self) -> str:
         lines = [
@@ -106,6 +114,9 @@ class ConversionReport:
         if self.kept_types:
             kept = "; ".join(f"{t} x{n} ({', '.join(r)})" for t, (n, r) in self.kept_types.items())
             lines.append(f"  high precision by layer type: {kept}")
+        if self.recipe.fp8_activations:
+            lines.append(f"  backward keeps E4M3 activations (fp8_activations) in {len(self.fp8_activations)} "
+                         "non-Linear module(s) (RMSNorm inputs; SwiGLU gate and up)")
         for name, i, o in self.converted:
             lines.append(f"    fp8   {name}  ({i} -> {o})")
         for name, reason in self.skipped:
@@ -279,6 +290,11 @@ def convert(
         report.converted.append((fqn, *gemm_dims(module)))
         device = device or module.weight.device
     report.gemm = _gemm_note(recipe, device or torch.device("cpu"))
+    if recipe.fp8_activations:
+        report.fp8_activations = activations.enable(model)
+        if not report.fp8_activations:  # never a silent no-op
+            logger.warning("lowprec.fp8: fp8_activations is on but no module supports it (the built-in model's "
+                           "RMSNorm/LlamaMLP, Hugging Face LlamaRMSNorm/LlamaMLP); activations stay in high precision")
     if report.converted and report.gemm.startswith("emulated") and recipe.gemm != "emulate":
         # a fallback is never silent: emulation is correct but slower than bf16
         logger.warning("lowprec.fp8: FP8 GEMMs will be %s", report.gemm)
@@ -293,6 +309,7 @@ def unconvert(model: nn.Module) -> int:
         if isinstance(module, Float8Linear):
             _set_submodule(model, fqn, module.to_linear())
             count += 1
+    activations.disable(model)  # fp8_activations: back to the plain forward
     return count
 
 

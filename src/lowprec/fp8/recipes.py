@@ -166,6 +166,10 @@ class Recipe:
     use_during_eval: keep FP8 on in ``model.eval()`` (off by default, as in TE/Accelerate).
     save_fp8_activations: save the FP8 copy of the input for the weight-gradient GEMM instead
         of the high-precision input (half the activation memory of a bf16 Linear).
+    fp8_activations: the non-Linear ops (SwiGLU's ``silu(gate) * up``, RMSNorm) keep E4M3
+        copies of their inputs for backward instead of high-precision ones (``fp8/activations.py``;
+        outputs unchanged, gradients carry E4M3 rounding of the saved values). Off by default.
+        ``convert`` switches it on in the modules that support it and lists them in its report.
     reduce_amax: delayed scaling under data parallelism: the amax histories of every layer are
         MAX-reduced over the data-parallel group once per optimizer step (one collective for
         all layers), so every rank casts with the same scales (TransformerEngine's
@@ -187,6 +191,7 @@ class Recipe:
     use_fast_accum: bool = True
     use_during_eval: bool = _D["use_during_eval"]
     save_fp8_activations: bool = True
+    fp8_activations: bool = False
     reduce_amax: bool = True
     scale_rounding: str = _D["scale_rounding"]
     seed: int = 0
@@ -221,6 +226,8 @@ class Recipe:
         set_("scale_rounding", str(self.scale_rounding).lower())
         if self.scale_rounding not in SCALE_ROUNDINGS:
             raise ValueError(f"scale_rounding={self.scale_rounding!r}; use one of {SCALE_ROUNDINGS}")
+        if not isinstance(self.fp8_activations, bool):
+            raise ValueError(f"fp8_activations must be true or false, got {self.fp8_activations!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         hpl = self.high_precision_last

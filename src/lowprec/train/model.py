@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.errors import did_you_mean
+from lowprec.fp8.activations import rms_norm, swiglu
 
 __all__ = [
     "LlamaConfig",
@@ -219,12 +220,17 @@ class CausalLMOutput(NamedTuple):
 
 
 class RMSNorm(nn.Module):
+    # set by fp8.convert with Recipe(fp8_activations=True): backward keeps x in E4M3 (fp8/activations.py)
+    fp8_activations = False
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_activations:  # same output; an E4M3 copy of x saved for backward
+            return rms_norm(x, self.weight, self.eps)
         # Normalise in float32 whatever the activation dtype (bf16 mean-of-squares loses ~3
         # digits); cast back before the weight, as HF Llama does.
         h = x.float()
@@ -283,6 +289,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    # set by fp8.convert with Recipe(fp8_activations=True): backward keeps gate, up in E4M3
+    fp8_activations = False
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
@@ -290,7 +299,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.fp8_activations:  # same output; E4M3 copies of gate and up saved for backward
+            return self.down_proj(swiglu(gate, up))
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
 class LlamaDecoderLayer(nn.Module):
