@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lowprec.fp8 import host_scale
 from lowprec.fp8.capability import is_cuda
 from lowprec.fp8.formats import fp8_max
 from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, block_amax
@@ -145,6 +146,11 @@ def quantize_tensorwise(
             scale = amax_to_scale(kernels.amax(x), dtype, margin=margin, power_of_2=power_of_2)
         return Float8Data(kernels.cast_amax(x, scale, dtype)[0], scale, "tensor", None, power_of_2)
     x32, owned = _as_fp32(x)  # the amax of the float32 copy: one bf16 pass fewer
+    if scale is None and host_scale.applies(x32, power_of_2):  # CPU: the scale in Python floats
+        value = host_scale.scale_value(host_scale.amax_value(x32), dtype, margin)
+        scale = torch.tensor(value, dtype=torch.float32)
+        data = _saturate_(x32.mul_(value) if owned else x32 * value, dtype, may_hold_inf=False)
+        return Float8Data(data, scale, "tensor", None, power_of_2)
     if scale is None:
         scale = amax_to_scale(amax(x32), dtype, margin=margin, power_of_2=power_of_2)
     data = _saturate_(_scaled(x32, owned, scale), dtype, may_hold_inf=given)

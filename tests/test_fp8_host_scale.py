@@ -1,0 +1,65 @@
+"""The CPU host-float scale arithmetic (fp8/host_scale.py) gives torch's bits exactly."""
+
+import math
+
+import pytest
+import torch
+
+from lowprec.fp8 import host_scale
+from lowprec.fp8.quantize import quantize_tensorwise
+from lowprec.fp8.scaling import amax, amax_to_scale
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _amaxes():
+    gen = torch.Generator().manual_seed(0)
+    mags = torch.rand(400, generator=gen, dtype=torch.float64) * 80 - 50  # 1e-50 .. 1e30
+    vals = (10.0**mags).to(torch.float32).tolist()
+    return vals + [0.0, 1e-12, 1e-13, 448.0, 57344.0, 3.0e38, math.inf, math.nan]
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_scale_value_matches_amax_to_scale(dtype, margin):
+    for a in _amaxes():
+        ref = amax_to_scale(torch.tensor(a, dtype=torch.float32), dtype, margin=margin).item()
+        got = host_scale.scale_value(a, dtype, margin)
+        assert got == ref or (math.isnan(got) and math.isnan(ref)), (a, got, ref)
+
+
+def test_reciprocal_and_product_match_float32_ops():
+    vals = [v for v in _amaxes() if not math.isnan(v)] + [-2.5, -0.0]
+    for a, b in zip(vals, reversed(vals)):
+        ta, tb = torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.float32)
+        ra, rb = ta.reciprocal(), tb.reciprocal()
+        assert host_scale.reciprocal32(ta.item()) == ra.item()
+        ref = (ra * rb).item()
+        got = host_scale.f32(host_scale.reciprocal32(ta.item()) * host_scale.reciprocal32(tb.item()))
+        assert got == ref or (math.isnan(got) and math.isnan(ref)), (a, b, got, ref)
+
+
+def test_amax_value_matches_amax_including_nan():
+    x = torch.randn(64, 48, dtype=torch.bfloat16) * 3
+    assert host_scale.amax_value(x) == amax(x).item()
+    x[3, 5] = float("nan")
+    assert math.isnan(host_scale.amax_value(x))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("special", [None, "inf", "nan", "zeros"])
+def test_cpu_tensorwise_cast_equals_torch_expression(dtype, special):
+    """The CPU cast (host scale) against the torch expressions it replaces."""
+    x = torch.randn(32, 40) * 5
+    if special == "inf":
+        x[1, 2] = float("inf")
+    elif special == "nan":
+        x[0, 0] = float("nan")
+    elif special == "zeros":
+        x.zero_()
+    q = quantize_tensorwise(x.to(torch.bfloat16), dtype, margin=1)
+    scale = amax_to_scale(amax(x.to(torch.bfloat16).float()), dtype, margin=1)
+    m = 448.0 if dtype == E4M3 else 57344.0
+    ref = (x.to(torch.bfloat16).float() * scale).clamp(-m, m).to(dtype)
+    assert torch.equal(q.scale, scale) or (q.scale.isnan().item() and scale.isnan().item())
+    assert torch.equal(q.data.view(torch.uint8), ref.view(torch.uint8))
