@@ -63,3 +63,16 @@ def test_cpu_tensorwise_cast_equals_torch_expression(dtype, special):
     ref = (x.to(torch.bfloat16).float() * scale).clamp(-m, m).to(dtype)
     assert torch.equal(q.scale, scale) or (q.scale.isnan().item() and scale.isnan().item())
     assert torch.equal(q.data.view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_fp8_cast_rounds_just_above_max_to_max(dtype):
+    """What lets the CPU cast skip its clamp: torch's FP8 cast takes values a few float32 ulps
+    above fp8_max (where amax * scale can land) to fp8_max, not to NaN."""
+    m = 448.0 if dtype == E4M3 else 57344.0
+    t = torch.tensor([m * (1 + 2**-23), m * (1 + 2**-20), -m * (1 + 2**-20)])
+    assert t.to(dtype).float().tolist() == [m, m, -m]
+    x = torch.randn(4096) * 7
+    for a in x.abs().tolist()[:200]:  # the amax element itself, scaled by its own scale
+        s = host_scale.scale_value(a, dtype)
+        assert abs(a * s) <= m * (1 + 2**-20)
