@@ -76,3 +76,26 @@ def test_fp8_cast_rounds_just_above_max_to_max(dtype):
     for a in x.abs().tolist()[:200]:  # the amax element itself, scaled by its own scale
         s = host_scale.scale_value(a, dtype)
         assert abs(a * s) <= m * (1 + 2**-20)
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("interval,margin", [(1, 0), (2, 1), (3, 0)])
+def test_delayed_step_matches_delayed_scale_step(algo, interval, margin):
+    """The CPU delayed-scaling update against the torch one, over a sequence with zeros,
+    inf and NaN amaxes (which the history must keep out)."""
+    from lowprec.fp8.recipes import Recipe
+    from lowprec.fp8.scaling import delayed_scale_step
+
+    recipe = Recipe.from_name("delayed", amax_history_len=4, amax_compute_algo=algo, interval=interval, margin=margin)
+    hist_a, hist_b = torch.zeros(4), torch.zeros(4)
+    scale_a, scale_b = torch.ones(()), torch.ones(())
+    seq = [0.0, 3.5, math.inf, 120.0, 1e-13, math.nan, 7.25, 0.5, 2e4, 1.0, 0.0, 9.0]
+    for step, a in enumerate(seq):
+        st = torch.tensor(step)
+        used, new_hist, new_scale = delayed_scale_step(hist_a, scale_a, st, torch.tensor(a), E4M3, recipe)
+        hist_a.copy_(new_hist)
+        scale_a.copy_(new_scale)
+        got = host_scale.delayed_step(hist_b, scale_b, st, a, E4M3, recipe)
+        assert torch.equal(hist_a, hist_b), step
+        assert torch.equal(scale_a.nan_to_num(-1.0), scale_b.nan_to_num(-1.0)), step
+        assert got == used.item() or (math.isnan(got) and used.isnan().item()), step
