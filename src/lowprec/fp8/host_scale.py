@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lowprec.fp8.formats import fp8_max
-from lowprec.fp8.scaling import AMAX_EPS
+from lowprec.fp8.scaling import AMAX_EPS, no_grad_view
 
 if TYPE_CHECKING:
     from lowprec.fp8.recipes import Recipe
@@ -62,7 +62,7 @@ def applies(x: torch.Tensor, power_of_2: bool) -> bool:
 
 def amax_value(x: torch.Tensor) -> float:
     """``float(scaling.amax(x))``: one ``aminmax`` pass, two host reads; NaN propagates."""
-    lo, hi = torch.aminmax(x.detach())
+    lo, hi = torch.aminmax(no_grad_view(x))
     lo_v, hi_v = lo.item(), hi.item()
     if math.isnan(lo_v) or math.isnan(hi_v):
         return math.nan

@@ -21,7 +21,7 @@ import torch
 from lowprec.fp8 import host_scale
 from lowprec.fp8.capability import is_cuda
 from lowprec.fp8.formats import fp8_max
-from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, block_amax
+from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, block_amax, no_grad_view
 
 __all__ = [
     "Float8Data",
@@ -102,7 +102,7 @@ def _saturate_(y: torch.Tensor, dtype: torch.dtype, *, may_hold_inf: bool = True
 
 def _as_fp32(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """``x`` in float32, detached, and whether that is a fresh copy the caller may overwrite."""
-    x = x.detach()
+    x = no_grad_view(x)
     return (x, False) if x.dtype == torch.float32 else (x.to(torch.float32), True)
 
 
