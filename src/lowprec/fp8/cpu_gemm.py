@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowprec.fp8.host_scale import f32, reciprocal32
 from lowprec.fp8.quantize import Float8Data, expand_blocks
 
 __all__ = [
@@ -67,6 +68,10 @@ _UPCAST = {
     torch.float8_e4m3fn: (4, 0x87F0 - 0x10000, 2.0**120),
     torch.float8_e5m2: (5, 0x8FE0 - 0x10000, 2.0**112),
 }
+
+
+# addmm's ``input`` with beta=0: read for its dtype and broadcast shape only, never written
+_ZERO_BF16 = torch.zeros((), dtype=torch.bfloat16)
 
 
 def upcast_to_bf16(data: torch.Tensor) -> torch.Tensor:
@@ -107,13 +112,15 @@ def upcast_mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Ten
         bv = _dequant_blocks_bf16(b) if b.granularity == "block" else _scaled_bf16(b)
         return torch.mm(av, bv).to(out_dtype)
     av, bv = _cached_upcast(a), _cached_upcast(b)
-    inv_a, inv_b = a.scale.reciprocal(), b.scale.reciprocal()
-    if inv_a.dim() == 0 and inv_b.dim() == 0 and not torch.compiler.is_compiling():
+    if a.scale.dim() == 0 and b.scale.dim() == 0 and not torch.compiler.is_compiling():
         # the scale as the GEMM's alpha: applied to the float32 accumulator, one rounding of
-        # the output, no extra pass (a host read of a CPU scalar is no device sync)
-        zero = torch.zeros((), dtype=torch.bfloat16)
-        out = torch.addmm(zero, av, bv, beta=0, alpha=float(inv_a * inv_b))
+        # the output, no extra pass (a host read of a CPU scalar is no device sync). The float32
+        # reciprocals and their product in Python floats (host_scale.py): the same bits as
+        # torch's scalar ops, without a dispatch each.
+        alpha = f32(reciprocal32(a.scale.item()) * reciprocal32(b.scale.item()))
+        out = torch.addmm(_ZERO_BF16, av, bv, beta=0, alpha=alpha)
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+    inv_a, inv_b = a.scale.reciprocal(), b.scale.reciprocal()
     out = torch.mm(av, bv)
     if out_dtype != torch.bfloat16:
         out = out.to(out_dtype)

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lowprec.fp8 import host_scale
 from lowprec.fp8.capability import is_cuda
 from lowprec.fp8.formats import fp8_max
-from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, block_amax
+from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, block_amax, no_grad_view
 
 __all__ = [
     "Float8Data",
@@ -100,7 +101,7 @@ def _saturate_(y: torch.Tensor, dtype: torch.dtype, *, may_hold_inf: bool = True
 
 def _as_fp32(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """``x`` in float32, detached, and whether that is a fresh copy the caller may overwrite."""
-    x = x.detach()
+    x = no_grad_view(x)
     return (x, False) if x.dtype == torch.float32 else (x.to(torch.float32), True)
 
 
@@ -144,6 +145,14 @@ def quantize_tensorwise(
             scale = amax_to_scale(kernels.amax(x), dtype, margin=margin, power_of_2=power_of_2)
         return Float8Data(kernels.cast_amax(x, scale, dtype)[0], scale, "tensor", None, power_of_2)
     x32, owned = _as_fp32(x)  # the amax of the float32 copy: one bf16 pass fewer
+    if scale is None and host_scale.applies(x32, power_of_2):  # CPU: the scale in Python floats
+        value = host_scale.scale_value(host_scale.amax_value(x32), dtype, margin)
+        scale = torch.tensor(value, dtype=torch.float32)
+        # No clamp pass: with a scale from this tensor's own amax, |x * scale| <= fp8_max times
+        # (1 + a few float32 ulps), which torch's round-to-nearest FP8 cast takes to fp8_max
+        # (it saturates to NaN only from fp8_max + half a step), so the clamp changes no bit.
+        data = (x32.mul_(value) if owned else x32 * value).to(dtype)
+        return Float8Data(data, scale, "tensor", None, power_of_2)
     if scale is None:
         scale = amax_to_scale(amax(x32), dtype, margin=margin, power_of_2=power_of_2)
     data = _saturate_(_scaled(x32, owned, scale), dtype, may_hold_inf=given)

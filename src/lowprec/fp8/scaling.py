@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AMAX_EPS",
     "amax",
+    "no_grad_view",
     "amax_along",
     "block_amax",
     "amax_to_scale",
@@ -43,19 +44,26 @@ __all__ = [
 AMAX_EPS = 1e-12
 
 
+def no_grad_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as an input that records no autograd graph: ``x.detach()`` only where that matters
+    (a detach is a dispatched op; inside an autograd Function's forward/backward, grad mode is
+    off and ``x`` itself records nothing)."""
+    return x.detach() if x.requires_grad and torch.is_grad_enabled() else x
+
+
 def amax(x: torch.Tensor) -> torch.Tensor:
     """Per-tensor absolute maximum as a float32 scalar (NaN propagates).
 
     ``max(-min, max)`` from one ``aminmax`` pass: no ``abs()`` temporary the size of ``x``
     (on CPU a fresh large temporary costs page faults on every call).
     """
-    lo, hi = torch.aminmax(x.detach())
+    lo, hi = torch.aminmax(no_grad_view(x))
     return torch.maximum(-lo, hi).to(torch.float32)
 
 
 def amax_along(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Absolute maximum over ``dim`` (kept), one value per slice: rowwise / axiswise scaling."""
-    lo, hi = torch.aminmax(x.detach(), dim=dim, keepdim=True)
+    lo, hi = torch.aminmax(no_grad_view(x), dim=dim, keepdim=True)
     return torch.maximum(-lo, hi).to(torch.float32)
 
 
