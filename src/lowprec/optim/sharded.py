@@ -239,7 +239,7 @@ def agree_amaxes(pending: list[PendingMoments]) -> list[Optional[torch.Tensor]]:
         world = len(pm.sr.ranges)
         if world == 1:
             continue
-        for grp, w, idx in by_group:
+        for grp, _world, idx in by_group:
             if grp is pm.sr.group:
                 idx.append(i)
                 break
