@@ -25,6 +25,16 @@ import torch.distributed.fsdp  # noqa: F401
 import lowprec.accelerator  # noqa: F401
 
 
+def _die_with_parent() -> None:
+    # a test's timeout kills this parent; its ranks must not live on until gloo's own timeout
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass  # elsewhere: the ranks end at gloo's timeout
+
+
 def main() -> int:
     nproc, script, args = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     children = {}
@@ -34,6 +44,7 @@ def main() -> int:
         if pid == 0:  # the child: never returns
             code = 0
             try:
+                _die_with_parent()
                 fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)

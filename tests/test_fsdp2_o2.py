@@ -1,26 +1,30 @@
-"""MS-AMP O2 (FP8AdamW) and O1's FP8 gradient reduce-scatter under FSDP2, on CPU with gloo: two
-launches (2 processes, then 1).
+"""MS-AMP O2 (FP8AdamW) and O1's FP8 gradient reduce-scatter under FSDP2, on CPU with gloo: three
+launches (4 processes, then 2, then 1; ranks forked after one torch import, tests/fork_ranks.py).
 
-2 processes:
+4 processes:
 * the optimizer alone: FP8AdamW on FSDP2 shards and FP8AdamW on the whole parameters, both
   rebuilt from torch's AdamW after one step (``to_fp8_adamw``), fed the same gradients for 4
-  steps (shapes whose shards cut FP8 blocks, a tensor smaller than a block
-  split over both ranks, stochastic rounding of both moments): weights, FP8 payloads, FP16
-  payloads and every scale equal **bitwise**, and ``state_dict()`` (the DCP form) holds the
-  one-process block scales;
+  steps (shapes whose shards cut FP8 blocks, a tensor smaller than a block split over the ranks,
+  an empty shard on rank 3, stochastic rounding of both moments): weights, FP8 payloads, FP16
+  payloads and every scale equal **bitwise** on every rank, and ``state_dict()`` (the DCP form)
+  holds the one-process block scales; each step calls exactly **one** collective (the batched
+  all_gather of every parameter's boundary and tensor amaxes, counted at torch.distributed);
 * the FP8 reduce-scatter alone against gloo's fp32 one (normwise error per parameter < 5%,
   E4M3; an inf in one rank's shard makes exactly that parameter's received shard NaN);
 * training through the Accelerator (``MSAMPRecipeKwargs(opt_level="O2")`` + FSDP2,
-  SHARDED_STATE_DICT): the optimizer is FP8AdamW, the gradient reduce-scatter sends <= 0.52x
-  the bytes of bf16 (counted at the collective), a checkpoint saved after 3 of 6 steps resumes
-  on 2 processes bitwise.
-1 process, both within 5e-3 (0.25% of the loss ~2.0) of the 2-process losses:
-* the 2-process checkpoint resumed on FSDP2 with 1 process (global batch 8 everywhere). One
-  process has no reduce-scatter, so its gradients are not rounded through FP8 (AdamW's
-  resharding test gets 1e-3; this one measured 8.0e-4, too close to 1e-3 for other CPUs);
-* the same training without FSDP2, the one-process O2 run (measured 3.3e-4 at step 0, before
-  any update, up to 1.3e-3): FSDP2 rounds the weights to its bf16 param_dtype before the FP8
-  cast, and FP8 gradients are scaled per shard there, per tensor here (docs/log/o2dt.md).
+  SHARDED_STATE_DICT): the optimizer is FP8AdamW with one collective per step (the first
+  steps, which create the state, included), a checkpoint saved after 3 of 6 steps resumes on 4
+  processes bitwise; the gradient reduce-scatter sends <= 0.53x the bytes of bf16 (466 elements
+  per shard: the 4-byte scales weigh 2.6%; <= 0.52x on 2 processes).
+2 processes: the optimizer check again (2-way cuts), and the 4-process checkpoint resumed
+(global batch 8 everywhere) within 5e-3 of the 4-process losses.
+1 process, both within 5e-3 (0.25% of the loss ~2.0) of the 4-process losses:
+* the 4-process checkpoint resumed on FSDP2 with 1 process. One process has no
+  reduce-scatter, so its gradients are not rounded through FP8 (AdamW's resharding test gets
+  1e-3; measured here 6.6e-4 from 4 processes, 8.0e-4 from 2: too close to 1e-3 for other CPUs);
+* the same training without FSDP2, the one-process O2 run (measured up to 1.7e-3): FSDP2 rounds
+  the weights to its bf16 param_dtype before the FP8 cast, and FP8 gradients are scaled per
+  shard there, per tensor here (docs/log/o2dt.md, docs/log/o2b.md).
 """
 
 from __future__ import annotations
