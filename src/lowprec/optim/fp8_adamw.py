@@ -36,7 +36,7 @@ Gradients: ``p.grad`` when set, otherwise the FP8 gradient held by O1
 (``lowprec.optim.fp8_grads``), read directly without materialising a high-precision ``.grad``.
 
 DTensor parameters (FSDP2 shards): each process steps its shard with the scales of the whole
-parameter (one small all_gather per parameter per step), so the state of a shard is bitwise
+parameter (one small all_gather per step for all parameters), so the state of a shard is bitwise
 that slice of the one-process state and checkpoints reshard to any process count (``sharded.py``).
 
 Flat parameters (DeepSpeed ZeRO partitions, which concatenate many model parameters): mark the
