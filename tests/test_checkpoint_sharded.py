@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import textwrap
 
-from tests.torchrun_util import free_port, run_torchrun
+from tests.torchrun_util import run_ranks
 
 WORKER = textwrap.dedent(
     '''
@@ -79,14 +78,8 @@ def launch(tmp_path, mode: str, nproc: int, worker: str = WORKER, fsdp_env: bool
     env.update(PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     if fsdp_env:
         env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
-    if nproc == 1:  # torchrun's own process would import torch once more (seconds on a busy box)
-        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(free_port()))
-        cmd = [sys.executable, str(script), mode, str(tmp_path)]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), str(script), mode, str(tmp_path)]
-    run_torchrun(cmd, lambda p: (tmp_path / f"{mode}_rank0.json").exists(), env=env, timeout=300)
+    # ranks forked after one torch import, without torchrun (tests/fork_ranks.py)
+    run_ranks(str(script), [mode, str(tmp_path)], nproc, env, lambda: (tmp_path / f"{mode}_rank0.json").exists())
     return json.loads((tmp_path / f"{mode}_rank0.json").read_text())
 
 

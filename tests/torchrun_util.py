@@ -39,3 +39,27 @@ def run_torchrun(cmd: list[str], done: Callable[[subprocess.CompletedProcess], b
         return proc  # the job finished and wrote everything; only the exit aborted
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
+
+
+def run_ranks(script: str, args: list[str], nproc: int, env: dict, done: Callable[[], bool], attempts: int = 3,
+              timeout: float = 300) -> None:
+    """Run ``script args`` as ``nproc`` ranks with torchrun's environment, forked from one
+    process that imported torch once (tests/fork_ranks.py: a torchrun launch costs a torch import
+    per rank plus one for torchrun itself). A fresh port per attempt; gloo's exit-time abort is
+    tolerated as in :func:`run_torchrun`."""
+    import os
+    import sys
+
+    fork = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fork_ranks.py")
+    proc = None
+    for _ in range(attempts):
+        port_env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        proc = subprocess.run([sys.executable, fork, str(nproc), script, *args], capture_output=True, text=True,
+                              env=port_env, timeout=timeout)
+        if proc.returncode == 0:
+            return
+        if GLOO_TEARDOWN not in proc.stderr:
+            break
+        if done():
+            return  # the job finished and wrote everything; only the exit aborted
+    raise AssertionError(proc.stdout[-3000:] + proc.stderr[-8000:])

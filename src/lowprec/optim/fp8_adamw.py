@@ -36,7 +36,7 @@ Gradients: ``p.grad`` when set, otherwise the FP8 gradient held by O1
 (``lowprec.optim.fp8_grads``), read directly without materialising a high-precision ``.grad``.
 
 DTensor parameters (FSDP2 shards): each process steps its shard with the scales of the whole
-parameter (one small all_gather per parameter per step), so the state of a shard is bitwise
+parameter (one small all_gather per step for all parameters), so the state of a shard is bitwise
 that slice of the one-process state and checkpoints reshard to any process count (``sharded.py``).
 
 Flat parameters (DeepSpeed ZeRO partitions, which concatenate many model parameters): mark the
@@ -68,10 +68,13 @@ from lowprec.optim.sharded import (
     ShardRange,
     as_state_dtensor,
     chunked_uniform,
+    agree_amaxes,
     decode_exp_avg_shard,
     encode_moments_shard,
+    finish_moments_shard,
     full_block_scales,
     local_state,
+    prepare_moments_shard,
     shard_range,
 )
 
@@ -198,7 +201,8 @@ class FP8AdamW(Optimizer):
         if sr is not None:  # a DTensor shard: the one-process layout's slice (optim/sharded.py)
             (state["exp_avg"], state["exp_avg_scale"], state["exp_avg_sq"],
              state["exp_avg_sq_scale"]) = encode_moments_shard(
-                sr, zeros, zeros, self.exp_avg_dtype, self.exp_avg_sq_dtype, self.block_size)
+                sr, zeros, zeros, self.exp_avg_dtype, self.exp_avg_sq_dtype, self.block_size,
+                collective=False)  # zeros on every process: nothing to agree on
         else:
             state["exp_avg"], state["exp_avg_scale"] = encode_exp_avg(
                 zeros, self.exp_avg_dtype, self.block_size, segments=block_segments(p)
@@ -211,8 +215,8 @@ class FP8AdamW(Optimizer):
         return state
 
     def _shard(self, p: torch.Tensor) -> ShardRange | None:
-        """Where a DTensor parameter's shard lies (None for a plain tensor); computed once (one
-        small all_gather at the parameter's first step, in parameter order on every process)."""
+        """Where a DTensor parameter's shard lies (None for a plain tensor); computed once, from
+        the mesh (no communication)."""
         shards = self.__dict__.setdefault("_shard_ranges", {})
         if p not in shards:
             sr = shard_range(p)
@@ -252,6 +256,9 @@ class FP8AdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         index = -1  # position of the parameter across groups: seeds its rounding noise
+        # DTensor shards: new moments wait here until one all_gather agrees every parameter's
+        # boundary-block and tensor amaxes (optim/sharded.py), then are encoded
+        pending: list[tuple[dict, object, int, int, torch.Tensor]] = []
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
@@ -292,13 +299,12 @@ class FP8AdamW(Optimizer):
                     noise = self._noise(local, sr, step, index, 2, mode, p.dtype)
                     local.copy_(master if noise is None else stochastic_round(master, p.dtype, noise))
 
+                if sr is not None:
+                    pm = prepare_moments_shard(sr, m, v, self.exp_avg_dtype, self.exp_avg_sq_dtype, self.block_size)
+                    pending.append((state, pm, step, index, local))
+                    continue
                 m_noise = self._noise(local, sr, step, index, 0, self.exp_avg_rounding, self.exp_avg_dtype)
                 v_noise = self._noise(local, sr, step, index, 1, self.exp_avg_sq_rounding, self.exp_avg_sq_dtype)
-                if sr is not None:
-                    (state["exp_avg"], state["exp_avg_scale"], state["exp_avg_sq"],
-                     state["exp_avg_sq_scale"]) = encode_moments_shard(
-                        sr, m, v, self.exp_avg_dtype, self.exp_avg_sq_dtype, self.block_size, m_noise, v_noise)
-                    continue
                 state["exp_avg"], state["exp_avg_scale"] = encode_exp_avg(
                     m, self.exp_avg_dtype, self.block_size, m_noise, segments
                 )
@@ -306,6 +312,12 @@ class FP8AdamW(Optimizer):
                     v, self.exp_avg_sq_dtype, v_noise
                 )
             clear_fp8_grads(group["params"])  # held FP8 gradients are used up by the step
+        for (state, pm, step, index, local), everyone in zip(pending, agree_amaxes([e[1] for e in pending])):
+            # noise drawn only now: it depends on the element, not on when it is drawn
+            m_noise = self._noise(local, pm.sr, step, index, 0, self.exp_avg_rounding, self.exp_avg_dtype)
+            v_noise = self._noise(local, pm.sr, step, index, 1, self.exp_avg_sq_rounding, self.exp_avg_sq_dtype)
+            (state["exp_avg"], state["exp_avg_scale"], state["exp_avg_sq"],
+             state["exp_avg_sq_scale"]) = finish_moments_shard(pm, everyone, m_noise, v_noise)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lowprec.optim.fp8_adamw import FP8AdamW, block_segments
 from lowprec.optim.fp8_grads import clear_fp8_grads, hold_grads_in_fp8, materialize_grads
 from lowprec.optim.moments import encode_exp_avg, encode_exp_avg_sq
-from lowprec.optim.sharded import encode_moments_shard
+from lowprec.optim.sharded import agree_amaxes, finish_moments_shard, prepare_moments_shard
 
 __all__ = ["OPT_LEVELS", "apply_opt_level", "check_o2_optimizer", "to_fp8_adamw"]
 
@@ -77,6 +77,7 @@ def to_fp8_adamw(optimizer: torch.optim.Optimizer, **fp8_kwargs) -> FP8AdamW:
         new["adamw"] = adamw
         groups.append(new)
     fp8 = FP8AdamW(groups, **fp8_kwargs)
+    pending = []  # FSDP2 shards: encoded after one all_gather for all of them (optim/sharded.py)
     for p, old in optimizer.state.items():
         if "exp_avg" not in old:
             continue
@@ -84,9 +85,9 @@ def to_fp8_adamw(optimizer: torch.optim.Optimizer, **fp8_kwargs) -> FP8AdamW:
         st["step"] = torch.as_tensor(old["step"], dtype=torch.float32).clone().cpu()
         sr = fp8._shard(p)
         if sr is not None:  # FSDP2: torch's moments are DTensors placed like the parameter
-            (st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"]) = encode_moments_shard(
+            pending.append((st, prepare_moments_shard(
                 sr, old["exp_avg"].to_local().float(), old["exp_avg_sq"].to_local().float(),
-                fp8.exp_avg_dtype, fp8.exp_avg_sq_dtype, fp8.block_size)
+                fp8.exp_avg_dtype, fp8.exp_avg_sq_dtype, fp8.block_size)))
             continue
         st["exp_avg"], st["exp_avg_scale"] = encode_exp_avg(
             old["exp_avg"].float(), fp8.exp_avg_dtype, fp8.block_size, segments=block_segments(p)
@@ -94,6 +95,8 @@ def to_fp8_adamw(optimizer: torch.optim.Optimizer, **fp8_kwargs) -> FP8AdamW:
         st["exp_avg_sq"], st["exp_avg_sq_scale"] = encode_exp_avg_sq(
             old["exp_avg_sq"].float(), fp8.exp_avg_sq_dtype
         )
+    for (st, pm), everyone in zip(pending, agree_amaxes([e[1] for e in pending])):
+        st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"] = finish_moments_shard(pm, everyone)
     return fp8
 
 

@@ -7,8 +7,10 @@ first-moment blocks are counted on the *global* flat index (block ``k`` = elemen
 (k+1)*B)``, as in one process), and the second moment's per-tensor scale is of the whole tensor.
 The blocks a shard boundary cuts, and the per-tensor amax, need the other processes' values:
 per parameter, every process contributes 3 floats (amax of its first and last block, amax of
-``sqrt(v)``) to one ``all_gather`` (12 x world bytes per parameter per step, on the shard
-group). Why not per-shard scales, which are numerically as valid (each shard's state is
+``sqrt(v)``); the step gathers those of all parameters in **one** ``all_gather`` per process
+group (12 x parameters x world bytes per step; :func:`agree_amaxes`), so it holds every
+parameter's new fp32 moments until then (8 bytes per local element, transient). The shard
+layout is computed from the mesh, without communication. Why not per-shard scales, which are numerically as valid (each shard's state is
 independent)? Because then the state would depend on the world size: a checkpoint could not be
 resharded without dequantizing and requantizing (lossy wherever a new block mixes values of old
 blocks with different scales), and a 2-process run could not be compared bitwise with one
@@ -45,7 +47,8 @@ from lowprec.fp8.quantize import saturated_cast
 from lowprec.fp8.scaling import amax, amax_to_scale, block_amax
 from lowprec.optim.moments import dither, encode_exp_avg, encode_root
 
-__all__ = ["ShardRange", "shard_range", "chunked_uniform", "NOISE_CHUNK", "gather_boundary_amaxes", "encode_moments_shard",
+__all__ = ["ShardRange", "shard_range", "chunked_uniform", "NOISE_CHUNK", "PendingMoments", "prepare_moments_shard",
+           "agree_amaxes", "finish_moments_shard", "encode_moments_shard",
            "decode_exp_avg_shard", "full_block_scales", "as_state_dtensor", "local_state"]
 
 
@@ -95,13 +98,28 @@ def shard_range(p: torch.Tensor) -> Optional[ShardRange]:
     start = (offset[0] if len(offset) else 0) * row
     group = _mesh_group(mesh)
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    mine = torch.tensor([start, local.numel()], dtype=torch.int64, device=local.device)  # NCCL: on the GPU
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    if world > 1:  # once per parameter, at its first step: the layout never changes
-        dist.all_gather(everyone, mine, group=group)
-    else:
-        everyone = [mine]
-    return ShardRange(start, local.numel(), p.numel(), tuple(tuple(int(v) for v in t) for t in everyone), group, p)
+    ranges = _all_ranges(p, group, world, row) if world > 1 else ((start, local.numel()),)
+    if ranges[dist.get_rank(group) if world > 1 else 0] != (start, local.numel()):
+        raise ValueError(f"DTensor shard layout {ranges} does not hold this process's ({start}, {local.numel()})")
+    return ShardRange(start, local.numel(), p.numel(), ranges, group, p)
+
+
+def _all_ranges(p, group, world: int, row: int) -> tuple[tuple[int, int], ...]:
+    """(start, numel) of every process of ``group``, computed from the mesh (no communication:
+    the optimizer's step then has exactly one collective)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh = p.device_mesh
+    out = []
+    for r in range(world):
+        g = dist.get_global_rank(group, r) if group is not None else r
+        coord = (mesh.mesh == g).nonzero()[0].tolist()
+        shape, offset = _compute_local_shape_and_global_offset(p.shape, mesh.shape, coord, p.placements)
+        n = 1
+        for s in shape:
+            n *= s
+        out.append(((offset[0] if len(offset) else 0) * row, n))
+    return tuple(out)
 
 
 def _mesh_group(mesh) -> Optional[dist.ProcessGroup]:
@@ -143,18 +161,14 @@ def _blocks(start: int, numel: int, block: int) -> tuple[int, int]:
     return (start // block, (start + numel - 1) // block) if numel else (-1, -1)
 
 
-def gather_boundary_amaxes(sr: ShardRange, block: int, first: torch.Tensor, last: torch.Tensor,
-                           tensor_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Agree on the amaxes a shard cannot compute alone: of its first and last block (which
-    other shards may share) and of the whole tensor. One ``all_gather`` of 3 floats per process;
-    blocks inside a shard need nothing. NaN propagates (``torch.maximum``)."""
-    mine = torch.stack([first, last, tensor_amax]).to(torch.float32).reshape(3)
-    world = len(sr.ranges)
-    if world == 1:
+def _resolve_boundary(sr: ShardRange, block: int, first: torch.Tensor, last: torch.Tensor,
+                      mine: torch.Tensor, everyone: Optional[torch.Tensor]):
+    """The amaxes a shard cannot compute alone: of its first and last block (which other shards
+    may share) and of the whole tensor, from every process's 3 floats (``everyone``, ``(world,
+    3)``; None: one process). Blocks inside a shard need nothing. NaN propagates
+    (``torch.maximum``)."""
+    if everyone is None:
         return mine[0], mine[1], mine[2]
-    everyone = torch.empty(world * 3, dtype=torch.float32, device=mine.device)
-    dist.all_gather_into_tensor(everyone, mine, group=sr.group)
-    everyone = everyone.view(world, 3)
     if block >= sr.total:  # one block: the whole tensor (also on a process with an empty shard)
         whole = everyone[:, 0].max()
         return whole, whole, everyone[:, 2].max()
@@ -175,39 +189,106 @@ def _block(sr: ShardRange, block_size: Optional[int]) -> int:
     return block_size if block_size is not None and sr.total > block_size else max(sr.total, 1)
 
 
-def encode_moments_shard(sr: ShardRange, m: torch.Tensor, v: torch.Tensor, m_dtype, v_dtype,
-                         block_size: Optional[int], m_noise=None, v_noise=None):
-    """``moments.encode_exp_avg`` / ``encode_exp_avg_sq`` of a shard with the one-process scales.
-    Returns ``(exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale)``; the scale of ``m`` has
-    shape ``()`` per tensor or one entry per global block this shard touches."""
+@dataclass
+class PendingMoments:
+    """A shard's new moments waiting for the agreed amaxes (:func:`prepare_moments_shard`):
+    ``mine`` is what this process contributes to the one all_gather of the step."""
+
+    sr: ShardRange
+    m: torch.Tensor
+    root: torch.Tensor  # sqrt(v)
+    m_dtype: torch.dtype
+    v_dtype: torch.dtype
+    block: int  # elements per first-moment scale (1: FP16/BF16/FP32 first moment, unscaled)
+    local: torch.Tensor  # amax of each global block this shard touches (FP8 first moment)
+    mine: torch.Tensor  # (3,) float32: first block amax, last block amax, amax of sqrt(v)
+
+
+def prepare_moments_shard(sr: ShardRange, m: torch.Tensor, v: torch.Tensor, m_dtype, v_dtype,
+                          block_size: Optional[int]) -> PendingMoments:
+    """The local half of encoding a shard's moments: block and tensor amaxes of this shard."""
     root = v.sqrt()
     zero = torch.zeros((), dtype=torch.float32, device=m.device)
     root_amax = amax(root) if root.numel() else zero
+    empty = torch.zeros(0, dtype=torch.float32, device=m.device)
     if not is_fp8_dtype(m_dtype):  # FP16/BF16/FP32 first moment: unscaled, elementwise
-        *_, t = gather_boundary_amaxes(sr, 1, zero, zero, root_amax)
-        return (*encode_exp_avg(m, m_dtype, None, m_noise), *encode_root(root, v_dtype, v_noise, t))
+        return PendingMoments(sr, m, root, m_dtype, v_dtype, 1, empty, torch.stack([zero, zero, root_amax]))
     b = _block(sr, block_size)
     flat = m.reshape(-1)
     off = sr.start % b
     if not flat.numel():
-        local = torch.zeros(0, dtype=torch.float32, device=m.device)
+        local = empty
     elif b == sr.total:
         local = amax(flat).reshape(1)
     else:  # zero padding to whole global blocks: zeros never raise an amax
         padded = torch.nn.functional.pad(flat, (off, (-(off + flat.numel())) % b))
         local = block_amax(padded.view(1, -1), (1, b)).reshape(-1)
-    first, last, t = gather_boundary_amaxes(sr, b, local[0] if local.numel() else zero,
-                                            local[-1] if local.numel() else zero, root_amax)
+    first, last = (local[0], local[-1]) if local.numel() else (zero, zero)
+    mine = torch.stack([first, last, root_amax]).to(torch.float32).reshape(3)
+    return PendingMoments(sr, m, root, m_dtype, v_dtype, b, local, mine)
+
+
+def agree_amaxes(pending: list[PendingMoments]) -> list[Optional[torch.Tensor]]:
+    """Every process's 3 floats of each pending shard: **one** ``all_gather`` per process group
+    for all of them (12 x parameters x world bytes), split back into one ``(world, 3)`` tensor per
+    entry (None where the group has one process). Every process must pass its shards of the same
+    parameters in the same order (the optimizer's parameter order)."""
+    out: list[Optional[torch.Tensor]] = [None] * len(pending)
+    by_group: list[tuple[Optional[dist.ProcessGroup], int, list[int]]] = []  # in first-seen order
+    for i, pm in enumerate(pending):
+        world = len(pm.sr.ranges)
+        if world == 1:
+            continue
+        for grp, _world, idx in by_group:
+            if grp is pm.sr.group:
+                idx.append(i)
+                break
+        else:
+            by_group.append((pm.sr.group, world, [i]))
+    for grp, world, idx in by_group:
+        mine = torch.cat([pending[i].mine for i in idx])
+        everyone = torch.empty(world * mine.numel(), dtype=torch.float32, device=mine.device)
+        dist.all_gather_into_tensor(everyone, mine, group=grp)
+        everyone = everyone.view(world, len(idx), 3)
+        for j, i in enumerate(idx):
+            out[i] = everyone[:, j]
+    return out
+
+
+def finish_moments_shard(pm: PendingMoments, everyone: Optional[torch.Tensor], m_noise=None, v_noise=None):
+    """The second half: ``moments.encode_exp_avg`` / ``encode_exp_avg_sq`` of the shard with the
+    one-process scales. Returns ``(exp_avg, exp_avg_scale, exp_avg_sq, exp_avg_sq_scale)``; the
+    scale of ``m`` has shape ``()`` per tensor or one entry per global block this shard touches."""
+    sr, m, b = pm.sr, pm.m, pm.block
+    first, last, t = _resolve_boundary(sr, b, pm.mine[0], pm.mine[1], pm.mine, everyone)
+    if not is_fp8_dtype(pm.m_dtype):
+        return (*encode_exp_avg(m, pm.m_dtype, None, m_noise), *encode_root(pm.root, pm.v_dtype, v_noise, t))
+    flat = m.reshape(-1)
+    off = sr.start % b
+    local = pm.local
     if local.numel():
         local = local.clone()
         local[0], local[-1] = first, last
-    scale = amax_to_scale(local if b != sr.total else first, m_dtype, power_of_2=True)
+    scale = amax_to_scale(local if b != sr.total else first, pm.m_dtype, power_of_2=True)
     full = scale if scale.dim() == 0 else scale.repeat_interleave(b)[off:off + flat.numel()]
     scaled = flat * full
     if m_noise is not None:
-        scaled = dither(scaled, m_dtype, m_noise.reshape(-1))
-    data = saturated_cast(scaled, m_dtype).view(m.shape)
-    return (data, scale, *encode_root(root, v_dtype, v_noise, t))
+        scaled = dither(scaled, pm.m_dtype, m_noise.reshape(-1))
+    data = saturated_cast(scaled, pm.m_dtype).view(m.shape)
+    return (data, scale, *encode_root(pm.root, pm.v_dtype, v_noise, t))
+
+
+def encode_moments_shard(sr: ShardRange, m: torch.Tensor, v: torch.Tensor, m_dtype, v_dtype,
+                         block_size: Optional[int], m_noise=None, v_noise=None, *, collective: bool = True):
+    """Prepare, agree (one all_gather for this one shard) and finish. ``collective=False`` when
+    every process is known to hold the same amaxes (the zero state of a new parameter): no
+    communication, each process stands in for all."""
+    pm = prepare_moments_shard(sr, m, v, m_dtype, v_dtype, block_size)
+    if collective:
+        everyone = agree_amaxes([pm])[0]
+    else:
+        everyone = None if len(sr.ranges) == 1 else pm.mine.expand(len(sr.ranges), 3)
+    return finish_moments_shard(pm, everyone, m_noise, v_noise)
 
 
 def decode_exp_avg_shard(sr: ShardRange, data: torch.Tensor, scale: torch.Tensor,
