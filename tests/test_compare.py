@@ -68,7 +68,7 @@ def test_the_shipped_compare_config_plans_every_recipe(tmp_path):
     assert len(runs) == len(spec.precisions) * 5 and spec.threshold == 0.005
     recipes = {(r.config.fp8_backend, r.config.fp8_recipe.name) for r in runs if r.config.fp8}
     assert {n for b, n in recipes if b == "native"} == {"tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise"}
-    assert ("torchao", "tensorwise") in recipes
+    assert all(b == "native" for b, _ in recipes)  # torchao is added on the command line (README), not timed here
 
 
 def test_workers_resolved_once_with_a_reason():
