@@ -152,7 +152,8 @@ def test_cli_parsing_and_usage_errors(tmp_path, capsys):
 
     assert parse_seeds("5") == 5 and parse_seeds("1,2,9") == [1, 2, 9]
     cfg = parse_config({"seed": 10, "compare": {"seeds": 4, "threshold": 0.01, "precisions": ["bf16", "fp8"]}})
-    args = argparse.Namespace(precisions=None, seeds="2", threshold=None, baseline=None, tail_fraction=None, workers="3")
+    args = argparse.Namespace(precisions=None, seeds="2", threshold=None, baseline=None, tail_fraction=None,
+                              reuse=None, workers="3")
     spec = compare_settings(args, cfg)  # the flag wins, the YAML fills the rest
     assert (spec.seed_list(cfg.seed), spec.threshold, spec.precisions, spec.workers) == ([10, 11], 0.01, ["bf16", "fp8"], 3)
     for argv, msg in (

@@ -85,7 +85,7 @@ def compare_settings(args: argparse.Namespace, cfg: Any):
     if args.seeds is not None:
         flags["seeds"] = parse_seeds(args.seeds)
     for key in ("threshold", "baseline", "tail_fraction", "reuse"):
-        if getattr(args, key, None) is not None:  # a Namespace built by hand may lack newer flags
+        if getattr(args, key) is not None:
             flags[key] = getattr(args, key)
     if args.workers is not None:
         flags["workers"] = args.workers if args.workers == "auto" else _int_flag("--workers", args.workers)
