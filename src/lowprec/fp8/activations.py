@@ -39,7 +39,7 @@ from torch import nn
 from lowprec.fp8.autocast import fp8_enabled
 from lowprec.fp8.quantize import quantize_axiswise
 
-__all__ = ["swiglu", "rms_norm", "enable", "disable", "SAVED_DTYPE"]
+__all__ = ["swiglu", "rms_norm", "rms_norm_plain", "enable", "disable", "SAVED_DTYPE"]
 
 SAVED_DTYPE = torch.float8_e4m3fn  # 3 mantissa bits: the saved values' relative error <= 2^-4
 
@@ -120,11 +120,17 @@ class _RMSNormFn(torch.autograd.Function):
         return dx, dw, None
 
 
+def rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalised in float32 whatever the activation dtype (a bf16 mean of
+    squares loses ~3 digits), cast back before the weight, as HF Llama does."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm, keeping an E4M3 copy of ``x`` for backward in an FP8 region."""
     if x.numel() == 0 or weight.shape != x.shape[-1:] or not _active(x, weight):
-        h = x.float()
-        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        return rms_norm_plain(x, weight, eps)
     return _RMSNormFn.apply(x, weight, eps)
 
 

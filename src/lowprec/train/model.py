@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.errors import did_you_mean
-from lowprec.fp8.activations import rms_norm, swiglu
+from lowprec.fp8.activations import rms_norm, rms_norm_plain, swiglu
 
 __all__ = [
     "LlamaConfig",
@@ -229,13 +229,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_activations:  # same output; an E4M3 copy of x saved for backward
-            return rms_norm(x, self.weight, self.eps)
-        # Normalise in float32 whatever the activation dtype (bf16 mean-of-squares loses ~3
-        # digits); cast back before the weight, as HF Llama does.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # with fp8_activations: the same output, an E4M3 copy of x saved for backward
+        return (rms_norm if self.fp8_activations else rms_norm_plain)(x, self.weight, self.eps)
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
