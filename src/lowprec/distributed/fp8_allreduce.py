@@ -44,6 +44,7 @@ __all__ = [
     "fp8_allreduce_hook",
     "register_fp8_allreduce",
     "ring_allreduce_bytes",
+    "per_element",
 ]
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -100,11 +101,12 @@ def ring_allreduce_bytes(numel: int, element_size: int, world: int) -> int:
     return 2 * (world - 1) * numel * element_size // world
 
 
-def _per_element(values: torch.Tensor, numels: list[int]) -> torch.Tensor:
-    """One value per tensor, repeated over that tensor's elements. Built with expand + cat, so
-    no host-to-device copy of the counts (a blocking copy on CUDA once per bucket would stall
-    backward) and no device-to-host read to size the result."""
-    return torch.cat([v.expand(k) for v, k in zip(values.unbind(), numels)])
+def per_element(values: torch.Tensor, numels: list[int]) -> torch.Tensor:
+    """One value per tensor (the last dim of ``values``), repeated over that tensor's elements:
+    ``(..., T) -> (..., sum(numels))``. Built with expand + cat, so no host-to-device copy of the
+    counts (a blocking copy on CUDA once per bucket would stall backward) and no device-to-host
+    read to size the result."""
+    return torch.cat([v.unsqueeze(-1).expand(*v.shape, k) for v, k in zip(values.unbind(-1), numels)], dim=-1)
 
 
 def fp8_all_reduce_(
@@ -132,7 +134,7 @@ def fp8_all_reduce_(
     dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
     bad = torch.isinf(amaxes)
     scales = amax_to_scale(amaxes, dtype, power_of_2=True)  # S per tensor (0 where inf)
-    per_elem = _per_element(scales, numels)
+    per_elem = per_element(scales, numels)
 
     # 2. pre-divided cast; zero padding to a multiple of W (zeros stay zeros)
     pad = (-n) % world
@@ -152,7 +154,7 @@ def fp8_all_reduce_(
     gathered = torch.empty_like(q)
     _all_gather_single(gathered, mine, group=group)
     mean = gathered.view(dtype)[:n].to(torch.float32) / per_elem
-    bad_elem = _per_element(bad, numels)
+    bad_elem = per_element(bad, numels)
     mean = torch.where(bad_elem, torch.full_like(mean, float("nan")), mean)
     flat.copy_(mean.view(flat.shape))
 

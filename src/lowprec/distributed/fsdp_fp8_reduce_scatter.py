@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowprec.distributed.fp8_allreduce import per_element
 from lowprec.fp8.quantize import saturated_cast
 from lowprec.fp8.scaling import amax_to_scale
 
@@ -108,14 +109,14 @@ class FP8ReduceScatter(_Counting):
         # per destination chunk and parameter: amax -> power-of-two scale (NaN stays NaN)
         amaxes = torch.stack([p.abs().amax(dim=1) if p.numel() else p.new_zeros(world) for p in parts], dim=1)
         scales = amax_to_scale(amaxes, dtype, power_of_2=True)  # (W, T)
-        per_elem = torch.cat([s.unsqueeze(1).expand(world, n) for s, n in zip(scales.unbind(1), segs)], dim=1)
+        per_elem = per_element(scales, segs)
         q = saturated_cast(x * per_elem, dtype).view(torch.uint8)
         packed = torch.cat([q, scales.view(torch.uint8)], dim=1)  # chunk bytes, then its scales
         recv = torch.empty_like(packed)
         dist.all_to_all_single(recv, packed.reshape(-1), group=group)  # row i: sender i's chunk for me
         data = recv[:, :size].contiguous().view(dtype).to(torch.float32)
         their = recv[:, size:].contiguous().view(torch.float32)  # (W, T)
-        inv = torch.cat([s.unsqueeze(1).expand(world, n) for s, n in zip(their.unbind(1), segs)], dim=1)
+        inv = per_element(their, segs)
         output_tensor.copy_((data / inv).sum(0).to(output_tensor.dtype))
         self._count(world * size, world, (world - 1) * packed.shape[1])
         return None
