@@ -106,10 +106,12 @@ def _split_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_split_batches_and_scheduler_steps_on_two_processes(tmp_path):
     import json
 
-    import torch.multiprocessing as mp
-    from torchrun_util import free_port
+    from torchrun_util import free_port, spawn_ranks
 
-    mp.start_processes(_split_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    def done():
+        return all((tmp_path / f"r{i}.json").is_file() and (tmp_path / f"r{i}.json").stat().st_size for i in range(2))
+
+    spawn_ranks(_split_worker, (2, free_port(), str(tmp_path)), 2, done, port_arg=1)
     r = [json.load(open(tmp_path / f"r{i}.json")) for i in range(2)]
     assert r[0]["batches"] == [[0, 1], [4, 5]] and r[1]["batches"] == [[2, 3], [6, 7]]
     assert r[0]["len"] == 2

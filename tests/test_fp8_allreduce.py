@@ -13,11 +13,11 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 from lowprec.distributed import FP8AllReduceState, fp8_all_reduce_, register_fp8_allreduce
 from lowprec.optim import apply_opt_level
+from torchrun_util import spawn_ranks
 
 WORLD = 2
 NUMELS = [1000, 37, 513, 1]
@@ -129,8 +129,8 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8_allreduce")
     # spawn, not fork: forking a pytest worker that already runs threads (intra-op pools,
     # an earlier test's gloo threads) can deadlock the child on a lock held at fork time
-    mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=WORLD,
-                       start_method="spawn")
+    spawn_ranks(_worker, (_free_port(), str(out)), WORLD, port_arg=0,
+                done=lambda: all((out / f"rank{r}.pt").is_file() for r in range(WORLD)))
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 

@@ -63,3 +63,28 @@ def run_ranks(script: str, args: list[str], nproc: int, env: dict, done: Callabl
         if done():
             return  # the job finished and wrote everything; only the exit aborted
     raise AssertionError(proc.stdout[-3000:] + proc.stderr[-8000:])
+
+
+def spawn_ranks(fn: Callable, args: tuple, nprocs: int, done: Callable[[], bool], attempts: int = 3,
+                port_arg: int | None = None) -> None:
+    """``torch.multiprocessing.start_processes(fn, args, nprocs, "spawn")``, tolerating gloo's
+    exit-time abort as :func:`run_torchrun` does: a rank killed by SIGABRT (the teardown's
+    ``std::terminate``) is retried, and accepted once ``done()`` finds every output written.
+    ``port_arg``: the index in ``args`` of the rendezvous port, replaced by a fresh one per attempt.
+    """
+    import torch.multiprocessing as mp
+
+    error = None
+    for _ in range(attempts):
+        if port_arg is not None:
+            args = (*args[:port_arg], free_port(), *args[port_arg + 1:])
+        try:
+            mp.start_processes(fn, args=args, nprocs=nprocs, start_method="spawn")
+            return
+        except mp.ProcessExitedException as e:  # a rank died by a signal: no Python traceback
+            if e.signal_name != "SIGABRT":
+                raise
+            error = e
+            if done():
+                return  # every rank wrote its outputs; only an exit aborted
+    raise error
