@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from lowprec.fp8 import host_scale, kernels
+from lowprec.fp8 import host_scale, kernels, shared_cast
 from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.quantize import Float8Data, expand_blocks
 from lowprec.fp8.recipes import OperandCast, Recipe
@@ -108,7 +108,9 @@ class DelayedCastState(CastState):
         hist, scale = self.state[which]
         if host_scale.applies(t, recipe.power_of_2_scales) and hist.device.type == "cpu":
             # CPU: the same update in host floats (host_scale.py), not ~25 scalar kernels
-            used = host_scale.delayed_step(hist, scale, step, host_scale.amax_value(t), dtype, recipe)
+            # the input's amax is read once for the Linears that share it (shared_cast.py)
+            amax_now = shared_cast.amax(t, host_scale.amax_value) if which == "input" else host_scale.amax_value(t)
+            used = host_scale.delayed_step(hist, scale, step, amax_now, dtype, recipe)
             return torch.tensor(used, dtype=torch.float32)
         used, new_hist, new_scale = delayed_scale_step(hist, scale, step, kernels.amax(t), dtype, recipe)
         hist.copy_(new_hist)

@@ -38,6 +38,7 @@ once) measures it clearly faster than the upcast path, or where the user forces 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lowprec.fp8 import shared_cast
 from lowprec.fp8.host_scale import f32, reciprocal32
 from lowprec.fp8.quantize import Float8Data, expand_blocks
 
@@ -133,9 +135,17 @@ def _cached_upcast(q: Float8Data) -> torch.Tensor:
     """``upcast_to_bf16(q.data)``, kept on ``q`` so a cast that feeds two GEMMs is upcast once."""
     if torch.compiler.is_compiling():
         return upcast_to_bf16(q.data)
+    if q.bf16_cache is None and _in_backward():  # an input saved by q/k/v: upcast once for all three
+        shared_cast.shared_upcast(q, upcast_to_bf16)
     if q.bf16_cache is None:
         q.bf16_cache = upcast_to_bf16(q.data)
     return q.bf16_cache
+
+
+def _in_backward() -> bool:
+    """Inside an autograd backward (where saved operands are read), not a forward."""
+    node = getattr(torch._C, "_current_autograd_node", None)
+    return node is not None and node() is not None
 
 
 def _scaled_bf16(q: Float8Data) -> torch.Tensor:
@@ -144,6 +154,7 @@ def _scaled_bf16(q: Float8Data) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the one-time probe
+@functools.lru_cache(maxsize=None)
 def torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)

@@ -21,7 +21,9 @@ gradient GEMM (1 byte/element, against 2 for a bf16 Linear's saved input) and, f
 recipes, the FP8 weight from the forward GEMM (a tensor scale serves both orientations).
 Rowwise re-casts the weight from the Parameter in backward (a reference, no extra memory),
 since its grad_input GEMM needs scales along the other axis; blockwise does too (same values:
-the cast is deterministic), so that backward keeps no FP8 weight.
+the cast is deterministic), so that backward keeps no FP8 weight. Linears that read one
+input (q/k/v, gate/up) share its cast, so they keep one FP8 copy of it between them
+(``shared_cast.py``).
 
 Delayed scaling (per-tensor, TransformerEngine semantics): each operand keeps an amax history
 buffer. The scale used at step t is built from amaxes recorded at steps < t and refreshed
@@ -43,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.fp8 import kernels
+from lowprec.fp8 import kernels, shared_cast
 from lowprec.fp8.autocast import (
     current_eval_override,
     current_recipe_override,
@@ -167,7 +169,12 @@ class _Float8LinearFn(torch.autograd.Function):
                 if state.fused:  # delayed scaling inside the casts, one pass per operand
                     (xq, x_col), (wq, w_col) = state.fused_forward(x, weight, fp.a, fp.b, recipe)
                 else:  # a dual cast writes the layout a backward GEMM reads in the same pass
-                    xq, x_col = _cast_pair(x, fp.a, recipe, state.x_scale, need_wgrad and plan.x_dual)
+                    x_dual = need_wgrad and plan.x_dual
+                    key = shared_cast.cast_key(fp.a, recipe, state.x_scale, x_dual)
+                    shared = shared_cast.lookup(x, key)  # q/k/v, gate/up: one cast of their input
+                    xq, x_col = shared or _cast_pair(x, fp.a, recipe, state.x_scale, x_dual)
+                    if shared is None:
+                        shared_cast.store(x, key, (xq, x_col))
                     w_dual = plan.w_dual or (plan.w_square and cfg.weight_cache is not None)  # frozen: both layouts kept
                     make_w = lambda: _cast_pair(weight, fp.b, recipe, state.w_scale, need_dgrad and w_dual)  # noqa: E731
                     wq, w_col = cfg.weight_cache(make_w) if cfg.weight_cache is not None else make_w()
