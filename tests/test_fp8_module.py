@@ -261,6 +261,42 @@ def test_telemetry_reports_every_operand(seed):
             assert 0 <= layer[op]["saturated"] <= 1 and 0 <= layer[op]["underflow"] <= 1
 
 
+def _cast_stats_direct(x, q):
+    """The telemetry definitions written out directly (the expression cast_stats replaced)."""
+    from lowprec.fp8.formats import saturation_threshold
+    from lowprec.fp8.quantize import expand_blocks
+
+    full = expand_blocks(q.scale, q.block, x.shape) if q.granularity == "block" else q.scale
+    x32 = x.detach().to(torch.float32)
+    saturated = ((x32 * full).abs() > saturation_threshold(q.data.dtype)).float().mean()
+    underflow = ((x32 != 0) & (q.data.to(torch.float32) == 0)).float().mean()
+    return torch.stack([x32.abs().amax(), q.scale.amin().to(torch.float32), saturated, underflow])
+
+
+def test_cast_stats_equal_the_direct_expressions(seed):
+    from lowprec.fp8.cast_state import cast_stats
+    from lowprec.fp8.quantize import quantize
+
+    for trial in range(40):
+        rows, cols = (int(v) for v in torch.randint(1, 200, (2,)))
+        # values spanning 16 decades, so that casts underflow; exact zeros, -0.0, inf, NaN
+        x = torch.randn(rows, cols) * torch.logspace(-12, 4, cols)[torch.randperm(cols)]
+        x[torch.rand(rows, cols) < 0.1] = 0.0
+        x[torch.rand(rows, cols) < 0.05] = -0.0
+        if trial % 4 == 1:
+            x[0, 0] = float("inf")
+        if trial % 4 == 2:
+            x[-1, -1] = float("nan")
+        x = x.to((torch.bfloat16, torch.float32, torch.float16)[trial % 3])
+        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            for gran, kw in (("tensor", {}), ("axis", {"dim": 1}), ("block", {"block": (1, 32)})):
+                q = quantize(x, dtype, gran, **kw)
+                if trial % 5 == 0:  # a scale 8x too large: saturated values to count
+                    q.scale = q.scale * 8
+                got, want = cast_stats(x, q), _cast_stats_direct(x, q)
+                assert torch.equal(got.nan_to_num(-1.0), want.nan_to_num(-1.0)), (trial, dtype, gran, got, want)
+
+
 def test_resume_from_state_dict_continues_exactly(seed):
     """Delayed scaling state travels in state_dict: 3 + 3 resumed steps == 6 straight steps."""
     data = [torch.randn(8, 16) * (1 + i) for i in range(6)]

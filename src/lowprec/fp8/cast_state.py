@@ -31,15 +31,44 @@ __all__ = ["CastState", "DelayedCastState", "cast_delayed_fused", "cast_stats", 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 
 
+_MAGNITUDE = {  # integer view and mask clearing the sign bit: zero exactly for +-0
+    torch.float8_e4m3fn: (torch.uint8, 0x7F), torch.float8_e5m2: (torch.uint8, 0x7F),
+    torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
+    torch.float32: (torch.int32, 0x7FFFFFFF),
+}
+
+
+def _nonzero(t: torch.Tensor) -> torch.Tensor:
+    """``count_nonzero(t)`` on the bits: magnitude bits, clamped to 0/1, summed (integer ops,
+    several times faster than ``count_nonzero`` or a bool tensor on CPU)."""
+    view, mask = _MAGNITUDE[t.dtype]
+    return t.view(view).bitwise_and(mask).clamp_(max=1).sum(dtype=torch.int64)
+
+
 def cast_stats(x: torch.Tensor, q: Float8Data) -> torch.Tensor:
-    """(amax, scale, saturated fraction, underflow fraction) of one cast, as a float32 (4,)."""
+    """(amax, scale, saturated fraction, underflow fraction) of one cast, as a float32 (4,).
+
+    Saturated: ``|x * scale| > saturation_threshold`` in float32, as the cast computes it.
+    Underflow: ``x != 0`` cast to a zero byte. With finite scales a zero ``x`` always casts to
+    a zero byte, so that count is ``nonzero(x) - nonzero(q)``, read on the bits (:func:`_nonzero`);
+    a non-finite scale or another input dtype takes the direct expression. Same values as the
+    direct expressions (``tests/test_fp8_module.py``), ~6x cheaper on CPU, where bool tensors and
+    the FP8 -> float32 conversion are slow (the telemetry step of a CPU run cost ~8 casts per operand).
+    """
+    x = x.detach()
     scale = q.scale
     full = expand_blocks(scale, q.block, x.shape) if q.granularity == "block" else scale
-    x32 = x.detach().to(torch.float32)
-    scaled = (x32 * full).abs()
-    saturated = (scaled > saturation_threshold(q.data.dtype)).float().mean()
-    underflow = ((x32 != 0) & (q.data.to(torch.float32) == 0)).float().mean()
-    return torch.stack([x32.abs().amax(), scale.amin().to(torch.float32), saturated, underflow])
+    n = max(x.numel(), 1)
+    scaled = x.to(torch.float32).mul_(full).abs_() if x.dtype != torch.float32 else (x * full).abs_()
+    over = torch.gt(scaled, saturation_threshold(q.data.dtype), out=torch.empty_like(scaled))
+    saturated = over.sum() / n  # a float32 mean, as (bool).float().mean()
+    if x.dtype in _MAGNITUDE and bool(torch.isfinite(scale).all()):
+        underflow = (_nonzero(x) - _nonzero(q.data)) / n
+    else:
+        underflow = ((x != 0) & (q.data.to(torch.float32) == 0)).float().mean()
+    lo, hi = torch.aminmax(x)
+    amax = torch.maximum(lo.neg(), hi)  # NaN propagates, as abs().amax() does
+    return torch.stack([t.to(torch.float32) for t in (amax, scale.amin(), saturated, underflow)])
 
 
 def cast_delayed_fused(t, spec: OperandCast, recipe: Recipe, hist, scale, step) -> tuple[Float8Data, Float8Data, torch.Tensor]:
