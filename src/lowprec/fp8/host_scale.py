@@ -84,25 +84,22 @@ def delayed_step(history: torch.Tensor, scale: torch.Tensor, step: torch.Tensor,
                  dtype: torch.dtype, recipe: Recipe) -> float:
     """``scaling.delayed_scale_step`` for CPU buffers, with its results written back as the
     caller of that function does (``history``, ``scale`` updated in place); returns the scale
-    to cast this step's tensor with. About 25 scalar kernels become 2 host reads and 2 writes."""
-    values = history.tolist()  # one host read: entries are finite and >= 0 (record_amax keeps the rest out)
-    have_history = max(values) > 0
+    to cast this step's tensor with. About 25 scalar kernels become 3 host reads and 2 writes."""
+    old_max = history.amax().item()  # entries are finite and >= 0: record_amax keeps the rest out
+    have_history = old_max > 0
     finite = math.isfinite(amax_now)
     used = scale.item() if have_history else scale_value(amax_now, dtype, recipe.margin)
     if not finite:  # cast with NaN, as current scaling does; the history keeps it out
         used = math.nan
-    if finite:  # record_amax: push to the front (as float32, as the buffer stores it), drop the oldest
-        pushed = torch.tensor([amax_now, *values[:-1]], dtype=history.dtype)
-        history.copy_(pushed)
-        # the values as stored: float32 rounding by hand, any other buffer dtype (a model moved
-        # to bf16) read back
-        values = [f32(amax_now), *values[:-1]] if history.dtype == torch.float32 else pushed.tolist()
+    if finite:  # record_amax: push to the front, drop the oldest
+        history.copy_(history.roll(1))
+        history[0] = amax_now
     refresh = (step.item() + 1) % recipe.interval == 0 or not have_history
     if refresh:
         if recipe.amax_compute_algo == "max":
-            new_amax = max(values)
+            new_amax = history.amax().item()
         elif recipe.amax_compute_algo == "most_recent":
-            new_amax = values[0]
+            new_amax = history[0].item()
         else:
             raise ValueError(f"amax_compute_algo={recipe.amax_compute_algo!r}; use 'max' or 'most_recent'")
         scale.fill_(scale_value(new_amax, dtype, recipe.margin))
