@@ -72,6 +72,8 @@ _UPCAST = {
 }
 
 
+_SHIFTS = {n: torch.tensor([n], dtype=torch.int16) for n in (4, 5)}
+
 # addmm's ``input`` with beta=0: read for its dtype and broadcast shape only, never written
 _ZERO_BF16 = torch.zeros((), dtype=torch.bfloat16)
 
@@ -83,8 +85,9 @@ def upcast_to_bf16(data: torch.Tensor) -> torch.Tensor:
     between it and the exponent are ones for negative values: the mask clears them.
     """
     shift, mask, mult = _UPCAST[data.dtype]
-    bits = data.view(torch.int8).to(torch.int16)
-    bits.bitwise_left_shift_(shift).bitwise_and_(mask)
+    # int8 << int16[1]: promoted to int16 (sign-extended) and shifted in one op
+    bits = torch.bitwise_left_shift(data.view(torch.int8), _SHIFTS[shift])
+    bits.bitwise_and_(mask)
     return bits.view(torch.bfloat16).mul_(mult)
 
 
