@@ -289,7 +289,7 @@ def test_cast_stats_equal_the_direct_expressions(seed):
             x[-1, -1] = float("nan")
         x = x.to((torch.bfloat16, torch.float32, torch.float16)[trial % 3])
         for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            for gran, kw in (("tensor", {}), ("axis", {"dim": 1}), ("block", {"block": (1, 32)})):
+            for gran, kw in (("tensor", {}), ("axis", {"dim": 1}), ("axis", {"dim": 0}), ("block", {"block": (1, 32)})):
                 q = quantize(x, dtype, gran, **kw)
                 if trial % 5 == 0:  # a scale 8x too large: saturated values to count
                     q.scale = q.scale * 8
