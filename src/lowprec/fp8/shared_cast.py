@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["cast_key", "lookup", "store", "amax", "shared_upcast", "clear", "enabled"]
+__all__ = ["cast_key", "lookup", "store", "amax", "shared_upcast", "enabled"]
 
 _LOCAL = threading.local()
 # saved FP8 inputs read by more than one Linear: id(data) -> (weakref to data, [bf16 upcast])
@@ -95,7 +95,8 @@ def _slot_for(x: torch.Tensor) -> _Slot:
 
 
 def lookup(x: torch.Tensor, key: tuple | None) -> Any:
-    """The cast stored for ``x`` under ``key``, or ``None``. A hit marks its saved FP8 copy as
+    """The cast stored for ``x`` under ``key``: (row-major cast, column-major cast or None), or
+    ``None``. A hit marks the column-major cast, the one saved for the weight gradient, as
     shared, so that backward upcasts it once (:func:`shared_upcast`)."""
     if key is None:
         return None
@@ -103,9 +104,8 @@ def lookup(x: torch.Tensor, key: tuple | None) -> Any:
     if slot is None or slot.box[0] != key:
         return None
     value = slot.box[1]
-    for q in value:
-        if q is not None:
-            _mark_shared(q.data)
+    if value[1] is not None:
+        _mark_shared(value[1].data)
     return value
 
 
@@ -124,11 +124,6 @@ def amax(x: torch.Tensor, compute) -> float:
     if box[2] is None:
         box[2] = compute(x)
     return box[2]
-
-
-def clear() -> None:
-    """Drop the slot (its cast and upcast), e.g. between forward and backward."""
-    _LOCAL.slot = None
 
 
 def _mark_shared(data: torch.Tensor) -> None:
