@@ -18,7 +18,8 @@ resident at once): ``benchmarks/memory.py`` measures it one variant per process.
 On a shared CPU, ``--cpu_time`` times each step by this thread's CPU time (``time.thread_time``,
 with ``--threads 1``) instead of wall time: a step that is descheduled by another process's work
 is not charged for the wait, so the fp8/bf16 ratio stays readable under load (cache contention
-still shows). ``--variants bf16,tensorwise`` runs only the named variants.
+still shows). ``--variants bf16,tensorwise`` runs only the named variants. ``--telemetry_every 10``
+turns FP8 telemetry on one step in ten, as ``lowprec train`` does (its ``logging_steps``).
 """
 
 from __future__ import annotations
@@ -86,16 +87,24 @@ class Variant:
         self.batches = [torch.randint(0, vocab, (args.batch_size, args.seq_len), device=device) for _ in range(4)]
         self.use_fp8, self.calls, self.times = use_fp8, 0, []
         self.fp8_layers = sum(isinstance(m, fp8.Float8Linear) for m in self.model.modules())
+        self.telemetry_every = getattr(args, "telemetry_every", 0)
 
     def step(self):
         ids = self.batches[self.calls % len(self.batches)]
         self.calls += 1
+        # FP8 telemetry on every Nth step, as the trainer does (its logging_steps, default 10)
+        telemetry = self.fp8_layers and self.telemetry_every and self.calls % self.telemetry_every == 0
+        if telemetry:
+            fp8.enable_telemetry(self.model)
         ctx = fp8.autocast() if self.use_fp8 else contextlib.nullcontext()
         with ctx, torch.autocast(self.device.type, dtype=torch.bfloat16):
             loss = self.step_model(input_ids=ids, labels=ids).loss
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if telemetry:
+            fp8.telemetry(self.model)
+            fp8.disable_telemetry(self.model)
 
     def timed_step(self, cpu_time: bool = False):
         if cpu_time:  # this thread's CPU time (--cpu_time): descheduled time is not counted
@@ -128,6 +137,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--variants", default=None, help="comma-separated variant names to run (default: all)")
     p.add_argument("--cpu_time", action="store_true", help="CPU: time steps by thread CPU time (needs --threads 1)")
+    p.add_argument("--telemetry_every", type=int, default=0,
+                   help="FP8 telemetry on every Nth step of lowprec's FP8 variants, as the trainer does (10); 0: off")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.cpu_time and (torch.cuda.is_available() or args.threads != 1):
@@ -162,6 +173,8 @@ def main(argv=None):
     for v in built:
         ms = statistics.median(v.times)
         rows.append({"variant": v.name, "ms_per_step": ms, "ms_min": min(v.times), "ms_max": max(v.times),
+                     # the mean counts the occasional telemetry step (--telemetry_every) the median skips
+                     "ms_mean": statistics.fmean(v.times),
                      "tokens_per_s": tokens / (ms / 1e3), "fp8_layers": v.fp8_layers,
                      "peak_bytes": None})  # all variants are resident at once: benchmarks/memory.py measures memory
         print(rows[-1], flush=True)
@@ -172,6 +185,7 @@ def main(argv=None):
     tag = "tiny" if args.tiny else device.type
     return write_json({"benchmark": "train_step", "device": device_name(device), "model": args.model,
                        "seq_len": args.seq_len, "batch_size": args.batch_size, "compile": args.compile,
+                       "telemetry_every": args.telemetry_every,
                        "timing": f"interleaved rounds: {args.warmup} warm-up, {args.steps} timed; median ms"
                                  + (" of thread CPU time" if args.cpu_time else ""),
                        "results": rows}, args.out, f"train_step_{tag}.json")
