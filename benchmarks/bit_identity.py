@@ -16,7 +16,10 @@ path, ``fp8/mx_linear.py``); a recipe that reads ``scale_rounding`` also runs wi
 with the kernels' torch reference standing in for Triton (same values by its contract).
 CPU, ~30 s for the five FP8 recipes (more with mxfp8/nvfp4); exit status 1 on any difference.
 """
-import argparse, itertools, sys, torch
+import argparse
+import itertools
+import sys
+import torch
 import lowprec.fp8 as fp8
 from lowprec.catalog import RECIPES as CATALOG
 from lowprec.fp8.linear import Float8Linear
