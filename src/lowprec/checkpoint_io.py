@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -32,7 +33,7 @@ from lowprec.errors import CheckpointError
 
 __all__ = [
     "save_object", "load_object", "load_pickle", "read_checked", "check_deepspeed_dir", "LEGACY_ALLOWED",
-    "DEEPSPEED_ALLOWED", "OBJECT_KEY",
+    "DEEPSPEED_ALLOWED", "OBJECT_KEY", "load_error_reason",
 ]
 
 OBJECT_KEY = "lowprec_object"  # the safetensors metadata entry holding the JSON skeleton
@@ -128,6 +129,20 @@ def save_object(state: Any, path: str, what: str) -> None:
     save_file(tensors, path, metadata={OBJECT_KEY: json.dumps(skeleton)})
 
 
+def load_error_reason(exc: BaseException) -> str:
+    """Why a file did not load, in a few words. torch's weights-only refusal is a paragraph
+    whose first sentences suggest ``weights_only=False`` (the code execution it just prevented):
+    only the global it refused is kept."""
+    text = " ".join(str(exc).split())
+    if "Weights only load failed" in text:
+        named = re.search(r"GLOBAL ([\w.]+)", text)
+        if named:
+            return f"it names {named.group(1)}, which is not data (weights-only allow-list): refused before anything in it ran"
+        detail = re.search(r"WeightsUnpickler error: (.*?) Check the documentation", text)
+        return f"not a tensor file: {detail.group(1) if detail else 'refused by the weights-only unpickler'}"
+    return f"{type(exc).__name__}: {text[:200] or type(exc).__name__}"
+
+
 def read_checked(path: str, reader: Callable[[str], _T]) -> _T:
     """``reader(path)``, with any failure to parse turned into one line naming the file."""
     if not os.path.isfile(path):
@@ -137,9 +152,8 @@ def read_checked(path: str, reader: Callable[[str], _T]) -> _T:
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - any parse failure is the same user-facing problem
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise CheckpointError(
-            f"checkpoint file {path} cannot be read ({type(exc).__name__}: {reason}); it is damaged, "
+            f"checkpoint file {path} cannot be read ({load_error_reason(exc)}); it is damaged, "
             "was replaced, or was not written by lowprec: restore it or resume from another checkpoint"
         ) from None
 
