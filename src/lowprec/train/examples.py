@@ -187,14 +187,19 @@ def _save(cache: str, train: ExampleSet, val: Optional[ExampleSet]) -> None:
 
 
 def _load(cache: str, name: str, key: str) -> tuple[ExampleSet, Optional[ExampleSet]]:
-    with open(os.path.join(cache, "meta.json")) as f:
-        meta = json.load(f)
+    from lowprec.checkpoint_io import load_error_reason
 
     def one(split: str) -> ExampleSet:
         t = torch.load(os.path.join(cache, f"{split}.pt"), weights_only=True)  # tensors only, no code
         return ExampleSet(t["ids"], t["labels"], t["offsets"], f"{name} ({split})", key)
 
-    return one("train"), one("validation") if meta["validation"] else None
+    try:
+        with open(os.path.join(cache, "meta.json")) as f:
+            meta = json.load(f)
+        return one("train"), one("validation") if meta["validation"] else None
+    except Exception as exc:  # noqa: BLE001 - refused, damaged or half-deleted: one line, never reused silently
+        raise ValueError(f"dataset_prepared_path: the tokenized data in {cache} cannot be read "
+                         f"({load_error_reason(exc)}); delete that directory to tokenize again") from None
 
 
 # ---------------------------------------------------------------------- batches

@@ -21,6 +21,7 @@ import copy
 import json
 import logging
 import os
+import pickle
 import re
 from typing import Any, Optional
 
@@ -160,7 +161,17 @@ def load_causal_lm(path: str, model_type: Optional[str] = None, trust_remote_cod
     try:
         model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch.float32,
                                     **kwargs)
+    except (pickle.UnpicklingError, EOFError) as exc:  # pytorch_model.bin: transformers reads it weights-only
+        from lowprec.checkpoint_io import load_error_reason
+
+        pickles = sorted(f for f in os.listdir(path) if f.endswith(".bin"))
+        raise ValueError(f"base_model: {path}: {', '.join(pickles) or 'its weights'} cannot be read "
+                         f"({load_error_reason(exc)}); restore the file or use a model saved as safetensors") from None
     except (OSError, ValueError, KeyError) as exc:
+        from lowprec.train.tokenizer import is_remote_code_refusal, remote_code_message
+
+        if is_remote_code_refusal(exc):
+            raise ValueError(f"base_model: {remote_code_message(path)}") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         hint = "" if trust_remote_code else " (a model with its own code needs trust_remote_code: true, which runs that code)"
         raise ValueError(f"base_model: {path} cannot be loaded as a causal LM: {first}{hint}") from None

@@ -17,7 +17,8 @@ from typing import Iterable, Protocol, Sequence
 
 import torch
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "BYTE_VOCAB_SIZE"]
+__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "BYTE_VOCAB_SIZE", "is_remote_code_refusal",
+           "remote_code_message"]
 
 
 def _round_up16(n: int) -> int:
@@ -84,6 +85,16 @@ class ByteTokenizer:
 BYTE_VOCAB_SIZE = ByteTokenizer.vocab_size
 
 
+def is_remote_code_refusal(exc: BaseException) -> bool:
+    """transformers' refusal of a directory whose ``auto_map`` names code of its own."""
+    return isinstance(exc, ValueError) and "trust_remote_code=True" in str(exc)
+
+
+def remote_code_message(path: str) -> str:
+    return (f"{path} ships its own Python code (auto_map in its config), which lowprec does not run: set "
+            "trust_remote_code: true only if you trust that code")
+
+
 class HFTokenizer:
     """A local Hugging Face tokenizer directory (``tokenizer.json`` etc.), loaded offline."""
 
@@ -104,8 +115,14 @@ class HFTokenizer:
             names = [n for n in dir(transformers) if n.endswith(("Tokenizer", "TokenizerFast"))]
             raise ValueError(f"tokenizer_type: {tokenizer_type!r} is not a transformers tokenizer class"
                              f"{did_you_mean(tokenizer_type, names)}; use AutoTokenizer or e.g. PreTrainedTokenizerFast")
-        remote = {"trust_remote_code": True} if trust_remote_code else {}  # transformers' default is False
-        self._tok = cls.from_pretrained(path, local_files_only=True, **remote)
+        try:
+            # always explicit: transformers' default (None) asks "[y/N]" on a terminal, and "y" runs
+            # the directory's code; unset must mean refused
+            self._tok = cls.from_pretrained(path, local_files_only=True, trust_remote_code=bool(trust_remote_code))
+        except ValueError as exc:
+            if is_remote_code_refusal(exc):
+                raise ValueError(remote_code_message(path)) from None
+            raise
         known = set(self._tok.get_vocab()) if special_tokens or tokens else set()
         if special_tokens:  # Axolotl's special_tokens: set (or add) before anything is tokenized
             self._tok.add_special_tokens(dict(special_tokens))
