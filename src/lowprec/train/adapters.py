@@ -135,7 +135,7 @@ def is_peft_model(model: nn.Module) -> bool:
     return importlib.util.find_spec("peft") is not None and type(model).__module__.startswith("peft.")
 
 
-def save_adapter(peft_model: nn.Module, output_dir: str, merge: bool) -> dict[str, str]:
+def save_adapter(peft_model: nn.Module, output_dir: str, merge: bool, trust_remote_code: bool = False) -> dict[str, str]:
     """The adapter (``adapter_model.safetensors`` + ``adapter_config.json``) and, with ``merge``,
     the merged model in ``output_dir/merged``. Merging changes the model in place, so it runs
     last; FP8 layers go back to ``nn.Linear`` first (merged weights are plain weights)."""
@@ -147,7 +147,7 @@ def save_adapter(peft_model: nn.Module, output_dir: str, merge: bool) -> dict[st
     if merge:
         unconvert(peft_model)
         if getattr(peft_model.get_base_model(), "is_loaded_in_4bit", False):
-            merged = _merge_on_full_precision_base(peft_model, output_dir)
+            merged = _merge_on_full_precision_base(peft_model, output_dir, trust_remote_code)
         else:
             merged = peft_model.merge_and_unload()
         out = os.path.join(output_dir, "merged")
@@ -156,7 +156,7 @@ def save_adapter(peft_model: nn.Module, output_dir: str, merge: bool) -> dict[st
     return files
 
 
-def _merge_on_full_precision_base(peft_model: nn.Module, adapter_dir: str) -> nn.Module:
+def _merge_on_full_precision_base(peft_model: nn.Module, adapter_dir: str, trust_remote_code: bool = False) -> nn.Module:
     """QLoRA's merge, as ``axolotl merge-lora`` does it: the saved adapter onto the base model
     loaded again unquantized (float32, then saved bf16). Merging into the NF4 weights instead
     would round the merged weights to 4 bits, which is neither the base nor the trained model."""
@@ -166,7 +166,7 @@ def _merge_on_full_precision_base(peft_model: nn.Module, adapter_dir: str) -> nn
 
     base_path = peft_model.peft_config["default"].base_model_name_or_path
     logger.info("lowprec: merge_lora with a 4-bit base: merging the adapter onto %s loaded in full precision", base_path)
-    base = load_causal_lm(base_path)
+    base = load_causal_lm(base_path, trust_remote_code=trust_remote_code)  # the run's setting, as when it loaded
     rows = peft_model.get_input_embeddings().num_embeddings
     if base.get_input_embeddings().num_embeddings != rows:
         base.resize_token_embeddings(rows)  # the trainer resized it for new tokens

@@ -194,7 +194,7 @@ def _bf16_state(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, t
 
 
 def export_pretrained(wrapper: nn.Module, state_dict: dict[str, torch.Tensor], tokenizer: Any, output_dir: str,
-                      merge_lora: bool = False) -> dict[str, str]:
+                      merge_lora: bool = False, trust_remote_code: bool = False) -> dict[str, str]:
     """Write the trained model where ``from_pretrained`` finds it; returns {what: path}.
 
     ``wrapper`` is the trainer's wrapper around the model (unwrapped from DDP; ``.model``), ``state_dict`` its
@@ -206,7 +206,7 @@ def export_pretrained(wrapper: nn.Module, state_dict: dict[str, torch.Tensor], t
     tok = getattr(tokenizer, "hf_tokenizer", None)
     files: dict[str, str] = {}
     if is_peft_model(inner):
-        files.update(save_adapter(inner, output_dir, merge_lora))
+        files.update(save_adapter(inner, output_dir, merge_lora, trust_remote_code))
         targets = [output_dir] + ([files["merged"]] if "merged" in files else [])
     else:
         _save_model(inner, _bf16_state(state_dict, "model."), output_dir)

@@ -462,7 +462,8 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
         else:
             from lowprec.train.hf_model import export_pretrained
 
-            files.update(export_pretrained(run.inner, sd, run.tokenizer, output_dir, cfg.merge_lora))
+            files.update(export_pretrained(run.inner, sd, run.tokenizer, output_dir, cfg.merge_lora,
+                                           cfg.trust_remote_code))
         records = read_metrics(output_dir)
         files["loss_plot"] = plot_loss(records, os.path.join(output_dir, "loss.png"), f"{cfg.base_model} ({plan.label})")
         if run.fp8_layers:
