@@ -274,9 +274,10 @@ def _cases(tmp_path, nproc: int) -> dict[str, tuple[str, str]]:
     for stem in ("random_states_", "buffers_0_rank"):  # every process's copy, so every process refuses
         d = copy(stem.rstrip("_"))
         for r in range(nproc):
-            (ckpt_file := os.path.join(d, f"{stem}{r}.safetensors")) and os.remove(ckpt_file)
-            torch.save({"p": Evil(str(tmp_path / f"MARKER-{stem}{r}"))}, ckpt_file)
-        cases[stem.rstrip("_")] = (d, f"{stem}")
+            target = os.path.join(d, f"{stem}{r}.safetensors")
+            os.remove(target)
+            torch.save({"p": Evil(str(tmp_path / f"MARKER-{stem}{r}"))}, target)
+        cases[stem.rstrip("_")] = (d, stem)  # each process names its own file
     for name in per_run:
         d = copy(name)
         os.remove(os.path.join(d, name))
