@@ -462,6 +462,26 @@ def test_damaged_prepared_cache(prepared_cache, tmp_path, capsys, damage, expect
     assert not (tmp_path / "cache" / "code-ran").exists()
 
 
+def test_a_batch_with_no_trainable_token_says_so(prepared_cache, tmp_path, capsys, monkeypatch):
+    """Past the checks (here: the cache check switched off), every label -100 gives a NaN loss;
+    the stop names the cause, not "lower the learning rate"."""
+    import shutil
+
+    from lowprec.train import examples
+
+    root, cfg, key = prepared_cache
+    shutil.copytree(root / "cache", tmp_path / "cache")
+    _damage_unlabelled(tmp_path / "cache" / key)
+    monkeypatch.setattr(examples, "_checked_set", lambda t, name, key: examples.ExampleSet(
+        t["ids"], t["labels"], t["offsets"], name, key))
+    path = _write(tmp_path, {**cfg, "dataset_prepared_path": str(tmp_path / "cache"), "output_dir": str(tmp_path / "out"),
+                             "max_steps": 4, "val_set_size": 0.05}, {})
+    rc, lines = _cli(["train", path, "--quiet"], capsys)
+    stops = [line for line in lines if line.startswith("lowprec: stopped: ")]
+    assert rc == 3 and len(stops) == 1, lines[-5:]
+    assert "no trainable tokens in the batch" in stops[0] and "learning rate" not in stops[0], stops[0]
+
+
 def test_the_tables_hold_at_least_150_bad_inputs():
     assert len(TRAIN_YAML) + len(FLAGS) + len(LAUNCH_YAML) + len(PYTHON) + len(CACHE) >= 150
 
