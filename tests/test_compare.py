@@ -164,7 +164,7 @@ def test_cli_parsing_and_usage_errors(tmp_path, capsys):
         (["--workers", "two"], "--workers two"),
         (["--precisions", "bf16,fp9"], "unknown precision 'fp9'"),
         (["--baseline", "fp32", "--precisions", "bf16,fp8"], "--baseline fp32"),
-        (["--compare", "{seedz: 2}"], "unknown key 'seedz' under compare"),
+        (["--compare", "{seedz: 2}"], "unknown key 'compare.seedz' (did you mean 'seeds'?)"),
     ):
         assert main(["compare", TINY, "--compare_dir", str(tmp_path), *argv]) == 2, argv
         err = capsys.readouterr().err

@@ -10,6 +10,7 @@ message holding them. Everything runs in-process; rows that fail late stop befor
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -26,6 +27,15 @@ BASE = {"base_model": "builtin:llama-tiny", "datasets": ["builtin:stdlib"], "dat
         "use_tensorboard": False, "cpu_threads": 1}
 ERROR_LINE = re.compile(r"^lowprec( \w+)?: error: ")
 
+
+class AfterBase(str):
+    """A row's YAML text appended to the fast base (for keys no dict can hold: ``learning-rate``,
+    ``1:``, values that only YAML text spells: ``1e999``, ``.inf``)."""
+
+
+# chat rows for the template rows ({chat} is a small messages file the test writes)
+CHAT = {"datasets": [{"path": "{chat}", "type": "chat_template"}], "chat_template": "jinja"}
+
 TRAIN_YAML = [
     ("empty-file", "", "the file is empty"),
     ("comments-only", "# nothing here\n", "the file is empty"),
@@ -36,7 +46,7 @@ TRAIN_YAML = [
     ("top-level-list", "- learning_rate\n", "expected a mapping"),
     ("top-level-scalar", "hello\n", "expected a mapping"),
     ("unknown-key", {"lerning_rate": 1e-3}, "did you mean 'learning_rate'"),
-    ("unknown-nested-key", {"fsdp_version": 2, "fsdp_config": {"reshard": True}}, "unknown key 'reshard'"),
+    ("unknown-nested-key", {"fsdp_version": 2, "fsdp_config": {"reshard": True}}, "unknown key 'fsdp_config.reshard'"),
     ("negative-lr", {"learning_rate": -1}, "learning_rate"),
     ("lr-not-a-number", {"learning_rate": "fast"}, "learning_rate"),
     ("micro-batch-0", {"micro_batch_size": 0}, "micro_batch_size"),
@@ -79,6 +89,60 @@ TRAIN_YAML = [
     ("resume-missing-dir", {"resume_from_checkpoint": "/nonexistent/checkpoint-3"}, "not a checkpoint directory"),
     ("output-dir-unwritable", {"output_dir": "/proc/lowprec-nope"}, "cannot be created or written"),
     ("fp8-fallback-unknown", {"fp8_fallback": "fp4"}, "fp8_fallback"),
+    # keys that are not ASCII identifiers, at the top and nested (issue 28 item 8: an IndexError)
+    ("key-with-dash", AfterBase("learning-rate: 0.001\n"), "unknown key 'learning-rate' (did you mean 'learning_rate'?"),
+    ("key-with-space", AfterBase("learning rate: 0.001\n"), "unknown key 'learning rate' (did you mean 'learning_rate'?"),
+    ("key-accented", AfterBase("léarning_rate: 0.001\n"), "unknown key 'léarning_rate' (did you mean 'learning_rate'?"),
+    ("key-emoji", AfterBase("\U0001f680: 1\n"), "(keys are ASCII names with underscores)"),
+    ("key-capitals", AfterBase("Learning_Rate: 0.1\n"), "(did you mean 'learning_rate'?"),
+    ("nested-key-dash", AfterBase("fsdp_version: 2\nfsdp_config:\n  re-shard: true\n"),
+     "unknown key 'fsdp_config.re-shard'; fsdp_config takes auto_wrap_policy"),
+    ("nested-key-space", AfterBase("fsdp_version: 2\nfsdp_config:\n  reshard after forward: true\n"),
+     "unknown key 'fsdp_config.reshard after forward' (did you mean 'reshard_after_forward'?"),
+    ("nested-key-emoji", AfterBase("fsdp_version: 2\nfsdp_config:\n  \U0001f680: true\n"), "unknown key 'fsdp_config.\U0001f680'"),
+    ("dataset-key-dash", {"datasets": [{"path": "builtin:stdlib", "ds-type": "json"}]},
+     "unknown key 'datasets.0.ds-type' (did you mean 'ds_type'?"),
+    ("key-number", AfterBase("1: 2\n"), "key 1 is not a name"),
+    ("key-null", AfterBase("~: 2\n"), "key null is not a name"),
+    ("key-bool", AfterBase("yes: 2\n"), "key true is not a name"),
+    # silently accepted before: strict ints and booleans, finite floats, bounds
+    ("max-steps-true", {"max_steps": True}, "max_steps: Input should be a valid integer (got true)"),
+    ("max-steps-1e30", AfterBase("max_steps: 1e30\n"), "max_steps: Input should be a valid integer"),
+    ("max-steps-2.5", {"max_steps": 2.5}, "max_steps: Input should be a valid integer"),
+    ("max-steps-quoted", {"max_steps": "5"}, "max_steps: Input should be a valid integer (got '5')"),
+    ("warmup-steps-float", {"warmup_steps": 1.5}, "warmup_steps: Input should be a valid integer"),
+    ("fp16-1", {"fp16": 1}, "fp16: Input should be a valid boolean (got 1)"),
+    ("train-on-inputs-quoted-yes", {"train_on_inputs": "yes"}, "train_on_inputs: Input should be a valid boolean"),
+    ("lr-1e999", AfterBase("learning_rate: 1e999\n"), "learning_rate: Input should be a finite number"),
+    ("lr-inf", AfterBase("learning_rate: .inf\n"), "learning_rate: Input should be a finite number"),
+    ("lr-nan", AfterBase("learning_rate: .nan\n"), "learning_rate: Input should be a finite number"),
+    ("lr-1e39", {"learning_rate": 1e39}, "learning_rate: 1e+39 is beyond float32's range"),
+    ("weight-decay-inf", AfterBase("weight_decay: .inf\n"), "weight_decay: Input should be a finite number"),
+    ("seed-2**70", {"seed": 2**70}, "seed: Input should be less than or equal to 4294967295"),
+    ("output-dir-empty", {"output_dir": ""}, "output_dir: '' is empty, which would write"),
+    ("output-dir-blank", {"output_dir": "  "}, "output_dir: '  ' is empty"),
+    ("datasets-empty", {"datasets": []}, "datasets: the list is empty"),
+    ("amax-history-1e9", {"fp8": True, "fp8_recipe": {"name": "delayed", "amax_history_len": 10**9}},
+     "amax_history_len must be at most 16384"),
+    ("amax-history-float", {"fp8": True, "fp8_recipe": {"name": "delayed", "amax_history_len": 1e9}},
+     "amax_history_len must be an integer"),
+    # chat templates: syntax at load, sandbox refusals and render errors when the data is read
+    ("jinja-syntax", {**CHAT, "chat_template_jinja": "{% for m in messages %}{{ m.content }"},
+     "chat_template_jinja: not valid Jinja (line 1"),
+    ("jinja-syntax-in-dataset", {"datasets": [{"path": "{chat}", "type": "chat_template", "chat_template": "jinja",
+                                                "chat_template_jinja": "{% if %}"}]},
+     "datasets.0.chat_template_jinja: not valid Jinja"),
+    ("jinja-sandbox", {**CHAT, "chat_template_jinja": "{{ ''.__class__.__mro__ }}{% for m in messages %}{{ m.content }}{% endfor %}"},
+     "chat template: refused by the sandbox"),
+    ("jinja-render-error", {**CHAT, "chat_template_jinja": "{{ messages[0].content.nope() }}"},
+     "chat template: rendering failed"),
+    ("pretokenized-all-ignored", {"datasets": ["{pretok}"]}, "with a token to learn"),
+    # DeepSpeed: one process, and its own schema's errors named by key and source
+    ("deepspeed-one-process", {"deepspeed": {"zero_optimization": {"stage": 1}}}, "add --num_processes 2"),
+    ("deepspeed-bad-stage", {"deepspeed": {"zero_optimization": {"stage": "x"}}}, "deepspeed: zero_optimization.stage:"),
+    ("deepspeed-file-bad-device", {"deepspeed": "{ds_gpu9}"},
+     "deepspeed config {ds_gpu9}: zero_optimization.offload_optimizer.device: Input should be"),
+    ("binary-file", b"\x00\x80\xff" * 50, "not a text file"),
 ]
 
 FLAGS = [
@@ -91,7 +155,7 @@ FLAGS = [
     ("train-fp16-with-yaml-fp8", ["train", TINY, "--fp16", "true"], "with flags --fp16"),
     ("train-fp8-sequence-len", ["train", TINY, "--sequence_len", "100"], "use sequence_len: 112"),
     ("train-save-limit-0", ["train", TINY, "--save_total_limit", "0"], "flag --save_total_limit"),
-    ("train-nested-unknown", ["train", TINY, "--fsdp_config", "{{reshard: 1}}"], "unknown key 'reshard'"),
+    ("train-nested-unknown", ["train", TINY, "--fsdp_config", "{{reshard: 1}}"], "unknown key 'fsdp_config.reshard'"),
     ("train-missing-config", ["train", "/nonexistent/config.yaml"], "not found"),
     ("train-skip-limit-0", ["train", TINY, "--max_consecutive_skipped_steps", "0"], "flag --max_consecutive_skipped_steps"),
     # the flag names its key once ("flag --fsdp_version: 1 is not ...", not "... fsdp_version: 1 ...")
@@ -115,6 +179,12 @@ FLAGS = [
     ("launch-flag-fsdp1-over-yaml", ["launch", "--config_file", "{launch_yaml}", "--use_fsdp", "--fsdp_version", "1", "{script}"],
      "fsdp_version from --fsdp_version"),
     ("compare-unknown-precision", ["compare", TINY, "--precisions", "fp9"], "unknown precision 'fp9'"),
+    ("train-config-is-directory", ["train", "{tmp}"], "is a directory; give the YAML file"),
+    ("train-lr-inf", ["train", TINY, "--learning_rate", "inf"], "flag --learning_rate"),
+    ("train-max-steps-true", ["train", TINY, "--max_steps", "true"], "flag --max_steps: Input should be a valid integer"),
+    ("train-seed-2**70", ["train", TINY, "--seed", str(2**70)], "flag --seed: Input should be less than or equal"),
+    ("train-dashed-nested-key", ["train", TINY, "--fsdp_config", "{{re-shard: 1}}"], "unknown key 'fsdp_config.re-shard'"),
+    ("launch-config-is-directory", ["launch", "--config_file", "{tmp}", "{script}"], "is a directory; give the YAML file"),
 ]
 
 LAUNCH_YAML = [
@@ -141,6 +211,8 @@ LAUNCH_YAML = [
     ("margin-negative", {"mixed_precision": "fp8", "fp8_config": {"margin": -1}}, "margin"),
     ("distributed-type-tpu", {"distributed_type": "TPU"}, "distributed_type"),
     ("port-not-int", {"main_process_port": "abc"}, "main_process_port"),
+    ("binary-file", b"\x00\x80\xff" * 50, "not a text file"),
+    ("amax-history-1e9", {"mixed_precision": "fp8", "fp8_config": {"amax_history_len": 10**9}}, "at most 16384"),
 ]
 
 
@@ -162,18 +234,51 @@ def _check_one_line(rc: int, lines: list[str], expected: str) -> None:
 
 def _write(tmp_path, body, base: dict) -> str:
     path = tmp_path / "config.yaml"
-    path.write_text(body if isinstance(body, str) else yaml.safe_dump({**base, **body}, sort_keys=False))
+    if isinstance(body, bytes):
+        path.write_bytes(body)
+    elif isinstance(body, AfterBase):  # the base without the keys the row's text sets
+        own = {line.split(":")[0] for line in body.splitlines() if line[:1] not in " #"}
+        path.write_text(yaml.safe_dump({k: v for k, v in base.items() if k not in own}, sort_keys=False) + body)
+    else:
+        path.write_text(body if isinstance(body, str) else yaml.safe_dump({**base, **body}, sort_keys=False,
+                                                                             allow_unicode=True))
     return str(path)
+
+
+def _data_files(tmp_path) -> dict[str, str]:
+    """The files rows name: chat data, pre-tokenized rows with nothing to learn, DeepSpeed JSON."""
+    import json
+
+    chat, pretok, ds = tmp_path / "chat.jsonl", tmp_path / "pretok.jsonl", tmp_path / "ds_gpu9.json"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"},
+                                                     {"role": "assistant", "content": f"hello {i}"}]}) + "\n"
+                            for i in range(20)))
+    pretok.write_text("".join(json.dumps({"input_ids": [1, 2, 3, 4], "labels": [-100] * 4}) + "\n" for _ in range(20)))
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu9"}}}))
+    return {"chat": str(chat), "pretok": str(pretok), "ds_gpu9": str(ds)}
+
+
+def _fill(value, names: dict[str, str]):
+    """``{name}`` placeholders in a row's strings, at any depth (JSON/Jinja braces untouched)."""
+    if isinstance(value, str) and not isinstance(value, AfterBase):
+        for k, v in names.items():
+            value = value.replace("{" + k + "}", v)
+        return value
+    if isinstance(value, dict):
+        return {k: _fill(v, names) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, names) for v in value]
+    return value
 
 
 @pytest.mark.parametrize("body, expected", [r[1:] for r in TRAIN_YAML], ids=[r[0] for r in TRAIN_YAML])
 def test_trainer_yaml(tmp_path, capsys, body, expected):
     bad_json = tmp_path / "ds.json"
     bad_json.write_text("{zero_optimization: 1")
-    if isinstance(body, dict):
-        body = {k: v.format(bad_json=bad_json) if isinstance(v, str) else v for k, v in body.items()}
-    path = _write(tmp_path, body, {**BASE, "output_dir": str(tmp_path / "out")})
-    _check_one_line(*_cli(["train", path, "--quiet"], capsys), expected)
+    names = {"bad_json": str(bad_json), **_data_files(tmp_path)}
+    path = _write(tmp_path, _fill(body, names), {**BASE, "output_dir": str(tmp_path / "out")})
+    _check_one_line(*_cli(["train", path, "--quiet"], capsys), _fill(expected, names))
+    assert not (tmp_path / "out" / "model.safetensors").exists()  # nothing trained
 
 
 @pytest.mark.parametrize("argv, expected", [r[1:] for r in FLAGS], ids=[r[0] for r in FLAGS])
@@ -184,7 +289,7 @@ def test_command_line_flags(tmp_path, capsys, argv, expected):
     bad_json.write_text("{zero_optimization: 1")
     launch_yaml = tmp_path / "launch.yaml"
     launch_yaml.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
-    names = {"script": script, "bad_json": bad_json, "launch_yaml": launch_yaml}
+    names = {"script": script, "bad_json": bad_json, "launch_yaml": launch_yaml, "tmp": tmp_path}
     argv = [a.format(**names) for a in argv]
     expected = expected.format(**names)
     if argv[0] == "train" and argv[1] == TINY:  # the row's own flags come last and win
@@ -247,7 +352,27 @@ def _python_rows():
         ("parse-config-negative-lr", lambda: parse_config({"learning_rate": -1}), "learning_rate"),
         ("parse-config-not-mapping", lambda: parse_config([1, 2]), "expected a mapping"),
         ("save-model-unprepared-nan", lambda: _nan_save(prepared()), "not finite"),
+        ("recipe-amax-history-1e9", lambda: Recipe.from_name("delayed", amax_history_len=10**9), "at most 16384"),
+        ("parse-config-dashed-key", lambda: parse_config({"learning-rate": 1e-3}), "did you mean 'learning_rate'"),
+        ("parse-config-steps-bool", lambda: parse_config({"max_steps": True}), "max_steps: Input should be a valid integer"),
+        ("parse-config-lr-inf", lambda: parse_config({"learning_rate": float("inf")}), "finite number"),
+        ("load-state-tampered-processes", lambda: _tampered_meta(prepared(), num_processes=0), "not a process count"),
     ]
+
+
+def _tampered_meta(acc, **changes):
+    """A checkpoint whose lowprec_state.json was edited by hand, loaded back."""
+    import json
+    import tempfile
+
+    directory = os.path.join(tempfile.mkdtemp(prefix="lowprec-badmeta-"), "ckpt")
+    acc.save_state(directory)
+    meta_path = os.path.join(directory, "lowprec_state.json")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    with open(meta_path, "w") as f:
+        json.dump({**meta, **changes}, f)
+    acc.load_state(directory)
 
 
 def _nan_save(acc):
@@ -269,16 +394,105 @@ def test_python_arguments(call, expected):
     assert "\n" not in message and expected in message, message
 
 
-def test_the_tables_hold_at_least_80_bad_inputs():
-    assert len(TRAIN_YAML) + len(FLAGS) + len(LAUNCH_YAML) + len(PYTHON) >= 80
+# ----------------------------------------------------------------------------- prepared data cache
+def _damage_garbage(cache) -> None:
+    (cache / "train.pt").write_bytes(b"not a torch file" * 10)
 
 
-def test_a_smoke_run_shorter_than_the_warmup_is_clamped_with_a_note(tmp_path, caplog):
+def _damage_unlabelled(cache) -> None:
+    t = torch.load(cache / "train.pt", weights_only=True)
+    torch.save({**t, "labels": torch.full_like(t["labels"], -100)}, cache / "train.pt")
+
+
+def _damage_offsets(cache) -> None:
+    t = torch.load(cache / "train.pt", weights_only=True)
+    torch.save({**t, "offsets": t["offsets"].flip(0)}, cache / "train.pt")
+
+
+def _damage_pickle(cache) -> None:
+    import pickle
+
+    class _Runs:  # what a tampered cache would hold: code that runs on unpickling
+        def __reduce__(self):
+            return (os.mkdir, (str(cache.parent / "code-ran"),))
+
+    with open(cache / "train.pt", "wb") as f:
+        pickle.dump(_Runs(), f)
+
+
+def _damage_meta(cache) -> None:
+    (cache / "meta.json").write_text("{not json")
+
+
+CACHE = [
+    ("garbage", _damage_garbage, "is damaged or was not written by lowprec"),
+    ("all-labels-ignored", _damage_unlabelled, "has no trainable token"),
+    ("offsets-shuffled", _damage_offsets, "do not agree"),
+    ("pickle-payload", _damage_pickle, "delete that directory to tokenize the data again"),
+    ("meta-not-json", _damage_meta, "dataset_prepared_path: the cache"),
+]
+
+
+@pytest.fixture(scope="module")
+def prepared_cache(tmp_path_factory):
+    """A cache written by a one-step run on chat data (once for the module's rows)."""
+    from lowprec.cli.main import main
+
+    root = tmp_path_factory.mktemp("prepared")
+    names = _data_files(root)
+    cfg = {**BASE, **_fill(CHAT, names), "chat_template": "chatml", "sequence_len": 128, "dataset_prepared_path": str(root / "cache"),
+           "output_dir": str(root / "out")}
+    (root / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(root / "c.yaml"), "--quiet"]) == 0
+    (key,) = os.listdir(root / "cache")
+    return root, cfg, key
+
+
+@pytest.mark.parametrize("damage, expected", [r[1:] for r in CACHE], ids=[r[0] for r in CACHE])
+def test_damaged_prepared_cache(prepared_cache, tmp_path, capsys, damage, expected):
+    import shutil
+
+    root, cfg, key = prepared_cache
+    shutil.copytree(root / "cache", tmp_path / "cache")
+    damage(tmp_path / "cache" / key)
+    path = _write(tmp_path, {**cfg, "dataset_prepared_path": str(tmp_path / "cache"), "output_dir": str(tmp_path / "out")}, {})
+    capsys.readouterr()
+    rc, lines = _cli(["train", path, "--quiet"], capsys)
+    _check_one_line(rc, lines, expected)
+    assert not (tmp_path / "cache" / "code-ran").exists()
+
+
+def test_a_batch_with_no_trainable_token_says_so(prepared_cache, tmp_path, capsys, monkeypatch):
+    """Past the checks (here: the cache check switched off), every label -100 gives a NaN loss;
+    the stop names the cause, not "lower the learning rate"."""
+    import shutil
+
+    from lowprec.train import examples
+
+    root, cfg, key = prepared_cache
+    shutil.copytree(root / "cache", tmp_path / "cache")
+    _damage_unlabelled(tmp_path / "cache" / key)
+    monkeypatch.setattr(examples, "_checked_set", lambda t, name, key: examples.ExampleSet(
+        t["ids"], t["labels"], t["offsets"], name, key))
+    path = _write(tmp_path, {**cfg, "dataset_prepared_path": str(tmp_path / "cache"), "output_dir": str(tmp_path / "out"),
+                             "max_steps": 4, "val_set_size": 0.05}, {})
+    rc, lines = _cli(["train", path, "--quiet"], capsys)
+    stops = [line for line in lines if line.startswith("lowprec: stopped: ")]
+    assert rc == 3 and len(stops) == 1, lines[-5:]
+    assert "no trainable tokens in the batch" in stops[0] and "learning rate" not in stops[0], stops[0]
+
+
+def test_the_tables_hold_at_least_150_bad_inputs():
+    assert len(TRAIN_YAML) + len(FLAGS) + len(LAUNCH_YAML) + len(PYTHON) + len(CACHE) >= 150
+
+
+def test_a_smoke_run_shorter_than_the_warmup_is_clamped_with_a_note(tmp_path, caplog, monkeypatch):
     """``--max_steps 3`` on a config with ``warmup_steps: 10`` is a normal smoke run: the
     warmup is clamped (logged, and recorded in resolved_config.yaml), not refused."""
     from lowprec.train.config import load_config
     from lowprec.train.trainer import train
 
+    monkeypatch.setattr(logging.getLogger("lowprec"), "propagate", True)  # a CLI row's run may have cleared it
     cfg = load_config(TINY, {"max_steps": 3, "warmup_steps": 10, "output_dir": str(tmp_path), "fp8": False,
                              "eval_steps": None, "val_set_size": 0.0, "use_tensorboard": False})
     with caplog.at_level("WARNING", logger="lowprec"):

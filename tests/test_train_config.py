@@ -59,7 +59,7 @@ BAD = [
     ({"fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2}, "needs fp8: true"),
     ({"fsdp_version": 1}, "FSDP2 only: set fsdp_version: 2"),
     ({"fsdp_config": {"reshard_after_forward": False}}, "add fsdp_version: 2"),
-    ({"fsdp_version": 2, "fsdp_config": {"sharding_strategy": "FULL_SHARD"}}, "unknown key 'sharding_strategy' under fsdp_config"),
+    ({"fsdp_version": 2, "fsdp_config": {"sharding_strategy": "FULL_SHARD"}}, "unknown key 'fsdp_config.sharding_strategy'"),
     ({"micro_batch_size": 0}, "micro_batch_size: Input should be greater than or equal to 1"),
     ({"learning_rate": "fast"}, "learning_rate: Input should be a valid number"),
     ({"optimizer": "adamw_torh"}, "did you mean 'adamw_torch'"),

@@ -31,6 +31,7 @@ __all__ = [
     "SCALING_FIELDS",
     "FIELD_DEFAULTS",
     "FIELD_MINIMUMS",
+    "FIELD_MAXIMUMS",
     "RECIPE_FIELDS",
     "RecipeOption",
     "RECIPE_OPTIONS",
@@ -84,6 +85,9 @@ RECIPE_FIELDS = (*FIELD_DEFAULTS, "scaling", "power_of_2_scales", "dgrad_weight_
 
 # The one range check of each integer field (Recipe, kwargs, launch flags/YAML/env, wizard).
 FIELD_MINIMUMS: Mapping[str, int] = MappingProxyType({"amax_history_len": 1, "interval": 1, "margin": 0})
+# every FP8 tensor keeps amax_history_len float32 amaxes (TransformerEngine's default is 1024):
+# 10**9 allocated 4 GB per tensor and ran out of memory a minute into the run
+FIELD_MAXIMUMS: Mapping[str, int] = MappingProxyType({"amax_history_len": 16384})
 
 
 def check_int_field(name: str, value: Any, convert: bool = True) -> int:
@@ -99,6 +103,10 @@ def check_int_field(name: str, value: Any, convert: bool = True) -> int:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
     if value < minimum:
         raise ValueError(f"{value} is too small; {name} must be an integer >= {minimum}")
+    maximum = FIELD_MAXIMUMS.get(name)
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{value} is too large; {name} must be at most {maximum} (each FP8 tensor keeps that "
+                         "many float32 amaxes; 16 to 1024 is usual)")
     return value
 
 

@@ -432,6 +432,10 @@ def _read_meta(path: str) -> dict:
     meta = _read_json(path)
     if not isinstance(meta, dict) or not {"mixed_precision", "fp8_backend"} <= set(meta):
         raise ValueError("not a lowprec_state.json mapping (needs mixed_precision and fp8_backend)")
+    procs = meta.get("num_processes", 1)
+    if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
+        # a hand-edited value would otherwise end up in advice such as `--num_processes 0`
+        raise ValueError(f"num_processes is {procs!r}, not a process count >= 1")
     return meta
 
 

@@ -92,6 +92,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with open(stop_file) as f:
                 print(f"lowprec: stopped: {f.read().strip()}{_continue_hint()}", file=sys.stderr)
             return code
+        if code == 2:  # a user or checkpoint error: the worker printed its one line; "continue"
+            return code  # would retry the same input (e.g. resume from the same bad checkpoint)
         print(
             f"lowprec: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) failed first: "
             f"{describe_exit(code)}; the other workers were stopped{_continue_hint()}",

@@ -169,6 +169,20 @@ def _check_tensor_parallel(cfg: Any, processes: int) -> None:
                          f"data-parallel groups, which FSDP2 shards: add fsdp_version: 2, or run {tp} processes")
 
 
+def _check_deepspeed(cfg: Any, processes: int) -> None:
+    """DeepSpeed's schema check, then the launch: DeepSpeed initialises its process group from
+    the launcher's variables, so a plain one-process run would fail inside deepspeed.initialize."""
+    from lowprec.config.yaml_file import read_json_object
+    from lowprec.utils.deepspeed import check_deepspeed_config
+
+    ds = cfg.deepspeed
+    body, source = (read_json_object(ds), f"deepspeed config {ds}") if isinstance(ds, str) else (ds, "deepspeed")
+    check_deepspeed_config(body, source, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
+    if processes == 1 and "WORLD_SIZE" not in os.environ:
+        raise ValueError("deepspeed is set but this is a one-process run, and DeepSpeed runs under a launcher: "
+                         "add --num_processes 2 (or more), or drop deepspeed")
+
+
 def run(args: argparse.Namespace) -> int:
     from lowprec.train.config import load_config
 
@@ -179,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
     if args.num_processes < 1:
         raise ValueError(f"--num_processes {args.num_processes}: use 1 or more")
     _check_tensor_parallel(cfg, int(os.environ.get("WORLD_SIZE", args.num_processes)))
+    if cfg.deepspeed is not None:
+        _check_deepspeed(cfg, args.num_processes)
     if args.num_processes > 1 and "WORLD_SIZE" not in os.environ:
         from lowprec.cli._torchrun import CONTINUE_VAR
 

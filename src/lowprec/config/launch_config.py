@@ -356,6 +356,9 @@ def _check_duplicate_aliases(model: type[BaseModel], body: dict[str, Any], prefi
 
 def load_launch_config(path: str | os.PathLike[str]) -> LaunchConfig:
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise UsageError(f"config file {str(path)!r} is a directory; give the YAML file (e.g. "
+                         f"{str(path / 'default_config.yaml')!r})")
     if not path.is_file():
         raise UsageError(f"config file {str(path)!r} does not exist; create it with `lowprec config`")
     from lowprec.config.yaml_file import read_yaml_mapping

@@ -9,6 +9,7 @@ errors here, naming the file, the key and the lines.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +41,28 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+# YAML 1.2 floats: PyYAML (YAML 1.1) reads `2e-5` and `1e999` as strings, which a strict schema
+# would refuse ("a valid number") although every Axolotl config writes learning rates so; read
+# them as floats (`1e999` is then inf, and refused as not finite, not run).
+_StrictLoader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def read_yaml_mapping(path: str | os.PathLike[str], example: str = "key: value") -> dict[str, Any]:
     """The top-level mapping of the YAML file ``path``; every problem is one ``UsageError`` line
     naming the file (missing files are the caller's to report, with its own hint)."""
     p = Path(path)
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{p}: not a text file (byte {exc.object[exc.start]:#04x} at offset {exc.start} is not "
+                         "UTF-8); give a YAML config file") from None
+    except OSError as exc:
+        raise UsageError(f"{p}: cannot be read ({exc.strerror or exc}); give a readable YAML config file") from None
     loader = _StrictLoader(text)
     loader.name = str(p)
     try:

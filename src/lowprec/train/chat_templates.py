@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-__all__ = ["TEMPLATES", "TEMPLATE_NAMES", "template_text", "render_segments", "EOT_MARKERS"]
+__all__ = ["TEMPLATES", "TEMPLATE_NAMES", "template_text", "render_segments", "check_template", "EOT_MARKERS"]
 
 # Our own spelling of the two public formats (ChatML; Llama 3 instruct headers).
 TEMPLATES = {
@@ -73,6 +73,33 @@ def _environment():
     return env
 
 
+_FIX = "fix chat_template_jinja (or the tokenizer's chat_template), or use chat_template: chatml"
+
+
+def _template_error(exc: Exception) -> ValueError:
+    """One line for a Jinja error: syntax (with its line), a sandbox refusal, an undefined name."""
+    from jinja2.exceptions import SecurityError, TemplateSyntaxError
+
+    what = " ".join(str(exc).split())
+    if isinstance(exc, TemplateSyntaxError):
+        return ValueError(f"chat template: not valid Jinja (line {exc.lineno}: {what}); {_FIX}")
+    if isinstance(exc, SecurityError):  # the sandbox refused an attribute: never run, report
+        return ValueError(f"chat template: refused by the sandbox ({what}); templates may only format "
+                          f"messages; {_FIX}")
+    return ValueError(f"chat template: rendering failed ({type(exc).__name__}: {what}); {_FIX}")
+
+
+def check_template(template: str) -> None:
+    """Compile ``template`` (a syntax error is a config error before any data is read); a
+    template that needs more than the sandbox allows is refused when it renders."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        _environment().from_string(template)
+    except TemplateError as exc:
+        raise _template_error(exc) from None
+
+
 def render_segments(
     template: str,
     messages: Sequence[dict[str, Any]],
@@ -83,11 +110,20 @@ def render_segments(
     eot_tokens: Sequence[str] = (),
 ) -> list[tuple[str, bool]]:
     """``[(text, trained), ...]`` whose texts join to the rendered conversation."""
-    compiled = _environment().from_string(template)
+    from jinja2.exceptions import TemplateError
+
+    try:
+        compiled = _environment().from_string(template)
+    except TemplateError as exc:
+        raise _template_error(exc) from None
     markers = tuple(dict.fromkeys([*eot_tokens, *EOT_MARKERS, *([eos_token] if eos_token else [])]))
 
     def render(msgs: Sequence[dict[str, Any]]) -> str:
-        return compiled.render(messages=list(msgs), add_generation_prompt=False, bos_token=bos_token, eos_token=eos_token)
+        try:
+            return compiled.render(messages=list(msgs), add_generation_prompt=False, bos_token=bos_token,
+                                   eos_token=eos_token)
+        except TemplateError as exc:
+            raise _template_error(exc) from None
 
     segments: list[tuple[str, bool]] = []
     done = ""

@@ -166,19 +166,70 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
-_FIELD_PART = __import__("re").compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _TAG_WORDS = {"bool": "true or false", "str": "a string", "int": "an integer", "float": "a number"}
+# pydantic's names for the branches of a Union, which it puts in an error's location: a type name
+# (``int``), a parametrised type (``literal['auto','full']``, ``function-after[...]``) or a model
+_TAG_SHAPE = __import__("re").compile(r"^[a-z][a-z-]*\[")
 
 
-def _split_loc(loc: tuple) -> tuple[tuple, Optional[str]]:
-    """(key path, union branch tag or None): pydantic puts the branch of a Union in the loc."""
+def _model_names(model: type[BaseModel], seen: set[str]) -> set[str]:
+    """Class names of ``model`` and every model reachable from its fields (union branch tags)."""
+    if model.__name__ in seen:
+        return seen
+    seen.add(model.__name__)
+    for field in model.model_fields.values():
+        stack = [field.annotation]
+        while stack:
+            t = stack.pop()
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                _model_names(t, seen)
+            stack += list(getattr(t, "__args__", ()))
+    return seen
+
+
+_MODEL_TAGS = frozenset(_model_names(TrainConfig, set()))
+
+
+def _split_loc(err: dict[str, Any]) -> tuple[tuple, Optional[str]]:
+    """(key path, union branch tag or None) of a pydantic error: pydantic puts the branch of a
+    Union in the loc. The last part of an unknown-key error is the user's key, whatever it looks
+    like (``learning-rate``, ``learning rate``, an emoji), never a tag."""
+    loc = err["loc"]
     parts, tag = [], None
-    for p in loc:
-        if isinstance(p, int) or (_FIELD_PART.match(p) and p not in _TAG_WORDS):
+    for i, p in enumerate(loc):
+        users_key = err["type"] == "extra_forbidden" and i == len(loc) - 1
+        if isinstance(p, int) or users_key or not (p in _TAG_WORDS or p in _MODEL_TAGS or _TAG_SHAPE.match(p)):
             parts.append(p)
         else:
             tag = p
     return tuple(parts), tag
+
+
+def _normal_key(key: str) -> str:
+    """``Learning-Rate``, ``learning rate``, ``léarning_rate`` -> ``learning_rate`` (for a hint)."""
+    import unicodedata
+
+    ascii_key = unicodedata.normalize("NFKD", key).encode("ascii", "ignore").decode()
+    return "_".join(ascii_key.lower().replace("-", " ").replace(".", " ").split())
+
+
+def _unknown_key(loc: tuple) -> str:
+    """``unknown key 'fsdp_config.foo' ...`` with the closest key of the same mapping, or the
+    mapping's keys when it has few."""
+    owner = _model_at(loc)
+    known = sorted(owner.model_fields) if owner is not None else []
+    key = str(loc[-1])
+    path = ".".join(str(p) for p in loc)
+    normal = _normal_key(key)
+    if normal in known and normal != key:
+        hint = f" (did you mean {normal!r}? keys are ASCII names with underscores)"
+    else:
+        hint = _hint(key, known) or _hint(normal, known)
+    if not hint and not key.isascii():
+        hint = " (keys are ASCII names with underscores)"
+    if len(loc) > 1 and known and len(known) <= 12:
+        return f"unknown key {path!r}{hint}; {'.'.join(str(p) for p in loc[:-1])} takes {', '.join(known)}"
+    return f"unknown key {path!r}{hint}; see `lowprec train --help` for the keys"
 
 
 def _tag_words(tag: Optional[str]) -> str:
@@ -197,11 +248,11 @@ def _describe_key(loc: tuple, errs: list[dict[str, Any]]) -> str:
     key = ".".join(str(p) for p in loc) or "config"
     err = errs[0]
     if err["type"] == "extra_forbidden":
-        owner = _model_at(loc)
-        known = sorted(owner.model_fields) if owner is not None else []
-        hint = _hint(str(loc[-1]), known)
+        return _unknown_key(loc)
+    if err["type"] == "invalid_key":  # YAML reads `1:`, `yes:`, `~:` as a number, bool, null
         where = f" under {'.'.join(str(p) for p in loc[:-1])}" if len(loc) > 1 else ""
-        return f"unknown key {str(loc[-1])!r}{where}{hint}; see `lowprec train --help` for the keys"
+        return (f"key {yaml_text(err.get('input'))}{where} is not a name (YAML read it as "
+                f"{type(err.get('input')).__name__}); keys are names such as learning_rate")
     values = [e for e in errs if e["type"] in ("value_error", "assertion_error")]
     if values:
         msg = values[0]["msg"].removeprefix("Value error, ")
@@ -209,7 +260,7 @@ def _describe_key(loc: tuple, errs: list[dict[str, Any]]) -> str:
     got = err.get("input")
     shown = "" if isinstance(got, dict) else f" (got {yaml_text(got)})"
     if len(errs) > 1:  # one error per Union branch: say what would have been accepted
-        expected = " or ".join(dict.fromkeys(_tag_words(_split_loc(e["loc"])[1]) for e in errs))
+        expected = " or ".join(dict.fromkeys(_tag_words(_split_loc(e)[1]) for e in errs))
         return f"{key}: expected {expected}{shown}"
     return f"{key}: {err['msg']}{shown}"
 
@@ -217,7 +268,7 @@ def _describe_key(loc: tuple, errs: list[dict[str, Any]]) -> str:
 def _describe_all(errors: list[dict[str, Any]]) -> list[tuple[tuple, str]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for e in errors:
-        groups.setdefault(_split_loc(e["loc"])[0], []).append(e)
+        groups.setdefault(_split_loc(e)[0], []).append(e)
     return [(loc, _describe_key(loc, errs)) for loc, errs in groups.items()]
 
 
@@ -268,6 +319,8 @@ def load_config(path: Optional[str | os.PathLike], overrides: Optional[dict[str,
     if path is not None:
         p = Path(path)
         source = str(p)
+        if p.is_dir():
+            raise ValueError(f"config file {str(p)!r} is a directory; give the YAML file (e.g. {str(p / 'config.yaml')!r})")
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} not found (working directory {os.getcwd()!r})")
         from lowprec.config.yaml_file import read_yaml_mapping

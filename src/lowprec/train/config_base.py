@@ -15,9 +15,15 @@ __all__ = ["StrictModel", "yaml_text"]
 
 
 class StrictModel(BaseModel):
-    """Unknown keys are errors; values are frozen once validated; defaults validate too."""
+    """Unknown keys are errors; values are frozen once validated; defaults validate too.
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    Types are strict (pydantic's strict mode): YAML already gives ints, floats and booleans
+    their own types, so the coercions lax mode adds only hide mistakes (``max_steps: true`` ran
+    one step, ``max_steps: 1.0e+30`` became a 31-digit int, ``fp16: 1`` a bool). An int is
+    still a valid float. Floats must be finite: ``learning_rate: .inf`` is an error, not a run
+    whose weights turn to inf."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, strict=True, allow_inf_nan=False)
 
 
 def yaml_text(v: Any) -> str:

@@ -15,6 +15,17 @@ __all__ = ["DatasetSpec", "DataKeys", "SpecialTokens", "DATASET_TYPES"]
 DATASET_TYPES = ("completion", "alpaca", "input_output", "chat_template")
 
 
+def _checked_template(v: Optional[str]) -> Optional[str]:
+    if v is not None:
+        from lowprec.train.chat_templates import check_template
+
+        try:
+            check_template(v)
+        except ValueError as exc:
+            raise ValueError(str(exc).removeprefix("chat template: ")) from None
+    return v
+
+
 class DatasetSpec(StrictModel):
     """One entry of ``datasets:`` (Axolotl's shape: ``- path: ...``, ``type: alpaca``)."""
 
@@ -80,6 +91,11 @@ class DatasetSpec(StrictModel):
             if v not in BUILTIN_CORPORA:
                 raise ValueError(f"unknown builtin corpus {v!r}; use one of {', '.join(BUILTIN_CORPORA)}")
         return v
+
+    @field_validator("chat_template_jinja")
+    @classmethod
+    def _jinja(cls, v: Optional[str]) -> Optional[str]:
+        return _checked_template(v)
 
     @model_validator(mode="after")
     def _consistent(self) -> "DatasetSpec":
@@ -156,6 +172,19 @@ class DataKeys(StrictModel):
             v = [v]
         if isinstance(v, list):
             return [{"path": d} if isinstance(d, str) else d for d in v]
+        return v
+
+    @field_validator("chat_template_jinja")
+    @classmethod
+    def _jinja(cls, v: Optional[str]) -> Optional[str]:
+        return _checked_template(v)
+
+    @field_validator("datasets")
+    @classmethod
+    def _datasets(cls, v: list[DatasetSpec]) -> list[DatasetSpec]:
+        if not v:
+            raise ValueError("the list is empty; list at least one dataset (e.g. [{path: data.jsonl}]) or drop "
+                             "the key for the built-in corpus")
         return v
 
     @property

@@ -15,7 +15,7 @@ __all__ = ["FP8RecipeSpec", "PrecisionKeys"]
 class FP8RecipeSpec(StrictModel):
     """``fp8_recipe:`` as a mapping: a named recipe plus single-field overrides."""
 
-    model_config = ConfigDict(extra="allow", frozen=True)  # recipe fields, checked in the validator
+    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=False)  # recipe fields, checked in the validator
 
     name: str = Field(default="tensorwise", description=", ".join(RECIPE_NAMES))
 

@@ -11,6 +11,7 @@ from lowprec.train.config_base import StrictModel
 
 __all__ = ["OptimKeys", "OPTIMIZERS", "LR_SCHEDULERS"]
 
+_FLOAT32_MAX = 3.4028234663852886e38
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 # Axolotl / transformers spellings of the same thing (warmup is always linear, then the schedule)
@@ -48,7 +49,7 @@ class OptimKeys(StrictModel):
     adam_beta1: float = Field(default=0.9, gt=0, lt=1, description="AdamW beta1")
     adam_beta2: float = Field(default=0.95, gt=0, lt=1, description="AdamW beta2")
     max_grad_norm: Optional[float] = Field(default=1.0, gt=0, description="clip the gradient norm (null: no clipping)")
-    seed: int = Field(default=42, ge=0, description="seed of weights, data order and validation split")
+    seed: int = Field(default=42, ge=0, le=2**32 - 1, description="seed of weights, data order and validation split")
     gradient_checkpointing: bool = Field(
         default=False, description="recompute each decoder layer in backward instead of storing its activations"
     )
@@ -68,6 +69,16 @@ class OptimKeys(StrictModel):
     def _checkpointing_kwargs(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
         if v and (set(v) - {"use_reentrant"} or v.get("use_reentrant")):
             raise ValueError(f"{v}: only {{use_reentrant: false}} is supported (non-reentrant checkpointing)")
+        return v
+
+    @field_validator("learning_rate")
+    @classmethod
+    def _learning_rate(cls, v: float) -> float:
+        # optimizers hold the rate as a float32 scalar: above its range the first step fails
+        # with a bare "cannot be converted to type float without overflow"
+        if v > _FLOAT32_MAX:
+            raise ValueError(f"{v:g} is beyond float32's range ({_FLOAT32_MAX:.4g}), in which the optimizer "
+                             "holds it; use a learning rate such as 1e-3")
         return v
 
     @field_validator("optimizer", "lr_scheduler")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from lowprec.train.config_base import StrictModel
 
@@ -54,3 +54,13 @@ class OutputKeys(StrictModel):
     max_consecutive_skipped_steps: Optional[int] = Field(
         default=3, ge=1, description="stop (exit code 3) after this many skipped steps in a row (null: never)"
     )
+
+    @field_validator("output_dir")
+    @classmethod
+    def _output_dir(cls, v: str) -> str:
+        # '' is the working directory, where checkpoint rotation would delete checkpoint-*
+        # directories the run did not write: an explicit "." is still allowed
+        if not v.strip():
+            raise ValueError(f"{v!r} is empty, which would write (and rotate checkpoints) in the working "
+                             "directory; give a directory such as ./outputs/run (or . to mean it)")
+        return v

@@ -187,19 +187,41 @@ def _save(cache: str, train: ExampleSet, val: Optional[ExampleSet]) -> None:
 
 
 def _load(cache: str, name: str, key: str) -> tuple[ExampleSet, Optional[ExampleSet]]:
+    """The cached examples, checked as a file from outside: any damage (unreadable, refused by
+    ``weights_only``, inconsistent tensors, examples with nothing to learn) is one line naming
+    the cache and the fix, never a traceback or a NaN loss later."""
     from lowprec.checkpoint_io import load_error_reason
-
-    def one(split: str) -> ExampleSet:
-        t = torch.load(os.path.join(cache, f"{split}.pt"), weights_only=True)  # tensors only, no code
-        return ExampleSet(t["ids"], t["labels"], t["offsets"], f"{name} ({split})", key)
 
     try:
         with open(os.path.join(cache, "meta.json")) as f:
             meta = json.load(f)
-        return one("train"), one("validation") if meta["validation"] else None
-    except Exception as exc:  # noqa: BLE001 - refused, damaged or half-deleted: one line, never reused silently
-        raise ValueError(f"dataset_prepared_path: the tokenized data in {cache} cannot be read "
-                         f"({load_error_reason(exc)}); delete that directory to tokenize again") from None
+        splits = ("train", "validation") if meta["validation"] else ("train",)
+        sets = [_checked_set(torch.load(os.path.join(cache, f"{s}.pt"), weights_only=True), f"{name} ({s})", key)
+                for s in splits]  # tensors only, no code
+    except Exception as exc:  # noqa: BLE001 - every kind of damage is the same user-facing problem
+        raise ValueError(f"dataset_prepared_path: the cache {cache} is damaged or was not written by lowprec "
+                         f"({load_error_reason(exc)}); "
+                         f"delete that directory to tokenize the data again") from None
+    return sets[0], sets[1] if len(sets) > 1 else None
+
+
+def _checked_set(t: Any, name: str, key: str) -> ExampleSet:
+    if not isinstance(t, dict) or not all(isinstance(t.get(k), torch.Tensor) for k in ("ids", "labels", "offsets")):
+        raise ValueError("expected tensors ids, labels, offsets")
+    ex = ExampleSet(t["ids"], t["labels"], t["offsets"], name, key)
+    off = ex.offsets
+    if ex.ids.shape != ex.labels.shape or ex.ids.dim() != 1 or off.dim() != 1 or off.numel() < 2 or int(off[0]) != 0 \
+            or int(off[-1]) != ex.ids.numel() or bool((off[1:] < off[:-1]).any()):
+        raise ValueError("ids, labels and offsets do not agree")
+    # the builder keeps only examples with a token to learn (label 0 is never predicted)
+    learned = ex.labels != IGNORE
+    starts = off[:-1][off[1:] > off[:-1]]
+    learned[starts] = False
+    counts = torch.cat([torch.zeros(1, dtype=torch.int64), learned.cumsum(0)])
+    empty = ((counts[off[1:]] - counts[off[:-1]]) == 0).nonzero()
+    if empty.numel():
+        raise ValueError(f"example {int(empty[0])} has no trainable token (every label is {IGNORE})")
+    return ex
 
 
 # ---------------------------------------------------------------------- batches

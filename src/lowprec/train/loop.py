@@ -96,6 +96,7 @@ class Loop:
     best_eval: Optional[float] = None
     evals_without_gain: int = 0  # early_stopping_patience
     stop_early: bool = False
+    untrained: bool = False  # this step's micro-batches had no label to learn (all -100)
 
     def optimizer_step(self) -> tuple[float, Optional[torch.Tensor]]:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the
@@ -106,8 +107,12 @@ class Loop:
         grad_norm = None
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
         seen = 0  # tokens in this step's batches (rows may be shorter than sequence_len when padded to the longest)
+        self.untrained = True  # until a micro-batch of this step has a label to learn
         for _ in range(cfg.gradient_accumulation_steps):
-            batch = {k: v.to(acc.device, non_blocking=True) for k, v in next(self.batches).items()}
+            raw = next(self.batches)
+            labels = raw.get("labels")  # on the CPU still: counting costs no device sync
+            self.untrained = self.untrained and labels is not None and not bool((labels[..., 1:] != -100).any())
+            batch = {k: v.to(acc.device, non_blocking=True) for k, v in raw.items()}
             seen += batch["input_ids"].numel()
             with acc.accumulate(model):
                 loss = model(**batch).loss
@@ -146,6 +151,11 @@ class Loop:
             run.optimizer.step()
         except NonFiniteError:  # the last skip of too many in a row: count it too
             run.writer.write({"kind": "skip", "step": run.state.step + 1, "skipped_steps": self.skipped + 1})
+            if self.untrained:  # mean loss over 0 tokens = NaN: not a learning-rate problem
+                raise NonFiniteError(
+                    f"no trainable tokens in the batch at step {run.state.step + 1} (every label is -100, so the "
+                    "loss is 0/0 = NaN): check the data (train_on_inputs, roles_to_train, a damaged "
+                    "dataset_prepared_path cache)") from None
             raise
         if run.acc.optimizer_step_was_skipped:  # NaN/inf loss or gradients, every precision
             self.skipped += 1

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lowprec.backends.spec import trainer_backends
-from lowprec.errors import NonFiniteError
+from lowprec.errors import CheckpointError, NonFiniteError
 from lowprec.train import checkpoints as ckpt
 from lowprec.train.config import TrainConfig
 from lowprec.train.metrics import MetricsWriter, peak_memory_mb, read_metrics, truncate_after
@@ -426,7 +426,13 @@ def _resume(run: Run, decisions: dict) -> Optional[str]:
     if main:
         logger.info("lowprec: resume = %s (%s)", resume_path, resume_why)
     if resume_path is not None:
-        acc.load_state(resume_path)
+        try:
+            acc.load_state(resume_path)
+        except AssertionError as exc:  # torch.distributed.checkpoint wraps a reader's failure so
+            raise CheckpointError(
+                f"checkpoint {resume_path} cannot be loaded ({' '.join(str(exc).split())[:200] or 'AssertionError'}); "
+                "it is damaged or from another run: resume from an earlier checkpoint (resume_from_checkpoint: "
+                "<its directory>) or start afresh in a new output_dir") from None
         if main:
             truncate_after(output_dir, run.state.step)
     elif main:
