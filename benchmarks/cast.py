@@ -143,11 +143,16 @@ def main(argv=None) -> int:
                     f"{row['ms']:.3f} ms {row['GBps']:.0f} GB/s exact={row['exact']}" if "ms" in row else row["error"]))
         if a.sweep and "triton" in modes and kernels.available(device):
             sweeps += sweep_tiles(x, scale, device, a.iters, a.warmup)
-    payload = {"device": device_name(device), "triton": kernels.available(device), "results": results}
+        # rewritten after each shape: a run stopped at a time budget keeps the shapes it finished
+        save(results, sweeps, device, a.out, complete=(m, n) == shapes[-1])
+    return 0
+
+
+def save(results: list, sweeps: list, device: torch.device, out: str | None, complete: bool) -> None:
+    payload = {"device": device_name(device), "triton": kernels.available(device), "results": results, "complete": complete}
     if sweeps:
         payload["tile_sweep"] = sweeps
-    write_json(payload, a.out, "cast.json")
-    return 0
+    write_json(payload, out, "cast.json")
 
 
 if __name__ == "__main__":

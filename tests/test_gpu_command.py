@@ -20,8 +20,8 @@ LIMIT_S = 8 * 60
 
 
 def _env():
-    return {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin:" + str(Path(sys.executable).parent),
-            "HOME": str(Path.home()), "OMP_NUM_THREADS": "1"}
+    return {"PYTHONPATH": str(ROOT / "src"), "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin",
+            "PYTHON": sys.executable, "HOME": str(Path.home()), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +139,38 @@ def test_child_blocks_the_named_imports(tmp_path):
     env = dict(_env(), LOWPREC_GPU_BLOCK_IMPORTS="pydantic")
     res = subprocess.run([sys.executable, str(gpu_run.HERE / "child.py"), str(script)], env=env, capture_output=True, text=True)
     assert res.returncode != 0 and "No module named 'pydantic'" in res.stderr and "GPU image" in res.stderr
+
+
+def test_real_run_is_refused_without_a_gpu(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the real run would start")
+    # the real run installs lowprec into the interpreter (pip install -e): never where there is no GPU
+    assert gpu_run.main([str(tmp_path)]) == 2
+    assert "--dry-run" in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+def test_targets_are_judged_from_the_rows():
+    import summary
+
+    shape = dict(M=16384, K=4096, N=14336)
+    lin = {"results": [
+        dict(shape, variant="tensorwise", mode="eager", ms=1.0, speedup_vs_bf16=1.5, measured_over_roofline=1.1),
+        dict(shape, variant="rowwise", mode="eager", ms=2.0, speedup_vs_bf16=1.1, measured_over_roofline=1.3),
+        dict(shape, variant="torchao_tensorwise", mode="compiled", ms=1.2),
+        dict(shape, variant="torchao_rowwise", mode="compiled", ms=1.5),
+    ]}
+    train = {"results": [dict(variant="tensorwise", mode="eager", speedup_vs_bf16=1.3, peak_vs_bf16=0.9, tokens_per_s=900.0),
+                         dict(variant="torchao_tensorwise", mode="eager", tokens_per_s=1000.0)]}
+    tests = {"tests": 10, "passed": 9, "failures": 1, "errors": 0, "skipped": 0}
+    got = {row[0]: row[2] for row in summary.targets(lin, train, tests)}
+    assert got["linear 16384x4096x14336 eager tensorwise >= 1.4x bf16"] == "met"
+    assert got["linear 16384x4096x14336 eager rowwise >= 1.25x bf16"] == "MISSED"
+    assert got["linear 16384x4096x14336 eager delayed >= 1.45x bf16"] == "n/a"  # not measured: never a verdict
+    assert got["linear tensorwise eager >= torchao tensorwise compiled"] == "met"
+    assert got["linear rowwise eager >= torchao rowwise compiled"] == "MISSED"
+    assert got["roofline within 15% of measured (lowprec + bf16, eager)"] == "MISSED"  # 1.3 is the worst
+    assert got["train tensorwise >= 1.25x bf16 tokens/s"] == "met"
+    assert got["train tensorwise peak memory <= 0.85x bf16"] == "MISSED"
+    assert got["train tensorwise ahead of torchao tensorwise (eager)"] == "MISSED"
+    assert got["every gpu test passes"] == "MISSED"

@@ -105,6 +105,7 @@ def probe_device(dry: bool) -> dict:
     """The GPU's name and capability, asked of a child process (the driver imports no torch)."""
     if dry:
         return {"name": "cpu-dry-run", "torch": _torch_version()}
+    # a real run imports torch in a child: a broken CUDA set-up is reported, not raised
     code = ("import json, torch; c = torch.cuda.is_available(); print(json.dumps({'name': torch.cuda.get_device_name() "
             "if c else 'no-cuda', 'capability': list(torch.cuda.get_device_capability()) if c else None, "
             "'torch': torch.__version__, 'cuda': torch.version.cuda}))")
@@ -113,8 +114,12 @@ def probe_device(dry: bool) -> dict:
 
 
 def _torch_version() -> str:
-    res = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True, timeout=120)
-    return res.stdout.strip() or "?"
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def slug(name: str) -> str:
@@ -203,6 +208,11 @@ def main(argv=None) -> int:
         return 2
     t0 = time.monotonic()
     device = probe_device(a.dry_run)
+    if not a.dry_run and not device.get("capability"):
+        # the real run installs lowprec into this Python (pip install -e): never on a machine without a GPU
+        print(f"error: no CUDA device here ({device.get('name')}: {device.get('error', '')[-300:]}); "
+              "on a CPU machine run the rehearsal: bash benchmarks/gpu/run.sh OUT --dry-run", file=sys.stderr)
+        return 2
     out = Path(a.out) / slug(device["name"])
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(tempfile.gettempdir()) / "lowprec-gpu-run"

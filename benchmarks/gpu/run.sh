@@ -5,4 +5,4 @@ set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 2
 if [ $# -lt 1 ]; then echo "usage: bash benchmarks/gpu/run.sh OUT_DIR [--dry-run] [--parts setup,gpu_tests,linear,cast,train]" >&2; exit 2; fi
 export PYTHONUNBUFFERED=1
-exec python3 benchmarks/gpu/run.py "$@"
+exec "${PYTHON:-python3}" benchmarks/gpu/run.py "$@"  # PYTHON: another interpreter (the tests pass theirs)
