@@ -175,6 +175,8 @@ def collect(p: Part, rec: dict, out: Path) -> dict:
         rec["result"] = junit_counts(junit)
         if rec["status"] == "failed" and rec["result"]["failures"] + rec["result"]["errors"]:
             rec["note"] = f"{rec['result']['failures'] + rec['result']['errors']} test(s) failed"
+    for tmp in out.glob("*.tmp"):  # a part killed between writing and renaming: only 8 files come back
+        tmp.unlink()
     res = rec.get("result") or {}
     if rec["status"] == "timeout" and res:
         rec["note"] = "stopped at its budget; the results written so far are kept"
