@@ -14,8 +14,9 @@ What is timed, per shape, for E4M3 with a given per-tensor scale (delayed scalin
 
 GB/s counts the bytes a single pass must move (read the input once, write each output once),
 the same for every implementation, so the numbers compare time; ``pct_of_hbm_peak`` divides
-by 3.35 TB/s (H100 SXM; H200 4.8 TB/s: see the device string). Results go to
-benchmarks/results/cast.json.
+by 3.35 TB/s (H100 SXM; H200 4.8 TB/s: see the device string), and ``fraction_of_copy`` by
+the GB/s of a plain device-to-device copy of the same input, measured first (``op: copy``).
+Results go to benchmarks/results/cast.json.
 """
 
 from __future__ import annotations
@@ -69,6 +70,18 @@ def check(op: str, got, x: torch.Tensor, scale: torch.Tensor) -> bool:
     )
 
 
+def copy_bandwidth(x: torch.Tensor, device: torch.device, warmup: int, iters: int, results: list) -> float:
+    """GB/s of a device-to-device copy of ``x`` (bytes read + written): the bandwidth a cast can
+    hope for on this device, measured rather than taken from a datasheet. Appended to ``results``."""
+    y = torch.empty_like(x)
+    ms = time_fn(lambda: y.copy_(x), device, warmup, iters)
+    gbs = 2 * x.numel() * x.element_size() / ms / 1e6
+    results.append({"op": "copy", "M": x.shape[0], "N": x.shape[1], "impl": "torch copy_", "input": str(x.dtype)[6:],
+                    "ms": round(ms, 4), "GBps": round(gbs, 1)})
+    print(f"{'copy':20s} {x.shape[0]}x{x.shape[1]:<6d} {'torch copy_':14s} {ms:.3f} ms {gbs:.0f} GB/s")
+    return gbs
+
+
 def sweep_tiles(x, scale, device, iters, warmup):
     from lowprec.fp8.kernels import ops
 
@@ -111,6 +124,7 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         x = torch.randn(m, n, device=device, dtype=torch.bfloat16)
         scale = torch.tensor(448.0 / 8.0, device=device)
+        copy_gbs = copy_bandwidth(x, device, a.warmup, a.iters, results)
         for op in [o.strip() for o in a.ops.split(",") if o.strip()]:
             for name, fn in implementations(op, device, modes).items():
                 row = {"op": op, "M": m, "N": n, "impl": name, "input": "bfloat16", "fp8": "e4m3fn"}
@@ -121,6 +135,7 @@ def main(argv=None) -> int:
                     row.update(ms=round(ms, 4), GBps=round(gbs, 1))
                     if peak:
                         row["pct_of_hbm_peak"] = round(100 * gbs * 1e9 / peak, 1)
+                    row["fraction_of_copy"] = round(gbs / copy_gbs, 3)
                 except Exception as e:  # noqa: BLE001 - record and go on to the next variant
                     row["error"] = f"{type(e).__name__}: {e}"[:500]
                 results.append(row)
@@ -128,11 +143,16 @@ def main(argv=None) -> int:
                     f"{row['ms']:.3f} ms {row['GBps']:.0f} GB/s exact={row['exact']}" if "ms" in row else row["error"]))
         if a.sweep and "triton" in modes and kernels.available(device):
             sweeps += sweep_tiles(x, scale, device, a.iters, a.warmup)
-    payload = {"device": device_name(device), "triton": kernels.available(device), "results": results}
+        # rewritten after each shape: a run stopped at a time budget keeps the shapes it finished
+        save(results, sweeps, device, a.out, complete=(m, n) == shapes[-1])
+    return 0
+
+
+def save(results: list, sweeps: list, device: torch.device, out: str | None, complete: bool) -> None:
+    payload = {"device": device_name(device), "triton": kernels.available(device), "results": results, "complete": complete}
     if sweeps:
         payload["tile_sweep"] = sweeps
-    write_json(payload, a.out, "cast.json")
-    return 0
+    write_json(payload, out, "cast.json")
 
 
 if __name__ == "__main__":

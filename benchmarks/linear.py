@@ -56,7 +56,7 @@ def _variants(recipes):
     return out
 
 
-def bench_shape(m, k, n, device, recipes, modes, iters, warmup):
+def bench_shape(m, k, n, device, recipes, modes, iters, warmup, compile_backend="inductor"):
     base = nn.Linear(k, n, bias=False, device=device)
     x = torch.randn(m, k, device=device, requires_grad=True)
     g = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -64,7 +64,7 @@ def bench_shape(m, k, n, device, recipes, modes, iters, warmup):
     for vname, (build, use_lowprec_autocast) in _variants(recipes).items():
         layer = build(copy.deepcopy(base))
         for mode in modes:
-            fn_layer = torch.compile(layer) if mode == "compiled" else layer
+            fn_layer = torch.compile(layer, backend=compile_backend) if mode == "compiled" else layer
 
             def step():
                 with fp8.autocast(enabled=use_lowprec_autocast), torch.autocast(device.type, dtype=torch.bfloat16):

@@ -30,7 +30,7 @@ from torch import nn
 
 from lowprec.fp8.recipes import Recipe
 
-__all__ = ["DeviceProfile", "PROFILES", "predict_speedup", "auto_module_filter"]
+__all__ = ["DeviceProfile", "PROFILES", "predict_speedup", "predict_seconds", "auto_module_filter"]
 
 
 @dataclass(frozen=True)
@@ -94,14 +94,20 @@ def _times(m: int, k: int, n: int, recipe: Recipe, p: DeviceProfile) -> tuple[fl
     return bf16, fp8
 
 
-def predict_speedup(m: int, k: int, n: int, recipe: Recipe | str, device: str | DeviceProfile = "h100") -> float:
-    """Predicted bf16 time / FP8 time of one Linear's fwd+bwd (compiled, fused casts)."""
+def predict_seconds(m: int, k: int, n: int, recipe: Recipe | str, device: str | DeviceProfile = "h100") -> tuple[float, float]:
+    """The model's (bf16, FP8) seconds for one Linear's fwd+bwd: an ESTIMATE, which the GPU
+    command (benchmarks/gpu) prints beside the measured times so that it can be checked."""
     recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
     p = PROFILES[device.lower()] if isinstance(device, str) else device
     if recipe.scaling in ("mxfp8", "nvfp4") and not p.block_scaled:
         raise ValueError(f"no speed model for the {recipe.scaling} recipe on {p.name}: it has no MXFP8/NVFP4 "
                          "GEMMs (sm_100+) and lowprec runs them emulated there; pick another recipe or device")
-    bf16, fp8 = _times(m, k, n, recipe, p)
+    return _times(m, k, n, recipe, p)
+
+
+def predict_speedup(m: int, k: int, n: int, recipe: Recipe | str, device: str | DeviceProfile = "h100") -> float:
+    """Predicted bf16 time / FP8 time of one Linear's fwd+bwd (compiled, fused casts)."""
+    bf16, fp8 = predict_seconds(m, k, n, recipe, device)
     return bf16 / fp8
 
 
