@@ -174,7 +174,7 @@ def test_damaged_prepared_dataset_cache_is_one_line(tmp_path, damage):
         (cache / "meta.json").write_text("{not json")
     else:
         os.remove(cache / "train.pt")
-    with pytest.raises(ValueError, match=r"^dataset_prepared_path: the tokenized data in .*key cannot be read .*"
+    with pytest.raises(ValueError, match=r"^dataset_prepared_path: the cache .*key is damaged .*"
                                          r"delete that directory") as info:
         _load(str(cache), "d", "key")
     assert "\n" not in str(info.value)
