@@ -63,6 +63,8 @@ RULES: dict[str, tuple[str, str]] = {
     "max_grad_norm": (APPLY, "gradients are clipped to it from the next step"),
 }
 _LORA = ("adapter", "lora_r", "lora_alpha", "lora_target_modules", "lora_target_linear", "lora_modules_to_save")
+# a changed key on the left changes those on the right with it
+_FOLLOWS = {"base_model": ("model",), "precision": ("fp8_recipe", "fp8_filter")}
 _SCHEDULE = ("learning_rate", "total_steps", "warmup_steps", "lr_scheduler")
 
 
@@ -126,6 +128,10 @@ def check_resume(saved: Optional[dict[str, Any]], now: dict[str, Any], checkpoin
                        "checking that optimizer, FP8 recipe and data settings match", checkpoint)
         return {}
     changed = {k: (saved[k], now.get(k)) for k in RULES if k in saved and saved[k] != now.get(k)}
+    for cause, consequences in _FOLLOWS.items():  # named once, by the key the user changed
+        if cause in changed:
+            for k in consequences:
+                changed.pop(k, None)
     refused = [k for k in changed if RULES[k][0] == REFUSE]
     if refused:
         def one(k: str) -> str:
