@@ -113,3 +113,36 @@ def test_a_legitimate_change_is_applied_and_logged_once(checkpoint, tmp_path, ca
     if key == "gradient_accumulation_steps":
         first = read_metrics(str(checkpoint.parent), "train")[-1]
         assert step3["tokens"] - first["tokens"] == 2 * 4 * 32  # two micro-batches of 4 x 32
+
+
+def test_apply_changes_puts_the_new_values_into_the_restored_optimizer_schedule_and_accumulation():
+    """What load_state restored (the checkpoint's groups, base rates, accumulation counter) is
+    replaced by the config's: the optimizer's values would otherwise silently win."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lowprec.train.config import load_config
+    from lowprec.train.resume_check import apply_changes
+    from lowprec.train.trainer import build_optimizer, build_scheduler
+
+    old = load_config(TINY, {"max_steps": 10})
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = build_optimizer(old, model)
+    sched = build_scheduler(old, opt, 10)
+    for _ in range(4):  # as restored at step 4: groups and schedule of the old config
+        opt.step()
+        sched.step()
+    new = load_config(TINY, {"max_steps": 10, "learning_rate": 0.01, "weight_decay": 0.1, "adam_beta1": 0.8,
+                             "gradient_accumulation_steps": 3})
+    run = SimpleNamespace(cfg=new, acc=SimpleNamespace(step=4), state=SimpleNamespace(step=4), optimizer=opt,
+                          scheduler=SimpleNamespace(scheduler=sched))
+    keys = ("learning_rate", "weight_decay", "adam_beta1", "gradient_accumulation_steps")
+    apply_changes(run, {k: (getattr(old, k), getattr(new, k)) for k in keys}, main=False)
+    assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.0
+    assert all(g["betas"] == (0.8, old.adam_beta2) for g in opt.param_groups)
+    expected = 0.01 * lr_lambda(4, min(old.warmup_steps, 9), 10, old.lr_scheduler)
+    assert [g["lr"] for g in opt.param_groups] == [expected, expected] == sched.get_last_lr()
+    sched.step()  # the schedule goes on from the new peak rate
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * lr_lambda(5, min(old.warmup_steps, 9), 10, old.lr_scheduler))
+    assert run.acc.step == 12  # 4 optimizer steps of 3 micro-batches: the next sync after 3 more
