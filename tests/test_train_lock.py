@@ -115,7 +115,7 @@ def test_save_state_never_removes_a_live_writers_temporary(tmp_path):
     try:
         live = tmp_path / f"ckpt.tmp-{this_host()}-{sleeper.pid}"
         dead = tmp_path / f"ckpt.tmp-{this_host()}-{_dead_pid()}"
-        old_style = tmp_path / f"ckpt.tmp-{_dead_pid()}"  # earlier versions' name: pid only
+        old_style = tmp_path / f"ckpt.tmp-{sleeper.pid}"  # earlier versions' name (no host): a leftover
         for d in (live, dead, old_style):
             d.mkdir()
             (d / "part").write_text("x")

@@ -219,7 +219,7 @@ def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> st
         if err is None:
             raise
         # a full disk / read-only directory: one line (the CLI's exit 74), not a traceback
-        raise StorageError(err.errno, f"cannot write checkpoint {output_dir} ({err.strerror}"
+        raise StorageError(err.errno, f"cannot write checkpoint {output_dir} ({err.strerror or err}"
                            f"{'' if err.filename in (None, tmp) else ': ' + str(err.filename)}); "
                            "it was not saved and the checkpoints before it are untouched") from None
     acc.wait_for_everyone()

@@ -98,7 +98,7 @@ def temp_suffix() -> str:
 
 def temp_owner(name: str, kind: str) -> tuple[Optional[str], Optional[int]]:
     """(host, pid) from ``....<kind>-<host>-<pid>`` (host None for the ``<kind>-<pid>`` names
-    of earlier versions; (None, None) when the name carries no pid)."""
+    of earlier versions; pid None when the name carries none)."""
     tail = name.rsplit(f".{kind}-", 1)[-1]
     host, _, pid = tail.rpartition("-")
     if not pid.isdigit():
@@ -109,9 +109,10 @@ def temp_owner(name: str, kind: str) -> tuple[Optional[str], Optional[int]]:
 def owner_alive(name: str, kind: str) -> bool:
     """Whether the writer of temporary ``name`` may still be running. Ours (this pid) is not: a
     process never has two saves of one target open. Another host's cannot be checked from here,
-    so it counts as alive."""
+    so it counts as alive. A name without a host is an earlier version's leftover: not alive
+    (as those versions treated every sibling)."""
     host, pid = temp_owner(name, kind)
-    if pid is None:
+    if pid is None or host is None:
         return False
     if host is not None and host != this_host():
         return True
