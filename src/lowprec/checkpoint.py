@@ -14,7 +14,11 @@ Loading never unpickles code (:mod:`lowprec.checkpoint_io`): safetensors and JSO
 A model whose weights are not finite is refused by ``save_state`` and ``save_model``.
 
 Writes are atomic: everything goes to a sibling temporary directory that replaces the target
-only when complete, so a crash never leaves a half-written checkpoint under the real name.
+only when complete, so a crash never leaves a half-written checkpoint under the real name; its
+files and directories are fsynced before the rename and the parent after it, so this holds
+across a power loss too (:mod:`lowprec.durable`). A full disk or a read-only directory is one
+:class:`~lowprec.errors.StorageError` line; the temporary is removed and earlier checkpoints are
+untouched.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from typing import Any
 import torch
 
 from lowprec.backends.base import log_once
+from lowprec.durable import fsync_dir, fsync_tree, os_error_of, owner_alive, temp_suffix
 from lowprec.checkpoint_io import check_deepspeed_dir, load_object, load_pickle, read_checked, save_object
-from lowprec.errors import CheckpointError
+from lowprec.errors import CheckpointError, StorageError
 from lowprec.utils.distributed import (
     full_model_state_dict,
     is_fsdp2,
@@ -195,26 +200,48 @@ def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> st
     output_dir = os.path.abspath(output_dir)
     for m in acc._models:  # a NaN model would replace the last good checkpoint
         acc.nonfinite.check_model(m, f"save_state({output_dir!r})")
-    tmp = _broadcast_str(acc, f"{output_dir}.tmp-{os.getpid()}")
-    if acc.is_main_process:
-        _clean_stale_siblings(output_dir)
-        os.makedirs(tmp)
-    acc.wait_for_everyone()
+    # named with the main process's host and pid: a cleaner leaves a live writer's alone
+    tmp = _broadcast_str(acc, f"{output_dir}.tmp-{temp_suffix()}")
     try:
+        if acc.is_main_process:
+            _clean_stale_siblings(output_dir)
+            os.makedirs(tmp)
+        acc.wait_for_everyone()
         _write_state(acc, tmp, safe_serialization)
-    except BaseException:
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            fsync_tree(tmp)  # the files reach the disk before the name does (power loss)
+            _move_into_place(tmp, output_dir)
+    except BaseException as exc:
         if acc.is_main_process:  # the previous checkpoint stays as it was; no half-written copy
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    acc.wait_for_everyone()
-    if acc.is_main_process:
-        old = f"{output_dir}.old-{os.getpid()}"
-        if os.path.exists(output_dir):
-            os.replace(output_dir, old)
-        os.replace(tmp, output_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        err = os_error_of(exc, tmp)
+        if err is None:
+            raise
+        # a full disk / read-only directory: one line (the CLI's exit 74), not a traceback
+        raise StorageError(err.errno, f"cannot write checkpoint {output_dir} ({err.strerror or err}"
+                           f"{'' if err.filename in (None, tmp) else ': ' + str(err.filename)}); "
+                           "it was not saved and the checkpoints before it are untouched") from None
     acc.wait_for_everyone()
     return output_dir
+
+
+def _move_into_place(tmp: str, output_dir: str) -> None:
+    """``tmp`` becomes ``output_dir`` (an earlier one moved aside, then removed); the parent is
+    fsynced so the rename is durable. A failed rename puts the earlier one back."""
+    old = f"{output_dir}.old-{temp_suffix()}"
+    moved = False
+    try:
+        if os.path.exists(output_dir):
+            os.replace(output_dir, old)
+            moved = True
+        os.replace(tmp, output_dir)
+    except OSError:
+        if moved and not os.path.exists(output_dir):
+            os.replace(old, output_dir)
+        raise
+    fsync_dir(os.path.dirname(output_dir))
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
@@ -283,12 +310,13 @@ def _siblings(directory: str, kind: str) -> list[str]:
 def _clean_stale_siblings(output_dir: str) -> None:
     """Remove what a crashed save left beside the checkpoint. If the crash came between moving
     the old checkpoint aside and moving the new one in, the ``.old-*`` copy is the last complete
-    checkpoint: it is put back under the real name first."""
-    olds = _siblings(output_dir, "old")
+    checkpoint: it is put back under the real name first. A sibling whose writer still runs (its
+    host and pid are in the name) is another process's save in progress: left alone."""
+    olds = [p for p in _siblings(output_dir, "old") if not owner_alive(p, "old")]
     if not os.path.exists(output_dir) and olds and os.path.isfile(os.path.join(olds[0], META)):
         logger.warning("lowprec: %s was missing; restored the last complete checkpoint from %s", output_dir, olds[0])
         os.replace(olds.pop(0), output_dir)
-    for stale in _siblings(output_dir, "tmp") + olds:
+    for stale in [p for p in _siblings(output_dir, "tmp") if not owner_alive(p, "tmp")] + olds:
         logger.warning("lowprec: removing %s left by an interrupted save_state", stale)
         shutil.rmtree(stale, ignore_errors=True)
 

@@ -16,7 +16,9 @@ __all__ = [
     "UsageError",
     "CheckpointError",
     "NonFiniteError",
+    "StorageError",
     "EXIT_NONFINITE",
+    "EXIT_STORAGE",
     "did_you_mean",
     "exit_with_usage_error",
     "format_usage_error",
@@ -24,6 +26,7 @@ __all__ = [
 
 EXIT_USAGE = 2  # argparse's exit code for a bad command line; we use it for bad config too
 EXIT_NONFINITE = 3  # training stopped: too many consecutive non-finite steps, or a non-finite model
+EXIT_STORAGE = 74  # sysexits.h EX_IOERR: the disk is full or read-only; the last good checkpoint is kept
 
 
 class UsageError(ValueError):
@@ -37,6 +40,15 @@ class CheckpointError(ValueError):
 class NonFiniteError(RuntimeError):
     """Training cannot go on: loss or gradients were not finite for too many consecutive steps,
     or a model with non-finite weights was about to be saved. Not a usage error (exit code 3)."""
+
+
+class StorageError(OSError):
+    """Writing a checkpoint or an output failed (disk full, directory made read-only, ...): one
+    line naming the path and what was kept. An ``OSError``, so callers that handle those still
+    do; the CLI prints it without a traceback and exits with :data:`EXIT_STORAGE`."""
+
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno 28]" prefix
+        return str(self.args[-1]) if len(self.args) == 1 else self.strerror or super().__str__()
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:

@@ -15,6 +15,8 @@ libraries (torch) inside ``run``, not at module level: every command pays for ev
 
 A ``ValueError`` (``UsageError`` included) raised by a command is a user error: one line
 ``lowprec: error: ...`` on stderr, exit code 2, no traceback (set ``LOWPREC_DEBUG=1`` for it).
+A run stopped on purpose is one ``lowprec: stopped: ...`` line: exit 3 (training diverged), 74
+(``StorageError``: disk full or directory read-only; sysexits' EX_IOERR), 130 (interrupted).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from types import ModuleType
 
 from lowprec import __version__
 from lowprec.cli._flags import LowprecArgumentParser
-from lowprec.errors import EXIT_NONFINITE, EXIT_USAGE, NonFiniteError, did_you_mean, format_usage_error
+from lowprec.errors import EXIT_NONFINITE, EXIT_STORAGE, EXIT_USAGE, NonFiniteError, StorageError, did_you_mean, format_usage_error
 
 __all__ = ["COMMANDS", "main", "build_parser"]
 
@@ -100,6 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"lowprec: stopped: {exc}", file=sys.stderr)
         return EXIT_NONFINITE
+    except StorageError as exc:  # disk full / read-only: the line names the path and what was kept
+        if os.environ.get("LOWPREC_DEBUG"):
+            raise
+        print(f"lowprec: stopped: {exc}", file=sys.stderr)
+        return EXIT_STORAGE
     except KeyboardInterrupt as exc:
         if os.environ.get("LOWPREC_DEBUG"):
             raise

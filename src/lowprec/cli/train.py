@@ -198,27 +198,37 @@ def run(args: argparse.Namespace) -> int:
     if args.num_processes > 1 and "WORLD_SIZE" not in os.environ:
         from lowprec.cli._torchrun import CONTINUE_VAR
 
+        from lowprec.train.outputs import make_output_dir
+        from lowprec.train.run_lock import hold_output_dir, launcher_env
+
         cmd = relaunch_command(_argv_of(args), args.num_processes)
-        proc = subprocess.run(cmd, env={**_child_env(), CONTINUE_VAR: resume_command(args)}, check=False)
+        # the launcher holds the output_dir lock for its workers' whole life: a second run is
+        # refused here, before any worker starts (rank 0 sees the launcher named in launcher_env)
+        with hold_output_dir(make_output_dir(cfg.output_dir)):
+            env = {**_child_env(), CONTINUE_VAR: resume_command(args), **launcher_env(cfg.output_dir)}
+            proc = subprocess.run(cmd, env=env, check=False)
         return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
     _setup_logging(args.quiet)
     _drop_launch_env()
     from lowprec.cli._torchrun import report_stop
-    from lowprec.errors import NonFiniteError
+    from lowprec.errors import EXIT_NONFINITE, EXIT_STORAGE, NonFiniteError, StorageError
     from lowprec.train.trainer import train
 
     try:
         result = train(cfg)
-    except (NonFiniteError, KeyboardInterrupt) as exc:
+    except (NonFiniteError, StorageError, KeyboardInterrupt) as exc:
         rank = int(os.environ.get("RANK", "0"))
-        if isinstance(exc, NonFiniteError):
+        code = EXIT_NONFINITE if isinstance(exc, NonFiniteError) else EXIT_STORAGE if isinstance(exc, StorageError) else 130
+        if code != 130:
             # under the launcher: every rank stops alike; rank 0's reason becomes the one line
             # the launcher prints (with the multi-process command that continues)
-            report_stop(str(exc), rank)  # does not return under a launcher
+            report_stop(str(exc), rank, code)  # does not return under a launcher
         if rank != 0:  # every rank stops alike; rank 0 says why
-            return 3 if isinstance(exc, NonFiniteError) else 130
-        # one line, with the command that continues the run (the CLI prints it and exits 3 / 130)
+            return code
+        # one line, with the command that continues the run (the CLI prints it and exits 3 / 74 / 130)
         text = f"{exc or 'interrupted'}; to continue: {resume_command(args)}"
+        if isinstance(exc, StorageError):
+            raise StorageError(exc.errno, text) from None
         raise type(exc)(text) from None
     if int(os.environ.get("RANK", "0")) == 0:
         ev = "n/a" if result.final_eval_loss is None else f"{result.final_eval_loss:.4f}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 __all__ = ["TrainerState", "checkpoint_dir", "list_checkpoints", "latest_checkpoint", "rotate", "resolve_resume"]
@@ -26,6 +26,9 @@ class TrainerState:
     step: int = 0
     tokens: int = 0
     train_time_s: float = 0.0
+    # the settings this run trains with (resume_check.settings_of): saved with every checkpoint,
+    # compared on resume; loading keeps this run's own (the saved ones are read before loading)
+    settings: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

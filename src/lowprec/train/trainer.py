@@ -29,11 +29,13 @@ import torch
 from torch import nn
 
 from lowprec.backends.spec import trainer_backends
-from lowprec.errors import CheckpointError, NonFiniteError
+from lowprec.durable import os_error_of
+from lowprec.errors import CheckpointError, NonFiniteError, StorageError
 from lowprec.train import checkpoints as ckpt
 from lowprec.train.config import TrainConfig
 from lowprec.train.metrics import MetricsWriter, peak_memory_mb, read_metrics, truncate_after
 from lowprec.train.outputs import make_output_dir
+from lowprec.train.run_lock import hold_output_dir
 from lowprec.train.loop import Run, run_loop
 from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
 
@@ -88,8 +90,13 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     )
 
 
+def scheduler_warmup(cfg: TrainConfig, total_steps: int, warmup: Optional[int] = None) -> int:
+    """The warmup the schedule uses: clamped below the run's steps (and said so) in train()."""
+    return min(cfg.warmup_steps if warmup is None else warmup, max(0, total_steps - 1))
+
+
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int, warmup: Optional[int] = None):
-    warmup = min(cfg.warmup_steps if warmup is None else warmup, max(0, total_steps - 1))  # clamped (and said so) in train()
+    warmup = scheduler_warmup(cfg, total_steps, warmup)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, warmup, total_steps, cfg.lr_scheduler)
     )
@@ -268,8 +275,17 @@ def train(
     _quiet_other_ranks()
     plan = resolve(cfg, caps, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     output_dir = os.path.abspath(cfg.output_dir)
+    lock: Any = contextlib.nullcontext()
     if int(os.environ.get("RANK", "0")) == 0:  # before any log line: a bad path is a one-line error
         make_output_dir(output_dir)
+        # one run per output_dir, taken before the process group exists (run_lock.py: who holds it)
+        lock = hold_output_dir(output_dir)
+    with lock:
+        return _train(cfg, plan, output_dir, on_log, wall0)
+
+
+def _train(cfg: TrainConfig, plan: RunPlan, output_dir: str, on_log: Optional[Callable[[dict], None]],
+           wall0: float) -> RunResult:
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
     if cfg.tf32 != "auto" and torch.cuda.is_available():  # TF32 is an NVIDIA matmul mode; CPUs have none
@@ -299,9 +315,30 @@ def train(
     except KeyboardInterrupt:
         summary = _write_interrupted(output_dir, run.state, main, ckpt.latest_checkpoint(output_dir))
         raise Interrupted(run.stop_line(f"interrupted at step {run.state.step} of {total} (summary: {summary})")) from None
+    except Exception as exc:  # noqa: BLE001 - only a failed write is turned into one line
+        _raise_storage(run, exc)
+        raise
     finally:
-        run.writer.close()
-    return _finish(run, plan, loop, wall0)
+        with contextlib.suppress(OSError):  # a full disk also fails the last flush; said above
+            run.writer.close()
+    try:
+        return _finish(run, plan, loop, wall0)
+    except Exception as exc:  # noqa: BLE001
+        _raise_storage(run, exc)
+        raise
+
+
+def _raise_storage(run: Run, exc: BaseException) -> None:
+    """A failed write (disk full, directory made read-only) as one line naming the path and the
+    last good checkpoint (the CLI's exit 74); any other exception is left alone."""
+    if isinstance(exc, StorageError):  # save_state's, which names the checkpoint
+        raise StorageError(exc.errno, run.stop_line(f"stopped at step {run.state.step}: {exc}")) from None
+    err = os_error_of(exc, run.output_dir)
+    if err is None or err.errno is None:
+        return
+    raise StorageError(err.errno, run.stop_line(
+        f"stopped at step {run.state.step}: cannot write {err.filename or run.output_dir} ({err.strerror}); "
+        "free space or make the directory writable, then resume")) from None
 
 
 def _data(cfg: TrainConfig, acc):
@@ -401,7 +438,9 @@ def _build(cfg: TrainConfig, plan: RunPlan, acc, tokenizer, total: int, output_d
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     if plan.torch_compile:
         model = torch.compile(model)
-    state = ckpt.TrainerState()
+    from lowprec.train.resume_check import settings_of
+
+    state = ckpt.TrainerState(settings=settings_of(cfg, plan, model_config, total, scheduler_warmup(cfg, total, warmup)))
     acc.register_for_checkpointing(loader, state)
     inner = acc.unwrap_model(model)
     from lowprec.fp8 import has_fp8_layers
@@ -426,6 +465,11 @@ def _resume(run: Run, decisions: dict) -> Optional[str]:
     if main:
         logger.info("lowprec: resume = %s (%s)", resume_path, resume_why)
     if resume_path is not None:
+        from lowprec.train.resume_check import apply_changes, check_resume, saved_settings
+
+        # before loading: a checkpoint that means nothing under this config is refused by key
+        saved = saved_settings(resume_path, acc._custom_objects.index(run.state))
+        changes = check_resume(saved, run.state.settings, resume_path)
         try:
             acc.load_state(resume_path)
         except AssertionError as exc:  # torch.distributed.checkpoint wraps a reader's failure so
@@ -433,6 +477,7 @@ def _resume(run: Run, decisions: dict) -> Optional[str]:
                 f"checkpoint {resume_path} cannot be loaded ({' '.join(str(exc).split())[:200] or 'AssertionError'}); "
                 "it is damaged or from another run: resume from an earlier checkpoint (resume_from_checkpoint: "
                 "<its directory>) or start afresh in a new output_dir") from None
+        apply_changes(run, changes, main)
         if main:
             truncate_after(output_dir, run.state.step)
     elif main:
