@@ -104,7 +104,7 @@ class ScalingStage:
         device = self.histories[0][1].device if self.histories else torch.device("cpu")
         self.counts = torch.zeros(len(layers), len(OPERANDS), device=device)  # spikes per layer, operand
         self.warned: set[int] = set()
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = []
+        self._pending: list[tuple[list[int], torch.Tensor, torch.cuda.Event]] = []
         self.epoch = -1
         self.save()
 
@@ -148,7 +148,7 @@ class ScalingStage:
             new_max, old_max = now.amax(dim=1), g.saved.amax(dim=1)
             spike = (new_max > old_max * _RATIO) & (old_max > 0)
             self.counts.view(-1).index_add_(0, index, spike.to(self.counts.dtype))
-            found.append((index, torch.stack([spike.to(new_max.dtype), new_max, old_max])))
+            found.append((g.index, torch.stack([spike.to(new_max.dtype), new_max, old_max])))
             g.save(now)
         for g in self.groups:
             g.save()
@@ -156,11 +156,11 @@ class ScalingStage:
         if found:
             self._report(found)
 
-    def _report(self, found: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _report(self, found: list[tuple[list[int], torch.Tensor]]) -> None:
         if self.counts.device.type != "cuda":  # a host read, but no device to wait for
             for index, rows in found:
                 if bool(rows[0].any()):  # the per-layer lists only when there is something to say
-                    self._warn(index.tolist(), rows.tolist())
+                    self._warn(index, rows.tolist())
             return
         # CUDA: read last step's copy if it has arrived (Event.query never blocks), start this one's
         if self._pending and all(e.query() for _, _, e in self._pending):
@@ -173,7 +173,7 @@ class ScalingStage:
                 host.copy_(rows, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-                self._pending.append((index.tolist(), host, event))
+                self._pending.append((index, host, event))
 
     def _warn(self, index: list[int], rows: list[list[float]]) -> None:
         flags, new, old = rows
