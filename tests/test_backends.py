@@ -446,4 +446,4 @@ def test_backend_protocol_is_narrow():
 
     methods = {n for n, _ in inspect.getmembers(Backend, inspect.isfunction) if not n.startswith("_")}
     assert methods == {"convert", "prepare_optimizer", "after_wrap", "fp8_context", "after_optimizer_step",
-                       "plain_state_dict", "describe"}
+                       "after_skipped_step", "plain_state_dict", "describe"}

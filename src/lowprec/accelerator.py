@@ -364,7 +364,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         engine, ds_opt = deepspeed_initialize(model, optimizer, cfg)
         wrapped = DeepSpeedOptimizer(engine, ds_opt, self.nonfinite)
         if self.backend is not None:
-            wrapped.after_step = functools.partial(self.backend.after_optimizer_step, engine.module)
+            wrapped.after_step, wrapped.after_skip = self._step_hooks(engine.module)
             self.backend.after_wrap(engine, self._ctx())
         self._ds_engine = engine
         self._models.append(engine)
@@ -384,6 +384,9 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
             if ids & {id(p) for p in model.parameters()}:
                 return model
         return None
+
+    def _step_hooks(self, model: nn.Module) -> tuple:  # after a step that ran; after a skipped one (FP8 state undone)
+        return tuple(functools.partial(f, model) for f in (self.backend.after_optimizer_step, self.backend.after_skipped_step))
 
     def _finish_optimizers(self, results: list) -> None:
         """Point every optimizer at the final parameters (conversion and FSDP2 may make new
@@ -405,7 +408,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
             new_opt, new_model = self.backend.prepare_optimizer(opt.optimizer, owner, self._ctx())
             opt.optimizer = new_opt
             if owner is not None:
-                opt.after_step = functools.partial(self.backend.after_optimizer_step, owner)
+                opt.after_step, opt.after_skip = self._step_hooks(owner)
             if new_model is not None and new_model is not owner:
                 idx = next((i for i, r in enumerate(results) if r is owner), None)
                 if idx is None:

@@ -8,6 +8,7 @@ The Accelerator calls, in this order, and knows nothing else about a backend:
 3. ``after_wrap(wrapped, ctx)``      hooks that need the distributed wrapper (comm hooks)
 4. ``fp8_context(model)``            entered around every forward, inside bf16 autocast
 5. ``after_optimizer_step(model)``   per-step work (e.g. FSDP2 scale precompute)
+6. ``after_skipped_step(model)``     the step was skipped (non-finite): undo what it recorded
 
 plus ``plain_state_dict(sd)`` for :meth:`Accelerator.save_model`.
 """
@@ -82,6 +83,8 @@ class Backend(Protocol):
 
     def after_optimizer_step(self, model: nn.Module) -> None: ...
 
+    def after_skipped_step(self, model: nn.Module) -> None: ...
+
     def plain_state_dict(self, state_dict: dict) -> dict: ...
 
     def describe(self) -> dict: ...
@@ -112,6 +115,9 @@ class BaseBackend:
         return contextlib.nullcontext()
 
     def after_optimizer_step(self, model: nn.Module) -> None:
+        return None
+
+    def after_skipped_step(self, model: nn.Module) -> None:
         return None
 
     def plain_state_dict(self, state_dict: dict) -> dict:

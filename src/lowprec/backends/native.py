@@ -49,6 +49,10 @@ class NativeBackend(BaseBackend):
             raise ValueError(FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe=recipe.name))
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
         self._fp8_all_gather_on = False  # the model is FSDP2-sharded with FP8 all-gather
+        # per converted model: its FP8 scaling state as of the last step's end, restored when a
+        # step is skipped (fp8/step_stage.py); and which of them each optimizer's model holds
+        self._stages: dict[int, Any] = {}
+        self._owned: dict[int, list] = {}
 
     def convert(self, model: "nn.Module", ctx: PrepareContext) -> "nn.Module":
         from lowprec import fp8
@@ -56,6 +60,7 @@ class NativeBackend(BaseBackend):
         if ctx.emulate and self.recipe.gemm != "emulate":
             self.recipe = self.recipe.replace(gemm="emulate")
         if fp8.has_fp8_layers(model):
+            self._stage(model)  # converted by the user before prepare: staged all the same
             return model  # prepared twice (e.g. several prepare calls): convert once
         self.report = fp8.convert(
             model,
@@ -78,11 +83,35 @@ class NativeBackend(BaseBackend):
         elif self.fsdp_float8_all_gather:
             log_once(f"lowprec: fp8_enable_fsdp_float8_all_gather applies under FSDP2 only; "
                      f"{ctx.distributed_type} all-gathers no weights, so it has no effect here")
+        self._stage(model)
         return model
 
+    def _stage(self, model: "nn.Module") -> None:
+        from lowprec.fp8.step_stage import ScalingStage
+
+        if id(model) not in self._stages:
+            stage = ScalingStage(model)
+            if not stage.empty:
+                self._stages[id(model)] = stage
+                self._owned.clear()
+
+    def _stages_of(self, model: "nn.Module") -> list:
+        """The stages of the layers ``model`` holds (it may be a DDP / DeepSpeed wrapper of the
+        converted model): found once per model, then cached."""
+        found = self._owned.get(id(model))
+        if found is None:
+            held = {id(m) for m in model.modules()}
+            found = self._owned[id(model)] = [s for s in self._stages.values() if id(s.first) in held]
+        return found
+
     def fp8_context(self, model: "nn.Module") -> ContextManager:
+        import torch
+
         from lowprec import fp8
 
+        stage = self._stages.get(id(model))
+        if stage is not None and not torch.compiler.is_compiling():
+            stage.refresh()  # a state dict loaded since the last step: copy the state again
         # layers own their recipe (and its eval rule); the region only switches FP8 on
         return fp8.autocast(enabled=True)
 
@@ -97,6 +126,12 @@ class NativeBackend(BaseBackend):
 
             # every rank casts with the same scales next step (one all-reduce for all layers)
             reduce_delayed_amaxes(model)
+        for stage in self._stages_of(model):
+            stage.accept()  # keep this step's scaling state; count amax spikes
+
+    def after_skipped_step(self, model: "nn.Module") -> None:
+        for stage in self._stages_of(model):
+            stage.discard()  # the skipped step's amaxes, counters and scales: undone
 
     def plain_state_dict(self, state_dict: dict) -> dict:
         from lowprec import fp8

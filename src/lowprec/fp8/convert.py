@@ -48,7 +48,7 @@ from lowprec.fp8 import activations, block_gemm_triton
 from lowprec.fp8.conv1d import Float8Conv1D, gemm_dims, is_conv1d
 from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 from lowprec.fp8.gemm import native_scaled_mm_available
-from lowprec.fp8.linear import Float8Linear, _STATE_BUFFERS
+from lowprec.fp8.linear import Float8Linear, STATE_BUFFERS
 from lowprec.fp8.mx_gemm import native_block_scaled_available
 from lowprec.fp8.mx_linear import MX_STATE_BUFFER
 from lowprec.fp8.recipes import BLOCK_SCALED, Recipe
@@ -325,5 +325,5 @@ def plain_state_dict(state_dict_or_model) -> dict[str, torch.Tensor]:
     loads a plain state dict as is (its layers keep fresh scaling state).
     """
     sd = state_dict_or_model.state_dict() if isinstance(state_dict_or_model, nn.Module) else state_dict_or_model
-    names = set(_STATE_BUFFERS)
+    names = set(STATE_BUFFERS)
     return {k: v for k, v in sd.items() if k.rpartition(".")[2] not in names}

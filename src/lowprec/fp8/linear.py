@@ -66,12 +66,22 @@ from lowprec.fp8.recipes import BLOCK_SCALED, LinearPlan, OperandCast, Recipe
 from lowprec.fp8.saved import save_operands, saved_operands
 from lowprec.fp8.scaling import amax_to_scale, delayed_scale_step
 
-__all__ = ["Float8Linear", "delayed_scale_step", "plain_module"]
+__all__ = ["Float8Linear", "delayed_scale_step", "plain_module", "state_epoch"]
 
 OPERANDS = ("input", "weight", "grad_output")
-_STATE_BUFFERS = tuple(f"fp8_amax_history_{o}" for o in OPERANDS) + tuple(
+# the scaling state a layer keeps across steps (in its state_dict)
+STATE_BUFFERS = tuple(f"fp8_amax_history_{o}" for o in OPERANDS) + tuple(
     f"fp8_scale_{o}" for o in OPERANDS
 ) + ("fp8_step", "fp8_step_grad", MX_STATE_BUFFER)
+
+
+_EPOCH = [0]  # bumped by every write of scaling state from outside a step (load, reset)
+
+
+def state_epoch() -> int:
+    """A counter that changes whenever any layer's scaling state is loaded or reset, so that a
+    copy of the state (``step_stage.py``) knows it is stale without reading every layer."""
+    return _EPOCH[0]
 
 
 def _cast(x: torch.Tensor, spec: OperandCast, contract: int, recipe: Recipe, scale=None) -> Float8Data:
@@ -329,6 +339,7 @@ class Float8Linear(nn.Linear):
 
     def reset_fp8_state(self) -> None:
         drop_frozen_cache(self)
+        _EPOCH[0] += 1
         with torch.no_grad():
             self.fp8_stats.zero_()
             if self.recipe.scaling == "delayed":
@@ -405,9 +416,10 @@ class Float8Linear(nn.Linear):
     # ------------------------------------------------------------------ checkpoints
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        _EPOCH[0] += 1
         # A plain nn.Linear state dict has no scaling state: keep this layer's (fresh) state
         # rather than failing, so `model.load_state_dict(plain_sd)` works after conversion.
-        ours = {prefix + name for name in _STATE_BUFFERS if hasattr(self, name)}
+        ours = {prefix + name for name in STATE_BUFFERS if hasattr(self, name)}
         missing_ours = [k for k in missing_keys if k in ours]
         if missing_ours and len(missing_ours) == len(ours):
             for k in missing_ours:

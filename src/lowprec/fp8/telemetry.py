@@ -11,7 +11,9 @@ plain dict (one host synchronisation, at read time only):
 format's max would cover (they were clipped: E4M3 > 464, E5M2 > 61440); ``underflow`` the fraction of non-zero values that became 0. For rowwise and
 blockwise casts ``scale`` is the smallest scale of the tensor. An operand that has not been
 cast in FP8 yet reports zeros; one whose GEMM ran in high precision since keeps the values of
-the last step in which it was cast.
+the last step in which it was cast. Under the Accelerator (or ``lowprec train``) a delayed-scaling
+operand also reports ``amax_spikes``: the accepted steps whose amax was more than 1024 times its
+history's previous maximum (``step_stage.py``); reading them logs any spike not logged yet.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from lowprec.fp8.linear import OPERANDS, Float8Linear
+from lowprec.fp8.step_stage import spike_counts, warn_counted
 
 __all__ = ["enable", "disable", "telemetry"]
 
@@ -49,4 +52,9 @@ def telemetry(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
         if isinstance(m, Float8Linear):
             rows = m.fp8_stats.detach().cpu().tolist()
             out[name] = {op: dict(zip(_FIELDS, row)) for op, row in zip(OPERANDS, rows)}
+            spikes = spike_counts(m)
+            if spikes is not None and m.recipe.scaling == "delayed":
+                for op, n in zip(OPERANDS, spikes):
+                    out[name][op]["amax_spikes"] = n
+    warn_counted(model)
     return out

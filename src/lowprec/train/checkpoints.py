@@ -29,6 +29,9 @@ class TrainerState:
     # the settings this run trains with (resume_check.settings_of): saved with every checkpoint,
     # compared on resume; loading keeps this run's own (the saved ones are read before loading)
     settings: dict = field(default_factory=dict)
+    # the loop's open logging window and counters (``Loop.window_state``), so that a run resumed
+    # mid-window logs what the uninterrupted run logs; absent in older checkpoints (fresh window)
+    loop: Optional[dict[str, Any]] = None
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -36,6 +39,7 @@ class TrainerState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.train_time_s = float(state.get("train_time_s", 0.0))
+        self.loop = state.get("loop")
 
 
 def checkpoint_dir(output_dir: str, step: int) -> str:

@@ -211,11 +211,33 @@ class Loop:
             self.window_t0 += time.perf_counter() - t  # evaluation time is not training time
         if run.save_every is not None and (state.step % run.save_every == 0 or at_end):
             t = time.perf_counter()
+            state.loop = self.window_state()
             run.acc.save_state(ckpt.checkpoint_dir(run.output_dir, state.step))
             if run.main:
                 ckpt.rotate(run.output_dir, cfg.save_total_limit)
             self.window_t0 += time.perf_counter() - t
 
+
+    # the counters a checkpoint keeps (the window's loss sum and time apart)
+    _SAVED = ("window_steps", "window_tokens", "skipped", "high_loss_steps", "best_eval", "evals_without_gain")
+
+    def window_state(self) -> dict[str, Any]:
+        """The open logging window and the loop's counters, for the checkpoint (JSON numbers and
+        one float64 tensor: exact). Each process's loss sum is averaged over the processes first,
+        since only the main process writes it: one process resumes bit-exactly, several to
+        rounding (the mean of sums is taken in another order)."""
+        acc = self.run.acc
+        loss = self.window_loss.clone()
+        if acc.num_processes > 1:
+            loss = acc.reduce(loss, "mean")
+        return {"window_loss": loss.cpu(), "window_s": time.perf_counter() - self.window_t0,
+                **{k: getattr(self, k) for k in self._SAVED}}
+
+    def restore_window(self, saved: dict[str, Any]) -> None:
+        self.window_loss.copy_(saved["window_loss"])
+        self.window_t0 = time.perf_counter() - float(saved["window_s"])
+        for k in self._SAVED:
+            setattr(self, k, saved[k])
 
     def _early_stopping(self, loss: float) -> None:
         """Hugging Face's EarlyStoppingCallback rule: stop after ``early_stopping_patience``
@@ -243,6 +265,8 @@ def run_loop(run: Run) -> Loop:
     tokens_per_step = cfg.micro_batch_size * cfg.sequence_len * cfg.gradient_accumulation_steps * acc.num_processes // cfg.tensor_parallel_size
     loop = Loop(run, tokens_per_step, run.loader.forever())
     loop.window_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
+    if run.state.loop is not None:  # resumed mid-window: the window goes on, not restarts
+        loop.restore_window(run.state.loop)
     if run.main and cfg.progress_bar:
         from tqdm.auto import tqdm
 

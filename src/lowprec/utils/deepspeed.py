@@ -233,6 +233,7 @@ class DeepSpeedOptimizer:
         self.scaler = None
         self.unscaled = False
         self.after_step: Optional[Any] = None
+        self.after_skip: Optional[Any] = None  # a refused step: the backend discards its FP8 amaxes
         self._skipped = False
 
     param_groups = property(lambda self: self.optimizer.param_groups)
@@ -244,8 +245,9 @@ class DeepSpeedOptimizer:
         if not boundary:
             return None
         self._skipped = not self.engine.was_step_applied()
-        if self.after_step is not None and not self._skipped:
-            self.after_step()
+        hook = self.after_skip if self._skipped else self.after_step
+        if hook is not None:
+            hook()
         if self.guard is None:
             return None
         counts, why = True, "loss or gradients not finite (DeepSpeed refused the step)"

@@ -12,8 +12,9 @@ precision:
 * the decision costs one host read per optimizer step, the same one GradScaler makes in
   ``scaler.step``; under a GradScaler the scaler's own decision is used and nothing is added;
 * a skipped step skips the optimizer and the backend's after-step hook (FP8 weight casts, MS-AMP
-  state), and the LR scheduler with it. Delayed scaling keeps a non-finite amax out of its
-  history by itself (``lowprec.fp8.scaling``), so the skipped step leaves no NaN there either;
+  state), and the LR scheduler with it; the backend's after-skip hook undoes what the step
+  recorded in FP8 scaling state (the native engine: ``lowprec.fp8.step_stage``: amaxes, scales
+  and counters back to their values before the step, bit for bit);
 * every skip is logged once, with its step; after ``max_consecutive`` skips in a row
   :class:`~lowprec.errors.NonFiniteError` stops the run (the trainer exits with code 3);
 * DeepSpeed engines step themselves and refuse NaN/inf gradients on their own: there the

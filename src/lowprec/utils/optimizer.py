@@ -18,13 +18,14 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     Without a scaler, the non-finite ``guard`` (:mod:`lowprec.utils.nonfinite`) decides."""
 
     def __init__(self, optimizer: Any, scaler: Any, gradient_state: Any, after_step: Optional[Callable[[], None]] = None,
-                 guard: Any = None) -> None:
+                 guard: Any = None, after_skip: Optional[Callable[[], None]] = None) -> None:
         # no super().__init__: this object forwards to ``optimizer`` (it is an Optimizer only so
         # that isinstance checks in LR schedulers and user code pass)
         self.optimizer = optimizer
         self.scaler = scaler
         self.gradient_state = gradient_state
         self.after_step = after_step
+        self.after_skip = after_skip  # the backend discards what the skipped step recorded (FP8 amaxes)
         self.guard = guard
         self._is_overflow = False  # step_was_skipped (Accelerate's attribute name behind it)
         self.unscaled = False
@@ -89,8 +90,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
             self.step_was_skipped = False
         self.unscaled = False
-        if self.after_step is not None and not self.step_was_skipped:
-            self.after_step()
+        hook = self.after_skip if self.step_was_skipped else self.after_step
+        if hook is not None:
+            hook()
         if guard is not None:
             guard.record(self.step_was_skipped, counts=counts, why=why)
         return result
