@@ -10,7 +10,7 @@ forward then runs its FP8 GEMMs on the local shards with whole-tensor scales
 data-parallel mesh of the same 2-D device mesh.
 
 Sequence-parallel inputs (``input_layouts=Shard(1)``) are cast to FP8 with the whole tensor's
-scale and all-gathered in FP8 inside fp8.autocast (:mod:`lowprec.distributed.sequence_parallel`,
+scale and all-gathered in FP8 unless fp8.autocast(enabled=False) (:mod:`lowprec.distributed.sequence_parallel`,
 which also has torchao's ``PrepareFloat8ModuleInput`` for a block whose colwise layers share
 one gathered input).
 """
