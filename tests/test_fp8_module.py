@@ -49,6 +49,8 @@ def test_default_filter_and_report(seed):
     assert "router" in reasons["router"]
     text = str(report)
     assert "8 Linear layer(s) converted" in text and "skip  router" in text
+    # how FP8 is switched on: by the conversion, off in a disabled region (issue 24)
+    assert "wherever they run" in report.summary() and "fp8.autocast(enabled=False)" in text
     assert fp8.has_fp8_layers(net)
 
 

@@ -50,10 +50,6 @@ __all__ = ["enable_fp8", "FP8Callback", "fp8_state_keys"]
 
 logger = logging.getLogger("lowprec")
 
-SWITCH_NOTE = ("FP8 is on in the converted layers wherever they run (training mode; eval in high precision "
-               "unless the recipe says use_during_eval); lowprec.fp8.autocast(enabled=False) turns it off")
-
-
 def fp8_state_keys(model: nn.Module) -> set[str]:
     """The ``state_dict`` keys of ``model`` that hold FP8 scaling state, not weights."""
     sd = model.state_dict()
@@ -113,7 +109,7 @@ def enable_fp8(
             "precision: see the report's skip reasons); training would run in full precision. Loosen "
             "skip_patterns/module_filter, or train without FP8")
     _strip_fp8_state_on_save(model)
-    logger.info("lowprec: %s; %s", report.summary(), SWITCH_NOTE)
+    logger.info("lowprec: %s", report.summary())
     return report
 
 
@@ -172,7 +168,8 @@ class FP8Callback(TrainerCallback):
                 "lowprec.integrations.transformers.enable_fp8(model) before building the Trainer")
         self.model = model
         n = self.counts.attach(model)
-        logger.info("lowprec: %d FP8 layer(s) under Trainer; %s", n, SWITCH_NOTE)
+        logger.info("lowprec: %d FP8 layer(s) under Trainer; FP8 on wherever they run in training mode, off inside "
+                    "lowprec.fp8.autocast(enabled=False)", n)
 
     def _logs_next_step(self, args, state) -> bool:
         every = getattr(state, "logging_steps", None) or args.logging_steps
