@@ -194,3 +194,12 @@ def test_trainer_example_trains_fp8_close_to_bf16_and_reloads():
     assert r["loss_fp8"] != r["loss_bf16"]  # FP8 ran ...
     assert r["rel_diff"] < 0.01  # ... and stays close to bf16 (measured: ~0.2%)
     assert r["unexpected_keys"] == [] and r["missing_keys"] == [] and r["weights_equal"]
+
+
+def test_trl_sft_example_trains_fp8_under_its_default_gradient_checkpointing():
+    pytest.importorskip("trl", reason="needs trl")
+    pytest.importorskip("datasets", reason="needs datasets")
+    r = _run_example("trl_sft_fp8.py")
+    assert r["fp8_linear_calls"] > 0 and r["hp_linear_calls"] == 0
+    assert r["loss_fp8"] != r["loss_bf16"] and r["rel_diff"] < 0.01  # measured: ~0.25%
+    assert r["unexpected_keys"] == [] and r["missing_keys"] == [] and r["weights_equal"]

@@ -172,9 +172,9 @@ class FP8Callback(TrainerCallback):
                     "lowprec.fp8.autocast(enabled=False)", n)
 
     def _logs_next_step(self, args, state) -> bool:
-        every = getattr(state, "logging_steps", None) or args.logging_steps
-        return str(getattr(args, "logging_strategy", "steps")).endswith("steps") and every and \
-            (state.global_step + 1) % int(every) == 0
+        strategy = getattr(args, "logging_strategy", "steps")
+        every = getattr(state, "logging_steps", None) or args.logging_steps  # state's: a ratio resolved
+        return getattr(strategy, "value", strategy) == "steps" and bool(every) and (state.global_step + 1) % int(every) == 0
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.telemetry and self.model is not None and self._logs_next_step(args, state):
