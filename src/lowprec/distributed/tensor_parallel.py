@@ -47,7 +47,7 @@ def _plain_buffers(module: nn.Module) -> nn.Module:
 
 class Float8ColwiseParallel(ColwiseParallel):
     """Output features sharded; input replicated (or ``Shard(1)`` for sequence parallelism:
-    all-gathered in FP8 inside fp8.autocast)."""
+    all-gathered in FP8 unless inside fp8.autocast(enabled=False))."""
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
