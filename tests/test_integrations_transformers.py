@@ -18,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
 
 import lowprec.fp8.linear as fp8_linear  # noqa: E402
+import lowprec.fp8.mx_linear as fp8_mx_linear  # noqa: E402
 from lowprec import fp8  # noqa: E402
 from lowprec.integrations.transformers import FP8Callback, enable_fp8, fp8_state_keys  # noqa: E402
 
@@ -25,22 +26,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class GemmCount:
-    """Counts the FP8 GEMMs Float8Linear runs (its calls of ``scaled_mm``)."""
+    """Counts the low-precision GEMMs Float8Linear runs: its calls of ``scaled_mm`` (per-tensor,
+    rowwise, blockwise recipes) and of ``mx_mm`` (mxfp8, nvfp4)."""
 
     def __enter__(self):
         self.n = 0
-        real = fp8_linear.scaled_mm
+        self._patches = [mock.patch.object(mod, name, self._counting(getattr(mod, name)))
+                         for mod, name in ((fp8_linear, "scaled_mm"), (fp8_mx_linear, "mx_mm"))]
+        for p in self._patches:
+            p.__enter__()
+        return self
 
+    def _counting(self, real):
         def counting(*args, **kwargs):
             self.n += 1
             return real(*args, **kwargs)
 
-        self._patch = mock.patch.object(fp8_linear, "scaled_mm", counting)
-        self._patch.__enter__()
-        return self
+        return counting
 
     def __exit__(self, *exc):
-        self._patch.__exit__(*exc)
+        for p in reversed(self._patches):
+            p.__exit__(*exc)
 
 
 def tiny_llama(seed: int = 0):
@@ -84,11 +90,11 @@ def test_a_converted_model_trains_in_fp8_in_a_plain_loop_and_autocast_false_turn
     assert count.n == 0
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "nvfp4"])
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_hf_gradient_checkpointing_matches_the_uncheckpointed_run(recipe, reentrant):
     """transformers' checkpointing (no context_fn from us): the recompute, run in backward,
-    replays the first forward's FP8 decision and delayed scales; weights and scaling state end
+    replays the first forward's FP8 decision, delayed scales and nvfp4 rounding stream; weights and scaling state end
     bit-identical to the uncheckpointed run, and the FP8 GEMMs ran."""
     plain = tiny_llama()
     enable_fp8(plain, recipe)
@@ -100,9 +106,13 @@ def test_hf_gradient_checkpointing_matches_the_uncheckpointed_run(recipe, reentr
     with GemmCount() as count:
         got = steps(ckpt, 3)
     assert got == ref
-    assert count.n > 3 * 3 * 13  # the recomputed forwards run their FP8 GEMM again
+    assert count.n > 3 * 3 * len(fp8_state_layers(ckpt))  # the recomputed forwards run their GEMM again
     for (name, a), b in zip(plain.state_dict().items(), ckpt.state_dict().values()):
         assert torch.equal(a, b), name  # weights, amax histories, scales, step counters
+
+
+def fp8_state_layers(model):
+    return [m for m in model.modules() if isinstance(m, fp8.Float8Linear)]
 
 
 def test_save_pretrained_writes_plain_weights_that_load_with_no_unexpected_keys(tmp_path):
