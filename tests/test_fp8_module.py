@@ -49,6 +49,8 @@ def test_default_filter_and_report(seed):
     assert "router" in reasons["router"]
     text = str(report)
     assert "8 Linear layer(s) converted" in text and "skip  router" in text
+    # how FP8 is switched on: by the conversion, off in a disabled region (issue 24)
+    assert "wherever they run" in report.summary() and "fp8.autocast(enabled=False)" in text
     assert fp8.has_fp8_layers(net)
 
 
@@ -107,37 +109,42 @@ def test_unconvert_restores_identical_weights_and_outputs(seed):
     assert torch.equal(net(x), before)
 
 
-def test_high_precision_outside_autocast_and_in_eval(seed):
+def test_conversion_is_the_switch_autocast_disables_and_eval_is_high_precision(seed):
     net = Net()
     x = torch.randn(4, 16)
     ref = net(x)
     fp8.convert(net, "tensorwise")
-    assert torch.equal(net(x), ref)  # outside fp8.autocast(): plain Linear
+    plain = net(x)  # no fp8.autocast() anywhere: converted layers run FP8 (torchao's convention)
+    assert not torch.equal(plain, ref)
     with fp8.autocast():
-        train_out = net(x)
+        assert torch.equal(net(x), plain)  # an enabled region changes nothing
+        with fp8.autocast(enabled=False):
+            assert torch.equal(net(x), ref)  # a disabled region: plain Linear
         net.eval()
         eval_out = net(x)
-    assert not torch.equal(train_out, ref)
     assert torch.equal(eval_out, ref)  # eval: high precision by default
+    assert torch.equal(net(x), ref)  # also outside every region
     fp8.convert(net2 := Net(), fp8.Recipe.from_name("tensorwise", use_during_eval=True))
     net2.load_state_dict(net.state_dict())
     net2.eval()
-    with fp8.autocast():
-        assert not torch.equal(net2(x), ref)
+    assert not torch.equal(net2(x), ref)
 
 
 def test_autocast_nesting_and_reentry(seed):
     ctx = fp8.autocast()
-    assert not fp8.fp8_enabled()
-    with ctx:
-        assert fp8.fp8_enabled()
-        with fp8.autocast(enabled=False):
-            assert not fp8.fp8_enabled()
-            with ctx:  # the same object, re-entered
-                assert fp8.fp8_enabled()
-            assert not fp8.fp8_enabled()
-        assert fp8.fp8_enabled()
-    assert not fp8.fp8_enabled()
+    assert fp8.fp8_enabled()  # outside every region: FP8 is on (conversion is the switch)
+    with fp8.autocast(enabled=False):
+        assert not fp8.fp8_enabled()
+        with ctx:
+            assert fp8.fp8_enabled()
+            with fp8.autocast(enabled=False):
+                assert not fp8.fp8_enabled()
+                with ctx:  # the same object, re-entered
+                    assert fp8.fp8_enabled()
+                assert not fp8.fp8_enabled()
+            assert fp8.fp8_enabled()
+        assert not fp8.fp8_enabled()
+    assert fp8.fp8_enabled()
 
 
 def test_autocast_recipe_override(seed):
@@ -409,7 +416,8 @@ def test_hooks_survive_conversion_both_ways(seed):
     x = torch.randn(4, 32)
     want = lin(x)
     layer = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("tensorwise"))
-    assert torch.equal(layer(x), want)
+    with fp8.autocast(enabled=False):  # high precision, to compare with the plain Linear
+        assert torch.equal(layer(x), want)
     assert torch.equal(layer.to_linear()(x), want)
 
 

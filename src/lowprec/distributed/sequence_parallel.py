@@ -21,7 +21,7 @@ before the gather, and the gather carries FP8 bytes: half of bf16's, a quarter o
   LM head) hands back the whole gradient on every rank; the slice is taken locally.
 
 gloo has no FP8 dtype, so the bytes travel as ``uint8`` (the same bytes NCCL would send).
-Outside ``fp8.autocast`` (or for a module without FP8 layers) the styles gather in high
+Inside ``fp8.autocast(enabled=False)`` (or for a module without FP8 layers) the styles gather in high
 precision, exactly as torch's ``PrepareModuleInput`` / ``ColwiseParallel``.
 """
 
@@ -130,7 +130,7 @@ def _first_float8(module: nn.Module, fqn: Optional[str]) -> Optional[Float8Linea
 class PrepareFloat8ModuleInput(PrepareModuleInput):
     """torch's ``PrepareModuleInput`` whose ``Shard(d) -> Replicate`` moves cast to FP8 first
     (torchao's name and keywords). The recipe is that of the module's first Float8Linear (or of
-    ``fwd_config_submodule_fqn``), read at each call, so outside ``fp8.autocast`` the gather is
+    ``fwd_config_submodule_fqn``), read at each call, so inside ``fp8.autocast(enabled=False)`` the gather is
     in high precision; so it is (logged once) when a colwise Linear of the module is not FP8 (it
     reads the same input and must not get it FP8-rounded). Inputs beyond ``input_layouts`` (RoPE
     tables, masks) pass through."""

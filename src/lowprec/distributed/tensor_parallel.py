@@ -10,7 +10,7 @@ forward then runs its FP8 GEMMs on the local shards with whole-tensor scales
 data-parallel mesh of the same 2-D device mesh.
 
 Sequence-parallel inputs (``input_layouts=Shard(1)``) are cast to FP8 with the whole tensor's
-scale and all-gathered in FP8 inside fp8.autocast (:mod:`lowprec.distributed.sequence_parallel`,
+scale and all-gathered in FP8 unless fp8.autocast(enabled=False) (:mod:`lowprec.distributed.sequence_parallel`,
 which also has torchao's ``PrepareFloat8ModuleInput`` for a block whose colwise layers share
 one gathered input).
 """
@@ -47,7 +47,7 @@ def _plain_buffers(module: nn.Module) -> nn.Module:
 
 class Float8ColwiseParallel(ColwiseParallel):
     """Output features sharded; input replicated (or ``Shard(1)`` for sequence parallelism:
-    all-gathered in FP8 inside fp8.autocast)."""
+    all-gathered in FP8 unless inside fp8.autocast(enabled=False))."""
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):

@@ -26,7 +26,7 @@ on where a module supports it (listed in the report):
   becomes a subclass whose ``forward`` calls the same functions (``isinstance`` checks, the
   state_dict and hooks are unchanged; ``disable`` restores the class).
 
-Outside an ``fp8.autocast()`` region, without autograd, or when no input needs a gradient the
+Inside ``fp8.autocast(enabled=False)``, without autograd, or when no input needs a gradient the
 plain expression runs (nothing is saved then anyway).
 """
 

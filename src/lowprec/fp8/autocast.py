@@ -1,9 +1,12 @@
-"""``fp8.autocast``: the one switch between FP8 and high precision.
+"""``fp8.autocast``: an override of FP8 for a region; conversion is the switch.
 
-Float8Linear runs its GEMMs in FP8 only inside an enabled ``autocast()`` region, and only in
-training mode unless the recipe says ``use_during_eval`` (TransformerEngine's behaviour:
-evaluation metrics are usually better in high precision). Outside, the same module is a plain
-``nn.Linear`` (which ``torch.autocast`` still runs in bf16 if active).
+A converted layer (``Float8Linear``) runs its GEMMs in FP8 wherever it runs, in training mode,
+and in eval mode only if its recipe says ``use_during_eval`` (TransformerEngine's behaviour:
+evaluation metrics are usually better in high precision). That is torchao's convention, and the
+one a model handed to code that knows nothing of lowprec needs (``transformers.Trainer``, TRL,
+a plain loop): before, FP8 ran only inside ``autocast()``, and such a model trained silently in
+full precision. ``autocast(enabled=False)`` turns FP8 off for its body: the layer is then a
+plain ``nn.Linear`` (which ``torch.autocast`` still runs in bf16 if active).
 
 Regions nest: the innermost decides. ``autocast(enabled=False)`` inside an FP8 region turns
 FP8 off for its body; ``autocast(recipe=...)`` overrides every layer's recipe for its body (any
@@ -22,14 +25,16 @@ import torch
 from lowprec.fp8.recipes import Recipe
 
 __all__ = [
-    "autocast", "fp8_enabled", "current_recipe_override", "current_eval_override", "recomputing", "replay_context",
+    "autocast", "fp8_enabled", "current_recipe_override", "current_eval_override", "recomputing", "recomputing_unmarked",
+    "replay_context",
     "torch_autocast_dtype", "torch_autocast_off",
 ]
 
 
 @dataclass
 class _State:
-    enabled: bool = False
+    # None: no region entered, the converted layers decide (FP8 on); True/False: a region's choice
+    enabled: bool | None = None
     recipe: Recipe | None = None
     use_during_eval: bool | None = None
     recomputing: bool = False  # inside an activation-checkpoint recompute (fp8.checkpoint)
@@ -41,8 +46,9 @@ _STATE = _State()
 
 
 def fp8_enabled() -> bool:
-    """True inside an enabled ``autocast()`` region."""
-    return _STATE.enabled
+    """False only inside an ``autocast(enabled=False)`` region (the innermost region decides);
+    outside every region converted layers run FP8, so this is True."""
+    return _STATE.enabled is not False
 
 
 def current_recipe_override() -> Recipe | None:
@@ -50,9 +56,23 @@ def current_recipe_override() -> Recipe | None:
 
 
 def recomputing() -> bool:
-    """True while ``fp8.checkpoint`` re-runs a forward for backward: layers must reproduce the
-    first forward (same scales) and must not update their scaling state a second time."""
-    return _STATE.recomputing
+    """True while an activation checkpoint re-runs a forward for backward (``fp8.checkpoint``,
+    or any ``torch.utils.checkpoint``: see :func:`recomputing_unmarked`): layers must reproduce
+    the first forward (same scales) and must not update their scaling state a second time."""
+    return _STATE.recomputing or recomputing_unmarked()
+
+
+def recomputing_unmarked() -> bool:
+    """True for a forward that runs while autograd's engine runs a backward, outside a replayed
+    region: a recompute by ``torch.utils.checkpoint`` without our ``context_fn``, either
+    ``use_reentrant`` (transformers' ``gradient_checkpointing_enable``, TRL's default). torch's
+    own non-reentrant checkpoint tells a recompute the same way (``_current_graph_task_id``).
+    Nothing says which FP8 region the first forward ran in, so each layer replays its own last
+    decision (``Float8Linear._active_recipe``). Not under ``torch.compile``, whose compiled
+    backward does not re-run module forwards."""
+    if _STATE.recomputing or torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
 
 
 class _Replay:

@@ -37,7 +37,7 @@ def gemm_dims(module: nn.Module) -> tuple[int, int]:
 
 
 class Float8Conv1D(Float8Linear):
-    """``Conv1D`` with FP8 GEMMs inside ``lowprec.fp8.autocast()``; weight stored (in, out)."""
+    """``Conv1D`` with FP8 GEMMs (off inside ``fp8.autocast(enabled=False)``); weight stored (in, out)."""
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, recipe: Recipe) -> "Float8Conv1D":

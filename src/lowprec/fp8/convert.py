@@ -95,6 +95,7 @@ class ConversionReport:
             "gemm": self.gemm,
             "kept_in_high_precision_by_type": {t: {"count": n, "reasons": r} for t, (n, r) in self.kept_types.items()},
             "fp8_activations": list(self.fp8_activations),
+            "switch": self.switch(),
         }
 
     def summary(self) -> str:
@@ -103,12 +104,18 @@ class ConversionReport:
         by_type = f" ({', '.join(f'{t} {n}' for t, n in gemm_kept.items())})" if gemm_kept else ""
         acts = f"; E4M3 activations saved in {len(self.fp8_activations)} module(s)" if self.recipe.fp8_activations else ""
         return (f"FP8 conversion: {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high "
-                f"precision{by_type}; recipe {self.recipe.name}; GEMMs: {self.gemm}{acts}")
+                f"precision{by_type}; recipe {self.recipe.name}; GEMMs: {self.gemm}{acts}; {self.switch()}")
+
+    def switch(self) -> str:
+        """How FP8 is switched on: conversion is the switch (fp8/autocast.py)."""
+        when = "training and eval" if self.recipe.use_during_eval else "training mode (eval: high precision)"
+        return f"FP8 on in the converted layers wherever they run, in {when}; off inside fp8.autocast(enabled=False)"
 
     def __str__(self) -> str:
         lines = [
             f"FP8 conversion: recipe {self.recipe.name} ({self.recipe.describe()})",
             f"  GEMMs: {self.gemm}",
+            f"  {self.switch()}",
             f"  {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high precision",
         ]
         if self.kept_types:

@@ -51,6 +51,7 @@ from lowprec.fp8.autocast import (
     current_recipe_override,
     fp8_enabled,
     recomputing,
+    recomputing_unmarked,
     torch_autocast_dtype,
     torch_autocast_off,
 )
@@ -285,7 +286,8 @@ def _copy_hooks(src: nn.Module, dst: nn.Module) -> None:
 
 
 class Float8Linear(nn.Linear):
-    """``nn.Linear`` with FP8 GEMMs inside ``lowprec.fp8.autocast()`` (see module docstring).
+    """``nn.Linear`` with FP8 GEMMs (see module docstring); ``fp8.autocast(enabled=False)`` turns
+    them off for a region.
 
     Build it with :meth:`from_linear` (what ``fp8.convert`` does): the new module holds the
     *same* ``weight`` and ``bias`` Parameter objects, so an optimizer built before conversion
@@ -354,6 +356,17 @@ class Float8Linear(nn.Linear):
 
     # ------------------------------------------------------------------ forward
     def _active_recipe(self) -> Recipe | None:
+        """The recipe this call runs, or None for high precision: FP8 unless an enclosing
+        ``fp8.autocast(enabled=False)`` turns it off or the layer is in eval mode and neither
+        its recipe nor a region says ``use_during_eval`` (conversion is the switch)."""
+        if recomputing_unmarked():  # a checkpoint recompute: the same GEMMs as the first forward
+            return self.__dict__.get("_fp8_forward_recipe", self.recipe if self.training else None)
+        recipe = self._decide_recipe()
+        if not torch.compiler.is_compiling():  # a plain attribute: no module __setattr__, no compile guard
+            self.__dict__["_fp8_forward_recipe"] = recipe
+        return recipe
+
+    def _decide_recipe(self) -> Recipe | None:
         override = current_recipe_override()
         recipe = override if override is not None else self.recipe
         eval_override = current_eval_override()

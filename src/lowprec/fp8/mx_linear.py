@@ -195,10 +195,14 @@ def mx_linear(module: nn.Module, x2: torch.Tensor, recipe: Recipe, hp: torch.dty
             )
         if torch.is_grad_enabled():
             layer, step = (int(v) for v in state.tolist())  # one read of a 2-element buffer per step
-            if recomputing():  # fp8.checkpoint's recompute: the first forward's stream, state untouched
+            # a recompute replays the stream of the forward that advanced it; a reentrant
+            # checkpoint's first forward runs without grad and advanced nothing, so its recompute
+            # is the call that takes this step's stream (as the uncheckpointed run would)
+            if recomputing() and module.__dict__.get("_nvfp4_advanced", False):
                 step -= 1
             else:
                 state[1] += 1
+            module.__dict__["_nvfp4_advanced"] = not recomputing()
             seeds = (_stream_seed(recipe, layer, step, 0), _stream_seed(recipe, layer, step, 1))
     cfg = _MXConfig(recipe, hp, bool(module.fp8_telemetry), seeds)
     return _MXLinearFn.apply(x2, module.gemm_weight(), cfg, module.fp8_stats)
