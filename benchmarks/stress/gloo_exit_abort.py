@@ -8,7 +8,11 @@ Modes (what each rank does before returning to the interpreter's exit):
   nodestroy  fsdp2 without destroy_process_group
   exit       fsdp2 + destroy, then flush and os._exit(0) (skips interpreter finalization)
   gc         fsdp2 + destroy + gc.collect() + join every non-main Python thread
+  nowait     an async all_reduce whose tensor is dropped unwaited, no destroy: a gloo worker
+             thread frees the tensor (its Python object, so it takes the GIL) while the
+             interpreter finalizes
   delmodel   fsdp2, then del model/optimizer/loss + gc.collect() before destroy_process_group
+``--os_exit``: any mode, then flush stdio and ``os._exit(0)`` instead of returning (no finalization).
 Prints the live threads (Python and OS-level) just before returning when LIST_THREADS=1.
 """
 
@@ -34,9 +38,21 @@ def os_threads() -> list[str]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mode", default="fsdp2")
-    mode = p.parse_args().mode
+    p.add_argument("--os_exit", action="store_true")
+    a = p.parse_args()
+    mode = a.mode
+    if a.os_exit:
+        import atexit
+
+        atexit.register(lambda: (sys.stdout.flush(), sys.stderr.flush(), os._exit(0)))  # first registered: runs last
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if mode == "nowait":
+        t = torch.ones(1 << 20)
+        dist.all_reduce(t, async_op=True)
+        del t
+        print(f"rank {rank} done", flush=True)
+        return
     if mode == "allreduce":
         for _ in range(3):
             t = torch.ones(4)

@@ -1,6 +1,6 @@
 """Run the exit-abort reproducer N times per mode and count the exits (not in CI).
 
-    python benchmarks/stress/repeat_repro.py --runs 20 --modes fsdp2 allreduce [--out results.json]
+    python benchmarks/stress/repeat_repro.py --runs 20 --modes fsdp2 nowait nowait+os_exit [--out results.json]
 
 Each run: ``python -m torch.distributed.run --standalone --nproc_per_node 2
 benchmarks/stress/gloo_exit_abort.py --mode M`` with OMP_NUM_THREADS=1 and
@@ -21,7 +21,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def one(mode: str, extra_env: dict) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **extra_env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(HERE, "gloo_exit_abort.py"), "--mode", mode]
+           os.path.join(HERE, "gloo_exit_abort.py"), "--mode", mode.split("+")[0]]
+    cmd += ["--os_exit"] if mode.endswith("+os_exit") else []
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     out = p.stdout + p.stderr
