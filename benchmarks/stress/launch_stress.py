@@ -50,6 +50,9 @@ def main() -> None:
     args = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", LOWPREC_WORKER_EXIT=args.worker_exit)
     flags = ["--use_fsdp", "--fsdp_version", "2"] if args.fsdp2 else []
+    import torch
+
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs = []
     for i in range(args.launches):
         r = launch(flags, env)
@@ -57,7 +60,8 @@ def main() -> None:
         failed = [x for x in runs if x["rc"] != 0 or not x["outputs"]]
         summary = {
             "command": f"lowprec launch --cpu --num_processes 2 {' '.join(flags)} benchmarks/stress/tiny_accelerator.py OUT",
-            "worker_exit": args.worker_exit, "launches_planned": args.launches, "launches_done": len(runs),
+            "date": f"{started} - {time.strftime('%H:%M UTC', time.gmtime())}", "torch": torch.__version__,
+            "device": "cpu", "worker_exit": args.worker_exit, "launches_planned": args.launches, "launches_done": len(runs),
             "failures": len(failed), "exit0_with_abort_warning": sum(x["abort_warning"] for x in runs),
             "terminate_seen": sum(x["terminate_seen"] for x in runs),
             "mean_s": round(sum(x["s"] for x in runs) / len(runs), 1),
