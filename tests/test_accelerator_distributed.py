@@ -115,8 +115,8 @@ def launch(tmp_path, mode: str) -> list[dict]:
         env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
     if mode.startswith("zero"):
         env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=mode[-1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), mode, str(tmp_path)]
+    cmd = [sys.executable, "-m", "lowprec.cli._torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "lowprec.cli._worker", str(script), mode, str(tmp_path)]
     run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(2)),
                  env=env, timeout=180)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

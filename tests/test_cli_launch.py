@@ -79,14 +79,16 @@ def test_options_with_equals_and_dashes(capsys):
 
 def test_torchrun_standalone_for_several_processes(capsys):
     _, _, cmd = dry_run(["--num_processes", "4", SCRIPT, "a"], capsys)
-    assert cmd == [sys.executable, "-m", "lowprec.cli._torchrun", "--standalone", "--nproc_per_node=4", SCRIPT, "a"]
+    assert cmd == [sys.executable, "-m", "lowprec.cli._torchrun", "--standalone", "--nproc_per_node=4",
+                   "-m", "lowprec.cli._worker", SCRIPT, "a"]  # each rank records that it finished
 
 
 def test_torchrun_multi_machine(capsys):
     _, _, cmd = dry_run(["--num_processes", "8", "--num_machines", "2", "--machine_rank", "1",
                          "--main_process_ip", "10.1.2.3", "--main_process_port", "1234", "-m", "pkg.train", "--lr", "1"], capsys)
     assert cmd == [sys.executable, "-m", "lowprec.cli._torchrun", "--nproc_per_node=4", "--nnodes=2",
-                   "--node_rank=1", "--master_addr=10.1.2.3", "--master_port=1234", "-m", "pkg.train", "--lr", "1"]
+                   "--node_rank=1", "--master_addr=10.1.2.3", "--master_port=1234",
+                   "-m", "lowprec.cli._worker", "-m", "pkg.train", "--lr", "1"]
 
 
 def test_module_single_process(capsys):

@@ -101,8 +101,8 @@ def launch(tmp_path) -> list[dict]:
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     env.update(OMP_NUM_THREADS="1", ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")  # `lowprec launch --use_fsdp`
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(script), str(tmp_path)]
+    cmd = [sys.executable, "-m", "lowprec.cli._torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), "-m", "lowprec.cli._worker", str(script), str(tmp_path)]
     run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(2)), env=env, timeout=240)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.torchrun_util import GLOO_TEARDOWN, free_port
+from tests.torchrun_util import free_port
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "report_launch_env.py")
 
@@ -42,9 +42,8 @@ def _launch_nodes(out: Path) -> list[subprocess.CompletedProcess]:
 
 def test_two_nodes_through_lowprec_launch(tmp_path):
     procs = _launch_nodes(tmp_path)
-    written = all((tmp_path / f"rank{r}.json").exists() for r in range(2))
-    for p in procs:  # gloo's exit-time abort after the work is done is not a failure (torchrun_util)
-        assert p.returncode == 0 or (written and GLOO_TEARDOWN in p.stderr), p.stderr[-4000:]
+    for p in procs:  # an exit-time abort after the work is done is the launcher's to report (exit 0)
+        assert p.returncode == 0, p.stderr[-4000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in reports] == [0, 1]
     assert all(r["world_size"] == 2 for r in reports)

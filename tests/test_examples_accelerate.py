@@ -42,8 +42,8 @@ def test_example(script, procs):
     if procs == 1:
         cmd = [sys.executable, path, *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), path, *args]
+        cmd = [sys.executable, "-m", "lowprec.cli._torchrun", "--nproc_per_node", str(procs),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "lowprec.cli._worker", path, *args]
     # generous: a fresh environment's first DeepSpeed run JIT-builds its shm comm op (ninja) before
     # training, and on a loaded 2-core machine that alone took minutes (fresh-venv run, 2026-11-23)
     limit = 480

@@ -10,6 +10,13 @@ A run the workers stop on purpose (``lowprec train``: too many non-finite steps,
 crash: rank 0 writes its one-line reason to ``LOWPREC_STOP_FILE`` (a fresh file per launch) and
 every rank exits with the same code (:func:`report_stop`); this then prints that reason (with
 the command that continues) instead of the failed-rank line, so the run ends in one line.
+
+A rank killed by SIGABRT *after* its work finished is not a failed run: torch's gloo threads can
+abort a process at interpreter exit (docs/log/abort.md). Each rank runs under
+:mod:`lowprec.cli._worker`, which writes a marker to ``LOWPREC_DONE_DIR`` (in the same fresh
+directory) once the script succeeded and its outputs are flushed; when every failure is a SIGABRT
+of a rank whose marker is there, and every local rank wrote one, this prints one warning line and
+exits 0 (:func:`aborted_after_done`). An abort before a rank's marker fails the run as any crash.
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ import shutil
 import signal
 import sys
 import tempfile
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
-__all__ = ["main", "describe_exit", "CONTINUE_VAR", "STOP_FILE_VAR", "report_stop"]
+__all__ = ["main", "describe_exit", "CONTINUE_VAR", "STOP_FILE_VAR", "report_stop", "aborted_after_done"]
 
 CONTINUE_VAR = "LOWPREC_CONTINUE_COMMAND"
 STOP_FILE_VAR = "LOWPREC_STOP_FILE"
@@ -75,14 +82,44 @@ def _continue_hint() -> str:
     return f"; to continue: {cmd}" if cmd else ""
 
 
+def aborted_after_done(failures: Mapping[int, Any], done_dir: str, local_world_size: int) -> bool:
+    """True when the first failure is a SIGABRT, every other one a SIGABRT or torchrun's stop
+    (SIGTERM, then SIGKILL, sent to the rest once one worker died), every failed rank had
+    finished (its marker holds its pid), and every local rank wrote a marker in the same restart.
+    ``failures``: global rank -> torchrun's ``ProcessFailure``."""
+    import json
+
+    from lowprec.cli._worker import marker_path
+
+    if not failures:
+        return False
+    first = min(failures.values(), key=lambda f: f.timestamp)
+    stops = {-signal.SIGABRT, -signal.SIGTERM, -signal.SIGKILL}
+    if first.exitcode != -signal.SIGABRT or any(f.exitcode not in stops for f in failures.values()):
+        return False
+    records = {}
+    for r in range(local_world_size):
+        try:
+            with open(marker_path(done_dir, r)) as fh:
+                records[r] = json.load(fh)
+        except (OSError, ValueError):
+            return False  # a rank that did not finish (or never started)
+    if len({rec.get("restart") for rec in records.values()}) != 1:
+        return False  # markers of an earlier attempt
+    return all(records.get(f.local_rank, {}).get("pid") == f.pid for f in failures.values())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import determine_local_world_size, parse_args, run
+
+    from lowprec.cli._worker import DONE_DIR_VAR
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    stop_dir = tempfile.mkdtemp(prefix="lowprec-stop-")
+    stop_dir = tempfile.mkdtemp(prefix="lowprec-run-")
     stop_file = os.environ[STOP_FILE_VAR] = os.path.join(stop_dir, "reason")  # the workers inherit it
+    os.environ[DONE_DIR_VAR] = stop_dir  # the workers' "finished" markers (cli/_worker.py)
     try:
         run(args)
     except ChildFailedError as exc:
@@ -92,6 +129,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with open(stop_file) as f:
                 print(f"lowprec: stopped: {f.read().strip()}{_continue_hint()}", file=sys.stderr)
             return code
+        if aborted_after_done(exc.failures, stop_dir, determine_local_world_size(args.nproc_per_node)):
+            ranks = ", ".join(f"rank {r} (pid {f.pid})" for r, f in sorted(exc.failures.items())
+                              if f.exitcode == -signal.SIGABRT)
+            print(f"lowprec: warning: {ranks} killed by SIGABRT at interpreter exit, after the work finished "
+                  "and the outputs were flushed (a torch/gloo teardown race); the run succeeded", file=sys.stderr)
+            return 0
         if code == 2:  # a user or checkpoint error: the worker printed its one line; "continue"
             return code  # would retry the same input (e.g. resume from the same bad checkpoint)
         print(

@@ -107,7 +107,9 @@ def build_command(settings: LaunchSettings, script: str, script_args: Sequence[s
             f"--master_addr={settings.main_process_ip or '127.0.0.1'}",
             f"--master_port={settings.main_process_port or DEFAULT_PORT}",
         ]
-    return cmd + target
+    # each rank runs the script under cli/_worker.py: it records that the rank finished and leaves
+    # without interpreter finalization (where torch's gloo threads can abort a finished rank)
+    return cmd + ["-m", "lowprec.cli._worker", *target]
 
 
 def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchPlan:

@@ -1,0 +1,136 @@
+"""``python -m lowprec.cli._worker [-m] script [args]``: one rank of a launch, recording that it finished.
+
+Why this exists (docs/log/abort.md): a rank whose work is done can still die at interpreter exit
+with ``terminate called without an active exception`` (SIGABRT, exit 134). gloo's worker threads
+outlive ``destroy_process_group`` once FSDP2 / DTensor has used the group (a cache inside torch
+keeps it), and a gloo thread that needs the GIL while the interpreter finalizes is ended by
+CPython with ``pthread_exit``, which ``std::terminate``s a C++ thread. That is a race inside torch;
+what lowprec can do is (1) not enter interpreter finalization with those threads alive, and (2) let
+the launcher tell "aborted after its work finished" from "aborted while working".
+
+So, torchrun runs each rank as this module around the user's script. When the script returns or
+calls ``sys.exit(0)`` (:func:`finish`):
+
+1. the script's non-daemon threads are joined and the ``atexit`` handlers run (user's and
+   libraries', last registered first), exactly as the interpreter would at exit, while everything
+   is still alive;
+2. every open file object and stdio is flushed;
+3. ``$LOWPREC_DONE_DIR/local_rank<N>`` is written (temp + rename; pid and restart count inside):
+   the launcher's proof that this rank finished (cli/_torchrun.py);
+4. the process leaves with ``os._exit(0)``: no interpreter finalization, so no abort.
+
+What step 4 skips is finalization itself: ``__del__`` of objects still alive at exit and module
+teardown, which Python does not promise to run at exit (language reference, ``object.__del__``);
+``weakref.finalize`` and ``tempfile`` cleanups run (they are atexit handlers), and the one thing
+CPython does at finalization that scripts rely on, flushing unclosed files, is step 2.
+``LOWPREC_WORKER_EXIT=finalize`` keeps the ordinary exit instead: the marker is still written
+(after every local rank has written its own, so one rank's abort cannot get the others stopped
+mid-work) and an abort after it is reported as a warning.
+
+A script that fails (an exception, a non-zero exit) is left to Python's own handling: no marker,
+its exit code (or signal) is the rank's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+__all__ = ["DONE_DIR_VAR", "EXIT_MODE_VAR", "marker_path", "finish", "main"]
+
+DONE_DIR_VAR = "LOWPREC_DONE_DIR"
+EXIT_MODE_VAR = "LOWPREC_WORKER_EXIT"  # "fast" (default) or "finalize"
+_WAIT_FOR_PEERS_S = 600.0
+
+
+def marker_path(done_dir: str, local_rank: int) -> str:
+    return os.path.join(done_dir, f"local_rank{local_rank}")
+
+
+def _flush_open_files() -> None:
+    """Flush what the interpreter's finalization would: unclosed buffered files, then stdio."""
+    import gc
+    import io
+
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()  # a text wrapper flushes its buffer below it too
+            except Exception:  # noqa: BLE001 - a broken file must not stop the exit
+                pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stdio
+            pass
+
+
+def _write_marker(done_dir: str, local_rank: int) -> None:
+    path = marker_path(done_dir, local_rank)
+    record = {"pid": os.getpid(), "restart": os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")}
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)  # whole or absent
+
+
+def _wait_for_peers(done_dir: str) -> None:
+    """Every local rank's marker, before this one finalizes: torchrun stops every worker as soon as
+    one fails, so an abort here must not come while a peer still works."""
+    n = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    deadline = time.monotonic() + _WAIT_FOR_PEERS_S
+    while time.monotonic() < deadline:
+        if all(os.path.exists(marker_path(done_dir, r)) for r in range(n)):
+            return
+        time.sleep(0.05)
+
+
+def finish() -> None:
+    """End a rank whose work succeeded (steps 1-4 of the module docstring). Returns only in
+    ``finalize`` mode, after the marker is written, for the ordinary interpreter exit."""
+    import atexit
+    import threading
+
+    threading._shutdown()  # noqa: SLF001 - what the interpreter calls first at exit: join non-daemon threads
+    atexit._run_exitfuncs()  # noqa: SLF001 - runs and clears them, printing (not raising) their errors
+    _flush_open_files()
+    done_dir = os.environ.get(DONE_DIR_VAR)
+    if done_dir and os.path.isdir(done_dir):
+        _write_marker(done_dir, int(os.environ.get("LOCAL_RANK", "0")))
+    if os.environ.get(EXIT_MODE_VAR, "fast") == "finalize":
+        if done_dir and os.path.isdir(done_dir):
+            _wait_for_peers(done_dir)
+        return
+    os._exit(0)
+
+
+def _run(argv: list[str]) -> None:
+    import runpy
+
+    if argv and argv[0] in ("-m", "--module"):
+        module, args = argv[1], argv[2:]
+        sys.argv = [module, *args]  # run_module puts the module's file in argv[0]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    script, args = argv[0], argv[1:]
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py`: its folder first
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-m", "--module") and len(argv) < 2:
+        raise SystemExit("usage: python -m lowprec.cli._worker [-m] script [args...]")
+    try:
+        _run(argv)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raise  # a failure: Python reports it and exits with it, no marker
+    finish()
+
+
+if __name__ == "__main__":
+    main()
