@@ -7,6 +7,7 @@ decision is tested with injected timings.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -170,8 +171,9 @@ def test_probe_treats_a_failing_kernel_as_absent():
     assert cpu_gemm._probe(timer=timer).path == "upcast"
 
 
-def test_choice_is_cached_and_logged_once(monkeypatch, caplog):
+def test_choice_is_cached_and_logged_once(monkeypatch, caplog, tmp_path):
     monkeypatch.delenv(cpu_gemm.CPU_GEMM_ENV, raising=False)
+    monkeypatch.setenv("LOWPREC_CACHE_HOME", str(tmp_path))
     cpu_gemm.reset_cpu_gemm_choice()
     calls = []
     monkeypatch.setattr(cpu_gemm, "_probe", lambda: calls.append(1) or cpu_gemm.CpuGemmChoice("upcast", "probe x"))
@@ -183,6 +185,65 @@ def test_choice_is_cached_and_logged_once(monkeypatch, caplog):
         assert sum("CPU FP8 GEMMs" in r.message for r in caplog.records) == 1
     finally:
         cpu_gemm.reset_cpu_gemm_choice()
+
+
+def _verdict(path):
+    return lambda: cpu_gemm.CpuGemmChoice(path, f"probe 1x1x1: said {path}")
+
+
+def test_probe_verdict_is_kept_per_machine_first_writer_wins(monkeypatch, tmp_path):
+    """Processes that would time the probe differently (load) still run one kernel: the first
+    verdict written is every later process's, until the file is deleted."""
+    monkeypatch.setenv("LOWPREC_CACHE_HOME", str(tmp_path / "cache"))
+    first = cpu_gemm.kept_probe(_verdict("scaled_mm"))
+    assert first.path == "scaled_mm" and "kept in" in first.reason
+    calls = []
+    later = cpu_gemm.kept_probe(lambda: calls.append(1) or _verdict("upcast")())
+    assert later.path == "scaled_mm" and calls == [] and "measured 20" in later.reason
+    files = list((tmp_path / "cache").iterdir())
+    assert [f.name for f in files] == [cpu_gemm.probe_file(cpu_gemm.machine_key()).name]  # no temporaries left
+    # another torch version (or CPU) is another key, measured anew
+    monkeypatch.setattr(cpu_gemm.torch, "__version__", "9.9.9")
+    assert cpu_gemm.kept_probe(_verdict("upcast")).path == "upcast"
+    files[0].unlink()
+    monkeypatch.undo()
+    monkeypatch.setenv("LOWPREC_CACHE_HOME", str(tmp_path / "cache"))
+    assert cpu_gemm.kept_probe(_verdict("upcast")).path == "upcast"  # deleted: measured again
+
+
+def test_probe_verdict_written_by_a_racing_process_wins(monkeypatch, tmp_path):
+    monkeypatch.setenv("LOWPREC_CACHE_HOME", str(tmp_path))
+    path = cpu_gemm.probe_file(cpu_gemm.machine_key())
+
+    def probe_while_another_process_writes():
+        other = {"key": cpu_gemm.machine_key(), "path": "upcast", "reason": "probe: other", "measured": "2026-01-01"}
+        path.write_text(json.dumps(other))
+        return _verdict("scaled_mm")()
+
+    assert cpu_gemm.kept_probe(probe_while_another_process_writes).path == "upcast"
+    assert json.loads(path.read_text())["path"] == "upcast"
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"key": "another machine", "path": "upcast", "reason": "", "measured": ""}',
+                                     '{"path": "fastest"}', "[]"])
+def test_damaged_or_foreign_probe_file_is_measured_again(monkeypatch, tmp_path, content, caplog):
+    monkeypatch.setenv("LOWPREC_CACHE_HOME", str(tmp_path))
+    path = cpu_gemm.probe_file(cpu_gemm.machine_key())
+    path.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="lowprec.fp8"):
+        assert cpu_gemm.kept_probe(_verdict("scaled_mm")).path == "scaled_mm"
+    assert json.loads(path.read_text())["path"] == "scaled_mm"
+    if content != '{"key": "another machine", "path": "upcast", "reason": "", "measured": ""}':
+        assert any("unreadable" in r.message and str(path) in r.message for r in caplog.records)
+
+
+def test_probe_verdict_that_cannot_be_kept_is_logged_and_used(monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv("LOWPREC_CACHE_HOME", str(blocker / "cache"))
+    with caplog.at_level(logging.WARNING, logger="lowprec.fp8"):
+        assert cpu_gemm.kept_probe(_verdict("scaled_mm")).path == "scaled_mm"
+    assert any("cannot keep the CPU FP8 GEMM probe" in r.message for r in caplog.records)
 
 
 def test_environment_forces_a_kernel(monkeypatch):

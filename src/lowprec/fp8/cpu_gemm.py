@@ -31,21 +31,34 @@ such, which is safe because every cast in ``quantize.py`` that writes a NaN/inf 
 that slice's scale non-finite (see ``scaling.py``; delayed scaling does the same in
 ``delayed_scale_step``), and the scale reaches the output.
 
-``torch._scaled_mm`` still runs on CPU where a one-time probe (cached per process, logged
-once) measures it clearly faster than the upcast path, or where the user forces it with
-``LOWPREC_CPU_FP8_GEMM=scaled_mm``. ``LOWPREC_CPU_FP8_GEMM=upcast`` skips the probe.
+``torch._scaled_mm`` still runs on CPU where a one-time probe measures it clearly faster than
+the upcast path, or where the user forces it with ``LOWPREC_CPU_FP8_GEMM=scaled_mm``.
+``LOWPREC_CPU_FP8_GEMM=upcast`` skips the probe.
+
+The probe runs once per machine, not once per process: its verdict is kept in
+``~/.cache/lowprec/cpu_fp8_gemm-<key>.json`` (``$LOWPREC_CACHE_HOME``), keyed by torch version,
+architecture and CPU model, and the first process to write it wins. The two kernels sum in
+different orders, so two processes that timed the probe under different load (a resumed run
+and the run it resumes, the ranks of one job) would otherwise compute different bits; with the
+verdict kept, every process on a machine runs the same kernel until the file is deleted.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import os
+import platform
+import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from lowprec.config.paths import cache_home
 from lowprec.fp8 import shared_cast
 from lowprec.fp8.host_scale import f32, reciprocal32
 from lowprec.fp8.quantize import Float8Data, expand_blocks
@@ -58,6 +71,8 @@ __all__ = [
     "cpu_gemm_choice",
     "cpu_scaled_mm_exists",
     "reset_cpu_gemm_choice",
+    "kept_probe",
+    "machine_key",
 ]
 
 logger = logging.getLogger("lowprec.fp8")
@@ -250,10 +265,75 @@ def cpu_gemm_choice() -> CpuGemmChoice:
     elif not has_native:
         choice = CpuGemmChoice("upcast", f"torch {torch.__version__} has no CPU torch._scaled_mm")
     else:
-        choice = _probe()
+        choice = kept_probe()
     _CHOICE[forced] = choice
     logger.info("lowprec.fp8: CPU FP8 GEMMs: %s", choice.describe())
     return choice
+
+
+# --------------------------------------------------------------------------- kept per machine
+def machine_key() -> str:
+    """What the probe's verdict depends on: torch version, architecture, CPU model."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"torch {torch.__version__}; {platform.machine()}; {model}"
+
+
+def probe_file(key: str) -> Path:
+    return cache_home() / f"cpu_fp8_gemm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _read_kept(path: Path, key: str) -> CpuGemmChoice | None:
+    """The verdict kept in ``path`` for ``key``; None when absent, unreadable or for another key."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        if raw["key"] == key and raw["path"] in ("upcast", "scaled_mm") and isinstance(raw["reason"], str):
+            return CpuGemmChoice(raw["path"], f"{raw['reason']}; measured {raw['measured']}, kept in {path}")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning("lowprec.fp8: measuring the CPU FP8 GEMMs again: %s is unreadable (%s)", path, exc)
+    return None
+
+
+def kept_probe(probe=None) -> CpuGemmChoice:
+    """This machine's verdict: the kept one, else a fresh probe kept for every later process.
+
+    First writer wins: the verdict is written to a private temporary and hard-linked into place,
+    which fails when another process got there first; that process's verdict is then used. A
+    cache that cannot be written costs a probe per process and is logged.
+    """
+    key = machine_key()
+    path = probe_file(key)
+    kept = _read_kept(path, key)
+    if kept is not None:
+        return kept
+    choice = (probe or _probe)()
+    record = {"key": key, "path": choice.path, "reason": choice.reason, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    tmp = path.with_name(f".tmp-{socket.gethostname()}-{os.getpid()}-{path.name}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            winner = _read_kept(path, key)
+            if winner is not None:
+                return winner
+            os.replace(tmp, path)  # the existing file was unreadable: ours replaces it
+        except OSError:  # no hard links on this file system: last writer wins
+            os.replace(tmp, path)
+    except OSError as exc:
+        logger.warning("lowprec.fp8: cannot keep the CPU FP8 GEMM probe in %s (%s); each process measures anew", path, exc)
+        return choice
+    finally:
+        if tmp.is_file():
+            tmp.unlink()
+    return CpuGemmChoice(choice.path, f"{choice.reason}; kept in {path}")
 
 
 def reset_cpu_gemm_choice() -> None:
