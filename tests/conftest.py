@@ -1,10 +1,14 @@
 import os
+import tempfile
 
 import pytest
 import torch
 
 # Two CI cores, several test processes: keep each one single-threaded and deterministic.
 torch.set_num_threads(int(os.environ.get("LOWPREC_TEST_THREADS", "1")))
+# Per-machine measurements (the CPU FP8 GEMM probe) go to one folder shared by every test
+# process and subprocess of this machine, as they would for a user, but not to the user's home.
+os.environ.setdefault("LOWPREC_CACHE_HOME", os.path.join(tempfile.gettempdir(), f"lowprec-test-cache-{os.getuid()}"))
 
 
 @pytest.fixture
@@ -68,10 +72,16 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _restore_lowprec_logger():
     """``lowprec train`` run in-process sets up the "lowprec" logger for a terminal (its own
-    handler, propagate off); later tests' caplog must still see its records."""
+    handler, propagate off); every test starts and ends with the logger as a fresh process has
+    it, so caplog sees its records even after a module- or session-scoped fixture trained (a
+    per-test save/restore would keep such a fixture's settings for the rest of the worker)."""
     import logging
 
     log = logging.getLogger("lowprec")
-    saved = (list(log.handlers), log.propagate, log.level)
+
+    def pristine():
+        log.handlers[:], log.propagate, log.level, log.disabled = [], True, logging.NOTSET, False
+
+    pristine()
     yield
-    log.handlers[:], log.propagate, log.level = saved[0], saved[1], saved[2]
+    pristine()

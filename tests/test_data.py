@@ -88,14 +88,15 @@ def test_hf_tokenizer_wrapper_with_a_stub(tmp_path, monkeypatch):
 
     class AutoTokenizer:
         @staticmethod
-        def from_pretrained(path, local_files_only):
-            seen["offline"] = local_files_only
+        def from_pretrained(path, local_files_only, trust_remote_code):
+            seen["offline"], seen["trust_remote_code"] = local_files_only, trust_remote_code
             return Stub()
 
     fake.AutoTokenizer = AutoTokenizer
     monkeypatch.setitem(sys.modules, "transformers", fake)
     tok = load_tokenizer(str(tmp_path))
     assert isinstance(tok, HFTokenizer) and seen["offline"] is True
+    assert seen["trust_remote_code"] is False  # unset means refused, never "ask" (None)
     assert tok.vocab_size == 304 and tok.pad_id == tok.eos_id == 1
     assert tok.encode("ab", bos=True, eos=True) == [0, 99, 100, 1]
     assert tok.encode_documents(["ab", "c"]).tolist() == [99, 100, 1, 101, 1]

@@ -237,8 +237,12 @@ def test_cast_benchmark_on_cpu(tmp_path, capsys):
     out = tmp_path / "cast.json"
     assert bench.main(["--tiny", "--iters", "1", "--warmup", "0", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["triton"] is False and {r["impl"] for r in data["results"]} == {"torch_eager"}
-    assert len(data["results"]) == 6 and all(r["exact"] and r["ms"] > 0 for r in data["results"])
+    casts = [r for r in data["results"] if r["op"] != "copy"]
+    copies = [r for r in data["results"] if r["op"] == "copy"]
+    assert data["triton"] is False and {r["impl"] for r in casts} == {"torch_eager"}
+    assert len(casts) == 6 and all(r["exact"] and r["ms"] > 0 for r in casts)
+    # the measured copy bandwidth each cast is compared with: one row per shape
+    assert copies and all(r["impl"] == "torch copy_" and r["GBps"] > 0 for r in copies)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise"])

@@ -10,7 +10,6 @@ message holding them. Everything runs in-process; rows that fail late stop befor
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 
@@ -492,7 +491,6 @@ def test_a_smoke_run_shorter_than_the_warmup_is_clamped_with_a_note(tmp_path, ca
     from lowprec.train.config import load_config
     from lowprec.train.trainer import train
 
-    monkeypatch.setattr(logging.getLogger("lowprec"), "propagate", True)  # a CLI row's run may have cleared it
     cfg = load_config(TINY, {"max_steps": 3, "warmup_steps": 10, "output_dir": str(tmp_path), "fp8": False,
                              "eval_steps": None, "val_set_size": 0.0, "use_tensorboard": False})
     with caplog.at_level("WARNING", logger="lowprec"):
