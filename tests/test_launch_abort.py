@@ -1,6 +1,6 @@
 """A rank aborted at interpreter exit after its work finished is a warning, not a failed run.
 
-torch's gloo threads can SIGABRT a finished rank at exit (docs/log/abort.md). Under
+torch's gloo threads can SIGABRT a finished rank at exit (docs/LOG.md, "abort" (2026-11-26)). Under
 ``lowprec launch`` each rank runs in ``lowprec.cli._worker``: once the script succeeded it runs
 the atexit handlers, flushes, writes a marker and leaves without finalization; the launcher
 (cli/_torchrun.py) accepts an abort only from ranks that all wrote their marker.

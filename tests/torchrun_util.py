@@ -1,6 +1,6 @@
 """Run a 2-process job from a test: one attempt, and it must succeed.
 
-No retry: gloo's exit-time abort (a torch race, docs/log/abort.md) is the product's to handle.
+No retry: gloo's exit-time abort (a torch race, docs/LOG.md, "abort" (2026-11-26)) is the product's to handle.
 ``lowprec launch`` / ``lowprec train`` runs each rank under ``lowprec.cli._worker``, which leaves
 without interpreter finalization once the work is done and reports an abort after that as a
 warning; :func:`run_ranks` ends its forked ranks with ``os._exit`` (tests/fork_ranks.py) and

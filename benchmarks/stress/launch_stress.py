@@ -5,7 +5,7 @@
 Each launch runs benchmarks/stress/tiny_accelerator.py (an Accelerator script: prepare, four
 steps, end_training, one JSON per rank). A launch fails when it exits non-zero or leaves a rank's
 JSON missing; an exit 0 that printed lowprec's "killed by SIGABRT ... after the work finished"
-warning is counted apart (the torch/gloo exit race, docs/log/abort.md). The JSON is rewritten
+warning is counted apart (the torch/gloo exit race, docs/LOG.md, "abort" (2026-11-26)). The JSON is rewritten
 after every launch, so a stopped run still leaves its count. ``--worker_exit finalize`` sets
 LOWPREC_WORKER_EXIT=finalize (ordinary interpreter exit: the race can fire, the marker decides).
 """

@@ -12,7 +12,7 @@ every rank exits with the same code (:func:`report_stop`); this then prints that
 the command that continues) instead of the failed-rank line, so the run ends in one line.
 
 A rank killed by SIGABRT *after* its work finished is not a failed run: torch's gloo threads can
-abort a process at interpreter exit (docs/log/abort.md). Each rank runs under
+abort a process at interpreter exit (docs/LOG.md, "abort" (2026-11-26)). Each rank runs under
 :mod:`lowprec.cli._worker`, which writes a marker to ``LOWPREC_DONE_DIR`` (in the same fresh
 directory) once the script succeeded and its outputs are flushed; when every failure is a SIGABRT
 of a rank whose marker is there, and every local rank wrote one, this prints one warning line and

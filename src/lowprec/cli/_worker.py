@@ -1,6 +1,6 @@
 """``python -m lowprec.cli._worker [-m] script [args]``: one rank of a launch, recording that it finished.
 
-Why this exists (docs/log/abort.md): a rank whose work is done can still die at interpreter exit
+Why this exists (docs/LOG.md, "abort" (2026-11-26)): a rank whose work is done can still die at interpreter exit
 with ``terminate called without an active exception`` (SIGABRT, exit 134). gloo's worker threads
 outlive ``destroy_process_group`` once FSDP2 / DTensor has used the group (a cache inside torch
 keeps it), and a gloo thread that needs the GIL while the interpreter finalizes is ended by
