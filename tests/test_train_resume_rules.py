@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from lowprec.train.metrics import read_metrics
-from lowprec.train.resume_check import APPLY, REFUSE, RULES
+from lowprec.train.resume_check import APPLY, NOTE, REFUSE, RULES
 from lowprec.train.trainer import lr_lambda
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,6 +44,8 @@ APPLIED = [
     ("gradient_accumulation_steps", ["--gradient_accumulation_steps", "2"], "1", "2"),
     ("max_grad_norm", ["--max_grad_norm", "0.5"], "1.0", "0.5"),
 ]
+# noted, not refused: the same run on other arithmetic (test_other_arithmetic_is_noted_once)
+NOTED = {"torch", "cpu_fp8_gemm"}
 # the LoRA keys need a Hugging Face base model: their rows live with the adapter tests' models
 NOT_HERE = {"model", "adapter", "lora_r", "lora_alpha", "lora_target_modules", "lora_target_linear",
             "lora_modules_to_save"}
@@ -51,8 +53,9 @@ NOT_HERE = {"model", "adapter", "lora_r", "lora_alpha", "lora_target_modules", "
 
 def test_every_rule_has_a_row():
     rows = {k for k, *_ in REFUSED} | {k for k, *_ in APPLIED}
-    assert rows | NOT_HERE == set(RULES)
+    assert rows | NOT_HERE | NOTED == set(RULES)
     assert all(RULES[k][0] == REFUSE for k, *_ in REFUSED) and all(RULES[k][0] == APPLY for k, *_ in APPLIED)
+    assert all(RULES[k][0] == NOTE for k in NOTED)
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +102,7 @@ def test_a_legitimate_change_is_applied_and_logged_once(checkpoint, tmp_path, ca
     err = capsys.readouterr().err
     assert rc == 0, err
     assert err.count(f"lowprec: changed {key} from {old} to {new} on resume ({RULES[key][1]})") == 1, err
+    assert "bit for bit" not in err  # same machine, same kernel: nothing to note
     recs = read_metrics(str(out), "train")
     last = max(r["step"] for r in recs)
     assert [r["step"] for r in recs] == list(range(3, last + 1))
@@ -113,6 +117,42 @@ def test_a_legitimate_change_is_applied_and_logged_once(checkpoint, tmp_path, ca
     if key == "gradient_accumulation_steps":
         first = read_metrics(str(checkpoint.parent), "train")[-1]
         assert step3["tokens"] - first["tokens"] == 2 * 4 * 32  # two micro-batches of 4 x 32
+
+
+def test_another_cpu_fp8_gemm_kernel_on_resume_is_noted_once(checkpoint, tmp_path, capsys, monkeypatch):
+    """The kernel a checkpoint was trained with (the machine's kept probe verdict) is recorded;
+    resuming under the other one continues, with one line saying the bits will differ."""
+    from lowprec.fp8 import cpu_gemm
+    from lowprec.train.resume_check import saved_settings
+
+    settings = [saved_settings(str(checkpoint), i) for i in range(len(list(checkpoint.glob("custom_checkpoint_*"))))]
+    (saved,) = [s["cpu_fp8_gemm"] for s in settings if s is not None]
+    assert saved == cpu_gemm.cpu_gemm_choice().path
+    other = "upcast" if saved == "scaled_mm" else "scaled_mm"
+    monkeypatch.setenv(cpu_gemm.CPU_GEMM_ENV, other)
+    rc, out = _resume(checkpoint, tmp_path, [])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    line = (f"lowprec: resuming with cpu_fp8_gemm {other}, the checkpoint was written with {saved}: the run "
+            f"continues, but not bit for bit as the uninterrupted one ({RULES['cpu_fp8_gemm'][1]})")
+    assert err.count(line) == 1, err
+    assert [r["step"] for r in read_metrics(str(out), "train")] == [3]
+
+
+def test_other_arithmetic_is_noted_once_and_never_hides_a_refusal(caplog):
+    from lowprec.train.resume_check import check_resume
+
+    saved = {"torch": "2.12.0+cpu", "cpu_fp8_gemm": "upcast", "optimizer": "adamw_torch", "learning_rate": 1e-3}
+    now = {"torch": "2.13.0+cpu", "cpu_fp8_gemm": "upcast", "optimizer": "adamw_torch", "learning_rate": 2e-3}
+    with caplog.at_level("WARNING", logger="lowprec"):
+        assert check_resume(saved, now, "ck") == {"learning_rate": (1e-3, 2e-3)}
+    notes = [r.getMessage() for r in caplog.records if "bit for bit" in r.getMessage()]
+    assert notes == ["lowprec: resuming with torch 2.13.0+cpu, the checkpoint was written with 2.12.0+cpu: the run "
+                     f"continues, but not bit for bit as the uninterrupted one ({RULES['torch'][1]})"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lowprec"), pytest.raises(ValueError, match="optimizer: adamw_torch"):
+        check_resume(saved, {**now, "optimizer": "sgd"}, "ck")
+    assert not [r for r in caplog.records if "bit for bit" in r.getMessage()]  # refused: nothing continues
 
 
 def test_apply_changes_puts_the_new_values_into_the_restored_optimizer_schedule_and_accumulation():

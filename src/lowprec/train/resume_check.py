@@ -14,7 +14,11 @@ key by key, by the table :data:`RULES`:
   values it stores itself (the optimizer's groups keep the old learning rate, weight decay and
   betas), so :func:`apply_changes` writes the new ones into the restored optimizer and schedule.
 
-Keys in neither list (logging, evaluation, checkpointing, output) change freely. The mixed
+* ``note``: what the run computes on, not what it means (the torch version, the CPU FP8 GEMM
+  kernel). Continuing is right, but the resumed run will not match the uninterrupted one bit for
+  bit: one log line per key says so, so that a difference in a comparison is not a mystery.
+
+Keys in none of the lists (logging, evaluation, checkpointing, output) change freely. The mixed
 precision and FP8 backend are also checked by ``Accelerator.load_state`` itself.
 """
 
@@ -25,11 +29,13 @@ import logging
 import os
 from typing import Any, Optional
 
+import torch
+
 __all__ = ["RULES", "settings_of", "saved_settings", "check_resume", "apply_changes"]
 
 logger = logging.getLogger("lowprec")
 
-REFUSE, APPLY = "refuse", "apply"
+REFUSE, APPLY, NOTE = "refuse", "apply", "note"
 # key -> (decision, why); the why of a refused key is the reason printed; of an applied key, what
 # happens from the next step
 RULES: dict[str, tuple[str, str]] = {
@@ -61,6 +67,9 @@ RULES: dict[str, tuple[str, str]] = {
     # effective batch (and tokens per step) changes from the next step, as in a batch-size ramp
     "gradient_accumulation_steps": (APPLY, "each optimizer step takes that many micro-batches from the next step"),
     "max_grad_norm": (APPLY, "gradients are clipped to it from the next step"),
+    # noted: the same run on other arithmetic
+    "torch": (NOTE, "torch's kernels may round differently"),
+    "cpu_fp8_gemm": (NOTE, "the two CPU FP8 GEMM kernels sum in different orders (LOWPREC_CPU_FP8_GEMM chooses one)"),
 }
 _LORA = ("adapter", "lora_r", "lora_alpha", "lora_target_modules", "lora_target_linear", "lora_modules_to_save")
 # a changed key on the left changes those on the right with it
@@ -89,11 +98,23 @@ def settings_of(cfg: Any, plan: Any, model_config: Optional[dict], total: int, w
         "fp8_filter": list(cfg.fp8_filter) if fp8 else None,
         "total_steps": total,
         "warmup_steps": warmup,
+        "torch": torch.__version__,
+        "cpu_fp8_gemm": _cpu_fp8_gemm(plan) if fp8 else None,
     }
     for key in ("optimizer", "datasets", "micro_batch_size", "sequence_len", "seed", "learning_rate", "weight_decay",
                 "adam_beta1", "adam_beta2", "lr_scheduler", "gradient_accumulation_steps", "max_grad_norm"):
         out[key] = y.get(key)
     return _plain(out)
+
+
+def _cpu_fp8_gemm(plan: Any) -> Optional[str]:
+    """The kernel FP8 GEMMs run on when this run trains on CPU (None on a GPU)."""
+    device = getattr(plan.decisions.get("device"), "value", None)
+    if device != "cpu":
+        return None
+    from lowprec.fp8.cpu_gemm import cpu_gemm_choice
+
+    return cpu_gemm_choice().path
 
 
 def saved_settings(checkpoint: str, index: int) -> Optional[dict[str, Any]]:
@@ -128,6 +149,7 @@ def check_resume(saved: Optional[dict[str, Any]], now: dict[str, Any], checkpoin
                        "checking that optimizer, FP8 recipe and data settings match", checkpoint)
         return {}
     changed = {k: (saved[k], now.get(k)) for k in RULES if k in saved and saved[k] != now.get(k)}
+    notes = {k: changed.pop(k) for k in [k for k in changed if RULES[k][0] == NOTE]}
     for cause, consequences in _FOLLOWS.items():  # named once, by the key the user changed
         if cause in changed:
             for k in consequences:
@@ -145,6 +167,9 @@ def check_resume(saved: Optional[dict[str, Any]], now: dict[str, Any], checkpoin
             f"{RULES[first][1]}: set {'it' if len(refused) == 1 else 'them'} back to continue that run, or start a "
             "fresh one (drop resume_from_checkpoint, or choose another output_dir)"
         )
+    for k, (old, new) in notes.items():
+        logger.warning("lowprec: resuming with %s %s, the checkpoint was written with %s: the run continues, but not "
+                       "bit for bit as the uninterrupted one (%s)", k, _show(new), _show(old), RULES[k][1])
     return changed
 
 
