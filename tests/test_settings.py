@@ -8,6 +8,7 @@ import os
 import shlex
 
 import pytest
+import torch
 
 from lowprec import Accelerator
 from lowprec.backends.registry import resolve_fp8_settings
@@ -181,6 +182,16 @@ def test_native_fsdp_fp8_all_gather_needs_tensorwise_with_one_message(monkeypatc
     with pytest.raises(ValueError) as e3:
         Accelerator(mixed_precision="fp8", cpu=True)
     assert message in str(e3.value)
+    # the FSDP2 wrapper, for a model converted by hand: the same rule, the same words
+    from lowprec import fp8
+    from lowprec.distributed.fsdp_float8 import enable_fsdp_float8_all_gather
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    fp8.convert(model, fp8.Recipe.from_name("delayed"), skip_first_last=False)
+    assert fp8.has_fp8_layers(model)
+    with pytest.raises(ValueError) as e4:
+        enable_fsdp_float8_all_gather(model)
+    assert str(e4.value) == message
 
 
 def test_the_trainer_builds_its_recipe_once(monkeypatch):

@@ -37,6 +37,7 @@ __all__ = [
     "RECIPE_OPTIONS",
     "check_int_field",
     "FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE",
+    "check_fsdp_fp8_all_gather",
     "TE_SWITCHES",
     "te_switch_recipe",
     "recipe_info",
@@ -175,6 +176,16 @@ FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE = (
     "(delayed scales come from per-rank histories, rowwise/blockwise scales are per row/tile of the "
     "whole weight); use fp8_recipe: tensorwise or drop fp8_enable_fsdp_float8_all_gather"
 )
+
+
+def check_fsdp_fp8_all_gather(recipe: str, scaling: str | None = None) -> None:
+    """The one rule "FP8 all-gather needs per-tensor scaling", for every caller (the YAML
+    trainer, the launch flags, the native backend, the FSDP2 wrapper). ``recipe``: the recipe's
+    name; ``scaling``: its scaling kind where a built Recipe is at hand (else read from the
+    name). ``ValueError`` with the one message otherwise."""
+    kind = scaling if scaling is not None else recipe_info(recipe).scaling
+    if kind != "tensorwise":
+        raise ValueError(FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe=recipe))
 
 
 @dataclass(frozen=True)

@@ -153,8 +153,3 @@ def remap_optimizer_params(optimizer: Any, before: dict[str, nn.Parameter], afte
             params[i] = new
             swapped += 1
     return swapped
-
-
-def iter_params(optimizer: Any) -> "Iterable[torch.Tensor]":
-    for group in getattr(optimizer, "param_groups", []):
-        yield from group["params"]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Mapping, Option
 
 from lowprec.backends.base import BaseBackend, PrepareContext, log_once
 from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, BackendSpec, recipe_field
-from lowprec.catalog import FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE
+from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.kwargs import NativeRecipeKwargs
 
 if TYPE_CHECKING:
@@ -45,8 +45,8 @@ class NativeBackend(BaseBackend):
         self.skip_first_last = skip_first_last
         self.skip_patterns = tuple(skip_patterns)
         self.report: Any = None
-        if fsdp_float8_all_gather and recipe.scaling != "tensorwise":
-            raise ValueError(FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe=recipe.name))
+        if fsdp_float8_all_gather:
+            check_fsdp_fp8_all_gather(recipe.name, recipe.scaling)
         self.fsdp_float8_all_gather = fsdp_float8_all_gather
         self._fp8_all_gather_on = False  # the model is FSDP2-sharded with FP8 all-gather
         # per converted model: its FP8 scaling state as of the last step's end, restored when a
@@ -164,8 +164,11 @@ def _handler_fields(fields: Mapping[str, Any]) -> dict:
 
 def _check_fields(recipe: Optional[str], fields: Mapping[str, Any]) -> Optional[tuple[str, str]]:
     """Launch-time refusal of what :class:`NativeBackend` would refuse at construction."""
-    if fields.get("fp8_enable_fsdp_float8_all_gather") and (recipe or "tensorwise") != "tensorwise":
-        return "fp8_enable_fsdp_float8_all_gather", FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe=recipe)
+    if fields.get("fp8_enable_fsdp_float8_all_gather"):
+        try:
+            check_fsdp_fp8_all_gather(recipe or "tensorwise")
+        except ValueError as exc:
+            return "fp8_enable_fsdp_float8_all_gather", str(exc)
     return None
 
 

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.fp8.gathered import Float8GatheredWeight
 from lowprec.fp8.linear import Float8Linear
 from lowprec.fp8.quantize import quantize_tensorwise
@@ -158,11 +159,7 @@ def enable_fsdp_float8_all_gather(model: nn.Module) -> int:
     does, by name). Raises ``ValueError`` for a layer whose recipe is not tensorwise."""
     n = 0
     for m in _layers(model):
-        if m.recipe.scaling != "tensorwise":
-            raise ValueError(
-                f"fp8_enable_fsdp_float8_all_gather needs the tensorwise recipe; a layer uses "
-                f"{m.recipe.name!r}: use fp8_recipe: tensorwise or drop fp8_enable_fsdp_float8_all_gather"
-            )
+        check_fsdp_fp8_all_gather(m.recipe.name, m.recipe.scaling)
         w = m.weight
         if isinstance(w, Float8AllGatherWeight):
             continue

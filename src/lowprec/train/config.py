@@ -31,7 +31,7 @@ from typing import Any, Optional, get_args
 import yaml
 from pydantic import BaseModel, ValidationError, model_validator
 
-from lowprec.catalog import FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE
+from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.errors import did_you_mean
 from lowprec.train.axolotl_keys import screen_top_level
 from lowprec.train.config_adapter import AdapterKeys
@@ -85,8 +85,8 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
             )
         if self.fp8_enable_fsdp_float8_all_gather and not self.fp8:
             raise ValueError("fp8_enable_fsdp_float8_all_gather: true needs fp8: true; set fp8: true or drop it")
-        if self.fp8_enable_fsdp_float8_all_gather and self.fp8_recipe.name != "tensorwise":
-            raise ValueError(FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe=self.fp8_recipe.name))
+        if self.fp8_enable_fsdp_float8_all_gather:
+            check_fsdp_fp8_all_gather(self.fp8_recipe.name)
         tp = self.tensor_parallel_size
         if tp > 1 and (self.deepspeed is not None or (self.fp8 and self.fp8_recipe.name != "tensorwise")):
             raise ValueError(f"tensor_parallel_size: {tp} runs with FSDP2 (not deepspeed) and, with fp8, fp8_recipe: "
