@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ContextManager, Iterable, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ContextManager, Optional, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # torch is imported by the backends' methods, not by their declarations
     import torch
