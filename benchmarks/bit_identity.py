@@ -16,12 +16,15 @@ path, ``fp8/mx_linear.py``); a recipe that reads ``scale_rounding`` also runs wi
 with the kernels' torch reference standing in for Triton (same values by its contract).
 CPU, ~30 s for the five FP8 recipes (more with mxfp8/nvfp4); exit status 1 on any difference.
 """
+
 import argparse
 import itertools
 import sys
 import torch
 import lowprec.fp8 as fp8
+import lowprec.fp8.kernels as K
 from lowprec.catalog import RECIPES as CATALOG
+from lowprec.fp8.kernels import reference
 from lowprec.fp8.linear import Float8Linear
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,7 +54,9 @@ def run(name, variant, grads, autocast, ckpt, telemetry):
     torch.manual_seed(0)
     knobs = {"scale_rounding": "floor"} if variant == "floor" else VARIANTS[variant]
     try:
-        recipe = fp8.Recipe.from_name(name, **knobs, **({"interval": 2, "amax_history_len": 3} if name == "delayed" else {}))
+        recipe = fp8.Recipe.from_name(
+            name, **knobs, **({"interval": 2, "amax_history_len": 3} if name == "delayed" else {})
+        )
     except ValueError:  # a variant the recipe refuses (nvfp4 without save_fp8_activations)
         return None
     lin = torch.nn.Linear(256, 128)
@@ -62,27 +67,34 @@ def run(name, variant, grads, autocast, ckpt, telemetry):
     for step in range(4):
         x = (torch.randn(3, 64, 256) * (10 ** (step - 1))).requires_grad_(grads != "w_only")
         if step == 2:
-            x = x.detach().clone(); x[0, 0, :5] = 0; x.requires_grad_(grads != "w_only")
+            x = x.detach().clone()
+            x[0, 0, :5] = 0
+            x.requires_grad_(grads != "w_only")
         with fp8.autocast(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             y = fp8.checkpoint(m, x) if ckpt else m(x)
         (y.float() * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
         rec[f"{step}/y"] = y.detach().clone()
-        if x.grad is not None: rec[f"{step}/gx"] = x.grad.clone()
+        if x.grad is not None:
+            rec[f"{step}/gx"] = x.grad.clone()
         for n, p in m.named_parameters():
-            if p.grad is not None: rec[f"{step}/g{n}"] = p.grad.clone(); p.grad = None
+            if p.grad is not None:
+                rec[f"{step}/g{n}"] = p.grad.clone()
+                p.grad = None
         for n, b in m.named_buffers():
             rec[f"{step}/buf_{n}"] = b.clone()
     return rec
 
-import lowprec.fp8.kernels as K
-from lowprec.fp8.kernels import reference
+
 FUSED = args.fused
 if FUSED:  # the fused (Triton) code paths, with the torch reference standing in for the kernels
     K.available = lambda device: True
     K._ops = lambda: reference
 out = {}
-for name, variant, grads, ac, ck, tel in ((n, *rest) for n in RECIPES for rest in itertools.product(
-        variants(n), GRADS, [False, True], [False, True], [False, True])):
+for name, variant, grads, ac, ck, tel in (
+    (n, *rest)
+    for n in RECIPES
+    for rest in itertools.product(variants(n), GRADS, [False, True], [False, True], [False, True])
+):
     if (ck or tel) and (variant != "plain" or grads != "both"):
         continue
     key = f"{name}|{variant}|{grads}|ac={ac}|ck={ck}|tel={tel}"
@@ -90,17 +102,25 @@ for name, variant, grads, ac, ck, tel in ((n, *rest) for n in RECIPES for rest i
     if rec is not None:
         out[key] = rec
 if args.mode == "save":
-    torch.save(out, args.path); print("saved", len(out), "configs", sum(len(v) for v in out.values()), "tensors")
+    torch.save(out, args.path)
+    print("saved", len(out), "configs", sum(len(v) for v in out.values()), "tensors")
 else:
-    ref = torch.load(args.path)
+    ref = torch.load(args.path, weights_only=True)  # tensors in dicts: nothing executed
     bad = 0
     assert ref.keys() == out.keys()
     for k in ref:
         if ref[k].keys() != out[k].keys():
-            print("KEYS differ", k, set(ref[k]) ^ set(out[k])); bad += 1; continue
+            print("KEYS differ", k, set(ref[k]) ^ set(out[k]))
+            bad += 1
+            continue
         for t in ref[k]:
             a, b = ref[k][t], out[k][t]
-            if not (a.dtype == b.dtype and torch.equal(a.nan_to_num(1e9), b.nan_to_num(1e9)) and torch.equal(a.isnan(), b.isnan())):
-                print("DIFF", k, t); bad += 1
+            if not (
+                a.dtype == b.dtype
+                and torch.equal(a.nan_to_num(1e9), b.nan_to_num(1e9))
+                and torch.equal(a.isnan(), b.isnan())
+            ):
+                print("DIFF", k, t)
+                bad += 1
     print("compared", len(ref), "configs", sum(len(v) for v in ref.values()), "tensors;", bad, "differences")
     sys.exit(1 if bad else 0)

@@ -91,7 +91,8 @@ def sweep_tiles(x, scale, device, iters, warmup):
         q = torch.empty((m, n), dtype=torch.uint8, device=device)
         qt = torch.empty((n, m), dtype=torch.uint8, device=device)
         ab = torch.zeros((), dtype=torch.int32, device=device)
-        ms = time_fn(lambda: ops.launch_cast(x, scale, E4M3, q, qt, ab, tile=tile), device, warmup, iters)
+        ms = time_fn(lambda q=q, qt=qt, ab=ab, tile=tile: ops.launch_cast(x, scale, E4M3, q, qt, ab, tile=tile),
+                     device, warmup, iters)
         gbs = nominal_bytes("cast_transpose_amax", m, n, x.element_size()) / ms / 1e6
         rows.append({"M": m, "N": n, "tile": list(tile), "ms": round(ms, 4), "GBps": round(gbs, 1)})
         print(f"  tile {tile}: {ms:.3f} ms {gbs:.0f} GB/s")
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
                 row = {"op": op, "M": m, "N": n, "impl": name, "input": "bfloat16", "fp8": "e4m3fn"}
                 try:
                     row["exact"] = check(op, fn(x, scale), x, scale)
-                    ms = time_fn(lambda: fn(x, scale), device, a.warmup, a.iters)
+                    ms = time_fn(lambda fn=fn, x=x, scale=scale: fn(x, scale), device, a.warmup, a.iters)
                     gbs = nominal_bytes(op, m, n, x.element_size()) / ms / 1e6
                     row.update(ms=round(ms, 4), GBps=round(gbs, 1))
                     if peak:

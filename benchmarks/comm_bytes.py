@@ -69,7 +69,7 @@ def _worker(rank, world, port, model_name, batch, seq, dtype_name, out):
     state = register_fp8_allreduce(ddp, fp8_dtype=DTYPES[dtype_name])
     g = torch.Generator().manual_seed(rank)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
-    for step in range(2):  # step 0 lets DDP rebuild its buckets; step 1 is measured
+    for _step in range(2):  # step 0 lets DDP rebuild its buckets; step 1 is measured
         state.reset_counters()
         ddp.zero_grad(set_to_none=True)
         ddp(ids, labels=ids).loss.backward()

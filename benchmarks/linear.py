@@ -66,7 +66,7 @@ def bench_shape(m, k, n, device, recipes, modes, iters, warmup, compile_backend=
         for mode in modes:
             fn_layer = torch.compile(layer, backend=compile_backend) if mode == "compiled" else layer
 
-            def step():
+            def step(fn_layer=fn_layer, layer=layer, use_lowprec_autocast=use_lowprec_autocast):
                 with fp8.autocast(enabled=use_lowprec_autocast), torch.autocast(device.type, dtype=torch.bfloat16):
                     y = fn_layer(x)
                 y.backward(g)

@@ -1,4 +1,4 @@
-"""The linter is part of the test command: `ruff check src tests` with pyproject.toml's rules."""
+"""The linter is part of the test command: `ruff check src tests benchmarks examples` with pyproject.toml's rules."""
 
 from __future__ import annotations
 
@@ -23,6 +23,6 @@ def _ruff() -> list[str]:
 
 
 def test_ruff_check_passes():
-    proc = subprocess.run([*_ruff(), "check", "src", "tests", "--output-format", "concise", "--no-cache"],
+    proc = subprocess.run([*_ruff(), "check", "src", "tests", "benchmarks", "examples", "--output-format", "concise", "--no-cache"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
