@@ -43,7 +43,7 @@ Interaction with the rest:
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,7 @@ class Float8AllGatherWeight(torch.Tensor):
         self._param_dtype: Optional[torch.dtype] = None  # FSDP2's, learnt at the first all-gather
         self._precomputed: Optional[tuple[torch.Tensor, int]] = None  # (scale, _tensor._version)
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]  # torch's stub
         return f"Float8AllGatherWeight({self._tensor!r}, fp8={self._fp8_dtype})"
 
     def _meta(self) -> tuple:
@@ -178,8 +178,7 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 def precompute_float8_scales_for_fsdp(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> int:
     """Every wrapped weight's scale for the next all-gather, from one MAX all-reduce of the shard
     amaxes (after ``optimizer.step()``); returns the number of collectives (0 or 1)."""
-    shards = [_local(m.weight) for m in _layers(model)]
-    shards = [s for s in shards if isinstance(s, Float8AllGatherWeight)]
+    shards = [s for s in (_local(m.weight) for m in _layers(model)) if isinstance(s, Float8AllGatherWeight)]
     if not shards:
         return 0
     # amax of the shard rounded to param_dtype = amax rounded to it (rounding is monotonic):
@@ -228,5 +227,5 @@ def install_counting_all_gather(model: nn.Module) -> CountingAllGather:
     counter = CountingAllGather()
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            m.set_custom_all_gather(counter)
+            m.set_custom_all_gather(cast(Any, counter))  # duck-typed: FSDP2 calls its methods
     return counter

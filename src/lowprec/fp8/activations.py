@@ -32,6 +32,8 @@ plain expression runs (nothing is saved then anyway).
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -183,9 +185,9 @@ def disable(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if getattr(module, "fp8_activations", False):
-            module.fp8_activations = False
+            cast(Any, module).fp8_activations = False  # a plain attribute of ours, not a tensor
             count += 1
         elif hasattr(type(module), "_lowprec_base"):
-            module.__class__ = type(module)._lowprec_base
+            module.__class__ = cast(Any, type(module))._lowprec_base
             count += 1
     return count

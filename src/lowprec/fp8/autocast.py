@@ -120,7 +120,7 @@ class autocast:  # noqa: N801 - a context manager named like torch.autocast
         self.enabled = bool(enabled)
         self.recipe = recipe
         self.use_during_eval = use_during_eval
-        self._saved: list[tuple[bool, Recipe | None, bool | None]] = []
+        self._saved: list[tuple[bool | None, Recipe | None, bool | None]] = []
 
     def __enter__(self) -> "autocast":
         self._saved.append((_STATE.enabled, _STATE.recipe, _STATE.use_during_eval))

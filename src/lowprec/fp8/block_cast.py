@@ -64,13 +64,13 @@ def cast_block_both(t: torch.Tensor, dtype: torch.dtype, size: int, power_of_2: 
         if not _fused(t, size):
             q = quantize_blockwise(t, dtype, sq, power_of_2=power_of_2)
             return q, q
-        q, s, qt, st = kernels.cast_block_2d(t.detach(), dtype, size, power_of_2, rows=True, cols=True)
-        return Float8Data(q, s, "block", sq, power_of_2), Float8Data(qt.t(), st, "block", sq, power_of_2)
+        d, s, dt, st = kernels.cast_block_2d(t.detach(), dtype, size, power_of_2, rows=True, cols=True)
+        return Float8Data(d, s, "block", sq, power_of_2), Float8Data(dt.t(), st, "block", sq, power_of_2)
     if not _fused(t, size):
         return (quantize_blockwise(t, dtype, (1, size), power_of_2=power_of_2),
                 quantize_blockwise(t, dtype, (size, 1), power_of_2=power_of_2))
-    q, rs, qt, cs = kernels.cast_block_1d(t.detach(), dtype, size, power_of_2)
-    return Float8Data(q, rs, "block", (1, size), power_of_2), Float8Data(qt.t(), cs, "block", (size, 1), power_of_2)
+    d, rs, dt, cs = kernels.cast_block_1d(t.detach(), dtype, size, power_of_2)
+    return Float8Data(d, rs, "block", (1, size), power_of_2), Float8Data(dt.t(), cs, "block", (size, 1), power_of_2)
 
 
 def quantize_square_transposed(w: torch.Tensor, dtype: torch.dtype, size: int, power_of_2: bool) -> Float8Data:

@@ -81,7 +81,7 @@ def mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Tensor:
     kernel_out = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     sa = a.scale.reciprocal().to(torch.float32)  # dequantization scales, as the emulation multiplies
     sb = b.scale.reciprocal().to(torch.float32)
-    out = ops.block_scaled_mm(a.data, b.data, sa, sb, a.block[1], b.block[1], kernel_out)
+    out = ops.block_scaled_mm(a.data, b.data, sa, sb, a.tiles[1], b.tiles[1], kernel_out)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

@@ -49,9 +49,10 @@ def trace_as(sm: tuple[int, int] = (9, 0), triton: bool = True) -> Iterator[None
     """Make the CUDA dispatch decide as on a GPU of compute capability ``sm``, with (or
     without) the fused Triton casts. ``triton=True`` needs triton importable (the fused ops'
     fake implementations come from it); ``LOWPREC_DISABLE_TRITON`` is ignored inside."""
-    sm = tuple(int(v) for v in sm)
-    if len(sm) != 2:
-        raise ValueError(f"trace_as(sm=...) takes (major, minor), e.g. (9, 0); got {sm!r}")
+    given = tuple(int(v) for v in sm)
+    if len(given) != 2:
+        raise ValueError(f"trace_as(sm=...) takes (major, minor), e.g. (9, 0); got {given!r}")
+    sm = (given[0], given[1])
     if triton:
         from lowprec.fp8.kernels.select import triton_importable
 

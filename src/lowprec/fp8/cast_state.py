@@ -87,7 +87,7 @@ def cast_stats(x: torch.Tensor, q: Float8Data) -> torch.Tensor:
     if peak is not None and peak <= thr:  # nothing beyond the threshold (False for NaN: count)
         saturated = torch.zeros((), dtype=torch.float32)
     else:
-        full = expand_blocks(scale, q.block, x.shape) if q.granularity == "block" else scale
+        full = expand_blocks(scale, q.tiles, x.shape) if q.granularity == "block" else scale
         scaled = x.to(torch.float32).mul_(full).abs_() if x.dtype != torch.float32 else (x * full).abs_()
         # float sums of zeros and ones: exact counts (below 2**24 elements, a float32 mean)
         saturated = torch.gt(scaled, thr, out=torch.empty_like(scaled)).sum(dtype=_count_dtype(n)) / n
@@ -126,6 +126,10 @@ class CastState:
 
     def __init__(self, stats: torch.Tensor | None = None) -> None:
         self.stats = stats
+
+    def fused_forward(self, x, weight, spec_x: OperandCast, spec_w: OperandCast, recipe: Recipe):
+        """Delayed scaling's casts with the state update inside (``fused`` is True there only)."""
+        raise NotImplementedError("current scaling does not fuse a state update into its casts")
 
     def observe(self, row: int, t: torch.Tensor, q: Float8Data) -> None:
         """Telemetry for the cast ``q`` of ``t`` (row: INPUT, WEIGHT or GRAD_OUTPUT)."""
@@ -166,8 +170,7 @@ class DelayedCastState(CastState):
             # CPU: the same update in host floats (host_scale.py), not ~25 scalar kernels
             # the input's amax is read once for the Linears that share it (shared_cast.py)
             amax_now = shared_cast.amax(t, host_scale.amax_value) if which == "input" else host_scale.amax_value(t)
-            used = host_scale.delayed_step(hist, scale, step, amax_now, dtype, recipe)
-            return torch.tensor(used, dtype=torch.float32)
+            return torch.tensor(host_scale.delayed_step(hist, scale, step, amax_now, dtype, recipe), dtype=torch.float32)
         used, new_hist, new_scale = delayed_scale_step(hist, scale, step, kernels.amax(t), dtype, recipe)
         hist.copy_(new_hist)
         scale.copy_(new_scale)

@@ -14,6 +14,8 @@ import transformers.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -31,21 +33,26 @@ def is_conv1d(module: nn.Module) -> bool:
 def gemm_dims(module: nn.Module) -> tuple[int, int]:
     """(in_features, out_features) of a Linear or a Conv1D."""
     if is_conv1d(module):
-        nx, nf = module.weight.shape
+        nx, nf = cast(torch.Tensor, module.weight).shape
         return int(nx), int(nf)
-    return module.in_features, module.out_features
+    linear = cast(nn.Linear, module)
+    return linear.in_features, linear.out_features
 
 
 class Float8Conv1D(Float8Linear):
     """``Conv1D`` with FP8 GEMMs (off inside ``fp8.autocast(enabled=False)``); weight stored (in, out)."""
+
+    nx: int  # Conv1D's own names for in_features and out_features
+    nf: int
+    _conv1d_cls: type[nn.Module]
 
     @classmethod
     def from_conv1d(cls, conv: nn.Module, recipe: Recipe) -> "Float8Conv1D":
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = gemm_dims(conv)
-        new.nx, new.nf = new.in_features, new.out_features  # Conv1D's own attribute names
-        new.weight, new.bias = conv.weight, conv.bias
+        new.nx, new.nf = new.in_features, new.out_features
+        new.weight, new.bias = cast(nn.Parameter, conv.weight), cast(nn.Parameter, conv.bias)  # bias: or None, as nn.Linear allows
         new.train(conv.training)
         _copy_hooks(conv, new)
         new._init_fp8(recipe)

@@ -271,13 +271,11 @@ def convert(
             report.skipped.append((fqn, reason))
             _count_kept(report, module, reason)
             continue
-        if module_filter is not None:
-            reason = None if module_filter(module, fqn) else "module_filter returned False"
-        else:
-            reason = rule(module, fqn)
-        if reason is not None:
-            report.skipped.append((fqn, reason))
-            _count_kept(report, module, reason)
+        why: str | None = rule(module, fqn) if module_filter is None else (
+            None if module_filter(module, fqn) else "module_filter returned False")
+        if why is not None:
+            report.skipped.append((fqn, why))
+            _count_kept(report, module, why)
             continue
         if fqn == "":
             raise ValueError("convert() got a bare nn.Linear; wrap it in a module or use Float8Linear.from_linear")

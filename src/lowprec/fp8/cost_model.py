@@ -24,7 +24,7 @@ re-fitted from its JSON (issue 6).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 from torch import nn
 
@@ -128,8 +128,10 @@ def auto_module_filter(
     def keep(module: nn.Module, fqn: str) -> bool:
         if base_filter is not None and not base_filter(module, fqn):
             return False
-        if module.in_features % 16 or module.out_features % 16:
+        linear = cast(nn.Linear, module)  # convert asks about Linear layers only
+        k, n = linear.in_features, linear.out_features
+        if k % 16 or n % 16:
             return False
-        return predict_speedup(tokens_per_step, module.in_features, module.out_features, recipe, device) >= min_speedup
+        return predict_speedup(tokens_per_step, k, n, recipe, device) >= min_speedup
 
     return keep

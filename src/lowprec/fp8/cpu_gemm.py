@@ -111,15 +111,15 @@ def _dequant_blocks_bf16(q: Float8Data) -> torch.Tensor:
     x = upcast_to_bf16(q.data)
     inv = q.scale.reciprocal()
     rows, cols = x.shape
-    br, bc = q.block
+    br, bc = q.tiles
     if rows % br == 0 and cols % bc == 0:  # splitting a dim is always a view, any layout
         tiles = x.reshape(rows // br, br, cols // bc, bc)
         tiles.mul_(inv[:, None, :, None])
         return x
-    return x.mul_(expand_blocks(inv, q.block, x.shape))
+    return x.mul_(expand_blocks(inv, q.tiles, x.shape))
 
 
-def upcast_mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Tensor:
+def upcast_mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Tensor | None:
     """``dequant(a) @ dequant(b)`` as a bf16 GEMM over exactly upcast operands (see module doc).
 
     Returns ``None`` when the scales are block scales that are not powers of two (the caller

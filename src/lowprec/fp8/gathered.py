@@ -49,7 +49,7 @@ class Float8GatheredWeight(torch.Tensor):
         self._scale = scale
         self._pow2 = pow2
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]  # torch's stub
         return f"Float8GatheredWeight(shape={tuple(self.shape)}, fp8={self._data.dtype}, dtype={self.dtype})"
 
     def __tensor_flatten__(self):

@@ -39,7 +39,7 @@ updates and telemetry go through one per-call object (``cast_state.py``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -135,8 +135,8 @@ def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale
         col_scale = amax_to_scale(kernels.amax_cols(t), spec.dtype, power_of_2=pow2)
         q, row_scale, qt = kernels.cast_rowwise_dual(t, col_scale, spec.dtype, pow2)
         return Float8Data(q, row_scale, "axis", None, pow2), Float8Data(qt.t(), col_scale, "axis", None, pow2)
-    q = _cast(t, spec, 1, recipe, scale)
-    return q, (_cast(t, spec, 0, recipe) if spec.granularity == "axis" else q)
+    rows = _cast(t, spec, 1, recipe, scale)
+    return rows, (_cast(t, spec, 0, recipe) if spec.granularity == "axis" else rows)
 
 
 _HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -177,17 +177,18 @@ class _Float8LinearFn(torch.autograd.Function):
             if fp.high_precision:
                 out = torch.matmul(x.to(hp), weight.to(hp).t())
             else:
+                spec_x, spec_w = fp.casts
                 if state.fused:  # delayed scaling inside the casts, one pass per operand
-                    (xq, x_col), (wq, w_col) = state.fused_forward(x, weight, fp.a, fp.b, recipe)
+                    (xq, x_col), (wq, w_col) = state.fused_forward(x, weight, spec_x, spec_w, recipe)
                 else:  # a dual cast writes the layout a backward GEMM reads in the same pass
                     x_dual = need_wgrad and plan.x_dual
-                    key = shared_cast.cast_key(fp.a, recipe, state.x_scale, x_dual)
+                    key = shared_cast.cast_key(spec_x, recipe, state.x_scale, x_dual)
                     shared = shared_cast.lookup(x, key)  # q/k/v, gate/up: one cast of their input
-                    xq, x_col = shared or _cast_pair(x, fp.a, recipe, state.x_scale, x_dual)
+                    xq, x_col = shared or _cast_pair(x, spec_x, recipe, state.x_scale, x_dual)
                     if shared is None:
                         shared_cast.store(x, key, (xq, x_col))
                     w_dual = plan.w_dual or (plan.w_square and cfg.weight_cache is not None)  # frozen: both layouts kept
-                    make_w = lambda: _cast_pair(weight, fp.b, recipe, state.w_scale, need_dgrad and w_dual)  # noqa: E731
+                    make_w = lambda: _cast_pair(weight, spec_w, recipe, state.w_scale, need_dgrad and w_dual)  # noqa: E731
                     wq, w_col = cfg.weight_cache(make_w) if cfg.weight_cache is not None else make_w()
                 out = scaled_mm(xq, wq.t(), hp, path=recipe.gemm, use_fast_accum=recipe.use_fast_accum)
                 state.observe(INPUT, x, xq)
@@ -206,7 +207,8 @@ class _Float8LinearFn(torch.autograd.Function):
                 elif x_col is not None:
                     x_saved = x_col
                 else:
-                    x_saved = _cast(x, wg.b, 0, recipe, _tensor_scale(wg.b, state.x_scale))
+                    spec_xw = wg.casts[1]
+                    x_saved = _cast(x, spec_xw, 0, recipe, _tensor_scale(spec_xw, state.x_scale))
         save_operands(ctx, (w_saved, x_saved), cfg=cfg, state=state, x_dtype=x.dtype, w_dtype=weight.dtype)
         return out
 
@@ -265,7 +267,9 @@ _HOOK_DICTS = (
 )
 
 
-def plain_module(src: nn.Module, cls: type, **dims: int) -> nn.Module:
+M = TypeVar("M", bound=nn.Module)
+
+def plain_module(src: nn.Module, cls: type[M], **dims: int) -> M:
     """A ``cls`` module (its ``__init__`` not run: no fresh weights) holding ``src``'s weight and
     bias Parameters, its train/eval mode and its hooks; ``dims`` are ``cls``'s size attributes."""
     mod = cls.__new__(cls)
@@ -294,6 +298,21 @@ class Float8Linear(nn.Linear):
     keeps training them, and ``state_dict`` keys are those of ``nn.Linear`` plus, for delayed
     scaling, the scaling state (amax histories, scales, step counters).
     """
+
+    # buffers (register_buffer in _init_fp8), declared for type checkers; the delayed ones exist
+    # under delayed scaling only
+    fp8_stats: torch.Tensor
+    fp8_step: torch.Tensor
+    fp8_step_grad: torch.Tensor
+    fp8_last_scales: torch.Tensor
+    fp8_amax_history_input: torch.Tensor
+    fp8_amax_history_weight: torch.Tensor
+    fp8_amax_history_grad_output: torch.Tensor
+    fp8_scale_input: torch.Tensor
+    fp8_scale_weight: torch.Tensor
+    fp8_scale_grad_output: torch.Tensor
+    recipe: Recipe
+    fp8_telemetry: bool
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *, recipe: Recipe | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -328,7 +347,7 @@ class Float8Linear(nn.Linear):
         new._init_fp8(recipe)
         return new
 
-    def to_linear(self) -> nn.Linear:
+    def to_linear(self) -> nn.Module:
         """The plain ``nn.Linear`` with the same Parameter objects (and the same hooks)."""
         return plain_module(self, nn.Linear, in_features=self.in_features, out_features=self.out_features)
 

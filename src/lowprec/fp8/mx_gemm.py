@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import logging
 
+from typing import Any
+
 import torch
 
 from lowprec.fp8.capability import cuda_capability, is_cuda
@@ -119,7 +121,7 @@ def _elements(q: BlockScaledData) -> torch.Tensor:
 
 def _emulate(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> torch.Tensor:
     out = torch.matmul(_elements(a), _elements(bt).t())
-    if a.tensor_scale is not None:
+    if a.tensor_scale is not None and bt.tensor_scale is not None:  # NVFP4: both or neither
         out = out * (a.tensor_scale * bt.tensor_scale)
     return out.to(out_dtype)
 
@@ -175,9 +177,9 @@ def _bf16_operand(q: BlockScaledData) -> torch.Tensor | None:
 def _upcast(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> torch.Tensor:
     av = _bf16_operand(a)
     bv = _bf16_operand(bt) if av is not None else None
-    if bv is None:
+    if av is None or bv is None:
         return _emulate(a, bt, out_dtype)
-    if a.tensor_scale is None:
+    if a.tensor_scale is None or bt.tensor_scale is None:  # MXFP8 (NVFP4 has both)
         out = torch.mm(av, bv.t())
     else:  # the tensor scales as alpha: on the fp32 accumulator, one rounding of the output
         alpha = float(a.tensor_scale * bt.tensor_scale)
@@ -192,6 +194,12 @@ def _native(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> 
     mp, np_ = -(-m // 16) * 16, -(-n // 16) * 16
     ad, bd = pad_rows(a.data, mp), pad_rows(bt.data, np_)
     swz = F.SwizzleType.SWIZZLE_32_4_4
+    sa: Any
+    sb: Any
+    ra: Any
+    rb: Any
+    za: Any
+    zb: Any
     if a.tensor_scale is None:
         rec = F.ScalingType.BlockWise1x32
         sa, sb, ra, rb = swizzle_scales(a.scale), swizzle_scales(bt.scale), rec, rec

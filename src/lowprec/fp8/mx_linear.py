@@ -28,9 +28,9 @@ measures it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from lowprec.fp8.autocast import recomputing, torch_autocast_off
 from lowprec.fp8.formats import saturation_threshold
@@ -41,13 +41,16 @@ from lowprec.fp8.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
 from lowprec.fp8.recipes import Recipe
 from lowprec.fp8.saved import save_operands, saved_operands
 
+if TYPE_CHECKING:  # linear.py imports this module
+    from lowprec.fp8.linear import Float8Linear
+
 __all__ = ["mx_linear", "init_mx_state", "MX_STATE_BUFFER", "block_stats"]
 
 MX_STATE_BUFFER = "fp8_sr_state"  # nvfp4: (layer index, step) of the stochastic rounding stream
 _NV_SATURATION = 7.0  # E2M1: values up to 6 + half the top step (2) round to 6 anyway
 
 
-def init_mx_state(module: nn.Module, recipe: Recipe) -> None:
+def init_mx_state(module: Float8Linear, recipe: Recipe) -> None:
     """Register the state a block-scaled recipe keeps (nvfp4: the rounding stream's position, in
     the state_dict so that a resumed run draws the same noise as an uninterrupted one)."""
     if recipe.scaling == "nvfp4":
@@ -131,11 +134,11 @@ class _MXLinearFn(torch.autograd.Function):
                 if cfg.stats:
                     stats[0].copy_(block_stats(x, xq))
                     stats[1].copy_(block_stats(weight, wq))
-            w_saved = None
+            w_saved: BlockScaledData | torch.Tensor | None = None
             if need_dgrad:
                 # nvfp4: the forward's 16x16 tiles serve grad_input too (one weight both ways)
                 w_saved = wq if (nv and not olp[1] and wq is not None) else weight
-                if nv and w_saved is weight and not olp[1]:
+                if nv and not olp[1] and not isinstance(w_saved, BlockScaledData):
                     w_saved = quantize_nvfp4_2d(weight)
             x_saved = None
             if need_wgrad:
@@ -183,7 +186,7 @@ class _MXLinearFn(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def mx_linear(module: nn.Module, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype) -> torch.Tensor:
+def mx_linear(module: Float8Linear, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype) -> torch.Tensor:
     """The output of a Float8Linear with a block-scaled recipe (bias not added), for 2-D ``x2``."""
     seeds = None
     if recipe.scaling == "nvfp4":

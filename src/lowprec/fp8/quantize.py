@@ -60,6 +60,13 @@ class Float8Data:
     def shape(self) -> torch.Size:
         return self.data.shape
 
+    @property
+    def tiles(self) -> tuple[int, int]:
+        """``block`` of a block-granularity operand, where it is always set."""
+        if self.block is None:
+            raise ValueError(f"a {self.granularity}-granularity FP8 tensor has no block shape")
+        return self.block
+
     def t(self) -> "Float8Data":
         """Transposed view (no copy): data, scale and block are all transposed."""
         scale = self.scale if self.scale.dim() == 0 else self.scale.t()
@@ -265,5 +272,5 @@ def dequantize(q: Float8Data, dtype: torch.dtype = torch.float32) -> torch.Tenso
     """
     inv = q.scale.reciprocal()
     if q.granularity == "block":
-        inv = expand_blocks(inv, q.block, q.data.shape)
+        inv = expand_blocks(inv, q.tiles, q.data.shape)
     return (q.data.to(torch.float32) * inv).to(dtype)

@@ -68,10 +68,17 @@ class GemmCast:
     def high_precision(self) -> bool:
         return self.a is None
 
+    @property
+    def casts(self) -> tuple[OperandCast, OperandCast]:
+        """``(a, b)`` of an FP8 GEMM (a high-precision one casts nothing)."""
+        if self.a is None or self.b is None:
+            raise ValueError("a high-precision GEMM has no FP8 casts")
+        return self.a, self.b
+
 
 def _same_cast(first: GemmCast, a: OperandCast | None, second: GemmCast, b: OperandCast | None, grans: tuple) -> bool:
     """Whether an operand's cast for one FP8 GEMM is the cast another FP8 GEMM reads."""
-    return not first.high_precision and not second.high_precision and a == b and a.granularity in grans
+    return not first.high_precision and not second.high_precision and a is not None and a == b and a.granularity in grans
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,7 @@ class LinearPlan:
         # square blocks would serve both orientations, but blockwise re-casts W in backward: an
         # FP8 copy kept per layer costs 1 byte/param at the memory peak (same values either way)
         set_("w_reused", self.w_dual)
-        set_("w_square", _same_cast(fp, fp.b, dg, dg.b, ("block",)) and dg.b.block_2d)
+        set_("w_square", _same_cast(fp, fp.b, dg, dg.b, ("block",)) and dg.b is not None and dg.b.block_2d)
         set_("dy_dual", _same_cast(dg, dg.a, wg, wg.a, axes))
 
 
@@ -289,7 +296,7 @@ class Recipe:
 
     def plan(self) -> LinearPlan:
         """Per-GEMM, per-operand casts (the dtype table of Float8Linear); built once per recipe."""
-        return self._plan
+        return self._plan  # type: ignore[attr-defined]  # set in __post_init__; not a field (asdict, ==)
 
     def _build_plan(self) -> LinearPlan:
         fwd, bwd = self.fp8_format.forward_dtype, self.fp8_format.backward_dtype
@@ -313,7 +320,7 @@ class Recipe:
             sq = OperandCast(fwd, "block", block_2d=True)
             g = [GemmCast(tile(fwd), sq), GemmCast(tile(bwd), sq), GemmCast(tile(bwd), tile(fwd))]
         g = [_HP if hp else gc for gc, hp in zip(g, olp)]
-        return LinearPlan(*g, save_fp8_input=self.save_fp8_activations)
+        return LinearPlan(g[0], g[1], g[2], save_fp8_input=self.save_fp8_activations)
 
     def describe(self) -> str:
         """One line per GEMM, e.g. for reports and docs."""

@@ -129,7 +129,10 @@ def amax(x: torch.Tensor, compute) -> float:
 def _mark_shared(data: torch.Tensor) -> None:
     key = id(data)
     if key not in _SHARED_SAVED:
-        _SHARED_SAVED[key] = (weakref.ref(data, lambda _r, key=key: _SHARED_SAVED.pop(key, None)), [None])
+        def forget(_ref: weakref.ref, key: int = key) -> None:
+            _SHARED_SAVED.pop(key, None)
+
+        _SHARED_SAVED[key] = (weakref.ref(data, forget), [None])
 
 
 def shared_upcast(q: Any, upcast) -> None:

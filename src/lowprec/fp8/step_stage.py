@@ -69,8 +69,14 @@ class _Group:
     def save(self, now: Optional[torch.Tensor] = None) -> None:
         self.saved = torch.stack(self.live()) if now is None else now
 
+    def kept(self) -> torch.Tensor:
+        """The copy made by the last :meth:`save` (the stage saves once when it is built)."""
+        if self.saved is None:
+            raise RuntimeError("a scaling stage group was read before its first save")
+        return self.saved
+
     def restore(self) -> None:
-        torch._foreach_copy_(self.live(), list(self.saved.unbind(0)))
+        torch._foreach_copy_(self.live(), list(self.kept().unbind(0)))
 
 
 class ScalingStage:
@@ -145,7 +151,7 @@ class ScalingStage:
         found = []
         for g, index in self.histories:
             now = torch.stack(g.live())
-            new_max, old_max = now.amax(dim=1), g.saved.amax(dim=1)
+            new_max, old_max = now.amax(dim=1), g.kept().amax(dim=1)
             spike = (new_max > old_max * _RATIO) & (old_max > 0)
             self.counts.view(-1).index_add_(0, index, spike.to(self.counts.dtype))
             found.append((g.index, torch.stack([spike.to(new_max.dtype), new_max, old_max])))

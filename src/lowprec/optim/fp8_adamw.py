@@ -47,7 +47,7 @@ parameters (lowprec's DeepSpeed glue does this; see ``moments.py``).
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable, cast
 
 import torch
 from torch.optim import Optimizer
@@ -195,7 +195,7 @@ class FP8AdamW(Optimizer):
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         sr = self._shard(p)
-        local = p.to_local() if sr is not None else p
+        local = cast(Any, p).to_local() if sr is not None else p  # a DTensor where it has a shard range
         zeros = torch.zeros_like(local, dtype=torch.float32)
         state["step"] = torch.zeros((), dtype=torch.float32)
         if sr is not None:  # a DTensor shard: the one-process layout's slice (optim/sharded.py)
@@ -233,7 +233,7 @@ class FP8AdamW(Optimizer):
             return None
         if p.grad.is_sparse:
             raise TypeError("FP8AdamW does not support sparse gradients; use dense embeddings")
-        g = p.grad.to_local() if self._shard(p) is not None else p.grad
+        g = cast(Any, p.grad).to_local() if self._shard(p) is not None else p.grad
         return g.to(torch.float32)
 
     def _noise(

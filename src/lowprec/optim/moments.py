@@ -123,25 +123,25 @@ def encode_exp_avg(
             scaled = dither(scaled, dtype, noise.reshape(-1))
         return saturated_cast(scaled, dtype).view(m.shape), scale
     flat = m.reshape(1, -1)
-    per_tensor = block_size is None or flat.shape[1] <= block_size
+    block = block_size if block_size is not None and flat.shape[1] > block_size else None  # None: per tensor
     if noise is None:
-        if per_tensor:
+        if block is None:
             q: Float8Data = quantize_tensorwise(flat, dtype, power_of_2=True)
             return q.data.view(m.shape), q.scale.reshape(())
-        q = quantize_blockwise(flat, dtype, (1, block_size), power_of_2=True)
+        q = quantize_blockwise(flat, dtype, (1, block), power_of_2=True)
         return q.data.view(m.shape), q.scale.reshape(-1)
     # Stochastic: the same scales as above, then dither in the scaled domain and cast. A
     # value dithered past fp8_max saturates (only the block maximum can), NaN stays NaN.
-    if per_tensor:
+    if block is None:
         scale = amax_to_scale(amax(flat), dtype, power_of_2=True)
         full = scale
     else:
-        pad = (-flat.shape[1]) % block_size
+        pad = (-flat.shape[1]) % block
         padded = torch.nn.functional.pad(flat, (0, pad))
-        scale = amax_to_scale(block_amax(padded, (1, block_size)), dtype, power_of_2=True)
-        full = scale.repeat_interleave(block_size, dim=1)[:, : flat.shape[1]]
+        scale = amax_to_scale(block_amax(padded, (1, block)), dtype, power_of_2=True)
+        full = scale.repeat_interleave(block, dim=1)[:, : flat.shape[1]]
     data = saturated_cast(dither(flat * full, dtype, noise.reshape(1, -1)), dtype)
-    return data.view(m.shape), scale.reshape(()) if per_tensor else scale.reshape(-1)
+    return data.view(m.shape), scale.reshape(()) if block is None else scale.reshape(-1)
 
 
 def decode_exp_avg(
@@ -163,6 +163,8 @@ def decode_exp_avg(
             )
         full = scale.repeat_interleave(block_size)[keep]
         return (data.reshape(-1).to(torch.float32) / full).view(data.shape)
+    if block_size is None:
+        raise ValueError("an FP8 first moment with block scales needs its block_size")
     flat = data.reshape(1, -1)
     q = Float8Data(flat, scale.reshape(1, -1), "block", (1, block_size))
     return dequantize(q).view(data.shape)

@@ -24,7 +24,7 @@ the same ones (nothing is re-created), the optimizer may be a new object: build 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -133,7 +133,7 @@ def apply_opt_level(
         from lowprec.distributed import register_fp8_allreduce  # layer below us; lazy import
 
         if getattr(model, "lowprec_fp8_allreduce", None) is None:
-            model.lowprec_fp8_allreduce = register_fp8_allreduce(model, fp8_dtype=grad_dtype)
+            cast(Any, model).lowprec_fp8_allreduce = register_fp8_allreduce(model, fp8_dtype=grad_dtype)
         return model, optimizer
 
     if _is_fsdp2(model):
@@ -142,10 +142,10 @@ def apply_opt_level(
         if getattr(model, "lowprec_fp8_reduce_scatter", None) is None:
             from lowprec.distributed.fsdp_fp8_reduce_scatter import install_fp8_reduce_scatter
 
-            model.lowprec_fp8_reduce_scatter = install_fp8_reduce_scatter(model, grad_dtype)
+            cast(Any, model).lowprec_fp8_reduce_scatter = install_fp8_reduce_scatter(model, grad_dtype)
         return model, optimizer
     if getattr(model, "lowprec_fp8_grads", None) is None:
-        model.lowprec_fp8_grads = hold_grads_in_fp8(model.parameters(), grad_dtype, hold_grads)
+        cast(Any, model).lowprec_fp8_grads = hold_grads_in_fp8(model.parameters(), grad_dtype, hold_grads)
     if not isinstance(optimizer, FP8AdamW):
         params = [p for g in optimizer.param_groups for p in g["params"]]
         optimizer.register_step_pre_hook(lambda opt, args, kwargs: materialize_grads(params))
@@ -171,5 +171,6 @@ def _clear_held_grads_on_zero_grad(optimizer: torch.optim.Optimizer, params: lis
         clear_fp8_grads(params)
         inner(set_to_none=set_to_none)
 
-    optimizer.zero_grad = zero_grad
-    optimizer._lowprec_clears_fp8_grads = True
+    wrapped: Any = optimizer  # the instance's method, replaced on this object only
+    wrapped.zero_grad = zero_grad
+    wrapped._lowprec_clears_fp8_grads = True

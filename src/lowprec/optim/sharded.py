@@ -37,7 +37,7 @@ not one contiguous range of the flat tensor: refused with the fix in the message
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -324,7 +324,7 @@ def as_state_dtensor(sr: ShardRange, local: torch.Tensor) -> torch.Tensor:
     """A state tensor of ``sr.param``'s shape and placement around this process's ``local``."""
     from torch.distributed.tensor import DTensor
 
-    p = sr.param
+    p = cast(DTensor, sr.param)  # a shard range is made for DTensor parameters only
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
@@ -337,5 +337,5 @@ def local_state(sr: ShardRange, key: str, value: torch.Tensor, block_size: Optio
         k0, k1 = _blocks(sr.start, sr.numel, _block(sr, block_size))
         return value[k0:k1 + 1] if k0 >= 0 else value[:0]
     if value.dim() > 0 and value.numel() == sr.total:  # a whole tensor (e.g. a one-process checkpoint)
-        return value.reshape(-1)[sr.start:sr.start + sr.numel].view(sr.param.to_local().shape)
+        return value.reshape(-1)[sr.start:sr.start + sr.numel].view(cast(Any, sr.param).to_local().shape)
     return value

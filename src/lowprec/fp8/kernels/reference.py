@@ -8,6 +8,8 @@ fuses each of them into one or two generated kernels of its own.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from lowprec.fp8.quantize import saturated_cast
@@ -77,8 +79,8 @@ def delayed_scale_update(
     ``(scale to use now, scale before the update)`` (the definition the kernel must match)."""
     from types import SimpleNamespace
 
-    recipe = SimpleNamespace(power_of_2_scales=power_of_2, margin=margin, interval=interval,
-                             amax_compute_algo="max" if algo_max else "most_recent")
+    recipe: Any = SimpleNamespace(power_of_2_scales=power_of_2, margin=margin, interval=interval,
+                                  amax_compute_algo="max" if algo_max else "most_recent")  # the fields it reads
     old = scale.clone()
     used, new_hist, new_scale = delayed_scale_step(history, scale, step, amax_now, fp8_dtype, recipe)
     history.copy_(new_hist)
@@ -96,8 +98,8 @@ def cast_block_1d(
     none = torch.empty(0, dtype=fp8_dtype, device=x.device), torch.empty(0, device=x.device)
     r = quantize_blockwise(x, fp8_dtype, (1, block), power_of_2=power_of_2, fused=False) if rows else None
     c = quantize_blockwise(x, fp8_dtype, (block, 1), power_of_2=power_of_2, fused=False) if cols else None
-    q, rs = (r.data, r.scale) if rows else none
-    qt, cs = (c.data.t().contiguous(), c.scale) if cols else none
+    q, rs = (r.data, r.scale) if r is not None else none
+    qt, cs = (c.data.t().contiguous(), c.scale) if c is not None else none
     return q, rs, qt, cs
 
 

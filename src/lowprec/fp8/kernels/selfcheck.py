@@ -106,7 +106,7 @@ def _passed(device: torch.device) -> bool:
     return _RESULT[index]
 
 
-_CONSTANT = []
+_CONSTANT: list = []
 
 
 def _passed_constant():
