@@ -72,7 +72,7 @@ TRAIN_YAML = [
     ("deepspeed-and-fsdp", {"deepspeed": {"zero_optimization": {"stage": 1}}, "fsdp_version": 2}, "pick one"),
     ("deepspeed-missing-file", {"deepspeed": "/nonexistent/ds.json"}, "not found"),
     ("deepspeed-bad-json", {"deepspeed": "{bad_json}"}, "not valid JSON"),
-    ("eval-without-validation", {"eval_steps": 5, "val_set_size": 0}, "set val_set_size"),
+    ("loss-watchdog-patience-0", {"loss_watchdog_threshold": 5.0, "loss_watchdog_patience": 0}, "loss_watchdog_patience"),
     ("val-set-size-1.5", {"val_set_size": 1.5}, "val_set_size"),
     ("bf16-maybe", {"bf16": "maybe"}, "bf16"),
     ("tensorboard-sometimes", {"use_tensorboard": "sometimes"}, "use_tensorboard"),

@@ -295,6 +295,8 @@ def _train(cfg: TrainConfig, plan: RunPlan, output_dir: str, on_log: Optional[Ca
     decisions = dict(plan.decisions)
     if main:
         plan.log(skip=set(getattr(acc.state, "decisions", {})))  # the accelerator logged those
+        for note in cfg.notes:  # keys the rest of the config makes inert (inert_keys.py)
+            logger.warning("lowprec: note: %s", note)
     acc.wait_for_everyone()
     tokenizer, loader, val_loader = _data(cfg, acc)
     total = _total_steps(cfg, len(loader), decisions, main)
