@@ -73,6 +73,7 @@ TRAIN_YAML = [
     ("deepspeed-missing-file", {"deepspeed": "/nonexistent/ds.json"}, "not found"),
     ("deepspeed-bad-json", {"deepspeed": "{bad_json}"}, "not valid JSON"),
     ("loss-watchdog-patience-0", {"loss_watchdog_threshold": 5.0, "loss_watchdog_patience": 0}, "loss_watchdog_patience"),
+    ("eval-max-new-tokens-past-sequence", {"eval_table_size": 2, "eval_max_new_tokens": 500}, "leaves no room for a prompt"),
     ("val-set-size-1.5", {"val_set_size": 1.5}, "val_set_size"),
     ("bf16-maybe", {"bf16": "maybe"}, "bf16"),
     ("tensorboard-sometimes", {"use_tensorboard": "sometimes"}, "use_tensorboard"),

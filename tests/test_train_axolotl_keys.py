@@ -163,12 +163,13 @@ def test_a_key_inert_given_the_rest_is_one_note_not_an_error(data, key, needs):
 
 
 @pytest.mark.parametrize("data, check", [
+    ({"eval_table_size": 2, "eval_max_new_tokens": 16}, lambda c: c.eval_max_new_tokens == 16),
     ({"val_set_size": 0.05, "evals_per_epoch": 4}, lambda c: c.evals_per_epoch == 4),
     ({"adapter": "lora", "lora_r": 8}, "needs a Hugging Face base_model"),  # live: the adapter's own rules apply
     ({"loss_watchdog_threshold": 5.0, "loss_watchdog_patience": 3}, lambda c: c.loss_watchdog_patience == 3),
     ({"torch_compile": True, "torch_compile_backend": "inductor"}, "torch_compile_backend: an Axolotl key lowprec does not"),
     ({"wandb_project": "p", "wandb_entity": "team"}, "wandb_project: an Axolotl key lowprec does not support"),
-], ids=["evals_per_epoch", "lora_r", "loss_watchdog_patience", "torch_compile_backend", "wandb_entity"])
+], ids=["eval_max_new_tokens", "evals_per_epoch", "lora_r", "loss_watchdog_patience", "torch_compile_backend", "wandb_entity"])
 def test_the_same_key_matters_when_its_condition_holds(data, check):
     if isinstance(check, str):
         with pytest.raises(ValueError, match=check):
@@ -181,6 +182,7 @@ def test_the_same_key_matters_when_its_condition_holds(data, check):
 def test_inert_keys_chain_and_defaults_ask_for_nothing():
     cfg = parse_config({"val_set_size": 0, "eval_table_size": 2, "eval_max_new_tokens": 8})
     assert [n.split(":")[0] for n in cfg.notes] == ["eval_table_size", "eval_max_new_tokens"]
+    assert cfg.eval_table_size is None and cfg.eval_max_new_tokens is None
     # null, false, or Axolotl's own default: nothing asked, nothing said
     assert parse_config({"val_set_size": 0, "eval_table_size": 0, "generation_do_sample": True, "lora_dropout": 0.0,
                          "wandb_entity": None, "torch_compile_mode": None}).notes == ()

@@ -129,11 +129,15 @@ _GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
         "(or saves_per_epoch); drop the key",
         _keys("evaluation_strategy eval_strategy save_strategy save_first_step load_best_model_at_end save_only_model "
               "do_causal_lm_eval eval_causal_lm_metrics do_bench_eval bench_dataset bench_split metric_for_best_model "
-              "greater_is_better eval_table_size eval_max_new_tokens generate_samples num_generation_samples "
-              "generation_max_new_tokens generation_temperature generation_top_p generation_top_k "
-              "generation_prompt_ratio generation_do_sample gradio_title gradio_share gradio_server_name "
+              "greater_is_better gradio_title gradio_share gradio_server_name "
               "gradio_server_port gradio_max_new_tokens gradio_temperature auto_resume_from_checkpoints "
               "dynamic_checkpoint"),
+    ),
+    "sample generation": (
+        "lowprec samples greedy generations at each evaluation with eval_table_size and eval_max_new_tokens "
+        "(Axolotl's earlier keys); use those",
+        _keys("generate_samples num_generation_samples generation_max_new_tokens generation_temperature "
+              "generation_top_p generation_top_k generation_prompt_ratio generation_do_sample"),
     ),
     "memory savers": (
         "lowprec saves memory with gradient_checkpointing: true, fp8: true and FSDP2; drop the key",

@@ -126,6 +126,9 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
             limit = LlamaConfig.from_name(self.base_model[len("builtin:"):]).max_seq_len
             if self.sequence_len > limit:
                 raise ValueError(f"sequence_len: {self.sequence_len} exceeds {self.base_model}'s max_seq_len {limit}; lower sequence_len")
+        if self.eval_table_size and self.eval_max_new_tokens is not None and self.eval_max_new_tokens >= self.sequence_len:
+            raise ValueError(f"eval_max_new_tokens: {self.eval_max_new_tokens} leaves no room for a prompt in sequence_len: "
+                             f"{self.sequence_len} (prompt and generation share it); lower it below {self.sequence_len}")
         check_fp8_backend(self)
         return self
 
