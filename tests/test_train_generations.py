@@ -161,3 +161,19 @@ def test_default_max_new_tokens_fits_the_sequence(tmp_path):
     assert "capped at half of sequence_len: 40" in decisions["eval_max_new_tokens"].reason
     assert table.width == 40 and [p.numel() for _, p, _ in table.samples] == [20, 20]
     assert os.path.basename(table.path) == "eval_generations.md"
+
+
+def test_the_table_file_is_rewritten_whole_with_one_section_per_step(tmp_path):
+    """A resumed run reads its sections back from metrics.jsonl (cut at the checkpoint's step)
+    and an evaluation at a step already there replaces that section, so the file never holds
+    two sections of one step."""
+    def record(step, text):
+        return {"kind": "generations", "step": step, "max_new_tokens": 4,
+                "samples": [{"index": 0, "prompt": "a|b\n  c", "reference": "<r>", "generated": text, "new_tokens": 1}]}
+
+    table = EvalTable([], 4, 16, 1, ByteTokenizer(), str(tmp_path / "eval_generations.md"), "run")
+    table.records = [record(2, "x"), record(4, "old")]
+    table.write(record(4, "new"))
+    text = (tmp_path / "eval_generations.md").read_text()
+    assert text.count("## step") == 2 and "| 0 | a\\|b<br>&nbsp; c | &lt;r&gt; | new |" in text and "old" not in text
+    assert os.listdir(tmp_path) == ["eval_generations.md"]
