@@ -4,6 +4,7 @@ tiny real comparison (2 precisions x 2 seeds, a few steps, runs in parallel proc
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -219,3 +220,20 @@ def test_compare_end_to_end_two_seeds(tmp_path, capsys, monkeypatch):
     with open(summary, "w") as f:
         json.dump({**old, "lowprec_version": "0.0.0"}, f)
     assert compare_mod.finished_summary(same) is None
+
+
+def test_inert_keys_are_noted_once_before_the_runs(tmp_path, monkeypatch, caplog):
+    """The runs train from dumped configs, which no longer hold a key the config makes inert
+    (lowprec.train.inert_keys): compare says it once, before planning them."""
+    import lowprec.train.compare as cmp
+
+    def stop(*_a, **_k):
+        raise RuntimeError("planned")
+
+    monkeypatch.setattr(cmp, "plan_runs", stop)
+    cfg = parse_config({"val_set_size": 0, "evals_per_epoch": 4, "output_dir": str(tmp_path)})
+    with caplog.at_level(logging.INFO, logger="lowprec"), pytest.raises(RuntimeError, match="planned"):
+        cmp.compare(cfg, ["bf16", "fp8"], [1], 0.05, str(tmp_path))
+    assert [r.getMessage() for r in caplog.records if "note" in r.getMessage()] == [
+        "lowprec compare: note: evals_per_epoch: 4 is ignored: it only matters with val_set_size above 0, as in "
+        "Axolotl; set that or drop evals_per_epoch"]

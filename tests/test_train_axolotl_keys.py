@@ -24,9 +24,16 @@ AXOLOTL_FFT = {
 
 
 def test_every_axolotl_key_is_known_null_accepted_values_named():
+    from lowprec.train.inert_keys import RULES
+
     fields = set(TrainConfig.model_fields)
+    default = {k: f.default for k, f in TrainConfig.model_fields.items()}.get  # val_set_size: 0.03
+    inert_alone = {k for rule in RULES for k in rule.keys if not rule.live(default)}
     for key in sorted(set(UNSUPPORTED) - fields):
         parse_config({key: None})  # null: unset
+        if key in inert_alone:  # e.g. hub_strategy without hub_model_id: Axolotl ignores it too
+            assert parse_config({key: "something"}).notes[0].startswith(f"{key}: something is ignored: it only matters")
+            continue
         with pytest.raises(ValueError, match=f"^config: {key}: an Axolotl key lowprec does not support \\(.+\\)$"):
             parse_config({key: "something"})
     assert "lora_r" in OWNED_BY_MODELS and "load_in_8bit" in OWNED_BY_MODELS and len(UNSUPPORTED) > 300
@@ -125,3 +132,57 @@ def test_new_keys_survive_replace_as_compare_uses_it(name):
     other = cfg.replace(fp8=False, bf16=False)
     assert other.datasets == cfg.datasets and other.warmup_ratio == cfg.warmup_ratio
     assert other.evals_per_epoch == cfg.evals_per_epoch and other.sample_packing == cfg.sample_packing
+
+
+# (config, inert key, what would make it matter): Axolotl's own behaviour (lowprec.train.inert_keys.RULES)
+INERT = [
+    ({"eval_table_size": None, "eval_max_new_tokens": 128}, "eval_max_new_tokens", "eval_table_size above 0"),  # its llama-3 instruct example
+    ({"val_set_size": 0, "evals_per_epoch": 4}, "evals_per_epoch", "val_set_size above 0"),  # 53 of its examples
+    ({"val_set_size": 0.0, "eval_steps": 10}, "eval_steps", "val_set_size above 0"),
+    ({"adapter": None, "lora_r": 8}, "lora_r", "adapter (lora or qlora)"),  # its archived examples
+    ({"loss_watchdog_patience": 3}, "loss_watchdog_patience", "loss_watchdog_threshold"),
+    ({"gradient_checkpointing": False, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+     "gradient_checkpointing_kwargs", "gradient_checkpointing: true"),
+    ({"torch_compile_backend": "inductor"}, "torch_compile_backend", "torch_compile"),
+    ({"hub_model_id": None, "hub_strategy": "end"}, "hub_strategy", "hub_model_id"),
+    ({"wandb_project": None, "wandb_entity": "team"}, "wandb_entity", "wandb_project (or use_wandb)"),
+    ({"generate_samples": False, "num_generation_samples": 5}, "num_generation_samples", "generate_samples: true"),
+]
+
+
+@pytest.mark.parametrize("data, key, needs", INERT, ids=[k for _, k, _ in INERT])
+def test_a_key_inert_given_the_rest_is_one_note_not_an_error(data, key, needs):
+    from lowprec.train.config_base import yaml_text
+
+    cfg = parse_config(data)
+    assert cfg.notes == (f"{key}: {yaml_text(data[key])} is ignored: it only matters with {needs}, as in Axolotl; "
+                         f"set that or drop {key}",)
+    if key in TrainConfig.model_fields:  # not applied either
+        assert getattr(cfg, key) is None
+    assert cfg.replace(seed=7).notes == cfg.notes  # `compare`'s copies keep it, once
+
+
+@pytest.mark.parametrize("data, check", [
+    ({"eval_table_size": 2, "eval_max_new_tokens": 16}, lambda c: c.eval_max_new_tokens == 16),
+    ({"val_set_size": 0.05, "evals_per_epoch": 4}, lambda c: c.evals_per_epoch == 4),
+    ({"adapter": "lora", "lora_r": 8}, "needs a Hugging Face base_model"),  # live: the adapter's own rules apply
+    ({"loss_watchdog_threshold": 5.0, "loss_watchdog_patience": 3}, lambda c: c.loss_watchdog_patience == 3),
+    ({"torch_compile": True, "torch_compile_backend": "inductor"}, "torch_compile_backend: an Axolotl key lowprec does not"),
+    ({"wandb_project": "p", "wandb_entity": "team"}, "wandb_project: an Axolotl key lowprec does not support"),
+], ids=["eval_max_new_tokens", "evals_per_epoch", "lora_r", "loss_watchdog_patience", "torch_compile_backend", "wandb_entity"])
+def test_the_same_key_matters_when_its_condition_holds(data, check):
+    if isinstance(check, str):
+        with pytest.raises(ValueError, match=check):
+            parse_config(data)
+        return
+    cfg = parse_config(data)
+    assert check(cfg) and cfg.notes == ()
+
+
+def test_inert_keys_chain_and_defaults_ask_for_nothing():
+    cfg = parse_config({"val_set_size": 0, "eval_table_size": 2, "eval_max_new_tokens": 8})
+    assert [n.split(":")[0] for n in cfg.notes] == ["eval_table_size", "eval_max_new_tokens"]
+    assert cfg.eval_table_size is None and cfg.eval_max_new_tokens is None
+    # null, false, or Axolotl's own default: nothing asked, nothing said
+    assert parse_config({"val_set_size": 0, "eval_table_size": 0, "generation_do_sample": True, "lora_dropout": 0.0,
+                         "wandb_entity": None, "torch_compile_mode": None}).notes == ()

@@ -71,7 +71,7 @@ BAD = [
     ({"datasets": [{"path": "a.txt", "type": "oasst"}]}, "datasets.0.type: dataset type 'oasst' is not supported"),
     ({"fp8": True, "sequence_len": 100}, "use sequence_len: 112"),
     ({"sequence_len": 4096}, "exceeds builtin:llama-tiny's max_seq_len"),
-    ({"eval_steps": 5, "val_set_size": 0}, "set val_set_size"),
+    ({"eval_table_size": -1}, "eval_table_size: Input should be greater than or equal to 0"),
     ({"val_set_size": 1.5}, "val_set_size: Input should be less than 1"),
     ({"use_tensorboard": "maybe"}, "use_tensorboard: expected 'auto' or true or false"),
     ({"deepspeed": 3}, "deepspeed: expected a string or a mapping"),

@@ -212,7 +212,6 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_on_the_full_base(tiny_l
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"lora_r": 8}, "lora_r is set but adapter is not; add adapter: lora"),
     ({"adapter": "lora"}, "needs lora_target_modules"),
     ({"adapter": "lora", "lora_target_modules": ["q_prj"]}, "no module named 'q_prj' in the model \\(did you mean 'q_proj'"),
     ({"model_type": "LlamaForCasualLM"}, "not a transformers causal LM class \\(did you mean 'LlamaForCausalLM'"),

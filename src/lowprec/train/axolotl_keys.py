@@ -17,9 +17,9 @@ table no longer applies to it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["UNSUPPORTED", "DATASET_UNSUPPORTED", "OWNED_BY_MODELS", "screen_top_level", "screen_dataset_entry", "all_axolotl_keys"]
+__all__ = ["AXOLOTL_DEFAULTS", "UNSUPPORTED", "DATASET_UNSUPPORTED", "OWNED_BY_MODELS", "screen_top_level", "screen_dataset_entry", "all_axolotl_keys"]
 
 
 def _keys(text: str) -> tuple[str, ...]:
@@ -129,11 +129,15 @@ _GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
         "(or saves_per_epoch); drop the key",
         _keys("evaluation_strategy eval_strategy save_strategy save_first_step load_best_model_at_end save_only_model "
               "do_causal_lm_eval eval_causal_lm_metrics do_bench_eval bench_dataset bench_split metric_for_best_model "
-              "greater_is_better eval_table_size eval_max_new_tokens generate_samples num_generation_samples "
-              "generation_max_new_tokens generation_temperature generation_top_p generation_top_k "
-              "generation_prompt_ratio generation_do_sample gradio_title gradio_share gradio_server_name "
+              "greater_is_better gradio_title gradio_share gradio_server_name "
               "gradio_server_port gradio_max_new_tokens gradio_temperature auto_resume_from_checkpoints "
               "dynamic_checkpoint"),
+    ),
+    "sample generation": (
+        "lowprec samples greedy generations at each evaluation with eval_table_size and eval_max_new_tokens "
+        "(Axolotl's earlier keys); use those",
+        _keys("generate_samples num_generation_samples generation_max_new_tokens generation_temperature "
+              "generation_top_p generation_top_k generation_prompt_ratio generation_do_sample"),
     ),
     "memory savers": (
         "lowprec saves memory with gradient_checkpointing: true, fp8: true and FSDP2; drop the key",
@@ -155,12 +159,14 @@ UNSUPPORTED: dict[str, str] = {k: msg for msg, keys in _GROUPS.values() for k in
 OWNED_BY_MODELS = frozenset(_GROUPS["models"][1] + _GROUPS["adapters"][1] + _GROUPS["quantized loading"][1])
 
 # Axolotl's defaults for keys above whose default is not null: set to it, the key asks for nothing.
-_DEFAULTS: dict[str, Any] = {
+AXOLOTL_DEFAULTS: dict[str, Any] = {
     "tokenizer_save_jinja_files": True, "experimental_skip_move_to_device": True, "save_safetensors": True,
     "lora_dropout": 0.0, "merge_method": "memory_efficient", "shuffle_merged_datasets": True,
     "skip_prepare_dataset": False, "sample_packing_group_size": 100000, "sample_packing_bin_size": 200,
     "pretrain_multipack_attn": True, "load_best_model_at_end": False, "save_only_model": False,
     "include_tkps": True, "ray_num_workers": 1, "dataloader_drop_last": False, "trust_remote_code": False,
+    "num_generation_samples": 3, "generation_max_new_tokens": 50, "generation_temperature": 0.7,
+    "generation_prompt_ratio": 0.5, "generation_do_sample": True, "eval_table_size": 0,
 }
 
 # dataset entry keys (Axolotl's SFTDataset) that DatasetSpec does not implement
@@ -177,7 +183,7 @@ DATASET_UNSUPPORTED: dict[str, str] = {
 
 
 def _inert(key: str, value: Any) -> bool:
-    default = _DEFAULTS.get(key)
+    default = AXOLOTL_DEFAULTS.get(key)
     return value is None or value == default or (value is False and default in (None, False))
 
 
@@ -185,19 +191,27 @@ def _error(key: str, where: str, msg: str) -> ValueError:
     return ValueError(f"{where}{key}: an Axolotl key lowprec does not support ({msg})")
 
 
-def screen_top_level(data: dict[str, Any], fields: set[str], nullable: set[str]) -> dict[str, Any]:
-    """``data`` without the keys that ask for nothing: null keys (a schema key whose null has no
-    meaning of its own -- not in ``nullable`` -- takes its default) and Axolotl keys at null or
-    Axolotl's default. Raises for an Axolotl key that asks for something lowprec does not do.
-    Unknown keys pass through, null or not: the schema rejects them with "did you mean"."""
+def screen_top_level(data: dict[str, Any], fields: set[str], nullable: set[str],
+                     defaults: Optional[dict[str, Any]] = None) -> tuple[dict[str, Any], dict[str, str]]:
+    """(``data`` without the keys that ask for nothing, {inert key: note}). Asking for nothing:
+    null keys (a schema key whose null has no meaning of its own -- not in ``nullable`` -- takes
+    its default), Axolotl keys at null or Axolotl's default, and keys the rest of the config makes
+    inert (:mod:`lowprec.train.inert_keys`; ``defaults`` are the schema's). Raises for an Axolotl
+    key that asks for something lowprec does not do. Unknown keys pass through, null or not: the
+    schema rejects them with "did you mean"."""
+    from lowprec.train.inert_keys import inert_keys
+
+    notes = inert_keys(data, defaults or {})
     out = {}
     for key, value in data.items():
+        if key in notes:
+            continue
         if key in UNSUPPORTED and key not in fields:
             if not _inert(key, value):
                 raise _error(key, "", UNSUPPORTED[key])
         elif not (value is None and key in fields and key not in nullable):
             out[key] = value
-    return out
+    return out, notes
 
 
 def screen_dataset_entry(entry: Any, fields: set[str]) -> Any:

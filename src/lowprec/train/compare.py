@@ -215,6 +215,8 @@ def compare(
     reuse: bool = False,
 ) -> tuple[dict[str, Any], str]:
     """Run every precision with every seed; returns (the report, the compare directory)."""
+    for note in cfg.notes:  # said here once: the runs train from dumped configs without those keys
+        logger.warning("lowprec compare: note: %s", note)
     out = os.path.abspath(output_dir or os.path.join(cfg.output_dir, "compare"))
     base = choose_baseline(precisions, baseline)
     skipped: dict[str, str] = {}

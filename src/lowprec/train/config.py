@@ -26,10 +26,10 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional, get_args
+from typing import Annotated, Any, Optional, get_args
 
 import yaml
-from pydantic import BaseModel, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
 from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.errors import did_you_mean
@@ -65,6 +65,14 @@ __all__ = [
 # distributed, adapter keys in that order.
 class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, OutputKeys, OptimKeys, DataKeys, ModelKeys):
     """Everything ``lowprec train`` reads. Keys follow Axolotl where Axolotl has one."""
+
+    _notes: tuple[str, ...] = PrivateAttr(default=())
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """One line per key the config sets that does nothing given the rest
+        (:mod:`lowprec.train.inert_keys`); the trainer logs each once."""
+        return self._notes
 
     @model_validator(mode="after")
     def _combinations(self) -> "TrainConfig":
@@ -108,20 +116,19 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
                 raise ValueError(f"{per_epoch} and {steps} are both set; keep one")
         if self.warmup_ratio is not None and self.warmup_steps > 0:
             raise ValueError("warmup_ratio and warmup_steps are both set; keep one")
-        if self.evals_per_epoch is not None and self.val_set_size == 0:
-            raise ValueError("evals_per_epoch is set but val_set_size is 0 (no validation data); set val_set_size: 0.05 or drop it")
         if self.early_stopping_patience is not None and self.val_set_size == 0:
             raise ValueError("early_stopping_patience needs validation losses; set val_set_size: 0.05 (and eval_steps or evals_per_epoch)")
-        if self.loss_watchdog_patience is not None and self.loss_watchdog_threshold is None:
-            raise ValueError("loss_watchdog_patience is set without loss_watchdog_threshold; add the threshold (about 2x the first loss)")
-        if self.eval_steps is not None and self.val_set_size == 0:
-            raise ValueError("eval_steps is set but val_set_size is 0 (no validation data); set val_set_size: 0.03 or drop eval_steps")
+        # eval_steps / evals_per_epoch without validation data, loss_watchdog_patience without a
+        # threshold: inert, as in Axolotl (inert_keys.py drops them with a note before this runs)
         if self.base_model.startswith("builtin:"):
             from lowprec.train.model import LlamaConfig
 
             limit = LlamaConfig.from_name(self.base_model[len("builtin:"):]).max_seq_len
             if self.sequence_len > limit:
                 raise ValueError(f"sequence_len: {self.sequence_len} exceeds {self.base_model}'s max_seq_len {limit}; lower sequence_len")
+        if self.eval_table_size and self.eval_max_new_tokens is not None and self.eval_max_new_tokens >= self.sequence_len:
+            raise ValueError(f"eval_max_new_tokens: {self.eval_max_new_tokens} leaves no room for a prompt in sequence_len: "
+                             f"{self.sequence_len} (prompt and generation share it); lower it below {self.sequence_len}")
         check_fp8_backend(self)
         return self
 
@@ -138,13 +145,33 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         data.update(changes)
         if not data.get("fp8") and "fp8_recipe" not in changes:
             data.pop("fp8_recipe", None)  # e.g. `compare`'s fp32/bf16 variants of an fp8 config
-        return parse_config(data, "config")
+        new = parse_config(data, "config")
+        new._notes = tuple(dict.fromkeys(self._notes + new._notes))  # the dropped keys are not in data
+        return new
 
 
 # -------------------------------------------------------------------- loading
 _hint = did_you_mean
 # keys whose null means something (dataset_max_bytes: null = all); other keys at null take their default
 _NULLABLE = {k for k, f in TrainConfig.model_fields.items() if type(None) in get_args(f.annotation)}
+_DEFAULTS = {k: f.get_default(call_default_factory=True) for k, f in TrainConfig.model_fields.items()}
+
+
+def _check_inert_values(data: dict[str, Any], inert: dict[str, str]) -> None:
+    """An inert key that is a schema key still has the schema's type and bounds (an Axolotl
+    config with ``eval_max_new_tokens: lots`` is wrong whether or not it is used)."""
+    errors = []
+    for key in inert:
+        field = TrainConfig.model_fields.get(key)
+        if field is None:
+            continue
+        adapter = TypeAdapter(Annotated[field.annotation, field], config=ConfigDict(strict=True, allow_inf_nan=False))
+        try:
+            adapter.validate_python(data[key])
+        except ValidationError as exc:
+            errors += [{**e, "loc": (key, *e["loc"])} for e in exc.errors(include_url=False)]
+    if errors:
+        raise ValueError("; ".join(line for _, line in _describe_all(errors)[:3]))
 
 
 def _model_at(loc: tuple) -> type[BaseModel] | None:
@@ -280,8 +307,11 @@ def parse_config(data: Any, source: str = "config", flags: frozenset[str] | set[
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a mapping of keys to values at the top level, got {type(data).__name__}")
     try:
-        data = screen_top_level(data, set(TrainConfig.model_fields), _NULLABLE)
-        return TrainConfig.model_validate(data)
+        screened, inert = screen_top_level(data, set(TrainConfig.model_fields), _NULLABLE, _DEFAULTS)
+        _check_inert_values(data, inert)
+        cfg = TrainConfig.model_validate(screened)
+        cfg._notes = tuple(inert.values())
+        return cfg
     except ValueError as exc:
         if not isinstance(exc, ValidationError):  # an Axolotl key lowprec does not support
             raise ValueError(f"{source}: {exc}") from None

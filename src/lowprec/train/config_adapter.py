@@ -45,10 +45,8 @@ class AdapterKeys(StrictModel):
 
     @model_validator(mode="after")
     def _lora_keys(self):
-        set_keys = [k for k in LORA_KEYS if getattr(self, k) is not None]
+        # lora_* keys without an adapter are inert, as in Axolotl: inert_keys.py drops them with a note
         if self.adapter is None:
-            if set_keys:
-                raise ValueError(f"{set_keys[0]} is set but adapter is not; add adapter: lora or drop {set_keys[0]}")
             if self.merge_lora:
                 raise ValueError("merge_lora: true needs adapter: lora; drop merge_lora or add an adapter")
         # Axolotl's rules: qlora requires load_in_4bit; a 4-bit base only trains through adapters

@@ -45,6 +45,8 @@ KEYS = (
     ('eval_steps', 'validate every N steps (null: at the end only; needs val_set_size > 0)', 'null'),
     ('evals_per_epoch', 'validate this many times per epoch (instead of eval_steps)', 'null'),
     ('eval_batches', 'validation batches per evaluation', '20'),
+    ('eval_table_size', 'at each evaluation, greedy generations for this many validation prompts (the same ones every time), written to metrics.jsonl (kind: generations), TensorBoard text and eval_generations.md (0 or null: none)', 'null'),
+    ('eval_max_new_tokens', 'tokens generated per eval_table_size prompt (default 128, at most half of sequence_len); prompt and generation share sequence_len', 'null'),
     ('save_steps', 'checkpoint every N steps (null: no checkpoints)', 'null'),
     ('saves_per_epoch', 'checkpoint this many times per epoch (instead of save_steps)', 'null'),
     ('save_total_limit', 'keep the last N checkpoints (null: all)', '2'),

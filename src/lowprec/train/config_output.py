@@ -21,6 +21,13 @@ class OutputKeys(StrictModel):
         default=None, ge=1, description="validate this many times per epoch (instead of eval_steps)"
     )
     eval_batches: int = Field(default=20, ge=1, description="validation batches per evaluation")
+    eval_table_size: Optional[int] = Field(
+        default=None, ge=0, le=1024, description="at each evaluation, greedy generations for this many validation "
+        "prompts (the same ones every time), written to metrics.jsonl (kind: generations), TensorBoard text and "
+        "eval_generations.md (0 or null: none)")
+    eval_max_new_tokens: Optional[int] = Field(
+        default=None, ge=1, description="tokens generated per eval_table_size prompt (default 128, at most half of "
+        "sequence_len); prompt and generation share sequence_len")
     save_steps: Optional[int] = Field(default=None, ge=1, description="checkpoint every N steps (null: no checkpoints)")
     saves_per_epoch: Optional[int] = Field(
         default=None, ge=1, description="checkpoint this many times per epoch (instead of save_steps)"

@@ -399,6 +399,10 @@ class TokenBatches(ShardedEpochs):
                 f"{n('seq_len')}, or use more data"
             )
 
+    def block(self, i: int) -> torch.Tensor:
+        """Block ``i`` of the stream, whatever the rank (eval_table_size's prompts)."""
+        return self._blocks[i]
+
     def _batch(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:
         x = self._blocks[idx].long()
         return {"input_ids": x, "labels": x.clone()}

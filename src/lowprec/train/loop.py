@@ -45,6 +45,7 @@ class Run:
     on_log: Optional[Callable[[dict], None]] = None
     eval_every: Optional[int] = None  # eval_steps, or resolved from evals_per_epoch
     save_every: Optional[int] = None  # save_steps, or resolved from saves_per_epoch
+    table: Any = None  # generations.EvalTable with eval_table_size
 
     def stop_line(self, text: str) -> str:
         last = ckpt.latest_checkpoint(self.output_dir)
@@ -206,6 +207,11 @@ class Loop:
             t = time.perf_counter()
             self.last_eval = evaluate(run.model, run.val_loader, cfg.eval_batches, run.acc)
             run.writer.write({"kind": "eval", "step": state.step, "loss": self.last_eval})
+            if run.table is not None:  # every process generates (a sharded forward needs them all)
+                record = run.table.generate(run.model, state.step, run.acc.device, run.acc.num_processes)
+                run.writer.write(record)
+                if run.main:
+                    run.table.write(record)
             self._early_stopping(self.last_eval)
             at_end = at_end or self.stop_early
             self.window_t0 += time.perf_counter() - t  # evaluation time is not training time

@@ -2,8 +2,10 @@
 
 Records carry a ``kind``: ``train`` (every ``logging_steps``: loss averaged over the window,
 learning rate, gradient norm, tokens/s, peak memory, ``skipped_steps``), ``eval`` (validation
-loss), ``fp8`` (per-layer telemetry) and ``skip`` (one per optimizer step skipped for NaN/inf
-loss or gradients, with the running count). Each line is flushed as written, so a killed run leaves a readable file;
+loss), ``generations`` (with ``eval_table_size``, at each evaluation: ``max_new_tokens`` and
+``samples``, each ``index``, ``prompt``, ``reference``, ``generated``, ``new_tokens``; a
+TensorBoard text too), ``fp8`` (per-layer telemetry) and ``skip`` (one per optimizer step
+skipped for NaN/inf loss or gradients, with the running count). Each line is flushed as written, so a killed run leaves a readable file;
 on resume, :func:`truncate_after` drops the lines past the checkpoint's step.
 """
 
@@ -84,6 +86,10 @@ class MetricsWriter:
         if self._tb is not None:
             for tag, value in _scalars(record):
                 self._tb.add_scalar(tag, value, record["step"])
+            if record["kind"] == "generations":
+                from lowprec.train.generations import render_section
+
+                self._tb.add_text("generations", render_section(record), record["step"])
 
     def close(self) -> None:
         if self._file is not None:
@@ -94,6 +100,8 @@ class MetricsWriter:
 
 def _scalars(record: dict[str, Any]) -> Iterator[tuple[str, float]]:
     kind = record["kind"]
+    if kind == "generations":  # text (add_text above)
+        return
     if kind == "fp8":
         for layer, ops in record["layers"].items():
             for op, stats in ops.items():

@@ -295,6 +295,8 @@ def _train(cfg: TrainConfig, plan: RunPlan, output_dir: str, on_log: Optional[Ca
     decisions = dict(plan.decisions)
     if main:
         plan.log(skip=set(getattr(acc.state, "decisions", {})))  # the accelerator logged those
+        for note in cfg.notes:  # keys the rest of the config makes inert (inert_keys.py)
+            logger.warning("lowprec: note: %s", note)
     acc.wait_for_everyone()
     tokenizer, loader, val_loader = _data(cfg, acc)
     total = _total_steps(cfg, len(loader), decisions, main)
@@ -303,6 +305,13 @@ def _train(cfg: TrainConfig, plan: RunPlan, output_dir: str, on_log: Optional[Ca
     run.on_log = on_log
     resume_path = _resume(run, decisions)
     run.writer = MetricsWriter(output_dir, main, plan.use_tensorboard, append=resume_path is not None)
+    if cfg.eval_table_size and val_loader is not None:
+        from lowprec.train.generations import EvalTable
+
+        run.table = EvalTable.build(cfg, val_loader, tokenizer, output_dir, f"{cfg.base_model} ({plan.label})",
+                                    decisions, logger)
+        if main and resume_path is not None:  # metrics.jsonl was cut back to the checkpoint's step
+            run.table.records = read_metrics(output_dir, "generations")
     if main:
         from lowprec.train.outputs import write_resolved_config
 
