@@ -158,8 +158,9 @@ def _trainer(model, tmp_path, callbacks, **kw):
             ids = batch(i)[0]
             return {"input_ids": ids, "labels": ids}
 
-    args = transformers.TrainingArguments(str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=2,
-                                          save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, **kw)
+    kw = {"max_steps": 4, "logging_steps": 2, "save_strategy": "no", **kw}
+    args = transformers.TrainingArguments(str(tmp_path), per_device_train_batch_size=4, report_to=[], disable_tqdm=True,
+                                          use_cpu=True, **kw)
     return transformers.Trainer(model=model, args=args, train_dataset=Data(), callbacks=callbacks)
 
 
@@ -213,3 +214,71 @@ def test_trl_sft_example_trains_fp8_under_its_default_gradient_checkpointing():
     assert r["fp8_linear_calls"] > 0 and r["hp_linear_calls"] == 0
     assert r["loss_fp8"] != r["loss_bf16"] and r["rel_diff"] < 0.01  # measured: ~0.25%
     assert r["unexpected_keys"] == [] and r["missing_keys"] == [] and r["weights_equal"]
+
+
+def _resumable(model, out, **kw):
+    """A Trainer whose runs can be compared step by step: AdamW (so the optimizer state matters
+    too), logging every step, a checkpoint every 2 steps."""
+    return _trainer(model, out, [FP8Callback(telemetry=False)], **{
+        "max_steps": 5, "logging_steps": 1, "save_strategy": "steps", "save_steps": 2, "learning_rate": 1e-2, **kw})
+
+
+def _losses(trainer):
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def test_resume_from_a_trainer_checkpoint_restores_fp8_state_and_continues_as_the_uninterrupted_run(tmp_path, caplog):
+    """delayed scaling (amax histories, scales, step counters) + O2's FP8AdamW, resumed from
+    Trainer's own checkpoint-2: steps 3-5 give exactly the uninterrupted run's losses. Without
+    the FP8 state file (the control) they differ and the resume says why, once."""
+    from lowprec.integrations.transformers import FP8_STATE_FILE, apply_opt_level
+
+    def run(resume=None):
+        model = tiny_llama()
+        enable_fp8(model, "delayed")
+        trainer = _resumable(model, tmp_path)
+        apply_opt_level(trainer, "O2")
+        trainer.train(resume_from_checkpoint=resume)
+        return _losses(trainer)
+
+    full = run()
+    ckpt = tmp_path / "checkpoint-2"
+    assert (ckpt / FP8_STATE_FILE.format(rank=0)).is_file()
+    resumed = run(str(ckpt))  # its log history holds the checkpoint's steps 1-2 too
+    assert sorted(resumed) == [1, 2, 3, 4, 5] and resumed == full
+    (ckpt / FP8_STATE_FILE.format(rank=0)).unlink()
+    with caplog.at_level("WARNING", logger="lowprec"):
+        afresh = run(str(ckpt))
+    assert afresh[3] != full[3]  # the histories matter: the control fails without them
+    assert [r.message for r in caplog.records if "without FP8 scaling state" in r.message] != []
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_opt_levels_under_trainer_train_in_fp8_and_stay_close_to_adamw(tmp_path, level):
+    from lowprec.integrations.transformers import apply_opt_level
+    from lowprec.optim import FP8AdamW
+
+    def run(opt_level):
+        model = tiny_llama()
+        enable_fp8(model, "tensorwise")
+        trainer = _trainer(model, tmp_path, [FP8Callback(telemetry=False)], logging_steps=1, learning_rate=1e-2)
+        if opt_level:
+            apply_opt_level(trainer, opt_level)
+        trainer.train()
+        return _losses(trainer), trainer
+
+    ref, _ = run(None)
+    got, trainer = run(level)
+    assert (type(trainer.optimizer.optimizer) is FP8AdamW) == (level == "O2")  # Trainer kept ours
+    assert got != ref  # FP8 gradients (and O2's FP8 moments) changed the steps ...
+    assert all(abs(got[s] - ref[s]) / ref[s] < 0.02 for s in ref)  # ... and stay close (measured below 0.1%)
+
+
+def test_apply_opt_level_refuses_what_it_cannot_do(tmp_path):
+    from lowprec.integrations.transformers import apply_opt_level
+
+    trainer = _trainer(tiny_llama(), tmp_path, [], optim="sgd")
+    with pytest.raises(ValueError, match="needs torch.optim.Adam.*optim='adamw_torch'"):
+        apply_opt_level(trainer, "O2")
+    with pytest.raises(ValueError, match="'O3' is not supported"):
+        apply_opt_level(trainer, "O3")
