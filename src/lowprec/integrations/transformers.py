@@ -64,7 +64,7 @@ from lowprec.distributed import register_fp8_allreduce
 from lowprec.optim import OPT_LEVELS, hold_grads_in_fp8, to_fp8_adamw
 from lowprec.optim.opt_level import check_o2_optimizer
 
-__all__ = ["enable_fp8", "FP8Callback", "apply_opt_level", "fp8_state_keys", "FP8_STATE_FILE"]
+__all__ = ["enable_fp8", "FP8Callback", "apply_opt_level", "fp8_counts", "fp8_state_keys", "FP8_STATE_FILE"]
 
 FP8_STATE_FILE = "lowprec_fp8_state-rank{rank}.pt"  # in each Trainer checkpoint directory
 
@@ -139,14 +139,17 @@ class _Counts:
 
     def __init__(self) -> None:
         self.fp8 = self.hp = 0
+        self.total_fp8 = self.total_hp = 0  # since training began, never reset
         self.handles: list = []
 
     def hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if module.training:
             if module.__dict__.get("_fp8_forward_recipe") is not None:
                 self.fp8 += 1
+                self.total_fp8 += 1
             else:
                 self.hp += 1
+                self.total_hp += 1
 
     def attach(self, model: nn.Module) -> int:
         if not self.handles:
@@ -308,8 +311,9 @@ def apply_opt_level(trainer, opt_level: str, *, grad_dtype: torch.dtype = torch.
         if type(old) is not DistributedDataParallelKwargs or old.comm_hook.value != "no":
             raise ValueError(f"apply_opt_level: Trainer's DDP already has a communication hook ({old.comm_hook}); "
                              "O1 registers its own FP8 all-reduce: drop the other hook")
-        handler = _FP8AllReduceKwargs(**{f.name: getattr(old, f.name) for f in dataclasses.fields(old)})
-        handler.grad_dtype = grad_dtype
+        # the dtype on a subclass, not the instance: Accelerate turns instance attributes into DDP kwargs
+        kind = type("_FP8AllReduceKwargs", (_FP8AllReduceKwargs,), {"grad_dtype": grad_dtype})
+        handler = kind(**{f.name: getattr(old, f.name) for f in dataclasses.fields(old)})
         trainer.accelerator.ddp_handler = handler
     else:
         trainer.model.lowprec_fp8_grads = hold_grads_in_fp8(trainer.model.parameters(), grad_dtype, hold=False)
@@ -317,3 +321,23 @@ def apply_opt_level(trainer, opt_level: str, *, grad_dtype: torch.dtype = torch.
     logger.info("lowprec: %s under Trainer: optimizer %s, FP8 (%s) gradients via %s", level,
                 type(trainer.optimizer).__name__, grad_dtype,
                 "DDP all-reduce" if trainer.args.world_size > 1 else "in-place rounding of .grad")
+
+
+def fp8_counts(trainer) -> dict[str, Any]:
+    """What ran in low precision since ``trainer.train()`` began on this process: Linear calls in
+    FP8 (three FP8 GEMMs each: forward, input and weight gradients) and in high precision (from
+    its :class:`FP8Callback`), and gradient all-reduces in FP8 (O1/O2 under DDP, else absent).
+    Under several processes each value is the list of every rank's, and the call is collective:
+    make it on every rank."""
+    cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FP8Callback)), None)
+    if cb is None:
+        raise ValueError("fp8_counts: the trainer has no FP8Callback (pass callbacks=[FP8Callback()])")
+    counts: dict[str, Any] = {"fp8_linear_calls": cb.counts.total_fp8, "hp_linear_calls": cb.counts.total_hp}
+    allreduce = getattr(trainer.model_wrapped, "lowprec_fp8_allreduce", None)
+    if allreduce is not None:
+        counts["fp8_allreduce_calls"] = allreduce.calls
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return counts
+    ranks: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, counts)
+    return {k: [r.get(k) for r in ranks] for k in counts}
