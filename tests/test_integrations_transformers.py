@@ -185,6 +185,20 @@ def test_fp8_callback_refuses_a_model_with_no_fp8_layers(tmp_path):
         trainer.train()
 
 
+def test_fp8_callback_says_when_trainer_asked_fsdp_but_runs_ddp(caplog):
+    """Accelerate turns Trainer's ``fsdp=`` on only on accelerators: on CPU it runs DDP, silently."""
+    from types import SimpleNamespace
+
+    model = tiny_llama()
+    enable_fp8(model)
+    state = transformers.TrainerState()
+    with caplog.at_level("WARNING", logger="lowprec"):
+        FP8Callback().on_train_begin(SimpleNamespace(fsdp=["full_shard"], world_size=2), state, None, model=model)
+        FP8Callback().on_train_begin(SimpleNamespace(fsdp=[], world_size=2), state, None, model=model)
+    assert [r.message for r in caplog.records if "asked for FSDP" in r.message and "runs DDP" in r.message] != []
+    assert len(caplog.records) == 1
+
+
 def test_enable_fp8_refuses_a_conversion_that_converts_nothing():
     with pytest.raises(ValueError, match="full precision"):
         enable_fp8(tiny_llama(), module_filter=lambda m, fqn: False)

@@ -55,6 +55,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -190,6 +191,12 @@ class FP8Callback(TrainerCallback):
                 "FP8Callback: the model has no FP8 layers, so it would train in full precision; call "
                 "lowprec.integrations.transformers.enable_fp8(model) before building the Trainer")
         self.model = model
+        if getattr(args, "fsdp", None) and args.world_size > 1 and not any(
+                isinstance(m, FSDPModule) for m in model.modules()):
+            # accelerate 1.15 state.py: FSDP only for accelerator devices (MULTI_GPU, MULTI_XPU, ...), not MULTI_CPU
+            logger.warning("lowprec: TrainingArguments(fsdp=...) asked for FSDP but the model is not sharded: "
+                           "Accelerate turns FSDP on only on GPUs/accelerators, so on CPU Trainer runs DDP (FP8 "
+                           "layers run under DDP)")
         if state.global_step > 0:
             self._restore(args, state)
         n = self.counts.attach(model)
