@@ -177,6 +177,16 @@ def test_trainer_runs_fp8_and_logs_it(tmp_path, checkpointing):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(h["fp8_linear_calls"] > 0 and h["hp_linear_calls"] == 0 for h in logs)
     assert all(0 <= h["fp8_saturated_max"] <= 1 and 0 <= h["fp8_underflow_max"] <= 1 for h in logs)
+    from lowprec.integrations.transformers import fp8_counts
+
+    first = fp8_counts(trainer)
+    assert first["hp_linear_calls"] == 0
+    if checkpointing is None:
+        assert first["fp8_linear_calls"] == 4 * 13  # 4 steps x 13 converted Linears
+    else:  # the recompute runs forwards again (non-reentrant stops once the saved tensors are back)
+        assert 4 * 13 < first["fp8_linear_calls"] <= 2 * 4 * 13
+    trainer.train()  # a second train(): counts start again
+    assert fp8_counts(trainer) == first
 
 
 def test_fp8_callback_refuses_a_model_with_no_fp8_layers(tmp_path):

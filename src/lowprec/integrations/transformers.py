@@ -191,6 +191,7 @@ class FP8Callback(TrainerCallback):
                 "FP8Callback: the model has no FP8 layers, so it would train in full precision; call "
                 "lowprec.integrations.transformers.enable_fp8(model) before building the Trainer")
         self.model = model
+        self.counts.total_fp8 = self.counts.total_hp = 0  # fp8_counts: since this train() began
         if getattr(args, "fsdp", None) and args.world_size > 1 and not any(
                 isinstance(m, FSDPModule) for m in model.modules()):
             # accelerate 1.15 state.py: FSDP only for accelerator devices (MULTI_GPU, MULTI_XPU, ...), not MULTI_CPU
