@@ -326,6 +326,8 @@ def test_trainer_on_two_processes_through_lowprec_launch_fp8_o2_and_resume(tmp_p
     assert r["fp8_linear_calls_per_rank"] == [5 * 13, 5 * 13]  # 5 steps x 13 converted Linears, each rank
     assert r["hp_linear_calls_per_rank"] == [0, 0]
     assert r["fp8_allreduce_calls_per_rank"] == [5, 5]  # one gradient bucket per step, in FP8
+    under = r["fp8_underflow_max_per_rank"]  # step 5's telemetry: every rank logs the worst of both
+    assert under[0] == under[1] and 0 < under[0] < 1
     assert r["loss_fp8"] != r["loss_bf16"] and r["rel_diff"] < 0.01  # measured: 0.1-0.3%
     assert r["resume_steps"] == [3, 4, 5] and r["resume_max_abs_diff"] == 0.0
     assert r["unexpected_keys"] == [] and r["missing_keys"] == [] and r["weights_equal"]

@@ -41,7 +41,7 @@ Why each piece is what it is:
 * :class:`FP8Callback` refuses a model with no FP8 layers (never a silent full-precision run),
   warns once if converted layers ran in high precision during training, and adds to Trainer's
   logs: Linear calls in FP8 and in high precision since the last log and, on logging steps, the
-  telemetry's worst saturated and underflow fractions.
+  telemetry's worst saturated and underflow fractions (under DDP the worst over every rank).
 """
 
 from __future__ import annotations
@@ -168,6 +168,18 @@ def _worst(model: nn.Module) -> dict[str, float]:
             "fp8_underflow_max": max(r["underflow"] for r in rows)}
 
 
+def _worst_over_ranks(worst: dict[str, float], device: torch.device) -> dict[str, float]:
+    """The worst fractions over every rank (each rank casts its own batch). Collective: Trainer
+    logs the training loss on every rank at the same steps (it gathers the loss there too)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return worst
+    keys = ("fp8_saturated_max", "fp8_underflow_max")
+    t = torch.tensor([worst.get(k, -1.0) for k in keys], dtype=torch.float64, device=device)  # -1: no statistics
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {k: v for k, v in zip(keys, t.tolist()) if v >= 0}
+
+
 class FP8Callback(TrainerCallback):
     """Trainer callback for a model converted with :func:`enable_fp8` or ``lowprec.fp8.convert``
     (see the module docstring). Pass it in ``Trainer(callbacks=[...])``; for reporters that run
@@ -183,6 +195,7 @@ class FP8Callback(TrainerCallback):
         self.telemetry = telemetry
         self.counts = _Counts()
         self.model: nn.Module | None = None
+        self.last_worst: dict[str, float] = {}  # the last log's telemetry, worst over every rank
         self._warned = False
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -266,7 +279,8 @@ class FP8Callback(TrainerCallback):
             logger.warning("lowprec: the converted layers ran %d call(s) in high precision and none in FP8 since the "
                            "last log (inside lowprec.fp8.autocast(enabled=False)?)", self.counts.hp)
         if self.telemetry:
-            extra.update(_worst(self.model))
+            self.last_worst = _worst_over_ranks(_worst(self.model), args.device)
+            extra.update(self.last_worst)
         self.counts.fp8 = self.counts.hp = 0
         logs.update(extra)
         # Trainer stored a copy before calling the callbacks: keep the history complete too
@@ -334,13 +348,15 @@ def apply_opt_level(trainer, opt_level: str, *, grad_dtype: torch.dtype = torch.
 def fp8_counts(trainer) -> dict[str, Any]:
     """What ran in low precision since ``trainer.train()`` began on this process: Linear calls in
     FP8 (three FP8 GEMMs each: forward, input and weight gradients) and in high precision (from
-    its :class:`FP8Callback`), and gradient all-reduces in FP8 (O1/O2 under DDP, else absent).
+    its :class:`FP8Callback`), gradient all-reduces in FP8 (O1/O2 under DDP, else absent) and the
+    last log's telemetry (worst saturated / underflow fraction over every rank; absent before one).
     Under several processes each value is the list of every rank's, and the call is collective:
     make it on every rank."""
     cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FP8Callback)), None)
     if cb is None:
         raise ValueError("fp8_counts: the trainer has no FP8Callback (pass callbacks=[FP8Callback()])")
-    counts: dict[str, Any] = {"fp8_linear_calls": cb.counts.total_fp8, "hp_linear_calls": cb.counts.total_hp}
+    counts: dict[str, Any] = {"fp8_linear_calls": cb.counts.total_fp8, "hp_linear_calls": cb.counts.total_hp,
+                              **cb.last_worst}
     allreduce = getattr(trainer.model_wrapped, "lowprec_fp8_allreduce", None)
     if allreduce is not None:
         counts["fp8_allreduce_calls"] = allreduce.calls
