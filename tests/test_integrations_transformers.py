@@ -158,8 +158,9 @@ def _trainer(model, tmp_path, callbacks, **kw):
             ids = batch(i)[0]
             return {"input_ids": ids, "labels": ids}
 
-    args = transformers.TrainingArguments(str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=2,
-                                          save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True, **kw)
+    kw = {"max_steps": 4, "logging_steps": 2, "save_strategy": "no", **kw}
+    args = transformers.TrainingArguments(str(tmp_path), per_device_train_batch_size=4, report_to=[], disable_tqdm=True,
+                                          use_cpu=True, **kw)
     return transformers.Trainer(model=model, args=args, train_dataset=Data(), callbacks=callbacks)
 
 
@@ -176,12 +177,36 @@ def test_trainer_runs_fp8_and_logs_it(tmp_path, checkpointing):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 2 and all(h["fp8_linear_calls"] > 0 and h["hp_linear_calls"] == 0 for h in logs)
     assert all(0 <= h["fp8_saturated_max"] <= 1 and 0 <= h["fp8_underflow_max"] <= 1 for h in logs)
+    from lowprec.integrations.transformers import fp8_counts
+
+    first = fp8_counts(trainer)
+    assert first["hp_linear_calls"] == 0
+    if checkpointing is None:
+        assert first["fp8_linear_calls"] == 4 * 13  # 4 steps x 13 converted Linears
+    else:  # the recompute runs forwards again (non-reentrant stops once the saved tensors are back)
+        assert 4 * 13 < first["fp8_linear_calls"] <= 2 * 4 * 13
+    trainer.train()  # a second train(): counts start again
+    assert fp8_counts(trainer) == first
 
 
 def test_fp8_callback_refuses_a_model_with_no_fp8_layers(tmp_path):
     trainer = _trainer(tiny_llama(), tmp_path, [FP8Callback()])
     with pytest.raises(ValueError, match="no FP8 layers.*enable_fp8"):
         trainer.train()
+
+
+def test_fp8_callback_says_when_trainer_asked_fsdp_but_runs_ddp(caplog):
+    """Accelerate turns Trainer's ``fsdp=`` on only on accelerators: on CPU it runs DDP, silently."""
+    from types import SimpleNamespace
+
+    model = tiny_llama()
+    enable_fp8(model)
+    state = transformers.TrainerState()
+    with caplog.at_level("WARNING", logger="lowprec"):
+        FP8Callback().on_train_begin(SimpleNamespace(fsdp=["full_shard"], world_size=2), state, None, model=model)
+        FP8Callback().on_train_begin(SimpleNamespace(fsdp=[], world_size=2), state, None, model=model)
+    assert [r.message for r in caplog.records if "asked for FSDP" in r.message and "runs DDP" in r.message] != []
+    assert len(caplog.records) == 1
 
 
 def test_enable_fp8_refuses_a_conversion_that_converts_nothing():
@@ -212,4 +237,97 @@ def test_trl_sft_example_trains_fp8_under_its_default_gradient_checkpointing():
     r = _run_example("trl_sft_fp8.py")
     assert r["fp8_linear_calls"] > 0 and r["hp_linear_calls"] == 0
     assert r["loss_fp8"] != r["loss_bf16"] and r["rel_diff"] < 0.01  # measured: ~0.25%
+    assert r["unexpected_keys"] == [] and r["missing_keys"] == [] and r["weights_equal"]
+
+
+def _resumable(model, out, **kw):
+    """A Trainer whose runs can be compared step by step: AdamW (so the optimizer state matters
+    too), logging every step, a checkpoint every 2 steps."""
+    return _trainer(model, out, [FP8Callback(telemetry=False)], **{
+        "max_steps": 5, "logging_steps": 1, "save_strategy": "steps", "save_steps": 2, "learning_rate": 1e-2, **kw})
+
+
+def _losses(trainer):
+    return {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+
+def test_resume_from_a_trainer_checkpoint_restores_fp8_state_and_continues_as_the_uninterrupted_run(tmp_path, caplog):
+    """delayed scaling (amax histories, scales, step counters) + O2's FP8AdamW, resumed from
+    Trainer's own checkpoint-2: steps 3-5 give exactly the uninterrupted run's losses. Without
+    the FP8 state file (the control) they differ and the resume says why, once."""
+    from lowprec.integrations.transformers import FP8_STATE_FILE, apply_opt_level
+
+    def run(resume=None):
+        model = tiny_llama()
+        enable_fp8(model, "delayed")
+        trainer = _resumable(model, tmp_path)
+        apply_opt_level(trainer, "O2")
+        trainer.train(resume_from_checkpoint=resume)
+        return _losses(trainer)
+
+    full = run()
+    ckpt = tmp_path / "checkpoint-2"
+    assert (ckpt / FP8_STATE_FILE.format(rank=0)).is_file()
+    resumed = run(str(ckpt))  # its log history holds the checkpoint's steps 1-2 too
+    assert sorted(resumed) == [1, 2, 3, 4, 5] and resumed == full
+    (ckpt / FP8_STATE_FILE.format(rank=0)).unlink()
+    with caplog.at_level("WARNING", logger="lowprec"):
+        afresh = run(str(ckpt))
+    assert afresh[3] != full[3]  # the histories matter: the control fails without them
+    assert [r.message for r in caplog.records if "without FP8 scaling state" in r.message] != []
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_opt_levels_under_trainer_train_in_fp8_and_stay_close_to_adamw(tmp_path, level):
+    from lowprec.integrations.transformers import apply_opt_level
+    from lowprec.optim import FP8AdamW
+
+    def run(opt_level):
+        model = tiny_llama()
+        enable_fp8(model, "tensorwise")
+        trainer = _trainer(model, tmp_path, [FP8Callback(telemetry=False)], logging_steps=1, learning_rate=1e-2)
+        if opt_level:
+            apply_opt_level(trainer, opt_level)
+        trainer.train()
+        return _losses(trainer), trainer
+
+    ref, _ = run(None)
+    got, trainer = run(level)
+    assert (type(trainer.optimizer.optimizer) is FP8AdamW) == (level == "O2")  # Trainer kept ours
+    assert got != ref  # FP8 gradients (and O2's FP8 moments) changed the steps ...
+    assert all(abs(got[s] - ref[s]) / ref[s] < 0.02 for s in ref)  # ... and stay close (measured below 0.1%)
+
+
+def test_apply_opt_level_refuses_what_it_cannot_do(tmp_path):
+    from lowprec.integrations.transformers import apply_opt_level
+
+    trainer = _trainer(tiny_llama(), tmp_path, [], optim="sgd")
+    with pytest.raises(ValueError, match="needs torch.optim.Adam.*optim='adamw_torch'"):
+        apply_opt_level(trainer, "O2")
+    with pytest.raises(ValueError, match="'O3' is not supported"):
+        apply_opt_level(trainer, "O3")
+
+
+def test_trainer_on_two_processes_through_lowprec_launch_fp8_o2_and_resume(tmp_path):
+    """One 2-process launch (``lowprec launch --cpu``, torchrun underneath, DDP on gloo) of the
+    Trainer example, delayed scaling + O2: every rank ran all its Linear calls in FP8 and
+    all-reduced its gradients in FP8, the loss stays close to bf16, and a run resumed from
+    Trainer's checkpoint (each rank's FP8 state restored) repeats the uninterrupted losses."""
+    from tests.torchrun_util import free_port, run_torchrun
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
+    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1", LOWPREC_CONFIG_HOME=str(tmp_path / "no-config"), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2",
+           "--main_process_port", str(free_port()), os.path.join(ROOT, "examples", "hf", "trainer_fp8.py"),
+           "--steps", "5", "--recipe", "delayed", "--opt_level", "O2", "--resume_check", "--output_dir", str(tmp_path)]
+    proc = run_torchrun(cmd, lambda p: '"world_size": 2' in p.stdout, env=env, timeout=300, cwd=ROOT)
+    r = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+    assert r["fp8_linear_calls_per_rank"] == [5 * 13, 5 * 13]  # 5 steps x 13 converted Linears, each rank
+    assert r["hp_linear_calls_per_rank"] == [0, 0]
+    assert r["fp8_allreduce_calls_per_rank"] == [5, 5]  # one gradient bucket per step, in FP8
+    under = r["fp8_underflow_max_per_rank"]  # step 5's telemetry: every rank logs the worst of both
+    assert under[0] == under[1] and 0 < under[0] < 1
+    assert r["loss_fp8"] != r["loss_bf16"] and r["rel_diff"] < 0.01  # measured: 0.1-0.3%
+    assert r["resume_steps"] == [3, 4, 5] and r["resume_max_abs_diff"] == 0.0
     assert r["unexpected_keys"] == [] and r["missing_keys"] == [] and r["weights_equal"]

@@ -5,11 +5,15 @@ saved with ``save_pretrained`` and loaded back in transformers.
     python examples/hf/trainer_fp8.py                        # tensorwise, 20 steps
     python examples/hf/trainer_fp8.py --recipe delayed --gradient_checkpointing reentrant
     python examples/hf/trainer_fp8.py --lora                 # peft LoRA on the FP8 base layers
+    python examples/hf/trainer_fp8.py --opt_level O2         # + MS-AMP style FP8AdamW and FP8 gradients
+    torchrun --nproc_per_node 2 examples/hf/trainer_fp8.py   # DDP (gloo on CPU); or:
+    lowprec launch --cpu --num_processes 2 examples/hf/trainer_fp8.py --recipe delayed --opt_level O2
 
 The FP8 part is two lines: ``enable_fp8(model, recipe)`` before building the Trainer and
 ``FP8Callback()`` among its callbacks. Prints one JSON line: both losses over the last 5 steps (Trainer logs every 5),
 their relative difference, how many Linear calls ran in FP8 and in high precision, and the
-keys the reload found missing or unexpected (none expected).
+keys the reload found missing or unexpected (none expected). Under several processes the
+counts are per rank (``fp8_linear_calls_per_rank``) and rank 0 prints and reloads.
 """
 
 from __future__ import annotations
@@ -53,22 +57,25 @@ def tiny_llama(seed: int = 0):
     return LlamaForCausalLM(cfg)
 
 
-def training_args(out: str, steps: int, checkpointing: str):
+def training_args(out: str, args, save_every: int = 0):
+    """Trainer's arguments; ``save_every`` > 0: a checkpoint every that many steps, a log line every step."""
     from transformers import TrainingArguments
 
-    ckpt = {} if checkpointing == "off" else {
+    ckpt = {} if args.gradient_checkpointing == "off" else {
         "gradient_checkpointing": True,
-        "gradient_checkpointing_kwargs": {"use_reentrant": checkpointing == "reentrant"}}
-    return TrainingArguments(out, max_steps=steps, per_device_train_batch_size=8, learning_rate=3e-3,
-                             lr_scheduler_type="constant", logging_steps=5, save_strategy="no", report_to=[],
-                             disable_tqdm=True, use_cpu=True, bf16=True, seed=0, **ckpt)
+        "gradient_checkpointing_kwargs": {"use_reentrant": args.gradient_checkpointing == "reentrant"}}
+    saving = {"save_strategy": "steps", "save_steps": save_every, "logging_steps": 1} if save_every else {
+        "save_strategy": "no", "logging_steps": 5}
+    return TrainingArguments(out, max_steps=args.steps, per_device_train_batch_size=args.batch, learning_rate=3e-3,
+                             lr_scheduler_type="constant", report_to=[], disable_tqdm=True, use_cpu=True, bf16=True,
+                             seed=0, **saving, **ckpt)
 
 
-def train(fp8_recipe: str | None, args, out: str) -> tuple[float, dict, object]:
-    """One run; returns (last loss, the FP8 callback's last log or {}, model)."""
+def train(fp8_recipe: str | None, args, out: str, save_every: int = 0, resume: str | None = None):
+    """One run; returns (last loss, the FP8 callback's counts or {}, model, {step: loss})."""
     from transformers import Trainer
 
-    from lowprec.integrations.transformers import FP8Callback, enable_fp8
+    from lowprec.integrations.transformers import FP8Callback, enable_fp8, fp8_counts
 
     model = tiny_llama()
     if args.lora:
@@ -79,12 +86,28 @@ def train(fp8_recipe: str | None, args, out: str) -> tuple[float, dict, object]:
     if fp8_recipe:
         enable_fp8(model, fp8_recipe)  # conversion is the switch: FP8 wherever Trainer calls the model
         callbacks.append(FP8Callback())
-    trainer = Trainer(model=model, args=training_args(out, args.steps, args.gradient_checkpointing),
-                      train_dataset=ByteWindows(), callbacks=callbacks)
-    trainer.train()
+    trainer = Trainer(model=model, args=training_args(out, args, save_every), train_dataset=ByteWindows(),
+                      callbacks=callbacks)
+    if fp8_recipe and args.opt_level:
+        from lowprec.integrations.transformers import apply_opt_level
+
+        apply_opt_level(trainer, args.opt_level)  # before train(): Trainer keeps this optimizer
+    trainer.train(resume_from_checkpoint=resume)
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    fp8_log = {k: sum(h.get(k, 0) for h in logs) for k in ("fp8_linear_calls", "hp_linear_calls")} if fp8_recipe else {}
-    return float(logs[-1]["loss"]), fp8_log, model
+    counts = fp8_counts(trainer) if fp8_recipe else {}  # per rank under several processes (collective)
+    return float(logs[-1]["loss"]), counts, model, {h["step"]: h["loss"] for h in logs}
+
+
+def resume_check(args, out: str) -> dict:
+    """The FP8 run again with a checkpoint halfway, then resumed from it (Trainer's own
+    ``resume_from_checkpoint``; FP8Callback restores each rank's FP8 scaling state): the largest
+    difference between the resumed run's losses and the uninterrupted run's."""
+    half = max(args.steps // 2, 1)
+    _, _, _, full = train(args.recipe, args, out, save_every=half)
+    _, _, _, resumed = train(args.recipe, args, out, save_every=half,
+                             resume=os.path.join(out, f"checkpoint-{half}"))
+    after = [s for s in full if s > half]
+    return {"resume_steps": after, "resume_max_abs_diff": max(abs(resumed[s] - full[s]) for s in after)}
 
 
 def reload_check(model, out: str) -> dict:
@@ -107,17 +130,29 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--gradient_checkpointing", choices=["off", "reentrant", "non_reentrant"], default="off")
     p.add_argument("--lora", action="store_true", help="peft LoRA adapters on the (FP8) base layers")
+    p.add_argument("--batch", type=int, default=8, help="per process (the global batch is this x processes)")
+    p.add_argument("--opt_level", choices=["O1", "O2"], default=None,
+                   help="MS-AMP style FP8 gradients (O1) and FP8AdamW (O2) for the FP8 run")
+    p.add_argument("--resume_check", action="store_true",
+                   help="also train FP8 with a checkpoint halfway and resume from it; report the loss difference")
     p.add_argument("--output_dir", default=None, help="default: a temporary directory")
     args = p.parse_args(argv)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.resume_check and world > 1 and not args.output_dir:
+        p.error("--resume_check on several processes needs --output_dir (one checkpoint directory for all ranks)")
     with tempfile.TemporaryDirectory() as tmp:
-        out = args.output_dir or tmp
-        loss_bf16, _, _ = train(None, args, os.path.join(out, "bf16"))
-        loss_fp8, counts, model = train(args.recipe, args, os.path.join(out, "fp8"))
-        result = {"recipe": args.recipe, "steps": args.steps, "lora": args.lora,
-                  "gradient_checkpointing": args.gradient_checkpointing,
+        out = args.output_dir or tmp  # nothing is saved during training: a directory per rank is fine
+        loss_bf16, _, _, _ = train(None, args, os.path.join(out, "bf16"))
+        loss_fp8, counts, model, _ = train(args.recipe, args, os.path.join(out, "fp8"))
+        result = {"recipe": args.recipe, "steps": args.steps, "lora": args.lora, "opt_level": args.opt_level,
+                  "world_size": world, "gradient_checkpointing": args.gradient_checkpointing,
                   "loss_bf16": loss_bf16, "loss_fp8": loss_fp8, "rel_diff": abs(loss_fp8 - loss_bf16) / loss_bf16,
-                  **counts, **reload_check(model, os.path.join(out, "fp8"))}
-    print(json.dumps(result))
+                  **{k + ("_per_rank" if world > 1 else ""): v for k, v in counts.items()}}
+        if args.resume_check:
+            result.update(resume_check(args, os.path.join(out, "resume")))
+        if rank == 0:
+            result.update(reload_check(model, os.path.join(out, "fp8")))
+            print(json.dumps(result))
     return result
 
 

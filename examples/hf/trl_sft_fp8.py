@@ -4,12 +4,15 @@ and in FP8, with TRL's defaults (gradient checkpointing on, bf16 autocast) and t
 
     python examples/hf/trl_sft_fp8.py                  # tensorwise, 20 steps
     python examples/hf/trl_sft_fp8.py --recipe delayed --lora
+    torchrun --nproc_per_node 2 examples/hf/trl_sft_fp8.py --opt_level O2   # DDP (gloo on CPU); or
+    lowprec launch --cpu --num_processes 2 examples/hf/trl_sft_fp8.py --recipe delayed
 
 As with ``transformers.Trainer``: ``enable_fp8(model, recipe)`` before building the trainer and
 ``FP8Callback()`` among its callbacks (SFTTrainer is a Trainer). Prints one JSON line: both
 losses over the last 5 steps, their relative difference, how many Linear calls ran in FP8 and in
 high precision, and the keys a ``save_pretrained`` -> ``from_pretrained`` round trip found
-missing or unexpected (none expected).
+missing or unexpected (none expected). Under several processes the counts are per rank
+(``*_per_rank``) and rank 0 prints and reloads.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def train(fp8_recipe: str | None, args, out: str):
     """One SFT run; returns (last logged loss, FP8 counts or {}, model)."""
     from trl import SFTConfig, SFTTrainer
 
-    from lowprec.integrations.transformers import FP8Callback, enable_fp8
+    from lowprec.integrations.transformers import FP8Callback, enable_fp8, fp8_counts
 
     maker = _maker()
     tokenizer = maker.make_tokenizer()
@@ -60,14 +63,18 @@ def train(fp8_recipe: str | None, args, out: str):
     if fp8_recipe:
         enable_fp8(model, fp8_recipe)  # before SFTTrainer wraps it in peft: base layers FP8, adapters not
         callbacks.append(FP8Callback())
-    cfg = SFTConfig(out, max_steps=args.steps, per_device_train_batch_size=8, learning_rate=3e-3,
+    cfg = SFTConfig(out, max_steps=args.steps, per_device_train_batch_size=args.batch, learning_rate=3e-3,
                     lr_scheduler_type="constant", logging_steps=5, save_strategy="no", report_to=[],
                     disable_tqdm=True, use_cpu=True, seed=0, max_length=64, packing=True)
     trainer = SFTTrainer(model=model, args=cfg, train_dataset=dataset(), processing_class=tokenizer,
                          peft_config=peft_config, callbacks=callbacks)
+    if fp8_recipe and args.opt_level:
+        from lowprec.integrations.transformers import apply_opt_level
+
+        apply_opt_level(trainer, args.opt_level)  # after SFTTrainer built (and peft-wrapped) the model
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    counts = {k: sum(h.get(k, 0) for h in logs) for k in ("fp8_linear_calls", "hp_linear_calls")} if fp8_recipe else {}
+    counts = fp8_counts(trainer) if fp8_recipe else {}  # per rank under several processes (collective)
     return float(logs[-1]["loss"]), counts, trainer.model
 
 
@@ -90,16 +97,23 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--recipe", default="tensorwise")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lora", action="store_true", help="peft LoRA through SFTTrainer(peft_config=...)")
+    p.add_argument("--batch", type=int, default=8, help="per process (the global batch is this x processes)")
+    p.add_argument("--opt_level", choices=["O1", "O2"], default=None,
+                   help="MS-AMP style FP8 gradients (O1) and FP8AdamW (O2) for the FP8 run")
     p.add_argument("--output_dir", default=None, help="default: a temporary directory")
     args = p.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", 1))
     with tempfile.TemporaryDirectory() as tmp:
-        out = args.output_dir or tmp
+        out = args.output_dir or tmp  # nothing is saved during training: a directory per rank is fine
         loss_bf16, _, _ = train(None, args, os.path.join(out, "bf16"))
         loss_fp8, counts, model = train(args.recipe, args, os.path.join(out, "fp8"))
-        result = {"recipe": args.recipe, "steps": args.steps, "lora": args.lora, "loss_bf16": loss_bf16,
-                  "loss_fp8": loss_fp8, "rel_diff": abs(loss_fp8 - loss_bf16) / loss_bf16,
-                  **counts, **reload_check(model, os.path.join(out, "fp8"))}
-    print(json.dumps(result))
+        result = {"recipe": args.recipe, "steps": args.steps, "lora": args.lora, "opt_level": args.opt_level,
+                  "world_size": world, "loss_bf16": loss_bf16, "loss_fp8": loss_fp8,
+                  "rel_diff": abs(loss_fp8 - loss_bf16) / loss_bf16,
+                  **{k + ("_per_rank" if world > 1 else ""): v for k, v in counts.items()}}
+        if int(os.environ.get("RANK", 0)) == 0:
+            result.update(reload_check(model, os.path.join(out, "fp8")))
+            print(json.dumps(result))
     return result
 
 

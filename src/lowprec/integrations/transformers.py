@@ -25,28 +25,49 @@ Why each piece is what it is:
   histories, scales and step counters; nvfp4's rounding stream) is training state. Its keys are
   named in each ``PreTrainedModel``'s ``_keys_to_ignore_on_save`` (transformers' own hook, keys
   matched exactly), computed when saving, so a peft merge or a later conversion is covered and
-  the checkpoint loads into the plain model with no unexpected keys. Trainer's checkpoints go
-  through ``save_pretrained`` too: a resumed run starts delayed histories afresh (they refill
-  within ``amax_history_len`` steps). ``lowprec.Accelerator.save_state`` keeps them.
+  the checkpoint loads into the plain model with no unexpected keys.
+* **Resume** (``trainer.train(resume_from_checkpoint=...)``): Trainer's checkpoints go through
+  ``save_pretrained``, so :class:`FP8Callback` writes the FP8 scaling state beside them, one
+  file per process (``lowprec_fp8_state-rank<r>.pt``: each rank's delayed histories are its
+  own), and puts it back when a resumed run begins: the resumed run continues as the
+  uninterrupted one (losses equal on CPU). A resumed run that finds no such file logs one warning
+  and starts the histories afresh (they refill within ``amax_history_len`` steps).
+* **O1/O2 optimizers** (MS-AMP style, :mod:`lowprec.optim`): :func:`apply_opt_level` on the built
+  Trainer, before ``train()``: O2 builds Trainer's own optimizer (its param groups, weight decay
+  rules and ``optim`` kwargs) and rebuilds it as ``FP8AdamW``; O1's FP8 gradients are a DDP
+  communication hook under several processes (through Accelerate's public ``ddp_handler``, which
+  registers hooks on the DDP model it creates) and an in-place FP8 rounding of ``.grad`` on one
+  (Trainer clips ``.grad`` before the step, so gradients are not held as FP8 payloads).
 * :class:`FP8Callback` refuses a model with no FP8 layers (never a silent full-precision run),
   warns once if converted layers ran in high precision during training, and adds to Trainer's
   logs: Linear calls in FP8 and in high precision since the last log and, on logging steps, the
-  telemetry's worst saturated and underflow fractions.
+  telemetry's worst saturated and underflow fractions (under DDP the worst over every rank).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from collections.abc import Set
 from typing import Any, Iterable, Iterator
 
+import torch
+from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lowprec import fp8
 from lowprec.fp8.convert import DEFAULT_SKIP_PATTERNS, ConversionReport, ModuleFilter
+from lowprec.distributed import register_fp8_allreduce
+from lowprec.optim import OPT_LEVELS, hold_grads_in_fp8, to_fp8_adamw
+from lowprec.optim.opt_level import check_o2_optimizer
 
-__all__ = ["enable_fp8", "FP8Callback", "fp8_state_keys"]
+__all__ = ["enable_fp8", "FP8Callback", "apply_opt_level", "fp8_counts", "fp8_state_keys", "FP8_STATE_FILE"]
+
+FP8_STATE_FILE = "lowprec_fp8_state-rank{rank}.pt"  # in each Trainer checkpoint directory
 
 logger = logging.getLogger("lowprec")
 
@@ -119,14 +140,17 @@ class _Counts:
 
     def __init__(self) -> None:
         self.fp8 = self.hp = 0
+        self.total_fp8 = self.total_hp = 0  # since training began, never reset
         self.handles: list = []
 
     def hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if module.training:
             if module.__dict__.get("_fp8_forward_recipe") is not None:
                 self.fp8 += 1
+                self.total_fp8 += 1
             else:
                 self.hp += 1
+                self.total_hp += 1
 
     def attach(self, model: nn.Module) -> int:
         if not self.handles:
@@ -144,6 +168,18 @@ def _worst(model: nn.Module) -> dict[str, float]:
             "fp8_underflow_max": max(r["underflow"] for r in rows)}
 
 
+def _worst_over_ranks(worst: dict[str, float], device: torch.device) -> dict[str, float]:
+    """The worst fractions over every rank (each rank casts its own batch). Collective: Trainer
+    logs the training loss on every rank at the same steps (it gathers the loss there too)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return worst
+    keys = ("fp8_saturated_max", "fp8_underflow_max")
+    t = torch.tensor([worst.get(k, -1.0) for k in keys], dtype=torch.float64, device=device)  # -1: no statistics
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {k: v for k, v in zip(keys, t.tolist()) if v >= 0}
+
+
 class FP8Callback(TrainerCallback):
     """Trainer callback for a model converted with :func:`enable_fp8` or ``lowprec.fp8.convert``
     (see the module docstring). Pass it in ``Trainer(callbacks=[...])``; for reporters that run
@@ -159,6 +195,7 @@ class FP8Callback(TrainerCallback):
         self.telemetry = telemetry
         self.counts = _Counts()
         self.model: nn.Module | None = None
+        self.last_worst: dict[str, float] = {}  # the last log's telemetry, worst over every rank
         self._warned = False
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -167,9 +204,58 @@ class FP8Callback(TrainerCallback):
                 "FP8Callback: the model has no FP8 layers, so it would train in full precision; call "
                 "lowprec.integrations.transformers.enable_fp8(model) before building the Trainer")
         self.model = model
+        self.counts.total_fp8 = self.counts.total_hp = 0  # fp8_counts: since this train() began
+        if getattr(args, "fsdp", None) and args.world_size > 1 and not any(
+                isinstance(m, FSDPModule) for m in model.modules()):
+            # accelerate 1.15 state.py: FSDP only for accelerator devices (MULTI_GPU, MULTI_XPU, ...), not MULTI_CPU
+            logger.warning("lowprec: TrainingArguments(fsdp=...) asked for FSDP but the model is not sharded: "
+                           "Accelerate turns FSDP on only on GPUs/accelerators, so on CPU Trainer runs DDP (FP8 "
+                           "layers run under DDP)")
+        if state.global_step > 0:
+            self._restore(args, state)
         n = self.counts.attach(model)
         logger.info("lowprec: %d FP8 layer(s) under Trainer; FP8 on wherever they run in training mode, off inside "
                     "lowprec.fp8.autocast(enabled=False)", n)
+
+    def on_save(self, args, state, control, **kwargs):
+        """Every process writes its FP8 scaling state into the checkpoint Trainer just saved
+        (``save_pretrained`` left it out)."""
+        if self.model is None:
+            return
+        sd = self.model.state_dict()
+        keys = fp8_state_keys(self.model)
+        if not keys:
+            return  # a recipe with no state (tensorwise, rowwise, ...): nothing to resume
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, FP8_STATE_FILE.format(rank=args.process_index))
+        torch.save({k: sd[k].detach().cpu() for k in sorted(keys)}, path + ".tmp")
+        os.replace(path + ".tmp", path)  # never a half-written file under the final name
+
+    def _restore(self, args, state) -> None:
+        """A resumed run (``global_step`` > 0 at ``on_train_begin``) takes back the FP8 scaling state
+        its checkpoint holds: from ``args.resume_from_checkpoint`` when that names a directory,
+        else from ``<output_dir>/checkpoint-<step>`` (``resume_from_checkpoint=True``'s choice)."""
+        keys = fp8_state_keys(self.model)
+        if not keys:
+            return
+        name = FP8_STATE_FILE.format(rank=args.process_index)
+        folders = [f for f in (args.resume_from_checkpoint if isinstance(args.resume_from_checkpoint, str) else None,
+                               os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")) if f]
+        path = next((os.path.join(f, name) for f in folders if os.path.isfile(os.path.join(f, name))), None)
+        if path is None:
+            logger.warning("lowprec: resuming at step %d without FP8 scaling state (no %s in %s): the delayed "
+                           "amax histories start afresh and refill within amax_history_len steps, so the losses "
+                           "differ from an uninterrupted run's", state.global_step, name, " or ".join(folders))
+            return
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if set(saved) != keys:
+            raise ValueError(
+                f"{path} holds FP8 scaling state for {len(saved)} key(s), this model has {len(keys)} (first "
+                f"difference: {sorted(set(saved) ^ keys)[0]}): resume with the recipe and layers the checkpoint "
+                "was trained with")
+        self.model.load_state_dict(saved, strict=False)
+        logger.info("lowprec: FP8 scaling state of step %d restored from %s", state.global_step, path)
 
     def _logs_next_step(self, args, state) -> bool:
         strategy = getattr(args, "logging_strategy", "steps")
@@ -193,9 +279,89 @@ class FP8Callback(TrainerCallback):
             logger.warning("lowprec: the converted layers ran %d call(s) in high precision and none in FP8 since the "
                            "last log (inside lowprec.fp8.autocast(enabled=False)?)", self.counts.hp)
         if self.telemetry:
-            extra.update(_worst(self.model))
+            self.last_worst = _worst_over_ranks(_worst(self.model), args.device)
+            extra.update(self.last_worst)
         self.counts.fp8 = self.counts.hp = 0
         logs.update(extra)
         # Trainer stored a copy before calling the callbacks: keep the history complete too
         if state.log_history and state.log_history[-1].get("step") == state.global_step:
             state.log_history[-1].update(extra)
+
+
+class _FP8AllReduceKwargs(DistributedDataParallelKwargs):
+    """Accelerate's DDP kwargs, Trainer's values kept, whose ``register_comm_hook`` (Accelerate
+    calls it on the DDP model it creates in ``prepare``) registers lowprec's FP8 all-reduce."""
+
+    grad_dtype: torch.dtype = torch.float8_e4m3fn  # a class attribute, not a field: no DDP kwarg
+
+    def register_comm_hook(self, model):
+        model.lowprec_fp8_allreduce = register_fp8_allreduce(model, fp8_dtype=self.grad_dtype)
+        logger.info("lowprec: O1 under Trainer's DDP: gradient buckets all-reduced in %s", self.grad_dtype)
+
+
+def apply_opt_level(trainer, opt_level: str, *, grad_dtype: torch.dtype = torch.float8_e4m3fn,
+                    **fp8_adamw_kwargs) -> None:
+    """MS-AMP style ``"O1"`` / ``"O2"`` (:func:`lowprec.optim.apply_opt_level`) for a built
+    ``transformers.Trainer`` (or TRL trainer); call it before ``trainer.train()``.
+
+    O2 builds Trainer's own optimizer now (``trainer.create_optimizer()``: its ``optim``, param
+    groups and weight-decay rules; ``adamw_torch`` and ``adam`` kinds) and rebuilds it as
+    :class:`lowprec.optim.FP8AdamW` (FP8 first moment, FP16 second moment); Trainer keeps it and
+    builds its scheduler on it. O1 (and O2's gradients): under DDP the gradient all-reduce is FP8
+    (a hook registered when Accelerate creates the DDP model); on one process ``.grad`` is
+    rounded through FP8 in place, not held as an FP8 payload, because Trainer clips ``.grad``
+    before the optimizer step. Trainer's FSDP and DeepSpeed are refused: they create the
+    optimizer after sharding, which this helper cannot reach."""
+    level = str(opt_level).upper()
+    if level not in OPT_LEVELS:
+        raise ValueError(f"apply_opt_level: opt_level={opt_level!r} is not supported; use 'O1' or 'O2'")
+    if fp8_adamw_kwargs and level != "O2":
+        raise ValueError(f"apply_opt_level: {sorted(fp8_adamw_kwargs)} configure FP8AdamW and only apply to 'O2'")
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        raise ValueError("apply_opt_level: Trainer's FSDP/DeepSpeed create the optimizer after sharding the model, "
+                         "which this helper cannot reach; use O1/O2 with DDP or one process, or lowprec.Accelerator")
+    if getattr(trainer.model, "lowprec_opt_level", None) is not None:
+        raise ValueError(f"apply_opt_level: the model already runs {trainer.model.lowprec_opt_level}; call it once")
+    if trainer.optimizer is None:
+        trainer.create_optimizer()
+    if level == "O2":
+        check_o2_optimizer(trainer.optimizer, "apply_opt_level(trainer, 'O2')",
+                           "TrainingArguments(optim='adamw_torch'), or 'O1' (FP8 gradients, any optimizer)")
+        trainer.optimizer = to_fp8_adamw(trainer.optimizer, **fp8_adamw_kwargs)
+    if trainer.args.world_size > 1:
+        old = trainer.accelerator.ddp_handler or DistributedDataParallelKwargs()
+        if type(old) is not DistributedDataParallelKwargs or old.comm_hook.value != "no":
+            raise ValueError(f"apply_opt_level: Trainer's DDP already has a communication hook ({old.comm_hook}); "
+                             "O1 registers its own FP8 all-reduce: drop the other hook")
+        # the dtype on a subclass, not the instance: Accelerate turns instance attributes into DDP kwargs
+        kind = type("_FP8AllReduceKwargs", (_FP8AllReduceKwargs,), {"grad_dtype": grad_dtype})
+        handler = kind(**{f.name: getattr(old, f.name) for f in dataclasses.fields(old)})
+        trainer.accelerator.ddp_handler = handler
+    else:
+        trainer.model.lowprec_fp8_grads = hold_grads_in_fp8(trainer.model.parameters(), grad_dtype, hold=False)
+    trainer.model.lowprec_opt_level = level
+    logger.info("lowprec: %s under Trainer: optimizer %s, FP8 (%s) gradients via %s", level,
+                type(trainer.optimizer).__name__, grad_dtype,
+                "DDP all-reduce" if trainer.args.world_size > 1 else "in-place rounding of .grad")
+
+
+def fp8_counts(trainer) -> dict[str, Any]:
+    """What ran in low precision since ``trainer.train()`` began on this process: Linear calls in
+    FP8 (three FP8 GEMMs each: forward, input and weight gradients) and in high precision (from
+    its :class:`FP8Callback`), gradient all-reduces in FP8 (O1/O2 under DDP, else absent) and the
+    last log's telemetry (worst saturated / underflow fraction over every rank; absent before one).
+    Under several processes each value is the list of every rank's, and the call is collective:
+    make it on every rank."""
+    cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FP8Callback)), None)
+    if cb is None:
+        raise ValueError("fp8_counts: the trainer has no FP8Callback (pass callbacks=[FP8Callback()])")
+    counts: dict[str, Any] = {"fp8_linear_calls": cb.counts.total_fp8, "hp_linear_calls": cb.counts.total_hp,
+                              **cb.last_worst}
+    allreduce = getattr(trainer.model_wrapped, "lowprec_fp8_allreduce", None)
+    if allreduce is not None:
+        counts["fp8_allreduce_calls"] = allreduce.calls
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return counts
+    ranks: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(ranks, counts)
+    return {k: [r.get(k) for r in ranks] for k in counts}
