@@ -28,7 +28,7 @@ Why each piece is what it is:
   the checkpoint loads into the plain model with no unexpected keys.
 * **Resume** (``trainer.train(resume_from_checkpoint=...)``): Trainer's checkpoints go through
   ``save_pretrained``, so :class:`FP8Callback` writes the FP8 scaling state beside them, one
-  file per process (``lowprec_fp8_state-rank<r>.pt``: each rank's delayed histories are its
+  file per process (``lowprec_fp8_state-rank<r>.safetensors``: each rank's delayed histories are its
   own), and puts it back when a resumed run begins: the resumed run continues as the
   uninterrupted one (losses equal on CPU). A resumed run that finds no such file logs one warning
   and starts the histories afresh (they refill within ``amax_history_len`` steps).
@@ -60,6 +60,8 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lowprec import fp8
+from lowprec.checkpoint_io import load_object, save_object
+from lowprec.durable import fsync_dir, fsync_file, temp_suffix
 from lowprec.fp8.convert import DEFAULT_SKIP_PATTERNS, ConversionReport, ModuleFilter
 from lowprec.distributed import register_fp8_allreduce
 from lowprec.optim import OPT_LEVELS, hold_grads_in_fp8, to_fp8_adamw
@@ -67,7 +69,7 @@ from lowprec.optim.opt_level import check_o2_optimizer
 
 __all__ = ["enable_fp8", "FP8Callback", "apply_opt_level", "fp8_counts", "fp8_state_keys", "FP8_STATE_FILE"]
 
-FP8_STATE_FILE = "lowprec_fp8_state-rank{rank}.pt"  # in each Trainer checkpoint directory
+FP8_STATE_FILE = "lowprec_fp8_state-rank{rank}.safetensors"  # in each Trainer checkpoint directory
 
 logger = logging.getLogger("lowprec")
 
@@ -229,8 +231,11 @@ class FP8Callback(TrainerCallback):
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, FP8_STATE_FILE.format(rank=args.process_index))
-        torch.save({k: sd[k].detach().cpu() for k in sorted(keys)}, path + ".tmp")
-        os.replace(path + ".tmp", path)  # never a half-written file under the final name
+        tmp = path + temp_suffix()
+        save_object({k: sd[k].detach().cpu() for k in sorted(keys)}, tmp, "FP8 scaling state")  # safetensors: no pickle
+        fsync_file(tmp)
+        os.replace(tmp, path)  # never a half-written file under the final name
+        fsync_dir(folder)
 
     def _restore(self, args, state) -> None:
         """A resumed run (``global_step`` > 0 at ``on_train_begin``) takes back the FP8 scaling state
@@ -248,11 +253,12 @@ class FP8Callback(TrainerCallback):
                            "amax histories start afresh and refill within amax_history_len steps, so the losses "
                            "differ from an uninterrupted run's", state.global_step, name, " or ".join(folders))
             return
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        if set(saved) != keys:
+        saved = load_object(path)  # one line naming the file if it is damaged; nothing unpickled
+        found = set(saved) if isinstance(saved, dict) else set()
+        if found != keys:
             raise ValueError(
-                f"{path} holds FP8 scaling state for {len(saved)} key(s), this model has {len(keys)} (first "
-                f"difference: {sorted(set(saved) ^ keys)[0]}): resume with the recipe and layers the checkpoint "
+                f"{path} holds FP8 scaling state for {len(found)} key(s), this model has {len(keys)} (first "
+                f"difference: {sorted(found ^ keys)[0]}): resume with the recipe and layers the checkpoint "
                 "was trained with")
         self.model.load_state_dict(saved, strict=False)
         logger.info("lowprec: FP8 scaling state of step %d restored from %s", state.global_step, path)
