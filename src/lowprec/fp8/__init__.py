@@ -11,7 +11,7 @@
 
 from lowprec.fp8.autocast import autocast, fp8_enabled
 from lowprec.fp8.capability import trace_as
-from lowprec.fp8.checkpoint import checkpoint
+from lowprec.fp8.recompute import checkpoint
 from lowprec.fp8.convert import (
     DEFAULT_SKIP_PATTERNS,
     ConversionReport,

@@ -423,7 +423,7 @@ class LlamaForCausalLM(nn.Module):
                 # recompute the layer in backward instead of keeping its activations; fp8's
                 # checkpoint re-enters the FP8 region for the recompute (torch's alone would
                 # recompute FP8 layers in high precision: a CheckpointError)
-                from lowprec.fp8.checkpoint import checkpoint
+                from lowprec.fp8.recompute import checkpoint
 
                 h = checkpoint(layer, h, cos, sin, mask)
             else:

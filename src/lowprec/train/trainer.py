@@ -435,7 +435,7 @@ def _build(cfg: TrainConfig, plan: RunPlan, acc, tokenizer, total: int, output_d
             from lowprec.fp8.autocast import replay_context
 
             # transformers passes these to torch.utils.checkpoint: the recompute re-enters the
-            # FP8 region of the first forward, as lowprec.fp8.checkpoint does for the built-in model
+            # FP8 region of the first forward, as lowprec.fp8.checkpoint (fp8/recompute.py) does for the built-in model
             model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={**kwargs, "context_fn": replay_context})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
