@@ -197,6 +197,16 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_on_the_full_base(tiny_l
     resumed = train(cfg.model_copy(update={"output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": "auto",
                                            "merge_lora": False}), caps)
     assert resumed.train_losses[-1][1] == pytest.approx(losses[-1], rel=1e-4), (resumed.train_losses, losses)
+    # the adapter's shape and placement are the checkpoint's: another rank or target set is refused
+    # before anything loads (resume_check.RULES' LoRA rows), naming the key, both values and the fix
+    for key, value in (("lora_r", 16), ("lora_target_modules", ["q_proj"])):
+        again = tmp_path / f"again-{key}"
+        shutil.copytree(out / "checkpoint-4", again / "checkpoint-4")
+        changed = {"output_dir": str(again), "resume_from_checkpoint": "auto", "merge_lora": False, key: value}
+        if key == "lora_target_modules":
+            changed["lora_target_linear"] = None
+        with pytest.raises(ValueError, match=f"was trained with {key}: .*set (it|them) back to continue that run"):
+            train(cfg.model_copy(update=changed), caps)
     report = (out / "fp8_conversion.txt").read_text()
     assert "Linear4bit x14 (4-bit base weights: QLoRA" in report, report  # 2 layers x 7 projections
     assert " 0 Linear layer(s) converted" in report  # the head is kept by the recipe; the adapters never convert
