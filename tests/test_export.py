@@ -1,0 +1,206 @@
+"""lowprec.export / `lowprec export`: FP8 exports that transformers loads (hf-fp8 through its
+fine-grained FP8 integration, compressed-tensors through that package), bit-identical to the FP8
+weights the training forward's GEMM read where recipe and format agree, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import lowprec.fp8 as fp8
+from lowprec.cli.main import main
+from lowprec.export import export_model
+
+import transformers  # noqa: E402  (the dev extra)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "examples", "tiny.yaml")
+
+
+def _llama(tie: bool = True):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    return transformers.LlamaForCausalLM(cfg).float()
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg).float()
+
+
+def _forward_fp8_weights(model, ids):
+    """The converted model's one FP8 training forward on ``ids``, recording the FP8 weight every
+    Float8Linear's forward GEMM read (``scaled_mm``'s second operand), by layer name."""
+    import lowprec.fp8.linear as linear
+
+    seen, current, real = {}, [None], linear.scaled_mm
+
+    def spy(a, b, *args, **kwargs):
+        seen[current[0]] = b.t()  # the GEMM reads W^T; back to (out, in)
+        return real(a, b, *args, **kwargs)
+
+    hooks = [m.register_forward_pre_hook(lambda mod, inp, n=n: current.__setitem__(0, n))
+             for n, m in model.named_modules() if isinstance(m, fp8.Float8Linear)]
+    linear.scaled_mm = spy
+    try:
+        model.train()
+        with torch.no_grad():
+            model(ids)
+    finally:
+        linear.scaled_mm = real
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _hp_logits_with(model, weights, ids):
+    """Logits of ``model`` in high precision with the given FP8 weights dequantized in place of
+    its own: the trained model's FP8 weights, as transformers computes with them on CPU."""
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    for name, q in weights.items():
+        w = q.dequantize(torch.float32)
+        params[f"{name}.weight"] = w.t() if isinstance(model.get_submodule(name), fp8.Float8Conv1D) else w
+    model.eval()
+    with torch.no_grad(), fp8.autocast(enabled=False):
+        return torch.func.functional_call(model, params, (ids,)).logits.float()
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def _load(out, fmt):
+    if fmt == "hf-fp8":
+        qc = transformers.FineGrainedFP8Config(dequantize=True)
+    else:
+        qc = transformers.CompressedTensorsConfig(run_compressed=False)
+    return transformers.AutoModelForCausalLM.from_pretrained(out, quantization_config=qc, dtype=torch.float32)
+
+
+CASES = [  # model, recipe, format, the scale tensor's name and shape for the layers' first FP8 layer
+    ("llama", "blockwise", "hf-fp8", "weight_scale_inv"),
+    ("llama", "rowwise", "compressed-tensors", "weight_scale"),
+    ("llama", "tensorwise", "compressed-tensors", "weight_scale"),
+    ("gpt2", "blockwise", "hf-fp8", "weight_scale_inv"),
+]
+
+
+@pytest.mark.parametrize("arch,recipe,fmt,scale_key", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+def test_export_round_trip_is_the_training_forwards_fp8_weights(tmp_path, arch, recipe, fmt, scale_key):
+    model = _llama() if arch == "llama" else _gpt2()
+    fp8.convert(model, recipe)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    used = _forward_fp8_weights(model, ids)
+    report = export_model(model, str(tmp_path), fmt)
+    assert report.trained_scales and "trained scales" in report.how
+    assert sorted(report.quantized) == sorted(used)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    for name, q in used.items():  # bit-identical bytes, in the layer's storage layout
+        data = q.data.t() if isinstance(model.get_submodule(name), fp8.Float8Conv1D) else q.data
+        w = stored[f"{name}.weight"]
+        assert w.dtype == torch.float8_e4m3fn
+        assert torch.equal(w.view(torch.uint8), data.contiguous().view(torch.uint8)), name
+        assert f"{name}.{scale_key}" in stored
+    # the layers that trained in high precision stay bf16 and are in the ignore list
+    cfg = json.load(open(tmp_path / "config.json"))["quantization_config"]
+    kept = cfg.get("modules_to_not_convert", cfg.get("ignore"))
+    assert sorted(kept) == sorted(report.kept) and "lm_head" in " ".join(kept)
+    for name in report.kept:
+        key = f"{name}.weight"
+        assert key not in stored or stored[key].dtype == torch.bfloat16
+    # transformers loads it; its logits are the trained model's with the FP8 weights it trained with
+    loaded = _load(str(tmp_path), fmt)
+    with torch.no_grad():
+        got = loaded(ids).logits.float()
+    assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
+    assert 0 < report.logit_gap < 0.2
+    assert f"{report.logit_gap:.3e}" in open(tmp_path / "README.md").read()
+
+
+def test_a_recipe_that_disagrees_with_the_format_is_quantized_once_and_says_so(tmp_path):
+    model = _llama()
+    fp8.convert(model, "rowwise")
+    report = export_model(model, str(tmp_path), "hf-fp8")
+    assert not report.trained_scales and "quantized once" in report.how
+    assert "quantized once" in open(tmp_path / "README.md").read()
+
+
+def test_untied_head_and_an_unconverted_model_follow_the_default_rules(tmp_path):
+    model = _llama(tie=False)
+    report = export_model(model, str(tmp_path), "hf-fp8")
+    assert report.recipe is None and "lm_head" in report.kept and "not trained in FP8" in report.how
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert stored["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_compressed_tensors_missing_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)
+    model = _llama()
+    fp8.convert(model, "rowwise")
+    with pytest.raises(ValueError, match=r"pip install 'lowprec\[export\]'"):
+        export_model(model, str(tmp_path), "compressed-tensors")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 1-step blockwise `lowprec train` run of the built-in llama-tiny, with a checkpoint."""
+    from lowprec.train.config import load_config
+    from lowprec.train.trainer import train
+
+    out = tmp_path_factory.mktemp("run")
+    fast = {"sequence_len": 32, "micro_batch_size": 2, "dataset_max_bytes": 100_000, "eval_batches": 1,
+            "eval_steps": None, "warmup_steps": 0, "max_steps": 1, "save_steps": 1, "fp8_recipe": "blockwise",
+            "saves_per_epoch": None, "evals_per_epoch": None, "warmup_ratio": None, "output_dir": str(out)}
+    train(load_config(TINY, fast))
+    return out
+
+
+def test_cli_exports_a_builtin_run_that_transformers_loads(tiny_run, tmp_path, capsys):
+    from lowprec.export.source import load_run
+
+    out = tmp_path / "fp8"
+    assert main(["export", str(tiny_run), "--format", "hf-fp8", "--out", str(out)]) == 0
+    assert "trained scales" in capsys.readouterr().out
+    model, _, _, notes = load_run(str(tiny_run))
+    assert "checkpoint-1" in notes[0]
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    used = _forward_fp8_weights(model, ids)
+    stored = load_file(str(out / "model.safetensors"))
+    for name, q in used.items():
+        assert torch.equal(stored[f"{name}.weight"].view(torch.uint8), q.data.view(torch.uint8)), name
+    loaded = _load(str(out), "hf-fp8")
+    with torch.no_grad():
+        got = loaded(ids).logits.float()
+    assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
+
+
+def _one_line(capsys):
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_bad_inputs_are_one_exit_2_line(tiny_run, tmp_path, capsys):
+    assert main(["export", str(tmp_path), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
+    assert "is neither a `lowprec train` output_dir" in _one_line(capsys)
+    assert main(["export", str(tmp_path / "nope"), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
+    assert "is not a directory" in _one_line(capsys)
+    # a run trained with NVFP4: its microscaled weights are no FP8 layout's
+    import shutil
+    import yaml
+
+    run = tmp_path / "nvfp4-run"
+    shutil.copytree(tiny_run, run)
+    cfg = yaml.safe_load(open(run / "resolved_config.yaml"))
+    cfg["fp8_recipe"] = {"name": "nvfp4"}
+    yaml.safe_dump(cfg, open(run / "resolved_config.yaml", "w"))
+    assert main(["export", str(run), "--format", "compressed-tensors", "--out", str(tmp_path / "o")]) == 2
+    line = _one_line(capsys)
+    assert "--format compressed-tensors" in line and "--requantize" in line
