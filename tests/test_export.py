@@ -181,6 +181,38 @@ def test_cli_exports_a_builtin_run_that_transformers_loads(tiny_run, tmp_path, c
     assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
 
 
+def test_cli_exports_a_hugging_face_gpt2_run(tmp_path):
+    """A `lowprec train` run of a local transformers GPT-2 (Conv1D projections), exported from its
+    checkpoint's float32 master weights: transformers loads it, with the run's tokenizer."""
+    import importlib.util
+
+    from lowprec.export.source import load_run
+    from lowprec.train.config import load_config
+    from lowprec.train.trainer import train
+
+    spec = importlib.util.spec_from_file_location("make_tiny_llama", os.path.join(ROOT, "examples", "make_tiny_llama.py"))
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    base = maker.main([str(tmp_path / "gpt2"), "--arch", "gpt2", "--hidden", "128", "--pretrain_steps", "0"])
+    run = tmp_path / "run"
+    train(load_config(TINY, {"base_model": base, "sequence_len": 32, "micro_batch_size": 2, "dataset_max_bytes": 50_000,
+                             "eval_batches": 1, "eval_steps": None, "warmup_steps": 0, "max_steps": 1, "save_steps": 1,
+                             "fp8_recipe": "blockwise", "saves_per_epoch": None, "evals_per_epoch": None,
+                             "warmup_ratio": None, "output_dir": str(run)}))
+    out = tmp_path / "fp8"
+    assert main(["export", str(run), "--format", "hf-fp8", "--out", str(out)]) == 0
+    assert os.path.isfile(out / "tokenizer.json")
+    model, _, _, notes = load_run(str(run))
+    assert "checkpoint-1" in notes[0]
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(4))
+    used = _forward_fp8_weights(model, ids)
+    assert used and all(isinstance(model.get_submodule(n), fp8.Float8Conv1D) for n in used)
+    loaded = _load(str(out), "hf-fp8")
+    with torch.no_grad():
+        got = loaded(ids).logits.float()
+    assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
+
+
 def _one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
