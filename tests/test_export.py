@@ -157,7 +157,8 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     fast = {"sequence_len": 32, "micro_batch_size": 2, "dataset_max_bytes": 100_000, "eval_batches": 1,
             "eval_steps": None, "warmup_steps": 0, "max_steps": 1, "save_steps": 1, "fp8_recipe": "blockwise",
-            "saves_per_epoch": None, "evals_per_epoch": None, "warmup_ratio": None, "output_dir": str(out)}
+            "saves_per_epoch": None, "evals_per_epoch": None, "warmup_ratio": None, "output_dir": str(out),
+            "export": ["hf-fp8"]}
     train(load_config(TINY, fast))
     return out
 
@@ -179,6 +180,21 @@ def test_cli_exports_a_builtin_run_that_transformers_loads(tiny_run, tmp_path, c
     with torch.no_grad():
         got = loaded(ids).logits.float()
     assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
+    # the trainer's export: key wrote the same bytes from the model in memory at the end of training
+    at_end = load_file(str(tiny_run / "hf-fp8" / "model.safetensors"))
+    assert at_end.keys() == stored.keys() and all(torch.equal(at_end[k].view(torch.uint8), stored[k].view(torch.uint8))
+                                                  for k in stored)
+
+
+@pytest.mark.parametrize("extra,needle", [({"fsdp_version": 2}, "under FSDP2 / DeepSpeed"),
+                                          ({"fp8_recipe": "nvfp4"}, "fp8_recipe nvfp4"),
+                                          ({"export": ["onnx"]}, "export")])
+def test_trainer_export_key_refuses_what_it_cannot_write(extra, needle):
+    from lowprec.train.config import load_config
+
+    with pytest.raises(ValueError, match=needle) as info:
+        load_config(TINY, {"export": ["hf-fp8"], **extra})
+    assert "\n" not in str(info.value).strip()
 
 
 def test_cli_exports_a_hugging_face_gpt2_run(tmp_path):

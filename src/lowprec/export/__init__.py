@@ -10,6 +10,6 @@ train`` output directory or one of its checkpoints (:func:`export_run`).
 
 from lowprec.export.casts import FORMATS
 from lowprec.export.model import ExportReport, export_model
-from lowprec.export.source import export_run
+from lowprec.export.source import export_after_training, export_run
 
-__all__ = ["FORMATS", "ExportReport", "export_model", "export_run"]
+__all__ = ["FORMATS", "ExportReport", "export_model", "export_run", "export_after_training"]

@@ -11,6 +11,7 @@ bf16 ``model.safetensors`` is used, and the report says so.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from typing import Any
@@ -26,7 +27,7 @@ from lowprec.fp8 import DEFAULT_SKIP_PATTERNS, Recipe, convert
 from lowprec.train.checkpoints import list_checkpoints
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["export_run", "load_run"]
+__all__ = ["export_run", "load_run", "export_after_training"]
 
 _NOT_A_RUN = ("is neither a `lowprec train` output_dir (it has resolved_config.yaml) nor one of its checkpoint-N "
               "directories (lowprec_state.json); give one of those")
@@ -138,8 +139,28 @@ def export_run(path: str, out_dir: str, format: str = "hf-fp8", *, requantize: b
         scheme_for(format, None if requantize else _recipe(yaml.safe_load(f)))  # a bad format before any loading
     model, _, _, notes = load_run(path)
     report = export_model(model, out_dir, format, requantize=requantize, notes=notes)
+    _copy_tokenizer(run, out_dir)
+    return report
+
+
+def _copy_tokenizer(run: str, out_dir: str) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
                  "special_tokens_map.json", "generation_config.json", "chat_template.jinja"):
         if os.path.isfile(os.path.join(run, name)):
             shutil.copy(os.path.join(run, name), os.path.join(out_dir, name))
-    return report
+
+
+def export_after_training(model: nn.Module, formats: list[str], output_dir: str) -> dict[str, str]:
+    """The trainer's ``export:`` key: each format to ``output_dir/<format>`` from the trained model
+    in memory (its float32 master weights: the FP8 casts of the last step). ``model`` is the
+    trainer's unwrapped model: the built-in model, or its wrapper of a transformers model."""
+    hf = getattr(model, "model", None)
+    target = hf if hasattr(getattr(hf, "config", None), "model_type") else model
+    files = {}
+    for fmt in formats:
+        out = os.path.join(output_dir, fmt)
+        report = export_model(target, out, fmt, notes=["source: the trained model at the end of training"])
+        _copy_tokenizer(output_dir, out)
+        logging.getLogger("lowprec").info("%s", report)
+        files[f"export_{fmt}"] = out
+    return files

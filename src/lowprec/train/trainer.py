@@ -515,6 +515,10 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
 
             files.update(export_pretrained(run.inner, sd, run.tokenizer, output_dir, cfg.merge_lora,
                                            cfg.trust_remote_code))
+        if cfg.export:  # the trainer's export: key (lowprec.export imports the trainer's model, so not at the top)
+            from lowprec.export import export_after_training
+
+            files.update(export_after_training(run.inner, cfg.export, output_dir))
         records = read_metrics(output_dir)
         files["loss_plot"] = plot_loss(records, os.path.join(output_dir, "loss.png"), f"{cfg.base_model} ({plan.label})")
         if run.fp8_layers:
