@@ -29,6 +29,13 @@ def _llama(tie: bool = True):
     return transformers.LlamaForCausalLM(cfg).float()
 
 
+def _qwen3():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+    return transformers.Qwen3ForCausalLM(cfg).float()
+
+
 def _gpt2():
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=64)
@@ -89,12 +96,13 @@ CASES = [  # model, recipe, format, the scale tensor's name and shape for the la
     ("llama", "rowwise", "compressed-tensors", "weight_scale"),
     ("llama", "tensorwise", "compressed-tensors", "weight_scale"),
     ("gpt2", "blockwise", "hf-fp8", "weight_scale_inv"),
+    ("qwen3", "blockwise", "hf-fp8", "weight_scale_inv"),
 ]
 
 
 @pytest.mark.parametrize("arch,recipe,fmt,scale_key", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
 def test_export_round_trip_is_the_training_forwards_fp8_weights(tmp_path, arch, recipe, fmt, scale_key):
-    model = _llama() if arch == "llama" else _gpt2()
+    model = {"llama": _llama, "gpt2": _gpt2, "qwen3": _qwen3}[arch]()
     fp8.convert(model, recipe)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
     used = _forward_fp8_weights(model, ids)
@@ -184,6 +192,22 @@ def test_cli_exports_a_builtin_run_that_transformers_loads(tiny_run, tmp_path, c
     at_end = load_file(str(tiny_run / "hf-fp8" / "model.safetensors"))
     assert at_end.keys() == stored.keys() and all(torch.equal(at_end[k].view(torch.uint8), stored[k].view(torch.uint8))
                                                   for k in stored)
+
+
+def test_requantize_exports_a_run_whose_recipe_no_format_holds(tiny_run, tmp_path, capsys):
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "mxfp8-run"
+    shutil.copytree(tiny_run, run)
+    cfg = yaml.safe_load(open(run / "resolved_config.yaml"))
+    cfg["fp8_recipe"] = {"name": "mxfp8"}
+    yaml.safe_dump(cfg, open(run / "resolved_config.yaml", "w"))
+    assert main(["export", str(run), "--format", "hf-fp8", "--out", str(tmp_path / "o"), "--requantize"]) == 0
+    assert "--requantize: mxfp8 weights quantized once" in capsys.readouterr().out
+    report = json.load(open(tmp_path / "o" / "lowprec_export.json"))
+    assert report["recipe"] == "mxfp8" and not report["trained_scales"] and report["quantized"]
 
 
 @pytest.mark.parametrize("extra,needle", [({"fsdp_version": 2}, "under FSDP2 / DeepSpeed"),
