@@ -140,6 +140,17 @@ def test_a_recipe_that_disagrees_with_the_format_is_quantized_once_and_says_so(t
     assert "quantized once" in open(tmp_path / "README.md").read()
 
 
+def test_blocks_that_do_not_tile_a_dim_are_noted(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=320, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg).float()
+    fp8.convert(model, "blockwise")
+    report = export_model(model, str(tmp_path), "hf-fp8")
+    assert any("not a multiple" in n for n in report.notes)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert stored["model.layers.0.mlp.up_proj.weight_scale_inv"].shape == (3, 1)  # ceil(320 / 128) x 1
+
+
 def test_untied_head_and_an_unconverted_model_follow_the_default_rules(tmp_path):
     model = _llama(tie=False)
     report = export_model(model, str(tmp_path), "hf-fp8")

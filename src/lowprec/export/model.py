@@ -72,11 +72,12 @@ def export_model(model: nn.Module, out_dir: str, format: str = "hf-fp8", *, requ
     else:
         write_compressed_tensors(model, plan, scheme, config, out_dir)
     gap = logit_gap(model, plan, probe_ids, config.get("vocab_size"))
+    notes = list(notes or []) + _ragged_note(plan)
     report = ExportReport(
         out_dir=os.path.abspath(out_dir), format=format, scheme=scheme.describe(),
         recipe=None if recipe is None else (recipe.name or recipe.scaling), how=plan.how,
         quantized=[q.name for q in plan.quantized], trained_scales=all(q.trained for q in plan.quantized),
-        kept=dict(plan.kept), logit_gap=gap, notes=list(notes or []),
+        kept=dict(plan.kept), logit_gap=gap, notes=notes,
     )
     with open(os.path.join(out_dir, "lowprec_export.json"), "w") as f:
         json.dump(report.to_dict(), f, indent=1)
@@ -84,3 +85,14 @@ def export_model(model: nn.Module, out_dir: str, format: str = "hf-fp8", *, requ
     return report
 
 
+
+
+def _ragged_note(plan) -> list[str]:
+    """Blocks that do not tile a dim: the partial last block has its own scale (GPU loaders read
+    the grid rounded up), but transformers' ``dequantize=True`` path divides the dim by the grid."""
+    ragged = [q.name for q in plan.quantized if q.cast.block is not None
+              and any(d > b and d % b for d, b in zip(q.cast.data.shape, q.cast.block))]
+    if not ragged:
+        return []
+    return [f"{len(ragged)} layer(s) ({ragged[0]}, ...) have a dim above the block size that is not a multiple of it: "
+            "each partial last block has its own scale; transformers' dequantize=True (CPU) path refuses such shapes"]
