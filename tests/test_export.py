@@ -83,6 +83,10 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
+def _same_bytes(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
 def _load(out, fmt):
     if fmt == "hf-fp8":
         qc = transformers.FineGrainedFP8Config(dequantize=True)
@@ -201,8 +205,7 @@ def test_cli_exports_a_builtin_run_that_transformers_loads(tiny_run, tmp_path, c
     assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
     # the trainer's export: key wrote the same bytes from the model in memory at the end of training
     at_end = load_file(str(tiny_run / "hf-fp8" / "model.safetensors"))
-    assert at_end.keys() == stored.keys() and all(torch.equal(at_end[k].view(torch.uint8), stored[k].view(torch.uint8))
-                                                  for k in stored)
+    assert _same_bytes(at_end, stored)
 
 
 def test_requantize_exports_a_run_whose_recipe_no_format_holds(tiny_run, tmp_path, capsys):
@@ -249,10 +252,12 @@ def test_cli_exports_a_hugging_face_gpt2_run(tmp_path):
     train(load_config(TINY, {"base_model": base, "sequence_len": 32, "micro_batch_size": 2, "dataset_max_bytes": 50_000,
                              "eval_batches": 1, "eval_steps": None, "warmup_steps": 0, "max_steps": 1, "save_steps": 1,
                              "fp8_recipe": "blockwise", "saves_per_epoch": None, "evals_per_epoch": None,
-                             "warmup_ratio": None, "output_dir": str(run)}))
+                             "warmup_ratio": None, "output_dir": str(run), "export": ["hf-fp8"]}))
     out = tmp_path / "fp8"
     assert main(["export", str(run), "--format", "hf-fp8", "--out", str(out)]) == 0
     assert os.path.isfile(out / "tokenizer.json")
+    stored, at_end = (load_file(str(d / "model.safetensors")) for d in (out, run / "hf-fp8"))  # the export: key's
+    assert _same_bytes(at_end, stored)
     model, _, _, notes = load_run(str(run))
     assert "checkpoint-1" in notes[0]
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(4))
