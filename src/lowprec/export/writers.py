@@ -47,7 +47,7 @@ def _save(tensors: dict[str, torch.Tensor], config: dict[str, Any], out: str) ->
 def write_hf_fp8(model: nn.Module, plan: LayerPlan, config: dict[str, Any], out: str) -> None:
     tensors = bf16_state(model)
     for layer in plan.quantized:
-        q, s = layer.cast.data, format_scale(layer.cast)
+        q, s = layer.cast.data.cpu(), format_scale(layer.cast).cpu()
         if layer.transposed:  # Conv1D stores (in, out): the same 128x128 tiles, transposed
             q, s = q.t(), s.t()
         tensors[f"{layer.name}.weight"] = q.contiguous()
@@ -100,8 +100,8 @@ def write_compressed_tensors(model: nn.Module, plan: LayerPlan, scheme: Scheme, 
     with torch.no_grad():
         for layer in plan.quantized:
             m = modules[layer.name]
-            scale = format_scale(layer.cast)
-            m.weight.data = layer.cast.dequantize(torch.float32).reshape(m.weight.shape)
+            scale = format_scale(layer.cast).cpu()
+            m.weight.data = layer.cast.dequantize(torch.float32).cpu().reshape(m.weight.shape)
             m.weight_scale.data = scale.reshape(m.weight_scale.shape).to(m.weight_scale.dtype)
     compressor = ModelCompressor.from_pretrained_model(plain, quantization_format="float-quantized")
     compressor.compress_model(plain)
