@@ -292,3 +292,69 @@ def test_bad_inputs_are_one_exit_2_line(tiny_run, tmp_path, capsys):
     assert main(["export", str(run), "--format", "compressed-tensors", "--out", str(tmp_path / "o")]) == 2
     line = _one_line(capsys)
     assert "--format compressed-tensors" in line and "--requantize" in line
+
+
+def test_an_hf_fp8_export_is_a_frozen_fp8_base_for_lora(tmp_path):
+    """load_fp8_base keeps the stored E4M3 bytes (1 byte per weight resident), runs the trained
+    model's FP8 forward and input gradient from the stored scales (bit for bit), and peft LoRA
+    trains on it without moving them."""
+    import peft
+
+    from lowprec.export import load_fp8_base
+
+    model = _llama()
+    fp8.convert(model, "blockwise")
+    report = export_model(model, str(tmp_path), "hf-fp8")
+    base = load_fp8_base(str(tmp_path))
+    layers = {n: m for n, m in base.named_modules() if isinstance(m, fp8.Float8BaseLinear)}
+    assert sorted(layers) == sorted(report.quantized)
+    params = sum(m.weight.numel() for m in layers.values())
+    resident = sum(m.weight.nbytes + m.weight_scale_bits.nbytes for m in layers.values())
+    assert all(m.weight.dtype == torch.uint8 for m in layers.values()) and resident / params <= 1.05
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.equal(m.weight, stored[f"{n}.weight"].view(torch.uint8)) for n, m in layers.items())
+    # the trained model's FP8 forward and input gradient (both cast x and dY to E4M3 in 1x128 tiles)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
+
+    def run(m):
+        m.train()
+        emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+        logits = m(inputs_embeds=emb).logits.float()
+        logits.square().mean().backward()
+        return logits.detach(), emb.grad
+
+    with torch.no_grad():  # the export stores what is not FP8 in bf16: the same rounding on the trained model
+        for m in model.modules():
+            if not isinstance(m, fp8.Float8Linear):
+                for p in m.parameters(recurse=False):
+                    p.copy_(p.bfloat16())
+    (want, want_grad), (got, got_grad) = run(model), run(base)
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)  # the same casts and GEMMs, bit for bit
+    assert any("FP8 base weights" in why for _, why in fp8.convert(base, "blockwise").skipped)  # left as stored
+    # LoRA on the FP8 base: adapters train, the stored bytes do not move
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    trainable = [p for p in lora.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    before = {n: m.weight.clone() for n, m in layers.items()}
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    losses = []
+    for _ in range(4):
+        loss = lora(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(m.weight, before[n]) for n, m in layers.items())
+
+
+def test_an_fp8_base_whose_quantization_config_we_cannot_read_is_one_line(tmp_path):
+    from lowprec.export import load_fp8_base
+
+    model = _llama()
+    fp8.convert(model, "rowwise")
+    export_model(model, str(tmp_path / "ct"), "compressed-tensors")
+    with pytest.raises(ValueError, match="quantization_config 'compressed-tensors'.*give an hf-fp8 directory"):
+        load_fp8_base(str(tmp_path / "ct"))
+    with pytest.raises(ValueError, match="no config.json"):
+        load_fp8_base(str(tmp_path))

@@ -9,7 +9,8 @@ train`` output directory or one of its checkpoints (:func:`export_run`).
 """
 
 from lowprec.export.casts import FORMATS
+from lowprec.export.fp8_base import load_fp8_base
 from lowprec.export.model import ExportReport, export_model
 from lowprec.export.source import export_after_training, export_run
 
-__all__ = ["FORMATS", "ExportReport", "export_model", "export_run", "export_after_training"]
+__all__ = ["FORMATS", "ExportReport", "export_model", "export_run", "export_after_training", "load_fp8_base"]
