@@ -249,10 +249,11 @@ def test_cli_exports_a_hugging_face_gpt2_run(tmp_path):
     spec.loader.exec_module(maker)
     base = maker.main([str(tmp_path / "gpt2"), "--arch", "gpt2", "--hidden", "128", "--pretrain_steps", "0"])
     run = tmp_path / "run"
-    train(load_config(TINY, {"base_model": base, "sequence_len": 32, "micro_batch_size": 2, "dataset_max_bytes": 50_000,
-                             "eval_batches": 1, "eval_steps": None, "warmup_steps": 0, "max_steps": 1, "save_steps": 1,
-                             "fp8_recipe": "blockwise", "saves_per_epoch": None, "evals_per_epoch": None,
-                             "warmup_ratio": None, "output_dir": str(run), "export": ["hf-fp8"]}))
+    common = {"sequence_len": 32, "micro_batch_size": 2, "dataset_max_bytes": 50_000, "eval_batches": 1,
+              "eval_steps": None, "warmup_steps": 0, "fp8_recipe": "blockwise", "saves_per_epoch": None,
+              "evals_per_epoch": None, "warmup_ratio": None}
+    train(load_config(TINY, {**common, "base_model": base, "max_steps": 1, "save_steps": 1, "output_dir": str(run),
+                             "export": ["hf-fp8"]}))
     out = tmp_path / "fp8"
     assert main(["export", str(run), "--format", "hf-fp8", "--out", str(out)]) == 0
     assert os.path.isfile(out / "tokenizer.json")
@@ -267,6 +268,13 @@ def test_cli_exports_a_hugging_face_gpt2_run(tmp_path):
     with torch.no_grad():
         got = loaded(ids).logits.float()
     assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
+    # the export as the trainer's base_model: LoRA on its frozen FP8 layers; anything else is one line
+    lora = {**common, "base_model": str(out), "adapter": "lora", "lora_target_linear": True, "max_steps": 2,
+            "save_steps": None, "output_dir": str(tmp_path / "lora")}
+    result = train(load_config(TINY, lora))
+    assert result.steps == 2 and os.path.isfile(tmp_path / "lora" / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="FP8 checkpoint whose FP8 layers load frozen.*set adapter: lora"):
+        train(load_config(TINY, {**lora, "adapter": None, "lora_target_linear": None}))
 
 
 def _one_line(capsys):

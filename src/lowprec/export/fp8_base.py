@@ -22,7 +22,7 @@ from torch import nn
 from lowprec.fp8.conv1d import is_conv1d
 from lowprec.fp8.fp8_base import Float8BaseLinear
 
-__all__ = ["load_fp8_base"]
+__all__ = ["load_fp8_base", "is_fp8_base", "check_trainer_fp8_base"]
 
 
 def _weight_files(path: str) -> list[str]:
@@ -45,6 +45,27 @@ def _check(path: str) -> int:
                          f"{block!r} is not one lowprec reads (quant_method: fp8 with square blocks, e.g. [128, 128]); "
                          "give an hf-fp8 directory (lowprec export --format hf-fp8) or a bf16 model")
     return int(block[0])
+
+
+def is_fp8_base(path: str) -> bool:
+    """The directory's config.json declares FP8 weights (``quantization_config.quant_method: fp8``)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return (json.load(f).get("quantization_config") or {}).get("quant_method") == "fp8"
+    except (OSError, ValueError):
+        return False
+
+
+def check_trainer_fp8_base(path: str, adapter: str | None, merge_lora: bool, sharded: bool) -> None:
+    """What the YAML trainer can do with an FP8 base: LoRA adapters on one process or DDP."""
+    head = f"base_model: {path} is an FP8 checkpoint whose FP8 layers load frozen, in FP8"
+    if adapter != "lora":
+        raise ValueError(f"{head}; train adapters on it: set adapter: lora (adapter: {adapter or 'none'} is not supported)")
+    if merge_lora:
+        raise ValueError(f"{head}; merging adapters into FP8 weights is not supported yet: drop merge_lora "
+                         "(the adapter is saved on its own)")
+    if sharded:
+        raise ValueError(f"{head}; FSDP2 / DeepSpeed / tensor parallel do not shard it yet: run on one process or DDP")
 
 
 def load_fp8_base(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
