@@ -26,6 +26,7 @@ from lowprec.fp8.formats import E4M3, E5M2, Format, fp8_max
 from lowprec.fp8.gemm import native_scaled_mm_available, scaled_mm
 from lowprec.fp8.linear import Float8Linear, delayed_scale_step
 from lowprec.fp8.conv1d import Float8Conv1D
+from lowprec.fp8.fp8_base import Float8BaseLinear
 from lowprec.fp8.quantize import Float8Data, dequantize, quantize, saturated_cast
 from lowprec.fp8.recipes import RECIPE_NAMES, Recipe
 from lowprec.fp8.scaling import amax_to_scale
@@ -49,6 +50,7 @@ __all__ = [
     "native_scaled_mm_available",
     "Float8Linear",
     "Float8Conv1D",
+    "Float8BaseLinear",
     "delayed_scale_step",
     "convert",
     "unconvert",

@@ -47,6 +47,7 @@ from torch import nn
 from lowprec.fp8 import activations, block_gemm_triton
 from lowprec.fp8.conv1d import Float8Conv1D, gemm_dims, is_conv1d
 from lowprec.fp8.cpu_gemm import cpu_gemm_choice
+from lowprec.fp8.fp8_base import Float8BaseLinear
 from lowprec.fp8.gemm import native_scaled_mm_available
 from lowprec.fp8.linear import Float8Linear, STATE_BUFFERS
 from lowprec.fp8.mx_gemm import native_block_scaled_available
@@ -268,6 +269,8 @@ def convert(
             reason = f"{type(module).__name__} is a Linear subclass with its own forward"
             if type(module).__name__ == "Linear4bit":  # bitsandbytes' NF4 weights under adapter: qlora
                 reason = "4-bit base weights: QLoRA; bitsandbytes runs their GEMMs"
+            elif isinstance(module, Float8BaseLinear):
+                reason = "FP8 base weights (stored E4M3, frozen): already FP8 GEMMs"
             report.skipped.append((fqn, reason))
             _count_kept(report, module, reason)
             continue

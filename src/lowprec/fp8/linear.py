@@ -445,6 +445,20 @@ class Float8Linear(nn.Linear):
             out = out + self.bias.to(out.dtype)
         return out
 
+    def forward_weight_cast(self) -> Float8Data:
+        """The FP8 weight, (out, in), that this layer's forward GEMM reads under its own recipe:
+        cast now from the current weight by the function the forward calls, so its values and
+        scales are the forward's (what ``lowprec.export`` writes as trained scales). Per-tensor,
+        rowwise and blockwise recipes only: delayed scaling takes its weight scale from an amax
+        history, MXFP8 / NVFP4 have their own casts (``ValueError``)."""
+        recipe = self.recipe
+        fp = recipe.plan().fprop if recipe.scaling not in BLOCK_SCALED else None
+        if recipe.scaling == "delayed" or fp is None or fp.high_precision:
+            raise ValueError(f"recipe {recipe.name or recipe.scaling!r}: its forward weight cast is not a "
+                             "function of the weight alone; quantize the weight with a format's rule instead")
+        with torch.no_grad():
+            return _cast(self.gemm_weight(), fp.b, 1, recipe)
+
     # ------------------------------------------------------------------ checkpoints
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)

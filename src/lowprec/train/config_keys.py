@@ -60,6 +60,7 @@ KEYS = (
     ('early_stopping_patience', 'end training after this many evaluations in a row without a lower validation loss', 'null'),
     ('strict', 'true: a --key flag may only change a key the YAML file sets', 'false'),
     ('max_consecutive_skipped_steps', 'stop (exit code 3) after this many skipped steps in a row (null: never)', '3'),
+    ('export', 'FP8 formats written at the end of training to output_dir/<format> (hf-fp8, compressed-tensors), as `lowprec export` does', '[]'),
     ('fp16', 'fp16 autocast with a gradient scaler', 'null'),
     ('bf16', 'auto (bf16 autocast where the device supports it), true (fp32 weights, bf16 autocast), full (pure bf16 weights, no autocast), false', 'auto'),
     ('fp8', "FP8 GEMMs in the Linear layers (lowprec's engine)", 'null'),

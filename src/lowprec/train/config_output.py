@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from lowprec.train.config_base import StrictModel
 
@@ -61,6 +61,27 @@ class OutputKeys(StrictModel):
     max_consecutive_skipped_steps: Optional[int] = Field(
         default=3, ge=1, description="stop (exit code 3) after this many skipped steps in a row (null: never)"
     )
+
+    export: list[Literal["hf-fp8", "compressed-tensors"]] = Field(
+        default_factory=list, description="FP8 formats written at the end of training to output_dir/<format> "
+        "(hf-fp8, compressed-tensors), as `lowprec export` does"
+    )
+
+    @model_validator(mode="after")
+    def _export(self) -> "OutputKeys":
+        # other topics' keys, read where TrainConfig combines them; absent on OutputKeys alone
+        sharded = getattr(self, "fsdp_version", None) is not None or getattr(self, "deepspeed", None) is not None
+        if self.export and sharded:
+            raise ValueError("export: needs the whole model in one process; under FSDP2 / DeepSpeed drop export and "
+                             "run `lowprec export OUTPUT_DIR --format F --out DIR` after training")
+        if self.export and getattr(self, "adapter", None):
+            raise ValueError("export: writes full FP8 models; with adapter: lora drop export (export the merged "
+                             "model in Python with lowprec.export.export_model)")
+        recipe = getattr(getattr(self, "fp8_recipe", None), "name", None)
+        if self.export and getattr(self, "fp8", None) and recipe in ("mxfp8", "nvfp4"):
+            raise ValueError(f"export: fp8_recipe {recipe} trains microscaled weights that no FP8 export format "
+                             "holds; drop export (or run `lowprec export ... --requantize` after training)")
+        return self
 
     @field_validator("output_dir")
     @classmethod

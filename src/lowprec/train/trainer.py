@@ -112,8 +112,16 @@ def _build_model(cfg: TrainConfig, vocab_size: int, new_tokens: Optional[dict] =
         return LlamaForCausalLM(mc), mc.to_dict()
     from lowprec.train.hf_model import load_causal_lm, locate_pretrained
 
-    model = load_causal_lm(locate_pretrained(cfg.base_model), cfg.model_type, cfg.trust_remote_code,
-                           bool(cfg.load_in_4bit))
+    path = locate_pretrained(cfg.base_model)
+    # an hf-fp8 directory: its FP8 layers load frozen, in FP8, for LoRA (lowprec.export imports train: not at the top)
+    from lowprec.export.fp8_base import check_trainer_fp8_base, is_fp8_base, load_fp8_base
+
+    if is_fp8_base(path):
+        sharded = cfg.fsdp_version is not None or cfg.deepspeed is not None or cfg.tensor_parallel_size > 1
+        check_trainer_fp8_base(path, cfg.adapter, cfg.merge_lora, sharded)
+        model = load_fp8_base(path)
+    else:
+        model = load_causal_lm(path, cfg.model_type, cfg.trust_remote_code, bool(cfg.load_in_4bit))
     if vocab_size > model.get_input_embeddings().num_embeddings:
         logger.info("lowprec: resizing the token embeddings from %d to %d (the tokenizer's size, padded to 16)",
                     model.get_input_embeddings().num_embeddings, vocab_size)
@@ -524,6 +532,10 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
 
             files.update(export_pretrained(run.inner, sd, run.tokenizer, output_dir, cfg.merge_lora,
                                            cfg.trust_remote_code))
+        if cfg.export:  # the trainer's export: key (lowprec.export imports the trainer's model, so not at the top)
+            from lowprec.export import export_after_training
+
+            files.update(export_after_training(run.inner, cfg.export, output_dir))
         records = read_metrics(output_dir)
         files["loss_plot"] = plot_loss(records, os.path.join(output_dir, "loss.png"), f"{cfg.base_model} ({plan.label})")
         if run.fp8_layers:

@@ -1,0 +1,98 @@
+"""``export_model``: a (converted) model to an FP8 directory that inference engines load."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowprec.export.card import logit_gap, write_card
+from lowprec.export.casts import FORMATS, scheme_for
+from lowprec.export.hf_config import hf_config_of
+from lowprec.export.layers import model_recipe, plan_layers
+from lowprec.export.writers import write_compressed_tensors, write_hf_fp8
+
+__all__ = ["ExportReport", "export_model"]
+
+
+@dataclass
+class ExportReport:
+    """What an export wrote: format, scheme, how the weights were quantized and why, which layers
+    stayed bf16 and why, and the measured relative logit gap to the bf16 export."""
+
+    out_dir: str
+    format: str
+    scheme: str
+    recipe: str | None
+    how: str
+    quantized: list[str]
+    trained_scales: bool
+    kept: dict[str, str]
+    logit_gap: float | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        gap = "not measured" if self.logit_gap is None else f"{self.logit_gap:.2e}"
+        return (f"lowprec export: {self.format} ({self.scheme}) in {self.out_dir}: {len(self.quantized)} layer(s) FP8, "
+                f"{len(self.kept)} kept bf16; {self.how}; logit gap to the bf16 export {gap} (relative)")
+
+
+def export_model(model: nn.Module, out_dir: str, format: str = "hf-fp8", *, requantize: bool = False,
+                 config: dict[str, Any] | None = None, probe_ids: torch.Tensor | None = None,
+                 notes: list[str] | None = None) -> ExportReport:
+    """Write ``model`` to ``out_dir`` as ``format`` (``hf-fp8`` or ``compressed-tensors``).
+
+    A model converted with ``lowprec.fp8.convert`` exports its FP8 layers with the trained
+    scales where its recipe casts the weight as the format stores it (blockwise 128 -> hf-fp8;
+    tensorwise -> per tensor, rowwise -> per channel, blockwise -> block in compressed-tensors),
+    otherwise quantized once with the format's rule; its high-precision layers stay bf16 and are
+    in the config's ignore list. An unconverted model quantizes the layers ``fp8.convert``'s
+    default rules would convert. ``config``: the Hugging Face config dict (default: the model's
+    own, or the built-in model's as a transformers Llama). ``probe_ids``: token ids for the
+    measured logit gap (default: 64 ids drawn with seed 0)."""
+    if format not in FORMATS:
+        raise ValueError(f"format={format!r} is not an export format; choose one of {', '.join(FORMATS)}")
+    recipe = model_recipe(model)
+    scheme = scheme_for(format, None if requantize else recipe)
+    config = dict(config) if config is not None else hf_config_of(model)
+    plan = plan_layers(model, scheme, recipe, requantize)
+    if not plan.quantized:
+        raise ValueError("the model has no Linear layer to quantize (every one is kept in high precision); "
+                         "nothing to export in FP8")
+    os.makedirs(out_dir, exist_ok=True)
+    if format == "hf-fp8":
+        write_hf_fp8(model, plan, config, out_dir)
+    else:
+        write_compressed_tensors(model, plan, scheme, config, out_dir)
+    gap = logit_gap(model, plan, probe_ids, config.get("vocab_size"))
+    notes = list(notes or []) + _ragged_note(plan)
+    report = ExportReport(
+        out_dir=os.path.abspath(out_dir), format=format, scheme=scheme.describe(),
+        recipe=None if recipe is None else (recipe.name or recipe.scaling), how=plan.how,
+        quantized=[q.name for q in plan.quantized], trained_scales=all(q.trained for q in plan.quantized),
+        kept=dict(plan.kept), logit_gap=gap, notes=notes,
+    )
+    with open(os.path.join(out_dir, "lowprec_export.json"), "w") as f:
+        json.dump(report.to_dict(), f, indent=1)
+    write_card(report, out_dir)
+    return report
+
+
+
+
+def _ragged_note(plan) -> list[str]:
+    """Blocks that do not tile a dim: the partial last block has its own scale (GPU loaders read
+    the grid rounded up), but transformers' ``dequantize=True`` path divides the dim by the grid."""
+    ragged = [q.name for q in plan.quantized if q.cast.block is not None
+              and any(d > b and d % b for d, b in zip(q.cast.data.shape, q.cast.block))]
+    if not ragged:
+        return []
+    return [f"{len(ragged)} layer(s) ({ragged[0]}, ...) have a dim above the block size that is not a multiple of it: "
+            "each partial last block has its own scale; transformers' dequantize=True (CPU) path refuses such shapes"]

@@ -1,0 +1,166 @@
+"""``export_run``: a ``lowprec train`` output directory, or one of its checkpoints, to an FP8 export.
+
+The model is rebuilt as the trainer built it (the run's ``resolved_config.yaml``: base model,
+recipe, ``fp8_filter``) and converted with the same rules, so the same layers are FP8. Its
+weights are the float32 master weights of the checkpoint (a ``checkpoint-N`` directory given,
+or a run's newest checkpoint when it is from the run's last step), so the trained FP8 casts are
+recomputed from exactly the weights the last forward read. Without such a checkpoint the run's
+bf16 ``model.safetensors`` is used, and the report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Any
+
+import torch
+import yaml
+from safetensors.torch import load_file
+from torch import nn
+
+from lowprec.export.casts import scheme_for
+from lowprec.export.model import ExportReport, export_model
+from lowprec.fp8 import DEFAULT_SKIP_PATTERNS, Recipe, convert
+from lowprec.train.checkpoints import list_checkpoints
+from lowprec.train.model import LlamaConfig, LlamaForCausalLM
+
+__all__ = ["export_run", "load_run", "export_after_training"]
+
+_NOT_A_RUN = ("is neither a `lowprec train` output_dir (it has resolved_config.yaml) nor one of its checkpoint-N "
+              "directories (lowprec_state.json); give one of those")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _locate(path: str) -> tuple[str, str | None]:
+    """(run directory, checkpoint directory or None)."""
+    if not os.path.isdir(path):
+        raise ValueError(f"RUN_OR_CHECKPOINT: {path} is not a directory; give a `lowprec train` output_dir or one of "
+                         "its checkpoint-N directories")
+    path = os.path.abspath(path)
+    if os.path.isfile(os.path.join(path, "lowprec_state.json")):
+        run = os.path.dirname(path)
+        if not os.path.isfile(os.path.join(run, "resolved_config.yaml")):
+            raise ValueError(f"RUN_OR_CHECKPOINT: checkpoint {path} is not inside its run's output_dir "
+                             "(no resolved_config.yaml beside it); export from the run directory it came from")
+        return run, path
+    if not os.path.isfile(os.path.join(path, "resolved_config.yaml")):
+        raise ValueError(f"RUN_OR_CHECKPOINT: {path} {_NOT_A_RUN}")
+    found = list_checkpoints(path)
+    summary = os.path.join(path, "summary.json")
+    last_step = _read_json(summary).get("steps") if os.path.isfile(summary) else None
+    if found and (last_step is None or found[-1][0] == last_step):
+        return path, found[-1][1]
+    return path, None
+
+
+def _recipe(cfg: dict[str, Any]) -> Recipe | None:
+    if not cfg.get("fp8") or cfg.get("fp8_backend", "native") != "native":
+        return None
+    spec = cfg.get("fp8_recipe") or "tensorwise"
+    if isinstance(spec, str):
+        return Recipe.from_name(spec)
+    spec = dict(spec)
+    return Recipe.from_name(spec.pop("name"), **spec)
+
+
+def _checkpoint_weights(ckpt: str) -> dict[str, torch.Tensor]:
+    state = _read_json(os.path.join(ckpt, "lowprec_state.json"))
+    if state.get("sharded"):
+        raise ValueError(f"RUN_OR_CHECKPOINT: {ckpt} is a sharded (FSDP) checkpoint; export the run directory "
+                         "after training ends (its model.safetensors), or a checkpoint of a single-process run")
+    path = os.path.join(ckpt, "model_0.safetensors")
+    if not os.path.isfile(path):
+        raise ValueError(f"RUN_OR_CHECKPOINT: {ckpt} has no model_0.safetensors; it is damaged or not a checkpoint")
+    return load_file(path)
+
+
+def load_run(path: str) -> tuple[nn.Module, nn.Module, dict[str, Any], list[str]]:
+    """(the converted model to export, the module the trainer converted, the run's config, notes)."""
+    run, ckpt = _locate(path)
+    with open(os.path.join(run, "resolved_config.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    if cfg.get("adapter"):
+        raise ValueError(f"RUN_OR_CHECKPOINT: {run} trained a {cfg['adapter']} adapter; export its merged model "
+                         "instead: a run with merge_lora: true writes it to merged/, then convert that directory "
+                         "with lowprec.export.export_model in Python")
+    notes: list[str] = []
+    builtin = str(cfg.get("base_model", "")).startswith("builtin:")
+    if builtin:
+        if not os.path.isfile(os.path.join(run, "config.json")):
+            raise ValueError(f"RUN_OR_CHECKPOINT: {run} has no config.json (the run did not finish); export one of "
+                             "its checkpoint-N directories")
+        model = LlamaForCausalLM(LlamaConfig(**_read_json(os.path.join(run, "config.json"))))
+        target, prefix = model, ""
+    else:
+        # transformers, optional: only a Hugging Face run needs it
+        from lowprec.train.hf_model import load_causal_lm, missing_model_files
+
+        if missing_model_files(run):
+            raise ValueError(f"RUN_OR_CHECKPOINT: {run} holds no saved model ({', '.join(missing_model_files(run))}); "
+                             "export a run that finished")
+        model = load_causal_lm(run, cfg.get("model_type"), bool(cfg.get("trust_remote_code")))
+        target, prefix = nn.ModuleDict({"model": model}), "model."  # the trainer's names: its wrapper's .model
+    if ckpt is not None:
+        sd = _checkpoint_weights(ckpt)
+        sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+        result = model.load_state_dict(sd, strict=False)
+        tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+        missing = [k for k in result.missing_keys if k not in tied]
+        if missing:
+            raise ValueError(f"RUN_OR_CHECKPOINT: {ckpt} does not hold this run's model (missing {missing[0]}); "
+                             "it is from another run")
+        notes.append(f"source: the float32 master weights of {os.path.basename(ckpt)}")
+    elif builtin:
+        model.load_state_dict(load_file(os.path.join(run, "model.safetensors")))
+        notes.append("source: the run's bf16 model.safetensors (no checkpoint from its last step), so FP8 casts "
+                     "are of the bf16-rounded weights")
+    else:
+        notes.append("source: the run's bf16 save_pretrained model (no checkpoint from its last step), so FP8 "
+                     "casts are of the bf16-rounded weights")
+    model.float().eval()
+    recipe = _recipe(cfg)
+    if recipe is not None:
+        skip = tuple(DEFAULT_SKIP_PATTERNS) + tuple(cfg.get("fp8_filter") or ())
+        convert(target, recipe, skip_patterns=skip)
+    return model, target, cfg, notes
+
+
+def export_run(path: str, out_dir: str, format: str = "hf-fp8", *, requantize: bool = False) -> ExportReport:
+    """Export a ``lowprec train`` output directory or checkpoint (see the module docstring)."""
+    run, _ = _locate(path)
+    with open(os.path.join(run, "resolved_config.yaml")) as f:
+        scheme_for(format, None if requantize else _recipe(yaml.safe_load(f)))  # a bad format before any loading
+    model, _, _, notes = load_run(path)
+    report = export_model(model, out_dir, format, requantize=requantize, notes=notes)
+    _copy_tokenizer(run, out_dir)
+    return report
+
+
+def _copy_tokenizer(run: str, out_dir: str) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                 "special_tokens_map.json", "generation_config.json", "chat_template.jinja"):
+        if os.path.isfile(os.path.join(run, name)):
+            shutil.copy(os.path.join(run, name), os.path.join(out_dir, name))
+
+
+def export_after_training(model: nn.Module, formats: list[str], output_dir: str) -> dict[str, str]:
+    """The trainer's ``export:`` key: each format to ``output_dir/<format>`` from the trained model
+    in memory (its float32 master weights: the FP8 casts of the last step). ``model`` is the
+    trainer's unwrapped model: the built-in model, or its wrapper of a transformers model."""
+    hf = getattr(model, "model", None)
+    target = hf if hasattr(getattr(hf, "config", None), "model_type") else model
+    files = {}
+    for fmt in formats:
+        out = os.path.join(output_dir, fmt)
+        report = export_model(target, out, fmt, notes=["source: the trained model at the end of training"])
+        _copy_tokenizer(output_dir, out)
+        logging.getLogger("lowprec").info("%s", report)
+        files[f"export_{fmt}"] = out
+    return files

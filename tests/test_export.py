@@ -1,0 +1,368 @@
+"""lowprec.export / `lowprec export`: FP8 exports that transformers loads (hf-fp8 through its
+fine-grained FP8 integration, compressed-tensors through that package), bit-identical to the FP8
+weights the training forward's GEMM read where recipe and format agree, and one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import lowprec.fp8 as fp8
+from lowprec.cli.main import main
+from lowprec.export import export_model
+
+import transformers  # noqa: E402  (the dev extra)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "examples", "tiny.yaml")
+
+
+def _llama(tie: bool = True):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    return transformers.LlamaForCausalLM(cfg).float()
+
+
+def _qwen3():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+    return transformers.Qwen3ForCausalLM(cfg).float()
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=256, n_embd=128, n_layer=2, n_head=4, n_positions=64)
+    return transformers.GPT2LMHeadModel(cfg).float()
+
+
+def _forward_fp8_weights(model, ids):
+    """The converted model's one FP8 training forward on ``ids``, recording the FP8 weight every
+    Float8Linear's forward GEMM read (``scaled_mm``'s second operand), by layer name."""
+    import lowprec.fp8.linear as linear
+
+    seen, current, real = {}, [None], linear.scaled_mm
+
+    def spy(a, b, *args, **kwargs):
+        seen[current[0]] = b.t()  # the GEMM reads W^T; back to (out, in)
+        return real(a, b, *args, **kwargs)
+
+    hooks = [m.register_forward_pre_hook(lambda mod, inp, n=n: current.__setitem__(0, n))
+             for n, m in model.named_modules() if isinstance(m, fp8.Float8Linear)]
+    linear.scaled_mm = spy
+    try:
+        model.train()
+        with torch.no_grad():
+            model(ids)
+    finally:
+        linear.scaled_mm = real
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _hp_logits_with(model, weights, ids):
+    """Logits of ``model`` in high precision with the given FP8 weights dequantized in place of
+    its own: the trained model's FP8 weights, as transformers computes with them on CPU."""
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    for name, q in weights.items():
+        w = q.dequantize(torch.float32)
+        params[f"{name}.weight"] = w.t() if isinstance(model.get_submodule(name), fp8.Float8Conv1D) else w
+    model.eval()
+    with torch.no_grad(), fp8.autocast(enabled=False):
+        return torch.func.functional_call(model, params, (ids,)).logits.float()
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def _same_bytes(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+def _load(out, fmt):
+    if fmt == "hf-fp8":
+        qc = transformers.FineGrainedFP8Config(dequantize=True)
+    else:
+        qc = transformers.CompressedTensorsConfig(run_compressed=False)
+    return transformers.AutoModelForCausalLM.from_pretrained(out, quantization_config=qc, dtype=torch.float32)
+
+
+CASES = [  # model, recipe, format, the scale tensor's name and shape for the layers' first FP8 layer
+    ("llama", "blockwise", "hf-fp8", "weight_scale_inv"),
+    ("llama", "rowwise", "compressed-tensors", "weight_scale"),
+    ("llama", "tensorwise", "compressed-tensors", "weight_scale"),
+    ("gpt2", "blockwise", "hf-fp8", "weight_scale_inv"),
+    ("qwen3", "blockwise", "hf-fp8", "weight_scale_inv"),
+]
+
+
+@pytest.mark.parametrize("arch,recipe,fmt,scale_key", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+def test_export_round_trip_is_the_training_forwards_fp8_weights(tmp_path, arch, recipe, fmt, scale_key):
+    model = {"llama": _llama, "gpt2": _gpt2, "qwen3": _qwen3}[arch]()
+    fp8.convert(model, recipe)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    used = _forward_fp8_weights(model, ids)
+    report = export_model(model, str(tmp_path), fmt)
+    assert report.trained_scales and "trained scales" in report.how
+    assert sorted(report.quantized) == sorted(used)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    for name, q in used.items():  # bit-identical bytes, in the layer's storage layout
+        data = q.data.t() if isinstance(model.get_submodule(name), fp8.Float8Conv1D) else q.data
+        w = stored[f"{name}.weight"]
+        assert w.dtype == torch.float8_e4m3fn
+        assert torch.equal(w.view(torch.uint8), data.contiguous().view(torch.uint8)), name
+        assert f"{name}.{scale_key}" in stored
+    # the layers that trained in high precision stay bf16 and are in the ignore list
+    cfg = json.load(open(tmp_path / "config.json"))["quantization_config"]
+    kept = cfg.get("modules_to_not_convert", cfg.get("ignore"))
+    assert sorted(kept) == sorted(report.kept) and "lm_head" in " ".join(kept)
+    for name in report.kept:
+        key = f"{name}.weight"
+        assert key not in stored or stored[key].dtype == torch.bfloat16
+    # transformers loads it; its logits are the trained model's with the FP8 weights it trained with
+    loaded = _load(str(tmp_path), fmt)
+    with torch.no_grad():
+        got = loaded(ids).logits.float()
+    assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
+    assert 0 < report.logit_gap < 0.2
+    assert f"{report.logit_gap:.3e}" in open(tmp_path / "README.md").read()
+
+
+def test_a_recipe_that_disagrees_with_the_format_is_quantized_once_and_says_so(tmp_path):
+    model = _llama()
+    fp8.convert(model, "rowwise")
+    report = export_model(model, str(tmp_path), "hf-fp8")
+    assert not report.trained_scales and "quantized once" in report.how
+    assert "quantized once" in open(tmp_path / "README.md").read()
+
+
+def test_blocks_that_do_not_tile_a_dim_are_noted(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=320, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg).float()
+    fp8.convert(model, "blockwise")
+    report = export_model(model, str(tmp_path), "hf-fp8")
+    assert any("not a multiple" in n for n in report.notes)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert stored["model.layers.0.mlp.up_proj.weight_scale_inv"].shape == (3, 1)  # ceil(320 / 128) x 1
+
+
+def test_untied_head_and_an_unconverted_model_follow_the_default_rules(tmp_path):
+    model = _llama(tie=False)
+    report = export_model(model, str(tmp_path), "hf-fp8")
+    assert report.recipe is None and "lm_head" in report.kept and "not trained in FP8" in report.how
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert stored["lm_head.weight"].dtype == torch.bfloat16
+
+
+def test_compressed_tensors_missing_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)
+    model = _llama()
+    fp8.convert(model, "rowwise")
+    with pytest.raises(ValueError, match=r"pip install 'lowprec\[export\]'"):
+        export_model(model, str(tmp_path), "compressed-tensors")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 1-step blockwise `lowprec train` run of the built-in llama-tiny, with a checkpoint."""
+    from lowprec.train.config import load_config
+    from lowprec.train.trainer import train
+
+    out = tmp_path_factory.mktemp("run")
+    fast = {"sequence_len": 32, "micro_batch_size": 2, "dataset_max_bytes": 100_000, "eval_batches": 1,
+            "eval_steps": None, "warmup_steps": 0, "max_steps": 1, "save_steps": 1, "fp8_recipe": "blockwise",
+            "saves_per_epoch": None, "evals_per_epoch": None, "warmup_ratio": None, "output_dir": str(out),
+            "export": ["hf-fp8"]}
+    train(load_config(TINY, fast))
+    return out
+
+
+def test_cli_exports_a_builtin_run_that_transformers_loads(tiny_run, tmp_path, capsys):
+    from lowprec.export.source import load_run
+
+    out = tmp_path / "fp8"
+    assert main(["export", str(tiny_run), "--format", "hf-fp8", "--out", str(out)]) == 0
+    assert "trained scales" in capsys.readouterr().out
+    model, _, _, notes = load_run(str(tiny_run))
+    assert "checkpoint-1" in notes[0]
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    used = _forward_fp8_weights(model, ids)
+    stored = load_file(str(out / "model.safetensors"))
+    for name, q in used.items():
+        assert torch.equal(stored[f"{name}.weight"].view(torch.uint8), q.data.view(torch.uint8)), name
+    loaded = _load(str(out), "hf-fp8")
+    with torch.no_grad():
+        got = loaded(ids).logits.float()
+    assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
+    # the trainer's export: key wrote the same bytes from the model in memory at the end of training
+    at_end = load_file(str(tiny_run / "hf-fp8" / "model.safetensors"))
+    assert _same_bytes(at_end, stored)
+
+
+def test_requantize_exports_a_run_whose_recipe_no_format_holds(tiny_run, tmp_path, capsys):
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "mxfp8-run"
+    shutil.copytree(tiny_run, run)
+    cfg = yaml.safe_load(open(run / "resolved_config.yaml"))
+    cfg["fp8_recipe"] = {"name": "mxfp8"}
+    yaml.safe_dump(cfg, open(run / "resolved_config.yaml", "w"))
+    assert main(["export", str(run), "--format", "hf-fp8", "--out", str(tmp_path / "o"), "--requantize"]) == 0
+    assert "--requantize: mxfp8 weights quantized once" in capsys.readouterr().out
+    report = json.load(open(tmp_path / "o" / "lowprec_export.json"))
+    assert report["recipe"] == "mxfp8" and not report["trained_scales"] and report["quantized"]
+
+
+@pytest.mark.parametrize("extra,needle", [({"fsdp_version": 2}, "under FSDP2 / DeepSpeed"),
+                                          ({"fp8_recipe": "nvfp4"}, "fp8_recipe nvfp4"),
+                                          ({"export": ["onnx"]}, "export")])
+def test_trainer_export_key_refuses_what_it_cannot_write(extra, needle):
+    from lowprec.train.config import load_config
+
+    with pytest.raises(ValueError, match=needle) as info:
+        load_config(TINY, {"export": ["hf-fp8"], **extra})
+    assert "\n" not in str(info.value).strip()
+
+
+def test_cli_exports_a_hugging_face_gpt2_run(tmp_path):
+    """A `lowprec train` run of a local transformers GPT-2 (Conv1D projections), exported from its
+    checkpoint's float32 master weights: transformers loads it, with the run's tokenizer."""
+    import importlib.util
+
+    from lowprec.export.source import load_run
+    from lowprec.train.config import load_config
+    from lowprec.train.trainer import train
+
+    spec = importlib.util.spec_from_file_location("make_tiny_llama", os.path.join(ROOT, "examples", "make_tiny_llama.py"))
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    base = maker.main([str(tmp_path / "gpt2"), "--arch", "gpt2", "--hidden", "128", "--pretrain_steps", "0"])
+    run = tmp_path / "run"
+    common = {"sequence_len": 32, "micro_batch_size": 2, "dataset_max_bytes": 50_000, "eval_batches": 1,
+              "eval_steps": None, "warmup_steps": 0, "fp8_recipe": "blockwise", "saves_per_epoch": None,
+              "evals_per_epoch": None, "warmup_ratio": None}
+    train(load_config(TINY, {**common, "base_model": base, "max_steps": 1, "save_steps": 1, "output_dir": str(run),
+                             "export": ["hf-fp8"]}))
+    out = tmp_path / "fp8"
+    assert main(["export", str(run), "--format", "hf-fp8", "--out", str(out)]) == 0
+    assert os.path.isfile(out / "tokenizer.json")
+    stored, at_end = (load_file(str(d / "model.safetensors")) for d in (out, run / "hf-fp8"))  # the export: key's
+    assert _same_bytes(at_end, stored)
+    model, _, _, notes = load_run(str(run))
+    assert "checkpoint-1" in notes[0]
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(4))
+    used = _forward_fp8_weights(model, ids)
+    assert used and all(isinstance(model.get_submodule(n), fp8.Float8Conv1D) for n in used)
+    loaded = _load(str(out), "hf-fp8")
+    with torch.no_grad():
+        got = loaded(ids).logits.float()
+    assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
+    # the export as the trainer's base_model: LoRA on its frozen FP8 layers; anything else is one line
+    lora = {**common, "base_model": str(out), "adapter": "lora", "lora_target_linear": True, "max_steps": 2,
+            "save_steps": None, "output_dir": str(tmp_path / "lora")}
+    result = train(load_config(TINY, lora))
+    assert result.steps == 2 and os.path.isfile(tmp_path / "lora" / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="FP8 checkpoint whose FP8 layers load frozen.*set adapter: lora"):
+        train(load_config(TINY, {**lora, "adapter": None, "lora_target_linear": None}))
+
+
+def _one_line(capsys):
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_bad_inputs_are_one_exit_2_line(tiny_run, tmp_path, capsys):
+    assert main(["export", str(tmp_path), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
+    assert "is neither a `lowprec train` output_dir" in _one_line(capsys)
+    assert main(["export", str(tmp_path / "nope"), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
+    assert "is not a directory" in _one_line(capsys)
+    # a run trained with NVFP4: its microscaled weights are no FP8 layout's
+    import shutil
+    import yaml
+
+    run = tmp_path / "nvfp4-run"
+    shutil.copytree(tiny_run, run)
+    cfg = yaml.safe_load(open(run / "resolved_config.yaml"))
+    cfg["fp8_recipe"] = {"name": "nvfp4"}
+    yaml.safe_dump(cfg, open(run / "resolved_config.yaml", "w"))
+    assert main(["export", str(run), "--format", "compressed-tensors", "--out", str(tmp_path / "o")]) == 2
+    line = _one_line(capsys)
+    assert "--format compressed-tensors" in line and "--requantize" in line
+
+
+def test_an_hf_fp8_export_is_a_frozen_fp8_base_for_lora(tmp_path):
+    """load_fp8_base keeps the stored E4M3 bytes (1 byte per weight resident), runs the trained
+    model's FP8 forward and input gradient from the stored scales (bit for bit), and peft LoRA
+    trains on it without moving them."""
+    import peft
+
+    from lowprec.export import load_fp8_base
+
+    model = _llama()
+    fp8.convert(model, "blockwise")
+    report = export_model(model, str(tmp_path), "hf-fp8")
+    base = load_fp8_base(str(tmp_path))
+    layers = {n: m for n, m in base.named_modules() if isinstance(m, fp8.Float8BaseLinear)}
+    assert sorted(layers) == sorted(report.quantized)
+    params = sum(m.weight.numel() for m in layers.values())
+    resident = sum(m.weight.nbytes + m.weight_scale_bits.nbytes for m in layers.values())
+    assert all(m.weight.dtype == torch.uint8 for m in layers.values()) and resident / params <= 1.05
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    assert all(torch.equal(m.weight, stored[f"{n}.weight"].view(torch.uint8)) for n, m in layers.items())
+    # the trained model's FP8 forward and input gradient (both cast x and dY to E4M3 in 1x128 tiles)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
+
+    def run(m):
+        m.train()
+        emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+        logits = m(inputs_embeds=emb).logits.float()
+        logits.square().mean().backward()
+        return logits.detach(), emb.grad
+
+    with torch.no_grad():  # the export stores what is not FP8 in bf16: the same rounding on the trained model
+        for m in model.modules():
+            if not isinstance(m, fp8.Float8Linear):
+                for p in m.parameters(recurse=False):
+                    p.copy_(p.bfloat16())
+    (want, want_grad), (got, got_grad) = run(model), run(base)
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)  # the same casts and GEMMs, bit for bit
+    assert any("FP8 base weights" in why for _, why in fp8.convert(base, "blockwise").skipped)  # left as stored
+    # LoRA on the FP8 base: adapters train, the stored bytes do not move
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+    trainable = [p for p in lora.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    before = {n: m.weight.clone() for n, m in layers.items()}
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    losses = []
+    for _ in range(4):
+        loss = lora(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(m.weight, before[n]) for n, m in layers.items())
+
+
+def test_an_fp8_base_whose_quantization_config_we_cannot_read_is_one_line(tmp_path):
+    from lowprec.export import load_fp8_base
+
+    model = _llama()
+    fp8.convert(model, "rowwise")
+    export_model(model, str(tmp_path / "ct"), "compressed-tensors")
+    with pytest.raises(ValueError, match="quantization_config 'compressed-tensors'.*give an hf-fp8 directory"):
+        load_fp8_base(str(tmp_path / "ct"))
+    with pytest.raises(ValueError, match="no config.json"):
+        load_fp8_base(str(tmp_path))
