@@ -64,6 +64,9 @@ class Float8BaseLinear(nn.Linear):
     """A frozen ``nn.Linear`` (peft wraps it as one) holding ``weight`` as stored E4M3 bytes and
     ``weight_scale_inv`` (``w = q * scale_inv`` per ``block x block`` tile; the grid may round up)."""
 
+    weight_scale_bits: torch.Tensor  # a buffer: the float32 scale_inv's bits (int32 survives .float())
+    bias: nn.Parameter | None  # type: ignore[assignment]  # nn.Linear's stub says Parameter; None is allowed
+
     def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
                  block: int = 128) -> None:
         nn.Module.__init__(self)

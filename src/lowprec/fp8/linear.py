@@ -457,7 +457,7 @@ class Float8Linear(nn.Linear):
             raise ValueError(f"recipe {recipe.name or recipe.scaling!r}: its forward weight cast is not a "
                              "function of the weight alone; quantize the weight with a format's rule instead")
         with torch.no_grad():
-            return _cast(self.gemm_weight(), fp.b, 1, recipe)
+            return _cast(self.gemm_weight(), fp.casts[1], 1, recipe)
 
     # ------------------------------------------------------------------ checkpoints
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
