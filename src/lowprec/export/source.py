@@ -21,6 +21,7 @@ import yaml
 from safetensors.torch import load_file
 from torch import nn
 
+from lowprec.backends.spec import trainer_backends
 from lowprec.export.casts import scheme_for
 from lowprec.export.model import ExportReport, export_model
 from lowprec.fp8 import DEFAULT_SKIP_PATTERNS, Recipe, convert
@@ -61,7 +62,7 @@ def _locate(path: str) -> tuple[str, str | None]:
 
 
 def _recipe(cfg: dict[str, Any]) -> Recipe | None:
-    if not cfg.get("fp8") or cfg.get("fp8_backend", "native") != "native":
+    if not cfg.get("fp8") or cfg.get("fp8_backend") in trainer_backends():  # a library backend's layers
         return None
     spec = cfg.get("fp8_recipe") or "tensorwise"
     if isinstance(spec, str):
