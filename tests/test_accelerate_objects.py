@@ -6,6 +6,7 @@ refused with one line naming the field; ``GradientState`` has the attributes Tra
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -142,3 +143,101 @@ def test_transformers_trainer_runs_on_lowprecs_accelerator_in_fp8(tmp_path, monk
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
     assert len(calls) > 0  # FP8 GEMMs ran inside Trainer's loop
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_unwrap_undoes_accelerates_forward_wrappers_so_the_model_pickles(autocast):
+    """Accelerate's convention: ``_original_forward`` kept, ``forward`` wrapped by
+    ``convert_outputs_to_fp32`` (over ``torch.autocast``); keep_fp32_wrapper=False undoes it."""
+    import pickle
+
+    from accelerate.utils import convert_outputs_to_fp32
+
+    from lowprec.utils import extract_model_from_parallel
+
+    model = torch.nn.Linear(4, 4)
+    model._original_forward = model.forward
+    forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward) if autocast else model.forward
+    model.forward = convert_outputs_to_fp32(forward)
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        pickle.dumps(model)
+    model = extract_model_from_parallel(model, keep_fp32_wrapper=False)
+    assert "forward" not in vars(model) and "_original_forward" not in vars(model)
+    assert pickle.loads(pickle.dumps(model))(torch.ones(1, 4)).dtype == torch.float32
+
+
+def _shuffled_loader(generator: bool):
+    from torch.utils.data import DataLoader
+
+    return DataLoader(list(range(20)), batch_size=4, shuffle=True,
+                      generator=torch.Generator().manual_seed(3) if generator else None)
+
+
+def _epochs(loader, n: int = 2) -> list:
+    return [[b.tolist() for b in loader] for _ in range(n)]
+
+
+def test_prepared_loader_with_a_generator_shuffles_as_accelerate_and_resumes_the_same_order():
+    import accelerate
+
+    torch.manual_seed(0)
+    theirs = _epochs(accelerate.Accelerator(cpu=True).prepare(_shuffled_loader(True)))
+    torch.manual_seed(0)
+    acc = lowprec.Accelerator(cpu=True)
+    ours = acc.prepare(_shuffled_loader(True))
+    assert _epochs(ours) == theirs and theirs[0] != theirs[1]
+    # mid-epoch state: a fresh loader (its generator elsewhere) replays the rest of the same epoch
+    it = iter(ours)
+    seen = [next(it).tolist() for _ in range(2)]
+    state = ours.state_dict()
+    rest = [b.tolist() for b in it]
+    fresh = acc.prepare(_shuffled_loader(True))
+    next(iter(fresh))  # moves its generator on
+    fresh.load_state_dict(state)
+    assert [b.tolist() for b in fresh] == rest and seen + rest != theirs[0]
+
+
+def test_prepared_loader_without_a_generator_says_once_how_it_shuffles(caplog, monkeypatch):
+    from lowprec.backends import base
+
+    monkeypatch.setattr(base, "_LOGGED", set())
+    with caplog.at_level("INFO", logger="lowprec"):
+        torch.manual_seed(0)
+        first = _epochs(lowprec.Accelerator(cpu=True).prepare(_shuffled_loader(False)))
+        torch.manual_seed(0)
+        again = _epochs(lowprec.Accelerator(cpu=True).prepare(_shuffled_loader(False)))
+    lines = [r.getMessage() for r in caplog.records if "without generator=" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0]
+    assert again == first and first[0] != first[1]  # seed + epoch: reproducible, new order each epoch
+
+
+WORKER = """
+import json, os, sys, torch
+from torch.utils.data import DataLoader
+import lowprec
+rank = int(os.environ["RANK"])
+acc = lowprec.Accelerator(cpu=True)
+# each process seeds its generator differently: process 0's order must win on both (Accelerate's rule)
+dl = DataLoader(list(range(20)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3 if rank == 0 else 99))
+out = [[b.tolist() for b in acc.prepare(dl)] for _ in range(2)]
+json.dump(out, open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w"))
+"""
+
+
+def test_two_processes_shard_process_zeros_generator_order(tmp_path):
+    import json
+    import os
+
+    from torchrun_util import run_ranks
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(Path(lowprec.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    run_ranks(str(script), [str(tmp_path)], 2, env, lambda: (tmp_path / "rank1.json").exists())
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    torch.manual_seed(0)
+    single = _epochs(lowprec.Accelerator(cpu=True).prepare(_shuffled_loader(True)))  # Accelerate's order (above)
+    for epoch in range(2):
+        assert ranks[0][epoch] == single[epoch][0::2]
+        assert ranks[1][epoch][:2] == single[epoch][1::2]
