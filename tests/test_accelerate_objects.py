@@ -197,6 +197,19 @@ def test_prepared_loader_with_a_generator_shuffles_as_accelerate_and_resumes_the
     assert [b.tolist() for b in fresh] == rest and seen + rest != theirs[0]
 
 
+def test_save_state_mid_epoch_with_a_generator_resumes_the_same_order(tmp_path):
+    acc = lowprec.Accelerator(cpu=True)
+    loader = acc.prepare(_shuffled_loader(True))
+    it = iter(loader)
+    next(it)
+    acc.save_state(str(tmp_path / "ckpt"))  # the loader's position is written as JSON
+    rest = [b.tolist() for b in it]
+    acc2 = lowprec.Accelerator(cpu=True)
+    again = acc2.prepare(_shuffled_loader(True))
+    acc2.load_state(str(tmp_path / "ckpt"))
+    assert [b.tolist() for b in again] == rest
+
+
 def test_prepared_loader_without_a_generator_says_once_how_it_shuffles(caplog, monkeypatch):
     from lowprec.backends import base
 

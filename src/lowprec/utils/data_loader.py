@@ -393,8 +393,8 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
         state = {"epoch": self.epoch, "batches_yielded": self.batches_yielded, "seed": self.seed}
-        if self._generator_state is not None:
-            state["generator_state"] = self._generator_state
+        if self._generator_state is not None:  # a list of bytes: save_state writes this dict as JSON
+            state["generator_state"] = self._generator_state.tolist()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -402,7 +402,8 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         self.epoch = int(state["epoch"])
         self.seed = None if state["seed"] is None else int(state["seed"])
         if hasattr(self, "user_generator"):
-            self._generator_state = state.get("generator_state")
+            saved = state.get("generator_state")
+            self._generator_state = None if saved is None else torch.as_tensor(saved, dtype=torch.uint8)
         self._skip = int(state["batches_yielded"])
         self.batches_yielded = self._skip
 
