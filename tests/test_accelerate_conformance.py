@@ -7,6 +7,14 @@ and with Accelerate's public objects rebound to lowprec's (tests/accelerate_shim
 file lowprec must pass at least every test real Accelerate passes, except the gaps listed in
 ``KNOWN_GAPS`` with their reason; a listed gap that now passes fails the test too, so the list
 only shrinks. No network: the test fails and says so (it does not skip).
+
+The files are laid out as in Accelerate's repository (``<run>/tests/test_*.py``, run from
+``<run>``), so the scripts they launch (``accelerate launch -m tests.test_fp8``) import; a
+``sitecustomize.py`` on ``PYTHONPATH`` rebinds Accelerate to lowprec in those processes too, and
+``bert-base-cased`` in the working directory is a local 1-layer BERT (no hub). Each lowprec-side
+test leaves a marker when it runs lowprec code (tests/accelerate_shim.py); the report gives, per
+file, the passing tests and how many of them ran lowprec code. The same tests are deselected on
+both sides (``SLOW``).
 """
 
 from __future__ import annotations
@@ -40,7 +48,6 @@ FILES = [
 # more than the rest of both files together (measured 2026-11-23, docs/LOG.md (2026-11-23, branch rel))
 SLOW = [
     "test_utils.py::UtilsTester::test_convert_to_fp32",
-    "test_utils.py::UtilsTester::test_can_undo_convert_outputs",
     "test_utils.py::UtilsTester::test_send_to_device_compiles",
     "test_utils.py::UtilsTester::test_dynamo_extract_model_keep_torch_compile",
     "test_data_loader.py::DataLoaderTester::test_iterable_dataset_native_sharding_when_n_shards_equals_num_processes",
@@ -90,37 +97,70 @@ def _extract(sdist: Path, dest: Path) -> Path:
 
 
 # one pytest process per group: test_grad_sync fork-launches workers and hung when it ran after
-# test_optimizer in the same process, so it runs alone
-GROUPS = [[f for f in FILES if f != "test_grad_sync.py"], ["test_grad_sync.py"]]
+# test_optimizer in the same process, so it runs alone; test_fp8 spends its time in the processes
+# it launches, alongside the large group; test_memory_utils's 70 gc.collect() calls walk only its
+# own objects in a fresh process (frozen heap: accelerate_shim.pytest_collection_finish), but
+# every object the other files' tests left alive in a shared one (2026-11-27: 41 s -> 0.4 s)
+ALONE = ["test_grad_sync.py", "test_fp8.py", "test_memory_utils.py"]
+GROUPS = [[f for f in FILES if f not in ALONE]] + [[f] for f in ALONE]
 
 
-def _run(tests: Path, lowprec: bool, out: Path, targets: list, tag: str) -> dict[str, str]:
-    """One pytest process over ``targets`` (files or test ids); returns {test id: passed|failed|skipped}."""
+def _tiny_bert(dest: Path) -> None:
+    """test_fp8's launched script loads ``from_pretrained("bert-base-cased")``: a local folder of
+    that name in the working directory (a 1-layer, 32-wide BERT built from a config) is what it
+    gets, so it runs with no hub and in seconds."""
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=32)
+    transformers.BertForSequenceClassification(cfg).save_pretrained(dest / "bert-base-cased")
+
+
+# imported by every Python process of a run (PYTHONPATH starts at the run folder): processes that
+# Accelerate's tests launch get lowprec's objects too; the `accelerate` command itself (it reads
+# its config and starts the script's process, which is shimmed) is left alone: it builds nothing
+SITECUSTOMIZE = """import os, sys
+if os.environ.get("LOWPREC_SHIM") == "1" and os.path.basename(sys.argv[0]) != "accelerate":
+    import accelerate_shim  # noqa: F401
+"""
+
+
+def _run(tests: Path, lowprec: bool, out: Path, targets: list, tag: str) -> dict[str, tuple]:
+    """One pytest process over ``targets`` (files or test ids) in Accelerate's layout (the files in
+    ``tests/``, so ``python -m tests.test_fp8`` imports); returns {test id: (passed|failed|skipped,
+    reached lowprec code)}."""
     run_dir = out / ("lowprec" if lowprec else "accelerate") / tag
-    shutil.copytree(tests, run_dir)
-    shutil.copy(HERE / "accelerate_shim.py", run_dir / "conftest.py")
+    shutil.copytree(tests.parent, run_dir)
+    shutil.copy(HERE / "accelerate_shim.py", run_dir / "accelerate_shim.py")
+    (run_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    (run_dir / "conftest.py").write_text("from accelerate_shim import pytest_collection_finish, pytest_runtest_setup, "
+                                         "pytest_runtest_teardown  # noqa: F401\n")
+    reached = run_dir / "reached"
+    reached.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
     src = str(HERE.parent / "src")
-    env.update(LOWPREC_SHIM="1" if lowprec else "0", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    env.update(LOWPREC_SHIM="1" if lowprec else "0", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1",
+               PYTHONPATH=os.pathsep.join([str(run_dir), src, env.get("PYTHONPATH", "")]), LOWPREC_REACHED_DIR=str(reached))
     xml = run_dir / "report.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly",
            "--continue-on-collection-errors", "--rootdir", str(run_dir), "--junitxml", str(xml), "-o", "addopts=", "-o", "timeout=300",
-           *[a for t in SLOW for a in ("--deselect", t)], *targets]
+           *[a for t in SLOW for a in ("--deselect", "tests/" + t)], *["tests/" + t for t in targets]]
     proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=900)
     if not xml.exists():
         pytest.fail(f"pytest wrote no report (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}", pytrace=False)
-    results: dict[str, str] = {}
+    marks = {p.name for p in reached.iterdir()}
+    results: dict[str, tuple] = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
-        cls = case.get("classname", "")
+        cls = case.get("classname", "").removeprefix("tests.")
         file = cls.split(".")[0] + ".py"
         tid = f"{file}::{cls.split('.', 1)[1] if '.' in cls else ''}::{case.get('name')}"
         if case.find("failure") is not None or case.find("error") is not None:
-            results[tid] = "failed"
+            status = "failed"
         elif case.find("skipped") is not None:
-            results[tid] = "skipped"
+            status = "skipped"
         else:
-            results[tid] = "passed"
+            status = "passed"
+        results[tid] = (status, ("tests/" + tid).replace("/", "_").replace("::", "__") in marks)
     (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
     return results
 
@@ -138,27 +178,34 @@ def test_lowprec_passes_what_accelerate_passes(request, tmp_path_factory):
     cache_plugin = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
     cache = cache_plugin.mkdir("accelerate-sdist") if cache_plugin else tmp_path_factory.mktemp("sdist")
     tests = _extract(_sdist(Path(cache)), tmp_path_factory.mktemp("accelerate-src"))
+    _tiny_bert(tests.parent)
     out = tmp_path_factory.mktemp("runs")
     with ThreadPoolExecutor(2) as pool:  # two processes at a time: CI's two cores
         jobs = [(side, pool.submit(_run, tests, side, out, g, g[0][:-3])) for g in GROUPS for side in (False, True)]
         ref: dict[str, str] = {}
         ours: dict[str, str] = {}
+        reached: set = set()  # lowprec-side tests that ran lowprec code (in-process or launched)
         for side, job in jobs:
-            (ours if side else ref).update(job.result())
+            for t, (status, hit) in job.result().items():
+                (ours if side else ref)[t] = status
+                if side and hit:
+                    reached.add(t)
     # a few of Accelerate's tests are random by themselves (fresh unseeded weights compared with a
     # tolerance; machine-wide free RAM): each lowprec failure gets one retry in a fresh process
     retry = [t for t, st in ref.items() if st == "passed" and ours.get(t) != "passed" and t not in KNOWN_GAPS]
     if retry:
         again = _run(tests, True, out, retry, "retry")
-        flaky = [t for t in retry if again.get(t) == "passed"]
+        flaky = [t for t in retry if again.get(t, ("",))[0] == "passed"]
         ours.update({t: "passed" for t in flaky})
+        reached |= {t for t in flaky if again[t][1]}
         print("passed on retry (random in the test itself):", flaky)
 
     lines = []
     for f in FILES:
         r = [t for t in ref if t.startswith(f + "::")]
-        lines.append(f"{f}: accelerate {sum(ref[t] == 'passed' for t in r)} passed / "
-                     f"lowprec {sum(ours.get(t) == 'passed' for t in r)} passed (of {len(r)})")
+        ok = [t for t in r if ours.get(t) == "passed"]
+        lines.append(f"{f}: accelerate {sum(ref[t] == 'passed' for t in r)} passed / lowprec {len(ok)} passed, "
+                     f"{sum(t in reached for t in ok)} of them ran lowprec code (of {len(r)})")
     print("\n".join(lines))
     gaps = sorted(t for t, s in ref.items() if s == "passed" and ours.get(t) != "passed")
     unexpected = [t for t in gaps if t not in KNOWN_GAPS]
@@ -169,3 +216,10 @@ def test_lowprec_passes_what_accelerate_passes(request, tmp_path_factory):
         + f"\n(per-file results above; logs in {out}/lowprec/<file>/log.txt)\n" + "\n".join(lines)
     )
     assert not fixed, "these KNOWN_GAPS pass now; remove them from the list:\n  " + "\n  ".join(fixed)
+    # the launched scripts import and run lowprec (a local model, no hub) on both sides
+    launched = [t for t in ref if t.startswith("test_fp8.py::TestTorchAO::test_can_prepare_model_single")]
+    assert launched and all(ref[t] == ours[t] == "passed" and t in reached for t in launched), (
+        "test_fp8's launched runs: " + str({t: (ref[t], ours.get(t), t in reached) for t in launched}))
+    # every file exercises lowprec: a passing test that never ran lowprec code proves nothing about it
+    idle = [f for f in FILES if not any(t.startswith(f + "::") for t in reached)]
+    assert not idle, f"no passing test of {idle} ran lowprec code:\n" + "\n".join(lines)

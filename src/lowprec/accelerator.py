@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
+from lowprec.accelerate_objects import from_accelerate
 from lowprec.backends.base import Backend, PrepareContext, named_params, remap_optimizer_params
 from lowprec.backends.registry import FP8Settings, resolve_fp8_settings, select_backend
 from lowprec.backends.spec import get_spec
@@ -96,6 +97,16 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         project_config: Optional[ProjectConfiguration] = None,
         **kwargs: Any,
     ) -> None:
+        # Accelerate's own objects (transformers.Trainer builds them) become lowprec's, or are
+        # refused with one line (accelerate_objects.py); nothing is dropped silently
+        deepspeed_plugin, fsdp_plugin, gradient_accumulation_plugin, dataloader_config, project_config = (
+            from_accelerate(o, n) for o, n in ((deepspeed_plugin, "deepspeed_plugin"), (fsdp_plugin, "fsdp_plugin"),
+                                               (gradient_accumulation_plugin, "gradient_accumulation_plugin"),
+                                               (dataloader_config, "dataloader_config"), (project_config, "project_config")))
+        kwargs_handlers = [from_accelerate(h, "kwargs_handlers") for h in kwargs_handlers or []]
+        for key in ("dynamo_plugin", "parallelism_config", "torch_tp_plugin"):
+            if key in kwargs:
+                kwargs[key] = from_accelerate(kwargs[key], key)
         parallelism_config = self._parallelism_from_kwargs(kwargs)  # tensor parallelism (utils/parallelism.py)
         fp8_hardware = kwargs.pop("fp8_hardware", None)  # the trainer's sm_89 decision (train/resolve.py)
         self._init_extras(kwargs_handlers, kwargs, dataloader_config, split_batches)
@@ -126,7 +137,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         if gradient_accumulation_plugin is not None and gradient_accumulation_steps != 1:
             raise ValueError("pass gradient_accumulation_steps or gradient_accumulation_plugin, not both")
         self.accumulation = plugin
-        self.gradient_state = GradientState(plugin.num_steps, plugin.sync_with_dataloader)
+        self.gradient_state = GradientState(plugin)
         self.step = 0
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -511,7 +522,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
     def autocast(self, autocast_handler: Optional[AutocastKwargs] = None):
         """Mixed-precision region for code outside the prepared model's forward (e.g. a loss).
         Under fp8 this is bf16 autocast plus the FP8 backend's region."""
-        handler = autocast_handler or self.handlers.get(AutocastKwargs)
+        handler = from_accelerate(autocast_handler, "autocast_handler") or self.handlers.get(AutocastKwargs)
         stack = contextlib.ExitStack()
         stack.enter_context(autocast_context(self.device.type, self.mixed_precision, handler))
         if self.backend is not None and (handler is None or handler.enabled):

@@ -6,8 +6,15 @@ Sharding follows Accelerate's ``BatchSamplerShard``: the original batch sampler'
 dealt round-robin, process ``r`` gets batches ``r, r + W, r + 2W, ...``. With several processes
 the last step is padded from the start (a short last batch filled, missing batches added as whole
 batches) so every process runs the same number of steps; the padding is dropped again by
-``gather_for_metrics``. One process gets the original batches unchanged. Shuffling uses a generator seeded with
-``seed + epoch``, identical on every process, so shards never overlap.
+``gather_for_metrics``. One process gets the original batches unchanged.
+
+Shuffling (a ``RandomSampler``): with the user's ``DataLoader(generator=g)``, the order is the one
+PyTorch and Accelerate give: ``g`` as it stands when the epoch starts (process 0's state on every
+process, as Accelerate's ``rng_types=["generator"]``), advanced as PyTorch's DataLoader advances
+it; its state at the start of the epoch is saved, so a resumed run replays the same order.
+Without a generator, Accelerate draws a fresh seed from the global RNG each epoch; lowprec uses
+``seed + epoch`` instead (the same on every process, and after a resume, without touching the
+global RNG that dropout reads), and says so once in the log.
 
 Accelerate's public constructor, ``DataLoaderShard(dataset, device=None, ..., **dataloader_kwargs)``,
 builds a DataLoader and iterates it as given (its batch sampler does any sharding, as in Accelerate).
@@ -19,8 +26,10 @@ import itertools
 from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
+from lowprec.backends.base import log_once
 from lowprec.utils.aliases import alias
 from lowprec.utils.operations import send_to_device
 from lowprec.utils.random import synchronize_rng_states
@@ -38,12 +47,19 @@ class GradientState(SharedState):
 
     def __init__(self, num_steps: Any = None, sync_with_dataloader: bool = True) -> None:
         self.__dict__ = self._shared_state
+        plugin_kwargs: dict = {}
         if num_steps is not None and not isinstance(num_steps, int):  # a GradientAccumulationPlugin
+            plugin_kwargs = num_steps.to_kwargs()
             num_steps, sync_with_dataloader = num_steps.num_steps, num_steps.sync_with_dataloader
         if num_steps is None and self._shared_state:
             return
         self.num_steps = 1 if num_steps is None else num_steps
         self.sync_with_dataloader = sync_with_dataloader
+        # Accelerate's record of the plugin (its fields that differ from the defaults);
+        # transformers.Trainer reads plugin_kwargs.get("sync_each_batch")
+        self.plugin_kwargs = plugin_kwargs or {k: v for k, v in (("num_steps", num_steps),) if v not in (None, 1)}
+        if not sync_with_dataloader:
+            self.plugin_kwargs["sync_with_dataloader"] = False
         self.sync_gradients = True
         self.end_of_dataloader = False
         self.remainder = -1  # real samples in the last global batch (-1: no padding)
@@ -191,6 +207,14 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         self.gradient_state = gradient_state
         self.split_batches, self.even_batches, self.non_blocking = split_batches, even_batches, non_blocking
         self.rng_types, self.synchronized_generator = None, None
+        sampler = dataloader.sampler
+        shuffled = isinstance(sampler, RandomSampler) and seed is not None
+        self.user_generator = sampler.generator if shuffled else None
+        self._generator_state: Optional[torch.Tensor] = None  # user_generator at this epoch's start
+        if shuffled and self.user_generator is None:
+            log_once("lowprec: a prepared DataLoader without generator= shuffles with seed + epoch (the same order on "
+                     "every process and after a resume), not with a seed drawn from the global RNG as Accelerate; "
+                     "pass DataLoader(generator=torch.Generator().manual_seed(...)) for PyTorch's and Accelerate's order")
         self._drop_last = False
         self.epoch = 0
         self.batches_yielded = 0
@@ -220,10 +244,32 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
     # ------------------------------------------------------------------ batches of this process
     def _global_batches(self) -> list[list[int]]:
         sampler = self.base.sampler
-        if isinstance(sampler, RandomSampler):
-            # every process draws the same permutation for this epoch
-            sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return [list(b) for b in self.base.batch_sampler][self.skip_batches:]
+        if not isinstance(sampler, RandomSampler):
+            return [list(b) for b in self.base.batch_sampler][self.skip_batches:]
+        if self.user_generator is not None:
+            self._replay_user_generator()
+            return [list(b) for b in self.base.batch_sampler][self.skip_batches:]
+        # every process draws the same permutation for this epoch; the user's sampler is left as it was
+        sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        try:
+            return [list(b) for b in self.base.batch_sampler][self.skip_batches:]
+        finally:
+            sampler.generator = None
+
+    def _replay_user_generator(self) -> None:
+        """The user's generator as at the start of this epoch (recorded the first time, process 0's
+        under several processes), then PyTorch's first draw: a DataLoader iterator takes its workers'
+        base seed from the generator before the sampler's permutation."""
+        g = self.user_generator
+        if self._generator_state is None:
+            state = g.get_state()
+            if self.world_size > 1 and not self.dispatches and dist.is_available() and dist.is_initialized():
+                box = [state]
+                dist.broadcast_object_list(box, src=0)
+                state = box[0]
+            self._generator_state = state
+        g.set_state(self._generator_state)
+        torch.empty((), dtype=torch.int64).random_(generator=g)
 
     def _local_batches(self) -> tuple[list[list[int]], int]:
         batches = self._global_batches()
@@ -326,6 +372,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
                 yield send_to_device(batch, self.device, self.non_blocking) if self.device is not None else batch
             self.epoch += 1
             self.batches_yielded = 0
+            self._generator_state = None
         finally:
             if self in gs.active:  # a new Accelerator may have reset the loop state meanwhile
                 gs.active.remove(self)
@@ -345,12 +392,18 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_yielded": self.batches_yielded, "seed": self.seed}
+        state = {"epoch": self.epoch, "batches_yielded": self.batches_yielded, "seed": self.seed}
+        if self._generator_state is not None:  # a list of bytes: save_state writes this dict as JSON
+            state["generator_state"] = self._generator_state.tolist()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """The next iteration resumes where the saved one was (same epoch, same shuffle)."""
         self.epoch = int(state["epoch"])
         self.seed = None if state["seed"] is None else int(state["seed"])
+        if hasattr(self, "user_generator"):
+            saved = state.get("generator_state")
+            self._generator_state = None if saved is None else torch.as_tensor(saved, dtype=torch.uint8)
         self._skip = int(state["batches_yielded"])
         self.batches_yielded = self._skip
 

@@ -58,6 +58,25 @@ def wrap_forward(model: nn.Module, autocast: Callable[[], Any], fp8: Optional[Ca
 
 
 def unwrap_forward(model: nn.Module) -> None:
-    if isinstance(model.__dict__.get("forward"), PrecisionForward):
+    """Undo the precision wrapper on ``model.forward``: lowprec's, or Accelerate's convention
+    (``model._original_forward`` kept, ``forward`` replaced by ``functools.wraps`` wrappers such
+    as ``convert_outputs_to_fp32`` or ``torch.autocast`` used as a decorator), so the model
+    pickles again. A forward that does not lead back to ``_original_forward`` is left alone."""
+    forward = model.__dict__.get("forward")
+    if isinstance(forward, PrecisionForward):
         del model.forward
         model.__dict__.pop("_original_forward", None)
+        return
+    original = model.__dict__.get("_original_forward")
+    if forward is None or original is None:
+        return
+    inner = forward
+    while inner != original and hasattr(inner, "__wrapped__"):
+        inner = inner.__wrapped__
+    if inner != original:
+        return
+    del model._original_forward
+    if getattr(original, "__self__", None) is model and getattr(original, "__func__", None) is getattr(type(model), "forward", None):
+        del model.forward  # the class's own method again
+    else:
+        model.forward = original

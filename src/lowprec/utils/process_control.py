@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lowprec.accelerate_objects import from_accelerate
 from lowprec.process_state import PartialState
 
 __all__ = ["ProcessControlMixin"]
@@ -84,7 +85,7 @@ class ProcessControlMixin:
 
         from lowprec.utils.dataclasses import ProfileKwargs
 
-        h = profile_handler if profile_handler is not None else self.handlers.get(ProfileKwargs)
+        h = from_accelerate(profile_handler, "profile_handler") if profile_handler is not None else self.handlers.get(ProfileKwargs)
         acts = getattr(h, "activities", None) or (
             [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else []))
         acts = [getattr(ProfilerActivity, a.upper()) if isinstance(a, str) else a for a in acts]
