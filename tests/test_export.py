@@ -366,3 +366,24 @@ def test_an_fp8_base_whose_quantization_config_we_cannot_read_is_one_line(tmp_pa
         load_fp8_base(str(tmp_path / "ct"))
     with pytest.raises(ValueError, match="no config.json"):
         load_fp8_base(str(tmp_path))
+
+
+def test_accelerator_save_model_writes_the_fp8_export(tmp_path):
+    """``Accelerator.save_model(model, dir, fp8_format=...)``: the same files as export_model of the
+    unwrapped model (trained scales: blockwise -> hf-fp8), loadable by transformers; a bad format
+    is one line."""
+    from lowprec import Accelerator
+    from lowprec.utils import NativeRecipeKwargs
+
+    acc = Accelerator(mixed_precision="fp8", cpu=True, kwargs_handlers=[NativeRecipeKwargs(recipe="blockwise")])
+    model = acc.prepare(_llama())
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    acc.save_model(model, str(tmp_path / "acc"), fp8_format="hf-fp8")
+    export_model(acc.unwrap_model(model), str(tmp_path / "direct"), format="hf-fp8")
+    got, want = load_file(str(tmp_path / "acc" / "model.safetensors")), load_file(str(tmp_path / "direct" / "model.safetensors"))
+    assert _same_bytes(got, want) and any(k.endswith("weight_scale_inv") for k in got)
+    assert json.loads((tmp_path / "acc" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    assert _load(tmp_path / "acc", "hf-fp8")(input_ids=ids).logits.isfinite().all()
+    with pytest.raises(ValueError, match="save_model\\(fp8_format='fp4'\\): choose one of hf-fp8, compressed-tensors"):
+        acc.save_model(model, str(tmp_path / "bad"), fp8_format="fp4")

@@ -510,6 +510,25 @@ def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bo
     acc.wait_for_everyone()
 
 
+def save_fp8_model(acc: Any, model: Any, save_directory: str, fp8_format: str) -> None:
+    """``Accelerator.save_model(..., fp8_format=...)``: an FP8 export of the whole model, which one
+    process must hold (one process or DDP; a sharded model is refused in one line)."""
+    from lowprec.export import FORMATS, export_model
+
+    if fp8_format not in FORMATS:
+        raise ValueError(f"save_model(fp8_format={fp8_format!r}): choose one of {', '.join(FORMATS)}, or leave it "
+                         "unset for plain weights")
+    inner = acc.unwrap_model(model)
+    if _is_ds(model) or any(type(p).__name__ == "DTensor" for p in inner.parameters()):
+        raise ValueError(f"save_model(fp8_format={fp8_format!r}) needs the whole model in one process (one process "
+                         "or DDP); under FSDP2 / DeepSpeed save plain weights (no fp8_format) and run "
+                         "`lowprec export` on them")
+    acc.nonfinite.check_model(model, f"save_model({save_directory!r})")
+    if acc.is_main_process:
+        export_model(inner, save_directory, format=fp8_format)
+    acc.wait_for_everyone()
+
+
 def _is_ds(obj: Any) -> bool:
     return type(obj).__name__ == "DeepSpeedEngine"
 

@@ -190,11 +190,22 @@ class CheckpointingMixin:
             input_dir = os.path.join(self._need_project_dir(), "checkpoint")
         load_state(self, input_dir)
 
-    def save_model(self, model: Any, save_directory: str, max_shard_size: Any = "10GB", safe_serialization: bool = True) -> None:
+    def save_model(self, model: Any, save_directory: str, max_shard_size: Any = "10GB", safe_serialization: bool = True,
+                   fp8_format: Optional[str] = None) -> None:
         """Plain weights that load into the unconverted model (``model.safetensors``, or shards of
         at most ``max_shard_size`` plus ``model.safetensors.index.json``); weights a big-model
-        dispatch offloaded to disk or CPU are read back from its hooks, as Accelerate does."""
+        dispatch offloaded to disk or CPU are read back from its hooks, as Accelerate does.
+
+        ``fp8_format="hf-fp8" | "compressed-tensors"``: an FP8 export for inference engines instead
+        (``lowprec.export.export_model``: the trained scales where the recipe and format agree,
+        high-precision layers kept bf16), written by the main process."""
         from lowprec.checkpoint import save_model
+
+        if fp8_format is not None:
+            from lowprec.checkpoint import save_fp8_model
+
+            save_fp8_model(self, model, save_directory, fp8_format)
+            return
 
         # meta parameters: read back from a big-model dispatch's offload hooks, or an error naming
         # the first one (lowprec.utils.offload)
