@@ -97,7 +97,7 @@ def pytest_collection_finish(session) -> None:
     """Both sides: every object alive once the test modules are imported moves to the permanent
     generation (``gc.freeze``), so the ``gc.collect()`` Accelerate's and lowprec's memory helpers
     run (``find_executable_batch_size``: once per retry) walks only what the tests made: 18.5 s ->
-    0.4 s for test_memory_utils.py (docs/log/acc.md). Nothing the tests create is kept alive.
+    0.4 s for test_memory_utils.py (docs/LOG.md, branch acc, 2026-11-27). Nothing the tests create is kept alive.
 
     Before that, transformers' scheduler helpers are imported once here, so the workers
     ``debug_launcher`` forks inherit them instead of each importing transformers (test_scheduler's

@@ -112,7 +112,7 @@ def test_rowwise_with_gw_hp_keeps_only_the_hp_input(m, k, n):
     """Its weight-gradient GEMM reads every bit of the bf16 x, so 2 bytes/element of x is the
     floor for its numerics; the weight is re-cast from the Parameter in backward (no copy).
     Against a bf16 Linear under autocast (bf16 x + bf16 weight copy) that is M / (M + N):
-    0.50 at M = N, above 0.50 wherever M > N (docs/log/act.md)."""
+    0.50 at M = N, above 0.50 wherever M > N (docs/LOG.md, branch act)."""
     lin = nn.Linear(k, n, bias=False)
     layer = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("rowwise_with_gw_hp"))
     x = torch.randn(m, k, requires_grad=True)

@@ -24,7 +24,7 @@ launches (4 processes, then 2, then 1; ranks forked after one torch import, test
   1e-3; measured here 6.6e-4 from 4 processes, 8.0e-4 from 2: too close to 1e-3 for other CPUs);
 * the same training without FSDP2, the one-process O2 run (measured up to 1.7e-3): FSDP2 rounds
   the weights to its bf16 param_dtype before the FP8 cast, and FP8 gradients are scaled per
-  shard there, per tensor here (docs/log/o2dt.md, docs/log/o2b.md).
+  shard there, per tensor here (docs/LOG.md: branches o2dt, o2b).
 """
 
 from __future__ import annotations
