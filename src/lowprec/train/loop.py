@@ -7,6 +7,8 @@ window) and on the run's ``TrainerState`` (what a checkpoint saves).
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -17,6 +19,8 @@ from lowprec.errors import NonFiniteError
 from lowprec.train import checkpoints as ckpt
 from lowprec.train.config import TrainConfig
 from lowprec.train.metrics import MetricsWriter, peak_memory_mb
+
+logger = logging.getLogger("lowprec")
 
 __all__ = ["Run", "Loop", "run_loop", "evaluate"]
 
@@ -207,6 +211,12 @@ class Loop:
             t = time.perf_counter()
             self.last_eval = evaluate(run.model, run.val_loader, cfg.eval_batches, run.acc)
             run.writer.write({"kind": "eval", "step": state.step, "loss": self.last_eval})
+            if run.main:  # above the progress bar when there is one
+                said = f"lowprec: step {state.step}: validation loss {self.last_eval:.4f}"
+                if self.bar is not None:
+                    self.bar.write(said, file=sys.stderr)
+                else:
+                    logger.info(said)
             if run.table is not None:  # every process generates (a sharded forward needs them all)
                 record = run.table.generate(run.model, state.step, run.acc.device, run.acc.num_processes)
                 run.writer.write(record)
