@@ -46,6 +46,9 @@ class Run:
     eval_every: Optional[int] = None  # eval_steps, or resolved from evals_per_epoch
     save_every: Optional[int] = None  # save_steps, or resolved from saves_per_epoch
     table: Any = None  # generations.EvalTable with eval_table_size
+    health: Any = None  # health.RunHealth with fp8_health / fp8_guard
+    on_move: Optional[Callable[[], None]] = None  # fp8_guard: act moved a layer (rewrite the conversion report)
+    kept_moves: list = field(default_factory=list)  # a checkpoint's moves, resumed with fp8_guard off
 
     def stop_line(self, text: str) -> str:
         last = ckpt.latest_checkpoint(self.output_dir)
@@ -194,10 +197,22 @@ class Loop:
         if run.fp8_layers:
             from lowprec import fp8 as fp8_engine
 
-            run.writer.write({"kind": "fp8", "step": state.step, "layers": _telemetry_summary(fp8_engine.telemetry(run.inner))})
+            tele = fp8_engine.telemetry(run.inner)
+            run.writer.write({"kind": "fp8", "step": state.step, "layers": _telemetry_summary(tele)})
             fp8_engine.disable_telemetry(run.inner)
+            if run.health is not None:
+                self._check_health(tele)
         self.window_loss.zero_()
         self.window_steps, self.window_tokens, self.window_t0 = 0, 0, time.perf_counter()
+
+    def _check_health(self, tele: dict) -> None:
+        run = self.run
+        moved = False
+        for rec in run.health.check(run.state.step, tele):
+            run.writer.write(rec)
+            moved = moved or bool(rec.get("moved"))
+        if moved and run.on_move is not None and run.main:
+            run.on_move()
 
     def eval_and_save(self) -> None:
         run = self.run
@@ -218,6 +233,8 @@ class Loop:
         if run.save_every is not None and (state.step % run.save_every == 0 or at_end):
             t = time.perf_counter()
             state.loop = self.window_state()
+            state.fp8_guard = run.health.state_dict() if run.health is not None else (
+                {"moved": run.kept_moves} if run.kept_moves else None)
             run.acc.save_state(ckpt.checkpoint_dir(run.output_dir, state.step))
             if run.main:
                 ckpt.rotate(run.output_dir, cfg.save_total_limit)
@@ -285,6 +302,8 @@ def run_loop(run: Run) -> Loop:
                 from lowprec import fp8 as fp8_engine
 
                 fp8_engine.enable_telemetry(run.inner)
+                if run.health is not None:
+                    run.health.arm(run.state.step + 1)
             lr, grad_norm = loop.optimizer_step()
             if logging_now:
                 loop.log_window(lr, grad_norm)

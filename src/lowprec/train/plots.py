@@ -2,7 +2,8 @@
 
 * ``loss.png``: training loss (per logging window) and validation loss against the step;
 * ``fp8_report.png``: per-layer FP8 telemetry over time (amax, scale, saturated and underflow
-  fractions of each operand), one line per layer;
+  fractions of each operand), one line per layer; ``fp8_guard`` warnings (dashed) and moves to
+  bf16 (solid red) as vertical lines, named at the bottom;
 * ``compare.png``: ``lowprec compare``'s mean curves over seeds with 95% bands, and the paired
   gap of each precision to the baseline against the threshold.
 """
@@ -83,7 +84,16 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 
             ax.grid(alpha=0.3)
             if i == len(ops) - 1:
                 ax.set_xlabel("step")
+    guard = [r for r in records if r["kind"] == "fp8_guard"]
+    for ev in guard:  # fp8_guard: a move solid red, a warning dashed orange, on every panel
+        for row in axes:
+            for ax in row:
+                ax.axvline(ev["step"], color="red" if ev["moved"] else "orange", ls="-" if ev["moved"] else "--", lw=1)
     handles, labels = axes[0][0].get_legend_handles_labels()
+    if guard:
+        fig.text(0.01, 0.005, "fp8_guard: " + "; ".join(
+            f"step {ev['step']}: {ev['layer']} {'moved to bf16' if ev['moved'] else 'warned'} ({ev['signal']} = {ev['value']:.3g})"
+            for ev in guard[:4]) + (f"; +{len(guard) - 4} more" if len(guard) > 4 else ""), fontsize=7, color="red")
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8,
                    title=f"worst {len(worst)} of {len(layers)} layers by saturated + underflow fraction (others grey)")

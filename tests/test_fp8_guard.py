@@ -1,0 +1,176 @@
+"""FP8 health signals and the guard (issue 27): the pure signals, the guard's episodes and moves,
+and ``lowprec train`` with ``fp8_guard: act`` (records, conversion report, resume keeps moves)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+import lowprec.fp8 as fp8
+from lowprec.cli.main import main
+from lowprec.fp8.guard import Guard, Thresholds
+from lowprec.fp8.health import HealthProbe, headroom_bits, max_to_rms, signals, sqnr_db
+from lowprec.train.config import load_config, parse_config
+from lowprec.train.metrics import read_metrics
+from lowprec.train.trainer import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "examples", "tiny.yaml")
+
+
+def test_pure_signals():
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    assert sqnr_db(x, x) == math.inf
+    noisy = x + 0.01 * torch.randn_like(x)
+    assert 35 < sqnr_db(x, noisy) < 45  # noise 1% of the signal's rms: 40 dB
+    y = torch.ones(100)
+    assert max_to_rms(y) == pytest.approx(1.0)
+    y[3] = 100.0  # one outlier: max 100, rms ~ 10
+    assert max_to_rms(y) == pytest.approx(100 / math.sqrt((99 + 100**2) / 100))
+    assert max_to_rms(torch.zeros(4)) == 0.0
+    assert headroom_bits(2.0, 448.0 / 8.0, 448.0) == pytest.approx(2.0)  # scaled amax 112 = 448 / 4
+    assert headroom_bits(0.0, 1.0, 448.0) is None  # not cast yet
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 16))
+    fp8.convert(m, recipe="tensorwise", skip_first_last=False)
+    return m
+
+
+def _step(m, x, probe=None):
+    fp8.enable_telemetry(m)
+    if probe is not None:
+        probe.arm(outliers=True, sqnr=True)
+    m(x).float().pow(2).mean().backward()
+    tele = fp8.telemetry(m)
+    fp8.disable_telemetry(m)
+    return tele
+
+
+def test_probe_readings_and_signals_and_the_probe_changes_nothing():
+    x = torch.randn(16, 32, requires_grad=True)
+    a, b = _model(), _model()
+    probe = HealthProbe(b)
+    _step(a, x)
+    tele = _step(b, x, probe)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa.grad, pb.grad)  # the probe's hooks read, never write
+    health = signals(tele, probe.layers, probe.take(), None)
+    assert set(health) == {"0", "1", "2"}
+    row = health["1"]
+    assert 20 < row["sqnr_db"] < 45  # E4M3 x E4M3 GEMM vs float32
+    assert row["max_to_rms"] > 1
+    assert row["input"]["headroom_bits"] == 0.0  # tensorwise: the scaled amax sits at the max
+    assert row["input"]["underflow_trend"] == 0.0  # first check: no trend
+    later = signals(tele, probe.layers, {}, {"1": {"input": {"saturated": 0.0, "underflow": row["input"]["underflow"] - 0.25}}})
+    assert later["1"]["input"]["underflow_trend"] == pytest.approx(0.25)
+    assert later["1"]["sqnr_db"] is None  # not sampled this step
+
+
+def test_guard_patience_episodes_warn_once_and_act_moves(caplog):
+    m = _model()
+    bad = {"input": {"underflow": 0.5}}
+    ok = {"input": {"underflow": 0.0}}
+    g = Guard(m, mode="warn", thresholds=Thresholds(patience=2))
+    with caplog.at_level(logging.WARNING, logger="lowprec"):
+        assert g.check(1, {"1": bad}) == []  # 1 of 2
+        (ev,) = g.check(2, {"1": bad})
+        assert (ev.layer, ev.signal, ev.value, ev.step, ev.moved) == ("1", "input.underflow", 0.5, 2, False)
+        assert g.check(3, {"1": bad}) == []  # same episode: logged once
+        g.check(4, {"1": ok})  # episode over
+        g.check(5, {"1": bad})
+        assert [e.step for e in g.check(6, {"1": bad})] == [6]
+    assert [r.getMessage().split(": ")[2] for r in caplog.records] == ["1", "1"]
+    assert "input.underflow = 0.5 " in caplog.records[0].getMessage()
+    assert not dict(m.named_modules())["1"].high_precision  # warn never moves
+
+    g = Guard(m, mode="act", thresholds=Thresholds(patience=1, sqnr_db=20))
+    (ev,) = g.check(7, {"1": {"sqnr_db": 12.0}, "2": {"sqnr_db": 30.0}})
+    assert ev.moved and ev.signal == "sqnr_db"
+    layers = dict(m.named_modules())
+    assert layers["1"].high_precision and not layers["2"].high_precision
+    assert g.moves() == [{"layer": "1", "signal": "sqnr_db", "value": 12.0, "step": 7, "moved": True}]
+    with pytest.raises(ValueError, match="'nope'"):
+        Guard(_model(), mode="act").restore([{"layer": "nope"}])
+
+
+def test_a_moved_layer_is_exactly_a_plain_linear():
+    m = _model()
+    layer = dict(m.named_modules())["1"]
+    x = torch.randn(8, 64)
+    fp8_out = layer(x)
+    layer.high_precision = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moved = layer(x)
+        plain = nn.functional.linear(x, layer.weight, layer.bias)
+    assert torch.equal(moved, plain) and not torch.equal(layer(x), fp8_out)
+
+
+@pytest.mark.parametrize("data,expected", [
+    ({"fp8_guard": True}, "fp8_guard: true is ambiguous; use fp8_guard: warn"),
+    ({"fp8": False, "fp8_guard": "act"}, "fp8_guard: act watches FP8 layers but fp8 is false; set fp8: true"),
+    ({"fp8_guard": "act", "fp8_guard_thresholds": {"underflw": 0.1}}, "fp8_guard_thresholds.underflw: unknown signal (did you mean 'underflow'"),
+    ({"fp8_guard": "act", "fp8_guard_patience": 0}, "fp8_guard_patience: Input should be greater than or equal to 1"),
+])
+def test_bad_guard_keys_are_one_line_exit_2(tmp_path, capsys, data, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"fp8": True, **data}))
+    assert main(["train", str(path)]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("lowprec: error: ") and expected in lines[0], lines
+
+
+def test_guard_off_spelling():
+    assert parse_config({"fp8": True, "fp8_guard": False}).fp8_guard == "off"  # YAML's bare off
+    cfg = parse_config({"fp8": True})
+    assert cfg.fp8_guard == "off" and not cfg.fp8_health_on
+    assert parse_config({"fp8": True, "fp8_guard": "warn"}).fp8_health_on
+
+
+# every layer whose input max-to-rms exceeds 4 is unhealthy: on the tiny run this moves some
+# layers and not others, early, deterministically
+ACT = {"fp8_guard": "act", "fp8_guard_patience": 2, "fp8_guard_thresholds": {"max_to_rms": 4.0},
+       "fp8_health_sqnr_every": 3, "save_steps": 4, "eval_steps": None, "val_set_size": 0.0,
+       "use_tensorboard": False}
+
+
+def test_act_run_records_moves_and_resume_keeps_them_bit_exactly(tmp_path):
+    ref = train(load_config(TINY, {**ACT, "output_dir": str(tmp_path / "ref")}))
+    out = ref.output_dir
+    moves = read_metrics(out, "fp8_guard")
+    assert moves and all(r["moved"] and r["signal"] == "input.max_to_rms" and r["value"] > 4.0 for r in moves)
+    assert len({r["layer"] for r in moves}) == len(moves) < 27  # each layer once; not every layer
+    health = read_metrics(out, "fp8_health")
+    assert [r["step"] for r in health] == list(range(1, 9))
+    sampled = [r["step"] for r in health if any(v["sqnr_db"] is not None for v in r["layers"].values())]
+    assert sampled == [1, 4, 7]  # fp8_health_sqnr_every: 3
+    report = open(os.path.join(out, "fp8_conversion.txt")).read()
+    assert f"fp8_guard: {len(moves)} layer(s) moved to high precision (bf16)" in report
+    assert all(f"step {r['step']}: {r['layer']}" in report for r in moves)
+    saved = json.load(open(os.path.join(out, "checkpoint-8", "lowprec_state.json")))
+    assert saved  # a complete checkpoint
+    # resume from step 4 (some moves before it, maybe some after): the same run, bit for bit
+    first = [r for r in moves if r["step"] <= 4]
+    assert first, moves
+    res_dir = tmp_path / "res"
+    import shutil
+
+    shutil.copytree(os.path.join(out, "checkpoint-4"), res_dir / "checkpoint-4")
+    res = train(load_config(TINY, {**ACT, "output_dir": str(res_dir), "resume_from_checkpoint": "auto"}))
+    assert dict(res.train_losses) == {s: v for s, v in ref.train_losses if s > 4}
+    from safetensors.torch import load_file
+
+    a, b = load_file(os.path.join(out, "model.safetensors")), load_file(str(res_dir / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r for r in read_metrics(str(res_dir), "fp8_guard")] == [r for r in moves if r["step"] > 4]
+    assert all(f"step {r['step']}: {r['layer']}" in open(res_dir / "fp8_conversion.txt").read() for r in moves)
