@@ -3,7 +3,6 @@ and ``lowprec train`` with ``fp8_guard: act`` (records, conversion report, resum
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -157,8 +156,7 @@ def test_act_run_records_moves_and_resume_keeps_them_bit_exactly(tmp_path):
     report = open(os.path.join(out, "fp8_conversion.txt")).read()
     assert f"fp8_guard: {len(moves)} layer(s) moved to high precision (bf16)" in report
     assert all(f"step {r['step']}: {r['layer']}" in report for r in moves)
-    saved = json.load(open(os.path.join(out, "checkpoint-8", "lowprec_state.json")))
-    assert saved  # a complete checkpoint
+    assert os.path.isfile(ref.files["fp8_report"])  # drawn with the moves (plots.py)
     # resume from step 4 (some moves before it, maybe some after): the same run, bit for bit
     first = [r for r in moves if r["step"] <= 4]
     assert first, moves
