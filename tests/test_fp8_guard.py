@@ -3,9 +3,12 @@ and ``lowprec train`` with ``fp8_guard: act`` (records, conversion report, resum
 
 from __future__ import annotations
 
+import base64
+import io
 import logging
 import math
 import os
+from html.parser import HTMLParser
 
 import pytest
 import torch
@@ -157,6 +160,7 @@ def test_act_run_records_moves_and_resume_keeps_them_bit_exactly(tmp_path):
     assert f"fp8_guard: {len(moves)} layer(s) moved to high precision (bf16)" in report
     assert all(f"step {r['step']}: {r['layer']}" in report for r in moves)
     assert os.path.isfile(ref.files["fp8_report"])  # drawn with the moves (plots.py)
+    _check_report(out, moves)
     # resume from step 4 (some moves before it, maybe some after): the same run, bit for bit
     first = [r for r in moves if r["step"] <= 4]
     assert first, moves
@@ -172,3 +176,63 @@ def test_act_run_records_moves_and_resume_keeps_them_bit_exactly(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r for r in read_metrics(str(res_dir), "fp8_guard")] == [r for r in moves if r["step"] > 4]
     assert all(f"step {r['step']}: {r['layer']}" in open(res_dir / "fp8_conversion.txt").read() for r in moves)
+
+
+class _Page(HTMLParser):
+    """Collects the table's rows and the images; a tag left open or closed twice is an error."""
+
+    VOID = {"meta", "img", "br", "link"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.rows, self.imgs, self.cell = [], [], [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.imgs.append(dict(attrs))
+        if tag == "tr":
+            self.rows.append([])
+        if tag == "td":
+            self.cell = ""
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        assert self.stack and self.stack.pop() == tag, (tag, self.stack)
+        if tag == "td":
+            self.rows[-1].append(self.cell)
+            self.cell = None
+
+    def handle_data(self, data):
+        if self.cell is not None:
+            self.cell += data
+
+
+def _check_report(out, moves):
+    """lowprec report: a valid self-contained page (no browser here: parsed, and its image
+    decoded), the guard's layers first with their moves, the PNG next to it."""
+    assert main(["report", out, "--layers", "3"]) == 0
+    page = _Page()
+    page.feed(open(os.path.join(out, "health_report.html")).read())
+    page.close()
+    assert page.stack == []  # every tag closed
+    (img,) = page.imgs
+    assert img["src"].startswith("data:image/png;base64,")  # self-contained: nothing to fetch
+    from PIL import Image
+
+    png = Image.open(io.BytesIO(base64.b64decode(img["src"].split(",", 1)[1])))
+    assert png.format == "PNG" and png.size[1] > 400
+    body = [r for r in page.rows if r]
+    assert len(body) == 27  # every FP8 layer of llama-tiny, once
+    first = [r[1] for r in body[: len(moves)]]
+    assert first == [m["layer"] for m in moves]  # the moved layers head the table, in order
+    assert all(f"step {m['step']}: moved to bf16" in r[5] for m, r in zip(moves, body))
+    assert os.path.isfile(os.path.join(out, "health_report.png"))
+
+
+def test_report_without_health_records_is_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 3.0}\n')
+    assert main(["report", str(tmp_path)]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert lines == [f"lowprec: error: {tmp_path}: metrics.jsonl has no fp8_health records; train with fp8_health: true "
+                     "(or fp8_guard: warn | act) to record them"]

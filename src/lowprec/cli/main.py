@@ -33,7 +33,7 @@ from lowprec.errors import EXIT_NONFINITE, EXIT_STORAGE, EXIT_USAGE, NonFiniteEr
 
 __all__ = ["COMMANDS", "main", "build_parser"]
 
-COMMANDS = ("launch", "config", "env", "train", "compare")
+COMMANDS = ("launch", "config", "env", "train", "compare", "report")
 
 
 def _load_commands() -> dict[str, ModuleType]:
