@@ -4,7 +4,8 @@ bf16; the FP8 guard (``lowprec.fp8.guard``) flags the layer (``warn``) or moves 
 
 The built-in llama-tiny (4 layers) trains on the bundled corpus with bf16 autocast. A forward
 pre-hook on ``layers.1.mlp.down_proj`` multiplies one channel of its input (the SwiGLU output)
-by 2**(bits * step / grow_steps), then holds it: the Smooth-SwiGLU mechanism (a channel whose gate and up weights
+by s = 2**(bits * step / grow_steps), then holds it, and divides that column of its weight by s
+(the same function): the Smooth-SwiGLU mechanism (a channel whose gate and up weights
 align grows quadratically), injected so that it happens in a CPU-sized run. In bf16 the channel
 is representable; under tensorwise FP8 the other channels of that GEMM's input lose their
 resolution (E4M3 spans 2**17.8 from the smallest subnormal to the max) and then flush to zero.
@@ -40,17 +41,37 @@ from lowprec.train.tokenizer import ByteTokenizer  # noqa: E402
 LAYER = "model.layers.1.mlp.down_proj"
 
 
+class _Inverse(torch.nn.Module):
+    """down_proj's weight column ``channel`` divided by the factor its input channel is
+    multiplied by: the layer computes the same function in exact arithmetic."""
+
+    def __init__(self, factor, channel: int) -> None:
+        super().__init__()
+        self.factor, self.channel = factor, channel
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        inv = torch.ones(w.shape[1], dtype=w.dtype, device=w.device)
+        inv[self.channel] = 1.0 / self.factor()
+        return w * inv
+
+
 def inject(model: torch.nn.Module, state: dict, bits: float, steps: int, channel: int = 7):
-    """The growing outlier: channel ``channel`` of down_proj's input times 2**(bits*t/steps),
-    ``steps`` being the steps it grows over (then it stays at 2**bits)."""
+    """The growing outlier: channel ``channel`` of down_proj's input times s = 2**(bits*t/steps)
+    (``steps``: the steps it grows over; then it stays at 2**bits), that column of its weight
+    divided by s. Function- and gradient-preserving in exact arithmetic (so bf16 barely notices),
+    the shape Smooth-SwiGLU describes: one huge activation channel, its weights small."""
+    from torch.nn.utils import parametrize
+
     mod = dict(model.named_modules())[LAYER]
+    factor = lambda: 2.0 ** (bits * min(1.0, state["step"] / steps))  # noqa: E731
 
     def pre(module, args):
         x = args[0]
         m = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-        m[channel] = 2.0 ** (bits * min(1.0, state["step"] / steps))
+        m[channel] = factor()
         return (x * m,)
 
+    parametrize.register_parametrization(mod, "weight", _Inverse(factor, channel))
     return mod.register_forward_pre_hook(pre)
 
 
@@ -109,7 +130,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="1")
     ap.add_argument("--variants", default="bf16,fp8,warn,act")
     ap.add_argument("--bits", type=float, default=24.0, help="the outlier channel grows by 2**bits")
-    ap.add_argument("--grow", type=float, default=0.6, help="... over this fraction of the steps, then stays")
+    ap.add_argument("--grow", type=float, default=0.5, help="... over this fraction of the steps, then stays")
     ap.add_argument("--lr", type=float, default=5e-4, help="compare.yaml's: FP8-vs-bf16 trajectory noise ~0.1-0.3%%")
     ap.add_argument("--recipe", default="tensorwise")
     ap.add_argument("--check", type=int, default=5, help="health check (and loss window) every N steps")
