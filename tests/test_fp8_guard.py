@@ -236,3 +236,23 @@ def test_report_without_health_records_is_one_line_exit_2(tmp_path, capsys):
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert lines == [f"lowprec: error: {tmp_path}: metrics.jsonl has no fp8_health records; train with fp8_health: true "
                      "(or fp8_guard: warn | act) to record them"]
+
+
+def test_reproducer_flags_and_moves_only_the_injected_layer(tmp_path):
+    """benchmarks/fp8_guard_repro.py in a few steps (its numbers come from 200: docs/log/health.md):
+    the outlier grows to 2^30 by step 4, so warn and act fire on its layer and no other."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fp8_guard_repro.py"), "--steps", "8", "--check", "2",
+           "--variants", "warn,act", "--bits", "30", "--patience", "2", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    runs = json.load(open(out))["runs"]
+    layer = "model.layers.1.mlp.down_proj"
+    assert runs["act"]["1"]["moved"] == [layer]
+    assert [e["layer"] for e in runs["warn"]["1"]["events"]] == [layer] and not runs["warn"]["1"]["moved"]
