@@ -36,6 +36,7 @@ from torch import nn
 
 from lowprec.fp8.formats import fp8_max
 from lowprec.fp8.linear import Float8Linear
+from lowprec.fp8.tp_linear import is_tensor_parallel
 
 __all__ = ["sqnr_db", "max_to_rms", "headroom_bits", "operand_max", "signals", "HealthProbe"]
 
@@ -147,7 +148,9 @@ class HealthProbe:
                 got = self._readings.setdefault(name, {})
                 if self._outliers:
                     got["max_to_rms"] = max_to_rms(x.detach())
-                if self._sqnr:  # the shadow GEMM: the same x and W in float32
+                # the shadow GEMM: the same x and W in float32 (not for a tensor-parallel layer,
+                # whose DTensor weight is a shard of the GEMM: its SQNR is left unmeasured)
+                if self._sqnr and not is_tensor_parallel(module.weight):
                     w = module.gemm_weight().detach().float()
                     b = None if module.bias is None else module.bias.detach().float()
                     ref = F.linear(x.detach().float(), w, b)
