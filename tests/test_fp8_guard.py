@@ -123,6 +123,7 @@ def test_a_moved_layer_is_exactly_a_plain_linear():
     ({"fp8": False, "fp8_guard": "act"}, "fp8_guard: act watches FP8 layers but fp8 is false; set fp8: true"),
     ({"fp8_guard": "act", "fp8_guard_thresholds": {"underflw": 0.1}}, "fp8_guard_thresholds.underflw: unknown signal (did you mean 'underflow'"),
     ({"fp8_guard": "act", "fp8_guard_patience": 0}, "fp8_guard_patience: Input should be greater than or equal to 1"),
+    ({"fp8_guard": "warn", "fp8_health": False}, "fp8_guard: warn reads the health signals that fp8_health: false turns off"),
 ])
 def test_bad_guard_keys_are_one_line_exit_2(tmp_path, capsys, data, expected):
     path = tmp_path / "bad.yaml"

@@ -132,6 +132,9 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         if (self.fp8_guard != "off" or self.fp8_health) and not self.fp8:
             key = f"fp8_guard: {self.fp8_guard}" if self.fp8_guard != "off" else "fp8_health: true"
             raise ValueError(f"{key} watches FP8 layers but fp8 is {yaml_text(self.fp8)}; set fp8: true or drop it")
+        if self.fp8_guard != "off" and self.fp8_health is False:
+            raise ValueError(f"fp8_guard: {self.fp8_guard} reads the health signals that fp8_health: false turns off; "
+                             "drop fp8_health (a guard turns it on) or set fp8_guard: off")
         check_fp8_backend(self)
         return self
 
