@@ -257,3 +257,45 @@ def test_reproducer_flags_and_moves_only_the_injected_layer(tmp_path):
     layer = "model.layers.1.mlp.down_proj"
     assert runs["act"]["1"]["moved"] == [layer]
     assert [e["layer"] for e in runs["warn"]["1"]["events"]] == [layer] and not runs["warn"]["1"]["moved"]
+
+
+def test_robust_z_and_the_detector():
+    from lowprec.train.spikes import SpikeDetector, robust_z
+
+    assert robust_z(3.0, [1.0, 2.0, 3.0]) == pytest.approx(1 / 1.4826)  # median 2, MAD 1
+    assert robust_z(5.0, [2.0, 2.0]) == math.inf and robust_z(2.0, [2.0, 2.0]) == 0.0
+    d = SpikeDetector(window=5, zscore=6.0)
+    assert [d.observe(v) for v in (3.0, 3.1, 2.9, 3.0, 3.05)] == [None] * 5  # filling the window
+    z, med = d.observe(9.0)
+    assert med == 3.0 and z > 6
+    assert 9.0 not in d.losses and d.observe(3.02) is None  # a spike stays out of the window
+
+
+def test_loss_spike_act_rolls_back_skips_the_batches_then_stops(tmp_path, monkeypatch, capsys):
+    """A spike forced at step 6 (the detector patched: real spikes are not reproducible in 8 steps):
+    act restores checkpoint-4 and trains steps 5-6 again on the batches after the spike's; the
+    next spike, past loss_spike_max_rollbacks: 1, stops the run with exit code 3 in one line."""
+    from lowprec.train import spikes
+
+    calls = {"n": 0}
+
+    def observe(self, loss):
+        calls["n"] += 1
+        return (50.0, 2.0) if calls["n"] in (6, 9) else None  # step 6, then step 7 after the rollback
+
+    monkeypatch.setattr(spikes.SpikeDetector, "observe", observe)
+    seen = []
+    cfg = load_config(TINY, {"loss_spike": "act", "loss_spike_max_rollbacks": 1, "save_steps": 4, "eval_steps": None,
+                             "val_set_size": 0.0, "use_tensorboard": False, "output_dir": str(tmp_path / "run")})
+    from lowprec.errors import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match=r"loss spike at step 7: .* after 1 rollback\(s\) \(loss_spike_max_rollbacks: 1\)"):
+        train(cfg, on_log=seen.append)
+    steps = [r["step"] for r in seen]
+    assert steps == [1, 2, 3, 4, 5, 5, 6]  # step 6 spiked (not logged); 5 again after the rollback, then 6
+    first, again = {r["step"]: r["loss"] for r in seen[:5]}, {r["step"]: r["loss"] for r in seen[5:]}
+    assert first[5] != again[5]  # other batches: the spike's were skipped
+    recs = read_metrics(str(tmp_path / "run"))
+    (spike,) = [r for r in recs if r["kind"] == "loss_spike" and r["rolled_back_to"] is not None]
+    assert (spike["step"], spike["rolled_back_to"]) == (6, 4)
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]  # the first 5-6 cut

@@ -52,6 +52,16 @@ class OutputKeys(StrictModel):
     loss_watchdog_patience: Optional[int] = Field(
         default=None, ge=1, description="optimizer steps in a row above loss_watchdog_threshold before stopping (default 3)"
     )
+    loss_spike: Union[Literal["off", "warn", "act"], bool] = Field(
+        default="off",
+        description="loss-spike detector (robust z-score of the step's loss over loss_spike_window steps): warn logs "
+        "each spike; act also rolls back to the last checkpoint and skips the batches that produced it",
+    )
+    loss_spike_window: int = Field(default=50, ge=5, description="optimizer steps the loss-spike z-score is taken over")
+    loss_spike_zscore: float = Field(default=6.0, gt=0, description="robust z-score above which a step's loss is a spike")
+    loss_spike_max_rollbacks: int = Field(
+        default=3, ge=1, description="loss_spike: act rolls back at most this many times, then stops (exit code 3)"
+    )
     early_stopping_patience: Optional[int] = Field(
         default=None, ge=1, description="end training after this many evaluations in a row without a lower validation loss"
     )
@@ -61,6 +71,15 @@ class OutputKeys(StrictModel):
     max_consecutive_skipped_steps: Optional[int] = Field(
         default=3, ge=1, description="stop (exit code 3) after this many skipped steps in a row (null: never)"
     )
+
+    @field_validator("loss_spike")
+    @classmethod
+    def _spike(cls, v: Union[str, bool]) -> str:
+        if v is False:  # YAML 1.1 reads a bare off as false
+            return "off"
+        if v is True:
+            raise ValueError("loss_spike: true is ambiguous; use loss_spike: warn (log) or loss_spike: act (roll back)")
+        return v
 
     @field_validator("output_dir")
     @classmethod
