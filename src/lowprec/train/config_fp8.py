@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from lowprec.catalog import RECIPE_NAMES, unread_recipe_fields
-from lowprec.train.config_base import StrictModel
+from lowprec.train.config_base import StrictModel, off_warn_act
 
 __all__ = ["FP8RecipeSpec", "PrecisionKeys"]
 
@@ -99,11 +99,7 @@ class PrecisionKeys(StrictModel):
     @field_validator("fp8_guard")
     @classmethod
     def _guard(cls, v: Union[str, bool]) -> str:
-        if v is False:  # YAML 1.1 reads a bare off as false
-            return "off"
-        if v is True:
-            raise ValueError("fp8_guard: true is ambiguous; use fp8_guard: warn (log) or fp8_guard: act (move the layer to bf16)")
-        return v
+        return off_warn_act("fp8_guard", v, "move the layer to bf16")
 
     @field_validator("fp8_guard_thresholds")
     @classmethod

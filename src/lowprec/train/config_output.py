@@ -6,7 +6,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from lowprec.train.config_base import StrictModel
+from lowprec.train.config_base import StrictModel, off_warn_act
 
 __all__ = ["OutputKeys"]
 
@@ -75,11 +75,7 @@ class OutputKeys(StrictModel):
     @field_validator("loss_spike")
     @classmethod
     def _spike(cls, v: Union[str, bool]) -> str:
-        if v is False:  # YAML 1.1 reads a bare off as false
-            return "off"
-        if v is True:
-            raise ValueError("loss_spike: true is ambiguous; use loss_spike: warn (log) or loss_spike: act (roll back)")
-        return v
+        return off_warn_act("loss_spike", v, "roll back")
 
     @field_validator("output_dir")
     @classmethod
