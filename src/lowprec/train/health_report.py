@@ -7,7 +7,7 @@ threshold dashed and the guard's events as vertical lines) and ``health_report.h
 self-contained page: the picture inlined as a data: URI and a table of every layer, worst first,
 with the first step it crossed a threshold and what the guard did).
 
-A layer's *severity* is its worst ratio to a threshold over the run (underflow / 0.01,
+A layer's *severity* is its worst ratio to a threshold over the run (underflow / 0.02,
 max_to_rms / 100, 15 dB / sqnr_db, ...): above 1 it crossed one.
 """
 
