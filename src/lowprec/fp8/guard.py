@@ -11,7 +11,7 @@ defaults below); after ``patience`` unhealthy checks in a row an *episode* start
   so a resumed run keeps them.
 
 Defaults, chosen on the reproducer ``benchmarks/fp8_guard_repro.py`` and the quickstart (the
-worst healthy values measured there: underflow 0.0102 once, a dY operand, max_to_rms 38.8,
+worst healthy values measured there: underflow 0.0102 once, a dY operand, max_to_rms 80.3,
 SQNR 24.9 dB; docs/log/health.md):
 
 ==================  ==========  =============================================================
@@ -19,7 +19,7 @@ signal              threshold   why
 ==================  ==========  =============================================================
 saturated           > 1e-3      more than 0.1% of an operand's values clipped at the max
 underflow           > 0.02      more than 2% of the non-zero values flushed to zero
-max_to_rms (input)  > 100       one channel far above the rest (a growing SwiGLU outlier)
+max_to_rms (input)  > 200       one channel far above the rest (a growing SwiGLU outlier)
 sqnr_db             < 15        the FP8 GEMM output's SQNR vs the float32 shadow GEMM (healthy
                                 E4M3 tensorwise layers measure ~25-30 dB)
 ==================  ==========  =============================================================
@@ -47,7 +47,7 @@ THRESHOLD_NAMES = ("saturated", "underflow", "max_to_rms", "sqnr_db")
 class Thresholds:
     saturated: float = 1e-3
     underflow: float = 0.02
-    max_to_rms: float = 100.0
+    max_to_rms: float = 200.0
     sqnr_db: float = 15.0
     patience: int = 3  # K: unhealthy checks in a row before warn / act
 

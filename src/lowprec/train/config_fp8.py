@@ -77,7 +77,7 @@ class PrecisionKeys(StrictModel):
     )
     fp8_guard_thresholds: Optional[dict[str, float]] = Field(
         default=None,
-        description="change fp8_guard thresholds: {saturated: 1.0e-3, underflow: 0.02, max_to_rms: 100, sqnr_db: 15} "
+        description="change fp8_guard thresholds: {saturated: 1.0e-3, underflow: 0.02, max_to_rms: 200, sqnr_db: 15} "
         "(the defaults; a layer crossing any is unhealthy at that check)",
     )
     fp8_health: Optional[bool] = Field(

@@ -8,7 +8,7 @@ self-contained page: the picture inlined as a data: URI and a table of every lay
 with the first step it crossed a threshold and what the guard did).
 
 A layer's *severity* is its worst ratio to a threshold over the run (underflow / 0.02,
-max_to_rms / 100, 15 dB / sqnr_db, ...): above 1 it crossed one.
+max_to_rms / 200, 15 dB / sqnr_db, ...): above 1 it crossed one.
 """
 
 from __future__ import annotations
