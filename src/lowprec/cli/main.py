@@ -33,7 +33,7 @@ from lowprec.errors import EXIT_NONFINITE, EXIT_STORAGE, EXIT_USAGE, NonFiniteEr
 
 __all__ = ["COMMANDS", "main", "build_parser"]
 
-COMMANDS = ("launch", "config", "env", "train", "compare", "export")
+COMMANDS = ("launch", "config", "env", "train", "compare", "export", "report")
 
 
 def _load_commands() -> dict[str, ModuleType]:

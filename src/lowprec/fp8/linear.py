@@ -313,6 +313,10 @@ class Float8Linear(nn.Linear):
     fp8_scale_grad_output: torch.Tensor
     recipe: Recipe
     fp8_telemetry: bool
+    # True: all three GEMMs of this layer run in high precision (the autocast dtype, bf16), as if
+    # it were a plain nn.Linear; what fp8.guard sets to move one unhealthy layer out of FP8 (a
+    # Recipe cannot override all three GEMMs: it rejects that as "turn FP8 off instead")
+    high_precision: bool
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *, recipe: Recipe | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -321,6 +325,7 @@ class Float8Linear(nn.Linear):
     def _init_fp8(self, recipe: Recipe) -> None:
         self.recipe = recipe
         self.fp8_telemetry = False
+        self.high_precision = False
         device = self.weight.device
         if recipe.scaling == "delayed":
             for o in OPERANDS:
@@ -390,7 +395,7 @@ class Float8Linear(nn.Linear):
         recipe = override if override is not None else self.recipe
         eval_override = current_eval_override()
         in_eval = recipe.use_during_eval if eval_override is None else eval_override
-        if not fp8_enabled() or not (self.training or in_eval):
+        if not fp8_enabled() or not (self.training or in_eval) or self.high_precision:
             return None
         if recipe.scaling == "delayed" and not hasattr(self, "fp8_amax_history_input"):
             raise ValueError(

@@ -32,6 +32,9 @@ class TrainerState:
     # the loop's open logging window and counters (``Loop.window_state``), so that a run resumed
     # mid-window logs what the uninterrupted run logs; absent in older checkpoints (fresh window)
     loop: Optional[dict[str, Any]] = None
+    # fp8_health / fp8_guard (``health.RunHealth.state_dict``): moved layers, streaks, trends;
+    # None when neither is on (and in older checkpoints)
+    fp8_guard: Optional[dict[str, Any]] = None
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -40,6 +43,7 @@ class TrainerState:
         self.step, self.tokens = int(state["step"]), int(state["tokens"])
         self.train_time_s = float(state.get("train_time_s", 0.0))
         self.loop = state.get("loop")
+        self.fp8_guard = state.get("fp8_guard")
 
 
 def checkpoint_dir(output_dir: str, step: int) -> str:

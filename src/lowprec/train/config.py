@@ -129,6 +129,12 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         if self.eval_table_size and self.eval_max_new_tokens is not None and self.eval_max_new_tokens >= self.sequence_len:
             raise ValueError(f"eval_max_new_tokens: {self.eval_max_new_tokens} leaves no room for a prompt in sequence_len: "
                              f"{self.sequence_len} (prompt and generation share it); lower it below {self.sequence_len}")
+        if (self.fp8_guard != "off" or self.fp8_health) and not self.fp8:
+            key = f"fp8_guard: {self.fp8_guard}" if self.fp8_guard != "off" else "fp8_health: true"
+            raise ValueError(f"{key} watches FP8 layers but fp8 is {yaml_text(self.fp8)}; set fp8: true or drop it")
+        if self.fp8_guard != "off" and self.fp8_health is False:
+            raise ValueError(f"fp8_guard: {self.fp8_guard} reads the health signals that fp8_health: false turns off; "
+                             "drop fp8_health (a guard turns it on) or set fp8_guard: off")
         check_fp8_backend(self)
         return self
 

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict
 
-__all__ = ["StrictModel", "yaml_text"]
+__all__ = ["StrictModel", "yaml_text", "off_warn_act"]
 
 
 class StrictModel(BaseModel):
@@ -29,3 +29,13 @@ class StrictModel(BaseModel):
 def yaml_text(v: Any) -> str:
     """``v`` as the user would write it in YAML (``true``, ``[a, b]``), for error messages."""
     return yaml.safe_dump(v, default_flow_style=True).strip().removesuffix("...").strip()
+
+
+def off_warn_act(key: str, v: Any, act: str) -> Any:
+    """An ``off | warn | act`` key: YAML 1.1 reads a bare ``off`` as false (accepted as off);
+    ``true`` says neither warn nor act, so it is refused with both spelled out."""
+    if v is False:
+        return "off"
+    if v is True:
+        raise ValueError(f"{key}: true is ambiguous; use {key}: warn (log) or {key}: act ({act})")
+    return v

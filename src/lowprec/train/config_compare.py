@@ -104,6 +104,9 @@ def check_fp8_backend(cfg) -> None:
     if cfg.fp8_recipe.overrides:
         raise ValueError(f"fp8_recipe.{next(iter(cfg.fp8_recipe.overrides))}: lowprec recipe fields do not reach "
                          f"{spec.name}; drop it or use fp8_backend: {FP8_BACKENDS[0]}")
+    if cfg.fp8_guard != "off" or cfg.fp8_health:
+        raise ValueError(f"fp8_guard / fp8_health with {key}: {spec.name}'s layers have no lowprec telemetry; drop them "
+                         f"or use fp8_backend: {FP8_BACKENDS[0]}")
     if cfg.fp8_filter:
         raise ValueError(f"fp8_filter with {key}: {spec.name} keeps only the default layers (first/last "
                          f"Linear, lm_head, router, gate) in high precision here; drop fp8_filter or use "

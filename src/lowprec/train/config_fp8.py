@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from lowprec.catalog import RECIPE_NAMES, unread_recipe_fields
-from lowprec.train.config_base import StrictModel
+from lowprec.train.config_base import StrictModel, off_warn_act
 
 __all__ = ["FP8RecipeSpec", "PrecisionKeys"]
 
@@ -67,12 +67,59 @@ class PrecisionKeys(StrictModel):
     fp8_fallback: Optional[Literal["bf16", "emulate"]] = Field(
         default=None, description="on a GPU without FP8 (below sm_89): bf16 (train in bf16) or emulate (FP8 numerics, slow)"
     )
+    fp8_guard: Union[Literal["off", "warn", "act"], bool] = Field(
+        default="off",
+        description="per-layer FP8 health guard: off, warn (log the layer, signal and step once per episode) or act "
+        "(also move that layer to bf16, kept on resume); thresholds in docs/guide.md, checked at each logging step",
+    )
+    fp8_guard_patience: int = Field(
+        default=3, ge=1, description="unhealthy checks (logging steps) in a row before fp8_guard warns or acts"
+    )
+    fp8_guard_thresholds: Optional[dict[str, float]] = Field(
+        default=None,
+        description="change fp8_guard thresholds: {saturated: 1.0e-3, underflow: 0.02, max_to_rms: 200, sqnr_db: 15} "
+        "(the defaults; a layer crossing any is unhealthy at that check)",
+    )
+    fp8_health: Optional[bool] = Field(
+        default=None,
+        description="per-layer FP8 health signals (kind: fp8_health in metrics.jsonl) at each logging step "
+        "(default: on when fp8_guard is warn or act)",
+    )
+    fp8_health_sqnr_every: int = Field(
+        default=50, ge=1,
+        description="measure each FP8 layer's output SQNR against a float32 shadow GEMM 1 step in N (on a logging step)",
+    )
     tf32: Union[Literal["auto"], bool] = Field(
         default="auto", description="TF32 matmuls on NVIDIA GPUs (auto: torch's setting; no effect on CPU)"
     )
     torch_compile: Union[Literal["auto"], bool] = Field(
         default=False, description="torch.compile the model (auto: on CUDA only)"
     )
+
+    @field_validator("fp8_guard")
+    @classmethod
+    def _guard(cls, v: Union[str, bool]) -> str:
+        return off_warn_act("fp8_guard", v, "move the layer to bf16")
+
+    @field_validator("fp8_guard_thresholds")
+    @classmethod
+    def _thresholds(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        if v is None:
+            return v
+        from lowprec.fp8.guard import THRESHOLD_NAMES
+
+        for k in v:
+            if k not in THRESHOLD_NAMES:
+                from lowprec.errors import did_you_mean
+
+                raise ValueError(f"fp8_guard_thresholds.{k}: unknown signal{did_you_mean(k, THRESHOLD_NAMES)}; "
+                                 f"use {', '.join(THRESHOLD_NAMES)}")
+        return v
+
+    @property
+    def fp8_health_on(self) -> bool:
+        """Health signals are recorded: fp8_health: true, or by default with a guard."""
+        return self.fp8_health if self.fp8_health is not None else self.fp8_guard != "off"
 
     @field_validator("fp8_recipe")
     @classmethod

@@ -6,7 +6,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from lowprec.train.config_base import StrictModel
+from lowprec.train.config_base import StrictModel, off_warn_act
 
 __all__ = ["OutputKeys"]
 
@@ -52,6 +52,16 @@ class OutputKeys(StrictModel):
     loss_watchdog_patience: Optional[int] = Field(
         default=None, ge=1, description="optimizer steps in a row above loss_watchdog_threshold before stopping (default 3)"
     )
+    loss_spike: Union[Literal["off", "warn", "act"], bool] = Field(
+        default="off",
+        description="loss-spike detector (robust z-score of the step's loss over loss_spike_window steps): warn logs "
+        "each spike; act also rolls back to the last checkpoint and skips the batches that produced it",
+    )
+    loss_spike_window: int = Field(default=50, ge=5, description="optimizer steps the loss-spike z-score is taken over")
+    loss_spike_zscore: float = Field(default=6.0, gt=0, description="robust z-score above which a step's loss is a spike")
+    loss_spike_max_rollbacks: int = Field(
+        default=3, ge=1, description="loss_spike: act rolls back at most this many times, then stops (exit code 3)"
+    )
     early_stopping_patience: Optional[int] = Field(
         default=None, ge=1, description="end training after this many evaluations in a row without a lower validation loss"
     )
@@ -82,6 +92,11 @@ class OutputKeys(StrictModel):
             raise ValueError(f"export: fp8_recipe {recipe} trains microscaled weights that no FP8 export format "
                              "holds; drop export (or run `lowprec export ... --requantize` after training)")
         return self
+
+    @field_validator("loss_spike")
+    @classmethod
+    def _spike(cls, v: Union[str, bool]) -> str:
+        return off_warn_act("loss_spike", v, "roll back")
 
     @field_validator("output_dir")
     @classmethod

@@ -50,6 +50,9 @@ class Run:
     eval_every: Optional[int] = None  # eval_steps, or resolved from evals_per_epoch
     save_every: Optional[int] = None  # save_steps, or resolved from saves_per_epoch
     table: Any = None  # generations.EvalTable with eval_table_size
+    health: Any = None  # health.RunHealth with fp8_health / fp8_guard
+    on_move: Optional[Callable[[], None]] = None  # fp8_guard: act moved a layer (rewrite the conversion report)
+    kept_moves: list = field(default_factory=list)  # a checkpoint's moves, resumed with fp8_guard off
 
     def stop_line(self, text: str) -> str:
         last = ckpt.latest_checkpoint(self.output_dir)
@@ -102,6 +105,9 @@ class Loop:
     evals_without_gain: int = 0  # early_stopping_patience
     stop_early: bool = False
     untrained: bool = False  # this step's micro-batches had no label to learn (all -100)
+    spikes: Any = None  # spikes.SpikeDetector with loss_spike
+    rollbacks: int = 0  # loss_spike: act, in this process
+    rolled_back: bool = False  # the last optimizer_step ended in a rollback
 
     def optimizer_step(self) -> tuple[float, Optional[torch.Tensor]]:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the
@@ -132,10 +138,62 @@ class Loop:
         run.state.tokens += step_tokens
         if cfg.loss_watchdog_threshold is not None:
             self._watch(float(acc.reduce(step_loss / cfg.gradient_accumulation_steps, "mean")))
+        self.rolled_back = False
+        if self.spikes is not None:
+            loss = float(acc.reduce(step_loss / cfg.gradient_accumulation_steps, "mean"))
+            hit = self.spikes.observe(loss)
+            if hit is not None and self._spike(loss, *hit):
+                return lr, grad_norm
         self.window_loss += step_loss / cfg.gradient_accumulation_steps
         self.window_steps += 1
         self.window_tokens += step_tokens
         return lr, grad_norm
+
+    def _spike(self, loss: float, z: float, median: float) -> bool:
+        """A loss spike at this step (``spikes.py``): log it; with act, roll back. True when rolled back."""
+        import logging
+
+        from lowprec.train.metrics import truncate_after
+
+        run, log = self.run, logging.getLogger("lowprec")
+        cfg, step = run.cfg, run.state.step
+        rec = {"kind": "loss_spike", "step": step, "loss": loss, "z": z, "median": median, "rolled_back_to": None}
+        path = ckpt.latest_checkpoint(run.output_dir) if cfg.loss_spike == "act" else None
+        what = f"loss spike at step {step}: loss {loss:.4g}, robust z {z:.3g} over the last {cfg.loss_spike_window} steps (median {median:.4g})"
+        if cfg.loss_spike == "act" and self.rollbacks >= cfg.loss_spike_max_rollbacks:
+            raise NonFiniteError(f"loss_spike: {what}, after {self.rollbacks} rollback(s) (loss_spike_max_rollbacks: "
+                                 f"{cfg.loss_spike_max_rollbacks}); lower the learning rate or check the data")
+        if path is None:
+            if run.main:
+                log.warning("lowprec: %s%s", what, "; no checkpoint to roll back to yet (set save_steps)" if cfg.loss_spike == "act" else "")
+            run.writer.write(rec)
+            return False
+        self.rollbacks += 1
+        run.acc.load_state(path)  # weights, optimizer, schedule, RNG, FP8 state, data position, TrainerState
+        back = run.state.step
+        if run.main:
+            log.warning("lowprec: %s; rolled back to %s and skipping the %d step(s) of batches after it (rollback %d of %d)",
+                        what, path, step - back, self.rollbacks, cfg.loss_spike_max_rollbacks)
+        if run.health is not None:  # the checkpoint's moves, not the ones made since
+            for layer in run.health.probe.layers.values():
+                layer.high_precision = False
+            run.health.load_state_dict(run.state.fp8_guard or {})
+        if run.state.loop is not None:
+            self.restore_window(run.state.loop)
+        self.batches = run.loader.forever()
+        for _ in range((step - back) * cfg.gradient_accumulation_steps):  # PaLM: skip the batches that spiked
+            next(self.batches)
+        if run.main:  # metrics.jsonl as at the checkpoint, then the spike
+            tb = run.writer._tb is not None
+            run.writer.close()
+            truncate_after(run.output_dir, back)
+            run.writer = MetricsWriter(run.output_dir, True, tb, append=True)
+        run.writer.write({**rec, "rolled_back_to": back})
+        if self.bar is not None:
+            self.bar.n = back
+            self.bar.refresh()
+        self.rolled_back = True
+        return True
 
     def _watch(self, loss: float) -> None:
         """Axolotl's loss watchdog: a loss above the threshold for ``patience`` steps in a row
@@ -198,10 +256,22 @@ class Loop:
         if run.fp8_layers:
             from lowprec import fp8 as fp8_engine
 
-            run.writer.write({"kind": "fp8", "step": state.step, "layers": _telemetry_summary(fp8_engine.telemetry(run.inner))})
+            tele = fp8_engine.telemetry(run.inner)
+            run.writer.write({"kind": "fp8", "step": state.step, "layers": _telemetry_summary(tele)})
             fp8_engine.disable_telemetry(run.inner)
+            if run.health is not None:
+                self._check_health(tele)
         self.window_loss.zero_()
         self.window_steps, self.window_tokens, self.window_t0 = 0, 0, time.perf_counter()
+
+    def _check_health(self, tele: dict) -> None:
+        run = self.run
+        moved = False
+        for rec in run.health.check(run.state.step, tele):
+            run.writer.write(rec)
+            moved = moved or bool(rec.get("moved"))
+        if moved and run.on_move is not None and run.main:
+            run.on_move()
 
     def eval_and_save(self) -> None:
         run = self.run
@@ -228,6 +298,8 @@ class Loop:
         if run.save_every is not None and (state.step % run.save_every == 0 or at_end):
             t = time.perf_counter()
             state.loop = self.window_state()
+            state.fp8_guard = run.health.state_dict() if run.health is not None else (
+                {"moved": run.kept_moves} if run.kept_moves else None)
             run.acc.save_state(ckpt.checkpoint_dir(run.output_dir, state.step))
             if run.main:
                 ckpt.rotate(run.output_dir, cfg.save_total_limit)
@@ -281,6 +353,10 @@ def run_loop(run: Run) -> Loop:
     tokens_per_step = cfg.micro_batch_size * cfg.sequence_len * cfg.gradient_accumulation_steps * acc.num_processes // cfg.tensor_parallel_size
     loop = Loop(run, tokens_per_step, run.loader.forever())
     loop.window_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
+    if cfg.loss_spike != "off":
+        from lowprec.train.spikes import SpikeDetector
+
+        loop.spikes = SpikeDetector(cfg.loss_spike_window, cfg.loss_spike_zscore)
     if run.state.loop is not None:  # resumed mid-window: the window goes on, not restarts
         loop.restore_window(run.state.loop)
     if run.main and cfg.progress_bar:
@@ -295,7 +371,17 @@ def run_loop(run: Run) -> Loop:
                 from lowprec import fp8 as fp8_engine
 
                 fp8_engine.enable_telemetry(run.inner)
+                if run.health is not None:
+                    run.health.arm(run.state.step + 1)
             lr, grad_norm = loop.optimizer_step()
+            if loop.rolled_back:  # loss_spike: act restored a checkpoint: nothing of this step is logged
+                if run.fp8_layers and logging_now:
+                    from lowprec import fp8 as fp8_engine
+
+                    fp8_engine.disable_telemetry(run.inner)
+                    if run.health is not None:
+                        run.health.probe.take()
+                continue
             if logging_now:
                 loop.log_window(lr, grad_norm)
             if loop.bar is not None:

@@ -4,7 +4,10 @@ Records carry a ``kind``: ``train`` (every ``logging_steps``: loss averaged over
 learning rate, gradient norm, tokens/s, peak memory, ``skipped_steps``), ``eval`` (validation
 loss), ``generations`` (with ``eval_table_size``, at each evaluation: ``max_new_tokens`` and
 ``samples``, each ``index``, ``prompt``, ``reference``, ``generated``, ``new_tokens``; a
-TensorBoard text too), ``fp8`` (per-layer telemetry) and ``skip`` (one per optimizer step
+TensorBoard text too), ``fp8`` (per-layer telemetry), ``fp8_health`` (with ``fp8_health`` / ``fp8_guard``: per layer,
+the operands' saturated / underflow fractions, their trends and headroom_bits, the input's
+max_to_rms and, sampled, the output's sqnr_db; ``lowprec.fp8.health``), ``fp8_guard`` (one per
+guard episode: ``layer``, ``signal``, ``value``, ``moved``) and ``skip`` (one per optimizer step
 skipped for NaN/inf loss or gradients, with the running count). Each line is flushed as written, so a killed run leaves a readable file;
 on resume, :func:`truncate_after` drops the lines past the checkpoint's step.
 """
@@ -12,6 +15,7 @@ on resume, :func:`truncate_after` drops the lines past the checkpoint's step.
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -86,6 +90,10 @@ class MetricsWriter:
         if self._tb is not None:
             for tag, value in _scalars(record):
                 self._tb.add_scalar(tag, value, record["step"])
+            if record["kind"] == "fp8_guard":
+                from lowprec.fp8.guard import Event
+
+                self._tb.add_text("fp8_guard", Event(**{k: record[k] for k in ("layer", "signal", "value", "step", "moved")}).line(), record["step"])
             if record["kind"] == "generations":
                 from lowprec.train.generations import render_section
 
@@ -100,7 +108,15 @@ class MetricsWriter:
 
 def _scalars(record: dict[str, Any]) -> Iterator[tuple[str, float]]:
     kind = record["kind"]
-    if kind == "generations":  # text (add_text above)
+    if kind in ("generations", "fp8_guard"):  # text (add_text above)
+        return
+    if kind == "fp8_health":  # None (not measured) and inf (exact) are not drawn
+        for layer, row in record["layers"].items():
+            for key, v in row.items():
+                items = v.items() if isinstance(v, dict) else [(None, v)]
+                for name, x in items:
+                    if isinstance(x, (int, float)) and math.isfinite(x):
+                        yield f"fp8_health/{layer}/{key}" + (f"/{name}" if name else ""), x
         return
     if kind == "fp8":
         for layer, ops in record["layers"].items():

@@ -2,7 +2,8 @@
 
 * ``loss.png``: training loss (per logging window) and validation loss against the step;
 * ``fp8_report.png``: per-layer FP8 telemetry over time (amax, scale, saturated and underflow
-  fractions of each operand), one line per layer;
+  fractions of each operand), one line per layer; ``fp8_guard`` warnings (dashed) and moves to
+  bf16 (solid red) as vertical lines, named at the bottom;
 * ``compare.png``: ``lowprec compare``'s mean curves over seeds with 95% bands, and the paired
   gap of each precision to the baseline against the threshold.
 """
@@ -58,7 +59,9 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 
     ops = list(next(iter(fp8[0]["layers"].values())).keys())
     stats = ("amax", "scale", "saturated", "underflow")
     layers = list(fp8[0]["layers"])
-    worst = worst_layers(fp8, top)
+    guard = [r for r in records if r["kind"] == "fp8_guard"]
+    flagged = list(dict.fromkeys(ev["layer"] for ev in guard if ev["layer"] in layers))  # drawn first, in colour
+    worst = (flagged + [lay for lay in worst_layers(fp8, len(layers)) if lay not in flagged])[:max(top, len(flagged))]
     fig, axes = plt.subplots(len(ops), len(stats), figsize=(4 * len(stats), 2.8 * len(ops)), squeeze=False)
     steps = [r["step"] for r in fp8]
     for i, op in enumerate(ops):
@@ -79,16 +82,26 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 
                     ax.plot(steps, series[lay], lw=1.4, color=f"C{k}", label=lay)
                 if st in ("amax", "scale") and all(v > 0 for ys in series.values() for v in ys if v == v):
                     ax.set_yscale("log")
+                for ev in guard:  # fp8_guard: a move solid red, a warning dashed orange
+                    ax.axvline(ev["step"], color="red" if ev["moved"] else "orange", ls="-" if ev["moved"] else "--", lw=1)
             ax.set_title(f"{op}: {st}", fontsize=9)
             ax.grid(alpha=0.3)
             if i == len(ops) - 1:
                 ax.set_xlabel("step")
     handles, labels = axes[0][0].get_legend_handles_labels()
+    if guard:  # under the title: what the guard did, first events named
+        n_moved = sum(bool(ev["moved"]) for ev in guard)
+        named = "; ".join(f"step {ev['step']} {ev['layer']} ({ev['signal']} = {ev['value']:.3g})" for ev in guard[:2])
+        fig.text(0.5, 0.925, f"fp8_guard: {n_moved} layer(s) moved to bf16 (solid red), {len(guard) - n_moved} warning(s) "
+                 f"(dashed orange)\n{named}" + (f"; +{len(guard) - 2} more" if len(guard) > 2 else ""),
+                 ha="center", fontsize=8, color="red")
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8,
-                   title=f"worst {len(worst)} of {len(layers)} layers by saturated + underflow fraction (others grey)")
+                   title=(f"{len(worst)} of {len(layers)} layers: fp8_guard's first, then the worst by saturated + underflow "
+                          "fraction (others grey)") if flagged else
+                   f"worst {len(worst)} of {len(layers)} layers by saturated + underflow fraction (others grey)")
     fig.suptitle("FP8 telemetry per layer (saturated / underflow: fraction of values)")
-    fig.tight_layout(rect=(0, 0.1, 1, 0.96))
+    fig.tight_layout(rect=(0, 0.1, 1, 0.91 if guard else 0.96))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -1,0 +1,145 @@
+"""The FP8 guard: watch each layer's health signals (``health.py``) and warn or act (issue 27).
+
+A layer is *unhealthy at a check* when any signal crosses its threshold (:class:`Thresholds`,
+defaults below); after ``patience`` unhealthy checks in a row an *episode* starts:
+
+* ``warn``: one log line naming the layer, the signal, its value and the step (once per
+  episode; the episode ends at the first healthy check);
+* ``act``: the same line, and the layer moves to high precision (``Float8Linear.high_precision``:
+  its three GEMMs run in the autocast dtype, bf16). A moved layer stays moved; :meth:`Guard.moves`
+  lists the moves (layer, step, signal, value) and :meth:`Guard.restore` re-applies saved ones,
+  so a resumed run keeps them.
+
+Defaults, chosen on the reproducer ``benchmarks/fp8_guard_repro.py`` and the quickstart (the
+worst healthy values measured there: underflow 0.0102 once, a dY operand, max_to_rms 80.3,
+SQNR 24.9 dB; docs/log/health.md):
+
+==================  ==========  =============================================================
+signal              threshold   why
+==================  ==========  =============================================================
+saturated           > 1e-3      more than 0.1% of an operand's values clipped at the max
+underflow           > 0.02      more than 2% of the non-zero values flushed to zero
+max_to_rms (input)  > 200       one channel far above the rest (a growing SwiGLU outlier)
+sqnr_db             < 15        the FP8 GEMM output's SQNR vs the float32 shadow GEMM (healthy
+                                E4M3 tensorwise layers measure ~25-30 dB)
+==================  ==========  =============================================================
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from torch import nn
+
+from lowprec.fp8.linear import Float8Linear
+
+__all__ = ["Thresholds", "Event", "Guard", "GUARD_MODES", "THRESHOLD_NAMES"]
+
+logger = logging.getLogger("lowprec")
+
+GUARD_MODES = ("off", "warn", "act")
+THRESHOLD_NAMES = ("saturated", "underflow", "max_to_rms", "sqnr_db")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    saturated: float = 1e-3
+    underflow: float = 0.02
+    max_to_rms: float = 200.0
+    sqnr_db: float = 15.0
+    patience: int = 3  # K: unhealthy checks in a row before warn / act
+
+    def __post_init__(self) -> None:
+        if self.patience < 1:
+            raise ValueError(f"patience must be >= 1 (checks in a row), got {self.patience}")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One episode's start: ``layer``'s ``signal`` (e.g. ``input.underflow``) was ``value`` at
+    ``step``; ``moved`` when the guard moved the layer to high precision."""
+
+    layer: str
+    signal: str
+    value: float
+    step: int
+    moved: bool
+
+    def line(self) -> str:
+        what = "moved to high precision (bf16)" if self.moved else "FP8 numerics unhealthy"
+        return (f"lowprec: fp8_guard: {self.layer}: {what} at step {self.step}: {self.signal} = {self.value:.4g} "
+                "(threshold crossed on consecutive checks)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer": self.layer, "signal": self.signal, "value": self.value, "step": self.step, "moved": self.moved}
+
+
+def first_crossing(row: dict[str, Any], th: Thresholds) -> Optional[tuple[str, float]]:
+    """The first signal of one layer's health row that crosses its threshold, or None."""
+    for op in ("input", "weight", "grad_output"):
+        st = row.get(op) or {}
+        if (st.get("saturated") or 0.0) > th.saturated:
+            return f"{op}.saturated", st["saturated"]
+        if (st.get("underflow") or 0.0) > th.underflow:
+            return f"{op}.underflow", st["underflow"]
+    if row.get("max_to_rms") is not None and row["max_to_rms"] > th.max_to_rms:
+        return "input.max_to_rms", row["max_to_rms"]
+    if row.get("sqnr_db") is not None and row["sqnr_db"] < th.sqnr_db:
+        return "sqnr_db", row["sqnr_db"]
+    return None
+
+
+@dataclass
+class Guard:
+    """``mode``: warn or act. ``check(step, health)`` after each health reading; returns the
+    episodes that started at this check (already logged)."""
+
+    model: nn.Module
+    mode: str = "warn"
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    streak: dict[str, int] = field(default_factory=dict)
+    in_episode: set = field(default_factory=set)
+    moved: list = field(default_factory=list)  # Event.to_dict() of each move, in order
+    events: list = field(default_factory=list)  # Event.to_dict() of every episode (warn and act)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("warn", "act"):
+            raise ValueError(f"guard mode must be warn or act, got {self.mode!r}")
+        self.layers = {n: m for n, m in self.model.named_modules() if isinstance(m, Float8Linear)}
+
+    def check(self, step: int, health: dict[str, Any]) -> list[Event]:
+        events = []
+        for name, row in health.items():
+            layer = self.layers.get(name)
+            if layer is None or layer.high_precision:  # moved already: nothing left to act on
+                continue
+            hit = first_crossing(row, self.thresholds)
+            if hit is None:
+                self.streak[name] = 0
+                self.in_episode.discard(name)
+                continue
+            self.streak[name] = self.streak.get(name, 0) + 1
+            if self.streak[name] < self.thresholds.patience or name in self.in_episode:
+                continue
+            self.in_episode.add(name)
+            ev = Event(name, hit[0], float(hit[1]), step, moved=self.mode == "act")
+            if ev.moved:
+                layer.high_precision = True
+                self.moved.append(ev.to_dict())
+            logger.warning(ev.line())
+            events.append(ev)
+            self.events.append(ev.to_dict())
+        return events
+
+    def moves(self) -> list[dict[str, Any]]:
+        return list(self.moved)
+
+    def restore(self, moves: list[dict[str, Any]]) -> None:
+        """Re-apply saved moves (a resumed run); a layer name this model lacks is an error."""
+        for mv in moves:
+            if mv["layer"] not in self.layers:
+                raise ValueError(f"fp8_guard: the checkpoint moved layer {mv['layer']!r}, which this model does not have")
+            self.layers[mv["layer"]].high_precision = True
+        self.moved = [dict(m) for m in moves]

@@ -1,0 +1,301 @@
+"""FP8 health signals and the guard (issue 27): the pure signals, the guard's episodes and moves,
+and ``lowprec train`` with ``fp8_guard: act`` (records, conversion report, resume keeps moves)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import math
+import os
+from html.parser import HTMLParser
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+import lowprec.fp8 as fp8
+from lowprec.cli.main import main
+from lowprec.fp8.guard import Guard, Thresholds
+from lowprec.fp8.health import HealthProbe, headroom_bits, max_to_rms, signals, sqnr_db
+from lowprec.train.config import load_config, parse_config
+from lowprec.train.metrics import read_metrics
+from lowprec.train.trainer import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "examples", "tiny.yaml")
+
+
+def test_pure_signals():
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    assert sqnr_db(x, x) == math.inf
+    noisy = x + 0.01 * torch.randn_like(x)
+    assert 35 < sqnr_db(x, noisy) < 45  # noise 1% of the signal's rms: 40 dB
+    y = torch.ones(100)
+    assert max_to_rms(y) == pytest.approx(1.0)
+    y[3] = 100.0  # one outlier: max 100, rms ~ 10
+    assert max_to_rms(y) == pytest.approx(100 / math.sqrt((99 + 100**2) / 100))
+    assert max_to_rms(torch.zeros(4)) == 0.0
+    assert headroom_bits(2.0, 448.0 / 8.0, 448.0) == pytest.approx(2.0)  # scaled amax 112 = 448 / 4
+    assert headroom_bits(0.0, 1.0, 448.0) is None  # not cast yet
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 16))
+    fp8.convert(m, recipe="tensorwise", skip_first_last=False)
+    return m
+
+
+def _step(m, x, probe=None):
+    fp8.enable_telemetry(m)
+    if probe is not None:
+        probe.arm(outliers=True, sqnr=True)
+    m(x).float().pow(2).mean().backward()
+    tele = fp8.telemetry(m)
+    fp8.disable_telemetry(m)
+    return tele
+
+
+def test_probe_readings_and_signals_and_the_probe_changes_nothing():
+    x = torch.randn(16, 32, requires_grad=True)
+    a, b = _model(), _model()
+    probe = HealthProbe(b)
+    _step(a, x)
+    tele = _step(b, x, probe)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa.grad, pb.grad)  # the probe's hooks read, never write
+    health = signals(tele, probe.layers, probe.take(), None)
+    assert set(health) == {"0", "1", "2"}
+    row = health["1"]
+    assert 20 < row["sqnr_db"] < 45  # E4M3 x E4M3 GEMM vs float32
+    assert row["max_to_rms"] > 1
+    assert row["input"]["headroom_bits"] == 0.0  # tensorwise: the scaled amax sits at the max
+    assert row["input"]["underflow_trend"] == 0.0  # first check: no trend
+    later = signals(tele, probe.layers, {}, {"1": {"input": {"saturated": 0.0, "underflow": row["input"]["underflow"] - 0.25}}})
+    assert later["1"]["input"]["underflow_trend"] == pytest.approx(0.25)
+    assert later["1"]["sqnr_db"] is None  # not sampled this step
+
+
+def test_guard_patience_episodes_warn_once_and_act_moves(caplog):
+    m = _model()
+    bad = {"input": {"underflow": 0.5}}
+    ok = {"input": {"underflow": 0.0}}
+    g = Guard(m, mode="warn", thresholds=Thresholds(patience=2))
+    with caplog.at_level(logging.WARNING, logger="lowprec"):
+        assert g.check(1, {"1": bad}) == []  # 1 of 2
+        (ev,) = g.check(2, {"1": bad})
+        assert (ev.layer, ev.signal, ev.value, ev.step, ev.moved) == ("1", "input.underflow", 0.5, 2, False)
+        assert g.check(3, {"1": bad}) == []  # same episode: logged once
+        g.check(4, {"1": ok})  # episode over
+        g.check(5, {"1": bad})
+        assert [e.step for e in g.check(6, {"1": bad})] == [6]
+    assert [r.getMessage().split(": ")[2] for r in caplog.records] == ["1", "1"]
+    assert "input.underflow = 0.5 " in caplog.records[0].getMessage()
+    assert not dict(m.named_modules())["1"].high_precision  # warn never moves
+
+    g = Guard(m, mode="act", thresholds=Thresholds(patience=1, sqnr_db=20))
+    (ev,) = g.check(7, {"1": {"sqnr_db": 12.0}, "2": {"sqnr_db": 30.0}})
+    assert ev.moved and ev.signal == "sqnr_db"
+    layers = dict(m.named_modules())
+    assert layers["1"].high_precision and not layers["2"].high_precision
+    assert g.moves() == [{"layer": "1", "signal": "sqnr_db", "value": 12.0, "step": 7, "moved": True}]
+    with pytest.raises(ValueError, match="'nope'"):
+        Guard(_model(), mode="act").restore([{"layer": "nope"}])
+
+
+def test_a_moved_layer_is_exactly_a_plain_linear():
+    m = _model()
+    layer = dict(m.named_modules())["1"]
+    x = torch.randn(8, 64)
+    fp8_out = layer(x)
+    layer.high_precision = True
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        moved = layer(x)
+        plain = nn.functional.linear(x, layer.weight, layer.bias)
+    assert torch.equal(moved, plain) and not torch.equal(layer(x), fp8_out)
+
+
+@pytest.mark.parametrize("data,expected", [
+    ({"fp8_guard": True}, "fp8_guard: true is ambiguous; use fp8_guard: warn"),
+    ({"fp8": False, "fp8_guard": "act"}, "fp8_guard: act watches FP8 layers but fp8 is false; set fp8: true"),
+    ({"fp8_guard": "act", "fp8_guard_thresholds": {"underflw": 0.1}}, "fp8_guard_thresholds.underflw: unknown signal (did you mean 'underflow'"),
+    ({"fp8_guard": "act", "fp8_guard_patience": 0}, "fp8_guard_patience: Input should be greater than or equal to 1"),
+    ({"fp8_guard": "warn", "fp8_health": False}, "fp8_guard: warn reads the health signals that fp8_health: false turns off"),
+])
+def test_bad_guard_keys_are_one_line_exit_2(tmp_path, capsys, data, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"fp8": True, **data}))
+    assert main(["train", str(path)]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("lowprec: error: ") and expected in lines[0], lines
+
+
+def test_guard_off_spelling():
+    assert parse_config({"fp8": True, "fp8_guard": False}).fp8_guard == "off"  # YAML's bare off
+    cfg = parse_config({"fp8": True})
+    assert cfg.fp8_guard == "off" and not cfg.fp8_health_on
+    assert parse_config({"fp8": True, "fp8_guard": "warn"}).fp8_health_on
+
+
+# every layer whose input max-to-rms exceeds 4 is unhealthy: on the tiny run this moves some
+# layers and not others, early, deterministically
+ACT = {"fp8_guard": "act", "fp8_guard_patience": 2, "fp8_guard_thresholds": {"max_to_rms": 4.0},
+       "fp8_health_sqnr_every": 3, "save_steps": 4, "eval_steps": None, "val_set_size": 0.0,
+       "use_tensorboard": False}
+
+
+def test_act_run_records_moves_and_resume_keeps_them_bit_exactly(tmp_path):
+    ref = train(load_config(TINY, {**ACT, "output_dir": str(tmp_path / "ref")}))
+    out = ref.output_dir
+    moves = read_metrics(out, "fp8_guard")
+    assert moves and all(r["moved"] and r["signal"] == "input.max_to_rms" and r["value"] > 4.0 for r in moves)
+    assert len({r["layer"] for r in moves}) == len(moves) < 27  # each layer once; not every layer
+    health = read_metrics(out, "fp8_health")
+    assert [r["step"] for r in health] == list(range(1, 9))
+    sampled = [r["step"] for r in health if any(v["sqnr_db"] is not None for v in r["layers"].values())]
+    assert sampled == [1, 4, 7]  # fp8_health_sqnr_every: 3
+    report = open(os.path.join(out, "fp8_conversion.txt")).read()
+    assert f"fp8_guard: {len(moves)} layer(s) moved to high precision (bf16)" in report
+    assert all(f"step {r['step']}: {r['layer']}" in report for r in moves)
+    assert os.path.isfile(ref.files["fp8_report"])  # drawn with the moves (plots.py)
+    _check_report(out, moves)
+    # resume from step 4 (some moves before it, maybe some after): the same run, bit for bit
+    first = [r for r in moves if r["step"] <= 4]
+    assert first, moves
+    res_dir = tmp_path / "res"
+    import shutil
+
+    shutil.copytree(os.path.join(out, "checkpoint-4"), res_dir / "checkpoint-4")
+    res = train(load_config(TINY, {**ACT, "output_dir": str(res_dir), "resume_from_checkpoint": "auto"}))
+    assert dict(res.train_losses) == {s: v for s, v in ref.train_losses if s > 4}
+    from safetensors.torch import load_file
+
+    a, b = load_file(os.path.join(out, "model.safetensors")), load_file(str(res_dir / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r for r in read_metrics(str(res_dir), "fp8_guard")] == [r for r in moves if r["step"] > 4]
+    assert all(f"step {r['step']}: {r['layer']}" in open(res_dir / "fp8_conversion.txt").read() for r in moves)
+
+
+class _Page(HTMLParser):
+    """Collects the table's rows and the images; a tag left open or closed twice is an error."""
+
+    VOID = {"meta", "img", "br", "link"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.rows, self.imgs, self.cell = [], [], [], None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "img":
+            self.imgs.append(dict(attrs))
+        if tag == "tr":
+            self.rows.append([])
+        if tag == "td":
+            self.cell = ""
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        assert self.stack and self.stack.pop() == tag, (tag, self.stack)
+        if tag == "td":
+            self.rows[-1].append(self.cell)
+            self.cell = None
+
+    def handle_data(self, data):
+        if self.cell is not None:
+            self.cell += data
+
+
+def _check_report(out, moves):
+    """lowprec report: a valid self-contained page (no browser here: parsed, and its image
+    decoded), the guard's layers first with their moves, the PNG next to it."""
+    assert main(["report", out, "--layers", "3"]) == 0
+    page = _Page()
+    page.feed(open(os.path.join(out, "health_report.html")).read())
+    page.close()
+    assert page.stack == []  # every tag closed
+    (img,) = page.imgs
+    assert img["src"].startswith("data:image/png;base64,")  # self-contained: nothing to fetch
+    from PIL import Image
+
+    png = Image.open(io.BytesIO(base64.b64decode(img["src"].split(",", 1)[1])))
+    assert png.format == "PNG" and png.size[1] > 400
+    body = [r for r in page.rows if r]
+    assert len(body) == 27  # every FP8 layer of llama-tiny, once
+    first = [r[1] for r in body[: len(moves)]]
+    assert first == [m["layer"] for m in moves]  # the moved layers head the table, in order
+    assert all(f"step {m['step']}: moved to bf16" in r[5] for m, r in zip(moves, body))
+    assert os.path.isfile(os.path.join(out, "health_report.png"))
+
+
+def test_report_without_health_records_is_one_line_exit_2(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 3.0}\n')
+    assert main(["report", str(tmp_path)]) == 2
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert lines == [f"lowprec: error: {tmp_path}: metrics.jsonl has no fp8_health records; train with fp8_health: true "
+                     "(or fp8_guard: warn | act) to record them"]
+
+
+def test_reproducer_flags_and_moves_only_the_injected_layer(tmp_path):
+    """benchmarks/fp8_guard_repro.py in a few steps (its numbers come from 200: docs/log/health.md):
+    the outlier grows to 2^30 by step 4, so warn and act fire on its layer and no other."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fp8_guard_repro.py"), "--steps", "8", "--check", "2",
+           "--variants", "warn,act", "--bits", "30", "--patience", "2", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    runs = json.load(open(out))["runs"]
+    layer = "model.layers.1.mlp.down_proj"
+    assert runs["act"]["1"]["moved"] == [layer]
+    assert [e["layer"] for e in runs["warn"]["1"]["events"]] == [layer] and not runs["warn"]["1"]["moved"]
+
+
+def test_robust_z_and_the_detector():
+    from lowprec.train.spikes import SpikeDetector, robust_z
+
+    assert robust_z(3.0, [1.0, 2.0, 3.0]) == pytest.approx(1 / 1.4826)  # median 2, MAD 1
+    assert robust_z(5.0, [2.0, 2.0]) == math.inf and robust_z(2.0, [2.0, 2.0]) == 0.0
+    d = SpikeDetector(window=5, zscore=6.0)
+    assert [d.observe(v) for v in (3.0, 3.1, 2.9, 3.0, 3.05)] == [None] * 5  # filling the window
+    z, med = d.observe(9.0)
+    assert med == 3.0 and z > 6
+    assert 9.0 not in d.losses and d.observe(3.02) is None  # a spike stays out of the window
+
+
+def test_loss_spike_act_rolls_back_skips_the_batches_then_stops(tmp_path, monkeypatch, capsys):
+    """A spike forced at step 6 (the detector patched: real spikes are not reproducible in 8 steps):
+    act restores checkpoint-4 and trains steps 5-6 again on the batches after the spike's; the
+    next spike, past loss_spike_max_rollbacks: 1, stops the run with exit code 3 in one line."""
+    from lowprec.train import spikes
+
+    calls = {"n": 0}
+
+    def observe(self, loss):
+        calls["n"] += 1
+        return (50.0, 2.0) if calls["n"] in (6, 9) else None  # step 6, then step 7 after the rollback
+
+    monkeypatch.setattr(spikes.SpikeDetector, "observe", observe)
+    seen = []
+    cfg = load_config(TINY, {"loss_spike": "act", "loss_spike_max_rollbacks": 1, "save_steps": 4, "eval_steps": None,
+                             "val_set_size": 0.0, "use_tensorboard": False, "output_dir": str(tmp_path / "run")})
+    from lowprec.errors import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match=r"loss spike at step 7: .* after 1 rollback\(s\) \(loss_spike_max_rollbacks: 1\)"):
+        train(cfg, on_log=seen.append)
+    steps = [r["step"] for r in seen]
+    assert steps == [1, 2, 3, 4, 5, 5, 6]  # step 6 spiked (not logged); 5 again after the rollback, then 6
+    first, again = {r["step"]: r["loss"] for r in seen[:5]}, {r["step"]: r["loss"] for r in seen[5:]}
+    assert first[5] != again[5]  # other batches: the spike's were skipped
+    recs = read_metrics(str(tmp_path / "run"))
+    (spike,) = [r for r in recs if r["kind"] == "loss_spike" and r["rolled_back_to"] is not None]
+    assert (spike["step"], spike["rolled_back_to"]) == (6, 4)
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]  # the first 5-6 cut
