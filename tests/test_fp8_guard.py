@@ -240,7 +240,7 @@ def test_report_without_health_records_is_one_line_exit_2(tmp_path, capsys):
 
 
 def test_reproducer_flags_and_moves_only_the_injected_layer(tmp_path):
-    """benchmarks/fp8_guard_repro.py in a few steps (its numbers come from 200: docs/log/health.md):
+    """benchmarks/fp8_guard_repro.py in a few steps (its numbers come from 200: docs/LOG.md, branch health):
     the outlier grows to 2^30 by step 4, so warn and act fire on its layer and no other."""
     import subprocess
     import sys

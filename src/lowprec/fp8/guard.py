@@ -12,7 +12,7 @@ defaults below); after ``patience`` unhealthy checks in a row an *episode* start
 
 Defaults, chosen on the reproducer ``benchmarks/fp8_guard_repro.py`` and the quickstart (the
 worst healthy values measured there: underflow 0.0102 once, a dY operand, max_to_rms 80.3,
-SQNR 24.9 dB; docs/log/health.md):
+SQNR 24.9 dB; docs/LOG.md, branch health):
 
 ==================  ==========  =============================================================
 signal              threshold   why
