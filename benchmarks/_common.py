@@ -21,7 +21,9 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         return f"{torch.cuda.get_device_name(device)} (sm_{cap[0]}{cap[1]})"
-    return f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    return (
+        f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    )
 
 
 def time_fn(fn, device: torch.device, warmup: int = 3, iters: int = 10) -> float:

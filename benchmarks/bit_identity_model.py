@@ -8,6 +8,7 @@ tree with torch.equal. The companion of ``bit_identity.py`` (one Float8Linear, e
 
 CPU, one thread, ~20 s; exit status 1 on any difference.
 """
+
 import sys
 
 import torch
@@ -41,8 +42,13 @@ if sys.argv[1] == "save":
 else:
     ref = torch.load(sys.argv[2])
     assert ref.keys() == out.keys()
-    bad = [k for k in ref if not (torch.equal(ref[k].nan_to_num(1e9), out[k].nan_to_num(1e9))
-                                  and torch.equal(ref[k].isnan(), out[k].isnan()))]
+    bad = [
+        k
+        for k in ref
+        if not (
+            torch.equal(ref[k].nan_to_num(1e9), out[k].nan_to_num(1e9)) and torch.equal(ref[k].isnan(), out[k].isnan())
+        )
+    ]
     for k in bad[:20]:
         print("DIFF", k)
     print("compared", len(ref), "tensors;", len(bad), "differences")

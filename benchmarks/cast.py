@@ -48,7 +48,7 @@ def nominal_bytes(op: str, m: int, n: int, in_bytes: int) -> int:
 def implementations(op: str, device: torch.device, modes: list[str]):
     """name -> callable(x, scale) for one op: torch eager, torch compiled, Triton."""
     ref = getattr(reference, op)
-    call = (lambda f: (lambda x, s: f(x, E4M3))) if op == "cast_rowwise" else (lambda f: (lambda x, s: f(x, s, E4M3)))
+    call = (lambda f: lambda x, s: f(x, E4M3)) if op == "cast_rowwise" else (lambda f: lambda x, s: f(x, s, E4M3))
     out = {}
     if "eager" in modes:
         out["torch_eager"] = call(ref)
@@ -76,8 +76,17 @@ def copy_bandwidth(x: torch.Tensor, device: torch.device, warmup: int, iters: in
     y = torch.empty_like(x)
     ms = time_fn(lambda: y.copy_(x), device, warmup, iters)
     gbs = 2 * x.numel() * x.element_size() / ms / 1e6
-    results.append({"op": "copy", "M": x.shape[0], "N": x.shape[1], "impl": "torch copy_", "input": str(x.dtype)[6:],
-                    "ms": round(ms, 4), "GBps": round(gbs, 1)})
+    results.append(
+        {
+            "op": "copy",
+            "M": x.shape[0],
+            "N": x.shape[1],
+            "impl": "torch copy_",
+            "input": str(x.dtype)[6:],
+            "ms": round(ms, 4),
+            "GBps": round(gbs, 1),
+        }
+    )
     print(f"{'copy':20s} {x.shape[0]}x{x.shape[1]:<6d} {'torch copy_':14s} {ms:.3f} ms {gbs:.0f} GB/s")
     return gbs
 
@@ -91,8 +100,12 @@ def sweep_tiles(x, scale, device, iters, warmup):
         q = torch.empty((m, n), dtype=torch.uint8, device=device)
         qt = torch.empty((n, m), dtype=torch.uint8, device=device)
         ab = torch.zeros((), dtype=torch.int32, device=device)
-        ms = time_fn(lambda q=q, qt=qt, ab=ab, tile=tile: ops.launch_cast(x, scale, E4M3, q, qt, ab, tile=tile),
-                     device, warmup, iters)
+        ms = time_fn(
+            lambda q=q, qt=qt, ab=ab, tile=tile: ops.launch_cast(x, scale, E4M3, q, qt, ab, tile=tile),
+            device,
+            warmup,
+            iters,
+        )
         gbs = nominal_bytes("cast_transpose_amax", m, n, x.element_size()) / ms / 1e6
         rows.append({"M": m, "N": n, "tile": list(tile), "ms": round(ms, 4), "GBps": round(gbs, 1)})
         print(f"  tile {tile}: {ms:.3f} ms {gbs:.0f} GB/s")
@@ -112,7 +125,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("LOWPREC_TRITON_KERNELS", "1")  # the kernels are opt-in; this measures them
     cuda = torch.cuda.is_available()
     if not cuda and not a.tiny:
-        print("benchmarks/cast.py times Triton kernels and needs a CUDA GPU; use --tiny for a CPU smoke run of the torch path")
+        print(
+            "benchmarks/cast.py times Triton kernels and needs a CUDA GPU; use --tiny for a CPU smoke run of the torch path"
+        )
         return 2
     device = torch.device("cuda" if cuda else "cpu")
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -140,8 +155,14 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001 - record and go on to the next variant
                     row["error"] = f"{type(e).__name__}: {e}"[:500]
                 results.append(row)
-                print(f"{op:20s} {m}x{n:<6d} {name:14s} " + (
-                    f"{row['ms']:.3f} ms {row['GBps']:.0f} GB/s exact={row['exact']}" if "ms" in row else row["error"]))
+                print(
+                    f"{op:20s} {m}x{n:<6d} {name:14s} "
+                    + (
+                        f"{row['ms']:.3f} ms {row['GBps']:.0f} GB/s exact={row['exact']}"
+                        if "ms" in row
+                        else row["error"]
+                    )
+                )
         if a.sweep and "triton" in modes and kernels.available(device):
             sweeps += sweep_tiles(x, scale, device, a.iters, a.warmup)
         # rewritten after each shape: a run stopped at a time budget keeps the shapes it finished
@@ -150,7 +171,12 @@ def main(argv=None) -> int:
 
 
 def save(results: list, sweeps: list, device: torch.device, out: str | None, complete: bool) -> None:
-    payload = {"device": device_name(device), "triton": kernels.available(device), "results": results, "complete": complete}
+    payload = {
+        "device": device_name(device),
+        "triton": kernels.available(device),
+        "results": results,
+        "complete": complete,
+    }
     if sweeps:
         payload["tile_sweep"] = sweeps
     write_json(payload, out, "cast.json")

@@ -59,8 +59,7 @@ def _free_port() -> int:
 
 def _worker(rank, world, port, model_name, batch, seq, dtype_name, out):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = build_model(model_name)
     ref_model = build_model(model_name)
@@ -84,19 +83,31 @@ def _worker(rank, world, port, model_name, batch, seq, dtype_name, out):
     num = sum(((p.grad - q.grad).norm() ** 2).item() for p, q in zip(model.parameters(), ref_model.parameters()))
     den = sum((q.grad.norm() ** 2).item() for q in ref_model.parameters())
     if rank == 0:
-        torch.save({"counters": state.counters(), "rel_err": (num / den) ** 0.5,
-                    "worst_tensor_rel_err": max(errs), "tensors": len(errs),
-                    "params": sum(p.numel() for p in model.parameters())}, out)
+        torch.save(
+            {
+                "counters": state.counters(),
+                "rel_err": (num / den) ** 0.5,
+                "worst_tensor_rel_err": max(errs),
+                "tensors": len(errs),
+                "params": sum(p.numel() for p in model.parameters()),
+            },
+            out,
+        )
     dist.destroy_process_group()
 
 
-def _fsdp2_run(model_name, batch, seq, rank, fp8_all_gather: bool, fp8_reduce_scatter: bool = False) -> tuple[dict, list]:
+def _fsdp2_run(
+    model_name, batch, seq, rank, fp8_all_gather: bool, fp8_reduce_scatter: bool = False
+) -> tuple[dict, list]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import lowprec.fp8 as fp8
-    from lowprec.distributed.fsdp_float8 import (enable_fsdp_float8_all_gather, install_counting_all_gather,
-                                                 precompute_float8_scales_for_fsdp)
+    from lowprec.distributed.fsdp_float8 import (
+        enable_fsdp_float8_all_gather,
+        install_counting_all_gather,
+        precompute_float8_scales_for_fsdp,
+    )
     from lowprec.distributed.fsdp_fp8_reduce_scatter import install_counting_reduce_scatter, install_fp8_reduce_scatter
 
     torch.manual_seed(0)
@@ -141,14 +152,21 @@ def _fsdp2_worker(rank, world, port, model_name, batch, seq, out):
     f8, f8_losses = _fsdp2_run(model_name, batch, seq, rank, True)
     o1, o1_losses = _fsdp2_run(model_name, batch, seq, rank, True, fp8_reduce_scatter=True)
     if rank == 0:
-        torch.save({"bf16_layer_bytes": bf16["layers"], "fp8_layer_bytes": f8["layers"],
-                    "bf16_total_bytes": bf16["total"], "fp8_total_bytes": f8["total"],
-                    "max_abs_loss_diff": max(abs(a - b) for a, b in zip(bf16_losses, f8_losses)),
-                    # reduce-scatter: FSDP2's fp32 one as run, its bf16 equivalent, O1's FP8 one
-                    "fp32_reduce_scatter_bytes": bf16["rs"]["sent_bytes"],
-                    "bf16_reduce_scatter_bytes": o1["rs"]["bf16_bytes"],
-                    "fp8_reduce_scatter_bytes": o1["rs"]["sent_bytes"],
-                    "max_abs_loss_diff_fp8_reduce_scatter": max(abs(a - b) for a, b in zip(bf16_losses, o1_losses))}, out)
+        torch.save(
+            {
+                "bf16_layer_bytes": bf16["layers"],
+                "fp8_layer_bytes": f8["layers"],
+                "bf16_total_bytes": bf16["total"],
+                "fp8_total_bytes": f8["total"],
+                "max_abs_loss_diff": max(abs(a - b) for a, b in zip(bf16_losses, f8_losses)),
+                # reduce-scatter: FSDP2's fp32 one as run, its bf16 equivalent, O1's FP8 one
+                "fp32_reduce_scatter_bytes": bf16["rs"]["sent_bytes"],
+                "bf16_reduce_scatter_bytes": o1["rs"]["bf16_bytes"],
+                "fp8_reduce_scatter_bytes": o1["rs"]["sent_bytes"],
+                "max_abs_loss_diff_fp8_reduce_scatter": max(abs(a - b) for a, b in zip(bf16_losses, o1_losses)),
+            },
+            out,
+        )
     dist.destroy_process_group()
 
 
@@ -176,10 +194,18 @@ def _tp_worker(rank, world, port, model_name, batch, seq, out):
                     loss = model(ids, labels=ids).loss
             with bwd:
                 loss.backward()
-            rows.append({"setup": "TP+SP" if sp else "TP", "fp8": use_fp8, "forward": fwd.as_dict(),
-                         "backward": bwd.as_dict(), "forward_bytes": sum(map(fwd.total, fwd.as_dict())),
-                         "backward_bytes": sum(map(bwd.total, bwd.as_dict())), "loss": loss.item(),
-                         "ring_bytes": fwd.ring_bytes(world) + bwd.ring_bytes(world)})
+            rows.append(
+                {
+                    "setup": "TP+SP" if sp else "TP",
+                    "fp8": use_fp8,
+                    "forward": fwd.as_dict(),
+                    "backward": bwd.as_dict(),
+                    "forward_bytes": sum(map(fwd.total, fwd.as_dict())),
+                    "backward_bytes": sum(map(bwd.total, bwd.as_dict())),
+                    "loss": loss.item(),
+                    "ring_bytes": fwd.ring_bytes(world) + bwd.ring_bytes(world),
+                }
+            )
     if rank == 0:
         torch.save(rows, out)
     dist.destroy_process_group()
@@ -188,8 +214,9 @@ def _tp_worker(rank, world, port, model_name, batch, seq, out):
 def measure_tp(world: int, model: str, batch: int, seq: int) -> list:
     with tempfile.TemporaryDirectory() as d:
         out = f"{d}/r.pt"
-        mp.start_processes(_tp_worker, args=(world, _free_port(), model, batch, seq, out), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(
+            _tp_worker, args=(world, _free_port(), model, batch, seq, out), nprocs=world, start_method="spawn"
+        )
         rows = torch.load(out, weights_only=True)
     for r in rows:
         r["world"] = world
@@ -200,8 +227,9 @@ def measure_tp(world: int, model: str, batch: int, seq: int) -> list:
 def measure_fsdp2(world: int, model: str, batch: int, seq: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = f"{d}/r.pt"
-        mp.start_processes(_fsdp2_worker, args=(world, _free_port(), model, batch, seq, out),
-                           nprocs=world, start_method="spawn")
+        mp.start_processes(
+            _fsdp2_worker, args=(world, _free_port(), model, batch, seq, out), nprocs=world, start_method="spawn"
+        )
         r = torch.load(out, weights_only=True)
     r["layers_fp8_over_bf16"] = r["fp8_layer_bytes"] / r["bf16_layer_bytes"]
     r["total_fp8_over_bf16"] = r["fp8_total_bytes"] / r["bf16_total_bytes"]
@@ -213,8 +241,9 @@ def measure_fsdp2(world: int, model: str, batch: int, seq: int) -> dict:
 def measure(world: int, model: str, batch: int, seq: int, dtype_name: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = f"{d}/r.pt"
-        mp.start_processes(_worker, args=(world, _free_port(), model, batch, seq, dtype_name, out),
-                           nprocs=world, start_method="spawn")  # fork can deadlock a threaded parent
+        mp.start_processes(
+            _worker, args=(world, _free_port(), model, batch, seq, dtype_name, out), nprocs=world, start_method="spawn"
+        )  # fork can deadlock a threaded parent
         r = torch.load(out, weights_only=True)
     c = r.pop("counters")
     r.update(c)
@@ -231,8 +260,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dtypes", default="e4m3,e5m2")
-    ap.add_argument("--setups", default="ddp,fsdp2,tp",
-                    help="ddp (FP8 all-reduce hook), fsdp2 (FP8 all-gather, FP8 reduce-scatter), tp (TP and TP+SP, FP8 vs bf16)")
+    ap.add_argument(
+        "--setups",
+        default="ddp,fsdp2,tp",
+        help="ddp (FP8 all-reduce hook), fsdp2 (FP8 all-gather, FP8 reduce-scatter), tp (TP and TP+SP, FP8 vs bf16)",
+    )
     ap.add_argument("--tp_world", default="2", help="comma-separated tensor-parallel sizes (divide the kv heads)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -242,31 +274,50 @@ def main(argv=None) -> dict:
         tp_rows += measure_tp(w, args.model, args.batch, args.seq)
         for r in tp_rows[-4:]:
             gathers = r["forward"].get("all_gather", {})
-            print(f"{r['setup']} W={w} {'fp8' if r['fp8'] else 'bf16'}: {r['step_bytes']} B handed to collectives "
-                  f"per rank per step (forward {r['forward_bytes']}, backward {r['backward_bytes']}), "
-                  f"{r['ring_bytes']} B sent by ring algorithms; forward all-gathers {gathers}", flush=True)
+            print(
+                f"{r['setup']} W={w} {'fp8' if r['fp8'] else 'bf16'}: {r['step_bytes']} B handed to collectives "
+                f"per rank per step (forward {r['forward_bytes']}, backward {r['backward_bytes']}), "
+                f"{r['ring_bytes']} B sent by ring algorithms; forward all-gathers {gathers}",
+                flush=True,
+            )
     for w in [int(x) for x in args.world.split(",")] if "fsdp2" in setups else ():
         r = measure_fsdp2(w, args.model, args.batch, args.seq)
         r["world"] = w
         fsdp2_rows.append(r)
-        print(f"FSDP2 W={w}: decoder-layer all-gather {r['fp8_layer_bytes']} B (FP8) vs {r['bf16_layer_bytes']} B "
-              f"(bf16) per rank over 3 steps = {r['layers_fp8_over_bf16']:.4f}x; whole model "
-              f"{r['total_fp8_over_bf16']:.4f}x; max |loss diff| {r['max_abs_loss_diff']:.3g}", flush=True)
-        print(f"FSDP2 W={w}: gradient reduce-scatter {r['fp8_reduce_scatter_bytes']} B (FP8, O1) vs "
-              f"{r['bf16_reduce_scatter_bytes']} B (bf16), {r['fp32_reduce_scatter_bytes']} B (fp32) = "
-              f"{r['reduce_scatter_fp8_over_bf16']:.4f}x bf16, {r['reduce_scatter_fp8_over_fp32']:.4f}x fp32; max |loss diff| "
-              f"{r['max_abs_loss_diff_fp8_reduce_scatter']:.3g} (FP8 all-gather and reduce-scatter vs neither)", flush=True)
+        print(
+            f"FSDP2 W={w}: decoder-layer all-gather {r['fp8_layer_bytes']} B (FP8) vs {r['bf16_layer_bytes']} B "
+            f"(bf16) per rank over 3 steps = {r['layers_fp8_over_bf16']:.4f}x; whole model "
+            f"{r['total_fp8_over_bf16']:.4f}x; max |loss diff| {r['max_abs_loss_diff']:.3g}",
+            flush=True,
+        )
+        print(
+            f"FSDP2 W={w}: gradient reduce-scatter {r['fp8_reduce_scatter_bytes']} B (FP8, O1) vs "
+            f"{r['bf16_reduce_scatter_bytes']} B (bf16), {r['fp32_reduce_scatter_bytes']} B (fp32) = "
+            f"{r['reduce_scatter_fp8_over_bf16']:.4f}x bf16, {r['reduce_scatter_fp8_over_fp32']:.4f}x fp32; max |loss diff| "
+            f"{r['max_abs_loss_diff_fp8_reduce_scatter']:.3g} (FP8 all-gather and reduce-scatter vs neither)",
+            flush=True,
+        )
     for w in [int(x) for x in args.world.split(",")] if "ddp" in setups else ():
         for dt in args.dtypes.split(","):
             r = measure(w, args.model, args.batch, args.seq, dt)
             r.update(world=w, fp8_dtype=dt)
             rows.append(r)
-            print(f"W={w} {dt}: fp8 {r['fp8_bytes']} B, bf16 {r['bf16_bytes']} B, fp32 "
-                  f"{r['fp32_bytes']} B per rank per step; fp8/bf16 {r['fp8_over_bf16']:.4f}; "
-                  f"grad rel err {r['rel_err']:.4f} (worst tensor {r['worst_tensor_rel_err']:.4f})",
-                  flush=True)
-    result = {"device": device_name(torch.device("cpu")), "backend": "gloo", "model": args.model,
-              "batch": args.batch, "seq": args.seq, "rows": rows, "fsdp2_all_gather": fsdp2_rows, "tensor_parallel": tp_rows}
+            print(
+                f"W={w} {dt}: fp8 {r['fp8_bytes']} B, bf16 {r['bf16_bytes']} B, fp32 "
+                f"{r['fp32_bytes']} B per rank per step; fp8/bf16 {r['fp8_over_bf16']:.4f}; "
+                f"grad rel err {r['rel_err']:.4f} (worst tensor {r['worst_tensor_rel_err']:.4f})",
+                flush=True,
+            )
+    result = {
+        "device": device_name(torch.device("cpu")),
+        "backend": "gloo",
+        "model": args.model,
+        "batch": args.batch,
+        "seq": args.seq,
+        "rows": rows,
+        "fsdp2_all_gather": fsdp2_rows,
+        "tensor_parallel": tp_rows,
+    }
     write_json(result, args.out, "comm_bytes_cpu.json")
     return result
 

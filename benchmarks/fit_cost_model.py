@@ -54,8 +54,13 @@ def errors(profile):
 def fit():
     base = PROFILES["h100"]
     best = None
-    grid = itertools.product([0.7, 0.8, 0.9], [0.5, 0.55, 0.6, 0.65, 0.7, 0.75], [0.4, 0.5, 0.6, 0.7, 0.8],
-                             [5.0, 10.0, 20.0], [8e9, 3e10, 1e11, 3e11])
+    grid = itertools.product(
+        [0.7, 0.8, 0.9],
+        [0.5, 0.55, 0.6, 0.65, 0.7, 0.75],
+        [0.4, 0.5, 0.6, 0.7, 0.8],
+        [5.0, 10.0, 20.0],
+        [8e9, 3e10, 1e11, 3e11],
+    )
     for ge, fe, me, oh, sg in grid:
         p = replace(base, gemm_eff=ge, fp8_gemm_eff=fe, mem_eff=me, cast_overhead_us=oh, small_gemm_flops=sg)
         err = statistics.mean(e for e, *_ in errors(p))
@@ -69,6 +74,14 @@ if __name__ == "__main__":
     current = statistics.mean(e for e, *_ in errors(PROFILES["h100"]))
     print(f"best fit: mean abs error {err:.3f}  {p}")
     print(f"shipped profile: mean abs error {current:.3f}")
-    write_json({"benchmark": "cost_model_fit", "device": "none (fit to published H100 numbers)",
-                "best": p.__dict__, "best_mean_abs_error": err, "shipped_mean_abs_error": current},
-               None, "cost_model_fit.json")
+    write_json(
+        {
+            "benchmark": "cost_model_fit",
+            "device": "none (fit to published H100 numbers)",
+            "best": p.__dict__,
+            "best_mean_abs_error": err,
+            "shipped_mean_abs_error": current,
+        },
+        None,
+        "cost_model_fit.json",
+    )

@@ -83,7 +83,11 @@ def run(variant: str, seed: int, args, train_ds) -> dict:
     state = {"step": 0}
     inject(model, state, args.bits, int(args.grow * args.steps))
     probe = HealthProbe(model) if variant in ("warn", "act", "fp8") else None
-    guard = Guard(model, mode=variant, thresholds=Thresholds(patience=args.patience)) if variant in ("warn", "act") else None
+    guard = (
+        Guard(model, mode=variant, thresholds=Thresholds(patience=args.patience))
+        if variant in ("warn", "act")
+        else None
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     loader = TokenBatches(train_ds, 8, 128, seed=seed)
     batches = loader.forever()
@@ -109,19 +113,43 @@ def run(variant: str, seed: int, args, train_ds) -> dict:
             fp8.disable_telemetry(model)
             previous = health
             row = health.get(LAYER, {})
-            health_log.append({"step": step, "layer": LAYER, "input_underflow": row.get("input", {}).get("underflow"),
-                               "max_to_rms": row.get("max_to_rms"), "sqnr_db": row.get("sqnr_db"),
-                               "others_worst_sqnr_db": min((r["sqnr_db"] for n, r in health.items() if n != LAYER and r.get("sqnr_db") is not None), default=None),
-                               "others_worst_underflow": max((max(r[o]["underflow"] for o in ("input", "weight", "grad_output")) for n, r in health.items() if n != LAYER), default=None),
-                               "others_worst_max_to_rms": max((r["max_to_rms"] for n, r in health.items() if n != LAYER and r.get("max_to_rms") is not None), default=None)})
+            health_log.append(
+                {
+                    "step": step,
+                    "layer": LAYER,
+                    "input_underflow": row.get("input", {}).get("underflow"),
+                    "max_to_rms": row.get("max_to_rms"),
+                    "sqnr_db": row.get("sqnr_db"),
+                    "others_worst_sqnr_db": min(
+                        (r["sqnr_db"] for n, r in health.items() if n != LAYER and r.get("sqnr_db") is not None),
+                        default=None,
+                    ),
+                    "others_worst_underflow": max(
+                        (
+                            max(r[o]["underflow"] for o in ("input", "weight", "grad_output"))
+                            for n, r in health.items()
+                            if n != LAYER
+                        ),
+                        default=None,
+                    ),
+                    "others_worst_max_to_rms": max(
+                        (r["max_to_rms"] for n, r in health.items() if n != LAYER and r.get("max_to_rms") is not None),
+                        default=None,
+                    ),
+                }
+            )
             if guard is not None:
                 guard.check(step, health)
         if step % args.check == 0:
             losses.append((step, sum(window) / len(window)))
             window = []
-    return {"losses": losses, "health": health_log, "wall_s": time.perf_counter() - t0,
-            "events": [] if guard is None else guard.events,
-            "moved": [] if guard is None else [m["layer"] for m in guard.moves()]}
+    return {
+        "losses": losses,
+        "health": health_log,
+        "wall_s": time.perf_counter() - t0,
+        "events": [] if guard is None else guard.events,
+        "moved": [] if guard is None else [m["layer"] for m in guard.moves()],
+    }
 
 
 def main() -> None:
@@ -145,7 +173,10 @@ def main() -> None:
         for variant in args.variants.split(","):
             r = run(variant, seed, args, train_ds)
             results.setdefault(variant, {})[str(seed)] = r
-            print(f"seed {seed} {variant:5s} final loss {r['losses'][-1][1]:.4f} ({r['wall_s']:.0f} s) moved {r['moved']}", flush=True)
+            print(
+                f"seed {seed} {variant:5s} final loss {r['losses'][-1][1]:.4f} ({r['wall_s']:.0f} s) moved {r['moved']}",
+                flush=True,
+            )
     summary = {}
     for variant, per_seed in results.items():
         if variant == "bf16" or "bf16" not in results:
@@ -155,9 +186,11 @@ def main() -> None:
             base = dict(results["bf16"][seed]["losses"])
             tail = [(s, v) for s, v in r["losses"] if s > args.steps * 0.8]
             gaps[seed] = sum(v / base[s] - 1 for s, v in tail) / len(tail)
-        summary[variant] = {"last20pct_mean_rel_gap_to_bf16": gaps,
-                            "max_abs_gap": max(abs(g) for g in gaps.values())}
-        print(f"{variant:5s} gap to bf16 over the last 20% of steps: " + ", ".join(f"seed {s}: {100 * g:+.2f}%" for s, g in gaps.items()))
+        summary[variant] = {"last20pct_mean_rel_gap_to_bf16": gaps, "max_abs_gap": max(abs(g) for g in gaps.values())}
+        print(
+            f"{variant:5s} gap to bf16 over the last 20% of steps: "
+            + ", ".join(f"seed {s}: {100 * g:+.2f}%" for s, g in gaps.items())
+        )
     payload = {"args": vars(args), "device": device_name(torch.device("cpu")), "summary": summary, "runs": results}
     write_json(payload, args.out, "fp8_guard_repro.json")
     assert all(math.isfinite(v) for per in results.values() for r in per.values() for _, v in r["losses"])

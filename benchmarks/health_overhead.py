@@ -81,9 +81,18 @@ def main() -> None:
     overhead = added / (50 * today_step)
     print(", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()))
     print(f"fp8_health overhead at logging_steps 10, sqnr 1 in 50: {100 * overhead:.2f}% of step time")
-    write_json({"device": device_name(torch.device("cpu")), "median_ms": ms, "reps": args.reps,
-                "today_mean_step_ms": today_step, "health_overhead_fraction": overhead, "all_ms": times},
-               args.out, "health_overhead.json")
+    write_json(
+        {
+            "device": device_name(torch.device("cpu")),
+            "median_ms": ms,
+            "reps": args.reps,
+            "today_mean_step_ms": today_step,
+            "health_overhead_fraction": overhead,
+            "all_ms": times,
+        },
+        args.out,
+        "health_overhead.json",
+    )
 
 
 if __name__ == "__main__":

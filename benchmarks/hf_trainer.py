@@ -33,9 +33,15 @@ def build(args, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.heads, max_position_embeddings=args.seq_len)
+    cfg = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq_len,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -80,15 +86,25 @@ def run(variant: str, args, out: str, clock) -> tuple[list[float], float]:
     if variant != "bf16":
         enable_fp8(model, variant)
         callbacks.insert(0, FP8Callback())
-    targs = TrainingArguments(out, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
-                              learning_rate=1e-3, logging_steps=args.logging_steps, save_strategy="no",
-                              report_to=[], disable_tqdm=True, use_cpu=args.device == "cpu", bf16=True, seed=0,
-                              dataloader_num_workers=0)
+    targs = TrainingArguments(
+        out,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch_size,
+        learning_rate=1e-3,
+        logging_steps=args.logging_steps,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=args.device == "cpu",
+        bf16=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
     trainer = Trainer(model=model, args=targs, train_dataset=Batches(args), callbacks=callbacks)
     loss = trainer.train().training_loss  # the mean over the run's steps
     if variant != "bf16" and fp8_counts(trainer)["fp8_linear_calls"] == 0:
         raise SystemExit(f"{variant}: no Linear call ran in FP8; nothing to measure")
-    return timer.times[args.warmup:], float(loss)
+    return timer.times[args.warmup :], float(loss)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -107,8 +123,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--logging_steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--cpu_time", action=argparse.BooleanOptionalAction, default=None,
-                   help="time steps by process CPU time (default: on CPU with --threads 1)")
+    p.add_argument(
+        "--cpu_time",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time steps by process CPU time (default: on CPU with --threads 1)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.warmup >= args.steps:
@@ -123,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for v in order:
                 t, loss = run(v, args, f"{tmp}/{v}", clock)
                 times[v] += t
@@ -133,21 +153,40 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for v in variants:
         med = statistics.median(times[v])
-        results[v] = {"median_ms": med * 1e3, "min_ms": min(times[v]) * 1e3, "max_ms": max(times[v]) * 1e3,
-                      "timed_steps": len(times[v]), "tokens_per_s": tokens / med, "mean_loss_per_round": losses[v]}
+        results[v] = {
+            "median_ms": med * 1e3,
+            "min_ms": min(times[v]) * 1e3,
+            "max_ms": max(times[v]) * 1e3,
+            "timed_steps": len(times[v]),
+            "tokens_per_s": tokens / med,
+            "mean_loss_per_round": losses[v],
+        }
     for v in variants[1:]:
         results[v]["tokens_per_s_vs_bf16"] = results[v]["tokens_per_s"] / results["bf16"]["tokens_per_s"]
-        print(f"{v}: {results[v]['tokens_per_s']:.0f} tokens/s = {results[v]['tokens_per_s_vs_bf16']:.3f}x bf16 "
-              f"({results['bf16']['tokens_per_s']:.0f})")
+        print(
+            f"{v}: {results[v]['tokens_per_s']:.0f} tokens/s = {results[v]['tokens_per_s_vs_bf16']:.3f}x bf16 "
+            f"({results['bf16']['tokens_per_s']:.0f})"
+        )
     import transformers
 
-    write_json({"benchmark": "hf_trainer", "device": device_name(torch.device(args.device)),
-                "transformers": transformers.__version__,
-                "model": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "vocab")},
-                "seq_len": args.seq_len, "batch_size": args.batch_size, "tokens_per_step": tokens,
-                "timing": (f"{args.rounds} interleaved rounds x {args.steps} Trainer steps, first {args.warmup} of "
-                           f"each run dropped; median seconds of {'process CPU' if cpu_time else 'wall'} time per step"),
-                "results": results}, args.out, f"hf_trainer_{args.device}.json")
+    write_json(
+        {
+            "benchmark": "hf_trainer",
+            "device": device_name(torch.device(args.device)),
+            "transformers": transformers.__version__,
+            "model": {k: getattr(args, k) for k in ("hidden", "intermediate", "layers", "heads", "vocab")},
+            "seq_len": args.seq_len,
+            "batch_size": args.batch_size,
+            "tokens_per_step": tokens,
+            "timing": (
+                f"{args.rounds} interleaved rounds x {args.steps} Trainer steps, first {args.warmup} of "
+                f"each run dropped; median seconds of {'process CPU' if cpu_time else 'wall'} time per step"
+            ),
+            "results": results,
+        },
+        args.out,
+        f"hf_trainer_{args.device}.json",
+    )
 
 
 if __name__ == "__main__":

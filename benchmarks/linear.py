@@ -86,7 +86,9 @@ def bench_shape(m, k, n, device, recipes, modes, iters, warmup, compile_backend=
                     row["saved_bytes"] = saved["bytes"]
                 rows.append(row)
             except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported, not fatal
-                rows.append({"M": m, "K": k, "N": n, "variant": vname, "mode": mode, "error": f"{type(e).__name__}: {e}"[:300]})
+                rows.append(
+                    {"M": m, "K": k, "N": n, "variant": vname, "mode": mode, "error": f"{type(e).__name__}: {e}"[:300]}
+                )
     base_ms = {r["mode"]: r["ms"] for r in rows if r["variant"] == "bf16" and "ms" in r}
     base_saved = next((r["saved_bytes"] for r in rows if r["variant"] == "bf16" and "saved_bytes" in r), None)  # eager
     for r in rows:
@@ -120,12 +122,17 @@ def main(argv=None):
         if "error" in r:
             print(f"{r['M']:>6} {r['K']:>6} {r['N']:>6} {r['variant']:<20} {r['mode']:<9} ERROR {r['error'][:60]}")
             continue
-        print(f"{r['M']:>6} {r['K']:>6} {r['N']:>6} {r['variant']:<20} {r['mode']:<9} {r['ms']:>9.3f} "
-              f"{r.get('speedup_vs_bf16', float('nan')):>7.2f} {r.get('saved_bytes_vs_bf16', float('nan')):>10.3f}")
+        print(
+            f"{r['M']:>6} {r['K']:>6} {r['N']:>6} {r['variant']:<20} {r['mode']:<9} {r['ms']:>9.3f} "
+            f"{r.get('speedup_vs_bf16', float('nan')):>7.2f} {r.get('saved_bytes_vs_bf16', float('nan')):>10.3f}"
+        )
     print("saved/bf16: bytes autograd keeps for backward, measured in eager mode (nan for compiled rows)")
     tag = "tiny" if args.tiny else device.type
-    return write_json({"benchmark": "linear", "device": device_name(device), "tiny": args.tiny, "results": rows},
-                      args.out, f"linear_{tag}.json")
+    return write_json(
+        {"benchmark": "linear", "device": device_name(device), "tiny": args.tiny, "results": rows},
+        args.out,
+        f"linear_{tag}.json",
+    )
 
 
 if __name__ == "__main__":

@@ -54,8 +54,19 @@ from lowprec.optim import FP8AdamW, apply_opt_level  # noqa: E402
 from lowprec.optim.fp8_grads import fp8_grad  # noqa: E402
 from lowprec.train.model import build_model  # noqa: E402
 
-VARIANTS = ("bf16_amp", "bf16_amp_o1", "bf16_amp_o2", "fp8", "fp8_o2", "fp8_o2_bf16w", "mxfp8", "nvfp4",
-            "fp8_acts", "fp8_o2_acts", "fp8_o2_bf16w_acts")
+VARIANTS = (
+    "bf16_amp",
+    "bf16_amp_o1",
+    "bf16_amp_o2",
+    "fp8",
+    "fp8_o2",
+    "fp8_o2_bf16w",
+    "mxfp8",
+    "nvfp4",
+    "fp8_acts",
+    "fp8_o2_acts",
+    "fp8_o2_bf16w_acts",
+)
 SAVED_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
 _BLOCK_SCALED = ("mxfp8", "nvfp4")
 
@@ -150,8 +161,7 @@ def _grad_bytes(model) -> int:
     return total
 
 
-def run_variant(variant: str, model_name: str, batch: int, seq: int, steps: int,
-                device: torch.device) -> dict:
+def run_variant(variant: str, model_name: str, batch: int, seq: int, steps: int, device: torch.device) -> dict:
     info: dict = {}
     acts = variant.endswith("_acts")
     variant = variant.removesuffix("_acts")
@@ -237,15 +247,20 @@ def main(argv=None) -> dict:
         print(f"{v:12s} peak {result['peak'][v]['peak_bytes'] / 2**20:9.2f} MiB", flush=True)
     if "bf16_amp" in result["peak"]:
         base = result["peak"]["bf16_amp"]["peak_bytes"]
-        result["peak_ratio_vs_bf16_amp"] = {
-            v: r["peak_bytes"] / base for v, r in result["peak"].items()
-        }
+        result["peak_ratio_vs_bf16_amp"] = {v: r["peak_bytes"] / base for v, r in result["peak"].items()}
     result["saved_bytes"] = saved_bytes(model, batch, seq, device)
-    print("saved for backward vs bf16_amp:", {k: round(v["ratio_vs_bf16_amp"], 3) for k, v in result["saved_bytes"].items()})
+    print(
+        "saved for backward vs bf16_amp:",
+        {k: round(v["ratio_vs_bf16_amp"], 3) for k, v in result["saved_bytes"].items()},
+    )
     sb = result["state_bytes_per_param"]
-    print("moments bytes/param: torch AdamW %.3f, FP8AdamW %.3f" % (
-        sb["torch_adamw_fp32_params"]["moments_bytes_per_param"],
-        sb["fp8adamw_fp32_params"]["moments_bytes_per_param"]))
+    print(
+        "moments bytes/param: torch AdamW %.3f, FP8AdamW %.3f"
+        % (
+            sb["torch_adamw_fp32_params"]["moments_bytes_per_param"],
+            sb["fp8adamw_fp32_params"]["moments_bytes_per_param"],
+        )
+    )
     if "peak_ratio_vs_bf16_amp" in result:
         print("peak ratio vs bf16_amp:", {k: round(v, 3) for k, v in result["peak_ratio_vs_bf16_amp"].items()})
     write_json(result, args.out, f"memory_{device.type}{'_tiny' if args.tiny else ''}.json")

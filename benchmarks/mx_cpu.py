@@ -61,8 +61,10 @@ def _step(mod: nn.Module, x: torch.Tensor):
 
     def run():
         xi = x.detach().requires_grad_(True)
-        with fp8.autocast(enabled=not isinstance(mod, nn.Linear) or isinstance(mod, fp8.Float8Linear)), \
-                torch.autocast("cpu", dtype=torch.bfloat16):
+        with (
+            fp8.autocast(enabled=not isinstance(mod, nn.Linear) or isinstance(mod, fp8.Float8Linear)),
+            torch.autocast("cpu", dtype=torch.bfloat16),
+        ):
             y = mod(xi)
         y.float().sum().backward()
         mod.weight.grad = None
@@ -84,8 +86,12 @@ def time_shape(m, k, n, rounds: int) -> dict:
             cpu[v].append((time.thread_time() - c0) * 1e3)
             wall[v].append((time.perf_counter() - t0) * 1e3)
     med = {v: round(statistics.median(t), 3) for v, t in cpu.items()}
-    return {"shape": f"{m}x{k}x{n}", "cpu_ms": med, "vs_bf16": {v: round(med[v] / med["bf16"], 2) for v in VARIANTS},
-            "wall_ms": {v: round(statistics.median(t), 3) for v, t in wall.items()}}
+    return {
+        "shape": f"{m}x{k}x{n}",
+        "cpu_ms": med,
+        "vs_bf16": {v: round(med[v] / med["bf16"], 2) for v in VARIANTS},
+        "wall_ms": {v: round(statistics.median(t), 3) for v, t in wall.items()},
+    }
 
 
 def _wrap(mod, name, label):
@@ -137,8 +143,11 @@ def main(argv=None) -> None:
     prof = [profile_shape(*s, r) for s in shapes for r in ("mxfp8", "nvfp4")]
     for row in prof:
         print(row["shape"], row["recipe"], row["phase_ms_inclusive"])
-    write_json({"device": device_name(torch.device("cpu")), "timing": timing,
-                "profile": prof, "load": list(os.getloadavg())}, args.out, "mx_cpu.json")
+    write_json(
+        {"device": device_name(torch.device("cpu")), "timing": timing, "profile": prof, "load": list(os.getloadavg())},
+        args.out,
+        "mx_cpu.json",
+    )
 
 
 if __name__ == "__main__":

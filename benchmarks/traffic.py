@@ -51,7 +51,13 @@ RECIPES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise"
 TARGET_GB = {"tensorwise": 2.8, "delayed": 2.0, "rowwise": 3.5, "blockwise": 3.5}
 # H100 SXM, achieved (not peak) rates: the roofline ESTIMATE's inputs
 HBM_BYTES_PER_S = 3.35e12
-FLOPS_PER_S = {"float8_e4m3fn": 1300e12, "float8_e5m2": 1300e12, "bfloat16": 750e12, "float16": 750e12, "float32": 50e12}
+FLOPS_PER_S = {
+    "float8_e4m3fn": 1300e12,
+    "float8_e5m2": 1300e12,
+    "bfloat16": 750e12,
+    "float16": 750e12,
+    "float32": 50e12,
+}
 
 # Ideal bytes per element of each operand (x: bf16 (M, K), W: fp32 master (N, K), dY: bf16
 # (M, N)): hp reads (passes) + FP8 layouts written. See the module docstring for the rules.
@@ -109,7 +115,9 @@ def _row(variant: str, counter, m: int, k: int, n: int) -> dict:
         "outside_gemm_gb": round(outside / 1e9, 3),
         "gemm_bytes": counter.gemm_bytes(),
         "ops_outside_gemm": sum(1 for r in counter.records if not r.gemm),
-        "gemms": [{"op": g.name, "dtype": g.operand_dtype, "flops": g.flops, "bytes": g.bytes} for g in counter.gemms()],
+        "gemms": [
+            {"op": g.name, "dtype": g.operand_dtype, "flops": g.flops, "bytes": g.bytes} for g in counter.gemms()
+        ],
         "top_ops": {name: d for name, d in list(counter.by_op().items())[:8]},
         "estimate_ms_h100": round(estimate_ms(counter), 6),
     }
@@ -122,8 +130,18 @@ def trace_variants(m, k, n, recipes, torchao: bool, sm=(9, 0)) -> list[dict]:
         paths.append(("torch_path", False))
     for name in recipes:
         for path, triton in paths:
-            row = _row(name if path == "default" else f"{name} [{DISABLE_ENV}=1]", trace_linear(_lowprec(name), m, k, n, sm=sm, triton=triton), m, k, n)
-            row.update(recipe=name, path="fused Triton casts" if triton else "torch ops", ideal_outside_gemm_bytes=ideal_bytes(name, m, k, n))
+            row = _row(
+                name if path == "default" else f"{name} [{DISABLE_ENV}=1]",
+                trace_linear(_lowprec(name), m, k, n, sm=sm, triton=triton),
+                m,
+                k,
+                n,
+            )
+            row.update(
+                recipe=name,
+                path="fused Triton casts" if triton else "torch ops",
+                ideal_outside_gemm_bytes=ideal_bytes(name, m, k, n),
+            )
             if path == "default" and (m, k, n) == FULL and name in TARGET_GB:
                 row["target_gb"] = TARGET_GB[name]
                 row["meets_target"] = row["outside_gemm_gb"] <= TARGET_GB[name]
@@ -131,10 +149,19 @@ def trace_variants(m, k, n, recipes, torchao: bool, sm=(9, 0)) -> list[dict]:
     if "blockwise" in recipes and triton_importable():  # where torch has no blockwise kernel: lowprec's Triton GEMM
         for other in ((8, 9), (10, 0)):
             tag = f"sm_{other[0]}{other[1]}"
-            row = _row(f"blockwise [{tag}, Triton GEMM]", trace_linear(_lowprec("blockwise"), m, k, n, sm=other, triton=True), m, k, n)
-            row.update(recipe="blockwise", path=f"fused Triton casts + Triton blockwise GEMM, traced as {tag}",
-                       ideal_outside_gemm_bytes=ideal_bytes("blockwise", m, k, n),
-                       estimate_note="GEMM FLOPs at the H100 rates above, not the traced GPU's")
+            row = _row(
+                f"blockwise [{tag}, Triton GEMM]",
+                trace_linear(_lowprec("blockwise"), m, k, n, sm=other, triton=True),
+                m,
+                k,
+                n,
+            )
+            row.update(
+                recipe="blockwise",
+                path=f"fused Triton casts + Triton blockwise GEMM, traced as {tag}",
+                ideal_outside_gemm_bytes=ideal_bytes("blockwise", m, k, n),
+                estimate_note="GEMM FLOPs at the H100 rates above, not the traced GPU's",
+            )
             rows.append(row)
     if torchao:
         for name in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
@@ -177,8 +204,12 @@ def main(argv=None) -> int:
             print(f"{r['variant']:44s} error: {r['error']}")
             continue
         ideal = f"{r['ideal_outside_gemm_bytes'] / 1e9:7.2f}G" if "ideal_outside_gemm_bytes" in r else ""
-        print(f"{r['variant']:44s} {r['outside_gemm_gb']:13.3f}G {ideal:>8s} {r['ops_outside_gemm']:5d} {r['estimate_speedup_vs_bf16']:11.2f}x")
-    print("est. x bf16 is a roofline ESTIMATE at H100 rates (3.35 TB/s; FP8 1300, bf16 750, fp32 50 TFLOP/s), not a measurement")
+        print(
+            f"{r['variant']:44s} {r['outside_gemm_gb']:13.3f}G {ideal:>8s} {r['ops_outside_gemm']:5d} {r['estimate_speedup_vs_bf16']:11.2f}x"
+        )
+    print(
+        "est. x bf16 is a roofline ESTIMATE at H100 rates (3.35 TB/s; FP8 1300, bf16 750, fp32 50 TFLOP/s), not a measurement"
+    )
     payload = {
         "device": f"none: traced on meta tensors as CUDA sm_{sm[0]}{sm[1]} (lowprec.fp8.trace_as); no kernel ran",
         "shape": {"M": m, "K": k, "N": n, "x_dtype": "bfloat16", "weight_dtype": "float32"},

@@ -63,8 +63,18 @@ def variants(recipes, tokens, device_kind):
     out = {"bf16": (None, False)}
     for r in recipes:
         out[r] = ((lambda m, r=r: fp8.convert(m, r)), True)
-        out[f"{r}+auto"] = ((lambda m, r=r: fp8.convert(m, r, module_filter=fp8.auto_module_filter(
-            tokens, r, device_kind, base_filter=lambda mod, fqn: fqn != "lm_head"))), True)
+        out[f"{r}+auto"] = (
+            (
+                lambda m, r=r: fp8.convert(
+                    m,
+                    r,
+                    module_filter=fp8.auto_module_filter(
+                        tokens, r, device_kind, base_filter=lambda mod, fqn: fqn != "lm_head"
+                    ),
+                )
+            ),
+            True,
+        )
     for name in ("tensorwise", "rowwise"):
         conv = _torchao_convert(name)
         if conv is not None:
@@ -137,8 +147,12 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--variants", default=None, help="comma-separated variant names to run (default: all)")
     p.add_argument("--cpu_time", action="store_true", help="CPU: time steps by thread CPU time (needs --threads 1)")
-    p.add_argument("--telemetry_every", type=int, default=0,
-                   help="FP8 telemetry on every Nth step of lowprec's FP8 variants, as the trainer does (10); 0: off")
+    p.add_argument(
+        "--telemetry_every",
+        type=int,
+        default=0,
+        help="FP8 telemetry on every Nth step of lowprec's FP8 variants, as the trainer does (10); 0: off",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.cpu_time and (torch.cuda.is_available() or args.threads != 1):
@@ -172,23 +186,41 @@ def main(argv=None):
     tokens = args.batch_size * args.seq_len
     for v in built:
         ms = statistics.median(v.times)
-        rows.append({"variant": v.name, "ms_per_step": ms, "ms_min": min(v.times), "ms_max": max(v.times),
-                     # the mean counts the occasional telemetry step (--telemetry_every) the median skips
-                     "ms_mean": statistics.fmean(v.times),
-                     "tokens_per_s": tokens / (ms / 1e3), "fp8_layers": v.fp8_layers,
-                     "peak_bytes": None})  # all variants are resident at once: benchmarks/memory.py measures memory
+        rows.append(
+            {
+                "variant": v.name,
+                "ms_per_step": ms,
+                "ms_min": min(v.times),
+                "ms_max": max(v.times),
+                # the mean counts the occasional telemetry step (--telemetry_every) the median skips
+                "ms_mean": statistics.fmean(v.times),
+                "tokens_per_s": tokens / (ms / 1e3),
+                "fp8_layers": v.fp8_layers,
+                "peak_bytes": None,
+            }
+        )  # all variants are resident at once: benchmarks/memory.py measures memory
         print(rows[-1], flush=True)
     base = next((r for r in rows if r["variant"] == "bf16" and "tokens_per_s" in r), None)
     for r in rows:
         if base and "tokens_per_s" in r:
             r["speedup_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
     tag = "tiny" if args.tiny else device.type
-    return write_json({"benchmark": "train_step", "device": device_name(device), "model": args.model,
-                       "seq_len": args.seq_len, "batch_size": args.batch_size, "compile": args.compile,
-                       "telemetry_every": args.telemetry_every,
-                       "timing": f"interleaved rounds: {args.warmup} warm-up, {args.steps} timed; median ms"
-                                 + (" of thread CPU time" if args.cpu_time else ""),
-                       "results": rows}, args.out, f"train_step_{tag}.json")
+    return write_json(
+        {
+            "benchmark": "train_step",
+            "device": device_name(device),
+            "model": args.model,
+            "seq_len": args.seq_len,
+            "batch_size": args.batch_size,
+            "compile": args.compile,
+            "telemetry_every": args.telemetry_every,
+            "timing": f"interleaved rounds: {args.warmup} warm-up, {args.steps} timed; median ms"
+            + (" of thread CPU time" if args.cpu_time else ""),
+            "results": rows,
+        },
+        args.out,
+        f"train_step_{tag}.json",
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,15 @@ def byte_dataset() -> TensorDataset:
 
 def build(accelerator: Accelerator):
     set_seed(SEED)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=SEQ,
+    )
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / (4 * STEPS))
@@ -74,17 +81,25 @@ def run(accelerator, model, optimizer, loader, scheduler, steps: int, save_at: i
 
 def main(out_dir: str) -> None:
     project = ProjectConfiguration(project_dir=out_dir, automatic_checkpoint_naming=True, total_limit=2)
-    accelerator = Accelerator(mixed_precision="fp8", gradient_accumulation_steps=ACCUM, log_with="tensorboard",
-                              project_config=project, kwargs_handlers=[TERecipeKwargs()])
+    accelerator = Accelerator(
+        mixed_precision="fp8",
+        gradient_accumulation_steps=ACCUM,
+        log_with="tensorboard",
+        project_config=project,
+        kwargs_handlers=[TERecipeKwargs()],
+    )
     accelerator.init_trackers("causal_lm", config={"lr": LR, "steps": STEPS, "accum": ACCUM})
     parts = build(accelerator)
     half = STEPS // 2
     losses = run(accelerator, *parts, steps=STEPS, save_at=half)
 
     # resume: a fresh Accelerator and model, the newest automatically named checkpoint
-    resumed_acc = Accelerator(mixed_precision="fp8", gradient_accumulation_steps=ACCUM,
-                              project_config=ProjectConfiguration(project_dir=out_dir, automatic_checkpoint_naming=True),
-                              kwargs_handlers=[TERecipeKwargs()])
+    resumed_acc = Accelerator(
+        mixed_precision="fp8",
+        gradient_accumulation_steps=ACCUM,
+        project_config=ProjectConfiguration(project_dir=out_dir, automatic_checkpoint_naming=True),
+        kwargs_handlers=[TERecipeKwargs()],
+    )
     model, optimizer, loader, scheduler = build(resumed_acc)
     resumed_acc.load_state()
     resumed = run(resumed_acc, model, optimizer, loader, scheduler, steps=STEPS - half)
@@ -92,14 +107,21 @@ def main(out_dir: str) -> None:
     fp8_layers = sum(type(m).__name__ == "Float8Linear" for m in unwrapped.modules())
     if resumed_acc.is_main_process:
         events = [f for _, _, fs in os.walk(os.path.join(out_dir, "causal_lm")) for f in fs if "tfevents" in f]
-        print(json.dumps({
-            "ok": True, "processes": resumed_acc.num_processes,
-            "ddp": resumed_acc.distributed_type != DistributedType.NO,
-            "loss_first": losses[0], "loss_last": losses[-1],
-            "resume_max_abs_diff": max(abs(a - b) for a, b in zip(resumed, losses[half:])),
-            "fp8_layers": fp8_layers, "tensorboard_files": len(events),
-            "checkpoints": sorted(os.listdir(os.path.join(out_dir, "checkpoints"))),
-        }))
+        print(
+            json.dumps(
+                {
+                    "ok": True,
+                    "processes": resumed_acc.num_processes,
+                    "ddp": resumed_acc.distributed_type != DistributedType.NO,
+                    "loss_first": losses[0],
+                    "loss_last": losses[-1],
+                    "resume_max_abs_diff": max(abs(a - b) for a, b in zip(resumed, losses[half:])),
+                    "fp8_layers": fp8_layers,
+                    "tensorboard_files": len(events),
+                    "checkpoints": sorted(os.listdir(os.path.join(out_dir, "checkpoints"))),
+                }
+            )
+        )
     accelerator.end_training()  # closes the trackers, then the process group (both runs')
 
 

@@ -28,9 +28,12 @@ def make_model() -> nn.Module:
     # every dim a multiple of 16, so FP8 GEMMs are eligible; the first and last Linear follow
     # each recipe's own rule
     return nn.Sequential(
-        nn.Linear(32, 64), nn.GELU(),
-        nn.Linear(64, 64), nn.GELU(),
-        nn.Linear(64, 64), nn.GELU(),
+        nn.Linear(32, 64),
+        nn.GELU(),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Linear(64, 64),
+        nn.GELU(),
         nn.Linear(64, 16),
     )
 
@@ -62,11 +65,19 @@ def check(name: str, accel_losses: list[float], base_losses: list[float], rank: 
     worst = max(abs(a - b) / max(abs(b), 1e-8) for a, b in zip(accel_losses, base_losses))
     ok = last < 0.7 * first and worst <= TOLERANCE and len(accel_losses) == len(base_losses)
     if rank == 0:
-        print(json.dumps({
-            "example": name, "steps": len(accel_losses), "loss_first5": round(first, 5),
-            "loss_last5": round(last, 5), "max_rel_diff_vs_baseline": worst,
-            "tolerance": TOLERANCE, "ok": ok,
-        }))
+        print(
+            json.dumps(
+                {
+                    "example": name,
+                    "steps": len(accel_losses),
+                    "loss_first5": round(first, 5),
+                    "loss_last5": round(last, 5),
+                    "max_rel_diff_vs_baseline": worst,
+                    "tolerance": TOLERANCE,
+                    "ok": ok,
+                }
+            )
+        )
     if not ok:
         sys.exit(1)
 

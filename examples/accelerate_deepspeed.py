@@ -62,10 +62,15 @@ def train_baseline(stage: int) -> list[float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     fp8.convert(model, fp8.Recipe.from_name("delayed", **recipe()), skip_first_last=False, skip_patterns=())
     config = {
-        "bf16": {"enabled": True}, "fp16": {"enabled": False}, "zero_optimization": {"stage": stage},
-        "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-        "train_batch_size": BATCH * world, "gradient_clipping": 1.0,
-        "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+        "bf16": {"enabled": True},
+        "fp16": {"enabled": False},
+        "zero_optimization": {"stage": stage},
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": BATCH * world,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     losses = []

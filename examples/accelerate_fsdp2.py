@@ -55,7 +55,9 @@ def train_baseline() -> list[float]:
     model = make_model()
     fp8.convert(model, fp8.Recipe.from_name(RECIPE))
     mesh = init_device_mesh("cpu", (world,))
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    fully_shard(
+        model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)  # built on the sharded parameters
     losses = []
     batches = shard_batches(make_loader(), rank, world)

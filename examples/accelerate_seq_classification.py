@@ -56,8 +56,15 @@ def datasets(tokenizer: BertTokenizer) -> tuple[TensorDataset, TensorDataset]:
 
 def build(accelerator: Accelerator, tokenizer: BertTokenizer):
     set_seed(SEED)
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, max_position_embeddings=SEQ, num_labels=2)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=SEQ,
+        num_labels=2,
+    )
     model = BertForSequenceClassification(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     train, val = datasets(tokenizer)
@@ -96,8 +103,13 @@ def evaluate(accelerator, model, val_dl) -> float:
 
 def main(out_dir: str) -> None:
     project = ProjectConfiguration(project_dir=out_dir, automatic_checkpoint_naming=True, total_limit=1)
-    accelerator = Accelerator(mixed_precision="fp8", gradient_accumulation_steps=ACCUM, log_with="tensorboard",
-                              project_config=project, kwargs_handlers=[TERecipeKwargs()])
+    accelerator = Accelerator(
+        mixed_precision="fp8",
+        gradient_accumulation_steps=ACCUM,
+        log_with="tensorboard",
+        project_config=project,
+        kwargs_handlers=[TERecipeKwargs()],
+    )
     with accelerator.main_process_first():
         tokenizer = local_tokenizer(os.path.join(out_dir, "tokenizer"))
     accelerator.init_trackers("seq_cls", config={"lr": LR, "epochs": EPOCHS})
@@ -111,18 +123,29 @@ def main(out_dir: str) -> None:
             accelerator.save_state()
 
     # resume from the checkpoint after epoch EPOCHS // 2 in a fresh Accelerator: same later epochs
-    again = Accelerator(mixed_precision="fp8", gradient_accumulation_steps=ACCUM, kwargs_handlers=[TERecipeKwargs()],
-                        project_config=ProjectConfiguration(project_dir=out_dir, automatic_checkpoint_naming=True))
+    again = Accelerator(
+        mixed_precision="fp8",
+        gradient_accumulation_steps=ACCUM,
+        kwargs_handlers=[TERecipeKwargs()],
+        project_config=ProjectConfiguration(project_dir=out_dir, automatic_checkpoint_naming=True),
+    )
     model, optimizer, train_dl, val_dl, scheduler = build(again, tokenizer)
     again.load_state()
     resumed = [train_epoch(again, model, optimizer, train_dl, scheduler) for _ in range(EPOCHS // 2, EPOCHS)]
     fp8_layers = sum(type(m).__name__ == "Float8Linear" for m in again.unwrap_model(model).modules())
     if again.is_main_process:
-        print(json.dumps({
-            "ok": True, "processes": again.num_processes, "losses": losses, "accuracy": accs,
-            "resume_max_abs_diff": max(abs(a - b) for a, b in zip(resumed, losses[EPOCHS // 2:])),
-            "fp8_layers": fp8_layers,
-        }))
+        print(
+            json.dumps(
+                {
+                    "ok": True,
+                    "processes": again.num_processes,
+                    "losses": losses,
+                    "accuracy": accs,
+                    "resume_max_abs_diff": max(abs(a - b) for a, b in zip(resumed, losses[EPOCHS // 2 :])),
+                    "fp8_layers": fp8_layers,
+                }
+            )
+        )
     accelerator.end_training()  # closes the trackers, then the process group (both runs')
 
 

@@ -36,8 +36,9 @@ def make_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   chat_template=CHATML)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", chat_template=CHATML
+    )
 
 
 def make_model(tokenizer, arch: str = "llama", hidden: int = 64, layers: int = 2, seed: int = 0):
@@ -46,17 +47,28 @@ def make_model(tokenizer, arch: str = "llama", hidden: int = 64, layers: int = 2
 
     torch.manual_seed(seed)
     vocab = -(-len(tokenizer) // 16) * 16  # 261 -> 272: the LM head is a GEMM too
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-               pad_token_id=tokenizer.pad_token_id)
+    ids = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     if arch == "gpt2":
         cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=4, n_positions=512, **ids)
         return GPT2LMHeadModel(cfg)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **ids)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        **ids,
+    )
     return LlamaForCausalLM(cfg)
 
 
-def pretrain(model, tokenizer, steps: int, seq: int = 64, batch: int = 8, lr: float = 3e-3, seed: int = 0) -> list[float]:
+def pretrain(
+    model, tokenizer, steps: int, seq: int = 64, batch: int = 8, lr: float = 3e-3, seed: int = 0
+) -> list[float]:
     """Causal-LM training on random windows of the bundled notes (AdamW, fixed seed)."""
     import json
 
@@ -72,7 +84,7 @@ def pretrain(model, tokenizer, steps: int, seq: int = 64, batch: int = 8, lr: fl
     model.train()
     for _ in range(steps):
         starts = torch.randint(0, len(ids) - seq, (batch,), generator=g)
-        x = torch.stack([ids[s:s + seq] for s in starts.tolist()])
+        x = torch.stack([ids[s : s + seq] for s in starts.tolist()])
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
         opt.step()

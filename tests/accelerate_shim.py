@@ -73,6 +73,7 @@ def _counted(obj):
     """``obj`` with a marker on use (functions: one wrapper each; classes: their ``__init__``, once)."""
     if inspect.isfunction(obj):
         if id(obj) not in _wrappers:
+
             @functools.wraps(obj)
             def wrapper(*args, **kwargs):
                 _mark()

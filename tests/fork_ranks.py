@@ -48,8 +48,13 @@ def main() -> int:
                 fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
-                os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                                  LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
+                os.environ.update(
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(nproc),
+                    LOCAL_WORLD_SIZE=str(nproc),
+                    GROUP_RANK="0",
+                )
                 sys.argv = [script, *args]
                 runpy.run_path(script, run_name="__main__")
             except SystemExit as e:

@@ -65,8 +65,19 @@ def _sdist(cache: Path) -> Path:
     found = sorted(cache.glob(f"accelerate-{PINNED}.tar.gz"))
     if found:
         return found[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-           "--no-build-isolation", "-d", str(cache), f"accelerate=={PINNED}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--no-build-isolation",
+        "-d",
+        str(cache),
+        f"accelerate=={PINNED}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     found = sorted(cache.glob(f"accelerate-{PINNED}.tar.gz"))
     if proc.returncode != 0 or not found:
@@ -87,7 +98,7 @@ def _extract(sdist: Path, dest: Path) -> Path:
     prefix = f"accelerate-{PINNED}/tests/"
     with tarfile.open(sdist) as tar:
         for member in tar.getmembers():
-            rel = member.name[len(prefix):] if member.name.startswith(prefix) else None
+            rel = member.name[len(prefix) :] if member.name.startswith(prefix) else None
             if rel and member.isfile() and (rel in FILES or rel.startswith("test_samples/")):
                 member.name = rel
                 tar.extract(member, tests, filter="data")
@@ -111,8 +122,14 @@ def _tiny_bert(dest: Path) -> None:
     gets, so it runs with no hub and in seconds."""
     import transformers
 
-    cfg = transformers.BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=64, max_position_embeddings=32)
+    cfg = transformers.BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
     transformers.BertForSequenceClassification(cfg).save_pretrained(dest / "bert-base-cased")
 
 
@@ -133,21 +150,52 @@ def _run(tests: Path, lowprec: bool, out: Path, targets: list, tag: str) -> dict
     shutil.copytree(tests.parent, run_dir)
     shutil.copy(HERE / "accelerate_shim.py", run_dir / "accelerate_shim.py")
     (run_dir / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    (run_dir / "conftest.py").write_text("from accelerate_shim import pytest_collection_finish, pytest_runtest_setup, "
-                                         "pytest_runtest_teardown  # noqa: F401\n")
+    (run_dir / "conftest.py").write_text(
+        "from accelerate_shim import pytest_collection_finish, pytest_runtest_setup, "
+        "pytest_runtest_teardown  # noqa: F401\n"
+    )
     reached = run_dir / "reached"
     reached.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
     src = str(HERE.parent / "src")
-    env.update(LOWPREC_SHIM="1" if lowprec else "0", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1",
-               PYTHONPATH=os.pathsep.join([str(run_dir), src, env.get("PYTHONPATH", "")]), LOWPREC_REACHED_DIR=str(reached))
+    env.update(
+        LOWPREC_SHIM="1" if lowprec else "0",
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        PYTHONDONTWRITEBYTECODE="1",
+        PYTHONPATH=os.pathsep.join([str(run_dir), src, env.get("PYTHONPATH", "")]),
+        LOWPREC_REACHED_DIR=str(reached),
+    )
     xml = run_dir / "report.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly",
-           "--continue-on-collection-errors", "--rootdir", str(run_dir), "--junitxml", str(xml), "-o", "addopts=", "-o", "timeout=300",
-           *[a for t in SLOW for a in ("--deselect", "tests/" + t)], *["tests/" + t for t in targets]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:xdist",
+        "-p",
+        "no:randomly",
+        "--continue-on-collection-errors",
+        "--rootdir",
+        str(run_dir),
+        "--junitxml",
+        str(xml),
+        "-o",
+        "addopts=",
+        "-o",
+        "timeout=300",
+        *[a for t in SLOW for a in ("--deselect", "tests/" + t)],
+        *["tests/" + t for t in targets],
+    ]
     proc = subprocess.run(cmd, cwd=run_dir, env=env, capture_output=True, text=True, timeout=900)
     if not xml.exists():
-        pytest.fail(f"pytest wrote no report (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}", pytrace=False)
+        pytest.fail(
+            f"pytest wrote no report (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}",
+            pytrace=False,
+        )
     marks = {p.name for p in reached.iterdir()}
     results: dict[str, tuple] = {}
     for case in ET.parse(xml).getroot().iter("testcase"):
@@ -204,22 +252,27 @@ def test_lowprec_passes_what_accelerate_passes(request, tmp_path_factory):
     for f in FILES:
         r = [t for t in ref if t.startswith(f + "::")]
         ok = [t for t in r if ours.get(t) == "passed"]
-        lines.append(f"{f}: accelerate {sum(ref[t] == 'passed' for t in r)} passed / lowprec {len(ok)} passed, "
-                     f"{sum(t in reached for t in ok)} of them ran lowprec code (of {len(r)})")
+        lines.append(
+            f"{f}: accelerate {sum(ref[t] == 'passed' for t in r)} passed / lowprec {len(ok)} passed, "
+            f"{sum(t in reached for t in ok)} of them ran lowprec code (of {len(r)})"
+        )
     print("\n".join(lines))
     gaps = sorted(t for t, s in ref.items() if s == "passed" and ours.get(t) != "passed")
     unexpected = [t for t in gaps if t not in KNOWN_GAPS]
     fixed = [t for t in KNOWN_GAPS if ours.get(t) == "passed"]
     assert ref, "real accelerate ran no tests: see the log under " + str(out)
     assert not unexpected, (
-        "lowprec fails tests real Accelerate passes:\n  " + "\n  ".join(unexpected)
-        + f"\n(per-file results above; logs in {out}/lowprec/<file>/log.txt)\n" + "\n".join(lines)
+        "lowprec fails tests real Accelerate passes:\n  "
+        + "\n  ".join(unexpected)
+        + f"\n(per-file results above; logs in {out}/lowprec/<file>/log.txt)\n"
+        + "\n".join(lines)
     )
     assert not fixed, "these KNOWN_GAPS pass now; remove them from the list:\n  " + "\n  ".join(fixed)
     # the launched scripts import and run lowprec (a local model, no hub) on both sides
     launched = [t for t in ref if t.startswith("test_fp8.py::TestTorchAO::test_can_prepare_model_single")]
     assert launched and all(ref[t] == ours[t] == "passed" and t in reached for t in launched), (
-        "test_fp8's launched runs: " + str({t: (ref[t], ours.get(t), t in reached) for t in launched}))
+        "test_fp8's launched runs: " + str({t: (ref[t], ours.get(t), t in reached) for t in launched})
+    )
     # every file exercises lowprec: a passing test that never ran lowprec code proves nothing about it
     idle = [f for f in FILES if not any(t.startswith(f + "::") for t in reached)]
     assert not idle, f"no passing test of {idle} ran lowprec code:\n" + "\n".join(lines)

@@ -30,9 +30,13 @@ def test_trainers_objects_configure_the_accelerator():
     """What transformers.Trainer passes (non-default values, so a dropped field would show)."""
     acc = lowprec.Accelerator(
         cpu=True,
-        kwargs_handlers=[au.DistributedDataParallelKwargs(find_unused_parameters=True, bucket_cap_mb=7),
-                         au.GradScalerKwargs(init_scale=1024.0), au.AutocastKwargs(cache_enabled=False),
-                         au.InitProcessGroupKwargs(), au.ProfileKwargs(record_shapes=True)],
+        kwargs_handlers=[
+            au.DistributedDataParallelKwargs(find_unused_parameters=True, bucket_cap_mb=7),
+            au.GradScalerKwargs(init_scale=1024.0),
+            au.AutocastKwargs(cache_enabled=False),
+            au.InitProcessGroupKwargs(),
+            au.ProfileKwargs(record_shapes=True),
+        ],
         gradient_accumulation_plugin=au.GradientAccumulationPlugin(num_steps=3, sync_each_batch=True),
         dataloader_config=au.DataLoaderConfiguration(even_batches=False, data_seed=7),
         project_config=au.ProjectConfiguration(project_dir="proj", total_limit=2),
@@ -57,11 +61,21 @@ def test_trainers_objects_configure_the_accelerator():
 
 
 def test_plugins_and_recipes_convert_field_by_field():
-    fsdp = from_accelerate(au.FullyShardedDataParallelPlugin(
-        fsdp_version=2, transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=False,
-        cpu_offload=True, state_dict_type="FULL_STATE_DICT"), "fsdp_plugin")
+    fsdp = from_accelerate(
+        au.FullyShardedDataParallelPlugin(
+            fsdp_version=2,
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+            reshard_after_forward=False,
+            cpu_offload=True,
+            state_dict_type="FULL_STATE_DICT",
+        ),
+        "fsdp_plugin",
+    )
     assert isinstance(fsdp, K.FullyShardedDataParallelPlugin)
-    assert (fsdp.transformer_cls_names_to_wrap, fsdp.auto_wrap_policy) == (("LlamaDecoderLayer",), "TRANSFORMER_BASED_WRAP")
+    assert (fsdp.transformer_cls_names_to_wrap, fsdp.auto_wrap_policy) == (
+        ("LlamaDecoderLayer",),
+        "TRANSFORMER_BASED_WRAP",
+    )
     assert (fsdp.reshard_after_forward, fsdp.offload_params, fsdp.state_dict_type) == (False, True, "FULL_STATE_DICT")
     ds = from_accelerate(au.DeepSpeedPlugin(zero_stage=3, gradient_clipping=0.5, offload_optimizer_device="cpu"), "ds")
     assert isinstance(ds, K.DeepSpeedPlugin)
@@ -83,15 +97,24 @@ def test_plugins_and_recipes_convert_field_by_field():
     assert isinstance(ctx.call_args.args[2], K.AutocastKwargs) and ctx.call_args.args[2].enabled is False
 
 
-@pytest.mark.parametrize("make, where, names", [
-    (lambda: au.DistributedDataParallelKwargs(comm_hook="fp16"), "kwargs_handlers", "comm_hook='fp16'"),
-    (lambda: au.TorchDynamoPlugin(use_regional_compilation=True), "dynamo_plugin", "use_regional_compilation=True"),
-    (lambda: au.FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=True), "fsdp_plugin",
-     "activation_checkpointing=True"),
-    (lambda: au.DeepSpeedPlugin(zero_stage=3, transformer_moe_cls_names="MixtralSparseMoeBlock"), "deepspeed_plugin",
-     "transformer_moe_cls_names='MixtralSparseMoeBlock'"),
-    (lambda: au.MegatronLMPlugin(), "megatron_lm_plugin", "MegatronLMPlugin has no lowprec equivalent"),
-])
+@pytest.mark.parametrize(
+    "make, where, names",
+    [
+        (lambda: au.DistributedDataParallelKwargs(comm_hook="fp16"), "kwargs_handlers", "comm_hook='fp16'"),
+        (lambda: au.TorchDynamoPlugin(use_regional_compilation=True), "dynamo_plugin", "use_regional_compilation=True"),
+        (
+            lambda: au.FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=True),
+            "fsdp_plugin",
+            "activation_checkpointing=True",
+        ),
+        (
+            lambda: au.DeepSpeedPlugin(zero_stage=3, transformer_moe_cls_names="MixtralSparseMoeBlock"),
+            "deepspeed_plugin",
+            "transformer_moe_cls_names='MixtralSparseMoeBlock'",
+        ),
+        (lambda: au.MegatronLMPlugin(), "megatron_lm_plugin", "MegatronLMPlugin has no lowprec equivalent"),
+    ],
+)
 def test_what_has_no_equivalent_is_refused_in_one_line(make, where, names):
     with pytest.raises(UsageError) as err:
         from_accelerate(make(), where)
@@ -126,11 +149,26 @@ def test_transformers_trainer_runs_on_lowprecs_accelerator_in_fp8(tmp_path, monk
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")  # Trainer's own way to ask for a precision
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     model = transformers.LlamaForCausalLM(cfg)
-    args = transformers.TrainingArguments(str(tmp_path), max_steps=4, per_device_train_batch_size=4, logging_steps=2,
-                                          save_strategy="no", report_to=[], disable_tqdm=True, use_cpu=True)
+    args = transformers.TrainingArguments(
+        str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        logging_steps=2,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+    )
     trainer = FP8Trainer(model=model, args=args, train_dataset=Data())
     assert isinstance(trainer.accelerator, lowprec.Accelerator) and trainer.accelerator.mixed_precision == "fp8"
     import transformers.trainer as hf_trainer
@@ -169,8 +207,9 @@ def test_unwrap_undoes_accelerates_forward_wrappers_so_the_model_pickles(autocas
 def _shuffled_loader(generator: bool):
     from torch.utils.data import DataLoader
 
-    return DataLoader(list(range(20)), batch_size=4, shuffle=True,
-                      generator=torch.Generator().manual_seed(3) if generator else None)
+    return DataLoader(
+        list(range(20)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(3) if generator else None
+    )
 
 
 def _epochs(loader, n: int = 2) -> list:
@@ -245,8 +284,11 @@ def test_two_processes_shard_process_zeros_generator_order(tmp_path):
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(lowprec.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(Path(lowprec.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
     run_ranks(str(script), [str(tmp_path)], 2, env, lambda: (tmp_path / "rank1.json").exists())
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     torch.manual_seed(0)

@@ -83,8 +83,9 @@ def test_register_for_checkpointing_names_bad_items():
 def _split_worker(rank: int, world: int, port: int, out: str) -> None:
     import json
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
     dl = acc.prepare(DataLoader(TensorDataset(torch.arange(8)), batch_size=4))
@@ -98,8 +99,17 @@ def _split_worker(rank: int, world: int, port: int, out: str) -> None:
     sched2.step()
     with acc.split_between_processes(list(range(5))) as mine:
         part = mine
-    json.dump({"batches": batches, "len": len(dl), "lr": sched2.get_last_lr()[0], "part": part,
-               "dtype": str(acc.distributed_type), "last": acc.is_last_process}, open(f"{out}/r{rank}.json", "w"))
+    json.dump(
+        {
+            "batches": batches,
+            "len": len(dl),
+            "lr": sched2.get_last_lr()[0],
+            "part": part,
+            "dtype": str(acc.distributed_type),
+            "last": acc.is_last_process,
+        },
+        open(f"{out}/r{rank}.json", "w"),
+    )
     torch.distributed.destroy_process_group()
 
 
@@ -124,8 +134,15 @@ def test_split_batches_needs_divisible_batch():
     from lowprec.utils.data_loader import DataLoaderShard, GradientState
 
     with pytest.raises(ValueError, match="does not divide"):
-        DataLoaderShard.wrap(DataLoader(TensorDataset(torch.arange(6)), batch_size=3), rank=0, world_size=2,
-                        device=None, seed=0, gradient_state=GradientState(), split_batches=True)
+        DataLoaderShard.wrap(
+            DataLoader(TensorDataset(torch.arange(6)), batch_size=3),
+            rank=0,
+            world_size=2,
+            device=None,
+            seed=0,
+            gradient_state=GradientState(),
+            split_batches=True,
+        )
 
 
 def test_skip_first_batches_on_plain_loader_and_pickling():
@@ -263,8 +280,11 @@ def test_gpt2_conv1d_layers_convert():
 
     cfg = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128, n_positions=16)
     report = convert(transformers.GPT2LMHeadModel(cfg))
-    assert sorted(n for n, _, _ in report.converted) == ["transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
-                                                          "transformer.h.0.mlp.c_proj"]
+    assert sorted(n for n, _, _ in report.converted) == [
+        "transformer.h.0.attn.c_proj",
+        "transformer.h.0.mlp.c_fc",
+        "transformer.h.0.mlp.c_proj",
+    ]
     assert dict(report.skipped)["transformer.h.0.attn.c_attn"] == "first Linear"  # the first GEMM, a Conv1D
     assert "Embedding x2 (lookups, not GEMMs)" in str(report)
 
@@ -308,4 +328,6 @@ def test_dynamo_plugin_reads_accelerates_variables_and_prepare_compiles(monkeypa
     assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
     assert acc.unwrap_model(compiled) is model
     assert compiled(torch.randn(2, 4)).shape == (2, 4)
-    assert not isinstance(Accelerator(cpu=True).prepare(torch.nn.Linear(4, 4)), torch._dynamo.eval_frame.OptimizedModule)
+    assert not isinstance(
+        Accelerator(cpu=True).prepare(torch.nn.Linear(4, 4)), torch._dynamo.eval_frame.OptimizedModule
+    )

@@ -17,9 +17,18 @@ from lowprec import Accelerator
 from lowprec.state import Decision, fp8_hardware_check
 from lowprec.utils import AutocastKwargs, GradScalerKwargs, NativeRecipeKwargs, TERecipeKwargs, set_seed
 
-ENV = ["ACCELERATE_MIXED_PRECISION", "ACCELERATE_FP8_BACKEND", "LOWPREC_FP8_RECIPE", "LOWPREC_FP8_FALLBACK",
-       "WORLD_SIZE", "RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_CPU",
-       "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"]
+ENV = [
+    "ACCELERATE_MIXED_PRECISION",
+    "ACCELERATE_FP8_BACKEND",
+    "LOWPREC_FP8_RECIPE",
+    "LOWPREC_FP8_FALLBACK",
+    "WORLD_SIZE",
+    "RANK",
+    "ACCELERATE_USE_FSDP",
+    "ACCELERATE_USE_DEEPSPEED",
+    "ACCELERATE_USE_CPU",
+    "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -29,8 +38,16 @@ def clean(monkeypatch):
 
 
 def mlp(dropout: float = 0.0) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(dropout), nn.Linear(64, 64), nn.GELU(),
-                         nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    return nn.Sequential(
+        nn.Linear(32, 64),
+        nn.GELU(),
+        nn.Dropout(dropout),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Linear(64, 8),
+    )
 
 
 def loader(n: int = 96, batch_size: int = 8, shuffle: bool = False) -> DataLoader:
@@ -58,7 +75,9 @@ def test_mixed_precision_argument_env_default(monkeypatch):
     assert Accelerator().mixed_precision == "no"
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "BF16")
     acc = Accelerator()
-    assert acc.mixed_precision == "bf16" and "ACCELERATE_MIXED_PRECISION" in acc.state.decisions["mixed_precision"].reason
+    assert (
+        acc.mixed_precision == "bf16" and "ACCELERATE_MIXED_PRECISION" in acc.state.decisions["mixed_precision"].reason
+    )
     assert Accelerator(mixed_precision="no").mixed_precision == "no"
     with pytest.raises(ValueError, match="no, fp16, bf16, fp8"):
         Accelerator(mixed_precision="fp4")
@@ -137,7 +156,9 @@ def test_fp8_region_off_in_eval_unless_asked():
         model.eval()
         hits = []
         layer = next(m for m in model.modules() if isinstance(m, fp8.Float8Linear))
-        layer.register_forward_hook(lambda mod, i, o, hits=hits: hits.append(mod.recipe.use_during_eval and fp8.fp8_enabled()))
+        layer.register_forward_hook(
+            lambda mod, i, o, hits=hits: hits.append(mod.recipe.use_during_eval and fp8.fp8_enabled())
+        )
         model(torch.randn(4, 32))
         assert hits == [during_eval]
 

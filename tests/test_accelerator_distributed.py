@@ -19,7 +19,7 @@ import pytest
 from tests.torchrun_util import free_port, run_torchrun
 
 WORKER = textwrap.dedent(
-    '''
+    """
     import json, os, sys
     import torch
     from torch import nn
@@ -96,10 +96,8 @@ WORKER = textwrap.dedent(
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
     acc2.end_training()
-    '''
+    """
 )
-
-
 
 
 def launch(tmp_path, mode: str) -> list[dict]:
@@ -115,10 +113,23 @@ def launch(tmp_path, mode: str) -> list[dict]:
         env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")
     if mode.startswith("zero"):
         env.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE=mode[-1])
-    cmd = [sys.executable, "-m", "lowprec.cli._torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "lowprec.cli._worker", str(script), mode, str(tmp_path)]
-    run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(2)),
-                 env=env, timeout=180)
+    cmd = [
+        sys.executable,
+        "-m",
+        "lowprec.cli._torchrun",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "lowprec.cli._worker",
+        str(script),
+        mode,
+        str(tmp_path),
+    ]
+    run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(2)), env=env, timeout=180)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -128,12 +139,17 @@ def has_deepspeed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
-@pytest.mark.parametrize("mode, dtype", [
-    ("ddp", "MULTI_CPU"),
-    ("fsdp2", "FSDP"),
-    ("ddp_o2", "MULTI_CPU"),
-    pytest.param("zero3", "DEEPSPEED", marks=pytest.mark.skipif(not has_deepspeed(), reason="DeepSpeed is an optional extra")),
-])
+@pytest.mark.parametrize(
+    "mode, dtype",
+    [
+        ("ddp", "MULTI_CPU"),
+        ("fsdp2", "FSDP"),
+        ("ddp_o2", "MULTI_CPU"),
+        pytest.param(
+            "zero3", "DEEPSPEED", marks=pytest.mark.skipif(not has_deepspeed(), reason="DeepSpeed is an optional extra")
+        ),
+    ],
+)
 def test_distributed_path(tmp_path, mode, dtype):
     reports = launch(tmp_path, mode)
     for rep in reports:

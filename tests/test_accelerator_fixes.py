@@ -60,7 +60,9 @@ def test_sync_each_batch_keeps_the_accumulation_boundary():
 def _shard(loader_, rank, world):
     from lowprec.utils.data_loader import DataLoaderShard, GradientState
 
-    return DataLoaderShard.wrap(loader_, rank=rank, world_size=world, device=None, seed=0, gradient_state=GradientState())
+    return DataLoaderShard.wrap(
+        loader_, rank=rank, world_size=world, device=None, seed=0, gradient_state=GradientState()
+    )
 
 
 def test_one_process_keeps_the_short_last_batch():
@@ -181,7 +183,7 @@ def test_scheduler_stepping_options(with_optimizer, adjust):
             sched.step()
             opt.zero_grad()
     real_steps = 4 if not with_optimizer else 2
-    assert sched.get_last_lr() == [0.8 * 0.5 ** real_steps]
+    assert sched.get_last_lr() == [0.8 * 0.5**real_steps]
     # torch counts the constructor's call too; adjust_scheduler also counts skipped micro-steps
     assert sched.scheduler._step_count == 1 + (4 if (adjust or not with_optimizer) else 2)
 
@@ -219,7 +221,9 @@ def test_free_memory_drops_every_reference():
     del base, counter
     gc.collect()
     assert [model, opt] == [None, None]
-    assert acc._param_maps == [] and acc._optimizer_models == {} and acc._custom_objects == [] and acc._ds_engine is None
+    assert (
+        acc._param_maps == [] and acc._optimizer_models == {} and acc._custom_objects == [] and acc._ds_engine is None
+    )
     assert probe() is None and cprobe() is None
 
 

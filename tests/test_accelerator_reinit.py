@@ -23,8 +23,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_accelerator_after_end_training_under_launch(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
     env.update(PYTHONPATH=os.path.join(ROOT, "src"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2",
-           os.path.join(ROOT, "tests", "scripts", "reinit_worker.py"), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lowprec.cli.main",
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        os.path.join(ROOT, "tests", "scripts", "reinit_worker.py"),
+        str(tmp_path),
+    ]
     run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(2)), env=env, timeout=240)
     for r in range(2):
         report = json.loads((tmp_path / f"rank{r}.json").read_text())

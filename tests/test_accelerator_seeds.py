@@ -15,14 +15,26 @@ from lowprec.kwargs import recipe_kwargs_from_config
 SNIPPETS = [
     # 000: the v0.33 guide (note the docs' own spellings: kwarg_handlers, optimization_level)
     ("none", 'accelerator = Accelerator(mixed_precision="fp8")'),
-    ("msamp", 'kwargs = [FP8RecipeKwargs(backend="msamp")]\n'
-              'accelerator = Accelerator(mixed_precision="fp8", kwarg_handlers=kwargs)'),
-    ("te", 'kwargs = [FP8RecipeKwargs(backend="te")]\n'
-           'accelerator = Accelerator(mixed_precision="fp8", kwarg_handlers=kwargs)'),
-    ("msamp", 'kwargs = [FP8RecipeKwargs(backend="msamp", optimization_level="O2")]\n'
-              'accelerator = Accelerator(mixed_precision="fp8", kwarg_handlers=kwargs)'),
+    (
+        "msamp",
+        'kwargs = [FP8RecipeKwargs(backend="msamp")]\n'
+        'accelerator = Accelerator(mixed_precision="fp8", kwarg_handlers=kwargs)',
+    ),
+    (
+        "te",
+        'kwargs = [FP8RecipeKwargs(backend="te")]\n'
+        'accelerator = Accelerator(mixed_precision="fp8", kwarg_handlers=kwargs)',
+    ),
+    (
+        "msamp",
+        'kwargs = [FP8RecipeKwargs(backend="msamp", optimization_level="O2")]\n'
+        'accelerator = Accelerator(mixed_precision="fp8", kwarg_handlers=kwargs)',
+    ),
     # 002: the newer guide
-    ("msamp", 'kwargs = [MSAMPRecipeKwargs()]\naccelerator = Accelerator(mixed_precision="fp8", kwarg_handlers=kwargs)'),
+    (
+        "msamp",
+        'kwargs = [MSAMPRecipeKwargs()]\naccelerator = Accelerator(mixed_precision="fp8", kwarg_handlers=kwargs)',
+    ),
     ("te", 'kwargs = [TERecipeKwargs()]\naccelerator = Accelerator(mixed_precision="fp8", kwarg_handlers=kwargs)'),
     ("torchao", 'kwargs = [AORecipeKwargs()]\naccelerator = Accelerator(mixed_precision="fp8", kwarg_handlers=kwargs)'),
 ]
@@ -37,8 +49,10 @@ def clean(monkeypatch):
 @pytest.mark.parametrize("backend, code", SNIPPETS)
 def test_seed_snippet_trains(backend, code):
     scope: dict = {}
-    header = ("from lowprec import Accelerator\n"
-              "from lowprec.utils import FP8RecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs, AORecipeKwargs\n")
+    header = (
+        "from lowprec import Accelerator\n"
+        "from lowprec.utils import FP8RecipeKwargs, TERecipeKwargs, MSAMPRecipeKwargs, AORecipeKwargs\n"
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         exec(header + code, scope)
@@ -56,20 +70,34 @@ def test_seed_snippet_trains(backend, code):
     assert not torch.equal(w, model[2].weight)
 
 
-@pytest.mark.parametrize("cfg, cls, field, value", [
-    ({"amax_compute_algo": "max", "amax_history_len": 1024, "backend": "TE", "fp8_format": "HYBRID", "interval": 1,
-      "margin": 0, "override_linear_precision": "(false, false, false)", "use_autocast_during_eval": False},
-     "TERecipeKwargs", "amax_compute_algo", "max"),
-    ({"backend": "MSAMP", "opt_level": "O2"}, "MSAMPRecipeKwargs", "opt_level", "O2"),
-])
+@pytest.mark.parametrize(
+    "cfg, cls, field, value",
+    [
+        (
+            {
+                "amax_compute_algo": "max",
+                "amax_history_len": 1024,
+                "backend": "TE",
+                "fp8_format": "HYBRID",
+                "interval": 1,
+                "margin": 0,
+                "override_linear_precision": "(false, false, false)",
+                "use_autocast_during_eval": False,
+            },
+            "TERecipeKwargs",
+            "amax_compute_algo",
+            "max",
+        ),
+        ({"backend": "MSAMP", "opt_level": "O2"}, "MSAMPRecipeKwargs", "opt_level", "O2"),
+    ],
+)
 def test_seed_yaml_fp8_config(cfg, cls, field, value):
     handler = recipe_kwargs_from_config(cfg)
     assert type(handler).__name__ == cls and getattr(handler, field) == value
 
 
 def test_accelerate_named_helpers():
-    from lowprec.utils import (apply_fp8_autowrap, contextual_fp8_autocast, convert_model,
-                               has_transformer_engine_layers)
+    from lowprec.utils import apply_fp8_autowrap, contextual_fp8_autocast, convert_model, has_transformer_engine_layers
 
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 10), nn.Linear(10, 32), nn.Linear(32, 32))
     assert not has_transformer_engine_layers(model)

@@ -64,24 +64,43 @@ def test_registry_and_spellings(echo):
         S.register(S.BackendSpec(env_value="TE", summary="", kwargs_class=other, reads=(), create=ECHO.create))
     # the name is the kwargs class's backend, declared once
     with pytest.raises(ValueError, match="must name the backend"):
-        S.BackendSpec(name="other", env_value="OTHER", summary="", kwargs_class=EchoRecipeKwargs, reads=(),
-                      create=ECHO.create)
+        S.BackendSpec(
+            name="other", env_value="OTHER", summary="", kwargs_class=EchoRecipeKwargs, reads=(), create=ECHO.create
+        )
 
 
 def test_launch_flags_and_their_checks(echo, capsys):
     from lowprec.cli.main import main
 
-    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_backend", "echo", "--fp8_margin", "2",
-                 "x.py"]) == 2  # the script does not exist: the flags themselves parsed
+    assert (
+        main(["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_backend", "echo", "--fp8_margin", "2", "x.py"])
+        == 2
+    )  # the script does not exist: the flags themselves parsed
     assert "training script 'x.py' not found" in capsys.readouterr().err
     script = os.path.join(ROOT, "tests", "scripts")
     script = next(os.path.join(script, f) for f in sorted(os.listdir(script)) if f.endswith(".py"))
-    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_backend", "echo", "--fp8_margin", "2",
-                 script]) == 0
+    assert (
+        main(["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_backend", "echo", "--fp8_margin", "2", script])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "export ACCELERATE_FP8_BACKEND=ECHO" in out and "export ACCELERATE_FP8_MARGIN=2" in out
-    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_backend", "echo", "--fp8_recipe",
-                 "rowwise", script]) == 2
+    assert (
+        main(
+            [
+                "launch",
+                "--dry_run",
+                "--mixed_precision",
+                "fp8",
+                "--fp8_backend",
+                "echo",
+                "--fp8_recipe",
+                "rowwise",
+                script,
+            ]
+        )
+        == 2
+    )
     assert "--fp8_recipe: the echo FP8 backend does not read it (read by: native)" in capsys.readouterr().err
     try:
         main(["launch", "--help"])
@@ -108,8 +127,11 @@ def test_env_report_and_accelerator(echo, monkeypatch):
     from lowprec import Accelerator
     from lowprec.cli.env import collect
 
-    assert collect()["fp8_backends"]["echo"] == {"fp8_backend": "ECHO", "kwargs": "EchoRecipeKwargs",
-                                                 "runs": "lowprec engine"}
+    assert collect()["fp8_backends"]["echo"] == {
+        "fp8_backend": "ECHO",
+        "kwargs": "EchoRecipeKwargs",
+        "runs": "lowprec engine",
+    }
     for name in [n for n in os.environ if n.startswith(("ACCELERATE_", "LOWPREC_FP8"))]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "echo-fp8")
@@ -124,16 +146,22 @@ def test_no_backend_name_is_compared_outside_backends():
     """Backend names live in backends/<name>.py; nothing else branches on them."""
     names = "|".join(sorted({s for spec in S.specs() for s in spec.spellings()}, key=len, reverse=True))
     pattern = rf"""(==|!=|\bin\b)\s*\(?[^#\n]*["']({names}|auto)["']"""
-    out = subprocess.run(["grep", "-rnE", pattern, "src/lowprec", "--include=*.py"], cwd=ROOT,
-                         capture_output=True, text=True).stdout
-    hits = [ln for ln in out.splitlines() if "/backends/" not in ln and ("backend" in ln or "name" in ln)
-            and '"""' not in ln and "``" not in ln]
+    out = subprocess.run(
+        ["grep", "-rnE", pattern, "src/lowprec", "--include=*.py"], cwd=ROOT, capture_output=True, text=True
+    ).stdout
+    hits = [
+        ln
+        for ln in out.splitlines()
+        if "/backends/" not in ln and ("backend" in ln or "name" in ln) and '"""' not in ln and "``" not in ln
+    ]
     assert hits == [], "\n".join(hits)
 
 
 def test_launcher_reads_declarations_without_torch():
-    code = ("import sys; from lowprec.backends.spec import specs; from lowprec.config import values as V; "
-            "specs(); V.FP8_BACKENDS; assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; from lowprec.backends.spec import specs; from lowprec.config import values as V; "
+        "specs(); V.FP8_BACKENDS; assert 'torch' not in sys.modules, 'torch imported'"
+    )
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
 

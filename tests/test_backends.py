@@ -73,8 +73,9 @@ def test_fallback_logged_once(caplog):
 
 
 def test_te_fallback_runs_the_same_recipe():
-    handler = TERecipeKwargs(amax_history_len=16, amax_compute_algo="most_recent", margin=1,
-                             override_linear_precision=(False, False, True))
+    handler = TERecipeKwargs(
+        amax_history_len=16, amax_compute_algo="most_recent", margin=1, override_linear_precision=(False, False, True)
+    )
     acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[handler])
     model = acc.prepare(mlp(32, 32, 32, 32))
     layers = [m for m in model.modules() if isinstance(m, fp8.Float8Linear)]
@@ -111,16 +112,31 @@ def test_ao_fallback_keeps_eval_switch_and_logs_ignored_fields(caplog):
     assert len(hits) == 1 and "config, pad_inner_dim" in hits[0]
 
 
-@pytest.mark.parametrize("env,handler,unread", [
-    ({"ACCELERATE_FP8_BACKEND": "TE", "LOWPREC_FP8_RECIPE": "rowwise"}, None, ["LOWPREC_FP8_RECIPE"]),
-    ({"ACCELERATE_FP8_AMAX_HISTORY_LEN": "16", "ACCELERATE_FP8_OPT_LEVEL": "O1"}, MSAMPRecipeKwargs,
-     ["ACCELERATE_FP8_AMAX_HISTORY_LEN"]),
-    ({"LOWPREC_FP8_RECIPE": "rowwise", "ACCELERATE_FP8_OPT_LEVEL": "O2",
-      "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL": "1"}, None,
-     ["ACCELERATE_FP8_OPT_LEVEL"]),
-    ({"ACCELERATE_FP8_MARGIN": "1", "ACCELERATE_FP8_PAD_INNER_DIM": "false"}, TERecipeKwargs,
-     ["ACCELERATE_FP8_PAD_INNER_DIM"]),
-])
+@pytest.mark.parametrize(
+    "env,handler,unread",
+    [
+        ({"ACCELERATE_FP8_BACKEND": "TE", "LOWPREC_FP8_RECIPE": "rowwise"}, None, ["LOWPREC_FP8_RECIPE"]),
+        (
+            {"ACCELERATE_FP8_AMAX_HISTORY_LEN": "16", "ACCELERATE_FP8_OPT_LEVEL": "O1"},
+            MSAMPRecipeKwargs,
+            ["ACCELERATE_FP8_AMAX_HISTORY_LEN"],
+        ),
+        (
+            {
+                "LOWPREC_FP8_RECIPE": "rowwise",
+                "ACCELERATE_FP8_OPT_LEVEL": "O2",
+                "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL": "1",
+            },
+            None,
+            ["ACCELERATE_FP8_OPT_LEVEL"],
+        ),
+        (
+            {"ACCELERATE_FP8_MARGIN": "1", "ACCELERATE_FP8_PAD_INNER_DIM": "false"},
+            TERecipeKwargs,
+            ["ACCELERATE_FP8_PAD_INNER_DIM"],
+        ),
+    ],
+)
 def test_set_but_unread_fp8_env_is_logged_once(monkeypatch, caplog, env, handler, unread):
     for name in [n for n in __import__("os").environ if n.startswith("ACCELERATE_FP8_")]:
         monkeypatch.delenv(name)
@@ -153,20 +169,47 @@ def fake_te(monkeypatch, with_interval: bool):
         E5M2 = "E5M2"
         HYBRID = "HYBRID"
 
-    def delayed(margin=0, fp8_format=Format.HYBRID, amax_history_len=1024, amax_compute_algo="max",
-                override_linear_precision=(False, False, False), **kw):
-        args = dict(margin=margin, fp8_format=fp8_format, amax_history_len=amax_history_len,
-                    amax_compute_algo=amax_compute_algo, override_linear_precision=override_linear_precision, **kw)
+    def delayed(
+        margin=0,
+        fp8_format=Format.HYBRID,
+        amax_history_len=1024,
+        amax_compute_algo="max",
+        override_linear_precision=(False, False, False),
+        **kw,
+    ):
+        args = dict(
+            margin=margin,
+            fp8_format=fp8_format,
+            amax_history_len=amax_history_len,
+            amax_compute_algo=amax_compute_algo,
+            override_linear_precision=override_linear_precision,
+            **kw,
+        )
         rec.calls.append(("DelayedScaling", args))
         return types.SimpleNamespace(kind="delayed", **args)
 
     if with_interval:
-        def DelayedScaling(margin=0, interval=1, fp8_format=Format.HYBRID, amax_history_len=1024,  # noqa: N802
-                           amax_compute_algo="max", override_linear_precision=(False, False, False)):
-            return delayed(margin, fp8_format, amax_history_len, amax_compute_algo, override_linear_precision, interval=interval)
+
+        def DelayedScaling(
+            margin=0,
+            interval=1,
+            fp8_format=Format.HYBRID,
+            amax_history_len=1024,  # noqa: N802
+            amax_compute_algo="max",
+            override_linear_precision=(False, False, False),
+        ):
+            return delayed(
+                margin, fp8_format, amax_history_len, amax_compute_algo, override_linear_precision, interval=interval
+            )
     else:
-        def DelayedScaling(margin=0, fp8_format=Format.HYBRID, amax_history_len=1024,  # noqa: N802
-                           amax_compute_algo="max", override_linear_precision=(False, False, False)):
+
+        def DelayedScaling(
+            margin=0,
+            fp8_format=Format.HYBRID,
+            amax_history_len=1024,  # noqa: N802
+            amax_compute_algo="max",
+            override_linear_precision=(False, False, False),
+        ):
             return delayed(margin, fp8_format, amax_history_len, amax_compute_algo, override_linear_precision)
 
     class Linear(nn.Linear):
@@ -192,8 +235,12 @@ def fake_te(monkeypatch, with_interval: bool):
     recipe_mod.NVFP4BlockScaling = lambda: rec.calls.append(("NVFP4",)) or "nv"
     te_pt.Linear, te_pt.LayerNorm, te_pt.fp8_autocast = Linear, LayerNorm, fp8_autocast
     te.pytorch, te.common, common.recipe = te_pt, common, recipe_mod
-    for name, mod in [("transformer_engine", te), ("transformer_engine.pytorch", te_pt),
-                      ("transformer_engine.common", common), ("transformer_engine.common.recipe", recipe_mod)]:
+    for name, mod in [
+        ("transformer_engine", te),
+        ("transformer_engine.pytorch", te_pt),
+        ("transformer_engine.common", common),
+        ("transformer_engine.common.recipe", recipe_mod),
+    ]:
         monkeypatch.setitem(sys.modules, name, mod)
     return rec, te_pt
 
@@ -203,7 +250,7 @@ def test_te_adapter_forwards_every_resolved_value(monkeypatch, with_interval):
     rec, _ = fake_te(monkeypatch, with_interval)
     acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(amax_history_len=32)])
     assert acc.fp8_backend == "TE" and acc.fp8_backend_info["engine"] == "TransformerEngine"
-    (kind, args), = [c for c in rec.calls if c[0] == "DelayedScaling"]
+    ((kind, args),) = [c for c in rec.calls if c[0] == "DelayedScaling"]
     # bug 10: the documented default 'most_recent' reaches TE (Accelerate left TE's 'max')
     assert args["amax_compute_algo"] == "most_recent" and args["amax_history_len"] == 32
     assert args["fp8_format"].name == "HYBRID" and args["override_linear_precision"] == (False, False, False)
@@ -415,7 +462,7 @@ def test_torchao_adapter_with_stand_in(monkeypatch):
     model = mlp(32, 32, 32, 32, 32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = acc.prepare(model, opt)
-    (_, config), = rec.calls
+    ((_, config),) = rec.calls
     assert config.pad_inner_dim is True
     assert config.enable_fsdp_float8_all_gather is False  # no FSDP2 here
     kinds = [type(m).__name__ for m in model if isinstance(m, nn.Linear)]
@@ -445,5 +492,13 @@ def test_backend_protocol_is_narrow():
     from lowprec.backends.base import Backend
 
     methods = {n for n, _ in inspect.getmembers(Backend, inspect.isfunction) if not n.startswith("_")}
-    assert methods == {"convert", "prepare_optimizer", "after_wrap", "fp8_context", "after_optimizer_step",
-                       "after_skipped_step", "plain_state_dict", "describe"}
+    assert methods == {
+        "convert",
+        "prepare_optimizer",
+        "after_wrap",
+        "fp8_context",
+        "after_optimizer_step",
+        "after_skipped_step",
+        "plain_state_dict",
+        "describe",
+    }

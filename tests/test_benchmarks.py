@@ -10,8 +10,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_linear_benchmark_tiny(tmp_path):
     out = tmp_path / "linear.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "linear.py"), "--tiny", "--modes", "eager",
-           "--recipes", "tensorwise,rowwise", "--iters", "1", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "linear.py"),
+        "--tiny",
+        "--modes",
+        "eager",
+        "--recipes",
+        "tensorwise,rowwise",
+        "--iters",
+        "1",
+        "--out",
+        str(out),
+    ]
     env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
     data = json.loads(out.read_text())
@@ -28,7 +39,16 @@ def test_linear_benchmark_tiny(tmp_path):
 
 
 def test_engine_demo_example_runs():
-    cmd = [sys.executable, str(ROOT / "examples" / "fp8_engine_demo.py"), "--steps", "3", "--seq_len", "64", "--batch_size", "2"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "fp8_engine_demo.py"),
+        "--steps",
+        "3",
+        "--seq_len",
+        "64",
+        "--batch_size",
+        "2",
+    ]
     env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, check=True, env=env, capture_output=True, text=True, timeout=300)
     assert "Linear layer(s) converted" in res.stdout and "step    1" in res.stdout
@@ -36,8 +56,19 @@ def test_engine_demo_example_runs():
 
 def test_train_step_benchmark_tiny(tmp_path):
     out = tmp_path / "ts.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step.py"), "--tiny", "--recipes", "tensorwise",
-           "--steps", "1", "--warmup", "0", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "train_step.py"),
+        "--tiny",
+        "--recipes",
+        "tensorwise",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        str(out),
+    ]
     env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
     rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}

@@ -16,7 +16,7 @@ import textwrap
 from tests.torchrun_util import run_ranks
 
 WORKER = textwrap.dedent(
-    '''
+    """
     import json, os, sys
     import torch
     from torch import nn
@@ -65,7 +65,7 @@ WORKER = textwrap.dedent(
     with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
         json.dump(report, f)
     acc.end_training()
-    '''
+    """
 )
 
 

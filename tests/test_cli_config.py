@@ -32,7 +32,7 @@ def launch_env(argv, capsys) -> dict[str, str]:
     env = {}
     for line in out.splitlines():
         if line.startswith("export "):
-            key, _, value = line[len("export "):].partition("=")
+            key, _, value = line[len("export ") :].partition("=")
             env[key] = shlex.split(value)[0]
     return env
 
@@ -75,11 +75,22 @@ def test_wizard_round_trip_fsdp_fp8(monkeypatch, tmp_path, capsys):
     capsys.readouterr()
     s = loaded(path)
     assert s == LaunchSettings(
-        num_processes=2, use_cpu=True, use_fsdp=True, fsdp_reshard_after_forward=True,
-        fsdp_auto_wrap_policy="TRANSFORMER_BASED_WRAP", fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer",
-        mixed_precision="fp8", fp8_backend="native", fp8_recipe="delayed", fp8_fallback="bf16",
-        fp8_format="E4M3", fp8_margin=1, fp8_amax_history_len=16, fp8_amax_compute_algo="most_recent",
-        fp8_override_linear_precision=(False, False, True), fp8_use_autocast_during_eval=False,
+        num_processes=2,
+        use_cpu=True,
+        use_fsdp=True,
+        fsdp_reshard_after_forward=True,
+        fsdp_auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+        fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer",
+        mixed_precision="fp8",
+        fp8_backend="native",
+        fp8_recipe="delayed",
+        fp8_fallback="bf16",
+        fp8_format="E4M3",
+        fp8_margin=1,
+        fp8_amax_history_len=16,
+        fp8_amax_compute_algo="most_recent",
+        fp8_override_linear_precision=(False, False, True),
+        fp8_use_autocast_during_eval=False,
     )
     env = launch_env(["--config_file", str(path)], capsys)
     assert env == s.to_env()
@@ -118,9 +129,14 @@ def test_flags_round_trip_through_config_file(seed, tmp_path, capsys):
     if backend in ("native", "auto"):
         flags += ["--fp8_recipe", "delayed"]
     if backend in ("native", "TE", "auto"):
-        flags += ["--fp8_amax_history_len", str(rng.randint(1, 4096)),
-                  "--fp8_amax_compute_algo", rng.choice(V.AMAX_COMPUTE_ALGOS),
-                  "--fp8_override_linear_precision", rng.choice(["(false,false,true)", "false,true,false"])]
+        flags += [
+            "--fp8_amax_history_len",
+            str(rng.randint(1, 4096)),
+            "--fp8_amax_compute_algo",
+            rng.choice(V.AMAX_COMPUTE_ALGOS),
+            "--fp8_override_linear_precision",
+            rng.choice(["(false,false,true)", "false,true,false"]),
+        ]
     if backend == "msamp":
         flags += ["--fp8_opt_level", rng.choice(V.OPT_LEVELS)]
     if backend == "torchao":
@@ -160,7 +176,12 @@ def _fake_cuda(monkeypatch, count, cc, bf16=True):
 
 @pytest.mark.parametrize(
     "count, cc, bf16, precision, procs",
-    [(0, (0, 0), True, "bf16", 1), (2, (9, 0), True, "fp8", 2), (4, (8, 0), True, "bf16", 4), (1, (7, 0), False, "fp16", 1)],
+    [
+        (0, (0, 0), True, "bf16", 1),
+        (2, (9, 0), True, "fp8", 2),
+        (4, (8, 0), True, "bf16", 4),
+        (1, (7, 0), False, "fp16", 1),
+    ],
 )
 def test_default_follows_hardware(monkeypatch, tmp_path, capsys, count, cc, bf16, precision, procs):
     _fake_cuda(monkeypatch, count, cc, bf16)
@@ -209,10 +230,28 @@ def test_wizard_asks_the_recipe_options_the_catalog_declares(monkeypatch, tmp_pa
     recipe = Accelerator().backend.recipe
     assert (recipe.name, recipe.scale_rounding) == ("mxfp8", "floor")
     # the flag spelling, and a recipe that does not read the option: one usage error
-    assert launch_env(["--mixed_precision", "fp8", "--fp8_recipe", "mxfp8", "--fp8_scale_rounding", "rceil"],
-                      capsys)["LOWPREC_FP8_SCALE_ROUNDING"] == "rceil"
-    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_recipe", "tensorwise",
-                 "--fp8_scale_rounding", "floor", SCRIPT]) == 2
+    assert (
+        launch_env(["--mixed_precision", "fp8", "--fp8_recipe", "mxfp8", "--fp8_scale_rounding", "rceil"], capsys)[
+            "LOWPREC_FP8_SCALE_ROUNDING"
+        ]
+        == "rceil"
+    )
+    assert (
+        main(
+            [
+                "launch",
+                "--dry_run",
+                "--mixed_precision",
+                "fp8",
+                "--fp8_recipe",
+                "tensorwise",
+                "--fp8_scale_rounding",
+                "floor",
+                SCRIPT,
+            ]
+        )
+        == 2
+    )
     assert "--fp8_scale_rounding: the tensorwise recipe does not read it" in capsys.readouterr().err
     # a delayed recipe is not asked it (its options: margin, history, algorithm)
     feed(monkeypatch, ["1", "1", "no", "fp8", "native", "delayed"] + [""] * 7)

@@ -52,8 +52,13 @@ def test_package_version_is_import_free(monkeypatch):
     assert env_cmd.package_version("pydantic") == importlib.metadata.version("pydantic")
     assert env_cmd.package_version("surely_not_installed_pkg_xyz") is None
     # An installed backend is reported without being imported.
-    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "9.9" if dist == "torchao" else
-                        (_ for _ in ()).throw(importlib.metadata.PackageNotFoundError(dist)))
+    monkeypatch.setattr(
+        importlib.metadata,
+        "version",
+        lambda dist: (
+            "9.9" if dist == "torchao" else (_ for _ in ()).throw(importlib.metadata.PackageNotFoundError(dist))
+        ),
+    )
     before = set(sys.modules)
     assert env_cmd.package_version("torchao") == "9.9"
     assert "torchao" not in set(sys.modules) - before

@@ -38,7 +38,7 @@ def dry_run(argv, capsys):
     lines = out.strip().splitlines()
     for line in lines:
         if line.startswith("export "):
-            key, _, value = line[len("export "):].partition("=")
+            key, _, value = line[len("export ") :].partition("=")
             exported[key] = shlex.split(value)[0] if value else ""
         elif line.startswith("unset "):
             unset.append(line.split()[1])
@@ -79,16 +79,55 @@ def test_options_with_equals_and_dashes(capsys):
 
 def test_torchrun_standalone_for_several_processes(capsys):
     _, _, cmd = dry_run(["--num_processes", "4", SCRIPT, "a"], capsys)
-    assert cmd == [sys.executable, "-m", "lowprec.cli._torchrun", "--standalone", "--nproc_per_node=4",
-                   "-m", "lowprec.cli._worker", SCRIPT, "a"]  # each rank records that it finished
+    assert cmd == [
+        sys.executable,
+        "-m",
+        "lowprec.cli._torchrun",
+        "--standalone",
+        "--nproc_per_node=4",
+        "-m",
+        "lowprec.cli._worker",
+        SCRIPT,
+        "a",
+    ]  # each rank records that it finished
 
 
 def test_torchrun_multi_machine(capsys):
-    _, _, cmd = dry_run(["--num_processes", "8", "--num_machines", "2", "--machine_rank", "1",
-                         "--main_process_ip", "10.1.2.3", "--main_process_port", "1234", "-m", "pkg.train", "--lr", "1"], capsys)
-    assert cmd == [sys.executable, "-m", "lowprec.cli._torchrun", "--nproc_per_node=4", "--nnodes=2",
-                   "--node_rank=1", "--master_addr=10.1.2.3", "--master_port=1234",
-                   "-m", "lowprec.cli._worker", "-m", "pkg.train", "--lr", "1"]
+    _, _, cmd = dry_run(
+        [
+            "--num_processes",
+            "8",
+            "--num_machines",
+            "2",
+            "--machine_rank",
+            "1",
+            "--main_process_ip",
+            "10.1.2.3",
+            "--main_process_port",
+            "1234",
+            "-m",
+            "pkg.train",
+            "--lr",
+            "1",
+        ],
+        capsys,
+    )
+    assert cmd == [
+        sys.executable,
+        "-m",
+        "lowprec.cli._torchrun",
+        "--nproc_per_node=4",
+        "--nnodes=2",
+        "--node_rank=1",
+        "--master_addr=10.1.2.3",
+        "--master_port=1234",
+        "-m",
+        "lowprec.cli._worker",
+        "-m",
+        "pkg.train",
+        "--lr",
+        "1",
+    ]
 
 
 def test_module_single_process(capsys):
@@ -104,8 +143,20 @@ def test_precedence_cli_over_yaml_over_defaults(tmp_path, capsys):
     assert env["ACCELERATE_MIXED_PRECISION"] == "fp8"  # no CLI default overrides the YAML
     assert "ACCELERATE_FP8_INTERVAL" not in env  # default: not exported
     # native + the YAML's delayed-scaling fields needs the delayed recipe (tensorwise reads no history)
-    env, _, _ = dry_run(["--config_file", cfg, "--fp8_backend", "native", "--fp8_recipe", "delayed",
-                         "--mixed_precision", "fp8", SCRIPT], capsys)
+    env, _, _ = dry_run(
+        [
+            "--config_file",
+            cfg,
+            "--fp8_backend",
+            "native",
+            "--fp8_recipe",
+            "delayed",
+            "--mixed_precision",
+            "fp8",
+            SCRIPT,
+        ],
+        capsys,
+    )
     assert env["ACCELERATE_FP8_BACKEND"] == "NATIVE"
     err = usage_error(["launch", "--dry_run", "--config_file", cfg, "--fp8_backend", "native", SCRIPT], capsys)
     assert "fp8_config.amax_history_len in" in err and "tensorwise recipe does not read it" in err, err
@@ -157,7 +208,9 @@ def test_stale_launch_variables_are_removed(monkeypatch, capsys):
 
 
 def test_override_linear_precision_flag(capsys):
-    env, _, _ = dry_run(["--mixed_precision", "fp8", "--fp8_override_linear_precision", "(false,false,true)", SCRIPT], capsys)
+    env, _, _ = dry_run(
+        ["--mixed_precision", "fp8", "--fp8_override_linear_precision", "(false,false,true)", SCRIPT], capsys
+    )
     assert [env[f"ACCELERATE_FP8_OVERRIDE_{g}"] for g in ("FPROP", "DGRAD", "WGRAD")] == ["false", "false", "true"]
 
 
@@ -220,8 +273,23 @@ def test_help_and_version(capsys):
 def test_exit_code_and_env_of_a_real_single_process_run(tmp_path, capsys):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    code = main(["launch", "--mixed_precision", "fp8", "--fp8_recipe", "blockwise", "--fp8_fallback", "emulate",
-                 SCRIPT, str(out_dir), "--fp8_recipe", "x", "--exit-with", "3"])
+    code = main(
+        [
+            "launch",
+            "--mixed_precision",
+            "fp8",
+            "--fp8_recipe",
+            "blockwise",
+            "--fp8_fallback",
+            "emulate",
+            SCRIPT,
+            str(out_dir),
+            "--fp8_recipe",
+            "x",
+            "--exit-with",
+            "3",
+        ]
+    )
     assert code == 3
     report = json.loads((out_dir / "rank0.json").read_text())
     assert report["argv"] == ["--fp8_recipe", "x", "--exit-with", "3"]
@@ -235,13 +303,33 @@ def test_torchrun_two_cpu_processes_subprocess(tmp_path):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if not owned_env_var(k)}
-    env.update(PYTHONPATH=SRC + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               LOWPREC_CONFIG_HOME=str(tmp_path / "none"))
+    env.update(
+        PYTHONPATH=SRC + os.pathsep + env.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        LOWPREC_CONFIG_HOME=str(tmp_path / "none"),
+    )
     passthrough = [str(out_dir), "--num_processes", "5", "--fp8_backend=te", "-m", "x"]
     run_torchrun(
-        [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2",
-         "--mixed_precision", "fp8", "--fp8_backend", "te", "--fp8_amax_history_len", "32", SCRIPT, *passthrough],
-        lambda p: all((out_dir / f"rank{r}.json").exists() for r in (0, 1)), env=env, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "lowprec.cli.main",
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            "--mixed_precision",
+            "fp8",
+            "--fp8_backend",
+            "te",
+            "--fp8_amax_history_len",
+            "32",
+            SCRIPT,
+            *passthrough,
+        ],
+        lambda p: all((out_dir / f"rank{r}.json").exists() for r in (0, 1)),
+        env=env,
+        timeout=120,
     )
     reports = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, report in enumerate(reports):
@@ -263,8 +351,22 @@ def test_signal_death_maps_to_128_plus_signal(tmp_path, capsys):
 def test_port_zero_means_any_free_port_on_one_machine(capsys):
     _, _, cmd = dry_run(["--num_processes", "2", "--main_process_port", "0", SCRIPT], capsys)
     assert "--standalone" in cmd
-    err = usage_error(["launch", "--dry_run", "--num_processes", "2", "--num_machines", "2",
-                       "--main_process_ip", "h", "--main_process_port", "0", SCRIPT], capsys)
+    err = usage_error(
+        [
+            "launch",
+            "--dry_run",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "2",
+            "--main_process_ip",
+            "h",
+            "--main_process_port",
+            "0",
+            SCRIPT,
+        ],
+        capsys,
+    )
     assert "every machine must know the port" in err
 
 
@@ -287,8 +389,11 @@ def test_no_bug_fp8_refused_without_a_third_party_library(monkeypatch, capsys):
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in (
-        "transformer_engine", "msamp", "torchao") else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in ("transformer_engine", "msamp", "torchao") else real_find_spec(name, *a),
+    )
     env, _, cmd = dry_run(["--mixed_precision", "fp8", SCRIPT], capsys)
     assert env["ACCELERATE_MIXED_PRECISION"] == "fp8" and cmd == [sys.executable, SCRIPT]
 
@@ -315,14 +420,22 @@ def test_inherited_variables_removed_or_overridden_are_noted_on_stderr(monkeypat
         (["--gradient_clipping", "1.0", SCRIPT], "accelerator.clip_grad_norm_"),
         (["--dynamo_backend", "inductor", SCRIPT], "--dynamo_backend: no effect in lowprec"),
         (["--use_deepspeed", "--zero3_init_flag", "true", SCRIPT], "--zero3_init_flag: no effect"),
-        (["--mixed_precision", "fp8", "--fp8_backend", "te", "--fp8_recipe", "rowwise", SCRIPT],
-         "--fp8_recipe: the te FP8 backend does not read it (read by: native)"),
-        (["--mixed_precision", "fp8", "--fp8_backend", "msamp", "--fp8_amax_history_len", "8", SCRIPT],
-         "--fp8_amax_history_len: the msamp FP8 backend does not read it"),
-        (["--mixed_precision", "fp8", "--fp8_recipe", "rowwise", "--fp8_opt_level", "O2", SCRIPT],
-         "--fp8_opt_level: the native FP8 backend does not read it (read by: msamp)"),
-        (["--mixed_precision", "fp8", "--fp8_backend", "ao", "--fp8_margin", "2", SCRIPT],
-         "--fp8_margin: the ao FP8 backend does not read it"),
+        (
+            ["--mixed_precision", "fp8", "--fp8_backend", "te", "--fp8_recipe", "rowwise", SCRIPT],
+            "--fp8_recipe: the te FP8 backend does not read it (read by: native)",
+        ),
+        (
+            ["--mixed_precision", "fp8", "--fp8_backend", "msamp", "--fp8_amax_history_len", "8", SCRIPT],
+            "--fp8_amax_history_len: the msamp FP8 backend does not read it",
+        ),
+        (
+            ["--mixed_precision", "fp8", "--fp8_recipe", "rowwise", "--fp8_opt_level", "O2", SCRIPT],
+            "--fp8_opt_level: the native FP8 backend does not read it (read by: msamp)",
+        ),
+        (
+            ["--mixed_precision", "fp8", "--fp8_backend", "ao", "--fp8_margin", "2", SCRIPT],
+            "--fp8_margin: the ao FP8 backend does not read it",
+        ),
     ],
 )
 def test_flags_nothing_reads_are_usage_errors(argv, expected, capsys):
@@ -333,8 +446,11 @@ def test_flags_nothing_reads_are_usage_errors(argv, expected, capsys):
 def test_gradient_clipping_only_under_deepspeed_and_unread_settings_not_exported(tmp_path, capsys):
     env, _, _ = dry_run(["--use_deepspeed", "--gradient_clipping", "0.5", SCRIPT], capsys)
     assert env["ACCELERATE_GRADIENT_CLIPPING"] == "0.5"
-    cfg = write(tmp_path, "deepspeed_config: {gradient_clipping: 1.0}\ndynamo_config: {dynamo_backend: INDUCTOR}\n"
-                          "mixed_precision: fp8\nfp8_config: {backend: TE, opt_level: O2, margin: 1}\n")
+    cfg = write(
+        tmp_path,
+        "deepspeed_config: {gradient_clipping: 1.0}\ndynamo_config: {dynamo_backend: INDUCTOR}\n"
+        "mixed_precision: fp8\nfp8_config: {backend: TE, opt_level: O2, margin: 1}\n",
+    )
     assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
     out = capsys.readouterr().out
     assert "ACCELERATE_GRADIENT_CLIPPING" not in out and "ACCELERATE_DYNAMO_BACKEND" not in out

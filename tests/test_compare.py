@@ -41,10 +41,12 @@ def test_precision_names_set_only_precision_keys():
 
 def test_fp8_backend_key_rules():
     assert parse_config({"fp8": True, "fp8_backend": "torchao"}).fp8_backend == "torchao"
-    for bad, msg in (({"fp8_backend": "torchao"}, "needs fp8: true"),
-                     ({"fp8": True, "fp8_backend": "torchao", "fp8_recipe": "blockwise"}, "no 'blockwise' recipe"),
-                     ({"fp8": True, "fp8_backend": "torchao", "fp8_filter": ["o_proj"]}, "drop fp8_filter"),
-                     ({"fp8": True, "fp8_backend": "te"}, "fp8_backend")):
+    for bad, msg in (
+        ({"fp8_backend": "torchao"}, "needs fp8: true"),
+        ({"fp8": True, "fp8_backend": "torchao", "fp8_recipe": "blockwise"}, "no 'blockwise' recipe"),
+        ({"fp8": True, "fp8_backend": "torchao", "fp8_filter": ["o_proj"]}, "drop fp8_filter"),
+        ({"fp8": True, "fp8_backend": "te"}, "fp8_backend"),
+    ):
         with pytest.raises(ValueError, match=msg):
             parse_config(bad)
 
@@ -68,7 +70,13 @@ def test_the_shipped_compare_config_plans_every_recipe(tmp_path):
     runs = plan_runs(cfg, spec.precisions, spec.seed_list(cfg.seed), str(tmp_path))
     assert len(runs) == len(spec.precisions) * 5 and spec.threshold == 0.005
     recipes = {(r.config.fp8_backend, r.config.fp8_recipe.name) for r in runs if r.config.fp8}
-    assert {n for b, n in recipes if b == "native"} == {"tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise"}
+    assert {n for b, n in recipes if b == "native"} == {
+        "tensorwise",
+        "delayed",
+        "rowwise",
+        "rowwise_with_gw_hp",
+        "blockwise",
+    }
     assert all(b == "native" for b, _ in recipes)  # torchao is added on the command line (README), not timed here
 
 
@@ -84,9 +92,16 @@ def test_workers_resolved_once_with_a_reason():
 
 # ------------------------------------------------------------------ the report on synthetic runs
 def _run(final, curve, eval_loss=None):
-    return {"final_train_loss": curve[-1], "final_eval_loss": final if eval_loss is None else eval_loss,
-            "train_losses": [[10 * (i + 1), v] for i, v in enumerate(curve)], "eval_losses": [[10 * len(curve), final]],
-            "tokens_per_s": 1000.0, "peak_mem_mb": 100.0, "wall_s": 1.0, "output_dir": "x"}
+    return {
+        "final_train_loss": curve[-1],
+        "final_eval_loss": final if eval_loss is None else eval_loss,
+        "train_losses": [[10 * (i + 1), v] for i, v in enumerate(curve)],
+        "eval_losses": [[10 * len(curve), final]],
+        "tokens_per_s": 1000.0,
+        "peak_mem_mb": 100.0,
+        "wall_s": 1.0,
+        "output_dir": "x",
+    }
 
 
 def _runs(finals, scale=1.0):
@@ -127,9 +142,12 @@ def test_report_outcomes_and_exit_codes():
     r = build_report(unsure, "bf16", 0.005)
     assert (r["outcome"], r["exit_code"]) == ("inconclusive", 4)
     assert r["precisions"]["fp8"]["verdict"]["seeds_needed"] > 3 and "seeds" in format_report(r)
-    diverged = build_report({"bf16": base, "fp8": _runs({1: 2.0, 2: 2.5})}, "bf16", 0.005,
-                            failed={"fp8": {3: "stopped: non-finite loss"}})
-    assert diverged["outcome"] == "outside" and "diverged (seed 3)" in diverged["precisions"]["fp8"]["verdict"]["reason"]
+    diverged = build_report(
+        {"bf16": base, "fp8": _runs({1: 2.0, 2: 2.5})}, "bf16", 0.005, failed={"fp8": {3: "stopped: non-finite loss"}}
+    )
+    assert (
+        diverged["outcome"] == "outside" and "diverged (seed 3)" in diverged["precisions"]["fp8"]["verdict"]["reason"]
+    )
     skipped = build_report({"bf16": base, "fp8": _runs(levels)}, "bf16", 0.005, skipped={"fp8-torchao": "no torchao"})
     assert "skipped fp8-torchao: no torchao" in format_report(skipped)
     # without validation losses the final training loss decides
@@ -153,10 +171,16 @@ def test_cli_parsing_and_usage_errors(tmp_path, capsys):
 
     assert parse_seeds("5") == 5 and parse_seeds("1,2,9") == [1, 2, 9]
     cfg = parse_config({"seed": 10, "compare": {"seeds": 4, "threshold": 0.01, "precisions": ["bf16", "fp8"]}})
-    args = argparse.Namespace(precisions=None, seeds="2", threshold=None, baseline=None, tail_fraction=None,
-                              reuse=None, workers="3")
+    args = argparse.Namespace(
+        precisions=None, seeds="2", threshold=None, baseline=None, tail_fraction=None, reuse=None, workers="3"
+    )
     spec = compare_settings(args, cfg)  # the flag wins, the YAML fills the rest
-    assert (spec.seed_list(cfg.seed), spec.threshold, spec.precisions, spec.workers) == ([10, 11], 0.01, ["bf16", "fp8"], 3)
+    assert (spec.seed_list(cfg.seed), spec.threshold, spec.precisions, spec.workers) == (
+        [10, 11],
+        0.01,
+        ["bf16", "fp8"],
+        3,
+    )
     for argv, msg in (
         (["--seeds", "x"], "--seeds x: give a number"),
         (["--seeds", "0"], "--seeds: 0: give a number of seeds"),
@@ -180,9 +204,29 @@ def test_compare_end_to_end_two_seeds(tmp_path, capsys, monkeypatch):
     # fp8-torchao is skipped, with its reason, where torchao is missing (simulated here)
     found = avail.module_available
     monkeypatch.setattr(avail, "module_available", lambda m: m != "torchao" and found(m))
-    code = main(["compare", TINY, "--precisions", "bf16,fp8,fp8-torchao", "--seeds", "2", "--max_steps", "2",
-                 "--eval_steps", "2", "--logging_steps", "1", "--workers", "2", "--threshold", "0.5",
-                 "--compare_dir", str(tmp_path), "--quiet"])
+    code = main(
+        [
+            "compare",
+            TINY,
+            "--precisions",
+            "bf16,fp8,fp8-torchao",
+            "--seeds",
+            "2",
+            "--max_steps",
+            "2",
+            "--eval_steps",
+            "2",
+            "--logging_steps",
+            "1",
+            "--workers",
+            "2",
+            "--threshold",
+            "0.5",
+            "--compare_dir",
+            str(tmp_path),
+            "--quiet",
+        ]
+    )
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "compare.json").read_text())
     assert (tmp_path / "compare.png").stat().st_size > 0
@@ -195,7 +239,9 @@ def test_compare_end_to_end_two_seeds(tmp_path, capsys, monkeypatch):
     # same seed, same data and init: the first logged losses agree closely; seeds differ
     firsts = {p: [r["train_losses"][0][1] for r in report["precisions"][p]["runs"]] for p in ("bf16", "fp8")}
     assert firsts["fp8"] == pytest.approx(firsts["bf16"], rel=0.02)
-    gaps = [(f["final_eval_loss"] - b["final_eval_loss"]) / b["final_eval_loss"] for f, b in zip(fp8["runs"], bf16["runs"])]
+    gaps = [
+        (f["final_eval_loss"] - b["final_eval_loss"]) / b["final_eval_loss"] for f, b in zip(fp8["runs"], bf16["runs"])
+    ]
     assert fp8["gap"]["per_seed"] == pytest.approx(gaps)
     assert code == report["exit_code"] == {"within": 0, "outside": 1, "inconclusive": 4}[report["outcome"]]
     assert f"exit code {code}" in out
@@ -204,8 +250,27 @@ def test_compare_end_to_end_two_seeds(tmp_path, capsys, monkeypatch):
     import lowprec.train.compare as compare_mod
 
     monkeypatch.setattr(compare_mod, "_launch", lambda run: pytest.fail(f"{run.precision} seed {run.seed} re-ran"))
-    args = ["compare", TINY, "--precisions", "bf16,fp8", "--seeds", "2", "--max_steps", "2", "--eval_steps", "2",
-            "--logging_steps", "1", "--workers", "2", "--threshold", "0.5", "--compare_dir", str(tmp_path), "--reuse"]
+    args = [
+        "compare",
+        TINY,
+        "--precisions",
+        "bf16,fp8",
+        "--seeds",
+        "2",
+        "--max_steps",
+        "2",
+        "--eval_steps",
+        "2",
+        "--logging_steps",
+        "1",
+        "--workers",
+        "2",
+        "--threshold",
+        "0.5",
+        "--compare_dir",
+        str(tmp_path),
+        "--reuse",
+    ]
     assert main(args) == code
     again = json.loads((tmp_path / "compare.json").read_text())
     assert again["precisions"]["fp8"]["gap"] == fp8["gap"] and "reused" in capsys.readouterr().err
@@ -236,4 +301,5 @@ def test_inert_keys_are_noted_once_before_the_runs(tmp_path, monkeypatch, caplog
         cmp.compare(cfg, ["bf16", "fp8"], [1], 0.05, str(tmp_path))
     assert [r.getMessage() for r in caplog.records if "note" in r.getMessage()] == [
         "lowprec compare: note: evals_per_epoch: 4 is ignored: it only matters with val_set_size above 0, as in "
-        "Axolotl; set that or drop evals_per_epoch"]
+        "Axolotl; set that or drop evals_per_epoch"
+    ]

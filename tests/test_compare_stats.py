@@ -21,7 +21,9 @@ from lowprec.train.stats import (
 )
 
 
-@pytest.mark.parametrize("df,expected", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (29, 2.0452), (120, 1.9799)])
+@pytest.mark.parametrize(
+    "df,expected", [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (29, 2.0452), (120, 1.9799)]
+)
 def test_t_quantile_matches_the_table(df, expected):
     # two-sided 95% critical values from any statistics table (4 decimals)
     assert t_quantile(0.975, df) == pytest.approx(expected, abs=1e-4)

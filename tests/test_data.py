@@ -138,7 +138,11 @@ def test_builtin_datasets_are_deterministic_and_disjoint(monkeypatch):
     # the two splits hold different files: split by path, not by position
     tok = ByteTokenizer()
     val_text = tok.decode(val.tokens)
-    val_docs = [k for (k, b), v in zip(stdlib_documents(SMALL), split_documents([k for k, _ in stdlib_documents(SMALL)], 0.2)) if v]
+    val_docs = [
+        k
+        for (k, b), v in zip(stdlib_documents(SMALL), split_documents([k for k, _ in stdlib_documents(SMALL)], 0.2))
+        if v
+    ]
     train_docs = [k for k, _ in stdlib_documents(SMALL) if k not in val_docs]
     assert val_docs and train_docs and not set(val_docs) & set(train_docs)
     first_val = dict(stdlib_documents(SMALL))[val_docs[0]].decode("utf-8")
@@ -175,8 +179,12 @@ def test_txt_and_jsonl_files(tmp_path):
     rows = [{"text": "row one"}, {"text": "row two", "id": 2}, {"body": "x", "text": "ünï"}]
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n", encoding="utf-8")
     docs = read_documents([tmp_path / "a.txt", tmp_path / "b.jsonl"])
-    assert docs == [("a.txt", "first document\nwith two lines\n"), ("b.jsonl:1", "row one"),
-                    ("b.jsonl:2", "row two"), ("b.jsonl:3", "ünï")]
+    assert docs == [
+        ("a.txt", "first document\nwith two lines\n"),
+        ("b.jsonl:1", "row one"),
+        ("b.jsonl:2", "row two"),
+        ("b.jsonl:3", "ünï"),
+    ]
     assert read_documents(tmp_path) == docs  # a directory: its files in sorted order
     train, val = build_datasets([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")], seq_len=8, val_fraction=0.0)
     assert ByteTokenizer().decode(train.tokens) == "".join(t for _, t in docs)

@@ -20,7 +20,7 @@ import textwrap
 from tests.torchrun_util import free_port, run_torchrun
 
 WORKER = textwrap.dedent(
-    '''
+    """
     import json, os, sys
     import torch
     import torch.distributed as dist
@@ -90,7 +90,7 @@ WORKER = textwrap.dedent(
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    '''
+    """
 )
 
 
@@ -101,8 +101,21 @@ def launch(tmp_path) -> list[dict]:
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     env.update(OMP_NUM_THREADS="1", ACCELERATE_USE_FSDP="true", FSDP_VERSION="2")  # `lowprec launch --use_fsdp`
-    cmd = [sys.executable, "-m", "lowprec.cli._torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "lowprec.cli._worker", str(script), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lowprec.cli._torchrun",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "lowprec.cli._worker",
+        str(script),
+        str(tmp_path),
+    ]
     run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(2)), env=env, timeout=240)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -128,7 +141,9 @@ def test_fsdp2_amax_agreement_and_fp8_all_gather(tmp_path):
     for r in (r0, r1):
         assert r["fp8_gather"]["losses"] == r["bf16_gather"]["losses"]
         assert r["fp8_gather_ckpt"]["losses"] == r["bf16_gather"]["losses"]
-        extra = [a - b for a, b in zip(r["fp8_gather"]["opt_step_all_reduces"], r["bf16_gather"]["opt_step_all_reduces"])]
+        extra = [
+            a - b for a, b in zip(r["fp8_gather"]["opt_step_all_reduces"], r["bf16_gather"]["opt_step_all_reduces"])
+        ]
         assert extra == [1, 1, 1, 1]  # one batched scale reduction for all weights
         for unit, fp8_bytes in r["fp8_gather"]["gather_bytes"].items():
             bf16_bytes = r["bf16_gather"]["gather_bytes"][unit]

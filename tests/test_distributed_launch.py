@@ -26,10 +26,32 @@ def _launch_nodes(out: Path) -> list[subprocess.CompletedProcess]:
     env.update(PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     nodes = [
         subprocess.Popen(
-            [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2", "--num_machines", "2",
-             "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-             "--mixed_precision", "fp8", SCRIPT, str(out), f"node{rank}"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "lowprec.cli.main",
+                "launch",
+                "--cpu",
+                "--num_processes",
+                "2",
+                "--num_machines",
+                "2",
+                "--machine_rank",
+                str(rank),
+                "--main_process_ip",
+                "127.0.0.1",
+                "--main_process_port",
+                port,
+                "--mixed_precision",
+                "fp8",
+                SCRIPT,
+                str(out),
+                f"node{rank}",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for rank in (0, 1)
     ]

@@ -21,17 +21,22 @@ def has_deepspeed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
-NEEDS_DS = pytest.mark.skipif(not has_deepspeed(), reason="DeepSpeed is an optional extra (pip install 'lowprec[deepspeed]')")
+NEEDS_DS = pytest.mark.skipif(
+    not has_deepspeed(), reason="DeepSpeed is an optional extra (pip install 'lowprec[deepspeed]')"
+)
 
 
-@pytest.mark.parametrize("script, procs", [
-    ("accelerate_single_device.py", 1),
-    ("accelerate_ddp.py", 2),
-    ("accelerate_fsdp2.py", 2),
-    pytest.param("accelerate_deepspeed.py --zero_stage 1", 2, marks=NEEDS_DS),
-    pytest.param("accelerate_deepspeed.py --zero_stage 2", 2, marks=NEEDS_DS),
-    pytest.param("accelerate_deepspeed.py --zero_stage 3", 2, marks=NEEDS_DS),
-])
+@pytest.mark.parametrize(
+    "script, procs",
+    [
+        ("accelerate_single_device.py", 1),
+        ("accelerate_ddp.py", 2),
+        ("accelerate_fsdp2.py", 2),
+        pytest.param("accelerate_deepspeed.py --zero_stage 1", 2, marks=NEEDS_DS),
+        pytest.param("accelerate_deepspeed.py --zero_stage 2", 2, marks=NEEDS_DS),
+        pytest.param("accelerate_deepspeed.py --zero_stage 3", 2, marks=NEEDS_DS),
+    ],
+)
 def test_example(script, procs):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
@@ -42,8 +47,21 @@ def test_example(script, procs):
     if procs == 1:
         cmd = [sys.executable, path, *args]
     else:
-        cmd = [sys.executable, "-m", "lowprec.cli._torchrun", "--nproc_per_node", str(procs),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "lowprec.cli._worker", path, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lowprec.cli._torchrun",
+            "--nproc_per_node",
+            str(procs),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            "-m",
+            "lowprec.cli._worker",
+            path,
+            *args,
+        ]
     # generous: a fresh environment's first DeepSpeed run JIT-builds its shm comm op (ninja) before
     # training, and on a loaded 2-core machine that alone took minutes (fresh-venv run, 2026-11-23)
     limit = 480
@@ -51,8 +69,9 @@ def test_example(script, procs):
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit, cwd=ROOT)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     else:
-        proc = run_torchrun(cmd, lambda p: any(line.startswith("{") for line in p.stdout.splitlines()),
-                            env=env, timeout=limit, cwd=ROOT)
+        proc = run_torchrun(
+            cmd, lambda p: any(line.startswith("{") for line in p.stdout.splitlines()), env=env, timeout=limit, cwd=ROOT
+        )
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout
     result = lines[0]

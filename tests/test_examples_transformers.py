@@ -18,12 +18,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _launch(tmp_path, script: str, procs: int) -> dict:
     """``lowprec launch --cpu --num_processes procs examples/<script> OUT``; its one JSON line."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
-    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", LOWPREC_CONFIG_HOME=str(tmp_path / "no-config"), HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", str(procs),
-           "--main_process_port", str(free_port()), os.path.join(ROOT, "examples", script), str(tmp_path / "run")]
-    proc = run_torchrun(cmd, lambda p: any(line.startswith("{") for line in p.stdout.splitlines()),
-                        env=env, timeout=300, cwd=ROOT)
+    env.update(
+        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        LOWPREC_CONFIG_HOME=str(tmp_path / "no-config"),
+        HF_HUB_OFFLINE="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "lowprec.cli.main",
+        "launch",
+        "--cpu",
+        "--num_processes",
+        str(procs),
+        "--main_process_port",
+        str(free_port()),
+        os.path.join(ROOT, "examples", script),
+        str(tmp_path / "run"),
+    ]
+    proc = run_torchrun(
+        cmd, lambda p: any(line.startswith("{") for line in p.stdout.splitlines()), env=env, timeout=300, cwd=ROOT
+    )
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     return lines[0]

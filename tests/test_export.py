@@ -24,15 +24,30 @@ TINY = os.path.join(ROOT, "examples", "tiny.yaml")
 
 def _llama(tie: bool = True):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
     return transformers.LlamaForCausalLM(cfg).float()
 
 
 def _qwen3():
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+    cfg = transformers.Qwen3Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
     return transformers.Qwen3ForCausalLM(cfg).float()
 
 
@@ -53,8 +68,11 @@ def _forward_fp8_weights(model, ids):
         seen[current[0]] = b.t()  # the GEMM reads W^T; back to (out, in)
         return real(a, b, *args, **kwargs)
 
-    hooks = [m.register_forward_pre_hook(lambda mod, inp, n=n: current.__setitem__(0, n))
-             for n, m in model.named_modules() if isinstance(m, fp8.Float8Linear)]
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, inp, n=n: current.__setitem__(0, n))
+        for n, m in model.named_modules()
+        if isinstance(m, fp8.Float8Linear)
+    ]
     linear.scaled_mm = spy
     try:
         model.train()
@@ -145,8 +163,14 @@ def test_a_recipe_that_disagrees_with_the_format_is_quantized_once_and_says_so(t
 
 
 def test_blocks_that_do_not_tile_a_dim_are_noted(tmp_path):
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=320, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=320,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = transformers.LlamaForCausalLM(cfg).float()
     fp8.convert(model, "blockwise")
     report = export_model(model, str(tmp_path), "hf-fp8")
@@ -178,10 +202,22 @@ def tiny_run(tmp_path_factory):
     from lowprec.train.trainer import train
 
     out = tmp_path_factory.mktemp("run")
-    fast = {"sequence_len": 32, "micro_batch_size": 2, "dataset_max_bytes": 100_000, "eval_batches": 1,
-            "eval_steps": None, "warmup_steps": 0, "max_steps": 1, "save_steps": 1, "fp8_recipe": "blockwise",
-            "saves_per_epoch": None, "evals_per_epoch": None, "warmup_ratio": None, "output_dir": str(out),
-            "export": ["hf-fp8"]}
+    fast = {
+        "sequence_len": 32,
+        "micro_batch_size": 2,
+        "dataset_max_bytes": 100_000,
+        "eval_batches": 1,
+        "eval_steps": None,
+        "warmup_steps": 0,
+        "max_steps": 1,
+        "save_steps": 1,
+        "fp8_recipe": "blockwise",
+        "saves_per_epoch": None,
+        "evals_per_epoch": None,
+        "warmup_ratio": None,
+        "output_dir": str(out),
+        "export": ["hf-fp8"],
+    }
     train(load_config(TINY, fast))
     return out
 
@@ -224,9 +260,14 @@ def test_requantize_exports_a_run_whose_recipe_no_format_holds(tiny_run, tmp_pat
     assert report["recipe"] == "mxfp8" and not report["trained_scales"] and report["quantized"]
 
 
-@pytest.mark.parametrize("extra,needle", [({"fsdp_version": 2}, "under FSDP2 / DeepSpeed"),
-                                          ({"fp8_recipe": "nvfp4"}, "fp8_recipe nvfp4"),
-                                          ({"export": ["onnx"]}, "export")])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        ({"fsdp_version": 2}, "under FSDP2 / DeepSpeed"),
+        ({"fp8_recipe": "nvfp4"}, "fp8_recipe nvfp4"),
+        ({"export": ["onnx"]}, "export"),
+    ],
+)
 def test_trainer_export_key_refuses_what_it_cannot_write(extra, needle):
     from lowprec.train.config import load_config
 
@@ -244,16 +285,38 @@ def test_cli_exports_a_hugging_face_gpt2_run(tmp_path):
     from lowprec.train.config import load_config
     from lowprec.train.trainer import train
 
-    spec = importlib.util.spec_from_file_location("make_tiny_llama", os.path.join(ROOT, "examples", "make_tiny_llama.py"))
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_llama", os.path.join(ROOT, "examples", "make_tiny_llama.py")
+    )
     maker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(maker)
     base = maker.main([str(tmp_path / "gpt2"), "--arch", "gpt2", "--hidden", "128", "--pretrain_steps", "0"])
     run = tmp_path / "run"
-    common = {"sequence_len": 32, "micro_batch_size": 2, "dataset_max_bytes": 50_000, "eval_batches": 1,
-              "eval_steps": None, "warmup_steps": 0, "fp8_recipe": "blockwise", "saves_per_epoch": None,
-              "evals_per_epoch": None, "warmup_ratio": None}
-    train(load_config(TINY, {**common, "base_model": base, "max_steps": 1, "save_steps": 1, "output_dir": str(run),
-                             "export": ["hf-fp8"]}))
+    common = {
+        "sequence_len": 32,
+        "micro_batch_size": 2,
+        "dataset_max_bytes": 50_000,
+        "eval_batches": 1,
+        "eval_steps": None,
+        "warmup_steps": 0,
+        "fp8_recipe": "blockwise",
+        "saves_per_epoch": None,
+        "evals_per_epoch": None,
+        "warmup_ratio": None,
+    }
+    train(
+        load_config(
+            TINY,
+            {
+                **common,
+                "base_model": base,
+                "max_steps": 1,
+                "save_steps": 1,
+                "output_dir": str(run),
+                "export": ["hf-fp8"],
+            },
+        )
+    )
     out = tmp_path / "fp8"
     assert main(["export", str(run), "--format", "hf-fp8", "--out", str(out)]) == 0
     assert os.path.isfile(out / "tokenizer.json")
@@ -269,8 +332,15 @@ def test_cli_exports_a_hugging_face_gpt2_run(tmp_path):
         got = loaded(ids).logits.float()
     assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
     # the export as the trainer's base_model: LoRA on its frozen FP8 layers; anything else is one line
-    lora = {**common, "base_model": str(out), "adapter": "lora", "lora_target_linear": True, "max_steps": 2,
-            "save_steps": None, "output_dir": str(tmp_path / "lora")}
+    lora = {
+        **common,
+        "base_model": str(out),
+        "adapter": "lora",
+        "lora_target_linear": True,
+        "max_steps": 2,
+        "save_steps": None,
+        "output_dir": str(tmp_path / "lora"),
+    }
     result = train(load_config(TINY, lora))
     assert result.steps == 2 and os.path.isfile(tmp_path / "lora" / "adapter_model.safetensors")
     with pytest.raises(ValueError, match="FP8 checkpoint whose FP8 layers load frozen.*set adapter: lora"):
@@ -381,7 +451,10 @@ def test_accelerator_save_model_writes_the_fp8_export(tmp_path):
     acc.backward(model(input_ids=ids, labels=ids).loss)
     acc.save_model(model, str(tmp_path / "acc"), fp8_format="hf-fp8")
     export_model(acc.unwrap_model(model), str(tmp_path / "direct"), format="hf-fp8")
-    got, want = load_file(str(tmp_path / "acc" / "model.safetensors")), load_file(str(tmp_path / "direct" / "model.safetensors"))
+    got, want = (
+        load_file(str(tmp_path / "acc" / "model.safetensors")),
+        load_file(str(tmp_path / "direct" / "model.safetensors")),
+    )
     assert _same_bytes(got, want) and any(k.endswith("weight_scale_inv") for k in got)
     assert json.loads((tmp_path / "acc" / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
     assert _load(tmp_path / "acc", "hf-fp8")(input_ids=ids).logits.isfinite().all()

@@ -109,8 +109,9 @@ def test_convert_option_built_in_model_saves_less_same_loss():
     assert fp8.convert(plain, "tensorwise").fp8_activations == []
     report = fp8.convert(acts, fp8.Recipe.from_name("tensorwise", fp8_activations=True))
     # 2 norms + the MLP per layer, and the final norm
-    assert report.fp8_activations == [f"model.layers.{i}.{m}" for i in range(2)
-                                      for m in ("input_layernorm", "post_attention_layernorm", "mlp")] + ["model.norm"]
+    assert report.fp8_activations == [
+        f"model.layers.{i}.{m}" for i in range(2) for m in ("input_layernorm", "post_attention_layernorm", "mlp")
+    ] + ["model.norm"]
     assert "fp8_activations" in report.to_dict() and "E4M3 activations" in str(report)
     loss0, saved0, grads0 = _step(plain, ids)
     loss1, saved1, grads1 = _step(acts, ids)
@@ -128,8 +129,14 @@ def test_convert_option_built_in_model_saves_less_same_loss():
 
 def test_hf_llama_modules_switch_and_back():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     ids = torch.randint(0, 64, (2, 16))
@@ -137,8 +144,12 @@ def test_hf_llama_modules_switch_and_back():
         ref = model(ids).logits
     norm_cls = type(model.model.norm)
     report = fp8.convert(model, fp8.Recipe.from_name("tensorwise", fp8_activations=True))
-    assert sorted(report.fp8_activations) == ["model.layers.0.input_layernorm", "model.layers.0.mlp",
-                                              "model.layers.0.post_attention_layernorm", "model.norm"]
+    assert sorted(report.fp8_activations) == [
+        "model.layers.0.input_layernorm",
+        "model.layers.0.mlp",
+        "model.layers.0.post_attention_layernorm",
+        "model.norm",
+    ]
     assert isinstance(model.model.norm, norm_cls) and type(model.model.norm) is not norm_cls
     switched = type(model.model.norm)
     activations.enable(model)  # twice: no subclass of the subclass

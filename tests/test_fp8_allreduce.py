@@ -45,8 +45,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     if dist.is_initialized():  # forked from a test process that holds a group
         dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     res = {}
     # 1. accuracy on a multi-tensor bucket with very different magnitudes
     x = _bucket(rank)
@@ -129,8 +128,13 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fp8_allreduce")
     # spawn, not fork: forking a pytest worker that already runs threads (intra-op pools,
     # an earlier test's gloo threads) can deadlock the child on a lock held at fork time
-    spawn_ranks(_worker, (_free_port(), str(out)), WORLD, port_arg=0,
-                done=lambda: all((out / f"rank{r}.pt").is_file() for r in range(WORLD)))
+    spawn_ranks(
+        _worker,
+        (_free_port(), str(out)),
+        WORLD,
+        port_arg=0,
+        done=lambda: all((out / f"rank{r}.pt").is_file() for r in range(WORLD)),
+    )
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
@@ -138,8 +142,10 @@ def _tolerance(per_rank: list[torch.Tensor], ref: torch.Tensor) -> torch.Tensor:
     mean_abs = torch.stack([x.abs() for x in per_rank]).mean(0)
     tol = 2.0**-4 * (mean_abs + ref.abs())
     # one E4M3 subnormal step (2^-9 at scale) of each tensor, for values near zero
-    floors = [torch.full((n,), seg.max().item() * 2.0**-9 / 448.0 * 2)
-              for n, seg in zip(NUMELS, torch.split(mean_abs * WORLD, NUMELS))]
+    floors = [
+        torch.full((n,), seg.max().item() * 2.0**-9 / 448.0 * 2)
+        for n, seg in zip(NUMELS, torch.split(mean_abs * WORLD, NUMELS))
+    ]
     return tol + torch.cat(floors)
 
 

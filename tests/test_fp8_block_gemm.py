@@ -62,7 +62,9 @@ def test_a_traced_h100_runs_blockwise_on_torchs_kernel(monkeypatch):
     monkeypatch.setattr(block_gemm, "blockwise_mm", lambda a, b, o: calls.append((a.block, b.block)) or real(a, b, o))
     m, k, n = 256, 640, 384
     with fp8.trace_as(sm=(9, 0), triton=False):
-        layer = fp8.Float8Linear.from_linear(torch.nn.Linear(k, n, bias=False, device="meta"), fp8.Recipe.from_name("blockwise"))
+        layer = fp8.Float8Linear.from_linear(
+            torch.nn.Linear(k, n, bias=False, device="meta"), fp8.Recipe.from_name("blockwise")
+        )
         x = torch.randn(m, k, device="meta", requires_grad=True)
         with fp8.autocast():
             y = layer(x)
@@ -128,14 +130,25 @@ def test_a_traced_ada_gpu_runs_every_blockwise_gemm_on_the_triton_kernel():
     written in float32 by the kernel, no cast after it."""
     from lowprec.fp8.traffic import trace_linear
 
-    c = trace_linear(lambda lin: fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("blockwise")), 256, 640, 384,
-                     sm=(8, 9), triton=True)
+    c = trace_linear(
+        lambda lin: fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("blockwise")),
+        256,
+        640,
+        384,
+        sm=(8, 9),
+        triton=True,
+    )
     assert [(g.name, g.operand_dtype) for g in c.gemms()] == [("lowprec.block_scaled_mm", "float8_e4m3fn")] * 3
     assert not any(r.name in ("aten._to_copy", "aten.clone") for r in c.records), c.by_op()
 
 
-@pytest.mark.parametrize("module,kernel,says", [(block_gemm, "blockwise_mm", "torch's blockwise kernel"),
-                                                 (block_gemm_triton, "mm", "Triton blockwise FP8 GEMM failed its self-check")])
+@pytest.mark.parametrize(
+    "module,kernel,says",
+    [
+        (block_gemm, "blockwise_mm", "torch's blockwise kernel"),
+        (block_gemm_triton, "mm", "Triton blockwise FP8 GEMM failed its self-check"),
+    ],
+)
 def test_a_failed_self_check_means_emulation_logged_once(monkeypatch, caplog, module, kernel, says):
     module._CHECKED.clear()
 
@@ -164,8 +177,15 @@ def test_blockwise_kernel_matches_emulation_on_gpu():
     assert (got - ref).abs().max() <= 2.0**-7 * ref.abs().max()
 
 
-@pytest.mark.parametrize("sm,says", [((9, 0), "torch blockwise-scaled scaled_mm"), ((8, 9), block_gemm_triton.KERNEL),
-                                     ((10, 0), block_gemm_triton.KERNEL), ((8, 0), "emulated")])
+@pytest.mark.parametrize(
+    "sm,says",
+    [
+        ((9, 0), "torch blockwise-scaled scaled_mm"),
+        ((8, 9), block_gemm_triton.KERNEL),
+        ((10, 0), block_gemm_triton.KERNEL),
+        ((8, 0), "emulated"),
+    ],
+)
 def test_the_conversion_report_names_the_kernel_that_runs(monkeypatch, sm, says):
     _as_gpu(monkeypatch, sm)
     from lowprec.fp8.convert import _gemm_note

@@ -35,7 +35,9 @@ def test_per_tensor_beats_rowwise_on_casts():
 
 
 def test_auto_filter_converts_only_winning_layers():
-    model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 1024), nn.Linear(4096, 14336), nn.Linear(14336, 4096), nn.Linear(16, 8))
+    model = nn.Sequential(
+        nn.Linear(4096, 4096), nn.Linear(4096, 1024), nn.Linear(4096, 14336), nn.Linear(14336, 4096), nn.Linear(16, 8)
+    )
     rule = auto_module_filter(tokens_per_step=16384, recipe="tensorwise", device="h100")
     report = fp8.convert(model, "tensorwise", module_filter=rule)
     converted = {n for n, *_ in report.converted}

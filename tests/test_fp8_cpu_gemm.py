@@ -224,8 +224,15 @@ def test_probe_verdict_written_by_a_racing_process_wins(monkeypatch, tmp_path):
     assert json.loads(path.read_text())["path"] == "upcast"
 
 
-@pytest.mark.parametrize("content", ["{not json", '{"key": "another machine", "path": "upcast", "reason": "", "measured": ""}',
-                                     '{"path": "fastest"}', "[]"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        '{"key": "another machine", "path": "upcast", "reason": "", "measured": ""}',
+        '{"path": "fastest"}',
+        "[]",
+    ],
+)
 def test_damaged_or_foreign_probe_file_is_measured_again(monkeypatch, tmp_path, content, caplog):
     monkeypatch.setenv("LOWPREC_CACHE_HOME", str(tmp_path))
     path = cpu_gemm.probe_file(cpu_gemm.machine_key())

@@ -74,7 +74,9 @@ def test_probe_readings_and_signals_and_the_probe_changes_nothing():
     assert row["max_to_rms"] > 1
     assert row["input"]["headroom_bits"] == 0.0  # tensorwise: the scaled amax sits at the max
     assert row["input"]["underflow_trend"] == 0.0  # first check: no trend
-    later = signals(tele, probe.layers, {}, {"1": {"input": {"saturated": 0.0, "underflow": row["input"]["underflow"] - 0.25}}})
+    later = signals(
+        tele, probe.layers, {}, {"1": {"input": {"saturated": 0.0, "underflow": row["input"]["underflow"] - 0.25}}}
+    )
     assert later["1"]["input"]["underflow_trend"] == pytest.approx(0.25)
     assert later["1"]["sqnr_db"] is None  # not sampled this step
 
@@ -118,13 +120,25 @@ def test_a_moved_layer_is_exactly_a_plain_linear():
     assert torch.equal(moved, plain) and not torch.equal(layer(x), fp8_out)
 
 
-@pytest.mark.parametrize("data,expected", [
-    ({"fp8_guard": True}, "fp8_guard: true is ambiguous; use fp8_guard: warn"),
-    ({"fp8": False, "fp8_guard": "act"}, "fp8_guard: act watches FP8 layers but fp8 is false; set fp8: true"),
-    ({"fp8_guard": "act", "fp8_guard_thresholds": {"underflw": 0.1}}, "fp8_guard_thresholds.underflw: unknown signal (did you mean 'underflow'"),
-    ({"fp8_guard": "act", "fp8_guard_patience": 0}, "fp8_guard_patience: Input should be greater than or equal to 1"),
-    ({"fp8_guard": "warn", "fp8_health": False}, "fp8_guard: warn reads the health signals that fp8_health: false turns off"),
-])
+@pytest.mark.parametrize(
+    "data,expected",
+    [
+        ({"fp8_guard": True}, "fp8_guard: true is ambiguous; use fp8_guard: warn"),
+        ({"fp8": False, "fp8_guard": "act"}, "fp8_guard: act watches FP8 layers but fp8 is false; set fp8: true"),
+        (
+            {"fp8_guard": "act", "fp8_guard_thresholds": {"underflw": 0.1}},
+            "fp8_guard_thresholds.underflw: unknown signal (did you mean 'underflow'",
+        ),
+        (
+            {"fp8_guard": "act", "fp8_guard_patience": 0},
+            "fp8_guard_patience: Input should be greater than or equal to 1",
+        ),
+        (
+            {"fp8_guard": "warn", "fp8_health": False},
+            "fp8_guard: warn reads the health signals that fp8_health: false turns off",
+        ),
+    ],
+)
 def test_bad_guard_keys_are_one_line_exit_2(tmp_path, capsys, data, expected):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"fp8": True, **data}))
@@ -142,9 +156,16 @@ def test_guard_off_spelling():
 
 # every layer whose input max-to-rms exceeds 4 is unhealthy: on the tiny run this moves some
 # layers and not others, early, deterministically
-ACT = {"fp8_guard": "act", "fp8_guard_patience": 2, "fp8_guard_thresholds": {"max_to_rms": 4.0},
-       "fp8_health_sqnr_every": 3, "save_steps": 4, "eval_steps": None, "val_set_size": 0.0,
-       "use_tensorboard": False}
+ACT = {
+    "fp8_guard": "act",
+    "fp8_guard_patience": 2,
+    "fp8_guard_thresholds": {"max_to_rms": 4.0},
+    "fp8_health_sqnr_every": 3,
+    "save_steps": 4,
+    "eval_steps": None,
+    "val_set_size": 0.0,
+    "use_tensorboard": False,
+}
 
 
 def test_act_run_records_moves_and_resume_keeps_them_bit_exactly(tmp_path):
@@ -235,8 +256,10 @@ def test_report_without_health_records_is_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 3.0}\n')
     assert main(["report", str(tmp_path)]) == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert lines == [f"lowprec: error: {tmp_path}: metrics.jsonl has no fp8_health records; train with fp8_health: true "
-                     "(or fp8_guard: warn | act) to record them"]
+    assert lines == [
+        f"lowprec: error: {tmp_path}: metrics.jsonl has no fp8_health records; train with fp8_health: true "
+        "(or fp8_guard: warn | act) to record them"
+    ]
 
 
 def test_reproducer_flags_and_moves_only_the_injected_layer(tmp_path):
@@ -246,8 +269,22 @@ def test_reproducer_flags_and_moves_only_the_injected_layer(tmp_path):
     import sys
 
     out = tmp_path / "r.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fp8_guard_repro.py"), "--steps", "8", "--check", "2",
-           "--variants", "warn,act", "--bits", "30", "--patience", "2", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "fp8_guard_repro.py"),
+        "--steps",
+        "8",
+        "--check",
+        "2",
+        "--variants",
+        "warn,act",
+        "--bits",
+        "30",
+        "--patience",
+        "2",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -285,11 +322,23 @@ def test_loss_spike_act_rolls_back_skips_the_batches_then_stops(tmp_path, monkey
 
     monkeypatch.setattr(spikes.SpikeDetector, "observe", observe)
     seen = []
-    cfg = load_config(TINY, {"loss_spike": "act", "loss_spike_max_rollbacks": 1, "save_steps": 4, "eval_steps": None,
-                             "val_set_size": 0.0, "use_tensorboard": False, "output_dir": str(tmp_path / "run")})
+    cfg = load_config(
+        TINY,
+        {
+            "loss_spike": "act",
+            "loss_spike_max_rollbacks": 1,
+            "save_steps": 4,
+            "eval_steps": None,
+            "val_set_size": 0.0,
+            "use_tensorboard": False,
+            "output_dir": str(tmp_path / "run"),
+        },
+    )
     from lowprec.errors import NonFiniteError
 
-    with pytest.raises(NonFiniteError, match=r"loss spike at step 7: .* after 1 rollback\(s\) \(loss_spike_max_rollbacks: 1\)"):
+    with pytest.raises(
+        NonFiniteError, match=r"loss spike at step 7: .* after 1 rollback\(s\) \(loss_spike_max_rollbacks: 1\)"
+    ):
         train(cfg, on_log=seen.append)
     steps = [r["step"] for r in seen]
     assert steps == [1, 2, 3, 4, 5, 5, 6]  # step 6 spiked (not logged); 5 again after the rollback, then 6

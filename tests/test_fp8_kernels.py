@@ -258,6 +258,7 @@ def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, see
     def run(fused):
         calls = []
         if fused:
+
             class Spy:  # the torch path standing in for the Triton ops, recording each call
                 def __getattr__(self, name):
                     calls.append(name)

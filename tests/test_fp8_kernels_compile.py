@@ -158,7 +158,11 @@ print(json.dumps(out))
 
 # shared memory one block may use (opt-in maximum): Ada 99 KiB, Hopper and Blackwell 227 KiB
 SHARED_LIMIT = {89: 101376, 90: 232448, 100: 232448}
-MMA = {89: "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32", 90: "wgmma.mma_async.sync.aligned", 100: "tcgen05.mma"}
+MMA = {
+    89: "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32",
+    90: "wgmma.mma_async.sync.aligned",
+    100: "tcgen05.mma",
+}
 
 
 def test_blockwise_kernels_compile_for_ada_hopper_and_blackwell(compiled):

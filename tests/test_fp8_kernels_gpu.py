@@ -139,8 +139,10 @@ def test_operators_pass_opcheck(ops, dev, seed):
     torch.library.opcheck(torch.ops.lowprec.cast_block_2d.default, (x, E4M3, 128, False, False, True))
     a = fp8.quantize(torch.randn(256, 256, device=dev), E4M3, "block", block=(1, 128))
     b = fp8.quantize(torch.randn(384, 256, device=dev), E4M3, "block", block=(128, 128)).t()
-    torch.library.opcheck(torch.ops.lowprec.block_scaled_mm.default,
-                          (a.data, b.data, a.scale.reciprocal(), b.scale.reciprocal(), 128, 128, torch.bfloat16))
+    torch.library.opcheck(
+        torch.ops.lowprec.block_scaled_mm.default,
+        (a.data, b.data, a.scale.reciprocal(), b.scale.reciprocal(), 128, 128, torch.bfloat16),
+    )
 
 
 def test_compiled_fullgraph_matches_eager(ops, dev, seed):
@@ -156,7 +158,9 @@ def test_compiled_fullgraph_matches_eager(ops, dev, seed):
     eager = f(x, s)
     compiled = torch.compile(f, fullgraph=True)(x, s)
     for e, c in zip(eager, compiled):
-        assert torch.equal(e.view(torch.uint8) if e.element_size() == 1 else e, c.view(torch.uint8) if c.element_size() == 1 else c)
+        assert torch.equal(
+            e.view(torch.uint8) if e.element_size() == 1 else e, c.view(torch.uint8) if c.element_size() == 1 else c
+        )
 
 
 def test_no_host_synchronisation(ops, dev, seed):
@@ -215,8 +219,13 @@ def test_float8_linear_is_identical_with_and_without_the_kernels(dev, monkeypatc
 @pytest.mark.parametrize("dtype", FP8)
 def test_blockwise_casts_match_the_torch_path(ops, dev, dtype, shape, seed):
     x = awkward(shape, torch.bfloat16, dev)
-    for got, want in ((ops.cast_block_1d(x, dtype, 128, True, True, True), reference.cast_block_1d(x, dtype, 128, True, True, True)),
-                      (ops.cast_block_2d(x, dtype, 128, False, True, True), reference.cast_block_2d(x, dtype, 128, False, True, True))):
+    for got, want in (
+        (ops.cast_block_1d(x, dtype, 128, True, True, True), reference.cast_block_1d(x, dtype, 128, True, True, True)),
+        (
+            ops.cast_block_2d(x, dtype, 128, False, True, True),
+            reference.cast_block_2d(x, dtype, 128, False, True, True),
+        ),
+    ):
         for g, w in zip(got, want):
             if g.dtype == torch.float32:
                 assert torch.equal(g, w)

@@ -206,7 +206,9 @@ def test_amax_and_column_amax_match_the_torch_path(in_dtype, shape, seed):
     x[shape[0] // 2, shape[1] - 1] = float("nan")  # that column's amax (and the tensor's) NaN
     assert torch.isnan(ops.amax(x))
     got, want = ops.amax_cols(x), reference.amax_cols(x)
-    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(got[~torch.isnan(want)], want[~torch.isnan(want)])
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.equal(
+        got[~torch.isnan(want)], want[~torch.isnan(want)]
+    )
 
 
 @pytest.mark.parametrize("dtype", FP8)
@@ -248,16 +250,22 @@ def test_recast_if_changed_matches_the_torch_path(changed, seed):
         assert_same_fp8(q, reference.cast_amax(x, used, E4M3)[0])
 
 
-@pytest.mark.parametrize("case", ["empty", "filled", "nan_amax", "zero_history", "interval", "no_refresh", "most_recent", "pow2_margin"])
+@pytest.mark.parametrize(
+    "case", ["empty", "filled", "nan_amax", "zero_history", "interval", "no_refresh", "most_recent", "pow2_margin"]
+)
 def test_delayed_scale_update_matches_the_torch_path(case):
     """One kernel for a step of delayed scaling (TE semantics) against linear.delayed_scale_step."""
     L = 16
     hist = torch.zeros(L) if case in ("empty", "zero_history") else torch.rand(L) * 100
     amax_now = torch.tensor(float("nan") if case == "nan_amax" else (0.0 if case == "zero_history" else 37.5))
     scale, step = torch.tensor(3.0), torch.tensor(4 if case == "interval" else 6)  # (4 + 1) % 5 == 0: refresh
-    kw = dict(fp8_dtype=E5M2 if case == "pow2_margin" else E4M3, margin=2 if case == "pow2_margin" else 0,
-              power_of_2=case == "pow2_margin", interval=5 if case in ("interval", "no_refresh") else 1,
-              algo_max=case != "most_recent")
+    kw = dict(
+        fp8_dtype=E5M2 if case == "pow2_margin" else E4M3,
+        margin=2 if case == "pow2_margin" else 0,
+        power_of_2=case == "pow2_margin",
+        interval=5 if case in ("interval", "no_refresh") else 1,
+        algo_max=case != "most_recent",
+    )
     h1, s1, h2, s2 = hist.clone(), scale.clone(), hist.clone(), scale.clone()
     got = ops.delayed_scale_update(h1, s1, step, amax_now, **kw)
     want = reference.delayed_scale_update(h2, s2, step, amax_now, **kw)
@@ -281,12 +289,15 @@ def assert_same_scale(got, want):
     assert torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan], want[~nan])
 
 
-@pytest.mark.parametrize("dtype,in_dtype,power_of_2,shape,block", [
-    (E4M3, torch.bfloat16, True, (200, 300), 128),  # the recipe's default, ragged against 128 tiles
-    (E4M3, torch.float32, False, (200, 300), 128),
-    (E5M2, torch.bfloat16, False, (200, 300), 128),
-    (E5M2, torch.float32, True, (70, 40), 32),  # block_size 32
-])
+@pytest.mark.parametrize(
+    "dtype,in_dtype,power_of_2,shape,block",
+    [
+        (E4M3, torch.bfloat16, True, (200, 300), 128),  # the recipe's default, ragged against 128 tiles
+        (E4M3, torch.float32, False, (200, 300), 128),
+        (E5M2, torch.bfloat16, False, (200, 300), 128),
+        (E5M2, torch.float32, True, (70, 40), 32),  # block_size 32
+    ],
+)
 def test_blockwise_1d_casts_match_the_torch_path(dtype, in_dtype, power_of_2, shape, block, seed):
     """1 x block tiles into q and block x 1 tiles into the transposed qt, scales included, from one read."""
     x = blocky(*shape, in_dtype, block)
@@ -303,8 +314,10 @@ def test_blockwise_1d_casts_match_the_torch_path(dtype, in_dtype, power_of_2, sh
     assert_same_scale(cs1, cs)
 
 
-@pytest.mark.parametrize("dtype,power_of_2,shape,block", [
-    (E4M3, True, (300, 200), 128), (E5M2, False, (300, 200), 128), (E4M3, False, (40, 70), 32)])
+@pytest.mark.parametrize(
+    "dtype,power_of_2,shape,block",
+    [(E4M3, True, (300, 200), 128), (E5M2, False, (300, 200), 128), (E4M3, False, (40, 70), 32)],
+)
 def test_blockwise_square_casts_match_the_torch_path(dtype, power_of_2, shape, block, seed):
     x = blocky(*shape, torch.float32, block)
     q, s, qt, st = ops.cast_block_2d(x, dtype, block, power_of_2, True, True)
@@ -344,8 +357,11 @@ def test_fused_blockwise_layouts_feed_the_gemms_without_copies(monkeypatch, seed
     x = torch.randn(256, 384, dtype=torch.bfloat16) * 3
 
     def casts():
-        return (*block_cast.cast_block_both(x, E4M3, 128, False), block_cast.quantize_blockwise_fused(x, E4M3, (128, 128), False),
-                block_cast.quantize_square_transposed(x, E4M3, 128, False))
+        return (
+            *block_cast.cast_block_both(x, E4M3, 128, False),
+            block_cast.quantize_blockwise_fused(x, E4M3, (128, 128), False),
+            block_cast.quantize_square_transposed(x, E4M3, 128, False),
+        )
 
     plain = casts()
     monkeypatch.setattr(kernels, "available", lambda device: True)
@@ -373,7 +389,6 @@ def test_fused_blockwise_layouts_feed_the_gemms_without_copies(monkeypatch, seed
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
-
 # --- the Triton blockwise GEMM (block_gemm_triton): against the float32 emulation ----------------
 def _block_operands(m, k, n, bs, a_dtype, square):
     from functools import partial
@@ -390,13 +405,16 @@ def _block_operands(m, k, n, bs, a_dtype, square):
     return a, b
 
 
-@pytest.mark.parametrize("mkn,bs,a_dtype,square,out_dtype", [
-    ((64, 256, 96), 128, E4M3, True, torch.bfloat16),  # the output / grad_input GEMMs
-    ((64, 256, 96), 128, E4M3, False, torch.float32),  # grad_weight
-    ((70, 200, 90), 128, E5M2, True, torch.float32),  # ragged M, K, N
-    ((70, 200, 90), 128, E4M3, False, torch.bfloat16),
-    ((40, 96, 72), 32, E4M3, True, torch.float32),  # block_size 32
-])
+@pytest.mark.parametrize(
+    "mkn,bs,a_dtype,square,out_dtype",
+    [
+        ((64, 256, 96), 128, E4M3, True, torch.bfloat16),  # the output / grad_input GEMMs
+        ((64, 256, 96), 128, E4M3, False, torch.float32),  # grad_weight
+        ((70, 200, 90), 128, E5M2, True, torch.float32),  # ragged M, K, N
+        ((70, 200, 90), 128, E4M3, False, torch.bfloat16),
+        ((40, 96, 72), 32, E4M3, True, torch.float32),  # block_size 32
+    ],
+)
 def test_triton_block_gemm_is_within_the_documented_bound(mkn, bs, a_dtype, square, out_dtype, seed):
     """Whole and ragged tiles, both B tilings, E4M3/E5M2 A, float32 and bf16 output: the kernel
     differs from dequantize-then-matmul only by summation order (cpu_gemm.py's bound)."""

@@ -55,7 +55,9 @@ def test_default_filter_and_report(seed):
 
 
 def test_odd_middle_layer_does_not_stop_siblings(seed):
-    net = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 40), nn.Linear(40, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 16))
+    net = nn.Sequential(
+        nn.Linear(32, 64), nn.Linear(64, 40), nn.Linear(40, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 16)
+    )
     report = fp8.convert(net)
     assert [n for n, *_ in report.converted] == ["3", "4"]
     assert "not multiples of 16" in dict(report.skipped)["1"]

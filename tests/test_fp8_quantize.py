@@ -68,8 +68,10 @@ def test_inf_does_not_become_finite():
     # a given (delayed) scale: inf must not saturate to 448 either
     q2 = quantize_tensorwise(x, fp8.E4M3, scale=torch.tensor(1.0))
     assert not torch.isfinite(q2.dequantize()[0, 0])
-    assert fp8.saturated_cast(torch.tensor([float("-inf")]), fp8.E5M2).float().isnan().all() or \
-        not torch.isfinite(fp8.saturated_cast(torch.tensor([float("-inf")]), fp8.E5M2).float()).all()
+    assert (
+        fp8.saturated_cast(torch.tensor([float("-inf")]), fp8.E5M2).float().isnan().all()
+        or not torch.isfinite(fp8.saturated_cast(torch.tensor([float("-inf")]), fp8.E5M2).float()).all()
+    )
 
 
 def test_saturation_clamps_finite_values():

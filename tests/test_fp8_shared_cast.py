@@ -97,8 +97,10 @@ def test_casts_saved_per_block(monkeypatch):
 
 def _layers(recipe: str = "tensorwise", n: int = 2):
     torch.manual_seed(0)
-    layers = [fp8.Float8Linear.from_linear(torch.nn.Linear(64, 32, bias=False), fp8.Recipe.from_name(recipe))
-              for _ in range(n)]
+    layers = [
+        fp8.Float8Linear.from_linear(torch.nn.Linear(64, 32, bias=False), fp8.Recipe.from_name(recipe))
+        for _ in range(n)
+    ]
     return layers
 
 

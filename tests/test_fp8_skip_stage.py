@@ -28,8 +28,11 @@ STATE = ("fp8_amax_history", "fp8_scale", "fp8_step", "fp8_sr_state")  # what a 
 
 def _setup(recipe: str = "delayed", accumulate: int = 1, **fields):
     torch.manual_seed(0)
-    acc = Accelerator(mixed_precision="fp8", gradient_accumulation_steps=accumulate,
-                      kwargs_handlers=[NativeRecipeKwargs(recipe=recipe, overrides=fields)])
+    acc = Accelerator(
+        mixed_precision="fp8",
+        gradient_accumulation_steps=accumulate,
+        kwargs_handlers=[NativeRecipeKwargs(recipe=recipe, overrides=fields)],
+    )
     # the first and last Linear stay high precision (the engine's default): two FP8 layers
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(DIM, DIM), nn.ReLU())][:-1])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -63,14 +66,19 @@ def _step(acc, model, opt, xs, site=None):
     return acc.optimizer_step_was_skipped
 
 
-@pytest.mark.parametrize("recipe, accumulate, fields", [
-    ("delayed", 1, {}),
-    ("delayed", 2, {"amax_compute_algo": "max", "amax_history_len": 4}),
-    ("delayed", 1, {"interval": 2}),
-    ("nvfp4", 1, {}),  # its stochastic-rounding stream position is state too
-])
+@pytest.mark.parametrize(
+    "recipe, accumulate, fields",
+    [
+        ("delayed", 1, {}),
+        ("delayed", 2, {"amax_compute_algo": "max", "amax_history_len": 4}),
+        ("delayed", 1, {"interval": 2}),
+        ("nvfp4", 1, {}),  # its stochastic-rounding stream position is state too
+    ],
+)
 @pytest.mark.parametrize("site", ["loss", "gradient"])
-def test_a_skipped_step_leaves_the_fp8_state_bitwise_and_the_next_step_as_if_never_seen(recipe, accumulate, fields, site):
+def test_a_skipped_step_leaves_the_fp8_state_bitwise_and_the_next_step_as_if_never_seen(
+    recipe, accumulate, fields, site
+):
     torch.manual_seed(11)
     batches = [[torch.randn(16, DIM) for _ in range(accumulate)] for _ in range(5)]
     acc, model, opt = _setup(recipe, accumulate, **fields)
@@ -174,9 +182,16 @@ def test_trainer_skipped_step_leaves_the_fp8_state_and_the_run_as_if_the_batch_n
     poison = [True]
     monkeypatch.setattr(train_model.LlamaForCausalLM, "forward", forward)
     monkeypatch.setattr(train_data.ShardedEpochs, "forever", forever)
-    base = {"fp8_recipe": {"name": "delayed", "amax_compute_algo": "max", "amax_history_len": 4},
-            "eval_steps": None, "save_steps": None, "logging_steps": 1, "use_tensorboard": False,
-            "progress_bar": False, "warmup_steps": 0, "lr_scheduler": "constant"}
+    base = {
+        "fp8_recipe": {"name": "delayed", "amax_compute_algo": "max", "amax_history_len": 4},
+        "eval_steps": None,
+        "save_steps": None,
+        "logging_steps": 1,
+        "use_tensorboard": False,
+        "progress_bar": False,
+        "warmup_steps": 0,
+        "lr_scheduler": "constant",
+    }
     tiny = os.path.join(ROOT, "examples", "tiny.yaml")
     import tempfile
 

@@ -208,8 +208,20 @@ def test_o2_under_fsdp2_matches_one_process_and_reshards(tmp_path):
     assert one["optimizer"] == "FP8AdamW" and one["train_collectives"] == [[]] * 9
     assert max(abs(a - b) for a, b in zip(one["resumed"], four["losses"][3:])) < 5e-3, (one, four)
     assert max(abs(a - b) for a, b in zip(one["plain"], four["losses"])) < 5e-3, (one, four)
-    print("measured", {f"{n}_{k}": r[k] for n, r, k in (("one", one, "resumed"), ("one", one, "plain"), (
-        "two", two, "resumed"), ("four", four, "losses"), ("two", two, "rs_bytes"), ("four", four, "rs_bytes"))})
+    print(
+        "measured",
+        {
+            f"{n}_{k}": r[k]
+            for n, r, k in (
+                ("one", one, "resumed"),
+                ("one", one, "plain"),
+                ("two", two, "resumed"),
+                ("four", four, "losses"),
+                ("two", two, "rs_bytes"),
+                ("four", four, "rs_bytes"),
+            )
+        },
+    )
 
 
 def test_rounding_noise_does_not_depend_on_the_split(monkeypatch):
@@ -222,6 +234,6 @@ def test_rounding_noise_does_not_depend_on_the_split(monkeypatch):
     monkeypatch.setattr(sharded, "NOISE_CHUNK", 64)
     whole = sharded.chunked_uniform(7, 0, 300, 300)
     for start, n in ((0, 300), (10, 50), (60, 10), (63, 130), (256, 44), (299, 1), (5, 0)):
-        assert torch.equal(sharded.chunked_uniform(7, start, n, 300), whole[start:start + n])
+        assert torch.equal(sharded.chunked_uniform(7, start, n, 300), whole[start : start + n])
     assert not torch.equal(sharded.chunked_uniform(8, 0, 300, 300), whole)  # another key, another stream
     assert 0.0 <= float(whole.min()) and float(whole.max()) < 1.0

@@ -14,24 +14,46 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
 import run as gpu_run  # noqa: E402  (benchmarks/gpu/run.py: imports no torch)
 
-EXPECTED_FILES = {"setup.json", "gpu_tests.json", "gpu_tests.junit.xml", "linear.json", "cast.json", "train.json",
-                  "summary.json", "summary.md"}
+EXPECTED_FILES = {
+    "setup.json",
+    "gpu_tests.json",
+    "gpu_tests.junit.xml",
+    "linear.json",
+    "cast.json",
+    "train.json",
+    "summary.json",
+    "summary.md",
+}
 LIMIT_S = 8 * 60
 
 
 def _env():
-    return {"PYTHONPATH": str(ROOT / "src"), "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin",
-            "PYTHON": sys.executable, "HOME": str(Path.home()), "OMP_NUM_THREADS": "1"}
+    return {
+        "PYTHONPATH": str(ROOT / "src"),
+        "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin",
+        "PYTHON": sys.executable,
+        "HOME": str(Path.home()),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_out")
-    res = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "run.sh"), str(out), "--dry-run"], cwd=ROOT,
-                         env=_env(), capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu" / "run.sh"), str(out), "--dry-run"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     folder = out / "cpu-dry-run"
-    parts = {p: json.loads((folder / f"{p}.json").read_text()) for p in ("setup", "gpu_tests", "linear", "cast", "train")
-             if (folder / f"{p}.json").exists()}
+    parts = {
+        p: json.loads((folder / f"{p}.json").read_text())
+        for p in ("setup", "gpu_tests", "linear", "cast", "train")
+        if (folder / f"{p}.json").exists()
+    }
     return res, folder, parts
 
 
@@ -102,8 +124,13 @@ def test_train_and_cast_rows(rehearsal):
     train = parts["train"]["result"]
     rows = {(r["variant"], r["mode"]): r for r in train["results"]}
     assert all("error" not in r for r in rows.values()), rows
-    assert {("bf16", "eager"), ("tensorwise", "eager"), ("rowwise", "eager"), ("blockwise", "eager"),
-            ("tensorwise", "compiled")} <= set(rows)
+    assert {
+        ("bf16", "eager"),
+        ("tensorwise", "eager"),
+        ("rowwise", "eager"),
+        ("blockwise", "eager"),
+        ("tensorwise", "compiled"),
+    } <= set(rows)
     for r in rows.values():
         assert r["tokens_per_s"] > 0 and math.isfinite(r["loss_last"])
     assert rows[("tensorwise", "eager")]["fp8_layers"] > 0 and rows[("bf16", "eager")]["fp8_layers"] == 0
@@ -123,10 +150,16 @@ def test_plan_over_the_limit_is_refused(monkeypatch, capsys, tmp_path):
 def test_a_part_past_its_budget_is_stopped_and_keeps_its_results(tmp_path):
     # a part that writes its JSON, then hangs: killed at its budget, the JSON kept
     script = tmp_path / "slow.py"
-    script.write_text("import json, sys, time\nopen(sys.argv[1], 'w').write(json.dumps({'rows': [1]}))\n"
-                      "print('wrote', flush=True)\ntime.sleep(60)\n")
-    part = gpu_run.Part("linear", 3, "test", [sys.executable, str(gpu_run.HERE / "child.py"), str(script),
-                                             str(tmp_path / "linear.part.json")])
+    script.write_text(
+        "import json, sys, time\nopen(sys.argv[1], 'w').write(json.dumps({'rows': [1]}))\n"
+        "print('wrote', flush=True)\ntime.sleep(60)\n"
+    )
+    part = gpu_run.Part(
+        "linear",
+        3,
+        "test",
+        [sys.executable, str(gpu_run.HERE / "child.py"), str(script), str(tmp_path / "linear.part.json")],
+    )
     rec = gpu_run.collect(part, gpu_run.run_part(part, _env()), tmp_path)
     assert rec["status"] == "timeout" and rec["wall_s"] < 30
     assert rec["result"] == {"rows": [1]} and "wrote" in rec["log_tail"]
@@ -137,7 +170,9 @@ def test_child_blocks_the_named_imports(tmp_path):
     script = tmp_path / "imp.py"
     script.write_text("import pydantic\n")
     env = dict(_env(), LOWPREC_GPU_BLOCK_IMPORTS="pydantic")
-    res = subprocess.run([sys.executable, str(gpu_run.HERE / "child.py"), str(script)], env=env, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, str(gpu_run.HERE / "child.py"), str(script)], env=env, capture_output=True, text=True
+    )
     assert res.returncode != 0 and "No module named 'pydantic'" in res.stderr and "GPU image" in res.stderr
 
 
@@ -154,14 +189,20 @@ def test_targets_are_judged_from_the_rows():
     import summary
 
     shape = dict(M=16384, K=4096, N=14336)
-    lin = {"results": [
-        dict(shape, variant="tensorwise", mode="eager", ms=1.0, speedup_vs_bf16=1.5, measured_over_roofline=1.1),
-        dict(shape, variant="rowwise", mode="eager", ms=2.0, speedup_vs_bf16=1.1, measured_over_roofline=1.3),
-        dict(shape, variant="torchao_tensorwise", mode="compiled", ms=1.2),
-        dict(shape, variant="torchao_rowwise", mode="compiled", ms=1.5),
-    ]}
-    train = {"results": [dict(variant="tensorwise", mode="eager", speedup_vs_bf16=1.3, peak_vs_bf16=0.9, tokens_per_s=900.0),
-                         dict(variant="torchao_tensorwise", mode="eager", tokens_per_s=1000.0)]}
+    lin = {
+        "results": [
+            dict(shape, variant="tensorwise", mode="eager", ms=1.0, speedup_vs_bf16=1.5, measured_over_roofline=1.1),
+            dict(shape, variant="rowwise", mode="eager", ms=2.0, speedup_vs_bf16=1.1, measured_over_roofline=1.3),
+            dict(shape, variant="torchao_tensorwise", mode="compiled", ms=1.2),
+            dict(shape, variant="torchao_rowwise", mode="compiled", ms=1.5),
+        ]
+    }
+    train = {
+        "results": [
+            dict(variant="tensorwise", mode="eager", speedup_vs_bf16=1.3, peak_vs_bf16=0.9, tokens_per_s=900.0),
+            dict(variant="torchao_tensorwise", mode="eager", tokens_per_s=1000.0),
+        ]
+    }
     tests = {"tests": 10, "passed": 9, "failures": 1, "errors": 0, "skipped": 0}
     got = {row[0]: row[2] for row in summary.targets(lin, train, tests)}
     assert got["linear 16384x4096x14336 eager tensorwise >= 1.4x bf16"] == "met"

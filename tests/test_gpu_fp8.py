@@ -1,6 +1,5 @@
 """CUDA-only checks (run with `pytest -m gpu` on a GPU machine; skipped elsewhere)."""
 
-
 import pytest
 import torch
 
@@ -50,7 +49,10 @@ def test_compiled_matches_eager_on_cuda(recipe):
     torch.manual_seed(0)
     lin = torch.nn.Linear(4096, 4096, device=dev)
     a = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name(recipe))
-    b = torch.compile(fp8.Float8Linear.from_linear(torch.nn.Linear(4096, 4096, device=dev), fp8.Recipe.from_name(recipe)), fullgraph=True)
+    b = torch.compile(
+        fp8.Float8Linear.from_linear(torch.nn.Linear(4096, 4096, device=dev), fp8.Recipe.from_name(recipe)),
+        fullgraph=True,
+    )
     b._orig_mod.load_state_dict(a.state_dict())
     x = torch.randn(2048, 4096, device=dev)
     with fp8.autocast(), torch.autocast("cuda", dtype=torch.bfloat16):

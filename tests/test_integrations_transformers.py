@@ -31,8 +31,10 @@ class GemmCount:
 
     def __enter__(self):
         self.n = 0
-        self._patches = [mock.patch.object(mod, name, self._counting(getattr(mod, name)))
-                         for mod, name in ((fp8_linear, "scaled_mm"), (fp8_mx_linear, "mx_mm"))]
+        self._patches = [
+            mock.patch.object(mod, name, self._counting(getattr(mod, name)))
+            for mod, name in ((fp8_linear, "scaled_mm"), (fp8_mx_linear, "mx_mm"))
+        ]
         for p in self._patches:
             p.__enter__()
         return self
@@ -51,8 +53,15 @@ class GemmCount:
 
 def tiny_llama(seed: int = 0):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -159,8 +168,9 @@ def _trainer(model, tmp_path, callbacks, **kw):
             return {"input_ids": ids, "labels": ids}
 
     kw = {"max_steps": 4, "logging_steps": 2, "save_strategy": "no", **kw}
-    args = transformers.TrainingArguments(str(tmp_path), per_device_train_batch_size=4, report_to=[], disable_tqdm=True,
-                                          use_cpu=True, **kw)
+    args = transformers.TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=4, report_to=[], disable_tqdm=True, use_cpu=True, **kw
+    )
     return transformers.Trainer(model=model, args=args, train_dataset=Data(), callbacks=callbacks)
 
 
@@ -168,8 +178,11 @@ def _trainer(model, tmp_path, callbacks, **kw):
 def test_trainer_runs_fp8_and_logs_it(tmp_path, checkpointing):
     model = tiny_llama()
     enable_fp8(model, "delayed")
-    kw = {} if checkpointing is None else {"gradient_checkpointing": True,
-                                           "gradient_checkpointing_kwargs": {"use_reentrant": checkpointing}}
+    kw = (
+        {}
+        if checkpointing is None
+        else {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": checkpointing}}
+    )
     trainer = _trainer(model, tmp_path, [FP8Callback()], **kw)
     with GemmCount() as count:
         trainer.train()
@@ -215,10 +228,20 @@ def test_enable_fp8_refuses_a_conversion_that_converts_nothing():
 
 
 def _run_example(name: str, *args: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "hf", name), *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "hf", name), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -243,8 +266,12 @@ def test_trl_sft_example_trains_fp8_under_its_default_gradient_checkpointing():
 def _resumable(model, out, **kw):
     """A Trainer whose runs can be compared step by step: AdamW (so the optimizer state matters
     too), logging every step, a checkpoint every 2 steps."""
-    return _trainer(model, out, [FP8Callback(telemetry=False)], **{
-        "max_steps": 5, "logging_steps": 1, "save_strategy": "steps", "save_steps": 2, "learning_rate": 1e-2, **kw})
+    return _trainer(
+        model,
+        out,
+        [FP8Callback(telemetry=False)],
+        **{"max_steps": 5, "logging_steps": 1, "save_strategy": "steps", "save_steps": 2, "learning_rate": 1e-2, **kw},
+    )
 
 
 def _losses(trainer):
@@ -322,11 +349,33 @@ def test_trainer_on_two_processes_through_lowprec_launch_fp8_o2_and_resume(tmp_p
     from tests.torchrun_util import free_port, run_torchrun
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
-    env.update(PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1", LOWPREC_CONFIG_HOME=str(tmp_path / "no-config"), HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2",
-           "--main_process_port", str(free_port()), os.path.join(ROOT, "examples", "hf", "trainer_fp8.py"),
-           "--steps", "5", "--recipe", "delayed", "--opt_level", "O2", "--resume_check", "--output_dir", str(tmp_path)]
+    env.update(
+        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        LOWPREC_CONFIG_HOME=str(tmp_path / "no-config"),
+        HF_HUB_OFFLINE="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "lowprec.cli.main",
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        os.path.join(ROOT, "examples", "hf", "trainer_fp8.py"),
+        "--steps",
+        "5",
+        "--recipe",
+        "delayed",
+        "--opt_level",
+        "O2",
+        "--resume_check",
+        "--output_dir",
+        str(tmp_path),
+    ]
     proc = run_torchrun(cmd, lambda p: '"world_size": 2' in p.stdout, env=env, timeout=300, cwd=ROOT)
     r = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
     assert r["fp8_linear_calls_per_rank"] == [5 * 13, 5 * 13]  # 5 steps x 13 converted Linears, each rank

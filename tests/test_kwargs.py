@@ -23,11 +23,20 @@ from lowprec.kwargs import (
 )
 
 FP8_ENV = [
-    "ACCELERATE_FP8_BACKEND", "ACCELERATE_FP8_OPT_LEVEL", "ACCELERATE_FP8_FORMAT",
-    "ACCELERATE_FP8_AMAX_HISTORY_LEN", "ACCELERATE_FP8_AMAX_COMPUTE_ALGO", "ACCELERATE_FP8_MARGIN",
-    "ACCELERATE_FP8_INTERVAL", "ACCELERATE_FP8_OVERRIDE_FPROP", "ACCELERATE_FP8_OVERRIDE_DGRAD",
-    "ACCELERATE_FP8_OVERRIDE_WGRAD", "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", "LOWPREC_FP8_RECIPE",
-    "ACCELERATE_FP8_PAD_INNER_DIM", "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER",
+    "ACCELERATE_FP8_BACKEND",
+    "ACCELERATE_FP8_OPT_LEVEL",
+    "ACCELERATE_FP8_FORMAT",
+    "ACCELERATE_FP8_AMAX_HISTORY_LEN",
+    "ACCELERATE_FP8_AMAX_COMPUTE_ALGO",
+    "ACCELERATE_FP8_MARGIN",
+    "ACCELERATE_FP8_INTERVAL",
+    "ACCELERATE_FP8_OVERRIDE_FPROP",
+    "ACCELERATE_FP8_OVERRIDE_DGRAD",
+    "ACCELERATE_FP8_OVERRIDE_WGRAD",
+    "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL",
+    "LOWPREC_FP8_RECIPE",
+    "ACCELERATE_FP8_PAD_INNER_DIM",
+    "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER",
 ]
 
 
@@ -41,9 +50,14 @@ def test_te_defaults_are_the_documented_ones_and_all_are_forwarded():
     # bug 10: Accelerate forwards only non-defaults, so TE's own amax_compute_algo='max' wins
     kw = TERecipeKwargs().to_kwargs()
     assert kw == {
-        "use_autocast_during_eval": False, "margin": 0, "interval": 1, "fp8_format": "HYBRID",
-        "amax_history_len": 1024, "amax_compute_algo": "most_recent",
-        "override_linear_precision": (False, False, False), "use_mxfp8_block_scaling": False,
+        "use_autocast_during_eval": False,
+        "margin": 0,
+        "interval": 1,
+        "fp8_format": "HYBRID",
+        "amax_history_len": 1024,
+        "amax_compute_algo": "most_recent",
+        "override_linear_precision": (False, False, False),
+        "use_mxfp8_block_scaling": False,
         "use_nvfp4_block_scaling": False,
     }
 
@@ -142,8 +156,19 @@ def test_legacy_backend_default_is_te_without_msamp():
         assert FP8RecipeKwargs().backend == "te"
 
 
-@pytest.mark.parametrize("raw, name", [("te", "te"), ("TE", "te"), ("Ao", "torchao"), ("MSAMP", "msamp"),
-                                       ("ms-amp", "msamp"), ("native", "native"), ("NO", None), ("", None)])
+@pytest.mark.parametrize(
+    "raw, name",
+    [
+        ("te", "te"),
+        ("TE", "te"),
+        ("Ao", "torchao"),
+        ("MSAMP", "msamp"),
+        ("ms-amp", "msamp"),
+        ("native", "native"),
+        ("NO", None),
+        ("", None),
+    ],
+)
 def test_backend_names_any_case(raw, name):
     # bug 4: lower-case --fp8_backend crashed Accelerate's child process
     assert normalize_backend(raw) == name
@@ -177,9 +202,16 @@ def test_native_recipe_by_name(monkeypatch):
 
 
 def test_config_block_te_wizard_output():
-    cfg = {"backend": "TE", "amax_history_length": 16, "amax_compute_algorithm": "max",
-           "override_linear_precision": "(false, false, true)", "use_autocast_during_eval": False,
-           "fp8_format": "HYBRID", "interval": 1, "margin": 0}
+    cfg = {
+        "backend": "TE",
+        "amax_history_length": 16,
+        "amax_compute_algorithm": "max",
+        "override_linear_precision": "(false, false, true)",
+        "use_autocast_during_eval": False,
+        "fp8_format": "HYBRID",
+        "interval": 1,
+        "margin": 0,
+    }
     h = recipe_kwargs_from_config(cfg)
     assert isinstance(h, TERecipeKwargs)
     assert (h.amax_history_len, h.amax_compute_algo, h.override_linear_precision) == (16, "max", (False, False, True))
@@ -196,8 +228,13 @@ def test_handlers_are_frozen_and_grad_scaler_forwards_everything():
     h = GradScalerKwargs(init_scale=1024.0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         h.init_scale = 2.0  # type: ignore[misc]
-    assert h.to_kwargs() == {"init_scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5,
-                             "growth_interval": 2000, "enabled": True}
+    assert h.to_kwargs() == {
+        "init_scale": 1024.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "enabled": True,
+    }
 
 
 def test_native_recipe_takes_set_launch_variables_only(monkeypatch):
@@ -251,7 +288,11 @@ def test_fsdp_plugin_env_and_policies(monkeypatch):
     monkeypatch.delenv("FSDP_TRANSFORMER_CLS_TO_WRAP")
     monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "size_based_wrap")
     monkeypatch.setenv("FSDP_MIN_NUM_PARAMS", "1000")
-    assert [type(u).__name__ for u in fsdp2_units(model, FullyShardedDataParallelPlugin())] == ["Linear", "Linear", "Sequential"]
+    assert [type(u).__name__ for u in fsdp2_units(model, FullyShardedDataParallelPlugin())] == [
+        "Linear",
+        "Linear",
+        "Sequential",
+    ]
     with pytest.raises(ValueError, match="FSDP2"):
         FullyShardedDataParallelPlugin(fsdp_version=1)
     with pytest.raises(ValueError, match="not found in the model"):
@@ -266,19 +307,38 @@ def test_config_block_is_parsed_by_the_launch_schema(text):
         recipe_kwargs_from_config({"backend": "native", "skip_patterns": text})
 
 
-@pytest.mark.parametrize("name", ["FSDP_VERSION", "FSDP_MIN_NUM_PARAMS", "ACCELERATE_DEEPSPEED_ZERO_STAGE",
-                                  "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "WORLD_SIZE"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "FSDP_VERSION",
+        "FSDP_MIN_NUM_PARAMS",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+        "WORLD_SIZE",
+    ],
+)
 def test_bad_integer_env_names_the_variable(monkeypatch, name):
     from lowprec import Accelerator
     from lowprec.kwargs import DeepSpeedPlugin, FullyShardedDataParallelPlugin
     from lowprec.state import read_distributed_env
 
-    for other in ("FSDP_VERSION", "FSDP_MIN_NUM_PARAMS", "ACCELERATE_DEEPSPEED_ZERO_STAGE",
-                  "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "WORLD_SIZE", "RANK", "ACCELERATE_MIXED_PRECISION"):
+    for other in (
+        "FSDP_VERSION",
+        "FSDP_MIN_NUM_PARAMS",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+        "WORLD_SIZE",
+        "RANK",
+        "ACCELERATE_MIXED_PRECISION",
+    ):
         monkeypatch.delenv(other, raising=False)
     monkeypatch.setenv(name, "two")
-    build = {"FSDP_VERSION": FullyShardedDataParallelPlugin, "FSDP_MIN_NUM_PARAMS": FullyShardedDataParallelPlugin,
-             "ACCELERATE_DEEPSPEED_ZERO_STAGE": DeepSpeedPlugin, "WORLD_SIZE": read_distributed_env,
-             "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": lambda: Accelerator(cpu=True)}[name]
+    build = {
+        "FSDP_VERSION": FullyShardedDataParallelPlugin,
+        "FSDP_MIN_NUM_PARAMS": FullyShardedDataParallelPlugin,
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": DeepSpeedPlugin,
+        "WORLD_SIZE": read_distributed_env,
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": lambda: Accelerator(cpu=True),
+    }[name]
     with pytest.raises(ValueError, match=f"environment variable {name} must be an integer, got 'two'"):
         build()

@@ -28,8 +28,12 @@ ABORT_WORKER = str(Path(__file__).parent / "scripts" / "abort_worker.py")
 
 def _env(tmp_path: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not owned_env_var(k)}
-    env.update(PYTHONPATH=SRC + os.pathsep + env.get("PYTHONPATH", ""), OMP_NUM_THREADS="1",
-               LOWPREC_CONFIG_HOME=str(tmp_path / "none"), **extra)
+    env.update(
+        PYTHONPATH=SRC + os.pathsep + env.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+        LOWPREC_CONFIG_HOME=str(tmp_path / "none"),
+        **extra,
+    )
     return env
 
 
@@ -51,8 +55,9 @@ def test_abort_after_every_marker_is_accepted(tmp_path):
     assert aborted_after_done({1: _failure(ABRT, 101, 1, 1.0), 0: _failure(TERM, 100, 0, 2.0)}, str(tmp_path), 2)
 
 
-@pytest.mark.parametrize("case", ["peer_missing", "failed_missing", "pid_differs", "not_sigabrt", "term_first",
-                                  "other_restart"])
+@pytest.mark.parametrize(
+    "case", ["peer_missing", "failed_missing", "pid_differs", "not_sigabrt", "term_first", "other_restart"]
+)
 def test_abort_without_proof_of_finish_fails(tmp_path, case):
     failures = {1: _failure(ABRT, 101, 1, 1.0)}
     _mark(tmp_path, 1, 101)
@@ -74,9 +79,22 @@ def _launch(tmp_path: Path, when: str, worker_exit: str) -> subprocess.Completed
     out = tmp_path / "out"
     out.mkdir()
     return subprocess.run(
-        [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2", ABORT_WORKER,
-         str(out), when],
-        capture_output=True, text=True, env=_env(tmp_path, LOWPREC_WORKER_EXIT=worker_exit), timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "lowprec.cli.main",
+            "launch",
+            "--cpu",
+            "--num_processes",
+            "2",
+            ABORT_WORKER,
+            str(out),
+            when,
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path, LOWPREC_WORKER_EXIT=worker_exit),
+        timeout=300,
     )
 
 
@@ -110,9 +128,14 @@ def _run_worker(tmp_path: Path, body: str, *args: str) -> tuple[subprocess.Compl
     script.write_text(body)
     done = tmp_path / "done"
     done.mkdir()
-    p = subprocess.run([sys.executable, "-m", "lowprec.cli._worker", str(script), *args], capture_output=True,
-                       text=True, env=_env(tmp_path, LOWPREC_DONE_DIR=str(done), LOCAL_RANK="0"), timeout=120,
-                       cwd=str(tmp_path))
+    p = subprocess.run(
+        [sys.executable, "-m", "lowprec.cli._worker", str(script), *args],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path, LOWPREC_DONE_DIR=str(done), LOCAL_RANK="0"),
+        timeout=120,
+        cwd=str(tmp_path),
+    )
     return p, Path(marker_path(str(done), 0))
 
 
@@ -138,8 +161,9 @@ def test_worker_runs_atexit_and_flushes_before_its_marker(tmp_path):
     assert (tmp_path / "unclosed.txt").read_text() == "kept"
 
 
-@pytest.mark.parametrize("body,code", [("import sys\nsys.exit(3)\n", 3), ("raise ValueError('boom')\n", 1),
-                                       ("import sys\nsys.exit(0)\n", 0)])
+@pytest.mark.parametrize(
+    "body,code", [("import sys\nsys.exit(3)\n", 3), ("raise ValueError('boom')\n", 1), ("import sys\nsys.exit(0)\n", 0)]
+)
 def test_worker_marks_only_a_success(tmp_path, body, code):
     p, marker = _run_worker(tmp_path, body)
     assert p.returncode == code, p.stderr

@@ -82,8 +82,9 @@ def random_settings(rng: random.Random) -> LaunchSettings:
         kw["main_process_port"] = rng.randint(20000, 30000)
     mode = rng.choice(["ddp", "fsdp", "deepspeed"])
     if mode == "fsdp":
-        kw.update(use_fsdp=True, fsdp_reshard_after_forward=rng.random() < 0.5,
-                  fsdp_transformer_layer_cls_to_wrap="Block")
+        kw.update(
+            use_fsdp=True, fsdp_reshard_after_forward=rng.random() < 0.5, fsdp_transformer_layer_cls_to_wrap="Block"
+        )
     if mode == "deepspeed":
         kw.update(use_deepspeed=True, zero_stage=rng.randint(0, 2), offload_optimizer_device="cpu")
     optional = {
@@ -136,8 +137,12 @@ def test_unset_values_are_not_exported_so_recipe_defaults_survive():
     env = LaunchSettings(mixed_precision="fp8", fp8_recipe="rowwise").to_env()
     assert env["LOWPREC_FP8_RECIPE"] == "rowwise"
     # Accelerate exported every default (e.g. FORMAT=HYBRID), which would override rowwise's E4M3.
-    for name in ("ACCELERATE_FP8_FORMAT", "ACCELERATE_FP8_AMAX_HISTORY_LEN", "ACCELERATE_FP8_MARGIN",
-                 *FP8_OVERRIDE_VARS):
+    for name in (
+        "ACCELERATE_FP8_FORMAT",
+        "ACCELERATE_FP8_AMAX_HISTORY_LEN",
+        "ACCELERATE_FP8_MARGIN",
+        *FP8_OVERRIDE_VARS,
+    ):
         assert name not in env
 
 
@@ -149,11 +154,20 @@ def test_fp8_values_are_not_exported_without_fp8():
 
 def test_no_bug_lowercase_backend_crashes_child():
     """§3.4 bug 1: `--fp8_backend te` exported lower case, which FP8BackendType rejects."""
-    for given, exported in [("te", "TE"), ("Ao", "AO"), ("torchao", "AO"), ("msamp", "MSAMP"),
-                            ("MS-AMP", "MSAMP"), ("NATIVE", "NATIVE"), ("transformer_engine", "TE")]:
+    for given, exported in [
+        ("te", "TE"),
+        ("Ao", "AO"),
+        ("torchao", "AO"),
+        ("msamp", "MSAMP"),
+        ("MS-AMP", "MSAMP"),
+        ("NATIVE", "NATIVE"),
+        ("transformer_engine", "TE"),
+    ]:
         env = LaunchSettings(mixed_precision="fp8", fp8_backend=given).to_env()
         assert env["ACCELERATE_FP8_BACKEND"] == exported
-        assert LaunchSettings.from_env({**env, "ACCELERATE_FP8_BACKEND": exported.lower()}).fp8_backend == exported.lower()
+        assert (
+            LaunchSettings.from_env({**env, "ACCELERATE_FP8_BACKEND": exported.lower()}).fp8_backend == exported.lower()
+        )
 
 
 def test_no_bug_tuple_string_override_linear_precision():
@@ -333,9 +347,14 @@ def test_exported_values_build_an_engine_recipe(recipe):
 
     rng = random.Random(recipe)
     per_tensor = recipe in ("delayed", "tensorwise")
-    kw = dict(mixed_precision="fp8", fp8_recipe=recipe, fp8_amax_history_len=rng.randint(1, 64),
-              fp8_interval=rng.randint(1, 4), fp8_amax_compute_algo=rng.choice(V.AMAX_COMPUTE_ALGOS),
-              fp8_use_autocast_during_eval=True)
+    kw = dict(
+        mixed_precision="fp8",
+        fp8_recipe=recipe,
+        fp8_amax_history_len=rng.randint(1, 64),
+        fp8_interval=rng.randint(1, 4),
+        fp8_amax_compute_algo=rng.choice(V.AMAX_COMPUTE_ALGOS),
+        fp8_use_autocast_during_eval=True,
+    )
     if per_tensor:
         kw["fp8_margin"] = rng.randint(0, 3)
     s = LaunchSettings.from_env(LaunchSettings(**kw).to_env())
@@ -356,7 +375,10 @@ def test_every_env_var_is_documented_in_the_module_docstring():
 
 
 def test_yaml_dict_uses_accelerate_layout():
-    d = settings_to_yaml_dict(LaunchSettings(mixed_precision="fp8", fp8_backend="te", num_processes=2,
-                                             fp8_override_linear_precision=(False, False, True)))
+    d = settings_to_yaml_dict(
+        LaunchSettings(
+            mixed_precision="fp8", fp8_backend="te", num_processes=2, fp8_override_linear_precision=(False, False, True)
+        )
+    )
     assert d["distributed_type"] == "MULTI_GPU"
     assert d["fp8_config"] == {"backend": "TE", "override_linear_precision": [False, False, True]}

@@ -1,4 +1,5 @@
-"""The linter is part of the test command: `ruff check src tests benchmarks examples` with pyproject.toml's rules."""
+"""The linter and the formatter are part of the test command: `ruff check` and `ruff format --check` over
+src, tests, benchmarks and examples with pyproject.toml's settings."""
 
 from __future__ import annotations
 
@@ -23,6 +24,22 @@ def _ruff() -> list[str]:
 
 
 def test_ruff_check_passes():
-    proc = subprocess.run([*_ruff(), "check", "src", "tests", "benchmarks", "examples", "--output-format", "concise", "--no-cache"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*_ruff(), "check", "src", "tests", "benchmarks", "examples", "--output-format", "concise", "--no-cache"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ruff_format_check_passes():
+    proc = subprocess.run(
+        [*_ruff(), "format", "--check", "src", "tests", "benchmarks", "examples", "--no-cache"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, "run `ruff format src tests benchmarks examples`:\n" + proc.stdout + proc.stderr

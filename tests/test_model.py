@@ -113,8 +113,15 @@ def test_named_sizes():
 def test_hugging_face_module_names():
     names = {n for n, _ in build_model("llama-tiny").named_modules()}
     for suffix in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
     ):
         assert f"model.layers.3.{suffix}" in names
     assert {"model.embed_tokens", "model.norm", "lm_head"} <= names

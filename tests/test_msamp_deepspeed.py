@@ -29,9 +29,20 @@ from tests.torchrun_util import free_port, run_torchrun
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "scripts", "msamp_deepspeed_worker.py")
 SAVE_AT = 7  # the worker's
-ENV = ["ACCELERATE_MIXED_PRECISION", "ACCELERATE_FP8_BACKEND", "ACCELERATE_FP8_OPT_LEVEL", "LOWPREC_FP8_RECIPE",
-       "LOWPREC_FP8_FALLBACK", "WORLD_SIZE", "RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED",
-       "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_USE_CPU"]
+ENV = [
+    "ACCELERATE_MIXED_PRECISION",
+    "ACCELERATE_FP8_BACKEND",
+    "ACCELERATE_FP8_OPT_LEVEL",
+    "LOWPREC_FP8_RECIPE",
+    "LOWPREC_FP8_FALLBACK",
+    "WORLD_SIZE",
+    "RANK",
+    "ACCELERATE_USE_FSDP",
+    "ACCELERATE_USE_DEEPSPEED",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+    "ACCELERATE_USE_CPU",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -44,19 +55,35 @@ def launch(tmp_path, stage: int) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
-    cmd = [sys.executable, "-m", "lowprec.cli._torchrun", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "lowprec.cli._worker", WORKER, str(stage), str(tmp_path)]
-    run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(2)),
-                 env=env, timeout=180)
+    cmd = [
+        sys.executable,
+        "-m",
+        "lowprec.cli._torchrun",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "lowprec.cli._worker",
+        WORKER,
+        str(stage),
+        str(tmp_path),
+    ]
+    run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(2)), env=env, timeout=180)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 # ---------------------------------------------------------------------- O2 composes with ZeRO
-@pytest.mark.parametrize("stage, ds_optimizer", [
-    (1, "DeepSpeedZeroOptimizer"),
-    (2, "DeepSpeedZeroOptimizer"),
-    (3, "DeepSpeedZeroOptimizer_Stage3"),
-])
+@pytest.mark.parametrize(
+    "stage, ds_optimizer",
+    [
+        (1, "DeepSpeedZeroOptimizer"),
+        (2, "DeepSpeedZeroOptimizer"),
+        (3, "DeepSpeedZeroOptimizer_Stage3"),
+    ],
+)
 def test_o2_trains_under_zero_with_fp8_state_and_exact_resume(tmp_path, stage, ds_optimizer):
     reports = launch(tmp_path, stage)
     for rep in reports:
@@ -66,9 +93,13 @@ def test_o2_trains_under_zero_with_fp8_state_and_exact_resume(tmp_path, stage, d
         assert rep["client_optimizer"] == "FP8AdamW"
         assert rep["state_param_dims"] == [1] and rep["state_param_dtypes"] == ["torch.float32"]
         assert rep["model_param_dtypes"] == ["torch.bfloat16"]
-        assert rep["state_dtypes"] == ["exp_avg:torch.float8_e4m3fn", "exp_avg_scale:torch.float32",
-                                       "exp_avg_sq:torch.float16", "exp_avg_sq_scale:torch.float32",
-                                       "step:torch.float32"]
+        assert rep["state_dtypes"] == [
+            "exp_avg:torch.float8_e4m3fn",
+            "exp_avg_scale:torch.float32",
+            "exp_avg_sq:torch.float16",
+            "exp_avg_sq_scale:torch.float32",
+            "step:torch.float32",
+        ]
         # partitioned: each rank holds part of the state, 3 bytes + block scales per element (AdamW: 8)
         assert 0 < rep["state_elems"] < rep["model_numel"]
         assert rep["state_bytes"] / rep["state_elems"] < 3.1
@@ -88,8 +119,9 @@ def test_o2_trains_under_zero_with_fp8_state_and_exact_resume(tmp_path, stage, d
 
 
 # ------------------------------------------------------------- FP8AdamW on flat partitions
-def _update_sqnr_per_param(flat_parts: int | None, seed: int, sizes=(1.0, 1e-2, 1e-3, 0.3),
-                           segments: bool = True, steps: int = 30) -> list[float]:
+def _update_sqnr_per_param(
+    flat_parts: int | None, seed: int, sizes=(1.0, 1e-2, 1e-3, 0.3), segments: bool = True, steps: int = 30
+) -> list[float]:
     """Per-parameter update SQNR (dB, mean of the last 5 steps) of FP8AdamW against fp32 AdamW
     fed the same gradients. ``flat_parts``: None steps each parameter on its own, else the
     parameters are concatenated and split into that many flat partitions, as ZeRO does, with
@@ -182,8 +214,11 @@ def test_overlaps_cut_parameters_at_partition_edges():
 
 # ---------------------------------------------------------------------- what does not compose
 def _prepare(opt_level: str, optimizer_cls=torch.optim.AdamW, **opt_kwargs):
-    acc = Accelerator(mixed_precision="fp8", deepspeed_plugin=DeepSpeedPlugin(zero_stage=2),
-                      kwargs_handlers=[MSAMPRecipeKwargs(opt_level=opt_level)])
+    acc = Accelerator(
+        mixed_precision="fp8",
+        deepspeed_plugin=DeepSpeedPlugin(zero_stage=2),
+        kwargs_handlers=[MSAMPRecipeKwargs(opt_level=opt_level)],
+    )
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
     return acc.prepare(model, optimizer_cls(model.parameters(), **opt_kwargs))
 

@@ -8,8 +8,16 @@ import torch
 
 from lowprec.fp8.hadamard import apply_rht, hadamard_matrix, random_hadamard
 from lowprec.fp8.mx import e8m0_decode, e8m0_encode, mx_scale_exponent, quantize_mx
-from lowprec.fp8.nvfp4 import (E2M1_VALUES, e2m1_decode, e2m1_encode, e2m1_pack, e2m1_unpack, quantize_nvfp4,
-                               quantize_nvfp4_2d, transpose_2d)
+from lowprec.fp8.nvfp4 import (
+    E2M1_VALUES,
+    e2m1_decode,
+    e2m1_encode,
+    e2m1_pack,
+    e2m1_unpack,
+    quantize_nvfp4,
+    quantize_nvfp4_2d,
+    transpose_2d,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -24,18 +32,21 @@ def test_every_e8m0_value_round_trips():
     assert torch.isnan(e8m0_decode(torch.tensor([255], dtype=torch.uint8).view(torch.float8_e8m0fnu))).all()
 
 
-@pytest.mark.parametrize("amax,dtype,floor_k,rceil_k", [
-    (448.0, E4M3, 0, 0),  # m = 1.75: both keep 448 representable
-    (449.0, E4M3, 0, 1),  # m > 1.75: floor clips to 448, rceil moves up one binade
-    (511.0, E4M3, 0, 1),
-    (512.0, E4M3, 1, 1),
-    (1.0, E4M3, -8, -8),
-    (0.875, E4M3, -9, -9),  # 1.75 * 2**-1
-    (0.9, E4M3, -9, -8),
-    (57344.0, E5M2, 0, 0),
-    (60000.0, E5M2, 0, 1),
-    (0.0, E4M3, -127, -127),  # an all-zero block: the smallest scale
-])
+@pytest.mark.parametrize(
+    "amax,dtype,floor_k,rceil_k",
+    [
+        (448.0, E4M3, 0, 0),  # m = 1.75: both keep 448 representable
+        (449.0, E4M3, 0, 1),  # m > 1.75: floor clips to 448, rceil moves up one binade
+        (511.0, E4M3, 0, 1),
+        (512.0, E4M3, 1, 1),
+        (1.0, E4M3, -8, -8),
+        (0.875, E4M3, -9, -9),  # 1.75 * 2**-1
+        (0.9, E4M3, -9, -8),
+        (57344.0, E5M2, 0, 0),
+        (60000.0, E5M2, 0, 1),
+        (0.0, E4M3, -127, -127),  # an all-zero block: the smallest scale
+    ],
+)
 def test_scale_rounding_modes_on_hand_made_blocks(amax, dtype, floor_k, rceil_k):
     a = torch.tensor([amax])
     assert mx_scale_exponent(a, dtype, "floor").item() == floor_k
@@ -44,13 +55,13 @@ def test_scale_rounding_modes_on_hand_made_blocks(amax, dtype, floor_k, rceil_k)
     block[0, 5], block[0, 9] = amax, amax / 3
     for rounding, k in (("floor", floor_k), ("rceil", rceil_k)):
         q = quantize_mx(block, dtype, rounding)
-        assert e8m0_decode(q.scale).item() == 2.0 ** k
+        assert e8m0_decode(q.scale).item() == 2.0**k
         top = q.data.to(torch.float32)[0, 5].item()
         if amax:
             mx = 448.0 if dtype == E4M3 else 57344.0
             # rceil never saturates; floor clips exactly when amax / 2**k exceeds the max
-            assert top == min(mx, top) and (top == mx) == (amax / 2.0 ** k >= mx)
-            assert rounding == "floor" or amax / 2.0 ** k <= mx
+            assert top == min(mx, top) and (top == mx) == (amax / 2.0**k >= mx)
+            assert rounding == "floor" or amax / 2.0**k <= mx
 
 
 def test_mx_blocks_run_along_the_contraction_dim_and_orientations_differ():
@@ -61,8 +72,10 @@ def test_mx_blocks_run_along_the_contraction_dim_and_orientations_differ():
     # 1x32 and 32x1 casts of one tensor are different numbers (never re-quantized from each other)
     assert not torch.equal(rows.dequantize(), cols.dequantize().t())
     for q, src in ((rows, x), (cols, x.t())):
-        rel = (q.dequantize() - src).abs() / src.abs().reshape(src.shape[0], -1, 32).amax(-1).repeat_interleave(32, 1)[:, : src.shape[1]]
-        assert rel.max() <= 2.0 ** -3  # half an E4M3 step at the block's top binade, relative to the block amax
+        rel = (q.dequantize() - src).abs() / src.abs().reshape(src.shape[0], -1, 32).amax(-1).repeat_interleave(32, 1)[
+            :, : src.shape[1]
+        ]
+        assert rel.max() <= 2.0**-3  # half an E4M3 step at the block's top binade, relative to the block amax
 
 
 def test_ragged_shapes_pad_the_last_block_with_zeros():
@@ -75,7 +88,7 @@ def test_ragged_shapes_pad_the_last_block_with_zeros():
     expected = mx_scale_exponent(x[:, 32:].abs().amax(1), E4M3, "rceil")
     assert torch.equal(q.scale[:, 1].view(torch.uint8).to(torch.int32), expected + 127)
     assert q.dequantize().shape == x.shape
-    assert torch.allclose(q.dequantize()[:, 32:], x[:, 32:], rtol=2 ** -3, atol=0)
+    assert torch.allclose(q.dequantize()[:, 32:], x[:, 32:], rtol=2**-3, atol=0)
     n = quantize_nvfp4(x)
     assert n.data.shape == (5, 24) and n.scale.shape == (5, 3) and n.dequantize().shape == x.shape
 
@@ -123,8 +136,9 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     codes = e2m1_encode(y, g)
     means = e2m1_decode(codes).mean(0)
     assert (means - values).abs().max() <= 6 * 1.0 / math.sqrt(n)
-    assert not torch.equal(e2m1_encode(y[:10], torch.Generator().manual_seed(1)),
-                           e2m1_encode(y[:10], torch.Generator().manual_seed(2)))
+    assert not torch.equal(
+        e2m1_encode(y[:10], torch.Generator().manual_seed(1)), e2m1_encode(y[:10], torch.Generator().manual_seed(2))
+    )
     assert torch.equal(codes, e2m1_encode(y, torch.Generator().manual_seed(1234)))
     on_grid = torch.tensor(E2M1_VALUES).repeat(100, 1)
     assert torch.equal(e2m1_decode(e2m1_encode(on_grid, g)), on_grid)  # grid values never move
@@ -140,7 +154,7 @@ def test_nvfp4_two_level_scales():
     block_amax = x.reshape(8, 4, 16).abs().amax(-1)
     # each E4M3 block scale maps its amax near 6: within E4M3's rounding (2**-4 relative)
     ratio = block_amax / (q.scale.to(torch.float32) * q.tensor_scale)
-    assert ((ratio - 6).abs() <= 6 * 2 ** -4).all()
+    assert ((ratio - 6).abs() <= 6 * 2**-4).all()
     err = (q.dequantize() - x).abs() / block_amax.repeat_interleave(16, 1)
     assert err.max() <= 1 / 6 * 1.07  # half of E2M1's largest step (2) over 6, times the scale's rounding
 

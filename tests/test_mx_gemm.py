@@ -91,7 +91,9 @@ def fake_scaled_mm(calls):
         s = e8m0_decode(unswizzle(scale, rows, elems.shape[1] // 32).view(torch.float8_e8m0fnu))
         return (elems.reshape(rows, -1, 32) * s[..., None]).reshape(rows, -1)
 
-    def scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, swizzle_a=None, swizzle_b=None, output_dtype=None):
+    def scaled_mm(
+        mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, swizzle_a=None, swizzle_b=None, output_dtype=None
+    ):
         calls.append((tuple(mat_a.shape), tuple(mat_b.shape), swizzle_a))
         a = decode(mat_a, scale_a, recipe_a, mat_a.shape[0])
         b = decode(mat_b.t(), scale_b, recipe_b, mat_b.shape[1])
@@ -115,5 +117,5 @@ def test_native_call_passes_data_and_swizzled_scales_as_cublas_reads_them(monkey
     assert calls and calls[0][0][0] == 48 and calls[0][1][1] == 32
     emulated = mx_mm(qa, qb, torch.float32, path="emulate")
     # the stand-in outputs bf16, as the kernel does
-    assert torch.allclose(native, emulated, rtol=2 ** -7, atol=1e-2 * emulated.abs().max().item())
+    assert torch.allclose(native, emulated, rtol=2**-7, atol=1e-2 * emulated.abs().max().item())
     assert isinstance(qa, BlockScaledData)

@@ -23,7 +23,7 @@ def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
 def _data(m, k, n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g, dtype=torch.float64)
-    w = torch.randn(n, k, generator=g, dtype=torch.float64) * k ** -0.5
+    w = torch.randn(n, k, generator=g, dtype=torch.float64) * k**-0.5
     dy = torch.randn(m, n, generator=g, dtype=torch.float64)
     return x, w, dy
 
@@ -99,7 +99,10 @@ def test_convert_report_and_high_precision_layers():
     report = fp8.convert(model, "nvfp4")
     # default rules skip the first and last Linear; nvfp4 keeps the last 15% of the other 5 (1) in hp
     assert [n for n, *_ in report.converted] == ["1", "2", "3", "4"]
-    assert ("5", "the nvfp4 recipe keeps the last 15% of its Linear layers in high precision (high_precision_last)") in report.skipped
+    assert (
+        "5",
+        "the nvfp4 recipe keeps the last 15% of its Linear layers in high precision (high_precision_last)",
+    ) in report.skipped
     assert "e2m1/16x16" in str(report) and "bf16 GEMM over exact bf16 nvfp4 operands" in report.gemm
     assert [int(model[i].fp8_sr_state[0]) for i in range(1, 5)] == [0, 1, 2, 3]  # one stream per layer
     assert fp8.convert(_model(), fp8.Recipe.from_name("nvfp4", high_precision_last=0.0)).num_converted == 5

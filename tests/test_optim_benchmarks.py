@@ -21,11 +21,32 @@ def _load(name):
 
 def test_memory_benchmark_tiny_writes_json(tmp_path):
     out = tmp_path / "memory.json"
-    _load("memory").main(["--tiny", "--steps", "1", "--batch", "1", "--seq", "16",
-                          "--variants", "bf16_amp,bf16_amp_o2", "--out", str(out)])
+    _load("memory").main(
+        [
+            "--tiny",
+            "--steps",
+            "1",
+            "--batch",
+            "1",
+            "--seq",
+            "16",
+            "--variants",
+            "bf16_amp,bf16_amp_o2",
+            "--out",
+            str(out),
+        ]
+    )
     data = json.loads(out.read_text())
-    for key in ("device", "torch", "date", "command", "model", "state_bytes_per_param", "peak",
-                "peak_ratio_vs_bf16_amp"):
+    for key in (
+        "device",
+        "torch",
+        "date",
+        "command",
+        "model",
+        "state_bytes_per_param",
+        "peak",
+        "peak_ratio_vs_bf16_amp",
+    ):
         assert key in data, key
     sb = data["state_bytes_per_param"]
     assert sb["torch_adamw_fp32_params"]["moments_bytes_per_param"] == pytest.approx(8.0)
@@ -50,9 +71,28 @@ def test_comm_bytes_benchmark_counts_half_of_bf16(tmp_path):
 
     out = tmp_path / "comm.json"
     env = dict(os.environ, PYTHONPATH=str(BENCH.parent / "src"), OMP_NUM_THREADS="1")
-    subprocess.run([sys.executable, str(BENCH / "comm_bytes.py"), "--world", "2", "--dtypes", "e4m3", "--setups", "ddp",
-                    "--batch", "1", "--seq", "16", "--out", str(out)], check=True, env=env, timeout=300,
-                   capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "comm_bytes.py"),
+            "--world",
+            "2",
+            "--dtypes",
+            "e4m3",
+            "--setups",
+            "ddp",
+            "--batch",
+            "1",
+            "--seq",
+            "16",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        env=env,
+        timeout=300,
+        capture_output=True,
+    )
     data = json.loads(out.read_text())
     row = data["rows"][0]
     assert row["fp8_payload_bytes"] <= row["bf16_bytes"] / 2 + 2

@@ -73,8 +73,7 @@ def test_stochastic_first_moment_unsticks_a_constant_gradient():
     # round-to-nearest FP8 m stalls within ~10 half-ulps of its target (measured 14-15 dB)
     kw = dict(grad_scale=1e-9, weight_decay=0.1)
     nearest = _update_sqnr(FP8Adam, torch.optim.Adam, (64, 128), 6, **kw)
-    stochastic = _update_sqnr(FP8Adam, torch.optim.Adam, (64, 128), 6,
-                              exp_avg_rounding="stochastic", **kw)
+    stochastic = _update_sqnr(FP8Adam, torch.optim.Adam, (64, 128), 6, exp_avg_rounding="stochastic", **kw)
     assert stochastic > 20.0
     assert stochastic > nearest + 8.0
 
@@ -86,8 +85,7 @@ def test_stochastic_encoding_of_m_is_unbiased(block_size):
     draws = 400
     total = torch.zeros_like(m)
     for _ in range(draws):
-        data, scale = encode_exp_avg(m, torch.float8_e4m3fn, block_size,
-                                     torch.rand(m.shape, generator=gen))
+        data, scale = encode_exp_avg(m, torch.float8_e4m3fn, block_size, torch.rand(m.shape, generator=gen))
         total += decode_exp_avg(data, scale, block_size)
     rtn = decode_exp_avg(*encode_exp_avg(m, torch.float8_e4m3fn, block_size), block_size)
     bias_sr = ((total / draws - m).norm() / m.norm()).item()
@@ -98,16 +96,22 @@ def test_stochastic_encoding_of_m_is_unbiased(block_size):
 def test_blockwise_scales_keep_rows_of_very_different_size():
     # rows spanning 1e6: one per-tensor scale flushes the small rows of m; 128-blocks do not
     blocked = _update_sqnr(FP8AdamW, torch.optim.AdamW, (128, 256), 4, row_spread=6)
-    tensor = _update_sqnr(FP8AdamW, torch.optim.AdamW, (128, 256), 4, row_spread=6,
-                          block_size=None)
+    tensor = _update_sqnr(FP8AdamW, torch.optim.AdamW, (128, 256), 4, row_spread=6, block_size=None)
     assert blocked > 20.0
     assert blocked > tensor + 10.0
 
 
 def test_full_precision_storage_reproduces_torch_adamw():
     # With fp32 moments the arithmetic is torch's: the only differences are fp32 roundings.
-    s = _update_sqnr(FP8AdamW, torch.optim.AdamW, (50, 40), 5, weight_decay=0.01,
-                     exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32)
+    s = _update_sqnr(
+        FP8AdamW,
+        torch.optim.AdamW,
+        (50, 40),
+        5,
+        weight_decay=0.01,
+        exp_avg_dtype=torch.float32,
+        exp_avg_sq_dtype=torch.float32,
+    )
     assert s > 100.0
 
 
@@ -140,8 +144,7 @@ def test_nan_gradient_is_not_hidden():
 
 def test_state_dict_round_trip_is_exact_and_keeps_dtypes():
     torch.manual_seed(0)
-    ws = [torch.nn.Parameter(torch.randn(40, 30)),
-          torch.nn.Parameter(torch.randn(300, dtype=torch.bfloat16))]
+    ws = [torch.nn.Parameter(torch.randn(40, 30)), torch.nn.Parameter(torch.randn(300, dtype=torch.bfloat16))]
     opt = FP8AdamW([{"params": [ws[0]], "lr": 1e-2}, {"params": [ws[1]]}], lr=1e-3)
     for _ in range(3):
         for w in ws:
@@ -158,8 +161,10 @@ def test_state_dict_round_trip_is_exact_and_keeps_dtypes():
         for k, v in opt.state[w].items():
             v2 = opt2.state[w][k]
             assert v2.dtype == v.dtype, k  # torch would have cast FP8 / FP16 to the param dtype
-            assert torch.equal(v2.view(torch.uint8) if v.dtype.itemsize == 1 else v2,
-                               v.view(torch.uint8) if v.dtype.itemsize == 1 else v), k
+            assert torch.equal(
+                v2.view(torch.uint8) if v.dtype.itemsize == 1 else v2,
+                v.view(torch.uint8) if v.dtype.itemsize == 1 else v,
+            ), k
 
 
 def test_lr_scheduler_clipping_and_param_groups():
@@ -210,13 +215,15 @@ def test_stochastic_rounding_removes_the_drift_of_the_second_moment():
 
 @pytest.mark.parametrize(
     "kwargs, word",
-    [({"exp_avg_sq_dtype": torch.float8_e4m3fn}, "exp_avg_sq_dtype"),
-     ({"exp_avg_dtype": torch.int8}, "exp_avg_dtype"),
-     ({"block_size": 0}, "block_size"),
-     ({"exp_avg_rounding": "up"}, "exp_avg_rounding"),
-     ({"betas": (0.9, 1.0)}, "betas"),
-     ({"lr": -1.0}, "lr"),
-     ({"master_weights": "bf16"}, "master_weights")],
+    [
+        ({"exp_avg_sq_dtype": torch.float8_e4m3fn}, "exp_avg_sq_dtype"),
+        ({"exp_avg_dtype": torch.int8}, "exp_avg_dtype"),
+        ({"block_size": 0}, "block_size"),
+        ({"exp_avg_rounding": "up"}, "exp_avg_rounding"),
+        ({"betas": (0.9, 1.0)}, "betas"),
+        ({"lr": -1.0}, "lr"),
+        ({"master_weights": "bf16"}, "master_weights"),
+    ],
 )
 def test_bad_arguments_name_the_argument(kwargs, word):
     with pytest.raises(ValueError, match=word):
@@ -251,8 +258,9 @@ def test_stochastic_master_weights_train_like_fp32_masters_in_3_bytes_per_param(
     st = sr_opt.state[w]
     assert "master_param" not in st and w.dtype == torch.bfloat16
     per_param = state_bytes({k: v for k, v in st.items() if k != "step"}) / w.numel()
-    fp32_per_param = state_bytes({k: v for k, v in fp32_opt.state[next(iter(fp32_opt.state))].items()
-                                  if k != "step"}) / w.numel()
+    fp32_per_param = (
+        state_bytes({k: v for k, v in fp32_opt.state[next(iter(fp32_opt.state))].items() if k != "step"}) / w.numel()
+    )
     assert per_param <= 3.04 and fp32_per_param >= 7.03  # vs 8 + 4 for torch AdamW with an fp32 master
     # seeded noise: the same run twice is bit-identical (and so is a resumed one)
     assert torch.equal(w, _bf16_training("stochastic")[2])

@@ -59,8 +59,7 @@ def test_o1_round_trip_mode_keeps_grad_visible():
     model = _model()
     x = torch.randn(32, 16)
     ref = _fp32_grads(model, [x])
-    model, opt = apply_opt_level(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1",
-                                 hold_grads=False)
+    model, opt = apply_opt_level(model, torch.optim.SGD(model.parameters(), lr=0.1), "O1", hold_grads=False)
     model(x).pow(2).mean().backward()
     for p, r in zip(model.parameters(), ref):
         assert fp8_grad(p) is None and p.grad.dtype == torch.float32
@@ -86,16 +85,27 @@ def test_o2_rebuilds_adamw_with_same_params_and_groups():
     model = _model()
     ids = [id(p) for p in model.parameters()]
     opt = torch.optim.AdamW(
-        [{"params": model[0].parameters(), "lr": 1e-2, "name": "first"},
-         {"params": model[2].parameters(), "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1,
+        [
+            {"params": model[0].parameters(), "lr": 1e-2, "name": "first"},
+            {"params": model[2].parameters(), "weight_decay": 0.0},
+        ],
+        lr=1e-3,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+        weight_decay=0.1,
     )
     model2, opt2 = apply_opt_level(model, opt, "O2")
     assert model2 is model and [id(p) for p in model2.parameters()] == ids
     assert isinstance(opt2, FP8AdamW) and isinstance(opt2, torch.optim.Optimizer)
     g0, g1 = opt2.param_groups
     assert (g0["lr"], g0["name"], g0["betas"], g0["eps"], g0["weight_decay"], g0["adamw"]) == (
-        1e-2, "first", (0.8, 0.95), 1e-6, 0.1, True)
+        1e-2,
+        "first",
+        (0.8, 0.95),
+        1e-6,
+        0.1,
+        True,
+    )
     assert (g1["lr"], g1["weight_decay"]) == (1e-3, 0.0)
     assert [id(p) for g in opt2.param_groups for p in g["params"]] == ids
 
@@ -128,10 +138,12 @@ def test_applying_twice_does_not_quantize_twice():
 
 @pytest.mark.parametrize(
     "make, level, words",
-    [(lambda ps: torch.optim.SGD(ps, lr=0.1), "O2", ["SGD", "Adam", "O1"]),
-     (lambda ps: torch.optim.Adam(ps, amsgrad=True), "O2", ["amsgrad=False"]),
-     (lambda ps: torch.optim.AdamW(ps), "O3", ["O3", "'O1' or 'O2'"]),
-     (lambda ps: torch.optim.AdamW(ps), "fp8", ["'O1' or 'O2'"])],
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), "O2", ["SGD", "Adam", "O1"]),
+        (lambda ps: torch.optim.Adam(ps, amsgrad=True), "O2", ["amsgrad=False"]),
+        (lambda ps: torch.optim.AdamW(ps), "O3", ["O3", "'O1' or 'O2'"]),
+        (lambda ps: torch.optim.AdamW(ps), "fp8", ["'O1' or 'O2'"]),
+    ],
 )
 def test_user_errors_name_the_problem_and_the_fix(make, level, words):
     model = _model()

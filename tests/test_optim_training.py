@@ -18,8 +18,7 @@ class TinyLM(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
         self.pos = nn.Parameter(torch.randn(SEQ, DIM) * 0.02)
-        layer = nn.TransformerEncoderLayer(DIM, 4, 4 * DIM, dropout=0.0, batch_first=True,
-                                           norm_first=True)
+        layer = nn.TransformerEncoderLayer(DIM, 4, 4 * DIM, dropout=0.0, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB)
@@ -94,8 +93,7 @@ def test_resumed_o2_run_reproduces_the_uninterrupted_one():
     model, opt, sched = _setup("O2")
     first = _train(model, opt, sched, batches[:5])
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                "sched": sched.state_dict()}, buf)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
 

@@ -21,9 +21,18 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny.yaml")
 # a valid, fast base every dict row starts from (a row that wrongly passes trains one tiny step)
-BASE = {"base_model": "builtin:llama-tiny", "datasets": ["builtin:stdlib"], "dataset_max_bytes": 20000,
-        "sequence_len": 32, "micro_batch_size": 2, "max_steps": 1, "val_set_size": 0.05, "progress_bar": False,
-        "use_tensorboard": False, "cpu_threads": 1}
+BASE = {
+    "base_model": "builtin:llama-tiny",
+    "datasets": ["builtin:stdlib"],
+    "dataset_max_bytes": 20000,
+    "sequence_len": 32,
+    "micro_batch_size": 2,
+    "max_steps": 1,
+    "val_set_size": 0.05,
+    "progress_bar": False,
+    "use_tensorboard": False,
+    "cpu_threads": 1,
+}
 ERROR_LINE = re.compile(r"^lowprec( \w+)?: error: ")
 
 
@@ -39,8 +48,11 @@ TRAIN_YAML = [
     ("empty-file", "", "the file is empty"),
     ("comments-only", "# nothing here\n", "the file is empty"),
     ("duplicate-key", "learning_rate: 1.0e-3\nlearning_rate: 5.0\n", "'learning_rate' is given twice"),
-    ("duplicate-nested-key", "fsdp_version: 2\nfsdp_config:\n  reshard_after_forward: true\n  reshard_after_forward: false\n",
-     "'reshard_after_forward' is given twice"),
+    (
+        "duplicate-nested-key",
+        "fsdp_version: 2\nfsdp_config:\n  reshard_after_forward: true\n  reshard_after_forward: false\n",
+        "'reshard_after_forward' is given twice",
+    ),
     ("syntax-error", "learning_rate: [1\n", "not valid YAML"),
     ("top-level-list", "- learning_rate\n", "expected a mapping"),
     ("top-level-scalar", "hello\n", "expected a mapping"),
@@ -65,15 +77,27 @@ TRAIN_YAML = [
     ("fp16-and-bf16", {"fp16": True, "bf16": True}, "keep one"),
     ("fp8-and-fp16", {"fp8": True, "fp16": True}, "drop fp16"),
     ("unknown-recipe", {"fp8": True, "fp8_recipe": "fancy"}, "unknown FP8 recipe"),
-    ("unknown-recipe-field", {"fp8": True, "fp8_recipe": {"name": "delayed", "amax_history_lenn": 4}}, "amax_history_len"),
+    (
+        "unknown-recipe-field",
+        {"fp8": True, "fp8_recipe": {"name": "delayed", "amax_history_lenn": 4}},
+        "amax_history_len",
+    ),
     ("all-gather-without-fsdp", {"fp8": True, "fp8_enable_fsdp_float8_all_gather": True}, "requires FSDP2"),
     ("fsdp-version-1", {"fsdp_version": 1}, "fsdp_version: 1 is not supported"),
     ("fsdp-config-alone", {"fsdp_config": {"reshard_after_forward": False}}, "add fsdp_version: 2"),
     ("deepspeed-and-fsdp", {"deepspeed": {"zero_optimization": {"stage": 1}}, "fsdp_version": 2}, "pick one"),
     ("deepspeed-missing-file", {"deepspeed": "/nonexistent/ds.json"}, "not found"),
     ("deepspeed-bad-json", {"deepspeed": "{bad_json}"}, "not valid JSON"),
-    ("loss-watchdog-patience-0", {"loss_watchdog_threshold": 5.0, "loss_watchdog_patience": 0}, "loss_watchdog_patience"),
-    ("eval-max-new-tokens-past-sequence", {"eval_table_size": 2, "eval_max_new_tokens": 500}, "leaves no room for a prompt"),
+    (
+        "loss-watchdog-patience-0",
+        {"loss_watchdog_threshold": 5.0, "loss_watchdog_patience": 0},
+        "loss_watchdog_patience",
+    ),
+    (
+        "eval-max-new-tokens-past-sequence",
+        {"eval_table_size": 2, "eval_max_new_tokens": 500},
+        "leaves no room for a prompt",
+    ),
     ("val-set-size-1.5", {"val_set_size": 1.5}, "val_set_size"),
     ("bf16-maybe", {"bf16": "maybe"}, "bf16"),
     ("tensorboard-sometimes", {"use_tensorboard": "sometimes"}, "use_tensorboard"),
@@ -90,18 +114,39 @@ TRAIN_YAML = [
     ("output-dir-unwritable", {"output_dir": "/proc/lowprec-nope"}, "cannot be created or written"),
     ("fp8-fallback-unknown", {"fp8_fallback": "fp4"}, "fp8_fallback"),
     # keys that are not ASCII identifiers, at the top and nested (issue 28 item 8: an IndexError)
-    ("key-with-dash", AfterBase("learning-rate: 0.001\n"), "unknown key 'learning-rate' (did you mean 'learning_rate'?"),
-    ("key-with-space", AfterBase("learning rate: 0.001\n"), "unknown key 'learning rate' (did you mean 'learning_rate'?"),
+    (
+        "key-with-dash",
+        AfterBase("learning-rate: 0.001\n"),
+        "unknown key 'learning-rate' (did you mean 'learning_rate'?",
+    ),
+    (
+        "key-with-space",
+        AfterBase("learning rate: 0.001\n"),
+        "unknown key 'learning rate' (did you mean 'learning_rate'?",
+    ),
     ("key-accented", AfterBase("léarning_rate: 0.001\n"), "unknown key 'léarning_rate' (did you mean 'learning_rate'?"),
     ("key-emoji", AfterBase("\U0001f680: 1\n"), "(keys are ASCII names with underscores)"),
     ("key-capitals", AfterBase("Learning_Rate: 0.1\n"), "(did you mean 'learning_rate'?"),
-    ("nested-key-dash", AfterBase("fsdp_version: 2\nfsdp_config:\n  re-shard: true\n"),
-     "unknown key 'fsdp_config.re-shard'; fsdp_config takes auto_wrap_policy"),
-    ("nested-key-space", AfterBase("fsdp_version: 2\nfsdp_config:\n  reshard after forward: true\n"),
-     "unknown key 'fsdp_config.reshard after forward' (did you mean 'reshard_after_forward'?"),
-    ("nested-key-emoji", AfterBase("fsdp_version: 2\nfsdp_config:\n  \U0001f680: true\n"), "unknown key 'fsdp_config.\U0001f680'"),
-    ("dataset-key-dash", {"datasets": [{"path": "builtin:stdlib", "ds-type": "json"}]},
-     "unknown key 'datasets.0.ds-type' (did you mean 'ds_type'?"),
+    (
+        "nested-key-dash",
+        AfterBase("fsdp_version: 2\nfsdp_config:\n  re-shard: true\n"),
+        "unknown key 'fsdp_config.re-shard'; fsdp_config takes auto_wrap_policy",
+    ),
+    (
+        "nested-key-space",
+        AfterBase("fsdp_version: 2\nfsdp_config:\n  reshard after forward: true\n"),
+        "unknown key 'fsdp_config.reshard after forward' (did you mean 'reshard_after_forward'?",
+    ),
+    (
+        "nested-key-emoji",
+        AfterBase("fsdp_version: 2\nfsdp_config:\n  \U0001f680: true\n"),
+        "unknown key 'fsdp_config.\U0001f680'",
+    ),
+    (
+        "dataset-key-dash",
+        {"datasets": [{"path": "builtin:stdlib", "ds-type": "json"}]},
+        "unknown key 'datasets.0.ds-type' (did you mean 'ds_type'?",
+    ),
     ("key-number", AfterBase("1: 2\n"), "key 1 is not a name"),
     ("key-null", AfterBase("~: 2\n"), "key null is not a name"),
     ("key-bool", AfterBase("yes: 2\n"), "key true is not a name"),
@@ -122,26 +167,54 @@ TRAIN_YAML = [
     ("output-dir-empty", {"output_dir": ""}, "output_dir: '' is empty, which would write"),
     ("output-dir-blank", {"output_dir": "  "}, "output_dir: '  ' is empty"),
     ("datasets-empty", {"datasets": []}, "datasets: the list is empty"),
-    ("amax-history-1e9", {"fp8": True, "fp8_recipe": {"name": "delayed", "amax_history_len": 10**9}},
-     "amax_history_len must be at most 16384"),
-    ("amax-history-float", {"fp8": True, "fp8_recipe": {"name": "delayed", "amax_history_len": 1e9}},
-     "amax_history_len must be an integer"),
+    (
+        "amax-history-1e9",
+        {"fp8": True, "fp8_recipe": {"name": "delayed", "amax_history_len": 10**9}},
+        "amax_history_len must be at most 16384",
+    ),
+    (
+        "amax-history-float",
+        {"fp8": True, "fp8_recipe": {"name": "delayed", "amax_history_len": 1e9}},
+        "amax_history_len must be an integer",
+    ),
     # chat templates: syntax at load, sandbox refusals and render errors when the data is read
-    ("jinja-syntax", {**CHAT, "chat_template_jinja": "{% for m in messages %}{{ m.content }"},
-     "chat_template_jinja: not valid Jinja (line 1"),
-    ("jinja-syntax-in-dataset", {"datasets": [{"path": "{chat}", "type": "chat_template", "chat_template": "jinja",
-                                                "chat_template_jinja": "{% if %}"}]},
-     "datasets.0.chat_template_jinja: not valid Jinja"),
-    ("jinja-sandbox", {**CHAT, "chat_template_jinja": "{{ ''.__class__.__mro__ }}{% for m in messages %}{{ m.content }}{% endfor %}"},
-     "chat template: refused by the sandbox"),
-    ("jinja-render-error", {**CHAT, "chat_template_jinja": "{{ messages[0].content.nope() }}"},
-     "chat template: rendering failed"),
+    (
+        "jinja-syntax",
+        {**CHAT, "chat_template_jinja": "{% for m in messages %}{{ m.content }"},
+        "chat_template_jinja: not valid Jinja (line 1",
+    ),
+    (
+        "jinja-syntax-in-dataset",
+        {
+            "datasets": [
+                {"path": "{chat}", "type": "chat_template", "chat_template": "jinja", "chat_template_jinja": "{% if %}"}
+            ]
+        },
+        "datasets.0.chat_template_jinja: not valid Jinja",
+    ),
+    (
+        "jinja-sandbox",
+        {**CHAT, "chat_template_jinja": "{{ ''.__class__.__mro__ }}{% for m in messages %}{{ m.content }}{% endfor %}"},
+        "chat template: refused by the sandbox",
+    ),
+    (
+        "jinja-render-error",
+        {**CHAT, "chat_template_jinja": "{{ messages[0].content.nope() }}"},
+        "chat template: rendering failed",
+    ),
     ("pretokenized-all-ignored", {"datasets": ["{pretok}"]}, "with a token to learn"),
     # DeepSpeed: one process, and its own schema's errors named by key and source
     ("deepspeed-one-process", {"deepspeed": {"zero_optimization": {"stage": 1}}}, "add --num_processes 2"),
-    ("deepspeed-bad-stage", {"deepspeed": {"zero_optimization": {"stage": "x"}}}, "deepspeed: zero_optimization.stage:"),
-    ("deepspeed-file-bad-device", {"deepspeed": "{ds_gpu9}"},
-     "deepspeed config {ds_gpu9}: zero_optimization.offload_optimizer.device: Input should be"),
+    (
+        "deepspeed-bad-stage",
+        {"deepspeed": {"zero_optimization": {"stage": "x"}}},
+        "deepspeed: zero_optimization.stage:",
+    ),
+    (
+        "deepspeed-file-bad-device",
+        {"deepspeed": "{ds_gpu9}"},
+        "deepspeed config {ds_gpu9}: zero_optimization.offload_optimizer.device: Input should be",
+    ),
     ("binary-file", b"\x00\x80\xff" * 50, "not a text file"),
 ]
 
@@ -157,7 +230,11 @@ FLAGS = [
     ("train-save-limit-0", ["train", TINY, "--save_total_limit", "0"], "flag --save_total_limit"),
     ("train-nested-unknown", ["train", TINY, "--fsdp_config", "{{reshard: 1}}"], "unknown key 'fsdp_config.reshard'"),
     ("train-missing-config", ["train", "/nonexistent/config.yaml"], "not found"),
-    ("train-skip-limit-0", ["train", TINY, "--max_consecutive_skipped_steps", "0"], "flag --max_consecutive_skipped_steps"),
+    (
+        "train-skip-limit-0",
+        ["train", TINY, "--max_consecutive_skipped_steps", "0"],
+        "flag --max_consecutive_skipped_steps",
+    ),
     # the flag names its key once ("flag --fsdp_version: 1 is not ...", not "... fsdp_version: 1 ...")
     ("train-fsdp-version-1", ["train", TINY, "--fsdp_version", "1"], "flag --fsdp_version: 1 is not supported"),
     ("train-recipe-named-once", ["train", TINY, "--fp8_recipe", "nope"], "flag --fp8_recipe: unknown FP8 recipe"),
@@ -167,24 +244,53 @@ FLAGS = [
     ("launch-processes-0", ["launch", "--num_processes", "0", "{script}"], "num_processes"),
     ("launch-mixed-precision", ["launch", "--mixed_precision", "fp9", "{script}"], "mixed_precision"),
     ("launch-fp8-backend", ["launch", "--fp8_backend", "nope", "{script}"], "fp8_backend"),
-    ("launch-missing-ds-config", ["launch", "--use_deepspeed", "--deepspeed_config_file", "/nonexistent.json", "{script}"],
-     "--deepspeed_config_file: '/nonexistent.json' does not exist"),
-    ("launch-bad-ds-json", ["launch", "--use_deepspeed", "--deepspeed_config_file", "{bad_json}", "{script}"], "not valid JSON"),
+    (
+        "launch-missing-ds-config",
+        ["launch", "--use_deepspeed", "--deepspeed_config_file", "/nonexistent.json", "{script}"],
+        "--deepspeed_config_file: '/nonexistent.json' does not exist",
+    ),
+    (
+        "launch-bad-ds-json",
+        ["launch", "--use_deepspeed", "--deepspeed_config_file", "{bad_json}", "{script}"],
+        "not valid JSON",
+    ),
     ("launch-fsdp1", ["launch", "--use_fsdp", "--fsdp_version", "1", "{script}"], "FSDP1 is not supported"),
     ("launch-fsdp-and-deepspeed", ["launch", "--use_fsdp", "--use_deepspeed", "{script}"], "pick one"),
-    ("launch-machine-rank", ["launch", "--num_processes", "2", "--num_machines", "2", "--machine_rank", "2", "{script}"], "machine_rank"),
+    (
+        "launch-machine-rank",
+        ["launch", "--num_processes", "2", "--num_machines", "2", "--machine_rank", "2", "{script}"],
+        "machine_rank",
+    ),
     ("launch-missing-config", ["launch", "--config_file", "/nonexistent.yaml", "{script}"], "does not exist"),
-    ("launch-flag-blamed-not-yaml", ["launch", "--config_file", "{launch_yaml}", "--num_machines", "3", "{script}"],
-     "num_processes from {launch_yaml}; num_machines from --num_machines"),
-    ("launch-flag-fsdp1-over-yaml", ["launch", "--config_file", "{launch_yaml}", "--use_fsdp", "--fsdp_version", "1", "{script}"],
-     "fsdp_version from --fsdp_version"),
+    (
+        "launch-flag-blamed-not-yaml",
+        ["launch", "--config_file", "{launch_yaml}", "--num_machines", "3", "{script}"],
+        "num_processes from {launch_yaml}; num_machines from --num_machines",
+    ),
+    (
+        "launch-flag-fsdp1-over-yaml",
+        ["launch", "--config_file", "{launch_yaml}", "--use_fsdp", "--fsdp_version", "1", "{script}"],
+        "fsdp_version from --fsdp_version",
+    ),
     ("compare-unknown-precision", ["compare", TINY, "--precisions", "fp9"], "unknown precision 'fp9'"),
     ("train-config-is-directory", ["train", "{tmp}"], "is a directory; give the YAML file"),
     ("train-lr-inf", ["train", TINY, "--learning_rate", "inf"], "flag --learning_rate"),
-    ("train-max-steps-true", ["train", TINY, "--max_steps", "true"], "flag --max_steps: Input should be a valid integer"),
+    (
+        "train-max-steps-true",
+        ["train", TINY, "--max_steps", "true"],
+        "flag --max_steps: Input should be a valid integer",
+    ),
     ("train-seed-2**70", ["train", TINY, "--seed", str(2**70)], "flag --seed: Input should be less than or equal"),
-    ("train-dashed-nested-key", ["train", TINY, "--fsdp_config", "{{re-shard: 1}}"], "unknown key 'fsdp_config.re-shard'"),
-    ("launch-config-is-directory", ["launch", "--config_file", "{tmp}", "{script}"], "is a directory; give the YAML file"),
+    (
+        "train-dashed-nested-key",
+        ["train", TINY, "--fsdp_config", "{{re-shard: 1}}"],
+        "unknown key 'fsdp_config.re-shard'",
+    ),
+    (
+        "launch-config-is-directory",
+        ["launch", "--config_file", "{tmp}", "{script}"],
+        "is a directory; give the YAML file",
+    ),
 ]
 
 LAUNCH_YAML = [
@@ -199,14 +305,20 @@ LAUNCH_YAML = [
     ("num-processes-0", {"num_processes": 0}, "num_processes"),
     ("fsdp-version-1", {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 1}}, "FSDP1 is not supported"),
     ("fp8-backend-unknown", {"mixed_precision": "fp8", "fp8_config": {"backend": "nope"}}, "backend"),
-    ("mxfp8-and-nvfp4", {"mixed_precision": "fp8", "fp8_config": {"use_mxfp8_block_scaling": True,
-                                                                 "use_nvfp4_block_scaling": True}}, "both set"),
+    (
+        "mxfp8-and-nvfp4",
+        {"mixed_precision": "fp8", "fp8_config": {"use_mxfp8_block_scaling": True, "use_nvfp4_block_scaling": True}},
+        "both set",
+    ),
     ("sagemaker", {"compute_environment": "AMAZON_SAGEMAKER"}, "only LOCAL_MACHINE"),
     ("downcast-bf16", {"downcast_bf16": True}, "TPU option"),
     ("multi-cpu-without-cpu", {"distributed_type": "MULTI_CPU", "use_cpu": False}, "contradicts use_cpu"),
     ("no-shard", {"distributed_type": "FSDP", "fsdp_config": {"sharding_strategy": "NO_SHARD"}}, "NO_SHARD"),
-    ("missing-ds-config", {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "/nonexistent.json"}},
-     "deepspeed_config.deepspeed_config_file in"),
+    (
+        "missing-ds-config",
+        {"distributed_type": "DEEPSPEED", "deepspeed_config": {"deepspeed_config_file": "/nonexistent.json"}},
+        "deepspeed_config.deepspeed_config_file in",
+    ),
     ("both-alias-spellings", {"fp8_config": {"amax_history_len": 4, "amax_history_length": 8}}, "mean the same"),
     ("margin-negative", {"mixed_precision": "fp8", "fp8_config": {"margin": -1}}, "margin"),
     ("distributed-type-tpu", {"distributed_type": "TPU"}, "distributed_type"),
@@ -240,8 +352,9 @@ def _write(tmp_path, body, base: dict) -> str:
         own = {line.split(":")[0] for line in body.splitlines() if line[:1] not in " #"}
         path.write_text(yaml.safe_dump({k: v for k, v in base.items() if k not in own}, sort_keys=False) + body)
     else:
-        path.write_text(body if isinstance(body, str) else yaml.safe_dump({**base, **body}, sort_keys=False,
-                                                                             allow_unicode=True))
+        path.write_text(
+            body if isinstance(body, str) else yaml.safe_dump({**base, **body}, sort_keys=False, allow_unicode=True)
+        )
     return str(path)
 
 
@@ -250,9 +363,15 @@ def _data_files(tmp_path) -> dict[str, str]:
     import json
 
     chat, pretok, ds = tmp_path / "chat.jsonl", tmp_path / "pretok.jsonl", tmp_path / "ds_gpu9.json"
-    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"},
-                                                     {"role": "assistant", "content": f"hello {i}"}]}) + "\n"
-                            for i in range(20)))
+    chat.write_text(
+        "".join(
+            json.dumps(
+                {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"hello {i}"}]}
+            )
+            + "\n"
+            for i in range(20)
+        )
+    )
     pretok.write_text("".join(json.dumps({"input_ids": [1, 2, 3, 4], "labels": [-100] * 4}) + "\n" for _ in range(20)))
     ds.write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu9"}}}))
     return {"chat": str(chat), "pretok": str(pretok), "ds_gpu9": str(ds)}
@@ -334,27 +453,52 @@ def _python_rows():
         ("misspelt-argument", lambda: _acc(mixd_precision="bf16"), "did you mean 'mixed_precision'"),
         ("accumulation-steps-0", lambda: _acc(gradient_accumulation_steps=0), "integer >= 1, got 0"),
         ("handler-not-kwargs", lambda: _acc(kwargs_handlers=[object()]), "kwargs_handlers"),
-        ("accumulation-twice", lambda: _acc(gradient_accumulation_steps=2,
-                                           gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2)), "not both"),
+        (
+            "accumulation-twice",
+            lambda: _acc(
+                gradient_accumulation_steps=2, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=2)
+            ),
+            "not both",
+        ),
         ("guard-not-bool", lambda: _acc(skip_nonfinite_steps="yes"), "skip_nonfinite_steps"),
         ("skip-limit-0", lambda: _acc(max_consecutive_skipped_steps=0), "max_consecutive_skipped_steps"),
         ("skip-limit-float", lambda: _acc(max_consecutive_skipped_steps=1.5), "max_consecutive_skipped_steps"),
         ("unknown-recipe", lambda: _recipe_kwargs(recipe="nope"), "unknown FP8 recipe"),
-        ("unknown-recipe-field", lambda: _recipe_kwargs(recipe="delayed", overrides={"amax_history_lenn": 3}), "amax_history_len"),
+        (
+            "unknown-recipe-field",
+            lambda: _recipe_kwargs(recipe="delayed", overrides={"amax_history_lenn": 3}),
+            "amax_history_len",
+        ),
         ("recipe-from-name", lambda: Recipe.from_name("nope"), "unknown FP8 recipe"),
         ("block-size-17", lambda: Recipe.from_name("blockwise", block_size=17), "block_size"),
-        ("recipe-without-fp8", lambda: _acc(mixed_precision="bf16", kwargs_handlers=[_recipe_kwargs()]), "mixed_precision='fp8'"),
-        ("two-recipes", lambda: _acc(mixed_precision="fp8", kwargs_handlers=[_recipe_kwargs(), _recipe_kwargs()]), "two FP8 recipes"),
+        (
+            "recipe-without-fp8",
+            lambda: _acc(mixed_precision="bf16", kwargs_handlers=[_recipe_kwargs()]),
+            "mixed_precision='fp8'",
+        ),
+        (
+            "two-recipes",
+            lambda: _acc(mixed_precision="fp8", kwargs_handlers=[_recipe_kwargs(), _recipe_kwargs()]),
+            "two FP8 recipes",
+        ),
         ("load-missing-checkpoint", lambda: _acc().load_state("/nonexistent/ckpt"), "not a lowprec checkpoint"),
         ("save-without-dir", lambda: _acc().save_state(), "need a directory"),
         ("register-plain-object", lambda: _acc().register_for_checkpointing(object()), "Item at index 0"),
-        ("placement-mismatch", lambda: _acc().prepare(nn.Linear(2, 2), device_placement=[True, False]), "one bool per object"),
+        (
+            "placement-mismatch",
+            lambda: _acc().prepare(nn.Linear(2, 2), device_placement=[True, False]),
+            "one bool per object",
+        ),
         ("parse-config-negative-lr", lambda: parse_config({"learning_rate": -1}), "learning_rate"),
         ("parse-config-not-mapping", lambda: parse_config([1, 2]), "expected a mapping"),
         ("save-model-unprepared-nan", lambda: _nan_save(prepared()), "not finite"),
         ("recipe-amax-history-1e9", lambda: Recipe.from_name("delayed", amax_history_len=10**9), "at most 16384"),
         ("parse-config-dashed-key", lambda: parse_config({"learning-rate": 1e-3}), "did you mean 'learning_rate'"),
-        ("parse-config-steps-bool", lambda: parse_config({"max_steps": True}), "max_steps: Input should be a valid integer"),
+        (
+            "parse-config-steps-bool",
+            lambda: parse_config({"max_steps": True}),
+            "max_steps: Input should be a valid integer",
+        ),
         ("parse-config-lr-inf", lambda: parse_config({"learning_rate": float("inf")}), "finite number"),
         ("load-state-tampered-processes", lambda: _tampered_meta(prepared(), num_processes=0), "not a process count"),
     ]
@@ -440,8 +584,14 @@ def prepared_cache(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("prepared")
     names = _data_files(root)
-    cfg = {**BASE, **_fill(CHAT, names), "chat_template": "chatml", "sequence_len": 128, "dataset_prepared_path": str(root / "cache"),
-           "output_dir": str(root / "out")}
+    cfg = {
+        **BASE,
+        **_fill(CHAT, names),
+        "chat_template": "chatml",
+        "sequence_len": 128,
+        "dataset_prepared_path": str(root / "cache"),
+        "output_dir": str(root / "out"),
+    }
     (root / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert main(["train", str(root / "c.yaml"), "--quiet"]) == 0
     (key,) = os.listdir(root / "cache")
@@ -455,7 +605,9 @@ def test_damaged_prepared_cache(prepared_cache, tmp_path, capsys, damage, expect
     root, cfg, key = prepared_cache
     shutil.copytree(root / "cache", tmp_path / "cache")
     damage(tmp_path / "cache" / key)
-    path = _write(tmp_path, {**cfg, "dataset_prepared_path": str(tmp_path / "cache"), "output_dir": str(tmp_path / "out")}, {})
+    path = _write(
+        tmp_path, {**cfg, "dataset_prepared_path": str(tmp_path / "cache"), "output_dir": str(tmp_path / "out")}, {}
+    )
     capsys.readouterr()
     rc, lines = _cli(["train", path, "--quiet"], capsys)
     _check_one_line(rc, lines, expected)
@@ -472,10 +624,22 @@ def test_a_batch_with_no_trainable_token_says_so(prepared_cache, tmp_path, capsy
     root, cfg, key = prepared_cache
     shutil.copytree(root / "cache", tmp_path / "cache")
     _damage_unlabelled(tmp_path / "cache" / key)
-    monkeypatch.setattr(examples, "_checked_set", lambda t, name, key: examples.ExampleSet(
-        t["ids"], t["labels"], t["offsets"], name, key))
-    path = _write(tmp_path, {**cfg, "dataset_prepared_path": str(tmp_path / "cache"), "output_dir": str(tmp_path / "out"),
-                             "max_steps": 4, "val_set_size": 0.05}, {})
+    monkeypatch.setattr(
+        examples,
+        "_checked_set",
+        lambda t, name, key: examples.ExampleSet(t["ids"], t["labels"], t["offsets"], name, key),
+    )
+    path = _write(
+        tmp_path,
+        {
+            **cfg,
+            "dataset_prepared_path": str(tmp_path / "cache"),
+            "output_dir": str(tmp_path / "out"),
+            "max_steps": 4,
+            "val_set_size": 0.05,
+        },
+        {},
+    )
     rc, lines = _cli(["train", path, "--quiet"], capsys)
     stops = [line for line in lines if line.startswith("lowprec: stopped: ")]
     assert rc == 3 and len(stops) == 1, lines[-5:]
@@ -492,8 +656,18 @@ def test_a_smoke_run_shorter_than_the_warmup_is_clamped_with_a_note(tmp_path, ca
     from lowprec.train.config import load_config
     from lowprec.train.trainer import train
 
-    cfg = load_config(TINY, {"max_steps": 3, "warmup_steps": 10, "output_dir": str(tmp_path), "fp8": False,
-                             "eval_steps": None, "val_set_size": 0.0, "use_tensorboard": False})
+    cfg = load_config(
+        TINY,
+        {
+            "max_steps": 3,
+            "warmup_steps": 10,
+            "output_dir": str(tmp_path),
+            "fp8": False,
+            "eval_steps": None,
+            "val_set_size": 0.0,
+            "use_tensorboard": False,
+        },
+    )
     with caplog.at_level("WARNING", logger="lowprec"):
         result = train(cfg)
     assert result.steps == 3

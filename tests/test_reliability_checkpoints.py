@@ -78,8 +78,16 @@ def accelerator_checkpoints(tmp_path_factory):
 
 
 ACC_FILES = {
-    True: ["model_0.safetensors", "optimizer_0.safetensors", "scheduler_0.safetensors", "scaler.safetensors",
-           "custom_checkpoint_0.safetensors", "random_states_0.safetensors", "dataloader_0.json", "lowprec_state.json"],
+    True: [
+        "model_0.safetensors",
+        "optimizer_0.safetensors",
+        "scheduler_0.safetensors",
+        "scaler.safetensors",
+        "custom_checkpoint_0.safetensors",
+        "random_states_0.safetensors",
+        "dataloader_0.json",
+        "lowprec_state.json",
+    ],
     False: ["pytorch_model_0.bin", "optimizer_0.bin"],
 }
 # earlier versions' names: the new file removed, an old-named pickle put beside it
@@ -95,7 +103,9 @@ def test_every_file_kind_is_in_the_table(accelerator_checkpoints):
 
 @pytest.mark.parametrize(
     "safe, name",
-    [(True, n) for n in ACC_FILES[True]] + [(False, n) for n in ACC_FILES[False]] + [(True, f"legacy:{n}") for n in LEGACY],
+    [(True, n) for n in ACC_FILES[True]]
+    + [(False, n) for n in ACC_FILES[False]]
+    + [(True, f"legacy:{n}") for n in LEGACY],
     ids=lambda v: str(v) if not isinstance(v, bool) else ("safetensors" if v else "pickle"),
 )
 def test_accelerator_load_state_executes_nothing(accelerator_checkpoints, tmp_path, safe, name):
@@ -170,15 +180,31 @@ def trainer_checkpoint(tmp_path_factory):
     from lowprec.train.trainer import train
 
     out = tmp_path_factory.mktemp("run")
-    cfg = load_config(TINY, {"max_steps": 2, "save_steps": 2, "eval_steps": None, "val_set_size": 0.0,
-                             "fp8_recipe": "delayed", "output_dir": str(out), "use_tensorboard": False})
+    cfg = load_config(
+        TINY,
+        {
+            "max_steps": 2,
+            "save_steps": 2,
+            "eval_steps": None,
+            "val_set_size": 0.0,
+            "fp8_recipe": "delayed",
+            "output_dir": str(out),
+            "use_tensorboard": False,
+        },
+    )
     train(cfg)
     return str(out / "checkpoint-2")
 
 
-TRAINER_FILES = ["model_0.safetensors", "optimizer_0.safetensors", "scheduler_0.safetensors",
-                 "custom_checkpoint_0.safetensors", "custom_checkpoint_1.safetensors",
-                 "random_states_0.safetensors", "lowprec_state.json"]
+TRAINER_FILES = [
+    "model_0.safetensors",
+    "optimizer_0.safetensors",
+    "scheduler_0.safetensors",
+    "custom_checkpoint_0.safetensors",
+    "custom_checkpoint_1.safetensors",
+    "random_states_0.safetensors",
+    "lowprec_state.json",
+]
 
 
 def test_trainer_checkpoint_files_are_all_in_the_table(trainer_checkpoint):
@@ -199,9 +225,29 @@ def test_trainer_resume_auto_executes_nothing(trainer_checkpoint, tmp_path, caps
     else:
         target = out / "checkpoint-2" / name
     _tamper(str(target), str(marker))
-    rc = main(["train", TINY, "--max_steps", "3", "--save_steps", "2", "--eval_steps", "null", "--fp8_recipe",
-               "delayed", "--val_set_size", "0", "--output_dir", str(out), "--resume_from_checkpoint", "auto",
-               "--use_tensorboard", "false", "--quiet"])
+    rc = main(
+        [
+            "train",
+            TINY,
+            "--max_steps",
+            "3",
+            "--save_steps",
+            "2",
+            "--eval_steps",
+            "null",
+            "--fp8_recipe",
+            "delayed",
+            "--val_set_size",
+            "0",
+            "--output_dir",
+            str(out),
+            "--resume_from_checkpoint",
+            "auto",
+            "--use_tensorboard",
+            "false",
+            "--quiet",
+        ]
+    )
     if marker.exists():
         EXECUTED.append(f"trainer-{name}")
     assert not marker.exists(), f"{name}: the tampered file ran its code"

@@ -45,8 +45,14 @@ def ds_env(monkeypatch):
         if name.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_")):
             monkeypatch.delenv(name)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
-                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+    for name, value in (
+        ("LOCAL_RANK", "0"),
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(free_port())),
+    ):
         monkeypatch.setenv(name, value)
 
 
@@ -122,15 +128,22 @@ def test_zero3_never_saves_a_nonfinite_model(ds_env, tmp_path):
     acc.nonfinite.check_model(model, "clean")  # finite partitions pass
     with torch.no_grad():
         list(model.parameters())[2].ds_tensor.view(-1)[0] = float("nan")
-    for save in (lambda: acc.save_state(str(tmp_path / "ckpt")), lambda: acc.save_model(model, str(tmp_path / "export"))):
+    for save in (
+        lambda: acc.save_state(str(tmp_path / "ckpt")),
+        lambda: acc.save_model(model, str(tmp_path / "export")),
+    ):
         with pytest.raises(NonFiniteError, match=r"module\.2\.weight holds NaN/inf"):
             save()
     assert not any(tmp_path.iterdir())
 
 
 def test_a_config_that_switches_deepspeeds_check_off_is_an_error(ds_env):
-    acc = Accelerator(mixed_precision="bf16", deepspeed_plugin=DeepSpeedPlugin(
-        hf_ds_config={"bf16": {"check_grad_overflow": False}, "zero_optimization": {"stage": 2}}))
+    acc = Accelerator(
+        mixed_precision="bf16",
+        deepspeed_plugin=DeepSpeedPlugin(
+            hf_ds_config={"bf16": {"check_grad_overflow": False}, "zero_optimization": {"stage": 2}}
+        ),
+    )
     model = nn.Linear(DIM, DIM)
     with pytest.raises(ValueError, match="bf16.check_grad_overflow=false.*skip_nonfinite_steps=False"):
         acc.prepare(model, torch.optim.AdamW(model.parameters()))

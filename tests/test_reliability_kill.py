@@ -16,6 +16,7 @@ import signal
 
 import pytest
 
+
 def _run(mode: str, kill_at: str, ckpt: str, out: str) -> None:
     """The child's whole life: train (or resume), checkpoint every step, maybe die mid-write."""
     import torch
@@ -30,8 +31,16 @@ def _run(mode: str, kill_at: str, ckpt: str, out: str) -> None:
     steps, kill_step = 8, 5
     torch.set_num_threads(1)
     torch.manual_seed(5)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1), nn.Linear(64, 64), nn.GELU(),
-                          nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+    model = nn.Sequential(
+        nn.Linear(32, 64),
+        nn.GELU(),
+        nn.Dropout(0.1),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Linear(64, 64),
+        nn.GELU(),
+        nn.Linear(64, 16),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.7)
     g = torch.Generator().manual_seed(3)
@@ -53,6 +62,7 @@ def _run(mode: str, kill_at: str, ckpt: str, out: str) -> None:
             if test(*a):
                 die()
             return r
+
         return wrapped
 
     if kill_at == "after-model":
@@ -68,6 +78,7 @@ def _run(mode: str, kill_at: str, ckpt: str, out: str) -> None:
             real_replace(src, dst)
             if ".old-" in str(dst):
                 die()
+
         C.os.replace = replace
 
     done = 0
@@ -136,9 +147,24 @@ def test_ctrl_c_writes_a_summary_and_says_how_to_resume(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.path.join(root, "src"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "lowprec.cli.main", "train", os.path.join(root, "examples", "tiny.yaml"),
-           "--max_steps", "500", "--save_steps", "2", "--eval_steps", "null", "--output_dir", str(out),
-           "--use_tensorboard", "false", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lowprec.cli.main",
+        "train",
+        os.path.join(root, "examples", "tiny.yaml"),
+        "--max_steps",
+        "500",
+        "--save_steps",
+        "2",
+        "--eval_steps",
+        "null",
+        "--output_dir",
+        str(out),
+        "--use_tensorboard",
+        "false",
+        "--quiet",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 120
     while time.time() < deadline and not (out / "checkpoint-2").is_dir() and proc.poll() is None:
@@ -163,12 +189,19 @@ def test_a_killed_rank_ends_in_one_lowprec_line(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = tmp_path / "worker.py"
-    script.write_text("import os, signal, time\n"
-                      "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
-                      "time.sleep(30)\n")
+    script.write_text(
+        "import os, signal, time\n"
+        "if os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(30)\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.path.join(root, "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "lowprec.cli.main", "launch", "--num_processes", "2", str(script)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowprec.cli.main", "launch", "--num_processes", "2", str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 137, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("lowprec: rank 1 (local rank 1") and "killed by SIGKILL" in last, last

@@ -50,10 +50,12 @@ def _step(acc, model, opt, x, site=None, value=None):
     inner = acc.unwrap_model(model)
     hook = None
     if site == "activation":
+
         def poison(_m, _i, out):
             out = out.clone()
             out[0, 0] = value
             return out
+
         hook = inner[0].register_forward_hook(poison)
     try:
         loss = model(x).float().pow(2).mean()
@@ -75,7 +77,9 @@ def _weights(model) -> list[torch.Tensor]:
 
 
 def _fp8_buffers(model) -> dict[str, torch.Tensor]:
-    return {n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1].startswith(("fp8_amax_history", "fp8_scale"))}
+    return {
+        n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1].startswith(("fp8_amax_history", "fp8_scale"))
+    }
 
 
 @pytest.mark.parametrize("value", list(VALUES))
@@ -176,8 +180,25 @@ def test_trainer_diverging_run_stops_with_exit_3_and_saves_nothing_nonfinite(tmp
 
     tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny.yaml")
     out = tmp_path / "run"
-    rc = main(["train", tiny, "--learning_rate", "1e30", "--max_steps", "8", "--save_steps", "2", "--eval_steps", "null",
-               "--output_dir", str(out), "--use_tensorboard", "false", "--quiet"])
+    rc = main(
+        [
+            "train",
+            tiny,
+            "--learning_rate",
+            "1e30",
+            "--max_steps",
+            "8",
+            "--save_steps",
+            "2",
+            "--eval_steps",
+            "null",
+            "--output_dir",
+            str(out),
+            "--use_tensorboard",
+            "false",
+            "--quiet",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 3
     assert err[-1].startswith("lowprec: stopped: 3 consecutive optimizer steps") and "Traceback" not in "".join(err)
@@ -186,7 +207,8 @@ def test_trainer_diverging_run_stops_with_exit_3_and_saves_nothing_nonfinite(tmp
     assert [r["step"] for r in skips] == [2, 3, 4]
     assert len([line for line in err if "step skipped" in line]) == 3  # logged once each
     assert not (out / "model.safetensors").exists() or all(
-        torch.isfinite(t.float()).all() for t in load_file(str(out / "model.safetensors")).values())
+        torch.isfinite(t.float()).all() for t in load_file(str(out / "model.safetensors")).values()
+    )
     for ckpt in out.glob("checkpoint-*"):
         for name, t in load_file(str(ckpt / "model_0.safetensors")).items():
             assert not t.is_floating_point() or torch.isfinite(t.float()).all(), (ckpt.name, name)
@@ -207,17 +229,52 @@ def test_two_process_fsdp2_run_stops_every_rank_with_exit_3_and_one_line(tmp_pat
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
     env.update(PYTHONPATH=os.path.join(root, "src"), OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "lowprec.cli.main", "train", os.path.join(root, "examples", "tiny.yaml"),
-         "--num_processes", "2", "--fsdp_version", "2", "--learning_rate", "1e30", "--max_steps", "6",
-         "--save_steps", "2", "--warmup_steps", "0", "--sequence_len", "16", "--micro_batch_size", "2",
-         "--dataset_max_bytes", "20000", "--eval_steps", "null", "--use_tensorboard", "false",
-         "--output_dir", str(out), "--quiet"],
-        capture_output=True, text=True, env=env, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "lowprec.cli.main",
+            "train",
+            os.path.join(root, "examples", "tiny.yaml"),
+            "--num_processes",
+            "2",
+            "--fsdp_version",
+            "2",
+            "--learning_rate",
+            "1e30",
+            "--max_steps",
+            "6",
+            "--save_steps",
+            "2",
+            "--warmup_steps",
+            "0",
+            "--sequence_len",
+            "16",
+            "--micro_batch_size",
+            "2",
+            "--dataset_max_bytes",
+            "20000",
+            "--eval_steps",
+            "null",
+            "--use_tensorboard",
+            "false",
+            "--output_dir",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     ours = [line for line in proc.stderr.splitlines() if line.startswith("lowprec")]
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
-    assert [line.split(":")[1] for line in ours] == [" optimizer step 2", " optimizer step 3", " optimizer step 4",
-                                                     " stopped"], ours
+    assert [line.split(":")[1] for line in ours] == [
+        " optimizer step 2",
+        " optimizer step 3",
+        " optimizer step 4",
+        " stopped",
+    ], ours
     assert "3 consecutive optimizer steps" in ours[-1] and f"last good checkpoint: {out}/checkpoint-2" in ours[-1]
     assert ours[-1].endswith("--num_processes 2 --resume_from_checkpoint auto")
     # the worker that torchrun saw first ended with 3, not a signal (the others exit 3 on SIGTERM too)

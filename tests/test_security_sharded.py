@@ -62,8 +62,9 @@ def metadata_payloads(marker: str) -> dict[str, bytes]:
     return {
         "reduce-os.system": pickle.dumps(Evil(marker)),
         "walk-popen": call_payload(WALK_MODULE, POPEN, (["touch", marker],)),
-        "walk-fileio-global": call_payload("torch.distributed.checkpoint.filesystem", "io.FileIO", (marker, "w"),
-                                           opcode="GLOBAL"),
+        "walk-fileio-global": call_payload(
+            "torch.distributed.checkpoint.filesystem", "io.FileIO", (marker, "w"), opcode="GLOBAL"
+        ),
         "walk-eval": call_payload(WALK_MODULE, "torch.builtins.eval", (f"__import__('os').system('touch {marker}')",)),
         "builtins.eval": call_payload("builtins", "eval", (f"__import__('os').system('touch {marker}')",)),
         "torch-walk-popen": call_payload("torch", POPEN.split(".", 1)[1], (["touch", marker],)),
@@ -76,8 +77,10 @@ def _tiny_metadata():
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
-    return Metadata(state_dict_metadata={"lr": BytesStorageMetadata()},
-                    storage_data={MetadataIndex("lr"): _StorageInfo("__0_0.distcp", 0, 1)})
+    return Metadata(
+        state_dict_metadata={"lr": BytesStorageMetadata()},
+        storage_data={MetadataIndex("lr"): _StorageInfo("__0_0.distcp", 0, 1)},
+    )
 
 
 def _settle(value) -> None:
@@ -120,8 +123,11 @@ def test_allowed_globals_are_exact_pairs_without_dots():
 
     allowed = _allowed_globals()
     assert all("." not in name for _, name in allowed)
-    assert not any(callable(v) and not isinstance(v, type) for k, v in allowed.items()
-                   if k != ("torch.serialization", "_get_layout"))  # classes only, but the layout lookup
+    assert not any(
+        callable(v) and not isinstance(v, type)
+        for k, v in allowed.items()
+        if k != ("torch.serialization", "_get_layout")
+    )  # classes only, but the layout lookup
 
 
 # ----------------------------------------------------------------------------- .distcp items, no processes
@@ -138,7 +144,7 @@ def replace_item(sharded_dir: str, fqn: str, blob: bytes, file: str | None = Non
     entries = sorted(((i, s) for i, s in md.storage_data.items() if s.relative_path == name), key=lambda e: e[1].offset)
     out = bytearray()
     for index, info in entries:
-        piece = blob if index == target else data[info.offset:info.offset + info.length]
+        piece = blob if index == target else data[info.offset : info.offset + info.length]
         md.storage_data[index] = dataclasses.replace(info, offset=len(out), length=len(piece))
         out += piece
     with open(os.path.join(sharded_dir, name), "wb") as f:
@@ -198,7 +204,7 @@ def test_tampered_distcp_item_runs_nothing(tmp_path, fqn):
 
 # ----------------------------------------------------------------------------- one and two processes
 WORKER = textwrap.dedent(
-    '''
+    """
     import json, os, sys
     import torch
     from torch import nn
@@ -236,7 +242,7 @@ WORKER = textwrap.dedent(
     with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
         json.dump(report, f)
     acc.end_training()
-    '''
+    """
 )
 
 
@@ -262,12 +268,18 @@ def _cases(tmp_path, nproc: int) -> dict[str, tuple[str, str]]:
             f.write(blob)
         cases[f"metadata-{payload}"] = (d, ".metadata")
     d = copy("distcp-byte-item")
-    name = replace_item(os.path.join(d, "sharded_0"), "optimizer.param_groups.0.lr", evil_blob(str(tmp_path / "MARKER-b")))
+    name = replace_item(
+        os.path.join(d, "sharded_0"), "optimizer.param_groups.0.lr", evil_blob(str(tmp_path / "MARKER-b"))
+    )
     cases["distcp-byte-item"] = (d, name)
     for r in range(nproc):  # a tensor chunk in each process's own file
         d = copy(f"distcp-tensor-rank{r}")
-        name = replace_item(os.path.join(d, "sharded_0"), "model.0.weight", evil_blob(str(tmp_path / f"MARKER-t{r}")),
-                            file=f"__{r}_0.distcp")
+        name = replace_item(
+            os.path.join(d, "sharded_0"),
+            "model.0.weight",
+            evil_blob(str(tmp_path / f"MARKER-t{r}")),
+            file=f"__{r}_0.distcp",
+        )
         cases[f"distcp-tensor-rank{r}"] = (d, name)
     per_run = ["lowprec_state.json", "dataloader_0.json"]
     per_rank = [f"{stem}{r}.safetensors" for stem in ("random_states_", "buffers_0_rank") for r in range(nproc)]

@@ -47,8 +47,13 @@ def _env() -> dict:
 
 
 def _cli(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lowprec.cli.main", "train", *args], capture_output=True, text=True,
-                          env=_env(), timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "lowprec.cli.main", "train", *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+    )
 
 
 def _in_terminal(args: list[str], answer: bytes = b"y\n", limit: float = 300) -> tuple[int, str]:
@@ -85,7 +90,9 @@ def _in_terminal(args: list[str], answer: bytes = b"y\n", limit: float = 300) ->
 def tiny_llama(tmp_path_factory) -> str:
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_tiny_llama", os.path.join(ROOT, "examples", "make_tiny_llama.py"))
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_llama", os.path.join(ROOT, "examples", "make_tiny_llama.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.main([str(tmp_path_factory.mktemp("tiny-llama")), "--hidden", "32", "--pretrain_steps", "0"])
@@ -99,12 +106,15 @@ def _remote_code_dir(src: str, dest, marker: str, where: str) -> str:
         "from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast\n"
         "class EvilConfig(LlamaConfig):\n    model_type = 'evil_llama'\n"
         "class EvilModel(LlamaForCausalLM):\n    config_class = EvilConfig\n"
-        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n")
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
     path = dest / where
     cfg = json.loads(path.read_text())
     if where == "config.json":  # a model type transformers does not know: only the directory's code builds it
-        cfg.update(model_type="evil_llama",
-                   auto_map={"AutoConfig": "evil_code.EvilConfig", "AutoModelForCausalLM": "evil_code.EvilModel"})
+        cfg.update(
+            model_type="evil_llama",
+            auto_map={"AutoConfig": "evil_code.EvilConfig", "AutoModelForCausalLM": "evil_code.EvilModel"},
+        )
     else:
         # a tokenizer class transformers does not have: only the directory's code provides it
         cfg.update(tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": [None, "evil_code.EvilTokenizer"]})
@@ -147,8 +157,18 @@ def test_tampered_prepared_dataset_cache_is_one_line(tmp_path):
     from lowprec.cli.main import main
 
     prepared = tmp_path / "prepared"
-    args = [ALPACA, "--dataset_prepared_path", str(prepared), "--output_dir", str(tmp_path / "out"), "--max_steps", "1",
-            "--use_tensorboard", "false", "--quiet"]
+    args = [
+        ALPACA,
+        "--dataset_prepared_path",
+        str(prepared),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--max_steps",
+        "1",
+        "--use_tensorboard",
+        "false",
+        "--quiet",
+    ]
     assert main(["train", *args]) == 0  # tokenizes and fills the cache
     (cache,) = [p for p in prepared.iterdir() if (p / "meta.json").is_file()]
     marker = tmp_path / "MARKER"
@@ -165,8 +185,14 @@ def test_damaged_prepared_dataset_cache_is_one_line(tmp_path, damage):
     cache = tmp_path / "key"
     cache.mkdir()
     (cache / "meta.json").write_text(json.dumps({"format": 1, "validation": False}))
-    torch.save({"ids": torch.zeros(3, dtype=torch.int32), "labels": torch.zeros(3, dtype=torch.int32),
-                "offsets": torch.tensor([0, 3])}, str(cache / "train.pt"))
+    torch.save(
+        {
+            "ids": torch.zeros(3, dtype=torch.int32),
+            "labels": torch.zeros(3, dtype=torch.int32),
+            "offsets": torch.tensor([0, 3]),
+        },
+        str(cache / "train.pt"),
+    )
     _load(str(cache), "d", "key")  # intact: loads
     if damage == "garbage-tensors":
         (cache / "train.pt").write_bytes(b"\x00garbage")
@@ -174,7 +200,10 @@ def test_damaged_prepared_dataset_cache_is_one_line(tmp_path, damage):
         (cache / "meta.json").write_text("{not json")
     else:
         os.remove(cache / "train.pt")
-    with pytest.raises(ValueError, match=r"^dataset_prepared_path: the cache .*key is damaged .*"
-                                         r"delete that directory") as info:
+    with pytest.raises(
+        ValueError,
+        match=r"^dataset_prepared_path: the cache .*key is damaged .*"
+        r"delete that directory",
+    ) as info:
         _load(str(cache), "d", "key")
     assert "\n" not in str(info.value)

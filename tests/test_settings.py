@@ -12,8 +12,14 @@ import torch
 
 from lowprec import Accelerator
 from lowprec.backends.registry import resolve_fp8_settings
-from lowprec.catalog import (FIELD_DEFAULTS, FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE, RECIPE_FIELDS,
-                             RECIPES, Granularity, ScalingKind)
+from lowprec.catalog import (
+    FIELD_DEFAULTS,
+    FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE,
+    RECIPE_FIELDS,
+    RECIPES,
+    Granularity,
+    ScalingKind,
+)
 from lowprec.cli.main import main
 from lowprec.kwargs import AORecipeKwargs, NativeRecipeKwargs, TERecipeKwargs
 
@@ -29,8 +35,10 @@ def clean_env(monkeypatch):
 def _exported(argv, capsys) -> dict[str, str]:
     assert main(["launch", "--dry_run", *argv]) == 0
     out = capsys.readouterr().out
-    return {k: shlex.split(v)[0] for k, _, v in (ln[7:].partition("=") for ln in out.splitlines()
-                                                    if ln.startswith("export "))}
+    return {
+        k: shlex.split(v)[0]
+        for k, _, v in (ln[7:].partition("=") for ln in out.splitlines() if ln.startswith("export "))
+    }
 
 
 def _from_env(monkeypatch, env) -> dict:
@@ -41,17 +49,36 @@ def _from_env(monkeypatch, env) -> dict:
 
 def test_every_entry_point_resolves_the_same_settings(monkeypatch, capsys, tmp_path):
     # the request: native delayed scaling, 16-step history, weight-gradient GEMM in high precision
-    python = Accelerator(mixed_precision="fp8", cpu=True, kwargs_handlers=[NativeRecipeKwargs(
-        recipe="delayed", overrides={"amax_history_len": 16, "override_linear_precision": (False, False, True)})])
+    python = Accelerator(
+        mixed_precision="fp8",
+        cpu=True,
+        kwargs_handlers=[
+            NativeRecipeKwargs(
+                recipe="delayed", overrides={"amax_history_len": 16, "override_linear_precision": (False, False, True)}
+            )
+        ],
+    )
     want = python.fp8_settings.values()
     assert want["recipe"]["amax_history_len"] == 16 and want["backend"] == "native"
 
-    flags = ["--mixed_precision", "fp8", "--fp8_backend", "native", "--fp8_recipe", "delayed",
-             "--fp8_amax_history_len", "16", "--fp8_override_linear_precision", "false,false,true"]
+    flags = [
+        "--mixed_precision",
+        "fp8",
+        "--fp8_backend",
+        "native",
+        "--fp8_recipe",
+        "delayed",
+        "--fp8_amax_history_len",
+        "16",
+        "--fp8_override_linear_precision",
+        "false,false,true",
+    ]
     env = _exported([*flags, SCRIPT], capsys)
     cfg = tmp_path / "launch.yaml"
-    cfg.write_text("mixed_precision: fp8\nfp8_config:\n  backend: NATIVE\n  recipe: delayed\n"
-                   "  amax_history_length: 16\n  override_linear_precision: (false, false, true)\n")
+    cfg.write_text(
+        "mixed_precision: fp8\nfp8_config:\n  backend: NATIVE\n  recipe: delayed\n"
+        "  amax_history_length: 16\n  override_linear_precision: (false, false, true)\n"
+    )
     assert _exported(["--config_file", str(cfg), SCRIPT], capsys) == env
     assert _from_env(monkeypatch, env) == want
 
@@ -61,8 +88,16 @@ def test_every_entry_point_resolves_the_same_settings(monkeypatch, capsys, tmp_p
 
     for name in env:
         monkeypatch.delenv(name)
-    tcfg = parse_config({"fp8": True, "fp8_recipe": {"name": "delayed", "amax_history_len": 16,
-                                                     "override_linear_precision": [False, False, True]}})
+    tcfg = parse_config(
+        {
+            "fp8": True,
+            "fp8_recipe": {
+                "name": "delayed",
+                "amax_history_len": 16,
+                "override_linear_precision": [False, False, True],
+            },
+        }
+    )
     acc = _accelerator(tcfg, resolve(tcfg, Capabilities()))
     assert acc.fp8_settings.values() == want
 
@@ -96,8 +131,12 @@ def test_catalog_is_the_engine_recipes():
         r = Recipe.from_name(name)
         assert r.scaling == info.scaling and r.name == name
         plan = r.plan()
-        gran = {Granularity.TENSOR: ("tensor",), Granularity.AXIS: ("axis",), Granularity.BLOCK: ("block",),
-                Granularity.MICRO: ("mx32", "nv16")}[info.granularity]
+        gran = {
+            Granularity.TENSOR: ("tensor",),
+            Granularity.AXIS: ("axis",),
+            Granularity.BLOCK: ("block",),
+            Granularity.MICRO: ("mx32", "nv16"),
+        }[info.granularity]
         assert plan.fprop.a.granularity in gran
         assert (info.kind is ScalingKind.DELAYED) == (r.scaling == "delayed")
 
@@ -172,10 +211,27 @@ def test_native_fsdp_fp8_all_gather_needs_tensorwise_with_one_message(monkeypatc
     assert ok.fp8_enable_fsdp_float8_all_gather is True
     message = FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe="delayed")
     with pytest.raises(ValueError) as e1:
-        parse_config({"fp8": True, "fsdp_version": 2, "fp8_recipe": "delayed", "fp8_enable_fsdp_float8_all_gather": True})
+        parse_config(
+            {"fp8": True, "fsdp_version": 2, "fp8_recipe": "delayed", "fp8_enable_fsdp_float8_all_gather": True}
+        )
     assert message in str(e1.value)
-    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--use_fsdp", "--fp8_recipe", "delayed",
-                 "--fp8_enable_fsdp_float8_all_gather", "true", SCRIPT]) == 2
+    assert (
+        main(
+            [
+                "launch",
+                "--dry_run",
+                "--mixed_precision",
+                "fp8",
+                "--use_fsdp",
+                "--fp8_recipe",
+                "delayed",
+                "--fp8_enable_fsdp_float8_all_gather",
+                "true",
+                SCRIPT,
+            ]
+        )
+        == 2
+    )
     assert message in capsys.readouterr().err
     monkeypatch.setenv("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "true")
     monkeypatch.setenv("LOWPREC_FP8_RECIPE", "delayed")
@@ -205,8 +261,16 @@ def test_the_trainer_builds_its_recipe_once(monkeypatch):
     post_init = recipes.Recipe.__post_init__
     monkeypatch.setattr(recipes, "_BUILT", {})
     monkeypatch.setattr(recipes.Recipe, "__post_init__", lambda self: (built.append(self), post_init(self))[1])
-    tcfg = parse_config({"fp8": True, "fp8_recipe": {"name": "delayed", "amax_history_len": 16,
-                                                     "override_linear_precision": [False, False, True]}})
+    tcfg = parse_config(
+        {
+            "fp8": True,
+            "fp8_recipe": {
+                "name": "delayed",
+                "amax_history_len": 16,
+                "override_linear_precision": [False, False, True],
+            },
+        }
+    )
     acc = _accelerator(tcfg, resolve(tcfg, Capabilities()))
     assert acc.backend.recipe is tcfg.fp8_recipe.to_recipe() and len(built) == 1
     assert acc.backend.recipe.amax_history_len == 16
@@ -233,7 +297,9 @@ def test_the_sm89_rule_is_evaluated_once_on_a_trainer_run(monkeypatch, sm, fallb
     calls = []
     rule = state.fp8_capability_check
     monkeypatch.setattr(state, "fp8_capability_check", lambda *a: (calls.append(a[0]), rule(*a))[1])
-    monkeypatch.setattr(state, "_resolve_device", lambda cpu, env: Decision(torch.device("cuda", 0), "test: a faked GPU"))
+    monkeypatch.setattr(
+        state, "_resolve_device", lambda cpu, env: Decision(torch.device("cuda", 0), "test: a faked GPU")
+    )
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: sm)
     tcfg = parse_config({"fp8": True, "fp8_fallback": fallback, "bf16": True, "torch_compile": False})
     plan = resolve(tcfg, Capabilities(cuda_capability=sm))

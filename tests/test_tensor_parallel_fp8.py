@@ -180,8 +180,21 @@ def test_tensor_parallel_and_fsdp2_tp_follow_one_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     env.update(PYTHONPATH=os.pathsep.join([src, env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "lowprec.cli._torchrun", "--nproc_per_node", "4", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "lowprec.cli._worker", str(script), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lowprec.cli._torchrun",
+        "--nproc_per_node",
+        "4",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "lowprec.cli._worker",
+        str(script),
+        str(tmp_path),
+    ]
     run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(4)), env=env, timeout=300)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     single = reports[0]["single"]

@@ -37,8 +37,10 @@ def clean_env(monkeypatch, tmp_path):
 def exported(argv, capsys) -> dict[str, str]:
     assert main(["launch", "--dry_run", *argv, SCRIPT]) == 0
     out = capsys.readouterr().out
-    return {k: shlex.split(v)[0] for k, _, v in (line[7:].partition("=") for line in out.splitlines()
-                                                 if line.startswith("export "))}
+    return {
+        k: shlex.split(v)[0]
+        for k, _, v in (line[7:].partition("=") for line in out.splitlines() if line.startswith("export "))
+    }
 
 
 def one_line_error(argv, capsys) -> str:
@@ -51,22 +53,30 @@ def one_line_error(argv, capsys) -> str:
 def test_launch_flags_export_accelerates_variables(capsys):
     env = exported(["--num_processes", "4", "--use_fsdp", "--tp_size", "2"], capsys)
     assert (env["PARALLELISM_CONFIG_TP_SIZE"], env["ACCELERATE_USE_FSDP"]) == ("2", "true")
-    env = exported(["--num_processes", "2", "--parallelism_config_tp_size", "2",
-                    "--parallelism_config_dp_shard_size", "1"], capsys)  # Accelerate's spelling
+    env = exported(
+        ["--num_processes", "2", "--parallelism_config_tp_size", "2", "--parallelism_config_dp_shard_size", "1"], capsys
+    )  # Accelerate's spelling
     assert (env["PARALLELISM_CONFIG_TP_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "1")
     assert "PARALLELISM_CONFIG_TP_SIZE" not in exported(["--num_processes", "2"], capsys)
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--num_processes", "4", "--use_fsdp", "--tp_size", "3"], "tp_size=3 does not divide num_processes=4"),
-    (["--num_processes", "4", "--tp_size", "2"], "add --use_fsdp"),
-    (["--num_processes", "4", "--use_fsdp", "--tp_size", "2", "--dp_shard_size", "4"], "set dp_shard_size to 2"),
-    (["--num_processes", "2", "--tp_size", "2", "--mixed_precision", "fp8", "--fp8_recipe", "rowwise"],
-     "set fp8_recipe: tensorwise"),
-    (["--num_processes", "2", "--tp_size", "2", "--use_deepspeed"], "not DeepSpeed"),
-    (["--num_processes", "2", "--tp_size", "2", "--mixed_precision", "fp8", "--fp8_backend", "te"],
-     "set fp8_backend: native"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--num_processes", "4", "--use_fsdp", "--tp_size", "3"], "tp_size=3 does not divide num_processes=4"),
+        (["--num_processes", "4", "--tp_size", "2"], "add --use_fsdp"),
+        (["--num_processes", "4", "--use_fsdp", "--tp_size", "2", "--dp_shard_size", "4"], "set dp_shard_size to 2"),
+        (
+            ["--num_processes", "2", "--tp_size", "2", "--mixed_precision", "fp8", "--fp8_recipe", "rowwise"],
+            "set fp8_recipe: tensorwise",
+        ),
+        (["--num_processes", "2", "--tp_size", "2", "--use_deepspeed"], "not DeepSpeed"),
+        (
+            ["--num_processes", "2", "--tp_size", "2", "--mixed_precision", "fp8", "--fp8_backend", "te"],
+            "set fp8_backend: native",
+        ),
+    ],
+)
 def test_launch_user_errors_are_one_line(argv, needle, capsys):
     assert needle in one_line_error(["launch", "--dry_run", *argv, SCRIPT], capsys)
 
@@ -83,7 +93,8 @@ def test_accelerate_written_yaml_loads_and_bad_sizes_are_refused(tmp_path, capsy
     assert exported(["--config_file", str(path)], capsys)["PARALLELISM_CONFIG_TP_SIZE"] == "2"
     path.write_text("num_processes: 2\nparallelism_config:\n  parallelism_config_cp_size: 2\n")
     assert "context parallelism is not implemented" in one_line_error(
-        ["launch", "--dry_run", "--config_file", str(path), SCRIPT], capsys)
+        ["launch", "--dry_run", "--config_file", str(path), SCRIPT], capsys
+    )
 
 
 def test_config_wizard_asks_the_tensor_parallel_size(monkeypatch, tmp_path, capsys):
@@ -109,8 +120,10 @@ def test_accelerator_surface(monkeypatch):
         warnings.simplefilter("always")
         with pytest.raises(ValueError, match="dp_shard_size 1 x tp_size 2 != 1 processes"):
             Accelerator(cpu=True, torch_tp_plugin=TorchTensorParallelPlugin(tp_size=2))
-    assert any(issubclass(w.category, FutureWarning) and "TorchTensorParallelPlugin` is deprecated" in str(w.message)
-               for w in caught)
+    assert any(
+        issubclass(w.category, FutureWarning) and "TorchTensorParallelPlugin` is deprecated" in str(w.message)
+        for w in caught
+    )
     with pytest.raises(ValueError, match="dp_shard_size 1 x tp_size 2 != 1 processes"):
         Accelerator(cpu=True, parallelism_config=ParallelismConfig(tp_size=2))
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")  # what `lowprec launch --tp_size 2` exports

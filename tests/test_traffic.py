@@ -98,8 +98,13 @@ def test_counts_are_deterministic_and_the_gemms_are_fp8(recipe):
 def test_benchmark_tiny_writes_its_json(tmp_path):
     out = tmp_path / "t.json"
     env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "traffic.py"), "--tiny", "--out", str(out)],
-                   check=True, env=env, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "traffic.py"), "--tiny", "--out", str(out)],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
     data = json.loads(out.read_text())
     assert {"command", "date", "torch", "device", "results", "estimate"} <= set(data)
     assert "ESTIMATE" in data["estimate"]["label"]

@@ -12,14 +12,36 @@ from lowprec.train.config import TrainConfig, load_config, parse_config
 
 # Axolotl's examples/llama-3/fft-8b.yaml with only the model, data and sizes changed
 AXOLOTL_FFT = {
-    "base_model": "builtin:llama-tiny", "datasets": [{"path": "data.jsonl", "type": "alpaca"}],
-    "dataset_prepared_path": "last_run_prepared", "val_set_size": 0.05, "output_dir": "./outputs/out",
-    "sequence_len": 256, "sample_packing": True, "wandb_project": None, "wandb_entity": None, "wandb_watch": None,
-    "wandb_name": None, "wandb_log_model": None, "gradient_accumulation_steps": 8, "micro_batch_size": 1,
-    "num_epochs": 1, "optimizer": "adamw_torch_fused", "lr_scheduler": "cosine", "learning_rate": 2e-5, "bf16": "auto",
-    "tf32": False, "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False},
-    "resume_from_checkpoint": None, "logging_steps": 1, "warmup_ratio": 0.1, "evals_per_epoch": 2,
-    "saves_per_epoch": 1, "weight_decay": 0.0, "loss_watchdog_threshold": 5.0, "loss_watchdog_patience": 3,
+    "base_model": "builtin:llama-tiny",
+    "datasets": [{"path": "data.jsonl", "type": "alpaca"}],
+    "dataset_prepared_path": "last_run_prepared",
+    "val_set_size": 0.05,
+    "output_dir": "./outputs/out",
+    "sequence_len": 256,
+    "sample_packing": True,
+    "wandb_project": None,
+    "wandb_entity": None,
+    "wandb_watch": None,
+    "wandb_name": None,
+    "wandb_log_model": None,
+    "gradient_accumulation_steps": 8,
+    "micro_batch_size": 1,
+    "num_epochs": 1,
+    "optimizer": "adamw_torch_fused",
+    "lr_scheduler": "cosine",
+    "learning_rate": 2e-5,
+    "bf16": "auto",
+    "tf32": False,
+    "gradient_checkpointing": True,
+    "gradient_checkpointing_kwargs": {"use_reentrant": False},
+    "resume_from_checkpoint": None,
+    "logging_steps": 1,
+    "warmup_ratio": 0.1,
+    "evals_per_epoch": 2,
+    "saves_per_epoch": 1,
+    "weight_decay": 0.0,
+    "loss_watchdog_threshold": 5.0,
+    "loss_watchdog_patience": 3,
 }
 
 
@@ -43,9 +65,12 @@ def test_axolotl_example_config_validates_and_its_gpu_only_keys_are_named(tmp_pa
     (tmp_path / "data.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
     cfg = parse_config({**AXOLOTL_FFT, "datasets": [{"path": str(tmp_path / "data.jsonl"), "type": "alpaca"}]})
     assert cfg.sample_packing and cfg.evals_per_epoch == 2 and cfg.gradient_checkpointing
-    for key, value, text in [("optimizer", "paged_adamw_8bit", "paged optimizers need bitsandbytes"),
-                             ("attn_implementation", "flash_attention_2", "attn_implementation: an Axolotl key"),
-                             ("load_in_8bit", True, "bitsandbytes"), ("flash_attention", True, "scaled_dot_product_attention")]:
+    for key, value, text in [
+        ("optimizer", "paged_adamw_8bit", "paged optimizers need bitsandbytes"),
+        ("attn_implementation", "flash_attention_2", "attn_implementation: an Axolotl key"),
+        ("load_in_8bit", True, "bitsandbytes"),
+        ("flash_attention", True, "scaled_dot_product_attention"),
+    ]:
         with pytest.raises(ValueError, match=text):
             parse_config({**AXOLOTL_FFT, key: value, "datasets": cfg.to_yaml_dict()["datasets"]})
     with pytest.raises(ValueError, match="evals_per_epoch and eval_steps are both set"):
@@ -55,8 +80,15 @@ def test_axolotl_example_config_validates_and_its_gpu_only_keys_are_named(tmp_pa
 def test_per_epoch_intervals_and_warmup_ratio_resolve_once():
     from lowprec.train.trainer import _total_steps
 
-    cfg = parse_config({"evals_per_epoch": 4, "saves_per_epoch": 1, "warmup_ratio": 0.1, "num_epochs": 2,
-                        "gradient_accumulation_steps": 2})
+    cfg = parse_config(
+        {
+            "evals_per_epoch": 4,
+            "saves_per_epoch": 1,
+            "warmup_ratio": 0.1,
+            "num_epochs": 2,
+            "gradient_accumulation_steps": 2,
+        }
+    )
     decisions: dict = {}
     assert _total_steps(cfg, 100, decisions, main=False) == 100  # 50 steps per epoch x 2
     assert decisions["eval_steps"].value == 12 and decisions["save_steps"].value == 50
@@ -85,7 +117,9 @@ def test_loss_watchdog_stops_after_patience_high_steps():
     loop._watch(6.0)
     loop._watch(4.0)  # a good step resets the count
     loop._watch(6.0)
-    with pytest.raises(NonFiniteError, match="loss_watchdog: training loss above loss_watchdog_threshold: 5.0 for 2 steps"):
+    with pytest.raises(
+        NonFiniteError, match="loss_watchdog: training loss above loss_watchdog_threshold: 5.0 for 2 steps"
+    ):
         loop._watch(7.0)
 
 
@@ -136,13 +170,20 @@ def test_new_keys_survive_replace_as_compare_uses_it(name):
 
 # (config, inert key, what would make it matter): Axolotl's own behaviour (lowprec.train.inert_keys.RULES)
 INERT = [
-    ({"eval_table_size": None, "eval_max_new_tokens": 128}, "eval_max_new_tokens", "eval_table_size above 0"),  # its llama-3 instruct example
+    (
+        {"eval_table_size": None, "eval_max_new_tokens": 128},
+        "eval_max_new_tokens",
+        "eval_table_size above 0",
+    ),  # its llama-3 instruct example
     ({"val_set_size": 0, "evals_per_epoch": 4}, "evals_per_epoch", "val_set_size above 0"),  # 53 of its examples
     ({"val_set_size": 0.0, "eval_steps": 10}, "eval_steps", "val_set_size above 0"),
     ({"adapter": None, "lora_r": 8}, "lora_r", "adapter (lora or qlora)"),  # its archived examples
     ({"loss_watchdog_patience": 3}, "loss_watchdog_patience", "loss_watchdog_threshold"),
-    ({"gradient_checkpointing": False, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
-     "gradient_checkpointing_kwargs", "gradient_checkpointing: true"),
+    (
+        {"gradient_checkpointing": False, "gradient_checkpointing_kwargs": {"use_reentrant": True}},
+        "gradient_checkpointing_kwargs",
+        "gradient_checkpointing: true",
+    ),
     ({"torch_compile_backend": "inductor"}, "torch_compile_backend", "torch_compile"),
     ({"hub_model_id": None, "hub_strategy": "end"}, "hub_strategy", "hub_model_id"),
     ({"wandb_project": None, "wandb_entity": "team"}, "wandb_entity", "wandb_project (or use_wandb)"),
@@ -155,21 +196,37 @@ def test_a_key_inert_given_the_rest_is_one_note_not_an_error(data, key, needs):
     from lowprec.train.config_base import yaml_text
 
     cfg = parse_config(data)
-    assert cfg.notes == (f"{key}: {yaml_text(data[key])} is ignored: it only matters with {needs}, as in Axolotl; "
-                         f"set that or drop {key}",)
+    assert cfg.notes == (
+        f"{key}: {yaml_text(data[key])} is ignored: it only matters with {needs}, as in Axolotl; "
+        f"set that or drop {key}",
+    )
     if key in TrainConfig.model_fields:  # not applied either
         assert getattr(cfg, key) is None
     assert cfg.replace(seed=7).notes == cfg.notes  # `compare`'s copies keep it, once
 
 
-@pytest.mark.parametrize("data, check", [
-    ({"eval_table_size": 2, "eval_max_new_tokens": 16}, lambda c: c.eval_max_new_tokens == 16),
-    ({"val_set_size": 0.05, "evals_per_epoch": 4}, lambda c: c.evals_per_epoch == 4),
-    ({"adapter": "lora", "lora_r": 8}, "needs a Hugging Face base_model"),  # live: the adapter's own rules apply
-    ({"loss_watchdog_threshold": 5.0, "loss_watchdog_patience": 3}, lambda c: c.loss_watchdog_patience == 3),
-    ({"torch_compile": True, "torch_compile_backend": "inductor"}, "torch_compile_backend: an Axolotl key lowprec does not"),
-    ({"wandb_project": "p", "wandb_entity": "team"}, "wandb_project: an Axolotl key lowprec does not support"),
-], ids=["eval_max_new_tokens", "evals_per_epoch", "lora_r", "loss_watchdog_patience", "torch_compile_backend", "wandb_entity"])
+@pytest.mark.parametrize(
+    "data, check",
+    [
+        ({"eval_table_size": 2, "eval_max_new_tokens": 16}, lambda c: c.eval_max_new_tokens == 16),
+        ({"val_set_size": 0.05, "evals_per_epoch": 4}, lambda c: c.evals_per_epoch == 4),
+        ({"adapter": "lora", "lora_r": 8}, "needs a Hugging Face base_model"),  # live: the adapter's own rules apply
+        ({"loss_watchdog_threshold": 5.0, "loss_watchdog_patience": 3}, lambda c: c.loss_watchdog_patience == 3),
+        (
+            {"torch_compile": True, "torch_compile_backend": "inductor"},
+            "torch_compile_backend: an Axolotl key lowprec does not",
+        ),
+        ({"wandb_project": "p", "wandb_entity": "team"}, "wandb_project: an Axolotl key lowprec does not support"),
+    ],
+    ids=[
+        "eval_max_new_tokens",
+        "evals_per_epoch",
+        "lora_r",
+        "loss_watchdog_patience",
+        "torch_compile_backend",
+        "wandb_entity",
+    ],
+)
 def test_the_same_key_matters_when_its_condition_holds(data, check):
     if isinstance(check, str):
         with pytest.raises(ValueError, match=check):
@@ -184,5 +241,16 @@ def test_inert_keys_chain_and_defaults_ask_for_nothing():
     assert [n.split(":")[0] for n in cfg.notes] == ["eval_table_size", "eval_max_new_tokens"]
     assert cfg.eval_table_size is None and cfg.eval_max_new_tokens is None
     # null, false, or Axolotl's own default: nothing asked, nothing said
-    assert parse_config({"val_set_size": 0, "eval_table_size": 0, "generation_do_sample": True, "lora_dropout": 0.0,
-                         "wandb_entity": None, "torch_compile_mode": None}).notes == ()
+    assert (
+        parse_config(
+            {
+                "val_set_size": 0,
+                "eval_table_size": 0,
+                "generation_do_sample": True,
+                "lora_dropout": 0.0,
+                "wandb_entity": None,
+                "torch_compile_mode": None,
+            }
+        ).notes
+        == ()
+    )

@@ -59,7 +59,10 @@ BAD = [
     ({"fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2}, "needs fp8: true"),
     ({"fsdp_version": 1}, "FSDP2 only: set fsdp_version: 2"),
     ({"fsdp_config": {"reshard_after_forward": False}}, "add fsdp_version: 2"),
-    ({"fsdp_version": 2, "fsdp_config": {"sharding_strategy": "FULL_SHARD"}}, "unknown key 'fsdp_config.sharding_strategy'"),
+    (
+        {"fsdp_version": 2, "fsdp_config": {"sharding_strategy": "FULL_SHARD"}},
+        "unknown key 'fsdp_config.sharding_strategy'",
+    ),
     ({"micro_batch_size": 0}, "micro_batch_size: Input should be greater than or equal to 1"),
     ({"learning_rate": "fast"}, "learning_rate: Input should be a valid number"),
     ({"optimizer": "adamw_torh"}, "did you mean 'adamw_torch'"),
@@ -114,7 +117,9 @@ def test_bad_config_in_a_real_process_has_no_traceback(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("fp16: true\nbf16: true\n")
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
-    proc = subprocess.run([sys.executable, "-m", "lowprec.cli.main", "train", str(path)], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowprec.cli.main", "train", str(path)], capture_output=True, text=True, env=env
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
 
@@ -135,7 +140,13 @@ def test_help_lists_every_schema_key(capsys):
 def test_flags_override_yaml_and_are_read_as_yaml(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("learning_rate: 1.0e-3\nmax_steps: 100\nfp8: true\n")
-    cfg = load_config(p, {"learning_rate": parse_override_value("3e-4"), "fp8_filter": parse_override_value("[o_proj, 'model.layers.0.*']")})
+    cfg = load_config(
+        p,
+        {
+            "learning_rate": parse_override_value("3e-4"),
+            "fp8_filter": parse_override_value("[o_proj, 'model.layers.0.*']"),
+        },
+    )
     assert cfg.learning_rate == pytest.approx(3e-4) and cfg.max_steps == 100
     assert cfg.fp8_filter == ["o_proj", "model.layers.0.*"]
     assert parse_override_value("true") is True and parse_override_value("null") is None
@@ -150,7 +161,12 @@ def test_documented_values_all_validate():
     for name in ("delayed", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"):
         assert parse_config({"fp8": True, "fp8_recipe": name}).fp8_recipe.name == name
     assert parse_config({"datasets": "a.txt"}).datasets[0].path == "a.txt"
-    assert parse_config({"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": False}}).fsdp_config.reshard_after_forward is False
+    assert (
+        parse_config(
+            {"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": False}}
+        ).fsdp_config.reshard_after_forward
+        is False
+    )
 
 
 # --------------------------------------------------------------------- resolution
@@ -242,8 +258,9 @@ def test_fp8_all_gather_needs_tensorwise():
     # accepted for tensorwise (FSDP2 FP8 all-gather, lowprec.distributed.fsdp_float8); refused otherwise
     assert parse_config({"fp8": True, "fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2})
     with pytest.raises(ValueError, match="needs the tensorwise recipe.*'rowwise'"):
-        parse_config({"fp8": True, "fp8_recipe": "rowwise", "fp8_enable_fsdp_float8_all_gather": True,
-                      "fsdp_version": 2})
+        parse_config(
+            {"fp8": True, "fp8_recipe": "rowwise", "fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2}
+        )
 
 
 def test_generated_config_keys_are_up_to_date():
@@ -255,8 +272,10 @@ def test_generated_config_keys_are_up_to_date():
 
 
 def test_cli_parser_does_not_import_pydantic_or_torch():
-    code = ("import sys; from lowprec.cli.main import build_parser; build_parser(); "
-            "bad = {'torch', 'pydantic'} & set(sys.modules); assert not bad, bad")
+    code = (
+        "import sys; from lowprec.cli.main import build_parser; build_parser(); "
+        "bad = {'torch', 'pydantic'} & set(sys.modules); assert not bad, bad"
+    )
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -288,8 +307,23 @@ def test_data_errors_name_the_yaml_keys(tmp_path, capsys, overrides, keys):
     data = tmp_path / "a.txt"
     data.write_text("lowprec trains in low precision. " * 12)
     flags = [f"--{k}={v}" for k, v in overrides.items()]
-    code = main(["train", "--datasets", f"[{{path: {data}}}]", "--output_dir", str(tmp_path / "out"),
-                 "--max_steps", "1", "--warmup_steps", "0", "--progress_bar", "false", "--quiet", *flags])
+    code = main(
+        [
+            "train",
+            "--datasets",
+            f"[{{path: {data}}}]",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--max_steps",
+            "1",
+            "--warmup_steps",
+            "0",
+            "--progress_bar",
+            "false",
+            "--quiet",
+            *flags,
+        ]
+    )
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 2 and len(lines) == 1, err

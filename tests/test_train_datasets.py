@@ -13,7 +13,9 @@ from lowprec.train.prompts import IGNORE, PromptOptions, tokenize_row
 from lowprec.train.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
-ALPACA = [{"instruction": f"Add {i} and {i}.", "input": "" if i % 2 else f"{i}+{i}", "output": str(2 * i)} for i in range(40)]
+ALPACA = [
+    {"instruction": f"Add {i} and {i}.", "input": "" if i % 2 else f"{i}+{i}", "output": str(2 * i)} for i in range(40)
+]
 
 
 def _trained_text(ids, labels):
@@ -32,26 +34,48 @@ def test_alpaca_masks_the_prompt_and_trains_the_response_and_eos():
 
 
 def test_input_output_segments_follow_their_labels():
-    row = {"segments": [{"text": "Q: hi\n", "label": False}, {"text": "A: hello", "label": True}, {"text": "!", "label": False}]}
+    row = {
+        "segments": [
+            {"text": "Q: hi\n", "label": False},
+            {"text": "A: hello", "label": True},
+            {"text": "!", "label": False},
+        ]
+    }
     ids, labels = tokenize_row(row, PromptOptions("input_output"), TOK, "row")
     assert TOK.decode(ids) == "Q: hi\nA: hello!" and _trained_text(ids, labels) == "A: hello"
 
 
 @pytest.mark.parametrize("name", ["chatml", "llama3"])
 def test_chat_template_trains_assistant_content_and_end_of_turn(name):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-                {"role": "assistant", "content": "4"}, {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "6"},
+    ]
     segs = render_segments(TEMPLATES[name], messages, ["assistant"])
     eot = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}[name]
     assert [t for t, trained in segs if trained] == ["4", eot, "6", eot]
     assert "".join(t for t, _ in segs).count("<|") >= 10  # headers present, untrained
     row = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
-    opt = PromptOptions("chat_template", chat_template=TEMPLATES[name], field_messages="conversations",
-                        role_key="from", content_key="value")
+    opt = PromptOptions(
+        "chat_template",
+        chat_template=TEMPLATES[name],
+        field_messages="conversations",
+        role_key="from",
+        content_key="value",
+    )
     ids, labels = tokenize_row(row, opt, TOK, "row")
     assert _trained_text(ids, labels) == "hello" + eot  # ShareGPT roles map to user / assistant
-    opt_all = PromptOptions("chat_template", chat_template=TEMPLATES[name], field_messages="conversations",
-                            role_key="from", content_key="value", roles_to_train=("user", "assistant"))
+    opt_all = PromptOptions(
+        "chat_template",
+        chat_template=TEMPLATES[name],
+        field_messages="conversations",
+        role_key="from",
+        content_key="value",
+        roles_to_train=("user", "assistant"),
+    )
     assert "hi" in _trained_text(*tokenize_row(row, opt_all, TOK, "row"))
 
 
@@ -149,8 +173,15 @@ def test_packing_has_no_cross_example_attention_builtin_model():
 def test_packing_has_no_cross_example_attention_hf_llama():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=272, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=272,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     from lowprec.train.trainer import _HFLoss
 
     model = _HFLoss(transformers.LlamaForCausalLM(cfg)).eval()  # what the trainer runs
@@ -166,8 +197,15 @@ def test_yaml_dataset_types_and_axolotl_keys(tmp_path):
     from lowprec.train.config import parse_config
 
     path = _write(tmp_path, ALPACA)
-    cfg = parse_config({"datasets": [{"path": path, "type": "alpaca", "name": None}], "sample_packing": True,
-                        "wandb_project": None, "load_in_8bit": False, "lora_fan_in_fan_out": None})
+    cfg = parse_config(
+        {
+            "datasets": [{"path": path, "type": "alpaca", "name": None}],
+            "sample_packing": True,
+            "wandb_project": None,
+            "load_in_8bit": False,
+            "lora_fan_in_fan_out": None,
+        }
+    )
     assert cfg.datasets[0].type == "alpaca" and cfg.sample_packing
     with pytest.raises(ValueError, match="datasets.0.type: dataset type 'sharegpt' is not supported; ShareGPT data"):
         parse_config({"datasets": [{"path": path, "type": "sharegpt"}]})
@@ -219,15 +257,27 @@ def test_chat_template_tokenizer_default_with_a_hf_tokenizer(tmp_path):
     words = ["<unk>", "<|im_start|>", "<|im_end|>", "<pad>", "user", "assistant", "hi", "hello", "there"]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # the newline after the role is dropped
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", unk_token="<unk>",
-                                                additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' }}"
-                          "{% endfor %}")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", unk_token="<unk>", additional_special_tokens=["<|im_start|>"]
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' }}{% endfor %}"
+    )
     fast.save_pretrained(tmp_path / "tok")
     tok = load_tokenizer(str(tmp_path / "tok"), {"pad_token": "<pad>"})
     assert tok.pad_id == 3 and tok.eos_id == 2
     opt = PromptOptions("chat_template", chat_template=template_text("tokenizer_default", tok._tok.chat_template, None))
     row = {"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}]}
     ids, labels = tokenize_row(row, opt, tok, "row")
-    assert ids == [1, 4, 6, 8, 2, 1, 5, 7, 2]  # <|im_start|> user hi there <|im_end|> <|im_start|> assistant hello <|im_end|>
+    assert ids == [
+        1,
+        4,
+        6,
+        8,
+        2,
+        1,
+        5,
+        7,
+        2,
+    ]  # <|im_start|> user hi there <|im_end|> <|im_start|> assistant hello <|im_end|>
     assert [i for i, y in zip(ids, labels) if y != IGNORE] == [7, 2]  # "hello" and its <|im_end|>

@@ -51,7 +51,8 @@ def test_a_full_disk_while_saving_a_checkpoint_keeps_the_last_good_one(tmp_path,
     assert err[0].startswith(
         f"lowprec: stopped: stopped at step 4: cannot write checkpoint {out}/checkpoint-4 (No space left on device); it "
         f"was not saved and the checkpoints before it are untouched; last good checkpoint: {out}/checkpoint-2; "
-        "to continue: lowprec train "), err[0]
+        "to continue: lowprec train "
+    ), err[0]
     # no half-written checkpoint-4 (nor its temporary), no export, checkpoint-2 whole
     assert [p for p in os.listdir(out) if p.startswith("checkpoint")] == ["checkpoint-2"]
     assert not (out / "model.safetensors").exists()
@@ -78,8 +79,10 @@ def test_a_failed_metrics_write_is_one_line_naming_the_directory(tmp_path, capsy
     rc = _train(out, "--max_steps", "4")
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 74 and len(err) == 1, err
-    assert err[0].startswith(f"lowprec: stopped: stopped at step 3: cannot write {out} (No space left on device); free "
-                             f"space or make the directory writable, then resume; last good checkpoint: {out}/checkpoint-2"), err[0]
+    assert err[0].startswith(
+        f"lowprec: stopped: stopped at step 3: cannot write {out} (No space left on device); free "
+        f"space or make the directory writable, then resume; last good checkpoint: {out}/checkpoint-2"
+    ), err[0]
 
 
 def test_save_state_fsyncs_files_and_directories_before_the_rename_and_the_parent_after(tmp_path, monkeypatch):
@@ -111,11 +114,14 @@ def test_save_state_fsyncs_files_and_directories_before_the_rename_and_the_paren
     assert parent and parent[-1] > max(i for i, (p, _) in enumerate(seen) if p == tmp_dir)
 
 
-@pytest.mark.parametrize("exc,expected", [
-    (OSError(errno.EROFS, "Read-only file system"), (errno.EROFS, "/x")),
-    (OSError(errno.ENOSPC, "No space left on device", "/x/y"), (errno.ENOSPC, "/x/y")),
-    (RuntimeError("unexpected pos 576 vs 534 (os error 28)"), None),  # not safetensors': not claimed
-])
+@pytest.mark.parametrize(
+    "exc,expected",
+    [
+        (OSError(errno.EROFS, "Read-only file system"), (errno.EROFS, "/x")),
+        (OSError(errno.ENOSPC, "No space left on device", "/x/y"), (errno.ENOSPC, "/x/y")),
+        (RuntimeError("unexpected pos 576 vs 534 (os error 28)"), None),  # not safetensors': not claimed
+    ],
+)
 def test_os_error_of(exc, expected):
     from lowprec.durable import os_error_of
 

@@ -18,9 +18,20 @@ from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 from lowprec.train.tokenizer import ByteTokenizer
 from lowprec.train.trainer import train
 
-RUN = {"sequence_len": 32, "micro_batch_size": 2, "dataset_max_bytes": 100_000, "eval_batches": 1, "max_steps": 4,
-       "eval_steps": 2, "logging_steps": 2, "warmup_steps": 0, "progress_bar": False, "fp8": True,
-       "eval_table_size": 3, "eval_max_new_tokens": 6}
+RUN = {
+    "sequence_len": 32,
+    "micro_batch_size": 2,
+    "dataset_max_bytes": 100_000,
+    "eval_batches": 1,
+    "max_steps": 4,
+    "eval_steps": 2,
+    "logging_steps": 2,
+    "warmup_steps": 0,
+    "progress_bar": False,
+    "fp8": True,
+    "eval_table_size": 3,
+    "eval_max_new_tokens": 6,
+}
 
 
 def test_a_short_run_writes_generations_at_each_evaluation(tmp_path, caplog):
@@ -31,8 +42,10 @@ def test_a_short_run_writes_generations_at_each_evaluation(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="lowprec"):
         train(cfg)
     notes = [r.getMessage() for r in caplog.records if "hub_strategy" in r.getMessage()]
-    assert notes == ["lowprec: note: hub_strategy: end is ignored: it only matters with hub_model_id, as in Axolotl; "
-                     "set that or drop hub_strategy"], notes
+    assert notes == [
+        "lowprec: note: hub_strategy: end is ignored: it only matters with hub_model_id, as in Axolotl; "
+        "set that or drop hub_strategy"
+    ], notes
 
     records = read_metrics(str(tmp_path), "generations")
     assert [r["step"] for r in records] == [2, 4]
@@ -48,7 +61,10 @@ def test_a_short_run_writes_generations_at_each_evaluation(tmp_path, caplog):
     assert last["max_new_tokens"] == 6
 
     table = (tmp_path / "eval_generations.md").read_text()
-    assert table.index("## step 2") < table.index("## step 4") and table.count("| # | prompt | reference | generated |") == 2
+    assert (
+        table.index("## step 2") < table.index("## step 4")
+        and table.count("| # | prompt | reference | generated |") == 2
+    )
     assert not (tmp_path / "eval_generations.md.tmp").exists()
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -87,8 +103,9 @@ def test_the_padded_window_decodes_as_plain_greedy_decoding():
     model.eval()
     want = [_plain_greedy(model, p, 9, tok.eos_id) for p in prompts]
     model.train()
-    got = greedy_generate(model, prompts, 9, width=32, rows=2, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                          device=torch.device("cpu"))
+    got = greedy_generate(
+        model, prompts, 9, width=32, rows=2, eos_id=tok.eos_id, pad_id=tok.pad_id, device=torch.device("cpu")
+    )
     assert got == want and all(len(g) == 9 for g in got)
 
     table = EvalTable([(i, p, p[:0]) for i, p in enumerate(prompts)], 9, 32, 2, tok, "unused", "t")
@@ -104,15 +121,32 @@ def test_a_transformers_model_decodes_as_its_own_generate():
     from lowprec.train.trainer import _HFLoss
 
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=272, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=257, pad_token_id=258, bos_token_id=256)).eval()
+    hf = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=272,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            eos_token_id=257,
+            pad_token_id=258,
+            bos_token_id=256,
+        )
+    ).eval()
     prompts = [torch.randint(0, 256, (n,)) for n in (4, 9)]
     want = []
     for p in prompts:
-        seq = hf.generate(p[None], attention_mask=torch.ones(1, p.numel(), dtype=torch.long), max_new_tokens=8,
-                          do_sample=False, eos_token_id=257, pad_token_id=258)[0, p.numel():].tolist()
-        want.append(seq[:seq.index(257)] if 257 in seq else seq)
+        seq = hf.generate(
+            p[None],
+            attention_mask=torch.ones(1, p.numel(), dtype=torch.long),
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=257,
+            pad_token_id=258,
+        )[0, p.numel() :].tolist()
+        want.append(seq[: seq.index(257)] if 257 in seq else seq)
     got = greedy_generate(_HFLoss(hf), prompts, 8, width=32, rows=2, eos_id=257, pad_id=258, device=torch.device("cpu"))
     assert got == want
 
@@ -120,8 +154,11 @@ def test_a_transformers_model_decodes_as_its_own_generate():
 def test_prompts_of_instruction_examples_stop_at_the_first_trained_token():
     from lowprec.train.examples import ExampleBatches, ExampleSet
 
-    examples = ExampleSet.from_lists([([1, 2, 3, 4, 5], [-100, -100, -100, 4, 5]), ([6, 7, 8, 9], [6, 7, 8, 9]),
-                                      ([10, 11, 12], [-100, 11, 12])], "x", "f")
+    examples = ExampleSet.from_lists(
+        [([1, 2, 3, 4, 5], [-100, -100, -100, 4, 5]), ([6, 7, 8, 9], [6, 7, 8, 9]), ([10, 11, 12], [-100, 11, 12])],
+        "x",
+        "f",
+    )
     loader = ExampleBatches(examples, 1, seq_len=8, pad_id=0, shuffle=False, drop_last=False)
     got = [(i, p.tolist(), r.tolist()) for i, p, r in choose_prompts(loader, 3)]
     # the instruction, then (every token trained) the first half
@@ -130,18 +167,25 @@ def test_prompts_of_instruction_examples_stop_at_the_first_trained_token():
     assert len(choose_prompts(loader, 50)) == 3  # no more than there are
 
 
-@pytest.mark.parametrize("bad, expected", [
-    ({"eval_table_size": -1}, "config: eval_table_size: Input should be greater than or equal to 0 (got -1)"),
-    ({"eval_table_size": 5000}, "config: eval_table_size: Input should be less than or equal to 1024 (got 5000)"),
-    ({"eval_table_size": "all"}, "config: eval_table_size: Input should be a valid integer (got all)"),
-    ({"eval_table_size": 2, "eval_max_new_tokens": 0},
-     "config: eval_max_new_tokens: Input should be greater than or equal to 1 (got 0)"),
-    ({"eval_table_size": 2, "eval_max_new_tokens": 128},
-     "config: eval_max_new_tokens: 128 leaves no room for a prompt in sequence_len: 128 (prompt and generation share "
-     "it); lower it below 128"),
-    # inert (eval_table_size unset) but still typed
-    ({"eval_max_new_tokens": 2.5}, "config: eval_max_new_tokens: Input should be a valid integer (got 2.5)"),
-])
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        ({"eval_table_size": -1}, "config: eval_table_size: Input should be greater than or equal to 0 (got -1)"),
+        ({"eval_table_size": 5000}, "config: eval_table_size: Input should be less than or equal to 1024 (got 5000)"),
+        ({"eval_table_size": "all"}, "config: eval_table_size: Input should be a valid integer (got all)"),
+        (
+            {"eval_table_size": 2, "eval_max_new_tokens": 0},
+            "config: eval_max_new_tokens: Input should be greater than or equal to 1 (got 0)",
+        ),
+        (
+            {"eval_table_size": 2, "eval_max_new_tokens": 128},
+            "config: eval_max_new_tokens: 128 leaves no room for a prompt in sequence_len: 128 (prompt and generation share "
+            "it); lower it below 128",
+        ),
+        # inert (eval_table_size unset) but still typed
+        ({"eval_max_new_tokens": 2.5}, "config: eval_max_new_tokens: Input should be a valid integer (got 2.5)"),
+    ],
+)
 def test_bad_values_are_one_line_errors(bad, expected):
     with pytest.raises(ValueError) as err:
         parse_config(bad)
@@ -167,9 +211,14 @@ def test_the_table_file_is_rewritten_whole_with_one_section_per_step(tmp_path):
     """A resumed run reads its sections back from metrics.jsonl (cut at the checkpoint's step)
     and an evaluation at a step already there replaces that section, so the file never holds
     two sections of one step."""
+
     def record(step, text):
-        return {"kind": "generations", "step": step, "max_new_tokens": 4,
-                "samples": [{"index": 0, "prompt": "a|b\n  c", "reference": "<r>", "generated": text, "new_tokens": 1}]}
+        return {
+            "kind": "generations",
+            "step": step,
+            "max_new_tokens": 4,
+            "samples": [{"index": 0, "prompt": "a|b\n  c", "reference": "<r>", "generated": text, "new_tokens": 1}],
+        }
 
     table = EvalTable([], 4, 16, 1, ByteTokenizer(), str(tmp_path / "eval_generations.md"), "run")
     table.records = [record(2, "x"), record(4, "old")]

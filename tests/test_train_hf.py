@@ -28,7 +28,9 @@ CPU = Capabilities(packages=frozenset({"transformers", "peft"}))
 
 
 def _maker():
-    spec = importlib.util.spec_from_file_location("make_tiny_llama", os.path.join(ROOT, "examples", "make_tiny_llama.py"))
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_llama", os.path.join(ROOT, "examples", "make_tiny_llama.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -46,8 +48,16 @@ def tiny_gpt2(tmp_path_factory) -> str:
     return _maker().main([out, "--arch", "gpt2", "--hidden", "32", "--pretrain_steps", "0"])
 
 
-FAST = {"sequence_len": 32, "micro_batch_size": 2, "eval_batches": 1, "progress_bar": False,
-        "use_tensorboard": False, "logging_steps": 4, "fp8": True, "val_set_size": 0.1}
+FAST = {
+    "sequence_len": 32,
+    "micro_batch_size": 2,
+    "eval_batches": 1,
+    "progress_bar": False,
+    "use_tensorboard": False,
+    "logging_steps": 4,
+    "fp8": True,
+    "val_set_size": 0.1,
+}
 
 
 def test_alpaca_lora_example_trains_in_fp8_merges_and_reloads(tiny_llama, tmp_path):
@@ -55,8 +65,10 @@ def test_alpaca_lora_example_trains_in_fp8_merges_and_reloads(tiny_llama, tmp_pa
     falls; the adapter loads with peft, the merged model with transformers, and they agree."""
     out = tmp_path / "run"
     fast = {k: v for k, v in FAST.items() if k != "sequence_len"}  # alpaca prompts need the example's 256
-    cfg = load_config(os.path.join(ROOT, "examples", "hf", "alpaca_lora.yaml"),
-                      {**fast, "base_model": tiny_llama, "output_dir": str(out), "max_steps": 8, "eval_steps": None})
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "hf", "alpaca_lora.yaml"),
+        {**fast, "base_model": tiny_llama, "output_dir": str(out), "max_steps": 8, "eval_steps": None},
+    )
     result = train(cfg)
     losses = [loss for _, loss in result.train_losses]
     assert len(losses) == 2 and losses[-1] < losses[0] - 0.1, losses
@@ -90,17 +102,30 @@ def test_chat_lora_example_trains_assistant_turns_packed_in_fp8_and_reloads(tiny
     tokenizer's ChatML template, assistant turns only, packed rows, LoRA on every linear layer
     with FP8 under it; the loss falls and the adapter and merged model reload and agree."""
     out = tmp_path / "run"
-    cfg = load_config(os.path.join(ROOT, "examples", "hf", "chat_lora.yaml"),
-                      {**FAST, "sequence_len": 128, "base_model": tiny_llama, "output_dir": str(out), "max_steps": 8,
-                       "eval_steps": None, "lora_alpha": 64})  # 8 steps on the 32-wide model need a 4x larger LoRA scale
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "hf", "chat_lora.yaml"),
+        {
+            **FAST,
+            "sequence_len": 128,
+            "base_model": tiny_llama,
+            "output_dir": str(out),
+            "max_steps": 8,
+            "eval_steps": None,
+            "lora_alpha": 64,
+        },
+    )  # 8 steps on the 32-wide model need a 4x larger LoRA scale
     assert cfg.sample_packing and cfg.datasets[0].type == "chat_template" and cfg.adapter == "lora"
     result = train(cfg)
     losses = [loss for _, loss in result.train_losses]
     assert len(losses) == 2 and losses[-1] < losses[0] - 0.1, losses
     tok = _check_lora_outputs(tiny_llama, out)
     assert tok.chat_template and "<|im_start|>" in tok.chat_template  # the template travels with the model
-    ids = tok.apply_chat_template([{"role": "user", "content": "Reverse stone."}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Reverse stone."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     _check_merged_agrees(tiny_llama, out, ids)
 
 
@@ -109,9 +134,16 @@ def test_full_finetune_example_on_gpt2_converts_conv1d_and_saves_pretrained(tiny
     and output_dir is a save_pretrained directory (bf16 weights, config, generation config,
     tokenizer) that transformers loads."""
     fast = {k: v for k, v in FAST.items() if k != "sequence_len"}
-    cfg = load_config(os.path.join(ROOT, "examples", "hf", "full_finetune.yaml"),
-                      {**fast, "base_model": tiny_gpt2, "output_dir": str(tmp_path), "max_steps": 2,
-                       "gradient_accumulation_steps": 1})
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "hf", "full_finetune.yaml"),
+        {
+            **fast,
+            "base_model": tiny_gpt2,
+            "output_dir": str(tmp_path),
+            "max_steps": 2,
+            "gradient_accumulation_steps": 1,
+        },
+    )
     assert train(cfg).steps == 2
     fp8_layers = [r for r in read_metrics(str(tmp_path)) if r["kind"] == "fp8"][-1]["layers"]
     assert "model.transformer.h.1.mlp.c_fc" in fp8_layers  # a Conv1D, in FP8
@@ -135,14 +167,21 @@ def _fake_cache(root, repo_id: str, src: str, files) -> None:
 
 def test_hub_id_resolves_from_the_local_cache_only(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
-    _fake_cache(tmp_path, "tiny/llama", tiny_llama, ["config.json", "model.safetensors", "tokenizer.json",
-                                                      "tokenizer_config.json"])
+    _fake_cache(
+        tmp_path,
+        "tiny/llama",
+        tiny_llama,
+        ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"],
+    )
     cfg = parse_config({"base_model": "tiny/llama"})
     plan = resolve(cfg, CPU)
     assert plan.decisions["tokenizer"].value.endswith("snapshots/0123abcd")
     _fake_cache(tmp_path, "tiny/no-weights", tiny_llama, ["config.json"])
-    with pytest.raises(ValueError, match=r"'tiny/no-weights' is incomplete in the local Hugging Face cache .*"
-                                         r"missing model weights \(model.safetensors\); downloads are not supported"):
+    with pytest.raises(
+        ValueError,
+        match=r"'tiny/no-weights' is incomplete in the local Hugging Face cache .*"
+        r"missing model weights \(model.safetensors\); downloads are not supported",
+    ):
         parse_config({"base_model": "tiny/no-weights"})
     with pytest.raises(ValueError, match=r"'org/absent' is not in the local .* missing config.json"):
         parse_config({"base_model": "org/absent"})
@@ -162,7 +201,10 @@ def test_qlora_without_bitsandbytes_is_one_line_exit_2(tiny_llama, tmp_path, cap
     with pytest.raises(ValueError, match=r"adapter: qlora .* 'bitsandbytes': pip install 'lowprec\[qlora\]'"):
         resolve(parse_config(base), CPU)
     with pytest.raises(ValueError, match="adapter: lora needs the optional package 'peft'"):
-        resolve(parse_config({**base, "adapter": "lora", "load_in_4bit": None}), Capabilities(packages=frozenset({"transformers"})))
+        resolve(
+            parse_config({**base, "adapter": "lora", "load_in_4bit": None}),
+            Capabilities(packages=frozenset({"transformers"})),
+        )
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # importlib.util.find_spec now answers None
     path = tmp_path / "q.yaml"
     path.write_text(json.dumps({**base, "output_dir": str(tmp_path / "o")}))
@@ -184,9 +226,24 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_on_the_full_base(tiny_l
     the adapter loads with peft; merge_lora merges onto the base loaded in full precision."""
     pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (dev extra)")
     out = tmp_path / "run"
-    cfg = parse_config({**FAST, "base_model": tiny_llama_64, "output_dir": str(out), "max_steps": 8, "eval_steps": None,
-                        "datasets": [NOTES], "adapter": "qlora", "load_in_4bit": True, "lora_target_linear": True,
-                        "lora_r": 8, "lora_alpha": 64, "learning_rate": 1e-2, "merge_lora": True, "save_steps": 4})
+    cfg = parse_config(
+        {
+            **FAST,
+            "base_model": tiny_llama_64,
+            "output_dir": str(out),
+            "max_steps": 8,
+            "eval_steps": None,
+            "datasets": [NOTES],
+            "adapter": "qlora",
+            "load_in_4bit": True,
+            "lora_target_linear": True,
+            "lora_r": 8,
+            "lora_alpha": 64,
+            "learning_rate": 1e-2,
+            "merge_lora": True,
+            "save_steps": 4,
+        }
+    )
     caps = Capabilities(packages=frozenset({"transformers", "peft", "bitsandbytes"}))
     result = train(cfg, caps)
     losses = [loss for _, loss in result.train_losses]
@@ -194,8 +251,12 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_on_the_full_base(tiny_l
     # resuming from step 4 (the 4-bit base is made again from base_model; the checkpoint's copy is skipped)
     # gives the uninterrupted run's steps 5-8
     shutil.copytree(out / "checkpoint-4", tmp_path / "resumed" / "checkpoint-4")
-    resumed = train(cfg.model_copy(update={"output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": "auto",
-                                           "merge_lora": False}), caps)
+    resumed = train(
+        cfg.model_copy(
+            update={"output_dir": str(tmp_path / "resumed"), "resume_from_checkpoint": "auto", "merge_lora": False}
+        ),
+        caps,
+    )
     assert resumed.train_losses[-1][1] == pytest.approx(losses[-1], rel=1e-4), (resumed.train_losses, losses)
     # the adapter's shape and placement are the checkpoint's: another rank or target set is refused
     # before anything loads (resume_check.RULES' LoRA rows), naming the key, both values and the fix
@@ -211,28 +272,52 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_on_the_full_base(tiny_l
     assert "Linear4bit x14 (4-bit base weights: QLoRA" in report, report  # 2 layers x 7 projections
     assert " 0 Linear layer(s) converted" in report  # the head is kept by the recipe; the adapters never convert
     # the adapter reloads with peft on a 4-bit base (its base layers are Linear4bit) and on the full one
-    bnb = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
-    q = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_64, quantization_config=bnb), str(out))
+    bnb = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+    )
+    q = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_64, quantization_config=bnb), str(out)
+    )
     assert type(q.base_model.model.model.layers[0].mlp.up_proj.base_layer).__name__ == "Linear4bit"
     _check_merged_agrees(tiny_llama_64, out, torch.tensor([[1, 72, 101, 108, 108, 111, 32, 119, 111]]))
     with torch.no_grad():  # the 4-bit base + adapter is close to the merged full-precision model (NF4 error only)
-        a, m = q(torch.tensor([[1, 72, 101, 108]])).logits.float(), transformers.AutoModelForCausalLM.from_pretrained(
-            str(out / "merged"))(torch.tensor([[1, 72, 101, 108]])).logits.float()
+        a, m = (
+            q(torch.tensor([[1, 72, 101, 108]])).logits.float(),
+            transformers.AutoModelForCausalLM.from_pretrained(str(out / "merged"))(
+                torch.tensor([[1, 72, 101, 108]])
+            ).logits.float(),
+        )
     assert (a - m).abs().max() < 0.25 * a.abs().max(), (a - m).abs().max()
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"adapter": "lora"}, "needs lora_target_modules"),
-    ({"adapter": "lora", "lora_target_modules": ["q_prj"]}, "no module named 'q_prj' in the model \\(did you mean 'q_proj'"),
-    ({"model_type": "LlamaForCasualLM"}, "not a transformers causal LM class \\(did you mean 'LlamaForCausalLM'"),
-    ({"load_in_4bit": True}, "load_in_4bit: true is what adapter: qlora loads with"),
-    ({"adapter": "qlora", "lora_target_linear": True}, "adapter: qlora needs load_in_4bit: true"),
-    ({"merge_lora": True}, "merge_lora: true needs adapter: lora"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"adapter": "lora"}, "needs lora_target_modules"),
+        (
+            {"adapter": "lora", "lora_target_modules": ["q_prj"]},
+            "no module named 'q_prj' in the model \\(did you mean 'q_proj'",
+        ),
+        ({"model_type": "LlamaForCasualLM"}, "not a transformers causal LM class \\(did you mean 'LlamaForCausalLM'"),
+        ({"load_in_4bit": True}, "load_in_4bit: true is what adapter: qlora loads with"),
+        ({"adapter": "qlora", "lora_target_linear": True}, "adapter: qlora needs load_in_4bit: true"),
+        ({"merge_lora": True}, "merge_lora: true needs adapter: lora"),
+    ],
+)
 def test_adapter_and_model_key_errors(tiny_llama, tmp_path, bad, match):
     with pytest.raises(ValueError, match=match):
-        cfg = parse_config({"base_model": tiny_llama, "output_dir": str(tmp_path), "max_steps": 1, **bad,
-                            "datasets": [NOTES], "val_set_size": 0, "sequence_len": 32, "progress_bar": False})
+        cfg = parse_config(
+            {
+                "base_model": tiny_llama,
+                "output_dir": str(tmp_path),
+                "max_steps": 1,
+                **bad,
+                "datasets": [NOTES],
+                "val_set_size": 0,
+                "sequence_len": 32,
+                "progress_bar": False,
+            }
+        )
         train(cfg, CPU)
 
 
@@ -249,20 +334,38 @@ def test_added_tokens_grow_the_embeddings_and_need_lora_modules_to_save(tiny_lla
     rows = [{"text": f"{NEW_TOKENS[i % 12]} note {i} <|sep|> {NEW_TOKENS[(i + 3) % 12]} done"} for i in range(40)]
     data = tmp_path / "tools.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    base = {**FAST, "base_model": tiny_llama, "datasets": [{"path": str(data), "type": "completion"}], "max_steps": 2,
-            "logging_steps": 1, "adapter": "lora", "lora_target_modules": ["q_proj", "v_proj"], "lora_alpha": 16,
-            "special_tokens": {"pad_token": "<pad>", "additional_special_tokens": ["<|sep|>"]}, "tokens": NEW_TOKENS,
-            "sample_packing": True}
-    with pytest.raises(ValueError, match=r"special_tokens\.additional_special_tokens/tokens: 13 token\(s\) new to the "
-                                         r"tokenizer \(<\|sep\|>, .* and 8 more\) .* set lora_modules_to_save: "
-                                         r"\[embed_tokens, lm_head\]"):
+    base = {
+        **FAST,
+        "base_model": tiny_llama,
+        "datasets": [{"path": str(data), "type": "completion"}],
+        "max_steps": 2,
+        "logging_steps": 1,
+        "adapter": "lora",
+        "lora_target_modules": ["q_proj", "v_proj"],
+        "lora_alpha": 16,
+        "special_tokens": {"pad_token": "<pad>", "additional_special_tokens": ["<|sep|>"]},
+        "tokens": NEW_TOKENS,
+        "sample_packing": True,
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"special_tokens\.additional_special_tokens/tokens: 13 token\(s\) new to the "
+        r"tokenizer \(<\|sep\|>, .* and 8 more\) .* set lora_modules_to_save: "
+        r"\[embed_tokens, lm_head\]",
+    ):
         train(parse_config({**base, "output_dir": str(tmp_path / "refused")}), CPU)
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
-    check_new_tokens(model, LoraSettings(), {"<new-pad>": "special_tokens.pad_token"})  # a new pad token is exempt, as in Axolotl
+    check_new_tokens(
+        model, LoraSettings(), {"<new-pad>": "special_tokens.pad_token"}
+    )  # a new pad token is exempt, as in Axolotl
 
     out = tmp_path / "run"
-    train(parse_config({**base, "output_dir": str(out), "lora_modules_to_save": ["embed_tokens", "lm_head"],
-                        "merge_lora": True}), CPU)
+    train(
+        parse_config(
+            {**base, "output_dir": str(out), "lora_modules_to_save": ["embed_tokens", "lm_head"], "merge_lora": True}
+        ),
+        CPU,
+    )
     tok = transformers.AutoTokenizer.from_pretrained(str(out / "merged"))
     assert len(tok) == 274 and tok.convert_tokens_to_ids("<|tool_7|>") >= 261  # <pad> was known
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(out / "merged"))
@@ -280,18 +383,29 @@ def test_added_tokens_grow_the_embeddings_and_need_lora_modules_to_save(tiny_lla
 def test_tokenizer_keys(tiny_llama, tiny_gpt2):
     from lowprec.train.hf_model import load_run_tokenizer
 
-    cfg = parse_config({"base_model": tiny_gpt2, "tokenizer_config": tiny_llama, "tokenizer_type": "PreTrainedTokenizerFast"})
+    cfg = parse_config(
+        {"base_model": tiny_gpt2, "tokenizer_config": tiny_llama, "tokenizer_type": "PreTrainedTokenizerFast"}
+    )
     assert resolve(cfg, CPU).decisions["tokenizer"].value == tiny_llama
     tok = load_run_tokenizer(cfg)
-    assert isinstance(tok.hf_tokenizer, transformers.PreTrainedTokenizerFast) and tok.eos_id == tok.hf_tokenizer.eos_token_id
-    with pytest.raises(ValueError, match="tokenizer_type: 'LlamaTokenizerFsat' is not a transformers tokenizer class "
-                                         "\\(did you mean 'LlamaTokenizerFast'"):
+    assert (
+        isinstance(tok.hf_tokenizer, transformers.PreTrainedTokenizerFast)
+        and tok.eos_id == tok.hf_tokenizer.eos_token_id
+    )
+    with pytest.raises(
+        ValueError,
+        match="tokenizer_type: 'LlamaTokenizerFsat' is not a transformers tokenizer class "
+        "\\(did you mean 'LlamaTokenizerFast'",
+    ):
         load_run_tokenizer(parse_config({"base_model": tiny_llama, "tokenizer_type": "LlamaTokenizerFsat"}))
     with pytest.raises(ValueError, match="tokenizer and tokenizer_config are both set"):
         parse_config({"base_model": tiny_llama, "tokenizer": "byte", "tokenizer_config": tiny_llama})
     with pytest.raises(ValueError, match="model_type is set but base_model is built-in"):
         parse_config({"model_type": "LlamaForCausalLM"})
-    assert resolve(parse_config({"base_model": tiny_llama, "tokenizer": "byte"}), CPU).decisions["tokenizer"].value == "byte"
+    assert (
+        resolve(parse_config({"base_model": tiny_llama, "tokenizer": "byte"}), CPU).decisions["tokenizer"].value
+        == "byte"
+    )
 
 
 def test_adapter_on_builtin_model_is_refused():
@@ -335,7 +449,9 @@ def test_frozen_base_layer_runs_two_gemms_and_casts_its_weight_once_per_version(
 
     gemms, casts = [], []
     real_mm, real_quantize = linear.scaled_mm, linear.quantize
-    monkeypatch.setattr(linear, "scaled_mm", lambda a, b, *args, **kw: gemms.append(a.data.shape) or real_mm(a, b, *args, **kw))
+    monkeypatch.setattr(
+        linear, "scaled_mm", lambda a, b, *args, **kw: gemms.append(a.data.shape) or real_mm(a, b, *args, **kw)
+    )
     monkeypatch.setattr(linear, "quantize", lambda t, *a, **kw: casts.append(t.shape) or real_quantize(t, *a, **kw))
     torch.manual_seed(0)
     frozen, trained = (torch.nn.Sequential(torch.nn.Linear(64, 32)) for _ in range(2))
@@ -363,8 +479,9 @@ def test_accelerator_keeps_peft_adapters_in_high_precision_and_converts_gpt2_con
     from lowprec import Accelerator
 
     cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
-    model = peft.get_peft_model(transformers.GPT2LMHeadModel(cfg),
-                                peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True))
+    model = peft.get_peft_model(
+        transformers.GPT2LMHeadModel(cfg), peft.LoraConfig(r=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
+    )
     acc = Accelerator(mixed_precision="fp8", cpu=True)
     acc.prepare(model)
     report = acc.backend.report

@@ -36,9 +36,27 @@ def _dead_pid() -> int:
 def test_a_second_run_is_refused_in_one_line_and_the_first_keeps_its_files(tmp_path):
     out = tmp_path / "run"
     first = subprocess.Popen(
-        [sys.executable, "-m", "lowprec.cli.main", "train", TINY, *FAST, "--max_steps", "100000", "--save_steps", "3",
-         "--save_total_limit", "2", "--output_dir", str(out)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(), text=True)
+        [
+            sys.executable,
+            "-m",
+            "lowprec.cli.main",
+            "train",
+            TINY,
+            *FAST,
+            "--max_steps",
+            "100000",
+            "--save_steps",
+            "3",
+            "--save_total_limit",
+            "2",
+            "--output_dir",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=_env(),
+        text=True,
+    )
     try:
         deadline = time.time() + 240
         while not list_checkpoints(str(out)) and time.time() < deadline:  # the first run is under way
@@ -46,14 +64,32 @@ def test_a_second_run_is_refused_in_one_line_and_the_first_keeps_its_files(tmp_p
             time.sleep(0.2)
         assert list_checkpoints(str(out)), "the first run wrote no checkpoint in time"
         second = subprocess.run(
-            [sys.executable, "-m", "lowprec.cli.main", "train", TINY, *FAST, "--max_steps", "2", "--save_steps", "1",
-             "--output_dir", str(out)],
-            capture_output=True, text=True, env=_env(), timeout=240)
+            [
+                sys.executable,
+                "-m",
+                "lowprec.cli.main",
+                "train",
+                TINY,
+                *FAST,
+                "--max_steps",
+                "2",
+                "--save_steps",
+                "1",
+                "--output_dir",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=240,
+        )
         assert first.poll() is None, "the first run ended before the second tried: nothing was tested"
         lines = second.stderr.strip().splitlines()
         assert second.returncode == 2 and len(lines) == 1, second.stderr
-        assert lines[0].startswith(f"lowprec: error: output_dir: {out} is in use by another lowprec run (pid {first.pid} "
-                                   f"on {this_host()}, since "), lines[0]
+        assert lines[0].startswith(
+            f"lowprec: error: output_dir: {out} is in use by another lowprec run (pid {first.pid} "
+            f"on {this_host()}, since "
+        ), lines[0]
         first.send_signal(signal.SIGINT)  # the first run stops as a user would stop it
         _, err = first.communicate(timeout=120)
     finally:

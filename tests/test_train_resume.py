@@ -117,7 +117,6 @@ def test_a_fresh_run_removes_an_earlier_runs_checkpoints(tmp_path):
     assert [r["step"] for r in read_metrics(str(tmp_path), "train")] == [1, 2, 3, 4, 5]
 
 
-
 # the CLI, killed by a real SIGKILL right after writing checkpoint-<KILL_AFTER> when that is set
 _CLI = """
 import os, signal, sys
@@ -146,7 +145,9 @@ def _rows(out) -> list[dict]:
     import json
 
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if k not in _TIMING} for r in recs if r["kind"] in ("train", "eval", "fp8", "skip")]
+    return [
+        {k: v for k, v in r.items() if k not in _TIMING} for r in recs if r["kind"] in ("train", "eval", "fp8", "skip")
+    ]
 
 
 def test_sigkill_mid_logging_window_then_resume_logs_the_uninterrupted_rows(tmp_path):

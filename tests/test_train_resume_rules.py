@@ -17,8 +17,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny.yaml")
 # tiny.yaml: fp8 tensorwise, adamw, learning_rate 3e-3, warmup 2 (clamped to 1 in a 2-step run),
 # cosine, micro_batch_size 4, sequence_len 32, seed 7
-BASE = ["--max_steps", "2", "--save_steps", "2", "--eval_steps", "null", "--val_set_size", "0",
-        "--use_tensorboard", "false", "--quiet"]
+BASE = [
+    "--max_steps",
+    "2",
+    "--save_steps",
+    "2",
+    "--eval_steps",
+    "null",
+    "--val_set_size",
+    "0",
+    "--use_tensorboard",
+    "false",
+    "--quiet",
+]
 
 # (key, flag value, saved value as printed, new value as printed)
 REFUSED = [
@@ -47,8 +58,15 @@ APPLIED = [
 # noted, not refused: the same run on other arithmetic (test_other_arithmetic_is_noted_once)
 NOTED = {"torch", "cpu_fp8_gemm"}
 # the LoRA keys need a Hugging Face base model: their rows live with the adapter tests' models
-NOT_HERE = {"model", "adapter", "lora_r", "lora_alpha", "lora_target_modules", "lora_target_linear",
-            "lora_modules_to_save"}
+NOT_HERE = {
+    "model",
+    "adapter",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "lora_target_linear",
+    "lora_modules_to_save",
+}
 
 
 def test_every_rule_has_a_row():
@@ -72,8 +90,9 @@ def _resume(checkpoint, tmp_path, flags):
 
     out = tmp_path / "run"
     shutil.copytree(checkpoint, out / "checkpoint-2")
-    rc = main(["train", TINY, *BASE, "--max_steps", "3", *flags, "--output_dir", str(out),
-               "--resume_from_checkpoint", "auto"])
+    rc = main(
+        ["train", TINY, *BASE, "--max_steps", "3", *flags, "--output_dir", str(out), "--resume_from_checkpoint", "auto"]
+    )
     return rc, out
 
 
@@ -88,7 +107,9 @@ def test_a_change_that_makes_the_checkpoint_meaningless_is_refused(checkpoint, t
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err, err
     line = err[-1]
-    assert line.startswith(f"lowprec: error: resume_from_checkpoint: {out / 'checkpoint-2'} was trained with {key}"), line
+    assert line.startswith(f"lowprec: error: resume_from_checkpoint: {out / 'checkpoint-2'} was trained with {key}"), (
+        line
+    )
     if old is not None:
         assert f"{key}: {old} (now {new if new is not None else ''}" in line, line
     assert RULES[key][1] in line and "set it back to continue that run, or start a fresh one" in line
@@ -133,8 +154,10 @@ def test_another_cpu_fp8_gemm_kernel_on_resume_is_noted_once(checkpoint, tmp_pat
     rc, out = _resume(checkpoint, tmp_path, [])
     err = capsys.readouterr().err
     assert rc == 0, err
-    line = (f"lowprec: resuming with cpu_fp8_gemm {other}, the checkpoint was written with {saved}: the run "
-            f"continues, but not bit for bit as the uninterrupted one ({RULES['cpu_fp8_gemm'][1]})")
+    line = (
+        f"lowprec: resuming with cpu_fp8_gemm {other}, the checkpoint was written with {saved}: the run "
+        f"continues, but not bit for bit as the uninterrupted one ({RULES['cpu_fp8_gemm'][1]})"
+    )
     assert err.count(line) == 1, err
     assert [r["step"] for r in read_metrics(str(out), "train")] == [3]
 
@@ -147,8 +170,10 @@ def test_other_arithmetic_is_noted_once_and_never_hides_a_refusal(caplog):
     with caplog.at_level("WARNING", logger="lowprec"):
         assert check_resume(saved, now, "ck") == {"learning_rate": (1e-3, 2e-3)}
     notes = [r.getMessage() for r in caplog.records if "bit for bit" in r.getMessage()]
-    assert notes == ["lowprec: resuming with torch 2.13.0+cpu, the checkpoint was written with 2.12.0+cpu: the run "
-                     f"continues, but not bit for bit as the uninterrupted one ({RULES['torch'][1]})"]
+    assert notes == [
+        "lowprec: resuming with torch 2.13.0+cpu, the checkpoint was written with 2.12.0+cpu: the run "
+        f"continues, but not bit for bit as the uninterrupted one ({RULES['torch'][1]})"
+    ]
     caplog.clear()
     with caplog.at_level("WARNING", logger="lowprec"), pytest.raises(ValueError, match="optimizer: adamw_torch"):
         check_resume(saved, {**now, "optimizer": "sgd"}, "ck")
@@ -173,10 +198,23 @@ def test_apply_changes_puts_the_new_values_into_the_restored_optimizer_schedule_
     for _ in range(4):  # as restored at step 4: groups and schedule of the old config
         opt.step()
         sched.step()
-    new = load_config(TINY, {"max_steps": 10, "learning_rate": 0.01, "weight_decay": 0.1, "adam_beta1": 0.8,
-                             "gradient_accumulation_steps": 3})
-    run = SimpleNamespace(cfg=new, acc=SimpleNamespace(step=4), state=SimpleNamespace(step=4), optimizer=opt,
-                          scheduler=SimpleNamespace(scheduler=sched))
+    new = load_config(
+        TINY,
+        {
+            "max_steps": 10,
+            "learning_rate": 0.01,
+            "weight_decay": 0.1,
+            "adam_beta1": 0.8,
+            "gradient_accumulation_steps": 3,
+        },
+    )
+    run = SimpleNamespace(
+        cfg=new,
+        acc=SimpleNamespace(step=4),
+        state=SimpleNamespace(step=4),
+        optimizer=opt,
+        scheduler=SimpleNamespace(scheduler=sched),
+    )
     keys = ("learning_rate", "weight_decay", "adam_beta1", "gradient_accumulation_steps")
     apply_changes(run, {k: (getattr(old, k), getattr(new, k)) for k in keys}, main=False)
     assert opt.param_groups[0]["weight_decay"] == 0.1 and opt.param_groups[1]["weight_decay"] == 0.0
@@ -184,5 +222,7 @@ def test_apply_changes_puts_the_new_values_into_the_restored_optimizer_schedule_
     expected = 0.01 * lr_lambda(4, min(old.warmup_steps, 9), 10, old.lr_scheduler)
     assert [g["lr"] for g in opt.param_groups] == [expected, expected] == sched.get_last_lr()
     sched.step()  # the schedule goes on from the new peak rate
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * lr_lambda(5, min(old.warmup_steps, 9), 10, old.lr_scheduler))
+    assert opt.param_groups[0]["lr"] == pytest.approx(
+        0.01 * lr_lambda(5, min(old.warmup_steps, 9), 10, old.lr_scheduler)
+    )
     assert run.acc.step == 12  # 4 optimizer steps of 3 micro-batches: the next sync after 3 more

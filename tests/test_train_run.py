@@ -59,8 +59,21 @@ def test_every_example_runs_a_few_steps(tmp_path, path):
 def e2e_run(tmp_path_factory):
     """`lowprec train examples/tiny.yaml` in a real process (8 steps, FP8, checkpoints)."""
     out = tmp_path_factory.mktemp("e2e")
-    cmd = [sys.executable, "-m", "lowprec.cli.main", "train", TINY, "--output_dir", str(out),
-           "--save_steps", "2", "--save_total_limit", "2", "--use_tensorboard", "true"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lowprec.cli.main",
+        "train",
+        TINY,
+        "--output_dir",
+        str(out),
+        "--save_steps",
+        "2",
+        "--save_total_limit",
+        "2",
+        "--use_tensorboard",
+        "true",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
@@ -68,8 +81,15 @@ def e2e_run(tmp_path_factory):
 
 def test_e2e_outputs(e2e_run):
     out, proc = e2e_run
-    for name in ("metrics.jsonl", "loss.png", "fp8_report.png", "model.safetensors", "config.json",
-                 "resolved_config.yaml", "summary.json"):
+    for name in (
+        "metrics.jsonl",
+        "loss.png",
+        "fp8_report.png",
+        "model.safetensors",
+        "config.json",
+        "resolved_config.yaml",
+        "summary.json",
+    ):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert any((out / "runs").iterdir())  # TensorBoard events
     # checkpoints every 2 steps and at the final step, last 2 kept, no temporary dirs left
@@ -137,8 +157,13 @@ def test_exported_model_is_bf16_and_loads_into_the_plain_model(e2e_run):
     assert not any("Float8" in type(m).__name__ for m in model.modules())
     # the exported weights reproduce the run's last validation loss (eval ran in bf16 autocast)
     cfg = load_config(TINY)
-    _, val = build_datasets("builtin:stdlib", seq_len=cfg.sequence_len, max_bytes=cfg.dataset_max_bytes,
-                            val_fraction=cfg.val_set_size, seed=cfg.seed)
+    _, val = build_datasets(
+        "builtin:stdlib",
+        seq_len=cfg.sequence_len,
+        max_bytes=cfg.dataset_max_bytes,
+        val_fraction=cfg.val_set_size,
+        seed=cfg.seed,
+    )
     loader = TokenBatches(val, cfg.micro_batch_size, cfg.sequence_len, seed=cfg.seed, shuffle=False)
     with torch.no_grad():
         losses = [model(**b).loss.item() for b, _ in zip(loader, range(cfg.eval_batches))]
@@ -148,8 +173,16 @@ def test_exported_model_is_bf16_and_loads_into_the_plain_model(e2e_run):
 
 def test_gradient_accumulation_matches_a_larger_batch(tmp_path):
     base = {**FAST, "fp8": False, "bf16": False, "max_steps": 4, "logging_steps": 1, "save_steps": None}
-    a = train(load_config(TINY, {**base, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "output_dir": str(tmp_path / "a")}))
-    b = train(load_config(TINY, {**base, "micro_batch_size": 4, "gradient_accumulation_steps": 1, "output_dir": str(tmp_path / "b")}))
+    a = train(
+        load_config(
+            TINY, {**base, "micro_batch_size": 2, "gradient_accumulation_steps": 2, "output_dir": str(tmp_path / "a")}
+        )
+    )
+    b = train(
+        load_config(
+            TINY, {**base, "micro_batch_size": 4, "gradient_accumulation_steps": 1, "output_dir": str(tmp_path / "b")}
+        )
+    )
     la, lb = [x for _, x in a.train_losses], [x for _, x in b.train_losses]
     assert la == pytest.approx(lb, rel=1e-5)
     assert la[-1] < la[0]
@@ -166,24 +199,73 @@ def test_bf16_full_trains_pure_bf16(tmp_path):
 def test_ddp_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     """`--num_processes 2` relaunches under torchrun (gloo). Rank r takes blocks r, r+2, ... of
     the epoch order, so 2 ranks x 2 sequences see the same 4 sequences as 1 process x 4."""
-    common = ["--fp8", "false", "--bf16", "false", "--max_steps", "3", "--warmup_steps", "0", "--sequence_len", "32",
-              "--dataset_max_bytes", "100000", "--eval_batches", "1", "--quiet"]
+    common = [
+        "--fp8",
+        "false",
+        "--bf16",
+        "false",
+        "--max_steps",
+        "3",
+        "--warmup_steps",
+        "0",
+        "--sequence_len",
+        "32",
+        "--dataset_max_bytes",
+        "100000",
+        "--eval_batches",
+        "1",
+        "--quiet",
+    ]
     ddp = tmp_path / "ddp"
     run_torchrun(
-        [sys.executable, "-m", "lowprec.cli.main", "train", TINY, "--num_processes", "2",
-         "--micro_batch_size", "2", "--output_dir", str(ddp), *common],
-        lambda p: (ddp / "summary.json").exists(), env=_env(), timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "lowprec.cli.main",
+            "train",
+            TINY,
+            "--num_processes",
+            "2",
+            "--micro_batch_size",
+            "2",
+            "--output_dir",
+            str(ddp),
+            *common,
+        ],
+        lambda p: (ddp / "summary.json").exists(),
+        env=_env(),
+        timeout=300,
     )
-    single = train(load_config(TINY, {**FAST, "fp8": False, "bf16": False, "max_steps": 3, "logging_steps": 1,
-                                       "micro_batch_size": 4, "output_dir": str(tmp_path / "one")}))
+    single = train(
+        load_config(
+            TINY,
+            {
+                **FAST,
+                "fp8": False,
+                "bf16": False,
+                "max_steps": 3,
+                "logging_steps": 1,
+                "micro_batch_size": 4,
+                "output_dir": str(tmp_path / "one"),
+            },
+        )
+    )
     ddp_losses = [r["loss"] for r in read_metrics(str(ddp), "train")]
     assert ddp_losses == pytest.approx([x for _, x in single.train_losses], rel=1e-5)
     assert json.loads((ddp / "summary.json").read_text())["steps"] == 3
 
 
 def test_fp8_filter_keeps_matching_layers_in_high_precision(tmp_path):
-    cfg = load_config(TINY, {**FAST, "max_steps": 1, "logging_steps": 1, "output_dir": str(tmp_path),
-                             "fp8_filter": ["o_proj", "model.layers.0.*"]})
+    cfg = load_config(
+        TINY,
+        {
+            **FAST,
+            "max_steps": 1,
+            "logging_steps": 1,
+            "output_dir": str(tmp_path),
+            "fp8_filter": ["o_proj", "model.layers.0.*"],
+        },
+    )
     train(cfg)
     layers = set(read_metrics(str(tmp_path), "fp8")[0]["layers"])
     assert layers and not any(n.endswith("o_proj") or n.startswith("model.layers.0.") for n in layers)
@@ -194,7 +276,9 @@ def test_fp8_filter_keeps_matching_layers_in_high_precision(tmp_path):
 
 
 def test_fp16_runs_with_a_grad_scaler_and_counts_skipped_steps(tmp_path):
-    cfg = load_config(TINY, {**FAST, "fp8": False, "fp16": True, "max_steps": 4, "logging_steps": 1, "output_dir": str(tmp_path)})
+    cfg = load_config(
+        TINY, {**FAST, "fp8": False, "fp16": True, "max_steps": 4, "logging_steps": 1, "output_dir": str(tmp_path)}
+    )
     result = train(cfg)
     assert result.precision == "fp16"
     recs = read_metrics(str(tmp_path), "train")
@@ -211,13 +295,53 @@ def test_deepspeed_zero2_two_processes_match_one_process(tmp_path):
         env["DS_ACCELERATOR"] = "cpu"
     out = tmp_path / "ds"
     run_torchrun(
-        [sys.executable, "-m", "lowprec.cli.main", "train", TINY, "--num_processes", "2", "--micro_batch_size", "2",
-         "--deepspeed", "{zero_optimization: {stage: 2}}", "--fp8", "false", "--bf16", "false",
-         "--max_steps", "3", "--warmup_steps", "0", "--sequence_len", "32", "--dataset_max_bytes", "100000",
-         "--eval_batches", "1", "--output_dir", str(out), "--quiet"],
-        lambda p: (out / "summary.json").exists(), env=env, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "lowprec.cli.main",
+            "train",
+            TINY,
+            "--num_processes",
+            "2",
+            "--micro_batch_size",
+            "2",
+            "--deepspeed",
+            "{zero_optimization: {stage: 2}}",
+            "--fp8",
+            "false",
+            "--bf16",
+            "false",
+            "--max_steps",
+            "3",
+            "--warmup_steps",
+            "0",
+            "--sequence_len",
+            "32",
+            "--dataset_max_bytes",
+            "100000",
+            "--eval_batches",
+            "1",
+            "--output_dir",
+            str(out),
+            "--quiet",
+        ],
+        lambda p: (out / "summary.json").exists(),
+        env=env,
+        timeout=400,
     )
-    single = train(load_config(TINY, {**FAST, "fp8": False, "bf16": False, "max_steps": 3, "logging_steps": 1,
-                                       "micro_batch_size": 4, "output_dir": str(tmp_path / "one")}))
+    single = train(
+        load_config(
+            TINY,
+            {
+                **FAST,
+                "fp8": False,
+                "bf16": False,
+                "max_steps": 3,
+                "logging_steps": 1,
+                "micro_batch_size": 4,
+                "output_dir": str(tmp_path / "one"),
+            },
+        )
+    )
     ds_losses = [r["loss"] for r in read_metrics(str(out), "train")]
     assert ds_losses == pytest.approx([x for _, x in single.train_losses], rel=1e-4)

@@ -23,8 +23,16 @@ from tests.torchrun_util import run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny.yaml")
-RUN = {"max_steps": 3, "warmup_steps": 0, "sequence_len": 32, "dataset_max_bytes": 100000, "eval_steps": None,
-       "eval_batches": 1, "micro_batch_size": 4, "logging_steps": 1}
+RUN = {
+    "max_steps": 3,
+    "warmup_steps": 0,
+    "sequence_len": 32,
+    "dataset_max_bytes": 100000,
+    "eval_steps": None,
+    "eval_batches": 1,
+    "micro_batch_size": 4,
+    "logging_steps": 1,
+}
 
 
 def test_tensor_parallel_size_needs_tensorwise_fp8():
@@ -36,9 +44,28 @@ def test_tensor_parallel_training_follows_one_process(tmp_path):
     out = tmp_path / "tp"
     flags = [f"--{k}={'null' if v is None else v}" for k, v in RUN.items()]
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
-    run_torchrun([sys.executable, "-m", "lowprec.cli.main", "train", TINY, "--num_processes", "2", "--tensor_parallel_size", "2",
-                  "--sequence_parallel", "true", "--output_dir", str(out), "--quiet", *flags],
-                 lambda p: (out / "summary.json").exists(), env=env, timeout=300)
+    run_torchrun(
+        [
+            sys.executable,
+            "-m",
+            "lowprec.cli.main",
+            "train",
+            TINY,
+            "--num_processes",
+            "2",
+            "--tensor_parallel_size",
+            "2",
+            "--sequence_parallel",
+            "true",
+            "--output_dir",
+            str(out),
+            "--quiet",
+            *flags,
+        ],
+        lambda p: (out / "summary.json").exists(),
+        env=env,
+        timeout=300,
+    )
     single = train(load_config(TINY, {**RUN, "output_dir": str(tmp_path / "one")}))
     tp_losses = [r["loss"] for r in read_metrics(str(out), "train")]
     assert tp_losses == pytest.approx([x for _, x in single.train_losses], abs=2e-2)

@@ -25,7 +25,9 @@ class _Blocker(importlib.abc.MetaPathFinder):
         if fullname.partition(".")[0] in self.names:
             raise ModuleNotFoundError(
                 f"No module named {fullname!r} ({BLOCK_ENV}: the GPU image lacks it unless the set-up step "
-                f"installed it; this part must run without it)", name=fullname)
+                f"installed it; this part must run without it)",
+                name=fullname,
+            )
         return None
 
 

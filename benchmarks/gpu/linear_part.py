@@ -45,8 +45,13 @@ from lowprec.fp8.mx_gemm import native_block_scaled_available  # noqa: E402
 
 # (M, K, N, name): Llama-3-8B's projections at 16384 tokens (qkv and gate+up fused), and the
 # issue's target shape (one of gate/up)
-SHAPES = [(16384, 4096, 14336, "gate (target)"), (16384, 4096, 6144, "qkv"), (16384, 4096, 4096, "o"),
-          (16384, 4096, 28672, "gate+up"), (16384, 14336, 4096, "down")]
+SHAPES = [
+    (16384, 4096, 14336, "gate (target)"),
+    (16384, 4096, 6144, "qkv"),
+    (16384, 4096, 4096, "o"),
+    (16384, 4096, 28672, "gate+up"),
+    (16384, 14336, 4096, "down"),
+]
 TINY = [(128, 128, 256, "tiny-a"), (128, 256, 128, "tiny-b")]
 BLOCK_SCALED = ("mxfp8", "nvfp4")
 
@@ -76,7 +81,10 @@ def estimates(m: int, k: int, n: int, recipes: list[str], torchao: bool) -> dict
     for name, build in builds.items():
         try:
             counter = trace_linear(build, m, k, n, sm=(9, 0), triton=name in recipes and triton_importable())
-            row = {"traced_outside_gemm_bytes": counter.outside_gemm_bytes(), "roofline_ms": round(traffic.estimate_ms(counter), 4)}
+            row = {
+                "traced_outside_gemm_bytes": counter.outside_gemm_bytes(),
+                "roofline_ms": round(traffic.estimate_ms(counter), 4),
+            }
         except Exception as e:  # noqa: BLE001 - an estimate that cannot be made is reported
             row = {"estimate_error": f"{type(e).__name__}: {e}"[:200]}
         if name in recipes:
@@ -133,13 +141,23 @@ def main(argv=None) -> int:
     logging.getLogger("lowprec").addHandler(warnings)
     torchao = _torchao_importable()
     payload = {
-        "benchmark": "gpu/linear", "device": device_name(device), "torch": torch.__version__, "dry_run": a.dry_run,
-        "recipes": recipes, "torchao": torchao, "compile_backend": backend, "iters": iters, "warmup": warmup,
+        "benchmark": "gpu/linear",
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "dry_run": a.dry_run,
+        "recipes": recipes,
+        "torchao": torchao,
+        "compile_backend": backend,
+        "iters": iters,
+        "warmup": warmup,
         "timing": "median ms of fwd+bwd after warm-up (CUDA events on GPU)",
         "estimate_label": "ESTIMATES, not measurements: roofline at H100 SXM achieved rates (traced as sm_90) "
-                          "and lowprec's cost model (datasheet peaks x fitted efficiencies)",
+        "and lowprec's cost model (datasheet peaks x fitted efficiencies)",
         "shapes": [{"M": m, "K": k, "N": n, "name": nm} for m, k, n, nm in shapes],
-        "estimates": {}, "results": [], "steps_done": [], "complete": False,
+        "estimates": {},
+        "results": [],
+        "steps_done": [],
+        "complete": False,
     }
     out = Path(a.out)
 
@@ -170,7 +188,9 @@ def main(argv=None) -> int:
                 r["measured_over_roofline"] = round(r["ms"] / r["roofline_ms"], 3)
             print(json.dumps(r), flush=True)
         payload["results"] += rows
-        payload["steps_done"].append({"mode": mode, "shape": f"{m}x{k}x{n}", "seconds": round(time.monotonic() - t0, 1)})
+        payload["steps_done"].append(
+            {"mode": mode, "shape": f"{m}x{k}x{n}", "seconds": round(time.monotonic() - t0, 1)}
+        )
         save()
         if cuda:
             torch.cuda.empty_cache()

@@ -80,8 +80,11 @@ def predicted_total_s(parts: list[Part]) -> int:
 def gpu_test_files() -> list[str]:
     """Every test file with a test marked gpu (pytest is given files, not the folder: collecting
     the whole suite would import packages the GPU image lacks)."""
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
-                  if "pytest.mark.gpu" in p.read_text(encoding="utf-8"))
+    return sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "tests").glob("test_*.py")
+        if "pytest.mark.gpu" in p.read_text(encoding="utf-8")
+    )
 
 
 def plan(parts: list[Part], out: Path, dry: bool, wheels: Path, site: Path) -> None:
@@ -90,10 +93,33 @@ def plan(parts: list[Part], out: Path, dry: bool, wheels: Path, site: Path) -> N
     for p in parts:
         result = str(out / f"{p.name}.part.json")
         if p.name == "setup":
-            p.argv = [*child, str(HERE / "setup_env.py"), "--wheels", str(wheels), "--site", str(site), "--out", result, *dr]
+            p.argv = [
+                *child,
+                str(HERE / "setup_env.py"),
+                "--wheels",
+                str(wheels),
+                "--site",
+                str(site),
+                "--out",
+                result,
+                *dr,
+            ]
         elif p.name == "gpu_tests":
-            p.argv = [*child, "-m", "pytest", "-m", "gpu", *gpu_test_files(), "-q", "-p", "no:cacheprovider",
-                      "-rfEs", f"--junitxml={out / 'gpu_tests.junit.xml'}", "-n", "0" if dry else "4"]
+            p.argv = [
+                *child,
+                "-m",
+                "pytest",
+                "-m",
+                "gpu",
+                *gpu_test_files(),
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-rfEs",
+                f"--junitxml={out / 'gpu_tests.junit.xml'}",
+                "-n",
+                "0" if dry else "4",
+            ]
         elif p.name == "linear":
             p.argv = [*child, str(HERE / "linear_part.py"), "--out", result, *dr]
         elif p.name == "cast":
@@ -108,11 +134,17 @@ def probe_device(dry: bool) -> dict:
     if dry:
         return {"name": "cpu-dry-run", "torch": _torch_version()}
     # a real run imports torch in a child: a broken CUDA set-up is reported, not raised
-    code = ("import json, torch; c = torch.cuda.is_available(); print(json.dumps({'name': torch.cuda.get_device_name() "
-            "if c else 'no-cuda', 'capability': list(torch.cuda.get_device_capability()) if c else None, "
-            "'torch': torch.__version__, 'cuda': torch.version.cuda}))")
+    code = (
+        "import json, torch; c = torch.cuda.is_available(); print(json.dumps({'name': torch.cuda.get_device_name() "
+        "if c else 'no-cuda', 'capability': list(torch.cuda.get_device_capability()) if c else None, "
+        "'torch': torch.__version__, 'cuda': torch.version.cuda}))"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    return json.loads(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else {"name": "unknown", "error": res.stderr[-500:]}
+    return (
+        json.loads(res.stdout.strip().splitlines()[-1])
+        if res.returncode == 0
+        else {"name": "unknown", "error": res.stderr[-500:]}
+    )
 
 
 def _torch_version() -> str:
@@ -133,8 +165,16 @@ def run_part(p: Part, env: dict, timeout_s: float | None = None) -> dict:
     timeout_s = p.budget_s if timeout_s is None else timeout_s
     print(f"\n=== {p.name} (budget {p.budget_s} s, timeout {timeout_s} s): {p.what}", flush=True)
     t0 = time.monotonic()
-    proc = subprocess.Popen(p.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True)  # its own group: a timeout kills compile workers too
+    proc = subprocess.Popen(
+        p.argv,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )  # its own group: a timeout kills compile workers too
     lines: list[str] = []
 
     def pump():
@@ -160,8 +200,17 @@ def run_part(p: Part, env: dict, timeout_s: float | None = None) -> dict:
     wall = round(time.monotonic() - t0, 1)
     status = status or ("ok" if rc == 0 else "failed")
     print(f"=== {p.name}: {status} in {wall} s", flush=True)
-    return {"part": p.name, "status": status, "rc": rc, "wall_s": wall, "budget_s": p.budget_s, "timeout_s": timeout_s, "what": p.what,
-            "command": shlex.join(p.argv[2:]), "log_tail": "".join(lines)[-6000:]}
+    return {
+        "part": p.name,
+        "status": status,
+        "rc": rc,
+        "wall_s": wall,
+        "budget_s": p.budget_s,
+        "timeout_s": timeout_s,
+        "what": p.what,
+        "command": shlex.join(p.argv[2:]),
+        "log_tail": "".join(lines)[-6000:],
+    }
 
 
 def collect(p: Part, rec: dict, out: Path) -> dict:
@@ -196,7 +245,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", help="output folder (on the GPU machine: $OUT); a subfolder named after the GPU is made")
     ap.add_argument("--dry-run", action="store_true", help="the CPU rehearsal: every part on tiny shapes")
-    ap.add_argument("--parts", default=",".join(p.name for p in PARTS), help="comma-separated subset, in the plan's order")
+    ap.add_argument(
+        "--parts", default=",".join(p.name for p in PARTS), help="comma-separated subset, in the plan's order"
+    )
     ap.add_argument("--wheels", default=str(HERE / "wheels"))
     a = ap.parse_args(argv)
     wanted = [w.strip() for w in a.parts.split(",") if w.strip()]
@@ -206,24 +257,38 @@ def main(argv=None) -> int:
         return 2
     parts = [p for p in PARTS if p.name in wanted]
     total = predicted_total_s(PARTS)
-    print(f"predicted total of the real run: {total} s ({total / 60:.1f} min; limit {LIMIT_S} s): "
-          + ", ".join(f"{p.name} {p.budget_s} s" for p in PARTS) + f", driver {DRIVER_OVERHEAD_S} s", flush=True)
+    print(
+        f"predicted total of the real run: {total} s ({total / 60:.1f} min; limit {LIMIT_S} s): "
+        + ", ".join(f"{p.name} {p.budget_s} s" for p in PARTS)
+        + f", driver {DRIVER_OVERHEAD_S} s",
+        flush=True,
+    )
     if total >= LIMIT_S:
-        print(f"error: the parts' budgets add up to {total} s, over the {LIMIT_S} s limit: lower a budget in {__file__}", file=sys.stderr)
+        print(
+            f"error: the parts' budgets add up to {total} s, over the {LIMIT_S} s limit: lower a budget in {__file__}",
+            file=sys.stderr,
+        )
         return 2
     t0 = time.monotonic()
     device = probe_device(a.dry_run)
     if not a.dry_run and not device.get("capability"):
         # the real run installs lowprec into this Python (pip install -e): never on a machine without a GPU
-        print(f"error: no CUDA device here ({device.get('name')}: {device.get('error', '')[-300:]}); "
-              "on a CPU machine run the rehearsal: bash benchmarks/gpu/run.sh OUT --dry-run", file=sys.stderr)
+        print(
+            f"error: no CUDA device here ({device.get('name')}: {device.get('error', '')[-300:]}); "
+            "on a CPU machine run the rehearsal: bash benchmarks/gpu/run.sh OUT --dry-run",
+            file=sys.stderr,
+        )
         return 2
     out = Path(a.out) / slug(device["name"])
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(tempfile.gettempdir()) / "lowprec-gpu-run"
     site = cache / "site"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-               TRITON_CACHE_DIR=str(cache / "triton"))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
+        TRITON_CACHE_DIR=str(cache / "triton"),
+    )
     paths = [str(ROOT / "src"), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     if a.dry_run:
         env.update(OMP_NUM_THREADS="1", LOWPREC_TEST_THREADS="1")
@@ -232,15 +297,24 @@ def main(argv=None) -> int:
     for p in parts:
         # the wheels' folder goes first on the path once the set-up installed them (real run only:
         # the rehearsal's site holds CPython 3.12 binaries)
-        part_env = dict(env, PYTHONPATH=os.pathsep.join(([str(site)] if site.is_dir() and not a.dry_run else []) + paths))
+        part_env = dict(
+            env, PYTHONPATH=os.pathsep.join(([str(site)] if site.is_dir() and not a.dry_run else []) + paths)
+        )
         if a.dry_run and p.name != "setup":
             part_env["LOWPREC_GPU_BLOCK_IMPORTS"] = BLOCK_IN_REHEARSAL
         records[p.name] = collect(p, run_part(p, part_env, DRY_RUN_TIMEOUT_S if a.dry_run else p.budget_s), out)
     summary = {
-        "device": device.get("name"), "capability": device.get("capability"), "torch": device.get("torch"),
-        "cuda": device.get("cuda"), "dry_run": a.dry_run, "command": shlex.join(["bash", "benchmarks/gpu/run.sh", *(argv or sys.argv[1:])]),
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "predicted_total_s": total,
-        "limit_s": LIMIT_S, "budgets_s": {p.name: p.budget_s for p in PARTS}, "wall_s": round(time.monotonic() - t0, 1),
+        "device": device.get("name"),
+        "capability": device.get("capability"),
+        "torch": device.get("torch"),
+        "cuda": device.get("cuda"),
+        "dry_run": a.dry_run,
+        "command": shlex.join(["bash", "benchmarks/gpu/run.sh", *(argv or sys.argv[1:])]),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "predicted_total_s": total,
+        "limit_s": LIMIT_S,
+        "budgets_s": {p.name: p.budget_s for p in PARTS},
+        "wall_s": round(time.monotonic() - t0, 1),
         "parts": {n: {k: r.get(k) for k in ("status", "wall_s", "budget_s", "note")} for n, r in records.items()},
         "blocked_imports_in_measuring_parts": BLOCK_IN_REHEARSAL if a.dry_run else None,
     }

@@ -36,17 +36,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = ("pydantic", "torchao")  # pip resolves their dependencies from the wheels folder
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
-             "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-IMPORT_CHECK = "import pydantic, torchao, torchao.float8, lowprec.train.config; print(pydantic.VERSION, torchao.__version__)"
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)
+IMPORT_CHECK = (
+    "import pydantic, torchao, torchao.float8, lowprec.train.config; print(pydantic.VERSION, torchao.__version__)"
+)
 
 
 def _run(cmd: list[str], env: dict | None = None, timeout: float = 120) -> dict:
     t0 = time.monotonic()
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
     tail = (res.stdout + res.stderr).strip()[-1500:]
-    return {"command": " ".join(cmd[2:] if cmd[:2] == [sys.executable, "-m"] else cmd), "rc": res.returncode,
-            "seconds": round(time.monotonic() - t0, 2), "output_tail": tail}
+    return {
+        "command": " ".join(cmd[2:] if cmd[:2] == [sys.executable, "-m"] else cmd),
+        "rc": res.returncode,
+        "seconds": round(time.monotonic() - t0, 2),
+        "output_tail": tail,
+    }
 
 
 def installed_versions(site: Path) -> dict[str, str]:
@@ -67,7 +78,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     wheels, site = Path(a.wheels), Path(a.site)
     files = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
-    py_matches = sys.version_info[:2] == (3, 12) and platform.machine() == "x86_64" and sys.implementation.name == "cpython"
+    py_matches = (
+        sys.version_info[:2] == (3, 12) and platform.machine() == "x86_64" and sys.implementation.name == "cpython"
+    )
     report: dict = {
         "dry_run": a.dry_run,
         "python": platform.python_version(),
@@ -79,12 +92,25 @@ def main(argv=None) -> int:
     ok = True
     pip = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
     if not files:
-        report["steps"]["wheels"] = {"status": "skipped", "reason": f"no wheels in {wheels}: run benchmarks/gpu/fetch_wheels.sh "
-                                     "(the GPU run then has no pydantic and no torchao)"}
+        report["steps"]["wheels"] = {
+            "status": "skipped",
+            "reason": f"no wheels in {wheels}: run benchmarks/gpu/fetch_wheels.sh "
+            "(the GPU run then has no pydantic and no torchao)",
+        }
         ok = a.dry_run
     else:
-        cmd = [*pip, "--no-index", "--find-links", str(wheels), "--target", str(site), "--no-compile",
-               "--no-cache-dir", "--upgrade", *REQUIRED]
+        cmd = [
+            *pip,
+            "--no-index",
+            "--find-links",
+            str(wheels),
+            "--target",
+            str(site),
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            *REQUIRED,
+        ]
         if a.dry_run:  # resolve the GPU image's interpreter's wheels, whatever this Python is
             cmd += ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp"]
             for plat in PLATFORMS:
@@ -105,10 +131,15 @@ def main(argv=None) -> int:
             report["steps"]["import_check"] = chk
             ok &= chk["status"] == "ok"
         else:
-            report["steps"]["import_check"] = {"status": "skipped", "reason": (
-                "the wheel install failed" if step["status"] != "ok" else
-                f"this interpreter is {sys.implementation.name} {platform.python_version()} on {platform.machine()}; "
-                "the wheels are for CPython 3.12 x86-64 (the GPU image)")}
+            report["steps"]["import_check"] = {
+                "status": "skipped",
+                "reason": (
+                    "the wheel install failed"
+                    if step["status"] != "ok"
+                    else f"this interpreter is {sys.implementation.name} {platform.python_version()} on {platform.machine()}; "
+                    "the wheels are for CPython 3.12 x86-64 (the GPU image)"
+                ),
+            }
     cmd = [*pip, "--no-deps", "--no-build-isolation", "--no-index", "-e", str(ROOT)]
     if a.dry_run:
         cmd.insert(4, "--dry-run")

@@ -45,10 +45,20 @@ from train_step import _torchao_convert  # noqa: E402
 import lowprec.fp8 as fp8  # noqa: E402
 from lowprec.train.model import LlamaConfig, build_model  # noqa: E402
 
-LLAMA3_8B_4L = LlamaConfig(vocab_size=16384, dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                           max_seq_len=8192, rope_theta=500000.0, name="llama3-8b-4layers")
-TINY = LlamaConfig(vocab_size=272, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=64,
-                   name="tiny-4layers")
+LLAMA3_8B_4L = LlamaConfig(
+    vocab_size=16384,
+    dim=4096,
+    n_layers=4,
+    n_heads=32,
+    n_kv_heads=8,
+    ffn_dim=14336,
+    max_seq_len=8192,
+    rope_theta=500000.0,
+    name="llama3-8b-4layers",
+)
+TINY = LlamaConfig(
+    vocab_size=272, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=64, name="tiny-4layers"
+)
 TRAIN_RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed", "mxfp8", "nvfp4")
 COMPILED = ("bf16", "tensorwise", "torchao_tensorwise")
 
@@ -99,12 +109,23 @@ def run_variant(name, convert, use_fp8, cfg, batch, seq, steps, warmup, compiled
     first_s = time.monotonic() - t0
     times = [time_fn(step, device, warmup=0, iters=1) for _ in range(steps)]
     ms = statistics.median(times)
-    row = {"variant": name, "mode": "compiled" if compiled else "eager", "n_layers": cfg.n_layers, "batch_size": batch, "seq_len": seq,
-           "ms_per_step": round(ms, 3), "ms_min": round(min(times), 3), "ms_max": round(max(times), 3),
-           "tokens_per_s": round(batch * seq / (ms / 1e3), 1), "warmup_seconds": round(first_s, 1),
-           "steps": warmup + steps, "loss_first": round(float(losses[0]), 4), "loss_last": round(float(losses[-1]), 4),
-           # lowprec's and torchao's FP8 Linear classes
-           "fp8_layers": sum(type(m).__name__ == "Float8Linear" for m in model.modules())}
+    row = {
+        "variant": name,
+        "mode": "compiled" if compiled else "eager",
+        "n_layers": cfg.n_layers,
+        "batch_size": batch,
+        "seq_len": seq,
+        "ms_per_step": round(ms, 3),
+        "ms_min": round(min(times), 3),
+        "ms_max": round(max(times), 3),
+        "tokens_per_s": round(batch * seq / (ms / 1e3), 1),
+        "warmup_seconds": round(first_s, 1),
+        "steps": warmup + steps,
+        "loss_first": round(float(losses[0]), 4),
+        "loss_last": round(float(losses[-1]), 4),
+        # lowprec's and torchao's FP8 Linear classes
+        "fp8_layers": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
+    }
     row["peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2) if cuda else None
     return row  # the model, optimizer and batches are freed with this frame (the caller collects)
 
@@ -133,10 +154,22 @@ def main(argv=None) -> int:
     if not cuda:  # the rehearsal compiles one variant of a 1-layer model: Dynamo's tracing on 2 CPU cores costs
         # about 10 s per layer and variant, and the code path is the same
         plan = [s for s in plan if not s[3] or s[0] == "tensorwise"]
-    payload = {"benchmark": "gpu/train", "device": device_name(device), "torch": torch.__version__, "dry_run": a.dry_run,
-               "model": dataclasses.asdict(cfg), "batch_size": batch, "seq_len": seq,
-               "tokens_per_step": batch * seq, "timed_steps": steps, "warmup_steps": warmup, "compile_backend": backend,
-               "plan": [f"{n} ({'compiled' if c else 'eager'})" for n, _, _, c in plan], "results": [], "complete": False}
+    payload = {
+        "benchmark": "gpu/train",
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "dry_run": a.dry_run,
+        "model": dataclasses.asdict(cfg),
+        "batch_size": batch,
+        "seq_len": seq,
+        "tokens_per_step": batch * seq,
+        "timed_steps": steps,
+        "warmup_steps": warmup,
+        "compile_backend": backend,
+        "plan": [f"{n} ({'compiled' if c else 'eager'})" for n, _, _, c in plan],
+        "results": [],
+        "complete": False,
+    }
     out = Path(a.out)
 
     def save():
@@ -162,7 +195,11 @@ def main(argv=None) -> int:
                 row = run_variant(name, convert, use_fp8, cfg_v, b, seq, steps, warmup, compiled, device, backend)
                 row["note"] = f"batch {batch} did not fit; halved to {b}"
         except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported, the others go on
-            row = {"variant": name, "mode": "compiled" if compiled else "eager", "error": f"{type(e).__name__}: {e}"[:400]}
+            row = {
+                "variant": name,
+                "mode": "compiled" if compiled else "eager",
+                "error": f"{type(e).__name__}: {e}"[:400],
+            }
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()

@@ -83,8 +83,10 @@ def main() -> None:
             if t is not threading.main_thread():
                 t.join(timeout=5)
     if os.environ.get("LIST_THREADS"):
-        print(f"rank {rank} python threads: {[t.name for t in threading.enumerate()]}; "
-              f"os threads: {os_threads()}", flush=True)
+        print(
+            f"rank {rank} python threads: {[t.name for t in threading.enumerate()]}; os threads: {os_threads()}",
+            flush=True,
+        )
     print(f"rank {rank} done", flush=True)
     if os.environ.get("LIST_THREADS"):
         import atexit

@@ -26,8 +26,18 @@ WARNING = "killed by SIGABRT at interpreter exit, after the work finished"
 
 def launch(extra_flags: list[str], env: dict) -> dict:
     out = tempfile.mkdtemp(prefix="lowprec-stress-")
-    cmd = [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2", *extra_flags,
-           SCRIPT, out]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lowprec.cli.main",
+        "launch",
+        "--cpu",
+        "--num_processes",
+        "2",
+        *extra_flags,
+        SCRIPT,
+        out,
+    ]
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
@@ -37,8 +47,14 @@ def launch(extra_flags: list[str], env: dict) -> dict:
     outputs = all(os.path.exists(os.path.join(out, f"rank{r}.json")) for r in (0, 1))
     shutil.rmtree(out, ignore_errors=True)
     lines = [ln for ln in err.splitlines() if ln.startswith("lowprec:")]
-    return {"rc": rc, "outputs": outputs, "abort_warning": WARNING in err, "s": round(time.monotonic() - t0, 1),
-            "lowprec_lines": lines, "terminate_seen": "terminate called" in err}
+    return {
+        "rc": rc,
+        "outputs": outputs,
+        "abort_warning": WARNING in err,
+        "s": round(time.monotonic() - t0, 1),
+        "lowprec_lines": lines,
+        "terminate_seen": "terminate called" in err,
+    }
 
 
 def main() -> None:
@@ -60,9 +76,14 @@ def main() -> None:
         failed = [x for x in runs if x["rc"] != 0 or not x["outputs"]]
         summary = {
             "command": f"lowprec launch --cpu --num_processes 2 {' '.join(flags)} benchmarks/stress/tiny_accelerator.py OUT",
-            "date": f"{started} - {time.strftime('%H:%M UTC', time.gmtime())}", "torch": torch.__version__,
-            "device": "cpu", "worker_exit": args.worker_exit, "launches_planned": args.launches, "launches_done": len(runs),
-            "failures": len(failed), "exit0_with_abort_warning": sum(x["abort_warning"] for x in runs),
+            "date": f"{started} - {time.strftime('%H:%M UTC', time.gmtime())}",
+            "torch": torch.__version__,
+            "device": "cpu",
+            "worker_exit": args.worker_exit,
+            "launches_planned": args.launches,
+            "launches_done": len(runs),
+            "failures": len(failed),
+            "exit0_with_abort_warning": sum(x["abort_warning"] for x in runs),
             "terminate_seen": sum(x["terminate_seen"] for x in runs),
             "mean_s": round(sum(x["s"] for x in runs) / len(runs), 1),
             "failed_runs": [dict(x, index=j) for j, x in enumerate(runs) if x["rc"] != 0 or not x["outputs"]],
@@ -70,8 +91,11 @@ def main() -> None:
         with open(args.out + ".tmp", "w") as f:
             json.dump(summary, f, indent=1)
         os.replace(args.out + ".tmp", args.out)
-        print(f"{i}: rc={r['rc']} outputs={r['outputs']} warning={r['abort_warning']} {r['s']}s "
-              f"(failures so far {len(failed)})", flush=True)
+        print(
+            f"{i}: rc={r['rc']} outputs={r['outputs']} warning={r['abort_warning']} {r['s']}s "
+            f"(failures so far {len(failed)})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,15 @@ def tiny_llama(seed: int = 0):
 
     torch.manual_seed(seed)
     # every Linear a multiple of 16 wide (FP8 GEMMs need it); vocab = the 256 byte values
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -61,14 +68,33 @@ def training_args(out: str, args, save_every: int = 0):
     """Trainer's arguments; ``save_every`` > 0: a checkpoint every that many steps, a log line every step."""
     from transformers import TrainingArguments
 
-    ckpt = {} if args.gradient_checkpointing == "off" else {
-        "gradient_checkpointing": True,
-        "gradient_checkpointing_kwargs": {"use_reentrant": args.gradient_checkpointing == "reentrant"}}
-    saving = {"save_strategy": "steps", "save_steps": save_every, "logging_steps": 1} if save_every else {
-        "save_strategy": "no", "logging_steps": 5}
-    return TrainingArguments(out, max_steps=args.steps, per_device_train_batch_size=args.batch, learning_rate=3e-3,
-                             lr_scheduler_type="constant", report_to=[], disable_tqdm=True, use_cpu=True, bf16=True,
-                             seed=0, **saving, **ckpt)
+    ckpt = (
+        {}
+        if args.gradient_checkpointing == "off"
+        else {
+            "gradient_checkpointing": True,
+            "gradient_checkpointing_kwargs": {"use_reentrant": args.gradient_checkpointing == "reentrant"},
+        }
+    )
+    saving = (
+        {"save_strategy": "steps", "save_steps": save_every, "logging_steps": 1}
+        if save_every
+        else {"save_strategy": "no", "logging_steps": 5}
+    )
+    return TrainingArguments(
+        out,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        bf16=True,
+        seed=0,
+        **saving,
+        **ckpt,
+    )
 
 
 def train(fp8_recipe: str | None, args, out: str, save_every: int = 0, resume: str | None = None):
@@ -86,8 +112,9 @@ def train(fp8_recipe: str | None, args, out: str, save_every: int = 0, resume: s
     if fp8_recipe:
         enable_fp8(model, fp8_recipe)  # conversion is the switch: FP8 wherever Trainer calls the model
         callbacks.append(FP8Callback())
-    trainer = Trainer(model=model, args=training_args(out, args, save_every), train_dataset=ByteWindows(),
-                      callbacks=callbacks)
+    trainer = Trainer(
+        model=model, args=training_args(out, args, save_every), train_dataset=ByteWindows(), callbacks=callbacks
+    )
     if fp8_recipe and args.opt_level:
         from lowprec.integrations.transformers import apply_opt_level
 
@@ -104,8 +131,7 @@ def resume_check(args, out: str) -> dict:
     difference between the resumed run's losses and the uninterrupted run's."""
     half = max(args.steps // 2, 1)
     _, _, _, full = train(args.recipe, args, out, save_every=half)
-    _, _, _, resumed = train(args.recipe, args, out, save_every=half,
-                             resume=os.path.join(out, f"checkpoint-{half}"))
+    _, _, _, resumed = train(args.recipe, args, out, save_every=half, resume=os.path.join(out, f"checkpoint-{half}"))
     after = [s for s in full if s > half]
     return {"resume_steps": after, "resume_max_abs_diff": max(abs(resumed[s] - full[s]) for s in after)}
 
@@ -119,9 +145,14 @@ def reload_check(model, out: str) -> dict:
     path = os.path.join(out, "saved")
     model.save_pretrained(path)
     loaded, info = LlamaForCausalLM.from_pretrained(path, output_loading_info=True)
-    same = all(torch.equal(p, loaded.state_dict()[k]) for k, p in model.state_dict().items() if k in loaded.state_dict())
-    return {"missing_keys": sorted(info["missing_keys"]), "unexpected_keys": sorted(info["unexpected_keys"]),
-            "weights_equal": same}
+    same = all(
+        torch.equal(p, loaded.state_dict()[k]) for k, p in model.state_dict().items() if k in loaded.state_dict()
+    )
+    return {
+        "missing_keys": sorted(info["missing_keys"]),
+        "unexpected_keys": sorted(info["unexpected_keys"]),
+        "weights_equal": same,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -131,10 +162,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--gradient_checkpointing", choices=["off", "reentrant", "non_reentrant"], default="off")
     p.add_argument("--lora", action="store_true", help="peft LoRA adapters on the (FP8) base layers")
     p.add_argument("--batch", type=int, default=8, help="per process (the global batch is this x processes)")
-    p.add_argument("--opt_level", choices=["O1", "O2"], default=None,
-                   help="MS-AMP style FP8 gradients (O1) and FP8AdamW (O2) for the FP8 run")
-    p.add_argument("--resume_check", action="store_true",
-                   help="also train FP8 with a checkpoint halfway and resume from it; report the loss difference")
+    p.add_argument(
+        "--opt_level",
+        choices=["O1", "O2"],
+        default=None,
+        help="MS-AMP style FP8 gradients (O1) and FP8AdamW (O2) for the FP8 run",
+    )
+    p.add_argument(
+        "--resume_check",
+        action="store_true",
+        help="also train FP8 with a checkpoint halfway and resume from it; report the loss difference",
+    )
     p.add_argument("--output_dir", default=None, help="default: a temporary directory")
     args = p.parse_args(argv)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -144,10 +182,18 @@ def main(argv: list[str] | None = None) -> dict:
         out = args.output_dir or tmp  # nothing is saved during training: a directory per rank is fine
         loss_bf16, _, _, _ = train(None, args, os.path.join(out, "bf16"))
         loss_fp8, counts, model, _ = train(args.recipe, args, os.path.join(out, "fp8"))
-        result = {"recipe": args.recipe, "steps": args.steps, "lora": args.lora, "opt_level": args.opt_level,
-                  "world_size": world, "gradient_checkpointing": args.gradient_checkpointing,
-                  "loss_bf16": loss_bf16, "loss_fp8": loss_fp8, "rel_diff": abs(loss_fp8 - loss_bf16) / loss_bf16,
-                  **{k + ("_per_rank" if world > 1 else ""): v for k, v in counts.items()}}
+        result = {
+            "recipe": args.recipe,
+            "steps": args.steps,
+            "lora": args.lora,
+            "opt_level": args.opt_level,
+            "world_size": world,
+            "gradient_checkpointing": args.gradient_checkpointing,
+            "loss_bf16": loss_bf16,
+            "loss_fp8": loss_fp8,
+            "rel_diff": abs(loss_fp8 - loss_bf16) / loss_bf16,
+            **{k + ("_per_rank" if world > 1 else ""): v for k, v in counts.items()},
+        }
         if args.resume_check:
             result.update(resume_check(args, os.path.join(out, "resume")))
         if rank == 0:

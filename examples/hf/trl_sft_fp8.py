@@ -63,11 +63,29 @@ def train(fp8_recipe: str | None, args, out: str):
     if fp8_recipe:
         enable_fp8(model, fp8_recipe)  # before SFTTrainer wraps it in peft: base layers FP8, adapters not
         callbacks.append(FP8Callback())
-    cfg = SFTConfig(out, max_steps=args.steps, per_device_train_batch_size=args.batch, learning_rate=3e-3,
-                    lr_scheduler_type="constant", logging_steps=5, save_strategy="no", report_to=[],
-                    disable_tqdm=True, use_cpu=True, seed=0, max_length=64, packing=True)
-    trainer = SFTTrainer(model=model, args=cfg, train_dataset=dataset(), processing_class=tokenizer,
-                         peft_config=peft_config, callbacks=callbacks)
+    cfg = SFTConfig(
+        out,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=5,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+        max_length=64,
+        packing=True,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=cfg,
+        train_dataset=dataset(),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )
     if fp8_recipe and args.opt_level:
         from lowprec.integrations.transformers import apply_opt_level
 
@@ -88,8 +106,11 @@ def reload_check(model, out: str) -> dict:
     loaded, info = LlamaForCausalLM.from_pretrained(path, output_loading_info=True)
     ref = model.state_dict()
     same = all(torch.equal(v, ref[k]) for k, v in loaded.state_dict().items())
-    return {"missing_keys": sorted(info["missing_keys"]), "unexpected_keys": sorted(info["unexpected_keys"]),
-            "weights_equal": same}
+    return {
+        "missing_keys": sorted(info["missing_keys"]),
+        "unexpected_keys": sorted(info["unexpected_keys"]),
+        "weights_equal": same,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -98,8 +119,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--lora", action="store_true", help="peft LoRA through SFTTrainer(peft_config=...)")
     p.add_argument("--batch", type=int, default=8, help="per process (the global batch is this x processes)")
-    p.add_argument("--opt_level", choices=["O1", "O2"], default=None,
-                   help="MS-AMP style FP8 gradients (O1) and FP8AdamW (O2) for the FP8 run")
+    p.add_argument(
+        "--opt_level",
+        choices=["O1", "O2"],
+        default=None,
+        help="MS-AMP style FP8 gradients (O1) and FP8AdamW (O2) for the FP8 run",
+    )
     p.add_argument("--output_dir", default=None, help="default: a temporary directory")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -107,10 +132,17 @@ def main(argv: list[str] | None = None) -> dict:
         out = args.output_dir or tmp  # nothing is saved during training: a directory per rank is fine
         loss_bf16, _, _ = train(None, args, os.path.join(out, "bf16"))
         loss_fp8, counts, model = train(args.recipe, args, os.path.join(out, "fp8"))
-        result = {"recipe": args.recipe, "steps": args.steps, "lora": args.lora, "opt_level": args.opt_level,
-                  "world_size": world, "loss_bf16": loss_bf16, "loss_fp8": loss_fp8,
-                  "rel_diff": abs(loss_fp8 - loss_bf16) / loss_bf16,
-                  **{k + ("_per_rank" if world > 1 else ""): v for k, v in counts.items()}}
+        result = {
+            "recipe": args.recipe,
+            "steps": args.steps,
+            "lora": args.lora,
+            "opt_level": args.opt_level,
+            "world_size": world,
+            "loss_bf16": loss_bf16,
+            "loss_fp8": loss_fp8,
+            "rel_diff": abs(loss_fp8 - loss_bf16) / loss_bf16,
+            **{k + ("_per_rank" if world > 1 else ""): v for k, v in counts.items()},
+        }
         if int(os.environ.get("RANK", 0)) == 0:
             result.update(reload_check(model, os.path.join(out, "fp8")))
             print(json.dumps(result))

@@ -112,7 +112,7 @@ FIXES = {
     "TorchDynamoPlugin": "compile the whole model (drop use_regional_compilation)",
     "FullyShardedDataParallelPlugin": "lowprec runs FSDP2 (fully_shard) with its own mixed precision and wrapping; drop it",
     "DeepSpeedPlugin": "set it in the DeepSpeed config dict (hf_ds_config), pass gradient_accumulation_steps to the "
-                       "Accelerator, or use MSAMPRecipeKwargs for MS-AMP",
+    "Accelerator, or use MSAMPRecipeKwargs for MS-AMP",
     "ProfileKwargs": "drop it",
     "ParallelismConfig": "lowprec runs tensor parallelism and data-parallel sharding only; drop it",
 }
@@ -124,17 +124,22 @@ def from_accelerate(obj: Any, where: str = "") -> Any:
     where = where or "Accelerator"
     if not is_accelerate_object(obj) or not dataclasses.is_dataclass(obj):
         if is_accelerate_object(obj) and not isinstance(obj, type):
-            raise UsageError(f"{where}: Accelerate's {type(obj).__name__} has no lowprec "
-                             "equivalent; remove it")
+            raise UsageError(f"{where}: Accelerate's {type(obj).__name__} has no lowprec equivalent; remove it")
         return obj
     name = type(obj).__name__
     target = _lowprec_class(name)
     if target is None:
-        raise UsageError(f"{where}: Accelerate's {name} has no lowprec equivalent "
-                         "(lowprec runs DDP, FSDP2, DeepSpeed ZeRO and tensor parallelism); remove it")
+        raise UsageError(
+            f"{where}: Accelerate's {name} has no lowprec equivalent "
+            "(lowprec runs DDP, FSDP2, DeepSpeed ZeRO and tensor parallelism); remove it"
+        )
     ours = {f.name for f in dataclasses.fields(target) if f.init}
-    special, renamed, derived, inert = (SPECIAL.get(name, {}), RENAMED.get(name, {}), DERIVED.get(name, ()),
-                                         INERT.get(name, {}))
+    special, renamed, derived, inert = (
+        SPECIAL.get(name, {}),
+        RENAMED.get(name, {}),
+        DERIVED.get(name, ()),
+        INERT.get(name, {}),
+    )
     kw: dict[str, Any] = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)

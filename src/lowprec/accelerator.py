@@ -100,9 +100,15 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         # Accelerate's own objects (transformers.Trainer builds them) become lowprec's, or are
         # refused with one line (accelerate_objects.py); nothing is dropped silently
         deepspeed_plugin, fsdp_plugin, gradient_accumulation_plugin, dataloader_config, project_config = (
-            from_accelerate(o, n) for o, n in ((deepspeed_plugin, "deepspeed_plugin"), (fsdp_plugin, "fsdp_plugin"),
-                                               (gradient_accumulation_plugin, "gradient_accumulation_plugin"),
-                                               (dataloader_config, "dataloader_config"), (project_config, "project_config")))
+            from_accelerate(o, n)
+            for o, n in (
+                (deepspeed_plugin, "deepspeed_plugin"),
+                (fsdp_plugin, "fsdp_plugin"),
+                (gradient_accumulation_plugin, "gradient_accumulation_plugin"),
+                (dataloader_config, "dataloader_config"),
+                (project_config, "project_config"),
+            )
+        )
         kwargs_handlers = [from_accelerate(h, "kwargs_handlers") for h in kwargs_handlers or []]
         for key in ("dynamo_plugin", "parallelism_config", "torch_tp_plugin"):
             if key in kwargs:
@@ -152,7 +158,9 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         self.trackers: list = []
         self.scaler = self._make_scaler()
         # skip steps with NaN/inf loss or gradients, every precision (utils/nonfinite.py)
-        self.nonfinite = NonFiniteGuard(skip_nonfinite_steps, max_consecutive_skipped_steps, self.use_distributed, self.device)
+        self.nonfinite = NonFiniteGuard(
+            skip_nonfinite_steps, max_consecutive_skipped_steps, self.use_distributed, self.device
+        )
         self._models: list[nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -164,14 +172,18 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         self._ds_engine: Any = None
 
     # ------------------------------------------------------------------ construction helpers
-    def _init_extras(self, kwargs_handlers: Optional[list], kwargs: dict, dataloader_config, split_batches: bool) -> None:
+    def _init_extras(
+        self, kwargs_handlers: Optional[list], kwargs: dict, dataloader_config, split_batches: bool
+    ) -> None:
         """The kwargs handlers, the dynamo plugin and the dataloader configuration, with the
         spellings Accelerate also accepts; an unknown keyword is an error with a suggestion."""
         handlers = list(kwargs_handlers or [])
         if "kwarg_handlers" in kwargs:  # the spelling Accelerate's own FP8 docs use
             handlers += list(kwargs.pop("kwarg_handlers") or [])
         # torch.compile of prepared models (Accelerate's dynamo_backend / dynamo_plugin)
-        self.dynamo_plugin = kwargs.pop("dynamo_plugin", None) or TorchDynamoPlugin(backend=kwargs.pop("dynamo_backend", None))
+        self.dynamo_plugin = kwargs.pop("dynamo_plugin", None) or TorchDynamoPlugin(
+            backend=kwargs.pop("dynamo_backend", None)
+        )
         if kwargs:
             known = list(inspect.signature(Accelerator.__init__).parameters) + ["kwarg_handlers"]
             bad = next(iter(kwargs))
@@ -246,6 +258,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
     @gradient_accumulation_steps.setter
     def gradient_accumulation_steps(self, value: int) -> None:
         self.gradient_state.num_steps = int(value)
+
     fp8_enabled = property(lambda self: self.state.mixed_precision == "fp8")
     native_amp = property(lambda self: self.state.mixed_precision != "no")
     skipped_steps = property(lambda self: self.nonfinite.skipped)  # non-finite steps skipped, scaler's too
@@ -300,13 +313,17 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
                     obj._is_accelerate_prepared = True
         return results[0] if len(results) == 1 else tuple(results)
 
-    def prepare_model(self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False) -> nn.Module:
+    def prepare_model(
+        self, model: nn.Module, device_placement: Optional[bool] = None, evaluation_mode: bool = False
+    ) -> nn.Module:
         if any(model is m or self.unwrap_model(m) is model for m in self._models):
             return model
         offloaded = {str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()} & {"cpu", "disk"}
         if (getattr(model, "is_loaded_in_8bit", False) or getattr(model, "is_loaded_in_4bit", False)) and offloaded:
-            raise ValueError("a model loaded in 8-bit or 4-bit with CPU or disk offload cannot be trained; "
-                             "load it with every layer on the accelerator (device_map={'': 0})")
+            raise ValueError(
+                "a model loaded in 8-bit or 4-bit with CPU or disk offload cannot be trained; "
+                "load it with every layer on the accelerator (device_map={'': 0})"
+            )
         placement = self.device_placement if device_placement is None else device_placement
         before = named_params(model)
         if placement:
@@ -319,8 +336,9 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
                 kw = (self.handlers.get(DistributedDataParallelKwargs) or DistributedDataParallelKwargs()).to_kwargs()
                 model = wrap_ddp(model, self.device, kw)
             elif dt == DistributedType.FSDP:
-                model = wrap_fsdp2(model, self.mixed_precision, self.state.fsdp_plugin, self.device,
-                                   dp_mesh(pc, self.device.type))
+                model = wrap_fsdp2(
+                    model, self.mixed_precision, self.state.fsdp_plugin, self.device, dp_mesh(pc, self.device.type)
+                )
             elif dt == DistributedType.DEEPSPEED:
                 raise ValueError(
                     "under DeepSpeed, pass the model together with its optimizer in one prepare() "
@@ -370,8 +388,14 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         remap_optimizer_params(optimizer, before, named_params(model))
         if self.backend is not None:
             optimizer, model = self.backend.prepare_optimizer(optimizer, model, self._ctx())
-        cfg = build_ds_config(self.state.deepspeed_plugin, self.mixed_precision, micro,
-                              self.gradient_accumulation_steps, self.num_processes, self.nonfinite.enabled)
+        cfg = build_ds_config(
+            self.state.deepspeed_plugin,
+            self.mixed_precision,
+            micro,
+            self.gradient_accumulation_steps,
+            self.num_processes,
+            self.nonfinite.enabled,
+        )
         engine, ds_opt = deepspeed_initialize(model, optimizer, cfg)
         wrapped = DeepSpeedOptimizer(engine, ds_opt, self.nonfinite)
         if self.backend is not None:
@@ -383,7 +407,9 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         self._optimizer_models[id(wrapped)] = engine
         results[models[0]], results[opts[0]] = engine, wrapped
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> AcceleratedOptimizer:
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None
+    ) -> AcceleratedOptimizer:
         wrapped = AcceleratedOptimizer(optimizer, self.scaler, self.gradient_state, guard=self.nonfinite)
         self._optimizers.append(wrapped)
         self._finish_optimizers([])
@@ -397,7 +423,9 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         return None
 
     def _step_hooks(self, model: nn.Module) -> tuple:  # after a step that ran; after a skipped one (FP8 state undone)
-        return tuple(functools.partial(f, model) for f in (self.backend.after_optimizer_step, self.backend.after_skipped_step))
+        return tuple(
+            functools.partial(f, model) for f in (self.backend.after_optimizer_step, self.backend.after_skipped_step)
+        )
 
     def _finish_optimizers(self, results: list) -> None:
         """Point every optimizer at the final parameters (conversion and FSDP2 may make new
@@ -432,9 +460,14 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
                 self._optimizer_models[id(opt)] = new_model
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        wrapped = AcceleratedScheduler(scheduler, self._optimizers, self.gradient_state,
-                                       self.step_scheduler_with_optimizer, self.accumulation.adjust_scheduler,
-                                       1 if self.split_batches else self.num_processes)
+        wrapped = AcceleratedScheduler(
+            scheduler,
+            self._optimizers,
+            self.gradient_state,
+            self.step_scheduler_with_optimizer,
+            self.accumulation.adjust_scheduler,
+            1 if self.split_batches else self.num_processes,
+        )
         self._schedulers.append(wrapped)
         return wrapped
 
@@ -472,7 +505,9 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         self.nonfinite.note_loss(loss)
         if self._ds_engine is not None:
             # DeepSpeed refuses NaN/inf gradients itself; make a non-finite loss reach it as such
-            self._ds_engine.backward(self.nonfinite.nan_if_nonfinite(loss), **kwargs)  # DeepSpeed scales by its accumulation steps
+            self._ds_engine.backward(
+                self.nonfinite.nan_if_nonfinite(loss), **kwargs
+            )  # DeepSpeed scales by its accumulation steps
             return
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
@@ -533,7 +568,11 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
     def unscale_gradients(self, optimizer: Any = None) -> None:
         if self.scaler is None:
             return
-        opts = self._optimizers if optimizer is None else (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        opts = (
+            self._optimizers
+            if optimizer is None
+            else (optimizer if isinstance(optimizer, (list, tuple)) else [optimizer])
+        )
         for opt in opts:
             if isinstance(opt, AcceleratedOptimizer) and not opt.unscaled:
                 self.scaler.unscale_(opt.optimizer)
@@ -582,7 +621,9 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         return pad_across_processes(tensor, dim, pad_index, pad_first)
 
     # ------------------------------------------------------------------ models and checkpoints
-    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = False) -> nn.Module:
+    def unwrap_model(
+        self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = False
+    ) -> nn.Module:
         """The user's model, out of DDP / DeepSpeed / torch.compile wrappers (a compiled model
         stays compiled with ``keep_torch_compile=True``)."""
         return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
@@ -591,7 +632,6 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         from lowprec.utils.distributed import full_model_state_dict
 
         return full_model_state_dict(self.unwrap_model(model) if unwrap else model)
-
 
     def free_memory(self, *objects: Any):
         """Forget every prepared object (and the bookkeeping that holds references to them),
@@ -607,4 +647,3 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return [None] * len(objects)
-

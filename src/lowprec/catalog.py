@@ -67,22 +67,35 @@ class Granularity(str, Enum):
 # forwarded it there; the engine's Recipe said "max" (TransformerEngine's DelayedScaling
 # default). The engine now takes Accelerate's documented default too; a recipe built by name
 # without the field therefore uses "most_recent" (docs/LOG.md, settings entry records the change).
-FIELD_DEFAULTS: Mapping[str, Any] = MappingProxyType({
-    "fp8_format": "HYBRID",
-    "margin": 0,
-    "amax_history_len": 1024,
-    "amax_compute_algo": "most_recent",
-    "interval": 1,
-    "override_linear_precision": (False, False, False),
-    "use_during_eval": False,
-    "block_size": 128,
-    "scale_rounding": "rceil",  # MXFP8's E8M0 rule: never saturates (fp8/mx.py says why)
-})
+FIELD_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {
+        "fp8_format": "HYBRID",
+        "margin": 0,
+        "amax_history_len": 1024,
+        "amax_compute_algo": "most_recent",
+        "interval": 1,
+        "override_linear_precision": (False, False, False),
+        "use_during_eval": False,
+        "block_size": 128,
+        "scale_rounding": "rceil",  # MXFP8's E8M0 rule: never saturates (fp8/mx.py says why)
+    }
+)
 
 # Every field of lowprec.fp8.Recipe (a test keeps this equal to the dataclass's fields).
-RECIPE_FIELDS = (*FIELD_DEFAULTS, "scaling", "power_of_2_scales", "dgrad_weight_tensorwise", "gemm",
-                 "use_fast_accum", "save_fp8_activations", "fp8_activations", "reduce_amax", "seed",
-                 "high_precision_last", "name")
+RECIPE_FIELDS = (
+    *FIELD_DEFAULTS,
+    "scaling",
+    "power_of_2_scales",
+    "dgrad_weight_tensorwise",
+    "gemm",
+    "use_fast_accum",
+    "save_fp8_activations",
+    "fp8_activations",
+    "reduce_amax",
+    "seed",
+    "high_precision_last",
+    "name",
+)
 
 # The one range check of each integer field (Recipe, kwargs, launch flags/YAML/env, wizard).
 FIELD_MINIMUMS: Mapping[str, int] = MappingProxyType({"amax_history_len": 1, "interval": 1, "margin": 0})
@@ -106,8 +119,10 @@ def check_int_field(name: str, value: Any, convert: bool = True) -> int:
         raise ValueError(f"{value} is too small; {name} must be an integer >= {minimum}")
     maximum = FIELD_MAXIMUMS.get(name)
     if maximum is not None and value > maximum:
-        raise ValueError(f"{value} is too large; {name} must be at most {maximum} (each FP8 tensor keeps that "
-                         "many float32 amaxes; 16 to 1024 is usual)")
+        raise ValueError(
+            f"{value} is too large; {name} must be at most {maximum} (each FP8 tensor keeps that "
+            "many float32 amaxes; 16 to 1024 is usual)"
+        )
     return value
 
 
@@ -136,30 +151,47 @@ class RecipeOption:
 
 
 # In the order the wizard asks them. interval is a launch setting the wizard leaves at its default.
-RECIPE_OPTIONS: Mapping[str, RecipeOption] = MappingProxyType({
-    o.name: o
-    for o in (
-        RecipeOption("margin", "Scaling margin (powers of two of headroom)?"),
-        RecipeOption("amax_history_len", "Amax history length?"),
-        RecipeOption("amax_compute_algo", "Amax compute algorithm?", ("max", "most_recent")),
-        RecipeOption("scale_rounding", "MXFP8 scale rounding (rceil: never saturates; floor: the OCP spec's)?",
-                     ("rceil", "floor"), accelerate=False),
-    )
-})
+RECIPE_OPTIONS: Mapping[str, RecipeOption] = MappingProxyType(
+    {
+        o.name: o
+        for o in (
+            RecipeOption("margin", "Scaling margin (powers of two of headroom)?"),
+            RecipeOption("amax_history_len", "Amax history length?"),
+            RecipeOption("amax_compute_algo", "Amax compute algorithm?", ("max", "most_recent")),
+            RecipeOption(
+                "scale_rounding",
+                "MXFP8 scale rounding (rceil: never saturates; floor: the OCP spec's)?",
+                ("rceil", "floor"),
+                accelerate=False,
+            ),
+        )
+    }
+)
 
 
 # Fields that mean something for some scaling kinds only; a recipe that does not read one of
 # them gets an error (trainer, launch) or a warning (Python API) when it is set.
-SCALING_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "block_size", "reduce_amax",
-                  "scale_rounding", "seed", "high_precision_last")
+SCALING_FIELDS = (
+    "margin",
+    "amax_history_len",
+    "amax_compute_algo",
+    "interval",
+    "block_size",
+    "reduce_amax",
+    "scale_rounding",
+    "seed",
+    "high_precision_last",
+)
 _DELAYED_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "interval", "reduce_amax")
 
 # TransformerEngine's recipe switches (TERecipeKwargs fields, ACCELERATE_FP8_* variables) and the
 # native recipe each one names
-TE_SWITCHES: Mapping[str, str] = MappingProxyType({
-    "use_mxfp8_block_scaling": "mxfp8",
-    "use_nvfp4_block_scaling": "nvfp4",
-})
+TE_SWITCHES: Mapping[str, str] = MappingProxyType(
+    {
+        "use_mxfp8_block_scaling": "mxfp8",
+        "use_nvfp4_block_scaling": "nvfp4",
+    }
+)
 
 
 def te_switch_recipe(switches: Mapping[str, Any]) -> str | None:
@@ -213,41 +245,85 @@ class RecipeInfo:
 
 
 _ROWWISE = {"fp8_format": "E4M3", "power_of_2_scales": True}
-RECIPES: Mapping[str, RecipeInfo] = MappingProxyType({
-    r.name: r
-    for r in (
-        RecipeInfo("delayed", ScalingKind.DELAYED, Granularity.TENSOR,
-                   "per-tensor scale from an amax history (TransformerEngine DelayedScaling)",
-                   {"scaling": "delayed"}, _DELAYED_FIELDS),
-        RecipeInfo("tensorwise", ScalingKind.DYNAMIC, Granularity.TENSOR,
-                   "per-tensor scale from this tensor's amax (torchao default)",
-                   {"scaling": "tensorwise"}, ("margin",)),
-        RecipeInfo("rowwise", ScalingKind.DYNAMIC, Granularity.AXIS,
-                   "per-row power-of-two scales, E4M3 everywhere (torchao rowwise)",
-                   {"scaling": "rowwise", **_ROWWISE}),
-        RecipeInfo("rowwise_with_gw_hp", ScalingKind.DYNAMIC, Granularity.AXIS,
-                   "rowwise; weight-gradient GEMM in high precision, weight tensorwise for dgrad",
-                   {"scaling": "rowwise", **_ROWWISE, "dgrad_weight_tensorwise": True,
-                    "override_linear_precision": (False, False, True)}),
-        RecipeInfo("blockwise", ScalingKind.DYNAMIC, Granularity.BLOCK,
-                   "1x128 activation/gradient tiles, 128x128 weight tiles, power-of-two scales (DeepSeek-V3)",
-                   {"scaling": "blockwise", **_ROWWISE}, ("block_size",)),
-        RecipeInfo("mxfp8", ScalingKind.DYNAMIC, Granularity.MICRO,
-                   "MXFP8 (OCP MX v1.0): E4M3, one E8M0 power-of-two scale per 32 elements along the "
-                   "contraction dim, each GEMM orientation cast from the source (TE MXFP8BlockScaling)",
-                   {"scaling": "mxfp8", "fp8_format": "E4M3"}, ("scale_rounding",)),
-        RecipeInfo("nvfp4", ScalingKind.DYNAMIC, Granularity.MICRO,
-                   "NVFP4: E2M1 + E4M3 scale per 16 + fp32 tensor scale, 16x16 weight tiles, stochastic "
-                   "rounding of gradients, Hadamard on wgrad inputs, last 15% of layers high precision "
-                   "(TE NVFP4BlockScaling)",
-                   {"scaling": "nvfp4", "fp8_format": "E4M3", "high_precision_last": 0.15},
-                   ("seed", "high_precision_last")),
-    )
-})
+RECIPES: Mapping[str, RecipeInfo] = MappingProxyType(
+    {
+        r.name: r
+        for r in (
+            RecipeInfo(
+                "delayed",
+                ScalingKind.DELAYED,
+                Granularity.TENSOR,
+                "per-tensor scale from an amax history (TransformerEngine DelayedScaling)",
+                {"scaling": "delayed"},
+                _DELAYED_FIELDS,
+            ),
+            RecipeInfo(
+                "tensorwise",
+                ScalingKind.DYNAMIC,
+                Granularity.TENSOR,
+                "per-tensor scale from this tensor's amax (torchao default)",
+                {"scaling": "tensorwise"},
+                ("margin",),
+            ),
+            RecipeInfo(
+                "rowwise",
+                ScalingKind.DYNAMIC,
+                Granularity.AXIS,
+                "per-row power-of-two scales, E4M3 everywhere (torchao rowwise)",
+                {"scaling": "rowwise", **_ROWWISE},
+            ),
+            RecipeInfo(
+                "rowwise_with_gw_hp",
+                ScalingKind.DYNAMIC,
+                Granularity.AXIS,
+                "rowwise; weight-gradient GEMM in high precision, weight tensorwise for dgrad",
+                {
+                    "scaling": "rowwise",
+                    **_ROWWISE,
+                    "dgrad_weight_tensorwise": True,
+                    "override_linear_precision": (False, False, True),
+                },
+            ),
+            RecipeInfo(
+                "blockwise",
+                ScalingKind.DYNAMIC,
+                Granularity.BLOCK,
+                "1x128 activation/gradient tiles, 128x128 weight tiles, power-of-two scales (DeepSeek-V3)",
+                {"scaling": "blockwise", **_ROWWISE},
+                ("block_size",),
+            ),
+            RecipeInfo(
+                "mxfp8",
+                ScalingKind.DYNAMIC,
+                Granularity.MICRO,
+                "MXFP8 (OCP MX v1.0): E4M3, one E8M0 power-of-two scale per 32 elements along the "
+                "contraction dim, each GEMM orientation cast from the source (TE MXFP8BlockScaling)",
+                {"scaling": "mxfp8", "fp8_format": "E4M3"},
+                ("scale_rounding",),
+            ),
+            RecipeInfo(
+                "nvfp4",
+                ScalingKind.DYNAMIC,
+                Granularity.MICRO,
+                "NVFP4: E2M1 + E4M3 scale per 16 + fp32 tensor scale, 16x16 weight tiles, stochastic "
+                "rounding of gradients, Hadamard on wgrad inputs, last 15% of layers high precision "
+                "(TE NVFP4BlockScaling)",
+                {"scaling": "nvfp4", "fp8_format": "E4M3", "high_precision_last": 0.15},
+                ("seed", "high_precision_last"),
+            ),
+        )
+    }
+)
 RECIPE_NAMES: tuple[str, ...] = tuple(RECIPES)
 # other spellings users write (TE's class names, torchao's recipe names)
-_ALIASES = {"mx_fp8": "mxfp8", "mxfp8_block_scaling": "mxfp8", "mx": "mxfp8", "mxfp8_rceil": "mxfp8",
-            "nv_fp4": "nvfp4", "nvfp4_block_scaling": "nvfp4"}
+_ALIASES = {
+    "mx_fp8": "mxfp8",
+    "mxfp8_block_scaling": "mxfp8",
+    "mx": "mxfp8",
+    "mxfp8_rceil": "mxfp8",
+    "nv_fp4": "nvfp4",
+    "nvfp4_block_scaling": "nvfp4",
+}
 
 
 def recipe_info(name: Any) -> RecipeInfo:

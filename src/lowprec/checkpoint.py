@@ -64,7 +64,11 @@ def save_tensors(state_dict: dict, path: str, safe: bool) -> None:
     tensors, aliases = {}, {}
     for key, t in state_dict.items():
         t = t.detach()
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) if t.numel() else None
+        ident = (
+            (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if t.numel()
+            else None
+        )
         if ident is not None and ident in seen:  # the same tensor twice (tied weights): store once
             aliases[key] = seen[ident]
             continue
@@ -78,7 +82,9 @@ def save_tensors(state_dict: dict, path: str, safe: bool) -> None:
         if t.numel():
             storages[t.untyped_storage().data_ptr()] = storages.get(t.untyped_storage().data_ptr(), 0) + 1
     tensors = {
-        k: t.contiguous().clone() if (not t.is_contiguous() or (t.numel() and storages[t.untyped_storage().data_ptr()] > 1)) else t
+        k: t.contiguous().clone()
+        if (not t.is_contiguous() or (t.numel() and storages[t.untyped_storage().data_ptr()] > 1))
+        else t
         for k, t in tensors.items()
     }
     save_file(tensors, path, metadata={"format": "pt", "aliases": json.dumps(aliases)})
@@ -118,15 +124,21 @@ def save_optimizer(state_dict: dict, path_stem: str, safe: bool) -> None:
                 skeleton[str(pid)][k] = None
             else:
                 skeleton[str(pid)][k] = v
-    meta = {"state": skeleton, "param_groups": state_dict["param_groups"],
-            "int_keys": all(isinstance(k, int) for k in state_dict["state"]),
-            # JSON has no tuples: remember which group values were (Adam's betas), so a loaded
-            # optimizer's state_dict equals the saved one
-            "tuple_keys": [[k for k, v in g.items() if isinstance(v, tuple)] for g in state_dict["param_groups"]]}
+    meta = {
+        "state": skeleton,
+        "param_groups": state_dict["param_groups"],
+        "int_keys": all(isinstance(k, int) for k in state_dict["state"]),
+        # JSON has no tuples: remember which group values were (Adam's betas), so a loaded
+        # optimizer's state_dict equals the saved one
+        "tuple_keys": [[k for k, v in g.items() if isinstance(v, tuple)] for g in state_dict["param_groups"]],
+    }
     from safetensors.torch import save_file
 
-    save_file({k: v.clone() for k, v in tensors.items()}, path_stem + ".safetensors",
-              metadata={"lowprec_optimizer": json.dumps(meta)})
+    save_file(
+        {k: v.clone() for k, v in tensors.items()},
+        path_stem + ".safetensors",
+        metadata={"lowprec_optimizer": json.dumps(meta)},
+    )
 
 
 def load_optimizer(path_stem: str) -> dict:
@@ -219,9 +231,12 @@ def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> st
         if err is None:
             raise
         # a full disk / read-only directory: one line (the CLI's exit 74), not a traceback
-        raise StorageError(err.errno, f"cannot write checkpoint {output_dir} ({err.strerror or err}"
-                           f"{'' if err.filename in (None, tmp) else ': ' + str(err.filename)}); "
-                           "it was not saved and the checkpoints before it are untouched") from None
+        raise StorageError(
+            err.errno,
+            f"cannot write checkpoint {output_dir} ({err.strerror or err}"
+            f"{'' if err.filename in (None, tmp) else ': ' + str(err.filename)}); "
+            "it was not saved and the checkpoints before it are untouched",
+        ) from None
     acc.wait_for_everyone()
     return output_dir
 
@@ -250,8 +265,9 @@ def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
     from lowprec.checkpoint_sharded import save_sharded, uses_sharded
 
     sharded = [uses_sharded(acc, m) for m in acc._models]
-    models = [None if _is_ds(m) or sh else full_model_state_dict(acc.unwrap_model(m))
-              for m, sh in zip(acc._models, sharded)]
+    models = [
+        None if _is_ds(m) or sh else full_model_state_dict(acc.unwrap_model(m)) for m, sh in zip(acc._models, sharded)
+    ]
     models = acc._run_save_hooks(tmp, models)  # a hook may write files into tmp, or drop a model
     for i, m in enumerate(acc._models):
         if _is_ds(m):
@@ -259,8 +275,12 @@ def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
         elif sharded[i]:  # model and its optimizer, each process its own shards (checkpoint_sharded)
             save_sharded(acc, m, os.path.join(tmp, f"sharded_{i}"))
     skip = lambda owner: _is_ds(owner) or (owner is not None and uses_sharded(acc, owner))  # noqa: E731
-    opts = [None if skip(acc._optimizer_models.get(id(o))) else
-            full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer) for o in acc._optimizers]
+    opts = [
+        None
+        if skip(acc._optimizer_models.get(id(o)))
+        else full_optimizer_state_dict(acc._optimizer_models.get(id(o)), o.optimizer)
+        for o in acc._optimizers
+    ]
     if acc.is_main_process:
         for i, sd in enumerate(models):
             if sd is not None:
@@ -277,8 +297,11 @@ def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
         if acc.scaler is not None:
             save_object(acc.scaler.state_dict(), os.path.join(tmp, "scaler.safetensors"), "the grad scaler")
         for i, obj in enumerate(acc._custom_objects):
-            save_object(obj.state_dict(), os.path.join(tmp, f"custom_checkpoint_{i}.safetensors"),
-                        f"registered object {i} ({type(obj).__name__})")
+            save_object(
+                obj.state_dict(),
+                os.path.join(tmp, f"custom_checkpoint_{i}.safetensors"),
+                f"registered object {i} ({type(obj).__name__})",
+            )
         meta = {
             "mixed_precision": acc.mixed_precision,
             "fp8_backend": acc.fp8_backend.value,
@@ -363,7 +386,11 @@ def load_state(acc: Any, input_dir: str) -> None:
             continue  # DeepSpeed's own files / loaded with its model's shards
         osd = load_optimizer(os.path.join(input_dir, f"optimizer_{i}"))
         owner = acc._optimizer_models.get(id(o))
-        _apply(lambda sd, owner=owner, o=o: load_full_optimizer_state_dict(owner, o.optimizer, sd), osd, os.path.join(input_dir, f"optimizer_{i}"))
+        _apply(
+            lambda sd, owner=owner, o=o: load_full_optimizer_state_dict(owner, o.optimizer, sd),
+            osd,
+            os.path.join(input_dir, f"optimizer_{i}"),
+        )
     for i, s in enumerate(acc._schedulers):
         _apply(s, _read_state(input_dir, f"scheduler_{i}", ".bin"))
     for i, d in enumerate(acc._dataloaders):
@@ -399,8 +426,10 @@ def _load_models(acc: Any, input_dir: str, sharded: set, saved_procs: int, resha
             _apply(lambda sd, inner=inner: load_full_model_state_dict(inner, sd), load_tensors(path), path)
         own = os.path.join(input_dir, f"buffers_{i}_rank{acc.process_index}.safetensors")
         if reshard and not os.path.isfile(own):
-            log_once(f"lowprec: {os.path.basename(own)} is not in the checkpoint (saved by {saved_procs} processes); "
-                     "this process keeps the FP8 scaling state of the sharded model state (rank 0's)")
+            log_once(
+                f"lowprec: {os.path.basename(own)} is not in the checkpoint (saved by {saved_procs} processes); "
+                "this process keeps the FP8 scaling state of the sharded model state (rank 0's)"
+            )
         if _per_rank_buffers(m) and os.path.isfile(own):
             with torch.no_grad():
                 named = dict(inner.named_buffers())
@@ -412,19 +441,25 @@ def _load_rng(acc: Any, input_dir: str, saved_procs: int, reshard: bool) -> None
     """This process's random states (saved process r mod N's when the process count changed)."""
     rng = os.path.join(input_dir, f"random_states_{acc.process_index % saved_procs if reshard else acc.process_index}")
     if reshard:
-        log_once(f"lowprec: resumed on {acc.num_processes} processes from a checkpoint of {saved_procs}: process r "
-                 f"restores the random states of saved process r mod {saved_procs} (dropout/shuffle streams "
-                 "differ from an uninterrupted run)")
+        log_once(
+            f"lowprec: resumed on {acc.num_processes} processes from a checkpoint of {saved_procs}: process r "
+            f"restores the random states of saved process r mod {saved_procs} (dropout/shuffle streams "
+            "differ from an uninterrupted run)"
+        )
     if os.path.isfile(rng + ".safetensors") or os.path.isfile(rng + ".pkl"):
         where = rng + (".safetensors" if os.path.isfile(rng + ".safetensors") else ".pkl")
         state = _read_state(input_dir, os.path.basename(rng), ".pkl")
         try:
             _set_rng_state(state)
         except Exception as exc:  # noqa: BLE001 - a well-formed file with the wrong contents
-            raise CheckpointError(f"checkpoint file {where} does not hold RNG states ({type(exc).__name__}: {exc})") from None
+            raise CheckpointError(
+                f"checkpoint file {where} does not hold RNG states ({type(exc).__name__}: {exc})"
+            ) from None
     else:
-        log_once(f"lowprec: {rng}.safetensors is missing; random states were not restored (the resumed run's "
-                 "dropout/shuffle streams will differ)")
+        log_once(
+            f"lowprec: {rng}.safetensors is missing; random states were not restored (the resumed run's "
+            "dropout/shuffle streams will differ)"
+        )
 
 
 def _global_batch(acc: Any, loader: Any) -> int | None:
@@ -490,7 +525,9 @@ def _apply(obj: Any, state: Any, where: str = "") -> None:
         ) from None
 
 
-def save_model(acc: Any, model: Any, save_directory: str, safe_serialization: bool = True, max_shard_size: Any = "10GB") -> None:
+def save_model(
+    acc: Any, model: Any, save_directory: str, safe_serialization: bool = True, max_shard_size: Any = "10GB"
+) -> None:
     """Plain weights (no FP8 scaling state, no wrappers) that load into the unconverted model."""
     from lowprec.utils.offload import fill_offloaded
 
@@ -516,13 +553,17 @@ def save_fp8_model(acc: Any, model: Any, save_directory: str, fp8_format: str) -
     from lowprec.export import FORMATS, export_model
 
     if fp8_format not in FORMATS:
-        raise ValueError(f"save_model(fp8_format={fp8_format!r}): choose one of {', '.join(FORMATS)}, or leave it "
-                         "unset for plain weights")
+        raise ValueError(
+            f"save_model(fp8_format={fp8_format!r}): choose one of {', '.join(FORMATS)}, or leave it "
+            "unset for plain weights"
+        )
     inner = acc.unwrap_model(model)
     if _is_ds(model) or any(type(p).__name__ == "DTensor" for p in inner.parameters()):
-        raise ValueError(f"save_model(fp8_format={fp8_format!r}) needs the whole model in one process (one process "
-                         "or DDP); under FSDP2 / DeepSpeed save plain weights (no fp8_format) and run "
-                         "`lowprec export` on them")
+        raise ValueError(
+            f"save_model(fp8_format={fp8_format!r}) needs the whole model in one process (one process "
+            "or DDP); under FSDP2 / DeepSpeed save plain weights (no fp8_format) and run "
+            "`lowprec export` on them"
+        )
     acc.nonfinite.check_model(model, f"save_model({save_directory!r})")
     if acc.is_main_process:
         export_model(inner, save_directory, format=fp8_format)

@@ -32,8 +32,15 @@ import torch
 from lowprec.errors import CheckpointError
 
 __all__ = [
-    "save_object", "load_object", "load_pickle", "read_checked", "check_deepspeed_dir", "LEGACY_ALLOWED",
-    "DEEPSPEED_ALLOWED", "OBJECT_KEY", "load_error_reason",
+    "save_object",
+    "load_object",
+    "load_pickle",
+    "read_checked",
+    "check_deepspeed_dir",
+    "LEGACY_ALLOWED",
+    "DEEPSPEED_ALLOWED",
+    "OBJECT_KEY",
+    "load_error_reason",
 ]
 
 OBJECT_KEY = "lowprec_object"  # the safetensors metadata entry holding the JSON skeleton
@@ -62,12 +69,14 @@ def _legacy_allowed() -> list:
 LEGACY_ALLOWED = _legacy_allowed()
 # what DeepSpeed 0.1x pickles besides tensors (ZeRO 1-3, bf16/fp16/fp32; found by saving each):
 # plain data classes and an enum, rebuilt without running code of theirs
-DEEPSPEED_ALLOWED = frozenset({
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-})
+DEEPSPEED_ALLOWED = frozenset(
+    {
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    }
+)
 
 
 # --------------------------------------------------------------------------- encode / decode

@@ -128,10 +128,19 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
     from torch.distributed.checkpoint import filesystem, metadata
     from torch.serialization import _get_layout  # torch.layout pickles as _get_layout("torch.strided")
 
-    dcp_classes = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                   "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
+    dcp_classes = (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
     allowed: dict[tuple[str, str], Any] = {
-        (metadata.__name__, n): getattr(metadata, n) for n in dcp_classes if hasattr(metadata, n)}
+        (metadata.__name__, n): getattr(metadata, n) for n in dcp_classes if hasattr(metadata, n)
+    }
     allowed[(filesystem.__name__, "_StorageInfo")] = filesystem._StorageInfo
     allowed[("torch", "Size")] = torch.Size
     allowed.update({("torch", n): v for n, v in vars(torch).items() if isinstance(v, torch.dtype)})
@@ -153,8 +162,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             _MetadataUnpickler._allowed = _allowed_globals()
         obj = _MetadataUnpickler._allowed.get((module, name))
         if obj is None:
-            raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP metadata never holds: refused before "
-                                         "anything in it ran")
+            raise pickle.UnpicklingError(
+                f"it names {module}.{name}, which DCP metadata never holds: refused before anything in it ran"
+            )
         return obj
 
 
@@ -186,10 +196,13 @@ class SafeFileSystemReader(_storage_reader_base()):  # type: ignore[misc]
                     metadata = _MetadataUnpickler(f).load()
             except Exception as exc:  # noqa: BLE001 - refused, truncated or garbage: one line naming the file
                 reason = str(exc) if isinstance(exc, pickle.UnpicklingError) else f"{type(exc).__name__}: {exc}"
-                raise CheckpointError(f"checkpoint file {path} is not DCP metadata ({' '.join(reason.split())[:200]})"
-                                      ) from None
+                raise CheckpointError(
+                    f"checkpoint file {path} is not DCP metadata ({' '.join(reason.split())[:200]})"
+                ) from None
             if not isinstance(metadata, Metadata):
-                raise CheckpointError(f"checkpoint file {path} is not DCP metadata (it holds a {type(metadata).__name__})")
+                raise CheckpointError(
+                    f"checkpoint file {path} is not DCP metadata (it holds a {type(metadata).__name__})"
+                )
             _check_storage(metadata, path)
             self._checked = metadata
         metadata = self._checked

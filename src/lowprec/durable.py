@@ -23,8 +23,17 @@ import re
 import socket
 from typing import Optional
 
-__all__ = ["fsync_file", "fsync_dir", "fsync_tree", "os_error_of", "pid_alive", "this_host", "temp_suffix",
-           "temp_owner", "owner_alive"]
+__all__ = [
+    "fsync_file",
+    "fsync_dir",
+    "fsync_tree",
+    "os_error_of",
+    "pid_alive",
+    "this_host",
+    "temp_suffix",
+    "temp_owner",
+    "owner_alive",
+]
 
 
 def fsync_file(path: str) -> None:

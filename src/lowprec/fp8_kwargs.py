@@ -15,7 +15,14 @@ import warnings
 from dataclasses import InitVar, dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
-from lowprec.catalog import FIELD_DEFAULTS, RECIPE_FIELDS, TE_SWITCHES, recipe_info, te_switch_recipe, unread_recipe_fields
+from lowprec.catalog import (
+    FIELD_DEFAULTS,
+    RECIPE_FIELDS,
+    TE_SWITCHES,
+    recipe_info,
+    te_switch_recipe,
+    unread_recipe_fields,
+)
 from lowprec.config import values as V
 from lowprec.kwargs import _FP8_NAMES, FP8_PREFIX, ForwardEveryField, _alias, env_get, environ
 
@@ -170,11 +177,14 @@ class AORecipeKwargs(RecipeKwargs):
 
     def __post_init__(self) -> None:
         _resolve_fields(self)
-        _check_type(self, "config", not isinstance(self.config, _PLAIN_DATA),
-                    "a torchao.float8.Float8LinearConfig (or None)")
+        _check_type(
+            self, "config", not isinstance(self.config, _PLAIN_DATA), "a torchao.float8.Float8LinearConfig (or None)"
+        )
         if self.recipe is not None:
             try:
-                object.__setattr__(self, "recipe", V.choice(self.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp")))
+                object.__setattr__(
+                    self, "recipe", V.choice(self.recipe, ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+                )
             except ValueError as err:
                 raise ValueError(f"AORecipeKwargs(recipe=...): {err}") from None
         if self.module_filter_func is not None and not callable(self.module_filter_func):
@@ -212,8 +222,12 @@ class NativeRecipeKwargs(RecipeKwargs):
         object.__setattr__(self, "recipe", recipe_info(name).name)  # unknown names / MXFP8: one message
         _check_type(self, "overrides", isinstance(self.overrides, Mapping), "a mapping of Recipe fields")
         _check_type(self, "skip_first_last", isinstance(self.skip_first_last, bool), "True or False")
-        _check_type(self, "skip_patterns", isinstance(self.skip_patterns, (list, tuple))
-                    and all(isinstance(p, str) for p in self.skip_patterns), "a list of strings")
+        _check_type(
+            self,
+            "skip_patterns",
+            isinstance(self.skip_patterns, (list, tuple)) and all(isinstance(p, str) for p in self.skip_patterns),
+            "a list of strings",
+        )
         if self.module_filter_func is not None and not callable(self.module_filter_func):
             raise TypeError("module_filter_func must be a callable (module, fqn) -> bool")
         object.__setattr__(self, "overrides", {**_env_recipe_overrides(), **dict(self.overrides)})
@@ -235,8 +249,12 @@ class NativeRecipeKwargs(RecipeKwargs):
                 raise ValueError(f"unknown recipe field(s) {key!r}{did_you_mean(key, known)}")
         unread = unread_recipe_fields(self.recipe, self.overrides)
         if unread:
-            warnings.warn(f"NativeRecipeKwargs: the {self.recipe} recipe does not read {', '.join(unread)}; "
-                          "they have no effect (pick a recipe that reads them, or drop them)", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"NativeRecipeKwargs: the {self.recipe} recipe does not read {', '.join(unread)}; "
+                "they have no effect (pick a recipe that reads them, or drop them)",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def to_recipe(self):
         """The engine recipe (built once, in ``__post_init__``)."""
@@ -286,7 +304,9 @@ class FP8RecipeKwargs(TERecipeKwargs):
         legacy = (TERecipeKwargs, MSAMPRecipeKwargs)  # the two classes Accelerate's FP8RecipeKwargs covered
         raw = self.backend if self.backend is not None else env_get(FP8_PREFIX + "BACKEND")
         if raw is None:  # Accelerate's rule: MS-AMP when installed, else TE
-            raw = MSAMPRecipeKwargs.backend if get_spec(MSAMPRecipeKwargs.backend).available() else TERecipeKwargs.backend
+            raw = (
+                MSAMPRecipeKwargs.backend if get_spec(MSAMPRecipeKwargs.backend).available() else TERecipeKwargs.backend
+            )
         spec = lookup(raw, "backend")
         if spec is None or spec.kwargs_class not in legacy:
             raise ValueError(f"FP8RecipeKwargs backend={raw!r}; use 'te' or 'msamp' (or AORecipeKwargs for torchao)")

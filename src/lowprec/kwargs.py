@@ -35,8 +35,16 @@ __all__ = [
 ]
 # The FP8 handlers live in lowprec.fp8_kwargs; they are Accelerate-named, so they are found here
 # too (loaded on first use by ``__getattr__`` below: fp8_kwargs imports this module).
-_FP8_NAMES = ("RecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "AORecipeKwargs", "NativeRecipeKwargs",
-              "FP8RecipeKwargs", "normalize_backend", "recipe_kwargs_from_config")
+_FP8_NAMES = (
+    "RecipeKwargs",
+    "TERecipeKwargs",
+    "MSAMPRecipeKwargs",
+    "AORecipeKwargs",
+    "NativeRecipeKwargs",
+    "FP8RecipeKwargs",
+    "normalize_backend",
+    "recipe_kwargs_from_config",
+)
 __all__ += _FP8_NAMES
 
 FP8_PREFIX = "ACCELERATE_FP8_"
@@ -241,13 +249,16 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     """
 
     fsdp_version: Optional[int] = _env_field("FSDP_VERSION", 2, lambda v, key: _int(key)(v))
-    transformer_cls_names_to_wrap: Optional[tuple] = _env_field("FSDP_TRANSFORMER_CLS_TO_WRAP", (), lambda v, key: _names(v))
+    transformer_cls_names_to_wrap: Optional[tuple] = _env_field(
+        "FSDP_TRANSFORMER_CLS_TO_WRAP", (), lambda v, key: _names(v)
+    )
     reshard_after_forward: Optional[bool] = _env_field("FSDP_RESHARD_AFTER_FORWARD", True, parse_bool)
     auto_wrap_policy: Optional[str] = None  # its variable counts only without explicit class names
     min_num_params: Optional[int] = _env_field("FSDP_MIN_NUM_PARAMS", 100_000_000, lambda v, key: _int(key)(v))
     offload_params: Optional[bool] = _env_field("FSDP_OFFLOAD_PARAMS", False, parse_bool)
-    state_dict_type: Optional[str] = _env_field("FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT",
-                                                _upper_choice("FULL_STATE_DICT", "SHARDED_STATE_DICT"))
+    state_dict_type: Optional[str] = _env_field(
+        "FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT", _upper_choice("FULL_STATE_DICT", "SHARDED_STATE_DICT")
+    )
 
     def __post_init__(self) -> None:
         explicit_names = self.transformer_cls_names_to_wrap is not None  # they imply their policy
@@ -269,7 +280,9 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
             if env_flag(env):
                 import logging
 
-                logging.getLogger("lowprec").warning("lowprec: %s=true is not supported by lowprec's FSDP2 path; ignored", env)
+                logging.getLogger("lowprec").warning(
+                    "lowprec: %s=true is not supported by lowprec's FSDP2 path; ignored", env
+                )
 
 
 def _zero_stage(value: Any, key: str) -> int:
@@ -307,8 +320,9 @@ class DeepSpeedPlugin(KwargsHandler):
     zero_stage: Optional[int] = _env_field("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2, _zero_stage)
     gradient_clipping: Optional[float] = _env_field("ACCELERATE_GRADIENT_CLIPPING", None, lambda v, key: float(v))
     hf_ds_config: Optional[Any] = _env_field("ACCELERATE_DEEPSPEED_CONFIG_FILE", None, lambda v, key: _ds_config(v))
-    offload_optimizer_device: Optional[str] = _env_field("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", None,
-                                                         _offload_device)
+    offload_optimizer_device: Optional[str] = _env_field(
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", None, _offload_device
+    )
     offload_param_device: Optional[str] = _env_field("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", None, _offload_device)
 
     def __post_init__(self) -> None:

@@ -41,13 +41,17 @@ class ParallelismConfig:
             if getattr(self, name) is None:  # Accelerate's launcher exports 1 for both
                 setattr(self, name, env_int(f"PARALLELISM_CONFIG_{name.upper()}", 1))
             if getattr(self, name) != 1:
-                raise ValueError(f"ParallelismConfig({name}={getattr(self, name)}): lowprec runs data-parallel "
-                                 "sharding (dp_shard_size) and tensor parallelism (tp_size) only; set it to 1")
+                raise ValueError(
+                    f"ParallelismConfig({name}={getattr(self, name)}): lowprec runs data-parallel "
+                    "sharding (dp_shard_size) and tensor parallelism (tp_size) only; set it to 1"
+                )
         if not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"ParallelismConfig(tp_size={self.tp_size!r}): a positive integer")
         if self.sequence_parallel and self.tp_size == 1:
-            raise ValueError("ParallelismConfig(sequence_parallel=True) shards the sequence inside the tensor-parallel "
-                             "group: set tp_size > 1 or drop sequence_parallel")
+            raise ValueError(
+                "ParallelismConfig(sequence_parallel=True) shards the sequence inside the tensor-parallel "
+                "group: set tp_size > 1 or drop sequence_parallel"
+            )
         self._mesh: Any = None
 
     def resolve(self, world: int) -> None:
@@ -56,9 +60,11 @@ class ParallelismConfig:
         if self.dp_shard_size is None:
             self.dp_shard_size = env_int("PARALLELISM_CONFIG_DP_SHARD_SIZE", max(world // self.tp_size, 1))
         if self.dp_shard_size * self.tp_size != world:
-            raise ValueError(f"ParallelismConfig: dp_shard_size {self.dp_shard_size} x tp_size {self.tp_size} != "
-                             f"{world} processes; launch {self.dp_shard_size * self.tp_size} processes or change "
-                             "the sizes")
+            raise ValueError(
+                f"ParallelismConfig: dp_shard_size {self.dp_shard_size} x tp_size {self.tp_size} != "
+                f"{world} processes; launch {self.dp_shard_size * self.tp_size} processes or change "
+                "the sizes"
+            )
 
     @property
     def tp_enabled(self) -> bool:
@@ -94,16 +100,21 @@ class ParallelismConfig:
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self._mesh = init_device_mesh(device_type, (self.dp_shard_size, self.tp_size),
-                                          mesh_dim_names=("dp_shard", "tp"))
+            self._mesh = init_device_mesh(
+                device_type, (self.dp_shard_size, self.tp_size), mesh_dim_names=("dp_shard", "tp")
+            )
         return self._mesh
 
 
 def _styles(sequence_parallel: bool) -> dict:
     """Plan value -> style factory (FP8 layers get lowprec's Float8 styles)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
     from lowprec.distributed.sequence_parallel import PrepareFloat8ModuleInput
     from lowprec.distributed.tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
@@ -111,17 +122,23 @@ def _styles(sequence_parallel: bool) -> dict:
     # under sequence parallelism the rowwise outputs are reduce-scattered to sequence slices
     row = {"output_layouts": Shard(1)} if sequence_parallel else {}
     return {
-        ("colwise", False): ColwiseParallel, ("colwise", True): Float8ColwiseParallel,
-        ("rowwise", False): lambda: RowwiseParallel(**row), ("rowwise", True): lambda: Float8RowwiseParallel(**row),
+        ("colwise", False): ColwiseParallel,
+        ("colwise", True): Float8ColwiseParallel,
+        ("rowwise", False): lambda: RowwiseParallel(**row),
+        ("rowwise", True): lambda: Float8RowwiseParallel(**row),
         "sequence_parallel": SequenceParallel,
         "sequence_gather": lambda: PrepareFloat8ModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
         "sequence_gather_local": lambda: PrepareFloat8ModuleInput(
-            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True),
+            input_layouts=Shard(1), desired_input_layouts=Replicate(), use_local_output=True
+        ),
         # tensor parallelism alone: a block's colwise layers take one replicated DTensor input, so
         # their input gradients (partial sums) add up before one all-reduce instead of one each
-        "replicated_input": lambda: PrepareFloat8ModuleInput(input_layouts=Replicate(), desired_input_layouts=Replicate()),
+        "replicated_input": lambda: PrepareFloat8ModuleInput(
+            input_layouts=Replicate(), desired_input_layouts=Replicate()
+        ),
         "sequence_shard_output": lambda: PrepareModuleOutput(
-            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True),
+            output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+        ),
     }
 
 
@@ -141,14 +158,18 @@ def apply_tp_plan(model: Any, tp_mesh: Any, sequence_parallel: bool = False) -> 
 
     plan = getattr(model, "_tp_plan", None) or getattr(model, "base_model_tp_plan", None)
     if not plan:
-        raise ValueError(f"tp_size > 1 but {type(model).__name__} has no _tp_plan "
-                         "({'<module pattern>': 'colwise' | 'rowwise'}); add one or set tp_size to 1")
+        raise ValueError(
+            f"tp_size > 1 but {type(model).__name__} has no _tp_plan "
+            "({'<module pattern>': 'colwise' | 'rowwise'}); add one or set tp_size to 1"
+        )
     sp_plan = getattr(model, "_sp_plan", None)
     if not sequence_parallel:  # its gather points still share one input among the colwise layers
         sp_plan = {k: "replicated_input" for k, v in (sp_plan or {}).items() if v == "sequence_gather"}
     if sp_plan is None:
-        raise ValueError(f"sequence_parallel with {type(model).__name__}, which has no _sp_plan ({{'<module pattern>': "
-                         "'sequence_parallel' | 'sequence_gather' | ...}}); add one or turn sequence_parallel off")
+        raise ValueError(
+            f"sequence_parallel with {type(model).__name__}, which has no _sp_plan ({{'<module pattern>': "
+            "'sequence_parallel' | 'sequence_gather' | ...}}); add one or turn sequence_parallel off"
+        )
     styles = _styles(sequence_parallel)
     applied = {}
     for name, module in model.named_modules():

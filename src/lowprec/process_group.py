@@ -23,8 +23,9 @@ __all__ = ["init_default_group"]
 _created = 0  # default groups this process has created
 
 
-def init_default_group(backend: str, rank: int, world_size: int, timeout: Any = None,
-                       init_method: Optional[str] = None, store: Any = None) -> None:
+def init_default_group(
+    backend: str, rank: int, world_size: int, timeout: Any = None, init_method: Optional[str] = None, store: Any = None
+) -> None:
     """``dist.init_process_group`` with the environment's rendezvous (or ``init_method`` /
     ``store`` as given); from the second group on, under a fresh key prefix."""
     global _created

@@ -125,8 +125,16 @@ class PartialState(SharedState, ProcessFacts):
     """Device, ranks and distributed type of this process, shared by every instance."""
 
     _shared_state: dict = {}
-    _known_attrs = ("device", "distributed_type", "num_processes", "process_index", "local_process_index",
-                    "backend", "debug", "decisions")
+    _known_attrs = (
+        "device",
+        "distributed_type",
+        "num_processes",
+        "process_index",
+        "local_process_index",
+        "backend",
+        "debug",
+        "decisions",
+    )
 
     def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
         self.__dict__ = self._shared_state

@@ -91,14 +91,17 @@ def fp8_capability_check(cap: Tuple[int, int], fallback: Optional[str], fix: str
     if cap >= FP8_MIN_CAPABILITY:
         return None
     if fallback is None:
-        raise ValueError(f"FP8 needs a GPU with compute capability 8.9+ (Ada, Hopper or newer); this GPU is "
-                         f"sm_{cap[0]}{cap[1]} ({cap[0]}.{cap[1]}). {fix}")
+        raise ValueError(
+            f"FP8 needs a GPU with compute capability 8.9+ (Ada, Hopper or newer); this GPU is "
+            f"sm_{cap[0]}{cap[1]} ({cap[0]}.{cap[1]}). {fix}"
+        )
     return fallback
 
 
 _ACCELERATOR_FIX = (
     "Use mixed_precision='bf16', or pass fp8_fallback='bf16' (train in bf16, model not converted) or "
-    "fp8_fallback='emulate' (FP8 numerics emulated in float32, slow); env LOWPREC_FP8_FALLBACK does the same")
+    "fp8_fallback='emulate' (FP8 numerics emulated in float32, slow); env LOWPREC_FP8_FALLBACK does the same"
+)
 
 
 def fp8_capability_decision(cap: Tuple[int, int], fallback: Optional[str], fix: str = _ACCELERATOR_FIX) -> Decision:
@@ -145,7 +148,11 @@ def _resolve_distributed(env: DistributedEnv, fsdp_plugin, deepspeed_plugin) -> 
         why = "deepspeed_plugin" if deepspeed_plugin is not None else "env ACCELERATE_USE_DEEPSPEED"
         return Decision(DistributedType.DEEPSPEED, why), None, plugin
     if env.world_size > 1:
-        kind = DistributedType.MULTI_GPU if torch.cuda.is_available() and not env_flag("ACCELERATE_USE_CPU") else DistributedType.MULTI_CPU
+        kind = (
+            DistributedType.MULTI_GPU
+            if torch.cuda.is_available() and not env_flag("ACCELERATE_USE_CPU")
+            else DistributedType.MULTI_CPU
+        )
         return Decision(kind, f"WORLD_SIZE={env.world_size}: DistributedDataParallel"), None, None
     return Decision(DistributedType.NO, "single process"), None, None
 
@@ -158,9 +165,23 @@ class AcceleratorState(ProcessFacts):
     does, and ``PartialState`` shows the process facts of the latest."""
 
     _instances: "weakref.WeakSet[AcceleratorState]" = weakref.WeakSet()
-    _known_attrs = ("device", "distributed_type", "mixed_precision", "env", "decisions", "num_processes",
-                    "process_index", "local_process_index", "is_main_process", "use_distributed",
-                    "fsdp_plugin", "deepspeed_plugin", "requested_mixed_precision", "fp8_fallback", "fp8_emulate")
+    _known_attrs = (
+        "device",
+        "distributed_type",
+        "mixed_precision",
+        "env",
+        "decisions",
+        "num_processes",
+        "process_index",
+        "local_process_index",
+        "is_main_process",
+        "use_distributed",
+        "fsdp_plugin",
+        "deepspeed_plugin",
+        "requested_mixed_precision",
+        "fp8_fallback",
+        "fp8_emulate",
+    )
 
     def __init__(
         self,
@@ -190,7 +211,9 @@ class AcceleratorState(ProcessFacts):
         if requested == "fp8":
             # a CUDA decision made by the caller (the trainer's plan) stands; else made here
             made = fp8_hardware if fp8_hardware is not None and device.type == "cuda" else None
-            hw = self._decide("fp8_hardware", made if made is not None else fp8_hardware_check(device, self.fp8_fallback))
+            hw = self._decide(
+                "fp8_hardware", made if made is not None else fp8_hardware_check(device, self.fp8_fallback)
+            )
             self.fp8_emulate = hw == "fp8-emulate"
             mode = "bf16" if hw == "bf16" else "fp8"
         else:
@@ -201,11 +224,16 @@ class AcceleratorState(ProcessFacts):
         AcceleratorState._instances.add(self)
         PartialState._reset_state()
         shared = PartialState._shared_state
-        shared.update(device=device, decisions=dict(self.decisions), debug=env_flag("ACCELERATE_DEBUG_MODE"),
-                      backend=dist.get_backend() if dist.is_initialized() else None,
-                      process_index=self.process_index, num_processes=self.num_processes,
-                      local_process_index=self.local_process_index,
-                      distributed_type=self.distributed_type if self.num_processes > 1 else DistributedType.NO)
+        shared.update(
+            device=device,
+            decisions=dict(self.decisions),
+            debug=env_flag("ACCELERATE_DEBUG_MODE"),
+            backend=dist.get_backend() if dist.is_initialized() else None,
+            process_index=self.process_index,
+            num_processes=self.num_processes,
+            local_process_index=self.local_process_index,
+            distributed_type=self.distributed_type if self.num_processes > 1 else DistributedType.NO,
+        )
 
     @staticmethod
     def _reset_state(reset_partial_state: bool = False) -> None:
@@ -223,7 +251,6 @@ class AcceleratorState(ProcessFacts):
     def destroy_process_group(self, group: Any = None) -> None:
         if dist.is_initialized():
             dist.destroy_process_group(group)
-
 
     def _decide(self, key: str, decision: Decision) -> Any:
         self.decisions[key] = decision
@@ -256,7 +283,6 @@ class AcceleratorState(ProcessFacts):
     @property
     def local_process_index(self) -> int:
         return self.env.local_rank
-
 
 
 def __getattr__(name: str):

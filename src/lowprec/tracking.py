@@ -15,10 +15,24 @@ import warnings
 from typing import Any, Optional
 
 from lowprec.utils.dataclasses import LoggerType
-from lowprec.utils.imports import is_comet_ml_available, is_mlflow_available, is_tensorboard_available, is_wandb_available
+from lowprec.utils.imports import (
+    is_comet_ml_available,
+    is_mlflow_available,
+    is_tensorboard_available,
+    is_wandb_available,
+)
 
-__all__ = ["GeneralTracker", "TensorBoardTracker", "WandBTracker", "MLflowTracker", "CometMLTracker",
-           "LOGGER_TYPE_TO_CLASS", "register_tracker_class", "filter_trackers", "TrackingMixin"]
+__all__ = [
+    "GeneralTracker",
+    "TensorBoardTracker",
+    "WandBTracker",
+    "MLflowTracker",
+    "CometMLTracker",
+    "LOGGER_TYPE_TO_CLASS",
+    "register_tracker_class",
+    "filter_trackers",
+    "TrackingMixin",
+]
 
 logger = logging.getLogger("lowprec")
 
@@ -89,7 +103,9 @@ class TensorBoardTracker(GeneralTracker):
             elif isinstance(v, dict):
                 self.writer.add_scalars(k, v, global_step=step, **kwargs)
             else:
-                raise TypeError(f"TensorBoard cannot log {k}={type(v).__name__}; log numbers, strings or dicts of numbers")
+                raise TypeError(
+                    f"TensorBoard cannot log {k}={type(v).__name__}; log numbers, strings or dicts of numbers"
+                )
         self.writer.flush()
 
     def finish(self) -> None:
@@ -185,7 +201,10 @@ class CometMLTracker(_HostedTracker):
 
 # tracker name -> class (built-ins, then those added by register_tracker_class)
 LOGGER_TYPE_TO_CLASS: dict[str, type] = {
-    "tensorboard": TensorBoardTracker, "wandb": WandBTracker, "mlflow": MLflowTracker, "comet_ml": CometMLTracker,
+    "tensorboard": TensorBoardTracker,
+    "wandb": WandBTracker,
+    "mlflow": MLflowTracker,
+    "comet_ml": CometMLTracker,
 }
 # built-in name -> (availability check, package to install)
 _PACKAGES = {
@@ -204,11 +223,16 @@ def register_tracker_class(tracker_class: type) -> None:
     if not getattr(tracker_class, "name", None):
         raise ValueError(f"{tracker_class.__name__} needs a non-empty `name` class attribute to be registered")
     if not hasattr(tracker_class, "requires_logging_directory"):
-        raise ValueError(f"{tracker_class.__name__} needs a `requires_logging_directory` class attribute "
-                         "(True if it writes under the project's logging directory)")
+        raise ValueError(
+            f"{tracker_class.__name__} needs a `requires_logging_directory` class attribute "
+            "(True if it writes under the project's logging directory)"
+        )
     if tracker_class.name in LOGGER_TYPE_TO_CLASS:
-        warnings.warn(f"tracker name {tracker_class.name!r} was registered already; {tracker_class.__name__} "
-                      "replaces it", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"tracker name {tracker_class.name!r} was registered already; {tracker_class.__name__} replaces it",
+            UserWarning,
+            stacklevel=2,
+        )
     LOGGER_TYPE_TO_CLASS[tracker_class.name] = tracker_class
 
 
@@ -228,14 +252,18 @@ def filter_trackers(log_with: Any, logging_dir: Optional[str] = None) -> list:
             out += [n for n, (ok, _) in _PACKAGES.items() if ok() and n not in out]
             continue
         if name not in LOGGER_TYPE_TO_CLASS:
-            raise ValueError(f"log_with={item!r} is not a tracker; use one of {', '.join(LOGGER_TYPE_TO_CLASS)}, "
-                             "'all', a GeneralTracker instance, or register_tracker_class(...) first")
+            raise ValueError(
+                f"log_with={item!r} is not a tracker; use one of {', '.join(LOGGER_TYPE_TO_CLASS)}, "
+                "'all', a GeneralTracker instance, or register_tracker_class(...) first"
+            )
         ok, package = _PACKAGES.get(name, (lambda: True, None))
         if not ok():
             raise ImportError(f"log_with={item!r} needs the {package} package: pip install {package}")
         if LOGGER_TYPE_TO_CLASS[name].requires_logging_directory and logging_dir is None:
-            raise ValueError(f"Logging with `{name}` requires a `logging_dir` to be passed in: use "
-                             "Accelerator(project_dir=...) or ProjectConfiguration(logging_dir=...)")
+            raise ValueError(
+                f"Logging with `{name}` requires a `logging_dir` to be passed in: use "
+                "Accelerator(project_dir=...) or ProjectConfiguration(logging_dir=...)"
+            )
         if name not in out:
             out.append(name)
     return out
@@ -245,7 +273,9 @@ class TrackingMixin:
     """The Accelerator's tracker methods; needs ``self.log_with``, ``self.logging_dir``,
     ``self.is_main_process``, ``self.trackers``."""
 
-    def init_trackers(self, project_name: str, config: Optional[dict] = None, init_kwargs: Optional[dict] = None) -> None:
+    def init_trackers(
+        self, project_name: str, config: Optional[dict] = None, init_kwargs: Optional[dict] = None
+    ) -> None:
         """Start each tracker of ``log_with`` (main process only) and record ``config``."""
         init_kwargs = init_kwargs or {}
         self.trackers = []
@@ -255,7 +285,11 @@ class TrackingMixin:
             else:
                 cls = LOGGER_TYPE_TO_CLASS[item]
                 kw = init_kwargs.get(item, {})
-                tracker = cls(project_name, self.logging_dir, **kw) if cls.requires_logging_directory else cls(project_name, **kw)
+                tracker = (
+                    cls(project_name, self.logging_dir, **kw)
+                    if cls.requires_logging_directory
+                    else cls(project_name, **kw)
+                )
             if self.is_main_process or not tracker.main_process_only:
                 tracker.start()
                 if config is not None:
@@ -270,8 +304,10 @@ class TrackingMixin:
                 return tracker.tracker if unwrap else tracker
         if not self.is_main_process:
             return _NoTracker()
-        raise ValueError(f"{name!r} is not an initialized tracker; started: {[t.name for t in self.trackers]} "
-                         "(pass it in Accelerator(log_with=...) and call init_trackers)")
+        raise ValueError(
+            f"{name!r} is not an initialized tracker; started: {[t.name for t in self.trackers]} "
+            "(pass it in Accelerator(log_with=...) and call init_trackers)"
+        )
 
     def log(self, values: dict, step: Optional[int] = None, log_kwargs: Optional[dict] = None) -> None:
         """Log ``values`` to every tracker (main process only)."""

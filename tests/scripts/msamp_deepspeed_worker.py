@@ -30,8 +30,11 @@ MAX_NORM = 0.5
 def make(stage: int):
     set_seed(5)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
-    acc = Accelerator(mixed_precision="fp8", deepspeed_plugin=DeepSpeedPlugin(zero_stage=stage),
-                      kwargs_handlers=[MSAMPRecipeKwargs(opt_level="O2")])
+    acc = Accelerator(
+        mixed_precision="fp8",
+        deepspeed_plugin=DeepSpeedPlugin(zero_stage=stage),
+        kwargs_handlers=[MSAMPRecipeKwargs(opt_level="O2")],
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = acc.prepare(model, opt)
     return acc, model, opt
@@ -72,11 +75,13 @@ def describe(model) -> dict:
         # ZeRO-3 puts each flat partition into param_groups only for the duration of its step
         "state_param_dims": sorted({p.dim() for p in client.state}),
         "state_param_dtypes": sorted({str(p.dtype) for p in client.state}),
-        "state_dtypes": sorted({f"{k}:{v.dtype}" for st in states for k, v in st.items()
-                                if isinstance(v, torch.Tensor)}),
+        "state_dtypes": sorted(
+            {f"{k}:{v.dtype}" for st in states for k, v in st.items() if isinstance(v, torch.Tensor)}
+        ),
         "state_elems": sum(st["exp_avg"].numel() for st in states),
-        "state_bytes": sum(v.numel() * v.element_size() for st in states for v in st.values()
-                           if isinstance(v, torch.Tensor)),
+        "state_bytes": sum(
+            v.numel() * v.element_size() for st in states for v in st.values() if isinstance(v, torch.Tensor)
+        ),
         "model_param_dtypes": sorted({str(p.dtype) for p in model.module.parameters()}),
         "segments": [list(block_segments(p) or ()) for p in client.state],
         "model_numel": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.module.parameters()),
@@ -88,8 +93,11 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     acc, model, opt = make(stage)
     path = os.path.join(out_dir, "ckpt")
-    report = {"distributed_type": str(acc.distributed_type), "num_processes": acc.num_processes,
-              "backend_info": {k: str(v) for k, v in acc.fp8_backend_info.items() if k != "recipe"}}
+    report = {
+        "distributed_type": str(acc.distributed_type),
+        "num_processes": acc.num_processes,
+        "backend_info": {k: str(v) for k, v in acc.fp8_backend_info.items() if k != "recipe"},
+    }
     report["grad_norms"] = []
     report["losses"] = train(acc, model, opt, 0, STEPS, path=path, norms=report["grad_norms"])
     report.update(describe(model))

@@ -23,9 +23,15 @@ __all__ = [
 ]
 
 _WHERE = {
-    "Backend": "base", "BaseBackend": "base", "PrepareContext": "base", "remap_optimizer_params": "base",
-    "BackendSpec": "spec", "is_available": "availability",
-    "select_backend": "registry", "default_handler": "registry", "native_recipe_for": "registry",
+    "Backend": "base",
+    "BaseBackend": "base",
+    "PrepareContext": "base",
+    "remap_optimizer_params": "base",
+    "BackendSpec": "spec",
+    "is_available": "availability",
+    "select_backend": "registry",
+    "default_handler": "registry",
+    "native_recipe_for": "registry",
 }
 
 

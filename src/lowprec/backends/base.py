@@ -24,8 +24,15 @@ if TYPE_CHECKING:  # torch is imported by the backends' methods, not by their de
     import torch
     from torch import nn
 
-__all__ = ["Backend", "PrepareContext", "BaseBackend", "remap_optimizer_params", "named_params", "log_once",
-           "note_unconverted_conv1d"]
+__all__ = [
+    "Backend",
+    "PrepareContext",
+    "BaseBackend",
+    "remap_optimizer_params",
+    "named_params",
+    "log_once",
+    "note_unconverted_conv1d",
+]
 
 logger = logging.getLogger("lowprec")
 _LOGGED: set[str] = set()
@@ -44,8 +51,10 @@ def note_unconverted_conv1d(model: "nn.Module", library: str) -> None:
 
     n = sum(1 for m in model.modules() if is_conv1d(m))
     if n:
-        log_once(f"lowprec: {library} converts nn.Linear only: {n} transformers Conv1D layer(s) stay in high "
-                 "precision; the native backend (fp8_backend: native) converts them to FP8")
+        log_once(
+            f"lowprec: {library} converts nn.Linear only: {n} transformers Conv1D layer(s) stay in high "
+            "precision; the native backend (fp8_backend: native) converts them to FP8"
+        )
 
 
 @dataclass(frozen=True)

@@ -124,8 +124,11 @@ class NativeOptLevelBackend(NativeBackend):
         from lowprec.optim import to_fp8_adamw
         from lowprec.optim.opt_level import check_o2_optimizer
 
-        check_o2_optimizer(optimizer, "MSAMPRecipeKwargs(opt_level='O2') under DeepSpeed",
-                           "TERecipeKwargs for FP8 GEMMs without an opt level")
+        check_o2_optimizer(
+            optimizer,
+            "MSAMPRecipeKwargs(opt_level='O2') under DeepSpeed",
+            "TERecipeKwargs for FP8 GEMMs without an opt level",
+        )
         optimizer = to_fp8_adamw(optimizer)
         self.applied = True
         self.deepspeed = True
@@ -151,8 +154,6 @@ def native_recipe(handler: MSAMPRecipeKwargs) -> Any:
     from lowprec.fp8.recipes import Recipe
 
     return Recipe.from_name("delayed", amax_compute_algo="max")
-
-
 
 
 SPEC = BackendSpec(

@@ -81,8 +81,10 @@ class NativeBackend(BaseBackend):
             enable_fsdp_float8_all_gather(model)
             self._fp8_all_gather_on = True
         elif self.fsdp_float8_all_gather:
-            log_once(f"lowprec: fp8_enable_fsdp_float8_all_gather applies under FSDP2 only; "
-                     f"{ctx.distributed_type} all-gathers no weights, so it has no effect here")
+            log_once(
+                f"lowprec: fp8_enable_fsdp_float8_all_gather applies under FSDP2 only; "
+                f"{ctx.distributed_type} all-gathers no weights, so it has no effect here"
+            )
         self._stage(model)
         return model
 
@@ -143,9 +145,14 @@ class NativeBackend(BaseBackend):
 
 
 def _create(handler: NativeRecipeKwargs, why: str) -> NativeBackend:
-    return NativeBackend(handler.to_recipe(), reason=why, module_filter=handler.module_filter_func,
-                         skip_first_last=handler.skip_first_last, skip_patterns=handler.skip_patterns,
-                         fsdp_float8_all_gather=handler.enable_fsdp_float8_all_gather)
+    return NativeBackend(
+        handler.to_recipe(),
+        reason=why,
+        module_filter=handler.module_filter_func,
+        skip_first_last=handler.skip_first_last,
+        skip_patterns=handler.skip_patterns,
+        fsdp_float8_all_gather=handler.enable_fsdp_float8_all_gather,
+    )
 
 
 def _handler_fields(fields: Mapping[str, Any]) -> dict:
@@ -183,4 +190,3 @@ SPEC = BackendSpec(
     to_handler_fields=_handler_fields,
     check_fields=_check_fields,
 )
-

@@ -50,13 +50,21 @@ class FP8Settings:
         """What the settings mean, without the reasons: equal for the same request made through
         any entry point (Accelerator kwargs, environment, launch flags or YAML, trainer YAML)."""
         recipe = self.spec.native_recipe(self.handler) if self.spec.native_recipe is not None else None
-        return {"backend": self.backend.value, "recipe": None if recipe is None else recipe.to_dict(),
-                "use_during_eval": self.use_during_eval.value, "opt_level": self.opt_level.value,
-                "fsdp_float8_all_gather": self.fsdp_float8_all_gather.value}
+        return {
+            "backend": self.backend.value,
+            "recipe": None if recipe is None else recipe.to_dict(),
+            "use_during_eval": self.use_during_eval.value,
+            "opt_level": self.opt_level.value,
+            "fsdp_float8_all_gather": self.fsdp_float8_all_gather.value,
+        }
 
     def decisions(self) -> dict[str, Decision]:
-        return {"fp8_backend_requested": self.backend, "fp8_use_during_eval": self.use_during_eval,
-                "fp8_opt_level": self.opt_level, "fp8_fsdp_float8_all_gather": self.fsdp_float8_all_gather}
+        return {
+            "fp8_backend_requested": self.backend,
+            "fp8_use_during_eval": self.use_during_eval,
+            "fp8_opt_level": self.opt_level,
+            "fp8_fsdp_float8_all_gather": self.fsdp_float8_all_gather,
+        }
 
 
 def default_handler(handler: Optional[RecipeKwargs]) -> tuple[RecipeKwargs, str]:
@@ -138,13 +146,20 @@ def warn_unread_env(handler: RecipeKwargs) -> list[str]:
     spec = get_spec(handler.backend)
     reads = env_vars_read(spec)
     unread = sorted(
-        name for name, value in environ().items()
+        name
+        for name, value in environ().items()
         if value != "" and (name.startswith(FP8_PREFIX) or name == "LOWPREC_FP8_RECIPE") and name not in reads
     )
     for name in unread:
         readers = [s for s in specs() if name in env_vars_read(s)]
-        hint = ("it is read by " + ", ".join(f"the {s.name} backend (ACCELERATE_FP8_BACKEND={s.env_value})" for s in readers)
-                if readers else "it has no effect there")
-        log_once(f"lowprec: {name} is set but the {handler.backend} FP8 backend ({type(handler).__name__}) "
-                 f"does not read it; {hint}")
+        hint = (
+            "it is read by "
+            + ", ".join(f"the {s.name} backend (ACCELERATE_FP8_BACKEND={s.env_value})" for s in readers)
+            if readers
+            else "it has no effect there"
+        )
+        log_once(
+            f"lowprec: {name} is set but the {handler.backend} FP8 backend ({type(handler).__name__}) "
+            f"does not read it; {hint}"
+        )
     return unread

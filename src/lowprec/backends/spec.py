@@ -43,8 +43,15 @@ AUTO = "auto"  # "pick for me": the native engine, which is always available
 # The modules that declare a backend, in the order they are listed to users.
 BACKEND_MODULES = ("native", "torchao", "te", "msamp")
 # Launch settings that tune an FP8 scaling recipe (read by the backends that run one).
-RECIPE_SETTINGS = ("fp8_format", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin", "fp8_interval",
-                   "fp8_override_linear_precision", "fp8_use_autocast_during_eval")
+RECIPE_SETTINGS = (
+    "fp8_format",
+    "fp8_amax_history_len",
+    "fp8_amax_compute_algo",
+    "fp8_margin",
+    "fp8_interval",
+    "fp8_override_linear_precision",
+    "fp8_use_autocast_during_eval",
+)
 # Recipe options only lowprec's engine has (lowprec.catalog.RECIPE_OPTIONS, accelerate=False).
 ENGINE_SETTINGS = tuple(o.setting for o in RECIPE_OPTIONS.values() if not o.accelerate)
 
@@ -87,8 +94,10 @@ class BackendSpec:
     def __post_init__(self) -> None:
         declared = getattr(self.kwargs_class, "backend", None)
         if not isinstance(declared, str) or (self.name and self.name != declared):
-            raise ValueError(f"BackendSpec: {self.kwargs_class.__name__}.backend ({declared!r}) must name the backend "
-                             f"({self.name or declared!r})")
+            raise ValueError(
+                f"BackendSpec: {self.kwargs_class.__name__}.backend ({declared!r}) must name the backend "
+                f"({self.name or declared!r})"
+            )
         object.__setattr__(self, "name", declared)
 
     def spellings(self) -> tuple[str, ...]:
@@ -107,7 +116,9 @@ class BackendSpec:
         from lowprec.backends.base import log_once
 
         recipe = self.native_recipe(handler)
-        reason = f"{why}; {self.library} is not installed, so lowprec's native engine runs the same recipe ({recipe.name})"
+        reason = (
+            f"{why}; {self.library} is not installed, so lowprec's native engine runs the same recipe ({recipe.name})"
+        )
         log_once(f"lowprec: FP8 backend {self.name!r}: {reason}")
         return self.fallback(handler, recipe, reason)
 

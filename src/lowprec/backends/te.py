@@ -37,8 +37,9 @@ def te_convert(model: "nn.Module", te: Any) -> int:
             if type(child) is nn.Linear:
                 if child.in_features % 16 or child.out_features % 16:
                     continue  # skip this layer only; siblings still convert
-                new = te.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                                params_dtype=child.weight.dtype)
+                new = te.Linear(
+                    child.in_features, child.out_features, bias=child.bias is not None, params_dtype=child.weight.dtype
+                )
                 with torch.no_grad():
                     new.weight.copy_(child.weight)
                     if child.bias is not None:
@@ -116,15 +117,18 @@ def native_recipe(handler: TERecipeKwargs) -> Any:
 
     engine_formats = get_spec("native").fp8_formats  # the rule lives in the declarations (E5M2: TE only)
     if handler.fp8_format not in engine_formats:
-        raise ValueError(f"fp8_format={handler.fp8_format!r} needs TransformerEngine; the native engine runs "
-                         f"{' or '.join(engine_formats)}")
+        raise ValueError(
+            f"fp8_format={handler.fp8_format!r} needs TransformerEngine; the native engine runs "
+            f"{' or '.join(engine_formats)}"
+        )
     switch = te_switch_recipe(vars(handler))
     if switch is not None:
         # TE's block-scaled recipes have no amax history, margin or interval: those fields are
         # TE-DelayedScaling's; fp8_format stays (MXFP8BlockScaling takes it; E4M3 is TE's default)
         fmt = {"fp8_format": "E4M3"} if switch == "nvfp4" else {"fp8_format": handler.fp8_format}
         return Recipe.from_name(
-            switch, **fmt,
+            switch,
+            **fmt,
             override_linear_precision=tuple(handler.override_linear_precision),
             use_during_eval=handler.use_autocast_during_eval,
         )

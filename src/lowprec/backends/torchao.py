@@ -131,10 +131,14 @@ def native_recipe(handler: AORecipeKwargs) -> Any:
     """torchao's recipe by name on lowprec's engine (torchao-only switches logged as unused)."""
     from lowprec.fp8.recipes import Recipe
 
-    ignored = [k for k, v in (("config", handler.config is not None), ("pad_inner_dim", handler.pad_inner_dim is False)) if v]
+    ignored = [
+        k for k, v in (("config", handler.config is not None), ("pad_inner_dim", handler.pad_inner_dim is False)) if v
+    ]
     if ignored:
-        log_once(f"lowprec: AORecipeKwargs {', '.join(ignored)} configure torchao only and have no "
-                 "effect on lowprec's native engine (torchao is not installed)")
+        log_once(
+            f"lowprec: AORecipeKwargs {', '.join(ignored)} configure torchao only and have no "
+            "effect on lowprec's native engine (torchao is not installed)"
+        )
     return Recipe.from_name(handler.recipe or "tensorwise", use_during_eval=handler.use_autocast_during_eval)
 
 

@@ -27,10 +27,8 @@ class LowprecArgumentParser(argparse.ArgumentParser):
         prefix = "unrecognized arguments: "
         if message.startswith(prefix):
             known = [s for s in self._option_string_actions if s.startswith("--")]
-            words = message[len(prefix):].split()
-            hints = [
-                f"{w}{did_you_mean(w.split('=')[0], known)}" for w in words if w.startswith("-")
-            ] or words
+            words = message[len(prefix) :].split()
+            hints = [f"{w}{did_you_mean(w.split('=')[0], known)}" for w in words if w.startswith("-")] or words
             message = f"unknown argument(s): {', '.join(hints)}"
         super().error(message)
 
@@ -60,18 +58,36 @@ def _add(group: Any, name: str, dest: str | None = None, **kwargs: Any) -> None:
 def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     """Add every settings flag (grouped as in ``accelerate launch --help``)."""
     hw = parser.add_argument_group("hardware and processes")
-    _add(hw, "mixed_precision", type=_argtype(V.parse_mixed_precision), metavar="{no,fp16,bf16,fp8}",
-         help="precision of the training processes (config file, else no)")
+    _add(
+        hw,
+        "mixed_precision",
+        type=_argtype(V.parse_mixed_precision),
+        metavar="{no,fp16,bf16,fp8}",
+        help="precision of the training processes (config file, else no)",
+    )
     _add(hw, "num_processes", type=_int(1), metavar="N", help="processes on all machines together")
     _add(hw, "num_machines", type=_int(1), metavar="N")
     _add(hw, "machine_rank", type=_int(0), metavar="R", help="rank of this machine (0 on the main one)")
     _add(hw, "main_process_ip", metavar="IP", help="address of the machine with rank 0")
     _add(hw, "main_process_port", type=_int(0), metavar="PORT")
     _add(hw, "gpu_ids", metavar="IDS", help="GPUs to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
-    hw.add_argument("--cpu", "--use_cpu", "--use-cpu", dest="use_cpu", action="store_const", const=True,
-                    default=argparse.SUPPRESS, help="train on CPU (gloo) even where GPUs exist")
-    _add(hw, "dynamo_backend", type=_argtype(V.parse_dynamo_backend), metavar="BACKEND",
-         help=f"torch.compile backend: {', '.join(V.DYNAMO_BACKENDS)}")
+    hw.add_argument(
+        "--cpu",
+        "--use_cpu",
+        "--use-cpu",
+        dest="use_cpu",
+        action="store_const",
+        const=True,
+        default=argparse.SUPPRESS,
+        help="train on CPU (gloo) even where GPUs exist",
+    )
+    _add(
+        hw,
+        "dynamo_backend",
+        type=_argtype(V.parse_dynamo_backend),
+        metavar="BACKEND",
+        help=f"torch.compile backend: {', '.join(V.DYNAMO_BACKENDS)}",
+    )
     _add(hw, "gradient_accumulation_steps", type=_int(1), metavar="N")
     _add(hw, "gradient_clipping", type=_argtype(V.parse_float), metavar="NORM")
 
@@ -79,23 +95,37 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     _add(fsdp, "use_fsdp", action="store_const", const=True, help="shard with FSDP2")
     _add(fsdp, "fsdp_version", type=_int(1), metavar="2", help="2 (FSDP1 is not supported)")
     bool_t = _argtype(V.parse_bool, "bool")
-    for name in ("fsdp_reshard_after_forward", "fsdp_activation_checkpointing",
-                 "fsdp_cpu_ram_efficient_loading", "fsdp_offload_params"):
+    for name in (
+        "fsdp_reshard_after_forward",
+        "fsdp_activation_checkpointing",
+        "fsdp_cpu_ram_efficient_loading",
+        "fsdp_offload_params",
+    ):
         _add(fsdp, name, type=bool_t, metavar="{true,false}")
-    _add(fsdp, "fsdp_auto_wrap_policy", metavar="POLICY",
-         help="TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP")
+    _add(fsdp, "fsdp_auto_wrap_policy", metavar="POLICY", help="TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or NO_WRAP")
     _add(fsdp, "fsdp_transformer_layer_cls_to_wrap", metavar="CLS[,CLS]")
     _add(fsdp, "fsdp_min_num_params", type=_int(0), metavar="N")
     _add(fsdp, "fsdp_state_dict_type", metavar="TYPE", help="FULL_STATE_DICT or SHARDED_STATE_DICT")
 
     tp = parser.add_argument_group("tensor parallelism (Accelerate's ParallelismConfig)")
-    _add(tp, "tp_size", type=_int(1), metavar="N",
-         help="processes per model replica that split each Linear of the model's _tp_plan; the rest shard with "
-         "FSDP2 (--use_fsdp) unless tp_size = num_processes")
+    _add(
+        tp,
+        "tp_size",
+        type=_int(1),
+        metavar="N",
+        help="processes per model replica that split each Linear of the model's _tp_plan; the rest shard with "
+        "FSDP2 (--use_fsdp) unless tp_size = num_processes",
+    )
     _add(tp, "parallelism_config_tp_size", dest="tp_size", type=_int(1), metavar="N", help="Accelerate's --tp_size")
     _add(tp, "dp_shard_size", type=_int(1), metavar="N", help="FSDP2 shards (default num_processes / tp_size)")
-    _add(tp, "parallelism_config_dp_shard_size", dest="dp_shard_size", type=_int(1), metavar="N",
-         help="Accelerate's --dp_shard_size")
+    _add(
+        tp,
+        "parallelism_config_dp_shard_size",
+        dest="dp_shard_size",
+        type=_int(1),
+        metavar="N",
+        help="Accelerate's --dp_shard_size",
+    )
 
     ds = parser.add_argument_group("DeepSpeed")
     _add(ds, "use_deepspeed", action="store_const", const=True, help="use DeepSpeed ZeRO")
@@ -106,25 +136,56 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     _add(ds, "deepspeed_config_file", metavar="JSON")
 
     fp8 = parser.add_argument_group("FP8 (need --mixed_precision fp8)")
-    _add(fp8, "fp8_backend", type=_argtype(V.parse_fp8_backend), metavar="BACKEND",
-         help=f"{', '.join(V.FP8_BACKENDS)} (any case; `lowprec env` lists what runs each)")
-    _add(fp8, "fp8_recipe", type=_argtype(V.parse_fp8_recipe), metavar="RECIPE",
-         help=f"native recipe: {', '.join(V.FP8_RECIPES)}")
-    _add(fp8, "fp8_fallback", type=_argtype(V.parse_fp8_fallback), metavar="{bf16,emulate}",
-         help="where the device has no FP8 GEMMs: train in bf16, or emulate the FP8 GEMMs")
+    _add(
+        fp8,
+        "fp8_backend",
+        type=_argtype(V.parse_fp8_backend),
+        metavar="BACKEND",
+        help=f"{', '.join(V.FP8_BACKENDS)} (any case; `lowprec env` lists what runs each)",
+    )
+    _add(
+        fp8,
+        "fp8_recipe",
+        type=_argtype(V.parse_fp8_recipe),
+        metavar="RECIPE",
+        help=f"native recipe: {', '.join(V.FP8_RECIPES)}",
+    )
+    _add(
+        fp8,
+        "fp8_fallback",
+        type=_argtype(V.parse_fp8_fallback),
+        metavar="{bf16,emulate}",
+        help="where the device has no FP8 GEMMs: train in bf16, or emulate the FP8 GEMMs",
+    )
     _add(fp8, "fp8_format", type=_argtype(V.parse_fp8_format), metavar="{HYBRID,E4M3,E5M2}")
     for option in RECIPE_OPTIONS.values():  # margin, amax_history_len, amax_compute_algo, scale_rounding
         metavar = "{" + ",".join(option.choices) + "}" if option.choices else "N"
-        _add(fp8, option.setting, type=_argtype(V.parse_recipe_option(option.name), option.setting if option.choices else "int"),
-             metavar=metavar)
+        _add(
+            fp8,
+            option.setting,
+            type=_argtype(V.parse_recipe_option(option.name), option.setting if option.choices else "int"),
+            metavar=metavar,
+        )
     _add(fp8, "fp8_interval", type=_argtype(V.parse_recipe_int("interval"), "int"), metavar="N")
-    _add(fp8, "fp8_override_linear_precision", type=_argtype(V.parse_override_linear_precision),
-         metavar="FPROP,DGRAD,WGRAD", help='high-precision GEMMs, e.g. "false,false,true"')
+    _add(
+        fp8,
+        "fp8_override_linear_precision",
+        type=_argtype(V.parse_override_linear_precision),
+        metavar="FPROP,DGRAD,WGRAD",
+        help='high-precision GEMMs, e.g. "false,false,true"',
+    )
     _add(fp8, "fp8_opt_level", type=_argtype(V.parse_opt_level), metavar="{O1,O2}")
-    fp8.add_argument("--fp8_use_during_eval", "--fp8-use-during-eval", "--fp8_use_autocast_during_eval",
-                     "--fp8-use-autocast-during-eval", dest="fp8_use_autocast_during_eval",
-                     action="store_const", const=True, default=argparse.SUPPRESS,
-                     help="keep FP8 on in model.eval()")
+    fp8.add_argument(
+        "--fp8_use_during_eval",
+        "--fp8-use-during-eval",
+        "--fp8_use_autocast_during_eval",
+        "--fp8-use-autocast-during-eval",
+        dest="fp8_use_autocast_during_eval",
+        action="store_const",
+        const=True,
+        default=argparse.SUPPRESS,
+        help="keep FP8 on in model.eval()",
+    )
     _add(fp8, "fp8_enable_fsdp_float8_all_gather", type=bool_t, metavar="{true,false}")
     _add(fp8, "fp8_pad_inner_dim", type=bool_t, metavar="{true,false}")
 
@@ -161,8 +222,10 @@ def check_cli_flags_apply(cli: dict[str, Any], settings: LaunchSettings) -> None
     fsdp = [f for f in flags(("fsdp_",)) if f != "--fsdp_version"]
     if fsdp and not settings.use_fsdp:
         raise UsageError(f"{', '.join(fsdp)}: FSDP option(s) without --use_fsdp: add it or drop them")
-    ds = flags((), ("zero_stage", "offload_optimizer_device", "offload_param_device",
-                    "zero3_init_flag", "deepspeed_config_file"))
+    ds = flags(
+        (),
+        ("zero_stage", "offload_optimizer_device", "offload_param_device", "zero3_init_flag", "deepspeed_config_file"),
+    )
     if ds and not settings.use_deepspeed:
         raise UsageError(f"{', '.join(ds)}: DeepSpeed option(s) without --use_deepspeed: add it or drop them")
     if "gradient_clipping" in cli and not settings.use_deepspeed:

@@ -130,10 +130,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"lowprec: stopped: {f.read().strip()}{_continue_hint()}", file=sys.stderr)
             return code
         if aborted_after_done(exc.failures, stop_dir, determine_local_world_size(args.nproc_per_node)):
-            ranks = ", ".join(f"rank {r} (pid {f.pid})" for r, f in sorted(exc.failures.items())
-                              if f.exitcode == -signal.SIGABRT)
-            print(f"lowprec: warning: {ranks} killed by SIGABRT at interpreter exit, after the work finished "
-                  "and the outputs were flushed (a torch/gloo teardown race); the run succeeded", file=sys.stderr)
+            ranks = ", ".join(
+                f"rank {r} (pid {f.pid})" for r, f in sorted(exc.failures.items()) if f.exitcode == -signal.SIGABRT
+            )
+            print(
+                f"lowprec: warning: {ranks} killed by SIGABRT at interpreter exit, after the work finished "
+                "and the outputs were flushed (a torch/gloo teardown race); the run succeeded",
+                file=sys.stderr,
+            )
             return 0
         if code == 2:  # a user or checkpoint error: the worker printed its one line; "continue"
             return code  # would retry the same input (e.g. resume from the same bad checkpoint)
@@ -145,8 +149,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 128 - code if code < 0 else (code or 1)
     except (SignalException, KeyboardInterrupt) as exc:
         sig = getattr(exc, "sigval", signal.SIGINT)
-        print(f"lowprec: interrupted ({signal.Signals(sig).name}); the workers were stopped{_continue_hint()}",
-              file=sys.stderr)
+        print(
+            f"lowprec: interrupted ({signal.Signals(sig).name}); the workers were stopped{_continue_hint()}",
+            file=sys.stderr,
+        )
         return 128 + int(sig)
     finally:
         shutil.rmtree(stop_dir, ignore_errors=True)

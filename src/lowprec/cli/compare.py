@@ -28,7 +28,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from lowprec.cli.train import add_config_flags, config_command
 
     p = config_command(
-        subparsers, NAME, HELP,
+        subparsers,
+        NAME,
+        HELP,
         "Run one config at several precisions with the same seeds and compare the losses "
         "(95%% intervals, paired gaps, a verdict). Exit codes: 0 within the threshold, 1 outside, "
         "2 usage error, 4 inconclusive.",
@@ -38,26 +40,59 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     from lowprec.catalog import RECIPE_NAMES
 
-    p.add_argument("--precisions", default=None, metavar="LIST",
-                   help="comma-separated: fp32, bf16, fp16, bf16-full, fp8 (the config's recipe), fp8-<recipe> "
-                   f"({', '.join('fp8-' + r for r in RECIPE_NAMES)}), fp8-torchao, "
-                   "fp8-torchao-<recipe> (default: compare.precisions, else fp32,bf16,fp8)")
-    p.add_argument("--seeds", default=None, metavar="N|LIST",
-                   help="N seeds (seed, seed+1, ...) or a comma-separated list (default: compare.seeds, else 1)")
-    p.add_argument("--threshold", type=float, default=None, metavar="FRACTION",
-                   help="largest allowed excess of a loss over the baseline's at 95%% confidence "
-                   "(default: compare.threshold, else 0.02 = 2%%)")
-    p.add_argument("--baseline", default=None, metavar="PRECISION",
-                   help="the precision the others are judged against (default bf16 when listed, else the highest)")
-    p.add_argument("--workers", default=None, metavar="N",
-                   help="runs at once (default auto: CPU cores / cpu_threads; 1 on a GPU)")
-    p.add_argument("--tail_fraction", "--tail-fraction", type=float, default=None, metavar="FRACTION",
-                   help="the last part of training compared as a curve gap (default 0.2)")
-    p.add_argument("--compare_dir", "--compare-dir", default=None, metavar="DIR",
-                   help="where runs and reports go (default: <output_dir>/compare)")
-    p.add_argument("--reuse", action="store_true", default=None,
-                   help="read finished runs of the identical config (same YAML, same lowprec version) from the "
-                   "compare directory instead of running them again: continue an interrupted comparison or add seeds")
+    p.add_argument(
+        "--precisions",
+        default=None,
+        metavar="LIST",
+        help="comma-separated: fp32, bf16, fp16, bf16-full, fp8 (the config's recipe), fp8-<recipe> "
+        f"({', '.join('fp8-' + r for r in RECIPE_NAMES)}), fp8-torchao, "
+        "fp8-torchao-<recipe> (default: compare.precisions, else fp32,bf16,fp8)",
+    )
+    p.add_argument(
+        "--seeds",
+        default=None,
+        metavar="N|LIST",
+        help="N seeds (seed, seed+1, ...) or a comma-separated list (default: compare.seeds, else 1)",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="largest allowed excess of a loss over the baseline's at 95%% confidence "
+        "(default: compare.threshold, else 0.02 = 2%%)",
+    )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="PRECISION",
+        help="the precision the others are judged against (default bf16 when listed, else the highest)",
+    )
+    p.add_argument(
+        "--workers", default=None, metavar="N", help="runs at once (default auto: CPU cores / cpu_threads; 1 on a GPU)"
+    )
+    p.add_argument(
+        "--tail_fraction",
+        "--tail-fraction",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="the last part of training compared as a curve gap (default 0.2)",
+    )
+    p.add_argument(
+        "--compare_dir",
+        "--compare-dir",
+        default=None,
+        metavar="DIR",
+        help="where runs and reports go (default: <output_dir>/compare)",
+    )
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        default=None,
+        help="read finished runs of the identical config (same YAML, same lowprec version) from the "
+        "compare directory instead of running them again: continue an interrupted comparison or add seeds",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines (each run's log is in its own file)")
     add_config_flags(p)
     return p
@@ -117,8 +152,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides_from_args(args))
     spec = compare_settings(args, cfg)
     report, out = compare(
-        cfg, spec.precisions, spec.seed_list(cfg.seed), spec.threshold, args.compare_dir,
-        workers=spec.workers, baseline=spec.baseline, tail_fraction=spec.tail_fraction, quiet=args.quiet,
+        cfg,
+        spec.precisions,
+        spec.seed_list(cfg.seed),
+        spec.threshold,
+        args.compare_dir,
+        workers=spec.workers,
+        baseline=spec.baseline,
+        tail_fraction=spec.tail_fraction,
+        quiet=args.quiet,
         reuse=spec.reuse,
     )
     print(format_report(report))

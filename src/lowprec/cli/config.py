@@ -21,13 +21,25 @@ HELP = "write a launch config file (wizard, --default, or flags)"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(NAME, help=HELP, description="Write the launch config that `lowprec launch` reads: interactive "
-                              "questions, --default (chosen from this hardware), or the same flags as launch.")
-    p.add_argument("--config_file", "--config-file", metavar="YAML", default=None,
-                   help="where to write (default: $LOWPREC_CONFIG_HOME/default_config.yaml or "
-                   "~/.cache/lowprec/default_config.yaml)")
-    p.add_argument("--default", action="store_true",
-                   help="no questions: pick settings for the hardware here (flags still override)")
+    p = subparsers.add_parser(
+        NAME,
+        help=HELP,
+        description="Write the launch config that `lowprec launch` reads: interactive "
+        "questions, --default (chosen from this hardware), or the same flags as launch.",
+    )
+    p.add_argument(
+        "--config_file",
+        "--config-file",
+        metavar="YAML",
+        default=None,
+        help="where to write (default: $LOWPREC_CONFIG_HOME/default_config.yaml or "
+        "~/.cache/lowprec/default_config.yaml)",
+    )
+    p.add_argument(
+        "--default",
+        action="store_true",
+        help="no questions: pick settings for the hardware here (flags still override)",
+    )
     add_settings_flags(p)
     return p
 
@@ -49,8 +61,7 @@ def hardware_default() -> tuple[LaunchSettings, str]:
     procs = {"num_processes": count}
     if cc >= (8, 9):
         return LaunchSettings(mixed_precision="fp8", fp8_backend="native", fp8_recipe="tensorwise", **procs), (
-            f"{count} GPU(s) with compute capability {cc[0]}.{cc[1]} >= 8.9: native FP8 GEMMs, "
-            "tensorwise recipe"
+            f"{count} GPU(s) with compute capability {cc[0]}.{cc[1]} >= 8.9: native FP8 GEMMs, tensorwise recipe"
         )
     if torch.cuda.is_bf16_supported():
         return LaunchSettings(mixed_precision="bf16", **procs), (

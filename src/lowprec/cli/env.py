@@ -50,8 +50,12 @@ def __getattr__(name: str) -> Any:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(NAME, help=HELP, description="Print versions, devices, FP8 GEMM support, installed "
-                              "backends and the default config (for bug reports).")
+    p = subparsers.add_parser(
+        NAME,
+        help=HELP,
+        description="Print versions, devices, FP8 GEMM support, installed "
+        "backends and the default config (for bug reports).",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -86,17 +90,22 @@ def _torch_info() -> dict[str, Any]:
     if info["cuda_available"]:
         for i in range(torch.cuda.device_count()):
             cc = torch.cuda.get_device_capability(i)
-            devices.append({"index": i, "name": torch.cuda.get_device_name(i),
-                            "compute_capability": f"{cc[0]}.{cc[1]}", "fp8_gemm": cc >= (8, 9),
-                            "blockwise_gemm": _probe(lambda i=i: _blockwise_gemm(i))})
+            devices.append(
+                {
+                    "index": i,
+                    "name": torch.cuda.get_device_name(i),
+                    "compute_capability": f"{cc[0]}.{cc[1]}",
+                    "fp8_gemm": cc >= (8, 9),
+                    "blockwise_gemm": _probe(lambda i=i: _blockwise_gemm(i)),
+                }
+            )
     info["devices"] = devices
-    info["bf16_supported"] = _probe(
-        lambda: torch.cuda.is_bf16_supported() if info["cuda_available"] else True
-    )
+    info["bf16_supported"] = _probe(lambda: torch.cuda.is_bf16_supported() if info["cuda_available"] else True)
     if devices:
         native = any(d["fp8_gemm"] for d in devices)
         info["fp8_gemm"] = (
-            "native (CUDA compute capability >= 8.9)" if native
+            "native (CUDA compute capability >= 8.9)"
+            if native
             else "emulated (needs CUDA compute capability >= 8.9; these GPUs are older)"
         )
     else:
@@ -126,8 +135,11 @@ def _fp8_backends() -> dict[str, dict[str, Any]]:
 
     out = {}
     for s in specs():
-        runs = "lowprec engine" if s.library is None else (
-            s.library if s.available() else f"lowprec engine ({s.library} not installed)")
+        runs = (
+            "lowprec engine"
+            if s.library is None
+            else (s.library if s.available() else f"lowprec engine ({s.library} not installed)")
+        )
         out[s.name] = {"fp8_backend": s.env_value, "kwargs": s.kwargs_class.__name__, "runs": runs}
     return out
 
@@ -159,8 +171,17 @@ def collect() -> dict[str, Any]:
 
 def _format(info: dict[str, Any]) -> str:
     lines = ["lowprec environment", ""]
-    for key in ("lowprec", "python", "platform", "cpu_count", "torch", "cuda_available", "cuda_version",
-                "bf16_supported", "fp8_gemm"):
+    for key in (
+        "lowprec",
+        "python",
+        "platform",
+        "cpu_count",
+        "torch",
+        "cuda_available",
+        "cuda_version",
+        "bf16_supported",
+        "fp8_gemm",
+    ):
         if key in info:
             lines.append(f"- {key}: {info[key]}")
     for dev in info.get("devices", []):
@@ -170,7 +191,7 @@ def _format(info: dict[str, Any]) -> str:
         lines.append(f"    {name}: {version or 'not installed'}")
     lines.append("- FP8 backends (--fp8_backend):")
     backends = info.get("fp8_backends")
-    for b in (backends.values() if isinstance(backends, dict) else ()):
+    for b in backends.values() if isinstance(backends, dict) else ():
         lines.append(f"    {b['fp8_backend']}: {b['kwargs']}, runs on {b['runs']}")
     state = "present" if info.get("default_config_exists") is True else "not present"
     lines.append(f"- default config: {info['default_config']} ({state})")

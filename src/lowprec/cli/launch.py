@@ -48,12 +48,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         usage="lowprec launch [options] script.py [script args...]\n"
         "       lowprec launch [options] -m package.module [module args...]",
     )
-    p.add_argument("--config_file", "--config-file", metavar="YAML", default=None,
-                   help="launch config (default: $LOWPREC_CONFIG_HOME/default_config.yaml or "
-                   "~/.cache/lowprec/default_config.yaml when it exists)")
+    p.add_argument(
+        "--config_file",
+        "--config-file",
+        metavar="YAML",
+        default=None,
+        help="launch config (default: $LOWPREC_CONFIG_HOME/default_config.yaml or "
+        "~/.cache/lowprec/default_config.yaml when it exists)",
+    )
     p.add_argument("-m", "--module", action="store_true", help="run the script as a module (python -m)")
-    p.add_argument("--dry_run", "--dry-run", "--print_command", "--print-command", dest="dry_run",
-                   action="store_true", help="print the environment and command, run nothing")
+    p.add_argument(
+        "--dry_run",
+        "--dry-run",
+        "--print_command",
+        "--print-command",
+        dest="dry_run",
+        action="store_true",
+        help="print the environment and command, run nothing",
+    )
     add_settings_flags(p)
     p.add_argument("training_script", nargs="?", help="the script (or module with -m)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="passed to the script unchanged")
@@ -69,7 +81,7 @@ def split_argv(parser: argparse.ArgumentParser, tokens: Sequence[str]) -> tuple[
     while i < len(tokens):
         tok = tokens[i]
         if tok == "--":
-            return list(tokens[:i]), list(tokens[i + 1:])
+            return list(tokens[:i]), list(tokens[i + 1 :])
         if tok.startswith("-") and tok != "-":
             action = actions.get(tok.split("=", 1)[0])
             takes_value = action is not None and action.nargs != 0  # nargs=0: a switch
@@ -142,9 +154,7 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
 
     ignored = sorted(k for k in yaml_layer if k in FP8_FIELDS and k not in cli_layer)
     if ignored and not settings.fp8:
-        notes.append(
-            f"fp8_config in {config_file} is not used: mixed_precision is {settings.mixed_precision!r}"
-        )
+        notes.append(f"fp8_config in {config_file} is not used: mixed_precision is {settings.mixed_precision!r}")
     notes += _yaml_notes(yaml_layer, cli_layer, settings, config_file)
     exported = settings.to_env()
     removed = sorted(k for k in environ if owned_env_var(k) and k not in exported)
@@ -153,7 +163,8 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         notes.append(f"removed {', '.join(removed)} inherited from the environment (the launch settings decide)")
     if overridden:
         notes.append(
-            "overriding " + ", ".join(f"{k}={environ[k]} with {exported[k]}" for k in overridden)
+            "overriding "
+            + ", ".join(f"{k}={environ[k]} with {exported[k]}" for k in overridden)
             + " from the environment (flags and config file decide)"
         )
     env = {k: v for k, v in environ.items() if k not in removed}
@@ -168,8 +179,11 @@ def _origins(message: str, yaml_layer: Mapping[str, Any], cli_layer: Mapping[str
     import re
 
     named = dict.fromkeys(re.findall(r"\b([a-z][a-z0-9_]+)\b", message))
-    parts = [f"{k} from --{k}" if k in cli_layer else f"{k} from {config_file}"
-             for k in named if k in cli_layer or k in yaml_layer]
+    parts = [
+        f"{k} from --{k}" if k in cli_layer else f"{k} from {config_file}"
+        for k in named
+        if k in cli_layer or k in yaml_layer
+    ]
     return f" ({'; '.join(parts)})" if parts else ""
 
 
@@ -179,8 +193,11 @@ def _check_files(settings: LaunchSettings, cli_layer: Mapping[str, Any], config_
     path = settings.deepspeed_config_file
     if path is None:
         return
-    where = "--deepspeed_config_file" if "deepspeed_config_file" in cli_layer else (
-        f"deepspeed_config.deepspeed_config_file in {config_file}")
+    where = (
+        "--deepspeed_config_file"
+        if "deepspeed_config_file" in cli_layer
+        else (f"deepspeed_config.deepspeed_config_file in {config_file}")
+    )
     from lowprec.config.yaml_file import read_json_object
 
     try:
@@ -189,8 +206,9 @@ def _check_files(settings: LaunchSettings, cli_layer: Mapping[str, Any], config_
         raise UsageError(f"{where}: {exc}") from None
 
 
-def _yaml_notes(yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], settings: LaunchSettings,
-                config_file: str | None) -> list[str]:
+def _yaml_notes(
+    yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], settings: LaunchSettings, config_file: str | None
+) -> list[str]:
     """Config-file values that would change nothing: a note each (the same values as flags are
     usage errors, see ``check_cli_flags_apply``; a file may come from Accelerate, so it is not)."""
     from_yaml = {k: v for k, v in yaml_layer.items() if k not in cli_layer}
@@ -206,8 +224,13 @@ def _yaml_notes(yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], set
     if settings.fp8:
         # refused settings and fields the recipe does not read are errors; fields another backend
         # reads stay notes (an Accelerate-written file may carry them)
-        check_fp8_fields(settings.fp8_backend, settings.fp8_recipe, {k: v for k, v in from_yaml.items() if k in FP8_FIELDS},
-                         lambda k: f"fp8_config.{k.removeprefix('fp8_')} in {config_file}", backend_unread=False)
+        check_fp8_fields(
+            settings.fp8_backend,
+            settings.fp8_recipe,
+            {k: v for k, v in from_yaml.items() if k in FP8_FIELDS},
+            lambda k: f"fp8_config.{k.removeprefix('fp8_')} in {config_file}",
+            backend_unread=False,
+        )
         dropped = fp8_fields_unread(settings.fp8_backend, from_yaml)
         if dropped:
             notes.append(

@@ -29,7 +29,15 @@ from types import ModuleType
 
 from lowprec import __version__
 from lowprec.cli._flags import LowprecArgumentParser
-from lowprec.errors import EXIT_NONFINITE, EXIT_STORAGE, EXIT_USAGE, NonFiniteError, StorageError, did_you_mean, format_usage_error
+from lowprec.errors import (
+    EXIT_NONFINITE,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    NonFiniteError,
+    StorageError,
+    did_you_mean,
+    format_usage_error,
+)
 
 __all__ = ["COMMANDS", "main", "build_parser"]
 
@@ -49,9 +57,7 @@ def _load_commands() -> dict[str, ModuleType]:
 
 
 def build_parser() -> tuple[LowprecArgumentParser, dict[str, tuple[ModuleType, LowprecArgumentParser]]]:
-    parser = LowprecArgumentParser(
-        prog="lowprec", description="Low-precision (FP8/BF16/FP16) training for PyTorch."
-    )
+    parser = LowprecArgumentParser(prog="lowprec", description="Low-precision (FP8/BF16/FP16) training for PyTorch.")
     parser.add_argument("--version", action="version", version=f"lowprec {__version__}")
     modules = _load_commands()
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(modules) + "}")

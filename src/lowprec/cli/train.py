@@ -16,7 +16,17 @@ import subprocess
 import sys
 from typing import Any, Sequence
 
-__all__ = ["NAME", "HELP", "add_parser", "run", "add_config_flags", "config_command", "overrides_from_args", "relaunch_command", "resume_command"]
+__all__ = [
+    "NAME",
+    "HELP",
+    "add_parser",
+    "run",
+    "add_config_flags",
+    "config_command",
+    "overrides_from_args",
+    "relaunch_command",
+    "resume_command",
+]
 
 NAME = "train"
 HELP = "train the built-in (or a local HF) model from an Axolotl-style YAML config"
@@ -32,7 +42,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for name, description, shown in KEYS:
         spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
         group.add_argument(
-            *spellings, dest=f"cfg__{name}", metavar="VALUE", default=argparse.SUPPRESS,
+            *spellings,
+            dest=f"cfg__{name}",
+            metavar="VALUE",
+            default=argparse.SUPPRESS,
             help=f"{description} (default: {shown})".replace("%", "%%"),
         )
 
@@ -40,10 +53,12 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from lowprec.train.config import parse_override_value
 
-    return {k[len("cfg__"):]: parse_override_value(v) for k, v in vars(args).items() if k.startswith("cfg__")}
+    return {k[len("cfg__") :]: parse_override_value(v) for k, v in vars(args).items() if k.startswith("cfg__")}
 
 
-def config_command(subparsers: Any, name: str, summary: str, description: str, usage: str, config_help: str) -> argparse.ArgumentParser:
+def config_command(
+    subparsers: Any, name: str, summary: str, description: str, usage: str, config_help: str
+) -> argparse.ArgumentParser:
     """A subcommand that reads a trainer YAML config (positional, optional): ``train``, ``compare``.
     The caller adds its own flags, then :func:`add_config_flags`."""
     p = subparsers.add_parser(name, help=summary, description=description, usage=usage)
@@ -53,12 +68,21 @@ def config_command(subparsers: Any, name: str, summary: str, description: str, u
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = config_command(
-        subparsers, NAME, HELP, "Train from an Axolotl-style YAML config; every config key is also a --flag.",
+        subparsers,
+        NAME,
+        HELP,
+        "Train from an Axolotl-style YAML config; every config key is also a --flag.",
         "lowprec train CONFIG.yaml [--key value ...] [--num_processes N]",
         "the YAML config (omit to run on defaults and flags alone)",
     )
-    p.add_argument("--num_processes", "--num-processes", type=int, default=1, metavar="N",
-                   help="processes on this machine (N > 1: torchrun, gloo on CPU, nccl on GPU)")
+    p.add_argument(
+        "--num_processes",
+        "--num-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes on this machine (N > 1: torchrun, gloo on CPU, nccl on GPU)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or info log")
     add_config_flags(p)
     return p
@@ -89,7 +113,7 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
     argv = [args.config] if args.config else []
     for k, v in vars(args).items():
         if k.startswith("cfg__"):
-            argv += [f"--{k[len('cfg__'):]}", v]
+            argv += [f"--{k[len('cfg__') :]}", v]
     return argv + (["--quiet"] if args.quiet else [])
 
 
@@ -100,7 +124,7 @@ def resume_command(args: argparse.Namespace) -> str:
     argv = [a for a in _argv_of(args)]
     for i, tok in enumerate(argv[:-1]):
         if tok == "--resume_from_checkpoint":
-            del argv[i:i + 2]
+            del argv[i : i + 2]
             break
     if getattr(args, "num_processes", 1) > 1:
         argv += ["--num_processes", str(args.num_processes)]
@@ -128,8 +152,8 @@ def _drop_launch_env() -> None:
         del os.environ[k]
     if dropped and int(os.environ.get("RANK", "0")) == 0:
         logging.getLogger("lowprec").warning(
-            "lowprec train: ignoring %s from the environment (the YAML config sets precision and "
-            "distribution)", ", ".join(dropped)
+            "lowprec train: ignoring %s from the environment (the YAML config sets precision and distribution)",
+            ", ".join(dropped),
         )
 
 
@@ -162,11 +186,15 @@ def _check_tensor_parallel(cfg: Any, processes: int) -> None:
     more than one group needs FSDP2 to hold the data-parallel dimension."""
     tp = cfg.tensor_parallel_size
     if tp > 1 and processes % tp:
-        raise ValueError(f"tensor_parallel_size: {tp} does not divide --num_processes {processes}; launch a "
-                         f"multiple of {tp} processes or change tensor_parallel_size")
+        raise ValueError(
+            f"tensor_parallel_size: {tp} does not divide --num_processes {processes}; launch a "
+            f"multiple of {tp} processes or change tensor_parallel_size"
+        )
     if tp > 1 and processes // tp > 1 and cfg.fsdp_version != 2:
-        raise ValueError(f"tensor_parallel_size: {tp} with --num_processes {processes} leaves {processes // tp} "
-                         f"data-parallel groups, which FSDP2 shards: add fsdp_version: 2, or run {tp} processes")
+        raise ValueError(
+            f"tensor_parallel_size: {tp} with --num_processes {processes} leaves {processes // tp} "
+            f"data-parallel groups, which FSDP2 shards: add fsdp_version: 2, or run {tp} processes"
+        )
 
 
 def _check_deepspeed(cfg: Any, processes: int) -> None:
@@ -179,8 +207,10 @@ def _check_deepspeed(cfg: Any, processes: int) -> None:
     body, source = (read_json_object(ds), f"deepspeed config {ds}") if isinstance(ds, str) else (ds, "deepspeed")
     check_deepspeed_config(body, source, cfg.micro_batch_size, cfg.gradient_accumulation_steps)
     if processes == 1 and "WORLD_SIZE" not in os.environ:
-        raise ValueError("deepspeed is set but this is a one-process run, and DeepSpeed runs under a launcher: "
-                         "add --num_processes 2 (or more), or drop deepspeed")
+        raise ValueError(
+            "deepspeed is set but this is a one-process run, and DeepSpeed runs under a launcher: "
+            "add --num_processes 2 (or more), or drop deepspeed"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,7 +248,13 @@ def run(args: argparse.Namespace) -> int:
         result = train(cfg)
     except (NonFiniteError, StorageError, KeyboardInterrupt) as exc:
         rank = int(os.environ.get("RANK", "0"))
-        code = EXIT_NONFINITE if isinstance(exc, NonFiniteError) else EXIT_STORAGE if isinstance(exc, StorageError) else 130
+        code = (
+            EXIT_NONFINITE
+            if isinstance(exc, NonFiniteError)
+            else EXIT_STORAGE
+            if isinstance(exc, StorageError)
+            else 130
+        )
         if code != 130:
             # under the launcher: every rank stops alike; rank 0's reason becomes the one line
             # the launcher prints (with the multi-process command that continues)

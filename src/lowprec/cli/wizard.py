@@ -54,8 +54,9 @@ def run_wizard() -> LaunchSettings:
     s["num_processes"] = ask("How many processes in total (all machines together)?", s["num_machines"], _int(1))
     s["use_cpu"] = ask("Train on CPU only?", False, V.parse_bool)
     if s["num_processes"] > 1 or s["num_machines"] > 1:
-        mode = ask("Data parallelism", "ddp", lambda v: V.choice(v, ("ddp", "fsdp", "deepspeed")),
-                   ("ddp", "fsdp", "deepspeed"))
+        mode = ask(
+            "Data parallelism", "ddp", lambda v: V.choice(v, ("ddp", "fsdp", "deepspeed")), ("ddp", "fsdp", "deepspeed")
+        )
         s["use_fsdp"], s["use_deepspeed"] = mode == "fsdp", mode == "deepspeed"
         if mode == "fsdp":
             s["fsdp_reshard_after_forward"] = ask("Reshard parameters after forward (FULL_SHARD)?", True, V.parse_bool)
@@ -67,8 +68,11 @@ def run_wizard() -> LaunchSettings:
         if mode == "deepspeed":
             s["zero_stage"] = ask("ZeRO stage?", 2, _zero_stage, ("0", "1", "2", "3"))
         else:
-            tp = ask("Tensor parallel size (processes splitting each Linear of the model's _tp_plan; 1: none)?", 1,
-                     _tp_size(s["num_processes"], mode == "fsdp"))
+            tp = ask(
+                "Tensor parallel size (processes splitting each Linear of the model's _tp_plan; 1: none)?",
+                1,
+                _tp_size(s["num_processes"], mode == "fsdp"),
+            )
             s["tp_size"] = tp if tp > 1 else None
     s["mixed_precision"] = ask("Mixed precision?", "bf16", V.parse_mixed_precision, V.MIXED_PRECISIONS)
     if s["mixed_precision"] == "fp8":
@@ -111,8 +115,10 @@ def _fp8_questions(s: dict[str, Any]) -> None:
         recipe = recipe_info(s["fp8_recipe"])
     if spec.library is None:  # lowprec's engine runs it: say what to do where FP8 GEMMs are missing
         s["fp8_fallback"] = ask(
-            "Where the device has no FP8 GEMMs: train in bf16, or emulate FP8?", "emulate",
-            V.parse_fp8_fallback, V.FP8_FALLBACKS,
+            "Where the device has no FP8 GEMMs: train in bf16, or emulate FP8?",
+            "emulate",
+            V.parse_fp8_fallback,
+            V.FP8_FALLBACKS,
         )
     recipe_reads = set(spec_reads_of(recipe))
     if "fp8_format" in reads and (recipe is None or recipe.granularity is Granularity.TENSOR):
@@ -133,8 +139,10 @@ def _fp8_questions(s: dict[str, Any]) -> None:
     if "fp8_use_autocast_during_eval" in reads:
         s["fp8_use_autocast_during_eval"] = ask("Keep FP8 on in eval mode?", False, V.parse_bool)
     # the native engine all-gathers in FP8 for tensorwise scaling only (its scale is the whole weight's)
-    if s.get("use_fsdp") and "fp8_enable_fsdp_float8_all_gather" in reads and (
-        recipe is None or recipe.scaling == "tensorwise"
+    if (
+        s.get("use_fsdp")
+        and "fp8_enable_fsdp_float8_all_gather" in reads
+        and (recipe is None or recipe.scaling == "tensorwise")
     ):
         s["fp8_enable_fsdp_float8_all_gather"] = ask("All-gather FSDP weights in FP8?", True, V.parse_bool)
 

@@ -80,8 +80,16 @@ from lowprec.config import values as V
 from lowprec.errors import UsageError, did_you_mean
 
 __all__ = [
-    "LaunchSettings", "ENV_VARS", "FP8_OVERRIDE_VARS", "FP8_FIELDS", "UNREAD_FIELDS",
-    "fp8_fields_unread", "fp8_readers", "check_fp8_fields", "owned_env_var", "read_env",
+    "LaunchSettings",
+    "ENV_VARS",
+    "FP8_OVERRIDE_VARS",
+    "FP8_FIELDS",
+    "UNREAD_FIELDS",
+    "fp8_fields_unread",
+    "fp8_readers",
+    "check_fp8_fields",
+    "owned_env_var",
+    "read_env",
 ]
 
 FP8_OVERRIDE_VARS = (
@@ -142,7 +150,12 @@ ENV_VARS: tuple[_Var, ...] = (
     _Var("fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE", _one_of(_STATE_DICT_TYPES), "fsdp"),
     _Var("use_deepspeed", "ACCELERATE_USE_DEEPSPEED", _B, "always"),
     _Var("zero_stage", "ACCELERATE_DEEPSPEED_ZERO_STAGE", _parse_zero_stage, "deepspeed"),
-    _Var("offload_optimizer_device", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", _one_of(_OFFLOAD_DEVICES), "deepspeed"),
+    _Var(
+        "offload_optimizer_device",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+        _one_of(_OFFLOAD_DEVICES),
+        "deepspeed",
+    ),
     _Var("offload_param_device", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", _one_of(_OFFLOAD_DEVICES), "deepspeed"),
     _Var("zero3_init_flag", "ACCELERATE_DEEPSPEED_ZERO3_INIT", _B, "deepspeed"),
     _Var("deepspeed_config_file", "ACCELERATE_DEEPSPEED_CONFIG_FILE", str, "deepspeed"),
@@ -187,6 +200,7 @@ FP8_FIELDS = tuple(v.field for v in ENV_VARS if v.when == "fp8") + ("fp8_overrid
 # lowprec: never exported, and `launch` says so instead of pretending they act.
 UNREAD_FIELDS = ("dynamo_backend", "zero3_init_flag")
 
+
 def fp8_fields_unread(backend: str | None, fields: Any) -> list[str]:
     """Which of ``fields`` (FP8 setting names) the ``backend`` (None/auto: native) never reads
     (each backend declares what it reads: ``SPEC.reads`` in ``lowprec/backends/<name>.py``)."""
@@ -202,8 +216,9 @@ def fp8_readers(field_name: str) -> list[str]:
     return [s.env_value.lower() for s in specs() if field_name in s.reads]
 
 
-def check_fp8_fields(backend: str | None, recipe: str | None, fields: Any, spell: Callable[[str], str] = str,
-                     backend_unread: bool = True) -> None:
+def check_fp8_fields(
+    backend: str | None, recipe: str | None, fields: Any, spell: Callable[[str], str] = str, backend_unread: bool = True
+) -> None:
     """FP8 settings the chosen backend refuses, or that it (``backend_unread``) or the chosen
     recipe would ignore, are errors naming the key (``spell`` renders a setting name as the
     user wrote it: ``--fp8_margin``, ``fp8_config.margin``)."""
@@ -343,9 +358,7 @@ class LaunchSettings:
 
     def _check_combinations(self) -> None:
         if self.use_fsdp and self.use_deepspeed:
-            raise UsageError(
-                "use_fsdp and use_deepspeed are both set; pick one (FSDP2 or DeepSpeed ZeRO)"
-            )
+            raise UsageError("use_fsdp and use_deepspeed are both set; pick one (FSDP2 or DeepSpeed ZeRO)")
         if self.fsdp_version != 2:
             raise UsageError(
                 f"fsdp_version={self.fsdp_version}: FSDP1 is not supported; lowprec shards with "
@@ -357,9 +370,7 @@ class LaunchSettings:
                 f"{self.num_machines}; num_processes counts all processes on all machines"
             )
         if self.machine_rank >= self.num_machines:
-            raise UsageError(
-                f"machine_rank={self.machine_rank} must be below num_machines={self.num_machines}"
-            )
+            raise UsageError(f"machine_rank={self.machine_rank} must be below num_machines={self.num_machines}")
         if self.num_machines > 1 and not self.main_process_ip:
             raise UsageError(
                 f"num_machines={self.num_machines} needs main_process_ip (the address of the "
@@ -380,8 +391,7 @@ class LaunchSettings:
             )
         if self.fp8_override_linear_precision == (True, True, True):
             raise UsageError(
-                "fp8_override_linear_precision=(true, true, true) runs no GEMM in FP8; "
-                "use mixed_precision bf16 instead"
+                "fp8_override_linear_precision=(true, true, true) runs no GEMM in FP8; use mixed_precision bf16 instead"
             )
         # msamp + ZeRO-3 is not rejected here: lowprec's native O2 (FP8AdamW as DeepSpeed's
         # client optimizer) runs under ZeRO-3; the backend decides for the real MS-AMP library.
@@ -389,27 +399,37 @@ class LaunchSettings:
     def _check_tensor_parallel(self) -> None:
         tp = self.tp_size or 1
         if self.num_processes % tp:
-            raise UsageError(f"tp_size={tp} does not divide num_processes={self.num_processes}; launch a multiple "
-                             f"of {tp} processes or pick a tp_size that divides {self.num_processes}")
+            raise UsageError(
+                f"tp_size={tp} does not divide num_processes={self.num_processes}; launch a multiple "
+                f"of {tp} processes or pick a tp_size that divides {self.num_processes}"
+            )
         dp = self.num_processes // tp
         if self.dp_shard_size is not None and self.dp_shard_size != dp:
-            raise UsageError(f"dp_shard_size={self.dp_shard_size} x tp_size={tp} != num_processes={self.num_processes}; "
-                             f"set dp_shard_size to {dp} (or drop it: it is num_processes / tp_size)")
+            raise UsageError(
+                f"dp_shard_size={self.dp_shard_size} x tp_size={tp} != num_processes={self.num_processes}; "
+                f"set dp_shard_size to {dp} (or drop it: it is num_processes / tp_size)"
+            )
         if tp == 1:
             return
         if self.use_deepspeed:
             raise UsageError(f"tp_size={tp} runs with FSDP2 (or alone), not DeepSpeed; drop use_deepspeed or tp_size")
         if dp > 1 and not self.use_fsdp:
-            raise UsageError(f"tp_size={tp} with num_processes={self.num_processes} leaves {dp} data-parallel shards, "
-                             f"which FSDP2 holds: add --use_fsdp (distributed_type: FSDP), or launch {tp} processes")
+            raise UsageError(
+                f"tp_size={tp} with num_processes={self.num_processes} leaves {dp} data-parallel shards, "
+                f"which FSDP2 holds: add --use_fsdp (distributed_type: FSDP), or launch {tp} processes"
+            )
         from lowprec.backends.spec import spec_or_native
 
         if self.fp8 and spec_or_native(self.fp8_backend).library is not None:  # another library's FP8 layers
-            raise UsageError(f"tp_size={tp} with fp8_backend={self.fp8_backend}: tensor parallel FP8 runs on lowprec's "
-                             "native engine; set fp8_backend: native")
+            raise UsageError(
+                f"tp_size={tp} with fp8_backend={self.fp8_backend}: tensor parallel FP8 runs on lowprec's "
+                "native engine; set fp8_backend: native"
+            )
         if self.fp8 and (self.fp8_recipe or "tensorwise") != "tensorwise":
-            raise UsageError(f"tp_size={tp} with fp8_recipe={self.fp8_recipe}: tensor parallel FP8 needs whole-tensor "
-                             "scales across the shards; set fp8_recipe: tensorwise")
+            raise UsageError(
+                f"tp_size={tp} with fp8_recipe={self.fp8_recipe}: tensor parallel FP8 needs whole-tensor "
+                "scales across the shards; set fp8_recipe: tensorwise"
+            )
 
     # ------------------------------------------------------------------ properties
     @property
@@ -442,7 +462,11 @@ class LaunchSettings:
         ``Recipe.from_name(settings.fp8_recipe or default, **overrides)``."""
         from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field
 
-        return {recipe_field(s): getattr(self, s) for s in (*RECIPE_SETTINGS, *ENGINE_SETTINGS) if getattr(self, s) is not None}
+        return {
+            recipe_field(s): getattr(self, s)
+            for s in (*RECIPE_SETTINGS, *ENGINE_SETTINGS)
+            if getattr(self, s) is not None
+        }
 
     # ------------------------------------------------------------------ environment
     def _written(self, var: _Var) -> bool:
@@ -489,4 +513,3 @@ class LaunchSettings:
                     raise UsageError(f"unknown launch setting {key!r}{did_you_mean(key, known)}")
                 merged[key] = value
         return cls(**merged)
-

@@ -94,12 +94,10 @@ class FP8Config(_Strict):
         "amax_compute_algo", "amax_compute_algorithm"
     )
     scale_rounding: Annotated[Optional[str], _opt(V.parse_recipe_option("scale_rounding"))] = None
-    override_linear_precision: Annotated[
-        Optional[tuple[bool, bool, bool]], _opt(V.parse_override_linear_precision)
-    ] = None
-    opt_level: Annotated[Optional[str], _opt(V.parse_opt_level)] = _alias(
-        "opt_level", "optimization_level"
+    override_linear_precision: Annotated[Optional[tuple[bool, bool, bool]], _opt(V.parse_override_linear_precision)] = (
+        None
     )
+    opt_level: Annotated[Optional[str], _opt(V.parse_opt_level)] = _alias("opt_level", "optimization_level")
     use_autocast_during_eval: OptBool = _alias("use_autocast_during_eval", "use_during_eval")
     enable_fsdp_float8_all_gather: OptBool = None
     pad_inner_dim: OptBool = None
@@ -140,15 +138,9 @@ class FSDPConfig(_Strict):
     fsdp_transformer_layer_cls_to_wrap: Optional[str] = _alias(
         "fsdp_transformer_layer_cls_to_wrap", "transformer_layer_cls_to_wrap"
     )
-    fsdp_min_num_params: Annotated[Optional[int], _int_min(0)] = _alias(
-        "fsdp_min_num_params", "min_num_params"
-    )
-    fsdp_activation_checkpointing: OptBool = _alias(
-        "fsdp_activation_checkpointing", "activation_checkpointing"
-    )
-    fsdp_cpu_ram_efficient_loading: OptBool = _alias(
-        "fsdp_cpu_ram_efficient_loading", "cpu_ram_efficient_loading"
-    )
+    fsdp_min_num_params: Annotated[Optional[int], _int_min(0)] = _alias("fsdp_min_num_params", "min_num_params")
+    fsdp_activation_checkpointing: OptBool = _alias("fsdp_activation_checkpointing", "activation_checkpointing")
+    fsdp_cpu_ram_efficient_loading: OptBool = _alias("fsdp_cpu_ram_efficient_loading", "cpu_ram_efficient_loading")
     fsdp_offload_params: OptBool = _alias("fsdp_offload_params", "offload_params")
     fsdp_state_dict_type: Optional[str] = _alias("fsdp_state_dict_type", "state_dict_type")
     # FSDP1 spellings Accelerate's wizard writes; FSDP2 maps sharding_strategy to resharding.
@@ -159,14 +151,25 @@ class FSDPConfig(_Strict):
     fsdp_backward_prefetch: Ignored = _alias("fsdp_backward_prefetch", "backward_prefetch")
 
     def to_settings(self) -> dict[str, Any]:
-        skip = {"fsdp_sharding_strategy", "fsdp_sync_module_states", "fsdp_use_orig_params",
-                "fsdp_forward_prefetch", "fsdp_backward_prefetch"}
+        skip = {
+            "fsdp_sharding_strategy",
+            "fsdp_sync_module_states",
+            "fsdp_use_orig_params",
+            "fsdp_forward_prefetch",
+            "fsdp_backward_prefetch",
+        }
         out = {k: getattr(self, k) for k in self.model_fields_set - skip if getattr(self, k) is not None}
         if self.fsdp_sharding_strategy is not None and "fsdp_reshard_after_forward" not in out:
             strategy = str(self.fsdp_sharding_strategy).upper()
             # FSDP2 has one knob: FULL_SHARD reshards after forward, SHARD_GRAD_OP keeps them.
-            reshard = {"FULL_SHARD": True, "HYBRID_SHARD": True, "SHARD_GRAD_OP": False,
-                       "_HYBRID_SHARD_ZERO2": False, "1": True, "2": False}
+            reshard = {
+                "FULL_SHARD": True,
+                "HYBRID_SHARD": True,
+                "SHARD_GRAD_OP": False,
+                "_HYBRID_SHARD_ZERO2": False,
+                "1": True,
+                "2": False,
+            }
             if strategy not in reshard:
                 raise UsageError(
                     f"fsdp_config.fsdp_sharding_strategy={self.fsdp_sharding_strategy!r}: use "
@@ -201,7 +204,8 @@ class ParallelismSection(_Strict):
     tp_size: Annotated[Optional[int], _int_min(1)] = _alias("parallelism_config_tp_size", "tp_size")
     dp_shard_size: Annotated[Optional[int], _int_min(1)] = _alias("parallelism_config_dp_shard_size", "dp_shard_size")
     dp_replicate_size: Annotated[Optional[int], _int_min(1)] = _alias(
-        "parallelism_config_dp_replicate_size", "dp_replicate_size")
+        "parallelism_config_dp_replicate_size", "dp_replicate_size"
+    )
     cp_size: Annotated[Optional[int], _int_min(1)] = _alias("parallelism_config_cp_size", "cp_size")
     sp_size: Annotated[Optional[int], _int_min(1)] = _alias("parallelism_config_sp_size", "sp_size")
     cp_comm_strategy: Ignored = _alias("parallelism_config_cp_comm_strategy", "cp_comm_strategy")
@@ -209,11 +213,16 @@ class ParallelismSection(_Strict):
     sp_backend: Ignored = _alias("parallelism_config_sp_backend", "sp_backend")
 
     def to_settings(self) -> dict[str, Any]:
-        for key, what in (("dp_replicate_size", "replicated data parallelism (HSDP)"), ("cp_size", "context parallelism"),
-                          ("sp_size", "DeepSpeed Ulysses sequence parallelism")):
+        for key, what in (
+            ("dp_replicate_size", "replicated data parallelism (HSDP)"),
+            ("cp_size", "context parallelism"),
+            ("sp_size", "DeepSpeed Ulysses sequence parallelism"),
+        ):
             if (getattr(self, key) or 1) != 1:
-                raise UsageError(f"parallelism_config.parallelism_config_{key}={getattr(self, key)}: {what} is not "
-                                 "implemented in lowprec (FSDP2 shards x tensor parallelism only); set it to 1")
+                raise UsageError(
+                    f"parallelism_config.parallelism_config_{key}={getattr(self, key)}: {what} is not "
+                    "implemented in lowprec (FSDP2 shards x tensor parallelism only); set it to 1"
+                )
         return {k: getattr(self, k) for k in ("tp_size", "dp_shard_size") if getattr(self, k) is not None}
 
 
@@ -230,7 +239,9 @@ class LaunchConfig(_Strict):
     ``LaunchSettings`` fields (one layer of ``LaunchSettings.from_layers``)."""
 
     compute_environment: Optional[str] = None
-    distributed_type: Annotated[Optional[str], _opt(lambda v: V.choice("NO" if v is False else v, DISTRIBUTED_TYPES))] = None
+    distributed_type: Annotated[
+        Optional[str], _opt(lambda v: V.choice("NO" if v is False else v, DISTRIBUTED_TYPES))
+    ] = None
     mixed_precision: Annotated[Optional[str], _opt(V.parse_mixed_precision)] = None
     num_processes: Annotated[Optional[int], _int_min(1)] = None
     num_machines: Annotated[Optional[int], _int_min(1)] = None
@@ -263,8 +274,16 @@ class LaunchConfig(_Strict):
             )
         if self.downcast_bf16 not in (None, False, "no", "false"):
             raise UsageError("downcast_bf16 is a TPU option; lowprec does not run on TPU: remove it")
-        top = ("mixed_precision", "num_processes", "num_machines", "machine_rank",
-               "main_process_ip", "main_process_port", "use_cpu", "gpu_ids")
+        top = (
+            "mixed_precision",
+            "num_processes",
+            "num_machines",
+            "machine_rank",
+            "main_process_ip",
+            "main_process_port",
+            "use_cpu",
+            "gpu_ids",
+        )
         out: dict[str, Any] = {k: getattr(self, k) for k in top if getattr(self, k) is not None}
         if self.gpu_ids is not None:
             out["gpu_ids"] = str(self.gpu_ids)
@@ -357,8 +376,9 @@ def _check_duplicate_aliases(model: type[BaseModel], body: dict[str, Any], prefi
 def load_launch_config(path: str | os.PathLike[str]) -> LaunchConfig:
     path = Path(path).expanduser()
     if path.is_dir():
-        raise UsageError(f"config file {str(path)!r} is a directory; give the YAML file (e.g. "
-                         f"{str(path / 'default_config.yaml')!r})")
+        raise UsageError(
+            f"config file {str(path)!r} is a directory; give the YAML file (e.g. {str(path / 'default_config.yaml')!r})"
+        )
     if not path.is_file():
         raise UsageError(f"config file {str(path)!r} does not exist; create it with `lowprec config`")
     from lowprec.config.yaml_file import read_yaml_mapping
@@ -419,8 +439,10 @@ def settings_to_yaml_dict(settings: LaunchSettings) -> dict[str, Any]:
     if ds:
         out["deepspeed_config"] = ds
     if s.tp_size is not None:  # Accelerate's spelling, so `accelerate launch` reads it too
-        out["parallelism_config"] = {"parallelism_config_tp_size": s.tp_size,
-                                     "parallelism_config_dp_shard_size": s.num_processes // s.tp_size}
+        out["parallelism_config"] = {
+            "parallelism_config_tp_size": s.tp_size,
+            "parallelism_config_dp_shard_size": s.num_processes // s.tp_size,
+        }
     if s.dynamo_backend is not None:
         out["dynamo_config"] = {"dynamo_backend": s.dynamo_backend.upper()}
     return out

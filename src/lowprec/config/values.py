@@ -61,9 +61,7 @@ def choice(value: Any, choices: Sequence[str], *, upper: bool = False) -> str:
     key = text.lower().replace("-", "_")
     if key in by_key:
         return by_key[key].upper() if upper else by_key[key]
-    raise ValueError(
-        f"{text!r} is not valid{did_you_mean(key, by_key)}; choose one of {', '.join(choices)}"
-    )
+    raise ValueError(f"{text!r} is not valid{did_you_mean(key, by_key)}; choose one of {', '.join(choices)}")
 
 
 def parse_bool(value: Any) -> bool:
@@ -135,8 +133,10 @@ def parse_fp8_backend(value: Any) -> str:
         return AUTO
     if key not in table:
         names = (*(s.env_value.lower() for s in table.values()), AUTO)
-        raise ValueError(f"{str(value).strip()!r} is not valid{did_you_mean(key, table)}; "
-                         f"choose one of {', '.join(dict.fromkeys(names))}")
+        raise ValueError(
+            f"{str(value).strip()!r} is not valid{did_you_mean(key, table)}; "
+            f"choose one of {', '.join(dict.fromkeys(names))}"
+        )
     return table[key].env_value.lower()
 
 
@@ -197,14 +197,10 @@ def parse_override_linear_precision(value: Any) -> tuple[bool, bool, bool]:
             text = text[1:-1]
         items = [part.strip() for part in text.split(",") if part.strip()]
     if isinstance(items, (bool, int)) or not isinstance(items, (list, tuple)):
-        raise ValueError(
-            f"{value!r} is not three booleans; write (fprop, dgrad, wgrad), "
-            "e.g. [false, false, true]"
-        )
+        raise ValueError(f"{value!r} is not three booleans; write (fprop, dgrad, wgrad), e.g. [false, false, true]")
     if len(items) != 3:
         raise ValueError(
-            f"{value!r} has {len(items)} entries; write three booleans (fprop, dgrad, wgrad), "
-            "e.g. [false, false, true]"
+            f"{value!r} has {len(items)} entries; write three booleans (fprop, dgrad, wgrad), e.g. [false, false, true]"
         )
     out = []
     for item in items:

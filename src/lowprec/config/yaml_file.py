@@ -59,8 +59,10 @@ def read_yaml_mapping(path: str | os.PathLike[str], example: str = "key: value")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{p}: not a text file (byte {exc.object[exc.start]:#04x} at offset {exc.start} is not "
-                         "UTF-8); give a YAML config file") from None
+        raise UsageError(
+            f"{p}: not a text file (byte {exc.object[exc.start]:#04x} at offset {exc.start} is not "
+            "UTF-8); give a YAML config file"
+        ) from None
     except OSError as exc:
         raise UsageError(f"{p}: cannot be read ({exc.strerror or exc}); give a readable YAML config file") from None
     loader = _StrictLoader(text)

@@ -48,8 +48,11 @@ _SYNCED = "_lowprec_amax_synced"  # per layer: the counters at the last reductio
 
 
 def delayed_layers(model: nn.Module) -> list[Float8Linear]:
-    return [m for m in model.modules() if isinstance(m, Float8Linear) and m.recipe.scaling == "delayed"
-            and hasattr(m, "fp8_amax_history_input")]
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, Float8Linear) and m.recipe.scaling == "delayed" and hasattr(m, "fp8_amax_history_input")
+    ]
 
 
 def _new_entries(now: int, before: int, length: int) -> int:

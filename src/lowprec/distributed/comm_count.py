@@ -25,15 +25,24 @@ __all__ = ["CommBytes"]
 
 # op name (without namespace and overload) -> (kind, index of the input argument)
 _OPS = {
-    "allreduce_": ("all_reduce", 0), "all_reduce": ("all_reduce", 0), "all_reduce_coalesced": ("all_reduce", 0),
+    "allreduce_": ("all_reduce", 0),
+    "all_reduce": ("all_reduce", 0),
+    "all_reduce_coalesced": ("all_reduce", 0),
     "allreduce_coalesced_": ("all_reduce", 0),
-    "_allgather_base_": ("all_gather", 1), "allgather_": ("all_gather", 1),
-    "allgather_into_tensor_coalesced_": ("all_gather", 1), "all_gather_into_tensor": ("all_gather", 0),
-    "all_gather_into_tensor_coalesced": ("all_gather", 0), "all_gather_into_tensor_out": ("all_gather", 0),
-    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1), "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "_allgather_base_": ("all_gather", 1),
+    "allgather_": ("all_gather", 1),
+    "allgather_into_tensor_coalesced_": ("all_gather", 1),
+    "all_gather_into_tensor": ("all_gather", 0),
+    "all_gather_into_tensor_coalesced": ("all_gather", 0),
+    "all_gather_into_tensor_out": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
     "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0),
-    "alltoall_base_": ("all_to_all", 1), "all_to_all_single": ("all_to_all", 0), "broadcast_": ("broadcast", 0),
+    "alltoall_base_": ("all_to_all", 1),
+    "all_to_all_single": ("all_to_all", 0),
+    "broadcast_": ("broadcast", 0),
 }
 _NAMESPACES = ("c10d", "_c10d_functional")
 
@@ -70,8 +79,7 @@ class CommBytes(TorchDispatchMode):
         """Bytes one process sends under ring algorithms over ``world`` processes: an all-gather
         ``(W-1)`` shards, a reduce-scatter ``(W-1)/W`` of its input, an all-reduce twice that
         (reduce-scatter + all-gather), a broadcast or all-to-all its input once."""
-        factor = {"all_gather": world - 1, "reduce_scatter": (world - 1) / world,
-                  "all_reduce": 2 * (world - 1) / world}
+        factor = {"all_gather": world - 1, "reduce_scatter": (world - 1) / world, "all_reduce": 2 * (world - 1) / world}
         return round(sum(b * factor.get(kind, 1) for (kind, _), b in self.bytes.items()))
 
     def as_dict(self) -> dict[str, dict[str, int]]:

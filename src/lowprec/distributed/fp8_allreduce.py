@@ -72,8 +72,7 @@ class FP8AllReduceState:
     def __post_init__(self):
         if self.fp8_dtype not in _FP8:
             raise ValueError(
-                f"fp8_dtype={self.fp8_dtype} is not an FP8 dtype; use torch.float8_e4m3fn "
-                "or torch.float8_e5m2"
+                f"fp8_dtype={self.fp8_dtype} is not an FP8 dtype; use torch.float8_e4m3fn or torch.float8_e5m2"
             )
 
     def reset_counters(self) -> None:
@@ -109,9 +108,7 @@ def per_element(values: torch.Tensor, numels: list[int]) -> torch.Tensor:
     return torch.cat([v.unsqueeze(-1).expand(*v.shape, k) for v, k in zip(values.unbind(-1), numels)], dim=-1)
 
 
-def fp8_all_reduce_(
-    flat: torch.Tensor, numels: list[int] | None, state: FP8AllReduceState
-) -> torch.Tensor:
+def fp8_all_reduce_(flat: torch.Tensor, numels: list[int] | None, state: FP8AllReduceState) -> torch.Tensor:
     """Average ``flat`` over the group through FP8, in place; returns ``flat``.
 
     ``numels`` splits ``flat`` into tensors that each get their own scale (None: one scale).
@@ -128,8 +125,7 @@ def fp8_all_reduce_(
     x = flat.detach().reshape(-1).to(torch.float32)
 
     # 1. shared per-tensor amax; non-finite -> +inf so MAX carries it regardless of order
-    amaxes = torch.stack([seg.abs().amax() if seg.numel() else seg.new_zeros(())
-                          for seg in torch.split(x, numels)])
+    amaxes = torch.stack([seg.abs().amax() if seg.numel() else seg.new_zeros(()) for seg in torch.split(x, numels)])
     amaxes = torch.where(torch.isfinite(amaxes), amaxes, torch.full_like(amaxes, float("inf")))
     dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
     bad = torch.isinf(amaxes)
@@ -170,9 +166,7 @@ def fp8_all_reduce_(
     return flat
 
 
-def fp8_allreduce_hook(
-    state: FP8AllReduceState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def fp8_allreduce_hook(state: FP8AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: ``ddp.register_comm_hook(state, fp8_allreduce_hook)``."""
     buf = bucket.buffer()
     numels = [g.numel() for g in bucket.gradients()]

@@ -70,10 +70,18 @@ _FALLBACK_LOGGED: set[str] = set()
 # FSDP2 pads, slices, copies and moves the sharded tensor: those keep the wrapper (torchao's
 # list); anything else (optimizer math, amax) runs on the plain high-precision tensor
 _KEEP = {
-    torch.ops.aten.empty_like.default, torch.ops.aten.new_zeros.default, torch.ops.aten.slice.Tensor,
-    torch.ops.aten.copy_.default, torch.ops.aten.view.default, torch.ops.aten.as_strided.default,
-    torch.ops.aten._to_copy.default, torch.ops.aten._pin_memory.default, torch.ops.aten.split.Tensor,
-    torch.ops.aten.clone.default, torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.copy_.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten._pin_memory.default,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
 }
 
 
@@ -83,8 +91,13 @@ class Float8AllGatherWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, pow2: bool = False):
         return torch.Tensor._make_wrapper_subclass(
-            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
-            dtype=tensor.dtype, device=tensor.device, requires_grad=tensor.requires_grad,
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
         )
 
     def __init__(self, tensor: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, pow2: bool = False):

@@ -74,8 +74,13 @@ class _Counting(_reduce_scatter_base()):  # type: ignore[misc]
 
     @property
     def counters(self) -> dict:
-        return {"calls": self.calls, "numel": self.numel, "sent_bytes": self.sent_bytes,
-                "bf16_bytes": self.bf16_bytes, "fp32_bytes": self.fp32_bytes}
+        return {
+            "calls": self.calls,
+            "numel": self.numel,
+            "sent_bytes": self.sent_bytes,
+            "bf16_bytes": self.bf16_bytes,
+            "fp32_bytes": self.fp32_bytes,
+        }
 
 
 class CountingReduceScatter(_Counting):
@@ -141,7 +146,9 @@ def _install(model: nn.Module, make) -> list:
     return comms
 
 
-def install_fp8_reduce_scatter(model: nn.Module, fp8_dtype: torch.dtype = torch.float8_e4m3fn) -> list[FP8ReduceScatter]:
+def install_fp8_reduce_scatter(
+    model: nn.Module, fp8_dtype: torch.dtype = torch.float8_e4m3fn
+) -> list[FP8ReduceScatter]:
     """An :class:`FP8ReduceScatter` on every FSDP2 unit of ``model`` (after ``fully_shard``)."""
     if _reduce_scatter_base() is object:
         raise ValueError("FP8 reduce-scatter needs torch >= 2.8 (FSDPModule.set_custom_reduce_scatter)")
@@ -149,8 +156,10 @@ def install_fp8_reduce_scatter(model: nn.Module, fp8_dtype: torch.dtype = torch.
     def make(m):
         segs = _unit_segments(m)
         if segs is None:
-            raise ValueError("FP8 reduce-scatter needs one FSDP2 parameter group per unit (no shard_placement_fn "
-                             "with several meshes)")
+            raise ValueError(
+                "FP8 reduce-scatter needs one FSDP2 parameter group per unit (no shard_placement_fn "
+                "with several meshes)"
+            )
         m.set_force_sum_reduction_for_comms(True)
         return FP8ReduceScatter(segs, fp8_dtype)
 

@@ -85,8 +85,10 @@ def fp8_sequence_all_gather(x: torch.Tensor, mesh, dim: int, recipe, as_dtensor:
     tensor's scale and all-gathered in FP8: a ``Replicate`` DTensor (``as_dtensor``) or a plain
     tensor of the whole sequence, presenting as ``x.dtype``."""
     if recipe.scaling != "tensorwise":
-        raise ValueError(f"FP8 sequence-parallel all-gather needs the tensorwise recipe, got {recipe.name!r}; "
-                         "use fp8_recipe: tensorwise")
+        raise ValueError(
+            f"FP8 sequence-parallel all-gather needs the tensorwise recipe, got {recipe.name!r}; "
+            "use fp8_recipe: tensorwise"
+        )
     return _Float8SequenceAllGather.apply(x, mesh, dim, recipe, as_dtensor)
 
 
@@ -121,8 +123,10 @@ def _first_float8(module: nn.Module, fqn: Optional[str]) -> Optional[Float8Linea
     if fqn is not None:
         layer = module.get_submodule(fqn)
         if not isinstance(layer, Float8Linear):
-            raise ValueError(f"PrepareFloat8ModuleInput(fwd_config_submodule_fqn={fqn!r}): that submodule is a "
-                             f"{type(layer).__name__}, not a Float8Linear")
+            raise ValueError(
+                f"PrepareFloat8ModuleInput(fwd_config_submodule_fqn={fqn!r}): that submodule is a "
+                f"{type(layer).__name__}, not a Float8Linear"
+            )
         return layer
     return next((m for m in module.modules() if isinstance(m, Float8Linear)), None)
 
@@ -135,12 +139,23 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
     reads the same input and must not get it FP8-rounded). Inputs beyond ``input_layouts`` (RoPE
     tables, masks) pass through."""
 
-    def __init__(self, *, input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
-                 desired_input_kwarg_layouts=None, use_local_output: bool = False,
-                 fwd_config_submodule_fqn: Optional[str] = None) -> None:
-        super().__init__(input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
-                         input_kwarg_layouts=input_kwarg_layouts, desired_input_kwarg_layouts=desired_input_kwarg_layouts,
-                         use_local_output=use_local_output)
+    def __init__(
+        self,
+        *,
+        input_layouts=None,
+        desired_input_layouts=None,
+        input_kwarg_layouts=None,
+        desired_input_kwarg_layouts=None,
+        use_local_output: bool = False,
+        fwd_config_submodule_fqn: Optional[str] = None,
+    ) -> None:
+        super().__init__(
+            input_layouts=input_layouts,
+            desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_output,
+        )
         self.fwd_config_submodule_fqn = fwd_config_submodule_fqn
         self._layer: Optional[Float8Linear] = None
 
@@ -160,8 +175,10 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         layer = _first_float8(module, self.fwd_config_submodule_fqn)
         if layer is not None and layer.recipe.scaling != "tensorwise":
-            raise ValueError(f"sequence-parallel FP8 inputs need the tensorwise recipe, {type(module).__name__} uses "
-                             f"{layer.recipe.name!r}; use fp8_recipe: tensorwise")
+            raise ValueError(
+                f"sequence-parallel FP8 inputs need the tensorwise recipe, {type(module).__name__} uses "
+                f"{layer.recipe.name!r}; use fp8_recipe: tensorwise"
+            )
 
         state = {"checked": False, "layer": layer}
 
@@ -171,8 +188,12 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
                 plain = _colwise_in_high_precision(module) if layer is not None else []
                 if plain:  # e.g. the first Linear, kept in high precision by skip_first_last
                     state["layer"] = None
-                    logger.info("lowprec: %s's input is all-gathered in high precision, not FP8: its colwise layer(s) "
-                                "%s are not FP8 and read it too", type(module).__name__, ", ".join(plain))
+                    logger.info(
+                        "lowprec: %s's input is all-gathered in high precision, not FP8: its colwise layer(s) "
+                        "%s are not FP8 and read it too",
+                        type(module).__name__,
+                        ", ".join(plain),
+                    )
             self._layer = state["layer"]  # one style object may serve several modules (a plan's wildcard)
             if self.with_kwargs:
                 return self._prepare_input_kwarg_fn(args, kwargs, device_mesh)

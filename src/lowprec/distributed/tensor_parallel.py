@@ -27,11 +27,15 @@ __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "check_float8_tp_la
 
 def check_float8_tp_layer(module: nn.Module, style: str) -> None:
     if not isinstance(module, Float8Linear):
-        raise ValueError(f"Float8{style}Parallel applies to lowprec Float8Linear layers, got {type(module).__name__}; "
-                         f"convert the model first (lowprec.fp8.convert) or use torch's {style}Parallel")
+        raise ValueError(
+            f"Float8{style}Parallel applies to lowprec Float8Linear layers, got {type(module).__name__}; "
+            f"convert the model first (lowprec.fp8.convert) or use torch's {style}Parallel"
+        )
     if module.recipe.scaling != "tensorwise":
-        raise ValueError(f"tensor parallel FP8 needs the tensorwise recipe, this layer uses {module.recipe.name!r}; "
-                         "use fp8_recipe: tensorwise")
+        raise ValueError(
+            f"tensor parallel FP8 needs the tensorwise recipe, this layer uses {module.recipe.name!r}; "
+            "use fp8_recipe: tensorwise"
+        )
 
 
 def _plain_buffers(module: nn.Module) -> nn.Module:

@@ -23,7 +23,9 @@ def _logits(out) -> torch.Tensor:
     return (out.logits if hasattr(out, "logits") else out[0]).float()
 
 
-def logit_gap(model: nn.Module, plan: LayerPlan, probe_ids: torch.Tensor | None, vocab_size: int | None) -> float | None:
+def logit_gap(
+    model: nn.Module, plan: LayerPlan, probe_ids: torch.Tensor | None, vocab_size: int | None
+) -> float | None:
     """``||logits(FP8 export) - logits(bf16 export)|| / ||logits(bf16 export)||``: one float32
     forward in high precision with every weight as the bf16 export stores it, one with the
     quantized layers' weights as the FP8 export dequantizes them (``q * scale_inv``)."""

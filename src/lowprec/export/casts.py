@@ -37,8 +37,13 @@ class Scheme:
 
 
 # the recipe's weight cast -> the compressed-tensors scheme that holds it as trained
-_CT_SCHEME = {"tensorwise": "tensor", "delayed": "tensor", "rowwise": "channel", "rowwise_with_gw_hp": "channel",
-              "blockwise": "block"}
+_CT_SCHEME = {
+    "tensorwise": "tensor",
+    "delayed": "tensor",
+    "rowwise": "channel",
+    "rowwise_with_gw_hp": "channel",
+    "blockwise": "block",
+}
 
 
 def scheme_for(fmt: str, recipe: Recipe | None) -> Scheme:
@@ -67,10 +72,14 @@ def trained_matches(recipe: Recipe | None, scheme: Scheme) -> tuple[bool, str]:
     if recipe is None:
         return False, "not trained in FP8: quantized once with the format's rule"
     if recipe.scaling == "delayed":
-        return False, ("delayed scaling keeps its weight scale in an amax history that the checkpoint does not pin to the "
-                       "last forward: quantized once per tensor with the format's rule")
+        return False, (
+            "delayed scaling keeps its weight scale in an amax history that the checkpoint does not pin to the "
+            "last forward: quantized once per tensor with the format's rule"
+        )
     want = {"tensor": ("tensorwise",), "channel": ("rowwise", "rowwise_with_gw_hp"), "block": ("blockwise",)}
-    if recipe.scaling in want[scheme.granularity] and (scheme.granularity != "block" or recipe.block_size == scheme.block):
+    if recipe.scaling in want[scheme.granularity] and (
+        scheme.granularity != "block" or recipe.block_size == scheme.block
+    ):
         return True, f"trained scales: the {recipe.scaling} forward's own FP8 weights ({scheme.describe()})"
     return False, f"{recipe.scaling} weights are not {scheme.describe()}: quantized once with the format's rule"
 

@@ -41,9 +41,11 @@ def _check(path: str) -> int:
         qc = json.load(f).get("quantization_config") or {}
     block = qc.get("weight_block_size")
     if qc.get("quant_method") != "fp8" or not (isinstance(block, list) and len(block) == 2 and block[0] == block[1]):
-        raise ValueError(f"FP8 base {path}: quantization_config {qc.get('quant_method', 'absent')!r} with weight_block_size "
-                         f"{block!r} is not one lowprec reads (quant_method: fp8 with square blocks, e.g. [128, 128]); "
-                         "give an hf-fp8 directory (lowprec export --format hf-fp8) or a bf16 model")
+        raise ValueError(
+            f"FP8 base {path}: quantization_config {qc.get('quant_method', 'absent')!r} with weight_block_size "
+            f"{block!r} is not one lowprec reads (quant_method: fp8 with square blocks, e.g. [128, 128]); "
+            "give an hf-fp8 directory (lowprec export --format hf-fp8) or a bf16 model"
+        )
     return int(block[0])
 
 
@@ -60,10 +62,14 @@ def check_trainer_fp8_base(path: str, adapter: str | None, merge_lora: bool, sha
     """What the YAML trainer can do with an FP8 base: LoRA adapters on one process or DDP."""
     head = f"base_model: {path} is an FP8 checkpoint whose FP8 layers load frozen, in FP8"
     if adapter != "lora":
-        raise ValueError(f"{head}; train adapters on it: set adapter: lora (adapter: {adapter or 'none'} is not supported)")
+        raise ValueError(
+            f"{head}; train adapters on it: set adapter: lora (adapter: {adapter or 'none'} is not supported)"
+        )
     if merge_lora:
-        raise ValueError(f"{head}; merging adapters into FP8 weights is not supported yet: drop merge_lora "
-                         "(the adapter is saved on its own)")
+        raise ValueError(
+            f"{head}; merging adapters into FP8 weights is not supported yet: drop merge_lora "
+            "(the adapter is saved on its own)"
+        )
     if sharded:
         raise ValueError(f"{head}; FSDP2 / DeepSpeed / tensor parallel do not shard it yet: run on one process or DDP")
 
@@ -75,8 +81,9 @@ def load_fp8_base(path: str, dtype: torch.dtype = torch.float32) -> nn.Module:
     # transformers: optional, the FP8 base path needs it
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=FineGrainedFP8Config(dequantize=True),
-                                                 dtype=dtype, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=dtype, local_files_only=True
+    )
     for file in _weight_files(path):
         with safe_open(file, "pt") as f:
             for key in f.keys():

@@ -17,13 +17,23 @@ def builtin_to_llama(cfg: dict[str, Any]) -> dict[str, Any]:
     """lowprec's ``LlamaConfig`` (``config.json`` of a built-in run) as transformers' Llama config."""
     dim, heads = int(cfg["dim"]), int(cfg["n_heads"])
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": int(cfg["vocab_size"]),
-        "hidden_size": dim, "intermediate_size": int(cfg["ffn_dim"]), "num_hidden_layers": int(cfg["n_layers"]),
-        "num_attention_heads": heads, "num_key_value_heads": int(cfg.get("n_kv_heads") or heads),
-        "head_dim": dim // heads, "max_position_embeddings": int(cfg["max_seq_len"]),
-        "rope_theta": float(cfg["rope_theta"]), "rms_norm_eps": float(cfg["norm_eps"]),
-        "tie_word_embeddings": bool(cfg["tie_embeddings"]), "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(cfg["vocab_size"]),
+        "hidden_size": dim,
+        "intermediate_size": int(cfg["ffn_dim"]),
+        "num_hidden_layers": int(cfg["n_layers"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(cfg.get("n_kv_heads") or heads),
+        "head_dim": dim // heads,
+        "max_position_embeddings": int(cfg["max_seq_len"]),
+        "rope_theta": float(cfg["rope_theta"]),
+        "rms_norm_eps": float(cfg["norm_eps"]),
+        "tie_word_embeddings": bool(cfg["tie_embeddings"]),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "dtype": "bfloat16",
     }
 
 
@@ -38,5 +48,7 @@ def hf_config_of(model: nn.Module) -> dict[str, Any]:
         return d
     if isinstance(model, LlamaForCausalLM):
         return builtin_to_llama(model.config.to_dict())
-    raise ValueError(f"export_model: a {type(model).__name__} has no Hugging Face config; pass config= "
-                     "(the config.json dict transformers should load it with)")
+    raise ValueError(
+        f"export_model: a {type(model).__name__} has no Hugging Face config; pass config= "
+        "(the config.json dict transformers should load it with)"
+    )

@@ -40,13 +40,22 @@ class ExportReport:
 
     def __str__(self) -> str:
         gap = "not measured" if self.logit_gap is None else f"{self.logit_gap:.2e}"
-        return (f"lowprec export: {self.format} ({self.scheme}) in {self.out_dir}: {len(self.quantized)} layer(s) FP8, "
-                f"{len(self.kept)} kept bf16; {self.how}; logit gap to the bf16 export {gap} (relative)")
+        return (
+            f"lowprec export: {self.format} ({self.scheme}) in {self.out_dir}: {len(self.quantized)} layer(s) FP8, "
+            f"{len(self.kept)} kept bf16; {self.how}; logit gap to the bf16 export {gap} (relative)"
+        )
 
 
-def export_model(model: nn.Module, out_dir: str, format: str = "hf-fp8", *, requantize: bool = False,
-                 config: dict[str, Any] | None = None, probe_ids: torch.Tensor | None = None,
-                 notes: list[str] | None = None) -> ExportReport:
+def export_model(
+    model: nn.Module,
+    out_dir: str,
+    format: str = "hf-fp8",
+    *,
+    requantize: bool = False,
+    config: dict[str, Any] | None = None,
+    probe_ids: torch.Tensor | None = None,
+    notes: list[str] | None = None,
+) -> ExportReport:
     """Write ``model`` to ``out_dir`` as ``format`` (``hf-fp8`` or ``compressed-tensors``).
 
     A model converted with ``lowprec.fp8.convert`` exports its FP8 layers with the trained
@@ -64,8 +73,9 @@ def export_model(model: nn.Module, out_dir: str, format: str = "hf-fp8", *, requ
     config = dict(config) if config is not None else hf_config_of(model)
     plan = plan_layers(model, scheme, recipe, requantize)
     if not plan.quantized:
-        raise ValueError("the model has no Linear layer to quantize (every one is kept in high precision); "
-                         "nothing to export in FP8")
+        raise ValueError(
+            "the model has no Linear layer to quantize (every one is kept in high precision); nothing to export in FP8"
+        )
     os.makedirs(out_dir, exist_ok=True)
     if format == "hf-fp8":
         write_hf_fp8(model, plan, config, out_dir)
@@ -74,10 +84,16 @@ def export_model(model: nn.Module, out_dir: str, format: str = "hf-fp8", *, requ
     gap = logit_gap(model, plan, probe_ids, config.get("vocab_size"))
     notes = list(notes or []) + _ragged_note(plan)
     report = ExportReport(
-        out_dir=os.path.abspath(out_dir), format=format, scheme=scheme.describe(),
-        recipe=None if recipe is None else (recipe.name or recipe.scaling), how=plan.how,
-        quantized=[q.name for q in plan.quantized], trained_scales=all(q.trained for q in plan.quantized),
-        kept=dict(plan.kept), logit_gap=gap, notes=notes,
+        out_dir=os.path.abspath(out_dir),
+        format=format,
+        scheme=scheme.describe(),
+        recipe=None if recipe is None else (recipe.name or recipe.scaling),
+        how=plan.how,
+        quantized=[q.name for q in plan.quantized],
+        trained_scales=all(q.trained for q in plan.quantized),
+        kept=dict(plan.kept),
+        logit_gap=gap,
+        notes=notes,
     )
     with open(os.path.join(out_dir, "lowprec_export.json"), "w") as f:
         json.dump(report.to_dict(), f, indent=1)
@@ -85,14 +101,17 @@ def export_model(model: nn.Module, out_dir: str, format: str = "hf-fp8", *, requ
     return report
 
 
-
-
 def _ragged_note(plan) -> list[str]:
     """Blocks that do not tile a dim: the partial last block has its own scale (GPU loaders read
     the grid rounded up), but transformers' ``dequantize=True`` path divides the dim by the grid."""
-    ragged = [q.name for q in plan.quantized if q.cast.block is not None
-              and any(d > b and d % b for d, b in zip(q.cast.data.shape, q.cast.block))]
+    ragged = [
+        q.name
+        for q in plan.quantized
+        if q.cast.block is not None and any(d > b and d % b for d, b in zip(q.cast.data.shape, q.cast.block))
+    ]
     if not ragged:
         return []
-    return [f"{len(ragged)} layer(s) ({ragged[0]}, ...) have a dim above the block size that is not a multiple of it: "
-            "each partial last block has its own scale; transformers' dequantize=True (CPU) path refuses such shapes"]
+    return [
+        f"{len(ragged)} layer(s) ({ragged[0]}, ...) have a dim above the block size that is not a multiple of it: "
+        "each partial last block has its own scale; transformers' dequantize=True (CPU) path refuses such shapes"
+    ]

@@ -30,8 +30,10 @@ from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["export_run", "load_run", "export_after_training"]
 
-_NOT_A_RUN = ("is neither a `lowprec train` output_dir (it has resolved_config.yaml) nor one of its checkpoint-N "
-              "directories (lowprec_state.json); give one of those")
+_NOT_A_RUN = (
+    "is neither a `lowprec train` output_dir (it has resolved_config.yaml) nor one of its checkpoint-N "
+    "directories (lowprec_state.json); give one of those"
+)
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -42,14 +44,18 @@ def _read_json(path: str) -> dict[str, Any]:
 def _locate(path: str) -> tuple[str, str | None]:
     """(run directory, checkpoint directory or None)."""
     if not os.path.isdir(path):
-        raise ValueError(f"RUN_OR_CHECKPOINT: {path} is not a directory; give a `lowprec train` output_dir or one of "
-                         "its checkpoint-N directories")
+        raise ValueError(
+            f"RUN_OR_CHECKPOINT: {path} is not a directory; give a `lowprec train` output_dir or one of "
+            "its checkpoint-N directories"
+        )
     path = os.path.abspath(path)
     if os.path.isfile(os.path.join(path, "lowprec_state.json")):
         run = os.path.dirname(path)
         if not os.path.isfile(os.path.join(run, "resolved_config.yaml")):
-            raise ValueError(f"RUN_OR_CHECKPOINT: checkpoint {path} is not inside its run's output_dir "
-                             "(no resolved_config.yaml beside it); export from the run directory it came from")
+            raise ValueError(
+                f"RUN_OR_CHECKPOINT: checkpoint {path} is not inside its run's output_dir "
+                "(no resolved_config.yaml beside it); export from the run directory it came from"
+            )
         return run, path
     if not os.path.isfile(os.path.join(path, "resolved_config.yaml")):
         raise ValueError(f"RUN_OR_CHECKPOINT: {path} {_NOT_A_RUN}")
@@ -74,8 +80,10 @@ def _recipe(cfg: dict[str, Any]) -> Recipe | None:
 def _checkpoint_weights(ckpt: str) -> dict[str, torch.Tensor]:
     state = _read_json(os.path.join(ckpt, "lowprec_state.json"))
     if state.get("sharded"):
-        raise ValueError(f"RUN_OR_CHECKPOINT: {ckpt} is a sharded (FSDP) checkpoint; export the run directory "
-                         "after training ends (its model.safetensors), or a checkpoint of a single-process run")
+        raise ValueError(
+            f"RUN_OR_CHECKPOINT: {ckpt} is a sharded (FSDP) checkpoint; export the run directory "
+            "after training ends (its model.safetensors), or a checkpoint of a single-process run"
+        )
     path = os.path.join(ckpt, "model_0.safetensors")
     if not os.path.isfile(path):
         raise ValueError(f"RUN_OR_CHECKPOINT: {ckpt} has no model_0.safetensors; it is damaged or not a checkpoint")
@@ -88,15 +96,19 @@ def load_run(path: str) -> tuple[nn.Module, nn.Module, dict[str, Any], list[str]
     with open(os.path.join(run, "resolved_config.yaml")) as f:
         cfg = yaml.safe_load(f)
     if cfg.get("adapter"):
-        raise ValueError(f"RUN_OR_CHECKPOINT: {run} trained a {cfg['adapter']} adapter; export its merged model "
-                         "instead: a run with merge_lora: true writes it to merged/, then convert that directory "
-                         "with lowprec.export.export_model in Python")
+        raise ValueError(
+            f"RUN_OR_CHECKPOINT: {run} trained a {cfg['adapter']} adapter; export its merged model "
+            "instead: a run with merge_lora: true writes it to merged/, then convert that directory "
+            "with lowprec.export.export_model in Python"
+        )
     notes: list[str] = []
     builtin = str(cfg.get("base_model", "")).startswith("builtin:")
     if builtin:
         if not os.path.isfile(os.path.join(run, "config.json")):
-            raise ValueError(f"RUN_OR_CHECKPOINT: {run} has no config.json (the run did not finish); export one of "
-                             "its checkpoint-N directories")
+            raise ValueError(
+                f"RUN_OR_CHECKPOINT: {run} has no config.json (the run did not finish); export one of "
+                "its checkpoint-N directories"
+            )
         model = LlamaForCausalLM(LlamaConfig(**_read_json(os.path.join(run, "config.json"))))
         target, prefix = model, ""
     else:
@@ -104,27 +116,35 @@ def load_run(path: str) -> tuple[nn.Module, nn.Module, dict[str, Any], list[str]
         from lowprec.train.hf_model import load_causal_lm, missing_model_files
 
         if missing_model_files(run):
-            raise ValueError(f"RUN_OR_CHECKPOINT: {run} holds no saved model ({', '.join(missing_model_files(run))}); "
-                             "export a run that finished")
+            raise ValueError(
+                f"RUN_OR_CHECKPOINT: {run} holds no saved model ({', '.join(missing_model_files(run))}); "
+                "export a run that finished"
+            )
         model = load_causal_lm(run, cfg.get("model_type"), bool(cfg.get("trust_remote_code")))
         target, prefix = nn.ModuleDict({"model": model}), "model."  # the trainer's names: its wrapper's .model
     if ckpt is not None:
         sd = _checkpoint_weights(ckpt)
-        sd = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+        sd = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
         result = model.load_state_dict(sd, strict=False)
         tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
         missing = [k for k in result.missing_keys if k not in tied]
         if missing:
-            raise ValueError(f"RUN_OR_CHECKPOINT: {ckpt} does not hold this run's model (missing {missing[0]}); "
-                             "it is from another run")
+            raise ValueError(
+                f"RUN_OR_CHECKPOINT: {ckpt} does not hold this run's model (missing {missing[0]}); "
+                "it is from another run"
+            )
         notes.append(f"source: the float32 master weights of {os.path.basename(ckpt)}")
     elif builtin:
         model.load_state_dict(load_file(os.path.join(run, "model.safetensors")))
-        notes.append("source: the run's bf16 model.safetensors (no checkpoint from its last step), so FP8 casts "
-                     "are of the bf16-rounded weights")
+        notes.append(
+            "source: the run's bf16 model.safetensors (no checkpoint from its last step), so FP8 casts "
+            "are of the bf16-rounded weights"
+        )
     else:
-        notes.append("source: the run's bf16 save_pretrained model (no checkpoint from its last step), so FP8 "
-                     "casts are of the bf16-rounded weights")
+        notes.append(
+            "source: the run's bf16 save_pretrained model (no checkpoint from its last step), so FP8 "
+            "casts are of the bf16-rounded weights"
+        )
     model.float().eval()
     recipe = _recipe(cfg)
     if recipe is not None:
@@ -145,8 +165,16 @@ def export_run(path: str, out_dir: str, format: str = "hf-fp8", *, requantize: b
 
 
 def _copy_tokenizer(run: str, out_dir: str) -> None:
-    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-                 "special_tokens_map.json", "generation_config.json", "chat_template.jinja"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "special_tokens_map.json",
+        "generation_config.json",
+        "chat_template.jinja",
+    ):
         if os.path.isfile(os.path.join(run, name)):
             shutil.copy(os.path.join(run, name), os.path.join(out_dir, name))
 

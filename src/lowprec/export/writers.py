@@ -38,8 +38,11 @@ def bf16_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _save(tensors: dict[str, torch.Tensor], config: dict[str, Any], out: str) -> None:
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        os.path.join(out, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=1, sort_keys=True)
 
@@ -52,11 +55,16 @@ def write_hf_fp8(model: nn.Module, plan: LayerPlan, config: dict[str, Any], out:
             q, s = q.t(), s.t()
         tensors[f"{layer.name}.weight"] = q.contiguous()
         tensors[f"{layer.name}.weight_scale_inv"] = s.contiguous()
-    config = {**config, "quantization_config": {
-        "quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-        "weight_block_size": [plan_block(plan), plan_block(plan)],
-        "modules_to_not_convert": sorted(plan.kept),
-    }}
+    config = {
+        **config,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [plan_block(plan), plan_block(plan)],
+            "modules_to_not_convert": sorted(plan.kept),
+        },
+    }
     _save(tensors, config, out)
 
 
@@ -68,34 +76,55 @@ def _compressed_tensors():
     try:  # optional dependency: pip install 'lowprec[export]'
         import compressed_tensors  # noqa: F401
     except ImportError:
-        raise ValueError("--format compressed-tensors needs the compressed-tensors package: "
-                         "pip install 'lowprec[export]' (or pip install compressed-tensors)") from None
+        raise ValueError(
+            "--format compressed-tensors needs the compressed-tensors package: "
+            "pip install 'lowprec[export]' (or pip install compressed-tensors)"
+        ) from None
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme, apply_quantization_config
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
 
     return ModelCompressor, QuantizationArgs, QuantizationConfig, QuantizationScheme, apply_quantization_config
 
 
-def write_compressed_tensors(model: nn.Module, plan: LayerPlan, scheme: Scheme, config: dict[str, Any], out: str) -> None:
+def write_compressed_tensors(
+    model: nn.Module, plan: LayerPlan, scheme: Scheme, config: dict[str, Any], out: str
+) -> None:
     """compressed-tensors quantizes ``weight / weight_scale`` itself; it is handed each layer's
     dequantized FP8 values and their scale, so it rounds back to exactly the FP8 values chosen
     here (a value ``q / s`` divided by ``1 / s`` lands within a float32 ulp of ``q``)."""
     if any(layer.transposed for layer in plan.quantized):
-        raise ValueError("--format compressed-tensors: this model has Conv1D layers (GPT-2 style, weights stored "
-                         "in x out), which compressed-tensors' FP8 schemes do not read; use --format hf-fp8")
+        raise ValueError(
+            "--format compressed-tensors: this model has Conv1D layers (GPT-2 style, weights stored "
+            "in x out), which compressed-tensors' FP8 schemes do not read; use --format hf-fp8"
+        )
     ModelCompressor, QArgs, QConfig, QScheme, apply_config = _compressed_tensors()
 
     plain = copy.deepcopy(model).to("cpu")
     unconvert(plain)
     modules = dict(plain.named_modules())
     strategy = {"tensor": "tensor", "channel": "channel", "block": "block"}[scheme.granularity]
-    args = QArgs(num_bits=8, type="float", strategy=strategy, symmetric=True, dynamic=False,
-                 block_structure=[scheme.block, scheme.block] if strategy == "block" else None)
+    args = QArgs(
+        num_bits=8,
+        type="float",
+        strategy=strategy,
+        symmetric=True,
+        dynamic=False,
+        block_structure=[scheme.block, scheme.block] if strategy == "block" else None,
+    )
     dynamic = QArgs(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
     targets = sorted({type(modules[layer.name]).__name__ for layer in plan.quantized}) or ["Linear"]
-    qconfig = QConfig(config_groups={"group_0": QScheme(targets=targets, weights=args, input_activations=dynamic,
-                                                        format="float-quantized")},
-                      ignore=sorted(plan.kept), format="float-quantized")
+    qconfig = QConfig(
+        config_groups={
+            "group_0": QScheme(targets=targets, weights=args, input_activations=dynamic, format="float-quantized")
+        },
+        ignore=sorted(plan.kept),
+        format="float-quantized",
+    )
     apply_config(plain, qconfig)
     with torch.no_grad():
         for layer in plan.quantized:

@@ -1,12 +1,12 @@
 """lowprec.fp8: the FP8 engine. Needs nothing but torch.
 
-    import lowprec.fp8 as fp8
-    report = fp8.convert(model, recipe=fp8.Recipe.from_name("delayed"))
-    print(report)
-    loss = model(x).loss            # conversion is the switch: FP8 GEMMs in training mode
-    loss.backward()
-    with fp8.autocast(enabled=False):
-        ref = model(x).loss         # an override: high precision for this region
+import lowprec.fp8 as fp8
+report = fp8.convert(model, recipe=fp8.Recipe.from_name("delayed"))
+print(report)
+loss = model(x).loss            # conversion is the switch: FP8 GEMMs in training mode
+loss.backward()
+with fp8.autocast(enabled=False):
+    ref = model(x).loss         # an override: high precision for this region
 """
 
 from lowprec.fp8.autocast import autocast, fp8_enabled

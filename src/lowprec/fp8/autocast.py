@@ -25,9 +25,15 @@ import torch
 from lowprec.fp8.recipes import Recipe
 
 __all__ = [
-    "autocast", "fp8_enabled", "current_recipe_override", "current_eval_override", "recomputing", "recomputing_unmarked",
+    "autocast",
+    "fp8_enabled",
+    "current_recipe_override",
+    "current_eval_override",
+    "recomputing",
+    "recomputing_unmarked",
     "replay_context",
-    "torch_autocast_dtype", "torch_autocast_off",
+    "torch_autocast_dtype",
+    "torch_autocast_off",
 ]
 
 

@@ -33,12 +33,17 @@ def fusable(block: tuple[int, int]) -> bool:
 
 
 def _fused(t: torch.Tensor, size: int) -> bool:
-    return fusable((size, size)) and t.dim() == 2 and t.dtype in (torch.bfloat16, torch.float16, torch.float32) and (
-        kernels.available(t.device)
+    return (
+        fusable((size, size))
+        and t.dim() == 2
+        and t.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and (kernels.available(t.device))
     )
 
 
-def quantize_blockwise_fused(x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], power_of_2: bool) -> Float8Data:
+def quantize_blockwise_fused(
+    x: torch.Tensor, dtype: torch.dtype, block: tuple[int, int], power_of_2: bool
+) -> Float8Data:
     """One layout, fused (``quantize_blockwise`` on CUDA); a (b, 1) cast is written transposed
     and returned as a column-major view, the layout of the GEMM that contracts over its rows."""
     b = _edge(block)
@@ -53,8 +58,9 @@ def quantize_blockwise_fused(x: torch.Tensor, dtype: torch.dtype, block: tuple[i
     return Float8Data(qt.t(), cs, "block", block, power_of_2)
 
 
-def cast_block_both(t: torch.Tensor, dtype: torch.dtype, size: int, power_of_2: bool, square: bool = False
-                    ) -> tuple[Float8Data, Float8Data]:
+def cast_block_both(
+    t: torch.Tensor, dtype: torch.dtype, size: int, power_of_2: bool, square: bool = False
+) -> tuple[Float8Data, Float8Data]:
     """``(1 x size tiles, row-major; size x 1 tiles, column-major)`` of ``x`` or ``dY``: the
     casts for the GEMM contracting its dim 1 and for the one contracting dim 0. One pass on
     CUDA; two torch casts elsewhere. ``square``: size x size blocks, row-major and transposed
@@ -67,8 +73,10 @@ def cast_block_both(t: torch.Tensor, dtype: torch.dtype, size: int, power_of_2: 
         d, s, dt, st = kernels.cast_block_2d(t.detach(), dtype, size, power_of_2, rows=True, cols=True)
         return Float8Data(d, s, "block", sq, power_of_2), Float8Data(dt.t(), st, "block", sq, power_of_2)
     if not _fused(t, size):
-        return (quantize_blockwise(t, dtype, (1, size), power_of_2=power_of_2),
-                quantize_blockwise(t, dtype, (size, 1), power_of_2=power_of_2))
+        return (
+            quantize_blockwise(t, dtype, (1, size), power_of_2=power_of_2),
+            quantize_blockwise(t, dtype, (size, 1), power_of_2=power_of_2),
+        )
     d, rs, dt, cs = kernels.cast_block_1d(t.detach(), dtype, size, power_of_2)
     return Float8Data(d, rs, "block", (1, size), power_of_2), Float8Data(dt.t(), cs, "block", (size, 1), power_of_2)
 

@@ -124,6 +124,5 @@ def self_check(device: torch.device) -> bool:
         why = f"{type(exc).__name__}: {exc}"[:200]
     _CHECKED[key] = ok
     if not ok:
-        logger.warning("lowprec.fp8: blockwise FP8 GEMMs on %s are emulated: torch's blockwise kernel %s",
-                       device, why)
+        logger.warning("lowprec.fp8: blockwise FP8 GEMMs on %s are emulated: torch's blockwise kernel %s", device, why)
     return ok

@@ -39,8 +39,13 @@ def supported(a: Float8Data, b: Float8Data) -> bool:
     if a.granularity != "block" or b.granularity != "block" or a.block is None or b.block is None:
         return False
     bs = a.block[1]
-    return (a.block == (1, bs) and bs in (32, 64, 128) and b.block in ((bs, bs), (bs, 1))
-            and a.data.dtype in _FP8 and b.data.dtype in _FP8)
+    return (
+        a.block == (1, bs)
+        and bs in (32, 64, 128)
+        and b.block in ((bs, bs), (bs, 1))
+        and a.data.dtype in _FP8
+        and b.data.dtype in _FP8
+    )
 
 
 def _triton_allowed() -> bool:
@@ -54,8 +59,13 @@ def _triton_allowed() -> bool:
 
 def runs(device: torch.device, a: Float8Data, b: Float8Data) -> bool:
     """Whether this GEMM runs on the Triton kernel here (checks the device once)."""
-    return (is_cuda(device) and supported(a, b) and cuda_capability(device) >= (8, 9)
-            and _triton_allowed() and self_check(device))
+    return (
+        is_cuda(device)
+        and supported(a, b)
+        and cuda_capability(device) >= (8, 9)
+        and _triton_allowed()
+        and self_check(device)
+    )
 
 
 def describe_cuda(device: torch.device, block_size: int) -> str:
@@ -66,12 +76,16 @@ def describe_cuda(device: torch.device, block_size: int) -> str:
     triton_ok = sm >= (8, 9) and block_size in (32, 64, 128) and _triton_allowed()
     fallback = "lowprec's Triton blockwise GEMM" if triton_ok else "emulation in float32"
     if sm[0] == 9 and block_size == 128 and block_gemm._torch_has_it():
-        return (f"torch blockwise-scaled scaled_mm on cuda sm_{sm[0]}{sm[1]} (1x128 x 128x128; self-checked at first "
-                f"use); shapes it cannot take: {fallback}")
+        return (
+            f"torch blockwise-scaled scaled_mm on cuda sm_{sm[0]}{sm[1]} (1x128 x 128x128; self-checked at first "
+            f"use); shapes it cannot take: {fallback}"
+        )
     if triton_ok:
         return f"{KERNEL} on cuda sm_{sm[0]}{sm[1]} (1x{block_size} x {block_size}x{block_size}; self-checked at first use)"
-    return (f"emulated: torch's blockwise FP8 GEMM needs sm_90 and block_size 128, lowprec's Triton one sm_89+, "
-            f"triton and block_size 32/64/128 (here sm_{sm[0]}{sm[1]}, block_size {block_size})")
+    return (
+        f"emulated: torch's blockwise FP8 GEMM needs sm_90 and block_size 128, lowprec's Triton one sm_89+, "
+        f"triton and block_size 32/64/128 (here sm_{sm[0]}{sm[1]}, block_size {block_size})"
+    )
 
 
 def mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Tensor:
@@ -102,9 +116,13 @@ def _check(device: torch.device) -> bool:
         gen = torch.Generator(device="cpu").manual_seed(0)
         x, w, g = (torch.randn(s, generator=gen).to(device) for s in ((96, 256), (160, 256), (96, 160)))
         a = quantize_blockwise(x, torch.float8_e4m3fn, (1, 128))
-        pairs = [(a, quantize_blockwise(w, torch.float8_e4m3fn, (128, 128)).t()),  # output / grad_input
-                 (quantize_blockwise(g, torch.float8_e4m3fn, (128, 1)).t(),  # grad_weight: dY^T x X
-                  quantize_blockwise(x, torch.float8_e4m3fn, (128, 1)))]
+        pairs = [
+            (a, quantize_blockwise(w, torch.float8_e4m3fn, (128, 128)).t()),  # output / grad_input
+            (
+                quantize_blockwise(g, torch.float8_e4m3fn, (128, 1)).t(),  # grad_weight: dY^T x X
+                quantize_blockwise(x, torch.float8_e4m3fn, (128, 1)),
+            ),
+        ]
         for qa, qb in pairs:
             got = mm(qa, qb, torch.float32)
             ref = dequantize(qa) @ dequantize(qb)
@@ -116,6 +134,7 @@ def _check(device: torch.device) -> bool:
     except Exception as exc:  # noqa: BLE001 - any failure means: emulate on this device
         why = f"{type(exc).__name__}: {exc}"[:200]
     if why:
-        logger.warning("lowprec.fp8: blockwise FP8 GEMMs on %s are emulated: the %s failed its self-check: %s",
-                       device, KERNEL, why)
+        logger.warning(
+            "lowprec.fp8: blockwise FP8 GEMMs on %s are emulated: the %s failed its self-check: %s", device, KERNEL, why
+        )
     return not why

@@ -57,7 +57,9 @@ def trace_as(sm: tuple[int, int] = (9, 0), triton: bool = True) -> Iterator[None
         from lowprec.fp8.kernels.select import triton_importable
 
         if not triton_importable():
-            raise RuntimeError("trace_as(triton=True) needs triton installed (pip install triton); or pass triton=False")
+            raise RuntimeError(
+                "trace_as(triton=True) needs triton installed (pip install triton); or pass triton=False"
+            )
     _ACTIVE.append(_Trace(sm, bool(triton)))
     try:
         yield

@@ -32,8 +32,10 @@ INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 
 
 _MAGNITUDE = {  # integer view and mask clearing the sign bit: zero exactly for +-0
-    torch.float8_e4m3fn: (torch.uint8, 0x7F), torch.float8_e5m2: (torch.uint8, 0x7F),
-    torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
+    torch.float8_e4m3fn: (torch.uint8, 0x7F),
+    torch.float8_e5m2: (torch.uint8, 0x7F),
+    torch.bfloat16: (torch.int16, 0x7FFF),
+    torch.float16: (torch.int16, 0x7FFF),
     torch.float32: (torch.int32, 0x7FFFFFFF),
 }
 
@@ -98,7 +100,9 @@ def cast_stats(x: torch.Tensor, q: Float8Data) -> torch.Tensor:
     return torch.stack([t.to(torch.float32) for t in (amax, scale.amin(), saturated, underflow)])
 
 
-def cast_delayed_fused(t, spec: OperandCast, recipe: Recipe, hist, scale, step) -> tuple[Float8Data, Float8Data, torch.Tensor]:
+def cast_delayed_fused(
+    t, spec: OperandCast, recipe: Recipe, hist, scale, step
+) -> tuple[Float8Data, Float8Data, torch.Tensor]:
     """Delayed scaling on CUDA with the Triton kernels: one pass over ``t`` (TE semantics).
 
     Cast (both layouts) with the scale the history holds, take this step's amax from that same
@@ -153,8 +157,10 @@ class DelayedCastState(CastState):
     def __init__(self, layer, recipe: Recipe, x: torch.Tensor, mode: str, stats: torch.Tensor | None) -> None:
         super().__init__(stats)
         self.fused = mode == "fused"
-        self.state = {o: (getattr(layer, f"fp8_amax_history_{o}"), getattr(layer, f"fp8_scale_{o}"))
-                      for o in ("input", "weight", "grad_output")}
+        self.state = {
+            o: (getattr(layer, f"fp8_amax_history_{o}"), getattr(layer, f"fp8_scale_{o}"))
+            for o in ("input", "weight", "grad_output")
+        }
         self.step, self.step_grad, self.last = layer.fp8_step, layer.fp8_step_grad, layer.fp8_last_scales
         if mode == "replay":  # same scales as the first forward; its state update already ran
             self.x_scale, self.w_scale = self.last[0], self.last[1]
@@ -164,13 +170,17 @@ class DelayedCastState(CastState):
             self.w_scale = self._update("weight", layer.weight, fwd, recipe, self.step)
             self._forward_done(self.x_scale, self.w_scale)
 
-    def _update(self, which: str, t: torch.Tensor, dtype: torch.dtype, recipe: Recipe, step: torch.Tensor) -> torch.Tensor:
+    def _update(
+        self, which: str, t: torch.Tensor, dtype: torch.dtype, recipe: Recipe, step: torch.Tensor
+    ) -> torch.Tensor:
         hist, scale = self.state[which]
         if host_scale.applies(t, recipe.power_of_2_scales) and hist.device.type == "cpu":
             # CPU: the same update in host floats (host_scale.py), not ~25 scalar kernels
             # the input's amax is read once for the Linears that share it (shared_cast.py)
             amax_now = shared_cast.amax(t, host_scale.amax_value) if which == "input" else host_scale.amax_value(t)
-            return torch.tensor(host_scale.delayed_step(hist, scale, step, amax_now, dtype, recipe), dtype=torch.float32)
+            return torch.tensor(
+                host_scale.delayed_step(hist, scale, step, amax_now, dtype, recipe), dtype=torch.float32
+            )
         used, new_hist, new_scale = delayed_scale_step(hist, scale, step, kernels.amax(t), dtype, recipe)
         hist.copy_(new_hist)
         scale.copy_(new_scale)

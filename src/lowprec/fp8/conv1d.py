@@ -52,7 +52,10 @@ class Float8Conv1D(Float8Linear):
         nn.Module.__init__(new)
         new.in_features, new.out_features = gemm_dims(conv)
         new.nx, new.nf = new.in_features, new.out_features
-        new.weight, new.bias = cast(nn.Parameter, conv.weight), cast(nn.Parameter, conv.bias)  # bias: or None, as nn.Linear allows
+        new.weight, new.bias = (
+            cast(nn.Parameter, conv.weight),
+            cast(nn.Parameter, conv.bias),
+        )  # bias: or None, as nn.Linear allows
         new.train(conv.training)
         _copy_hooks(conv, new)
         new._init_fp8(recipe)

@@ -103,9 +103,13 @@ class ConversionReport:
         """One line for the console; ``str(report)`` is the full table (one line per layer)."""
         gemm_kept = {t: n for t, (n, _) in self.kept_types.items() if "Linear" in t or "Conv1D" in t}
         by_type = f" ({', '.join(f'{t} {n}' for t, n in gemm_kept.items())})" if gemm_kept else ""
-        acts = f"; E4M3 activations saved in {len(self.fp8_activations)} module(s)" if self.recipe.fp8_activations else ""
-        return (f"FP8 conversion: {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high "
-                f"precision{by_type}; recipe {self.recipe.name}; GEMMs: {self.gemm}{acts}; {self.switch()}")
+        acts = (
+            f"; E4M3 activations saved in {len(self.fp8_activations)} module(s)" if self.recipe.fp8_activations else ""
+        )
+        return (
+            f"FP8 conversion: {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high "
+            f"precision{by_type}; recipe {self.recipe.name}; GEMMs: {self.gemm}{acts}; {self.switch()}"
+        )
 
     def switch(self) -> str:
         """How FP8 is switched on: conversion is the switch (fp8/autocast.py)."""
@@ -123,8 +127,10 @@ class ConversionReport:
             kept = "; ".join(f"{t} x{n} ({', '.join(r)})" for t, (n, r) in self.kept_types.items())
             lines.append(f"  high precision by layer type: {kept}")
         if self.recipe.fp8_activations:
-            lines.append(f"  backward keeps E4M3 activations (fp8_activations) in {len(self.fp8_activations)} "
-                         "non-Linear module(s) (RMSNorm inputs; SwiGLU gate and up)")
+            lines.append(
+                f"  backward keeps E4M3 activations (fp8_activations) in {len(self.fp8_activations)} "
+                "non-Linear module(s) (RMSNorm inputs; SwiGLU gate and up)"
+            )
         for name, i, o in self.converted:
             lines.append(f"    fp8   {name}  ({i} -> {o})")
         for name, reason in self.skipped:
@@ -189,7 +195,9 @@ def _gemm_note(recipe: Recipe, device: torch.device) -> str:
             return "emulated: block scales that are not powers of two cannot fold exactly into bf16 operands"
         path = "upcast" if recipe.gemm == "upcast" or recipe.scaling == "blockwise" else cpu_gemm_choice().path
         if path == "upcast":
-            scales = "block scales folded into the operands" if recipe.scaling == "blockwise" else "scales on the output"
+            scales = (
+                "block scales folded into the operands" if recipe.scaling == "blockwise" else "scales on the output"
+            )
             return f"bf16 GEMM over exactly upcast FP8 operands on cpu ({scales})"
         return "torch._scaled_mm on cpu (measured faster than the bf16-upcast GEMM here)"
     if recipe.scaling == "blockwise":
@@ -274,8 +282,11 @@ def convert(
             report.skipped.append((fqn, reason))
             _count_kept(report, module, reason)
             continue
-        why: str | None = rule(module, fqn) if module_filter is None else (
-            None if module_filter(module, fqn) else "module_filter returned False")
+        why: str | None = (
+            rule(module, fqn)
+            if module_filter is None
+            else (None if module_filter(module, fqn) else "module_filter returned False")
+        )
         if why is not None:
             report.skipped.append((fqn, why))
             _count_kept(report, module, why)
@@ -284,9 +295,11 @@ def convert(
             raise ValueError("convert() got a bare nn.Linear; wrap it in a module or use Float8Linear.from_linear")
         chosen.append((fqn, module))
     keep = math.ceil(recipe.high_precision_last * len(chosen) - 1e-9)  # rounded up; 0 keeps none
-    for fqn, module in chosen[len(chosen) - keep:] if keep else ():
-        reason = (f"the {recipe.name} recipe keeps the last {recipe.high_precision_last:.0%} "
-                  "of its Linear layers in high precision (high_precision_last)")
+    for fqn, module in chosen[len(chosen) - keep :] if keep else ():
+        reason = (
+            f"the {recipe.name} recipe keeps the last {recipe.high_precision_last:.0%} "
+            "of its Linear layers in high precision (high_precision_last)"
+        )
         report.skipped.append((fqn, reason))
         _count_kept(report, module, reason)
     for index, (fqn, module) in enumerate(chosen[: len(chosen) - keep]):
@@ -301,8 +314,10 @@ def convert(
     if recipe.fp8_activations:
         report.fp8_activations = activations.enable(model)
         if not report.fp8_activations:  # never a silent no-op
-            logger.warning("lowprec.fp8: fp8_activations is on but no module supports it (the built-in model's "
-                           "RMSNorm/LlamaMLP, Hugging Face LlamaRMSNorm/LlamaMLP); activations stay in high precision")
+            logger.warning(
+                "lowprec.fp8: fp8_activations is on but no module supports it (the built-in model's "
+                "RMSNorm/LlamaMLP, Hugging Face LlamaRMSNorm/LlamaMLP); activations stay in high precision"
+            )
     if report.converted and report.gemm.startswith("emulated") and recipe.gemm != "emulate":
         # a fallback is never silent: emulation is correct but slower than bf16
         logger.warning("lowprec.fp8: FP8 GEMMs will be %s", report.gemm)

@@ -81,7 +81,11 @@ def _times(m: int, k: int, n: int, recipe: Recipe, p: DeviceProfile) -> tuple[fl
     shapes = [(m, k, n), (m, n, k), (n, m, k)]  # fprop, dgrad, wgrad
     fp8 = 0.0
     for (a, b, c), hp in zip(shapes, olp):
-        fp8 += _gemm_s(a, b, c, p.bf16_tflops, p.gemm_eff, 2, p) if hp else _gemm_s(a, b, c, p.fp8_tflops, p.fp8_gemm_eff, 1, p)
+        fp8 += (
+            _gemm_s(a, b, c, p.bf16_tflops, p.gemm_eff, 2, p)
+            if hp
+            else _gemm_s(a, b, c, p.fp8_tflops, p.fp8_gemm_eff, 1, p)
+        )
     if recipe.per_tensor:
         # one cast per operand, each also writing the transposed copy the other GEMM needs
         fp8 += _cast_s(m * k, 1, True, p) + _cast_s(n * k, 1, True, p) + _cast_s(m * n, 1, True, p)
@@ -94,14 +98,18 @@ def _times(m: int, k: int, n: int, recipe: Recipe, p: DeviceProfile) -> tuple[fl
     return bf16, fp8
 
 
-def predict_seconds(m: int, k: int, n: int, recipe: Recipe | str, device: str | DeviceProfile = "h100") -> tuple[float, float]:
+def predict_seconds(
+    m: int, k: int, n: int, recipe: Recipe | str, device: str | DeviceProfile = "h100"
+) -> tuple[float, float]:
     """The model's (bf16, FP8) seconds for one Linear's fwd+bwd: an ESTIMATE, which the GPU
     command (benchmarks/gpu) prints beside the measured times so that it can be checked."""
     recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
     p = PROFILES[device.lower()] if isinstance(device, str) else device
     if recipe.scaling in ("mxfp8", "nvfp4") and not p.block_scaled:
-        raise ValueError(f"no speed model for the {recipe.scaling} recipe on {p.name}: it has no MXFP8/NVFP4 "
-                         "GEMMs (sm_100+) and lowprec runs them emulated there; pick another recipe or device")
+        raise ValueError(
+            f"no speed model for the {recipe.scaling} recipe on {p.name}: it has no MXFP8/NVFP4 "
+            "GEMMs (sm_100+) and lowprec runs them emulated there; pick another recipe or device"
+        )
     return _times(m, k, n, recipe, p)
 
 

@@ -328,7 +328,9 @@ def kept_probe(probe=None) -> CpuGemmChoice:
         except OSError:  # no hard links on this file system: last writer wins
             os.replace(tmp, path)
     except OSError as exc:
-        logger.warning("lowprec.fp8: cannot keep the CPU FP8 GEMM probe in %s (%s); each process measures anew", path, exc)
+        logger.warning(
+            "lowprec.fp8: cannot keep the CPU FP8 GEMM probe in %s (%s); each process measures anew", path, exc
+        )
         return choice
     finally:
         if tmp.is_file():

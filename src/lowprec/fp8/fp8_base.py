@@ -67,16 +67,21 @@ class Float8BaseLinear(nn.Linear):
     weight_scale_bits: torch.Tensor  # a buffer: the float32 scale_inv's bits (int32 survives .float())
     bias: nn.Parameter | None  # type: ignore[assignment]  # nn.Linear's stub says Parameter; None is allowed
 
-    def __init__(self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None,
-                 block: int = 128) -> None:
+    def __init__(
+        self, weight: torch.Tensor, weight_scale_inv: torch.Tensor, bias: torch.Tensor | None = None, block: int = 128
+    ) -> None:
         nn.Module.__init__(self)
         if weight.dtype != E4M3 or weight.dim() != 2:
-            raise ValueError(f"Float8BaseLinear needs a 2-D float8_e4m3fn weight, got {weight.dtype} {tuple(weight.shape)}")
+            raise ValueError(
+                f"Float8BaseLinear needs a 2-D float8_e4m3fn weight, got {weight.dtype} {tuple(weight.shape)}"
+            )
         self.out_features, self.in_features = weight.shape
         grid = (-(-self.out_features // block), -(-self.in_features // block))
         if tuple(weight_scale_inv.shape) != grid:
-            raise ValueError(f"weight_scale_inv {tuple(weight_scale_inv.shape)} is not the {block}x{block} block grid "
-                             f"{grid} of a {tuple(weight.shape)} weight")
+            raise ValueError(
+                f"weight_scale_inv {tuple(weight_scale_inv.shape)} is not the {block}x{block} block grid "
+                f"{grid} of a {tuple(weight.shape)} weight"
+            )
         self.block = block
         self.weight = nn.Parameter(weight.contiguous().view(torch.uint8), requires_grad=False)
         self.register_buffer("weight_scale_bits", weight_scale_inv.to(torch.float32).contiguous().view(torch.int32))
@@ -86,7 +91,9 @@ class Float8BaseLinear(nn.Linear):
     def fp8_weight(self) -> Float8Data:
         """The stored weight as the engine's ``Float8Data`` (``scale = 1 / scale_inv``)."""
         scale_inv = self.weight_scale_bits.view(torch.float32)
-        return Float8Data(self.weight.view(E4M3), torch.reciprocal(scale_inv), "block", (self.block, self.block), self.pow2)
+        return Float8Data(
+            self.weight.view(E4M3), torch.reciprocal(scale_inv), "block", (self.block, self.block), self.pow2
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.fp8_weight()

@@ -31,8 +31,9 @@ __all__ = ["frozen_weight_cache", "drop_frozen_cache", "CACHE_ATTR"]
 CACHE_ATTR = "_fp8_frozen_weight_cast"
 
 
-def frozen_weight_cache(layer: nn.Module, weight: torch.Tensor, recipe: Any, plan: Any,
-                        need_dgrad: bool) -> Optional[Callable[[Callable[[], Any]], Any]]:
+def frozen_weight_cache(
+    layer: nn.Module, weight: torch.Tensor, recipe: Any, plan: Any, need_dgrad: bool
+) -> Optional[Callable[[Callable[[], Any]], Any]]:
     """``None`` when the weight's casts cannot be reused; else ``cached(make)``, which returns
     the stored casts when the key still matches and otherwise stores and returns ``make()``."""
     if weight.requires_grad or recipe.scaling == "delayed" or plan.fprop.high_precision:

@@ -40,8 +40,13 @@ class Float8GatheredWeight(torch.Tensor):
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
         return torch.Tensor._make_wrapper_subclass(
-            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
-            dtype=dtype, device=data.device, requires_grad=False,
+            cls,
+            data.size(),
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=dtype,
+            device=data.device,
+            requires_grad=False,
         )
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pow2: bool = False):

@@ -83,8 +83,11 @@ def gemm_path(requested: str, device: torch.device, a: Float8Data, b: Float8Data
     both_e5m2 = a.data.dtype == _E5M2 and b.data.dtype == _E5M2
     if gran == "block":  # torch's blockwise kernel: sm_90, supported tile pairs, self-checked once
         native = (  # torch gates its DeepSeek-style kernel to Hopper (sm_90) in ScaledBlas.cpp
-            is_cuda(device) and native_scaled_mm_available(device, "axis") and cuda_capability(device)[0] == 9
-            and block_gemm.supported(a, b) and block_gemm.self_check(device)
+            is_cuda(device)
+            and native_scaled_mm_available(device, "axis")
+            and cuda_capability(device)[0] == 9
+            and block_gemm.supported(a, b)
+            and block_gemm.self_check(device)
         )
         if not native and requested in ("auto", "scaled_mm") and block_gemm_triton.runs(device, a, b):
             return "triton"  # lowprec's Triton blockwise kernel: sm_89+, where torch's cannot run
@@ -110,7 +113,12 @@ def gemm_path(requested: str, device: torch.device, a: Float8Data, b: Float8Data
                 "lowprec.fp8: a blockwise GEMM on %s (%sx%sx%s, tiles %s x %s) runs emulated in float32: "
                 "torch's blockwise kernel needs sm_90, E4M3, K in whole 128-tiles and 16-aligned M/N; "
                 "lowprec's Triton one needs sm_89+, triton, block_size 32/64/128 and its self-check",
-                device, a.data.shape[0], a.data.shape[1], b.data.shape[1], a.block, b.block,
+                device,
+                a.data.shape[0],
+                a.data.shape[1],
+                b.data.shape[1],
+                a.block,
+                b.block,
             )
         return "scaled_mm" if native else "emulate"
     path = default_path(device, gran)

@@ -69,8 +69,10 @@ class Event:
 
     def line(self) -> str:
         what = "moved to high precision (bf16)" if self.moved else "FP8 numerics unhealthy"
-        return (f"lowprec: fp8_guard: {self.layer}: {what} at step {self.step}: {self.signal} = {self.value:.4g} "
-                "(threshold crossed on consecutive checks)")
+        return (
+            f"lowprec: fp8_guard: {self.layer}: {what} at step {self.step}: {self.signal} = {self.value:.4g} "
+            "(threshold crossed on consecutive checks)"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {"layer": self.layer, "signal": self.signal, "value": self.value, "step": self.step, "moved": self.moved}
@@ -140,6 +142,8 @@ class Guard:
         """Re-apply saved moves (a resumed run); a layer name this model lacks is an error."""
         for mv in moves:
             if mv["layer"] not in self.layers:
-                raise ValueError(f"fp8_guard: the checkpoint moved layer {mv['layer']!r}, which this model does not have")
+                raise ValueError(
+                    f"fp8_guard: the checkpoint moved layer {mv['layer']!r}, which this model does not have"
+                )
             self.layers[mv["layer"]].high_precision = True
         self.moved = [dict(m) for m in moves]

@@ -35,7 +35,7 @@ def random_hadamard(seed: int, n: int = HADAMARD_SIZE, device=None) -> torch.Ten
     """Q = H diag(signs) / sqrt(n), orthogonal; ``signs`` drawn from ``seed`` (reproducible)."""
     g = torch.Generator().manual_seed(int(seed))
     signs = torch.randint(0, 2, (n,), generator=g).to(torch.float32) * 2 - 1
-    q = hadamard_matrix(n) * signs / (n ** 0.5)
+    q = hadamard_matrix(n) * signs / (n**0.5)
     return q.to(device) if device is not None else q
 
 

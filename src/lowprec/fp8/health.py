@@ -81,8 +81,12 @@ def _bits(v: Optional[float]) -> Optional[float]:
     return None if v is None else round(v, 4) + 0.0  # + 0.0: no -0.0 from float rounding at the max
 
 
-def signals(tele: dict[str, dict[str, dict[str, float]]], layers: dict[str, Float8Linear],
-            readings: dict[str, dict[str, float]], previous: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+def signals(
+    tele: dict[str, dict[str, dict[str, float]]],
+    layers: dict[str, Float8Linear],
+    readings: dict[str, dict[str, float]],
+    previous: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
     """Health signals per layer: ``{layer: {"input": {...}, "weight": {...}, "grad_output": {...},
     "max_to_rms": .., "sqnr_db": ..}}`` from one step's telemetry, the probe's ``readings`` and the
     previous check's signals (for the trends; None at the first check). JSON-ready numbers."""
@@ -102,7 +106,9 @@ def signals(tele: dict[str, dict[str, dict[str, float]]], layers: dict[str, Floa
                 "underflow": _r(uf),
                 "saturated_trend": _r(sat - p["saturated"]) if p else 0.0,
                 "underflow_trend": _r(uf - p["underflow"]) if p else 0.0,
-                "headroom_bits": _bits(headroom_bits(float(st.get("amax", 0.0)), float(st.get("scale", 0.0)), fmax[op])),
+                "headroom_bits": _bits(
+                    headroom_bits(float(st.get("amax", 0.0)), float(st.get("scale", 0.0)), fmax[op])
+                ),
             }
         got = readings.get(name, {})
         row["max_to_rms"] = _r(got.get("max_to_rms"))
@@ -155,4 +161,5 @@ class HealthProbe:
                     b = None if module.bias is None else module.bias.detach().float()
                     ref = F.linear(x.detach().float(), w, b)
                     got["sqnr_db"] = sqnr_db(ref, output.detach())
+
         return hook

@@ -80,8 +80,9 @@ def scale_value(amax: float, dtype: torch.dtype, margin: int = 0) -> float:
     return f32(scale)
 
 
-def delayed_step(history: torch.Tensor, scale: torch.Tensor, step: torch.Tensor, amax_now: float,
-                 dtype: torch.dtype, recipe: Recipe) -> float:
+def delayed_step(
+    history: torch.Tensor, scale: torch.Tensor, step: torch.Tensor, amax_now: float, dtype: torch.dtype, recipe: Recipe
+) -> float:
     """``scaling.delayed_scale_step`` for CPU buffers, with its results written back as the
     caller of that function does (``history``, ``scale`` updated in place); returns the scale
     to cast this step's tensor with. About 25 scalar kernels become 3 host reads and 2 writes."""

@@ -71,9 +71,11 @@ __all__ = ["Float8Linear", "delayed_scale_step", "plain_module", "state_epoch"]
 
 OPERANDS = ("input", "weight", "grad_output")
 # the scaling state a layer keeps across steps (in its state_dict)
-STATE_BUFFERS = tuple(f"fp8_amax_history_{o}" for o in OPERANDS) + tuple(
-    f"fp8_scale_{o}" for o in OPERANDS
-) + ("fp8_step", "fp8_step_grad", MX_STATE_BUFFER)
+STATE_BUFFERS = (
+    tuple(f"fp8_amax_history_{o}" for o in OPERANDS)
+    + tuple(f"fp8_scale_{o}" for o in OPERANDS)
+    + ("fp8_step", "fp8_step_grad", MX_STATE_BUFFER)
+)
 
 
 _EPOCH = [0]  # bumped by every write of scaling state from outside a step (load, reset)
@@ -142,7 +144,9 @@ def _cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale
 _HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _cast_pair(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale, dual: bool) -> tuple[Float8Data, Float8Data | None]:
+def _cast_pair(
+    t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale, dual: bool
+) -> tuple[Float8Data, Float8Data | None]:
     """``(cast for the forward GEMM, column-major cast for a backward GEMM or None)``."""
     if dual:
         return _cast_both_layouts(t, spec, recipe, scale)
@@ -187,7 +191,9 @@ class _Float8LinearFn(torch.autograd.Function):
                     xq, x_col = shared or _cast_pair(x, spec_x, recipe, state.x_scale, x_dual)
                     if shared is None:
                         shared_cast.store(x, key, (xq, x_col))
-                    w_dual = plan.w_dual or (plan.w_square and cfg.weight_cache is not None)  # frozen: both layouts kept
+                    w_dual = plan.w_dual or (
+                        plan.w_square and cfg.weight_cache is not None
+                    )  # frozen: both layouts kept
                     make_w = lambda: _cast_pair(weight, spec_w, recipe, state.w_scale, need_dgrad and w_dual)  # noqa: E731
                     wq, w_col = cfg.weight_cache(make_w) if cfg.weight_cache is not None else make_w()
                 out = scaled_mm(xq, wq.t(), hp, path=recipe.gemm, use_fast_accum=recipe.use_fast_accum)
@@ -269,6 +275,7 @@ _HOOK_DICTS = (
 
 M = TypeVar("M", bound=nn.Module)
 
+
 def plain_module(src: nn.Module, cls: type[M], **dims: int) -> M:
     """A ``cls`` module (its ``__init__`` not run: no fresh weights) holding ``src``'s weight and
     bias Parameters, its train/eval mode and its hooks; ``dims`` are ``cls``'s size attributes."""
@@ -318,7 +325,16 @@ class Float8Linear(nn.Linear):
     # Recipe cannot override all three GEMMs: it rejects that as "turn FP8 off instead")
     high_precision: bool
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *, recipe: Recipe | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        recipe: Recipe | None = None,
+    ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_fp8(recipe or Recipe.from_name("tensorwise"))
 
@@ -412,9 +428,15 @@ class Float8Linear(nn.Linear):
         its GEMMs. Otherwise the scales are computed here first (an amax read per operand)."""
         w = self.weight
         return (
-            kernels.available(x2.device) and x2.dtype in _HP_DTYPES and w.dtype in _HP_DTYPES and w.dim() == 2
-            and torch.is_grad_enabled() and x2.requires_grad and w.requires_grad
-            and recipe.save_fp8_activations and not any(recipe.override_linear_precision)
+            kernels.available(x2.device)
+            and x2.dtype in _HP_DTYPES
+            and w.dtype in _HP_DTYPES
+            and w.dim() == 2
+            and torch.is_grad_enabled()
+            and x2.requires_grad
+            and w.requires_grad
+            and recipe.save_fp8_activations
+            and not any(recipe.override_linear_precision)
         )
 
     def gemm_weight(self) -> torch.Tensor:
@@ -459,14 +481,20 @@ class Float8Linear(nn.Linear):
         recipe = self.recipe
         fp = recipe.plan().fprop if recipe.scaling not in BLOCK_SCALED else None
         if recipe.scaling == "delayed" or fp is None or fp.high_precision:
-            raise ValueError(f"recipe {recipe.name or recipe.scaling!r}: its forward weight cast is not a "
-                             "function of the weight alone; quantize the weight with a format's rule instead")
+            raise ValueError(
+                f"recipe {recipe.name or recipe.scaling!r}: its forward weight cast is not a "
+                "function of the weight alone; quantize the weight with a format's rule instead"
+            )
         with torch.no_grad():
             return _cast(self.gemm_weight(), fp.casts[1], 1, recipe)
 
     # ------------------------------------------------------------------ checkpoints
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         _EPOCH[0] += 1
         # A plain nn.Linear state dict has no scaling state: keep this layer's (fresh) state
         # rather than failing, so `model.load_state_dict(plain_sd)` works after conversion.

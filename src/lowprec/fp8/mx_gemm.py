@@ -105,8 +105,11 @@ def mx_gemm_path(requested: str, device: torch.device) -> str:
         raise RuntimeError(f"gemm='upcast' is the CPU path; this GEMM runs on {device}: use gemm='auto'")
     if requested == "auto" and is_cuda(device) and "cuda" not in _LOGGED:
         _LOGGED.add("cuda")
-        logger.warning("lowprec.fp8: MXFP8/NVFP4 GEMMs on %s run emulated in float32: torch's block-scaled "
-                       "scaled_mm needs sm_100+", device)
+        logger.warning(
+            "lowprec.fp8: MXFP8/NVFP4 GEMMs on %s run emulated in float32: torch's block-scaled "
+            "scaled_mm needs sm_100+",
+            device,
+        )
     return "emulate"
 
 

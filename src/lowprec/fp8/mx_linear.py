@@ -59,7 +59,9 @@ def init_mx_state(module: Float8Linear, recipe: Recipe) -> None:
 
 def _stream_seed(recipe: Recipe, layer: int, step: int, which: int) -> int:
     """A 63-bit seed per (recipe seed, layer, step, GEMM): distinct streams, reproducible."""
-    h = (recipe.seed * 0x9E3779B97F4A7C15 + layer * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB + which) & (2**63 - 1)
+    h = (recipe.seed * 0x9E3779B97F4A7C15 + layer * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB + which) & (
+        2**63 - 1
+    )
     return h
 
 
@@ -177,8 +179,11 @@ class _MXLinearFn(torch.autograd.Function):
                     grad_w = torch.matmul(dy.t().to(hp), x_saved.to(hp))
                 else:
                     dytq = _quantize(_wgrad_operand(dy, recipe), recipe, bwd, seeds[1])
-                    xq = x_saved if isinstance(x_saved, BlockScaledData) else _quantize(
-                        _wgrad_operand(x_saved, recipe), recipe, fwd)
+                    xq = (
+                        x_saved
+                        if isinstance(x_saved, BlockScaledData)
+                        else _quantize(_wgrad_operand(x_saved, recipe), recipe, fwd)
+                    )
                     grad_w = mx_mm(dytq, xq, torch.float32, path=recipe.gemm)
                 grad_w = grad_w.to(ctx.w_dtype)
             if cfg.stats and first is not None:

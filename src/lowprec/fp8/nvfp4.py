@@ -161,7 +161,9 @@ def _block_amax(tiles: torch.Tensor) -> torch.Tensor:
     return torch.maximum(hi, -lo)
 
 
-def _encode_blocks(tiles: torch.Tensor, block_amax: torch.Tensor, s: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _encode_blocks(
+    tiles: torch.Tensor, block_amax: torch.Tensor, s: torch.Tensor, generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """E4M3 block scales and E2M1 codes for ``tiles`` (..., block) given each block's amax."""
     scale = (block_amax / FP4_MAX * s).clamp(max=_E4M3_MAX).to(E4M3)
     sf = scale.to(torch.float32)
@@ -170,7 +172,9 @@ def _encode_blocks(tiles: torch.Tensor, block_amax: torch.Tensor, s: torch.Tenso
     return scale, codes
 
 
-def quantize_nvfp4(x: torch.Tensor, generator: torch.Generator | None = None, block: int = NVFP4_BLOCK) -> BlockScaledData:
+def quantize_nvfp4(
+    x: torch.Tensor, generator: torch.Generator | None = None, block: int = NVFP4_BLOCK
+) -> BlockScaledData:
     """NVFP4 with 1x``block`` blocks along the last dim of a 2-D ``x``; ``generator`` turns on
     stochastic rounding (gradients)."""
     if x.dim() != 2:

@@ -125,7 +125,10 @@ def _fused_cast(x: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
     if not is_cuda(x.device) or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     if scale is not None and not (
-        isinstance(scale, torch.Tensor) and scale.dim() == 0 and scale.dtype == torch.float32 and scale.device == x.device
+        isinstance(scale, torch.Tensor)
+        and scale.dim() == 0
+        and scale.dtype == torch.float32
+        and scale.device == x.device
     ):
         return False
     from lowprec.fp8 import kernels
@@ -196,7 +199,9 @@ def quantize_axiswise(
 def expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
     """Per-tile ``scale`` repeated to every element of a ``shape`` tensor (ragged edges cut)."""
     rows, cols = scale.shape
-    full = scale.reshape(rows, 1, cols, 1).expand(rows, block[0], cols, block[1]).reshape(rows * block[0], cols * block[1])
+    full = (
+        scale.reshape(rows, 1, cols, 1).expand(rows, block[0], cols, block[1]).reshape(rows * block[0], cols * block[1])
+    )
     return full[: shape[0], : shape[1]]
 
 

@@ -78,7 +78,9 @@ class GemmCast:
 
 def _same_cast(first: GemmCast, a: OperandCast | None, second: GemmCast, b: OperandCast | None, grans: tuple) -> bool:
     """Whether an operand's cast for one FP8 GEMM is the cast another FP8 GEMM reads."""
-    return not first.high_precision and not second.high_precision and a is not None and a == b and a.granularity in grans
+    return (
+        not first.high_precision and not second.high_precision and a is not None and a == b and a.granularity in grans
+    )
 
 
 @dataclass(frozen=True)
@@ -221,9 +223,7 @@ class Recipe:
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling={self.scaling!r} is not known; use one of {SCALINGS}")
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-            raise ValueError(
-                f"amax_compute_algo={self.amax_compute_algo!r}; use 'max' or 'most_recent'"
-            )
+            raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r}; use 'max' or 'most_recent'")
         for name in FIELD_MINIMUMS:  # the catalog's one range check per field
             check_int_field(name, getattr(self, name), convert=False)
         if self.gemm not in GEMM_BACKENDS:
@@ -262,11 +262,14 @@ class Recipe:
 
     def _check_block_scaled(self) -> None:
         if self.scaling == "nvfp4" and self.fp8_format is not Format.E4M3:
-            raise ValueError("fp8_format applies to FP8 elements; nvfp4 holds E2M1 elements with E4M3 "
-                             "scales: set fp8_format='E4M3'")
+            raise ValueError(
+                "fp8_format applies to FP8 elements; nvfp4 holds E2M1 elements with E4M3 scales: set fp8_format='E4M3'"
+            )
         if self.scaling == "nvfp4" and not self.save_fp8_activations:
-            raise ValueError("nvfp4 keeps the FP4 input for the weight-gradient GEMM; save_fp8_activations=False "
-                             "is not supported with it")
+            raise ValueError(
+                "nvfp4 keeps the FP4 input for the weight-gradient GEMM; save_fp8_activations=False "
+                "is not supported with it"
+            )
 
     # ------------------------------------------------------------------ constructors
     @classmethod

@@ -129,6 +129,7 @@ def amax(x: torch.Tensor, compute) -> float:
 def _mark_shared(data: torch.Tensor) -> None:
     key = id(data)
     if key not in _SHARED_SAVED:
+
         def forget(_ref: weakref.ref, key: int = key) -> None:
             _SHARED_SAVED.pop(key, None)
 

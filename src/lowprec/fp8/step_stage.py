@@ -203,11 +203,19 @@ def _log_spike(layer: str, operand: str, amax: Optional[float], before: Optional
     if int(os.environ.get("RANK", "0")) != 0:  # every rank sees the same (all-reduced) histories
         return
     what = f"amax {amax:.4g} after a history maximum of {before:.4g}" if amax is not None else "amax spike"
-    pinned = ("its scale stays set by it for amax_history_len steps (amax_compute_algo: max)" if algo == "max"
-              else "its scale follows it at the next refresh")
+    pinned = (
+        "its scale stays set by it for amax_history_len steps (amax_compute_algo: max)"
+        if algo == "max"
+        else "its scale follows it at the next refresh"
+    )
     logger.warning(
         "lowprec: FP8 %s %s: %s (more than 2**%d times; counted as amax_spikes in the FP8 telemetry); %s, "
-        "and ordinary values may underflow. Warned once per layer", layer or "<model>", operand, what, SPIKE_LOG2, pinned,
+        "and ordinary values may underflow. Warned once per layer",
+        layer or "<model>",
+        operand,
+        what,
+        SPIKE_LOG2,
+        pinned,
     )
 
 

@@ -58,8 +58,10 @@ def tp_forward(layer, x: torch.Tensor, recipe, hp: torch.dtype) -> torch.Tensor:
         )
     colwise = w.placements[0] == Shard(0)
     if not colwise and w.placements[0] != Shard(1):
-        raise ValueError(f"tensor parallel Float8Linear: weight placement {w.placements[0]} is neither "
-                         "Shard(0) (colwise) nor Shard(1) (rowwise)")
+        raise ValueError(
+            f"tensor parallel Float8Linear: weight placement {w.placements[0]} is neither "
+            "Shard(0) (colwise) nor Shard(1) (rowwise)"
+        )
     if not isinstance(x, DTensor):  # a layer whose plan left the input plain
         x = DTensor.from_local(x, mesh, [Replicate() if colwise else Shard(-1)], run_check=False)
     # the input gradient of a colwise layer is a partial sum over the output shards

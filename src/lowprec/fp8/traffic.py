@@ -35,13 +35,34 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["OpRecord", "ByteCounter", "tensor_bytes", "GEMM_OPS", "CUSTOM_GEMM_OPS", "STEADY_STATE_BYTES", "trace_linear"]
+__all__ = [
+    "OpRecord",
+    "ByteCounter",
+    "tensor_bytes",
+    "GEMM_OPS",
+    "CUSTOM_GEMM_OPS",
+    "STEADY_STATE_BYTES",
+    "trace_linear",
+]
 
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm"})
 # lowprec's own GEMM kernels (custom ops): (M, K) x (K, N) in their first two arguments
 CUSTOM_GEMM_OPS = frozenset({"lowprec.block_scaled_mm"})
-_FREE = frozenset({"_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                   "lift_fresh", "lift_fresh_copy", "set_", "resize_", "_to_copy_noop"})
+_FREE = frozenset(
+    {
+        "_unsafe_view",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "new_empty",
+        "new_empty_strided",
+        "lift_fresh",
+        "lift_fresh_copy",
+        "set_",
+        "resize_",
+        "_to_copy_noop",
+    }
+)
 # (read, written) of conditional kernels in steady state; see the module docstring
 STEADY_STATE_BYTES = {"lowprec.recast_if_changed": (8, 0)}
 _WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_"})
@@ -106,7 +127,9 @@ class ByteCounter(TorchDispatchMode):
             self.records.append(OpRecord(f"{ns}.{name}", *STEADY_STATE_BYTES[f"{ns}.{name}"], phase=self.phase))
             return
         written_args, read_ids, read = [], set(), 0
-        for arg, value in zip(func._schema.arguments, list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args):]]):
+        for arg, value in zip(
+            func._schema.arguments, list(args) + [kwargs.get(a.name) for a in func._schema.arguments[len(args) :]]
+        ):
             tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
             mutated = arg.alias_info is not None and arg.alias_info.is_write
             if mutated:

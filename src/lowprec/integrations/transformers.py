@@ -73,6 +73,7 @@ FP8_STATE_FILE = "lowprec_fp8_state-rank{rank}.safetensors"  # in each Trainer c
 
 logger = logging.getLogger("lowprec")
 
+
 def fp8_state_keys(model: nn.Module) -> set[str]:
     """The ``state_dict`` keys of ``model`` that hold FP8 scaling state, not weights."""
     sd = model.state_dict()
@@ -130,7 +131,8 @@ def enable_fp8(
         raise ValueError(
             f"enable_fp8: no Linear layer of {type(model).__name__} was converted ({len(report.skipped)} kept in high "
             "precision: see the report's skip reasons); training would run in full precision. Loosen "
-            "skip_patterns/module_filter, or train without FP8")
+            "skip_patterns/module_filter, or train without FP8"
+        )
     _strip_fp8_state_on_save(model)
     logger.info("lowprec: %s", report.summary())
     return report
@@ -166,8 +168,10 @@ def _worst(model: nn.Module) -> dict[str, float]:
     rows = [op for layer in fp8.telemetry(model).values() for op in layer.values() if op["scale"] > 0]
     if not rows:
         return {}
-    return {"fp8_saturated_max": max(r["saturated"] for r in rows),
-            "fp8_underflow_max": max(r["underflow"] for r in rows)}
+    return {
+        "fp8_saturated_max": max(r["saturated"] for r in rows),
+        "fp8_underflow_max": max(r["underflow"] for r in rows),
+    }
 
 
 def _worst_over_ranks(worst: dict[str, float], device: torch.device) -> dict[str, float]:
@@ -204,20 +208,29 @@ class FP8Callback(TrainerCallback):
         if model is None or not fp8.has_fp8_layers(model):
             raise ValueError(
                 "FP8Callback: the model has no FP8 layers, so it would train in full precision; call "
-                "lowprec.integrations.transformers.enable_fp8(model) before building the Trainer")
+                "lowprec.integrations.transformers.enable_fp8(model) before building the Trainer"
+            )
         self.model = model
         self.counts.total_fp8 = self.counts.total_hp = 0  # fp8_counts: since this train() began
-        if getattr(args, "fsdp", None) and args.world_size > 1 and not any(
-                isinstance(m, FSDPModule) for m in model.modules()):
+        if (
+            getattr(args, "fsdp", None)
+            and args.world_size > 1
+            and not any(isinstance(m, FSDPModule) for m in model.modules())
+        ):
             # accelerate 1.15 state.py: FSDP only for accelerator devices (MULTI_GPU, MULTI_XPU, ...), not MULTI_CPU
-            logger.warning("lowprec: TrainingArguments(fsdp=...) asked for FSDP but the model is not sharded: "
-                           "Accelerate turns FSDP on only on GPUs/accelerators, so on CPU Trainer runs DDP (FP8 "
-                           "layers run under DDP)")
+            logger.warning(
+                "lowprec: TrainingArguments(fsdp=...) asked for FSDP but the model is not sharded: "
+                "Accelerate turns FSDP on only on GPUs/accelerators, so on CPU Trainer runs DDP (FP8 "
+                "layers run under DDP)"
+            )
         if state.global_step > 0:
             self._restore(args, state)
         n = self.counts.attach(model)
-        logger.info("lowprec: %d FP8 layer(s) under Trainer; FP8 on wherever they run in training mode, off inside "
-                    "lowprec.fp8.autocast(enabled=False)", n)
+        logger.info(
+            "lowprec: %d FP8 layer(s) under Trainer; FP8 on wherever they run in training mode, off inside "
+            "lowprec.fp8.autocast(enabled=False)",
+            n,
+        )
 
     def on_save(self, args, state, control, **kwargs):
         """Every process writes its FP8 scaling state into the checkpoint Trainer just saved
@@ -245,13 +258,24 @@ class FP8Callback(TrainerCallback):
         if not keys:
             return
         name = FP8_STATE_FILE.format(rank=args.process_index)
-        folders = [f for f in (args.resume_from_checkpoint if isinstance(args.resume_from_checkpoint, str) else None,
-                               os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")) if f]
+        folders = [
+            f
+            for f in (
+                args.resume_from_checkpoint if isinstance(args.resume_from_checkpoint, str) else None,
+                os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"),
+            )
+            if f
+        ]
         path = next((os.path.join(f, name) for f in folders if os.path.isfile(os.path.join(f, name))), None)
         if path is None:
-            logger.warning("lowprec: resuming at step %d without FP8 scaling state (no %s in %s): the delayed "
-                           "amax histories start afresh and refill within amax_history_len steps, so the losses "
-                           "differ from an uninterrupted run's", state.global_step, name, " or ".join(folders))
+            logger.warning(
+                "lowprec: resuming at step %d without FP8 scaling state (no %s in %s): the delayed "
+                "amax histories start afresh and refill within amax_history_len steps, so the losses "
+                "differ from an uninterrupted run's",
+                state.global_step,
+                name,
+                " or ".join(folders),
+            )
             return
         saved = load_object(path)  # one line naming the file if it is damaged; nothing unpickled
         found = set(saved) if isinstance(saved, dict) else set()
@@ -259,14 +283,19 @@ class FP8Callback(TrainerCallback):
             raise ValueError(
                 f"{path} holds FP8 scaling state for {len(found)} key(s), this model has {len(keys)} (first "
                 f"difference: {sorted(found ^ keys)[0]}): resume with the recipe and layers the checkpoint "
-                "was trained with")
+                "was trained with"
+            )
         self.model.load_state_dict(saved, strict=False)
         logger.info("lowprec: FP8 scaling state of step %d restored from %s", state.global_step, path)
 
     def _logs_next_step(self, args, state) -> bool:
         strategy = getattr(args, "logging_strategy", "steps")
         every = getattr(state, "logging_steps", None) or args.logging_steps  # state's: a ratio resolved
-        return getattr(strategy, "value", strategy) == "steps" and bool(every) and (state.global_step + 1) % int(every) == 0
+        return (
+            getattr(strategy, "value", strategy) == "steps"
+            and bool(every)
+            and (state.global_step + 1) % int(every) == 0
+        )
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.telemetry and self.model is not None and self._logs_next_step(args, state):
@@ -282,8 +311,11 @@ class FP8Callback(TrainerCallback):
         extra: dict[str, float] = {"fp8_linear_calls": self.counts.fp8, "hp_linear_calls": self.counts.hp}
         if self.counts.hp and not self.counts.fp8 and not self._warned:
             self._warned = True
-            logger.warning("lowprec: the converted layers ran %d call(s) in high precision and none in FP8 since the "
-                           "last log (inside lowprec.fp8.autocast(enabled=False)?)", self.counts.hp)
+            logger.warning(
+                "lowprec: the converted layers ran %d call(s) in high precision and none in FP8 since the "
+                "last log (inside lowprec.fp8.autocast(enabled=False)?)",
+                self.counts.hp,
+            )
         if self.telemetry:
             self.last_worst = _worst_over_ranks(_worst(self.model), args.device)
             extra.update(self.last_worst)
@@ -305,8 +337,9 @@ class _FP8AllReduceKwargs(DistributedDataParallelKwargs):
         logger.info("lowprec: O1 under Trainer's DDP: gradient buckets all-reduced in %s", self.grad_dtype)
 
 
-def apply_opt_level(trainer, opt_level: str, *, grad_dtype: torch.dtype = torch.float8_e4m3fn,
-                    **fp8_adamw_kwargs) -> None:
+def apply_opt_level(
+    trainer, opt_level: str, *, grad_dtype: torch.dtype = torch.float8_e4m3fn, **fp8_adamw_kwargs
+) -> None:
     """MS-AMP style ``"O1"`` / ``"O2"`` (:func:`lowprec.optim.apply_opt_level`) for a built
     ``transformers.Trainer`` (or TRL trainer); call it before ``trainer.train()``.
 
@@ -324,21 +357,28 @@ def apply_opt_level(trainer, opt_level: str, *, grad_dtype: torch.dtype = torch.
     if fp8_adamw_kwargs and level != "O2":
         raise ValueError(f"apply_opt_level: {sorted(fp8_adamw_kwargs)} configure FP8AdamW and only apply to 'O2'")
     if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
-        raise ValueError("apply_opt_level: Trainer's FSDP/DeepSpeed create the optimizer after sharding the model, "
-                         "which this helper cannot reach; use O1/O2 with DDP or one process, or lowprec.Accelerator")
+        raise ValueError(
+            "apply_opt_level: Trainer's FSDP/DeepSpeed create the optimizer after sharding the model, "
+            "which this helper cannot reach; use O1/O2 with DDP or one process, or lowprec.Accelerator"
+        )
     if getattr(trainer.model, "lowprec_opt_level", None) is not None:
         raise ValueError(f"apply_opt_level: the model already runs {trainer.model.lowprec_opt_level}; call it once")
     if trainer.optimizer is None:
         trainer.create_optimizer()
     if level == "O2":
-        check_o2_optimizer(trainer.optimizer, "apply_opt_level(trainer, 'O2')",
-                           "TrainingArguments(optim='adamw_torch'), or 'O1' (FP8 gradients, any optimizer)")
+        check_o2_optimizer(
+            trainer.optimizer,
+            "apply_opt_level(trainer, 'O2')",
+            "TrainingArguments(optim='adamw_torch'), or 'O1' (FP8 gradients, any optimizer)",
+        )
         trainer.optimizer = to_fp8_adamw(trainer.optimizer, **fp8_adamw_kwargs)
     if trainer.args.world_size > 1:
         old = trainer.accelerator.ddp_handler or DistributedDataParallelKwargs()
         if type(old) is not DistributedDataParallelKwargs or old.comm_hook.value != "no":
-            raise ValueError(f"apply_opt_level: Trainer's DDP already has a communication hook ({old.comm_hook}); "
-                             "O1 registers its own FP8 all-reduce: drop the other hook")
+            raise ValueError(
+                f"apply_opt_level: Trainer's DDP already has a communication hook ({old.comm_hook}); "
+                "O1 registers its own FP8 all-reduce: drop the other hook"
+            )
         # the dtype on a subclass, not the instance: Accelerate turns instance attributes into DDP kwargs
         kind = type("_FP8AllReduceKwargs", (_FP8AllReduceKwargs,), {"grad_dtype": grad_dtype})
         handler = kind(**{f.name: getattr(old, f.name) for f in dataclasses.fields(old)})
@@ -346,9 +386,13 @@ def apply_opt_level(trainer, opt_level: str, *, grad_dtype: torch.dtype = torch.
     else:
         trainer.model.lowprec_fp8_grads = hold_grads_in_fp8(trainer.model.parameters(), grad_dtype, hold=False)
     trainer.model.lowprec_opt_level = level
-    logger.info("lowprec: %s under Trainer: optimizer %s, FP8 (%s) gradients via %s", level,
-                type(trainer.optimizer).__name__, grad_dtype,
-                "DDP all-reduce" if trainer.args.world_size > 1 else "in-place rounding of .grad")
+    logger.info(
+        "lowprec: %s under Trainer: optimizer %s, FP8 (%s) gradients via %s",
+        level,
+        type(trainer.optimizer).__name__,
+        grad_dtype,
+        "DDP all-reduce" if trainer.args.world_size > 1 else "in-place rounding of .grad",
+    )
 
 
 def fp8_counts(trainer) -> dict[str, Any]:
@@ -361,8 +405,11 @@ def fp8_counts(trainer) -> dict[str, Any]:
     cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, FP8Callback)), None)
     if cb is None:
         raise ValueError("fp8_counts: the trainer has no FP8Callback (pass callbacks=[FP8Callback()])")
-    counts: dict[str, Any] = {"fp8_linear_calls": cb.counts.total_fp8, "hp_linear_calls": cb.counts.total_hp,
-                              **cb.last_worst}
+    counts: dict[str, Any] = {
+        "fp8_linear_calls": cb.counts.total_fp8,
+        "hp_linear_calls": cb.counts.total_hp,
+        **cb.last_worst,
+    }
     allreduce = getattr(trainer.model_wrapped, "lowprec_fp8_allreduce", None)
     if allreduce is not None:
         counts["fp8_allreduce_calls"] = allreduce.calls

@@ -91,6 +91,8 @@ def _master_mode(value) -> str:
     if mode not in MASTER_WEIGHTS:
         raise ValueError(f"master_weights={value!r}; use one of {MASTER_WEIGHTS} (or True / False)")
     return mode
+
+
 SEGMENTS_ATTR = "_lowprec_block_segments"
 
 
@@ -165,9 +167,7 @@ class FP8AdamW(Optimizer):
         if not 0.0 <= weight_decay:
             raise ValueError(f"weight_decay={weight_decay} must be >= 0")
         if exp_avg_dtype not in EXP_AVG_DTYPES:
-            raise ValueError(
-                f"exp_avg_dtype={exp_avg_dtype} is not supported; use one of {EXP_AVG_DTYPES}"
-            )
+            raise ValueError(f"exp_avg_dtype={exp_avg_dtype} is not supported; use one of {EXP_AVG_DTYPES}")
         if exp_avg_sq_dtype not in EXP_AVG_SQ_DTYPES:
             raise ValueError(
                 f"exp_avg_sq_dtype={exp_avg_sq_dtype} is not supported; use one of "
@@ -181,8 +181,7 @@ class FP8AdamW(Optimizer):
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
         self.block_size = block_size
         self.master_weights = _master_mode(master_weights)
-        for name, value in (("exp_avg_rounding", exp_avg_rounding),
-                            ("exp_avg_sq_rounding", exp_avg_sq_rounding)):
+        for name, value in (("exp_avg_rounding", exp_avg_rounding), ("exp_avg_sq_rounding", exp_avg_sq_rounding)):
             if value not in ROUNDINGS:
                 raise ValueError(f"{name}={value!r}; use one of {ROUNDINGS}")
         self.exp_avg_rounding = exp_avg_rounding
@@ -199,17 +198,16 @@ class FP8AdamW(Optimizer):
         zeros = torch.zeros_like(local, dtype=torch.float32)
         state["step"] = torch.zeros((), dtype=torch.float32)
         if sr is not None:  # a DTensor shard: the one-process layout's slice (optim/sharded.py)
-            (state["exp_avg"], state["exp_avg_scale"], state["exp_avg_sq"],
-             state["exp_avg_sq_scale"]) = encode_moments_shard(
-                sr, zeros, zeros, self.exp_avg_dtype, self.exp_avg_sq_dtype, self.block_size,
-                collective=False)  # zeros on every process: nothing to agree on
+            (state["exp_avg"], state["exp_avg_scale"], state["exp_avg_sq"], state["exp_avg_sq_scale"]) = (
+                encode_moments_shard(
+                    sr, zeros, zeros, self.exp_avg_dtype, self.exp_avg_sq_dtype, self.block_size, collective=False
+                )
+            )  # zeros on every process: nothing to agree on
         else:
             state["exp_avg"], state["exp_avg_scale"] = encode_exp_avg(
                 zeros, self.exp_avg_dtype, self.block_size, segments=block_segments(p)
             )
-            state["exp_avg_sq"], state["exp_avg_sq_scale"] = encode_exp_avg_sq(
-                zeros, self.exp_avg_sq_dtype
-            )
+            state["exp_avg_sq"], state["exp_avg_sq_scale"] = encode_exp_avg_sq(zeros, self.exp_avg_sq_dtype)
         if self.master_weights == "fp32" and p.dtype != torch.float32:
             state["master_param"] = local.detach().to(torch.float32).clone()
         return state
@@ -241,9 +239,7 @@ class FP8AdamW(Optimizer):
     ) -> torch.Tensor | None:
         if rounding != "stochastic" or dtype == torch.float32:
             return None
-        mixed = (
-            self.seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + index * 3 + moment
-        ) % (1 << 63)
+        mixed = (self.seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + index * 3 + moment) % (1 << 63)
         # element i of the parameter gets the same noise in one process and in whichever FSDP2
         # shard holds it (optim/sharded.py)
         start, total = (sr.start, sr.total) if sr is not None else (0, local.numel())
@@ -308,16 +304,15 @@ class FP8AdamW(Optimizer):
                 state["exp_avg"], state["exp_avg_scale"] = encode_exp_avg(
                     m, self.exp_avg_dtype, self.block_size, m_noise, segments
                 )
-                state["exp_avg_sq"], state["exp_avg_sq_scale"] = encode_exp_avg_sq(
-                    v, self.exp_avg_sq_dtype, v_noise
-                )
+                state["exp_avg_sq"], state["exp_avg_sq_scale"] = encode_exp_avg_sq(v, self.exp_avg_sq_dtype, v_noise)
             clear_fp8_grads(group["params"])  # held FP8 gradients are used up by the step
         for (state, pm, step, index, local), everyone in zip(pending, agree_amaxes([e[1] for e in pending])):
             # noise drawn only now: it depends on the element, not on when it is drawn
             m_noise = self._noise(local, pm.sr, step, index, 0, self.exp_avg_rounding, self.exp_avg_dtype)
             v_noise = self._noise(local, pm.sr, step, index, 1, self.exp_avg_sq_rounding, self.exp_avg_sq_dtype)
-            (state["exp_avg"], state["exp_avg_scale"], state["exp_avg_sq"],
-             state["exp_avg_sq_scale"]) = finish_moments_shard(pm, everyone, m_noise, v_noise)
+            (state["exp_avg"], state["exp_avg_scale"], state["exp_avg_sq"], state["exp_avg_sq_scale"]) = (
+                finish_moments_shard(pm, everyone, m_noise, v_noise)
+            )
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -374,7 +369,14 @@ class FP8AdamW(Optimizer):
 class FP8Adam(FP8AdamW):
     """:class:`FP8AdamW` with Adam's L2 weight decay (default 0, as ``torch.optim.Adam``)."""
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, **kwargs):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        **kwargs,
+    ):
         kwargs.setdefault("adamw", False)
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)

@@ -113,9 +113,7 @@ def hold_grads_in_fp8(
     """Register the FP8 gradient hooks on every parameter that requires grad (``hold=False``:
     round ``.grad`` through FP8 in place instead of holding it)."""
     if dtype not in GRAD_DTYPES:
-        raise ValueError(
-            f"grad dtype {dtype} is not an FP8 dtype; use torch.float8_e4m3fn or torch.float8_e5m2"
-        )
+        raise ValueError(f"grad dtype {dtype} is not an FP8 dtype; use torch.float8_e4m3fn or torch.float8_e5m2")
     params = [p for p in params if p.requires_grad]
     handles = [p.register_post_accumulate_grad_hook(_make_hook(dtype, hold)) for p in params]
     return FP8GradHandles(params, handles, dtype)
@@ -137,9 +135,7 @@ def clear_fp8_grads(params: Iterable[torch.Tensor]) -> None:
             setattr(p, FP8_GRAD_ATTR, None)
 
 
-def clip_grad_norm_(
-    params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
-) -> torch.Tensor:
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over both ``.grad`` and held FP8 gradients.
 
     FP8 gradients are clipped by dividing their scale by the clip factor, which is exact and

@@ -39,13 +39,19 @@ __all__ = ["OPT_LEVELS", "apply_opt_level", "check_o2_optimizer", "to_fp8_adamw"
 OPT_LEVELS = ("O1", "O2")
 # Keys torch's Adam/AdamW put in every param group that FP8AdamW does not take.
 _TORCH_ADAM_KEYS = (
-    "amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused",
+    "amsgrad",
+    "maximize",
+    "foreach",
+    "capturable",
+    "differentiable",
+    "fused",
     "decoupled_weight_decay",
 )
 
 
-def check_o2_optimizer(optimizer: Any, what: str = "opt_level='O2'",
-                       fix: str = "opt_level='O1' (FP8 gradients only, any optimizer)") -> None:
+def check_o2_optimizer(
+    optimizer: Any, what: str = "opt_level='O2'", fix: str = "opt_level='O1' (FP8 gradients only, any optimizer)"
+) -> None:
     """O2's optimizer rule, one place: torch Adam/AdamW (or FP8AdamW) without amsgrad/maximize.
     ``what`` names the caller's setting and ``fix`` its alternative in the message."""
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, FP8AdamW)):
@@ -56,8 +62,9 @@ def check_o2_optimizer(optimizer: Any, what: str = "opt_level='O2'",
     for group in optimizer.param_groups:
         for flag in ("amsgrad", "maximize"):
             if group.get(flag):
-                raise ValueError(f"{what} does not support {type(optimizer).__name__}({flag}=True); "
-                                 f"set {flag}=False, or use {fix}")
+                raise ValueError(
+                    f"{what} does not support {type(optimizer).__name__}({flag}=True); set {flag}=False, or use {fix}"
+                )
 
 
 def to_fp8_adamw(optimizer: torch.optim.Optimizer, **fp8_kwargs) -> FP8AdamW:
@@ -85,18 +92,28 @@ def to_fp8_adamw(optimizer: torch.optim.Optimizer, **fp8_kwargs) -> FP8AdamW:
         st["step"] = torch.as_tensor(old["step"], dtype=torch.float32).clone().cpu()
         sr = fp8._shard(p)
         if sr is not None:  # FSDP2: torch's moments are DTensors placed like the parameter
-            pending.append((st, prepare_moments_shard(
-                sr, old["exp_avg"].to_local().float(), old["exp_avg_sq"].to_local().float(),
-                fp8.exp_avg_dtype, fp8.exp_avg_sq_dtype, fp8.block_size)))
+            pending.append(
+                (
+                    st,
+                    prepare_moments_shard(
+                        sr,
+                        old["exp_avg"].to_local().float(),
+                        old["exp_avg_sq"].to_local().float(),
+                        fp8.exp_avg_dtype,
+                        fp8.exp_avg_sq_dtype,
+                        fp8.block_size,
+                    ),
+                )
+            )
             continue
         st["exp_avg"], st["exp_avg_scale"] = encode_exp_avg(
             old["exp_avg"].float(), fp8.exp_avg_dtype, fp8.block_size, segments=block_segments(p)
         )
-        st["exp_avg_sq"], st["exp_avg_sq_scale"] = encode_exp_avg_sq(
-            old["exp_avg_sq"].float(), fp8.exp_avg_sq_dtype
-        )
+        st["exp_avg_sq"], st["exp_avg_sq_scale"] = encode_exp_avg_sq(old["exp_avg_sq"].float(), fp8.exp_avg_sq_dtype)
     for (st, pm), everyone in zip(pending, agree_amaxes([e[1] for e in pending])):
-        st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"] = finish_moments_shard(pm, everyone)
+        st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"] = finish_moments_shard(
+            pm, everyone
+        )
     return fp8
 
 
@@ -122,9 +139,7 @@ def apply_opt_level(
         hint = " (O3 = FP8 weights for ZeRO is not implemented)" if level == "O3" else ""
         raise ValueError(f"opt_level={opt_level!r} is not supported{hint}; use 'O1' or 'O2'")
     if fp8_adamw_kwargs and level != "O2":
-        raise ValueError(
-            f"{sorted(fp8_adamw_kwargs)} configure FP8AdamW and only apply to opt_level='O2'"
-        )
+        raise ValueError(f"{sorted(fp8_adamw_kwargs)} configure FP8AdamW and only apply to opt_level='O2'")
     if level == "O2":
         optimizer = to_fp8_adamw(optimizer, **fp8_adamw_kwargs)
 

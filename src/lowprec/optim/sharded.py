@@ -47,9 +47,21 @@ from lowprec.fp8.quantize import saturated_cast
 from lowprec.fp8.scaling import amax, amax_to_scale, block_amax
 from lowprec.optim.moments import dither, encode_exp_avg, encode_root
 
-__all__ = ["ShardRange", "shard_range", "chunked_uniform", "NOISE_CHUNK", "PendingMoments", "prepare_moments_shard",
-           "agree_amaxes", "finish_moments_shard", "encode_moments_shard",
-           "decode_exp_avg_shard", "full_block_scales", "as_state_dtensor", "local_state"]
+__all__ = [
+    "ShardRange",
+    "shard_range",
+    "chunked_uniform",
+    "NOISE_CHUNK",
+    "PendingMoments",
+    "prepare_moments_shard",
+    "agree_amaxes",
+    "finish_moments_shard",
+    "encode_moments_shard",
+    "decode_exp_avg_shard",
+    "full_block_scales",
+    "as_state_dtensor",
+    "local_state",
+]
 
 
 @dataclass(frozen=True)
@@ -151,7 +163,7 @@ def chunked_uniform(key: int, start: int, n: int, total: int, device=None) -> to
         gen.manual_seed((key * 0x94D049BB133111EB + c * 0xD6E8FEB86659FD93 + c) % (1 << 63))
         lo = c * NOISE_CHUNK
         draw = torch.rand(min(NOISE_CHUNK, total - lo), generator=gen, device=device, dtype=torch.float32)
-        parts.append(draw[max(start - lo, 0):start + n - lo])
+        parts.append(draw[max(start - lo, 0) : start + n - lo])
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -161,8 +173,14 @@ def _blocks(start: int, numel: int, block: int) -> tuple[int, int]:
     return (start // block, (start + numel - 1) // block) if numel else (-1, -1)
 
 
-def _resolve_boundary(sr: ShardRange, block: int, first: torch.Tensor, last: torch.Tensor,
-                      mine: torch.Tensor, everyone: Optional[torch.Tensor]):
+def _resolve_boundary(
+    sr: ShardRange,
+    block: int,
+    first: torch.Tensor,
+    last: torch.Tensor,
+    mine: torch.Tensor,
+    everyone: Optional[torch.Tensor],
+):
     """The amaxes a shard cannot compute alone: of its first and last block (which other shards
     may share) and of the whole tensor, from every process's 3 floats (``everyone``, ``(world,
     3)``; None: one process). Blocks inside a shard need nothing. NaN propagates
@@ -204,8 +222,9 @@ class PendingMoments:
     mine: torch.Tensor  # (3,) float32: first block amax, last block amax, amax of sqrt(v)
 
 
-def prepare_moments_shard(sr: ShardRange, m: torch.Tensor, v: torch.Tensor, m_dtype, v_dtype,
-                          block_size: Optional[int]) -> PendingMoments:
+def prepare_moments_shard(
+    sr: ShardRange, m: torch.Tensor, v: torch.Tensor, m_dtype, v_dtype, block_size: Optional[int]
+) -> PendingMoments:
     """The local half of encoding a shard's moments: block and tensor amaxes of this shard."""
     root = v.sqrt()
     zero = torch.zeros((), dtype=torch.float32, device=m.device)
@@ -270,7 +289,7 @@ def finish_moments_shard(pm: PendingMoments, everyone: Optional[torch.Tensor], m
         local = local.clone()
         local[0], local[-1] = first, last
     scale = amax_to_scale(local if b != sr.total else first, pm.m_dtype, power_of_2=True)
-    full = scale if scale.dim() == 0 else scale.repeat_interleave(b)[off:off + flat.numel()]
+    full = scale if scale.dim() == 0 else scale.repeat_interleave(b)[off : off + flat.numel()]
     scaled = flat * full
     if m_noise is not None:
         scaled = dither(scaled, pm.m_dtype, m_noise.reshape(-1))
@@ -278,8 +297,18 @@ def finish_moments_shard(pm: PendingMoments, everyone: Optional[torch.Tensor], m
     return (data, scale, *encode_root(pm.root, pm.v_dtype, v_noise, t))
 
 
-def encode_moments_shard(sr: ShardRange, m: torch.Tensor, v: torch.Tensor, m_dtype, v_dtype,
-                         block_size: Optional[int], m_noise=None, v_noise=None, *, collective: bool = True):
+def encode_moments_shard(
+    sr: ShardRange,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    m_dtype,
+    v_dtype,
+    block_size: Optional[int],
+    m_noise=None,
+    v_noise=None,
+    *,
+    collective: bool = True,
+):
     """Prepare, agree (one all_gather for this one shard) and finish. ``collective=False`` when
     every process is known to hold the same amaxes (the zero state of a new parameter): no
     communication, each process stands in for all."""
@@ -291,15 +320,16 @@ def encode_moments_shard(sr: ShardRange, m: torch.Tensor, v: torch.Tensor, m_dty
     return finish_moments_shard(pm, everyone, m_noise, v_noise)
 
 
-def decode_exp_avg_shard(sr: ShardRange, data: torch.Tensor, scale: torch.Tensor,
-                         block_size: Optional[int]) -> torch.Tensor:
+def decode_exp_avg_shard(
+    sr: ShardRange, data: torch.Tensor, scale: torch.Tensor, block_size: Optional[int]
+) -> torch.Tensor:
     """Inverse of :func:`encode_moments_shard`'s first moment, in float32 (exact: scales are
     powers of two, so ``* (1 / scale)`` equals the one-process ``dequantize``)."""
     if scale.dim() == 0:
         return data.to(torch.float32) / scale
     b = _block(sr, block_size)
     off = sr.start % b
-    inv = scale.reciprocal().repeat_interleave(b)[off:off + data.numel()]
+    inv = scale.reciprocal().repeat_interleave(b)[off : off + data.numel()]
     return (data.reshape(-1).to(torch.float32) * inv).view(data.shape)
 
 
@@ -314,7 +344,7 @@ def full_block_scales(sr: ShardRange, local_scales: torch.Tensor, block_size: Op
     full = torch.zeros(n_blocks, dtype=torch.float32, device=local_scales.device)
     k0, k1 = _blocks(sr.start, sr.numel, block)
     if k0 >= 0:
-        full[k0:k1 + 1] = local_scales
+        full[k0 : k1 + 1] = local_scales
     if len(sr.ranges) > 1:
         dist.all_reduce(full, op=dist.ReduceOp.MAX, group=sr.group)
     return full
@@ -335,7 +365,7 @@ def local_state(sr: ShardRange, key: str, value: torch.Tensor, block_size: Optio
         return value.to_local()
     if key == "exp_avg_scale" and value.dim() == 1:
         k0, k1 = _blocks(sr.start, sr.numel, _block(sr, block_size))
-        return value[k0:k1 + 1] if k0 >= 0 else value[:0]
+        return value[k0 : k1 + 1] if k0 >= 0 else value[:0]
     if value.dim() > 0 and value.numel() == sr.total:  # a whole tensor (e.g. a one-process checkpoint)
-        return value.reshape(-1)[sr.start:sr.start + sr.numel].view(cast(Any, sr.param).to_local().shape)
+        return value.reshape(-1)[sr.start : sr.start + sr.numel].view(cast(Any, sr.param).to_local().shape)
     return value

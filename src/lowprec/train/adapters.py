@@ -22,8 +22,15 @@ from torch import nn
 
 from lowprec.errors import did_you_mean
 
-__all__ = ["LoraSettings", "apply_lora", "is_peft_model", "save_adapter", "check_adapter_backend", "linear_module_names",
-           "check_new_tokens"]
+__all__ = [
+    "LoraSettings",
+    "apply_lora",
+    "is_peft_model",
+    "save_adapter",
+    "check_adapter_backend",
+    "linear_module_names",
+    "check_new_tokens",
+]
 
 logger = logging.getLogger("lowprec")
 
@@ -31,9 +38,16 @@ logger = logging.getLogger("lowprec")
 class LoraSettings:
     """The ``lora_*`` keys, as read from the config (Axolotl's names and defaults)."""
 
-    def __init__(self, r: int = 8, alpha: Optional[float] = None, dropout: float = 0.0,
-                 target_modules: Optional[Sequence[str]] = None, target_linear: bool = False,
-                 modules_to_save: Optional[Sequence[str]] = None, fan_in_fan_out: Optional[bool] = None) -> None:
+    def __init__(
+        self,
+        r: int = 8,
+        alpha: Optional[float] = None,
+        dropout: float = 0.0,
+        target_modules: Optional[Sequence[str]] = None,
+        target_linear: bool = False,
+        modules_to_save: Optional[Sequence[str]] = None,
+        fan_in_fan_out: Optional[bool] = None,
+    ) -> None:
         self.r, self.dropout = int(r), float(dropout)
         self.alpha = float(alpha) if alpha is not None else float(r)  # peft's default alpha is 8; Axolotl's r
         self.target_modules = [target_modules] if isinstance(target_modules, str) else list(target_modules or [])
@@ -43,9 +57,15 @@ class LoraSettings:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LoraSettings":
-        return cls(r=cfg.lora_r or 8, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout or 0.0,
-                   target_modules=cfg.lora_target_modules, target_linear=bool(cfg.lora_target_linear),
-                   modules_to_save=cfg.lora_modules_to_save, fan_in_fan_out=cfg.lora_fan_in_fan_out)
+        return cls(
+            r=cfg.lora_r or 8,
+            alpha=cfg.lora_alpha,
+            dropout=cfg.lora_dropout or 0.0,
+            target_modules=cfg.lora_target_modules,
+            target_linear=bool(cfg.lora_target_linear),
+            modules_to_save=cfg.lora_modules_to_save,
+            fan_in_fan_out=cfg.lora_fan_in_fan_out,
+        )
 
 
 def check_adapter_backend(adapter: Optional[str], packages: frozenset) -> None:
@@ -56,8 +76,10 @@ def check_adapter_backend(adapter: Optional[str], packages: frozenset) -> None:
         raise ValueError(f"adapter: {adapter} needs the optional package 'peft': pip install 'lowprec[peft]'")
     if adapter == "qlora" and "bitsandbytes" not in packages:
         # bitsandbytes >= 0.48 runs its NF4 layers on CPU as well as CUDA, so the package is all it needs
-        raise ValueError("adapter: qlora loads the base model in 4 bits through the optional package 'bitsandbytes': "
-                         "pip install 'lowprec[qlora]' (or pip install bitsandbytes), or use adapter: lora")
+        raise ValueError(
+            "adapter: qlora loads the base model in 4 bits through the optional package 'bitsandbytes': "
+            "pip install 'lowprec[qlora]' (or pip install bitsandbytes), or use adapter: lora"
+        )
 
 
 def _gemm_leaf(module: nn.Module) -> bool:
@@ -89,7 +111,8 @@ def check_new_tokens(model: nn.Module, lora: LoraSettings, new_tokens: dict[str,
         raise ValueError(
             f"{'/'.join(keys)}: {len(trained)} token(s) new to the tokenizer ({shown}) get embedding rows that LoRA "
             f"alone leaves untrained; set lora_modules_to_save: [{', '.join(dict.fromkeys(names))}] to train "
-            "those layers in full next to the adapters (as Axolotl requires)")
+            "those layers in full next to the adapters (as Axolotl requires)"
+        )
 
 
 def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
@@ -111,23 +134,43 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
     known = {n.rpartition(".")[2] for n, _ in model.named_modules()}
     for t in targets:
         if t not in known and not any(ch in t for ch in "*.?["):
-            raise ValueError(f"lora_target_modules: no module named {t!r} in the model{did_you_mean(t, available)}; "
-                             f"its GEMM layers are {', '.join(available)}")
+            raise ValueError(
+                f"lora_target_modules: no module named {t!r} in the model{did_you_mean(t, available)}; "
+                f"its GEMM layers are {', '.join(available)}"
+            )
     for t in lora.modules_to_save:
         if t not in known:
-            raise ValueError(f"lora_modules_to_save: no module named {t!r} in the model{did_you_mean(t, sorted(known))}")
+            raise ValueError(
+                f"lora_modules_to_save: no module named {t!r} in the model{did_you_mean(t, sorted(known))}"
+            )
     kwargs: dict[str, Any] = {}
     if lora.fan_in_fan_out is not None:
         kwargs["fan_in_fan_out"] = lora.fan_in_fan_out
     elif any(type(m).__name__ == "Conv1D" for m in model.modules()):
         kwargs["fan_in_fan_out"] = True  # GPT-2's Conv1D stores weights (in, out); peft needs to know
-    config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets,
-                        modules_to_save=lora.modules_to_save or None, bias="none", task_type="CAUSAL_LM", **kwargs)
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        modules_to_save=lora.modules_to_save or None,
+        bias="none",
+        task_type="CAUSAL_LM",
+        **kwargs,
+    )
     peft_model = get_peft_model(model, config)
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in peft_model.parameters())
-    logger.info("lowprec: adapter %s r=%d alpha=%g on %s: %d trainable parameters of %d (%.2f%%)",
-                "qlora" if getattr(model, "is_loaded_in_4bit", False) else "lora", lora.r, lora.alpha, ", ".join(targets), trainable, total, 100.0 * trainable / max(total, 1))
+    logger.info(
+        "lowprec: adapter %s r=%d alpha=%g on %s: %d trainable parameters of %d (%.2f%%)",
+        "qlora" if getattr(model, "is_loaded_in_4bit", False) else "lora",
+        lora.r,
+        lora.alpha,
+        ", ".join(targets),
+        trainable,
+        total,
+        100.0 * trainable / max(total, 1),
+    )
     return peft_model
 
 
@@ -135,7 +178,9 @@ def is_peft_model(model: nn.Module) -> bool:
     return importlib.util.find_spec("peft") is not None and type(model).__module__.startswith("peft.")
 
 
-def save_adapter(peft_model: nn.Module, output_dir: str, merge: bool, trust_remote_code: bool = False) -> dict[str, str]:
+def save_adapter(
+    peft_model: nn.Module, output_dir: str, merge: bool, trust_remote_code: bool = False
+) -> dict[str, str]:
     """The adapter (``adapter_model.safetensors`` + ``adapter_config.json``) and, with ``merge``,
     the merged model in ``output_dir/merged``. Merging changes the model in place, so it runs
     last; FP8 layers go back to ``nn.Linear`` first (merged weights are plain weights)."""
@@ -156,7 +201,9 @@ def save_adapter(peft_model: nn.Module, output_dir: str, merge: bool, trust_remo
     return files
 
 
-def _merge_on_full_precision_base(peft_model: nn.Module, adapter_dir: str, trust_remote_code: bool = False) -> nn.Module:
+def _merge_on_full_precision_base(
+    peft_model: nn.Module, adapter_dir: str, trust_remote_code: bool = False
+) -> nn.Module:
     """QLoRA's merge, as ``axolotl merge-lora`` does it: the saved adapter onto the base model
     loaded again unquantized (float32, then saved bf16). Merging into the NF4 weights instead
     would round the merged weights to 4 bits, which is neither the base nor the trained model."""
@@ -165,7 +212,9 @@ def _merge_on_full_precision_base(peft_model: nn.Module, adapter_dir: str, trust
     from lowprec.train.hf_model import load_causal_lm
 
     base_path = peft_model.peft_config["default"].base_model_name_or_path
-    logger.info("lowprec: merge_lora with a 4-bit base: merging the adapter onto %s loaded in full precision", base_path)
+    logger.info(
+        "lowprec: merge_lora with a 4-bit base: merging the adapter onto %s loaded in full precision", base_path
+    )
     base = load_causal_lm(base_path, trust_remote_code=trust_remote_code)  # the run's setting, as when it loaded
     rows = peft_model.get_input_embeddings().num_embeddings
     if base.get_input_embeddings().num_embeddings != rows:

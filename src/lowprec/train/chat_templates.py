@@ -27,8 +27,14 @@ TEMPLATES = {
         "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
     ),
 }
-TEMPLATE_NAMES = ("tokenizer_default", "chatml", "llama3", "jinja",
-                  "tokenizer_default_fallback_chatml", "tokenizer_default_fallback_llama3")
+TEMPLATE_NAMES = (
+    "tokenizer_default",
+    "chatml",
+    "llama3",
+    "jinja",
+    "tokenizer_default_fallback_chatml",
+    "tokenizer_default_fallback_llama3",
+)
 # end-of-turn strings trained with the turn they close (Axolotl's train_on_eos: turn)
 EOT_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>", "<|endoftext|>", "<|end_of_text|>")
 
@@ -63,7 +69,9 @@ def _environment():
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
-        raise ValueError("type: chat_template needs the 'jinja2' package; install it with `pip install jinja2`") from None
+        raise ValueError(
+            "type: chat_template needs the 'jinja2' package; install it with `pip install jinja2`"
+        ) from None
 
     def raise_exception(message: str) -> None:
         raise ValueError(f"chat template: {message}")
@@ -84,8 +92,7 @@ def _template_error(exc: Exception) -> ValueError:
     if isinstance(exc, TemplateSyntaxError):
         return ValueError(f"chat template: not valid Jinja (line {exc.lineno}: {what}); {_FIX}")
     if isinstance(exc, SecurityError):  # the sandbox refused an attribute: never run, report
-        return ValueError(f"chat template: refused by the sandbox ({what}); templates may only format "
-                          f"messages; {_FIX}")
+        return ValueError(f"chat template: refused by the sandbox ({what}); templates may only format messages; {_FIX}")
     return ValueError(f"chat template: rendering failed ({type(exc).__name__}: {what}); {_FIX}")
 
 
@@ -120,8 +127,9 @@ def render_segments(
 
     def render(msgs: Sequence[dict[str, Any]]) -> str:
         try:
-            return compiled.render(messages=list(msgs), add_generation_prompt=False, bos_token=bos_token,
-                                   eos_token=eos_token)
+            return compiled.render(
+                messages=list(msgs), add_generation_prompt=False, bos_token=bos_token, eos_token=eos_token
+            )
         except TemplateError as exc:
             raise _template_error(exc) from None
 
@@ -135,7 +143,7 @@ def render_segments(
                 "chat template: rendering one more message changed the text before it (the template "
                 "rewrites earlier turns), so turns cannot be masked; use chat_template: chatml or llama3"
             )
-        turn = full[len(done):]
+        turn = full[len(done) :]
         done = full
         trained = msg["role"] in roles_to_train
         content = str(msg.get("content") or "")
@@ -146,10 +154,10 @@ def render_segments(
         if at < 0:  # no content to locate: the whole turn follows the role's decision
             segments.append((turn, trained))
             continue
-        head, body, tail = turn[:at], content, turn[at + len(content):]
+        head, body, tail = turn[:at], content, turn[at + len(content) :]
         eot = _eot_prefix(tail, markers)
         eos_trained = {"turn": trained, "all": True, "none": False, "last": trained and i == last}[train_on_eos]
-        segments += [(head, False), (body, trained), (eot, eos_trained), (tail[len(eot):], False)]
+        segments += [(head, False), (body, trained), (eot, eos_trained), (tail[len(eot) :], False)]
     return [(t, tr) for t, tr in segments if t]
 
 

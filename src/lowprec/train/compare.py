@@ -55,8 +55,10 @@ def skip_reason(precision: str) -> Optional[str]:
     spec = library_backend(precision)
     if spec is None or spec.available():
         return None
-    return (f"{spec.library} is not installed (pip install {' '.join(spec.distributions) or spec.library}), "
-            f"so fp8_backend: {spec.name} cannot run")
+    return (
+        f"{spec.library} is not installed (pip install {' '.join(spec.distributions) or spec.library}), "
+        f"so fp8_backend: {spec.name} cannot run"
+    )
 
 
 def plan_runs(cfg: TrainConfig, precisions: Sequence[str], seeds: Sequence[int], out: str) -> list[CompareRun]:
@@ -70,9 +72,16 @@ def plan_runs(cfg: TrainConfig, precisions: Sequence[str], seeds: Sequence[int],
     for seed in seeds:
         for p in precisions:
             where = os.path.join(out, p, f"seed{seed}")
-            c = cfg.replace(**precision_overrides(p, cfg), seed=seed, output_dir=where, compare=None,
-                            resume_from_checkpoint=None, save_steps=None, saves_per_epoch=None,
-                            progress_bar=False)
+            c = cfg.replace(
+                **precision_overrides(p, cfg),
+                seed=seed,
+                output_dir=where,
+                compare=None,
+                resume_from_checkpoint=None,
+                save_steps=None,
+                saves_per_epoch=None,
+                progress_bar=False,
+            )
             runs.append(CompareRun(p, seed, c, where + ".yaml", where + ".log"))
     return runs
 
@@ -86,8 +95,10 @@ def resolve_workers(requested: Any, cfg: TrainConfig, n_runs: int, device: str) 
         workers = Decision(1, f"one {device} device: parallel runs would share it and distort memory and speed")
     else:
         per_run = cfg.cpu_threads or 1
-        workers = Decision(max(1, min(n_runs, cores // per_run)),
-                           f"{cores} CPU cores / cpu_threads {per_run} per run, at most {n_runs} runs")
+        workers = Decision(
+            max(1, min(n_runs, cores // per_run)),
+            f"{cores} CPU cores / cpu_threads {per_run} per run, at most {n_runs} runs",
+        )
     threads = None
     if device == "cpu" and cfg.cpu_threads is None and workers.value > 1:
         # torch's default is every core in every process: N processes would oversubscribe N-fold
@@ -155,8 +166,12 @@ def _run_all(runs: list[CompareRun], workers: int, quiet: bool, reuse: bool = Fa
         summaries.setdefault(run.precision, {})[run.seed] = old
         done += 1
         if not quiet:
-            print(f"lowprec compare: [{done}/{len(runs)}] {run.precision} seed {run.seed}: reused "
-                  f"({run.output_dir}/summary.json)", file=sys.stderr, flush=True)
+            print(
+                f"lowprec compare: [{done}/{len(runs)}] {run.precision} seed {run.seed}: reused "
+                f"({run.output_dir}/summary.json)",
+                file=sys.stderr,
+                flush=True,
+            )
     try:
         while pending or active:
             while pending and len(active) < workers:
@@ -173,8 +188,10 @@ def _run_all(runs: list[CompareRun], workers: int, quiet: bool, reuse: bool = Fa
                     failed.setdefault(run.precision, {})[run.seed] = _last_line(run.log_path)
                     status = "diverged (non-finite)"
                 elif proc.returncode != 0:
-                    raise ValueError(f"the {run.precision} run, seed {run.seed}, failed with exit code "
-                                     f"{proc.returncode}: {_last_line(run.log_path)} (log {run.log_path})")
+                    raise ValueError(
+                        f"the {run.precision} run, seed {run.seed}, failed with exit code "
+                        f"{proc.returncode}: {_last_line(run.log_path)} (log {run.log_path})"
+                    )
                 else:
                     with open(os.path.join(run.output_dir, "summary.json")) as f:
                         summaries.setdefault(run.precision, {})[run.seed] = json.load(f)
@@ -182,8 +199,12 @@ def _run_all(runs: list[CompareRun], workers: int, quiet: bool, reuse: bool = Fa
                     loss = s["final_eval_loss"] if s["final_eval_loss"] is not None else s["final_train_loss"]
                     status = f"loss {loss:.4f}"
                 if not quiet:
-                    print(f"lowprec compare: [{done}/{len(runs)}] {run.precision} seed {run.seed}: {status} "
-                          f"in {secs:.0f} s", file=sys.stderr, flush=True)
+                    print(
+                        f"lowprec compare: [{done}/{len(runs)}] {run.precision} seed {run.seed}: {status} "
+                        f"in {secs:.0f} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
     finally:
         for _, proc in active:  # Ctrl-C or a failed run: stop the others (only ours, by handle)
             proc.terminate()
@@ -231,14 +252,25 @@ def compare(
     decision, threads = resolve_workers(workers, cfg, len(runs), _device())
     logger.info("lowprec compare: workers = %s (%s)", decision.value, decision.reason)
     if threads is not None:
-        logger.info("lowprec compare: cpu_threads = %d per run (%d runs in parallel; cpu_threads unset)", threads, decision.value)
-        runs = [CompareRun(r.precision, r.seed, r.config.replace(cpu_threads=threads), r.config_path, r.log_path) for r in runs]
+        logger.info(
+            "lowprec compare: cpu_threads = %d per run (%d runs in parallel; cpu_threads unset)",
+            threads,
+            decision.value,
+        )
+        runs = [
+            CompareRun(r.precision, r.seed, r.config.replace(cpu_threads=threads), r.config_path, r.log_path)
+            for r in runs
+        ]
     from lowprec.train.outputs import make_output_dir
 
     make_output_dir(out, "--compare_dir" if output_dir else "output_dir")
     if not quiet:
-        print(f"lowprec compare: {len(runs)} runs ({len(precisions) - len(skipped)} precisions x {len(seeds)} seeds), "
-              f"{decision.value} at a time, in {out}", file=sys.stderr, flush=True)
+        print(
+            f"lowprec compare: {len(runs)} runs ({len(precisions) - len(skipped)} precisions x {len(seeds)} seeds), "
+            f"{decision.value} at a time, in {out}",
+            file=sys.stderr,
+            flush=True,
+        )
     summaries, failed = _run_all(runs, decision.value, quiet, reuse)
     report = build_report(summaries, base, threshold, tail_fraction, failed, skipped)
     report["workers"] = {"value": decision.value, "reason": decision.reason}

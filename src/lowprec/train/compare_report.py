@@ -40,7 +40,9 @@ def choose_baseline(precisions: Sequence[str], requested: Optional[str] = None) 
     """``requested`` if given (it must be among the precisions), else bf16, else the highest."""
     if requested is not None:
         if requested not in precisions:
-            raise ValueError(f"--baseline {requested}: not among --precisions {','.join(precisions)}; add it or pick one of them")
+            raise ValueError(
+                f"--baseline {requested}: not among --precisions {','.join(precisions)}; add it or pick one of them"
+            )
         return requested
     if "bf16" in precisions:
         return "bf16"
@@ -71,14 +73,26 @@ def build_report(
     failed = {p: dict(v) for p, v in (failed or {}).items() if v}
     seeds = sorted({s for by_seed in runs.values() for s in by_seed} | {s for v in failed.values() for s in v})
     base = runs.get(baseline, {})
-    metric = "final_eval_loss" if base and all(r.get("final_eval_loss") is not None for r in base.values()) else "final_train_loss"
+    metric = (
+        "final_eval_loss"
+        if base and all(r.get("final_eval_loss") is not None for r in base.values())
+        else "final_train_loss"
+    )
     out: dict[str, Any] = {
-        "baseline": baseline, "threshold": threshold, "level": LEVEL, "metric": metric,
-        "tail_fraction": tail_fraction, "seeds": seeds, "precisions": {}, "skipped": dict(skipped or {}),
+        "baseline": baseline,
+        "threshold": threshold,
+        "level": LEVEL,
+        "metric": metric,
+        "tail_fraction": tail_fraction,
+        "seeds": seeds,
+        "precisions": {},
+        "skipped": dict(skipped or {}),
     }
     if baseline in failed:
-        raise ValueError(f"the baseline {baseline} diverged (seeds {sorted(failed[baseline])}): nothing to compare "
-                         "with; lower learning_rate or pick another --baseline")
+        raise ValueError(
+            f"the baseline {baseline} diverged (seeds {sorted(failed[baseline])}): nothing to compare "
+            "with; lower learning_rate or pick another --baseline"
+        )
     ordered = sorted(set(runs) | set(failed), key=lambda p: (precision_rank(p), p))
     for p in ordered:
         by_seed = runs.get(p, {})
@@ -97,23 +111,40 @@ def build_report(
             curves = [by_seed[s]["train_losses"] for s in common]
             refs = [base[s]["train_losses"] for s in common]
             tail = tail_gaps(curves, refs, tail_fraction)
-            row["gap"] = {"seeds": common, "per_seed": gaps, metric: interval(gaps, LEVEL).to_dict(),
-                          "tail_train_loss": interval(tail, LEVEL).to_dict() if tail else None,
-                          "tail_per_seed": tail}
+            row["gap"] = {
+                "seeds": common,
+                "per_seed": gaps,
+                metric: interval(gaps, LEVEL).to_dict(),
+                "tail_train_loss": interval(tail, LEVEL).to_dict() if tail else None,
+                "tail_per_seed": tail,
+            }
             row["first_departure_step"] = first_departure(curves, refs, threshold, LEVEL)
         if _judged(p, baseline):
             if p in failed:
-                row["verdict"] = {"outcome": OUTSIDE, "threshold": threshold, "gap": None, "seeds_needed": None,
-                                  "reason": f"diverged (seed {', '.join(map(str, sorted(failed[p])))}): {next(iter(failed[p].values()))}"}
+                row["verdict"] = {
+                    "outcome": OUTSIDE,
+                    "threshold": threshold,
+                    "gap": None,
+                    "seeds_needed": None,
+                    "reason": f"diverged (seed {', '.join(map(str, sorted(failed[p])))}): {next(iter(failed[p].values()))}",
+                }
             elif common:
                 row["verdict"] = verdict(row["gap"]["per_seed"], threshold, LEVEL).to_dict()
         out["precisions"][p] = row
     values = [base[s][metric] for s in sorted(base)]
     floor = interval(values, LEVEL) if values else None
-    out["noise_floor"] = None if floor is None else {
-        "precision": baseline, "metric": metric, "values": values, "mean": floor.mean, "sd": floor.sd,
-        "relative_sd": None if floor.sd is None else floor.sd / abs(floor.mean),
-    }
+    out["noise_floor"] = (
+        None
+        if floor is None
+        else {
+            "precision": baseline,
+            "metric": metric,
+            "values": values,
+            "mean": floor.mean,
+            "sd": floor.sd,
+            "relative_sd": None if floor.sd is None else floor.sd / abs(floor.mean),
+        }
+    )
     outcomes = [row["verdict"]["outcome"] for row in out["precisions"].values() if "verdict" in row]
     out["outcome"] = OUTSIDE if OUTSIDE in outcomes else INCONCLUSIVE if INCONCLUSIVE in outcomes else WITHIN
     out["exit_code"] = EXIT_CODES[out["outcome"]]
@@ -144,8 +175,17 @@ def format_report(report: Mapping[str, Any]) -> str:
     metric = report["metric"]
     short = "val" if metric == "final_eval_loss" else "train"
     base = report["baseline"]
-    head = ("precision", "seeds", "val loss (95% CI)", "train loss (95% CI)", f"{short} gap vs {base} [95% CI]",
-            "tail train gap [95% CI]", "leaves band", "verdict", "tokens/s")
+    head = (
+        "precision",
+        "seeds",
+        "val loss (95% CI)",
+        "train loss (95% CI)",
+        f"{short} gap vs {base} [95% CI]",
+        "tail train gap [95% CI]",
+        "leaves band",
+        "verdict",
+        "tokens/s",
+    )
     rows = []
     for p, r in report["precisions"].items():
         gap = r.get("gap")
@@ -154,13 +194,19 @@ def format_report(report: Mapping[str, Any]) -> str:
         if v is not None and v["outcome"] == INCONCLUSIVE and v.get("seeds_needed"):
             verdict_txt += f" (~{v['seeds_needed']} seeds)"
         dep = r.get("first_departure_step")
-        rows.append((
-            p, str(len(r["runs"])) + (f" +{len(r['failed'])} failed" if r["failed"] else ""),
-            _loss(r["final_eval_loss"]), _loss(r["final_train_loss"]),
-            "-" if gap is None else _pct(gap[metric]), "-" if gap is None else _pct(gap["tail_train_loss"]),
-            "-" if p == base or gap is None else (f"step {dep}" if dep is not None else "never"),
-            verdict_txt, "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
-        ))
+        rows.append(
+            (
+                p,
+                str(len(r["runs"])) + (f" +{len(r['failed'])} failed" if r["failed"] else ""),
+                _loss(r["final_eval_loss"]),
+                _loss(r["final_train_loss"]),
+                "-" if gap is None else _pct(gap[metric]),
+                "-" if gap is None else _pct(gap["tail_train_loss"]),
+                "-" if p == base or gap is None else (f"step {dep}" if dep is not None else "never"),
+                verdict_txt,
+                "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}",
+            )
+        )
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
 
     def line(cells: Sequence[str]) -> str:
@@ -169,8 +215,10 @@ def format_report(report: Mapping[str, Any]) -> str:
     out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
     floor = report.get("noise_floor")
     if floor and floor["relative_sd"] is not None:
-        out.append(f"noise floor: {base}'s {metric.replace('_', ' ')} varies {100 * floor['relative_sd']:.2f}% (sd) "
-                   f"from seed to seed over {len(floor['values'])} seeds; the gaps above are paired per seed")
+        out.append(
+            f"noise floor: {base}'s {metric.replace('_', ' ')} varies {100 * floor['relative_sd']:.2f}% (sd) "
+            f"from seed to seed over {len(floor['values'])} seeds; the gaps above are paired per seed"
+        )
     for p, why in report.get("skipped", {}).items():
         out.append(f"skipped {p}: {why}")
     thr = 100 * report["threshold"]
@@ -179,6 +227,8 @@ def format_report(report: Mapping[str, Any]) -> str:
         if v is not None and v["outcome"] != WITHIN and v.get("reason"):
             out.append(f"{p}: {v['outcome']}: {v['reason']}")
     code = report["exit_code"]
-    out.append(f"verdict: {report['outcome']} (a {short} loss at most +{thr:.2f}% above {base} at "
-               f"{100 * report['level']:.0f}% confidence) -> exit code {code}")
+    out.append(
+        f"verdict: {report['outcome']} (a {short} loss at most +{thr:.2f}% above {base} at "
+        f"{100 * report['level']:.0f}% confidence) -> exit code {code}"
+    )
     return "\n".join(out)

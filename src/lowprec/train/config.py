@@ -77,15 +77,19 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
     @model_validator(mode="after")
     def _combinations(self) -> "TrainConfig":
         if self.fp16 and self.bf16 not in ("auto", False):
-            raise ValueError(f"fp16: true and bf16: {yaml_text(self.bf16)} are both set; keep one (bf16 is the safer choice)")
+            raise ValueError(
+                f"fp16: true and bf16: {yaml_text(self.bf16)} are both set; keep one (bf16 is the safer choice)"
+            )
         if self.fp8 and self.fp16:
             # FP8 GEMMs run inside bf16 (or fp32) autocast; fp16 would be dropped without a word
             raise ValueError(
                 "fp8: true and fp16: true are both set; FP8 runs on top of bf16: drop fp16 (keep bf16: auto or true)"
             )
         if not self.fp8 and "fp8_recipe" in self.model_fields_set:
-            raise ValueError(f"fp8_recipe is set but fp8 is {yaml_text(self.fp8)}: the recipe would do nothing; "
-                             "set fp8: true or drop fp8_recipe")
+            raise ValueError(
+                f"fp8_recipe is set but fp8 is {yaml_text(self.fp8)}: the recipe would do nothing; "
+                "set fp8: true or drop fp8_recipe"
+            )
         if self.fp8_enable_fsdp_float8_all_gather and self.fsdp_version != 2:
             raise ValueError(
                 "fp8_enable_fsdp_float8_all_gather: true requires FSDP2; add fsdp_version: 2 (and run with "
@@ -97,11 +101,15 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
             check_fsdp_fp8_all_gather(self.fp8_recipe.name)
         tp = self.tensor_parallel_size
         if tp > 1 and (self.deepspeed is not None or (self.fp8 and self.fp8_recipe.name != "tensorwise")):
-            raise ValueError(f"tensor_parallel_size: {tp} runs with FSDP2 (not deepspeed) and, with fp8, fp8_recipe: "
-                             "tensorwise (whole-tensor scales across the shards); change those or set it to 1")
+            raise ValueError(
+                f"tensor_parallel_size: {tp} runs with FSDP2 (not deepspeed) and, with fp8, fp8_recipe: "
+                "tensorwise (whole-tensor scales across the shards); change those or set it to 1"
+            )
         if self.sequence_parallel and (tp == 1 or self.sequence_len % tp):
-            raise ValueError(f"sequence_parallel: true splits each sequence over the tensor_parallel_size ({tp}) "
-                             f"processes: set tensor_parallel_size > 1 and a sequence_len it divides (now {self.sequence_len})")
+            raise ValueError(
+                f"sequence_parallel: true splits each sequence over the tensor_parallel_size ({tp}) "
+                f"processes: set tensor_parallel_size > 1 and a sequence_len it divides (now {self.sequence_len})"
+            )
         if self.fsdp_config is not None and self.fsdp_version != 2:
             raise ValueError("fsdp_config is set but fsdp_version is not; add fsdp_version: 2")
         if self.deepspeed is not None and self.fsdp_version is not None:
@@ -117,24 +125,36 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         if self.warmup_ratio is not None and self.warmup_steps > 0:
             raise ValueError("warmup_ratio and warmup_steps are both set; keep one")
         if self.early_stopping_patience is not None and self.val_set_size == 0:
-            raise ValueError("early_stopping_patience needs validation losses; set val_set_size: 0.05 (and eval_steps or evals_per_epoch)")
+            raise ValueError(
+                "early_stopping_patience needs validation losses; set val_set_size: 0.05 (and eval_steps or evals_per_epoch)"
+            )
         # eval_steps / evals_per_epoch without validation data, loss_watchdog_patience without a
         # threshold: inert, as in Axolotl (inert_keys.py drops them with a note before this runs)
         if self.base_model.startswith("builtin:"):
             from lowprec.train.model import LlamaConfig
 
-            limit = LlamaConfig.from_name(self.base_model[len("builtin:"):]).max_seq_len
+            limit = LlamaConfig.from_name(self.base_model[len("builtin:") :]).max_seq_len
             if self.sequence_len > limit:
-                raise ValueError(f"sequence_len: {self.sequence_len} exceeds {self.base_model}'s max_seq_len {limit}; lower sequence_len")
-        if self.eval_table_size and self.eval_max_new_tokens is not None and self.eval_max_new_tokens >= self.sequence_len:
-            raise ValueError(f"eval_max_new_tokens: {self.eval_max_new_tokens} leaves no room for a prompt in sequence_len: "
-                             f"{self.sequence_len} (prompt and generation share it); lower it below {self.sequence_len}")
+                raise ValueError(
+                    f"sequence_len: {self.sequence_len} exceeds {self.base_model}'s max_seq_len {limit}; lower sequence_len"
+                )
+        if (
+            self.eval_table_size
+            and self.eval_max_new_tokens is not None
+            and self.eval_max_new_tokens >= self.sequence_len
+        ):
+            raise ValueError(
+                f"eval_max_new_tokens: {self.eval_max_new_tokens} leaves no room for a prompt in sequence_len: "
+                f"{self.sequence_len} (prompt and generation share it); lower it below {self.sequence_len}"
+            )
         if (self.fp8_guard != "off" or self.fp8_health) and not self.fp8:
             key = f"fp8_guard: {self.fp8_guard}" if self.fp8_guard != "off" else "fp8_health: true"
             raise ValueError(f"{key} watches FP8 layers but fp8 is {yaml_text(self.fp8)}; set fp8: true or drop it")
         if self.fp8_guard != "off" and self.fp8_health is False:
-            raise ValueError(f"fp8_guard: {self.fp8_guard} reads the health signals that fp8_health: false turns off; "
-                             "drop fp8_health (a guard turns it on) or set fp8_guard: off")
+            raise ValueError(
+                f"fp8_guard: {self.fp8_guard} reads the health signals that fp8_health: false turns off; "
+                "drop fp8_health (a guard turns it on) or set fp8_guard: off"
+            )
         check_fp8_backend(self)
         return self
 
@@ -269,7 +289,7 @@ def _tag_words(tag: Optional[str]) -> str:
     if tag is None:
         return "?"
     if tag.startswith("literal["):
-        return " or ".join(tag[len("literal["):-1].split(","))
+        return " or ".join(tag[len("literal[") : -1].split(","))
     if tag.startswith(("dict", "function-after")) or "Spec" in tag or "Config" in tag:
         return "a mapping"
     if tag.startswith("list"):
@@ -284,8 +304,10 @@ def _describe_key(loc: tuple, errs: list[dict[str, Any]]) -> str:
         return _unknown_key(loc)
     if err["type"] == "invalid_key":  # YAML reads `1:`, `yes:`, `~:` as a number, bool, null
         where = f" under {'.'.join(str(p) for p in loc[:-1])}" if len(loc) > 1 else ""
-        return (f"key {yaml_text(err.get('input'))}{where} is not a name (YAML read it as "
-                f"{type(err.get('input')).__name__}); keys are names such as learning_rate")
+        return (
+            f"key {yaml_text(err.get('input'))}{where} is not a name (YAML read it as "
+            f"{type(err.get('input')).__name__}); keys are names such as learning_rate"
+        )
     values = [e for e in errs if e["type"] in ("value_error", "assertion_error")]
     if values:
         msg = values[0]["msg"].removeprefix("Value error, ")
@@ -323,11 +345,17 @@ def parse_config(data: Any, source: str = "config", flags: frozenset[str] | set[
             raise ValueError(f"{source}: {exc}") from None
         found = _describe_all(exc.errors(include_url=False))[:3]
         # a flag names its key already: "flag --k: msg", not "flag --k: k: msg" (nested keys stay)
-        lines = [f"flag --{loc[0]}: {line.removeprefix(f'{loc[0]}: ')}" if loc and loc[0] in flags else line
-                 for loc, line in found]
+        lines = [
+            f"flag --{loc[0]}: {line.removeprefix(f'{loc[0]}: ')}" if loc and loc[0] in flags else line
+            for loc, line in found
+        ]
         if all(loc and loc[0] in flags for loc, _ in found):
             raise ValueError("; ".join(lines)) from None
-        where = source + (f" (with flags {', '.join('--' + f for f in sorted(flags))})" if flags and any(not loc for loc, _ in found) else "")
+        where = source + (
+            f" (with flags {', '.join('--' + f for f in sorted(flags))})"
+            if flags and any(not loc for loc, _ in found)
+            else ""
+        )
         raise ValueError(f"{where}: " + "; ".join(lines)) from None
 
 
@@ -356,7 +384,9 @@ def load_config(path: Optional[str | os.PathLike], overrides: Optional[dict[str,
         p = Path(path)
         source = str(p)
         if p.is_dir():
-            raise ValueError(f"config file {str(p)!r} is a directory; give the YAML file (e.g. {str(p / 'config.yaml')!r})")
+            raise ValueError(
+                f"config file {str(p)!r} is a directory; give the YAML file (e.g. {str(p / 'config.yaml')!r})"
+            )
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} not found (working directory {os.getcwd()!r})")
         from lowprec.config.yaml_file import read_yaml_mapping
@@ -396,7 +426,12 @@ def _relative_to(base: Path, data: dict[str, Any]) -> dict[str, Any]:
     if isinstance(ds, str):
         data["datasets"] = fix(ds)
     elif isinstance(ds, list):
-        data["datasets"] = [fix(d) if isinstance(d, str) else ({**d, "path": fix(d.get("path"))} if isinstance(d, dict) and "path" in d else d) for d in ds]
+        data["datasets"] = [
+            fix(d)
+            if isinstance(d, str)
+            else ({**d, "path": fix(d.get("path"))} if isinstance(d, dict) and "path" in d else d)
+            for d in ds
+        ]
     if isinstance(data.get("deepspeed"), str):
         data["deepspeed"] = fix(data["deepspeed"])
     return data
@@ -438,7 +473,7 @@ def render_config_keys() -> str:
     body = "".join(f"    ({n!r}, {d!r}, {v!r}),\n" for n, d, v in rows)
     return (
         '"""Generated from lowprec.train.config.TrainConfig by `python -m lowprec.train.config`;\n'
-        "do not edit. (key, description, default as YAML) for every top-level config key.\"\"\"\n\n"
+        'do not edit. (key, description, default as YAML) for every top-level config key."""\n\n'
         '__all__ = ["KEYS"]\n\n'
         "KEYS = (\n" + body + ")\n"
     )

@@ -18,30 +18,49 @@ from lowprec.train.config_base import StrictModel
 
 __all__ = ["AdapterKeys", "LORA_KEYS"]
 
-LORA_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear",
-             "lora_modules_to_save", "lora_fan_in_fan_out")
+LORA_KEYS = (
+    "lora_r",
+    "lora_alpha",
+    "lora_dropout",
+    "lora_target_modules",
+    "lora_target_linear",
+    "lora_modules_to_save",
+    "lora_fan_in_fan_out",
+)
 
 
 class AdapterKeys(StrictModel):
     adapter: Optional[Literal["lora", "qlora"]] = Field(
-        default=None, description="lora (peft LoRA on the frozen base model; FP8 runs the frozen base GEMMs) or "
-        "qlora (the same on a base model loaded in 4 bits, NF4, through bitsandbytes; needs load_in_4bit: true)")
+        default=None,
+        description="lora (peft LoRA on the frozen base model; FP8 runs the frozen base GEMMs) or "
+        "qlora (the same on a base model loaded in 4 bits, NF4, through bitsandbytes; needs load_in_4bit: true)",
+    )
     lora_r: Optional[int] = Field(default=None, ge=1, description="LoRA rank (default 8)")
-    lora_alpha: Optional[float] = Field(default=None, gt=0, description="LoRA scaling numerator: updates scale by "
-                                        "lora_alpha / lora_r (default lora_r)")
-    lora_dropout: Optional[float] = Field(default=None, ge=0, lt=1, description="dropout on the adapter input (default 0)")
+    lora_alpha: Optional[float] = Field(
+        default=None, gt=0, description="LoRA scaling numerator: updates scale by lora_alpha / lora_r (default lora_r)"
+    )
+    lora_dropout: Optional[float] = Field(
+        default=None, ge=0, lt=1, description="dropout on the adapter input (default 0)"
+    )
     lora_target_modules: Optional[Union[list[str], str]] = Field(
-        default=None, description="module names that get adapters, e.g. [q_proj, v_proj]")
+        default=None, description="module names that get adapters, e.g. [q_proj, v_proj]"
+    )
     lora_target_linear: Optional[bool] = Field(
-        default=None, description="adapters on every Linear / Conv1D but the output head (added to lora_target_modules)")
+        default=None, description="adapters on every Linear / Conv1D but the output head (added to lora_target_modules)"
+    )
     lora_modules_to_save: Optional[list[str]] = Field(
-        default=None, description="modules trained in full next to the adapters (e.g. [embed_tokens, lm_head])")
+        default=None, description="modules trained in full next to the adapters (e.g. [embed_tokens, lm_head])"
+    )
     lora_fan_in_fan_out: Optional[bool] = Field(
-        default=None, description="weights stored (in, out), as GPT-2's Conv1D (default: detected)")
-    merge_lora: bool = Field(default=False, description="also save the base model with the adapters merged in, "
-                             "to output_dir/merged")
-    load_in_4bit: Optional[bool] = Field(default=None, description="load the base model in 4 bits (NF4 through "
-                                         "bitsandbytes, bf16 compute): what adapter: qlora needs")
+        default=None, description="weights stored (in, out), as GPT-2's Conv1D (default: detected)"
+    )
+    merge_lora: bool = Field(
+        default=False, description="also save the base model with the adapters merged in, to output_dir/merged"
+    )
+    load_in_4bit: Optional[bool] = Field(
+        default=None,
+        description="load the base model in 4 bits (NF4 through bitsandbytes, bf16 compute): what adapter: qlora needs",
+    )
 
     @model_validator(mode="after")
     def _lora_keys(self):
@@ -51,20 +70,30 @@ class AdapterKeys(StrictModel):
                 raise ValueError("merge_lora: true needs adapter: lora; drop merge_lora or add an adapter")
         # Axolotl's rules: qlora requires load_in_4bit; a 4-bit base only trains through adapters
         if self.load_in_4bit and self.adapter != "qlora":
-            raise ValueError("load_in_4bit: true is what adapter: qlora loads with; set adapter: qlora, or drop "
-                             "load_in_4bit (adapter: lora trains on the bf16/FP8 base)")
+            raise ValueError(
+                "load_in_4bit: true is what adapter: qlora loads with; set adapter: qlora, or drop "
+                "load_in_4bit (adapter: lora trains on the bf16/FP8 base)"
+            )
         if self.adapter == "qlora" and not self.load_in_4bit:
-            raise ValueError("adapter: qlora needs load_in_4bit: true (the base model loaded in 4 bits); add it, or "
-                             "use adapter: lora for a bf16/FP8 base")
+            raise ValueError(
+                "adapter: qlora needs load_in_4bit: true (the base model loaded in 4 bits); add it, or "
+                "use adapter: lora for a bf16/FP8 base"
+            )
         if self.adapter is not None:
             if str(getattr(self, "base_model", "")).startswith("builtin:"):
-                raise ValueError(f"adapter: {self.adapter} needs a Hugging Face base_model (a local directory or "
-                                 "cached hub id); built-in models train in full: drop adapter")
+                raise ValueError(
+                    f"adapter: {self.adapter} needs a Hugging Face base_model (a local directory or "
+                    "cached hub id); built-in models train in full: drop adapter"
+                )
             if not self.lora_target_modules and not self.lora_target_linear:
-                raise ValueError(f"adapter: {self.adapter} needs lora_target_modules (e.g. [q_proj, v_proj]) or "
-                                 "lora_target_linear: true")
+                raise ValueError(
+                    f"adapter: {self.adapter} needs lora_target_modules (e.g. [q_proj, v_proj]) or "
+                    "lora_target_linear: true"
+                )
             for key in ("fsdp_version", "deepspeed"):
                 if getattr(self, key, None) is not None:
-                    raise ValueError(f"adapter: {self.adapter} with {key} is not supported yet; train adapters on one "
-                                     "process or with DDP (--num_processes N), or drop the adapter")
+                    raise ValueError(
+                        f"adapter: {self.adapter} with {key} is not supported yet; train adapters on one "
+                        "process or with DDP (--num_processes N), or drop the adapter"
+                    )
         return self

@@ -39,15 +39,22 @@ class CompareSpec(_Strict):
         default=1, description="N (seeds seed, seed+1, ..., seed+N-1) or an explicit list; every precision runs each"
     )
     threshold: float = Field(
-        default=0.02, ge=0.0, lt=1.0,
+        default=0.02,
+        ge=0.0,
+        lt=1.0,
         description="largest allowed excess of a precision's loss over the baseline's, as a fraction (0.005 = 0.5%)",
     )
-    baseline: Optional[str] = Field(default=None, description="the precision others are judged against (default bf16, else the highest)")
+    baseline: Optional[str] = Field(
+        default=None, description="the precision others are judged against (default bf16, else the highest)"
+    )
     workers: Union[Literal["auto"], int] = Field(
         default="auto", description="runs in parallel (auto: CPU cores / cpu_threads on CPU, 1 on a GPU)"
     )
     tail_fraction: float = Field(
-        default=0.2, gt=0.0, le=1.0, description="the last part of training (fraction of logged steps) for the curve gap"
+        default=0.2,
+        gt=0.0,
+        le=1.0,
+        description="the last part of training (fraction of logged steps) for the curve gap",
     )
     reuse: bool = Field(
         default=False,
@@ -81,8 +88,9 @@ class CompareKeys(_Strict):
     fp8_backend: Literal[FP8_BACKENDS] = Field(
         default=FP8_BACKENDS[0],
         description=f"{FP8_BACKENDS[0]} (lowprec's engine) or "
-        + "; ".join(f"{n} ({n}'s own FP8 layers; recipes {', '.join(s.trainer_recipes)})"
-                    for n, s in trainer_backends().items()),
+        + "; ".join(
+            f"{n} ({n}'s own FP8 layers; recipes {', '.join(s.trainer_recipes)})" for n, s in trainer_backends().items()
+        ),
     )
     compare: Optional[CompareSpec] = Field(
         default=None, description="settings read by `lowprec compare` (precisions, seeds, threshold, workers, ...)"
@@ -99,15 +107,23 @@ def check_fp8_backend(cfg) -> None:
         raise ValueError(f"{key} needs fp8: true; set fp8: true or drop fp8_backend")
     name = cfg.fp8_recipe.name
     if name not in spec.trainer_recipes:
-        raise ValueError(f"{key} has no {name!r} recipe; use fp8_recipe: "
-                         f"{' | '.join(spec.trainer_recipes)} or fp8_backend: {FP8_BACKENDS[0]}")
+        raise ValueError(
+            f"{key} has no {name!r} recipe; use fp8_recipe: "
+            f"{' | '.join(spec.trainer_recipes)} or fp8_backend: {FP8_BACKENDS[0]}"
+        )
     if cfg.fp8_recipe.overrides:
-        raise ValueError(f"fp8_recipe.{next(iter(cfg.fp8_recipe.overrides))}: lowprec recipe fields do not reach "
-                         f"{spec.name}; drop it or use fp8_backend: {FP8_BACKENDS[0]}")
+        raise ValueError(
+            f"fp8_recipe.{next(iter(cfg.fp8_recipe.overrides))}: lowprec recipe fields do not reach "
+            f"{spec.name}; drop it or use fp8_backend: {FP8_BACKENDS[0]}"
+        )
     if cfg.fp8_guard != "off" or cfg.fp8_health:
-        raise ValueError(f"fp8_guard / fp8_health with {key}: {spec.name}'s layers have no lowprec telemetry; drop them "
-                         f"or use fp8_backend: {FP8_BACKENDS[0]}")
+        raise ValueError(
+            f"fp8_guard / fp8_health with {key}: {spec.name}'s layers have no lowprec telemetry; drop them "
+            f"or use fp8_backend: {FP8_BACKENDS[0]}"
+        )
     if cfg.fp8_filter:
-        raise ValueError(f"fp8_filter with {key}: {spec.name} keeps only the default layers (first/last "
-                         f"Linear, lm_head, router, gate) in high precision here; drop fp8_filter or use "
-                         f"fp8_backend: {FP8_BACKENDS[0]}")
+        raise ValueError(
+            f"fp8_filter with {key}: {spec.name} keeps only the default layers (first/last "
+            f"Linear, lm_head, router, gate) in high precision here; drop fp8_filter or use "
+            f"fp8_backend: {FP8_BACKENDS[0]}"
+        )

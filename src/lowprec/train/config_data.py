@@ -43,18 +43,26 @@ class DatasetSpec(StrictModel):
     ds_type: Optional[Literal["json", "parquet", "csv", "arrow"]] = Field(
         default=None, description="file format (read from the extension; checked when given)"
     )
-    chat_template: Optional[str] = Field(default=None, description="this dataset's chat template (default: the top-level chat_template)")
+    chat_template: Optional[str] = Field(
+        default=None, description="this dataset's chat template (default: the top-level chat_template)"
+    )
     chat_template_jinja: Optional[str] = Field(default=None, description="template text for chat_template: jinja")
     field_messages: str = Field(default="messages", description="the column holding the messages (type: chat_template)")
     message_property_mappings: Optional[dict[str, str]] = Field(
         default=None, description="message keys: {role: from, content: value} for ShareGPT-style data"
     )
-    message_field_role: Optional[str] = Field(default=None, description="message key of the role (Axolotl's older spelling)")
-    message_field_content: Optional[str] = Field(default=None, description="message key of the content (older spelling)")
+    message_field_role: Optional[str] = Field(
+        default=None, description="message key of the role (Axolotl's older spelling)"
+    )
+    message_field_content: Optional[str] = Field(
+        default=None, description="message key of the content (older spelling)"
+    )
     roles: Optional[dict[str, list[str]]] = Field(
         default=None, description="the data's role names per template role, e.g. {user: [human], assistant: [gpt]}"
     )
-    roles_to_train: list[str] = Field(default_factory=lambda: ["assistant"], description="roles whose turns are trained")
+    roles_to_train: list[str] = Field(
+        default_factory=lambda: ["assistant"], description="roles whose turns are trained"
+    )
     train_on_eos: Literal["turn", "all", "none", "last"] = Field(
         default="turn", description="which end-of-turn tokens are trained: turn (of trained turns), all, none, last"
     )
@@ -80,7 +88,9 @@ class DatasetSpec(StrictModel):
             "message_property_mappings: {role: from, content: value}",
             "alpaca": "; the alpaca prompt is fixed: type: alpaca (for a chat format use type: chat_template)",
         }.get(base, did_you_mean(str(v), DATASET_TYPES))
-        raise ValueError(f"dataset type {v!r} is not supported{hint}; use one of {', '.join(DATASET_TYPES)}, or no type for pre-tokenized input_ids")
+        raise ValueError(
+            f"dataset type {v!r} is not supported{hint}; use one of {', '.join(DATASET_TYPES)}, or no type for pre-tokenized input_ids"
+        )
 
     @field_validator("path")
     @classmethod
@@ -100,9 +110,13 @@ class DatasetSpec(StrictModel):
     @model_validator(mode="after")
     def _consistent(self) -> "DatasetSpec":
         if self.ds_type is not None and not self.path.startswith("builtin:"):
-            ext = {"json": (".json", ".jsonl"), "parquet": (".parquet",), "csv": (".csv",), "arrow": ("",)}[self.ds_type]
+            ext = {"json": (".json", ".jsonl"), "parquet": (".parquet",), "csv": (".csv",), "arrow": ("",)}[
+                self.ds_type
+            ]
             if os.path.isfile(self.path) and not self.path.endswith(ext):
-                raise ValueError(f"ds_type: {self.ds_type} but {self.path!r} is not a {'/'.join(ext)} file; fix ds_type or path")
+                raise ValueError(
+                    f"ds_type: {self.ds_type} but {self.path!r} is not a {'/'.join(ext)} file; fix ds_type or path"
+                )
         return self
 
     @property
@@ -130,7 +144,9 @@ class DataKeys(StrictModel):
         description="training text: [{path: builtin:stdlib}] (default) or local .txt/.jsonl files",
     )
     dataset_max_bytes: Optional[int] = Field(
-        default=8_000_000, ge=1, description="read at most this many bytes of plain text (completion data without packing; null: all)"
+        default=8_000_000,
+        ge=1,
+        description="read at most this many bytes of plain text (completion data without packing; null: all)",
     )
     val_set_size: float = Field(
         default=0.03, ge=0.0, lt=1.0, description="fraction of documents held out for validation (0: none)"
@@ -142,12 +158,16 @@ class DataKeys(StrictModel):
     sample_packing: Optional[bool] = Field(
         default=None, description="pack short examples into rows of sequence_len, each attending only to itself"
     )
-    eval_sample_packing: Optional[bool] = Field(default=None, description="pack validation examples too (default: as sample_packing)")
+    eval_sample_packing: Optional[bool] = Field(
+        default=None, description="pack validation examples too (default: as sample_packing)"
+    )
     pad_to_sequence_len: Optional[bool] = Field(
-        default=None, description="pad every batch to sequence_len (default: true with packing; else to the longest, rounded to 16)"
+        default=None,
+        description="pad every batch to sequence_len (default: true with packing; else to the longest, rounded to 16)",
     )
     dataset_prepared_path: Optional[str] = Field(
-        default=None, description="directory caching tokenized data, keyed by tokenizer, data and config; reused next run"
+        default=None,
+        description="directory caching tokenized data, keyed by tokenizer, data and config; reused next run",
     )
     chat_template: str = Field(
         default="tokenizer_default",
@@ -157,11 +177,13 @@ class DataKeys(StrictModel):
     chat_template_jinja: Optional[str] = Field(default=None, description="template text for chat_template: jinja")
     eot_tokens: Optional[list[str]] = Field(default=None, description="end-of-turn strings trained with their turn")
     special_tokens: Optional[SpecialTokens] = Field(
-        default=None, description="bos/eos/pad/unk tokens set on a Hugging Face tokenizer (e.g. pad_token: <|end_of_text|>)"
+        default=None,
+        description="bos/eos/pad/unk tokens set on a Hugging Face tokenizer (e.g. pad_token: <|end_of_text|>)",
     )
     tokens: Optional[list[str]] = Field(
-        default=None, description="tokens added to a Hugging Face tokenizer (the embeddings grow to fit; with "
-        "adapter: lora set lora_modules_to_save: [embed_tokens, lm_head])"
+        default=None,
+        description="tokens added to a Hugging Face tokenizer (the embeddings grow to fit; with "
+        "adapter: lora set lora_modules_to_save: [embed_tokens, lm_head])",
     )
 
     @field_validator("datasets", mode="before")
@@ -183,8 +205,10 @@ class DataKeys(StrictModel):
     @classmethod
     def _datasets(cls, v: list[DatasetSpec]) -> list[DatasetSpec]:
         if not v:
-            raise ValueError("the list is empty; list at least one dataset (e.g. [{path: data.jsonl}]) or drop "
-                             "the key for the built-in corpus")
+            raise ValueError(
+                "the list is empty; list at least one dataset (e.g. [{path: data.jsonl}]) or drop "
+                "the key for the built-in corpus"
+            )
         return v
 
     @property

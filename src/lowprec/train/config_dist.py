@@ -22,25 +22,33 @@ class FSDPConfig(StrictModel):
     auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP"] = Field(
         default="TRANSFORMER_BASED_WRAP", description="TRANSFORMER_BASED_WRAP (the only policy with FSDP2 here)"
     )
-    offload_params: Literal[False] = Field(default=False, description="CPU offload of parameters (not supported: false)")
+    offload_params: Literal[False] = Field(
+        default=False, description="CPU offload of parameters (not supported: false)"
+    )
     state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = Field(
-        default="FULL_STATE_DICT", description="FULL_STATE_DICT: checkpoints hold full (gathered) tensors; "
+        default="FULL_STATE_DICT",
+        description="FULL_STATE_DICT: checkpoints hold full (gathered) tensors; "
         "SHARDED_STATE_DICT: each process writes its shards (torch.distributed.checkpoint), loadable on "
-        "any number of processes"
+        "any number of processes",
     )
 
 
 class DistributedKeys(StrictModel):
-    fsdp_version: Optional[int] = Field(default=None, description="2: shard the model with FSDP2 (under --num_processes N)")
+    fsdp_version: Optional[int] = Field(
+        default=None, description="2: shard the model with FSDP2 (under --num_processes N)"
+    )
     fsdp_config: Optional[FSDPConfig] = Field(default=None, description="FSDP2 settings (needs fsdp_version: 2)")
     tensor_parallel_size: int = Field(
-        default=1, ge=1, description="tensor parallel processes per model replica (Axolotl's key; the built-in "
-        "model's _tp_plan; FP8 layers need fp8_recipe: tensorwise); the other processes shard with FSDP2"
+        default=1,
+        ge=1,
+        description="tensor parallel processes per model replica (Axolotl's key; the built-in "
+        "model's _tp_plan; FP8 layers need fp8_recipe: tensorwise); the other processes shard with FSDP2",
     )
     sequence_parallel: bool = Field(
-        default=False, description="Megatron-style sequence parallelism inside each tensor-parallel group (needs "
+        default=False,
+        description="Megatron-style sequence parallelism inside each tensor-parallel group (needs "
         "tensor_parallel_size > 1): norms and the residual stream on sequence slices, attention/MLP inputs all-gathered "
-        "in FP8 under fp8; not Axolotl's sequence_parallel_degree (context-parallel attention)"
+        "in FP8 under fp8; not Axolotl's sequence_parallel_degree (context-parallel attention)",
     )
     deepspeed: Optional[Union[str, dict[str, Any]]] = Field(
         default=None, description="DeepSpeed config: a JSON file path or an inline mapping"

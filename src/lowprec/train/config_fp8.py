@@ -15,7 +15,9 @@ __all__ = ["FP8RecipeSpec", "PrecisionKeys"]
 class FP8RecipeSpec(StrictModel):
     """``fp8_recipe:`` as a mapping: a named recipe plus single-field overrides."""
 
-    model_config = ConfigDict(extra="allow", frozen=True, strict=True, allow_inf_nan=False)  # recipe fields, checked in the validator
+    model_config = ConfigDict(
+        extra="allow", frozen=True, strict=True, allow_inf_nan=False
+    )  # recipe fields, checked in the validator
 
     name: str = Field(default="tensorwise", description=", ".join(RECIPE_NAMES))
 
@@ -53,8 +55,7 @@ class PrecisionKeys(StrictModel):
     fp8: Optional[bool] = Field(default=None, description="FP8 GEMMs in the Linear layers (lowprec's engine)")
     fp8_recipe: Union[str, FP8RecipeSpec] = Field(
         default="tensorwise",
-        description=f"named FP8 recipe ({', '.join(RECIPE_NAMES)}) or "
-        "{name: ..., <recipe field>: ...}",
+        description=f"named FP8 recipe ({', '.join(RECIPE_NAMES)}) or {{name: ..., <recipe field>: ...}}",
     )
     fp8_filter: list[str] = Field(
         default_factory=list,
@@ -65,7 +66,8 @@ class PrecisionKeys(StrictModel):
         default=None, description="all-gather FSDP2 weights in FP8 (needs fsdp_version: 2 and fp8_recipe: tensorwise)"
     )
     fp8_fallback: Optional[Literal["bf16", "emulate"]] = Field(
-        default=None, description="on a GPU without FP8 (below sm_89): bf16 (train in bf16) or emulate (FP8 numerics, slow)"
+        default=None,
+        description="on a GPU without FP8 (below sm_89): bf16 (train in bf16) or emulate (FP8 numerics, slow)",
     )
     fp8_guard: Union[Literal["off", "warn", "act"], bool] = Field(
         default="off",
@@ -86,7 +88,8 @@ class PrecisionKeys(StrictModel):
         "(default: on when fp8_guard is warn or act)",
     )
     fp8_health_sqnr_every: int = Field(
-        default=50, ge=1,
+        default=50,
+        ge=1,
         description="measure each FP8 layer's output SQNR against a float32 shadow GEMM 1 step in N (on a logging step)",
     )
     tf32: Union[Literal["auto"], bool] = Field(
@@ -112,8 +115,10 @@ class PrecisionKeys(StrictModel):
             if k not in THRESHOLD_NAMES:
                 from lowprec.errors import did_you_mean
 
-                raise ValueError(f"fp8_guard_thresholds.{k}: unknown signal{did_you_mean(k, THRESHOLD_NAMES)}; "
-                                 f"use {', '.join(THRESHOLD_NAMES)}")
+                raise ValueError(
+                    f"fp8_guard_thresholds.{k}: unknown signal{did_you_mean(k, THRESHOLD_NAMES)}; "
+                    f"use {', '.join(THRESHOLD_NAMES)}"
+                )
         return v
 
     @property

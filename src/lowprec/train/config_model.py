@@ -30,20 +30,28 @@ class ModelKeys(StrictModel):
         "(needs transformers; nothing is downloaded)",
     )
     tokenizer: Optional[str] = Field(
-        default=None, description="byte (built-in byte-level tokenizer) or a local Hugging Face tokenizer directory "
-        "(default: byte for a built-in base_model, the base model's own tokenizer for a Hugging Face one)"
+        default=None,
+        description="byte (built-in byte-level tokenizer) or a local Hugging Face tokenizer directory "
+        "(default: byte for a built-in base_model, the base model's own tokenizer for a Hugging Face one)",
     )
     model_type: Optional[str] = Field(
-        default=None, description="transformers class that loads base_model: AutoModelForCausalLM (default) or a "
-        "causal LM class such as LlamaForCausalLM")
+        default=None,
+        description="transformers class that loads base_model: AutoModelForCausalLM (default) or a "
+        "causal LM class such as LlamaForCausalLM",
+    )
     tokenizer_config: Optional[str] = Field(
-        default=None, description="tokenizer directory or cached hub id (default: base_model's own tokenizer for "
-        "a Hugging Face base_model)")
+        default=None,
+        description="tokenizer directory or cached hub id (default: base_model's own tokenizer for "
+        "a Hugging Face base_model)",
+    )
     tokenizer_type: Optional[str] = Field(
-        default=None, description="transformers tokenizer class: AutoTokenizer (default) or e.g. "
-        "PreTrainedTokenizerFast")
+        default=None,
+        description="transformers tokenizer class: AutoTokenizer (default) or e.g. PreTrainedTokenizerFast",
+    )
     trust_remote_code: bool = Field(
-        default=False, description="run model/tokenizer code shipped in the model directory (off: such models are refused)")
+        default=False,
+        description="run model/tokenizer code shipped in the model directory (off: such models are refused)",
+    )
 
     @field_validator("base_model")
     @classmethod
@@ -51,7 +59,7 @@ class ModelKeys(StrictModel):
         if v.startswith("builtin:"):
             from lowprec.train.model import MODEL_NAMES
 
-            name = v[len("builtin:"):]
+            name = v[len("builtin:") :]
             if name not in MODEL_NAMES:
                 raise ValueError(
                     f"unknown built-in model {v!r}{did_you_mean(name, MODEL_NAMES)}; use one of "
@@ -68,8 +76,10 @@ class ModelKeys(StrictModel):
         builtin = self.base_model.startswith("builtin:")
         for key in ("model_type", "tokenizer_type"):
             if getattr(self, key) is not None and builtin:
-                raise ValueError(f"{key} is set but base_model is built-in; {key} applies to Hugging Face models: "
-                                 "drop it or set base_model to a local model directory")
+                raise ValueError(
+                    f"{key} is set but base_model is built-in; {key} applies to Hugging Face models: "
+                    "drop it or set base_model to a local model directory"
+                )
         if self.tokenizer_config is not None and self.tokenizer is not None:
             raise ValueError("tokenizer and tokenizer_config are both set; keep tokenizer_config (Axolotl's key)")
         if self.tokenizer_config is not None:

@@ -16,18 +16,66 @@ OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 # Axolotl / transformers spellings of the same thing (warmup is always linear, then the schedule)
 _ALIASES = {"adamw": "adamw_torch", "constant_with_warmup": "constant"}
-_8BIT = ("8-bit and paged optimizers need bitsandbytes' optimizer states, which lowprec's trainer does not "
-         "use (it uses bitsandbytes only to load 4-bit QLoRA bases)")
+_8BIT = (
+    "8-bit and paged optimizers need bitsandbytes' optimizer states, which lowprec's trainer does not "
+    "use (it uses bitsandbytes only to load 4-bit QLoRA bases)"
+)
 _AXOLOTL_ONLY = {
-    **dict.fromkeys(("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "paged_lion_8bit",
-                     "lion_8bit", "paged_ademamix_8bit", "ademamix_8bit", "adamw_torch_4bit", "ao_adamw_4bit",
-                     "ao_adamw_8bit", "ao_adamw_fp8"), _8BIT),
-    **dict.fromkeys(("adafactor", "adamw_hf", "adamw_anyprecision", "lion_pytorch", "muon", "dion", "optimi_adamw",
-                     "schedule_free_adamw", "came_pytorch", "galore_adamw", "adopt_adamw", "ademamix", "lomo",
-                     "adalomo", "adamw_torch_xla", "sgd_hf", "rmsprop", "adagrad"), "another optimizer implementation"),
-    **dict.fromkeys(("one_cycle", "rex", "log_sweep", "cosine_with_restarts", "polynomial", "inverse_sqrt",
-                     "reduce_lr_on_plateau", "cosine_with_min_lr", "warmup_stable_decay", "constant_with_warmup_decay"),
-                    "another schedule shape"),
+    **dict.fromkeys(
+        (
+            "adamw_bnb_8bit",
+            "adamw_8bit",
+            "paged_adamw_8bit",
+            "paged_adamw_32bit",
+            "paged_lion_8bit",
+            "lion_8bit",
+            "paged_ademamix_8bit",
+            "ademamix_8bit",
+            "adamw_torch_4bit",
+            "ao_adamw_4bit",
+            "ao_adamw_8bit",
+            "ao_adamw_fp8",
+        ),
+        _8BIT,
+    ),
+    **dict.fromkeys(
+        (
+            "adafactor",
+            "adamw_hf",
+            "adamw_anyprecision",
+            "lion_pytorch",
+            "muon",
+            "dion",
+            "optimi_adamw",
+            "schedule_free_adamw",
+            "came_pytorch",
+            "galore_adamw",
+            "adopt_adamw",
+            "ademamix",
+            "lomo",
+            "adalomo",
+            "adamw_torch_xla",
+            "sgd_hf",
+            "rmsprop",
+            "adagrad",
+        ),
+        "another optimizer implementation",
+    ),
+    **dict.fromkeys(
+        (
+            "one_cycle",
+            "rex",
+            "log_sweep",
+            "cosine_with_restarts",
+            "polynomial",
+            "inverse_sqrt",
+            "reduce_lr_on_plateau",
+            "cosine_with_min_lr",
+            "warmup_stable_decay",
+            "constant_with_warmup_decay",
+        ),
+        "another schedule shape",
+    ),
 }
 
 
@@ -77,8 +125,10 @@ class OptimKeys(StrictModel):
         # optimizers hold the rate as a float32 scalar: above its range the first step fails
         # with a bare "cannot be converted to type float without overflow"
         if v > _FLOAT32_MAX:
-            raise ValueError(f"{v:g} is beyond float32's range ({_FLOAT32_MAX:.4g}), in which the optimizer "
-                             "holds it; use a learning rate such as 1e-3")
+            raise ValueError(
+                f"{v:g} is beyond float32's range ({_FLOAT32_MAX:.4g}), in which the optimizer "
+                "holds it; use a learning rate such as 1e-3"
+            )
         return v
 
     @field_validator("optimizer", "lr_scheduler")
@@ -87,8 +137,12 @@ class OptimKeys(StrictModel):
         choices = {"optimizer": OPTIMIZERS, "lr_scheduler": LR_SCHEDULERS}[info.field_name]
         v = _ALIASES.get(v, v)
         if v in _AXOLOTL_ONLY:
-            raise ValueError(f"{v} is an Axolotl {info.field_name} lowprec does not support ({_AXOLOTL_ONLY[v]}); "
-                             f"use one of {', '.join(choices)}")
+            raise ValueError(
+                f"{v} is an Axolotl {info.field_name} lowprec does not support ({_AXOLOTL_ONLY[v]}); "
+                f"use one of {', '.join(choices)}"
+            )
         if v not in choices:
-            raise ValueError(f"unknown {info.field_name} {v!r}{did_you_mean(v, choices)}; use one of {', '.join(choices)}")
+            raise ValueError(
+                f"unknown {info.field_name} {v!r}{did_you_mean(v, choices)}; use one of {', '.join(choices)}"
+            )
         return v

@@ -12,7 +12,9 @@ __all__ = ["OutputKeys"]
 
 
 class OutputKeys(StrictModel):
-    output_dir: str = Field(default="./outputs/lowprec-run", description="where metrics, plots, checkpoints and the model go")
+    output_dir: str = Field(
+        default="./outputs/lowprec-run", description="where metrics, plots, checkpoints and the model go"
+    )
     logging_steps: int = Field(default=10, ge=1, description="log (and FP8 telemetry) every N steps")
     eval_steps: Optional[int] = Field(
         default=None, ge=1, description="validate every N steps (null: at the end only; needs val_set_size > 0)"
@@ -22,12 +24,19 @@ class OutputKeys(StrictModel):
     )
     eval_batches: int = Field(default=20, ge=1, description="validation batches per evaluation")
     eval_table_size: Optional[int] = Field(
-        default=None, ge=0, le=1024, description="at each evaluation, greedy generations for this many validation "
+        default=None,
+        ge=0,
+        le=1024,
+        description="at each evaluation, greedy generations for this many validation "
         "prompts (the same ones every time), written to metrics.jsonl (kind: generations), TensorBoard text and "
-        "eval_generations.md (0 or null: none)")
+        "eval_generations.md (0 or null: none)",
+    )
     eval_max_new_tokens: Optional[int] = Field(
-        default=None, ge=1, description="tokens generated per eval_table_size prompt (default 128, at most half of "
-        "sequence_len); prompt and generation share sequence_len")
+        default=None,
+        ge=1,
+        description="tokens generated per eval_table_size prompt (default 128, at most half of "
+        "sequence_len); prompt and generation share sequence_len",
+    )
     save_steps: Optional[int] = Field(default=None, ge=1, description="checkpoint every N steps (null: no checkpoints)")
     saves_per_epoch: Optional[int] = Field(
         default=None, ge=1, description="checkpoint this many times per epoch (instead of save_steps)"
@@ -40,7 +49,9 @@ class OutputKeys(StrictModel):
         default="auto", description="TensorBoard events in output_dir/runs (auto: when tensorboard is installed)"
     )
     cpu_threads: Optional[int] = Field(
-        default=None, ge=1, description="intra-op CPU threads per process (null: torch's default, OMP_NUM_THREADS or all cores)"
+        default=None,
+        ge=1,
+        description="intra-op CPU threads per process (null: torch's default, OMP_NUM_THREADS or all cores)",
     )
     progress_bar: bool = Field(default=True, description="show a tqdm progress bar (loss, tokens/s, lr, memory)")
     skip_nonfinite_steps: bool = Field(
@@ -50,7 +61,9 @@ class OutputKeys(StrictModel):
         default=None, gt=0, description="stop (exit code 3) when the training loss stays above this (null: never)"
     )
     loss_watchdog_patience: Optional[int] = Field(
-        default=None, ge=1, description="optimizer steps in a row above loss_watchdog_threshold before stopping (default 3)"
+        default=None,
+        ge=1,
+        description="optimizer steps in a row above loss_watchdog_threshold before stopping (default 3)",
     )
     loss_spike: Union[Literal["off", "warn", "act"], bool] = Field(
         default="off",
@@ -58,23 +71,26 @@ class OutputKeys(StrictModel):
         "each spike; act also rolls back to the last checkpoint and skips the batches that produced it",
     )
     loss_spike_window: int = Field(default=50, ge=5, description="optimizer steps the loss-spike z-score is taken over")
-    loss_spike_zscore: float = Field(default=6.0, gt=0, description="robust z-score above which a step's loss is a spike")
+    loss_spike_zscore: float = Field(
+        default=6.0, gt=0, description="robust z-score above which a step's loss is a spike"
+    )
     loss_spike_max_rollbacks: int = Field(
         default=3, ge=1, description="loss_spike: act rolls back at most this many times, then stops (exit code 3)"
     )
     early_stopping_patience: Optional[int] = Field(
-        default=None, ge=1, description="end training after this many evaluations in a row without a lower validation loss"
+        default=None,
+        ge=1,
+        description="end training after this many evaluations in a row without a lower validation loss",
     )
-    strict: bool = Field(
-        default=False, description="true: a --key flag may only change a key the YAML file sets"
-    )
+    strict: bool = Field(default=False, description="true: a --key flag may only change a key the YAML file sets")
     max_consecutive_skipped_steps: Optional[int] = Field(
         default=3, ge=1, description="stop (exit code 3) after this many skipped steps in a row (null: never)"
     )
 
     export: list[Literal["hf-fp8", "compressed-tensors"]] = Field(
-        default_factory=list, description="FP8 formats written at the end of training to output_dir/<format> "
-        "(hf-fp8, compressed-tensors), as `lowprec export` does"
+        default_factory=list,
+        description="FP8 formats written at the end of training to output_dir/<format> "
+        "(hf-fp8, compressed-tensors), as `lowprec export` does",
     )
 
     @model_validator(mode="after")
@@ -82,15 +98,21 @@ class OutputKeys(StrictModel):
         # other topics' keys, read where TrainConfig combines them; absent on OutputKeys alone
         sharded = getattr(self, "fsdp_version", None) is not None or getattr(self, "deepspeed", None) is not None
         if self.export and sharded:
-            raise ValueError("export: needs the whole model in one process; under FSDP2 / DeepSpeed drop export and "
-                             "run `lowprec export OUTPUT_DIR --format F --out DIR` after training")
+            raise ValueError(
+                "export: needs the whole model in one process; under FSDP2 / DeepSpeed drop export and "
+                "run `lowprec export OUTPUT_DIR --format F --out DIR` after training"
+            )
         if self.export and getattr(self, "adapter", None):
-            raise ValueError("export: writes full FP8 models; with adapter: lora drop export (export the merged "
-                             "model in Python with lowprec.export.export_model)")
+            raise ValueError(
+                "export: writes full FP8 models; with adapter: lora drop export (export the merged "
+                "model in Python with lowprec.export.export_model)"
+            )
         recipe = getattr(getattr(self, "fp8_recipe", None), "name", None)
         if self.export and getattr(self, "fp8", None) and recipe in ("mxfp8", "nvfp4"):
-            raise ValueError(f"export: fp8_recipe {recipe} trains microscaled weights that no FP8 export format "
-                             "holds; drop export (or run `lowprec export ... --requantize` after training)")
+            raise ValueError(
+                f"export: fp8_recipe {recipe} trains microscaled weights that no FP8 export format "
+                "holds; drop export (or run `lowprec export ... --requantize` after training)"
+            )
         return self
 
     @field_validator("loss_spike")
@@ -104,6 +126,8 @@ class OutputKeys(StrictModel):
         # '' is the working directory, where checkpoint rotation would delete checkpoint-*
         # directories the run did not write: an explicit "." is still allowed
         if not v.strip():
-            raise ValueError(f"{v!r} is empty, which would write (and rotate checkpoints) in the working "
-                             "directory; give a directory such as ./outputs/run (or . to mean it)")
+            raise ValueError(
+                f"{v!r} is empty, which would write (and rotate checkpoints) in the working "
+                "directory; give a directory such as ./outputs/run (or . to mean it)"
+            )
         return v

@@ -53,7 +53,9 @@ _TEST_DIRS = {"test", "tests", "idle_test"}
 
 # ---------------------------------------------------------------------- documents
 @functools.lru_cache(maxsize=4)
-def stdlib_documents(max_bytes: int | None = DEFAULT_MAX_BYTES, include_tests: bool = False) -> tuple[tuple[str, bytes], ...]:
+def stdlib_documents(
+    max_bytes: int | None = DEFAULT_MAX_BYTES, include_tests: bool = False
+) -> tuple[tuple[str, bytes], ...]:
     """(relative posix path, bytes) of the stdlib's .py files in sorted path order, the last
     one cut so the total is at most ``max_bytes``. Cached: later calls cost nothing."""
     root = sysconfig.get_paths()["stdlib"]
@@ -111,9 +113,7 @@ def read_documents(
     files: list[str] = []
     for p in map(os.fspath, paths):
         if os.path.isdir(p):
-            inner = sorted(
-                os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs if f.endswith((".txt", ".jsonl"))
-            )
+            inner = sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs if f.endswith((".txt", ".jsonl")))
             if not inner:
                 raise ValueError(f"data directory {p!r} holds no .txt or .jsonl files")
             files.extend(inner)
@@ -144,7 +144,9 @@ def _read_txt(path: str) -> tuple[str, str]:
     try:
         return os.path.basename(path), data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"data file {path!r} is not UTF-8 text (bad byte at offset {e.start}); re-encode it as UTF-8") from e
+        raise ValueError(
+            f"data file {path!r} is not UTF-8 text (bad byte at offset {e.start}); re-encode it as UTF-8"
+        ) from e
 
 
 def _read_jsonl(path: str, text_field: str) -> Iterator[tuple[str, str]]:
@@ -159,10 +161,12 @@ def _read_jsonl(path: str, text_field: str) -> Iterator[tuple[str, str]]:
             except json.JSONDecodeError as e:
                 raise ValueError(
                     f"{where}: not valid JSON ({e.msg} at column {e.colno}); each line of a .jsonl "
-                    f"file must be one JSON object such as {{\"{text_field}\": \"...\"}}"
+                    f'file must be one JSON object such as {{"{text_field}": "..."}}'
                 ) from None
             if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object with a {text_field!r} field, got {type(row).__name__}")
+                raise ValueError(
+                    f"{where}: expected a JSON object with a {text_field!r} field, got {type(row).__name__}"
+                )
             if text_field not in row:
                 raise ValueError(
                     f"{where}: no {text_field!r} field (keys: {sorted(row)}); "
@@ -179,9 +183,7 @@ def split_documents(keys: Sequence[str], val_fraction: float, seed: int = 0) -> 
     key, so adding a file never moves another between splits. Keep ``seed`` fixed to compare
     runs on the same validation set."""
     threshold = int(val_fraction * 2**32)
-    return [
-        int.from_bytes(hashlib.sha256(f"{seed}:{k}".encode()).digest()[:4], "big") < threshold for k in keys
-    ]
+    return [int.from_bytes(hashlib.sha256(f"{seed}:{k}".encode()).digest()[:4], "big") < threshold for k in keys]
 
 
 # ---------------------------------------------------------------------- datasets
@@ -298,8 +300,9 @@ class ShardedEpochs:
 
     _CHECKED: tuple[str, ...] = ("seed", "batch_size", "world_size", "shuffle", "drop_last")
 
-    def _setup(self, n_items: int, batch_size: int, seed: int, rank: int, world_size: int,
-               shuffle: bool, drop_last: bool) -> None:
+    def _setup(
+        self, n_items: int, batch_size: int, seed: int, rank: int, world_size: int, shuffle: bool, drop_last: bool
+    ) -> None:
         for k, v in (("batch_size", batch_size), ("world_size", world_size)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{k} must be a positive integer, got {v!r}")
@@ -354,7 +357,11 @@ class ShardedEpochs:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at (epoch, position). The data settings must match the saved ones, since a
         different batch size or corpus would silently feed different data."""
-        diff = [f"{k}: saved {state[k]!r}, now {getattr(self, k)!r}" for k in self._CHECKED if k in state and state[k] != getattr(self, k)]
+        diff = [
+            f"{k}: saved {state[k]!r}, now {getattr(self, k)!r}"
+            for k in self._CHECKED
+            if k in state and state[k] != getattr(self, k)
+        ]
         if diff:
             raise ValueError(
                 "cannot resume the data loader, its settings changed (" + "; ".join(diff) + "); "

@@ -101,7 +101,9 @@ def _read_parquet(path: str) -> list[dict[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError(f"data file {path!r} is parquet, which needs 'pyarrow'; " + _INSTALL.format(pkg="pyarrow")) from None
+        raise ValueError(
+            f"data file {path!r} is parquet, which needs 'pyarrow'; " + _INSTALL.format(pkg="pyarrow")
+        ) from None
     return pq.read_table(path).to_pylist()
 
 

@@ -32,8 +32,10 @@ def _resolved_type(spec: Any) -> str:
 
 
 def uses_examples(cfg: Any) -> bool:
-    return bool(cfg.sample_packing) or any(_resolved_type(d) != "completion" for d in cfg.datasets) or any(
-        d.path.endswith(ROW_EXTENSIONS[1:]) or is_saved_dataset(d.path) or d.split for d in cfg.datasets
+    return (
+        bool(cfg.sample_packing)
+        or any(_resolved_type(d) != "completion" for d in cfg.datasets)
+        or any(d.path.endswith(ROW_EXTENSIONS[1:]) or is_saved_dataset(d.path) or d.split for d in cfg.datasets)
     )
 
 
@@ -45,17 +47,29 @@ def data_sources(cfg: Any, tokenizer: Any) -> list:
     out = []
     for i, d in enumerate(cfg.datasets):
         if d.path.startswith("builtin:"):
-            raise ValueError(f"datasets.{i}: {d.path} is plain text; sample_packing and typed datasets need local files")
+            raise ValueError(
+                f"datasets.{i}: {d.path} is plain text; sample_packing and typed datasets need local files"
+            )
         kind = _resolved_type(d)
         template = ""
         if kind == "chat_template":
             own = getattr(getattr(tokenizer, "_tok", None), "chat_template", None)
-            template = template_text(d.chat_template or cfg.chat_template, own, d.chat_template_jinja or cfg.chat_template_jinja)
+            template = template_text(
+                d.chat_template or cfg.chat_template, own, d.chat_template_jinja or cfg.chat_template_jinja
+            )
         opt = PromptOptions(
-            type=kind, field=d.field, train_on_inputs=cfg.train_on_inputs, chat_template=template,
-            field_messages=d.field_messages, role_key=d.role_key, content_key=d.content_key,
-            **({"roles": d.roles} if d.roles else {}), roles_to_train=tuple(d.roles_to_train),
-            train_on_eos=d.train_on_eos, drop_system_message=d.drop_system_message, eot_tokens=tuple(cfg.eot_tokens or ()),
+            type=kind,
+            field=d.field,
+            train_on_inputs=cfg.train_on_inputs,
+            chat_template=template,
+            field_messages=d.field_messages,
+            role_key=d.role_key,
+            content_key=d.content_key,
+            **({"roles": d.roles} if d.roles else {}),
+            roles_to_train=tuple(d.roles_to_train),
+            train_on_eos=d.train_on_eos,
+            drop_system_message=d.drop_system_message,
+            eot_tokens=tuple(cfg.eot_tokens or ()),
         )
         paths = [d.path]
         if os.path.isdir(d.path) and not is_saved_dataset(d.path):
@@ -72,11 +86,22 @@ def example_loaders(cfg: Any, tokenizer: Any, acc: Any):
 
     with acc.main_process_first():  # rank 0 tokenizes and fills the cache; the others read it
         train, val = build_examples(
-            data_sources(cfg, tokenizer), tokenizer, cfg.sequence_len, cfg.val_set_size, cfg.seed, cfg.dataset_prepared_path
+            data_sources(cfg, tokenizer),
+            tokenizer,
+            cfg.sequence_len,
+            cfg.val_set_size,
+            cfg.seed,
+            cfg.dataset_prepared_path,
         )
     pack = bool(cfg.sample_packing)
-    common = dict(seq_len=cfg.sequence_len, pad_id=tokenizer.pad_id, seed=cfg.seed, rank=acc.process_index,
-                  world_size=acc.num_processes, pad_to_sequence_len=bool(cfg.pad_to_sequence_len))
+    common = dict(
+        seq_len=cfg.sequence_len,
+        pad_id=tokenizer.pad_id,
+        seed=cfg.seed,
+        rank=acc.process_index,
+        world_size=acc.num_processes,
+        pad_to_sequence_len=bool(cfg.pad_to_sequence_len),
+    )
     loader = ExampleBatches(train, cfg.micro_batch_size, pack=pack, **common)
     val_loader = None
     if val is not None:
@@ -85,7 +110,12 @@ def example_loaders(cfg: Any, tokenizer: Any, acc: Any):
     if acc.is_main_process:
         logger.info(
             "lowprec: data %s: %d train examples (%d tokens, %d trained), %d validation examples, %s, key %s",
-            train.name, len(train), train.n_tokens, train.n_trained, 0 if val is None else len(val),
-            f"packed into {loader.n_rows} rows of {cfg.sequence_len}" if pack else "one example per row", train.fingerprint,
+            train.name,
+            len(train),
+            train.n_tokens,
+            train.n_trained,
+            0 if val is None else len(val),
+            f"packed into {loader.n_rows} rows of {cfg.sequence_len}" if pack else "one example per row",
+            train.fingerprint,
         )
     return loader, val_loader

@@ -127,7 +127,9 @@ def build_examples(
     if val_fraction and not val:  # a tiny file: the last rows become the validation set
         n = max(1, round(val_fraction * len(train)))
         if n >= len(train):
-            raise ValueError(f"{name}: {len(train)} example(s), too few for a validation split; add data or set val_set_size: 0")
+            raise ValueError(
+                f"{name}: {len(train)} example(s), too few for a validation split; add data or set val_set_size: 0"
+            )
         train, val = train[:-n], train[-n:]
     out_train = ExampleSet.from_lists(train, f"{name} (train)", key)
     out_val = ExampleSet.from_lists(val, f"{name} (validation)", key) if val_fraction else None
@@ -139,7 +141,7 @@ def build_examples(
 
 def _chunks(ids: list[int], labels: list[int], n: int) -> list[tuple[list[int], list[int]]]:
     """A long completion text in pieces of at most ``n`` tokens (as Axolotl's completion type)."""
-    return [(ids[i:i + n], labels[i:i + n]) for i in range(0, len(ids), n)] or [([], [])]
+    return [(ids[i : i + n], labels[i : i + n]) for i in range(0, len(ids), n)] or [([], [])]
 
 
 def _cache_key(sources: Sequence[DataSource], tokenizer: Any, seq_len: int, val_fraction: float, seed: int) -> str:
@@ -196,12 +198,16 @@ def _load(cache: str, name: str, key: str) -> tuple[ExampleSet, Optional[Example
         with open(os.path.join(cache, "meta.json")) as f:
             meta = json.load(f)
         splits = ("train", "validation") if meta["validation"] else ("train",)
-        sets = [_checked_set(torch.load(os.path.join(cache, f"{s}.pt"), weights_only=True), f"{name} ({s})", key)
-                for s in splits]  # tensors only, no code
+        sets = [
+            _checked_set(torch.load(os.path.join(cache, f"{s}.pt"), weights_only=True), f"{name} ({s})", key)
+            for s in splits
+        ]  # tensors only, no code
     except Exception as exc:  # noqa: BLE001 - every kind of damage is the same user-facing problem
-        raise ValueError(f"dataset_prepared_path: the cache {cache} is damaged or was not written by lowprec "
-                         f"({load_error_reason(exc)}); "
-                         f"delete that directory to tokenize the data again") from None
+        raise ValueError(
+            f"dataset_prepared_path: the cache {cache} is damaged or was not written by lowprec "
+            f"({load_error_reason(exc)}); "
+            f"delete that directory to tokenize the data again"
+        ) from None
     return sets[0], sets[1] if len(sets) > 1 else None
 
 
@@ -210,8 +216,15 @@ def _checked_set(t: Any, name: str, key: str) -> ExampleSet:
         raise ValueError("expected tensors ids, labels, offsets")
     ex = ExampleSet(t["ids"], t["labels"], t["offsets"], name, key)
     off = ex.offsets
-    if ex.ids.shape != ex.labels.shape or ex.ids.dim() != 1 or off.dim() != 1 or off.numel() < 2 or int(off[0]) != 0 \
-            or int(off[-1]) != ex.ids.numel() or bool((off[1:] < off[:-1]).any()):
+    if (
+        ex.ids.shape != ex.labels.shape
+        or ex.ids.dim() != 1
+        or off.dim() != 1
+        or off.numel() < 2
+        or int(off[0]) != 0
+        or int(off[-1]) != ex.ids.numel()
+        or bool((off[1:] < off[:-1]).any())
+    ):
         raise ValueError("ids, labels and offsets do not agree")
     # the builder keeps only examples with a token to learn (label 0 is never predicted)
     learned = ex.labels != IGNORE
@@ -279,9 +292,9 @@ class ExampleBatches(ShardedEpochs):
             for j in row:
                 x, y = self.examples.example(j)
                 n = x.numel()
-                ids[b, at:at + n], labels[b, at:at + n] = x, y
+                ids[b, at : at + n], labels[b, at : at + n] = x, y
                 labels[b, at] = IGNORE  # never predicted from the previous example's last token
-                pos[b, at:at + n] = torch.arange(n)
+                pos[b, at : at + n] = torch.arange(n)
                 at += n
             pos[b, at:] = torch.arange(width - at)  # padding: a segment of its own
         batch = {"input_ids": ids, "labels": labels}

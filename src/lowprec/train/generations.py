@@ -62,8 +62,17 @@ def choose_prompts(loader: Any, k: int) -> list[tuple[int, torch.Tensor, torch.T
 
 
 @torch.no_grad()
-def greedy_generate(model: torch.nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int, width: int,
-                    rows: int, eos_id: int, pad_id: int, device: torch.device, stop_early: bool = True) -> list[list[int]]:
+def greedy_generate(
+    model: torch.nn.Module,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    width: int,
+    rows: int,
+    eos_id: int,
+    pad_id: int,
+    device: torch.device,
+    stop_early: bool = True,
+) -> list[list[int]]:
     """Greedy continuations (token ids, EOS excluded) of ``prompts`` (each at most ``width -
     max_new_tokens`` long), ``rows`` prompts per forward of a ``(rows, width)`` buffer.
     ``stop_early``: stop once every row has ended; off under several processes, where a
@@ -71,11 +80,11 @@ def greedy_generate(model: torch.nn.Module, prompts: Sequence[torch.Tensor], max
     whatever its own argmax says."""
     out: list[list[int]] = []
     for start in range(0, len(prompts), rows):
-        chunk = prompts[start:start + rows]
+        chunk = prompts[start : start + rows]
         buf = torch.full((len(chunk), width), pad_id, dtype=torch.long)
         ends = [p.numel() for p in chunk]
         for r, p in enumerate(chunk):
-            buf[r, :ends[r]] = p
+            buf[r, : ends[r]] = p
         buf = buf.to(device)
         new: list[list[int]] = [[] for _ in chunk]
         live = [True] * len(chunk)
@@ -111,16 +120,19 @@ def _cell(text: str, limit: Optional[int] = None) -> str:
 
 def render_section(record: dict[str, Any]) -> str:
     """One evaluation's table (a ``generations`` record) as Markdown."""
-    lines = [f"## step {record['step']}", "",
-             "| # | prompt | reference | generated |", "|---|---|---|---|"]
+    lines = [f"## step {record['step']}", "", "| # | prompt | reference | generated |", "|---|---|---|---|"]
     for s in record["samples"]:
-        lines.append(f"| {s['index']} | {_cell(s['prompt'], 600)} | {_cell(s['reference'])} | {_cell(s['generated'])} |")
+        lines.append(
+            f"| {s['index']} | {_cell(s['prompt'], 600)} | {_cell(s['reference'])} | {_cell(s['generated'])} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def render_markdown(records: Sequence[dict[str, Any]], title: str) -> str:
-    head = (f"# Sample generations: {title}\n\nGreedy, at each evaluation, for the same validation prompts "
-            "(`eval_table_size`, `eval_max_new_tokens`); every field is in metrics.jsonl (kind: generations).\n\n")
+    head = (
+        f"# Sample generations: {title}\n\nGreedy, at each evaluation, for the same validation prompts "
+        "(`eval_table_size`, `eval_max_new_tokens`); every field is in metrics.jsonl (kind: generations).\n\n"
+    )
     return head + "\n".join(render_section(r) for r in records)
 
 
@@ -138,28 +150,40 @@ class EvalTable:
     records: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def build(cls, cfg: Any, val_loader: Any, tokenizer: Any, output_dir: str, title: str,
-              decisions: dict, log: Any) -> "EvalTable":
+    def build(
+        cls, cfg: Any, val_loader: Any, tokenizer: Any, output_dir: str, title: str, decisions: dict, log: Any
+    ) -> "EvalTable":
         from lowprec.train.resolve import Decision
 
         if cfg.eval_max_new_tokens is not None:
             new, why = cfg.eval_max_new_tokens, "eval_max_new_tokens"
         else:
             new = min(DEFAULT_MAX_NEW_TOKENS, cfg.sequence_len // 2)
-            why = ("default 128 (Axolotl's)" if new == DEFAULT_MAX_NEW_TOKENS else
-                   f"default 128 (Axolotl's), capped at half of sequence_len: {cfg.sequence_len}")
+            why = (
+                "default 128 (Axolotl's)"
+                if new == DEFAULT_MAX_NEW_TOKENS
+                else f"default 128 (Axolotl's), capped at half of sequence_len: {cfg.sequence_len}"
+            )
         decisions["eval_max_new_tokens"] = Decision(new, why)
         samples = choose_prompts(val_loader, cfg.eval_table_size)  # at least one: a validation loader has a batch
         if len(samples) < cfg.eval_table_size:
-            log.warning("lowprec: note: eval_table_size: %d but the validation set has %d item(s); generating for all of "
-                        "them", cfg.eval_table_size, len(samples))
+            log.warning(
+                "lowprec: note: eval_table_size: %d but the validation set has %d item(s); generating for all of them",
+                cfg.eval_table_size,
+                len(samples),
+            )
         keep = cfg.sequence_len - new
         samples = [(i, p[-keep:], ref[:new]) for i, p, ref in samples]
         need = max(p.numel() for _, p, _ in samples) + new
         # tensor parallel (sequence parallel) splits the sequence: keep the training length there
         width = cfg.sequence_len if cfg.tensor_parallel_size > 1 else min(cfg.sequence_len, _round16(need))
-        log.info("lowprec: eval_table_size = %d prompts, eval_max_new_tokens = %d (%s), %d-token window",
-                 len(samples), new, why, width)
+        log.info(
+            "lowprec: eval_table_size = %d prompts, eval_max_new_tokens = %d (%s), %d-token window",
+            len(samples),
+            new,
+            why,
+            width,
+        )
         return cls(samples, new, width, cfg.micro_batch_size, tokenizer, os.path.join(output_dir, TABLE_FILE), title)
 
     def generate(self, model: torch.nn.Module, step: int, device: torch.device, processes: int = 1) -> dict[str, Any]:
@@ -167,14 +191,35 @@ class EvalTable:
         was_training = model.training
         model.eval()
         try:
-            outs = greedy_generate(model, [p for _, p, _ in self.samples], self.max_new_tokens, self.width, self.rows,
-                                   self.tokenizer.eos_id, self.tokenizer.pad_id, device, stop_early=processes == 1)
+            outs = greedy_generate(
+                model,
+                [p for _, p, _ in self.samples],
+                self.max_new_tokens,
+                self.width,
+                self.rows,
+                self.tokenizer.eos_id,
+                self.tokenizer.pad_id,
+                device,
+                stop_early=processes == 1,
+            )
         finally:
             model.train(was_training)
         decode = self.tokenizer.decode
-        return {"kind": "generations", "step": step, "max_new_tokens": self.max_new_tokens, "samples": [
-            {"index": i, "prompt": decode(p.tolist()), "reference": decode(ref.tolist()), "generated": decode(o),
-             "new_tokens": len(o)} for (i, p, ref), o in zip(self.samples, outs)]}
+        return {
+            "kind": "generations",
+            "step": step,
+            "max_new_tokens": self.max_new_tokens,
+            "samples": [
+                {
+                    "index": i,
+                    "prompt": decode(p.tolist()),
+                    "reference": decode(ref.tolist()),
+                    "generated": decode(o),
+                    "new_tokens": len(o),
+                }
+                for (i, p, ref), o in zip(self.samples, outs)
+            ],
+        }
 
     def write(self, record: dict[str, Any]) -> str:
         """Rewrite ``eval_generations.md`` with this evaluation's section added (atomically)."""

@@ -22,8 +22,14 @@ __all__ = ["RunHealth", "moves_text"]
 
 
 class RunHealth:
-    def __init__(self, model: nn.Module, guard: str, patience: int, sqnr_every: int,
-                 thresholds: Optional[dict[str, float]] = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        guard: str,
+        patience: int,
+        sqnr_every: int,
+        thresholds: Optional[dict[str, float]] = None,
+    ) -> None:
         self.probe = HealthProbe(model)
         th = Thresholds(patience=patience, **(thresholds or {}))
         self.guard = None if guard == "off" else Guard(model, mode=guard, thresholds=th)

@@ -27,7 +27,11 @@ SIGNALS = ("underflow", "saturated", "max_to_rms", "sqnr_db")
 
 
 def _worst_op(row: Mapping[str, Any], key: str) -> Optional[float]:
-    vals = [row[op][key] for op in ("input", "weight", "grad_output") if isinstance(row.get(op), dict) and row[op].get(key) is not None]
+    vals = [
+        row[op][key]
+        for op in ("input", "weight", "grad_output")
+        if isinstance(row.get(op), dict) and row[op].get(key) is not None
+    ]
     return max(vals) if vals else None
 
 
@@ -127,8 +131,10 @@ def write_report(run_dir: str, rows: int = 8, thresholds: Optional[Thresholds] =
     records = read_metrics(run_dir)
     health = [r for r in records if r.get("kind") == "fp8_health"]
     if not health:
-        raise ValueError(f"{run_dir}: {FILE} has no fp8_health records; train with fp8_health: true "
-                         "(or fp8_guard: warn | act) to record them")
+        raise ValueError(
+            f"{run_dir}: {FILE} has no fp8_health records; train with fp8_health: true "
+            "(or fp8_guard: warn | act) to record them"
+        )
     th = thresholds or _run_thresholds(run_dir)
     events = [r for r in records if r.get("kind") == "fp8_guard"]
     losses = [(r["step"], r["loss"]) for r in records if r.get("kind") == "train"]
@@ -142,13 +148,16 @@ def write_report(run_dir: str, rows: int = 8, thresholds: Optional[Thresholds] =
     by_layer: dict[str, list[str]] = {}
     for ev in events:
         by_layer.setdefault(ev["layer"], []).append(
-            f"step {ev['step']}: {'moved to bf16' if ev['moved'] else 'warned'} ({ev['signal']} = {ev['value']:.4g})")
+            f"step {ev['step']}: {'moved to bf16' if ev['moved'] else 'warned'} ({ev['signal']} = {ev['value']:.4g})"
+        )
     trs = []
     for i, la in enumerate(order, start=1):
         worst, which, first = sev[la]
         cls = ' class="bad"' if worst > 1 else ""
-        trs.append(f"<tr{cls}><td>{i}</td><td>{html.escape(la)}</td><td>{worst:.3g}</td><td>{html.escape(which)}</td>"
-                   f"<td>{'' if first is None else first}</td><td>{html.escape('; '.join(by_layer.get(la, [])))}</td></tr>")
+        trs.append(
+            f"<tr{cls}><td>{i}</td><td>{html.escape(la)}</td><td>{worst:.3g}</td><td>{html.escape(which)}</td>"
+            f"<td>{'' if first is None else first}</td><td>{html.escape('; '.join(by_layer.get(la, [])))}</td></tr>"
+        )
     rows_html = "\n".join(trs)
     page = f"""<!DOCTYPE html>
 <html lang="en">
@@ -165,9 +174,9 @@ img {{ max-width: 100%; }}
 </head>
 <body>
 <h1>FP8 health per layer</h1>
-<p>{html.escape(os.path.abspath(run_dir))}: {len(health)} checks, steps {health[0]['step']} to {health[-1]['step']};
+<p>{html.escape(os.path.abspath(run_dir))}: {len(health)} checks, steps {health[0]["step"]} to {health[-1]["step"]};
 {len(order)} FP8 layers; {sum(1 for la in order if sev[la][0] > 1)} crossed a guard threshold;
-fp8_guard: {sum(1 for e in events if e['moved'])} move(s) to bf16, {sum(1 for e in events if not e['moved'])} warning(s).</p>
+fp8_guard: {sum(1 for e in events if e["moved"])} move(s) to bf16, {sum(1 for e in events if not e["moved"])} warning(s).</p>
 <p>Severity: a layer's worst ratio to a threshold over the run (underflow / {th.underflow:g},
 saturated / {th.saturated:g}, input max-to-rms / {th.max_to_rms:g}, {th.sqnr_db:g} dB / SQNR); above 1 (red) it crossed one.</p>
 <table>

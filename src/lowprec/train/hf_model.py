@@ -92,8 +92,10 @@ def locate_pretrained(spec: str, key: str = "base_model", tokenizer: bool = Fals
     if os.path.exists(spec):
         raise ValueError(f"{head}{spec!r} is a file; give a Hugging Face model directory (written by save_pretrained)")
     if spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
-        raise ValueError(f"{head}{spec!r} is neither builtin:<name>, an existing local directory nor a hub id "
-                         "(org/name) in the local Hugging Face cache; downloads are not supported")
+        raise ValueError(
+            f"{head}{spec!r} is neither builtin:<name>, an existing local directory nor a hub id "
+            "(org/name) in the local Hugging Face cache; downloads are not supported"
+        )
     cache = hf_cache_dir()
     path = _cached_snapshot(spec, cache)
     if tokenizer:
@@ -128,7 +130,9 @@ def _transformers(what: str):
     try:
         import transformers
     except ImportError:
-        raise ValueError(f"{what} needs the optional package 'transformers': pip install 'lowprec[transformers]'") from None
+        raise ValueError(
+            f"{what} needs the optional package 'transformers': pip install 'lowprec[transformers]'"
+        ) from None
     return transformers
 
 
@@ -140,13 +144,16 @@ def _model_class(transformers, model_type: Optional[str]):
     names = [n for n in dir(transformers) if n.endswith("ForCausalLM")]
     cls = getattr(transformers, model_type, None) if model_type in names else None
     if cls is None:
-        raise ValueError(f"model_type: {model_type!r} is not a transformers causal LM class{did_you_mean(model_type, names)}; "
-                         "use AutoModelForCausalLM (the default) or a class such as LlamaForCausalLM")
+        raise ValueError(
+            f"model_type: {model_type!r} is not a transformers causal LM class{did_you_mean(model_type, names)}; "
+            "use AutoModelForCausalLM (the default) or a class such as LlamaForCausalLM"
+        )
     return cls
 
 
-def load_causal_lm(path: str, model_type: Optional[str] = None, trust_remote_code: bool = False,
-                   load_in_4bit: bool = False) -> nn.Module:
+def load_causal_lm(
+    path: str, model_type: Optional[str] = None, trust_remote_code: bool = False, load_in_4bit: bool = False
+) -> nn.Module:
     """A causal LM from a local directory, float32 master weights, offline. ``load_in_4bit``
     (QLoRA) quantizes its Linear layers but the output head to NF4 through bitsandbytes, with bf16
     compute and double quantization (Axolotl's QLoRA settings); embeddings, norms and the head stay
@@ -156,27 +163,41 @@ def load_causal_lm(path: str, model_type: Optional[str] = None, trust_remote_cod
     kwargs: dict[str, Any] = {}
     if load_in_4bit:
         kwargs["quantization_config"] = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
-            bnb_4bit_use_double_quant=True)  # the per-block scales are quantized too
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=True,
+        )  # the per-block scales are quantized too
     try:
-        model = cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch.float32,
-                                    **kwargs)
+        model = cls.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch.float32, **kwargs
+        )
     except (pickle.UnpicklingError, EOFError) as exc:  # pytorch_model.bin: transformers reads it weights-only
         from lowprec.checkpoint_io import load_error_reason
 
         pickles = sorted(f for f in os.listdir(path) if f.endswith(".bin"))
-        raise ValueError(f"base_model: {path}: {', '.join(pickles) or 'its weights'} cannot be read "
-                         f"({load_error_reason(exc)}); restore the file or use a model saved as safetensors") from None
+        raise ValueError(
+            f"base_model: {path}: {', '.join(pickles) or 'its weights'} cannot be read "
+            f"({load_error_reason(exc)}); restore the file or use a model saved as safetensors"
+        ) from None
     except (OSError, ValueError, KeyError) as exc:
         from lowprec.train.tokenizer import is_remote_code_refusal, remote_code_message
 
         if is_remote_code_refusal(exc):
             raise ValueError(f"base_model: {remote_code_message(path)}") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        hint = "" if trust_remote_code else " (a model with its own code needs trust_remote_code: true, which runs that code)"
+        hint = (
+            ""
+            if trust_remote_code
+            else " (a model with its own code needs trust_remote_code: true, which runs that code)"
+        )
         raise ValueError(f"base_model: {path} cannot be loaded as a causal LM: {first}{hint}") from None
-    logger.info("lowprec: base_model %s: %s, %.2f M parameters", path, type(model).__name__,
-                sum(p.numel() for p in model.parameters()) / 1e6)
+    logger.info(
+        "lowprec: base_model %s: %s, %.2f M parameters",
+        path,
+        type(model).__name__,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+    )
     return model
 
 
@@ -189,12 +210,18 @@ def _bf16_state(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, t
         if not k.startswith(prefix):
             continue
         t = t.detach().to("cpu")
-        out[k[len(prefix):]] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
+        out[k[len(prefix) :]] = (t.to(torch.bfloat16) if t.is_floating_point() else t).contiguous()
     return out
 
 
-def export_pretrained(wrapper: nn.Module, state_dict: dict[str, torch.Tensor], tokenizer: Any, output_dir: str,
-                      merge_lora: bool = False, trust_remote_code: bool = False) -> dict[str, str]:
+def export_pretrained(
+    wrapper: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer: Any,
+    output_dir: str,
+    merge_lora: bool = False,
+    trust_remote_code: bool = False,
+) -> dict[str, str]:
     """Write the trained model where ``from_pretrained`` finds it; returns {what: path}.
 
     ``wrapper`` is the trainer's wrapper around the model (unwrapped from DDP; ``.model``), ``state_dict`` its
@@ -242,8 +269,10 @@ def tokenizer_choice(cfg: Any) -> tuple[str, str]:
         return "byte", f"the byte tokenizer of {cfg.base_model}"
     path = locate_pretrained(cfg.base_model)
     if not _has_tokenizer(path):
-        raise ValueError(f"base_model: {path} has no tokenizer files (tokenizer.json or tokenizer_config.json); "
-                         "set tokenizer_config: <tokenizer directory> (or tokenizer: byte)")
+        raise ValueError(
+            f"base_model: {path} has no tokenizer files (tokenizer.json or tokenizer_config.json); "
+            "set tokenizer_config: <tokenizer directory> (or tokenizer: byte)"
+        )
     return path, "base_model's own tokenizer"
 
 
@@ -257,4 +286,3 @@ def load_run_tokenizer(cfg: Any):
     if spec == "byte" or not os.path.isdir(spec):
         return load_tokenizer(spec, special, cfg.tokens)  # the byte tokenizer, or its own one-line error
     return HFTokenizer(spec, special, cfg.tokenizer_type, cfg.trust_remote_code, cfg.tokens)
-

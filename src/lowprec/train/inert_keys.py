@@ -45,33 +45,83 @@ def _any_set(*keys: str) -> Callable[[Get], bool]:
 
 
 RULES: tuple[Inert, ...] = (
-    Inert(("eval_steps", "evals_per_epoch", "eval_table_size", "eval_sample_packing", "eval_batch_size"),
-          "val_set_size above 0", _positive("val_set_size"),
-          "core/builders/base.py _configure_save_and_eval_strategy: eval_strategy 'no' without eval data"),
-    Inert(("eval_max_new_tokens",), "eval_table_size above 0", _positive("eval_table_size"),
-          "utils/callbacks LogPredictionCallback.on_evaluate returns when eval_table_size <= 0 (its default)"),
-    Inert(("num_generation_samples", "generation_max_new_tokens", "generation_temperature", "generation_top_p",
-           "generation_top_k", "generation_prompt_ratio", "generation_do_sample"), "generate_samples: true",
-          _any_set("generate_samples"), "utils/callbacks/generation.py SFTGenerationCallback returns without generate_samples"),
-    Inert(("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_linear",
-           "lora_modules_to_save", "lora_fan_in_fan_out", "lora_model_dir"),
-          "adapter (lora or qlora)", _any_set("adapter"),
-          "loaders/adapter.py load_adapter returns the model unchanged when adapter is None"),
-    Inert(("loss_watchdog_patience",), "loss_watchdog_threshold", _any_set("loss_watchdog_threshold"),
-          "core/builders/causal.py adds LossWatchDogCallback only when loss_watchdog_threshold is set"),
-    Inert(("gradient_checkpointing_kwargs",), "gradient_checkpointing: true",
-          _any_set("gradient_checkpointing", "activation_offloading"),
-          "core/builders/base.py _configure_gradient_checkpointing; transformers reads the kwargs only when checkpointing"),
-    Inert(("torch_compile_backend", "torch_compile_mode", "torch_compile_options"), "torch_compile",
-          _any_set("torch_compile"), "core/builders/base.py _configure_torch_compile"),
-    Inert(("hub_strategy", "hub_revision"), "hub_model_id", _any_set("hub_model_id"),
-          "core/builders/base.py _configure_hub_parameters"),
-    Inert(("wandb_entity", "wandb_name", "wandb_run_id", "wandb_mode", "wandb_watch", "wandb_log_model"),
-          "wandb_project (or use_wandb)", _any_set("wandb_project", "use_wandb"),
-          "utils/wandb_.py: use_wandb only with wandb_project; the variables it exports are read by wandb alone"),
-    Inert(("mlflow_tracking_uri", "mlflow_run_name", "hf_mlflow_log_artifacts"),
-          "mlflow_experiment_name (or use_mlflow)", _any_set("mlflow_experiment_name", "use_mlflow"),
-          "utils/mlflow_.py: use_mlflow only with mlflow_experiment_name; the variables it exports are read by mlflow alone"),
+    Inert(
+        ("eval_steps", "evals_per_epoch", "eval_table_size", "eval_sample_packing", "eval_batch_size"),
+        "val_set_size above 0",
+        _positive("val_set_size"),
+        "core/builders/base.py _configure_save_and_eval_strategy: eval_strategy 'no' without eval data",
+    ),
+    Inert(
+        ("eval_max_new_tokens",),
+        "eval_table_size above 0",
+        _positive("eval_table_size"),
+        "utils/callbacks LogPredictionCallback.on_evaluate returns when eval_table_size <= 0 (its default)",
+    ),
+    Inert(
+        (
+            "num_generation_samples",
+            "generation_max_new_tokens",
+            "generation_temperature",
+            "generation_top_p",
+            "generation_top_k",
+            "generation_prompt_ratio",
+            "generation_do_sample",
+        ),
+        "generate_samples: true",
+        _any_set("generate_samples"),
+        "utils/callbacks/generation.py SFTGenerationCallback returns without generate_samples",
+    ),
+    Inert(
+        (
+            "lora_r",
+            "lora_alpha",
+            "lora_dropout",
+            "lora_target_modules",
+            "lora_target_linear",
+            "lora_modules_to_save",
+            "lora_fan_in_fan_out",
+            "lora_model_dir",
+        ),
+        "adapter (lora or qlora)",
+        _any_set("adapter"),
+        "loaders/adapter.py load_adapter returns the model unchanged when adapter is None",
+    ),
+    Inert(
+        ("loss_watchdog_patience",),
+        "loss_watchdog_threshold",
+        _any_set("loss_watchdog_threshold"),
+        "core/builders/causal.py adds LossWatchDogCallback only when loss_watchdog_threshold is set",
+    ),
+    Inert(
+        ("gradient_checkpointing_kwargs",),
+        "gradient_checkpointing: true",
+        _any_set("gradient_checkpointing", "activation_offloading"),
+        "core/builders/base.py _configure_gradient_checkpointing; transformers reads the kwargs only when checkpointing",
+    ),
+    Inert(
+        ("torch_compile_backend", "torch_compile_mode", "torch_compile_options"),
+        "torch_compile",
+        _any_set("torch_compile"),
+        "core/builders/base.py _configure_torch_compile",
+    ),
+    Inert(
+        ("hub_strategy", "hub_revision"),
+        "hub_model_id",
+        _any_set("hub_model_id"),
+        "core/builders/base.py _configure_hub_parameters",
+    ),
+    Inert(
+        ("wandb_entity", "wandb_name", "wandb_run_id", "wandb_mode", "wandb_watch", "wandb_log_model"),
+        "wandb_project (or use_wandb)",
+        _any_set("wandb_project", "use_wandb"),
+        "utils/wandb_.py: use_wandb only with wandb_project; the variables it exports are read by wandb alone",
+    ),
+    Inert(
+        ("mlflow_tracking_uri", "mlflow_run_name", "hf_mlflow_log_artifacts"),
+        "mlflow_experiment_name (or use_mlflow)",
+        _any_set("mlflow_experiment_name", "use_mlflow"),
+        "utils/mlflow_.py: use_mlflow only with mlflow_experiment_name; the variables it exports are read by mlflow alone",
+    ),
 )
 
 # values that ask for nothing even where the key matters: Axolotl's defaults (0 is eval_table_size's "off";
@@ -102,7 +152,9 @@ def inert_keys(data: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str
                 continue
             for key in rule.keys:
                 if key in data and key not in dropped and _asks(key, data[key]):
-                    dropped[key] = (f"{key}: {yaml_text(data[key])} is ignored: it only matters with {rule.needs}, "
-                                    f"as in Axolotl; set that or drop {key}")
+                    dropped[key] = (
+                        f"{key}: {yaml_text(data[key])} is ignored: it only matters with {rule.needs}, "
+                        f"as in Axolotl; set that or drop {key}"
+                    )
                     changed = True
     return dropped

@@ -161,19 +161,31 @@ class Loop:
         path = ckpt.latest_checkpoint(run.output_dir) if cfg.loss_spike == "act" else None
         what = f"loss spike at step {step}: loss {loss:.4g}, robust z {z:.3g} over the last {cfg.loss_spike_window} steps (median {median:.4g})"
         if cfg.loss_spike == "act" and self.rollbacks >= cfg.loss_spike_max_rollbacks:
-            raise NonFiniteError(f"loss_spike: {what}, after {self.rollbacks} rollback(s) (loss_spike_max_rollbacks: "
-                                 f"{cfg.loss_spike_max_rollbacks}); lower the learning rate or check the data")
+            raise NonFiniteError(
+                f"loss_spike: {what}, after {self.rollbacks} rollback(s) (loss_spike_max_rollbacks: "
+                f"{cfg.loss_spike_max_rollbacks}); lower the learning rate or check the data"
+            )
         if path is None:
             if run.main:
-                log.warning("lowprec: %s%s", what, "; no checkpoint to roll back to yet (set save_steps)" if cfg.loss_spike == "act" else "")
+                log.warning(
+                    "lowprec: %s%s",
+                    what,
+                    "; no checkpoint to roll back to yet (set save_steps)" if cfg.loss_spike == "act" else "",
+                )
             run.writer.write(rec)
             return False
         self.rollbacks += 1
         run.acc.load_state(path)  # weights, optimizer, schedule, RNG, FP8 state, data position, TrainerState
         back = run.state.step
         if run.main:
-            log.warning("lowprec: %s; rolled back to %s and skipping the %d step(s) of batches after it (rollback %d of %d)",
-                        what, path, step - back, self.rollbacks, cfg.loss_spike_max_rollbacks)
+            log.warning(
+                "lowprec: %s; rolled back to %s and skipping the %d step(s) of batches after it (rollback %d of %d)",
+                what,
+                path,
+                step - back,
+                self.rollbacks,
+                cfg.loss_spike_max_rollbacks,
+            )
         if run.health is not None:  # the checkpoint's moves, not the ones made since
             for layer in run.health.probe.layers.values():
                 layer.high_precision = False
@@ -218,7 +230,8 @@ class Loop:
                 raise NonFiniteError(
                     f"no trainable tokens in the batch at step {run.state.step + 1} (every label is -100, so the "
                     "loss is 0/0 = NaN): check the data (train_on_inputs, roles_to_train, a damaged "
-                    "dataset_prepared_path cache)") from None
+                    "dataset_prepared_path cache)"
+                ) from None
             raise
         if run.acc.optimizer_step_was_skipped:  # NaN/inf loss or gradients, every precision
             self.skipped += 1
@@ -250,8 +263,11 @@ class Loop:
             run.on_log(rec)
         if self.bar is not None:
             self.bar.set_postfix(
-                loss=f"{loss_mean:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}",
-                lr=f"{rec['lr']:.2e}", mem=f"{rec['peak_mem_mb']:.0f}MB", refresh=False,
+                loss=f"{loss_mean:.4f}",
+                tok_s=f"{rec['tokens_per_s']:.0f}",
+                lr=f"{rec['lr']:.2e}",
+                mem=f"{rec['peak_mem_mb']:.0f}MB",
+                refresh=False,
             )
         if run.fp8_layers:
             from lowprec import fp8 as fp8_engine
@@ -298,13 +314,15 @@ class Loop:
         if run.save_every is not None and (state.step % run.save_every == 0 or at_end):
             t = time.perf_counter()
             state.loop = self.window_state()
-            state.fp8_guard = run.health.state_dict() if run.health is not None else (
-                {"moved": run.kept_moves} if run.kept_moves else None)
+            state.fp8_guard = (
+                run.health.state_dict()
+                if run.health is not None
+                else ({"moved": run.kept_moves} if run.kept_moves else None)
+            )
             run.acc.save_state(ckpt.checkpoint_dir(run.output_dir, state.step))
             if run.main:
                 ckpt.rotate(run.output_dir, cfg.save_total_limit)
             self.window_t0 += time.perf_counter() - t
-
 
     # the counters a checkpoint keeps (the window's loss sum and time apart)
     _SAVED = ("window_steps", "window_tokens", "skipped", "high_loss_steps", "best_eval", "evals_without_gain")
@@ -318,8 +336,11 @@ class Loop:
         loss = self.window_loss.clone()
         if acc.num_processes > 1:
             loss = acc.reduce(loss, "mean")
-        return {"window_loss": loss.cpu(), "window_s": time.perf_counter() - self.window_t0,
-                **{k: getattr(self, k) for k in self._SAVED}}
+        return {
+            "window_loss": loss.cpu(),
+            "window_s": time.perf_counter() - self.window_t0,
+            **{k: getattr(self, k) for k in self._SAVED},
+        }
 
     def restore_window(self, saved: dict[str, Any]) -> None:
         self.window_loss.copy_(saved["window_loss"])
@@ -344,13 +365,25 @@ class Loop:
 
                 logging.getLogger("lowprec").warning(
                     "lowprec: early stopping at step %d: validation loss %.4f has not improved on %.4f for %d "
-                    "evaluations (early_stopping_patience: %d)", self.run.state.step, loss, self.best_eval, patience, patience)
+                    "evaluations (early_stopping_patience: %d)",
+                    self.run.state.step,
+                    loss,
+                    self.best_eval,
+                    patience,
+                    patience,
+                )
 
 
 def run_loop(run: Run) -> Loop:
     """Train from ``run.state.step`` to ``run.total``; returns the loop (its last losses)."""
     cfg, acc = run.cfg, run.acc
-    tokens_per_step = cfg.micro_batch_size * cfg.sequence_len * cfg.gradient_accumulation_steps * acc.num_processes // cfg.tensor_parallel_size
+    tokens_per_step = (
+        cfg.micro_batch_size
+        * cfg.sequence_len
+        * cfg.gradient_accumulation_steps
+        * acc.num_processes
+        // cfg.tensor_parallel_size
+    )
     loop = Loop(run, tokens_per_step, run.loader.forever())
     loop.window_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
     if cfg.loss_spike != "off":
@@ -362,7 +395,9 @@ def run_loop(run: Run) -> Loop:
     if run.main and cfg.progress_bar:
         from tqdm.auto import tqdm
 
-        loop.bar = tqdm(total=run.total, initial=run.state.step, desc=f"train {run.label}", unit="step", dynamic_ncols=True)
+        loop.bar = tqdm(
+            total=run.total, initial=run.state.step, desc=f"train {run.label}", unit="step", dynamic_ncols=True
+        )
     run.model.train()
     try:
         while run.state.step < run.total and not loop.stop_early:

@@ -93,7 +93,11 @@ class MetricsWriter:
             if record["kind"] == "fp8_guard":
                 from lowprec.fp8.guard import Event
 
-                self._tb.add_text("fp8_guard", Event(**{k: record[k] for k in ("layer", "signal", "value", "step", "moved")}).line(), record["step"])
+                self._tb.add_text(
+                    "fp8_guard",
+                    Event(**{k: record[k] for k in ("layer", "signal", "value", "step", "moved")}).line(),
+                    record["step"],
+                )
             if record["kind"] == "generations":
                 from lowprec.train.generations import render_section
 

@@ -69,15 +69,9 @@ def round_up(n: int, multiple: int = GEMM_MULTIPLE) -> int:
 
 
 _PRESETS: dict[str, dict[str, Any]] = {
-    "llama-tiny": dict(
-        vocab_size=272, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=512
-    ),
-    "llama-small": dict(
-        vocab_size=272, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, max_seq_len=1024
-    ),
-    "llama-base": dict(
-        vocab_size=272, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=3072, max_seq_len=2048
-    ),
+    "llama-tiny": dict(vocab_size=272, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=512),
+    "llama-small": dict(vocab_size=272, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, max_seq_len=1024),
+    "llama-base": dict(vocab_size=272, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=3072, max_seq_len=2048),
     # Llama-3.2-1B: same widths, GQA 32/8, rope_theta 5e5, tied embeddings.
     "llama-1b": dict(
         vocab_size=128256,
@@ -141,8 +135,7 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(
-                f"model head_dim = dim / n_heads = {self.head_dim} must be even for RoPE; "
-                "change dim or n_heads"
+                f"model head_dim = dim / n_heads = {self.head_dim} must be even for RoPE; change dim or n_heads"
             )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
@@ -262,9 +255,7 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, kv_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
         # head counts from the projections' outputs (-1), not the config: under tensor
         # parallelism (_tp_plan) each process holds n_heads / tp_size of them
@@ -327,18 +318,25 @@ class LlamaForCausalLM(nn.Module):
     # tensor parallelism (transformers' convention, read by lowprec.parallelism_config): attention
     # heads and the MLP's hidden units split across processes, one all-reduce per block half
     _tp_plan = {
-        "model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
-        "model.layers.*.self_attn.v_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
-        "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+        "model.layers.*.self_attn.q_proj": "colwise",
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.v_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.gate_proj": "colwise",
+        "model.layers.*.mlp.up_proj": "colwise",
         "model.layers.*.mlp.down_proj": "rowwise",
     }
     # sequence parallelism on top of it (ParallelismConfig(sequence_parallel=True)): the residual
     # stream and the norms hold a slice of the sequence per process; attention and MLP inputs are
     # all-gathered (in FP8 for FP8 layers), their rowwise outputs reduce-scattered
     _sp_plan = {
-        "model.embed_tokens": "sequence_shard_output", "model.layers.*.input_layernorm": "sequence_parallel",
-        "model.layers.*.self_attn": "sequence_gather", "model.layers.*.post_attention_layernorm": "sequence_parallel",
-        "model.layers.*.mlp": "sequence_gather", "model.norm": "sequence_parallel", "lm_head": "sequence_gather_local",
+        "model.embed_tokens": "sequence_shard_output",
+        "model.layers.*.input_layernorm": "sequence_parallel",
+        "model.layers.*.self_attn": "sequence_gather",
+        "model.layers.*.post_attention_layernorm": "sequence_parallel",
+        "model.layers.*.mlp": "sequence_gather",
+        "model.norm": "sequence_parallel",
+        "lm_head": "sequence_gather_local",
     }
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -463,7 +461,6 @@ def build_model(name_or_config: str | LlamaConfig, **overrides: Any) -> LlamaFor
         cfg = LlamaConfig.from_name(name_or_config, **overrides)
     else:
         raise TypeError(
-            f"build_model takes a model name {MODEL_NAMES} or a LlamaConfig, "
-            f"got {type(name_or_config).__name__}"
+            f"build_model takes a model name {MODEL_NAMES} or a LlamaConfig, got {type(name_or_config).__name__}"
         )
     return LlamaForCausalLM(cfg)

@@ -61,7 +61,7 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 
     layers = list(fp8[0]["layers"])
     guard = [r for r in records if r["kind"] == "fp8_guard"]
     flagged = list(dict.fromkeys(ev["layer"] for ev in guard if ev["layer"] in layers))  # drawn first, in colour
-    worst = (flagged + [lay for lay in worst_layers(fp8, len(layers)) if lay not in flagged])[:max(top, len(flagged))]
+    worst = (flagged + [lay for lay in worst_layers(fp8, len(layers)) if lay not in flagged])[: max(top, len(flagged))]
     fig, axes = plt.subplots(len(ops), len(stats), figsize=(4 * len(stats), 2.8 * len(ops)), squeeze=False)
     steps = [r["step"] for r in fp8]
     for i, op in enumerate(ops):
@@ -70,8 +70,16 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 
             series = {lay: [r["layers"].get(lay, {}).get(op, {}).get(st, float("nan")) for r in fp8] for lay in layers}
             if st in ("saturated", "underflow") and not any(v > 0 for ys in series.values() for v in ys):
                 # a flat zero line for every layer says nothing; say it in words
-                ax.text(0.5, 0.5, f"no {st} values\n(all layers, all steps)", ha="center", va="center",
-                        transform=ax.transAxes, fontsize=9, color="0.4")
+                ax.text(
+                    0.5,
+                    0.5,
+                    f"no {st} values\n(all layers, all steps)",
+                    ha="center",
+                    va="center",
+                    transform=ax.transAxes,
+                    fontsize=9,
+                    color="0.4",
+                )
                 ax.set_xticks([])
                 ax.set_yticks([])
             else:
@@ -83,7 +91,9 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 
                 if st in ("amax", "scale") and all(v > 0 for ys in series.values() for v in ys if v == v):
                     ax.set_yscale("log")
                 for ev in guard:  # fp8_guard: a move solid red, a warning dashed orange
-                    ax.axvline(ev["step"], color="red" if ev["moved"] else "orange", ls="-" if ev["moved"] else "--", lw=1)
+                    ax.axvline(
+                        ev["step"], color="red" if ev["moved"] else "orange", ls="-" if ev["moved"] else "--", lw=1
+                    )
             ax.set_title(f"{op}: {st}", fontsize=9)
             ax.grid(alpha=0.3)
             if i == len(ops) - 1:
@@ -92,14 +102,29 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 
     if guard:  # under the title: what the guard did, first events named
         n_moved = sum(bool(ev["moved"]) for ev in guard)
         named = "; ".join(f"step {ev['step']} {ev['layer']} ({ev['signal']} = {ev['value']:.3g})" for ev in guard[:2])
-        fig.text(0.5, 0.925, f"fp8_guard: {n_moved} layer(s) moved to bf16 (solid red), {len(guard) - n_moved} warning(s) "
-                 f"(dashed orange)\n{named}" + (f"; +{len(guard) - 2} more" if len(guard) > 2 else ""),
-                 ha="center", fontsize=8, color="red")
+        fig.text(
+            0.5,
+            0.925,
+            f"fp8_guard: {n_moved} layer(s) moved to bf16 (solid red), {len(guard) - n_moved} warning(s) "
+            f"(dashed orange)\n{named}" + (f"; +{len(guard) - 2} more" if len(guard) > 2 else ""),
+            ha="center",
+            fontsize=8,
+            color="red",
+        )
     if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8,
-                   title=(f"{len(worst)} of {len(layers)} layers: fp8_guard's first, then the worst by saturated + underflow "
-                          "fraction (others grey)") if flagged else
-                   f"worst {len(worst)} of {len(layers)} layers by saturated + underflow fraction (others grey)")
+        fig.legend(
+            handles,
+            labels,
+            loc="lower center",
+            ncol=min(len(labels), 3),
+            fontsize=8,
+            title=(
+                f"{len(worst)} of {len(layers)} layers: fp8_guard's first, then the worst by saturated + underflow "
+                "fraction (others grey)"
+            )
+            if flagged
+            else f"worst {len(worst)} of {len(layers)} layers by saturated + underflow fraction (others grey)",
+        )
     fig.suptitle("FP8 telemetry per layer (saturated / underflow: fraction of values)")
     fig.tight_layout(rect=(0, 0.1, 1, 0.91 if guard else 0.96))
     fig.savefig(path, dpi=100)
@@ -150,8 +175,15 @@ def plot_compare(report: Mapping[str, Any], path: str) -> str:
         top.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
         x, m, lo, hi = _band([{int(s): v for s, v in r["eval_losses"]} for r in runs])
         if x:
-            top.errorbar(x, m, yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]], fmt="o",
-                         color=color, ms=4, capsize=3)
+            top.errorbar(
+                x,
+                m,
+                yerr=[[a - b for a, b in zip(m, lo)], [b - a for a, b in zip(m, hi)]],
+                fmt="o",
+                color=color,
+                ms=4,
+                capsize=3,
+            )
         paired = [r for r in runs if r["seed"] in base_runs]
         if name == base or not paired:
             continue

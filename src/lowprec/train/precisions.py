@@ -43,10 +43,10 @@ def precision_names() -> list[str]:
 
 def _fp8_parts(name: str) -> tuple[str, str | None]:
     """``fp8-torchao-rowwise`` -> (torchao, rowwise); ``fp8`` -> (native, None: the config's)."""
-    rest = name[len("fp8"):].lstrip("-")
+    rest = name[len("fp8") :].lstrip("-")
     for backend in trainer_backends():
         if rest == backend or rest.startswith(backend + "-"):
-            return backend, (rest[len(backend):].lstrip("-") or None)
+            return backend, (rest[len(backend) :].lstrip("-") or None)
     return FP8_BACKENDS[0], (rest or None)
 
 
@@ -85,6 +85,8 @@ def precision_overrides(name: str, cfg: TrainConfig) -> dict[str, Any]:
     else:
         keys["fp8_recipe"] = recipe
     if library and (recipe or own) not in library.trainer_recipes:
-        raise ValueError(f"--precisions {name}: {backend} has no {own!r} recipe (the config's fp8_recipe); "
-                         f"name one: {', '.join(f'fp8-{backend}-{r}' for r in library.trainer_recipes)}")
+        raise ValueError(
+            f"--precisions {name}: {backend} has no {own!r} recipe (the config's fp8_recipe); "
+            f"name one: {', '.join(f'fp8-{backend}-{r}' for r in library.trainer_recipes)}"
+        )
     return keys

@@ -23,7 +23,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["PromptOptions", "row_segments", "tokenize_row", "check_vocab", "ALPACA_PROMPT", "ALPACA_PROMPT_NO_INPUT", "IGNORE"]
+__all__ = [
+    "PromptOptions",
+    "row_segments",
+    "tokenize_row",
+    "check_vocab",
+    "ALPACA_PROMPT",
+    "ALPACA_PROMPT_NO_INPUT",
+    "IGNORE",
+]
 
 IGNORE = -100
 # the Stanford Alpaca prompt (as Axolotl's `type: alpaca` writes it)
@@ -36,7 +44,12 @@ ALPACA_PROMPT_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
     "### Instruction:\n{instruction}\n\n### Response:\n"
 )
-_DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant", "model"], "system": ["system"], "tool": ["tool"]}
+_DEFAULT_ROLES = {
+    "user": ["human", "user"],
+    "assistant": ["gpt", "assistant", "model"],
+    "system": ["system"],
+    "tool": ["tool"],
+}
 
 
 @dataclass(frozen=True)
@@ -80,7 +93,9 @@ def row_segments(row: dict[str, Any], opt: PromptOptions, where: str, tokenizer:
         instruction = _text(_need(row, "instruction", where, kind), "instruction", where)
         output = _text(_need(row, "output", where, kind), "output", where)
         extra = _text(row.get("input"), "input", where)
-        prompt = (ALPACA_PROMPT if extra.strip() else ALPACA_PROMPT_NO_INPUT).format(instruction=instruction, input=extra)
+        prompt = (ALPACA_PROMPT if extra.strip() else ALPACA_PROMPT_NO_INPUT).format(
+            instruction=instruction, input=extra
+        )
         return [(prompt, False), (output, True)]
     if kind == "input_output":
         segs = _need(row, "segments", where, kind)
@@ -94,8 +109,12 @@ def row_segments(row: dict[str, Any], opt: PromptOptions, where: str, tokenizer:
         trained = tuple(opt.roles_to_train) if not opt.train_on_inputs else tuple({m["role"] for m in messages})
         tok = getattr(tokenizer, "_tok", None)  # the HF tokenizer's own special-token strings
         return render_segments(
-            opt.chat_template, messages, trained, opt.train_on_eos,
-            bos_token=getattr(tok, "bos_token", None) or "", eos_token=getattr(tok, "eos_token", None) or "",
+            opt.chat_template,
+            messages,
+            trained,
+            opt.train_on_eos,
+            bos_token=getattr(tok, "bos_token", None) or "",
+            eos_token=getattr(tok, "eos_token", None) or "",
             eot_tokens=opt.eot_tokens,
         )
     raise ValueError(f"unknown dataset type {kind!r}")
@@ -104,7 +123,11 @@ def row_segments(row: dict[str, Any], opt: PromptOptions, where: str, tokenizer:
 def _messages(row: dict[str, Any], opt: PromptOptions, where: str) -> list[dict[str, str]]:
     raw = row.get(opt.field_messages)
     if raw is None:
-        hint = " (ShareGPT data: set field_messages: conversations and message_property_mappings: {role: from, content: value})" if "conversations" in row else ""
+        hint = (
+            " (ShareGPT data: set field_messages: conversations and message_property_mappings: {role: from, content: value})"
+            if "conversations" in row
+            else ""
+        )
         raise ValueError(f"{where}: no {opt.field_messages!r} field (keys: {sorted(row)}){hint}")
     if not isinstance(raw, list):
         raise ValueError(f"{where}: {opt.field_messages!r} must be a list of messages")
@@ -112,7 +135,9 @@ def _messages(row: dict[str, Any], opt: PromptOptions, where: str) -> list[dict[
     out = []
     for j, m in enumerate(raw):
         if not isinstance(m, dict) or opt.role_key not in m:
-            raise ValueError(f"{where}: message {j} has no {opt.role_key!r} (set message_property_mappings: {{role: <key>}})")
+            raise ValueError(
+                f"{where}: message {j} has no {opt.role_key!r} (set message_property_mappings: {{role: <key>}})"
+            )
         role = to_role.get(m[opt.role_key], m[opt.role_key])
         if role == "system" and opt.drop_system_message:
             continue

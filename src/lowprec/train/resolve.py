@@ -100,8 +100,11 @@ def _fp8_check(cfg: TrainConfig, caps: Capabilities) -> Optional[Decision]:
     on CPU or without FP8. Made once, here: the Accelerator is handed it (``RunPlan.fp8_hardware``)."""
     if not cfg.fp8 or caps.cuda_capability is None:
         return None
-    return fp8_capability_decision(caps.cuda_capability, cfg.fp8_fallback, (
-        "Set fp8: false and bf16: true, or fp8_fallback: emulate (FP8 numerics, slow) or fp8_fallback: bf16"))
+    return fp8_capability_decision(
+        caps.cuda_capability,
+        cfg.fp8_fallback,
+        ("Set fp8: false and bf16: true, or fp8_fallback: emulate (FP8 numerics, slow) or fp8_fallback: bf16"),
+    )
 
 
 def _packages(cfg: TrainConfig, caps: Capabilities) -> None:
@@ -146,7 +149,9 @@ def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: i
     elif cfg.fp16:
         mp = Decision("fp16", "fp16: true")
     else:
-        mp = Decision("no", "no fp8/bf16/fp16: float32" if bf16.value != "full" else "bf16: full: pure bf16 weights, no autocast")
+        mp = Decision(
+            "no", "no fp8/bf16/fp16: float32" if bf16.value != "full" else "bf16: full: pure bf16 weights, no autocast"
+        )
     d["mixed_precision"] = mp
     weights = "bfloat16" if bf16.value == "full" else "float32"
     d["weights_dtype"] = Decision(weights, "bf16: full" if weights == "bfloat16" else "float32 master weights")
@@ -154,7 +159,9 @@ def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: i
     if mp.value == "fp8":
         d["bf16_autocast"] = Decision(
             autocast,
-            "non-FP8 ops in bf16 autocast (bf16 resolved true)" if autocast else f"bf16: {cfg.bf16}: non-FP8 ops in {weights}",
+            "non-FP8 ops in bf16 autocast (bf16 resolved true)"
+            if autocast
+            else f"bf16: {cfg.bf16}: non-FP8 ops in {weights}",
         )
     if cfg.torch_compile == "auto":
         d["torch_compile"] = Decision(caps.device == "cuda", f"torch_compile: auto on {caps.device}")
@@ -171,7 +178,9 @@ def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: i
         d["cpu_threads"] = Decision(torch.get_num_threads(), "torch's default (OMP_NUM_THREADS or the core count)")
     if world_size > 1:
         kind = "FSDP2" if cfg.fsdp_version == 2 else ("DeepSpeed" if cfg.deepspeed is not None else "DDP")
-        d["distributed"] = Decision(kind, f"{world_size} processes" + {"FSDP2": ", fsdp_version: 2", "DeepSpeed": ", deepspeed"}.get(kind, ""))
+        d["distributed"] = Decision(
+            kind, f"{world_size} processes" + {"FSDP2": ", fsdp_version: 2", "DeepSpeed": ", deepspeed"}.get(kind, "")
+        )
     return RunPlan(
         mixed_precision=mp.value,
         bf16_autocast=autocast,

@@ -101,8 +101,20 @@ def settings_of(cfg: Any, plan: Any, model_config: Optional[dict], total: int, w
         "torch": torch.__version__,
         "cpu_fp8_gemm": _cpu_fp8_gemm(plan) if fp8 else None,
     }
-    for key in ("optimizer", "datasets", "micro_batch_size", "sequence_len", "seed", "learning_rate", "weight_decay",
-                "adam_beta1", "adam_beta2", "lr_scheduler", "gradient_accumulation_steps", "max_grad_norm"):
+    for key in (
+        "optimizer",
+        "datasets",
+        "micro_batch_size",
+        "sequence_len",
+        "seed",
+        "learning_rate",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "lr_scheduler",
+        "gradient_accumulation_steps",
+        "max_grad_norm",
+    ):
         out[key] = y.get(key)
     return _plain(out)
 
@@ -145,8 +157,11 @@ def check_resume(saved: Optional[dict[str, Any]], now: dict[str, Any], checkpoin
     """Refuse (``ValueError``, one line) when a ``refuse`` key differs; else the ``apply`` keys
     that differ, ``{key: (saved, now)}``."""
     if saved is None:
-        logger.warning("lowprec: %s records no training settings (an earlier lowprec version): resuming without "
-                       "checking that optimizer, FP8 recipe and data settings match", checkpoint)
+        logger.warning(
+            "lowprec: %s records no training settings (an earlier lowprec version): resuming without "
+            "checking that optimizer, FP8 recipe and data settings match",
+            checkpoint,
+        )
         return {}
     changed = {k: (saved[k], now.get(k)) for k in RULES if k in saved and saved[k] != now.get(k)}
     notes = {k: changed.pop(k) for k in [k for k in changed if RULES[k][0] == NOTE]}
@@ -156,11 +171,13 @@ def check_resume(saved: Optional[dict[str, Any]], now: dict[str, Any], checkpoin
                 changed.pop(k, None)
     refused = [k for k in changed if RULES[k][0] == REFUSE]
     if refused:
+
         def one(k: str) -> str:
             old, new = changed[k]
             if k == "model":
                 return f"model shape ({_model_diff(old, new)})"
             return f"{k}: {_show(old)} (now {_show(new)})"
+
         first = refused[0]
         raise ValueError(
             f"resume_from_checkpoint: {checkpoint} was trained with {'; '.join(one(k) for k in refused)}, and "
@@ -168,8 +185,14 @@ def check_resume(saved: Optional[dict[str, Any]], now: dict[str, Any], checkpoin
             "fresh one (drop resume_from_checkpoint, or choose another output_dir)"
         )
     for k, (old, new) in notes.items():
-        logger.warning("lowprec: resuming with %s %s, the checkpoint was written with %s: the run continues, but not "
-                       "bit for bit as the uninterrupted one (%s)", k, _show(new), _show(old), RULES[k][1])
+        logger.warning(
+            "lowprec: resuming with %s %s, the checkpoint was written with %s: the run continues, but not "
+            "bit for bit as the uninterrupted one (%s)",
+            k,
+            _show(new),
+            _show(old),
+            RULES[k][1],
+        )
     return changed
 
 
@@ -199,4 +222,6 @@ def apply_changes(run: Any, changes: dict[str, tuple], main: bool) -> None:
         sched._last_lr = [g["lr"] for g in groups]
     if main:
         for key, (old, new) in changes.items():
-            logger.warning("lowprec: changed %s from %s to %s on resume (%s)", key, _show(old), _show(new), RULES[key][1])
+            logger.warning(
+                "lowprec: changed %s from %s to %s on resume (%s)", key, _show(old), _show(new), RULES[key][1]
+            )

@@ -57,11 +57,12 @@ def _describe(holder: dict) -> str:
 
 
 def _refusal(output_dir: str, path: str, holder: dict) -> str:
-    gone = (holder.get("host") == this_host() and isinstance(holder.get("pid"), int)
-            and not pid_alive(holder["pid"]))
+    gone = holder.get("host") == this_host() and isinstance(holder.get("pid"), int) and not pid_alive(holder["pid"])
     note = " (that process has exited, but a process it started still holds the lock)" if gone else ""
-    return (f"output_dir: {output_dir} is in use by another lowprec run ({_describe(holder)}{note}; lock file "
-            f"{path}); wait for it to finish or stop it, or choose another output_dir")
+    return (
+        f"output_dir: {output_dir} is in use by another lowprec run ({_describe(holder)}{note}; lock file "
+        f"{path}); wait for it to finish or stop it, or choose another output_dir"
+    )
 
 
 def _launcher_holds(output_dir: str, fd: int) -> bool:
@@ -86,13 +87,17 @@ def _acquire(fd: int, output_dir: str, path: str) -> bool:
     except OSError as exc:
         if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
             raise
-        logger.warning("lowprec: cannot lock %s (%s): a second run on this output_dir would not be "
-                       "detected", path, exc.strerror)
+        logger.warning(
+            "lowprec: cannot lock %s (%s): a second run on this output_dir would not be detected", path, exc.strerror
+        )
         return False
     previous = _read(fd)
     if previous:  # a clean exit empties the file: this holder died without releasing
-        logger.warning("lowprec: taking over the lock on %s left by %s, which is no longer running",
-                       output_dir, _describe(previous))
+        logger.warning(
+            "lowprec: taking over the lock on %s left by %s, which is no longer running",
+            output_dir,
+            _describe(previous),
+        )
     me = {"pid": os.getpid(), "host": this_host(), "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)

@@ -155,8 +155,13 @@ class Verdict:
     reason: str = ""
 
     def to_dict(self) -> dict:
-        return {"outcome": self.outcome, "threshold": self.threshold, "gap": self.gap.to_dict(),
-                "seeds_needed": self.seeds_needed, "reason": self.reason}
+        return {
+            "outcome": self.outcome,
+            "threshold": self.threshold,
+            "gap": self.gap.to_dict(),
+            "seeds_needed": self.seeds_needed,
+            "reason": self.reason,
+        }
 
 
 def seeds_needed(mean: float, sd: float, threshold: float, level: float = 0.95, limit: int = 1000) -> Optional[int]:
@@ -181,15 +186,17 @@ def verdict(gaps: Sequence[float], threshold: float, level: float = 0.95) -> Ver
     the lower bound exceeds it, else inconclusive. Being better than the reference never fails."""
     gap = interval(gaps, level)
     if gap.n < 2:
-        return Verdict(INCONCLUSIVE, threshold, gap, None,
-                       "one seed has no spread to measure: run --seeds 3 or more")
+        return Verdict(INCONCLUSIVE, threshold, gap, None, "one seed has no spread to measure: run --seeds 3 or more")
     if gap.high <= threshold:
         return Verdict(WITHIN, threshold, gap)
     if gap.low > threshold:
         return Verdict(OUTSIDE, threshold, gap)
     need = seeds_needed(gap.mean, gap.sd, threshold, level)
-    why = (f"about {need} seeds in all would resolve it at the measured spread" if need is not None
-           else "the mean gap sits on the threshold: more seeds will not resolve it; more steps or a lower variance config may")
+    why = (
+        f"about {need} seeds in all would resolve it at the measured spread"
+        if need is not None
+        else "the mean gap sits on the threshold: more seeds will not resolve it; more steps or a lower variance config may"
+    )
     return Verdict(INCONCLUSIVE, threshold, gap, need, why)
 
 
@@ -236,7 +243,7 @@ def first_departure(
         iv = interval(per_step[s], level)
         above.append((iv.mean if iv.low is None else iv.low) > threshold)
     for i, s in enumerate(steps):
-        run = above[i:i + patience]
+        run = above[i : i + patience]
         if run and all(run):
             return s
     return None

@@ -17,8 +17,15 @@ from typing import Iterable, Protocol, Sequence
 
 import torch
 
-__all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "BYTE_VOCAB_SIZE", "is_remote_code_refusal",
-           "remote_code_message"]
+__all__ = [
+    "Tokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "load_tokenizer",
+    "BYTE_VOCAB_SIZE",
+    "is_remote_code_refusal",
+    "remote_code_message",
+]
 
 
 def _round_up16(n: int) -> int:
@@ -91,15 +98,23 @@ def is_remote_code_refusal(exc: BaseException) -> bool:
 
 
 def remote_code_message(path: str) -> str:
-    return (f"{path} ships its own Python code (auto_map in its config), which lowprec does not run: set "
-            "trust_remote_code: true only if you trust that code")
+    return (
+        f"{path} ships its own Python code (auto_map in its config), which lowprec does not run: set "
+        "trust_remote_code: true only if you trust that code"
+    )
 
 
 class HFTokenizer:
     """A local Hugging Face tokenizer directory (``tokenizer.json`` etc.), loaded offline."""
 
-    def __init__(self, path: str, special_tokens: dict | None = None, tokenizer_type: str | None = None,
-                 trust_remote_code: bool = False, tokens: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        special_tokens: dict | None = None,
+        tokenizer_type: str | None = None,
+        trust_remote_code: bool = False,
+        tokens: Sequence[str] | None = None,
+    ) -> None:
         try:
             import transformers
         except ImportError as e:  # None in sys.modules also lands here
@@ -113,8 +128,10 @@ class HFTokenizer:
             from lowprec.errors import did_you_mean
 
             names = [n for n in dir(transformers) if n.endswith(("Tokenizer", "TokenizerFast"))]
-            raise ValueError(f"tokenizer_type: {tokenizer_type!r} is not a transformers tokenizer class"
-                             f"{did_you_mean(tokenizer_type, names)}; use AutoTokenizer or e.g. PreTrainedTokenizerFast")
+            raise ValueError(
+                f"tokenizer_type: {tokenizer_type!r} is not a transformers tokenizer class"
+                f"{did_you_mean(tokenizer_type, names)}; use AutoTokenizer or e.g. PreTrainedTokenizerFast"
+            )
         try:
             # always explicit: transformers' default (None) asks "[y/N]" on a terminal, and "y" runs
             # the directory's code; unset must mean refused
@@ -132,7 +149,9 @@ class HFTokenizer:
         # are new (resized or never trained), which LoRA alone cannot train (adapters.check_new_tokens)
         special = dict(special_tokens or {})
         named = [(f"special_tokens.{k}", v) for k, v in special.items() if k != "additional_special_tokens"]
-        named += [("special_tokens.additional_special_tokens", v) for v in special.get("additional_special_tokens") or []]
+        named += [
+            ("special_tokens.additional_special_tokens", v) for v in special.get("additional_special_tokens") or []
+        ]
         named += [("tokens", v) for v in tokens or []]
         self.new_tokens = {v: k for k, v in named if v not in known}
         # the added tokens change tokenization without always changing the padded vocab_size,
@@ -177,8 +196,9 @@ class HFTokenizer:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(spec: str | None = "byte", special_tokens: dict | None = None,
-                   tokens: Sequence[str] | None = None) -> Tokenizer:
+def load_tokenizer(
+    spec: str | None = "byte", special_tokens: dict | None = None, tokens: Sequence[str] | None = None
+) -> Tokenizer:
     """``"byte"`` (or None) for the byte tokenizer, or the path of a local Hugging Face
     tokenizer directory (needs ``transformers``); ``special_tokens`` (``{"pad_token": ...}``)
     and added ``tokens`` go to a Hugging Face tokenizer (the byte tokenizer's are fixed)."""

@@ -85,9 +85,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=cfg.learning_rate, momentum=0.9)
     fused = cfg.optimizer == "adamw_torch_fused"
-    return torch.optim.AdamW(
-        groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused or None
-    )
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused or None)
 
 
 def scheduler_warmup(cfg: TrainConfig, total_steps: int, warmup: Optional[int] = None) -> int:
@@ -97,16 +95,16 @@ def scheduler_warmup(cfg: TrainConfig, total_steps: int, warmup: Optional[int] =
 
 def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int, warmup: Optional[int] = None):
     warmup = scheduler_warmup(cfg, total_steps, warmup)
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, warmup, total_steps, cfg.lr_scheduler)
-    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, warmup, total_steps, cfg.lr_scheduler))
 
 
-def _build_model(cfg: TrainConfig, vocab_size: int, new_tokens: Optional[dict] = None) -> tuple[nn.Module, dict[str, Any]]:
+def _build_model(
+    cfg: TrainConfig, vocab_size: int, new_tokens: Optional[dict] = None
+) -> tuple[nn.Module, dict[str, Any]]:
     if cfg.base_model.startswith("builtin:"):
         from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 
-        mc = LlamaConfig.from_name(cfg.base_model[len("builtin:"):])
+        mc = LlamaConfig.from_name(cfg.base_model[len("builtin:") :])
         if vocab_size > mc.vocab_size:
             mc = mc.replace(vocab_size=vocab_size)
         return LlamaForCausalLM(mc), mc.to_dict()
@@ -123,8 +121,11 @@ def _build_model(cfg: TrainConfig, vocab_size: int, new_tokens: Optional[dict] =
     else:
         model = load_causal_lm(path, cfg.model_type, cfg.trust_remote_code, bool(cfg.load_in_4bit))
     if vocab_size > model.get_input_embeddings().num_embeddings:
-        logger.info("lowprec: resizing the token embeddings from %d to %d (the tokenizer's size, padded to 16)",
-                    model.get_input_embeddings().num_embeddings, vocab_size)
+        logger.info(
+            "lowprec: resizing the token embeddings from %d to %d (the tokenizer's size, padded to 16)",
+            model.get_input_embeddings().num_embeddings,
+            vocab_size,
+        )
         model.resize_token_embeddings(vocab_size)
     if cfg.adapter is not None:
         from lowprec.train.adapters import LoraSettings, apply_lora, check_new_tokens
@@ -198,7 +199,8 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
     return Accelerator(
         # tensor parallelism over tensor_parallel_size processes, FSDP2 (fsdp_version: 2) over the rest
         parallelism_config=ParallelismConfig(tp_size=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel)
-        if cfg.tensor_parallel_size > 1 else None,
+        if cfg.tensor_parallel_size > 1
+        else None,
         mixed_precision=plan.mixed_precision,
         kwargs_handlers=handlers,
         fsdp_plugin=fsdp,
@@ -255,8 +257,9 @@ def _setup_health(run: Run) -> None:
     if run.fp8_layers and cfg.fp8_health_on:
         from lowprec.train.health import RunHealth
 
-        run.health = RunHealth(run.inner, cfg.fp8_guard, cfg.fp8_guard_patience, cfg.fp8_health_sqnr_every,
-                               cfg.fp8_guard_thresholds or {})
+        run.health = RunHealth(
+            run.inner, cfg.fp8_guard, cfg.fp8_guard_patience, cfg.fp8_health_sqnr_every, cfg.fp8_guard_thresholds or {}
+        )
         run.health.load_state_dict(saved)
         run.on_move = lambda: _write_conversion_report(run.acc, run.output_dir, tuple(run.health.moves()))
     elif saved.get("moved") and run.fp8_layers:
@@ -266,8 +269,11 @@ def _setup_health(run: Run) -> None:
         run.kept_moves = list(saved["moved"])
     moves = run.health.moves() if run.health is not None else run.kept_moves
     if moves and run.main:
-        logger.warning("lowprec: fp8_guard: %d layer(s) moved to high precision by the checkpoint's run stay moved: %s",
-                       len(moves), ", ".join(m["layer"] for m in moves))
+        logger.warning(
+            "lowprec: fp8_guard: %d layer(s) moved to high precision by the checkpoint's run stay moved: %s",
+            len(moves),
+            ", ".join(m["layer"] for m in moves),
+        )
 
 
 def _seed_everything(seed: int) -> None:
@@ -282,8 +288,17 @@ def _write_interrupted(output_dir: str, state: ckpt.TrainerState, main: bool, la
     path = os.path.join(output_dir, "summary.json")
     if main:
         with open(path, "w") as f:
-            json.dump({"interrupted": True, "steps": state.step, "tokens": state.tokens,
-                       "last_checkpoint": last, "output_dir": output_dir}, f, indent=1)
+            json.dump(
+                {
+                    "interrupted": True,
+                    "steps": state.step,
+                    "tokens": state.tokens,
+                    "last_checkpoint": last,
+                    "output_dir": output_dir,
+                },
+                f,
+                indent=1,
+            )
     return path
 
 
@@ -318,8 +333,9 @@ def train(
         return _train(cfg, plan, output_dir, on_log, wall0)
 
 
-def _train(cfg: TrainConfig, plan: RunPlan, output_dir: str, on_log: Optional[Callable[[dict], None]],
-           wall0: float) -> RunResult:
+def _train(
+    cfg: TrainConfig, plan: RunPlan, output_dir: str, on_log: Optional[Callable[[dict], None]], wall0: float
+) -> RunResult:
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
     if cfg.tf32 != "auto" and torch.cuda.is_available():  # TF32 is an NVIDIA matmul mode; CPUs have none
@@ -343,22 +359,27 @@ def _train(cfg: TrainConfig, plan: RunPlan, output_dir: str, on_log: Optional[Ca
     if cfg.eval_table_size and val_loader is not None:
         from lowprec.train.generations import EvalTable
 
-        run.table = EvalTable.build(cfg, val_loader, tokenizer, output_dir, f"{cfg.base_model} ({plan.label})",
-                                    decisions, logger)
+        run.table = EvalTable.build(
+            cfg, val_loader, tokenizer, output_dir, f"{cfg.base_model} ({plan.label})", decisions, logger
+        )
         if main and resume_path is not None:  # metrics.jsonl was cut back to the checkpoint's step
             run.table.records = read_metrics(output_dir, "generations")
     if main:
         from lowprec.train.outputs import write_resolved_config
 
         write_resolved_config(cfg.to_yaml_dict(), decisions, output_dir)
-        _write_conversion_report(acc, output_dir, tuple(run.health.moves() if run.health is not None else run.kept_moves))
+        _write_conversion_report(
+            acc, output_dir, tuple(run.health.moves() if run.health is not None else run.kept_moves)
+        )
     try:
         loop = run_loop(run)
     except NonFiniteError as exc:
         raise NonFiniteError(run.stop_line(str(exc))) from None
     except KeyboardInterrupt:
         summary = _write_interrupted(output_dir, run.state, main, ckpt.latest_checkpoint(output_dir))
-        raise Interrupted(run.stop_line(f"interrupted at step {run.state.step} of {total} (summary: {summary})")) from None
+        raise Interrupted(
+            run.stop_line(f"interrupted at step {run.state.step} of {total} (summary: {summary})")
+        ) from None
     except Exception as exc:  # noqa: BLE001 - only a failed write is turned into one line
         _raise_storage(run, exc)
         raise
@@ -380,9 +401,13 @@ def _raise_storage(run: Run, exc: BaseException) -> None:
     err = os_error_of(exc, run.output_dir)
     if err is None or err.errno is None:
         return
-    raise StorageError(err.errno, run.stop_line(
-        f"stopped at step {run.state.step}: cannot write {err.filename or run.output_dir} ({err.strerror}); "
-        "free space or make the directory writable, then resume")) from None
+    raise StorageError(
+        err.errno,
+        run.stop_line(
+            f"stopped at step {run.state.step}: cannot write {err.filename or run.output_dir} ({err.strerror}); "
+            "free space or make the directory writable, then resume"
+        ),
+    ) from None
 
 
 def _data(cfg: TrainConfig, acc):
@@ -410,20 +435,33 @@ def _data(cfg: TrainConfig, acc):
     # the processes of one tensor-parallel group read the same batches
     rank, world = data_shard(acc.parallelism_config, acc.process_index, acc.num_processes, acc.device.type)
     loader = TokenBatches(
-        train_ds, cfg.micro_batch_size, cfg.sequence_len, seed=cfg.seed,
-        rank=rank, world_size=world, names=DATA_KEYS,
+        train_ds,
+        cfg.micro_batch_size,
+        cfg.sequence_len,
+        seed=cfg.seed,
+        rank=rank,
+        world_size=world,
+        names=DATA_KEYS,
     )
     val_loader = None
     if val_ds is not None:
         val_loader = TokenBatches(
-            val_ds, cfg.micro_batch_size, cfg.sequence_len, seed=cfg.seed,
-            rank=rank, world_size=world, shuffle=False,
+            val_ds,
+            cfg.micro_batch_size,
+            cfg.sequence_len,
+            seed=cfg.seed,
+            rank=rank,
+            world_size=world,
+            shuffle=False,
             names={**DATA_KEYS, "batch_size": "micro_batch_size (validation)"},
         )
     if acc.is_main_process:
         logger.info(
             "lowprec: data %s: %d train tokens, %d validation tokens, fingerprint %s",
-            train_ds.name, train_ds.n_tokens, 0 if val_ds is None else val_ds.n_tokens, train_ds.fingerprint,
+            train_ds.name,
+            train_ds.n_tokens,
+            0 if val_ds is None else val_ds.n_tokens,
+            train_ds.fingerprint,
         )
     return tokenizer, loader, val_loader
 
@@ -440,12 +478,18 @@ def _total_steps(cfg: TrainConfig, batches_per_epoch: int, decisions: dict, main
         why = f"num_epochs: {epochs} x {per_epoch} steps per epoch" + ("" if cfg.num_epochs else " (default 1 epoch)")
     decisions["total_steps"] = Decision(total, why)
     if cfg.warmup_ratio is not None:  # Axolotl: warmup_steps = ratio x the run's steps
-        decisions["warmup_steps"] = Decision(int(cfg.warmup_ratio * total), f"warmup_ratio: {cfg.warmup_ratio} x {total} steps")
+        decisions["warmup_steps"] = Decision(
+            int(cfg.warmup_ratio * total), f"warmup_ratio: {cfg.warmup_ratio} x {total} steps"
+        )
     elif cfg.warmup_steps >= total:  # a smoke run (--max_steps 3) of a config with a long warmup
         warmup = max(0, total - 1)
-        decisions["warmup_steps"] = Decision(warmup, f"warmup_steps: {cfg.warmup_steps} clamped to the run's {total} steps")
+        decisions["warmup_steps"] = Decision(
+            warmup, f"warmup_steps: {cfg.warmup_steps} clamped to the run's {total} steps"
+        )
         if main:
-            logger.warning("lowprec: note: warmup_steps: %d clamped to %d for this %d-step run", cfg.warmup_steps, warmup, total)
+            logger.warning(
+                "lowprec: note: warmup_steps: %d clamped to %d for this %d-step run", cfg.warmup_steps, warmup, total
+            )
     # evals_per_epoch / saves_per_epoch -> a step interval, as Axolotl: steps per epoch // N
     for key, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
         n = getattr(cfg, key)
@@ -459,8 +503,9 @@ def _total_steps(cfg: TrainConfig, batches_per_epoch: int, decisions: dict, main
     return total
 
 
-def _build(cfg: TrainConfig, plan: RunPlan, acc, tokenizer, total: int, output_dir: str, loader, val_loader,
-           decisions: dict) -> Run:
+def _build(
+    cfg: TrainConfig, plan: RunPlan, acc, tokenizer, total: int, output_dir: str, loader, val_loader, decisions: dict
+) -> Run:
     """Model, optimizer and schedule, prepared by the accelerator; the run's shared state."""
     _seed_everything(cfg.seed)
     model, model_config = _build_model(cfg, tokenizer.vocab_size, getattr(tokenizer, "new_tokens", None))
@@ -471,7 +516,9 @@ def _build(cfg: TrainConfig, plan: RunPlan, acc, tokenizer, total: int, output_d
 
             # transformers passes these to torch.utils.checkpoint: the recompute re-enters the
             # FP8 region of the first forward, as lowprec.fp8.checkpoint (fp8/recompute.py) does for the built-in model
-            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={**kwargs, "context_fn": replay_context})
+            model.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={**kwargs, "context_fn": replay_context}
+            )
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if plan.weights_dtype == "bfloat16":
@@ -484,7 +531,9 @@ def _build(cfg: TrainConfig, plan: RunPlan, acc, tokenizer, total: int, output_d
         model = torch.compile(model)
     from lowprec.train.resume_check import settings_of
 
-    state = ckpt.TrainerState(settings=settings_of(cfg, plan, model_config, total, scheduler_warmup(cfg, total, warmup)))
+    state = ckpt.TrainerState(
+        settings=settings_of(cfg, plan, model_config, total, scheduler_warmup(cfg, total, warmup))
+    )
     acc.register_for_checkpointing(loader, state)
     inner = acc.unwrap_model(model)
     from lowprec.fp8 import has_fp8_layers
@@ -492,10 +541,22 @@ def _build(cfg: TrainConfig, plan: RunPlan, acc, tokenizer, total: int, output_d
     # telemetry reads lowprec's own Float8Linear; torchao's layers (fp8_backend: torchao) have none
     fp8_layers = bool(cfg.fp8) and acc.fp8_enabled and has_fp8_layers(inner)
     return Run(
-        cfg=cfg, acc=acc, output_dir=output_dir, total=total, label=plan.label, model=model,
-        inner=inner, optimizer=optimizer, scheduler=scheduler, loader=loader,
-        val_loader=val_loader, state=state, writer=None, fp8_layers=fp8_layers,
-        main=acc.is_main_process, model_config=model_config,
+        cfg=cfg,
+        acc=acc,
+        output_dir=output_dir,
+        total=total,
+        label=plan.label,
+        model=model,
+        inner=inner,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=loader,
+        val_loader=val_loader,
+        state=state,
+        writer=None,
+        fp8_layers=fp8_layers,
+        main=acc.is_main_process,
+        model_config=model_config,
         eval_every=decisions["eval_steps"].value if "eval_steps" in decisions else cfg.eval_steps,
         save_every=decisions["save_steps"].value if "save_steps" in decisions else cfg.save_steps,
     )
@@ -520,7 +581,8 @@ def _resume(run: Run, decisions: dict) -> Optional[str]:
             raise CheckpointError(
                 f"checkpoint {resume_path} cannot be loaded ({' '.join(str(exc).split())[:200] or 'AssertionError'}); "
                 "it is damaged or from another run: resume from an earlier checkpoint (resume_from_checkpoint: "
-                "<its directory>) or start afresh in a new output_dir") from None
+                "<its directory>) or start afresh in a new output_dir"
+            ) from None
         apply_changes(run, changes, main)
         if main:
             truncate_after(output_dir, run.state.step)
@@ -532,7 +594,9 @@ def _resume(run: Run, decisions: dict) -> Optional[str]:
             logger.warning(
                 "lowprec: fresh run in %s: removing %d checkpoint(s) of an earlier run (%s); set "
                 "resume_from_checkpoint: auto to continue a run instead",
-                output_dir, len(stale), ", ".join(os.path.basename(p) for _, p in stale),
+                output_dir,
+                len(stale),
+                ", ".join(os.path.basename(p) for _, p in stale),
             )
             ckpt.rotate(output_dir, 0)
     acc.wait_for_everyone()
@@ -557,14 +621,17 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
         else:
             from lowprec.train.hf_model import export_pretrained
 
-            files.update(export_pretrained(run.inner, sd, run.tokenizer, output_dir, cfg.merge_lora,
-                                           cfg.trust_remote_code))
+            files.update(
+                export_pretrained(run.inner, sd, run.tokenizer, output_dir, cfg.merge_lora, cfg.trust_remote_code)
+            )
         if cfg.export:  # the trainer's export: key (lowprec.export imports the trainer's model, so not at the top)
             from lowprec.export import export_after_training
 
             files.update(export_after_training(run.inner, cfg.export, output_dir))
         records = read_metrics(output_dir)
-        files["loss_plot"] = plot_loss(records, os.path.join(output_dir, "loss.png"), f"{cfg.base_model} ({plan.label})")
+        files["loss_plot"] = plot_loss(
+            records, os.path.join(output_dir, "loss.png"), f"{cfg.base_model} ({plan.label})"
+        )
         if run.fp8_layers:
             p = plot_fp8_report(records, os.path.join(output_dir, "fp8_report.png"))
             if p:
@@ -579,7 +646,9 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
         output_dir=output_dir,
         precision=plan.label,
         steps=state.step,
-        final_train_loss=loop.last_train if loop.last_train is not None else (train_recs[-1]["loss"] if train_recs else None),
+        final_train_loss=loop.last_train
+        if loop.last_train is not None
+        else (train_recs[-1]["loss"] if train_recs else None),
         final_eval_loss=loop.last_eval,
         tokens_per_s=tok_s,
         peak_mem_mb=peak_memory_mb(acc.device),

@@ -26,7 +26,13 @@ from lowprec.utils.fp8 import (
 )
 from lowprec.process_state import DistributedType
 from lowprec.utils.data_loader import skip_first_batches
-from lowprec.utils.dataclasses import DataLoaderConfiguration, LoggerType, ProfileKwargs, ProjectConfiguration, TorchDynamoPlugin
+from lowprec.utils.dataclasses import (
+    DataLoaderConfiguration,
+    LoggerType,
+    ProfileKwargs,
+    ProjectConfiguration,
+    TorchDynamoPlugin,
+)
 from lowprec.utils.environment import clear_environment
 from lowprec.utils.imports import (
     is_deepspeed_available,

@@ -34,8 +34,9 @@ def parse_size(size: Any) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
 
 
-def write_sharded(state_dict: dict, directory: str, safe: bool, max_shard_size: Any,
-                  save: Callable[[dict, str, bool], None]) -> None:
+def write_sharded(
+    state_dict: dict, directory: str, safe: bool, max_shard_size: Any, save: Callable[[dict, str, bool], None]
+) -> None:
     """One file when it fits in ``max_shard_size``, else shards plus a JSON index mapping each
     tensor to its file (the layout transformers and Accelerate load)."""
     limit = parse_size(max_shard_size)
@@ -129,19 +130,26 @@ class CheckpointingMixin:
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Objects with ``state_dict``/``load_state_dict`` saved and restored with the state."""
-        bad = [f"Item at index {i} (`{type(o).__name__}`)" for i, o in enumerate(objects)
-               if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))]
+        bad = [
+            f"Item at index {i} (`{type(o).__name__}`)"
+            for i, o in enumerate(objects)
+            if not (hasattr(o, "state_dict") and hasattr(o, "load_state_dict"))
+        ]
         if bad:  # one line (lowprec's rule); names each item as Accelerate's message does
-            raise ValueError("All `objects` must include a `state_dict` and `load_state_dict` function to be "
-                             "stored; invalid: " + ", ".join(bad))
+            raise ValueError(
+                "All `objects` must include a `state_dict` and `load_state_dict` function to be "
+                "stored; invalid: " + ", ".join(bad)
+            )
         self._custom_objects.extend(objects)
 
     # ------------------------------------------------------------------ save / load
     def _auto_dir(self) -> str:
         folder = self.project_configuration.checkpoints_dir
         if folder is None:
-            raise ValueError("automatic_checkpoint_naming needs a project directory: "
-                             "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)")
+            raise ValueError(
+                "automatic_checkpoint_naming needs a project directory: "
+                "Accelerator(project_dir=...) or ProjectConfiguration(project_dir=...)"
+            )
         return folder
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True, **_: Any) -> str:
@@ -155,15 +163,17 @@ class CheckpointingMixin:
         if pc.automatic_checkpoint_naming and output_dir is None:
             output_dir = os.path.join(self._auto_dir(), f"checkpoint_{pc.iteration}")
             if os.path.exists(output_dir):
-                raise ValueError(f"checkpoint directory {output_dir} already exists; set "
-                                 "ProjectConfiguration(iteration=...) to the next free number")
+                raise ValueError(
+                    f"checkpoint directory {output_dir} already exists; set "
+                    "ProjectConfiguration(iteration=...) to the next free number"
+                )
         elif output_dir is None:
             output_dir = os.path.join(self._need_project_dir(), "checkpoint")
         path = save_state(self, output_dir, safe_serialization)
         if pc.automatic_checkpoint_naming:
             pc.iteration += 1
             if pc.total_limit is not None and self.is_main_process:
-                for old in _numbered(self._auto_dir())[:-pc.total_limit]:
+                for old in _numbered(self._auto_dir())[: -pc.total_limit]:
                     shutil.rmtree(old, ignore_errors=True)
             self.wait_for_everyone()
         return path
@@ -190,8 +200,14 @@ class CheckpointingMixin:
             input_dir = os.path.join(self._need_project_dir(), "checkpoint")
         load_state(self, input_dir)
 
-    def save_model(self, model: Any, save_directory: str, max_shard_size: Any = "10GB", safe_serialization: bool = True,
-                   fp8_format: Optional[str] = None) -> None:
+    def save_model(
+        self,
+        model: Any,
+        save_directory: str,
+        max_shard_size: Any = "10GB",
+        safe_serialization: bool = True,
+        fp8_format: Optional[str] = None,
+    ) -> None:
         """Plain weights that load into the unconverted model (``model.safetensors``, or shards of
         at most ``max_shard_size`` plus ``model.safetensors.index.json``); weights a big-model
         dispatch offloaded to disk or CPU are read back from its hooks, as Accelerate does.

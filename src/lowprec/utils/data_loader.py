@@ -155,8 +155,15 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         **kwargs: Any,
     ) -> None:
         _check_constructor(use_stateful_dataloader, torch_device_mesh)
-        self._setup(DataLoader(dataset, **kwargs), rank=0, world_size=1, device=device, seed=None,
-                    gradient_state=GradientState(), non_blocking=_non_blocking)
+        self._setup(
+            DataLoader(dataset, **kwargs),
+            rank=0,
+            world_size=1,
+            device=device,
+            seed=None,
+            gradient_state=GradientState(),
+            non_blocking=_non_blocking,
+        )
         self.skip_batches = skip_batches
         self.rng_types, self.synchronized_generator = rng_types, synchronized_generator
         self.epoch = iteration
@@ -178,9 +185,17 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         """What ``prepare()`` builds: ``dataloader`` sharded over ``world_size`` processes, shuffled
         with ``seed + epoch`` on every process."""
         self = cls.__new__(cls)
-        self._setup(dataloader, rank=rank, world_size=world_size, device=device, seed=seed,
-                    gradient_state=gradient_state, split_batches=split_batches, even_batches=even_batches,
-                    non_blocking=non_blocking)
+        self._setup(
+            dataloader,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            seed=seed,
+            gradient_state=gradient_state,
+            split_batches=split_batches,
+            even_batches=even_batches,
+            non_blocking=non_blocking,
+        )
         return self
 
     def _setup(
@@ -212,14 +227,21 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         self.user_generator = sampler.generator if shuffled else None
         self._generator_state: Optional[torch.Tensor] = None  # user_generator at this epoch's start
         if shuffled and self.user_generator is None:
-            log_once("lowprec: a prepared DataLoader without generator= shuffles with seed + epoch (the same order on "
-                     "every process and after a resume), not with a seed drawn from the global RNG as Accelerate; "
-                     "pass DataLoader(generator=torch.Generator().manual_seed(...)) for PyTorch's and Accelerate's order")
+            log_once(
+                "lowprec: a prepared DataLoader without generator= shuffles with seed + epoch (the same order on "
+                "every process and after a resume), not with a seed drawn from the global RNG as Accelerate; "
+                "pass DataLoader(generator=torch.Generator().manual_seed(...)) for PyTorch's and Accelerate's order"
+            )
         self._drop_last = False
         self.epoch = 0
         self.batches_yielded = 0
         self._skip = 0
-        if split_batches and world_size > 1 and dataloader.batch_size is not None and dataloader.batch_size % world_size:
+        if (
+            split_batches
+            and world_size > 1
+            and dataloader.batch_size is not None
+            and dataloader.batch_size % world_size
+        ):
             raise ValueError(
                 f"split_batches=True splits each batch across {world_size} processes, but batch_size="
                 f"{dataloader.batch_size} does not divide by {world_size}; use a multiple of {world_size}"
@@ -245,14 +267,14 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
     def _global_batches(self) -> list[list[int]]:
         sampler = self.base.sampler
         if not isinstance(sampler, RandomSampler):
-            return [list(b) for b in self.base.batch_sampler][self.skip_batches:]
+            return [list(b) for b in self.base.batch_sampler][self.skip_batches :]
         if self.user_generator is not None:
             self._replay_user_generator()
-            return [list(b) for b in self.base.batch_sampler][self.skip_batches:]
+            return [list(b) for b in self.base.batch_sampler][self.skip_batches :]
         # every process draws the same permutation for this epoch; the user's sampler is left as it was
         sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
         try:
-            return [list(b) for b in self.base.batch_sampler][self.skip_batches:]
+            return [list(b) for b in self.base.batch_sampler][self.skip_batches :]
         finally:
             sampler.generator = None
 
@@ -278,7 +300,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         if self.split_batches:
             return self._split(batches), -1
         if not self.even_batches:
-            return batches[self.rank::self.world_size], -1
+            return batches[self.rank :: self.world_size], -1
         n, width = len(batches), len(batches[0])
         steps = -(-n // self.world_size)
         last_step = range((steps - 1) * self.world_size, n)
@@ -294,7 +316,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         # boundaries are kept
         padded += [list(batches[k % n]) for k in range(steps * self.world_size - n)]
         changed = len(padded) != n or len(padded[n - 1]) != len(batches[-1])
-        return padded[self.rank::self.world_size], (remainder if changed else -1)
+        return padded[self.rank :: self.world_size], (remainder if changed else -1)
 
     def _split(self, batches: list[list[int]]) -> list[list[int]]:
         """Slice ``rank`` of each batch; a short last batch is padded from the start first (as
@@ -305,7 +327,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         for b in batches:
             b = b + [flat[k % len(flat)] for k in range(width - len(b))] if len(b) < width else b
             k = len(b) // self.world_size
-            out.append(b[self.rank * k:(self.rank + 1) * k])
+            out.append(b[self.rank * k : (self.rank + 1) * k])
         return out
 
     def __len__(self) -> int:
@@ -383,9 +405,15 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         that has ``set_epoch`` (a custom or distributed sampler, an HF dataset)."""
         self.epoch = epoch
         batch_sampler = self.base.batch_sampler
-        samplers = [t for t in (batch_sampler, getattr(batch_sampler, "sampler", None),
-                                getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None))
-                    if hasattr(t, "set_epoch")]
+        samplers = [
+            t
+            for t in (
+                batch_sampler,
+                getattr(batch_sampler, "sampler", None),
+                getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None),
+            )
+            if hasattr(t, "set_epoch")
+        ]
         dataset = self.base.dataset
         for t in samplers or ([dataset] if hasattr(dataset, "set_epoch") else []):
             t.set_epoch(epoch)
@@ -441,6 +469,12 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
         raise TypeError(f"skip_first_batches takes a DataLoader, got {type(dataloader).__name__}")
     if dataloader.batch_sampler is None or isinstance(dataloader.dataset, IterableDataset):
         raise TypeError("skip_first_batches on an unprepared DataLoader needs a map-style dataset with batches")
-    return SkipDataLoader(dataloader.dataset, skip_batches=int(num_batches), batch_sampler=dataloader.batch_sampler,
-                          collate_fn=dataloader.collate_fn, num_workers=dataloader.num_workers,
-                          pin_memory=dataloader.pin_memory, worker_init_fn=dataloader.worker_init_fn)
+    return SkipDataLoader(
+        dataloader.dataset,
+        skip_batches=int(num_batches),
+        batch_sampler=dataloader.batch_sampler,
+        collate_fn=dataloader.collate_fn,
+        num_workers=dataloader.num_workers,
+        pin_memory=dataloader.pin_memory,
+        worker_init_fn=dataloader.worker_init_fn,
+    )

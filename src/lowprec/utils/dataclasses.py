@@ -72,8 +72,10 @@ class DataLoaderConfiguration:
                     "DataLoaderConfiguration(use_stateful_dataloader=True) needs torchdata>=0.8 "
                     "(pip install torchdata); lowprec's prepared dataloaders resume mid-epoch without it"
                 )
-            log_once("lowprec: use_stateful_dataloader=True: prepared dataloaders save and restore their "
-                     "position themselves (state_dict/load_state_dict); they are not torchdata StatefulDataLoaders")
+            log_once(
+                "lowprec: use_stateful_dataloader=True: prepared dataloaders save and restore their "
+                "position themselves (state_dict/load_state_dict); they are not torchdata StatefulDataLoaders"
+            )
 
 
 @dataclass
@@ -144,7 +146,9 @@ class TorchDynamoPlugin(KwargsHandler):
         env = os.environ
         backend = self.backend if self.backend is not None else env.get(DYNAMO_PREFIX + "BACKEND", "no")
         object.__setattr__(self, "backend", str(backend).lower())
-        object.__setattr__(self, "mode", self.mode if self.mode is not None else env.get(DYNAMO_PREFIX + "MODE", "default"))
+        object.__setattr__(
+            self, "mode", self.mode if self.mode is not None else env.get(DYNAMO_PREFIX + "MODE", "default")
+        )
         for name in ("fullgraph", "dynamic"):
             if getattr(self, name) is None and DYNAMO_PREFIX + name.upper() in env:
                 object.__setattr__(self, name, parse_bool(env[DYNAMO_PREFIX + name.upper()]))

@@ -35,8 +35,14 @@ __all__ = [
 ]
 
 
-def build_ds_config(plugin: Any, mixed_precision: str, micro_batch_size: int, accumulation_steps: int, world: int,
-                    skip_nonfinite: bool = False) -> dict:
+def build_ds_config(
+    plugin: Any,
+    mixed_precision: str,
+    micro_batch_size: int,
+    accumulation_steps: int,
+    world: int,
+    skip_nonfinite: bool = False,
+) -> dict:
     """The DeepSpeed config: the user's ``hf_ds_config`` with precision, ZeRO stage, batch sizes
     and clipping filled in where it does not set them; a conflicting precision is an error.
     ``skip_nonfinite`` (the non-finite guard is on) needs DeepSpeed's own bf16 overflow check."""
@@ -61,7 +67,10 @@ def build_ds_config(plugin: Any, mixed_precision: str, micro_batch_size: int, ac
         cfg["bf16"]["check_grad_overflow"] = True
     zero = cfg.setdefault("zero_optimization", {})
     zero.setdefault("stage", plugin.zero_stage)
-    for key, device in (("offload_optimizer", plugin.offload_optimizer_device), ("offload_param", plugin.offload_param_device)):
+    for key, device in (
+        ("offload_optimizer", plugin.offload_optimizer_device),
+        ("offload_param", plugin.offload_param_device),
+    ):
         if device not in (None, "none"):
             zero.setdefault(key, {"device": device})
     cfg.setdefault("train_micro_batch_size_per_gpu", micro_batch_size)
@@ -113,7 +122,7 @@ def _key_path(node: Any, loc: tuple, value: Any, path: tuple = ()) -> Optional[t
     """The path in the user's config whose tail is ``loc`` and whose value is ``value``:
     DeepSpeed validates each section with its own pydantic model, whose error locations start
     at the section (``stage``), not at the config (``zero_optimization.stage``)."""
-    if path[-len(loc):] == tuple(str(p) for p in loc) and node == value:
+    if path[-len(loc) :] == tuple(str(p) for p in loc) and node == value:
         return path
     if isinstance(node, dict):
         for k, v in node.items():
@@ -186,8 +195,10 @@ def _zero_partitions(zo: Any) -> list[tuple[Any, list[int]]]:
             out.append((flat, _overlaps(lengths, start, start + flat.numel())))
         return out
     if hasattr(zo, "fp32_partitioned_groups_flat"):  # ZeRO 3: each parameter's own partition, end to end
-        return [(flat, [t.numel() for t in zo.fp16_partitioned_groups[i]])
-                for i, flat in enumerate(zo.fp32_partitioned_groups_flat)]
+        return [
+            (flat, [t.numel() for t in zo.fp16_partitioned_groups[i]])
+            for i, flat in enumerate(zo.fp32_partitioned_groups_flat)
+        ]
     return []
 
 
@@ -206,7 +217,8 @@ def mark_partition_segments(ds_optimizer: Any) -> int:
         if client.state.get(flat) or sum(lengths) != flat.numel():
             logger.warning(
                 "lowprec: FP8AdamW under DeepSpeed: could not map a ZeRO partition of %d elements "
-                "to model parameters; its FP8 blocks run across parameter boundaries", flat.numel()
+                "to model parameters; its FP8 blocks run across parameter boundaries",
+                flat.numel(),
             )
             continue
         set_block_segments(flat, lengths)

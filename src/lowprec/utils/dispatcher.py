@@ -59,12 +59,21 @@ class DataLoaderDispatcher(DataLoaderShard):
         ``slice_fn(batch, slice, process_index=, num_processes=)`` cuts a batch under ``split_batches``."""
         _check_constructor(use_stateful_dataloader, torch_device_mesh)
         if slice_fn is not None and not split_batches:
-            raise ValueError("slice_fn: lowprec's dispatcher sends whole batches unless split_batches=True; "
-                             "pass split_batches=True to have each batch cut by slice_fn, or drop slice_fn")
+            raise ValueError(
+                "slice_fn: lowprec's dispatcher sends whole batches unless split_batches=True; "
+                "pass split_batches=True to have each batch cut by slice_fn, or drop slice_fn"
+            )
         state = PartialState()
-        self._setup(DataLoader(dataset, **kwargs), rank=state.process_index, world_size=state.num_processes,
-                    device=state.device, seed=None, gradient_state=GradientState(), split_batches=split_batches,
-                    non_blocking=_non_blocking)
+        self._setup(
+            DataLoader(dataset, **kwargs),
+            rank=state.process_index,
+            world_size=state.num_processes,
+            device=state.device,
+            seed=None,
+            gradient_state=GradientState(),
+            split_batches=split_batches,
+            non_blocking=_non_blocking,
+        )
         self.skip_batches = skip_batches
         self._drop_last = _drop_last
         self.slice_fn = slice_fn
@@ -73,8 +82,11 @@ class DataLoaderDispatcher(DataLoaderShard):
     def __len__(self) -> int:
         if self.given:
             n = len(self.base)
-            steps = n if self.split_batches or self.world_size == 1 else (
-                n // self.world_size if self._drop_last else -(-n // self.world_size))
+            steps = (
+                n
+                if self.split_batches or self.world_size == 1
+                else (n // self.world_size if self._drop_last else -(-n // self.world_size))
+            )
             return max(0, steps - self.skip_batches)
         n = len(self.base) if self.iterable else len(self.base.batch_sampler) - self.skip_batches
         return n if self.split_batches or self.world_size == 1 else -(-n // self.world_size)
@@ -84,11 +96,18 @@ class DataLoaderDispatcher(DataLoaderShard):
         per_step = 1 if self.split_batches else self.world_size
         if self.iterable or self.given:
             return itertools.islice(iter(self.base), skip_steps * per_step, None)
-        batches = self._global_batches()[skip_steps * per_step:]
-        return iter(DataLoader(self.base.dataset, batch_sampler=batches, collate_fn=self.base.collate_fn,
-                               num_workers=self.base.num_workers, pin_memory=self.base.pin_memory,
-                               worker_init_fn=self.base.worker_init_fn,
-                               generator=torch.Generator().manual_seed(self.seed + self.epoch)))
+        batches = self._global_batches()[skip_steps * per_step :]
+        return iter(
+            DataLoader(
+                self.base.dataset,
+                batch_sampler=batches,
+                collate_fn=self.base.collate_fn,
+                num_workers=self.base.num_workers,
+                pin_memory=self.base.pin_memory,
+                worker_init_fn=self.base.worker_init_fn,
+                generator=torch.Generator().manual_seed(self.seed + self.epoch),
+            )
+        )
 
     def _steps(self, skip_steps: int) -> Iterator[tuple[list, int]]:
         """Process 0: (one batch per process, real samples or -1 when nothing was filled)."""
@@ -97,8 +116,13 @@ class DataLoaderDispatcher(DataLoaderShard):
             for b in self._source(skip_steps):
                 if getattr(self, "slice_fn", None) is not None:
                     k = _batch_len(b) // w
-                    yield [self.slice_fn(b, slice(r * k, (r + 1) * k), process_index=r, num_processes=w)
-                           for r in range(w)], -1
+                    yield (
+                        [
+                            self.slice_fn(b, slice(r * k, (r + 1) * k), process_index=r, num_processes=w)
+                            for r in range(w)
+                        ],
+                        -1,
+                    )
                 else:
                     yield [recursively_apply(lambda t, r=r: t.tensor_split(w)[r], b) for r in range(w)], -1
             return

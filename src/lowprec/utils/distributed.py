@@ -60,14 +60,19 @@ def fsdp2_units(model: nn.Module, plugin: Any) -> list[nn.Module]:
             )
         units = [m for m in model.modules() if m is not model and type(m).__name__ in names]
     elif plugin.auto_wrap_policy == "SIZE_BASED_WRAP":
-        units = [m for m in model.modules() if m is not model
-                 and sum(p.numel() for p in m.parameters()) >= plugin.min_num_params]
+        units = [
+            m
+            for m in model.modules()
+            if m is not model and sum(p.numel() for p in m.parameters()) >= plugin.min_num_params
+        ]
     else:
         units = []
     return list(reversed(units))  # children before parents, as fully_shard expects
 
 
-def wrap_fsdp2(model: nn.Module, mixed_precision: str, plugin: Any, device: torch.device, mesh: Any = None) -> nn.Module:
+def wrap_fsdp2(
+    model: nn.Module, mixed_precision: str, plugin: Any, device: torch.device, mesh: Any = None
+) -> nn.Module:
     """``fully_shard`` each unit of the plugin's wrap policy, then the root. Parameters are
     computed in bf16 under fp8/bf16 (FP8 layers sit inside the bf16 policy), gradients reduced
     in fp32."""
@@ -76,7 +81,11 @@ def wrap_fsdp2(model: nn.Module, mixed_precision: str, plugin: Any, device: torc
 
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (dist.get_world_size(),))
     param_dtype = _FSDP_DTYPES.get(mixed_precision)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        if param_dtype
+        else MixedPrecisionPolicy()
+    )
     offload = CPUOffloadPolicy() if plugin.offload_params else OffloadPolicy()
     kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=plugin.reshard_after_forward, offload_policy=offload)
     for unit in fsdp2_units(model, plugin):
@@ -134,12 +143,15 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict) -> None:
         # QLoRA: bitsandbytes' 4-bit base weights are frozen and made again from base_model when
         # the run starts; their saved copy (packed NF4 + quant-state keys, which Linear4bit's
         # load_state_dict does not take) is skipped, every other key loads strictly
-        result = model.load_state_dict({k: v for k, v in state_dict.items() if not k.startswith(frozen_4bit)},
-                                       strict=False)
+        result = model.load_state_dict(
+            {k: v for k, v in state_dict.items() if not k.startswith(frozen_4bit)}, strict=False
+        )
         missing = [k for k in result.missing_keys if not k.startswith(frozen_4bit)]
         if missing or result.unexpected_keys:
-            raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}: missing keys "
-                               f"{missing[:5]}, unexpected keys {result.unexpected_keys[:5]}")
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(model).__name__}: missing keys "
+                f"{missing[:5]}, unexpected keys {result.unexpected_keys[:5]}"
+            )
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 

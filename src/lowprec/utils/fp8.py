@@ -37,7 +37,9 @@ def _ao_installed() -> bool:
     return SPEC.available()
 
 
-def convert_model(model: nn.Module, to_transformer_engine: bool = True, _convert_linear: bool = True, _convert_ln: bool = True) -> nn.Module:
+def convert_model(
+    model: nn.Module, to_transformer_engine: bool = True, _convert_linear: bool = True, _convert_ln: bool = True
+) -> nn.Module:
     if not to_transformer_engine:
         fp8.unconvert(model)
         return model
@@ -74,15 +76,18 @@ def has_ao_layers(model: nn.Module) -> bool:
 has_fp8_layers = fp8.has_fp8_layers
 
 
-def contextual_fp8_autocast(model_forward: Callable, fp8_recipe: Optional[Any] = None, use_during_eval: bool = False) -> Callable:
+def contextual_fp8_autocast(
+    model_forward: Callable, fp8_recipe: Optional[Any] = None, use_during_eval: bool = False
+) -> Callable:
     """Wrap a bound forward: FP8 on in training mode (and in eval if ``use_during_eval``)."""
     recipe = fp8_recipe if isinstance(fp8_recipe, fp8.Recipe) else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # in eval, use_during_eval=True must beat each layer's own recipe (use_during_eval=False
         # by default), so it is passed as an override; otherwise the recipes decide
-        with fp8.autocast(enabled=use_during_eval or self.training, recipe=recipe,
-                          use_during_eval=True if use_during_eval else None):
+        with fp8.autocast(
+            enabled=use_during_eval or self.training, recipe=recipe, use_during_eval=True if use_during_eval else None
+        ):
             return model_forward(*args, **kwargs)
 
     forward.__wrapped__ = model_forward  # type: ignore[attr-defined]

@@ -55,4 +55,5 @@ is_aim_available = _probe("aim", "aim")
 is_transformers_available = _probe("transformers", "transformers")
 is_peft_available = _probe("peft", "peft")
 is_torchdata_stateful_dataloader_available = _probe(
-    "torchdata_stateful_dataloader", "torchdata", "torchdata.stateful_dataloader")
+    "torchdata_stateful_dataloader", "torchdata", "torchdata.stateful_dataloader"
+)

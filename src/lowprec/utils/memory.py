@@ -41,20 +41,29 @@ def should_reduce_batch_size(exception: BaseException) -> bool:
     """Whether ``exception`` is an out-of-memory error (retrying smaller may succeed)."""
     if isinstance(exception, torch.cuda.OutOfMemoryError):
         return True
-    return isinstance(exception, RuntimeError) and len(exception.args) == 1 and any(
-        m in str(exception.args[0]) for m in _OOM_MESSAGES
+    return (
+        isinstance(exception, RuntimeError)
+        and len(exception.args) == 1
+        and any(m in str(exception.args[0]) for m in _OOM_MESSAGES)
     )
 
 
-def find_executable_batch_size(function: Optional[Callable] = None, starting_batch_size: int = 128,
-                               reduce_batch_size_fn: Optional[Callable[[], int]] = None):
+def find_executable_batch_size(
+    function: Optional[Callable] = None,
+    starting_batch_size: int = 128,
+    reduce_batch_size_fn: Optional[Callable[[], int]] = None,
+):
     """Decorator: calls ``function(batch_size, *args)``, shrinking ``batch_size`` to 90% after each
     out-of-memory error until it runs; other errors propagate."""
     if function is None:
-        return functools.partial(find_executable_batch_size, starting_batch_size=starting_batch_size,
-                                 reduce_batch_size_fn=reduce_batch_size_fn)
+        return functools.partial(
+            find_executable_batch_size,
+            starting_batch_size=starting_batch_size,
+            reduce_batch_size_fn=reduce_batch_size_fn,
+        )
     batch_size = starting_batch_size
     if reduce_batch_size_fn is None:
+
         def reduce_batch_size_fn() -> int:
             return int(batch_size * 0.9)
 

@@ -13,11 +13,15 @@ __all__ = ["extract_model_from_parallel", "init_empty_weights", "init_on_device"
 
 
 def _is_wrapper(model: nn.Module) -> bool:
-    return isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)) or type(model).__name__ == "DeepSpeedEngine"
+    return (
+        isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+        or type(model).__name__ == "DeepSpeedEngine"
+    )
 
 
-def extract_model_from_parallel(model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True,
-                                recursive: bool = False) -> nn.Module:
+def extract_model_from_parallel(
+    model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True, recursive: bool = False
+) -> nn.Module:
     """The user's model inside DDP / DataParallel / DeepSpeed and ``torch.compile`` wrappers.
     With ``keep_torch_compile`` a compiled model stays compiled (its ``_orig_mod`` unwrapped);
     ``keep_fp32_wrapper=False`` also removes lowprec's precision wrapper from ``forward``."""

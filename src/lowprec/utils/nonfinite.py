@@ -87,12 +87,21 @@ def _saved_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 class NonFiniteGuard:
     """Per-Accelerator state of the guard: the pending loss flag and the skip counters."""
 
-    def __init__(self, enabled: bool = True, max_consecutive: Optional[int] = 3, distributed: bool = False,
-                 device: Optional[torch.device] = None) -> None:
+    def __init__(
+        self,
+        enabled: bool = True,
+        max_consecutive: Optional[int] = 3,
+        distributed: bool = False,
+        device: Optional[torch.device] = None,
+    ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"skip_nonfinite_steps={enabled!r}: use True or False")
-        if max_consecutive is not None and (isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int) or max_consecutive < 1):
-            raise ValueError(f"max_consecutive_skipped_steps={max_consecutive!r}: use an integer >= 1 (or None: never stop)")
+        if max_consecutive is not None and (
+            isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int) or max_consecutive < 1
+        ):
+            raise ValueError(
+                f"max_consecutive_skipped_steps={max_consecutive!r}: use an integer >= 1 (or None: never stop)"
+            )
         self.enabled = enabled
         self.max_consecutive = max_consecutive
         self.distributed = distributed
@@ -117,8 +126,11 @@ class NonFiniteGuard:
         if not self.enabled or not isinstance(loss, torch.Tensor) or not loss.is_floating_point():
             return loss
         ok = torch.isfinite(loss.detach()).all()
-        return loss * torch.where(ok, torch.ones((), dtype=loss.dtype, device=loss.device),
-                                  torch.full((), float("nan"), dtype=loss.dtype, device=loss.device))
+        return loss * torch.where(
+            ok,
+            torch.ones((), dtype=loss.dtype, device=loss.device),
+            torch.full((), float("nan"), dtype=loss.dtype, device=loss.device),
+        )
 
     def _reduce(self, flag: torch.Tensor) -> torch.Tensor:
         if self.distributed:
@@ -172,7 +184,10 @@ class NonFiniteGuard:
         if self._is_main():  # every process takes the same (all-reduced) decision: say it once
             logger.warning(
                 "lowprec: optimizer step %d: %s; step skipped, weights unchanged (%d skipped in a row, %d in all)",
-                self.optimizer_steps, why, self.consecutive, self.skipped,
+                self.optimizer_steps,
+                why,
+                self.consecutive,
+                self.skipped,
             )
         if self.enabled and counts and self.max_consecutive is not None and self.consecutive >= self.max_consecutive:
             raise NonFiniteError(
@@ -191,8 +206,16 @@ class NonFiniteGuard:
         flag = nonfinite_flag([t for _, t in named], self.device)
         if not self._reduce(flag).item() > 0:
             return
-        name = next((n for n, t in named if _local(t).is_floating_point() and _local(t).element_size() > 1
-                     and not torch.isfinite(_local(t)).all()), "a tensor of another process")
+        name = next(
+            (
+                n
+                for n, t in named
+                if _local(t).is_floating_point()
+                and _local(t).element_size() > 1
+                and not torch.isfinite(_local(t)).all()
+            ),
+            "a tensor of another process",
+        )
         raise NonFiniteError(
             f"{what}: the model's weights are not finite ({name} holds NaN/inf); nothing was saved, so "
             "the last good checkpoint stays as it was"

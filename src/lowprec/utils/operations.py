@@ -8,8 +8,20 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["CannotPadNestedTensorWarning", "is_torch_tensor", "recursively_apply", "send_to_device", "gather", "reduce", "pad_across_processes", "to_fp32", "has_tensor", "gather_object",
-           "broadcast", "broadcast_object_list"]
+__all__ = [
+    "CannotPadNestedTensorWarning",
+    "is_torch_tensor",
+    "recursively_apply",
+    "send_to_device",
+    "gather",
+    "reduce",
+    "pad_across_processes",
+    "to_fp32",
+    "has_tensor",
+    "gather_object",
+    "broadcast",
+    "broadcast_object_list",
+]
 
 
 class CannotPadNestedTensorWarning(UserWarning):
@@ -20,18 +32,31 @@ def is_torch_tensor(data: Any) -> bool:
     return isinstance(data, torch.Tensor)
 
 
-def recursively_apply(fn: Callable[..., Any], data: Any, *args: Any, test_type: Callable[[Any], bool] = is_torch_tensor,
-                      error_on_other_type: bool = False, **kwargs: Any) -> Any:
+def recursively_apply(
+    fn: Callable[..., Any],
+    data: Any,
+    *args: Any,
+    test_type: Callable[[Any], bool] = is_torch_tensor,
+    error_on_other_type: bool = False,
+    **kwargs: Any,
+) -> Any:
     """``fn(leaf, *args, **kwargs)`` on every leaf of nested lists/tuples/dicts for which
     ``test_type`` holds; other leaves are kept, or with ``error_on_other_type`` refused (TypeError)."""
     if isinstance(data, (list, tuple)):
-        out = [recursively_apply(fn, d, *args, test_type=test_type, error_on_other_type=error_on_other_type, **kwargs)
-               for d in data]
+        out = [
+            recursively_apply(fn, d, *args, test_type=test_type, error_on_other_type=error_on_other_type, **kwargs)
+            for d in data
+        ]
         return type(data)(*out) if hasattr(data, "_fields") else type(data)(out)
     if isinstance(data, dict):
-        return type(data)({k: recursively_apply(fn, v, *args, test_type=test_type,
-                                                error_on_other_type=error_on_other_type, **kwargs)
-                           for k, v in data.items()})
+        return type(data)(
+            {
+                k: recursively_apply(
+                    fn, v, *args, test_type=test_type, error_on_other_type=error_on_other_type, **kwargs
+                )
+                for k, v in data.items()
+            }
+        )
     if test_type(data):
         return fn(data, *args, **kwargs)
     if error_on_other_type:
@@ -48,8 +73,9 @@ def send_to_device(data: Any, device: torch.device, non_blocking: bool = True, s
     or a list of keys, Accelerate's argument) stay where they are."""
     if skip_keys is not None and isinstance(data, dict):
         skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys)
-        return type(data)({k: v if k in skip else send_to_device(v, device, non_blocking, skip_keys)
-                           for k, v in data.items()})
+        return type(data)(
+            {k: v if k in skip else send_to_device(v, device, non_blocking, skip_keys) for k, v in data.items()}
+        )
     return recursively_apply(lambda t: t.to(device, non_blocking=non_blocking), data)
 
 
@@ -98,8 +124,11 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first:
 
     def one(t: torch.Tensor, dim: int = dim) -> torch.Tensor:
         if t.is_nested:
-            warnings.warn("pad_across_processes: a nested tensor has no single size to pad along; returned unpadded",
-                          CannotPadNestedTensorWarning, stacklevel=3)
+            warnings.warn(
+                "pad_across_processes: a nested tensor has no single size to pad along; returned unpadded",
+                CannotPadNestedTensorWarning,
+                stacklevel=3,
+            )
             return t
         if not _distributed() or not -t.ndim <= dim < t.ndim:
             return t

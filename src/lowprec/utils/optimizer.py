@@ -17,8 +17,15 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     ``scaler.step`` + ``scaler.update`` and records whether the step was skipped (inf/nan).
     Without a scaler, the non-finite ``guard`` (:mod:`lowprec.utils.nonfinite`) decides."""
 
-    def __init__(self, optimizer: Any, scaler: Any, gradient_state: Any, after_step: Optional[Callable[[], None]] = None,
-                 guard: Any = None, after_skip: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        optimizer: Any,
+        scaler: Any,
+        gradient_state: Any,
+        after_step: Optional[Callable[[], None]] = None,
+        guard: Any = None,
+        after_skip: Optional[Callable[[], None]] = None,
+    ) -> None:
         # no super().__init__: this object forwards to ``optimizer`` (it is an Optimizer only so
         # that isinstance checks in LR schedulers and user code pass)
         self.optimizer = optimizer
@@ -30,7 +37,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self._is_overflow = False  # step_was_skipped (Accelerate's attribute name behind it)
         self.unscaled = False
 
-    step_was_skipped = alias("_is_overflow", "Whether the last ``step`` was skipped (the loss scaler found inf/nan gradients).")
+    step_was_skipped = alias(
+        "_is_overflow", "Whether the last ``step`` was skipped (the loss scaler found inf/nan gradients)."
+    )
 
     # forwarding -----------------------------------------------------------------------
     param_groups = alias("optimizer.param_groups")  # type: ignore[assignment]
@@ -75,7 +84,9 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
                     self.unscaled = True
                 guard.fold_into_scaler(self.scaler, self.optimizer)
             scale_before = self.scaler.get_scale()
-            result = self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
+            result = (
+                self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
+            )
             self.scaler.update()
             # GradScaler lowers the scale exactly when it found inf/nan and skipped the step
             self.step_was_skipped = self.scaler.get_scale() < scale_before
@@ -108,8 +119,15 @@ class AcceleratedScheduler:
     ``adjust_scheduler`` a micro-step still counts the call, so torch's "scheduler before
     optimizer" check stays quiet (Accelerate's behaviour)."""
 
-    def __init__(self, scheduler: Any, optimizers: list, gradient_state: Any,
-                 step_with_optimizer: bool = True, adjust_scheduler: bool = True, steps_per_call: int = 1) -> None:
+    def __init__(
+        self,
+        scheduler: Any,
+        optimizers: list,
+        gradient_state: Any,
+        step_with_optimizer: bool = True,
+        adjust_scheduler: bool = True,
+        steps_per_call: int = 1,
+    ) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.gradient_state = gradient_state

@@ -21,8 +21,15 @@ from typing import Any, Optional
 from lowprec.kwargs import env_int
 from lowprec.parallelism_config import ParallelismConfig, apply_tp_plan
 
-__all__ = ["TorchTensorParallelPlugin", "ParallelismMixin", "parallelism_from_kwargs", "for_accelerator",
-           "data_shard", "apply_tp", "dp_mesh"]
+__all__ = [
+    "TorchTensorParallelPlugin",
+    "ParallelismMixin",
+    "parallelism_from_kwargs",
+    "for_accelerator",
+    "data_shard",
+    "apply_tp",
+    "dp_mesh",
+]
 
 
 @dataclass
@@ -38,8 +45,12 @@ def parallelism_from_kwargs(kwargs: dict) -> Optional[ParallelismConfig]:
     config = kwargs.pop("parallelism_config", None)
     plugin = kwargs.pop("torch_tp_plugin", None)
     if plugin is not None:
-        warnings.warn("`TorchTensorParallelPlugin` is deprecated and will be removed in a future version of Accelerate. "
-                      "Please use the `ParallelismConfig` with `tp_size` instead.", FutureWarning, stacklevel=3)
+        warnings.warn(
+            "`TorchTensorParallelPlugin` is deprecated and will be removed in a future version of Accelerate. "
+            "Please use the `ParallelismConfig` with `tp_size` instead.",
+            FutureWarning,
+            stacklevel=3,
+        )
         if config is None:
             config = ParallelismConfig(tp_size=plugin.tp_size)
     if config is not None and not isinstance(config, ParallelismConfig):
@@ -47,16 +58,19 @@ def parallelism_from_kwargs(kwargs: dict) -> Optional[ParallelismConfig]:
     return config
 
 
-def for_accelerator(config: Optional[ParallelismConfig], world: int,
-                    distributed_type: str) -> Optional[ParallelismConfig]:
+def for_accelerator(
+    config: Optional[ParallelismConfig], world: int, distributed_type: str
+) -> Optional[ParallelismConfig]:
     """The Accelerator's resolved config (None: plain data parallelism, nothing to do)."""
     if config is None and env_int("PARALLELISM_CONFIG_TP_SIZE", 1) == 1:
         return None
     config = config or ParallelismConfig()
     config.resolve(world)
     if config.tp_enabled and config.dp_shard_size > 1 and distributed_type != "FSDP":
-        raise ValueError(f"tp_size {config.tp_size} with dp_shard_size {config.dp_shard_size} needs FSDP2 for the "
-                         "data-parallel dimension: launch with --use_fsdp (or fsdp_version: 2)")
+        raise ValueError(
+            f"tp_size {config.tp_size} with dp_shard_size {config.dp_shard_size} needs FSDP2 for the "
+            "data-parallel dimension: launch with --use_fsdp (or fsdp_version: 2)"
+        )
     return config if config.tp_enabled else None
 
 

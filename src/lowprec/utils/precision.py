@@ -36,7 +36,13 @@ def autocast_context(device_type: str, mixed_precision: str, kwargs: Any = None)
 class PrecisionForward:
     """A picklable replacement for ``model.forward``."""
 
-    def __init__(self, model: nn.Module, original: Callable, autocast: Callable[[], Any], fp8: Optional[Callable[[nn.Module], Any]]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        original: Callable,
+        autocast: Callable[[], Any],
+        fp8: Optional[Callable[[nn.Module], Any]],
+    ) -> None:
         self.model = model
         self.original = original
         self.autocast = autocast
@@ -45,7 +51,7 @@ class PrecisionForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.autocast():
-            with (self.fp8(self.model) if self.fp8 is not None else contextlib.nullcontext()):
+            with self.fp8(self.model) if self.fp8 is not None else contextlib.nullcontext():
                 out = self.original(*args, **kwargs)
         return to_fp32(out)
 
@@ -76,7 +82,9 @@ def unwrap_forward(model: nn.Module) -> None:
     if inner != original:
         return
     del model._original_forward
-    if getattr(original, "__self__", None) is model and getattr(original, "__func__", None) is getattr(type(model), "forward", None):
+    if getattr(original, "__self__", None) is model and getattr(original, "__func__", None) is getattr(
+        type(model), "forward", None
+    ):
         del model.forward  # the class's own method again
     else:
         model.forward = original

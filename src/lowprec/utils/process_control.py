@@ -85,15 +85,27 @@ class ProcessControlMixin:
 
         from lowprec.utils.dataclasses import ProfileKwargs
 
-        h = from_accelerate(profile_handler, "profile_handler") if profile_handler is not None else self.handlers.get(ProfileKwargs)
+        h = (
+            from_accelerate(profile_handler, "profile_handler")
+            if profile_handler is not None
+            else self.handlers.get(ProfileKwargs)
+        )
         acts = getattr(h, "activities", None) or (
-            [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else []))
+            [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        )
         acts = [getattr(ProfilerActivity, a.upper()) if isinstance(a, str) else a for a in acts]
         sched = getattr(h, "schedule_option", None)
-        kw = {k: getattr(h, k) for k in ("record_shapes", "profile_memory", "with_stack", "with_flops")
-              if getattr(h, k, None) is not None}
-        with profile(activities=acts, schedule=schedule(**sched) if sched else None,
-                     on_trace_ready=getattr(h, "on_trace_ready", None), **kw) as prof:
+        kw = {
+            k: getattr(h, k)
+            for k in ("record_shapes", "profile_memory", "with_stack", "with_flops")
+            if getattr(h, k, None) is not None
+        }
+        with profile(
+            activities=acts,
+            schedule=schedule(**sched) if sched else None,
+            on_trace_ready=getattr(h, "on_trace_ready", None),
+            **kw,
+        ) as prof:
             yield prof
         out_dir = getattr(h, "output_trace_dir", None)
         if out_dir:

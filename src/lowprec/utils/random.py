@@ -40,9 +40,13 @@ def synchronize_rng_states(rng_types: list, generator: Optional[torch.Generator]
             continue
         if kind == "cuda" and not torch.cuda.is_available():
             continue
-        state = {"torch": torch.get_rng_state, "cuda": torch.cuda.get_rng_state,
-                 "generator": lambda: generator.get_state()}[kind]()
+        state = {
+            "torch": torch.get_rng_state,
+            "cuda": torch.cuda.get_rng_state,
+            "generator": lambda: generator.get_state(),
+        }[kind]()
         box = [state]
         dist.broadcast_object_list(box, src=0)
-        {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state,
-         "generator": lambda s: generator.set_state(s)}[kind](box[0])
+        {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state, "generator": lambda s: generator.set_state(s)}[
+            kind
+        ](box[0])

@@ -24,9 +24,20 @@ from lowprec.fp8.kernels import reference
 from lowprec.fp8.kernels.select import DISABLE_ENV, available
 
 __all__ = [
-    "available", "DISABLE_ENV", "cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols",
-    "cast_rowwise_dual", "cast_cols_t", "recast_if_changed", "delayed_scale_update", "reference",
-    "cast_block_1d", "cast_block_2d",
+    "available",
+    "DISABLE_ENV",
+    "cast_transpose_amax",
+    "cast_amax",
+    "cast_rowwise",
+    "amax",
+    "amax_cols",
+    "cast_rowwise_dual",
+    "cast_cols_t",
+    "recast_if_changed",
+    "delayed_scale_update",
+    "reference",
+    "cast_block_1d",
+    "cast_block_2d",
 ]
 
 
@@ -107,8 +118,17 @@ def recast_if_changed(
 def delayed_scale_update(history, scale, step, amax_now, fp8_dtype, recipe) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of delayed scaling for one operand (``linear.delayed_scale_step``), the state
     updated in place; returns ``(scale to use now, scale before the update)``. One kernel on CUDA."""
-    args = (history, scale, step, amax_now, fp8_dtype, recipe.margin, recipe.power_of_2_scales, recipe.interval,
-            recipe.amax_compute_algo == "max")
+    args = (
+        history,
+        scale,
+        step,
+        amax_now,
+        fp8_dtype,
+        recipe.margin,
+        recipe.power_of_2_scales,
+        recipe.interval,
+        recipe.amax_compute_algo == "max",
+    )
     if available(history.device) and history.dtype == torch.float32 and history.dim() == 1:
         return _ops().delayed_scale_update(*args)
     return reference.delayed_scale_update(*args)

@@ -31,9 +31,21 @@ from lowprec.fp8.kernels.triton_cast import (
 from lowprec.fp8.scaling import AMAX_EPS
 
 __all__ = [
-    "cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t",
-    "recast_if_changed", "delayed_scale_update", "launch_cast", "interpreting", "cast_block_1d", "cast_block_2d",
-    "block_scaled_mm", "GEMM_TILE",
+    "cast_transpose_amax",
+    "cast_amax",
+    "cast_rowwise",
+    "amax",
+    "amax_cols",
+    "cast_rowwise_dual",
+    "cast_cols_t",
+    "recast_if_changed",
+    "delayed_scale_update",
+    "launch_cast",
+    "interpreting",
+    "cast_block_1d",
+    "cast_block_2d",
+    "block_scaled_mm",
+    "GEMM_TILE",
 ]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -59,7 +71,9 @@ def interpreting() -> bool:
 
 def _check(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
     if x.dim() != 2:
-        raise ValueError(f"the fused FP8 cast takes a 2-D tensor, got shape {tuple(x.shape)}; reshape to (-1, last_dim)")
+        raise ValueError(
+            f"the fused FP8 cast takes a 2-D tensor, got shape {tuple(x.shape)}; reshape to (-1, last_dim)"
+        )
     if x.dtype not in _INPUT_DTYPES:
         raise TypeError(f"the fused FP8 cast takes bfloat16/float16/float32 input, got {x.dtype}")
     fp8_max(fp8_dtype)  # raises a clear ValueError for a non-FP8 dtype
@@ -84,12 +98,24 @@ def launch_cast(
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     dummy = next(t for t in (q, qt, amax_bits) if t is not None)
     wrap_triton(cast_transpose_amax_kernel)[grid](
-        x, scale, dummy if q is None else q, dummy if qt is None else qt, dummy if amax_bits is None else amax_bits,
-        m, n, x.stride(0), x.stride(1),
-        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn,
-        WRITE_T=qt is not None, WRITE_AMAX=amax_bits is not None,
+        x,
+        scale,
+        dummy if q is None else q,
+        dummy if qt is None else qt,
+        dummy if amax_bits is None else amax_bits,
+        m,
+        n,
+        x.stride(0),
+        x.stride(1),
+        FP8_MAX=fp8_max(fp8_dtype),
+        E4M3=fp8_dtype == torch.float8_e4m3fn,
+        WRITE_T=qt is not None,
+        WRITE_AMAX=amax_bits is not None,
         SOFT_CAST=interpreting() if soft_cast is None else soft_cast,
-        BLOCK_M=bm, BLOCK_N=bn, WRITE_Q=q is not None, num_warps=warps,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        WRITE_Q=q is not None,
+        num_warps=warps,
     )
 
 
@@ -136,12 +162,25 @@ def _launch_axes(x, fp8_dtype, power_of_2, q, row_scale, col_scale, qt, tile) ->
     bm, bn, warps = tile
     dummy = q if q is not None else qt
     wrap_triton(cast_rowwise_kernel)[(triton.cdiv(m, bm),)](
-        x, dummy if q is None else q, x if row_scale is None else row_scale, m, n, x.stride(0), x.stride(1),
-        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn, POW2=power_of_2,
-        SOFT_CAST=interpreting(), EPS_BITS=_EPS_BITS,
-        BLOCK_M=bm, BLOCK_N=bn,
-        col_scale_ptr=x if col_scale is None else col_scale, qt_ptr=dummy if qt is None else qt,
-        ROW=q is not None, COL=qt is not None, num_warps=warps,
+        x,
+        dummy if q is None else q,
+        x if row_scale is None else row_scale,
+        m,
+        n,
+        x.stride(0),
+        x.stride(1),
+        FP8_MAX=fp8_max(fp8_dtype),
+        E4M3=fp8_dtype == torch.float8_e4m3fn,
+        POW2=power_of_2,
+        SOFT_CAST=interpreting(),
+        EPS_BITS=_EPS_BITS,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        col_scale_ptr=x if col_scale is None else col_scale,
+        qt_ptr=dummy if qt is None else qt,
+        ROW=q is not None,
+        COL=qt is not None,
+        num_warps=warps,
     )
 
 
@@ -205,16 +244,35 @@ def recast_if_changed(
     m, n = x.shape
     bm, bn, warps = TILE
     wrap_triton(recast_if_changed_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x, scale_used, scale_cast, q.view(torch.uint8), qt.view(torch.uint8), m, n, x.stride(0), x.stride(1),
-        FP8_MAX=fp8_max(q.dtype), E4M3=q.dtype == torch.float8_e4m3fn, SOFT_CAST=interpreting(),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps,
+        x,
+        scale_used,
+        scale_cast,
+        q.view(torch.uint8),
+        qt.view(torch.uint8),
+        m,
+        n,
+        x.stride(0),
+        x.stride(1),
+        FP8_MAX=fp8_max(q.dtype),
+        E4M3=q.dtype == torch.float8_e4m3fn,
+        SOFT_CAST=interpreting(),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        num_warps=warps,
     )
 
 
 @triton_op("lowprec::delayed_scale_update", mutates_args={"history", "scale"})
 def delayed_scale_update(
-    history: torch.Tensor, scale: torch.Tensor, step: torch.Tensor, amax_now: torch.Tensor, fp8_dtype: torch.dtype,
-    margin: int, power_of_2: bool, interval: int, algo_max: bool,
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    step: torch.Tensor,
+    amax_now: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    power_of_2: bool,
+    interval: int,
+    algo_max: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``delayed_scale_step`` in one kernel, updating ``history`` and ``scale`` in place;
     returns ``(scale to use now, scale before the update)``."""
@@ -224,9 +282,21 @@ def delayed_scale_update(
         return used, old
     n = history.numel()
     wrap_triton(delayed_scale_kernel)[(1,)](
-        history, scale, step, amax_now, used, old, n,
-        FP8_MAX=fp8_max(fp8_dtype), EPS_BITS=_EPS_BITS, MARGIN=margin, POW2=power_of_2,
-        INTERVAL=interval, ALGO_MAX=algo_max, BLOCK=triton.next_power_of_2(n), num_warps=4,
+        history,
+        scale,
+        step,
+        amax_now,
+        used,
+        old,
+        n,
+        FP8_MAX=fp8_max(fp8_dtype),
+        EPS_BITS=_EPS_BITS,
+        MARGIN=margin,
+        POW2=power_of_2,
+        INTERVAL=interval,
+        ALGO_MAX=algo_max,
+        BLOCK=triton.next_power_of_2(n),
+        num_warps=4,
     )
     return used, old
 
@@ -241,11 +311,25 @@ def _launch_block(x, fp8_dtype, block, power_of_2, square, q, qt, s, st) -> None
     m, n = x.shape
     dummy = q if q is not None else qt
     wrap_triton(cast_blockwise_kernel)[(triton.cdiv(m, block), triton.cdiv(n, block))](
-        x, dummy if q is None else q, dummy if qt is None else qt, x if s is None else s, x if st is None else st,
-        m, n, x.stride(0), x.stride(1),
-        FP8_MAX=fp8_max(fp8_dtype), E4M3=fp8_dtype == torch.float8_e4m3fn, POW2=power_of_2,
-        SOFT_CAST=interpreting(), EPS_BITS=_EPS_BITS, BLOCK=block, SQUARE=square,
-        ROW=q is not None, COL=qt is not None, num_warps=BLOCK_WARPS if block >= 128 else 4,
+        x,
+        dummy if q is None else q,
+        dummy if qt is None else qt,
+        x if s is None else s,
+        x if st is None else st,
+        m,
+        n,
+        x.stride(0),
+        x.stride(1),
+        FP8_MAX=fp8_max(fp8_dtype),
+        E4M3=fp8_dtype == torch.float8_e4m3fn,
+        POW2=power_of_2,
+        SOFT_CAST=interpreting(),
+        EPS_BITS=_EPS_BITS,
+        BLOCK=block,
+        SQUARE=square,
+        ROW=q is not None,
+        COL=qt is not None,
+        num_warps=BLOCK_WARPS if block >= 128 else 4,
     )
 
 
@@ -270,8 +354,17 @@ def cast_block_1d(
     rs = torch.empty((triton.cdiv(n, block), m) if rows else (0,), dtype=torch.float32, device=dev)
     qt = torch.empty((n, m) if cols else (0,), dtype=torch.uint8, device=dev)
     cs = torch.empty((triton.cdiv(m, block), n) if cols else (0,), dtype=torch.float32, device=dev)
-    _launch_block(x, fp8_dtype, block, power_of_2, False, q if rows else None, qt if cols else None,
-                  rs if rows else None, cs if cols else None)
+    _launch_block(
+        x,
+        fp8_dtype,
+        block,
+        power_of_2,
+        False,
+        q if rows else None,
+        qt if cols else None,
+        rs if rows else None,
+        cs if cols else None,
+    )
     return q.view(fp8_dtype), rs.t() if rows else rs, qt.view(fp8_dtype), cs
 
 
@@ -291,7 +384,9 @@ def cast_block_2d(
     s = torch.empty((bm, bn), dtype=torch.float32, device=dev)
     qt = torch.empty((n, m) if cols else (0,), dtype=torch.uint8, device=dev)
     st = torch.empty((bn, bm) if cols else (0,), dtype=torch.float32, device=dev)
-    _launch_block(x, fp8_dtype, block, power_of_2, True, q if rows else None, qt if cols else None, s, st if cols else None)
+    _launch_block(
+        x, fp8_dtype, block, power_of_2, True, q if rows else None, qt if cols else None, s, st if cols else None
+    )
     return q.view(fp8_dtype), s, qt.view(fp8_dtype), st.t() if cols else st
 
 
@@ -310,8 +405,13 @@ def _gemm_tile(device: torch.device) -> tuple[int, int, int, int, int]:
 
 @triton_op("lowprec::block_scaled_mm", mutates_args=())
 def block_scaled_mm(
-    a: torch.Tensor, b: torch.Tensor, a_inv_scale: torch.Tensor, b_inv_scale: torch.Tensor, block: int,
-    group_n: int, out_dtype: torch.dtype,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_inv_scale: torch.Tensor,
+    b_inv_scale: torch.Tensor,
+    block: int,
+    group_n: int,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``dequant(a) @ dequant(b)``: FP8 ``a`` (M, K) with dequantization scales (M, ceil(K/block)),
     FP8 ``b`` (K, N) with (ceil(K/block), ceil(N/group_n)); ``group_n`` is ``block`` for square
@@ -330,12 +430,33 @@ def block_scaled_mm(
     bm, bn, warps, stages, group_m = _gemm_tile(a.device)
     au, bu = a.view(torch.uint8), b.view(torch.uint8)
     wrap_triton(block_scaled_mm_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
-        au, bu, a_inv_scale, b_inv_scale, c, m, n, k,
-        au.stride(0), au.stride(1), bu.stride(0), bu.stride(1),
-        a_inv_scale.stride(0), a_inv_scale.stride(1), b_inv_scale.stride(0), b_inv_scale.stride(1),
-        c.stride(0), c.stride(1),
-        A_E4M3=a.dtype == torch.float8_e4m3fn, B_E4M3=b.dtype == torch.float8_e4m3fn, GROUP_N=group_n,
-        SOFT_FP8=interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=block, GROUP_M=group_m,
-        num_warps=warps, num_stages=stages,
+        au,
+        bu,
+        a_inv_scale,
+        b_inv_scale,
+        c,
+        m,
+        n,
+        k,
+        au.stride(0),
+        au.stride(1),
+        bu.stride(0),
+        bu.stride(1),
+        a_inv_scale.stride(0),
+        a_inv_scale.stride(1),
+        b_inv_scale.stride(0),
+        b_inv_scale.stride(1),
+        c.stride(0),
+        c.stride(1),
+        A_E4M3=a.dtype == torch.float8_e4m3fn,
+        B_E4M3=b.dtype == torch.float8_e4m3fn,
+        GROUP_N=group_n,
+        SOFT_FP8=interpreting(),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=block,
+        GROUP_M=group_m,
+        num_warps=warps,
+        num_stages=stages,
     )
     return c

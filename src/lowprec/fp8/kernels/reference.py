@@ -16,8 +16,19 @@ from lowprec.fp8.quantize import saturated_cast
 from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
 
 
-__all__ = ["cast_transpose_amax", "cast_amax", "cast_rowwise", "amax", "amax_cols", "cast_rowwise_dual", "cast_cols_t", "recast_if_changed",
-           "delayed_scale_update", "cast_block_1d", "cast_block_2d"]
+__all__ = [
+    "cast_transpose_amax",
+    "cast_amax",
+    "cast_rowwise",
+    "amax",
+    "amax_cols",
+    "cast_rowwise_dual",
+    "cast_cols_t",
+    "recast_if_changed",
+    "delayed_scale_update",
+    "cast_block_1d",
+    "cast_block_2d",
+]
 
 
 def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,15 +83,26 @@ def recast_if_changed(
 
 
 def delayed_scale_update(
-    history: torch.Tensor, scale: torch.Tensor, step: torch.Tensor, amax_now: torch.Tensor, fp8_dtype: torch.dtype,
-    margin: int, power_of_2: bool, interval: int, algo_max: bool,
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    step: torch.Tensor,
+    amax_now: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    margin: int,
+    power_of_2: bool,
+    interval: int,
+    algo_max: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``scaling.delayed_scale_step`` with the state written back in place; returns
     ``(scale to use now, scale before the update)`` (the definition the kernel must match)."""
     from types import SimpleNamespace
 
-    recipe: Any = SimpleNamespace(power_of_2_scales=power_of_2, margin=margin, interval=interval,
-                                  amax_compute_algo="max" if algo_max else "most_recent")  # the fields it reads
+    recipe: Any = SimpleNamespace(
+        power_of_2_scales=power_of_2,
+        margin=margin,
+        interval=interval,
+        amax_compute_algo="max" if algo_max else "most_recent",
+    )  # the fields it reads
     old = scale.clone()
     used, new_hist, new_scale = delayed_scale_step(history, scale, step, amax_now, fp8_dtype, recipe)
     history.copy_(new_hist)

@@ -54,12 +54,19 @@ def run_checks(ops, ref, device: torch.device) -> list[str]:
             "cast_transpose_amax": (ops.cast_transpose_amax(x, scale, dtype), ref.cast_transpose_amax(x, scale, dtype)),
             "cast_amax": (ops.cast_amax(x, scale, dtype), ref.cast_amax(x, scale, dtype)),
             "cast_rowwise": (ops.cast_rowwise(x, dtype, True), ref.cast_rowwise(x, dtype, True)),
-            "cast_rowwise_dual": (ops.cast_rowwise_dual(x, cols, dtype, True), ref.cast_rowwise_dual(x, cols, dtype, True)),
+            "cast_rowwise_dual": (
+                ops.cast_rowwise_dual(x, cols, dtype, True),
+                ref.cast_rowwise_dual(x, cols, dtype, True),
+            ),
             "cast_cols_t": ((ops.cast_cols_t(x, cols, dtype),), (ref.cast_cols_t(x, cols, dtype),)),
-            "cast_block_1d": (ops.cast_block_1d(x, dtype, 128, True, True, True),
-                              ref.cast_block_1d(x, dtype, 128, True, True, True)),
-            "cast_block_2d": (ops.cast_block_2d(x, dtype, 128, False, True, True),
-                              ref.cast_block_2d(x, dtype, 128, False, True, True)),
+            "cast_block_1d": (
+                ops.cast_block_1d(x, dtype, 128, True, True, True),
+                ref.cast_block_1d(x, dtype, 128, True, True, True),
+            ),
+            "cast_block_2d": (
+                ops.cast_block_2d(x, dtype, 128, False, True, True),
+                ref.cast_block_2d(x, dtype, 128, False, True, True),
+            ),
         }
         for name, (got, want) in pairs.items():
             if not all(_same(a, b) for a, b in zip(got, want)):
@@ -71,7 +78,10 @@ def run_checks(ops, ref, device: torch.device) -> list[str]:
         ref.recast_if_changed(x, used, scale, *want)
         if not all(_same(a, b) for a, b in zip(got, want)):
             bad.append("recast_if_changed")
-    for hist in (torch.zeros(16, device=device), torch.rand(16, generator=torch.Generator(device="cpu").manual_seed(1)).to(device)):
+    for hist in (
+        torch.zeros(16, device=device),
+        torch.rand(16, generator=torch.Generator(device="cpu").manual_seed(1)).to(device),
+    ):
         args = (torch.tensor(6, device=device), ops.amax(x), torch.float8_e4m3fn, 0, False, 1, True)
         h1, s1, h2, s2 = hist.clone(), scale.clone(), hist.clone(), scale.clone()
         got, want = ops.delayed_scale_update(h1, s1, *args), ref.delayed_scale_update(h2, s2, *args)
@@ -79,8 +89,11 @@ def run_checks(ops, ref, device: torch.device) -> list[str]:
             bad.append("delayed_scale_update")
     xn = x.clone()
     xn[5, 7] = float("nan")
-    for name, got, want in (("amax", ops.amax(x), ref.amax(x)), ("amax(NaN)", ops.amax(xn), ref.amax(xn)),
-                            ("amax_cols", ops.amax_cols(xn), ref.amax_cols(xn))):
+    for name, got, want in (
+        ("amax", ops.amax(x), ref.amax(x)),
+        ("amax(NaN)", ops.amax(xn), ref.amax(xn)),
+        ("amax_cols", ops.amax_cols(xn), ref.amax_cols(xn)),
+    ):
         if not _same(got, want):
             bad.append(name)
     return bad
@@ -124,12 +137,18 @@ def _check(device: torch.device) -> bool:
         with torch.no_grad():
             bad = run_checks(ops, ref, device)
     except Exception as e:  # noqa: BLE001 - any failure means "do not use the kernels here"
-        logger.warning("lowprec: fused FP8 Triton casts off on %s (self-check failed: %s: %s); using the torch path",
-                       device, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        logger.warning(
+            "lowprec: fused FP8 Triton casts off on %s (self-check failed: %s: %s); using the torch path",
+            device,
+            type(e).__name__,
+            str(e).splitlines()[0][:200] if str(e) else "",
+        )
         return False
     if bad:
-        logger.warning("lowprec: fused FP8 Triton casts off on %s (differ from the torch path: %s); using the torch path",
-                       device, ", ".join(bad))
+        logger.warning(
+            "lowprec: fused FP8 Triton casts off on %s (differ from the torch path: %s); using the torch path",
+            device,
+            ", ".join(bad),
+        )
         return False
     return True
-

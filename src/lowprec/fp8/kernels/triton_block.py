@@ -53,10 +53,24 @@ def _block_scale(amax, has_nan, FP8_MAX: tl.constexpr, EPS_BITS: tl.constexpr, P
 
 @triton.jit
 def cast_blockwise_kernel(
-    x_ptr, q_ptr, qt_ptr, s_ptr, st_ptr,
-    M, N, stride_xm, stride_xn,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, POW2: tl.constexpr, SOFT_CAST: tl.constexpr, EPS_BITS: tl.constexpr,
-    BLOCK: tl.constexpr, SQUARE: tl.constexpr, ROW: tl.constexpr, COL: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    qt_ptr,
+    s_ptr,
+    st_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_xn,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    POW2: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
+    EPS_BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SQUARE: tl.constexpr,
+    ROW: tl.constexpr,
+    COL: tl.constexpr,
 ):
     """Tile (program_id(0), program_id(1)). ``s_ptr``: the scales of ``q`` (ROW) or, 1-D with
     COL alone, unused; ``st_ptr``: the scales of ``qt`` (COL). Pointers not written may be any
@@ -71,8 +85,9 @@ def cast_blockwise_kernel(
     is_nan = (a != a).to(tl.int32)
     a = tl.where(is_nan > 0, 0.0, a)  # NaN is tracked apart: tl.max may drop it on the GPU
     if SQUARE:
-        s = _block_scale(tl.max(tl.max(a, axis=1), axis=0), tl.max(tl.max(is_nan, axis=1), axis=0) > 0,
-                         FP8_MAX, EPS_BITS, POW2)
+        s = _block_scale(
+            tl.max(tl.max(a, axis=1), axis=0), tl.max(tl.max(is_nan, axis=1), axis=0) > 0, FP8_MAX, EPS_BITS, POW2
+        )
         q = _saturate_to_fp8_bits(x * s, FP8_MAX, E4M3, SOFT_CAST)
         nbn = tl.cdiv(N, BLOCK)
         tl.store(s_ptr + pid_m * nbn + pid_n, s)

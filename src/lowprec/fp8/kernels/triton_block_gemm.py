@@ -55,13 +55,32 @@ def _fp8_bits_to_f32(bits, E4M3: tl.constexpr):
 
 @triton.jit
 def block_scaled_mm_kernel(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr,
-    M, N, K,
-    stride_am, stride_ak, stride_bk, stride_bn,
-    stride_sam, stride_sak, stride_sbk, stride_sbn,
-    stride_cm, stride_cn,
-    A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, GROUP_N: tl.constexpr, SOFT_FP8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_sam,
+    stride_sak,
+    stride_sbk,
+    stride_sbn,
+    stride_cm,
+    stride_cn,
+    A_E4M3: tl.constexpr,
+    B_E4M3: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    SOFT_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N tile of C. ``a_ptr``/``b_ptr`` are the FP8 tensors viewed as uint8."""
     # grouped launch order: GROUP_M row tiles share their B tiles while those are in L2
@@ -83,11 +102,18 @@ def block_scaled_mm_kernel(
     for kb in range(0, tl.cdiv(K, BLOCK_K)):
         k = kb * BLOCK_K + rk
         k_ok = k < K
-        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0)
-        b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0)
+        a = tl.load(
+            a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0
+        )
+        b = tl.load(
+            b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0
+        )
         if SOFT_FP8:
-            part = tl.dot(_fp8_bits_to_f32(a.to(tl.int32), A_E4M3), _fp8_bits_to_f32(b.to(tl.int32), B_E4M3),
-                          input_precision="ieee")
+            part = tl.dot(
+                _fp8_bits_to_f32(a.to(tl.int32), A_E4M3),
+                _fp8_bits_to_f32(b.to(tl.int32), B_E4M3),
+                input_precision="ieee",
+            )
         else:
             fa = a.to(tl.float8e4nv, bitcast=True) if A_E4M3 else a.to(tl.float8e5, bitcast=True)
             fb = b.to(tl.float8e4nv, bitcast=True) if B_E4M3 else b.to(tl.float8e5, bitcast=True)

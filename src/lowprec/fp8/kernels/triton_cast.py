@@ -30,7 +30,10 @@ import triton
 import triton.language as tl
 
 __all__ = [
-    "cast_transpose_amax_kernel", "cast_rowwise_kernel", "amax_cols_kernel", "recast_if_changed_kernel",
+    "cast_transpose_amax_kernel",
+    "cast_rowwise_kernel",
+    "amax_cols_kernel",
+    "recast_if_changed_kernel",
     "delayed_scale_kernel",
 ]
 
@@ -99,10 +102,23 @@ def _amax_bits(x, mask):
 
 @triton.jit
 def cast_transpose_amax_kernel(
-    x_ptr, scale_ptr, q_ptr, qt_ptr, amax_ptr,
-    M, N, stride_xm, stride_xn,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, WRITE_T: tl.constexpr, WRITE_AMAX: tl.constexpr, SOFT_CAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_Q: tl.constexpr = True,
+    x_ptr,
+    scale_ptr,
+    q_ptr,
+    qt_ptr,
+    amax_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_xn,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    WRITE_T: tl.constexpr,
+    WRITE_AMAX: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WRITE_Q: tl.constexpr = True,
 ):
     """One BLOCK_M x BLOCK_N tile: (WRITE_Q) q[m, n] and (WRITE_T) qt[n, m] as uint8 bits, and
     (WRITE_AMAX) atomic max of the tile's amax bits into ``*amax_ptr`` (int32, starts at 0).
@@ -127,10 +143,20 @@ def cast_transpose_amax_kernel(
 
 @triton.jit
 def recast_if_changed_kernel(
-    x_ptr, used_ptr, cast_ptr, q_ptr, qt_ptr,
-    M, N, stride_xm, stride_xn,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, SOFT_CAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr,
+    used_ptr,
+    cast_ptr,
+    q_ptr,
+    qt_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_xn,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Delayed scaling's second chance: when the scale to use (``*used_ptr``) differs from
     the one ``q``/``qt`` were cast with (``*cast_ptr``: the history was empty, so the scale
@@ -150,8 +176,14 @@ def recast_if_changed_kernel(
 
 @triton.jit
 def amax_cols_kernel(
-    x_ptr, amax_ptr, M, N, stride_xm, stride_xn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr,
+    amax_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_xn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Per-column ``max |x|`` (``amax_along(x, 0)``): each tile's column maxima, as float32
     bits, atomically maxed into ``amax_ptr[n]`` (int32, zero-initialised); NaN wins as in
@@ -169,11 +201,24 @@ def amax_cols_kernel(
 
 @triton.jit
 def cast_rowwise_kernel(
-    x_ptr, q_ptr, scale_ptr,
-    M, N, stride_xm, stride_xn,
-    FP8_MAX: tl.constexpr, E4M3: tl.constexpr, POW2: tl.constexpr, SOFT_CAST: tl.constexpr, EPS_BITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    col_scale_ptr=None, qt_ptr=None, ROW: tl.constexpr = True, COL: tl.constexpr = False,
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_xn,
+    FP8_MAX: tl.constexpr,
+    E4M3: tl.constexpr,
+    POW2: tl.constexpr,
+    SOFT_CAST: tl.constexpr,
+    EPS_BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    col_scale_ptr=None,
+    qt_ptr=None,
+    ROW: tl.constexpr = True,
+    COL: tl.constexpr = False,
 ):
     """BLOCK_M rows. ROW: the rows' amax (pass 1), scale = fp8_max / max(amax, eps) in float64
     (``amax_to_scale``), optionally floored to a power of two, then the row-scaled cast into
@@ -232,9 +277,20 @@ def _amax_to_scale64(a, FP8_MAX: tl.constexpr, EPS_BITS: tl.constexpr, MARGIN: t
 
 @triton.jit
 def delayed_scale_kernel(
-    hist_ptr, scale_ptr, step_ptr, amax_ptr, used_ptr, old_ptr, L,
-    FP8_MAX: tl.constexpr, EPS_BITS: tl.constexpr, MARGIN: tl.constexpr, POW2: tl.constexpr,
-    INTERVAL: tl.constexpr, ALGO_MAX: tl.constexpr, BLOCK: tl.constexpr,
+    hist_ptr,
+    scale_ptr,
+    step_ptr,
+    amax_ptr,
+    used_ptr,
+    old_ptr,
+    L,
+    FP8_MAX: tl.constexpr,
+    EPS_BITS: tl.constexpr,
+    MARGIN: tl.constexpr,
+    POW2: tl.constexpr,
+    INTERVAL: tl.constexpr,
+    ALGO_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One program: ``delayed_scale_step`` for one operand, in place. Reads the history (all
     of it, into registers, before any store), this step's amax, the scale and the step;
