@@ -77,7 +77,7 @@ BAD = [
     ({"eval_table_size": -1}, "eval_table_size: Input should be greater than or equal to 0"),
     ({"val_set_size": 1.5}, "val_set_size: Input should be less than 1"),
     ({"use_tensorboard": "maybe"}, "use_tensorboard: expected 'auto' or true or false"),
-    ({"deepspeed": 3}, "deepspeed: expected a string or a mapping"),
+    ({"deepspeed": 3}, "deepspeed: expected a mapping or a string"),
     ({"deepspeed": {"zero_optimization": {"stage": 2}}, "fsdp_version": 2}, "pick one"),
     ({"fp8_fallback": "fp16"}, "fp8_fallback"),
     ({"torch_compile": "sometimes"}, "torch_compile: expected 'auto' or true or false"),

@@ -315,7 +315,9 @@ def _describe_key(loc: tuple, errs: list[dict[str, Any]]) -> str:
     got = err.get("input")
     shown = "" if isinstance(got, dict) else f" (got {yaml_text(got)})"
     if len(errs) > 1:  # one error per Union branch: say what would have been accepted
-        expected = " or ".join(dict.fromkeys(_tag_words(_split_loc(e)[1]) for e in errs))
+        # sorted: typing caches Union[a, b] and Union[b, a] as one object, so the branches' order
+        # is whichever spelling some module imported first wrote
+        expected = " or ".join(sorted(dict.fromkeys(_tag_words(_split_loc(e)[1]) for e in errs)))
         return f"{key}: expected {expected}{shown}"
     return f"{key}: {err['msg']}{shown}"
 
