@@ -183,6 +183,70 @@ def test_transformers_trainer_runs_on_lowprecs_accelerator_in_fp8(tmp_path, monk
     assert len(calls) > 0  # FP8 GEMMs ran inside Trainer's loop
 
 
+def test_trainer_on_lowprecs_accelerator_resumes_mid_epoch_as_the_uninterrupted_run(tmp_path, monkeypatch):
+    """Trainer resumes mid-epoch through Accelerate's skip_first_batches; on lowprec's loader the
+    mixin routes it to lowprec's, so the resumed run sees the same batches and losses (FP8). The
+    control: Accelerate's function on lowprec's loader gave another order (losses off by 0.02-0.15)."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
+    from torch.utils.data import Dataset
+
+    from lowprec.integrations.trainer_accelerator import LowprecAcceleratorMixin
+
+    seen: list = []
+
+    class FP8Trainer(LowprecAcceleratorMixin, transformers.Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            seen.append(inputs["input_ids"][:, 0].tolist())
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+    class Data(Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, i):
+            ids = (torch.arange(16) + i) % 256
+            return {"input_ids": ids, "labels": ids}
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+
+    def run(resume=None):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+        args = transformers.TrainingArguments(
+            str(tmp_path),
+            max_steps=6,
+            per_device_train_batch_size=4,
+            logging_steps=1,
+            save_strategy="steps",
+            save_steps=3,
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            learning_rate=1e-2,
+        )
+        trainer = FP8Trainer(model=transformers.LlamaForCausalLM(cfg), args=args, train_dataset=Data())
+        seen.clear()
+        trainer.train(resume_from_checkpoint=resume)
+        return list(seen), {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+    batches, losses = run()
+    resumed_batches, resumed = run(str(tmp_path / "checkpoint-3"))
+    assert resumed_batches == batches[3:]
+    assert [resumed[k] for k in (4, 5, 6)] == [losses[k] for k in (4, 5, 6)]
+    import transformers.trainer as hf_trainer
+    from accelerate import skip_first_batches
+
+    assert hf_trainer.skip_first_batches is skip_first_batches  # the switch lasts one train() call
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_unwrap_undoes_accelerates_forward_wrappers_so_the_model_pickles(autocast):
     """Accelerate's convention: ``_original_forward`` kept, ``forward`` wrapped by

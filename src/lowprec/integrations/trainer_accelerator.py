@@ -16,6 +16,12 @@ converts each, or refuses it with one line), so the mixin only has Trainer call 
 name ``Accelerator`` in ``transformers.trainer`` is lowprec's for the duration of that one method
 (Trainer has no argument for the class; the method is the hook it offers subclasses), and every
 step of Trainer's own setup runs unchanged.
+
+Resuming mid-epoch, Trainer calls Accelerate's ``skip_first_batches`` on the prepared loader; on
+lowprec's loader that function would build a plain DataLoader over its sampler and lose the
+loader's own order. For the duration of ``train()`` the name resolves to lowprec's for lowprec's
+loaders (and to Accelerate's for any other), so a resumed run sees the uninterrupted run's
+batches.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import logging
 from typing import Any
 
 from lowprec.accelerator import Accelerator
+from lowprec.utils.data_loader import DataLoaderShard
+from lowprec.utils.data_loader import skip_first_batches as lowprec_skip_first_batches
 
 __all__ = ["LowprecAcceleratorMixin"]
 
@@ -43,3 +51,19 @@ class LowprecAcceleratorMixin:
             return super().create_accelerator_and_postprocess()  # type: ignore[misc]
         finally:
             hf_trainer.Accelerator = accelerate_class
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers import trainer as hf_trainer
+
+        accelerate_skip = hf_trainer.skip_first_batches
+
+        def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+            if isinstance(dataloader, DataLoaderShard):
+                return lowprec_skip_first_batches(dataloader, num_batches)
+            return accelerate_skip(dataloader, num_batches)
+
+        hf_trainer.skip_first_batches = skip_first_batches
+        try:
+            return super().train(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            hf_trainer.skip_first_batches = accelerate_skip
