@@ -129,6 +129,20 @@ def test_the_accelerator_refuses_rather_than_drops():
         lowprec.Accelerator(cpu=True, dynamo_plugin=au.TorchDynamoPlugin(use_regional_compilation=True))
 
 
+def _tiny_llama(transformers):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
 def test_transformers_trainer_runs_on_lowprecs_accelerator_in_fp8(tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
     from torch.utils.data import Dataset
@@ -148,17 +162,7 @@ def test_transformers_trainer_runs_on_lowprecs_accelerator_in_fp8(tmp_path, monk
             return {"input_ids": ids, "labels": ids}
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")  # Trainer's own way to ask for a precision
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = transformers.LlamaForCausalLM(cfg)
+    model = _tiny_llama(transformers)
     args = transformers.TrainingArguments(
         str(tmp_path),
         max_steps=4,
@@ -210,16 +214,6 @@ def test_trainer_on_lowprecs_accelerator_resumes_mid_epoch_as_the_uninterrupted_
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
 
     def run(resume=None):
-        torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(
-            vocab_size=256,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
         args = transformers.TrainingArguments(
             str(tmp_path),
             max_steps=6,
@@ -232,7 +226,7 @@ def test_trainer_on_lowprecs_accelerator_resumes_mid_epoch_as_the_uninterrupted_
             use_cpu=True,
             learning_rate=1e-2,
         )
-        trainer = FP8Trainer(model=transformers.LlamaForCausalLM(cfg), args=args, train_dataset=Data())
+        trainer = FP8Trainer(model=_tiny_llama(transformers), args=args, train_dataset=Data())
         seen.clear()
         trainer.train(resume_from_checkpoint=resume)
         return list(seen), {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
