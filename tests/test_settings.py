@@ -202,6 +202,10 @@ def test_block_scaled_recipes_mean_one_thing_everywhere(monkeypatch, tmp_path, c
     cfg.write_text(f"mixed_precision: fp8\nfp8_config: {{backend: TE, {switch}: true}}\n")
     assert main(["launch", "--dry_run", "--config_file", str(cfg), SCRIPT]) == 2
     assert f"TERecipeKwargs({switch}=True)" in capsys.readouterr().err
+    # the native engine under another of its spellings runs the switch as the native one does
+    cfg.write_text(f"mixed_precision: fp8\nfp8_config: {{backend: lowprec, {switch}: true}}\n")
+    assert main(["launch", "--dry_run", "--config_file", str(cfg), SCRIPT]) == 0
+    assert f"LOWPREC_FP8_RECIPE={name}" in capsys.readouterr().out
 
 
 def test_native_fsdp_fp8_all_gather_needs_tensorwise_with_one_message(monkeypatch, capsys):

@@ -34,6 +34,7 @@ from typing import Annotated, Any, Callable, Optional
 import yaml
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from lowprec.backends.spec import get_spec
 from lowprec.catalog import TE_SWITCHES, te_switch_recipe
 from lowprec.config import values as V
 from lowprec.config.env import LaunchSettings
@@ -115,7 +116,7 @@ class FP8Config(_Strict):
             key = next(k for k in TE_SWITCHES if getattr(self, k))
             if self.recipe not in (None, switched):
                 raise UsageError(f"fp8_config.{key} asks for the {switched} recipe but recipe: {self.recipe}; keep one")
-            if self.backend not in (None, "native"):
+            if self.backend is not None and get_spec(self.backend).library is not None:  # a library's backend
                 raise UsageError(
                     f"fp8_config.{key}: launch runs it on the native engine (recipe {switched}); for "
                     f"TransformerEngine's own, pass TERecipeKwargs({key}=True) in the script; or set "
