@@ -51,7 +51,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +58,7 @@ from pathlib import Path
 import torch
 
 from lowprec.config.paths import cache_home
+from lowprec.durable import temp_suffix
 from lowprec.fp8 import shared_cast
 from lowprec.fp8.host_scale import f32, reciprocal32
 from lowprec.fp8.quantize import Float8Data, expand_blocks
@@ -314,7 +314,7 @@ def kept_probe(probe=None) -> CpuGemmChoice:
         return kept
     choice = (probe or _probe)()
     record = {"key": key, "path": choice.path, "reason": choice.reason, "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
-    tmp = path.with_name(f".tmp-{socket.gethostname()}-{os.getpid()}-{path.name}")
+    tmp = path.with_name(f".tmp-{temp_suffix()}-{path.name}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")

@@ -244,7 +244,7 @@ class FP8Callback(TrainerCallback):
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, FP8_STATE_FILE.format(rank=args.process_index))
-        tmp = path + temp_suffix()
+        tmp = f"{path}.tmp-{temp_suffix()}"
         save_object({k: sd[k].detach().cpu() for k in sorted(keys)}, tmp, "FP8 scaling state")  # safetensors: no pickle
         fsync_file(tmp)
         os.replace(tmp, path)  # never a half-written file under the final name

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from lowprec.train.axolotl_keys import AXOLOTL_DEFAULTS
+from lowprec.train.config_adapter import LORA_KEYS
 from lowprec.train.config_base import yaml_text
 
 __all__ = ["Inert", "RULES", "inert_keys"]
@@ -72,16 +73,7 @@ RULES: tuple[Inert, ...] = (
         "utils/callbacks/generation.py SFTGenerationCallback returns without generate_samples",
     ),
     Inert(
-        (
-            "lora_r",
-            "lora_alpha",
-            "lora_dropout",
-            "lora_target_modules",
-            "lora_target_linear",
-            "lora_modules_to_save",
-            "lora_fan_in_fan_out",
-            "lora_model_dir",
-        ),
+        (*LORA_KEYS, "lora_model_dir"),
         "adapter (lora or qlora)",
         _any_set("adapter"),
         "loaders/adapter.py load_adapter returns the model unchanged when adapter is None",
