@@ -11,14 +11,18 @@ episode: layer, signal, value, step, moved). :meth:`state_dict` travels in the c
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 from torch import nn
 
 from lowprec.fp8.guard import Guard, Thresholds
 from lowprec.fp8.health import HealthProbe, signals
+from lowprec.train.outputs import write_conversion_report
 
-__all__ = ["RunHealth", "moves_text"]
+__all__ = ["RunHealth", "moves_text", "attach_health"]
+
+logger = logging.getLogger("lowprec")
 
 
 class RunHealth:
@@ -89,3 +93,26 @@ def moves_text(moves: list[dict[str, Any]]) -> str:
     lines = ["", f"fp8_guard: {len(moves)} layer(s) moved to high precision (bf16) during training:"]
     lines += [f"  step {m['step']}: {m['layer']}  ({m['signal']} = {m['value']:.4g})" for m in moves]
     return "\n".join(lines)
+
+
+def attach_health(run: Any) -> None:
+    """fp8_health / fp8_guard (``health.py``): the probe's hooks, and the moves, streaks and
+    trends of a resumed checkpoint; a checkpoint's moves are kept even with fp8_guard off now."""
+    cfg = run.cfg
+    saved = run.state.fp8_guard or {}
+    if run.fp8_layers and cfg.fp8_health_on:
+        run.health = RunHealth(
+            run.inner, cfg.fp8_guard, cfg.fp8_guard_patience, cfg.fp8_health_sqnr_every, cfg.fp8_guard_thresholds or {}
+        )
+        run.health.load_state_dict(saved)
+        run.on_move = lambda: write_conversion_report(run.acc, run.output_dir, tuple(run.health.moves()))
+    elif saved.get("moved") and run.fp8_layers:
+        Guard(run.inner, mode="act").restore(saved["moved"])
+        run.kept_moves = list(saved["moved"])
+    moves = run.health.moves() if run.health is not None else run.kept_moves
+    if moves and run.main:
+        logger.warning(
+            "lowprec: fp8_guard: %d layer(s) moved to high precision by the checkpoint's run stay moved: %s",
+            len(moves),
+            ", ".join(m["layer"] for m in moves),
+        )

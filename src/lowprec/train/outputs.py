@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import yaml
 
-__all__ = ["make_output_dir", "export_model", "write_resolved_config", "load_exported_model"]
+__all__ = ["make_output_dir", "export_model", "write_resolved_config", "load_exported_model", "write_conversion_report"]
 
 
 def make_output_dir(path: str, key: str = "output_dir") -> str:
@@ -77,3 +77,17 @@ def write_resolved_config(config: dict[str, Any], decisions: dict[str, Any], out
 
 def _plain(v: Any) -> Any:
     return v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
+
+
+def write_conversion_report(acc, output_dir: str, moves: tuple = ()) -> Optional[str]:
+    """The full per-layer FP8 conversion table, next to the metrics (the console has one line),
+    and the layers fp8_guard: act moved to high precision since (rewritten at each move)."""
+    report = getattr(getattr(acc, "backend", None), "report", None)
+    if report is None:
+        return None
+    from lowprec.train.health import moves_text
+
+    path = os.path.join(output_dir, "fp8_conversion.txt")
+    with open(path, "w") as f:
+        f.write(str(report) + "\n" + (moves_text(list(moves)) + "\n" if moves else ""))
+    return path

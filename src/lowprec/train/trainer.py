@@ -33,8 +33,9 @@ from lowprec.durable import os_error_of
 from lowprec.errors import CheckpointError, NonFiniteError, StorageError
 from lowprec.train import checkpoints as ckpt
 from lowprec.train.config import TrainConfig
+from lowprec.train.health import attach_health
 from lowprec.train.metrics import MetricsWriter, peak_memory_mb, read_metrics, truncate_after
-from lowprec.train.outputs import make_output_dir
+from lowprec.train.outputs import make_output_dir, write_conversion_report
 from lowprec.train.run_lock import hold_output_dir
 from lowprec.train.loop import Run, run_loop
 from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
@@ -235,47 +236,6 @@ def _quiet_other_ranks() -> None:
                 log.addFilter(_RankZeroOnly())
 
 
-def _write_conversion_report(acc, output_dir: str, moves: tuple = ()) -> Optional[str]:
-    """The full per-layer FP8 conversion table, next to the metrics (the console has one line),
-    and the layers fp8_guard: act moved to high precision since (rewritten at each move)."""
-    report = getattr(getattr(acc, "backend", None), "report", None)
-    if report is None:
-        return None
-    from lowprec.train.health import moves_text
-
-    path = os.path.join(output_dir, "fp8_conversion.txt")
-    with open(path, "w") as f:
-        f.write(str(report) + "\n" + (moves_text(list(moves)) + "\n" if moves else ""))
-    return path
-
-
-def _setup_health(run: Run) -> None:
-    """fp8_health / fp8_guard (``health.py``): the probe's hooks, and the moves, streaks and
-    trends of a resumed checkpoint; a checkpoint's moves are kept even with fp8_guard off now."""
-    cfg = run.cfg
-    saved = run.state.fp8_guard or {}
-    if run.fp8_layers and cfg.fp8_health_on:
-        from lowprec.train.health import RunHealth
-
-        run.health = RunHealth(
-            run.inner, cfg.fp8_guard, cfg.fp8_guard_patience, cfg.fp8_health_sqnr_every, cfg.fp8_guard_thresholds or {}
-        )
-        run.health.load_state_dict(saved)
-        run.on_move = lambda: _write_conversion_report(run.acc, run.output_dir, tuple(run.health.moves()))
-    elif saved.get("moved") and run.fp8_layers:
-        from lowprec.fp8.guard import Guard
-
-        Guard(run.inner, mode="act").restore(saved["moved"])
-        run.kept_moves = list(saved["moved"])
-    moves = run.health.moves() if run.health is not None else run.kept_moves
-    if moves and run.main:
-        logger.warning(
-            "lowprec: fp8_guard: %d layer(s) moved to high precision by the checkpoint's run stay moved: %s",
-            len(moves),
-            ", ".join(m["layer"] for m in moves),
-        )
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -354,7 +314,7 @@ def _train(
     run.tokenizer = tokenizer
     run.on_log = on_log
     resume_path = _resume(run, decisions)
-    _setup_health(run)
+    attach_health(run)
     run.writer = MetricsWriter(output_dir, main, plan.use_tensorboard, append=resume_path is not None)
     if cfg.eval_table_size and val_loader is not None:
         from lowprec.train.generations import EvalTable
@@ -368,7 +328,7 @@ def _train(
         from lowprec.train.outputs import write_resolved_config
 
         write_resolved_config(cfg.to_yaml_dict(), decisions, output_dir)
-        _write_conversion_report(
+        write_conversion_report(
             acc, output_dir, tuple(run.health.moves() if run.health is not None else run.kept_moves)
         )
     try:
