@@ -49,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import count_saved_bytes, device_name, write_json  # noqa: E402
 
+from lowprec.catalog import RECIPES, Granularity  # noqa: E402
 import lowprec.fp8 as fp8  # noqa: E402
 from lowprec.optim import FP8AdamW, apply_opt_level  # noqa: E402
 from lowprec.optim.fp8_grads import fp8_grad  # noqa: E402
@@ -68,7 +69,7 @@ VARIANTS = (
     "fp8_o2_bf16w_acts",
 )
 SAVED_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
-_BLOCK_SCALED = ("mxfp8", "nvfp4")
+_BLOCK_SCALED = tuple(n for n, r in RECIPES.items() if r.granularity is Granularity.MICRO)
 
 
 def saved_bytes(model_name: str, batch: int, seq: int, device: torch.device) -> dict:

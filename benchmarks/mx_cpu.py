@@ -13,7 +13,7 @@ Two parts, JSON into ``benchmarks/results/mx_cpu.json``:
   hits all of them alike; the median is over rounds.
 * ``profile``: torch.profiler self-CPU time per phase (quantize, the 2-D weight cast, transpose,
   Hadamard, dequantize/upcast, GEMM) for mxfp8 and nvfp4, labelled by wrapping the functions
-  ``mx_linear``/``mx_gemm`` call with ``record_function``.
+  ``fp8/kinds/mxfp8.py``/``nvfp4.py``/``mx_gemm`` call with ``record_function``.
 """
 
 from __future__ import annotations
@@ -32,15 +32,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import device_name, write_json  # noqa: E402
 
 import lowprec.fp8 as fp8  # noqa: E402
-from lowprec.fp8 import mx_gemm, mx_linear  # noqa: E402
+from lowprec.fp8 import mx_gemm  # noqa: E402
+from lowprec.fp8.kinds import mxfp8, nvfp4  # noqa: E402
 
 VARIANTS = ("bf16", "tensorwise", "mxfp8", "nvfp4", "mxfp8_emulate", "nvfp4_emulate")
 # (module, function name, label): what the profile attributes time to
 PHASES = [
-    (mx_linear, "_quantize", "quantize 1-D"),
-    (mx_linear, "quantize_nvfp4_2d", "quantize 2-D weight"),
-    (mx_linear, "transpose_2d", "transpose weight"),
-    (mx_linear, "apply_rht", "hadamard"),
+    (mxfp8, "quantize_mx", "quantize 1-D"),
+    (nvfp4, "quantize_nvfp4", "quantize 1-D"),
+    (nvfp4, "quantize_nvfp4_2d", "quantize 2-D weight"),
+    (nvfp4, "transpose_2d", "transpose weight"),
+    (nvfp4, "apply_rht", "hadamard"),
     (mx_gemm, "_elements", "dequantize fp32"),
     (mx_gemm, "_bf16_operand", "dequantize bf16"),
     (mx_gemm, "_matmul", "gemm"),

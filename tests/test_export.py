@@ -60,7 +60,7 @@ def _gpt2():
 def _forward_fp8_weights(model, ids):
     """The converted model's one FP8 training forward on ``ids``, recording the FP8 weight every
     Float8Linear's forward GEMM read (``scaled_mm``'s second operand), by layer name."""
-    import lowprec.fp8.linear as linear
+    import lowprec.fp8.linear_fn as linear
 
     seen, current, real = {}, [None], linear.scaled_mm
 

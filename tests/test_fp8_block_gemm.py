@@ -37,7 +37,7 @@ def test_every_blockwise_gemm_passes_torchs_layout_checks():
     """The three GEMMs of the blockwise recipe, cast as ``Float8Linear`` casts them (its plan and
     ``_cast``), on meta tensors: each reaches ``F.scaled_mm``'s meta function, which checks the
     scale shapes and strides cuBLAS needs."""
-    from lowprec.fp8.linear import _cast
+    from lowprec.fp8.linear_fn import cast as _cast
 
     recipe = fp8.Recipe.from_name("blockwise")
     plan = recipe.plan()
@@ -220,11 +220,11 @@ def test_a_frozen_weight_is_cast_once_and_serves_both_gemms(monkeypatch):
     """A frozen blockwise weight (a LoRA base layer): its 128x128 cast is made once over several
     micro-batches (fp8/frozen.py) and grad_input reads it, with the same values as a trained
     layer's backward re-cast."""
-    from lowprec.fp8 import linear
+    from lowprec.fp8.kinds import blockwise
 
     squares = []
-    real = linear.cast_block_both
-    monkeypatch.setattr(linear, "cast_block_both", lambda *a, **k: squares.append(k.get("square")) or real(*a, **k))
+    real = blockwise.cast_block_both
+    monkeypatch.setattr(blockwise, "cast_block_both", lambda *a, **k: squares.append(k.get("square")) or real(*a, **k))
     lins = [torch.nn.Linear(256, 128, bias=False) for _ in range(2)]
     lins[1].load_state_dict(lins[0].state_dict())
     frozen, trained = (fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("blockwise")) for lin in lins)

@@ -266,7 +266,7 @@ def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, see
 
             monkeypatch.setattr(kernels, "available", lambda device: True)
             monkeypatch.setattr(kernels, "_ops", lambda: Spy())
-        linear_mod = importlib.import_module("lowprec.fp8.linear")
+        linear_mod = importlib.import_module("lowprec.fp8.linear_fn")
         real_mm = linear_mod.scaled_mm
         layouts = []  # wgrad GEMM: (A row-major, B column-major), i.e. nothing to copy
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lowprec.fp8 as fp8
-from lowprec.fp8 import cpu_gemm, linear, shared_cast
+from lowprec.fp8 import cpu_gemm, linear_fn, shared_cast
 from lowprec.train.model import build_model
 
 RECIPES = ["tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise"]
@@ -61,7 +61,7 @@ def _count_casts(monkeypatch, share: bool, recipe: str = "tensorwise") -> tuple[
     """(input casts, bf16 upcasts) in one forward + backward of llama-tiny."""
     monkeypatch.setenv("LOWPREC_SHARE_CASTS", "1" if share else "0")
     casts, upcasts = [0], [0]
-    cast_pair, upcast = linear._cast_pair, cpu_gemm.upcast_to_bf16
+    cast_pair, upcast = linear_fn.cast_pair, cpu_gemm.upcast_to_bf16
 
     def counting_cast(t, *args, **kwargs):
         casts[0] += not isinstance(t, torch.nn.Parameter)  # inputs, not weights
@@ -71,7 +71,7 @@ def _count_casts(monkeypatch, share: bool, recipe: str = "tensorwise") -> tuple[
         upcasts[0] += 1
         return upcast(data)
 
-    monkeypatch.setattr(linear, "_cast_pair", counting_cast)
+    monkeypatch.setattr(linear_fn, "cast_pair", counting_cast)
     monkeypatch.setattr(cpu_gemm, "upcast_to_bf16", counting_upcast)
     monkeypatch.setenv(cpu_gemm.CPU_GEMM_ENV, "upcast")
     model = build_model("llama-tiny", max_seq_len=32)

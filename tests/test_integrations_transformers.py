@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
 
-import lowprec.fp8.linear as fp8_linear  # noqa: E402
+import lowprec.fp8.linear_fn as fp8_linear  # noqa: E402
 import lowprec.fp8.mx_linear as fp8_mx_linear  # noqa: E402
 from lowprec import fp8  # noqa: E402
 from lowprec.integrations.transformers import FP8Callback, enable_fp8, fp8_state_keys  # noqa: E402

@@ -18,7 +18,7 @@ from lowprec.catalog import (
     RECIPE_FIELDS,
     RECIPES,
     Granularity,
-    ScalingKind,
+    ScaleSource,
 )
 from lowprec.cli.main import main
 from lowprec.kwargs import AORecipeKwargs, NativeRecipeKwargs, TERecipeKwargs
@@ -138,7 +138,7 @@ def test_catalog_is_the_engine_recipes():
             Granularity.MICRO: ("mx32", "nv16"),
         }[info.granularity]
         assert plan.fprop.a.granularity in gran
-        assert (info.kind is ScalingKind.DELAYED) == (r.scaling == "delayed")
+        assert (info.source is ScaleSource.DELAYED) == (r.scaling == "delayed")
 
 
 def test_recipe_kwargs_types_checked_at_construction():

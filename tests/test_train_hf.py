@@ -445,14 +445,15 @@ def test_frozen_base_layer_runs_two_gemms_and_casts_its_weight_once_per_version(
     """A frozen Float8Linear (a LoRA base layer): forward + backward = output and input-gradient
     GEMMs only (no weight-gradient GEMM); its weight is cast once for several micro-batches and
     again only after the weight changes; outputs bit-identical to the uncached path."""
-    import lowprec.fp8.linear as linear
+    import lowprec.fp8.kinds.tensorwise as tensorwise
+    import lowprec.fp8.linear_fn as linear_fn
 
     gemms, casts = [], []
-    real_mm, real_quantize = linear.scaled_mm, linear.quantize
+    real_mm, real_quantize = linear_fn.scaled_mm, tensorwise.quantize
     monkeypatch.setattr(
-        linear, "scaled_mm", lambda a, b, *args, **kw: gemms.append(a.data.shape) or real_mm(a, b, *args, **kw)
+        linear_fn, "scaled_mm", lambda a, b, *args, **kw: gemms.append(a.data.shape) or real_mm(a, b, *args, **kw)
     )
-    monkeypatch.setattr(linear, "quantize", lambda t, *a, **kw: casts.append(t.shape) or real_quantize(t, *a, **kw))
+    monkeypatch.setattr(tensorwise, "quantize", lambda t, *a, **kw: casts.append(t.shape) or real_quantize(t, *a, **kw))
     torch.manual_seed(0)
     frozen, trained = (torch.nn.Sequential(torch.nn.Linear(64, 32)) for _ in range(2))
     trained.load_state_dict(frozen.state_dict())

@@ -38,6 +38,7 @@ sys.path.insert(0, str(BENCH))
 from _common import device_name  # noqa: E402
 from linear import bench_shape  # noqa: E402
 
+from lowprec.catalog import RECIPES, Granularity  # noqa: E402
 import lowprec.fp8 as fp8  # noqa: E402
 from lowprec.fp8.cost_model import predict_seconds  # noqa: E402
 from lowprec.fp8.kernels.select import triton_importable  # noqa: E402
@@ -53,7 +54,7 @@ SHAPES = [
     (16384, 14336, 4096, "down"),
 ]
 TINY = [(128, 128, 256, "tiny-a"), (128, 256, 128, "tiny-b")]
-BLOCK_SCALED = ("mxfp8", "nvfp4")
+BLOCK_SCALED = tuple(n for n, r in RECIPES.items() if r.granularity is Granularity.MICRO)  # sm_100+ GEMMs
 
 
 def supported_recipes(device: torch.device, sm: tuple[int, int] | None = None) -> list[str]:

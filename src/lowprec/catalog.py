@@ -2,12 +2,15 @@
 
 Layer 0: imports nothing of lowprec and no torch, so the launcher, the wizard, the trainer's
 schema and the engine (:class:`lowprec.fp8.Recipe`) all read the same names, presets and
-messages. Adding a recipe means one :class:`RecipeInfo` row here plus its GEMM plan in
-``lowprec/fp8/recipes.py`` (and its test).
+messages. Each recipe runs one scaling *kind* (``RecipeInfo.scaling``: tensorwise, delayed,
+rowwise, blockwise, mxfp8, nvfp4), whose engine side is one module, ``lowprec/fp8/kinds/<kind>.py``;
+each kind has a row of its own name here, which also says what the torch-free layers check
+(FP8 all-gather, tensor parallelism, export). Adding a kind means that module plus one row;
+adding a recipe of an existing kind means one row (a preset).
 
-Each recipe is a scaling *kind* (where the scale comes from: an amax history or the tensor
-itself) at a *granularity* (how many elements share one scale: tensor, row, block); the table
-of them is generated into ``docs/backends.md`` (:func:`recipes_markdown`).
+A recipe's scale comes from an amax history or from the tensor itself (:class:`ScaleSource`), at a
+*granularity* (how many elements share one scale: tensor, row, block, microblock); the table of
+them is generated into ``docs/backends.md`` (:func:`recipes_markdown`).
 
 The microscaling recipes (``mxfp8``: 1x32 blocks with E8M0 scales; ``nvfp4``: E2M1 with 1x16
 E4M3-scaled blocks) are named here like the others; TE's switches
@@ -23,7 +26,7 @@ from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
 __all__ = [
-    "ScalingKind",
+    "ScaleSource",
     "Granularity",
     "RecipeInfo",
     "RECIPES",
@@ -38,15 +41,19 @@ __all__ = [
     "check_int_field",
     "FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE",
     "check_fsdp_fp8_all_gather",
+    "check_tensor_parallel",
     "TE_SWITCHES",
     "te_switch_recipe",
     "recipe_info",
+    "kind_info",
+    "register_recipe",
+    "unregister_recipe",
     "unread_recipe_fields",
     "recipes_markdown",
 ]
 
 
-class ScalingKind(str, Enum):
+class ScaleSource(str, Enum):
     """Where a scale comes from."""
 
     DELAYED = "delayed"  # from the amaxes of earlier steps (an amax history)
@@ -216,65 +223,84 @@ def check_fsdp_fp8_all_gather(recipe: str, scaling: str | None = None) -> None:
     name; ``scaling``: its scaling kind where a built Recipe is at hand (else read from the
     name). ``ValueError`` with the one message otherwise."""
     kind = scaling if scaling is not None else recipe_info(recipe).scaling
-    if kind != "tensorwise":
+    if not kind_info(kind).fp8_all_gather:
         raise ValueError(FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe=recipe))
+
+
+def check_tensor_parallel(recipe: str, scaling: str | None = None, what: str = "tensor parallel FP8") -> None:
+    """The one rule "tensor (and sequence) parallel FP8 needs whole-tensor scales", for every
+    caller (launch flags, the YAML trainer, the engine's TP layers). ``what`` names the setting
+    for the message; ``ValueError`` otherwise."""
+    kind = scaling if scaling is not None else recipe_info(recipe).scaling
+    if not kind_info(kind).tensor_parallel:
+        raise ValueError(
+            f"{what} needs whole-tensor scales agreed across the shards, which fp8_recipe {recipe!r} does not "
+            "have; set fp8_recipe: tensorwise"
+        )
 
 
 @dataclass(frozen=True)
 class RecipeInfo:
     """A named recipe: its meaning and the :class:`lowprec.fp8.Recipe` field values it sets
-    (``preset``, plain values: no torch here)."""
+    (``preset``, plain values: no torch here). The capabilities (``fp8_all_gather`` and on) are
+    read from the row of the recipe's kind (:func:`kind_info`)."""
 
     name: str
-    kind: ScalingKind
+    source: ScaleSource
     granularity: Granularity
     summary: str
     preset: Mapping[str, Any] = field(default_factory=dict)
     reads: tuple[str, ...] = ()  # which SCALING_FIELDS it reads
+    scaling: str = ""  # the engine's Recipe.scaling: its kind (lowprec/fp8/kinds/); empty: the name
+    # FSDP2 can all-gather the weight in FP8: one scale for the whole weight, agreed by every rank
+    fp8_all_gather: bool = False
+    # tensor-parallel and sequence-parallel FP8 (local GEMMs with whole-tensor scales)
+    tensor_parallel: bool = False
+    # the compressed-tensors weight scheme that holds this kind's forward weight cast as trained
+    # ("tensor", "channel", "block"); None: no FP8 export layout holds it (microscaled weights)
+    export_scheme: str | None = None
 
-    @property
-    def scaling(self) -> str:
-        """The engine's ``Recipe.scaling`` value."""
-        if self.kind is ScalingKind.DELAYED:
-            return "delayed"
-        if self.granularity is Granularity.MICRO:
-            return self.name
-        return {Granularity.TENSOR: "tensorwise", Granularity.AXIS: "rowwise", Granularity.BLOCK: "blockwise"}[
-            self.granularity
-        ]
+    def __post_init__(self) -> None:
+        if not self.scaling:
+            object.__setattr__(self, "scaling", self.name)
 
 
 _ROWWISE = {"fp8_format": "E4M3", "power_of_2_scales": True}
-RECIPES: Mapping[str, RecipeInfo] = MappingProxyType(
+_RECIPES: dict[str, RecipeInfo] = dict(
     {
         r.name: r
         for r in (
             RecipeInfo(
                 "delayed",
-                ScalingKind.DELAYED,
+                ScaleSource.DELAYED,
                 Granularity.TENSOR,
                 "per-tensor scale from an amax history (TransformerEngine DelayedScaling)",
                 {"scaling": "delayed"},
                 _DELAYED_FIELDS,
+                export_scheme="tensor",
             ),
             RecipeInfo(
                 "tensorwise",
-                ScalingKind.DYNAMIC,
+                ScaleSource.DYNAMIC,
                 Granularity.TENSOR,
                 "per-tensor scale from this tensor's amax (torchao default)",
                 {"scaling": "tensorwise"},
                 ("margin",),
+                fp8_all_gather=True,
+                tensor_parallel=True,
+                export_scheme="tensor",
             ),
             RecipeInfo(
                 "rowwise",
-                ScalingKind.DYNAMIC,
+                ScaleSource.DYNAMIC,
                 Granularity.AXIS,
                 "per-row power-of-two scales, E4M3 everywhere (torchao rowwise)",
                 {"scaling": "rowwise", **_ROWWISE},
+                export_scheme="channel",
             ),
             RecipeInfo(
                 "rowwise_with_gw_hp",
-                ScalingKind.DYNAMIC,
+                ScaleSource.DYNAMIC,
                 Granularity.AXIS,
                 "rowwise; weight-gradient GEMM in high precision, weight tensorwise for dgrad",
                 {
@@ -283,18 +309,20 @@ RECIPES: Mapping[str, RecipeInfo] = MappingProxyType(
                     "dgrad_weight_tensorwise": True,
                     "override_linear_precision": (False, False, True),
                 },
+                scaling="rowwise",
             ),
             RecipeInfo(
                 "blockwise",
-                ScalingKind.DYNAMIC,
+                ScaleSource.DYNAMIC,
                 Granularity.BLOCK,
                 "1x128 activation/gradient tiles, 128x128 weight tiles, power-of-two scales (DeepSeek-V3)",
                 {"scaling": "blockwise", **_ROWWISE},
                 ("block_size",),
+                export_scheme="block",
             ),
             RecipeInfo(
                 "mxfp8",
-                ScalingKind.DYNAMIC,
+                ScaleSource.DYNAMIC,
                 Granularity.MICRO,
                 "MXFP8 (OCP MX v1.0): E4M3, one E8M0 power-of-two scale per 32 elements along the "
                 "contraction dim, each GEMM orientation cast from the source (TE MXFP8BlockScaling)",
@@ -303,7 +331,7 @@ RECIPES: Mapping[str, RecipeInfo] = MappingProxyType(
             ),
             RecipeInfo(
                 "nvfp4",
-                ScalingKind.DYNAMIC,
+                ScaleSource.DYNAMIC,
                 Granularity.MICRO,
                 "NVFP4: E2M1 + E4M3 scale per 16 + fp32 tensor scale, 16x16 weight tiles, stochastic "
                 "rounding of gradients, Hadamard on wgrad inputs, last 15% of layers high precision "
@@ -314,7 +342,8 @@ RECIPES: Mapping[str, RecipeInfo] = MappingProxyType(
         )
     }
 )
-RECIPE_NAMES: tuple[str, ...] = tuple(RECIPES)
+RECIPES: Mapping[str, RecipeInfo] = MappingProxyType(_RECIPES)  # read-only; register_recipe adds
+RECIPE_NAMES: tuple[str, ...] = tuple(RECIPES)  # the built-in recipes
 # other spellings users write (TE's class names, torchao's recipe names)
 _ALIASES = {
     "mx_fp8": "mxfp8",
@@ -339,6 +368,29 @@ def recipe_info(name: Any) -> RecipeInfo:
     return RECIPES[key]
 
 
+def kind_info(scaling: str) -> RecipeInfo:
+    """The row of the scaling kind ``scaling`` (a Recipe's ``scaling``): each kind has one of its
+    own name, which says what the torch-free layers may do with it."""
+    info = RECIPES.get(scaling)
+    if info is None or info.scaling != scaling:
+        raise ValueError(f"scaling kind {scaling!r} has no catalog row of its own name")
+    return info
+
+
+def register_recipe(info: RecipeInfo) -> None:
+    """Add a recipe row (a new kind's, with its module in ``lowprec/fp8/kinds/``, or a preset of
+    an existing kind); ``ValueError`` if the name is taken. ``RECIPE_NAMES`` lists the built-ins."""
+    if info.name in _RECIPES:
+        raise ValueError(f"recipe {info.name!r} is already in the catalog")
+    _RECIPES[info.name] = info
+
+
+def unregister_recipe(name: str) -> None:
+    if name in RECIPE_NAMES:
+        raise ValueError(f"recipe {name!r} is built in")
+    _RECIPES.pop(name, None)
+
+
 def unread_recipe_fields(name: str, fields: Iterable[str]) -> list[str]:
     """Which of ``fields`` (engine field names) the recipe ``name`` never reads."""
     reads = set(recipe_info(name).reads)
@@ -347,8 +399,11 @@ def unread_recipe_fields(name: str, fields: Iterable[str]) -> list[str]:
 
 def recipes_markdown() -> str:
     """The docs table of recipes, generated from :data:`RECIPES`."""
-    rows = ["| recipe | scaling kind | granularity | reads | meaning |", "| --- | --- | --- | --- | --- |"]
+    rows = [
+        "| recipe | kind (`fp8/kinds/`) | scale from | granularity | reads | meaning |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in RECIPES.values():
         reads = ", ".join(r.reads) or "-"
-        rows.append(f"| {r.name} | {r.kind.value} | {r.granularity.value} | {reads} | {r.summary} |")
+        rows.append(f"| {r.name} | {r.scaling} | {r.source.value} | {r.granularity.value} | {reads} | {r.summary} |")
     return "\n".join(rows)

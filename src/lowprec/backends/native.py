@@ -123,7 +123,7 @@ class NativeBackend(BaseBackend):
 
             # all weights' scales for the next FP8 all-gather: one all-reduce, not one per layer
             precompute_float8_scales_for_fsdp(model)
-        if self.recipe.scaling == "delayed" and self.recipe.reduce_amax:
+        if self.recipe.kind.keeps_history and self.recipe.reduce_amax:
             from lowprec.distributed.amax_sync import reduce_delayed_amaxes
 
             # every rank casts with the same scales next step (one all-reduce for all layers)

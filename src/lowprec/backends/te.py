@@ -57,14 +57,18 @@ def te_convert(model: "nn.Module", te: Any) -> int:
     return swapped
 
 
+# the recipe a TE switch names (catalog.TE_SWITCHES) -> TE's recipe class, and whether that class
+# takes fp8_format (NVFP4BlockScaling has E2M1 elements with E4M3 scales, nothing to choose)
+_TE_BLOCK_RECIPES = {"mxfp8": ("MXFP8BlockScaling", True), "nvfp4": ("NVFP4BlockScaling", False)}
+
+
 def build_te_recipe(handler: Any, recipe_module: Any) -> Any:
     """The TE recipe object from a resolved :class:`TERecipeKwargs`: all fields, explicitly."""
     fmt = recipe_module.Format[handler.fp8_format]
     switch = te_switch_recipe(vars(handler))
-    if switch == "mxfp8":
-        return recipe_module.MXFP8BlockScaling(fp8_format=fmt)
-    if switch == "nvfp4":
-        return recipe_module.NVFP4BlockScaling()
+    if switch is not None:
+        cls, takes_format = _TE_BLOCK_RECIPES[switch]
+        return getattr(recipe_module, cls)(**({"fp8_format": fmt} if takes_format else {}))
     kwargs = dict(
         margin=handler.margin,
         fp8_format=fmt,
@@ -125,10 +129,10 @@ def native_recipe(handler: TERecipeKwargs) -> Any:
     if switch is not None:
         # TE's block-scaled recipes have no amax history, margin or interval: those fields are
         # TE-DelayedScaling's; fp8_format stays (MXFP8BlockScaling takes it; E4M3 is TE's default)
-        fmt = {"fp8_format": "E4M3"} if switch == "nvfp4" else {"fp8_format": handler.fp8_format}
+        takes_format = _TE_BLOCK_RECIPES[switch][1]
         return Recipe.from_name(
             switch,
-            **fmt,
+            fp8_format=handler.fp8_format if takes_format else "E4M3",
             override_linear_precision=tuple(handler.override_linear_precision),
             use_during_eval=handler.use_autocast_during_eval,
         )

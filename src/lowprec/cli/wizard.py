@@ -104,7 +104,7 @@ def _zero_stage(value: Any) -> int:
 def _fp8_questions(s: dict[str, Any]) -> None:
     """Only what the chosen backend and recipe read (their declarations decide, no names here)."""
     from lowprec.backends.spec import spec_or_native
-    from lowprec.catalog import FIELD_DEFAULTS, RECIPE_OPTIONS, Granularity, recipe_info
+    from lowprec.catalog import FIELD_DEFAULTS, RECIPE_OPTIONS, Granularity, kind_info, recipe_info
 
     backend = s["fp8_backend"] = ask("FP8 backend?", "native", V.parse_fp8_backend, V.FP8_BACKENDS)
     spec = spec_or_native(backend)
@@ -142,7 +142,7 @@ def _fp8_questions(s: dict[str, Any]) -> None:
     if (
         s.get("use_fsdp")
         and "fp8_enable_fsdp_float8_all_gather" in reads
-        and (recipe is None or recipe.scaling == "tensorwise")
+        and (recipe is None or kind_info(recipe.scaling).fp8_all_gather)
     ):
         s["fp8_enable_fsdp_float8_all_gather"] = ask("All-gather FSDP weights in FP8?", True, V.parse_bool)
 

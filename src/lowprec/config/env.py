@@ -77,6 +77,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from lowprec.config import values as V
+from lowprec.catalog import check_tensor_parallel
 from lowprec.errors import UsageError, did_you_mean
 
 __all__ = [
@@ -425,11 +426,11 @@ class LaunchSettings:
                 f"tp_size={tp} with fp8_backend={self.fp8_backend}: tensor parallel FP8 runs on lowprec's "
                 "native engine; set fp8_backend: native"
             )
-        if self.fp8 and (self.fp8_recipe or "tensorwise") != "tensorwise":
-            raise UsageError(
-                f"tp_size={tp} with fp8_recipe={self.fp8_recipe}: tensor parallel FP8 needs whole-tensor "
-                "scales across the shards; set fp8_recipe: tensorwise"
-            )
+        if self.fp8 and self.fp8_recipe:
+            try:
+                check_tensor_parallel(self.fp8_recipe, what=f"tp_size={tp} (tensor parallel FP8)")
+            except ValueError as exc:
+                raise UsageError(str(exc)) from None
 
     # ------------------------------------------------------------------ properties
     @property

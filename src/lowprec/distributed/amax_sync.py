@@ -51,7 +51,7 @@ def delayed_layers(model: nn.Module) -> list[Float8Linear]:
     return [
         m
         for m in model.modules()
-        if isinstance(m, Float8Linear) and m.recipe.scaling == "delayed" and hasattr(m, "fp8_amax_history_input")
+        if isinstance(m, Float8Linear) and m.recipe.kind.keeps_history and hasattr(m, "fp8_amax_history_input")
     ]
 
 

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
 from lowprec.fp8.gathered import Float8GatheredWeight
+from lowprec.catalog import check_tensor_parallel
 from lowprec.fp8.linear import Float8Linear
 from lowprec.fp8.quantize import quantize
 from lowprec.fp8.scaling import amax, amax_to_scale
@@ -84,11 +85,7 @@ def fp8_sequence_all_gather(x: torch.Tensor, mesh, dim: int, recipe, as_dtensor:
     """``x`` (this process's slice along ``dim``, a plain tensor) cast to FP8 with the whole
     tensor's scale and all-gathered in FP8: a ``Replicate`` DTensor (``as_dtensor``) or a plain
     tensor of the whole sequence, presenting as ``x.dtype``."""
-    if recipe.scaling != "tensorwise":
-        raise ValueError(
-            f"FP8 sequence-parallel all-gather needs the tensorwise recipe, got {recipe.name!r}; "
-            "use fp8_recipe: tensorwise"
-        )
+    check_tensor_parallel(recipe.name, recipe.scaling, what="the FP8 sequence-parallel all-gather")
     return _Float8SequenceAllGather.apply(x, mesh, dim, recipe, as_dtensor)
 
 
@@ -174,10 +171,9 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         layer = _first_float8(module, self.fwd_config_submodule_fqn)
-        if layer is not None and layer.recipe.scaling != "tensorwise":
-            raise ValueError(
-                f"sequence-parallel FP8 inputs need the tensorwise recipe, {type(module).__name__} uses "
-                f"{layer.recipe.name!r}; use fp8_recipe: tensorwise"
+        if layer is not None:
+            check_tensor_parallel(
+                layer.recipe.name, layer.recipe.scaling, what=f"sequence-parallel FP8 inputs of {type(module).__name__}"
             )
 
         state = {"checked": False, "layer": layer}

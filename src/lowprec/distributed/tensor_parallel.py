@@ -20,6 +20,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from lowprec.catalog import check_tensor_parallel
 from lowprec.fp8.linear import Float8Linear
 
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "check_float8_tp_layer"]
@@ -31,11 +32,7 @@ def check_float8_tp_layer(module: nn.Module, style: str) -> None:
             f"Float8{style}Parallel applies to lowprec Float8Linear layers, got {type(module).__name__}; "
             f"convert the model first (lowprec.fp8.convert) or use torch's {style}Parallel"
         )
-    if module.recipe.scaling != "tensorwise":
-        raise ValueError(
-            f"tensor parallel FP8 needs the tensorwise recipe, this layer uses {module.recipe.name!r}; "
-            "use fp8_recipe: tensorwise"
-        )
+    check_tensor_parallel(module.recipe.name, module.recipe.scaling, what=f"Float8{style}Parallel")
 
 
 def _plain_buffers(module: nn.Module) -> nn.Module:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from lowprec.fp8.quantize import Float8Data, quantize
-from lowprec.fp8.recipes import BLOCK_SCALED, Recipe
+from lowprec.fp8.recipes import Recipe
 
 __all__ = ["FORMATS", "Scheme", "scheme_for", "trained_matches", "format_cast", "format_scale"]
 
@@ -36,16 +36,6 @@ class Scheme:
         return f"{self.block}x{self.block} blocks" if self.granularity == "block" else f"per {self.granularity}"
 
 
-# the recipe's weight cast -> the compressed-tensors scheme that holds it as trained
-_CT_SCHEME = {
-    "tensorwise": "tensor",
-    "delayed": "tensor",
-    "rowwise": "channel",
-    "rowwise_with_gw_hp": "channel",
-    "blockwise": "block",
-}
-
-
 def scheme_for(fmt: str, recipe: Recipe | None) -> Scheme:
     """The scheme ``fmt`` writes for a model trained with ``recipe`` (None: not FP8-trained).
 
@@ -53,7 +43,9 @@ def scheme_for(fmt: str, recipe: Recipe | None) -> Scheme:
     1x16 microscales that neither FP8 layout holds."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not an export format; choose one of {', '.join(FORMATS)}")
-    if recipe is not None and recipe.scaling in BLOCK_SCALED:
+    # the compressed-tensors scheme that holds the recipe's weight cast as trained (its kind's row)
+    trained = None if recipe is None else recipe.kind.info.export_scheme
+    if recipe is not None and trained is None:
         raise ValueError(
             f"--format {fmt}: a {recipe.scaling} run trained with microscaled weights that {fmt}'s FP8 layout "
             "cannot hold; pass --requantize to quantize it once with the format's rule, or use the bf16 model.safetensors"
@@ -62,8 +54,7 @@ def scheme_for(fmt: str, recipe: Recipe | None) -> Scheme:
         return Scheme("block", BLOCK)
     if recipe is None:
         return Scheme("channel")
-    gran = _CT_SCHEME[recipe.scaling]
-    return Scheme(gran, recipe.block_size if gran == "block" else BLOCK)
+    return Scheme(trained, recipe.block_size if trained == "block" else BLOCK)
 
 
 def trained_matches(recipe: Recipe | None, scheme: Scheme) -> tuple[bool, str]:
@@ -71,13 +62,12 @@ def trained_matches(recipe: Recipe | None, scheme: Scheme) -> tuple[bool, str]:
     and scales are exported as they are), and the reason either way."""
     if recipe is None:
         return False, "not trained in FP8: quantized once with the format's rule"
-    if recipe.scaling == "delayed":
+    if recipe.kind.keeps_history:
         return False, (
             "delayed scaling keeps its weight scale in an amax history that the checkpoint does not pin to the "
             "last forward: quantized once per tensor with the format's rule"
         )
-    want = {"tensor": ("tensorwise",), "channel": ("rowwise", "rowwise_with_gw_hp"), "block": ("blockwise",)}
-    if recipe.scaling in want[scheme.granularity] and (
+    if recipe.kind.info.export_scheme == scheme.granularity and (
         scheme.granularity != "block" or recipe.block_size == scheme.block
     ):
         return True, f"trained scales: the {recipe.scaling} forward's own FP8 weights ({scheme.describe()})"

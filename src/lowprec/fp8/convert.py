@@ -44,15 +44,11 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from lowprec.fp8 import activations, block_gemm_triton
+from lowprec.fp8 import activations, kinds
 from lowprec.fp8.conv1d import Float8Conv1D, gemm_dims, is_conv1d
-from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 from lowprec.fp8.fp8_base import Float8BaseLinear
-from lowprec.fp8.gemm import native_scaled_mm_available
-from lowprec.fp8.linear import Float8Linear, STATE_BUFFERS
-from lowprec.fp8.mx_gemm import native_block_scaled_available
-from lowprec.fp8.mx_linear import MX_STATE_BUFFER
-from lowprec.fp8.recipes import BLOCK_SCALED, Recipe
+from lowprec.fp8.linear import Float8Linear
+from lowprec.fp8.recipes import Recipe
 
 __all__ = [
     "ConversionReport",
@@ -182,32 +178,7 @@ def _gemm_note(recipe: Recipe, device: torch.device) -> str:
         return "chosen at run time on the device the model is materialised on"
     if recipe.gemm == "emulate":
         return "emulated (dequantize + float32 matmul), as asked"
-    if recipe.scaling in BLOCK_SCALED:
-        if native_block_scaled_available(device):
-            return f"torch block-scaled scaled_mm on {device.type} ({recipe.scaling}, swizzled scales)"
-        why = f"exact {recipe.scaling} dequantization + float32 matmul on {device.type}"
-        if device.type == "cpu":  # the CPU path by design, as the bf16 upcast is for the other recipes
-            scales = "block scales folded in" + (", tensor scales on the output" if recipe.scaling == "nvfp4" else "")
-            return f"bf16 GEMM over exact bf16 {recipe.scaling} operands on cpu ({scales}; mx_gemm.py)"
-        return f"emulated: {why} (torch's block-scaled scaled_mm needs CUDA sm_100+)"
-    if device.type == "cpu":
-        if recipe.scaling == "blockwise" and not recipe.power_of_2_scales:
-            return "emulated: block scales that are not powers of two cannot fold exactly into bf16 operands"
-        path = "upcast" if recipe.gemm == "upcast" or recipe.scaling == "blockwise" else cpu_gemm_choice().path
-        if path == "upcast":
-            scales = (
-                "block scales folded into the operands" if recipe.scaling == "blockwise" else "scales on the output"
-            )
-            return f"bf16 GEMM over exactly upcast FP8 operands on cpu ({scales})"
-        return "torch._scaled_mm on cpu (measured faster than the bf16-upcast GEMM here)"
-    if recipe.scaling == "blockwise":
-        if device.type == "cuda":
-            return block_gemm_triton.describe_cuda(device, recipe.block_size)
-        return f"emulated: no blockwise FP8 GEMM on {device.type}"
-    gran = "axis" if recipe.scaling == "rowwise" else "tensor"
-    if native_scaled_mm_available(device, gran):
-        return f"torch._scaled_mm on {device.type}"
-    return f"emulated: torch._scaled_mm cannot run {recipe.scaling} scales on {device}"
+    return recipe.kind.gemm_note(recipe, device)
 
 
 _KEPT_WHY = {
@@ -305,8 +276,7 @@ def convert(
     for index, (fqn, module) in enumerate(chosen[: len(chosen) - keep]):
         conv1d = is_conv1d(module)
         new = Float8Conv1D.from_conv1d(module, recipe) if conv1d else Float8Linear.from_linear(module, recipe)
-        if hasattr(new, MX_STATE_BUFFER):  # a distinct, reproducible rounding stream per layer
-            getattr(new, MX_STATE_BUFFER)[0] = index
+        recipe.kind.number_layer(new, index)  # nvfp4: a distinct, reproducible rounding stream per layer
         _set_submodule(model, fqn, new)
         report.converted.append((fqn, *gemm_dims(module)))
         device = device or module.weight.device
@@ -348,5 +318,5 @@ def plain_state_dict(state_dict_or_model) -> dict[str, torch.Tensor]:
     loads a plain state dict as is (its layers keep fresh scaling state).
     """
     sd = state_dict_or_model.state_dict() if isinstance(state_dict_or_model, nn.Module) else state_dict_or_model
-    names = set(STATE_BUFFERS)
+    names = set(kinds.state_buffers())
     return {k: v for k, v in sd.items() if k.rpartition(".")[2] not in names}

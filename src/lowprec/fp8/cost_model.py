@@ -28,6 +28,7 @@ from typing import Callable, cast
 
 from torch import nn
 
+from lowprec.catalog import Granularity
 from lowprec.fp8.recipes import Recipe
 
 __all__ = ["DeviceProfile", "PROFILES", "predict_speedup", "predict_seconds", "auto_module_filter"]
@@ -105,7 +106,7 @@ def predict_seconds(
     command (benchmarks/gpu) prints beside the measured times so that it can be checked."""
     recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
     p = PROFILES[device.lower()] if isinstance(device, str) else device
-    if recipe.scaling in ("mxfp8", "nvfp4") and not p.block_scaled:
+    if recipe.kind.info.granularity is Granularity.MICRO and not p.block_scaled:
         raise ValueError(
             f"no speed model for the {recipe.scaling} recipe on {p.name}: it has no MXFP8/NVFP4 "
             "GEMMs (sm_100+) and lowprec runs them emulated there; pick another recipe or device"

@@ -36,7 +36,7 @@ def frozen_weight_cache(
 ) -> Optional[Callable[[Callable[[], Any]], Any]]:
     """``None`` when the weight's casts cannot be reused; else ``cached(make)``, which returns
     the stored casts when the key still matches and otherwise stores and returns ``make()``."""
-    if weight.requires_grad or recipe.scaling == "delayed" or plan.fprop.high_precision:
+    if weight.requires_grad or recipe.kind.keeps_history or plan.fprop.high_precision:
         return None
     if torch.compiler.is_compiling():  # a Python-side store is no graph op: compiled code casts each call
         return None

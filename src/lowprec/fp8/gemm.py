@@ -36,11 +36,12 @@ import torch
 from lowprec.fp8 import block_gemm, block_gemm_triton, cpu_gemm
 from lowprec.fp8.capability import cuda_capability, is_cuda
 from lowprec.fp8.quantize import Float8Data, dequantize
-from lowprec.fp8.recipes import GEMM_BACKENDS as GEMM_PATHS
 
 __all__ = ["scaled_mm", "native_scaled_mm_available", "gemm_path", "GEMM_PATHS"]
 
 logger = logging.getLogger("lowprec.fp8")
+
+GEMM_PATHS = ("auto", "scaled_mm", "upcast", "emulate")  # the values of Recipe.gemm
 
 _E5M2 = torch.float8_e5m2
 

@@ -28,60 +28,55 @@ measures it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from lowprec.fp8.autocast import recomputing, torch_autocast_off
+from lowprec.fp8.autocast import torch_autocast_off
 from lowprec.fp8.formats import saturation_threshold
-from lowprec.fp8.hadamard import apply_rht, random_hadamard
-from lowprec.fp8.mx import BlockScaledData, e8m0_decode, quantize_mx
+from lowprec.fp8.mx import BlockScaledData, e8m0_decode
 from lowprec.fp8.mx_gemm import mx_mm
-from lowprec.fp8.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
-from lowprec.fp8.recipes import Recipe
 from lowprec.fp8.saved import save_operands, saved_operands
 
-if TYPE_CHECKING:  # linear.py imports this module
+if TYPE_CHECKING:
     from lowprec.fp8.linear import Float8Linear
+    from lowprec.fp8.recipes import Recipe
 
-__all__ = ["mx_linear", "init_mx_state", "MX_STATE_BUFFER", "block_stats"]
+__all__ = ["mx_linear", "Codec", "block_stats"]
 
-MX_STATE_BUFFER = "fp8_sr_state"  # nvfp4: (layer index, step) of the stochastic rounding stream
 _NV_SATURATION = 7.0  # E2M1: values up to 6 + half the top step (2) round to 6 anyway
 
 
-def init_mx_state(module: Float8Linear, recipe: Recipe) -> None:
-    """Register the state a block-scaled recipe keeps (nvfp4: the rounding stream's position, in
-    the state_dict so that a resumed run draws the same noise as an uninterrupted one)."""
-    if recipe.scaling == "nvfp4":
-        module.register_buffer(MX_STATE_BUFFER, torch.zeros(2, dtype=torch.int64, device=module.weight.device))
+class Codec:
+    """How a microscaling kind quantizes (``fp8/kinds/mxfp8.py``, ``nvfp4.py``): every operand
+    along its last dim from the high-precision tensor (``seed``: stochastic rounding of dY)."""
 
+    # the forward's quantized weight serves grad_input too (transposed), so backward keeps it
+    reuses_weight: ClassVar[bool] = False
 
-def _stream_seed(recipe: Recipe, layer: int, step: int, which: int) -> int:
-    """A 63-bit seed per (recipe seed, layer, step, GEMM): distinct streams, reproducible."""
-    h = (recipe.seed * 0x9E3779B97F4A7C15 + layer * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB + which) & (
-        2**63 - 1
-    )
-    return h
+    def quantize(self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None) -> BlockScaledData:
+        raise NotImplementedError
+
+    def quantize_weight(self, w: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> BlockScaledData:
+        """The forward GEMM's weight operand, (N, K) along K."""
+        return self.quantize(w, recipe, dtype)
+
+    def transpose_weight(self, wq: BlockScaledData) -> BlockScaledData:
+        """The forward's weight as grad_input's operand (``reuses_weight`` kinds only)."""
+        raise NotImplementedError
+
+    def wgrad_operand(self, t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+        """(M, C) -> (C, M) high precision, ready to quantize along M."""
+        return t.t()
 
 
 @dataclass(frozen=True)
 class _MXConfig:
     recipe: Recipe
+    codec: Codec
     hp_dtype: torch.dtype
     stats: bool
-    seeds: tuple[int, int] | None  # nvfp4: stochastic rounding seeds for dgrad's and wgrad's dY
-
-
-def _quantize(t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None) -> BlockScaledData:
-    """One operand, quantized along its last dim, from the high-precision ``t``."""
-    if recipe.scaling == "mxfp8":
-        return quantize_mx(t, dtype, recipe.scale_rounding)
-    gen = None
-    if seed is not None:
-        gen = torch.Generator(device=t.device)
-        gen.manual_seed(seed)
-    return quantize_nvfp4(t, gen)
+    seeds: tuple[int, int] | None  # stochastic rounding seeds for dgrad's and wgrad's dY, or None
 
 
 def _decode_scales(q: BlockScaledData) -> torch.Tensor:
@@ -110,28 +105,20 @@ def block_stats(x: torch.Tensor, q: BlockScaledData) -> torch.Tensor:
     return torch.stack([x32.abs().amax(), smallest.to(torch.float32), saturated, underflow])
 
 
-def _wgrad_operand(t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-    """(M, C) -> (C, M') high precision, ready to quantize along M (Hadamard first for nvfp4)."""
-    if recipe.scaling == "nvfp4":
-        return apply_rht(t, random_hadamard(recipe.seed, device=t.device)).t()
-    return t.t()
-
-
 class _MXLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cfg: _MXConfig, stats):
-        recipe, hp = cfg.recipe, cfg.hp_dtype
+        recipe, codec, hp = cfg.recipe, cfg.codec, cfg.hp_dtype
         fwd = recipe.fp8_format.forward_dtype
         olp = recipe.override_linear_precision
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        nv = recipe.scaling == "nvfp4"
         with torch_autocast_off(x.device.type):
             wq = None
             if olp[0]:
                 out = torch.matmul(x.to(hp), weight.to(hp).t())
             else:
-                xq = _quantize(x, recipe, fwd)
-                wq = quantize_nvfp4_2d(weight) if nv else _quantize(weight, recipe, fwd)
+                xq = codec.quantize(x, recipe, fwd)
+                wq = codec.quantize_weight(weight, recipe, fwd)
                 out = mx_mm(xq, wq, hp, path=recipe.gemm)
                 if cfg.stats:
                     stats[0].copy_(block_stats(x, xq))
@@ -139,15 +126,15 @@ class _MXLinearFn(torch.autograd.Function):
             w_saved: BlockScaledData | torch.Tensor | None = None
             if need_dgrad:
                 # nvfp4: the forward's 16x16 tiles serve grad_input too (one weight both ways)
-                w_saved = wq if (nv and not olp[1] and wq is not None) else weight
-                if nv and not olp[1] and not isinstance(w_saved, BlockScaledData):
-                    w_saved = quantize_nvfp4_2d(weight)
+                w_saved = weight
+                if codec.reuses_weight and not olp[1]:
+                    w_saved = wq if wq is not None else codec.quantize_weight(weight, recipe, fwd)
             x_saved = None
             if need_wgrad:
                 if olp[2] or not recipe.save_fp8_activations:
                     x_saved = x.to(hp)
                 else:  # x^T cast along M, from the high-precision x, now (not from xq)
-                    x_saved = _quantize(_wgrad_operand(x, recipe), recipe, fwd)
+                    x_saved = codec.quantize(codec.wgrad_operand(x, recipe), recipe, fwd)
         save_operands(ctx, (w_saved, x_saved), cfg=cfg, stats=stats, x_dtype=x.dtype, w_dtype=weight.dtype)
         return out
 
@@ -155,7 +142,7 @@ class _MXLinearFn(torch.autograd.Function):
     def backward(ctx, dy):
         w_saved, x_saved = saved_operands(ctx)
         cfg = ctx.cfg
-        recipe, hp = cfg.recipe, cfg.hp_dtype
+        recipe, codec, hp = cfg.recipe, cfg.codec, cfg.hp_dtype
         fwd, bwd = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
         olp = recipe.override_linear_precision
         seeds = cfg.seeds or (None, None)
@@ -166,23 +153,23 @@ class _MXLinearFn(torch.autograd.Function):
                 if olp[1]:
                     grad_x = torch.matmul(dy.to(hp), w_saved.to(hp))
                 else:
-                    dyq = _quantize(dy, recipe, bwd, seeds[0])
+                    dyq = codec.quantize(dy, recipe, bwd, seeds[0])
                     first = dyq
                     if isinstance(w_saved, BlockScaledData):
-                        wtq = transpose_2d(w_saved)
+                        wtq = codec.transpose_weight(w_saved)
                     else:  # W^T along N, from the Parameter
-                        wtq = _quantize(w_saved.t(), recipe, fwd)
+                        wtq = codec.quantize(w_saved.t(), recipe, fwd)
                     grad_x = mx_mm(dyq, wtq, hp, path=recipe.gemm)
                 grad_x = grad_x.to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 if olp[2]:
                     grad_w = torch.matmul(dy.t().to(hp), x_saved.to(hp))
                 else:
-                    dytq = _quantize(_wgrad_operand(dy, recipe), recipe, bwd, seeds[1])
+                    dytq = codec.quantize(codec.wgrad_operand(dy, recipe), recipe, bwd, seeds[1])
                     xq = (
                         x_saved
                         if isinstance(x_saved, BlockScaledData)
-                        else _quantize(_wgrad_operand(x_saved, recipe), recipe, fwd)
+                        else codec.quantize(codec.wgrad_operand(x_saved, recipe), recipe, fwd)
                     )
                     grad_w = mx_mm(dytq, xq, torch.float32, path=recipe.gemm)
                 grad_w = grad_w.to(ctx.w_dtype)
@@ -191,26 +178,14 @@ class _MXLinearFn(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def mx_linear(module: Float8Linear, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype) -> torch.Tensor:
-    """The output of a Float8Linear with a block-scaled recipe (bias not added), for 2-D ``x2``."""
-    seeds = None
-    if recipe.scaling == "nvfp4":
-        state = getattr(module, MX_STATE_BUFFER, None)
-        if state is None:
-            raise ValueError(
-                f"fp8.autocast(recipe={recipe.name!r}) asks for nvfp4, but this layer was converted with "
-                f"{module.recipe.name!r} and has no stochastic-rounding state; convert the model with nvfp4"
-            )
-        if torch.is_grad_enabled():
-            layer, step = (int(v) for v in state.tolist())  # one read of a 2-element buffer per step
-            # a recompute replays the stream of the forward that advanced it; a reentrant
-            # checkpoint's first forward runs without grad and advanced nothing, so its recompute
-            # is the call that takes this step's stream (as the uncheckpointed run would)
-            if recomputing() and module.__dict__.get("_nvfp4_advanced", False):
-                step -= 1
-            else:
-                state[1] += 1
-            module.__dict__["_nvfp4_advanced"] = not recomputing()
-            seeds = (_stream_seed(recipe, layer, step, 0), _stream_seed(recipe, layer, step, 1))
-    cfg = _MXConfig(recipe, hp, bool(module.fp8_telemetry), seeds)
+def mx_linear(
+    module: Float8Linear,
+    x2: torch.Tensor,
+    recipe: Recipe,
+    hp: torch.dtype,
+    codec: Codec,
+    seeds: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """The output of a Float8Linear with a microscaling recipe (bias not added), for 2-D ``x2``."""
+    cfg = _MXConfig(recipe, codec, hp, bool(module.fp8_telemetry), seeds)
     return _MXLinearFn.apply(x2, module.gemm_weight(), cfg, module.fp8_stats)

@@ -29,102 +29,23 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from lowprec.catalog import FIELD_DEFAULTS, FIELD_MINIMUMS, RECIPE_NAMES, RECIPE_OPTIONS, check_int_field, recipe_info
 from lowprec.errors import did_you_mean
+from lowprec.fp8 import kinds
 from lowprec.fp8.formats import Format
+from lowprec.fp8.gemm import GEMM_PATHS as GEMM_BACKENDS
+from lowprec.fp8.plan import HIGH_PRECISION, GemmCast, LinearPlan, OperandCast
 
 __all__ = ["Recipe", "OperandCast", "GemmCast", "LinearPlan", "RECIPE_NAMES"]
 
-# names, presets and defaults live in lowprec.catalog (torch-free, shared with the launcher)
-SCALINGS = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
-BLOCK_SCALED = ("mxfp8", "nvfp4")  # the microscaling recipes (fp8/mx_linear.py runs their GEMMs)
+# names, presets and defaults live in lowprec.catalog (torch-free, shared with the launcher);
+# what each scaling kind means for the engine lives in its module, lowprec/fp8/kinds/
 SCALE_ROUNDINGS = RECIPE_OPTIONS["scale_rounding"].choices  # MXFP8's E8M0 rule; fp8/mx.py says why rceil is the default
 AMAX_COMPUTE_ALGOS = RECIPE_OPTIONS["amax_compute_algo"].choices
 _D = FIELD_DEFAULTS
-GEMM_BACKENDS = ("auto", "scaled_mm", "upcast", "emulate")
 
 
-@dataclass(frozen=True)
-class OperandCast:
-    """How one operand of one GEMM is cast. ``granularity`` is ``tensor``, ``axis`` (one
-    scale per slice across the contraction dim) or ``block`` (tiles; ``block_2d`` makes them
-    square, as for weights)."""
-
-    dtype: torch.dtype
-    granularity: str = "tensor"
-    block_2d: bool = False
-
-
-@dataclass(frozen=True)
-class GemmCast:
-    """Both operands of one GEMM, or ``None`` fields for a high-precision GEMM."""
-
-    a: OperandCast | None
-    b: OperandCast | None
-
-    @property
-    def high_precision(self) -> bool:
-        return self.a is None
-
-    @property
-    def casts(self) -> tuple[OperandCast, OperandCast]:
-        """``(a, b)`` of an FP8 GEMM (a high-precision one casts nothing)."""
-        if self.a is None or self.b is None:
-            raise ValueError("a high-precision GEMM has no FP8 casts")
-        return self.a, self.b
-
-
-def _same_cast(first: GemmCast, a: OperandCast | None, second: GemmCast, b: OperandCast | None, grans: tuple) -> bool:
-    """Whether an operand's cast for one FP8 GEMM is the cast another FP8 GEMM reads."""
-    return (
-        not first.high_precision and not second.high_precision and a is not None and a == b and a.granularity in grans
-    )
-
-
-@dataclass(frozen=True)
-class LinearPlan:
-    """The three GEMMs of a Linear: output = x W^T, grad_input = dY W, grad_weight = dY^T x.
-
-    Derived once here, not per call: which casts one GEMM can hand to another (each holds when
-    the gradient concerned is wanted at all; Float8Linear checks that per call).
-
-    * ``x_dual``: the forward casts ``x`` in both layouts and keeps the column-major one for
-      grad_weight (same dtype and scaling; axis and 1-D block scales are written for each
-      orientation).
-    * ``w_dual``: the forward casts ``W`` in both layouts (one tensor scale serves both).
-    * ``w_reused``: grad_input reads the forward's cast of ``W`` (a tensor scale serves both
-      orientations) instead of re-casting the weight in backward (rowwise, blockwise).
-    * ``w_square``: both GEMMs of ``W`` use the same square blocks, so one cast could serve
-      both; used only for a frozen weight, whose cast is kept anyway (``frozen.py``).
-    * ``dy_dual``: grad_input casts ``dY`` in both layouts and grad_weight reads the second.
-    """
-
-    fprop: GemmCast
-    dgrad: GemmCast
-    wgrad: GemmCast
-    save_fp8_input: bool = True
-    x_dual: bool = field(init=False)
-    w_dual: bool = field(init=False)
-    w_reused: bool = field(init=False)
-    w_square: bool = field(init=False)
-    dy_dual: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        fp, dg, wg = self.fprop, self.dgrad, self.wgrad
-        axes = ("tensor", "axis", "block")  # block: 1x128 and 128x1 tiles from one pass (block_cast.py)
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
-        set_("x_dual", self.save_fp8_input and _same_cast(fp, fp.a, wg, wg.b, axes))
-        set_("w_dual", _same_cast(fp, fp.b, dg, dg.b, ("tensor",)))
-        # square blocks would serve both orientations, but blockwise re-casts W in backward: an
-        # FP8 copy kept per layer costs 1 byte/param at the memory peak (same values either way)
-        set_("w_reused", self.w_dual)
-        set_("w_square", _same_cast(fp, fp.b, dg, dg.b, ("block",)) and dg.b is not None and dg.b.block_2d)
-        set_("dy_dual", _same_cast(dg, dg.a, wg, wg.a, axes))
-
-
-_HP = GemmCast(None, None)
 # (class, every field with its type) -> the Recipe built for it: a request made twice in a
 # process (the trainer's schema check, then the settings resolver) gets one object, built once.
 _BUILT: dict = {}
@@ -149,7 +70,8 @@ class Recipe:
 
     Fields
     ------
-    scaling: ``delayed`` | ``tensorwise`` | ``rowwise`` | ``blockwise``.
+    scaling: a scaling kind, ``delayed`` | ``tensorwise`` | ``rowwise`` | ``blockwise`` | ``mxfp8`` |
+        ``nvfp4`` (one module each in ``lowprec/fp8/kinds/``); ``kind`` is its object.
     fp8_format: ``HYBRID`` (E4M3 forward, E5M2 gradients) or ``E4M3``.
     margin: scale = fp8_max / amax / 2**margin (per-tensor recipes).
     amax_history_len, amax_compute_algo, interval: delayed scaling only. The scale used at a
@@ -220,8 +142,8 @@ class Recipe:
                 f"got {self.override_linear_precision!r}"
             )
         set_("override_linear_precision", olp)
-        if self.scaling not in SCALINGS:
-            raise ValueError(f"scaling={self.scaling!r} is not known; use one of {SCALINGS}")
+        kind = kinds.get(self.scaling)  # ValueError naming the known kinds
+        set_("_kind", kind)
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r}; use 'max' or 'most_recent'")
         for name in FIELD_MINIMUMS:  # the catalog's one range check per field
@@ -240,11 +162,10 @@ class Recipe:
         hpl = self.high_precision_last
         if isinstance(hpl, bool) or not isinstance(hpl, (int, float)) or not 0 <= hpl < 1:
             raise ValueError(f"high_precision_last must be a fraction in [0, 1), got {hpl!r}")
-        if self.scaling in BLOCK_SCALED:
-            self._check_block_scaled()
-        if self.dgrad_weight_tensorwise and self.scaling != "rowwise":
+        kind.check(self)
+        if self.dgrad_weight_tensorwise and "dgrad_weight_tensorwise" not in kind.own_flags:
             raise ValueError("dgrad_weight_tensorwise applies to scaling='rowwise' only")
-        if self.margin and self.scaling in ("rowwise", "blockwise", *BLOCK_SCALED):
+        if self.margin and not kind.per_tensor:
             raise ValueError(
                 f"margin applies to per-tensor scaling; scaling={self.scaling!r} "
                 "uses power-of-two per-row/per-block scales: set margin=0"
@@ -259,17 +180,6 @@ class Recipe:
         # Built here, once: the fields are frozen, and Float8Linear reads the plan on every
         # call (a plain attribute, which torch.compile traces without a guard on a lock).
         set_("_plan", self._build_plan())
-
-    def _check_block_scaled(self) -> None:
-        if self.scaling == "nvfp4" and self.fp8_format is not Format.E4M3:
-            raise ValueError(
-                "fp8_format applies to FP8 elements; nvfp4 holds E2M1 elements with E4M3 scales: set fp8_format='E4M3'"
-            )
-        if self.scaling == "nvfp4" and not self.save_fp8_activations:
-            raise ValueError(
-                "nvfp4 keeps the FP4 input for the weight-gradient GEMM; save_fp8_activations=False "
-                "is not supported with it"
-            )
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -294,35 +204,20 @@ class Recipe:
 
     # ------------------------------------------------------------------ derived
     @property
+    def kind(self) -> kinds.Kind:
+        """This recipe's scaling kind (``lowprec/fp8/kinds/``): what the engine asks."""
+        return self._kind  # type: ignore[attr-defined]  # set in __post_init__; not a field (asdict, ==)
+
+    @property
     def per_tensor(self) -> bool:
-        return self.scaling in ("delayed", "tensorwise")
+        return self.kind.per_tensor
 
     def plan(self) -> LinearPlan:
         """Per-GEMM, per-operand casts (the dtype table of Float8Linear); built once per recipe."""
         return self._plan  # type: ignore[attr-defined]  # set in __post_init__; not a field (asdict, ==)
 
     def _build_plan(self) -> LinearPlan:
-        fwd, bwd = self.fp8_format.forward_dtype, self.fp8_format.backward_dtype
-        olp = self.override_linear_precision
-        if self.scaling == "mxfp8":  # 1x32 along each GEMM's contraction dim, every operand
-            mx = lambda dt: OperandCast(dt, "mx32")  # noqa: E731
-            g = [GemmCast(mx(fwd), mx(fwd)), GemmCast(mx(bwd), mx(fwd)), GemmCast(mx(bwd), mx(fwd))]
-        elif self.scaling == "nvfp4":  # E2M1 elements (E4M3 names the block scales' format)
-            nv = OperandCast(fwd, "nv16")
-            w2d = OperandCast(fwd, "nv16", block_2d=True)
-            g = [GemmCast(nv, w2d), GemmCast(nv, w2d), GemmCast(nv, nv)]
-        elif self.per_tensor:
-            t = lambda dt: OperandCast(dt, "tensor")  # noqa: E731
-            g = [GemmCast(t(fwd), t(fwd)), GemmCast(t(bwd), t(fwd)), GemmCast(t(bwd), t(fwd))]
-        elif self.scaling == "rowwise":
-            ax = lambda dt: OperandCast(dt, "axis")  # noqa: E731
-            w_dgrad = OperandCast(fwd, "tensor") if self.dgrad_weight_tensorwise else ax(fwd)
-            g = [GemmCast(ax(fwd), ax(fwd)), GemmCast(ax(bwd), w_dgrad), GemmCast(ax(bwd), ax(fwd))]
-        else:  # blockwise: 1-D tiles for activations and gradients, square tiles for weights
-            tile = lambda dt: OperandCast(dt, "block")  # noqa: E731
-            sq = OperandCast(fwd, "block", block_2d=True)
-            g = [GemmCast(tile(fwd), sq), GemmCast(tile(bwd), sq), GemmCast(tile(bwd), tile(fwd))]
-        g = [_HP if hp else gc for gc, hp in zip(g, olp)]
+        g = [HIGH_PRECISION if hp else gc for gc, hp in zip(self.kind.gemms(self), self.override_linear_precision)]
         return LinearPlan(g[0], g[1], g[2], save_fp8_input=self.save_fp8_activations)
 
     def describe(self) -> str:
@@ -334,13 +229,6 @@ class Recipe:
             if gc.high_precision:
                 rows.append(f"{gemm}: high precision")
                 continue
-            op = lambda o: _describe_operand(o, self.scaling)  # noqa: E731
-            rows.append(f"{gemm}: {op(gc.a)} x {op(gc.b)}")
+            a, b = gc.casts
+            rows.append(f"{gemm}: {self.kind.describe_operand(a)} x {self.kind.describe_operand(b)}")
         return "; ".join(rows)
-
-
-def _describe_operand(o: OperandCast, scaling: str) -> str:
-    if scaling == "nvfp4":
-        return "e2m1/16x16" if o.block_2d else "e2m1/1x16"
-    gran = "1x32" if scaling == "mxfp8" else o.granularity
-    return f"{str(o.dtype).replace('torch.float8_', '')}/{gran}"

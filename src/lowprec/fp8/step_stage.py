@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lowprec.fp8.linear import OPERANDS, STATE_BUFFERS, Float8Linear, state_epoch
+from lowprec.fp8.linear import OPERANDS, Float8Linear, state_epoch
 
 __all__ = ["ScalingStage", "SPIKE_LOG2", "spike_counts", "warn_counted"]
 
@@ -89,14 +89,14 @@ class ScalingStage:
 
     def __init__(self, model: nn.Module) -> None:
         layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Float8Linear)]
-        layers = [(n, m) for n, m in layers if any(m._buffers.get(b) is not None for b in STATE_BUFFERS)]
+        layers = [(n, m) for n, m in layers if any(m._buffers.get(b) is not None for b in m.recipe.kind.state_buffers)]
         self.names = [n for n, _ in layers]
         self.first = layers[0][1] if layers else None  # to find the stage from a wrapper of the model
-        self.algos = [m.recipe.amax_compute_algo if m.recipe.scaling == "delayed" else None for _, m in layers]
+        self.algos = [m.recipe.amax_compute_algo if m.recipe.kind.keeps_history else None for _, m in layers]
         groups: dict[tuple, _Group] = {}
         for row, (_, m) in enumerate(layers):
             setattr(m, _STAGE_ATTR, (self, row))
-            for name in STATE_BUFFERS:
+            for name in m.recipe.kind.state_buffers:
                 t = m._buffers.get(name)
                 if t is None:
                     continue

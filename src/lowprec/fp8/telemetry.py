@@ -53,7 +53,7 @@ def telemetry(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
             rows = m.fp8_stats.detach().cpu().tolist()
             out[name] = {op: dict(zip(_FIELDS, row)) for op, row in zip(OPERANDS, rows)}
             spikes = spike_counts(m)
-            if spikes is not None and m.recipe.scaling == "delayed":
+            if spikes is not None and m.recipe.kind.keeps_history:
                 for op, n in zip(OPERANDS, spikes):
                     out[name][op]["amax_spikes"] = n
     warn_counted(model)

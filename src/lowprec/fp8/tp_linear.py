@@ -2,7 +2,7 @@
 
 ``torch.distributed.tensor.parallel`` shards a Linear's weight by output features (colwise,
 ``Shard(0)``) or input features (rowwise, ``Shard(1)``) and hands the layer DTensors. The FP8
-GEMMs run on the local shards (``_Float8LinearFn``, unchanged); this module decides the scales
+GEMMs run on the local shards (``Float8LinearFn``, unchanged); this module decides the scales
 and the layouts around them:
 
 ==========  ===============  =================  =====================================  ==============
@@ -30,7 +30,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lowprec.catalog import check_tensor_parallel
+from lowprec.fp8.cast_state import CastState
 from lowprec.fp8.gathered import as_float8_data
+from lowprec.fp8.linear_fn import Float8LinearFn, FnConfig
 from lowprec.fp8.scaling import amax, amax_to_scale
 
 __all__ = ["is_tensor_parallel", "tp_forward"]
@@ -46,15 +49,13 @@ def tp_forward(layer, x: torch.Tensor, recipe, hp: torch.dtype) -> torch.Tensor:
     """``layer``'s forward on a DTensor weight (called from ``Float8Linear.forward``)."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    from lowprec.fp8.cast_state import CastState
-    from lowprec.fp8.linear import _Float8LinearFn, _FnConfig  # linear.py imports this module
-
     w = layer.weight
     mesh = w.device_mesh
-    if w.ndim != 2 or len(w.placements) != 1 or recipe.scaling != "tensorwise":
+    check_tensor_parallel(recipe.name, recipe.scaling, what="a tensor-parallel Float8Linear")
+    if w.ndim != 2 or len(w.placements) != 1:
         raise ValueError(
-            f"tensor parallel Float8Linear needs a 1-D tensor-parallel mesh and the tensorwise recipe "
-            f"(got placements {w.placements}, recipe {recipe.name!r}); use fp8_recipe: tensorwise"
+            f"tensor parallel Float8Linear needs a 2-D weight on a 1-D tensor-parallel mesh "
+            f"(got placements {w.placements}); shard it with one Colwise/RowwiseParallel style"
         )
     colwise = w.placements[0] == Shard(0)
     if not colwise and w.placements[0] != Shard(1):
@@ -78,7 +79,7 @@ def tp_forward(layer, x: torch.Tensor, recipe, hp: torch.dtype) -> torch.Tensor:
     state = CastState(layer.fp8_stats if layer.fp8_telemetry else None)
     # whole-tensor scales, handed in
     state.x_scale, state.w_scale = (pre.scale, scales[0]) if pre is not None else (scales[0], scales[1])
-    out = _Float8LinearFn.apply(x2, w_local, _FnConfig(recipe, hp, recipe.plan()), state)
+    out = Float8LinearFn.apply(x2, w_local, FnConfig(recipe, hp, recipe.plan()), state)
     out = out.reshape(*x_local.shape[:-1], w_local.shape[0])
     bias = layer.bias
     if colwise:

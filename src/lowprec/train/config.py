@@ -31,7 +31,7 @@ from typing import Annotated, Any, Optional, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, PrivateAttr, TypeAdapter, ValidationError, model_validator
 
-from lowprec.catalog import check_fsdp_fp8_all_gather
+from lowprec.catalog import check_fsdp_fp8_all_gather, check_tensor_parallel
 from lowprec.errors import did_you_mean
 from lowprec.train.axolotl_keys import screen_top_level
 from lowprec.train.config_adapter import AdapterKeys
@@ -100,11 +100,10 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         if self.fp8_enable_fsdp_float8_all_gather:
             check_fsdp_fp8_all_gather(self.fp8_recipe.name)
         tp = self.tensor_parallel_size
-        if tp > 1 and (self.deepspeed is not None or (self.fp8 and self.fp8_recipe.name != "tensorwise")):
-            raise ValueError(
-                f"tensor_parallel_size: {tp} runs with FSDP2 (not deepspeed) and, with fp8, fp8_recipe: "
-                "tensorwise (whole-tensor scales across the shards); change those or set it to 1"
-            )
+        if tp > 1 and self.deepspeed is not None:
+            raise ValueError(f"tensor_parallel_size: {tp} runs with FSDP2, not deepspeed; drop one of them")
+        if tp > 1 and self.fp8:
+            check_tensor_parallel(self.fp8_recipe.name, what=f"tensor_parallel_size: {tp} with fp8")
         if self.sequence_parallel and (tp == 1 or self.sequence_len % tp):
             raise ValueError(
                 f"sequence_parallel: true splits each sequence over the tensor_parallel_size ({tp}) "

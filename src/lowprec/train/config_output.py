@@ -6,6 +6,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
+from lowprec.catalog import kind_info, recipe_info
 from lowprec.train.config_base import StrictModel, off_warn_act
 
 __all__ = ["OutputKeys"]
@@ -108,7 +109,8 @@ class OutputKeys(StrictModel):
                 "model in Python with lowprec.export.export_model)"
             )
         recipe = getattr(getattr(self, "fp8_recipe", None), "name", None)
-        if self.export and getattr(self, "fp8", None) and recipe in ("mxfp8", "nvfp4"):
+        trained = kind_info(recipe_info(recipe).scaling) if recipe else None
+        if self.export and getattr(self, "fp8", None) and trained is not None and trained.export_scheme is None:
             raise ValueError(
                 f"export: fp8_recipe {recipe} trains microscaled weights that no FP8 export format "
                 "holds; drop export (or run `lowprec export ... --requantize` after training)"

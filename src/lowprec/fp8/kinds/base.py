@@ -1,0 +1,155 @@
+"""The protocol every scaling kind follows, and the registry that finds a kind by its name.
+
+A scaling kind says where a scale comes from and how many elements share it; its module
+(``fp8/kinds/<name>.py``) owns everything that depends on that: the recipe fields it accepts,
+the casts of each GEMM's operands (:meth:`Kind.gemms`, from which the recipe builds its
+:class:`~lowprec.fp8.plan.LinearPlan`), the state a layer keeps across steps, what a forward
+runs, and how the GEMMs are described in the conversion report. ``Float8Linear`` and the rest
+of lowprec ask the kind (``recipe.kind``) and never compare its name.
+
+Adding a kind is one module here, registered with :func:`register`, plus one row in
+:data:`lowprec.catalog.RECIPES` (its name, meaning, the fields it reads and the torch-free
+capabilities the launcher and the trainer check); ``tests/test_fp8_kinds.py`` adds a test-only
+kind that way and trains with it.
+
+Operand casts are shared between kinds and keyed by granularity (``fp8/linear_fn.py``); a kind
+module registers the casts of the granularity it introduced.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import importlib
+
+import torch
+
+from lowprec.catalog import RECIPES, RecipeInfo, kind_info
+from lowprec.fp8.plan import GemmCast, OperandCast
+
+if TYPE_CHECKING:
+    from lowprec.fp8.linear import Float8Linear
+    from lowprec.fp8.quantize import Float8Data
+    from lowprec.fp8.recipes import Recipe
+
+__all__ = [
+    "Kind",
+    "register",
+    "unregister",
+    "get",
+    "names",
+    "state_buffers",
+]
+
+
+class Kind:
+    """One scaling kind (see the module docstring). Subclasses set ``name`` and override what
+    differs; the defaults are those of a kind with no state whose three GEMMs run in
+    ``_Float8LinearFn`` (``fp8/linear_fn.py``)."""
+
+    name: ClassVar[str] = ""
+    # one scale per tensor: the FP8 all-gather, tensor parallelism and ``margin`` need it
+    per_tensor: ClassVar[bool] = False
+    # scales come from an amax history kept in the layer (re-cast each step with another scale:
+    # a frozen weight's cast cannot be kept; histories are reduced across data-parallel ranks)
+    keeps_history: ClassVar[bool] = False
+    # buffers a layer of this kind keeps in its state_dict (resumed runs continue them)
+    state_buffers: ClassVar[tuple[str, ...]] = ()
+    # what those buffers are, for the message when a region asks for this kind on a layer without them
+    state_what: ClassVar[str] = ""
+    # the recipe fields only this kind reads (anything else set is rejected by ``check``)
+    own_flags: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def info(self) -> RecipeInfo:
+        """This kind's catalog row: what the torch-free layers may do with it (FP8 all-gather,
+        tensor parallelism, export), in one place for both sides."""
+        return kind_info(self.name)
+
+    # ------------------------------------------------------------------ the recipe
+    def check(self, recipe: Recipe) -> None:
+        """This kind's rules on the recipe's fields (``ValueError`` naming the field)."""
+
+    def gemms(self, recipe: Recipe) -> tuple[GemmCast, GemmCast, GemmCast]:
+        """(fprop, dgrad, wgrad) casts, before ``override_linear_precision`` is applied."""
+        raise NotImplementedError
+
+    def describe_operand(self, o: OperandCast) -> str:
+        return f"{str(o.dtype).replace('torch.float8_', '')}/{o.granularity}"
+
+    # ------------------------------------------------------------------ the layer
+    def init_state(self, layer: Float8Linear) -> None:
+        """Register this kind's buffers on a freshly converted layer."""
+
+    def reset_state(self, layer: Float8Linear) -> None:
+        """Put this kind's buffers back to their initial values."""
+
+    def number_layer(self, layer: Float8Linear, index: int) -> None:
+        """``convert`` hands each converted layer its index in module order."""
+
+    def check_layer(self, layer: Float8Linear, recipe: Recipe) -> None:
+        """A region's recipe (``fp8.autocast(recipe=...)``) of this kind on ``layer``: refuse
+        when the layer lacks the state this kind keeps."""
+        if any(not hasattr(layer, b) for b in self.state_buffers):
+            raise ValueError(
+                f"fp8.autocast(recipe={recipe.name!r}) asks for {self.name} scaling, but this layer was "
+                f"converted with {layer.recipe.name!r} and has no {self.state_what}; convert the model "
+                f"with a {self.name} recipe instead"
+            )
+
+    def forward(self, layer: Float8Linear, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype) -> torch.Tensor:
+        """The output of ``layer`` for 2-D ``x2`` (bias not added)."""
+        raise NotImplementedError
+
+    def forward_weight_cast(self, layer: Float8Linear, recipe: Recipe) -> Float8Data:
+        """The FP8 weight, (out, in), that the forward GEMM reads (what ``lowprec.export`` writes
+        as trained scales); ``ValueError`` where it is not a function of the weight alone."""
+        raise ValueError(
+            f"recipe {recipe.name!r}: its forward weight cast is not a function of the weight "
+            "alone; quantize the weight with a format's rule instead"
+        )
+
+    def gemm_note(self, recipe: Recipe, device: torch.device) -> str:
+        """How this recipe's GEMMs run on ``device``, for the conversion report."""
+        raise NotImplementedError
+
+
+_KINDS: dict[str, Kind] = {}
+
+
+def register(kind: Kind) -> Kind:
+    """Make ``kind`` known under ``kind.name`` (``ValueError`` if that name is taken)."""
+    if not kind.name or kind.name in _KINDS:
+        raise ValueError(f"scaling kind {kind.name!r} is empty or already registered")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def unregister(name: str) -> None:
+    _KINDS.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    """The kinds the catalog names (each loaded on first use) and any registered besides."""
+    return tuple(dict.fromkeys([*(r.scaling for r in RECIPES.values()), *_KINDS]))
+
+
+def get(name: str) -> Kind:
+    """The kind called ``name``; ``ValueError`` listing the known ones. A kind the catalog names
+    is loaded from its module, ``lowprec.fp8.kinds.<name>``, on first use (the module registers
+    it), so that importing the engine loads no kind it does not run."""
+    kind = _KINDS.get(name)
+    if kind is None and name in names():
+        importlib.import_module(f"{__package__}.{name}")
+        kind = _KINDS.get(name)
+    if kind is None:
+        raise ValueError(f"scaling={name!r} is not known; use one of {names()}")
+    return kind
+
+
+def state_buffers() -> tuple[str, ...]:
+    """Every buffer name any known kind keeps (what a plain state dict leaves out)."""
+    seen: dict[str, None] = {}
+    for kind in map(get, names()):
+        seen.update(dict.fromkeys(kind.state_buffers))
+    return tuple(seen)

@@ -1,0 +1,72 @@
+"""Blockwise scaling (DeepSeek-V3): 1x128 tiles along the contraction dim for activations and
+gradients, 128x128 blocks for weights, power-of-two scales, E4M3 everywhere.
+
+Square weight blocks would serve both orientations, but the weight is re-cast from the
+Parameter in backward (same values: the cast is deterministic), so that backward keeps no FP8
+copy per layer (1 byte/param at the memory peak). Activations and gradients are cast in 1x128
+and 128x1 tiles in one pass where the kernels run (``fp8/block_cast.py``). This module holds the
+``block`` granularity's casts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lowprec.fp8 import block_gemm_triton
+from lowprec.fp8.block_cast import cast_block_both, quantize_square_transposed
+from lowprec.fp8.kinds import base
+from lowprec.fp8.linear_fn import Caster, ScaledGemmKind, register_caster
+from lowprec.fp8.plan import GemmCast, OperandCast
+from lowprec.fp8.quantize import Float8Data, quantize
+
+if TYPE_CHECKING:
+    from lowprec.fp8.recipes import Recipe
+
+__all__ = ["BlockCast", "Blockwise"]
+
+
+class BlockCast(Caster):
+    """``1 x b`` tiles (``b x 1`` for ``contract=0``), or ``b x b`` blocks for ``block_2d``
+    operands (the weight); ``b`` is ``recipe.block_size``."""
+
+    granularity = "block"
+
+    def one(self, t, spec: OperandCast, contract: int, recipe: Recipe, scale=None) -> Float8Data:
+        bs, pow2 = recipe.block_size, recipe.power_of_2_scales
+        if spec.block_2d and contract == 0:  # W for grad_input: written transposed on CUDA
+            return quantize_square_transposed(t, spec.dtype, bs, pow2)
+        block = (bs, bs) if spec.block_2d else ((1, bs) if contract == 1 else (bs, 1))
+        return quantize(t, spec.dtype, "block", block=block, power_of_2=pow2)
+
+    def both(self, t, spec: OperandCast, recipe: Recipe, scale=None) -> tuple[Float8Data, Float8Data]:
+        """1x128 and 128x1 tiles, or square blocks and their transpose, in one pass."""
+        return cast_block_both(t, spec.dtype, recipe.block_size, recipe.power_of_2_scales, square=spec.block_2d)
+
+
+register_caster(BlockCast())
+
+
+class Blockwise(ScaledGemmKind):
+    """Tile scaling (see the module docstring)."""
+
+    name = "blockwise"
+
+    def gemms(self, recipe: Recipe) -> tuple[GemmCast, GemmCast, GemmCast]:
+        fwd, bwd = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
+        tile = lambda dt: OperandCast(dt, "block")  # noqa: E731
+        sq = OperandCast(fwd, "block", block_2d=True)
+        return GemmCast(tile(fwd), sq), GemmCast(tile(bwd), sq), GemmCast(tile(bwd), tile(fwd))
+
+    def gemm_note(self, recipe: Recipe, device: torch.device) -> str:
+        if device.type == "cpu":
+            if not recipe.power_of_2_scales:
+                return "emulated: block scales that are not powers of two cannot fold exactly into bf16 operands"
+            return "bf16 GEMM over exactly upcast FP8 operands on cpu (block scales folded into the operands)"
+        if device.type == "cuda":
+            return block_gemm_triton.describe_cuda(device, recipe.block_size)
+        return f"emulated: no blockwise FP8 GEMM on {device.type}"
+
+
+base.register(Blockwise())

@@ -1,0 +1,184 @@
+"""Delayed scaling (TransformerEngine's ``DelayedScaling``): one scale per tensor, from the amaxes
+recorded at earlier steps.
+
+Each operand (input, weight, grad_output) keeps an amax history buffer in the layer. The scale
+used at step t is built from amaxes recorded at steps < t and refreshed every ``interval``
+steps; while no finite non-zero amax has been recorded (the first step, or after all-zero
+inputs) the current tensor's amax is used, so step 0 is exactly tensorwise. The forward scales
+come from the histories (computed before the GEMMs run, or replayed for an activation-checkpoint
+recompute), dY's from its history in backward. The order of the updates is TransformerEngine's:
+input then weight in forward (one step counter), grad_output in backward (its own counter). On
+CUDA with the Triton kernels the update runs inside the casts (one pass per operand,
+:func:`cast_delayed_fused`).
+
+The casts and GEMMs are tensorwise's (``tensorwise.py``), with the scale handed in.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lowprec.fp8 import host_scale, kernels, shared_cast
+from lowprec.fp8.autocast import recomputing
+from lowprec.fp8.cast_state import CastState
+from lowprec.fp8.kinds import base
+from lowprec.fp8.kinds.tensorwise import Tensorwise, fused_cast_ok
+from lowprec.fp8.plan import OperandCast
+from lowprec.fp8.quantize import Float8Data
+from lowprec.fp8.scaling import delayed_scale_step
+
+if TYPE_CHECKING:
+    from lowprec.fp8.linear import Float8Linear
+    from lowprec.fp8.recipes import Recipe
+
+__all__ = ["Delayed", "DelayedCastState", "cast_delayed_fused", "OPERANDS"]
+
+OPERANDS = ("input", "weight", "grad_output")
+
+
+def cast_delayed_fused(
+    t, spec: OperandCast, recipe: Recipe, hist, scale, step
+) -> tuple[Float8Data, Float8Data, torch.Tensor]:
+    """Delayed scaling on CUDA with the Triton kernels: one pass over ``t`` (TE semantics).
+
+    Cast (both layouts) with the scale the history holds, take this step's amax from that same
+    pass into the history, and re-cast only if the scale to use differs: it does exactly when
+    the history had nothing in it (the first step), where the scale comes from this amax; the
+    re-cast kernel returns at once otherwise. Same values as :func:`delayed_scale_step` followed
+    by a cast with its ``scale_used``. Updates ``hist`` and ``scale`` in place; returns
+    ``(row-major cast, column-major cast, scale_used)``.
+    """
+    q, qt, amax_now = kernels.cast_transpose_amax(t, scale, spec.dtype)
+    used, cast_with = kernels.delayed_scale_update(hist, scale, step, amax_now, spec.dtype, recipe)
+    kernels.recast_if_changed(t, used, cast_with, q, qt)
+    pow2 = recipe.power_of_2_scales
+    return Float8Data(q, used, "tensor", None, pow2), Float8Data(qt.t(), used, "tensor", None, pow2), used
+
+
+class DelayedCastState(CastState):
+    """Delayed scaling over one Float8Linear's buffers (see the module docstring).
+
+    ``mode`` is ``replay`` (an activation-checkpoint recompute: the scales of the last forward,
+    no update), ``fused`` (the casts update the state) or ``eager`` (the scales computed here,
+    now, from ``x`` and ``weight``). The buffers are taken now, so backward updates the ones
+    the forward read.
+    """
+
+    def __init__(
+        self, layer: Float8Linear, recipe: Recipe, x: torch.Tensor, mode: str, stats: torch.Tensor | None
+    ) -> None:
+        super().__init__(stats)
+        self.fused = mode == "fused"
+        self.state = {
+            o: (getattr(layer, f"fp8_amax_history_{o}"), getattr(layer, f"fp8_scale_{o}"))
+            for o in ("input", "weight", "grad_output")
+        }
+        self.step, self.step_grad, self.last = layer.fp8_step, layer.fp8_step_grad, layer.fp8_last_scales
+        if mode == "replay":  # same scales as the first forward; its state update already ran
+            self.x_scale, self.w_scale = self.last[0], self.last[1]
+        elif mode == "eager":
+            fwd = recipe.fp8_format.forward_dtype
+            self.x_scale = self._update("input", x, fwd, recipe, self.step)
+            self.w_scale = self._update("weight", layer.weight, fwd, recipe, self.step)
+            self._forward_done(self.x_scale, self.w_scale)
+
+    def _update(
+        self, which: str, t: torch.Tensor, dtype: torch.dtype, recipe: Recipe, step: torch.Tensor
+    ) -> torch.Tensor:
+        hist, scale = self.state[which]
+        if host_scale.applies(t, recipe.power_of_2_scales) and hist.device.type == "cpu":
+            # CPU: the same update in host floats (host_scale.py), not ~25 scalar kernels
+            # the input's amax is read once for the Linears that share it (shared_cast.py)
+            amax_now = shared_cast.amax(t, host_scale.amax_value) if which == "input" else host_scale.amax_value(t)
+            return torch.tensor(
+                host_scale.delayed_step(hist, scale, step, amax_now, dtype, recipe), dtype=torch.float32
+            )
+        used, new_hist, new_scale = delayed_scale_step(hist, scale, step, kernels.amax(t), dtype, recipe)
+        hist.copy_(new_hist)
+        scale.copy_(new_scale)
+        return used
+
+    def _forward_done(self, x_used: torch.Tensor, w_used: torch.Tensor) -> None:
+        self.step.add_(1)
+        # the scales an activation-checkpoint recompute replays (fp8.checkpoint)
+        self.last.copy_(torch.stack([x_used, w_used]))
+
+    def fused_forward(self, x, weight, spec_x: OperandCast, spec_w: OperandCast, recipe: Recipe):
+        """``((xq, x_col), (wq, w_col))``: both layouts of each, the state updated in the casts."""
+        xq, x_col, x_used = cast_delayed_fused(x, spec_x, recipe, *self.state["input"], self.step)
+        wq, w_col, w_used = cast_delayed_fused(weight, spec_w, recipe, *self.state["weight"], self.step)
+        self._forward_done(x_used, w_used)
+        return (xq, x_col), (wq, w_col)
+
+    def fused_grad(self, dy: torch.Tensor, spec: OperandCast, recipe: Recipe) -> tuple[Float8Data, Float8Data]:
+        """dY cast in both layouts, its amax recorded in the same pass."""
+        dyq, dyq_col, _ = cast_delayed_fused(dy, spec, recipe, *self.state["grad_output"], self.step_grad)
+        self.step_grad.add_(1)
+        return dyq, dyq_col
+
+    def grad_scale(self, dy: torch.Tensor, recipe: Recipe) -> torch.Tensor | None:
+        if self.fused:  # fused_grad records dY's amax in its cast
+            return None
+        used = self._update("grad_output", dy, recipe.fp8_format.backward_dtype, recipe, self.step_grad)
+        self.step_grad.add_(1)
+        return used
+
+
+class Delayed(Tensorwise):
+    """Delayed per-tensor scaling (see the module docstring)."""
+
+    name = "delayed"
+    keeps_history = True
+    state_buffers = (
+        *(f"fp8_amax_history_{o}" for o in OPERANDS),
+        *(f"fp8_scale_{o}" for o in OPERANDS),
+        "fp8_step",
+        "fp8_step_grad",
+    )
+    state_what = "amax history"
+
+    def init_state(self, layer: Float8Linear) -> None:
+        device = layer.weight.device
+        for o in OPERANDS:
+            layer.register_buffer(f"fp8_amax_history_{o}", torch.zeros(layer.recipe.amax_history_len, device=device))
+            layer.register_buffer(f"fp8_scale_{o}", torch.ones((), device=device))
+        layer.register_buffer("fp8_step", torch.zeros((), dtype=torch.int64, device=device))
+        layer.register_buffer("fp8_step_grad", torch.zeros((), dtype=torch.int64, device=device))
+        # the (input, weight) scales of the last forward, replayed by an activation-checkpoint
+        # recompute (fp8.recompute) so it casts exactly as the first forward did
+        layer.register_buffer("fp8_last_scales", torch.ones(2, device=device), persistent=False)
+
+    def reset_state(self, layer: Float8Linear) -> None:
+        for o in OPERANDS:
+            getattr(layer, f"fp8_amax_history_{o}").zero_()
+            getattr(layer, f"fp8_scale_{o}").fill_(1.0)
+        layer.fp8_step.zero_()
+        layer.fp8_step_grad.zero_()
+
+    def cast_state(self, layer: Float8Linear, x2: torch.Tensor, recipe: Recipe) -> CastState:
+        stats = layer.fp8_stats if layer.fp8_telemetry else None
+        # replay: the scales of the first forward (its state update already ran)
+        mode = "replay" if recomputing() else "fused" if _fused(layer, x2, recipe) else "eager"
+        return DelayedCastState(layer, recipe, x2, mode, stats)
+
+
+def _fused(layer: Float8Linear, x2: torch.Tensor, recipe: Recipe) -> bool:
+    """Whether this step's update runs inside the fused casts (one pass per operand,
+    :func:`cast_delayed_fused`): CUDA with the Triton kernels, every GEMM in FP8, both gradients
+    wanted and the FP8 input kept, so that each operand's one cast serves both of its GEMMs.
+    Otherwise the scales are computed first (an amax read per operand)."""
+    w = layer.weight
+    return (
+        fused_cast_ok(x2)
+        and fused_cast_ok(w)
+        and torch.is_grad_enabled()
+        and x2.requires_grad
+        and w.requires_grad
+        and recipe.save_fp8_activations
+        and not any(recipe.override_linear_precision)
+    )
+
+
+base.register(Delayed())

@@ -1,0 +1,72 @@
+"""MXFP8 (OCP MX v1.0): E4M3 elements (E5M2 gradients with ``HYBRID``), one E8M0 power-of-two
+scale per 32 elements along each GEMM's contraction dim, every operand cast from its
+high-precision source for each GEMM orientation (TransformerEngine's ``MXFP8BlockScaling``).
+
+The GEMMs are those of ``fp8/mx_linear.py`` with this module's :class:`MXCodec`; the E8M0 rule
+(``scale_rounding``) and the casts are in ``fp8/mx.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from lowprec.fp8.kinds import base
+from lowprec.fp8.mx import BlockScaledData, quantize_mx
+from lowprec.fp8.mx_gemm import native_block_scaled_available
+from lowprec.fp8.mx_linear import Codec, mx_linear
+from lowprec.fp8.plan import GemmCast, OperandCast
+
+if TYPE_CHECKING:
+    from lowprec.fp8.linear import Float8Linear
+    from lowprec.fp8.quantize import Float8Data
+    from lowprec.fp8.recipes import Recipe
+
+__all__ = ["MXCodec", "Microscaled", "MXFP8"]
+
+
+class MXCodec(Codec):
+    def quantize(self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None) -> BlockScaledData:
+        return quantize_mx(t, dtype, recipe.scale_rounding)
+
+
+class Microscaled(base.Kind):
+    """What the microscaling kinds share: their GEMMs (``mx_linear``) and their report line."""
+
+    codec: ClassVar[Codec]
+    # how the CPU path folds the scales, for the conversion report
+    cpu_scales: ClassVar[str] = "block scales folded in"
+
+    def forward(self, layer: Float8Linear, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype) -> torch.Tensor:
+        return mx_linear(layer, x2, recipe, hp, self.codec)
+
+    def forward_weight_cast(self, layer: Float8Linear, recipe: Recipe) -> Float8Data:
+        raise ValueError(
+            f"recipe {recipe.name!r}: its forward weight cast is microscaled, not an FP8 tensor with "
+            "tensor, row or block scales; quantize the weight with a format's rule instead"
+        )
+
+    def gemm_note(self, recipe: Recipe, device: torch.device) -> str:
+        if native_block_scaled_available(device):
+            return f"torch block-scaled scaled_mm on {device.type} ({recipe.scaling}, swizzled scales)"
+        if device.type == "cpu":  # the CPU path by design, as the bf16 upcast is for the other recipes
+            return f"bf16 GEMM over exact bf16 {recipe.scaling} operands on cpu ({self.cpu_scales}; mx_gemm.py)"
+        why = f"exact {recipe.scaling} dequantization + float32 matmul on {device.type}"
+        return f"emulated: {why} (torch's block-scaled scaled_mm needs CUDA sm_100+)"
+
+
+class MXFP8(Microscaled):
+    name = "mxfp8"
+    codec = MXCodec()
+
+    def gemms(self, recipe: Recipe) -> tuple[GemmCast, GemmCast, GemmCast]:
+        fwd, bwd = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
+        mx = lambda dt: OperandCast(dt, "mx32")  # noqa: E731  1x32 along each GEMM's contraction dim
+        return GemmCast(mx(fwd), mx(fwd)), GemmCast(mx(bwd), mx(fwd)), GemmCast(mx(bwd), mx(fwd))
+
+    def describe_operand(self, o: OperandCast) -> str:
+        return f"{str(o.dtype).replace('torch.float8_', '')}/1x32"
+
+
+base.register(MXFP8())

@@ -1,0 +1,115 @@
+"""NVFP4 (TransformerEngine's ``NVFP4BlockScaling``): E2M1 elements with one E4M3 scale per 16
+and an fp32 tensor scale, 16x16 weight tiles (so grad_input reads the forward's FP4 weight
+transposed), stochastic rounding of gradients, and a random Hadamard transform on the
+weight-gradient operands. ``convert`` keeps the last ``high_precision_last`` of the Linear
+layers in high precision (NVIDIA keeps ~15%).
+
+The rounding stream is seeded from ``recipe.seed``, the layer's index and its step; the step
+lives in the layer's state_dict (``fp8_sr_state``), so a resumed run draws the same noise as an
+uninterrupted one. The casts are in ``fp8/nvfp4.py``, the Hadamard transform in ``hadamard.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lowprec.fp8.autocast import recomputing
+from lowprec.fp8.formats import Format
+from lowprec.fp8.hadamard import apply_rht, random_hadamard
+from lowprec.fp8.kinds import base
+from lowprec.fp8.kinds.mxfp8 import Microscaled
+from lowprec.fp8.mx import BlockScaledData
+from lowprec.fp8.mx_linear import Codec, mx_linear
+from lowprec.fp8.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
+from lowprec.fp8.plan import GemmCast, OperandCast
+
+if TYPE_CHECKING:
+    from lowprec.fp8.linear import Float8Linear
+    from lowprec.fp8.recipes import Recipe
+
+__all__ = ["NVCodec", "NVFP4", "SR_STATE"]
+
+SR_STATE = "fp8_sr_state"  # (layer index, step) of the stochastic rounding stream
+
+
+class NVCodec(Codec):
+    reuses_weight = True
+
+    def quantize(self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None) -> BlockScaledData:
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=t.device)
+            gen.manual_seed(seed)
+        return quantize_nvfp4(t, gen)
+
+    def quantize_weight(self, w: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> BlockScaledData:
+        return quantize_nvfp4_2d(w)
+
+    def transpose_weight(self, wq: BlockScaledData) -> BlockScaledData:
+        return transpose_2d(wq)
+
+    def wgrad_operand(self, t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+        return apply_rht(t, random_hadamard(recipe.seed, device=t.device)).t()
+
+
+def _stream_seed(recipe: Recipe, layer: int, step: int, which: int) -> int:
+    """A 63-bit seed per (recipe seed, layer, step, GEMM): distinct streams, reproducible."""
+    h = (recipe.seed * 0x9E3779B97F4A7C15 + layer * 0xBF58476D1CE4E5B9 + step * 0x94D049BB133111EB + which) & (
+        2**63 - 1
+    )
+    return h
+
+
+class NVFP4(Microscaled):
+    name = "nvfp4"
+    codec = NVCodec()
+    cpu_scales = "block scales folded in, tensor scales on the output"
+    state_buffers = (SR_STATE,)
+    state_what = "stochastic-rounding state"
+
+    def check(self, recipe: Recipe) -> None:
+        if recipe.fp8_format is not Format.E4M3:
+            raise ValueError(
+                "fp8_format applies to FP8 elements; nvfp4 holds E2M1 elements with E4M3 scales: set fp8_format='E4M3'"
+            )
+        if not recipe.save_fp8_activations:
+            raise ValueError(
+                "nvfp4 keeps the FP4 input for the weight-gradient GEMM; save_fp8_activations=False "
+                "is not supported with it"
+            )
+
+    def gemms(self, recipe: Recipe) -> tuple[GemmCast, GemmCast, GemmCast]:
+        fwd = recipe.fp8_format.forward_dtype  # E4M3 names the block scales' format
+        nv = OperandCast(fwd, "nv16")
+        w2d = OperandCast(fwd, "nv16", block_2d=True)
+        return GemmCast(nv, w2d), GemmCast(nv, w2d), GemmCast(nv, nv)
+
+    def describe_operand(self, o: OperandCast) -> str:
+        return "e2m1/16x16" if o.block_2d else "e2m1/1x16"
+
+    def init_state(self, layer: Float8Linear) -> None:
+        layer.register_buffer(SR_STATE, torch.zeros(2, dtype=torch.int64, device=layer.weight.device))
+
+    def number_layer(self, layer: Float8Linear, index: int) -> None:
+        getattr(layer, SR_STATE)[0] = index  # a distinct, reproducible rounding stream per layer
+
+    def forward(self, layer: Float8Linear, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype) -> torch.Tensor:
+        seeds = None
+        if torch.is_grad_enabled():
+            state = getattr(layer, SR_STATE)
+            index, step = (int(v) for v in state.tolist())  # one read of a 2-element buffer per step
+            # a recompute replays the stream of the forward that advanced it; a reentrant
+            # checkpoint's first forward runs without grad and advanced nothing, so its recompute
+            # is the call that takes this step's stream (as the uncheckpointed run would)
+            if recomputing() and layer.__dict__.get("_nvfp4_advanced", False):
+                step -= 1
+            else:
+                state[1] += 1
+            layer.__dict__["_nvfp4_advanced"] = not recomputing()
+            seeds = (_stream_seed(recipe, index, step, 0), _stream_seed(recipe, index, step, 1))
+        return mx_linear(layer, x2, recipe, hp, self.codec, seeds)
+
+
+base.register(NVFP4())
