@@ -52,6 +52,8 @@ from lowprec.utils.modeling import extract_model_from_parallel
 from lowprec.utils.precision import autocast_context, wrap_forward
 from lowprec.utils.parallelism import ParallelismMixin, apply_tp, data_shard, dp_mesh, for_accelerator
 from lowprec.utils.process_control import ProcessControlMixin
+from lowprec.utils.distributed import full_model_state_dict
+from lowprec.utils.operations import recursively_apply
 
 __all__ = ["Accelerator", "FP8BackendType"]
 
@@ -607,8 +609,6 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
             data = gather(input_data)
         rem = self.gradient_state.remainder
         if self.gradient_state.end_of_dataloader and rem > 0:
-            from lowprec.utils.operations import recursively_apply
-
             if isinstance(data, list) and not has_tensor(data):
                 return data[:rem]
             return recursively_apply(lambda t: t[:rem], data)
@@ -629,8 +629,6 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
-        from lowprec.utils.distributed import full_model_state_dict
-
         return full_model_state_dict(self.unwrap_model(model) if unwrap else model)
 
     def free_memory(self, *objects: Any):

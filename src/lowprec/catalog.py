@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
+from lowprec.errors import did_you_mean
 
 __all__ = [
     "ScaleSource",
@@ -357,7 +358,6 @@ _ALIASES = {
 
 def recipe_info(name: Any) -> RecipeInfo:
     """The recipe called ``name`` (any case, ``-`` or ``_``); ``ValueError`` with a hint."""
-    from lowprec.errors import did_you_mean
 
     key = str(name).strip().lower().replace("-", "_")
     key = _ALIASES.get(key, key)

@@ -35,7 +35,14 @@ import torch
 
 from lowprec.backends.base import log_once
 from lowprec.durable import fsync_dir, fsync_tree, os_error_of, owner_alive, temp_suffix
-from lowprec.checkpoint_io import check_deepspeed_dir, load_object, load_pickle, read_checked, save_object
+from lowprec.checkpoint_io import (
+    check_deepspeed_dir,
+    load_object,
+    load_pickle,
+    read_checked,
+    save_object,
+    write_sharded,
+)
 from lowprec.errors import CheckpointError, StorageError
 from lowprec.utils.distributed import (
     full_model_state_dict,
@@ -44,6 +51,9 @@ from lowprec.utils.distributed import (
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
+from lowprec.checkpoint_sharded import load_sharded
+from lowprec.checkpoint_sharded import save_sharded, uses_sharded
+from lowprec.utils.offload import fill_offloaded
 
 __all__ = ["save_state", "load_state", "save_model", "save_tensors", "load_tensors", "save_optimizer", "load_optimizer"]
 
@@ -262,7 +272,6 @@ def _move_into_place(tmp: str, output_dir: str) -> None:
 def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
     # collectives first (FSDP2 gathers full state on every process), files on the main process;
     # a DeepSpeed engine writes its own (partitioned) model and optimizer state
-    from lowprec.checkpoint_sharded import save_sharded, uses_sharded
 
     sharded = [uses_sharded(acc, m) for m in acc._models]
     models = [
@@ -418,8 +427,6 @@ def _load_models(acc: Any, input_dir: str, sharded: set, saved_procs: int, resha
             check_deepspeed_dir(os.path.join(input_dir, f"deepspeed_{i}"))  # DeepSpeed itself unpickles freely
             m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")
         elif i in sharded:
-            from lowprec.checkpoint_sharded import load_sharded
-
             load_sharded(acc, m, os.path.join(input_dir, f"sharded_{i}"))
         else:
             path = _model_file(input_dir, i, safe)
@@ -529,7 +536,6 @@ def save_model(
     acc: Any, model: Any, save_directory: str, safe_serialization: bool = True, max_shard_size: Any = "10GB"
 ) -> None:
     """Plain weights (no FP8 scaling state, no wrappers) that load into the unconverted model."""
-    from lowprec.utils.offload import fill_offloaded
 
     inner = acc.unwrap_model(model)
     if _is_ds(model) and model.zero_optimization_stage() == 3:
@@ -541,7 +547,6 @@ def save_model(
         if acc.backend is not None:
             sd = acc.backend.plain_state_dict(sd)
         os.makedirs(save_directory, exist_ok=True)
-        from lowprec.utils.checkpointing import write_sharded
 
         write_sharded(sd, save_directory, safe_serialization, max_shard_size, save_tensors)
     acc.wait_for_everyone()

@@ -32,6 +32,8 @@ import torch
 from lowprec.errors import CheckpointError
 
 __all__ = [
+    "parse_size",
+    "write_sharded",
     "save_object",
     "load_object",
     "load_pickle",
@@ -211,3 +213,45 @@ def check_deepspeed_dir(directory: str) -> None:
             if name == "latest" or name.endswith(".py"):  # a text tag and helper scripts DeepSpeed copies
                 continue
             read_checked(os.path.join(root, name), _check_globals)
+
+
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(size: Any) -> int:
+    """``100``, ``"10GB"``, ``"500MiB"`` -> bytes."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+    if not m:
+        raise ValueError(f"max_shard_size={size!r}; use bytes (an int) or a string like '10GB' or '500MiB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
+
+
+def write_sharded(
+    state_dict: dict, directory: str, safe: bool, max_shard_size: Any, save: Callable[[dict, str, bool], None]
+) -> None:
+    """One file when it fits in ``max_shard_size``, else shards plus a JSON index mapping each
+    tensor to its file (the layout transformers and Accelerate load)."""
+    limit = parse_size(max_shard_size)
+    shards: list[dict] = [{}]
+    size = 0
+    for k, t in state_dict.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nbytes
+    stem, ext = ("model", "safetensors") if safe else ("pytorch_model", "bin")
+    if len(shards) == 1:
+        save(state_dict, os.path.join(directory, f"{stem}.{ext}"), safe)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}"
+        save(shard, os.path.join(directory, name), safe)
+        weight_map.update({k: name for k in shard})
+    total = sum(t.numel() * t.element_size() for t in state_dict.values())
+    with open(os.path.join(directory, f"{stem}.{ext}.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)

@@ -47,6 +47,8 @@ from typing import Any
 import torch
 
 from lowprec.errors import CheckpointError
+from lowprec.checkpoint_io import load_error_reason
+from lowprec.utils.distributed import is_fsdp2
 
 __all__ = ["SHARDED", "uses_sharded", "save_sharded", "load_sharded", "SafeFileSystemReader", "SafeLoadPlanner"]
 
@@ -54,8 +56,6 @@ SHARDED = "SHARDED_STATE_DICT"
 
 
 def uses_sharded(acc: Any, model: Any) -> bool:
-    from lowprec.utils.distributed import is_fsdp2
-
     plugin = acc.state.fsdp_plugin
     return is_fsdp2(model) and getattr(plugin, "state_dict_type", None) == SHARDED
 
@@ -216,8 +216,6 @@ class SafeFileSystemReader(_storage_reader_base()):  # type: ignore[misc]
         import dataclasses
         from torch.futures import Future
 
-        from lowprec.checkpoint_io import load_error_reason
-
         per_file: dict[str, list] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -252,8 +250,6 @@ class SafeLoadPlanner(_planner_base()):  # type: ignore[misc]
     def load_bytes(self, read_item: Any, value: Any) -> None:
         # DCP's own helper for the nested destination (the same call DefaultLoadPlanner makes)
         from torch.distributed.checkpoint._traverse import set_element
-
-        from lowprec.checkpoint_io import load_error_reason
 
         fqn = read_item.dest_index.fqn
         try:

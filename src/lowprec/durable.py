@@ -21,9 +21,11 @@ import errno as errno_mod
 import os
 import re
 import socket
+from pathlib import Path
 from typing import Optional
 
 __all__ = [
+    "cache_home",
     "fsync_file",
     "fsync_dir",
     "fsync_tree",
@@ -126,3 +128,10 @@ def owner_alive(name: str, kind: str) -> bool:
     if host is not None and host != this_host():
         return True
     return pid != os.getpid() and pid_alive(pid)
+
+
+def cache_home() -> Path:
+    """Per-machine measurements lowprec keeps (the CPU FP8 GEMM probe): ``$LOWPREC_CACHE_HOME``,
+    else ``~/.cache/lowprec``."""
+    home = os.environ.get("LOWPREC_CACHE_HOME")
+    return Path(home).expanduser() if home else Path.home() / ".cache" / "lowprec"

@@ -25,6 +25,14 @@ from lowprec.catalog import (
 )
 from lowprec.config import values as V
 from lowprec.kwargs import _FP8_NAMES, FP8_PREFIX, ForwardEveryField, _alias, env_get, environ
+from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field
+from lowprec.backends.spec import get_spec
+from lowprec.backends.spec import lookup
+from lowprec.backends.spec import spec_or_native
+from lowprec.config.env import ENV_VARS
+from lowprec.config.env import check_fp8_fields
+from lowprec.config.env import read_env
+from lowprec.errors import did_you_mean
 
 __all__ = list(_FP8_NAMES)
 
@@ -38,15 +46,11 @@ def _setting(name: str, default: Any = _CATALOG) -> Any:
 
 
 def _default(f: dataclasses.Field) -> Any:
-    from lowprec.backends.spec import recipe_field
-
     default = f.metadata["default"]
     return FIELD_DEFAULTS[recipe_field(f.metadata["setting"])] if default is _CATALOG else default
 
 
 def _parser(setting: str) -> Callable[[Any], Any]:
-    from lowprec.config.env import ENV_VARS
-
     if setting == "fp8_override_linear_precision":
         return V.parse_override_linear_precision
     return next(v.parse for v in ENV_VARS if v.field == setting)
@@ -55,7 +59,6 @@ def _parser(setting: str) -> Callable[[Any], Any]:
 def _resolve_fields(obj: Any) -> None:
     """Each :func:`_setting` field of ``obj``: explicit > ``ACCELERATE_FP8_*`` > default,
     through the setting's one parser."""
-    from lowprec.config.env import read_env
 
     fields = [f for f in dataclasses.fields(obj) if "setting" in f.metadata]
     from_env = read_env(environ(), {f.metadata["setting"] for f in fields})
@@ -79,7 +82,6 @@ def _check_type(obj: Any, name: str, ok: bool, expected: str) -> None:
 
 def normalize_backend(value: Any, key: str = "fp8_backend") -> Optional[str]:
     """``te`` / ``TE`` / ``transformer_engine`` -> ``te``; ``no`` / empty -> None (any case)."""
-    from lowprec.backends.spec import lookup
 
     spec = lookup(value, key)
     return None if spec is None else spec.name
@@ -241,8 +243,6 @@ class NativeRecipeKwargs(RecipeKwargs):
         object.__setattr__(self, "_recipe", Recipe.from_name(self.recipe, **overrides))
 
     def _check_overrides(self) -> None:
-        from lowprec.errors import did_you_mean
-
         known = set(RECIPE_FIELDS)
         for key in self.overrides:
             if key not in known:
@@ -264,8 +264,6 @@ class NativeRecipeKwargs(RecipeKwargs):
 def _env_recipe_overrides() -> dict[str, Any]:
     """Recipe fields from the ``ACCELERATE_FP8_*`` variables that are set (unset ones leave the
     named preset's own values, e.g. rowwise's E4M3)."""
-    from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field
-    from lowprec.config.env import read_env
 
     # use_autocast_during_eval is the handler's own field, resolved in __post_init__
     tuning = tuple(s for s in (*RECIPE_SETTINGS, *ENGINE_SETTINGS) if s != "fp8_use_autocast_during_eval")
@@ -288,8 +286,6 @@ class FP8RecipeKwargs(TERecipeKwargs):
     optimization_level: InitVar[Optional[str]] = None
 
     def __post_init__(self, amax_history_length=None, amax_compute_algorithm=None, optimization_level=None) -> None:
-        from lowprec.backends.spec import get_spec, lookup
-
         if not _FP8_WARNED[0]:
             _FP8_WARNED[0] = True
             warnings.warn(
@@ -314,8 +310,6 @@ class FP8RecipeKwargs(TERecipeKwargs):
         self._resolve_te_fields()  # its fields and MSAMPRecipeKwargs's opt_level
 
     def to_handler(self) -> RecipeKwargs:
-        from lowprec.backends.spec import get_spec
-
         cls = get_spec(self.backend).kwargs_class
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
 
@@ -324,8 +318,6 @@ def recipe_kwargs_from_config(config: Mapping[str, Any]) -> RecipeKwargs:
     """The handler for a YAML ``fp8_config:`` block, parsed by the launch schema
     (:class:`lowprec.config.launch_config.FP8Config`, the one ``fp8_config`` parser) and mapped
     by the backend's declaration; unknown keys and keys the backend does not read are errors."""
-    from lowprec.backends.spec import spec_or_native
-    from lowprec.config.env import check_fp8_fields
     from lowprec.config.launch_config import parse_fp8_config
 
     fields = parse_fp8_config(config)

@@ -16,6 +16,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
+from lowprec.config import values as V
 
 __all__ = [
     "environ",
@@ -70,7 +71,6 @@ def env_int(name: str, default: int) -> int:
 def parse_bool(value: Any, key: str) -> bool:
     """``y/yes/t/true/on/1`` and ``n/no/f/false/off/0`` (any case), as Accelerate's str_to_bool
     (:func:`lowprec.config.values.parse_bool`, with the key named in the error)."""
-    from lowprec.config import values as V
 
     try:
         return V.parse_bool(value)
@@ -87,7 +87,6 @@ def parse_override_linear_precision(value: Any, key: str = "override_linear_prec
     """Three booleans (fprop, dgrad, wgrad) from a tuple, a list or a string such as
     ``"(false, false, true)"`` (:func:`lowprec.config.values.parse_override_linear_precision`;
     Accelerate indexed the string per character, reference section 3.4, bug 6)."""
-    from lowprec.config import values as V
 
     try:
         return V.parse_override_linear_precision(value)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lowprec.kwargs import env_flag, env_get, env_int
 from lowprec.process_group import init_default_group
 from lowprec.shared_state import SharedState
+from lowprec.kwargs import InitProcessGroupKwargs
 
 __all__ = ["DistributedType", "PartialState", "ProcessFacts", "split_between"]
 
@@ -149,8 +150,6 @@ class PartialState(SharedState, ProcessFacts):
         self.debug = env_flag("ACCELERATE_DEBUG_MODE")
         self.backend = None
         if world > 1 and not dist.is_initialized():
-            from lowprec.kwargs import InitProcessGroupKwargs
-
             kw = init_kwargs or InitProcessGroupKwargs()
             self.backend = kw.backend or ("nccl" if device.type == "cuda" else "gloo")
             init_default_group(self.backend, rank, world, kw.timeout, kw.init_method)

@@ -26,6 +26,8 @@ from lowprec.kwargs import (
 )
 from lowprec.process_state import DistributedType, PartialState, ProcessFacts, _resolve_device as _device_and_reason
 from lowprec.process_group import init_default_group
+from lowprec.fp8.cpu_gemm import cpu_gemm_choice
+from lowprec.utils.data_loader import GradientState
 
 __all__ = [
     "PRECISIONS",
@@ -122,8 +124,6 @@ def fp8_hardware_check(device: torch.device, fallback: Optional[str]) -> Decisio
     ``fp8``, ``fp8-emulate`` or ``bf16``; never a silent switch (Accelerate falls back to fp16
     and still converts the model, reference bug 11)."""
     if device.type == "cpu":
-        from lowprec.fp8.cpu_gemm import cpu_gemm_choice
-
         return Decision("fp8", f"CPU: FP8 casts run for real; GEMMs: {cpu_gemm_choice().describe()}")
     if device.type != "cuda":
         return Decision("fp8-emulate", f"device {device.type}: FP8 GEMMs emulated in float32")
@@ -287,7 +287,5 @@ class AcceleratorState(ProcessFacts):
 
 def __getattr__(name: str):
     if name == "GradientState":  # lives with the dataloaders that update it
-        from lowprec.utils.data_loader import GradientState
-
         return GradientState
     raise AttributeError(f"module 'lowprec.state' has no attribute {name!r}")

@@ -28,7 +28,7 @@ _WHERE = {
     "PrepareContext": "base",
     "remap_optimizer_params": "base",
     "BackendSpec": "spec",
-    "is_available": "availability",
+    "is_available": "spec",
     "select_backend": "registry",
     "default_handler": "registry",
     "native_recipe_for": "registry",

@@ -1,10 +1,11 @@
-"""Which optional FP8 libraries are installed (a spec lookup; nothing is imported)."""
+"""Whether a module is installed (a spec lookup; nothing is imported); ``spec.is_available``
+asks it for a backend's library."""
 
 from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["is_available", "module_available"]
+__all__ = ["module_available"]
 
 
 def module_available(module: str) -> bool:
@@ -14,13 +15,3 @@ def module_available(module: str) -> bool:
         import sys
 
         return module in sys.modules
-
-
-def is_available(name: str) -> bool:
-    """A backend's library (by any spelling of the backend), or any module by import name."""
-    from lowprec.backends.spec import spelling_table
-
-    spec = spelling_table().get(str(name).lower())
-    if spec is not None:
-        return spec.available()
-    return module_available(name)

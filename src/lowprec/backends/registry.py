@@ -15,6 +15,8 @@ from lowprec.backends.base import Backend, log_once
 from lowprec.backends.spec import BackendSpec, get_spec, lookup, specs
 from lowprec.decision import Decision
 from lowprec.kwargs import FP8_PREFIX, FP8RecipeKwargs, RecipeKwargs, env_flag, env_get, environ
+from lowprec.config.env import ENV_VARS
+from lowprec.config.env import FP8_OVERRIDE_VARS
 
 __all__ = [
     "FP8Settings",
@@ -123,14 +125,12 @@ def native_recipe_for(handler: RecipeKwargs):
 
 def _env_names() -> dict[str, str]:
     """launch setting -> the variable that carries it (lowprec.config.env's table)."""
-    from lowprec.config.env import ENV_VARS
 
     return {v.field: v.name for v in ENV_VARS}
 
 
 def env_vars_read(spec: BackendSpec) -> set[str]:
     """The FP8 variables a backend reads (ACCELERATE_FP8_BACKEND is read by the selection)."""
-    from lowprec.config.env import FP8_OVERRIDE_VARS
 
     names = _env_names()
     out = {FP8_PREFIX + "BACKEND", *spec.reads_env}

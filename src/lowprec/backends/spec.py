@@ -18,6 +18,9 @@ from typing import Any, Callable, Mapping, Optional
 
 from lowprec.catalog import RECIPE_OPTIONS
 from lowprec.errors import did_you_mean
+from lowprec.backends import availability
+from lowprec.backends.base import log_once
+from lowprec.catalog import TE_SWITCHES, recipes_markdown
 
 __all__ = [
     "BackendSpec",
@@ -29,6 +32,7 @@ __all__ = [
     "get_spec",
     "lookup",
     "spelling_table",
+    "is_available",
     "backends_markdown",
     "docs_page",
     "RECIPE_SETTINGS",
@@ -104,16 +108,13 @@ class BackendSpec:
         return tuple(dict.fromkeys((self.name, self.env_value.lower(), *self.aliases)))
 
     def available(self) -> bool:
-        from lowprec.backends.availability import module_available
-
-        return self.library is None or module_available(self.library)
+        return self.library is None or availability.module_available(self.library)
 
     def build(self, handler: Any, why: str) -> Any:
         """The running backend: on the library where it is installed (or none is needed), else
         the native engine running the same recipe, the reason logged once."""
         if self.available():
             return self.create(handler, why if self.library is None else f"{why}; {self.library} installed")
-        from lowprec.backends.base import log_once
 
         recipe = self.native_recipe(handler)
         reason = (
@@ -220,7 +221,6 @@ def backends_markdown() -> str:
 
 def docs_page() -> str:
     """``docs/backends.md``: regenerate with ``python -m lowprec.backends.spec > docs/backends.md``."""
-    from lowprec.catalog import TE_SWITCHES, recipes_markdown
 
     return (
         "# FP8 backends and recipes\n\n"
@@ -237,6 +237,14 @@ def docs_page() -> str:
         + ", ".join(f"`{k}` -> `{v}`" for k, v in TE_SWITCHES.items())
         + " (TE runs its own recipe where it is installed, the native engine this one elsewhere).\n"
     )
+
+
+def is_available(name: str) -> bool:
+    """A backend's library (by any spelling of the backend), or any module by import name."""
+    spec = spelling_table().get(str(name).lower())
+    if spec is not None:
+        return spec.available()
+    return availability.module_available(name)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ from lowprec.backends.base import BaseBackend, PrepareContext, log_once, note_un
 from lowprec.backends.spec import RECIPE_SETTINGS, BackendSpec
 from lowprec.catalog import te_switch_recipe
 from lowprec.kwargs import TERecipeKwargs
+from lowprec.backends.native import NativeBackend
+from lowprec.backends.spec import get_spec
 
 if TYPE_CHECKING:
     from torch import nn
@@ -117,8 +119,6 @@ def native_recipe(handler: TERecipeKwargs) -> Any:
     (TE's MXFP8BlockScaling / NVFP4BlockScaling semantics, ``lowprec/fp8/mx.py``, ``nvfp4.py``)."""
     from lowprec.fp8.recipes import Recipe
 
-    from lowprec.backends.spec import get_spec
-
     engine_formats = get_spec("native").fp8_formats  # the rule lives in the declarations (E5M2: TE only)
     if handler.fp8_format not in engine_formats:
         raise ValueError(
@@ -149,8 +149,6 @@ def native_recipe(handler: TERecipeKwargs) -> Any:
 
 
 def _fallback(handler: TERecipeKwargs, recipe: Any, reason: str) -> BaseBackend:
-    from lowprec.backends.native import NativeBackend
-
     # TE converts every eligible Linear, the first and last included
     return NativeBackend(recipe, name="te", reason=reason, skip_first_last=False, skip_patterns=())
 

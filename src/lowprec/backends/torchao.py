@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from lowprec.backends.base import BaseBackend, PrepareContext, log_once, note_unconverted_conv1d
 from lowprec.backends.spec import BackendSpec
 from lowprec.kwargs import AORecipeKwargs
+from lowprec.backends.native import NativeBackend
 
 if TYPE_CHECKING:
     from torch import nn
@@ -143,8 +144,6 @@ def native_recipe(handler: AORecipeKwargs) -> Any:
 
 
 def _fallback(handler: AORecipeKwargs, recipe: Any, reason: str) -> BaseBackend:
-    from lowprec.backends.native import NativeBackend
-
     return NativeBackend(recipe, name="torchao", reason=reason, module_filter=handler.module_filter_func)
 
 

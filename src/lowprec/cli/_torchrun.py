@@ -27,6 +27,8 @@ import signal
 import sys
 import tempfile
 from typing import Any, Mapping, Optional, Sequence
+from lowprec.cli._worker import DONE_DIR_VAR
+from lowprec.cli._worker import marker_path
 
 __all__ = ["main", "describe_exit", "CONTINUE_VAR", "STOP_FILE_VAR", "report_stop", "aborted_after_done"]
 
@@ -89,8 +91,6 @@ def aborted_after_done(failures: Mapping[int, Any], done_dir: str, local_world_s
     ``failures``: global rank -> torchrun's ``ProcessFailure``."""
     import json
 
-    from lowprec.cli._worker import marker_path
-
     if not failures:
         return False
     first = min(failures.values(), key=lambda f: f.timestamp)
@@ -113,8 +113,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import determine_local_world_size, parse_args, run
-
-    from lowprec.cli._worker import DONE_DIR_VAR
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     stop_dir = tempfile.mkdtemp(prefix="lowprec-run-")

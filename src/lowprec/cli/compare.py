@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 from typing import Any, Union
+from lowprec.catalog import RECIPE_NAMES
+from lowprec.cli.train import add_config_flags, config_command
+from lowprec.cli.train import overrides_from_args
 
 __all__ = ["NAME", "HELP", "add_parser", "run", "parse_seeds", "compare_settings"]
 
@@ -25,8 +28,6 @@ HELP = "run one config at several precisions and seeds and report loss parity wi
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from lowprec.cli.train import add_config_flags, config_command
-
     p = config_command(
         subparsers,
         NAME,
@@ -38,7 +39,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "[--workers N] [--key value ...]",
         "the YAML config",
     )
-    from lowprec.catalog import RECIPE_NAMES
 
     p.add_argument(
         "--precisions",
@@ -144,7 +144,6 @@ def _int_flag(name: str, text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lowprec.cli.train import overrides_from_args
     from lowprec.train.compare import compare
     from lowprec.train.compare_report import format_report
     from lowprec.train.config import load_config

@@ -13,6 +13,7 @@ from typing import Any
 
 from lowprec.cli._flags import add_settings_flags, check_cli_flags_apply, settings_from_args
 from lowprec.config.env import LaunchSettings
+from lowprec.cli.wizard import run_wizard
 
 __all__ = ["NAME", "HELP", "add_parser", "run", "hardware_default"]
 
@@ -74,7 +75,6 @@ def hardware_default() -> tuple[LaunchSettings, str]:
 
 def run(args: argparse.Namespace) -> int:
     from lowprec.config.launch_config import default_config_path, write_launch_config
-    from lowprec.cli.wizard import run_wizard
 
     cli = settings_from_args(args)
     if args.default or cli:

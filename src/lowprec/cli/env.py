@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 from lowprec import __version__
 from lowprec.config.env import owned_env_var
+from lowprec.backends.spec import specs
+from lowprec.config.paths import default_config_path
 
 __all__ = ["NAME", "HELP", "add_parser", "run", "collect", "OPTIONAL_PACKAGES"]  # noqa: F822 - module __getattr__
 
@@ -37,8 +39,6 @@ _OTHER_PACKAGES: dict[str, tuple[str, ...]] = {
 
 
 def optional_packages() -> dict[str, tuple[str, ...]]:
-    from lowprec.backends.spec import specs
-
     libs = {s.library: s.distributions or (s.library,) for s in specs() if s.library is not None}
     return {**libs, **_OTHER_PACKAGES}
 
@@ -131,7 +131,6 @@ def _cpu_fp8_gemm() -> str:
 
 def _fp8_backends() -> dict[str, dict[str, Any]]:
     """Every declared FP8 backend: what runs it here (its library, or lowprec's engine)."""
-    from lowprec.backends.spec import specs
 
     out = {}
     for s in specs():
@@ -145,8 +144,6 @@ def _fp8_backends() -> dict[str, dict[str, Any]]:
 
 
 def collect() -> dict[str, Any]:
-    from lowprec.config.paths import default_config_path
-
     info: dict[str, Any] = {
         "lowprec": __version__,
         "python": sys.version.split()[0],

@@ -30,6 +30,7 @@ from lowprec.config.env import (
 )
 from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError
+from lowprec.cli._torchrun import CONTINUE_VAR, describe_exit
 
 __all__ = ["NAME", "HELP", "add_parser", "split_argv", "run", "LaunchPlan", "plan_launch", "build_command"]
 
@@ -258,7 +259,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for note in plan.notes:
         print(f"lowprec: note: {note}", file=sys.stderr)
-    from lowprec.cli._torchrun import CONTINUE_VAR, describe_exit
 
     again = plan.env.get(CONTINUE_VAR) or shlex.join(["lowprec", "launch", *getattr(args, "argv", sys.argv[2:])])
     try:

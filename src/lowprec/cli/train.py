@@ -15,6 +15,14 @@ import os
 import subprocess
 import sys
 from typing import Any, Sequence
+from lowprec.cli._torchrun import CONTINUE_VAR
+from lowprec.cli._torchrun import report_stop
+from lowprec.cli.launch import build_command
+from lowprec.config.env import LaunchSettings
+from lowprec.config.env import owned_env_var
+from lowprec.errors import EXIT_NONFINITE, EXIT_STORAGE, NonFiniteError, StorageError
+from lowprec.train.config_keys import KEYS
+from lowprec.train.run_lock import hold_output_dir, launcher_env
 
 __all__ = [
     "NAME",
@@ -36,7 +44,6 @@ _UNDER_LAUNCHER = "LOWPREC_TRAIN_CHILD"
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One ``--key`` flag per schema key (``--key-with-dashes`` too), default: not given."""
     # plain data generated from the schema: building the parser imports neither pydantic nor torch
-    from lowprec.train.config_keys import KEYS
 
     group = parser.add_argument_group("config keys (override the YAML; values are read as YAML)")
     for name, description, shown in KEYS:
@@ -90,8 +97,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def relaunch_command(argv: Sequence[str], num_processes: int) -> list[str]:
     """``python -m lowprec.cli._torchrun ... -m lowprec.cli.main train <argv without --num_processes>``."""
-    from lowprec.cli.launch import build_command
-    from lowprec.config.env import LaunchSettings
 
     rest, skip = [], False
     for tok in argv:
@@ -134,7 +139,6 @@ def resume_command(args: argparse.Namespace) -> str:
 def _child_env() -> dict[str, str]:
     """The workers' environment: the YAML is the only source of settings, so launch variables
     inherited from the shell (ACCELERATE_MIXED_PRECISION, ACCELERATE_USE_FSDP, ...) are dropped."""
-    from lowprec.config.env import owned_env_var
 
     env = {k: v for k, v in os.environ.items() if not owned_env_var(k)}
     env[_UNDER_LAUNCHER] = "1"
@@ -145,7 +149,6 @@ def _drop_launch_env() -> None:
     """The YAML is the one source of precision and distribution settings: launch variables left
     in the shell (Axolotl issue #760: a stale ``mixed_precision: fp8`` broke every run) are
     dropped, and named, instead of silently changing the run."""
-    from lowprec.config.env import owned_env_var
 
     dropped = sorted(k for k in os.environ if owned_env_var(k) and k != "CUDA_VISIBLE_DEVICES")
     for k in dropped:
@@ -226,10 +229,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.deepspeed is not None:
         _check_deepspeed(cfg, args.num_processes)
     if args.num_processes > 1 and "WORLD_SIZE" not in os.environ:
-        from lowprec.cli._torchrun import CONTINUE_VAR
-
         from lowprec.train.outputs import make_output_dir
-        from lowprec.train.run_lock import hold_output_dir, launcher_env
 
         cmd = relaunch_command(_argv_of(args), args.num_processes)
         # the launcher holds the output_dir lock for its workers' whole life: a second run is
@@ -240,8 +240,6 @@ def run(args: argparse.Namespace) -> int:
         return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
     _setup_logging(args.quiet)
     _drop_launch_env()
-    from lowprec.cli._torchrun import report_stop
-    from lowprec.errors import EXIT_NONFINITE, EXIT_STORAGE, NonFiniteError, StorageError
     from lowprec.train.trainer import train
 
     try:

@@ -15,6 +15,10 @@ from typing import Any, Callable
 from lowprec.config import values as V
 from lowprec.config.env import LaunchSettings
 from lowprec.errors import UsageError
+from lowprec.backends.spec import spec_or_native
+from lowprec.catalog import FIELD_DEFAULTS, RECIPE_OPTIONS, Granularity, kind_info, recipe_info
+from lowprec.catalog import SCALING_FIELDS
+from lowprec.config.env import _parse_zero_stage
 
 __all__ = ["ask", "run_wizard"]
 
@@ -96,15 +100,11 @@ def _tp_size(processes: int, fsdp: bool) -> Callable[[Any], int]:
 
 
 def _zero_stage(value: Any) -> int:
-    from lowprec.config.env import _parse_zero_stage
-
     return _parse_zero_stage(value)
 
 
 def _fp8_questions(s: dict[str, Any]) -> None:
     """Only what the chosen backend and recipe read (their declarations decide, no names here)."""
-    from lowprec.backends.spec import spec_or_native
-    from lowprec.catalog import FIELD_DEFAULTS, RECIPE_OPTIONS, Granularity, kind_info, recipe_info
 
     backend = s["fp8_backend"] = ask("FP8 backend?", "native", V.parse_fp8_backend, V.FP8_BACKENDS)
     spec = spec_or_native(backend)
@@ -150,6 +150,5 @@ def _fp8_questions(s: dict[str, Any]) -> None:
 def spec_reads_of(recipe: Any) -> tuple[str, ...]:
     """The scaling fields a recipe reads; a backend without recipe names (TE: DelayedScaling)
     reads them all."""
-    from lowprec.catalog import SCALING_FIELDS
 
     return SCALING_FIELDS if recipe is None else recipe.reads

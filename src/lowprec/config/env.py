@@ -79,6 +79,10 @@ from typing import Any, Callable, Optional
 from lowprec.config import values as V
 from lowprec.catalog import check_tensor_parallel
 from lowprec.errors import UsageError, did_you_mean
+from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field
+from lowprec.backends.spec import spec_or_native
+from lowprec.backends.spec import specs
+from lowprec.catalog import unread_recipe_fields
 
 __all__ = [
     "LaunchSettings",
@@ -205,15 +209,12 @@ UNREAD_FIELDS = ("dynamo_backend", "zero3_init_flag")
 def fp8_fields_unread(backend: str | None, fields: Any) -> list[str]:
     """Which of ``fields`` (FP8 setting names) the ``backend`` (None/auto: native) never reads
     (each backend declares what it reads: ``SPEC.reads`` in ``lowprec/backends/<name>.py``)."""
-    from lowprec.backends.spec import spec_or_native
 
     read = set(spec_or_native(backend).reads) | {"fp8_backend", "fp8_fallback"}
     return sorted(f for f in fields if f in FP8_FIELDS and f not in read)
 
 
 def fp8_readers(field_name: str) -> list[str]:
-    from lowprec.backends.spec import specs
-
     return [s.env_value.lower() for s in specs() if field_name in s.reads]
 
 
@@ -223,8 +224,6 @@ def check_fp8_fields(
     """FP8 settings the chosen backend refuses, or that it (``backend_unread``) or the chosen
     recipe would ignore, are errors naming the key (``spell`` renders a setting name as the
     user wrote it: ``--fp8_margin``, ``fp8_config.margin``)."""
-    from lowprec.backends.spec import recipe_field, spec_or_native
-    from lowprec.catalog import unread_recipe_fields
 
     spec = spec_or_native(backend)
     for name in sorted(fields):
@@ -383,7 +382,6 @@ class LaunchSettings:
                 f"num_machines={self.num_machines} every machine must know the port: set one, e.g. 29500"
             )
         self._check_tensor_parallel()
-        from lowprec.backends.spec import spec_or_native
 
         if self.fp8_format is not None and self.fp8_format not in spec_or_native(self.fp8_backend).fp8_formats:
             raise UsageError(
@@ -419,7 +417,6 @@ class LaunchSettings:
                 f"tp_size={tp} with num_processes={self.num_processes} leaves {dp} data-parallel shards, "
                 f"which FSDP2 holds: add --use_fsdp (distributed_type: FSDP), or launch {tp} processes"
             )
-        from lowprec.backends.spec import spec_or_native
 
         if self.fp8 and spec_or_native(self.fp8_backend).library is not None:  # another library's FP8 layers
             raise UsageError(
@@ -461,7 +458,6 @@ class LaunchSettings:
     def fp8_recipe_overrides(self) -> dict[str, Any]:
         """The user-set FP8 values under the field names of ``lowprec.fp8.Recipe``, for
         ``Recipe.from_name(settings.fp8_recipe or default, **overrides)``."""
-        from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field
 
         return {
             recipe_field(s): getattr(self, s)

@@ -40,6 +40,7 @@ from lowprec.config import values as V
 from lowprec.config.env import LaunchSettings
 from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError, did_you_mean
+from lowprec.config.yaml_file import read_yaml_mapping
 
 __all__ = [
     "LaunchConfig",
@@ -382,7 +383,6 @@ def load_launch_config(path: str | os.PathLike[str]) -> LaunchConfig:
         )
     if not path.is_file():
         raise UsageError(f"config file {str(path)!r} does not exist; create it with `lowprec config`")
-    from lowprec.config.yaml_file import read_yaml_mapping
 
     data = read_yaml_mapping(path, example="distributed_type: MULTI_GPU")
     return parse_launch_config(data, source=str(path))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_home", "default_config_path"]
+__all__ = ["default_config_path"]
 
 
 def default_config_path() -> Path:
@@ -14,10 +14,3 @@ def default_config_path() -> Path:
     home = os.environ.get("LOWPREC_CONFIG_HOME")
     base = Path(home).expanduser() if home else Path.home() / ".cache" / "lowprec"
     return base / "default_config.yaml"
-
-
-def cache_home() -> Path:
-    """Per-machine measurements lowprec keeps (the CPU FP8 GEMM probe): ``$LOWPREC_CACHE_HOME``,
-    else ``~/.cache/lowprec``."""
-    home = os.environ.get("LOWPREC_CACHE_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "lowprec"

@@ -14,6 +14,8 @@ from typing import Any
 
 from lowprec.catalog import RECIPE_NAMES, RECIPE_OPTIONS, check_int_field, recipe_info
 from lowprec.errors import did_you_mean
+from lowprec.backends.spec import AUTO, specs
+from lowprec.backends.spec import spelling_table
 
 __all__ = [
     "MIXED_PRECISIONS",
@@ -115,8 +117,6 @@ def parse_mixed_precision(value: Any) -> str:
 
 def __getattr__(name: str) -> Any:
     if name == "FP8_BACKENDS":  # generated from the backend declarations (lowprec.backends.spec)
-        from lowprec.backends.spec import AUTO, specs
-
         return (*(s.env_value.lower() for s in specs()), AUTO)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -125,7 +125,6 @@ def parse_fp8_backend(value: Any) -> str:
     """Any spelling of a backend -> the lower-case ``ACCELERATE_FP8_BACKEND`` value that
     ``lowprec launch`` stores (``torchao`` -> ``ao``, as Accelerate's FP8BackendType);
     ``auto`` stays ``auto``."""
-    from lowprec.backends.spec import AUTO, spelling_table
 
     key = str(value).strip().lower()
     table = spelling_table()

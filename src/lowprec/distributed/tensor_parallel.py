@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lowprec.catalog import check_tensor_parallel
 from lowprec.fp8.linear import Float8Linear
+from lowprec.distributed.sequence_parallel import maybe_fp8_gather
 
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "check_float8_tp_layer"]
 
@@ -52,8 +53,6 @@ class Float8ColwiseParallel(ColwiseParallel):
 
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
-        from lowprec.distributed.sequence_parallel import maybe_fp8_gather
-
         recipe = mod._active_recipe() if isinstance(mod, Float8Linear) else None
         out = maybe_fp8_gather(inputs[0], device_mesh, input_layouts[0], desired_input_layouts[0], recipe, True)
         if out is None:

@@ -27,6 +27,7 @@ from lowprec.export.model import ExportReport, export_model
 from lowprec.fp8 import DEFAULT_SKIP_PATTERNS, Recipe, convert
 from lowprec.train.checkpoints import list_checkpoints
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
+from lowprec.train.hf_model import load_causal_lm, missing_model_files
 
 __all__ = ["export_run", "load_run", "export_after_training"]
 
@@ -113,7 +114,6 @@ def load_run(path: str) -> tuple[nn.Module, nn.Module, dict[str, Any], list[str]
         target, prefix = model, ""
     else:
         # transformers, optional: only a Hugging Face run needs it
-        from lowprec.train.hf_model import load_causal_lm, missing_model_files
 
         if missing_model_files(run):
             raise ValueError(

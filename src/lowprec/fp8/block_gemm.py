@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from lowprec.fp8.capability import traced
 from lowprec.fp8.quantize import Float8Data, dequantize
+from lowprec.fp8.quantize import quantize_blockwise
 
 __all__ = ["BLOCK", "supported", "blockwise_mm", "self_check"]
 
@@ -105,7 +106,6 @@ def self_check(device: torch.device) -> bool:
     key = (device.type, device.index)
     if key in _CHECKED:
         return _CHECKED[key]
-    from lowprec.fp8.quantize import quantize_blockwise
 
     ok, why = False, ""
     try:

@@ -24,6 +24,9 @@ import torch
 
 from lowprec.fp8.capability import cuda_capability, is_cuda, traced, triton_override
 from lowprec.fp8.quantize import Float8Data, dequantize
+from lowprec.fp8 import block_gemm
+from lowprec.fp8.kernels.select import disabled_by_env, enabled_by_env, triton_importable
+from lowprec.fp8.quantize import quantize_blockwise
 
 __all__ = ["supported", "runs", "mm", "self_check", "describe_cuda", "KERNEL"]
 
@@ -52,7 +55,6 @@ def _triton_allowed() -> bool:
     override = triton_override()  # fp8.trace_as decides for a trace
     if override is not None:
         return override
-    from lowprec.fp8.kernels.select import disabled_by_env, enabled_by_env, triton_importable
 
     return triton_importable() and enabled_by_env() and not disabled_by_env()
 
@@ -70,7 +72,6 @@ def runs(device: torch.device, a: Float8Data, b: Float8Data) -> bool:
 
 def describe_cuda(device: torch.device, block_size: int) -> str:
     """Which kernel the blockwise recipe's GEMMs take on this CUDA device (for reports; no kernel runs)."""
-    from lowprec.fp8 import block_gemm
 
     sm = cuda_capability(device)
     triton_ok = sm >= (8, 9) and block_size in (32, 64, 128) and _triton_allowed()
@@ -109,8 +110,6 @@ def self_check(device: torch.device) -> bool:
 
 
 def _check(device: torch.device) -> bool:
-    from lowprec.fp8.quantize import quantize_blockwise
-
     why = ""
     try:
         gen = torch.Generator(device="cpu").manual_seed(0)

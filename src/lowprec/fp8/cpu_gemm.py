@@ -57,8 +57,7 @@ from pathlib import Path
 
 import torch
 
-from lowprec.config.paths import cache_home
-from lowprec.durable import temp_suffix
+from lowprec.durable import cache_home, temp_suffix
 from lowprec.fp8 import shared_cast
 from lowprec.fp8.host_scale import f32, reciprocal32
 from lowprec.fp8.quantize import Float8Data, expand_blocks

@@ -165,10 +165,33 @@ def quantize_mx(
     return BlockScaledData(y.reshape(rows, -1).to(elem_dtype), scale, cols, block)
 
 
+# E2M1 elements (NVFP4's, ``nvfp4.py``): decoded here, where dequantize_blocks reads them
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7 (sign in bit 3)
+
+
+def e2m1_grid(device) -> torch.Tensor:
+    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8, 0..15) -> float32."""
+    c = codes.to(torch.int64)
+    mag = e2m1_grid(codes.device)[c & 7]
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
+def e2m1_unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    b = packed.view(torch.uint8)
+    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1)
+
+
+def e2m1_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """(R, C/2) packed -> (R, C) float32 values."""
+    return e2m1_decode(e2m1_unpack_codes(packed))
+
+
 def dequantize_blocks(q: BlockScaledData, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Elements times their block's decode scale (times the tensor scale for NVFP4), (rows, cols)."""
-    from lowprec.fp8.nvfp4 import e2m1_unpack  # nvfp4 imports this module
-
     if q.tensor_scale is None:
         elems = q.data.to(torch.float32)
         scale = e8m0_decode(q.scale)

@@ -27,7 +27,15 @@ from __future__ import annotations
 import torch
 
 from lowprec.fp8.formats import E4M3
-from lowprec.fp8.mx import BlockScaledData, pad_to_blocks
+from lowprec.fp8.mx import (
+    E2M1_VALUES,
+    BlockScaledData,
+    e2m1_decode,
+    e2m1_grid as _grid,
+    e2m1_unpack,
+    e2m1_unpack_codes,
+    pad_to_blocks,
+)
 
 __all__ = [
     "NVFP4_BLOCK",
@@ -44,12 +52,7 @@ __all__ = [
 NVFP4_BLOCK = 16
 FP4_MAX = 6.0
 _E4M3_MAX = 448.0
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7 (sign in bit 3)
 FP4X2 = torch.float4_e2m1fn_x2
-
-
-def _grid(device) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
 
 
 def _code_of(a: torch.Tensor, rnd) -> torch.Tensor:
@@ -123,27 +126,10 @@ def e2m1_encode(y: torch.Tensor, generator: torch.Generator | None = None) -> to
     return code | sign
 
 
-def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """E2M1 codes (uint8, 0..15) -> float32."""
-    c = codes.to(torch.int64)
-    mag = _grid(codes.device)[c & 7]
-    return torch.where((c & 8) != 0, -mag, mag)
-
-
 def e2m1_pack(codes: torch.Tensor) -> torch.Tensor:
     """(R, C) codes, C even -> (R, C/2) ``float4_e2m1fn_x2`` (even index in the low nibble)."""
     lo, hi = codes[:, 0::2], codes[:, 1::2]
     return (lo | (hi << 4)).contiguous().view(FP4X2)
-
-
-def e2m1_unpack_codes(packed: torch.Tensor) -> torch.Tensor:
-    b = packed.view(torch.uint8)
-    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(b.shape[0], -1)
-
-
-def e2m1_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """(R, C/2) packed -> (R, C) float32 values."""
-    return e2m1_decode(e2m1_unpack_codes(packed))
 
 
 def _tensor_scales(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

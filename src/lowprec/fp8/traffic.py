@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from lowprec.fp8.autocast import autocast
+from lowprec.fp8.capability import trace_as
 
 __all__ = [
     "OpRecord",
@@ -191,8 +193,6 @@ def trace_linear(
     the last step is counted (delayed scaling's steady state has the same ops as step 0: fake
     tensors hold no values, so no branch depends on them). Nothing is allocated or launched.
     """
-    from lowprec.fp8.autocast import autocast
-    from lowprec.fp8.capability import trace_as
 
     with trace_as(sm=sm, triton=triton):
         lin = torch.nn.Linear(k, n, bias=False, device="meta", dtype=w_dtype)

@@ -33,6 +33,9 @@ from lowprec.optim.fp8_adamw import FP8AdamW, block_segments
 from lowprec.optim.fp8_grads import clear_fp8_grads, hold_grads_in_fp8, materialize_grads
 from lowprec.optim.moments import encode_exp_avg, encode_exp_avg_sq
 from lowprec.optim.sharded import agree_amaxes, finish_moments_shard, prepare_moments_shard
+from lowprec.distributed import register_fp8_allreduce
+from lowprec.distributed.fsdp_fp8_reduce_scatter import install_fp8_reduce_scatter
+from lowprec.utils.distributed import is_fsdp2
 
 __all__ = ["OPT_LEVELS", "apply_opt_level", "check_o2_optimizer", "to_fp8_adamw"]
 
@@ -145,8 +148,6 @@ def apply_opt_level(
 
     # Applying a level twice must not stack a second quantization on the gradients.
     if isinstance(model, DistributedDataParallel):
-        from lowprec.distributed import register_fp8_allreduce  # layer below us; lazy import
-
         if getattr(model, "lowprec_fp8_allreduce", None) is None:
             cast(Any, model).lowprec_fp8_allreduce = register_fp8_allreduce(model, fp8_dtype=grad_dtype)
         return model, optimizer
@@ -155,8 +156,6 @@ def apply_opt_level(
         # FSDP2 owns the gradient reduction, as DDP does: O1's FP8 part is its reduce-scatter
         # (FP8 chunks, float32 sum); the reduced shard lands in .grad, which FP8AdamW reads
         if getattr(model, "lowprec_fp8_reduce_scatter", None) is None:
-            from lowprec.distributed.fsdp_fp8_reduce_scatter import install_fp8_reduce_scatter
-
             cast(Any, model).lowprec_fp8_reduce_scatter = install_fp8_reduce_scatter(model, grad_dtype)
         return model, optimizer
     if getattr(model, "lowprec_fp8_grads", None) is None:
@@ -169,8 +168,6 @@ def apply_opt_level(
 
 
 def _is_fsdp2(model: torch.nn.Module) -> bool:
-    from lowprec.utils.distributed import is_fsdp2  # torch.distributed only when asked
-
     return is_fsdp2(model)
 
 

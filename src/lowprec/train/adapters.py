@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from typing import Any, Optional, Sequence
 
 from torch import nn
@@ -26,7 +25,6 @@ __all__ = [
     "LoraSettings",
     "apply_lora",
     "is_peft_model",
-    "save_adapter",
     "check_adapter_backend",
     "linear_module_names",
     "check_new_tokens",
@@ -176,47 +174,3 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
 
 def is_peft_model(model: nn.Module) -> bool:
     return importlib.util.find_spec("peft") is not None and type(model).__module__.startswith("peft.")
-
-
-def save_adapter(
-    peft_model: nn.Module, output_dir: str, merge: bool, trust_remote_code: bool = False
-) -> dict[str, str]:
-    """The adapter (``adapter_model.safetensors`` + ``adapter_config.json``) and, with ``merge``,
-    the merged model in ``output_dir/merged``. Merging changes the model in place, so it runs
-    last; FP8 layers go back to ``nn.Linear`` first (merged weights are plain weights)."""
-    from lowprec.fp8 import unconvert
-    from lowprec.train.hf_model import _save_model
-
-    peft_model.save_pretrained(output_dir, safe_serialization=True)
-    files = {"adapter": os.path.join(output_dir, "adapter_model.safetensors")}
-    if merge:
-        unconvert(peft_model)
-        if getattr(peft_model.get_base_model(), "is_loaded_in_4bit", False):
-            merged = _merge_on_full_precision_base(peft_model, output_dir, trust_remote_code)
-        else:
-            merged = peft_model.merge_and_unload()
-        out = os.path.join(output_dir, "merged")
-        _save_model(merged, None, out)
-        files["merged"] = out
-    return files
-
-
-def _merge_on_full_precision_base(
-    peft_model: nn.Module, adapter_dir: str, trust_remote_code: bool = False
-) -> nn.Module:
-    """QLoRA's merge, as ``axolotl merge-lora`` does it: the saved adapter onto the base model
-    loaded again unquantized (float32, then saved bf16). Merging into the NF4 weights instead
-    would round the merged weights to 4 bits, which is neither the base nor the trained model."""
-    from peft import PeftModel
-
-    from lowprec.train.hf_model import load_causal_lm
-
-    base_path = peft_model.peft_config["default"].base_model_name_or_path
-    logger.info(
-        "lowprec: merge_lora with a 4-bit base: merging the adapter onto %s loaded in full precision", base_path
-    )
-    base = load_causal_lm(base_path, trust_remote_code=trust_remote_code)  # the run's setting, as when it loaded
-    rows = peft_model.get_input_embeddings().num_embeddings
-    if base.get_input_embeddings().num_embeddings != rows:
-        base.resize_token_embeddings(rows)  # the trainer resized it for new tokens
-    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()

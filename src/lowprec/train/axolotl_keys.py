@@ -247,17 +247,15 @@ def _error(key: str, where: str, msg: str) -> ValueError:
 
 
 def screen_top_level(
-    data: dict[str, Any], fields: set[str], nullable: set[str], defaults: Optional[dict[str, Any]] = None
+    data: dict[str, Any], fields: set[str], nullable: set[str], notes: Optional[dict[str, str]] = None
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """(``data`` without the keys that ask for nothing, {inert key: note}). Asking for nothing:
     null keys (a schema key whose null has no meaning of its own -- not in ``nullable`` -- takes
     its default), Axolotl keys at null or Axolotl's default, and keys the rest of the config makes
-    inert (:mod:`lowprec.train.inert_keys`; ``defaults`` are the schema's). Raises for an Axolotl
+    inert (``notes``: {key: note} from :func:`lowprec.train.inert_keys.inert_keys`). Raises for an Axolotl
     key that asks for something lowprec does not do. Unknown keys pass through, null or not: the
     schema rejects them with "did you mean"."""
-    from lowprec.train.inert_keys import inert_keys
-
-    notes = inert_keys(data, defaults or {})
+    notes = dict(notes or {})
     out = {}
     for key, value in data.items():
         if key in notes:

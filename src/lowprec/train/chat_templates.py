@@ -12,6 +12,7 @@ it are the trained part when the role is in ``roles_to_train``; the header befor
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
+from lowprec.errors import did_you_mean
 
 __all__ = ["TEMPLATES", "TEMPLATE_NAMES", "template_text", "render_segments", "check_template", "EOT_MARKERS"]
 
@@ -57,7 +58,6 @@ def template_text(name: str, tokenizer_template: Optional[str], jinja: Optional[
         )
     if name in TEMPLATES:
         return TEMPLATES[name]
-    from lowprec.errors import did_you_mean
 
     raise ValueError(
         f"chat_template: {name!r} is not one lowprec ships{did_you_mean(name, TEMPLATE_NAMES)}; use one of "

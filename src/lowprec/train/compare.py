@@ -31,6 +31,9 @@ from lowprec.decision import Decision
 from lowprec.train.compare_report import build_report, choose_baseline
 from lowprec.train.config import TrainConfig
 from lowprec.train.precisions import library_backend, precision_overrides
+from lowprec import __version__
+from lowprec.errors import EXIT_NONFINITE
+from lowprec.train.plots import plot_compare
 
 __all__ = ["CompareRun", "plan_runs", "resolve_workers", "skip_reason", "compare"]
 
@@ -123,7 +126,6 @@ def finished_summary(run: CompareRun) -> Optional[dict]:
     version, and its YAML (written before it started) is identical to the one planned now: any
     other key, seed or precision re-runs it. Code changes within one version are not detected,
     so reuse runs made by the code you are comparing."""
-    from lowprec import __version__
 
     try:
         with open(run.config_path) as f:
@@ -152,7 +154,6 @@ def _run_all(runs: list[CompareRun], workers: int, quiet: bool, reuse: bool = Fa
     A run that stopped on non-finite values (exit 3) is a failure of its precision; any other
     failure stops the comparison with the run's log named. With ``reuse``, finished runs of the
     same config are read, not run again (:func:`finished_summary`)."""
-    from lowprec.errors import EXIT_NONFINITE
 
     pending, active = [], []
     summaries: dict[str, dict[int, dict]] = {}
@@ -274,7 +275,6 @@ def compare(
     summaries, failed = _run_all(runs, decision.value, quiet, reuse)
     report = build_report(summaries, base, threshold, tail_fraction, failed, skipped)
     report["workers"] = {"value": decision.value, "reason": decision.reason}
-    from lowprec.train.plots import plot_compare
 
     report["plot"] = plot_compare(report, os.path.join(out, "compare.png"))
     with open(os.path.join(out, "compare.json"), "w") as f:

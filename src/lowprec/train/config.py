@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, TypeAdapter, Validation
 from lowprec.catalog import check_fsdp_fp8_all_gather, check_tensor_parallel
 from lowprec.errors import did_you_mean
 from lowprec.train.axolotl_keys import screen_top_level
+from lowprec.train.inert_keys import inert_keys
 from lowprec.train.config_adapter import AdapterKeys
 from lowprec.train.config_base import yaml_text
 from lowprec.train.config_compare import CompareKeys, CompareSpec, check_fp8_backend
@@ -43,6 +44,7 @@ from lowprec.train.config_fp8 import FP8RecipeSpec, PrecisionKeys
 from lowprec.train.config_model import ModelKeys
 from lowprec.train.config_optim import LR_SCHEDULERS, OPTIMIZERS, OptimKeys
 from lowprec.train.config_output import OutputKeys
+from lowprec.config.yaml_file import read_yaml_mapping
 
 __all__ = [
     "TrainConfig",
@@ -336,7 +338,8 @@ def parse_config(data: Any, source: str = "config", flags: frozenset[str] | set[
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a mapping of keys to values at the top level, got {type(data).__name__}")
     try:
-        screened, inert = screen_top_level(data, set(TrainConfig.model_fields), _NULLABLE, _DEFAULTS)
+        notes = inert_keys(data, _DEFAULTS)
+        screened, inert = screen_top_level(data, set(TrainConfig.model_fields), _NULLABLE, notes)
         _check_inert_values(data, inert)
         cfg = TrainConfig.model_validate(screened)
         cfg._notes = tuple(inert.values())
@@ -390,7 +393,6 @@ def load_config(path: Optional[str | os.PathLike], overrides: Optional[dict[str,
             )
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} not found (working directory {os.getcwd()!r})")
-        from lowprec.config.yaml_file import read_yaml_mapping
 
         data = _relative_to(p.parent, read_yaml_mapping(p, example="base_model: builtin:llama-tiny"))
     overrides = dict(overrides or {})

@@ -8,6 +8,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from lowprec.train.config_base import StrictModel
+from lowprec.errors import did_you_mean
+from lowprec.train.axolotl_keys import screen_dataset_entry
+from lowprec.train.chat_templates import check_template
 
 __all__ = ["DatasetSpec", "DataKeys", "SpecialTokens", "DATASET_TYPES"]
 
@@ -17,8 +20,6 @@ DATASET_TYPES = ("completion", "alpaca", "input_output", "chat_template")
 
 def _checked_template(v: Optional[str]) -> Optional[str]:
     if v is not None:
-        from lowprec.train.chat_templates import check_template
-
         try:
             check_template(v)
         except ValueError as exc:
@@ -71,8 +72,6 @@ class DatasetSpec(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _axolotl_keys(cls, v: Any) -> Any:
-        from lowprec.train.axolotl_keys import screen_dataset_entry
-
         return screen_dataset_entry(v, set(cls.model_fields))
 
     @field_validator("type")
@@ -80,7 +79,6 @@ class DatasetSpec(StrictModel):
     def _type(cls, v: Optional[str]) -> Optional[str]:
         if v is None or v in DATASET_TYPES:
             return v
-        from lowprec.errors import did_you_mean
 
         base = str(v).split(":")[0].split(".")[0]
         hint = {

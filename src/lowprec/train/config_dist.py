@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, field_validator
 
 from lowprec.train.config_base import StrictModel
+from lowprec.config.yaml_file import read_json_object
 
 __all__ = ["FSDPConfig", "DistributedKeys"]
 
@@ -60,8 +61,6 @@ class DistributedKeys(StrictModel):
         if isinstance(v, str) and not os.path.isfile(v):
             raise ValueError(f"DeepSpeed config file {v!r} not found; give a JSON file path or an inline mapping")
         if isinstance(v, str):  # read now: a broken file would otherwise fail inside every worker
-            from lowprec.config.yaml_file import read_json_object
-
             try:
                 read_json_object(v)
             except ValueError as exc:

@@ -8,6 +8,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from lowprec.catalog import RECIPE_NAMES, unread_recipe_fields
 from lowprec.train.config_base import StrictModel, off_warn_act
+from lowprec.errors import did_you_mean
 
 __all__ = ["FP8RecipeSpec", "PrecisionKeys"]
 
@@ -113,8 +114,6 @@ class PrecisionKeys(StrictModel):
 
         for k in v:
             if k not in THRESHOLD_NAMES:
-                from lowprec.errors import did_you_mean
-
                 raise ValueError(
                     f"fp8_guard_thresholds.{k}: unknown signal{did_you_mean(k, THRESHOLD_NAMES)}; "
                     f"use {', '.join(THRESHOLD_NAMES)}"

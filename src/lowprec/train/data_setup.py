@@ -11,6 +11,8 @@ import os
 from typing import Any
 
 from lowprec.train.data_files import ROW_EXTENSIONS, is_saved_dataset, read_rows
+from lowprec.train.chat_templates import template_text
+from lowprec.train.prompts import PromptOptions
 
 __all__ = ["uses_examples", "data_sources", "example_loaders"]
 
@@ -40,9 +42,7 @@ def uses_examples(cfg: Any) -> bool:
 
 
 def data_sources(cfg: Any, tokenizer: Any) -> list:
-    from lowprec.train.chat_templates import template_text
     from lowprec.train.examples import DataSource
-    from lowprec.train.prompts import PromptOptions
 
     out = []
     for i, d in enumerate(cfg.datasets):

@@ -27,6 +27,8 @@ import torch
 from lowprec.train.data import ShardedEpochs, split_documents
 from lowprec.train.data_files import read_rows
 from lowprec.train.prompts import IGNORE, PromptOptions, check_vocab, tokenize_row
+from lowprec.checkpoint_io import load_error_reason
+from lowprec.train.packing import pack as pack_rows
 
 __all__ = ["ExampleSet", "ExampleBatches", "DataSource", "build_examples"]
 
@@ -192,7 +194,6 @@ def _load(cache: str, name: str, key: str) -> tuple[ExampleSet, Optional[Example
     """The cached examples, checked as a file from outside: any damage (unreadable, refused by
     ``weights_only``, inconsistent tensors, examples with nothing to learn) is one line naming
     the cache and the fix, never a traceback or a NaN loss later."""
-    from lowprec.checkpoint_io import load_error_reason
 
     try:
         with open(os.path.join(cache, "meta.json")) as f:
@@ -265,8 +266,6 @@ class ExampleBatches(ShardedEpochs):
         pack: bool = False,
         pad_to_sequence_len: bool = False,
     ) -> None:
-        from lowprec.train.packing import pack as pack_rows
-
         self.examples, self.seq_len, self.pad_id, self.pack = examples, seq_len, pad_id, pack
         self.pad_to_sequence_len = pad_to_sequence_len or pack
         lengths = examples.lengths.tolist()

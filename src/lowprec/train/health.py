@@ -20,7 +20,7 @@ from lowprec.fp8.guard import Guard, Thresholds
 from lowprec.fp8.health import HealthProbe, signals
 from lowprec.train.outputs import write_conversion_report
 
-__all__ = ["RunHealth", "moves_text", "attach_health"]
+__all__ = ["RunHealth", "attach_health"]
 
 logger = logging.getLogger("lowprec")
 
@@ -84,15 +84,6 @@ class RunHealth:
         self.guard.in_episode = set(state.get("in_episode", []))
         self.guard.events = list(state.get("events", []))
         self.guard.restore(state.get("moved", []))
-
-
-def moves_text(moves: list[dict[str, Any]]) -> str:
-    """The conversion report's section on the guard's moves ('' when none)."""
-    if not moves:
-        return ""
-    lines = ["", f"fp8_guard: {len(moves)} layer(s) moved to high precision (bf16) during training:"]
-    lines += [f"  step {m['step']}: {m['layer']}  ({m['signal']} = {m['value']:.4g})" for m in moves]
-    return "\n".join(lines)
 
 
 def attach_health(run: Any) -> None:

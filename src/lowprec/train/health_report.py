@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from lowprec.fp8.guard import Thresholds
 from lowprec.train.metrics import FILE, read_metrics
+from lowprec.train.plots import _plt
 
 __all__ = ["layer_series", "severity", "write_report"]
 
@@ -75,8 +76,6 @@ def severity(s: Mapping[str, list], th: Thresholds) -> tuple[float, str, Optiona
 
 
 def _plot(series, order, losses, events, th: Thresholds, path: str, rows: int) -> str:
-    from lowprec.train.plots import _plt
-
     plt = _plt()
     shown = order[:rows]
     fig = plt.figure(figsize=(16, 2.4 * (len(shown) + 1)))

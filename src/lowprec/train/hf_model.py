@@ -29,6 +29,12 @@ import torch
 from torch import nn
 
 from lowprec.errors import did_you_mean
+from lowprec.checkpoint_io import load_error_reason
+from lowprec.fp8 import plain_state_dict
+from lowprec.fp8 import unconvert
+from lowprec.train.adapters import is_peft_model
+from lowprec.train.tokenizer import HFTokenizer, load_tokenizer
+from lowprec.train.tokenizer import is_remote_code_refusal, remote_code_message
 
 __all__ = [
     "locate_pretrained",
@@ -173,16 +179,12 @@ def load_causal_lm(
             path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch.float32, **kwargs
         )
     except (pickle.UnpicklingError, EOFError) as exc:  # pytorch_model.bin: transformers reads it weights-only
-        from lowprec.checkpoint_io import load_error_reason
-
         pickles = sorted(f for f in os.listdir(path) if f.endswith(".bin"))
         raise ValueError(
             f"base_model: {path}: {', '.join(pickles) or 'its weights'} cannot be read "
             f"({load_error_reason(exc)}); restore the file or use a model saved as safetensors"
         ) from None
     except (OSError, ValueError, KeyError) as exc:
-        from lowprec.train.tokenizer import is_remote_code_refusal, remote_code_message
-
         if is_remote_code_refusal(exc):
             raise ValueError(f"base_model: {remote_code_message(path)}") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -203,7 +205,6 @@ def load_causal_lm(
 
 def _bf16_state(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """The wrapped model's plain tensors (no FP8 scaling state), prefix stripped, floats in bf16."""
-    from lowprec.fp8 import plain_state_dict
 
     out = {}
     for k, t in plain_state_dict(state_dict).items():
@@ -227,7 +228,6 @@ def export_pretrained(
     ``wrapper`` is the trainer's wrapper around the model (unwrapped from DDP; ``.model``), ``state_dict`` its
     full state dict (gathered under FSDP2). A full fine-tune saves the model; a peft model
     saves its adapter and, with ``merge_lora``, the merged model in ``output_dir/merged``."""
-    from lowprec.train.adapters import is_peft_model, save_adapter
 
     inner = wrapper.model
     tok = getattr(tokenizer, "hf_tokenizer", None)
@@ -279,10 +279,48 @@ def tokenizer_choice(cfg: Any) -> tuple[str, str]:
 def load_run_tokenizer(cfg: Any):
     """The tokenizer :func:`tokenizer_choice` picks, with ``special_tokens``, ``tokens``,
     ``tokenizer_type`` and ``trust_remote_code``."""
-    from lowprec.train.tokenizer import HFTokenizer, load_tokenizer
 
     spec, _ = tokenizer_choice(cfg)
     special = cfg.special_tokens.model_dump(exclude_none=True) if cfg.special_tokens else None
     if spec == "byte" or not os.path.isdir(spec):
         return load_tokenizer(spec, special, cfg.tokens)  # the byte tokenizer, or its own one-line error
     return HFTokenizer(spec, special, cfg.tokenizer_type, cfg.trust_remote_code, cfg.tokens)
+
+
+def save_adapter(
+    peft_model: nn.Module, output_dir: str, merge: bool, trust_remote_code: bool = False
+) -> dict[str, str]:
+    """The adapter (``adapter_model.safetensors`` + ``adapter_config.json``) and, with ``merge``,
+    the merged model in ``output_dir/merged``. Merging changes the model in place, so it runs
+    last; FP8 layers go back to ``nn.Linear`` first (merged weights are plain weights)."""
+    peft_model.save_pretrained(output_dir, safe_serialization=True)
+    files = {"adapter": os.path.join(output_dir, "adapter_model.safetensors")}
+    if merge:
+        unconvert(peft_model)
+        if getattr(peft_model.get_base_model(), "is_loaded_in_4bit", False):
+            merged = _merge_on_full_precision_base(peft_model, output_dir, trust_remote_code)
+        else:
+            merged = peft_model.merge_and_unload()
+        out = os.path.join(output_dir, "merged")
+        _save_model(merged, None, out)
+        files["merged"] = out
+    return files
+
+
+def _merge_on_full_precision_base(
+    peft_model: nn.Module, adapter_dir: str, trust_remote_code: bool = False
+) -> nn.Module:
+    """QLoRA's merge, as ``axolotl merge-lora`` does it: the saved adapter onto the base model
+    loaded again unquantized (float32, then saved bf16). Merging into the NF4 weights instead
+    would round the merged weights to 4 bits, which is neither the base nor the trained model."""
+    from peft import PeftModel
+
+    base_path = peft_model.peft_config["default"].base_model_name_or_path
+    logger.info(
+        "lowprec: merge_lora with a 4-bit base: merging the adapter onto %s loaded in full precision", base_path
+    )
+    base = load_causal_lm(base_path, trust_remote_code=trust_remote_code)  # the run's setting, as when it loaded
+    rows = peft_model.get_input_embeddings().num_embeddings
+    if base.get_input_embeddings().num_embeddings != rows:
+        base.resize_token_embeddings(rows)  # the trainer resized it for new tokens
+    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()

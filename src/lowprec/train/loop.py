@@ -19,6 +19,9 @@ from lowprec.errors import NonFiniteError
 from lowprec.train import checkpoints as ckpt
 from lowprec.train.config import TrainConfig
 from lowprec.train.metrics import MetricsWriter, peak_memory_mb
+from lowprec import fp8 as fp8_engine
+from lowprec.train.metrics import truncate_after
+from lowprec.train.spikes import SpikeDetector
 
 logger = logging.getLogger("lowprec")
 
@@ -153,8 +156,6 @@ class Loop:
         """A loss spike at this step (``spikes.py``): log it; with act, roll back. True when rolled back."""
         import logging
 
-        from lowprec.train.metrics import truncate_after
-
         run, log = self.run, logging.getLogger("lowprec")
         cfg, step = run.cfg, run.state.step
         rec = {"kind": "loss_spike", "step": step, "loss": loss, "z": z, "median": median, "rolled_back_to": None}
@@ -270,8 +271,6 @@ class Loop:
                 refresh=False,
             )
         if run.fp8_layers:
-            from lowprec import fp8 as fp8_engine
-
             tele = fp8_engine.telemetry(run.inner)
             run.writer.write({"kind": "fp8", "step": state.step, "layers": _telemetry_summary(tele)})
             fp8_engine.disable_telemetry(run.inner)
@@ -387,8 +386,6 @@ def run_loop(run: Run) -> Loop:
     loop = Loop(run, tokens_per_step, run.loader.forever())
     loop.window_loss = torch.zeros((), dtype=torch.float64, device=acc.device)
     if cfg.loss_spike != "off":
-        from lowprec.train.spikes import SpikeDetector
-
         loop.spikes = SpikeDetector(cfg.loss_spike_window, cfg.loss_spike_zscore)
     if run.state.loop is not None:  # resumed mid-window: the window goes on, not restarts
         loop.restore_window(run.state.loop)
@@ -403,16 +400,12 @@ def run_loop(run: Run) -> Loop:
         while run.state.step < run.total and not loop.stop_early:
             logging_now = (run.state.step + 1) % cfg.logging_steps == 0 or run.state.step + 1 == run.total
             if run.fp8_layers and logging_now:
-                from lowprec import fp8 as fp8_engine
-
                 fp8_engine.enable_telemetry(run.inner)
                 if run.health is not None:
                     run.health.arm(run.state.step + 1)
             lr, grad_norm = loop.optimizer_step()
             if loop.rolled_back:  # loss_spike: act restored a checkpoint: nothing of this step is logged
                 if run.fp8_layers and logging_now:
-                    from lowprec import fp8 as fp8_engine
-
                     fp8_engine.disable_telemetry(run.inner)
                     if run.health is not None:
                         run.health.probe.take()

@@ -22,6 +22,8 @@ import sys
 from typing import Any, Iterator, Optional
 
 import torch
+from lowprec.fp8.guard import Event
+from lowprec.train.generations import render_section
 
 __all__ = ["MetricsWriter", "read_metrics", "truncate_after", "peak_memory_mb"]
 
@@ -91,16 +93,12 @@ class MetricsWriter:
             for tag, value in _scalars(record):
                 self._tb.add_scalar(tag, value, record["step"])
             if record["kind"] == "fp8_guard":
-                from lowprec.fp8.guard import Event
-
                 self._tb.add_text(
                     "fp8_guard",
                     Event(**{k: record[k] for k in ("layer", "signal", "value", "step", "moved")}).line(),
                     record["step"],
                 )
             if record["kind"] == "generations":
-                from lowprec.train.generations import render_section
-
                 self._tb.add_text("generations", render_section(record), record["step"])
 
     def close(self) -> None:

@@ -49,6 +49,8 @@ from torch import nn
 
 from lowprec.errors import did_you_mean
 from lowprec.fp8.activations import rms_norm, rms_norm_plain, swiglu
+from lowprec.fp8.recompute import checkpoint
+from lowprec.train.packing import packed_causal_mask
 
 __all__ = [
     "LlamaConfig",
@@ -410,8 +412,6 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(t, self.config.head_dim, self.config.rope_theta, input_ids.device)
         mask = None if attention_mask is None else _padding_causal_mask(attention_mask)
         if position_ids is not None:
-            from lowprec.train.packing import packed_causal_mask
-
             cos, sin = cos[position_ids][:, None], sin[position_ids][:, None]  # (B, 1, T, hd)
             packed = packed_causal_mask(position_ids)
             mask = packed if mask is None else mask & packed
@@ -421,7 +421,6 @@ class LlamaForCausalLM(nn.Module):
                 # recompute the layer in backward instead of keeping its activations; fp8's
                 # checkpoint re-enters the FP8 region for the recompute (torch's alone would
                 # recompute FP8 layers in high precision: a CheckpointError)
-                from lowprec.fp8.recompute import checkpoint
 
                 h = checkpoint(layer, h, cos, sin, mask)
             else:

@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 import yaml
+from lowprec.fp8 import plain_state_dict
+from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["make_output_dir", "export_model", "write_resolved_config", "load_exported_model", "write_conversion_report"]
 
@@ -36,8 +38,6 @@ def make_output_dir(path: str, key: str = "output_dir") -> str:
 def export_model(state_dict: dict[str, torch.Tensor], model_config: dict[str, Any], output_dir: str) -> str:
     from safetensors.torch import save_file
 
-    from lowprec.fp8 import plain_state_dict
-
     sd = plain_state_dict(state_dict)
     out = {}
     for k, t in sd.items():
@@ -55,8 +55,6 @@ def export_model(state_dict: dict[str, torch.Tensor], model_config: dict[str, An
 def load_exported_model(output_dir: str, dtype: torch.dtype = torch.float32):
     """The plain built-in model with the exported weights (for tests and users)."""
     from safetensors.torch import load_file
-
-    from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 
     with open(os.path.join(output_dir, "config.json")) as f:
         cfg = LlamaConfig(**json.load(f))
@@ -79,14 +77,21 @@ def _plain(v: Any) -> Any:
     return v if isinstance(v, (bool, int, float, str, type(None))) else str(v)
 
 
+def moves_text(moves: list[dict[str, Any]]) -> str:
+    """The conversion report's section on the guard's moves ('' when none)."""
+    if not moves:
+        return ""
+    lines = ["", f"fp8_guard: {len(moves)} layer(s) moved to high precision (bf16) during training:"]
+    lines += [f"  step {m['step']}: {m['layer']}  ({m['signal']} = {m['value']:.4g})" for m in moves]
+    return "\n".join(lines)
+
+
 def write_conversion_report(acc, output_dir: str, moves: tuple = ()) -> Optional[str]:
     """The full per-layer FP8 conversion table, next to the metrics (the console has one line),
     and the layers fp8_guard: act moved to high precision since (rewritten at each move)."""
     report = getattr(getattr(acc, "backend", None), "report", None)
     if report is None:
         return None
-    from lowprec.train.health import moves_text
-
     path = os.path.join(output_dir, "fp8_conversion.txt")
     with open(path, "w") as f:
         f.write(str(report) + "\n" + (moves_text(list(moves)) + "\n" if moves else ""))

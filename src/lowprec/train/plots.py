@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
+from lowprec.train.stats import gap_curves
+from lowprec.train.stats import interval
 
 __all__ = ["plot_loss", "plot_fp8_report", "plot_compare", "worst_layers"]
 
@@ -146,7 +148,6 @@ def worst_layers(fp8_records: Sequence[Mapping[str, Any]], top: int = 5) -> list
 
 def _band(per_seed: Sequence[Mapping[int, float]]) -> tuple[list, list, list, list]:
     """Steps logged by every seed; the mean and its 95% t interval at each (the mean alone for one seed)."""
-    from lowprec.train.stats import interval
 
     steps = sorted(set.intersection(*(set(m) for m in per_seed))) if per_seed else []
     ivs = [interval([m[s] for m in per_seed]) for s in steps]
@@ -160,7 +161,6 @@ def plot_compare(report: Mapping[str, Any], path: str) -> str:
     """``lowprec compare``'s picture from its report: top, each precision's mean training loss
     with its 95% band over seeds (validation means as markers); bottom, the paired relative gap
     of each precision's training loss to the baseline, with its band and the threshold."""
-    from lowprec.train.stats import gap_curves
 
     plt = _plt()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
+from lowprec.train.chat_templates import render_segments
 
 __all__ = [
     "PromptOptions",
@@ -103,8 +104,6 @@ def row_segments(row: dict[str, Any], opt: PromptOptions, where: str, tokenizer:
             raise ValueError(f"{where}: 'segments' must be a list of {{text, label}} objects")
         return [(_text(s["text"], "text", where), bool(s.get("label", True))) for s in segs]
     if kind == "chat_template":
-        from lowprec.train.chat_templates import render_segments
-
         messages = _messages(row, opt, where)
         trained = tuple(opt.roles_to_train) if not opt.train_on_inputs else tuple({m["role"] for m in messages})
         tok = getattr(tokenizer, "_tok", None)  # the HF tokenizer's own special-token strings

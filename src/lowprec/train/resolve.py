@@ -19,6 +19,7 @@ from lowprec.decision import Decision
 from lowprec.state import fp8_capability_decision
 from lowprec.train.config import TrainConfig
 from lowprec.train.hf_model import tokenizer_choice
+from lowprec.train.adapters import check_adapter_backend
 
 __all__ = ["Capabilities", "Decision", "RunPlan", "resolve", "precision_label"]
 
@@ -124,7 +125,6 @@ def _packages(cfg: TrainConfig, caps: Capabilities) -> None:
         need("tensorboard", "use_tensorboard: true")
     if cfg.deepspeed is not None:
         need("deepspeed", "deepspeed")
-    from lowprec.train.adapters import check_adapter_backend
 
     check_adapter_backend(cfg.adapter, caps.packages)
 

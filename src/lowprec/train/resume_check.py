@@ -30,6 +30,8 @@ import os
 from typing import Any, Optional
 
 import torch
+from lowprec.checkpoint_io import load_object
+from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 
 __all__ = ["RULES", "settings_of", "saved_settings", "check_resume", "apply_changes"]
 
@@ -124,7 +126,6 @@ def _cpu_fp8_gemm(plan: Any) -> Optional[str]:
     device = getattr(plan.decisions.get("device"), "value", None)
     if device != "cpu":
         return None
-    from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 
     return cpu_gemm_choice().path
 
@@ -132,7 +133,6 @@ def _cpu_fp8_gemm(plan: Any) -> Optional[str]:
 def saved_settings(checkpoint: str, index: int) -> Optional[dict[str, Any]]:
     """The settings a checkpoint recorded (``custom_checkpoint_<index>``, the TrainerState), or
     None for a checkpoint of an earlier version (or one whose file is missing: load_state says)."""
-    from lowprec.checkpoint_io import load_object
 
     path = os.path.join(checkpoint, f"custom_checkpoint_{index}.safetensors")
     if not os.path.isfile(path):

@@ -16,6 +16,7 @@ import os
 from typing import Iterable, Protocol, Sequence
 
 import torch
+from lowprec.errors import did_you_mean
 
 __all__ = [
     "Tokenizer",
@@ -125,8 +126,6 @@ class HFTokenizer:
             ) from e
         cls = getattr(transformers, tokenizer_type or "AutoTokenizer", None)
         if cls is None or not hasattr(cls, "from_pretrained") or "Tokenizer" not in (tokenizer_type or "AutoTokenizer"):
-            from lowprec.errors import did_you_mean
-
             names = [n for n in dir(transformers) if n.endswith(("Tokenizer", "TokenizerFast"))]
             raise ValueError(
                 f"tokenizer_type: {tokenizer_type!r} is not a transformers tokenizer class"

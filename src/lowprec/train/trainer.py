@@ -39,6 +39,35 @@ from lowprec.train.outputs import make_output_dir, write_conversion_report
 from lowprec.train.run_lock import hold_output_dir
 from lowprec.train.loop import Run, run_loop
 from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
+from lowprec import Accelerator
+from lowprec import __version__
+from lowprec.fp8 import DEFAULT_SKIP_PATTERNS
+from lowprec.fp8 import has_fp8_layers
+from lowprec.fp8.autocast import replay_context
+from lowprec.kwargs import (
+    AutocastKwargs,
+    FullyShardedDataParallelPlugin,
+    GradientAccumulationPlugin,
+    NativeRecipeKwargs,
+)
+from lowprec.kwargs import DeepSpeedPlugin
+from lowprec.parallelism_config import ParallelismConfig
+from lowprec.train.adapters import LoraSettings, apply_lora, check_new_tokens
+from lowprec.train.data import TokenBatches, build_datasets
+from lowprec.train.data_setup import example_loaders, uses_examples
+from lowprec.train.generations import EvalTable
+from lowprec.train.hf_model import export_pretrained
+from lowprec.train.hf_model import load_causal_lm, locate_pretrained
+from lowprec.train.hf_model import load_run_tokenizer
+from lowprec.train.model import LlamaConfig, LlamaForCausalLM
+from lowprec.train.outputs import export_model
+from lowprec.train.outputs import write_resolved_config
+from lowprec.train.packing import packed_causal_mask
+from lowprec.train.plots import plot_fp8_report, plot_loss
+from lowprec.train.resume_check import apply_changes, check_resume, saved_settings
+from lowprec.train.resume_check import settings_of
+from lowprec.utils.dataclasses import DataLoaderConfiguration
+from lowprec.utils.parallelism import data_shard
 
 __all__ = ["train", "RunResult", "Interrupted", "build_optimizer", "build_scheduler", "lr_lambda"]
 
@@ -103,13 +132,10 @@ def _build_model(
     cfg: TrainConfig, vocab_size: int, new_tokens: Optional[dict] = None
 ) -> tuple[nn.Module, dict[str, Any]]:
     if cfg.base_model.startswith("builtin:"):
-        from lowprec.train.model import LlamaConfig, LlamaForCausalLM
-
         mc = LlamaConfig.from_name(cfg.base_model[len("builtin:") :])
         if vocab_size > mc.vocab_size:
             mc = mc.replace(vocab_size=vocab_size)
         return LlamaForCausalLM(mc), mc.to_dict()
-    from lowprec.train.hf_model import load_causal_lm, locate_pretrained
 
     path = locate_pretrained(cfg.base_model)
     # an hf-fp8 directory: its FP8 layers load frozen, in FP8, for LoRA (lowprec.export imports train: not at the top)
@@ -129,8 +155,6 @@ def _build_model(
         )
         model.resize_token_embeddings(vocab_size)
     if cfg.adapter is not None:
-        from lowprec.train.adapters import LoraSettings, apply_lora, check_new_tokens
-
         lora = LoraSettings.from_config(cfg)
         check_new_tokens(model, lora, new_tokens or {})
         model = apply_lora(model, lora)
@@ -149,23 +173,12 @@ class _HFLoss(nn.Module):
             # packed rows: transformers' SDPA path does not infer example boundaries from
             # position_ids (5.x; measured on logits in tests/test_train_datasets.py), so pass the
             # block-diagonal causal mask, a 4-D mask it uses as given
-            from lowprec.train.packing import packed_causal_mask
 
             attention_mask = packed_causal_mask(position_ids)
         return self.model(input_ids=input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids)
 
 
 def _accelerator(cfg: TrainConfig, plan: RunPlan):
-    from lowprec import Accelerator
-    from lowprec.utils.dataclasses import DataLoaderConfiguration
-    from lowprec.fp8 import DEFAULT_SKIP_PATTERNS
-    from lowprec.kwargs import (
-        AutocastKwargs,
-        FullyShardedDataParallelPlugin,
-        GradientAccumulationPlugin,
-        NativeRecipeKwargs,
-    )
-
     handlers: list = []
     library = trainer_backends().get(cfg.fp8_backend) if cfg.fp8 else None
     if library is not None:  # e.g. torchao; recipe / filter limits checked in the schema
@@ -192,10 +205,7 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
         )
     deepspeed = None
     if cfg.deepspeed is not None:  # a JSON file path or an inline mapping, as in Axolotl
-        from lowprec.kwargs import DeepSpeedPlugin
-
         deepspeed = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed, gradient_clipping=cfg.max_grad_norm)
-    from lowprec.parallelism_config import ParallelismConfig
 
     return Accelerator(
         # tensor parallelism over tensor_parallel_size processes, FSDP2 (fsdp_version: 2) over the rest
@@ -317,16 +327,12 @@ def _train(
     attach_health(run)
     run.writer = MetricsWriter(output_dir, main, plan.use_tensorboard, append=resume_path is not None)
     if cfg.eval_table_size and val_loader is not None:
-        from lowprec.train.generations import EvalTable
-
         run.table = EvalTable.build(
             cfg, val_loader, tokenizer, output_dir, f"{cfg.base_model} ({plan.label})", decisions, logger
         )
         if main and resume_path is not None:  # metrics.jsonl was cut back to the checkpoint's step
             run.table.records = read_metrics(output_dir, "generations")
     if main:
-        from lowprec.train.outputs import write_resolved_config
-
         write_resolved_config(cfg.to_yaml_dict(), decisions, output_dir)
         write_conversion_report(
             acc, output_dir, tuple(run.health.moves() if run.health is not None else run.kept_moves)
@@ -372,9 +378,6 @@ def _raise_storage(run: Run, exc: BaseException) -> None:
 
 def _data(cfg: TrainConfig, acc):
     """Tokenizer, training batches (this rank's share) and validation batches (or None)."""
-    from lowprec.train.data import TokenBatches, build_datasets
-    from lowprec.train.data_setup import example_loaders, uses_examples
-    from lowprec.train.hf_model import load_run_tokenizer
 
     tokenizer = load_run_tokenizer(cfg)
     if uses_examples(cfg):  # instruction / chat / pre-tokenized data, or packing
@@ -390,7 +393,6 @@ def _data(cfg: TrainConfig, acc):
             text_field=cfg.text_field,
             names=DATA_KEYS,
         )
-    from lowprec.utils.parallelism import data_shard
 
     # the processes of one tensor-parallel group read the same batches
     rank, world = data_shard(acc.parallelism_config, acc.process_index, acc.num_processes, acc.device.type)
@@ -472,8 +474,6 @@ def _build(
     if cfg.gradient_checkpointing:  # built-in and transformers models share the method name
         kwargs = dict(cfg.gradient_checkpointing_kwargs or {"use_reentrant": False})
         if isinstance(model, _HFLoss):
-            from lowprec.fp8.autocast import replay_context
-
             # transformers passes these to torch.utils.checkpoint: the recompute re-enters the
             # FP8 region of the first forward, as lowprec.fp8.checkpoint (fp8/recompute.py) does for the built-in model
             model.model.gradient_checkpointing_enable(
@@ -489,14 +489,12 @@ def _build(
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     if plan.torch_compile:
         model = torch.compile(model)
-    from lowprec.train.resume_check import settings_of
 
     state = ckpt.TrainerState(
         settings=settings_of(cfg, plan, model_config, total, scheduler_warmup(cfg, total, warmup))
     )
     acc.register_for_checkpointing(loader, state)
     inner = acc.unwrap_model(model)
-    from lowprec.fp8 import has_fp8_layers
 
     # telemetry reads lowprec's own Float8Linear; torchao's layers (fp8_backend: torchao) have none
     fp8_layers = bool(cfg.fp8) and acc.fp8_enabled and has_fp8_layers(inner)
@@ -530,8 +528,6 @@ def _resume(run: Run, decisions: dict) -> Optional[str]:
     if main:
         logger.info("lowprec: resume = %s (%s)", resume_path, resume_why)
     if resume_path is not None:
-        from lowprec.train.resume_check import apply_changes, check_resume, saved_settings
-
         # before loading: a checkpoint that means nothing under this config is refused by key
         saved = saved_settings(resume_path, acc._custom_objects.index(run.state))
         changes = check_resume(saved, run.state.settings, resume_path)
@@ -573,14 +569,9 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
         raise NonFiniteError(run.stop_line(str(exc))) from None
     sd = acc.get_state_dict(run.model)  # collective under FSDP2: every process calls it
     if main:
-        from lowprec.train.outputs import export_model
-        from lowprec.train.plots import plot_fp8_report, plot_loss
-
         if cfg.base_model.startswith("builtin:"):
             files["model"] = export_model(sd, run.model_config, output_dir)
         else:
-            from lowprec.train.hf_model import export_pretrained
-
             files.update(
                 export_pretrained(run.inner, sd, run.tokenizer, output_dir, cfg.merge_lora, cfg.trust_remote_code)
             )
@@ -620,8 +611,6 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
     if main:
         import dataclasses
         import json
-
-        from lowprec import __version__
 
         with open(os.path.join(output_dir, "summary.json"), "w") as f:  # lowprec compare --reuse reads the version
             json.dump({**dataclasses.asdict(result), "lowprec_version": __version__}, f, indent=1)

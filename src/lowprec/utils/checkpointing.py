@@ -5,7 +5,6 @@ checkpoint naming (``ProjectConfiguration``), save/load pre-hooks, custom object
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import re
@@ -15,52 +14,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from lowprec.checkpoint import load_state, save_fp8_model, save_model, save_state
+from lowprec.checkpoint_io import parse_size, write_sharded
 from lowprec.utils.dataclasses import ProjectConfiguration
 
 __all__ = ["CheckpointingMixin", "parse_size", "write_sharded"]
 
 logger = logging.getLogger("lowprec")
-
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_size(size: Any) -> int:
-    """``100``, ``"10GB"``, ``"500MiB"`` -> bytes."""
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
-    if not m:
-        raise ValueError(f"max_shard_size={size!r}; use bytes (an int) or a string like '10GB' or '500MiB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
-
-
-def write_sharded(
-    state_dict: dict, directory: str, safe: bool, max_shard_size: Any, save: Callable[[dict, str, bool], None]
-) -> None:
-    """One file when it fits in ``max_shard_size``, else shards plus a JSON index mapping each
-    tensor to its file (the layout transformers and Accelerate load)."""
-    limit = parse_size(max_shard_size)
-    shards: list[dict] = [{}]
-    size = 0
-    for k, t in state_dict.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > limit:
-            shards.append({})
-            size = 0
-        shards[-1][k] = t
-        size += nbytes
-    stem, ext = ("model", "safetensors") if safe else ("pytorch_model", "bin")
-    if len(shards) == 1:
-        save(state_dict, os.path.join(directory, f"{stem}.{ext}"), safe)
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"{stem}-{i + 1:05d}-of-{len(shards):05d}.{ext}"
-        save(shard, os.path.join(directory, name), safe)
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in state_dict.values())
-    with open(os.path.join(directory, f"{stem}.{ext}.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
 
 
 def _numbered(folder: str) -> list[str]:
@@ -157,7 +117,6 @@ class CheckpointingMixin:
         scaler, registered objects, RNG), written atomically. With automatic checkpoint naming and
         no ``output_dir``: ``{project_dir}/checkpoints/checkpoint_{iteration}``, keeping at most
         ``total_limit`` (the oldest are removed after the new one is complete)."""
-        from lowprec.checkpoint import save_state
 
         pc = self.project_configuration
         if pc.automatic_checkpoint_naming and output_dir is None:
@@ -187,7 +146,6 @@ class CheckpointingMixin:
         """Restore what ``save_state`` wrote. Without ``input_dir``: the newest automatically
         named checkpoint, else ``{project_dir}/checkpoint``. Optimizer state always lands on its
         parameters' device (``map_location`` 'cpu'/'on_device' accepted for Accelerate's sake)."""
-        from lowprec.checkpoint import load_state
 
         if map_location not in (None, "cpu", "on_device"):
             raise TypeError(f"Unsupported optimizer map location passed: {map_location!r}; use 'cpu' or 'on_device'")
@@ -215,11 +173,8 @@ class CheckpointingMixin:
         ``fp8_format="hf-fp8" | "compressed-tensors"``: an FP8 export for inference engines instead
         (``lowprec.export.export_model``: the trained scales where the recipe and format agree,
         high-precision layers kept bf16), written by the main process."""
-        from lowprec.checkpoint import save_model
 
         if fp8_format is not None:
-            from lowprec.checkpoint import save_fp8_model
-
             save_fp8_model(self, model, save_directory, fp8_format)
             return
 

@@ -34,6 +34,7 @@ from lowprec.utils.aliases import alias
 from lowprec.utils.operations import send_to_device
 from lowprec.utils.random import synchronize_rng_states
 from lowprec.shared_state import SharedState
+from lowprec.utils.dataclasses import DataLoaderConfiguration
 
 __all__ = ["GradientState", "DataLoaderStateMixin", "DataLoaderShard", "SkipDataLoader", "skip_first_batches"]
 
@@ -121,8 +122,6 @@ def _check_constructor(use_stateful_dataloader: bool, torch_device_mesh: Any) ->
             "(Accelerator(parallelism_config=ParallelismConfig(...)).prepare(dataloader)); build them without it"
         )
     if use_stateful_dataloader:
-        from lowprec.utils.dataclasses import DataLoaderConfiguration
-
         DataLoaderConfiguration(use_stateful_dataloader=True)  # the same check and log line as prepare()
 
 

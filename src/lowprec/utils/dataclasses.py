@@ -12,6 +12,9 @@ from enum import Enum
 from typing import Any, Callable, Optional
 
 from lowprec.kwargs import KwargsHandler
+from lowprec.backends.base import log_once
+from lowprec.config.values import parse_bool
+from lowprec.utils.imports import is_torchdata_stateful_dataloader_available
 
 __all__ = ["DataLoaderConfiguration", "ProjectConfiguration", "LoggerType", "ProfileKwargs", "TorchDynamoPlugin"]
 
@@ -62,11 +65,7 @@ class DataLoaderConfiguration:
     use_stateful_dataloader: bool = False
 
     def __post_init__(self) -> None:
-        from lowprec.backends.base import log_once
-
         if self.use_stateful_dataloader:
-            from lowprec.utils.imports import is_torchdata_stateful_dataloader_available
-
             if not is_torchdata_stateful_dataloader_available():
                 raise ImportError(
                     "DataLoaderConfiguration(use_stateful_dataloader=True) needs torchdata>=0.8 "
@@ -141,8 +140,6 @@ class TorchDynamoPlugin(KwargsHandler):
     disable: bool = False
 
     def __post_init__(self) -> None:
-        from lowprec.config.values import parse_bool
-
         env = os.environ
         backend = self.backend if self.backend is not None else env.get(DYNAMO_PREFIX + "BACKEND", "no")
         object.__setattr__(self, "backend", str(backend).lower())

@@ -14,6 +14,10 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from lowprec import fp8
+from lowprec.backends.registry import native_recipe_for
+from lowprec.backends.te import SPEC as TE_SPEC
+from lowprec.backends.te import te_convert
+from lowprec.backends.torchao import SPEC as AO_SPEC
 
 __all__ = [
     "convert_model",
@@ -26,15 +30,11 @@ __all__ = [
 
 
 def _te_installed() -> bool:
-    from lowprec.backends.te import SPEC
-
-    return SPEC.available()
+    return TE_SPEC.available()
 
 
 def _ao_installed() -> bool:
-    from lowprec.backends.torchao import SPEC
-
-    return SPEC.available()
+    return AO_SPEC.available()
 
 
 def convert_model(
@@ -45,8 +45,6 @@ def convert_model(
         return model
     if _te_installed():
         import transformer_engine.pytorch as te
-
-        from lowprec.backends.te import te_convert
 
         te_convert(model, te)
         return model
@@ -96,7 +94,6 @@ def contextual_fp8_autocast(
 
 def apply_fp8_autowrap(model: nn.Module, fp8_recipe_handler: Any = None) -> nn.Module:
     """Make ``model.forward`` run inside the FP8 region (recipe from the handler, if any)."""
-    from lowprec.backends.registry import native_recipe_for
 
     recipe = native_recipe_for(fp8_recipe_handler) if fp8_recipe_handler is not None else None
     use_during_eval = bool(getattr(fp8_recipe_handler, "use_autocast_during_eval", False))

@@ -8,6 +8,7 @@ from typing import Iterator
 
 import torch
 from torch import nn
+from lowprec.utils.precision import unwrap_forward
 
 __all__ = ["extract_model_from_parallel", "init_empty_weights", "init_on_device"]
 
@@ -36,8 +37,6 @@ def extract_model_from_parallel(
         else:
             break
     if not keep_fp32_wrapper:
-        from lowprec.utils.precision import unwrap_forward
-
         unwrap_forward(model)
     if keep_torch_compile and compiled is not None:
         compiled._orig_mod = model

@@ -12,6 +12,7 @@ import torch
 
 from lowprec.accelerate_objects import from_accelerate
 from lowprec.process_state import PartialState
+from lowprec.utils.dataclasses import ProfileKwargs
 
 __all__ = ["ProcessControlMixin"]
 
@@ -82,8 +83,6 @@ class ProcessControlMixin:
         ``profile_memory``, ``with_stack``, ``with_flops`` and ``output_trace_dir`` (a Chrome trace
         per process is written there)."""
         from torch.profiler import ProfilerActivity, profile, schedule
-
-        from lowprec.utils.dataclasses import ProfileKwargs
 
         h = (
             from_accelerate(profile_handler, "profile_handler")

@@ -14,6 +14,7 @@ import torch
 
 from lowprec.fp8.quantize import saturated_cast
 from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
+from lowprec.fp8.quantize import quantize_blockwise
 
 
 __all__ = [
@@ -115,7 +116,6 @@ def cast_block_1d(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, row_scale, qt, col_scale)``: ``x`` cast with 1 x block tiles (``rows``) and with
     block x 1 tiles stored transposed, contiguous (``cols``); empty tensors for what is not asked."""
-    from lowprec.fp8.quantize import quantize_blockwise
 
     none = torch.empty(0, dtype=fp8_dtype, device=x.device), torch.empty(0, device=x.device)
     r = quantize_blockwise(x, fp8_dtype, (1, block), power_of_2=power_of_2, fused=False) if rows else None
@@ -130,7 +130,6 @@ def cast_block_2d(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, scale, qt, scale_t)``: ``x`` cast with block x block tiles (``rows``), its
     transpose (contiguous) with the same scales as ``scale_t`` (``cols``); empty where not asked."""
-    from lowprec.fp8.quantize import quantize_blockwise
 
     b = quantize_blockwise(x, fp8_dtype, (block, block), power_of_2=power_of_2, fused=False)
     empty = torch.empty(0, dtype=fp8_dtype, device=x.device), torch.empty(0, device=x.device)

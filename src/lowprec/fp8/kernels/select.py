@@ -22,6 +22,8 @@ import importlib.util
 import os
 
 import torch
+from lowprec.fp8.capability import is_cuda, triton_override
+from lowprec.fp8.kernels import selfcheck
 
 __all__ = ["DISABLE_ENV", "ENABLE_ENV", "available", "triton_importable", "disabled_by_env", "enabled_by_env"]
 
@@ -62,7 +64,6 @@ def available(device: torch.device | str) -> bool:
 
     CPU tensors always take the torch path (the Triton interpreter is for tests only).
     """
-    from lowprec.fp8.capability import is_cuda, triton_override
 
     if not is_cuda(torch.device(device)):
         return False
@@ -72,6 +73,5 @@ def available(device: torch.device | str) -> bool:
         return traced
     if not (triton_importable() and enabled_by_env() and not disabled_by_env()):
         return False
-    from lowprec.fp8.kernels import selfcheck
 
     return selfcheck.passed(torch.device(device))

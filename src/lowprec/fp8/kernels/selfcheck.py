@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 
 import torch
+from lowprec.fp8.kernels import reference as ref
+from lowprec.fp8.scaling import amax_to_scale
 
 __all__ = ["passed", "run_checks"]
 
@@ -43,7 +45,6 @@ def _probe(device: torch.device) -> torch.Tensor:
 
 def run_checks(ops, ref, device: torch.device) -> list[str]:
     """Names of the fused ops (``ops``) that disagree with the torch path (``ref``) on the probe tensor."""
-    from lowprec.fp8.scaling import amax_to_scale
 
     x = _probe(device)
     scale = torch.tensor(448.0 / 64.0, device=device)
@@ -129,8 +130,6 @@ def _passed_constant():
 
 
 def _check(device: torch.device) -> bool:
-    from lowprec.fp8.kernels import reference as ref
-
     try:
         from lowprec.fp8.kernels import ops
 
