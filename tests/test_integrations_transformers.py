@@ -219,6 +219,7 @@ def test_fp8_callback_says_when_trainer_asked_fsdp_but_runs_ddp(caplog):
         FP8Callback().on_train_begin(SimpleNamespace(fsdp=["full_shard"], world_size=2), state, None, model=model)
         FP8Callback().on_train_begin(SimpleNamespace(fsdp=[], world_size=2), state, None, model=model)
     assert [r.message for r in caplog.records if "asked for FSDP" in r.message and "runs DDP" in r.message] != []
+    assert "LowprecAcceleratorMixin" in caplog.records[0].message  # the fix: FSDP2 on lowprec's Accelerator
     assert len(caplog.records) == 1
 
 
