@@ -87,13 +87,13 @@ def test_a_recipe_or_the_launcher_asks_fp8_and_bf16_true_does_not_drop_it(tmp_pa
     assert not any(isinstance(c, FP8Callback) for c in plain.callback_handler.callbacks)
 
 
-def _te(**fields):
-    """Accelerate's own TERecipeKwargs (its class refuses to exist without TransformerEngine,
-    which this machine lacks: its availability check answers yes while it is built)."""
+def _te(cls_name="TERecipeKwargs", **fields):
+    """Accelerate's own TERecipeKwargs (or FP8RecipeKwargs): its class refuses to exist without
+    TransformerEngine, which this machine lacks, so its availability check answers yes while it is built."""
     import accelerate.utils.dataclasses as ad
 
     with mock.patch.object(ad, "is_transformer_engine_available", lambda: True):
-        return au.TERecipeKwargs(**fields)
+        return getattr(au, cls_name)(**fields)
 
 
 @pytest.mark.parametrize(
@@ -122,8 +122,12 @@ def _te(**fields):
         ),
         (lambda: _te(use_mxfp8_block_scaling=True), {"name": "mxfp8"}),
         (lambda: au.MSAMPRecipeKwargs(opt_level="O1"), {"name": "delayed", "opt_level": "O1"}),
+        (
+            lambda: _te("FP8RecipeKwargs", backend="te", margin=1, amax_history_len=8),
+            {"name": "delayed", "margin": 1, "amax_history_len": 8},
+        ),
     ],
-    ids=["te_every_field", "te_mxfp8_block_scaling", "msamp_o1"],
+    ids=["te_every_field", "te_mxfp8_block_scaling", "msamp_o1", "deprecated_fp8_recipe_kwargs"],
 )
 def test_accelerates_te_and_msamp_recipe_kwargs_become_lowprec_recipes(make, expected, tmp_path, no_launch_env):
     """Accelerate's handler objects as they are, to lowprec's Accelerator and to Trainer through
