@@ -77,6 +77,22 @@ def test_plugins_and_recipes_convert_field_by_field():
         "TRANSFORMER_BASED_WRAP",
     )
     assert (fsdp.reshard_after_forward, fsdp.offload_params, fsdp.state_dict_type) == (False, True, "FULL_STATE_DICT")
+    # transformers' Trainer names a policy, which Accelerate's plugin turns into torch's function
+    trainers = from_accelerate(
+        au.FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="TRANSFORMER_BASED_WRAP", transformer_cls_names_to_wrap="LlamaDecoderLayer"
+        ),
+        "fsdp_plugin",
+    )
+    assert (trainers.auto_wrap_policy, trainers.transformer_cls_names_to_wrap) == (
+        "TRANSFORMER_BASED_WRAP",
+        ("LlamaDecoderLayer",),
+    )
+    sized = from_accelerate(
+        au.FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=7),
+        "fsdp_plugin",
+    )
+    assert (sized.auto_wrap_policy, sized.min_num_params) == ("SIZE_BASED_WRAP", 7)
     ds = from_accelerate(au.DeepSpeedPlugin(zero_stage=3, gradient_clipping=0.5, offload_optimizer_device="cpu"), "ds")
     assert isinstance(ds, K.DeepSpeedPlugin)
     assert (ds.zero_stage, ds.gradient_clipping, ds.offload_optimizer_device) == (3, 0.5, "cpu")
@@ -113,6 +129,11 @@ def test_plugins_and_recipes_convert_field_by_field():
             "transformer_moe_cls_names='MixtralSparseMoeBlock'",
         ),
         (lambda: au.MegatronLMPlugin(), "megatron_lm_plugin", "MegatronLMPlugin has no lowprec equivalent"),
+        (
+            lambda: au.FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy=lambda *a, **k: True),
+            "fsdp_plugin",
+            "auto_wrap_policy=<function",
+        ),
     ],
 )
 def test_what_has_no_equivalent_is_refused_in_one_line(make, where, names):

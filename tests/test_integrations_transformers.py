@@ -219,6 +219,7 @@ def test_fp8_callback_says_when_trainer_asked_fsdp_but_runs_ddp(caplog):
         FP8Callback().on_train_begin(SimpleNamespace(fsdp=["full_shard"], world_size=2), state, None, model=model)
         FP8Callback().on_train_begin(SimpleNamespace(fsdp=[], world_size=2), state, None, model=model)
     assert [r.message for r in caplog.records if "asked for FSDP" in r.message and "runs DDP" in r.message] != []
+    assert "LowprecAcceleratorMixin" in caplog.records[0].message  # the fix: FSDP2 on lowprec's Accelerator
     assert len(caplog.records) == 1
 
 
@@ -261,6 +262,91 @@ def test_trl_sft_example_trains_fp8_under_its_default_gradient_checkpointing():
     assert r["fp8_linear_calls"] > 0 and r["hp_linear_calls"] == 0
     assert r["loss_fp8"] != r["loss_bf16"] and r["rel_diff"] < 0.01  # measured: ~0.25%
     assert r["unexpected_keys"] == [] and r["missing_keys"] == [] and r["weights_equal"]
+
+
+def test_trl_dpo_example_trains_fp8_close_to_bf16():
+    """DPO's loss starts at log 2 (policy == reference) and decays towards 0, so the difference is
+    measured against log 2: relative to a loss near 0 it would grow without bound."""
+    import math
+
+    pytest.importorskip("trl", reason="needs trl")
+    pytest.importorskip("datasets", reason="needs datasets")
+    r = _run_example("trl_dpo_fp8.py")
+    assert r["fp8_linear_calls"] > 0 and r["hp_linear_calls"] == 0
+    assert abs(r["loss_first"] - math.log(2)) < 1e-3
+    assert r["loss_fp8"] < 0.5 * math.log(2) and r["accuracy_fp8"] >= 0.9  # it learned the preferences
+    assert r["loss_fp8"] != r["loss_bf16"]  # FP8 ran ...
+    assert abs(r["loss_fp8"] - r["loss_bf16"]) / math.log(2) < 0.005  # ... and stays close (measured: 0.34%)
+    assert r["unexpected_keys"] == [] and r["missing_keys"] == [] and r["weights_equal"]
+
+
+def _grpo(tmp_path, recipe):
+    """TRL's GRPOTrainer, offline: the tiny Llama and byte tokenizer of examples/make_tiny_llama.py,
+    prompts from the bundled notes, a toy reward (the share of vowels in the completion)."""
+    import importlib.util
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = importlib.util.spec_from_file_location(
+        "make_tiny_llama", os.path.join(ROOT, "examples", "make_tiny_llama.py")
+    )
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    tokenizer = maker.make_tokenizer()
+    model = maker.make_model(tokenizer, hidden=64, layers=2, seed=0)
+    callbacks = []
+    if recipe:
+        enable_fp8(model, recipe)
+        callbacks.append(FP8Callback())
+    with open(os.path.join(ROOT, "examples", "data", "notes.jsonl"), encoding="utf-8") as f:
+        prompts = Dataset.from_list([{"prompt": json.loads(line)["text"][:24]} for line in f])
+
+    def vowels(completions, **kwargs):
+        return [sum(c in "aeiou" for c in text) / max(len(text), 1) for text in completions]
+
+    cfg = GRPOConfig(
+        str(tmp_path / (recipe or "bf16")),
+        max_steps=4,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        learning_rate=1e-3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+        seed=0,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=vowels,
+        args=cfg,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+    trainer.train()
+    return trainer
+
+
+def test_trl_grpo_trains_fp8_offline_with_a_toy_reward(tmp_path):
+    """GRPOTrainer with its defaults (gradient checkpointing, bf16, no reference model at beta=0):
+    every training-mode Linear call ran in FP8, sampling included (conversion is the switch).
+    With one optimisation pass per generation GRPO's logged loss is the advantages' alone (the
+    policy ratio is exactly 1), whatever the numerics: the policy's entropy is what shows FP8."""
+    from lowprec.integrations.transformers import fp8_counts
+
+    pytest.importorskip("trl", reason="needs trl")
+    pytest.importorskip("datasets", reason="needs datasets")
+    ref = [h["entropy"] for h in _grpo(tmp_path, None).state.log_history if "entropy" in h]
+    trainer = _grpo(tmp_path, "tensorwise")
+    got = [h["entropy"] for h in trainer.state.log_history if "entropy" in h]
+    counts = fp8_counts(trainer)
+    assert counts["fp8_linear_calls"] > 0 and counts["hp_linear_calls"] == 0
+    assert len(got) == len(ref) == 4 and got != ref
+    assert all(abs(a - b) / b < 1e-3 for a, b in zip(got, ref))  # measured: below 0.003%
 
 
 def _resumable(model, out, **kw):

@@ -91,9 +91,34 @@ def _enum_name(value: Any) -> Any:
     return value.name if isinstance(value, Enum) else value
 
 
+def _wrap_policy(value: Any) -> Any:
+    """Accelerate's plugin turns its policy name into torch's function in ``__post_init__``
+    (transformers' Trainer always names one); lowprec's plugin takes the name back. Any other
+    callable (a user's own policy, a ``functools.partial``) has no lowprec equivalent."""
+    if value is None or isinstance(value, str):
+        return value
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    names = {transformer_auto_wrap_policy: "TRANSFORMER_BASED_WRAP", size_based_auto_wrap_policy: "SIZE_BASED_WRAP"}
+    if value in names:
+        return names[value]
+    raise _refuse(
+        "fsdp_plugin",
+        "FullyShardedDataParallelPlugin",
+        "auto_wrap_policy",
+        value,
+        "name the policy (TRANSFORMER_BASED_WRAP with transformer_cls_names_to_wrap, SIZE_BASED_WRAP with "
+        "min_num_params, or NO_WRAP)",
+    )
+
+
 SPECIAL: dict[str, dict[str, Callable[[Any], Any]]] = {
     "DeepSpeedPlugin": {"hf_ds_config": _ds_config, "gradient_clipping": _auto_none},
-    "FullyShardedDataParallelPlugin": {"cpu_offload": _offload, "state_dict_type": _enum_name},
+    "FullyShardedDataParallelPlugin": {
+        "cpu_offload": _offload,
+        "state_dict_type": _enum_name,
+        "auto_wrap_policy": _wrap_policy,
+    },
 }
 RENAMED = {"FullyShardedDataParallelPlugin": {"cpu_offload": "offload_params"}}
 # fields Accelerate derives from others lowprec converts (never set by hand to mean more)

@@ -50,7 +50,15 @@ from lowprec.errors import CheckpointError
 from lowprec.checkpoint_io import load_error_reason
 from lowprec.utils.distributed import is_fsdp2
 
-__all__ = ["SHARDED", "uses_sharded", "save_sharded", "load_sharded", "SafeFileSystemReader", "SafeLoadPlanner"]
+__all__ = [
+    "SHARDED",
+    "uses_sharded",
+    "save_sharded",
+    "load_sharded",
+    "load_into",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+]
 
 SHARDED = "SHARDED_STATE_DICT"
 
@@ -82,18 +90,27 @@ def save_sharded(acc: Any, model: Any, directory: str) -> None:
 
 def load_sharded(acc: Any, model: Any, directory: str) -> None:
     """Collective: read the chunks this process's shards need (any saved world size)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    inner = acc.unwrap_model(model)
+    opts = _optimizers_of(acc, model)
+    msd, osd = get_state_dict(inner, opts)  # the shapes and placements to read into
+    state = load_into({"model": msd, "optimizer": osd}, directory)
+    set_state_dict(inner, opts, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def load_into(state: dict, directory: str) -> dict:
+    """Collective: fill ``state`` (DCP state dicts giving the shapes and placements to read into)
+    from the checkpoint in ``directory``, read safely (:class:`SafeFileSystemReader`,
+    :class:`SafeLoadPlanner`); a refused, damaged or foreign checkpoint is one
+    :class:`~lowprec.errors.CheckpointError` line."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     if not os.path.isfile(os.path.join(directory, ".metadata")):
         raise CheckpointError(f"checkpoint directory {directory} has no .metadata; the checkpoint is incomplete")
     reader = SafeFileSystemReader(directory)
     reader.read_metadata()  # refused here, before DCP (which would log the error and try per-rank files)
-    inner = acc.unwrap_model(model)
-    opts = _optimizers_of(acc, model)
-    msd, osd = get_state_dict(inner, opts)  # the shapes and placements to read into
-    state = {"model": msd, "optimizer": osd}
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointError:
@@ -106,7 +123,7 @@ def load_sharded(acc: Any, model: Any, directory: str) -> None:
             f"{directory} does not fit this run ({type(inner).__name__}: {' '.join(str(inner).split())[:200]}); "
             "was the checkpoint written by another script or model?"
         ) from None
-    set_state_dict(inner, opts, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return state
 
 
 def _first_failure(exc: BaseException) -> BaseException:

@@ -258,6 +258,10 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     state_dict_type: Optional[str] = _env_field(
         "FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT", _upper_choice("FULL_STATE_DICT", "SHARDED_STATE_DICT")
     )
+    # not a field: lowprec's FSDP2 path has no checkpointing of its own (Accelerate's field, read
+    # by transformers' Trainer; Accelerate's plugin asking for it is refused on conversion): use
+    # the model's gradient checkpointing (Trainer's gradient_checkpointing=True)
+    activation_checkpointing = False
 
     def __post_init__(self) -> None:
         explicit_names = self.transformer_cls_names_to_wrap is not None  # they imply their policy

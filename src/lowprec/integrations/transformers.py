@@ -163,6 +163,13 @@ class _Counts:
         return len(self.handles)
 
 
+def _library_fp8_layers(model: nn.Module) -> bool:
+    """torchao's or TransformerEngine's FP8 layers (lowprec.Accelerator's torchao / te backends)."""
+    from lowprec.utils.fp8 import has_ao_layers, has_transformer_engine_layers
+
+    return has_ao_layers(model) or has_transformer_engine_layers(model)
+
+
 def _worst(model: nn.Module) -> dict[str, float]:
     """The largest saturated and underflow fractions over every layer and operand."""
     rows = [op for layer in fp8.telemetry(model).values() for op in layer.values() if op["scale"] > 0]
@@ -205,12 +212,19 @@ class FP8Callback(TrainerCallback):
         self._warned = False
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None and not fp8.has_fp8_layers(model) and _library_fp8_layers(model):
+            # torchao's / TransformerEngine's layers (lowprec.Accelerator with their backend): FP8
+            # runs; the counts, telemetry and scaling state below are the native engine's
+            logger.info("lowprec: FP8Callback: the FP8 layers are another library's; no FP8 counts or state")
+            return
         if model is None or not fp8.has_fp8_layers(model):
             raise ValueError(
                 "FP8Callback: the model has no FP8 layers, so it would train in full precision; call "
-                "lowprec.integrations.transformers.enable_fp8(model) before building the Trainer"
+                "lowprec.integrations.transformers.enable_fp8(model) before building the Trainer (on "
+                "lowprec's Accelerator: no Linear layer was converted, see its conversion log)"
             )
         self.model = model
+        _strip_fp8_state_on_save(model)  # converted by lowprec.Accelerator: save_pretrained stays plain
         self.counts.total_fp8 = self.counts.total_hp = 0  # fp8_counts: since this train() began
         if (
             getattr(args, "fsdp", None)
@@ -221,7 +235,8 @@ class FP8Callback(TrainerCallback):
             logger.warning(
                 "lowprec: TrainingArguments(fsdp=...) asked for FSDP but the model is not sharded: "
                 "Accelerate turns FSDP on only on GPUs/accelerators, so on CPU Trainer runs DDP (FP8 "
-                "layers run under DDP)"
+                "layers run under DDP); for FSDP2 on CPU run Trainer on lowprec's Accelerator "
+                "(lowprec.integrations.trainer_accelerator.LowprecAcceleratorMixin)"
             )
         if state.global_step > 0:
             self._restore(args, state)
