@@ -157,10 +157,3 @@ def test_every_import_inside_a_function_has_a_reason():
             unexplained.append(f"{m}:{line} imports {ts} inside a function for no reason: move it to the top")
     assert not unexplained, "\n".join(unexplained)
     assert not stale, f"KNOWN_CYCLES lists cycles that are gone: {sorted(stale)}"
-
-
-def test_lazy_imports_stay_few():
-    """The in-function imports left are lazy by design (torch-free launcher, optional packages) or
-    the known cycles; their number only goes down."""
-    _, _, inner = _graph()
-    assert len(inner) <= 67, len(inner)

@@ -65,6 +65,7 @@ from lowprec.durable import fsync_dir, fsync_file, temp_suffix
 from lowprec.fp8.convert import DEFAULT_SKIP_PATTERNS, ConversionReport, ModuleFilter
 from lowprec.distributed import register_fp8_allreduce
 from lowprec.optim import OPT_LEVELS, hold_grads_in_fp8, to_fp8_adamw
+from lowprec.utils.fp8 import has_ao_layers, has_transformer_engine_layers
 from lowprec.optim.opt_level import check_o2_optimizer
 
 __all__ = ["enable_fp8", "FP8Callback", "apply_opt_level", "fp8_counts", "fp8_state_keys", "FP8_STATE_FILE"]
@@ -165,8 +166,6 @@ class _Counts:
 
 def _library_fp8_layers(model: nn.Module) -> bool:
     """torchao's or TransformerEngine's FP8 layers (lowprec.Accelerator's torchao / te backends)."""
-    from lowprec.utils.fp8 import has_ao_layers, has_transformer_engine_layers
-
     return has_ao_layers(model) or has_transformer_engine_layers(model)
 
 
