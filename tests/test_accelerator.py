@@ -1,5 +1,5 @@
 """lowprec.Accelerator on one process: precision modes, prepare, accumulation, clipping,
-checkpoints and resume. Bug numbers refer to section 8 of shared/reference/accelerate-fp8.md.
+checkpoints and resume. Bug numbers are those of the known Accelerate FP8 bugs each test names in its docstring.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every code snippet of the Accelerate low-precision guide (shared/seeds/000-002) runs with
+"""Every code snippet of Accelerate's low-precision training guide runs with
 ``accelerate`` replaced by ``lowprec``, and the Accelerate-named FP8 helpers work."""
 
 from __future__ import annotations

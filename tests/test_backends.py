@@ -2,7 +2,7 @@
 their adapters are exercised with stand-in modules that record every call. torchao is tested
 for real when it is importable, and with a stand-in otherwise.
 
-Bug numbers refer to section 8 of shared/reference/accelerate-fp8.md.
+Bug numbers are those of the known Accelerate FP8 bugs each test names in its docstring.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Kwargs handlers: resolution order, environment variables, aliases, validation.
 
-Bug numbers refer to section 8 of shared/reference/accelerate-fp8.md.
+Bug numbers are those of the known Accelerate FP8 bugs each test names in its docstring.
 """
 
 from __future__ import annotations

@@ -43,3 +43,20 @@ def test_ruff_format_check_passes():
         timeout=300,
     )
     assert proc.returncode == 0, "run `ruff format src tests benchmarks examples`:\n" + proc.stdout + proc.stderr
+
+
+def test_nothing_points_outside_the_repository():
+    """The project's own notes live outside the repository: no file in it may refer to them."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.fail(f"git ls-files failed: {tracked.stderr}")
+    # spelled in two halves so that this file does not name them
+    needles = tuple("shar" + "ed/" + tail for tail in ("seeds", "reference", "DESIGN", "STYLE")) + ("../" + "shared",)
+    hits = []
+    for rel in tracked.stdout.split():
+        if not rel.endswith((".py", ".md", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".sh")):
+            continue
+        with open(os.path.join(ROOT, rel), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        hits += [f"{rel}: {n}" for n in needles if n in text]
+    assert not hits, hits
