@@ -335,7 +335,7 @@ def test_save_model_loads_into_unconverted_model(tmp_path, safe):
     model(torch.randn(4, 32)).sum().backward()
     acc.save_model(model, str(tmp_path / "m"), safe_serialization=safe)
     plain = mlp()
-    from lowprec.checkpoint import load_tensors
+    from lowprec.checkpoint.state import load_tensors
 
     name = "model.safetensors" if safe else "pytorch_model.bin"
     plain.load_state_dict(load_tensors(str(tmp_path / "m" / name)))  # strict: no FP8 keys left
@@ -366,7 +366,7 @@ def test_gather_and_reduce_single_process():
 
 
 def test_safetensors_writer_handles_tied_views_and_transposes(tmp_path):
-    from lowprec.checkpoint import load_tensors, save_tensors
+    from lowprec.checkpoint.state import load_tensors, save_tensors
 
     w = torch.randn(4, 4)
     sd = {"a": w, "tied": w, "view": w[1:], "t": w.t(), "empty": torch.empty(0)}

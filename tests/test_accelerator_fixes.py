@@ -130,7 +130,7 @@ def test_load_state_checks_num_processes_and_warns_on_missing_rng(tmp_path, capl
 
 
 def test_interrupted_save_keeps_the_old_checkpoint_and_leaves_no_temp(tmp_path, monkeypatch):
-    import lowprec.checkpoint as ckpt
+    import lowprec.checkpoint.state as ckpt
 
     acc, model, opt = _trained(tmp_path)
     target = str(tmp_path / "ck")

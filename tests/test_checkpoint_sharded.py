@@ -98,7 +98,7 @@ def test_dcp_metadata_that_would_run_code_is_refused(tmp_path):
 
     import pytest
 
-    from lowprec.checkpoint_sharded import SafeFileSystemReader
+    from lowprec.checkpoint.sharded import SafeFileSystemReader
     from lowprec.errors import CheckpointError
 
     class Payload:

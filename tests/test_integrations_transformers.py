@@ -389,7 +389,7 @@ def test_resume_from_a_trainer_checkpoint_restores_fp8_state_and_continues_as_th
     assert afresh[3] != full[3]  # the histories matter: the control fails without them
     assert [r.message for r in caplog.records if "without FP8 scaling state" in r.message] != []
     # a tampered state file: one line naming it, nothing unpickled (the file is safetensors)
-    from lowprec.checkpoint_io import CheckpointError
+    from lowprec.checkpoint.serialization import CheckpointError
 
     (ckpt / FP8_STATE_FILE.format(rank=0)).write_bytes(b"\x80\x04cos\nsystem\n")
     with pytest.raises(CheckpointError, match=f"checkpoint file {ckpt / FP8_STATE_FILE.format(rank=0)} cannot be read"):

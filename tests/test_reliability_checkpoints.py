@@ -133,7 +133,7 @@ def test_accelerator_load_state_executes_nothing(accelerator_checkpoints, tmp_pa
 def test_old_pickled_checkpoints_still_load(accelerator_checkpoints, tmp_path):
     """A checkpoint of an earlier version (pickled RNG states with numpy arrays, scheduler,
     scaler and custom state) loads through the restricted unpickler, values intact."""
-    from lowprec.checkpoint_io import load_object
+    from lowprec.checkpoint.serialization import load_object
 
     ckpt = tmp_path / "old"
     shutil.copytree(accelerator_checkpoints[True], ckpt)
@@ -263,7 +263,7 @@ def test_deepspeed_files_are_scanned_before_deepspeed_unpickles_them(tmp_path, n
     naming any global outside torch's safe set and DeepSpeed's own data classes, and accept
     what DeepSpeed writes. (A full ZeRO-2 save, tamper and load_state was run by hand: see
     docs/LOG.md, rel entry.)"""
-    from lowprec.checkpoint_io import check_deepspeed_dir
+    from lowprec.checkpoint.serialization import check_deepspeed_dir
 
     state = tmp_path / "deepspeed_0" / "state"
     state.mkdir(parents=True)

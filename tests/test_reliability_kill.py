@@ -24,7 +24,7 @@ def _run(mode: str, kill_at: str, ckpt: str, out: str) -> None:
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    import lowprec.checkpoint as C
+    import lowprec.checkpoint.state as C
     from lowprec import Accelerator
     from lowprec.kwargs import NativeRecipeKwargs
 

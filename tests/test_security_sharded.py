@@ -25,7 +25,7 @@ import textwrap
 import pytest
 import torch
 
-from lowprec.checkpoint_sharded import SafeFileSystemReader, SafeLoadPlanner
+from lowprec.checkpoint.sharded import SafeFileSystemReader, SafeLoadPlanner
 from lowprec.errors import CheckpointError
 
 WALK_MODULE = "torch.distributed.checkpoint.metadata"  # allowed module; its attributes reach torch, os, io ...
@@ -119,7 +119,7 @@ def test_metadata_pointing_outside_its_directory_is_refused(tmp_path, path):
 
 
 def test_allowed_globals_are_exact_pairs_without_dots():
-    from lowprec.checkpoint_sharded import _allowed_globals
+    from lowprec.checkpoint.sharded import _allowed_globals
 
     allowed = _allowed_globals()
     assert all("." not in name for _, name in allowed)
@@ -185,7 +185,7 @@ def test_byte_items_load_with_the_safe_planner(tmp_path):
 def test_tampered_distcp_item_runs_nothing(tmp_path, fqn):
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lowprec.checkpoint_sharded import _first_failure
+    from lowprec.checkpoint.sharded import _first_failure
 
     _dcp_checkpoint(str(tmp_path))
     marker = tmp_path / "MARKER"

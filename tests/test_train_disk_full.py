@@ -33,7 +33,7 @@ def _train(out, *flags: str) -> int:
 def test_a_full_disk_while_saving_a_checkpoint_keeps_the_last_good_one(tmp_path, capsys, monkeypatch):
     from safetensors import SafetensorError
 
-    import lowprec.checkpoint as checkpoint
+    import lowprec.checkpoint.state as checkpoint
 
     out = tmp_path / "run"
     real = checkpoint.save_tensors

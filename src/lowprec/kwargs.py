@@ -244,7 +244,7 @@ class FullyShardedDataParallelPlugin(KwargsHandler):
     ``FSDP_OFFLOAD_PARAMS``, ``FSDP_STATE_DICT_TYPE``. ``state_dict_type``: ``FULL_STATE_DICT``
     (default: ``save_state`` gathers full tensors, written by the main process) or
     ``SHARDED_STATE_DICT`` (each process writes its shards through torch.distributed.checkpoint;
-    the checkpoint loads on any number of processes: :mod:`lowprec.checkpoint_sharded`).
+    the checkpoint loads on any number of processes: :mod:`lowprec.checkpoint.sharded`).
     """
 
     fsdp_version: Optional[int] = _env_field("FSDP_VERSION", 2, lambda v, key: _int(key)(v))

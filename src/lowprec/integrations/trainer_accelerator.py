@@ -56,7 +56,7 @@ from typing import Any
 
 from lowprec.accelerate_objects import from_accelerate
 from lowprec.accelerator import Accelerator
-from lowprec.checkpoint_sharded import load_into
+from lowprec.checkpoint.sharded import load_into
 from lowprec.errors import UsageError
 from lowprec.fp8_kwargs import RecipeKwargs
 from lowprec.kwargs import FullyShardedDataParallelPlugin, env_get

@@ -60,7 +60,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lowprec import fp8
-from lowprec.checkpoint_io import load_object, save_object
+from lowprec.checkpoint.serialization import load_object, save_object
 from lowprec.durable import fsync_dir, fsync_file, temp_suffix
 from lowprec.fp8.convert import DEFAULT_SKIP_PATTERNS, ConversionReport, ModuleFilter
 from lowprec.distributed import register_fp8_allreduce

@@ -27,7 +27,7 @@ import torch
 from lowprec.train.data import ShardedEpochs, split_documents
 from lowprec.train.data_files import read_rows
 from lowprec.train.prompts import IGNORE, PromptOptions, check_vocab, tokenize_row
-from lowprec.checkpoint_io import load_error_reason
+from lowprec.checkpoint.serialization import load_error_reason
 from lowprec.train.packing import pack as pack_rows
 
 __all__ = ["ExampleSet", "ExampleBatches", "DataSource", "build_examples"]

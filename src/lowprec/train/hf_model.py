@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lowprec.errors import did_you_mean
-from lowprec.checkpoint_io import load_error_reason
+from lowprec.checkpoint.serialization import load_error_reason
 from lowprec.fp8 import plain_state_dict
 from lowprec.fp8 import unconvert
 from lowprec.train.adapters import is_peft_model

@@ -30,7 +30,7 @@ import os
 from typing import Any, Optional
 
 import torch
-from lowprec.checkpoint_io import load_object
+from lowprec.checkpoint.serialization import load_object
 from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 
 __all__ = ["RULES", "settings_of", "saved_settings", "check_resume", "apply_changes"]

@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from lowprec.checkpoint import load_state, save_fp8_model, save_model, save_state
-from lowprec.checkpoint_io import parse_size, write_sharded
+from lowprec.checkpoint.state import load_state, save_fp8_model, save_model, save_state
+from lowprec.checkpoint.serialization import parse_size, write_sharded
 from lowprec.utils.dataclasses import ProjectConfiguration
 
 __all__ = ["CheckpointingMixin", "parse_size", "write_sharded"]

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from lowprec.errors import CheckpointError
-from lowprec.checkpoint_io import load_error_reason
+from lowprec.checkpoint.serialization import load_error_reason
 from lowprec.utils.distributed import is_fsdp2
 
 __all__ = [

@@ -8,7 +8,7 @@ buffers), ``optimizer_{i}.safetensors`` (or ``.bin``), ``scheduler_{i}.safetenso
 ``buffers_{i}_rank{rank}.safetensors`` (each process's own FP8 scaling state) and
 ``lowprec_state.json`` (precision and backend, checked on load).
 
-Loading never unpickles code (:mod:`lowprec.checkpoint_io`): safetensors and JSON are parsed,
+Loading never unpickles code (:mod:`lowprec.checkpoint.serialization`): safetensors and JSON are parsed,
 ``.bin`` weights and the ``.pkl``/``.bin``/``.pt`` files of earlier versions go through
 ``torch.load(weights_only=True)``; a file that does not parse is one error line naming it.
 A model whose weights are not finite is refused by ``save_state`` and ``save_model``.
@@ -35,7 +35,7 @@ import torch
 
 from lowprec.backends.base import log_once
 from lowprec.durable import fsync_dir, fsync_tree, os_error_of, owner_alive, temp_suffix
-from lowprec.checkpoint_io import (
+from lowprec.checkpoint.serialization import (
     check_deepspeed_dir,
     load_object,
     load_pickle,
@@ -51,8 +51,8 @@ from lowprec.utils.distributed import (
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
-from lowprec.checkpoint_sharded import load_sharded
-from lowprec.checkpoint_sharded import save_sharded, uses_sharded
+from lowprec.checkpoint.sharded import load_sharded
+from lowprec.checkpoint.sharded import save_sharded, uses_sharded
 from lowprec.utils.offload import fill_offloaded
 
 __all__ = ["save_state", "load_state", "save_model", "save_tensors", "load_tensors", "save_optimizer", "load_optimizer"]
