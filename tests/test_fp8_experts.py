@@ -200,3 +200,47 @@ def test_per_expert_linear_layers_convert_and_the_router_stays():
     out = m(input_ids=ids, decoder_input_ids=ids, labels=ids)
     out.loss.backward()
     assert torch.isfinite(out.loss)
+
+
+def test_mixtral_trains_through_the_accelerator_and_a_skipped_step_restores_expert_state(seed):
+    """Delayed scaling: the experts' per-expert histories are staged with the Linear layers'
+    (fp8/step_stage.py), so a step the non-finite guard skips leaves them as it found them."""
+    from lowprec import Accelerator
+    from lowprec.fp8.step_stage import ScalingStage
+    from lowprec.utils import NativeRecipeKwargs
+
+    m = build("mixtral", seed)
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[NativeRecipeKwargs(recipe="delayed")])
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    m, opt = acc.prepare(m, opt)
+    experts = moe_block(m).experts
+    assert isinstance(experts, Float8Experts)
+    x = torch.randint(0, 128, (2, 16))
+    losses = []
+    for _ in range(4):
+        loss = m(x, labels=x).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    hist = experts.fp8_gate_up_proj.fp8_amax_history_input
+    assert int(hist.count_nonzero()) > 0
+    stage = ScalingStage(m)
+    before = hist.clone()
+    m(x, labels=x).loss.backward()  # a step whose update is then thrown away
+    assert not torch.equal(hist, before)
+    stage.discard()
+    assert torch.equal(hist, before)
+
+
+def test_delayed_experts_over_several_processes_are_refused():
+    from lowprec.backends.base import PrepareContext
+    from lowprec.backends.native import NativeBackend
+
+    m = build("mixtral")
+    backend = NativeBackend(fp8.Recipe.from_name("delayed"))
+    with pytest.raises(ValueError, match="per-expert amax histories cannot be agreed across ranks"):
+        backend.convert(m, PrepareContext(distributed_type="MULTI"))
+    ok = NativeBackend(fp8.Recipe.from_name("rowwise"))
+    ok.convert(build("mixtral"), PrepareContext(distributed_type="MULTI"))
