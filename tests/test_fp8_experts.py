@@ -244,3 +244,13 @@ def test_delayed_experts_over_several_processes_are_refused():
         backend.convert(m, PrepareContext(distributed_type="MULTI"))
     ok = NativeBackend(fp8.Recipe.from_name("rowwise"))
     ok.convert(build("mixtral"), PrepareContext(distributed_type="MULTI"))
+
+
+def test_a_linear_only_library_says_the_experts_stay_in_high_precision(caplog):
+    import logging
+
+    from lowprec.backends.base import note_unconverted_conv1d
+
+    with caplog.at_level(logging.INFO, logger="lowprec"):
+        note_unconverted_conv1d(build("qwen3_moe"), "torchao-test")
+    assert "torchao-test converts nn.Linear only: 2 mixture-of-experts module(s)" in caplog.text

@@ -82,6 +82,12 @@ class NativeBackend(BaseBackend):
             # new weight Parameters: the Accelerator remaps the optimizer to them by name
             enable_fsdp_float8_all_gather(model)
             self._fp8_all_gather_on = True
+            n = sum(1 for m in model.modules() if isinstance(m, fp8.Float8Experts))
+            if n:
+                log_once(
+                    f"lowprec: fp8_enable_fsdp_float8_all_gather covers Linear weights; the 3-D expert weights "
+                    f"of {n} mixture-of-experts module(s) are all-gathered in their own dtype"
+                )
         elif self.fsdp_float8_all_gather:
             log_once(
                 f"lowprec: fp8_enable_fsdp_float8_all_gather applies under FSDP2 only; "
