@@ -147,3 +147,112 @@ def test_no_token_at_all_and_mismatched_counts():
     assert out.shape == (0, N)
     with pytest.raises(ValueError, match="grouped GEMM for 4 experts got 3 group counts"):
         gemm(torch.randn(3, K), torch.randn(E, N, K), (1, 1, 1), recipe, torch.float32)
+
+
+# ------------------------------------------------------------------ the single-call path
+# torch._scaled_grouped_mm runs on CUDA sm_90/sm_100 only; on CPU the same dispatch runs with the
+# kernel replaced by its reference (same packed arguments, float32 math), and torch's own meta
+# kernel checks the arguments' layout. Unverified on a GPU (no device was drawn for this session).
+SINGLE = ["tensorwise", "rowwise"]
+
+
+@pytest.fixture
+def single_call(monkeypatch):
+    from lowprec.fp8 import grouped_gemm
+
+    calls = []
+
+    def kernel(*args):
+        calls.append(args)
+        return grouped_gemm.reference_scaled_grouped_mm(*args)
+
+    monkeypatch.setattr(grouped_gemm, "native_grouped_available", lambda device: True)
+    monkeypatch.setitem(grouped_gemm.KERNEL, "scaled_grouped_mm", kernel)
+    monkeypatch.setattr(grouped_gemm, "_CHECKED", {})
+    return calls
+
+
+@pytest.mark.parametrize("name", [*SINGLE, "tensorwise_e4m3"])
+def test_single_call_path_through_the_kinds_dispatch(seed, single_call, name):
+    recipe = (
+        fp8.Recipe.from_name("tensorwise", fp8_format="E4M3")
+        if name == "tensorwise_e4m3"
+        else fp8.Recipe.from_name(name)
+    )
+    counts = (37, 0, 64, 19)
+    s = sum(counts)
+    x, w, dy = torch.randn(s, K) * 2, torch.randn(E, N, K), torch.randn(s, N)
+    got = _grouped(recipe, counts, x, w, dy)
+    # one call for the output GEMM (after the one-time check's call), one for grad_input where dY is E4M3
+    e4m3_dy = recipe.fp8_format == fp8.Format.E4M3
+    assert len(single_call) == 1 + 1 + int(e4m3_dy)
+    ref = _reference(counts, x, w, dy)
+    floors = _floors(recipe)
+    for key, g, r in zip(("out", "grad_input", "grad_weight"), got, ref):
+        assert sqnr(r, g) >= floors[key], f"{name} {key}: {sqnr(r, g):.1f} dB"
+    # against the per-expert path: the same casts; the kernel rounds its output to bf16 once
+    loop = _grouped(
+        recipe,
+        counts,
+        x,
+        w,
+        dy,
+        Float8GroupedGemm(E, fp8.Recipe.from_name(name, gemm="upcast"))
+        if name != "tensorwise_e4m3"
+        else Float8GroupedGemm(E, recipe.replace(gemm="upcast")),
+    )
+    for g, lp in zip(got, loop):
+        assert sqnr(lp, g) >= 45
+    assert torch.equal(got[2], loop[2])  # grad_weight: per expert in both paths
+
+
+def test_single_call_arguments_pass_torchs_own_checks():
+    """The packed operands of a real grouped cast, as meta tensors of the same shapes, strides
+    and dtypes, go through torch's meta kernel for _scaled_grouped_mm (its CUDA checks)."""
+    from lowprec.fp8.grouped_gemm import pack_2d3d
+
+    recipe = fp8.Recipe.from_name("rowwise")
+    spec_x, spec_w = recipe.plan().fprop.casts
+    from lowprec.fp8.linear_fn import cast
+
+    counts = (5, 0, 33, 16)
+    x, w = torch.randn(sum(counts), K), torch.randn(E, N, K)
+    groups, start = [], 0
+    for n in counts:
+        groups.append(cast(x[start : start + n], spec_x, 1, recipe) if n else None)
+        start += n
+    args = pack_2d3d(groups, [cast(w[e], spec_w, 1, recipe).t() for e in range(E)])
+    mat_a, mat_b, scale_a, scale_b, offs, rows = args
+    assert mat_a.shape == (16 + 0 + 48 + 16, K) and offs.tolist() == [16, 16, 64, 80] and rows.numel() == 54
+
+    def meta(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    out = torch._scaled_grouped_mm(
+        meta(mat_a), meta(mat_b), meta(scale_a), meta(scale_b), offs=meta(offs), out_dtype=torch.bfloat16
+    )
+    assert out.shape == (80, N) and out.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="column major"):  # the check is real: a row-major mat_b fails it
+        torch._scaled_grouped_mm(
+            meta(mat_a),
+            meta(mat_b.contiguous()),
+            meta(scale_a),
+            meta(scale_b),
+            offs=meta(offs),
+            out_dtype=torch.bfloat16,
+        )
+
+
+def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch, caplog):
+    from lowprec.fp8 import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "native_grouped_available", lambda device: True)
+    monkeypatch.setitem(
+        grouped_gemm.KERNEL, "scaled_grouped_mm", lambda a, b, sa, sb, offs: torch.zeros(a.shape[0], b.shape[-1])
+    )
+    monkeypatch.setattr(grouped_gemm, "_CHECKED", {})
+    recipe = fp8.Recipe.from_name("rowwise")
+    with caplog.at_level("WARNING", logger="lowprec.fp8"):
+        out = _grouped(recipe, (8, 8, 0, 8), torch.randn(24, K), torch.randn(E, N, K), torch.randn(24, N))
+    assert "torch._scaled_grouped_mm failed its check on cpu" in caplog.text
+    assert out[0].abs().sum() > 0  # the per-expert path ran

@@ -25,6 +25,7 @@ KIND_NAMES = {r.scaling for r in catalog.RECIPES.values()} | set(catalog.RECIPE_
 GRANULARITY_LAYER = {
     "fp8/quantize.py",
     "fp8/gemm.py",
+    "fp8/grouped_gemm.py",
     "fp8/cpu_gemm.py",
     "fp8/block_gemm.py",
     "fp8/block_gemm_triton.py",
