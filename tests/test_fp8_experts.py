@@ -6,9 +6,9 @@ FP8 GEMMs (``fp8/experts.py``).
 
 Numerics: the MoE block's output, input gradient and every parameter gradient against the same
 block in float64 (router and expert weights included). Two FP8 GEMMs in series (gate_up, then
-down) sit below one Linear's floors: measured 23-25 dB output and 20.4-24.6 dB gradients for
-the FP8 recipes (the HYBRID ones' E5M2 gradients at the low end), 11-13 / 9-14 for nvfp4;
-floors 21 / 18 and 9 / 7. A group multiplied by another expert's weight gives ~0 dB.
+down) sit below one Linear's floors: measured 23.1-24.9 dB output and 20.4-28.5 dB gradients for
+the FP8 recipes, 11.5-13.0 / 9.0-20.5 for nvfp4; floors 21 / 18 and 9 / 7 (docs/LOG.md,
+2026-11-27). A group multiplied by another expert's weight gives ~0 dB.
 """
 
 from __future__ import annotations
@@ -254,3 +254,26 @@ def test_a_linear_only_library_says_the_experts_stay_in_high_precision(caplog):
     with caplog.at_level(logging.INFO, logger="lowprec"):
         note_unconverted_conv1d(build("qwen3_moe"), "torchao-test")
     assert "torchao-test converts nn.Linear only: 2 mixture-of-experts module(s)" in caplog.text
+
+
+def test_the_cost_model_filter_judges_experts_per_expert_gemm():
+    """Mixtral-8x7B's expert shapes (meta device: no memory): with 32768 tokens per step each
+    expert gets 8192 rows (top-2 of 8) and rowwise FP8 is predicted faster on an H100 (1.17x,
+    1.12x); with 8192 tokens, 2048 rows, it is not (0.84x, 0.80x)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(
+        vocab_size=1024,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=1,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+    )
+    with torch.device("meta"):
+        m = MixtralForCausalLM(cfg)
+    experts = moe_block(m).experts
+    assert fp8.auto_module_filter(32768, "rowwise", "h100")(experts, "model.layers.0.mlp.experts")
+    assert not fp8.auto_module_filter(8192, "rowwise", "h100")(experts, "model.layers.0.mlp.experts")

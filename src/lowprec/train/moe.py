@@ -58,6 +58,7 @@ class MoEExperts(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.num_experts = cfg.n_experts
+        self.num_experts_per_tok = cfg.experts_per_token  # transformers' name, read by the cost model
         self.gate_up_proj = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.ffn_dim, cfg.dim))
         self.down_proj = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.ffn_dim))
 
