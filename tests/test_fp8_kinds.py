@@ -25,6 +25,7 @@ KIND_NAMES = {r.scaling for r in catalog.RECIPES.values()} | set(catalog.RECIPE_
 GRANULARITY_LAYER = {
     "fp8/quantize.py",
     "fp8/gemm.py",
+    "fp8/grouped_gemm.py",
     "fp8/cpu_gemm.py",
     "fp8/block_gemm.py",
     "fp8/block_gemm_triton.py",
@@ -184,3 +185,23 @@ def test_an_unknown_kind_leaves_nothing_behind(split):
         fp8.Recipe.from_name("split")
     catalog.register_recipe(ROW)  # the fixture removes it again
     kinds.register(Split())
+
+
+def test_a_new_kind_runs_grouped_expert_gemms_without_writing_anything(split, seed):
+    """Kind.grouped_forward's default runs each expert as the kind runs a Linear (its forward on
+    the expert's slot), with the kind's state kept per expert."""
+    from lowprec.fp8.grouped import Float8GroupedGemm
+
+    recipe = fp8.Recipe.from_name("split")
+    gemm = Float8GroupedGemm(3, recipe)
+    assert gemm.fp8_split_calls.shape == (3,)
+    counts = (20, 0, 12)
+    x = torch.randn(32, 64, requires_grad=True)
+    w = torch.randn(3, 48, 64, requires_grad=True)
+    out = gemm(x, w, counts, recipe, torch.float32)
+    out.square().mean().backward()
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    out64 = torch.cat([x64[:20] @ w64[0].t(), x64[20:] @ w64[2].t()])
+    out64.square().mean().backward()
+    assert sqnr(out64, out) > 25 and sqnr(x64.grad, x.grad) > 20 and sqnr(w64.grad, w.grad) > 20
+    assert gemm.fp8_split_calls.tolist() == [1, 0, 1]

@@ -60,6 +60,7 @@ class NativeBackend(BaseBackend):
         if ctx.emulate and self.recipe.gemm != "emulate":
             self.recipe = self.recipe.replace(gemm="emulate")
         if fp8.has_fp8_layers(model):
+            self._check_experts(model, ctx)
             self._stage(model)  # converted by the user before prepare: staged all the same
             return model  # prepared twice (e.g. several prepare calls): convert once
         self.report = fp8.convert(
@@ -74,12 +75,19 @@ class NativeBackend(BaseBackend):
         if int(os.environ.get("RANK", "0")) == 0:
             logger.info("lowprec: %s", self.report.summary())
         logger.debug("lowprec: FP8 conversion (%s):\n%s", self.engine, self.report)
+        self._check_experts(model, ctx)
         if self.fsdp_float8_all_gather and ctx.distributed_type == "FSDP":
             from lowprec.distributed.fsdp_float8 import enable_fsdp_float8_all_gather
 
             # new weight Parameters: the Accelerator remaps the optimizer to them by name
             enable_fsdp_float8_all_gather(model)
             self._fp8_all_gather_on = True
+            n = sum(1 for m in model.modules() if isinstance(m, fp8.Float8Experts))
+            if n:
+                log_once(
+                    f"lowprec: fp8_enable_fsdp_float8_all_gather covers Linear weights; the 3-D expert weights "
+                    f"of {n} mixture-of-experts module(s) are all-gathered in their own dtype"
+                )
         elif self.fsdp_float8_all_gather:
             log_once(
                 f"lowprec: fp8_enable_fsdp_float8_all_gather applies under FSDP2 only; "
@@ -87,6 +95,22 @@ class NativeBackend(BaseBackend):
             )
         self._stage(model)
         return model
+
+    def _check_experts(self, model: "nn.Module", ctx: PrepareContext) -> None:
+        """Delayed scaling's histories are agreed across data-parallel ranks after each step
+        (``reduce_amax``); an expert's per-expert history cannot be: each rank routes its own
+        tokens, so an expert records amaxes on some ranks and not on others."""
+        from lowprec.fp8 import Float8Experts
+
+        if ctx.distributed_type == "NO" or not (self.recipe.kind.keeps_history and self.recipe.reduce_amax):
+            return
+        if any(isinstance(m, Float8Experts) and m.fp8_gemms() for m in model.modules()):
+            raise ValueError(
+                f"fp8_recipe: {self.recipe.name} over several processes with FP8 mixture-of-experts layers: "
+                "per-expert amax histories cannot be agreed across ranks (each rank routes its own tokens). "
+                "Use a current-scaling recipe (tensorwise, rowwise, blockwise, mxfp8), keep the experts in "
+                "high precision (fp8_filter: [experts]), or train on one process"
+            )
 
     def _stage(self, model: "nn.Module") -> None:
         from lowprec.fp8.step_stage import ScalingStage

@@ -32,7 +32,9 @@ from lowprec.fp8.recipes import RECIPE_NAMES, Recipe
 from lowprec.fp8.scaling import amax_to_scale
 from lowprec.fp8.telemetry import disable as disable_telemetry
 from lowprec.fp8.telemetry import enable as enable_telemetry
-from lowprec.fp8.telemetry import telemetry
+from lowprec.fp8.telemetry import expert_telemetry, telemetry
+from lowprec.fp8.experts import Float8Experts
+from lowprec.fp8.grouped import Float8GroupedGemm
 
 __all__ = [
     "E4M3",
@@ -63,6 +65,9 @@ __all__ = [
     "checkpoint",
     "fp8_enabled",
     "telemetry",
+    "expert_telemetry",
+    "Float8Experts",
+    "Float8GroupedGemm",
     "enable_telemetry",
     "disable_telemetry",
     "DeviceProfile",

@@ -29,6 +29,18 @@ With ``Recipe(fp8_activations=True)`` the non-Linear ops that support it (the bu
 RMSNorm and SwiGLU MLP, Hugging Face ``LlamaRMSNorm`` / ``LlamaMLP``) also keep E4M3 copies for
 backward (:mod:`lowprec.fp8.activations`); the report lists them.
 
+Mixture-of-experts blocks: experts stored as 3-D Parameters (transformers 5's fused experts:
+``MixtralExperts``, ``Qwen3MoeExperts``, ``GptOssExperts``, ``DeepseekV3Experts``, ...; the
+built-in ``moe-tiny``) convert to ``Float8<Class>`` (:mod:`lowprec.fp8.experts`): the same
+Parameters, grouped FP8 GEMMs per expert. Each projection is judged on its own name
+(``...experts.gate_up_proj``, ``...experts.down_proj``): a skip pattern (``experts``,
+``down_proj``, a glob) keeps it in high precision, as do dims that are not multiples of 16; a
+custom ``module_filter`` is asked once, with the experts module. Experts kept as separate
+``nn.Linear`` layers (older checkpoints, shared experts) are Linear layers like any other.
+Routers (a module named ``router``, ``gate`` or ``shared_expert_gate``, a layer inside one such
+as SwitchTransformers' ``router.classifier``, or a ``*Router`` class) are listed in the report;
+the default skip patterns keep them in high precision.
+
 A custom ``module_filter(module, fqn) -> bool`` replaces the default rules. A skipped layer
 never stops its siblings from converting (Accelerate's ``convert_model`` returns early).
 """
@@ -46,6 +58,7 @@ from torch import nn
 
 from lowprec.fp8 import activations, kinds
 from lowprec.fp8.conv1d import Float8Conv1D, gemm_dims, is_conv1d
+from lowprec.fp8.experts import Float8Experts, experts_layout, float8_experts
 from lowprec.fp8.fp8_base import Float8BaseLinear
 from lowprec.fp8.linear import Float8Linear
 from lowprec.fp8.recipes import Recipe
@@ -62,6 +75,8 @@ __all__ = [
 ]
 
 DEFAULT_SKIP_PATTERNS = ("lm_head", "router", "gate")
+# name components of MoE routers / shared-expert gates (besides classes named *Router)
+ROUTER_NAMES = ("router", "gate", "shared_expert_gate")
 ADAPTER_PATTERNS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector")
 logger = logging.getLogger("lowprec.fp8")
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -79,6 +94,10 @@ class ConversionReport:
     kept_types: dict[str, tuple[int, list[str]]] = field(default_factory=dict)
     # modules whose non-Linear activations backward keeps in E4M3 (recipe.fp8_activations)
     fp8_activations: list[str] = field(default_factory=list)
+    # MoE: (experts module, experts, [(projection, in, out) in FP8]) and (router, its class)
+    experts: list[tuple[str, int, list[tuple[str, int, int]]]] = field(default_factory=list)
+    routers: list[tuple[str, str]] = field(default_factory=list)
+    grouped_gemm: str = ""
 
     @property
     def num_converted(self) -> int:
@@ -92,6 +111,16 @@ class ConversionReport:
             "gemm": self.gemm,
             "kept_in_high_precision_by_type": {t: {"count": n, "reasons": r} for t, (n, r) in self.kept_types.items()},
             "fp8_activations": list(self.fp8_activations),
+            "experts": [
+                {
+                    "name": n,
+                    "num_experts": e,
+                    "fp8": [{"projection": p, "in_features": i, "out_features": o} for p, i, o in ps],
+                }
+                for n, e, ps in self.experts
+            ],
+            "routers": [{"name": n, "type": t} for n, t in self.routers],
+            "grouped_gemm": self.grouped_gemm,
             "switch": self.switch(),
         }
 
@@ -102,9 +131,15 @@ class ConversionReport:
         acts = (
             f"; E4M3 activations saved in {len(self.fp8_activations)} module(s)" if self.recipe.fp8_activations else ""
         )
+        moe = ""
+        if self.experts or self.routers:
+            moe = (
+                f"; MoE: {len(self.experts)} experts module(s) with grouped FP8 GEMMs, "
+                f"{len(self.routers)} router(s) kept in high precision"
+            )
         return (
             f"FP8 conversion: {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high "
-            f"precision{by_type}; recipe {self.recipe.name}; GEMMs: {self.gemm}{acts}; {self.switch()}"
+            f"precision{by_type}; recipe {self.recipe.name}; GEMMs: {self.gemm}{acts}{moe}; {self.switch()}"
         )
 
     def switch(self) -> str:
@@ -131,6 +166,13 @@ class ConversionReport:
             lines.append(f"    fp8   {name}  ({i} -> {o})")
         for name, reason in self.skipped:
             lines.append(f"    skip  {name}  ({reason})")
+        if self.experts:
+            lines.append(f"  experts (grouped GEMMs: {self.grouped_gemm})")
+            for name, e, ps in self.experts:
+                projs = ", ".join(f"{p} ({i} -> {o})" for p, i, o in ps) or "none"
+                lines.append(f"    fp8   {name}  ({e} experts; FP8: {projs})")
+        for name, kind in self.routers:
+            lines.append(f"    router {name}  ({kind}: kept in high precision)")
         return "\n".join(lines)
 
 
@@ -207,6 +249,45 @@ def _count_kept(report: ConversionReport, module: nn.Module, reason: str | None 
     report.kept_types[name] = (count + 1, reasons if reason in reasons else reasons + [reason])
 
 
+_ROUTER_WHY = "MoE router: its top-k choice is discrete, FP8 noise would move tokens between experts"
+
+
+def _is_router(fqn: str, module: nn.Module) -> bool:
+    """A mixture-of-experts router or shared-expert gate (holds its own parameters)."""
+    if not any(True for _ in module.parameters(recurse=False)):
+        return False
+    parts = fqn.split(".")
+    return any(p in ROUTER_NAMES for p in parts) or type(module).__name__.endswith("Router")
+
+
+def _experts_projections(
+    report: ConversionReport,
+    module: nn.Module,
+    fqn: str,
+    layout,
+    module_filter: ModuleFilter | None,
+    patterns: tuple[str, ...],
+) -> tuple[str, ...]:
+    """The projections of an experts module to run in FP8; the others go to ``report.skipped``
+    with their reason (a custom filter is asked once, for the whole module)."""
+    if fqn == "":
+        raise ValueError("convert() got a bare experts module; wrap it in a module (its parent MoE block)")
+    if module_filter is not None and not module_filter(module, fqn):
+        report.skipped.append((fqn, "module_filter returned False"))
+        return ()
+    keep = []
+    for p in layout.projections:
+        n_in, n_out = layout.dims(module, p)
+        hit = _matches(f"{fqn}.{p}", patterns) if module_filter is None else None
+        if n_in % 16 or n_out % 16:
+            report.skipped.append((f"{fqn}.{p}", f"dims {n_in}x{n_out} not multiples of 16"))
+        elif hit is not None:
+            report.skipped.append((f"{fqn}.{p}", f"name matches {hit!r}"))
+        else:
+            keep.append(p)
+    return tuple(keep)
+
+
 def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
     parent_name, _, child = fqn.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
@@ -236,13 +317,27 @@ def convert(
     rule = default_module_filter(model, skip_first_last=skip_first_last, skip_patterns=skip_patterns)
     device = None
     chosen: list[tuple[str, nn.Linear]] = []
+    experts: list[tuple[str, nn.Module, tuple[str, ...]]] = []
     for fqn, module in list(model.named_modules()):
-        if isinstance(module, Float8Linear):
-            report.skipped.append((fqn, "already Float8Linear"))
+        router = _is_router(fqn, module)
+        if router:
+            report.routers.append((fqn, type(module).__name__))
+        if isinstance(module, (Float8Linear, Float8Experts)):
+            report.skipped.append(
+                (fqn, f"already {'Float8Linear' if isinstance(module, Float8Linear) else 'FP8 experts'}")
+            )
+            continue
+        layout = experts_layout(module)
+        if layout is not None:
+            projections = _experts_projections(report, module, fqn, layout, module_filter, tuple(skip_patterns))
+            if projections:
+                experts.append((fqn, module, projections))
+            else:
+                _count_kept(report, module, report.skipped[-1][1])
             continue
         conv1d = is_conv1d(module)
         if not isinstance(module, nn.Linear) and not conv1d:
-            _count_kept(report, module)
+            _count_kept(report, module, _ROUTER_WHY if router else None)
             continue
         if type(module) is not nn.Linear and not conv1d:
             reason = f"{type(module).__name__} is a Linear subclass with its own forward"
@@ -280,7 +375,21 @@ def convert(
         _set_submodule(model, fqn, new)
         report.converted.append((fqn, *gemm_dims(module)))
         device = device or module.weight.device
+    index = len(chosen) - keep
+    for fqn, module, projections in experts:
+        layout = experts_layout(module)
+        assert layout is not None  # checked above
+        fp8_experts = float8_experts(module, recipe, projections)
+        for g in fp8_experts.fp8_gemms().values():
+            g.number_experts(index)  # nvfp4: a distinct, reproducible rounding stream per expert
+            index += layout.num_experts
+        _set_submodule(model, fqn, fp8_experts)  # type: ignore[arg-type]
+        report.experts.append((fqn, layout.num_experts, [(p, *layout.dims(module, p)) for p in projections]))
+        device = device or getattr(module, layout.projections[0]).device
     report.gemm = _gemm_note(recipe, device or torch.device("cpu"))
+    if experts:
+        d = device or torch.device("cpu")
+        report.grouped_gemm = _gemm_note(recipe, d) if d.type == "meta" else recipe.kind.grouped_note(recipe, d)
     if recipe.fp8_activations:
         report.fp8_activations = activations.enable(model)
         if not report.fp8_activations:  # never a silent no-op
@@ -288,27 +397,31 @@ def convert(
                 "lowprec.fp8: fp8_activations is on but no module supports it (the built-in model's "
                 "RMSNorm/LlamaMLP, Hugging Face LlamaRMSNorm/LlamaMLP); activations stay in high precision"
             )
-    if report.converted and report.gemm.startswith("emulated") and recipe.gemm != "emulate":
+    if (report.converted or report.experts) and report.gemm.startswith("emulated") and recipe.gemm != "emulate":
         # a fallback is never silent: emulation is correct but slower than bf16
         logger.warning("lowprec.fp8: FP8 GEMMs will be %s", report.gemm)
     return report
 
 
 def unconvert(model: nn.Module) -> int:
-    """Swap every ``Float8Linear`` back to ``nn.Linear`` (same Parameter objects); returns
-    how many layers were swapped. The FP8 scaling state is dropped."""
+    """Swap every ``Float8Linear`` back to ``nn.Linear`` and every FP8 experts module back to its
+    class (same Parameter objects); returns how many modules were swapped. The FP8 scaling
+    state is dropped."""
     count = 0
     for fqn, module in list(model.named_modules()):
         if isinstance(module, Float8Linear):
             _set_submodule(model, fqn, module.to_linear())
+            count += 1
+        elif isinstance(module, Float8Experts):
+            _set_submodule(model, fqn, module.to_experts())
             count += 1
     activations.disable(model)  # fp8_activations: back to the plain forward
     return count
 
 
 def has_fp8_layers(model: nn.Module) -> bool:
-    """True if any submodule is a ``Float8Linear``."""
-    return any(isinstance(m, Float8Linear) for m in model.modules())
+    """True if any submodule is a ``Float8Linear`` or FP8 experts module."""
+    return any(isinstance(m, (Float8Linear, Float8Experts)) for m in model.modules())
 
 
 def plain_state_dict(state_dict_or_model) -> dict[str, torch.Tensor]:

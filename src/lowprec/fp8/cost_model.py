@@ -29,6 +29,7 @@ from typing import Callable, cast
 from torch import nn
 
 from lowprec.catalog import Granularity
+from lowprec.fp8.experts import experts_layout
 from lowprec.fp8.recipes import Recipe
 
 __all__ = ["DeviceProfile", "PROFILES", "predict_speedup", "predict_seconds", "auto_module_filter"]
@@ -130,14 +131,28 @@ def auto_module_filter(
 ) -> Callable[[nn.Module, str], bool]:
     """A ``module_filter`` for ``fp8.convert``: convert a Linear only where FP8 is predicted at
     least ``min_speedup`` times faster than bf16 for ``tokens_per_step`` rows (micro-batch x
-    sequence length). ``base_filter`` (e.g. skipping ``lm_head``) is applied first."""
+    sequence length). ``base_filter`` (e.g. skipping ``lm_head``) is applied first.
+
+    A mixture-of-experts module is judged per expert GEMM at the rows an expert gets when the
+    router spreads the ``tokens_per_step x top_k`` routed rows evenly (``top_k``: the module's or
+    its config's ``num_experts_per_tok``, else 1): both projections must be predicted faster."""
     if tokens_per_step < 1:
         raise ValueError(f"tokens_per_step must be >= 1 (micro_batch_size x sequence_len), got {tokens_per_step}")
 
     def keep(module: nn.Module, fqn: str) -> bool:
         if base_filter is not None and not base_filter(module, fqn):
             return False
-        linear = cast(nn.Linear, module)  # convert asks about Linear layers only
+        layout = experts_layout(module)
+        if layout is not None:
+            top_k = getattr(module, "num_experts_per_tok", None) or getattr(
+                getattr(module, "config", None), "num_experts_per_tok", None
+            )
+            rows = max(1, tokens_per_step * int(top_k or 1) // layout.num_experts)
+            return all(
+                predict_speedup(rows, *layout.dims(module, p), recipe, device) >= min_speedup
+                for p in layout.projections
+            )
+        linear = cast(nn.Linear, module)  # otherwise convert asks about Linear layers
         k, n = linear.in_features, linear.out_features
         if k % 16 or n % 16:
             return False

@@ -58,7 +58,15 @@ from lowprec.fp8.recipes import Recipe
 from lowprec.fp8.scaling import delayed_scale_step
 from lowprec.fp8.tp_linear import is_tensor_parallel, tp_forward
 
-__all__ = ["Float8Linear", "delayed_scale_step", "plain_module", "state_epoch", "OPERANDS"]
+__all__ = [
+    "Float8Linear",
+    "FP8Switch",
+    "bump_state_epoch",
+    "delayed_scale_step",
+    "plain_module",
+    "state_epoch",
+    "OPERANDS",
+]
 
 
 _EPOCH = [0]  # bumped by every write of scaling state from outside a step (load, reset)
@@ -68,6 +76,11 @@ def state_epoch() -> int:
     """A counter that changes whenever any layer's scaling state is loaded or reset, so that a
     copy of the state (``step_stage.py``) knows it is stale without reading every layer."""
     return _EPOCH[0]
+
+
+def bump_state_epoch() -> None:
+    """Say that some module's scaling state was written from outside a step (load, reset)."""
+    _EPOCH[0] += 1
 
 
 _HOOK_DICTS = (
@@ -108,7 +121,43 @@ def _copy_hooks(src: nn.Module, dst: nn.Module) -> None:
             getattr(dst, name).update(getattr(src, name))
 
 
-class Float8Linear(nn.Linear):
+class FP8Switch:
+    """Whether a converted module's next call runs FP8, and with which recipe: shared by
+    :class:`Float8Linear` and the grouped experts (``fp8/experts.py``). Conversion is the switch;
+    ``fp8.autocast`` regions and eval mode override it (see ``_active_recipe``)."""
+
+    recipe: Recipe
+    training: bool
+    high_precision: bool
+
+    def _active_recipe(self) -> Recipe | None:
+        """The recipe this call runs, or None for high precision: FP8 unless an enclosing
+        ``fp8.autocast(enabled=False)`` turns it off or the layer is in eval mode and neither
+        its recipe nor a region says ``use_during_eval`` (conversion is the switch)."""
+        if recomputing_unmarked():  # a checkpoint recompute: the same GEMMs as the first forward
+            return self.__dict__.get("_fp8_forward_recipe", self.recipe if self.training else None)
+        recipe = self._decide_recipe()
+        if not torch.compiler.is_compiling():  # a plain attribute: no module __setattr__, no compile guard
+            self.__dict__["_fp8_forward_recipe"] = recipe
+        return recipe
+
+    def _decide_recipe(self) -> Recipe | None:
+        override = current_recipe_override()
+        recipe = override if override is not None else self.recipe
+        eval_override = current_eval_override()
+        in_eval = recipe.use_during_eval if eval_override is None else eval_override
+        if not fp8_enabled() or not (self.training or in_eval) or self.high_precision:
+            return None
+        if recipe is not self.recipe:  # a region's recipe: this layer must keep its kind's state
+            self._check_region(recipe)
+        return recipe
+
+    def _check_region(self, recipe: Recipe) -> None:
+        """A region's recipe of another kind: refused where this module lacks its state."""
+        recipe.kind.check_layer(self, recipe)  # type: ignore[arg-type]
+
+
+class Float8Linear(FP8Switch, nn.Linear):
     """``nn.Linear`` with FP8 GEMMs (see module docstring); ``fp8.autocast(enabled=False)`` turns
     them off for a region.
 
@@ -193,28 +242,6 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe.name}"
 
     # ------------------------------------------------------------------ forward
-    def _active_recipe(self) -> Recipe | None:
-        """The recipe this call runs, or None for high precision: FP8 unless an enclosing
-        ``fp8.autocast(enabled=False)`` turns it off or the layer is in eval mode and neither
-        its recipe nor a region says ``use_during_eval`` (conversion is the switch)."""
-        if recomputing_unmarked():  # a checkpoint recompute: the same GEMMs as the first forward
-            return self.__dict__.get("_fp8_forward_recipe", self.recipe if self.training else None)
-        recipe = self._decide_recipe()
-        if not torch.compiler.is_compiling():  # a plain attribute: no module __setattr__, no compile guard
-            self.__dict__["_fp8_forward_recipe"] = recipe
-        return recipe
-
-    def _decide_recipe(self) -> Recipe | None:
-        override = current_recipe_override()
-        recipe = override if override is not None else self.recipe
-        eval_override = current_eval_override()
-        in_eval = recipe.use_during_eval if eval_override is None else eval_override
-        if not fp8_enabled() or not (self.training or in_eval) or self.high_precision:
-            return None
-        if recipe is not self.recipe:  # a region's recipe: this layer must keep its kind's state
-            recipe.kind.check_layer(self, recipe)
-        return recipe
-
     def gemm_weight(self) -> torch.Tensor:
         """The weight as the GEMMs read it, (out, in); a layer that stores it otherwise
         (``Float8Conv1D``) returns a view or copy here, so autograd carries the layout back."""

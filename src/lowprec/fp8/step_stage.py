@@ -30,6 +30,11 @@ Each spike is counted per layer and operand (``telemetry()``: ``amax_spikes``) a
 one of each layer is logged as a warning (on CUDA one step later, read from an asynchronous
 copy, or when telemetry is read). Only accepted steps are checked: a skipped step's amaxes
 are discarded with the step.
+
+Mixture-of-experts grouped GEMMs (``grouped.py``) keep the same state per expert (a leading
+expert dim): it is copied and restored with the rest; their histories are not checked for
+spikes (an expert that ran no token in a step recorded nothing, so there is no step-to-step
+ratio to read).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lowprec.fp8.grouped import Float8GroupedGemm
 from lowprec.fp8.linear import OPERANDS, Float8Linear, state_epoch
 
 __all__ = ["ScalingStage", "SPIKE_LOG2", "spike_counts", "warn_counted"]
@@ -91,7 +97,11 @@ class ScalingStage:
         layers = [(n, m) for n, m in model.named_modules() if isinstance(m, Float8Linear)]
         layers = [(n, m) for n, m in layers if any(m._buffers.get(b) is not None for b in m.recipe.kind.state_buffers)]
         self.names = [n for n, _ in layers]
-        self.first = layers[0][1] if layers else None  # to find the stage from a wrapper of the model
+        grouped = [m for m in model.modules() if isinstance(m, Float8GroupedGemm)]
+        grouped = [m for m in grouped if any(m._buffers.get(b) is not None for b in m.recipe.kind.state_buffers)]
+        self.grouped = len(grouped)
+        # to find the stage from a wrapper of the model
+        self.first: Optional[nn.Module] = layers[0][1] if layers else (grouped[0] if grouped else None)
         self.algos = [m.recipe.amax_compute_algo if m.recipe.kind.keeps_history else None for _, m in layers]
         groups: dict[tuple, _Group] = {}
         for row, (_, m) in enumerate(layers):
@@ -105,6 +115,13 @@ class ScalingStage:
                 g.entries.append((m._buffers, name))
                 if hist:
                     g.index.append(row * len(OPERANDS) + _HISTORIES[name])
+        for gemm in grouped:  # per-expert state: copied and restored, no spike check (module docstring)
+            for name in gemm.recipe.kind.state_buffers:
+                t = gemm._buffers.get(name)
+                if t is not None:
+                    groups.setdefault((False, tuple(t.shape), t.dtype, t.device), _Group()).entries.append(
+                        (gemm._buffers, name)
+                    )
         self.groups = [g for k, g in groups.items() if not k[0]]
         self.histories = [(g, torch.tensor(g.index, device=k[3])) for k, g in groups.items() if k[0]]
         device = self.histories[0][1].device if self.histories else torch.device("cpu")
@@ -116,7 +133,7 @@ class ScalingStage:
 
     @property
     def empty(self) -> bool:
-        return not self.names
+        return not self.names and not self.grouped
 
     def save(self) -> None:
         for g in self.groups:

@@ -14,16 +14,27 @@ cast in FP8 yet reports zeros; one whose GEMM ran in high precision since keeps 
 the last step in which it was cast. Under the Accelerator (or ``lowprec train``) a delayed-scaling
 operand also reports ``amax_spikes``: the accepted steps whose amax was more than 1024 times its
 history's previous maximum (``step_stage.py``); reading them logs any spike not logged yet.
+
+Mixture-of-experts modules converted by ``fp8.convert`` report per expert
+(:func:`expert_telemetry`): the tokens routed to each expert in the last forward (always
+recorded: the counts are the routing's own) and, while telemetry is on, each FP8 projection's
+statistics per expert, as lists indexed by expert (an expert that ran no token keeps the values
+of the last step in which it ran)::
+
+    {"model.layers.0.mlp.experts": {"tokens": [12, 0, 31, ...],
+                                    "gate_up_proj": {"input": {"amax": [..E..], ...}, ...}, ...}}
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from lowprec.fp8.experts import Float8Experts
+from lowprec.fp8.grouped import Float8GroupedGemm
 from lowprec.fp8.linear import OPERANDS, Float8Linear
 from lowprec.fp8.step_stage import spike_counts, warn_counted
 
-__all__ = ["enable", "disable", "telemetry"]
+__all__ = ["enable", "disable", "telemetry", "expert_telemetry"]
 
 _FIELDS = ("amax", "scale", "saturated", "underflow")
 
@@ -31,14 +42,14 @@ _FIELDS = ("amax", "scale", "saturated", "underflow")
 def _set(model: nn.Module, on: bool) -> int:
     n = 0
     for m in model.modules():
-        if isinstance(m, Float8Linear):
+        if isinstance(m, (Float8Linear, Float8GroupedGemm)):
             m.fp8_telemetry = on
             n += 1
     return n
 
 
 def enable(model: nn.Module) -> int:
-    """Turn statistics on for every Float8Linear; returns how many layers."""
+    """Turn statistics on for every Float8Linear and grouped expert GEMM; returns how many."""
     return _set(model, True)
 
 
@@ -57,4 +68,20 @@ def telemetry(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
                 for op, n in zip(OPERANDS, spikes):
                     out[name][op]["amax_spikes"] = n
     warn_counted(model)
+    return out
+
+
+def expert_telemetry(model: nn.Module) -> dict[str, dict]:
+    """Per-expert routing counts and FP8 statistics of every converted experts module (see the
+    module docstring); one host read per module."""
+    out: dict[str, dict] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Float8Experts):
+            entry: dict = {"tokens": [int(t) for t in m.tokens_per_expert.tolist()]}
+            for proj, g in m.fp8_gemms().items():
+                rows = g.fp8_stats.detach().cpu()  # (E, 3, 4)
+                entry[proj] = {
+                    op: {f: rows[:, i, j].tolist() for j, f in enumerate(_FIELDS)} for i, op in enumerate(OPERANDS)
+                }
+            out[name] = entry
     return out

@@ -134,10 +134,17 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         if self.base_model.startswith("builtin:"):
             from lowprec.train.model import LlamaConfig
 
-            limit = LlamaConfig.from_name(self.base_model[len("builtin:") :]).max_seq_len
+            builtin = LlamaConfig.from_name(self.base_model[len("builtin:") :])
+            limit = builtin.max_seq_len
             if self.sequence_len > limit:
                 raise ValueError(
                     f"sequence_len: {self.sequence_len} exceeds {self.base_model}'s max_seq_len {limit}; lower sequence_len"
+                )
+            if builtin.n_experts and tp > 1:
+                raise ValueError(
+                    f"tensor_parallel_size: {tp} with {self.base_model}: its experts have no tensor-parallel "
+                    "plan (expert parallelism is not supported yet); set tensor_parallel_size: 1 and shard "
+                    "with fsdp_version: 2"
                 )
         if (
             self.eval_table_size

@@ -4,7 +4,7 @@ do not edit. (key, description, default as YAML) for every top-level config key.
 __all__ = ["KEYS"]
 
 KEYS = (
-    ('base_model', 'builtin:llama-tiny | builtin:llama-small | builtin:llama-base | builtin:llama-1b, a local Hugging Face model directory, or a hub id (org/name) already in the local Hugging Face cache (needs transformers; nothing is downloaded)', 'builtin:llama-tiny'),
+    ('base_model', 'builtin:llama-tiny | builtin:llama-small | builtin:llama-base | builtin:llama-1b | builtin:moe-tiny (mixture of experts, top-2 of 8), a local Hugging Face model directory, or a hub id (org/name) already in the local Hugging Face cache (needs transformers; nothing is downloaded)', 'builtin:llama-tiny'),
     ('tokenizer', "byte (built-in byte-level tokenizer) or a local Hugging Face tokenizer directory (default: byte for a built-in base_model, the base model's own tokenizer for a Hugging Face one)", 'null'),
     ('model_type', 'transformers class that loads base_model: AutoModelForCausalLM (default) or a causal LM class such as LlamaForCausalLM', 'null'),
     ('tokenizer_config', "tokenizer directory or cached hub id (default: base_model's own tokenizer for a Hugging Face base_model)", 'null'),

@@ -25,9 +25,9 @@ __all__ = ["ModelKeys"]
 class ModelKeys(StrictModel):
     base_model: str = Field(
         default="builtin:llama-tiny",
-        description="builtin:llama-tiny | builtin:llama-small | builtin:llama-base | builtin:llama-1b, "
-        "a local Hugging Face model directory, or a hub id (org/name) already in the local Hugging Face cache "
-        "(needs transformers; nothing is downloaded)",
+        description="builtin:llama-tiny | builtin:llama-small | builtin:llama-base | builtin:llama-1b | "
+        "builtin:moe-tiny (mixture of experts, top-2 of 8), a local Hugging Face model directory, or a hub id "
+        "(org/name) already in the local Hugging Face cache (needs transformers; nothing is downloaded)",
     )
     tokenizer: Optional[str] = Field(
         default=None,

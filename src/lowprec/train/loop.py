@@ -81,6 +81,17 @@ def evaluate(model: torch.nn.Module, loader, n_batches: int, accelerator) -> flo
     return float(total[0] / total[1])
 
 
+def _experts_summary(tele: dict[str, dict]) -> dict[str, dict]:
+    """Per experts module: the tokens each expert took and the busiest expert's share of them
+    (1 / n_experts when the router balances the load)."""
+    out = {}
+    for name, entry in tele.items():
+        tokens = entry["tokens"]
+        total = sum(tokens)
+        out[name] = {"tokens": tokens, "max_share": max(tokens) / total if total else 0.0}
+    return out
+
+
 def _telemetry_summary(tele: dict) -> dict:
     return {
         layer: {op: {k: float(f"{v:.6g}") for k, v in stats.items()} for op, stats in ops.items()}
@@ -272,7 +283,11 @@ class Loop:
             )
         if run.fp8_layers:
             tele = fp8_engine.telemetry(run.inner)
-            run.writer.write({"kind": "fp8", "step": state.step, "layers": _telemetry_summary(tele)})
+            record: dict[str, Any] = {"kind": "fp8", "step": state.step, "layers": _telemetry_summary(tele)}
+            experts = _experts_summary(fp8_engine.expert_telemetry(run.inner))
+            if experts:  # MoE: tokens routed to each expert in the step's last forward
+                record["experts"] = experts
+            run.writer.write(record)
             fp8_engine.disable_telemetry(run.inner)
             if run.health is not None:
                 self._check_health(tele)

@@ -125,6 +125,8 @@ def _scalars(record: dict[str, Any]) -> Iterator[tuple[str, float]]:
             for op, stats in ops.items():
                 for name, v in stats.items():
                     yield f"fp8/{layer}/{op}/{name}", v
+        for module, entry in record.get("experts", {}).items():
+            yield f"experts/{module}/max_share", entry["max_share"]
         return
     for k, v in record.items():
         if k not in ("kind", "step") and isinstance(v, (int, float)) and not isinstance(v, bool):

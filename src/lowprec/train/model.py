@@ -29,7 +29,13 @@ llama-tiny  272    128    4      4     2      384      0.82 M      CPU tests, go
 llama-small 272    512    8      8     4      1408     23.7 M      CPU/GPU examples
 llama-base  272    768    12     12    12     3072     113 M       GPU examples (GPT-2-small class)
 llama-1b    128256 2048   16     32    8      8192     1.24 B      GPU benchmarks (Llama-3.2-1B shape)
+moe-tiny    272    128    4      4     2      8 x 192  2.7 M       CPU: mixture of experts, top-2 of 8
 =========== ====== ====== ====== ===== ====== ======== =========== ==================================
+
+``n_experts > 0`` (``moe-tiny``) replaces each SwiGLU MLP by a mixture of experts
+(``lowprec/train/moe.py``): ``mlp.gate`` (the router) and ``mlp.experts`` (``gate_up_proj``,
+``down_proj``: 3-D Parameters, transformers' fused layout), ``experts_per_token`` experts per
+token, each ``ffn_dim`` wide (moe-tiny: 2 x 192 active per token, as llama-tiny's 384).
 
 The first three use the byte tokenizer's vocabulary (272 = 259 padded to 16); llama-1b keeps
 Llama 3's vocabulary so that benchmarks pay for a realistic embedding and LM head. Any vocab
@@ -50,6 +56,7 @@ from torch import nn
 from lowprec.errors import did_you_mean
 from lowprec.fp8.activations import rms_norm, rms_norm_plain, swiglu
 from lowprec.fp8.recompute import checkpoint
+from lowprec.train.moe import MoEBlock, MoEExperts, TopKRouter
 from lowprec.train.packing import packed_causal_mask
 
 __all__ = [
@@ -85,6 +92,17 @@ _PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=4096,
         rope_theta=500000.0,
     ),
+    "moe-tiny": dict(
+        vocab_size=272,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=192,
+        max_seq_len=512,
+        n_experts=8,
+        experts_per_token=2,
+    ),
 }
 MODEL_NAMES = tuple(_PRESETS)
 
@@ -99,6 +117,9 @@ class LlamaConfig:
     max_seq_len: longest sequence ``forward`` accepts (RoPE angles are computed on the fly).
     init_std: std of the normal init; residual projections (o_proj, down_proj) use
         init_std / sqrt(2 * n_layers) so the residual stream's variance does not grow with depth.
+    n_experts: 0 for the dense SwiGLU MLP; else a mixture of that many experts, each ffn_dim wide.
+    experts_per_token: experts each token is routed to (top-k), 1..n_experts.
+    router_aux_loss_coef: weight of the load-balancing loss added in training (MoE only).
     """
 
     vocab_size: int = 272
@@ -112,6 +133,9 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     init_std: float = 0.02
+    n_experts: int = 0
+    experts_per_token: int = 2
+    router_aux_loss_coef: float = 0.01
     name: str = dataclasses.field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +146,18 @@ class LlamaConfig:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"model {f} must be a positive integer, got {v!r}")
+        for f in ("n_experts", "experts_per_token"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"model {f} must be a non-negative integer, got {v!r}")
+        if self.n_experts == 1 or (self.n_experts and not 1 <= self.experts_per_token <= self.n_experts):
+            raise ValueError(
+                f"model n_experts={self.n_experts}, experts_per_token={self.experts_per_token}: a mixture "
+                "needs n_experts >= 2 and 1 <= experts_per_token <= n_experts (n_experts: 0 for a dense MLP)"
+            )
+        if isinstance(self.router_aux_loss_coef, bool) or not isinstance(self.router_aux_loss_coef, (int, float)):
+            raise ValueError(f"model router_aux_loss_coef must be a number, got {self.router_aux_loss_coef!r}")
+        set_("router_aux_loss_coef", float(self.router_aux_loss_coef))
         for f in ("rope_theta", "norm_eps", "init_std"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
@@ -186,7 +222,8 @@ class LlamaConfig:
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Analytic parameter count (equals ``LlamaForCausalLM(self).num_parameters()``)."""
         d, kv = self.dim, self.n_kv_heads * self.head_dim
-        per_layer = 2 * d * d + 2 * d * kv + 3 * d * self.ffn_dim + 2 * d
+        mlp = 3 * d * self.ffn_dim * max(self.n_experts, 1) + d * self.n_experts  # experts + router
+        per_layer = 2 * d * d + 2 * d * kv + mlp + 2 * d
         body = self.n_layers * per_layer + d
         if exclude_embeddings:
             return body
@@ -197,7 +234,9 @@ class LlamaConfig:
         """Training FLOPs per token (forward + backward): 6 * (matmul params) + 12 * L * d * T
         for attention scores and values (PaLM appendix B; causality is not halved)."""
         d, kv = self.dim, self.n_kv_heads * self.head_dim
-        matmul = self.n_layers * (2 * d * d + 2 * d * kv + 3 * d * self.ffn_dim) + self.vocab_size * d
+        active = self.experts_per_token if self.n_experts else 1  # an MoE token runs top-k experts
+        mlp = 3 * d * self.ffn_dim * active + d * self.n_experts
+        matmul = self.n_layers * (2 * d * d + 2 * d * kv + mlp) + self.vocab_size * d
         return 6.0 * matmul + 12.0 * self.n_layers * d * seq_len
 
 
@@ -301,7 +340,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp: nn.Module = MoEBlock(cfg) if cfg.n_experts else LlamaMLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
@@ -348,6 +387,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.n_experts:  # no tensor-parallel plan for experts (expert parallelism: not yet)
+            self._tp_plan = {}
+            self._sp_plan = {}
         self.init_weights()
 
     gradient_checkpointing = False
@@ -381,6 +423,11 @@ class LlamaForCausalLM(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=s)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, TopKRouter):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, MoEExperts):
+                nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
+                nn.init.normal_(module.down_proj, mean=0.0, std=resid_std)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied LM head counts once)."""
@@ -434,6 +481,12 @@ class LlamaForCausalLM(nn.Module):
                 labels[:, 1:].reshape(-1),
                 ignore_index=-100,
             )
+            if self.config.n_experts and self.training:  # the routers' load-balancing loss (moe.py)
+                aux: list[torch.Tensor] = [
+                    a for b in self.model.layers if isinstance(a := getattr(b.mlp, "aux_loss", None), torch.Tensor)
+                ]
+                if aux:
+                    loss = loss + self.config.router_aux_loss_coef * torch.stack(aux).mean()
         return CausalLMOutput(loss, logits)
 
 

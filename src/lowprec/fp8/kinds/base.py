@@ -14,6 +14,13 @@ kind that way and trains with it.
 
 Operand casts are shared between kinds and keyed by granularity (``fp8/linear_fn.py``); a kind
 module registers the casts of the granularity it introduced.
+
+Grouped expert GEMMs (a mixture of experts' 3-D weight ``(E, N, K)``, tokens grouped by expert;
+``fp8/grouped.py``) are a kind's too: :meth:`Kind.grouped_forward` runs them. The default, which
+every kind inherits, runs each non-empty expert's three GEMMs exactly as the kind runs a Linear's
+(:meth:`Kind.forward` on that expert's slot: its weight, its rows of the state buffers), so a new
+kind has grouped GEMMs with per-expert scales and state without writing anything; a kind with a
+single-call grouped kernel overrides it (``ScaledGemmKind``: ``torch._scaled_grouped_mm``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from lowprec.catalog import RECIPES, RecipeInfo, kind_info
 from lowprec.fp8.plan import GemmCast, OperandCast
 
 if TYPE_CHECKING:
+    from lowprec.fp8.grouped import Float8GroupedGemm
     from lowprec.fp8.linear import Float8Linear
     from lowprec.fp8.quantize import Float8Data
     from lowprec.fp8.recipes import Recipe
@@ -112,6 +120,36 @@ class Kind:
     def gemm_note(self, recipe: Recipe, device: torch.device) -> str:
         """How this recipe's GEMMs run on ``device``, for the conversion report."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ grouped expert GEMMs
+    def grouped_forward(
+        self,
+        gemm: Float8GroupedGemm,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        counts: tuple[int, ...],
+        recipe: Recipe,
+        hp: torch.dtype,
+    ) -> torch.Tensor:
+        """``(S, N)``: ``x`` (S, K) holds ``counts[e]`` consecutive rows per expert ``e``; each
+        group is multiplied by ``weight[e].t()`` (``weight``: (E, N, K)). By default each
+        non-empty expert runs :meth:`forward` on its slot (``gemm.slot(e, weight[e])``): the
+        Linear's casts with scales of its own (a token group never shares one with another
+        expert's tokens), its state row, the FP8 copies it keeps for backward, its GEMM path;
+        an empty expert runs nothing."""
+        outs = []
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                outs.append(self.forward(gemm.slot(e, weight[e]), x[start : start + n], recipe, hp))
+            start += n
+        if not outs:  # no token routed anywhere: nothing to multiply
+            return x.new_zeros((0, weight.shape[1]), dtype=hp)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
+        """How the grouped expert GEMMs of this recipe run on ``device``, for the report."""
+        return f"one GEMM set per expert that holds tokens, each as a Linear's: {self.gemm_note(recipe, device)}"
 
 
 _KINDS: dict[str, Kind] = {}

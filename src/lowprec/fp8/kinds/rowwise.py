@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lowprec.fp8 import kernels
+from lowprec.fp8.grouped_fn import SingleCallGrouped
 from lowprec.fp8.kinds import base
 from lowprec.fp8.linear_fn import Caster, ScaledGemmKind, register_caster
 from lowprec.fp8.kinds.tensorwise import cpu_or_native_note, fused_cast_ok
@@ -50,7 +51,7 @@ class AxisCast(Caster):
 register_caster(AxisCast())
 
 
-class Rowwise(ScaledGemmKind):
+class Rowwise(SingleCallGrouped, ScaledGemmKind):
     """Per-row scaling (see the module docstring)."""
 
     name = "rowwise"

@@ -15,6 +15,7 @@ import torch
 from lowprec.fp8 import kernels
 from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 from lowprec.fp8.gemm import native_scaled_mm_available
+from lowprec.fp8.grouped_fn import SingleCallGrouped
 from lowprec.fp8.kinds import base
 from lowprec.fp8.linear_fn import Caster, ScaledGemmKind, register_caster
 from lowprec.fp8.plan import GemmCast, OperandCast
@@ -73,7 +74,7 @@ def cpu_or_native_note(recipe: Recipe, device: torch.device, granularity: str) -
     return f"emulated: torch._scaled_mm cannot run {recipe.scaling} scales on {device}"
 
 
-class Tensorwise(ScaledGemmKind):
+class Tensorwise(SingleCallGrouped, ScaledGemmKind):
     """Current per-tensor scaling (see the module docstring)."""
 
     name = "tensorwise"

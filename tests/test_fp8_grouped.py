@@ -1,0 +1,258 @@
+"""Grouped expert GEMMs (``fp8/grouped.py``): a 3-D weight (E, N, K), tokens grouped by expert,
+for every recipe, against a float64 reference (output, grad_input, grad_weight), and against
+the dense Float8Linear: one expert holding every token is a Float8Linear bit for bit.
+
+Floors (dB, N(0,1) data scaled as in test_fp8_linear_numerics.py, whose floors these are: a
+grouped GEMM is per-expert Linear GEMMs): output >= 26, gradients >= 22 HYBRID / >= 26 E4M3,
+nvfp4 >= 15 / 13; a wrong scale or a group reading another expert's weight shows as < 10 dB.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import lowprec.fp8 as fp8
+from lowprec.fp8.grouped import Float8GroupedGemm
+from lowprec.fp8.kinds.nvfp4 import SR_STATE
+from tests.conftest import sqnr
+
+RECIPES = list(fp8.RECIPE_NAMES)
+E, K, N = 4, 128, 96
+
+
+def _floors(recipe: fp8.Recipe) -> dict[str, float]:
+    grad = 22 if recipe.fp8_format == fp8.Format.HYBRID else 26
+    floors = {"out": 26, "grad_input": grad, "grad_weight": grad}
+    if recipe.kind.name == "nvfp4":
+        floors.update(out=15, grad_input=13, grad_weight=13)
+    if recipe.override_linear_precision[2]:
+        floors["grad_weight"] = 100
+    return floors
+
+
+def _grouped(recipe, counts, x, w, dy, gemm=None):
+    gemm = gemm or Float8GroupedGemm(len(counts), recipe)
+    xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = gemm(xt, wt, tuple(counts), recipe, torch.float32)
+    out.backward(dy)
+    return out, xt.grad, wt.grad
+
+
+def _reference(counts, x, w, dy):
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        outs.append(x64[start : start + n] @ w64[e].t())
+        start += n
+    out = torch.cat(outs)
+    out.backward(dy.double())
+    return out, x64.grad, w64.grad
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_sqnr_against_float64_with_an_empty_expert(seed, name):
+    recipe = fp8.Recipe.from_name(name)
+    counts = (37, 0, 64, 19)  # expert 1 holds no token: it runs nothing, its gradient is zero
+    s = sum(counts)
+    x, w, dy = torch.randn(s, K) * 2, torch.randn(E, N, K), torch.randn(s, N)
+    got = _grouped(recipe, counts, x, w, dy)
+    ref = _reference(counts, x, w, dy)
+    for key, g, r in zip(("out", "grad_input", "grad_weight"), got, ref):
+        assert g.shape == r.shape
+        assert sqnr(r, g) >= _floors(recipe)[key], f"{name} {key}: {sqnr(r, g):.1f} dB"
+    assert torch.count_nonzero(got[2][1]) == 0
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_one_expert_with_every_token_is_the_dense_linear_bit_for_bit(seed, name):
+    recipe = fp8.Recipe.from_name(name)
+    counts = (0, 48, 0, 0)
+    x, w, dy = torch.randn(48, K) * 2, torch.randn(E, N, K), torch.randn(48, N)
+    gemm = Float8GroupedGemm(E, recipe)
+    gemm.number_experts(0)  # nvfp4: expert e gets rounding stream e
+    out, gx, gw = _grouped(recipe, counts, x, w, dy, gemm)
+
+    lin = nn.Linear(K, N, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(w[1])
+    layer = fp8.Float8Linear.from_linear(lin, recipe)
+    recipe.kind.number_layer(layer, 1)  # the same stream as expert 1
+    xt = x.clone().requires_grad_()
+    ref = layer(xt)
+    ref.backward(dy)
+    assert torch.equal(out, ref)
+    assert torch.equal(gx, xt.grad)
+    assert torch.equal(gw[1], lin.weight.grad)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_token_group_never_shares_a_scale_with_another_experts_tokens(seed, name):
+    """Expert 0's tokens a thousand times larger leave every other expert's output, input
+    gradient and weight gradient unchanged to the bit."""
+    recipe = fp8.Recipe.from_name(name)
+    counts = (16, 32, 24, 8)
+    s = sum(counts)
+    x, w, dy = torch.randn(s, K), torch.randn(E, N, K), torch.randn(s, N)
+    loud = x.clone()
+    loud[:16] *= 1024
+    gemms = [Float8GroupedGemm(E, recipe) for _ in range(2)]
+    for g in gemms:
+        g.number_experts(0)
+    base = _grouped(recipe, counts, x, w, dy, gemms[0])
+    other = _grouped(recipe, counts, loud, w, dy, gemms[1])
+    assert torch.equal(base[0][16:], other[0][16:])
+    assert torch.equal(base[1][16:], other[1][16:])
+    assert torch.equal(base[2][1:], other[2][1:])
+    assert not torch.equal(base[2][0], other[2][0])
+
+
+def test_delayed_scaling_keeps_a_history_per_expert(seed):
+    recipe = fp8.Recipe.from_name("delayed", amax_history_len=8)
+    gemm = Float8GroupedGemm(E, recipe)
+    assert gemm.fp8_amax_history_input.shape == (E, 8) and gemm.fp8_step.shape == (E,)
+    counts = (5, 0, 9, 3)
+    x, w = torch.randn(17, K), torch.randn(E, N, K)
+    x[:5] *= 100  # expert 0's input amax is its own
+    _grouped(recipe, counts, x, w, torch.randn(17, N), gemm)
+    hist = gemm.fp8_amax_history_input[:, 0]
+    assert torch.equal(hist[1], torch.zeros(())) and int(gemm.fp8_step[1]) == 0  # empty: untouched
+    assert hist[0] == x[:5].abs().amax() and hist[2] == x[5:14].abs().amax()
+    assert gemm.fp8_step.tolist() == [1, 0, 1, 1] and gemm.fp8_step_grad.tolist() == [1, 0, 1, 1]
+    state = gemm.state_dict()
+    assert "fp8_amax_history_input" in state and "fp8_stats" not in state
+    fresh = Float8GroupedGemm(E, recipe)
+    fresh.load_state_dict({}, strict=True)  # a plain checkpoint: no scaling state, fresh state kept
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.fp8_amax_history_input, gemm.fp8_amax_history_input)
+    gemm.reset_fp8_state()
+    assert int(gemm.fp8_amax_history_input.abs().sum()) == 0 and gemm.fp8_step.tolist() == [0] * E
+
+
+def test_nvfp4_draws_one_rounding_stream_per_expert():
+    recipe = fp8.Recipe.from_name("nvfp4")
+    gemm = Float8GroupedGemm(E, recipe)
+    gemm.number_experts(10)
+    state = getattr(gemm, SR_STATE)
+    assert state[:, 0].tolist() == [10, 11, 12, 13]
+    _grouped(recipe, (4, 0, 4, 4), torch.randn(12, K), torch.randn(E, N, K), torch.randn(12, N), gemm)
+    assert state[:, 1].tolist() == [1, 0, 1, 1]  # the step advances where the expert ran
+
+
+def test_no_token_at_all_and_mismatched_counts():
+    recipe = fp8.Recipe.from_name("rowwise")
+    gemm = Float8GroupedGemm(E, recipe)
+    out = gemm(torch.randn(0, K), torch.randn(E, N, K), (0, 0, 0, 0), recipe, torch.float32)
+    assert out.shape == (0, N)
+    with pytest.raises(ValueError, match="grouped GEMM for 4 experts got 3 group counts"):
+        gemm(torch.randn(3, K), torch.randn(E, N, K), (1, 1, 1), recipe, torch.float32)
+
+
+# ------------------------------------------------------------------ the single-call path
+# torch._scaled_grouped_mm runs on CUDA sm_90/sm_100 only; on CPU the same dispatch runs with the
+# kernel replaced by its reference (same packed arguments, float32 math), and torch's own meta
+# kernel checks the arguments' layout. Unverified on a GPU (no device was drawn for this session).
+SINGLE = ["tensorwise", "rowwise"]
+
+
+@pytest.fixture
+def single_call(monkeypatch):
+    from lowprec.fp8 import grouped_gemm
+
+    calls = []
+
+    def kernel(*args):
+        calls.append(args)
+        return grouped_gemm.reference_scaled_grouped_mm(*args)
+
+    monkeypatch.setattr(grouped_gemm, "native_grouped_available", lambda device: True)
+    monkeypatch.setitem(grouped_gemm.KERNEL, "scaled_grouped_mm", kernel)
+    monkeypatch.setattr(grouped_gemm, "_CHECKED", {})
+    return calls
+
+
+@pytest.mark.parametrize("name", [*SINGLE, "tensorwise_e4m3"])
+def test_single_call_path_through_the_kinds_dispatch(seed, single_call, name):
+    recipe = (
+        fp8.Recipe.from_name("tensorwise", fp8_format="E4M3")
+        if name == "tensorwise_e4m3"
+        else fp8.Recipe.from_name(name)
+    )
+    counts = (37, 0, 64, 19)
+    s = sum(counts)
+    x, w, dy = torch.randn(s, K) * 2, torch.randn(E, N, K), torch.randn(s, N)
+    got = _grouped(recipe, counts, x, w, dy)
+    # one call for the output GEMM (after the one-time check's call), one for grad_input where dY is E4M3
+    e4m3_dy = recipe.fp8_format == fp8.Format.E4M3
+    assert len(single_call) == 1 + 1 + int(e4m3_dy)
+    ref = _reference(counts, x, w, dy)
+    floors = _floors(recipe)
+    for key, g, r in zip(("out", "grad_input", "grad_weight"), got, ref):
+        assert sqnr(r, g) >= floors[key], f"{name} {key}: {sqnr(r, g):.1f} dB"
+    # against the per-expert path: the same casts; the kernel rounds its output to bf16 once
+    loop = _grouped(
+        recipe,
+        counts,
+        x,
+        w,
+        dy,
+        Float8GroupedGemm(E, fp8.Recipe.from_name(name, gemm="upcast"))
+        if name != "tensorwise_e4m3"
+        else Float8GroupedGemm(E, recipe.replace(gemm="upcast")),
+    )
+    for g, lp in zip(got, loop):
+        assert sqnr(lp, g) >= 45
+    assert torch.equal(got[2], loop[2])  # grad_weight: per expert in both paths
+
+
+def test_single_call_arguments_pass_torchs_own_checks():
+    """The packed operands of a real grouped cast, as meta tensors of the same shapes, strides
+    and dtypes, go through torch's meta kernel for _scaled_grouped_mm (its CUDA checks)."""
+    from lowprec.fp8.grouped_gemm import pack_2d3d
+
+    recipe = fp8.Recipe.from_name("rowwise")
+    spec_x, spec_w = recipe.plan().fprop.casts
+    from lowprec.fp8.linear_fn import cast
+
+    counts = (5, 0, 33, 16)
+    x, w = torch.randn(sum(counts), K), torch.randn(E, N, K)
+    groups, start = [], 0
+    for n in counts:
+        groups.append(cast(x[start : start + n], spec_x, 1, recipe) if n else None)
+        start += n
+    args = pack_2d3d(groups, [cast(w[e], spec_w, 1, recipe).t() for e in range(E)])
+    mat_a, mat_b, scale_a, scale_b, offs, rows = args
+    assert mat_a.shape == (16 + 0 + 48 + 16, K) and offs.tolist() == [16, 16, 64, 80] and rows.numel() == 54
+
+    def meta(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    out = torch._scaled_grouped_mm(
+        meta(mat_a), meta(mat_b), meta(scale_a), meta(scale_b), offs=meta(offs), out_dtype=torch.bfloat16
+    )
+    assert out.shape == (80, N) and out.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="column major"):  # the check is real: a row-major mat_b fails it
+        torch._scaled_grouped_mm(
+            meta(mat_a),
+            meta(mat_b.contiguous()),
+            meta(scale_a),
+            meta(scale_b),
+            offs=meta(offs),
+            out_dtype=torch.bfloat16,
+        )
+
+
+def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch, caplog):
+    from lowprec.fp8 import grouped_gemm
+
+    monkeypatch.setattr(grouped_gemm, "native_grouped_available", lambda device: True)
+    monkeypatch.setitem(
+        grouped_gemm.KERNEL, "scaled_grouped_mm", lambda a, b, sa, sb, offs: torch.zeros(a.shape[0], b.shape[-1])
+    )
+    monkeypatch.setattr(grouped_gemm, "_CHECKED", {})
+    recipe = fp8.Recipe.from_name("rowwise")
+    with caplog.at_level("WARNING", logger="lowprec.fp8"):
+        out = _grouped(recipe, (8, 8, 0, 8), torch.randn(24, K), torch.randn(E, N, K), torch.randn(24, N))
+    assert "torch._scaled_grouped_mm failed its check on cpu" in caplog.text
+    assert out[0].abs().sum() > 0  # the per-expert path ran
