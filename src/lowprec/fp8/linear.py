@@ -65,6 +65,7 @@ from lowprec.fp8.mx_linear import MX_STATE_BUFFER, init_mx_state, mx_linear
 from lowprec.fp8.quantize import Float8Data, quantize
 from lowprec.fp8.recipes import BLOCK_SCALED, LinearPlan, OperandCast, Recipe
 from lowprec.fp8.saved import save_operands, saved_operands
+from lowprec.fp8.sharding import SavedWeight, recast_weight_in_backward, reshape_output
 from lowprec.fp8.scaling import amax_to_scale, delayed_scale_step
 
 __all__ = ["Float8Linear", "delayed_scale_step", "plain_module", "state_epoch"]
@@ -164,6 +165,8 @@ class _FnConfig:
     hp_dtype: torch.dtype
     plan: LinearPlan  # recipe.plan(), built once per recipe
     weight_cache: Any = None  # a frozen weight's cast store (fp8/frozen.py), or None
+    # keep the weight and the forward's scale, not its FP8 cast, for grad_input (fp8/sharding.py)
+    recast_weight: bool = False
 
 
 class _Float8LinearFn(torch.autograd.Function):
@@ -204,6 +207,8 @@ class _Float8LinearFn(torch.autograd.Function):
             if need_dgrad:
                 reuse = plan.w_reused or (plan.w_square and cfg.weight_cache is not None)
                 w_saved = (wq if w_col is None else w_col) if reuse else weight
+                if reuse and cfg.recast_weight and wq is not None:  # FSDP / ZeRO-3: no FP8 copy kept
+                    w_saved = SavedWeight(weight, wq.scale)
             # What grad_weight needs: the input, cast for a GEMM contracting over M.
             x_saved = None
             if need_wgrad:
@@ -240,6 +245,9 @@ class _Float8LinearFn(torch.autograd.Function):
                     else:
                         dyq = _cast(dy, dg.a, 1, recipe, _tensor_scale(dg.a, dy_scale))
                     dy_first = dyq
+                    if isinstance(w_saved, SavedWeight):  # the forward's cast again: its scale, same bits
+                        w_rows, w_col = _cast_pair(w_saved.weight, dg.b, recipe, w_saved.scale, plan.w_dual)
+                        w_saved = w_rows if w_col is None else w_col
                     wq = w_saved if isinstance(w_saved, Float8Data) else _cast(w_saved, dg.b, 0, recipe)
                     grad_x = scaled_mm(dyq, wq, hp, path=recipe.gemm)
                 grad_x = grad_x.to(ctx.x_dtype)
@@ -464,10 +472,12 @@ class Float8Linear(nn.Linear):
             out = mx_linear(self, x2, recipe, hp)
         else:
             plan = recipe.plan()
-            cache = frozen_weight_cache(self, self.weight, recipe, plan, torch.is_grad_enabled() and x2.requires_grad)
-            cfg = _FnConfig(recipe, hp, plan, cache)
+            recast = recast_weight_in_backward(self, self.weight, recipe)  # sharded weight: no FP8 copy kept
+            grads = torch.is_grad_enabled() and x2.requires_grad
+            cache = None if recast else frozen_weight_cache(self, self.weight, recipe, plan, grads)
+            cfg = _FnConfig(recipe, hp, plan, cache, recast)
             out = _Float8LinearFn.apply(x2, self.gemm_weight(), cfg, self._cast_state(x2, recipe))
-        out = out.reshape(*x.shape[:-1], self.out_features)
+        out = reshape_output(out, (*x.shape[:-1], self.out_features))  # not a view (FSDP2 warns)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out

@@ -40,6 +40,7 @@ from lowprec.fp8.mx_gemm import mx_mm
 from lowprec.fp8.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
 from lowprec.fp8.recipes import Recipe
 from lowprec.fp8.saved import save_operands, saved_operands
+from lowprec.fp8.sharding import SavedWeight, recast_weight_in_backward
 
 if TYPE_CHECKING:  # linear.py imports this module
     from lowprec.fp8.linear import Float8Linear
@@ -71,6 +72,7 @@ class _MXConfig:
     hp_dtype: torch.dtype
     stats: bool
     seeds: tuple[int, int] | None  # nvfp4: stochastic rounding seeds for dgrad's and wgrad's dY
+    recast_weight: bool = False  # nvfp4: keep the weight, not its FP4 tiles (fp8/sharding.py)
 
 
 def _quantize(t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None) -> BlockScaledData:
@@ -136,12 +138,14 @@ class _MXLinearFn(torch.autograd.Function):
                 if cfg.stats:
                     stats[0].copy_(block_stats(x, xq))
                     stats[1].copy_(block_stats(weight, wq))
-            w_saved: BlockScaledData | torch.Tensor | None = None
+            w_saved: BlockScaledData | SavedWeight | torch.Tensor | None = None
             if need_dgrad:
                 # nvfp4: the forward's 16x16 tiles serve grad_input too (one weight both ways)
                 w_saved = wq if (nv and not olp[1] and wq is not None) else weight
                 if nv and not olp[1] and not isinstance(w_saved, BlockScaledData):
                     w_saved = quantize_nvfp4_2d(weight)
+                if nv and not olp[1] and cfg.recast_weight:  # FSDP / ZeRO-3: tiles again in backward
+                    w_saved = SavedWeight(weight)
             x_saved = None
             if need_wgrad:
                 if olp[2] or not recipe.save_fp8_activations:
@@ -168,7 +172,9 @@ class _MXLinearFn(torch.autograd.Function):
                 else:
                     dyq = _quantize(dy, recipe, bwd, seeds[0])
                     first = dyq
-                    if isinstance(w_saved, BlockScaledData):
+                    if isinstance(w_saved, SavedWeight):  # the forward's tiles: a function of the weight
+                        wtq = transpose_2d(quantize_nvfp4_2d(w_saved.weight))
+                    elif isinstance(w_saved, BlockScaledData):
                         wtq = transpose_2d(w_saved)
                     else:  # W^T along N, from the Parameter
                         wtq = _quantize(w_saved.t(), recipe, fwd)
@@ -212,5 +218,6 @@ def mx_linear(module: Float8Linear, x2: torch.Tensor, recipe: Recipe, hp: torch.
                 state[1] += 1
             module.__dict__["_nvfp4_advanced"] = not recomputing()
             seeds = (_stream_seed(recipe, layer, step, 0), _stream_seed(recipe, layer, step, 1))
-    cfg = _MXConfig(recipe, hp, bool(module.fp8_telemetry), seeds)
+    recast = recast_weight_in_backward(module, module.weight, recipe)
+    cfg = _MXConfig(recipe, hp, bool(module.fp8_telemetry), seeds, recast)
     return _MXLinearFn.apply(x2, module.gemm_weight(), cfg, module.fp8_stats)

@@ -48,6 +48,7 @@ def tp_forward(layer, x: torch.Tensor, recipe, hp: torch.dtype) -> torch.Tensor:
 
     from lowprec.fp8.cast_state import CastState
     from lowprec.fp8.linear import _Float8LinearFn, _FnConfig  # linear.py imports this module
+    from lowprec.fp8.sharding import recast_weight_in_backward
 
     w = layer.weight
     mesh = w.device_mesh
@@ -78,7 +79,8 @@ def tp_forward(layer, x: torch.Tensor, recipe, hp: torch.dtype) -> torch.Tensor:
     state = CastState(layer.fp8_stats if layer.fp8_telemetry else None)
     # whole-tensor scales, handed in
     state.x_scale, state.w_scale = (pre.scale, scales[0]) if pre is not None else (scales[0], scales[1])
-    out = _Float8LinearFn.apply(x2, w_local, _FnConfig(recipe, hp, recipe.plan()), state)
+    cfg = _FnConfig(recipe, hp, recipe.plan(), recast_weight=recast_weight_in_backward(layer, w, recipe))  # FSDP2 x TP
+    out = _Float8LinearFn.apply(x2, w_local, cfg, state)
     out = out.reshape(*x_local.shape[:-1], w_local.shape[0])
     bias = layer.bias
     if colwise:
