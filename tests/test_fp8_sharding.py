@@ -132,3 +132,27 @@ def test_reshape_output_copies_only_a_non_contiguous_product():
     tt = torch.randn(4, 6).t()
     moved = reshape_output(tt, (2, 3, 4))
     assert moved._base is None and torch.equal(moved, tt.reshape(2, 3, 4))
+
+
+def test_compiled_recast_is_bitwise_the_kept_cast():
+    """torch.compile(fullgraph=True) of a layer FSDP manages (its two marks set by hand): auto
+    re-casts in the compiled backward, with the same bits as keeping the cast (delayed: the
+    scale handed to the re-cast is the history's; tensorwise measured the same, left out for time)."""
+    name = "delayed"
+    torch._dynamo.reset()
+    with fp8.autocast():  # the CPU GEMM choice is probed eagerly (a file read), then cached
+        fp8.Float8Linear(64, 48)(torch.randn(4, 64))
+    lin = nn.Linear(64, 48)
+    outs = []
+    for recompute in (False, None):
+        recipe = fp8.Recipe.from_name(name, force_recompute_fp8_weight_in_bwd=recompute)
+        layer = fp8.Float8Linear.from_linear(copy.deepcopy(lin), recipe)
+        layer._is_fsdp_managed_module = True  # what fully_shard sets (dynamo reads both)
+        layer._fsdp_use_orig_params = True
+        compiled = torch.compile(layer, fullgraph=True)
+        x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        with fp8.autocast():
+            y = compiled(x)
+        y.pow(2).sum().backward()
+        outs.append((y.detach(), x.grad, layer.weight.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

@@ -72,7 +72,7 @@ def recast_weight_in_backward(layer: torch.nn.Module, weight: torch.Tensor, reci
     why = weight_sharded(layer, weight)
     if why is None:
         return False
-    if why not in _LOGGED:
+    if why not in _LOGGED and not torch.compiler.is_compiling():  # a log call would break the graph
         _LOGGED.add(why)
         logger.info(
             "lowprec: force_recompute_fp8_weight_in_bwd=auto: %s, so backward keeps a reference to the "
