@@ -8,6 +8,8 @@ input-only / weight-only gradients), then compares a later tree with torch.equal
     PYTHONPATH=src python benchmarks/bit_identity.py cmp /tmp/base.pt            # torch path
     PYTHONPATH=src python benchmarks/bit_identity.py cmp /tmp/base.pt --fused    # fused paths
     ... --recipes tensorwise,mxfp8                                              # a subset
+    PYTHONPATH=src python benchmarks/bit_identity.py cmp /tmp/base.pt --force_recompute_fp8_weight_in_bwd true
+                                      # the weight re-cast in backward against a record that kept it
 
 Every recipe of ``lowprec.catalog.RECIPES`` by default (mxfp8 and nvfp4 run their block-scaled
 path, ``fp8/mx_linear.py``); a recipe that reads ``scale_rounding`` also runs with ``floor``.
@@ -32,9 +34,16 @@ ap.add_argument("mode", choices=["save", "cmp"], help="save a record, or compare
 ap.add_argument("path", help="the record (.pt)")
 ap.add_argument("--fused", action="store_true", help="the CUDA code paths, torch reference for the kernels")
 ap.add_argument("--recipes", default=",".join(CATALOG), help="comma-separated recipe names (default: all)")
+ap.add_argument(
+    "--force_recompute_fp8_weight_in_bwd",
+    choices=["auto", "true", "false"],
+    default="auto",
+    help="the Recipe field (auto: the default, which keeps the FP8 weight here: nothing is sharded)",
+)
 args = ap.parse_args()
 torch.set_num_threads(1)
 RECIPES = args.recipes.split(",")
+RECOMPUTE = {"auto": None, "true": True, "false": False}[args.force_recompute_fp8_weight_in_bwd]
 VARIANTS = {
     "plain": {},
     "no_save_fp8": {"save_fp8_activations": False},
@@ -57,6 +66,8 @@ def run(name, variant, grads, autocast, ckpt, telemetry):
         recipe = fp8.Recipe.from_name(
             name, **knobs, **({"interval": 2, "amax_history_len": 3} if name == "delayed" else {})
         )
+        if RECOMPUTE is not None:
+            recipe = recipe.replace(force_recompute_fp8_weight_in_bwd=RECOMPUTE)
     except ValueError:  # a variant the recipe refuses (nvfp4 without save_fp8_activations)
         return None
     lin = torch.nn.Linear(256, 128)

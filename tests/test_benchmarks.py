@@ -77,3 +77,35 @@ def test_train_step_benchmark_tiny(tmp_path):
     assert rows["bf16"]["fp8_layers"] == 0 and rows["tensorwise"]["fp8_layers"] == 27
     # llama-tiny at 128 tokens per step: the cost model predicts no layer wins on an H100
     assert rows["tensorwise+auto"]["fp8_layers"] == 0
+
+
+def test_fsdp_memory_benchmark_counts_the_fp8_weight_copies(tmp_path):
+    """benchmarks/fsdp_memory.py on 1 and 2 gloo processes: the bytes it reports (never times).
+    Re-casting (auto) keeps no whole FP8 weight and less than bf16 from forward to backward;
+    keeping the copies (off) holds one per FP8 layer, whatever the world size, so its per-rank
+    bytes at the end of forward fall less than bf16's when sharding over more processes."""
+    out = tmp_path / "fsdp_memory.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "fsdp_memory.py"),
+        "--worlds",
+        "1,2",
+        "--configs",
+        "bf16,tensorwise:auto,tensorwise:off",
+        "--out",
+        str(out),
+    ]
+    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+    data = json.loads(out.read_text())
+    assert {"command", "date", "torch", "device", "machine", "per_world", "ratios_vs_bf16"} <= set(data)
+    for w in ("1", "2"):
+        rows = data["per_world"][w]
+        auto, off, bf16 = rows["tensorwise:auto"], rows["tensorwise:off"], rows["bf16"]
+        assert auto["unsharded_weight_bytes"] == 0 and bf16["unsharded_weight_bytes"] == 0
+        assert off["unsharded_weights_held"] == off["fp8_layers"] > 0
+        assert off["saved_bytes"] - auto["saved_bytes"] == off["unsharded_weight_bytes"]
+        assert auto["saved_bytes"] < bf16["saved_bytes"] < off["saved_bytes"]
+    ratios = data["ratios_vs_bf16"]
+    assert ratios["tensorwise:auto"]["after_forward_bytes_falls_like_bf16"] is True
+    assert ratios["tensorwise:off"]["after_forward_bytes_falls_like_bf16"] is False

@@ -99,6 +99,7 @@ def random_settings(rng: random.Random) -> LaunchSettings:
         "fp8_override_linear_precision": lambda: (False, rng.random() < 0.5, rng.random() < 0.5),
         "fp8_use_autocast_during_eval": lambda: rng.random() < 0.5,
         "fp8_pad_inner_dim": lambda: rng.random() < 0.5,
+        "fp8_force_recompute_fp8_weight_in_bwd": lambda: rng.random() < 0.5,
         "gradient_accumulation_steps": lambda: rng.randint(1, 16),
         "dynamo_backend": lambda: rng.choice(V.DYNAMO_BACKENDS),
     }

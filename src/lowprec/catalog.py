@@ -100,6 +100,7 @@ RECIPE_FIELDS = (
     "save_fp8_activations",
     "fp8_activations",
     "reduce_amax",
+    "force_recompute_fp8_weight_in_bwd",
     "seed",
     "high_precision_last",
     "name",

@@ -166,6 +166,10 @@ class AORecipeKwargs(RecipeKwargs):
     lowprec's extension, used when ``config`` is not given. ``use_autocast_during_eval``
     (lowprec's extension, env ``ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL``): FP8 in
     ``model.eval()`` too; off by default as for TE (Accelerate's AO path had no switch, bug 15).
+    ``force_recompute_fp8_weight_in_bwd`` (env ``ACCELERATE_FP8_FORCE_RECOMPUTE_FP8_WEIGHT_IN_BWD``,
+    Accelerate PR 4109's name): ``None`` (auto) / ``True`` / ``False``, the native engine's
+    :class:`~lowprec.fp8.Recipe` field; torchao's own layers always keep the high-precision weight
+    for backward, so only ``False`` there is a request it cannot honour (logged once).
     """
 
     config: Optional[Any] = None
@@ -174,6 +178,7 @@ class AORecipeKwargs(RecipeKwargs):
     enable_fsdp_float8_all_gather: Optional[bool] = _setting("fp8_enable_fsdp_float8_all_gather", True)
     recipe: Optional[str] = None
     use_autocast_during_eval: Optional[bool] = _setting("fp8_use_autocast_during_eval")
+    force_recompute_fp8_weight_in_bwd: Optional[bool] = _setting("fp8_force_recompute_fp8_weight_in_bwd", None)
 
     backend = "torchao"
 
@@ -199,7 +204,10 @@ class NativeRecipeKwargs(RecipeKwargs):
     ``rowwise_with_gw_hp``, ``blockwise`` (env ``LOWPREC_FP8_RECIPE``). ``overrides`` sets single
     :class:`lowprec.fp8.Recipe` fields (``reduce_amax=False`` keeps per-rank delayed-scaling
     amaxes); ``enable_fsdp_float8_all_gather`` (env ``ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER``,
-    default off) all-gathers FSDP2 weights in FP8 (tensorwise only); ``ACCELERATE_FP8_*`` variables that are *set* (as
+    default off) all-gathers FSDP2 weights in FP8 (tensorwise only); ``force_recompute_fp8_weight_in_bwd``
+    (env ``ACCELERATE_FP8_FORCE_RECOMPUTE_FP8_WEIGHT_IN_BWD``, default auto: where FSDP / ZeRO-3 shards
+    the weight) re-casts the weight in backward instead of keeping its FP8 copy (the
+    :class:`~lowprec.fp8.Recipe` field; an explicit ``overrides`` entry wins); ``ACCELERATE_FP8_*`` variables that are *set* (as
     ``lowprec launch`` writes them) override the named preset too, explicit ``overrides`` win.
     A field the named recipe accepts but does not read (``amax_history_len`` for
     ``tensorwise``) is kept, as Accelerate would, with one warning. ``module_filter_func(module,
@@ -216,6 +224,8 @@ class NativeRecipeKwargs(RecipeKwargs):
     # off unless asked for on the native engine (torchao's handler defaults it on): it changes
     # what FSDP2 gathers and needs the tensorwise recipe, so it is never switched on silently
     enable_fsdp_float8_all_gather: Optional[bool] = _setting("fp8_enable_fsdp_float8_all_gather", False)
+    # None (auto): re-cast the weight in backward where FSDP / ZeRO-3 shards it (Recipe field)
+    force_recompute_fp8_weight_in_bwd: Optional[bool] = _setting("fp8_force_recompute_fp8_weight_in_bwd", None)
 
     backend = "native"
 
@@ -240,6 +250,7 @@ class NativeRecipeKwargs(RecipeKwargs):
 
         overrides = dict(self.overrides)
         overrides.setdefault("use_during_eval", self.use_autocast_during_eval)
+        overrides.setdefault("force_recompute_fp8_weight_in_bwd", self.force_recompute_fp8_weight_in_bwd)
         object.__setattr__(self, "_recipe", Recipe.from_name(self.recipe, **overrides))
 
     def _check_overrides(self) -> None:

@@ -186,8 +186,8 @@ def _handler_fields(fields: Mapping[str, Any]) -> dict:
             out["recipe"] = value
         elif key == "fp8_use_autocast_during_eval":
             out["use_autocast_during_eval"] = value
-        elif key == "fp8_enable_fsdp_float8_all_gather":
-            out["enable_fsdp_float8_all_gather"] = value
+        elif key in ("fp8_enable_fsdp_float8_all_gather", "fp8_force_recompute_fp8_weight_in_bwd"):
+            out[key.removeprefix("fp8_")] = value
         else:
             out["overrides"][recipe_field(key)] = value
     return out
@@ -208,7 +208,13 @@ SPEC = BackendSpec(
     aliases=("lowprec",),
     summary="lowprec's own FP8 engine (always available; every recipe, CPU included)",
     kwargs_class=NativeRecipeKwargs,
-    reads=("fp8_recipe", *RECIPE_SETTINGS, *ENGINE_SETTINGS, "fp8_enable_fsdp_float8_all_gather"),
+    reads=(
+        "fp8_recipe",
+        *RECIPE_SETTINGS,
+        *ENGINE_SETTINGS,
+        "fp8_enable_fsdp_float8_all_gather",
+        "fp8_force_recompute_fp8_weight_in_bwd",
+    ),
     create=_create,
     native_recipe=NativeRecipeKwargs.to_recipe,
     to_handler_fields=_handler_fields,

@@ -86,6 +86,11 @@ class TorchAOBackend(BaseBackend):
                 "switched off here so the optimizer keeps the model's parameters"
             )
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
+        if h.force_recompute_fp8_weight_in_bwd is False:
+            log_once(
+                "lowprec: torchao's Float8Linear keeps the high-precision weight for backward and re-casts it "
+                "(torchao has no FP8 copy to keep); force_recompute_fp8_weight_in_bwd=false has no effect here"
+            )
         if ctx.emulate and not config.emulate:
             config = dataclasses.replace(config, emulate=True)
         self._fsdp_all_gather = bool(config.enable_fsdp_float8_all_gather)
@@ -140,7 +145,11 @@ def native_recipe(handler: AORecipeKwargs) -> Any:
             f"lowprec: AORecipeKwargs {', '.join(ignored)} configure torchao only and have no "
             "effect on lowprec's native engine (torchao is not installed)"
         )
-    return Recipe.from_name(handler.recipe or "tensorwise", use_during_eval=handler.use_autocast_during_eval)
+    return Recipe.from_name(
+        handler.recipe or "tensorwise",
+        use_during_eval=handler.use_autocast_during_eval,
+        force_recompute_fp8_weight_in_bwd=handler.force_recompute_fp8_weight_in_bwd,
+    )
 
 
 def _fallback(handler: AORecipeKwargs, recipe: Any, reason: str) -> BaseBackend:
@@ -151,7 +160,12 @@ SPEC = BackendSpec(
     env_value="AO",
     summary="PyTorch torchao Float8Linear (tensorwise/rowwise, FSDP2 FP8 all-gather); else the same recipe natively",
     kwargs_class=AORecipeKwargs,
-    reads=("fp8_pad_inner_dim", "fp8_enable_fsdp_float8_all_gather", "fp8_use_autocast_during_eval"),
+    reads=(
+        "fp8_pad_inner_dim",
+        "fp8_enable_fsdp_float8_all_gather",
+        "fp8_use_autocast_during_eval",
+        "fp8_force_recompute_fp8_weight_in_bwd",
+    ),
     library="torchao",
     distributions=("torchao",),
     create=TorchAOBackend,

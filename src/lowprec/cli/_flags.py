@@ -188,6 +188,13 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     )
     _add(fp8, "fp8_enable_fsdp_float8_all_gather", type=bool_t, metavar="{true,false}")
     _add(fp8, "fp8_pad_inner_dim", type=bool_t, metavar="{true,false}")
+    _add(
+        fp8,
+        "fp8_force_recompute_fp8_weight_in_bwd",
+        type=_argtype(V.parse_bool_or_auto, "fp8_force_recompute_fp8_weight_in_bwd"),
+        metavar="{true,false,auto}",
+        help="re-cast the weight in backward instead of keeping its FP8 copy (auto: where FSDP/ZeRO-3 shards it)",
+    )
 
 
 _SETTINGS_FIELDS = frozenset(LaunchSettings.__dataclass_fields__)

@@ -54,6 +54,9 @@ ACCELERATE_FP8_OPT_LEVEL                       fp8, if set            O1 | O2 (l
 ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL        fp8, if set            true | false: keep FP8 on in model.eval()
 ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER   fp8, if set            true | false: FP8 all-gather under FSDP2
 ACCELERATE_FP8_PAD_INNER_DIM                   fp8, if set            true | false: pad GEMM dims to 16 (torchao)
+ACCELERATE_FP8_FORCE_RECOMPUTE_FP8_WEIGHT_IN_BWD fp8, if set          true | false (auto: unset): re-cast the weight
+                                                                      in backward instead of keeping its FP8 copy
+                                                                      (auto: where FSDP / ZeRO-3 shards it)
 ============================================== ====================== =====================================
 
 Not written: ``dynamo_backend`` (ACCELERATE_DYNAMO_BACKEND) and ``zero3_init_flag``
@@ -183,6 +186,13 @@ ENV_VARS: tuple[_Var, ...] = (
     _Var("fp8_use_autocast_during_eval", "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", _B, "fp8"),
     _Var("fp8_enable_fsdp_float8_all_gather", "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", _B, "fp8"),
     _Var("fp8_pad_inner_dim", "ACCELERATE_FP8_PAD_INNER_DIM", _B, "fp8"),
+    _Var(
+        "fp8_force_recompute_fp8_weight_in_bwd",
+        "ACCELERATE_FP8_FORCE_RECOMPUTE_FP8_WEIGHT_IN_BWD",
+        V.parse_bool_or_auto,
+        "fp8",
+        V.format_bool,
+    ),
 )
 
 _OWNED = frozenset(v.name for v in ENV_VARS) | frozenset(FP8_OVERRIDE_VARS)
@@ -334,6 +344,7 @@ class LaunchSettings:
     fp8_use_autocast_during_eval: bool | None = None
     fp8_enable_fsdp_float8_all_gather: bool | None = None
     fp8_pad_inner_dim: bool | None = None
+    fp8_force_recompute_fp8_weight_in_bwd: bool | None = None  # None: auto
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass

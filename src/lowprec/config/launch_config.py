@@ -103,6 +103,7 @@ class FP8Config(_Strict):
     use_autocast_during_eval: OptBool = _alias("use_autocast_during_eval", "use_during_eval")
     enable_fsdp_float8_all_gather: OptBool = None
     pad_inner_dim: OptBool = None
+    force_recompute_fp8_weight_in_bwd: Annotated[Optional[bool], _opt(V.parse_bool_or_auto)] = None
     use_mxfp8_block_scaling: OptBool = None
     use_nvfp4_block_scaling: OptBool = None
 
@@ -429,6 +430,7 @@ def settings_to_yaml_dict(settings: LaunchSettings) -> dict[str, Any]:
         "use_autocast_during_eval": s.fp8_use_autocast_during_eval,
         "enable_fsdp_float8_all_gather": s.fp8_enable_fsdp_float8_all_gather,
         "pad_inner_dim": s.fp8_pad_inner_dim,
+        "force_recompute_fp8_weight_in_bwd": s.fp8_force_recompute_fp8_weight_in_bwd,
     }
     fp8 = {k: v for k, v in fp8.items() if v is not None}
     if fp8:

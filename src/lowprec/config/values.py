@@ -28,6 +28,7 @@ __all__ = [
     "DYNAMO_BACKENDS",
     "choice",
     "parse_bool",
+    "parse_bool_or_auto",
     "parse_int",
     "parse_float",
     "parse_mixed_precision",
@@ -78,6 +79,16 @@ def parse_bool(value: Any) -> bool:
     if text in _FALSE:
         return False
     raise ValueError(f"{value!r} is not a boolean; use true or false")
+
+
+def parse_bool_or_auto(value: Any) -> bool | None:
+    """A boolean, or ``auto`` (also ``None`` / empty) for "decide for me": ``None``."""
+    if value is None or str(value).strip().lower() in ("auto", ""):
+        return None
+    try:
+        return parse_bool(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a boolean or auto; use true, false or auto") from None
 
 
 def format_bool(value: bool) -> str:

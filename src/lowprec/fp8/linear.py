@@ -56,6 +56,7 @@ from lowprec.fp8.kinds.delayed import OPERANDS
 from lowprec.fp8.quantize import Float8Data
 from lowprec.fp8.recipes import Recipe
 from lowprec.fp8.scaling import delayed_scale_step
+from lowprec.fp8.sharding import reshape_output
 from lowprec.fp8.tp_linear import is_tensor_parallel, tp_forward
 
 __all__ = [
@@ -256,7 +257,7 @@ class Float8Linear(FP8Switch, nn.Linear):
             return tp_forward(self, x, recipe, hp)
         x2 = x.reshape(-1, x.shape[-1])
         out = recipe.kind.forward(self, x2, recipe, hp)  # its scaling kind's GEMMs (fp8/kinds/)
-        out = out.reshape(*x.shape[:-1], self.out_features)
+        out = reshape_output(out, (*x.shape[:-1], self.out_features))  # not a view (FSDP2 warns)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out

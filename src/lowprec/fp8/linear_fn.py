@@ -24,6 +24,7 @@ from lowprec.fp8.kinds import base
 from lowprec.fp8.plan import LinearPlan, OperandCast
 from lowprec.fp8.quantize import Float8Data
 from lowprec.fp8.saved import save_operands, saved_operands
+from lowprec.fp8.sharding import SavedWeight, recast_weight_in_backward
 
 if TYPE_CHECKING:
     from lowprec.fp8.linear import Float8Linear
@@ -122,6 +123,8 @@ class FnConfig:
     hp_dtype: torch.dtype
     plan: LinearPlan  # recipe.plan(), built once per recipe
     weight_cache: Any = None  # a frozen weight's cast store (fp8/frozen.py), or None
+    # keep the weight and the forward's scale, not its FP8 cast, for grad_input (fp8/sharding.py)
+    recast_weight: bool = False
 
 
 class Float8LinearFn(torch.autograd.Function):
@@ -162,6 +165,8 @@ class Float8LinearFn(torch.autograd.Function):
             if need_dgrad:
                 reuse = plan.w_reused or (plan.w_square and cfg.weight_cache is not None)
                 w_saved = (wq if w_col is None else w_col) if reuse else weight
+                if reuse and cfg.recast_weight and wq is not None:  # FSDP / ZeRO-3: no FP8 copy kept
+                    w_saved = SavedWeight(weight, wq.scale)
             # What grad_weight needs: the input, cast for a GEMM contracting over M.
             x_saved = None
             if need_wgrad:
@@ -198,6 +203,9 @@ class Float8LinearFn(torch.autograd.Function):
                     else:
                         dyq = cast(dy, dg.a, 1, recipe, handed_scale(dg.a, dy_scale))
                     dy_first = dyq
+                    if isinstance(w_saved, SavedWeight):  # the forward's cast again: its scale, same bits
+                        w_rows, w_col = cast_pair(w_saved.weight, dg.b, recipe, w_saved.scale, plan.w_dual)
+                        w_saved = w_rows if w_col is None else w_col
                     wq = w_saved if isinstance(w_saved, Float8Data) else cast(w_saved, dg.b, 0, recipe)
                     grad_x = scaled_mm(dyq, wq, hp, path=recipe.gemm)
                 grad_x = grad_x.to(ctx.x_dtype)
@@ -221,8 +229,10 @@ def linear_gemms(
 ) -> torch.Tensor:
     """``layer``'s output for 2-D ``x2`` through :class:`Float8LinearFn` (bias not added)."""
     plan = recipe.plan()
-    cache = frozen_weight_cache(layer, layer.weight, recipe, plan, torch.is_grad_enabled() and x2.requires_grad)
-    return Float8LinearFn.apply(x2, layer.gemm_weight(), FnConfig(recipe, hp, plan, cache), state)
+    recast = recast_weight_in_backward(layer, layer.weight, recipe)  # sharded weight: no FP8 copy kept
+    grads = torch.is_grad_enabled() and x2.requires_grad
+    cache = None if recast else frozen_weight_cache(layer, layer.weight, recipe, plan, grads)
+    return Float8LinearFn.apply(x2, layer.gemm_weight(), FnConfig(recipe, hp, plan, cache, recast), state)
 
 
 class ScaledGemmKind(base.Kind):

@@ -37,6 +37,7 @@ from lowprec.fp8.formats import saturation_threshold
 from lowprec.fp8.mx import BlockScaledData, e8m0_decode
 from lowprec.fp8.mx_gemm import mx_mm
 from lowprec.fp8.saved import save_operands, saved_operands
+from lowprec.fp8.sharding import SavedWeight, recast_weight_in_backward
 
 if TYPE_CHECKING:
     from lowprec.fp8.linear import Float8Linear
@@ -77,6 +78,7 @@ class _MXConfig:
     hp_dtype: torch.dtype
     stats: bool
     seeds: tuple[int, int] | None  # stochastic rounding seeds for dgrad's and wgrad's dY, or None
+    recast_weight: bool = False  # keep the weight, not its quantized tiles (fp8/sharding.py)
 
 
 def _decode_scales(q: BlockScaledData) -> torch.Tensor:
@@ -123,12 +125,14 @@ class _MXLinearFn(torch.autograd.Function):
                 if cfg.stats:
                     stats[0].copy_(block_stats(x, xq))
                     stats[1].copy_(block_stats(weight, wq))
-            w_saved: BlockScaledData | torch.Tensor | None = None
+            w_saved: BlockScaledData | SavedWeight | torch.Tensor | None = None
             if need_dgrad:
                 # nvfp4: the forward's 16x16 tiles serve grad_input too (one weight both ways)
                 w_saved = weight
                 if codec.reuses_weight and not olp[1]:
                     w_saved = wq if wq is not None else codec.quantize_weight(weight, recipe, fwd)
+                    if cfg.recast_weight:  # FSDP / ZeRO-3: the tiles again in backward
+                        w_saved = SavedWeight(weight)
             x_saved = None
             if need_wgrad:
                 if olp[2] or not recipe.save_fp8_activations:
@@ -155,7 +159,9 @@ class _MXLinearFn(torch.autograd.Function):
                 else:
                     dyq = codec.quantize(dy, recipe, bwd, seeds[0])
                     first = dyq
-                    if isinstance(w_saved, BlockScaledData):
+                    if isinstance(w_saved, SavedWeight):  # the forward's tiles: a function of the weight
+                        wtq = codec.transpose_weight(codec.quantize_weight(w_saved.weight, recipe, fwd))
+                    elif isinstance(w_saved, BlockScaledData):
                         wtq = codec.transpose_weight(w_saved)
                     else:  # W^T along N, from the Parameter
                         wtq = codec.quantize(w_saved.t(), recipe, fwd)
@@ -187,5 +193,6 @@ def mx_linear(
     seeds: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The output of a Float8Linear with a microscaling recipe (bias not added), for 2-D ``x2``."""
-    cfg = _MXConfig(recipe, codec, hp, bool(module.fp8_telemetry), seeds)
+    recast = recast_weight_in_backward(module, module.weight, recipe)
+    cfg = _MXConfig(recipe, codec, hp, bool(module.fp8_telemetry), seeds, recast)
     return _MXLinearFn.apply(x2, module.gemm_weight(), cfg, module.fp8_stats)

@@ -106,6 +106,14 @@ class Recipe:
         all layers), so every rank casts with the same scales (TransformerEngine's
         ``DelayedScaling.reduce_amax``, default on there too). ``False`` keeps per-rank
         histories. See :mod:`lowprec.distributed.amax_sync`.
+    force_recompute_fp8_weight_in_bwd: what backward keeps of the weight where the forward's FP8
+        cast could serve grad_input (per-tensor recipes; nvfp4's 16x16 tiles). ``None`` (auto,
+        the default): the FP8 copy, unless FSDP or DeepSpeed ZeRO-3 shards the weight, where a
+        reference to the (freed after forward, re-gathered for backward) weight and the forward's
+        scale are kept and the weight re-cast in backward (same bits); ``True``: always re-cast
+        (1 byte per weight element less held between forward and backward, one more cast in
+        backward); ``False``: always keep the FP8 copy (under FSDP: the whole model's weights, in
+        FP8, on every rank). torchao's and Accelerate's name. See :mod:`lowprec.fp8.sharding`.
     """
 
     scaling: str = "tensorwise"
@@ -124,6 +132,7 @@ class Recipe:
     save_fp8_activations: bool = True
     fp8_activations: bool = False
     reduce_amax: bool = True
+    force_recompute_fp8_weight_in_bwd: bool | None = None
     scale_rounding: str = _D["scale_rounding"]
     seed: int = 0
     high_precision_last: float = 0.0
@@ -157,6 +166,11 @@ class Recipe:
             raise ValueError(f"scale_rounding={self.scale_rounding!r}; use one of {SCALE_ROUNDINGS}")
         if not isinstance(self.fp8_activations, bool):
             raise ValueError(f"fp8_activations must be true or false, got {self.fp8_activations!r}")
+        recompute = self.force_recompute_fp8_weight_in_bwd
+        if recompute == "auto":  # YAML's spelling of the default
+            set_("force_recompute_fp8_weight_in_bwd", None)
+        elif recompute is not None and not isinstance(recompute, bool):
+            raise ValueError(f"force_recompute_fp8_weight_in_bwd must be true, false or auto, got {recompute!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         hpl = self.high_precision_last

@@ -34,6 +34,7 @@ from lowprec.catalog import check_tensor_parallel
 from lowprec.fp8.cast_state import CastState
 from lowprec.fp8.gathered import as_float8_data
 from lowprec.fp8.linear_fn import Float8LinearFn, FnConfig
+from lowprec.fp8.sharding import recast_weight_in_backward
 from lowprec.fp8.scaling import amax, amax_to_scale
 
 __all__ = ["is_tensor_parallel", "tp_forward"]
@@ -79,7 +80,8 @@ def tp_forward(layer, x: torch.Tensor, recipe, hp: torch.dtype) -> torch.Tensor:
     state = CastState(layer.fp8_stats if layer.fp8_telemetry else None)
     # whole-tensor scales, handed in
     state.x_scale, state.w_scale = (pre.scale, scales[0]) if pre is not None else (scales[0], scales[1])
-    out = Float8LinearFn.apply(x2, w_local, FnConfig(recipe, hp, recipe.plan()), state)
+    cfg = FnConfig(recipe, hp, recipe.plan(), recast_weight=recast_weight_in_backward(layer, w, recipe))  # FSDP2 x TP
+    out = Float8LinearFn.apply(x2, w_local, cfg, state)
     out = out.reshape(*x_local.shape[:-1], w_local.shape[0])
     bias = layer.bias
     if colwise:

@@ -101,6 +101,17 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
             raise ValueError("fp8_enable_fsdp_float8_all_gather: true needs fp8: true; set fp8: true or drop it")
         if self.fp8_enable_fsdp_float8_all_gather:
             check_fsdp_fp8_all_gather(self.fp8_recipe.name)
+        recompute = self.fp8_force_recompute_fp8_weight_in_bwd
+        if recompute != "auto" and not self.fp8:
+            raise ValueError(
+                f"fp8_force_recompute_fp8_weight_in_bwd: {yaml_text(recompute)} needs fp8: true; set fp8: true or drop it"
+            )
+        in_recipe = self.fp8_recipe.overrides.get("force_recompute_fp8_weight_in_bwd", "auto")
+        if recompute != "auto" and in_recipe not in ("auto", None, recompute):
+            raise ValueError(
+                f"fp8_force_recompute_fp8_weight_in_bwd: {yaml_text(recompute)} and fp8_recipe."
+                f"force_recompute_fp8_weight_in_bwd: {yaml_text(in_recipe)} disagree; keep one"
+            )
         tp = self.tensor_parallel_size
         if tp > 1 and self.deepspeed is not None:
             raise ValueError(f"tensor_parallel_size: {tp} runs with FSDP2, not deepspeed; drop one of them")

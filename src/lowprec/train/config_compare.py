@@ -121,6 +121,11 @@ def check_fp8_backend(cfg) -> None:
             f"fp8_guard / fp8_health with {key}: {spec.name}'s layers have no lowprec telemetry; drop them "
             f"or use fp8_backend: {FP8_BACKENDS[0]}"
         )
+    if cfg.fp8_force_recompute_fp8_weight_in_bwd != "auto":
+        raise ValueError(
+            f"fp8_force_recompute_fp8_weight_in_bwd with {key}: {spec.name}'s layers always keep the "
+            f"high-precision weight for backward and re-cast it; drop it or use fp8_backend: {FP8_BACKENDS[0]}"
+        )
     if cfg.fp8_filter:
         raise ValueError(
             f"fp8_filter with {key}: {spec.name} keeps only the default layers (first/last "

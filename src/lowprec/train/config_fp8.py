@@ -66,6 +66,13 @@ class PrecisionKeys(StrictModel):
     fp8_enable_fsdp_float8_all_gather: Optional[bool] = Field(
         default=None, description="all-gather FSDP2 weights in FP8 (needs fsdp_version: 2 and fp8_recipe: tensorwise)"
     )
+    fp8_force_recompute_fp8_weight_in_bwd: Union[Literal["auto"], bool] = Field(
+        default="auto",
+        description="backward re-casts each FP8 weight from the re-gathered weight instead of keeping its FP8 "
+        "copy: auto (where FSDP2 or ZeRO-3 shards the weights: no unsharded FP8 weight held from forward to "
+        "backward), true (always: 1 byte per weight element less held, one more cast per layer in backward), "
+        "false (keep the copy)",
+    )
     fp8_fallback: Optional[Literal["bf16", "emulate"]] = Field(
         default=None,
         description="on a GPU without FP8 (below sm_89): bf16 (train in bf16) or emulate (FP8 numerics, slow)",

@@ -190,6 +190,9 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
                 overrides=cfg.fp8_recipe.overrides,
                 skip_patterns=tuple(DEFAULT_SKIP_PATTERNS) + tuple(cfg.fp8_filter),
                 enable_fsdp_float8_all_gather=cfg.fp8_enable_fsdp_float8_all_gather,
+                force_recompute_fp8_weight_in_bwd=None
+                if cfg.fp8_force_recompute_fp8_weight_in_bwd == "auto"
+                else cfg.fp8_force_recompute_fp8_weight_in_bwd,
             )
         )
         if not plan.bf16_autocast:
