@@ -36,6 +36,13 @@ KNOWN_CYCLES = {
     ("lowprec.kwargs", "lowprec.utils"),
     ("lowprec.utils", "lowprec.accelerator"),
 }
+# (importer, imported): lazy on purpose, for a behaviour a test shows
+LAZY_ON_PURPOSE = {
+    # loaded with the Accelerator, the checkpoint machinery made Accelerate's debug_launcher tests
+    # fail (test_grad_sync in tests/test_accelerate_conformance.py: the launcher's FileStore file
+    # was already removed when it closed it); cause not found yet
+    ("lowprec.utils.checkpointing", "lowprec.checkpoint.state"),
+}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -151,6 +158,8 @@ def test_every_import_inside_a_function_has_a_reason():
             if key is None:
                 unexplained.append(f"{m}:{line} closes a cycle with {ts} not listed in KNOWN_CYCLES")
             stale.discard(key)
+            continue
+        if any((m, t) in LAZY_ON_PURPOSE for t in ts):
             continue
         have = _packages_pulled(m, top, third, memo)
         if all(_packages_pulled(t, top, third, memo) <= have for t in ts):

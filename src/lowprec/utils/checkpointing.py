@@ -14,13 +14,21 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from lowprec.checkpoint.state import load_state, save_fp8_model, save_model, save_state
 from lowprec.checkpoint.serialization import parse_size, write_sharded
 from lowprec.utils.dataclasses import ProjectConfiguration
 
 __all__ = ["CheckpointingMixin", "parse_size", "write_sharded"]
 
 logger = logging.getLogger("lowprec")
+
+
+def _state() -> Any:
+    """``lowprec.checkpoint.state``, loaded when the Accelerator first saves or loads. Loading it
+    with the Accelerator made Accelerate's own ``debug_launcher`` tests fail (their FileStore's
+    temporary file was gone before the launcher removed it; ``tests/test_imports.py``)."""
+    from lowprec.checkpoint import state
+
+    return state
 
 
 def _numbered(folder: str) -> list[str]:
@@ -128,7 +136,7 @@ class CheckpointingMixin:
                 )
         elif output_dir is None:
             output_dir = os.path.join(self._need_project_dir(), "checkpoint")
-        path = save_state(self, output_dir, safe_serialization)
+        path = _state().save_state(self, output_dir, safe_serialization)
         if pc.automatic_checkpoint_naming:
             pc.iteration += 1
             if pc.total_limit is not None and self.is_main_process:
@@ -156,7 +164,7 @@ class CheckpointingMixin:
             input_dir = found[-1]
         elif input_dir is None:
             input_dir = os.path.join(self._need_project_dir(), "checkpoint")
-        load_state(self, input_dir)
+        _state().load_state(self, input_dir)
 
     def save_model(
         self,
@@ -175,12 +183,12 @@ class CheckpointingMixin:
         high-precision layers kept bf16), written by the main process."""
 
         if fp8_format is not None:
-            save_fp8_model(self, model, save_directory, fp8_format)
+            _state().save_fp8_model(self, model, save_directory, fp8_format)
             return
 
         # meta parameters: read back from a big-model dispatch's offload hooks, or an error naming
         # the first one (lowprec.utils.offload)
-        save_model(self, model, save_directory, safe_serialization, max_shard_size)
+        _state().save_model(self, model, save_directory, safe_serialization, max_shard_size)
 
     def save(self, obj: Any, f: str, safe_serialization: bool = False) -> None:
         """``torch.save`` (or safetensors) on the main process only."""
