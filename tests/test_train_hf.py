@@ -449,11 +449,13 @@ def test_frozen_base_layer_runs_two_gemms_and_casts_its_weight_once_per_version(
     import lowprec.fp8.linear_fn as linear_fn
 
     gemms, casts = [], []
-    real_mm, real_quantize = linear_fn.scaled_mm, tensorwise.quantize
+    real_mm, real_quantize = linear_fn.scaled_mm, tensorwise.quantize_tensorwise
     monkeypatch.setattr(
         linear_fn, "scaled_mm", lambda a, b, *args, **kw: gemms.append(a.data.shape) or real_mm(a, b, *args, **kw)
     )
-    monkeypatch.setattr(tensorwise, "quantize", lambda t, *a, **kw: casts.append(t.shape) or real_quantize(t, *a, **kw))
+    monkeypatch.setattr(
+        tensorwise, "quantize_tensorwise", lambda t, *a, **kw: casts.append(t.shape) or real_quantize(t, *a, **kw)
+    )
     torch.manual_seed(0)
     frozen, trained = (torch.nn.Sequential(torch.nn.Linear(64, 32)) for _ in range(2))
     trained.load_state_dict(frozen.state_dict())

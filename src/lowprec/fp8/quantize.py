@@ -144,9 +144,14 @@ def quantize_tensorwise(
     *,
     margin: int = 0,
     power_of_2: bool = False,
+    finite: bool = False,
+    unsaturated: bool = False,
 ) -> Float8Data:
     """One scale for the whole tensor; computed from ``amax(x)`` unless ``scale`` is given
-    (delayed scaling passes the scale derived from its amax history)."""
+    (delayed scaling passes the scale derived from its amax history). What the caller knows of a
+    scale handed in (delayed scaling on CPU reads the amax) lets the cast skip passes that change
+    no bit: ``finite``, ``x * scale`` holds no inf or NaN (no inf -> NaN pass); ``unsaturated``,
+    moreover ``|x| * scale <= fp8_max`` (no clamp either)."""
     given = scale is not None
     if _fused_cast(x, scale):
         from lowprec.fp8 import kernels
@@ -165,7 +170,8 @@ def quantize_tensorwise(
         return Float8Data(data, scale, "tensor", None, power_of_2)
     if scale is None:
         scale = amax_to_scale(amax(x32), dtype, margin=margin, power_of_2=power_of_2)
-    data = _saturate_(_scaled(x32, owned, scale), dtype, may_hold_inf=given)
+    scaled = _scaled(x32, owned, scale)
+    data = scaled.to(dtype) if unsaturated else _saturate_(scaled, dtype, may_hold_inf=given and not finite)
     return Float8Data(data, scale, "tensor", None, power_of_2)
 
 

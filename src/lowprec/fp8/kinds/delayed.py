@@ -16,6 +16,7 @@ The casts and GEMMs are tensorwise's (``tensorwise.py``), with the scale handed 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,8 +24,9 @@ import torch
 from lowprec.fp8 import host_scale, kernels, shared_cast
 from lowprec.fp8.autocast import recomputing
 from lowprec.fp8.cast_state import CastState
+from lowprec.fp8.formats import fp8_max
 from lowprec.fp8.kinds import base
-from lowprec.fp8.kinds.tensorwise import Tensorwise, fused_cast_ok
+from lowprec.fp8.kinds.tensorwise import FINITE, UNSATURATED, Tensorwise, fused_cast_ok
 from lowprec.fp8.plan import OperandCast
 from lowprec.fp8.quantize import Float8Data
 from lowprec.fp8.scaling import delayed_scale_step
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["Delayed", "DelayedCastState", "cast_delayed_fused", "OPERANDS"]
 
 OPERANDS = ("input", "weight", "grad_output")
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 def cast_delayed_fused(
@@ -92,9 +95,16 @@ class DelayedCastState(CastState):
             # CPU: the same update in host floats (host_scale.py), not ~25 scalar kernels
             # the input's amax is read once for the Linears that share it (shared_cast.py)
             amax_now = shared_cast.amax(t, host_scale.amax_value) if which == "input" else host_scale.amax_value(t)
-            return torch.tensor(
-                host_scale.delayed_step(hist, scale, step, amax_now, dtype, recipe), dtype=torch.float32
-            )
+            value = host_scale.delayed_step(hist, scale, step, amax_now, dtype, recipe)
+            used = torch.tensor(value, dtype=torch.float32)
+            # the product of two float32 values is exact in a Python float: when it is within the
+            # format, no element of t saturates and t holds no inf or NaN (its amax is finite), so
+            # the cast may skip the two passes that guard against them (same bits: TensorCast)
+            if math.isfinite(amax_now) and amax_now * value <= _F32_MAX:  # no inf before or after scaling
+                setattr(used, FINITE, True)
+                if amax_now * value <= fp8_max(dtype):
+                    setattr(used, UNSATURATED, True)
+            return used
         used, new_hist, new_scale = delayed_scale_step(hist, scale, step, kernels.amax(t), dtype, recipe)
         hist.copy_(new_hist)
         scale.copy_(new_scale)

@@ -19,15 +19,20 @@ from lowprec.fp8.grouped_fn import SingleCallGrouped
 from lowprec.fp8.kinds import base
 from lowprec.fp8.linear_fn import Caster, ScaledGemmKind, register_caster
 from lowprec.fp8.plan import GemmCast, OperandCast
-from lowprec.fp8.quantize import Float8Data, quantize
+from lowprec.fp8.quantize import Float8Data, quantize_tensorwise
 from lowprec.fp8.scaling import amax_to_scale
 
 if TYPE_CHECKING:
     from lowprec.fp8.recipes import Recipe
 
-__all__ = ["TensorCast", "Tensorwise", "fused_cast_ok", "cpu_or_native_note"]
+__all__ = ["TensorCast", "Tensorwise", "fused_cast_ok", "cpu_or_native_note", "UNSATURATED", "FINITE"]
 
 _HP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# set on a scale handed in (delayed scaling, CPU) when its tensor is finite and no element of it
+# times the scale passes the format's max: the cast then skips its inf and clamp passes
+UNSATURATED = "_lowprec_unsaturated"
+# set where the tensor times the scale holds no inf or NaN (the inf pass is skipped; the clamp stays)
+FINITE = "_lowprec_finite"
 
 
 def fused_cast_ok(t: torch.Tensor) -> bool:
@@ -41,7 +46,15 @@ class TensorCast(Caster):
     granularity = "tensor"
 
     def one(self, t, spec: OperandCast, contract: int, recipe: Recipe, scale=None) -> Float8Data:
-        return quantize(t, spec.dtype, "tensor", scale=scale, margin=recipe.margin, power_of_2=recipe.power_of_2_scales)
+        return quantize_tensorwise(
+            t,
+            spec.dtype,
+            scale,
+            margin=recipe.margin,
+            power_of_2=recipe.power_of_2_scales,
+            finite=getattr(scale, FINITE, False),
+            unsaturated=getattr(scale, UNSATURATED, False),
+        )
 
     def both(self, t, spec: OperandCast, recipe: Recipe, scale=None) -> tuple[Float8Data, Float8Data]:
         """On CUDA with the Triton kernels the FP8 tensor and its transpose in one pass
