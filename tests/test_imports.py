@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import functools
 import pathlib
 import sys
 
@@ -78,6 +79,7 @@ def _targets(cur: str, node: ast.Import | ast.ImportFrom) -> list[str]:
     return sorted(out)
 
 
+@functools.lru_cache(maxsize=1)
 def _graph():
     top: dict[str, set[str]] = collections.defaultdict(set)
     third: dict[str, set[str]] = collections.defaultdict(set)

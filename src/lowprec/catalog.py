@@ -219,13 +219,18 @@ FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE = (
 )
 
 
+def _kind_row(recipe: str, scaling: str | None) -> "RecipeInfo":
+    """The catalog row of a recipe's kind: ``scaling`` where a built Recipe is at hand, else
+    read from the recipe's name."""
+    return kind_info(scaling if scaling is not None else recipe_info(recipe).scaling)
+
+
 def check_fsdp_fp8_all_gather(recipe: str, scaling: str | None = None) -> None:
     """The one rule "FP8 all-gather needs per-tensor scaling", for every caller (the YAML
     trainer, the launch flags, the native backend, the FSDP2 wrapper). ``recipe``: the recipe's
     name; ``scaling``: its scaling kind where a built Recipe is at hand (else read from the
     name). ``ValueError`` with the one message otherwise."""
-    kind = scaling if scaling is not None else recipe_info(recipe).scaling
-    if not kind_info(kind).fp8_all_gather:
+    if not _kind_row(recipe, scaling).fp8_all_gather:
         raise ValueError(FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe=recipe))
 
 
@@ -233,8 +238,7 @@ def check_tensor_parallel(recipe: str, scaling: str | None = None, what: str = "
     """The one rule "tensor (and sequence) parallel FP8 needs whole-tensor scales", for every
     caller (launch flags, the YAML trainer, the engine's TP layers). ``what`` names the setting
     for the message; ``ValueError`` otherwise."""
-    kind = scaling if scaling is not None else recipe_info(recipe).scaling
-    if not kind_info(kind).tensor_parallel:
+    if not _kind_row(recipe, scaling).tensor_parallel:
         raise ValueError(
             f"{what} needs whole-tensor scales agreed across the shards, which fp8_recipe {recipe!r} does not "
             "have; set fp8_recipe: tensorwise"

@@ -25,13 +25,8 @@ from lowprec.catalog import (
 )
 from lowprec.config import values as V
 from lowprec.kwargs import _FP8_NAMES, FP8_PREFIX, ForwardEveryField, _alias, env_get, environ
-from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field
-from lowprec.backends.spec import get_spec
-from lowprec.backends.spec import lookup
-from lowprec.backends.spec import spec_or_native
-from lowprec.config.env import ENV_VARS
-from lowprec.config.env import check_fp8_fields
-from lowprec.config.env import read_env
+from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field, get_spec, lookup, spec_or_native
+from lowprec.config.env import ENV_VARS, check_fp8_fields, read_env
 from lowprec.errors import did_you_mean
 
 __all__ = list(_FP8_NAMES)

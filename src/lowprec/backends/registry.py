@@ -15,8 +15,7 @@ from lowprec.backends.base import Backend, log_once
 from lowprec.backends.spec import BackendSpec, get_spec, lookup, specs
 from lowprec.decision import Decision
 from lowprec.kwargs import FP8_PREFIX, FP8RecipeKwargs, RecipeKwargs, env_flag, env_get, environ
-from lowprec.config.env import ENV_VARS
-from lowprec.config.env import FP8_OVERRIDE_VARS
+from lowprec.config.env import ENV_VARS, FP8_OVERRIDE_VARS
 
 __all__ = [
     "FP8Settings",

@@ -51,8 +51,7 @@ from lowprec.utils.distributed import (
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
-from lowprec.checkpoint.sharded import load_sharded
-from lowprec.checkpoint.sharded import save_sharded, uses_sharded
+from lowprec.checkpoint.sharded import load_sharded, save_sharded, uses_sharded
 from lowprec.utils.offload import fill_offloaded
 
 __all__ = ["save_state", "load_state", "save_model", "save_tensors", "load_tensors", "save_optimizer", "load_optimizer"]

@@ -27,8 +27,7 @@ import signal
 import sys
 import tempfile
 from typing import Any, Mapping, Optional, Sequence
-from lowprec.cli._worker import DONE_DIR_VAR
-from lowprec.cli._worker import marker_path
+from lowprec.cli._worker import DONE_DIR_VAR, marker_path
 
 __all__ = ["main", "describe_exit", "CONTINUE_VAR", "STOP_FILE_VAR", "report_stop", "aborted_after_done"]
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Union
 from lowprec.catalog import RECIPE_NAMES
-from lowprec.cli.train import add_config_flags, config_command
-from lowprec.cli.train import overrides_from_args
+from lowprec.cli.train import add_config_flags, config_command, overrides_from_args
 
 __all__ = ["NAME", "HELP", "add_parser", "run", "parse_seeds", "compare_settings"]
 

@@ -16,8 +16,7 @@ from lowprec.config import values as V
 from lowprec.config.env import LaunchSettings
 from lowprec.errors import UsageError
 from lowprec.backends.spec import spec_or_native
-from lowprec.catalog import FIELD_DEFAULTS, RECIPE_OPTIONS, Granularity, kind_info, recipe_info
-from lowprec.catalog import SCALING_FIELDS
+from lowprec.catalog import FIELD_DEFAULTS, RECIPE_OPTIONS, Granularity, kind_info, recipe_info, SCALING_FIELDS
 from lowprec.config.env import _parse_zero_stage
 
 __all__ = ["ask", "run_wizard"]

@@ -82,9 +82,7 @@ from typing import Any, Callable, Optional
 from lowprec.config import values as V
 from lowprec.catalog import check_tensor_parallel
 from lowprec.errors import UsageError, did_you_mean
-from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field
-from lowprec.backends.spec import spec_or_native
-from lowprec.backends.spec import specs
+from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field, spec_or_native, specs
 from lowprec.catalog import unread_recipe_fields
 
 __all__ = [

@@ -14,8 +14,7 @@ from typing import Any
 
 from lowprec.catalog import RECIPE_NAMES, RECIPE_OPTIONS, check_int_field, recipe_info
 from lowprec.errors import did_you_mean
-from lowprec.backends.spec import AUTO, specs
-from lowprec.backends.spec import spelling_table
+from lowprec.backends.spec import AUTO, specs, spelling_table
 
 __all__ = [
     "MIXED_PRECISIONS",

@@ -32,8 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from lowprec.fp8.capability import traced
-from lowprec.fp8.quantize import Float8Data, dequantize
-from lowprec.fp8.quantize import quantize_blockwise
+from lowprec.fp8.quantize import Float8Data, dequantize, quantize_blockwise
 
 __all__ = ["BLOCK", "supported", "blockwise_mm", "self_check"]
 

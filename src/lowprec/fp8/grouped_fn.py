@@ -172,13 +172,14 @@ class SingleCallGrouped(base.Kind):
     passed its check (``grouped_gemm.single_call_ready``); elsewhere, and for a kind with an
     amax history (delayed), the per-expert loop every kind has."""
 
-    def grouped_single_call(self, recipe: Recipe, device: torch.device, telemetry: bool) -> bool:
+    def _grouped_eligible(self, recipe: Recipe, telemetry: bool) -> bool:
+        """A recipe torch's grouped kernel can run: no amax history, its GEMM path, its casts."""
         return (
-            not self.keeps_history
-            and recipe.gemm in ("auto", "scaled_mm")
-            and fits(recipe, recipe.plan(), telemetry)
-            and grouped_gemm.single_call_ready(device)
+            not self.keeps_history and recipe.gemm in ("auto", "scaled_mm") and fits(recipe, recipe.plan(), telemetry)
         )
+
+    def grouped_single_call(self, recipe: Recipe, device: torch.device, telemetry: bool) -> bool:
+        return self._grouped_eligible(recipe, telemetry) and grouped_gemm.single_call_ready(device)
 
     def grouped_forward(
         self,
@@ -195,12 +196,7 @@ class SingleCallGrouped(base.Kind):
 
     def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
         plan = recipe.plan()
-        if (
-            not self.keeps_history
-            and recipe.gemm in ("auto", "scaled_mm")
-            and fits(recipe, plan, False)
-            and grouped_gemm.native_grouped_available(device)
-        ):
+        if self._grouped_eligible(recipe, False) and grouped_gemm.native_grouped_available(device):
             e4m3 = all(o.dtype == torch.float8_e4m3fn for o in plan.dgrad.casts)  # else E5M2 dY: per expert
             dgrad = "and grad_input " if e4m3 else ""
             return (

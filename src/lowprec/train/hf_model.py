@@ -30,11 +30,9 @@ from torch import nn
 
 from lowprec.errors import did_you_mean
 from lowprec.checkpoint.serialization import load_error_reason
-from lowprec.fp8 import plain_state_dict
-from lowprec.fp8 import unconvert
+from lowprec.fp8 import plain_state_dict, unconvert
 from lowprec.train.adapters import is_peft_model
-from lowprec.train.tokenizer import HFTokenizer, load_tokenizer
-from lowprec.train.tokenizer import is_remote_code_refusal, remote_code_message
+from lowprec.train.tokenizer import HFTokenizer, load_tokenizer, is_remote_code_refusal, remote_code_message
 
 __all__ = [
     "locate_pretrained",

@@ -11,8 +11,7 @@
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
-from lowprec.train.stats import gap_curves
-from lowprec.train.stats import interval
+from lowprec.train.stats import gap_curves, interval
 
 __all__ = ["plot_loss", "plot_fp8_report", "plot_compare", "worst_layers"]
 

@@ -39,10 +39,8 @@ from lowprec.train.outputs import make_output_dir, write_conversion_report
 from lowprec.train.run_lock import hold_output_dir
 from lowprec.train.loop import Run, run_loop
 from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
-from lowprec import Accelerator
-from lowprec import __version__
-from lowprec.fp8 import DEFAULT_SKIP_PATTERNS
-from lowprec.fp8 import has_fp8_layers
+from lowprec import Accelerator, __version__
+from lowprec.fp8 import DEFAULT_SKIP_PATTERNS, has_fp8_layers
 from lowprec.fp8.autocast import replay_context
 from lowprec.kwargs import (
     AutocastKwargs,
@@ -56,16 +54,12 @@ from lowprec.train.adapters import LoraSettings, apply_lora, check_new_tokens
 from lowprec.train.data import TokenBatches, build_datasets
 from lowprec.train.data_setup import example_loaders, uses_examples
 from lowprec.train.generations import EvalTable
-from lowprec.train.hf_model import export_pretrained
-from lowprec.train.hf_model import load_causal_lm, locate_pretrained
-from lowprec.train.hf_model import load_run_tokenizer
+from lowprec.train.hf_model import export_pretrained, load_causal_lm, locate_pretrained, load_run_tokenizer
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
-from lowprec.train.outputs import export_model
-from lowprec.train.outputs import write_resolved_config
+from lowprec.train.outputs import export_model, write_resolved_config
 from lowprec.train.packing import packed_causal_mask
 from lowprec.train.plots import plot_fp8_report, plot_loss
-from lowprec.train.resume_check import apply_changes, check_resume, saved_settings
-from lowprec.train.resume_check import settings_of
+from lowprec.train.resume_check import apply_changes, check_resume, saved_settings, settings_of
 from lowprec.utils.dataclasses import DataLoaderConfiguration
 from lowprec.utils.parallelism import data_shard
 
