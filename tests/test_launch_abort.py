@@ -170,3 +170,32 @@ def test_worker_marks_only_a_success(tmp_path, body, code):
     assert marker.is_file() == (code == 0)
     if code == 1:
         assert "ValueError: boom" in p.stderr
+
+
+def test_worker_failure_leaves_without_the_finalization_that_aborts(tmp_path):
+    # a failed rank holding what aborts at finalization (as live gloo threads do): its exit is the
+    # script's error (code 1, traceback), not a SIGABRT that would hide it; atexit ran, files flushed
+    body = (
+        "import atexit, os, sys, types\n"
+        "class A:\n"
+        "    def __del__(self, _abort=os.abort):\n"
+        "        _abort()\n"
+        "holder = types.ModuleType('_abort_at_exit')\n"
+        "holder.obj = A()\n"
+        "sys.modules['_abort_at_exit'] = holder\n"
+        "log = open('unclosed.txt', 'w')\n"
+        "log.write('kept')\n"
+        "atexit.register(lambda: open('atexit.txt', 'w').write('ran'))\n"
+        "raise RuntimeError('rank failed')\n"
+    )
+    p, marker = _run_worker(tmp_path, body)
+    assert p.returncode == 1, p.stderr
+    assert "RuntimeError: rank failed" in p.stderr and "Traceback" in p.stderr
+    assert not marker.exists()
+    assert (tmp_path / "atexit.txt").read_text() == "ran"
+    assert (tmp_path / "unclosed.txt").read_text() == "kept"
+
+
+def test_worker_exit_message_is_printed_with_code_1(tmp_path):
+    p, marker = _run_worker(tmp_path, "import sys\nsys.exit('bad input: see --help')\n")
+    assert p.returncode == 1 and "bad input: see --help" in p.stderr and not marker.exists()

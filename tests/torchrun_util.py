@@ -10,6 +10,8 @@ work finished fails the test, as it fails a user's run.
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 from typing import Callable
@@ -21,6 +23,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_NOISE = ("Warning", "Failed to load", "warnings.warn", "*****", "OMP_NUM_THREADS")
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    """What a failed launch printed, for the assertion message: stdout's tail, then stderr without
+    the import-time warning lines, whole when short, else its start (the first rank to fail, e.g.
+    a faulthandler stack of a SIGABRT) and its end (the launcher's summary)."""
+    err = "\n".join(line for line in proc.stderr.splitlines() if not any(n in line for n in _NOISE))
+    if len(err) > 14000:
+        err = err[:6000] + "\n[...]\n" + err[-8000:]
+    return f"exit {proc.returncode}\n--- stdout (tail)\n{proc.stdout[-2000:]}\n--- stderr\n{err}"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc; torchrun starts each worker in a session of
+    its own, so a process-group kill would miss them)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _run_tree(cmd: list[str], timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)``; past ``timeout`` the launcher and
+    every worker under it are killed (not left running beside the next test) and it fails with
+    what they printed."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for pid in [*_descendants(p.pid), p.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            out, err = p.communicate()
+            hung = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+            raise AssertionError(f"no exit after {timeout} s; the launcher and its workers were killed\n{explain(hung)}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def run_torchrun(
     cmd: list[str], done: Callable[[subprocess.CompletedProcess], bool], **kwargs
 ) -> subprocess.CompletedProcess:
@@ -29,9 +83,9 @@ def run_torchrun(
     for flag in ("--master_port", "--main_process_port"):
         if flag in cmd:
             cmd[cmd.index(flag) + 1] = str(free_port())
-    proc = subprocess.run(cmd, capture_output=True, text=True, **kwargs)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert done(proc), "exit 0 without the job's outputs:\n" + proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = _run_tree(cmd, **kwargs)
+    assert proc.returncode == 0, explain(proc)
+    assert done(proc), "exit 0 without the job's outputs:\n" + explain(proc)
     return proc
 
 
@@ -49,8 +103,8 @@ def run_ranks(
     proc = subprocess.run(
         [sys.executable, fork, str(nproc), script, *args], capture_output=True, text=True, env=port_env, timeout=timeout
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-8000:]
-    assert done(), "exit 0 without the job's outputs:\n" + proc.stdout[-3000:] + proc.stderr[-8000:]
+    assert proc.returncode == 0, explain(proc)
+    assert done(), "exit 0 without the job's outputs:\n" + explain(proc)
 
 
 def _finish_rank(rank: int, fn: Callable, *args) -> None:

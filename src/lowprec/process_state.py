@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from lowprec.kwargs import env_flag, env_get, env_int
-from lowprec.process_group import init_default_group
+from lowprec.process_group import destroy_group, init_default_group
 from lowprec.shared_state import SharedState
 from lowprec.kwargs import InitProcessGroupKwargs
 
@@ -226,5 +226,4 @@ class PartialState(SharedState, ProcessFacts):
             print(*args, **kwargs)
 
     def destroy_process_group(self, group: Any = None) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group(group)
+        destroy_group(group)

@@ -25,7 +25,7 @@ from lowprec.kwargs import (
     env_int,
 )
 from lowprec.process_state import DistributedType, PartialState, ProcessFacts, _resolve_device as _device_and_reason
-from lowprec.process_group import init_default_group
+from lowprec.process_group import destroy_group, init_default_group
 from lowprec.fp8.cpu_gemm import cpu_gemm_choice
 from lowprec.utils.data_loader import GradientState
 
@@ -249,8 +249,7 @@ class AcceleratorState(ProcessFacts):
         return "device" in self.__dict__
 
     def destroy_process_group(self, group: Any = None) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group(group)
+        destroy_group(group)
 
     def _decide(self, key: str, decision: Decision) -> Any:
         self.decisions[key] = decision

@@ -14,6 +14,7 @@ import os
 import warnings
 from typing import Any, Optional
 
+from lowprec.process_group import destroy_group
 from lowprec.utils.dataclasses import LoggerType
 from lowprec.utils.imports import (
     is_comet_ml_available,
@@ -325,4 +326,4 @@ class TrackingMixin:
         self.trackers = []
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
-            dist.destroy_process_group()
+            destroy_group()

@@ -27,12 +27,16 @@ CPython does at finalization that scripts rely on, flushing unclosed files, is s
 (after every local rank has written its own, so one rank's abort cannot get the others stopped
 mid-work) and an abort after it is reported as a warning.
 
-A script that fails (an exception, a non-zero exit) is left to Python's own handling: no marker,
-its exit code (or signal) is the rank's.
+A script that fails (an exception, a non-zero exit) writes no marker. Its traceback (or exit
+message) is printed as Python prints it, the atexit handlers run, files are flushed, and the rank
+leaves with exit code 1 (or the script's code) without finalization too: the same gloo race at
+finalization would otherwise turn the failure into a SIGABRT, and the launcher would report
+"killed by SIGABRT" for what was a Python error (a CI run did: docs/LOG.md, 2026-11-28).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -124,12 +128,33 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-m", "--module") and len(argv) < 2:
         raise SystemExit("usage: python -m lowprec.cli._worker [-m] script [args...]")
+    faulthandler.enable(all_threads=True)  # a crash (SIGABRT, SIGSEGV) prints every thread's Python stack
     try:
         _run(argv)
     except SystemExit as exc:
         if exc.code not in (None, 0):
-            raise  # a failure: Python reports it and exits with it, no marker
+            _fail(exc)
+    except BaseException as exc:  # noqa: BLE001 - every failure leaves the same way
+        _fail(exc)
     finish()
+
+
+def _fail(exc: BaseException) -> None:
+    """Leave a failed rank as the interpreter would (traceback or exit message, atexit handlers,
+    flushed files, its exit code) but without finalization (module docstring)."""
+    import atexit
+
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else 1
+        if not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    else:
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        sys.excepthook(type(exc), exc, exc.__traceback__)
+    _flush_open_files()
+    atexit._run_exitfuncs()  # noqa: SLF001
+    _flush_open_files()
+    os._exit(code)
 
 
 if __name__ == "__main__":
