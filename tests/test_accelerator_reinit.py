@@ -3,7 +3,7 @@ checks ``DataLoaderDispatcher`` on 2 processes (one launch for both: launches do
 
 ``end_training`` destroys the process group; the next Accelerator creates a new one through
 the launcher's store, where the old group's rendezvous keys remain. Before
-``lowprec.process_group`` gave every later group its own key prefix, a process arriving first
+``lowprec.state.process_group`` gave every later group its own key prefix, a process arriving first
 read the other's old gloo address: "Connection refused" or a hang (measured: 2 processes,
 12 cycles, failed in the first run; the accelerate_causal_lm example with end_training between
 its runs hung once in four).

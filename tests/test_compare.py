@@ -289,7 +289,7 @@ def test_compare_end_to_end_two_seeds(tmp_path, capsys, monkeypatch):
 
 def test_inert_keys_are_noted_once_before_the_runs(tmp_path, monkeypatch, caplog):
     """The runs train from dumped configs, which no longer hold a key the config makes inert
-    (lowprec.train.inert_keys): compare says it once, before planning them."""
+    (lowprec.train.config.inert): compare says it once, before planning them."""
     import lowprec.train.compare as cmp
 
     def stop(*_a, **_k):

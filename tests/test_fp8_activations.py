@@ -165,7 +165,7 @@ def test_hf_llama_modules_switch_and_back():
 
 
 def test_recipe_field_is_validated_and_reaches_the_trainer_spec():
-    from lowprec.train.config_fp8 import FP8RecipeSpec
+    from lowprec.train.config.fp8 import FP8RecipeSpec
 
     with pytest.raises(ValueError, match="fp8_activations must be true or false"):
         fp8.Recipe.from_name("tensorwise", fp8_activations="yes")

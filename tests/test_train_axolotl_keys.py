@@ -46,7 +46,7 @@ AXOLOTL_FFT = {
 
 
 def test_every_axolotl_key_is_known_null_accepted_values_named():
-    from lowprec.train.inert_keys import RULES
+    from lowprec.train.config.inert import RULES
 
     fields = set(TrainConfig.model_fields)
     default = {k: f.default for k, f in TrainConfig.model_fields.items()}.get  # val_set_size: 0.03
@@ -168,7 +168,7 @@ def test_new_keys_survive_replace_as_compare_uses_it(name):
     assert other.evals_per_epoch == cfg.evals_per_epoch and other.sample_packing == cfg.sample_packing
 
 
-# (config, inert key, what would make it matter): Axolotl's own behaviour (lowprec.train.inert_keys.RULES)
+# (config, inert key, what would make it matter): Axolotl's own behaviour (lowprec.train.config.inert.RULES)
 INERT = [
     (
         {"eval_table_size": None, "eval_max_new_tokens": 128},
@@ -193,7 +193,7 @@ INERT = [
 
 @pytest.mark.parametrize("data, key, needs", INERT, ids=[k for _, k, _ in INERT])
 def test_a_key_inert_given_the_rest_is_one_note_not_an_error(data, key, needs):
-    from lowprec.train.config_base import yaml_text
+    from lowprec.train.config.base import yaml_text
 
     cfg = parse_config(data)
     assert cfg.notes == (

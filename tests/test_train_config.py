@@ -264,10 +264,10 @@ def test_fp8_all_gather_needs_tensorwise():
 
 
 def test_generated_config_keys_are_up_to_date():
-    """lowprec/train/config_keys.py (the CLI's flag table) is regenerated from the schema."""
+    """lowprec/cli/train_keys.py (the CLI's flag table) is regenerated from the schema."""
     from lowprec.train.config import render_config_keys
 
-    path = os.path.join(ROOT, "src", "lowprec", "train", "config_keys.py")
+    path = os.path.join(ROOT, "src", "lowprec", "cli", "train_keys.py")
     assert open(path).read() == render_config_keys(), "stale: run `python -m lowprec.train.config`"
 
 

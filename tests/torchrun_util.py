@@ -71,7 +71,9 @@ def _run_tree(cmd: list[str], timeout: float | None = None, **kwargs) -> subproc
                     pass
             out, err = p.communicate()
             hung = subprocess.CompletedProcess(cmd, p.returncode, out, err)
-            raise AssertionError(f"no exit after {timeout} s; the launcher and its workers were killed\n{explain(hung)}")
+            raise AssertionError(
+                f"no exit after {timeout} s; the launcher and its workers were killed\n{explain(hung)}"
+            ) from None
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 

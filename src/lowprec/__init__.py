@@ -15,8 +15,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "Accelerator": "lowprec.accelerator",
     "AcceleratorState": "lowprec.state",
-    "PartialState": "lowprec.process_state",
-    "DistributedType": "lowprec.process_state",
+    "PartialState": "lowprec.state.partial",
+    "DistributedType": "lowprec.state.partial",
     "GradientState": "lowprec.utils.data_loader",
     "skip_first_batches": "lowprec.utils.data_loader",
     "DataLoaderConfiguration": "lowprec.utils.dataclasses",

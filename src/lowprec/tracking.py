@@ -14,7 +14,7 @@ import os
 import warnings
 from typing import Any, Optional
 
-from lowprec.process_group import destroy_group
+from lowprec.state.process_group import destroy_group
 from lowprec.utils.dataclasses import LoggerType
 from lowprec.utils.imports import (
     is_comet_ml_available,

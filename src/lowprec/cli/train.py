@@ -19,7 +19,7 @@ from lowprec.cli._torchrun import CONTINUE_VAR, report_stop
 from lowprec.cli.launch import build_command
 from lowprec.config.env import LaunchSettings, owned_env_var
 from lowprec.errors import EXIT_NONFINITE, EXIT_STORAGE, NonFiniteError, StorageError
-from lowprec.train.config_keys import KEYS
+from lowprec.cli.train_keys import KEYS
 from lowprec.train.run_lock import hold_output_dir, launcher_env
 
 __all__ = [

@@ -11,7 +11,7 @@ makes every key Axolotl documents (its config reference, v0.x schema, read 2026-
 * any other key is unknown: an error with "did you mean" (pydantic's ``extra="forbid"``).
 
 ``OWNED_BY_MODELS`` are the model-loading and adapter keys that issue 13's model/adapter work
-implements in ``config_model.py`` / ``config_adapter.py``; once a key is a schema field, the
+implements in ``config/model.py`` / ``config/adapter.py``; once a key is a schema field, the
 table no longer applies to it.
 """
 
@@ -252,7 +252,7 @@ def screen_top_level(
     """(``data`` without the keys that ask for nothing, {inert key: note}). Asking for nothing:
     null keys (a schema key whose null has no meaning of its own -- not in ``nullable`` -- takes
     its default), Axolotl keys at null or Axolotl's default, and keys the rest of the config makes
-    inert (``notes``: {key: note} from :func:`lowprec.train.inert_keys.inert_keys`). Raises for an Axolotl
+    inert (``notes``: {key: note} from :func:`lowprec.train.config.inert.inert_keys`). Raises for an Axolotl
     key that asks for something lowprec does not do. Unknown keys pass through, null or not: the
     schema rejects them with "did you mean"."""
     notes = dict(notes or {})

@@ -20,7 +20,7 @@ from lowprec.backends.spec import BackendSpec, trainer_backends
 from lowprec.catalog import RECIPE_NAMES
 from lowprec.errors import did_you_mean
 from lowprec.train.config import TrainConfig
-from lowprec.train.config_compare import FP8_BACKENDS
+from lowprec.train.config.compare import FP8_BACKENDS
 
 __all__ = ["HIGH_PRECISIONS", "precision_names", "precision_overrides", "precision_rank", "library_backend", "is_fp8"]
 

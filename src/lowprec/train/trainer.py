@@ -312,7 +312,7 @@ def _train(
     decisions = dict(plan.decisions)
     if main:
         plan.log(skip=set(getattr(acc.state, "decisions", {})))  # the accelerator logged those
-        for note in cfg.notes:  # keys the rest of the config makes inert (inert_keys.py)
+        for note in cfg.notes:  # keys the rest of the config makes inert (config/inert.py)
             logger.warning("lowprec: note: %s", note)
     acc.wait_for_everyone()
     tokenizer, loader, val_loader = _data(cfg, acc)

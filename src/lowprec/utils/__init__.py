@@ -24,7 +24,7 @@ from lowprec.utils.fp8 import (
     has_fp8_layers,
     has_transformer_engine_layers,
 )
-from lowprec.process_state import DistributedType
+from lowprec.state.partial import DistributedType
 from lowprec.utils.data_loader import skip_first_batches
 from lowprec.utils.dataclasses import (
     DataLoaderConfiguration,

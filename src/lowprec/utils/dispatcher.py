@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from lowprec.process_state import PartialState
+from lowprec.state.partial import PartialState
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, _check_constructor
 from lowprec.utils.operations import recursively_apply, send_to_device
 

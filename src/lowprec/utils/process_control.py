@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from lowprec.accelerate_objects import from_accelerate
-from lowprec.process_state import PartialState
+from lowprec.state.partial import PartialState
 from lowprec.utils.dataclasses import ProfileKwargs
 
 __all__ = ["ProcessControlMixin"]

@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from lowprec.train.config_base import StrictModel
+from lowprec.train.config.base import StrictModel
 from lowprec.errors import did_you_mean
 from lowprec.train.axolotl_keys import screen_dataset_entry
 from lowprec.train.chat_templates import check_template

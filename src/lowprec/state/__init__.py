@@ -24,10 +24,10 @@ from lowprec.kwargs import (
     env_get,
     env_int,
 )
-from lowprec.process_state import DistributedType, PartialState, ProcessFacts, _resolve_device as _device_and_reason
-from lowprec.process_group import destroy_group, init_default_group
+from lowprec.state.partial import DistributedType, PartialState, ProcessFacts, _resolve_device as _device_and_reason
+from lowprec.state.process_group import destroy_group, init_default_group
 from lowprec.fp8.cpu_gemm import cpu_gemm_choice
-from lowprec.utils.data_loader import GradientState
+from lowprec.state.gradient import GradientState
 
 __all__ = [
     "PRECISIONS",

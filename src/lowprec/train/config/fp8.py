@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from lowprec.catalog import RECIPE_NAMES, unread_recipe_fields
-from lowprec.train.config_base import StrictModel, off_warn_act
+from lowprec.train.config.base import StrictModel, off_warn_act
 from lowprec.errors import did_you_mean
 
 __all__ = ["FP8RecipeSpec", "PrecisionKeys"]

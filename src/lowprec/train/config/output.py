@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from lowprec.catalog import kind_info, recipe_info
-from lowprec.train.config_base import StrictModel, off_warn_act
+from lowprec.train.config.base import StrictModel, off_warn_act
 
 __all__ = ["OutputKeys"]
 

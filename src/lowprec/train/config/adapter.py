@@ -14,7 +14,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, model_validator
 
-from lowprec.train.config_base import StrictModel
+from lowprec.train.config.base import StrictModel
 
 __all__ = ["AdapterKeys", "LORA_KEYS"]
 
@@ -64,7 +64,7 @@ class AdapterKeys(StrictModel):
 
     @model_validator(mode="after")
     def _lora_keys(self):
-        # lora_* keys without an adapter are inert, as in Axolotl: inert_keys.py drops them with a note
+        # lora_* keys without an adapter are inert, as in Axolotl: config/inert.py drops them with a note
         if self.adapter is None:
             if self.merge_lora:
                 raise ValueError("merge_lora: true needs adapter: lora; drop merge_lora or add an adapter")

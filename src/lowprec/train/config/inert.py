@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from lowprec.train.axolotl_keys import AXOLOTL_DEFAULTS
-from lowprec.train.config_adapter import LORA_KEYS
-from lowprec.train.config_base import yaml_text
+from lowprec.train.config.adapter import LORA_KEYS
+from lowprec.train.config.base import yaml_text
 
 __all__ = ["Inert", "RULES", "inert_keys"]
 

@@ -7,7 +7,7 @@ from typing import Any, Optional
 from pydantic import Field, field_validator
 
 from lowprec.errors import did_you_mean
-from lowprec.train.config_base import StrictModel
+from lowprec.train.config.base import StrictModel
 
 __all__ = ["OptimKeys", "OPTIMIZERS", "LR_SCHEDULERS"]
 

@@ -1,7 +1,7 @@
 """The trainer's YAML schema (``lowprec train my.yaml``): Axolotl's key names, strict checking.
 
-The keys live in mixins by topic (``config_model``, ``config_data``, ``config_optim``,
-``config_output``, ``config_fp8``, ``config_dist``, ``config_adapter``); :class:`TrainConfig`
+The keys live in mixins by topic (``config.model``, ``config.data``, ``config.optim``,
+``config.output``, ``config.fp8``, ``config.dist``, ``config.adapter``); :class:`TrainConfig`
 composes them into one flat mapping (as Axolotl's YAML is flat) and holds the cross-topic rules.
 
 Every key is a field of :class:`TrainConfig` with a description; ``lowprec train --help`` and
@@ -34,16 +34,16 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, TypeAdapter, Validation
 from lowprec.catalog import check_fsdp_fp8_all_gather, check_tensor_parallel
 from lowprec.errors import did_you_mean
 from lowprec.train.axolotl_keys import screen_top_level
-from lowprec.train.inert_keys import inert_keys
-from lowprec.train.config_adapter import AdapterKeys
-from lowprec.train.config_base import yaml_text
-from lowprec.train.config_compare import CompareKeys, CompareSpec, check_fp8_backend
-from lowprec.train.config_data import DataKeys, DatasetSpec
-from lowprec.train.config_dist import DistributedKeys, FSDPConfig
-from lowprec.train.config_fp8 import FP8RecipeSpec, PrecisionKeys
-from lowprec.train.config_model import ModelKeys
-from lowprec.train.config_optim import LR_SCHEDULERS, OPTIMIZERS, OptimKeys
-from lowprec.train.config_output import OutputKeys
+from lowprec.train.config.inert import inert_keys
+from lowprec.train.config.adapter import AdapterKeys
+from lowprec.train.config.base import yaml_text
+from lowprec.train.config.compare import CompareKeys, CompareSpec, check_fp8_backend
+from lowprec.train.config.data import DataKeys, DatasetSpec
+from lowprec.train.config.dist import DistributedKeys, FSDPConfig
+from lowprec.train.config.fp8 import FP8RecipeSpec, PrecisionKeys
+from lowprec.train.config.model import ModelKeys
+from lowprec.train.config.optim import LR_SCHEDULERS, OPTIMIZERS, OptimKeys
+from lowprec.train.config.output import OutputKeys
 from lowprec.config.yaml_file import read_yaml_mapping
 
 __all__ = [
@@ -57,13 +57,14 @@ __all__ = [
     "parse_override_value",
     "config_field_help",
     "render_config_keys",
+    "write_config_keys",
     "OPTIMIZERS",
     "LR_SCHEDULERS",
 ]
 
 
 # pydantic lists inherited fields in reverse MRO order: the bases are written last topic first so
-# that `lowprec train --help` and config_keys.py list model, data, optim, output, precision,
+# that `lowprec train --help` and cli/train_keys.py list model, data, optim, output, precision,
 # distributed, adapter keys in that order.
 class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, OutputKeys, OptimKeys, DataKeys, ModelKeys):
     """Everything ``lowprec train`` reads. Keys follow Axolotl where Axolotl has one."""
@@ -73,7 +74,7 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
     @property
     def notes(self) -> tuple[str, ...]:
         """One line per key the config sets that does nothing given the rest
-        (:mod:`lowprec.train.inert_keys`); the trainer logs each once."""
+        (:mod:`lowprec.train.config.inert`); the trainer logs each once."""
         return self._notes
 
     @model_validator(mode="after")
@@ -141,7 +142,7 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
                 "early_stopping_patience needs validation losses; set val_set_size: 0.05 (and eval_steps or evals_per_epoch)"
             )
         # eval_steps / evals_per_epoch without validation data, loss_watchdog_patience without a
-        # threshold: inert, as in Axolotl (inert_keys.py drops them with a note before this runs)
+        # threshold: inert, as in Axolotl (config/inert.py drops them with a note before this runs)
         if self.base_model.startswith("builtin:"):
             from lowprec.train.model import LlamaConfig
 
@@ -487,7 +488,7 @@ def config_field_help() -> list[tuple[str, str, Any]]:
 
 
 def render_config_keys() -> str:
-    """The text of ``lowprec/train/config_keys.py``: the schema's keys, descriptions and defaults
+    """The text of ``lowprec/cli/train_keys.py``: the schema's keys, descriptions and defaults
     as plain data, so the CLI builds its flags and help without importing pydantic or torch.
     Regenerate with ``python -m lowprec.train.config``; a test fails when the file is stale."""
     rows = [(name, desc, yaml_text(default)) for name, desc, default in config_field_help()]
@@ -500,7 +501,8 @@ def render_config_keys() -> str:
     )
 
 
-if __name__ == "__main__":
-    _path = Path(__file__).with_name("config_keys.py")
-    _path.write_text(render_config_keys())
-    print(f"wrote {_path}")
+def write_config_keys() -> Path:
+    """Regenerate ``lowprec/cli/train_keys.py`` (``python -m lowprec.train.config``)."""
+    path = Path(__file__).parent.parent.parent / "cli" / "train_keys.py"
+    path.write_text(render_config_keys())
+    return path

@@ -19,7 +19,7 @@ from typing import Literal, Optional, Union
 from pydantic import Field, field_validator
 
 from lowprec.backends.spec import get_spec, trainer_backends
-from lowprec.train.config_base import StrictModel as _Strict
+from lowprec.train.config.base import StrictModel as _Strict
 
 __all__ = ["CompareSpec", "CompareKeys", "FP8_BACKENDS", "check_fp8_backend"]
 

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from lowprec.kwargs import env_flag, env_get, env_int
-from lowprec.process_group import destroy_group, init_default_group
-from lowprec.shared_state import SharedState
+from lowprec.state.process_group import destroy_group, init_default_group
+from lowprec.state.shared import SharedState
 from lowprec.kwargs import InitProcessGroupKwargs
 
 __all__ = ["DistributedType", "PartialState", "ProcessFacts", "split_between"]

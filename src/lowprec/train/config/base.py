@@ -1,7 +1,7 @@
 """What every part of the trainer schema shares: the strict frozen base model and the YAML
 spelling of a value in messages. The schema itself is split by topic into mixins
-(``config_model``, ``config_data``, ``config_optim``, ``config_output``, ``config_fp8``,
-``config_dist``, ``config_adapter``) that :class:`lowprec.train.config.TrainConfig` composes by
+(``config.model``, ``config.data``, ``config.optim``, ``config.output``, ``config.fp8``,
+``config.dist``, ``config.adapter``) that :class:`lowprec.train.config.TrainConfig` composes by
 multiple inheritance, so the YAML stays one flat mapping as in Axolotl."""
 
 from __future__ import annotations
