@@ -87,3 +87,15 @@ def write_json(payload: dict, out: str | None, default_name: str) -> Path:
     os.replace(tmp, path)
     print(f"wrote {path} ({device})")
     return path
+
+
+def end_rank() -> None:
+    """End a spawned gloo rank whose results are written: flush and leave without interpreter
+    finalization, where torch's gloo threads can abort a finished process ("terminate called
+    without an active exception"; `lowprec launch` ranks leave the same way, lowprec.cli._worker)."""
+    import atexit
+
+    atexit._run_exitfuncs()  # noqa: SLF001
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

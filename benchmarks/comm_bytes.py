@@ -3,7 +3,7 @@ and FSDP2 weight all-gather and gradient reduce-scatter in FP8 vs bf16.
 
     PYTHONPATH=src python3 benchmarks/comm_bytes.py --tiny          # gloo, CPU, seconds
     PYTHONPATH=src python3 benchmarks/comm_bytes.py --world 4 --model llama-small
-    PYTHONPATH=src python3 benchmarks/comm_bytes.py --setups fsdp2 --world 2,4
+    PYTHONPATH=src python3 benchmarks/comm_bytes.py --setups fsdp2 --world 2,4 --fsdp2_recipes tensorwise,delayed
 
 Spawns ``--world`` gloo processes on 127.0.0.1, wraps the built-in Llama model in DDP with
 ``register_fp8_allreduce``, runs one step, and reports the hook's counters (bytes this rank
@@ -11,7 +11,8 @@ sent: FP8 payload + amax exchange; bf16/fp32: what a ring all-reduce of the same
 send) and the accuracy of the reduced gradients against an fp32 all-reduce of the same local
 gradients (normwise relative error, whole model and worst tensor).
 
-``fsdp2``: the model converted to FP8 (tensorwise), each decoder layer and the root sharded with
+``fsdp2``: the model converted to FP8 (each recipe of ``--fsdp2_recipes``: tensorwise, delayed),
+each decoder layer and the root sharded with
 FSDP2 (bf16 ``param_dtype``), trained 3 steps with the FP8 all-gather off and on
 (``lowprec.distributed.fsdp_float8``); the bytes each rank hands the all-gather collective are
 counted there (``FSDPModule.set_custom_all_gather``), for the decoder layers (FP8 weights plus
@@ -43,7 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_name, write_json  # noqa: E402
+from _common import device_name, end_rank, write_json  # noqa: E402
 
 from lowprec.distributed import register_fp8_allreduce  # noqa: E402
 from lowprec.train.model import build_model  # noqa: E402
@@ -94,10 +95,11 @@ def _worker(rank, world, port, model_name, batch, seq, dtype_name, out):
             out,
         )
     dist.destroy_process_group()
+    end_rank()
 
 
 def _fsdp2_run(
-    model_name, batch, seq, rank, fp8_all_gather: bool, fp8_reduce_scatter: bool = False
+    model_name, batch, seq, rank, fp8_all_gather: bool, fp8_reduce_scatter: bool = False, recipe: str = "tensorwise"
 ) -> tuple[dict, list]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -112,7 +114,7 @@ def _fsdp2_run(
 
     torch.manual_seed(0)
     model = build_model(model_name)
-    fp8.convert(model, recipe=fp8.Recipe.from_name("tensorwise"))
+    fp8.convert(model, recipe=fp8.Recipe.from_name(recipe))
     if fp8_all_gather:
         enable_fsdp_float8_all_gather(model)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -145,12 +147,12 @@ def _fsdp2_run(
     return {"layers": layer_bytes, "total": layer_bytes + root.input_bytes, "rs": rs_bytes}, losses
 
 
-def _fsdp2_worker(rank, world, port, model_name, batch, seq, out):
+def _fsdp2_worker(rank, world, port, model_name, batch, seq, out, recipe):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    bf16, bf16_losses = _fsdp2_run(model_name, batch, seq, rank, False)
-    f8, f8_losses = _fsdp2_run(model_name, batch, seq, rank, True)
-    o1, o1_losses = _fsdp2_run(model_name, batch, seq, rank, True, fp8_reduce_scatter=True)
+    bf16, bf16_losses = _fsdp2_run(model_name, batch, seq, rank, False, recipe=recipe)
+    f8, f8_losses = _fsdp2_run(model_name, batch, seq, rank, True, recipe=recipe)
+    o1, o1_losses = _fsdp2_run(model_name, batch, seq, rank, True, fp8_reduce_scatter=True, recipe=recipe)
     if rank == 0:
         torch.save(
             {
@@ -168,6 +170,7 @@ def _fsdp2_worker(rank, world, port, model_name, batch, seq, out):
             out,
         )
     dist.destroy_process_group()
+    end_rank()
 
 
 def _tp_worker(rank, world, port, model_name, batch, seq, out):
@@ -209,6 +212,7 @@ def _tp_worker(rank, world, port, model_name, batch, seq, out):
     if rank == 0:
         torch.save(rows, out)
     dist.destroy_process_group()
+    end_rank()
 
 
 def measure_tp(world: int, model: str, batch: int, seq: int) -> list:
@@ -224,11 +228,14 @@ def measure_tp(world: int, model: str, batch: int, seq: int) -> list:
     return rows
 
 
-def measure_fsdp2(world: int, model: str, batch: int, seq: int) -> dict:
+def measure_fsdp2(world: int, model: str, batch: int, seq: int, recipe: str = "tensorwise") -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = f"{d}/r.pt"
         mp.start_processes(
-            _fsdp2_worker, args=(world, _free_port(), model, batch, seq, out), nprocs=world, start_method="spawn"
+            _fsdp2_worker,
+            args=(world, _free_port(), model, batch, seq, out, recipe),
+            nprocs=world,
+            start_method="spawn",
         )
         r = torch.load(out, weights_only=True)
     r["layers_fp8_over_bf16"] = r["fp8_layer_bytes"] / r["bf16_layer_bytes"]
@@ -266,6 +273,9 @@ def main(argv=None) -> dict:
         help="ddp (FP8 all-reduce hook), fsdp2 (FP8 all-gather, FP8 reduce-scatter), tp (TP and TP+SP, FP8 vs bf16)",
     )
     ap.add_argument("--tp_world", default="2", help="comma-separated tensor-parallel sizes (divide the kv heads)")
+    ap.add_argument(
+        "--fsdp2_recipes", default="tensorwise,delayed", help="recipes of the fsdp2 setup (per-tensor ones)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     setups = args.setups.split(",")
@@ -280,18 +290,19 @@ def main(argv=None) -> dict:
                 f"{r['ring_bytes']} B sent by ring algorithms; forward all-gathers {gathers}",
                 flush=True,
             )
-    for w in [int(x) for x in args.world.split(",")] if "fsdp2" in setups else ():
-        r = measure_fsdp2(w, args.model, args.batch, args.seq)
-        r["world"] = w
+    fsdp2_runs = [(w, rc) for w in [int(x) for x in args.world.split(",")] for rc in args.fsdp2_recipes.split(",")]
+    for w, rc in fsdp2_runs if "fsdp2" in setups else ():
+        r = measure_fsdp2(w, args.model, args.batch, args.seq, rc)
+        r.update(world=w, recipe=rc)
         fsdp2_rows.append(r)
         print(
-            f"FSDP2 W={w}: decoder-layer all-gather {r['fp8_layer_bytes']} B (FP8) vs {r['bf16_layer_bytes']} B "
+            f"FSDP2 {rc} W={w}: decoder-layer all-gather {r['fp8_layer_bytes']} B (FP8) vs {r['bf16_layer_bytes']} B "
             f"(bf16) per rank over 3 steps = {r['layers_fp8_over_bf16']:.4f}x; whole model "
             f"{r['total_fp8_over_bf16']:.4f}x; max |loss diff| {r['max_abs_loss_diff']:.3g}",
             flush=True,
         )
         print(
-            f"FSDP2 W={w}: gradient reduce-scatter {r['fp8_reduce_scatter_bytes']} B (FP8, O1) vs "
+            f"FSDP2 {rc} W={w}: gradient reduce-scatter {r['fp8_reduce_scatter_bytes']} B (FP8, O1) vs "
             f"{r['bf16_reduce_scatter_bytes']} B (bf16), {r['fp32_reduce_scatter_bytes']} B (fp32) = "
             f"{r['reduce_scatter_fp8_over_bf16']:.4f}x bf16, {r['reduce_scatter_fp8_over_fp32']:.4f}x fp32; max |loss diff| "
             f"{r['max_abs_loss_diff_fp8_reduce_scatter']:.3g} (FP8 all-gather and reduce-scatter vs neither)",

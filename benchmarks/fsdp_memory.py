@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_name, write_json  # noqa: E402
+from _common import device_name, end_rank, write_json  # noqa: E402
 
 RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
 CONFIGS = (
@@ -196,6 +196,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_d
     out = {c: run_config(c, args.model, args.batch, args.seq, rank) for c in args.configs}
     Path(out_dir, f"world{world}_rank{rank}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
+    end_rank()
 
 
 def _free_port() -> int:

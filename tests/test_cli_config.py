@@ -67,7 +67,7 @@ def test_wizard_round_trip_fsdp_fp8(monkeypatch, tmp_path, capsys):
         "no",
         "true",
         "",  # eval: default no
-        # no FP8 all-gather question: the native engine all-gathers in FP8 for tensorwise only
+        "",  # FP8 all-gather (asked for the per-tensor recipes, tensorwise and delayed): default yes
     ]
     feed(monkeypatch, answers)
     path = tmp_path / "wizard.yaml"
@@ -91,6 +91,7 @@ def test_wizard_round_trip_fsdp_fp8(monkeypatch, tmp_path, capsys):
         fp8_amax_compute_algo="most_recent",
         fp8_override_linear_precision=(False, False, True),
         fp8_use_autocast_during_eval=False,
+        fp8_enable_fsdp_float8_all_gather=True,
     )
     env = launch_env(["--config_file", str(path)], capsys)
     assert env == s.to_env()

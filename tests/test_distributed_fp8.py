@@ -3,8 +3,9 @@
 * amax agreement (delayed scaling, ``reduce_amax``): every rank ends each step with the same
   amax histories and scales, through one all-reduce per optimizer step; the weight amax is the
   amax of the whole weight; with ``reduce_amax=False`` the ranks' scales differ (per-rank data);
-* FSDP2 FP8 all-gather (tensorwise): the losses equal the run without it bitwise (with
-  activation checkpointing of the FP8 units too), and the
+* FSDP2 FP8 all-gather (tensorwise, and delayed with an interval of 2): the losses (and delayed's
+  histories and scales) equal the run without it bitwise (with activation checkpointing of the
+  FP8 units too), and the
   all-gathers of the FP8 layers move at most 0.52x the bytes of bf16, counted at the collective.
 
 Each rank writes what it saw to a JSON file; the assertions are made here.
@@ -45,6 +46,7 @@ WORKER = textwrap.dedent(
             return x
 
     def run(recipe, steps=4, ckpt=False, **handler):
+        gather = handler.get("enable_fsdp_float8_all_gather", False)
         torch.manual_seed(0)
         model = Net(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32),
                     nn.GELU(), nn.Linear(32, 8))
@@ -63,7 +65,7 @@ WORKER = textwrap.dedent(
             x = torch.randn(16, 16, generator=g) * (1 + 3 * rank)
             y = torch.randint(0, 8, (16,), generator=g)
             loss = nn.functional.cross_entropy(model(x).float(), y)
-            if step == 0 and recipe == "delayed":  # the weight amax: of the whole (unsharded) weight
+            if step == 0 and recipe == "delayed" and not gather:  # the weight amax: of the whole (unsharded) weight
                 rep["weight_amax"] = [[float(m.fp8_amax_history_weight[0]),
                                        float(m.weight.full_tensor().to(torch.bfloat16).abs().max())] for m in layers]
             acc.backward(loss)
@@ -87,6 +89,12 @@ WORKER = textwrap.dedent(
         "bf16_gather": run("tensorwise"),
         "fp8_gather": run("tensorwise", enable_fsdp_float8_all_gather=True),
         "fp8_gather_ckpt": run("tensorwise", ckpt=True, enable_fsdp_float8_all_gather=True),
+        # delayed: scales refreshed every 2nd step (interval), so a stale and a fresh scale both occur
+        "delayed_bf16": run("delayed", steps=5, overrides={"amax_history_len": 4, "interval": 2}),
+        "delayed_gather": run("delayed", steps=5, overrides={"amax_history_len": 4, "interval": 2},
+                              enable_fsdp_float8_all_gather=True),
+        "delayed_gather_ckpt": run("delayed", steps=5, ckpt=True, overrides={"amax_history_len": 4, "interval": 2},
+                                   enable_fsdp_float8_all_gather=True),
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
@@ -150,3 +158,14 @@ def test_fsdp2_amax_agreement_and_fp8_all_gather(tmp_path):
             # weight (32x32) + bias (32) per unit: FP8 weight bytes, bf16 bias bytes
             assert fp8_bytes / bf16_bytes <= 0.52, (unit, fp8_bytes, bf16_bytes)
             assert bf16_bytes > 0
+
+    # delayed with the FP8 all-gather: each shard cast before the gather with the scale the forward
+    # takes from the history -> the same losses, histories and scales bitwise, on both ranks
+    for r in (r0, r1):
+        base = r["delayed_bf16"]
+        for run in ("delayed_gather", "delayed_gather_ckpt"):
+            assert r[run]["losses"] == base["losses"], run
+            assert r[run]["scales"] == base["scales"], run
+            for unit, fp8_bytes in r[run]["gather_bytes"].items():
+                assert fp8_bytes / base["gather_bytes"][unit] <= 0.52, (run, unit)
+    assert r0["delayed_gather"]["scales"] == r1["delayed_gather"]["scales"]

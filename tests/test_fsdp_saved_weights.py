@@ -99,6 +99,7 @@ WORKER = textwrap.dedent(
         warnings.simplefilter("always")
         for name, recipe, gather in (
             ("delayed", "delayed", False),
+            ("delayed_fp8_all_gather", "delayed", True),
             ("tensorwise", "tensorwise", False),
             ("tensorwise_fp8_all_gather", "tensorwise", True),
             ("rowwise", "rowwise", False),
@@ -115,7 +116,16 @@ WORKER = textwrap.dedent(
 )
 
 HOLDS_FP8_COPY = {"delayed", "tensorwise", "nvfp4"}  # forced off: the forward's cast serves grad_input
-RECIPES = ("delayed", "tensorwise", "tensorwise_fp8_all_gather", "rowwise", "blockwise", "mxfp8", "nvfp4")
+RECIPES = (
+    "delayed",
+    "delayed_fp8_all_gather",
+    "tensorwise",
+    "tensorwise_fp8_all_gather",
+    "rowwise",
+    "blockwise",
+    "mxfp8",
+    "nvfp4",
+)
 
 
 def test_fsdp2_holds_no_unsharded_fp8_weight_and_computes_the_same(tmp_path):

@@ -40,7 +40,7 @@ __all__ = [
     "RecipeOption",
     "RECIPE_OPTIONS",
     "check_int_field",
-    "FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE",
+    "FSDP_FP8_ALL_GATHER_NEEDS_PER_TENSOR",
     "check_fsdp_fp8_all_gather",
     "check_tensor_parallel",
     "TE_SWITCHES",
@@ -212,10 +212,10 @@ def te_switch_recipe(switches: Mapping[str, Any]) -> str | None:
     return TE_SWITCHES[on[0]] if on else None
 
 
-FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE = (
-    "fp8_enable_fsdp_float8_all_gather needs the tensorwise recipe on lowprec's engine, not {recipe!r} "
-    "(delayed scales come from per-rank histories, rowwise/blockwise scales are per row/tile of the "
-    "whole weight); use fp8_recipe: tensorwise or drop fp8_enable_fsdp_float8_all_gather"
+FSDP_FP8_ALL_GATHER_NEEDS_PER_TENSOR = (
+    "fp8_enable_fsdp_float8_all_gather needs a per-tensor recipe on lowprec's engine (tensorwise or "
+    "delayed), not {recipe!r} (its scales are per row, tile or block of the whole weight); use "
+    "fp8_recipe: tensorwise or delayed, or drop fp8_enable_fsdp_float8_all_gather"
 )
 
 
@@ -226,12 +226,12 @@ def _kind_row(recipe: str, scaling: str | None) -> "RecipeInfo":
 
 
 def check_fsdp_fp8_all_gather(recipe: str, scaling: str | None = None) -> None:
-    """The one rule "FP8 all-gather needs per-tensor scaling", for every caller (the YAML
+    """The one rule "FP8 all-gather needs per-tensor scaling" (tensorwise, delayed), for every caller (the YAML
     trainer, the launch flags, the native backend, the FSDP2 wrapper). ``recipe``: the recipe's
     name; ``scaling``: its scaling kind where a built Recipe is at hand (else read from the
     name). ``ValueError`` with the one message otherwise."""
     if not _kind_row(recipe, scaling).fp8_all_gather:
-        raise ValueError(FSDP_FP8_ALL_GATHER_NEEDS_TENSORWISE.format(recipe=recipe))
+        raise ValueError(FSDP_FP8_ALL_GATHER_NEEDS_PER_TENSOR.format(recipe=recipe))
 
 
 def check_tensor_parallel(recipe: str, scaling: str | None = None, what: str = "tensor parallel FP8") -> None:
@@ -283,6 +283,7 @@ _RECIPES: dict[str, RecipeInfo] = dict(
                 "per-tensor scale from an amax history (TransformerEngine DelayedScaling)",
                 {"scaling": "delayed"},
                 _DELAYED_FIELDS,
+                fp8_all_gather=True,
                 export_scheme="tensor",
             ),
             RecipeInfo(

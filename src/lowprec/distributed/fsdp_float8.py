@@ -1,8 +1,9 @@
-"""FSDP2 FP8 all-gather for per-tensor scaling (the native engine's counterpart of torchao's
-``enable_fsdp_float8_all_gather`` + ``precompute_float8_dynamic_scale_for_fsdp``).
+"""FSDP2 FP8 all-gather for per-tensor scaling, tensorwise and delayed (the native engine's
+counterpart of torchao's ``enable_fsdp_float8_all_gather`` + ``precompute_float8_dynamic_scale_for_fsdp``,
+and of TransformerEngine's FP8 weight gather for ``DelayedScaling``).
 
 FSDP2 all-gathers each weight before its forward. With :func:`enable_fsdp_float8_all_gather`
-the weight of every tensorwise :class:`~lowprec.fp8.Float8Linear` becomes a
+the weight of every tensorwise or delayed :class:`~lowprec.fp8.Float8Linear` becomes a
 :class:`Float8AllGatherWeight` (a wrapper around the high-precision tensor) whose FSDP2
 extension hooks move FP8 instead of bf16:
 
@@ -13,21 +14,31 @@ extension hooks move FP8 instead of bf16:
   :class:`~lowprec.fp8.gathered.Float8GatheredWeight`, which the FP8 GEMM takes as its weight
   cast (no second cast).
 
-The scale is ``fp8_max / amax(whole weight)``, so every rank needs the amax of the whole
-weight: :func:`precompute_float8_scales_for_fsdp`, run after each optimizer step (the native
-backend's ``after_optimizer_step``), computes the shard amaxes of all weights and reduces them
-in **one** MAX all-reduce (``4 bytes x layers``), instead of one collective per layer in the
-next forward. A shard changed since its scale was computed (the first step, a checkpoint load,
-a manual edit) falls back to one all-reduce for that weight inside the hook, logged once. The
-scale equals the tensorwise recipe's own (same amax of the bf16-rounded weight, same
-``amax_to_scale``), and the FP8 cast is elementwise, so a run with the FP8 all-gather computes
-the same GEMMs as one without it: losses agree bitwise (tests/test_distributed_fp8.py).
+Every rank needs the same scale before the gather, and both kinds build it from the amax of the
+*whole* weight: :func:`precompute_float8_scales_for_fsdp`, run after each optimizer step (the
+native backend's ``after_optimizer_step``), computes the shard amaxes of all weights and reduces
+them in **one** MAX all-reduce (``4 bytes x layers``), instead of one collective per layer in the
+next forward. A shard changed since (the first step, a checkpoint load, a manual edit) falls back
+to one all-reduce for that weight inside the hook, logged once.
+
+* tensorwise: ``amax_to_scale(whole amax)``, the recipe's own scale (same amax of the
+  bf16-rounded weight).
+* delayed (:class:`DelayedWeightScale`): the scale the layer's forward would take from its
+  weight history, step counter and the whole amax (``scaling.delayed_scale_step``), computed in
+  the hook without touching the state; the gathered weight carries the whole amax and the
+  forward records it in the history and casts with the payload's scale. A re-gather during
+  backward (FSDP2 resharded after forward, an activation-checkpoint recompute) uses the
+  forward's scale. The weight history holds whole-weight amaxes, the same on every rank.
+
+The FP8 cast is elementwise, so a run with the FP8 all-gather computes the same GEMMs as one
+without it: losses agree bitwise (tests/test_distributed_fp8.py, both kinds).
 
 Interaction with the rest:
 
-* Only ``scaling="tensorwise"`` (delayed scales come from per-rank histories of the whole weight
-  during forward; rowwise/blockwise scales are per row/tile of the full weight): other recipes
-  are refused by the Accelerator/trainer with the fix in the message.
+* rowwise, blockwise, mxfp8, nvfp4 are refused by the Accelerator/trainer with the fix in the
+  message (their scales are per row, tile or block of the whole weight).
+* Delayed on CUDA: a gathered weight takes the eager scale update (an amax read per operand),
+  not the fused one-pass casts, which read the high-precision weight.
 * O1 / O2 (MS-AMP opt levels) under FSDP2: O2's FP8AdamW steps the DTensor shards with the
   one-process scales (``lowprec.optim.sharded``); the optimizer steps the high-precision shard
   inside the wrapper, as any torch optimizer does. With O1/O2 the gradient reduce-scatter is FP8
@@ -43,6 +54,7 @@ Interaction with the rest:
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Optional, cast
 
 import torch
@@ -54,9 +66,10 @@ from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.fp8.gathered import Float8GatheredWeight
 from lowprec.fp8.linear import Float8Linear
 from lowprec.fp8.quantize import quantize_tensorwise
-from lowprec.fp8.scaling import amax, amax_to_scale
+from lowprec.fp8.scaling import amax, amax_to_scale, delayed_scale_step
 
 __all__ = [
+    "DelayedWeightScale",
     "Float8AllGatherWeight",
     "enable_fsdp_float8_all_gather",
     "precompute_float8_scales_for_fsdp",
@@ -89,7 +102,14 @@ class Float8AllGatherWeight(torch.Tensor):
     """A high-precision weight (``_tensor``) that FSDP2 all-gathers in FP8 (see module doc)."""
 
     @staticmethod
-    def __new__(cls, tensor: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, pow2: bool = False):
+    def __new__(
+        cls,
+        tensor: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        margin: int = 0,
+        pow2: bool = False,
+        delayed: Optional["DelayedWeightScale"] = None,
+    ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),
@@ -100,19 +120,28 @@ class Float8AllGatherWeight(torch.Tensor):
             requires_grad=tensor.requires_grad,
         )
 
-    def __init__(self, tensor: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0, pow2: bool = False):
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        margin: int = 0,
+        pow2: bool = False,
+        delayed: Optional["DelayedWeightScale"] = None,
+    ):
         self._tensor = tensor
         self._fp8_dtype = fp8_dtype
         self._margin = margin
         self._pow2 = pow2
+        self._delayed = delayed  # the layer's delayed-scaling state; None: tensorwise
         self._param_dtype: Optional[torch.dtype] = None  # FSDP2's, learnt at the first all-gather
-        self._precomputed: Optional[tuple[torch.Tensor, int]] = None  # (scale, _tensor._version)
+        # (amax of the whole weight rounded to param_dtype, _tensor._version it was taken at)
+        self._precomputed: Optional[tuple[torch.Tensor, int]] = None
 
     def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]  # torch's stub
         return f"Float8AllGatherWeight({self._tensor!r}, fp8={self._fp8_dtype})"
 
     def _meta(self) -> tuple:
-        return (self._fp8_dtype, self._margin, self._pow2)
+        return (self._fp8_dtype, self._margin, self._pow2, self._delayed)
 
     def __tensor_flatten__(self):
         return ["_tensor"], self._meta()
@@ -136,30 +165,77 @@ class Float8AllGatherWeight(torch.Tensor):
         dt = self._param_dtype
         return self._tensor if dt is None or dt == self._tensor.dtype else self._tensor.to(dt)
 
-    def _scale(self, mesh: Any) -> torch.Tensor:
+    def _whole_amax(self, mesh: Any) -> torch.Tensor:
+        """The amax of the whole weight (rounded to ``param_dtype``): precomputed after the last
+        optimizer step, or one all-reduce now."""
         pre = self._precomputed
         if pre is not None and pre[1] == self._tensor._version:
             return pre[0]
-        why = "first step" if pre is None else "the weight changed after its scale was precomputed"
+        why = "first step" if pre is None else "the weight changed after its amax was precomputed"
         if why not in _FALLBACK_LOGGED:
             _FALLBACK_LOGGED.add(why)
             logger.info("lowprec: FSDP2 FP8 all-gather: one amax all-reduce per weight (%s)", why)
         a = amax(self._rounded()).reshape(1)
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        return amax_to_scale(a[0], self._fp8_dtype, margin=self._margin, power_of_2=self._pow2)
+        return a[0]
+
+    def _scale_and_amax(self, mesh: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if self._delayed is None:  # tensorwise: from this weight's amax
+            a = self._whole_amax(mesh)
+            return amax_to_scale(a, self._fp8_dtype, margin=self._margin, power_of_2=self._pow2), None
+        if self._delayed.in_backward():  # a re-gather for backward: the forward's scale
+            return self._delayed.forward_scale(), None
+        a = self._whole_amax(mesh)
+        return self._delayed.scale_for(a), a
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         self._param_dtype = mp_policy.param_dtype or self._tensor.dtype
-        q = quantize_tensorwise(self._rounded(), self._fp8_dtype, self._scale(mesh), power_of_2=self._pow2)
+        scale, whole_amax = self._scale_and_amax(mesh)
+        q = quantize_tensorwise(self._rounded(), self._fp8_dtype, scale, power_of_2=self._pow2)
         # bytes, not FP8: FSDP2 packs all inputs of a group into one buffer, and gloo has no FP8
-        return (q.data.view(torch.uint8),), (q.scale,)
+        return (q.data.view(torch.uint8),), (q.scale, whole_amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        (data,), (scale,) = outputs, metadata
+        (data,), (scale, whole_amax) = outputs, metadata
         if out is not None:  # later steps: FSDP2 refilled the same bytes in place
             out._scale = scale
+            out._amax = whole_amax
             return None
-        return Float8GatheredWeight(data.view(self._fp8_dtype), scale, param_dtype, self._pow2), (data,)
+        weight = Float8GatheredWeight(data.view(self._fp8_dtype), scale, param_dtype, self._pow2, whole_amax)
+        return weight, (data,)
+
+
+class DelayedWeightScale:
+    """What the FP8 all-gather of a delayed-scaling layer's weight reads from the layer: every rank
+    casts its shard *before* the gather, so the scale must be known then. It is the one the
+    layer's forward would use (``scaling.delayed_scale_step`` on the weight's history, step
+    counter and the whole weight's amax, without updating them: the forward does, recording the
+    amax the gather carries); a re-gather in backward (FSDP2 resharded after forward, or an
+    activation-checkpoint recompute) uses the forward's scale (``fp8_last_scales``). The weight's
+    history holds whole-weight amaxes only, identical on every rank, so every rank computes the
+    same scale with or without ``reduce_amax``."""
+
+    def __init__(self, layer: Float8Linear) -> None:
+        self._layer = weakref.ref(layer)
+
+    @staticmethod
+    def in_backward() -> bool:
+        return torch._C._current_graph_task_id() != -1  # inside the autograd engine
+
+    def forward_scale(self) -> torch.Tensor:
+        return self._owner().fp8_last_scales[1].clone()
+
+    def scale_for(self, whole_amax: torch.Tensor) -> torch.Tensor:
+        m = self._owner()
+        r = m.recipe
+        hist, scale, step = m.fp8_amax_history_weight, m.fp8_scale_weight, m.fp8_step
+        return delayed_scale_step(hist, scale, step, whole_amax, r.fp8_format.forward_dtype, r)[0]
+
+    def _owner(self) -> Float8Linear:
+        layer = self._layer()
+        if layer is None:
+            raise RuntimeError("the Float8Linear of this FP8 all-gather weight no longer exists")
+        return layer
 
 
 def _layers(model: nn.Module) -> list[Float8Linear]:
@@ -177,7 +253,8 @@ def enable_fsdp_float8_all_gather(model: nn.Module) -> int:
         if isinstance(w, Float8AllGatherWeight):
             continue
         r = m.recipe
-        wrapped = Float8AllGatherWeight(w.detach(), r.fp8_format.forward_dtype, r.margin, r.power_of_2_scales)
+        delayed = DelayedWeightScale(m) if r.kind.keeps_history else None
+        wrapped = Float8AllGatherWeight(w.detach(), r.fp8_format.forward_dtype, r.margin, r.power_of_2_scales, delayed)
         m.weight = nn.Parameter(wrapped, requires_grad=w.requires_grad)
         n += 1
     return n
@@ -189,7 +266,8 @@ def _local(w: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def precompute_float8_scales_for_fsdp(model: nn.Module, group: Optional[dist.ProcessGroup] = None) -> int:
-    """Every wrapped weight's scale for the next all-gather, from one MAX all-reduce of the shard
+    """Every wrapped weight's whole amax for the next all-gather (its scale follows: tensorwise's
+    from it, delayed's from the history with it recorded), from one MAX all-reduce of the shard
     amaxes (after ``optimizer.step()``); returns the number of collectives (0 or 1)."""
     shards = [s for s in (_local(m.weight) for m in _layers(model)) if isinstance(s, Float8AllGatherWeight)]
     if not shards:
@@ -200,8 +278,7 @@ def precompute_float8_scales_for_fsdp(model: nn.Module, group: Optional[dist.Pro
     if dist.is_initialized():
         dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
     for s, a in zip(shards, amaxes):
-        scale = amax_to_scale(a, s._fp8_dtype, margin=s._margin, power_of_2=s._pow2)
-        s._precomputed = (scale, s._tensor._version)
+        s._precomputed = (a, s._tensor._version)
     return 1 if dist.is_initialized() else 0
 
 

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 
 from lowprec.fp8.quantize import Float8Data
 
-__all__ = ["Float8GatheredWeight", "as_float8_data"]
+__all__ = ["Float8GatheredWeight", "as_float8_data", "gathered_scale_and_amax"]
 
 # ops that keep the FP8 payload (views FSDP2 takes of the unsharded parameter, detach for
 # nn.Parameter); every other op runs on the dequantized tensor
@@ -38,7 +38,14 @@ class Float8GatheredWeight(torch.Tensor):
     (``weight ~= data / scale``), presenting as a ``dtype`` tensor."""
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+        pow2: bool = False,
+        amax: torch.Tensor | None = None,
+    ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.size(),
@@ -49,10 +56,20 @@ class Float8GatheredWeight(torch.Tensor):
             requires_grad=False,
         )
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, pow2: bool = False):
+    def __init__(
+        self,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+        pow2: bool = False,
+        amax: torch.Tensor | None = None,
+    ):
         self._data = data
         self._scale = scale
         self._pow2 = pow2
+        # the whole high-precision weight's amax, where the gather carries it (delayed scaling
+        # records it in the weight's history: the payload's own amax would be the FP8-rounded one)
+        self._amax = amax
 
     def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]  # torch's stub
         return f"Float8GatheredWeight(shape={tuple(self.shape)}, fp8={self._data.dtype}, dtype={self.dtype})"
@@ -73,7 +90,7 @@ class Float8GatheredWeight(torch.Tensor):
         if func in _VIEW_OPS:
             src = args[0]
             data = func(src._data, *args[1:], **kwargs)
-            return Float8GatheredWeight(data, src._scale, src.dtype, src._pow2)
+            return Float8GatheredWeight(data, src._scale, src.dtype, src._pow2, src._amax)
         args, kwargs = tree_map_only(Float8GatheredWeight, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
 
@@ -83,4 +100,12 @@ def as_float8_data(t: torch.Tensor, dtype: torch.dtype, granularity: str) -> Flo
     of the asked-for dtype and a per-tensor cast is asked for; else ``None`` (cast as usual)."""
     if isinstance(t, Float8GatheredWeight) and granularity == "tensor" and t._data.dtype == dtype:
         return Float8Data(t._data, t._scale, "tensor", None, t._pow2)
+    return None
+
+
+def gathered_scale_and_amax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(scale, whole-weight amax)`` of a gathered FP8 weight that carries its amax (the FSDP2 FP8
+    all-gather of a delayed-scaling layer); ``None`` for anything else."""
+    if isinstance(t, Float8GatheredWeight) and t._amax is not None:
+        return t._scale, t._amax
     return None

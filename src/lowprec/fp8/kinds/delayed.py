@@ -25,6 +25,7 @@ from lowprec.fp8 import host_scale, kernels, shared_cast
 from lowprec.fp8.autocast import recomputing
 from lowprec.fp8.cast_state import CastState
 from lowprec.fp8.formats import fp8_max
+from lowprec.fp8.gathered import Float8GatheredWeight, gathered_scale_and_amax
 from lowprec.fp8.kinds import base
 from lowprec.fp8.kinds.tensorwise import FINITE, UNSATURATED, Tensorwise, fused_cast_ok
 from lowprec.fp8.plan import OperandCast
@@ -84,17 +85,38 @@ class DelayedCastState(CastState):
         elif mode == "eager":
             fwd = recipe.fp8_format.forward_dtype
             self.x_scale = self._update("input", x, fwd, recipe, self.step)
-            self.w_scale = self._update("weight", layer.weight, fwd, recipe, self.step)
+            gathered = gathered_scale_and_amax(layer.weight)
+            if gathered is None:
+                self.w_scale = self._update("weight", layer.weight, fwd, recipe, self.step)
+            else:
+                # the FSDP2 FP8 all-gather cast every shard with the scale this update gives
+                # (distributed/fsdp_float8.py: DelayedWeightScale) and carries the whole weight's
+                # amax: record that amax, cast with the payload's scale (no second cast)
+                self.w_scale = gathered[0]
+                self._update("weight", layer.weight, fwd, recipe, self.step, amax=gathered[1])
             self._forward_done(self.x_scale, self.w_scale)
 
     def _update(
-        self, which: str, t: torch.Tensor, dtype: torch.dtype, recipe: Recipe, step: torch.Tensor
+        self,
+        which: str,
+        t: torch.Tensor,
+        dtype: torch.dtype,
+        recipe: Recipe,
+        step: torch.Tensor,
+        amax: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """One delayed-scaling step of operand ``which`` (its amax from ``t``, or ``amax`` as
+        given); the state is updated; returns the scale to cast ``t`` with."""
         hist, scale = self.state[which]
         if host_scale.applies(t, recipe.power_of_2_scales) and hist.device.type == "cpu":
             # CPU: the same update in host floats (host_scale.py), not ~25 scalar kernels
             # the input's amax is read once for the Linears that share it (shared_cast.py)
-            amax_now = shared_cast.amax(t, host_scale.amax_value) if which == "input" else host_scale.amax_value(t)
+            if amax is not None:
+                amax_now = float(amax)
+            elif which == "input":
+                amax_now = shared_cast.amax(t, host_scale.amax_value)
+            else:
+                amax_now = host_scale.amax_value(t)
             value = host_scale.delayed_step(hist, scale, step, amax_now, dtype, recipe)
             used = torch.tensor(value, dtype=torch.float32)
             # the product of two float32 values is exact in a Python float: when it is within the
@@ -105,7 +127,8 @@ class DelayedCastState(CastState):
                 if amax_now * value <= fp8_max(dtype):
                     setattr(used, UNSATURATED, True)
             return used
-        used, new_hist, new_scale = delayed_scale_step(hist, scale, step, kernels.amax(t), dtype, recipe)
+        amax_t = kernels.amax(t) if amax is None else amax
+        used, new_hist, new_scale = delayed_scale_step(hist, scale, step, amax_t, dtype, recipe)
         hist.copy_(new_hist)
         scale.copy_(new_scale)
         return used
@@ -181,7 +204,8 @@ def _fused(layer: Float8Linear, x2: torch.Tensor, recipe: Recipe) -> bool:
     Otherwise the scales are computed first (an amax read per operand)."""
     w = layer.weight
     return (
-        fused_cast_ok(x2)
+        not isinstance(w, Float8GatheredWeight)  # arrives cast: the eager update records its amax
+        and fused_cast_ok(x2)
         and fused_cast_ok(w)
         and torch.is_grad_enabled()
         and x2.requires_grad

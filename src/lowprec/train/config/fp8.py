@@ -64,7 +64,8 @@ class PrecisionKeys(StrictModel):
         "model.layers.0.*), added to the defaults (first/last Linear, lm_head, router, gate)",
     )
     fp8_enable_fsdp_float8_all_gather: Optional[bool] = Field(
-        default=None, description="all-gather FSDP2 weights in FP8 (needs fsdp_version: 2 and fp8_recipe: tensorwise)"
+        default=None,
+        description="all-gather FSDP2 weights in FP8 (needs fsdp_version: 2 and fp8_recipe: tensorwise or delayed)",
     )
     fp8_force_recompute_fp8_weight_in_bwd: Union[Literal["auto"], bool] = Field(
         default="auto",
