@@ -90,12 +90,11 @@ def write_json(payload: dict, out: str | None, default_name: str) -> Path:
 
 
 def end_rank() -> None:
-    """End a spawned gloo rank whose results are written: flush and leave without interpreter
-    finalization, where torch's gloo threads can abort a finished process ("terminate called
-    without an active exception"; `lowprec launch` ranks leave the same way, lowprec.cli._worker)."""
-    import atexit
-
-    atexit._run_exitfuncs()  # noqa: SLF001
+    """End a spawned or forked gloo rank whose results are written: flush and leave without
+    interpreter finalization, where torch's gloo threads can abort a finished process ("terminate
+    called without an active exception"; `lowprec launch` ranks leave the same way). No atexit
+    handlers: a forked rank holds its parent's (a TemporaryDirectory's cleanup among them), and
+    multiprocessing's own child exit skips them too."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -53,7 +53,11 @@ from _common import device_name, end_rank, write_json  # noqa: E402
 RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
 CONFIGS = (
     "bf16",
-    *(f"{r}:{opt}" for r in (*RECIPES, "tensorwise_fp8_all_gather") for opt in ("auto", "off")),
+    *(
+        f"{r}:{opt}"
+        for r in (*RECIPES, "tensorwise_fp8_all_gather", "delayed_fp8_all_gather")
+        for opt in ("auto", "off")
+    ),
 )
 
 
@@ -119,8 +123,8 @@ def run_config(config: str, model_name: str, batch: int, seq: int, rank: int) ->
     from lowprec.train.model import LlamaDecoderLayer, build_model
 
     recipe_name, _, opt = config.partition(":")
-    gather = recipe_name == "tensorwise_fp8_all_gather"
-    recipe_name = "tensorwise" if gather else recipe_name
+    gather = recipe_name.endswith("_fp8_all_gather")
+    recipe_name = recipe_name.removesuffix("_fp8_all_gather")
     torch.manual_seed(0)
     model = build_model(model_name)
     use_fp8 = recipe_name != "bf16"

@@ -1,6 +1,7 @@
-"""DeepSpeed ZeRO-3 keeps no gathered FP8 weight from forward to backward (issue 29).
+"""DeepSpeed ZeRO-3 keeps no gathered FP8 weight from forward to backward.
 
-One process, in-process, DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``), through the
+One process in-process, and two launched processes (each weight partitioned over both, other
+data on each rank: the same checks on every rank), DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``), through the
 Accelerator (``mixed_precision="fp8"``, every Linear converted). ZeRO-3 releases each module's
 gathered parameters after its forward when told to keep none live (persistence threshold 0,
 reuse distance 0, no prefetch): a bf16 run then keeps no weight-sized tensor from forward to backward. The
@@ -62,7 +63,7 @@ def ds_env(monkeypatch):
         monkeypatch.setenv(name, value)
 
 
-def _train(recipe: str | None, recompute=None, steps: int = 3) -> dict:
+def _train(recipe: str | None, recompute=None, steps: int = 3, data_seed: int = 1) -> dict:
     torch.manual_seed(0)
     # nothing kept live or prefetched: each module's gathered parameters are released after it
     zero = {
@@ -83,7 +84,7 @@ def _train(recipe: str | None, recompute=None, steps: int = 3) -> dict:
     model = nn.Sequential(*[nn.Linear(DIM, DIM, bias=i % 2 == 0) for i in range(LAYERS)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = acc.prepare(model, opt)
-    x0 = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x0 = torch.randn(4, DIM, generator=torch.Generator().manual_seed(data_seed)).to(torch.bfloat16)
     rep: dict = {
         "held": [],
         "losses": [],
@@ -114,3 +115,35 @@ def test_zero3_holds_no_gathered_fp8_weight_and_trains_the_same(ds_env):
         assert off["held"] == [LAYERS] * 3, (recipe, off["held"])  # the FP8 copies, one per layer
         assert auto["losses"] == off["losses"], recipe
         assert all(torch.equal(a, b) for a, b in zip(auto["partitions"], off["partitions"])), recipe
+
+
+def test_zero3_on_two_processes_holds_no_gathered_fp8_weight(tmp_path):
+    """The same checks on 2 launched processes (gloo), where ZeRO-3 really partitions each weight
+    and gathers it from the other rank for forward and again for backward."""
+    import json
+    import sys
+
+    from tests.torchrun_util import run_torchrun
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
+    env.update(
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), root, env.get("PYTHONPATH", "")]),
+    )
+    worker = os.path.join(root, "tests", "scripts", "zero3_saved_worker.py")
+    cmd = [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2"]
+    cmd += ["--main_process_port", "0", worker, str(tmp_path)]
+    run_torchrun(cmd, lambda p: all((tmp_path / f"rank{r}.json").exists() for r in range(2)), env=env, timeout=300)
+    reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rep in reps:
+        assert rep["bf16_held"] == [0, 0, 0]
+        assert rep["world"] == 2 and rep["partition_numel"] == DIM * DIM // 2  # each rank: half a weight
+        for recipe in ("delayed", "tensorwise", "nvfp4"):
+            r = rep[recipe]
+            assert r["auto"]["held"] == [0, 0, 0], (recipe, r["auto"]["held"])
+            assert r["off"]["held"] == [LAYERS] * 3, (recipe, r["off"]["held"])
+            assert r["auto"]["losses"] == r["off"]["losses"], recipe
+            assert r["same_partitions"], recipe
+    assert reps[0]["delayed"]["auto"]["losses"] != reps[1]["delayed"]["auto"]["losses"]  # other data per rank
