@@ -189,6 +189,8 @@ def one_process(tmp_path_factory):
 LAUNCHES = {
     "ddp-lowprec_launch": ("lowprec", [], []),
     "fsdp_from_training_args-torchrun": ("torchrun", [], ["--fsdp"]),
+    # MS-AMP's O2 (Accelerate's MSAMPRecipeKwargs, lowprec.optim without MS-AMP): FP8AdamW on the shards
+    "fsdp_o2_from_training_args-torchrun": ("torchrun", [], ["--fsdp", "--opt_level", "O2"]),
     "fsdp_from_launcher-lowprec_launch": (
         "lowprec",
         ["--use_fsdp", "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"],
@@ -221,8 +223,11 @@ def test_two_processes_run_fp8_follow_one_process_and_resume_exactly(launch, one
     r = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"recipe"')][-1])
     fsdp = launch.startswith("fsdp")
     assert r["sharded"] == fsdp and r["distributed_type"] == ("FSDP" if fsdp else "MULTI_CPU")
-    assert r["fp8_linear_calls_per_rank"] == [6 * 13, 6 * 13]  # 6 steps x 13 converted Linears, each rank
+    # 6 steps x 13 converted Linears, each rank (MS-AMP's levels convert every Linear: 15, as msamp.initialize)
+    layers = 15 if "--opt_level" in script_flags else 13
+    assert r["fp8_linear_calls_per_rank"] == [6 * layers, 6 * layers]
     assert r["hp_linear_calls_per_rank"] == [0, 0]
+    assert r["optimizer"] == ("FP8AdamW" if "--opt_level" in script_flags else "AdamW")
     # Trainer's own checkpoint (FSDP2: each rank's shards through lowprec's DCP functions)
     assert r["resume_steps"] == [4, 5, 6] and r["resume_max_abs_diff"] == 0.0
     assert r["unexpected_keys"] == [] and r["missing_keys"] == [] and r["weights_equal"]

@@ -3,6 +3,8 @@ Llama of trainer_fp8.py (built from a config, no hub) trained in FP8 with a chec
 then resumed from that checkpoint; under several processes with DDP or FSDP2, CPU included.
 
     python examples/hf/trainer_accelerator_fp8.py                       # delayed, 6 steps
+    torchrun --nproc_per_node 2 examples/hf/trainer_accelerator_fp8.py --fsdp --opt_level O2 --output_dir out
+                                                        # MS-AMP O2 (FP8AdamW) on FSDP2 shards
     torchrun --nproc_per_node 2 examples/hf/trainer_accelerator_fp8.py --fsdp --output_dir out
                                                         # FSDP2 from TrainingArguments (gloo on CPU)
     lowprec launch --cpu --num_processes 2 examples/hf/trainer_accelerator_fp8.py --output_dir out
@@ -44,7 +46,7 @@ def train(args, out: str, resume: str | None = None):
     from transformers import Trainer, TrainingArguments
 
     from lowprec.integrations.trainer_accelerator import LowprecAcceleratorMixin
-    from lowprec.utils import NativeRecipeKwargs
+    from lowprec.utils import MSAMPRecipeKwargs, NativeRecipeKwargs
 
     class FP8Trainer(LowprecAcceleratorMixin, Trainer):
         pass
@@ -75,7 +77,9 @@ def train(args, out: str, resume: str | None = None):
         model=ex.tiny_llama(),
         args=targs,
         train_dataset=ex.ByteWindows(),
-        kwargs_handlers=[NativeRecipeKwargs(recipe=args.recipe)],
+        kwargs_handlers=[
+            MSAMPRecipeKwargs(opt_level=args.opt_level) if args.opt_level else NativeRecipeKwargs(recipe=args.recipe)
+        ],
     )
     trainer.train(resume_from_checkpoint=resume)
     trainer.sharded = any(isinstance(m, FSDPModule) for m in trainer.model_wrapped.modules())
@@ -89,6 +93,12 @@ def losses(trainer) -> dict[int, float]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="delayed", help="a lowprec engine recipe (NativeRecipeKwargs)")
+    p.add_argument(
+        "--opt_level",
+        choices=("O1", "O2"),
+        default=None,
+        help="MS-AMP's level (MSAMPRecipeKwargs), in place of --recipe",
+    )
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--batch", type=int, default=4, help="per process (the global batch is this x processes)")
     p.add_argument("--fsdp", action="store_true", help="TrainingArguments(fsdp=True): FSDP2 on lowprec's Accelerator")
@@ -107,7 +117,8 @@ def main(argv: list[str] | None = None) -> dict:
         resumed = losses(train(args, out, resume=os.path.join(out, f"checkpoint-{half}")))
         after = [s for s in losses(full) if s > half]
         result = {
-            "recipe": args.recipe,
+            "recipe": args.opt_level or args.recipe,
+            "optimizer": type(getattr(full.optimizer, "optimizer", full.optimizer)).__name__,
             "world_size": world,
             "distributed_type": str(full.accelerator.distributed_type),
             "sharded": full.sharded,
