@@ -7,7 +7,8 @@ Variants in one run: bf16 (AMP, float32 master weights), every lowprec recipe (d
 filter: first/last Linear and lm_head stay bf16; plus ``<recipe>+auto`` with the cost-model
 filter), and torchao tensorwise / rowwise when torchao imports. Every variant's model and
 optimizer is built first (same seed), then the variants take turns, one timed step each per
-round (``--warmup`` untimed rounds, then ``--steps`` timed ones), so that a machine that gets
+round, in an order rotated by one each round (``--warmup`` untimed rounds, then ``--steps`` timed
+ones), so that a machine that gets
 busier or cooler mid-run affects them all alike; the median step time is reported, with the
 spread (min, max). CUDA events on GPU. Peak memory is not reported here (every variant is
 resident at once): ``benchmarks/memory.py`` measures it one variant per process. torch only.
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import statistics
 import sys
 import time
@@ -125,13 +128,29 @@ class Variant:
             self.times.append(time_fn(self.step, self.device, warmup=0, iters=1))
 
 
-def run_interleaved(built: list, warmup: int, steps: int, cpu_time: bool = False) -> None:
-    for _ in range(warmup):
-        for v in built:
+def run_interleaved(built: list, warmup: int, steps: int, cpu_time: bool = False, block: int = 1) -> None:
+    """Rounds in which every variant takes turns, the order rotated by one each round.
+
+    ``block`` > 1: each turn is one untimed step, then ``block`` timed ones of the same variant.
+    On CPU the step after another variant's costs more (measured on moe-tiny, 2026-11-28: the
+    step after an FP8 variant's took ~40% longer, bf16's included, likely the allocator handing
+    back and faulting in memory), while in training every step follows one of its own kind; the
+    untimed step absorbs that switch. ``block`` 1 is the plain alternation."""
+    n = len(built)
+    for r in range(warmup):
+        for v in built[r % n :] + built[: r % n]:
             v.step()
-    for _ in range(steps):
-        for v in built:
-            v.timed_step(cpu_time)
+    done = 0
+    r = 0
+    while done < steps:
+        k = min(block, steps - done)
+        for v in built[r % n :] + built[: r % n]:
+            if block > 1:
+                v.step()
+            for _ in range(k):
+                v.timed_step(cpu_time)
+        done += k
+        r += 1
 
 
 def main(argv=None):
@@ -144,6 +163,12 @@ def main(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
+    p.add_argument(
+        "--block",
+        type=int,
+        default=1,
+        help="timed steps per turn after one untimed switch step (CPU: 4; see run_interleaved)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (CPU); default: torch's")
     p.add_argument("--variants", default=None, help="comma-separated variant names to run (default: all)")
     p.add_argument("--cpu_time", action="store_true", help="CPU: time steps by thread CPU time (needs --threads 1)")
@@ -153,8 +178,16 @@ def main(argv=None):
         default=0,
         help="FP8 telemetry on every Nth step of lowprec's FP8 variants, as the trainer does (10); 0: off",
     )
+    p.add_argument(
+        "--solo_rounds",
+        type=int,
+        default=0,
+        help="CPU: run each variant in a process of its own, R alternating rounds (see _solo)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.solo_rounds:
+        return _solo(p, args, argv if argv is not None else sys.argv[1:])
     if args.cpu_time and (torch.cuda.is_available() or args.threads != 1):
         p.error("--cpu_time measures one CPU thread: use it on CPU with --threads 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -182,7 +215,7 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001 - report and continue
             rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:300]})
             print(rows[-1], flush=True)
-    run_interleaved(built, args.warmup, args.steps, args.cpu_time)
+    run_interleaved(built, args.warmup, args.steps, args.cpu_time, args.block)
     tokens = args.batch_size * args.seq_len
     for v in built:
         ms = statistics.median(v.times)
@@ -197,9 +230,10 @@ def main(argv=None):
                 "tokens_per_s": tokens / (ms / 1e3),
                 "fp8_layers": v.fp8_layers,
                 "peak_bytes": None,
+                "times_ms": v.times,
             }
         )  # all variants are resident at once: benchmarks/memory.py measures memory
-        print(rows[-1], flush=True)
+        print({k: x for k, x in rows[-1].items() if k != "times_ms"}, flush=True)
     base = next((r for r in rows if r["variant"] == "bf16" and "tokens_per_s" in r), None)
     for r in rows:
         if base and "tokens_per_s" in r:
@@ -214,12 +248,84 @@ def main(argv=None):
             "batch_size": args.batch_size,
             "compile": args.compile,
             "telemetry_every": args.telemetry_every,
-            "timing": f"interleaved rounds: {args.warmup} warm-up, {args.steps} timed; median ms"
-            + (" of thread CPU time" if args.cpu_time else ""),
+            "timing": f"interleaved rounds (rotated, blocks of {args.block} after a switch step): "
+            f"{args.warmup} warm-up, {args.steps} timed; median ms" + (" of thread CPU time" if args.cpu_time else ""),
             "results": rows,
         },
         args.out,
         f"train_step_{tag}.json",
+    )
+
+
+def _drop(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in flags:
+            skip = True
+        elif not any(a.startswith(f + "=") for f in flags):
+            out.append(a)
+    return out
+
+
+def _solo(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> Path:
+    """Each variant trained alone in a fresh process, ``--solo_rounds`` rounds, the variants
+    alternating (round r starts at variant r): what a user's run of one precision sees. In one
+    process the step time of a variant depends on which variant stepped before it, through the
+    allocator's state (moe-tiny on CPU, 2026-11-28: the same bf16 computation at 97 ms after
+    another model's step and 130 ms in a block of its own, while two solo processes of it agreed
+    at 120 ms); solo processes have no such neighbour. The JSON holds every step time."""
+    import subprocess
+    import tempfile
+
+    names = (args.variants or "").split(",") if args.variants else None
+    if not names:
+        p.error("--solo_rounds needs --variants (the variants to alternate)")
+    base = _drop(argv, ("--solo_rounds", "--variants", "--out"))
+    times: dict[str, list[float]] = {n: [] for n in names}
+    last: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.solo_rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                out = os.path.join(tmp, f"{r}_{name}.json")
+                cmd = [sys.executable, os.path.abspath(__file__), *base, "--variants", name, "--out", out]
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                row = json.loads(Path(out).read_text())["results"][0]
+                if "error" in row:
+                    raise SystemExit(f"{name}: {row['error']}")
+                times[name] += row["times_ms"]
+                last[name] = row
+                print(f"round {r} {name}: median {row['ms_per_step']:.1f} ms", flush=True)
+    tokens = args.batch_size * args.seq_len if args.batch_size and args.seq_len else None
+    rows = []
+    for name in names:
+        ms = statistics.median(times[name])
+        row = {k: last[name][k] for k in ("variant", "fp8_layers")}
+        row.update(ms_per_step=ms, ms_min=min(times[name]), ms_max=max(times[name]), times_ms=times[name])
+        if tokens:
+            row["tokens_per_s"] = tokens / (ms / 1e3)
+        rows.append(row)
+    bf16 = next((r for r in rows if r["variant"] == "bf16"), None)
+    for r in rows:
+        if bf16:
+            r["speedup_vs_bf16"] = bf16["ms_per_step"] / r["ms_per_step"]
+        print({k: v for k, v in r.items() if k != "times_ms"}, flush=True)
+    device = torch.device("cpu")
+    return write_json(
+        {
+            "benchmark": "train_step",
+            "device": device_name(device),
+            "model": args.model,
+            "seq_len": args.seq_len,
+            "batch_size": args.batch_size,
+            "timing": f"each variant alone in a fresh process, {args.solo_rounds} alternating rounds of "
+            f"{args.steps} timed steps after {args.warmup} warm-up; median ms over all rounds"
+            + (" of thread CPU time" if args.cpu_time else ""),
+            "results": rows,
+        },
+        args.out,
+        f"train_step_{device.type}_solo.json",
     )
 
 
