@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 
 import lowprec.fp8 as fp8
 from lowprec.fp8.experts import Float8Experts
+from lowprec.fp8.convert import _ROUTER_WHY
 from tests.conftest import sqnr
 from tests.tiny_moe import MODELS, ROUTER, build, moe_block
 
@@ -194,7 +195,7 @@ def test_per_expert_linear_layers_convert_and_the_router_stays():
     converted = [n for n, _, _ in report.converted]
     assert "encoder.block.1.layer.1.mlp.experts.expert_3.wi" in converted
     router = "encoder.block.1.layer.1.mlp.router.classifier"
-    assert (router, "name matches 'router'") in report.skipped
+    assert (router, _ROUTER_WHY) in report.skipped
     assert (router, "Linear") in report.routers and type(m.get_submodule(router)) is torch.nn.Linear
     ids = torch.randint(0, 128, (2, 8))
     out = m(input_ids=ids, decoder_input_ids=ids, labels=ids)
@@ -277,3 +278,30 @@ def test_the_cost_model_filter_judges_experts_per_expert_gemm():
     experts = moe_block(m).experts
     assert fp8.auto_module_filter(32768, "rowwise", "h100")(experts, "model.layers.0.mlp.experts")
     assert not fp8.auto_module_filter(8192, "rowwise", "h100")(experts, "model.layers.0.mlp.experts")
+
+
+def test_a_router_stays_whatever_the_skip_patterns_and_asking_for_it_is_one_error():
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    cfg = SwitchTransformersConfig(
+        vocab_size=128,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        num_experts=16,
+        expert_capacity=64,
+        num_sparse_encoder_layers=1,
+        num_sparse_decoder_layers=1,
+    )
+    router = "encoder.block.1.layer.1.mlp.router.classifier"
+    m = SwitchTransformersForConditionalGeneration(cfg)
+    report = fp8.convert(m, "tensorwise", skip_patterns=())  # no "router" pattern: still kept
+    assert type(m.get_submodule(router)) is torch.nn.Linear
+    assert "encoder.block.1.layer.1.mlp.experts.expert_3.wi" in [n for n, _, _ in report.converted]
+    m = SwitchTransformersForConditionalGeneration(cfg)
+    with pytest.raises(ValueError, match=f"router '{router}' in FP8.*return False for it in module_filter"):
+        fp8.convert(m, "tensorwise", module_filter=lambda module, fqn: True)
+    assert type(m.get_submodule(router)) is torch.nn.Linear  # refused before anything was swapped

@@ -38,8 +38,9 @@ Parameters, grouped FP8 GEMMs per expert. Each projection is judged on its own n
 custom ``module_filter`` is asked once, with the experts module. Experts kept as separate
 ``nn.Linear`` layers (older checkpoints, shared experts) are Linear layers like any other.
 Routers (a module named ``router``, ``gate`` or ``shared_expert_gate``, a layer inside one such
-as SwitchTransformers' ``router.classifier``, or a ``*Router`` class) are listed in the report;
-the default skip patterns keep them in high precision.
+as SwitchTransformers' ``router.classifier``, or a ``*Router`` class) are listed in the report.
+In a model with experts they stay in high precision whatever ``skip_patterns`` say, and a
+``module_filter`` that asks for one in FP8 is a ``ValueError`` naming it.
 
 A custom ``module_filter(module, fqn) -> bool`` replaces the default rules. A skipped layer
 never stops its siblings from converting (Accelerate's ``convert_model`` returns early).
@@ -260,6 +261,16 @@ def _is_router(fqn: str, module: nn.Module) -> bool:
     return any(p in ROUTER_NAMES for p in parts) or type(module).__name__.endswith("Router")
 
 
+def _check_router_kept(module: nn.Module, fqn: str, module_filter: ModuleFilter | None) -> None:
+    """A router asked for in FP8 by a ``module_filter``: one line, not a silent conversion."""
+    if module_filter is not None and module_filter(module, fqn):
+        raise ValueError(
+            f"module_filter asks for the mixture-of-experts router {fqn!r} in FP8: its top-k choice is "
+            "discrete and FP8 noise would move tokens between experts, so routers stay in high precision; "
+            "return False for it in module_filter"
+        )
+
+
 def _experts_projections(
     report: ConversionReport,
     module: nn.Module,
@@ -315,6 +326,7 @@ def convert(
         raise TypeError(f"convert() needs an nn.Module, got {type(model).__name__}")
     report = ConversionReport(recipe)
     rule = default_module_filter(model, skip_first_last=skip_first_last, skip_patterns=skip_patterns)
+    moe = any("experts" in fqn.split(".") for fqn, _ in model.named_modules())
     device = None
     chosen: list[tuple[str, nn.Linear]] = []
     experts: list[tuple[str, nn.Module, tuple[str, ...]]] = []
@@ -348,11 +360,15 @@ def convert(
             report.skipped.append((fqn, reason))
             _count_kept(report, module, reason)
             continue
-        why: str | None = (
-            rule(module, fqn)
-            if module_filter is None
-            else (None if module_filter(module, fqn) else "module_filter returned False")
-        )
+        if router and moe:
+            _check_router_kept(module, fqn, module_filter)
+            why: str | None = _ROUTER_WHY  # whatever skip_patterns say
+        else:
+            why = (
+                rule(module, fqn)
+                if module_filter is None
+                else (None if module_filter(module, fqn) else "module_filter returned False")
+            )
         if why is not None:
             report.skipped.append((fqn, why))
             _count_kept(report, module, why)
