@@ -3,7 +3,7 @@ and FSDP2 weight all-gather and gradient reduce-scatter in FP8 vs bf16.
 
     PYTHONPATH=src python3 benchmarks/comm_bytes.py --tiny          # gloo, CPU, seconds
     PYTHONPATH=src python3 benchmarks/comm_bytes.py --world 4 --model llama-small
-    PYTHONPATH=src python3 benchmarks/comm_bytes.py --setups fsdp2 --world 2,4 --fsdp2_recipes tensorwise,delayed
+    PYTHONPATH=src python3 benchmarks/comm_bytes.py --setups fsdp2 --world 2,4 --fsdp2_recipes tensorwise,delayed,rowwise
 
 Spawns ``--world`` gloo processes on 127.0.0.1, wraps the built-in Llama model in DDP with
 ``register_fp8_allreduce``, runs one step, and reports the hook's counters (bytes this rank
@@ -11,7 +11,7 @@ sent: FP8 payload + amax exchange; bf16/fp32: what a ring all-reduce of the same
 send) and the accuracy of the reduced gradients against an fp32 all-reduce of the same local
 gradients (normwise relative error, whole model and worst tensor).
 
-``fsdp2``: the model converted to FP8 (each recipe of ``--fsdp2_recipes``: tensorwise, delayed),
+``fsdp2``: the model converted to FP8 (each recipe of ``--fsdp2_recipes``: tensorwise, delayed, rowwise),
 each decoder layer and the root sharded with
 FSDP2 (bf16 ``param_dtype``), trained 3 steps with the FP8 all-gather off and on
 (``lowprec.distributed.fsdp_float8``); the bytes each rank hands the all-gather collective are
@@ -273,9 +273,7 @@ def main(argv=None) -> dict:
         help="ddp (FP8 all-reduce hook), fsdp2 (FP8 all-gather, FP8 reduce-scatter), tp (TP and TP+SP, FP8 vs bf16)",
     )
     ap.add_argument("--tp_world", default="2", help="comma-separated tensor-parallel sizes (divide the kv heads)")
-    ap.add_argument(
-        "--fsdp2_recipes", default="tensorwise,delayed", help="recipes of the fsdp2 setup (per-tensor ones)"
-    )
+    ap.add_argument("--fsdp2_recipes", default="tensorwise,delayed,rowwise", help="recipes of the fsdp2 setup")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     setups = args.setups.split(",")

@@ -55,7 +55,7 @@ CONFIGS = (
     "bf16",
     *(
         f"{r}:{opt}"
-        for r in (*RECIPES, "tensorwise_fp8_all_gather", "delayed_fp8_all_gather")
+        for r in (*RECIPES, "tensorwise_fp8_all_gather", "delayed_fp8_all_gather", "rowwise_fp8_all_gather")
         for opt in ("auto", "off")
     ),
 )

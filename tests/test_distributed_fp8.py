@@ -45,11 +45,15 @@ WORKER = textwrap.dedent(
                 x = fp8.checkpoint(m, x) if self.ckpt and i in (2, 4) else m(x)
             return x
 
-    def run(recipe, steps=4, ckpt=False, **handler):
+    def run(recipe, steps=4, ckpt=False, skew=False, **handler):
         gather = handler.get("enable_fsdp_float8_all_gather", False)
         torch.manual_seed(0)
         model = Net(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32),
                     nn.GELU(), nn.Linear(32, 8))
+        if skew:  # rank 0's rows (the first half) 8x larger: a column's amax is not its shard's
+            with torch.no_grad():
+                for i in (2, 4):
+                    model[i].weight[:16] *= 8
         model.ckpt = ckpt
         # one FSDP2 unit per 32x32 Linear (the FP8 ones; the first and last stay bf16, in the root)
         plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="SIZE_BASED_WRAP", min_num_params=1000)
@@ -95,6 +99,10 @@ WORKER = textwrap.dedent(
                               enable_fsdp_float8_all_gather=True),
         "delayed_gather_ckpt": run("delayed", steps=5, ckpt=True, overrides={"amax_history_len": 4, "interval": 2},
                                    enable_fsdp_float8_all_gather=True),
+        # rowwise: per-row scales gathered with the rows; backward re-gathers with column scales
+        **{f"{r}_{mode}": run(r, steps=3, ckpt=ckpt, skew=True, enable_fsdp_float8_all_gather=gather)
+           for r in ("rowwise", "rowwise_with_gw_hp")
+           for mode, ckpt, gather in (("bf16", False, False), ("gather", False, True), ("gather_ckpt", True, True))},
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
@@ -169,3 +177,14 @@ def test_fsdp2_amax_agreement_and_fp8_all_gather(tmp_path):
             for unit, fp8_bytes in r[run]["gather_bytes"].items():
                 assert fp8_bytes / base["gather_bytes"][unit] <= 0.52, (run, unit)
     assert r0["delayed_gather"]["scales"] == r1["delayed_gather"]["scales"]
+
+    # rowwise (and rowwise_with_gw_hp, whose grad_input reads a tensorwise weight): the same bits
+    for r in (r0, r1):
+        for recipe in ("rowwise", "rowwise_with_gw_hp"):
+            base = r[f"{recipe}_bf16"]
+            for run in ("gather", "gather_ckpt"):
+                got = r[f"{recipe}_{run}"]
+                assert got["losses"] == base["losses"], (recipe, run)
+                for unit, fp8_bytes in got["gather_bytes"].items():
+                    # + one float32 scale per row (32 rows of 32): 4/32 of the weight's FP8 bytes
+                    assert fp8_bytes / base["gather_bytes"][unit] <= 0.58, (recipe, run, unit)

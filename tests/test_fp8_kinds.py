@@ -21,7 +21,8 @@ from lowprec.fp8.plan import GemmCast, OperandCast
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "lowprec"
 KIND_NAMES = {r.scaling for r in catalog.RECIPES.values()} | set(catalog.RECIPE_NAMES)
 # Modules that may compare an operand's *granularity*: the cast and GEMM layer, which works on
-# FP8 tensors whatever kind made them, and the export formats' own schemes.
+# FP8 tensors whatever kind made them (the FSDP2 FP8 all-gather's shard casts included), and the
+# export formats' own schemes.
 GRANULARITY_LAYER = {
     "fp8/quantize.py",
     "fp8/gemm.py",
@@ -32,6 +33,7 @@ GRANULARITY_LAYER = {
     "fp8/cast_state.py",
     "fp8/gathered.py",
     "fp8/plan.py",
+    "distributed/fsdp_float8.py",  # casts each FSDP2 shard for the FP8 all-gather, as the GEMM will read it
     "export/casts.py",
 }
 

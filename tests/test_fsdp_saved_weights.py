@@ -103,6 +103,7 @@ WORKER = textwrap.dedent(
             ("tensorwise", "tensorwise", False),
             ("tensorwise_fp8_all_gather", "tensorwise", True),
             ("rowwise", "rowwise", False),
+            ("rowwise_fp8_all_gather", "rowwise", True),
             ("blockwise", "blockwise", False),
             ("mxfp8", "mxfp8", False),
             ("nvfp4", "nvfp4", False),
@@ -122,6 +123,7 @@ RECIPES = (
     "tensorwise",
     "tensorwise_fp8_all_gather",
     "rowwise",
+    "rowwise_fp8_all_gather",
     "blockwise",
     "mxfp8",
     "nvfp4",
@@ -141,3 +143,38 @@ def test_fsdp2_holds_no_unsharded_fp8_weight_and_computes_the_same(tmp_path):
         if name in HOLDS_FP8_COPY:
             assert max(auto["saved_bytes"]) < min(off["saved_bytes"]), name
     assert rep["views"] == []
+
+
+def test_fp8_all_gather_on_a_one_process_mesh_computes_the_same(tmp_path):
+    """FSDP2 on one process takes a single all-gather input and moves nothing: the rowwise gather
+    hands the weight over as it is, tensorwise and delayed their FP8 cast; every result matches
+    the run without the FP8 all-gather bit for bit (in this process, gloo, world size 1)."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    import lowprec.fp8 as fp8
+    from lowprec.distributed.fsdp_float8 import enable_fsdp_float8_all_gather
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for recipe in ("rowwise", "tensorwise", "delayed"):
+            runs = []
+            for gather in (False, True):
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+                fp8.convert(model, recipe, skip_first_last=False)
+                if gather:
+                    enable_fsdp_float8_all_gather(model)
+                for m in (model[0], model[2], model):
+                    fully_shard(m)
+                x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+                with fp8.autocast():
+                    out = model(x)
+                out.float().pow(2).mean().backward()
+                runs.append([out.detach(), *(p.grad.full_tensor() for p in model.parameters())])
+            assert all(torch.equal(a, b) for a, b in zip(*runs)), recipe
+    finally:
+        dist.destroy_process_group()

@@ -14,7 +14,7 @@ from lowprec import Accelerator
 from lowprec.backends.registry import resolve_fp8_settings
 from lowprec.catalog import (
     FIELD_DEFAULTS,
-    FSDP_FP8_ALL_GATHER_NEEDS_PER_TENSOR,
+    FSDP_FP8_ALL_GATHER_UNSUPPORTED,
     RECIPE_FIELDS,
     RECIPES,
     Granularity,
@@ -208,15 +208,15 @@ def test_block_scaled_recipes_mean_one_thing_everywhere(monkeypatch, tmp_path, c
     assert f"LOWPREC_FP8_RECIPE={name}" in capsys.readouterr().out
 
 
-def test_native_fsdp_fp8_all_gather_needs_a_per_tensor_recipe_with_one_message(monkeypatch, capsys):
+def test_native_fsdp_fp8_all_gather_is_refused_for_block_scales_with_one_message(monkeypatch, capsys):
     from lowprec.train.config import parse_config
 
     ok = parse_config({"fp8": True, "fsdp_version": 2, "fp8_enable_fsdp_float8_all_gather": True})
     assert ok.fp8_enable_fsdp_float8_all_gather is True
-    message = FSDP_FP8_ALL_GATHER_NEEDS_PER_TENSOR.format(recipe="rowwise")
+    message = FSDP_FP8_ALL_GATHER_UNSUPPORTED.format(recipe="blockwise")
     with pytest.raises(ValueError) as e1:
         parse_config(
-            {"fp8": True, "fsdp_version": 2, "fp8_recipe": "rowwise", "fp8_enable_fsdp_float8_all_gather": True}
+            {"fp8": True, "fsdp_version": 2, "fp8_recipe": "blockwise", "fp8_enable_fsdp_float8_all_gather": True}
         )
     assert message in str(e1.value)
     assert (
@@ -228,7 +228,7 @@ def test_native_fsdp_fp8_all_gather_needs_a_per_tensor_recipe_with_one_message(m
                 "fp8",
                 "--use_fsdp",
                 "--fp8_recipe",
-                "rowwise",
+                "blockwise",
                 "--fp8_enable_fsdp_float8_all_gather",
                 "true",
                 SCRIPT,
@@ -238,7 +238,7 @@ def test_native_fsdp_fp8_all_gather_needs_a_per_tensor_recipe_with_one_message(m
     )
     assert message in capsys.readouterr().err
     monkeypatch.setenv("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "true")
-    monkeypatch.setenv("LOWPREC_FP8_RECIPE", "rowwise")
+    monkeypatch.setenv("LOWPREC_FP8_RECIPE", "blockwise")
     with pytest.raises(ValueError) as e3:
         Accelerator(mixed_precision="fp8", cpu=True)
     assert message in str(e3.value)
@@ -247,7 +247,7 @@ def test_native_fsdp_fp8_all_gather_needs_a_per_tensor_recipe_with_one_message(m
     from lowprec.distributed.fsdp_float8 import enable_fsdp_float8_all_gather
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
-    fp8.convert(model, fp8.Recipe.from_name("rowwise"), skip_first_last=False)
+    fp8.convert(model, fp8.Recipe.from_name("blockwise"), skip_first_last=False)
     assert fp8.has_fp8_layers(model)
     with pytest.raises(ValueError) as e4:
         enable_fsdp_float8_all_gather(model)

@@ -254,14 +254,15 @@ def test_deepspeed_file_must_exist(tmp_path):
     assert parse_config({"deepspeed": str(tmp_path / "ds.json")}).deepspeed.endswith("ds.json")
 
 
-def test_fp8_all_gather_needs_a_per_tensor_recipe():
-    # accepted for tensorwise and delayed (FSDP2 FP8 all-gather, lowprec.distributed.fsdp_float8); refused otherwise
+def test_fp8_all_gather_needs_a_recipe_whose_scales_a_shard_computes():
+    # accepted for tensorwise, delayed, rowwise (FSDP2 FP8 all-gather, lowprec.distributed.fsdp_float8); refused otherwise
     assert parse_config({"fp8": True, "fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2})
     on = {"fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2}
     assert parse_config({"fp8": True, "fp8_recipe": "delayed", **on}).fp8_enable_fsdp_float8_all_gather
-    with pytest.raises(ValueError, match="needs a per-tensor recipe.*'rowwise'"):
+    assert parse_config({"fp8": True, "fp8_recipe": "rowwise", **on}).fp8_enable_fsdp_float8_all_gather
+    with pytest.raises(ValueError, match="works with the tensorwise, delayed and rowwise recipes.*'blockwise'"):
         parse_config(
-            {"fp8": True, "fp8_recipe": "rowwise", "fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2}
+            {"fp8": True, "fp8_recipe": "blockwise", "fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2}
         )
 
 

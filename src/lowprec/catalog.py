@@ -40,7 +40,7 @@ __all__ = [
     "RecipeOption",
     "RECIPE_OPTIONS",
     "check_int_field",
-    "FSDP_FP8_ALL_GATHER_NEEDS_PER_TENSOR",
+    "FSDP_FP8_ALL_GATHER_UNSUPPORTED",
     "check_fsdp_fp8_all_gather",
     "check_tensor_parallel",
     "TE_SWITCHES",
@@ -212,10 +212,10 @@ def te_switch_recipe(switches: Mapping[str, Any]) -> str | None:
     return TE_SWITCHES[on[0]] if on else None
 
 
-FSDP_FP8_ALL_GATHER_NEEDS_PER_TENSOR = (
-    "fp8_enable_fsdp_float8_all_gather needs a per-tensor recipe on lowprec's engine (tensorwise or "
-    "delayed), not {recipe!r} (its scales are per row, tile or block of the whole weight); use "
-    "fp8_recipe: tensorwise or delayed, or drop fp8_enable_fsdp_float8_all_gather"
+FSDP_FP8_ALL_GATHER_UNSUPPORTED = (
+    "fp8_enable_fsdp_float8_all_gather works with the tensorwise, delayed and rowwise recipes on "
+    "lowprec's engine, not {recipe!r} (its scales are per tile or block of the whole weight); use one "
+    "of those recipes or drop fp8_enable_fsdp_float8_all_gather"
 )
 
 
@@ -226,12 +226,12 @@ def _kind_row(recipe: str, scaling: str | None) -> "RecipeInfo":
 
 
 def check_fsdp_fp8_all_gather(recipe: str, scaling: str | None = None) -> None:
-    """The one rule "FP8 all-gather needs per-tensor scaling" (tensorwise, delayed), for every caller (the YAML
+    """The one rule "FP8 all-gather needs scales a shard can compute" (tensorwise, delayed, rowwise), for every caller (the YAML
     trainer, the launch flags, the native backend, the FSDP2 wrapper). ``recipe``: the recipe's
     name; ``scaling``: its scaling kind where a built Recipe is at hand (else read from the
     name). ``ValueError`` with the one message otherwise."""
     if not _kind_row(recipe, scaling).fp8_all_gather:
-        raise ValueError(FSDP_FP8_ALL_GATHER_NEEDS_PER_TENSOR.format(recipe=recipe))
+        raise ValueError(FSDP_FP8_ALL_GATHER_UNSUPPORTED.format(recipe=recipe))
 
 
 def check_tensor_parallel(recipe: str, scaling: str | None = None, what: str = "tensor parallel FP8") -> None:
@@ -303,6 +303,7 @@ _RECIPES: dict[str, RecipeInfo] = dict(
                 Granularity.AXIS,
                 "per-row power-of-two scales, E4M3 everywhere (torchao rowwise)",
                 {"scaling": "rowwise", **_ROWWISE},
+                fp8_all_gather=True,
                 export_scheme="channel",
             ),
             RecipeInfo(

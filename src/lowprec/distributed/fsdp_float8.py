@@ -1,9 +1,9 @@
-"""FSDP2 FP8 all-gather for per-tensor scaling, tensorwise and delayed (the native engine's
+"""FSDP2 FP8 all-gather for tensorwise, delayed and rowwise scaling (the native engine's
 counterpart of torchao's ``enable_fsdp_float8_all_gather`` + ``precompute_float8_dynamic_scale_for_fsdp``,
 and of TransformerEngine's FP8 weight gather for ``DelayedScaling``).
 
 FSDP2 all-gathers each weight before its forward. With :func:`enable_fsdp_float8_all_gather`
-the weight of every tensorwise or delayed :class:`~lowprec.fp8.Float8Linear` becomes a
+the weight of every tensorwise, delayed or rowwise :class:`~lowprec.fp8.Float8Linear` becomes a
 :class:`Float8AllGatherWeight` (a wrapper around the high-precision tensor) whose FSDP2
 extension hooks move FP8 instead of bf16:
 
@@ -31,12 +31,20 @@ to one all-reduce for that weight inside the hook, logged once.
   forward's scale. The weight history holds whole-weight amaxes, the same on every rank.
 
 The FP8 cast is elementwise, so a run with the FP8 all-gather computes the same GEMMs as one
-without it: losses agree bitwise (tests/test_distributed_fp8.py, both kinds).
+without it: losses agree bitwise (tests/test_distributed_fp8.py, every kind).
 
 Interaction with the rest:
 
-* rowwise, blockwise, mxfp8, nvfp4 are refused by the Accelerator/trainer with the fix in the
-  message (their scales are per row, tile or block of the whole weight).
+* rowwise (``_rowwise_inputs``): FSDP2 shards rows, and a row's scale is its own amax, so in
+  forward each rank casts its rows and the per-row scales travel with the bytes (4 bytes per row:
+  0.1% more at K=4096). grad_input reads the weight scaled per column, across every rank's rows:
+  the re-gather for backward (FSDP2 resharded after forward) casts each shard with the whole
+  weight's column scales (one MAX all-reduce of K amaxes). ``rowwise_with_gw_hp`` gathers its
+  tensorwise grad_input cast the same way. If FSDP2 kept the forward's gathered weight
+  (``reshard_after_forward=False``), grad_input re-casts it from the row-scaled FP8 values, one
+  rounding more than without the FP8 all-gather (logged once).
+* blockwise, mxfp8, nvfp4 are refused by the Accelerator/trainer with the fix in the message
+  (their scales are per tile or block of the whole weight).
 * Delayed on CUDA: a gathered weight takes the eager scale update (an amax read per operand),
   not the fused one-pass casts, which read the high-precision weight.
 * O1 / O2 (MS-AMP opt levels) under FSDP2: O2's FP8AdamW steps the DTensor shards with the
@@ -65,8 +73,8 @@ from torch.utils._pytree import tree_map_only
 from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.fp8.gathered import Float8GatheredWeight
 from lowprec.fp8.linear import Float8Linear
-from lowprec.fp8.quantize import quantize_tensorwise
-from lowprec.fp8.scaling import amax, amax_to_scale, delayed_scale_step
+from lowprec.fp8.quantize import quantize_axiswise, quantize_tensorwise
+from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
 
 __all__ = [
     "DelayedWeightScale",
@@ -109,6 +117,7 @@ class Float8AllGatherWeight(torch.Tensor):
         margin: int = 0,
         pow2: bool = False,
         delayed: Optional["DelayedWeightScale"] = None,
+        rowwise: Optional[str] = None,
     ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -127,12 +136,16 @@ class Float8AllGatherWeight(torch.Tensor):
         margin: int = 0,
         pow2: bool = False,
         delayed: Optional["DelayedWeightScale"] = None,
+        rowwise: Optional[str] = None,
     ):
         self._tensor = tensor
         self._fp8_dtype = fp8_dtype
         self._margin = margin
         self._pow2 = pow2
         self._delayed = delayed  # the layer's delayed-scaling state; None: tensorwise
+        # rowwise kinds: the granularity of the grad_input GEMM's weight cast ("axis", or
+        # "tensor" for rowwise_with_gw_hp); None: a per-tensor kind
+        self._rowwise = rowwise
         self._param_dtype: Optional[torch.dtype] = None  # FSDP2's, learnt at the first all-gather
         # (amax of the whole weight rounded to param_dtype, _tensor._version it was taken at)
         self._precomputed: Optional[tuple[torch.Tensor, int]] = None
@@ -141,7 +154,7 @@ class Float8AllGatherWeight(torch.Tensor):
         return f"Float8AllGatherWeight({self._tensor!r}, fp8={self._fp8_dtype})"
 
     def _meta(self) -> tuple:
-        return (self._fp8_dtype, self._margin, self._pow2, self._delayed)
+        return (self._fp8_dtype, self._margin, self._pow2, self._delayed, self._rowwise)
 
     def __tensor_flatten__(self):
         return ["_tensor"], self._meta()
@@ -183,19 +196,46 @@ class Float8AllGatherWeight(torch.Tensor):
         if self._delayed is None:  # tensorwise: from this weight's amax
             a = self._whole_amax(mesh)
             return amax_to_scale(a, self._fp8_dtype, margin=self._margin, power_of_2=self._pow2), None
-        if self._delayed.in_backward():  # a re-gather for backward: the forward's scale
+        if _in_backward():  # a re-gather for backward: the forward's scale
             return self._delayed.forward_scale(), None
         a = self._whole_amax(mesh)
         return self._delayed.scale_for(a), a
 
+    def _rowwise_inputs(self, mesh: Any) -> tuple[tuple, tuple]:
+        """Rowwise: forward, each row cast with its own scale (the shard holds whole rows: no
+        collective), the row scales gathered with the bytes; backward, the cast grad_input reads,
+        with the whole weight's column scales (one MAX all-reduce of K amaxes) or, for
+        ``rowwise_with_gw_hp``, its tensor scale. Two inputs every time (FSDP2 keeps the output
+        buffers): in backward the second is a placeholder and the scale travels as metadata."""
+        rounded = self._rounded()
+        if mesh.size() == 1:  # FSDP2 copies one input and nothing travels: the weight as it is
+            return (rounded,), ("hp", None, None)
+        if not _in_backward():
+            q = quantize_axiswise(rounded, self._fp8_dtype, 1, power_of_2=self._pow2)
+            return (q.data.contiguous().view(torch.uint8), q.scale), ("axis", 1, None)
+        placeholder = torch.zeros(rounded.shape[0], 1, dtype=torch.float32, device=rounded.device)
+        if self._rowwise == "tensor":
+            scale = amax_to_scale(self._whole_amax(mesh), self._fp8_dtype, power_of_2=self._pow2)
+            q = quantize_tensorwise(rounded, self._fp8_dtype, scale, power_of_2=self._pow2)
+            return (q.data.contiguous().view(torch.uint8), placeholder), ("tensor", None, q.scale)
+        cols = amax_along(rounded, 0)
+        dist.all_reduce(cols, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        scale = amax_to_scale(cols, self._fp8_dtype, power_of_2=self._pow2)
+        q = quantize_axiswise(rounded, self._fp8_dtype, 0, power_of_2=self._pow2, scale=scale)
+        return (q.data.contiguous().view(torch.uint8), placeholder), ("axis", 0, scale)
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         self._param_dtype = mp_policy.param_dtype or self._tensor.dtype
+        if self._rowwise is not None:
+            return self._rowwise_inputs(mesh)
         scale, whole_amax = self._scale_and_amax(mesh)
         q = quantize_tensorwise(self._rounded(), self._fp8_dtype, scale, power_of_2=self._pow2)
         # bytes, not FP8: FSDP2 packs all inputs of a group into one buffer, and gloo has no FP8
         return (q.data.view(torch.uint8),), (q.scale, whole_amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        if self._rowwise is not None:
+            return self._rowwise_post(outputs, metadata, param_dtype, out)
         (data,), (scale, whole_amax) = outputs, metadata
         if out is not None:  # later steps: FSDP2 refilled the same bytes in place
             out._scale = scale
@@ -203,6 +243,23 @@ class Float8AllGatherWeight(torch.Tensor):
             return None
         weight = Float8GatheredWeight(data.view(self._fp8_dtype), scale, param_dtype, self._pow2, whole_amax)
         return weight, (data,)
+
+    def _rowwise_post(self, outputs, metadata, param_dtype, out):
+        if metadata[0] == "hp":  # one process: the high-precision weight (the GEMMs cast it)
+            (weight,) = outputs
+            return None if out is not None else (weight, (weight,))
+        (data, row_scales), (granularity, contract, scale) = outputs, metadata
+        scale = row_scales if granularity == "axis" and contract == 1 else scale
+        if out is not None:  # FSDP2 refilled the same buffers: this gather's scales and layout
+            out._scale, out._granularity, out._contract = scale, granularity, contract
+            return None
+        fp8 = data.view(self._fp8_dtype)
+        weight = Float8GatheredWeight(fp8, scale, param_dtype, self._pow2, None, granularity, contract)
+        return weight, (data, row_scales)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1  # inside the autograd engine
 
 
 class DelayedWeightScale:
@@ -217,10 +274,6 @@ class DelayedWeightScale:
 
     def __init__(self, layer: Float8Linear) -> None:
         self._layer = weakref.ref(layer)
-
-    @staticmethod
-    def in_backward() -> bool:
-        return torch._C._current_graph_task_id() != -1  # inside the autograd engine
 
     def forward_scale(self) -> torch.Tensor:
         return self._owner().fp8_last_scales[1].clone()
@@ -254,7 +307,12 @@ def enable_fsdp_float8_all_gather(model: nn.Module) -> int:
             continue
         r = m.recipe
         delayed = DelayedWeightScale(m) if r.kind.keeps_history else None
-        wrapped = Float8AllGatherWeight(w.detach(), r.fp8_format.forward_dtype, r.margin, r.power_of_2_scales, delayed)
+        fprop_w, dgrad_w = r.plan().fprop.b, r.plan().dgrad.b
+        rowwise = None
+        if fprop_w is not None and fprop_w.granularity == "axis":
+            rowwise = dgrad_w.granularity if dgrad_w is not None else "axis"
+        fp8 = r.fp8_format.forward_dtype
+        wrapped = Float8AllGatherWeight(w.detach(), fp8, r.margin, r.power_of_2_scales, delayed, rowwise)
         m.weight = nn.Parameter(wrapped, requires_grad=w.requires_grad)
         n += 1
     return n

@@ -16,10 +16,15 @@ reduce-scatters it as usual.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.utils._pytree import tree_map_only
 
 from lowprec.fp8.quantize import Float8Data
+
+logger = logging.getLogger("lowprec")
+_RECAST_LOGGED: set[str] = set()
 
 __all__ = ["Float8GatheredWeight", "as_float8_data", "gathered_scale_and_amax"]
 
@@ -45,6 +50,8 @@ class Float8GatheredWeight(torch.Tensor):
         dtype: torch.dtype,
         pow2: bool = False,
         amax: torch.Tensor | None = None,
+        granularity: str = "tensor",
+        contract: int | None = None,
     ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -63,10 +70,16 @@ class Float8GatheredWeight(torch.Tensor):
         dtype: torch.dtype,
         pow2: bool = False,
         amax: torch.Tensor | None = None,
+        granularity: str = "tensor",
+        contract: int | None = None,
     ):
         self._data = data
         self._scale = scale
         self._pow2 = pow2
+        # "tensor": one scale; "axis": one per slice across dim ``contract`` (rowwise: (N, 1) for
+        # the forward GEMM, contract 1; (1, K) for grad_input, contract 0)
+        self._granularity = granularity
+        self._contract = contract
         # the whole high-precision weight's amax, where the gather carries it (delayed scaling
         # records it in the weight's history: the payload's own amax would be the FP8-rounded one)
         self._amax = amax
@@ -75,7 +88,7 @@ class Float8GatheredWeight(torch.Tensor):
         return f"Float8GatheredWeight(shape={tuple(self.shape)}, fp8={self._data.dtype}, dtype={self.dtype})"
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], (self.dtype, self._pow2)
+        return ["_data", "_scale"], (self.dtype, self._pow2, None, self._granularity, self._contract)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -90,16 +103,34 @@ class Float8GatheredWeight(torch.Tensor):
         if func in _VIEW_OPS:
             src = args[0]
             data = func(src._data, *args[1:], **kwargs)
-            return Float8GatheredWeight(data, src._scale, src.dtype, src._pow2, src._amax)
+            return Float8GatheredWeight(
+                data, src._scale, src.dtype, src._pow2, src._amax, src._granularity, src._contract
+            )
         args, kwargs = tree_map_only(Float8GatheredWeight, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
 
 
-def as_float8_data(t: torch.Tensor, dtype: torch.dtype, granularity: str) -> Float8Data | None:
+def as_float8_data(
+    t: torch.Tensor, dtype: torch.dtype, granularity: str, contract: int | None = None
+) -> Float8Data | None:
     """The FP8 cast a GEMM operand already carries, when it is a :class:`Float8GatheredWeight`
-    of the asked-for dtype and a per-tensor cast is asked for; else ``None`` (cast as usual)."""
-    if isinstance(t, Float8GatheredWeight) and granularity == "tensor" and t._data.dtype == dtype:
+    of the asked-for dtype and granularity (for ``axis``: across the asked-for ``contract`` dim);
+    else ``None`` (cast as usual: a gathered weight then reads as its dequantized values)."""
+    if not isinstance(t, Float8GatheredWeight) or t._data.dtype != dtype or t._granularity != granularity:
+        return None
+    if granularity == "tensor":
         return Float8Data(t._data, t._scale, "tensor", None, t._pow2)
+    if granularity == "axis" and contract is not None and t._contract == contract:
+        return Float8Data(t._data, t._scale, "axis", None, t._pow2)
+    if granularity == "axis" and contract is not None and "axis" not in _RECAST_LOGGED:
+        _RECAST_LOGGED.add("axis")
+        logger.info(
+            "lowprec: FSDP2 FP8 all-gather (rowwise): a GEMM contracting dim %d reads a weight gathered "
+            "for dim %d (FSDP2 kept the forward's: reshard_after_forward=False), so it is re-cast from "
+            "those FP8 values, one rounding more than without the FP8 all-gather",
+            contract,
+            t._contract,
+        )
     return None
 
 

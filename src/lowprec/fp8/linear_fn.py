@@ -77,16 +77,20 @@ def register_caster(caster: Caster) -> Caster:
 
 
 def _caster(spec: OperandCast) -> Caster:
-    try:
-        return _CASTERS[spec.granularity]
-    except KeyError:
-        raise ValueError(f"no cast registered for granularity {spec.granularity!r}") from None
+    caster = _CASTERS.get(spec.granularity)
+    if caster is None:  # the kind that introduced this granularity registers its cast: load them all
+        for name in base.names():
+            base.get(name)
+        caster = _CASTERS.get(spec.granularity)
+    if caster is None:
+        raise ValueError(f"no cast registered for granularity {spec.granularity!r}")
+    return caster
 
 
 def cast(t: torch.Tensor, spec: OperandCast, contract: int, recipe: Recipe, scale=None) -> Float8Data:
     """Quantize a 2-D operand for a GEMM that contracts over dim ``contract``; a weight that the
     FSDP2 FP8 all-gather delivered already cast is taken as it is."""
-    pre = as_float8_data(t, spec.dtype, spec.granularity)
+    pre = as_float8_data(t, spec.dtype, spec.granularity, contract)
     if pre is not None:
         return pre
     return _caster(spec).one(t, spec, contract, recipe, scale)

@@ -181,11 +181,19 @@ def quantize_axiswise(
     dim: int,
     *,
     power_of_2: bool = True,
+    scale: torch.Tensor | None = None,
 ) -> Float8Data:
     """One scale per slice along ``dim`` (the GEMM's contraction dim).
 
     For ``x`` of shape (M, K) and ``dim=1`` this is torchao's "rowwise": scale shape (M, 1).
+    ``scale``: the slices' scales, computed elsewhere from amaxes that include ``x``'s (the FSDP2
+    FP8 all-gather casts a shard with the whole weight's column scales); the same cast otherwise.
     """
+    if scale is not None and not (_fused_cast(x) and dim == 0):
+        x32, owned = _as_fp32(x)
+        return Float8Data(
+            _saturate_(_scaled(x32, owned, scale), dtype, may_hold_inf=False), scale, "axis", None, power_of_2
+        )
     if _fused_cast(x) and dim in (1, -1):
         from lowprec.fp8 import kernels
 
@@ -194,7 +202,8 @@ def quantize_axiswise(
     if _fused_cast(x) and dim == 0:  # CUDA: written transposed, the layout a GEMM contracting dim 0 reads
         from lowprec.fp8 import kernels
 
-        scale = amax_to_scale(kernels.amax_cols(x), dtype, power_of_2=power_of_2)
+        if scale is None:
+            scale = amax_to_scale(kernels.amax_cols(x), dtype, power_of_2=power_of_2)
         return Float8Data(kernels.cast_cols_t(x, scale, dtype).t(), scale, "axis", None, power_of_2)
     x32, owned = _as_fp32(x)
     scale = amax_to_scale(amax_along(x32, dim), dtype, power_of_2=power_of_2)
