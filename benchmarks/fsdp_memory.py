@@ -1,5 +1,7 @@
 """Per-rank memory of FSDP2 training vs world size: bf16 and every FP8 recipe, with the FP8 weight
-re-cast in backward (``force_recompute_fp8_weight_in_bwd`` auto, the default) and kept (false).
+re-cast in backward (``force_recompute_fp8_weight_in_bwd`` auto, the default) and kept (false),
+with and without the FP8 all-gather (``<recipe>_fp8_all_gather``) and activation checkpointing of
+every decoder layer (``+ckpt``).
 
     PYTHONPATH=src python benchmarks/fsdp_memory.py                      # llama-tiny, worlds 1, 2, 4
     PYTHONPATH=src python benchmarks/fsdp_memory.py --model llama-small --worlds 1,2,4 --configs bf16,tensorwise
@@ -53,6 +55,10 @@ from _common import device_name, end_rank, write_json  # noqa: E402
 RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
 CONFIGS = (
     "bf16",
+    "bf16+ckpt",
+    "tensorwise:auto+ckpt",
+    "tensorwise_fp8_all_gather:auto+ckpt",
+    "delayed:auto+ckpt",
     *(
         f"{r}:{opt}"
         for r in (*RECIPES, "tensorwise_fp8_all_gather", "delayed_fp8_all_gather", "rowwise_fp8_all_gather")
@@ -122,6 +128,7 @@ def run_config(config: str, model_name: str, batch: int, seq: int, rank: int) ->
     from lowprec.distributed.fsdp_float8 import enable_fsdp_float8_all_gather, precompute_float8_scales_for_fsdp
     from lowprec.train.model import LlamaDecoderLayer, build_model
 
+    config, _, extra = config.partition("+")
     recipe_name, _, opt = config.partition(":")
     gather = recipe_name.endswith("_fp8_all_gather")
     recipe_name = recipe_name.removesuffix("_fp8_all_gather")
@@ -133,6 +140,8 @@ def run_config(config: str, model_name: str, batch: int, seq: int, rank: int) ->
         fp8.convert(model, recipe)
         if gather:
             enable_fsdp_float8_all_gather(model)
+    if extra == "ckpt":  # activation checkpointing of every decoder layer (the trainer's key)
+        model.gradient_checkpointing_enable()
     shapes, packed = _weight_shapes(model)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for m in model.modules():

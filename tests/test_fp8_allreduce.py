@@ -8,7 +8,6 @@ sum, so |out - ref| <= 2^-4 * (mean_r |g_r| + |ref|) + one E4M3 subnormal step o
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -17,17 +16,11 @@ import torch.nn as nn
 
 from lowprec.distributed import FP8AllReduceState, fp8_all_reduce_, register_fp8_allreduce
 from lowprec.optim import apply_opt_level
-from torchrun_util import spawn_ranks
+from torchrun_util import free_port as _free_port, spawn_ranks
 
 WORLD = 2
 NUMELS = [1000, 37, 513, 1]
 MAGNITUDES = [1e-3, 1.0, 1e2, 5.0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _bucket(rank: int) -> torch.Tensor:

@@ -17,10 +17,43 @@ import subprocess
 from typing import Callable
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_next_port: list[int] = []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a launch's rendezvous, free when asked. Not one the kernel hands out itself
+    (``bind(0)``): those are ephemeral ports, which any socket opened meanwhile (gloo connects
+    dozens) may take before the launcher binds it (EADDRINUSE, seen in a suite run). Below the
+    ephemeral range instead, in a slice of 1000 ports per pytest-xdist worker so that two
+    workers never pick the same one, tried in turn."""
+    low = _ephemeral_low()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    start = low - 1000 * (index + 1)
+    if low < 12000 or start < 10000:  # no room below the ephemeral range: the kernel's choice
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    if not _next_port:
+        _next_port.append(start + (os.getpid() % 1000))
+    for _ in range(1000):
+        port = start + (_next_port[0] - start) % 1000
+        _next_port[0] = port + 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {start}-{start + 999}")
 
 
 _NOISE = ("Warning", "Failed to load", "warnings.warn", "*****", "OMP_NUM_THREADS")
