@@ -100,8 +100,9 @@ WORKER = textwrap.dedent(
         "delayed_gather_ckpt": run("delayed", steps=5, ckpt=True, overrides={"amax_history_len": 4, "interval": 2},
                                    enable_fsdp_float8_all_gather=True),
         # rowwise: per-row scales gathered with the rows; backward re-gathers with column scales
-        **{f"{r}_{mode}": run(r, steps=3, ckpt=ckpt, skew=True, enable_fsdp_float8_all_gather=gather)
-           for r in ("rowwise", "rowwise_with_gw_hp")
+        **{f"{r}_{mode}": run(r, steps=3, ckpt=ckpt, skew=True, enable_fsdp_float8_all_gather=gather,
+                              overrides={"block_size": 16} if r == "blockwise" else {})
+           for r in ("rowwise", "rowwise_with_gw_hp", "blockwise")
            for mode, ckpt, gather in (("bf16", False, False), ("gather", False, True), ("gather_ckpt", True, True))},
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -180,11 +181,12 @@ def test_fsdp2_amax_agreement_and_fp8_all_gather(tmp_path):
 
     # rowwise (and rowwise_with_gw_hp, whose grad_input reads a tensorwise weight): the same bits
     for r in (r0, r1):
-        for recipe in ("rowwise", "rowwise_with_gw_hp"):
+        for recipe in ("rowwise", "rowwise_with_gw_hp", "blockwise"):  # blockwise: 16x16 tiles here
             base = r[f"{recipe}_bf16"]
             for run in ("gather", "gather_ckpt"):
                 got = r[f"{recipe}_{run}"]
                 assert got["losses"] == base["losses"], (recipe, run)
                 for unit, fp8_bytes in got["gather_bytes"].items():
-                    # + one float32 scale per row (32 rows of 32): 4/32 of the weight's FP8 bytes
+                    # + one float32 scale per row (32 rows of 32): 4/32 of the weight's FP8 bytes;
+                    # blockwise: one per 16x16 tile
                     assert fp8_bytes / base["gather_bytes"][unit] <= 0.58, (recipe, run, unit)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 from tests.test_checkpoint_sharded import launch
 
 WORKER = textwrap.dedent(
@@ -160,7 +162,7 @@ def test_fp8_all_gather_on_a_one_process_mesh_computes_the_same(tmp_path):
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        for recipe in ("rowwise", "tensorwise", "delayed"):
+        for recipe in ("rowwise", "tensorwise", "delayed", "blockwise"):
             runs = []
             for gather in (False, True):
                 torch.manual_seed(0)
@@ -178,3 +180,20 @@ def test_fp8_all_gather_on_a_one_process_mesh_computes_the_same(tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(*runs)), recipe
     finally:
         dist.destroy_process_group()
+
+
+def test_blockwise_fp8_all_gather_refuses_tiles_split_across_ranks():
+    import torch
+
+    from lowprec.distributed.fsdp_float8 import Float8AllGatherWeight
+
+    shard = Float8AllGatherWeight(torch.randn(64, 256), torch.float8_e4m3fn, block=128)  # 128 rows / 2 ranks
+
+    class TwoRanks:
+        def size(self) -> int:
+            return 2
+
+    with pytest.raises(
+        ValueError, match="each of the 2 ranks holds 64 rows of a weight, not a multiple of its 128x128"
+    ):
+        shard._block_inputs(TwoRanks())

@@ -213,9 +213,10 @@ def te_switch_recipe(switches: Mapping[str, Any]) -> str | None:
 
 
 FSDP_FP8_ALL_GATHER_UNSUPPORTED = (
-    "fp8_enable_fsdp_float8_all_gather works with the tensorwise, delayed and rowwise recipes on "
-    "lowprec's engine, not {recipe!r} (its scales are per tile or block of the whole weight); use one "
-    "of those recipes or drop fp8_enable_fsdp_float8_all_gather"
+    "fp8_enable_fsdp_float8_all_gather works with the tensorwise, delayed, rowwise and blockwise recipes "
+    "on lowprec's engine, not {recipe!r} (its scales are per block of 32 or 16 along one dim and the "
+    "other GEMM reads blocks along the other); use one of those recipes or drop "
+    "fp8_enable_fsdp_float8_all_gather"
 )
 
 
@@ -226,7 +227,8 @@ def _kind_row(recipe: str, scaling: str | None) -> "RecipeInfo":
 
 
 def check_fsdp_fp8_all_gather(recipe: str, scaling: str | None = None) -> None:
-    """The one rule "FP8 all-gather needs scales a shard can compute" (tensorwise, delayed, rowwise), for every caller (the YAML
+    """The one rule "FP8 all-gather needs scales a shard can compute" (tensorwise, delayed, rowwise,
+    blockwise), for every caller (the YAML
     trainer, the launch flags, the native backend, the FSDP2 wrapper). ``recipe``: the recipe's
     name; ``scaling``: its scaling kind where a built Recipe is at hand (else read from the
     name). ``ValueError`` with the one message otherwise."""
@@ -326,6 +328,7 @@ _RECIPES: dict[str, RecipeInfo] = dict(
                 "1x128 activation/gradient tiles, 128x128 weight tiles, power-of-two scales (DeepSeek-V3)",
                 {"scaling": "blockwise", **_ROWWISE},
                 ("block_size",),
+                fp8_all_gather=True,
                 export_scheme="block",
             ),
             RecipeInfo(

@@ -1,9 +1,9 @@
-"""FSDP2 FP8 all-gather for tensorwise, delayed and rowwise scaling (the native engine's
+"""FSDP2 FP8 all-gather for tensorwise, delayed, rowwise and blockwise scaling (the native engine's
 counterpart of torchao's ``enable_fsdp_float8_all_gather`` + ``precompute_float8_dynamic_scale_for_fsdp``,
 and of TransformerEngine's FP8 weight gather for ``DelayedScaling``).
 
 FSDP2 all-gathers each weight before its forward. With :func:`enable_fsdp_float8_all_gather`
-the weight of every tensorwise, delayed or rowwise :class:`~lowprec.fp8.Float8Linear` becomes a
+the weight of every tensorwise, delayed, rowwise or blockwise :class:`~lowprec.fp8.Float8Linear` becomes a
 :class:`Float8AllGatherWeight` (a wrapper around the high-precision tensor) whose FSDP2
 extension hooks move FP8 instead of bf16:
 
@@ -43,8 +43,12 @@ Interaction with the rest:
   tensorwise grad_input cast the same way. If FSDP2 kept the forward's gathered weight
   (``reshard_after_forward=False``), grad_input re-casts it from the row-scaled FP8 values, one
   rounding more than without the FP8 all-gather (logged once).
-* blockwise, mxfp8, nvfp4 are refused by the Accelerator/trainer with the fix in the message
-  (their scales are per tile or block of the whole weight).
+* blockwise (``_block_inputs``): the weight's square tiles serve both GEMMs that read it, so each
+  rank casts its rows in those tiles (no collective) and the tile scales travel with the bytes;
+  every rank's rows must be whole tiles (rows / ranks a multiple of ``block_size``, 128), or the
+  first gather stops with one line naming the fix.
+* mxfp8, nvfp4 are refused by the Accelerator/trainer with the fix in the message (their 32- or
+  16-element blocks run along K for the forward GEMM and along N for grad_input).
 * Delayed on CUDA: a gathered weight takes the eager scale update (an amax read per operand),
   not the fused one-pass casts, which read the high-precision weight.
 * O1 / O2 (MS-AMP opt levels) under FSDP2: O2's FP8AdamW steps the DTensor shards with the
@@ -73,7 +77,7 @@ from torch.utils._pytree import tree_map_only
 from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.fp8.gathered import Float8GatheredWeight
 from lowprec.fp8.linear import Float8Linear
-from lowprec.fp8.quantize import quantize_axiswise, quantize_tensorwise
+from lowprec.fp8.quantize import quantize_axiswise, quantize_blockwise, quantize_tensorwise
 from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
 
 __all__ = [
@@ -118,6 +122,7 @@ class Float8AllGatherWeight(torch.Tensor):
         pow2: bool = False,
         delayed: Optional["DelayedWeightScale"] = None,
         rowwise: Optional[str] = None,
+        block: Optional[int] = None,
     ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -137,6 +142,7 @@ class Float8AllGatherWeight(torch.Tensor):
         pow2: bool = False,
         delayed: Optional["DelayedWeightScale"] = None,
         rowwise: Optional[str] = None,
+        block: Optional[int] = None,
     ):
         self._tensor = tensor
         self._fp8_dtype = fp8_dtype
@@ -146,6 +152,7 @@ class Float8AllGatherWeight(torch.Tensor):
         # rowwise kinds: the granularity of the grad_input GEMM's weight cast ("axis", or
         # "tensor" for rowwise_with_gw_hp); None: a per-tensor kind
         self._rowwise = rowwise
+        self._block = block  # blockwise: the weight's square tile size; None otherwise
         self._param_dtype: Optional[torch.dtype] = None  # FSDP2's, learnt at the first all-gather
         # (amax of the whole weight rounded to param_dtype, _tensor._version it was taken at)
         self._precomputed: Optional[tuple[torch.Tensor, int]] = None
@@ -154,7 +161,7 @@ class Float8AllGatherWeight(torch.Tensor):
         return f"Float8AllGatherWeight({self._tensor!r}, fp8={self._fp8_dtype})"
 
     def _meta(self) -> tuple:
-        return (self._fp8_dtype, self._margin, self._pow2, self._delayed, self._rowwise)
+        return (self._fp8_dtype, self._margin, self._pow2, self._delayed, self._rowwise, self._block)
 
     def __tensor_flatten__(self):
         return ["_tensor"], self._meta()
@@ -224,8 +231,28 @@ class Float8AllGatherWeight(torch.Tensor):
         q = quantize_axiswise(rounded, self._fp8_dtype, 0, power_of_2=self._pow2, scale=scale)
         return (q.data.contiguous().view(torch.uint8), placeholder), ("axis", 0, scale)
 
+    def _block_inputs(self, mesh: Any) -> tuple[tuple, tuple]:
+        """Blockwise: the shard cast in the weight's square tiles (forward and backward read the
+        same cast), the tile scales gathered with the bytes. A tile must not straddle two ranks'
+        rows, so each rank's rows must be whole tiles."""
+        rounded = self._rounded()
+        if mesh.size() == 1:  # FSDP2 copies one input and nothing travels: the weight as it is
+            return (rounded,), ("hp", None, None)
+        bs = cast(int, self._block)
+        if rounded.shape[0] % bs:
+            raise ValueError(
+                f"fp8_enable_fsdp_float8_all_gather with blockwise scaling: each of the {mesh.size()} ranks "
+                f"holds {rounded.shape[0]} rows of a weight, not a multiple of its {bs}x{bs} tiles; use a "
+                f"number of processes that splits every weight into whole tiles, or drop "
+                "fp8_enable_fsdp_float8_all_gather"
+            )
+        q = quantize_blockwise(rounded, self._fp8_dtype, (bs, bs), power_of_2=self._pow2)
+        return (q.data.contiguous().view(torch.uint8), q.scale.contiguous()), ("block", None, None)
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         self._param_dtype = mp_policy.param_dtype or self._tensor.dtype
+        if self._block is not None:
+            return self._block_inputs(mesh)
         if self._rowwise is not None:
             return self._rowwise_inputs(mesh)
         scale, whole_amax = self._scale_and_amax(mesh)
@@ -234,8 +261,8 @@ class Float8AllGatherWeight(torch.Tensor):
         return (q.data.view(torch.uint8),), (q.scale, whole_amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        if self._rowwise is not None:
-            return self._rowwise_post(outputs, metadata, param_dtype, out)
+        if self._rowwise is not None or self._block is not None:
+            return self._scaled_post(outputs, metadata, param_dtype, out)
         (data,), (scale, whole_amax) = outputs, metadata
         if out is not None:  # later steps: FSDP2 refilled the same bytes in place
             out._scale = scale
@@ -244,18 +271,22 @@ class Float8AllGatherWeight(torch.Tensor):
         weight = Float8GatheredWeight(data.view(self._fp8_dtype), scale, param_dtype, self._pow2, whole_amax)
         return weight, (data,)
 
-    def _rowwise_post(self, outputs, metadata, param_dtype, out):
+    def _scaled_post(self, outputs, metadata, param_dtype, out):
+        """Rowwise and blockwise: the bytes and the scales that came with them (per row or per
+        tile), or those in the metadata (a backward gather's column or tensor scales)."""
         if metadata[0] == "hp":  # one process: the high-precision weight (the GEMMs cast it)
             (weight,) = outputs
             return None if out is not None else (weight, (weight,))
-        (data, row_scales), (granularity, contract, scale) = outputs, metadata
-        scale = row_scales if granularity == "axis" and contract == 1 else scale
+        (data, gathered_scales), (granularity, contract, scale) = outputs, metadata
+        if granularity == "block" or (granularity == "axis" and contract == 1):
+            scale = gathered_scales
+        block = (self._block, self._block) if self._block is not None else None
         if out is not None:  # FSDP2 refilled the same buffers: this gather's scales and layout
-            out._scale, out._granularity, out._contract = scale, granularity, contract
+            out._scale, out._granularity, out._contract, out._block = scale, granularity, contract, block
             return None
         fp8 = data.view(self._fp8_dtype)
-        weight = Float8GatheredWeight(fp8, scale, param_dtype, self._pow2, None, granularity, contract)
-        return weight, (data, row_scales)
+        weight = Float8GatheredWeight(fp8, scale, param_dtype, self._pow2, None, granularity, contract, block)
+        return weight, (data, gathered_scales)
 
 
 def _in_backward() -> bool:
@@ -308,11 +339,13 @@ def enable_fsdp_float8_all_gather(model: nn.Module) -> int:
         r = m.recipe
         delayed = DelayedWeightScale(m) if r.kind.keeps_history else None
         fprop_w, dgrad_w = r.plan().fprop.b, r.plan().dgrad.b
-        rowwise = None
+        rowwise = block = None
         if fprop_w is not None and fprop_w.granularity == "axis":
             rowwise = dgrad_w.granularity if dgrad_w is not None else "axis"
+        if fprop_w is not None and fprop_w.granularity == "block":
+            block = r.block_size
         fp8 = r.fp8_format.forward_dtype
-        wrapped = Float8AllGatherWeight(w.detach(), fp8, r.margin, r.power_of_2_scales, delayed, rowwise)
+        wrapped = Float8AllGatherWeight(w.detach(), fp8, r.margin, r.power_of_2_scales, delayed, rowwise, block)
         m.weight = nn.Parameter(wrapped, requires_grad=w.requires_grad)
         n += 1
     return n

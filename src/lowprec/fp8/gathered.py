@@ -52,6 +52,7 @@ class Float8GatheredWeight(torch.Tensor):
         amax: torch.Tensor | None = None,
         granularity: str = "tensor",
         contract: int | None = None,
+        block: tuple[int, int] | None = None,
     ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -72,6 +73,7 @@ class Float8GatheredWeight(torch.Tensor):
         amax: torch.Tensor | None = None,
         granularity: str = "tensor",
         contract: int | None = None,
+        block: tuple[int, int] | None = None,
     ):
         self._data = data
         self._scale = scale
@@ -80,6 +82,7 @@ class Float8GatheredWeight(torch.Tensor):
         # the forward GEMM, contract 1; (1, K) for grad_input, contract 0)
         self._granularity = granularity
         self._contract = contract
+        self._block = block  # "block": the square tiles, which serve both GEMMs that read the weight
         # the whole high-precision weight's amax, where the gather carries it (delayed scaling
         # records it in the weight's history: the payload's own amax would be the FP8-rounded one)
         self._amax = amax
@@ -88,7 +91,7 @@ class Float8GatheredWeight(torch.Tensor):
         return f"Float8GatheredWeight(shape={tuple(self.shape)}, fp8={self._data.dtype}, dtype={self.dtype})"
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale"], (self.dtype, self._pow2, None, self._granularity, self._contract)
+        return ["_data", "_scale"], (self.dtype, self._pow2, None, self._granularity, self._contract, self._block)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -104,7 +107,7 @@ class Float8GatheredWeight(torch.Tensor):
             src = args[0]
             data = func(src._data, *args[1:], **kwargs)
             return Float8GatheredWeight(
-                data, src._scale, src.dtype, src._pow2, src._amax, src._granularity, src._contract
+                data, src._scale, src.dtype, src._pow2, src._amax, src._granularity, src._contract, src._block
             )
         args, kwargs = tree_map_only(Float8GatheredWeight, lambda t: t.dequantize(), (args, kwargs))
         return func(*args, **kwargs)
@@ -120,6 +123,8 @@ def as_float8_data(
         return None
     if granularity == "tensor":
         return Float8Data(t._data, t._scale, "tensor", None, t._pow2)
+    if granularity == "block":  # square tiles: the same cast for either contracted dim
+        return Float8Data(t._data, t._scale, "block", t._block, t._pow2)
     if granularity == "axis" and contract is not None and t._contract == contract:
         return Float8Data(t._data, t._scale, "axis", None, t._pow2)
     if granularity == "axis" and contract is not None and "axis" not in _RECAST_LOGGED:
