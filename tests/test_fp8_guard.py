@@ -348,3 +348,40 @@ def test_loss_spike_act_rolls_back_skips_the_batches_then_stops(tmp_path, monkey
     (spike,) = [r for r in recs if r["kind"] == "loss_spike" and r["rolled_back_to"] is not None]
     assert (spike["step"], spike["rolled_back_to"]) == (6, 4)
     assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4, 5, 6]  # the first 5-6 cut
+
+
+def _guard_rank(rank: int, port: int, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    m = _model()
+    g = Guard(m, mode="act", thresholds=Thresholds(patience=2))
+    bad = {"input": {"underflow": 0.5}}
+    ok = {"input": {"underflow": 0.0}}
+    seen = []
+    for step in (1, 2, 3):  # only rank 1's data makes layer "1" unhealthy
+        health = {"0": ok, "1": bad if rank == 1 else ok, "2": ok}
+        seen.append([e.to_dict() for e in g.check(step, health)])
+    layers = dict(m.named_modules())
+    rep = {"events": seen, "moves": g.moves(), "high_precision": [layers[n].high_precision for n in ("0", "1", "2")]}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(rep, f)
+    dist.destroy_process_group()
+
+
+def test_guard_decisions_are_the_same_on_every_process(tmp_path):
+    """Each process reads its own data: a layer that crosses on one rank only is warned about and
+    moved on every rank at the same step (else the replicas would compute differently)."""
+    import json
+
+    from tests.torchrun_util import free_port, spawn_ranks
+
+    done = lambda: all((tmp_path / f"rank{r}.json").exists() for r in range(2))  # noqa: E731
+    spawn_ranks(_guard_rank, (free_port(), str(tmp_path)), 2, done, port_arg=0)
+    reps = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert reps[0] == reps[1]
+    moved = {"layer": "1", "signal": "input.underflow", "value": 0.5, "step": 2, "moved": True}
+    assert reps[0]["events"] == [[], [moved], []] and reps[0]["moves"] == [moved]
+    assert reps[0]["high_precision"] == [False, True, False]

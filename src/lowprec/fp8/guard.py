@@ -1,4 +1,4 @@
-"""The FP8 guard: watch each layer's health signals (``health.py``) and warn or act (issue 27).
+"""The FP8 guard: watch each layer's health signals (``health.py``) and warn or act.
 
 A layer is *unhealthy at a check* when any signal crosses its threshold (:class:`Thresholds`,
 defaults below); after ``patience`` unhealthy checks in a row an *episode* starts:
@@ -9,6 +9,10 @@ defaults below); after ``patience`` unhealthy checks in a row an *episode* start
   its three GEMMs run in the autocast dtype, bf16). A moved layer stays moved; :meth:`Guard.moves`
   lists the moves (layer, step, signal, value) and :meth:`Guard.restore` re-applies saved ones,
   so a resumed run keeps them.
+
+Under several processes each one reads its own data, so their signals differ; the checks agree
+(one ``all_gather_object`` per check): a layer crosses where any process saw it cross, so every
+process warns and moves the same layers at the same steps, and only rank 0 logs.
 
 Defaults, chosen on the reproducer ``benchmarks/fp8_guard_repro.py`` and the quickstart (the
 worst healthy values measured there: underflow 0.0102 once, a dY operand, max_to_rms 80.3,
@@ -31,6 +35,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch.distributed as dist
 from torch import nn
 
 from lowprec.fp8.linear import Float8Linear
@@ -112,12 +117,17 @@ class Guard:
         self.layers = {n: m for n, m in self.model.named_modules() if isinstance(m, Float8Linear)}
 
     def check(self, step: int, health: dict[str, Any]) -> list[Event]:
+        """Every process must call this at the same steps (a collective under several processes:
+        the layers' crossings are agreed, so every rank warns and moves the same layers)."""
         events = []
-        for name, row in health.items():
-            layer = self.layers.get(name)
-            if layer is None or layer.high_precision:  # moved already: nothing left to act on
+        hits = _agreed_crossings(
+            {name: first_crossing(row, self.thresholds) for name, row in health.items() if name in self.layers}
+        )
+        for name in [n for n in self.layers if n in hits]:  # model order
+            layer = self.layers[name]
+            if layer.high_precision:  # moved already: nothing left to act on
                 continue
-            hit = first_crossing(row, self.thresholds)
+            hit = hits[name]
             if hit is None:
                 self.streak[name] = 0
                 self.in_episode.discard(name)
@@ -130,7 +140,8 @@ class Guard:
             if ev.moved:
                 layer.high_precision = True
                 self.moved.append(ev.to_dict())
-            logger.warning(ev.line())
+            if _rank() == 0:
+                logger.warning(ev.line())
             events.append(ev)
             self.events.append(ev.to_dict())
         return events
@@ -147,3 +158,27 @@ class Guard:
                 )
             self.layers[mv["layer"]].high_precision = True
         self.moved = [dict(m) for m in moves]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _agreed_crossings(
+    local: dict[str, Optional[tuple[str, float]]],
+) -> dict[str, Optional[tuple[str, float]]]:
+    """Each layer's crossing as every process sees it. One process: its own. Several (each
+    reads its own data, so their signals differ): a layer crosses where any process saw it cross,
+    reported with the lowest such rank's signal and value, so that all of them warn and move
+    the same layers at the same steps (a layer in FP8 on one rank and bf16 on another would make
+    the replicas compute differently). One ``all_gather_object`` per check."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    agreed: dict[str, Optional[tuple[str, float]]] = {}
+    for seen in everyone:
+        for name, hit in seen.items():
+            if agreed.get(name) is None:
+                agreed[name] = hit
+    return agreed
