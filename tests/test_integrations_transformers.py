@@ -472,3 +472,51 @@ def test_trainer_on_two_processes_through_lowprec_launch_fp8_o2_and_resume(tmp_p
     assert r["loss_fp8"] != r["loss_bf16"] and r["rel_diff"] < 0.01  # measured: 0.1-0.3%
     assert r["resume_steps"] == [3, 4, 5] and r["resume_max_abs_diff"] == 0.0
     assert r["unexpected_keys"] == [] and r["missing_keys"] == [] and r["weights_equal"]
+
+
+def test_fp8_callback_guard_moves_layers_under_trainer_and_a_resume_keeps_them(tmp_path, caplog):
+    """``FP8Callback(guard="act")``: lowprec train's fp8_guard under Trainer. Thresholds that every
+    layer crosses (underflow > -1) and patience 1: the first logging step moves all 13 layers to
+    bf16, the next steps run them in high precision, and Trainer's checkpoint carries the moves
+    into a resumed run. ``warn`` logs the same episodes and moves nothing."""
+    import logging
+
+    every = {"underflow": -1.0}
+    model = tiny_llama()
+    enable_fp8(model, "tensorwise")
+    cb = FP8Callback(guard="act", guard_patience=1, guard_thresholds=every)
+    trainer = _trainer(model, tmp_path, [cb], save_strategy="steps", save_steps=2)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["fp8_guard_moved_layers"] for h in logs] == [13, 13]
+    assert logs[0]["fp8_linear_calls"] > 0 and logs[1]["fp8_linear_calls"] == 0 and logs[1]["hp_linear_calls"] > 0
+    assert all(m.high_precision for m in model.modules() if isinstance(m, fp8.Float8Linear))
+
+    fresh = tiny_llama()
+    enable_fp8(fresh, "tensorwise")
+    again = _trainer(fresh, tmp_path, [FP8Callback(guard="act", guard_patience=3)], save_strategy="no")
+    again.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    last = [h for h in again.state.log_history if "loss" in h][-1]  # the history holds step 2's log too
+    assert (
+        last["step"] == 4 and last["fp8_linear_calls"] == 0 and last["fp8_guard_moved_layers"] == 13
+    )  # the checkpoint's moves
+
+    model = tiny_llama()
+    enable_fp8(model, "tensorwise")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lowprec"):
+        _trainer(
+            model, tmp_path / "warn", [FP8Callback(guard="warn", guard_patience=1, guard_thresholds=every)]
+        ).train()
+    lines = [r.getMessage() for r in caplog.records if "fp8_guard" in r.getMessage()]
+    assert len(lines) == 13 and all("FP8 numerics unhealthy at step 2" in ln for ln in lines)  # once per episode
+    assert not any(m.high_precision for m in model.modules() if isinstance(m, fp8.Float8Linear))
+
+
+def test_fp8_callback_guard_arguments_are_checked():
+    with pytest.raises(ValueError, match="guard='on'.*off, warn, act"):
+        FP8Callback(guard="on")
+    with pytest.raises(ValueError, match="keep telemetry=True"):
+        FP8Callback(telemetry=False, guard="warn")
+    with pytest.raises(ValueError, match=r"unknown \['sqnr'\]"):
+        FP8Callback(guard="act", guard_thresholds={"sqnr": 10.0})

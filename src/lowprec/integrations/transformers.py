@@ -47,6 +47,7 @@ Why each piece is what it is:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Set
@@ -63,6 +64,8 @@ from lowprec import fp8
 from lowprec.checkpoint.serialization import load_object, save_object
 from lowprec.durable import fsync_dir, fsync_file, temp_suffix
 from lowprec.fp8.convert import DEFAULT_SKIP_PATTERNS, ConversionReport, ModuleFilter
+from lowprec.fp8.guard import GUARD_MODES, THRESHOLD_NAMES, Guard, Thresholds
+from lowprec.fp8.health import HealthProbe, signals
 from lowprec.distributed import register_fp8_allreduce
 from lowprec.optim import OPT_LEVELS, hold_grads_in_fp8, to_fp8_adamw
 from lowprec.utils.fp8 import has_ao_layers, has_transformer_engine_layers
@@ -71,6 +74,17 @@ from lowprec.optim.opt_level import check_o2_optimizer
 __all__ = ["enable_fp8", "FP8Callback", "apply_opt_level", "fp8_counts", "fp8_state_keys", "FP8_STATE_FILE"]
 
 FP8_STATE_FILE = "lowprec_fp8_state-rank{rank}.safetensors"  # in each Trainer checkpoint directory
+GUARD_FILE = "lowprec_fp8_guard.json"  # FP8Callback(guard=...): moves, streaks, episodes (plain JSON)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp-{temp_suffix()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    fsync_file(tmp)
+    os.replace(tmp, path)  # never a half-written file under the final name
+    fsync_dir(os.path.dirname(path))
+
 
 logger = logging.getLogger("lowprec")
 
@@ -201,14 +215,45 @@ class FP8Callback(TrainerCallback):
     Args:
         telemetry: collect FP8 statistics on the steps that log (two extra elementwise passes
             per cast on those steps only) and add the worst fractions to the logs.
+        guard: ``"off"``, ``"warn"`` or ``"act"``: the FP8 guard of ``lowprec train``'s
+            ``fp8_guard`` (:mod:`lowprec.fp8.guard`) on the logging steps' health signals. ``warn``
+            logs one line per episode; ``act`` also moves the layer to high precision (bf16). The
+            moves are written into Trainer's checkpoints (``lowprec_fp8_guard.json``) and taken
+            back on resume. Under several processes every rank decides the same (the check is
+            collective). Logs gain ``fp8_guard_moved_layers``.
+        guard_patience: unhealthy checks in a row before an episode (``fp8_guard_patience``).
+        guard_thresholds: overrides of :class:`lowprec.fp8.guard.Thresholds` (``saturated``,
+            ``underflow``, ``max_to_rms``, ``sqnr_db``), as ``fp8_guard_thresholds``.
+        health_sqnr_every: steps between the sampled shadow-GEMM SQNR readings.
     """
 
-    def __init__(self, telemetry: bool = True) -> None:
+    def __init__(
+        self,
+        telemetry: bool = True,
+        guard: str = "off",
+        guard_patience: int = 3,
+        guard_thresholds: dict[str, float] | None = None,
+        health_sqnr_every: int = 50,
+    ) -> None:
+        if guard not in GUARD_MODES:
+            raise ValueError(f"FP8Callback(guard={guard!r}): use one of {', '.join(GUARD_MODES)}")
+        if guard != "off" and not telemetry:
+            raise ValueError("FP8Callback(guard=...) reads the FP8 telemetry: keep telemetry=True")
+        unknown = sorted(set(guard_thresholds or {}) - set(THRESHOLD_NAMES))
+        if unknown:
+            raise ValueError(f"FP8Callback(guard_thresholds=...): unknown {unknown}; use {', '.join(THRESHOLD_NAMES)}")
         self.telemetry = telemetry
         self.counts = _Counts()
         self.model: nn.Module | None = None
         self.last_worst: dict[str, float] = {}  # the last log's telemetry, worst over every rank
         self._warned = False
+        self.guard_mode = guard
+        self._thresholds = Thresholds(patience=guard_patience, **(guard_thresholds or {}))
+        self.sqnr_every = health_sqnr_every
+        self.guard: Guard | None = None
+        self.probe: HealthProbe | None = None
+        self._previous: dict[str, Any] | None = None
+        self._last_sqnr: int | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None and not fp8.has_fp8_layers(model) and _library_fp8_layers(model):
@@ -237,6 +282,9 @@ class FP8Callback(TrainerCallback):
                 "layers run under DDP); for FSDP2 on CPU run Trainer on lowprec's Accelerator "
                 "(lowprec.integrations.trainer_accelerator.LowprecAcceleratorMixin)"
             )
+        if self.guard_mode != "off" and self.guard is None:
+            self.probe = HealthProbe(model)
+            self.guard = Guard(model, mode=self.guard_mode, thresholds=self._thresholds)
         if state.global_step > 0:
             self._restore(args, state)
         n = self.counts.attach(model)
@@ -251,11 +299,20 @@ class FP8Callback(TrainerCallback):
         (``save_pretrained`` left it out)."""
         if self.model is None:
             return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if self.guard is not None and args.process_index == 0:  # the same on every rank
+            os.makedirs(folder, exist_ok=True)
+            guard_state = {
+                "moved": self.guard.moves(),
+                "streak": self.guard.streak,
+                "in_episode": sorted(self.guard.in_episode),
+                "events": self.guard.events,
+            }
+            _write_json(os.path.join(folder, GUARD_FILE), guard_state)
         sd = self.model.state_dict()
         keys = fp8_state_keys(self.model)
         if not keys:
             return  # a recipe with no state (tensorwise, rowwise, ...): nothing to resume
-        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, FP8_STATE_FILE.format(rank=args.process_index))
         tmp = f"{path}.tmp-{temp_suffix()}"
@@ -268,6 +325,15 @@ class FP8Callback(TrainerCallback):
         """A resumed run (``global_step`` > 0 at ``on_train_begin``) takes back the FP8 scaling state
         its checkpoint holds: from ``args.resume_from_checkpoint`` when that names a directory,
         else from ``<output_dir>/checkpoint-<step>`` (``resume_from_checkpoint=True``'s choice)."""
+        folders = [
+            f
+            for f in (
+                args.resume_from_checkpoint if isinstance(args.resume_from_checkpoint, str) else None,
+                os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"),
+            )
+            if f
+        ]
+        self._restore_guard(folders)
         keys = fp8_state_keys(self.model)
         if not keys:
             return
@@ -302,6 +368,23 @@ class FP8Callback(TrainerCallback):
         self.model.load_state_dict(saved, strict=False)
         logger.info("lowprec: FP8 scaling state of step %d restored from %s", state.global_step, path)
 
+    def _restore_guard(self, folders: list[str]) -> None:
+        """The guard's moves, streaks and episodes from the checkpoint; a checkpoint's moves are
+        re-applied even with the guard off now (the layers were trained in bf16 from then on)."""
+        path = next((os.path.join(f, GUARD_FILE) for f in folders if os.path.isfile(os.path.join(f, GUARD_FILE))), None)
+        if path is None:
+            return
+        with open(path) as f:
+            saved = json.load(f)
+        if self.guard is None:
+            Guard(self.model, mode="act").restore(saved.get("moved", []))
+            return
+        self.guard.restore(saved.get("moved", []))
+        self.guard.streak = dict(saved.get("streak", {}))
+        self.guard.in_episode = set(saved.get("in_episode", []))
+        self.guard.events = list(saved.get("events", []))
+        logger.info("lowprec: fp8_guard state restored from %s (%d layer(s) moved)", path, len(self.guard.moved))
+
     def _logs_next_step(self, args, state) -> bool:
         strategy = getattr(args, "logging_strategy", "steps")
         every = getattr(state, "logging_steps", None) or args.logging_steps  # state's: a ratio resolved
@@ -314,6 +397,12 @@ class FP8Callback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if self.telemetry and self.model is not None and self._logs_next_step(args, state):
             fp8.enable_telemetry(self.model)
+            if self.probe is not None:  # the guard's readings: input max-to-rms, sampled SQNR
+                step = state.global_step + 1
+                sqnr = self._last_sqnr is None or step - self._last_sqnr >= self.sqnr_every
+                if sqnr:
+                    self._last_sqnr = step
+                self.probe.arm(outliers=True, sqnr=sqnr)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.telemetry and self.model is not None:
@@ -333,6 +422,11 @@ class FP8Callback(TrainerCallback):
         if self.telemetry:
             self.last_worst = _worst_over_ranks(_worst(self.model), args.device)
             extra.update(self.last_worst)
+        if self.guard is not None and self.probe is not None:
+            health = signals(fp8.telemetry(self.model), self.probe.layers, self.probe.take(), self._previous)
+            self._previous = health
+            self.guard.check(state.global_step, health)  # collective under several processes
+            extra["fp8_guard_moved_layers"] = len(self.guard.moved)
         self.counts.fp8 = self.counts.hp = 0
         logs.update(extra)
         # Trainer stored a copy before calling the callbacks: keep the history complete too
