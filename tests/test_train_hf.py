@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (d
 peft = pytest.importorskip("peft", reason="needs peft (dev extra)")
 
 from lowprec import fp8  # noqa: E402
+from lowprec.cli.main import main  # noqa: E402
 from lowprec.train.config import load_config, parse_config  # noqa: E402
 from lowprec.train.metrics import read_metrics  # noqa: E402
 from lowprec.train.resolve import Capabilities, resolve  # noqa: E402
@@ -505,3 +506,36 @@ def test_linear_only_backends_name_the_conv1d_layers_they_leave_in_high_precisio
     with caplog.at_level("WARNING", logger="lowprec"):
         note_unconverted_conv1d(transformers.GPT2LMHeadModel(cfg), "torchao")
     assert "torchao converts nn.Linear only: 8 transformers Conv1D layer(s) stay in high precision" in caplog.text
+
+
+def test_a_lora_run_exports_its_adapter_merged_to_fp8(tiny_llama, tmp_path):
+    """``lowprec export`` of a LoRA run: from its merged/ (merge_lora), or, without one, the base
+    model with the run's adapter merged by peft. Both load in transformers (hf-fp8) and give the
+    adapted model's logits within FP8 rounding; the base model's are further off."""
+    out = tmp_path / "run"
+    fast = {k: v for k, v in FAST.items() if k != "sequence_len"}
+    cfg = load_config(
+        os.path.join(ROOT, "examples", "hf", "alpaca_lora.yaml"),
+        {**fast, "base_model": tiny_llama, "output_dir": str(out), "max_steps": 8, "eval_steps": None},
+    )
+    train(cfg)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(3))
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        plain = base(ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, str(out))(ids).logits
+    qc = transformers.FineGrainedFP8Config(dequantize=True)
+    assert main(["export", str(out), "--format", "hf-fp8", "--out", str(tmp_path / "from_merged")]) == 0
+    assert "the run's merged/ model" in (tmp_path / "from_merged" / "README.md").read_text()  # the source, noted
+    shutil.rmtree(out / "merged")
+    assert main(["export", str(out), "--format", "hf-fp8", "--out", str(tmp_path / "from_adapter")]) == 0
+    assert "adapter merged (peft merge_and_unload)" in (tmp_path / "from_adapter" / "README.md").read_text()
+    for name in ("from_merged", "from_adapter"):
+        exported = transformers.AutoModelForCausalLM.from_pretrained(
+            str(tmp_path / name), quantization_config=qc, dtype=torch.float32
+        )
+        with torch.no_grad():
+            got = exported(ids).logits
+        err, moved = float((got - adapted).norm()), float((plain - adapted).norm())
+        assert err < 0.05 * float(adapted.norm()), name  # FP8 weights (and merged/'s bf16 rounding)
+        assert err < moved, name  # closer to the adapted model than the base is: the adapter is in

@@ -6,6 +6,12 @@ weights are the float32 master weights of the checkpoint (a ``checkpoint-N`` dir
 or a run's newest checkpoint when it is from the run's last step), so the trained FP8 casts are
 recomputed from exactly the weights the last forward read. Without such a checkpoint the run's
 bf16 ``model.safetensors`` is used, and the report says so.
+
+A LoRA / QLoRA run exports its adapter merged into the base model: the run's ``merged/`` when
+``merge_lora`` wrote it, else the base model (full precision, QLoRA's too) with the adapter
+merged by peft. Merged weights are not what any training forward cast, so their FP8 casts are
+made at export (the report says so). An adapter trained on an FP8 base is refused (merging into
+FP8 weights is not supported).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from lowprec.export.model import ExportReport, export_model
 from lowprec.fp8 import DEFAULT_SKIP_PATTERNS, Recipe, convert
 from lowprec.train.checkpoints import list_checkpoints
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
-from lowprec.train.hf_model import load_causal_lm, missing_model_files
+from lowprec.export.fp8_base import is_fp8_base
+from lowprec.train.hf_model import load_causal_lm, locate_pretrained, missing_model_files
 
 __all__ = ["export_run", "load_run", "export_after_training"]
 
@@ -96,13 +103,16 @@ def load_run(path: str) -> tuple[nn.Module, nn.Module, dict[str, Any], list[str]
     run, ckpt = _locate(path)
     with open(os.path.join(run, "resolved_config.yaml")) as f:
         cfg = yaml.safe_load(f)
-    if cfg.get("adapter"):
-        raise ValueError(
-            f"RUN_OR_CHECKPOINT: {run} trained a {cfg['adapter']} adapter; export its merged model "
-            "instead: a run with merge_lora: true writes it to merged/, then convert that directory "
-            "with lowprec.export.export_model in Python"
-        )
     notes: list[str] = []
+    if cfg.get("adapter"):
+        if ckpt is not None and os.path.abspath(path) == os.path.abspath(ckpt):  # one asked for, not the newest
+            raise ValueError(
+                f"RUN_OR_CHECKPOINT: {ckpt} is a checkpoint of a {cfg['adapter']} run; export the run "
+                f"directory ({run}): its adapter, merged into the base model"
+            )
+        model, note = _merged_adapter_model(run, cfg)
+        notes.append(note)
+        return _convert_for_export(model, nn.ModuleDict({"model": model}), cfg, notes)
     builtin = str(cfg.get("base_model", "")).startswith("builtin:")
     if builtin:
         if not os.path.isfile(os.path.join(run, "config.json")):
@@ -145,12 +155,68 @@ def load_run(path: str) -> tuple[nn.Module, nn.Module, dict[str, Any], list[str]
             "source: the run's bf16 save_pretrained model (no checkpoint from its last step), so FP8 "
             "casts are of the bf16-rounded weights"
         )
+    return _convert_for_export(model, target, cfg, notes)
+
+
+def _convert_for_export(
+    model: nn.Module, target: nn.Module, cfg: dict[str, Any], notes: list[str]
+) -> tuple[nn.Module, nn.Module, dict[str, Any], list[str]]:
     model.float().eval()
     recipe = _recipe(cfg)
     if recipe is not None:
         skip = tuple(DEFAULT_SKIP_PATTERNS) + tuple(cfg.get("fp8_filter") or ())
         convert(target, recipe, skip_patterns=skip)
     return model, target, cfg, notes
+
+
+def _merged_adapter_model(run: str, cfg: dict[str, Any]) -> tuple[nn.Module, str]:
+    """A LoRA / QLoRA run's model with its adapter merged: the run's ``merged/`` when
+    ``merge_lora`` wrote one, else the base model (full precision, also for QLoRA, as
+    ``axolotl merge-lora`` does) with the run's adapter merged by peft."""
+    merged = os.path.join(run, "merged")
+    remote = bool(cfg.get("trust_remote_code"))
+    if os.path.isdir(merged) and not missing_model_files(merged):
+        model = load_causal_lm(merged, cfg.get("model_type"), remote)
+        return model, "source: the run's merged/ model (the adapter merged into the base by merge_lora, bf16)"
+    if not os.path.isfile(os.path.join(run, "adapter_config.json")):
+        raise ValueError(
+            f"RUN_OR_CHECKPOINT: {run} trained a {cfg['adapter']} adapter but holds neither merged/ nor "
+            "adapter_config.json (the run did not finish); export a finished run"
+        )
+    base_path = locate_pretrained(str(cfg.get("base_model")))
+    if is_fp8_base(base_path):
+        raise ValueError(
+            f"RUN_OR_CHECKPOINT: {run} trained an adapter on the FP8 base {base_path}; merging adapters "
+            "into FP8 weights is not supported yet: serve the FP8 base with the adapter (adapter_model.safetensors)"
+        )
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ValueError(
+            f"RUN_OR_CHECKPOINT: {run} holds a {cfg['adapter']} adapter; merging it needs peft: pip install peft"
+        ) from None
+    base = load_causal_lm(base_path, cfg.get("model_type"), remote)
+    with open(os.path.join(run, "adapter_config.json")) as f:
+        adapter_cfg = json.load(f)
+    rows = _adapter_embedding_rows(run, adapter_cfg)
+    if rows is not None and base.get_input_embeddings().num_embeddings != rows:
+        base.resize_token_embeddings(rows)  # the trainer grew it for added tokens
+    model = PeftModel.from_pretrained(base, run).merge_and_unload()
+    note = (
+        f"source: the base model {base_path} in float32 with the run's {cfg['adapter']} adapter merged "
+        "(peft merge_and_unload), so FP8 casts are of the merged weights"
+    )
+    return model, note
+
+
+def _adapter_embedding_rows(run: str, adapter_cfg: dict[str, Any]) -> int | None:
+    """The embedding rows the adapter was trained with, where it saved the embeddings
+    (``lora_modules_to_save`` with added tokens); None otherwise."""
+    if not adapter_cfg.get("modules_to_save"):
+        return None
+    weights = load_file(os.path.join(run, "adapter_model.safetensors"))
+    rows = [t.shape[0] for k, t in weights.items() if "embed_tokens" in k and t.dim() == 2]
+    return rows[0] if rows else None
 
 
 def export_run(path: str, out_dir: str, format: str = "hf-fp8", *, requantize: bool = False) -> ExportReport:
