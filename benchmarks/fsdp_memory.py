@@ -61,7 +61,10 @@ CONFIGS = (
     "delayed:auto+ckpt",
     *(
         f"{r}:{opt}"
-        for r in (*RECIPES, "tensorwise_fp8_all_gather", "delayed_fp8_all_gather", "rowwise_fp8_all_gather")
+        for r in (
+            *RECIPES,
+            *(f"{g}_fp8_all_gather" for g in ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8")),
+        )
         for opt in ("auto", "off")
     ),
 )

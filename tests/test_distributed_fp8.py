@@ -45,11 +45,12 @@ WORKER = textwrap.dedent(
                 x = fp8.checkpoint(m, x) if self.ckpt and i in (2, 4) else m(x)
             return x
 
-    def run(recipe, steps=4, ckpt=False, skew=False, **handler):
+    def run(recipe, steps=4, ckpt=False, skew=False, width=32, **handler):
         gather = handler.get("enable_fsdp_float8_all_gather", False)
         torch.manual_seed(0)
-        model = Net(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32),
-                    nn.GELU(), nn.Linear(32, 8))
+        w = width  # mxfp8's gather needs 32-row blocks per rank: 64 wide
+        model = Net(nn.Linear(16, w), nn.GELU(), nn.Linear(w, w), nn.GELU(), nn.Linear(w, w),
+                    nn.GELU(), nn.Linear(w, 8))
         if skew:  # rank 0's rows (the first half) 8x larger: a column's amax is not its shard's
             with torch.no_grad():
                 for i in (2, 4):
@@ -101,8 +102,9 @@ WORKER = textwrap.dedent(
                                    enable_fsdp_float8_all_gather=True),
         # rowwise: per-row scales gathered with the rows; backward re-gathers with column scales
         **{f"{r}_{mode}": run(r, steps=3, ckpt=ckpt, skew=True, enable_fsdp_float8_all_gather=gather,
+                              width=64 if r == "mxfp8" else 32,
                               overrides={"block_size": 16} if r == "blockwise" else {})
-           for r in ("rowwise", "rowwise_with_gw_hp", "blockwise")
+           for r in ("rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
            for mode, ckpt, gather in (("bf16", False, False), ("gather", False, True), ("gather_ckpt", True, True))},
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -181,7 +183,7 @@ def test_fsdp2_amax_agreement_and_fp8_all_gather(tmp_path):
 
     # rowwise (and rowwise_with_gw_hp, whose grad_input reads a tensorwise weight): the same bits
     for r in (r0, r1):
-        for recipe in ("rowwise", "rowwise_with_gw_hp", "blockwise"):  # blockwise: 16x16 tiles here
+        for recipe in ("rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8"):  # blockwise: 16x16 tiles here
             base = r[f"{recipe}_bf16"]
             for run in ("gather", "gather_ckpt"):
                 got = r[f"{recipe}_{run}"]

@@ -162,7 +162,7 @@ def test_fp8_all_gather_on_a_one_process_mesh_computes_the_same(tmp_path):
     assert not dist.is_initialized()
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        for recipe in ("rowwise", "tensorwise", "delayed", "blockwise"):
+        for recipe in ("rowwise", "tensorwise", "delayed", "blockwise", "mxfp8"):
             runs = []
             for gather in (False, True):
                 torch.manual_seed(0)

@@ -213,9 +213,9 @@ def test_native_fsdp_fp8_all_gather_is_refused_for_block_scales_with_one_message
 
     ok = parse_config({"fp8": True, "fsdp_version": 2, "fp8_enable_fsdp_float8_all_gather": True})
     assert ok.fp8_enable_fsdp_float8_all_gather is True
-    message = FSDP_FP8_ALL_GATHER_UNSUPPORTED.format(recipe="mxfp8")
+    message = FSDP_FP8_ALL_GATHER_UNSUPPORTED.format(recipe="nvfp4")
     with pytest.raises(ValueError) as e1:
-        parse_config({"fp8": True, "fsdp_version": 2, "fp8_recipe": "mxfp8", "fp8_enable_fsdp_float8_all_gather": True})
+        parse_config({"fp8": True, "fsdp_version": 2, "fp8_recipe": "nvfp4", "fp8_enable_fsdp_float8_all_gather": True})
     assert message in str(e1.value)
     assert (
         main(
@@ -226,7 +226,7 @@ def test_native_fsdp_fp8_all_gather_is_refused_for_block_scales_with_one_message
                 "fp8",
                 "--use_fsdp",
                 "--fp8_recipe",
-                "mxfp8",
+                "nvfp4",
                 "--fp8_enable_fsdp_float8_all_gather",
                 "true",
                 SCRIPT,
@@ -236,7 +236,7 @@ def test_native_fsdp_fp8_all_gather_is_refused_for_block_scales_with_one_message
     )
     assert message in capsys.readouterr().err
     monkeypatch.setenv("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "true")
-    monkeypatch.setenv("LOWPREC_FP8_RECIPE", "mxfp8")
+    monkeypatch.setenv("LOWPREC_FP8_RECIPE", "nvfp4")
     with pytest.raises(ValueError) as e3:
         Accelerator(mixed_precision="fp8", cpu=True)
     assert message in str(e3.value)
@@ -245,7 +245,7 @@ def test_native_fsdp_fp8_all_gather_is_refused_for_block_scales_with_one_message
     from lowprec.distributed.fsdp_float8 import enable_fsdp_float8_all_gather
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
-    fp8.convert(model, fp8.Recipe.from_name("mxfp8"), skip_first_last=False)
+    fp8.convert(model, fp8.Recipe.from_name("nvfp4", high_precision_last=0.0), skip_first_last=False)
     assert fp8.has_fp8_layers(model)
     with pytest.raises(ValueError) as e4:
         enable_fsdp_float8_all_gather(model)

@@ -255,14 +255,17 @@ def test_deepspeed_file_must_exist(tmp_path):
 
 
 def test_fp8_all_gather_needs_a_recipe_whose_scales_a_shard_computes():
-    # accepted for tensorwise, delayed, rowwise, blockwise (FSDP2 FP8 all-gather, lowprec.distributed.fsdp_float8); refused otherwise
+    # accepted for tensorwise, delayed, rowwise, blockwise, mxfp8 (FSDP2 FP8 all-gather, lowprec.distributed.fsdp_float8); refused otherwise
     assert parse_config({"fp8": True, "fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2})
     on = {"fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2}
     assert parse_config({"fp8": True, "fp8_recipe": "delayed", **on}).fp8_enable_fsdp_float8_all_gather
     assert parse_config({"fp8": True, "fp8_recipe": "rowwise", **on}).fp8_enable_fsdp_float8_all_gather
     assert parse_config({"fp8": True, "fp8_recipe": "blockwise", **on}).fp8_enable_fsdp_float8_all_gather
-    with pytest.raises(ValueError, match="works with the tensorwise, delayed, rowwise and blockwise recipes.*'mxfp8'"):
-        parse_config({"fp8": True, "fp8_recipe": "mxfp8", "fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2})
+    assert parse_config({"fp8": True, "fp8_recipe": "mxfp8", **on}).fp8_enable_fsdp_float8_all_gather
+    with pytest.raises(
+        ValueError, match="works with the tensorwise, delayed, rowwise, blockwise and mxfp8 recipes.*'nvfp4'"
+    ):
+        parse_config({"fp8": True, "fp8_recipe": "nvfp4", "fp8_enable_fsdp_float8_all_gather": True, "fsdp_version": 2})
 
 
 def test_generated_config_keys_are_up_to_date():

@@ -213,10 +213,9 @@ def te_switch_recipe(switches: Mapping[str, Any]) -> str | None:
 
 
 FSDP_FP8_ALL_GATHER_UNSUPPORTED = (
-    "fp8_enable_fsdp_float8_all_gather works with the tensorwise, delayed, rowwise and blockwise recipes "
-    "on lowprec's engine, not {recipe!r} (its scales are per block of 32 or 16 along one dim and the "
-    "other GEMM reads blocks along the other); use one of those recipes or drop "
-    "fp8_enable_fsdp_float8_all_gather"
+    "fp8_enable_fsdp_float8_all_gather works with the tensorwise, delayed, rowwise, blockwise and mxfp8 "
+    "recipes on lowprec's engine, not {recipe!r} (NVFP4's per-tensor scale and stochastically rounded "
+    "tiles are not built for it); use one of those recipes or drop fp8_enable_fsdp_float8_all_gather"
 )
 
 
@@ -228,7 +227,7 @@ def _kind_row(recipe: str, scaling: str | None) -> "RecipeInfo":
 
 def check_fsdp_fp8_all_gather(recipe: str, scaling: str | None = None) -> None:
     """The one rule "FP8 all-gather needs scales a shard can compute" (tensorwise, delayed, rowwise,
-    blockwise), for every caller (the YAML
+    blockwise, mxfp8), for every caller (the YAML
     trainer, the launch flags, the native backend, the FSDP2 wrapper). ``recipe``: the recipe's
     name; ``scaling``: its scaling kind where a built Recipe is at hand (else read from the
     name). ``ValueError`` with the one message otherwise."""
@@ -339,6 +338,7 @@ _RECIPES: dict[str, RecipeInfo] = dict(
                 "contraction dim, each GEMM orientation cast from the source (TE MXFP8BlockScaling)",
                 {"scaling": "mxfp8", "fp8_format": "E4M3"},
                 ("scale_rounding",),
+                fp8_all_gather=True,
             ),
             RecipeInfo(
                 "nvfp4",

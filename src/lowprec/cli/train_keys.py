@@ -70,7 +70,7 @@ KEYS = (
     ('fp8', "FP8 GEMMs in the Linear layers (lowprec's engine)", 'null'),
     ('fp8_recipe', 'named FP8 recipe (delayed, tensorwise, rowwise, rowwise_with_gw_hp, blockwise, mxfp8, nvfp4) or {name: ..., <recipe field>: ...}', 'tensorwise'),
     ('fp8_filter', 'layer name patterns kept in high precision (a name part like o_proj, or a glob like model.layers.0.*), added to the defaults (first/last Linear, lm_head, router, gate)', '[]'),
-    ('fp8_enable_fsdp_float8_all_gather', 'all-gather FSDP2 weights in FP8 (needs fsdp_version: 2 and fp8_recipe: tensorwise, delayed, rowwise or blockwise)', 'null'),
+    ('fp8_enable_fsdp_float8_all_gather', 'all-gather FSDP2 weights in FP8 (needs fsdp_version: 2 and an fp8_recipe other than nvfp4)', 'null'),
     ('fp8_force_recompute_fp8_weight_in_bwd', 'backward re-casts each FP8 weight from the re-gathered weight instead of keeping its FP8 copy: auto (where FSDP2 or ZeRO-3 shards the weights: no unsharded FP8 weight held from forward to backward), true (always: 1 byte per weight element less held, one more cast per layer in backward), false (keep the copy)', 'auto'),
     ('fp8_fallback', 'on a GPU without FP8 (below sm_89): bf16 (train in bf16) or emulate (FP8 numerics, slow)', 'null'),
     ('fp8_guard', 'per-layer FP8 health guard: off, warn (log the layer, signal and step once per episode) or act (also move that layer to bf16, kept on resume); thresholds in docs/guide.md, checked at each logging step', "'off'"),

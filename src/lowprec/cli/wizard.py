@@ -137,7 +137,7 @@ def _fp8_questions(s: dict[str, Any]) -> None:
         s["fp8_opt_level"] = ask("MS-AMP optimization level?", "O2", V.parse_opt_level, V.OPT_LEVELS)
     if "fp8_use_autocast_during_eval" in reads:
         s["fp8_use_autocast_during_eval"] = ask("Keep FP8 on in eval mode?", False, V.parse_bool)
-    # the native engine all-gathers in FP8 where a shard can compute its scales (tensorwise, delayed, rowwise, blockwise)
+    # the native engine all-gathers in FP8 where a shard can compute its scales (every recipe but nvfp4)
     if (
         s.get("use_fsdp")
         and "fp8_enable_fsdp_float8_all_gather" in reads

@@ -1,9 +1,9 @@
-"""FSDP2 FP8 all-gather for tensorwise, delayed, rowwise and blockwise scaling (the native engine's
+"""FSDP2 FP8 all-gather for tensorwise, delayed, rowwise, blockwise and mxfp8 scaling (the native engine's
 counterpart of torchao's ``enable_fsdp_float8_all_gather`` + ``precompute_float8_dynamic_scale_for_fsdp``,
 and of TransformerEngine's FP8 weight gather for ``DelayedScaling``).
 
 FSDP2 all-gathers each weight before its forward. With :func:`enable_fsdp_float8_all_gather`
-the weight of every tensorwise, delayed, rowwise or blockwise :class:`~lowprec.fp8.Float8Linear` becomes a
+the weight of every tensorwise, delayed, rowwise, blockwise or mxfp8 :class:`~lowprec.fp8.Float8Linear` becomes a
 :class:`Float8AllGatherWeight` (a wrapper around the high-precision tensor) whose FSDP2
 extension hooks move FP8 instead of bf16:
 
@@ -47,8 +47,14 @@ Interaction with the rest:
   rank casts its rows in those tiles (no collective) and the tile scales travel with the bytes;
   every rank's rows must be whole tiles (rows / ranks a multiple of ``block_size``, 128), or the
   first gather stops with one line naming the fix.
-* mxfp8, nvfp4 are refused by the Accelerator/trainer with the fix in the message (their 32- or
-  16-element blocks run along K for the forward GEMM and along N for grad_input).
+* mxfp8 (``_mx_inputs``): forward, each rank casts its rows in 32-element blocks along K; the
+  re-gather for backward casts W^T, blocks of 32 along N, which stay inside a rank's rows when
+  those are a multiple of 32 (no collective either way). Both travel in W's layout with their
+  E8M0 scales (1 byte per 32 elements), so both gathers have the same inputs;
+  ``fp8/gathered.as_mx_weight`` hands the GEMMs views of the gathered buffers. Shards whose rows
+  or columns are not multiples of 32 stop at the first gather with one line.
+* nvfp4 is refused by the Accelerator/trainer with the fix in the message (its per-tensor scale
+  and stochastically rounded 16x16 tiles are not built for it).
 * Delayed on CUDA: a gathered weight takes the eager scale update (an amax read per operand),
   not the fused one-pass casts, which read the high-precision weight.
 * O1 / O2 (MS-AMP opt levels) under FSDP2: O2's FP8AdamW steps the DTensor shards with the
@@ -77,6 +83,7 @@ from torch.utils._pytree import tree_map_only
 from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.fp8.gathered import Float8GatheredWeight
 from lowprec.fp8.linear import Float8Linear
+from lowprec.fp8.mx import MX_BLOCK, quantize_mx
 from lowprec.fp8.quantize import quantize_axiswise, quantize_blockwise, quantize_tensorwise
 from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
 
@@ -123,6 +130,7 @@ class Float8AllGatherWeight(torch.Tensor):
         delayed: Optional["DelayedWeightScale"] = None,
         rowwise: Optional[str] = None,
         block: Optional[int] = None,
+        mx_rounding: Optional[str] = None,
     ):
         return torch.Tensor._make_wrapper_subclass(
             cls,
@@ -143,6 +151,7 @@ class Float8AllGatherWeight(torch.Tensor):
         delayed: Optional["DelayedWeightScale"] = None,
         rowwise: Optional[str] = None,
         block: Optional[int] = None,
+        mx_rounding: Optional[str] = None,
     ):
         self._tensor = tensor
         self._fp8_dtype = fp8_dtype
@@ -153,6 +162,7 @@ class Float8AllGatherWeight(torch.Tensor):
         # "tensor" for rowwise_with_gw_hp); None: a per-tensor kind
         self._rowwise = rowwise
         self._block = block  # blockwise: the weight's square tile size; None otherwise
+        self._mx_rounding = mx_rounding  # mxfp8: the recipe's E8M0 scale rounding; None otherwise
         self._param_dtype: Optional[torch.dtype] = None  # FSDP2's, learnt at the first all-gather
         # (amax of the whole weight rounded to param_dtype, _tensor._version it was taken at)
         self._precomputed: Optional[tuple[torch.Tensor, int]] = None
@@ -161,7 +171,7 @@ class Float8AllGatherWeight(torch.Tensor):
         return f"Float8AllGatherWeight({self._tensor!r}, fp8={self._fp8_dtype})"
 
     def _meta(self) -> tuple:
-        return (self._fp8_dtype, self._margin, self._pow2, self._delayed, self._rowwise, self._block)
+        return (self._fp8_dtype, self._margin, self._pow2, self._delayed, self._rowwise, self._block, self._mx_rounding)
 
     def __tensor_flatten__(self):
         return ["_tensor"], self._meta()
@@ -249,8 +259,34 @@ class Float8AllGatherWeight(torch.Tensor):
         q = quantize_blockwise(rounded, self._fp8_dtype, (bs, bs), power_of_2=self._pow2)
         return (q.data.contiguous().view(torch.uint8), q.scale.contiguous()), ("block", None, None)
 
+    def _mx_inputs(self, mesh: Any) -> tuple[tuple, tuple]:
+        """MXFP8: forward, the rows cast in 32-element blocks along K (a shard holds whole rows);
+        backward, W^T's cast, blocks of 32 along N, which stay inside a rank's rows when they are
+        a multiple of 32. Both travel in W's layout, the E8M0 scales as (rows, K / 32) bytes, so
+        the two gathers have the same inputs (FSDP2 keeps the buffers)."""
+        rounded = self._rounded()
+        if mesh.size() == 1:  # FSDP2 copies one input and nothing travels: the weight as it is
+            return (rounded,), ("hp", None, None)
+        rows, cols = rounded.shape
+        if rows % MX_BLOCK or cols % MX_BLOCK:
+            raise ValueError(
+                f"fp8_enable_fsdp_float8_all_gather with mxfp8: each of the {mesh.size()} ranks holds a "
+                f"{rows} x {cols} shard of a weight; both must be multiples of the {MX_BLOCK}-element blocks; "
+                "use a number of processes that splits every weight so, or drop fp8_enable_fsdp_float8_all_gather"
+            )
+        rounding = cast(str, self._mx_rounding)
+        if not _in_backward():
+            q = quantize_mx(rounded, self._fp8_dtype, rounding)
+            return (q.data.view(torch.uint8), q.scale.view(torch.uint8)), ("mx", 1, None)
+        q = quantize_mx(rounded.t(), self._fp8_dtype, rounding)  # (K, rows): blocks along N
+        data = q.data.t().contiguous().view(torch.uint8)
+        scale = q.scale.view(torch.uint8).t().contiguous().reshape(rows, cols // MX_BLOCK)
+        return (data, scale), ("mx", 0, None)
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         self._param_dtype = mp_policy.param_dtype or self._tensor.dtype
+        if self._mx_rounding is not None:
+            return self._mx_inputs(mesh)
         if self._block is not None:
             return self._block_inputs(mesh)
         if self._rowwise is not None:
@@ -261,7 +297,7 @@ class Float8AllGatherWeight(torch.Tensor):
         return (q.data.view(torch.uint8),), (q.scale, whole_amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        if self._rowwise is not None or self._block is not None:
+        if self._rowwise is not None or self._block is not None or self._mx_rounding is not None:
             return self._scaled_post(outputs, metadata, param_dtype, out)
         (data,), (scale, whole_amax) = outputs, metadata
         if out is not None:  # later steps: FSDP2 refilled the same bytes in place
@@ -278,7 +314,7 @@ class Float8AllGatherWeight(torch.Tensor):
             (weight,) = outputs
             return None if out is not None else (weight, (weight,))
         (data, gathered_scales), (granularity, contract, scale) = outputs, metadata
-        if granularity == "block" or (granularity == "axis" and contract == 1):
+        if granularity in ("block", "mx") or (granularity == "axis" and contract == 1):
             scale = gathered_scales
         block = (self._block, self._block) if self._block is not None else None
         if out is not None:  # FSDP2 refilled the same buffers: this gather's scales and layout
@@ -339,13 +375,17 @@ def enable_fsdp_float8_all_gather(model: nn.Module) -> int:
         r = m.recipe
         delayed = DelayedWeightScale(m) if r.kind.keeps_history else None
         fprop_w, dgrad_w = r.plan().fprop.b, r.plan().dgrad.b
-        rowwise = block = None
+        rowwise = block = mx_rounding = None
+        if fprop_w is not None and fprop_w.granularity == "mx32":  # MXFP8: E8M0 scales per 32
+            mx_rounding = r.scale_rounding
         if fprop_w is not None and fprop_w.granularity == "axis":
             rowwise = dgrad_w.granularity if dgrad_w is not None else "axis"
         if fprop_w is not None and fprop_w.granularity == "block":
             block = r.block_size
         fp8 = r.fp8_format.forward_dtype
-        wrapped = Float8AllGatherWeight(w.detach(), fp8, r.margin, r.power_of_2_scales, delayed, rowwise, block)
+        wrapped = Float8AllGatherWeight(
+            w.detach(), fp8, r.margin, r.power_of_2_scales, delayed, rowwise, block, mx_rounding
+        )
         m.weight = nn.Parameter(wrapped, requires_grad=w.requires_grad)
         n += 1
     return n

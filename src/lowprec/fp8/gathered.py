@@ -21,12 +21,13 @@ import logging
 import torch
 from torch.utils._pytree import tree_map_only
 
+from lowprec.fp8.mx import E8M0, MX_BLOCK, BlockScaledData, dequantize_blocks
 from lowprec.fp8.quantize import Float8Data
 
 logger = logging.getLogger("lowprec")
 _RECAST_LOGGED: set[str] = set()
 
-__all__ = ["Float8GatheredWeight", "as_float8_data", "gathered_scale_and_amax"]
+__all__ = ["Float8GatheredWeight", "as_float8_data", "as_mx_weight", "gathered_scale_and_amax"]
 
 # ops that keep the FP8 payload (views FSDP2 takes of the unsharded parameter, detach for
 # nn.Parameter); every other op runs on the dequantized tensor
@@ -79,7 +80,9 @@ class Float8GatheredWeight(torch.Tensor):
         self._scale = scale
         self._pow2 = pow2
         # "tensor": one scale; "axis": one per slice across dim ``contract`` (rowwise: (N, 1) for
-        # the forward GEMM, contract 1; (1, K) for grad_input, contract 0)
+        # the forward GEMM, contract 1; (1, K) for grad_input, contract 0); "mx": MXFP8, 32-element
+        # blocks along K (contract 1) or along N (contract 0: the cast of W^T, kept in W's layout,
+        # ``_scale`` the E8M0 bytes as gathered; see :func:`as_mx_weight`)
         self._granularity = granularity
         self._contract = contract
         self._block = block  # "block": the square tiles, which serve both GEMMs that read the weight
@@ -98,6 +101,11 @@ class Float8GatheredWeight(torch.Tensor):
         return Float8GatheredWeight(inner["_data"], inner["_scale"], *meta)
 
     def dequantize(self) -> torch.Tensor:
+        if self._granularity == "mx":
+            q = as_mx_weight(self, self._contract)
+            assert q is not None
+            full = dequantize_blocks(q)
+            return (full if self._contract == 1 else full.t()).to(self.dtype)
         return (self._data.to(torch.float32) / self._scale).to(self.dtype)
 
     @classmethod
@@ -145,3 +153,16 @@ def gathered_scale_and_amax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if isinstance(t, Float8GatheredWeight) and t._amax is not None:
         return t._scale, t._amax
     return None
+
+
+def as_mx_weight(t: torch.Tensor, contract: int | None) -> BlockScaledData | None:
+    """The MXFP8 operand a gathered weight carries for the GEMM contracting its dim ``contract``
+    (1: the forward's ``W`` along K; 0: grad_input's ``W^T`` along N), as views of the gathered
+    buffers (no copy kept past the GEMM); ``None`` for anything else."""
+    if not isinstance(t, Float8GatheredWeight) or t._granularity != "mx" or t._contract != contract:
+        return None
+    n, k = t._data.shape
+    scale = t._scale.view(E8M0)
+    if contract == 1:
+        return BlockScaledData(t._data, scale, k, MX_BLOCK)
+    return BlockScaledData(t._data.t(), scale.reshape(n // MX_BLOCK, k).t(), n, MX_BLOCK)

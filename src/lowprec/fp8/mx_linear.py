@@ -34,6 +34,7 @@ import torch
 
 from lowprec.fp8.autocast import torch_autocast_off
 from lowprec.fp8.formats import saturation_threshold
+from lowprec.fp8.gathered import as_mx_weight
 from lowprec.fp8.mx import BlockScaledData, e8m0_decode
 from lowprec.fp8.mx_gemm import mx_mm
 from lowprec.fp8.saved import save_operands, saved_operands
@@ -120,7 +121,9 @@ class _MXLinearFn(torch.autograd.Function):
                 out = torch.matmul(x.to(hp), weight.to(hp).t())
             else:
                 xq = codec.quantize(x, recipe, fwd)
-                wq = codec.quantize_weight(weight, recipe, fwd)
+                wq = as_mx_weight(weight, 1)  # the FSDP2 FP8 all-gather delivered it cast
+                if wq is None:
+                    wq = codec.quantize_weight(weight, recipe, fwd)
                 out = mx_mm(xq, wq, hp, path=recipe.gemm)
                 if cfg.stats:
                     stats[0].copy_(block_stats(x, xq))
@@ -163,8 +166,10 @@ class _MXLinearFn(torch.autograd.Function):
                         wtq = codec.transpose_weight(codec.quantize_weight(w_saved.weight, recipe, fwd))
                     elif isinstance(w_saved, BlockScaledData):
                         wtq = codec.transpose_weight(w_saved)
-                    else:  # W^T along N, from the Parameter
-                        wtq = codec.quantize(w_saved.t(), recipe, fwd)
+                    else:  # W^T along N, from the Parameter (or as the FSDP2 FP8 re-gather cast it)
+                        wtq = as_mx_weight(w_saved, 0)
+                        if wtq is None:
+                            wtq = codec.quantize(w_saved.t(), recipe, fwd)
                     grad_x = mx_mm(dyq, wtq, hp, path=recipe.gemm)
                 grad_x = grad_x.to(ctx.x_dtype)
             if ctx.needs_input_grad[1]:

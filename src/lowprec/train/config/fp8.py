@@ -65,7 +65,7 @@ class PrecisionKeys(StrictModel):
     )
     fp8_enable_fsdp_float8_all_gather: Optional[bool] = Field(
         default=None,
-        description="all-gather FSDP2 weights in FP8 (needs fsdp_version: 2 and fp8_recipe: tensorwise, delayed, rowwise or blockwise)",
+        description="all-gather FSDP2 weights in FP8 (needs fsdp_version: 2 and an fp8_recipe other than nvfp4)",
     )
     fp8_force_recompute_fp8_weight_in_bwd: Union[Literal["auto"], bool] = Field(
         default="auto",
