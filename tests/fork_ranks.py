@@ -56,6 +56,9 @@ def main() -> int:
                     GROUP_RANK="0",
                 )
                 sys.argv = [script, *args]
+                from lowprec.group_lifetime import retain_destroyed_groups
+
+                retain_destroyed_groups()  # as a launched rank does (lowprec.cli._worker)
                 runpy.run_path(script, run_name="__main__")
             except SystemExit as e:
                 code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

@@ -143,6 +143,9 @@ def run_ranks(
 
 
 def _finish_rank(rank: int, fn: Callable, *args) -> None:
+    from lowprec.group_lifetime import retain_destroyed_groups
+
+    retain_destroyed_groups()  # as a launched rank does (lowprec.cli._worker): no deadlock at the group's end
     fn(rank, *args)
     from lowprec.cli._worker import finish
 

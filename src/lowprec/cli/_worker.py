@@ -37,6 +37,7 @@ finalization would otherwise turn the failure into a SIGABRT, and the launcher w
 from __future__ import annotations
 
 import faulthandler
+import importlib.util
 import json
 import os
 import sys
@@ -129,6 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-m", "--module") and len(argv) < 2:
         raise SystemExit("usage: python -m lowprec.cli._worker [-m] script [args...]")
     faulthandler.enable(all_threads=True)  # a crash (SIGABRT, SIGSEGV) prints every thread's Python stack
+    if importlib.util.find_spec("torch") is not None:
+        # torch.distributed.destroy_process_group keeps what it destroys: a gloo group freed right
+        # after it can deadlock the rank (lowprec.group_lifetime)
+        from lowprec.group_lifetime import retain_destroyed_groups
+
+        retain_destroyed_groups()
     try:
         _run(argv)
     except SystemExit as exc:

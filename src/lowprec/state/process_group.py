@@ -10,17 +10,8 @@ failed ... Connection refused" or a hang until the 30-minute timeout. Every grou
 first therefore rendezvouses under its own key prefix (the same on every process, since every
 process creates its groups in the same order).
 
-:func:`destroy_group` is every lowprec ``destroy_process_group`` (``end_training`` and the states'):
-torch's, plus a reference to each destroyed group kept for the rest of the process. Why
-(docs/LOG.md, "end_training deadlock" (2026-11-28)): a gloo group's C++ destructor joins its
-worker threads while the thread that drops the last reference holds the GIL, and a worker that is
-still releasing a finished collective (its tensors' Python objects need the GIL) then never
-finishes. Seen in 2 of 8 loaded two-process runs of the sequence-classification example: the last
-reference was DDP's reducer, dropped as the script's ``main`` returned microseconds after
-``end_training``'s barrier (gdb: main thread in ``~ProcessGroupGloo`` -> ``thread::join``, worker
-in ``~AsyncBarrierWork`` -> ``gil_scoped_acquire``). Kept, the groups are destroyed at interpreter
-exit when their threads are long idle (or never, under ``lowprec launch``'s worker exit); each
-costs its idle threads and sockets until then.
+:func:`destroy_group` (``lowprec.group_lifetime``) is every lowprec ``destroy_process_group``:
+it keeps each destroyed group until the process exits (a torch deadlock otherwise).
 """
 
 from __future__ import annotations
@@ -30,10 +21,11 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from lowprec.group_lifetime import destroy_group
+
 __all__ = ["destroy_group", "init_default_group"]
 
 _created = 0  # default groups this process has created
-_retired: list[Any] = []  # destroyed groups, kept so that no destructor runs mid-run (see above)
 
 
 def init_default_group(
@@ -52,14 +44,3 @@ def init_default_group(
         extra["init_method"] = init_method
     dist.init_process_group(backend, rank=rank, world_size=world_size, **extra)
     _created += 1
-
-
-def destroy_group(group: Any = None) -> None:
-    """``dist.destroy_process_group(group)`` (every group for ``None``), keeping a reference to each
-    destroyed group so that its destructor cannot run while the process goes on (module docstring)."""
-    if not dist.is_initialized():
-        return
-    world = getattr(dist.distributed_c10d, "_world", None)
-    groups = list(getattr(world, "pg_map", {})) if group is None else [group]
-    _retired.extend(g for g in groups if g is not None)
-    dist.destroy_process_group(group)
