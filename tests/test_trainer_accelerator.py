@@ -191,6 +191,8 @@ LAUNCHES = {
     "fsdp_from_training_args-torchrun": ("torchrun", [], ["--fsdp"]),
     # MS-AMP's O2 (Accelerate's MSAMPRecipeKwargs, lowprec.optim without MS-AMP): FP8AdamW on the shards
     "fsdp_o2_from_training_args-torchrun": ("torchrun", [], ["--fsdp", "--opt_level", "O2"]),
+    # Accelerate's own launcher: --multi_gpu is its torchrun path (on CPU its --cpu needs mpirun)
+    "ddp-accelerate_launch": ("accelerate", ["--multi_gpu"], []),
     "fsdp_from_launcher-lowprec_launch": (
         "lowprec",
         ["--use_fsdp", "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"],
@@ -215,6 +217,9 @@ def test_two_processes_run_fp8_follow_one_process_and_resume_exactly(launch, one
     script = [EXAMPLE, "--batch", "2", "--output_dir", str(tmp_path / "out"), *script_flags]
     if launcher == "torchrun":  # --master_port: run_torchrun puts a free one
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0"]
+    elif launcher == "accelerate":
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_flags, "--num_processes", "2"]
+        cmd += ["--main_process_port", "0"]
     else:
         cmd = [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2"]
         cmd += ["--main_process_port", "0", *launch_flags]

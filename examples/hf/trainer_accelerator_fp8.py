@@ -9,6 +9,8 @@ then resumed from that checkpoint; under several processes with DDP or FSDP2, CP
                                                         # FSDP2 from TrainingArguments (gloo on CPU)
     lowprec launch --cpu --num_processes 2 examples/hf/trainer_accelerator_fp8.py --output_dir out
                                                         # DDP
+    accelerate launch --multi_gpu --num_processes 2 examples/hf/trainer_accelerator_fp8.py --output_dir out
+                                                        # DDP through Accelerate's launcher (gloo on CPU)
     lowprec launch --cpu --num_processes 2 --use_fsdp --fsdp_transformer_layer_cls_to_wrap \\
         LlamaDecoderLayer examples/hf/trainer_accelerator_fp8.py --output_dir out   # FSDP2 from the launcher
 
