@@ -238,7 +238,12 @@ def main(argv=None):
     for r in rows:
         if base and "tokens_per_s" in r:
             r["speedup_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
-    tag = "tiny" if args.tiny else device.type
+    timing = f"interleaved rounds (rotated, blocks of {args.block} after a switch step): {args.warmup} warm-up, "
+    extra = {"compile": args.compile, "telemetry_every": args.telemetry_every}
+    return _write(args, device, timing + f"{args.steps} timed; median ms", rows, extra, "tiny" if args.tiny else "")
+
+
+def _write(args: argparse.Namespace, device: torch.device, timing: str, rows: list, extra: dict, tag: str) -> Path:
     return write_json(
         {
             "benchmark": "train_step",
@@ -246,14 +251,12 @@ def main(argv=None):
             "model": args.model,
             "seq_len": args.seq_len,
             "batch_size": args.batch_size,
-            "compile": args.compile,
-            "telemetry_every": args.telemetry_every,
-            "timing": f"interleaved rounds (rotated, blocks of {args.block} after a switch step): "
-            f"{args.warmup} warm-up, {args.steps} timed; median ms" + (" of thread CPU time" if args.cpu_time else ""),
+            **extra,
+            "timing": timing + (" of thread CPU time" if args.cpu_time else ""),
             "results": rows,
         },
         args.out,
-        f"train_step_{tag}.json",
+        f"train_step_{tag or device.type}.json",
     )
 
 
@@ -311,22 +314,11 @@ def _solo(p: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str])
         if bf16:
             r["speedup_vs_bf16"] = bf16["ms_per_step"] / r["ms_per_step"]
         print({k: v for k, v in r.items() if k != "times_ms"}, flush=True)
-    device = torch.device("cpu")
-    return write_json(
-        {
-            "benchmark": "train_step",
-            "device": device_name(device),
-            "model": args.model,
-            "seq_len": args.seq_len,
-            "batch_size": args.batch_size,
-            "timing": f"each variant alone in a fresh process, {args.solo_rounds} alternating rounds of "
-            f"{args.steps} timed steps after {args.warmup} warm-up; median ms over all rounds"
-            + (" of thread CPU time" if args.cpu_time else ""),
-            "results": rows,
-        },
-        args.out,
-        f"train_step_{device.type}_solo.json",
+    timing = (
+        f"each variant alone in a fresh process, {args.solo_rounds} alternating rounds of "
+        f"{args.steps} timed steps after {args.warmup} warm-up; median ms over all rounds"
     )
+    return _write(args, torch.device("cpu"), timing, rows, {}, "cpu_solo")
 
 
 if __name__ == "__main__":

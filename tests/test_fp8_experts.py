@@ -172,9 +172,8 @@ def test_expert_parallel_is_refused():
         block(torch.randn(1, 4, 64))
 
 
-def test_per_expert_linear_layers_convert_and_the_router_stays():
-    """SwitchTransformers keeps its experts as separate nn.Linear layers (wi, wo) and its router
-    as ``router.classifier``, a Linear too (16 experts: dims pass the multiple-of-16 rule)."""
+def _switch_transformers():
+    """A small SwitchTransformers (16 experts as separate nn.Linear layers; router a Linear)."""
     from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
 
     cfg = SwitchTransformersConfig(
@@ -190,7 +189,13 @@ def test_per_expert_linear_layers_convert_and_the_router_stays():
         num_sparse_encoder_layers=1,
         num_sparse_decoder_layers=1,
     )
-    m = SwitchTransformersForConditionalGeneration(cfg)
+    return SwitchTransformersForConditionalGeneration(cfg)
+
+
+def test_per_expert_linear_layers_convert_and_the_router_stays():
+    """SwitchTransformers keeps its experts as separate nn.Linear layers (wi, wo) and its router
+    as ``router.classifier``, a Linear too (16 experts: dims pass the multiple-of-16 rule)."""
+    m = _switch_transformers()
     report = fp8.convert(m, "tensorwise")
     converted = [n for n, _, _ in report.converted]
     assert "encoder.block.1.layer.1.mlp.experts.expert_3.wi" in converted
@@ -281,27 +286,12 @@ def test_the_cost_model_filter_judges_experts_per_expert_gemm():
 
 
 def test_a_router_stays_whatever_the_skip_patterns_and_asking_for_it_is_one_error():
-    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
-
-    cfg = SwitchTransformersConfig(
-        vocab_size=128,
-        d_model=64,
-        d_kv=16,
-        d_ff=128,
-        num_layers=2,
-        num_decoder_layers=2,
-        num_heads=4,
-        num_experts=16,
-        expert_capacity=64,
-        num_sparse_encoder_layers=1,
-        num_sparse_decoder_layers=1,
-    )
     router = "encoder.block.1.layer.1.mlp.router.classifier"
-    m = SwitchTransformersForConditionalGeneration(cfg)
+    m = _switch_transformers()
     report = fp8.convert(m, "tensorwise", skip_patterns=())  # no "router" pattern: still kept
     assert type(m.get_submodule(router)) is torch.nn.Linear
     assert "encoder.block.1.layer.1.mlp.experts.expert_3.wi" in [n for n, _, _ in report.converted]
-    m = SwitchTransformersForConditionalGeneration(cfg)
+    m = _switch_transformers()
     with pytest.raises(ValueError, match=f"router '{router}' in FP8.*return False for it in module_filter"):
         fp8.convert(m, "tensorwise", module_filter=lambda module, fqn: True)
     assert type(m.get_submodule(router)) is torch.nn.Linear  # refused before anything was swapped
