@@ -121,17 +121,7 @@ class Float8AllGatherWeight(torch.Tensor):
     """A high-precision weight (``_tensor``) that FSDP2 all-gathers in FP8 (see module doc)."""
 
     @staticmethod
-    def __new__(
-        cls,
-        tensor: torch.Tensor,
-        fp8_dtype: torch.dtype,
-        margin: int = 0,
-        pow2: bool = False,
-        delayed: Optional["DelayedWeightScale"] = None,
-        rowwise: Optional[str] = None,
-        block: Optional[int] = None,
-        mx_rounding: Optional[str] = None,
-    ):
+    def __new__(cls, tensor: torch.Tensor, *args: Any, **kwargs: Any):  # the rest: __init__'s
         return torch.Tensor._make_wrapper_subclass(
             cls,
             tensor.size(),

@@ -17,6 +17,7 @@ reduce-scatters it as usual.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -44,17 +45,7 @@ class Float8GatheredWeight(torch.Tensor):
     (``weight ~= data / scale``), presenting as a ``dtype`` tensor."""
 
     @staticmethod
-    def __new__(
-        cls,
-        data: torch.Tensor,
-        scale: torch.Tensor,
-        dtype: torch.dtype,
-        pow2: bool = False,
-        amax: torch.Tensor | None = None,
-        granularity: str = "tensor",
-        contract: int | None = None,
-        block: tuple[int, int] | None = None,
-    ):
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *args: Any, **kwargs: Any):
         return torch.Tensor._make_wrapper_subclass(
             cls,
             data.size(),
