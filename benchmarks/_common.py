@@ -89,6 +89,34 @@ def write_json(payload: dict, out: str | None, default_name: str) -> Path:
     return path
 
 
+def cpu_alloc_peak(fn, busiest_thread_only: bool = False) -> int:
+    """Peak of the CPU allocator's running total during ``fn()``, replayed from torch.profiler's
+    memory events in time order (temporaries freed inside one op are missed). With
+    ``busiest_thread_only`` only the thread with the most allocations (the one that ran ``fn``)
+    counts: gloo's threads allocate too, and made the totals of identical runs vary by up to 10%."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events, threads = [], Counter()
+    for e in prof.events():
+        b = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        if b:
+            events.append((e.time_range.start, b, e.thread))
+            threads[e.thread] += 1
+    if busiest_thread_only and threads:
+        main = threads.most_common(1)[0][0]
+        events = [ev for ev in events if ev[2] == main]
+    events.sort(key=lambda ev: ev[0])
+    cur = peak = 0
+    for _, b, _ in events:
+        cur += b
+        peak = max(peak, cur)
+    return peak
+
+
 def end_rank() -> None:
     """End a spawned or forked gloo rank whose results are written: flush and leave without
     interpreter finalization, where torch's gloo threads can abort a finished process ("terminate

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_name, end_rank, write_json  # noqa: E402
+from _common import cpu_alloc_peak, device_name, end_rank, write_json  # noqa: E402
 
 RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
 CONFIGS = (
@@ -95,32 +95,6 @@ def _weight_shapes(model) -> tuple[set[tuple[int, int]], set[tuple[int, int]]]:
 def _is_weight(t: torch.Tensor, shapes, packed) -> bool:
     shape = tuple(t.shape)
     return t.dim() == 2 and (shape in shapes or (t.dtype == torch.float4_e2m1fn_x2 and shape in packed))
-
-
-def _cpu_peak(fn) -> int:
-    """Peak of the allocator's running total during ``fn()`` (``benchmarks/memory.py``), counting
-    the thread that ran it (forward, backward, optimizer step) only: gloo's threads allocate too,
-    and with them the total of identical runs varied by up to 10% with the interleaving."""
-    from collections import Counter
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events, threads = [], Counter()
-    for e in prof.events():
-        b = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
-        if b:
-            events.append((e.time_range.start, b, e.thread))
-            threads[e.thread] += 1
-    main = threads.most_common(1)[0][0] if threads else None
-    events = [(t, b) for t, b, thread in events if thread == main]
-    events.sort(key=lambda t: t[0])
-    cur = peak = 0
-    for _, b in events:
-        cur += b
-        peak = max(peak, cur)
-    return peak
 
 
 def run_config(config: str, model_name: str, batch: int, seq: int, rank: int) -> dict:
@@ -196,7 +170,7 @@ def run_config(config: str, model_name: str, batch: int, seq: int, rank: int) ->
         resident += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
     info["resident_bytes"] = resident
     info["after_forward_bytes"] = 0  # set below, once saved_bytes is known
-    info["peak_step_bytes"] = _cpu_peak(lambda: step(1, measure=True))
+    info["peak_step_bytes"] = cpu_alloc_peak(lambda: step(1, measure=True), busiest_thread_only=True)
     info["peak_bytes"] = info["resident_bytes"] + info["peak_step_bytes"]
     info["after_forward_bytes"] = info["resident_bytes"] + info["saved_bytes"]
     info["fp8_layers"] = sum(isinstance(m, fp8.Float8Linear) for m in model.modules())

@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import count_saved_bytes, device_name, write_json  # noqa: E402
+from _common import count_saved_bytes, cpu_alloc_peak, device_name, write_json  # noqa: E402
 
 from lowprec.catalog import RECIPES, Granularity  # noqa: E402
 import lowprec.fp8 as fp8  # noqa: E402
@@ -133,24 +133,6 @@ def state_bytes_per_param(model_name: str, device: torch.device, seq: int) -> di
     return out
 
 
-def _cpu_peak(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = []
-    for e in prof.events():
-        b = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
-        if b:
-            events.append((e.time_range.start, b))
-    events.sort(key=lambda t: t[0])
-    cur = peak = 0
-    for _, b in events:
-        cur += b
-        peak = max(peak, cur)
-    return peak
-
-
 def _grad_bytes(model) -> int:
     total = 0
     for p in model.parameters():
@@ -207,7 +189,7 @@ def run_variant(variant: str, model_name: str, batch: int, seq: int, steps: int,
         info["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
         info["peak_source"] = "torch.cuda.max_memory_allocated"
     else:
-        info["peak_bytes"] = _cpu_peak(train)
+        info["peak_bytes"] = cpu_alloc_peak(train)
         info["peak_source"] = "torch.profiler allocator events (profile_memory=True)"
     return info
 

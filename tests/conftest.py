@@ -85,3 +85,24 @@ def _restore_lowprec_logger():
     pristine()
     yield
     pristine()
+
+
+@pytest.fixture
+def ds_env(monkeypatch):
+    """One in-process DeepSpeed rank on its CPU accelerator: torchrun's variables for a world of
+    one (a fresh rendezvous port), no launch settings from the shell or another test."""
+    from tests.torchrun_util import free_port
+
+    for name in list(os.environ):
+        if name.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    for name, value in (
+        ("LOCAL_RANK", "0"),
+        ("RANK", "0"),
+        ("WORLD_SIZE", "1"),
+        ("LOCAL_WORLD_SIZE", "1"),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("MASTER_PORT", str(free_port())),
+    ):
+        monkeypatch.setenv(name, value)

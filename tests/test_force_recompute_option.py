@@ -7,12 +7,12 @@ bad value is one message naming the key (exit code 2 from the CLI)."""
 from __future__ import annotations
 
 import os
-import shlex
 
 import pytest
 
 from lowprec import Accelerator
 from lowprec.cli.main import main
+from tests.launch_env import clear_launch_env, exported
 from lowprec.kwargs import AORecipeKwargs, NativeRecipeKwargs
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "report_launch_env.py")
@@ -22,17 +22,7 @@ VAR = "ACCELERATE_FP8_FORCE_RECOMPUTE_FP8_WEIGHT_IN_BWD"
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in [n for n in os.environ if n.startswith(("ACCELERATE_", "LOWPREC_FP8", "FSDP_"))]:
-        monkeypatch.delenv(name)
-
-
-def _exported(argv, capsys) -> dict[str, str]:
-    assert main(["launch", "--dry_run", *argv]) == 0
-    out = capsys.readouterr().out
-    return {
-        k: shlex.split(v)[0]
-        for k, _, v in (ln[7:].partition("=") for ln in out.splitlines() if ln.startswith("export "))
-    }
+    clear_launch_env(monkeypatch)
 
 
 def _recipe_value(acc: Accelerator):
@@ -45,11 +35,11 @@ def test_every_entry_point_sets_the_recipe_field(value, monkeypatch, capsys, tmp
     python = Accelerator(mixed_precision="fp8", cpu=True, kwargs_handlers=[NativeRecipeKwargs(**{FIELD: value})])
     assert _recipe_value(python) is value
 
-    env = _exported(["--mixed_precision", "fp8", f"--fp8_{FIELD}", text, SCRIPT], capsys)
+    env = exported(["--mixed_precision", "fp8", f"--fp8_{FIELD}", text, SCRIPT], capsys)
     assert env[VAR] == text
     cfg = tmp_path / "launch.yaml"
     cfg.write_text(f"mixed_precision: fp8\nfp8_config:\n  {FIELD}: {text}\n")
-    assert _exported(["--config_file", str(cfg), SCRIPT], capsys) == env
+    assert exported(["--config_file", str(cfg), SCRIPT], capsys) == env
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert _recipe_value(Accelerator(cpu=True)) is value
@@ -74,7 +64,7 @@ def test_auto_is_the_default_and_is_not_exported(capsys):
     assert NativeRecipeKwargs().to_recipe().force_recompute_fp8_weight_in_bwd is None
     assert NativeRecipeKwargs(**{FIELD: "auto"}).to_recipe().force_recompute_fp8_weight_in_bwd is None
     assert AORecipeKwargs().force_recompute_fp8_weight_in_bwd is None
-    env = _exported(["--mixed_precision", "fp8", f"--fp8_{FIELD}", "auto", SCRIPT], capsys)
+    env = exported(["--mixed_precision", "fp8", f"--fp8_{FIELD}", "auto", SCRIPT], capsys)
     assert VAR not in env
 
     from lowprec.train.config import parse_config

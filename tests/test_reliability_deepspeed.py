@@ -12,7 +12,6 @@ One process, in-process, DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu``), t
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import pytest
@@ -22,7 +21,6 @@ from torch import nn
 from lowprec import Accelerator
 from lowprec.errors import NonFiniteError
 from lowprec.utils import DeepSpeedPlugin
-from tests.torchrun_util import free_port
 
 DIM = 32
 
@@ -37,23 +35,6 @@ def _no_leftover_process_group():
 
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-@pytest.fixture
-def ds_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_")):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    for name, value in (
-        ("LOCAL_RANK", "0"),
-        ("RANK", "0"),
-        ("WORLD_SIZE", "1"),
-        ("LOCAL_WORLD_SIZE", "1"),
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", str(free_port())),
-    ):
-        monkeypatch.setenv(name, value)
 
 
 def _setup(stage: int, precision: str, zero: Optional[dict] = None, **kw):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shlex
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from lowprec.catalog import (
     ScaleSource,
 )
 from lowprec.cli.main import main
+from tests.launch_env import clear_launch_env, exported
 from lowprec.kwargs import AORecipeKwargs, NativeRecipeKwargs, TERecipeKwargs
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "report_launch_env.py")
@@ -28,17 +28,7 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "re
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
-    for name in [n for n in os.environ if n.startswith(("ACCELERATE_", "LOWPREC_FP8", "FSDP_"))]:
-        monkeypatch.delenv(name)
-
-
-def _exported(argv, capsys) -> dict[str, str]:
-    assert main(["launch", "--dry_run", *argv]) == 0
-    out = capsys.readouterr().out
-    return {
-        k: shlex.split(v)[0]
-        for k, _, v in (ln[7:].partition("=") for ln in out.splitlines() if ln.startswith("export "))
-    }
+    clear_launch_env(monkeypatch)
 
 
 def _from_env(monkeypatch, env) -> dict:
@@ -73,13 +63,13 @@ def test_every_entry_point_resolves_the_same_settings(monkeypatch, capsys, tmp_p
         "--fp8_override_linear_precision",
         "false,false,true",
     ]
-    env = _exported([*flags, SCRIPT], capsys)
+    env = exported([*flags, SCRIPT], capsys)
     cfg = tmp_path / "launch.yaml"
     cfg.write_text(
         "mixed_precision: fp8\nfp8_config:\n  backend: NATIVE\n  recipe: delayed\n"
         "  amax_history_length: 16\n  override_linear_precision: (false, false, true)\n"
     )
-    assert _exported(["--config_file", str(cfg), SCRIPT], capsys) == env
+    assert exported(["--config_file", str(cfg), SCRIPT], capsys) == env
     assert _from_env(monkeypatch, env) == want
 
     from lowprec.train.config import parse_config

@@ -22,7 +22,6 @@ from torch import nn
 from lowprec import Accelerator
 from lowprec.kwargs import NativeRecipeKwargs
 from lowprec.utils import DeepSpeedPlugin
-from tests.torchrun_util import free_port
 
 DIM, LAYERS = 128, 4
 
@@ -44,23 +43,6 @@ def _no_leftover_process_group():
         import deepspeed.comm
 
         deepspeed.comm.destroy_process_group()
-
-
-@pytest.fixture
-def ds_env(monkeypatch):
-    for name in list(os.environ):
-        if name.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_")):
-            monkeypatch.delenv(name)
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    for name, value in (
-        ("LOCAL_RANK", "0"),
-        ("RANK", "0"),
-        ("WORLD_SIZE", "1"),
-        ("LOCAL_WORLD_SIZE", "1"),
-        ("MASTER_ADDR", "127.0.0.1"),
-        ("MASTER_PORT", str(free_port())),
-    ):
-        monkeypatch.setenv(name, value)
 
 
 def _train(recipe: str | None, recompute=None, steps: int = 3, data_seed: int = 1) -> dict:

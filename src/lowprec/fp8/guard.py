@@ -38,9 +38,10 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch import nn
 
+from lowprec.fp8.health import HealthProbe, signals
 from lowprec.fp8.linear import Float8Linear
 
-__all__ = ["Thresholds", "Event", "Guard", "GUARD_MODES", "THRESHOLD_NAMES"]
+__all__ = ["Thresholds", "Event", "Guard", "HealthMonitor", "GUARD_MODES", "THRESHOLD_NAMES"]
 
 logger = logging.getLogger("lowprec")
 
@@ -158,6 +159,74 @@ class Guard:
                 )
             self.layers[mv["layer"]].high_precision = True
         self.moved = [dict(m) for m in moves]
+
+
+class HealthMonitor:
+    """The health probe and (``guard`` warn / act) the guard of one model, checked at logging
+    steps: :meth:`arm` before the step (input max-to-rms every check; the shadow-GEMM SQNR once
+    ``sqnr_every`` steps have passed), :meth:`check` after it, with the step's FP8 telemetry.
+    :meth:`state_dict` / :meth:`load_state_dict` carry the moves, streaks and trends into a
+    checkpoint. Used by ``lowprec train`` (``train/health.py``) and by transformers'
+    ``FP8Callback``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        guard: str,
+        patience: int,
+        sqnr_every: int,
+        thresholds: Optional[dict[str, float]] = None,
+    ) -> None:
+        self.probe = HealthProbe(model)
+        th = Thresholds(patience=patience, **(thresholds or {}))
+        self.guard = None if guard == "off" else Guard(model, mode=guard, thresholds=th)
+        self.sqnr_every = sqnr_every
+        self.previous: Optional[dict[str, Any]] = None
+        self.last_sqnr_step: Optional[int] = None
+        self.kept: list[dict[str, Any]] = []  # a checkpoint's moves when this run has no guard
+
+    def arm(self, step: int) -> None:
+        """Before optimizer step ``step`` (1-based), a logging step."""
+        sqnr = self.last_sqnr_step is None or step - self.last_sqnr_step >= self.sqnr_every
+        if sqnr:
+            self.last_sqnr_step = step
+        self.probe.arm(outliers=True, sqnr=sqnr)
+
+    def check(self, step: int, tele: dict) -> list[dict[str, Any]]:
+        """The records of this logging step: ``fp8_health``, then one ``fp8_guard`` per new episode."""
+        health = signals(tele, self.probe.layers, self.probe.take(), self.previous)
+        self.previous = health
+        records: list[dict[str, Any]] = [{"kind": "fp8_health", "step": step, "layers": health}]
+        if self.guard is not None:
+            records += [{"kind": "fp8_guard", **ev.to_dict()} for ev in self.guard.check(step, health)]
+        return records
+
+    def moves(self) -> list[dict[str, Any]]:
+        return self.kept if self.guard is None else self.guard.moves()
+
+    def state_dict(self) -> dict[str, Any]:
+        g = self.guard
+        return {
+            "previous": self.previous,
+            "last_sqnr_step": self.last_sqnr_step,
+            "streak": dict(g.streak) if g else {},
+            "in_episode": sorted(g.in_episode) if g else [],
+            "moved": self.moves(),
+            "events": list(g.events) if g else [],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.previous = state.get("previous")
+        self.last_sqnr_step = state.get("last_sqnr_step")
+        if self.guard is None:
+            if state.get("moved"):
+                Guard(self.probe.model, mode="act").restore(state["moved"])
+                self.kept = list(state["moved"])
+            return
+        self.guard.streak = dict(state.get("streak", {}))
+        self.guard.in_episode = set(state.get("in_episode", []))
+        self.guard.events = list(state.get("events", []))
+        self.guard.restore(state.get("moved", []))
 
 
 def _rank() -> int:

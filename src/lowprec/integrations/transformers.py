@@ -64,8 +64,7 @@ from lowprec import fp8
 from lowprec.checkpoint.serialization import load_object, save_object
 from lowprec.durable import fsync_dir, fsync_file, temp_suffix
 from lowprec.fp8.convert import DEFAULT_SKIP_PATTERNS, ConversionReport, ModuleFilter
-from lowprec.fp8.guard import GUARD_MODES, THRESHOLD_NAMES, Guard, Thresholds
-from lowprec.fp8.health import HealthProbe, signals
+from lowprec.fp8.guard import GUARD_MODES, THRESHOLD_NAMES, Guard, HealthMonitor, Thresholds
 from lowprec.distributed import register_fp8_allreduce
 from lowprec.optim import OPT_LEVELS, hold_grads_in_fp8, to_fp8_adamw
 from lowprec.utils.fp8 import has_ao_layers, has_transformer_engine_layers
@@ -248,12 +247,9 @@ class FP8Callback(TrainerCallback):
         self.last_worst: dict[str, float] = {}  # the last log's telemetry, worst over every rank
         self._warned = False
         self.guard_mode = guard
-        self._thresholds = Thresholds(patience=guard_patience, **(guard_thresholds or {}))
-        self.sqnr_every = health_sqnr_every
-        self.guard: Guard | None = None
-        self.probe: HealthProbe | None = None
-        self._previous: dict[str, Any] | None = None
-        self._last_sqnr: int | None = None
+        Thresholds(patience=guard_patience, **(guard_thresholds or {}))  # a bad value fails here, not in train()
+        self._health_args = (guard_patience, health_sqnr_every, dict(guard_thresholds or {}))
+        self.health: HealthMonitor | None = None  # with a guard: lowprec train's probe and guard
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is not None and not fp8.has_fp8_layers(model) and _library_fp8_layers(model):
@@ -282,9 +278,8 @@ class FP8Callback(TrainerCallback):
                 "layers run under DDP); for FSDP2 on CPU run Trainer on lowprec's Accelerator "
                 "(lowprec.integrations.trainer_accelerator.LowprecAcceleratorMixin)"
             )
-        if self.guard_mode != "off" and self.guard is None:
-            self.probe = HealthProbe(model)
-            self.guard = Guard(model, mode=self.guard_mode, thresholds=self._thresholds)
+        if self.guard_mode != "off" and self.health is None:
+            self.health = HealthMonitor(model, self.guard_mode, *self._health_args)
         if state.global_step > 0:
             self._restore(args, state)
         n = self.counts.attach(model)
@@ -300,15 +295,9 @@ class FP8Callback(TrainerCallback):
         if self.model is None:
             return
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        if self.guard is not None and args.process_index == 0:  # the same on every rank
+        if self.health is not None and args.process_index == 0:  # the same on every rank
             os.makedirs(folder, exist_ok=True)
-            guard_state = {
-                "moved": self.guard.moves(),
-                "streak": self.guard.streak,
-                "in_episode": sorted(self.guard.in_episode),
-                "events": self.guard.events,
-            }
-            _write_json(os.path.join(folder, GUARD_FILE), guard_state)
+            _write_json(os.path.join(folder, GUARD_FILE), self.health.state_dict())
         sd = self.model.state_dict()
         keys = fp8_state_keys(self.model)
         if not keys:
@@ -376,14 +365,11 @@ class FP8Callback(TrainerCallback):
             return
         with open(path) as f:
             saved = json.load(f)
-        if self.guard is None:
+        if self.health is None:
             Guard(self.model, mode="act").restore(saved.get("moved", []))
             return
-        self.guard.restore(saved.get("moved", []))
-        self.guard.streak = dict(saved.get("streak", {}))
-        self.guard.in_episode = set(saved.get("in_episode", []))
-        self.guard.events = list(saved.get("events", []))
-        logger.info("lowprec: fp8_guard state restored from %s (%d layer(s) moved)", path, len(self.guard.moved))
+        self.health.load_state_dict(saved)
+        logger.info("lowprec: fp8_guard state restored from %s (%d layer(s) moved)", path, len(self.health.moves()))
 
     def _logs_next_step(self, args, state) -> bool:
         strategy = getattr(args, "logging_strategy", "steps")
@@ -397,12 +383,8 @@ class FP8Callback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         if self.telemetry and self.model is not None and self._logs_next_step(args, state):
             fp8.enable_telemetry(self.model)
-            if self.probe is not None:  # the guard's readings: input max-to-rms, sampled SQNR
-                step = state.global_step + 1
-                sqnr = self._last_sqnr is None or step - self._last_sqnr >= self.sqnr_every
-                if sqnr:
-                    self._last_sqnr = step
-                self.probe.arm(outliers=True, sqnr=sqnr)
+            if self.health is not None:  # the guard's readings: input max-to-rms, sampled SQNR
+                self.health.arm(state.global_step + 1)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.telemetry and self.model is not None:
@@ -422,11 +404,9 @@ class FP8Callback(TrainerCallback):
         if self.telemetry:
             self.last_worst = _worst_over_ranks(_worst(self.model), args.device)
             extra.update(self.last_worst)
-        if self.guard is not None and self.probe is not None:
-            health = signals(fp8.telemetry(self.model), self.probe.layers, self.probe.take(), self._previous)
-            self._previous = health
-            self.guard.check(state.global_step, health)  # collective under several processes
-            extra["fp8_guard_moved_layers"] = len(self.guard.moved)
+        if self.health is not None:
+            self.health.check(state.global_step, fp8.telemetry(self.model))  # collective under several processes
+            extra["fp8_guard_moved_layers"] = len(self.health.moves())
         self.counts.fp8 = self.counts.hp = 0
         logs.update(extra)
         # Trainer stored a copy before calling the callbacks: keep the history complete too
