@@ -215,8 +215,6 @@ class Float8AllGatherWeight(torch.Tensor):
         ``rowwise_with_gw_hp``, its tensor scale. Two inputs every time (FSDP2 keeps the output
         buffers): in backward the second is a placeholder and the scale travels as metadata."""
         rounded = self._rounded()
-        if mesh.size() == 1:  # FSDP2 copies one input and nothing travels: the weight as it is
-            return (rounded,), ("hp", None, None)
         if not _in_backward():
             q = quantize_axiswise(rounded, self._fp8_dtype, 1, power_of_2=self._pow2)
             return (q.data.contiguous().view(torch.uint8), q.scale), ("axis", 1, None)
@@ -236,8 +234,6 @@ class Float8AllGatherWeight(torch.Tensor):
         same cast), the tile scales gathered with the bytes. A tile must not straddle two ranks'
         rows, so each rank's rows must be whole tiles."""
         rounded = self._rounded()
-        if mesh.size() == 1:  # FSDP2 copies one input and nothing travels: the weight as it is
-            return (rounded,), ("hp", None, None)
         bs = cast(int, self._block)
         if rounded.shape[0] % bs:
             raise ValueError(
@@ -255,8 +251,6 @@ class Float8AllGatherWeight(torch.Tensor):
         a multiple of 32. Both travel in W's layout, the E8M0 scales as (rows, K / 32) bytes, so
         the two gathers have the same inputs (FSDP2 keeps the buffers)."""
         rounded = self._rounded()
-        if mesh.size() == 1:  # FSDP2 copies one input and nothing travels: the weight as it is
-            return (rounded,), ("hp", None, None)
         rows, cols = rounded.shape
         if rows % MX_BLOCK or cols % MX_BLOCK:
             raise ValueError(
@@ -273,8 +267,16 @@ class Float8AllGatherWeight(torch.Tensor):
         scale = q.scale.view(torch.uint8).t().contiguous().reshape(rows, cols // MX_BLOCK)
         return (data, scale), ("mx", 0, None)
 
+    @property
+    def _per_block(self) -> bool:
+        """Rowwise, blockwise, mxfp8: scales per row or block travel as a second input."""
+        return self._rowwise is not None or self._block is not None or self._mx_rounding is not None
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         self._param_dtype = mp_policy.param_dtype or self._tensor.dtype
+        if self._per_block and mesh.size() == 1:
+            # FSDP2 on one process takes a single input and moves nothing: the weight as it is
+            return (self._rounded(),), ("hp", None, None)
         if self._mx_rounding is not None:
             return self._mx_inputs(mesh)
         if self._block is not None:
@@ -287,7 +289,7 @@ class Float8AllGatherWeight(torch.Tensor):
         return (q.data.view(torch.uint8),), (q.scale, whole_amax)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        if self._rowwise is not None or self._block is not None or self._mx_rounding is not None:
+        if self._per_block:
             return self._scaled_post(outputs, metadata, param_dtype, out)
         (data,), (scale, whole_amax) = outputs, metadata
         if out is not None:  # later steps: FSDP2 refilled the same bytes in place
