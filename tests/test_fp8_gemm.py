@@ -63,5 +63,7 @@ def test_scaled_mm_matches_emulation_on_cuda(gran):
     b = fp8.quantize(torch.randn(3000, 4096, device=dev), fp8.E4M3, gran, dim=1).t()
     native = fp8.scaled_mm(a, b, torch.float32, path="scaled_mm")
     emulated = fp8.scaled_mm(a, b, torch.float32, path="emulate")
-    # cuBLAS sums in another order (bf16 output for axis scales): agree to output rounding.
-    assert sqnr(emulated, native) > (45 if gran == "axis" else 80)
+    # cuBLAS sums in another order, in the tensor cores' FP8 accumulator, which keeps fewer
+    # bits than float32 on Hopper (DeepSeek-V3 s3.3.2 measures ~14): 77.9 dB on an H200 for
+    # tensor scales, where a float32 sum would agree to ~100; bf16 output for axis scales.
+    assert sqnr(emulated, native) > (45 if gran == "axis" else 70)

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def fake_triton(monkeypatch):
     from lowprec.fp8.kernels import selfcheck
 
     monkeypatch.setattr(select, "TRITON_IMPORTABLE", True)
-    monkeypatch.setattr(selfcheck, "_RESULT", {0: True, 1: True})
+    monkeypatch.setattr(selfcheck, "_RESULT", {0: frozenset(), 1: frozenset()})
     monkeypatch.delenv(select.DISABLE_ENV, raising=False)
     monkeypatch.delenv(select.ENABLE_ENV, raising=False)
 
@@ -74,19 +75,60 @@ def test_triton_kernels_are_on_by_default_and_can_be_turned_off(fake_triton, mon
         assert not kernels.available("cuda"), value
 
 
-def test_a_failed_self_check_falls_back_with_one_log_line(monkeypatch, caplog):
-    """On CPU-only torch the self-check cannot run a kernel: the dispatch says no, once, and logs why."""
+def _fake_check(monkeypatch, results):
+    """A self-check whose ops are the torch path and whose runs return ``results`` in turn."""
     from lowprec.fp8.kernels import selfcheck
 
     monkeypatch.setattr(select, "TRITON_IMPORTABLE", True)
     monkeypatch.setattr(selfcheck, "_RESULT", {})
     monkeypatch.delenv(select.DISABLE_ENV, raising=False)
-    monkeypatch.setattr(selfcheck, "run_checks", lambda ops, ref, dev: ["cast_amax(float8_e4m3fn)"])
-    monkeypatch.setitem(sys.modules, "lowprec.fp8.kernels.ops", object())  # no triton import needed
+    runs = iter(results)
+    monkeypatch.setattr(selfcheck, "run_checks", lambda ops, ref, dev: next(runs))
+    two_pass = []
+    fake_ops = types.SimpleNamespace(set_two_pass=lambda names: two_pass.append(set(names)))
+    monkeypatch.setitem(sys.modules, "lowprec.fp8.kernels.ops", fake_ops)  # no triton import needed
+    monkeypatch.setattr(kernels, "ops", fake_ops, raising=False)
+    return two_pass
+
+
+def test_a_failed_self_check_turns_off_that_op_with_one_log_line(monkeypatch, caplog):
+    """An op that differs (and has no two-pass form) takes the torch path; the others stay on."""
+    _fake_check(monkeypatch, [{"cast_amax": ["cast_amax on bf16 67x130 float8_e4m3fn"]}])
     with caplog.at_level("WARNING", logger="lowprec.fp8"):
-        assert not kernels.available("cuda") and not kernels.available("cuda:0")
+        assert not kernels.available("cuda", "cast_amax") and not kernels.available("cuda:0", "cast_amax")
+        assert kernels.available("cuda", "cast_transpose_amax") and kernels.available("cuda")
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "differ from the torch path: cast_amax(float8_e4m3fn)" in lines[0]
+    assert len(lines) == 1, lines
+    assert "cast_amax use the torch path" in lines[0] and "bf16 67x130" in lines[0]
+
+
+def test_a_one_pass_failure_is_retried_as_two_passes(monkeypatch, caplog):
+    """cast_transpose_amax differs in one pass, agrees in two: it stays on, as two passes;
+    cast_block_1d differs both ways: torch path."""
+    first = {"cast_transpose_amax": ["x"], "cast_block_1d": ["y"]}
+    two_pass = _fake_check(monkeypatch, [first, {"cast_block_1d": ["y"]}])
+    with caplog.at_level("WARNING", logger="lowprec.fp8"):
+        assert kernels.available("cuda", "cast_transpose_amax")
+        assert not kernels.available("cuda", "cast_block_1d")
+    assert two_pass == [set(), {"cast_transpose_amax", "cast_block_1d"}, {"cast_transpose_amax"}]
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "cast_transpose_amax run as two passes" in line and "cast_block_1d use the torch path" in line
+
+
+def test_a_self_check_that_cannot_run_turns_every_op_off(monkeypatch, caplog):
+    """On CPU-only torch the check cannot launch a kernel: the dispatch says no, once, and logs why."""
+    from lowprec.fp8.kernels import selfcheck
+
+    monkeypatch.setattr(select, "TRITON_IMPORTABLE", True)
+    monkeypatch.setattr(selfcheck, "_RESULT", {})
+    monkeypatch.delenv(select.DISABLE_ENV, raising=False)
+    broken = types.SimpleNamespace()  # no set_two_pass: the check raises
+    monkeypatch.setitem(sys.modules, "lowprec.fp8.kernels.ops", broken)
+    monkeypatch.setattr(kernels, "ops", broken, raising=False)
+    with caplog.at_level("WARNING", logger="lowprec.fp8"):
+        assert not kernels.available("cuda") and not kernels.available("cuda:0", "cast_amax")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "self-check failed" in lines[0]
 
 
 def test_self_check_compares_bits_and_nan_positions():
@@ -96,7 +138,7 @@ def test_self_check_compares_bits_and_nan_positions():
     assert selfcheck._same(x, x.clone())
     assert not selfcheck._same(x, torch.tensor([1.0, float("nan"), 0.0]))  # -0.0 vs +0.0
     assert not selfcheck._same(x, torch.tensor([1.0, 2.0, -0.0]))
-    assert selfcheck.run_checks(reference, reference, torch.device("cpu")) == []
+    assert selfcheck.run_checks(reference, reference, torch.device("cpu")) == {}
 
 
 def test_cuda_falls_back_when_triton_is_absent(no_triton):
@@ -136,7 +178,7 @@ def test_dispatch_takes_the_triton_path_when_available(monkeypatch, seed):
             calls.append("r")
             return reference.cast_rowwise(x, d, p)
 
-    monkeypatch.setattr(kernels, "available", lambda device: True)
+    monkeypatch.setattr(kernels, "available", lambda device, op=None: True)
     monkeypatch.setattr(kernels, "_ops", lambda: FakeOps())
     x = torch.randn(8, 16)
     kernels.cast_transpose_amax(x, torch.tensor(1.0), E4M3)
@@ -264,7 +306,7 @@ def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, see
                     calls.append(name)
                     return getattr(reference, name)
 
-            monkeypatch.setattr(kernels, "available", lambda device: True)
+            monkeypatch.setattr(kernels, "available", lambda device, op=None: True)
             monkeypatch.setattr(kernels, "_ops", lambda: Spy())
         linear_mod = importlib.import_module("lowprec.fp8.linear_fn")
         real_mm = linear_mod.scaled_mm

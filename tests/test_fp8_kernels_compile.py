@@ -54,7 +54,7 @@ for cc in (89, 90):
                 ("row", cast_rowwise_kernel, RW, rw, ROW_TILE[2], (0, 1, 2, 3, 4, 5, 7, 8)),
                 ("dual", cast_rowwise_kernel, RW, dual, DUAL_TILE[2], (0, 1, 2, 3, 4, 5, 7, 8)),
                 ("recast", recast_if_changed_kernel, RC, dict(FP8_MAX=fp8_max, E4M3=e4m3, SOFT_CAST=soft,
-                 BLOCK_M=TILE[0], BLOCK_N=TILE[1]), TILE[2], (0, 1, 2, 3, 4, 5, 6, 7)),
+                 BLOCK_M=TILE[0], BLOCK_N=TILE[1], WRITE_Q=True, WRITE_T=True), TILE[2], (0, 1, 2, 3, 4, 5, 6, 7)),
             ]
             if e4m3 and not soft:  # no FP8 convert in these: compile them once per target
                 kernels += [("amax", cast_transpose_amax_kernel, CT, amax_only, TILE[2], (0, 1, 2, 3, 4, 5, 6, 7)),

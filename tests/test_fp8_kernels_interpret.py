@@ -364,7 +364,7 @@ def test_fused_blockwise_layouts_feed_the_gemms_without_copies(monkeypatch, seed
         )
 
     plain = casts()
-    monkeypatch.setattr(kernels, "available", lambda device: True)
+    monkeypatch.setattr(kernels, "available", lambda device, op=None: True)
     fused = casts()
     for p, f in zip(plain, fused):
         assert (p.block, p.granularity) == (f.block, f.granularity)
@@ -475,3 +475,37 @@ def test_float8_linear_blockwise_on_the_triton_gemm(monkeypatch, seed):
     for got, want in zip(*runs):
         assert got.dtype == want.dtype
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_the_self_check_passes_the_kernels_in_one_and_two_passes(two_pass):
+    """The first-use check's probes (ragged and 16-divisible, bf16 and float32, rows decades
+    apart) find every op equal to the torch path, as one pass and as the two-pass fallback
+    (one store per launch) the check switches a differing op to on a GPU."""
+    from lowprec.fp8.kernels import selfcheck
+
+    ops.set_two_pass(selfcheck.TWO_PASS_OPS if two_pass else ())
+    try:
+        assert all(ops.two_pass(name) == two_pass for name in selfcheck.TWO_PASS_OPS)
+        assert selfcheck.run_checks(ops, reference, torch.device("cpu")) == {}
+    finally:
+        ops.set_two_pass(())
+
+
+def test_the_self_check_finds_a_wrong_transposed_store(monkeypatch):
+    """A kernel whose transposed output is wrong (as ptxas made it on the H200) is named."""
+    from lowprec.fp8.kernels import selfcheck
+
+    real = ops.cast_transpose_amax
+
+    def broken(x, scale, dtype):
+        q, qt, a = real(x, scale, dtype)
+        if x.shape[0] % 16 == 0:  # only the 16-divisible probes, as on the GPU
+            qt = qt.clone()
+            qt.view(torch.uint8)[1] = 0
+        return q, qt, a
+
+    monkeypatch.setattr(ops, "cast_transpose_amax", broken)
+    bad = selfcheck.run_checks(ops, reference, torch.device("cpu"))
+    assert set(bad) == {"cast_transpose_amax"}
+    assert any("fp32 256x512" in where for where in bad["cast_transpose_amax"])

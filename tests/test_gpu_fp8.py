@@ -71,4 +71,6 @@ def test_layer_sqnr_on_cuda(recipe):
     x = torch.randn(512, 1024, device=dev)
     with fp8.autocast(), torch.autocast("cuda", dtype=torch.bfloat16):
         y = layer(x)
-    assert sqnr(ref(x.double()), y.float()) > 25
+    # NVFP4's 4-bit elements: the CPU floor of test_fp8_linear_numerics (15 dB; 16.7 on CPU and
+    # on the H200 for this layer); the 8-bit recipes 25 dB
+    assert sqnr(ref(x.double()), y.float()) > (15 if recipe == "nvfp4" else 25)

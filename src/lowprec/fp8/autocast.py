@@ -155,15 +155,36 @@ class autocast:  # noqa: N801 - a context manager named like torch.autocast
 # --- torch.autocast on any device ----------------------------------------------------------
 # torch.autocast raises for device types it does not know (meta, which fp8.trace_as traces on,
 # and out-of-tree backends); there is no autocast state to read or turn off on those.
+# Asked once per device type, outside any graph: Dynamo in torch 2.11 cannot trace
+# torch._C._is_autocast_available (a graph break in every Float8Linear forward), while a dict
+# read traces as a constant. The common types are filled at import.
+_AUTOCAST_AVAILABLE: dict[str, bool] = {}
+
+
+def autocast_available(device_type: str) -> bool:
+    """``torch.amp.is_autocast_available(device_type)``, cached per device type."""
+    ok = _AUTOCAST_AVAILABLE.get(device_type)
+    if ok is None:
+        ok = _AUTOCAST_AVAILABLE[device_type] = bool(torch.amp.is_autocast_available(device_type))
+    return ok
+
+
+for _type in ("cpu", "cuda", "meta", "xpu", "mps", "hpu"):
+    try:
+        autocast_available(_type)
+    except (RuntimeError, ValueError):  # a device type this build does not know
+        pass
+
+
 def torch_autocast_dtype(device_type: str, default):
     """The ``torch.autocast`` dtype active for ``device_type``, else ``default``."""
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+    if autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return default
 
 
 def torch_autocast_off(device_type: str):
     """``torch.autocast(device_type, enabled=False)``, or a no-op where autocast does not exist."""
-    if torch.amp.is_autocast_available(device_type):
+    if autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
     return nullcontext()

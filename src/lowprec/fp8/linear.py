@@ -57,6 +57,7 @@ from lowprec.fp8.quantize import Float8Data
 from lowprec.fp8.recipes import Recipe
 from lowprec.fp8.scaling import delayed_scale_step
 from lowprec.fp8.sharding import reshape_output
+from lowprec.fp8.state_epoch import bump_state_epoch, state_epoch
 from lowprec.fp8.tp_linear import is_tensor_parallel, tp_forward
 
 __all__ = [
@@ -68,20 +69,6 @@ __all__ = [
     "state_epoch",
     "OPERANDS",
 ]
-
-
-_EPOCH = [0]  # bumped by every write of scaling state from outside a step (load, reset)
-
-
-def state_epoch() -> int:
-    """A counter that changes whenever any layer's scaling state is loaded or reset, so that a
-    copy of the state (``step_stage.py``) knows it is stale without reading every layer."""
-    return _EPOCH[0]
-
-
-def bump_state_epoch() -> None:
-    """Say that some module's scaling state was written from outside a step (load, reset)."""
-    _EPOCH[0] += 1
 
 
 _HOOK_DICTS = (
@@ -234,7 +221,7 @@ class Float8Linear(FP8Switch, nn.Linear):
 
     def reset_fp8_state(self) -> None:
         drop_frozen_cache(self)
-        _EPOCH[0] += 1
+        bump_state_epoch()
         with torch.no_grad():
             self.fp8_stats.zero_()
             self.recipe.kind.reset_state(self)
@@ -277,7 +264,7 @@ class Float8Linear(FP8Switch, nn.Linear):
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        _EPOCH[0] += 1
+        bump_state_epoch()
         # A plain nn.Linear state dict has no scaling state: keep this layer's (fresh) state
         # rather than failing, so `model.load_state_dict(plain_sd)` works after conversion.
         ours = {prefix + name for name in self.recipe.kind.state_buffers if hasattr(self, name)}

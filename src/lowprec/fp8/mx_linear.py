@@ -103,8 +103,9 @@ def block_stats(x: torch.Tensor, q: BlockScaledData) -> torch.Tensor:
     ratio = x32.abs() / per_elem
     saturated = (ratio > thr).float().mean()
     underflow = ((x32 != 0) & (q.dequantize() == 0)).float().mean()
-    finite = dec[torch.isfinite(dec) & (dec > 0)]
-    smallest = finite.amax().reciprocal() if finite.numel() else torch.zeros((), device=x.device)
+    # the largest positive finite decode scale, 0 if none; masked, not indexed (no host sync)
+    largest = torch.where(torch.isfinite(dec) & (dec > 0), dec, 0.0).amax()
+    smallest = torch.where(largest > 0, largest.reciprocal(), 0.0)
     return torch.stack([x32.abs().amax(), smallest.to(torch.float32), saturated, underflow])
 
 

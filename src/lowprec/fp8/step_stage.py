@@ -16,7 +16,7 @@ CUDA (on CPU one read, which is no device synchronisation). A skipped step adds 
 ``_foreach_copy_``.
 
 Loading a state dict into a layer, or resetting its state, between two optimizer steps makes
-the copy stale; such writes bump :func:`lowprec.fp8.linear.state_epoch`, and the copy is taken
+the copy stale; such writes bump :func:`lowprec.fp8.state_epoch.state_epoch`, and the copy is taken
 again before the next forward (:meth:`ScalingStage.refresh`, called where a forward starts).
 
 **Amax spikes.** With ``amax_compute_algo: max`` one finite outlier (a 1e30 activation) sets
@@ -47,7 +47,8 @@ import torch
 from torch import nn
 
 from lowprec.fp8.grouped import Float8GroupedGemm
-from lowprec.fp8.linear import OPERANDS, Float8Linear, state_epoch
+from lowprec.fp8.linear import OPERANDS, Float8Linear
+from lowprec.fp8.state_epoch import bump_state_epoch, state_epoch
 
 __all__ = ["ScalingStage", "SPIKE_LOG2", "spike_counts", "warn_counted"]
 
@@ -158,6 +159,8 @@ class ScalingStage:
             g.restore()
         for g, _ in self.histories:
             g.restore()
+        bump_state_epoch()  # host mirrors of the state (NVFP4's stream position) are stale now
+        self.epoch = state_epoch()  # the kept copy is what the buffers hold again
 
     @torch.no_grad()
     def accept(self) -> None:

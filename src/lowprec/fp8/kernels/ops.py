@@ -63,6 +63,22 @@ DUAL_TILE = (32, 128, 4)
 _INTERPRETED = type(cast_transpose_amax_kernel).__name__ == "InterpretedFunction"
 
 
+# Ops that run as two launches, one store each (the plain layout, then the transposed one),
+# because their one-pass kernel failed the device self-check (selfcheck.TWO_PASS_OPS).
+# Process-wide: one GPU model per process is assumed.
+_TWO_PASS: set[str] = set()
+
+
+def set_two_pass(names) -> None:
+    """Run the ops ``names`` as two passes from now on (and every other op as one)."""
+    _TWO_PASS.clear()
+    _TWO_PASS.update(names)
+
+
+def two_pass(name: str) -> bool:
+    return name in _TWO_PASS
+
+
 def interpreting() -> bool:
     """True when the kernels run in Triton's CPU interpreter (tests): use the software FP8
     convert, since the interpreter's own is not round-to-nearest-even."""
@@ -129,7 +145,11 @@ def cast_transpose_amax(
     q = torch.empty((m, n), dtype=torch.uint8, device=x.device)
     qt = torch.empty((n, m), dtype=torch.uint8, device=x.device)
     amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)  # bits of +0.0
-    launch_cast(x, scale, fp8_dtype, q, qt, amax_bits)
+    if two_pass("cast_transpose_amax"):
+        launch_cast(x, scale, fp8_dtype, q, None, amax_bits)
+        launch_cast(x, scale, fp8_dtype, None, qt, None)
+    else:
+        launch_cast(x, scale, fp8_dtype, q, qt, amax_bits)
     return q.view(fp8_dtype), qt.view(fp8_dtype), amax_bits.view(torch.float32)
 
 
@@ -218,7 +238,11 @@ def cast_rowwise_dual(
     q = torch.empty((m, n), dtype=torch.uint8, device=x.device)
     qt = torch.empty((n, m), dtype=torch.uint8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    _launch_axes(x, fp8_dtype, power_of_2, q, scale, col_scale, qt, DUAL_TILE)
+    if two_pass("cast_rowwise_dual"):
+        _launch_axes(x, fp8_dtype, power_of_2, q, scale, None, None, ROW_TILE)
+        _launch_axes(x, fp8_dtype, power_of_2, None, None, col_scale, qt, DUAL_TILE)
+    else:
+        _launch_axes(x, fp8_dtype, power_of_2, q, scale, col_scale, qt, DUAL_TILE)
     return q.view(fp8_dtype), scale, qt.view(fp8_dtype)
 
 
@@ -243,23 +267,27 @@ def recast_if_changed(
         return
     m, n = x.shape
     bm, bn, warps = TILE
-    wrap_triton(recast_if_changed_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        x,
-        scale_used,
-        scale_cast,
-        q.view(torch.uint8),
-        qt.view(torch.uint8),
-        m,
-        n,
-        x.stride(0),
-        x.stride(1),
-        FP8_MAX=fp8_max(q.dtype),
-        E4M3=q.dtype == torch.float8_e4m3fn,
-        SOFT_CAST=interpreting(),
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        num_warps=warps,
-    )
+    stores = ((True, False), (False, True)) if two_pass("recast_if_changed") else ((True, True),)
+    for write_q, write_t in stores:
+        wrap_triton(recast_if_changed_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            x,
+            scale_used,
+            scale_cast,
+            q.view(torch.uint8),
+            qt.view(torch.uint8),
+            m,
+            n,
+            x.stride(0),
+            x.stride(1),
+            FP8_MAX=fp8_max(q.dtype),
+            E4M3=q.dtype == torch.float8_e4m3fn,
+            SOFT_CAST=interpreting(),
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            WRITE_Q=write_q,
+            WRITE_T=write_t,
+            num_warps=warps,
+        )
 
 
 @triton_op("lowprec::delayed_scale_update", mutates_args={"history", "scale"})
@@ -307,6 +335,10 @@ BLOCK_WARPS = 8
 
 def _launch_block(x, fp8_dtype, block, power_of_2, square, q, qt, s, st) -> None:
     if x.device.type == "meta":
+        return
+    if q is not None and qt is not None and two_pass("cast_block_2d" if square else "cast_block_1d"):
+        _launch_block(x, fp8_dtype, block, power_of_2, square, q, None, s, None if square else st)
+        _launch_block(x, fp8_dtype, block, power_of_2, square, None, qt, s if square else None, st)
         return
     m, n = x.shape
     dummy = q if q is not None else qt

@@ -157,6 +157,8 @@ def recast_if_changed_kernel(
     SOFT_CAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WRITE_Q: tl.constexpr = True,
+    WRITE_T: tl.constexpr = True,
 ):
     """Delayed scaling's second chance: when the scale to use (``*used_ptr``) differs from
     the one ``q``/``qt`` were cast with (``*cast_ptr``: the history was empty, so the scale
@@ -170,8 +172,10 @@ def recast_if_changed_kernel(
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :] * stride_xn, mask=mask, other=0.0)
         q = _saturate_to_fp8_bits(x.to(tl.float32) * used, FP8_MAX, E4M3, SOFT_CAST)
-        tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
-        tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=mask)
+        if WRITE_Q:
+            tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=mask)
+        if WRITE_T:
+            tl.store(qt_ptr + rn[None, :] * M + rm[:, None], q, mask=mask)
 
 
 @triton.jit

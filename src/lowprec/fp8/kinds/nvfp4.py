@@ -24,6 +24,7 @@ from lowprec.fp8.mx import BlockScaledData
 from lowprec.fp8.mx_linear import Codec, mx_linear
 from lowprec.fp8.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
 from lowprec.fp8.plan import GemmCast, OperandCast
+from lowprec.fp8.state_epoch import state_epoch
 
 if TYPE_CHECKING:
     from lowprec.fp8.linear import Float8Linear
@@ -52,6 +53,20 @@ class NVCodec(Codec):
 
     def wgrad_operand(self, t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
         return apply_rht(t, random_hadamard(recipe.seed, device=t.device)).t()
+
+
+# The seeds are host integers; the state lives in a buffer (checkpoints, device moves). The
+# buffer is read once (a device sync) and then mirrored on the host, so a training step never
+# waits for the GPU. The mirror holds the state epoch it was read in: every write of scaling
+# state from outside a step (a load, a reset, a skipped step's restore) moves the epoch on.
+_HOST_COPY = "_nvfp4_sr_host"
+
+
+def _host_state(layer, state: torch.Tensor) -> tuple[int, int]:
+    copy = layer.__dict__.get(_HOST_COPY)
+    if copy is None or copy[0] != state_epoch():
+        copy = layer.__dict__[_HOST_COPY] = (state_epoch(), *(int(v) for v in state.tolist()))
+    return copy[1], copy[2]
 
 
 def _stream_seed(recipe: Recipe, layer: int, step: int, which: int) -> int:
@@ -94,19 +109,21 @@ class NVFP4(Microscaled):
 
     def number_layer(self, layer: Float8Linear, index: int) -> None:
         getattr(layer, SR_STATE)[0] = index  # a distinct, reproducible rounding stream per layer
+        layer.__dict__.pop(_HOST_COPY, None)
 
     def forward(self, layer: Float8Linear, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype) -> torch.Tensor:
         seeds = None
         if torch.is_grad_enabled():
             state = getattr(layer, SR_STATE)
-            index, step = (int(v) for v in state.tolist())  # one read of a 2-element buffer per step
+            index, step = _host_state(layer, state)
             # a recompute replays the stream of the forward that advanced it; a reentrant
             # checkpoint's first forward runs without grad and advanced nothing, so its recompute
             # is the call that takes this step's stream (as the uncheckpointed run would)
             if recomputing() and layer.__dict__.get("_nvfp4_advanced", False):
                 step -= 1
             else:
-                state[1] += 1
+                state[1] += 1  # the buffer (saved in checkpoints) and its host copy advance together
+                layer.__dict__[_HOST_COPY] = (state_epoch(), index, step + 1)
             layer.__dict__["_nvfp4_advanced"] = not recomputing()
             seeds = (_stream_seed(recipe, index, step, 0), _stream_seed(recipe, index, step, 1))
         return mx_linear(layer, x2, recipe, hp, self.codec, seeds)
