@@ -39,7 +39,8 @@ def fake_triton(monkeypatch):
     from lowprec.fp8.kernels import selfcheck
 
     monkeypatch.setattr(select, "TRITON_IMPORTABLE", True)
-    monkeypatch.setattr(selfcheck, "_RESULT", {0: frozenset(), 1: frozenset()})
+    monkeypatch.setattr(selfcheck, "_RESULT", {})
+    monkeypatch.setattr(selfcheck, "_FAILED_DEVICES", set())
     monkeypatch.delenv(select.DISABLE_ENV, raising=False)
     monkeypatch.delenv(select.ENABLE_ENV, raising=False)
 
@@ -81,38 +82,55 @@ def _fake_check(monkeypatch, results):
 
     monkeypatch.setattr(select, "TRITON_IMPORTABLE", True)
     monkeypatch.setattr(selfcheck, "_RESULT", {})
+    monkeypatch.setattr(selfcheck, "_FAILED_DEVICES", set())
     monkeypatch.delenv(select.DISABLE_ENV, raising=False)
     runs = iter(results)
-    monkeypatch.setattr(selfcheck, "run_checks", lambda ops, ref, dev: next(runs))
+    classes = []
+    monkeypatch.setattr(selfcheck, "run_checks", lambda ops, ref, dev, cls: classes.append(cls) or next(runs))
     two_pass = []
-    fake_ops = types.SimpleNamespace(set_two_pass=lambda names: two_pass.append(set(names)))
+    fake_ops = types.SimpleNamespace(set_two_pass=lambda cls, names: two_pass.append((cls, set(names))))
     monkeypatch.setitem(sys.modules, "lowprec.fp8.kernels.ops", fake_ops)  # no triton import needed
     monkeypatch.setattr(kernels, "ops", fake_ops, raising=False)
-    return two_pass
+    return two_pass, classes
 
 
-def test_a_failed_self_check_turns_off_that_op_with_one_log_line(monkeypatch, caplog):
-    """An op that differs (and has no two-pass form) takes the torch path; the others stay on."""
-    _fake_check(monkeypatch, [{"cast_amax": ["cast_amax on bf16 67x130 float8_e4m3fn"]}])
+BF16_DIV = (torch.bfloat16, True, True)
+
+
+def test_a_failed_self_check_turns_off_that_op_for_that_input_class(monkeypatch, caplog):
+    """An op that differs (and has no two-pass form) takes the torch path for inputs of the
+    probed class; the other ops stay on; another class is checked on its own first use."""
+    _, classes = _fake_check(monkeypatch, [{"cast_amax": ["cast_amax on bfloat16 256x512 float8_e4m3fn"]}, {}])
+    x = torch.empty(32, 64, dtype=torch.bfloat16)
     with caplog.at_level("WARNING", logger="lowprec.fp8"):
-        assert not kernels.available("cuda", "cast_amax") and not kernels.available("cuda:0", "cast_amax")
-        assert kernels.available("cuda", "cast_transpose_amax") and kernels.available("cuda")
+        assert not kernels.available("cuda", "cast_amax", x) and not kernels.available("cuda:0", "cast_amax", x)
+        assert kernels.available("cuda", "cast_transpose_amax", x) and kernels.available("cuda")
+        assert kernels.available("cuda", "cast_amax", torch.empty(32, 64))  # float32: checked apart, agreed
+    assert classes == [(BF16_DIV,), ((torch.float32, True, True),)]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines
-    assert "cast_amax use the torch path" in lines[0] and "bf16 67x130" in lines[0]
+    assert "cast_amax use the torch path" in lines[0] and "bfloat16 256x512" in lines[0]
 
 
 def test_a_one_pass_failure_is_retried_as_two_passes(monkeypatch, caplog):
     """cast_transpose_amax differs in one pass, agrees in two: it stays on, as two passes;
     cast_block_1d differs both ways: torch path."""
     first = {"cast_transpose_amax": ["x"], "cast_block_1d": ["y"]}
-    two_pass = _fake_check(monkeypatch, [first, {"cast_block_1d": ["y"]}])
+    two_pass, _ = _fake_check(monkeypatch, [first, {"cast_block_1d": ["y"]}])
+    x = torch.empty(32, 64, dtype=torch.bfloat16)
     with caplog.at_level("WARNING", logger="lowprec.fp8"):
-        assert kernels.available("cuda", "cast_transpose_amax")
-        assert not kernels.available("cuda", "cast_block_1d")
-    assert two_pass == [set(), {"cast_transpose_amax", "cast_block_1d"}, {"cast_transpose_amax"}]
+        assert kernels.available("cuda", "cast_transpose_amax", x)
+        assert not kernels.available("cuda", "cast_block_1d", x)
+    assert two_pass == [(BF16_DIV, {"cast_transpose_amax", "cast_block_1d"}), (BF16_DIV, {"cast_transpose_amax"})]
     (line,) = [r.getMessage() for r in caplog.records]
     assert "cast_transpose_amax run as two passes" in line and "cast_block_1d use the torch path" in line
+
+
+def test_inputs_the_kernels_do_not_take_go_to_the_torch_path_unchecked(monkeypatch):
+    _, classes = _fake_check(monkeypatch, [])
+    assert not kernels.available("cuda", "cast_amax", torch.empty(4, 4, dtype=torch.float64))
+    assert not kernels.available("cuda", "cast_amax", torch.empty(2, 4, 4, dtype=torch.bfloat16))
+    assert classes == []
 
 
 def test_a_self_check_that_cannot_run_turns_every_op_off(monkeypatch, caplog):
@@ -121,12 +139,15 @@ def test_a_self_check_that_cannot_run_turns_every_op_off(monkeypatch, caplog):
 
     monkeypatch.setattr(select, "TRITON_IMPORTABLE", True)
     monkeypatch.setattr(selfcheck, "_RESULT", {})
+    monkeypatch.setattr(selfcheck, "_FAILED_DEVICES", set())
     monkeypatch.delenv(select.DISABLE_ENV, raising=False)
-    broken = types.SimpleNamespace()  # no set_two_pass: the check raises
+    broken = types.SimpleNamespace()  # no kernels: the check raises
     monkeypatch.setitem(sys.modules, "lowprec.fp8.kernels.ops", broken)
     monkeypatch.setattr(kernels, "ops", broken, raising=False)
+    x = torch.empty(32, 64, dtype=torch.bfloat16)
     with caplog.at_level("WARNING", logger="lowprec.fp8"):
-        assert not kernels.available("cuda") and not kernels.available("cuda:0", "cast_amax")
+        assert not kernels.available("cuda:0", "cast_amax", x)
+        assert not kernels.available("cuda") and not kernels.available("cuda:0", "cast_amax", x)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and "self-check failed" in lines[0]
 
@@ -178,7 +199,7 @@ def test_dispatch_takes_the_triton_path_when_available(monkeypatch, seed):
             calls.append("r")
             return reference.cast_rowwise(x, d, p)
 
-    monkeypatch.setattr(kernels, "available", lambda device, op=None: True)
+    monkeypatch.setattr(kernels, "available", lambda device, op=None, x=None: True)
     monkeypatch.setattr(kernels, "_ops", lambda: FakeOps())
     x = torch.randn(8, 16)
     kernels.cast_transpose_amax(x, torch.tensor(1.0), E4M3)
@@ -306,7 +327,7 @@ def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, see
                     calls.append(name)
                     return getattr(reference, name)
 
-            monkeypatch.setattr(kernels, "available", lambda device, op=None: True)
+            monkeypatch.setattr(kernels, "available", lambda device, op=None, x=None: True)
             monkeypatch.setattr(kernels, "_ops", lambda: Spy())
         linear_mod = importlib.import_module("lowprec.fp8.linear_fn")
         real_mm = linear_mod.scaled_mm

@@ -364,7 +364,7 @@ def test_fused_blockwise_layouts_feed_the_gemms_without_copies(monkeypatch, seed
         )
 
     plain = casts()
-    monkeypatch.setattr(kernels, "available", lambda device, op=None: True)
+    monkeypatch.setattr(kernels, "available", lambda device, op=None, x=None: True)
     fused = casts()
     for p, f in zip(plain, fused):
         assert (p.block, p.granularity) == (f.block, f.granularity)
@@ -484,12 +484,15 @@ def test_the_self_check_passes_the_kernels_in_one_and_two_passes(two_pass):
     (one store per launch) the check switches a differing op to on a GPU."""
     from lowprec.fp8.kernels import selfcheck
 
-    ops.set_two_pass(selfcheck.TWO_PASS_OPS if two_pass else ())
+    for cls in selfcheck.CLASSES:
+        ops.set_two_pass(cls, selfcheck.TWO_PASS_OPS if two_pass else ())
     try:
-        assert all(ops.two_pass(name) == two_pass for name in selfcheck.TWO_PASS_OPS)
-        assert selfcheck.run_checks(ops, reference, torch.device("cpu")) == {}
+        x = torch.empty(64, 128, dtype=torch.float32)
+        assert all(ops.two_pass(name, x) == two_pass for name in selfcheck.TWO_PASS_OPS)
+        classes = (*selfcheck.CLASSES, selfcheck._DELAYED)
+        assert selfcheck.run_checks(ops, reference, torch.device("cpu"), classes) == {}
     finally:
-        ops.set_two_pass(())
+        ops._TWO_PASS.clear()
 
 
 def test_the_self_check_finds_a_wrong_transposed_store(monkeypatch):
@@ -500,12 +503,13 @@ def test_the_self_check_finds_a_wrong_transposed_store(monkeypatch):
 
     def broken(x, scale, dtype):
         q, qt, a = real(x, scale, dtype)
-        if x.shape[0] % 16 == 0:  # only the 16-divisible probes, as on the GPU
+        if x.dtype == torch.float32 and x.shape[0] % 16 == 0:  # as on the GPU
             qt = qt.clone()
             qt.view(torch.uint8)[1] = 0
         return q, qt, a
 
     monkeypatch.setattr(ops, "cast_transpose_amax", broken)
-    bad = selfcheck.run_checks(ops, reference, torch.device("cpu"))
+    classes = ((torch.float32, True, True), (torch.bfloat16, True, True), (torch.float32, False, False))
+    bad = selfcheck.run_checks(ops, reference, torch.device("cpu"), classes)
     assert set(bad) == {"cast_transpose_amax"}
-    assert any("fp32 256x512" in where for where in bad["cast_transpose_amax"])
+    assert all("float32 256x512" in where for where in bad["cast_transpose_amax"])

@@ -55,35 +55,35 @@ def cast_transpose_amax(
     ``scale`` is a float32 scalar tensor on ``x``'s device (read by the kernel, never by the
     host). NaN/inf inputs give NaN outputs; amax is NaN when ``x`` holds a NaN.
     """
-    if available(x.device, "cast_transpose_amax"):
+    if available(x.device, "cast_transpose_amax", x):
         return _ops().cast_transpose_amax(x, scale, fp8_dtype)
     return reference.cast_transpose_amax(x, scale, fp8_dtype)
 
 
 def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(saturate(x * scale), amax(|x|))`` for a 2-D ``x``, in one pass on CUDA."""
-    if available(x.device, "cast_amax"):
+    if available(x.device, "cast_amax", x):
         return _ops().cast_amax(x, scale, fp8_dtype)
     return reference.cast_amax(x, scale, fp8_dtype)
 
 
 def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, scale)`` with one scale per row of a 2-D ``x`` (shape ``(rows, 1)``)."""
-    if available(x.device, "cast_rowwise"):
+    if available(x.device, "cast_rowwise", x):
         return _ops().cast_rowwise(x, fp8_dtype, power_of_2)
     return reference.cast_rowwise(x, fp8_dtype, power_of_2)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` as a float32 scalar; one read of ``x`` on CUDA (2-D bf16/fp16/fp32 ``x``)."""
-    if x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and available(x.device, "amax"):
+    if x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and available(x.device, "amax", x):
         return _ops().amax(x.detach())  # a scale statistic: no gradient, as scaling.amax
     return reference.amax(x)
 
 
 def amax_cols(x: torch.Tensor) -> torch.Tensor:
     """Per-column ``max |x|`` of a 2-D ``x``, shape ``(1, cols)``; one read on CUDA."""
-    if available(x.device, "amax_cols"):
+    if available(x.device, "amax_cols", x):
         return _ops().amax_cols(x.detach())
     return reference.amax_cols(x)
 
@@ -93,14 +93,14 @@ def cast_rowwise_dual(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, row_scale, qt)``: the row-scaled cast and, with ``col_scale`` (1, cols), the
     column-scaled cast as a contiguous (cols, rows) tensor; one pass over ``x`` on CUDA."""
-    if available(x.device, "cast_rowwise_dual"):
+    if available(x.device, "cast_rowwise_dual", x):
         return _ops().cast_rowwise_dual(x, col_scale, fp8_dtype, power_of_2)
     return reference.cast_rowwise_dual(x, col_scale, fp8_dtype, power_of_2)
 
 
 def cast_cols_t(x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """``x`` cast with per-column scales (1, cols), as a contiguous (cols, rows) tensor."""
-    if available(x.device, "cast_cols_t"):
+    if available(x.device, "cast_cols_t", x):
         return _ops().cast_cols_t(x, col_scale, fp8_dtype)
     return reference.cast_cols_t(x, col_scale, fp8_dtype)
 
@@ -110,7 +110,7 @@ def recast_if_changed(
 ) -> None:
     """Delayed scaling: re-cast ``x`` into ``q``/``qt`` in place when ``scale_used`` differs
     from ``scale_cast`` (an empty amax history); on CUDA a kernel that returns at once otherwise."""
-    if available(x.device, "recast_if_changed"):
+    if available(x.device, "recast_if_changed", x):
         return _ops().recast_if_changed(x, scale_used, scale_cast, q, qt)
     return reference.recast_if_changed(x, scale_used, scale_cast, q, qt)
 
@@ -140,7 +140,7 @@ def cast_block_1d(
     """``(q, row_scale, qt, col_scale)``: ``x`` (M, N) cast with 1 x ``block`` tiles, scales
     (M, N/block); and cast with ``block`` x 1 tiles, stored transposed as a contiguous (N, M)
     ``qt``, scales (M/block, N). One read of ``x`` on CUDA; unrequested outputs are empty."""
-    if available(x.device, "cast_block_1d"):
+    if available(x.device, "cast_block_1d", x):
         return _ops().cast_block_1d(x, fp8_dtype, block, power_of_2, rows, cols)
     return reference.cast_block_1d(x, fp8_dtype, block, power_of_2, rows, cols)
 
@@ -150,6 +150,6 @@ def cast_block_2d(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, scale, qt, scale_t)``: ``x`` cast with ``block`` x ``block`` tiles (``rows``) and
     its contiguous transpose with the same scales (``cols``); one read on CUDA."""
-    if available(x.device, "cast_block_2d"):
+    if available(x.device, "cast_block_2d", x):
         return _ops().cast_block_2d(x, fp8_dtype, block, power_of_2, rows, cols)
     return reference.cast_block_2d(x, fp8_dtype, block, power_of_2, rows, cols)

@@ -19,6 +19,7 @@ import triton
 from torch.library import triton_op, wrap_triton
 
 from lowprec.fp8.formats import fp8_max
+from lowprec.fp8.kernels.selfcheck import input_class
 from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
 from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
 from lowprec.fp8.kernels.triton_cast import (
@@ -63,20 +64,19 @@ DUAL_TILE = (32, 128, 4)
 _INTERPRETED = type(cast_transpose_amax_kernel).__name__ == "InterpretedFunction"
 
 
-# Ops that run as two launches, one store each (the plain layout, then the transposed one),
-# because their one-pass kernel failed the device self-check (selfcheck.TWO_PASS_OPS).
-# Process-wide: one GPU model per process is assumed.
-_TWO_PASS: set[str] = set()
+# (input class, op) pairs that run as two launches, one store each (the plain layout, then the
+# transposed one), because their one-pass kernel failed the device self-check for that class
+# (selfcheck.TWO_PASS_OPS). Process-wide: one GPU model per process is assumed.
+_TWO_PASS: dict[tuple, frozenset[str]] = {}
 
 
-def set_two_pass(names) -> None:
-    """Run the ops ``names`` as two passes from now on (and every other op as one)."""
-    _TWO_PASS.clear()
-    _TWO_PASS.update(names)
+def set_two_pass(cls: tuple, names) -> None:
+    """Inputs of class ``cls`` (``selfcheck.input_class``): run the ops ``names`` as two passes."""
+    _TWO_PASS[cls] = frozenset(names)
 
 
-def two_pass(name: str) -> bool:
-    return name in _TWO_PASS
+def two_pass(name: str, x: torch.Tensor) -> bool:
+    return name in _TWO_PASS.get(input_class(x), ())
 
 
 def interpreting() -> bool:
@@ -145,7 +145,7 @@ def cast_transpose_amax(
     q = torch.empty((m, n), dtype=torch.uint8, device=x.device)
     qt = torch.empty((n, m), dtype=torch.uint8, device=x.device)
     amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)  # bits of +0.0
-    if two_pass("cast_transpose_amax"):
+    if two_pass("cast_transpose_amax", x):
         launch_cast(x, scale, fp8_dtype, q, None, amax_bits)
         launch_cast(x, scale, fp8_dtype, None, qt, None)
     else:
@@ -238,7 +238,7 @@ def cast_rowwise_dual(
     q = torch.empty((m, n), dtype=torch.uint8, device=x.device)
     qt = torch.empty((n, m), dtype=torch.uint8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if two_pass("cast_rowwise_dual"):
+    if two_pass("cast_rowwise_dual", x):
         _launch_axes(x, fp8_dtype, power_of_2, q, scale, None, None, ROW_TILE)
         _launch_axes(x, fp8_dtype, power_of_2, None, None, col_scale, qt, DUAL_TILE)
     else:
@@ -267,7 +267,7 @@ def recast_if_changed(
         return
     m, n = x.shape
     bm, bn, warps = TILE
-    stores = ((True, False), (False, True)) if two_pass("recast_if_changed") else ((True, True),)
+    stores = ((True, False), (False, True)) if two_pass("recast_if_changed", x) else ((True, True),)
     for write_q, write_t in stores:
         wrap_triton(recast_if_changed_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             x,
@@ -336,7 +336,7 @@ BLOCK_WARPS = 8
 def _launch_block(x, fp8_dtype, block, power_of_2, square, q, qt, s, st) -> None:
     if x.device.type == "meta":
         return
-    if q is not None and qt is not None and two_pass("cast_block_2d" if square else "cast_block_1d"):
+    if q is not None and qt is not None and two_pass("cast_block_2d" if square else "cast_block_1d", x):
         _launch_block(x, fp8_dtype, block, power_of_2, square, q, None, s, None if square else st)
         _launch_block(x, fp8_dtype, block, power_of_2, square, None, qt, s if square else None, st)
         return

@@ -58,10 +58,11 @@ def enabled_by_env() -> bool:
     return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def available(device: torch.device | str, op: str | None = None) -> bool:
+def available(device: torch.device | str, op: str | None = None, x: torch.Tensor | None = None) -> bool:
     """True where the fused Triton casts run: a CUDA device, triton importable, not disabled,
-    and the device's self-check passed (for ``op``, one of the ops in :mod:`.ops`, when given:
-    the check's verdict is per op).
+    and the self-check passed there: for ``op`` (one of the ops in :mod:`.ops`) on inputs of
+    ``x``'s class when given (the verdict is per op and input class), else no check has failed
+    to run on the device.
 
     CPU tensors always take the torch path (the Triton interpreter is for tests only).
     """
@@ -75,4 +76,4 @@ def available(device: torch.device | str, op: str | None = None) -> bool:
     if not (triton_importable() and enabled_by_env() and not disabled_by_env()):
         return False
 
-    return selfcheck.passed(torch.device(device), op)
+    return selfcheck.passed(torch.device(device), op, x)

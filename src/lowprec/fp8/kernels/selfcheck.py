@@ -1,21 +1,21 @@
 """First use on a real GPU: the Triton kernels against the torch path, once per device.
 
 The kernels are checked bit-exact in Triton's interpreter (CI) and compiled to sm_89/sm_90
-cubins (CI), but neither runs the hardware. So before the dispatch first picks them on a
-device, :func:`passed` runs every fused op on small probe tensors and compares with
-:mod:`lowprec.fp8.kernels.reference` bit for bit. The probes cover what the compiled code
-specialises on: bfloat16 and float32 inputs (a float32 master weight is cast from float32),
-ragged and 16-divisible shapes (Triton vectorises loads and stores on the latter), and the
-awkward values (saturating, subnormal, ties, zeros of both signs, a NaN, an inf, rows 12
-decades apart).
+cubins (CI), but neither runs the hardware. So the first time an input of a new *class* meets
+the kernels on a device, :func:`passed` runs every fused op on a small probe of that class and
+compares with :mod:`lowprec.fp8.kernels.reference` bit for bit. A class is what the compiled
+code specialises on: the input dtype and whether each dimension is a multiple of 16 (Triton
+vectorises loads and stores then). The probe has the class's dtype and divisibility, so it
+runs the very binaries the real call will (no compilation is wasted), and it holds the awkward
+values (saturating, subnormal, ties, zeros of both signs, a NaN, an inf, rows 12 decades apart).
 
-The verdict is per op. An op whose one-pass form differs is tried again as two passes, one
-store each (:data:`TWO_PASS_OPS`; ``ops.set_two_pass``): on the first H200 run (Triton 3.6,
-its bundled ptxas) the transposed 8-bit store of a kernel that also stores the plain layout
-came out wrong for 16-divisible shapes, a known ptxas fault (triton-lang/triton#11111) that
-does not touch a kernel with the transposed store alone. An op that still differs, or raises,
-takes the torch path on that device. One log line says which ops run how. Costs a few small
-kernel launches and their compilations, once per process (Triton caches the binaries on disk).
+The verdict is per class and op. An op whose one-pass form differs is tried again as two
+passes, one store each (:data:`TWO_PASS_OPS`, ``ops.set_two_pass``): on the first H200 run
+(Triton 3.6, its bundled ptxas) the transposed 8-bit store of a kernel that also stores the
+plain layout came out wrong for float32 input with 16-divisible shapes (NaN in training), a
+known ptxas fault (triton-lang/triton#11111) that spares a kernel with the transposed store
+alone. An op that still differs, or a check that raises, takes the torch path for that class
+on that device. One log line per class says which ops run how.
 """
 
 from __future__ import annotations
@@ -26,15 +26,42 @@ import torch
 from lowprec.fp8.kernels import reference as ref
 from lowprec.fp8.scaling import amax_to_scale
 
-__all__ = ["passed", "run_checks", "TWO_PASS_OPS", "ALL"]
+__all__ = ["passed", "run_checks", "input_class", "TWO_PASS_OPS", "ALL", "CLASSES"]
 
 logger = logging.getLogger("lowprec.fp8")
-ALL = "*"  # in a device's set of ops off: every op (the check itself could not run)
+ALL = "*"  # in a class's set of ops off: every op (the check itself could not run)
 # ops with a plain and a transposed store, which can run as two launches of one store each
 TWO_PASS_OPS = frozenset(
     {"cast_transpose_amax", "recast_if_changed", "cast_rowwise_dual", "cast_block_1d", "cast_block_2d"}
 )
-_RESULT: dict[int, frozenset[str]] = {}  # device index -> the ops that take the torch path there
+# (device index, class) -> the ops that take the torch path for that class there
+_RESULT: dict[tuple, frozenset[str]] = {}
+_FAILED_DEVICES: set[int] = set()  # a check raised there: the kernels cannot run at all
+_DELAYED = ("delayed",)
+_INPUT_DTYPES = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+)  # the class of delayed_scale_update (a 1-D float32 history)
+CLASSES = (
+    (torch.bfloat16, False, False),
+    (torch.bfloat16, True, True),
+    (torch.float32, True, True),
+    (torch.float32, False, False),
+    (torch.float16, True, True),
+)
+
+
+def input_class(x: torch.Tensor) -> tuple:
+    """What the compiled kernels specialise on: dtype, rows % 16 == 0, cols % 16 == 0."""
+    return (x.dtype, x.shape[0] % 16 == 0, x.shape[-1] % 16 == 0)
+
+
+def _describe(cls: tuple) -> str:
+    if cls == _DELAYED:
+        return "the delayed-scaling update"
+    dtype, div_m, div_n = cls
+    return f"{str(dtype).replace('torch.', '')} {'256' if div_m else '67'}x{'512' if div_n else '130'}"
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -49,26 +76,20 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(bits)[~nan], b.view(bits)[~nan])
 
 
-def _probes(device: torch.device) -> list[tuple[str, torch.Tensor]]:
-    """(name, 2-D tensor) pairs: ragged bf16, 16-divisible bf16 and float32, and rows of very
-    different magnitude (with a zero row, a NaN and an inf) for the per-row scales."""
+def _probe(cls: tuple, device: torch.device) -> torch.Tensor:
+    """A 2-D tensor of class ``cls``: the top half awkward values over 24 binades, the bottom
+    half rows 12 decades apart (a zero row, a NaN, an inf) for the per-row scales."""
+    dtype, div_m, div_n = cls
+    rows, cols = (256 if div_m else 67), (512 if div_n else 130)
     g = torch.Generator(device="cpu").manual_seed(0)
-
-    def awkward(rows: int, cols: int) -> torch.Tensor:
-        x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.empty(rows, cols).uniform_(-12, 12, generator=g))
-        x[0, :4] = torch.tensor([0.0, -0.0, 1.0625, -17.0])  # zeros, E4M3 ties
-        x[1, 0] = 1e6  # saturates
-        return x
-
-    rows = torch.randn(96, 520, generator=g) * torch.logspace(-6, 6, 96)[:, None]
-    rows[3], rows[5, 7], rows[8, 400] = 0.0, float("nan"), float("inf")
-    out = [
-        ("bf16 67x130", awkward(67, 130).to(torch.bfloat16)),
-        ("bf16 256x512", awkward(256, 512).to(torch.bfloat16)),
-        ("fp32 256x512", awkward(256, 512)),
-        ("bf16 rows 96x520", rows.to(torch.bfloat16)),
-    ]
-    return [(name, x.to(device)) for name, x in out]
+    x = torch.randn(rows, cols, generator=g)
+    half = rows // 2
+    x[:half] *= torch.exp2(torch.empty(half, cols).uniform_(-12, 12, generator=g))
+    x[half:] *= torch.logspace(-6, 6, rows - half)[:, None]
+    x[0, :4] = torch.tensor([0.0, -0.0, 1.0625, -17.0])  # zeros, E4M3 ties
+    x[1, 0] = 1e6  # saturates
+    x[half + 3], x[half + 5, 7], x[half + 8, cols - 3] = 0.0, float("nan"), float("inf")
+    return x.to(device=device, dtype=dtype)
 
 
 def _op_pairs(ops, ref, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, cols: torch.Tensor) -> dict:
@@ -94,15 +115,19 @@ def _op_name(check: str) -> str:
     return check.split("(")[0]
 
 
-def run_checks(ops, ref, device: torch.device) -> dict[str, list[str]]:
-    """The fused ops (``ops``) that disagree with the torch path (``ref``) on the probes:
-    ``{op name: [where it differed]}``; empty when every op agrees."""
+def run_checks(ops, ref, device: torch.device, classes=CLASSES) -> dict[str, list[str]]:
+    """The fused ops (``ops``) that disagree with the torch path (``ref``) on the probes of
+    ``classes`` (input classes, or ``_DELAYED``): ``{op name: [where it differed]}``."""
     bad: dict[str, list[str]] = {}
 
     def note(check: str, where: str) -> None:
         bad.setdefault(_op_name(check), []).append(f"{check} on {where}")
 
-    for where, x in _probes(device):
+    for cls in classes:
+        if cls == _DELAYED:
+            _check_delayed(ops, ref, device, note)
+            continue
+        where, x = _describe(cls), _probe(cls, device)
         scale = torch.tensor(448.0 / 64.0, device=device)
         xf = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0)  # finite column scales
         cols = amax_to_scale(ref.amax_cols(xf), torch.float8_e4m3fn, power_of_2=True)
@@ -123,61 +148,72 @@ def run_checks(ops, ref, device: torch.device) -> dict[str, list[str]]:
         ):
             if not _same(got, want):
                 note(name, where)
-    x = _probes(device)[0][1]
+    return bad
+
+
+def _check_delayed(ops, ref, device: torch.device, note) -> None:
     scale = torch.tensor(448.0 / 64.0, device=device)
+    amax_now = torch.tensor(3.5, device=device)
     for hist in (
         torch.zeros(16, device=device),
         torch.rand(16, generator=torch.Generator(device="cpu").manual_seed(1)).to(device),
     ):
-        args = (torch.tensor(6, device=device), ops.amax(x), torch.float8_e4m3fn, 0, False, 1, True)
+        args = (torch.tensor(6, device=device), amax_now, torch.float8_e4m3fn, 0, False, 1, True)
         h1, s1, h2, s2 = hist.clone(), scale.clone(), hist.clone(), scale.clone()
         got, want = ops.delayed_scale_update(h1, s1, *args), ref.delayed_scale_update(h2, s2, *args)
         if not all(_same(a, b) for a, b in zip((*got, h1, s1), (*want, h2, s2))):
             note("delayed_scale_update", "a 16-entry history")
-    return bad
 
 
-def passed(device: torch.device, op: str | None = None) -> bool:
-    """Whether the kernels run on ``device``: ``op`` agreed with the torch path there (checked
-    on the first call for the device), or, with no ``op``, whether the check could run at all.
+def passed(device: torch.device, op: str | None = None, x: torch.Tensor | None = None) -> bool:
+    """Whether the kernels run on ``device``: with ``op`` and its input ``x``, whether ``op``
+    agreed with the torch path on a probe of ``x``'s class there (checked on the class's first
+    call); with ``op`` alone (``delayed_scale_update``) its own check; with neither, whether the
+    kernels can run there at all (no check has failed to run).
 
     Under ``torch.compile`` the answer is taken at trace time and baked into the graph
     (:func:`_passed` is marked a constant, as ``torch.compiler.assume_constant_result`` marks
     it; applying that function itself would import ``torch._dynamo`` here, and calling it while
     tracing is refused by Dynamo in torch 2.11): the check runs eagerly, never inside a graph.
     """
-    return _passed(device, op)
+    if x is not None and (x.dim() != 2 or x.dtype not in _INPUT_DTYPES):
+        return False  # the kernels take 2-D bf16/fp16/fp32 only: the torch path
+    cls = None if op is None else (_DELAYED if x is None else input_class(x))
+    return _passed(device, op, cls)
 
 
-def _passed(device: torch.device, op: str | None = None) -> bool:
+def _passed(device: torch.device, op: str | None, cls: tuple | None) -> bool:
     index = device.index
     if index is None:
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    if index not in _RESULT:
-        _RESULT[index] = _check(torch.device("cuda", index))
-    off = _RESULT[index]
-    return ALL not in off and (op is None or op not in off)
+    if op is None:
+        return index not in _FAILED_DEVICES
+    key = (index, cls)
+    if key not in _RESULT:
+        _RESULT[key] = _check(torch.device("cuda", index), cls)
+    off = _RESULT[key]
+    return ALL not in off and op not in off
 
 
 _passed._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets
 
 
-def _check(device: torch.device) -> frozenset[str]:
-    """Run the checks, retry the failing two-pass-able ops as two passes, log once; returns the
-    ops to keep off on ``device`` (``{ALL}`` when the check itself failed)."""
+def _check(device: torch.device, cls: tuple) -> frozenset[str]:
+    """Run the checks for ``cls``, retry its failing two-pass-able ops as two passes, log once;
+    returns the ops to keep off for ``cls`` on ``device`` (``{ALL}`` when the check raised)."""
     try:
         from lowprec.fp8.kernels import ops
 
-        ops.set_two_pass(())
         with torch.no_grad():
-            bad = run_checks(ops, ref, device)
+            bad = run_checks(ops, ref, device, (cls,))
             two_pass = set(bad) & TWO_PASS_OPS
             if two_pass:
-                ops.set_two_pass(two_pass)
-                still = run_checks(ops, ref, device)
+                ops.set_two_pass(cls, two_pass)
+                still = run_checks(ops, ref, device, (cls,))
                 two_pass -= set(still)
-                ops.set_two_pass(two_pass)
+                ops.set_two_pass(cls, two_pass)
     except Exception as e:  # noqa: BLE001 - any failure means "do not use the kernels here"
+        _FAILED_DEVICES.add(device.index)
         logger.warning(
             "lowprec: fused FP8 Triton casts off on %s (self-check failed: %s: %s); using the torch path",
             device,
@@ -194,8 +230,10 @@ def _check(device: torch.device) -> frozenset[str]:
             parts.append(f"{', '.join(sorted(off))} use the torch path")
         detail = "; ".join(f"{op}: {', '.join(where[:3])}" for op, where in sorted(bad.items()))
         logger.warning(
-            "lowprec: fused FP8 Triton casts on %s: %s (their one-pass kernels differ from the torch path: %s)",
+            "lowprec: fused FP8 Triton casts on %s for %s input: %s (their one-pass kernels differ from "
+            "the torch path: %s)",
             device,
+            _describe(cls),
             "; ".join(parts),
             detail,
         )
