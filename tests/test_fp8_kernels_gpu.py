@@ -57,15 +57,32 @@ def awkward(shape, dtype, device):
     return x.to(dtype)
 
 
-def test_the_self_check_keeps_every_op_on_the_gpu(dev, caplog):
-    """The first-use check ran on this device (the ``dev`` fixture) and no op was turned off:
-    an op running as two passes is logged (a compiler fault worked around); one on the torch
-    path would be correct but slow, and fails here."""
+def test_the_self_check_keeps_every_op_on_the_gpu(dev):
+    """The first-use check, run here for every input class, turns no op off: an op running
+    as two passes is printed (a compiler fault worked around, correct); one on the torch path
+    would be correct but slow, and fails here."""
     from lowprec.fp8.kernels import ops, selfcheck
 
-    off = selfcheck._RESULT[torch.cuda.current_device()]
-    print("ops run as two passes:", sorted(ops._TWO_PASS) or "none")
-    assert not off, f"ops on the torch path on this GPU: {sorted(off)}"
+    for cls in selfcheck.CLASSES:
+        selfcheck._passed(dev, "amax", cls)
+    selfcheck._passed(dev, "delayed_scale_update", selfcheck._DELAYED)
+    index = torch.cuda.current_device()
+    off = {cls: sorted(o) for (i, cls), o in selfcheck._RESULT.items() if i == index and o}
+    print("two passes:", {cls: sorted(names) for cls, names in ops._TWO_PASS.items() if names} or "none")
+    assert not off, f"ops on the torch path on this GPU: {off}"
+
+
+def checked(op, x):
+    """Let the self-check choose how ``op`` runs for ``x``'s class (one pass or two), as a
+    user's first call does; the op must stay on the GPU."""
+    assert kernels.available(x.device, op, x), f"{op} is off for {selfcheck_class(x)}: see the log"
+    return x
+
+
+def selfcheck_class(x):
+    from lowprec.fp8.kernels import selfcheck
+
+    return selfcheck.input_class(x)
 
 
 def explain_scales(x, got, want):
@@ -87,12 +104,12 @@ def explain_scales(x, got, want):
 def test_cast_transpose_amax_matches_the_torch_path(ops, dev, dtype, in_dtype, shape, seed):
     x = awkward(shape, in_dtype, dev)
     scale = torch.tensor(fp8.fp8_max(dtype) / 64.0, device=dev)
-    q, qt, a = ops.cast_transpose_amax(x, scale, dtype)
+    q, qt, a = ops.cast_transpose_amax(checked("cast_transpose_amax", x), scale, dtype)
     rq, rqt, ra = reference.cast_transpose_amax(x, scale, dtype)
     assert_same_fp8(q, rq)
     assert qt.is_contiguous() and torch.equal(bits(qt), bits(q).t())
     assert torch.equal(a, ra)
-    q2, a2 = ops.cast_amax(x, scale, dtype)
+    q2, a2 = ops.cast_amax(checked("cast_amax", x), scale, dtype)
     assert torch.equal(bits(q2), bits(q)) and torch.equal(a2, a)
 
 
@@ -111,21 +128,25 @@ def test_hardware_and_software_converts_agree_on_every_bfloat16(ops, dev, dtype)
 def test_nan_and_inf_rules_on_device(ops, dev, dtype, seed):
     x = torch.randn(1000, 1000, device=dev, dtype=torch.bfloat16)
     x[0, 0], x[999, 999], x[500, 3] = float("inf"), -float("inf"), float("nan")
-    q, qt, a = ops.cast_transpose_amax(x, torch.tensor(1.0, device=dev), dtype)
+    q, qt, a = ops.cast_transpose_amax(checked("cast_transpose_amax", x), torch.tensor(1.0, device=dev), dtype)
     bad = ~torch.isfinite(x)
     assert torch.isnan(q.float()[bad]).all() and torch.isfinite(q.float()[~bad]).all()
     assert torch.isnan(qt.float().t()[bad]).all() and torch.isnan(a)
     x[500, 3] = 2.0
-    assert torch.isinf(ops.cast_amax(x, torch.tensor(1.0, device=dev), dtype)[1])
+    assert torch.isinf(ops.cast_amax(checked("cast_amax", x), torch.tensor(1.0, device=dev), dtype)[1])
     huge = torch.full((4, 4), 3e38, device=dev)
-    assert torch.isnan(ops.cast_amax(huge, torch.tensor(10.0, device=dev), dtype)[0].float()).all()
+    assert torch.isnan(
+        ops.cast_amax(checked("cast_amax", huge), torch.tensor(10.0, device=dev), dtype)[0].float()
+    ).all()
 
 
 def test_amax_with_many_tiles_racing(ops, dev, seed):
     """~16k tiles publish their amax with atomics: the result is the exact max."""
     for _ in range(3):
         x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-        assert torch.equal(ops.cast_amax(x, torch.tensor(1.0, device=dev), E4M3)[1], x.float().abs().max())
+        assert torch.equal(
+            ops.cast_amax(checked("cast_amax", x), torch.tensor(1.0, device=dev), E4M3)[1], x.float().abs().max()
+        )
 
 
 def test_tensors_beyond_int32_offsets(ops, dev, seed):
@@ -133,7 +154,7 @@ def test_tensors_beyond_int32_offsets(ops, dev, seed):
     m, n = 65536 + 3, 32768 + 5
     x = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
     s = torch.tensor(100.0, device=dev)
-    q, qt, a = ops.cast_transpose_amax(x, s, E4M3)
+    q, qt, a = ops.cast_transpose_amax(checked("cast_transpose_amax", x), s, E4M3)
     for r0 in (0, m - 1024):
         rq = reference.cast_amax(x[r0 : r0 + 1024], s, E4M3)[0]
         assert torch.equal(bits(q[r0 : r0 + 1024]), bits(rq))
@@ -147,7 +168,7 @@ def test_rowwise_matches_the_torch_path(ops, dev, dtype, power_of_2, seed):
     x = torch.randn(1000, 5000, device=dev) * torch.logspace(-6, 6, 1000, device=dev)[:, None]
     x[3], x[5, 7], x[8, 4000] = 0.0, float("nan"), float("inf")
     x = x.to(torch.bfloat16)
-    q, s = ops.cast_rowwise(x, dtype, power_of_2)
+    q, s = ops.cast_rowwise(checked("cast_rowwise", x), dtype, power_of_2)
     rq, rs = reference.cast_rowwise(x, dtype, power_of_2)
     nan = torch.isnan(rs)
     assert torch.equal(torch.isnan(s), nan) and torch.equal(s[~nan], rs[~nan]), explain_scales(x, s, rs)
@@ -200,7 +221,10 @@ def test_compiled_fullgraph_matches_eager(ops, dev, seed):
 def test_no_host_synchronisation(ops, dev, seed):
     x = torch.randn(2048, 2048, device=dev, dtype=torch.bfloat16)
     s = torch.tensor(5.0, device=dev)
-    ops.cast_transpose_amax(x, s, E4M3), ops.cast_rowwise(x, E4M3)  # compile the kernels first
+    (
+        ops.cast_transpose_amax(checked("cast_transpose_amax", x), s, E4M3),
+        ops.cast_rowwise(checked("cast_rowwise", x), E4M3),
+    )  # compile the kernels first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -254,9 +278,12 @@ def test_float8_linear_is_identical_with_and_without_the_kernels(dev, monkeypatc
 def test_blockwise_casts_match_the_torch_path(ops, dev, dtype, shape, seed):
     x = awkward(shape, torch.bfloat16, dev)
     for got, want in (
-        (ops.cast_block_1d(x, dtype, 128, True, True, True), reference.cast_block_1d(x, dtype, 128, True, True, True)),
         (
-            ops.cast_block_2d(x, dtype, 128, False, True, True),
+            ops.cast_block_1d(checked("cast_block_1d", x), dtype, 128, True, True, True),
+            reference.cast_block_1d(x, dtype, 128, True, True, True),
+        ),
+        (
+            ops.cast_block_2d(checked("cast_block_2d", x), dtype, 128, False, True, True),
             reference.cast_block_2d(x, dtype, 128, False, True, True),
         ),
     ):

@@ -336,7 +336,7 @@ def test_blockwise_square_casts_match_the_torch_path(dtype, power_of_2, shape, b
 @pytest.mark.parametrize("power_of_2", [True, False])
 def test_block_scales_at_exact_powers_of_two(power_of_2):
     """Tile amaxes that make fp8_max / amax an exact power of two, and amaxes just off them:
-    where floor(log2) and the float64 reciprocal-then-multiply rounding show."""
+    where a reciprocal-then-multiply scale or floor(log2) would be one power of two off."""
     base = torch.tensor([448.0, 1.75, 3.5, 7.0, 0.4375, 1e-13, 2.0**-20])
     amaxes = torch.cat([base, torch.nextafter(base, base * 2), torch.nextafter(base, base / 2)])
     x = torch.rand(amaxes.numel(), 128) * amaxes[:, None]

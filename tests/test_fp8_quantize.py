@@ -84,3 +84,21 @@ def test_margin_and_pow2_scale():
     assert amax_to_scale(a, fp8.E4M3).item() == pytest.approx(448 / 3)
     assert amax_to_scale(a, fp8.E4M3, margin=2).item() == pytest.approx(448 / 3 / 4)
     assert amax_to_scale(a, fp8.E4M3, power_of_2=True).item() == 128.0  # 149.3 rounded down
+
+
+def test_scales_are_exact_divisions_floored_by_their_exponent():
+    """fp8_max / amax is one correctly rounded division (448 / 56 is 8, not the
+    7.999999999999999 of ``56 ** -1 * 448``), and the power of two is its exponent: the same
+    number on every device and in the Triton kernels (the H200 run found 4 against 8)."""
+    from lowprec.fp8.scaling import floor_pow2
+
+    E4M3, E5M2 = fp8.E4M3, fp8.E5M2
+    amax = torch.tensor([56.0, 14.0, 448.0, 3.0, 0.0, float("inf"), float("nan")])
+    assert amax_to_scale(amax, E4M3)[:3].tolist() == [8.0, 32.0, 1.0]
+    assert amax_to_scale(amax, E5M2)[1].item() == 4096.0
+    pow2 = amax_to_scale(amax, E4M3, power_of_2=True)
+    assert pow2[:4].tolist() == [8.0, 32.0, 1.0, 128.0]  # 448 / 3 = 149.3 -> 128
+    assert pow2[4].item() == 2.0 ** int(torch.tensor(448.0 / 1e-12).log2().floor())  # eps-clamped zero amax
+    assert pow2[5].item() == 0.0 and torch.isnan(pow2[6])
+    s = torch.tensor([1.0, 1.5, 7.999999999999999, 8.0, 3e-300, 0.0], dtype=torch.float64)
+    assert floor_pow2(s).tolist() == [1.0, 1.0, 4.0, 8.0, 2.0**-995, 0.0]

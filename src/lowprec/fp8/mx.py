@@ -169,8 +169,19 @@ def quantize_mx(
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7 (sign in bit 3)
 
 
+_GRIDS: dict[torch.device, torch.Tensor] = {}
+
+
 def e2m1_grid(device) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    """The E2M1 magnitudes on ``device``, made once per device (a host-to-device copy each
+    time would make every NVFP4 step wait for the GPU). Not for in-place use."""
+    device = torch.device(device)
+    if device.type == "meta" or torch.compiler.is_compiling():
+        return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    grid = _GRIDS.get(device)
+    if grid is None:
+        grid = _GRIDS[device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return grid
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:

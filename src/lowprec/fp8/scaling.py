@@ -91,15 +91,30 @@ def amax_to_scale(
 
     Rounding *down* keeps ``amax * scale <= fp8_max``: nothing saturates that would not have
     saturated with the exact scale. Computed in float64 (as torchao does) so that the
-    division rounds once.
+    division rounds once: a true tensor division, not ``fp8_max / t`` (which torch runs as
+    ``t.reciprocal() * fp8_max``, two roundings: 448 / 56 came out 7.999999999999999). The
+    power of two is the float64's exponent, read from its bits, not ``exp2(floor(log2(s)))``,
+    whose ``log2`` rounds differently on CPU and CUDA next to a power of two. So the scale is
+    the same number on every device and in the Triton kernels (the H200 run found them 2x
+    apart for amax 56). NaN stays NaN (``clamp`` keeps it); an inf amax gives 0.
     """
     safe = torch.clamp(amax.to(torch.float64), min=AMAX_EPS)
-    scale = fp8_max(dtype) / safe
+    scale = torch.div(torch.full_like(safe, fp8_max(dtype)), safe)
     if margin:
-        scale = scale / (2.0**margin)
+        scale = scale / (2.0**margin)  # a power of two: exact
     if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        scale = floor_pow2(scale)
     return scale.to(torch.float32)
+
+
+_EXPONENT_BITS = 0x7FF0000000000000  # float64 sign (0) and exponent: floor to a power of two
+
+
+def floor_pow2(s: torch.Tensor) -> torch.Tensor:
+    """The largest power of two <= ``s`` for positive normal float64 ``s`` (its exponent, from
+    the bits; exact on every device), 0 for 0, NaN for NaN."""
+    floored = (s.view(torch.int64) & _EXPONENT_BITS).view(torch.float64)
+    return torch.where(torch.isnan(s), s, floored)
 
 
 def record_amax(history: torch.Tensor, new_amax: torch.Tensor) -> torch.Tensor:

@@ -190,6 +190,8 @@ def _passed(device: torch.device, op: str | None, cls: tuple | None) -> bool:
         return index not in _FAILED_DEVICES
     key = (index, cls)
     if key not in _RESULT:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False  # no check inside a CUDA graph capture: the torch path, decided later
         _RESULT[key] = _check(torch.device("cuda", index), cls)
     off = _RESULT[key]
     return ALL not in off and op not in off
@@ -201,10 +203,16 @@ _passed._dynamo_marked_constant = True  # what torch.compiler.assume_constant_re
 def _check(device: torch.device, cls: tuple) -> frozenset[str]:
     """Run the checks for ``cls``, retry its failing two-pass-able ops as two passes, log once;
     returns the ops to keep off for ``cls`` on ``device`` (``{ALL}`` when the check raised)."""
+    sync_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
     try:
         from lowprec.fp8.kernels import ops
 
-        with torch.no_grad():
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        if sync_mode:  # the comparisons read results on the host, once per class: allowed
+            torch.cuda.set_sync_debug_mode(0)
+        # real tensors even when Dynamo asks at trace time (``_passed`` is a marked constant)
+        with torch.no_grad(), unset_fake_temporarily():
             bad = run_checks(ops, ref, device, (cls,))
             two_pass = set(bad) & TWO_PASS_OPS
             if two_pass:
@@ -221,6 +229,9 @@ def _check(device: torch.device, cls: tuple) -> frozenset[str]:
             str(e).splitlines()[0][:200] if str(e) else "",
         )
         return frozenset({ALL})
+    finally:
+        if sync_mode:
+            torch.cuda.set_sync_debug_mode(sync_mode)
     off = frozenset(set(bad) - two_pass)
     if bad:
         parts = []

@@ -11,8 +11,8 @@ registers, writes what the blockwise recipe's GEMMs read:
 
 Numerics are :func:`lowprec.fp8.quantize.quantize_blockwise`'s, bit for bit (checked under the
 Triton interpreter): tile amax of the float32 values (NaN wins), the scale as
-``amax_to_scale`` computes it in float64 (clamp to ``AMAX_EPS``, reciprocal, times fp8_max,
-floored to a power of two if asked, one rounding to float32), one float32 multiply, and
+``amax_to_scale`` computes it in float64 (clamp to ``AMAX_EPS``, one division of fp8_max by
+it, floored to a power of two from the exponent bits if asked, one rounding to float32), one float32 multiply, and
 the saturating round-to-nearest-even cast of ``triton_cast``. A tile with a NaN gets a NaN scale
 (every value NaN); with an inf, scale 0 (finite -> 0, inf -> NaN), as the torch path.
 
@@ -34,17 +34,12 @@ __all__ = ["cast_blockwise_kernel"]
 
 @triton.jit
 def _block_scale(amax, has_nan, FP8_MAX: tl.constexpr, EPS_BITS: tl.constexpr, POW2: tl.constexpr):
-    """``amax_to_scale(amax)`` as torch evaluates it: float64 clamp to eps, ``reciprocal`` then
-    ``* fp8_max`` (what ``fp8_max / t`` runs), one rounding to float32.
-
-    Powers of two: torch's ``exp2(floor(log2(s)))`` is the exponent of ``s``, taken here from its
-    bits. The two differ only where ``log2`` rounds up to an integer, i.e. for ``s`` within a few
-    float64 ulps below a power of two; for a float32 amax that happens only when
-    ``fp8_max / amax`` is that power of two exactly, and then ``s`` is exact too
-    (``test_block_scales_at_exact_powers_of_two``)."""
+    """``amax_to_scale(amax)``: float64 clamp to eps, one true division ``fp8_max / amax``,
+    floored to a power of two from the float64's exponent bits if asked, one rounding to
+    float32; NaN tiles get a NaN scale."""
     a64 = amax.to(tl.float64)
     eps = tl.full(a64.shape, EPS_BITS, tl.int64).to(tl.float64, bitcast=True)
-    s = (1.0 / tl.maximum(a64, eps)) * FP8_MAX
+    s = FP8_MAX / tl.maximum(a64, eps)
     if POW2:
         s = (s.to(tl.int64, bitcast=True) & _EXP_MASK_F64).to(tl.float64, bitcast=True)
     nan = tl.full(a64.shape, _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)

@@ -274,8 +274,8 @@ def _amax_to_scale64(a, FP8_MAX: tl.constexpr, EPS_BITS: tl.constexpr, MARGIN: t
     s = FP8_MAX / safe
     if MARGIN > 0:
         s = s / (2.0**MARGIN)
-    if POW2:
-        s = tl.exp2(tl.floor(tl.log2(s)))
+    if POW2:  # the exponent, from the bits (``scaling.floor_pow2``); NaN stays NaN
+        s = tl.where(s != s, s, (s.to(tl.int64, bitcast=True) & _EXP_MASK_F64).to(tl.float64, bitcast=True))
     return s.to(tl.float32)
 
 
