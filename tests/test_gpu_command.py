@@ -3,6 +3,7 @@ the driver's budget and timeout handling. Checks the outputs' layout and content
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -215,3 +216,18 @@ def test_targets_are_judged_from_the_rows():
     assert got["train tensorwise peak memory <= 0.85x bf16"] == "MISSED"
     assert got["train tensorwise ahead of torchao tensorwise (eager)"] == "MISSED"
     assert got["every gpu test passes"] == "MISSED"
+
+
+def test_compile_probe_runs_on_cpu(tmp_path):
+    """The compile diagnosis (benchmarks/gpu/compile_probe.py) in its CPU smoke form: both
+    variants recorded, every call timed, Dynamo's counters kept."""
+    out = tmp_path / "compile.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/gpu/compile_probe.py"), str(out), "--device", "cpu"]
+    cmd += ["--backend", "eager", "--m", "32", "--k", "64", "--n", "64", "--calls", "2"]
+    subprocess.run(
+        cmd, check=True, timeout=300, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    )
+    result = json.loads(out.read_text())
+    for label in ("triton_casts", "torch_casts"):
+        assert len(result[label]["call_ms"]) == 2, result[label]
+        assert result[label]["counters"]["stats"]["unique_graphs"] >= 1

@@ -3,7 +3,7 @@
     python3 benchmarks/gpu/compile_probe.py OUT.json [--m 8192 --k 4096 --n 4096]
 
 The first H200 run measured ``torch.compile``d tensorwise fwd+bwd at 447-562 ms against 6 ms
-eager (``benchmarks/results/gpu/NVIDIA_H200/linear.json``). For the tensorwise recipe, compiled
+eager (``benchmarks/results/gpu/NVIDIA_H200/run1-2026-11-28/linear.json``). For the tensorwise recipe, compiled
 as ``benchmarks/linear.py`` compiles it (the layer, inductor), once with the Triton casts and
 once with ``LOWPREC_DISABLE_TRITON=1``, this records: every call's wall time (a recompile or a
 re-autotune shows as a slow call after the first), Dynamo's counters (graph breaks with their
