@@ -5,6 +5,12 @@ every decoder layer (``+ckpt``).
 
     PYTHONPATH=src python benchmarks/fsdp_memory.py                      # llama-tiny, worlds 1, 2, 4
     PYTHONPATH=src python benchmarks/fsdp_memory.py --model llama-small --worlds 1,2,4 --configs bf16,tensorwise
+    PYTHONPATH=src python benchmarks/fsdp_memory.py --configs zero3/bf16,zero3/tensorwise:auto,zero3/tensorwise:off
+
+The ``zero3/...`` configurations run DeepSpeed ZeRO-3 instead of FSDP2, through lowprec's
+Accelerator (``DeepSpeedPlugin``, DeepSpeed's CPU accelerator), ZeRO told to keep nothing
+gathered after a module's forward (persistence threshold 0, reuse distance 0, no prefetch); their
+ratios are over ``zero3/bf16``.
 
 Each world size runs as that many gloo processes (forked after one torch import), every rank the
 same script: the built-in Llama (``lowprec.train.model``), ``fp8.convert`` with the recipe (the
@@ -67,6 +73,11 @@ CONFIGS = (
         )
         for opt in ("auto", "off")
     ),
+    # DeepSpeed ZeRO-3 (through lowprec's Accelerator, DeepSpeed's CPU accelerator): nothing kept
+    # gathered after a module's forward (persistence threshold 0, reuse distance 0, no prefetch)
+    "zero3/bf16",
+    *(f"zero3/{r}:{opt}" for r in ("delayed", "tensorwise", "nvfp4") for opt in ("auto", "off")),
+    *(f"zero3/{r}:auto" for r in ("rowwise", "blockwise", "mxfp8")),
 )
 
 
@@ -97,7 +108,102 @@ def _is_weight(t: torch.Tensor, shapes, packed) -> bool:
     return t.dim() == 2 and (shape in shapes or (t.dtype == torch.float4_e2m1fn_x2 and shape in packed))
 
 
+def _saved_report(saved: list, params: set, shapes, packed) -> dict:
+    """Bytes of the distinct storages autograd saved, without the local parameter shards, and
+    the part of them shaped like an FP8 layer's whole weight."""
+    live: dict[int, int] = {}
+    weights: dict[int, int] = {}
+    for t in saved:
+        if not isinstance(t, torch.Tensor):
+            continue
+        for inner, st in _storages(t):
+            if st._cdata in params:
+                continue
+            live[st._cdata] = st.nbytes()
+            if _is_weight(inner, shapes, packed) and st.nbytes():
+                weights[st._cdata] = st.nbytes()
+    return {
+        "saved_bytes": sum(live.values()),
+        "unsharded_weight_bytes": sum(weights.values()),
+        "unsharded_weights_held": len(weights),
+    }
+
+
+def _tensor_bytes(values) -> int:
+    return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def run_zero3(config: str, model_name: str, batch: int, seq: int, rank: int) -> dict:
+    """One ``zero3/<recipe>:<auto|off>`` configuration: the built-in Llama through lowprec's
+    Accelerator with DeepSpeed ZeRO-3 (as ``tests/test_zero3_saved_weights.py``), every Linear
+    of the recipe's default filter converted, AdamW; the same measurements as FSDP2's.
+    ``resident_bytes``: this rank's bf16 parameter partitions, ZeRO's float32 master partitions
+    and the Adam state it holds."""
+    import lowprec.fp8 as fp8
+    from lowprec import Accelerator
+    from lowprec.kwargs import NativeRecipeKwargs
+    from lowprec.train.model import build_model
+    from lowprec.utils import DeepSpeedPlugin
+
+    recipe_name, _, opt = config.removeprefix("zero3/").partition(":")
+    use_fp8 = recipe_name != "bf16"
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 0,
+    }
+    plugin = DeepSpeedPlugin(hf_ds_config={"zero_optimization": zero})
+    handlers = []
+    if use_fp8:
+        handlers = [
+            NativeRecipeKwargs(
+                recipe=recipe_name, overrides={"force_recompute_fp8_weight_in_bwd": None if opt == "auto" else False}
+            )
+        ]
+    acc = Accelerator(mixed_precision="fp8" if use_fp8 else "bf16", deepspeed_plugin=plugin, kwargs_handlers=handlers)
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optim = acc.prepare(model, optim)
+    shapes, packed = _weight_shapes(model)
+    g = torch.Generator().manual_seed(100 + rank)
+    vocab = model.module.config.vocab_size if hasattr(model, "module") else model.config.vocab_size
+    ids = [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(2)]
+    info: dict = {}
+
+    def step(i: int, measure: bool) -> None:
+        saved: list = []
+        pack = (lambda t: saved.append(t) or t) if measure else (lambda t: t)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(ids[i], labels=ids[i]).loss
+        if measure:
+            params = {p.ds_tensor.untyped_storage()._cdata for p in model.parameters()}
+            info.update(_saved_report(saved, params, shapes, packed))
+            saved.clear()
+        acc.backward(loss)
+        optim.step()
+        optim.zero_grad()
+        info["loss"] = loss.item()
+
+    step(0, measure=False)
+    zero_opt = getattr(optim, "optimizer", optim)  # lowprec's wrapper -> DeepSpeed's ZeRO-3 optimizer
+    resident = _tensor_bytes(p.ds_tensor for p in model.parameters())
+    resident += _tensor_bytes(getattr(zero_opt, "fp32_partitioned_groups_flat", []))
+    inner = getattr(zero_opt, "optimizer", None)
+    if inner is not None:
+        resident += sum(_tensor_bytes(st.values()) for st in inner.state.values())
+    info["resident_bytes"] = resident
+    info["peak_step_bytes"] = cpu_alloc_peak(lambda: step(1, measure=True), busiest_thread_only=True)
+    info["peak_bytes"] = info["resident_bytes"] + info["peak_step_bytes"]
+    info["after_forward_bytes"] = info["resident_bytes"] + info["saved_bytes"]
+    info["fp8_layers"] = sum(isinstance(m, fp8.Float8Linear) for m in model.modules())
+    return info
+
+
 def run_config(config: str, model_name: str, batch: int, seq: int, rank: int) -> dict:
+    if config.startswith("zero3/"):
+        return run_zero3(config, model_name, batch, seq, rank)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import lowprec.fp8 as fp8
@@ -140,23 +246,8 @@ def run_config(config: str, model_name: str, batch: int, seq: int, rank: int) ->
                 loss = model(ids[i], labels=ids[i]).loss
         if measure:
             params = {p.to_local().untyped_storage()._cdata for p in model.parameters()}
-            live: dict[int, int] = {}
-            weights: dict[int, int] = {}
-            for t in saved:
-                if not isinstance(t, torch.Tensor):
-                    continue
-                for inner, st in _storages(t):
-                    if st._cdata in params:
-                        continue
-                    live[st._cdata] = st.nbytes()
-                    if _is_weight(inner, shapes, packed) and st.nbytes():
-                        weights[st._cdata] = st.nbytes()
+            info.update(_saved_report(saved, params, shapes, packed))
             saved.clear()
-            info.update(
-                saved_bytes=sum(live.values()),
-                unsharded_weight_bytes=sum(weights.values()),
-                unsharded_weights_held=len(weights),
-            )
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
@@ -182,10 +273,16 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_d
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out = {c: run_config(c, args.model, args.batch, args.seq, rank) for c in args.configs}
     Path(out_dir, f"world{world}_rank{rank}.json").write_text(json.dumps(out))
-    dist.destroy_process_group()
+    if any(c.startswith("zero3/") for c in args.configs):
+        import deepspeed.comm  # DeepSpeed keeps a clone of the group: its destroy releases both
+
+        deepspeed.comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
     end_rank()
 
 
@@ -196,13 +293,15 @@ def _free_port() -> int:
 
 
 def _ratios(per_world: dict, configs: list[str], worlds: list[int]) -> dict:
+    """Each configuration over its own sharding's bf16 run (``bf16`` for FSDP2, ``zero3/bf16``)."""
     out: dict = {}
-    if "bf16" not in configs:
-        return out
     for c in configs:
+        base = "zero3/bf16" if c.startswith("zero3/") else "bf16"
+        if base not in configs:
+            continue
         row: dict = {}
         for key in ("saved_bytes", "after_forward_bytes", "peak_bytes"):
-            r = {w: per_world[w][c][key] / per_world[w]["bf16"][key] for w in worlds}
+            r = {w: per_world[w][c][key] / per_world[w][base][key] for w in worlds}
             row[key] = {str(w): round(v, 4) for w, v in r.items()}
             if key != "saved_bytes":  # saved bytes do not shard (the same tokens per rank)
                 row[f"{key}_falls_like_bf16"] = r[worlds[-1]] <= r[worlds[0]]
@@ -253,6 +352,8 @@ def main(argv=None) -> dict:
         "seq": args.seq,
         "worlds": worlds,
         "fsdp": "fully_shard per decoder layer + root, reshard_after_forward=True, param_dtype=bf16",
+        "zero3": "lowprec Accelerator + DeepSpeed ZeRO-3 (CPU accelerator), persistence threshold 0, "
+        "reuse distance 0, no prefetch, bf16",
         "per_world": {str(w): per_world[w] for w in worlds},
         "per_rank": per_rank,
         "ratios_vs_bf16": _ratios(per_world, args.configs, worlds),

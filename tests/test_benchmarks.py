@@ -109,3 +109,25 @@ def test_fsdp_memory_benchmark_counts_the_fp8_weight_copies(tmp_path):
     ratios = data["ratios_vs_bf16"]
     assert ratios["tensorwise:auto"]["after_forward_bytes_falls_like_bf16"] is True
     assert ratios["tensorwise:off"]["after_forward_bytes_falls_like_bf16"] is False
+
+
+def test_fsdp_memory_benchmark_has_zero3_rows(tmp_path):
+    """The same counts under DeepSpeed ZeRO-3 (``zero3/...``, through the Accelerator): the
+    re-cast keeps no whole FP8 weight, keeping the copies holds one per FP8 layer, and each
+    rank's resident partitions halve from 1 to 2 processes."""
+    out = tmp_path / "fsdp_memory.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fsdp_memory.py"), "--worlds", "1,2", "--out", str(out)]
+    cmd += ["--configs", "zero3/bf16,zero3/tensorwise:auto,zero3/tensorwise:off"]
+    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+    data = json.loads(out.read_text())
+    for w in ("1", "2"):
+        rows = data["per_world"][w]
+        auto, off, bf16 = rows["zero3/tensorwise:auto"], rows["zero3/tensorwise:off"], rows["zero3/bf16"]
+        assert auto["unsharded_weight_bytes"] == 0 and bf16["unsharded_weight_bytes"] == 0
+        assert off["unsharded_weights_held"] == off["fp8_layers"] > 0
+        assert off["saved_bytes"] - auto["saved_bytes"] == off["unsharded_weight_bytes"]
+    one, two = data["per_world"]["1"]["zero3/bf16"], data["per_world"]["2"]["zero3/bf16"]
+    # ZeRO pads each partition to an even split: a few bytes over half
+    assert one["resident_bytes"] / 2 <= two["resident_bytes"] <= one["resident_bytes"] / 2 + 1024
+    assert "zero3/tensorwise:off" in data["ratios_vs_bf16"] and "zero3" in data
