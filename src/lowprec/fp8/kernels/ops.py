@@ -19,7 +19,7 @@ import triton
 from torch.library import triton_op, wrap_triton
 
 from lowprec.fp8.formats import fp8_max
-from lowprec.fp8.kernels.selfcheck import input_class
+from lowprec.fp8.kernels.classes import input_class
 from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
 from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
 from lowprec.fp8.kernels.triton_cast import (

@@ -24,6 +24,7 @@ import logging
 
 import torch
 from lowprec.fp8.kernels import reference as ref
+from lowprec.fp8.kernels.classes import input_class
 from lowprec.fp8.scaling import amax_to_scale
 
 __all__ = ["passed", "run_checks", "input_class", "TWO_PASS_OPS", "ALL", "CLASSES"]
@@ -50,11 +51,6 @@ CLASSES = (
     (torch.float32, False, False),
     (torch.float16, True, True),
 )
-
-
-def input_class(x: torch.Tensor) -> tuple:
-    """What the compiled kernels specialise on: dtype, rows % 16 == 0, cols % 16 == 0."""
-    return (x.dtype, x.shape[0] % 16 == 0, x.shape[-1] % 16 == 0)
 
 
 def _describe(cls: tuple) -> str:
@@ -186,7 +182,7 @@ def _passed(device: torch.device, op: str | None, cls: tuple | None) -> bool:
     index = device.index
     if index is None:
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    if op is None:
+    if op is None or cls is None:
         return index not in _FAILED_DEVICES
     key = (index, cls)
     if key not in _RESULT:
@@ -197,7 +193,7 @@ def _passed(device: torch.device, op: str | None, cls: tuple | None) -> bool:
     return ALL not in off and op not in off
 
 
-_passed._dynamo_marked_constant = True  # what torch.compiler.assume_constant_result sets
+_passed._dynamo_marked_constant = True  # type: ignore[attr-defined]  # what assume_constant_result sets
 
 
 def _check(device: torch.device, cls: tuple) -> frozenset[str]:
