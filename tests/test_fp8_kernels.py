@@ -85,13 +85,15 @@ def _fake_check(monkeypatch, results):
     monkeypatch.setattr(selfcheck, "_FAILED_DEVICES", set())
     monkeypatch.delenv(select.DISABLE_ENV, raising=False)
     runs = iter(results)
-    classes = []
-    monkeypatch.setattr(selfcheck, "run_checks", lambda ops, ref, dev, cls: classes.append(cls) or next(runs))
+    asked = []
+    monkeypatch.setattr(
+        selfcheck, "run_checks", lambda ops, ref, dev, cls, names: asked.append((cls, names)) or next(runs)
+    )
     two_pass = []
-    fake_ops = types.SimpleNamespace(set_two_pass=lambda cls, names: two_pass.append((cls, set(names))))
+    fake_ops = types.SimpleNamespace(set_two_pass=lambda cls, name, on: two_pass.append((cls, name, on)))
     monkeypatch.setitem(sys.modules, "lowprec.fp8.kernels.ops", fake_ops)  # no triton import needed
     monkeypatch.setattr(kernels, "ops", fake_ops, raising=False)
-    return two_pass, classes
+    return two_pass, asked
 
 
 BF16_DIV = (torch.bfloat16, True, True)
@@ -99,31 +101,38 @@ BF16_DIV = (torch.bfloat16, True, True)
 
 def test_a_failed_self_check_turns_off_that_op_for_that_input_class(monkeypatch, caplog):
     """An op that differs (and has no two-pass form) takes the torch path for inputs of the
-    probed class; the other ops stay on; another class is checked on its own first use."""
-    _, classes = _fake_check(monkeypatch, [{"cast_amax": ["cast_amax on bfloat16 256x512 float8_e4m3fn"]}, {}])
+    probed class; another op, or another class, is checked on its own first use."""
+    _, asked = _fake_check(monkeypatch, [{"cast_amax": ["bfloat16 256x512 float8_e4m3fn"]}, {}, {}])
     x = torch.empty(32, 64, dtype=torch.bfloat16)
     with caplog.at_level("WARNING", logger="lowprec.fp8"):
         assert not kernels.available("cuda", "cast_amax", x) and not kernels.available("cuda:0", "cast_amax", x)
         assert kernels.available("cuda", "cast_transpose_amax", x) and kernels.available("cuda")
         assert kernels.available("cuda", "cast_amax", torch.empty(32, 64))  # float32: checked apart, agreed
-    assert classes == [(BF16_DIV,), ((torch.float32, True, True),)]
+    f32 = (torch.float32, True, True)
+    assert asked == [((BF16_DIV,), ("cast_amax",)), ((BF16_DIV,), ("cast_transpose_amax",)), ((f32,), ("cast_amax",))]
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1, lines
-    assert "cast_amax use the torch path" in lines[0] and "bfloat16 256x512" in lines[0]
+    assert "cast_amax" in lines[0] and "uses the torch path" in lines[0] and "bfloat16 256x512" in lines[0]
 
 
 def test_a_one_pass_failure_is_retried_as_two_passes(monkeypatch, caplog):
     """cast_transpose_amax differs in one pass, agrees in two: it stays on, as two passes;
     cast_block_1d differs both ways: torch path."""
-    first = {"cast_transpose_amax": ["x"], "cast_block_1d": ["y"]}
-    two_pass, _ = _fake_check(monkeypatch, [first, {"cast_block_1d": ["y"]}])
+    results = [{"cast_transpose_amax": ["x"]}, {}, {"cast_block_1d": ["y"]}, {"cast_block_1d": ["y"]}]
+    two_pass, _ = _fake_check(monkeypatch, results)
     x = torch.empty(32, 64, dtype=torch.bfloat16)
     with caplog.at_level("WARNING", logger="lowprec.fp8"):
         assert kernels.available("cuda", "cast_transpose_amax", x)
         assert not kernels.available("cuda", "cast_block_1d", x)
-    assert two_pass == [(BF16_DIV, {"cast_transpose_amax", "cast_block_1d"}), (BF16_DIV, {"cast_transpose_amax"})]
-    (line,) = [r.getMessage() for r in caplog.records]
-    assert "cast_transpose_amax run as two passes" in line and "cast_block_1d use the torch path" in line
+    assert two_pass == [
+        (BF16_DIV, "cast_transpose_amax", True),
+        (BF16_DIV, "cast_transpose_amax", True),
+        (BF16_DIV, "cast_block_1d", True),
+        (BF16_DIV, "cast_block_1d", False),
+    ]
+    first, second = [r.getMessage() for r in caplog.records]
+    assert "cast_transpose_amax" in first and "runs as two passes" in first
+    assert "cast_block_1d" in second and "uses the torch path" in second
 
 
 def test_inputs_the_kernels_do_not_take_go_to_the_torch_path_unchecked(monkeypatch):

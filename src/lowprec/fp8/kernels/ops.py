@@ -67,16 +67,16 @@ _INTERPRETED = type(cast_transpose_amax_kernel).__name__ == "InterpretedFunction
 # (input class, op) pairs that run as two launches, one store each (the plain layout, then the
 # transposed one), because their one-pass kernel failed the device self-check for that class
 # (selfcheck.TWO_PASS_OPS). Process-wide: one GPU model per process is assumed.
-_TWO_PASS: dict[tuple, frozenset[str]] = {}
+_TWO_PASS: set[tuple] = set()
 
 
-def set_two_pass(cls: tuple, names) -> None:
-    """Inputs of class ``cls`` (``selfcheck.input_class``): run the ops ``names`` as two passes."""
-    _TWO_PASS[cls] = frozenset(names)
+def set_two_pass(cls: tuple, name: str, on: bool) -> None:
+    """Inputs of class ``cls`` (``classes.input_class``): run the op ``name`` as two passes, or not."""
+    (_TWO_PASS.add if on else _TWO_PASS.discard)((cls, name))
 
 
 def two_pass(name: str, x: torch.Tensor) -> bool:
-    return name in _TWO_PASS.get(input_class(x), ())
+    return (input_class(x), name) in _TWO_PASS
 
 
 def interpreting() -> bool:

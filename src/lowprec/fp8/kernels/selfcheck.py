@@ -1,12 +1,12 @@
 """First use on a real GPU: the Triton kernels against the torch path, once per device.
 
 The kernels are checked bit-exact in Triton's interpreter (CI) and compiled to sm_89/sm_90
-cubins (CI), but neither runs the hardware. So the first time an input of a new *class* meets
-the kernels on a device, :func:`passed` runs every fused op on a small probe of that class and
-compares with :mod:`lowprec.fp8.kernels.reference` bit for bit. A class is what the compiled
-code specialises on: the input dtype and whether each dimension is a multiple of 16 (Triton
-vectorises loads and stores then). The probe has the class's dtype and divisibility, so it
-runs the very binaries the real call will (no compilation is wasted), and it holds the awkward
+cubins (CI), but neither runs the hardware. So the first time an op meets an input of a new
+*class* on a device, :func:`passed` runs that op on a small probe of the class (both FP8
+formats) and compares with :mod:`lowprec.fp8.kernels.reference` bit for bit. A class is what the
+compiled code specialises on: the input dtype and whether each dimension is a multiple of 16
+(Triton vectorises loads and stores then). The probe has the class's dtype and divisibility, so
+it runs the binaries the real call will (little compilation is added), and it holds the awkward
 values (saturating, subnormal, ties, zeros of both signs, a NaN, an inf, rows 12 decades apart).
 
 The verdict is per class and op. An op whose one-pass form differs is tried again as two
@@ -14,8 +14,8 @@ passes, one store each (:data:`TWO_PASS_OPS`, ``ops.set_two_pass``): on the firs
 (Triton 3.6, its bundled ptxas) the transposed 8-bit store of a kernel that also stores the
 plain layout came out wrong for float32 input with 16-divisible shapes (NaN in training), a
 known ptxas fault (triton-lang/triton#11111) that spares a kernel with the transposed store
-alone. An op that still differs, or a check that raises, takes the torch path for that class
-on that device. One log line per class says which ops run how.
+alone. An op that still differs takes the torch path for that class on that device; a check
+that raises turns the kernels off on the device. One log line per decision.
 """
 
 from __future__ import annotations
@@ -27,16 +27,15 @@ from lowprec.fp8.kernels import reference as ref
 from lowprec.fp8.kernels.classes import input_class
 from lowprec.fp8.scaling import amax_to_scale
 
-__all__ = ["passed", "run_checks", "input_class", "TWO_PASS_OPS", "ALL", "CLASSES"]
+__all__ = ["passed", "run_checks", "input_class", "TWO_PASS_OPS", "OPS", "CLASSES"]
 
 logger = logging.getLogger("lowprec.fp8")
-ALL = "*"  # in a class's set of ops off: every op (the check itself could not run)
 # ops with a plain and a transposed store, which can run as two launches of one store each
 TWO_PASS_OPS = frozenset(
     {"cast_transpose_amax", "recast_if_changed", "cast_rowwise_dual", "cast_block_1d", "cast_block_2d"}
 )
-# (device index, class) -> the ops that take the torch path for that class there
-_RESULT: dict[tuple, frozenset[str]] = {}
+# (device index, class, op) -> whether the op runs on the GPU for that class there
+_RESULT: dict[tuple, bool] = {}
 _FAILED_DEVICES: set[int] = set()  # a check raised there: the kernels cannot run at all
 _DELAYED = ("delayed",)
 _INPUT_DTYPES = (
@@ -88,66 +87,63 @@ def _probe(cls: tuple, device: torch.device) -> torch.Tensor:
     return x.to(device=device, dtype=dtype)
 
 
-def _op_pairs(ops, ref, x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor, cols: torch.Tensor) -> dict:
-    return {
-        "cast_transpose_amax": (ops.cast_transpose_amax(x, scale, dtype), ref.cast_transpose_amax(x, scale, dtype)),
-        "cast_amax": (ops.cast_amax(x, scale, dtype), ref.cast_amax(x, scale, dtype)),
-        "cast_rowwise": (ops.cast_rowwise(x, dtype, True), ref.cast_rowwise(x, dtype, True)),
-        "cast_rowwise(exact scales)": (ops.cast_rowwise(x, dtype, False), ref.cast_rowwise(x, dtype, False)),
-        "cast_rowwise_dual": (ops.cast_rowwise_dual(x, cols, dtype, True), ref.cast_rowwise_dual(x, cols, dtype, True)),
-        "cast_cols_t": ((ops.cast_cols_t(x, cols, dtype),), (ref.cast_cols_t(x, cols, dtype),)),
-        "cast_block_1d": (
-            ops.cast_block_1d(x, dtype, 128, True, True, True),
-            ref.cast_block_1d(x, dtype, 128, True, True, True),
-        ),
-        "cast_block_2d": (
-            ops.cast_block_2d(x, dtype, 128, False, True, True),
-            ref.cast_block_2d(x, dtype, 128, False, True, True),
-        ),
-    }
+# What each op's check runs, on ``m`` (the Triton ops or the torch path: same names and
+# signatures): ``(x, fp8 dtype, scale, column scales) -> outputs``; two forms for per-row scales.
+_CALLS = {
+    "cast_transpose_amax": lambda m, x, d, s, c: m.cast_transpose_amax(x, s, d),
+    "cast_amax": lambda m, x, d, s, c: m.cast_amax(x, s, d),
+    "cast_rowwise": lambda m, x, d, s, c: (*m.cast_rowwise(x, d, True), *m.cast_rowwise(x, d, False)),
+    "cast_rowwise_dual": lambda m, x, d, s, c: m.cast_rowwise_dual(x, c, d, True),
+    "cast_cols_t": lambda m, x, d, s, c: (m.cast_cols_t(x, c, d),),
+    "cast_block_1d": lambda m, x, d, s, c: m.cast_block_1d(x, d, 128, True, True, True),
+    "cast_block_2d": lambda m, x, d, s, c: m.cast_block_2d(x, d, 128, False, True, True),
+    "amax": lambda m, x, d, s, c: (m.amax(x),),
+    "amax_cols": lambda m, x, d, s, c: (m.amax_cols(x),),
+}
+_NO_FP8_DTYPE = ("amax", "amax_cols")
+OPS = (*_CALLS, "recast_if_changed")  # the ops checked per input class
 
 
-def _op_name(check: str) -> str:
-    return check.split("(")[0]
+def _check_recast(ops, ref, x: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Delayed scaling's in-place re-cast: a no-op (same scale), then a real one."""
+    for used in (scale, scale * 2):
+        got = tuple(t.clone() for t in ref.cast_transpose_amax(x, scale, torch.float8_e4m3fn)[:2])
+        want = tuple(t.clone() for t in got)
+        ops.recast_if_changed(x, used, scale, *got)
+        ref.recast_if_changed(x, used, scale, *want)
+        if not all(_same(a, b) for a, b in zip(got, want)):
+            return False
+    return True
 
 
-def run_checks(ops, ref, device: torch.device, classes=CLASSES) -> dict[str, list[str]]:
-    """The fused ops (``ops``) that disagree with the torch path (``ref``) on the probes of
-    ``classes`` (input classes, or ``_DELAYED``): ``{op name: [where it differed]}``."""
+def run_checks(ops, ref, device: torch.device, classes=CLASSES, names=OPS) -> dict[str, list[str]]:
+    """The fused ops (``ops``) among ``names`` that disagree with the torch path (``ref``) on the
+    probes of ``classes`` (input classes, or ``_DELAYED``): ``{op name: [where it differed]}``."""
     bad: dict[str, list[str]] = {}
-
-    def note(check: str, where: str) -> None:
-        bad.setdefault(_op_name(check), []).append(f"{check} on {where}")
-
     for cls in classes:
         if cls == _DELAYED:
-            _check_delayed(ops, ref, device, note)
+            if not _delayed_agrees(ops, ref, device):
+                bad.setdefault("delayed_scale_update", []).append("a 16-entry history")
             continue
         where, x = _describe(cls), _probe(cls, device)
         scale = torch.tensor(448.0 / 64.0, device=device)
         xf = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0)  # finite column scales
         cols = amax_to_scale(ref.amax_cols(xf), torch.float8_e4m3fn, power_of_2=True)
-        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            for check, (got, want) in _op_pairs(ops, ref, x, dtype, scale, cols).items():
+        for name in names:
+            if name == "recast_if_changed":
+                if not _check_recast(ops, ref, x, scale):
+                    bad.setdefault(name, []).append(where)
+                continue
+            dtypes = (None,) if name in _NO_FP8_DTYPE else (torch.float8_e4m3fn, torch.float8_e5m2)
+            for dtype in dtypes:
+                got, want = (_CALLS[name](m, x, dtype, scale, cols) for m in (ops, ref))
                 if not all(_same(a, b) for a, b in zip(got, want)):
-                    note(check, f"{where} {str(dtype).replace('torch.', '')}")
-        for used in (scale, scale * 2):  # delayed scaling's re-cast: a no-op, then a real one
-            got = tuple(t.clone() for t in ref.cast_transpose_amax(x, scale, torch.float8_e4m3fn)[:2])
-            want = tuple(t.clone() for t in got)
-            ops.recast_if_changed(x, used, scale, *got)
-            ref.recast_if_changed(x, used, scale, *want)
-            if not all(_same(a, b) for a, b in zip(got, want)):
-                note("recast_if_changed", where)
-        for name, got, want in (
-            ("amax", ops.amax(x), ref.amax(x)),
-            ("amax_cols", ops.amax_cols(x), ref.amax_cols(x)),
-        ):
-            if not _same(got, want):
-                note(name, where)
+                    label = where if dtype is None else f"{where} {str(dtype).replace('torch.', '')}"
+                    bad.setdefault(name, []).append(label)
     return bad
 
 
-def _check_delayed(ops, ref, device: torch.device, note) -> None:
+def _delayed_agrees(ops, ref, device: torch.device) -> bool:
     scale = torch.tensor(448.0 / 64.0, device=device)
     amax_now = torch.tensor(3.5, device=device)
     for hist in (
@@ -158,7 +154,8 @@ def _check_delayed(ops, ref, device: torch.device, note) -> None:
         h1, s1, h2, s2 = hist.clone(), scale.clone(), hist.clone(), scale.clone()
         got, want = ops.delayed_scale_update(h1, s1, *args), ref.delayed_scale_update(h2, s2, *args)
         if not all(_same(a, b) for a, b in zip((*got, h1, s1), (*want, h2, s2))):
-            note("delayed_scale_update", "a 16-entry history")
+            return False
+    return True
 
 
 def passed(device: torch.device, op: str | None = None, x: torch.Tensor | None = None) -> bool:
@@ -184,38 +181,37 @@ def _passed(device: torch.device, op: str | None, cls: tuple | None) -> bool:
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
     if op is None or cls is None:
         return index not in _FAILED_DEVICES
-    key = (index, cls)
+    key = (index, cls, op)
     if key not in _RESULT:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return False  # no check inside a CUDA graph capture: the torch path, decided later
-        _RESULT[key] = _check(torch.device("cuda", index), cls)
-    off = _RESULT[key]
-    return ALL not in off and op not in off
+        _RESULT[key] = _check(torch.device("cuda", index), cls, op)
+    return _RESULT[key]
 
 
 _passed._dynamo_marked_constant = True  # type: ignore[attr-defined]  # what assume_constant_result sets
 
 
-def _check(device: torch.device, cls: tuple) -> frozenset[str]:
-    """Run the checks for ``cls``, retry its failing two-pass-able ops as two passes, log once;
-    returns the ops to keep off for ``cls`` on ``device`` (``{ALL}`` when the check raised)."""
+def _check(device: torch.device, cls: tuple, op: str) -> bool:
+    """Check ``op`` on a probe of ``cls``; retry as two passes where it can; log once. Whether
+    the op stays on the GPU for that class (one pass or two)."""
     sync_mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
     try:
-        from lowprec.fp8.kernels import ops
-
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        if sync_mode:  # the comparisons read results on the host, once per class: allowed
+        from lowprec.fp8.kernels import ops
+
+        if sync_mode:  # the comparisons read results on the host, once per check: allowed
             torch.cuda.set_sync_debug_mode(0)
         # real tensors even when Dynamo asks at trace time (``_passed`` is a marked constant)
         with torch.no_grad(), unset_fake_temporarily():
-            bad = run_checks(ops, ref, device, (cls,))
-            two_pass = set(bad) & TWO_PASS_OPS
+            names = (op,)
+            bad = run_checks(ops, ref, device, (cls,), names)
+            two_pass = bool(bad) and op in TWO_PASS_OPS
             if two_pass:
-                ops.set_two_pass(cls, two_pass)
-                still = run_checks(ops, ref, device, (cls,))
-                two_pass -= set(still)
-                ops.set_two_pass(cls, two_pass)
+                ops.set_two_pass(cls, op, True)
+                two_pass = not run_checks(ops, ref, device, (cls,), names)
+                ops.set_two_pass(cls, op, two_pass)
     except Exception as e:  # noqa: BLE001 - any failure means "do not use the kernels here"
         _FAILED_DEVICES.add(device.index)
         logger.warning(
@@ -224,24 +220,18 @@ def _check(device: torch.device, cls: tuple) -> frozenset[str]:
             type(e).__name__,
             str(e).splitlines()[0][:200] if str(e) else "",
         )
-        return frozenset({ALL})
+        return False
     finally:
         if sync_mode:
             torch.cuda.set_sync_debug_mode(sync_mode)
-    off = frozenset(set(bad) - two_pass)
     if bad:
-        parts = []
-        if two_pass:
-            parts.append(f"{', '.join(sorted(two_pass))} run as two passes (one store each)")
-        if off:
-            parts.append(f"{', '.join(sorted(off))} use the torch path")
-        detail = "; ".join(f"{op}: {', '.join(where[:3])}" for op, where in sorted(bad.items()))
         logger.warning(
-            "lowprec: fused FP8 Triton casts on %s for %s input: %s (their one-pass kernels differ from "
-            "the torch path: %s)",
+            "lowprec: fused FP8 Triton cast %s on %s for %s input %s (its one-pass kernel differs from the "
+            "torch path: %s)",
+            op,
             device,
             _describe(cls),
-            "; ".join(parts),
-            detail,
+            "runs as two passes (one store each)" if two_pass else "uses the torch path",
+            ", ".join(bad[op][:3]),
         )
-    return off
+    return not bad or two_pass
