@@ -37,12 +37,8 @@ TWO_PASS_OPS = frozenset(
 # (device index, class, op) -> whether the op runs on the GPU for that class there
 _RESULT: dict[tuple, bool] = {}
 _FAILED_DEVICES: set[int] = set()  # a check raised there: the kernels cannot run at all
-_DELAYED = ("delayed",)
-_INPUT_DTYPES = (
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-)  # the class of delayed_scale_update (a 1-D float32 history)
+_DELAYED = ("delayed",)  # the class of delayed_scale_update (a 1-D float32 history)
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CLASSES = (
     (torch.bfloat16, False, False),
     (torch.bfloat16, True, True),
@@ -179,7 +175,7 @@ def _passed(device: torch.device, op: str | None, cls: tuple | None) -> bool:
     index = device.index
     if index is None:
         index = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    if op is None or cls is None:
+    if op is None or cls is None or index in _FAILED_DEVICES:
         return index not in _FAILED_DEVICES
     key = (index, cls, op)
     if key not in _RESULT:
