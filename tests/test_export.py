@@ -59,27 +59,33 @@ def _gpt2():
 
 def _forward_fp8_weights(model, ids):
     """The converted model's one FP8 training forward on ``ids``, recording the FP8 weight every
-    Float8Linear's forward GEMM read (``scaled_mm``'s second operand), by layer name."""
+    Float8Linear's forward GEMM read (``scaled_mm``'s second operand; MXFP8 / NVFP4: ``mx_mm``'s,
+    a BlockScaledData), by layer name."""
     import lowprec.fp8.linear_fn as linear
+    import lowprec.fp8.mx_linear as mx
 
-    seen, current, real = {}, [None], linear.scaled_mm
+    seen, current, real, real_mx = {}, [None], linear.scaled_mm, mx.mx_mm
 
     def spy(a, b, *args, **kwargs):
         seen[current[0]] = b.t()  # the GEMM reads W^T; back to (out, in)
         return real(a, b, *args, **kwargs)
+
+    def spy_mx(a, b, *args, **kwargs):
+        seen[current[0]] = b  # (out, in), quantized along in
+        return real_mx(a, b, *args, **kwargs)
 
     hooks = [
         m.register_forward_pre_hook(lambda mod, inp, n=n: current.__setitem__(0, n))
         for n, m in model.named_modules()
         if isinstance(m, fp8.Float8Linear)
     ]
-    linear.scaled_mm = spy
+    linear.scaled_mm, mx.mx_mm = spy, spy_mx
     try:
         model.train()
         with torch.no_grad():
             model(ids)
     finally:
-        linear.scaled_mm = real
+        linear.scaled_mm, mx.mx_mm = real, real_mx
         for h in hooks:
             h.remove()
     return seen
@@ -152,6 +158,93 @@ def test_export_round_trip_is_the_training_forwards_fp8_weights(tmp_path, arch, 
     assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
     assert 0 < report.logit_gap < 0.2
     assert f"{report.logit_gap:.3e}" in open(tmp_path / "README.md").read()
+
+
+def _trained(recipe: str, steps: int = 3):
+    """The tiny Llama converted with ``recipe`` and trained ``steps`` AdamW steps."""
+    model = _llama()
+    fp8.convert(model, recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+MICRO_CASES = [  # recipe, compressed-tensors' format, the report's bound on the bf16-export gap
+    ("mxfp8", "mxfp8-quantized", 0.2),
+    ("nvfp4", "nvfp4-pack-quantized", 0.5),
+]
+
+
+def _assert_stored_cast(stored: dict, name: str, q) -> None:
+    """The layer's stored tensors decode to exactly the trained cast ``q`` (a BlockScaledData):
+    NVFP4: the packed E2M1 codes and E4M3 1x16 scales byte for byte, the global scale the
+    reciprocal of its tensor factor; MXFP8: the E4M3 values (a trained -0 may be stored +0: the
+    same value) and the E8M0 exponents byte for byte."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
+    from lowprec.fp8.mx import e2m1_unpack
+
+    scale = stored[f"{name}.weight_scale"]
+    assert torch.equal(scale.view(torch.uint8), q.scale.view(torch.uint8)), name
+    if q.tensor_scale is None:
+        w = stored[f"{name}.weight"]
+        assert w.dtype == torch.float8_e4m3fn and scale.dtype == torch.uint8
+        assert torch.equal(w.float(), q.data.float()), name
+        nonzero = q.data.float() != 0
+        assert torch.equal(w.view(torch.uint8)[nonzero], q.data.view(torch.uint8)[nonzero]), name
+        return
+    packed = stored[f"{name}.weight_packed"]
+    assert torch.equal(packed, q.data.view(torch.uint8)), name
+    codes = unpack_fp4_from_uint8(packed, q.rows, q.cols, dtype=torch.float32)  # compressed-tensors' own decode
+    assert torch.equal(codes, e2m1_unpack(q.data)), name
+    assert torch.equal(stored[f"{name}.weight_global_scale"].reciprocal(), q.tensor_scale.reshape(1)), name
+
+
+@pytest.mark.parametrize("recipe,ct_format,gap_bound", MICRO_CASES, ids=[c[0] for c in MICRO_CASES])
+def test_microscaled_runs_export_their_trained_casts_to_compressed_tensors(tmp_path, recipe, ct_format, gap_bound):
+    model = _trained(recipe)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
+    used = _forward_fp8_weights(model, ids)
+    report = export_model(model, str(tmp_path), "compressed-tensors")
+    assert report.trained_scales and "trained scales" in report.how and recipe in report.scheme
+    assert sorted(report.quantized) == sorted(used)
+    stored = load_file(str(tmp_path / "model.safetensors"))
+    for name, q in used.items():
+        _assert_stored_cast(stored, name, q)
+    cfg = json.load(open(tmp_path / "config.json"))["quantization_config"]
+    assert cfg["format"] == ct_format and sorted(cfg["ignore"]) == sorted(report.kept)
+    for name in report.kept:  # a tied lm_head is stored once, as the embedding
+        key = f"{name}.weight"
+        assert key not in stored if name == "lm_head" else stored[key].dtype == torch.bfloat16
+    # compressed-tensors' decompression through transformers: the trained model's logits with its casts
+    with torch.no_grad():
+        got = _load(str(tmp_path), "compressed-tensors")(ids).logits.float()
+    assert _rel(got, _hp_logits_with(model, used, ids)) < 1e-2
+    assert 0 < report.logit_gap < gap_bound
+    card = open(tmp_path / "README.md").read()
+    assert f"{report.logit_gap:.3e}" in card and report.layout in card
+
+
+def test_microscaled_layers_compressed_tensors_cannot_hold_are_one_line(tmp_path):
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=272,  # down_proj's input dim: 17 x 16, 8.5 x 32 (MXFP8 trains it padded)
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = transformers.LlamaForCausalLM(cfg).float()
+    fp8.convert(model, "mxfp8")
+    with pytest.raises(ValueError, match="down_proj has an input dim that is not a multiple of mxfp8's block of 32"):
+        export_model(model, str(tmp_path), "compressed-tensors")
+    assert not os.path.exists(tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="--format hf-fp8: a mxfp8 run.*use --format compressed-tensors"):
+        export_model(model, str(tmp_path), "hf-fp8")
 
 
 def test_a_recipe_that_disagrees_with_the_format_is_quantized_once_and_says_so(tmp_path):
@@ -265,6 +358,7 @@ def test_requantize_exports_a_run_whose_recipe_no_format_holds(tiny_run, tmp_pat
     [
         ({"fsdp_version": 2}, "under FSDP2 / DeepSpeed"),
         ({"fp8_recipe": "nvfp4"}, "fp8_recipe nvfp4"),
+        ({"fp8_recipe": "mxfp8", "export": ["compressed-tensors", "hf-fp8"]}, "that hf-fp8 does not hold"),
         ({"export": ["onnx"]}, "export"),
     ],
 )
@@ -274,6 +368,15 @@ def test_trainer_export_key_refuses_what_it_cannot_write(extra, needle):
     with pytest.raises(ValueError, match=needle) as info:
         load_config(TINY, {"export": ["hf-fp8"], **extra})
     assert "\n" not in str(info.value).strip()
+
+
+def test_trainer_export_key_writes_microscaled_runs_to_compressed_tensors():
+    from lowprec.train.config import load_config
+
+    for recipe in ("mxfp8", "nvfp4"):
+        assert load_config(TINY, {"fp8_recipe": recipe, "export": ["compressed-tensors"]}).export == [
+            "compressed-tensors"
+        ]
 
 
 def test_cli_exports_a_hugging_face_gpt2_run(tmp_path):
@@ -358,7 +461,7 @@ def test_bad_inputs_are_one_exit_2_line(tiny_run, tmp_path, capsys):
     assert "is neither a `lowprec train` output_dir" in _one_line(capsys)
     assert main(["export", str(tmp_path / "nope"), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
     assert "is not a directory" in _one_line(capsys)
-    # a run trained with NVFP4: its microscaled weights are no FP8 layout's
+    # a run trained with NVFP4: its microscaled weights are not hf-fp8's layout (compressed-tensors' NVFP4)
     import shutil
     import yaml
 
@@ -367,9 +470,15 @@ def test_bad_inputs_are_one_exit_2_line(tiny_run, tmp_path, capsys):
     cfg = yaml.safe_load(open(run / "resolved_config.yaml"))
     cfg["fp8_recipe"] = {"name": "nvfp4"}
     yaml.safe_dump(cfg, open(run / "resolved_config.yaml", "w"))
-    assert main(["export", str(run), "--format", "compressed-tensors", "--out", str(tmp_path / "o")]) == 2
+    assert main(["export", str(run), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
     line = _one_line(capsys)
-    assert "--format compressed-tensors" in line and "--requantize" in line
+    assert "--format hf-fp8" in line and "--format compressed-tensors (its NVFP4 scheme" in line
+    assert "--requantize" in line
+    assert not os.path.exists(tmp_path / "o" / "model.safetensors")
+    assert main(["export", str(run), "--format", "compressed-tensors", "--out", str(tmp_path / "ct")]) == 0
+    assert "trained scales: the nvfp4 forward's own FP4 weights" in capsys.readouterr().out
+    cfg = json.load(open(tmp_path / "ct" / "config.json"))["quantization_config"]
+    assert cfg["format"] == "nvfp4-pack-quantized"
 
 
 def test_an_hf_fp8_export_is_a_frozen_fp8_base_for_lora(tmp_path):

@@ -47,6 +47,7 @@ __all__ = [
     "te_switch_recipe",
     "recipe_info",
     "kind_info",
+    "export_holds",
     "register_recipe",
     "unregister_recipe",
     "unread_recipe_fields",
@@ -264,7 +265,8 @@ class RecipeInfo:
     # tensor-parallel and sequence-parallel FP8 (local GEMMs with whole-tensor scales)
     tensor_parallel: bool = False
     # the compressed-tensors weight scheme that holds this kind's forward weight cast as trained
-    # ("tensor", "channel", "block"); None: no FP8 export layout holds it (microscaled weights)
+    # ("tensor", "channel", "block" FP8; "mxfp8", "nvfp4": its microscaled schemes, which hf-fp8
+    # does not hold); None: no export layout holds it
     export_scheme: str | None = None
 
     def __post_init__(self) -> None:
@@ -339,6 +341,7 @@ _RECIPES: dict[str, RecipeInfo] = dict(
                 {"scaling": "mxfp8", "fp8_format": "E4M3"},
                 ("scale_rounding",),
                 fp8_all_gather=True,
+                export_scheme="mxfp8",
             ),
             RecipeInfo(
                 "nvfp4",
@@ -349,6 +352,7 @@ _RECIPES: dict[str, RecipeInfo] = dict(
                 "(TE NVFP4BlockScaling)",
                 {"scaling": "nvfp4", "fp8_format": "E4M3", "high_precision_last": 0.15},
                 ("seed", "high_precision_last"),
+                export_scheme="nvfp4",
             ),
         )
     }
@@ -385,6 +389,13 @@ def kind_info(scaling: str) -> RecipeInfo:
     if info is None or info.scaling != scaling:
         raise ValueError(f"scaling kind {scaling!r} has no catalog row of its own name")
     return info
+
+
+def export_holds(fmt: str, info: RecipeInfo) -> bool:
+    """Whether the export format ``fmt`` can hold the weights a kind trains (``info``: its row):
+    compressed-tensors every kind with an ``export_scheme`` (MXFP8 / NVFP4 in its microscaled
+    schemes), hf-fp8 (FP8 in 128x128 blocks) only the FP8 ones, not the microscaled."""
+    return info.export_scheme is not None and (fmt == "compressed-tensors" or info.granularity is not Granularity.MICRO)
 
 
 def register_recipe(info: RecipeInfo) -> None:

@@ -17,7 +17,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=HELP + ". Layers trained in high precision stay bf16 "
         "and are listed in the config's ignore list; trained scales are kept where the "
         "recipe's weight cast is the format's (blockwise -> hf-fp8; tensorwise, rowwise, "
-        "blockwise -> compressed-tensors per tensor, channel, block).",
+        "blockwise, mxfp8, nvfp4 -> compressed-tensors per tensor, channel, block, MXFP8, NVFP4).",
     )
     p.add_argument(
         "path", metavar="RUN_OR_CHECKPOINT", help="a `lowprec train` output_dir or one of its checkpoint-N directories"
@@ -27,13 +27,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         required=True,
         choices=FORMATS,
         help="hf-fp8 (transformers fine-grained FP8, 128x128 "
-        "blocks) or compressed-tensors (FP8 per tensor / channel / block)",
+        "blocks) or compressed-tensors (FP8 per tensor / channel / block, MXFP8, NVFP4)",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (created)")
     p.add_argument(
         "--requantize",
         action="store_true",
-        help="quantize once with the format's rule where the recipe's own scales cannot be kept (mxfp8, nvfp4)",
+        help="quantize once with the format's rule where the recipe's own scales cannot be kept "
+        "(mxfp8, nvfp4 -> hf-fp8)",
     )
     return p
 

@@ -1,4 +1,5 @@
-"""lowprec.export: a trained model to the FP8 layouts inference engines load.
+"""lowprec.export: a trained model to the FP8 layouts inference engines load (and, for mxfp8 /
+nvfp4 runs, compressed-tensors' MXFP8 / NVFP4 schemes with the trained microscaled weights).
 
     from lowprec.export import export_model
     report = export_model(model, "out/fp8", format="hf-fp8")     # or "compressed-tensors"

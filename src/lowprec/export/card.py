@@ -28,7 +28,8 @@ def logit_gap(
 ) -> float | None:
     """``||logits(FP8 export) - logits(bf16 export)|| / ||logits(bf16 export)||``: one float32
     forward in high precision with every weight as the bf16 export stores it, one with the
-    quantized layers' weights as the FP8 export dequantizes them (``q * scale_inv``)."""
+    quantized layers' weights as the FP8 export dequantizes them (``q * scale_inv``; microscaled:
+    ``q`` times its block's decode scale, times NVFP4's tensor factor)."""
     if probe_ids is None:
         if not vocab_size:
             return None
@@ -58,10 +59,10 @@ def write_card(report: "ExportReport", out_dir: str) -> str:
     lines = [
         "## FP8 export (lowprec)",
         "",
-        f"- format: `{report.format}` ({report.scheme}, E4M3 weights, dynamic activation scales)",
+        f"- format: `{report.format}` ({report.scheme}, {report.layout})",
         f"- training recipe: `{report.recipe or 'none (not FP8-trained)'}`",
         f"- weights: {report.how}",
-        f"- FP8 layers: {len(report.quantized)}; kept in bf16 (the config's ignore list): {kept}",
+        f"- quantized layers: {len(report.quantized)}; kept in bf16 (the config's ignore list): {kept}",
         f"- logit gap to the bf16 export: {gap} (relative L2 over {PROBE_TOKENS} token positions, "
         "float32 forward, measured at export)",
         *[f"- {n}" for n in report.notes],

@@ -1,4 +1,4 @@
-"""Which FP8 weights an export writes, and their scales in the format's convention.
+"""Which quantized weights an export writes, and their scales in the format's convention.
 
 A format stores each quantized weight as E4M3 values plus a *dequantization* multiplier
 (``w ~= q * s_fmt``: transformers' ``weight_scale_inv``, compressed-tensors' ``weight_scale``);
@@ -6,7 +6,16 @@ the engine's :class:`~lowprec.fp8.quantize.Float8Data` keeps the *quantization* 
 (``q = saturate(w * s)``), so ``s_fmt = 1 / s``. Where the training recipe's weight cast has the
 format's granularity, the export writes that cast's own values (trained scales, bit-identical to
 what the forward GEMM read); otherwise it quantizes once with the format's rule (``amax / 448``
-per tensor, channel or block) and says so. All functions here are pure.
+per tensor, channel or block) and says so.
+
+MXFP8 and NVFP4 runs keep their microscaled weight casts (:class:`~lowprec.fp8.mx.BlockScaledData`,
+decode scales already) in compressed-tensors' MXFP8 and NVFP4 schemes, whose layouts are the
+casts': MXFP8 E4M3 values with an E8M0 scale per 1x32 along the input dim; NVFP4 E2M1 values with
+an E4M3 scale per 1x16 and a float32 global scale. lowprec's NVFP4 weights are cast in 16x16
+tiles, stored with the tile's scale repeated on each of its 16 rows: 16 equal 1x16 scales, still
+exactly the trained numbers. compressed-tensors' global scale is the encode factor
+``448 * 6 / amax``; lowprec keeps its reciprocal (the decode factor). hf-fp8 holds neither
+(refused: use compressed-tensors or ``--requantize``). All functions here are pure.
 """
 
 from __future__ import annotations
@@ -15,45 +24,83 @@ from dataclasses import dataclass
 
 import torch
 
+from lowprec.catalog import export_holds
+from lowprec.fp8.mx import BlockScaledData, e8m0_decode
 from lowprec.fp8.quantize import Float8Data, quantize
 from lowprec.fp8.recipes import Recipe
 
-__all__ = ["FORMATS", "Scheme", "scheme_for", "trained_matches", "format_cast", "format_scale"]
+__all__ = [
+    "FORMATS",
+    "Scheme",
+    "scheme_for",
+    "trained_matches",
+    "format_cast",
+    "format_scale",
+    "format_global_scale",
+]
 
 FORMATS = ("hf-fp8", "compressed-tensors")
 BLOCK = 128  # hf-fp8's weight_block_size, and the block of compressed-tensors' FP8_BLOCK preset
+# compressed-tensors' microscaled weight schemes (the recipes' export_scheme): 1 x block along the
+# input dim, the elements' width, and what the model card says of the weights and activations
+MICRO = {
+    "mxfp8": (32, "FP8", "E4M3 weights with an E8M0 scale per 1x32, dynamic MXFP8 activations"),
+    "nvfp4": (
+        16,
+        "FP4",
+        "E2M1 weights with an E4M3 scale per 1x16 and a float32 global scale; activations not quantized "
+        "(NVFP4A16: the W4A4 scheme needs an input global scale calibrated on data, which training does not keep)",
+    ),
+}
 
 
 @dataclass(frozen=True)
 class Scheme:
-    """One weight quantization of a format: ``tensor``, ``channel`` (one scale per output row)
-    or ``block`` (``block x block`` tiles)."""
+    """One weight quantization of a format: ``tensor``, ``channel`` (one scale per output row),
+    ``block`` (``block x block`` tiles), or compressed-tensors' ``mxfp8`` / ``nvfp4`` (``1 x block``)."""
 
     granularity: str
     block: int = BLOCK
 
+    @property
+    def microscaled(self) -> bool:
+        return self.granularity in MICRO
+
     def describe(self) -> str:
+        if self.microscaled:
+            return f"{self.granularity}, 1x{self.block} blocks"
         return f"{self.block}x{self.block} blocks" if self.granularity == "block" else f"per {self.granularity}"
+
+    def layout(self) -> str:
+        """The weights' and activations' number formats, for the model card."""
+        return MICRO[self.granularity][2] if self.microscaled else "E4M3 weights, dynamic activation scales"
+
+    def elements(self) -> str:
+        return MICRO[self.granularity][1] if self.microscaled else "FP8"
 
 
 def scheme_for(fmt: str, recipe: Recipe | None) -> Scheme:
     """The scheme ``fmt`` writes for a model trained with ``recipe`` (None: not FP8-trained).
 
-    Raises ``ValueError`` for a format the recipe cannot produce: MXFP8 / NVFP4 train with 1x32 /
-    1x16 microscales that neither FP8 layout holds."""
+    Raises ``ValueError`` for a format that cannot hold the recipe's weights: MXFP8 / NVFP4 train
+    with 1x32 / 1x16 microscales that only compressed-tensors' MXFP8 / NVFP4 schemes hold."""
     if fmt not in FORMATS:
         raise ValueError(f"--format {fmt!r} is not an export format; choose one of {', '.join(FORMATS)}")
     # the compressed-tensors scheme that holds the recipe's weight cast as trained (its kind's row)
     trained = None if recipe is None else recipe.kind.info.export_scheme
-    if recipe is not None and trained is None:
+    if recipe is not None and not export_holds(fmt, recipe.kind.info):
+        held = f"use --format compressed-tensors (its {trained.upper()} scheme keeps them), " if trained else ""
         raise ValueError(
             f"--format {fmt}: a {recipe.scaling} run trained with microscaled weights that {fmt}'s FP8 layout "
-            "cannot hold; pass --requantize to quantize it once with the format's rule, or use the bf16 model.safetensors"
+            f"cannot hold; {held}pass --requantize to quantize it once with the format's rule, or use the bf16 "
+            "model.safetensors"
         )
     if fmt == "hf-fp8":
         return Scheme("block", BLOCK)
     if recipe is None:
         return Scheme("channel")
+    if trained in MICRO:
+        return Scheme(trained, MICRO[trained][0])
     return Scheme(trained, recipe.block_size if trained == "block" else BLOCK)
 
 
@@ -70,7 +117,10 @@ def trained_matches(recipe: Recipe | None, scheme: Scheme) -> tuple[bool, str]:
     if recipe.kind.info.export_scheme == scheme.granularity and (
         scheme.granularity != "block" or recipe.block_size == scheme.block
     ):
-        return True, f"trained scales: the {recipe.scaling} forward's own FP8 weights ({scheme.describe()})"
+        return (
+            True,
+            f"trained scales: the {recipe.scaling} forward's own {scheme.elements()} weights ({scheme.describe()})",
+        )
     return False, f"{recipe.scaling} weights are not {scheme.describe()}: quantized once with the format's rule"
 
 
@@ -85,8 +135,17 @@ def format_cast(weight: torch.Tensor, scheme: Scheme) -> Float8Data:
     return quantize(weight, e4m3, "block", block=(scheme.block, scheme.block), power_of_2=False)
 
 
-def format_scale(q: Float8Data) -> torch.Tensor:
-    """The format's dequantization multiplier (``1 / scale``, float32), in the cast's scale shape:
-    ``()`` per tensor, ``(out, 1)`` per channel, ``(ceil(out/b), ceil(in/b))`` per block. Exact for
-    power-of-two scales; otherwise rounded once, the FP8 values unchanged."""
+def format_scale(q: Float8Data | BlockScaledData) -> torch.Tensor:
+    """The format's dequantization multiplier (float32), in the cast's scale shape: ``1 / scale``,
+    ``()`` per tensor, ``(out, 1)`` per channel, ``(ceil(out/b), ceil(in/b))`` per block (exact for
+    power-of-two scales; otherwise rounded once, the FP8 values unchanged); a microscaled cast's
+    own block decode scales, ``(out, in / block)``, exactly (NVFP4's without its tensor factor)."""
+    if isinstance(q, BlockScaledData):
+        return e8m0_decode(q.scale) if q.tensor_scale is None else q.scale.to(torch.float32)
     return torch.reciprocal(q.scale.to(torch.float32))
+
+
+def format_global_scale(q: BlockScaledData) -> torch.Tensor:
+    """compressed-tensors' NVFP4 global scale (the encode factor ``448 * 6 / amax``, float32) of an
+    NVFP4 cast, which keeps the decode factor: its reciprocal, rounded once."""
+    return torch.reciprocal(q.tensor_scale.to(torch.float32))

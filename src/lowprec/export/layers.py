@@ -11,6 +11,7 @@ from lowprec.export.casts import Scheme, format_cast, trained_matches
 from lowprec.fp8.conv1d import is_conv1d
 from lowprec.fp8.convert import default_module_filter
 from lowprec.fp8.linear import Float8Linear
+from lowprec.fp8.mx import BlockScaledData
 from lowprec.fp8.quantize import Float8Data
 from lowprec.fp8.recipes import Recipe
 
@@ -20,7 +21,7 @@ __all__ = ["QuantizedLayer", "LayerPlan", "plan_layers", "model_recipe"]
 @dataclass
 class QuantizedLayer:
     name: str
-    cast: Float8Data  # (out, in), whatever the layer's storage layout
+    cast: Float8Data | BlockScaledData  # (out, in), whatever the layer's storage layout; MXFP8 / NVFP4: along in
     transposed: bool  # stored (in, out): transformers' Conv1D
     trained: bool
 

@@ -15,6 +15,7 @@ from lowprec.export.casts import FORMATS, scheme_for
 from lowprec.export.hf_config import hf_config_of
 from lowprec.export.layers import model_recipe, plan_layers
 from lowprec.export.writers import write_compressed_tensors, write_hf_fp8
+from lowprec.fp8.quantize import Float8Data
 
 __all__ = ["ExportReport", "export_model"]
 
@@ -27,6 +28,7 @@ class ExportReport:
     out_dir: str
     format: str
     scheme: str
+    layout: str  # the weights' and activations' number formats
     recipe: str | None
     how: str
     quantized: list[str]
@@ -41,7 +43,7 @@ class ExportReport:
     def __str__(self) -> str:
         gap = "not measured" if self.logit_gap is None else f"{self.logit_gap:.2e}"
         return (
-            f"lowprec export: {self.format} ({self.scheme}) in {self.out_dir}: {len(self.quantized)} layer(s) FP8, "
+            f"lowprec export: {self.format} ({self.scheme}) in {self.out_dir}: {len(self.quantized)} layer(s) quantized, "
             f"{len(self.kept)} kept bf16; {self.how}; logit gap to the bf16 export {gap} (relative)"
         )
 
@@ -60,7 +62,8 @@ def export_model(
 
     A model converted with ``lowprec.fp8.convert`` exports its FP8 layers with the trained
     scales where its recipe casts the weight as the format stores it (blockwise 128 -> hf-fp8;
-    tensorwise -> per tensor, rowwise -> per channel, blockwise -> block in compressed-tensors),
+    tensorwise -> per tensor, rowwise -> per channel, blockwise -> block, mxfp8 -> MXFP8, nvfp4 ->
+    NVFP4 in compressed-tensors; mxfp8 / nvfp4 -> hf-fp8 is refused unless ``requantize``),
     otherwise quantized once with the format's rule; its high-precision layers stay bf16 and are
     in the config's ignore list. An unconverted model quantizes the layers ``fp8.convert``'s
     default rules would convert. ``config``: the Hugging Face config dict (default: the model's
@@ -87,6 +90,7 @@ def export_model(
         out_dir=os.path.abspath(out_dir),
         format=format,
         scheme=scheme.describe(),
+        layout=scheme.layout(),
         recipe=None if recipe is None else (recipe.name or recipe.scaling),
         how=plan.how,
         quantized=[q.name for q in plan.quantized],
@@ -107,7 +111,9 @@ def _ragged_note(plan) -> list[str]:
     ragged = [
         q.name
         for q in plan.quantized
-        if q.cast.block is not None and any(d > b and d % b for d, b in zip(q.cast.data.shape, q.cast.block))
+        if isinstance(q.cast, Float8Data)
+        and q.cast.block is not None
+        and any(d > b and d % b for d, b in zip(q.cast.data.shape, q.cast.block))
     ]
     if not ragged:
         return []

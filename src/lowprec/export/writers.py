@@ -3,20 +3,25 @@
 ``quantization_config`` that transformers' fine-grained FP8 integration (and vLLM / SGLang for
 DeepSeek-V3-style checkpoints) reads. ``compressed-tensors``: written by the compressed-tensors
 package itself (``apply_quantization_config`` + ``ModelCompressor.compress_model`` +
-``update_config``), so its ``float-quantized`` layout and config are that library's own."""
+``update_config``), so its layouts and config are that library's own: ``float-quantized`` (FP8
+per tensor, channel or block), ``mxfp8-quantized`` (its ``MXFP8`` preset: E4M3 weights, uint8 E8M0
+scales per 1x32, dynamic MXFP8 activations) and ``nvfp4-pack-quantized`` (its ``NVFP4A16`` preset:
+``weight_packed`` two E2M1 values per byte, E4M3 ``weight_scale`` per 1x16, float32
+``weight_global_scale``)."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from lowprec.export.casts import Scheme, format_scale
+from lowprec.export.casts import Scheme, format_global_scale, format_scale
 from lowprec.export.layers import LayerPlan
 from lowprec.fp8 import plain_state_dict, unconvert
 
@@ -72,7 +77,7 @@ def plan_block(plan: LayerPlan) -> int:
     return plan.quantized[0].cast.block[0] if plan.quantized and plan.quantized[0].cast.block else 128
 
 
-def _compressed_tensors():
+def _compressed_tensors() -> SimpleNamespace:
     try:  # optional dependency: pip install 'lowprec[export]'
         import compressed_tensors  # noqa: F401
     except ImportError:
@@ -81,34 +86,41 @@ def _compressed_tensors():
             "pip install 'lowprec[export]' (or pip install compressed-tensors)"
         ) from None
     from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization import (
         QuantizationArgs,
         QuantizationConfig,
         QuantizationScheme,
         apply_quantization_config,
+        preset_name_to_scheme,
     )
 
-    return ModelCompressor, QuantizationArgs, QuantizationConfig, QuantizationScheme, apply_quantization_config
+    return SimpleNamespace(
+        ModelCompressor=ModelCompressor,
+        CompressionFormat=CompressionFormat,
+        QArgs=QuantizationArgs,
+        QConfig=QuantizationConfig,
+        QScheme=QuantizationScheme,
+        apply_config=apply_quantization_config,
+        preset=preset_name_to_scheme,
+    )
 
 
-def write_compressed_tensors(
-    model: nn.Module, plan: LayerPlan, scheme: Scheme, config: dict[str, Any], out: str
-) -> None:
-    """compressed-tensors quantizes ``weight / weight_scale`` itself; it is handed each layer's
-    dequantized FP8 values and their scale, so it rounds back to exactly the FP8 values chosen
-    here (a value ``q / s`` divided by ``1 / s`` lands within a float32 ulp of ``q``)."""
-    if any(layer.transposed for layer in plan.quantized):
-        raise ValueError(
-            "--format compressed-tensors: this model has Conv1D layers (GPT-2 style, weights stored "
-            "in x out), which compressed-tensors' FP8 schemes do not read; use --format hf-fp8"
-        )
-    ModelCompressor, QArgs, QConfig, QScheme, apply_config = _compressed_tensors()
+# compressed-tensors' preset and on-disk format of each microscaled scheme (casts.MICRO)
+_PRESETS = {"mxfp8": ("MXFP8", "mxfp8_quantized"), "nvfp4": ("NVFP4A16", "nvfp4_pack_quantized")}
+_STORED = ("weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point")  # kept as written
 
-    plain = copy.deepcopy(model).to("cpu")
-    unconvert(plain)
-    modules = dict(plain.named_modules())
+
+def _ct_scheme(ct: SimpleNamespace, scheme: Scheme, targets: list[str]) -> tuple[Any, str]:
+    """compressed-tensors' QuantizationScheme for ``scheme`` and its compression format: its own
+    preset for MXFP8 / NVFP4, FP8 weights with dynamic per-token activations otherwise."""
+    if scheme.microscaled:
+        preset, fmt = _PRESETS[scheme.granularity]
+        fmt = getattr(ct.CompressionFormat, fmt).value
+        return ct.preset(preset, targets).model_copy(update={"format": fmt}), fmt
+    fmt = ct.CompressionFormat.float_quantized.value
     strategy = {"tensor": "tensor", "channel": "channel", "block": "block"}[scheme.granularity]
-    args = QArgs(
+    args = ct.QArgs(
         num_bits=8,
         type="float",
         strategy=strategy,
@@ -116,27 +128,59 @@ def write_compressed_tensors(
         dynamic=False,
         block_structure=[scheme.block, scheme.block] if strategy == "block" else None,
     )
-    dynamic = QArgs(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+    dynamic = ct.QArgs(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)
+    return ct.QScheme(targets=targets, weights=args, input_activations=dynamic, format=fmt), fmt
+
+
+def _refuse_unheld(plan: LayerPlan, scheme: Scheme) -> None:
+    """Layers compressed-tensors' schemes do not read: Conv1D (in x out) weights, and microscaled
+    casts whose input dim is not whole blocks (lowprec pads the last block; the schemes do not)."""
+    if any(layer.transposed for layer in plan.quantized):
+        raise ValueError(
+            "--format compressed-tensors: this model has Conv1D layers (GPT-2 style, weights stored "
+            "in x out), which compressed-tensors' FP8 schemes do not read; use --format hf-fp8"
+        )
+    ragged = [q.name for q in plan.quantized if scheme.microscaled and q.cast.cols % scheme.block]
+    if ragged:
+        raise ValueError(
+            f"--format compressed-tensors: {ragged[0]} has an input dim that is not a multiple of "
+            f"{scheme.granularity}'s block of {scheme.block}, which its {scheme.granularity.upper()} scheme does not hold; "
+            "pass --requantize (FP8 per channel) or use the bf16 model.safetensors"
+        )
+
+
+def _set_cast(m: nn.Module, cast) -> None:
+    """The layer's weight as the cast's dequantized values and its scales in compressed-tensors'
+    convention, from which that package's compressor rounds back to exactly the cast's values (a
+    value ``q * s`` divided by ``s`` lands within a float32 ulp of ``q``)."""
+    m.weight.data = cast.dequantize(torch.float32).cpu().reshape(m.weight.shape)
+    m.weight_scale.data = format_scale(cast).cpu().reshape(m.weight_scale.shape).to(m.weight_scale.dtype)
+    if hasattr(m, "weight_global_scale"):  # NVFP4
+        m.weight_global_scale.data = format_global_scale(cast).cpu().reshape(m.weight_global_scale.shape)
+
+
+def write_compressed_tensors(
+    model: nn.Module, plan: LayerPlan, scheme: Scheme, config: dict[str, Any], out: str
+) -> None:
+    """compressed-tensors quantizes (and packs) ``weight / weight_scale`` itself; it is handed each
+    layer's dequantized cast and its scales (:func:`_set_cast`), so it writes the cast's values."""
+    _refuse_unheld(plan, scheme)
+    ct = _compressed_tensors()
+    plain = copy.deepcopy(model).to("cpu")
+    unconvert(plain)
+    modules = dict(plain.named_modules())
     targets = sorted({type(modules[layer.name]).__name__ for layer in plan.quantized}) or ["Linear"]
-    qconfig = QConfig(
-        config_groups={
-            "group_0": QScheme(targets=targets, weights=args, input_activations=dynamic, format="float-quantized")
-        },
-        ignore=sorted(plan.kept),
-        format="float-quantized",
-    )
-    apply_config(plain, qconfig)
+    qscheme, fmt = _ct_scheme(ct, scheme, targets)
+    qconfig = ct.QConfig(config_groups={"group_0": qscheme}, ignore=sorted(plan.kept), format=fmt)
+    ct.apply_config(plain, qconfig)
     with torch.no_grad():
         for layer in plan.quantized:
-            m = modules[layer.name]
-            scale = format_scale(layer.cast).cpu()
-            m.weight.data = layer.cast.dequantize(torch.float32).cpu().reshape(m.weight.shape)
-            m.weight_scale.data = scale.reshape(m.weight_scale.shape).to(m.weight_scale.dtype)
-    compressor = ModelCompressor.from_pretrained_model(plain, quantization_format="float-quantized")
+            _set_cast(modules[layer.name], layer.cast)
+    compressor = ct.ModelCompressor.from_pretrained_model(plain, quantization_format=fmt)
     compressor.compress_model(plain)
     tensors = bf16_state(plain)
     for name, t in plain.state_dict().items():  # the compressed weights and scales, as compressed-tensors wrote them
-        if t.dtype == torch.float8_e4m3fn or name.endswith(("weight_scale", "weight_zero_point")):
+        if t.dtype == torch.float8_e4m3fn or name.endswith(_STORED):
             tensors[name] = t.detach().contiguous()
     _save(tensors, config, out)
     compressor.update_config(out)

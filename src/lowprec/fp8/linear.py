@@ -53,6 +53,7 @@ from lowprec.fp8.autocast import (
 )
 from lowprec.fp8.frozen import drop_frozen_cache
 from lowprec.fp8.kinds.delayed import OPERANDS
+from lowprec.fp8.mx import BlockScaledData
 from lowprec.fp8.quantize import Float8Data
 from lowprec.fp8.recipes import Recipe
 from lowprec.fp8.scaling import delayed_scale_step
@@ -249,12 +250,13 @@ class Float8Linear(FP8Switch, nn.Linear):
             out = out + self.bias.to(out.dtype)
         return out
 
-    def forward_weight_cast(self) -> Float8Data:
-        """The FP8 weight, (out, in), that this layer's forward GEMM reads under its own recipe:
-        cast now from the current weight by the function the forward calls, so its values and
-        scales are the forward's (what ``lowprec.export`` writes as trained scales). Per-tensor,
-        rowwise and blockwise recipes only: delayed scaling takes its weight scale from an amax
-        history, MXFP8 / NVFP4 have their own casts (``ValueError``)."""
+    def forward_weight_cast(self) -> Float8Data | BlockScaledData:
+        """The FP8 (FP4) weight, (out, in), that this layer's forward GEMM reads under its own
+        recipe: cast now from the current weight by the function the forward calls, so its values
+        and scales are the forward's (what ``lowprec.export`` writes as trained scales): a
+        ``Float8Data`` for per-tensor, rowwise and blockwise recipes, a ``BlockScaledData`` for
+        MXFP8 / NVFP4. Delayed scaling takes its weight scale from an amax history, and a forward
+        GEMM in high precision casts nothing (``ValueError``)."""
         return self.recipe.kind.forward_weight_cast(self, self.recipe)
 
     # ------------------------------------------------------------------ checkpoints

@@ -20,7 +20,6 @@ from lowprec.fp8.plan import GemmCast, OperandCast
 
 if TYPE_CHECKING:
     from lowprec.fp8.linear import Float8Linear
-    from lowprec.fp8.quantize import Float8Data
     from lowprec.fp8.recipes import Recipe
 
 __all__ = ["MXCodec", "Microscaled", "MXFP8"]
@@ -41,11 +40,13 @@ class Microscaled(base.Kind):
     def forward(self, layer: Float8Linear, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype) -> torch.Tensor:
         return mx_linear(layer, x2, recipe, hp, self.codec)
 
-    def forward_weight_cast(self, layer: Float8Linear, recipe: Recipe) -> Float8Data:
-        raise ValueError(
-            f"recipe {recipe.name!r}: its forward weight cast is microscaled, not an FP8 tensor with "
-            "tensor, row or block scales; quantize the weight with a format's rule instead"
-        )
+    def forward_weight_cast(self, layer: Float8Linear, recipe: Recipe) -> BlockScaledData:
+        """The forward GEMM's weight operand, (out, in) along ``in``: ``codec.quantize_weight``,
+        as ``mx_linear`` calls it (MXFP8 1x32; NVFP4 16x16 tiles)."""
+        if recipe.override_linear_precision[0]:
+            return super().forward_weight_cast(layer, recipe)  # the refusal: the forward GEMM is hp
+        with torch.no_grad():
+            return self.codec.quantize_weight(layer.gemm_weight(), recipe, recipe.fp8_format.forward_dtype)
 
     def gemm_note(self, recipe: Recipe, device: torch.device) -> str:
         if native_block_scaled_available(device):

@@ -6,7 +6,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from lowprec.catalog import kind_info, recipe_info
+from lowprec.catalog import export_holds, kind_info, recipe_info
 from lowprec.train.config.base import StrictModel, off_warn_act
 
 __all__ = ["OutputKeys"]
@@ -110,10 +110,13 @@ class OutputKeys(StrictModel):
             )
         recipe = getattr(getattr(self, "fp8_recipe", None), "name", None)
         trained = kind_info(recipe_info(recipe).scaling) if recipe else None
-        if self.export and getattr(self, "fp8", None) and trained is not None and trained.export_scheme is None:
+        unheld = [f for f in self.export if trained is not None and not export_holds(f, trained)]
+        if unheld and getattr(self, "fp8", None):
+            held = " (compressed-tensors holds them)" if export_holds("compressed-tensors", trained) else ""
             raise ValueError(
-                f"export: fp8_recipe {recipe} trains microscaled weights that no FP8 export format "
-                "holds; drop export (or run `lowprec export ... --requantize` after training)"
+                f"export: fp8_recipe {recipe} trains microscaled weights that {', '.join(unheld)} does not "
+                f"hold{held}; drop {', '.join(unheld)} from export (or run `lowprec export ... --requantize` "
+                "after training)"
             )
         return self
 
