@@ -477,38 +477,42 @@ def test_report_without_health_records_is_one_line_exit_2(tmp_path, capsys):
     ]
 
 
-def test_reproducer_flags_and_moves_only_the_injected_layer(tmp_path):
-    """benchmarks/fp8_guard_repro.py in a few steps (its numbers come from 200: docs/LOG.md, branch health):
-    the outlier grows to 2^30 by step 4, so warn and act fire on its layer and no other."""
+def _repro(tmp_path, *args: str) -> dict:
+    """benchmarks/fp8_guard_repro.py with ``args`` (1 thread); its JSON's runs."""
+    import json
     import subprocess
     import sys
 
     out = tmp_path / "r.json"
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "benchmarks", "fp8_guard_repro.py"),
-        "--steps",
-        "8",
-        "--check",
-        "2",
-        "--variants",
-        "warn,act",
-        "--bits",
-        "30",
-        "--patience",
-        "2",
-        "--out",
-        str(out),
-    ]
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fp8_guard_repro.py"), *args, "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    import json
+    return json.load(open(out))["runs"]
 
-    runs = json.load(open(out))["runs"]
-    layer = "model.layers.1.mlp.down_proj"
-    assert runs["act"]["1"]["moved"] == [layer]
-    assert [e["layer"] for e in runs["warn"]["1"]["events"]] == [layer] and not runs["warn"]["1"]["moved"]
+
+REPRO_LAYER = "model.layers.1.mlp.down_proj"
+
+
+def test_reproducer_flags_and_moves_only_the_injected_layer(tmp_path):
+    """benchmarks/fp8_guard_repro.py in a few steps (its numbers come from 200: docs/LOG.md, branch health):
+    the outlier grows to 2^30 by step 4, so warn and act fire on its layer and no other."""
+    runs = _repro(tmp_path, "--steps", "8", "--check", "2", "--variants", "warn,act", "--bits", "30", "--patience", "2")
+    assert runs["act"]["1"]["moved"] == [REPRO_LAYER] and runs["act"]["1"]["moved_back"] == []
+    assert [e["layer"] for e in runs["warn"]["1"]["events"]] == [REPRO_LAYER] and not runs["warn"]["1"]["moved"]
+
+
+def test_reproducer_moves_the_layer_back_once_the_outlier_fades(tmp_path):
+    """The outlier grows to 2^30 over 6 steps, holds, and from step 7.2 shrinks back to nothing
+    by step 13.2 (``--fade``): act moves its layer at step 4 (checks every 2 steps, patience 2);
+    the side casts see input underflow above 2% until step 10 and below it from step 12, so with
+    M = 2 the layer moves back at step 14 and the rest of the run is FP8 again."""
+    args = ["--steps", "24", "--check", "2", "--variants", "act", "--bits", "30", "--patience", "2"]
+    run = _repro(tmp_path, *args, "--grow", "0.25", "--fade", "0.3", "--recover-after", "2")["act"]["1"]
+    assert run["moved"] == [REPRO_LAYER] and run["moved_back"] == [[REPRO_LAYER, 14]]
+    side = {h["step"]: h for h in run["health"] if h["side_cast"]}
+    assert sorted(side) == [6, 8, 10, 12, 14]  # measured on the side while moved, not after
+    assert side[10]["input_underflow"] > 0.02 > side[12]["input_underflow"]
 
 
 def test_robust_z_and_the_detector():
