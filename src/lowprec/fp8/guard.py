@@ -59,6 +59,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec.fp8.health import HealthProbe, signals
+from lowprec.guard_moves import TO_BF16, TO_FP8, is_move_back, moved_layers
 from lowprec.fp8.linear import Float8Linear
 
 __all__ = [
@@ -92,9 +93,6 @@ class Thresholds:
             raise ValueError(f"patience must be >= 1 (checks in a row), got {self.patience}")
         if self.recover_after is not None and self.recover_after < 1:
             raise ValueError(f"recover_after must be >= 1 (checks in a row) or None, got {self.recover_after}")
-
-
-TO_BF16, TO_FP8 = "to_bf16", "to_fp8"
 
 
 @dataclass(frozen=True)
@@ -131,20 +129,6 @@ class Event:
         if self.direction == TO_FP8:
             d.update(direction=TO_FP8, checks=self.checks)
         return d
-
-
-def is_move_back(ev: dict[str, Any]) -> bool:
-    """Whether a saved event (``Event.to_dict``) moved its layer back to FP8."""
-    return ev.get("direction") == TO_FP8
-
-
-def moved_layers(moves: list[dict[str, Any]]) -> list[str]:
-    """The layers in high precision after the saved ``moves`` (and moves back), in move order."""
-    now: dict[str, bool] = {}
-    for mv in moves:
-        now.pop(mv["layer"], None)  # a layer moved again goes to the end
-        now[mv["layer"]] = not is_move_back(mv)
-    return [layer for layer, moved in now.items() if moved]
 
 
 def signal_value(row: dict[str, Any], signal: str) -> Optional[float]:

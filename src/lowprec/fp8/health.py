@@ -104,7 +104,7 @@ def _bits(v: Optional[float]) -> Optional[float]:
 def signals(
     tele: dict[str, dict[str, dict[str, float]]],
     layers: dict[str, Float8Linear],
-    readings: dict[str, dict[str, float]],
+    readings: dict[str, dict[str, Any]],
     previous: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """Health signals per layer: ``{layer: {"input": {...}, "weight": {...}, "grad_output": {...},
@@ -212,7 +212,7 @@ class HealthProbe:
                     return
                 out: Optional[torch.Tensor] = output.detach()
                 if self.side and module.high_precision:  # what FP8 would do, not the bf16 GEMM's
-                    out = self._side_forward(module, x, out, got)
+                    out = self._side_forward(module, x, output.detach(), got)
                     self._side_grad(module, output, got)
                 if self._sqnr and out is not None:
                     w = module.gemm_weight().detach().float()

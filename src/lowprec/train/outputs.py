@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 import yaml
 from lowprec.fp8 import plain_state_dict
-from lowprec.fp8.guard import is_move_back, moved_layers
+from lowprec.guard_moves import is_move_back, moved_layers
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["make_output_dir", "export_model", "write_resolved_config", "load_exported_model", "write_conversion_report"]

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
-from lowprec.fp8.guard import is_move_back
+from lowprec.guard_moves import is_move_back
 from lowprec.train.stats import gap_curves, interval
 
 __all__ = ["plot_loss", "plot_fp8_report", "plot_compare", "worst_layers", "guard_line", "guard_counts", "guard_tally"]
