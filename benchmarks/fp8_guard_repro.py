@@ -12,6 +12,11 @@ resolution (E4M3 spans 2**17.8 from the smallest subnormal to the max) and then 
 
     PYTHONPATH=src python benchmarks/fp8_guard_repro.py                      # 4 variants, seed 1
     PYTHONPATH=src python benchmarks/fp8_guard_repro.py --seeds 1,2,3 --steps 200
+    PYTHONPATH=src python benchmarks/fp8_guard_repro.py --fade 0.6 --recover-after 3   # move back
+
+``--fade F``: from step F * steps the outlier shrinks back, as it grew (over ``grow`` * steps),
+to nothing; with ``--recover-after M`` the ``act`` guard measures the moved layer on the side
+(``HealthProbe(side=True)``) and moves it back to FP8 after M healthy checks in a row.
 
 Writes benchmarks/results/fp8_guard_repro.json: per variant and seed the loss curve (every
 ``--check`` steps, mean over the window), the final relative gap to bf16 of the same seed, and
@@ -32,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import device_name, write_json  # noqa: E402
 
 import lowprec.fp8 as fp8  # noqa: E402
-from lowprec.fp8.guard import Guard, Thresholds  # noqa: E402
+from lowprec.fp8.guard import Guard, Thresholds, is_move_back  # noqa: E402
 from lowprec.fp8.health import HealthProbe, signals  # noqa: E402
 from lowprec.train.data import TokenBatches, build_datasets  # noqa: E402
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -55,15 +60,27 @@ class _Inverse(torch.nn.Module):
         return w * inv
 
 
-def inject(model: torch.nn.Module, state: dict, bits: float, steps: int, channel: int = 7):
+def outlier_bits(step: int, bits: float, steps: int, fade_at: float | None = None) -> float:
+    """log2 of the outlier's factor at ``step``: up to ``bits`` over ``steps`` steps, held, and
+    from step ``fade_at`` (None: never) back down to 0 at the same rate."""
+    up = bits * min(1.0, step / steps)
+    if fade_at is None or step <= fade_at:
+        return up
+    return up * max(0.0, 1.0 - (step - fade_at) / steps)
+
+
+def inject(
+    model: torch.nn.Module, state: dict, bits: float, steps: int, channel: int = 7, fade_at: float | None = None
+):
     """The growing outlier: channel ``channel`` of down_proj's input times s = 2**(bits*t/steps)
-    (``steps``: the steps it grows over; then it stays at 2**bits), that column of its weight
-    divided by s. Function- and gradient-preserving in exact arithmetic (so bf16 barely notices),
-    the shape Smooth-SwiGLU describes: one huge activation channel, its weights small."""
+    (``steps``: the steps it grows over; then it stays at 2**bits, and from step ``fade_at`` it
+    shrinks back), that column of its weight divided by s. Function- and gradient-preserving in
+    exact arithmetic (so bf16 barely notices), the shape Smooth-SwiGLU describes: one huge
+    activation channel, its weights small."""
     from torch.nn.utils import parametrize
 
     mod = dict(model.named_modules())[LAYER]
-    factor = lambda: 2.0 ** (bits * min(1.0, state["step"] / steps))  # noqa: E731
+    factor = lambda: 2.0 ** outlier_bits(state["step"], bits, steps, fade_at)  # noqa: E731
 
     def pre(module, args):
         x = args[0]
@@ -81,10 +98,12 @@ def run(variant: str, seed: int, args, train_ds) -> dict:
     if variant != "bf16":
         fp8.convert(model, recipe=args.recipe)
     state = {"step": 0}
-    inject(model, state, args.bits, int(args.grow * args.steps))
-    probe = HealthProbe(model) if variant in ("warn", "act", "fp8") else None
+    fade_at = None if args.fade is None else args.fade * args.steps
+    inject(model, state, args.bits, int(args.grow * args.steps), fade_at=fade_at)
+    recover = args.recover_after if variant == "act" else None
+    probe = HealthProbe(model, side=recover is not None) if variant in ("warn", "act", "fp8") else None
     guard = (
-        Guard(model, mode=variant, thresholds=Thresholds(patience=args.patience))
+        Guard(model, mode=variant, thresholds=Thresholds(patience=args.patience, recover_after=recover))
         if variant in ("warn", "act")
         else None
     )
@@ -118,6 +137,7 @@ def run(variant: str, seed: int, args, train_ds) -> dict:
                     "step": step,
                     "layer": LAYER,
                     "input_underflow": row.get("input", {}).get("underflow"),
+                    "side_cast": row.get("side_cast", False),
                     "max_to_rms": row.get("max_to_rms"),
                     "sqnr_db": row.get("sqnr_db"),
                     "others_worst_sqnr_db": min(
@@ -148,7 +168,8 @@ def run(variant: str, seed: int, args, train_ds) -> dict:
         "health": health_log,
         "wall_s": time.perf_counter() - t0,
         "events": [] if guard is None else guard.events,
-        "moved": [] if guard is None else [m["layer"] for m in guard.moves()],
+        "moved": [] if guard is None else [m["layer"] for m in guard.moves() if not is_move_back(m)],
+        "moved_back": [] if guard is None else [(m["layer"], m["step"]) for m in guard.moves() if is_move_back(m)],
     }
 
 
@@ -163,6 +184,8 @@ def main() -> None:
     ap.add_argument("--recipe", default="tensorwise")
     ap.add_argument("--check", type=int, default=5, help="health check (and loss window) every N steps")
     ap.add_argument("--patience", type=int, default=3)
+    ap.add_argument("--fade", type=float, default=None, help="the outlier shrinks back from this fraction of the steps")
+    ap.add_argument("--recover-after", type=int, default=None, help="act: move back after M healthy checks")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -174,7 +197,8 @@ def main() -> None:
             r = run(variant, seed, args, train_ds)
             results.setdefault(variant, {})[str(seed)] = r
             print(
-                f"seed {seed} {variant:5s} final loss {r['losses'][-1][1]:.4f} ({r['wall_s']:.0f} s) moved {r['moved']}",
+                f"seed {seed} {variant:5s} final loss {r['losses'][-1][1]:.4f} ({r['wall_s']:.0f} s) moved {r['moved']}"
+                + (f" moved back {r['moved_back']}" if r["moved_back"] else ""),
                 flush=True,
             )
     summary = {}

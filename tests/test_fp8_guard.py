@@ -17,7 +17,7 @@ from torch import nn
 
 import lowprec.fp8 as fp8
 from lowprec.cli.main import main
-from lowprec.fp8.guard import Guard, Thresholds
+from lowprec.fp8.guard import Guard, HealthMonitor, Thresholds
 from lowprec.fp8.health import HealthProbe, headroom_bits, max_to_rms, signals, sqnr_db
 from lowprec.train.config import load_config, parse_config
 from lowprec.train.metrics import read_metrics
@@ -120,6 +120,172 @@ def test_a_moved_layer_is_exactly_a_plain_linear():
     assert torch.equal(moved, plain) and not torch.equal(layer(x), fp8_out)
 
 
+def _outlier_on(layer: nn.Module, channel: int = 3, bits: int = 20):
+    """One input channel of ``layer`` times 2**bits in the forward (its gradient untouched): the
+    other channels of that GEMM's input flush to zero under tensorwise FP8."""
+
+    def pre(module, args):
+        x = args[0]
+        m = torch.ones(x.shape[-1], dtype=x.dtype)
+        m[channel] = 2.0**bits
+        return (x + (x * (m - 1)).detach(),)
+
+    return layer.register_forward_pre_hook(pre)
+
+
+def test_the_side_probe_measures_a_moved_layer_as_its_fp8_casts():
+    """A moved layer casts nothing: its telemetry is stale. ``HealthProbe(side=True)`` measures the
+    casts its recipe would make: for the same x and W, exactly what telemetry reports in FP8;
+    the step's values are unchanged."""
+    x = torch.randn(16, 32)
+    m, plain = _model(), _model()
+    hook = _outlier_on(m[0])
+    _outlier_on(plain[0])
+    side, stale = HealthProbe(m, side=True), HealthProbe(m)
+    fp8_row = signals(_step(m, x, side), side.layers, side.take(), None)["0"]
+    assert fp8_row["input"]["underflow"] > 0.5 and "side_cast" not in fp8_row  # an FP8 layer: telemetry
+    m[0].high_precision = plain[0].high_precision = True
+    m.zero_grad()
+    side_row = signals(_step(m, x, side), side.layers, side.take(), None)["0"]
+    _step(plain, x)
+    assert side_row["side_cast"] is True
+    for op in ("input", "weight"):  # the same cast of the same tensors
+        assert side_row[op] == fp8_row[op], op
+    assert side_row["grad_output"]["headroom_bits"] == 0.0  # dY cast tensorwise: its amax at the max
+    assert side_row["sqnr_db"] == pytest.approx(fp8_row["sqnr_db"], abs=0.5)  # the FP8 GEMM's, not bf16's
+    for pa, pb in zip(m.parameters(), plain.parameters()):
+        assert torch.equal(pa.grad, pb.grad)  # the side casts read, never write
+    # the outlier gone: the side casts see it at once, the stale telemetry never does
+    hook.remove()
+    stale.arm(outliers=True)
+    tele = _step(m, x, side)
+    assert signals(tele, side.layers, side.take(), None)["0"]["input"]["underflow"] < 0.02
+    assert signals(tele, stale.layers, stale.take(), None)["0"]["input"]["underflow"] > 0.5
+
+
+def _side(underflow=0.0, sqnr=None):
+    return {"input": {"underflow": underflow}, "sqnr_db": sqnr, "side_cast": True}
+
+
+def test_act_moves_a_layer_back_after_exactly_m_healthy_checks(caplog):
+    m = _model()
+    layer = dict(m.named_modules())["1"]
+    bad, ok = {"input": {"underflow": 0.5}}, {"input": {"underflow": 0.0}}
+    g = Guard(m, mode="act", thresholds=Thresholds(patience=2, recover_after=3))
+    with caplog.at_level(logging.WARNING, logger="lowprec"):
+        g.check(1, {"1": bad})
+        (moved,) = g.check(2, {"1": bad})
+        assert moved.moved and layer.high_precision
+        assert g.check(3, {"1": ok}) == []  # no side_cast: stale telemetry is not judged
+        assert g.check(4, {"1": _side()}) == [] and g.check(5, {"1": _side()}) == []  # 2 of 3
+        assert g.check(6, {"1": _side(0.3)}) == []  # unhealthy on the side: back to 0
+        assert g.check(7, {"1": _side()}) == [] and g.check(8, {"1": _side()}) == []
+        assert layer.high_precision
+        (back,) = g.check(9, {"1": _side()})  # the 3rd healthy check in a row
+    assert (back.layer, back.step, back.moved, back.direction, back.checks) == ("1", 9, True, "to_fp8", 3)
+    assert not layer.high_precision
+    assert "moved back to FP8 at step 9: 3 healthy checks" in caplog.records[-1].getMessage()
+    assert g.moves() == [
+        {"layer": "1", "signal": "input.underflow", "value": 0.5, "step": 2, "moved": True},
+        {
+            "layer": "1",
+            "signal": "input.underflow",
+            "value": 0.5,
+            "step": 9,
+            "moved": True,
+            "direction": "to_fp8",
+            "checks": 3,
+        },
+    ]
+    # an FP8 layer again: watched as any, and moved again after patience
+    g.check(10, {"1": bad})
+    (again,) = g.check(11, {"1": bad})
+    assert again.moved and again.direction == "to_bf16" and layer.high_precision
+    assert HealthMonitor(m, "act", 2, 1, recover_after=3).moved_layers() == []  # a fresh monitor: nothing moved
+
+
+def test_a_layer_moved_for_its_sqnr_counts_only_the_sampled_checks():
+    m = _model()
+    g = Guard(m, mode="act", thresholds=Thresholds(patience=1, recover_after=2))
+    g.check(1, {"2": {"sqnr_db": 5.0}})
+    for step in (2, 3, 4):  # healthy, but the SQNR was not sampled: nothing counts
+        assert g.check(step, {"2": _side()}) == []
+    assert g.check(5, {"2": _side(sqnr=30.0)}) == [] and g.check(6, {"2": _side()}) == []
+    (back,) = g.check(7, {"2": _side(sqnr=31.0)})
+    assert back.direction == "to_fp8" and back.signal == "sqnr_db" and not m[2].high_precision
+
+
+def test_recover_after_none_never_moves_back():
+    m = _model()
+    g = Guard(m, mode="act", thresholds=Thresholds(patience=1))
+    g.check(1, {"0": {"input": {"saturated": 0.5}}})
+    for step in range(2, 30):
+        assert g.check(step, {"0": _side()}) == []
+    assert m[0].high_precision and len(g.moves()) == 1 and g.healthy == {}
+    monitor = HealthMonitor(m, "act", 3, 1)
+    assert not monitor.probe.side  # no side casts: the rows are what they were before move-backs
+    with pytest.raises(ValueError, match="recover_after must be >= 1"):
+        Thresholds(recover_after=0)
+    with pytest.raises(ValueError, match="only the act mode"):
+        Guard(m, mode="warn", thresholds=Thresholds(recover_after=2))
+
+
+def _monitor_steps(m, monitor, steps, x):
+    events = []
+    for step in steps:
+        monitor.arm(step)
+        tele = _step(m, x)
+        events += [r for r in monitor.check(step, tele) if r["kind"] == "fp8_guard"]
+    return events
+
+
+def test_monitor_moves_back_on_side_signals_and_a_checkpoint_keeps_the_final_states():
+    """HealthMonitor on real steps: an outlier channel moves layer 2 to bf16 (patience 1); while
+    it lasts the side casts stay unhealthy; gone, the layer moves back after exactly M = 2
+    checks. Its state (JSON, as FP8Callback writes it) loaded into a fresh model and monitor
+    gives every layer the state it had, before and after the move back."""
+    import json
+
+    m = _model()
+    x = torch.randn(16, 32)
+    hook = _outlier_on(m[2])
+    monitor = HealthMonitor(m, "act", 1, 1, recover_after=2)
+    events = _monitor_steps(m, monitor, [1, 2, 3], x)
+    assert [(e["layer"], e["step"], e.get("direction")) for e in events] == [("2", 1, None)]
+    moved_state = json.loads(json.dumps(monitor.state_dict()))
+    hook.remove()
+    events = _monitor_steps(m, monitor, [4, 5, 6], x)
+    assert [(e["layer"], e["step"], e.get("direction")) for e in events] == [("2", 5, "to_fp8")]
+    assert not m[2].high_precision and monitor.moved_layers() == []
+    final_state = json.loads(json.dumps(monitor.state_dict()))
+    for state, expect in ((moved_state, [False, False, True]), (final_state, [False, False, False])):
+        fresh = _model(seed=1)
+        again = HealthMonitor(fresh, "act", 1, 1, recover_after=2)
+        fresh[2].high_precision = not expect[2]  # whatever it was, the checkpoint decides
+        again.load_state_dict(state)
+        assert [layer.high_precision for layer in fresh] == expect
+        assert again.moves() == state["moved"] and again.guard.healthy == state["healthy"]
+    # resumed while moved, with one healthy check counted: one more moves it back
+    fresh = _model()
+    again = HealthMonitor(fresh, "act", 1, 1, recover_after=2)
+    again.load_state_dict({**moved_state, "healthy": {"2": 1}})
+    assert [(e["step"], e.get("direction")) for e in _monitor_steps(fresh, again, [4], x)] == [(4, "to_fp8")]
+
+
+def test_a_move_back_resets_the_layers_scaling_state():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 16))
+    fp8.convert(m, recipe="delayed", skip_first_last=False)
+    m(torch.randn(8, 32)).sum().backward()
+    assert m[1].fp8_amax_history_input.abs().sum() > 0
+    g = Guard(m, mode="act", thresholds=Thresholds(patience=1, recover_after=1))
+    g.check(1, {"1": {"input": {"underflow": 0.5}}})
+    g.check(2, {"1": _side()})
+    assert not m[1].high_precision
+    assert m[1].fp8_amax_history_input.abs().sum() == 0 and m[1].fp8_amax_history_weight.abs().sum() == 0
+    assert m[0].fp8_amax_history_input.abs().sum() > 0  # the other layer's state is its own
+
+
 @pytest.mark.parametrize(
     "data,expected",
     [
@@ -136,6 +302,18 @@ def test_a_moved_layer_is_exactly_a_plain_linear():
         (
             {"fp8_guard": "warn", "fp8_health": False},
             "fp8_guard: warn reads the health signals that fp8_health: false turns off",
+        ),
+        (
+            {"fp8_guard": "act", "fp8_guard_recover_after": 0},
+            "fp8_guard_recover_after: Input should be greater than or equal to 1",
+        ),
+        (
+            {"fp8_guard": "act", "fp8_guard_recover_after": "3"},
+            "fp8_guard_recover_after: Input should be a valid integer",
+        ),
+        (
+            {"fp8_guard": "warn", "fp8_guard_recover_after": 3},
+            "fp8_guard_recover_after: 3 moves layers back to FP8, but fp8_guard: warn moves none; set fp8_guard: act",
         ),
     ],
 )
@@ -200,6 +378,43 @@ def test_act_run_records_moves_and_resume_keeps_them_bit_exactly(tmp_path):
     assert all(f"step {r['step']}: {r['layer']}" in open(res_dir / "fp8_conversion.txt").read() for r in moves)
 
 
+def test_act_run_moves_layers_back_and_a_resume_after_a_move_back_is_bit_exact(tmp_path):
+    """fp8_guard_recover_after: 1 on the tiny run (max-to-rms threshold 4, as above): some moved
+    layer's input calms down, it moves back; records, conversion report and health report show
+    it; a run resumed from the first checkpoint after the move back continues bit for bit (a
+    layer in the wrong precision would change the losses)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    cfg = {**ACT, "fp8_guard_recover_after": 1, "save_steps": 2}
+    ref = train(load_config(TINY, {**cfg, "output_dir": str(tmp_path / "ref")}))
+    out = ref.output_dir
+    events = read_metrics(out, "fp8_guard")
+    backs = [r for r in events if r.get("direction") == "to_fp8"]
+    assert backs and all(r["moved"] and r["checks"] == 1 for r in backs)
+    for b in backs:  # each undoes an earlier move of its layer, with that move's signal
+        move = [r for r in events if r["layer"] == b["layer"] and r["step"] < b["step"] and "direction" not in r][-1]
+        assert (move["signal"], move["value"]) == (b["signal"], b["value"])
+    report = open(os.path.join(out, "fp8_conversion.txt")).read()
+    assert f", {len(backs)} moved back to FP8 (" in report
+    assert all(f"step {b['step']}: {b['layer']}  moved back to FP8 after 1 healthy checks" in report for b in backs)
+    assert main(["report", out, "--layers", "3"]) == 0
+    page = _Page()
+    page.feed(open(os.path.join(out, "health_report.html")).read())
+    cells = {r[1]: r[5] for r in page.rows if r}
+    assert all(f"step {b['step']}: moved back to FP8" in cells[b["layer"]] for b in backs)
+    at = backs[0]["step"] + backs[0]["step"] % 2  # the first checkpoint (every 2 steps) holding the move back
+    assert at < 8, backs
+    res_dir = tmp_path / "res"
+    shutil.copytree(os.path.join(out, f"checkpoint-{at}"), res_dir / f"checkpoint-{at}")
+    res = train(load_config(TINY, {**cfg, "output_dir": str(res_dir), "resume_from_checkpoint": "auto"}))
+    assert dict(res.train_losses) == {s: v for s, v in ref.train_losses if s > at}
+    a, b = load_file(os.path.join(out, "model.safetensors")), load_file(str(res_dir / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert read_metrics(str(res_dir), "fp8_guard") == [r for r in events if r["step"] > at]
+
+
 class _Page(HTMLParser):
     """Collects the table's rows and the images; a tag left open or closed twice is an error."""
 
@@ -262,38 +477,42 @@ def test_report_without_health_records_is_one_line_exit_2(tmp_path, capsys):
     ]
 
 
-def test_reproducer_flags_and_moves_only_the_injected_layer(tmp_path):
-    """benchmarks/fp8_guard_repro.py in a few steps (its numbers come from 200: docs/LOG.md, branch health):
-    the outlier grows to 2^30 by step 4, so warn and act fire on its layer and no other."""
+def _repro(tmp_path, *args: str) -> dict:
+    """benchmarks/fp8_guard_repro.py with ``args`` (1 thread); its JSON's runs."""
+    import json
     import subprocess
     import sys
 
     out = tmp_path / "r.json"
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "benchmarks", "fp8_guard_repro.py"),
-        "--steps",
-        "8",
-        "--check",
-        "2",
-        "--variants",
-        "warn,act",
-        "--bits",
-        "30",
-        "--patience",
-        "2",
-        "--out",
-        str(out),
-    ]
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fp8_guard_repro.py"), *args, "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    import json
+    return json.load(open(out))["runs"]
 
-    runs = json.load(open(out))["runs"]
-    layer = "model.layers.1.mlp.down_proj"
-    assert runs["act"]["1"]["moved"] == [layer]
-    assert [e["layer"] for e in runs["warn"]["1"]["events"]] == [layer] and not runs["warn"]["1"]["moved"]
+
+REPRO_LAYER = "model.layers.1.mlp.down_proj"
+
+
+def test_reproducer_flags_and_moves_only_the_injected_layer(tmp_path):
+    """benchmarks/fp8_guard_repro.py in a few steps (its numbers come from 200: docs/LOG.md, branch health):
+    the outlier grows to 2^30 by step 4, so warn and act fire on its layer and no other."""
+    runs = _repro(tmp_path, "--steps", "8", "--check", "2", "--variants", "warn,act", "--bits", "30", "--patience", "2")
+    assert runs["act"]["1"]["moved"] == [REPRO_LAYER] and runs["act"]["1"]["moved_back"] == []
+    assert [e["layer"] for e in runs["warn"]["1"]["events"]] == [REPRO_LAYER] and not runs["warn"]["1"]["moved"]
+
+
+def test_reproducer_moves_the_layer_back_once_the_outlier_fades(tmp_path):
+    """The outlier grows to 2^30 over 6 steps, holds, and from step 7.2 shrinks back to nothing
+    by step 13.2 (``--fade``): act moves its layer at step 4 (checks every 2 steps, patience 2);
+    the side casts see input underflow above 2% until step 10 and below it from step 12, so with
+    M = 2 the layer moves back at step 14 and the rest of the run is FP8 again."""
+    args = ["--steps", "24", "--check", "2", "--variants", "act", "--bits", "30", "--patience", "2"]
+    run = _repro(tmp_path, *args, "--grow", "0.25", "--fade", "0.3", "--recover-after", "2")["act"]["1"]
+    assert run["moved"] == [REPRO_LAYER] and run["moved_back"] == [[REPRO_LAYER, 14]]
+    side = {h["step"]: h for h in run["health"] if h["side_cast"]}
+    assert sorted(side) == [6, 8, 10, 12, 14]  # measured on the side while moved, not after
+    assert side[10]["input_underflow"] > 0.02 > side[12]["input_underflow"]
 
 
 def test_robust_z_and_the_detector():

@@ -520,3 +520,22 @@ def test_fp8_callback_guard_arguments_are_checked():
         FP8Callback(telemetry=False, guard="warn")
     with pytest.raises(ValueError, match=r"unknown \['sqnr'\]"):
         FP8Callback(guard="act", guard_thresholds={"sqnr": 10.0})
+    with pytest.raises(ValueError, match="guard_recover_after=.*use guard='act', not 'warn'"):
+        FP8Callback(guard="warn", guard_recover_after=2)
+    with pytest.raises(ValueError, match="recover_after must be >= 1"):
+        FP8Callback(guard="act", guard_recover_after=0)
+
+
+def test_fp8_callback_guard_recover_after_reaches_the_guard():
+    """``guard_recover_after``: the callback's guard moves layers back, its probe measures moved
+    layers on the side; left out, neither (a moved layer stays in bf16)."""
+    from lowprec.fp8.guard import HealthMonitor
+
+    model = tiny_llama()
+    enable_fp8(model, "tensorwise")
+    for cb, m, side in (
+        (FP8Callback(guard="act", guard_recover_after=2), 2, True),
+        (FP8Callback(guard="act"), None, False),
+    ):
+        monitor = HealthMonitor(model, cb.guard_mode, *cb._health_args)
+        assert monitor.guard.thresholds.recover_after == m and monitor.probe.side is side

@@ -6,13 +6,33 @@ defaults below); after ``patience`` unhealthy checks in a row an *episode* start
 * ``warn``: one log line naming the layer, the signal, its value and the step (once per
   episode; the episode ends at the first healthy check);
 * ``act``: the same line, and the layer moves to high precision (``Float8Linear.high_precision``:
-  its three GEMMs run in the autocast dtype, bf16). A moved layer stays moved; :meth:`Guard.moves`
-  lists the moves (layer, step, signal, value) and :meth:`Guard.restore` re-applies saved ones,
-  so a resumed run keeps them.
+  its three GEMMs run in the autocast dtype, bf16). :meth:`Guard.moves` lists the moves (layer,
+  step, signal, value) and :meth:`Guard.restore` replays saved ones, so a resumed run keeps them.
+
+A moved layer stays moved unless ``recover_after`` (M, :class:`Thresholds`; default None: never)
+is set. Then the guard keeps judging it with the same thresholds on signals measured *on the
+side* (``HealthProbe(side=True)``, ``health.py``): a moved layer casts nothing, so its telemetry
+is stale and its output is a bf16 GEMM's; the probe casts its x, W and dY as the recipe would, at
+the checks it already takes, and computes the statistics and (sampled) the emulated FP8 GEMM's
+SQNR from those casts (input max-to-rms is read from x as for any layer). Each operand is scaled
+from its own amax: what a current-scaling recipe does every step and what delayed scaling does
+on its first step back (below). Measuring the would-be casts is what "FP8 would be fine again"
+means, and it costs only the casts the layer stopped making, on moved layers, at logging steps
+(cheaper than replaying the layer's FP8 forward, which would also advance its scaling state). A check
+counts toward M when no signal crosses and the signal that moved the layer was measured (a
+layer moved for its SQNR counts the sampled checks only); any crossing sets the count back to 0.
+After M such checks in a row the layer moves back to FP8: one log line, an :class:`Event` with
+``direction="to_fp8"`` (carrying the signal and value of the move it undoes) appended to the
+moves, and the layer's scaling state reset (``reset_fp8_state``: a delayed-scaling history from
+before the move would scale today's tensors; reset, the first step back is exactly tensorwise, as
+after conversion). It is
+then watched as any FP8 layer, and may be moved again. :meth:`Guard.restore` replays moves and
+moves back in order, so a resumed run has each layer in the state it had when saved.
 
 Under several processes each one reads its own data, so their signals differ; the checks agree
 (one ``all_gather_object`` per check): a layer crosses where any process saw it cross, so every
-process warns and moves the same layers at the same steps, and only rank 0 logs.
+process warns and moves the same layers at the same steps, and only rank 0 logs; a moved layer's
+check is healthy only where no process saw a crossing, so the moves back agree too.
 
 Defaults, chosen on the reproducer ``benchmarks/fp8_guard_repro.py`` and the quickstart (the
 worst healthy values measured there: underflow 0.0102 once, a dY operand, max_to_rms 80.3,
@@ -39,9 +59,19 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec.fp8.health import HealthProbe, signals
+from lowprec.guard_moves import TO_BF16, TO_FP8, is_move_back, moved_layers
 from lowprec.fp8.linear import Float8Linear
 
-__all__ = ["Thresholds", "Event", "Guard", "HealthMonitor", "GUARD_MODES", "THRESHOLD_NAMES"]
+__all__ = [
+    "Thresholds",
+    "Event",
+    "Guard",
+    "HealthMonitor",
+    "GUARD_MODES",
+    "THRESHOLD_NAMES",
+    "is_move_back",
+    "moved_layers",
+]
 
 logger = logging.getLogger("lowprec")
 
@@ -56,24 +86,38 @@ class Thresholds:
     max_to_rms: float = 200.0
     sqnr_db: float = 15.0
     patience: int = 3  # K: unhealthy checks in a row before warn / act
+    recover_after: Optional[int] = None  # M: healthy checks in a row before act moves a layer back (None: never)
 
     def __post_init__(self) -> None:
         if self.patience < 1:
             raise ValueError(f"patience must be >= 1 (checks in a row), got {self.patience}")
+        if self.recover_after is not None and self.recover_after < 1:
+            raise ValueError(f"recover_after must be >= 1 (checks in a row) or None, got {self.recover_after}")
 
 
 @dataclass(frozen=True)
 class Event:
     """One episode's start: ``layer``'s ``signal`` (e.g. ``input.underflow``) was ``value`` at
-    ``step``; ``moved`` when the guard moved the layer to high precision."""
+    ``step``; ``moved`` when the guard moved the layer to high precision. A move back to FP8
+    (``recover_after``) is ``moved`` with ``direction`` ``"to_fp8"``, the signal and value of the
+    move it undoes and ``checks``, the healthy checks in a row it waited; in ``to_dict`` (records,
+    checkpoints) only a move back carries ``direction``, so a run without one writes what it did
+    before move-backs existed."""
 
     layer: str
     signal: str
     value: float
     step: int
     moved: bool
+    direction: str = TO_BF16
+    checks: int = 0
 
     def line(self) -> str:
+        if self.direction == TO_FP8:
+            return (
+                f"lowprec: fp8_guard: {self.layer}: moved back to FP8 at step {self.step}: {self.checks} healthy "
+                f"checks in a row measured on the side (it moved for {self.signal} = {self.value:.4g})"
+            )
         what = "moved to high precision (bf16)" if self.moved else "FP8 numerics unhealthy"
         return (
             f"lowprec: fp8_guard: {self.layer}: {what} at step {self.step}: {self.signal} = {self.value:.4g} "
@@ -81,7 +125,18 @@ class Event:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer, "signal": self.signal, "value": self.value, "step": self.step, "moved": self.moved}
+        d = {"layer": self.layer, "signal": self.signal, "value": self.value, "step": self.step, "moved": self.moved}
+        if self.direction == TO_FP8:
+            d.update(direction=TO_FP8, checks=self.checks)
+        return d
+
+
+def signal_value(row: dict[str, Any], signal: str) -> Optional[float]:
+    """The value of ``signal`` (as :func:`first_crossing` names it) in a health row, or None."""
+    if signal == "sqnr_db":
+        return row.get("sqnr_db")
+    op, stat = signal.split(".")
+    return row.get("max_to_rms") if stat == "max_to_rms" else (row.get(op) or {}).get(stat)
 
 
 def first_crossing(row: dict[str, Any], th: Thresholds) -> Optional[tuple[str, float]]:
@@ -102,62 +157,109 @@ def first_crossing(row: dict[str, Any], th: Thresholds) -> Optional[tuple[str, f
 @dataclass
 class Guard:
     """``mode``: warn or act. ``check(step, health)`` after each health reading; returns the
-    episodes that started at this check (already logged)."""
+    events of this check (already logged): episodes started and, with ``recover_after``, moves
+    back."""
 
     model: nn.Module
     mode: str = "warn"
     thresholds: Thresholds = field(default_factory=Thresholds)
     streak: dict[str, int] = field(default_factory=dict)
     in_episode: set = field(default_factory=set)
-    moved: list = field(default_factory=list)  # Event.to_dict() of each move, in order
-    events: list = field(default_factory=list)  # Event.to_dict() of every episode (warn and act)
+    moved: list = field(default_factory=list)  # Event.to_dict() of each move (and move back), in order
+    events: list = field(default_factory=list)  # Event.to_dict() of every event (warn and act)
+    healthy: dict[str, int] = field(default_factory=dict)  # a moved layer's healthy checks in a row
 
     def __post_init__(self) -> None:
         if self.mode not in ("warn", "act"):
             raise ValueError(f"guard mode must be warn or act, got {self.mode!r}")
+        if self.mode != "act" and self.thresholds.recover_after is not None:
+            raise ValueError("recover_after moves layers back to FP8, which only the act mode moves: use mode act")
         self.layers = {n: m for n, m in self.model.named_modules() if isinstance(m, Float8Linear)}
 
     def check(self, step: int, health: dict[str, Any]) -> list[Event]:
         """Every process must call this at the same steps (a collective under several processes:
         the layers' crossings are agreed, so every rank warns and moves the same layers)."""
+        rows = {name: row for name, row in health.items() if self._judged(name, row)}
+        hits = _agreed_crossings({name: first_crossing(row, self.thresholds) for name, row in rows.items()})
         events = []
-        hits = _agreed_crossings(
-            {name: first_crossing(row, self.thresholds) for name, row in health.items() if name in self.layers}
-        )
         for name in [n for n in self.layers if n in hits]:  # model order
-            layer = self.layers[name]
-            if layer.high_precision:  # moved already: nothing left to act on
+            if self.layers[name].high_precision:
+                ev = self._recover(name, hits[name], rows.get(name, {}), step)
+            else:
+                ev = self._watch(name, hits[name], step)
+            if ev is None:
                 continue
-            hit = hits[name]
-            if hit is None:
-                self.streak[name] = 0
-                self.in_episode.discard(name)
-                continue
-            self.streak[name] = self.streak.get(name, 0) + 1
-            if self.streak[name] < self.thresholds.patience or name in self.in_episode:
-                continue
-            self.in_episode.add(name)
-            ev = Event(name, hit[0], float(hit[1]), step, moved=self.mode == "act")
-            if ev.moved:
-                layer.high_precision = True
-                self.moved.append(ev.to_dict())
             if _rank() == 0:
                 logger.warning(ev.line())
             events.append(ev)
             self.events.append(ev.to_dict())
         return events
 
+    def _judged(self, name: str, row: dict[str, Any]) -> bool:
+        """An FP8 layer is judged at every check; a moved one (nothing left to act on) only when
+        it may move back: ``recover_after`` set, moved by this guard, measured on the side."""
+        layer = self.layers.get(name)
+        if layer is None:
+            return False
+        if not layer.high_precision:
+            return True
+        return self.thresholds.recover_after is not None and bool(row.get("side_cast")) and name in self._moves_of()
+
+    def _watch(self, name: str, hit: Optional[tuple[str, float]], step: int) -> Optional[Event]:
+        """An FP8 layer's check: the unhealthy streak, and an episode's start after ``patience``."""
+        if hit is None:
+            self.streak[name] = 0
+            self.in_episode.discard(name)
+            return None
+        self.streak[name] = self.streak.get(name, 0) + 1
+        if self.streak[name] < self.thresholds.patience or name in self.in_episode:
+            return None
+        self.in_episode.add(name)
+        ev = Event(name, hit[0], float(hit[1]), step, moved=self.mode == "act")
+        if ev.moved:
+            self.layers[name].high_precision = True
+            self.moved.append(ev.to_dict())
+        return ev
+
+    def _recover(self, name: str, hit: Optional[tuple[str, float]], row: dict[str, Any], step: int) -> Optional[Event]:
+        """A moved layer's check (on side-measured signals): back to FP8 after ``recover_after``
+        healthy checks in a row that measured the signal it moved for."""
+        move = self._moves_of()[name]
+        if hit is not None:
+            self.healthy[name] = 0
+            return None
+        if signal_value(row, move["signal"]) is None:  # e.g. the SQNR, not sampled at this check
+            return None
+        self.healthy[name] = self.healthy.get(name, 0) + 1
+        if self.healthy[name] < (self.thresholds.recover_after or 0):
+            return None
+        ev = Event(name, move["signal"], move["value"], step, True, TO_FP8, self.healthy.pop(name))
+        layer = self.layers[name]
+        layer.high_precision = False
+        layer.reset_fp8_state()  # the scaling state of before the move does not fit today's tensors
+        self.streak[name] = 0
+        self.in_episode.discard(name)
+        self.moved.append(ev.to_dict())
+        return ev
+
+    def _moves_of(self) -> dict[str, dict[str, Any]]:
+        """Each layer this guard has in high precision now: the move that put it there."""
+        now = set(moved_layers(self.moved))
+        return {mv["layer"]: mv for mv in self.moved if mv["layer"] in now and not is_move_back(mv)}
+
     def moves(self) -> list[dict[str, Any]]:
         return list(self.moved)
 
     def restore(self, moves: list[dict[str, Any]]) -> None:
-        """Re-apply saved moves (a resumed run); a layer name this model lacks is an error."""
+        """Re-apply saved moves and moves back, in order (a resumed run); a layer name this model
+        lacks is an error."""
         for mv in moves:
             if mv["layer"] not in self.layers:
                 raise ValueError(
                     f"fp8_guard: the checkpoint moved layer {mv['layer']!r}, which this model does not have"
                 )
-            self.layers[mv["layer"]].high_precision = True
+        for mv in moves:
+            self.layers[mv["layer"]].high_precision = not is_move_back(mv)
         self.moved = [dict(m) for m in moves]
 
 
@@ -167,7 +269,8 @@ class HealthMonitor:
     ``sqnr_every`` steps have passed), :meth:`check` after it, with the step's FP8 telemetry.
     :meth:`state_dict` / :meth:`load_state_dict` carry the moves, streaks and trends into a
     checkpoint. Used by ``lowprec train`` (``train/health.py``) and by transformers'
-    ``FP8Callback``."""
+    ``FP8Callback``. ``recover_after``: the guard's M (:class:`Thresholds`); set, the probe
+    measures moved layers on the side."""
 
     def __init__(
         self,
@@ -176,9 +279,11 @@ class HealthMonitor:
         patience: int,
         sqnr_every: int,
         thresholds: Optional[dict[str, float]] = None,
+        recover_after: Optional[int] = None,
     ) -> None:
-        self.probe = HealthProbe(model)
-        th = Thresholds(patience=patience, **(thresholds or {}))
+        # with recover_after, moved layers are measured on the side (what FP8 would do now)
+        self.probe = HealthProbe(model, side=recover_after is not None)
+        th = Thresholds(patience=patience, recover_after=recover_after, **(thresholds or {}))
         self.guard = None if guard == "off" else Guard(model, mode=guard, thresholds=th)
         self.sqnr_every = sqnr_every
         self.previous: Optional[dict[str, Any]] = None
@@ -193,7 +298,8 @@ class HealthMonitor:
         self.probe.arm(outliers=True, sqnr=sqnr)
 
     def check(self, step: int, tele: dict) -> list[dict[str, Any]]:
-        """The records of this logging step: ``fp8_health``, then one ``fp8_guard`` per new episode."""
+        """The records of this logging step: ``fp8_health``, then one ``fp8_guard`` per event (an
+        episode started, a move back)."""
         health = signals(tele, self.probe.layers, self.probe.take(), self.previous)
         self.previous = health
         records: list[dict[str, Any]] = [{"kind": "fp8_health", "step": step, "layers": health}]
@@ -202,7 +308,12 @@ class HealthMonitor:
         return records
 
     def moves(self) -> list[dict[str, Any]]:
+        """Every move (and move back) so far, in order (``Event.to_dict``)."""
         return self.kept if self.guard is None else self.guard.moves()
+
+    def moved_layers(self) -> list[str]:
+        """The layers in high precision now."""
+        return moved_layers(self.moves())
 
     def state_dict(self) -> dict[str, Any]:
         g = self.guard
@@ -213,6 +324,7 @@ class HealthMonitor:
             "in_episode": sorted(g.in_episode) if g else [],
             "moved": self.moves(),
             "events": list(g.events) if g else [],
+            "healthy": dict(g.healthy) if g else {},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -226,6 +338,7 @@ class HealthMonitor:
         self.guard.streak = dict(state.get("streak", {}))
         self.guard.in_episode = set(state.get("in_episode", []))
         self.guard.events = list(state.get("events", []))
+        self.guard.healthy = dict(state.get("healthy", {}))
         self.guard.restore(state.get("moved", []))
 
 

@@ -34,9 +34,9 @@ from lowprec.fp8.grouped import Float8GroupedGemm
 from lowprec.fp8.linear import OPERANDS, Float8Linear
 from lowprec.fp8.step_stage import spike_counts, warn_counted
 
-__all__ = ["enable", "disable", "telemetry", "expert_telemetry"]
+__all__ = ["enable", "disable", "telemetry", "expert_telemetry", "STAT_FIELDS"]
 
-_FIELDS = ("amax", "scale", "saturated", "underflow")
+STAT_FIELDS = ("amax", "scale", "saturated", "underflow")  # the columns of a telemetry row
 
 
 def _set(model: nn.Module, on: bool) -> int:
@@ -62,7 +62,7 @@ def telemetry(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
     for name, m in model.named_modules():
         if isinstance(m, Float8Linear):
             rows = m.fp8_stats.detach().cpu().tolist()
-            out[name] = {op: dict(zip(_FIELDS, row)) for op, row in zip(OPERANDS, rows)}
+            out[name] = {op: dict(zip(STAT_FIELDS, row)) for op, row in zip(OPERANDS, rows)}
             spikes = spike_counts(m)
             if spikes is not None and m.recipe.kind.keeps_history:
                 for op, n in zip(OPERANDS, spikes):
@@ -81,7 +81,7 @@ def expert_telemetry(model: nn.Module) -> dict[str, dict]:
             for proj, g in m.fp8_gemms().items():
                 rows = g.fp8_stats.detach().cpu()  # (E, 3, 4)
                 entry[proj] = {
-                    op: {f: rows[:, i, j].tolist() for j, f in enumerate(_FIELDS)} for i, op in enumerate(OPERANDS)
+                    op: {f: rows[:, i, j].tolist() for j, f in enumerate(STAT_FIELDS)} for i, op in enumerate(OPERANDS)
                 }
             out[name] = entry
     return out

@@ -219,8 +219,11 @@ class FP8Callback(TrainerCallback):
             logs one line per episode; ``act`` also moves the layer to high precision (bf16). The
             moves are written into Trainer's checkpoints (``lowprec_fp8_guard.json``) and taken
             back on resume. Under several processes every rank decides the same (the check is
-            collective). Logs gain ``fp8_guard_moved_layers``.
+            collective). Logs gain ``fp8_guard_moved_layers`` (the layers in bf16 now).
         guard_patience: unhealthy checks in a row before an episode (``fp8_guard_patience``).
+        guard_recover_after: with ``guard="act"``, healthy checks in a row (the layer's would-be
+            FP8 casts measured on the side) before a moved layer moves back to FP8
+            (``fp8_guard_recover_after``); ``None`` (default): a moved layer stays in bf16.
         guard_thresholds: overrides of :class:`lowprec.fp8.guard.Thresholds` (``saturated``,
             ``underflow``, ``max_to_rms``, ``sqnr_db``), as ``fp8_guard_thresholds``.
         health_sqnr_every: steps between the sampled shadow-GEMM SQNR readings.
@@ -233,6 +236,7 @@ class FP8Callback(TrainerCallback):
         guard_patience: int = 3,
         guard_thresholds: dict[str, float] | None = None,
         health_sqnr_every: int = 50,
+        guard_recover_after: int | None = None,
     ) -> None:
         if guard not in GUARD_MODES:
             raise ValueError(f"FP8Callback(guard={guard!r}): use one of {', '.join(GUARD_MODES)}")
@@ -241,14 +245,17 @@ class FP8Callback(TrainerCallback):
         unknown = sorted(set(guard_thresholds or {}) - set(THRESHOLD_NAMES))
         if unknown:
             raise ValueError(f"FP8Callback(guard_thresholds=...): unknown {unknown}; use {', '.join(THRESHOLD_NAMES)}")
+        if guard_recover_after is not None and guard != "act":
+            raise ValueError(f"FP8Callback(guard_recover_after=...) moves layers back: use guard='act', not {guard!r}")
         self.telemetry = telemetry
         self.counts = _Counts()
         self.model: nn.Module | None = None
         self.last_worst: dict[str, float] = {}  # the last log's telemetry, worst over every rank
         self._warned = False
         self.guard_mode = guard
-        Thresholds(patience=guard_patience, **(guard_thresholds or {}))  # a bad value fails here, not in train()
-        self._health_args = (guard_patience, health_sqnr_every, dict(guard_thresholds or {}))
+        # a bad value fails here, not in train()
+        Thresholds(patience=guard_patience, recover_after=guard_recover_after, **(guard_thresholds or {}))
+        self._health_args = (guard_patience, health_sqnr_every, dict(guard_thresholds or {}), guard_recover_after)
         self.health: HealthMonitor | None = None  # with a guard: lowprec train's probe and guard
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -369,7 +376,8 @@ class FP8Callback(TrainerCallback):
             Guard(self.model, mode="act").restore(saved.get("moved", []))
             return
         self.health.load_state_dict(saved)
-        logger.info("lowprec: fp8_guard state restored from %s (%d layer(s) moved)", path, len(self.health.moves()))
+        moved = len(self.health.moved_layers())
+        logger.info("lowprec: fp8_guard state restored from %s (%d layer(s) moved)", path, moved)
 
     def _logs_next_step(self, args, state) -> bool:
         strategy = getattr(args, "logging_strategy", "steps")
@@ -406,7 +414,7 @@ class FP8Callback(TrainerCallback):
             extra.update(self.last_worst)
         if self.health is not None:
             self.health.check(state.global_step, fp8.telemetry(self.model))  # collective under several processes
-            extra["fp8_guard_moved_layers"] = len(self.health.moves())
+            extra["fp8_guard_moved_layers"] = len(self.health.moved_layers())  # in bf16 now
         self.counts.fp8 = self.counts.hp = 0
         logs.update(extra)
         # Trainer stored a copy before calling the callbacks: keep the history complete too

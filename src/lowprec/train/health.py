@@ -5,8 +5,9 @@ At a logging step the loop already turns FP8 telemetry on; :meth:`~lowprec.fp8.g
 probe (input max-to-rms every check; the shadow-GEMM SQNR when ``fp8_health_sqnr_every`` steps
 have passed since the last one). :meth:`~lowprec.fp8.guard.HealthMonitor.check` turns that step's telemetry into one
 ``fp8_health`` record (per layer and operand) and, with a guard, ``fp8_guard`` records (one per
-episode: layer, signal, value, step, moved). :meth:`state_dict` travels in the checkpoint
-(``TrainerState.fp8_guard``), so a resumed run keeps the moves, the streaks and the trends.
+episode: layer, signal, value, step, moved; with ``fp8_guard_recover_after``, one per move back
+too: ``direction: to_fp8``). :meth:`state_dict` travels in the checkpoint
+(``TrainerState.fp8_guard``), so a resumed run keeps the moves, moves back, streaks and trends.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lowprec.fp8.guard import Guard, HealthMonitor
+from lowprec.fp8.guard import Guard, HealthMonitor, moved_layers
 from lowprec.train.outputs import write_conversion_report
 
 __all__ = ["attach_health"]
@@ -29,17 +30,22 @@ def attach_health(run: Any) -> None:
     saved = run.state.fp8_guard or {}
     if run.fp8_layers and cfg.fp8_health_on:
         run.health = HealthMonitor(
-            run.inner, cfg.fp8_guard, cfg.fp8_guard_patience, cfg.fp8_health_sqnr_every, cfg.fp8_guard_thresholds or {}
+            run.inner,
+            cfg.fp8_guard,
+            cfg.fp8_guard_patience,
+            cfg.fp8_health_sqnr_every,
+            cfg.fp8_guard_thresholds or {},
+            recover_after=cfg.fp8_guard_recover_after,
         )
         run.health.load_state_dict(saved)
         run.on_move = lambda: write_conversion_report(run.acc, run.output_dir, tuple(run.health.moves()))
     elif saved.get("moved") and run.fp8_layers:
         Guard(run.inner, mode="act").restore(saved["moved"])
         run.kept_moves = list(saved["moved"])
-    moves = run.health.moves() if run.health is not None else run.kept_moves
-    if moves and run.main:
+    now = moved_layers(run.health.moves() if run.health is not None else run.kept_moves)
+    if now and run.main:
         logger.warning(
             "lowprec: fp8_guard: %d layer(s) moved to high precision by the checkpoint's run stay moved: %s",
-            len(moves),
-            ", ".join(m["layer"] for m in moves),
+            len(now),
+            ", ".join(now),
         )

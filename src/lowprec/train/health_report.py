@@ -19,8 +19,9 @@ import os
 from typing import Any, Mapping, Optional, Sequence
 
 from lowprec.fp8.guard import Thresholds
+from lowprec.guard_moves import is_move_back
 from lowprec.train.metrics import FILE, read_metrics
-from lowprec.train.plots import _plt
+from lowprec.train.plots import _plt, guard_line, guard_tally
 
 __all__ = ["layer_series", "severity", "write_report"]
 
@@ -84,7 +85,9 @@ def _plot(series, order, losses, events, th: Thresholds, path: str, rows: int) -
     if losses:
         ax.plot([s for s, _ in losses], [v for _, v in losses], lw=1.3, color="k")
     ax.set_ylabel("train loss")
-    ax.set_title("training loss; fp8_guard moves: solid red, warnings: dashed orange", fontsize=9)
+    ax.set_title(
+        "training loss; fp8_guard moves: solid red, moves back to FP8: solid green, warnings: dashed orange", fontsize=9
+    )
     limits = {"underflow": th.underflow, "saturated": th.saturated, "max_to_rms": th.max_to_rms, "sqnr_db": th.sqnr_db}
     axes = [(ax, None)]
     for r, layer in enumerate(shown, start=1):
@@ -103,12 +106,19 @@ def _plot(series, order, losses, events, th: Thresholds, path: str, rows: int) -
     for a, layer in axes:  # the loss: every event; a layer's row: its own
         for ev in events:
             if layer is None or ev["layer"] == layer:
-                a.axvline(ev["step"], color="red" if ev["moved"] else "orange", ls="-" if ev["moved"] else "--", lw=1)
+                guard_line(a, ev)
     fig.suptitle(f"FP8 health per layer, worst first ({len(shown)} of {len(order)} layers; dotted: guard thresholds)")
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+def _event_cell(ev: Mapping[str, Any]) -> str:
+    """What the guard did at one event, for the layer's table cell."""
+    if is_move_back(ev):
+        return f"step {ev['step']}: moved back to FP8 (after {ev.get('checks')} healthy checks)"
+    return f"step {ev['step']}: {'moved to bf16' if ev['moved'] else 'warned'} ({ev['signal']} = {ev['value']:.4g})"
 
 
 def _run_thresholds(run_dir: str) -> Thresholds:
@@ -146,9 +156,7 @@ def write_report(run_dir: str, rows: int = 8, thresholds: Optional[Thresholds] =
         data = base64.b64encode(f.read()).decode("ascii")
     by_layer: dict[str, list[str]] = {}
     for ev in events:
-        by_layer.setdefault(ev["layer"], []).append(
-            f"step {ev['step']}: {'moved to bf16' if ev['moved'] else 'warned'} ({ev['signal']} = {ev['value']:.4g})"
-        )
+        by_layer.setdefault(ev["layer"], []).append(_event_cell(ev))
     trs = []
     for i, la in enumerate(order, start=1):
         worst, which, first = sev[la]
@@ -158,6 +166,7 @@ def write_report(run_dir: str, rows: int = 8, thresholds: Optional[Thresholds] =
             f"<td>{'' if first is None else first}</td><td>{html.escape('; '.join(by_layer.get(la, [])))}</td></tr>"
         )
     rows_html = "\n".join(trs)
+    moved, back, warned = guard_tally(events)
     page = f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -175,7 +184,7 @@ img {{ max-width: 100%; }}
 <h1>FP8 health per layer</h1>
 <p>{html.escape(os.path.abspath(run_dir))}: {len(health)} checks, steps {health[0]["step"]} to {health[-1]["step"]};
 {len(order)} FP8 layers; {sum(1 for la in order if sev[la][0] > 1)} crossed a guard threshold;
-fp8_guard: {sum(1 for e in events if e["moved"])} move(s) to bf16, {sum(1 for e in events if not e["moved"])} warning(s).</p>
+fp8_guard: {moved} move(s) to bf16, {back} move(s) back to FP8, {warned} warning(s).</p>
 <p>Severity: a layer's worst ratio to a threshold over the run (underflow / {th.underflow:g},
 saturated / {th.saturated:g}, input max-to-rms / {th.max_to_rms:g}, {th.sqnr_db:g} dB / SQNR); above 1 (red) it crossed one.</p>
 <table>

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 import yaml
 from lowprec.fp8 import plain_state_dict
+from lowprec.guard_moves import is_move_back, moved_layers
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["make_output_dir", "export_model", "write_resolved_config", "load_exported_model", "write_conversion_report"]
@@ -78,12 +79,22 @@ def _plain(v: Any) -> Any:
 
 
 def moves_text(moves: list[dict[str, Any]]) -> str:
-    """The conversion report's section on the guard's moves ('' when none)."""
+    """The conversion report's section on the guard's moves and moves back, in order ('' when none)."""
     if not moves:
         return ""
-    lines = ["", f"fp8_guard: {len(moves)} layer(s) moved to high precision (bf16) during training:"]
-    lines += [f"  step {m['step']}: {m['layer']}  ({m['signal']} = {m['value']:.4g})" for m in moves]
+    back = sum(map(is_move_back, moves))
+    head = f"fp8_guard: {len(moves) - back} layer(s) moved to high precision (bf16) during training"
+    if back:
+        head += f", {back} moved back to FP8 ({len(moved_layers(moves))} in bf16 at the end)"
+    lines = ["", head + ":"]
+    lines += [f"  step {m['step']}: {m['layer']}  {_move_words(m)}" for m in moves]
     return "\n".join(lines)
+
+
+def _move_words(m: dict[str, Any]) -> str:
+    if is_move_back(m):
+        return f"moved back to FP8 after {m.get('checks')} healthy checks (it moved for {m['signal']})"
+    return f"({m['signal']} = {m['value']:.4g})"
 
 
 def write_conversion_report(acc, output_dir: str, moves: tuple = ()) -> Optional[str]:

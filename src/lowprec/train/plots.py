@@ -2,8 +2,8 @@
 
 * ``loss.png``: training loss (per logging window) and validation loss against the step;
 * ``fp8_report.png``: per-layer FP8 telemetry over time (amax, scale, saturated and underflow
-  fractions of each operand), one line per layer; ``fp8_guard`` warnings (dashed) and moves to
-  bf16 (solid red) as vertical lines, named at the bottom;
+  fractions of each operand), one line per layer; ``fp8_guard`` warnings (dashed orange), moves to
+  bf16 (solid red) and moves back to FP8 (solid green) as vertical lines, named at the top;
 * ``compare.png``: ``lowprec compare``'s mean curves over seeds with 95% bands, and the paired
   gap of each precision to the baseline against the threshold.
 """
@@ -11,9 +11,10 @@
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
+from lowprec.guard_moves import is_move_back
 from lowprec.train.stats import gap_curves, interval
 
-__all__ = ["plot_loss", "plot_fp8_report", "plot_compare", "worst_layers"]
+__all__ = ["plot_loss", "plot_fp8_report", "plot_compare", "worst_layers", "guard_line", "guard_counts", "guard_tally"]
 
 
 def _plt():
@@ -23,6 +24,35 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def guard_line(ax, ev: Mapping[str, Any]) -> None:
+    """One ``fp8_guard`` event as a vertical line: a move to bf16 solid red, a move back to FP8
+    solid green, a warning dashed orange."""
+    color = "green" if is_move_back(ev) else "red" if ev["moved"] else "orange"
+    ax.axvline(ev["step"], color=color, ls="-" if ev["moved"] else "--", lw=1)
+
+
+def guard_tally(events: Sequence[Mapping[str, Any]]) -> tuple[int, int, int]:
+    """(moves to bf16, moves back to FP8, warnings) among ``fp8_guard`` events."""
+    back = sum(map(is_move_back, events))
+    moved = sum(bool(ev["moved"]) for ev in events) - back
+    return moved, back, len(events) - moved - back
+
+
+def guard_counts(events: Sequence[Mapping[str, Any]]) -> str:
+    """'N layer(s) moved to bf16 (solid red)[, K moved back to FP8 (solid green)], W warning(s) ...'."""
+    moved, back, warned = guard_tally(events)
+    text = f"{moved} layer(s) moved to bf16 (solid red)"
+    if back:
+        text += f", {back} moved back to FP8 (solid green)"
+    return text + f", {warned} warning(s) (dashed orange)"
+
+
+def _event_words(ev: Mapping[str, Any]) -> str:
+    if is_move_back(ev):
+        return f"step {ev['step']} {ev['layer']} back to FP8"
+    return f"step {ev['step']} {ev['layer']} ({ev['signal']} = {ev['value']:.3g})"
 
 
 def _xy(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list, list]:
@@ -91,23 +121,19 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 
                     ax.plot(steps, series[lay], lw=1.4, color=f"C{k}", label=lay)
                 if st in ("amax", "scale") and all(v > 0 for ys in series.values() for v in ys if v == v):
                     ax.set_yscale("log")
-                for ev in guard:  # fp8_guard: a move solid red, a warning dashed orange
-                    ax.axvline(
-                        ev["step"], color="red" if ev["moved"] else "orange", ls="-" if ev["moved"] else "--", lw=1
-                    )
+                for ev in guard:  # fp8_guard: a move solid red, a move back solid green, a warning dashed orange
+                    guard_line(ax, ev)
             ax.set_title(f"{op}: {st}", fontsize=9)
             ax.grid(alpha=0.3)
             if i == len(ops) - 1:
                 ax.set_xlabel("step")
     handles, labels = axes[0][0].get_legend_handles_labels()
     if guard:  # under the title: what the guard did, first events named
-        n_moved = sum(bool(ev["moved"]) for ev in guard)
-        named = "; ".join(f"step {ev['step']} {ev['layer']} ({ev['signal']} = {ev['value']:.3g})" for ev in guard[:2])
+        named = "; ".join(_event_words(ev) for ev in guard[:2])
         fig.text(
             0.5,
             0.925,
-            f"fp8_guard: {n_moved} layer(s) moved to bf16 (solid red), {len(guard) - n_moved} warning(s) "
-            f"(dashed orange)\n{named}" + (f"; +{len(guard) - 2} more" if len(guard) > 2 else ""),
+            f"fp8_guard: {guard_counts(guard)}\n{named}" + (f"; +{len(guard) - 2} more" if len(guard) > 2 else ""),
             ha="center",
             fontsize=8,
             color="red",

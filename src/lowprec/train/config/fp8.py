@@ -86,6 +86,12 @@ class PrecisionKeys(StrictModel):
     fp8_guard_patience: int = Field(
         default=3, ge=1, description="unhealthy checks (logging steps) in a row before fp8_guard warns or acts"
     )
+    fp8_guard_recover_after: Optional[int] = Field(
+        default=None,
+        ge=1,
+        description="with fp8_guard: act, move a moved layer back to FP8 after this many healthy checks in a row "
+        "(its would-be FP8 casts measured on the side; kept on resume); null: a moved layer stays in bf16",
+    )
     fp8_guard_thresholds: Optional[dict[str, float]] = Field(
         default=None,
         description="change fp8_guard thresholds: {saturated: 1.0e-3, underflow: 0.02, max_to_rms: 200, sqnr_db: 15} "
@@ -127,6 +133,15 @@ class PrecisionKeys(StrictModel):
                     f"use {', '.join(THRESHOLD_NAMES)}"
                 )
         return v
+
+    @model_validator(mode="after")
+    def _recover_needs_act(self) -> "PrecisionKeys":
+        if self.fp8_guard_recover_after is not None and self.fp8_guard != "act":
+            raise ValueError(
+                f"fp8_guard_recover_after: {self.fp8_guard_recover_after} moves layers back to FP8, but fp8_guard: "
+                f"{self.fp8_guard} moves none; set fp8_guard: act or drop fp8_guard_recover_after"
+            )
+        return self
 
     @property
     def fp8_health_on(self) -> bool:
