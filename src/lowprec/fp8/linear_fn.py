@@ -28,6 +28,7 @@ from lowprec.fp8.sharding import SavedWeight, recast_weight_in_backward
 
 if TYPE_CHECKING:
     from lowprec.fp8.linear import Float8Linear
+    from lowprec.fp8.mx import BlockScaledData
     from lowprec.fp8.recipes import Recipe
 
 __all__ = [
@@ -249,7 +250,7 @@ class ScaledGemmKind(base.Kind):
     def forward(self, layer: Float8Linear, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype) -> torch.Tensor:
         return linear_gemms(layer, x2, recipe, hp, self.cast_state(layer, x2, recipe))
 
-    def forward_weight_cast(self, layer: Float8Linear, recipe: Recipe) -> Float8Data:
+    def forward_weight_cast(self, layer: Float8Linear, recipe: Recipe) -> Float8Data | BlockScaledData:
         fp = recipe.plan().fprop
         if self.keeps_history or fp.high_precision:
             return super().forward_weight_cast(layer, recipe)  # the refusal

@@ -37,6 +37,7 @@ from lowprec.fp8.plan import GemmCast, OperandCast
 if TYPE_CHECKING:
     from lowprec.fp8.grouped import Float8GroupedGemm
     from lowprec.fp8.linear import Float8Linear
+    from lowprec.fp8.mx import BlockScaledData
     from lowprec.fp8.quantize import Float8Data
     from lowprec.fp8.recipes import Recipe
 
@@ -109,7 +110,7 @@ class Kind:
         """The output of ``layer`` for 2-D ``x2`` (bias not added)."""
         raise NotImplementedError
 
-    def forward_weight_cast(self, layer: Float8Linear, recipe: Recipe) -> Float8Data:
+    def forward_weight_cast(self, layer: Float8Linear, recipe: Recipe) -> Float8Data | BlockScaledData:
         """The FP8 weight, (out, in), that the forward GEMM reads (what ``lowprec.export`` writes
         as trained scales); ``ValueError`` where it is not a function of the weight alone."""
         raise ValueError(

@@ -20,6 +20,7 @@ from lowprec.fp8.plan import GemmCast, OperandCast
 
 if TYPE_CHECKING:
     from lowprec.fp8.linear import Float8Linear
+    from lowprec.fp8.quantize import Float8Data
     from lowprec.fp8.recipes import Recipe
 
 __all__ = ["MXCodec", "Microscaled", "MXFP8"]
@@ -40,7 +41,7 @@ class Microscaled(base.Kind):
     def forward(self, layer: Float8Linear, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype) -> torch.Tensor:
         return mx_linear(layer, x2, recipe, hp, self.codec)
 
-    def forward_weight_cast(self, layer: Float8Linear, recipe: Recipe) -> BlockScaledData:
+    def forward_weight_cast(self, layer: Float8Linear, recipe: Recipe) -> Float8Data | BlockScaledData:
         """The forward GEMM's weight operand, (out, in) along ``in``: ``codec.quantize_weight``,
         as ``mx_linear`` calls it (MXFP8 1x32; NVFP4 16x16 tiles)."""
         if recipe.override_linear_precision[0]:
