@@ -28,8 +28,6 @@ KNOWN_CYCLES = {
     # torch definitions of the casts into a module of their own that both import.
     ("lowprec.fp8.quantize", "lowprec.fp8.kernels"),
     ("lowprec.fp8.quantize", "lowprec.fp8.block_cast"),
-    # capability asks whether Triton imports; kernels.select asks capability which device it is
-    ("lowprec.fp8.capability", "lowprec.fp8.kernels.select"),
     # Accelerate's kwargs module re-exports the FP8 recipe kwargs (PEP 562), which build on it
     ("lowprec.kwargs", "lowprec.fp8_kwargs"),
     # lowprec.utils mirrors accelerate.utils: its __init__ re-exports helpers built on the

@@ -25,13 +25,14 @@ not have. Process-wide (not per thread): tracing is single-threaded.
 
 from __future__ import annotations
 
+import importlib.util
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-__all__ = ["trace_as", "traced", "is_cuda", "cuda_capability", "triton_override"]
+__all__ = ["trace_as", "traced", "is_cuda", "cuda_capability", "triton_override", "triton_findable"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,15 @@ _ACTIVE: list[_Trace] = []  # a stack: nested trace_as blocks restore the outer 
 _CAPABILITY: dict[int | None, tuple[int, int]] = {}
 
 
+def triton_findable() -> bool:
+    """Whether ``import triton`` would find the package (``find_spec``: nothing is imported;
+    ``kernels.select`` caches the answer at import as ``triton_importable``)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken or half-installed package
+        return False
+
+
 @contextmanager
 def trace_as(sm: tuple[int, int] = (9, 0), triton: bool = True) -> Iterator[None]:
     """Make the CUDA dispatch decide as on a GPU of compute capability ``sm``, with (or
@@ -54,9 +64,7 @@ def trace_as(sm: tuple[int, int] = (9, 0), triton: bool = True) -> Iterator[None
         raise ValueError(f"trace_as(sm=...) takes (major, minor), e.g. (9, 0); got {given!r}")
     sm = (given[0], given[1])
     if triton:
-        from lowprec.fp8.kernels.select import triton_importable
-
-        if not triton_importable():
+        if not triton_findable():
             raise RuntimeError(
                 "trace_as(triton=True) needs triton installed (pip install triton); or pass triton=False"
             )

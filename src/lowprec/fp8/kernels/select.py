@@ -18,11 +18,10 @@ would do as well, but applying it imports torch._dynamo, which imports triton.)
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
-from lowprec.fp8.capability import is_cuda, triton_override
+from lowprec.fp8.capability import is_cuda, triton_findable, triton_override
 from lowprec.fp8.kernels import selfcheck
 
 __all__ = ["DISABLE_ENV", "ENABLE_ENV", "available", "triton_importable", "disabled_by_env", "enabled_by_env"]
@@ -32,12 +31,7 @@ ENABLE_ENV = "LOWPREC_TRITON_KERNELS"
 _TRUE = ("1", "true", "yes", "on")
 
 
-def _find_triton() -> bool:
-    try:
-        return importlib.util.find_spec("triton") is not None
-    except (ImportError, ValueError):  # a broken or half-installed package
-        return False
-
+_find_triton = triton_findable  # asked once, below; tests ask again with find_spec patched
 
 TRITON_IMPORTABLE = _find_triton()
 
