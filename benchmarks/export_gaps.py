@@ -12,20 +12,25 @@ Relative L2 gaps of the logits on 2 x 24 tokens:
   quantized too, as in training);
 * ``quantized_vs_bf16_export``: the export report's gap between the quantized and the bf16 export.
 
-    PYTHONPATH=src python benchmarks/export_gaps.py [--out gaps.json]
+    PYTHONPATH=src python benchmarks/export_gaps.py   # -> benchmarks/results/export_gaps.json (--out to change)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import transformers
 
-import lowprec.fp8 as fp8
-from lowprec.export import export_model
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import device_name, write_json  # noqa: E402
+
+import lowprec.fp8 as fp8  # noqa: E402
+from lowprec.export import export_model  # noqa: E402
 
 RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
 
@@ -77,16 +82,14 @@ def _row(recipe: str, out: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="write the rows as JSON here too")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/export_gaps.json)")
     args = ap.parse_args()
     rows = []
     for recipe in RECIPES:
         with tempfile.TemporaryDirectory() as d:
             rows.append(_row(recipe, d))
         print(json.dumps(rows[-1]))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json({"device": device_name(torch.device("cpu")), "rows": rows}, args.out, "export_gaps.json")
 
 
 if __name__ == "__main__":

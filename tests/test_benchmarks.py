@@ -79,33 +79,35 @@ def test_train_step_benchmark_tiny(tmp_path):
     assert rows["tensorwise+auto"]["fp8_layers"] == 0
 
 
+def _fsdp_memory(tmp_path, configs: str) -> dict:
+    """benchmarks/fsdp_memory.py on 1 and 2 gloo processes for ``configs``: its JSON."""
+    out = tmp_path / "fsdp_memory.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fsdp_memory.py"), "--worlds", "1,2", "--out", str(out)]
+    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    subprocess.run([*cmd, "--configs", configs], check=True, env=env, capture_output=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+def _assert_recast_keeps_no_weight(rows: dict, auto: str, off: str, bf16: str) -> None:
+    auto, off, bf16 = rows[auto], rows[off], rows[bf16]
+    assert auto["unsharded_weight_bytes"] == 0 and bf16["unsharded_weight_bytes"] == 0
+    assert off["unsharded_weights_held"] == off["fp8_layers"] > 0
+    assert off["saved_bytes"] - auto["saved_bytes"] == off["unsharded_weight_bytes"]
+
+
 def test_fsdp_memory_benchmark_counts_the_fp8_weight_copies(tmp_path):
     """benchmarks/fsdp_memory.py on 1 and 2 gloo processes: the bytes it reports (never times).
     Re-casting (auto) keeps no whole FP8 weight and less than bf16 from forward to backward;
     keeping the copies (off) holds one per FP8 layer, whatever the world size, so its per-rank
     bytes at the end of forward fall less than bf16's when sharding over more processes."""
-    out = tmp_path / "fsdp_memory.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "fsdp_memory.py"),
-        "--worlds",
-        "1,2",
-        "--configs",
-        "bf16,tensorwise:auto,tensorwise:off",
-        "--out",
-        str(out),
-    ]
-    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
-    data = json.loads(out.read_text())
+    data = _fsdp_memory(tmp_path, "bf16,tensorwise:auto,tensorwise:off")
     assert {"command", "date", "torch", "device", "machine", "per_world", "ratios_vs_bf16"} <= set(data)
     for w in ("1", "2"):
         rows = data["per_world"][w]
-        auto, off, bf16 = rows["tensorwise:auto"], rows["tensorwise:off"], rows["bf16"]
-        assert auto["unsharded_weight_bytes"] == 0 and bf16["unsharded_weight_bytes"] == 0
-        assert off["unsharded_weights_held"] == off["fp8_layers"] > 0
-        assert off["saved_bytes"] - auto["saved_bytes"] == off["unsharded_weight_bytes"]
-        assert auto["saved_bytes"] < bf16["saved_bytes"] < off["saved_bytes"]
+        _assert_recast_keeps_no_weight(rows, "tensorwise:auto", "tensorwise:off", "bf16")
+        assert (
+            rows["tensorwise:auto"]["saved_bytes"] < rows["bf16"]["saved_bytes"] < rows["tensorwise:off"]["saved_bytes"]
+        )
     ratios = data["ratios_vs_bf16"]
     assert ratios["tensorwise:auto"]["after_forward_bytes_falls_like_bf16"] is True
     assert ratios["tensorwise:off"]["after_forward_bytes_falls_like_bf16"] is False
@@ -115,18 +117,11 @@ def test_fsdp_memory_benchmark_has_zero3_rows(tmp_path):
     """The same counts under DeepSpeed ZeRO-3 (``zero3/...``, through the Accelerator): the
     re-cast keeps no whole FP8 weight, keeping the copies holds one per FP8 layer, and each
     rank's resident partitions halve from 1 to 2 processes."""
-    out = tmp_path / "fsdp_memory.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "fsdp_memory.py"), "--worlds", "1,2", "--out", str(out)]
-    cmd += ["--configs", "zero3/bf16,zero3/tensorwise:auto,zero3/tensorwise:off"]
-    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
-    data = json.loads(out.read_text())
+    data = _fsdp_memory(tmp_path, "zero3/bf16,zero3/tensorwise:auto,zero3/tensorwise:off")
     for w in ("1", "2"):
-        rows = data["per_world"][w]
-        auto, off, bf16 = rows["zero3/tensorwise:auto"], rows["zero3/tensorwise:off"], rows["zero3/bf16"]
-        assert auto["unsharded_weight_bytes"] == 0 and bf16["unsharded_weight_bytes"] == 0
-        assert off["unsharded_weights_held"] == off["fp8_layers"] > 0
-        assert off["saved_bytes"] - auto["saved_bytes"] == off["unsharded_weight_bytes"]
+        _assert_recast_keeps_no_weight(
+            data["per_world"][w], "zero3/tensorwise:auto", "zero3/tensorwise:off", "zero3/bf16"
+        )
     one, two = data["per_world"]["1"]["zero3/bf16"], data["per_world"]["2"]["zero3/bf16"]
     # ZeRO pads each partition to an even split: a few bytes over half
     assert one["resident_bytes"] / 2 <= two["resident_bytes"] <= one["resident_bytes"] / 2 + 1024

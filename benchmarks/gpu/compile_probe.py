@@ -59,7 +59,7 @@ def _probe(m: int, k: int, n: int, calls: int, dev: str = "cuda", backend: str =
         sync()
     events = prof.key_averages()
 
-    def top(attr: str, device: bool) -> list[dict]:
+    def top(attr: str) -> list[dict]:
         rows = sorted(events, key=lambda e: getattr(e, attr, 0) or 0, reverse=True)[:15]
         return [
             {"name": e.key[:120], "calls": e.count, "self_us": round((getattr(e, attr, 0) or 0), 1)}
@@ -74,8 +74,8 @@ def _probe(m: int, k: int, n: int, calls: int, dev: str = "cuda", backend: str =
             for key, value in counters.items()
             if key in ("stats", "graph_break", "frames", "recompiles", "unimplemented")
         },
-        "top_cuda": top("self_device_time_total", True),
-        "top_cpu": top("self_cpu_time_total", False),
+        "top_cuda": top("self_device_time_total"),
+        "top_cpu": top("self_cpu_time_total"),
     }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from lowprec.fp8.kernels import reference
+from lowprec.fp8.kernels.classes import INPUT_DTYPES
 from lowprec.fp8.kernels.select import DISABLE_ENV, available
 
 __all__ = [
@@ -76,7 +77,7 @@ def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = Tru
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` as a float32 scalar; one read of ``x`` on CUDA (2-D bf16/fp16/fp32 ``x``)."""
-    if x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and available(x.device, "amax", x):
+    if x.dim() == 2 and x.dtype in INPUT_DTYPES and available(x.device, "amax", x):
         return _ops().amax(x.detach())  # a scale statistic: no gradient, as scaling.amax
     return reference.amax(x)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["input_class"]
+__all__ = ["input_class", "INPUT_DTYPES"]
+
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the fused casts read
 
 
 def input_class(x: torch.Tensor) -> tuple:

@@ -19,7 +19,7 @@ import triton
 from torch.library import triton_op, wrap_triton
 
 from lowprec.fp8.formats import fp8_max
-from lowprec.fp8.kernels.classes import input_class
+from lowprec.fp8.kernels.classes import INPUT_DTYPES, input_class
 from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
 from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
 from lowprec.fp8.kernels.triton_cast import (
@@ -49,7 +49,6 @@ __all__ = [
     "GEMM_TILE",
 ]
 
-_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _EPS_BITS = struct.unpack("<q", struct.pack("<d", AMAX_EPS))[0]  # float64 bits of AMAX_EPS
 
 # (BLOCK_M, BLOCK_N, num_warps): 64x64 tiles, TransformerEngine's cast_transpose tile size.
@@ -90,7 +89,7 @@ def _check(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
         raise ValueError(
             f"the fused FP8 cast takes a 2-D tensor, got shape {tuple(x.shape)}; reshape to (-1, last_dim)"
         )
-    if x.dtype not in _INPUT_DTYPES:
+    if x.dtype not in INPUT_DTYPES:
         raise TypeError(f"the fused FP8 cast takes bfloat16/float16/float32 input, got {x.dtype}")
     fp8_max(fp8_dtype)  # raises a clear ValueError for a non-FP8 dtype
 

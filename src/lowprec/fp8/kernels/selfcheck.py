@@ -24,7 +24,7 @@ import logging
 
 import torch
 from lowprec.fp8.kernels import reference as ref
-from lowprec.fp8.kernels.classes import input_class
+from lowprec.fp8.kernels.classes import INPUT_DTYPES, input_class
 from lowprec.fp8.scaling import amax_to_scale
 
 __all__ = ["passed", "run_checks", "input_class", "TWO_PASS_OPS", "OPS", "CLASSES"]
@@ -38,7 +38,6 @@ TWO_PASS_OPS = frozenset(
 _RESULT: dict[tuple, bool] = {}
 _FAILED_DEVICES: set[int] = set()  # a check raised there: the kernels cannot run at all
 _DELAYED = ("delayed",)  # the class of delayed_scale_update (a 1-D float32 history)
-_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CLASSES = (
     (torch.bfloat16, False, False),
     (torch.bfloat16, True, True),
@@ -48,11 +47,17 @@ CLASSES = (
 )
 
 
+def _probe_shape(cls: tuple) -> tuple[int, int]:
+    """Rows and columns of the probe of ``cls``: multiples of 16 where the class has them."""
+    _, div_m, div_n = cls
+    return (256 if div_m else 67), (512 if div_n else 130)
+
+
 def _describe(cls: tuple) -> str:
     if cls == _DELAYED:
         return "the delayed-scaling update"
-    dtype, div_m, div_n = cls
-    return f"{str(dtype).replace('torch.', '')} {'256' if div_m else '67'}x{'512' if div_n else '130'}"
+    rows, cols = _probe_shape(cls)
+    return f"{str(cls[0]).replace('torch.', '')} {rows}x{cols}"
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -70,8 +75,8 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _probe(cls: tuple, device: torch.device) -> torch.Tensor:
     """A 2-D tensor of class ``cls``: the top half awkward values over 24 binades, the bottom
     half rows 12 decades apart (a zero row, a NaN, an inf) for the per-row scales."""
-    dtype, div_m, div_n = cls
-    rows, cols = (256 if div_m else 67), (512 if div_n else 130)
+    dtype = cls[0]
+    rows, cols = _probe_shape(cls)
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(rows, cols, generator=g)
     half = rows // 2
@@ -165,7 +170,7 @@ def passed(device: torch.device, op: str | None = None, x: torch.Tensor | None =
     it; applying that function itself would import ``torch._dynamo`` here, and calling it while
     tracing is refused by Dynamo in torch 2.11): the check runs eagerly, never inside a graph.
     """
-    if x is not None and (x.dim() != 2 or x.dtype not in _INPUT_DTYPES):
+    if x is not None and (x.dim() != 2 or x.dtype not in INPUT_DTYPES):
         return False  # the kernels take 2-D bf16/fp16/fp32 only: the torch path
     cls = None if op is None else (_DELAYED if x is None else input_class(x))
     return _passed(device, op, cls)
