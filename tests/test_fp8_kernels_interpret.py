@@ -514,3 +514,45 @@ def test_the_self_check_finds_a_wrong_transposed_store(monkeypatch):
     bad = selfcheck.run_checks(ops, reference, torch.device("cpu"), classes)
     assert set(bad) == {"cast_transpose_amax"}
     assert bad["cast_transpose_amax"] == ["float32 256x512 float8_e4m3fn", "float32 256x512 float8_e5m2"]
+
+
+def _bits_or_self(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def test_operators_are_opaque_to_compile_and_their_fakes_match(seed):
+    """Under torch.compile the operators stay calls into their own launches (the binaries the
+    first-use self-check ran; Inductor does not re-compile the kernels), their fake
+    implementations give the real outputs' shapes, dtypes and strides (opcheck), and a
+    compiled function calling every operator gives the eager bits."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    assert not ops.TRACED
+    x = awkward((48, 80), torch.float32)
+    s = torch.tensor(448.0 / 8)
+    cols = torch.rand(1, 80) + 0.5
+
+    def f(x, s, cols):
+        out = [*ops.cast_transpose_amax(x, s, E4M3), *ops.cast_amax(x, s, E5M2)]
+        out += [*ops.cast_rowwise(x, E4M3, True), ops.amax(x), ops.amax_cols(x)]
+        out += [*ops.cast_rowwise_dual(x, cols, E4M3, True), ops.cast_cols_t(x, cols, E5M2)]
+        out += [*ops.cast_block_1d(x, E4M3, 16, True, True, True), *ops.cast_block_2d(x, E4M3, 16, False, True, True)]
+        return out
+
+    eager = f(x, s, cols)
+    with FakeTensorMode() as mode:
+        fakes = f(mode.from_tensor(x), mode.from_tensor(s), mode.from_tensor(cols))
+    for e, k in zip(eager, fakes, strict=True):
+        assert (k.shape, k.dtype, k.stride()) == (e.shape, e.dtype, e.stride())
+    # what AOTAutograd and Inductor see: the operator, not the kernels inside it
+    gm = make_fx(f, tracing_mode="fake")(x, s, cols)
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert "lowprec.cast_transpose_amax.default" in targets and not any("triton_kernel" in t for t in targets)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x, s, cols)
+    for e, c in zip(eager, compiled, strict=True):
+        assert torch.equal(_bits_or_self(e), _bits_or_self(c))
+    torch.library.opcheck(torch.ops.lowprec.cast_transpose_amax.default, (x, s, E4M3))
+    torch.library.opcheck(torch.ops.lowprec.cast_block_1d.default, (x, E4M3, 16, True, True, True))
+    torch.library.opcheck(torch.ops.lowprec.cast_rowwise_dual.default, (x, cols, E4M3, True))

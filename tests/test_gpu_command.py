@@ -202,6 +202,8 @@ def test_targets_are_judged_from_the_rows():
         "results": [
             dict(variant="tensorwise", mode="eager", speedup_vs_bf16=1.3, peak_vs_bf16=0.9, tokens_per_s=900.0),
             dict(variant="torchao_tensorwise", mode="eager", tokens_per_s=1000.0),
+            dict(variant="tensorwise", mode="compiled", tokens_per_s=1000.0, loss_last_vs_bf16=1439.1),
+            dict(variant="rowwise", mode="eager", tokens_per_s=800.0, loss_last_vs_bf16=1.1),
         ]
     }
     tests = {"tests": 10, "passed": 9, "failures": 1, "errors": 0, "skipped": 0}
@@ -216,6 +218,13 @@ def test_targets_are_judged_from_the_rows():
     assert got["train tensorwise peak memory <= 0.85x bf16"] == "MISSED"
     assert got["train tensorwise ahead of torchao tensorwise (eager)"] == "MISSED"
     assert got["every gpu test passes"] == "MISSED"
+    rows = {row[0]: row[1] for row in summary.targets(lin, train, tests)}
+    key = "every training variant's last loss <= 2.0x bf16's (same mode)"
+    assert got[key] == "MISSED" and rows[key] == "tensorwise (compiled) 1439.10"
+    assert summary.targets(lin, {"results": train["results"][-1:]}, tests)[-2][1:] == [
+        "worst rowwise (eager) 1.10",
+        "met",
+    ]
 
 
 def test_compile_probe_runs_on_cpu(tmp_path):

@@ -176,6 +176,13 @@ def test_hadamard_is_orthogonal_and_undone_in_the_gemm():
     q = random_hadamard(seed=7)
     assert torch.equal(q @ q.t(), torch.eye(16))  # entries +-1/4: exact in float32
     assert torch.equal(q, random_hadamard(seed=7)) and not torch.equal(q, random_hadamard(seed=8))
+    # on a device: made once per (seed, size, device), so a step copies nothing from the host
+    on = random_hadamard(seed=7, device="cpu")
+    assert torch.equal(on, q) and random_hadamard(seed=7, device="cpu") is on
+    assert random_hadamard(seed=8, device="cpu") is not on and random_hadamard(seed=7, n=8, device="cpu").shape == (
+        8,
+        8,
+    )
     torch.manual_seed(4)
     dy, x = torch.randn(37, 24, dtype=torch.float64), torch.randn(37, 40, dtype=torch.float64)  # M ragged
     qa = q.to(torch.float64)

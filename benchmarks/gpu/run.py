@@ -65,8 +65,8 @@ class Part:
 
 
 PARTS = [
-    Part("setup", 45, "carried wheels + lowprec, offline"),
-    Part("gpu_tests", 100, "pytest -m gpu, JUnit XML"),
+    Part("setup", 30, "carried wheels + lowprec, offline"),
+    Part("gpu_tests", 130, "pytest -m gpu, JUnit XML"),
     Part("linear", 125, "Float8Linear fwd+bwd, Llama-3-8B shapes, eager then compiled, with estimates"),
     Part("cast", 35, "fused casts' GB/s against a measured copy"),
     Part("train", 125, "4 Llama-3-8B layers: tokens/s, peak memory, loss"),

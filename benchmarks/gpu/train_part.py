@@ -61,6 +61,7 @@ TINY = LlamaConfig(
 )
 TRAIN_RECIPES = ("tensorwise", "rowwise", "blockwise", "delayed", "mxfp8", "nvfp4")
 COMPILED = ("bf16", "tensorwise", "torchao_tensorwise")
+FIRST = ("bf16", "tensorwise")
 
 
 def variants(recipes: list[str]) -> list[tuple[str, object, bool]]:
@@ -151,6 +152,9 @@ def main(argv=None) -> int:
     backend = "inductor" if cuda else "eager"  # the rehearsal traces with Dynamo, skips code generation
     table = variants(recipes)
     plan = [(n, c, f, False) for n, c, f in table] + [(n, c, f, True) for n, c, f in table if n in COMPILED]
+    # bf16 and tensorwise, eager and compiled, first: the rows the targets read are measured
+    # before a budget stops the part (the third H200 run reached compiled tensorwise last)
+    plan.sort(key=lambda s: s[0] not in FIRST)
     if not cuda:  # the rehearsal compiles one variant of a 1-layer model: Dynamo's tracing on 2 CPU cores costs
         # about 10 s per layer and variant, and the code path is the same
         plan = [s for s in plan if not s[3] or s[0] == "tensorwise"]

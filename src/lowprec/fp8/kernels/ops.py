@@ -1,10 +1,17 @@
 """``torch.library`` operators around the Triton kernels (imports triton: load lazily).
 
-``torch.library.triton_op`` makes each a real operator (``torch.ops.lowprec.*``) whose body
-Inductor can see: it works in eager and under ``torch.compile(fullgraph=True)`` without a
-graph break, and its fake (meta) implementation is the same Python body traced with fake
-tensors, so no separate ``register_fake`` is needed. The bodies allocate fresh outputs and
-launch through ``wrap_triton``; nothing reads a device value on the host.
+Each kernel launch is wrapped in a real operator (``torch.ops.lowprec.*``) that works in eager
+and under ``torch.compile(fullgraph=True)`` without a graph break; nothing reads a device value
+on the host. The bodies allocate fresh outputs and launch the kernels.
+
+Under ``torch.compile`` the operators are opaque (``torch.library.custom_op`` with a fake
+implementation: the same body, launches skipped): the compiled graph calls them, and they
+launch the very binaries the first-use self-check (:mod:`.selfcheck`) ran. As
+``torch.library.triton_op``, Inductor would trace into the bodies and compile each kernel
+itself, with its own specialisation: binaries nobody checked. On the third H200 run (torch
+2.11, Triton 3.6) a compiled tensorwise model trained like that reached loss 7.2 in 10 steps
+where eager, and bf16, reached 0.005 (``docs/LOG.md``, 2026-11-28). ``LOWPREC_INDUCTOR_KERNELS=1``
+(read at import) brings the traced form back, for diagnosis.
 
 Launch shapes are fixed (no autotuning, so no benchmark runs inside a training step);
 ``benchmarks/cast.py --sweep`` times the alternatives through :func:`launch_cast`.
@@ -12,7 +19,10 @@ Launch shapes are fixed (no autotuning, so no benchmark runs inside a training s
 
 from __future__ import annotations
 
+import contextlib
+import os
 import struct
+from collections.abc import Callable, Iterator
 
 import torch
 import triton
@@ -48,6 +58,51 @@ __all__ = [
     "block_scaled_mm",
     "GEMM_TILE",
 ]
+
+# Inductor traces into the operators and compiles the kernels itself only when asked (see above)
+INDUCTOR_KERNELS_ENV = "LOWPREC_INDUCTOR_KERNELS"
+TRACED = os.environ.get(INDUCTOR_KERNELS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+_FAKE = [False]  # True while an operator's fake implementation runs its body: no launches
+
+
+@contextlib.contextmanager
+def _no_launch() -> Iterator[None]:
+    _FAKE[0] = True
+    try:
+        yield
+    finally:
+        _FAKE[0] = False
+
+
+def _skip(t: torch.Tensor) -> bool:
+    """No launch: a trace (``fp8.trace_as``: meta tensors carry shapes only) or a fake run."""
+    return _FAKE[0] or t.device.type == "meta"
+
+
+def _kernel(k):
+    """What to launch ``k`` through: ``wrap_triton`` (so a trace records it) in the traced form,
+    else the kernel itself (the operator is opaque; its own launch is the checked binary)."""
+    return wrap_triton(k) if TRACED else k
+
+
+def _operator(name: str, mutates_args) -> Callable:
+    """``triton_op`` (traced form) or an opaque ``custom_op`` whose fake runs the same body
+    without launching (outputs get their shapes, dtypes and strides from the body)."""
+
+    def wrap(fn: Callable):
+        if TRACED:
+            return triton_op(name, mutates_args=mutates_args)(fn)
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
+
+        def fake(*args, **kwargs):
+            with _no_launch():
+                return fn(*args, **kwargs)
+
+        op.register_fake(fake)
+        return op
+
+    return wrap
+
 
 _EPS_BITS = struct.unpack("<q", struct.pack("<d", AMAX_EPS))[0]  # float64 bits of AMAX_EPS
 
@@ -106,13 +161,13 @@ def launch_cast(
 ) -> None:
     """Launch the cast kernel into uint8 ``q`` (and ``qt``, int32 ``amax_bits`` if given;
     with ``q`` and ``qt`` both None it computes the amax alone)."""
-    if x.device.type == "meta":  # a trace (fp8.trace_as): outputs carry shapes only
+    if _skip(x):  # a trace (fp8.trace_as): outputs carry shapes only
         return
     m, n = x.shape
     bm, bn, warps = tile
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     dummy = next(t for t in (q, qt, amax_bits) if t is not None)
-    wrap_triton(cast_transpose_amax_kernel)[grid](
+    _kernel(cast_transpose_amax_kernel)[grid](
         x,
         scale,
         dummy if q is None else q,
@@ -134,7 +189,7 @@ def launch_cast(
     )
 
 
-@triton_op("lowprec::cast_transpose_amax", mutates_args=())
+@_operator("lowprec::cast_transpose_amax", ())
 def cast_transpose_amax(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,7 +207,7 @@ def cast_transpose_amax(
     return q.view(fp8_dtype), qt.view(fp8_dtype), amax_bits.view(torch.float32)
 
 
-@triton_op("lowprec::cast_amax", mutates_args=())
+@_operator("lowprec::cast_amax", ())
 def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass: ``(q, amax)`` (no transpose); see ``reference.cast_amax``."""
     _check(x, fp8_dtype)
@@ -162,7 +217,7 @@ def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> t
     return q.view(fp8_dtype), amax_bits.view(torch.float32)
 
 
-@triton_op("lowprec::cast_rowwise", mutates_args=())
+@_operator("lowprec::cast_rowwise", ())
 def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row scales and the cast in one kernel: ``(q, scale (rows, 1))``."""
     _check(x, fp8_dtype)
@@ -175,12 +230,12 @@ def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = Tru
 
 def _launch_axes(x, fp8_dtype, power_of_2, q, row_scale, col_scale, qt, tile) -> None:
     """cast_rowwise_kernel: row-scaled ``q`` (if given) and column-scaled ``qt`` (if given)."""
-    if x.device.type == "meta":
+    if _skip(x):
         return
     m, n = x.shape
     bm, bn, warps = tile
     dummy = q if q is not None else qt
-    wrap_triton(cast_rowwise_kernel)[(triton.cdiv(m, bm),)](
+    _kernel(cast_rowwise_kernel)[(triton.cdiv(m, bm),)](
         x,
         dummy if q is None else q,
         x if row_scale is None else row_scale,
@@ -203,7 +258,7 @@ def _launch_axes(x, fp8_dtype, power_of_2, q, row_scale, col_scale, qt, tile) ->
     )
 
 
-@triton_op("lowprec::amax", mutates_args=())
+@_operator("lowprec::amax", ())
 def amax(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` as a float32 scalar, one read of ``x`` (no ``abs()`` tensor in between)."""
     _check(x, torch.float8_e4m3fn)
@@ -212,21 +267,21 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return amax_bits.view(torch.float32)
 
 
-@triton_op("lowprec::amax_cols", mutates_args=())
+@_operator("lowprec::amax_cols", ())
 def amax_cols(x: torch.Tensor) -> torch.Tensor:
     """``amax_along(x, 0)``: per-column ``max |x|``, shape ``(1, cols)`` float32, one read."""
     _check(x, torch.float8_e4m3fn)
     m, n = x.shape
     bits = torch.zeros((1, n), dtype=torch.int32, device=x.device)
     bm, bn, warps = TILE
-    if x.device.type != "meta":
-        wrap_triton(amax_cols_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+    if not _skip(x):
+        _kernel(amax_cols_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             x, bits, m, n, x.stride(0), x.stride(1), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps
         )
     return bits.view(torch.float32)
 
 
-@triton_op("lowprec::cast_rowwise_dual", mutates_args=())
+@_operator("lowprec::cast_rowwise_dual", ())
 def cast_rowwise_dual(
     x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -245,7 +300,7 @@ def cast_rowwise_dual(
     return q.view(fp8_dtype), scale, qt.view(fp8_dtype)
 
 
-@triton_op("lowprec::cast_cols_t", mutates_args=())
+@_operator("lowprec::cast_cols_t", ())
 def cast_cols_t(x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """``x`` cast with per-column scales (1, cols), stored transposed: (cols, rows), one pass."""
     _check(x, fp8_dtype)
@@ -255,20 +310,20 @@ def cast_cols_t(x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype
     return qt.view(fp8_dtype)
 
 
-@triton_op("lowprec::recast_if_changed", mutates_args={"q", "qt"})
+@_operator("lowprec::recast_if_changed", {"q", "qt"})
 def recast_if_changed(
     x: torch.Tensor, scale_used: torch.Tensor, scale_cast: torch.Tensor, q: torch.Tensor, qt: torch.Tensor
 ) -> None:
     """Re-cast ``x`` into ``q`` and ``qt`` (its transpose) with ``scale_used`` when it differs
     from ``scale_cast``, the scale they hold; a no-op kernel otherwise (no read of ``x``)."""
     _check(x, q.dtype)
-    if x.device.type == "meta":
+    if _skip(x):
         return
     m, n = x.shape
     bm, bn, warps = TILE
     stores = ((True, False), (False, True)) if two_pass("recast_if_changed", x) else ((True, True),)
     for write_q, write_t in stores:
-        wrap_triton(recast_if_changed_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        _kernel(recast_if_changed_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             x,
             scale_used,
             scale_cast,
@@ -289,7 +344,7 @@ def recast_if_changed(
         )
 
 
-@triton_op("lowprec::delayed_scale_update", mutates_args={"history", "scale"})
+@_operator("lowprec::delayed_scale_update", {"history", "scale"})
 def delayed_scale_update(
     history: torch.Tensor,
     scale: torch.Tensor,
@@ -305,10 +360,10 @@ def delayed_scale_update(
     returns ``(scale to use now, scale before the update)``."""
     used = torch.empty((), dtype=torch.float32, device=history.device)
     old = torch.empty((), dtype=torch.float32, device=history.device)
-    if history.device.type == "meta":
+    if _skip(history):
         return used, old
     n = history.numel()
-    wrap_triton(delayed_scale_kernel)[(1,)](
+    _kernel(delayed_scale_kernel)[(1,)](
         history,
         scale,
         step,
@@ -333,7 +388,7 @@ BLOCK_WARPS = 8
 
 
 def _launch_block(x, fp8_dtype, block, power_of_2, square, q, qt, s, st) -> None:
-    if x.device.type == "meta":
+    if _skip(x):
         return
     if q is not None and qt is not None and two_pass("cast_block_2d" if square else "cast_block_1d", x):
         _launch_block(x, fp8_dtype, block, power_of_2, square, q, None, s, None if square else st)
@@ -341,7 +396,7 @@ def _launch_block(x, fp8_dtype, block, power_of_2, square, q, qt, s, st) -> None
         return
     m, n = x.shape
     dummy = q if q is not None else qt
-    wrap_triton(cast_blockwise_kernel)[(triton.cdiv(m, block), triton.cdiv(n, block))](
+    _kernel(cast_blockwise_kernel)[(triton.cdiv(m, block), triton.cdiv(n, block))](
         x,
         dummy if q is None else q,
         dummy if qt is None else qt,
@@ -370,7 +425,7 @@ def _check_block(x: torch.Tensor, fp8_dtype: torch.dtype, block: int) -> None:
         raise ValueError(f"the fused blockwise cast takes a power-of-two block of 16..128, got {block}")
 
 
-@triton_op("lowprec::cast_block_1d", mutates_args=())
+@_operator("lowprec::cast_block_1d", ())
 def cast_block_1d(
     x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, rows: bool, cols: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -399,7 +454,7 @@ def cast_block_1d(
     return q.view(fp8_dtype), rs.t() if rows else rs, qt.view(fp8_dtype), cs
 
 
-@triton_op("lowprec::cast_block_2d", mutates_args=())
+@_operator("lowprec::cast_block_2d", ())
 def cast_block_2d(
     x: torch.Tensor, fp8_dtype: torch.dtype, block: int, power_of_2: bool, rows: bool, cols: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -434,7 +489,7 @@ def _gemm_tile(device: torch.device) -> tuple[int, int, int, int, int]:
     return GEMM_TILE["sm89"] if torch.cuda.get_device_capability(device) < (9, 0) else GEMM_TILE["default"]
 
 
-@triton_op("lowprec::block_scaled_mm", mutates_args=())
+@_operator("lowprec::block_scaled_mm", ())
 def block_scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -456,11 +511,11 @@ def block_scaled_mm(
     m, k = a.shape
     n = b.shape[1]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if a.device.type == "meta":
+    if _skip(a):
         return c
     bm, bn, warps, stages, group_m = _gemm_tile(a.device)
     au, bu = a.view(torch.uint8), b.view(torch.uint8)
-    wrap_triton(block_scaled_mm_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+    _kernel(block_scaled_mm_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
         au,
         bu,
         a_inv_scale,
