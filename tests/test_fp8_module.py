@@ -256,6 +256,44 @@ def test_compile_fullgraph_matches_eager(seed, name):
         assert torch.allclose(he, hc, rtol=2.0**-6, atol=0)
 
 
+@pytest.mark.parametrize("opt_in", [False, True])
+def test_compiled_fp8_layers_run_eagerly_on_cuda_unless_asked(seed, monkeypatch, caplog, opt_in):
+    """On CUDA (stood in for here by patching the device test) torch.compile leaves each FP8
+    layer's GEMMs to its eager code, one graph break per layer, logged once, with the eager
+    results; LOWPREC_COMPILE_FP8=1 traces them (no break; fullgraph works)."""
+    from torch._dynamo.utils import counters
+
+    from lowprec.fp8 import compile_guard
+
+    monkeypatch.setattr(compile_guard, "_LOGGED", [False])
+    monkeypatch.setattr(compile_guard, "traced", lambda x: opt_in)
+    torch._dynamo.reset()
+    counters.clear()
+    net = Net()
+    fp8.convert(net, "tensorwise")
+    twin = copy.deepcopy(net)
+    x = torch.randn(4, 16)
+
+    def run(model):
+        with fp8.autocast():
+            y = model(x)
+        y.square().mean().backward()
+        return y.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want = run(net)
+    with caplog.at_level("WARNING", logger="lowprec.fp8"):
+        got = run(torch.compile(twin, backend="eager", fullgraph=opt_in))
+        run(torch.compile(twin, backend="eager", fullgraph=opt_in))  # a second call logs nothing more
+    breaks = sum(counters["graph_break"].values())
+    logged = [r for r in caplog.records if "run eagerly" in r.getMessage()]
+    if opt_in:
+        assert breaks == 0 and not logged
+    else:
+        assert breaks >= 1 and len(logged) == 1 and compile_guard.ENV in logged[0].getMessage()
+        assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert sqnr(want[0], got[0]) > 30
+
+
 def test_telemetry_reports_every_operand(seed):
     net = Net()
     fp8.convert(net, "tensorwise")

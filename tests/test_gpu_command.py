@@ -18,7 +18,7 @@ import run as gpu_run  # noqa: E402  (benchmarks/gpu/run.py: imports no torch)
 EXPECTED_FILES = {
     "setup.json",
     "gpu_tests.json",
-    "gpu_tests.junit.xml",
+    "compile_diag.json",
     "linear.json",
     "cast.json",
     "train.json",
@@ -52,7 +52,7 @@ def rehearsal(tmp_path_factory):
     folder = out / "cpu-dry-run"
     parts = {
         p: json.loads((folder / f"{p}.json").read_text())
-        for p in ("setup", "gpu_tests", "linear", "cast", "train")
+        for p in ("setup", "gpu_tests", "compile_diag", "linear", "cast", "train")
         if (folder / f"{p}.json").exists()
     }
     return res, folder, parts
@@ -99,7 +99,16 @@ def test_gpu_tests_are_collected_and_reported(rehearsal):
     tests = parts["gpu_tests"]["result"]
     assert tests["tests"] > 0 and tests["failures"] == 0 and tests["errors"] == 0
     assert tests["skipped"] == tests["tests"]  # no CUDA here: every gpu test skips, none errors at collection
-    assert (folder / "gpu_tests.junit.xml").stat().st_size > 0
+    assert "<testsuite" in parts["gpu_tests"]["junit_xml"]  # the report, inside gpu_tests.json
+
+
+def test_compile_diagnosis_reports_every_gradient(rehearsal):
+    _, _, parts = rehearsal
+    rows = parts["compile_diag"]["result"]["rows"]
+    assert rows and all("error" not in r for r in rows), rows
+    for r in rows:
+        assert {"output", "grad_input", "grad_weight"} <= set(r)
+        assert r["grad_input"]["zero_fraction"] < 0.5 and r["grad_input"]["sqnr_vs_eager_db"] > 20
 
 
 def test_linear_rows_carry_measurements_and_estimates(rehearsal):

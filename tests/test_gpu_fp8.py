@@ -43,12 +43,26 @@ def test_training_step_never_syncs_the_host(recipe):
         torch.cuda.set_sync_debug_mode("default")
 
 
+TRACED_COMPILE_FAULT = (
+    "compiled FP8 backward on CUDA gave exact-zero input gradients on the H200 (torch 2.11), blockwise "
+    "a graph break; fp8/compile_guard.py keeps the GEMMs eager until this passes"
+)
+
+
+@pytest.mark.parametrize(
+    "traced", [False, pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=TRACED_COMPILE_FAULT))]
+)
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed", "blockwise"])
-def test_compiled_matches_eager_on_cuda(recipe):
+def test_compiled_matches_eager_on_cuda(recipe, traced, monkeypatch):
     """Compiled (Inductor) against eager, forward and both gradients, over three SGD steps, on
     float32 master weights with 16-divisible dims (the class whose one-pass transposed cast
-    ptxas got wrong on the H200): the third H200 run's compiled tensorwise model trained to
-    loss 7.2 where eager reached 0.005, while this test compared forward outputs only."""
+    ptxas got wrong on the H200). As users get it (the GEMMs left eager by the compile guard)
+    and traced into the graph (``LOWPREC_COMPILE_FP8=1``): the fourth H200 run found the traced
+    form's input gradient all zeros, while the forward-only form of this test had passed."""
+    from lowprec.fp8 import compile_guard
+
+    if traced:
+        monkeypatch.setenv(compile_guard.ENV, "1")
     dev = _fp8_gpu()
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -59,7 +73,7 @@ def test_compiled_matches_eager_on_cuda(recipe):
     ]
     for layer in layers:
         layer.load_state_dict(base.state_dict(), strict=False)
-    calls = [layers[0], torch.compile(layers[1], fullgraph=True)]
+    calls = [layers[0], torch.compile(layers[1], fullgraph=traced)]
     w64 = base.weight.detach().double()
     for step in range(3):
         x = torch.randn(2048, 4096, device=dev)

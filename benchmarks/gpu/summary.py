@@ -202,6 +202,25 @@ def render(summary: dict, parts: dict[str, dict]) -> str:
         ]
         lines += [f"- FAILED {f['test']}: {f['message']}" for f in tests["failed_tests"][:20]]
         lines += [f"- skipped x{n}: {m}" for m, n in list(tests["skip_reasons"].items())[:5]]
+    diag = (parts.get("compile_diag") or {}).get("result")
+    if diag:
+        lines += ["", "## Compiled FP8 backward, traced (LOWPREC_COMPILE_FP8=1): SQNR vs eager, dB (zero fraction)", ""]
+
+        def cell(r, k):
+            return f"{r[k]['sqnr_vs_eager_db']} ({r[k]['zero_fraction']})" if k in r else r.get("error", "")[:60]
+
+        rows = [
+            [
+                r["recipe"],
+                r["variant"],
+                cell(r, "output"),
+                cell(r, "grad_input"),
+                cell(r, "grad_weight"),
+                r.get("seconds"),
+            ]
+            for r in diag.get("rows", [])
+        ]
+        lines += _table(["recipe", "variant", "output", "grad_input", "grad_weight", "s"], rows)
     lin = (parts.get("linear") or {}).get("result")
     if lin:
         lines += ["", "## Float8Linear fwd+bwd (ms; traced bytes and both estimates beside each)", ""]

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from lowprec.fp8 import compile_guard
 from lowprec.fp8.autocast import torch_autocast_off
 from lowprec.fp8.linear import bump_state_epoch
 
@@ -145,6 +146,8 @@ class Float8GroupedGemm(nn.Module):
                 f"{tuple(weight.shape)} weight"
             )
         try:
+            if torch.compiler.is_compiling() and not compile_guard.traced(x):  # CUDA: see compile_guard
+                return compile_guard.run_eagerly(recipe.kind.grouped_forward, self, x, weight, counts, recipe, hp)
             return recipe.kind.grouped_forward(self, x, weight, counts, recipe, hp)
         finally:  # the slots held views of this call's weight: let them go with the call
             for s in self._slots:

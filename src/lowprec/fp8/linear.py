@@ -51,6 +51,7 @@ from lowprec.fp8.autocast import (
     recomputing_unmarked,
     torch_autocast_dtype,
 )
+from lowprec.fp8 import compile_guard
 from lowprec.fp8.frozen import drop_frozen_cache
 from lowprec.fp8.kinds.delayed import OPERANDS
 from lowprec.fp8.mx import BlockScaledData
@@ -240,6 +241,11 @@ class Float8Linear(FP8Switch, nn.Linear):
         recipe = self._active_recipe()
         if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
             return F.linear(x, self.gemm_weight(), self.bias)
+        if torch.compiler.is_compiling() and not compile_guard.traced(x):  # CUDA: see compile_guard
+            return compile_guard.run_eagerly(self._fp8_forward, x, recipe)
+        return self._fp8_forward(x, recipe)
+
+    def _fp8_forward(self, x: torch.Tensor, recipe: Recipe) -> torch.Tensor:
         hp = torch_autocast_dtype(x.device.type, x.dtype)
         if is_tensor_parallel(self.weight):  # DTensor weight: local GEMMs, whole-tensor scales
             return tp_forward(self, x, recipe, hp)
