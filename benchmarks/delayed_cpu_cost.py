@@ -44,7 +44,7 @@ def main() -> None:
     from lowprec import fp8
 
     quantize = sys.modules["lowprec.fp8.quantize"]  # the module (lowprec.fp8 exports a function of that name)
-    saturate = quantize._saturate_
+    saturate = quantize.saturate_
 
     def no_passes(y, dtype, *, may_hold_inf=True):
         return y.to(dtype)
@@ -67,7 +67,7 @@ def main() -> None:
     times: dict = {}
     for _ in range(args.rounds):
         for (variant, shape), layer in layers.items():
-            quantize._saturate_ = no_passes if variant.endswith("passes") else saturate
+            quantize.saturate_ = no_passes if variant.endswith("passes") else saturate
             try:
                 run(layer, inputs[shape[0]])
                 t = time.process_time()
@@ -75,7 +75,7 @@ def main() -> None:
                     run(layer, inputs[shape[0]])
                 times.setdefault((variant, shape), []).append((time.process_time() - t) / args.iters * 1e3)
             finally:
-                quantize._saturate_ = saturate
+                quantize.saturate_ = saturate
     results = {v: {"per_shape_ms": {}, "per_step_ms": 0.0} for v in VARIANTS}
     for (variant, shape), ms in times.items():
         med = statistics.median(ms)

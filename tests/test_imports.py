@@ -23,11 +23,6 @@ STDLIB = set(sys.stdlib_module_names)
 
 # (importer, imported): cycles still closed by an import inside a function, and why they remain
 KNOWN_CYCLES = {
-    # quantize() dispatches to the fused Triton casts on CUDA; the kernels' torch reference
-    # (kernels/reference.py) is defined by quantize's own functions. Breaking it means moving the
-    # torch definitions of the casts into a module of their own that both import.
-    ("lowprec.fp8.quantize", "lowprec.fp8.kernels"),
-    ("lowprec.fp8.quantize", "lowprec.fp8.block_cast"),
     # Accelerate's kwargs module re-exports the FP8 recipe kwargs (PEP 562), which build on it
     ("lowprec.kwargs", "lowprec.fp8_kwargs"),
     # lowprec.utils mirrors accelerate.utils: its __init__ re-exports helpers built on the

@@ -8,7 +8,7 @@ FP8 weight), transposed for grad_input. On CUDA with the Triton kernels
 (:func:`lowprec.fp8.kernels.cast_block_1d` / ``cast_block_2d``) one read of each
 high-precision tensor writes both, each in the memory layout its GEMM reads (torch's blockwise
 ``scaled_mm``: A row-major, B column-major), so :mod:`lowprec.fp8.block_gemm` copies nothing.
-Values are those of :func:`lowprec.fp8.quantize.quantize_blockwise` (``fused=False``); only the layouts
+Values are those of :func:`lowprec.fp8.torch_casts.quantize_blockwise_torch`; only the layouts
 (of data and scales) differ, and every consumer reads through strides.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from lowprec.fp8 import kernels
-from lowprec.fp8.quantize import Float8Data, quantize_blockwise
+from lowprec.fp8.torch_casts import Float8Data, quantize_blockwise_torch
 
 __all__ = ["fusable", "quantize_blockwise_fused", "cast_block_both", "quantize_square_transposed"]
 
@@ -68,14 +68,14 @@ def cast_block_both(
     if square:
         sq = (size, size)
         if not _fused(t, size):
-            q = quantize_blockwise(t, dtype, sq, power_of_2=power_of_2)
+            q = quantize_blockwise_torch(t, dtype, sq, power_of_2)
             return q, q
         d, s, dt, st = kernels.cast_block_2d(t.detach(), dtype, size, power_of_2, rows=True, cols=True)
         return Float8Data(d, s, "block", sq, power_of_2), Float8Data(dt.t(), st, "block", sq, power_of_2)
     if not _fused(t, size):
         return (
-            quantize_blockwise(t, dtype, (1, size), power_of_2=power_of_2),
-            quantize_blockwise(t, dtype, (size, 1), power_of_2=power_of_2),
+            quantize_blockwise_torch(t, dtype, (1, size), power_of_2),
+            quantize_blockwise_torch(t, dtype, (size, 1), power_of_2),
         )
     d, rs, dt, cs = kernels.cast_block_1d(t.detach(), dtype, size, power_of_2)
     return Float8Data(d, rs, "block", (1, size), power_of_2), Float8Data(dt.t(), cs, "block", (size, 1), power_of_2)
@@ -85,6 +85,6 @@ def quantize_square_transposed(w: torch.Tensor, dtype: torch.dtype, size: int, p
     """``w`` in size x size blocks for the GEMM contracting its dim 0 (grad_input's ``W``): on
     CUDA written transposed in one pass, so the GEMM reads it column-major without a copy."""
     if not _fused(w, size):
-        return quantize_blockwise(w, dtype, (size, size), power_of_2=power_of_2)
+        return quantize_blockwise_torch(w, dtype, (size, size), power_of_2)
     _, _, qt, st = kernels.cast_block_2d(w.detach(), dtype, size, power_of_2, rows=False, cols=True)
     return Float8Data(qt.t(), st, "block", (size, size), power_of_2)

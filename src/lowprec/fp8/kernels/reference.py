@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 
-from lowprec.fp8.quantize import saturated_cast
+from lowprec.fp8.torch_casts import quantize_blockwise_torch, saturated_cast
 from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
-from lowprec.fp8.quantize import quantize_blockwise
 
 
 __all__ = [
@@ -118,8 +117,8 @@ def cast_block_1d(
     block x 1 tiles stored transposed, contiguous (``cols``); empty tensors for what is not asked."""
 
     none = torch.empty(0, dtype=fp8_dtype, device=x.device), torch.empty(0, device=x.device)
-    r = quantize_blockwise(x, fp8_dtype, (1, block), power_of_2=power_of_2, fused=False) if rows else None
-    c = quantize_blockwise(x, fp8_dtype, (block, 1), power_of_2=power_of_2, fused=False) if cols else None
+    r = quantize_blockwise_torch(x, fp8_dtype, (1, block), power_of_2) if rows else None
+    c = quantize_blockwise_torch(x, fp8_dtype, (block, 1), power_of_2) if cols else None
     q, rs = (r.data, r.scale) if r is not None else none
     qt, cs = (c.data.t().contiguous(), c.scale) if c is not None else none
     return q, rs, qt, cs
@@ -131,7 +130,7 @@ def cast_block_2d(
     """``(q, scale, qt, scale_t)``: ``x`` cast with block x block tiles (``rows``), its
     transpose (contiguous) with the same scales as ``scale_t`` (``cols``); empty where not asked."""
 
-    b = quantize_blockwise(x, fp8_dtype, (block, block), power_of_2=power_of_2, fused=False)
+    b = quantize_blockwise_torch(x, fp8_dtype, (block, block), power_of_2)
     empty = torch.empty(0, dtype=fp8_dtype, device=x.device), torch.empty(0, device=x.device)
     q = b.data if rows else empty[0]
     qt, st = (b.data.t().contiguous(), b.scale) if cols else empty
