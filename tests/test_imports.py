@@ -22,14 +22,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 STDLIB = set(sys.stdlib_module_names)
 
 # (importer, imported): cycles still closed by an import inside a function, and why they remain
-KNOWN_CYCLES = {
-    # Accelerate's kwargs module re-exports the FP8 recipe kwargs (PEP 562), which build on it
-    ("lowprec.kwargs", "lowprec.fp8_kwargs"),
-    # lowprec.utils mirrors accelerate.utils: its __init__ re-exports helpers built on the
-    # Accelerator and the kwargs, which use a few of them (lazily, both ways)
-    ("lowprec.kwargs", "lowprec.utils"),
-    ("lowprec.utils", "lowprec.accelerator"),
-}
+KNOWN_CYCLES: set[tuple[str, str]] = set()
 # (importer, imported): lazy on purpose, for a behaviour a test shows
 LAZY_ON_PURPOSE = {
     # loaded with the Accelerator, the checkpoint machinery made Accelerate's debug_launcher tests

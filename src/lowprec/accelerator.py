@@ -12,7 +12,6 @@ import contextlib
 import functools
 import inspect
 import logging
-from enum import Enum
 from typing import Any, Optional
 
 import torch
@@ -42,7 +41,7 @@ from lowprec.utils.aliases import alias
 from lowprec.utils.checkpointing import CheckpointingMixin
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
 from lowprec.utils.dispatcher import DataLoaderDispatcher
-from lowprec.utils.dataclasses import DataLoaderConfiguration, ProjectConfiguration, TorchDynamoPlugin
+from lowprec.utils.dataclasses import DataLoaderConfiguration, FP8BackendType, ProjectConfiguration, TorchDynamoPlugin
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_clip, deepspeed_initialize
 from lowprec.utils.distributed import clip_grad_norm, trigger_sync_in_backward, wrap_ddp, wrap_fsdp2
 from lowprec.utils.nonfinite import NonFiniteGuard
@@ -58,16 +57,6 @@ from lowprec.utils.operations import recursively_apply
 __all__ = ["Accelerator", "FP8BackendType"]
 
 logger = logging.getLogger("lowprec")
-
-
-class FP8BackendType(str, Enum):
-    """Accelerate's enum, plus NATIVE; compares equal to its string value."""
-
-    NO = "NO"
-    NATIVE = "NATIVE"
-    AO = "AO"
-    TE = "TE"
-    MSAMP = "MSAMP"
 
 
 def _is_scheduler(obj: Any) -> bool:

@@ -24,12 +24,21 @@ from lowprec.catalog import (
     unread_recipe_fields,
 )
 from lowprec.config import values as V
-from lowprec.kwargs import _FP8_NAMES, FP8_PREFIX, ForwardEveryField, _alias, env_get, environ
+from lowprec.kwargs_base import FP8_PREFIX, ForwardEveryField, _alias, env_get, environ
 from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field, get_spec, lookup, spec_or_native
 from lowprec.config.env import ENV_VARS, check_fp8_fields, read_env
 from lowprec.errors import did_you_mean
 
-__all__ = list(_FP8_NAMES)
+__all__ = [
+    "RecipeKwargs",
+    "TERecipeKwargs",
+    "MSAMPRecipeKwargs",
+    "AORecipeKwargs",
+    "NativeRecipeKwargs",
+    "FP8RecipeKwargs",
+    "normalize_backend",
+    "recipe_kwargs_from_config",
+]
 
 _CATALOG = object()  # "the field's default is lowprec.catalog.FIELD_DEFAULTS's"
 

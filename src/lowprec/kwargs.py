@@ -4,7 +4,7 @@ Every field resolves once, in ``__post_init__``: the explicit argument, then its
 variable, then the documented default. ``to_kwargs()`` returns *every* resolved value (unlike
 Accelerate, reference section 8, bug 10), so the value a user reads in the docs is the value the
 backend receives. The FP8 recipe handlers live in :mod:`lowprec.fp8_kwargs` and are importable
-from here too.
+from here too; what both build on is in :mod:`lowprec.kwargs_base`.
 
 All environment reading goes through :func:`environ` (one place; the launch variables are parsed
 by :func:`lowprec.config.env.read_env` over it).
@@ -13,10 +13,30 @@ by :func:`lowprec.config.env.read_env` over it).
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
-from lowprec.config import values as V
+from typing import Any, Callable, Optional
+
+from lowprec.fp8_kwargs import (  # the FP8 recipe handlers, Accelerate-named: found here too
+    AORecipeKwargs,
+    FP8RecipeKwargs,
+    MSAMPRecipeKwargs,
+    NativeRecipeKwargs,
+    RecipeKwargs,
+    TERecipeKwargs,
+    normalize_backend,
+    recipe_kwargs_from_config,
+)
+from lowprec.kwargs_base import (
+    ForwardEveryField,
+    KwargsHandler,
+    _int,
+    env_flag,
+    env_get,
+    env_int,
+    environ,
+    parse_bool,
+    parse_override_linear_precision,
+)
 
 __all__ = [
     "environ",
@@ -34,9 +54,7 @@ __all__ = [
     "FullyShardedDataParallelPlugin",
     "DeepSpeedPlugin",
 ]
-# The FP8 handlers live in lowprec.fp8_kwargs; they are Accelerate-named, so they are found here
-# too (loaded on first use by ``__getattr__`` below: fp8_kwargs imports this module).
-_FP8_NAMES = (
+__all__ += [
     "RecipeKwargs",
     "TERecipeKwargs",
     "MSAMPRecipeKwargs",
@@ -45,102 +63,7 @@ _FP8_NAMES = (
     "FP8RecipeKwargs",
     "normalize_backend",
     "recipe_kwargs_from_config",
-)
-__all__ += _FP8_NAMES
-
-FP8_PREFIX = "ACCELERATE_FP8_"
-
-
-# --------------------------------------------------------------------------- environment
-def environ() -> Mapping[str, str]:
-    """The one source of environment values for lowprec's Accelerate surface."""
-    return os.environ
-
-
-def env_get(name: str) -> Optional[str]:
-    value = environ().get(name)
-    return None if value is None or value == "" else value
-
-
-def env_int(name: str, default: int) -> int:
-    """An integer variable; a bad value is an error naming the variable."""
-    raw = env_get(name)
-    return default if raw is None else _int(f"environment variable {name}")(raw)
-
-
-def parse_bool(value: Any, key: str) -> bool:
-    """``y/yes/t/true/on/1`` and ``n/no/f/false/off/0`` (any case), as Accelerate's str_to_bool
-    (:func:`lowprec.config.values.parse_bool`, with the key named in the error)."""
-
-    try:
-        return V.parse_bool(value)
-    except ValueError:
-        raise ValueError(f"{key}={value!r} is not a boolean; use true or false") from None
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    value = env_get(name)
-    return default if value is None else parse_bool(value, name)
-
-
-def parse_override_linear_precision(value: Any, key: str = "override_linear_precision") -> tuple:
-    """Three booleans (fprop, dgrad, wgrad) from a tuple, a list or a string such as
-    ``"(false, false, true)"`` (:func:`lowprec.config.values.parse_override_linear_precision`;
-    Accelerate indexed the string per character, reference section 3.4, bug 6)."""
-
-    try:
-        return V.parse_override_linear_precision(value)
-    except ValueError as err:
-        raise ValueError(f"{key}: {err}") from None
-
-
-def _int(key: str) -> Callable[[Any], int]:
-    def convert(value: Any) -> int:
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key} must be an integer, got {value!r}") from None
-
-    return convert
-
-
-def _alias(obj: Any, name: str, alias: str, value: Any) -> None:
-    """Fold a wizard-spelt alias (``amax_history_length``) into the real field."""
-    if value is None:
-        return
-    if getattr(obj, name) is not None and getattr(obj, name) != value:
-        raise ValueError(f"both {name}= and its alias {alias}= were given; keep {name}=")
-    object.__setattr__(obj, name, value)
-
-
-# --------------------------------------------------------------------------- base
-class KwargsHandler:
-    """Base of every handler, as in Accelerate: not a dataclass itself, so a script's own
-    ``@dataclass`` subclass (frozen or not) works.
-
-    ``to_kwargs()`` keeps Accelerate's contract: the fields that differ from a default instance
-    built with the environment cleared. lowprec's handlers that configure another library
-    (``GradScalerKwargs``, the FP8 recipes) derive from :class:`ForwardEveryField` instead.
-    """
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
-
-    def to_kwargs(self) -> dict[str, Any]:
-        from lowprec.utils.environment import clear_environment
-
-        with clear_environment():
-            default = self.__class__().to_dict()
-        return {k: v for k, v in self.to_dict().items() if default.get(k) != v}
-
-
-class ForwardEveryField(KwargsHandler):
-    """``to_kwargs()`` returns every resolved field: forwarding only non-defaults lets the
-    library's own defaults win silently (Accelerate's TE ``amax_compute_algo='max'`` against
-    its documented ``'most_recent'``, reference section 8)."""
-
-    def to_kwargs(self) -> dict[str, Any]:
-        return self.to_dict()
+]
 
 
 @dataclass(frozen=True)
@@ -330,12 +253,3 @@ class DeepSpeedPlugin(KwargsHandler):
 
     def __post_init__(self) -> None:
         _resolve_env_fields(self)
-
-
-# --------------------------------------------------------------------------- FP8 recipe kwargs
-def __getattr__(name: str) -> Any:
-    if name in _FP8_NAMES:
-        from lowprec import fp8_kwargs
-
-        return getattr(fp8_kwargs, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

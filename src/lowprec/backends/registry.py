@@ -14,7 +14,8 @@ from typing import Any, Optional, Union
 from lowprec.backends.base import Backend, log_once
 from lowprec.backends.spec import BackendSpec, get_spec, lookup, specs
 from lowprec.decision import Decision
-from lowprec.kwargs import FP8_PREFIX, FP8RecipeKwargs, RecipeKwargs, env_flag, env_get, environ
+from lowprec.fp8_kwargs import FP8RecipeKwargs, RecipeKwargs
+from lowprec.kwargs_base import FP8_PREFIX, env_flag, env_get, environ
 from lowprec.config.env import ENV_VARS, FP8_OVERRIDE_VARS
 
 __all__ = [

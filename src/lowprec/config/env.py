@@ -73,9 +73,10 @@ as flags; torchrun then sets ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``MASTER_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -84,6 +85,7 @@ from lowprec.catalog import check_tensor_parallel
 from lowprec.errors import UsageError, did_you_mean
 from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field, spec_or_native, specs
 from lowprec.catalog import unread_recipe_fields
+
 
 __all__ = [
     "LaunchSettings",
@@ -96,7 +98,23 @@ __all__ = [
     "check_fp8_fields",
     "owned_env_var",
     "read_env",
+    "clear_environment",
 ]
+
+
+@contextlib.contextmanager
+def clear_environment() -> Iterator[None]:
+    """Run the block with an empty ``os.environ``; the caller's environment comes back exactly
+    afterwards (variables the block set are gone, removed ones return). Accelerate's
+    ``accelerate.utils.clear_environment`` (``lowprec.utils`` re-exports it)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
 
 FP8_OVERRIDE_VARS = (
     "ACCELERATE_FP8_OVERRIDE_FPROP",

@@ -28,6 +28,7 @@ from lowprec.state.partial import DistributedType
 from lowprec.utils.data_loader import skip_first_batches
 from lowprec.utils.dataclasses import (
     DataLoaderConfiguration,
+    FP8BackendType,
     LoggerType,
     ProfileKwargs,
     ProjectConfiguration,
@@ -110,11 +111,3 @@ __all__ = [
     "send_to_device",
     "set_seed",
 ]
-
-
-def __getattr__(name: str):
-    if name == "FP8BackendType":  # lives with the Accelerator; imported lazily to avoid a cycle
-        from lowprec.accelerator import FP8BackendType
-
-        return FP8BackendType
-    raise AttributeError(f"module 'lowprec.utils' has no attribute {name!r}")

@@ -16,7 +16,25 @@ from lowprec.backends.base import log_once
 from lowprec.config.values import parse_bool
 from lowprec.utils.imports import is_torchdata_stateful_dataloader_available
 
-__all__ = ["DataLoaderConfiguration", "ProjectConfiguration", "LoggerType", "ProfileKwargs", "TorchDynamoPlugin"]
+__all__ = [
+    "DataLoaderConfiguration",
+    "ProjectConfiguration",
+    "LoggerType",
+    "ProfileKwargs",
+    "TorchDynamoPlugin",
+    "FP8BackendType",
+]
+
+
+class FP8BackendType(str, Enum):
+    """Accelerate's enum (``accelerate.utils.dataclasses.FP8BackendType``), plus NATIVE; compares
+    equal to its string value."""
+
+    NO = "NO"
+    NATIVE = "NATIVE"
+    AO = "AO"
+    TE = "TE"
+    MSAMP = "MSAMP"
 
 
 class LoggerType(str, Enum):

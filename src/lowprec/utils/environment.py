@@ -2,21 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Iterator
+from lowprec.config.env import clear_environment
 
 __all__ = ["clear_environment"]
-
-
-@contextlib.contextmanager
-def clear_environment() -> Iterator[None]:
-    """Run the block with an empty ``os.environ``; the caller's environment comes back exactly
-    afterwards (variables the block set are gone, removed ones return)."""
-    saved = dict(os.environ)
-    os.environ.clear()
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
