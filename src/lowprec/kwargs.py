@@ -16,7 +16,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from lowprec.fp8_kwargs import (  # the FP8 recipe handlers, Accelerate-named: found here too
+from lowprec import fp8_kwargs, kwargs_base
+from lowprec.fp8_kwargs import (  # noqa: F401 - the FP8 recipe handlers, Accelerate-named: found here too
     AORecipeKwargs,
     FP8RecipeKwargs,
     MSAMPRecipeKwargs,
@@ -26,7 +27,7 @@ from lowprec.fp8_kwargs import (  # the FP8 recipe handlers, Accelerate-named: f
     normalize_backend,
     recipe_kwargs_from_config,
 )
-from lowprec.kwargs_base import (
+from lowprec.kwargs_base import (  # noqa: F401 - re-exported (__all__)
     ForwardEveryField,
     KwargsHandler,
     _int,
@@ -38,14 +39,9 @@ from lowprec.kwargs_base import (
     parse_override_linear_precision,
 )
 
+# what a script imports from here: the shared helpers, the handlers below, the FP8 handlers
 __all__ = [
-    "environ",
-    "env_flag",
-    "env_int",
-    "parse_bool",
-    "parse_override_linear_precision",
-    "KwargsHandler",
-    "ForwardEveryField",
+    *(n for n in kwargs_base.__all__ if n != "FP8_PREFIX"),
     "AutocastKwargs",
     "GradScalerKwargs",
     "DistributedDataParallelKwargs",
@@ -53,16 +49,7 @@ __all__ = [
     "GradientAccumulationPlugin",
     "FullyShardedDataParallelPlugin",
     "DeepSpeedPlugin",
-]
-__all__ += [
-    "RecipeKwargs",
-    "TERecipeKwargs",
-    "MSAMPRecipeKwargs",
-    "AORecipeKwargs",
-    "NativeRecipeKwargs",
-    "FP8RecipeKwargs",
-    "normalize_backend",
-    "recipe_kwargs_from_config",
+    *fp8_kwargs.__all__,
 ]
 
 
