@@ -684,6 +684,10 @@ def test_trainer_lora_on_a_compressed_tensors_export_merges_into_fp8(tiny_run, t
     capsys.readouterr()
     assert main(["export", str(run), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
     assert "merge_lora already wrote" in _one_line(capsys)
+    # a compressed-tensors scheme lowprec cannot hold as an FP8 base: one line naming the key
+    (ct / "config.json").write_text((ct / "config.json").read_text().replace('"float-quantized"', '"int-quantized"'))
+    with pytest.raises(ValueError, match=r"^base_model: FP8 base .*format int-quantized is not float-quantized"):
+        train(load_config(TINY, {**lora, "output_dir": str(tmp_path / "refused")}))
 
 
 def test_accelerator_save_model_writes_the_fp8_export(tmp_path):

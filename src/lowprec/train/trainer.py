@@ -138,7 +138,10 @@ def _build_model(
     if is_fp8_base(path):
         sharded = cfg.fsdp_version is not None or cfg.deepspeed is not None or cfg.tensor_parallel_size > 1
         check_trainer_fp8_base(path, cfg.adapter, sharded)
-        model = load_fp8_base(path)
+        try:
+            model = load_fp8_base(path)
+        except ValueError as exc:  # the directory's scheme or files: name the key it came from
+            raise ValueError(f"base_model: {exc}") from None
     else:
         model = load_causal_lm(path, cfg.model_type, cfg.trust_remote_code, bool(cfg.load_in_4bit))
     if vocab_size > model.get_input_embeddings().num_embeddings:
