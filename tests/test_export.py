@@ -288,6 +288,19 @@ def test_compressed_tensors_missing_is_one_line(tmp_path, monkeypatch):
         export_model(model, str(tmp_path), "compressed-tensors")
 
 
+# a `lowprec train` of examples/tiny.yaml cut to seconds: short rows, no warmup, evals or epoch saves
+_FAST = {
+    "sequence_len": 32,
+    "micro_batch_size": 2,
+    "eval_batches": 1,
+    "eval_steps": None,
+    "warmup_steps": 0,
+    "saves_per_epoch": None,
+    "evals_per_epoch": None,
+    "warmup_ratio": None,
+}
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A 1-step blockwise `lowprec train` run of the built-in llama-tiny, with a checkpoint."""
@@ -296,18 +309,11 @@ def tiny_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("run")
     fast = {
-        "sequence_len": 32,
-        "micro_batch_size": 2,
+        **_FAST,
         "dataset_max_bytes": 100_000,
-        "eval_batches": 1,
-        "eval_steps": None,
-        "warmup_steps": 0,
         "max_steps": 1,
         "save_steps": 1,
         "fp8_recipe": "blockwise",
-        "saves_per_epoch": None,
-        "evals_per_epoch": None,
-        "warmup_ratio": None,
         "output_dir": str(out),
         "export": ["hf-fp8"],
     }
@@ -395,18 +401,7 @@ def test_cli_exports_a_hugging_face_gpt2_run(tmp_path):
     spec.loader.exec_module(maker)
     base = maker.main([str(tmp_path / "gpt2"), "--arch", "gpt2", "--hidden", "128", "--pretrain_steps", "0"])
     run = tmp_path / "run"
-    common = {
-        "sequence_len": 32,
-        "micro_batch_size": 2,
-        "dataset_max_bytes": 50_000,
-        "eval_batches": 1,
-        "eval_steps": None,
-        "warmup_steps": 0,
-        "fp8_recipe": "blockwise",
-        "saves_per_epoch": None,
-        "evals_per_epoch": None,
-        "warmup_ratio": None,
-    }
+    common = {**_FAST, "dataset_max_bytes": 50_000, "fp8_recipe": "blockwise"}
     train(
         load_config(
             TINY,
@@ -481,70 +476,218 @@ def test_bad_inputs_are_one_exit_2_line(tiny_run, tmp_path, capsys):
     assert cfg["format"] == "nvfp4-pack-quantized"
 
 
-def test_an_hf_fp8_export_is_a_frozen_fp8_base_for_lora(tmp_path):
-    """load_fp8_base keeps the stored E4M3 bytes (1 byte per weight resident), runs the trained
-    model's FP8 forward and input gradient from the stored scales (bit for bit), and peft LoRA
-    trains on it without moving them."""
+BASES = [  # recipe, format, the base layers' granularity, the scale's key
+    ("blockwise", "hf-fp8", "block", "weight_scale_inv"),
+    ("tensorwise", "compressed-tensors", "tensor", "weight_scale"),
+    ("rowwise", "compressed-tensors", "channel", "weight_scale"),
+    ("blockwise", "compressed-tensors", "block", "weight_scale"),
+]
+
+
+def _base_layers(model) -> dict:
+    return {n: m for n, m in model.named_modules() if isinstance(m, fp8.Float8BaseLinear)}
+
+
+def _assert_holds_stored(layers: dict, stored: dict, scale_key: str) -> None:
+    """Each Float8BaseLinear holds the file's E4M3 bytes and scales, bit for bit."""
+    for n, m in layers.items():
+        assert torch.equal(m.weight, stored[f"{n}.weight"].view(torch.uint8)), n
+        scale = stored[f"{n}.{scale_key}"]
+        assert torch.equal(m.stored_scale(), scale.reshape(m.stored_scale().shape)), n
+
+
+def _fwd_bwd(m, ids):
+    """Logits and the input gradient of one training-mode forward and backward."""
+    m.train()
+    emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
+    logits = m(inputs_embeds=emb).logits.float()
+    logits.square().mean().backward()
+    return logits.detach(), emb.grad
+
+
+def _lora_steps(model, ids, steps=4):
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("recipe,fmt,granularity,scale_key", BASES, ids=[f"{c[1]}-{c[0]}" for c in BASES])
+def test_fp8_exports_are_frozen_fp8_bases_for_lora_and_merge(tmp_path, recipe, fmt, granularity, scale_key):
+    """load_fp8_base keeps the stored E4M3 bytes and scales (1 byte per weight resident) of an
+    hf-fp8 or compressed-tensors (per tensor, channel, block) export, computes what transformers'
+    dequantized model computes, runs the trained model's FP8 forward from the stored scales (bit
+    for bit), peft LoRA trains on it without moving them, and merge_lora_fp8_base writes the base's
+    format with the merged layers re-quantized: within one FP8 rounding of base + adapter."""
     import peft
 
     from lowprec.export import load_fp8_base
+    from lowprec.export.fp8_merge import merge_lora_fp8_base
 
     model = _llama()
-    fp8.convert(model, "blockwise")
-    report = export_model(model, str(tmp_path), "hf-fp8")
-    base = load_fp8_base(str(tmp_path))
-    layers = {n: m for n, m in base.named_modules() if isinstance(m, fp8.Float8BaseLinear)}
-    assert sorted(layers) == sorted(report.quantized)
+    fp8.convert(model, recipe)
+    base_dir, merged_dir = tmp_path / "base", tmp_path / "merged"
+    report = export_model(model, str(base_dir), fmt)
+    base = load_fp8_base(str(base_dir))
+    layers = _base_layers(base)
+    assert sorted(layers) == sorted(report.quantized) and {m.granularity for m in layers.values()} == {granularity}
     params = sum(m.weight.numel() for m in layers.values())
     resident = sum(m.weight.nbytes + m.weight_scale_bits.nbytes for m in layers.values())
     assert all(m.weight.dtype == torch.uint8 for m in layers.values()) and resident / params <= 1.05
-    stored = load_file(str(tmp_path / "model.safetensors"))
-    assert all(torch.equal(m.weight, stored[f"{n}.weight"].view(torch.uint8)) for n, m in layers.items())
-    # the trained model's FP8 forward and input gradient (both cast x and dY to E4M3 in 1x128 tiles)
+    stored = load_file(str(base_dir / "model.safetensors"))
+    _assert_holds_stored(layers, stored, scale_key)
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(5))
-
-    def run(m):
-        m.train()
-        emb = m.get_input_embeddings()(ids).detach().requires_grad_(True)
-        logits = m(inputs_embeds=emb).logits.float()
-        logits.square().mean().backward()
-        return logits.detach(), emb.grad
-
+    with torch.no_grad():  # the same weights as transformers' dequantized load of the directory
+        with fp8.autocast(enabled=False):
+            hp = base(ids).logits.float()
+        assert _rel(hp, _load(str(base_dir), fmt)(ids).logits.float()) < 1e-2
+    # FP8 GEMMs from the stored scales: the trained model's forward (the recipe's casts of x), bit
+    # for bit; its input gradient too, but per channel (the row scales fold into dY there)
     with torch.no_grad():  # the export stores what is not FP8 in bf16: the same rounding on the trained model
         for m in model.modules():
             if not isinstance(m, fp8.Float8Linear):
                 for p in m.parameters(recurse=False):
                     p.copy_(p.bfloat16())
-    (want, want_grad), (got, got_grad) = run(model), run(base)
-    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)  # the same casts and GEMMs, bit for bit
+    (want, want_grad), (got, got_grad) = _fwd_bwd(model, ids), _fwd_bwd(base, ids)
+    assert torch.equal(got, want)
+    assert _rel(got_grad, want_grad) < 1e-4 if granularity == "channel" else torch.equal(got_grad, want_grad)
     assert any("FP8 base weights" in why for _, why in fp8.convert(base, "blockwise").skipped)  # left as stored
-    # LoRA on the FP8 base: adapters train, the stored bytes do not move
+    # LoRA on the FP8 base (q_proj of layer 0 stayed high precision): adapters train, the bytes do not move
     lora = peft.get_peft_model(base, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj", "up_proj"]))
-    trainable = [p for p in lora.parameters() if p.requires_grad]
-    assert trainable and all(p.dtype == torch.float32 for p in trainable)
     before = {n: m.weight.clone() for n, m in layers.items()}
-    opt = torch.optim.AdamW(trainable, lr=1e-2)
-    losses = []
-    for _ in range(4):
-        loss = lora(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _lora_steps(lora, ids)
     assert losses[-1] < losses[0]
     assert all(torch.equal(m.weight, before[n]) for n, m in layers.items())
+    with torch.no_grad(), fp8.autocast(enabled=False):
+        unmerged = lora(ids).logits.float()
+        with lora.disable_adapter():
+            base_only = lora(ids).logits.float()
+    # the merge: the base's format, merged layers re-quantized with its rule, the others as stored
+    merge = merge_lora_fp8_base(lora, str(merged_dir))
+    targeted = sorted(n for n in layers if n.endswith(("q_proj", "v_proj", "up_proj")))
+    assert merge.format == fmt and merge.merged == targeted and "not trained" in merge.how
+    assert sorted(merge.merged + merge.unchanged) == sorted(layers)
+    assert json.load(open(merged_dir / "lowprec_merge.json"))["merged"] == targeted
+    qc, base_qc = (json.load(open(d / "config.json"))["quantization_config"] for d in (merged_dir, base_dir))
+    assert (
+        qc["config_groups" if fmt != "hf-fp8" else "weight_block_size"]
+        == base_qc["config_groups" if fmt != "hf-fp8" else "weight_block_size"]
+    )
+    merged_stored = load_file(str(merged_dir / "model.safetensors"))
+    for n in merge.unchanged:
+        assert torch.equal(merged_stored[f"{n}.weight"].view(torch.uint8), stored[f"{n}.weight"].view(torch.uint8))
+        assert torch.equal(merged_stored[f"{n}.{scale_key}"], stored[f"{n}.{scale_key}"])
+    again = load_fp8_base(str(merged_dir))
+    assert sorted(_base_layers(again)) == sorted(layers)
+    _assert_holds_stored(_base_layers(again), merged_stored, scale_key)
+    with torch.no_grad():
+        got_merged = _load(str(merged_dir), fmt)(ids).logits.float()
+    # one FP8 rounding of the merged layers: within the export's own gap (one rounding of every FP8
+    # layer), and far closer to base + adapter than the base alone is (the delta is in)
+    gap = _rel(got_merged, unmerged)
+    assert gap <= report.logit_gap and gap < 0.05 * _rel(base_only, unmerged)
 
 
-def test_an_fp8_base_whose_quantization_config_we_cannot_read_is_one_line(tmp_path):
+def _edit_quantization_config(path, edit) -> None:
+    cfg = json.load(open(path / "config.json"))
+    edit(cfg["quantization_config"])
+    json.dump(cfg, open(path / "config.json", "w"))
+
+
+def test_an_fp8_base_lowprec_cannot_load_is_one_line(tmp_path, monkeypatch):
     from lowprec.export import load_fp8_base
 
     model = _llama()
-    fp8.convert(model, "rowwise")
-    export_model(model, str(tmp_path / "ct"), "compressed-tensors")
-    with pytest.raises(ValueError, match="quantization_config 'compressed-tensors'.*give an hf-fp8 directory"):
-        load_fp8_base(str(tmp_path / "ct"))
+    fp8.convert(model, "nvfp4")
+    export_model(model, str(tmp_path / "nvfp4"), "compressed-tensors")
+    with pytest.raises(ValueError, match=r"group_0 \(preset NVFP4A16, format nvfp4-pack-quantized\) lowprec cannot"):
+        load_fp8_base(str(tmp_path / "nvfp4"))
+    model = _llama()
+    fp8.convert(model, "tensorwise")
+    ct = tmp_path / "ct"
+    export_model(model, str(ct), "compressed-tensors")
+
+    def static_acts(qc):  # compressed-tensors' FP8 preset: calibrated per-tensor activation scales
+        qc["config_groups"]["group_0"]["input_activations"].update(strategy="tensor", dynamic=False)
+
+    def int_weights(qc):
+        qc["config_groups"]["group_0"]["weights"]["type"] = "int"
+
+    def unreadable(qc):
+        qc["config_groups"]["group_0"]["weights"]["strategy"] = "diagonal"
+
+    cases = [
+        (static_acts, r"group_0 \(preset FP8, format float-quantized\).*activations are not dynamic FP8"),
+        (int_weights, "weights are not 8-bit float"),
+        (unreadable, "quantization_config compressed-tensors cannot read"),
+    ]
+    for edit, needle in cases:
+        case = tmp_path / edit.__name__
+        case.mkdir()
+        for name in ("config.json", "model.safetensors"):
+            (case / name).write_bytes((ct / name).read_bytes())
+        _edit_quantization_config(case, edit)
+        with pytest.raises(ValueError, match=needle) as info:
+            load_fp8_base(str(case))
+        assert "\n" not in str(info.value) and "lowprec export --format compressed-tensors" in str(info.value)
     with pytest.raises(ValueError, match="no config.json"):
         load_fp8_base(str(tmp_path))
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)
+    with pytest.raises(
+        ValueError, match=r"compressed-tensors checkpoint; reading it needs .*pip install 'lowprec\[export\]'"
+    ):
+        load_fp8_base(str(ct))
+
+
+def test_trainer_lora_on_a_compressed_tensors_export_merges_into_fp8(tiny_run, tmp_path, capsys):
+    """`lowprec export --format compressed-tensors` of a run, as the trainer's base_model: LoRA on
+    its frozen FP8 layers, and merge_lora writes merged/ in compressed-tensors with the merged
+    layers re-quantized (said in lowprec_merge.json); `lowprec export` of that run points there."""
+    from lowprec.export import load_fp8_base
+    from lowprec.train.config import load_config
+    from lowprec.train.trainer import train
+
+    ct = tmp_path / "ct"
+    assert main(["export", str(tiny_run), "--format", "compressed-tensors", "--out", str(ct)]) == 0
+    capsys.readouterr()
+    run = tmp_path / "lora"
+    lora = {
+        "base_model": str(ct),
+        "tokenizer": "byte",
+        "adapter": "lora",
+        "lora_target_linear": True,
+        "merge_lora": True,
+        **_FAST,
+        "dataset_max_bytes": 50_000,
+        "max_steps": 2,
+        "save_steps": None,
+        "output_dir": str(run),
+    }
+    result = train(load_config(TINY, lora))
+    assert result.steps == 2 and os.path.isfile(run / "adapter_model.safetensors")
+    merged = run / "merged"
+    qc = json.load(open(merged / "config.json"))["quantization_config"]
+    assert (
+        qc["quant_method"] == "compressed-tensors" and qc["config_groups"]["group_0"]["weights"]["strategy"] == "block"
+    )
+    written = json.load(open(merged / "lowprec_merge.json"))
+    assert written["merged"] and "re-quantized once" in written["how"] and "not trained" in written["how"]
+    layers = _base_layers(load_fp8_base(str(merged)))
+    assert sorted(layers) == sorted(written["merged"] + written["unchanged"])
+    capsys.readouterr()
+    assert main(["export", str(run), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
+    assert "merge_lora already wrote" in _one_line(capsys)
+    # a compressed-tensors scheme lowprec cannot hold as an FP8 base: one line naming the key
+    (ct / "config.json").write_text((ct / "config.json").read_text().replace('"float-quantized"', '"int-quantized"'))
+    with pytest.raises(ValueError, match=r"^base_model: FP8 base .*format int-quantized is not float-quantized"):
+        train(load_config(TINY, {**lora, "output_dir": str(tmp_path / "refused")}))
 
 
 def test_accelerator_save_model_writes_the_fp8_export(tmp_path):

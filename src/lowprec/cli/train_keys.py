@@ -94,7 +94,7 @@ KEYS = (
     ('lora_target_linear', 'adapters on every Linear / Conv1D but the output head (added to lora_target_modules)', 'null'),
     ('lora_modules_to_save', 'modules trained in full next to the adapters (e.g. [embed_tokens, lm_head])', 'null'),
     ('lora_fan_in_fan_out', "weights stored (in, out), as GPT-2's Conv1D (default: detected)", 'null'),
-    ('merge_lora', 'also save the base model with the adapters merged in, to output_dir/merged', 'false'),
+    ('merge_lora', 'also save the base model with the adapters merged in, to output_dir/merged (bf16; an FP8 base_model: in its FP8 format, the merged layers re-quantized once)', 'false'),
     ('load_in_4bit', 'load the base model in 4 bits (NF4 through bitsandbytes, bf16 compute): what adapter: qlora needs', 'null'),
     ('fp8_backend', "native (lowprec's engine) or torchao (torchao's own FP8 layers; recipes tensorwise, rowwise, rowwise_with_gw_hp)", 'native'),
     ('compare', 'settings read by `lowprec compare` (precisions, seeds, threshold, workers, ...)', 'null'),

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lowprec.export.casts import Scheme, format_cast, trained_matches
+from lowprec.export.casts import Scheme, format_cast, format_scale, trained_matches
 from lowprec.fp8.conv1d import is_conv1d
 from lowprec.fp8.convert import default_module_filter
 from lowprec.fp8.linear import Float8Linear
@@ -24,6 +24,12 @@ class QuantizedLayer:
     cast: Float8Data | BlockScaledData  # (out, in), whatever the layer's storage layout; MXFP8 / NVFP4: along in
     transposed: bool  # stored (in, out): transformers' Conv1D
     trained: bool
+    # the format's scale exactly as a checkpoint stored it (an FP8 base's unmerged layer), written
+    # as it is; None: format_scale(cast)
+    stored_scale: torch.Tensor | None = None
+
+    def format_scale(self) -> torch.Tensor:
+        return format_scale(self.cast) if self.stored_scale is None else self.stored_scale
 
 
 @dataclass

@@ -10,8 +10,8 @@ bf16 ``model.safetensors`` is used, and the report says so.
 A LoRA / QLoRA run exports its adapter merged into the base model: the run's ``merged/`` when
 ``merge_lora`` wrote it, else the base model (full precision, QLoRA's too) with the adapter
 merged by peft. Merged weights are not what any training forward cast, so their FP8 casts are
-made at export (the report says so). An adapter trained on an FP8 base is refused (merging into
-FP8 weights is not supported).
+made at export (the report says so). An adapter trained on an FP8 base is refused: its
+``merge_lora`` writes ``merged/`` in the base's FP8 format already (lowprec.export.fp8_merge).
 """
 
 from __future__ import annotations
@@ -175,6 +175,11 @@ def _merged_adapter_model(run: str, cfg: dict[str, Any]) -> tuple[nn.Module, str
     ``axolotl merge-lora`` does) with the run's adapter merged by peft."""
     merged = os.path.join(run, "merged")
     remote = bool(cfg.get("trust_remote_code"))
+    if os.path.isdir(merged) and is_fp8_base(merged):
+        raise ValueError(
+            f"RUN_OR_CHECKPOINT: {run} trained an adapter on an FP8 base and merge_lora already wrote {merged} in "
+            "the base's FP8 format (the merged layers re-quantized once); serve or load that directory as it is"
+        )
     if os.path.isdir(merged) and not missing_model_files(merged):
         model = load_causal_lm(merged, cfg.get("model_type"), remote)
         return model, "source: the run's merged/ model (the adapter merged into the base by merge_lora, bf16)"
@@ -186,8 +191,9 @@ def _merged_adapter_model(run: str, cfg: dict[str, Any]) -> tuple[nn.Module, str
     base_path = locate_pretrained(str(cfg.get("base_model")))
     if is_fp8_base(base_path):
         raise ValueError(
-            f"RUN_OR_CHECKPOINT: {run} trained an adapter on the FP8 base {base_path}; merging adapters "
-            "into FP8 weights is not supported yet: serve the FP8 base with the adapter (adapter_model.safetensors)"
+            f"RUN_OR_CHECKPOINT: {run} trained an adapter on the FP8 base {base_path}, which is FP8 already: serve "
+            "it with the adapter (adapter_model.safetensors), or train with merge_lora: true, which writes merged/ "
+            "in the base's FP8 format"
         )
     try:
         from peft import PeftModel

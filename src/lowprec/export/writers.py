@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from lowprec.export.casts import Scheme, format_global_scale, format_scale
-from lowprec.export.layers import LayerPlan
+from lowprec.export.casts import Scheme, format_global_scale
+from lowprec.export.layers import LayerPlan, QuantizedLayer
 from lowprec.fp8 import plain_state_dict, unconvert
 
 __all__ = ["bf16_state", "write_hf_fp8", "write_compressed_tensors"]
@@ -55,7 +55,7 @@ def _save(tensors: dict[str, torch.Tensor], config: dict[str, Any], out: str) ->
 def write_hf_fp8(model: nn.Module, plan: LayerPlan, config: dict[str, Any], out: str) -> None:
     tensors = bf16_state(model)
     for layer in plan.quantized:
-        q, s = layer.cast.data.cpu(), format_scale(layer.cast).cpu()
+        q, s = layer.cast.data.cpu(), layer.format_scale().cpu()
         if layer.transposed:  # Conv1D stores (in, out): the same 128x128 tiles, transposed
             q, s = q.t(), s.t()
         tensors[f"{layer.name}.weight"] = q.contiguous()
@@ -149,33 +149,41 @@ def _refuse_unheld(plan: LayerPlan, scheme: Scheme) -> None:
         )
 
 
-def _set_cast(m: nn.Module, cast) -> None:
+def _set_cast(m: nn.Module, layer: QuantizedLayer) -> None:
     """The layer's weight as the cast's dequantized values and its scales in compressed-tensors'
     convention, from which that package's compressor rounds back to exactly the cast's values (a
     value ``q * s`` divided by ``s`` lands within a float32 ulp of ``q``)."""
+    cast = layer.cast
     m.weight.data = cast.dequantize(torch.float32).cpu().reshape(m.weight.shape)
-    m.weight_scale.data = format_scale(cast).cpu().reshape(m.weight_scale.shape).to(m.weight_scale.dtype)
+    m.weight_scale.data = layer.format_scale().cpu().reshape(m.weight_scale.shape).to(m.weight_scale.dtype)
     if hasattr(m, "weight_global_scale"):  # NVFP4
         m.weight_global_scale.data = format_global_scale(cast).cpu().reshape(m.weight_global_scale.shape)
 
 
 def write_compressed_tensors(
-    model: nn.Module, plan: LayerPlan, scheme: Scheme, config: dict[str, Any], out: str
+    model: nn.Module, plan: LayerPlan, scheme: Scheme, config: dict[str, Any], out: str, base: Any = None
 ) -> None:
     """compressed-tensors quantizes (and packs) ``weight / weight_scale`` itself; it is handed each
-    layer's dequantized cast and its scales (:func:`_set_cast`), so it writes the cast's values."""
+    layer's dequantized cast and its scales (:func:`_set_cast`), so it writes the cast's values.
+    ``base``: a compressed-tensors ``QuantizationConfig`` whose groups, targets, ignore list and
+    format are written instead of ``scheme``'s (a merge onto an FP8 base keeps the base's)."""
     _refuse_unheld(plan, scheme)
     ct = _compressed_tensors()
     plain = copy.deepcopy(model).to("cpu")
     unconvert(plain)
     modules = dict(plain.named_modules())
-    targets = sorted({type(modules[layer.name]).__name__ for layer in plan.quantized}) or ["Linear"]
-    qscheme, fmt = _ct_scheme(ct, scheme, targets)
-    qconfig = ct.QConfig(config_groups={"group_0": qscheme}, ignore=sorted(plan.kept), format=fmt)
+    if base is None:
+        targets = sorted({type(modules[layer.name]).__name__ for layer in plan.quantized}) or ["Linear"]
+        qscheme, fmt = _ct_scheme(ct, scheme, targets)
+        qconfig = ct.QConfig(config_groups={"group_0": qscheme}, ignore=sorted(plan.kept), format=fmt)
+    else:
+        fmt = ct.CompressionFormat.float_quantized.value
+        groups = {k: v.model_copy(deep=True) for k, v in base.config_groups.items()}
+        qconfig = ct.QConfig(config_groups=groups, ignore=list(base.ignore or []), format=base.format)
     ct.apply_config(plain, qconfig)
     with torch.no_grad():
         for layer in plan.quantized:
-            _set_cast(modules[layer.name], layer.cast)
+            _set_cast(modules[layer.name], layer)
     compressor = ct.ModelCompressor.from_pretrained_model(plain, quantization_format=fmt)
     compressor.compress_model(plain)
     tensors = bf16_state(plain)

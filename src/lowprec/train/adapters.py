@@ -8,7 +8,9 @@ gradient, so the weight-gradient GEMM and the FP8 copy of the input it would nee
 its weight's FP8 cast is made once and reused while the weight is unchanged (fp8/frozen.py).
 
 ``merge_lora: true`` folds the adapters into the base weights at the end and saves the merged
-model next to the adapter (``output_dir/merged``), as ``axolotl merge-lora`` does.
+model next to the adapter (``output_dir/merged``), as ``axolotl merge-lora`` does. On an FP8
+base (hf-fp8 / compressed-tensors) merged/ is written in the base's format, the merged layers
+re-quantized once (``lowprec.export.fp8_merge``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from lowprec.train.run_lock import hold_output_dir
 from lowprec.train.loop import Run, run_loop
 from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
 from lowprec import Accelerator, __version__
-from lowprec.fp8 import DEFAULT_SKIP_PATTERNS, has_fp8_layers
+from lowprec.fp8 import DEFAULT_SKIP_PATTERNS, Float8BaseLinear, has_fp8_layers
 from lowprec.fp8.autocast import replay_context
 from lowprec.kwargs import (
     AutocastKwargs,
@@ -137,8 +137,11 @@ def _build_model(
 
     if is_fp8_base(path):
         sharded = cfg.fsdp_version is not None or cfg.deepspeed is not None or cfg.tensor_parallel_size > 1
-        check_trainer_fp8_base(path, cfg.adapter, cfg.merge_lora, sharded)
-        model = load_fp8_base(path)
+        check_trainer_fp8_base(path, cfg.adapter, sharded)
+        try:
+            model = load_fp8_base(path)
+        except ValueError as exc:  # the directory's scheme or files: name the key it came from
+            raise ValueError(f"base_model: {exc}") from None
     else:
         model = load_causal_lm(path, cfg.model_type, cfg.trust_remote_code, bool(cfg.load_in_4bit))
     if vocab_size > model.get_input_embeddings().num_embeddings:
@@ -556,6 +559,19 @@ def _resume(run: Run, decisions: dict) -> Optional[str]:
     return resume_path
 
 
+def _merge_fp8_base(run: Run, output_dir: str) -> str:
+    """``merge_lora`` on an FP8 base: ``output_dir/merged`` in the base's FP8 format, the merged
+    layers re-quantized once (lowprec.export imports the trainer's model, so not at the top)."""
+    from lowprec.export.fp8_merge import merge_lora_fp8_base
+
+    out = os.path.join(output_dir, "merged")
+    merge_lora_fp8_base(run.inner.model, out)  # logs what it wrote, and that the merged scales are new
+    tok = getattr(run.tokenizer, "hf_tokenizer", None)
+    if tok is not None:
+        tok.save_pretrained(out)
+    return out
+
+
 def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
     """Export the model and plots (never a non-finite model), write ``summary.json``."""
     acc, output_dir, main, cfg, state = run.acc, run.output_dir, run.main, run.cfg, run.state
@@ -565,17 +581,23 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
     except NonFiniteError as exc:
         raise NonFiniteError(run.stop_line(str(exc))) from None
     sd = acc.get_state_dict(run.model)  # collective under FSDP2: every process calls it
+    # an FP8 base merges into its FP8 weights (re-quantized in its format), last: it unloads the adapters
+    fp8_merge = cfg.merge_lora and any(isinstance(m, Float8BaseLinear) for m in run.inner.modules())
     if main:
         if cfg.base_model.startswith("builtin:"):
             files["model"] = export_model(sd, run.model_config, output_dir)
         else:
             files.update(
-                export_pretrained(run.inner, sd, run.tokenizer, output_dir, cfg.merge_lora, cfg.trust_remote_code)
+                export_pretrained(
+                    run.inner, sd, run.tokenizer, output_dir, cfg.merge_lora and not fp8_merge, cfg.trust_remote_code
+                )
             )
         if cfg.export:  # the trainer's export: key (lowprec.export imports the trainer's model, so not at the top)
             from lowprec.export import export_after_training
 
             files.update(export_after_training(run.inner, cfg.export, output_dir))
+        if fp8_merge:
+            files["merged"] = _merge_fp8_base(run, output_dir)
         records = read_metrics(output_dir)
         files["loss_plot"] = plot_loss(
             records, os.path.join(output_dir, "loss.png"), f"{cfg.base_model} ({plan.label})"

@@ -55,7 +55,9 @@ class AdapterKeys(StrictModel):
         default=None, description="weights stored (in, out), as GPT-2's Conv1D (default: detected)"
     )
     merge_lora: bool = Field(
-        default=False, description="also save the base model with the adapters merged in, to output_dir/merged"
+        default=False,
+        description="also save the base model with the adapters merged in, to output_dir/merged (bf16; an FP8 "
+        "base_model: in its FP8 format, the merged layers re-quantized once)",
     )
     load_in_4bit: Optional[bool] = Field(
         default=None,
