@@ -41,6 +41,7 @@ from lowprec.utils.aliases import alias
 from lowprec.utils.checkpointing import CheckpointingMixin
 from lowprec.utils.data_loader import DataLoaderShard, GradientState, skip_first_batches
 from lowprec.utils.dispatcher import DataLoaderDispatcher
+from lowprec.utils.fp8_health import HealthHooks, ModelHealth
 from lowprec.utils.dataclasses import DataLoaderConfiguration, FP8BackendType, ProjectConfiguration, TorchDynamoPlugin
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_clip, deepspeed_initialize
 from lowprec.utils.distributed import clip_grad_norm, trigger_sync_in_backward, wrap_ddp, wrap_fsdp2
@@ -161,6 +162,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         self._optimizer_models: dict[int, Optional[nn.Module]] = {}
         self._data_seed: Optional[int] = None
         self._ds_engine: Any = None
+        self._fp8_health = HealthHooks()  # NativeRecipeKwargs(fp8_guard=...): utils/fp8_health.py
 
     # ------------------------------------------------------------------ construction helpers
     def _init_extras(
@@ -347,6 +349,8 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         """Backend conversion, then the precision wrapper (autocast outside, FP8 region inside)."""
         if self.backend is not None:
             model = self.backend.convert(model, self._ctx())
+            # fp8_guard / fp8_health on the converted model; driven by its optimizer's steps
+            self._fp8_health.attach(model, self.handlers.get("recipe"), self._log_health)
         fp8_ctx = self.backend.fp8_context if self.backend is not None else None
         # under FSDP2 the MixedPrecisionPolicy sets dtypes; elsewhere torch.autocast does
         mp = "no" if self.distributed_type == DistributedType.FSDP else self.mixed_precision
@@ -414,9 +418,29 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         return None
 
     def _step_hooks(self, model: nn.Module) -> tuple:  # after a step that ran; after a skipped one (FP8 state undone)
-        return tuple(
+        after_step, after_skip = (
             functools.partial(f, model) for f in (self.backend.after_optimizer_step, self.backend.after_skipped_step)
         )
+        health = self._fp8_health.of(self.unwrap_model(model))
+        if health is None or health.driven:
+            return after_step, after_skip
+        health.driven = True  # by this optimizer's steps only (a second optimizer would count twice)
+
+        def step_and_check() -> None:
+            after_step()  # the backend's first: the step's FP8 scaling state kept, amaxes agreed
+            health.after_step()
+
+        return step_and_check, after_skip
+
+    def _log_health(self, values: dict, step: int) -> None:
+        if self.trackers:
+            self.log(values, step=step)
+
+    def fp8_health(self, model: nn.Module) -> Optional[ModelHealth]:
+        """The FP8 health monitor of a prepared ``model`` (``NativeRecipeKwargs(fp8_guard=...)`` or
+        ``fp8_health=True``), or None: ``.records`` (the last check's), ``.steps`` (optimizer steps
+        seen), ``.monitor.moved_layers()`` (the layers in bf16 now)."""
+        return self._fp8_health.of(self.unwrap_model(model))
 
     def _finish_optimizers(self, results: list) -> None:
         """Point every optimizer at the final parameters (conversion and FSDP2 may make new
@@ -628,6 +652,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
 
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
         self._param_maps, self._optimizer_models, self._custom_objects = [], {}, []
+        self._fp8_health.clear()
         self._ds_engine = None
         self.step = 0
         gc.collect()

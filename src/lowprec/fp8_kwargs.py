@@ -28,6 +28,16 @@ from lowprec.kwargs_base import FP8_PREFIX, ForwardEveryField, _alias, env_get, 
 from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field, get_spec, lookup, spec_or_native
 from lowprec.config.env import ENV_VARS, check_fp8_fields, read_env
 from lowprec.errors import did_you_mean
+from lowprec.guard_settings import (
+    GUARD_FIELDS,
+    check_count,
+    check_health_for_guard,
+    check_recover_needs_act,
+    check_thresholds,
+    guard_mode,
+    health_on,
+    python_spelling,
+)
 
 __all__ = [
     "RecipeKwargs",
@@ -96,6 +106,19 @@ class RecipeKwargs(ForwardEveryField):
     """Base of the FP8 recipe handlers; ``backend`` names the backend it asks for."""
 
     backend = "native"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # the FP8 guard watches lowprec's own layers (their telemetry): a handler of another
+        # library's backend has no such fields, and asking for them is one line, not a TypeError
+        fields = getattr(cls, "__dataclass_fields__", {})
+        asked = [k for k in GUARD_FIELDS if k in kwargs and k not in fields]
+        if asked:
+            raise ValueError(
+                f"{cls.__name__}({asked[0]}=...): the FP8 guard and health signals read lowprec's telemetry, "
+                f"which {cls.__name__}'s backend's layers do not have; drop {asked[0]} or use "
+                "NativeRecipeKwargs (lowprec's engine)"
+            )
+        return super().__new__(cls)
 
 
 @dataclass(frozen=True)
@@ -230,10 +253,20 @@ class NativeRecipeKwargs(RecipeKwargs):
     enable_fsdp_float8_all_gather: Optional[bool] = _setting("fp8_enable_fsdp_float8_all_gather", False)
     # None (auto): re-cast the weight in backward where FSDP / ZeRO-3 shards it (Recipe field)
     force_recompute_fp8_weight_in_bwd: Optional[bool] = _setting("fp8_force_recompute_fp8_weight_in_bwd", None)
+    # the FP8 guard (lowprec train's keys, same names, defaults and rules: lowprec.guard_settings),
+    # checked every fp8_health_every optimizer steps (the trainer: at its logging steps)
+    fp8_guard: Any = "off"
+    fp8_guard_patience: int = 3
+    fp8_guard_recover_after: Optional[int] = None
+    fp8_guard_thresholds: Optional[Mapping[str, float]] = None
+    fp8_health: Optional[bool] = None
+    fp8_health_sqnr_every: int = 50
+    fp8_health_every: int = 10
 
     backend = "native"
 
     def __post_init__(self) -> None:
+        self._check_guard()
         name = self.recipe if self.recipe is not None else (env_get("LOWPREC_FP8_RECIPE") or "tensorwise")
         object.__setattr__(self, "recipe", recipe_info(name).name)  # unknown names / MXFP8: one message
         _check_type(self, "overrides", isinstance(self.overrides, Mapping), "a mapping of Recipe fields")
@@ -256,6 +289,30 @@ class NativeRecipeKwargs(RecipeKwargs):
         overrides.setdefault("use_during_eval", self.use_autocast_during_eval)
         overrides.setdefault("force_recompute_fp8_weight_in_bwd", self.force_recompute_fp8_weight_in_bwd)
         object.__setattr__(self, "_recipe", Recipe.from_name(self.recipe, **overrides))
+
+    def _check_guard(self) -> None:
+        """The guard's fields, by the rules ``lowprec train``'s schema applies to its keys."""
+        spell = python_spelling
+        try:
+            guard = guard_mode(self.fp8_guard, spell)
+            for key in ("fp8_guard_patience", "fp8_health_sqnr_every", "fp8_health_every"):
+                check_count(key, getattr(self, key), spell)
+            if self.fp8_guard_recover_after is not None:
+                check_count("fp8_guard_recover_after", self.fp8_guard_recover_after, spell)
+            if self.fp8_health is not None and not isinstance(self.fp8_health, bool):
+                raise ValueError(f"{spell('fp8_health', self.fp8_health)} is not True, False or None")
+            thresholds = check_thresholds(self.fp8_guard_thresholds)
+            check_recover_needs_act(self.fp8_guard_recover_after, guard, spell)
+            check_health_for_guard(guard, self.fp8_health, spell)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
+        object.__setattr__(self, "fp8_guard", guard)
+        object.__setattr__(self, "fp8_guard_thresholds", thresholds)
+
+    @property
+    def fp8_health_on(self) -> bool:
+        """The Accelerator records health signals (and runs the guard, unless ``off``)."""
+        return health_on(self.fp8_guard, self.fp8_health)
 
     def _check_overrides(self) -> None:
         known = set(RECIPE_FIELDS)

@@ -4,7 +4,8 @@ A checkpoint directory holds, per prepared object: ``model_{i}.safetensors`` (or
 ``pytorch_model_{i}.bin`` with ``safe_serialization=False``; FP8 scaling state included, as
 buffers), ``optimizer_{i}.safetensors`` (or ``.bin``), ``scheduler_{i}.safetensors``,
 ``dataloader_{i}.json`` (position), ``scaler.safetensors``, ``custom_checkpoint_{i}.safetensors``,
-``random_states_{rank}.safetensors``, under FSDP2 and DeepSpeed
+``random_states_{rank}.safetensors``, ``fp8_health_{i}.json`` (with ``NativeRecipeKwargs(fp8_guard=...)``
+or ``fp8_health=True``: the guard's moves, streaks and step count), under FSDP2 and DeepSpeed
 ``buffers_{i}_rank{rank}.safetensors`` (each process's own FP8 scaling state) and
 ``lowprec_state.json`` (precision and backend, checked on load).
 
@@ -304,6 +305,11 @@ def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
                 json.dump({**d.state_dict(), "global_batch": _global_batch(acc, d)}, f)
         if acc.scaler is not None:
             save_object(acc.scaler.state_dict(), os.path.join(tmp, "scaler.safetensors"), "the grad scaler")
+        for i, m in enumerate(acc._models):  # NativeRecipeKwargs(fp8_guard=...): moves, streaks, step count
+            health = acc._fp8_health.state_dict(acc.unwrap_model(m))
+            if health is not None:
+                with open(os.path.join(tmp, f"fp8_health_{i}.json"), "w") as f:
+                    json.dump(health, f)
         for i, obj in enumerate(acc._custom_objects):
             save_object(
                 obj.state_dict(),
@@ -388,6 +394,15 @@ def load_state(acc: Any, input_dir: str) -> None:
         )
     safe = meta.get("safe_serialization", True)
     _load_models(acc, input_dir, sharded, saved_procs, reshard, safe)
+    for i, m in enumerate(acc._models):  # the guard's moves: after the weights, before the next step
+        where = os.path.join(input_dir, f"fp8_health_{i}.json")
+        if os.path.isfile(where):
+            inner = acc.unwrap_model(m)
+            _apply(
+                lambda st, inner=inner: acc._fp8_health.load_state_dict(inner, st, acc.is_main_process),
+                read_checked(where, _read_json),
+                where,
+            )
     for i, o in enumerate(acc._optimizers):
         owner = acc._optimizer_models.get(id(o))
         if _is_ds(owner) or any(owner is acc._models[j] for j in sharded if j < len(acc._models)):

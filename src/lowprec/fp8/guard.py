@@ -60,6 +60,7 @@ from torch import nn
 
 from lowprec.fp8.health import HealthProbe, signals
 from lowprec.guard_moves import TO_BF16, TO_FP8, is_move_back, moved_layers
+from lowprec.guard_settings import GUARD_MODES, THRESHOLD_NAMES
 from lowprec.fp8.linear import Float8Linear
 
 __all__ = [
@@ -74,9 +75,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("lowprec")
-
-GUARD_MODES = ("off", "warn", "act")
-THRESHOLD_NAMES = ("saturated", "underflow", "max_to_rms", "sqnr_db")
 
 
 @dataclass(frozen=True)

@@ -58,7 +58,7 @@ from lowprec.fp8.quantize import dequantize
 from lowprec.fp8.telemetry import STAT_FIELDS
 from lowprec.fp8.tp_linear import is_tensor_parallel
 
-__all__ = ["sqnr_db", "max_to_rms", "headroom_bits", "operand_max", "signals", "HealthProbe"]
+__all__ = ["sqnr_db", "max_to_rms", "headroom_bits", "operand_max", "signals", "health_scalars", "HealthProbe"]
 
 
 def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -137,6 +137,19 @@ def signals(
         if side is not None:
             row["side_cast"] = True
         out[name] = row
+    return out
+
+
+def health_scalars(layers: dict[str, Any]) -> dict[str, float]:
+    """A check's signals (:func:`signals`) as tracker scalars: ``fp8_health/<layer>/<signal>``
+    (``.../<operand>/<signal>`` per operand); None (not measured) and inf (exact) are left out."""
+    out: dict[str, float] = {}
+    for layer, row in layers.items():
+        for key, v in row.items():
+            items = v.items() if isinstance(v, dict) else [(None, v)]
+            for name, x in items:
+                if isinstance(x, (int, float)) and math.isfinite(x):
+                    out[f"fp8_health/{layer}/{key}" + (f"/{name}" if name else "")] = x
     return out
 
 

@@ -15,7 +15,6 @@ on resume, :func:`truncate_after` drops the lines past the checkpoint's step.
 from __future__ import annotations
 
 import json
-import math
 import os
 import resource
 import sys
@@ -23,6 +22,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 from lowprec.fp8.guard import Event
+from lowprec.fp8.health import health_scalars
 from lowprec.train.generations import render_section
 
 __all__ = ["MetricsWriter", "read_metrics", "truncate_after", "peak_memory_mb"]
@@ -113,12 +113,7 @@ def _scalars(record: dict[str, Any]) -> Iterator[tuple[str, float]]:
     if kind in ("generations", "fp8_guard"):  # text (add_text above)
         return
     if kind == "fp8_health":  # None (not measured) and inf (exact) are not drawn
-        for layer, row in record["layers"].items():
-            for key, v in row.items():
-                items = v.items() if isinstance(v, dict) else [(None, v)]
-                for name, x in items:
-                    if isinstance(x, (int, float)) and math.isfinite(x):
-                        yield f"fp8_health/{layer}/{key}" + (f"/{name}" if name else ""), x
+        yield from health_scalars(record["layers"]).items()
         return
     if kind == "fp8":
         for layer, ops in record["layers"].items():

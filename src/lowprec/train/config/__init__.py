@@ -40,7 +40,8 @@ from lowprec.train.config.base import yaml_text
 from lowprec.train.config.compare import CompareKeys, CompareSpec, check_fp8_backend
 from lowprec.train.config.data import DataKeys, DatasetSpec
 from lowprec.train.config.dist import DistributedKeys, FSDPConfig
-from lowprec.train.config.fp8 import FP8RecipeSpec, PrecisionKeys
+from lowprec.guard_settings import check_health_for_guard
+from lowprec.train.config.fp8 import FP8RecipeSpec, PrecisionKeys, yaml_spelling
 from lowprec.train.config.model import ModelKeys
 from lowprec.train.config.optim import LR_SCHEDULERS, OPTIMIZERS, OptimKeys
 from lowprec.train.config.output import OutputKeys
@@ -170,11 +171,7 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         if (self.fp8_guard != "off" or self.fp8_health) and not self.fp8:
             key = f"fp8_guard: {self.fp8_guard}" if self.fp8_guard != "off" else "fp8_health: true"
             raise ValueError(f"{key} watches FP8 layers but fp8 is {yaml_text(self.fp8)}; set fp8: true or drop it")
-        if self.fp8_guard != "off" and self.fp8_health is False:
-            raise ValueError(
-                f"fp8_guard: {self.fp8_guard} reads the health signals that fp8_health: false turns off; "
-                "drop fp8_health (a guard turns it on) or set fp8_guard: off"
-            )
+        check_health_for_guard(self.fp8_guard, self.fp8_health, yaml_spelling)
         check_fp8_backend(self)
         return self
 

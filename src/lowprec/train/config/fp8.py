@@ -7,10 +7,15 @@ from typing import Any, Literal, Optional, Union
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from lowprec.catalog import RECIPE_NAMES, unread_recipe_fields
-from lowprec.train.config.base import StrictModel, off_warn_act
-from lowprec.errors import did_you_mean
+from lowprec.guard_settings import check_recover_needs_act, check_thresholds, guard_mode, health_on
+from lowprec.train.config.base import StrictModel, yaml_text
 
-__all__ = ["FP8RecipeSpec", "PrecisionKeys"]
+__all__ = ["FP8RecipeSpec", "PrecisionKeys", "yaml_spelling"]
+
+
+def yaml_spelling(key: str, value: Any) -> str:
+    """``key: value`` as the YAML writes it (the guard rules' ``spell``)."""
+    return f"{key}: {yaml_text(value)}"
 
 
 class FP8RecipeSpec(StrictModel):
@@ -114,39 +119,27 @@ class PrecisionKeys(StrictModel):
         default=False, description="torch.compile the model (auto: on CUDA only)"
     )
 
+    # the rules live in lowprec.guard_settings, shared with NativeRecipeKwargs (the Accelerator)
     @field_validator("fp8_guard")
     @classmethod
     def _guard(cls, v: Union[str, bool]) -> str:
-        return off_warn_act("fp8_guard", v, "move the layer to bf16")
+        return guard_mode(v, yaml_spelling)
 
     @field_validator("fp8_guard_thresholds")
     @classmethod
     def _thresholds(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
-        if v is None:
-            return v
-        from lowprec.fp8.guard import THRESHOLD_NAMES
-
-        for k in v:
-            if k not in THRESHOLD_NAMES:
-                raise ValueError(
-                    f"fp8_guard_thresholds.{k}: unknown signal{did_you_mean(k, THRESHOLD_NAMES)}; "
-                    f"use {', '.join(THRESHOLD_NAMES)}"
-                )
+        check_thresholds(v)
         return v
 
     @model_validator(mode="after")
     def _recover_needs_act(self) -> "PrecisionKeys":
-        if self.fp8_guard_recover_after is not None and self.fp8_guard != "act":
-            raise ValueError(
-                f"fp8_guard_recover_after: {self.fp8_guard_recover_after} moves layers back to FP8, but fp8_guard: "
-                f"{self.fp8_guard} moves none; set fp8_guard: act or drop fp8_guard_recover_after"
-            )
+        check_recover_needs_act(self.fp8_guard_recover_after, self.fp8_guard, yaml_spelling)
         return self
 
     @property
     def fp8_health_on(self) -> bool:
         """Health signals are recorded: fp8_health: true, or by default with a guard."""
-        return self.fp8_health if self.fp8_health is not None else self.fp8_guard != "off"
+        return health_on(self.fp8_guard, self.fp8_health)
 
     @field_validator("fp8_recipe")
     @classmethod
