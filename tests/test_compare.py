@@ -62,6 +62,20 @@ def test_plan_runs_pairs_seeds_across_precisions(tmp_path):
         plan_runs(cfg, ["bf16", "bf16"], [1], str(tmp_path))
 
 
+def test_a_compare_with_the_guard_guards_the_fp8_runs_only(tmp_path):
+    """fp8_guard / fp8_health in a compared config: the FP8 runs keep them, the bf16 baseline
+    (no FP8 layers to watch) runs without them instead of failing validation."""
+    cfg = parse_config({"fp8": True, "fp8_guard": "act", "fp8_guard_recover_after": 4, "fp8_health": True})
+    base, fp8_run = plan_runs(cfg, ["bf16", "fp8-tensorwise"], [1], str(tmp_path))
+    assert (base.config.fp8, base.config.fp8_guard, base.config.fp8_health) == (False, "off", None)
+    assert base.config.fp8_guard_recover_after is None
+    assert (fp8_run.config.fp8_guard, fp8_run.config.fp8_guard_recover_after, fp8_run.config.fp8_health) == (
+        "act",
+        4,
+        True,
+    )
+
+
 def test_the_shipped_compare_config_plans_every_recipe(tmp_path):
     from lowprec.train.config import load_config
 

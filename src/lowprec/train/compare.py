@@ -30,7 +30,7 @@ import yaml
 from lowprec.decision import Decision
 from lowprec.train.compare_report import build_report, choose_baseline
 from lowprec.train.config import TrainConfig
-from lowprec.train.precisions import library_backend, precision_overrides
+from lowprec.train.precisions import is_fp8, library_backend, precision_overrides
 from lowprec import __version__
 from lowprec.errors import EXIT_NONFINITE
 from lowprec.train.plots import plot_compare
@@ -250,6 +250,12 @@ def compare(
     if base in skipped:
         raise ValueError(f"the baseline {base} cannot run: {skipped[base]}")
     runs = plan_runs(cfg, [p for p in precisions if p not in skipped], seeds, out)
+    high = sorted({r.precision for r in runs if not is_fp8(r.precision)})
+    if high and (cfg.fp8_guard != "off" or cfg.fp8_health):
+        logger.info(
+            "lowprec compare: fp8_guard / fp8_health apply to the FP8 runs only (%s have no FP8 layers)",
+            ", ".join(high),
+        )
     decision, threads = resolve_workers(workers, cfg, len(runs), _device())
     logger.info("lowprec compare: workers = %s (%s)", decision.value, decision.reason)
     if threads is not None:

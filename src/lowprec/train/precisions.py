@@ -22,7 +22,7 @@ from lowprec.errors import did_you_mean
 from lowprec.train.config import TrainConfig
 from lowprec.train.config.compare import FP8_BACKENDS
 
-__all__ = ["HIGH_PRECISIONS", "precision_names", "precision_overrides", "precision_rank", "library_backend", "is_fp8"]
+__all__ = ["HIGH_PRECISIONS", "FP8_ONLY_OFF", "precision_names", "precision_overrides", "precision_rank", "library_backend", "is_fp8"]
 
 # precision -> config keys, highest first
 HIGH_PRECISIONS: dict[str, dict[str, Any]] = {
@@ -31,6 +31,10 @@ HIGH_PRECISIONS: dict[str, dict[str, Any]] = {
     "fp16": {"fp8": False, "fp16": True, "bf16": False},
     "bf16-full": {"fp8": False, "fp16": None, "bf16": "full"},
 }
+
+
+# the keys that watch FP8 layers, as a high-precision run of a comparison gets them
+FP8_ONLY_OFF: dict[str, Any] = {"fp8_guard": "off", "fp8_health": None, "fp8_guard_recover_after": None}
 
 
 def precision_names() -> list[str]:
@@ -66,8 +70,8 @@ def precision_rank(name: str) -> int:
 
 def precision_overrides(name: str, cfg: TrainConfig) -> dict[str, Any]:
     """The config keys that turn ``cfg`` into the ``name`` run (``ValueError`` for a bad name)."""
-    if name in HIGH_PRECISIONS:
-        return {**HIGH_PRECISIONS[name], "fp8_backend": FP8_BACKENDS[0]}
+    if name in HIGH_PRECISIONS:  # no FP8 layers: nothing for the FP8 health keys to watch
+        return {**HIGH_PRECISIONS[name], "fp8_backend": FP8_BACKENDS[0], **FP8_ONLY_OFF}
     names = precision_names()
     if not is_fp8(name):
         raise ValueError(f"--precisions: unknown precision {name!r}{did_you_mean(name, names)}; use {', '.join(names)}")
