@@ -294,6 +294,28 @@ def test_compiled_fp8_layers_run_eagerly_on_cuda_unless_asked(seed, monkeypatch,
     assert sqnr(want[0], got[0]) > 30
 
 
+def test_a_compiled_fp8_base_layer_runs_its_gemms_eagerly_on_cuda(seed, monkeypatch):
+    """The frozen FP8 base layer (LoRA on an FP8 checkpoint) follows the same compile guard."""
+    from torch._dynamo.utils import counters
+
+    from lowprec.fp8 import compile_guard
+    from lowprec.fp8.fp8_base import Float8BaseLinear
+
+    monkeypatch.setattr(compile_guard, "_LOGGED", [False])
+    monkeypatch.setattr(compile_guard, "traced", lambda x: False)
+    torch._dynamo.reset()
+    counters.clear()
+    q = (torch.randn(64, 128) * 8).to(torch.float8_e4m3fn)
+    layer = Float8BaseLinear(q, torch.full((1, 1), 0.125), block=128)
+    x = torch.randn(4, 128, requires_grad=True)
+    with fp8.autocast():
+        want = layer(x)
+        got = torch.compile(layer, backend="eager")(x)
+    assert sum(counters["graph_break"].values()) >= 1 and torch.equal(got, want)
+    got.sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
 def test_telemetry_reports_every_operand(seed):
     net = Net()
     fp8.convert(net, "tensorwise")

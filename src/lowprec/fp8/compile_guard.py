@@ -7,7 +7,8 @@ trained to loss 7.2 where eager FP8 and bf16 reached 0.005. The same compiled la
 eager on CPU, with the GPU's code path emulated too (the Triton kernels in the interpreter,
 ``torch._scaled_mm``), so the fault is in what only a GPU runs; the cause is not found yet.
 
-So, on CUDA, the GEMM part of an FP8 layer is excluded from Dynamo's trace
+So, on CUDA, the GEMM part of an FP8 layer (``Float8Linear`` and its subclasses, the grouped
+experts, the frozen ``Float8BaseLinear``) is excluded from Dynamo's trace
 (``torch.compiler.disable``): ``torch.compile(model)`` still compiles everything around it
 (attention, norms, activations) and the layer runs its eager code, which the GPU runs check. It
 costs a graph break per FP8 layer (``fullgraph=True`` refuses it), logged once.

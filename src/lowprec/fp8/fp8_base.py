@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.fp8.autocast import fp8_enabled, torch_autocast_dtype, torch_autocast_off
+from lowprec.fp8 import compile_guard
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data, quantize
 
@@ -159,11 +160,16 @@ class Float8BaseLinear(nn.Linear):
         w = self.fp8_weight()
         if not fp8_enabled() or x.numel() == 0:
             out = F.linear(x, w.dequantize(x.dtype))
+        elif torch.compiler.is_compiling() and not compile_guard.traced(x):  # CUDA: see compile_guard
+            out = compile_guard.run_eagerly(self._fp8_gemm, x, w)
         else:
-            hp = torch_autocast_dtype(x.device.type, x.dtype)
-            flat = x.reshape(-1, x.shape[-1])
-            out = _BaseFn.apply(flat, w, self.granularity, self.block, hp).reshape(*x.shape[:-1], self.out_features)
+            out = self._fp8_gemm(x, w)
         return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def _fp8_gemm(self, x: torch.Tensor, w: Float8Data) -> torch.Tensor:
+        hp = torch_autocast_dtype(x.device.type, x.dtype)
+        flat = x.reshape(-1, x.shape[-1])
+        return _BaseFn.apply(flat, w, self.granularity, self.block, hp).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         how = {

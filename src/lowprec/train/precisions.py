@@ -22,7 +22,15 @@ from lowprec.errors import did_you_mean
 from lowprec.train.config import TrainConfig
 from lowprec.train.config.compare import FP8_BACKENDS
 
-__all__ = ["HIGH_PRECISIONS", "FP8_ONLY_OFF", "precision_names", "precision_overrides", "precision_rank", "library_backend", "is_fp8"]
+__all__ = [
+    "HIGH_PRECISIONS",
+    "FP8_ONLY_OFF",
+    "precision_names",
+    "precision_overrides",
+    "precision_rank",
+    "library_backend",
+    "is_fp8",
+]
 
 # precision -> config keys, highest first
 HIGH_PRECISIONS: dict[str, dict[str, Any]] = {
