@@ -126,3 +126,26 @@ def test_fsdp_memory_benchmark_has_zero3_rows(tmp_path):
     # ZeRO pads each partition to an even split: a few bytes over half
     assert one["resident_bytes"] / 2 <= two["resident_bytes"] <= one["resident_bytes"] / 2 + 1024
     assert "zero3/tensorwise:off" in data["ratios_vs_bf16"] and "zero3" in data
+
+
+def test_fsdp_memory_peak_over_repeats_and_its_noise():
+    """Repeats: the peak is the median, each run's peak is kept, and the falls-like-bf16 target is
+    judged both plainly and within the measured run-to-run spread (the exact counts are the first
+    run's)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fsdp_memory
+
+    def run(bf16_peak, fp8_peak):
+        exact = {"saved_bytes": 10, "after_forward_bytes": 50}
+        return {"bf16": {**exact, "peak_bytes": bf16_peak}, "fp8": {**exact, "saved_bytes": 8, "peak_bytes": fp8_peak}}
+
+    one = fsdp_memory._over_repeats([run(100, 100), run(100, 100)])
+    four = fsdp_memory._over_repeats([run(60, 63), run(64, 60), run(62, 64)])
+    assert four["bf16"]["peak_bytes"] == 62 and four["fp8"]["peak_bytes"] == 63
+    assert four["fp8"]["peak_bytes_runs"] == [60, 63, 64] and four["fp8"]["saved_bytes"] == 8
+    assert four["bf16"]["peak_bytes_spread"] == round(4 / 62, 4) and one["bf16"]["peak_bytes_spread"] == 0
+    row = fsdp_memory._ratios({1: one, 4: four}, ["bf16", "fp8"], [1, 4])["fp8"]
+    assert row["peak_bytes"] == {"1": 1.0, "4": round(63 / 62, 4)}
+    assert row["peak_bytes_falls_like_bf16"] is False  # 1.016 > 1.0 ...
+    assert row["peak_bytes_noise"] == round(4 / 62, 4)  # ... inside the larger spread (bf16s, 6.5%)
+    assert row["peak_bytes_falls_like_bf16_within_noise"] is True
