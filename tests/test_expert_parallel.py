@@ -159,9 +159,80 @@ WORKER = textwrap.dedent(
 )
 
 
-def _run(tmp_path, nproc, recipes, payloads, *extra):
+ACCEL_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import lowprec.fp8 as fp8
+    from lowprec import Accelerator, ParallelismConfig
+    from lowprec.train.model import build_model
+
+    out_dir = sys.argv[1]
+
+    def make():
+        torch.manual_seed(0)
+        m = build_model("moe-tiny", n_layers=2, router_aux_loss_coef=0.0)
+        fp8.convert(m, recipe=fp8.Recipe.from_name("rowwise"))  # the whole model: Linears and experts
+        return m
+
+    def batches():
+        g = torch.Generator().manual_seed(1)
+        return [torch.randint(0, 272, (4, 32), generator=g) for _ in range(3)]
+
+    # one process, the whole batch
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref, ref_norms = [], []
+    for ids in batches():
+        with fp8.autocast():
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(expert_parallel_degree=2))
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    rank, world = acc.process_index, acc.num_processes
+    got, norms = [], []
+    for ids in batches():
+        with fp8.autocast():
+            loss = model(ids.chunk(world)[rank], labels=ids.chunk(world)[rank]).loss
+        acc.backward(loss)
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad()
+        got.append(acc.reduce(loss.detach(), "mean").item())
+    inner = acc.unwrap_model(model)
+    shapes = {n: list(p.shape) for n, p in inner.named_parameters() if "experts" in n}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(dict(ref=ref, got=got, ref_norms=ref_norms, norms=norms, shapes=shapes), f)
+    acc.wait_for_everyone()
+    """
+)
+
+
+def test_accelerator_ep_size_trains_as_one_process(tmp_path):
+    """Accelerator(parallelism_config=ParallelismConfig(expert_parallel_degree=2)), the alias of
+    ep_size: the experts sharded after conversion, the rest under DDP (its averaging; expert
+    gradients scaled to match), clip_grad_norm_ over every rank's experts. rowwise, the whole
+    model in FP8 (row scales: a Linear's forward does not depend on the batch split)."""
+    outs = _run(tmp_path, 2, [], [], script=ACCEL_WORKER)
+    for res in outs:
+        assert res["shapes"]["model.layers.0.mlp.experts.gate_up_proj"] == [4, 384, 128]
+        for a, b in zip(res["got"], res["ref"]):
+            assert abs(a - b) <= 3e-3, (res["got"], res["ref"])
+        for a, b in zip(res["norms"], res["ref_norms"]):
+            assert abs(a - b) <= 2e-2 * b, (res["norms"], res["ref_norms"])
+
+
+def _run(tmp_path, nproc, recipes, payloads, *extra, script=WORKER):
+    text = script
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(text)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), root, env.get("PYTHONPATH", "")])
@@ -260,3 +331,24 @@ def test_unsupported_recipe_falls_back_to_bf16_with_one_log_line(caplog):
     assert len(lines) == 1 and "'delayed'" in lines[0], lines
     for name, mode in (("tensorwise", "tensor"), ("rowwise", "axis")):
         assert ep._wire_for(Recipe.from_name(name), True, "x", "fp8").mode == mode
+
+
+def test_parallelism_config_ep_size_and_its_alias():
+    from lowprec.parallelism_config import ParallelismConfig
+    from lowprec.utils.parallelism import for_accelerator
+
+    assert ParallelismConfig(ep_size=2).expert_parallel_degree == 2
+    pc = ParallelismConfig(expert_parallel_degree=4)
+    assert pc.ep_size == 4 and pc.ep_enabled and not ParallelismConfig().ep_enabled
+    with pytest.raises(ValueError, match=r"ep_size=2, expert_parallel_degree=4\): two names"):
+        ParallelismConfig(ep_size=2, expert_parallel_degree=4)
+    with pytest.raises(ValueError, match=r"ep_size=2, tp_size=2\): expert parallelism with tensor"):
+        ParallelismConfig(ep_size=2, tp_size=2)
+    with pytest.raises(ValueError, match=r"ep_size=0"):
+        ParallelismConfig(ep_size=0)
+    with pytest.raises(ValueError, match=r"ep_size=2\) does not divide the 3 data-parallel processes"):
+        ParallelismConfig(ep_size=2).resolve(3)
+    with pytest.raises(ValueError, match="ep_size 2 runs the non-expert weights under DDP"):
+        for_accelerator(ParallelismConfig(ep_size=2), 2, "FSDP")
+    with pytest.raises(ValueError, match="set ep_size to the number of processes \\(4\\)"):
+        for_accelerator(ParallelismConfig(ep_size=2), 4, "MULTI_CPU")

@@ -76,7 +76,13 @@ from lowprec.fp8.experts import GEMM_PREFIX, Float8Experts, combine, expert_rows
 from lowprec.fp8.linear_fn import cast
 from lowprec.fp8.torch_casts import saturate_
 
-__all__ = ["ExpertParallelState", "apply_expert_parallel", "run_experts_parallel", "check_expert_parallel"]
+__all__ = [
+    "ExpertParallelState",
+    "apply_expert_parallel",
+    "run_experts_parallel",
+    "check_expert_parallel",
+    "expert_parallel_names",
+]
 
 logger = logging.getLogger("lowprec")
 _LOGGED: set[str] = set()
@@ -99,6 +105,10 @@ class ExpertParallelState:
     num_experts: int  # global
     local: int  # experts on this rank
     payload: str = "fp8"
+    # the owners' side of backward is scaled by this (the senders' gradient by its inverse):
+    # 1 / ep_size gives DDP's averaging to the expert weights (their gradients are sums over
+    # every rank's tokens); 1.0 leaves them sums (a loss already divided by the global count)
+    grad_scale: float = 1.0
 
     @property
     def first(self) -> int:
@@ -126,11 +136,17 @@ def _fp8_experts(model: nn.Module) -> list[tuple[str, Any]]:
 
 
 def apply_expert_parallel(
-    model: nn.Module, ep_size: Optional[int] = None, group: Any = None, payload: str = "fp8"
+    model: nn.Module,
+    ep_size: Optional[int] = None,
+    group: Any = None,
+    payload: str = "fp8",
+    grad_scale: float = 1.0,
 ) -> int:
     """Shard every FP8 experts module of ``model`` over ``group`` (default: the world; its size
     must equal ``ep_size`` when both are given); returns how many modules. Call after
-    ``fp8.convert`` and before building the optimizer. See the module docstring."""
+    ``fp8.convert`` and before building the optimizer. ``payload``: ``fp8`` or ``bf16`` (the
+    rows' wire format); ``grad_scale``: see :class:`ExpertParallelState`. See the module
+    docstring."""
     if payload not in PAYLOADS:
         raise ValueError(f"apply_expert_parallel(payload={payload!r}): one of {', '.join(PAYLOADS)}")
     modules = _fp8_experts(model)
@@ -152,9 +168,22 @@ def apply_expert_parallel(
             raise ValueError(f"{name or type(m).__name__} is already expert-parallel")
         layout = m.fp8_layout
         check_expert_parallel(layout.num_experts, size)
-        state = ExpertParallelState(group, size, rank, layout.num_experts, layout.num_experts // size, payload)
+        state = ExpertParallelState(
+            group, size, rank, layout.num_experts, layout.num_experts // size, payload, grad_scale
+        )
         _shard(m, state)
     return len(modules)
+
+
+def expert_parallel_names(model: nn.Module) -> list[str]:
+    """The fully qualified names of the parameters and buffers each rank keeps its own after
+    :func:`apply_expert_parallel` (what DDP must neither broadcast nor all-reduce)."""
+    out = []
+    for name, m in _fp8_experts(model):
+        if m.__dict__.get("fp8_ep") is not None:
+            prefix = f"{name}." if name else ""
+            out += [prefix + n for n, _ in m.named_parameters()] + [prefix + n for n, _ in m.named_buffers()]
+    return out
 
 
 def _shard(m: Any, ep: ExpertParallelState) -> None:
@@ -165,7 +194,9 @@ def _shard(m: Any, ep: ExpertParallelState) -> None:
     names = list(layout.projections) + ([f"{p}_bias" for p in layout.projections] if layout.bias else [])
     for n in names:
         p = getattr(m, n)
-        setattr(m, n, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
+        new = nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
+        new._lowprec_ep_group = ep.group  # type: ignore[attr-defined]  # clip_grad_norm: a norm over all ranks
+        setattr(m, n, new)
     for g in m.fp8_gemms().values():
         for bname, buf in list(g._buffers.items()):
             if buf is not None and buf.dim() and buf.shape[0] == g.num_experts:
@@ -293,7 +324,8 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         r = ctx.route
-        return _a2a(grad.to(ctx.dtype), r.recv, r.send, r.ep.group), None
+        back = _a2a(grad.to(ctx.dtype), r.recv, r.send, r.ep.group)
+        return (back if r.ep.grad_scale == 1.0 else back / r.ep.grad_scale), None
 
 
 class _Combine(torch.autograd.Function):
@@ -308,6 +340,8 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         r = ctx.route
+        if r.ep.grad_scale != 1.0:
+            grad = grad * r.ep.grad_scale
         buf, scales = _encode(grad, r.expert_sent, r.dy_wire, r.ep)
         got = _a2a(buf, r.send, r.recv, r.ep.group)
         return _decode(got, r.expert_recv, scales, r.dy_wire, grad.shape[-1]).to(ctx.dtype), None
