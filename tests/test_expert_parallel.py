@@ -208,8 +208,19 @@ ACCEL_WORKER = textwrap.dedent(
         got.append(acc.reduce(loss.detach(), "mean").item())
     inner = acc.unwrap_model(model)
     shapes = {n: list(p.shape) for n, p in inner.named_parameters() if "experts" in n}
+    # the whole experts in the full state dict (all-gathered), and back: each rank its slice
+    from lowprec.distributed.expert_parallel import apply_expert_parallel
+    full = acc.get_state_dict(model)
+    fresh = make()
+    apply_expert_parallel(fresh, ep_size=world)
+    fresh.load_state_dict(full)
+    own = dict(inner.named_parameters())
+    round_trip = all(torch.equal(p, own[n]) for n, p in fresh.named_parameters())
+    key = "model.layers.1.mlp.experts.down_proj"
+    gathered = list(full[key].shape) == [8, 128, 192] and torch.equal(full[key][4 * rank : 4 * rank + 4], own[key])
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump(dict(ref=ref, got=got, ref_norms=ref_norms, norms=norms, shapes=shapes), f)
+        json.dump(dict(ref=ref, got=got, ref_norms=ref_norms, norms=norms, shapes=shapes, round_trip=round_trip,
+                       gathered=gathered), f)
     acc.wait_for_everyone()
     """
 )
@@ -218,11 +229,13 @@ ACCEL_WORKER = textwrap.dedent(
 def test_accelerator_ep_size_trains_as_one_process(tmp_path):
     """Accelerator(parallelism_config=ParallelismConfig(expert_parallel_degree=2)), the alias of
     ep_size: the experts sharded after conversion, the rest under DDP (its averaging; expert
-    gradients scaled to match), clip_grad_norm_ over every rank's experts. rowwise, the whole
+    gradients scaled to match), clip_grad_norm_ over every rank's experts, get_state_dict with
+    the whole experts (all-gathered) that load back as each rank's slice. rowwise, the whole
     model in FP8 (row scales: a Linear's forward does not depend on the batch split)."""
     outs = _run(tmp_path, 2, [], [], script=ACCEL_WORKER)
     for res in outs:
         assert res["shapes"]["model.layers.0.mlp.experts.gate_up_proj"] == [4, 384, 128]
+        assert res["gathered"] and res["round_trip"]
         for a, b in zip(res["got"], res["ref"]):
             assert abs(a - b) <= 3e-3, (res["got"], res["ref"])
         for a, b in zip(res["norms"], res["ref_norms"]):

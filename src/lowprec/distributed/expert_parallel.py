@@ -7,9 +7,12 @@ over the ``ep_size`` processes of a group: rank ``r`` owns experts ``r * E/ep ..
 Parameters
     Each rank keeps only its slice of the 3-D expert weights (and biases), **a plain local
     Parameter** ``(E/ep, ...)`` under the same name (no DTensor). The Parameter objects are
-    new: build the optimizer after this call. ``state_dict`` keys are unchanged and hold the
-    rank's slice; the whole weight is the ranks' slices concatenated along dim 0 in rank order
-    (no gathering helper yet). The grouped GEMMs' per-expert FP8 state (``fp8_<proj>``
+    new: build the optimizer after this call (the Accelerator remaps one built before
+    ``prepare`` by name). ``state_dict()`` keys are unchanged and hold the rank's slice;
+    :func:`gather_expert_state` (called by ``Accelerator.get_state_dict`` /
+    ``full_model_state_dict``, on every rank) all-gathers them to the whole ``(E, ...)``
+    tensors, and ``load_state_dict`` of a whole tensor keeps this rank's slice (a checkpoint of
+    the unsharded model loads as it is). Optimizer state stays per rank (not gathered). The grouped GEMMs' per-expert FP8 state (``fp8_<proj>``
     buffers, delayed scaling's histories) is sliced the same way. Non-expert weights are
     replicated: their gradients are partial sums over each rank's tokens and need the
     data-parallel reduction the caller already does (DDP, or the all-reduce of a test).
@@ -82,6 +85,7 @@ __all__ = [
     "run_experts_parallel",
     "check_expert_parallel",
     "expert_parallel_names",
+    "gather_expert_state",
 ]
 
 logger = logging.getLogger("lowprec")
@@ -175,14 +179,52 @@ def apply_expert_parallel(
     return len(modules)
 
 
+def _sharded(model: nn.Module) -> list[tuple[str, Any]]:
+    """``(prefix, module)`` of the sharded experts modules (prefix ends with a dot, or empty)."""
+    return [(f"{n}." if n else "", m) for n, m in _fp8_experts(model) if m.__dict__.get("fp8_ep") is not None]
+
+
+def _expert_keys(prefix: str, m: Any) -> list[str]:
+    """The state_dict keys of ``m`` with a leading expert dim: the weights (biases), the
+    grouped GEMMs' saved per-expert state."""
+    ep: ExpertParallelState = m.fp8_ep
+    return [
+        prefix + k
+        for k, v in m.state_dict(keep_vars=True).items()
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == ep.local
+    ]
+
+
+def gather_expert_state(model: nn.Module, state_dict: dict) -> dict:
+    """``state_dict`` (the model's, this rank's slices) with every sharded expert tensor
+    all-gathered along dim 0 to the whole model's ``(E, ...)``: a checkpoint one process loads.
+    A collective: every rank of the expert-parallel group calls it."""
+    for prefix, m in _sharded(model):
+        ep: ExpertParallelState = m.fp8_ep
+        for key in _expert_keys(prefix, m):
+            local = state_dict[key].detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(ep.size)]
+            dist.all_gather(parts, local, group=ep.group)
+            state_dict[key] = torch.cat(parts)
+    return state_dict
+
+
+def _load_slices(m: Any, state_dict: dict, prefix: str, *args: Any) -> None:
+    """load_state_dict pre-hook of a sharded module: a whole ``(E, ...)`` expert tensor (a
+    checkpoint of the unsharded model, or :func:`gather_expert_state`'s) loads as this rank's slice."""
+    ep: ExpertParallelState = m.fp8_ep
+    for key in _expert_keys(prefix, m):
+        v = state_dict.get(key)
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == ep.num_experts != ep.local:
+            state_dict[key] = v[ep.first : ep.first + ep.local]
+
+
 def expert_parallel_names(model: nn.Module) -> list[str]:
     """The fully qualified names of the parameters and buffers each rank keeps its own after
     :func:`apply_expert_parallel` (what DDP must neither broadcast nor all-reduce)."""
     out = []
-    for name, m in _fp8_experts(model):
-        if m.__dict__.get("fp8_ep") is not None:
-            prefix = f"{name}." if name else ""
-            out += [prefix + n for n, _ in m.named_parameters()] + [prefix + n for n, _ in m.named_buffers()]
+    for prefix, m in _sharded(model):
+        out += [prefix + n for n, _ in m.named_parameters()] + [prefix + n for n, _ in m.named_buffers()]
     return out
 
 
@@ -206,6 +248,7 @@ def _shard(m: Any, ep: ExpertParallelState) -> None:
             s.__dict__["_index"] = j
         g.num_experts = ep.local
     m.__dict__["fp8_ep"] = ep
+    m._register_load_state_dict_pre_hook(_load_slices, with_module=True)
 
 
 # ------------------------------------------------------------------ FP8 payloads

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowprec.distributed.expert_parallel import gather_expert_state
+
 __all__ = [
     "wrap_ddp",
     "trigger_sync_in_backward",
@@ -122,9 +124,10 @@ def _options(**kw):
 
 
 def full_model_state_dict(model: nn.Module) -> dict:
-    """Full (unsharded) state dict; collective under FSDP2, on every process."""
+    """Full (unsharded) state dict; collective under FSDP2 and expert parallelism (the
+    experts' slices all-gathered), on every process."""
     if not _dtensor_params(model):
-        return model.state_dict()
+        return gather_expert_state(model, model.state_dict())
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(model, options=_options(cpu_offload=True))
