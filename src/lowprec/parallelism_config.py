@@ -104,15 +104,14 @@ class ParallelismConfig:
         return self.ep_size > 1
 
     def ep_group(self) -> Any:
-        """This process's expert-parallel group: ``ep_size`` consecutive ranks (the world when
-        ``ep_size`` is every process; built once, a collective on first call)."""
+        """This process's expert-parallel group: ``ep_size`` consecutive ranks, a process group
+        of its own even when it spans the world (DDP's bucket all-reduces run on the world group
+        while backward runs the token all-to-alls, in an order that differs between ranks: on
+        one group they would cross). Built once, a collective on first call."""
         if self._ep_group is None:
             import torch.distributed as dist
 
-            if self.ep_size == dist.get_world_size():
-                self._ep_group = dist.group.WORLD
-            else:
-                self._ep_group, _ = dist.new_subgroups(group_size=self.ep_size)
+            self._ep_group, _ = dist.new_subgroups(group_size=self.ep_size)
         return self._ep_group
 
     @property

@@ -146,8 +146,10 @@ def apply_expert_parallel(
     payload: str = "fp8",
     grad_scale: float = 1.0,
 ) -> int:
-    """Shard every FP8 experts module of ``model`` over ``group`` (default: the world; its size
-    must equal ``ep_size`` when both are given); returns how many modules. Call after
+    """Shard every FP8 experts module of ``model`` over ``group`` (default: a new group of every
+    process; its size must equal ``ep_size`` when both are given); returns how many modules.
+    The group should be one no other collective runs on during backward (DDP's gradient
+    all-reduces would interleave with the all-to-alls in a different order on each rank). Call after
     ``fp8.convert`` and before building the optimizer. ``payload``: ``fp8`` or ``bf16`` (the
     rows' wire format); ``grad_scale``: see :class:`ExpertParallelState`. See the module
     docstring."""
@@ -159,8 +161,8 @@ def apply_expert_parallel(
             f"ep_size={ep_size}: {type(model).__name__} has no FP8 expert modules (fused 3-D experts converted by "
             "lowprec.fp8.convert); convert the model with FP8 first, or set ep_size to 1"
         )
-    if group is None:
-        group = dist.group.WORLD
+    if group is None:  # a group of its own: see the docstring
+        group = dist.new_group(list(range(dist.get_world_size())))
     size = dist.get_world_size(group)
     if ep_size is not None and ep_size != size:
         raise ValueError(
@@ -373,10 +375,12 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     """Expert outputs back to their senders (forward, high precision); their gradient to the
-    owners (backward: ``dy_wire``)."""
+    owners (backward: ``dy_wire``). ``anchor`` (the dispatched rows) keeps this node in the
+    graph on a rank whose experts got no token (its ``rows`` then have no autograd history):
+    every rank must run the backward all-to-all, or the ranks' collectives fall out of step."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, route: _Route) -> torch.Tensor:
+    def forward(ctx, rows: torch.Tensor, route: _Route, anchor: torch.Tensor) -> torch.Tensor:
         ctx.route, ctx.dtype = route, rows.dtype
         return _a2a(rows, route.recv, route.send, route.ep.group)
 
@@ -387,7 +391,8 @@ class _Combine(torch.autograd.Function):
             grad = grad * r.ep.grad_scale
         buf, scales = _encode(grad, r.expert_sent, r.dy_wire, r.ep)
         got = _a2a(buf, r.send, r.recv, r.ep.group)
-        return _decode(got, r.expert_recv, scales, r.dy_wire, grad.shape[-1]).to(ctx.dtype), None
+        grad_rows = _decode(got, r.expert_recv, scales, r.dy_wire, grad.shape[-1]).to(ctx.dtype)
+        return (grad_rows if ctx.needs_input_grad[0] else None), None, None
 
 
 # ------------------------------------------------------------------ the forward
@@ -449,6 +454,6 @@ def run_experts_parallel(
     out = expert_rows(module, layout, xr[order], local_counts, expert_of_row, gemm)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=dev)
-    y = _Combine.apply(out[inv], r)
+    y = _Combine.apply(out[inv], r, xr)
     y = y * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
     return combine(y, perm, tokens, top_k).to(hidden_states.dtype)
