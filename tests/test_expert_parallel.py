@@ -114,7 +114,7 @@ WORKER = textwrap.dedent(
             result[f"{recipe}/{payload}"] = dict(
                 losses=losses, ref_losses=ref_losses, err=err, scale=scale, bytes=sent[0].as_dict(), bytes_bwd=sent[1].as_dict()
             )
-    def hf_experts(model_name, recipe, ep):
+    def hf_experts(model_name, recipe, ep, skewed=False):
         # the fused experts of a tiny transformers model, called as its MoE block calls them,
         # on random routing: 16 tokens per rank under ep, all 16 * world in one process
         from tests.tiny_moe import build, moe_block
@@ -127,7 +127,8 @@ WORKER = textwrap.dedent(
         g = torch.Generator().manual_seed(2)
         n = 16 * world
         h = torch.randn(n, 64, generator=g)
-        idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(n)])
+        # skewed: every token on experts 0-3 (rank 0's), so rank 1's experts run nothing
+        idx = torch.stack([torch.randperm(4 if skewed else 8, generator=g)[:2] for _ in range(n)])
         w = torch.rand(n, 2, generator=g).softmax(-1)
         dy = torch.randn(n, 64, generator=g)
         if ep:
@@ -142,16 +143,18 @@ WORKER = textwrap.dedent(
 
     if "hf" in sys.argv[4:]:
         local = 8 // world
-        for model_name in ("mixtral", "gpt_oss"):
-            for recipe in ("tensorwise", "rowwise"):
-                ref, got = hf_experts(model_name, recipe, False), hf_experts(model_name, recipe, True)
-                err, scale = {}, {}
-                for k, v in got.items():
-                    r = ref[k]
-                    r = r[rank * local : (rank + 1) * local] if k not in ("out", "hidden", "weights") else r.chunk(world)[rank]
-                    assert v.shape == r.shape, (k, v.shape, r.shape)
-                    err[k], scale[k] = (v - r).abs().max().item(), r.abs().max().item()
-                result[f"{model_name}/{recipe}"] = dict(err=err, scale=scale)
+        for model_name, recipe, skewed in [
+            (m, r, False) for m in ("mixtral", "gpt_oss") for r in ("tensorwise", "rowwise")
+        ] + [("mixtral", "tensorwise", True)]:
+            ref, got = hf_experts(model_name, recipe, False, skewed), hf_experts(model_name, recipe, True, skewed)
+            err, scale = {}, {}
+            for k, v in got.items():
+                r = ref[k]
+                r = r[rank * local : (rank + 1) * local] if k not in ("out", "hidden", "weights") else r.chunk(world)[rank]
+                v = torch.zeros_like(r) if v is None else v  # skewed: no token reached these experts
+                assert v.shape == r.shape, (k, v.shape, r.shape)
+                err[k], scale[k] = (v - r).abs().max().item(), r.abs().max().item()
+            result[f"{model_name}/{recipe}" + ("/skewed" if skewed else "")] = dict(err=err, scale=scale)
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -285,11 +288,14 @@ def test_two_processes_match_one(two, recipe):
         _check_equal(rank[f"{recipe}/fp8"])
 
 
-@pytest.mark.parametrize("model", ["mixtral", "gpt_oss"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize(
+    "model, recipe",
+    [(m, r) for m in ("mixtral", "gpt_oss") for r in ("tensorwise", "rowwise")] + [("mixtral", "tensorwise/skewed")],
+)
 def test_transformers_fused_experts_match_one_process(two, model, recipe):
     """Mixtral's experts and gpt-oss's (transposed weights, biases, clamped GLU) called directly:
-    output, input and routing-weight gradients, weight and bias gradients."""
+    output, input and routing-weight gradients, weight and bias gradients. ``skewed``: every
+    token routed to rank 0's experts (rank 1 still runs both backward all-to-alls)."""
     pytest.importorskip("transformers")
     for rank in two:
         res = rank[f"{model}/{recipe}"]
