@@ -50,7 +50,7 @@ from lowprec.utils.operations import gather, gather_object, has_tensor, pad_acro
 from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from lowprec.utils.modeling import extract_model_from_parallel
 from lowprec.utils.precision import autocast_context, wrap_forward
-from lowprec.utils.parallelism import ParallelismMixin, apply_tp, data_shard, dp_mesh, for_accelerator
+from lowprec.utils.parallelism import ParallelismMixin, apply_ep, apply_tp, data_shard, dp_mesh, for_accelerator
 from lowprec.utils.process_control import ProcessControlMixin
 from lowprec.utils.distributed import full_model_state_dict
 from lowprec.utils.operations import recursively_apply
@@ -324,10 +324,11 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         model = self._convert_and_wrap_forward(model)
         dt, pc = self.distributed_type, self.parallelism_config
         apply_tp(pc, model, self.device.type)  # tensor parallelism: after FP8 conversion, before FSDP2
+        own_experts = apply_ep(pc, model)  # expert parallelism: after FP8 conversion, before DDP
         if not evaluation_mode:
-            if dt.is_ddp and pc is None:
+            if dt.is_ddp and (pc is None or not pc.tp_enabled):
                 kw = (self.handlers.get(DistributedDataParallelKwargs) or DistributedDataParallelKwargs()).to_kwargs()
-                model = wrap_ddp(model, self.device, kw)
+                model = wrap_ddp(model, self.device, kw, ignore=own_experts)
             elif dt == DistributedType.FSDP:
                 model = wrap_fsdp2(
                     model, self.mixed_precision, self.state.fsdp_plugin, self.device, dp_mesh(pc, self.device.type)

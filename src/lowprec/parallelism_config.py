@@ -9,7 +9,10 @@ FSDP2 shards over the ``dp_shard`` dimension; the data is split over ``dp_shard`
 processes of one tensor-parallel group read the same batch). Environment:
 ``PARALLELISM_CONFIG_TP_SIZE``, ``PARALLELISM_CONFIG_DP_SHARD_SIZE``. Context parallelism and
 replicated data parallelism (``cp_size``, ``dp_replicate_size`` > 1) are not implemented.
-``sequence_parallel=True`` (lowprec's field) adds the model's ``_sp_plan``: norms and the
+``ep_size`` (alias ``expert_parallel_degree``, torchtitan's name; environment
+``PARALLELISM_CONFIG_EP_SIZE``) shards the model's FP8 experts over ``ep_size`` processes of the
+data-parallel dimension with tokens dispatched in FP8 (:mod:`lowprec.distributed.expert_parallel`);
+not with ``tp_size`` > 1. ``sequence_parallel=True`` (lowprec's field) adds the model's ``_sp_plan``: norms and the
 residual stream on sequence slices, block inputs all-gathered in FP8
 (:mod:`lowprec.distributed.sequence_parallel`), rowwise outputs reduce-scattered.
 """
@@ -34,9 +37,15 @@ class ParallelismConfig:
     # lowprec's: Megatron-style sequence parallelism inside the tensor-parallel group (the
     # model's _sp_plan; block inputs all-gathered in FP8). Accelerate has no such field.
     sequence_parallel: bool = False
+    # expert parallelism: the FP8 experts sharded over ep_size processes of the data-parallel
+    # dimension, tokens dispatched in FP8 (lowprec.distributed.expert_parallel); torchtitan's
+    # name, expert_parallel_degree, is accepted as an alias
+    ep_size: Optional[int] = None
+    expert_parallel_degree: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.tp_size = self.tp_size if self.tp_size is not None else env_int("PARALLELISM_CONFIG_TP_SIZE", 1)
+        self._init_ep()
         for name in ("dp_replicate_size", "cp_size"):
             if getattr(self, name) is None:  # Accelerate's launcher exports 1 for both
                 setattr(self, name, env_int(f"PARALLELISM_CONFIG_{name.upper()}", 1))
@@ -53,10 +62,29 @@ class ParallelismConfig:
                 "group: set tp_size > 1 or drop sequence_parallel"
             )
         self._mesh: Any = None
+        self._ep_group: Any = None
+
+    def _init_ep(self) -> None:
+        ep, alias = self.ep_size, self.expert_parallel_degree
+        if ep is not None and alias is not None and ep != alias:
+            raise ValueError(
+                f"ParallelismConfig(ep_size={ep}, expert_parallel_degree={alias}): two names for one size; "
+                "pass one of them"
+            )
+        ep = ep if ep is not None else alias
+        ep = ep if ep is not None else env_int("PARALLELISM_CONFIG_EP_SIZE", 1)
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise ValueError(f"ParallelismConfig(ep_size={ep!r}): a positive integer (processes sharing the experts)")
+        if ep > 1 and self.tp_size > 1:
+            raise ValueError(
+                f"ParallelismConfig(ep_size={ep}, tp_size={self.tp_size}): expert parallelism with tensor "
+                "parallelism is not implemented; set one of them to 1"
+            )
+        self.ep_size = self.expert_parallel_degree = ep
 
     def resolve(self, world: int) -> None:
         """Fill ``dp_shard_size`` for ``world`` processes; one error naming both sizes if they
-        do not multiply to it."""
+        do not multiply to it (and ``ep_size`` must divide the data-parallel processes)."""
         if self.dp_shard_size is None:
             self.dp_shard_size = env_int("PARALLELISM_CONFIG_DP_SHARD_SIZE", max(world // self.tp_size, 1))
         if self.dp_shard_size * self.tp_size != world:
@@ -65,6 +93,26 @@ class ParallelismConfig:
                 f"{world} processes; launch {self.dp_shard_size * self.tp_size} processes or change "
                 "the sizes"
             )
+        if self.dp_shard_size % self.ep_size:
+            raise ValueError(
+                f"ParallelismConfig(ep_size={self.ep_size}) does not divide the {self.dp_shard_size} data-parallel "
+                f"processes; launch a multiple of {self.ep_size} processes or change ep_size"
+            )
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep_size > 1
+
+    def ep_group(self) -> Any:
+        """This process's expert-parallel group: ``ep_size`` consecutive ranks, a process group
+        of its own even when it spans the world (DDP's bucket all-reduces run on the world group
+        while backward runs the token all-to-alls, in an order that differs between ranks: on
+        one group they would cross). Built once, a collective on first call."""
+        if self._ep_group is None:
+            import torch.distributed as dist
+
+            self._ep_group, _ = dist.new_subgroups(group_size=self.ep_size)
+        return self._ep_group
 
     @property
     def tp_enabled(self) -> bool:

@@ -33,8 +33,10 @@ import shutil
 from typing import Any
 
 import torch
+from torch import nn
 
 from lowprec.backends.base import log_once
+from lowprec.distributed.expert_parallel import expert_parallel_names
 from lowprec.durable import fsync_dir, fsync_tree, os_error_of, owner_alive, temp_suffix
 from lowprec.checkpoint.serialization import (
     check_deepspeed_dir,
@@ -220,6 +222,12 @@ def _per_rank_buffers(model: Any) -> bool:
 
 def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> str:
     output_dir = os.path.abspath(output_dir)
+    if any(expert_parallel_names(acc.unwrap_model(m)) for m in acc._models if isinstance(m, nn.Module)):
+        raise ValueError(
+            f"save_state({output_dir!r}) with expert parallelism (ParallelismConfig(ep_size=...)): each process "
+            "holds its own experts' optimizer state, which save_state does not write yet; save the model with "
+            "get_state_dict (it gathers every expert) or train without ep_size"
+        )
     for m in acc._models:  # a NaN model would replace the last good checkpoint
         acc.nonfinite.check_model(m, f"save_state({output_dir!r})")
     # named with the main process's host and pid: a cleaner leaves a live writer's alone

@@ -191,6 +191,12 @@ def _check_tensor_parallel(cfg: Any, processes: int) -> None:
             f"tensor_parallel_size: {tp} does not divide --num_processes {processes}; launch a "
             f"multiple of {tp} processes or change tensor_parallel_size"
         )
+    ep = cfg.ep_size
+    if ep > 1 and ep != processes:
+        raise ValueError(
+            f"ep_size: {ep} with --num_processes {processes}: the experts are sharded over every process "
+            f"(expert replicas are not implemented); launch --num_processes {ep} or set ep_size: {processes}"
+        )
     if tp > 1 and processes // tp > 1 and cfg.fsdp_version != 2:
         raise ValueError(
             f"tensor_parallel_size: {tp} with --num_processes {processes} leaves {processes // tp} "

@@ -28,7 +28,9 @@ The router (``gate`` / ``router``, a ``TopKRouter`` module, not a Linear) is nev
 its top-k choice is discrete, and FP8 noise would move tokens between experts; ``convert``
 names it in the report. Outside FP8 (``fp8.autocast(enabled=False)``, eval mode) the class's own
 forward runs. ``tokens_per_expert`` (a buffer, not saved) holds the last forward's routing
-counts. Expert parallelism (experts sharded over processes, ``_is_expert_parallel``) is refused.
+counts. transformers' own expert parallelism (``_is_expert_parallel``) is refused; lowprec's
+(``lowprec.distributed.expert_parallel.apply_expert_parallel``: experts sharded over processes,
+tokens dispatched in FP8) sets ``fp8_ep`` on the module and runs its forward, in FP8 or not.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = [
     "route",
     "combine",
     "run_experts",
+    "expert_rows",
 ]
 
 GEMM_PREFIX = "fp8_"  # the Float8GroupedGemm of projection p is the child module fp8_<p>
@@ -146,6 +149,22 @@ def run_experts(
     token_of_row = perm // top_k
     x = hidden_states[token_of_row]
     expert_of_row = top_k_index.reshape(-1)[perm] if layout.bias else None
+    out = expert_rows(module, layout, x, counts, expert_of_row, gemm)
+    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+    return combine(out, perm, tokens, top_k).to(hidden_states.dtype)
+
+
+def expert_rows(
+    module: Any,
+    layout: ExpertsLayout,
+    x: torch.Tensor,
+    counts: tuple[int, ...],
+    expert_of_row: torch.Tensor | None,
+    gemm: Any,
+) -> torch.Tensor:
+    """The experts' output rows for ``x`` grouped by ``counts`` (one group per expert of the
+    module's weights): first projection, bias (``expert_of_row``: the bias row of each row;
+    ``None`` without biases), gate, down projection, bias, post-norm; not yet weighted."""
     first, down = layout.projections
     h = gemm(first, x, layout.weight(module, first), counts)
     if expert_of_row is not None:
@@ -156,8 +175,7 @@ def run_experts(
         out = out + getattr(module, f"{down}_bias")[expert_of_row].to(out.dtype)
     if layout.post_norm:
         out = module.post_expert_norm(out)
-    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
-    return combine(out, perm, tokens, top_k).to(hidden_states.dtype)
+    return out
 
 
 # ------------------------------------------------------------------ the converted module
@@ -171,7 +189,8 @@ class Float8Experts(FP8Switch):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         recipe = self._active_recipe()
-        if recipe is None:
+        ep = self.__dict__.get("fp8_ep")
+        if recipe is None and ep is None:
             return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
         if getattr(self, "_is_expert_parallel", False):
             raise NotImplementedError(
@@ -183,10 +202,12 @@ class Float8Experts(FP8Switch):
 
         def gemm(proj: str, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
             grouped = self._modules.get(GEMM_PREFIX + proj)  # type: ignore[attr-defined]
-            if grouped is None:  # this projection is kept in high precision
+            if grouped is None or recipe is None:  # kept in high precision, or FP8 off (expert parallel)
                 return grouped_mm_hp(x, weight, counts, hp)
             return grouped(x, weight, counts, recipe, hp)
 
+        if ep is not None:  # this rank's experts only (lowprec.distributed.expert_parallel)
+            return ep.forward(self, hidden_states, top_k_index, top_k_weights, recipe, gemm)
         return run_experts(self, self.fp8_layout, hidden_states, top_k_index, top_k_weights, gemm)  # type: ignore[arg-type]
 
     def fp8_gemms(self) -> dict[str, Float8GroupedGemm]:
@@ -207,6 +228,11 @@ class Float8Experts(FP8Switch):
 
     def to_experts(self) -> nn.Module:
         """The module as its own class again: same Parameter objects and hooks, no FP8 state."""
+        if self.__dict__.get("fp8_ep") is not None:
+            raise ValueError(
+                f"{type(self).__name__} is expert-parallel (this process holds {self.__dict__['fp8_ep'].local} of "
+                f"{self.fp8_layout.num_experts} experts): its own class cannot run it; keep it converted"
+            )
         plain = copy.copy(self)
         for k, v in list(vars(plain).items()):
             if isinstance(v, (dict, set)):

@@ -209,8 +209,11 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
 
     return Accelerator(
         # tensor parallelism over tensor_parallel_size processes, FSDP2 (fsdp_version: 2) over the rest
-        parallelism_config=ParallelismConfig(tp_size=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel)
-        if cfg.tensor_parallel_size > 1
+        # expert parallelism (ep_size) over every process, DDP over the rest
+        parallelism_config=ParallelismConfig(
+            tp_size=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel, ep_size=cfg.ep_size
+        )
+        if cfg.tensor_parallel_size > 1 or cfg.ep_size > 1
         else None,
         mixed_precision=plan.mixed_precision,
         kwargs_handlers=handlers,

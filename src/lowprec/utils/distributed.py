@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowprec.distributed.expert_parallel import gather_expert_state
+
 __all__ = [
     "wrap_ddp",
     "trigger_sync_in_backward",
@@ -24,9 +26,13 @@ __all__ = [
 _FSDP_DTYPES = {"fp8": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def wrap_ddp(model: nn.Module, device: torch.device, ddp_kwargs: dict) -> nn.Module:
+def wrap_ddp(model: nn.Module, device: torch.device, ddp_kwargs: dict, ignore: Optional[list] = None) -> nn.Module:
+    """DDP; ``ignore``: names of parameters and buffers each rank keeps its own (expert
+    parallelism's experts), neither broadcast nor all-reduced."""
     from torch.nn.parallel import DistributedDataParallel
 
+    if ignore:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignore)
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
 
@@ -118,9 +124,10 @@ def _options(**kw):
 
 
 def full_model_state_dict(model: nn.Module) -> dict:
-    """Full (unsharded) state dict; collective under FSDP2, on every process."""
+    """Full (unsharded) state dict; collective under FSDP2 and expert parallelism (the
+    experts' slices all-gathered), on every process."""
     if not _dtensor_params(model):
-        return model.state_dict()
+        return gather_expert_state(model, model.state_dict())
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(model, options=_options(cpu_offload=True))
@@ -177,13 +184,22 @@ def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0) -> 
     params = [p for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters) if p.grad is not None]
     groups: dict[Any, list] = {}
     for p in params:
-        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    if len(groups) <= 1:
+        # expert parallelism: each rank holds other experts (lowprec.distributed.expert_parallel)
+        ep = getattr(p, "_lowprec_ep_group", None)
+        key = ("ep", ep) if ep is not None else (p.grad.device_mesh if isinstance(p.grad, DTensor) else None)
+        groups.setdefault(key, []).append(p)
+    if len(groups) <= 1 and not any(isinstance(k, tuple) for k in groups):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
     norms = []
-    for mesh, group in groups.items():
+    for key, group in groups.items():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
-        norms.append(norm if mesh is None else norm.full_tensor())
+        if isinstance(key, tuple):  # the norm over every rank's experts
+            inf = norm_type == float("inf")
+            part = norm.clone() if inf else norm.pow(norm_type)
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=key[1])
+            norms.append(part if inf else part.pow(1.0 / norm_type))
+        else:
+            norms.append(norm if key is None else norm.full_tensor())
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)

@@ -62,7 +62,11 @@ def for_accelerator(
     config: Optional[ParallelismConfig], world: int, distributed_type: str
 ) -> Optional[ParallelismConfig]:
     """The Accelerator's resolved config (None: plain data parallelism, nothing to do)."""
-    if config is None and env_int("PARALLELISM_CONFIG_TP_SIZE", 1) == 1:
+    if (
+        config is None
+        and env_int("PARALLELISM_CONFIG_TP_SIZE", 1) == 1
+        and env_int("PARALLELISM_CONFIG_EP_SIZE", 1) == 1
+    ):
         return None
     config = config or ParallelismConfig()
     config.resolve(world)
@@ -71,20 +75,44 @@ def for_accelerator(
             f"tp_size {config.tp_size} with dp_shard_size {config.dp_shard_size} needs FSDP2 for the "
             "data-parallel dimension: launch with --use_fsdp (or fsdp_version: 2)"
         )
-    return config if config.tp_enabled else None
+    if config.ep_enabled:
+        if not str(distributed_type).startswith("MULTI_"):  # DistributedType.is_ddp
+            raise ValueError(
+                f"ep_size {config.ep_size} runs the non-expert weights under DDP (launch several processes "
+                f"without FSDP2 or DeepSpeed, which do not compose with expert parallelism yet); got {distributed_type}"
+            )
+        if config.ep_size != world:
+            raise ValueError(
+                f"ep_size {config.ep_size} with {world} processes: expert replicas over data parallelism are "
+                f"not implemented; set ep_size to the number of processes ({world})"
+            )
+    return config if (config.tp_enabled or config.ep_enabled) else None
 
 
 def data_shard(config: Optional[ParallelismConfig], rank: int, world: int, device_type: str) -> tuple[int, int]:
     """(rank, world size) the data is split over: the dp_shard dimension under tensor parallelism."""
-    if config is None:
+    if config is None or not config.tp_enabled:  # expert parallelism: every process its own data
         return rank, world
     return config.mesh(device_type)["dp_shard"].get_local_rank(), config.dp_shard_size
 
 
 def apply_tp(config: Optional[ParallelismConfig], model: Any, device_type: str) -> None:
     """The Accelerator's step between FP8 conversion and FSDP2 (nothing without tensor parallelism)."""
-    if config is not None:
+    if config is not None and config.tp_enabled:
         apply_tp_plan(model, config.mesh(device_type)["tp"], config.sequence_parallel)
+
+
+def apply_ep(config: Optional[ParallelismConfig], model: Any) -> list[str]:
+    """The Accelerator's expert-parallel step, after FP8 conversion and before DDP: shard the
+    experts (:func:`lowprec.distributed.expert_parallel.apply_expert_parallel`) with DDP's
+    averaging (expert gradients scaled by 1 / ep_size); returns the names of the parameters
+    and buffers DDP must leave alone (each rank's own experts)."""
+    if config is None or not config.ep_enabled:
+        return []
+    from lowprec.distributed.expert_parallel import apply_expert_parallel, expert_parallel_names
+
+    apply_expert_parallel(model, config.ep_size, config.ep_group(), grad_scale=1.0 / config.ep_size)
+    return expert_parallel_names(model)
 
 
 def dp_mesh(config: Optional[ParallelismConfig], device_type: str) -> Any:

@@ -78,6 +78,45 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         (:mod:`lowprec.train.config.inert`); the trainer logs each once."""
         return self._notes
 
+    def _check_expert_parallel(self) -> None:
+        """``ep_size`` > 1: what expert parallelism runs with (one error naming the key each)."""
+        ep = self.ep_size
+        if ep == 1:
+            return
+        if not self.fp8 or self.fp8_backend != "native":
+            raise ValueError(f"ep_size: {ep} shards lowprec's FP8 experts: set fp8: true (with fp8_backend: native)")
+        for key, on in (
+            ("tensor_parallel_size", self.tensor_parallel_size > 1),
+            ("fsdp_version", self.fsdp_version is not None),
+            ("deepspeed", self.deepspeed is not None),
+            ("adapter", self.adapter is not None),
+        ):
+            if on:
+                raise ValueError(
+                    f"ep_size: {ep} with {key}: expert parallelism runs the other weights under DDP and does not "
+                    f"compose with {key} yet; drop {key} or set ep_size: 1"
+                )
+        for key in ("save_steps", "saves_per_epoch"):
+            if getattr(self, key) is not None:
+                raise ValueError(
+                    f"ep_size: {ep} with {key}: resumable checkpoints of an expert-parallel run are not written "
+                    f"yet (each process holds its own experts' optimizer state); drop {key} (the final model is "
+                    "saved whole)"
+                )
+        if self.base_model.startswith("builtin:"):
+            from lowprec.train.model import LlamaConfig
+
+            n = LlamaConfig.from_name(self.base_model[len("builtin:") :]).n_experts
+            if not n:
+                raise ValueError(
+                    f"ep_size: {ep} with {self.base_model}, which has no experts; use base_model: builtin:moe-tiny "
+                    "or set ep_size: 1"
+                )
+            if n % ep:
+                raise ValueError(
+                    f"ep_size: {ep} does not divide {self.base_model}'s {n} experts; set ep_size to a divisor of {n}"
+                )
+
     @model_validator(mode="after")
     def _combinations(self) -> "TrainConfig":
         if self.fp16 and self.bf16 not in ("auto", False):
@@ -124,6 +163,7 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
                 f"sequence_parallel: true splits each sequence over the tensor_parallel_size ({tp}) "
                 f"processes: set tensor_parallel_size > 1 and a sequence_len it divides (now {self.sequence_len})"
             )
+        self._check_expert_parallel()
         if self.fsdp_config is not None and self.fsdp_version != 2:
             raise ValueError("fsdp_config is set but fsdp_version is not; add fsdp_version: 2")
         if self.deepspeed is not None and self.fsdp_version is not None:
@@ -156,8 +196,8 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
             if builtin.n_experts and tp > 1:
                 raise ValueError(
                     f"tensor_parallel_size: {tp} with {self.base_model}: its experts have no tensor-parallel "
-                    "plan (expert parallelism is not supported yet); set tensor_parallel_size: 1 and shard "
-                    "with fsdp_version: 2"
+                    "plan; set tensor_parallel_size: 1 and shard with fsdp_version: 2, or shard the experts "
+                    "with ep_size"
                 )
         if (
             self.eval_table_size

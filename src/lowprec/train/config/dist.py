@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from lowprec.train.config.base import StrictModel
 from lowprec.config.yaml_file import read_json_object
@@ -51,9 +51,31 @@ class DistributedKeys(StrictModel):
         "tensor_parallel_size > 1): norms and the residual stream on sequence slices, attention/MLP inputs all-gathered "
         "in FP8 under fp8; not Axolotl's sequence_parallel_degree (context-parallel attention)",
     )
+    ep_size: int = Field(
+        default=1,
+        ge=1,
+        description="expert parallelism: the FP8 experts of an MoE model (builtin:moe-tiny, transformers' fused "
+        "experts) sharded over this many processes (all of them: --num_processes), tokens dispatched in FP8 "
+        "(fp8: true; tensorwise or rowwise, other recipes dispatch in bf16); the other weights train under DDP; "
+        "torchtitan's expert_parallel_degree is accepted for it",
+    )
     deepspeed: Optional[Union[str, dict[str, Any]]] = Field(
         default=None, description="DeepSpeed config: a JSON file path or an inline mapping"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ep_alias(cls, v: Any) -> Any:
+        """torchtitan's ``expert_parallel_degree``: the same key as ``ep_size`` (Accelerate's)."""
+        if isinstance(v, dict) and "expert_parallel_degree" in v:
+            v = dict(v)
+            alias = v.pop("expert_parallel_degree")
+            if "ep_size" in v and v["ep_size"] != alias:
+                raise ValueError(
+                    f"ep_size: {v['ep_size']} and expert_parallel_degree: {alias} are one setting under two names; keep one"
+                )
+            v["ep_size"] = alias
+        return v
 
     @field_validator("deepspeed")
     @classmethod

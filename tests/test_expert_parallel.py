@@ -1,0 +1,378 @@
+"""Expert parallelism with FP8 dispatch (lowprec.distributed.expert_parallel) on gloo: 2 CPU
+processes (one launch: tensorwise and rowwise, FP8 and bf16 payloads) and one 4-process launch
+(tensorwise), against the same model in one process.
+
+Each rank builds ``builtin:moe-tiny`` (2 layers, 8 experts, top-2, dim 128) in float32 from one
+seed, converts it to FP8, shards its experts, and trains 3 AdamW steps on its part of a batch;
+the single-process run (on every rank, cheap) trains the whole batch. The loss is the token
+sum over the whole batch / its token count (so the ranks' losses add up to one process's; the
+routers' load-balancing loss, a product of batch means, is left out). Non-expert gradients are
+all-reduced (SUM) by the worker, as data parallelism would; expert gradients come out of the
+all-to-alls already summed over every rank's tokens. Asserted: the first step's logits and
+every parameter's gradient (experts: the rank's slice of one process's) to within 1e-3 of
+their largest magnitude, and the 3 losses within 3e-3 (the TP tests' tolerance,
+test_tensor_parallel_fp8.py); measured values in docs/LOG.md (2026-11-28). Bytes: the dispatch
+all-to-all (uint8 under FP8, bfloat16 under ``payload="bf16"``; the combine runs in float32,
+the counts in int64) counted by lowprec.distributed.comm_count over the forward.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import textwrap
+
+import pytest
+import torch
+
+from tests.torchrun_util import run_ranks
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import lowprec.fp8 as fp8
+    from lowprec.distributed.comm_count import CommBytes
+    from lowprec.distributed.expert_parallel import apply_expert_parallel
+    from lowprec.train.model import build_model
+
+    out_dir, recipes, payloads = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    STEPS, BATCH, SEQ = 3, 2 * world, 32
+
+    def make(recipe):
+        torch.manual_seed(0)
+        m = build_model("moe-tiny", n_layers=2)
+        # the experts only: tensorwise Linears under data parallelism cast each rank's half of the
+        # batch with its own scale (data parallelism's difference, not expert parallelism's)
+        fp8.convert(m, recipe=fp8.Recipe.from_name(recipe), module_filter=lambda mod, fqn: "experts" in fqn)
+        return m
+
+    def batches():
+        g = torch.Generator().manual_seed(1)
+        return [torch.randint(0, 272, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+    def loss_of(model, ids, total):
+        logits = model(ids).logits
+        tok = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(), ids[:, 1:].reshape(-1), reduction="sum")
+        return tok / total, logits
+
+    def train(model, ep, payload="fp8"):
+        if ep:
+            apply_expert_parallel(model, ep_size=world, payload=payload)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, first, sent, sent_bwd = [], None, CommBytes(), CommBytes()
+        for step, ids in enumerate(batches()):
+            total = ids.shape[0] * (ids.shape[1] - 1)
+            part = ids.chunk(world)[rank] if ep else ids
+            with fp8.autocast():
+                if step == 0:
+                    with sent:
+                        loss, logits = loss_of(model, part, total)
+                else:
+                    loss, logits = loss_of(model, part, total)
+            if step == 0:
+                with sent_bwd:
+                    loss.backward()
+            else:
+                loss.backward()
+            if ep:
+                for n, p in model.named_parameters():
+                    if "experts" not in n and p.grad is not None:
+                        dist.all_reduce(p.grad)
+                full = loss.detach().clone()
+                dist.all_reduce(full)
+                loss = full
+            if step == 0:
+                first = (logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, first, (sent, sent_bwd)
+
+    result = {}
+    for recipe in recipes:
+        ref_losses, (ref_logits, ref_grads), _ = train(make(recipe), ep=False)
+        for payload in payloads:
+            losses, (logits, grads), sent = train(make(recipe), ep=True, payload=payload)
+            local = 8 // world
+            err, scale = {}, {}
+            err["logits"] = (logits - ref_logits.chunk(world)[rank]).abs().max().item()
+            scale["logits"] = ref_logits.abs().max().item()
+            for n, g in grads.items():
+                r = ref_grads[n]
+                if "experts" in n:
+                    r = r[rank * local : (rank + 1) * local]
+                assert g.shape == r.shape, (n, g.shape, r.shape)
+                err[n] = (g - r).abs().max().item()
+                scale[n] = r.abs().max().item()
+            result[f"{recipe}/{payload}"] = dict(
+                losses=losses, ref_losses=ref_losses, err=err, scale=scale, bytes=sent[0].as_dict(), bytes_bwd=sent[1].as_dict()
+            )
+    def hf_experts(model_name, recipe, ep, skewed=False):
+        # the fused experts of a tiny transformers model, called as its MoE block calls them,
+        # on random routing: 16 tokens per rank under ep, all 16 * world in one process
+        from tests.tiny_moe import build, moe_block
+
+        block = moe_block(build(model_name))
+        fp8.convert(block, recipe=fp8.Recipe.from_name(recipe), skip_first_last=False)
+        if ep:
+            apply_expert_parallel(block, ep_size=world)
+        experts = block.experts
+        g = torch.Generator().manual_seed(2)
+        n = 16 * world
+        h = torch.randn(n, 64, generator=g)
+        # skewed: every token on experts 0-3 (rank 0's), so rank 1's experts run nothing
+        idx = torch.stack([torch.randperm(4 if skewed else 8, generator=g)[:2] for _ in range(n)])
+        w = torch.rand(n, 2, generator=g).softmax(-1)
+        dy = torch.randn(n, 64, generator=g)
+        if ep:
+            h, idx, w, dy = (t.chunk(world)[rank] for t in (h, idx, w, dy))
+        h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with fp8.autocast():
+            out = experts(h, idx, w)
+        out.backward(dy)
+        grads = {"out": out.detach(), "hidden": h.grad, "weights": w.grad}
+        grads.update({k: p.grad for k, p in experts.named_parameters()})
+        return grads
+
+    if "hf" in sys.argv[4:]:
+        local = 8 // world
+        for model_name, recipe, skewed in [
+            (m, r, False) for m in ("mixtral", "gpt_oss") for r in ("tensorwise", "rowwise")
+        ] + [("mixtral", "tensorwise", True)]:
+            ref, got = hf_experts(model_name, recipe, False, skewed), hf_experts(model_name, recipe, True, skewed)
+            err, scale = {}, {}
+            for k, v in got.items():
+                r = ref[k]
+                r = r[rank * local : (rank + 1) * local] if k not in ("out", "hidden", "weights") else r.chunk(world)[rank]
+                v = torch.zeros_like(r) if v is None else v  # skewed: no token reached these experts
+                assert v.shape == r.shape, (k, v.shape, r.shape)
+                err[k], scale[k] = (v - r).abs().max().item(), r.abs().max().item()
+            result[f"{model_name}/{recipe}" + ("/skewed" if skewed else "")] = dict(err=err, scale=scale)
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    """
+)
+
+
+ACCEL_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import lowprec.fp8 as fp8
+    from lowprec import Accelerator, ParallelismConfig
+    from lowprec.train.model import build_model
+
+    out_dir = sys.argv[1]
+
+    def make():
+        torch.manual_seed(0)
+        m = build_model("moe-tiny", n_layers=2, router_aux_loss_coef=0.0)
+        fp8.convert(m, recipe=fp8.Recipe.from_name("rowwise"))  # the whole model: Linears and experts
+        return m
+
+    def batches():
+        g = torch.Generator().manual_seed(1)
+        return [torch.randint(0, 272, (4, 32), generator=g) for _ in range(3)]
+
+    # one process, the whole batch
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref, ref_norms = [], []
+    for ids in batches():
+        with fp8.autocast():
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+
+    acc = Accelerator(parallelism_config=ParallelismConfig(expert_parallel_degree=2))
+    model = make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    rank, world = acc.process_index, acc.num_processes
+    got, norms = [], []
+    for ids in batches():
+        with fp8.autocast():
+            loss = model(ids.chunk(world)[rank], labels=ids.chunk(world)[rank]).loss
+        acc.backward(loss)
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad()
+        got.append(acc.reduce(loss.detach(), "mean").item())
+    inner = acc.unwrap_model(model)
+    shapes = {n: list(p.shape) for n, p in inner.named_parameters() if "experts" in n}
+    # the whole experts in the full state dict (all-gathered), and back: each rank its slice
+    from lowprec.distributed.expert_parallel import apply_expert_parallel
+    full = acc.get_state_dict(model)
+    fresh = make()
+    apply_expert_parallel(fresh, ep_size=world)
+    fresh.load_state_dict(full)
+    own = dict(inner.named_parameters())
+    round_trip = all(torch.equal(p, own[n]) for n, p in fresh.named_parameters())
+    key = "model.layers.1.mlp.experts.down_proj"
+    gathered = list(full[key].shape) == [8, 128, 192] and torch.equal(full[key][4 * rank : 4 * rank + 4], own[key])
+    try:  # each rank's expert optimizer state: not written yet, refused
+        acc.save_state(f"{out_dir}/ckpt")
+        refused = False
+    except ValueError as exc:
+        refused = "ep_size" in str(exc)
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(dict(ref=ref, got=got, ref_norms=ref_norms, norms=norms, shapes=shapes, round_trip=round_trip,
+                       gathered=gathered, refused=refused), f)
+    acc.wait_for_everyone()
+    """
+)
+
+
+def test_accelerator_ep_size_trains_as_one_process(tmp_path):
+    """Accelerator(parallelism_config=ParallelismConfig(expert_parallel_degree=2)), the alias of
+    ep_size: the experts sharded after conversion, the rest under DDP (its averaging; expert
+    gradients scaled to match), clip_grad_norm_ over every rank's experts, get_state_dict with
+    the whole experts (all-gathered) that load back as each rank's slice. rowwise, the whole
+    model in FP8 (row scales: a Linear's forward does not depend on the batch split)."""
+    outs = _run(tmp_path, 2, [], [], script=ACCEL_WORKER)
+    for res in outs:
+        assert res["shapes"]["model.layers.0.mlp.experts.gate_up_proj"] == [4, 384, 128]
+        assert res["gathered"] and res["round_trip"] and res["refused"]
+        for a, b in zip(res["got"], res["ref"]):
+            assert abs(a - b) <= 3e-3, (res["got"], res["ref"])
+        for a, b in zip(res["norms"], res["ref_norms"]):
+            assert abs(a - b) <= 2e-2 * b, (res["norms"], res["ref_norms"])
+
+
+def _run(tmp_path, nproc, recipes, payloads, *extra, script=WORKER):
+    text = script
+    script = tmp_path / "worker.py"
+    script.write_text(text)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "src"), root, env.get("PYTHONPATH", "")])
+    files = [tmp_path / f"rank{r}.json" for r in range(nproc)]
+    run_ranks(
+        str(script),
+        [str(tmp_path), ",".join(recipes), ",".join(payloads), *extra],
+        nproc,
+        env,
+        lambda: all(f.exists() for f in files),
+    )
+    return [json.loads(f.read_text()) for f in files]
+
+
+def _check_equal(res, tol=1e-3, loss_tol=3e-3):
+    for name, e in res["err"].items():
+        assert e <= tol * max(res["scale"][name], 1e-6), (name, e, res["scale"][name])
+    for a, b in zip(res["losses"], res["ref_losses"]):
+        assert abs(a - b) <= loss_tol, (res["losses"], res["ref_losses"])
+    assert res["losses"][-1] < res["losses"][0]  # it trains
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    extra = ["hf"] if importlib.util.find_spec("transformers") else []
+    return _run(tmp_path_factory.mktemp("ep2"), 2, ["tensorwise", "rowwise"], ["fp8", "bf16"], *extra)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_two_processes_match_one(two, recipe):
+    for rank in two:
+        _check_equal(rank[f"{recipe}/fp8"])
+
+
+@pytest.mark.parametrize(
+    "model, recipe",
+    [(m, r) for m in ("mixtral", "gpt_oss") for r in ("tensorwise", "rowwise")] + [("mixtral", "tensorwise/skewed")],
+)
+def test_transformers_fused_experts_match_one_process(two, model, recipe):
+    """Mixtral's experts and gpt-oss's (transposed weights, biases, clamped GLU) called directly:
+    output, input and routing-weight gradients, weight and bias gradients. ``skewed``: every
+    token routed to rank 0's experts (rank 1 still runs both backward all-to-alls)."""
+    pytest.importorskip("transformers")
+    for rank in two:
+        res = rank[f"{model}/{recipe}"]
+        assert set(res["err"]) >= {"out", "hidden", "weights", "gate_up_proj", "down_proj"}
+        for name, e in res["err"].items():
+            assert e <= 1e-3 * max(res["scale"][name], 1e-6), (model, recipe, name, e, res["scale"][name])
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_dispatch_bytes_at_most_052_of_bf16(two, recipe):
+    for rank in two:
+        fp8_bytes = rank[f"{recipe}/fp8"]["bytes"]["all_to_all"]
+        bf16_bytes = rank[f"{recipe}/bf16"]["bytes"]["all_to_all"]
+        assert "bfloat16" not in fp8_bytes and "uint8" not in bf16_bytes
+        # the same rows cross (the routing is the same run's): FP8 + scales vs bf16
+        assert fp8_bytes["uint8"] <= 0.52 * bf16_bytes["bfloat16"], (fp8_bytes, bf16_bytes)
+        assert fp8_bytes["uint8"] >= 0.5 * bf16_bytes["bfloat16"]  # every row did cross
+        # backward: the gradient all-to-all to the owners (FP8 + scales vs bf16); the dispatch's
+        # gradient back to the senders travels in the input's dtype (float32) in both runs
+        fp8_bwd = rank[f"{recipe}/fp8"]["bytes_bwd"]["all_to_all"]
+        bf16_bwd = rank[f"{recipe}/bf16"]["bytes_bwd"]["all_to_all"]
+        assert "bfloat16" not in fp8_bwd and fp8_bwd["uint8"] <= 0.52 * bf16_bwd["bfloat16"], (fp8_bwd, bf16_bwd)
+
+
+def test_four_processes_match_one(tmp_path):
+    for rank in _run(tmp_path, 4, ["tensorwise"], ["fp8"]):
+        _check_equal(rank["tensorwise/fp8"])
+
+
+# ------------------------------------------------------------------ bad inputs (one process)
+def test_expert_count_not_divisible_is_one_value_error():
+    from lowprec.distributed.expert_parallel import check_expert_parallel
+
+    with pytest.raises(ValueError, match=r"ep_size=3 does not divide the model's 8 experts; set ep_size"):
+        check_expert_parallel(8, 3)
+    check_expert_parallel(8, 4)
+
+
+def test_model_without_fp8_experts_is_refused():
+    from lowprec.distributed.expert_parallel import apply_expert_parallel
+    from lowprec.train.model import build_model
+
+    with pytest.raises(ValueError, match="no FP8 expert modules.*set ep_size to 1"):
+        apply_expert_parallel(build_model("moe-tiny", n_layers=1), ep_size=2)
+
+
+def test_unsupported_recipe_falls_back_to_bf16_with_one_log_line(caplog):
+    from lowprec.distributed import expert_parallel as ep
+    from lowprec.fp8.recipes import Recipe
+
+    ep._LOGGED.clear()
+    with caplog.at_level(logging.WARNING, logger="lowprec"):
+        for _ in range(2):
+            wire = ep._wire_for(Recipe.from_name("delayed"), True, "x", "fp8")
+    assert wire.mode == "hp" and wire.dtype == torch.bfloat16
+    lines = [r.getMessage() for r in caplog.records if "expert parallelism" in r.getMessage()]
+    assert len(lines) == 1 and "'delayed'" in lines[0], lines
+    for name, mode in (("tensorwise", "tensor"), ("rowwise", "axis")):
+        assert ep._wire_for(Recipe.from_name(name), True, "x", "fp8").mode == mode
+
+
+def test_parallelism_config_ep_size_and_its_alias():
+    from lowprec.parallelism_config import ParallelismConfig
+    from lowprec.utils.parallelism import for_accelerator
+
+    assert ParallelismConfig(ep_size=2).expert_parallel_degree == 2
+    pc = ParallelismConfig(expert_parallel_degree=4)
+    assert pc.ep_size == 4 and pc.ep_enabled and not ParallelismConfig().ep_enabled
+    with pytest.raises(ValueError, match=r"ep_size=2, expert_parallel_degree=4\): two names"):
+        ParallelismConfig(ep_size=2, expert_parallel_degree=4)
+    with pytest.raises(ValueError, match=r"ep_size=2, tp_size=2\): expert parallelism with tensor"):
+        ParallelismConfig(ep_size=2, tp_size=2)
+    with pytest.raises(ValueError, match=r"ep_size=0"):
+        ParallelismConfig(ep_size=0)
+    with pytest.raises(ValueError, match=r"ep_size=2\) does not divide the 3 data-parallel processes"):
+        ParallelismConfig(ep_size=2).resolve(3)
+    with pytest.raises(ValueError, match="ep_size 2 runs the non-expert weights under DDP"):
+        for_accelerator(ParallelismConfig(ep_size=2), 2, "FSDP")
+    with pytest.raises(ValueError, match="set ep_size to the number of processes \\(4\\)"):
+        for_accelerator(ParallelismConfig(ep_size=2), 4, "MULTI_CPU")
