@@ -38,9 +38,18 @@ def logit_gap(
     device = next(model.parameters()).device
     bf16 = {k: p.detach().to(torch.bfloat16).float() for k, p in model.named_parameters()}
     fp8 = dict(bf16)
+    fused: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
     for layer in plan.quantized:
         w = layer.cast.dequantize(torch.float32)
+        if layer.expert is not None:  # one part of one expert of a fused 3-D Parameter
+            fused.setdefault(layer.name, {})[layer.expert[:2]] = w
+            continue
         fp8[f"{layer.name}.weight"] = (w.t() if layer.transposed else w).to(device)
+    for name, pieces in fused.items():
+        experts = 1 + max(e for e, _ in pieces)
+        parts = 1 + max(p for _, p in pieces)
+        rows = [torch.cat([pieces[(e, p)] for p in range(parts)]) for e in range(experts)]
+        fp8[name] = torch.stack(rows).to(device)
     was_training = model.training
     model.eval()
     try:

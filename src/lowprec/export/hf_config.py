@@ -10,7 +10,7 @@ from torch import nn
 
 from lowprec.train.model import LlamaForCausalLM
 
-__all__ = ["hf_config_of", "builtin_to_llama"]
+__all__ = ["hf_config_of", "builtin_to_llama", "builtin_to_mixtral"]
 
 
 def builtin_to_llama(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -37,6 +37,26 @@ def builtin_to_llama(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def builtin_to_mixtral(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A built-in MoE config (``builtin:moe-tiny``) as transformers' Mixtral config: the same
+    attention and norms as Llama, ``mlp.gate`` (softmax over every expert, the top k renormalised)
+    and ``mlp.experts`` (fused SwiGLU ``gate_up_proj`` / ``down_proj``) as ``MixtralSparseMoeBlock``."""
+    out = builtin_to_llama(cfg)
+    for k in ("mlp_bias",):
+        out.pop(k)
+    out.update(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        num_local_experts=int(cfg["n_experts"]),
+        num_experts_per_tok=int(cfg["experts_per_token"]),
+        router_aux_loss_coef=float(cfg.get("router_aux_loss_coef", 0.01)),
+        output_router_logits=False,
+        router_jitter_noise=0.0,
+        sliding_window=None,
+    )
+    return out
+
+
 def hf_config_of(model: nn.Module) -> dict[str, Any]:
     hf = getattr(model, "config", None)
     if hasattr(hf, "to_dict") and hasattr(hf, "model_type"):  # a transformers PreTrainedConfig
@@ -47,7 +67,8 @@ def hf_config_of(model: nn.Module) -> dict[str, Any]:
         d["dtype"] = "bfloat16"
         return d
     if isinstance(model, LlamaForCausalLM):
-        return builtin_to_llama(model.config.to_dict())
+        cfg = model.config.to_dict()
+        return builtin_to_mixtral(cfg) if cfg.get("n_experts") else builtin_to_llama(cfg)
     raise ValueError(
         f"export_model: a {type(model).__name__} has no Hugging Face config; pass config= "
         "(the config.json dict transformers should load it with)"

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lowprec.export.casts import Scheme, format_cast, format_scale, trained_matches
+from lowprec.export.experts import plan_experts
 from lowprec.fp8.conv1d import is_conv1d
 from lowprec.fp8.convert import default_module_filter
 from lowprec.fp8.linear import Float8Linear
@@ -27,6 +28,9 @@ class QuantizedLayer:
     # the format's scale exactly as a checkpoint stored it (an FP8 base's unmerged layer), written
     # as it is; None: format_scale(cast)
     stored_scale: torch.Tensor | None = None
+    # a fused experts projection (``name``: its 3-D Parameter's key): (expert, part, parts), the
+    # part of the expert's rows (gate_up_proj: gate 0, up 1) this cast holds; None: a Linear
+    expert: tuple[int, int, int] | None = None
 
     def format_scale(self) -> torch.Tensor:
         return format_scale(self.cast) if self.stored_scale is None else self.stored_scale
@@ -37,6 +41,7 @@ class LayerPlan:
     quantized: list[QuantizedLayer] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)  # layer name -> why it stays bf16
     how: str = ""  # trained scales or quantized once, and why
+    notes: list[str] = field(default_factory=list)
 
 
 def model_recipe(model: nn.Module) -> Recipe | None:
@@ -61,7 +66,8 @@ def _tied(model: nn.Module, weight: torch.Tensor) -> bool:
 def plan_layers(model: nn.Module, scheme: Scheme, recipe: Recipe | None, requantize: bool = False) -> LayerPlan:
     """Quantize the Linear layers that trained in FP8 (a model never converted: those
     ``fp8.convert``'s default rules pick), with the forward's own cast where ``recipe`` casts
-    the weight as ``scheme`` does; every other Linear stays bf16 with its reason."""
+    the weight as ``scheme`` does; every other Linear stays bf16 with its reason. Fused experts
+    modules: each expert's projections (``export.experts``); their routers stay bf16."""
     plan = LayerPlan()
     trained, plan.how = trained_matches(None if requantize else recipe, scheme)
     if requantize and recipe is not None:
@@ -86,4 +92,5 @@ def plan_layers(model: nn.Module, scheme: Scheme, recipe: Recipe | None, requant
         weight = m.gemm_weight() if isinstance(m, Float8Linear) else (m.weight.t() if conv1d else m.weight)
         cast = m.forward_weight_cast() if trained else format_cast(weight.detach(), scheme)
         plan.quantized.append(QuantizedLayer(name, cast, conv1d, trained))
+    plan_experts(model, scheme, recipe, trained, plan, QuantizedLayer)
     return plan

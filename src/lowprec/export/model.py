@@ -85,7 +85,7 @@ def export_model(
     else:
         write_compressed_tensors(model, plan, scheme, config, out_dir)
     gap = logit_gap(model, plan, probe_ids, config.get("vocab_size"))
-    notes = list(notes or []) + _ragged_note(plan)
+    notes = list(notes or []) + plan.notes + _ragged_note(plan)
     report = ExportReport(
         out_dir=os.path.abspath(out_dir),
         format=format,
@@ -93,7 +93,7 @@ def export_model(
         layout=scheme.layout(),
         recipe=None if recipe is None else (recipe.name or recipe.scaling),
         how=plan.how,
-        quantized=[q.name for q in plan.quantized],
+        quantized=list(dict.fromkeys(q.name for q in plan.quantized)),  # a fused experts projection once
         trained_scales=all(q.trained for q in plan.quantized),
         kept=dict(plan.kept),
         logit_gap=gap,

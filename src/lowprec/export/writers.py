@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from lowprec.export.casts import Scheme, format_global_scale
+from lowprec.export.experts import checkpoint_names
 from lowprec.export.layers import LayerPlan, QuantizedLayer
 from lowprec.fp8 import plain_state_dict, unconvert
 
@@ -52,14 +53,56 @@ def _save(tensors: dict[str, torch.Tensor], config: dict[str, Any], out: str) ->
         json.dump(config, f, indent=1, sort_keys=True)
 
 
+def _expert_pieces(plan: LayerPlan) -> dict[str, tuple[int, int]]:
+    """Each fused experts projection the plan quantizes: its key -> (experts, parts)."""
+    fused: dict[str, tuple[int, int]] = {}
+    for q in plan.quantized:
+        if q.expert is not None:
+            e, _, parts = q.expert
+            fused[q.name] = (max(e + 1, fused.get(q.name, (0, 0))[0]), parts)
+    return fused
+
+
+def _per_expert(
+    tensors: dict[str, torch.Tensor],
+    plan: LayerPlan,
+    config: dict[str, Any],
+    write: Any,
+) -> dict[str, torch.Tensor]:
+    """``tensors`` under the checkpoint names transformers writes, with each fused experts
+    projection's bf16 3-D tensor replaced by its experts' parts as Linear layers: ``write(prefix,
+    layer)`` gives the tensors of one part (``prefix``: its Linear's name)."""
+    fused = _expert_pieces(plan)
+    if not fused:
+        return tensors
+    plain = {k: v for k, v in tensors.items() if k not in fused}
+    names = checkpoint_names(config, list(plain), fused)
+    out = {names[k]: v for k, v in plain.items()}
+    for layer in plan.quantized:
+        if layer.expert is not None:
+            key = names[(layer.name, *layer.expert[:2])]
+            out.update(write(key.removesuffix(".weight"), layer))
+    return out
+
+
 def write_hf_fp8(model: nn.Module, plan: LayerPlan, config: dict[str, Any], out: str) -> None:
     tensors = bf16_state(model)
     for layer in plan.quantized:
+        if layer.expert is not None:
+            continue
         q, s = layer.cast.data.cpu(), layer.format_scale().cpu()
         if layer.transposed:  # Conv1D stores (in, out): the same 128x128 tiles, transposed
             q, s = q.t(), s.t()
         tensors[f"{layer.name}.weight"] = q.contiguous()
         tensors[f"{layer.name}.weight_scale_inv"] = s.contiguous()
+
+    def expert(prefix: str, layer: QuantizedLayer) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}.weight": layer.cast.data.cpu().contiguous(),
+            f"{prefix}.weight_scale_inv": layer.format_scale().cpu().contiguous(),
+        }
+
+    tensors = _per_expert(tensors, plan, config, expert)
     config = {
         **config,
         "quantization_config": {
@@ -173,22 +216,44 @@ def write_compressed_tensors(
     unconvert(plain)
     modules = dict(plain.named_modules())
     if base is None:
-        targets = sorted({type(modules[layer.name]).__name__ for layer in plan.quantized}) or ["Linear"]
+        targets = sorted(
+            {"Linear" if layer.expert is not None else type(modules[layer.name]).__name__ for layer in plan.quantized}
+        )
         qscheme, fmt = _ct_scheme(ct, scheme, targets)
         qconfig = ct.QConfig(config_groups={"group_0": qscheme}, ignore=sorted(plan.kept), format=fmt)
     else:
         fmt = ct.CompressionFormat.float_quantized.value
         groups = {k: v.model_copy(deep=True) for k, v in base.config_groups.items()}
         qconfig = ct.QConfig(config_groups=groups, ignore=list(base.ignore or []), format=base.format)
+    # each expert's parts as Linear layers of a scratch module, compressed by the same config
+    parts = [layer for layer in plan.quantized if layer.expert is not None]
+    bank = nn.ModuleList(nn.Linear(q.cast.data.shape[1], q.cast.data.shape[0], bias=False) for q in parts)
     ct.apply_config(plain, qconfig)
+    ct.apply_config(bank, qconfig)
     with torch.no_grad():
         for layer in plan.quantized:
-            _set_cast(modules[layer.name], layer)
+            if layer.expert is None:
+                _set_cast(modules[layer.name], layer)
+        for linear, layer in zip(bank, parts):
+            _set_cast(linear, layer)
     compressor = ct.ModelCompressor.from_pretrained_model(plain, quantization_format=fmt)
     compressor.compress_model(plain)
+    if parts:
+        ct.ModelCompressor.from_pretrained_model(bank, quantization_format=fmt).compress_model(bank)
     tensors = bf16_state(plain)
     for name, t in plain.state_dict().items():  # the compressed weights and scales, as compressed-tensors wrote them
         if t.dtype == torch.float8_e4m3fn or name.endswith(_STORED):
             tensors[name] = t.detach().contiguous()
+    index = {id(layer): i for i, layer in enumerate(parts)}
+
+    def expert(prefix: str, layer: QuantizedLayer) -> dict[str, torch.Tensor]:
+        own = f"{index[id(layer)]}."
+        return {
+            prefix + "." + k[len(own) :]: t.detach().contiguous()
+            for k, t in bank.state_dict().items()
+            if k.startswith(own) and (t.dtype == torch.float8_e4m3fn or k.endswith(_STORED))
+        }
+
+    tensors = _per_expert(tensors, plan, config, expert)
     _save(tensors, config, out)
     compressor.update_config(out)
