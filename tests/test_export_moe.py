@@ -228,6 +228,6 @@ def test_what_the_moe_export_cannot_write_is_one_line(tmp_path):
     assert "\n" not in str(e.value)
     model = _mixtral()
     fp8.convert(model, "tensorwise", skip_patterns=["down_proj"])
-    if "down_proj" not in model.model.layers[0].mlp.experts.fp8_gemms():
-        with pytest.raises(ValueError, match="every projection or in none"):
-            export_model(model, str(tmp_path), "hf-fp8")
+    assert set(model.model.layers[0].mlp.experts.fp8_gemms()) == {"gate_up_proj"}  # down_proj skipped
+    with pytest.raises(ValueError, match="every projection or in none"):
+        export_model(model, str(tmp_path), "hf-fp8")
