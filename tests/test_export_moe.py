@@ -231,3 +231,25 @@ def test_what_the_moe_export_cannot_write_is_one_line(tmp_path):
     assert set(model.model.layers[0].mlp.experts.fp8_gemms()) == {"gate_up_proj"}  # down_proj skipped
     with pytest.raises(ValueError, match="every projection or in none"):
         export_model(model, str(tmp_path), "hf-fp8")
+
+
+def test_a_moe_tiny_run_exports_from_the_command_line(tmp_path):
+    """`lowprec train` on builtin:moe-tiny, then `lowprec export RUN` in both formats: exit 0, a
+    Mixtral config, the experts as per-expert FP8 weights, the routers in bf16."""
+    import os
+
+    from lowprec.cli.main import main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = tmp_path / "run"
+    flags = ["--max_steps", "2", "--eval_steps", "null", "--save_steps", "null", "--output_dir", str(run)]
+    assert main(["train", os.path.join(root, "examples", "compare_moe.yaml"), *flags]) == 0
+    for fmt in ("hf-fp8", "compressed-tensors"):
+        out = tmp_path / fmt
+        assert main(["export", str(run), "--format", fmt, "--out", str(out)]) == 0
+        assert json.load(open(out / "config.json"))["model_type"] == "mixtral"
+        stored = load_file(str(out / "model.safetensors"))
+        experts = [k for k in stored if ".experts.0." in k and k.endswith(".weight")]
+        assert experts and all(stored[k].dtype == torch.float8_e4m3fn for k in experts)
+        routers = [k for k in stored if k.endswith("block_sparse_moe.gate.weight")]
+        assert routers and all(stored[k].dtype == torch.bfloat16 for k in routers)
