@@ -14,7 +14,7 @@ from typing import Optional
 import pytest
 
 from lowprec.backends import spec as S
-from lowprec.backends.native import NativeBackend
+from lowprec.backends.engines.native import NativeBackend
 from lowprec.config import values as V
 from lowprec.fp8_kwargs import RecipeKwargs
 
