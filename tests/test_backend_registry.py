@@ -14,7 +14,7 @@ from typing import Optional
 import pytest
 
 from lowprec.backends import spec as S
-from lowprec.backends.native import NativeBackend
+from lowprec.backends.engines.native import NativeBackend
 from lowprec.config import values as V
 from lowprec.fp8_kwargs import RecipeKwargs
 
@@ -160,10 +160,36 @@ def test_no_backend_name_is_compared_outside_backends():
 def test_launcher_reads_declarations_without_torch():
     code = (
         "import sys; from lowprec.backends.spec import specs; from lowprec.config import values as V; "
-        "specs(); V.FP8_BACKENDS; assert 'torch' not in sys.modules, 'torch imported'"
+        "specs(); V.FP8_BACKENDS; assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert not [m for m in sys.modules if m.startswith('lowprec.backends.engines')], 'an engine imported'"
     )
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_implementations_load_when_a_backend_is_built_and_keep_their_old_paths():
+    """A declaration names its implementation (``backends/engines/<name>.py``) without importing
+    it; the classes that moved there are still importable from the declaration modules."""
+    from lowprec.backends import msamp, native, te, torchao
+    from lowprec.backends.engines import msamp as msamp_engine
+    from lowprec.backends.engines import te as te_engine
+    from lowprec.backends.engines import torchao as ao_engine
+
+    assert isinstance(native.SPEC.create, S.Implementation)
+    assert S.Implementation("native:NativeBackend").resolve() is NativeBackend
+    assert native.NativeBackend is NativeBackend
+    assert torchao.TorchAOBackend is ao_engine.TorchAOBackend
+    assert torchao.first_last_linear_filter is ao_engine.first_last_linear_filter
+    assert (te.TEBackend, te.te_convert, te.build_te_recipe) == (
+        te_engine.TEBackend,
+        te_engine.te_convert,
+        te_engine.build_te_recipe,
+    )
+    assert msamp.NativeOptLevelBackend is msamp_engine.NativeOptLevelBackend
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        te.nothing  # noqa: B018
+    backend = native.SPEC.build(native.SPEC.kwargs_class(recipe="tensorwise"), "asked")
+    assert isinstance(backend, NativeBackend) and backend.reason == "asked"
 
 
 def test_docs_table_is_generated_from_the_declarations():

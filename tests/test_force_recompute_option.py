@@ -55,7 +55,7 @@ def test_every_entry_point_sets_the_recipe_field(value, monkeypatch, capsys, tmp
     tcfg = parse_config({"fp8": True, f"fp8_{FIELD}": value})
     assert _recipe_value(_accelerator(tcfg, resolve(tcfg, Capabilities()))) is value
     # torchao's handler carries it to the native engine's recipe (torchao's own layers have no copy)
-    from lowprec.backends.torchao import native_recipe
+    from lowprec.backends.engines.torchao import native_recipe
 
     assert native_recipe(AORecipeKwargs(**{FIELD: value})).force_recompute_fp8_weight_in_bwd is value
 

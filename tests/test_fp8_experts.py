@@ -242,7 +242,7 @@ def test_mixtral_trains_through_the_accelerator_and_a_skipped_step_restores_expe
 
 def test_delayed_experts_over_several_processes_are_refused():
     from lowprec.backends.base import PrepareContext
-    from lowprec.backends.native import NativeBackend
+    from lowprec.backends.engines.native import NativeBackend
 
     m = build("mixtral")
     backend = NativeBackend(fp8.Recipe.from_name("delayed"))
@@ -255,7 +255,7 @@ def test_delayed_experts_over_several_processes_are_refused():
 def test_a_linear_only_library_says_the_experts_stay_in_high_precision(caplog):
     import logging
 
-    from lowprec.backends.base import note_unconverted_conv1d
+    from lowprec.backends.engines.shared import note_unconverted_conv1d
 
     with caplog.at_level(logging.INFO, logger="lowprec"):
         note_unconverted_conv1d(build("qwen3_moe"), "torchao-test")

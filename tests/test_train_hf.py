@@ -500,7 +500,7 @@ def test_accelerator_keeps_peft_adapters_in_high_precision_and_converts_gpt2_con
 
 def test_linear_only_backends_name_the_conv1d_layers_they_leave_in_high_precision(caplog):
     """torchao and TransformerEngine swap nn.Linear only; their convert() calls this note."""
-    from lowprec.backends.base import note_unconverted_conv1d
+    from lowprec.backends.engines.shared import note_unconverted_conv1d
 
     cfg = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=32)
     with caplog.at_level("WARNING", logger="lowprec"):

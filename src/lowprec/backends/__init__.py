@@ -1,8 +1,13 @@
-"""FP8 backends behind one protocol (:class:`Backend`), each declared as data
-(:class:`BackendSpec` in ``backends/<name>.py``): native, torchao, te, msamp.
+"""FP8 backends behind one protocol (:class:`Backend`): native, torchao, te, msamp.
 
-Attributes load lazily (PEP 562) so that the launcher can read the declarations
-(:mod:`lowprec.backends.spec`) without importing torch.
+Each is declared as data in ``backends/<name>.py`` (its ``SPEC``, a :class:`BackendSpec`;
+torch-free, so the launcher reads them without importing torch) and implemented in
+``backends/engines/<name>.py`` (the running backend: torch, ``lowprec.fp8``, its library),
+which a declaration names with :class:`~lowprec.backends.spec.Implementation` and which is
+imported only when a backend is built. ``spec.py`` is the registry of declarations,
+``registry.py`` the FP8 resolver, ``base.py`` the protocol and what every backend shares.
+
+Attributes load lazily (PEP 562) for the same reason.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ __all__ = [
     "Backend",
     "BaseBackend",
     "BackendSpec",
+    "Implementation",
+    "NativeBackend",
     "PrepareContext",
     "is_available",
     "remap_optimizer_params",
@@ -29,6 +36,8 @@ _WHERE = {
     "remap_optimizer_params": "base",
     "BackendSpec": "spec",
     "is_available": "spec",
+    "Implementation": "spec",
+    "NativeBackend": "engines.native",
     "select_backend": "registry",
     "default_handler": "registry",
     "native_recipe_for": "registry",

@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ContextManager, Optional, Protocol, runtime_checkable
 
-if TYPE_CHECKING:  # torch is imported by the backends' methods, not by their declarations
+if TYPE_CHECKING:  # torch-free: the declarations (backends/<name>.py) import this; engines/ import torch
     import torch
     from torch import nn
 
@@ -31,7 +31,6 @@ __all__ = [
     "remap_optimizer_params",
     "named_params",
     "log_once",
-    "note_unconverted_conv1d",
 ]
 
 logger = logging.getLogger("lowprec")
@@ -42,27 +41,6 @@ def log_once(message: str) -> None:
     if message not in _LOGGED:
         _LOGGED.add(message)
         logger.warning(message)
-
-
-def note_unconverted_conv1d(model: "nn.Module", library: str) -> None:
-    """A library that swaps ``nn.Linear`` only leaves transformers' ``Conv1D`` (GPT-2) and fused
-    mixture-of-experts modules in high precision; say so once (the native engine converts them)."""
-    from lowprec.fp8.conv1d import is_conv1d
-
-    n = sum(1 for m in model.modules() if is_conv1d(m))
-    if n:
-        log_once(
-            f"lowprec: {library} converts nn.Linear only: {n} transformers Conv1D layer(s) stay in high "
-            "precision; the native backend (fp8_backend: native) converts them to FP8"
-        )
-    from lowprec.fp8.experts import experts_layout
-
-    n = sum(1 for m in model.modules() if experts_layout(m) is not None)
-    if n:  # fused 3-D experts (Mixtral, Qwen3-MoE, ..., builtin:moe-tiny) are not Linear layers
-        log_once(
-            f"lowprec: {library} converts nn.Linear only: {n} mixture-of-experts module(s) with 3-D expert "
-            "weights stay in high precision; the native backend (fp8_backend: native) runs them as grouped FP8 GEMMs"
-        )
 
 
 @dataclass(frozen=True)

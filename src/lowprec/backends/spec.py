@@ -3,7 +3,10 @@
 Each ``lowprec/backends/<name>.py`` ends with one ``SPEC = BackendSpec(...)``: its name, the
 spellings users type, the library it needs, its kwargs class, the FP8 settings it reads and
 how it becomes a running :class:`~lowprec.backends.base.Backend` (and, where its library is
-missing, which recipe lowprec's engine runs instead). Everything that lists backends (the
+missing, which recipe lowprec's engine runs instead). The running backend itself (torch,
+``lowprec.fp8``, the backend's library) is in ``lowprec/backends/engines/<name>.py``; a
+declaration names what it needs from there with an :class:`Implementation`, which imports it
+on the first call (the one place an implementation is loaded). Everything that lists backends (the
 registry, ``--fp8_backend``'s help, the wizard, ``lowprec env``, the docs tables, the
 "this backend does not read that field" checks) is generated from these declarations, so a
 new backend is one module plus one line in :data:`BACKEND_MODULES` (torchtitan keeps its
@@ -41,11 +44,16 @@ __all__ = [
     "recipe_field",
     "spec_or_native",
     "trainer_backends",
+    "Implementation",
+    "ENGINES",
+    "moved_to_engine",
 ]
 
 AUTO = "auto"  # "pick for me": the native engine, which is always available
 # The modules that declare a backend, in the order they are listed to users.
 BACKEND_MODULES = ("native", "torchao", "te", "msamp")
+# Where the implementations are: lowprec.backends.engines.<name> (these import torch).
+ENGINES = "lowprec.backends.engines"
 # Launch settings that tune an FP8 scaling recipe (read by the backends that run one).
 RECIPE_SETTINGS = (
     "fp8_format",
@@ -58,6 +66,39 @@ RECIPE_SETTINGS = (
 )
 # Recipe options only lowprec's engine has (lowprec.catalog.RECIPE_OPTIONS, accelerate=False).
 ENGINE_SETTINGS = tuple(o.setting for o in RECIPE_OPTIONS.values() if not o.accelerate)
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """``"<module>:<attribute>"`` of :data:`ENGINES`, standing in for it in a declaration.
+
+    Calling it imports ``lowprec.backends.engines.<module>`` (on the first call: torch,
+    ``lowprec.fp8``, ...) and calls the attribute, so a declaration names its implementation
+    without importing it: the launcher reads the declarations torch-free. This is the one place
+    a backend's implementation is loaded.
+    """
+
+    target: str
+
+    def resolve(self) -> Any:
+        module, _, attribute = self.target.partition(":")
+        return getattr(importlib.import_module(f"{ENGINES}.{module}"), attribute)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.resolve()(*args, **kwargs)
+
+
+def moved_to_engine(module: str, names: tuple[str, ...], where: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` (PEP 562) for ``names``, which moved from the declaration
+    ``where`` to ``lowprec.backends.engines.<module>``: their old import path keeps working and
+    loads the implementation only when one of them is asked for."""
+
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            return Implementation(f"{module}:{name}").resolve()
+        raise AttributeError(f"module {where!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 @dataclass(frozen=True)

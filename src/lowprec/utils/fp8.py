@@ -15,8 +15,8 @@ from torch import nn
 
 from lowprec import fp8
 from lowprec.backends.registry import native_recipe_for
+from lowprec.backends.engines.te import te_convert
 from lowprec.backends.te import SPEC as TE_SPEC
-from lowprec.backends.te import te_convert
 from lowprec.backends.torchao import SPEC as AO_SPEC
 
 __all__ = [
