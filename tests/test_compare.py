@@ -13,7 +13,7 @@ from lowprec.cli.main import main
 from lowprec.train.compare import plan_runs, resolve_workers
 from lowprec.train.compare_report import build_report, choose_baseline, format_report
 from lowprec.train.config import load_config, parse_config
-from lowprec.train.precisions import precision_names, precision_overrides
+from lowprec.train.precisions import FP8_ONLY_OFF, precision_names, precision_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny.yaml")
@@ -22,7 +22,14 @@ TINY = os.path.join(ROOT, "examples", "tiny.yaml")
 # ------------------------------------------------------------------ precision names
 def test_precision_names_set_only_precision_keys():
     cfg = parse_config({"fp8": True, "bf16": "full", "fp8_recipe": {"name": "delayed", "amax_history_len": 4}})
-    assert precision_overrides("fp32", cfg) == {"fp8": False, "fp16": None, "bf16": False, "fp8_backend": "native"}
+    # a high-precision run: its precision keys, and the FP8-only keys off (it has no FP8 layer to watch)
+    assert precision_overrides("fp32", cfg) == {
+        "fp8": False,
+        "fp16": None,
+        "bf16": False,
+        "fp8_backend": "native",
+        **FP8_ONLY_OFF,
+    }
     own = precision_overrides("fp8", cfg)
     assert own["bf16"] == "full" and own["fp8_recipe"] == {"name": "delayed", "amax_history_len": 4}
     other = precision_overrides("fp8-rowwise", cfg)  # another recipe: the config's delayed fields do not apply

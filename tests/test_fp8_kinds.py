@@ -33,8 +33,13 @@ GRANULARITY_LAYER = {
     "fp8/cast_state.py",
     "fp8/gathered.py",
     "fp8/plan.py",
+    "fp8/torch_casts.py",  # the torch definitions of the casts (quantize.py dispatches to them)
+    "fp8/fp8_base.py",  # a frozen FP8 checkpoint's GEMMs, per the scale layout it stores
     "distributed/fsdp_float8.py",  # casts each FSDP2 shard for the FP8 all-gather, as the GEMM will read it
+    "distributed/expert_parallel.py",  # casts dispatched token rows as the expert GEMM will read them
     "export/casts.py",
+    "export/experts.py",  # writes each expert's trained cast in the layout its scales have
+    "export/ct_base.py",  # reads a compressed-tensors strategy into the stored scale layout
 }
 
 

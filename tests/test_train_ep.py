@@ -31,6 +31,10 @@ ENV = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS":
         ({"ep_size": 3}, "ep_size: 3 does not divide builtin:moe-tiny's 8 experts; set ep_size to a divisor of 8"),
         ({"ep_size": 2, "base_model": "builtin:llama-tiny"}, "builtin:llama-tiny, which has no experts"),
         ({"ep_size": 2, "fp8": False}, "ep_size: 2 shards lowprec's FP8 experts: set fp8: true"),
+        (
+            {"ep_size": 2, "fp8_backend": "torchao", "fp8_recipe": "tensorwise"},
+            "ep_size: 2 with fp8_backend: torchao: .* use fp8_backend: native",
+        ),
         ({"ep_size": 2, "fsdp_version": 2}, "ep_size: 2 with fsdp_version: .* drop fsdp_version or set ep_size: 1"),
         ({"ep_size": 2, "save_steps": 5}, "ep_size: 2 with save_steps: .*drop save_steps"),
         ({"ep_size": 2, "expert_parallel_degree": 4}, "ep_size: 2 and expert_parallel_degree: 4 .* keep one"),

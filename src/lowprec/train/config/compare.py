@@ -116,6 +116,11 @@ def check_fp8_backend(cfg) -> None:
             f"fp8_recipe.{next(iter(cfg.fp8_recipe.overrides))}: lowprec recipe fields do not reach "
             f"{spec.name}; drop it or use fp8_backend: {FP8_BACKENDS[0]}"
         )
+    if getattr(cfg, "ep_size", 1) > 1:
+        raise ValueError(
+            f"ep_size: {cfg.ep_size} with {key}: expert parallelism shards lowprec's FP8 experts; drop ep_size "
+            f"or use fp8_backend: {FP8_BACKENDS[0]}"
+        )
     if cfg.fp8_guard != "off" or cfg.fp8_health:
         raise ValueError(
             f"fp8_guard / fp8_health with {key}: {spec.name}'s layers have no lowprec telemetry; drop them "
