@@ -233,6 +233,22 @@ def test_reproducer_under_gemm_scope_moves_fprop_and_wgrad_of_the_injected_layer
     assert set(layer) == set(whole["gemm_precision"])
 
 
+def test_reproducer_under_gemm_scope_moves_the_gemms_back_once_the_outlier_fades(tmp_path):
+    """As test_fp8_guard's fade run (move at step 4, side casts healthy from step 12, M = 2),
+    per GEMM: fprop and wgrad move, and the move back at step 14 restores exactly those two; the
+    run ends with every GEMM of every layer in FP8."""
+    args = ["--steps", "24", "--check", "2", "--variants", "act", "--bits", "30", "--patience", "2"]
+    run = _repro(tmp_path, *args, "--grow", "0.25", "--fade", "0.3", "--recover-after", "2", "--scope", "gemm")
+    run = run["act"]["1"]
+    assert [(e["step"], e.get("direction"), e["gemms"]) for e in run["events"]] == [
+        (4, None, ["fprop", "wgrad"]),
+        (14, "to_fp8", ["fprop", "wgrad"]),
+    ]
+    assert run["moved_back"] == [[REPRO_LAYER, 14]] and run["gemm_precision"] == {}
+    side = sorted(h["step"] for h in run["health"] if h["side_cast"])
+    assert side == [6, 8, 10, 12, 14]  # measured on the side while its GEMMs were moved
+
+
 def test_gemm_scope_run_resumes_bit_exactly_after_a_per_gemm_move(tmp_path):
     """lowprec train, fp8_guard_scope: gemm with the max-to-rms threshold of 4 (an x signal: fprop
     and wgrad move): the records and conversion report carry the GEMMs; a run resumed from step 4
