@@ -13,9 +13,11 @@ resolution (E4M3 spans 2**17.8 from the smallest subnormal to the max) and then 
     PYTHONPATH=src python benchmarks/fp8_guard_repro.py                      # 4 variants, seed 1
     PYTHONPATH=src python benchmarks/fp8_guard_repro.py --seeds 1,2,3 --steps 200
     PYTHONPATH=src python benchmarks/fp8_guard_repro.py --fade 0.6 --recover-after 3   # move back
+    PYTHONPATH=src python benchmarks/fp8_guard_repro.py --scope gemm        # act moves GEMMs, not layers
 
 ``--fade F``: from step F * steps the outlier shrinks back, as it grew (over ``grow`` * steps),
-to nothing; with ``--recover-after M`` the ``act`` guard measures the moved layer on the side
+to nothing; ``--scope gemm``: act moves only the GEMMs that read the unhealthy operand (the
+outlier is in down_proj's input x: fprop and wgrad; dgrad stays FP8); with ``--recover-after M`` the ``act`` guard measures the moved layer on the side
 (``HealthProbe(side=True)``) and moves it back to FP8 after M healthy checks in a row.
 
 Writes benchmarks/results/fp8_guard_repro.json: per variant and seed the loss curve (every
@@ -103,7 +105,12 @@ def run(variant: str, seed: int, args, train_ds) -> dict:
     recover = args.recover_after if variant == "act" else None
     probe = HealthProbe(model, side=recover is not None) if variant in ("warn", "act", "fp8") else None
     guard = (
-        Guard(model, mode=variant, thresholds=Thresholds(patience=args.patience, recover_after=recover))
+        Guard(
+            model,
+            mode=variant,
+            thresholds=Thresholds(patience=args.patience, recover_after=recover),
+            scope=args.scope if variant == "act" else "layer",
+        )
         if variant in ("warn", "act")
         else None
     )
@@ -170,6 +177,10 @@ def run(variant: str, seed: int, args, train_ds) -> dict:
         "events": [] if guard is None else guard.events,
         "moved": [] if guard is None else [m["layer"] for m in guard.moves() if not is_move_back(m)],
         "moved_back": [] if guard is None else [(m["layer"], m["step"]) for m in guard.moves() if is_move_back(m)],
+        # each layer's GEMMs in high precision at the end, as the layer runs them (True: bf16)
+        "gemm_precision": {n: m.gemm_precision() for n, m in probe.layers.items() if any(m.gemm_precision().values())}
+        if probe is not None
+        else {},
     }
 
 
@@ -186,6 +197,7 @@ def main() -> None:
     ap.add_argument("--patience", type=int, default=3)
     ap.add_argument("--fade", type=float, default=None, help="the outlier shrinks back from this fraction of the steps")
     ap.add_argument("--recover-after", type=int, default=None, help="act: move back after M healthy checks")
+    ap.add_argument("--scope", default="layer", choices=("layer", "gemm"), help="act: move the layer or its GEMMs")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

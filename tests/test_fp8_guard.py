@@ -315,6 +315,15 @@ def test_a_move_back_resets_the_layers_scaling_state():
             {"fp8_guard": "warn", "fp8_guard_recover_after": 3},
             "fp8_guard_recover_after: 3 moves layers back to FP8, but fp8_guard: warn moves none; set fp8_guard: act",
         ),
+        (
+            {"fp8_guard": "act", "fp8_guard_scope": "gemms"},
+            "fp8_guard_scope: gemms is not a guard scope; use fp8_guard_scope: layer (move the whole layer) or "
+            "fp8_guard_scope: gemm",
+        ),
+        (
+            {"fp8_guard": "warn", "fp8_guard_scope": "gemm"},
+            "fp8_guard_scope: gemm says which GEMMs act moves, but fp8_guard: warn moves none; set fp8_guard: act",
+        ),
     ],
 )
 def test_bad_guard_keys_are_one_line_exit_2(tmp_path, capsys, data, expected):

@@ -33,8 +33,10 @@ from lowprec.guard_settings import (
     check_count,
     check_health_for_guard,
     check_recover_needs_act,
+    check_scope_needs_act,
     check_thresholds,
     guard_mode,
+    guard_scope,
     health_on,
     python_spelling,
 )
@@ -258,6 +260,7 @@ class NativeRecipeKwargs(RecipeKwargs):
     fp8_guard: Any = "off"
     fp8_guard_patience: int = 3
     fp8_guard_recover_after: Optional[int] = None
+    fp8_guard_scope: str = "layer"
     fp8_guard_thresholds: Optional[Mapping[str, float]] = None
     fp8_health: Optional[bool] = None
     fp8_health_sqnr_every: int = 50
@@ -303,6 +306,8 @@ class NativeRecipeKwargs(RecipeKwargs):
                 raise ValueError(f"{spell('fp8_health', self.fp8_health)} is not True, False or None")
             thresholds = check_thresholds(self.fp8_guard_thresholds)
             check_recover_needs_act(self.fp8_guard_recover_after, guard, spell)
+            guard_scope(self.fp8_guard_scope, spell)
+            check_scope_needs_act(self.fp8_guard_scope, guard, spell)
             check_health_for_guard(guard, self.fp8_health, spell)
         except ValueError as err:
             raise ValueError(f"{type(self).__name__}: {err}") from None

@@ -13,6 +13,7 @@ import math
 from typing import Any, Callable, Mapping, Optional
 
 from lowprec.errors import did_you_mean
+from lowprec.guard_moves import GUARD_SCOPES
 
 __all__ = [
     "GUARD_MODES",
@@ -20,10 +21,13 @@ __all__ = [
     "Spell",
     "python_spelling",
     "guard_mode",
+    "guard_scope",
+    "GUARD_SCOPES",
     "GUARD_FIELDS",
     "check_count",
     "check_thresholds",
     "check_recover_needs_act",
+    "check_scope_needs_act",
     "check_health_for_guard",
     "health_on",
 ]
@@ -37,6 +41,7 @@ GUARD_FIELDS = (
     "fp8_guard",
     "fp8_guard_patience",
     "fp8_guard_recover_after",
+    "fp8_guard_scope",
     "fp8_guard_thresholds",
     "fp8_health",
     "fp8_health_sqnr_every",
@@ -63,6 +68,17 @@ def guard_mode(value: Any, spell: Spell, key: str = "fp8_guard") -> str:
         )
     if not isinstance(value, str) or value not in GUARD_MODES:
         raise ValueError(f"{spell(key, value)} is not a guard mode; use {', '.join(GUARD_MODES)}")
+    return value
+
+
+def guard_scope(value: Any, spell: Spell, key: str = "fp8_guard_scope") -> str:
+    """``layer | gemm``: what ``act`` moves, the layer or only the GEMMs that read the unhealthy
+    operand (docs/guide.md, "FP8 health and the guard")."""
+    if not isinstance(value, str) or value not in GUARD_SCOPES:
+        raise ValueError(
+            f"{spell(key, value)} is not a guard scope; use {spell(key, 'layer')} (move the whole layer) "
+            f"or {spell(key, 'gemm')} (move only the GEMMs that read the unhealthy operand)"
+        )
     return value
 
 
@@ -99,6 +115,15 @@ def check_recover_needs_act(recover_after: Optional[int], guard: str, spell: Spe
         raise ValueError(
             f"{spell('fp8_guard_recover_after', recover_after)} moves layers back to FP8, but "
             f"{spell('fp8_guard', guard)} moves none; set {spell('fp8_guard', 'act')} or drop fp8_guard_recover_after"
+        )
+
+
+def check_scope_needs_act(scope: str, guard: str, spell: Spell) -> None:
+    """``fp8_guard_scope: gemm`` says what ``act`` moves; no other mode moves anything."""
+    if scope != "layer" and guard != "act":
+        raise ValueError(
+            f"{spell('fp8_guard_scope', scope)} says which GEMMs act moves, but {spell('fp8_guard', guard)} "
+            f"moves none; set {spell('fp8_guard', 'act')} or drop fp8_guard_scope"
         )
 
 

@@ -76,6 +76,7 @@ KEYS = (
     ('fp8_guard', 'per-layer FP8 health guard: off, warn (log the layer, signal and step once per episode) or act (also move that layer to bf16, kept on resume); thresholds in docs/guide.md, checked at each logging step', "'off'"),
     ('fp8_guard_patience', 'unhealthy checks (logging steps) in a row before fp8_guard warns or acts', '3'),
     ('fp8_guard_recover_after', 'with fp8_guard: act, move a moved layer back to FP8 after this many healthy checks in a row (its would-be FP8 casts measured on the side; kept on resume); null: a moved layer stays in bf16', 'null'),
+    ('fp8_guard_scope', 'what fp8_guard: act moves: layer (the whole layer to bf16) or gemm (only the GEMMs that read the unhealthy operand: x -> fprop, wgrad; W -> fprop, dgrad; dY -> dgrad, wgrad; SQNR -> fprop)', 'layer'),
     ('fp8_guard_thresholds', 'change fp8_guard thresholds: {saturated: 1.0e-3, underflow: 0.02, max_to_rms: 200, sqnr_db: 15} (the defaults; a layer crossing any is unhealthy at that check)', 'null'),
     ('fp8_health', 'per-layer FP8 health signals (kind: fp8_health in metrics.jsonl) at each logging step (default: on when fp8_guard is warn or act)', 'null'),
     ('fp8_health_sqnr_every', "measure each FP8 layer's output SQNR against a float32 shadow GEMM 1 step in N (on a logging step)", '50'),

@@ -59,7 +59,15 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec.fp8.health import HealthProbe, signals
-from lowprec.guard_moves import TO_BF16, TO_FP8, is_move_back, moved_layers
+from lowprec.guard_moves import (
+    GUARD_SCOPES,
+    TO_BF16,
+    TO_FP8,
+    gemms_of_signal,
+    is_move_back,
+    moved_gemms,
+    moved_layers,
+)
 from lowprec.guard_settings import GUARD_MODES, THRESHOLD_NAMES
 from lowprec.fp8.linear import Float8Linear
 
@@ -69,6 +77,7 @@ __all__ = [
     "Guard",
     "HealthMonitor",
     "GUARD_MODES",
+    "GUARD_SCOPES",
     "THRESHOLD_NAMES",
     "is_move_back",
     "moved_layers",
@@ -100,7 +109,9 @@ class Event:
     (``recover_after``) is ``moved`` with ``direction`` ``"to_fp8"``, the signal and value of the
     move it undoes and ``checks``, the healthy checks in a row it waited; in ``to_dict`` (records,
     checkpoints) only a move back carries ``direction``, so a run without one writes what it did
-    before move-backs existed."""
+    before move-backs existed. ``gemms``: under ``scope="gemm"``, the GEMMs this event moved (or
+    moved back), e.g. ``("dgrad", "wgrad")``; empty (and absent from ``to_dict``): the whole
+    layer, as every event of ``scope="layer"`` and every checkpoint from before scopes."""
 
     layer: str
     signal: str
@@ -109,14 +120,18 @@ class Event:
     moved: bool
     direction: str = TO_BF16
     checks: int = 0
+    gemms: tuple = ()
 
     def line(self) -> str:
+        which = f" ({', '.join(self.gemms)})" if self.gemms else ""
         if self.direction == TO_FP8:
             return (
-                f"lowprec: fp8_guard: {self.layer}: moved back to FP8 at step {self.step}: {self.checks} healthy "
-                f"checks in a row measured on the side (it moved for {self.signal} = {self.value:.4g})"
+                f"lowprec: fp8_guard: {self.layer}: moved back to FP8{which} at step {self.step}: {self.checks} "
+                f"healthy checks in a row measured on the side (it moved for {self.signal} = {self.value:.4g})"
             )
         what = "moved to high precision (bf16)" if self.moved else "FP8 numerics unhealthy"
+        if self.moved and self.gemms:
+            what = f"moved {', '.join(self.gemms)} to high precision (bf16)"
         return (
             f"lowprec: fp8_guard: {self.layer}: {what} at step {self.step}: {self.signal} = {self.value:.4g} "
             "(threshold crossed on consecutive checks)"
@@ -126,6 +141,8 @@ class Event:
         d = {"layer": self.layer, "signal": self.signal, "value": self.value, "step": self.step, "moved": self.moved}
         if self.direction == TO_FP8:
             d.update(direction=TO_FP8, checks=self.checks)
+        if self.gemms:
+            d["gemms"] = list(self.gemms)
         return d
 
 
@@ -137,18 +154,27 @@ def signal_value(row: dict[str, Any], signal: str) -> Optional[float]:
     return row.get("max_to_rms") if stat == "max_to_rms" else (row.get(op) or {}).get(stat)
 
 
-def first_crossing(row: dict[str, Any], th: Thresholds) -> Optional[tuple[str, float]]:
-    """The first signal of one layer's health row that crosses its threshold, or None."""
+def _crossings(row: dict[str, Any], th: Thresholds):
+    """Every signal of one layer's health row that crosses its threshold, in the guard's order."""
     for op in ("input", "weight", "grad_output"):
         st = row.get(op) or {}
         if (st.get("saturated") or 0.0) > th.saturated:
-            return f"{op}.saturated", st["saturated"]
+            yield f"{op}.saturated", st["saturated"]
         if (st.get("underflow") or 0.0) > th.underflow:
-            return f"{op}.underflow", st["underflow"]
+            yield f"{op}.underflow", st["underflow"]
     if row.get("max_to_rms") is not None and row["max_to_rms"] > th.max_to_rms:
-        return "input.max_to_rms", row["max_to_rms"]
+        yield "input.max_to_rms", row["max_to_rms"]
     if row.get("sqnr_db") is not None and row["sqnr_db"] < th.sqnr_db:
-        return "sqnr_db", row["sqnr_db"]
+        yield "sqnr_db", row["sqnr_db"]
+
+
+def first_crossing(row: dict[str, Any], th: Thresholds, moved: tuple = ()) -> Optional[tuple[str, float]]:
+    """The first signal of one layer's health row that crosses its threshold, or None.
+    ``moved``: GEMMs already in high precision; a signal all of whose GEMMs are among them is
+    passed over (its operand is no longer cast for them: stale telemetry, nothing left to move)."""
+    for sig, value in _crossings(row, th):
+        if not set(gemms_of_signal(sig)) <= set(moved):
+            return sig, value
     return None
 
 
@@ -166,32 +192,41 @@ class Guard:
     moved: list = field(default_factory=list)  # Event.to_dict() of each move (and move back), in order
     events: list = field(default_factory=list)  # Event.to_dict() of every event (warn and act)
     healthy: dict[str, int] = field(default_factory=dict)  # a moved layer's healthy checks in a row
+    scope: str = "layer"  # layer: act moves the whole layer; gemm: only the GEMMs that read the signal's operand
 
     def __post_init__(self) -> None:
         if self.mode not in ("warn", "act"):
             raise ValueError(f"guard mode must be warn or act, got {self.mode!r}")
         if self.mode != "act" and self.thresholds.recover_after is not None:
             raise ValueError("recover_after moves layers back to FP8, which only the act mode moves: use mode act")
+        if self.scope not in GUARD_SCOPES:
+            raise ValueError(f"guard scope must be {' or '.join(GUARD_SCOPES)}, got {self.scope!r}")
         self.layers = {n: m for n, m in self.model.named_modules() if isinstance(m, Float8Linear)}
 
     def check(self, step: int, health: dict[str, Any]) -> list[Event]:
         """Every process must call this at the same steps (a collective under several processes:
         the layers' crossings are agreed, so every rank warns and moves the same layers)."""
         rows = {name: row for name, row in health.items() if self._judged(name, row)}
+        if self.scope == "gemm":
+            return self._check_gemms(step, rows)
         hits = _agreed_crossings({name: first_crossing(row, self.thresholds) for name, row in rows.items()})
-        events = []
+        events: list[Event] = []
         for name in [n for n in self.layers if n in hits]:  # model order
             if self.layers[name].high_precision:
                 ev = self._recover(name, hits[name], rows.get(name, {}), step)
             else:
                 ev = self._watch(name, hits[name], step)
-            if ev is None:
-                continue
-            if _rank() == 0:
-                logger.warning(ev.line())
-            events.append(ev)
-            self.events.append(ev.to_dict())
+            self._emit(ev, events)
         return events
+
+    def _emit(self, ev: Optional[Event], events: list[Event]) -> None:
+        """An event of this check: logged (rank 0), returned and kept."""
+        if ev is None:
+            return
+        if _rank() == 0:
+            logger.warning(ev.line())
+        events.append(ev)
+        self.events.append(ev.to_dict())
 
     def _judged(self, name: str, row: dict[str, Any]) -> bool:
         """An FP8 layer is judged at every check; a moved one (nothing left to act on) only when
@@ -199,12 +234,18 @@ class Guard:
         layer = self.layers.get(name)
         if layer is None:
             return False
+        if self.scope == "gemm":  # judged per signal: see _check_gemms
+            return True
         if not layer.high_precision:
             return True
         return self.thresholds.recover_after is not None and bool(row.get("side_cast")) and name in self._moves_of()
 
-    def _watch(self, name: str, hit: Optional[tuple[str, float]], step: int) -> Optional[Event]:
-        """An FP8 layer's check: the unhealthy streak, and an episode's start after ``patience``."""
+    def _watch(
+        self, name: str, hit: Optional[tuple[str, float]], step: int, moved: Optional[tuple] = None
+    ) -> Optional[Event]:
+        """An FP8 layer's check: the unhealthy streak, and an episode's start after ``patience``.
+        ``moved`` (``scope="gemm"``: the layer's GEMMs in high precision now, moved or by its
+        recipe): act moves the GEMMs of the signal's operand that are still in FP8, not the layer."""
         if hit is None:
             self.streak[name] = 0
             self.in_episode.discard(name)
@@ -213,9 +254,17 @@ class Guard:
         if self.streak[name] < self.thresholds.patience or name in self.in_episode:
             return None
         self.in_episode.add(name)
-        ev = Event(name, hit[0], float(hit[1]), step, moved=self.mode == "act")
+        if moved is None:
+            ev = Event(name, hit[0], float(hit[1]), step, moved=self.mode == "act")
+            if ev.moved:
+                self.layers[name].high_precision = True
+                self.moved.append(ev.to_dict())
+            return ev
+        gemms = tuple(g for g in gemms_of_signal(hit[0]) if g not in moved) if self.mode == "act" else ()
+        ev = Event(name, hit[0], float(hit[1]), step, moved=self.mode == "act", gemms=gemms)
         if ev.moved:
-            self.layers[name].high_precision = True
+            layer = self.layers[name]
+            layer.set_high_precision_gemms((*layer.high_precision_gemms, *gemms))
             self.moved.append(ev.to_dict())
         return ev
 
@@ -240,6 +289,71 @@ class Guard:
         self.moved.append(ev.to_dict())
         return ev
 
+    def _check_gemms(self, step: int, rows: dict[str, dict[str, Any]]) -> list[Event]:
+        """``scope="gemm"``: per layer, the first crossing of a signal whose GEMMs are not all
+        moved yet (watched as in :meth:`_watch`; an episode moves those GEMMs) and, for a layer
+        with moved GEMMs, any crossing at all on a side-measured row (a move back after
+        ``recover_after`` healthy checks restores every GEMM moved). One collective per check."""
+        now = moved_gemms(self.moved)
+        local: dict[Any, Optional[tuple[str, float]]] = {}
+        for name, row in rows.items():
+            # GEMMs in high precision now (moved, or by the recipe): their operands' signals are stale
+            covered = tuple(g for g, hp in self.layers[name].gemm_precision().items() if hp)
+            local[(name, "new")] = first_crossing(row, self.thresholds, covered)
+            local[(name, "any")] = first_crossing(row, self.thresholds)
+        hits = _agreed_crossings(local)
+        events: list[Event] = []
+        for name in [n for n in self.layers if n in rows]:  # model order
+            ev = self._judge_gemms(name, hits[(name, "new")], hits[(name, "any")], rows[name], step, now)
+            self._emit(ev, events)
+        return events
+
+    def _judge_gemms(
+        self,
+        name: str,
+        new: Optional[tuple[str, float]],
+        anyhit: Optional[tuple[str, float]],
+        row: dict[str, Any],
+        step: int,
+        now: dict[str, tuple[str, ...]],
+    ) -> Optional[Event]:
+        moved = now.get(name, ())  # the GEMMs this guard moved (a move back restores these)
+        if new is not None and moved:
+            self.healthy[name] = 0  # a crossing on a GEMM still in FP8: the count starts again
+        layer = self.layers[name]
+        ev = self._watch(name, new, step, tuple(g for g, hp in layer.gemm_precision().items() if hp))
+        if ev is not None or new is not None or not moved:
+            return ev
+        if self.thresholds.recover_after is None or not row.get("side_cast"):
+            return None
+        if anyhit is not None:
+            self.healthy[name] = 0
+            return None
+        period = self._period_of(name)
+        if any(signal_value(row, mv["signal"]) is None for mv in period):  # e.g. an SQNR not sampled now
+            return None
+        self.healthy[name] = self.healthy.get(name, 0) + 1
+        if self.healthy[name] < self.thresholds.recover_after:
+            return None
+        first = period[0]
+        ev = Event(name, first["signal"], first["value"], step, True, TO_FP8, self.healthy.pop(name), tuple(moved))
+        layer = self.layers[name]
+        layer.high_precision = False
+        layer.set_high_precision_gemms(())
+        layer.reset_fp8_state()  # as a layer's move back: the first step back is exactly tensorwise
+        self.streak[name] = 0
+        self.in_episode.discard(name)
+        self.moved.append(ev.to_dict())
+        return ev
+
+    def _period_of(self, name: str) -> list[dict[str, Any]]:
+        """``name``'s moves since its last move back (what a move back now undoes)."""
+        period: list[dict[str, Any]] = []
+        for mv in self.moved:
+            if mv["layer"] == name:
+                period = [] if is_move_back(mv) else [*period, mv]
+        return period
+
     def _moves_of(self) -> dict[str, dict[str, Any]]:
         """Each layer this guard has in high precision now: the move that put it there."""
         now = set(moved_layers(self.moved))
@@ -257,7 +371,16 @@ class Guard:
                     f"fp8_guard: the checkpoint moved layer {mv['layer']!r}, which this model does not have"
                 )
         for mv in moves:
-            self.layers[mv["layer"]].high_precision = not is_move_back(mv)
+            layer, back = self.layers[mv["layer"]], is_move_back(mv)
+            if not mv.get("gemms"):  # a whole layer's move (and any checkpoint from before scopes)
+                layer.high_precision = not back
+                if back:
+                    layer.set_high_precision_gemms(())
+                continue
+            now = set(layer.high_precision_gemms)
+            layer.set_high_precision_gemms(now - set(mv["gemms"]) if back else now | set(mv["gemms"]))
+            if back:
+                layer.high_precision = False
         self.moved = [dict(m) for m in moves]
 
 
@@ -268,7 +391,8 @@ class HealthMonitor:
     :meth:`state_dict` / :meth:`load_state_dict` carry the moves, streaks and trends into a
     checkpoint. Used by ``lowprec train`` (``train/health.py``) and by transformers'
     ``FP8Callback``. ``recover_after``: the guard's M (:class:`Thresholds`); set, the probe
-    measures moved layers on the side."""
+    measures moved layers on the side. ``scope``: the guard's (:class:`Guard`): ``layer`` moves
+    a layer, ``gemm`` only the GEMMs of the unhealthy operand."""
 
     def __init__(
         self,
@@ -278,11 +402,12 @@ class HealthMonitor:
         sqnr_every: int,
         thresholds: Optional[dict[str, float]] = None,
         recover_after: Optional[int] = None,
+        scope: str = "layer",
     ) -> None:
         # with recover_after, moved layers are measured on the side (what FP8 would do now)
         self.probe = HealthProbe(model, side=recover_after is not None)
         th = Thresholds(patience=patience, recover_after=recover_after, **(thresholds or {}))
-        self.guard = None if guard == "off" else Guard(model, mode=guard, thresholds=th)
+        self.guard = None if guard == "off" else Guard(model, mode=guard, thresholds=th, scope=scope)
         self.sqnr_every = sqnr_every
         self.previous: Optional[dict[str, Any]] = None
         self.last_sqnr_step: Optional[int] = None
@@ -345,18 +470,19 @@ def _rank() -> int:
 
 
 def _agreed_crossings(
-    local: dict[str, Optional[tuple[str, float]]],
-) -> dict[str, Optional[tuple[str, float]]]:
+    local: dict[Any, Optional[tuple[str, float]]],
+) -> dict[Any, Optional[tuple[str, float]]]:
     """Each layer's crossing as every process sees it. One process: its own. Several (each
     reads its own data, so their signals differ): a layer crosses where any process saw it cross,
     reported with the lowest such rank's signal and value, so that all of them warn and move
     the same layers at the same steps (a layer in FP8 on one rank and bf16 on another would make
-    the replicas compute differently). One ``all_gather_object`` per check."""
+    the replicas compute differently). One ``all_gather_object`` per check. Keys: layer names
+    (``scope="layer"``), or ``(layer, "new" | "any")`` pairs (``scope="gemm"``)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return local
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)
-    agreed: dict[str, Optional[tuple[str, float]]] = {}
+    agreed: dict[Any, Optional[tuple[str, float]]] = {}
     for seen in everyone:
         for name, hit in seen.items():
             if agreed.get(name) is None:

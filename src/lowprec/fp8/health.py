@@ -224,7 +224,7 @@ class HealthProbe:
                 if is_tensor_parallel(module.weight):
                     return
                 out: Optional[torch.Tensor] = output.detach()
-                if self.side and module.high_precision:  # what FP8 would do, not the bf16 GEMM's
+                if self.side and (module.high_precision or module.high_precision_gemms):  # what FP8 would do
                     out = self._side_forward(module, x, output.detach(), got)
                     self._side_grad(module, output, got)
                 if self._sqnr and out is not None:

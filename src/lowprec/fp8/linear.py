@@ -38,7 +38,7 @@ updates and telemetry go through one per-call object (``cast_state.py``).
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Iterable, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +61,7 @@ from lowprec.fp8.scaling import delayed_scale_step
 from lowprec.fp8.sharding import reshape_output
 from lowprec.fp8.state_epoch import bump_state_epoch, state_epoch
 from lowprec.fp8.tp_linear import is_tensor_parallel, tp_forward
+from lowprec.guard_moves import GEMMS as GEMM_NAMES
 
 __all__ = [
     "Float8Linear",
@@ -140,7 +141,22 @@ class FP8Switch:
             return None
         if recipe is not self.recipe:  # a region's recipe: this layer must keep its kind's state
             self._check_region(recipe)
-        return recipe
+        hp_gemms = self.__dict__.get("_hp_gemms")
+        return recipe if hp_gemms is None else self._gemm_recipe(recipe, hp_gemms)
+
+    def _gemm_recipe(self, recipe: Recipe, hp_gemms: tuple[bool, bool, bool]) -> Recipe | None:
+        """``recipe`` with this layer's own GEMMs in high precision (the guard's per-GEMM moves,
+        :meth:`Float8Linear.set_high_precision_gemms`) added to its ``override_linear_precision``:
+        a recipe of this layer's, built once per recipe and kept (the shared one is not changed);
+        None when no GEMM is left in FP8."""
+        kept = self.__dict__.setdefault("_gemm_recipes", {})
+        hit = kept.get(id(recipe))
+        if hit is not None and hit[0] is recipe:
+            return hit[1]
+        olp = tuple(a or b for a, b in zip(recipe.override_linear_precision, hp_gemms))
+        derived = None if all(olp) else recipe.replace(override_linear_precision=olp)
+        kept[id(recipe)] = (recipe, derived)
+        return derived
 
     def _check_region(self, recipe: Recipe) -> None:
         """A region's recipe of another kind: refused where this module lacks its state."""
@@ -220,6 +236,34 @@ class Float8Linear(FP8Switch, nn.Linear):
         super().reset_parameters()
         if hasattr(self, "fp8_stats"):  # nn.Linear.__init__ calls this before _init_fp8
             self.reset_fp8_state()
+
+    def set_high_precision_gemms(self, gemms: Iterable[str] = ()) -> None:
+        """Run these of the layer's GEMMs (``fprop``, ``dgrad``, ``wgrad``) in high precision on
+        top of its recipe's ``override_linear_precision`` (the FP8 guard's per-GEMM moves); the
+        others keep the recipe's casts and scaling state. ``()``: the recipe's GEMMs again. The
+        recipe (shared by every layer) is not changed: the layer keeps its own. Not a field of
+        ``state_dict``: the guard's checkpointed moves restore it."""
+        names = set(gemms)
+        bad = names - set(GEMM_NAMES)
+        if bad:
+            raise ValueError(f"unknown GEMM(s) {sorted(bad)}; use {', '.join(GEMM_NAMES)}")
+        flags = tuple(g in names for g in GEMM_NAMES)
+        self.__dict__["_hp_gemms"] = flags if any(flags) else None
+        self.__dict__["_gemm_recipes"] = {}
+
+    @property
+    def high_precision_gemms(self) -> tuple[str, ...]:
+        """The GEMMs :meth:`set_high_precision_gemms` moved (not the recipe's own overrides)."""
+        flags = self.__dict__.get("_hp_gemms") or (False, False, False)
+        return tuple(g for g, hp in zip(GEMM_NAMES, flags) if hp)
+
+    def gemm_precision(self) -> dict[str, bool]:
+        """Each GEMM's effective precision in training under the layer's own recipe: True = high
+        precision (``high_precision``, the recipe's override or a per-GEMM move), False = FP8."""
+        if self.high_precision:
+            return dict.fromkeys(GEMM_NAMES, True)
+        moved = self.high_precision_gemms
+        return {g: hp or g in moved for g, hp in zip(GEMM_NAMES, self.recipe.override_linear_precision)}
 
     def reset_fp8_state(self) -> None:
         drop_frozen_cache(self)

@@ -64,7 +64,7 @@ from lowprec import fp8
 from lowprec.checkpoint.serialization import load_object, save_object
 from lowprec.durable import fsync_dir, fsync_file, temp_suffix
 from lowprec.fp8.convert import DEFAULT_SKIP_PATTERNS, ConversionReport, ModuleFilter
-from lowprec.fp8.guard import GUARD_MODES, THRESHOLD_NAMES, Guard, HealthMonitor, Thresholds
+from lowprec.fp8.guard import GUARD_MODES, GUARD_SCOPES, THRESHOLD_NAMES, Guard, HealthMonitor, Thresholds
 from lowprec.distributed import register_fp8_allreduce
 from lowprec.optim import OPT_LEVELS, hold_grads_in_fp8, to_fp8_adamw
 from lowprec.utils.fp8 import has_ao_layers, has_transformer_engine_layers
@@ -224,6 +224,9 @@ class FP8Callback(TrainerCallback):
         guard_recover_after: with ``guard="act"``, healthy checks in a row (the layer's would-be
             FP8 casts measured on the side) before a moved layer moves back to FP8
             (``fp8_guard_recover_after``); ``None`` (default): a moved layer stays in bf16.
+        guard_scope: with ``guard="act"``, what a move moves (``fp8_guard_scope``): ``"layer"``
+            (default: the whole layer) or ``"gemm"`` (only the GEMMs that read the unhealthy
+            operand; the table in docs/guide.md).
         guard_thresholds: overrides of :class:`lowprec.fp8.guard.Thresholds` (``saturated``,
             ``underflow``, ``max_to_rms``, ``sqnr_db``), as ``fp8_guard_thresholds``.
         health_sqnr_every: steps between the sampled shadow-GEMM SQNR readings.
@@ -237,6 +240,7 @@ class FP8Callback(TrainerCallback):
         guard_thresholds: dict[str, float] | None = None,
         health_sqnr_every: int = 50,
         guard_recover_after: int | None = None,
+        guard_scope: str = "layer",
     ) -> None:
         if guard not in GUARD_MODES:
             raise ValueError(f"FP8Callback(guard={guard!r}): use one of {', '.join(GUARD_MODES)}")
@@ -247,6 +251,15 @@ class FP8Callback(TrainerCallback):
             raise ValueError(f"FP8Callback(guard_thresholds=...): unknown {unknown}; use {', '.join(THRESHOLD_NAMES)}")
         if guard_recover_after is not None and guard != "act":
             raise ValueError(f"FP8Callback(guard_recover_after=...) moves layers back: use guard='act', not {guard!r}")
+        if guard_scope not in GUARD_SCOPES:
+            raise ValueError(
+                f"FP8Callback(guard_scope={guard_scope!r}): use 'layer' (move the whole layer) or 'gemm' "
+                "(move only the GEMMs that read the unhealthy operand)"
+            )
+        if guard_scope != "layer" and guard != "act":
+            raise ValueError(
+                f"FP8Callback(guard_scope={guard_scope!r}) says what act moves: use guard='act', not {guard!r}"
+            )
         self.telemetry = telemetry
         self.counts = _Counts()
         self.model: nn.Module | None = None
@@ -255,7 +268,13 @@ class FP8Callback(TrainerCallback):
         self.guard_mode = guard
         # a bad value fails here, not in train()
         Thresholds(patience=guard_patience, recover_after=guard_recover_after, **(guard_thresholds or {}))
-        self._health_args = (guard_patience, health_sqnr_every, dict(guard_thresholds or {}), guard_recover_after)
+        self._health_args = (
+            guard_patience,
+            health_sqnr_every,
+            dict(guard_thresholds or {}),
+            guard_recover_after,
+            guard_scope,
+        )
         self.health: HealthMonitor | None = None  # with a guard: lowprec train's probe and guard
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):

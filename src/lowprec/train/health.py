@@ -36,6 +36,7 @@ def attach_health(run: Any) -> None:
             cfg.fp8_health_sqnr_every,
             cfg.fp8_guard_thresholds or {},
             recover_after=cfg.fp8_guard_recover_after,
+            scope=cfg.fp8_guard_scope,
         )
         run.health.load_state_dict(saved)
         run.on_move = lambda: write_conversion_report(run.acc, run.output_dir, tuple(run.health.moves()))

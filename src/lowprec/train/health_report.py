@@ -19,7 +19,7 @@ import os
 from typing import Any, Mapping, Optional, Sequence
 
 from lowprec.fp8.guard import Thresholds
-from lowprec.guard_moves import is_move_back
+from lowprec.guard_moves import gemms_text, is_move_back
 from lowprec.train.metrics import FILE, read_metrics
 from lowprec.train.plots import _plt, guard_line, guard_tally
 
@@ -117,8 +117,9 @@ def _plot(series, order, losses, events, th: Thresholds, path: str, rows: int) -
 def _event_cell(ev: Mapping[str, Any]) -> str:
     """What the guard did at one event, for the layer's table cell."""
     if is_move_back(ev):
-        return f"step {ev['step']}: moved back to FP8 (after {ev.get('checks')} healthy checks)"
-    return f"step {ev['step']}: {'moved to bf16' if ev['moved'] else 'warned'} ({ev['signal']} = {ev['value']:.4g})"
+        return f"step {ev['step']}: moved back to FP8{gemms_text(ev)} (after {ev.get('checks')} healthy checks)"
+    what = f"moved to bf16{gemms_text(ev)}" if ev["moved"] else "warned"
+    return f"step {ev['step']}: {what} ({ev['signal']} = {ev['value']:.4g})"
 
 
 def _run_thresholds(run_dir: str) -> Thresholds:

@@ -201,6 +201,7 @@ class Loop:
         if run.health is not None:  # the checkpoint's moves, not the ones made since
             for layer in run.health.probe.layers.values():
                 layer.high_precision = False
+                layer.set_high_precision_gemms(())
             run.health.load_state_dict(run.state.fp8_guard or {})
         if run.state.loop is not None:
             self.restore_window(run.state.loop)

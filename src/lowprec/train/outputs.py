@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 import yaml
 from lowprec.fp8 import plain_state_dict
-from lowprec.guard_moves import is_move_back, moved_layers
+from lowprec.guard_moves import is_move_back, moved_gemms, moved_layers
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["make_output_dir", "export_model", "write_resolved_config", "load_exported_model", "write_conversion_report"]
@@ -86,15 +86,21 @@ def moves_text(moves: list[dict[str, Any]]) -> str:
     head = f"fp8_guard: {len(moves) - back} layer(s) moved to high precision (bf16) during training"
     if back:
         head += f", {back} moved back to FP8 ({len(moved_layers(moves))} in bf16 at the end)"
+    if any(m.get("gemms") for m in moves):  # fp8_guard_scope: gemm
+        now = moved_gemms(moves)
+        head += "; per GEMM, in bf16 at the end: " + (
+            "; ".join(f"{layer} {', '.join(g)}" for layer, g in now.items()) or "none"
+        )
     lines = ["", head + ":"]
     lines += [f"  step {m['step']}: {m['layer']}  {_move_words(m)}" for m in moves]
     return "\n".join(lines)
 
 
 def _move_words(m: dict[str, Any]) -> str:
+    which = f"{', '.join(m['gemms'])} " if m.get("gemms") else ""
     if is_move_back(m):
-        return f"moved back to FP8 after {m.get('checks')} healthy checks (it moved for {m['signal']})"
-    return f"({m['signal']} = {m['value']:.4g})"
+        return f"moved back to FP8 {which}after {m.get('checks')} healthy checks (it moved for {m['signal']})"
+    return f"{which}({m['signal']} = {m['value']:.4g})"
 
 
 def write_conversion_report(acc, output_dir: str, moves: tuple = ()) -> Optional[str]:

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
-from lowprec.guard_moves import is_move_back
+from lowprec.guard_moves import gemms_text, is_move_back
 from lowprec.train.stats import gap_curves, interval
 
 __all__ = ["plot_loss", "plot_fp8_report", "plot_compare", "worst_layers", "guard_line", "guard_counts", "guard_tally"]
@@ -51,8 +51,8 @@ def guard_counts(events: Sequence[Mapping[str, Any]]) -> str:
 
 def _event_words(ev: Mapping[str, Any]) -> str:
     if is_move_back(ev):
-        return f"step {ev['step']} {ev['layer']} back to FP8"
-    return f"step {ev['step']} {ev['layer']} ({ev['signal']} = {ev['value']:.3g})"
+        return f"step {ev['step']} {ev['layer']}{gemms_text(ev)} back to FP8"
+    return f"step {ev['step']} {ev['layer']}{gemms_text(ev)} ({ev['signal']} = {ev['value']:.3g})"
 
 
 def _xy(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list, list]:

@@ -42,7 +42,12 @@ HIGH_PRECISIONS: dict[str, dict[str, Any]] = {
 
 
 # the keys that watch FP8 layers, as a high-precision run of a comparison gets them
-FP8_ONLY_OFF: dict[str, Any] = {"fp8_guard": "off", "fp8_health": None, "fp8_guard_recover_after": None}
+FP8_ONLY_OFF: dict[str, Any] = {
+    "fp8_guard": "off",
+    "fp8_health": None,
+    "fp8_guard_recover_after": None,
+    "fp8_guard_scope": "layer",
+}
 
 
 def precision_names() -> list[str]:

@@ -61,6 +61,7 @@ class ModelHealth:
             handler.fp8_health_sqnr_every,
             dict(handler.fp8_guard_thresholds or {}),
             recover_after=handler.fp8_guard_recover_after,
+            scope=handler.fp8_guard_scope,
         )
         self.steps = 0  # optimizer steps that ran
         self.driven = False  # an optimizer's step drives it (the Accelerator hooks one)
@@ -104,6 +105,7 @@ class ModelHealth:
         self.steps = int(state.get("steps", 0))
         for layer in self.monitor.probe.layers.values():  # the checkpoint's moves, not the ones made since
             layer.high_precision = False
+            layer.set_high_precision_gemms(())
         self.monitor.load_state_dict(state.get("monitor", {}))
         disable_telemetry(self.model)  # armed for the step count of before: armed again below
         self.monitor.probe.take()

@@ -7,7 +7,14 @@ from typing import Any, Literal, Optional, Union
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from lowprec.catalog import RECIPE_NAMES, unread_recipe_fields
-from lowprec.guard_settings import check_recover_needs_act, check_thresholds, guard_mode, health_on
+from lowprec.guard_settings import (
+    check_recover_needs_act,
+    check_scope_needs_act,
+    check_thresholds,
+    guard_mode,
+    guard_scope,
+    health_on,
+)
 from lowprec.train.config.base import StrictModel, yaml_text
 
 __all__ = ["FP8RecipeSpec", "PrecisionKeys", "yaml_spelling"]
@@ -97,6 +104,11 @@ class PrecisionKeys(StrictModel):
         description="with fp8_guard: act, move a moved layer back to FP8 after this many healthy checks in a row "
         "(its would-be FP8 casts measured on the side; kept on resume); null: a moved layer stays in bf16",
     )
+    fp8_guard_scope: str = Field(
+        default="layer",
+        description="what fp8_guard: act moves: layer (the whole layer to bf16) or gemm (only the GEMMs that read "
+        "the unhealthy operand: x -> fprop, wgrad; W -> fprop, dgrad; dY -> dgrad, wgrad; SQNR -> fprop)",
+    )
     fp8_guard_thresholds: Optional[dict[str, float]] = Field(
         default=None,
         description="change fp8_guard thresholds: {saturated: 1.0e-3, underflow: 0.02, max_to_rms: 200, sqnr_db: 15} "
@@ -125,6 +137,11 @@ class PrecisionKeys(StrictModel):
     def _guard(cls, v: Union[str, bool]) -> str:
         return guard_mode(v, yaml_spelling)
 
+    @field_validator("fp8_guard_scope", mode="before")
+    @classmethod
+    def _scope(cls, v: Any) -> str:
+        return guard_scope(v, yaml_spelling)
+
     @field_validator("fp8_guard_thresholds")
     @classmethod
     def _thresholds(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
@@ -134,6 +151,7 @@ class PrecisionKeys(StrictModel):
     @model_validator(mode="after")
     def _recover_needs_act(self) -> "PrecisionKeys":
         check_recover_needs_act(self.fp8_guard_recover_after, self.fp8_guard, yaml_spelling)
+        check_scope_needs_act(self.fp8_guard_scope, self.fp8_guard, yaml_spelling)
         return self
 
     @property
