@@ -207,3 +207,21 @@ def test_a_killed_rank_ends_in_one_lowprec_line(tmp_path):
     assert last.startswith("lowprec: rank 1 (local rank 1") and "killed by SIGKILL" in last, last
     assert last.endswith(f"to continue: lowprec launch --num_processes 2 {script}")
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+def test_the_first_ctrl_c_is_latched_for_the_step_boundary_the_second_stops_at_once():
+    """In the loop, Ctrl-C sets a flag the loop turns into KeyboardInterrupt at the next step (an
+    exception raised inside a finalizer would be printed and dropped by Python); a second Ctrl-C
+    raises at once; Python's default handler is back afterwards."""
+    import time
+
+    from lowprec.train.loop import SigintLatch
+
+    with SigintLatch() as latch:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs between bytecodes of the main thread
+        assert latch.hit
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -8,7 +8,9 @@ window) and on the run's ``TrainerState`` (what a checkpoint saves).
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -389,6 +391,40 @@ class Loop:
                 )
 
 
+class SigintLatch:
+    """Ctrl-C during the loop stops it at the end of the step; a second Ctrl-C stops it at once.
+
+    Python's default handler raises ``KeyboardInterrupt`` wherever the main thread is, and Python
+    prints and drops an exception raised inside a weakref callback or ``__del__`` ("Exception
+    ignored in ..."); such finalizers run at arbitrary points of a step (the shared-cast slots'),
+    and the full suite once caught a Ctrl-C lost that way: the run went on and ended with exit 0.
+    So the first Ctrl-C only sets a flag (and says so), which the loop turns into
+    ``KeyboardInterrupt`` at the next step boundary: the usual summary and resume line follow. Only
+    Python's default handler is replaced (a launcher's or a user's own is left alone), in the main
+    thread, and it is restored when the loop ends."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self._previous: Any = None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.hit:  # the second Ctrl-C: now
+            raise KeyboardInterrupt
+        self.hit = True
+        sys.stderr.write("\nlowprec: stopping at the end of this step (Ctrl-C again to stop now)\n")
+
+    def __enter__(self) -> "SigintLatch":
+        if threading.current_thread() is threading.main_thread():
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
 def run_loop(run: Run) -> Loop:
     """Train from ``run.state.step`` to ``run.total``; returns the loop (its last losses)."""
     cfg, acc = run.cfg, run.acc
@@ -412,8 +448,12 @@ def run_loop(run: Run) -> Loop:
             total=run.total, initial=run.state.step, desc=f"train {run.label}", unit="step", dynamic_ncols=True
         )
     run.model.train()
+    latch = SigintLatch()
     try:
+        latch.__enter__()
         while run.state.step < run.total and not loop.stop_early:
+            if latch.hit:  # Ctrl-C during the last step
+                raise KeyboardInterrupt
             logging_now = (run.state.step + 1) % cfg.logging_steps == 0 or run.state.step + 1 == run.total
             if run.fp8_layers and logging_now:
                 fp8_engine.enable_telemetry(run.inner)
@@ -431,7 +471,10 @@ def run_loop(run: Run) -> Loop:
             if loop.bar is not None:
                 loop.bar.update(1)
             loop.eval_and_save()
+        if latch.hit:  # Ctrl-C during the last step: stopped there, nothing more runs
+            raise KeyboardInterrupt
     finally:
+        latch.__exit__()
         if loop.bar is not None:
             loop.bar.close()
     return loop
