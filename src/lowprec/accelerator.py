@@ -422,16 +422,7 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         after_step, after_skip = (
             functools.partial(f, model) for f in (self.backend.after_optimizer_step, self.backend.after_skipped_step)
         )
-        health = self._fp8_health.of(self.unwrap_model(model))
-        if health is None or health.driven:
-            return after_step, after_skip
-        health.driven = True  # by this optimizer's steps only (a second optimizer would count twice)
-
-        def step_and_check() -> None:
-            after_step()  # the backend's first: the step's FP8 scaling state kept, amaxes agreed
-            health.after_step()
-
-        return step_and_check, after_skip
+        return self._fp8_health.after_step(self.unwrap_model(model), after_step), after_skip  # + fp8_guard
 
     def _log_health(self, values: dict, step: int) -> None:
         if self.trackers:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import importlib.util
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -99,3 +99,21 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
 def triton_override() -> bool | None:
     """Inside :func:`trace_as`: whether the trace runs with the fused Triton casts; else None."""
     return _ACTIVE[-1].triton if _ACTIVE else None
+
+
+_DEVICE_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def device_constant(key: tuple, device: torch.device, make: Callable[[torch.device], torch.Tensor]) -> torch.Tensor:
+    """A small constant tensor (a lookup table, a transform) on ``device``, made there once per
+    ``(key, device)`` by ``make(device)`` and shared (not for in-place use): made on the host in every step, its copy
+    to a GPU would make the step wait. Made afresh on ``meta`` and while ``torch.compile`` traces
+    (a Python-side store is no graph op)."""
+    device = torch.device(device)
+    if device.type == "meta" or torch.compiler.is_compiling():
+        return make(device)
+    full = (*key, device)
+    found = _DEVICE_CONSTANTS.get(full)
+    if found is None:
+        found = _DEVICE_CONSTANTS[full] = make(device)
+    return found

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from lowprec.fp8.capability import device_constant
+
 __all__ = ["HADAMARD_SIZE", "hadamard_matrix", "random_hadamard", "apply_rht"]
 
 HADAMARD_SIZE = 16
@@ -31,9 +33,6 @@ def hadamard_matrix(n: int = HADAMARD_SIZE) -> torch.Tensor:
     return h
 
 
-_ON_DEVICE: dict[tuple, torch.Tensor] = {}
-
-
 def random_hadamard(seed: int, n: int = HADAMARD_SIZE, device=None) -> torch.Tensor:
     """Q = H diag(signs) / sqrt(n), orthogonal; ``signs`` drawn from ``seed`` (reproducible).
 
@@ -41,19 +40,10 @@ def random_hadamard(seed: int, n: int = HADAMARD_SIZE, device=None) -> torch.Ten
     a host-to-device copy in every NVFP4 backward made the step wait for the GPU (found by
     ``test_training_step_never_syncs_the_host`` on the H200)."""
     if device is not None:
-        device = torch.device(device)
-        key = (int(seed), n, device)
-        if device.type != "meta" and not torch.compiler.is_compiling() and key in _ON_DEVICE:
-            return _ON_DEVICE[key]
+        return device_constant(("hadamard", int(seed), n), device, lambda d: random_hadamard(seed, n).to(d))
     g = torch.Generator().manual_seed(int(seed))
     signs = torch.randint(0, 2, (n,), generator=g).to(torch.float32) * 2 - 1
-    q = hadamard_matrix(n) * signs / (n**0.5)
-    if device is None:
-        return q
-    q = q.to(device)
-    if device.type != "meta" and not torch.compiler.is_compiling():
-        _ON_DEVICE[key] = q
-    return q
+    return hadamard_matrix(n) * signs / (n**0.5)
 
 
 def apply_rht(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

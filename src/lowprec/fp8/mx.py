@@ -38,6 +38,7 @@ import torch
 
 from lowprec.catalog import FIELD_DEFAULTS, RECIPE_OPTIONS
 from lowprec.fp8.formats import E4M3, E5M2, fp8_max
+from lowprec.fp8.capability import device_constant
 
 __all__ = [
     "MX_BLOCK",
@@ -169,19 +170,10 @@ def quantize_mx(
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7 (sign in bit 3)
 
 
-_GRIDS: dict[torch.device, torch.Tensor] = {}
-
-
 def e2m1_grid(device) -> torch.Tensor:
-    """The E2M1 magnitudes on ``device``, made once per device (a host-to-device copy each
-    time would make every NVFP4 step wait for the GPU). Not for in-place use."""
-    device = torch.device(device)
-    if device.type == "meta" or torch.compiler.is_compiling():
-        return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-    grid = _GRIDS.get(device)
-    if grid is None:
-        grid = _GRIDS[device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-    return grid
+    """The E2M1 magnitudes on ``device``, made once per device (``capability.device_constant``).
+    Not for in-place use."""
+    return device_constant(("e2m1",), device, lambda d: torch.tensor(E2M1_VALUES, dtype=torch.float32, device=d))
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:

@@ -137,6 +137,21 @@ class HealthHooks:
     def of(self, model: nn.Module) -> Optional[ModelHealth]:
         return self.by_model.get(id(model))
 
+    def after_step(self, model: nn.Module, backend_after_step: Callable[[], None]) -> Callable[[], None]:
+        """What runs after an optimizer step of ``model`` that ran: the backend's hook (the step's
+        FP8 scaling state kept, amaxes agreed), then, for the first optimizer of a watched model
+        only (a second one would count the steps twice), the health check."""
+        health = self.by_model.get(id(model))
+        if health is None or health.driven:
+            return backend_after_step
+        health.driven = True
+
+        def step_and_check() -> None:
+            backend_after_step()
+            health.after_step()
+
+        return step_and_check
+
     def state_dict(self, model: nn.Module) -> Optional[dict[str, Any]]:
         """What ``save_state`` writes for ``model`` (None: nothing to write)."""
         health = self.by_model.get(id(model))
