@@ -89,6 +89,23 @@ def write_json(payload: dict, out: str | None, default_name: str) -> Path:
     return path
 
 
+def collect_rows(out: Path, result: dict, jobs, hide: str) -> None:
+    """Run ``jobs`` (``(label, thunk)``: ``label`` a dict naming the row) into ``result["rows"]``,
+    printing each row (without its ``hide`` key) and rewriting ``out`` after each (atomically), so
+    a run stopped at its budget keeps what it measured. A job that raises is a row with its
+    error; the others go on."""
+    for label, thunk in jobs:
+        try:
+            row = thunk()
+        except Exception as e:  # noqa: BLE001 - a row that cannot run is reported, the others go on
+            row = {**label, "error": f"{type(e).__name__}: {str(e)[:800]}"}
+        print(json.dumps({k: v for k, v in row.items() if k != hide}), flush=True)
+        result["rows"].append(row)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(tmp, out)
+
+
 def cpu_alloc_peak(fn, busiest_thread_only: bool = False) -> int:
     """Peak of the CPU allocator's running total during ``fn()``, replayed from torch.profiler's
     memory events in time order (temporaries freed inside one op are missed). With

@@ -257,16 +257,19 @@ def test_compile_fullgraph_matches_eager(seed, name):
 
 
 @pytest.mark.parametrize("opt_in", [False, True])
-def test_compiled_fp8_layers_run_eagerly_on_cuda_unless_asked(seed, monkeypatch, caplog, opt_in):
-    """On CUDA (stood in for here by patching the device test) torch.compile leaves each FP8
-    layer's GEMMs to its eager code, one graph break per layer, logged once, with the eager
-    results; LOWPREC_COMPILE_FP8=1 traces them (no break; fullgraph works)."""
+def test_compiled_fp8_layers_run_eagerly_when_asked(seed, monkeypatch, caplog, opt_in):
+    """By default torch.compile traces the FP8 GEMMs (no break; fullgraph works);
+    LOWPREC_COMPILE_FP8=0 leaves each FP8 layer's GEMMs to its eager code, one graph break per
+    layer, logged once, with the eager results."""
     from torch._dynamo.utils import counters
 
     from lowprec.fp8 import compile_guard
 
     monkeypatch.setattr(compile_guard, "_LOGGED", [False])
-    monkeypatch.setattr(compile_guard, "traced", lambda x: opt_in)
+    if opt_in:
+        monkeypatch.delenv(compile_guard.ENV, raising=False)
+    else:
+        monkeypatch.setenv(compile_guard.ENV, "0")
     torch._dynamo.reset()
     counters.clear()
     net = Net()
@@ -294,15 +297,15 @@ def test_compiled_fp8_layers_run_eagerly_on_cuda_unless_asked(seed, monkeypatch,
     assert sqnr(want[0], got[0]) > 30
 
 
-def test_a_compiled_fp8_base_layer_runs_its_gemms_eagerly_on_cuda(seed, monkeypatch):
-    """The frozen FP8 base layer (LoRA on an FP8 checkpoint) follows the same compile guard."""
+def test_a_compiled_fp8_base_layer_runs_its_gemms_eagerly_when_asked(seed, monkeypatch):
+    """The frozen FP8 base layer (LoRA on an FP8 checkpoint) follows the same switch."""
     from torch._dynamo.utils import counters
 
     from lowprec.fp8 import compile_guard
     from lowprec.fp8.fp8_base import Float8BaseLinear
 
     monkeypatch.setattr(compile_guard, "_LOGGED", [False])
-    monkeypatch.setattr(compile_guard, "traced", lambda x: False)
+    monkeypatch.setenv(compile_guard.ENV, "0")
     torch._dynamo.reset()
     counters.clear()
     q = (torch.randn(64, 128) * 8).to(torch.float8_e4m3fn)

@@ -236,6 +236,23 @@ def test_targets_are_judged_from_the_rows():
     ]
 
 
+def test_zero_grad_probe_runs_on_cpu(tmp_path):
+    """The zero-gradient probe (benchmarks/gpu/zero_grad_probe.py) on CPU: each variant's
+    gradients compared with eager, and the capture variant's graphs kept."""
+    out = tmp_path / "probe.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/gpu/zero_grad_probe.py"), str(out), "--device", "cpu"]
+    cmd += ["--variants", "ours_capture,toy_matmul", "--shape", "32,64,32"]
+    subprocess.run(
+        cmd, check=True, timeout=300, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    )
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"ours_capture", "toy_matmul"}, rows
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["grad_input"]["zero_fraction"] == 0.0 and row["grad_input"]["sqnr_vs_eager_db"] > 20, row
+    assert any(k.startswith("dynamo_") for k in rows["ours_capture"]["graphs"])
+
+
 def test_compile_probe_runs_on_cpu(tmp_path):
     """The compile diagnosis (benchmarks/gpu/compile_probe.py) in its CPU smoke form: both
     variants recorded, every call timed, Dynamo's counters kept."""

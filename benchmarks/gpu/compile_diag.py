@@ -1,30 +1,28 @@
-"""Where compiled FP8 backward goes wrong on CUDA: one Float8Linear, traced into the graph.
+"""Compiled FP8 backward against eager on CUDA, taken apart: which change brings the gradients back.
 
-The fourth H200 run (torch 2.11) found a compiled Float8Linear's input gradient all zeros
-(tensorwise, rowwise, delayed) while eager was right and the same compiled layer matches eager
-on CPU, also with the GPU's code path emulated there. ``fp8/compile_guard.py`` keeps the GEMMs
-out of compiled graphs on CUDA meanwhile. This script takes the traced form
-(``LOWPREC_COMPILE_FP8=1``) apart, one change at a time, and writes for each variant the
-SQNR of the output and both gradients against eager and how many of their values are zero:
+Runs four and five on the H200 (torch 2.11) found a compiled Float8Linear's gradients all zeros
+while eager was right; this script showed the zeros under ``aot_eager`` as under Inductor, and
+``zero_grad_probe.py`` found the cause (an identity ``.to`` at the end of the GEMM: see
+``gemm.as_dtype``). It stays in the GPU command as the first place a regression would show: for
+each recipe and variant, the SQNR of the output and both gradients against eager and how many of
+their values are zero:
 
-* ``inductor``: as users would compile (the run that found the fault, again);
-* ``aot_eager``: Dynamo + AOTAutograd, no Inductor code (is it Inductor's code generation?);
+* ``inductor``: as users compile;
+* ``aot_eager``: Dynamo + AOTAutograd, no Inductor code;
 * ``inductor_no_triton``: ``LOWPREC_DISABLE_TRITON=1`` (are the fused casts involved?);
-* ``inductor_no_donated``: AOTAutograd's donated buffers off (does the backward reuse a saved
-  buffer it should not?);
-* ``inductor_no_fast_accum``: ``use_fast_accum=False`` in the forward too (the backward GEMMs
-  already use it; is the lowering of one form wrong?).
+* ``inductor_no_donated``: AOTAutograd's donated buffers off;
+* ``inductor_no_fast_accum``: ``use_fast_accum=False`` in the forward too.
 
 The Inductor variant's generated code (forward and backward) is kept in the JSON, truncated.
 
-    python benchmarks/gpu/compile_diag.py OUT.json [--device cpu --backends aot_eager]  # CPU: smoke
+    python benchmarks/gpu/compile_diag.py OUT.json [--device cpu --variants aot_eager]  # CPU: smoke
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import functools
 import os
 import sys
 import time
@@ -34,7 +32,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
-from _common import device_name  # noqa: E402
+from _common import collect_rows, device_name  # noqa: E402
 
 import lowprec.fp8 as fp8  # noqa: E402
 from lowprec.fp8 import compile_guard  # noqa: E402
@@ -86,7 +84,7 @@ def run_variant(variant, recipe, m, k, n, device) -> dict:
     for layer in (eager, twin):
         layer.load_state_dict(base.state_dict(), strict=False)
     backend = "aot_eager" if variant == "aot_eager" else "inductor"
-    env = {compile_guard.ENV: "1"}
+    env = {compile_guard.ENV: "1"}  # traced (the default; set in case the caller's environment has 0)
     if variant == "inductor_no_triton":
         env[select.DISABLE_ENV] = "1"
     x = torch.randn(m, k, device=device)
@@ -124,8 +122,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--recipes", default="tensorwise")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--recipes", default="tensorwise,rowwise,delayed,blockwise")
+    p.add_argument("--variants", default="inductor,aot_eager", help=f"of {','.join(VARIANTS)}")
     p.add_argument("--shape", default="2048,4096,2048", help="M,K,N")
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -137,19 +135,12 @@ def main(argv=None) -> int:
 
     iconfig.force_disable_caches = True  # every variant compiled afresh, under its own settings
     result = {"device": device_name(device), "torch": torch.__version__, "rows": []}
-    out = Path(a.out)
-    for recipe in a.recipes.split(","):
-        for variant in a.variants.split(","):
-            try:
-                row = run_variant(variant, recipe, m, k, n, device)
-            except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported, the others go on
-                row = {"variant": variant, "recipe": recipe, "error": f"{type(e).__name__}: {str(e)[:500]}"}
-            brief = {k: v for k, v in row.items() if k != "inductor_code"}
-            print(json.dumps(brief), flush=True)
-            result["rows"].append(row)
-            tmp = out.with_suffix(".tmp")
-            tmp.write_text(json.dumps(result, indent=1) + "\n")
-            os.replace(tmp, out)
+    jobs = [
+        ({"variant": v, "recipe": r}, functools.partial(run_variant, v, r, m, k, n, device))
+        for r in a.recipes.split(",")
+        for v in a.variants.split(",")
+    ]
+    collect_rows(Path(a.out), result, jobs, hide="inductor_code")
     return 0
 
 

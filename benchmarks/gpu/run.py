@@ -288,7 +288,9 @@ def main(argv=None) -> int:
         return 2
     out = Path(a.out) / slug(device["name"])
     out.mkdir(parents=True, exist_ok=True)
-    cache = Path(tempfile.gettempdir()) / "lowprec-gpu-run"
+    # a rehearsal keeps its installs under its own output folder: two at once (the test suite's
+    # workers) must not share a site folder; the real run's $OUT carries results only
+    cache = Path(a.out) / "rehearsal-cache" if a.dry_run else Path(tempfile.gettempdir()) / "lowprec-gpu-run"
     site = cache / "site"
     env = dict(
         os.environ,

@@ -204,7 +204,7 @@ def render(summary: dict, parts: dict[str, dict]) -> str:
         lines += [f"- skipped x{n}: {m}" for m, n in list(tests["skip_reasons"].items())[:5]]
     diag = (parts.get("compile_diag") or {}).get("result")
     if diag:
-        lines += ["", "## Compiled FP8 backward, traced (LOWPREC_COMPILE_FP8=1): SQNR vs eager, dB (zero fraction)", ""]
+        lines += ["", "## Compiled FP8 layer, traced: SQNR vs eager, dB (zero fraction)", ""]
 
         def cell(r, k):
             return f"{r[k]['sqnr_vs_eager_db']} ({r[k]['zero_fraction']})" if k in r else r.get("error", "")[:60]

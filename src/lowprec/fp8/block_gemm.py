@@ -95,7 +95,7 @@ def blockwise_mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.
     bd = _col_major(b.data)  # column-major B
     kernel_out = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     out = F.scaled_mm(ad, bd, sa, ra, sb, rb, output_dtype=kernel_out)
-    return out.to(out_dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)  # as gemm.as_dtype
 
 
 def self_check(device: torch.device) -> bool:

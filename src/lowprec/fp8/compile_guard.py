@@ -1,19 +1,18 @@
-"""FP8 GEMMs on CUDA run outside ``torch.compile``'s graphs until compiled training is proven there.
+"""``LOWPREC_COMPILE_FP8=0``: keep FP8 GEMMs out of ``torch.compile``'s graphs (an escape hatch).
 
-On the fourth H200 run (torch 2.11, 2026-11-28) a compiled ``Float8Linear`` gave the eager
-forward but an input gradient of exact zeros, for tensorwise, rowwise and delayed scaling
-(``tests/test_gpu_fp8.py::test_compiled_matches_eager_on_cuda``); a compiled 4-layer model
-trained to loss 7.2 where eager FP8 and bf16 reached 0.005. The same compiled layer matches
-eager on CPU, with the GPU's code path emulated too (the Triton kernels in the interpreter,
-``torch._scaled_mm``), so the fault is in what only a GPU runs; the cause is not found yet.
+By default ``torch.compile`` traces the FP8 layers' GEMMs like any other code. From the fourth to
+the sixth H200 run (torch 2.11, 2026-11-28) this module kept them eager on CUDA by default: a
+compiled ``Float8Linear`` gave exact-zero gradients there. The cause was ours to fix: Dynamo
+returns a traced autograd.Function's intermediates beside its result, and the GEMM's identity
+``.to(out_dtype)`` made the result one of them too, so autograd gave its gradient to the other
+slot (``gemm.as_dtype``; guarded on CPU by ``tests/test_fp8_result_identity.py``). With it fixed,
+compiled matched eager bit for bit on the H200 (tensorwise, rowwise, delayed, blockwise).
 
-So, on CUDA, the GEMM part of an FP8 layer (``Float8Linear`` and its subclasses, the grouped
-experts, the frozen ``Float8BaseLinear``) is excluded from Dynamo's trace
-(``torch.compiler.disable``): ``torch.compile(model)`` still compiles everything around it
-(attention, norms, activations) and the layer runs its eager code, which the GPU runs check. It
-costs a graph break per FP8 layer (``fullgraph=True`` refuses it), logged once.
-``LOWPREC_COMPILE_FP8=1`` traces the GEMMs anyway (to diagnose the fault). CPU and meta
-tensors are traced as before: compiled matches eager there.
+Setting ``LOWPREC_COMPILE_FP8=0`` (on any device) excludes the GEMM part of every FP8 layer
+(``Float8Linear`` and its subclasses, the grouped experts, the frozen ``Float8BaseLinear``) from
+Dynamo's trace (``torch.compiler.disable``): the rest of the model still compiles, each layer
+runs its eager code, at the cost of a graph break per FP8 layer (``fullgraph=True`` refuses it),
+logged once. For a torch version whose compiled FP8 misbehaves, until it is fixed here.
 """
 
 from __future__ import annotations
@@ -33,17 +32,17 @@ _LOGGED: list[bool] = [False]
 
 
 def traced(x: torch.Tensor) -> bool:
-    """Whether a compiled graph may hold the FP8 GEMMs of a layer called on ``x``."""
-    return x.device.type != "cuda" or os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether a compiled graph may hold the FP8 GEMMs of a layer called on ``x`` (on every device
+    unless ``LOWPREC_COMPILE_FP8`` is 0)."""
+    return os.environ.get(ENV, "").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _eager_call(fn: Callable[..., Any], *args: Any) -> Any:
     if not _LOGGED[0]:
         _LOGGED[0] = True
         logger.warning(
-            "lowprec: under torch.compile on CUDA the FP8 layers' GEMMs run eagerly (a graph break per "
-            "layer; the rest of the model compiles): compiled FP8 backward gave zero input gradients on "
-            "the H200 (torch 2.11) and is not trusted there yet. %s=1 traces them anyway.",
+            "lowprec: %s=0: under torch.compile the FP8 layers' GEMMs run eagerly (a graph break per "
+            "layer; the rest of the model compiles). Unset it to trace them.",
             ENV,
         )
     return fn(*args)

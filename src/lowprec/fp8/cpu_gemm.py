@@ -129,7 +129,8 @@ def upcast_mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Ten
             return None
         av = _dequant_blocks_bf16(a) if a.granularity == "block" else _scaled_bf16(a)
         bv = _dequant_blocks_bf16(b) if b.granularity == "block" else _scaled_bf16(b)
-        return torch.mm(av, bv).to(out_dtype)
+        out = torch.mm(av, bv)
+        return out if out.dtype == out_dtype else out.to(out_dtype)  # as gemm.as_dtype
     av, bv = _cached_upcast(a), _cached_upcast(b)
     if a.scale.dim() == 0 and b.scale.dim() == 0 and not torch.compiler.is_compiling():
         # the scale as the GEMM's alpha: applied to the float32 accumulator, one rounding of
@@ -143,6 +144,9 @@ def upcast_mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Ten
     out = torch.mm(av, bv)
     if out_dtype != torch.bfloat16:
         out = out.to(out_dtype)
+    if torch.compiler.is_compiling():  # out of place: a traced result must be one op's (gemm.as_dtype)
+        scaled = out * (inv_a * inv_b) if inv_a.dim() == 0 and inv_b.dim() == 0 else out * inv_a * inv_b
+        return scaled if scaled.dtype == out.dtype else scaled.to(out.dtype)
     if inv_a.dim() == 0 and inv_b.dim() == 0:
         return out.mul_(inv_a * inv_b)
     return out.mul_(inv_a).mul_(inv_b)  # (M, 1) then (1, N): broadcast in place

@@ -163,13 +163,22 @@ def _native(a: Float8Data, b: Float8Data, out_dtype: torch.dtype, use_fast_accum
     # cuBLAS rowwise scaling produces bf16 only; cast afterwards for float32 callers.
     kernel_out = torch.bfloat16 if (cuda and axis) else out_dtype
     out = torch._scaled_mm(ad, bd, scale_a=sa, scale_b=sb, out_dtype=kernel_out, use_fast_accum=use_fast_accum)
-    if cuda:
+    if out.shape != (m, n):
         out = out[:m, :n]
-    return out.to(out_dtype)
+    return as_dtype(out, out_dtype)
+
+
+def as_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` in ``dtype``, with no graph node when it is already: a GEMM's result must not be two
+    nodes of one tensor. Dynamo (torch 2.11) returns a traced autograd.Function's intermediates as
+    outputs beside its result; an identity ``.to`` makes the result and the GEMM's output the same
+    tensor twice, autograd gives the tensor the later output's slot, and the backward receives a
+    zero gradient (the compiled FP8 layers' zero gradients on the H200, docs/LOG.md)."""
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def _emulate(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Tensor:
-    return torch.matmul(dequantize(a), dequantize(b)).to(out_dtype)
+    return as_dtype(torch.matmul(dequantize(a), dequantize(b)), out_dtype)
 
 
 def scaled_mm(

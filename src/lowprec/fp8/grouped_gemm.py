@@ -190,6 +190,7 @@ def grouped_mm(
     if single_call and all(single_call_operands(g, w) for g, w in live):
         mat_a, mat_b, scale_a, scale_b, offs, rows = pack_2d3d(a, b)
         out = KERNEL["scaled_grouped_mm"](mat_a, mat_b, scale_a, scale_b, offs)
-        return out.index_select(0, rows).to(out_dtype)
+        out = out.index_select(0, rows)
+        return out if out.dtype == out_dtype else out.to(out_dtype)  # as gemm.as_dtype
     outs = [scaled_mm(g, w, out_dtype, path=path) for g, w in live]
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -126,7 +126,7 @@ def _emulate(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) ->
     out = torch.matmul(_elements(a), _elements(bt).t())
     if a.tensor_scale is not None and bt.tensor_scale is not None:  # NVFP4: both or neither
         out = out * (a.tensor_scale * bt.tensor_scale)
-    return out.to(out_dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)  # as gemm.as_dtype
 
 
 # E8M0 bytes below which an MXFP8 block's smallest element times its scale is not a normal bf16
@@ -213,7 +213,8 @@ def _native(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> 
         ra = rb = [blk, tw]
         za = zb = [swz, F.SwizzleType.NO_SWIZZLE]
     out = F.scaled_mm(ad, bd.t(), sa, ra, sb, rb, swizzle_a=za, swizzle_b=zb, output_dtype=torch.bfloat16)
-    return out[:m, :n].to(out_dtype)
+    out = out if out.shape == (m, n) else out[:m, :n]
+    return out if out.dtype == out_dtype else out.to(out_dtype)  # as gemm.as_dtype
 
 
 def mx_mm(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype, *, path: str = "auto") -> torch.Tensor:
