@@ -28,6 +28,7 @@ the guard's events. CPU; ~1 min per variant and seed on a quiet core.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -42,6 +43,7 @@ import lowprec.fp8 as fp8  # noqa: E402
 from lowprec.fp8.guard import Guard, Thresholds, is_move_back  # noqa: E402
 from lowprec.fp8.health import HealthProbe, signals  # noqa: E402
 from lowprec.train.data import TokenBatches, build_datasets  # noqa: E402
+from lowprec.train.stats import first_departure, interval, relative_gaps, tail_gaps, verdict  # noqa: E402
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from lowprec.train.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -94,7 +96,23 @@ def inject(
     return mod.register_forward_pre_hook(pre)
 
 
-def run(variant: str, seed: int, args, train_ds) -> dict:
+@torch.no_grad()
+def _eval_loss(model: torch.nn.Module, val_ds, batches: int) -> float:
+    """Mean validation loss over the first ``batches`` unshuffled batches, as the trainer's."""
+    model.eval()
+    loader = TokenBatches(val_ds, 8, 128, seed=0, shuffle=False)
+    total, n = 0.0, 0
+    for i, batch in enumerate(loader):
+        if i >= batches:
+            break
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            total += float(model(**batch).loss.double())
+        n += 1
+    model.train()
+    return total / n
+
+
+def run(variant: str, seed: int, args, train_ds, val_ds=None) -> dict:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig.from_name("llama-tiny"))
     if variant != "bf16":
@@ -172,6 +190,7 @@ def run(variant: str, seed: int, args, train_ds) -> dict:
             window = []
     return {
         "losses": losses,
+        "final_eval_loss": _eval_loss(model, val_ds, args.eval_batches) if val_ds is not None else None,
         "health": health_log,
         "wall_s": time.perf_counter() - t0,
         "events": [] if guard is None else guard.events,
@@ -182,6 +201,43 @@ def run(variant: str, seed: int, args, train_ds) -> dict:
         if probe is not None
         else {},
     }
+
+
+def compare_rule(results: dict, args) -> dict:
+    """The issue's targets judged with ``lowprec compare``'s own functions (``train/stats.py``) on
+    these runs' curves: plain FP8's band departure (``first_departure``: the paired gap's lower
+    95% bound above +0.5% for 3 logged points in a row, on the training-loss windows, as compare
+    draws it), each seed's first ``warn`` flag of the injected layer and its lead over that
+    departure in fractions of the run (target >= 0.2), and compare's verdict (+0.5% at 95%
+    confidence) of plain FP8 and of ``act`` on the final validation loss (when there is a split)
+    and on the last 20% of the training loss."""
+    threshold, seeds = 0.005, sorted(results["bf16"], key=int)
+    refs = [results["bf16"][s]["losses"] for s in seeds]
+    out: dict = {"threshold": threshold, "seeds": seeds}
+    plain = [results["fp8"][s]["losses"] for s in seeds]
+    depart = first_departure(plain, refs, threshold)
+    out["fp8_band_departure_step"] = depart
+    if "warn" in results:
+        flags = {}
+        for s in seeds:
+            steps = [e["step"] for e in results["warn"][s]["events"] if e.get("layer") == LAYER]
+            flags[s] = min(steps) if steps else None
+        leads = {s: None if f is None or depart is None else (depart - f) / args.steps for s, f in flags.items()}
+        out["warn_first_flag_step"] = flags
+        out["warn_lead_fraction_of_run"] = leads
+        out["warn_lead_target_met"] = all(v is not None and v >= 0.2 for v in leads.values())
+    for variant in ("fp8", "act"):
+        if variant not in results:
+            continue
+        curves = [results[variant][s]["losses"] for s in seeds]
+        judged: dict = {"tail_train_loss": verdict(tail_gaps(curves, refs), threshold).to_dict()}
+        evals = [results[variant][s].get("final_eval_loss") for s in seeds]
+        if all(v is not None for v in evals):
+            gaps = relative_gaps(evals, [results["bf16"][s]["final_eval_loss"] for s in seeds])
+            judged["final_eval_loss"] = verdict(gaps, threshold).to_dict()
+            judged["final_eval_loss_gap"] = interval(gaps).to_dict()
+        out[f"{variant}_verdict"] = judged
+    return out
 
 
 def main() -> None:
@@ -199,14 +255,18 @@ def main() -> None:
     ap.add_argument("--recover-after", type=int, default=None, help="act: move back after M healthy checks")
     ap.add_argument("--scope", default="layer", choices=("layer", "gemm"), help="act: move the layer or its GEMMs")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--eval-batches", type=int, default=10, help="validation batches at the end (compare.yaml's)")
+    ap.add_argument("--val-fraction", type=float, default=0.0, help="> 0: a validation split, judged as compare does")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    train_ds, _ = build_datasets("builtin:stdlib", ByteTokenizer(), seq_len=128, max_bytes=2_000_000, val_fraction=0.0)
+    train_ds, val_ds = build_datasets(
+        "builtin:stdlib", ByteTokenizer(), seq_len=128, max_bytes=2_000_000, val_fraction=args.val_fraction
+    )
     results: dict = {}
     for seed in map(int, args.seeds.split(",")):
         for variant in args.variants.split(","):
-            r = run(variant, seed, args, train_ds)
+            r = run(variant, seed, args, train_ds, val_ds)
             results.setdefault(variant, {})[str(seed)] = r
             print(
                 f"seed {seed} {variant:5s} final loss {r['losses'][-1][1]:.4f} ({r['wall_s']:.0f} s) moved {r['moved']}"
@@ -227,6 +287,9 @@ def main() -> None:
             f"{variant:5s} gap to bf16 over the last 20% of steps: "
             + ", ".join(f"seed {s}: {100 * g:+.2f}%" for s, g in gaps.items())
         )
+    if {"bf16", "fp8"} <= set(results) and len(results["bf16"]) > 1:
+        summary["compare_rule"] = compare_rule(results, args)
+        print(json.dumps(summary["compare_rule"], indent=1))
     payload = {"args": vars(args), "device": device_name(torch.device("cpu")), "summary": summary, "runs": results}
     write_json(payload, args.out, "fp8_guard_repro.json")
     assert all(math.isfinite(v) for per in results.values() for r in per.values() for _, v in r["losses"])
