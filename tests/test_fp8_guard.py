@@ -324,6 +324,11 @@ def test_a_move_back_resets_the_layers_scaling_state():
             {"fp8_guard": "warn", "fp8_guard_scope": "gemm"},
             "fp8_guard_scope: gemm says which GEMMs act moves, but fp8_guard: warn moves none; set fp8_guard: act",
         ),
+        (  # a moved layer would still be handed FP8-rounded weights
+            {"fp8_guard": "act", "fsdp_version": 2, "fp8_enable_fsdp_float8_all_gather": True},
+            "fp8_guard: act moves layers to bf16, but fp8_enable_fsdp_float8_all_gather: true gives every layer its "
+            "weight all-gathered in FP8",
+        ),
     ],
 )
 def test_bad_guard_keys_are_one_line_exit_2(tmp_path, capsys, data, expected):
@@ -332,6 +337,18 @@ def test_bad_guard_keys_are_one_line_exit_2(tmp_path, capsys, data, expected):
     assert main(["train", str(path)]) == 2
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("lowprec: error: ") and expected in lines[0], lines
+
+
+def test_act_with_fp8_all_gather_is_refused_on_the_accelerate_api_too():
+    from lowprec.fp8_kwargs import NativeRecipeKwargs
+
+    with pytest.raises(
+        ValueError,
+        match=r"^NativeRecipeKwargs: fp8_guard='act' moves layers to bf16, but "
+        r"enable_fsdp_float8_all_gather=True .* set fp8_guard='warn' or drop enable_fsdp_float8_all_gather$",
+    ):
+        NativeRecipeKwargs(fp8_guard="act", enable_fsdp_float8_all_gather=True)
+    assert NativeRecipeKwargs(fp8_guard="warn", enable_fsdp_float8_all_gather=True).fp8_guard == "warn"
 
 
 def test_guard_off_spelling():

@@ -106,9 +106,10 @@ WORKER = textwrap.dedent(
             losses.append(mean.item())
         return losses
 
-    def llama(dp=1, tp=1, sp=False, fsdp=False, steps=3, dtype=torch.float32, fp8_on=True):
+    def llama(dp=1, tp=1, sp=False, fsdp=False, steps=3, dtype=torch.float32, fp8_on=True, moves=None, move_at=0):
         """llama-tiny (2 layers, tp <= n_kv_heads = 2); without FSDP2 every dp group trains
-        the same batch (a replica), with it each dp rank its half."""
+        the same batch (a replica), with it each dp rank its half. ``moves``: {layer: GEMMs to
+        move to high precision ("layer": all)}, applied before step ``move_at`` (as the guard)."""
         from lowprec.distributed.comm_count import CommBytes
         from lowprec.parallelism_config import apply_tp_plan
         from lowprec.train.model import build_model
@@ -129,7 +130,14 @@ WORKER = textwrap.dedent(
         g = torch.Generator().manual_seed(1)
         part = mesh["dp"].get_local_rank() if fsdp else 0
         losses, sent, norms = [], CommBytes(), []
-        for _ in range(steps):
+        for step in range(steps):
+            for name, gemms in (moves or {}).items():
+                if step == move_at:
+                    layer = model.get_submodule(name)
+                    if gemms == "layer":
+                        layer.high_precision = True
+                    else:
+                        layer.set_high_precision_gemms(gemms)
             ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=g)
             ids = ids.chunk(dp)[part] if fsdp else ids
             with fp8.autocast(enabled=fp8_on), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -157,6 +165,13 @@ WORKER = textwrap.dedent(
     report["llama_fsdp_tp_sp"], _, report["norms_fsdp_tp_sp"] = llama(dp=2, tp=2, sp=True, fsdp=True)
     report["bytes_fp8"] = llama(dp=2, tp=2, sp=True, steps=1, dtype=torch.bfloat16)[1]
     report["bytes_bf16"] = llama(dp=2, tp=2, sp=True, steps=1, dtype=torch.bfloat16, fp8_on=False)[1]
+    # GEMMs moved to high precision (as the FP8 guard moves them): a colwise layer whose fprop or
+    # wgrad reads the gathered input gets it in bf16, from the step of the move on
+    sp_moved = dict(dp=2, tp=2, sp=True, dtype=torch.bfloat16)
+    k, gate, up = (f"model.layers.1.{n}" for n in ("self_attn.k_proj", "mlp.gate_proj", "mlp.up_proj"))
+    report["bytes_moved_layer"] = llama(steps=2, moves={k: "layer"}, move_at=1, **sp_moved)[1]
+    report["bytes_moved_wgrad"] = llama(steps=1, moves={gate: ["wgrad"]}, **sp_moved)[1]
+    report["bytes_moved_dgrad"] = llama(steps=1, moves={up: ["dgrad"]}, **sp_moved)[1]
     # Accelerate's surface for the same 2-D mesh: Accelerator(parallelism_config=...).torch_device_mesh
     from lowprec import Accelerator, ParallelismConfig
     from lowprec.utils import FullyShardedDataParallelPlugin
@@ -221,4 +236,12 @@ def test_tensor_parallel_and_fsdp2_tp_follow_one_process(tmp_path):
         # 3 gathers in FP8 (layer 0's MLP, layer 1's attention and MLP), 2 of the same size in bf16
         # (layer 0's attention, whose high-precision q_proj reads the input too; the LM head)
         assert 3 * f8["bfloat16"] == 4 * f8["uint8"], f8
+        # k_proj of layer 1 (not the module's first FP8 layer) moved before step 2: that step gathers layer 1's attention input in
+        # bf16 (2 of G bytes in FP8, 3 of 2G in bf16; step 1 as above: 3 and 2)
+        ml = rep["bytes_moved_layer"]["all_gather"]
+        assert 3 * ml["uint8"] == 5 * f8["uint8"] and ml["bfloat16"] == 2 * f8["bfloat16"] + f8["uint8"] // 3 * 2, ml
+        # gate_proj's wgrad moved: layer 1's MLP input in bf16; up_proj's dgrad (reads no input): FP8 still
+        mw = rep["bytes_moved_wgrad"]["all_gather"]
+        assert 3 * mw["uint8"] == 2 * f8["uint8"] and mw["bfloat16"] == f8["bfloat16"] + f8["uint8"] // 3 * 2, mw
+        assert rep["bytes_moved_dgrad"]["all_gather"] == f8, rep["bytes_moved_dgrad"]
     assert single[-1] < single[0]

@@ -31,6 +31,7 @@ from lowprec.errors import did_you_mean
 from lowprec.guard_settings import (
     GUARD_FIELDS,
     check_count,
+    check_act_with_fp8_all_gather,
     check_health_for_guard,
     check_recover_needs_act,
     check_scope_needs_act,
@@ -285,6 +286,11 @@ class NativeRecipeKwargs(RecipeKwargs):
         object.__setattr__(self, "overrides", {**_env_recipe_overrides(), **dict(self.overrides)})
         object.__setattr__(self, "skip_patterns", tuple(self.skip_patterns))
         _resolve_fields(self)
+        try:
+            all_gather = self.enable_fsdp_float8_all_gather
+            check_act_with_fp8_all_gather(self.fp8_guard, all_gather, python_spelling, "enable_fsdp_float8_all_gather")
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
         self._check_overrides()
         from lowprec.fp8.recipes import Recipe
 

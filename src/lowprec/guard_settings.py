@@ -136,6 +136,21 @@ def check_health_for_guard(guard: str, health: Optional[bool], spell: Spell) -> 
         )
 
 
+def check_act_with_fp8_all_gather(
+    guard: str, all_gather: Optional[bool], spell: Spell, key: str = "fp8_enable_fsdp_float8_all_gather"
+) -> None:
+    """``act`` moves layers to bf16, but FSDP2's FP8 all-gather hands every layer its weight
+    already cast to FP8: a moved layer would compute with FP8-rounded weights while reported in
+    bf16. (``warn`` moves nothing; tensor/sequence parallelism gathers a moved layer's input in
+    high precision and is fine.)"""
+    if guard == "act" and all_gather:
+        raise ValueError(
+            f"{spell('fp8_guard', 'act')} moves layers to bf16, but {spell(key, True)} "
+            "gives every layer its weight all-gathered in FP8, so a moved layer would still compute with FP8-rounded "
+            f"weights; set {spell('fp8_guard', 'warn')} or drop {key}"
+        )
+
+
 def health_on(guard: str, health: Optional[bool]) -> bool:
     """Health signals are recorded: ``fp8_health`` true, or by default with a guard."""
     return health if health is not None else guard != "off"

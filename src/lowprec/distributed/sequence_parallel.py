@@ -104,16 +104,25 @@ def maybe_fp8_gather(x: Any, mesh, src, dst, recipe, as_dtensor: bool) -> Option
     return fp8_sequence_all_gather(x, mesh, dim, recipe, as_dtensor)
 
 
-def _colwise_in_high_precision(module: nn.Module) -> list[str]:
-    """The module's colwise-split Linears (weight ``Shard(0)`` on the tensor-parallel mesh) that
-    are not FP8: they read the gathered input too, and must get it in high precision."""
-    names = []
+def _colwise(module: nn.Module) -> dict[str, nn.Linear]:
+    """The module's colwise-split Linears (weight ``Shard(0)`` on the tensor-parallel mesh): they
+    all read the gathered input."""
+    out = {}
     for name, m in module.named_modules():
         w = getattr(m, "weight", None)
         if isinstance(m, nn.Linear) and isinstance(w, DTensor) and w.placements[-1] == Shard(0):
-            if not isinstance(m, Float8Linear):
-                names.append(name)
-    return names
+            out[name] = m
+    return out
+
+
+def _reads_input_in_high_precision(m: nn.Linear) -> bool:
+    """A colwise Linear that must get the gathered input unrounded: not FP8, or an FP8 layer whose
+    GEMMs that read the input (fprop, wgrad) run in high precision (moved by the FP8 guard, or
+    the recipe's override): an FP8-gathered input would reach them FP8-rounded."""
+    if not isinstance(m, Float8Linear):
+        return True
+    precision = m.gemm_precision()
+    return precision["fprop"] or precision["wgrad"]
 
 
 def _first_float8(module: nn.Module, fqn: Optional[str]) -> Optional[Float8Linear]:
@@ -176,21 +185,22 @@ class PrepareFloat8ModuleInput(PrepareModuleInput):
                 layer.recipe.name, layer.recipe.scaling, what=f"sequence-parallel FP8 inputs of {type(module).__name__}"
             )
 
-        state = {"checked": False, "layer": layer}
+        state: dict[str, Any] = {"colwise": None, "said": ()}
 
         def prepare(_module, args, kwargs):
-            if not state["checked"]:  # the first call: every split Linear is in place by then
-                state["checked"] = True
-                plain = _colwise_in_high_precision(module) if layer is not None else []
-                if plain:  # e.g. the first Linear, kept in high precision by skip_first_last
-                    state["layer"] = None
-                    logger.info(
-                        "lowprec: %s's input is all-gathered in high precision, not FP8: its colwise layer(s) "
-                        "%s are not FP8 and read it too",
-                        type(module).__name__,
-                        ", ".join(plain),
-                    )
-            self._layer = state["layer"]  # one style object may serve several modules (a plan's wildcard)
+            if state["colwise"] is None:  # the first call: every split Linear is in place by then
+                state["colwise"] = _colwise(module) if layer is not None else {}
+            # at every call: the FP8 guard may move a layer's GEMMs to high precision (or back)
+            plain = tuple(n for n, m in state["colwise"].items() if _reads_input_in_high_precision(m))
+            if plain != state["said"] and plain:  # e.g. the first Linear, kept in high precision by skip_first_last
+                logger.info(
+                    "lowprec: %s's input is all-gathered in high precision, not FP8: its colwise layer(s) "
+                    "%s read it in high precision too",
+                    type(module).__name__,
+                    ", ".join(plain),
+                )
+            state["said"] = plain
+            self._layer = None if plain else layer  # one style object may serve several modules (a plan's wildcard)
             if self.with_kwargs:
                 return self._prepare_input_kwarg_fn(args, kwargs, device_mesh)
             return self._prepare_input_fn(args, device_mesh), kwargs

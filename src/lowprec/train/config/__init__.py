@@ -40,7 +40,7 @@ from lowprec.train.config.base import yaml_text
 from lowprec.train.config.compare import CompareKeys, CompareSpec, check_fp8_backend
 from lowprec.train.config.data import DataKeys, DatasetSpec
 from lowprec.train.config.dist import DistributedKeys, FSDPConfig
-from lowprec.guard_settings import check_health_for_guard
+from lowprec.guard_settings import check_act_with_fp8_all_gather, check_health_for_guard
 from lowprec.train.config.fp8 import FP8RecipeSpec, PrecisionKeys, yaml_spelling
 from lowprec.train.config.model import ModelKeys
 from lowprec.train.config.optim import LR_SCHEDULERS, OPTIMIZERS, OptimKeys
@@ -212,6 +212,7 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
             key = f"fp8_guard: {self.fp8_guard}" if self.fp8_guard != "off" else "fp8_health: true"
             raise ValueError(f"{key} watches FP8 layers but fp8 is {yaml_text(self.fp8)}; set fp8: true or drop it")
         check_health_for_guard(self.fp8_guard, self.fp8_health, yaml_spelling)
+        check_act_with_fp8_all_gather(self.fp8_guard, self.fp8_enable_fsdp_float8_all_gather, yaml_spelling)
         check_fp8_backend(self)
         return self
 
