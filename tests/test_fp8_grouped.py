@@ -256,3 +256,52 @@ def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch, caplog):
         out = _grouped(recipe, (8, 8, 0, 8), torch.randn(24, K), torch.randn(E, N, K), torch.randn(24, N))
     assert "torch._scaled_grouped_mm failed its check on cpu" in caplog.text
     assert out[0].abs().sum() > 0  # the per-expert path ran
+
+
+# ------------------------------------------------------------------ the Triton grouped GEMM
+# Its numerics run under the Triton interpreter (test_fp8_kernels_interpret.py) and its cubins
+# are compiled in test_fp8_kernels_compile.py; here: the dispatch, traced and on CPU.
+@pytest.mark.parametrize("name", SINGLE)
+def test_a_traced_ada_gpu_runs_the_grouped_gemms_on_the_triton_kernel(name):
+    """Tensorwise / rowwise grouped fwd+bwd traced as sm_89 (no torch grouped kernel there) with
+    triton: the output and grad_input GEMMs of all experts are one lowprec.grouped_scaled_mm each,
+    on FP8 operands; grad_weight one scaled GEMM per expert holding tokens; the report says so."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:  # find_spec: importing triton here would stop the interpreter tests
+        pytest.skip("triton is not installed")
+    from lowprec.fp8 import grouped_triton
+    from lowprec.fp8.traffic import ByteCounter
+
+    counts = (40, 0, 24, 8)
+    recipe = fp8.Recipe.from_name(name)
+    with fp8.trace_as(sm=(8, 9), triton=True):
+        gemm = Float8GroupedGemm(E, recipe).to("meta")
+        x = torch.empty(sum(counts), K, device="meta", requires_grad=True)
+        w = torch.empty(E, N, K, device="meta", requires_grad=True)
+        counter = ByteCounter()
+        with counter:
+            out = gemm(x, w, counts, recipe, torch.bfloat16)
+            out.backward(torch.empty(sum(counts), N, device="meta", dtype=torch.bfloat16))
+        note = recipe.kind.grouped_note(recipe, torch.device("meta"))
+    gemms = [(g.name, g.operand_dtype) for g in counter.gemms()]
+    dy = "float8_e5m2" if name == "tensorwise" else "float8_e4m3fn"
+    grouped = [("lowprec.grouped_scaled_mm", "float8_e4m3fn"), ("lowprec.grouped_scaled_mm", dy)]
+    assert gemms[:2] == grouped and len(gemms) == 2 + 3, gemms  # + grad_weight of the 3 experts with tokens
+    assert all(g[0] != "lowprec.grouped_scaled_mm" for g in gemms[2:])
+    assert note.startswith(grouped_triton.KERNEL), note
+
+
+def test_a_triton_grouped_gemm_that_fails_its_check_is_not_used(monkeypatch, caplog):
+    """A failed first-use check is logged once and the per-expert loop runs."""
+    from lowprec.fp8 import grouped_triton
+
+    monkeypatch.setattr(grouped_triton, "may_run", lambda device: True)
+    monkeypatch.setattr(grouped_triton, "mm", lambda a, b, out: torch.cat([g.dequantize() for g in a if g is not None]))
+    monkeypatch.setattr(grouped_triton, "_CHECKED", {})
+    recipe = fp8.Recipe.from_name("rowwise")
+    with caplog.at_level("WARNING", logger="lowprec.fp8"):
+        got = _grouped(recipe, (8, 8, 0, 8), torch.randn(24, K), torch.randn(E, N, K), torch.randn(24, N))
+        assert not grouped_triton.ready(torch.device("cpu"))
+    assert caplog.text.count("lowprec Triton grouped FP8 GEMM failed its self-check") == 1
+    assert got[0].shape == (24, N) and got[0].abs().sum() > 0  # the per-expert path ran

@@ -1,4 +1,5 @@
-"""The Triton kernels compile, through ptxas, to sm_89 (Ada) and sm_90 (Hopper) cubins.
+"""The Triton kernels compile, through ptxas, to sm_89 (Ada) and sm_90 (Hopper) cubins (the
+GEMMs to sm_100, Blackwell, too).
 
 No GPU is needed to compile (triton ships ptxas), so this catches what the CPU interpreter
 cannot: ops the real compiler rejects, and the hardware FP8 convert path (``SOFT_CAST=False``)
@@ -79,14 +80,15 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled():
-    """Every kernel compiled in one subprocess (triton imported once): ``(cast rows, blockwise rows)``."""
+    """Every kernel compiled in one subprocess (triton imported once): ``(cast rows, blockwise rows,
+    grouped GEMM rows)``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    script = SCRIPT + "\n" + BLOCK_SCRIPT
+    script = SCRIPT + "\n" + BLOCK_SCRIPT + "\n" + GROUPED_SCRIPT
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    return json.loads(lines[-2]), json.loads(lines[-1])
+    return json.loads(lines[-3]), json.loads(lines[-2]), json.loads(lines[-1])
 
 
 def test_kernels_compile_for_hopper(compiled):
@@ -181,3 +183,50 @@ def test_blockwise_kernels_compile_for_ada_hopper_and_blackwell(compiled):
     for r in rows:
         if r["kernel"].startswith("cast"):
             assert r["hw_cvt"] and r["vector_loads"] and r["vector_stores"] and r["scalar_byte_stores"] == 0, r
+
+
+GROUPED_SCRIPT = r"""
+from lowprec.fp8.kernels.ops import GROUPED_TILE
+from lowprec.fp8.kernels.triton_grouped_gemm import grouped_scaled_mm_kernel
+
+GG = {"a_ptr": "*u8", "b_ptr": "*u8", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "offs_ptr": "*i32", "c_ptr": "*bf16",
+      "N": "i32", "K": "i32", "E": "i32", "TILES_M": "i32", "stride_am": "i32", "stride_ak": "i32", "stride_be": "i32",
+      "stride_bk": "i32", "stride_bn": "i32", "stride_sam": "i32", "stride_sae": "i32", "stride_sbe": "i32",
+      "stride_sbn": "i32", "stride_cm": "i32", "stride_cn": "i32"}
+names = list(GG)
+bm, bn, bk, warps, stages, gm = GROUPED_TILE["default"]
+out = []
+# the grouped GEMM on every FP8 tensor-core generation, with the operands grouped_fn hands it: the
+# output GEMM's B from (E, N, K) weights (contiguous along K) and E4M3 A; grad_input's B (E, K, N)
+# (contiguous along N) and tensorwise's E5M2 dY as A
+for cc in (89, 90, 100):
+    for k_major, a_e4m3 in ((True, True), (False, False)):
+        const = dict(A_E4M3=a_e4m3, B_E4M3=True, SOFT_FP8=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
+                     stride_ak=1, stride_cn=1, **({"stride_bk": 1} if k_major else {"stride_bn": 1}))
+        aligned = [names.index(x) for x in ("a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "offs_ptr", "c_ptr", "N", "K",
+                                            "stride_am", "stride_be", "stride_cm", "stride_bn" if k_major else "stride_bk")]
+        k = build(grouped_scaled_mm_kernel, GG, const, aligned, cc, warps, stages)
+        ptx = k.asm["ptx"]
+        out.append(dict(cc=cc, k_major=k_major, a_e4m3=a_e4m3, cubin=len(k.asm["cubin"]), shared=k.metadata.shared,
+                        spills=".local" in ptx,
+                        mma=sorted(set(re.findall(r"(?:mma\.sync|wgmma\.mma_async|tcgen05\.mma)\S*", ptx)))))
+print(json.dumps(out))
+"""
+
+
+GROUPED_MMA = {**MMA, 89: "mma.sync.aligned.m16n8k32.row.col.f32"}  # e4m3 or e5m2 A
+
+
+def test_grouped_gemm_compiles_for_ada_hopper_and_blackwell(compiled):
+    """The Triton grouped GEMM (one launch for all experts) to sm_89/sm_90/sm_100 cubins on FP8
+    tensor-core instructions, for both B layouts (K- and N-contiguous) and E4M3 / E5M2 A, within
+    each one's shared memory and without spills."""
+    rows = compiled[2]
+    assert sorted({r["cc"] for r in rows}) == [89, 90, 100] and len(rows) == 6
+    for r in rows:
+        assert r["cubin"] > 0 and not r["spills"], r
+        assert r["shared"] <= SHARED_LIMIT[r["cc"]], r
+        assert any(GROUPED_MMA[r["cc"]] in m for m in r["mma"]), r
+        fp8 = "e4m3" if r["a_e4m3"] else "e5m2"
+        if r["cc"] != 100:  # tcgen05's kind::f8f6f4 names no operand format; the others do
+            assert all(fp8 in m for m in r["mma"]), r  # FP8 operands, not upcast

@@ -563,3 +563,166 @@ def test_operators_are_opaque_to_compile_and_their_fakes_match(seed):
     torch.library.opcheck(torch.ops.lowprec.cast_transpose_amax.default, (x, s, E4M3))
     torch.library.opcheck(torch.ops.lowprec.cast_block_1d.default, (x, E4M3, 16, True, True, True))
     torch.library.opcheck(torch.ops.lowprec.cast_rowwise_dual.default, (x, cols, E4M3, True))
+
+
+# --- the Triton grouped GEMM (grouped_triton): against the per-expert loop ----------------------
+# Interpreter tiles are 16 x 32 x 32 (ops.GROUPED_TILE): K = 96 is three K tiles, N = 40 a ragged
+# N tile, and the layouts put group edges inside and on row tiles, empty experts first, between
+# and last, and a single group.
+LAYOUTS = [(37, 0, 64, 19), (0, 0, 21, 0), (16, 1, 0, 33, 15), (50,)]
+# (A's scales, the GEMM): tensorwise's output (E4M3 x E4M3, B from (E, N, K)) and grad_input (E5M2
+# dY x E4M3 W, B stored (E, K, N)), rowwise's (per-row A, per-column B scales)
+GROUPED_GEMMS = [("tensor", "output"), ("tensor", "grad_input"), ("axis", "output"), ("axis", "grad_input")]
+
+
+def _grouped_operands(counts, gran, gemm, k=96, n=40, exact=False):
+    """Per-expert casts as ``grouped_fn`` makes them. ``exact``: integer FP8 values in [-8, 8]
+    and power-of-two scales, so every partial sum of K = 96 products is exact in float32."""
+    from lowprec.fp8.quantize import Float8Data
+
+    a_dtype = E5M2 if (gran == "tensor" and gemm == "grad_input") else E4M3
+
+    def cast(x, dtype, dim):
+        if not exact:
+            return fp8.quantize(x, dtype, gran, dim=dim)
+        rows, cols = x.shape
+        data = torch.randint(-8, 9, x.shape).float().to(dtype)
+        shape = () if gran == "tensor" else ((rows, 1) if dim == 1 else (1, cols))
+        scale = torch.exp2(torch.randint(-3, 4, shape).float())
+        return Float8Data(data, scale, gran, None, True)
+
+    from lowprec import fp8
+
+    groups = [cast(torch.randn(c, k) * 3, a_dtype, 1) if c else None for c in counts]
+    if gemm == "output":  # B = W_e^T: (N, K) weights cast along K, handed over transposed
+        experts = [cast(torch.randn(n, k), E4M3, 1).t() for _ in counts]
+    else:  # B = W_e (K_w, N_w): contract its rows, cast along them
+        experts = [cast(torch.randn(k, n), E4M3, 0) for _ in counts]
+    return groups, experts
+
+
+@pytest.mark.parametrize("gran,gemm", GROUPED_GEMMS)
+@pytest.mark.parametrize("counts", LAYOUTS)
+def test_triton_grouped_gemm_is_the_loop_within_the_documented_bound(counts, gran, gemm, seed):
+    """One launch for all groups against one scaled GEMM per expert (the CPU loop: exact bf16
+    upcast, float32 accumulation, bf16 output): the same exact products summed in another order
+    (``K * eps32 * (|A| @ |B|)``) plus the loop's bf16 rounding of its accumulator."""
+    from lowprec.fp8 import grouped_gemm, grouped_triton
+    from tests.conftest import assert_within_gemm_bound
+
+    groups, experts = _grouped_operands(counts, gran, gemm)
+    assert grouped_triton.supported(groups, experts)
+    out_dtype = torch.float32 if (sum(counts) + len(gran)) % 2 else torch.bfloat16
+    got = grouped_triton.mm(groups, experts, out_dtype)
+    ref = grouped_gemm.grouped_mm(groups, experts, out_dtype, single_call=False, path="upcast")
+    assert got.dtype == out_dtype and got.shape == ref.shape == (sum(counts), 40)
+    start = 0
+    for g, w in zip(groups, experts):
+        if g is not None:
+            rows = slice(start, start + g.data.shape[0])
+            assert_within_gemm_bound(got[rows], ref[rows], g, w, output_roundings=1)
+            start = rows.stop
+
+
+@pytest.mark.parametrize("gran,gemm", GROUPED_GEMMS)
+def test_triton_grouped_gemm_is_the_loop_bit_for_bit_where_sums_are_exact(gran, gemm, seed):
+    """Where every partial sum is exact in float32 (integer FP8 values, power-of-two scales) the
+    summation order cannot show, and the kernel equals the per-expert loop bit for bit: the same
+    products, the same scale epilogue, the same one rounding to bf16. The kernel writes float32
+    here and torch rounds it: the interpreter's own float32 -> bf16 store truncates (315.0 ->
+    314.0; a GPU's rounds to nearest even), as its FP8 converts are not round-to-nearest either."""
+    from lowprec.fp8 import grouped_gemm, grouped_triton
+
+    for counts in LAYOUTS[:3]:
+        groups, experts = _grouped_operands(counts, gran, gemm, exact=True)
+        got = grouped_triton.mm(groups, experts, torch.float32)
+        ref = grouped_gemm.grouped_mm(groups, experts, torch.bfloat16, single_call=False, path="upcast")
+        assert torch.equal(got.to(torch.bfloat16), ref), counts
+
+
+def test_triton_grouped_gemm_operator_under_fake_tensors_and_opcheck():
+    """The operator's fake form gives the eager output's shape, dtype and strides (what
+    torch.compile traces), and torch's operator checks pass (not test_schema: it compares the
+    FP8 inputs with ops torch has no FP8 kernel for; inputs unchanged is checked by hand)."""
+    from lowprec.fp8 import grouped_triton
+
+    groups, experts = _grouped_operands((5, 0, 20), "axis", "output")
+    mat_a, mat_b, sa, sb, offs, rows, sizes = grouped_triton.pack(groups, experts)
+    tiles = sum(-(-s // ops.grouped_tile(mat_a.device)[0]) for s in sizes)
+    args = (mat_a, mat_b, sa, sb, offs, rows, tiles, torch.bfloat16)
+    before = [t.view(torch.uint8).clone() if t.element_size() == 1 else t.clone() for t in args[:5]]
+    torch.library.opcheck(
+        torch.ops.lowprec.grouped_scaled_mm.default,
+        args,
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+    after = [t.view(torch.uint8) if t.element_size() == 1 else t for t in args[:5]]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+    # an upper bound on the row tiles is as good as the count: the extra programs find no group
+    more = ops.grouped_scaled_mm(*args[:6], tiles + 3, torch.bfloat16)
+    assert torch.equal(more, ops.grouped_scaled_mm(*args))
+
+
+@pytest.fixture
+def grouped_dispatch(monkeypatch):
+    """The grouped kinds' dispatch as on a GPU where the Triton grouped GEMM passed its check:
+    every call to it recorded."""
+    from lowprec.fp8 import grouped_gemm, grouped_triton
+
+    calls = []
+    real = grouped_triton.mm
+    monkeypatch.setattr(grouped_triton, "ready", lambda device: True)
+    monkeypatch.setattr(grouped_triton, "mm", lambda a, b, out: calls.append(out) or real(a, b, out))
+    monkeypatch.setattr(grouped_gemm, "_ROUTES_LOGGED", set())
+    return calls
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+def test_grouped_kinds_run_the_triton_gemm_where_torch_has_none(name, grouped_dispatch, caplog, seed):
+    """No torch grouped kernel (Ada, or a torch without it): the output and grad_input GEMMs of
+    all experts take the Triton kernel, logged once; the results are the per-expert loop's
+    within 45 dB (the same casts), grad_weight (per expert in both) bit for bit."""
+    from lowprec import fp8
+    from lowprec.fp8.grouped import Float8GroupedGemm
+    from tests.conftest import sqnr
+
+    counts, k, n = (21, 0, 40, 3), 64, 48
+    x, w, dy = torch.randn(sum(counts), k) * 2, torch.randn(len(counts), n, k), torch.randn(sum(counts), n)
+    runs = []
+    for gemm in ("auto", "upcast"):
+        recipe = fp8.Recipe.from_name(name, gemm=gemm)
+        xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with caplog.at_level("INFO", logger="lowprec.fp8"):
+            out = Float8GroupedGemm(len(counts), recipe)(xt, wt, counts, recipe, torch.float32)
+            out.backward(dy)
+        runs.append((out.detach(), xt.grad, wt.grad))
+    assert grouped_dispatch == [torch.float32, torch.float32]  # output, grad_input; "upcast": the loop
+    # once per device and operand formats: tensorwise's E5M2 dY is a second line
+    logged = caplog.text.count("lowprec Triton grouped FP8 GEMM, one launch for all experts")
+    assert logged == (2 if name == "tensorwise" else 1)
+    for got, want in zip(*runs):
+        assert sqnr(want, got) >= 45
+    assert torch.equal(runs[0][2], runs[1][2])
+
+
+def test_torchs_kernel_keeps_what_it_takes_and_the_triton_gemm_the_e5m2_grad_input(grouped_dispatch, monkeypatch):
+    """With torch's grouped kernel present (here its reference on CPU), tensorwise's output GEMM
+    takes it and grad_input, whose E5M2 dY torch's kernel refuses, the Triton one."""
+    from lowprec import fp8
+    from lowprec.fp8 import grouped_gemm
+    from lowprec.fp8.grouped import Float8GroupedGemm
+
+    native = []
+    monkeypatch.setattr(grouped_gemm, "native_grouped_available", lambda device: True)
+    monkeypatch.setitem(
+        grouped_gemm.KERNEL,
+        "scaled_grouped_mm",
+        lambda *args: native.append(1) or grouped_gemm.reference_scaled_grouped_mm(*args),
+    )
+    monkeypatch.setattr(grouped_gemm, "_CHECKED", {})
+    counts = (9, 17, 0)
+    recipe = fp8.Recipe.from_name("tensorwise")
+    x = torch.randn(sum(counts), 64, requires_grad=True)
+    out = Float8GroupedGemm(3, recipe)(x, torch.randn(3, 32, 64), counts, recipe, torch.float32)
+    out.backward(torch.randn_like(out))
+    assert len(native) == 2 and len(grouped_dispatch) == 1  # torch's check + output; Triton: grad_input

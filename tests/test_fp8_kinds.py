@@ -30,6 +30,7 @@ GRANULARITY_LAYER = {
     "fp8/cpu_gemm.py",
     "fp8/block_gemm.py",
     "fp8/block_gemm_triton.py",
+    "fp8/grouped_triton.py",
     "fp8/cast_state.py",
     "fp8/gathered.py",
     "fp8/plan.py",

@@ -106,3 +106,69 @@ def test_layer_sqnr_on_cuda(recipe):
     # NVFP4's 4-bit elements: the CPU floor of test_fp8_linear_numerics (15 dB; 16.7 on CPU and
     # on the H200 for this layer); the 8-bit recipes 25 dB
     assert sqnr(ref(x.double()), y.float()) > (15 if recipe == "nvfp4" else 25)
+
+
+# --- lowprec's Triton grouped FP8 GEMM (fp8/grouped_triton.py) on hardware --------------------
+def _grouped_cuda_operands(dev, gran, gemm, counts, k=1024, n=768):
+    """Per-expert casts as grouped_fn makes them (see test_fp8_kernels_interpret.py): tensorwise's
+    grad_input has an E5M2 dY; output's B comes from (E, N, K) weights, grad_input's is (E, K, N)."""
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    a_dtype = e5m2 if (gran == "tensor" and gemm == "grad_input") else e4m3
+    groups = [fp8.quantize(torch.randn(c, k, device=dev) * 3, a_dtype, gran, dim=1) if c else None for c in counts]
+    if gemm == "output":
+        experts = [fp8.quantize(torch.randn(n, k, device=dev), e4m3, gran, dim=1).t() for _ in counts]
+    else:
+        experts = [fp8.quantize(torch.randn(k, n, device=dev), e4m3, gran, dim=0) for _ in counts]
+    return groups, experts
+
+
+@pytest.mark.parametrize(
+    "gran,gemm", [("tensor", "output"), ("tensor", "grad_input"), ("axis", "output"), ("axis", "grad_input")]
+)
+def test_triton_grouped_gemm_matches_the_loop_on_cuda(gran, gemm):
+    """One launch for all experts (ragged groups over the 64-row tiles, empty experts) against
+    the per-expert loop (torch._scaled_mm per expert) and the float32 emulation: within the
+    self-check's bound (2**-7 max |ref|: the tensor cores' FP8 accumulation) and > 40 dB."""
+    dev = _fp8_gpu()
+    pytest.importorskip("triton")
+    from lowprec.fp8 import grouped_gemm, grouped_triton
+
+    assert grouped_triton.self_check(dev)
+    torch.manual_seed(0)
+    counts = (300, 0, 77, 1, 512, 129, 0)
+    groups, experts = _grouped_cuda_operands(dev, gran, gemm, counts)
+    got = grouped_triton.mm(groups, experts, torch.bfloat16).float()
+    loop = grouped_gemm.grouped_mm(groups, experts, torch.bfloat16, single_call=False).float()
+    emulated = grouped_triton.loop_reference(groups, experts)
+    assert got.shape == loop.shape == (sum(counts), 768)
+    assert (got - loop).abs().max() <= 2.0**-7 * loop.abs().max()
+    assert sqnr(emulated, got) > 40 and sqnr(loop, got) > 40
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+def test_grouped_experts_on_the_triton_gemm_on_cuda(name, monkeypatch):
+    """The grouped kinds with torch's grouped kernel hidden (as on Ada): output and grad_input
+    of all experts on the Triton kernel, fwd+bwd against the per-expert emulation."""
+    dev = _fp8_gpu()
+    pytest.importorskip("triton")
+    from lowprec.fp8 import grouped_gemm, grouped_triton
+    from lowprec.fp8.grouped import Float8GroupedGemm
+
+    calls = []
+    real = grouped_triton.mm
+    monkeypatch.setattr(grouped_gemm, "native_grouped_available", lambda device: False)
+    monkeypatch.setattr(grouped_triton, "mm", lambda a, b, out: calls.append(out) or real(a, b, out))
+    torch.manual_seed(0)
+    counts, k, n = (200, 0, 333, 19), 512, 384
+    x, w = torch.randn(sum(counts), k, device=dev), torch.randn(len(counts), n, k, device=dev)
+    dy = torch.randn(sum(counts), n, device=dev)
+    runs = []
+    for gemm in ("auto", "emulate"):
+        recipe = fp8.Recipe.from_name(name, gemm=gemm)
+        xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = Float8GroupedGemm(len(counts), recipe).to(dev)(xt, wt, counts, recipe, torch.float32)
+        out.backward(dy)
+        runs.append((out.detach(), xt.grad, wt.grad))
+    assert len(calls) == 2  # output and grad_input; emulate: the per-expert loop
+    for got, want in zip(*runs):
+        assert sqnr(want, got) > 35

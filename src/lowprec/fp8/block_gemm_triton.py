@@ -22,10 +22,10 @@ import logging
 
 import torch
 
-from lowprec.fp8.capability import cuda_capability, is_cuda, traced, triton_override
+from lowprec.fp8.capability import cuda_capability, is_cuda
 from lowprec.fp8.quantize import Float8Data, dequantize
 from lowprec.fp8 import block_gemm
-from lowprec.fp8.kernels.select import disabled_by_env, enabled_by_env, triton_importable
+from lowprec.fp8.kernels.select import checked_once, triton_allowed
 from lowprec.fp8.quantize import quantize_blockwise
 
 __all__ = ["supported", "runs", "mm", "self_check", "describe_cuda", "KERNEL"]
@@ -52,11 +52,7 @@ def supported(a: Float8Data, b: Float8Data) -> bool:
 
 
 def _triton_allowed() -> bool:
-    override = triton_override()  # fp8.trace_as decides for a trace
-    if override is not None:
-        return override
-
-    return triton_importable() and enabled_by_env() and not disabled_by_env()
+    return triton_allowed()  # a module-level name tests replace
 
 
 def runs(device: torch.device, a: Float8Data, b: Float8Data) -> bool:
@@ -102,11 +98,7 @@ def mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Tensor:
 
 def self_check(device: torch.device) -> bool:
     """Once per device: does the kernel compile, run and agree with the float32 emulation?"""
-    if traced():  # fp8.trace_as: decisions only, nothing runs
-        return True
-    if device.index not in _CHECKED:
-        _CHECKED[device.index] = _check(device)
-    return _CHECKED[device.index]
+    return checked_once(_CHECKED, device, _check)
 
 
 def _check(device: torch.device) -> bool:

@@ -1,5 +1,6 @@
 """The three grouped GEMMs of the per-tensor and rowwise kinds in one autograd function, for
-devices where torch's grouped FP8 kernel runs (``grouped_gemm.py``).
+devices where a one-call grouped FP8 kernel runs (``grouped_gemm.py``: torch's
+``_scaled_grouped_mm``, else lowprec's Triton grouped GEMM).
 
 The casts are the Linear's (``linear_fn.cast`` / ``cast_pair``, per expert: a token group never
 shares a scale with another expert's tokens); what changes is how the GEMMs run:
@@ -8,10 +9,11 @@ shares a scale with another expert's tokens); what changes is how the GEMMs run:
 GEMM            operands (per expert e)                      how
 ==============  ===========================================  ===================================
 output          x_e cast along K, W_e cast along K           one grouped call (2-D x 3-D)
-grad_input      dY_e cast along N, W_e cast along N          one grouped call when both are E4M3
-                                                             (rowwise); per expert otherwise
-                                                             (tensorwise's E5M2 dY: torch's
-                                                             grouped kernel takes E4M3 only)
+grad_input      dY_e cast along N, W_e cast along N          one grouped call: torch's kernel when
+                                                             both are E4M3 (rowwise), the Triton
+                                                             one for tensorwise's E5M2 dY (torch's
+                                                             takes E4M3 only); per expert where
+                                                             neither runs
 grad_weight     dY_e^T and x_e cast along the group's rows   per expert holding tokens, float32
                                                              output as the Linear's (the grouped
                                                              2-D x 2-D kernel writes bf16)
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from lowprec.fp8 import grouped_gemm
+from lowprec.fp8 import grouped_gemm, grouped_triton
 from lowprec.fp8.autocast import torch_autocast_off
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.grouped_gemm import grouped_mm
@@ -64,7 +66,7 @@ class GroupedConfig:
     plan: LinearPlan
     hp_dtype: torch.dtype
     counts: tuple[int, ...]
-    single_call: bool  # the device runs torch's grouped kernel (else the per-expert loop: CPU tests)
+    single_call: bool  # the device runs a one-call grouped kernel (else the per-expert loop: CPU tests)
 
 
 def _groups(t: torch.Tensor, counts: tuple[int, ...]) -> list[Optional[torch.Tensor]]:
@@ -168,9 +170,9 @@ def grouped_scaled_gemms(
 
 class SingleCallGrouped(base.Kind):
     """What the tensor- and row-scaled kinds (``tensorwise``, ``rowwise``) add to a kind: their
-    grouped GEMMs in :class:`GroupedScaledFn` with torch's grouped kernel where it runs and
-    passed its check (``grouped_gemm.single_call_ready``); elsewhere, and for a kind with an
-    amax history (delayed), the per-expert loop every kind has."""
+    grouped GEMMs in :class:`GroupedScaledFn` with a one-call grouped kernel (torch's, or
+    lowprec's Triton one) where one runs and passed its check (``grouped_gemm.single_call_ready``);
+    elsewhere, and for a kind with an amax history (delayed), the per-expert loop every kind has."""
 
     def _grouped_eligible(self, recipe: Recipe, telemetry: bool) -> bool:
         """A recipe torch's grouped kernel can run: no amax history, its GEMM path, its casts."""
@@ -196,12 +198,23 @@ class SingleCallGrouped(base.Kind):
 
     def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
         plan = recipe.plan()
-        if self._grouped_eligible(recipe, False) and grouped_gemm.native_grouped_available(device):
-            e4m3 = all(o.dtype == torch.float8_e4m3fn for o in plan.dgrad.casts)  # else E5M2 dY: per expert
-            dgrad = "and grad_input " if e4m3 else ""
+        eligible = self._grouped_eligible(recipe, False)
+        triton = eligible and grouped_triton.may_run(device)  # no kernel runs for a note
+        rest = f"grad_weight per expert: {self.gemm_note(recipe, device)}"
+        if eligible and grouped_gemm.native_grouped_available(device):
+            e4m3 = all(o.dtype == torch.float8_e4m3fn for o in plan.dgrad.casts)  # else E5M2 dY
+            dgrad = (
+                "and grad_input GEMMs"
+                if e4m3
+                else (f"GEMM ({grouped_triton.KERNEL} for grad_input's E5M2 dY)" if triton else "GEMM")
+            )
             return (
-                f"torch._scaled_grouped_mm on {device.type}: the output {dgrad}GEMM of all experts in one call "
-                "(unverified on a GPU; checked against its reference before first use), the others per expert: "
-                f"{self.gemm_note(recipe, device)}"
+                f"torch._scaled_grouped_mm on {device.type}: the output {dgrad} of all experts in one call "
+                f"(checked against its reference before first use; per expert where a check fails); {rest}"
+            )
+        if triton:
+            return (
+                f"{grouped_triton.KERNEL} on {device.type}: the output and grad_input GEMMs of all experts in one "
+                f"launch each (self-checked at first use; per expert where the check fails); {rest}"
             )
         return super().grouped_note(recipe, device)

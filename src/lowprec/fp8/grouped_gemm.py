@@ -1,4 +1,5 @@
-"""Grouped scaled GEMMs: every expert's ``A_g @ B_e`` in one ``torch._scaled_grouped_mm`` call.
+"""Grouped scaled GEMMs: every expert's ``A_g @ B_e`` in one call (``torch._scaled_grouped_mm`` or
+lowprec's Triton grouped GEMM), or one GEMM per expert.
 
 ``grouped_mm(a, b, counts, out_dtype)``: ``a[e]`` is expert ``e``'s token group, a
 :class:`Float8Data` (c_e, K) (``None`` for an expert without tokens), ``b[e]`` its weight
@@ -25,10 +26,19 @@ Paths
     give FP8 grouped GEMMs; the padding is written while packing, which copies the FP8 operand
     once (1 byte per element; a fused permute-pad-cast would avoid it). Before its first use
     on a device the kernel is checked once against :func:`reference_scaled_grouped_mm` (a
-    failure is logged and the per-expert path runs instead): **unverified on a GPU so far**
+    failure is logged and the Triton or per-expert path runs instead): **unverified on a GPU so far**
     (no GPU was drawn for the session that wrote it).
+``triton``  lowprec's Triton grouped FP8 GEMM (:mod:`lowprec.fp8.grouped_triton`), one launch for
+    all groups, where torch's kernel cannot serve: CUDA sm_89+ without it (Ada; a torch without
+    ``_scaled_grouped_mm``; it failed its check), or operands it does not take (tensorwise's
+    E5M2 dY in grad_input). Tensor or row/column scales, E4M3 or E5M2, no padding. Self-checked
+    at first use on the device; checked against the loop under the Triton interpreter in CI and
+    compiled to sm_89/sm_90/sm_100 cubins there.
 ``loop``  one :func:`~lowprec.fp8.gemm.scaled_mm` per expert holding tokens: every device and
     granularity, the dense Linear's GEMM path (on CPU the exact bf16 upcast).
+
+The choice is made per call (:func:`route`) in that order, and logged once per device and
+choice: which kernel runs the grouped GEMMs, and why the faster one did not.
 
 :func:`reference_scaled_grouped_mm` computes what the kernel computes from the same packed
 arguments (float32, dequantized operands): CPU tests run the single-call path through it.
@@ -41,6 +51,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from lowprec.fp8 import grouped_triton
 from lowprec.fp8.capability import cuda_capability, is_cuda
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data
@@ -52,6 +63,8 @@ __all__ = [
     "pack_2d3d",
     "reference_scaled_grouped_mm",
     "ALIGN",
+    "route",
+    "single_call_ready",
 ]
 
 logger = logging.getLogger("lowprec.fp8")
@@ -161,16 +174,51 @@ def _checked(device: torch.device) -> bool:
         if not ok:
             logger.warning(
                 "lowprec.fp8: torch._scaled_grouped_mm failed its check on %s (%s); grouped expert GEMMs run "
-                "one scaled GEMM per expert instead",
+                "on lowprec's Triton grouped GEMM where it runs, else one scaled GEMM per expert",
                 device,
                 why,
             )
     return _CHECKED[key]
 
 
-def single_call_ready(device: torch.device) -> bool:
-    """The single-call kernel exists here and passed its one-time check."""
+def native_ready(device: torch.device) -> bool:
+    """torch's grouped kernel exists here and passed its one-time check."""
     return native_grouped_available(device) and _checked(device)
+
+
+def single_call_ready(device: torch.device) -> bool:
+    """A one-call grouped kernel runs here: torch's, or lowprec's Triton one (each checked once)."""
+    return native_ready(device) or grouped_triton.ready(device)
+
+
+_ROUTES_LOGGED: set[tuple[str, str]] = set()
+
+
+def route(device: torch.device, a: Sequence[Optional[Float8Data]], b: Sequence[Float8Data]) -> str:
+    """``scaled_grouped_mm`` | ``triton`` | ``loop``: which kernel runs these grouped operands on
+    ``device`` (the caller decided the device may run a one-call kernel); logged once per choice."""
+    live = [(g, w) for g, w in zip(a, b) if g is not None and g.data.shape[0]]
+    fits_native = all(single_call_operands(g, w) for g, w in live)
+    if fits_native and native_ready(device):
+        choice, why = "scaled_grouped_mm", "torch._scaled_grouped_mm, one call for all experts"
+    else:
+        if not native_grouped_available(device):
+            reason = f"torch {torch.__version__} has no _scaled_grouped_mm for {device} (sm_90/sm_100 builds only)"
+        elif not fits_native:
+            reason = "torch._scaled_grouped_mm takes E4M3 operands with tensor or row/column scales only"
+        else:
+            reason = "torch._scaled_grouped_mm failed its check"
+        if grouped_triton.supported(a, b) and grouped_triton.ready(device):
+            choice, why = "triton", f"{grouped_triton.KERNEL}, one launch for all experts ({reason})"
+        else:
+            choice, why = "loop", f"one scaled GEMM per expert ({reason}; the Triton grouped GEMM cannot run these)"
+    dtypes = "/".join(sorted({str(t.data.dtype).replace("torch.float8_", "") for g, w in live for t in (g, w)}))
+    key = (str(device), f"{choice} {dtypes}")
+    if key not in _ROUTES_LOGGED:
+        _ROUTES_LOGGED.add(key)
+        log = logger.info if choice != "loop" else logger.warning
+        log("lowprec.fp8: grouped expert GEMMs (%s operands) on %s: %s", dtypes, device, why)
+    return choice
 
 
 def grouped_mm(
@@ -182,15 +230,18 @@ def grouped_mm(
     path: str = "auto",
 ) -> torch.Tensor:
     """The groups' products ``a[e] @ b[e]`` stacked (see the module docstring); ``single_call``:
-    the caller's decision that this device runs the grouped kernel (operands that do not fit it,
-    E5M2 gradients, take the loop)."""
+    the caller's decision that this device runs a one-call grouped kernel (:func:`route` picks
+    which for these operands; those no grouped kernel takes run the loop)."""
     live = [(g, w) for g, w in zip(a, b) if g is not None and g.data.shape[0]]
     if not live:
         return torch.zeros(0, b[0].data.shape[1], dtype=out_dtype, device=b[0].data.device)
-    if single_call and all(single_call_operands(g, w) for g, w in live):
+    choice = route(b[0].data.device, a, b) if single_call else "loop"
+    if choice == "scaled_grouped_mm":
         mat_a, mat_b, scale_a, scale_b, offs, rows = pack_2d3d(a, b)
         out = KERNEL["scaled_grouped_mm"](mat_a, mat_b, scale_a, scale_b, offs)
         out = out.index_select(0, rows)
         return out if out.dtype == out_dtype else out.to(out_dtype)  # as gemm.as_dtype
+    if choice == "triton":
+        return grouped_triton.mm(a, b, out_dtype)
     outs = [scaled_mm(g, w, out_dtype, path=path) for g, w in live]
     return outs[0] if len(outs) == 1 else torch.cat(outs)

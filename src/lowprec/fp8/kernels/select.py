@@ -19,12 +19,22 @@ would do as well, but applying it imports torch._dynamo, which imports triton.)
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
-from lowprec.fp8.capability import is_cuda, triton_findable, triton_override
+from lowprec.fp8.capability import is_cuda, traced, triton_findable, triton_override
 from lowprec.fp8.kernels import selfcheck
 
-__all__ = ["DISABLE_ENV", "ENABLE_ENV", "available", "triton_importable", "disabled_by_env", "enabled_by_env"]
+__all__ = [
+    "DISABLE_ENV",
+    "ENABLE_ENV",
+    "available",
+    "triton_importable",
+    "disabled_by_env",
+    "enabled_by_env",
+    "triton_allowed",
+    "checked_once",
+]
 
 DISABLE_ENV = "LOWPREC_DISABLE_TRITON"
 ENABLE_ENV = "LOWPREC_TRITON_KERNELS"
@@ -50,6 +60,26 @@ def enabled_by_env() -> bool:
     """False only when ``LOWPREC_TRITON_KERNELS`` is set to 0/false/no/off (the kernels are on
     by default; the variable was the opt-in before they were)."""
     return os.environ.get(ENABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def triton_allowed() -> bool:
+    """Whether lowprec's Triton GEMMs may run (a trace decides for itself; else triton
+    importable and not switched off by the environment). The device and its self-check are the
+    caller's (``block_gemm_triton.runs``, ``grouped_triton.ready``)."""
+    override = triton_override()  # fp8.trace_as decides for a trace
+    if override is not None:
+        return override
+    return triton_importable() and enabled_by_env() and not disabled_by_env()
+
+
+def checked_once(results: dict, device: torch.device, check: Callable[[torch.device], bool]) -> bool:
+    """``check(device)`` run once per device index, its verdict kept in ``results`` (a Triton
+    GEMM's first-use self-check); inside ``fp8.trace_as`` nothing runs and the answer is yes."""
+    if traced():  # decisions only, nothing runs
+        return True
+    if device.index not in results:
+        results[device.index] = check(device)
+    return results[device.index]
 
 
 def available(device: torch.device | str, op: str | None = None, x: torch.Tensor | None = None) -> bool:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["block_scaled_mm_kernel"]
+__all__ = ["block_scaled_mm_kernel", "fp8_dot", "tile_order"]
 
 
 @triton.jit
@@ -51,6 +51,33 @@ def _fp8_bits_to_f32(bits, E4M3: tl.constexpr):
     else:
         v = tl.where(e == EXP_MAX, tl.where(m == 0, float("inf"), float("nan")), v)
     return tl.where(sign == 1, -v, v)
+
+
+@triton.jit
+def tile_order(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
+    """``(row tile, column tile)`` of program ``pid`` in a grouped launch order: GROUP_M row
+    tiles share their B tiles while those are in L2."""
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    rows = tl.minimum(grid_m - first_m, GROUP_M)
+    return first_m + (pid % width) % rows, (pid % width) // rows
+
+
+@triton.jit
+def fp8_dot(a, b, acc, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """``acc + a @ b`` in float32 for FP8 tiles held as uint8: the FP8 tensor-core MMA
+    accumulating into ``acc``, or under the interpreter (``SOFT_FP8``) the exact software decode
+    and a float32 dot."""
+    if SOFT_FP8:
+        return tl.dot(
+            _fp8_bits_to_f32(a.to(tl.int32), A_E4M3),
+            _fp8_bits_to_f32(b.to(tl.int32), B_E4M3),
+            acc,
+            input_precision="ieee",
+        )
+    fa = a.to(tl.float8e4nv, bitcast=True) if A_E4M3 else a.to(tl.float8e5, bitcast=True)
+    fb = b.to(tl.float8e4nv, bitcast=True) if B_E4M3 else b.to(tl.float8e5, bitcast=True)
+    return tl.dot(fa, fb, acc, out_dtype=tl.float32)
 
 
 @triton.jit
@@ -83,15 +110,7 @@ def block_scaled_mm_kernel(
     GROUP_M: tl.constexpr,
 ):
     """One BLOCK_M x BLOCK_N tile of C. ``a_ptr``/``b_ptr`` are the FP8 tensors viewed as uint8."""
-    # grouped launch order: GROUP_M row tiles share their B tiles while those are in L2
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    width = GROUP_M * grid_n
-    first_m = (pid // width) * GROUP_M
-    rows = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % rows
-    pid_n = (pid % width) // rows
+    pid_m, pid_n = tile_order(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -108,16 +127,7 @@ def block_scaled_mm_kernel(
         b = tl.load(
             b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0
         )
-        if SOFT_FP8:
-            part = tl.dot(
-                _fp8_bits_to_f32(a.to(tl.int32), A_E4M3),
-                _fp8_bits_to_f32(b.to(tl.int32), B_E4M3),
-                input_precision="ieee",
-            )
-        else:
-            fa = a.to(tl.float8e4nv, bitcast=True) if A_E4M3 else a.to(tl.float8e5, bitcast=True)
-            fb = b.to(tl.float8e4nv, bitcast=True) if B_E4M3 else b.to(tl.float8e5, bitcast=True)
-            part = tl.dot(fa, fb, out_dtype=tl.float32)
+        part = fp8_dot(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), A_E4M3, B_E4M3, SOFT_FP8)
         sa = tl.load(sa_ptr + rm * stride_sam + kb * stride_sak, mask=m_ok, other=0.0)
         sb = tl.load(sb_ptr + kb * stride_sbk + (rn // GROUP_N) * stride_sbn, mask=n_ok, other=0.0)
         acc += part * (sa[:, None] * sb[None, :])
