@@ -14,7 +14,7 @@ writes one buffer would remove it), the expert operands stacked (E, K, N) in the
 scales) and the int32 cumulative group ends.
 
 Accuracy against the per-expert loop (``gemm.scaled_mm`` per expert), checked under the Triton
-interpreter in CI (``tests/test_fp8_grouped_triton.py``): the same exact FP8 products summed in
+interpreter in CI (``tests/test_fp8_kernels_interpret.py``): the same exact FP8 products summed in
 float32 in another order (at most ``K * eps32 * (|A| @ |B|)``, ``cpu_gemm.py``'s bound), the same
 scale epilogue on the float32 accumulator, one rounding of the output; where every partial sum is
 exact the two agree bit for bit. On hardware the FP8 MMA's accumulation is the tensor cores', so
@@ -110,7 +110,9 @@ def pack(
         scale_b = torch.stack([torch.broadcast_to(_inv(w.scale), (1, n))[0] for w in b])
     else:
         scale_b = torch.stack([_inv(w.scale) for w in b])
-    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    # from pinned memory, not waiting: a copy from pageable memory would wait for the stream
+    offs = ends.pin_memory().to(device, non_blocking=True) if is_cuda(device) else ends
     return mat_a, mat_b, scale_a, scale_b, offs, row_scales, sizes
 
 
