@@ -112,7 +112,8 @@ def pack(
         scale_b = torch.stack([_inv(w.scale) for w in b])
     ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     # from pinned memory, not waiting: a copy from pageable memory would wait for the stream
-    offs = ends.pin_memory().to(device, non_blocking=True) if is_cuda(device) else ends
+    pinned = is_cuda(device) and torch.cuda.is_available()  # (a traced stand-in device has nothing to pin)
+    offs = ends.pin_memory().to(device, non_blocking=True) if pinned else ends.to(device)
     return mat_a, mat_b, scale_a, scale_b, offs, row_scales, sizes
 
 
