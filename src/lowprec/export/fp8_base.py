@@ -102,7 +102,7 @@ def is_fp8_base(path: str) -> bool:
 
 def check_trainer_fp8_base(path: str, adapter: str | None, sharded: bool) -> None:
     """What the YAML trainer can do with an FP8 base: LoRA adapters on one process or DDP
-    (``merge_lora`` re-quantizes the merged weights in the base's format)."""
+    (``merge_lora`` re-quantizes the merged weights in the base's format, or writes bf16)."""
     head = f"base_model: {path} is an FP8 checkpoint whose FP8 layers load frozen, in FP8"
     if adapter != "lora":
         raise ValueError(
