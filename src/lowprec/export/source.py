@@ -11,7 +11,8 @@ A LoRA / QLoRA run exports its adapter merged into the base model: the run's ``m
 ``merge_lora`` wrote it, else the base model (full precision, QLoRA's too) with the adapter
 merged by peft. Merged weights are not what any training forward cast, so their FP8 casts are
 made at export (the report says so). An adapter trained on an FP8 base is refused: its
-``merge_lora`` writes ``merged/`` in the base's FP8 format already (lowprec.export.fp8_merge).
+``merge_lora`` writes ``merged/`` in the base's FP8 format already (lowprec.export.fp8_merge),
+unless ``merge_lora_format: bf16`` wrote a bf16 ``merged/``, which exports as above.
 """
 
 from __future__ import annotations

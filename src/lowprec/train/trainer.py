@@ -135,6 +135,11 @@ def _build_model(
     # an hf-fp8 directory: its FP8 layers load frozen, in FP8, for LoRA (lowprec.export imports train: not at the top)
     from lowprec.export.fp8_base import check_trainer_fp8_base, is_fp8_base, load_fp8_base
 
+    if cfg.merge_lora_format == "fp8" and not is_fp8_base(path):
+        raise ValueError(
+            f"merge_lora_format: fp8 writes the merge in an FP8 base_model's own format, and {cfg.base_model} is not "
+            "an FP8 checkpoint; drop merge_lora_format (bf16 merge) and export the run to FP8 with export: [hf-fp8]"
+        )
     if is_fp8_base(path):
         sharded = cfg.fsdp_version is not None or cfg.deepspeed is not None or cfg.tensor_parallel_size > 1
         check_trainer_fp8_base(path, cfg.adapter, sharded)
@@ -564,11 +569,13 @@ def _resume(run: Run, decisions: dict) -> Optional[str]:
 
 def _merge_fp8_base(run: Run, output_dir: str) -> str:
     """``merge_lora`` on an FP8 base: ``output_dir/merged`` in the base's FP8 format, the merged
-    layers re-quantized once (lowprec.export imports the trainer's model, so not at the top)."""
+    layers re-quantized once, or in bf16 (``merge_lora_format: bf16``) (lowprec.export imports the
+    trainer's model, so not at the top)."""
     from lowprec.export.fp8_merge import merge_lora_fp8_base
 
     out = os.path.join(output_dir, "merged")
-    merge_lora_fp8_base(run.inner.model, out)  # logs what it wrote, and that the merged scales are new
+    # logs what it wrote (and, for fp8, that the merged scales are new)
+    merge_lora_fp8_base(run.inner.model, out, run.cfg.merge_lora_format or "fp8")
     tok = getattr(run.tokenizer, "hf_tokenizer", None)
     if tok is not None:
         tok.save_pretrained(out)

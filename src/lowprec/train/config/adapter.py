@@ -3,7 +3,8 @@
 
 ``adapter: lora | qlora`` with ``lora_r``, ``lora_alpha``, ``lora_dropout``,
 ``lora_target_modules``, ``lora_target_linear``, ``lora_modules_to_save``,
-``lora_fan_in_fan_out``; ``merge_lora`` saves the merged model too; ``load_in_4bit`` is what
+``lora_fan_in_fan_out``; ``merge_lora`` saves the merged model too (``merge_lora_format``: bf16,
+or an FP8 base's own format); ``load_in_4bit`` is what
 ``qlora`` loads with. A key set to null means "unset" (Axolotl configs list many that way).
 What runs is in :mod:`lowprec.train.adapters`.
 """
@@ -57,7 +58,13 @@ class AdapterKeys(StrictModel):
     merge_lora: bool = Field(
         default=False,
         description="also save the base model with the adapters merged in, to output_dir/merged (bf16; an FP8 "
-        "base_model: in its FP8 format, the merged layers re-quantized once)",
+        "base_model: in its FP8 format, the merged layers re-quantized once, unless merge_lora_format: bf16)",
+    )
+    merge_lora_format: Optional[Literal["fp8", "bf16"]] = Field(
+        default=None,
+        description="what merge_lora writes: fp8 (an FP8 base_model's own format, the merged layers re-quantized "
+        "once; needs an FP8 base_model) or bf16 (a plain bf16 model; from an FP8 base every layer dequantized). "
+        "Default: the base model's own (bf16 for a bf16 base, its FP8 format for an FP8 base)",
     )
     load_in_4bit: Optional[bool] = Field(
         default=None,
@@ -70,6 +77,11 @@ class AdapterKeys(StrictModel):
         if self.adapter is None:
             if self.merge_lora:
                 raise ValueError("merge_lora: true needs adapter: lora; drop merge_lora or add an adapter")
+        if self.merge_lora_format is not None and not self.merge_lora:
+            raise ValueError(
+                f"merge_lora_format: {self.merge_lora_format} says what merge_lora writes; add merge_lora: true "
+                "or drop merge_lora_format"
+            )
         # Axolotl's rules: qlora requires load_in_4bit; a 4-bit base only trains through adapters
         if self.load_in_4bit and self.adapter != "qlora":
             raise ValueError(
