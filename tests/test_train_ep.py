@@ -38,6 +38,7 @@ ENV = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS":
         ({"ep_size": 2, "fsdp_version": 2}, "ep_size: 2 with fsdp_version: .* drop fsdp_version or set ep_size: 1"),
         ({"ep_size": 2, "save_steps": 5}, "ep_size: 2 with save_steps: .*drop save_steps"),
         ({"ep_size": 2, "expert_parallel_degree": 4}, "ep_size: 2 and expert_parallel_degree: 4 .* keep one"),
+        ({"ep_combine": "fp8"}, "ep_combine: fp8 is the expert outputs' wire format .* set ep_size > 1"),
     ],
 )
 def test_bad_ep_settings_are_one_error_each(keys, message):

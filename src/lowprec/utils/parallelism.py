@@ -111,7 +111,9 @@ def apply_ep(config: Optional[ParallelismConfig], model: Any) -> list[str]:
         return []
     from lowprec.distributed.expert_parallel import apply_expert_parallel, expert_parallel_names
 
-    apply_expert_parallel(model, config.ep_size, config.ep_group(), grad_scale=1.0 / config.ep_size)
+    apply_expert_parallel(
+        model, config.ep_size, config.ep_group(), grad_scale=1.0 / config.ep_size, combine=config.ep_combine
+    )
     return expert_parallel_names(model)
 
 

@@ -82,6 +82,11 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         """``ep_size`` > 1: what expert parallelism runs with (one error naming the key each)."""
         ep = self.ep_size
         if ep == 1:
+            if self.ep_combine != "hp":
+                raise ValueError(
+                    f"ep_combine: {self.ep_combine} is the expert outputs' wire format under expert parallelism: "
+                    "set ep_size > 1 or drop ep_combine"
+                )
             return
         if not self.fp8:  # a library backend: check_fp8_backend refuses ep_size
             raise ValueError(f"ep_size: {ep} shards lowprec's FP8 experts: set fp8: true")
