@@ -73,6 +73,7 @@ def _call(block, h, idx, w, dy, use_fp8):
 
     from lowprec.distributed.comm_count import CommBytes
 
+    block.zero_grad(set_to_none=True)  # blocks are reused across seeds: no accumulated gradient
     h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
     fwd, bwd = CommBytes(), CommBytes()
     with fp8.autocast(enabled=use_fp8):
