@@ -222,11 +222,11 @@ def _per_rank_buffers(model: Any) -> bool:
 
 def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> str:
     output_dir = os.path.abspath(output_dir)
-    if any(expert_parallel_names(acc.unwrap_model(m)) for m in acc._models if isinstance(m, nn.Module)):
+    if any(expert_parallel_names(acc.unwrap_model(m)) and is_fsdp2(m) for m in acc._models if isinstance(m, nn.Module)):
         raise ValueError(
-            f"save_state({output_dir!r}) with expert parallelism (ParallelismConfig(ep_size=...)): each process "
-            "holds its own experts' optimizer state, which save_state does not write yet; save the model with "
-            "get_state_dict (it gathers every expert) or train without ep_size"
+            f"save_state({output_dir!r}) with expert parallelism (ParallelismConfig(ep_size=...)) under FSDP2: "
+            "the experts' optimizer state beside FSDP2's shards is not written yet; save the model with "
+            "get_state_dict (it gathers every expert), or train with ep_size under DDP (no fsdp_plugin) to save state"
         )
     for m in acc._models:  # a NaN model would replace the last good checkpoint
         acc.nonfinite.check_model(m, f"save_state({output_dir!r})")

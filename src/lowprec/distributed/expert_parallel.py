@@ -15,7 +15,8 @@ Parameters
     the unsharded model loads as it is). Optimizer state stays per rank (not gathered). The grouped GEMMs' per-expert FP8 state (``fp8_<proj>``
     buffers, delayed scaling's histories) is sliced the same way. Non-expert weights are
     replicated: their gradients are partial sums over each rank's tokens and need the
-    data-parallel reduction the caller already does (DDP, or the all-reduce of a test).
+    data-parallel reduction the caller already does (DDP, FSDP2 with the experts as its
+    ``ignored_params`` (the Accelerator does both), or the all-reduce of a test).
 
 Forward, per experts module (every rank routes its own tokens with its own router)
     1. sort the (token, choice) rows by global expert (as the single-process path does), so
@@ -99,6 +100,8 @@ __all__ = [
     "check_expert_parallel",
     "expert_parallel_names",
     "gather_expert_state",
+    "gather_expert_optimizer_state",
+    "slice_expert_optimizer_state",
 ]
 
 logger = logging.getLogger("lowprec")
@@ -229,6 +232,48 @@ def gather_expert_state(model: nn.Module, state_dict: dict) -> dict:
             parts = [torch.empty_like(local) for _ in range(ep.size)]
             dist.all_gather(parts, local, group=ep.group)
             state_dict[key] = torch.cat(parts)
+    return state_dict
+
+
+def _optimizer_experts(optimizer: Any) -> list[tuple[int, torch.Tensor, Any]]:
+    """``(index in the optimizer's state_dict, parameter, its expert-parallel group)`` of every
+    sharded expert parameter the optimizer holds (state_dict numbers parameters in group order)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return [(i, p, p._lowprec_ep_group) for i, p in enumerate(params) if hasattr(p, "_lowprec_ep_group")]
+
+
+def gather_expert_optimizer_state(optimizer: Any, state_dict: dict) -> dict:
+    """``state_dict`` (the optimizer's, this rank's) with each sharded expert parameter's state
+    tensors of its shape (AdamW's moments) all-gathered along dim 0 to the whole ``(E, ...)``:
+    the state one process would hold, which :func:`slice_expert_optimizer_state` cuts back to a
+    rank's slice. A collective over each expert group: every rank calls it. Scalars (``step``)
+    are the same on every rank and stay as they are."""
+    for index, p, group in _optimizer_experts(optimizer):
+        # a copy: Optimizer.state_dict() hands out the live per-parameter dicts
+        state = state_dict["state"][index] = dict(state_dict["state"].get(index, {}))
+        for key in sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape):
+            local = state[key].detach().contiguous()
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, local, group=group)
+            state[key] = torch.cat(parts)
+    return state_dict
+
+
+def slice_expert_optimizer_state(optimizer: Any, state_dict: dict) -> dict:
+    """``state_dict`` with every whole ``(E, ...)`` state tensor of a sharded expert parameter cut
+    to this rank's slice (:func:`gather_expert_optimizer_state`'s inverse; nothing to do without
+    expert parallelism or for a state already of the slice's shape)."""
+    for index, p, group in _optimizer_experts(optimizer):
+        state = state_dict["state"][index] = dict(state_dict["state"].get(index, {}))
+        local, first = p.shape[0], dist.get_rank(group) * p.shape[0]
+        for key, v in list(state.items()):
+            if (
+                isinstance(v, torch.Tensor)
+                and v.dim() == p.dim()
+                and v.shape[0] != local
+                and v.shape[1:] == p.shape[1:]
+            ):
+                state[key] = v[first : first + local]
     return state_dict
 
 

@@ -92,21 +92,20 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
             raise ValueError(f"ep_size: {ep} shards lowprec's FP8 experts: set fp8: true")
         for key, on in (
             ("tensor_parallel_size", self.tensor_parallel_size > 1),
-            ("fsdp_version", self.fsdp_version is not None),
             ("deepspeed", self.deepspeed is not None),
             ("adapter", self.adapter is not None),
         ):
             if on:
                 raise ValueError(
-                    f"ep_size: {ep} with {key}: expert parallelism runs the other weights under DDP and does not "
+                    f"ep_size: {ep} with {key}: expert parallelism runs the other weights under DDP or FSDP2 and does not "
                     f"compose with {key} yet; drop {key} or set ep_size: 1"
                 )
         for key in ("save_steps", "saves_per_epoch"):
-            if getattr(self, key) is not None:
+            if getattr(self, key) is not None and self.fsdp_version is not None:
                 raise ValueError(
-                    f"ep_size: {ep} with {key}: resumable checkpoints of an expert-parallel run are not written "
-                    f"yet (each process holds its own experts' optimizer state); drop {key} (the final model is "
-                    "saved whole)"
+                    f"ep_size: {ep} with {key} and fsdp_version: {self.fsdp_version}: resumable checkpoints of an "
+                    "expert-parallel run under FSDP2 are not written yet (the experts' optimizer state beside "
+                    f"FSDP2's shards); drop {key} (the final model is saved whole) or fsdp_version (DDP saves them)"
                 )
         if self.base_model.startswith("builtin:"):
             from lowprec.train.model import LlamaConfig

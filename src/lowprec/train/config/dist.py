@@ -56,7 +56,7 @@ class DistributedKeys(StrictModel):
         ge=1,
         description="expert parallelism: the FP8 experts of an MoE model (builtin:moe-tiny, transformers' fused "
         "experts) sharded over this many processes (all of them: --num_processes), tokens dispatched in FP8 "
-        "(fp8: true; tensorwise or rowwise, other recipes dispatch in bf16); the other weights train under DDP; "
+        "(fp8: true; tensorwise or rowwise, other recipes dispatch in bf16); the other weights train under DDP, or FSDP2 with fsdp_version: 2; "
         "torchtitan's expert_parallel_degree is accepted for it",
     )
     ep_combine: Literal["hp", "bf16", "fp8"] = Field(
