@@ -4,8 +4,9 @@ two processes (4 each, tokens dispatched in FP8: lowprec.distributed.expert_para
 weights under DDP, and follows the plain 2-process DDP run of the same config (the same batches
 per rank; rowwise: the same FP8 values in the expert GEMMs, the sums in another order). Measured
 (2-core EPYC, 5 steps at lr 3e-3, rowwise): max |loss diff| 3.7e-3 at loss ~4.5 (8 steps:
-7.9e-3); tolerance 2e-2 (test_train_tp.py's). The exported model holds every expert. Bad
-inputs: one line each, exit 2 from the CLI."""
+7.9e-3); tolerance 2e-2 (test_train_tp.py's). The exported model holds every expert. With
+``--fsdp_version 2`` the other weights shard under FSDP2 (against FSDP2 alone); ``--save_steps``
+checkpoints resume bit for bit. Bad inputs: one line each, exit 2 from the CLI."""
 
 from __future__ import annotations
 
