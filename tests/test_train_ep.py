@@ -41,8 +41,13 @@ ENV = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS":
             "ep_size: 2 with deepspeed: .* drop deepspeed",
         ),
         (
-            {"ep_size": 2, "save_steps": 5, "fsdp_version": 2},
-            "ep_size: 2 with save_steps and fsdp_version: 2: .*drop save_steps .* or fsdp_version",
+            {
+                "ep_size": 2,
+                "save_steps": 5,
+                "fsdp_version": 2,
+                "fsdp_config": {"state_dict_type": "SHARDED_STATE_DICT"},
+            },
+            "ep_size: 2 with save_steps and fsdp_config.state_dict_type: SHARDED_STATE_DICT: .* FULL_STATE_DICT",
         ),
         ({"ep_size": 2, "expert_parallel_degree": 4}, "ep_size: 2 and expert_parallel_degree: 4 .* keep one"),
         ({"ep_combine": "fp8"}, "ep_combine: fp8 is the expert outputs' wire format .* set ep_size > 1"),
@@ -124,18 +129,20 @@ def test_expert_parallel_with_fsdp2_follows_fsdp2(tmp_path):
     assert tuple(saved["model.layers.0.mlp.experts.gate_up_proj"].shape) == (8, 384, 128)  # every expert
 
 
-def test_expert_parallel_checkpoint_resumes_as_uninterrupted(tmp_path):
-    """``--ep_size 2 --save_steps 3``: checkpoint-3 holds every expert (the model file, gathered)
-    and every expert's AdamW moments (the optimizer file, all-gathered along the expert dim; each
-    process loads its slice back). A run resumed from it on 2 processes logs steps 4-5 with the
-    uninterrupted run's losses bit for bit (CPU). Without the gather step 5 differs (process 1
-    resumed with process 0's moments: 3.8837 vs 3.8846, checked)."""
-    full = _launch(tmp_path / "a", "--ep_size", "2", "--save_steps", "3")
+@pytest.mark.parametrize("flags", [[], ["--fsdp_version", "2"]], ids=["ddp", "fsdp2"])
+def test_expert_parallel_checkpoint_resumes_as_uninterrupted(tmp_path, flags):
+    """``--ep_size 2 --save_steps 3`` (the rest under DDP, or FSDP2 with full state dicts):
+    checkpoint-3 holds every expert (the model file, gathered) and every expert's AdamW moments
+    (the optimizer file, all-gathered along the expert dim; each process loads its slice back). A
+    run resumed from it on 2 processes logs steps 4-5 with the uninterrupted run's losses bit for
+    bit (CPU). Without the gather step 5 differs (DDP: process 1 resumed with process 0's
+    moments, 3.8837 vs 3.8846, checked)."""
+    full = _launch(tmp_path / "a", "--ep_size", "2", "--save_steps", "3", *flags)
     ckpt = tmp_path / "a" / "checkpoint-3"
     model = load_file(str(ckpt / "model_0.safetensors"))
     assert tuple(model["model.layers.0.mlp.experts.gate_up_proj"].shape) == (8, 384, 128)
     moments = load_file(str(ckpt / "optimizer_0.safetensors"))
     assert (8, 384, 128) in {tuple(v.shape) for k, v in moments.items() if k.endswith("/exp_avg")}
-    resumed = _launch(tmp_path / "b", "--ep_size", "2", "--resume_from_checkpoint", str(ckpt))
+    resumed = _launch(tmp_path / "b", "--ep_size", "2", "--resume_from_checkpoint", str(ckpt), *flags)
     assert [r["step"] for r in read_metrics(str(tmp_path / "b"), "train")] == [4, 5]
     assert resumed == full[3:]

@@ -235,45 +235,57 @@ def gather_expert_state(model: nn.Module, state_dict: dict) -> dict:
     return state_dict
 
 
-def _optimizer_experts(optimizer: Any) -> list[tuple[int, torch.Tensor, Any]]:
-    """``(index in the optimizer's state_dict, parameter, its expert-parallel group)`` of every
-    sharded expert parameter the optimizer holds (state_dict numbers parameters in group order)."""
+def _optimizer_experts(optimizer: Any, model: Optional[nn.Module] = None) -> list[tuple[Any, torch.Tensor, Any]]:
+    """``(key in the optimizer's state_dict, parameter, its expert-parallel group)`` of every
+    sharded expert parameter the optimizer holds. The key: its index (``Optimizer.state_dict``
+    numbers parameters in group order) or, given ``model``, its name (torch.distributed's
+    ``get_optimizer_state_dict`` keys states by fully qualified name, as under FSDP2)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    return [(i, p, p._lowprec_ep_group) for i, p in enumerate(params) if hasattr(p, "_lowprec_ep_group")]
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    return [
+        (names.get(id(p)) if model is not None else i, p, p._lowprec_ep_group)
+        for i, p in enumerate(params)
+        if hasattr(p, "_lowprec_ep_group")
+    ]
 
 
-def gather_expert_optimizer_state(optimizer: Any, state_dict: dict) -> dict:
-    """``state_dict`` (the optimizer's, this rank's) with each sharded expert parameter's state
-    tensors of its shape (AdamW's moments) all-gathered along dim 0 to the whole ``(E, ...)``:
-    the state one process would hold, which :func:`slice_expert_optimizer_state` cuts back to a
-    rank's slice. A collective over each expert group: every rank calls it. Scalars (``step``)
-    are the same on every rank and stay as they are."""
-    for index, p, group in _optimizer_experts(optimizer):
-        # a copy: Optimizer.state_dict() hands out the live per-parameter dicts
-        state = state_dict["state"][index] = dict(state_dict["state"].get(index, {}))
-        for key in sorted(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == p.shape):
-            local = state[key].detach().contiguous()
+def gather_expert_optimizer_state(optimizer: Any, state_dict: dict, model: Optional[nn.Module] = None) -> dict:
+    """``state_dict`` (the optimizer's) with each sharded expert parameter's state tensors of its
+    shape (AdamW's moments) all-gathered along dim 0 to the whole ``(E, ...)``: the state one
+    process would hold, which :func:`slice_expert_optimizer_state` cuts back to a rank's slice.
+    The slices come from the optimizer itself (under FSDP2 only rank 0's ``state_dict`` has
+    states); they are written where ``state_dict`` has the parameter (``model``: keys are
+    names). A collective over each expert group: every rank calls it. Scalars (``step``) are the
+    same on every rank and stay as they are."""
+    states = state_dict.get("state", {})
+    for key, p, group in _optimizer_experts(optimizer, model):
+        live = optimizer.state.get(p, {})
+        whole = {}
+        for k in sorted(k for k, v in live.items() if isinstance(v, torch.Tensor) and v.shape == p.shape):
+            local = live[k].detach().contiguous()
             parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
             dist.all_gather(parts, local, group=group)
-            state[key] = torch.cat(parts)
+            whole[k] = torch.cat(parts)
+        if key in states:  # a copy: Optimizer.state_dict() hands out the live per-parameter dicts
+            states[key] = {**states[key], **{k: v.to(states[key][k].device) for k, v in whole.items()}}
     return state_dict
 
 
-def slice_expert_optimizer_state(optimizer: Any, state_dict: dict) -> dict:
+def slice_expert_optimizer_state(optimizer: Any, state_dict: dict, model: Optional[nn.Module] = None) -> dict:
     """``state_dict`` with every whole ``(E, ...)`` state tensor of a sharded expert parameter cut
     to this rank's slice (:func:`gather_expert_optimizer_state`'s inverse; nothing to do without
     expert parallelism or for a state already of the slice's shape)."""
-    for index, p, group in _optimizer_experts(optimizer):
-        state = state_dict["state"][index] = dict(state_dict["state"].get(index, {}))
+    states = state_dict.get("state", {})
+    for key, p, group in _optimizer_experts(optimizer, model):
+        if key not in states:
+            continue
         local, first = p.shape[0], dist.get_rank(group) * p.shape[0]
-        for key, v in list(state.items()):
-            if (
-                isinstance(v, torch.Tensor)
-                and v.dim() == p.dim()
-                and v.shape[0] != local
-                and v.shape[1:] == p.shape[1:]
-            ):
-                state[key] = v[first : first + local]
+        states[key] = {
+            k: v[first : first + local]
+            if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.shape[0] != local and v.shape[1:] == p.shape[1:]
+            else v
+            for k, v in states[key].items()
+        }
     return state_dict
 
 

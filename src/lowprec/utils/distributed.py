@@ -159,7 +159,8 @@ def full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any) -> dic
         return gather_expert_optimizer_state(optimizer, optimizer.state_dict())
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    state = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    return gather_expert_optimizer_state(optimizer, state, model)  # expert parallelism: whole experts
 
 
 def load_full_model_state_dict(model: nn.Module, state_dict: dict) -> None:
@@ -192,6 +193,7 @@ def load_full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any, s
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    state_dict = slice_expert_optimizer_state(optimizer, state_dict, model)  # expert parallelism: this rank's
     set_optimizer_state_dict(model, optimizer, state_dict, options=_options())
 
 

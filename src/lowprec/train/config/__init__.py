@@ -100,12 +100,13 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
                     f"ep_size: {ep} with {key}: expert parallelism runs the other weights under DDP or FSDP2 and does not "
                     f"compose with {key} yet; drop {key} or set ep_size: 1"
                 )
+        sharded = self.fsdp_config is not None and self.fsdp_config.state_dict_type == "SHARDED_STATE_DICT"
         for key in ("save_steps", "saves_per_epoch"):
-            if getattr(self, key) is not None and self.fsdp_version is not None:
+            if getattr(self, key) is not None and sharded:
                 raise ValueError(
-                    f"ep_size: {ep} with {key} and fsdp_version: {self.fsdp_version}: resumable checkpoints of an "
-                    "expert-parallel run under FSDP2 are not written yet (the experts' optimizer state beside "
-                    f"FSDP2's shards); drop {key} (the final model is saved whole) or fsdp_version (DDP saves them)"
+                    f"ep_size: {ep} with {key} and fsdp_config.state_dict_type: SHARDED_STATE_DICT: every process "
+                    "holds other experts under the same names, which a sharded checkpoint cannot tell apart; use "
+                    f"state_dict_type: FULL_STATE_DICT (it gathers every expert) or drop {key}"
                 )
         if self.base_model.startswith("builtin:"):
             from lowprec.train.model import LlamaConfig
