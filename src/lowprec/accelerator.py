@@ -324,14 +324,19 @@ class Accelerator(ProcessControlMixin, CheckpointingMixin, TrackingMixin, Parall
         model = self._convert_and_wrap_forward(model)
         dt, pc = self.distributed_type, self.parallelism_config
         apply_tp(pc, model, self.device.type)  # tensor parallelism: after FP8 conversion, before FSDP2
-        own_experts = apply_ep(pc, model)  # expert parallelism: after FP8 conversion, before DDP
+        own_experts = apply_ep(pc, model)  # expert parallelism: after FP8 conversion, before DDP / FSDP2
         if not evaluation_mode:
             if dt.is_ddp and (pc is None or not pc.tp_enabled):
                 kw = (self.handlers.get(DistributedDataParallelKwargs) or DistributedDataParallelKwargs()).to_kwargs()
                 model = wrap_ddp(model, self.device, kw, ignore=own_experts)
             elif dt == DistributedType.FSDP:
                 model = wrap_fsdp2(
-                    model, self.mixed_precision, self.state.fsdp_plugin, self.device, dp_mesh(pc, self.device.type)
+                    model,
+                    self.mixed_precision,
+                    self.state.fsdp_plugin,
+                    self.device,
+                    dp_mesh(pc, self.device.type),
+                    ignore=own_experts,
                 )
             elif dt == DistributedType.DEEPSPEED:
                 raise ValueError(

@@ -12,7 +12,8 @@ replicated data parallelism (``cp_size``, ``dp_replicate_size`` > 1) are not imp
 ``ep_size`` (alias ``expert_parallel_degree``, torchtitan's name; environment
 ``PARALLELISM_CONFIG_EP_SIZE``) shards the model's FP8 experts over ``ep_size`` processes of the
 data-parallel dimension with tokens dispatched in FP8 (:mod:`lowprec.distributed.expert_parallel`);
-not with ``tp_size`` > 1. ``sequence_parallel=True`` (lowprec's field) adds the model's ``_sp_plan``: norms and the
+not with ``tp_size`` > 1; ``ep_combine`` (lowprec's field: ``hp``, ``bf16`` or ``fp8``) is the wire
+format of the expert outputs on their way back. ``sequence_parallel=True`` (lowprec's field) adds the model's ``_sp_plan``: norms and the
 residual stream on sequence slices, block inputs all-gathered in FP8
 (:mod:`lowprec.distributed.sequence_parallel`), rowwise outputs reduce-scattered.
 """
@@ -42,6 +43,10 @@ class ParallelismConfig:
     # name, expert_parallel_degree, is accepted as an alias
     ep_size: Optional[int] = None
     expert_parallel_degree: Optional[int] = None
+    # lowprec's: the wire format of the expert outputs going back to their tokens' ranks (and of
+    # the dispatch gradient): "hp" their own dtype (bf16 under bf16 training; the default: FP8
+    # costs 0.6 dB of output SQNR, docs/LOG.md 2026-11-28), "bf16", or "fp8" (E4M3 + row scales)
+    ep_combine: str = "hp"
 
     def __post_init__(self) -> None:
         self.tp_size = self.tp_size if self.tp_size is not None else env_int("PARALLELISM_CONFIG_TP_SIZE", 1)
@@ -81,6 +86,8 @@ class ParallelismConfig:
                 "parallelism is not implemented; set one of them to 1"
             )
         self.ep_size = self.expert_parallel_degree = ep
+        if self.ep_combine not in ("hp", "bf16", "fp8"):
+            raise ValueError(f"ParallelismConfig(ep_combine={self.ep_combine!r}): one of hp, bf16, fp8")
 
     def resolve(self, world: int) -> None:
         """Fill ``dp_shard_size`` for ``world`` processes; one error naming both sizes if they

@@ -33,7 +33,6 @@ import shutil
 from typing import Any
 
 import torch
-from torch import nn
 
 from lowprec.backends.base import log_once
 from lowprec.distributed.expert_parallel import expert_parallel_names
@@ -222,11 +221,11 @@ def _per_rank_buffers(model: Any) -> bool:
 
 def save_state(acc: Any, output_dir: str, safe_serialization: bool = True) -> str:
     output_dir = os.path.abspath(output_dir)
-    if any(expert_parallel_names(acc.unwrap_model(m)) for m in acc._models if isinstance(m, nn.Module)):
+    if any(expert_parallel_names(acc.unwrap_model(m)) and uses_sharded(acc, m) for m in acc._models):
         raise ValueError(
-            f"save_state({output_dir!r}) with expert parallelism (ParallelismConfig(ep_size=...)): each process "
-            "holds its own experts' optimizer state, which save_state does not write yet; save the model with "
-            "get_state_dict (it gathers every expert) or train without ep_size"
+            f"save_state({output_dir!r}) with expert parallelism (ParallelismConfig(ep_size=...)) and FSDP2's "
+            "SHARDED_STATE_DICT: every process holds other experts under the same names, which a sharded "
+            "checkpoint cannot tell apart; use state_dict_type FULL_STATE_DICT (it gathers every expert)"
         )
     for m in acc._models:  # a NaN model would replace the last good checkpoint
         acc.nonfinite.check_model(m, f"save_state({output_dir!r})")

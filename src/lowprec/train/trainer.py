@@ -216,7 +216,10 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
         # tensor parallelism over tensor_parallel_size processes, FSDP2 (fsdp_version: 2) over the rest
         # expert parallelism (ep_size) over every process, DDP over the rest
         parallelism_config=ParallelismConfig(
-            tp_size=cfg.tensor_parallel_size, sequence_parallel=cfg.sequence_parallel, ep_size=cfg.ep_size
+            tp_size=cfg.tensor_parallel_size,
+            sequence_parallel=cfg.sequence_parallel,
+            ep_size=cfg.ep_size,
+            ep_combine=cfg.ep_combine,
         )
         if cfg.tensor_parallel_size > 1 or cfg.ep_size > 1
         else None,

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowprec.distributed.expert_parallel import gather_expert_state
+from lowprec.distributed.expert_parallel import (
+    expert_parallel_names,
+    gather_expert_optimizer_state,
+    gather_expert_state,
+    slice_expert_optimizer_state,
+)
 
 __all__ = [
     "wrap_ddp",
@@ -77,11 +82,17 @@ def fsdp2_units(model: nn.Module, plugin: Any) -> list[nn.Module]:
 
 
 def wrap_fsdp2(
-    model: nn.Module, mixed_precision: str, plugin: Any, device: torch.device, mesh: Any = None
+    model: nn.Module,
+    mixed_precision: str,
+    plugin: Any,
+    device: torch.device,
+    mesh: Any = None,
+    ignore: Sequence[str] = (),
 ) -> nn.Module:
     """``fully_shard`` each unit of the plugin's wrap policy, then the root. Parameters are
     computed in bf16 under fp8/bf16 (FP8 layers sit inside the bf16 policy), gradients reduced
-    in fp32."""
+    in fp32. ``ignore``: names of parameters FSDP2 leaves alone (expert parallelism: each
+    rank's own experts, whose gradients the all-to-alls already sum over every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -94,6 +105,9 @@ def wrap_fsdp2(
     )
     offload = CPUOffloadPolicy() if plugin.offload_params else OffloadPolicy()
     kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=plugin.reshard_after_forward, offload_policy=offload)
+    if ignore:
+        names = set(ignore)
+        kw["ignored_params"] = {p for n, p in model.named_parameters() if n in names}
     for unit in fsdp2_units(model, plugin):
         fully_shard(unit, **kw)
     fully_shard(model, **kw)
@@ -130,15 +144,23 @@ def full_model_state_dict(model: nn.Module) -> dict:
         return gather_expert_state(model, model.state_dict())
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options(cpu_offload=True))
+    state = get_model_state_dict(model, options=_options(cpu_offload=True))
+    # expert parallelism under FSDP2: the experts are plain tensors FSDP2 ignores, each rank its
+    # slice; all-gathered from the model's own state dict (every rank), kept where rank 0's has them
+    experts = expert_parallel_names(model)
+    if experts:
+        whole = gather_expert_state(model, model.state_dict())
+        state.update({k: whole[k].detach().cpu() for k in experts if k in state})
+    return state
 
 
 def full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any) -> dict:
     if model is None or not _dtensor_params(model):
-        return optimizer.state_dict()
+        return gather_expert_optimizer_state(optimizer, optimizer.state_dict())
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    state = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
+    return gather_expert_optimizer_state(optimizer, state, model)  # expert parallelism: whole experts
 
 
 def load_full_model_state_dict(model: nn.Module, state_dict: dict) -> None:
@@ -167,10 +189,11 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict) -> None:
 
 def load_full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any, state_dict: dict) -> None:
     if model is None or not _dtensor_params(model):
-        optimizer.load_state_dict(state_dict)
+        optimizer.load_state_dict(slice_expert_optimizer_state(optimizer, state_dict))
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    state_dict = slice_expert_optimizer_state(optimizer, state_dict, model)  # expert parallelism: this rank's
     set_optimizer_state_dict(model, optimizer, state_dict, options=_options())
 
 

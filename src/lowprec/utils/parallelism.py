@@ -76,10 +76,11 @@ def for_accelerator(
             "data-parallel dimension: launch with --use_fsdp (or fsdp_version: 2)"
         )
     if config.ep_enabled:
-        if not str(distributed_type).startswith("MULTI_"):  # DistributedType.is_ddp
+        if not (str(distributed_type).startswith("MULTI_") or distributed_type == "FSDP"):  # DDP or FSDP2
             raise ValueError(
-                f"ep_size {config.ep_size} runs the non-expert weights under DDP (launch several processes "
-                f"without FSDP2 or DeepSpeed, which do not compose with expert parallelism yet); got {distributed_type}"
+                f"ep_size {config.ep_size} runs the non-expert weights under DDP or FSDP2 (launch several "
+                f"processes, without DeepSpeed, which does not compose with expert parallelism yet); got "
+                f"{distributed_type}"
             )
         if config.ep_size != world:
             raise ValueError(
@@ -103,15 +104,17 @@ def apply_tp(config: Optional[ParallelismConfig], model: Any, device_type: str) 
 
 
 def apply_ep(config: Optional[ParallelismConfig], model: Any) -> list[str]:
-    """The Accelerator's expert-parallel step, after FP8 conversion and before DDP: shard the
-    experts (:func:`lowprec.distributed.expert_parallel.apply_expert_parallel`) with DDP's
-    averaging (expert gradients scaled by 1 / ep_size); returns the names of the parameters
-    and buffers DDP must leave alone (each rank's own experts)."""
+    """The Accelerator's expert-parallel step, after FP8 conversion and before DDP / FSDP2:
+    shard the experts (:func:`lowprec.distributed.expert_parallel.apply_expert_parallel`) with
+    DDP's / FSDP2's averaging (expert gradients scaled by 1 / ep_size); returns the names of the
+    parameters and buffers DDP / FSDP2 must leave alone (each rank's own experts)."""
     if config is None or not config.ep_enabled:
         return []
     from lowprec.distributed.expert_parallel import apply_expert_parallel, expert_parallel_names
 
-    apply_expert_parallel(model, config.ep_size, config.ep_group(), grad_scale=1.0 / config.ep_size)
+    apply_expert_parallel(
+        model, config.ep_size, config.ep_group(), grad_scale=1.0 / config.ep_size, combine=config.ep_combine
+    )
     return expert_parallel_names(model)
 
 

@@ -82,26 +82,31 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         """``ep_size`` > 1: what expert parallelism runs with (one error naming the key each)."""
         ep = self.ep_size
         if ep == 1:
+            if self.ep_combine != "hp":
+                raise ValueError(
+                    f"ep_combine: {self.ep_combine} is the expert outputs' wire format under expert parallelism: "
+                    "set ep_size > 1 or drop ep_combine"
+                )
             return
         if not self.fp8:  # a library backend: check_fp8_backend refuses ep_size
             raise ValueError(f"ep_size: {ep} shards lowprec's FP8 experts: set fp8: true")
         for key, on in (
             ("tensor_parallel_size", self.tensor_parallel_size > 1),
-            ("fsdp_version", self.fsdp_version is not None),
             ("deepspeed", self.deepspeed is not None),
             ("adapter", self.adapter is not None),
         ):
             if on:
                 raise ValueError(
-                    f"ep_size: {ep} with {key}: expert parallelism runs the other weights under DDP and does not "
+                    f"ep_size: {ep} with {key}: expert parallelism runs the other weights under DDP or FSDP2 and does not "
                     f"compose with {key} yet; drop {key} or set ep_size: 1"
                 )
+        sharded = self.fsdp_config is not None and self.fsdp_config.state_dict_type == "SHARDED_STATE_DICT"
         for key in ("save_steps", "saves_per_epoch"):
-            if getattr(self, key) is not None:
+            if getattr(self, key) is not None and sharded:
                 raise ValueError(
-                    f"ep_size: {ep} with {key}: resumable checkpoints of an expert-parallel run are not written "
-                    f"yet (each process holds its own experts' optimizer state); drop {key} (the final model is "
-                    "saved whole)"
+                    f"ep_size: {ep} with {key} and fsdp_config.state_dict_type: SHARDED_STATE_DICT: every process "
+                    "holds other experts under the same names, which a sharded checkpoint cannot tell apart; use "
+                    f"state_dict_type: FULL_STATE_DICT (it gathers every expert) or drop {key}"
                 )
         if self.base_model.startswith("builtin:"):
             from lowprec.train.model import LlamaConfig
