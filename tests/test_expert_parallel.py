@@ -548,3 +548,25 @@ def test_combine_wire_formats_and_a_bad_value():
     assert torch.all((back - rows).abs() <= 2.0**-4 * rows.abs()) and torch.equal(back[3], rows[3])
     with pytest.raises(ValueError, match=r"combine='fp16'\): one of hp, bf16, fp8"):
         ep.apply_expert_parallel(build_model("moe-tiny", n_layers=1), ep_size=2, combine="fp16")
+
+
+def test_an_expert_missing_from_the_saved_optimizer_state_is_an_error_not_a_silent_loss(monkeypatch):
+    """Under FSDP2 the optimizer state is keyed by parameter name; if the names being saved are
+    not the model's (a wrapper, a compiled model's ``_orig_mod.``), the experts' moments would be
+    left out of the checkpoint without a word. One process's collective stood in for."""
+    from lowprec.distributed import expert_parallel as ep
+
+    monkeypatch.setattr(ep.dist, "all_gather", lambda parts, local, group=None: parts[0].copy_(local))
+    monkeypatch.setattr(ep.dist, "get_world_size", lambda group=None: 1)
+    model = torch.nn.Linear(4, 4, bias=False)
+    model.weight._lowprec_ep_group = None  # as _shard marks an expert parameter
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    moments = dict(opt.state[model.weight])
+    ok = {"state": {"weight": dict(moments)}, "param_groups": []}
+    assert ep.gather_expert_optimizer_state(opt, ok, model)["state"]["weight"]["exp_avg"].shape == (4, 4)
+    renamed = {"state": {"_orig_mod.weight": dict(moments)}, "param_groups": []}
+    with pytest.raises(RuntimeError, match="has no entry 'weight' for a sharded expert parameter"):
+        ep.gather_expert_optimizer_state(opt, renamed, model)
+    assert ep.gather_expert_optimizer_state(opt, {"state": {}}, model) == {"state": {}}  # FSDP2: ranks > 0

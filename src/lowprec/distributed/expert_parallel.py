@@ -268,6 +268,12 @@ def gather_expert_optimizer_state(optimizer: Any, state_dict: dict, model: Optio
             whole[k] = torch.cat(parts)
         if key in states:  # a copy: Optimizer.state_dict() hands out the live per-parameter dicts
             states[key] = {**states[key], **{k: v.to(states[key][k].device) for k, v in whole.items()}}
+        elif states and whole:  # a state_dict with states, but not this expert's: its moments would be lost
+            raise RuntimeError(
+                f"expert-parallel checkpoint: the optimizer state being saved has no entry {key!r} for a sharded "
+                f"expert parameter (its keys: {sorted(states)[:4]}...); the names differ from the model's "
+                "(a wrapped or compiled model?): save from the model the optimizer was built for"
+            )
     return state_dict
 
 
