@@ -630,3 +630,26 @@ def test_guard_decisions_are_the_same_on_every_process(tmp_path):
     moved = {"layer": "1", "signal": "input.underflow", "value": 0.5, "step": 2, "moved": True}
     assert reps[0]["events"] == [[], [moved], []] and reps[0]["moves"] == [moved]
     assert reps[0]["high_precision"] == [False, True, False]
+
+
+def test_health_and_guard_records_reach_tensorboard(tmp_path):
+    """metrics.jsonl's fp8_health rows become TensorBoard scalars (fp8_health/<layer>/<signal>,
+    per operand where the signal is), None and inf left out; guard events become text."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lowprec.train.metrics import MetricsWriter
+
+    layer = "model.layers.1.mlp.down_proj"
+    row = {"input": {"underflow": 0.12, "saturated": 0.0}, "max_to_rms": 250.0, "sqnr_db": None, "kurtosis": math.inf}
+    writer = MetricsWriter(str(tmp_path), enabled=True, tensorboard=True, append=False)
+    writer.write({"kind": "fp8_health", "step": 10, "layers": {layer: row}})
+    event = {"layer": layer, "signal": "input.underflow", "value": 0.12, "step": 10, "moved": True}
+    writer.write({"kind": "fp8_guard", **event})
+    writer.close()
+    ev = EventAccumulator(str(tmp_path / "runs"), size_guidance={"tensors": 0})
+    ev.Reload()
+    tags = set(ev.Tags()["scalars"])
+    assert tags == {f"fp8_health/{layer}/{k}" for k in ("input/underflow", "input/saturated", "max_to_rms")}, tags
+    assert [round(e.value, 4) for e in ev.Scalars(f"fp8_health/{layer}/input/underflow")] == [0.12]
+    texts = ev.Tags()["tensors"]
+    assert any("fp8_guard" in t for t in texts), texts
