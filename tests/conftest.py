@@ -1,4 +1,5 @@
 import os
+import signal
 import tempfile
 
 import pytest
@@ -106,3 +107,19 @@ def ds_env(monkeypatch):
         ("MASTER_PORT", str(free_port())),
     ):
         monkeypatch.setenv(name, value)
+
+
+def terminal_sigint() -> None:
+    """``preexec_fn`` for a child process a test interrupts with SIGINT: SIGINT at its default, as
+    under a terminal. A test runner started in the background (``nohup ... &``) has SIGINT ignored,
+    and an ignored signal is inherited by children: they would never see the Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.fixture
+def sigint_as_in_a_terminal():
+    """Python's own SIGINT handler in this process for the test (see :func:`terminal_sigint`),
+    the previous disposition restored afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

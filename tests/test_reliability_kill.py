@@ -16,6 +16,8 @@ import signal
 
 import pytest
 
+from tests.conftest import terminal_sigint
+
 
 def _run(mode: str, kill_at: str, ckpt: str, out: str) -> None:
     """The child's whole life: train (or resume), checkpoint every step, maybe die mid-write."""
@@ -165,7 +167,9 @@ def test_ctrl_c_writes_a_summary_and_says_how_to_resume(tmp_path):
         "false",
         "--quiet",
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=terminal_sigint
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not (out / "checkpoint-2").is_dir() and proc.poll() is None:
         time.sleep(0.05)
@@ -209,7 +213,7 @@ def test_a_killed_rank_ends_in_one_lowprec_line(tmp_path):
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
 
 
-def test_the_first_ctrl_c_is_latched_for_the_step_boundary_the_second_stops_at_once():
+def test_the_first_ctrl_c_is_latched_for_the_step_boundary_the_second_stops_at_once(sigint_as_in_a_terminal):
     """In the loop, Ctrl-C sets a flag the loop turns into KeyboardInterrupt at the next step (an
     exception raised inside a finalizer would be printed and dropped by Python); a second Ctrl-C
     raises at once; Python's default handler is back afterwards."""

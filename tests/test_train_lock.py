@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from tests.conftest import terminal_sigint
+
 from lowprec.durable import this_host
 from lowprec.train.checkpoints import list_checkpoints
 from lowprec.train.metrics import read_metrics
@@ -56,6 +58,7 @@ def test_a_second_run_is_refused_in_one_line_and_the_first_keeps_its_files(tmp_p
         stderr=subprocess.PIPE,
         env=_env(),
         text=True,
+        preexec_fn=terminal_sigint,
     )
     try:
         deadline = time.time() + 240
