@@ -123,7 +123,11 @@ def plan(parts: list[Part], out: Path, dry: bool, wheels: Path, site: Path) -> N
             ]
         elif p.name == "compile_diag":
             p.argv = [*child, str(HERE / "compile_diag.py"), result]
-            p.argv += ["--device", "cpu", "--shape", "64,128,64", "--variants", "aot_eager"] if dry else []
+            p.argv += (
+                ["--device", "cpu", "--shape", "64,128,64", "--variants", "aot_eager", "--recipes", "tensorwise"]
+                if dry
+                else []
+            )
         elif p.name == "linear":
             p.argv = [*child, str(HERE / "linear_part.py"), "--out", result, *dr]
         elif p.name == "cast":
