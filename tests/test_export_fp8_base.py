@@ -96,6 +96,43 @@ def test_the_direct_load_is_transformers_load_bit_for_bit(tmp_path, monkeypatch,
             assert torch.equal(new(IDS).logits, old(IDS).logits)
 
 
+def _shard(src: str, dst: str, parts: int = 3) -> None:
+    """``src``'s model.safetensors as ``parts`` files with a model.safetensors.index.json, as
+    ``save_pretrained(max_shard_size=...)`` writes a large model (the other files copied)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    os.remove(os.path.join(dst, "model.safetensors"))
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    keys = sorted(tensors)
+    weight_map = {}
+    for i in range(parts):
+        name = f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
+        chunk = {k: tensors[k] for k in keys[i::parts]}
+        save_file(chunk, os.path.join(dst, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(chunk, name))
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+@pytest.mark.parametrize("fmt,recipe", [("hf-fp8", "blockwise"), ("compressed-tensors", "rowwise")])
+def test_a_sharded_fp8_base_loads_as_the_single_file_one(tmp_path, monkeypatch, fmt, recipe):
+    """A base stored in several files (model.safetensors.index.json) loads directly, bit for bit
+    the model of the same base in one file, and through transformers' load too."""
+    one = _export(tmp_path, "llama", recipe, fmt)
+    sharded = str(tmp_path / "sharded")
+    _shard(one, sharded)
+    old = load_fp8_base(sharded, torch.float32, direct=False)
+    _direct_only(monkeypatch)
+    want, got = load_fp8_base(one, torch.float32), load_fp8_base(sharded, torch.float32)
+    assert _base_layers(got)
+    for other in (old, want):
+        a, b = other.state_dict(), got.state_dict()
+        assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+    with torch.no_grad():
+        assert torch.equal(got(IDS).logits, want(IDS).logits)
+
+
 @pytest.mark.parametrize("fmt,recipe", [("hf-fp8", "blockwise"), ("compressed-tensors", "rowwise")])
 def test_the_direct_load_never_upcasts_an_fp8_weight(tmp_path, monkeypatch, fmt, recipe):
     """No op of the direct load reads an FP8 tensor and writes a wider float one (no bf16 / fp32
