@@ -8,8 +8,10 @@ import json
 import os
 import platform
 import shlex
+import socket
 import statistics
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -143,3 +145,21 @@ def end_rank() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_and_load(worker, world: int, *args):
+    """``worker(rank, world, port, *args, out)`` on ``world`` spawned processes (fork can deadlock
+    a threaded parent); returns what rank 0 ``torch.save``d to ``out`` (read back weights-only)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        out = f"{d}/r.pt"
+        mp.start_processes(worker, args=(world, free_port(), *args, out), nprocs=world, start_method="spawn")
+        return torch.load(out, weights_only=True)

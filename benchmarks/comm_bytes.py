@@ -34,28 +34,19 @@ across all-reduce / all-gather / reduce-scatter); FP8 travels as uint8 on gloo.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_name, end_rank, write_json  # noqa: E402
+from _common import device_name, end_rank, spawn_and_load, write_json  # noqa: E402
 
 from lowprec.distributed import register_fp8_allreduce  # noqa: E402
 from lowprec.train.model import build_model  # noqa: E402
 
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world, port, model_name, batch, seq, dtype_name, out):
@@ -147,7 +138,7 @@ def _fsdp2_run(
     return {"layers": layer_bytes, "total": layer_bytes + root.input_bytes, "rs": rs_bytes}, losses
 
 
-def _fsdp2_worker(rank, world, port, model_name, batch, seq, out, recipe):
+def _fsdp2_worker(rank, world, port, model_name, batch, seq, recipe, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     bf16, bf16_losses = _fsdp2_run(model_name, batch, seq, rank, False, recipe=recipe)
@@ -216,12 +207,7 @@ def _tp_worker(rank, world, port, model_name, batch, seq, out):
 
 
 def measure_tp(world: int, model: str, batch: int, seq: int) -> list:
-    with tempfile.TemporaryDirectory() as d:
-        out = f"{d}/r.pt"
-        mp.start_processes(
-            _tp_worker, args=(world, _free_port(), model, batch, seq, out), nprocs=world, start_method="spawn"
-        )
-        rows = torch.load(out, weights_only=True)
+    rows = spawn_and_load(_tp_worker, world, model, batch, seq)
     for r in rows:
         r["world"] = world
         r["step_bytes"] = r["forward_bytes"] + r["backward_bytes"]
@@ -229,15 +215,7 @@ def measure_tp(world: int, model: str, batch: int, seq: int) -> list:
 
 
 def measure_fsdp2(world: int, model: str, batch: int, seq: int, recipe: str = "tensorwise") -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        out = f"{d}/r.pt"
-        mp.start_processes(
-            _fsdp2_worker,
-            args=(world, _free_port(), model, batch, seq, out, recipe),
-            nprocs=world,
-            start_method="spawn",
-        )
-        r = torch.load(out, weights_only=True)
+    r = spawn_and_load(_fsdp2_worker, world, model, batch, seq, recipe)
     r["layers_fp8_over_bf16"] = r["fp8_layer_bytes"] / r["bf16_layer_bytes"]
     r["total_fp8_over_bf16"] = r["fp8_total_bytes"] / r["bf16_total_bytes"]
     r["reduce_scatter_fp8_over_bf16"] = r["fp8_reduce_scatter_bytes"] / r["bf16_reduce_scatter_bytes"]
@@ -246,12 +224,7 @@ def measure_fsdp2(world: int, model: str, batch: int, seq: int, recipe: str = "t
 
 
 def measure(world: int, model: str, batch: int, seq: int, dtype_name: str) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        out = f"{d}/r.pt"
-        mp.start_processes(
-            _worker, args=(world, _free_port(), model, batch, seq, dtype_name, out), nprocs=world, start_method="spawn"
-        )  # fork can deadlock a threaded parent
-        r = torch.load(out, weights_only=True)
+    r = spawn_and_load(_worker, world, model, batch, seq, dtype_name)
     c = r.pop("counters")
     r.update(c)
     r["fp8_over_bf16"] = c["fp8_bytes"] / c["bf16_bytes"]

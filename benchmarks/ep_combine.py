@@ -23,25 +23,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import socket
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import end_rank, write_json  # noqa: E402
+from _common import end_rank, spawn_and_load, write_json  # noqa: E402
 
 COMBINES = ("hp", "bf16", "fp8")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _experts(recipe, ep_world=None, combine="hp"):
@@ -129,12 +120,7 @@ def _worker(rank, world, port, recipes, seeds, tokens, out):
 
 
 def measure(world: int, recipes: list, seeds: int, tokens: int) -> list:
-    with tempfile.TemporaryDirectory() as d:
-        out = f"{d}/r.pt"
-        mp.start_processes(
-            _worker, args=(world, _free_port(), recipes, seeds, tokens, out), nprocs=world, start_method="spawn"
-        )
-        rows = torch.load(out, weights_only=True)
+    rows = spawn_and_load(_worker, world, recipes, seeds, tokens)
     for r in rows:
         r["world"] = world
     return rows

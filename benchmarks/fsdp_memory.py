@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -65,7 +64,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import cpu_alloc_peak, device_name, end_rank, write_json  # noqa: E402
+from _common import cpu_alloc_peak, device_name, end_rank, free_port, write_json  # noqa: E402
 
 RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4")
 CONFIGS = (
@@ -295,12 +294,6 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_d
     end_rank()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ratios(per_world: dict, configs: list[str], worlds: list[int]) -> dict:
     """Each configuration over its own sharding's bf16 run (``bf16`` for FSDP2, ``zero3/bf16``)."""
     out: dict = {}
@@ -364,7 +357,7 @@ def main(argv=None) -> dict:
             runs = []
             for _ in range(args.repeats):
                 # forked after one torch import (the parent computes nothing before), one thread each
-                mp.start_processes(_rank_main, args=(w, _free_port(), args, tmp), nprocs=w, start_method="fork")
+                mp.start_processes(_rank_main, args=(w, free_port(), args, tmp), nprocs=w, start_method="fork")
                 ranks = [json.loads(Path(tmp, f"world{w}_rank{r}.json").read_text()) for r in range(w)]
                 runs.append({c: {k: max(r[c][k] for r in ranks) for k in ranks[0][c]} for c in args.configs})
             per_rank[str(w)] = ranks  # the last repeat's
