@@ -22,33 +22,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "examples", "tiny.yaml")
 
 
-def _llama(tie: bool = True):
+def tiny_hf(name: str, **fields):
+    """``transformers.<name>ForCausalLM`` built from its config (no download), float32, seed 0:
+    2 layers, hidden 128, 4 heads (2 KV), vocab 256, intermediate 256 unless ``fields`` say."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    shape = dict(
         vocab_size=256,
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        tie_word_embeddings=tie,
     )
-    return transformers.LlamaForCausalLM(cfg).float()
+    cfg = getattr(transformers, f"{name}Config")(**{**shape, **fields})
+    return getattr(transformers, f"{name}ForCausalLM")(cfg).float()
+
+
+def _llama(tie: bool = True):
+    return tiny_hf("Llama", tie_word_embeddings=tie)
 
 
 def _qwen3():
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=True,
-    )
-    return transformers.Qwen3ForCausalLM(cfg).float()
+    return tiny_hf("Qwen3", head_dim=32, tie_word_embeddings=True)
 
 
 def _gpt2():

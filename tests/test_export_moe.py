@@ -23,41 +23,19 @@ transformers = pytest.importorskip("transformers")
 if importlib.util.find_spec("compressed_tensors") is None:
     pytest.skip("compressed-tensors is not installed", allow_module_level=True)
 
+from tests.test_export import _load, _rel, tiny_hf  # noqa: E402
+
 IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(1))
 
 
 def _mixtral():
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-    )
-    return transformers.MixtralForCausalLM(cfg).float()
+    moe = dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    return tiny_hf("Mixtral", intermediate_size=128, **moe)
 
 
 def _qwen3_moe():
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        num_experts=4,
-        num_experts_per_tok=2,
-        tie_word_embeddings=False,
-    )
-    return transformers.Qwen3MoeForCausalLM(cfg).float()
+    moe = dict(moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    return tiny_hf("Qwen3Moe", head_dim=32, **moe)
 
 
 def _builtin():
@@ -139,18 +117,6 @@ def _hp_logits(model, experts, ids):
     with torch.no_grad(), fp8.autocast(enabled=False):
         out = torch.func.functional_call(model, params, (ids,))
     return (out.logits if hasattr(out, "logits") else out[0]).float()
-
-
-def _load(out, fmt):
-    if fmt == "hf-fp8":
-        qc = transformers.FineGrainedFP8Config(dequantize=True)
-    else:
-        qc = transformers.CompressedTensorsConfig(run_compressed=False)
-    return transformers.AutoModelForCausalLM.from_pretrained(out, quantization_config=qc, dtype=torch.float32)
-
-
-def _rel(a, b):
-    return float((a - b).norm() / b.norm())
 
 
 # model, recipe, format, the per-expert names of expert 1 of layer 0's gate / up / down, the scale key
