@@ -30,8 +30,8 @@ from lowprec.config.env import ENV_VARS, check_fp8_fields, read_env
 from lowprec.errors import did_you_mean
 from lowprec.guard_settings import (
     GUARD_FIELDS,
-    check_count,
     check_act_with_fp8_all_gather,
+    check_count,
     check_health_for_guard,
     check_recover_needs_act,
     check_scope_needs_act,

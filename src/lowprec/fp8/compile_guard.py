@@ -24,17 +24,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENV", "traced", "run_eagerly"]
+__all__ = ["ENV", "keeps_eager", "run_eagerly"]
 
 logger = logging.getLogger("lowprec.fp8")
 ENV = "LOWPREC_COMPILE_FP8"
 _LOGGED: list[bool] = [False]
 
 
-def traced(x: torch.Tensor) -> bool:
-    """Whether a compiled graph may hold the FP8 GEMMs of a layer called on ``x`` (on every device
-    unless ``LOWPREC_COMPILE_FP8`` is 0)."""
-    return os.environ.get(ENV, "").strip().lower() not in ("0", "false", "no", "off")
+def keeps_eager() -> bool:
+    """Whether ``LOWPREC_COMPILE_FP8`` asks to keep the FP8 GEMMs out of compiled graphs (0)."""
+    return os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off")
 
 
 def _eager_call(fn: Callable[..., Any], *args: Any) -> Any:

@@ -160,7 +160,7 @@ class Float8BaseLinear(nn.Linear):
         w = self.fp8_weight()
         if not fp8_enabled() or x.numel() == 0:
             out = F.linear(x, w.dequantize(x.dtype))
-        elif torch.compiler.is_compiling() and not compile_guard.traced(x):  # LOWPREC_COMPILE_FP8=0
+        elif torch.compiler.is_compiling() and compile_guard.keeps_eager():  # LOWPREC_COMPILE_FP8=0
             out = compile_guard.run_eagerly(self._fp8_gemm, x, w)
         else:
             out = self._fp8_gemm(x, w)

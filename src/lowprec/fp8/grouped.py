@@ -146,7 +146,7 @@ class Float8GroupedGemm(nn.Module):
                 f"{tuple(weight.shape)} weight"
             )
         try:
-            if torch.compiler.is_compiling() and not compile_guard.traced(x):  # LOWPREC_COMPILE_FP8=0
+            if torch.compiler.is_compiling() and compile_guard.keeps_eager():  # LOWPREC_COMPILE_FP8=0
                 return compile_guard.run_eagerly(recipe.kind.grouped_forward, self, x, weight, counts, recipe, hp)
             return recipe.kind.grouped_forward(self, x, weight, counts, recipe, hp)
         finally:  # the slots held views of this call's weight: let them go with the call

@@ -285,7 +285,7 @@ class Float8Linear(FP8Switch, nn.Linear):
         recipe = self._active_recipe()
         if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
             return F.linear(x, self.gemm_weight(), self.bias)
-        if torch.compiler.is_compiling() and not compile_guard.traced(x):  # LOWPREC_COMPILE_FP8=0
+        if torch.compiler.is_compiling() and compile_guard.keeps_eager():  # LOWPREC_COMPILE_FP8=0
             return compile_guard.run_eagerly(self._fp8_forward, x, recipe)
         return self._fp8_forward(x, recipe)
 
