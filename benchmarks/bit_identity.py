@@ -12,7 +12,7 @@ input-only / weight-only gradients), then compares a later tree with torch.equal
                                       # the weight re-cast in backward against a record that kept it
 
 Every recipe of ``lowprec.catalog.RECIPES`` by default (mxfp8 and nvfp4 run their block-scaled
-path, ``fp8/mx_linear.py``); a recipe that reads ``scale_rounding`` also runs with ``floor``.
+path, ``fp8/modules/mx_linear.py``); a recipe that reads ``scale_rounding`` also runs with ``floor``.
 
 ``--fused`` runs the CUDA code paths (fused casts, delayed scaling inside the casts) on CPU
 with the kernels' torch reference standing in for Triton (same values by its contract).
@@ -27,7 +27,7 @@ import lowprec.fp8 as fp8
 import lowprec.fp8.kernels as K
 from lowprec.catalog import RECIPES as CATALOG
 from lowprec.fp8.kernels import reference
-from lowprec.fp8.linear import Float8Linear
+from lowprec.fp8.modules.linear import Float8Linear
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("mode", choices=["save", "cmp"], help="save a record, or compare this tree with one")

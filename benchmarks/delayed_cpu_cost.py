@@ -43,7 +43,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from lowprec import fp8
 
-    quantize = sys.modules["lowprec.fp8.quantize"]  # the module (lowprec.fp8 exports a function of that name)
+    quantize = sys.modules["lowprec.fp8.cast.quantize"]  # the module (lowprec.fp8 exports a function of that name)
     saturate = quantize.saturate_
 
     def no_passes(y, dtype, *, may_hold_inf=True):

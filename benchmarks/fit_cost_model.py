@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import write_json  # noqa: E402
 
-from lowprec.fp8.cost_model import PROFILES, predict_speedup  # noqa: E402
+from lowprec.fp8.observe.cost_model import PROFILES, predict_speedup  # noqa: E402
 
 NS = [1024, 2048, 4096, 8192, 16384, 32768]
 ROWWISE = {  # (M, K): speedups for N in NS

@@ -1,5 +1,5 @@
 """Reproducer for issue 27: a growing outlier channel in one SwiGLU makes plain FP8 depart from
-bf16; the FP8 guard (``lowprec.fp8.guard``) flags the layer (``warn``) or moves it to bf16
+bf16; the FP8 guard (``lowprec.fp8.observe.guard``) flags the layer (``warn``) or moves it to bf16
 (``act``) and stays close to bf16.
 
 The built-in llama-tiny (4 layers) trains on the bundled corpus with bf16 autocast. A forward
@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import device_name, write_json  # noqa: E402
 
 import lowprec.fp8 as fp8  # noqa: E402
-from lowprec.fp8.guard import Guard, Thresholds, is_move_back  # noqa: E402
-from lowprec.fp8.health import HealthProbe, signals  # noqa: E402
+from lowprec.fp8.observe.guard import Guard, Thresholds, is_move_back  # noqa: E402
+from lowprec.fp8.observe.health import HealthProbe, signals  # noqa: E402
 from lowprec.train.data import TokenBatches, build_datasets  # noqa: E402
 from lowprec.train.stats import first_departure, interval, relative_gaps, tail_gaps, verdict  # noqa: E402
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM  # noqa: E402

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import device_name, write_json  # noqa: E402
 
 import lowprec.fp8 as fp8  # noqa: E402
-from lowprec.fp8.health import HealthProbe, signals  # noqa: E402
+from lowprec.fp8.observe.health import HealthProbe, signals  # noqa: E402
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 

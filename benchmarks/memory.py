@@ -21,10 +21,10 @@ step, zero_grad), per variant:
                  (at most 0.65x the peak of ``bf16_amp``);
 * ``fp8_o2_bf16w`` the same with bf16 weights and no fp32 master copy (FP8AdamW
                  ``master_weights="stochastic"``: updates written back with stochastic rounding);
-* ``mxfp8``, ``nvfp4`` the ``fp8`` variant with the block-scaled recipes (``fp8/mx_linear.py``);
+* ``mxfp8``, ``nvfp4`` the ``fp8`` variant with the block-scaled recipes (``fp8/modules/mx_linear.py``);
 * ``<variant>_acts`` (``fp8_acts``, ``fp8_o2_acts``, ``fp8_o2_bf16w_acts``): the same with
   ``Recipe(fp8_activations=True)``: RMSNorm and SwiGLU keep E4M3 copies for backward too
-  (``fp8/activations.py``).
+  (``fp8/modules/activations.py``).
 
 Part 3, saved bytes: what autograd keeps for backward in one forward of the model (Parameters
 excluded, they exist anyway), per recipe (``bf16_amp``, each of ``SAVED_RECIPES`` and

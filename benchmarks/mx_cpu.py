@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import device_name, write_json  # noqa: E402
 
 import lowprec.fp8 as fp8  # noqa: E402
-from lowprec.fp8 import mx_gemm  # noqa: E402
+from lowprec.fp8.gemm import mx as mx_gemm  # noqa: E402
 from lowprec.fp8.kinds import mxfp8, nvfp4  # noqa: E402
 
 VARIANTS = ("bf16", "tensorwise", "mxfp8", "nvfp4", "mxfp8_emulate", "nvfp4_emulate")

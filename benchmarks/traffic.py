@@ -5,7 +5,7 @@
 
 Nothing runs on a device: each variant is traced on meta tensors inside
 ``fp8.trace_as(sm=(9, 0), triton=...)`` and every non-view op's bytes read + written are
-counted (``lowprec.fp8.traffic``). Exact and deterministic on any machine. Variants:
+counted (``lowprec.fp8.observe.traffic``). Exact and deterministic on any machine. Variants:
 
 * ``bf16``: ``nn.Linear`` as ``torch.autocast(bfloat16)`` runs it (fp32 master weight cast to
   bf16 per call, bf16 GEMMs, weight gradient cast back to fp32); spelled out with explicit
@@ -42,7 +42,7 @@ from _common import write_json  # noqa: E402
 
 import lowprec.fp8 as fp8  # noqa: E402
 from lowprec.fp8.kernels.select import DISABLE_ENV, triton_importable  # noqa: E402
-from lowprec.fp8.traffic import trace_linear  # noqa: E402
+from lowprec.fp8.observe.traffic import trace_linear  # noqa: E402
 
 FULL = (16384, 4096, 14336)
 TINY = (256, 128, 384)

@@ -32,7 +32,7 @@ def sqnr(ref: torch.Tensor, test: torch.Tensor) -> float:
 def assert_within_gemm_bound(got, ref, a, b, *, output_roundings: int) -> None:
     """``got`` and ``ref`` are two kernels' results for ``dequant(a) @ dequant(b)``.
 
-    The documented bound (lowprec/fp8/cpu_gemm.py): the same exact products summed in another
+    The documented bound (lowprec/fp8/gemm/cpu.py): the same exact products summed in another
     order (at most ``K * eps32 * (|A| @ |B|)``), plus ``output_roundings`` roundings of the
     output to bf16 (each at most one bf16 ulp, ``2**-7`` relative) on top of the reference's.
     Computed in float64 from the operands, so it holds on any CPU's summation order.

@@ -168,7 +168,7 @@ def test_transformers_trainer_runs_on_lowprecs_accelerator_in_fp8(tmp_path, monk
     transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
     from torch.utils.data import Dataset
 
-    import lowprec.fp8.linear_fn as fp8_linear
+    import lowprec.fp8.modules.linear_fn as fp8_linear
     from lowprec.integrations.trainer_accelerator import LowprecAcceleratorMixin
 
     class FP8Trainer(LowprecAcceleratorMixin, transformers.Trainer):

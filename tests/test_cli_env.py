@@ -76,7 +76,7 @@ def test_env_never_crashes_when_probes_fail(monkeypatch, capsys):
 
 
 def test_env_names_the_forced_cpu_fp8_gemm(monkeypatch):
-    from lowprec.fp8 import cpu_gemm
+    from lowprec.fp8.gemm import cpu as cpu_gemm
 
     monkeypatch.setenv(cpu_gemm.CPU_GEMM_ENV, "upcast")
     cpu_gemm.reset_cpu_gemm_choice()

@@ -56,8 +56,8 @@ def _forward_fp8_weights(model, ids):
     """The converted model's one FP8 training forward on ``ids``, recording the FP8 weight every
     Float8Linear's forward GEMM read (``scaled_mm``'s second operand; MXFP8 / NVFP4: ``mx_mm``'s,
     a BlockScaledData), by layer name."""
-    import lowprec.fp8.linear_fn as linear
-    import lowprec.fp8.mx_linear as mx
+    import lowprec.fp8.modules.linear_fn as linear
+    import lowprec.fp8.modules.mx_linear as mx
 
     seen, current, real, real_mx = {}, [None], linear.scaled_mm, mx.mx_mm
 
@@ -181,7 +181,7 @@ def _assert_stored_cast(stored: dict, name: str, q) -> None:
     same value) and the E8M0 exponents byte for byte."""
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 
-    from lowprec.fp8.mx import e2m1_unpack
+    from lowprec.fp8.cast.mx import e2m1_unpack
 
     scale = stored[f"{name}.weight_scale"]
     assert torch.equal(scale.view(torch.uint8), q.scale.view(torch.uint8)), name

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import lowprec.fp8 as fp8
-import lowprec.fp8.grouped_fn as grouped_fn
+import lowprec.fp8.modules.grouped_fn as grouped_fn
 from lowprec.export import export_model
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 
@@ -59,7 +59,7 @@ def _forward_expert_weights(model, ids):
     GEMM read: ``{(experts module, projection): {expert: Float8Data}}``; the single-call grouped
     path casts every expert (``grouped_mm``'s second operands), the per-expert path those holding
     tokens (``scaled_mm``'s second operand, per slot)."""
-    import lowprec.fp8.linear_fn as linear
+    import lowprec.fp8.modules.linear_fn as linear
 
     seen, current = {}, [None]
     real, real_mm = grouped_fn.grouped_mm, linear.scaled_mm

@@ -1,4 +1,4 @@
-"""FP8-saved activations of the non-Linear ops (lowprec/fp8/activations.py).
+"""FP8-saved activations of the non-Linear ops (lowprec/fp8/modules/activations.py).
 
 Bounds: only the saved copies are rounded (E4M3, one scale per row: relative error <= 2^-4 per
 normal value), so the forward is bit-identical to the plain expression and each gradient's
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import lowprec.fp8 as fp8
-from lowprec.fp8 import activations
-from lowprec.fp8.activations import rms_norm, swiglu
+from lowprec.fp8.modules import activations
+from lowprec.fp8.modules.activations import rms_norm, swiglu
 from lowprec.train.model import build_model
 from tests.conftest import sqnr
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import lowprec.fp8 as fp8
-from lowprec.fp8 import block_gemm, block_gemm_triton, gemm
-from lowprec.fp8.gemm import gemm_path
+from lowprec.fp8.gemm import block as block_gemm, block_triton as block_gemm_triton, dispatch as gemm
+from lowprec.fp8.gemm.dispatch import gemm_path
 
 pytestmark = pytest.mark.skipif(not block_gemm._torch_has_it(), reason="this torch has no blockwise F.scaled_mm")
 CUDA = torch.device("cuda")
@@ -37,7 +37,7 @@ def test_every_blockwise_gemm_passes_torchs_layout_checks():
     """The three GEMMs of the blockwise recipe, cast as ``Float8Linear`` casts them (its plan and
     ``_cast``), on meta tensors: each reaches ``F.scaled_mm``'s meta function, which checks the
     scale shapes and strides cuBLAS needs."""
-    from lowprec.fp8.linear_fn import cast as _cast
+    from lowprec.fp8.modules.linear_fn import cast as _cast
 
     recipe = fp8.Recipe.from_name("blockwise")
     plan = recipe.plan()
@@ -128,7 +128,7 @@ def test_a_traced_ada_gpu_runs_every_blockwise_gemm_on_the_triton_kernel():
     """Float8Linear fwd+bwd traced as sm_89 with triton: three lowprec.block_scaled_mm GEMMs on
     FP8 operands (the custom op's fake implementation checks shapes), the weight gradient
     written in float32 by the kernel, no cast after it."""
-    from lowprec.fp8.traffic import trace_linear
+    from lowprec.fp8.observe.traffic import trace_linear
 
     c = trace_linear(
         lambda lin: fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("blockwise")),
@@ -218,7 +218,7 @@ def test_backward_keeps_half_of_bf16s_bytes_or_less():
 
 def test_a_frozen_weight_is_cast_once_and_serves_both_gemms(monkeypatch):
     """A frozen blockwise weight (a LoRA base layer): its 128x128 cast is made once over several
-    micro-batches (fp8/frozen.py) and grad_input reads it, with the same values as a trained
+    micro-batches (fp8/modules/frozen.py) and grad_input reads it, with the same values as a trained
     layer's backward re-cast."""
     from lowprec.fp8.kinds import blockwise
 

@@ -8,7 +8,7 @@ import pytest
 from torch import nn
 
 import lowprec.fp8 as fp8
-from lowprec.fp8.cost_model import auto_module_filter, predict_speedup
+from lowprec.fp8.observe.cost_model import auto_module_filter, predict_speedup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from fit_cost_model import points  # noqa: E402

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import lowprec.fp8 as fp8
-from lowprec.fp8 import cpu_gemm
-from lowprec.fp8.gemm import gemm_path
+from lowprec.fp8.gemm import cpu as cpu_gemm
+from lowprec.fp8.gemm.dispatch import gemm_path
 from tests.conftest import assert_within_gemm_bound, sqnr
 
 CPU = torch.device("cpu")
@@ -75,7 +75,7 @@ def test_mixed_tensor_and_axis_operands(seed):
 
 def test_block_scales_not_powers_of_two_are_emulated_and_logged_once(seed, caplog):
     _, _, a, b = _operands("block", 16, 64, 32, fp8.E4M3, pow2=False)
-    from lowprec.fp8 import gemm
+    from lowprec.fp8.gemm import dispatch as gemm
 
     gemm._LOGGED.discard("block")
     with caplog.at_level(logging.WARNING, logger="lowprec.fp8"):

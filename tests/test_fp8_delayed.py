@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import lowprec.fp8 as fp8
-from lowprec.fp8.scaling import amax_to_scale
+from lowprec.fp8.cast.scaling import amax_to_scale
 
 E4 = fp8.E4M3
 

@@ -2,7 +2,7 @@
 8 experts, top-2; nothing downloaded): Mixtral, Qwen3-MoE, Qwen2-MoE (shared expert), gpt-oss
 (transposed experts with biases and a clamped GLU) and DeepSeek-V3 (group-limited routing,
 shared experts) keep their fused 3-D experts as Parameters; ``fp8.convert`` runs them as grouped
-FP8 GEMMs (``fp8/experts.py``).
+FP8 GEMMs (``fp8/modules/experts.py``).
 
 Numerics: the MoE block's output, input gradient and every parameter gradient against the same
 block in float64 (router and expert weights included). Two FP8 GEMMs in series (gate_up, then
@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("transformers")
 
 import lowprec.fp8 as fp8
-from lowprec.fp8.experts import Float8Experts
+from lowprec.fp8.modules.experts import Float8Experts
 from lowprec.fp8.convert import _ROUTER_WHY
 from tests.conftest import sqnr
 from tests.tiny_moe import MODELS, ROUTER, build, moe_block

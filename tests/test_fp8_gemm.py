@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import lowprec.fp8 as fp8
-from lowprec.fp8.gemm import gemm_path, native_scaled_mm_available
+from lowprec.fp8.gemm.dispatch import gemm_path, native_scaled_mm_available
 from tests.conftest import assert_within_gemm_bound, sqnr
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Grouped expert GEMMs (``fp8/grouped.py``): a 3-D weight (E, N, K), tokens grouped by expert,
+"""Grouped expert GEMMs (``fp8/modules/grouped.py``): a 3-D weight (E, N, K), tokens grouped by expert,
 for every recipe, against a float64 reference (output, grad_input, grad_weight), and against
 the dense Float8Linear: one expert holding every token is a Float8Linear bit for bit.
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import lowprec.fp8 as fp8
-from lowprec.fp8.grouped import Float8GroupedGemm
+from lowprec.fp8.modules.grouped import Float8GroupedGemm
 from lowprec.fp8.kinds.nvfp4 import SR_STATE
 from tests.conftest import sqnr
 
@@ -158,7 +158,7 @@ SINGLE = ["tensorwise", "rowwise"]
 
 @pytest.fixture
 def single_call(monkeypatch):
-    from lowprec.fp8 import grouped_gemm
+    from lowprec.fp8.gemm import grouped as grouped_gemm
 
     calls = []
 
@@ -209,11 +209,11 @@ def test_single_call_path_through_the_kinds_dispatch(seed, single_call, name):
 def test_single_call_arguments_pass_torchs_own_checks():
     """The packed operands of a real grouped cast, as meta tensors of the same shapes, strides
     and dtypes, go through torch's meta kernel for _scaled_grouped_mm (its CUDA checks)."""
-    from lowprec.fp8.grouped_gemm import pack_2d3d
+    from lowprec.fp8.gemm.grouped import pack_2d3d
 
     recipe = fp8.Recipe.from_name("rowwise")
     spec_x, spec_w = recipe.plan().fprop.casts
-    from lowprec.fp8.linear_fn import cast
+    from lowprec.fp8.modules.linear_fn import cast
 
     counts = (5, 0, 33, 16)
     x, w = torch.randn(sum(counts), K), torch.randn(E, N, K)
@@ -244,7 +244,7 @@ def test_single_call_arguments_pass_torchs_own_checks():
 
 
 def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch, caplog):
-    from lowprec.fp8 import grouped_gemm
+    from lowprec.fp8.gemm import grouped as grouped_gemm
 
     monkeypatch.setattr(grouped_gemm, "native_grouped_available", lambda device: True)
     monkeypatch.setitem(
@@ -270,8 +270,8 @@ def test_a_traced_ada_gpu_runs_the_grouped_gemms_on_the_triton_kernel(name):
 
     if importlib.util.find_spec("triton") is None:  # find_spec: importing triton here would stop the interpreter tests
         pytest.skip("triton is not installed")
-    from lowprec.fp8 import grouped_triton
-    from lowprec.fp8.traffic import ByteCounter
+    from lowprec.fp8.gemm import grouped_triton
+    from lowprec.fp8.observe.traffic import ByteCounter
 
     counts = (40, 0, 24, 8)
     recipe = fp8.Recipe.from_name(name)
@@ -294,7 +294,7 @@ def test_a_traced_ada_gpu_runs_the_grouped_gemms_on_the_triton_kernel(name):
 
 def test_a_triton_grouped_gemm_that_fails_its_check_is_not_used(monkeypatch, caplog):
     """A failed first-use check is logged once and the per-expert loop runs."""
-    from lowprec.fp8 import grouped_triton
+    from lowprec.fp8.gemm import grouped_triton
 
     monkeypatch.setattr(grouped_triton, "may_run", lambda device: True)
     monkeypatch.setattr(grouped_triton, "mm", lambda a, b, out: torch.cat([g.dequantize() for g in a if g is not None]))

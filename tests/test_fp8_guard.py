@@ -17,8 +17,8 @@ from torch import nn
 
 import lowprec.fp8 as fp8
 from lowprec.cli.main import main
-from lowprec.fp8.guard import Guard, HealthMonitor, Thresholds
-from lowprec.fp8.health import HealthProbe, headroom_bits, max_to_rms, signals, sqnr_db
+from lowprec.fp8.observe.guard import Guard, HealthMonitor, Thresholds
+from lowprec.fp8.observe.health import HealthProbe, headroom_bits, max_to_rms, signals, sqnr_db
 from lowprec.train.config import load_config, parse_config
 from lowprec.train.metrics import read_metrics
 from lowprec.train.trainer import train

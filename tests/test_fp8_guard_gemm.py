@@ -14,7 +14,7 @@ from torch import nn
 
 import lowprec.fp8 as fp8
 from lowprec.cli.main import main
-from lowprec.fp8.guard import Guard, HealthMonitor, Thresholds
+from lowprec.fp8.observe.guard import Guard, HealthMonitor, Thresholds
 from lowprec.fp8_kwargs import NativeRecipeKwargs
 from lowprec.guard_moves import gemms_of_signal, moved_gemms, moved_layers
 from lowprec.train.config import load_config, parse_config

@@ -1,13 +1,13 @@
-"""The CPU host-float scale arithmetic (fp8/host_scale.py) gives torch's bits exactly."""
+"""The CPU host-float scale arithmetic (fp8/cast/host_scale.py) gives torch's bits exactly."""
 
 import math
 
 import pytest
 import torch
 
-from lowprec.fp8 import host_scale
-from lowprec.fp8.quantize import quantize_tensorwise
-from lowprec.fp8.scaling import amax, amax_to_scale
+from lowprec.fp8.cast import host_scale
+from lowprec.fp8.cast.quantize import quantize_tensorwise
+from lowprec.fp8.cast.scaling import amax, amax_to_scale
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -84,7 +84,7 @@ def test_delayed_step_matches_delayed_scale_step(algo, interval, margin):
     """The CPU delayed-scaling update against the torch one, over a sequence with zeros,
     inf and NaN amaxes (which the history must keep out)."""
     from lowprec.fp8.recipes import Recipe
-    from lowprec.fp8.scaling import delayed_scale_step
+    from lowprec.fp8.cast.scaling import delayed_scale_step
 
     recipe = Recipe.from_name("delayed", amax_history_len=4, amax_compute_algo=algo, interval=interval, margin=margin)
     hist_a, hist_b = torch.zeros(4), torch.zeros(4)

@@ -15,12 +15,12 @@ import torch
 
 from lowprec.fp8 import E4M3, E5M2, kernels
 from lowprec.fp8.kernels import reference, select
-from lowprec.fp8.quantize import quantize_axiswise, quantize_tensorwise, saturated_cast
-from lowprec.fp8.scaling import amax_to_scale
+from lowprec.fp8.cast.quantize import quantize_axiswise, quantize_tensorwise, saturated_cast
+from lowprec.fp8.cast.scaling import amax_to_scale
 
 FP8 = [E4M3, E5M2]
-# ``lowprec.fp8.quantize`` the attribute is the function; the module is needed here
-quantize_mod = importlib.import_module("lowprec.fp8.quantize")
+# ``lowprec.fp8.cast.quantize`` the attribute is the function; the module is needed here
+quantize_mod = importlib.import_module("lowprec.fp8.cast.quantize")
 
 
 @pytest.fixture
@@ -338,7 +338,7 @@ def test_float8_linear_cast_transpose_path_is_identical(monkeypatch, recipe, see
 
             monkeypatch.setattr(kernels, "available", lambda device, op=None, x=None: True)
             monkeypatch.setattr(kernels, "_ops", lambda: Spy())
-        linear_mod = importlib.import_module("lowprec.fp8.linear_fn")
+        linear_mod = importlib.import_module("lowprec.fp8.modules.linear_fn")
         real_mm = linear_mod.scaled_mm
         layouts = []  # wgrad GEMM: (A row-major, B column-major), i.e. nothing to copy
 

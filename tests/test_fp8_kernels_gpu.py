@@ -18,7 +18,7 @@ from tests.conftest import sqnr
 
 pytestmark = pytest.mark.gpu
 FP8 = [E4M3, E5M2]
-quantize_mod = importlib.import_module("lowprec.fp8.quantize")
+quantize_mod = importlib.import_module("lowprec.fp8.cast.quantize")
 
 
 @pytest.fixture
@@ -298,7 +298,7 @@ def test_blockwise_casts_match_the_torch_path(ops, dev, dtype, shape, seed):
 @pytest.mark.parametrize("square", [True, False])
 def test_triton_block_gemm_matches_emulation(dev, square, seed):
     """The Triton blockwise GEMM on hardware (FP8 tensor cores) against dequantize + matmul."""
-    from lowprec.fp8 import block_gemm_triton
+    from lowprec.fp8.gemm import block_triton as block_gemm_triton
 
     assert block_gemm_triton.self_check(dev)
     a = fp8.quantize(torch.randn(1024, 2048, device=dev), E4M3, "block", block=(1, 128))

@@ -225,7 +225,7 @@ def test_both_axis_casts_in_one_pass_match_the_torch_path(dtype, seed):
     x[3] = 0.0
     x[8, 100] = float("inf")
     x = x.to(torch.bfloat16)
-    from lowprec.fp8.scaling import amax_to_scale
+    from lowprec.fp8.cast.scaling import amax_to_scale
 
     col_scale = amax_to_scale(reference.amax_cols(x), dtype, power_of_2=True)
     q, rs, qt = ops.cast_rowwise_dual(x, col_scale, dtype, True)
@@ -359,7 +359,8 @@ def test_fused_blockwise_layouts_feed_the_gemms_without_copies(monkeypatch, seed
     the torch path, every operand already in the layout block_gemm hands to torch's kernel
     (A row-major, B column-major)."""
     from lowprec import fp8
-    from lowprec.fp8 import block_cast, kernels
+    from lowprec.fp8 import kernels
+    from lowprec.fp8.cast import block_cast
 
     x = torch.randn(256, 384, dtype=torch.bfloat16) * 3
 
@@ -400,7 +401,7 @@ def test_fused_blockwise_layouts_feed_the_gemms_without_copies(monkeypatch, seed
 def _block_operands(m, k, n, bs, a_dtype, square):
     from functools import partial
 
-    from lowprec.fp8.quantize import quantize_blockwise
+    from lowprec.fp8.cast.quantize import quantize_blockwise
 
     qb = partial(quantize_blockwise, fused=False)
 
@@ -426,7 +427,7 @@ def test_triton_block_gemm_is_within_the_documented_bound(mkn, bs, a_dtype, squa
     """Whole and ragged tiles, both B tilings, E4M3/E5M2 A, float32 and bf16 output: the kernel
     differs from dequantize-then-matmul only by summation order (cpu_gemm.py's bound)."""
     from lowprec import fp8
-    from lowprec.fp8 import block_gemm_triton
+    from lowprec.fp8.gemm import block_triton as block_gemm_triton
     from tests.conftest import assert_within_gemm_bound
 
     a, b = _block_operands(*mkn, bs, a_dtype, square)
@@ -441,8 +442,8 @@ def test_triton_block_gemm_is_within_the_documented_bound(mkn, bs, a_dtype, squa
 def test_triton_block_gemm_decodes_every_fp8_code_exactly(dtype):
     """A holds every finite FP8 code once, B is the identity: C = A exactly (the interpreter's
     software decode, subnormals included); a NaN code makes its row NaN."""
-    from lowprec.fp8 import block_gemm_triton
-    from lowprec.fp8.quantize import Float8Data
+    from lowprec.fp8.gemm import block_triton as block_gemm_triton
+    from lowprec.fp8.cast.quantize import Float8Data
 
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype)
     finite = codes[torch.isfinite(codes.float())]
@@ -463,7 +464,7 @@ def test_float8_linear_blockwise_on_the_triton_gemm(monkeypatch, seed):
     """The whole blockwise Float8Linear fwd+bwd with all three GEMMs on the Triton kernel (as on
     an sm_89 GPU: the dispatch says "triton"), against the emulated run."""
     from lowprec import fp8
-    from lowprec.fp8 import block_gemm_triton, gemm
+    from lowprec.fp8.gemm import block_triton as block_gemm_triton, dispatch as gemm
 
     lin = torch.nn.Linear(256, 128, bias=False)  # K spans two 128-tiles
     x = torch.randn(48, 256) * 2
@@ -578,7 +579,7 @@ GROUPED_GEMMS = [("tensor", "output"), ("tensor", "grad_input"), ("axis", "outpu
 def _grouped_operands(counts, gran, gemm, k=96, n=40, exact=False):
     """Per-expert casts as ``grouped_fn`` makes them. ``exact``: integer FP8 values in [-8, 8]
     and power-of-two scales, so every partial sum of K = 96 products is exact in float32."""
-    from lowprec.fp8.quantize import Float8Data
+    from lowprec.fp8.cast.quantize import Float8Data
 
     a_dtype = E5M2 if (gran == "tensor" and gemm == "grad_input") else E4M3
 
@@ -607,7 +608,7 @@ def test_triton_grouped_gemm_is_the_loop_within_the_documented_bound(counts, gra
     """One launch for all groups against one scaled GEMM per expert (the CPU loop: exact bf16
     upcast, float32 accumulation, bf16 output): the same exact products summed in another order
     (``K * eps32 * (|A| @ |B|)``) plus the loop's bf16 rounding of its accumulator."""
-    from lowprec.fp8 import grouped_gemm, grouped_triton
+    from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton
     from tests.conftest import assert_within_gemm_bound
 
     groups, experts = _grouped_operands(counts, gran, gemm)
@@ -631,7 +632,7 @@ def test_triton_grouped_gemm_is_the_loop_bit_for_bit_where_sums_are_exact(gran, 
     products, the same scale epilogue, the same one rounding to bf16. The kernel writes float32
     here and torch rounds it: the interpreter's own float32 -> bf16 store truncates (315.0 ->
     314.0; a GPU's rounds to nearest even), as its FP8 converts are not round-to-nearest either."""
-    from lowprec.fp8 import grouped_gemm, grouped_triton
+    from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton
 
     for counts in LAYOUTS[:3]:
         groups, experts = _grouped_operands(counts, gran, gemm, exact=True)
@@ -644,7 +645,7 @@ def test_triton_grouped_gemm_operator_under_fake_tensors_and_opcheck():
     """The operator's fake form gives the eager output's shape, dtype and strides (what
     torch.compile traces), and torch's operator checks pass (not test_schema: it compares the
     FP8 inputs with ops torch has no FP8 kernel for; inputs unchanged is checked by hand)."""
-    from lowprec.fp8 import grouped_triton
+    from lowprec.fp8.gemm import grouped_triton
 
     groups, experts = _grouped_operands((5, 0, 20), "axis", "output")
     mat_a, mat_b, sa, sb, offs, rows, sizes = grouped_triton.pack(groups, experts)
@@ -667,7 +668,7 @@ def test_triton_grouped_gemm_operator_under_fake_tensors_and_opcheck():
 def grouped_dispatch(monkeypatch):
     """The grouped kinds' dispatch as on a GPU where the Triton grouped GEMM passed its check:
     every call to it recorded."""
-    from lowprec.fp8 import grouped_gemm, grouped_triton
+    from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton
 
     calls = []
     real = grouped_triton.mm
@@ -683,7 +684,7 @@ def test_grouped_kinds_run_the_triton_gemm_where_torch_has_none(name, grouped_di
     all experts take the Triton kernel, logged once; the results are the per-expert loop's
     within 45 dB (the same casts), grad_weight (per expert in both) bit for bit."""
     from lowprec import fp8
-    from lowprec.fp8.grouped import Float8GroupedGemm
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
     from tests.conftest import sqnr
 
     counts, k, n = (21, 0, 40, 3), 64, 48
@@ -709,8 +710,8 @@ def test_torchs_kernel_keeps_what_it_takes_and_the_triton_gemm_the_e5m2_grad_inp
     """With torch's grouped kernel present (here its reference on CPU), tensorwise's output GEMM
     takes it and grad_input, whose E5M2 dY torch's kernel refuses, the Triton one."""
     from lowprec import fp8
-    from lowprec.fp8 import grouped_gemm
-    from lowprec.fp8.grouped import Float8GroupedGemm
+    from lowprec.fp8.gemm import grouped as grouped_gemm
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
 
     native = []
     monkeypatch.setattr(grouped_gemm, "native_grouped_available", lambda device: True)

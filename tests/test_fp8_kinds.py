@@ -15,8 +15,8 @@ from conftest import sqnr
 import lowprec.fp8 as fp8
 from lowprec import catalog
 from lowprec.fp8 import kinds
-from lowprec.fp8.linear_fn import ScaledGemmKind
-from lowprec.fp8.plan import GemmCast, OperandCast
+from lowprec.fp8.modules.linear_fn import ScaledGemmKind
+from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "lowprec"
 KIND_NAMES = {r.scaling for r in catalog.RECIPES.values()} | set(catalog.RECIPE_NAMES)
@@ -24,18 +24,18 @@ KIND_NAMES = {r.scaling for r in catalog.RECIPES.values()} | set(catalog.RECIPE_
 # FP8 tensors whatever kind made them (the FSDP2 FP8 all-gather's shard casts included), and the
 # export formats' own schemes.
 GRANULARITY_LAYER = {
-    "fp8/quantize.py",
-    "fp8/gemm.py",
-    "fp8/grouped_gemm.py",
-    "fp8/cpu_gemm.py",
-    "fp8/block_gemm.py",
-    "fp8/block_gemm_triton.py",
-    "fp8/grouped_triton.py",
-    "fp8/cast_state.py",
-    "fp8/gathered.py",
-    "fp8/plan.py",
-    "fp8/torch_casts.py",  # the torch definitions of the casts (quantize.py dispatches to them)
-    "fp8/fp8_base.py",  # a frozen FP8 checkpoint's GEMMs, per the scale layout it stores
+    "fp8/cast/quantize.py",
+    "fp8/gemm/dispatch.py",
+    "fp8/gemm/grouped.py",
+    "fp8/gemm/cpu.py",
+    "fp8/gemm/block.py",
+    "fp8/gemm/block_triton.py",
+    "fp8/gemm/grouped_triton.py",
+    "fp8/modules/cast_state.py",
+    "fp8/modules/gathered.py",
+    "fp8/kinds/plan.py",
+    "fp8/cast/torch_casts.py",  # the torch definitions of the casts (quantize.py dispatches to them)
+    "fp8/modules/fp8_base.py",  # a frozen FP8 checkpoint's GEMMs, per the scale layout it stores
     "distributed/fsdp_float8.py",  # casts each FSDP2 shard for the FP8 all-gather, as the GEMM will read it
     "distributed/expert_parallel.py",  # casts dispatched token rows as the expert GEMM will read them
     "export/casts.py",
@@ -198,7 +198,7 @@ def test_an_unknown_kind_leaves_nothing_behind(split):
 def test_a_new_kind_runs_grouped_expert_gemms_without_writing_anything(split, seed):
     """Kind.grouped_forward's default runs each expert as the kind runs a Linear (its forward on
     the expert's slot), with the kind's state kept per expert."""
-    from lowprec.fp8.grouped import Float8GroupedGemm
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
 
     recipe = fp8.Recipe.from_name("split")
     gemm = Float8GroupedGemm(3, recipe)

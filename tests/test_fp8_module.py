@@ -263,7 +263,7 @@ def test_compiled_fp8_layers_run_eagerly_when_asked(seed, monkeypatch, caplog, o
     layer, logged once, with the eager results."""
     from torch._dynamo.utils import counters
 
-    from lowprec.fp8 import compile_guard
+    from lowprec.fp8.gemm import compile_guard
 
     monkeypatch.setattr(compile_guard, "_LOGGED", [False])
     if opt_in:
@@ -301,8 +301,8 @@ def test_a_compiled_fp8_base_layer_runs_its_gemms_eagerly_when_asked(seed, monke
     """The frozen FP8 base layer (LoRA on an FP8 checkpoint) follows the same switch."""
     from torch._dynamo.utils import counters
 
-    from lowprec.fp8 import compile_guard
-    from lowprec.fp8.fp8_base import Float8BaseLinear
+    from lowprec.fp8.gemm import compile_guard
+    from lowprec.fp8.modules.fp8_base import Float8BaseLinear
 
     monkeypatch.setattr(compile_guard, "_LOGGED", [False])
     monkeypatch.setenv(compile_guard.ENV, "0")
@@ -335,8 +335,8 @@ def test_telemetry_reports_every_operand(seed):
 
 def _cast_stats_direct(x, q):
     """The telemetry definitions written out directly (the expression cast_stats replaced)."""
-    from lowprec.fp8.formats import saturation_threshold
-    from lowprec.fp8.quantize import expand_blocks
+    from lowprec.fp8.cast.formats import saturation_threshold
+    from lowprec.fp8.cast.quantize import expand_blocks
 
     full = expand_blocks(q.scale, q.block, x.shape) if q.granularity == "block" else q.scale
     x32 = x.detach().to(torch.float32)
@@ -346,8 +346,8 @@ def _cast_stats_direct(x, q):
 
 
 def test_cast_stats_equal_the_direct_expressions(seed):
-    from lowprec.fp8.cast_state import cast_stats
-    from lowprec.fp8.quantize import quantize
+    from lowprec.fp8.modules.cast_state import cast_stats
+    from lowprec.fp8.cast.quantize import quantize
 
     for trial in range(40):
         rows, cols = (int(v) for v in torch.randint(1, 200, (2,)))

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import lowprec.fp8 as fp8
-from lowprec.fp8.quantize import quantize_axiswise, quantize_blockwise, quantize_tensorwise
-from lowprec.fp8.scaling import amax_to_scale
+from lowprec.fp8.cast.quantize import quantize_axiswise, quantize_blockwise, quantize_tensorwise
+from lowprec.fp8.cast.scaling import amax_to_scale
 from tests.conftest import sqnr
 
 
@@ -90,7 +90,7 @@ def test_scales_are_exact_divisions_floored_by_their_exponent():
     """fp8_max / amax is one correctly rounded division (448 / 56 is 8, not the
     7.999999999999999 of ``56 ** -1 * 448``), and the power of two is its exponent: the same
     number on every device and in the Triton kernels (the H200 run found 4 against 8)."""
-    from lowprec.fp8.scaling import floor_pow2
+    from lowprec.fp8.cast.scaling import floor_pow2
 
     E4M3, E5M2 = fp8.E4M3, fp8.E5M2
     amax = torch.tensor([56.0, 14.0, 448.0, 3.0, 0.0, float("inf"), float("nan")])

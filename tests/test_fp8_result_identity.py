@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 import lowprec.fp8 as fp8
-from lowprec.fp8 import gemm as gemm_mod
+from lowprec.fp8.gemm import dispatch as gemm_mod
 
 
 class _Producers(TorchFunctionMode):
@@ -52,11 +52,11 @@ class _Producers(TorchFunctionMode):
 
 
 def _fp8_functions():
-    from lowprec.fp8.activations import _RMSNormFn, _SwiGLUFn
-    from lowprec.fp8.fp8_base import _BaseFn
-    from lowprec.fp8.grouped_fn import GroupedScaledFn
-    from lowprec.fp8.linear_fn import Float8LinearFn
-    from lowprec.fp8.mx_linear import _MXLinearFn
+    from lowprec.fp8.modules.activations import _RMSNormFn, _SwiGLUFn
+    from lowprec.fp8.modules.fp8_base import _BaseFn
+    from lowprec.fp8.modules.grouped_fn import GroupedScaledFn
+    from lowprec.fp8.modules.linear_fn import Float8LinearFn
+    from lowprec.fp8.modules.mx_linear import _MXLinearFn
 
     return (Float8LinearFn, _MXLinearFn, _BaseFn, GroupedScaledFn, _SwiGLUFn, _RMSNormFn)
 
@@ -133,9 +133,9 @@ def test_linear_result_is_made_once(recipe, path, cuda_branch, results, monkeypa
 
 @pytest.mark.parametrize("recipe", fp8.RECIPE_NAMES)
 def test_grouped_base_and_activation_results_are_made_once(recipe, results, seed):
-    from lowprec.fp8.activations import rms_norm, swiglu
-    from lowprec.fp8.fp8_base import Float8BaseLinear
-    from lowprec.fp8.grouped import Float8GroupedGemm
+    from lowprec.fp8.modules.activations import rms_norm, swiglu
+    from lowprec.fp8.modules.fp8_base import Float8BaseLinear
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
 
     rec = fp8.Recipe.from_name(recipe)
     mode = _Producers()

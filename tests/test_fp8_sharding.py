@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import lowprec.fp8 as fp8
-from lowprec.fp8.sharding import recast_weight_in_backward, reshape_output, weight_sharded
+from lowprec.fp8.modules.sharding import recast_weight_in_backward, reshape_output, weight_sharded
 
 RECIPES = ("delayed", "tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8", "nvfp4")
 # recipes whose forward weight cast also serves grad_input: backward keeps it unless told otherwise

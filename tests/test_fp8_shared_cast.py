@@ -1,6 +1,6 @@
 """Linears reading one tensor (q/k/v, gate/up) share its FP8 cast: same bits, fewer casts.
 
-``fp8/shared_cast.py``: the second and third Linear take the first one's cast of their common
+``fp8/modules/shared_cast.py``: the second and third Linear take the first one's cast of their common
 input (and, on CPU, its bf16 upcast, in forward and in backward). These tests hold the sharing
 to what it promises: bit-identical losses, gradients and scaling state with sharing on and off
 (``LOWPREC_SHARE_CASTS=0``), on fresh random data, for every per-tensor/axis/block recipe; the
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import lowprec.fp8 as fp8
-from lowprec.fp8 import cpu_gemm, linear_fn, shared_cast
+from lowprec.fp8.gemm import cpu as cpu_gemm
+from lowprec.fp8.modules import linear_fn, shared_cast
 from lowprec.train.model import build_model
 
 RECIPES = ["tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise"]

@@ -52,7 +52,7 @@ def test_compiled_matches_eager_on_cuda(recipe, traced, monkeypatch):
     eager (``LOWPREC_COMPILE_FP8=0``): runs four and five found the traced form's gradients all
     zeros (the GEMM's identity ``.to``, see ``tests/test_fp8_result_identity.py``); the sixth,
     with the fix, found them equal to eager's."""
-    from lowprec.fp8 import compile_guard
+    from lowprec.fp8.gemm import compile_guard
 
     monkeypatch.setenv(compile_guard.ENV, "1" if traced else "0")
     dev = _fp8_gpu()
@@ -108,7 +108,7 @@ def test_layer_sqnr_on_cuda(recipe):
     assert sqnr(ref(x.double()), y.float()) > (15 if recipe == "nvfp4" else 25)
 
 
-# --- lowprec's Triton grouped FP8 GEMM (fp8/grouped_triton.py) on hardware --------------------
+# --- lowprec's Triton grouped FP8 GEMM (fp8/gemm/grouped_triton.py) on hardware --------------------
 def _grouped_cuda_operands(dev, gran, gemm, counts, k=1024, n=768):
     """Per-expert casts as grouped_fn makes them (see test_fp8_kernels_interpret.py): tensorwise's
     grad_input has an E5M2 dY; output's B comes from (E, N, K) weights, grad_input's is (E, K, N)."""
@@ -131,7 +131,7 @@ def test_triton_grouped_gemm_matches_the_loop_on_cuda(gran, gemm):
     self-check's bound (2**-7 max |ref|: the tensor cores' FP8 accumulation) and > 40 dB."""
     dev = _fp8_gpu()
     pytest.importorskip("triton")
-    from lowprec.fp8 import grouped_gemm, grouped_triton
+    from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton
 
     assert grouped_triton.self_check(dev)
     torch.manual_seed(0)
@@ -151,8 +151,8 @@ def test_grouped_experts_on_the_triton_gemm_on_cuda(name, monkeypatch):
     of all experts on the Triton kernel, fwd+bwd against the per-expert emulation."""
     dev = _fp8_gpu()
     pytest.importorskip("triton")
-    from lowprec.fp8 import grouped_gemm, grouped_triton
-    from lowprec.fp8.grouped import Float8GroupedGemm
+    from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
 
     calls = []
     real = grouped_triton.mm

@@ -17,8 +17,8 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
 
-import lowprec.fp8.linear_fn as fp8_linear  # noqa: E402
-import lowprec.fp8.mx_linear as fp8_mx_linear  # noqa: E402
+import lowprec.fp8.modules.linear_fn as fp8_linear  # noqa: E402
+import lowprec.fp8.modules.mx_linear as fp8_mx_linear  # noqa: E402
 from lowprec import fp8  # noqa: E402
 from lowprec.integrations.transformers import FP8Callback, enable_fp8, fp8_state_keys  # noqa: E402
 
@@ -529,7 +529,7 @@ def test_fp8_callback_guard_arguments_are_checked():
 def test_fp8_callback_guard_recover_after_reaches_the_guard():
     """``guard_recover_after``: the callback's guard moves layers back, its probe measures moved
     layers on the side; left out, neither (a moved layer stays in bf16)."""
-    from lowprec.fp8.guard import HealthMonitor
+    from lowprec.fp8.observe.guard import HealthMonitor
 
     model = tiny_llama()
     enable_fp8(model, "tensorwise")

@@ -1,4 +1,4 @@
-"""The CPU fast path of the block-scaled recipes (lowprec/fp8/mx_gemm.py ``upcast``): exact bf16
+"""The CPU fast path of the block-scaled recipes (lowprec/fp8/gemm/mx.py ``upcast``): exact bf16
 operands, a bf16 GEMM within the documented bound of the float32 emulation, the fallback where
 bf16 would not be exact, and the one-pass E2M1 encoder against the per-binade rounding rule."""
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import assert_within_gemm_bound
-from lowprec.fp8 import mx_gemm
-from lowprec.fp8.mx import quantize_mx
-from lowprec.fp8.mx_gemm import _bf16_operand, mx_mm
-from lowprec.fp8.nvfp4 import FP4_MAX, _code_of, e2m1_encode, quantize_nvfp4, quantize_nvfp4_2d
+from lowprec.fp8.gemm import mx as mx_gemm
+from lowprec.fp8.cast.mx import quantize_mx
+from lowprec.fp8.gemm.mx import _bf16_operand, mx_mm
+from lowprec.fp8.cast.nvfp4 import FP4_MAX, _code_of, e2m1_encode, quantize_nvfp4, quantize_nvfp4_2d
 
 
 class _Transposed:

@@ -1,14 +1,14 @@
 """Block-scaled formats: E8M0, MXFP8 scale rounding and padding, E2M1, NVFP4, stochastic rounding,
-the random Hadamard transform (lowprec/fp8/mx.py, nvfp4.py, hadamard.py)."""
+the random Hadamard transform (lowprec/fp8/cast/mx.py, nvfp4.py, hadamard.py)."""
 
 import math
 
 import pytest
 import torch
 
-from lowprec.fp8.hadamard import apply_rht, hadamard_matrix, random_hadamard
-from lowprec.fp8.mx import e8m0_decode, e8m0_encode, mx_scale_exponent, quantize_mx
-from lowprec.fp8.nvfp4 import (
+from lowprec.fp8.cast.hadamard import apply_rht, hadamard_matrix, random_hadamard
+from lowprec.fp8.cast.mx import e8m0_decode, e8m0_encode, mx_scale_exponent, quantize_mx
+from lowprec.fp8.cast.nvfp4 import (
     E2M1_VALUES,
     e2m1_decode,
     e2m1_encode,

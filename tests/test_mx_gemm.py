@@ -1,14 +1,14 @@
-"""Block-scaled GEMM dispatch (lowprec/fp8/mx_gemm.py): the swizzled scale layout against a
+"""Block-scaled GEMM dispatch (lowprec/fp8/gemm/mx.py): the swizzled scale layout against a
 reference written from NVIDIA's documentation, emulation against dequantization, the native
 call's plumbing through a CPU stand-in for torch's scaled_mm, and the path rules."""
 
 import pytest
 import torch
 
-from lowprec.fp8 import mx_gemm
-from lowprec.fp8.mx import BlockScaledData, e8m0_decode, quantize_mx
-from lowprec.fp8.mx_gemm import mx_gemm_path, mx_mm, native_block_scaled_available, swizzle_scales
-from lowprec.fp8.nvfp4 import e2m1_unpack, quantize_nvfp4, quantize_nvfp4_2d
+from lowprec.fp8.gemm import mx as mx_gemm
+from lowprec.fp8.cast.mx import BlockScaledData, e8m0_decode, quantize_mx
+from lowprec.fp8.gemm.mx import mx_gemm_path, mx_mm, native_block_scaled_available, swizzle_scales
+from lowprec.fp8.cast.nvfp4 import e2m1_unpack, quantize_nvfp4, quantize_nvfp4_2d
 
 
 def reference_swizzle(scale: torch.Tensor) -> torch.Tensor:

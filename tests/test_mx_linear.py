@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from lowprec import fp8
-from lowprec.fp8.linear import Float8Linear
-from lowprec.fp8.mx import quantize_mx
+from lowprec.fp8.modules.linear import Float8Linear
+from lowprec.fp8.cast.mx import quantize_mx
 
 SHAPES = [(64, 128, 96), (37, 100, 50)]  # (M, K, N); the second is ragged for 32- and 16-blocks
 # Measured (tests below, seeds 0-1): mxfp8 28.3-28.6 dB on every GEMM (scale rounding rceil;

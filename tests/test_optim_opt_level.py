@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lowprec.fp8.quantize import quantize_tensorwise
+from lowprec.fp8.cast.quantize import quantize_tensorwise
 from lowprec.optim import FP8AdamW, apply_opt_level, clip_grad_norm_, fp8_grad, materialize_grads
 
 

@@ -1,4 +1,4 @@
-"""Traffic accounting (lowprec.fp8.traffic, fp8.trace_as, benchmarks/traffic.py).
+"""Traffic accounting (lowprec.fp8.observe.traffic, fp8.trace_as, benchmarks/traffic.py).
 
 Byte counts are exact and deterministic (meta tensors, no kernel runs), so they are asserted
 as numbers: the counter against hand-computed formulas, and every recipe's bytes outside the
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import lowprec.fp8 as fp8
-from lowprec.fp8.gemm import native_scaled_mm_available
+from lowprec.fp8.gemm.dispatch import native_scaled_mm_available
 from lowprec.fp8.kernels import available
 from lowprec.fp8.kernels.select import triton_importable
-from lowprec.fp8.traffic import ByteCounter, tensor_bytes, trace_linear
+from lowprec.fp8.observe.traffic import ByteCounter, tensor_bytes, trace_linear
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -447,7 +447,7 @@ def test_frozen_base_layer_runs_two_gemms_and_casts_its_weight_once_per_version(
     GEMMs only (no weight-gradient GEMM); its weight is cast once for several micro-batches and
     again only after the weight changes; outputs bit-identical to the uncached path."""
     import lowprec.fp8.kinds.tensorwise as tensorwise
-    import lowprec.fp8.linear_fn as linear_fn
+    import lowprec.fp8.modules.linear_fn as linear_fn
 
     gemms, casts = [], []
     real_mm, real_quantize = linear_fn.scaled_mm, tensorwise.quantize_tensorwise

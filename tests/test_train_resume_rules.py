@@ -143,7 +143,7 @@ def test_a_legitimate_change_is_applied_and_logged_once(checkpoint, tmp_path, ca
 def test_another_cpu_fp8_gemm_kernel_on_resume_is_noted_once(checkpoint, tmp_path, capsys, monkeypatch):
     """The kernel a checkpoint was trained with (the machine's kept probe verdict) is recorded;
     resuming under the other one continues, with one line saying the bits will differ."""
-    from lowprec.fp8 import cpu_gemm
+    from lowprec.fp8.gemm import cpu as cpu_gemm
     from lowprec.train.resume_check import saved_settings
 
     settings = [saved_settings(str(checkpoint), i) for i in range(len(list(checkpoint.glob("custom_checkpoint_*"))))]

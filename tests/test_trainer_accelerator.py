@@ -143,7 +143,7 @@ def test_accelerates_te_and_msamp_recipe_kwargs_become_lowprec_recipes(make, exp
 
 
 def test_a_trainer_run_with_accelerates_te_recipe_runs_fp8_gemms(tmp_path, no_launch_env):
-    import lowprec.fp8.linear_fn as fp8_linear
+    import lowprec.fp8.modules.linear_fn as fp8_linear
 
     trainer = _trainer(tmp_path, [_te(amax_history_len=4, margin=1)], bf16=True)
     real, calls = fp8_linear.scaled_mm, []

@@ -35,7 +35,7 @@ sys.path.insert(0, str(BENCH))
 from _common import collect_rows, device_name  # noqa: E402
 
 import lowprec.fp8 as fp8  # noqa: E402
-from lowprec.fp8 import compile_guard  # noqa: E402
+from lowprec.fp8.gemm import compile_guard  # noqa: E402
 from lowprec.fp8.kernels import select  # noqa: E402
 
 VARIANTS = ("inductor", "aot_eager", "inductor_no_triton", "inductor_no_donated", "inductor_no_fast_accum")

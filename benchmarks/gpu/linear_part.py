@@ -11,7 +11,7 @@ tensorwise/rowwise): the median fwd+bwd milliseconds (CUDA events, after warm-up
 * ``traced_outside_gemm_bytes`` and ``roofline_ms``: the bytes the CUDA path moves outside the
   GEMMs, traced on meta tensors as an sm_90 GPU (``benchmarks/traffic.py``), and the roofline
   ESTIMATE from them (H100 achieved rates). torchao is traced eager (its casts unfused);
-* ``cost_model_ms``: ``lowprec.fp8.cost_model.predict_seconds`` (the ``auto`` filter's model,
+* ``cost_model_ms``: ``lowprec.fp8.observe.cost_model.predict_seconds`` (the ``auto`` filter's model,
   which assumes fused casts), an ESTIMATE;
 * ``measured_over_roofline``: how far the measured time is from the roofline (1.0 = on it).
 
@@ -40,9 +40,9 @@ from linear import bench_shape  # noqa: E402
 
 from lowprec.catalog import RECIPES, Granularity  # noqa: E402
 import lowprec.fp8 as fp8  # noqa: E402
-from lowprec.fp8.cost_model import predict_seconds  # noqa: E402
+from lowprec.fp8.observe.cost_model import predict_seconds  # noqa: E402
 from lowprec.fp8.kernels.select import triton_importable  # noqa: E402
-from lowprec.fp8.mx_gemm import native_block_scaled_available  # noqa: E402
+from lowprec.fp8.gemm.mx import native_block_scaled_available  # noqa: E402
 
 # (M, K, N, name): Llama-3-8B's projections at 16384 tokens (qkv and gate+up fused), and the
 # issue's target shape (one of gate/up)
@@ -72,7 +72,7 @@ def estimates(m: int, k: int, n: int, recipes: list[str], torchao: bool) -> dict
     """variant -> traced bytes outside the GEMMs, roofline and cost-model ESTIMATES (ms)."""
     import traffic  # benchmarks/traffic.py: imported here, its module import traces nothing
 
-    from lowprec.fp8.traffic import trace_linear
+    from lowprec.fp8.observe.traffic import trace_linear
 
     out: dict[str, dict] = {}
     builds = {"bf16": traffic._bf16, **{r: traffic._lowprec(r) for r in recipes if r not in BLOCK_SCALED}}

@@ -38,8 +38,8 @@ sys.path.insert(0, str(BENCH))
 from _common import collect_rows, device_name  # noqa: E402
 
 import lowprec.fp8 as fp8  # noqa: E402
-from lowprec.fp8 import compile_guard  # noqa: E402
-from lowprec.fp8.autocast import torch_autocast_off  # noqa: E402
+from lowprec.fp8.gemm import compile_guard  # noqa: E402
+from lowprec.fp8.modules.autocast import torch_autocast_off  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 GRAPH_CHARS = 30000

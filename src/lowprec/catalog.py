@@ -86,7 +86,7 @@ FIELD_DEFAULTS: Mapping[str, Any] = MappingProxyType(
         "override_linear_precision": (False, False, False),
         "use_during_eval": False,
         "block_size": 128,
-        "scale_rounding": "rceil",  # MXFP8's E8M0 rule: never saturates (fp8/mx.py says why)
+        "scale_rounding": "rceil",  # MXFP8's E8M0 rule: never saturates (fp8/cast/mx.py says why)
     }
 )
 

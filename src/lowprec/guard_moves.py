@@ -1,4 +1,4 @@
-"""The FP8 guard's saved moves (``lowprec.fp8.guard``), read as plain dicts: torch-free, so the
+"""The FP8 guard's saved moves (``lowprec.fp8.observe.guard``), read as plain dicts: torch-free, so the
 reports and plots that read them from ``metrics.jsonl`` or a checkpoint import no torch.
 
 A move is ``Event.to_dict()``: ``{"layer", "signal", "value", "step", "moved"}``; a move back to

@@ -209,7 +209,7 @@ def apply_tp_plan(model: Any, tp_mesh: Any, sequence_parallel: bool = False) -> 
     (a replicated output split along the sequence)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lowprec.fp8.linear import Float8Linear
+    from lowprec.fp8.modules.linear import Float8Linear
 
     plan = getattr(model, "_tp_plan", None) or getattr(model, "base_model_tp_plan", None)
     if not plan:

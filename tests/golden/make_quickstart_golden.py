@@ -32,7 +32,7 @@ OVERRIDES = {
 
 
 def run_curve(output_dir: str) -> dict:
-    from lowprec.fp8 import cpu_gemm
+    from lowprec.fp8.gemm import cpu as cpu_gemm
     from lowprec.train.config import load_config
     from lowprec.train.data import corpus_fingerprint
     from lowprec.train.trainer import train

@@ -8,5 +8,5 @@
   loadable on any number of processes) with a load planner that refuses code.
 
 This package's ``__init__`` imports nothing, so that reading a file format does not load the
-Accelerator's state machinery. Activation recomputation is ``lowprec.fp8.recompute``.
+Accelerator's state machinery. Activation recomputation is ``lowprec.fp8.modules.recompute``.
 """

@@ -50,7 +50,7 @@ def hardware_default() -> tuple[LaunchSettings, str]:
     import torch
 
     if not torch.cuda.is_available():
-        from lowprec.fp8.cpu_gemm import cpu_gemm_choice
+        from lowprec.fp8.gemm.cpu import cpu_gemm_choice
 
         # use_cpu: true, so the file says what the machine is (not use_cpu: false on a GPU-less box)
         return LaunchSettings(mixed_precision="bf16", use_cpu=True), (

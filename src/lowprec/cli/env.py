@@ -117,14 +117,14 @@ def _blockwise_gemm(index: int) -> str:
     """The kernel the blockwise recipe's GEMMs take on CUDA device ``index`` (as the conversion report says)."""
     import torch
 
-    from lowprec.fp8.block_gemm_triton import describe_cuda
+    from lowprec.fp8.gemm.block_triton import describe_cuda
 
     return describe_cuda(torch.device("cuda", index), 128)
 
 
 def _cpu_fp8_gemm() -> str:
     """The CPU FP8 GEMM this process uses and why: the same sentence the trainer logs."""
-    from lowprec.fp8.cpu_gemm import cpu_gemm_choice
+    from lowprec.fp8.gemm.cpu import cpu_gemm_choice
 
     return f"cpu: {cpu_gemm_choice().describe()}"
 

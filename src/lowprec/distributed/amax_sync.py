@@ -15,7 +15,7 @@ What one call does (:func:`reduce_delayed_amaxes`):
 2. they are stacked into one ``(3 * layers, K)`` float32 tensor and MAX all-reduced: **one
    collective** for the whole model, ``12 * layers * K`` bytes;
 3. the reduced entries replace the local ones and each scale is rebuilt from its history
-   (``fp8_max / amax / 2**margin``, as :func:`lowprec.fp8.linear.delayed_scale_step` builds it)
+   (``fp8_max / amax / 2**margin``, as :func:`lowprec.fp8.modules.linear.delayed_scale_step` builds it)
    wherever the layer refreshed its scale since the last call (``interval``), so the next step
    casts with the same scale on every rank.
 
@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowprec.fp8.linear import Float8Linear
-from lowprec.fp8.scaling import amax_to_scale, history_to_amax
+from lowprec.fp8.modules.linear import Float8Linear
+from lowprec.fp8.cast.scaling import amax_to_scale, history_to_amax
 
 __all__ = ["reduce_delayed_amaxes", "delayed_layers"]
 

@@ -1,6 +1,6 @@
 """Expert parallelism for lowprec's FP8 expert modules, with FP8 token dispatch.
 
-:func:`apply_expert_parallel` shards every FP8 experts module of a model (``fp8/experts.py``:
+:func:`apply_expert_parallel` shards every FP8 experts module of a model (``fp8/modules/experts.py``:
 ``builtin:moe-tiny``'s ``MoEExperts``, transformers' fused ``MixtralExperts``-style classes)
 over the ``ep_size`` processes of a group: rank ``r`` owns experts ``r * E/ep .. (r+1) * E/ep - 1``.
 
@@ -88,10 +88,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowprec.fp8.experts import GEMM_PREFIX, Float8Experts, combine, expert_rows, route
-from lowprec.fp8.linear_fn import cast
-from lowprec.fp8.formats import fp8_max
-from lowprec.fp8.torch_casts import saturate_
+from lowprec.fp8.modules.experts import GEMM_PREFIX, Float8Experts, combine, expert_rows, route
+from lowprec.fp8.modules.linear_fn import cast
+from lowprec.fp8.cast.formats import fp8_max
+from lowprec.fp8.cast.torch_casts import saturate_
 
 __all__ = [
     "ExpertParallelState",

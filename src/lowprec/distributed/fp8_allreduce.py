@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lowprec.fp8.quantize import saturated_cast
-from lowprec.fp8.scaling import amax_to_scale
+from lowprec.fp8.cast.quantize import saturated_cast
+from lowprec.fp8.cast.scaling import amax_to_scale
 
 __all__ = [
     "FP8AllReduceState",

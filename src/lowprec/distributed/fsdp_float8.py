@@ -11,7 +11,7 @@ extension hooks move FP8 instead of bf16:
   as FSDP2 itself would) to FP8 with the weight's scale and hands FSDP2 the bytes: 1 byte per
   element on the wire instead of 2 (bf16) or 4 (fp32);
 * ``fsdp_post_all_gather``: the gathered bytes become a
-  :class:`~lowprec.fp8.gathered.Float8GatheredWeight`, which the FP8 GEMM takes as its weight
+  :class:`~lowprec.fp8.modules.gathered.Float8GatheredWeight`, which the FP8 GEMM takes as its weight
   cast (no second cast).
 
 Every rank needs the same scale before the gather, and both kinds build it from the amax of the
@@ -81,11 +81,11 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from lowprec.catalog import check_fsdp_fp8_all_gather
-from lowprec.fp8.gathered import Float8GatheredWeight
-from lowprec.fp8.linear import Float8Linear
-from lowprec.fp8.mx import MX_BLOCK, quantize_mx
-from lowprec.fp8.quantize import quantize_axiswise, quantize_blockwise, quantize_tensorwise
-from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
+from lowprec.fp8.modules.gathered import Float8GatheredWeight
+from lowprec.fp8.modules.linear import Float8Linear
+from lowprec.fp8.cast.mx import MX_BLOCK, quantize_mx
+from lowprec.fp8.cast.quantize import quantize_axiswise, quantize_blockwise, quantize_tensorwise
+from lowprec.fp8.cast.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
 
 __all__ = [
     "DelayedWeightScale",

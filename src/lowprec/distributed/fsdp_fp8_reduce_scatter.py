@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec.distributed.fp8_allreduce import per_element
-from lowprec.fp8.quantize import saturated_cast
-from lowprec.fp8.scaling import amax_to_scale
+from lowprec.fp8.cast.quantize import saturated_cast
+from lowprec.fp8.cast.scaling import amax_to_scale
 
 __all__ = ["FP8ReduceScatter", "install_fp8_reduce_scatter", "CountingReduceScatter", "install_counting_reduce_scatter"]
 

@@ -10,9 +10,9 @@ whole-tensor scale (tensorwise recipe). So each process casts *its slice* with t
 before the gather, and the gather carries FP8 bytes: half of bf16's, a quarter of fp32's.
 
 * The scale is the whole tensor's: a MAX all-reduce of the slices' amaxes (4 bytes) over the
-  tensor-parallel group, then ``fp8_max / amax`` as in :mod:`lowprec.fp8.scaling`; the cast is
+  tensor-parallel group, then ``fp8_max / amax`` as in :mod:`lowprec.fp8.cast.scaling`; the cast is
   elementwise, so every FP8 value is bitwise the one a single process casts.
-* The gathered tensor is a :class:`~lowprec.fp8.gathered.Float8GatheredWeight` (FP8 data + the
+* The gathered tensor is a :class:`~lowprec.fp8.modules.gathered.Float8GatheredWeight` (FP8 data + the
   scale, presenting as the input's dtype); the FP8 GEMMs take it as their cast of ``x``
   (``as_float8_data``), so q, k and v share one cast and one gather.
 * Backward: the gradient of the gathered input is a sum of partial sums over the colwise
@@ -36,11 +36,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput
 
-from lowprec.fp8.gathered import Float8GatheredWeight
+from lowprec.fp8.modules.gathered import Float8GatheredWeight
 from lowprec.catalog import check_tensor_parallel
-from lowprec.fp8.linear import Float8Linear
-from lowprec.fp8.quantize import quantize
-from lowprec.fp8.scaling import amax, amax_to_scale
+from lowprec.fp8.modules.linear import Float8Linear
+from lowprec.fp8.cast.quantize import quantize
+from lowprec.fp8.cast.scaling import amax, amax_to_scale
 
 __all__ = ["PrepareFloat8ModuleInput", "fp8_sequence_all_gather", "is_float8_input", "maybe_fp8_gather"]
 

@@ -5,7 +5,7 @@ The styles shard like torch's ``ColwiseParallel`` / ``RowwiseParallel`` (weight 
 ``Shard(1)``, the same input and output layouts, ``Shard(1)`` inputs or outputs for sequence
 parallelism) and check that the layer is an FP8 layer with the tensorwise recipe; the layer's
 forward then runs its FP8 GEMMs on the local shards with whole-tensor scales
-(:mod:`lowprec.fp8.tp_linear`). Order, as in torchtitan: convert to FP8, then
+(:mod:`lowprec.fp8.modules.tp_linear`). Order, as in torchtitan: convert to FP8, then
 ``parallelize_module`` over the tensor-parallel mesh, then FSDP2 ``fully_shard`` over the
 data-parallel mesh of the same 2-D device mesh.
 
@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lowprec.catalog import check_tensor_parallel
-from lowprec.fp8.linear import Float8Linear
+from lowprec.fp8.modules.linear import Float8Linear
 from lowprec.distributed.sequence_parallel import maybe_fp8_gather
 
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "check_float8_tp_layer"]

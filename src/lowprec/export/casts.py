@@ -2,13 +2,13 @@
 
 A format stores each quantized weight as E4M3 values plus a *dequantization* multiplier
 (``w ~= q * s_fmt``: transformers' ``weight_scale_inv``, compressed-tensors' ``weight_scale``);
-the engine's :class:`~lowprec.fp8.quantize.Float8Data` keeps the *quantization* multiplier
+the engine's :class:`~lowprec.fp8.cast.quantize.Float8Data` keeps the *quantization* multiplier
 (``q = saturate(w * s)``), so ``s_fmt = 1 / s``. Where the training recipe's weight cast has the
 format's granularity, the export writes that cast's own values (trained scales, bit-identical to
 what the forward GEMM read); otherwise it quantizes once with the format's rule (``amax / 448``
 per tensor, channel or block) and says so.
 
-MXFP8 and NVFP4 runs keep their microscaled weight casts (:class:`~lowprec.fp8.mx.BlockScaledData`,
+MXFP8 and NVFP4 runs keep their microscaled weight casts (:class:`~lowprec.fp8.cast.mx.BlockScaledData`,
 decode scales already) in compressed-tensors' MXFP8 and NVFP4 schemes, whose layouts are the
 casts': MXFP8 E4M3 values with an E8M0 scale per 1x32 along the input dim; NVFP4 E2M1 values with
 an E4M3 scale per 1x16 and a float32 global scale. lowprec's NVFP4 weights are cast in 16x16
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from lowprec.catalog import export_holds
-from lowprec.fp8.mx import BlockScaledData, e8m0_decode
-from lowprec.fp8.quantize import Float8Data, quantize
+from lowprec.fp8.cast.mx import BlockScaledData, e8m0_decode
+from lowprec.fp8.cast.quantize import Float8Data, quantize
 from lowprec.fp8.recipes import Recipe
 
 __all__ = [

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from lowprec.export.casts import Scheme, format_cast
-from lowprec.fp8.experts import Float8Experts, experts_layout
-from lowprec.fp8.quantize import Float8Data
+from lowprec.fp8.modules.experts import Float8Experts, experts_layout
+from lowprec.fp8.cast.quantize import Float8Data
 from lowprec.fp8.recipes import Recipe
 
 __all__ = ["plan_experts", "split_rows", "checkpoint_names", "ROUTER"]

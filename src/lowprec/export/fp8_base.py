@@ -1,5 +1,5 @@
 """An FP8 checkpoint directory as a frozen FP8 base: its FP8 Linear layers become
-:class:`~lowprec.fp8.fp8_base.Float8BaseLinear` holding the file's E4M3 bytes and scales as
+:class:`~lowprec.fp8.modules.fp8_base.Float8BaseLinear` holding the file's E4M3 bytes and scales as
 stored (1 byte per weight resident, no high-precision copy), the rest loads as usual. For LoRA on
 an FP8 release (DeepSeek-V3-style, an llm-compressor FP8 model) or on a ``lowprec export``:
 forward and input-gradient GEMMs in FP8 from the stored scales.
@@ -36,8 +36,8 @@ from safetensors import safe_open
 from torch import nn
 
 from lowprec.export.ct_base import CtBase, ct_layer_schemes, read_ct_config
-from lowprec.fp8.conv1d import is_conv1d
-from lowprec.fp8.fp8_base import Float8BaseLinear
+from lowprec.fp8.modules.conv1d import is_conv1d
+from lowprec.fp8.modules.fp8_base import Float8BaseLinear
 
 __all__ = ["load_fp8_base", "is_fp8_base", "check_trainer_fp8_base", "BaseFormat", "read_base_format"]
 

@@ -29,8 +29,8 @@ from lowprec.export.fp8_base import BASE_ATTR, BaseFormat, read_base_format
 from lowprec.export.hf_config import hf_config_of
 from lowprec.export.layers import LayerPlan, QuantizedLayer
 from lowprec.export.writers import write_compressed_tensors, write_hf_fp8
-from lowprec.fp8.conv1d import is_conv1d
-from lowprec.fp8.fp8_base import Float8BaseLinear
+from lowprec.fp8.modules.conv1d import is_conv1d
+from lowprec.fp8.modules.fp8_base import Float8BaseLinear
 
 __all__ = ["MergeReport", "merge_lora_fp8_base", "MERGE_FORMATS"]
 

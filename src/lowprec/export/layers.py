@@ -9,11 +9,11 @@ from torch import nn
 
 from lowprec.export.casts import Scheme, format_cast, format_scale, trained_matches
 from lowprec.export.experts import plan_experts
-from lowprec.fp8.conv1d import is_conv1d
+from lowprec.fp8.modules.conv1d import is_conv1d
 from lowprec.fp8.convert import default_module_filter
-from lowprec.fp8.linear import Float8Linear
-from lowprec.fp8.mx import BlockScaledData
-from lowprec.fp8.quantize import Float8Data
+from lowprec.fp8.modules.linear import Float8Linear
+from lowprec.fp8.cast.mx import BlockScaledData
+from lowprec.fp8.cast.quantize import Float8Data
 from lowprec.fp8.recipes import Recipe
 
 __all__ = ["QuantizedLayer", "LayerPlan", "plan_layers", "model_recipe"]

@@ -15,7 +15,7 @@ from lowprec.export.casts import FORMATS, scheme_for
 from lowprec.export.hf_config import hf_config_of
 from lowprec.export.layers import model_recipe, plan_layers
 from lowprec.export.writers import write_compressed_tensors, write_hf_fp8
-from lowprec.fp8.quantize import Float8Data
+from lowprec.fp8.cast.quantize import Float8Data
 
 __all__ = ["ExportReport", "export_model"]
 

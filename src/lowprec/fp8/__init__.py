@@ -9,9 +9,9 @@ with fp8.autocast(enabled=False):
     ref = model(x).loss         # an override: high precision for this region
 """
 
-from lowprec.fp8.autocast import autocast, fp8_enabled
-from lowprec.fp8.capability import trace_as
-from lowprec.fp8.recompute import checkpoint
+from lowprec.fp8.modules.autocast import autocast, fp8_enabled
+from lowprec.fp8.gemm.capability import trace_as
+from lowprec.fp8.modules.recompute import checkpoint
 from lowprec.fp8.convert import (
     DEFAULT_SKIP_PATTERNS,
     ConversionReport,
@@ -21,20 +21,20 @@ from lowprec.fp8.convert import (
     plain_state_dict,
     unconvert,
 )
-from lowprec.fp8.cost_model import DeviceProfile, auto_module_filter, predict_speedup
-from lowprec.fp8.formats import E4M3, E5M2, Format, fp8_max
-from lowprec.fp8.gemm import native_scaled_mm_available, scaled_mm
-from lowprec.fp8.linear import Float8Linear, delayed_scale_step
-from lowprec.fp8.conv1d import Float8Conv1D
-from lowprec.fp8.fp8_base import Float8BaseLinear
-from lowprec.fp8.quantize import Float8Data, dequantize, quantize, saturated_cast
+from lowprec.fp8.observe.cost_model import DeviceProfile, auto_module_filter, predict_speedup
+from lowprec.fp8.cast.formats import E4M3, E5M2, Format, fp8_max
+from lowprec.fp8.gemm.dispatch import native_scaled_mm_available, scaled_mm
+from lowprec.fp8.modules.linear import Float8Linear, delayed_scale_step
+from lowprec.fp8.modules.conv1d import Float8Conv1D
+from lowprec.fp8.modules.fp8_base import Float8BaseLinear
+from lowprec.fp8.cast.quantize import Float8Data, dequantize, quantize, saturated_cast
 from lowprec.fp8.recipes import RECIPE_NAMES, Recipe
-from lowprec.fp8.scaling import amax_to_scale
-from lowprec.fp8.telemetry import disable as disable_telemetry
-from lowprec.fp8.telemetry import enable as enable_telemetry
-from lowprec.fp8.telemetry import expert_telemetry, telemetry
-from lowprec.fp8.experts import Float8Experts
-from lowprec.fp8.grouped import Float8GroupedGemm
+from lowprec.fp8.cast.scaling import amax_to_scale
+from lowprec.fp8.observe.telemetry import disable as disable_telemetry
+from lowprec.fp8.observe.telemetry import enable as enable_telemetry
+from lowprec.fp8.observe.telemetry import expert_telemetry, telemetry
+from lowprec.fp8.modules.experts import Float8Experts
+from lowprec.fp8.modules.grouped import Float8GroupedGemm
 
 __all__ = [
     "E4M3",

@@ -15,7 +15,7 @@ The default filter keeps in high precision, each with its reason in the report:
   the peft wrapper is converted as usual).
 
 ``transformers``' ``Conv1D`` (GPT-2: a Linear whose weight is stored in x out) converts to
-:class:`~lowprec.fp8.conv1d.Float8Conv1D` under the same rules, keeping its parameter layout
+:class:`~lowprec.fp8.modules.conv1d.Float8Conv1D` under the same rules, keeping its parameter layout
 and state_dict (Accelerate + torchao leave it in high precision without a word). Every other
 layer type with parameters that stays in high precision is counted in the report by type, with
 the reason (embeddings are lookups, norms are elementwise, Linear subclasses such as 4-bit
@@ -27,11 +27,11 @@ the last ones in module order (rounded up), in high precision, each with the rea
 
 With ``Recipe(fp8_activations=True)`` the non-Linear ops that support it (the built-in model's
 RMSNorm and SwiGLU MLP, Hugging Face ``LlamaRMSNorm`` / ``LlamaMLP``) also keep E4M3 copies for
-backward (:mod:`lowprec.fp8.activations`); the report lists them.
+backward (:mod:`lowprec.fp8.modules.activations`); the report lists them.
 
 Mixture-of-experts blocks: experts stored as 3-D Parameters (transformers 5's fused experts:
 ``MixtralExperts``, ``Qwen3MoeExperts``, ``GptOssExperts``, ``DeepseekV3Experts``, ...; the
-built-in ``moe-tiny``) convert to ``Float8<Class>`` (:mod:`lowprec.fp8.experts`): the same
+built-in ``moe-tiny``) convert to ``Float8<Class>`` (:mod:`lowprec.fp8.modules.experts`): the same
 Parameters, grouped FP8 GEMMs per expert. Each projection is judged on its own name
 (``...experts.gate_up_proj``, ``...experts.down_proj``): a skip pattern (``experts``,
 ``down_proj``, a glob) keeps it in high precision, as do dims that are not multiples of 16; a
@@ -57,11 +57,12 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from lowprec.fp8 import activations, kinds
-from lowprec.fp8.conv1d import Float8Conv1D, gemm_dims, is_conv1d
-from lowprec.fp8.experts import Float8Experts, experts_layout, float8_experts
-from lowprec.fp8.fp8_base import Float8BaseLinear
-from lowprec.fp8.linear import Float8Linear
+from lowprec.fp8 import kinds
+from lowprec.fp8.modules import activations
+from lowprec.fp8.modules.conv1d import Float8Conv1D, gemm_dims, is_conv1d
+from lowprec.fp8.modules.experts import Float8Experts, experts_layout, float8_experts
+from lowprec.fp8.modules.fp8_base import Float8BaseLinear
+from lowprec.fp8.modules.linear import Float8Linear
 from lowprec.fp8.recipes import Recipe
 
 __all__ = [
@@ -144,7 +145,7 @@ class ConversionReport:
         )
 
     def switch(self) -> str:
-        """How FP8 is switched on: conversion is the switch (fp8/autocast.py)."""
+        """How FP8 is switched on: conversion is the switch (fp8/modules/autocast.py)."""
         when = "training and eval" if self.recipe.use_during_eval else "training mode (eval: high precision)"
         return f"FP8 on in the converted layers wherever they run, in {when}; off inside fp8.autocast(enabled=False)"
 

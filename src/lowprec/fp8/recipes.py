@@ -16,10 +16,10 @@ blockwise          tiles      E4M3 everywhere  1x128 activations/gradients, 128x
                                                power-of-two scales (DeepSeek-V3)
 mxfp8              1x32       E4M3 (HYBRID:    E8M0 power-of-two scale per 32 elements along
                               E5M2 gradients)  the contraction dim, each GEMM orientation cast
-                                               from the high-precision source (``fp8/mx.py``)
+                                               from the high-precision source (``fp8/cast/mx.py``)
 nvfp4              1x16       E2M1 + E4M3      fp32 tensor scale; 16x16 weight tiles;
                               block scales     stochastic rounding of gradients; Hadamard
-                                               transform on the wgrad inputs (``fp8/nvfp4.py``)
+                                               transform on the wgrad inputs (``fp8/cast/nvfp4.py``)
 ================== ========= ================= ============================================
 """
 
@@ -33,15 +33,17 @@ from typing import Any
 from lowprec.catalog import FIELD_DEFAULTS, FIELD_MINIMUMS, RECIPE_NAMES, RECIPE_OPTIONS, check_int_field, recipe_info
 from lowprec.errors import did_you_mean
 from lowprec.fp8 import kinds
-from lowprec.fp8.formats import Format
-from lowprec.fp8.gemm import GEMM_PATHS as GEMM_BACKENDS
-from lowprec.fp8.plan import HIGH_PRECISION, GemmCast, LinearPlan, OperandCast
+from lowprec.fp8.cast.formats import Format
+from lowprec.fp8.gemm.dispatch import GEMM_PATHS as GEMM_BACKENDS
+from lowprec.fp8.kinds.plan import HIGH_PRECISION, GemmCast, LinearPlan, OperandCast
 
 __all__ = ["Recipe", "OperandCast", "GemmCast", "LinearPlan", "RECIPE_NAMES"]
 
 # names, presets and defaults live in lowprec.catalog (torch-free, shared with the launcher);
 # what each scaling kind means for the engine lives in its module, lowprec/fp8/kinds/
-SCALE_ROUNDINGS = RECIPE_OPTIONS["scale_rounding"].choices  # MXFP8's E8M0 rule; fp8/mx.py says why rceil is the default
+SCALE_ROUNDINGS = RECIPE_OPTIONS[
+    "scale_rounding"
+].choices  # MXFP8's E8M0 rule; fp8/cast/mx.py says why rceil is the default
 AMAX_COMPUTE_ALGOS = RECIPE_OPTIONS["amax_compute_algo"].choices
 _D = FIELD_DEFAULTS
 
@@ -83,7 +85,7 @@ class Recipe:
     dgrad_weight_tensorwise: cast the weight tensorwise for grad_input (rowwise_with_gw_hp).
     block_size: tile edge for blockwise (multiple of 16).
     scale_rounding: MXFP8's E8M0 scale rule, ``rceil`` (default: never saturates; what NVIDIA's
-        hardware recipes use) or ``floor`` (the OCP spec's); see ``lowprec/fp8/mx.py``.
+        hardware recipes use) or ``floor`` (the OCP spec's); see ``lowprec/fp8/cast/mx.py``.
     seed: NVFP4's stochastic rounding and Hadamard signs (reproducible from it).
     high_precision_last: NVFP4: the fraction of the convertible Linear layers, the last ones in
         module order, that ``convert`` keeps in high precision (NVIDIA keeps ~15%, mostly the
@@ -98,7 +100,7 @@ class Recipe:
     save_fp8_activations: save the FP8 copy of the input for the weight-gradient GEMM instead
         of the high-precision input (half the activation memory of a bf16 Linear).
     fp8_activations: the non-Linear ops (SwiGLU's ``silu(gate) * up``, RMSNorm) keep E4M3
-        copies of their inputs for backward instead of high-precision ones (``fp8/activations.py``;
+        copies of their inputs for backward instead of high-precision ones (``fp8/modules/activations.py``;
         outputs unchanged, gradients carry E4M3 rounding of the saved values). Off by default.
         ``convert`` switches it on in the modules that support it and lists them in its report.
     reduce_amax: delayed scaling under data parallelism: the amax histories of every layer are
@@ -113,7 +115,7 @@ class Recipe:
         scale are kept and the weight re-cast in backward (same bits); ``True``: always re-cast
         (1 byte per weight element less held between forward and backward, one more cast in
         backward); ``False``: always keep the FP8 copy (under FSDP: the whole model's weights, in
-        FP8, on every rank). torchao's and Accelerate's name. See :mod:`lowprec.fp8.sharding`.
+        FP8, on every rank). torchao's and Accelerate's name. See :mod:`lowprec.fp8.modules.sharding`.
     """
 
     scaling: str = "tensorwise"

@@ -46,8 +46,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lowprec.fp8.grouped import Float8GroupedGemm
-from lowprec.fp8.linear import OPERANDS, Float8Linear
+from lowprec.fp8.modules.grouped import Float8GroupedGemm
+from lowprec.fp8.modules.linear import OPERANDS, Float8Linear
 from lowprec.fp8.state_epoch import bump_state_epoch, state_epoch
 
 __all__ = ["ScalingStage", "SPIKE_LOG2", "spike_counts", "warn_counted"]

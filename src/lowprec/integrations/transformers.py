@@ -11,7 +11,7 @@
 
 Why each piece is what it is:
 
-* **Conversion is the switch** (:mod:`lowprec.fp8.autocast`): a converted layer runs FP8
+* **Conversion is the switch** (:mod:`lowprec.fp8.modules.autocast`): a converted layer runs FP8
   wherever it is called, so Trainer's wrappers (Accelerate's ``prepare``, DDP, its own
   ``torch.autocast``) and TRL's direct calls into ``model.base_model`` need nothing more. No
   forward wrapper is installed: a wrapped forward's ``*args, **kwargs`` signature makes Trainer
@@ -64,7 +64,7 @@ from lowprec import fp8
 from lowprec.checkpoint.serialization import load_object, save_object
 from lowprec.durable import fsync_dir, fsync_file, temp_suffix
 from lowprec.fp8.convert import DEFAULT_SKIP_PATTERNS, ConversionReport, ModuleFilter
-from lowprec.fp8.guard import GUARD_MODES, GUARD_SCOPES, THRESHOLD_NAMES, Guard, HealthMonitor, Thresholds
+from lowprec.fp8.observe.guard import GUARD_MODES, GUARD_SCOPES, THRESHOLD_NAMES, Guard, HealthMonitor, Thresholds
 from lowprec.distributed import register_fp8_allreduce
 from lowprec.optim import OPT_LEVELS, hold_grads_in_fp8, to_fp8_adamw
 from lowprec.utils.fp8 import has_ao_layers, has_transformer_engine_layers
@@ -215,7 +215,7 @@ class FP8Callback(TrainerCallback):
         telemetry: collect FP8 statistics on the steps that log (two extra elementwise passes
             per cast on those steps only) and add the worst fractions to the logs.
         guard: ``"off"``, ``"warn"`` or ``"act"``: the FP8 guard of ``lowprec train``'s
-            ``fp8_guard`` (:mod:`lowprec.fp8.guard`) on the logging steps' health signals. ``warn``
+            ``fp8_guard`` (:mod:`lowprec.fp8.observe.guard`) on the logging steps' health signals. ``warn``
             logs one line per episode; ``act`` also moves the layer to high precision (bf16). The
             moves are written into Trainer's checkpoints (``lowprec_fp8_guard.json``) and taken
             back on resume. Under several processes every rank decides the same (the check is
@@ -227,7 +227,7 @@ class FP8Callback(TrainerCallback):
         guard_scope: with ``guard="act"``, what a move moves (``fp8_guard_scope``): ``"layer"``
             (default: the whole layer) or ``"gemm"`` (only the GEMMs that read the unhealthy
             operand; the table in docs/guide.md).
-        guard_thresholds: overrides of :class:`lowprec.fp8.guard.Thresholds` (``saturated``,
+        guard_thresholds: overrides of :class:`lowprec.fp8.observe.guard.Thresholds` (``saturated``,
             ``underflow``, ``max_to_rms``, ``sqnr_db``), as ``fp8_guard_thresholds``.
         health_sqnr_every: steps between the sampled shadow-GEMM SQNR readings.
     """

@@ -52,8 +52,8 @@ from typing import Any, Iterable, cast
 import torch
 from torch.optim import Optimizer
 
-from lowprec.fp8.formats import is_fp8_dtype
-from lowprec.fp8.quantize import dequantize
+from lowprec.fp8.cast.formats import is_fp8_dtype
+from lowprec.fp8.cast.quantize import dequantize
 from lowprec.optim.fp8_grads import clear_fp8_grads, held_grad
 from lowprec.optim.moments import (
     EXP_AVG_DTYPES,

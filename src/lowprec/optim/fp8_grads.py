@@ -1,7 +1,7 @@
 """O1 weight gradients held in FP8 between backward and the optimizer step.
 
 A post-accumulate-grad hook on each parameter quantizes the freshly accumulated ``.grad`` to
-FP8 (per-tensor scale, from ``lowprec.fp8.quantize``) and sets ``.grad = None``, so the
+FP8 (per-tensor scale, from ``lowprec.fp8.cast.quantize``) and sets ``.grad = None``, so the
 high-precision gradient of a parameter lives only from its own accumulation to its hook. At the
 end of backward the model's gradients occupy 1 byte per element (plus 4 bytes of scale per
 tensor) instead of 2 (bf16) or 4 (fp32). Gradient accumulation over micro-batches works: the
@@ -31,7 +31,7 @@ from typing import Iterable
 
 import torch
 
-from lowprec.fp8.quantize import Float8Data, dequantize, quantize_tensorwise
+from lowprec.fp8.cast.quantize import Float8Data, dequantize, quantize_tensorwise
 
 __all__ = [
     "FP8_GRAD_ATTR",

@@ -36,15 +36,15 @@ from functools import lru_cache
 
 import torch
 
-from lowprec.fp8.formats import is_fp8_dtype
-from lowprec.fp8.quantize import (
+from lowprec.fp8.cast.formats import is_fp8_dtype
+from lowprec.fp8.cast.quantize import (
     Float8Data,
     dequantize,
     quantize_blockwise,
     quantize_tensorwise,
     saturated_cast,
 )
-from lowprec.fp8.scaling import amax, amax_to_scale, block_amax
+from lowprec.fp8.cast.scaling import amax, amax_to_scale, block_amax
 
 __all__ = [
     "EXP_AVG_DTYPES",

@@ -42,9 +42,9 @@ from typing import Any, Optional, cast
 import torch
 import torch.distributed as dist
 
-from lowprec.fp8.formats import is_fp8_dtype
-from lowprec.fp8.quantize import saturated_cast
-from lowprec.fp8.scaling import amax, amax_to_scale, block_amax
+from lowprec.fp8.cast.formats import is_fp8_dtype
+from lowprec.fp8.cast.quantize import saturated_cast
+from lowprec.fp8.cast.scaling import amax, amax_to_scale, block_amax
 from lowprec.optim.moments import dither, encode_exp_avg, encode_root
 
 __all__ = [

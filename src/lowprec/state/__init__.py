@@ -26,7 +26,7 @@ from lowprec.kwargs import (
 )
 from lowprec.state.partial import DistributedType, PartialState, ProcessFacts, _resolve_device as _device_and_reason
 from lowprec.state.process_group import destroy_group, init_default_group
-from lowprec.fp8.cpu_gemm import cpu_gemm_choice
+from lowprec.fp8.gemm.cpu import cpu_gemm_choice
 from lowprec.state.gradient import GradientState
 
 __all__ = [

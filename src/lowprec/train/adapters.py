@@ -5,7 +5,7 @@ default conversion filter (``lowprec.fp8.convert``) converts the ``base_layer`` 
 peft ``lora.Linear`` and keeps ``lora_A`` / ``lora_B`` in high precision (named in the report).
 A frozen ``Float8Linear`` runs two GEMMs instead of three: autograd asks for no weight
 gradient, so the weight-gradient GEMM and the FP8 copy of the input it would need are skipped;
-its weight's FP8 cast is made once and reused while the weight is unchanged (fp8/frozen.py).
+its weight's FP8 cast is made once and reused while the weight is unchanged (fp8/modules/frozen.py).
 
 ``merge_lora: true`` folds the adapters into the base weights at the end and saves the merged
 model next to the adapter (``output_dir/merged``), as ``axolotl merge-lora`` does. On an FP8

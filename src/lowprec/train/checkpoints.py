@@ -32,7 +32,7 @@ class TrainerState:
     # the loop's open logging window and counters (``Loop.window_state``), so that a run resumed
     # mid-window logs what the uninterrupted run logs; absent in older checkpoints (fresh window)
     loop: Optional[dict[str, Any]] = None
-    # fp8_health / fp8_guard (``lowprec.fp8.guard.HealthMonitor.state_dict``): moved layers, streaks, trends;
+    # fp8_health / fp8_guard (``lowprec.fp8.observe.guard.HealthMonitor.state_dict``): moved layers, streaks, trends;
     # None when neither is on (and in older checkpoints)
     fp8_guard: Optional[dict[str, Any]] = None
 

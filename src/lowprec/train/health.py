@@ -1,9 +1,9 @@
 """``fp8_health`` / ``fp8_guard`` in ``lowprec train``: the engine's health probe and guard
-(``lowprec.fp8.health``, ``lowprec.fp8.guard``) run at each logging step.
+(``lowprec.fp8.observe.health``, ``lowprec.fp8.observe.guard``) run at each logging step.
 
-At a logging step the loop already turns FP8 telemetry on; :meth:`~lowprec.fp8.guard.HealthMonitor.arm` also arms the
+At a logging step the loop already turns FP8 telemetry on; :meth:`~lowprec.fp8.observe.guard.HealthMonitor.arm` also arms the
 probe (input max-to-rms every check; the shadow-GEMM SQNR when ``fp8_health_sqnr_every`` steps
-have passed since the last one). :meth:`~lowprec.fp8.guard.HealthMonitor.check` turns that step's telemetry into one
+have passed since the last one). :meth:`~lowprec.fp8.observe.guard.HealthMonitor.check` turns that step's telemetry into one
 ``fp8_health`` record (per layer and operand) and, with a guard, ``fp8_guard`` records (one per
 episode: layer, signal, value, step, moved; with ``fp8_guard_recover_after``, one per move back
 too: ``direction: to_fp8``). :meth:`state_dict` travels in the checkpoint
@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lowprec.fp8.guard import Guard, HealthMonitor, moved_layers
+from lowprec.fp8.observe.guard import Guard, HealthMonitor, moved_layers
 from lowprec.train.outputs import write_conversion_report
 
 __all__ = ["attach_health"]

@@ -18,7 +18,7 @@ import html
 import os
 from typing import Any, Mapping, Optional, Sequence
 
-from lowprec.fp8.guard import Thresholds
+from lowprec.fp8.observe.guard import Thresholds
 from lowprec.guard_moves import gemms_text, is_move_back
 from lowprec.train.metrics import FILE, read_metrics
 from lowprec.train.plots import _plt, guard_line, guard_tally

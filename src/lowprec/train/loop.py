@@ -55,7 +55,7 @@ class Run:
     eval_every: Optional[int] = None  # eval_steps, or resolved from evals_per_epoch
     save_every: Optional[int] = None  # save_steps, or resolved from saves_per_epoch
     table: Any = None  # generations.EvalTable with eval_table_size
-    health: Any = None  # lowprec.fp8.guard.HealthMonitor (fp8_health / fp8_guard)
+    health: Any = None  # lowprec.fp8.observe.guard.HealthMonitor (fp8_health / fp8_guard)
     on_move: Optional[Callable[[], None]] = None  # fp8_guard: act moved a layer (rewrite the conversion report)
     kept_moves: list = field(default_factory=list)  # a checkpoint's moves, resumed with fp8_guard off
 

@@ -6,7 +6,7 @@ loss), ``generations`` (with ``eval_table_size``, at each evaluation: ``max_new_
 ``samples``, each ``index``, ``prompt``, ``reference``, ``generated``, ``new_tokens``; a
 TensorBoard text too), ``fp8`` (per-layer telemetry), ``fp8_health`` (with ``fp8_health`` / ``fp8_guard``: per layer,
 the operands' saturated / underflow fractions, their trends and headroom_bits, the input's
-max_to_rms and, sampled, the output's sqnr_db; ``lowprec.fp8.health``), ``fp8_guard`` (one per
+max_to_rms and, sampled, the output's sqnr_db; ``lowprec.fp8.observe.health``), ``fp8_guard`` (one per
 guard episode: ``layer``, ``signal``, ``value``, ``moved``) and ``skip`` (one per optimizer step
 skipped for NaN/inf loss or gradients, with the running count). Each line is flushed as written, so a killed run leaves a readable file;
 on resume, :func:`truncate_after` drops the lines past the checkpoint's step.
@@ -21,8 +21,8 @@ import sys
 from typing import Any, Iterator, Optional
 
 import torch
-from lowprec.fp8.guard import Event
-from lowprec.fp8.health import health_scalars
+from lowprec.fp8.observe.guard import Event
+from lowprec.fp8.observe.health import health_scalars
 from lowprec.train.generations import render_section
 
 __all__ = ["MetricsWriter", "read_metrics", "truncate_after", "peak_memory_mb"]

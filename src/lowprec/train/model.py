@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.errors import did_you_mean
-from lowprec.fp8.activations import rms_norm, rms_norm_plain, swiglu
-from lowprec.fp8.recompute import checkpoint
+from lowprec.fp8.modules.activations import rms_norm, rms_norm_plain, swiglu
+from lowprec.fp8.modules.recompute import checkpoint
 from lowprec.train.moe import MoEBlock, MoEExperts, TopKRouter
 from lowprec.train.packing import packed_causal_mask
 
@@ -254,7 +254,7 @@ class CausalLMOutput(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    # set by fp8.convert with Recipe(fp8_activations=True): backward keeps x in E4M3 (fp8/activations.py)
+    # set by fp8.convert with Recipe(fp8_activations=True): backward keeps x in E4M3 (fp8/modules/activations.py)
     fp8_activations = False
 
     def __init__(self, dim: int, eps: float) -> None:

@@ -12,7 +12,7 @@ mean router probability; 1.0 when balanced), times ``router_aux_loss_coef``, to 
 loss, as ``MixtralForCausalLM`` does with ``output_router_logits``; eval losses are the plain
 cross-entropy. Because the experts module has the fused layout and the attributes transformers'
 ``use_experts_implementation`` records, ``fp8.convert`` runs it in FP8 the way it runs
-Mixtral's (``lowprec/fp8/experts.py``); in high precision it runs the same routing and one GEMM
+Mixtral's (``lowprec/fp8/modules/experts.py``); in high precision it runs the same routing and one GEMM
 per expert holding tokens.
 """
 
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowprec.fp8.autocast import torch_autocast_dtype
-from lowprec.fp8.experts import experts_layout, run_experts
-from lowprec.fp8.grouped import grouped_mm_hp
+from lowprec.fp8.modules.autocast import torch_autocast_dtype
+from lowprec.fp8.modules.experts import experts_layout, run_experts
+from lowprec.fp8.modules.grouped import grouped_mm_hp
 
 if TYPE_CHECKING:
     from lowprec.train.model import LlamaConfig

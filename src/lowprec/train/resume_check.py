@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 from lowprec.checkpoint.serialization import load_object
-from lowprec.fp8.cpu_gemm import cpu_gemm_choice
+from lowprec.fp8.gemm.cpu import cpu_gemm_choice
 
 __all__ = ["RULES", "settings_of", "saved_settings", "check_resume", "apply_changes"]
 

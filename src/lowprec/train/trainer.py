@@ -41,7 +41,7 @@ from lowprec.train.loop import Run, run_loop
 from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
 from lowprec import Accelerator, __version__
 from lowprec.fp8 import DEFAULT_SKIP_PATTERNS, Float8BaseLinear, has_fp8_layers
-from lowprec.fp8.autocast import replay_context
+from lowprec.fp8.modules.autocast import replay_context
 from lowprec.kwargs import (
     AutocastKwargs,
     FullyShardedDataParallelPlugin,
@@ -486,7 +486,7 @@ def _build(
         kwargs = dict(cfg.gradient_checkpointing_kwargs or {"use_reentrant": False})
         if isinstance(model, _HFLoss):
             # transformers passes these to torch.utils.checkpoint: the recompute re-enters the
-            # FP8 region of the first forward, as lowprec.fp8.checkpoint (fp8/recompute.py) does for the built-in model
+            # FP8 region of the first forward, as lowprec.fp8.checkpoint (fp8/modules/recompute.py) does for the built-in model
             model.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={**kwargs, "context_fn": replay_context}
             )

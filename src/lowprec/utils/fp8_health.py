@@ -2,19 +2,19 @@
 
 When the Accelerator prepares a model the native engine converted, and the handler asks for
 health signals (``fp8_health``, or any ``fp8_guard`` but ``off``), :class:`HealthHooks` builds a
-:class:`~lowprec.fp8.guard.HealthMonitor` for it (``lowprec train``'s probe and guard) and drives
+:class:`~lowprec.fp8.observe.guard.HealthMonitor` for it (``lowprec train``'s probe and guard) and drives
 it from the prepared optimizer's step, as the trainer drives it from its logging steps:
 
 * a check every ``fp8_health_every`` optimizer steps that ran (steps the optimizer skipped,
   gradient-accumulation micro-steps and non-finite steps alike, are not steps: they neither count
   nor check);
 * before the forward of a step that will be checked: telemetry on for the model's FP8 layers and
-  :meth:`~lowprec.fp8.guard.HealthMonitor.arm` (input max-to-rms; the shadow-GEMM SQNR every
+  :meth:`~lowprec.fp8.observe.guard.HealthMonitor.arm` (input max-to-rms; the shadow-GEMM SQNR every
   ``fp8_health_sqnr_every`` steps). There is no "step begins" call in an Accelerate script, so
   this happens at the end of the step before (and at ``prepare`` for step 1): the first check is
   armed like every other. A skipped step leaves it armed for the step that runs instead;
 * after the optimizer step (and after the backend's own hook: FP8 scaling state kept, amaxes
-  agreed): :meth:`~lowprec.fp8.guard.HealthMonitor.check` with that step's telemetry, then
+  agreed): :meth:`~lowprec.fp8.observe.guard.HealthMonitor.check` with that step's telemetry, then
   telemetry off. Under several processes the check agrees crossings across ranks (one
   ``all_gather_object``), so every process moves the same layers at the same step.
 
@@ -35,12 +35,12 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
-from lowprec.fp8.guard import Event, Guard, HealthMonitor, moved_layers
-from lowprec.fp8.health import health_scalars
-from lowprec.fp8.linear import Float8Linear
-from lowprec.fp8.telemetry import disable as disable_telemetry
-from lowprec.fp8.telemetry import enable as enable_telemetry
-from lowprec.fp8.telemetry import telemetry
+from lowprec.fp8.observe.guard import Event, Guard, HealthMonitor, moved_layers
+from lowprec.fp8.observe.health import health_scalars
+from lowprec.fp8.modules.linear import Float8Linear
+from lowprec.fp8.observe.telemetry import disable as disable_telemetry
+from lowprec.fp8.observe.telemetry import enable as enable_telemetry
+from lowprec.fp8.observe.telemetry import telemetry
 
 __all__ = ["ModelHealth", "HealthHooks"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from lowprec.backends.base import log_once
-from lowprec.fp8.conv1d import is_conv1d
-from lowprec.fp8.experts import experts_layout
+from lowprec.fp8.modules.conv1d import is_conv1d
+from lowprec.fp8.modules.experts import experts_layout
 
 __all__ = ["note_unconverted_conv1d"]
 

@@ -115,7 +115,7 @@ class TEBackend(BaseBackend):
 def native_recipe(handler: TERecipeKwargs) -> Any:
     """TE's recipe on lowprec's engine: DelayedScaling as the delayed recipe with every resolved
     field; ``use_mxfp8_block_scaling`` / ``use_nvfp4_block_scaling`` as the mxfp8 / nvfp4 recipes
-    (TE's MXFP8BlockScaling / NVFP4BlockScaling semantics, ``lowprec/fp8/mx.py``, ``nvfp4.py``)."""
+    (TE's MXFP8BlockScaling / NVFP4BlockScaling semantics, ``lowprec/fp8/cast/mx.py``, ``nvfp4.py``)."""
     engine_formats = get_spec("native").fp8_formats  # the rule lives in the declarations (E5M2: TE only)
     if handler.fp8_format not in engine_formats:
         raise ValueError(

@@ -28,7 +28,7 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from lowprec.fp8.formats import fp8_max
+from lowprec.fp8.cast.formats import fp8_max
 from lowprec.fp8.kernels.classes import INPUT_DTYPES, input_class
 from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
 from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
@@ -40,7 +40,7 @@ from lowprec.fp8.kernels.triton_cast import (
     delayed_scale_kernel,
     recast_if_changed_kernel,
 )
-from lowprec.fp8.scaling import AMAX_EPS
+from lowprec.fp8.cast.scaling import AMAX_EPS
 
 __all__ = [
     "cast_transpose_amax",

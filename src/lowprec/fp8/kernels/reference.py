@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from lowprec.fp8.torch_casts import quantize_blockwise_torch, saturated_cast
-from lowprec.fp8.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
+from lowprec.fp8.cast.torch_casts import quantize_blockwise_torch, saturated_cast
+from lowprec.fp8.cast.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
 
 
 __all__ = [

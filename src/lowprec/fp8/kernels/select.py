@@ -22,7 +22,7 @@ import os
 from typing import Callable
 
 import torch
-from lowprec.fp8.capability import is_cuda, traced, triton_findable, triton_override
+from lowprec.fp8.gemm.capability import is_cuda, traced, triton_findable, triton_override
 from lowprec.fp8.kernels import selfcheck
 
 __all__ = [

@@ -25,7 +25,7 @@ import logging
 import torch
 from lowprec.fp8.kernels import reference as ref
 from lowprec.fp8.kernels.classes import INPUT_DTYPES, input_class
-from lowprec.fp8.scaling import amax_to_scale
+from lowprec.fp8.cast.scaling import amax_to_scale
 
 __all__ = ["passed", "run_checks", "input_class", "TWO_PASS_OPS", "OPS", "CLASSES"]
 

@@ -3,7 +3,7 @@
 A scaling kind says where a scale comes from and how many elements share it; its module
 (``fp8/kinds/<name>.py``) owns everything that depends on that: the recipe fields it accepts,
 the casts of each GEMM's operands (:meth:`Kind.gemms`, from which the recipe builds its
-:class:`~lowprec.fp8.plan.LinearPlan`), the state a layer keeps across steps, what a forward
+:class:`~lowprec.fp8.kinds.plan.LinearPlan`), the state a layer keeps across steps, what a forward
 runs, and how the GEMMs are described in the conversion report. ``Float8Linear`` and the rest
 of lowprec ask the kind (``recipe.kind``) and never compare its name.
 
@@ -12,11 +12,11 @@ Adding a kind is one module here, registered with :func:`register`, plus one row
 capabilities the launcher and the trainer check); ``tests/test_fp8_kinds.py`` adds a test-only
 kind that way and trains with it.
 
-Operand casts are shared between kinds and keyed by granularity (``fp8/linear_fn.py``); a kind
+Operand casts are shared between kinds and keyed by granularity (``fp8/modules/linear_fn.py``); a kind
 module registers the casts of the granularity it introduced.
 
 Grouped expert GEMMs (a mixture of experts' 3-D weight ``(E, N, K)``, tokens grouped by expert;
-``fp8/grouped.py``) are a kind's too: :meth:`Kind.grouped_forward` runs them. The default, which
+``fp8/modules/grouped.py``) are a kind's too: :meth:`Kind.grouped_forward` runs them. The default, which
 every kind inherits, runs each non-empty expert's three GEMMs exactly as the kind runs a Linear's
 (:meth:`Kind.forward` on that expert's slot: its weight, its rows of the state buffers), so a new
 kind has grouped GEMMs with per-expert scales and state without writing anything; a kind with a
@@ -32,13 +32,13 @@ import importlib
 import torch
 
 from lowprec.catalog import RECIPES, RecipeInfo, kind_info
-from lowprec.fp8.plan import GemmCast, OperandCast
+from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 
 if TYPE_CHECKING:
-    from lowprec.fp8.grouped import Float8GroupedGemm
-    from lowprec.fp8.linear import Float8Linear
-    from lowprec.fp8.mx import BlockScaledData
-    from lowprec.fp8.quantize import Float8Data
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
+    from lowprec.fp8.modules.linear import Float8Linear
+    from lowprec.fp8.cast.mx import BlockScaledData
+    from lowprec.fp8.cast.quantize import Float8Data
     from lowprec.fp8.recipes import Recipe
 
 __all__ = [
@@ -54,7 +54,7 @@ __all__ = [
 class Kind:
     """One scaling kind (see the module docstring). Subclasses set ``name`` and override what
     differs; the defaults are those of a kind with no state whose three GEMMs run in
-    ``_Float8LinearFn`` (``fp8/linear_fn.py``)."""
+    ``_Float8LinearFn`` (``fp8/modules/linear_fn.py``)."""
 
     name: ClassVar[str] = ""
     # one scale per tensor: the FP8 all-gather, tensor parallelism and ``margin`` need it

@@ -4,7 +4,7 @@ gradients, 128x128 blocks for weights, power-of-two scales, E4M3 everywhere.
 Square weight blocks would serve both orientations, but the weight is re-cast from the
 Parameter in backward (same values: the cast is deterministic), so that backward keeps no FP8
 copy per layer (1 byte/param at the memory peak). Activations and gradients are cast in 1x128
-and 128x1 tiles in one pass where the kernels run (``fp8/block_cast.py``). This module holds the
+and 128x1 tiles in one pass where the kernels run (``fp8/cast/block_cast.py``). This module holds the
 ``block`` granularity's casts.
 """
 
@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lowprec.fp8 import block_gemm_triton
-from lowprec.fp8.block_cast import cast_block_both, quantize_square_transposed
+from lowprec.fp8.gemm import block_triton as block_gemm_triton
+from lowprec.fp8.cast.block_cast import cast_block_both, quantize_square_transposed
 from lowprec.fp8.kinds import base
-from lowprec.fp8.linear_fn import Caster, ScaledGemmKind, register_caster
-from lowprec.fp8.plan import GemmCast, OperandCast
-from lowprec.fp8.quantize import Float8Data, quantize
+from lowprec.fp8.modules.linear_fn import Caster, ScaledGemmKind, register_caster
+from lowprec.fp8.kinds.plan import GemmCast, OperandCast
+from lowprec.fp8.cast.quantize import Float8Data, quantize
 
 if TYPE_CHECKING:
     from lowprec.fp8.recipes import Recipe

@@ -21,19 +21,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lowprec.fp8 import host_scale, kernels, shared_cast
-from lowprec.fp8.autocast import recomputing
-from lowprec.fp8.cast_state import CastState
-from lowprec.fp8.formats import fp8_max
-from lowprec.fp8.gathered import Float8GatheredWeight, gathered_scale_and_amax
+from lowprec.fp8 import kernels
+from lowprec.fp8.cast import host_scale
+from lowprec.fp8.modules import shared_cast
+from lowprec.fp8.modules.autocast import recomputing
+from lowprec.fp8.modules.cast_state import CastState
+from lowprec.fp8.cast.formats import fp8_max
+from lowprec.fp8.modules.gathered import Float8GatheredWeight, gathered_scale_and_amax
 from lowprec.fp8.kinds import base
 from lowprec.fp8.kinds.tensorwise import FINITE, UNSATURATED, Tensorwise, fused_cast_ok
-from lowprec.fp8.plan import OperandCast
-from lowprec.fp8.quantize import Float8Data
-from lowprec.fp8.scaling import delayed_scale_step
+from lowprec.fp8.kinds.plan import OperandCast
+from lowprec.fp8.cast.quantize import Float8Data
+from lowprec.fp8.cast.scaling import delayed_scale_step
 
 if TYPE_CHECKING:
-    from lowprec.fp8.linear import Float8Linear
+    from lowprec.fp8.modules.linear import Float8Linear
     from lowprec.fp8.recipes import Recipe
 
 __all__ = ["Delayed", "DelayedCastState", "cast_delayed_fused", "OPERANDS"]

@@ -2,8 +2,8 @@
 scale per 32 elements along each GEMM's contraction dim, every operand cast from its
 high-precision source for each GEMM orientation (TransformerEngine's ``MXFP8BlockScaling``).
 
-The GEMMs are those of ``fp8/mx_linear.py`` with this module's :class:`MXCodec`; the E8M0 rule
-(``scale_rounding``) and the casts are in ``fp8/mx.py``.
+The GEMMs are those of ``fp8/modules/mx_linear.py`` with this module's :class:`MXCodec`; the E8M0 rule
+(``scale_rounding``) and the casts are in ``fp8/cast/mx.py``.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from lowprec.fp8.kinds import base
-from lowprec.fp8.mx import BlockScaledData, quantize_mx
-from lowprec.fp8.mx_gemm import native_block_scaled_available
-from lowprec.fp8.mx_linear import Codec, mx_linear
-from lowprec.fp8.plan import GemmCast, OperandCast
+from lowprec.fp8.cast.mx import BlockScaledData, quantize_mx
+from lowprec.fp8.gemm.mx import native_block_scaled_available
+from lowprec.fp8.modules.mx_linear import Codec, mx_linear
+from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 
 if TYPE_CHECKING:
-    from lowprec.fp8.linear import Float8Linear
-    from lowprec.fp8.quantize import Float8Data
+    from lowprec.fp8.modules.linear import Float8Linear
+    from lowprec.fp8.cast.quantize import Float8Data
     from lowprec.fp8.recipes import Recipe
 
 __all__ = ["MXCodec", "Microscaled", "MXFP8"]

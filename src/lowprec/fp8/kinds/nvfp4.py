@@ -6,7 +6,7 @@ layers in high precision (NVIDIA keeps ~15%).
 
 The rounding stream is seeded from ``recipe.seed``, the layer's index and its step; the step
 lives in the layer's state_dict (``fp8_sr_state``), so a resumed run draws the same noise as an
-uninterrupted one. The casts are in ``fp8/nvfp4.py``, the Hadamard transform in ``hadamard.py``.
+uninterrupted one. The casts are in ``fp8/cast/nvfp4.py``, the Hadamard transform in ``hadamard.py``.
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lowprec.fp8.autocast import recomputing
-from lowprec.fp8.formats import Format
-from lowprec.fp8.hadamard import apply_rht, random_hadamard
+from lowprec.fp8.modules.autocast import recomputing
+from lowprec.fp8.cast.formats import Format
+from lowprec.fp8.cast.hadamard import apply_rht, random_hadamard
 from lowprec.fp8.kinds import base
 from lowprec.fp8.kinds.mxfp8 import Microscaled
-from lowprec.fp8.mx import BlockScaledData
-from lowprec.fp8.mx_linear import Codec, mx_linear
-from lowprec.fp8.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
-from lowprec.fp8.plan import GemmCast, OperandCast
+from lowprec.fp8.cast.mx import BlockScaledData
+from lowprec.fp8.modules.mx_linear import Codec, mx_linear
+from lowprec.fp8.cast.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
+from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 from lowprec.fp8.state_epoch import state_epoch
 
 if TYPE_CHECKING:
-    from lowprec.fp8.linear import Float8Linear
+    from lowprec.fp8.modules.linear import Float8Linear
     from lowprec.fp8.recipes import Recipe
 
 __all__ = ["NVCodec", "NVFP4", "SR_STATE"]

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from lowprec.fp8 import kernels
-from lowprec.fp8.grouped_fn import SingleCallGrouped
+from lowprec.fp8.modules.grouped_fn import SingleCallGrouped
 from lowprec.fp8.kinds import base
-from lowprec.fp8.linear_fn import Caster, ScaledGemmKind, register_caster
+from lowprec.fp8.modules.linear_fn import Caster, ScaledGemmKind, register_caster
 from lowprec.fp8.kinds.tensorwise import cpu_or_native_note, fused_cast_ok
-from lowprec.fp8.plan import GemmCast, OperandCast
-from lowprec.fp8.quantize import Float8Data, quantize
-from lowprec.fp8.scaling import amax_to_scale
+from lowprec.fp8.kinds.plan import GemmCast, OperandCast
+from lowprec.fp8.cast.quantize import Float8Data, quantize
+from lowprec.fp8.cast.scaling import amax_to_scale
 
 if TYPE_CHECKING:
     from lowprec.fp8.recipes import Recipe

@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from lowprec.fp8 import kernels
-from lowprec.fp8.cpu_gemm import cpu_gemm_choice
-from lowprec.fp8.gemm import native_scaled_mm_available
-from lowprec.fp8.grouped_fn import SingleCallGrouped
+from lowprec.fp8.gemm.cpu import cpu_gemm_choice
+from lowprec.fp8.gemm.dispatch import native_scaled_mm_available
+from lowprec.fp8.modules.grouped_fn import SingleCallGrouped
 from lowprec.fp8.kinds import base
-from lowprec.fp8.linear_fn import Caster, ScaledGemmKind, register_caster
-from lowprec.fp8.plan import GemmCast, OperandCast
-from lowprec.fp8.quantize import Float8Data, quantize_tensorwise
-from lowprec.fp8.scaling import amax_to_scale
+from lowprec.fp8.modules.linear_fn import Caster, ScaledGemmKind, register_caster
+from lowprec.fp8.kinds.plan import GemmCast, OperandCast
+from lowprec.fp8.cast.quantize import Float8Data, quantize_tensorwise
+from lowprec.fp8.cast.scaling import amax_to_scale
 
 if TYPE_CHECKING:
     from lowprec.fp8.recipes import Recipe

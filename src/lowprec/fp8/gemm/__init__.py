@@ -1,0 +1,1 @@
+"""Scaled GEMMs: the dispatch per device (torch's kernels, Triton, the exact CPU upcast)."""

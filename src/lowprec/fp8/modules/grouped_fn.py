@@ -1,0 +1,220 @@
+"""The three grouped GEMMs of the per-tensor and rowwise kinds in one autograd function, for
+devices where a one-call grouped FP8 kernel runs (``grouped_gemm.py``: torch's
+``_scaled_grouped_mm``, else lowprec's Triton grouped GEMM).
+
+The casts are the Linear's (``linear_fn.cast`` / ``cast_pair``, per expert: a token group never
+shares a scale with another expert's tokens); what changes is how the GEMMs run:
+
+==============  ===========================================  ===================================
+GEMM            operands (per expert e)                      how
+==============  ===========================================  ===================================
+output          x_e cast along K, W_e cast along K           one grouped call (2-D x 3-D)
+grad_input      dY_e cast along N, W_e cast along N          one grouped call: torch's kernel when
+                                                             both are E4M3 (rowwise), the Triton
+                                                             one for tensorwise's E5M2 dY (torch's
+                                                             takes E4M3 only); per expert where
+                                                             neither runs
+grad_weight     dY_e^T and x_e cast along the group's rows   per expert holding tokens, float32
+                                                             output as the Linear's (the grouped
+                                                             2-D x 2-D kernel writes bf16)
+==============  ===========================================  ===================================
+
+Backward keeps what the Linear keeps: x_e cast for grad_weight (1 byte per element) and, for
+per-tensor recipes, the forward's cast of each expert weight (rowwise re-casts it from the
+Parameter). The kind decides when this runs (``ScaledGemmKind.grouped_forward``: no amax
+history, every GEMM in FP8, FP8 activations kept, telemetry off); elsewhere each expert runs
+the Linear's own function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton
+from lowprec.fp8.modules.autocast import torch_autocast_off
+from lowprec.fp8.gemm.dispatch import scaled_mm
+from lowprec.fp8.gemm.grouped import grouped_mm
+from lowprec.fp8.kinds import base
+from lowprec.fp8.modules.linear_fn import cast, cast_both_layouts, cast_pair
+from lowprec.fp8.kinds.plan import LinearPlan
+from lowprec.fp8.cast.quantize import Float8Data
+from lowprec.fp8.modules.saved import save_operands, saved_operands
+
+if TYPE_CHECKING:
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
+    from lowprec.fp8.recipes import Recipe
+
+__all__ = ["GroupedConfig", "GroupedScaledFn", "grouped_scaled_gemms", "fits", "SingleCallGrouped"]
+
+
+def fits(recipe: Recipe, plan: LinearPlan, telemetry: bool) -> bool:
+    """Whether the three GEMMs can run here: all in FP8 from FP8 activations, no telemetry rows
+    to fill (the per-expert path fills them)."""
+    return (
+        not (plan.fprop.high_precision or plan.dgrad.high_precision or plan.wgrad.high_precision)
+        and recipe.save_fp8_activations
+        and not telemetry
+    )
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    recipe: Recipe
+    plan: LinearPlan
+    hp_dtype: torch.dtype
+    counts: tuple[int, ...]
+    single_call: bool  # the device runs a one-call grouped kernel (else the per-expert loop: CPU tests)
+
+
+def _groups(t: torch.Tensor, counts: tuple[int, ...]) -> list[Optional[torch.Tensor]]:
+    out: list[Optional[torch.Tensor]] = []
+    start = 0
+    for n in counts:
+        out.append(t[start : start + n] if n else None)
+        start += n
+    return out
+
+
+class GroupedScaledFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, cfg: GroupedConfig):
+        recipe, plan, hp = cfg.recipe, cfg.plan, cfg.hp_dtype
+        spec_x, spec_w = plan.fprop.casts
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        experts = weight.shape[0]
+        with torch_autocast_off(x.device.type):
+            xq: list[Optional[Float8Data]] = []  # per expert: None where it holds no token
+            x_saved: list[Optional[Float8Data]] = []
+            for g in _groups(x, cfg.counts):
+                if g is None:
+                    xq.append(None)
+                    x_saved.append(None)
+                    continue
+                q, col = cast_pair(g, spec_x, recipe, None, need_wgrad and plan.x_dual)
+                xq.append(q)
+                if need_wgrad and col is None:
+                    col = cast(g, plan.wgrad.casts[1], 0, recipe)
+                x_saved.append(col if need_wgrad else None)
+            wq, w_col = [], []
+            for e in range(experts):
+                q, col = cast_pair(weight[e], spec_w, recipe, None, need_dgrad and plan.w_dual)
+                wq.append(q)
+                w_col.append(col if col is not None else q)
+            out = grouped_mm(xq, [w.t() for w in wq], hp, single_call=cfg.single_call, path=recipe.gemm)
+            # grad_input reads the forward's weight casts where one scale serves both orientations
+            w_saved = w_col if (need_dgrad and plan.w_reused) else []
+        # rowwise: grad_input re-casts the weight from the Parameter (a reference, as the Linear)
+        w_param = weight if (need_dgrad and not plan.w_reused) else None
+        save_operands(
+            ctx,
+            [*w_saved, *x_saved, w_param],
+            cfg=cfg,
+            n_w=len(w_saved),
+            x_dtype=x.dtype,
+            w_dtype=weight.dtype,
+            w_shape=tuple(weight.shape),
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved = saved_operands(ctx)
+        w_saved, x_saved, w_param = saved[: ctx.n_w], saved[ctx.n_w : -1], saved[-1]
+        cfg = ctx.cfg
+        recipe, plan, hp = cfg.recipe, cfg.plan, cfg.hp_dtype
+        dg, wg = plan.dgrad, plan.wgrad
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = grad_w = None
+        with torch_autocast_off(dy.device.type):
+            dyq, dy_col = [], []
+            for g in _groups(dy, cfg.counts):
+                if g is None:
+                    dyq.append(None)
+                    dy_col.append(None)
+                elif need_wgrad and plan.dy_dual:
+                    q, col = cast_both_layouts(g, dg.a, recipe)
+                    dyq.append(q)
+                    dy_col.append(col)
+                else:
+                    dyq.append(cast(g, dg.a, 1, recipe) if need_dgrad else None)
+                    dy_col.append(cast(g, wg.a, 0, recipe) if need_wgrad else None)
+            if need_dgrad:
+                experts = len(cfg.counts)
+                w_dgrad = w_saved or [cast(w_param[e], dg.b, 0, recipe) for e in range(experts)]
+                grad_x = grouped_mm(dyq, w_dgrad, hp, single_call=cfg.single_call, path=recipe.gemm).to(ctx.x_dtype)
+            if need_wgrad:  # per expert holding tokens, float32 as the Linear's; zero elsewhere
+                grad_w = torch.zeros(ctx.w_shape, dtype=torch.float32, device=dy.device)
+                for e, (d, xs) in enumerate(zip(dy_col, x_saved)):
+                    if d is not None and xs is not None:
+                        grad_w[e] = scaled_mm(d.t(), xs, torch.float32, path=recipe.gemm)
+                grad_w = grad_w.to(ctx.w_dtype)
+        return grad_x, grad_w, None
+
+
+def grouped_scaled_gemms(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: tuple[int, ...],
+    recipe: Recipe,
+    hp: torch.dtype,
+    single_call: bool,
+) -> torch.Tensor:
+    """``(S, N)``: the grouped output through :class:`GroupedScaledFn`."""
+    if not any(counts):
+        return x.new_zeros((0, weight.shape[1]), dtype=hp)
+    return GroupedScaledFn.apply(x, weight, GroupedConfig(recipe, recipe.plan(), hp, counts, single_call))
+
+
+class SingleCallGrouped(base.Kind):
+    """What the tensor- and row-scaled kinds (``tensorwise``, ``rowwise``) add to a kind: their
+    grouped GEMMs in :class:`GroupedScaledFn` with a one-call grouped kernel (torch's, or
+    lowprec's Triton one) where one runs and passed its check (``grouped_gemm.single_call_ready``);
+    elsewhere, and for a kind with an amax history (delayed), the per-expert loop every kind has."""
+
+    def _grouped_eligible(self, recipe: Recipe, telemetry: bool) -> bool:
+        """A recipe torch's grouped kernel can run: no amax history, its GEMM path, its casts."""
+        return (
+            not self.keeps_history and recipe.gemm in ("auto", "scaled_mm") and fits(recipe, recipe.plan(), telemetry)
+        )
+
+    def grouped_single_call(self, recipe: Recipe, device: torch.device, telemetry: bool) -> bool:
+        return self._grouped_eligible(recipe, telemetry) and grouped_gemm.single_call_ready(device)
+
+    def grouped_forward(
+        self,
+        gemm: Float8GroupedGemm,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        counts: tuple[int, ...],
+        recipe: Recipe,
+        hp: torch.dtype,
+    ) -> torch.Tensor:
+        if self.grouped_single_call(recipe, x.device, gemm.fp8_telemetry):
+            return grouped_scaled_gemms(x, weight, counts, recipe, hp, single_call=True)
+        return super().grouped_forward(gemm, x, weight, counts, recipe, hp)
+
+    def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
+        plan = recipe.plan()
+        eligible = self._grouped_eligible(recipe, False)
+        triton = eligible and grouped_triton.may_run(device)  # no kernel runs for a note
+        rest = f"grad_weight per expert: {self.gemm_note(recipe, device)}"
+        if eligible and grouped_gemm.native_grouped_available(device):
+            e4m3 = all(o.dtype == torch.float8_e4m3fn for o in plan.dgrad.casts)  # else E5M2 dY
+            dgrad = (
+                "and grad_input GEMMs"
+                if e4m3
+                else (f"GEMM ({grouped_triton.KERNEL} for grad_input's E5M2 dY)" if triton else "GEMM")
+            )
+            return (
+                f"torch._scaled_grouped_mm on {device.type}: the output {dgrad} of all experts in one call "
+                f"(checked against its reference before first use; per expert where a check fails); {rest}"
+            )
+        if triton:
+            return (
+                f"{grouped_triton.KERNEL} on {device.type}: the output and grad_input GEMMs of all experts in one "
+                f"launch each (self-checked at first use; per expert where the check fails); {rest}"
+            )
+        return super().grouped_note(recipe, device)
