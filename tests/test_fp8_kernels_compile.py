@@ -117,7 +117,8 @@ def test_kernels_compile_for_hopper(compiled):
 
 BLOCK_SCRIPT = r"""
 import re
-from lowprec.fp8.kernels.ops import BLOCK_WARPS, GEMM_TILE, _EPS_BITS
+from lowprec.fp8.kernels.gemm_ops import GEMM_TILE
+from lowprec.fp8.kernels.ops import BLOCK_WARPS, _EPS_BITS
 from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
 from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
 
@@ -186,7 +187,7 @@ def test_blockwise_kernels_compile_for_ada_hopper_and_blackwell(compiled):
 
 
 GROUPED_SCRIPT = r"""
-from lowprec.fp8.kernels.ops import GROUPED_TILE
+from lowprec.fp8.kernels.gemm_ops import GROUPED_TILE
 from lowprec.fp8.kernels.triton_grouped_gemm import grouped_scaled_mm_kernel
 
 GG = {"a_ptr": "*u8", "b_ptr": "*u8", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "offs_ptr": "*i32", "c_ptr": "*bf16",

@@ -177,6 +177,8 @@ def test_rowwise_matches_the_torch_path(ops, dev, dtype, power_of_2, seed):
 
 
 def test_operators_pass_opcheck(ops, dev, seed):
+    from lowprec.fp8.kernels import gemm_ops  # noqa: F401 (registers lowprec::block_scaled_mm)
+
     x = torch.randn(300, 200, device=dev, dtype=torch.bfloat16)
     s = torch.tensor(3.0, device=dev)
     torch.library.opcheck(torch.ops.lowprec.cast_transpose_amax.default, (x, s, E4M3))

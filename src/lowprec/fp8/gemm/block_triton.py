@@ -3,7 +3,7 @@
 torch's blockwise ``scaled_mm`` (:mod:`lowprec.fp8.gemm.block`) is cuBLAS on Hopper (sm_90)
 for whole 128-tiles. Elsewhere (Ada sm_89, Blackwell sm_100, a torch build without it, a K
 that is not whole tiles) the blockwise recipe's GEMMs run on
-:func:`lowprec.fp8.kernels.ops.block_scaled_mm`: 1 x b tiles for A, b x b blocks or b x 1
+:func:`lowprec.fp8.kernels.gemm_ops.block_scaled_mm`: 1 x b tiles for A, b x b blocks or b x 1
 tiles for B (b = the recipe's ``block_size``, 32/64/128), float32 accumulation, the output
 dtype written by the kernel (the weight gradient lands in float32 without a cast).
 
@@ -87,12 +87,12 @@ def describe_cuda(device: torch.device, block_size: int) -> str:
 
 def mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Tensor:
     """``dequant(a) @ dequant(b)`` on the kernel (``supported(a, b)`` must hold)."""
-    from lowprec.fp8.kernels import ops
+    from lowprec.fp8.kernels import gemm_ops  # imports triton: only reached where the kernel runs
 
     kernel_out = out_dtype if out_dtype in (torch.bfloat16, torch.float16, torch.float32) else torch.float32
     sa = a.scale.reciprocal().to(torch.float32)  # dequantization scales, as the emulation multiplies
     sb = b.scale.reciprocal().to(torch.float32)
-    out = ops.block_scaled_mm(a.data, b.data, sa, sb, a.tiles[1], b.tiles[1], kernel_out)
+    out = gemm_ops.block_scaled_mm(a.data, b.data, sa, sb, a.tiles[1], b.tiles[1], kernel_out)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

@@ -120,13 +120,13 @@ def pack(
 def mm(a: Sequence[Optional[Float8Data]], b: Sequence[Float8Data], out_dtype: torch.dtype) -> torch.Tensor:
     """The live groups' ``dequant(a[g]) @ dequant(b[g])`` stacked, (sum c_g, N), in one launch
     (``supported(a, b)`` must hold)."""
-    from lowprec.fp8.kernels import ops  # imports triton: only reached where the kernel runs
+    from lowprec.fp8.kernels import gemm_ops  # imports triton: only reached where the kernel runs
 
     mat_a, mat_b, scale_a, scale_b, offs, row_scales, sizes = pack(a, b)
-    bm = ops.grouped_tile(mat_a.device)[0]
+    bm = gemm_ops.grouped_tile(mat_a.device)[0]
     tiles_m = sum(-(-s // bm) for s in sizes)
     kernel_out = out_dtype if out_dtype in _OUT else torch.float32
-    out = ops.grouped_scaled_mm(mat_a, mat_b, scale_a, scale_b, offs, row_scales, tiles_m, kernel_out)
+    out = gemm_ops.grouped_scaled_mm(mat_a, mat_b, scale_a, scale_b, offs, row_scales, tiles_m, kernel_out)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 

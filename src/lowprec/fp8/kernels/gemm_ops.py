@@ -1,0 +1,170 @@
+"""``torch.library`` operators around the Triton GEMM kernels: the blockwise-scaled GEMM and the
+grouped (mixture-of-experts) GEMM (imports triton: load lazily).
+
+The operator wrapper, the launch guard under a fake implementation and the interpreter switch are
+:mod:`.ops`'s, shared with the cast operators.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from lowprec.fp8.kernels.ops import _kernel, _operator, _skip, interpreting
+from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
+from lowprec.fp8.kernels.triton_grouped_gemm import grouped_scaled_mm_kernel
+
+__all__ = ["block_scaled_mm", "grouped_scaled_mm", "grouped_tile", "GEMM_TILE", "GROUPED_TILE"]
+
+# blockwise GEMM: (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M); BLOCK_K is the scale block.
+# Three stages of 128x128 FP8 A and B tiles are 96 KiB of shared memory: sm_90/sm_100 hold it,
+# Ada (sm_89, 100 KiB per SM) gets two (tests/test_fp8_kernels_compile.py checks both).
+GEMM_TILE = {"default": (128, 128, 8, 3, 8), "sm89": (128, 128, 8, 2, 8), "interpreter": (64, 64, 4, 1, 2)}
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _gemm_launch(a: torch.Tensor, b: torch.Tensor, tile: tuple[int, ...]) -> dict:
+    """What every FP8 GEMM launch passes besides its arguments: the operands' formats, the
+    software FP8 decode under the interpreter, ``(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M)``."""
+    bm, bn, bk, warps, stages, group_m = tile
+    return dict(
+        A_E4M3=a.dtype == torch.float8_e4m3fn,
+        B_E4M3=b.dtype == torch.float8_e4m3fn,
+        SOFT_FP8=interpreting(),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=group_m,
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
+def _gemm_tile(device: torch.device) -> tuple[int, int, int, int, int]:
+    if interpreting():
+        return GEMM_TILE["interpreter"]
+    return GEMM_TILE["sm89"] if torch.cuda.get_device_capability(device) < (9, 0) else GEMM_TILE["default"]
+
+
+@_operator("lowprec::block_scaled_mm", ())
+def block_scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_inv_scale: torch.Tensor,
+    b_inv_scale: torch.Tensor,
+    block: int,
+    group_n: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)``: FP8 ``a`` (M, K) with dequantization scales (M, ceil(K/block)),
+    FP8 ``b`` (K, N) with (ceil(K/block), ceil(N/group_n)); ``group_n`` is ``block`` for square
+    B blocks, 1 for block x 1 tiles. Any strides; float32 accumulation; ``out_dtype`` written."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"block_scaled_mm needs (M, K) x (K, N), got {tuple(a.shape)} x {tuple(b.shape)}")
+    if block not in (32, 64, 128) or group_n not in (1, block):
+        raise ValueError(f"block_scaled_mm takes block 32/64/128 and group_n 1 or block, got {block}, {group_n}")
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"block_scaled_mm writes bfloat16/float16/float32, got {out_dtype}")
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if _skip(a):
+        return c
+    bm, bn, warps, stages, group_m = _gemm_tile(a.device)
+    au, bu = a.view(torch.uint8), b.view(torch.uint8)
+    _kernel(block_scaled_mm_kernel)[(triton.cdiv(m, bm) * triton.cdiv(n, bn),)](
+        au,
+        bu,
+        a_inv_scale,
+        b_inv_scale,
+        c,
+        m,
+        n,
+        k,
+        au.stride(0),
+        au.stride(1),
+        bu.stride(0),
+        bu.stride(1),
+        a_inv_scale.stride(0),
+        a_inv_scale.stride(1),
+        b_inv_scale.stride(0),
+        b_inv_scale.stride(1),
+        c.stride(0),
+        c.stride(1),
+        GROUP_N=group_n,
+        **_gemm_launch(a, b, (bm, bn, block, warps, stages, group_m)),
+    )
+    return c
+
+
+# The grouped GEMM's tiles: 64 rows (an expert's token group is often a few dozen to a few hundred
+# rows, and a row tile never spans two groups), 128 x 128 N x K. Three stages of 64x128 + 128x128
+# FP8 tiles are 72 KiB of shared memory: sm_89 takes them too (tests/test_fp8_kernels_compile.py).
+GROUPED_TILE = {"default": (64, 128, 128, 4, 3, 8), "interpreter": (16, 32, 32, 4, 1, 2)}
+
+
+def grouped_tile(device: torch.device) -> tuple[int, int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M)`` of the grouped GEMM here."""
+    return GROUPED_TILE["interpreter" if interpreting() else "default"]
+
+
+@_operator("lowprec::grouped_scaled_mm", ())
+def grouped_scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_inv_scale: torch.Tensor,
+    b_inv_scale: torch.Tensor,
+    offs: torch.Tensor,
+    a_row_scales: bool,
+    tiles_m: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Every group's ``dequant(a[rows of g]) @ dequant(b[g])`` in one launch (see
+    :mod:`.triton_grouped_gemm`): FP8 ``a`` (S, K), FP8 ``b`` (E, K, N), int32 cumulative group
+    ends ``offs`` (E,); dequantization scales ``a_inv_scale`` (S,) per row when ``a_row_scales``,
+    else (E,) one per group, ``b_inv_scale`` (E, N) per column or (E,) per expert. ``tiles_m``:
+    the row tiles of all groups (``sum ceil(c_g / BLOCK_M)`` for ``grouped_tile``'s BLOCK_M; an
+    upper bound is fine). Any strides; float32 accumulation; ``out_dtype`` written."""
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[1] or offs.shape != (b.shape[0],):
+        raise ValueError(
+            f"grouped_scaled_mm needs (S, K) x (E, K, N) and offs (E,), got {tuple(a.shape)} x "
+            f"{tuple(b.shape)}, offs {tuple(offs.shape)}"
+        )
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"grouped_scaled_mm writes bfloat16/float16/float32, got {out_dtype}")
+    s, k = a.shape
+    e, n = b.shape[0], b.shape[2]
+    c = torch.empty((s, n), dtype=out_dtype, device=a.device)
+    if _skip(a) or s == 0 or tiles_m <= 0:
+        return c
+    tile = grouped_tile(a.device)
+    bm, bn = tile[:2]
+    au, bu = a.view(torch.uint8), b.view(torch.uint8)
+    sa_m, sa_e = (a_inv_scale.stride(0), 0) if a_row_scales else (0, a_inv_scale.stride(0))
+    sb_e = b_inv_scale.stride(0)
+    sb_n = b_inv_scale.stride(1) if b_inv_scale.dim() == 2 else 0
+    _kernel(grouped_scaled_mm_kernel)[(tiles_m * triton.cdiv(n, bn),)](
+        au,
+        bu,
+        a_inv_scale,
+        b_inv_scale,
+        offs,
+        c,
+        n,
+        k,
+        e,
+        tiles_m,
+        au.stride(0),
+        au.stride(1),
+        bu.stride(0),
+        bu.stride(1),
+        bu.stride(2),
+        sa_m,
+        sa_e,
+        sb_e,
+        sb_n,
+        c.stride(0),
+        c.stride(1),
+        **_gemm_launch(a, b, tile),
+    )
+    return c
