@@ -146,6 +146,13 @@ def test_eval_mode_and_fp8_off_run_the_class_own_forward(seed):
     ref = copy.deepcopy(block)
     fp8.convert(block, "rowwise", skip_first_last=False)
     x = torch.randn(1, 8, 64)
+    assert_own_forward_unless_fp8(block, ref, x)
+    assert int(block.experts.tokens_per_expert.sum()) == 8 * 2  # top-2 of 8 tokens
+
+
+def assert_own_forward_unless_fp8(block, ref, x):
+    """``block`` (converted) gives ``ref``'s (its unconverted copy) output bit for bit with FP8 off and
+    in eval mode, and another in training mode."""
     with fp8.autocast(enabled=False):
         assert torch.equal(block(x), ref(x))
     block.eval()
@@ -153,7 +160,6 @@ def test_eval_mode_and_fp8_off_run_the_class_own_forward(seed):
     assert torch.equal(block(x), ref(x))
     block.train()
     assert not torch.equal(block(x), ref(x))
-    assert int(block.experts.tokens_per_expert.sum()) == 8 * 2  # top-2 of 8 tokens
 
 
 def test_a_region_recipe_needs_the_experts_state():

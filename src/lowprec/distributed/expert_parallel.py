@@ -197,6 +197,12 @@ def apply_expert_parallel(
         if m.__dict__.get("fp8_ep") is not None:
             raise ValueError(f"{name or type(m).__name__} is already expert-parallel")
         layout = m.fp8_layout
+        if layout.grouped:
+            raise ValueError(
+                f"{name or type(m).__name__} is called with tokens already grouped (torchtitan's GroupedExperts): "
+                "lowprec's expert parallelism dispatches the router's choices of transformers-style experts; "
+                "use torchtitan's own expert parallelism for it, or ep_size 1"
+            )
         check_expert_parallel(layout.num_experts, size)
         state = ExpertParallelState(
             group, size, rank, layout.num_experts, layout.num_experts // size, payload, grad_scale, combine

@@ -78,6 +78,10 @@ def plan_experts(
         if recipe is not None and not converted:
             plan.kept[name] = "high precision in training (fp8_filter / skip pattern)"
             continue
+        if layout.grouped:
+            raise _refuse(
+                name, "is a torchtitan-style GroupedExperts (w1/w2/w3), which has no transformers layout to export to"
+            )
         if layout.transposed or layout.bias:
             raise _refuse(name, "has transposed experts with biases (gpt-oss style), which the export does not write")
         if scheme.microscaled:

@@ -6,8 +6,11 @@ most other MoE models as one module with fused 3-D weights (``MixtralExperts``: 
 with biases), decorated with ``use_experts_implementation``, which records the layout on the
 instance (``has_gate``, ``has_bias``, ``is_transposed``, ``has_post_expert_norm``) and gives
 every class one call: ``experts(hidden_states (T, H), top_k_index (T, k), top_k_weights (T, k))``.
-lowprec's built-in MoE model (``builtin:moe-tiny``) uses the same layout. They are not Linear
-layers, so ``convert`` handles them here.
+lowprec's built-in MoE model (``builtin:moe-tiny``) uses the same layout. torchtitan's
+``GroupedExperts`` keeps three: ``w1``, ``w3`` (E, hidden, dim) and ``w2`` (E, dim, hidden), and is
+called with the tokens already grouped: ``experts(x (rows, dim), num_tokens_per_expert (E,))``,
+rows past the counted ones being padding (zeros out), ``silu(x w1^T) * (x w3^T)`` then ``w2``. They
+are not Linear layers, so ``convert`` handles both here.
 
 :func:`float8_experts` turns such a module into a ``Float8<Class>``: a subclass of its own
 class (``isinstance`` checks, ``_apply_gate``, ``act_fn``, the config all stay) whose instance
@@ -36,10 +39,12 @@ tokens dispatched in FP8) sets ``fp8_ep`` on the module and runs its forward, in
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lowprec.fp8.modules.autocast import torch_autocast_dtype
@@ -65,14 +70,17 @@ GEMM_PREFIX = "fp8_"  # the Float8GroupedGemm of projection p is the child modul
 class ExpertsLayout:
     """Where an experts module keeps its weights: ``projections`` in call order (the first
     is gated when ``has_gate``), each a Parameter ``(E, out, in)``, or ``(E, in, out)`` when
-    ``transposed``; ``bias``: a ``<projection>_bias`` (E, out) Parameter each."""
+    ``transposed``; ``bias``: a ``<projection>_bias`` (E, out) Parameter each. ``grouped``: the
+    module is called with tokens already grouped by expert (torchtitan's ``GroupedExperts``:
+    projections ``w1``, ``w3``, ``w2``), not with the router's choices."""
 
     num_experts: int
-    projections: tuple[str, str]
+    projections: tuple[str, ...]
     transposed: bool
     bias: bool
     has_gate: bool
     post_norm: bool
+    grouped: bool = False
 
     def weight(self, module: nn.Module, proj: str) -> torch.Tensor:
         """The (E, out, in) view of a projection's Parameter (autograd carries the layout back)."""
@@ -87,9 +95,9 @@ class ExpertsLayout:
 
 def experts_layout(module: nn.Module) -> ExpertsLayout | None:
     """The layout of a fused experts module (transformers' ``use_experts_implementation``
-    classes, lowprec's built-in one), or ``None`` for anything else."""
+    classes, lowprec's built-in one, torchtitan's ``GroupedExperts``), or ``None`` for anything else."""
     if not all(hasattr(module, a) for a in ("has_gate", "is_transposed", "num_experts")):
-        return None
+        return _grouped_layout(module)
     first = "gate_up_proj" if module.has_gate else "up_proj"
     params = dict(module.named_parameters(recurse=False))
     count: Any = module.num_experts  # a plain int attribute (nn.Module's stub says Tensor | Module)
@@ -105,6 +113,22 @@ def experts_layout(module: nn.Module) -> ExpertsLayout | None:
         e, (first, "down_proj"), bool(module.is_transposed), bias, bool(module.has_gate),
         bool(getattr(module, "has_post_expert_norm", False)),
     )  # fmt: skip
+
+
+def _grouped_layout(module: nn.Module) -> ExpertsLayout | None:
+    """torchtitan's ``GroupedExperts`` layout: ``w1``, ``w3`` (E, hidden, dim), ``w2`` (E, dim,
+    hidden), a ``num_experts`` attribute, and a forward taking ``num_tokens_per_expert``."""
+    params = dict(module.named_parameters(recurse=False))
+    w1, w2, w3 = (params.get(n) for n in ("w1", "w2", "w3"))
+    if w1 is None or w2 is None or w3 is None or not hasattr(module, "num_experts"):
+        return None
+    if "num_tokens_per_expert" not in inspect.signature(type(module).forward).parameters:
+        return None
+    e, hidden, dim = w1.shape if w1.dim() == 3 else (-1, -1, -1)
+    count: Any = module.num_experts  # a plain int attribute (nn.Module's stub says Tensor | Module)
+    if e != int(count) or w3.shape != w1.shape or tuple(w2.shape) != (e, dim, hidden):
+        return None
+    return ExpertsLayout(e, ("w1", "w3", "w2"), False, False, True, False, grouped=True)
 
 
 # ------------------------------------------------------------------ routing (pure functions)
@@ -165,6 +189,10 @@ def expert_rows(
     """The experts' output rows for ``x`` grouped by ``counts`` (one group per expert of the
     module's weights): first projection, bias (``expert_of_row``: the bias row of each row;
     ``None`` without biases), gate, down projection, bias, post-norm; not yet weighted."""
+    if layout.grouped:  # torchtitan: silu(x w1^T) * (x w3^T), then w2
+        gate, up, down = layout.projections
+        h = F.silu(gemm(gate, x, layout.weight(module, gate), counts)) * gemm(up, x, layout.weight(module, up), counts)
+        return gemm(down, h, layout.weight(module, down), counts)
     first, down = layout.projections
     h = gemm(first, x, layout.weight(module, first), counts)
     if expert_of_row is not None:
@@ -187,9 +215,17 @@ class Float8Experts(FP8Switch):
     fp8_layout: ExpertsLayout
     tokens_per_expert: torch.Tensor
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None = None
+    ):
+        """``(hidden_states, top_k_index, top_k_weights)`` as transformers calls its experts; a
+        grouped layout (torchtitan) is called ``(x, num_tokens_per_expert)``."""
         recipe = self._active_recipe()
         ep = self.__dict__.get("fp8_ep")
+        if self.fp8_layout.grouped:
+            if recipe is None:
+                return super().forward(hidden_states, top_k_index)  # type: ignore[misc,call-arg]
+            return self._grouped_forward(hidden_states, top_k_index, recipe)
         if recipe is None and ep is None:
             return super().forward(hidden_states, top_k_index, top_k_weights)  # type: ignore[misc]
         if getattr(self, "_is_expert_parallel", False):
@@ -209,6 +245,31 @@ class Float8Experts(FP8Switch):
         if ep is not None:  # this rank's experts only (lowprec.distributed.expert_parallel)
             return ep.forward(self, hidden_states, top_k_index, top_k_weights, recipe, gemm)
         return run_experts(self, self.fp8_layout, hidden_states, top_k_index, top_k_weights, gemm)  # type: ignore[arg-type]
+
+    def _grouped_forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor, recipe: Recipe) -> torch.Tensor:
+        """torchtitan's call: ``x`` holds ``num_tokens_per_expert[e]`` rows per expert in order, then
+        padding rows, whose output is zeros (as its for-loop path writes them)."""
+        hp = torch_autocast_dtype(x.device.type, x.dtype)
+        counts = tuple(int(c) for c in num_tokens_per_expert.tolist())  # one host read, as torchtitan's loop
+        used = sum(counts)
+        if len(counts) != self.fp8_layout.num_experts or used > x.shape[0]:
+            raise ValueError(
+                f"{type(self).__name__}: num_tokens_per_expert has {len(counts)} counts summing to {used} for "
+                f"{self.fp8_layout.num_experts} experts and {x.shape[0]} rows"
+            )
+        with torch.no_grad():
+            self.tokens_per_expert.copy_(num_tokens_per_expert.to(self.tokens_per_expert.dtype))
+
+        def gemm(proj: str, rows: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+            grouped = self._modules.get(GEMM_PREFIX + proj)  # type: ignore[attr-defined]
+            if grouped is None:  # kept in high precision
+                return grouped_mm_hp(rows, weight, counts, hp)
+            return grouped(rows, weight, counts, recipe, hp)
+
+        out = expert_rows(self, self.fp8_layout, x[:used], counts, None, gemm).to(x.dtype)
+        if used == x.shape[0]:
+            return out
+        return torch.cat([out, out.new_zeros(x.shape[0] - used, out.shape[-1])])
 
     def fp8_gemms(self) -> dict[str, Float8GroupedGemm]:
         """The projections in FP8 and their grouped GEMM modules."""
