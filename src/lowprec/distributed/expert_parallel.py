@@ -357,6 +357,13 @@ class _Wire:
     recipe: Any = None
 
 
+def _in_fp8(module: nn.Module, proj: str) -> bool:
+    """Whether projection ``proj`` of an experts module runs FP8 GEMMs now (converted, not moved
+    to high precision by the FP8 guard)."""
+    grouped = module._modules.get(GEMM_PREFIX + proj)
+    return grouped is not None and not getattr(grouped, "high_precision", False)
+
+
 def _wire_for(recipe: Any, has_fp8_gemm: bool, operand: str, payload: str) -> _Wire:
     """The wire format for the rows feeding the FP8 GEMM operand ``operand`` (``x``: the first
     projection's input, forward; ``dy``: the down projection's output gradient, backward)."""
@@ -539,8 +546,8 @@ def run_experts_parallel(
     expert_recv = torch.repeat_interleave(local_ids, recv_m.reshape(-1)).to(dev)
     first, down = layout.projections
     fp8_on = recipe is not None
-    x_wire = _wire_for(recipe, fp8_on and GEMM_PREFIX + first in module._modules, "x", ep.payload)
-    dy_wire = _wire_for(recipe, fp8_on and GEMM_PREFIX + down in module._modules, "dy", ep.payload)
+    x_wire = _wire_for(recipe, fp8_on and _in_fp8(module, first), "x", ep.payload)
+    dy_wire = _wire_for(recipe, fp8_on and _in_fp8(module, down), "dy", ep.payload)
     if dy_wire.mode != "hp" and (layout.bias or layout.post_norm):
         # the down projection's bias / the post-norm read the same gradient outside the FP8 GEMM:
         # FP8 rows would round their gradients (measured 2-6% off on gpt-oss's down_proj_bias)

@@ -238,7 +238,8 @@ class Float8Experts(FP8Switch):
 
         def gemm(proj: str, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
             grouped = self._modules.get(GEMM_PREFIX + proj)  # type: ignore[attr-defined]
-            if grouped is None or recipe is None:  # kept in high precision, or FP8 off (expert parallel)
+            # kept in high precision, moved there by the FP8 guard, or FP8 off (expert parallel)
+            if grouped is None or grouped.high_precision or recipe is None:
                 return grouped_mm_hp(x, weight, counts, hp)
             return grouped(x, weight, counts, recipe, hp)
 
@@ -262,7 +263,7 @@ class Float8Experts(FP8Switch):
 
         def gemm(proj: str, rows: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
             grouped = self._modules.get(GEMM_PREFIX + proj)  # type: ignore[attr-defined]
-            if grouped is None:  # kept in high precision
+            if grouped is None or grouped.high_precision:  # kept in high precision, or moved by the guard
                 return grouped_mm_hp(rows, weight, counts, hp)
             return grouped(rows, weight, counts, recipe, hp)
 

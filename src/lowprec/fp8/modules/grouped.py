@@ -33,6 +33,7 @@ The experts module that calls this (routing, gating, combining) is ``fp8/modules
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -41,6 +42,7 @@ from torch import nn
 from lowprec.fp8.gemm import compile_guard
 from lowprec.fp8.modules.autocast import torch_autocast_off
 from lowprec.fp8.modules.linear import bump_state_epoch
+from lowprec.guard_moves import GEMMS as GEMM_NAMES
 
 if TYPE_CHECKING:
     from lowprec.fp8.modules.linear import Float8Linear
@@ -98,6 +100,9 @@ class Float8GroupedGemm(nn.Module):
     Float8Linear) and ``fp8_stats`` (E, 3, 4), the telemetry rows (not saved)."""
 
     fp8_stats: torch.Tensor
+    # the FP8 guard moves a grouped projection whole (``high_precision``: all three GEMMs of every
+    # expert in the autocast dtype), never one of its GEMMs: its GEMMs share the experts' routing
+    per_gemm_moves = False
 
     def __init__(self, num_experts: int, recipe: Recipe, device: torch.device | None = None) -> None:
         super().__init__()
@@ -128,6 +133,22 @@ class Float8GroupedGemm(nn.Module):
         distinct, reproducible rounding stream per expert)."""
         for e in range(self.num_experts):
             self.recipe.kind.number_layer(self.slot(e, torch.empty(0)), first_index + e)
+
+    @property
+    def high_precision_gemms(self) -> tuple[str, ...]:
+        """The GEMMs in high precision by a move: all three or none (see ``per_gemm_moves``)."""
+        return GEMM_NAMES if self.high_precision else ()
+
+    def set_high_precision_gemms(self, gemms: Iterable[str] = ()) -> None:
+        """Any GEMM named moves the whole projection; ``()`` moves it back to FP8."""
+        names = set(gemms)
+        if names - set(GEMM_NAMES):
+            raise ValueError(f"unknown GEMM(s) {sorted(names - set(GEMM_NAMES))}; use {', '.join(GEMM_NAMES)}")
+        self.high_precision = bool(names)
+
+    def gemm_precision(self) -> dict[str, bool]:
+        """Each GEMM's precision in training: True = high precision (moved), False = FP8."""
+        return dict.fromkeys(GEMM_NAMES, self.high_precision)
 
     def reset_fp8_state(self) -> None:
         bump_state_epoch()

@@ -58,8 +58,10 @@ from typing import Any, Optional
 import torch.distributed as dist
 from torch import nn
 
-from lowprec.fp8.observe.health import HealthProbe, signals
+from lowprec.fp8.observe.health import HealthProbe, guarded_layers, signals
+from lowprec.fp8.observe.telemetry import grouped_telemetry
 from lowprec.guard_moves import (
+    GEMMS,
     GUARD_SCOPES,
     TO_BF16,
     TO_FP8,
@@ -69,7 +71,6 @@ from lowprec.guard_moves import (
     moved_layers,
 )
 from lowprec.guard_settings import GUARD_MODES, THRESHOLD_NAMES
-from lowprec.fp8.modules.linear import Float8Linear
 
 __all__ = [
     "Thresholds",
@@ -201,7 +202,7 @@ class Guard:
             raise ValueError("recover_after moves layers back to FP8, which only the act mode moves: use mode act")
         if self.scope not in GUARD_SCOPES:
             raise ValueError(f"guard scope must be {' or '.join(GUARD_SCOPES)}, got {self.scope!r}")
-        self.layers = {n: m for n, m in self.model.named_modules() if isinstance(m, Float8Linear)}
+        self.layers = guarded_layers(self.model)
 
     def check(self, step: int, health: dict[str, Any]) -> list[Event]:
         """Every process must call this at the same steps (a collective under several processes:
@@ -260,10 +261,12 @@ class Guard:
                 self.layers[name].high_precision = True
                 self.moved.append(ev.to_dict())
             return ev
-        gemms = tuple(g for g in gemms_of_signal(hit[0]) if g not in moved) if self.mode == "act" else ()
+        layer = self.layers[name]
+        # a grouped expert projection moves whole (Float8GroupedGemm.per_gemm_moves)
+        wanted = gemms_of_signal(hit[0]) if getattr(layer, "per_gemm_moves", True) else GEMMS
+        gemms = tuple(g for g in wanted if g not in moved) if self.mode == "act" else ()
         ev = Event(name, hit[0], float(hit[1]), step, moved=self.mode == "act", gemms=gemms)
         if ev.moved:
-            layer = self.layers[name]
             layer.set_high_precision_gemms((*layer.high_precision_gemms, *gemms))
             self.moved.append(ev.to_dict())
         return ev
@@ -423,7 +426,9 @@ class HealthMonitor:
     def check(self, step: int, tele: dict) -> list[dict[str, Any]]:
         """The records of this logging step: ``fp8_health``, then one ``fp8_guard`` per event (an
         episode started, a move back)."""
-        health = signals(tele, self.probe.layers, self.probe.take(), self.previous)
+        # grouped expert projections: their worst routed expert's statistics (no probe readings)
+        tele = {**tele, **grouped_telemetry(self.probe.model)}
+        health = signals(tele, guarded_layers(self.probe.model), self.probe.take(), self.previous)
         self.previous = health
         records: list[dict[str, Any]] = [{"kind": "fp8_health", "step": step, "layers": health}]
         if self.guard is not None:

@@ -50,6 +50,7 @@ from torch import nn
 
 from lowprec.fp8.modules.cast_state import cast_stats
 from lowprec.fp8.cast.formats import fp8_max
+from lowprec.fp8.modules.grouped import Float8GroupedGemm
 from lowprec.fp8.modules.linear import Float8Linear
 from lowprec.fp8.modules.linear_fn import cast
 from lowprec.fp8.modules.mx_linear import block_stats
@@ -58,7 +59,16 @@ from lowprec.fp8.cast.quantize import dequantize
 from lowprec.fp8.observe.telemetry import STAT_FIELDS
 from lowprec.fp8.modules.tp_linear import is_tensor_parallel
 
-__all__ = ["sqnr_db", "max_to_rms", "headroom_bits", "operand_max", "signals", "health_scalars", "HealthProbe"]
+__all__ = [
+    "sqnr_db",
+    "max_to_rms",
+    "headroom_bits",
+    "guarded_layers",
+    "operand_max",
+    "signals",
+    "health_scalars",
+    "HealthProbe",
+]
 
 
 def sqnr_db(ref: torch.Tensor, out: torch.Tensor) -> float:
@@ -83,6 +93,12 @@ def headroom_bits(amax: float, scale: float, fmt_max: float) -> Optional[float]:
     if amax <= 0.0 or scale <= 0.0 or not math.isfinite(amax * scale):
         return None
     return math.log2(fmt_max / (amax * scale))
+
+
+def guarded_layers(model: nn.Module) -> dict[str, Any]:
+    """What the health signals and the guard watch, by name: every Float8Linear and every FP8
+    grouped expert projection (``...experts.fp8_<projection>``, judged by its worst routed expert)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, (Float8Linear, Float8GroupedGemm))}
 
 
 def operand_max(layer: Float8Linear) -> dict[str, float]:

@@ -27,14 +27,15 @@ of the last step in which it ran)::
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from lowprec.fp8.modules.experts import Float8Experts
+from lowprec.fp8.modules.experts import GEMM_PREFIX, Float8Experts
 from lowprec.fp8.modules.grouped import Float8GroupedGemm
 from lowprec.fp8.modules.linear import OPERANDS, Float8Linear
 from lowprec.fp8.step_stage import spike_counts, warn_counted
 
-__all__ = ["enable", "disable", "telemetry", "expert_telemetry", "STAT_FIELDS"]
+__all__ = ["enable", "disable", "telemetry", "expert_telemetry", "grouped_telemetry", "STAT_FIELDS"]
 
 STAT_FIELDS = ("amax", "scale", "saturated", "underflow")  # the columns of a telemetry row
 
@@ -84,4 +85,34 @@ def expert_telemetry(model: nn.Module) -> dict[str, dict]:
                     op: {f: rows[:, i, j].tolist() for j, f in enumerate(STAT_FIELDS)} for i, op in enumerate(OPERANDS)
                 }
             out[name] = entry
+    return out
+
+
+def grouped_telemetry(model: nn.Module) -> dict[str, dict[str, dict[str, float]]]:
+    """Each FP8 expert projection as one telemetry row, keyed by its grouped GEMM module's name
+    (``...experts.fp8_gate_up_proj``), over the experts that ran tokens in the last forward:
+    the largest saturated and underflow fractions, and the amax and scale of the expert with
+    the least headroom (largest ``amax * scale``). What the FP8 guard judges an expert
+    projection by: one expert in trouble flags it. Projections whose experts ran nothing yet are
+    left out."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, Float8Experts):
+            continue
+        ran = m.tokens_per_expert.detach().cpu() > 0
+        for proj, g in m.fp8_gemms().items():
+            rows = g.fp8_stats.detach().cpu()[ran]  # (experts that ran, 3, 4)
+            if rows.numel() == 0:
+                continue
+            row: dict[str, dict[str, float]] = {}
+            for i, op in enumerate(OPERANDS):
+                st = rows[:, i]
+                worst = int(torch.argmax(st[:, 0] * st[:, 1]))
+                row[op] = {
+                    "amax": float(st[worst, 0]),
+                    "scale": float(st[worst, 1]),
+                    "saturated": float(st[:, 2].max()),
+                    "underflow": float(st[:, 3].max()),
+                }
+            out[f"{name}.{GEMM_PREFIX}{proj}"] = row
     return out

@@ -1,0 +1,96 @@
+"""The FP8 guard over mixture-of-experts projections (transformers' Mixtral, built from a config):
+each grouped expert projection is a watched layer (``...experts.fp8_gate_up_proj``), judged by its
+worst routed expert's statistics; ``act`` moves the whole projection (all its experts' GEMMs) to
+high precision, and a checkpoint's moves restore it."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="needs transformers (dev extra)")
+
+import lowprec.fp8 as fp8  # noqa: E402
+from lowprec.fp8.observe.guard import HealthMonitor  # noqa: E402
+from lowprec.fp8.observe.telemetry import grouped_telemetry  # noqa: E402
+from tests.tiny_moe import build, moe_block  # noqa: E402
+
+GATE_UP = "experts.fp8_gate_up_proj"
+
+
+def _block(seed=0, **kw):
+    block = moe_block(build("mixtral", seed))
+    fp8.convert(block, "tensorwise", skip_first_last=False, **kw)
+    return block
+
+
+def _outlier(x, scale=2.0**20):
+    """One token far above the rest: the expert group it joins underflows under one scale."""
+    x = x.clone()
+    x[0, 0] *= scale
+    return x
+
+
+def _steps(block, monitor, xs, first=1):
+    events = []
+    for step, x in enumerate(xs, first):
+        monitor.arm(step)
+        fp8.enable_telemetry(block)
+        block(x).float().sum().backward()  # dY all ones: the gradient carries no outlier
+        tele = fp8.telemetry(block)
+        fp8.disable_telemetry(block)
+        events += [r for r in monitor.check(step, tele) if r["kind"] == "fp8_guard"]
+    return events
+
+
+def test_expert_projections_are_health_rows_from_their_worst_routed_expert(seed):
+    block = _block(seed)
+    x = torch.randn(2, 16, 64)
+    fp8.enable_telemetry(block)
+    block(x).sum().backward()
+    rows = grouped_telemetry(block)
+    assert set(rows) == {GATE_UP, "experts.fp8_down_proj"}
+    stats = fp8.expert_telemetry(block)["experts"]
+    ran = [e for e, t in enumerate(stats["tokens"]) if t]
+    for op in ("input", "weight", "grad_output"):
+        per = stats["gate_up_proj"][op]
+        assert rows[GATE_UP][op]["underflow"] == pytest.approx(max(per["underflow"][e] for e in ran))
+        assert rows[GATE_UP][op]["amax"] > 0
+    monitor = HealthMonitor(block, "warn", 1, 10**9)
+    assert _steps(block, monitor, [x]) == []  # healthy data: no event
+
+
+def test_act_moves_an_unhealthy_projection_whole_and_only_it(seed):
+    block = _block(seed)
+    monitor = HealthMonitor(block, "act", 1, 10**9)
+    x = torch.randn(2, 16, 64)
+    events = _steps(block, monitor, [_outlier(x)])
+    assert [(e["layer"], e["signal"], e["moved"]) for e in events] == [(GATE_UP, "input.underflow", True)]
+    experts = block.experts
+    assert experts.fp8_gate_up_proj.high_precision and not experts.fp8_down_proj.high_precision
+    # the moved projection now computes what a projection kept in high precision computes
+    kept = _block(seed, skip_patterns=("gate_up_proj",))
+    assert not hasattr(kept.experts, "fp8_gate_up_proj")
+    assert torch.equal(block(x), kept(x))
+
+
+def test_the_gemm_scope_moves_all_three_gemms_of_a_projection(seed):
+    block = _block(seed)
+    monitor = HealthMonitor(block, "act", 1, 10**9, scope="gemm")
+    events = _steps(block, monitor, [_outlier(torch.randn(2, 16, 64))])
+    assert [(e["layer"], tuple(e["gemms"])) for e in events] == [(GATE_UP, ("fprop", "dgrad", "wgrad"))]
+    assert block.experts.fp8_gate_up_proj.gemm_precision() == dict.fromkeys(("fprop", "dgrad", "wgrad"), True)
+
+
+def test_warn_moves_nothing_and_a_checkpoint_restores_the_moves(seed):
+    block = _block(seed)
+    warn = HealthMonitor(block, "warn", 1, 10**9)
+    assert [e["layer"] for e in _steps(block, warn, [_outlier(torch.randn(2, 16, 64))])] == [GATE_UP]
+    assert not block.experts.fp8_gate_up_proj.high_precision
+    act = HealthMonitor(block, "act", 1, 10**9)
+    _steps(block, act, [_outlier(torch.randn(2, 16, 64))])
+    state = json.loads(json.dumps(act.state_dict()))
+    fresh = copy.deepcopy(_block(seed))
+    HealthMonitor(fresh, "act", 1, 10**9).load_state_dict(state)
+    assert fresh.experts.fp8_gate_up_proj.high_precision and not fresh.experts.fp8_down_proj.high_precision
