@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lowprec.distributed.expert_parallel import apply_expert_parallel, expert_parallel_names
 from lowprec.kwargs import env_int
 from lowprec.parallelism_config import ParallelismConfig, apply_tp_plan
 
@@ -110,8 +111,6 @@ def apply_ep(config: Optional[ParallelismConfig], model: Any) -> list[str]:
     parameters and buffers DDP / FSDP2 must leave alone (each rank's own experts)."""
     if config is None or not config.ep_enabled:
         return []
-    from lowprec.distributed.expert_parallel import apply_expert_parallel, expert_parallel_names
-
     apply_expert_parallel(
         model, config.ep_size, config.ep_group(), grad_scale=1.0 / config.ep_size, combine=config.ep_combine
     )
