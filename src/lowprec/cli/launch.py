@@ -28,6 +28,7 @@ from lowprec.config.env import (
     fp8_fields_unread,
     owned_env_var,
 )
+from lowprec.config.json_file import read_json_object
 from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError
 from lowprec.cli._torchrun import CONTINUE_VAR, describe_exit
@@ -199,8 +200,6 @@ def _check_files(settings: LaunchSettings, cli_layer: Mapping[str, Any], config_
         if "deepspeed_config_file" in cli_layer
         else (f"deepspeed_config.deepspeed_config_file in {config_file}")
     )
-    from lowprec.config.yaml_file import read_json_object
-
     try:
         read_json_object(path)
     except ValueError as exc:
