@@ -85,7 +85,7 @@ def _torch_info() -> dict[str, Any]:
     # torch inside the probe: a broken torch install is a line of the report, not a failed command
     import torch
 
-    from lowprec.cli import hardware
+    from lowprec.cli import hardware  # imports torch: inside the probe too
 
     info: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
     info["cuda_version"] = torch.version.cuda

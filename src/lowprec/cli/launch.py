@@ -143,6 +143,7 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
             notes.append(f"using the default config file {config_file}")
     yaml_layer: dict[str, Any] = {}
     if config_file is not None:
+        # pydantic (~0.1 s): only a launch with a config file pays for it
         from lowprec.config.launch_config import load_launch_config
 
         yaml_layer = load_launch_config(config_file).to_settings()

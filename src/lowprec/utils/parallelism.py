@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from lowprec.distributed.expert_parallel import apply_expert_parallel, expert_parallel_names
 from lowprec.kwargs import env_int
-from lowprec.parallelism_config import ParallelismConfig, apply_tp_plan
+from lowprec.parallelism_config import ParallelismConfig
 
 __all__ = [
     "TorchTensorParallelPlugin",
@@ -101,6 +101,9 @@ def data_shard(config: Optional[ParallelismConfig], rank: int, world: int, devic
 def apply_tp(config: Optional[ParallelismConfig], model: Any, device_type: str) -> None:
     """The Accelerator's step between FP8 conversion and FSDP2 (nothing without tensor parallelism)."""
     if config is not None and config.tp_enabled:
+        # torch.distributed.tensor costs ~0.4 s to import: only a tensor-parallel run pays for it
+        from lowprec.distributed.tensor_parallel import apply_tp_plan
+
         apply_tp_plan(model, config.mesh(device_type)["tp"], config.sequence_parallel)
 
 
