@@ -30,13 +30,10 @@ from lowprec.errors import did_you_mean
 from lowprec.checkpoint.serialization import load_error_reason
 from lowprec.fp8 import plain_state_dict, unconvert
 from lowprec.train.adapters import is_peft_model
-from lowprec.train.hf_files import has_tokenizer, hf_cache_dir, locate_pretrained, missing_model_files
+from lowprec.train.hf_files import has_tokenizer, locate_pretrained
 from lowprec.train.tokenizer import HFTokenizer, load_tokenizer, is_remote_code_refusal, remote_code_message
 
 __all__ = [
-    "locate_pretrained",
-    "hf_cache_dir",
-    "missing_model_files",
     "load_causal_lm",
     "export_pretrained",
     "tokenizer_choice",

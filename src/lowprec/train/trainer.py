@@ -57,7 +57,8 @@ from lowprec.train.adapters import LoraSettings, apply_lora, check_new_tokens
 from lowprec.train.data import TokenBatches, build_datasets
 from lowprec.train.data_setup import example_loaders, uses_examples
 from lowprec.train.generations import EvalTable
-from lowprec.train.hf_model import export_pretrained, load_causal_lm, locate_pretrained, load_run_tokenizer
+from lowprec.train.hf_files import locate_pretrained
+from lowprec.train.hf_model import export_pretrained, load_causal_lm, load_run_tokenizer
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 from lowprec.train.outputs import export_model, write_resolved_config
 from lowprec.train.packing import packed_causal_mask
