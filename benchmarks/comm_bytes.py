@@ -169,7 +169,7 @@ def _tp_worker(rank, world, port, model_name, batch, seq, out):
     from torch.distributed.device_mesh import init_device_mesh
 
     from lowprec.distributed.comm_count import CommBytes
-    from lowprec.parallelism_config import apply_tp_plan
+    from lowprec.distributed.tensor_parallel import apply_tp_plan
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -76,19 +76,23 @@ def test_env_never_crashes_when_probes_fail(monkeypatch, capsys):
 
 
 def test_env_names_the_forced_cpu_fp8_gemm(monkeypatch):
+    from lowprec.cli import hardware
     from lowprec.fp8.gemm import cpu as cpu_gemm
 
     monkeypatch.setenv(cpu_gemm.CPU_GEMM_ENV, "upcast")
     cpu_gemm.reset_cpu_gemm_choice()
     try:
-        assert env_cmd._cpu_fp8_gemm() == "cpu: " + cpu_gemm.cpu_gemm_choice().describe()
-        assert "LOWPREC_CPU_FP8_GEMM=upcast" in env_cmd._cpu_fp8_gemm()
+        assert hardware.cpu_fp8_gemm() == "cpu: " + cpu_gemm.cpu_gemm_choice().describe()
+        assert "LOWPREC_CPU_FP8_GEMM=upcast" in hardware.cpu_fp8_gemm()
     finally:
         cpu_gemm.reset_cpu_gemm_choice()
 
 
 def test_registry_skips_missing_commands_and_loads_present_ones(monkeypatch):
-    monkeypatch.setattr(main_module, "COMMANDS", ("launch", "config", "env", "no_such_command_yet"))
+    commands = {**main_module.COMMANDS, "no_such_command_yet": ("lowprec.cli.no_such_command_yet", "x:run")}
+    monkeypatch.setattr(
+        main_module, "COMMANDS", {k: commands[k] for k in ("launch", "config", "env", "no_such_command_yet")}
+    )
     parser, commands = main_module.build_parser()
     assert list(commands) == ["launch", "config", "env"]
 
@@ -110,7 +114,11 @@ def test_registry_adds_a_new_command_module(monkeypatch, capsys):
 
     module.add_parser, module.run = add_parser, run
     monkeypatch.setitem(sys.modules, "lowprec.cli.hello", module)
-    monkeypatch.setattr(main_module, "COMMANDS", ("env", "hello"))
+    monkeypatch.setattr(
+        main_module,
+        "COMMANDS",
+        {"env": main_module.COMMANDS["env"], "hello": ("lowprec.cli.hello", "lowprec.cli.hello:run")},
+    )
     assert main(["hello", "--name", "x"]) == 0
     assert capsys.readouterr().out == "hello x\n"
     assert main(["hello", "--name", "bad"]) == 2

@@ -188,7 +188,7 @@ def test_baseline_choice():
 def test_cli_parsing_and_usage_errors(tmp_path, capsys):
     import argparse
 
-    from lowprec.cli.compare import compare_settings, parse_seeds
+    from lowprec.cli.runners.compare import compare_settings, parse_seeds
 
     assert parse_seeds("5") == 5 and parse_seeds("1,2,9") == [1, 2, 9]
     cfg = parse_config({"seed": 10, "compare": {"seeds": 4, "threshold": 0.01, "precisions": ["bf16", "fp8"]}})

@@ -111,7 +111,7 @@ WORKER = textwrap.dedent(
         the same batch (a replica), with it each dp rank its half. ``moves``: {layer: GEMMs to
         move to high precision ("layer": all)}, applied before step ``move_at`` (as the guard)."""
         from lowprec.distributed.comm_count import CommBytes
-        from lowprec.parallelism_config import apply_tp_plan
+        from lowprec.distributed.tensor_parallel import apply_tp_plan
         from lowprec.train.model import build_model
         from lowprec.utils.distributed import clip_grad_norm
 

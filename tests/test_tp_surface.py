@@ -19,7 +19,7 @@ from lowprec import Accelerator, ParallelismConfig
 from lowprec.cli.main import main
 from lowprec.config.env import LaunchSettings, owned_env_var
 from lowprec.config.launch_config import load_launch_config
-from lowprec.parallelism_config import apply_tp_plan
+from lowprec.distributed.tensor_parallel import apply_tp_plan
 from lowprec.utils import TorchTensorParallelPlugin
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "report_launch_env.py")

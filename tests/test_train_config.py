@@ -229,7 +229,7 @@ def test_torch_compile_auto():
 
 def test_stale_launch_env_is_dropped_and_named(tmp_path, monkeypatch, capsys):
     """A leftover ACCELERATE_MIXED_PRECISION=fp16 in the shell must not change an fp32 run."""
-    from lowprec.cli import train as train_cmd
+    from lowprec.cli.runners import train as train_cmd
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "1")

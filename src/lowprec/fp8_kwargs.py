@@ -292,6 +292,7 @@ class NativeRecipeKwargs(RecipeKwargs):
         except ValueError as err:
             raise ValueError(f"{type(self).__name__}: {err}") from None
         self._check_overrides()
+        # torch: the launcher reads the backends' declarations, and so these classes, without it
         from lowprec.fp8.recipes import Recipe
 
         overrides = dict(self.overrides)
@@ -401,6 +402,7 @@ def recipe_kwargs_from_config(config: Mapping[str, Any]) -> RecipeKwargs:
     """The handler for a YAML ``fp8_config:`` block, parsed by the launch schema
     (:class:`lowprec.config.launch_config.FP8Config`, the one ``fp8_config`` parser) and mapped
     by the backend's declaration; unknown keys and keys the backend does not read are errors."""
+    # pydantic and PyYAML: the engine (lowprec.optim) imports this module and stays free of them
     from lowprec.config.launch_config import parse_fp8_config
 
     fields = parse_fp8_config(config)

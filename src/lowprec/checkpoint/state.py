@@ -46,6 +46,7 @@ from lowprec.checkpoint.serialization import (
     write_sharded,
 )
 from lowprec.errors import CheckpointError, StorageError
+from lowprec.export import FORMATS, export_model
 from lowprec.utils.distributed import (
     full_model_state_dict,
     is_fsdp2,
@@ -576,8 +577,6 @@ def save_model(
 def save_fp8_model(acc: Any, model: Any, save_directory: str, fp8_format: str) -> None:
     """``Accelerator.save_model(..., fp8_format=...)``: an FP8 export of the whole model, which one
     process must hold (one process or DDP; a sharded model is refused in one line)."""
-    from lowprec.export import FORMATS, export_model
-
     if fp8_format not in FORMATS:
         raise ValueError(
             f"save_model(fp8_format={fp8_format!r}): choose one of {', '.join(FORMATS)}, or leave it "

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     if importlib.util.find_spec("torch") is not None:
         # torch.distributed.destroy_process_group keeps what it destroys: a gloo group freed right
         # after it can deadlock the rank (lowprec.group_lifetime)
-        from lowprec.group_lifetime import retain_destroyed_groups
+        from lowprec.group_lifetime import retain_destroyed_groups  # torch: a launched script may run without it
 
         retain_destroyed_groups()
     try:

@@ -82,7 +82,10 @@ def package_version(import_name: str) -> str | None:
 
 
 def _torch_info() -> dict[str, Any]:
+    # torch inside the probe: a broken torch install is a line of the report, not a failed command
     import torch
+
+    from lowprec.cli import hardware  # imports torch: inside the probe too
 
     info: dict[str, Any] = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
     info["cuda_version"] = torch.version.cuda
@@ -96,7 +99,7 @@ def _torch_info() -> dict[str, Any]:
                     "name": torch.cuda.get_device_name(i),
                     "compute_capability": f"{cc[0]}.{cc[1]}",
                     "fp8_gemm": cc >= (8, 9),
-                    "blockwise_gemm": _probe(lambda i=i: _blockwise_gemm(i)),
+                    "blockwise_gemm": _probe(lambda i=i: hardware.blockwise_gemm(i)),
                 }
             )
     info["devices"] = devices
@@ -109,24 +112,8 @@ def _torch_info() -> dict[str, Any]:
             else "emulated (needs CUDA compute capability >= 8.9; these GPUs are older)"
         )
     else:
-        info["fp8_gemm"] = _cpu_fp8_gemm()
+        info["fp8_gemm"] = hardware.cpu_fp8_gemm()
     return info
-
-
-def _blockwise_gemm(index: int) -> str:
-    """The kernel the blockwise recipe's GEMMs take on CUDA device ``index`` (as the conversion report says)."""
-    import torch
-
-    from lowprec.fp8.gemm.block_triton import describe_cuda
-
-    return describe_cuda(torch.device("cuda", index), 128)
-
-
-def _cpu_fp8_gemm() -> str:
-    """The CPU FP8 GEMM this process uses and why: the same sentence the trainer logs."""
-    from lowprec.fp8.gemm.cpu import cpu_gemm_choice
-
-    return f"cpu: {cpu_gemm_choice().describe()}"
 
 
 def _fp8_backends() -> dict[str, dict[str, Any]]:

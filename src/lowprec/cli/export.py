@@ -1,4 +1,5 @@
-"""``lowprec export RUN_OR_CHECKPOINT --format hf-fp8|compressed-tensors --out DIR``."""
+"""``lowprec export RUN_OR_CHECKPOINT --format hf-fp8|compressed-tensors --out DIR``: the parser (the
+run: :mod:`lowprec.cli.runners.export`)."""
 
 from __future__ import annotations
 
@@ -37,13 +38,3 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "(mxfp8, nvfp4 -> hf-fp8)",
     )
     return p
-
-
-def run(args: argparse.Namespace) -> int:
-    # torch and the exporters load here, not at start-up: every command pays for every import
-    from lowprec.export import export_run
-    from lowprec.train.outputs import make_output_dir
-
-    out = make_output_dir(args.out, key="--out")
-    print(export_run(args.path, out, args.format, requantize=args.requantize))
-    return 0

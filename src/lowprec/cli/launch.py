@@ -28,6 +28,7 @@ from lowprec.config.env import (
     fp8_fields_unread,
     owned_env_var,
 )
+from lowprec.config.json_file import read_json_object
 from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError
 from lowprec.cli._torchrun import CONTINUE_VAR, describe_exit
@@ -142,6 +143,7 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
             notes.append(f"using the default config file {config_file}")
     yaml_layer: dict[str, Any] = {}
     if config_file is not None:
+        # pydantic (~0.1 s): only a launch with a config file pays for it
         from lowprec.config.launch_config import load_launch_config
 
         yaml_layer = load_launch_config(config_file).to_settings()
@@ -199,8 +201,6 @@ def _check_files(settings: LaunchSettings, cli_layer: Mapping[str, Any], config_
         if "deepspeed_config_file" in cli_layer
         else (f"deepspeed_config.deepspeed_config_file in {config_file}")
     )
-    from lowprec.config.yaml_file import read_json_object
-
     try:
         read_json_object(path)
     except ValueError as exc:

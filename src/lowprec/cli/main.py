@@ -1,17 +1,20 @@
-"""``lowprec`` command line: one subcommand per module.
+"""``lowprec`` command line: one subcommand per entry of :data:`COMMANDS`.
 
-A subcommand is a module in ``lowprec.cli`` listed in :data:`COMMANDS` that defines
+A subcommand is two things, named in :data:`COMMANDS`:
 
-* ``NAME`` and ``HELP`` (strings),
-* ``add_parser(subparsers) -> argparse.ArgumentParser``,
-* ``run(args) -> int`` (the exit code),
-* optionally ``split_argv(parser, tokens) -> (own_tokens, passthrough)`` when the command
-  passes trailing arguments through untouched (``launch``); ``passthrough[0]`` and the rest
-  land in the first and second positional of the parser.
+* its parser's module in ``lowprec.cli``, which defines ``NAME`` and ``HELP`` (strings),
+  ``add_parser(subparsers) -> argparse.ArgumentParser`` and, optionally,
+  ``split_argv(parser, tokens) -> (own_tokens, passthrough)`` when the command passes trailing
+  arguments through untouched (``launch``; ``passthrough[0]`` and the rest land in the first and
+  second positional of the parser). Every parser is built at start-up (``lowprec --help``), so
+  these modules import neither torch nor pydantic;
+* its runner, ``"module:function"`` with ``function(args) -> int`` (the exit code): imported
+  by :func:`runner`, only when that command runs, so its module imports what the command's
+  work needs (torch, pydantic, matplotlib) at its top. The runners of the commands that do
+  work live in :mod:`lowprec.cli.runners`.
 
-A listed module that does not exist yet is skipped, so ``train`` and ``compare`` appear as
-soon as ``lowprec/cli/train.py`` and ``compare.py`` are added. Modules must import heavy
-libraries (torch) inside ``run``, not at module level: every command pays for every import.
+A listed parser module that does not exist is skipped (a command added to the table before its
+module).
 
 A ``ValueError`` (``UsageError`` included) raised by a command is a user error: one line
 ``lowprec: error: ...`` on stderr, exit code 2, no traceback (set ``LOWPREC_DEBUG=1`` for it).
@@ -26,6 +29,7 @@ import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Callable
 
 from lowprec import __version__
 from lowprec.cli._flags import LowprecArgumentParser
@@ -39,21 +43,35 @@ from lowprec.errors import (
     format_usage_error,
 )
 
-__all__ = ["COMMANDS", "main", "build_parser"]
+__all__ = ["COMMANDS", "main", "build_parser", "runner"]
 
-COMMANDS = ("launch", "config", "env", "train", "compare", "export", "report")
+# command -> (its parser's module, its runner "module:function"); the order is --help's
+COMMANDS: dict[str, tuple[str, str]] = {
+    "launch": ("lowprec.cli.launch", "lowprec.cli.launch:run"),
+    "config": ("lowprec.cli.config", "lowprec.cli.runners.config:run"),
+    "env": ("lowprec.cli.env", "lowprec.cli.env:run"),
+    "train": ("lowprec.cli.train", "lowprec.cli.runners.train:run"),
+    "compare": ("lowprec.cli.compare", "lowprec.cli.runners.compare:run"),
+    "export": ("lowprec.cli.export", "lowprec.cli.runners.export:run"),
+    "report": ("lowprec.cli.report", "lowprec.cli.runners.report:run"),
+}
 
 
 def _load_commands() -> dict[str, ModuleType]:
     modules = {}
-    for name in COMMANDS:
-        qualified = f"lowprec.cli.{name}"
+    for name, (qualified, _) in COMMANDS.items():
         try:
             modules[name] = importlib.import_module(qualified)
         except ModuleNotFoundError as exc:
             if exc.name != qualified:  # the module exists but one of its imports is missing
                 raise
     return modules
+
+
+def runner(name: str) -> Callable[..., int]:
+    """The function that runs command ``name``: the one place a command's work is imported."""
+    module, _, function = COMMANDS[name][1].partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def build_parser() -> tuple[LowprecArgumentParser, dict[str, tuple[ModuleType, LowprecArgumentParser]]]:
@@ -93,11 +111,11 @@ def _parse(argv: list[str]):
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        module, args = _parse(argv)
+        args = _parse(argv)[1]
     except SystemExit as exc:  # argparse: --help (0) or a bad command line (2)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else EXIT_USAGE)
     try:
-        return int(module.run(args) or 0)
+        return int(runner(args.command)(args) or 0)
     except ValueError as exc:
         if os.environ.get("LOWPREC_DEBUG"):
             raise

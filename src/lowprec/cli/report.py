@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["NAME", "HELP", "add_parser", "run"]
+__all__ = ["NAME", "HELP", "add_parser"]  # the run: lowprec.cli.runners.report
 
 NAME = "report"
 HELP = "draw a run's FP8 health signals per layer (PNG + one HTML page), worst layers first"
@@ -19,13 +19,3 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="a lowprec train output_dir (holds metrics.jsonl)")
     p.add_argument("--layers", type=int, default=8, help="layers drawn in the picture (the table lists all)")
     return p
-
-
-def run(args: argparse.Namespace) -> int:
-    from lowprec.train.health_report import write_report  # matplotlib: at run time only
-
-    if args.layers < 1:
-        raise ValueError(f"--layers {args.layers}: draw at least 1 layer")
-    png, page = write_report(args.run_dir, rows=args.layers)
-    print(f"lowprec report: {page} (picture: {png})")
-    return 0

@@ -17,7 +17,7 @@ import yaml
 
 from lowprec.errors import UsageError
 
-__all__ = ["read_yaml_mapping", "read_json_object"]
+__all__ = ["read_yaml_mapping"]
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -84,20 +84,3 @@ def read_yaml_mapping(path: str | os.PathLike[str], example: str = "key: value")
     if not isinstance(data, dict):
         raise UsageError(f"{p}: expected a mapping of keys to values at the top level, got {type(data).__name__}")
     return data
-
-
-def read_json_object(path: str) -> dict[str, Any]:
-    """A JSON file holding an object (a DeepSpeed config): ValueError with a one-line reason
-    (missing, not JSON, not an object) for the caller to prefix with the key that named it."""
-    import json
-
-    if not os.path.isfile(path):
-        raise ValueError(f"{path!r} does not exist; give the path of a DeepSpeed JSON config")
-    try:
-        with open(path) as f:
-            body = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path!r} is not valid JSON ({' '.join(str(exc).split())}); fix the file") from None
-    if not isinstance(body, dict):
-        raise ValueError(f"{path!r} holds a JSON {type(body).__name__}, not an object of DeepSpeed settings")
-    return body

@@ -35,7 +35,8 @@ from lowprec.fp8 import DEFAULT_SKIP_PATTERNS, Recipe, convert
 from lowprec.train.checkpoints import list_checkpoints
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 from lowprec.export.fp8_base import is_fp8_base
-from lowprec.train.hf_model import load_causal_lm, locate_pretrained, missing_model_files
+from lowprec.train.hf_files import locate_pretrained, missing_model_files
+from lowprec.train.hf_model import load_causal_lm
 
 __all__ = ["export_run", "load_run", "export_after_training"]
 

@@ -101,6 +101,7 @@ class LowprecAcceleratorMixin:
         self._lowprec_handlers = [from_accelerate(h, "kwargs_handlers") for h in kwargs_handlers or []]
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         if self.accelerator.mixed_precision == "fp8":  # type: ignore[attr-defined]
+            # transformers and accelerate: optional dependencies, needed by an fp8 run's callback only
             from lowprec.integrations.transformers import FP8Callback
 
             callbacks = self.callback_handler.callbacks  # type: ignore[attr-defined]

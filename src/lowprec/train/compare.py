@@ -34,6 +34,7 @@ from lowprec.train.precisions import is_fp8, library_backend, precision_override
 from lowprec import __version__
 from lowprec.errors import EXIT_NONFINITE
 from lowprec.train.plots import plot_compare
+from lowprec.train.run_lock import make_output_dir
 
 __all__ = ["CompareRun", "plan_runs", "resolve_workers", "skip_reason", "compare"]
 
@@ -268,8 +269,6 @@ def compare(
             CompareRun(r.precision, r.seed, r.config.replace(cpu_threads=threads), r.config_path, r.log_path)
             for r in runs
         ]
-    from lowprec.train.outputs import make_output_dir
-
     make_output_dir(out, "--compare_dir" if output_dir else "output_dir")
     if not quiet:
         print(

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from lowprec.train.data_files import BUILTIN_CORPORA
 from lowprec.train.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
@@ -46,7 +47,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BYTES = 8_000_000
-BUILTIN_CORPORA = ("builtin:stdlib",)
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _TEST_DIRS = {"test", "tests", "idle_test"}
 

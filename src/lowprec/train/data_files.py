@@ -15,8 +15,9 @@ import json
 import os
 from typing import Any, Iterator, Optional
 
-__all__ = ["read_rows", "ROW_EXTENSIONS", "is_saved_dataset"]
+__all__ = ["read_rows", "ROW_EXTENSIONS", "BUILTIN_CORPORA", "is_saved_dataset"]
 
+BUILTIN_CORPORA = ("builtin:stdlib",)  # the built-in text (read by lowprec.train.data)
 ROW_EXTENSIONS = (".jsonl", ".json", ".parquet", ".csv")
 _INSTALL = "install it with `pip install 'lowprec[data]'` (or `pip install {pkg}`)"
 

@@ -10,6 +10,7 @@ import logging
 import os
 from typing import Any
 
+from lowprec.train.examples import DataSource, ExampleBatches, build_examples
 from lowprec.train.data_files import ROW_EXTENSIONS, is_saved_dataset, read_rows
 from lowprec.train.chat_templates import template_text
 from lowprec.train.prompts import PromptOptions
@@ -42,8 +43,6 @@ def uses_examples(cfg: Any) -> bool:
 
 
 def data_sources(cfg: Any, tokenizer: Any) -> list:
-    from lowprec.train.examples import DataSource
-
     out = []
     for i, d in enumerate(cfg.datasets):
         if d.path.startswith("builtin:"):
@@ -82,8 +81,6 @@ def data_sources(cfg: Any, tokenizer: Any) -> list:
 
 def example_loaders(cfg: Any, tokenizer: Any, acc: Any):
     """(train loader, validation loader or None) of :class:`ExampleBatches`."""
-    from lowprec.train.examples import ExampleBatches, build_examples
-
     with acc.main_process_first():  # rank 0 tokenizes and fills the cache; the others read it
         train, val = build_examples(
             data_sources(cfg, tokenizer),

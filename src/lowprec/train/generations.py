@@ -28,6 +28,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from lowprec.decision import Decision
+
 __all__ = ["EvalTable", "choose_prompts", "greedy_generate", "render_markdown", "TABLE_FILE"]
 
 TABLE_FILE = "eval_generations.md"
@@ -153,8 +155,6 @@ class EvalTable:
     def build(
         cls, cfg: Any, val_loader: Any, tokenizer: Any, output_dir: str, title: str, decisions: dict, log: Any
     ) -> "EvalTable":
-        from lowprec.train.resolve import Decision
-
         if cfg.eval_max_new_tokens is not None:
             new, why = cfg.eval_max_new_tokens, "eval_max_new_tokens"
         else:

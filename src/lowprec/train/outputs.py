@@ -19,21 +19,7 @@ from lowprec.fp8 import plain_state_dict
 from lowprec.guard_moves import is_move_back, moved_gemms, moved_layers
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["make_output_dir", "export_model", "write_resolved_config", "load_exported_model", "write_conversion_report"]
-
-
-def make_output_dir(path: str, key: str = "output_dir") -> str:
-    """Create ``path`` (and parents); an OS refusal is the user's path, so it becomes a one-line
-    ``ValueError`` naming ``key`` (the CLI's exit 2) instead of a traceback."""
-    path = os.path.abspath(path)
-    try:
-        os.makedirs(path, exist_ok=True)
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise PermissionError("not writable")
-    except OSError as exc:
-        why = exc.strerror or str(exc)
-        raise ValueError(f"{key}: {path} cannot be created or written ({why}); choose a writable directory") from None
-    return path
+__all__ = ["export_model", "write_resolved_config", "load_exported_model", "write_conversion_report"]
 
 
 def export_model(state_dict: dict[str, torch.Tensor], model_config: dict[str, Any], output_dir: str) -> str:

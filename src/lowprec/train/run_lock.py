@@ -17,6 +17,8 @@ line naming the holder (the CLI's exit 2).
   is set up. Other ranks never touch the lock, so no rank waits on it; it is never waited on
   at all (``LOCK_NB``).
 * A file system without locks (``ENOLCK``, some network mounts) runs unlocked, with a warning.
+
+:func:`make_output_dir` creates the directory first (torch-free, as the launcher needs it).
 """
 
 from __future__ import annotations
@@ -32,12 +34,26 @@ from typing import Iterator, Optional
 
 from lowprec.durable import pid_alive, this_host
 
-__all__ = ["LOCK_FILE", "LAUNCHER_VAR", "hold_output_dir", "launcher_env"]
+__all__ = ["LOCK_FILE", "LAUNCHER_VAR", "make_output_dir", "hold_output_dir", "launcher_env"]
 
 LOCK_FILE = "lowprec.lock"
 LAUNCHER_VAR = "LOWPREC_OUTPUT_DIR_LOCK"  # "<launcher pid>:<output_dir>" in the workers' environment
 
 logger = logging.getLogger("lowprec")
+
+
+def make_output_dir(path: str, key: str = "output_dir") -> str:
+    """Create ``path`` (and parents); an OS refusal is the user's path, so it becomes a one-line
+    ``ValueError`` naming ``key`` (the CLI's exit 2) instead of a traceback."""
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise ValueError(f"{key}: {path} cannot be created or written ({why}); choose a writable directory") from None
+    return path
 
 
 def _read(fd: int) -> dict:

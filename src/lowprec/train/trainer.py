@@ -31,12 +31,15 @@ from torch import nn
 from lowprec.backends.spec import trainer_backends
 from lowprec.durable import os_error_of
 from lowprec.errors import CheckpointError, NonFiniteError, StorageError
+from lowprec.export import export_after_training
+from lowprec.export.fp8_base import check_trainer_fp8_base, is_fp8_base, load_fp8_base
+from lowprec.export.fp8_merge import merge_lora_fp8_base
 from lowprec.train import checkpoints as ckpt
 from lowprec.train.config import TrainConfig
 from lowprec.train.health import attach_health
 from lowprec.train.metrics import MetricsWriter, peak_memory_mb, read_metrics, truncate_after
-from lowprec.train.outputs import make_output_dir, write_conversion_report
-from lowprec.train.run_lock import hold_output_dir
+from lowprec.train.outputs import write_conversion_report
+from lowprec.train.run_lock import hold_output_dir, make_output_dir
 from lowprec.train.loop import Run, run_loop
 from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
 from lowprec import Accelerator, __version__
@@ -54,7 +57,8 @@ from lowprec.train.adapters import LoraSettings, apply_lora, check_new_tokens
 from lowprec.train.data import TokenBatches, build_datasets
 from lowprec.train.data_setup import example_loaders, uses_examples
 from lowprec.train.generations import EvalTable
-from lowprec.train.hf_model import export_pretrained, load_causal_lm, locate_pretrained, load_run_tokenizer
+from lowprec.train.hf_files import locate_pretrained
+from lowprec.train.hf_model import export_pretrained, load_causal_lm, load_run_tokenizer
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 from lowprec.train.outputs import export_model, write_resolved_config
 from lowprec.train.packing import packed_causal_mask
@@ -132,9 +136,7 @@ def _build_model(
         return LlamaForCausalLM(mc), mc.to_dict()
 
     path = locate_pretrained(cfg.base_model)
-    # an hf-fp8 directory: its FP8 layers load frozen, in FP8, for LoRA (lowprec.export imports train: not at the top)
-    from lowprec.export.fp8_base import check_trainer_fp8_base, is_fp8_base, load_fp8_base
-
+    # an hf-fp8 directory: its FP8 layers load frozen, in FP8, for LoRA
     if cfg.merge_lora_format == "fp8" and not is_fp8_base(path):
         raise ValueError(
             f"merge_lora_format: fp8 writes the merge in an FP8 base_model's own format, and {cfg.base_model} is not "
@@ -572,10 +574,7 @@ def _resume(run: Run, decisions: dict) -> Optional[str]:
 
 def _merge_fp8_base(run: Run, output_dir: str) -> str:
     """``merge_lora`` on an FP8 base: ``output_dir/merged`` in the base's FP8 format, the merged
-    layers re-quantized once, or in bf16 (``merge_lora_format: bf16``) (lowprec.export imports the
-    trainer's model, so not at the top)."""
-    from lowprec.export.fp8_merge import merge_lora_fp8_base
-
+    layers re-quantized once, or in bf16 (``merge_lora_format: bf16``)."""
     out = os.path.join(output_dir, "merged")
     # logs what it wrote (and, for fp8, that the merged scales are new)
     merge_lora_fp8_base(run.inner.model, out, run.cfg.merge_lora_format or "fp8")
@@ -605,9 +604,7 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
                     run.inner, sd, run.tokenizer, output_dir, cfg.merge_lora and not fp8_merge, cfg.trust_remote_code
                 )
             )
-        if cfg.export:  # the trainer's export: key (lowprec.export imports the trainer's model, so not at the top)
-            from lowprec.export import export_after_training
-
+        if cfg.export:  # the trainer's export: key
             files.update(export_after_training(run.inner, cfg.export, output_dir))
         if fp8_merge:
             files["merged"] = _merge_fp8_base(run, output_dir)

@@ -26,7 +26,7 @@ def _state() -> Any:
     """``lowprec.checkpoint.state``, loaded when the Accelerator first saves or loads. Loading it
     with the Accelerator made Accelerate's own ``debug_launcher`` tests fail (their FileStore's
     temporary file was gone before the launcher removed it; ``tests/test_imports.py``)."""
-    from lowprec.checkpoint import state
+    from lowprec.checkpoint import state  # lazy on purpose: see above
 
     return state
 

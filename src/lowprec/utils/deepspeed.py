@@ -85,6 +85,7 @@ def build_ds_config(
 
 def check_client_optimizer(optimizer: Any, config: dict) -> None:
     """Reject DeepSpeed settings that would silently corrupt FP8AdamW's compressed state."""
+    # lowprec.optim imports torch.distributed.tensor (~0.4 s), and the Accelerator imports this module
     from lowprec.optim import FP8AdamW
 
     if not isinstance(optimizer, FP8AdamW):
@@ -207,7 +208,7 @@ def mark_partition_segments(ds_optimizer: Any) -> int:
     fp32 partitions (``lowprec.optim.set_block_segments``); returns how many partitions were
     marked. A layout this code does not recognise is logged and left unsegmented (FP8AdamW then
     runs its blocks over the flat partition: correct, less precise at parameter boundaries)."""
-    from lowprec.optim import FP8AdamW, set_block_segments
+    from lowprec.optim import FP8AdamW, set_block_segments  # torch.distributed.tensor: as check_client_optimizer
 
     client = getattr(ds_optimizer, "optimizer", None)
     if not isinstance(client, FP8AdamW) or client.block_size is None:

@@ -18,8 +18,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from lowprec.distributed.expert_parallel import apply_expert_parallel, expert_parallel_names
 from lowprec.kwargs import env_int
-from lowprec.parallelism_config import ParallelismConfig, apply_tp_plan
+from lowprec.parallelism_config import ParallelismConfig
 
 __all__ = [
     "TorchTensorParallelPlugin",
@@ -100,6 +101,9 @@ def data_shard(config: Optional[ParallelismConfig], rank: int, world: int, devic
 def apply_tp(config: Optional[ParallelismConfig], model: Any, device_type: str) -> None:
     """The Accelerator's step between FP8 conversion and FSDP2 (nothing without tensor parallelism)."""
     if config is not None and config.tp_enabled:
+        # torch.distributed.tensor costs ~0.4 s to import: only a tensor-parallel run pays for it
+        from lowprec.distributed.tensor_parallel import apply_tp_plan
+
         apply_tp_plan(model, config.mesh(device_type)["tp"], config.sequence_parallel)
 
 
@@ -110,8 +114,6 @@ def apply_ep(config: Optional[ParallelismConfig], model: Any) -> list[str]:
     parameters and buffers DDP / FSDP2 must leave alone (each rank's own experts)."""
     if config is None or not config.ep_enabled:
         return []
-    from lowprec.distributed.expert_parallel import apply_expert_parallel, expert_parallel_names
-
     apply_expert_parallel(
         model, config.ep_size, config.ep_group(), grad_scale=1.0 / config.ep_size, combine=config.ep_combine
     )

@@ -45,6 +45,7 @@ from lowprec.train.config.fp8 import FP8RecipeSpec, PrecisionKeys, yaml_spelling
 from lowprec.train.config.model import ModelKeys
 from lowprec.train.config.optim import LR_SCHEDULERS, OPTIMIZERS, OptimKeys
 from lowprec.train.config.output import OutputKeys
+from lowprec.train.model_config import LlamaConfig
 from lowprec.config.yaml_file import read_yaml_mapping
 
 __all__ = [
@@ -109,8 +110,6 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
                     f"state_dict_type: FULL_STATE_DICT (it gathers every expert) or drop {key}"
                 )
         if self.base_model.startswith("builtin:"):
-            from lowprec.train.model import LlamaConfig
-
             n = LlamaConfig.from_name(self.base_model[len("builtin:") :]).n_experts
             if not n:
                 raise ValueError(
@@ -190,8 +189,6 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         # eval_steps / evals_per_epoch without validation data, loss_watchdog_patience without a
         # threshold: inert, as in Axolotl (config/inert.py drops them with a note before this runs)
         if self.base_model.startswith("builtin:"):
-            from lowprec.train.model import LlamaConfig
-
             builtin = LlamaConfig.from_name(self.base_model[len("builtin:") :])
             limit = builtin.max_seq_len
             if self.sequence_len > limit:

@@ -11,6 +11,7 @@ from lowprec.train.config.base import StrictModel
 from lowprec.errors import did_you_mean
 from lowprec.train.axolotl_keys import screen_dataset_entry
 from lowprec.train.chat_templates import check_template
+from lowprec.train.data_files import BUILTIN_CORPORA
 
 __all__ = ["DatasetSpec", "DataKeys", "SpecialTokens", "DATASET_TYPES"]
 
@@ -94,8 +95,6 @@ class DatasetSpec(StrictModel):
     @classmethod
     def _path(cls, v: str) -> str:
         if v.startswith("builtin:"):
-            from lowprec.train.data import BUILTIN_CORPORA
-
             if v not in BUILTIN_CORPORA:
                 raise ValueError(f"unknown builtin corpus {v!r}; use one of {', '.join(BUILTIN_CORPORA)}")
         return v

@@ -8,7 +8,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import Field, field_validator, model_validator
 
 from lowprec.train.config.base import StrictModel
-from lowprec.config.yaml_file import read_json_object
+from lowprec.config.json_file import read_json_object
 
 __all__ = ["FSDPConfig", "DistributedKeys"]
 

@@ -53,6 +53,7 @@ class FP8RecipeSpec(StrictModel):
         return dict(self.model_extra or {})
 
     def to_recipe(self):
+        # torch: checking a recipe needs the engine; importing the schema does not (tests/test_imports.py)
         from lowprec.fp8.recipes import Recipe
 
         return Recipe.from_name(self.name, **self.overrides)

@@ -18,6 +18,8 @@ from pydantic import Field, field_validator, model_validator
 
 from lowprec.errors import did_you_mean
 from lowprec.train.config.base import StrictModel
+from lowprec.train.hf_files import locate_pretrained
+from lowprec.train.model_config import MODEL_NAMES
 
 __all__ = ["ModelKeys"]
 
@@ -57,8 +59,6 @@ class ModelKeys(StrictModel):
     @classmethod
     def _model(cls, v: str) -> str:
         if v.startswith("builtin:"):
-            from lowprec.train.model import MODEL_NAMES
-
             name = v[len("builtin:") :]
             if name not in MODEL_NAMES:
                 raise ValueError(
@@ -66,8 +66,6 @@ class ModelKeys(StrictModel):
                     + ", ".join(f"builtin:{n}" for n in MODEL_NAMES)
                 )
         else:  # a local directory, or a hub id found in the local cache (never downloaded)
-            from lowprec.train.hf_model import locate_pretrained
-
             locate_pretrained(v, key="")
         return v
 
@@ -83,7 +81,5 @@ class ModelKeys(StrictModel):
         if self.tokenizer_config is not None and self.tokenizer is not None:
             raise ValueError("tokenizer and tokenizer_config are both set; keep tokenizer_config (Axolotl's key)")
         if self.tokenizer_config is not None:
-            from lowprec.train.hf_model import locate_pretrained
-
             locate_pretrained(self.tokenizer_config, "tokenizer_config", tokenizer=True)
         return self

@@ -1,0 +1,96 @@
+"""Where a Hugging Face model is on disk, without torch or transformers: a local directory or the
+cached snapshot of a hub id (never downloaded), and which files it lacks. The trainer's schema
+checks ``base_model`` and ``tokenizer_config`` with it; :mod:`lowprec.train.hf_model` loads the
+model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Optional
+
+__all__ = ["locate_pretrained", "hf_cache_dir", "missing_model_files", "has_tokenizer"]
+
+# org/name or name, as the hub spells repository ids
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def hf_cache_dir() -> str:
+    """The hub cache the way huggingface_hub finds it, read now (not at import time)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+_NO_TOKENIZER = "tokenizer files (tokenizer.json or tokenizer_config.json)"
+
+
+def has_tokenizer(path: Optional[str]) -> bool:
+    return bool(path and os.path.isdir(path) and set(os.listdir(path)) & set(_TOKENIZER))
+
+
+def missing_model_files(path: Optional[str], tokenizer: bool = False) -> list[str]:
+    """What a model directory lacks: ``config.json``, weights (every shard an index names) and,
+    with ``tokenizer``, tokenizer files. An absent directory lacks everything."""
+    have = set(os.listdir(path)) if path and os.path.isdir(path) else set()
+    missing = [] if "config.json" in have else ["config.json"]
+    index = next((w for w in _WEIGHTS if w.endswith(".index.json") and w in have), None)
+    if index is not None:
+        with open(os.path.join(path, index)) as f:
+            shards = sorted(set(json.load(f).get("weight_map", {}).values()))
+        missing += [s for s in shards if s not in have]
+    elif not have & set(_WEIGHTS):
+        missing.append("model weights (model.safetensors)")
+    if tokenizer and not has_tokenizer(path):
+        missing.append(_NO_TOKENIZER)
+    return missing
+
+
+def locate_pretrained(spec: str, key: str = "base_model", tokenizer: bool = False) -> str:
+    """The local directory of ``spec``: the directory itself, or the cached snapshot of a hub id.
+
+    Raises ``ValueError`` (one line, naming ``key``) when it is neither, or when the cached
+    snapshot lacks files; ``tokenizer=True`` checks for tokenizer files instead of weights.
+    ``key=""`` leaves the key out (a field validator's message, which the schema prefixes)."""
+    head = f"{key}: " if key else ""
+    if os.path.isdir(spec):
+        return os.path.abspath(spec)
+    if os.path.exists(spec):
+        raise ValueError(f"{head}{spec!r} is a file; give a Hugging Face model directory (written by save_pretrained)")
+    if spec.startswith((".", "/", "~")) or not _HUB_ID.match(spec):
+        raise ValueError(
+            f"{head}{spec!r} is neither builtin:<name>, an existing local directory nor a hub id "
+            "(org/name) in the local Hugging Face cache; downloads are not supported"
+        )
+    cache = hf_cache_dir()
+    path = _cached_snapshot(spec, cache)
+    if tokenizer:
+        missing = [] if has_tokenizer(path) else [_NO_TOKENIZER]
+    else:
+        missing = missing_model_files(path)
+    if missing:
+        where = "is not in" if path is None else "is incomplete in"
+        raise ValueError(
+            f"{head}{spec!r} {where} the local Hugging Face cache ({cache}): missing {', '.join(missing)}; "
+            f"downloads are not supported: run `hf download {spec}` on a machine with network and copy "
+            "the cache here (or set HF_HUB_CACHE), or give a local directory"
+        )
+    return path
+
+
+def _cached_snapshot(repo_id: str, cache: str) -> Optional[str]:
+    """The snapshot directory ``refs/main`` points at (huggingface_hub's cache layout), or None."""
+    repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+    try:
+        with open(os.path.join(repo, "refs", "main")) as f:
+            commit = f.read().strip()
+    except OSError:
+        snaps = os.path.join(repo, "snapshots")
+        found = sorted(os.listdir(snaps)) if os.path.isdir(snaps) else []
+        commit = found[-1] if len(found) == 1 else ""  # one snapshot and no ref: unambiguous
+    path = os.path.join(repo, "snapshots", commit) if commit else None
+    return path if path and os.path.isdir(path) else None
