@@ -200,7 +200,7 @@ def _check(device: torch.device, cls: tuple, op: str) -> bool:
     try:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        from lowprec.fp8.kernels import ops
+        from lowprec.fp8.kernels import ops  # imports triton: the check runs on a GPU only
 
         if sync_mode:  # the comparisons read results on the host, once per check: allowed
             torch.cuda.set_sync_debug_mode(0)
