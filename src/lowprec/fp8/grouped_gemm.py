@@ -52,7 +52,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from lowprec.fp8 import grouped_triton
-from lowprec.fp8.capability import cuda_capability, is_cuda
+from lowprec.fp8.capability import cuda_capability, is_cuda, traced
 from lowprec.fp8.gemm import scaled_mm
 from lowprec.fp8.quantize import Float8Data
 
@@ -109,14 +109,23 @@ def pack_2d3d(
     sizes = [0 if g is None else g.data.shape[0] for g in a]
     padded = [-(-s // align) * align for s in sizes]
     total = sum(padded)
-    mat_a = torch.zeros(total, k, dtype=torch.uint8, device=device)
-    scale_a = torch.ones(total, dtype=torch.float32, device=device)
+    live = [g for g in a if g is not None and g.data.shape[0]]
+    pad = padded != sizes
+    if not pad:  # no group to pad: the groups' rows one after another (one copy, nothing zeroed)
+        mat_a = (
+            live[0].data.view(torch.uint8) if len(live) == 1 else torch.cat([g.data.view(torch.uint8) for g in live])
+        )
+        scale_a = torch.cat([torch.broadcast_to(_inv(g.scale), (g.data.shape[0], 1))[:, 0] for g in live])
+    else:
+        mat_a = torch.zeros(total, k, dtype=torch.uint8, device=device)
+        scale_a = torch.ones(total, dtype=torch.float32, device=device)
     rows = []
     start = 0
     for g, s, p in zip(a, sizes, padded):
         if g is not None and s:
-            mat_a[start : start + s] = g.data.view(torch.uint8)
-            scale_a[start : start + s] = torch.broadcast_to(g.scale.reciprocal().to(torch.float32), (s, 1))[:, 0]
+            if pad:
+                mat_a[start : start + s] = g.data.view(torch.uint8)
+                scale_a[start : start + s] = torch.broadcast_to(_inv(g.scale), (s, 1))[:, 0]
             rows.append(torch.arange(start, start + s, device=device))
         start += p
     # (E, N, K) contiguous, handed over transposed: column-major (E, K, N)
@@ -125,6 +134,10 @@ def pack_2d3d(
     offs = torch.tensor(padded, device=device).cumsum(0).to(torch.int32)
     index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64, device=device)
     return mat_a.view(_E4M3), mat_b, scale_a, scale_b.contiguous(), offs, index
+
+
+def _inv(scale: torch.Tensor) -> torch.Tensor:
+    return scale.reciprocal().to(torch.float32)  # the dequantization scale
 
 
 def reference_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -151,6 +164,8 @@ KERNEL: dict[str, Callable] = {"scaled_grouped_mm": _native}
 
 def _checked(device: torch.device) -> bool:
     """The kernel against the reference once per device: a small problem with an empty group."""
+    if traced():  # fp8.trace_as: decisions only, no kernel runs (as the fused casts' checks)
+        return True
     key = str(device)
     if key not in _CHECKED:
         ok, why = False, ""
@@ -239,7 +254,8 @@ def grouped_mm(
     if choice == "scaled_grouped_mm":
         mat_a, mat_b, scale_a, scale_b, offs, rows = pack_2d3d(a, b)
         out = KERNEL["scaled_grouped_mm"](mat_a, mat_b, scale_a, scale_b, offs)
-        out = out.index_select(0, rows)
+        if rows.numel() != out.shape[0]:  # padded groups: drop their padding rows
+            out = out.index_select(0, rows)
         return out if out.dtype == out_dtype else out.to(out_dtype)  # as gemm.as_dtype
     if choice == "triton":
         return grouped_triton.mm(a, b, out_dtype)
