@@ -145,8 +145,10 @@ class ByteCounter(TorchDispatchMode):
                     read_ids.add(id(t))
                     read += tensor_bytes(t)
         written = sum(tensor_bytes(t) for t in written_args)
-        if not written_args:  # functional op: its outputs are fresh tensors
-            written = sum(tensor_bytes(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        # a functional op's outputs are fresh tensors, and so are a custom op's beside the
+        # arguments it writes (custom ops never return an alias of an input; aten's out= do)
+        if not written_args or ns != "aten":
+            written += sum(tensor_bytes(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         rec = OpRecord(f"{ns}.{name}", read, written, phase=self.phase)
         if (ns == "aten" and name in GEMM_OPS) or f"{ns}.{name}" in CUSTOM_GEMM_OPS:
             rec.gemm = True
