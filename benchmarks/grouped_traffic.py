@@ -73,6 +73,18 @@ EXTRA_IDEAL = {
 }
 
 
+# what was found tracing torchao 0.18's grouped path (docs/LOG.md, 2026-11-28, session 13)
+TORCHAO_NOTE = (
+    "torchao.prototype.moe_training's FP8 rowwise grouped path casts with Triton kernels that its "
+    "kernels module defines only where torch.utils._triton.has_triton() is true (a CUDA device with "
+    "triton); elsewhere the names are stubs raising NotImplementedError, which is what a trace on meta "
+    "tensors meets. Forcing has_triton() true does not help with triton 3.9: the module fails to import "
+    "(triton.autotune key 'num_elements' is not an argument of its 3-D column-wise kernel). Its MXFP8 "
+    "grouped path asserts its SM100 C++ kernels are loaded (its EMULATED mode is another path, not "
+    "traced). No torchao number is given: none could be counted."
+)
+
+
 def ideal_bytes(recipe: str, experts: int, rows: int, k: int, n: int) -> int:
     """The ideal bytes outside the GEMMs of one grouped fwd+bwd (``rows`` routed tokens)."""
     bx, bw, bdy = EXTRA_IDEAL.get(recipe) or dense.IDEAL_BYTES_PER_ELEMENT[recipe]
@@ -248,6 +260,7 @@ def main(argv=None) -> int:
         "shapes": {label: {"E": e, "K": k, "N": n} for label, (e, k, n) in shapes.items()},
         "traced_as": {name: "sm_{}{}".format(*SM.get(name, (9, 0))) for name in recipes},
         "target_ratio_to_ideal": TARGET_RATIO,
+        "torchao_note": TORCHAO_NOTE,
         "triton_installed": triton_importable(),
         "results": results,
     }

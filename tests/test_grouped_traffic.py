@@ -22,11 +22,13 @@ import grouped_traffic as bench  # noqa: E402
 from tests.test_traffic import run_tiny  # noqa: E402
 
 ROWS = bench.TOKENS * bench.TOP_K
-# ratio to the ideal, per recipe: (deepseek-v3, qwen3-30b-a3b)
+# ratio to the ideal, per recipe: (deepseek-v3, qwen3-30b-a3b). tensorwise meets the issue's
+# target (0.91 / 0.94: below 1 because grad_input reads the weights' one FP8 layout where the
+# Triton grouped GEMM runs it, and the ideal counts two); the others are the levels reached
 BUDGET = {
-    "tensorwise": (2.15, 1.95),
+    "tensorwise": (bench.TARGET_RATIO, bench.TARGET_RATIO),
     "delayed": (2.35, 2.25),
-    "rowwise": (3.1, 2.6),
+    "rowwise": (2.4, 2.15),
     "rowwise_with_gw_hp": (3.0, 2.9),
     "blockwise": (3.85, 3.3),
     "mxfp8": (14.5, 16.5),
@@ -44,7 +46,7 @@ def test_grouped_bytes_outside_the_gemms_within_budget(recipe, shape):
     c = bench.trace_recipe(recipe, experts, k, n, ROWS)
     ideal = bench.ideal_bytes(recipe, experts, ROWS, k, n)
     ratio = c.outside_gemm_bytes() / ideal
-    assert 0.9 <= ratio <= BUDGET[recipe][list(bench.SHAPES).index(shape)], (round(ratio, 3), c.by_op())
+    assert 0.85 <= ratio <= BUDGET[recipe][list(bench.SHAPES).index(shape)], (round(ratio, 3), c.by_op())
     # every GEMM in FP8 (mxfp8 traced as sm_100, where torch's block-scaled GEMM runs)
     dtypes = {g.operand_dtype for g in c.gemms()}
     if recipe == "rowwise_with_gw_hp":  # its weight-gradient GEMMs are bf16 by definition
@@ -88,3 +90,22 @@ def test_benchmark_tiny_writes_its_json(tmp_path):
     torchao = rows["torchao_fp8_rowwise_grouped"]  # a number, or exactly why there is none
     assert "outside_gemm_bytes" in torchao or torchao["error"]
     assert torch.__version__ == data["torch"]
+
+
+@needs_triton
+def test_a_custom_op_writing_an_argument_and_returning_a_tensor_counts_both():
+    """``lowprec.cast_into`` writes its ``out`` argument (a slice of a buffer) and returns the
+    transposed copy: both are written bytes, the input and the scale read ones."""
+    import lowprec.fp8 as fp8
+    from lowprec.fp8 import kernels
+    from lowprec.fp8.traffic import ByteCounter
+
+    with fp8.trace_as(sm=(9, 0), triton=True):
+        x = torch.empty(64, 32, device="meta", dtype=torch.bfloat16)
+        buf = torch.empty(100, 32, device="meta", dtype=torch.float8_e4m3fn)
+        scale = torch.empty((), device="meta")
+        with ByteCounter() as c:
+            qt = kernels.cast_into(x, scale, torch.float8_e4m3fn, buf[10:74], True)
+    assert qt is not None and qt.shape == (32, 64)
+    (rec,) = c.records
+    assert rec.name == "lowprec.cast_into" and (rec.read, rec.written) == (64 * 32 * 2 + 4, 2 * 64 * 32)

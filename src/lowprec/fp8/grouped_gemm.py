@@ -98,11 +98,17 @@ def single_call_operands(a: Float8Data, b: Float8Data) -> bool:
 
 
 def pack_2d3d(
-    a: Sequence[Optional[Float8Data]], b: Sequence[Float8Data], align: int = ALIGN
+    a: Sequence[Optional[Float8Data]],
+    b: Sequence[Float8Data],
+    align: int = ALIGN,
+    packed_a: Optional[torch.Tensor] = None,
+    packed_b: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(mat_a, mat_b, scale_a, scale_b, offs, rows)``: the arguments of
     ``torch._scaled_grouped_mm`` in its order (see the module docstring), and ``rows``, the real
-    (unpadded) rows of its output in group order."""
+    (unpadded) rows of its output in group order. ``packed_a`` / ``packed_b``: the groups' rows
+    (S, K) and the experts' operands (E, K, N) already in one buffer each, as the casts wrote
+    them (used where they need no padding, and B where it is column-major)."""
     first = b[0]
     k, n = first.data.shape
     device = first.data.device
@@ -111,7 +117,10 @@ def pack_2d3d(
     total = sum(padded)
     live = [g for g in a if g is not None and g.data.shape[0]]
     pad = padded != sizes
-    if not pad:  # no group to pad: the groups' rows one after another (one copy, nothing zeroed)
+    if not pad and packed_a is not None:
+        mat_a = packed_a.view(torch.uint8)
+        scale_a = torch.cat([torch.broadcast_to(_inv(g.scale), (g.data.shape[0], 1))[:, 0] for g in live])
+    elif not pad:  # no group to pad: the groups' rows one after another (one copy, nothing zeroed)
         mat_a = (
             live[0].data.view(torch.uint8) if len(live) == 1 else torch.cat([g.data.view(torch.uint8) for g in live])
         )
@@ -129,7 +138,10 @@ def pack_2d3d(
             rows.append(torch.arange(start, start + s, device=device))
         start += p
     # (E, N, K) contiguous, handed over transposed: column-major (E, K, N)
-    mat_b = torch.stack([e.data.t().contiguous() for e in b]).transpose(-2, -1)
+    if packed_b is not None and packed_b.stride(-2) == 1:
+        mat_b = packed_b
+    else:
+        mat_b = torch.stack([e.data.t().contiguous() for e in b]).transpose(-2, -1)
     scale_b = torch.stack([torch.broadcast_to(e.scale.reciprocal().to(torch.float32), (1, n))[0] for e in b])
     offs = torch.tensor(padded, device=device).cumsum(0).to(torch.int32)
     index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64, device=device)
@@ -243,21 +255,25 @@ def grouped_mm(
     *,
     single_call: bool,
     path: str = "auto",
+    packed_a: Optional[torch.Tensor] = None,
+    packed_b: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The groups' products ``a[e] @ b[e]`` stacked (see the module docstring); ``single_call``:
     the caller's decision that this device runs a one-call grouped kernel (:func:`route` picks
-    which for these operands; those no grouped kernel takes run the loop)."""
+    which for these operands; those no grouped kernel takes run the loop). ``packed_a`` /
+    ``packed_b``: ``a``'s rows and ``b`` in one buffer each where the casts wrote them so (the
+    grouped kernels read them there instead of copying the groups together)."""
     live = [(g, w) for g, w in zip(a, b) if g is not None and g.data.shape[0]]
     if not live:
         return torch.zeros(0, b[0].data.shape[1], dtype=out_dtype, device=b[0].data.device)
     choice = route(b[0].data.device, a, b) if single_call else "loop"
     if choice == "scaled_grouped_mm":
-        mat_a, mat_b, scale_a, scale_b, offs, rows = pack_2d3d(a, b)
+        mat_a, mat_b, scale_a, scale_b, offs, rows = pack_2d3d(a, b, packed_a=packed_a, packed_b=packed_b)
         out = KERNEL["scaled_grouped_mm"](mat_a, mat_b, scale_a, scale_b, offs)
         if rows.numel() != out.shape[0]:  # padded groups: drop their padding rows
             out = out.index_select(0, rows)
         return out if out.dtype == out_dtype else out.to(out_dtype)  # as gemm.as_dtype
     if choice == "triton":
-        return grouped_triton.mm(a, b, out_dtype)
+        return grouped_triton.mm(a, b, out_dtype, packed_a, packed_b)
     outs = [scaled_mm(g, w, out_dtype, path=path) for g, w in live]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
