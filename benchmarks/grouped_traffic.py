@@ -5,9 +5,10 @@
 
 Issue 25, benchmark item 5 (first part). One grouped GEMM of a 3-D expert weight ``W`` (E, N, K)
 (fp32 master, as mixed-precision training keeps it) on ``x`` (S, K) bf16 grouped by expert,
-``S = tokens x top_k`` routed rows (8192 tokens x top-8 = 65536 by default), routed evenly:
-``S / E`` rows per expert (256 at DeepSeek-V3, 512 at Qwen3-30B-A3B; multiples of 16, so no
-group needs padding for the grouped kernels). Counted: the output GEMM, grad_input (grouped) and
+``S = tokens x top_k`` routed rows (8192 tokens x top-8 = 65536 by default). Routing ``even``
+(the rows the target is judged on): ``S / E`` rows per expert (256 at DeepSeek-V3, 512 at
+Qwen3-30B-A3B; multiples of 16, so no group needs padding for the grouped kernels); ``skewed``:
+a deterministic uneven split (:func:`skewed_counts`), groups not multiples of 16. Counted: the output GEMM, grad_input (grouped) and
 grad_weight (per expert), and every op around them (casts, amaxes, packing, the weight
 gradient's assembly). Shapes (the experts' up projection, hidden K -> expert N):
 
@@ -96,6 +97,22 @@ def even_counts(experts: int, rows: int) -> tuple[int, ...]:
     return tuple(base + (e < extra) for e in range(experts))
 
 
+def skewed_counts(experts: int, rows: int) -> tuple[int, ...]:
+    """A deterministic uneven routing: expert ``e`` takes a share ``1 / (e % 16 + 1)`` (16 to 1
+    between the busiest and the quietest), rounded by largest remainder; groups are then not
+    multiples of 16 rows, so the grouped kernels' padding and the weight gradients' padded
+    contraction show."""
+    weights = [1.0 / (e % 16 + 1) for e in range(experts)]
+    exact = [rows * w / sum(weights) for w in weights]
+    counts = [int(v) for v in exact]
+    for e in sorted(range(experts), key=lambda e: counts[e] - exact[e])[: rows - sum(counts)]:
+        counts[e] += 1
+    return tuple(counts)
+
+
+ROUTINGS = {"even": even_counts, "skewed": skewed_counts}
+
+
 def _seed_nvfp4_host_state(gemm: Float8GroupedGemm) -> None:
     # NVFP4 mirrors its rounding-stream state on the host, read once from the buffer (a device
     # read meta tensors cannot do): read it here, on CPU, before the module moves to meta
@@ -172,24 +189,26 @@ def _row(variant: str, counter, **extra) -> dict:
     return row
 
 
-def trace_recipe(name: str, experts: int, k: int, n: int, rows: int, triton: bool | None = None):
+def trace_recipe(name: str, experts: int, k: int, n: int, rows: int, triton: bool | None = None, routing: str = "even"):
     sm = SM.get(name, (9, 0))
     triton = triton_importable() if triton is None else triton
-    return trace_grouped(lowprec_make(name), even_counts(experts, rows), k, n, sm=sm, triton=triton)
+    return trace_grouped(lowprec_make(name), ROUTINGS[routing](experts, rows), k, n, sm=sm, triton=triton)
 
 
 def _error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".replace("\n", " ")[:400]
 
 
-def trace_shape(label: str, experts: int, k: int, n: int, rows: int, recipes, torchao: bool) -> list[dict]:
-    counts = even_counts(experts, rows)
-    shape = {"shape": label, "E": experts, "K": k, "N": n, "rows": rows}
+def trace_shape(
+    label: str, experts: int, k: int, n: int, rows: int, recipes, torchao: bool, routing: str = "even"
+) -> list[dict]:
+    counts = ROUTINGS[routing](experts, rows)
+    shape = {"shape": label, "E": experts, "K": k, "N": n, "rows": rows, "routing": routing}
     out = [_row("bf16", trace_grouped(bf16_make, counts, k, n, triton=False), **shape)]
     for name in recipes:
         sm = SM.get(name, (9, 0))
         try:
-            counter = trace_recipe(name, experts, k, n, rows)
+            counter = trace_recipe(name, experts, k, n, rows, routing=routing)
         except Exception as e:  # noqa: BLE001 - report, do not hide
             out.append({"variant": name, **shape, "error": _error(e)})
             continue
@@ -219,7 +238,7 @@ def trace_shape(label: str, experts: int, k: int, n: int, rows: int, recipes, to
 
 
 def _line(r: dict) -> str:
-    head = f"{r['shape']:14s} {r['variant']:30s}"
+    head = f"{r['routing']:7s} {r['shape']:14s} {r['variant']:30s}"
     if "error" in r:
         return f"{head} error: {r['error'][:160]}"
     ideal = r.get("ideal_outside_gemm_bytes")
@@ -239,6 +258,7 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=TOP_K)
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--routing", default="even,skewed", help="even (the target's rows), skewed (uneven groups), or both")
     p.add_argument("--out", help="JSON path (default benchmarks/results/grouped_traffic[_tiny].json)")
     args = p.parse_args(argv)
     shapes = TINY if args.tiny else SHAPES
@@ -246,16 +266,21 @@ def main(argv=None) -> int:
     recipes = [r for r in args.recipes.split(",") if r]
     os.environ.pop(DISABLE_ENV, None)  # trace_as decides the path
     results = []
-    for label, (experts, k, n) in shapes.items():
-        results += trace_shape(label, experts, k, n, rows, recipes, torchao=not args.no_torchao)
-    print(f"one grouped expert GEMM fwd+bwd, {rows} routed rows (even routing), x bf16, W fp32 master")
-    print(f"{'shape':14s} {'variant':30s} {'outside GEMMs':>14s} {'ideal':>9s} {'ratio':>6s} {'ops':>6s}")
+    for routing in [r for r in args.routing.split(",") if r]:
+        for label, (experts, k, n) in shapes.items():
+            torchao = not args.no_torchao and routing == "even"
+            results += trace_shape(label, experts, k, n, rows, recipes, torchao, routing)
+    print(f"one grouped expert GEMM fwd+bwd, {rows} routed rows, x bf16, W fp32 master")
+    print(
+        f"{'routing':7s} {'shape':14s} {'variant':30s} {'outside GEMMs':>14s} {'ideal':>9s} {'ratio':>6s} {'ops':>6s}"
+    )
     for r in results:
         print(_line(r))
     payload = {
         "device": "none: traced on meta tensors as CUDA (lowprec.fp8.trace_as); no kernel ran",
-        "routing": f"{rows} routed rows ({'tiny' if args.tiny else args.tokens} tokens x top-{args.top_k}), "
-        "spread evenly over the experts",
+        "routing": f"{rows} routed rows ({'tiny' if args.tiny else args.tokens} tokens x top-{args.top_k}); "
+        "even: S / E rows per expert (the target's rows); skewed: expert e takes a share 1 / (e % 16 + 1) "
+        "(benchmarks/grouped_traffic.py skewed_counts), groups not multiples of 16",
         "operands": {"x": "bfloat16 (rows, K)", "weight": "float32 master (E, N, K)", "dY": "bfloat16 (rows, N)"},
         "shapes": {label: {"E": e, "K": k, "N": n} for label, (e, k, n) in shapes.items()},
         "traced_as": {name: "sm_{}{}".format(*SM.get(name, (9, 0))) for name in recipes},

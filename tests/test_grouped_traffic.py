@@ -55,6 +55,19 @@ def test_grouped_bytes_outside_the_gemms_within_budget(recipe, shape):
 
 
 @needs_triton
+@pytest.mark.parametrize("shape, budget", [("deepseek-v3", 1.05), ("qwen3-30b-a3b", 1.4)])
+def test_tensorwise_with_uneven_groups(shape, budget):
+    """Groups that are not multiples of 16 rows (``skewed_counts``): torch's grouped kernel gets
+    padded groups (a copy of A, the output's real rows gathered) and each grad_weight GEMM pads
+    its token dim (copies of its two FP8 operands); the weight gradient is still written in place."""
+    experts, k, n = bench.SHAPES[shape]
+    c = bench.trace_recipe("tensorwise", experts, k, n, ROWS, routing="skewed")
+    ratio = c.outside_gemm_bytes() / bench.ideal_bytes("tensorwise", experts, ROWS, k, n)
+    assert ratio <= budget, (round(ratio, 3), c.by_op())
+    assert "aten.stack" not in c.by_op() or c.by_op()["aten.stack"]["bytes"] < 1e8, c.by_op()  # scales only
+
+
+@needs_triton
 @pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
 def test_the_per_expert_path_gathers_the_gradients_once(recipe):
     """The per-expert path (each expert a Linear's GEMMs) hands every expert's gradient back
@@ -75,6 +88,8 @@ def test_ideal_bytes_follow_the_dense_rules():
     assert bench.ideal_bytes("tensorwise", e, ROWS, k, n) == 6 * ROWS * k + 10 * e * n * k + 6 * ROWS * n
     assert bench.even_counts(256, ROWS) == (256,) * 256
     assert bench.even_counts(3, 10) == (4, 3, 3)
+    skewed = bench.skewed_counts(256, ROWS)
+    assert sum(skewed) == ROWS and max(skewed) == 1212 and min(skewed) == 76
     # the MX recipes count their block scales (1 byte per 32 / 16 elements and layout)
     assert bench.ideal_bytes("mxfp8", 1, 32, 32, 32) == round((2 * (4 + 2 / 32) + (6 + 2 / 32)) * 32 * 32)
 
