@@ -75,10 +75,9 @@ def _packs(plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor, both_grads: 
     casts that serve both layouts (tensorwise), plain tensors, and the fused casts running here
     (CUDA), so a grouped GEMM reads its operands where the casts wrote them: no concatenation
     of the groups' FP8 rows, no stack of the experts' casts."""
-    specs = (*plan.fprop.casts, *plan.dgrad.casts, *plan.wgrad.casts)
     return (
         both_grads
-        and all(s.granularity == "tensor" for s in specs)
+        and plan.per_tensor
         and plan.x_dual
         and plan.w_reused
         and plan.dy_dual
