@@ -24,6 +24,13 @@ per-tensor recipes, the forward's cast of each expert weight (rowwise re-casts i
 Parameter). The kind decides when this runs (``ScaledGemmKind.grouped_forward``: no amax
 history, every GEMM in FP8, FP8 activations kept, telemetry off); elsewhere each expert runs
 the Linear's own function.
+
+Where the fused casts run (CUDA) the per-tensor recipe writes each operand's casts into one
+buffer (``_packs``: x's groups (S, K), the experts' weights (E, N, K), dY's groups (S, N), each
+with its own scale as above), so the grouped GEMMs read them where they were written, with no
+concatenation or stack between; each grad_weight GEMM writes its expert's slice of the
+gradient. The values are those of the per-group casts bit for bit (the same amax, scale and
+kernel). Bytes moved around these GEMMs: ``benchmarks/grouped_traffic.py``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ Paths
     columns): the same numbers as a per-tensor GEMM. Groups are padded to 16 rows (zero bytes,
     scale 1; padded rows are dropped from the output), the alignment torchtitan and torchao
     give FP8 grouped GEMMs; the padding is written while packing, which copies the FP8 operand
-    once (1 byte per element; a fused permute-pad-cast would avoid it). Before its first use
+    once (1 byte per element; a fused permute-pad-cast would avoid it). Where no group needs
+    padding the groups' rows are concatenated (or read where the casts wrote them into one
+    buffer: ``packed_a``), and nothing is gathered from the output. Before its first use
     on a device the kernel is checked once against :func:`reference_scaled_grouped_mm` (a
     failure is logged and the Triton or per-expert path runs instead): **unverified on a GPU so far**
     (no GPU was drawn for the session that wrote it).

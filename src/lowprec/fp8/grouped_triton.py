@@ -7,9 +7,10 @@ takes tensor or row/column scales, E4M3 or E5M2 operands, ragged groups and empt
 they are: no group is padded, an empty expert owns no tile.
 
 What ``mm(a, b, out_dtype)`` hands the kernel: the live groups' FP8 rows one after another
-(one copy of A, 1 byte per element, when there is more than one group; a grouped cast that
-writes one buffer would remove it), the expert operands stacked (E, K, N) in their own layout
-(one copy of the weights, as torch's kernel needs too), the dequantization scales as they are
+(one copy of A, 1 byte per element, when there is more than one group, unless the casts wrote
+them into one buffer: ``packed_a``, tensorwise where the fused casts run), the expert operands
+stacked (E, K, N) in their own layout (one copy of the weights, unless they are one buffer
+already: ``packed_b``, taken in either storage layout), the dequantization scales as they are
 (per group or per row for A, per expert or per column for B: nothing expanded for per-tensor
 scales) and the int32 cumulative group ends.
 
