@@ -219,7 +219,7 @@ def grouped_dispatch(monkeypatch):
     calls = []
     real = grouped_triton.mm
     monkeypatch.setattr(grouped_triton, "ready", lambda device: True)
-    monkeypatch.setattr(grouped_triton, "mm", lambda a, b, out: calls.append(out) or real(a, b, out))
+    monkeypatch.setattr(grouped_triton, "mm", lambda a, b, out, *packed: calls.append(out) or real(a, b, out, *packed))
     monkeypatch.setattr(grouped_gemm, "_ROUTES_LOGGED", set())
     return calls
 

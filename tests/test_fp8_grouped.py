@@ -172,8 +172,8 @@ def single_call(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("name", [*SINGLE, "tensorwise_e4m3"])
-def test_single_call_path_through_the_kinds_dispatch(seed, single_call, name):
+def _single_case(name):
+    """``(recipe, counts, x, w, dy)`` of the single-call tests (an empty expert among four)."""
     recipe = (
         fp8.Recipe.from_name("tensorwise", fp8_format="E4M3")
         if name == "tensorwise_e4m3"
@@ -181,7 +181,12 @@ def test_single_call_path_through_the_kinds_dispatch(seed, single_call, name):
     )
     counts = (37, 0, 64, 19)
     s = sum(counts)
-    x, w, dy = torch.randn(s, K) * 2, torch.randn(E, N, K), torch.randn(s, N)
+    return recipe, counts, torch.randn(s, K) * 2, torch.randn(E, N, K), torch.randn(s, N)
+
+
+@pytest.mark.parametrize("name", [*SINGLE, "tensorwise_e4m3"])
+def test_single_call_path_through_the_kinds_dispatch(seed, single_call, name):
+    recipe, counts, x, w, dy = _single_case(name)
     got = _grouped(recipe, counts, x, w, dy)
     # one call for the output GEMM (after the one-time check's call), one for grad_input where dY is E4M3
     e4m3_dy = recipe.fp8_format == fp8.Format.E4M3
@@ -204,6 +209,28 @@ def test_single_call_path_through_the_kinds_dispatch(seed, single_call, name):
     for g, lp in zip(got, loop):
         assert sqnr(lp, g) >= 45
     assert torch.equal(got[2], loop[2])  # grad_weight: per expert in both paths
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "tensorwise_e4m3", "rowwise"])
+def test_casts_written_into_one_buffer_change_no_bit(seed, single_call, monkeypatch, name):
+    """Where the fused casts run (CUDA) the tensorwise grouped path writes every group's and
+    expert's cast into one buffer per operand, which the grouped GEMMs read in place, and each
+    weight-gradient GEMM writes its expert's slice. Run here with the torch casts standing in:
+    the output and both gradients are those of the per-group casts bit for bit (rowwise keeps
+    its per-group casts: the same path twice)."""
+    from lowprec.fp8 import kernels
+    from lowprec.fp8.modules import grouped_fn
+
+    recipe, counts, x, w, dy = _single_case(name)
+    plain = _grouped(recipe, counts, x, w, dy)
+    into = []
+    cast_into = kernels.cast_into
+    monkeypatch.setattr(kernels, "cast_into", lambda *a, **k: into.append(1) or cast_into(*a, **k))
+    monkeypatch.setattr(grouped_fn, "fused_casts_here", lambda device: True)
+    packed = _grouped(recipe, counts, x, w, dy)
+    assert len(into) == (0 if name == "rowwise" else 3 + E + 3)  # x's groups, the experts, dY's groups
+    for a, b in zip(plain, packed):
+        assert torch.equal(a, b)
 
 
 def test_single_call_arguments_pass_torchs_own_checks():

@@ -72,6 +72,26 @@ def test_cast_transpose_amax_matches_the_torch_path(dtype, in_dtype, shape, seed
     assert a.dtype == torch.float32 and a.dim() == 0 and torch.equal(a, ra)
 
 
+@pytest.mark.parametrize("shape", [(3, 200), (65, 130)])
+@pytest.mark.parametrize("transpose", [True, False])
+@pytest.mark.parametrize("dtype", FP8)
+def test_cast_into_writes_the_cast_into_a_slice_of_a_buffer(dtype, transpose, shape, seed):
+    """The grouped path's cast (``lowprec::cast_into``): the bits of cast_transpose_amax, written
+    into rows of a larger buffer (the rows around them untouched) and the transpose returned."""
+    x = awkward(shape, torch.bfloat16)
+    scale = torch.tensor(FP8_MAX[dtype] / 64.0)
+    buf = torch.full((shape[0] + 7, shape[1]), 0x5A, dtype=torch.uint8)
+    qt = ops.cast_into(x, scale, dtype, transpose, buf[3 : 3 + shape[0]])
+    rq, rqt, _ = ops.cast_transpose_amax(x, scale, dtype)
+    assert torch.equal(buf[3 : 3 + shape[0]], bits(rq))
+    assert (buf[:3] == 0x5A).all() and (buf[3 + shape[0] :] == 0x5A).all()
+    if transpose:
+        assert qt.dtype == dtype and qt.is_contiguous() and torch.equal(bits(qt), bits(rqt))
+    else:
+        assert qt.numel() == 0
+    torch.library.opcheck(torch.ops.lowprec.cast_into.default, (x, scale, dtype, transpose, buf[3 : 3 + shape[0]]))
+
+
 @pytest.mark.parametrize("dtype", FP8)
 def test_every_bfloat16_value_rounds_like_torch(dtype):
     """All 65536 bf16 bit patterns (every binade, subnormals, +-0, inf, NaN) at scale 1.

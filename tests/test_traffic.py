@@ -95,17 +95,21 @@ def test_counts_are_deterministic_and_the_gemms_are_fp8(recipe):
         assert all(d.startswith("float8") for d in dtypes), dtypes
 
 
-def test_benchmark_tiny_writes_its_json(tmp_path):
-    out = tmp_path / "t.json"
+def run_tiny(script: str, out: Path, *args: str) -> dict:
+    """``benchmarks/<script> --tiny <args> --out <out>`` in a fresh interpreter; its JSON."""
     env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "traffic.py"), "--tiny", "--out", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--tiny", *args, "--out", str(out)],
         check=True,
         env=env,
         capture_output=True,
         timeout=300,
     )
-    data = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_benchmark_tiny_writes_its_json(tmp_path):
+    data = run_tiny("traffic.py", tmp_path / "t.json")
     assert {"command", "date", "torch", "device", "results", "estimate"} <= set(data)
     assert "ESTIMATE" in data["estimate"]["label"]
     rows = {r["variant"]: r for r in data["results"]}

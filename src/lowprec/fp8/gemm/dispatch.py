@@ -141,7 +141,29 @@ def _axis_scale(q: Float8Data, shape: tuple[int, int]) -> torch.Tensor:
     return inv if q.scale.dim() == 0 else inv.expand(shape).contiguous()
 
 
-def _native(a: Float8Data, b: Float8Data, out_dtype: torch.dtype, use_fast_accum: bool) -> torch.Tensor:
+_META_OUT: list = []  # the library holding a meta kernel for aten::_scaled_mm.out, once registered
+
+
+def _meta_scaled_mm_out() -> None:
+    """torch has no meta kernel for ``_scaled_mm.out`` (2.13): one that checks the arguments as
+    the functional form's does, so a trace (``fp8.trace_as``, meta tensors) takes the same path."""
+    name = "aten::_scaled_mm.out"
+    if _META_OUT or torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+        return
+
+    def meta(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, *, out):
+        res = torch._scaled_mm(self, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)
+        torch._check(res.shape == out.shape and res.dtype == out.dtype, lambda: "_scaled_mm.out: out does not fit")
+        return out
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_scaled_mm.out", meta, "Meta")
+    _META_OUT.append(lib)
+
+
+def _native(
+    a: Float8Data, b: Float8Data, out_dtype: torch.dtype, use_fast_accum: bool, out: torch.Tensor | None = None
+) -> torch.Tensor:
     m, k = a.data.shape
     n = b.data.shape[1]
     axis = "axis" in (a.granularity, b.granularity)
@@ -162,10 +184,24 @@ def _native(a: Float8Data, b: Float8Data, out_dtype: torch.dtype, use_fast_accum
     bd = bd.t().contiguous().t()  # column-major B
     # cuBLAS rowwise scaling produces bf16 only; cast afterwards for float32 callers.
     kernel_out = torch.bfloat16 if (cuda and axis) else out_dtype
-    out = torch._scaled_mm(ad, bd, scale_a=sa, scale_b=sb, out_dtype=kernel_out, use_fast_accum=use_fast_accum)
-    if out.shape != (m, n):
-        out = out[:m, :n]
-    return as_dtype(out, out_dtype)
+    if (
+        out is not None
+        and cuda
+        and (mp, np_) == (m, n)  # padding K alone (a grad_weight over a ragged token group) keeps the output
+        and out.dtype == kernel_out
+        and out.is_contiguous()
+        and not torch.compiler.is_compiling()
+    ):  # the kernel writes the caller's buffer (one expert's slice of a grouped weight gradient)
+        if ad.device.type == "meta":
+            _meta_scaled_mm_out()
+        fast = use_fast_accum
+        return torch._scaled_mm(ad, bd, scale_a=sa, scale_b=sb, out_dtype=kernel_out, use_fast_accum=fast, out=out)
+    res = torch._scaled_mm(ad, bd, scale_a=sa, scale_b=sb, out_dtype=kernel_out, use_fast_accum=use_fast_accum)
+    if res.shape != (m, n):
+        res = res[:m, :n]
+    if out is not None:
+        return out.copy_(res)
+    return as_dtype(res, out_dtype)
 
 
 def as_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -188,17 +224,25 @@ def scaled_mm(
     *,
     path: str = "auto",
     use_fast_accum: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``dequant(a) @ dequant(b)`` in ``out_dtype``; ``path`` is ``auto``/``scaled_mm``/``emulate``."""
+    """``dequant(a) @ dequant(b)`` in ``out_dtype``; ``path`` is ``auto``/``scaled_mm``/``emulate``.
+    With ``out`` (``out_dtype``, (M, N)) the result is written there and returned: by the GEMM
+    itself where ``torch._scaled_mm`` can (no padding, ``out`` in its output dtype), else copied."""
     if a.data.dim() != 2 or b.data.dim() != 2 or a.data.shape[1] != b.data.shape[0]:
         raise ValueError(f"scaled_mm needs (M, K) x (K, N), got {tuple(a.shape)} x {tuple(b.shape)}")
     resolved = gemm_path(path, a.data.device, a, b)
+    if resolved == "scaled_mm" and "block" not in (a.granularity, b.granularity):
+        return _native(a, b, out_dtype, use_fast_accum, out)
+    res = _scaled_mm_other(a, b, out_dtype, resolved)
+    return res if out is None else out.copy_(res)
+
+
+def _scaled_mm_other(a: Float8Data, b: Float8Data, out_dtype: torch.dtype, resolved: str) -> torch.Tensor:
     if resolved == "triton":
         return block_gemm_triton.mm(a, b, out_dtype)
     if resolved == "scaled_mm":
-        if "block" in (a.granularity, b.granularity):
-            return block_gemm.blockwise_mm(a, b, out_dtype)
-        return _native(a, b, out_dtype, use_fast_accum)
+        return block_gemm.blockwise_mm(a, b, out_dtype)
     if resolved == "upcast":
         out = cpu_gemm.upcast_mm(a, b, out_dtype)
         if out is not None:

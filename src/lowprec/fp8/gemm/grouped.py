@@ -24,7 +24,9 @@ Paths
     columns): the same numbers as a per-tensor GEMM. Groups are padded to 16 rows (zero bytes,
     scale 1; padded rows are dropped from the output), the alignment torchtitan and torchao
     give FP8 grouped GEMMs; the padding is written while packing, which copies the FP8 operand
-    once (1 byte per element; a fused permute-pad-cast would avoid it). Before its first use
+    once (1 byte per element; a fused permute-pad-cast would avoid it). Where no group needs
+    padding the groups' rows are concatenated (or read where the casts wrote them into one
+    buffer: ``packed_a``), and nothing is gathered from the output. Before its first use
     on a device the kernel is checked once against :func:`reference_scaled_grouped_mm` (a
     failure is logged and the Triton or per-expert path runs instead): **unverified on a GPU so far**
     (no GPU was drawn for the session that wrote it).
@@ -52,7 +54,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from lowprec.fp8.gemm import grouped_triton
-from lowprec.fp8.gemm.capability import cuda_capability, is_cuda
+from lowprec.fp8.gemm.capability import cuda_capability, is_cuda, traced
 from lowprec.fp8.gemm.dispatch import scaled_mm
 from lowprec.fp8.cast.quantize import Float8Data
 
@@ -98,33 +100,58 @@ def single_call_operands(a: Float8Data, b: Float8Data) -> bool:
 
 
 def pack_2d3d(
-    a: Sequence[Optional[Float8Data]], b: Sequence[Float8Data], align: int = ALIGN
+    a: Sequence[Optional[Float8Data]],
+    b: Sequence[Float8Data],
+    align: int = ALIGN,
+    packed_a: Optional[torch.Tensor] = None,
+    packed_b: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(mat_a, mat_b, scale_a, scale_b, offs, rows)``: the arguments of
     ``torch._scaled_grouped_mm`` in its order (see the module docstring), and ``rows``, the real
-    (unpadded) rows of its output in group order."""
+    (unpadded) rows of its output in group order. ``packed_a`` / ``packed_b``: the groups' rows
+    (S, K) and the experts' operands (E, K, N) already in one buffer each, as the casts wrote
+    them (used where they need no padding, and B where it is column-major)."""
     first = b[0]
     k, n = first.data.shape
     device = first.data.device
     sizes = [0 if g is None else g.data.shape[0] for g in a]
     padded = [-(-s // align) * align for s in sizes]
     total = sum(padded)
-    mat_a = torch.zeros(total, k, dtype=torch.uint8, device=device)
-    scale_a = torch.ones(total, dtype=torch.float32, device=device)
+    live = [g for g in a if g is not None and g.data.shape[0]]
+    pad = padded != sizes
+    if not pad and packed_a is not None:
+        mat_a = packed_a.view(torch.uint8)
+        scale_a = torch.cat([torch.broadcast_to(_inv(g.scale), (g.data.shape[0], 1))[:, 0] for g in live])
+    elif not pad:  # no group to pad: the groups' rows one after another (one copy, nothing zeroed)
+        mat_a = (
+            live[0].data.view(torch.uint8) if len(live) == 1 else torch.cat([g.data.view(torch.uint8) for g in live])
+        )
+        scale_a = torch.cat([torch.broadcast_to(_inv(g.scale), (g.data.shape[0], 1))[:, 0] for g in live])
+    else:
+        mat_a = torch.zeros(total, k, dtype=torch.uint8, device=device)
+        scale_a = torch.ones(total, dtype=torch.float32, device=device)
     rows = []
     start = 0
     for g, s, p in zip(a, sizes, padded):
         if g is not None and s:
-            mat_a[start : start + s] = g.data.view(torch.uint8)
-            scale_a[start : start + s] = torch.broadcast_to(g.scale.reciprocal().to(torch.float32), (s, 1))[:, 0]
+            if pad:
+                mat_a[start : start + s] = g.data.view(torch.uint8)
+                scale_a[start : start + s] = torch.broadcast_to(_inv(g.scale), (s, 1))[:, 0]
             rows.append(torch.arange(start, start + s, device=device))
         start += p
     # (E, N, K) contiguous, handed over transposed: column-major (E, K, N)
-    mat_b = torch.stack([e.data.t().contiguous() for e in b]).transpose(-2, -1)
+    if packed_b is not None and packed_b.stride(-2) == 1:
+        mat_b = packed_b
+    else:
+        mat_b = torch.stack([e.data.t().contiguous() for e in b]).transpose(-2, -1)
     scale_b = torch.stack([torch.broadcast_to(e.scale.reciprocal().to(torch.float32), (1, n))[0] for e in b])
     offs = torch.tensor(padded, device=device).cumsum(0).to(torch.int32)
     index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64, device=device)
     return mat_a.view(_E4M3), mat_b, scale_a, scale_b.contiguous(), offs, index
+
+
+def _inv(scale: torch.Tensor) -> torch.Tensor:
+    return scale.reciprocal().to(torch.float32)  # the dequantization scale
 
 
 def reference_scaled_grouped_mm(mat_a, mat_b, scale_a, scale_b, offs, out_dtype=torch.bfloat16) -> torch.Tensor:
@@ -151,6 +178,8 @@ KERNEL: dict[str, Callable] = {"scaled_grouped_mm": _native}
 
 def _checked(device: torch.device) -> bool:
     """The kernel against the reference once per device: a small problem with an empty group."""
+    if traced():  # fp8.trace_as: decisions only, no kernel runs (as the fused casts' checks)
+        return True
     key = str(device)
     if key not in _CHECKED:
         ok, why = False, ""
@@ -228,20 +257,25 @@ def grouped_mm(
     *,
     single_call: bool,
     path: str = "auto",
+    packed_a: Optional[torch.Tensor] = None,
+    packed_b: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The groups' products ``a[e] @ b[e]`` stacked (see the module docstring); ``single_call``:
     the caller's decision that this device runs a one-call grouped kernel (:func:`route` picks
-    which for these operands; those no grouped kernel takes run the loop)."""
+    which for these operands; those no grouped kernel takes run the loop). ``packed_a`` /
+    ``packed_b``: ``a``'s rows and ``b`` in one buffer each where the casts wrote them so (the
+    grouped kernels read them there instead of copying the groups together)."""
     live = [(g, w) for g, w in zip(a, b) if g is not None and g.data.shape[0]]
     if not live:
         return torch.zeros(0, b[0].data.shape[1], dtype=out_dtype, device=b[0].data.device)
     choice = route(b[0].data.device, a, b) if single_call else "loop"
     if choice == "scaled_grouped_mm":
-        mat_a, mat_b, scale_a, scale_b, offs, rows = pack_2d3d(a, b)
+        mat_a, mat_b, scale_a, scale_b, offs, rows = pack_2d3d(a, b, packed_a=packed_a, packed_b=packed_b)
         out = KERNEL["scaled_grouped_mm"](mat_a, mat_b, scale_a, scale_b, offs)
-        out = out.index_select(0, rows)
+        if rows.numel() != out.shape[0]:  # padded groups: drop their padding rows
+            out = out.index_select(0, rows)
         return out if out.dtype == out_dtype else out.to(out_dtype)  # as gemm.as_dtype
     if choice == "triton":
-        return grouped_triton.mm(a, b, out_dtype)
+        return grouped_triton.mm(a, b, out_dtype, packed_a, packed_b)
     outs = [scaled_mm(g, w, out_dtype, path=path) for g, w in live]
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -7,9 +7,10 @@ takes tensor or row/column scales, E4M3 or E5M2 operands, ragged groups and empt
 they are: no group is padded, an empty expert owns no tile.
 
 What ``mm(a, b, out_dtype)`` hands the kernel: the live groups' FP8 rows one after another
-(one copy of A, 1 byte per element, when there is more than one group; a grouped cast that
-writes one buffer would remove it), the expert operands stacked (E, K, N) in their own layout
-(one copy of the weights, as torch's kernel needs too), the dequantization scales as they are
+(one copy of A, 1 byte per element, when there is more than one group, unless the casts wrote
+them into one buffer: ``packed_a``, tensorwise where the fused casts run), the expert operands
+stacked (E, K, N) in their own layout (one copy of the weights, unless they are one buffer
+already: ``packed_b``, taken in either storage layout), the dequantization scales as they are
 (per group or per row for A, per expert or per column for B: nothing expanded for per-tensor
 scales) and the int32 cumulative group ends.
 
@@ -84,16 +85,24 @@ def _inv(scale: torch.Tensor) -> torch.Tensor:
 
 
 def pack(
-    a: Sequence[Optional[Float8Data]], b: Sequence[Float8Data]
+    a: Sequence[Optional[Float8Data]],
+    b: Sequence[Float8Data],
+    packed_a: Optional[torch.Tensor] = None,
+    packed_b: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool, list[int]]:
     """``(mat_a, mat_b, scale_a, scale_b, offs, a_row_scales, sizes)``: the kernel's operands (see
-    the module docstring); ``sizes`` are the groups' row counts (0 for an empty group)."""
+    the module docstring); ``sizes`` are the groups' row counts (0 for an empty group).
+    ``packed_a`` (S, K) / ``packed_b`` (E, K, N, either storage layout): the groups' rows and the
+    expert operands already in one buffer each, as the casts wrote them: taken as they are."""
     sizes = [0 if g is None else g.data.shape[0] for g in a]
     live = [g for g in a if g is not None and g.data.shape[0]]
     device = b[0].data.device
-    mat_a = (
-        live[0].data if len(live) == 1 else torch.cat([g.data.view(torch.uint8) for g in live]).view(live[0].data.dtype)
-    )
+    if packed_a is not None:
+        mat_a = packed_a
+    elif len(live) == 1:
+        mat_a = live[0].data
+    else:
+        mat_a = torch.cat([g.data.view(torch.uint8) for g in live]).view(live[0].data.dtype)
     row_scales = any(g.scale.dim() for g in live)
     if row_scales:  # one scale per row, per-tensor groups broadcast to their rows
         scale_a = torch.cat([torch.broadcast_to(_inv(g.scale), (g.data.shape[0], 1))[:, 0] for g in live])
@@ -101,7 +110,9 @@ def pack(
         ones = torch.ones((), device=device)
         scale_a = torch.stack([ones if g is None else _inv(g.scale) for g in a])
     first = b[0].data
-    if first.stride(0) == 1 and first.stride(1) != 1:  # transposed views of (N, K) rows: stack those
+    if packed_b is not None:
+        mat_b = packed_b
+    elif first.stride(0) == 1 and first.stride(1) != 1:  # transposed views of (N, K) rows: stack those
         mat_b = torch.stack([w.data.t() for w in b]).transpose(1, 2)
     else:
         mat_b = torch.stack([w.data for w in b])
@@ -117,12 +128,18 @@ def pack(
     return mat_a, mat_b, scale_a, scale_b, offs, row_scales, sizes
 
 
-def mm(a: Sequence[Optional[Float8Data]], b: Sequence[Float8Data], out_dtype: torch.dtype) -> torch.Tensor:
+def mm(
+    a: Sequence[Optional[Float8Data]],
+    b: Sequence[Float8Data],
+    out_dtype: torch.dtype,
+    packed_a: Optional[torch.Tensor] = None,
+    packed_b: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """The live groups' ``dequant(a[g]) @ dequant(b[g])`` stacked, (sum c_g, N), in one launch
-    (``supported(a, b)`` must hold)."""
+    (``supported(a, b)`` must hold); ``packed_a`` / ``packed_b`` as :func:`pack` takes them."""
     from lowprec.fp8.kernels import gemm_ops  # imports triton: only reached where the kernel runs
 
-    mat_a, mat_b, scale_a, scale_b, offs, row_scales, sizes = pack(a, b)
+    mat_a, mat_b, scale_a, scale_b, offs, row_scales, sizes = pack(a, b, packed_a, packed_b)
     bm = gemm_ops.grouped_tile(mat_a.device)[0]
     tiles_m = sum(-(-s // bm) for s in sizes)
     kernel_out = out_dtype if out_dtype in _OUT else torch.float32

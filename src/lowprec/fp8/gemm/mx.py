@@ -195,7 +195,9 @@ def _native(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> 
     m, n = a.rows, bt.rows
     pad_rows = lambda t, r: F.pad(t.view(torch.uint8), (0, 0, 0, r - t.shape[0])).view(t.dtype)  # noqa: E731
     mp, np_ = -(-m // 16) * 16, -(-n // 16) * 16
-    ad, bd = pad_rows(a.data, mp), pad_rows(bt.data, np_)
+    # row-major both (the kernel's A and column-major B^T): a transposed weight's cast (grad_input
+    # re-casting W^T from the Parameter) is column-major, and torch refuses it
+    ad, bd = pad_rows(a.data, mp).contiguous(), pad_rows(bt.data, np_).contiguous()
     swz = F.SwizzleType.SWIZZLE_32_4_4
     sa: Any
     sb: Any

@@ -29,6 +29,7 @@ __all__ = [
     "DISABLE_ENV",
     "cast_transpose_amax",
     "cast_amax",
+    "cast_into",
     "cast_rowwise",
     "amax",
     "amax_cols",
@@ -66,6 +67,20 @@ def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> t
     if available(x.device, "cast_amax", x):
         return _ops().cast_amax(x, scale, fp8_dtype)
     return reference.cast_amax(x, scale, fp8_dtype)
+
+
+def cast_into(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, out: torch.Tensor, transpose: bool = False
+) -> torch.Tensor | None:
+    """``saturate(x * scale)`` written into ``out`` (``x``'s shape, contiguous, ``fp8_dtype``:
+    a slice of a buffer holding several casts) and, where ``transpose``, its contiguous
+    transpose returned; one pass on CUDA (the kernel of :func:`cast_transpose_amax`)."""
+    if available(x.device, "cast_transpose_amax", x):
+        qt = _ops().cast_into(x, scale, fp8_dtype, transpose, out.view(torch.uint8))
+        return qt if transpose else None
+    q = reference.cast_amax(x, scale, fp8_dtype)[0]
+    out.copy_(q)
+    return q.t().contiguous() if transpose else None
 
 
 def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,7 @@ from lowprec.fp8.kernels.triton_cast import (
 from lowprec.fp8.cast.scaling import AMAX_EPS
 
 __all__ = [
+    "cast_into",
     "cast_transpose_amax",
     "cast_amax",
     "cast_rowwise",
@@ -212,6 +213,27 @@ def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> t
     amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
     launch_cast(x, scale, fp8_dtype, q, None, amax_bits)
     return q.view(fp8_dtype), amax_bits.view(torch.float32)
+
+
+@_operator("lowprec::cast_into", ("out",))
+def cast_into(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool, out: torch.Tensor
+) -> torch.Tensor:
+    """One pass: ``saturate(x * scale)`` written into ``out`` (uint8, ``x``'s shape, contiguous:
+    a slice of one buffer holding several casts, such as every expert's) and, where
+    ``transpose``, its contiguous transpose returned ((0, 0) otherwise). The launches of
+    :func:`cast_transpose_amax` (``transpose``) or :func:`cast_amax`, amax included (into a
+    scratch scalar, dropped): the same compiled kernels their device self-checks ran."""
+    _check(x, fp8_dtype)
+    m, n = x.shape
+    qt = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=x.device)
+    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
+    if transpose and two_pass("cast_transpose_amax", x):
+        launch_cast(x, scale, fp8_dtype, out, None, amax_bits)
+        launch_cast(x, scale, fp8_dtype, None, qt, None)
+    else:
+        launch_cast(x, scale, fp8_dtype, out, qt if transpose else None, amax_bits)
+    return qt.view(fp8_dtype)
 
 
 @_operator("lowprec::cast_rowwise", ())

@@ -139,11 +139,14 @@ class Kind:
         expert's tokens), its state row, the FP8 copies it keeps for backward, its GEMM path;
         an empty expert runs nothing."""
         outs = []
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                outs.append(self.forward(gemm.slot(e, weight[e]), x[start : start + n], recipe, hp))
-            start += n
+        # unbind / split, not weight[e] / x[a:b]: their backward stacks (concatenates) the experts'
+        # gradients once; a select / slice per expert would make each expert's gradient a zero
+        # tensor of the whole weight (input) and add them up: E full-size passes
+        if any(counts):
+            experts, groups = weight.unbind(0), x.split(list(counts))
+            for e, n in enumerate(counts):
+                if n:
+                    outs.append(self.forward(gemm.slot(e, experts[e]), groups[e], recipe, hp))
         if not outs:  # no token routed anywhere: nothing to multiply
             return x.new_zeros((0, weight.shape[1]), dtype=hp)
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -66,6 +66,7 @@ class LinearPlan:
     * ``w_square``: both GEMMs of ``W`` use the same square blocks, so one cast could serve
       both; used only for a frozen weight, whose cast is kept anyway (``frozen.py``).
     * ``dy_dual``: grad_input casts ``dY`` in both layouts and grad_weight reads the second.
+    * ``per_tensor``: every operand of the three GEMMs is cast with one scale per tensor.
     """
 
     fprop: GemmCast
@@ -77,6 +78,7 @@ class LinearPlan:
     w_reused: bool = field(init=False)
     w_square: bool = field(init=False)
     dy_dual: bool = field(init=False)
+    per_tensor: bool = field(init=False)
 
     def __post_init__(self) -> None:
         fp, dg, wg = self.fprop, self.dgrad, self.wgrad
@@ -89,6 +91,8 @@ class LinearPlan:
         set_("w_reused", self.w_dual)
         set_("w_square", _same_cast(fp, fp.b, dg, dg.b, ("block",)) and dg.b is not None and dg.b.block_2d)
         set_("dy_dual", _same_cast(dg, dg.a, wg, wg.a, axes))
+        casts = [o for g in (fp, dg, wg) for o in (g.a, g.b)]
+        set_("per_tensor", all(o is not None and o.granularity == "tensor" for o in casts))
 
 
 HIGH_PRECISION = GemmCast(None, None)  # a GEMM that casts nothing

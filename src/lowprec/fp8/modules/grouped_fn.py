@@ -24,6 +24,13 @@ per-tensor recipes, the forward's cast of each expert weight (rowwise re-casts i
 Parameter). The kind decides when this runs (``ScaledGemmKind.grouped_forward``: no amax
 history, every GEMM in FP8, FP8 activations kept, telemetry off); elsewhere each expert runs
 the Linear's own function.
+
+Where the fused casts run (CUDA) the per-tensor recipe writes each operand's casts into one
+buffer (``_packs``: x's groups (S, K), the experts' weights (E, N, K), dY's groups (S, N), each
+with its own scale as above), so the grouped GEMMs read them where they were written, with no
+concatenation or stack between; each grad_weight GEMM writes its expert's slice of the
+gradient. The values are those of the per-group casts bit for bit (the same amax, scale and
+kernel). Bytes moved around these GEMMs: ``benchmarks/grouped_traffic.py``.
 """
 
 from __future__ import annotations
@@ -33,14 +40,16 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from lowprec.fp8 import kernels
 from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton
 from lowprec.fp8.modules.autocast import torch_autocast_off
 from lowprec.fp8.gemm.dispatch import scaled_mm
 from lowprec.fp8.gemm.grouped import grouped_mm
 from lowprec.fp8.kinds import base
 from lowprec.fp8.modules.linear_fn import cast, cast_both_layouts, cast_pair
-from lowprec.fp8.kinds.plan import LinearPlan
+from lowprec.fp8.kinds.plan import LinearPlan, OperandCast
 from lowprec.fp8.cast.quantize import Float8Data
+from lowprec.fp8.cast.scaling import amax_to_scale
 from lowprec.fp8.modules.saved import save_operands, saved_operands
 
 if TYPE_CHECKING:
@@ -69,6 +78,58 @@ class GroupedConfig:
     single_call: bool  # the device runs a one-call grouped kernel (else the per-expert loop: CPU tests)
 
 
+def _packs(plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor, both_grads: bool) -> bool:
+    """Whether every cast can be written into one buffer per operand (``_cast_into``): per-tensor
+    casts that serve both layouts (tensorwise), plain tensors, and the fused casts running here
+    (CUDA), so a grouped GEMM reads its operands where the casts wrote them: no concatenation
+    of the groups' FP8 rows, no stack of the experts' casts."""
+    return (
+        both_grads
+        and plan.per_tensor
+        and plan.x_dual
+        and plan.w_reused
+        and plan.dy_dual
+        and type(x) is torch.Tensor
+        and type(weight) in (torch.Tensor, torch.nn.Parameter)
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and fused_casts_here(x.device)
+    )
+
+
+def fused_casts_here(device: torch.device) -> bool:
+    """The fused Triton casts run on ``device`` (CUDA; a trace as one). Tests patch it to run
+    the packed path on CPU with the torch casts standing in."""
+    return kernels.available(device)
+
+
+def _cast_into(
+    parts: list[Optional[torch.Tensor]], spec: OperandCast, recipe: Recipe, transpose: bool
+) -> tuple[torch.Tensor, list[Optional[Float8Data]], list[Optional[Float8Data]]]:
+    """``(buffer, casts, transposed casts)``: each 2-D part (a token group or an expert weight;
+    None for an empty group) cast with its own tensor scale, as ``TensorCast`` casts it (the
+    same amax, scale and kernel), its rows written one after another into one buffer; where
+    ``transpose`` also its transposed copy (the layout its second GEMM reads)."""
+    live = [t for t in parts if t is not None]
+    buf = torch.empty(sum(t.shape[0] for t in live), live[0].shape[1], dtype=spec.dtype, device=live[0].device)
+    pow2 = recipe.power_of_2_scales
+    casts: list[Optional[Float8Data]] = []
+    cols: list[Optional[Float8Data]] = []
+    start = 0
+    for t in parts:
+        if t is None:
+            casts.append(None)
+            cols.append(None)
+            continue
+        scale = amax_to_scale(kernels.amax(t), spec.dtype, margin=recipe.margin, power_of_2=pow2)
+        rows = buf[start : start + t.shape[0]]
+        qt = kernels.cast_into(t, scale, spec.dtype, rows, transpose)
+        casts.append(Float8Data(rows, scale, "tensor", None, pow2))
+        cols.append(None if qt is None else Float8Data(qt.t(), scale, "tensor", None, pow2))
+        start += t.shape[0]
+    return buf, casts, cols
+
+
 def _groups(t: torch.Tensor, counts: tuple[int, ...]) -> list[Optional[torch.Tensor]]:
     out: list[Optional[torch.Tensor]] = []
     start = 0
@@ -78,6 +139,20 @@ def _groups(t: torch.Tensor, counts: tuple[int, ...]) -> list[Optional[torch.Ten
     return out
 
 
+def _save(ctx, cfg: GroupedConfig, x, weight, w_saved, x_saved, w_param, w_packed) -> None:
+    """What backward reads: the weight casts grad_input takes (or the Parameter to re-cast), x's
+    casts for grad_weight, and the packed forward's (E, N, K) weight buffer (or None)."""
+    save_operands(
+        ctx,
+        [*w_saved, *x_saved, w_param, w_packed],
+        cfg=cfg,
+        n_w=len(w_saved),
+        x_dtype=x.dtype,
+        w_dtype=weight.dtype,
+        w_shape=tuple(weight.shape),
+    )
+
+
 class GroupedScaledFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, cfg: GroupedConfig):
@@ -85,6 +160,8 @@ class GroupedScaledFn(torch.autograd.Function):
         spec_x, spec_w = plan.fprop.casts
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         experts = weight.shape[0]
+        if _packs(plan, x, weight, need_dgrad and need_wgrad):
+            return GroupedScaledFn._packed_forward(ctx, x, weight, cfg)
         with torch_autocast_off(x.device.type):
             xq: list[Optional[Float8Data]] = []  # per expert: None where it holds no token
             x_saved: list[Optional[Float8Data]] = []
@@ -108,21 +185,41 @@ class GroupedScaledFn(torch.autograd.Function):
             w_saved = w_col if (need_dgrad and plan.w_reused) else []
         # rowwise: grad_input re-casts the weight from the Parameter (a reference, as the Linear)
         w_param = weight if (need_dgrad and not plan.w_reused) else None
-        save_operands(
-            ctx,
-            [*w_saved, *x_saved, w_param],
-            cfg=cfg,
-            n_w=len(w_saved),
-            x_dtype=x.dtype,
-            w_dtype=weight.dtype,
-            w_shape=tuple(weight.shape),
-        )
+        _save(ctx, cfg, x, weight, w_saved, x_saved, w_param, None)
+        return out
+
+    @staticmethod
+    def _packed_forward(ctx, x, weight, cfg: GroupedConfig):
+        """The forward where every cast writes into one buffer per operand (``_packs``): x's
+        groups into one (S, K) FP8 buffer (their transposed copies kept for grad_weight), the
+        experts' weights into one (E, N, K) buffer, which the output GEMM reads transposed and
+        grad_input reads as it is where the Triton grouped GEMM runs it (torch's grouped kernel
+        takes E4M3 only: an E4M3 dY gets the weights' transposed copies, stacked there)."""
+        recipe, plan, hp = cfg.recipe, cfg.plan, cfg.hp_dtype
+        spec_x, spec_w = plan.fprop.casts
+        experts, n, k = weight.shape
+        native_dgrad = all(o.dtype == torch.float8_e4m3fn for o in plan.dgrad.casts)
+        with torch_autocast_off(x.device.type):
+            xbuf, xq, x_saved = _cast_into(_groups(x, cfg.counts), spec_x, recipe, True)
+            wbuf, wq, w_t = _cast_into(list(weight.unbind(0)), spec_w, recipe, native_dgrad)
+            wbuf = wbuf.view(experts, n, k)
+            out = grouped_mm(
+                xq,
+                [w.t() for w in wq if w is not None],  # every expert has a weight
+                hp,
+                single_call=cfg.single_call,
+                path=recipe.gemm,
+                packed_a=xbuf,
+                packed_b=wbuf.transpose(-2, -1),
+            )
+        w_saved = [c if c is not None else q for c, q in zip(w_t, wq)]
+        _save(ctx, cfg, x, weight, w_saved, x_saved, None, wbuf)
         return out
 
     @staticmethod
     def backward(ctx, dy):
         saved = saved_operands(ctx)
-        w_saved, x_saved, w_param = saved[: ctx.n_w], saved[ctx.n_w : -1], saved[-1]
+        w_saved, x_saved, w_param, w_packed = saved[: ctx.n_w], saved[ctx.n_w : -2], saved[-2], saved[-1]
         cfg = ctx.cfg
         recipe, plan, hp = cfg.recipe, cfg.plan, cfg.hp_dtype
         dg, wg = plan.dgrad, plan.wgrad
@@ -130,7 +227,10 @@ class GroupedScaledFn(torch.autograd.Function):
         grad_x = grad_w = None
         with torch_autocast_off(dy.device.type):
             dyq, dy_col = [], []
-            for g in _groups(dy, cfg.counts):
+            dy_packed = None
+            if w_packed is not None:  # the packed forward ran (_packs): dY's casts into one buffer too
+                dy_packed, dyq, dy_col = _cast_into(_groups(dy, cfg.counts), dg.a, recipe, True)
+            for g in _groups(dy, cfg.counts) if dy_packed is None else ():
                 if g is None:
                     dyq.append(None)
                     dy_col.append(None)
@@ -144,12 +244,23 @@ class GroupedScaledFn(torch.autograd.Function):
             if need_dgrad:
                 experts = len(cfg.counts)
                 w_dgrad = w_saved or [cast(w_param[e], dg.b, 0, recipe) for e in range(experts)]
-                grad_x = grouped_mm(dyq, w_dgrad, hp, single_call=cfg.single_call, path=recipe.gemm).to(ctx.x_dtype)
+                grad_x = grouped_mm(
+                    dyq,
+                    w_dgrad,
+                    hp,
+                    single_call=cfg.single_call,
+                    path=recipe.gemm,
+                    packed_a=dy_packed,
+                    packed_b=w_packed,
+                ).to(ctx.x_dtype)
             if need_wgrad:  # per expert holding tokens, float32 as the Linear's; zero elsewhere
-                grad_w = torch.zeros(ctx.w_shape, dtype=torch.float32, device=dy.device)
+                # each GEMM writes its expert's slice where torch's kernel can (else a copy into it)
+                grad_w = torch.empty(ctx.w_shape, dtype=torch.float32, device=dy.device)
                 for e, (d, xs) in enumerate(zip(dy_col, x_saved)):
                     if d is not None and xs is not None:
-                        grad_w[e] = scaled_mm(d.t(), xs, torch.float32, path=recipe.gemm)
+                        scaled_mm(d.t(), xs, torch.float32, path=recipe.gemm, out=grad_w[e])
+                    else:
+                        grad_w[e].zero_()
                 grad_w = grad_w.to(ctx.w_dtype)
         return grad_x, grad_w, None
 

@@ -30,6 +30,7 @@ apart: the question the counts answer is how many bytes move *outside* the GEMMs
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -45,6 +46,7 @@ __all__ = [
     "CUSTOM_GEMM_OPS",
     "STEADY_STATE_BYTES",
     "trace_linear",
+    "trace_grouped",
 ]
 
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm"})
@@ -143,8 +145,10 @@ class ByteCounter(TorchDispatchMode):
                     read_ids.add(id(t))
                     read += tensor_bytes(t)
         written = sum(tensor_bytes(t) for t in written_args)
-        if not written_args:  # functional op: its outputs are fresh tensors
-            written = sum(tensor_bytes(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        # a functional op's outputs are fresh tensors, and so are a custom op's beside the
+        # arguments it writes (custom ops never return an alias of an input; aten's out= do)
+        if not written_args or ns != "aten":
+            written += sum(tensor_bytes(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         rec = OpRecord(f"{ns}.{name}", read, written, phase=self.phase)
         if (ns == "aten" and name in GEMM_OPS) or f"{ns}.{name}" in CUSTOM_GEMM_OPS:
             rec.gemm = True
@@ -202,18 +206,55 @@ def trace_linear(
             x = torch.empty(m, k, device="meta", dtype=x_dtype, requires_grad=True)
             dy = torch.empty(m, n, device="meta", dtype=x_dtype)
             lin.weight.grad = None
-            last = step == steps - 1
-            with autocast():
-                if last:
-                    counter.phase = "fwd"
-                    with counter:
-                        y = mod(x)
-                else:
-                    y = mod(x)
-            if last:
-                counter.phase = "bwd"
-                with counter:
-                    y.backward(dy)
-            else:
-                y.backward(dy)
+            _fwd_bwd(partial(mod, x), dy, counter if step == steps - 1 else None)
+    return counter
+
+
+def _fwd_bwd(forward, dy: torch.Tensor, counter: ByteCounter | None) -> None:
+    """``forward()`` under ``fp8.autocast()`` then its backward with ``dy``; counted (phases
+    ``fwd`` / ``bwd``) by ``counter`` unless it is None."""
+    with autocast():
+        if counter is None:
+            y = forward()
+        else:
+            counter.phase = "fwd"
+            with counter:
+                y = forward()
+    if counter is None:
+        y.backward(dy)
+        return
+    counter.phase = "bwd"
+    with counter:
+        y.backward(dy)
+
+
+def trace_grouped(
+    make,
+    counts: tuple[int, ...],
+    k: int,
+    n: int,
+    *,
+    sm: tuple[int, int] = (9, 0),
+    triton: bool = True,
+    x_dtype: torch.dtype = torch.bfloat16,
+    w_dtype: torch.dtype = torch.float32,
+) -> ByteCounter:
+    """Count one fwd+bwd of a grouped expert GEMM on meta tensors traced as CUDA.
+
+    ``x`` (sum(counts), k) in ``x_dtype``, grouped by expert (``counts[e]`` consecutive rows for
+    expert ``e``), a ``w_dtype`` master weight (E, n, k) and ``dY`` (sum(counts), n) in
+    ``x_dtype``. ``make(num_experts)`` returns ``run(x, weight, counts) -> y`` (lowprec's
+    :class:`~lowprec.fp8.modules.grouped.Float8GroupedGemm`, torchao's grouped function, ...); it runs
+    with ``fp8.autocast()`` entered. Forward, grad_input and grad_weight are counted (phases
+    ``fwd`` / ``bwd``); nothing is allocated or launched.
+    """
+
+    experts, rows = len(counts), sum(counts)
+    with trace_as(sm=sm, triton=triton):
+        run = make(experts)
+        weight = torch.empty(experts, n, k, device="meta", dtype=w_dtype, requires_grad=True)
+        x = torch.empty(rows, k, device="meta", dtype=x_dtype, requires_grad=True)
+        dy = torch.empty(rows, n, device="meta", dtype=x_dtype)
+        counter = ByteCounter()
+        _fwd_bwd(lambda: run(x, weight, tuple(counts)), dy, counter)
     return counter

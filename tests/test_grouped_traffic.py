@@ -1,0 +1,126 @@
+"""Bytes outside the GEMMs of the grouped expert GEMMs (issue 25, benchmark item 5), traced on meta
+tensors as CUDA (``lowprec.fp8.observe.traffic.trace_grouped``, ``benchmarks/grouped_traffic.py``).
+
+Exact and deterministic (no kernel runs, nothing is timed), so each recipe's bytes are asserted
+against a budget: a ratio to the ideal of ``benchmarks/grouped_traffic.py`` at the DeepSeek-V3
+(E=256, K=7168, N=2048) and Qwen3-30B-A3B (E=128, K=2048, N=768) shapes, 8192 tokens x top-8
+routed evenly. The issue's target is 1.15x; a budget above it is the level reached, and
+docs/LOG.md says why the rest is not reached yet.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowprec.fp8.kernels.select import triton_importable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import grouped_traffic as bench  # noqa: E402
+from tests.test_traffic import run_tiny  # noqa: E402
+
+ROWS = bench.TOKENS * bench.TOP_K
+# ratio to the ideal, per recipe: (deepseek-v3, qwen3-30b-a3b). tensorwise meets the issue's
+# target (0.91 / 0.94: below 1 because grad_input reads the weights' one FP8 layout where the
+# Triton grouped GEMM runs it, and the ideal counts two); the others are the levels reached
+BUDGET = {
+    "tensorwise": (bench.TARGET_RATIO, bench.TARGET_RATIO),
+    "delayed": (2.35, 2.25),
+    "rowwise": (2.4, 2.15),
+    "rowwise_with_gw_hp": (3.0, 2.9),
+    "blockwise": (3.85, 3.3),
+    "mxfp8": (14.5, 16.5),
+}
+needs_triton = pytest.mark.skipif(
+    not triton_importable(), reason="the fused ops' fake implementations come from triton"
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", list(bench.SHAPES))
+@pytest.mark.parametrize("recipe", list(BUDGET))
+def test_grouped_bytes_outside_the_gemms_within_budget(recipe, shape):
+    experts, k, n = bench.SHAPES[shape]
+    c = bench.trace_recipe(recipe, experts, k, n, ROWS)
+    ideal = bench.ideal_bytes(recipe, experts, ROWS, k, n)
+    ratio = c.outside_gemm_bytes() / ideal
+    assert 0.85 <= ratio <= BUDGET[recipe][list(bench.SHAPES).index(shape)], (round(ratio, 3), c.by_op())
+    # every GEMM in FP8 (mxfp8 traced as sm_100, where torch's block-scaled GEMM runs)
+    dtypes = {g.operand_dtype for g in c.gemms()}
+    if recipe == "rowwise_with_gw_hp":  # its weight-gradient GEMMs are bf16 by definition
+        dtypes -= {"bfloat16"}
+    assert dtypes and all(d.startswith("float8") for d in dtypes), dtypes
+
+
+@needs_triton
+@pytest.mark.parametrize("shape, budget", [("deepseek-v3", 1.05), ("qwen3-30b-a3b", 1.4)])
+def test_tensorwise_with_uneven_groups(shape, budget):
+    """Groups that are not multiples of 16 rows (``skewed_counts``): torch's grouped kernel gets
+    padded groups (a copy of A, the output's real rows gathered) and each grad_weight GEMM pads
+    its token dim (copies of its two FP8 operands); the weight gradient is still written in place."""
+    experts, k, n = bench.SHAPES[shape]
+    c = bench.trace_recipe("tensorwise", experts, k, n, ROWS, routing="skewed")
+    ratio = c.outside_gemm_bytes() / bench.ideal_bytes("tensorwise", experts, ROWS, k, n)
+    assert ratio <= budget, (round(ratio, 3), c.by_op())
+    assert "aten.stack" not in c.by_op() or c.by_op()["aten.stack"]["bytes"] < 1e8, c.by_op()  # scales only
+
+
+@needs_triton
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_the_per_expert_path_gathers_the_gradients_once(recipe):
+    """The per-expert path (each expert a Linear's GEMMs) hands every expert's gradient back
+    through one stack / concatenation, never a zero tensor of the whole weight per expert added
+    up (select / slice backward: E full-size passes, 550 GB at the Qwen3 shape before)."""
+    experts, k, n = 16, 256, 128
+    c = bench.trace_recipe(recipe, experts, k, n, 16 * 64)
+    ops = c.by_op()
+    assert "aten.select_backward" not in ops and "aten.slice_backward" not in ops, ops
+    grad_bytes = experts * n * k * 4  # the fp32 weight gradient
+    assert ops.get("aten.add", {"bytes": 0})["bytes"] < grad_bytes, ops
+    assert ops["aten.stack"]["bytes"] <= 2 * grad_bytes + 1024, ops
+
+
+def test_ideal_bytes_follow_the_dense_rules():
+    # tensorwise at the Qwen3 shape: x 6, W 10, dY 6 bytes per element (traffic.py's table)
+    e, k, n = bench.SHAPES["qwen3-30b-a3b"]
+    assert bench.ideal_bytes("tensorwise", e, ROWS, k, n) == 6 * ROWS * k + 10 * e * n * k + 6 * ROWS * n
+    assert bench.even_counts(256, ROWS) == (256,) * 256
+    assert bench.even_counts(3, 10) == (4, 3, 3)
+    skewed = bench.skewed_counts(256, ROWS)
+    assert sum(skewed) == ROWS and max(skewed) == 1212 and min(skewed) == 76
+    # the MX recipes count their block scales (1 byte per 32 / 16 elements and layout)
+    assert bench.ideal_bytes("mxfp8", 1, 32, 32, 32) == round((2 * (4 + 2 / 32) + (6 + 2 / 32)) * 32 * 32)
+
+
+@needs_triton
+def test_benchmark_tiny_writes_its_json(tmp_path):
+    data = run_tiny("grouped_traffic.py", tmp_path / "g.json", "--recipes", "tensorwise,delayed")
+    assert {"command", "date", "torch", "device", "routing", "results"} <= set(data)
+    rows = {r["variant"]: r for r in data["results"]}
+    assert {"bf16", "tensorwise", "delayed", "torchao_fp8_rowwise_grouped"} <= set(rows)
+    for name in ("tensorwise", "delayed"):
+        assert rows[name]["outside_gemm_bytes"] > 0 and rows[name]["ratio_to_ideal"] > 0.9
+    torchao = rows["torchao_fp8_rowwise_grouped"]  # a number, or exactly why there is none
+    assert "outside_gemm_bytes" in torchao or torchao["error"]
+    assert torch.__version__ == data["torch"]
+
+
+@needs_triton
+def test_a_custom_op_writing_an_argument_and_returning_a_tensor_counts_both():
+    """``lowprec.cast_into`` writes its ``out`` argument (a slice of a buffer) and returns the
+    transposed copy: both are written bytes, the input and the scale read ones."""
+    import lowprec.fp8 as fp8
+    from lowprec.fp8 import kernels
+    from lowprec.fp8.observe.traffic import ByteCounter
+
+    with fp8.trace_as(sm=(9, 0), triton=True):
+        x = torch.empty(64, 32, device="meta", dtype=torch.bfloat16)
+        buf = torch.empty(100, 32, device="meta", dtype=torch.float8_e4m3fn)
+        scale = torch.empty((), device="meta")
+        with ByteCounter() as c:
+            qt = kernels.cast_into(x, scale, torch.float8_e4m3fn, buf[10:74], True)
+    assert qt is not None and qt.shape == (32, 64)
+    (rec,) = c.records
+    assert rec.name == "lowprec.cast_into" and (rec.read, rec.written) == (64 * 32 * 2 + 4, 2 * 64 * 32)
