@@ -10,7 +10,10 @@ a table with 95% intervals and exits with the verdict:
 * 2: a usage error (bad flag, key or precision name);
 * 4: none outside, at least one inconclusive (the line says about how many seeds would decide).
 
-Every flag has a key of the same name under ``compare:`` in the YAML; the flag wins.
+Every flag has a key of the same name under ``compare:`` in the YAML; the flag wins. Runs that
+differ in other keys than the precision (e.g. ``base_model``: a LoRA on an FP8 base against its
+bf16 upcast) are ``compare.arms`` (name -> keys; see ``lowprec.train.config.compare``), judged
+against the first arm or ``--baseline``.
 """
 
 from __future__ import annotations
@@ -114,6 +117,11 @@ def compare_settings(args: argparse.Namespace, cfg: Any):
 
     spec = cfg.compare or CompareSpec()
     flags: dict[str, Any] = {}
+    if args.precisions is not None and spec.arms is not None:
+        raise ValueError(
+            "--precisions with compare.arms in the config: each arm is a run; drop --precisions "
+            "(an arm may set precision: <name>)"
+        )
     if args.precisions is not None:
         flags["precisions"] = [p.strip() for p in args.precisions.split(",") if p.strip()]
     if args.seeds is not None:
@@ -124,7 +132,7 @@ def compare_settings(args: argparse.Namespace, cfg: Any):
     if args.workers is not None:
         flags["workers"] = args.workers if args.workers == "auto" else _int_flag("--workers", args.workers)
     try:
-        return CompareSpec.model_validate({**spec.model_dump(), **flags})
+        return CompareSpec.model_validate({**spec.model_dump(exclude_unset=True), **flags})
     except Exception as exc:  # pydantic's ValidationError: name the flag, not the model
         errs = getattr(exc, "errors", lambda **_: [])(include_url=False)
         if not errs:
@@ -160,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         tail_fraction=spec.tail_fraction,
         quiet=args.quiet,
         reuse=spec.reuse,
+        arms=spec.arms,
     )
     print(format_report(report))
     print(f"lowprec compare: wrote {out}/compare.png and {out}/compare.json")
