@@ -15,7 +15,7 @@ built, so the numbers are the merge's own:
 * ``model_resident_bytes``: the FP8 model with its adapters (what the merge starts from);
 * ``written_bytes``: the files' total size.
 
-    PYTHONPATH=src python benchmarks/fp8_merge_peak.py   # -> benchmarks/results/fp8_merge_peak.json
+    PYTHONPATH=src python benchmarks/fp8_merge_peak.py --repeats 3   # -> benchmarks/results/fp8_merge_peak.json
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--formats", default="hf-fp8,compressed-tensors")
     ap.add_argument("--merges", default="fp8,bf16")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--repeats", type=int, default=1, help="fresh processes per setting (the peaks vary run to run)")
     ap.add_argument("--child", nargs=4, metavar=("BASE", "OUT", "MERGE", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -87,17 +89,19 @@ def main() -> None:
             model = _export(base, fmt)
             for merge in args.merges.split(","):
                 for mode in args.modes.split(","):
-                    out = os.path.join(d, f"merged-{merge}-{mode}")
-                    run = subprocess.run(
-                        [sys.executable, __file__, "--child", base, out, merge, mode],
-                        capture_output=True,
-                        text=True,
-                        check=True,
-                    )
-                    row = {"format": fmt, "merge": merge, "mode": mode, **model}
-                    row.update(json.loads(run.stdout.strip().splitlines()[-1]))
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+                    for repeat in range(args.repeats):
+                        out = os.path.join(d, f"merged-{merge}-{mode}-{repeat}")
+                        run = subprocess.run(
+                            [sys.executable, __file__, "--child", base, out, merge, mode],
+                            capture_output=True,
+                            text=True,
+                            check=True,
+                        )
+                        row = {"format": fmt, "merge": merge, "mode": mode, "repeat": repeat, **model}
+                        row.update(json.loads(run.stdout.strip().splitlines()[-1]))
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+                        shutil.rmtree(out)
     write_json(
         {
             "device": device_name(torch.device("cpu")),

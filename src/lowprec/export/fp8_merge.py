@@ -41,7 +41,7 @@ from lowprec.export.fp8_merge_dense import dense_layer, lora_delta, merge_dense
 from lowprec.export.hf_config import hf_config_of
 from lowprec.export.layers import LayerPlan, QuantizedLayer
 from lowprec.export.shards import Entry, atomic_write, write_json, write_tensors
-from lowprec.export.writers import _STORED, _compressed_tensors, _refuse_unheld, _set_cast, hf_fp8_quantization_config
+from lowprec.export.writers import _STORED, _compressed_tensors, _refuse_unheld, hf_fp8_quantization_config
 from lowprec.fp8 import plain_state_dict, unconvert
 from lowprec.fp8.conv1d import is_conv1d
 from lowprec.fp8.fp8_base import Float8BaseLinear
@@ -271,7 +271,6 @@ def _write_ct(
     # compressed-tensors: the writer's optional dependency, imported through _compressed_tensors above
     from compressed_tensors.compressors.base import compress_module
     from compressed_tensors.quantization import QuantizationStatus
-    from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
 
     first = plan.quantized[0].cast
     _refuse_unheld(plan, Scheme({"axis": "channel"}.get(first.granularity, first.granularity), fmt.block))
@@ -303,16 +302,13 @@ def _write_ct(
             continue
         cache: dict[str, torch.Tensor] = {}
 
-        def make(key: str, name: str = name, shell: nn.Module = shell, cache: dict = cache) -> torch.Tensor:
+        def make(
+            key: str, name: str = name, shell: nn.Module = shell, cache: dict = cache, stored: dict = stored
+        ) -> torch.Tensor:
             if not cache:  # the layer compressed once, when its first tensor is written
-                linear = nn.Linear(shell.in_features, shell.out_features, bias=False)
-                initialize_module_for_quantization(linear, shell.quantization_scheme)
-                with torch.no_grad():
-                    _set_cast(linear, by_name[name])
-                compress_module(linear, kind)
-                cache.update({k: t.detach() for k, t in linear.state_dict().items()})
-                if torch.equal(cache["weight"].view(torch.uint8), layers[name].weight):
-                    cache["weight"] = layers[name].weight.view(E4M3)  # the layer's own bytes: no second copy
+                got = _compress_by_rows(layers[name], shell, by_name[name], kind)
+                got = got if got is not None else _compressed(shell, by_name[name], kind)
+                cache.update({k: got[k].reshape(stored[k].shape) for k in stored})
             return cache.pop(key)
 
         entries += [
@@ -333,13 +329,85 @@ def _write_ct(
     atomic_write(os.path.join(out, "config.json"), config_json)
 
 
+def _compressed(shell: nn.Module, layer: QuantizedLayer, kind: str, rows: slice | None = None) -> dict:
+    """compressed-tensors' own compression of ``layer`` (its dequantized weight and stored scales,
+    as ``write_compressed_tensors`` hands them over), or of its output rows ``rows`` only."""
+    # compressed-tensors: the writer's optional dependency (checked by _compressed_tensors)
+    from compressed_tensors.compressors.base import compress_module
+    from compressed_tensors.quantization.lifecycle.initialize import initialize_module_for_quantization
+
+    weight = layer.cast.dequantize(torch.float32)
+    scale = layer.format_scale()
+    if rows is not None:
+        weight = weight[rows]
+        scale = _scale_rows(scale, rows, layer.cast)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    initialize_module_for_quantization(linear, shell.quantization_scheme)
+    linear.weight_scale.data = scale.reshape(linear.weight_scale.shape).to(linear.weight_scale.dtype)
+    compress_module(linear, kind)
+    return {k: t.detach() for k, t in linear.state_dict().items()}
+
+
+def _scale_rows(scale: torch.Tensor, rows: slice, cast: Any) -> torch.Tensor:
+    """The stored scales of output rows ``rows``: per tensor all, per channel those rows, per
+    block the rows of blocks (``rows`` on block boundaries)."""
+    if scale.numel() == 1:
+        return scale
+    if cast.block is None:  # per channel: (out, 1)
+        return scale.reshape(-1, 1)[rows]
+    b = cast.block[0]
+    return scale[rows.start // b : -(-rows.stop // b)]
+
+
+def _compress_by_rows(m: Float8BaseLinear, shell: nn.Module, layer: QuantizedLayer, kind: str) -> dict | None:
+    """compressed-tensors' compression of the layer (its dequantized weight and stored scales),
+    run a block of output rows at a time (the compression is elementwise given the scales), so
+    its temporaries are a row block's, not the layer's. Where it gives back the layer's own bytes
+    and scales (the merge re-quantized them in place; the compressor's division rounds a few
+    values to a neighbour), those are returned as views, else the blocks concatenated; None when
+    it writes other tensors than ``weight`` and ``weight_scale`` (then compress the layer whole)."""
+    out = m.out_features
+    step = 256 if m.granularity != "block" else max(m.block, 256 // m.block * m.block)
+    q, scale = m.weight.view(E4M3), m.stored_scale()
+    blocks: dict[str, list[torch.Tensor]] = {"weight": [], "weight_scale": []}
+    own = {"weight": True, "weight_scale": True}
+    for r0 in range(0, out, step):
+        rows = slice(r0, min(out, r0 + step))
+        got = _compressed(shell, layer, kind, rows)
+        if set(got) != set(blocks) or got["weight_scale"].dtype != torch.float32:
+            return None
+        mine = {"weight": q[rows], "weight_scale": _scale_rows(scale, rows, layer.cast)}
+        for k in blocks:
+            same = torch.equal(got[k].reshape(-1).view(torch.uint8), mine[k].reshape(-1).view(torch.uint8))
+            own[k] = own[k] and same
+            blocks[k].append(got[k])
+    result = {"weight": q if own["weight"] else torch.cat(blocks["weight"])}
+    if scale.numel() == 1:  # per tensor: every block holds the one scale
+        result["weight_scale"] = scale if own["weight_scale"] else blocks["weight_scale"][0]
+    else:
+        result["weight_scale"] = scale if own["weight_scale"] else torch.cat(blocks["weight_scale"])
+    return result
+
+
 def _stream_bf16(
     peft_model: nn.Module, inner: nn.Module, out: str, max_shard_bytes: int | None
 ) -> tuple[list[str], list[str]]:
-    """``format="bf16"``: each merged layer a plain layer holding its bf16 weight; the unchanged
-    FP8 layers dequantized to bf16 as their file is written; transformers' keys (its tied and
-    ignored keys dropped, as ``save_pretrained``); config and generation config as it writes them."""
-    merged = _merge_layers(inner, lambda base, w: dense_layer(base, w.to(torch.bfloat16), own_layout=True))
+    """``format="bf16"``: each merged layer's weight made (dequantized + delta in float32, rounded
+    to bf16) and each unchanged FP8 layer dequantized to bf16 only as its file is written (the
+    model holds a meta placeholder meanwhile, the LoRA layer is kept aside); transformers' keys
+    (its tied and ignored keys dropped, as ``save_pretrained``); config and generation config as
+    it writes them."""
+    # peft: optional; a model with adapters has it
+    from peft.tuners.lora import LoraLayer
+
+    lazy: dict[str, Any] = {}  # merged layer name -> its LoRA layer (base + adapters)
+    for name, m in list(inner.named_modules()):
+        if isinstance(m, LoraLayer) and isinstance(m.get_base_layer(), Float8BaseLinear):
+            base = m.get_base_layer()
+            placeholder = torch.empty(base.out_features, base.in_features, dtype=torch.bfloat16, device="meta")
+            inner.set_submodule(name, dense_layer(base, placeholder, own_layout=True))  # peft's merge skips it
+            lazy[name] = m
     plain = peft_model.merge_and_unload()  # adapters on high-precision layers, modules_to_save
     layers = _fp8_layers(plain)
     if getattr(plain.config, "quantization_config", None) is not None:
@@ -348,27 +416,39 @@ def _stream_bf16(
         delattr(plain, BASE_ATTR)  # no longer an FP8 model
     keys = _saved_keys(plain)
     entries = []
-    fp8_keys = {f"{n}.weight": m for n, m in layers.items()}
     for k, t in plain.state_dict(keep_vars=True).items():
+        name = k.removesuffix(".weight")
         if k not in keys or k.endswith(".weight_scale_bits") and k[: -len(".weight_scale_bits")] in layers:
             continue
-        m = fp8_keys.get(k)
-        if m is None:
+        if name in lazy:
+            entries.append(Entry(k, 2 * t.numel(), lambda lora=lazy[name]: _merged_bf16(lora)))
+        elif name in layers and k.endswith(".weight"):
+            entries.append(Entry(k, 2 * t.numel(), lambda m=layers[name]: _dequantized_bf16(m)))
+        else:
             entries.append(_bf16_entry(k, t))
-            continue
-
-        def dequantized(m: Float8BaseLinear = m) -> torch.Tensor:
-            w = m.fp8_weight().dequantize(torch.float32).to(torch.bfloat16)
-            return w.t().contiguous() if m.transposed else w
-
-        entries.append(Entry(k, 2 * m.weight.numel(), dequantized))
     write_tensors(entries, out, max_shard_bytes)
     plain.config.dtype = "bfloat16"
     plain.config.architectures = [type(plain).__name__]
     plain.config.save_pretrained(out)
     if plain.can_generate():
         plain.generation_config.save_pretrained(out)
-    return merged, sorted(set(layers))
+    return sorted(lazy), sorted(set(layers))
+
+
+@torch.no_grad()
+def _merged_bf16(lora: Any) -> torch.Tensor:
+    """A LoRA layer on an FP8 base layer merged: (dequantized + delta) in float32, rounded to bf16,
+    in the base's stored layout (Conv1D: (in, out))."""
+    base = lora.get_base_layer()
+    w = base.fp8_weight().dequantize(torch.float32)
+    w += lora_delta(lora).to(w.device)
+    w = w.to(torch.bfloat16)
+    return w.t().contiguous() if base.transposed else w
+
+
+def _dequantized_bf16(m: Float8BaseLinear) -> torch.Tensor:
+    w = m.fp8_weight().dequantize(torch.float32).to(torch.bfloat16)
+    return w.t().contiguous() if m.transposed else w
 
 
 def _saved_keys(model: nn.Module) -> set[str]:
