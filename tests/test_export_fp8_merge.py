@@ -103,3 +103,20 @@ def test_merge_shard_size_and_a_failed_write(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         merge_lora_fp8_base(lora, str(out), max_shard_bytes=4096)
     assert os.listdir(out) == []
+
+
+def test_a_model_transformers_renames_on_save_merges_to_bf16_through_save_pretrained(tmp_path, monkeypatch, caplog):
+    """Where transformers would convert the weight names on save (fused MoE experts: Mixtral),
+    the bf16 merge goes through the dense merge's ``save_pretrained``, logged."""
+    import logging
+
+    import lowprec.export.fp8_merge as fp8_merge
+
+    lora = _lora(_export(tmp_path, "llama", "blockwise", "hf-fp8"), ["q_proj"])
+    twin = copy.deepcopy(lora)
+    monkeypatch.setattr(fp8_merge, "_converts_keys_on_save", lambda model: True)
+    with caplog.at_level(logging.INFO, logger="lowprec"):
+        merge_lora_fp8_base(lora, str(tmp_path / "a"), "bf16")
+    assert "converts LlamaForCausalLM's weight names on save" in caplog.text
+    merge_lora_fp8_base(twin, str(tmp_path / "b"), "bf16", stream=False)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()

@@ -97,6 +97,13 @@ def merge_lora_fp8_base(
     inner = peft_model.get_base_model()
     fmt: BaseFormat = getattr(inner, BASE_ATTR, None) or read_base_format(str(inner.name_or_path))
     os.makedirs(out, exist_ok=True)
+    if stream and format == "bf16" and _converts_keys_on_save(inner):
+        logger.info(
+            "lowprec: merge_lora_fp8_base: transformers converts %s's weight names on save; writing the bf16 "
+            "merge through save_pretrained (the dense merge: peaks at the model's float32 size)",
+            type(inner).__name__,
+        )
+        stream = False
     if not stream:
         merged, unchanged = merge_dense(peft_model, fmt, out, format)
     elif format == "bf16":
@@ -449,6 +456,22 @@ def _merged_bf16(lora: Any) -> torch.Tensor:
 def _dequantized_bf16(m: Float8BaseLinear) -> torch.Tensor:
     w = m.fp8_weight().dequantize(torch.float32).to(torch.bfloat16)
     return w.t().contiguous() if m.transposed else w
+
+
+def _converts_keys_on_save(model: nn.Module) -> bool:
+    """Whether ``save_pretrained`` would rename or convert the model's weights (transformers'
+    conversion mapping of the class, or the one its load attached), as ``revert_weight_conversion``
+    decides it."""
+    # transformers: the FP8 base is a transformers model
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:
+        conversions = [
+            c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)
+        ]
+    return bool(conversions)
 
 
 def _saved_keys(model: nn.Module) -> set[str]:
