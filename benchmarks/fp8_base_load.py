@@ -31,14 +31,13 @@ import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_name, write_json  # noqa: E402
+from _common import device_name, rss_peaks, write_json  # noqa: E402
 
 SHAPE = dict(
     vocab_size=8192,
@@ -64,11 +63,6 @@ def _export(d: str, fmt: str) -> dict:
     return {"params": params, "fp8_layers": len(report.quantized), "scheme": report.scheme}
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def _child(d: str, loader: str, dtype: str) -> dict:
     """One load in this process: its peaks (see the module docstring)."""
     import lowprec.fp8 as fp8
@@ -76,31 +70,16 @@ def _child(d: str, loader: str, dtype: str) -> dict:
 
     import transformers  # noqa: F401  (imported before the baseline: its import is not the load)
 
-    held: dict = {"anon": []}
-    with open("/proc/self/clear_refs", "w") as f:  # resets the peak resident set (VmHWM) to the current one
-        f.write("5")
-    rss0, anon0 = _status_kib("VmRSS"), _status_kib("RssAnon")
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.wait(0.002):
-            held["anon"].append(_status_kib("RssAnon"))
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    t0 = time.perf_counter()
-    held["m"] = load_fp8_base(d, DTYPES[dtype], direct=loader == "direct")
-    seconds = time.perf_counter() - t0
-    done.set()
-    sampler.join()
-    rss_peak = _status_kib("VmHWM")
+    held: dict = {}
+    with rss_peaks() as peaks:
+        t0 = time.perf_counter()
+        held["m"] = load_fp8_base(d, DTYPES[dtype], direct=loader == "direct")
+        seconds = time.perf_counter() - t0
     model = held.pop("m")
     tensors = {t.untyped_storage().data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
     layers = [m for m in model.modules() if isinstance(m, fp8.Float8BaseLinear)]
     row = {
-        "rss_peak_delta_bytes": (rss_peak - rss0) * 1024,
-        "rss_anon_peak_delta_bytes": (max(held["anon"] + [_status_kib("RssAnon")]) - anon0) * 1024,
-        "rss_anon_after_delta_bytes": (_status_kib("RssAnon") - anon0) * 1024,
+        **peaks,
         "resident_bytes": sum(t.untyped_storage().nbytes() for t in tensors.values()),
         "fp8_base_layers": len(layers),
         "load_seconds": round(seconds, 2),

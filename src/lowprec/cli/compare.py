@@ -11,7 +11,10 @@ a table with 95% intervals and exits with the verdict:
 * 2: a usage error (bad flag, key or precision name);
 * 4: none outside, at least one inconclusive (the line says about how many seeds would decide).
 
-Every flag has a key of the same name under ``compare:`` in the YAML; the flag wins.
+Every flag has a key of the same name under ``compare:`` in the YAML; the flag wins. Runs that
+differ in other keys than the precision (e.g. ``base_model``: a LoRA on an FP8 base against its
+bf16 upcast) are ``compare.arms`` (name -> keys; see ``lowprec.train.config.compare``), judged
+against the first arm or ``--baseline``.
 """
 
 from __future__ import annotations

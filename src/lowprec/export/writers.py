@@ -26,7 +26,7 @@ from lowprec.export.experts import checkpoint_names
 from lowprec.export.layers import LayerPlan, QuantizedLayer
 from lowprec.fp8 import plain_state_dict, unconvert
 
-__all__ = ["bf16_state", "write_hf_fp8", "write_compressed_tensors"]
+__all__ = ["bf16_state", "write_hf_fp8", "write_compressed_tensors", "hf_fp8_quantization_config"]
 
 
 def bf16_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -103,7 +103,12 @@ def write_hf_fp8(model: nn.Module, plan: LayerPlan, config: dict[str, Any], out:
         }
 
     tensors = _per_expert(tensors, plan, config, expert)
-    config = {
+    _save(tensors, hf_fp8_quantization_config(config, plan), out)
+
+
+def hf_fp8_quantization_config(config: dict[str, Any], plan: LayerPlan) -> dict[str, Any]:
+    """``config`` with hf-fp8's ``quantization_config`` (the plan's block, its kept layers not converted)."""
+    return {
         **config,
         "quantization_config": {
             "quant_method": "fp8",
@@ -113,7 +118,6 @@ def write_hf_fp8(model: nn.Module, plan: LayerPlan, config: dict[str, Any], out:
             "modules_to_not_convert": sorted(plan.kept),
         },
     }
-    _save(tensors, config, out)
 
 
 def plan_block(plan: LayerPlan) -> int:

@@ -23,20 +23,20 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import yaml
 
 from lowprec.decision import Decision
 from lowprec.train.compare_report import build_report, choose_baseline
 from lowprec.train.config import TrainConfig
-from lowprec.train.precisions import is_fp8, library_backend, precision_overrides
+from lowprec.train.precisions import library_backend, precision_overrides
 from lowprec import __version__
-from lowprec.errors import EXIT_NONFINITE
+from lowprec.errors import EXIT_NONFINITE, did_you_mean
 from lowprec.train.plots import plot_compare
 from lowprec.train.run_lock import make_output_dir
 
-__all__ = ["CompareRun", "plan_runs", "resolve_workers", "skip_reason", "compare"]
+__all__ = ["CompareRun", "plan_runs", "arm_overrides", "resolve_workers", "skip_reason", "compare"]
 
 logger = logging.getLogger("lowprec")
 
@@ -65,19 +65,27 @@ def skip_reason(precision: str) -> Optional[str]:
     )
 
 
-def plan_runs(cfg: TrainConfig, precisions: Sequence[str], seeds: Sequence[int], out: str) -> list[CompareRun]:
+def plan_runs(
+    cfg: TrainConfig,
+    precisions: Sequence[str],
+    seeds: Sequence[int],
+    out: str,
+    arms: Optional[Mapping[str, Mapping[str, Any]]] = None,
+) -> list[CompareRun]:
     """Every run's validated config, seed-major (a partial result still has whole seeds);
-    a bad precision or combination fails here, before anything runs."""
-    if not precisions or len(set(precisions)) != len(precisions):
-        raise ValueError(f"--precisions {','.join(precisions)}: list each precision once, e.g. fp32,bf16,fp8")
+    a bad precision, arm or combination fails here, before anything runs. With ``arms``
+    (``compare.arms``: name -> keys) the runs are the arms, ``precisions`` unused."""
+    names = list(arms) if arms is not None else list(precisions)
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"--precisions {','.join(names)}: list each precision once, e.g. fp32,bf16,fp8")
     if not seeds or len(set(seeds)) != len(seeds):
         raise ValueError(f"--seeds {seeds}: list each seed once")
+    keys = {n: arm_overrides(n, arms[n], cfg) if arms is not None else precision_overrides(n, cfg) for n in names}
     runs = []
     for seed in seeds:
-        for p in precisions:
+        for p in names:
             where = os.path.join(out, p, f"seed{seed}")
-            c = cfg.replace(
-                **precision_overrides(p, cfg),
+            fixed = dict(
                 seed=seed,
                 output_dir=where,
                 compare=None,
@@ -86,8 +94,39 @@ def plan_runs(cfg: TrainConfig, precisions: Sequence[str], seeds: Sequence[int],
                 saves_per_epoch=None,
                 progress_bar=False,
             )
+            try:
+                c = cfg.replace(**keys[p], **fixed)
+            except ValueError as exc:
+                if arms is None:
+                    raise
+                raise ValueError(f"compare.arms.{p}: {exc}") from None
             runs.append(CompareRun(p, seed, c, where + ".yaml", where + ".log"))
     return runs
+
+
+def arm_overrides(name: str, arm: Mapping[str, Any], cfg: TrainConfig) -> dict[str, Any]:
+    """The config keys of arm ``name``: its precision's keys (``precision: <name>``), then its own
+    (each a trainer key; a ``ValueError`` naming ``compare.arms.<name>.<key>`` otherwise)."""
+    keys = dict(arm)
+    precision = keys.pop("precision", None)
+    fields = set(TrainConfig.model_fields)
+    for key in keys:
+        if key.split(".")[0] not in fields:
+            raise ValueError(
+                f"compare.arms.{name}.{key}: not a trainer key{did_you_mean(key, fields)}; an arm sets trainer keys "
+                "(base_model, learning_rate, ...) and precision: <name>"
+            )
+    if precision is None:
+        return keys
+    try:
+        return {**precision_overrides(precision, cfg), **keys}
+    except ValueError as exc:
+        raise ValueError(f"compare.arms.{name}.precision: {str(exc).removeprefix('--precisions: ')}") from None
+
+
+def arm_precision(name: str, arms: Optional[Mapping[str, Mapping[str, Any]]]) -> Optional[str]:
+    """The precision a run is: the arm's ``precision:`` key, or the name itself without arms."""
+    return name if arms is None else arms[name].get("precision")
 
 
 def resolve_workers(requested: Any, cfg: TrainConfig, n_runs: int, device: str) -> tuple[Decision, Optional[int]]:
@@ -236,22 +275,29 @@ def compare(
     tail_fraction: float = 0.2,
     quiet: bool = False,
     reuse: bool = False,
+    arms: Optional[Mapping[str, Mapping[str, Any]]] = None,
 ) -> tuple[dict[str, Any], str]:
-    """Run every precision with every seed; returns (the report, the compare directory)."""
+    """Run every precision (or every arm of ``arms``: name -> keys, ``compare.arms``) with every
+    seed; returns (the report, the compare directory)."""
     for note in cfg.notes:  # said here once: the runs train from dumped configs without those keys
         logger.warning("lowprec compare: note: %s", note)
     out = os.path.abspath(output_dir or os.path.join(cfg.output_dir, "compare"))
-    base = choose_baseline(precisions, baseline)
+    names = list(arms) if arms is not None else list(precisions)
+    base = choose_baseline(names, baseline) if arms is None else (baseline or names[0])
+    if base not in names:
+        raise ValueError(f"--baseline {base}: not among compare.arms ({', '.join(names)}); pick one of them")
     skipped: dict[str, str] = {}
-    for p in precisions:
-        why = skip_reason(p)
+    for p in names:
+        precision = arm_precision(p, arms)
+        why = skip_reason(precision) if precision else None
         if why:
             skipped[p] = why
             logger.warning("lowprec compare: skipping %s: %s", p, why)
     if base in skipped:
         raise ValueError(f"the baseline {base} cannot run: {skipped[base]}")
-    runs = plan_runs(cfg, [p for p in precisions if p not in skipped], seeds, out)
-    high = sorted({r.precision for r in runs if not is_fp8(r.precision)})
+    kept = [p for p in names if p not in skipped]
+    runs = plan_runs(cfg, kept, seeds, out, None if arms is None else {p: arms[p] for p in kept})
+    high = sorted({r.precision for r in runs if not r.config.fp8})
     if high and (cfg.fp8_guard != "off" or cfg.fp8_health):
         logger.info(
             "lowprec compare: fp8_guard / fp8_health apply to the FP8 runs only (%s have no FP8 layers)",
@@ -272,7 +318,7 @@ def compare(
     make_output_dir(out, "--compare_dir" if output_dir else "output_dir")
     if not quiet:
         print(
-            f"lowprec compare: {len(runs)} runs ({len(precisions) - len(skipped)} precisions x {len(seeds)} seeds), "
+            f"lowprec compare: {len(runs)} runs ({len(kept)} {'arms' if arms else 'precisions'} x {len(seeds)} seeds), "
             f"{decision.value} at a time, in {out}",
             file=sys.stderr,
             flush=True,
@@ -280,6 +326,8 @@ def compare(
     summaries, failed = _run_all(runs, decision.value, quiet, reuse)
     report = build_report(summaries, base, threshold, tail_fraction, failed, skipped)
     report["workers"] = {"value": decision.value, "reason": decision.reason}
+    if arms is not None:
+        report["arms"] = {p: dict(arms[p]) for p in names}
 
     report["plot"] = plot_compare(report, os.path.join(out, "compare.png"))
     with open(os.path.join(out, "compare.json"), "w") as f:

@@ -30,6 +30,11 @@ def compare_settings(args: argparse.Namespace, cfg: Any):
     """The YAML's ``compare:`` with the flags given on the command line applied (validated)."""
     spec = cfg.compare or CompareSpec()
     flags: dict[str, Any] = {}
+    if args.precisions is not None and spec.arms is not None:
+        raise ValueError(
+            "--precisions with compare.arms in the config: each arm is a run; drop --precisions "
+            "(an arm may set precision: <name>)"
+        )
     if args.precisions is not None:
         flags["precisions"] = [p.strip() for p in args.precisions.split(",") if p.strip()]
     if args.seeds is not None:
@@ -40,7 +45,7 @@ def compare_settings(args: argparse.Namespace, cfg: Any):
     if args.workers is not None:
         flags["workers"] = args.workers if args.workers == "auto" else _int_flag("--workers", args.workers)
     try:
-        return CompareSpec.model_validate({**spec.model_dump(), **flags})
+        return CompareSpec.model_validate({**spec.model_dump(exclude_unset=True), **flags})
     except Exception as exc:  # pydantic's ValidationError: name the flag, not the model
         errs = getattr(exc, "errors", lambda **_: [])(include_url=False)
         if not errs:
@@ -72,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         tail_fraction=spec.tail_fraction,
         quiet=args.quiet,
         reuse=spec.reuse,
+        arms=spec.arms,
     )
     print(format_report(report))
     print(f"lowprec compare: wrote {out}/compare.png and {out}/compare.json")

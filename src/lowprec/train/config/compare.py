@@ -8,15 +8,31 @@ file carries its own parity test::
       seeds: 5            # or a list: [1, 2, 3]
       threshold: 0.005    # FP8 may be at most 0.5% worse than the baseline at 95% confidence
 
+Instead of precisions, ``arms:`` names the runs and the keys each one changes, for comparisons
+that differ in something else than the precision, e.g. a LoRA on an FP8 base against the same
+LoRA on its bf16 upcast::
+
+    compare:
+      arms:
+        bf16-upcast: {base_model: outputs/fp8-bases/bf16}
+        hf-fp8: {base_model: outputs/fp8-bases/hf-fp8}
+      baseline: bf16-upcast   # default: the first arm
+      seeds: 5
+
+An arm may name a precision (``precision: fp8-rowwise``: that precision's keys, then the arm's
+own). Its keys are trainer keys, validated as the config is; ``seed``, ``output_dir`` and the
+keys ``lowprec compare`` sets per run are not arm keys.
+
 ``fp8_backend: torchao`` routes the FP8 conversion through torchao's ``Float8Linear`` instead of
 lowprec's engine (the ``fp8-torchao`` precision of ``lowprec compare`` sets it).
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+import re
+from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from lowprec.backends.spec import get_spec, trainer_backends
 from lowprec.train.config.base import StrictModel as _Strict
@@ -25,6 +41,9 @@ __all__ = ["CompareSpec", "CompareKeys", "FP8_BACKENDS", "check_fp8_backend"]
 
 # the engine first (the default), then each backend that declares trainer recipes (backends/<name>.py)
 FP8_BACKENDS = (get_spec("native").name, *trainer_backends())
+ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a directory name and a report label
+# keys lowprec compare sets on every run: an arm does not change them
+COMPARE_MANAGED = ("seed", "output_dir", "compare", "resume_from_checkpoint", "save_steps", "saves_per_epoch")
 
 
 class CompareSpec(_Strict):
@@ -56,6 +75,12 @@ class CompareSpec(_Strict):
         le=1.0,
         description="the last part of training (fraction of logged steps) for the curve gap",
     )
+    arms: Optional[dict[str, dict[str, Any]]] = Field(
+        default=None,
+        description="instead of precisions: named runs, each the config with the keys given changed (trainer keys; "
+        "precision: <name> applies a precision's keys first), e.g. {bf16-upcast: {base_model: A}, hf-fp8: "
+        "{base_model: B}}; the baseline defaults to the first",
+    )
     reuse: bool = Field(
         default=False,
         description="read finished runs of the identical config from the compare directory instead of running them "
@@ -77,6 +102,38 @@ class CompareSpec(_Strict):
         if isinstance(v, int) and v < 1:
             raise ValueError(f"{v}: use auto or a number of processes >= 1")
         return v
+
+    @field_validator("arms")
+    @classmethod
+    def _arms(cls, v: Optional[dict[str, dict[str, Any]]]) -> Optional[dict[str, dict[str, Any]]]:
+        if v is None:
+            return v
+        if len(v) < 2:
+            raise ValueError("give at least two arms (name: {key: value, ...}) to compare")
+        for name, keys in v.items():
+            if not ARM_NAME.fullmatch(str(name)):
+                raise ValueError(f"arm name {name!r}: use letters, digits, '-', '_', '.' or '+' (it names a directory)")
+            bad = [k for k in keys if k in COMPARE_MANAGED]
+            if bad:
+                raise ValueError(
+                    f"arms.{name}.{bad[0]}: lowprec compare sets {bad[0]} for every run; drop it from the arm "
+                    "(seeds: compare.seeds)"
+                )
+            if "precision" in keys and not isinstance(keys["precision"], str):
+                raise ValueError(f"arms.{name}.precision: give one precision name, e.g. bf16 or fp8-rowwise")
+        return v
+
+    @model_validator(mode="after")
+    def _arms_or_precisions(self) -> "CompareSpec":
+        if self.arms is not None and "precisions" in self.model_fields_set:
+            raise ValueError(
+                "arms and precisions both given: each arm is a run; drop precisions (an arm may set precision: <name>)"
+            )
+        return self
+
+    def run_names(self) -> list[str]:
+        """The runs' names: the arms', else the precisions."""
+        return list(self.arms) if self.arms is not None else list(self.precisions)
 
     def seed_list(self, base: int) -> list[int]:
         return list(self.seeds) if isinstance(self.seeds, list) else [base + i for i in range(self.seeds)]
