@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lowprec.export.layers import LayerPlan
+from lowprec.export.shards import atomic_write
 from lowprec.fp8 import autocast
 
 if TYPE_CHECKING:
@@ -79,6 +80,10 @@ def write_card(report: "ExportReport", out_dir: str) -> str:
     ]
     path = os.path.join(out_dir, "README.md")
     prior = open(path).read().rstrip() + "\n\n" if os.path.isfile(path) else ""
-    with open(path, "w") as f:
-        f.write(prior + "\n".join(lines))
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            f.write(prior + "\n".join(lines))
+
+    atomic_write(path, write)
     return path

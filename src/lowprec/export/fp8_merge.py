@@ -123,8 +123,7 @@ def merge_lora_fp8_base(
         )
         written = fmt.format
     report = MergeReport(os.path.abspath(out), written, fmt.path, how, merged, unchanged)
-    with open(os.path.join(report.out_dir, "lowprec_merge.json"), "w") as f:
-        json.dump(asdict(report), f, indent=1)
+    write_json(os.path.join(report.out_dir, "lowprec_merge.json"), asdict(report), indent=1)
     logger.info("%s", report)
     return report
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -13,6 +12,7 @@ from torch import nn
 from lowprec.export.card import logit_gap, write_card
 from lowprec.export.casts import FORMATS, scheme_for
 from lowprec.export.hf_config import hf_config_of
+from lowprec.export.shards import write_json
 from lowprec.export.layers import model_recipe, plan_layers
 from lowprec.export.writers import write_compressed_tensors, write_hf_fp8
 from lowprec.fp8.cast.quantize import Float8Data
@@ -99,8 +99,7 @@ def export_model(
         logit_gap=gap,
         notes=notes,
     )
-    with open(os.path.join(out_dir, "lowprec_export.json"), "w") as f:
-        json.dump(report.to_dict(), f, indent=1)
+    write_json(os.path.join(out_dir, "lowprec_export.json"), report.to_dict(), indent=1)
     write_card(report, out_dir)
     return report
 

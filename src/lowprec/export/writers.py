@@ -12,13 +12,14 @@ scales per 1x32, dynamic MXFP8 activations) and ``nvfp4-pack-quantized`` (its ``
 from __future__ import annotations
 
 import copy
-import json
 import os
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from lowprec.export.shards import atomic_write, write_json
 from torch import nn
 
 from lowprec.export.casts import Scheme, format_global_scale
@@ -44,13 +45,13 @@ def bf16_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _save(tensors: dict[str, torch.Tensor], config: dict[str, Any], out: str) -> None:
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()},
+    """The weights, then the config, each written to a temporary file and renamed: an interrupted
+    export leaves no truncated file under either name (an earlier export's, if any, stays whole)."""
+    atomic_write(
         os.path.join(out, "model.safetensors"),
-        metadata={"format": "pt"},
+        lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}),
     )
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=1, sort_keys=True)
+    write_json(os.path.join(out, "config.json"), config, indent=1, sort_keys=True)
 
 
 def _expert_pieces(plan: LayerPlan) -> dict[str, tuple[int, int]]:
