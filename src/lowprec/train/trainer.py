@@ -572,12 +572,16 @@ def _resume(run: Run, decisions: dict) -> Optional[str]:
     return resume_path
 
 
+MERGE_SHARD_BYTES = 10 * 10**9  # merged/ of an FP8 base: shards of at most 10 GB plus an index
+
+
 def _merge_fp8_base(run: Run, output_dir: str) -> str:
     """``merge_lora`` on an FP8 base: ``output_dir/merged`` in the base's FP8 format, the merged
     layers re-quantized once, or in bf16 (``merge_lora_format: bf16``)."""
     out = os.path.join(output_dir, "merged")
-    # logs what it wrote (and, for fp8, that the merged scales are new)
-    merge_lora_fp8_base(run.inner.model, out, run.cfg.merge_lora_format or "fp8")
+    # logs what it wrote (and, for fp8, that the merged scales are new); files of at most 10 GB,
+    # Accelerate's save_model default: the merge holds one file's new tensors at a time
+    merge_lora_fp8_base(run.inner.model, out, run.cfg.merge_lora_format or "fp8", max_shard_bytes=MERGE_SHARD_BYTES)
     tok = getattr(run.tokenizer, "hf_tokenizer", None)
     if tok is not None:
         tok.save_pretrained(out)
