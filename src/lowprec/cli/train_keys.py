@@ -94,6 +94,7 @@ KEYS = (
     ('lora_alpha', 'LoRA scaling numerator: updates scale by lora_alpha / lora_r (default lora_r)', 'null'),
     ('lora_dropout', 'dropout on the adapter input (default 0)', 'null'),
     ('lora_target_modules', 'module names that get adapters, e.g. [q_proj, v_proj]', 'null'),
+    ('lora_target_parameters', "Parameters (not modules) that get adapters, by the end of their names: a mixture-of-experts model's fused 3-D expert weights, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (peft's target_parameters). In FP8 the experts' grouped GEMMs read the weight with the adapter's delta added", 'null'),
     ('lora_target_linear', 'adapters on every Linear / Conv1D but the output head (added to lora_target_modules)', 'null'),
     ('lora_modules_to_save', 'modules trained in full next to the adapters (e.g. [embed_tokens, lm_head])', 'null'),
     ('lora_fan_in_fan_out', "weights stored (in, out), as GPT-2's Conv1D (default: detected)", 'null'),

@@ -47,6 +47,7 @@ class LoraSettings:
         target_linear: bool = False,
         modules_to_save: Optional[Sequence[str]] = None,
         fan_in_fan_out: Optional[bool] = None,
+        target_parameters: Optional[Sequence[str]] = None,
     ) -> None:
         self.r, self.dropout = int(r), float(dropout)
         self.alpha = float(alpha) if alpha is not None else float(r)  # peft's default alpha is 8; Axolotl's r
@@ -54,6 +55,7 @@ class LoraSettings:
         self.target_linear = bool(target_linear)
         self.modules_to_save = list(modules_to_save or [])
         self.fan_in_fan_out = fan_in_fan_out
+        self.target_parameters = list(target_parameters or [])
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LoraSettings":
@@ -65,6 +67,7 @@ class LoraSettings:
             target_linear=bool(cfg.lora_target_linear),
             modules_to_save=cfg.lora_modules_to_save,
             fan_in_fan_out=cfg.lora_fan_in_fan_out,
+            target_parameters=cfg.lora_target_parameters,
         )
 
 
@@ -115,6 +118,23 @@ def check_new_tokens(model: nn.Module, lora: LoraSettings, new_tokens: dict[str,
         )
 
 
+def _check_target_parameters(model: nn.Module, targets: Sequence[str]) -> None:
+    """Each ``lora_target_parameters`` entry ends the name of some parameter of the model (peft's
+    rule), else one line naming it and the model's multi-dimensional expert-like parameters."""
+    names = [n for n, p in model.named_parameters() if p.dim() >= 2]
+    for t in targets:
+        if not any(n == t or n.endswith("." + t) for n in names):
+            tails = sorted({".".join(n.split(".")[-2:]) for n, p in model.named_parameters() if p.dim() == 3})
+            hint = (
+                f"; its 3-D (expert) parameters end in {', '.join(tails)}"
+                if tails
+                else "; it has no 3-D (expert) parameter"
+            )
+            raise ValueError(
+                f"lora_target_parameters: no parameter of the model ends in {t!r}{did_you_mean(t.rpartition('.')[2], tails)}{hint}"
+            )
+
+
 def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
     """``peft.get_peft_model`` with the config's LoRA settings; every base weight frozen. A base
     loaded in 4 bits goes through peft's ``prepare_model_for_kbit_training`` first (as peft's
@@ -129,8 +149,12 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
     available = linear_module_names(model)
     targets = list(lora.target_modules) + (available if lora.target_linear else [])
     targets = list(dict.fromkeys(targets))
-    if not targets:
-        raise ValueError("adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]) or lora_target_linear: true")
+    if not targets and not lora.target_parameters:
+        raise ValueError(
+            "adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]), lora_target_linear: true or "
+            "lora_target_parameters (a mixture-of-experts model's expert weights)"
+        )
+    _check_target_parameters(model, lora.target_parameters)
     known = {n.rpartition(".")[2] for n, _ in model.named_modules()}
     for t in targets:
         if t not in known and not any(ch in t for ch in "*.?["):
@@ -153,6 +177,7 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=targets,
+        target_parameters=lora.target_parameters or None,
         modules_to_save=lora.modules_to_save or None,
         bias="none",
         task_type="CAUSAL_LM",
@@ -166,7 +191,7 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
         "qlora" if getattr(model, "is_loaded_in_4bit", False) else "lora",
         lora.r,
         lora.alpha,
-        ", ".join(targets),
+        ", ".join(targets + lora.target_parameters),
         trainable,
         total,
         100.0 * trainable / max(total, 1),

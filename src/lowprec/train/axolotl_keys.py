@@ -52,9 +52,9 @@ _GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "adapters": (
         "this adapter option is not supported; adapter: lora reads lora_r, lora_alpha, lora_dropout, "
-        "lora_target_modules, lora_target_linear, lora_modules_to_save, lora_fan_in_fan_out and merge_lora",
+        "lora_target_modules, lora_target_linear, lora_target_parameters, lora_modules_to_save, lora_fan_in_fan_out and merge_lora",
         _keys(
-            "adapter lora_model_dir lora_r lora_alpha lora_fan_in_fan_out lora_target_modules lora_target_parameters "
+            "adapter lora_model_dir lora_r lora_alpha lora_fan_in_fan_out lora_target_modules "
             "lora_target_linear lora_modules_to_save lora_rank_pattern lora_alpha_pattern lora_dropout "
             "peft_layers_to_transform peft_layers_pattern peft peft_use_dora peft_use_rslora peft_layer_replication "
             "peft_init_lora_weights peft_trainable_token_indices peft_ensure_weight_tying peft_autocast_adapter_dtype "

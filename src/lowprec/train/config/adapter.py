@@ -2,7 +2,7 @@
 :class:`lowprec.train.config.TrainConfig`'s bases.
 
 ``adapter: lora | qlora`` with ``lora_r``, ``lora_alpha``, ``lora_dropout``,
-``lora_target_modules``, ``lora_target_linear``, ``lora_modules_to_save``,
+``lora_target_modules``, ``lora_target_linear``, ``lora_target_parameters``, ``lora_modules_to_save``,
 ``lora_fan_in_fan_out``; ``merge_lora`` saves the merged model too (``merge_lora_format``: bf16,
 or an FP8 base's own format); ``load_in_4bit`` is what
 ``qlora`` loads with. A key set to null means "unset" (Axolotl configs list many that way).
@@ -25,6 +25,7 @@ LORA_KEYS = (
     "lora_dropout",
     "lora_target_modules",
     "lora_target_linear",
+    "lora_target_parameters",
     "lora_modules_to_save",
     "lora_fan_in_fan_out",
 )
@@ -45,6 +46,12 @@ class AdapterKeys(StrictModel):
     )
     lora_target_modules: Optional[Union[list[str], str]] = Field(
         default=None, description="module names that get adapters, e.g. [q_proj, v_proj]"
+    )
+    lora_target_parameters: Optional[list[str]] = Field(
+        default=None,
+        description="Parameters (not modules) that get adapters, by the end of their names: a mixture-of-experts "
+        "model's fused 3-D expert weights, e.g. [mlp.experts.gate_up_proj, mlp.experts.down_proj] (peft's "
+        "target_parameters). In FP8 the experts' grouped GEMMs read the weight with the adapter's delta added",
     )
     lora_target_linear: Optional[bool] = Field(
         default=None, description="adapters on every Linear / Conv1D but the output head (added to lora_target_modules)"
@@ -99,10 +106,10 @@ class AdapterKeys(StrictModel):
                     f"adapter: {self.adapter} needs a Hugging Face base_model (a local directory or "
                     "cached hub id); built-in models train in full: drop adapter"
                 )
-            if not self.lora_target_modules and not self.lora_target_linear:
+            if not self.lora_target_modules and not self.lora_target_linear and not self.lora_target_parameters:
                 raise ValueError(
-                    f"adapter: {self.adapter} needs lora_target_modules (e.g. [q_proj, v_proj]) or "
-                    "lora_target_linear: true"
+                    f"adapter: {self.adapter} needs lora_target_modules (e.g. [q_proj, v_proj]), "
+                    "lora_target_linear: true or lora_target_parameters (a mixture-of-experts model's expert weights)"
                 )
             for key in ("fsdp_version", "deepspeed"):
                 if getattr(self, key, None) is not None:
