@@ -374,7 +374,8 @@ def _compress_by_rows(m: Float8BaseLinear, shell: nn.Module, layer: QuantizedLay
     values to a neighbour), those are returned as views, else the blocks concatenated; None when
     it writes other tensors than ``weight`` and ``weight_scale`` (then compress the layer whole)."""
     out = m.out_features
-    step = 256 if m.granularity != "block" else max(m.block, 256 // m.block * m.block)
+    b = layer.cast.block[0] if layer.cast.block else None  # row blocks: whole scale blocks each
+    step = 256 if b is None else max(b, 256 // b * b)
     q, scale = m.weight.view(E4M3), m.stored_scale()
     blocks: dict[str, list[torch.Tensor]] = {"weight": [], "weight_scale": []}
     own = {"weight": True, "weight_scale": True}
