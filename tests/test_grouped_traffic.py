@@ -30,7 +30,10 @@ BUDGET = {
     "delayed": (2.35, 2.25),
     "rowwise": (2.4, 2.15),
     "rowwise_with_gw_hp": (3.0, 2.9),
-    "blockwise": (3.85, 3.3),
+    # blockwise's output and grad_input on the Triton blockwise grouped GEMM (one launch each) pack
+    # their FP8 operands for it (the groups' rows concatenated, the experts' casts stacked: 4.37 /
+    # 3.49); on the per-expert path it was 3.81 / 3.26 (docs/LOG.md, session 13)
+    "blockwise": (4.4, 3.5),
     "mxfp8": (14.5, 16.5),
 }
 needs_triton = pytest.mark.skipif(

@@ -1,6 +1,7 @@
-"""The three grouped GEMMs of the per-tensor and rowwise kinds in one autograd function, for
-devices where a one-call grouped FP8 kernel runs (``grouped_gemm.py``: torch's
-``_scaled_grouped_mm``, else lowprec's Triton grouped GEMM).
+"""The three grouped GEMMs of the per-tensor, rowwise and blockwise kinds in one autograd
+function, for devices where a one-call grouped FP8 kernel runs (``grouped_gemm.py``: torch's
+``_scaled_grouped_mm``, else lowprec's Triton grouped GEMM; for blockwise's block scales
+lowprec's Triton blockwise grouped GEMM).
 
 The casts are the Linear's (``linear_fn.cast`` / ``cast_pair``, per expert: a token group never
 shares a scale with another expert's tokens); what changes is how the GEMMs run:
@@ -291,8 +292,12 @@ class SingleCallGrouped(base.Kind):
             not self.keeps_history and recipe.gemm in ("auto", "scaled_mm") and fits(recipe, recipe.plan(), telemetry)
         )
 
+    def grouped_kernel_ready(self, device: torch.device) -> bool:
+        """A one-call grouped kernel for this kind's operands runs on ``device`` (checked once)."""
+        return grouped_gemm.single_call_ready(device)
+
     def grouped_single_call(self, recipe: Recipe, device: torch.device, telemetry: bool) -> bool:
-        return self._grouped_eligible(recipe, telemetry) and grouped_gemm.single_call_ready(device)
+        return self._grouped_eligible(recipe, telemetry) and self.grouped_kernel_ready(device)
 
     def grouped_forward(
         self,
