@@ -87,8 +87,9 @@ def pack(
     live = [g for g in a if g is not None and g.data.shape[0]]
     device = b[0].data.device
     mat_a = grouped_triton.stack_groups(live)
-    scale_a = _inv(live[0].scale) if len(live) == 1 else torch.cat([_inv(g.scale) for g in live])
-    scale_b = torch.stack([_inv(w.scale) for w in b])
+    # the scales gathered first, then one reciprocal each (not one per expert)
+    scale_a = _inv(live[0].scale if len(live) == 1 else torch.cat([g.scale for g in live]))
+    scale_b = _inv(torch.stack([w.scale for w in b]))
     return mat_a, grouped_triton.stack_experts(b), scale_a, scale_b, grouped_triton.group_ends(sizes, device), sizes
 
 
