@@ -281,10 +281,11 @@ def grouped_scaled_gemms(
 
 
 class SingleCallGrouped(base.Kind):
-    """What the tensor- and row-scaled kinds (``tensorwise``, ``rowwise``) add to a kind: their
-    grouped GEMMs in :class:`GroupedScaledFn` with a one-call grouped kernel (torch's, or
-    lowprec's Triton one) where one runs and passed its check (``grouped_gemm.single_call_ready``);
-    elsewhere, and for a kind with an amax history (delayed), the per-expert loop every kind has."""
+    """What the tensor-, row- and block-scaled kinds (``tensorwise``, ``rowwise``, ``blockwise``)
+    add to a kind: their grouped GEMMs in :class:`GroupedScaledFn` with a one-call grouped kernel
+    (torch's, or lowprec's Triton one; ``blockwise``: the Triton blockwise one) where one runs and
+    passed its check (:meth:`grouped_kernel_ready`); elsewhere, and for a kind with an amax history
+    (delayed), the per-expert loop every kind has."""
 
     def _grouped_eligible(self, recipe: Recipe, telemetry: bool) -> bool:
         """A recipe torch's grouped kernel can run: no amax history, its GEMM path, its casts."""
