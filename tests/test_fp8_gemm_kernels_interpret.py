@@ -196,18 +196,24 @@ def test_triton_grouped_gemm_operator_under_fake_tensors_and_opcheck():
     groups, experts = _grouped_operands((5, 0, 20), "axis", "output")
     mat_a, mat_b, sa, sb, offs, rows, sizes = grouped_triton.pack(groups, experts)
     tiles = sum(-(-s // gemm_ops.grouped_tile(mat_a.device)[0]) for s in sizes)
-    args = (mat_a, mat_b, sa, sb, offs, rows, tiles, torch.bfloat16)
+    _opcheck_grouped(
+        torch.ops.lowprec.grouped_scaled_mm.default, (mat_a, mat_b, sa, sb, offs, rows, tiles, torch.bfloat16)
+    )
+
+
+def _opcheck_grouped(op, args):
+    """opcheck on a grouped operator (``torch.ops.lowprec.<name>.default``), its tensor inputs unchanged, and an upper bound on the row
+    tiles (``args[6]``) as good as the count: the extra programs find no group."""
     before = [t.view(torch.uint8).clone() if t.element_size() == 1 else t.clone() for t in args[:5]]
     torch.library.opcheck(
-        torch.ops.lowprec.grouped_scaled_mm.default,
+        op,
         args,
         test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
     after = [t.view(torch.uint8) if t.element_size() == 1 else t for t in args[:5]]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
-    # an upper bound on the row tiles is as good as the count: the extra programs find no group
-    more = gemm_ops.grouped_scaled_mm(*args[:6], tiles + 3, torch.bfloat16)
-    assert torch.equal(more, gemm_ops.grouped_scaled_mm(*args))
+    more = op(*args[:6], args[6] + 3, torch.bfloat16)
+    assert torch.equal(more, op(*args))
 
 
 @pytest.fixture
@@ -273,3 +279,121 @@ def test_torchs_kernel_keeps_what_it_takes_and_the_triton_gemm_the_e5m2_grad_inp
     out = Float8GroupedGemm(3, recipe)(x, torch.randn(3, 32, 64), counts, recipe, torch.float32)
     out.backward(torch.randn_like(out))
     assert len(native) == 2 and len(grouped_dispatch) == 1  # torch's check + output; Triton: grad_input
+
+
+# --- the Triton blockwise grouped GEMM (grouped_block_triton): against the dense block GEMM -------
+# Interpreter tiles: 16 rows x 32 columns (gemm_ops.GROUPED_TILE), BLOCK_K the block size. K = 96 is
+# three K tiles of 32 and one ragged 128-tile, N = 40 a ragged N tile and a ragged 32-block.
+BLOCK_GEMMS = [("output", E4M3, 32), ("grad_input", E5M2, 32), ("output", E4M3, 128)]
+
+
+def _block_grouped_operands(counts, gemm, a_dtype, bs, k=96, n=40, exact=False):
+    """Per-expert casts as the blockwise kind makes them: token groups in 1 x bs tiles, the
+    output GEMM's B an (N, K) weight in bs x bs blocks handed over transposed, grad_input's the
+    (K, N) weight as it is. ``exact``: integer FP8 values in [-8, 8] and power-of-two block
+    scales, so every partial sum (and each K tile's scaled sum) is exact in float32."""
+    from lowprec.fp8.cast.quantize import Float8Data, quantize_blockwise
+
+    def cast(x, dtype, block):
+        if not exact:
+            return quantize_blockwise(x, dtype, block, fused=False)
+        rows, cols = x.shape
+        shape = (-(-rows // block[0]), -(-cols // block[1]))
+        scale = torch.exp2(torch.randint(-3, 4, shape).float())
+        return Float8Data(torch.randint(-8, 9, x.shape).float().to(dtype), scale, "block", block, True)
+
+    groups = [cast(torch.randn(c, k) * 3, a_dtype, (1, bs)) if c else None for c in counts]
+    if gemm == "output":
+        experts = [cast(torch.randn(n, k), E4M3, (bs, bs)).t() for _ in counts]
+    else:
+        experts = [cast(torch.randn(k, n), E4M3, (bs, bs)) for _ in counts]
+    return groups, experts
+
+
+@pytest.mark.parametrize("gemm,a_dtype,bs", BLOCK_GEMMS)
+@pytest.mark.parametrize("counts", LAYOUTS)
+def test_triton_block_grouped_gemm_is_the_dense_block_gemm_within_the_bound(counts, gemm, a_dtype, bs, seed):
+    """One launch for all groups against the dense Triton blockwise GEMM per expert: the same
+    K loop and per-K-tile scale epilogue, so the two differ only in the summation order inside a
+    K tile's dot (the tiles' shapes differ), within ``K * eps32 * (|A| @ |B|)``, plus one bf16
+    rounding where the output is bf16."""
+    from lowprec.fp8.gemm import block_triton, grouped_block_triton
+    from tests.conftest import assert_within_gemm_bound
+
+    groups, experts = _block_grouped_operands(counts, gemm, a_dtype, bs)
+    assert grouped_block_triton.supported(groups, experts)
+    out_dtype = torch.float32 if (sum(counts) + bs) % 2 else torch.bfloat16
+    got = grouped_block_triton.mm(groups, experts, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (sum(counts), 40)
+    start = 0
+    for g, w in zip(groups, experts):
+        if g is not None:
+            rows = slice(start, start + g.data.shape[0])
+            ref = block_triton.mm(g, w, out_dtype)
+            assert_within_gemm_bound(got[rows], ref, g, w, output_roundings=int(out_dtype == torch.bfloat16))
+            start = rows.stop
+
+
+@pytest.mark.parametrize("gemm,a_dtype,bs", BLOCK_GEMMS)
+def test_triton_block_grouped_gemm_is_the_dense_block_gemm_bit_for_bit_where_sums_are_exact(gemm, a_dtype, bs, seed):
+    """Where every partial sum is exact the summation order cannot show: each group's rows equal
+    the dense Triton blockwise GEMM's for its expert bit for bit (float32 out; the interpreter's
+    own float32 -> bf16 store truncates), and the float32 emulation's."""
+    from lowprec.fp8.cast.quantize import dequantize
+    from lowprec.fp8.gemm import block_triton, grouped_block_triton
+
+    for counts in LAYOUTS[:3]:
+        groups, experts = _block_grouped_operands(counts, gemm, a_dtype, bs, exact=True)
+        got = grouped_block_triton.mm(groups, experts, torch.float32)
+        live = [(g, w) for g, w in zip(groups, experts) if g is not None]
+        dense = torch.cat([block_triton.mm(g, w, torch.float32) for g, w in live])
+        assert torch.equal(got, dense), counts
+        assert torch.equal(got, torch.cat([dequantize(g) @ dequantize(w) for g, w in live])), counts
+
+
+def test_triton_block_grouped_gemm_operator_under_fake_tensors_and_opcheck():
+    """The blockwise grouped operator's fake form and torch's operator checks, inputs unchanged;
+    an upper bound on the row tiles gives the same result."""
+    from lowprec.fp8.gemm import grouped_block_triton
+
+    groups, experts = _block_grouped_operands((5, 0, 20), "output", E4M3, 32)
+    mat_a, mat_b, sa, sb, offs, sizes = grouped_block_triton.pack(groups, experts)
+    tiles = sum(-(-s // gemm_ops.grouped_tile(mat_a.device)[0]) for s in sizes)
+    _opcheck_grouped(
+        torch.ops.lowprec.grouped_block_scaled_mm.default, (mat_a, mat_b, sa, sb, offs, 32, tiles, torch.bfloat16)
+    )
+
+
+@pytest.mark.parametrize("block_size", [128, 32])
+def test_blockwise_grouped_gemms_run_the_triton_block_gemm_in_one_launch_each(block_size, monkeypatch, caplog, seed):
+    """As on a GPU where the blockwise grouped kernel passed its check: the blockwise kind's
+    grouped output and grad_input GEMMs are one launch each for all experts (one operator call
+    each), logged once; grad_weight per expert. Results within 45 dB of the
+    per-expert loop (the same casts), grad_weight bit for bit; without the kernel the per-expert
+    path runs as before (no call)."""
+    from lowprec import fp8
+    from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_block_triton
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
+    from tests.conftest import sqnr
+
+    launches = []
+    real = gemm_ops.grouped_block_scaled_mm
+    monkeypatch.setattr(gemm_ops, "grouped_block_scaled_mm", lambda *a: launches.append(a[5]) or real(*a))
+    monkeypatch.setattr(grouped_gemm, "_ROUTES_LOGGED", set())
+    counts, k, n = (21, 0, 40, 3), 160, 72
+    x, w, dy = torch.randn(sum(counts), k) * 2, torch.randn(len(counts), n, k), torch.randn(sum(counts), n)
+    runs = []
+    for ready in (True, False):
+        monkeypatch.setattr(grouped_block_triton, "ready", lambda device, ready=ready: ready)
+        recipe = fp8.Recipe.from_name("blockwise", block_size=block_size)
+        xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with caplog.at_level("INFO", logger="lowprec.fp8"):
+            out = Float8GroupedGemm(len(counts), recipe)(xt, wt, counts, recipe, torch.float32)
+            out.backward(dy)
+        runs.append((out.detach(), xt.grad, wt.grad))
+    assert launches == [block_size, block_size]  # output, grad_input; not ready: the per-expert path
+    # once per device and operand formats: blockwise is E4M3 throughout
+    assert caplog.text.count("lowprec Triton blockwise grouped FP8 GEMM, one launch for all experts") == 1
+    for got, want in zip(*runs):
+        assert sqnr(want, got) >= 45
+    assert torch.equal(runs[0][2], runs[1][2])

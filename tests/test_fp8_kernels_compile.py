@@ -81,7 +81,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def compiled():
     """Every kernel compiled in one subprocess (triton imported once): ``(cast rows, blockwise rows,
-    grouped GEMM rows)``."""
+    grouped GEMM rows: tensor/axis and block scales)``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
     script = SCRIPT + "\n" + BLOCK_SCRIPT + "\n" + GROUPED_SCRIPT
@@ -192,24 +192,27 @@ from lowprec.fp8.kernels.triton_grouped_gemm import grouped_scaled_mm_kernel
 
 GG = {"a_ptr": "*u8", "b_ptr": "*u8", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "offs_ptr": "*i32", "c_ptr": "*bf16",
       "N": "i32", "K": "i32", "E": "i32", "TILES_M": "i32", "stride_am": "i32", "stride_ak": "i32", "stride_be": "i32",
-      "stride_bk": "i32", "stride_bn": "i32", "stride_sam": "i32", "stride_sae": "i32", "stride_sbe": "i32",
-      "stride_sbn": "i32", "stride_cm": "i32", "stride_cn": "i32"}
+      "stride_bk": "i32", "stride_bn": "i32", "stride_sam": "i32", "stride_sae": "i32", "stride_sak": "i32",
+      "stride_sbe": "i32", "stride_sbk": "i32", "stride_sbn": "i32", "stride_cm": "i32", "stride_cn": "i32"}
 names = list(GG)
 bm, bn, bk, warps, stages, gm = GROUPED_TILE["default"]
 out = []
-# the grouped GEMM on every FP8 tensor-core generation, with the operands grouped_fn hands it: the
-# output GEMM's B from (E, N, K) weights (contiguous along K) and E4M3 A; grad_input's B (E, K, N)
-# (contiguous along N) and tensorwise's E5M2 dY as A
+# the grouped GEMM on every FP8 tensor-core generation, with the operands grouped_fn hands it. Tensor /
+# row scales: the output GEMM's B from (E, N, K) weights (contiguous along K) and E4M3 A; grad_input's
+# B (E, K, N) (contiguous along N) and tensorwise's E5M2 dY as A. Block scales (the blockwise recipe,
+# 128-blocks): B contiguous along K (the output GEMM's transposed weights, grad_input's W cast
+# transposed on CUDA) with E4M3 or E5M2 A (a HYBRID recipe's dY), and B contiguous along N.
+modes = [(False, True, True), (False, False, False), (True, True, True), (True, True, False), (True, False, True)]
 for cc in (89, 90, 100):
-    for k_major, a_e4m3 in ((True, True), (False, False)):
-        const = dict(A_E4M3=a_e4m3, B_E4M3=True, SOFT_FP8=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm,
-                     stride_ak=1, stride_cn=1, **({"stride_bk": 1} if k_major else {"stride_bn": 1}))
+    for block, k_major, a_e4m3 in modes:
+        const = dict(A_E4M3=a_e4m3, B_E4M3=True, BLOCK_SCALES=block, SOFT_FP8=False, BLOCK_M=bm, BLOCK_N=bn,
+                     BLOCK_K=bk, GROUP_M=gm, stride_ak=1, stride_cn=1, **({"stride_bk": 1} if k_major else {"stride_bn": 1}))
         aligned = [names.index(x) for x in ("a_ptr", "b_ptr", "sa_ptr", "sb_ptr", "offs_ptr", "c_ptr", "N", "K",
                                             "stride_am", "stride_be", "stride_cm", "stride_bn" if k_major else "stride_bk")]
         k = build(grouped_scaled_mm_kernel, GG, const, aligned, cc, warps, stages)
         ptx = k.asm["ptx"]
-        out.append(dict(cc=cc, k_major=k_major, a_e4m3=a_e4m3, cubin=len(k.asm["cubin"]), shared=k.metadata.shared,
-                        spills=".local" in ptx,
+        out.append(dict(cc=cc, block=block, k_major=k_major, a_e4m3=a_e4m3, cubin=len(k.asm["cubin"]),
+                        shared=k.metadata.shared, spills=".local" in ptx,
                         mma=sorted(set(re.findall(r"(?:mma\.sync|wgmma\.mma_async|tcgen05\.mma)\S*", ptx)))))
 print(json.dumps(out))
 """
@@ -218,12 +221,14 @@ print(json.dumps(out))
 GROUPED_MMA = {**MMA, 89: "mma.sync.aligned.m16n8k32.row.col.f32"}  # e4m3 or e5m2 A
 
 
-def test_grouped_gemm_compiles_for_ada_hopper_and_blackwell(compiled):
-    """The Triton grouped GEMM (one launch for all experts) to sm_89/sm_90/sm_100 cubins on FP8
-    tensor-core instructions, for both B layouts (K- and N-contiguous) and E4M3 / E5M2 A, within
-    each one's shared memory and without spills."""
-    rows = compiled[2]
-    assert sorted({r["cc"] for r in rows}) == [89, 90, 100] and len(rows) == 6
+@pytest.mark.parametrize("block", [False, True])
+def test_grouped_gemm_compiles_for_ada_hopper_and_blackwell(compiled, block):
+    """The Triton grouped GEMM (one launch for all experts; tensor / row scales, and the blockwise
+    recipe's block scales) to sm_89/sm_90/sm_100 cubins on FP8 tensor-core instructions, for both
+    B layouts (K- and N-contiguous) and E4M3 / E5M2 A, within each one's shared memory and without
+    spills."""
+    rows = [r for r in compiled[2] if r["block"] == block]
+    assert sorted({r["cc"] for r in rows}) == [89, 90, 100] and len(rows) == (9 if block else 6)
     for r in rows:
         assert r["cubin"] > 0 and not r["spills"], r
         assert r["shared"] <= SHARED_LIMIT[r["cc"]], r

@@ -152,12 +152,20 @@ def test_grouped_experts_on_the_triton_gemm_on_cuda(name, monkeypatch):
     dev = _fp8_gpu()
     pytest.importorskip("triton")
     from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton
-    from lowprec.fp8.modules.grouped import Float8GroupedGemm
 
     calls = []
     real = grouped_triton.mm
     monkeypatch.setattr(grouped_gemm, "native_grouped_available", lambda device: False)
-    monkeypatch.setattr(grouped_triton, "mm", lambda a, b, out: calls.append(out) or real(a, b, out))
+    monkeypatch.setattr(grouped_triton, "mm", lambda a, b, out, *packed: calls.append(out) or real(a, b, out, *packed))
+    _grouped_fwd_bwd_against_the_emulation(name, dev)
+    assert len(calls) == 2  # output and grad_input; emulate: the per-expert loop
+
+
+def _grouped_fwd_bwd_against_the_emulation(name, dev):
+    """A grouped GEMM fwd+bwd with ``gemm="auto"`` against ``gemm="emulate"`` (the per-expert
+    loop): output and both gradients > 35 dB."""
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
+
     torch.manual_seed(0)
     counts, k, n = (200, 0, 333, 19), 512, 384
     x, w = torch.randn(sum(counts), k, device=dev), torch.randn(len(counts), n, k, device=dev)
@@ -169,6 +177,50 @@ def test_grouped_experts_on_the_triton_gemm_on_cuda(name, monkeypatch):
         out = Float8GroupedGemm(len(counts), recipe).to(dev)(xt, wt, counts, recipe, torch.float32)
         out.backward(dy)
         runs.append((out.detach(), xt.grad, wt.grad))
-    assert len(calls) == 2  # output and grad_input; emulate: the per-expert loop
     for got, want in zip(*runs):
         assert sqnr(want, got) > 35
+
+
+# --- lowprec's Triton blockwise grouped FP8 GEMM (fp8/gemm/grouped_block_triton.py) on hardware ---
+@pytest.mark.parametrize("gemm", ["output", "grad_input"])
+def test_triton_block_grouped_gemm_matches_the_dense_block_gemm_on_cuda(gemm):
+    """One launch for all experts (ragged groups over the 64-row tiles, empty experts, the
+    blockwise casts' CUDA layouts) against the dense Triton blockwise GEMM per expert and the
+    float32 emulation: within the self-check's bound (2**-7 max |ref|) and > 40 dB."""
+    dev = _fp8_gpu()
+    pytest.importorskip("triton")
+    from lowprec.fp8.cast.block_cast import quantize_square_transposed
+    from lowprec.fp8.cast.quantize import dequantize, quantize_blockwise
+    from lowprec.fp8.gemm import block_triton, grouped_block_triton
+
+    assert grouped_block_triton.self_check(dev) and block_triton.self_check(dev)
+    torch.manual_seed(0)
+    e4m3 = torch.float8_e4m3fn
+    counts, k, n = (300, 0, 77, 1, 512, 129, 0), 1024, 768
+    groups = [quantize_blockwise(torch.randn(c, k, device=dev) * 3, e4m3, (1, 128)) if c else None for c in counts]
+    if gemm == "output":  # W_e^T: (N, K) weights in 128x128 blocks, transposed
+        experts = [quantize_blockwise(torch.randn(n, k, device=dev), e4m3, (128, 128)).t() for _ in counts]
+    else:  # W_e contracting its rows, written transposed by the fused cast (as grad_input reads it)
+        experts = [quantize_square_transposed(torch.randn(k, n, device=dev), e4m3, 128, True) for _ in counts]
+    assert grouped_block_triton.supported(groups, experts)
+    got = grouped_block_triton.mm(groups, experts, torch.bfloat16).float()
+    live = [(g, w) for g, w in zip(groups, experts) if g is not None]
+    dense = torch.cat([block_triton.mm(g, w, torch.bfloat16) for g, w in live]).float()
+    emulated = torch.cat([dequantize(g) @ dequantize(w) for g, w in live])
+    assert got.shape == dense.shape == (sum(counts), n)
+    assert (got - dense).abs().max() <= 2.0**-7 * dense.abs().max()
+    assert sqnr(emulated, got) > 40 and sqnr(dense, got) > 40
+
+
+def test_blockwise_grouped_experts_on_the_triton_gemm_on_cuda(monkeypatch):
+    """The blockwise kind's grouped experts: output and grad_input of all experts on the Triton
+    blockwise grouped GEMM (one launch each), fwd+bwd against the per-expert emulation."""
+    dev = _fp8_gpu()
+    pytest.importorskip("triton")
+    from lowprec.fp8.gemm import grouped_block_triton
+
+    calls = []
+    real = grouped_block_triton.mm
+    monkeypatch.setattr(grouped_block_triton, "mm", lambda a, b, out: calls.append(out) or real(a, b, out))
+    _grouped_fwd_bwd_against_the_emulation("blockwise", dev)
+    assert len(calls) == 2  # output and grad_input; emulate: the per-expert loop

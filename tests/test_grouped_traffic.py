@@ -30,6 +30,9 @@ BUDGET = {
     "delayed": (2.35, 2.25),
     "rowwise": (2.4, 2.15),
     "rowwise_with_gw_hp": (3.0, 2.9),
+    # blockwise traced as sm_90: each expert on torch's blockwise GEMM, as the dense layer runs it
+    # (3.81 / 3.26). The Triton blockwise grouped GEMM (sm_89 / sm_100, or sm_90 without torch's
+    # kernel) packs its operands first: 4.37 / 3.49 when it was taken on sm_90 (docs/LOG.md)
     "blockwise": (3.85, 3.3),
     "mxfp8": (14.5, 16.5),
 }
@@ -79,7 +82,8 @@ def test_the_per_expert_path_gathers_the_gradients_once(recipe):
     assert "aten.select_backward" not in ops and "aten.slice_backward" not in ops, ops
     grad_bytes = experts * n * k * 4  # the fp32 weight gradient
     assert ops.get("aten.add", {"bytes": 0})["bytes"] < grad_bytes, ops
-    assert ops["aten.stack"]["bytes"] <= 2 * grad_bytes + 1024, ops
+    # stacked once (the per-expert Linear path) or written in place (a one-call kind's loop): never more
+    assert ops.get("aten.stack", {"bytes": 0})["bytes"] <= 2 * grad_bytes + 1024, ops
 
 
 def test_ideal_bytes_follow_the_dense_rules():

@@ -36,6 +36,9 @@ Paths
     E5M2 dY in grad_input). Tensor or row/column scales, E4M3 or E5M2, no padding. Self-checked
     at first use on the device; checked against the loop under the Triton interpreter in CI and
     compiled to sm_89/sm_90/sm_100 cubins there.
+``triton_block``  the blockwise recipe's grouped GEMMs (1 x b tiles for A, b x b blocks for B) on
+    lowprec's Triton blockwise grouped GEMM (:mod:`lowprec.fp8.gemm.grouped_block_triton`), one
+    launch for all groups, where it runs (CUDA sm_89+, its first-use self-check passed).
 ``loop``  one :func:`~lowprec.fp8.gemm.dispatch.scaled_mm` per expert holding tokens: every device and
     granularity, the dense Linear's GEMM path (on CPU the exact bf16 upcast).
 
@@ -53,9 +56,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from lowprec.fp8.gemm import grouped_triton
+from lowprec.fp8.gemm import grouped_block_triton, grouped_triton
 from lowprec.fp8.gemm.capability import cuda_capability, is_cuda, traced
-from lowprec.fp8.gemm.dispatch import scaled_mm
+from lowprec.fp8.gemm.dispatch import gemm_path, scaled_mm
 from lowprec.fp8.cast.quantize import Float8Data
 
 __all__ = [
@@ -224,7 +227,7 @@ _ROUTES_LOGGED: set[tuple[str, str]] = set()
 
 
 def route(device: torch.device, a: Sequence[Optional[Float8Data]], b: Sequence[Float8Data]) -> str:
-    """``scaled_grouped_mm`` | ``triton`` | ``loop``: which kernel runs these grouped operands on
+    """``scaled_grouped_mm`` | ``triton`` | ``triton_block`` | ``loop``: which kernel runs these grouped operands on
     ``device`` (the caller decided the device may run a one-call kernel); logged once per choice."""
     live = [(g, w) for g, w in zip(a, b) if g is not None and g.data.shape[0]]
     fits_native = all(single_call_operands(g, w) for g, w in live)
@@ -239,15 +242,23 @@ def route(device: torch.device, a: Sequence[Optional[Float8Data]], b: Sequence[F
             reason = "torch._scaled_grouped_mm failed its check"
         if grouped_triton.supported(a, b) and grouped_triton.ready(device):
             choice, why = "triton", f"{grouped_triton.KERNEL}, one launch for all experts ({reason})"
+        elif grouped_block_triton.supported(a, b) and all(
+            gemm_path("auto", device, g, w) == "scaled_mm" for g, w in live
+        ):
+            # torch's blockwise GEMM (cuBLAS, sm_90) takes every expert: kept per expert, as the dense
+            # layer keeps it; one Triton launch has not been timed against it on a GPU
+            choice, why = "blockwise_loop", f"torch's blockwise GEMM per expert, as the dense layer runs it ({reason})"
+        elif grouped_block_triton.supported(a, b) and grouped_block_triton.ready(device):
+            choice, why = "triton_block", f"{grouped_block_triton.KERNEL}, one launch for all experts ({reason})"
         else:
             choice, why = "loop", f"one scaled GEMM per expert ({reason}; the Triton grouped GEMM cannot run these)"
     dtypes = "/".join(sorted({str(t.data.dtype).replace("torch.float8_", "") for g, w in live for t in (g, w)}))
     key = (str(device), f"{choice} {dtypes}")
     if key not in _ROUTES_LOGGED:
         _ROUTES_LOGGED.add(key)
-        log = logger.info if choice != "loop" else logger.warning
+        log = logger.info if choice != "loop" else logger.warning  # loop: no one-call kernel takes them
         log("lowprec.fp8: grouped expert GEMMs (%s operands) on %s: %s", dtypes, device, why)
-    return choice
+    return "loop" if choice == "blockwise_loop" else choice
 
 
 def grouped_mm(
@@ -277,5 +288,7 @@ def grouped_mm(
         return out if out.dtype == out_dtype else out.to(out_dtype)  # as gemm.as_dtype
     if choice == "triton":
         return grouped_triton.mm(a, b, out_dtype, packed_a, packed_b)
+    if choice == "triton_block":
+        return grouped_block_triton.mm(a, b, out_dtype)
     outs = [scaled_mm(g, w, out_dtype, path=path) for g, w in live]
     return outs[0] if len(outs) == 1 else torch.cat(outs)

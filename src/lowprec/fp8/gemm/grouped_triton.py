@@ -38,7 +38,20 @@ from lowprec.fp8.gemm.capability import cuda_capability, is_cuda
 from lowprec.fp8.kernels.select import checked_once, triton_allowed
 from lowprec.fp8.cast.quantize import Float8Data, quantize
 
-__all__ = ["KERNEL", "supported", "may_run", "ready", "mm", "self_check", "pack", "probe", "loop_reference"]
+__all__ = [
+    "KERNEL",
+    "supported",
+    "may_run",
+    "ready",
+    "mm",
+    "self_check",
+    "pack",
+    "probe",
+    "loop_reference",
+    "group_ends",
+    "stack_groups",
+    "stack_experts",
+]
 
 logger = logging.getLogger("lowprec.fp8")
 
@@ -84,6 +97,13 @@ def _inv(scale: torch.Tensor) -> torch.Tensor:
     return scale.reciprocal().to(torch.float32)  # the dequantization scale, as the loop's GEMM takes it
 
 
+def stack_groups(live: Sequence[Float8Data]) -> torch.Tensor:
+    """The live groups' FP8 rows one after another, (S, K) (one copy where there are several)."""
+    if len(live) == 1:
+        return live[0].data
+    return torch.cat([g.data.view(torch.uint8) for g in live]).view(live[0].data.dtype)
+
+
 def pack(
     a: Sequence[Optional[Float8Data]],
     b: Sequence[Float8Data],
@@ -97,35 +117,36 @@ def pack(
     sizes = [0 if g is None else g.data.shape[0] for g in a]
     live = [g for g in a if g is not None and g.data.shape[0]]
     device = b[0].data.device
-    if packed_a is not None:
-        mat_a = packed_a
-    elif len(live) == 1:
-        mat_a = live[0].data
-    else:
-        mat_a = torch.cat([g.data.view(torch.uint8) for g in live]).view(live[0].data.dtype)
+    mat_a = packed_a if packed_a is not None else stack_groups(live)
     row_scales = any(g.scale.dim() for g in live)
     if row_scales:  # one scale per row, per-tensor groups broadcast to their rows
         scale_a = torch.cat([torch.broadcast_to(_inv(g.scale), (g.data.shape[0], 1))[:, 0] for g in live])
     else:  # one per group: the empty ones' never read
         ones = torch.ones((), device=device)
         scale_a = torch.stack([ones if g is None else _inv(g.scale) for g in a])
-    first = b[0].data
-    if packed_b is not None:
-        mat_b = packed_b
-    elif first.stride(0) == 1 and first.stride(1) != 1:  # transposed views of (N, K) rows: stack those
-        mat_b = torch.stack([w.data.t() for w in b]).transpose(1, 2)
-    else:
-        mat_b = torch.stack([w.data for w in b])
-    n = first.shape[1]
+    mat_b = packed_b if packed_b is not None else stack_experts(b)
+    n = b[0].data.shape[1]
     if any(w.scale.dim() for w in b):
         scale_b = torch.stack([torch.broadcast_to(_inv(w.scale), (1, n))[0] for w in b])
     else:
         scale_b = torch.stack([_inv(w.scale) for w in b])
-    ends = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return mat_a, mat_b, scale_a, scale_b, group_ends(sizes, device), row_scales, sizes
+
+
+def group_ends(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The kernels' ``offs``: int32 cumulative group ends on ``device``."""
+    ends = torch.tensor(list(sizes), dtype=torch.int32).cumsum(0, dtype=torch.int32)
     # from pinned memory, not waiting: a copy from pageable memory would wait for the stream
     pinned = is_cuda(device) and torch.cuda.is_available()  # (a traced stand-in device has nothing to pin)
-    offs = ends.pin_memory().to(device, non_blocking=True) if pinned else ends.to(device)
-    return mat_a, mat_b, scale_a, scale_b, offs, row_scales, sizes
+    return ends.pin_memory().to(device, non_blocking=True) if pinned else ends.to(device)
+
+
+def stack_experts(b: Sequence[Float8Data]) -> torch.Tensor:
+    """The expert operands stacked (E, K, N), each in its own storage layout (one copy)."""
+    first = b[0].data
+    if first.stride(0) == 1 and first.stride(1) != 1:  # transposed views of (N, K) rows: stack those
+        return torch.stack([w.data.t() for w in b]).transpose(1, 2)
+    return torch.stack([w.data for w in b])
 
 
 def mm(

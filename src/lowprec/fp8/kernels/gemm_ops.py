@@ -14,7 +14,14 @@ from lowprec.fp8.kernels.ops import _kernel, _operator, _skip, interpreting
 from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
 from lowprec.fp8.kernels.triton_grouped_gemm import grouped_scaled_mm_kernel
 
-__all__ = ["block_scaled_mm", "grouped_scaled_mm", "grouped_tile", "GEMM_TILE", "GROUPED_TILE"]
+__all__ = [
+    "block_scaled_mm",
+    "grouped_block_scaled_mm",
+    "grouped_scaled_mm",
+    "grouped_tile",
+    "GEMM_TILE",
+    "GROUPED_TILE",
+]
 
 # blockwise GEMM: (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M); BLOCK_K is the scale block.
 # Three stages of 128x128 FP8 A and B tiles are 96 KiB of shared memory: sm_90/sm_100 hold it,
@@ -97,15 +104,69 @@ def block_scaled_mm(
     return c
 
 
-# The grouped GEMM's tiles: 64 rows (an expert's token group is often a few dozen to a few hundred
+# The grouped GEMMs' tiles: 64 rows (an expert's token group is often a few dozen to a few hundred
 # rows, and a row tile never spans two groups), 128 x 128 N x K. Three stages of 64x128 + 128x128
 # FP8 tiles are 72 KiB of shared memory: sm_89 takes them too (tests/test_fp8_kernels_compile.py).
+# The blockwise grouped GEMM takes BLOCK_K from the recipe's block size (32/64/128) instead.
 GROUPED_TILE = {"default": (64, 128, 128, 4, 3, 8), "interpreter": (16, 32, 32, 4, 1, 2)}
 
 
 def grouped_tile(device: torch.device) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M)`` of the grouped GEMM here."""
     return GROUPED_TILE["interpreter" if interpreting() else "default"]
+
+
+def _grouped_launch(
+    name: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scales_offs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    tiles_m: int,
+    out_dtype: torch.dtype,
+    scale_strides: tuple[int, int, int, int, int, int],
+    block: int | None,
+) -> torch.Tensor:
+    """The grouped kernel's launch for both operators: the shape checks, the output, the grid.
+    ``scale_strides``: ``(sam, sae, sak, sbe, sbk, sbn)``; ``block``: the block size where the
+    scales are blockwise (``BLOCK_SCALES``; BLOCK_K is the block), else None."""
+    sa, sb, offs = scales_offs
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[1] or offs.shape != (b.shape[0],):
+        raise ValueError(
+            f"{name} needs (S, K) x (E, K, N) and offs (E,), got {tuple(a.shape)} x "
+            f"{tuple(b.shape)}, offs {tuple(offs.shape)}"
+        )
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"{name} writes bfloat16/float16/float32, got {out_dtype}")
+    s, k = a.shape
+    e, n = b.shape[0], b.shape[2]
+    c = torch.empty((s, n), dtype=out_dtype, device=a.device)
+    if _skip(a) or s == 0 or tiles_m <= 0:
+        return c
+    bm, bn, bk, warps, stages, group_m = grouped_tile(a.device)
+    au, bu = a.view(torch.uint8), b.view(torch.uint8)
+    _kernel(grouped_scaled_mm_kernel)[(tiles_m * triton.cdiv(n, bn),)](
+        au,
+        bu,
+        sa,
+        sb,
+        offs,
+        c,
+        n,
+        k,
+        e,
+        tiles_m,
+        au.stride(0),
+        au.stride(1),
+        bu.stride(0),
+        bu.stride(1),
+        bu.stride(2),
+        *scale_strides,
+        c.stride(0),
+        c.stride(1),
+        BLOCK_SCALES=block is not None,
+        **_gemm_launch(a, b, (bm, bn, block or bk, warps, stages, group_m)),
+    )
+    return c
 
 
 @_operator("lowprec::grouped_scaled_mm", ())
@@ -125,46 +186,38 @@ def grouped_scaled_mm(
     else (E,) one per group, ``b_inv_scale`` (E, N) per column or (E,) per expert. ``tiles_m``:
     the row tiles of all groups (``sum ceil(c_g / BLOCK_M)`` for ``grouped_tile``'s BLOCK_M; an
     upper bound is fine). Any strides; float32 accumulation; ``out_dtype`` written."""
-    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[1] or offs.shape != (b.shape[0],):
-        raise ValueError(
-            f"grouped_scaled_mm needs (S, K) x (E, K, N) and offs (E,), got {tuple(a.shape)} x "
-            f"{tuple(b.shape)}, offs {tuple(offs.shape)}"
-        )
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"grouped_scaled_mm writes bfloat16/float16/float32, got {out_dtype}")
-    s, k = a.shape
-    e, n = b.shape[0], b.shape[2]
-    c = torch.empty((s, n), dtype=out_dtype, device=a.device)
-    if _skip(a) or s == 0 or tiles_m <= 0:
-        return c
-    tile = grouped_tile(a.device)
-    bm, bn = tile[:2]
-    au, bu = a.view(torch.uint8), b.view(torch.uint8)
     sa_m, sa_e = (a_inv_scale.stride(0), 0) if a_row_scales else (0, a_inv_scale.stride(0))
-    sb_e = b_inv_scale.stride(0)
     sb_n = b_inv_scale.stride(1) if b_inv_scale.dim() == 2 else 0
-    _kernel(grouped_scaled_mm_kernel)[(tiles_m * triton.cdiv(n, bn),)](
-        au,
-        bu,
-        a_inv_scale,
-        b_inv_scale,
-        offs,
-        c,
-        n,
-        k,
-        e,
+    return _grouped_launch(
+        "grouped_scaled_mm",
+        a,
+        b,
+        (a_inv_scale, b_inv_scale, offs),
         tiles_m,
-        au.stride(0),
-        au.stride(1),
-        bu.stride(0),
-        bu.stride(1),
-        bu.stride(2),
-        sa_m,
-        sa_e,
-        sb_e,
-        sb_n,
-        c.stride(0),
-        c.stride(1),
-        **_gemm_launch(a, b, tile),
+        out_dtype,
+        (sa_m, sa_e, 0, b_inv_scale.stride(0), 0, sb_n),
+        None,
     )
-    return c
+
+
+@_operator("lowprec::grouped_block_scaled_mm", ())
+def grouped_block_scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_inv_scale: torch.Tensor,
+    b_inv_scale: torch.Tensor,
+    offs: torch.Tensor,
+    block: int,
+    tiles_m: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Every group's ``dequant(a[rows of g]) @ dequant(b[g])`` in one launch, blockwise scales (see
+    :mod:`.triton_grouped_gemm`): FP8 ``a`` (S, K) with dequantization scales (S, ceil(K/block))
+    (1 x block tiles), FP8 ``b`` (E, K, N) with (E, ceil(K/block), ceil(N/block)) (block x block),
+    int32 cumulative group ends ``offs`` (E,). ``tiles_m`` as :func:`grouped_scaled_mm` takes it.
+    Any strides; float32 accumulation, scales per K tile; ``out_dtype`` written."""
+    if block not in (32, 64, 128):
+        raise ValueError(f"grouped_block_scaled_mm takes block 32/64/128, got {block}")
+    sa, sb = a_inv_scale, b_inv_scale
+    strides = (sa.stride(0), 0, sa.stride(1), sb.stride(0), sb.stride(1), sb.stride(2))
+    return _grouped_launch("grouped_block_scaled_mm", a, b, (sa, sb, offs), tiles_m, out_dtype, strides, block)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["block_scaled_mm_kernel", "fp8_dot", "tile_order"]
+__all__ = ["block_scaled_mm_kernel", "block_scaled_acc", "fp8_dot", "load_k_tile", "tile_order"]
 
 
 @triton.jit
@@ -81,6 +81,60 @@ def fp8_dot(a, b, acc, A_E4M3: tl.constexpr, B_E4M3: tl.constexpr, SOFT_FP8: tl.
 
 
 @triton.jit
+def load_k_tile(a_ptr, b_ptr, rm, rn, m_ok, n_ok, k, K, stride_am, stride_ak, stride_bk, stride_bn):
+    """The A tile (rows ``rm``, columns ``k``) and B tile (rows ``k``, columns ``rn``) of one K
+    step, zero outside the matrices."""
+    k_ok = k < K
+    a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0)
+    b = tl.load(b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0)
+    return a, b
+
+
+@triton.jit
+def block_scaled_acc(
+    a_ptr,
+    b_ptr,
+    sa_ptr,
+    sb_ptr,
+    rm,
+    rn,
+    m_ok,
+    n_ok,
+    K,
+    k_tiles,
+    stride_am,
+    stride_ak,
+    stride_bk,
+    stride_bn,
+    stride_sam,
+    stride_sak,
+    stride_sbk,
+    stride_sbn,
+    A_E4M3: tl.constexpr,
+    B_E4M3: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    SOFT_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The float32 accumulator of rows ``rm`` x columns ``rn`` over the first ``k_tiles`` K
+    tiles: per K tile one FP8 dot from zero, scaled by ``sa[m, kb] * sb[kb, n // GROUP_N]`` and
+    added (the scale epilogue per K tile; shared with the grouped blockwise kernel)."""
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, k_tiles):
+        a, b = load_k_tile(
+            a_ptr, b_ptr, rm, rn, m_ok, n_ok, kb * BLOCK_K + rk, K, stride_am, stride_ak, stride_bk, stride_bn
+        )
+        part = fp8_dot(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), A_E4M3, B_E4M3, SOFT_FP8)
+        sa = tl.load(sa_ptr + rm * stride_sam + kb * stride_sak, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptr + kb * stride_sbk + (rn // GROUP_N) * stride_sbn, mask=n_ok, other=0.0)
+        acc += part * (sa[:, None] * sb[None, :])
+    return acc
+
+
+@triton.jit
 def block_scaled_mm_kernel(
     a_ptr,
     b_ptr,
@@ -114,22 +168,34 @@ def block_scaled_mm_kernel(
 
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     m_ok = rm < M
     n_ok = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k = kb * BLOCK_K + rk
-        k_ok = k < K
-        a = tl.load(
-            a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0
-        )
-        b = tl.load(
-            b_ptr + k[:, None] * stride_bk + rn[None, :] * stride_bn, mask=k_ok[:, None] & n_ok[None, :], other=0
-        )
-        part = fp8_dot(a, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), A_E4M3, B_E4M3, SOFT_FP8)
-        sa = tl.load(sa_ptr + rm * stride_sam + kb * stride_sak, mask=m_ok, other=0.0)
-        sb = tl.load(sb_ptr + kb * stride_sbk + (rn // GROUP_N) * stride_sbn, mask=n_ok, other=0.0)
-        acc += part * (sa[:, None] * sb[None, :])
+    acc = block_scaled_acc(
+        a_ptr,
+        b_ptr,
+        sa_ptr,
+        sb_ptr,
+        rm,
+        rn,
+        m_ok,
+        n_ok,
+        K,
+        tl.cdiv(K, BLOCK_K),
+        stride_am,
+        stride_ak,
+        stride_bk,
+        stride_bn,
+        stride_sam,
+        stride_sak,
+        stride_sbk,
+        stride_sbn,
+        A_E4M3,
+        B_E4M3,
+        GROUP_N,
+        SOFT_FP8,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
     c = acc.to(c_ptr.dtype.element_ty)
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn, c, mask=m_ok[:, None] & n_ok[None, :])

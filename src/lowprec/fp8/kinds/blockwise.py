@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lowprec.fp8.gemm import block_triton as block_gemm_triton
+from lowprec.fp8.gemm import block_triton as block_gemm_triton, grouped_block_triton
 from lowprec.fp8.cast.block_cast import cast_block_both, quantize_square_transposed
 from lowprec.fp8.kinds import base
+from lowprec.fp8.modules.grouped_fn import SingleCallGrouped
 from lowprec.fp8.modules.linear_fn import Caster, ScaledGemmKind, register_caster
 from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 from lowprec.fp8.cast.quantize import Float8Data, quantize
@@ -48,8 +49,9 @@ class BlockCast(Caster):
 register_caster(BlockCast())
 
 
-class Blockwise(ScaledGemmKind):
-    """Tile scaling (see the module docstring)."""
+class Blockwise(SingleCallGrouped, ScaledGemmKind):
+    """Tile scaling (see the module docstring). Grouped expert GEMMs: output and grad_input on
+    lowprec's Triton blockwise grouped GEMM (one launch each) where it runs, else per expert."""
 
     name = "blockwise"
 
@@ -67,6 +69,18 @@ class Blockwise(ScaledGemmKind):
         if device.type == "cuda":
             return block_gemm_triton.describe_cuda(device, recipe.block_size)
         return f"emulated: no blockwise FP8 GEMM on {device.type}"
+
+    def grouped_kernel_ready(self, device: torch.device) -> bool:
+        return grouped_block_triton.ready(device)  # torch has no blockwise grouped kernel
+
+    def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
+        if self._grouped_eligible(recipe, False) and grouped_block_triton.may_run(device):  # no kernel runs
+            return (
+                f"{grouped_block_triton.KERNEL} on {device.type}: the output and grad_input GEMMs of all experts in "
+                f"one launch each (self-checked at first use; per expert where the check fails); grad_weight per "
+                f"expert: {self.gemm_note(recipe, device)}"
+            )
+        return base.Kind.grouped_note(self, recipe, device)
 
 
 base.register(Blockwise())

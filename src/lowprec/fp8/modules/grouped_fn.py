@@ -1,6 +1,7 @@
-"""The three grouped GEMMs of the per-tensor and rowwise kinds in one autograd function, for
-devices where a one-call grouped FP8 kernel runs (``grouped_gemm.py``: torch's
-``_scaled_grouped_mm``, else lowprec's Triton grouped GEMM).
+"""The three grouped GEMMs of the per-tensor, rowwise and blockwise kinds in one autograd
+function, for devices where a one-call grouped FP8 kernel runs (``grouped_gemm.py``: torch's
+``_scaled_grouped_mm``, else lowprec's Triton grouped GEMM; for blockwise's block scales
+lowprec's Triton blockwise grouped GEMM).
 
 The casts are the Linear's (``linear_fn.cast`` / ``cast_pair``, per expert: a token group never
 shares a scale with another expert's tokens); what changes is how the GEMMs run:
@@ -280,10 +281,11 @@ def grouped_scaled_gemms(
 
 
 class SingleCallGrouped(base.Kind):
-    """What the tensor- and row-scaled kinds (``tensorwise``, ``rowwise``) add to a kind: their
-    grouped GEMMs in :class:`GroupedScaledFn` with a one-call grouped kernel (torch's, or
-    lowprec's Triton one) where one runs and passed its check (``grouped_gemm.single_call_ready``);
-    elsewhere, and for a kind with an amax history (delayed), the per-expert loop every kind has."""
+    """What the tensor-, row- and block-scaled kinds (``tensorwise``, ``rowwise``, ``blockwise``)
+    add to a kind: their grouped GEMMs in :class:`GroupedScaledFn` with a one-call grouped kernel
+    (torch's, or lowprec's Triton one; ``blockwise``: the Triton blockwise one) where one runs and
+    passed its check (:meth:`grouped_kernel_ready`); elsewhere, and for a kind with an amax history
+    (delayed), the per-expert loop every kind has."""
 
     def _grouped_eligible(self, recipe: Recipe, telemetry: bool) -> bool:
         """A recipe torch's grouped kernel can run: no amax history, its GEMM path, its casts."""
@@ -291,8 +293,12 @@ class SingleCallGrouped(base.Kind):
             not self.keeps_history and recipe.gemm in ("auto", "scaled_mm") and fits(recipe, recipe.plan(), telemetry)
         )
 
+    def grouped_kernel_ready(self, device: torch.device) -> bool:
+        """A one-call grouped kernel for this kind's operands runs on ``device`` (checked once)."""
+        return grouped_gemm.single_call_ready(device)
+
     def grouped_single_call(self, recipe: Recipe, device: torch.device, telemetry: bool) -> bool:
-        return self._grouped_eligible(recipe, telemetry) and grouped_gemm.single_call_ready(device)
+        return self._grouped_eligible(recipe, telemetry) and self.grouped_kernel_ready(device)
 
     def grouped_forward(
         self,

@@ -23,7 +23,7 @@ Rules (one each):
   scalars and returns unless delayed scaling's amax history was empty, as on the first step).
 
 GEMMs (``mm``, ``addmm``, ``bmm``, ``_scaled_mm``, ..., and lowprec's Triton GEMMs
-``lowprec.block_scaled_mm`` and ``lowprec.grouped_scaled_mm``) are recorded with their FLOPs and kept
+``lowprec.block_scaled_mm``, ``lowprec.grouped_scaled_mm`` and ``lowprec.grouped_block_scaled_mm``) are recorded with their FLOPs and kept
 apart: the question the counts answer is how many bytes move *outside* the GEMMs.
 """
 
@@ -51,7 +51,7 @@ __all__ = [
 
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm"})
 # lowprec's own GEMM kernels (custom ops): (M, K) x (K, N) in their first two arguments
-CUSTOM_GEMM_OPS = frozenset({"lowprec.block_scaled_mm", "lowprec.grouped_scaled_mm"})
+CUSTOM_GEMM_OPS = frozenset({"lowprec.block_scaled_mm", "lowprec.grouped_scaled_mm", "lowprec.grouped_block_scaled_mm"})
 _FREE = frozenset(
     {
         "_unsafe_view",
