@@ -78,7 +78,7 @@ def test_axolotl_example_config_validates_and_its_gpu_only_keys_are_named(tmp_pa
 
 
 def test_per_epoch_intervals_and_warmup_ratio_resolve_once():
-    from lowprec.train.trainer import _total_steps
+    from lowprec.train.resolve import total_steps
 
     cfg = parse_config(
         {
@@ -90,7 +90,7 @@ def test_per_epoch_intervals_and_warmup_ratio_resolve_once():
         }
     )
     decisions: dict = {}
-    assert _total_steps(cfg, 100, decisions, main=False) == 100  # 50 steps per epoch x 2
+    assert total_steps(cfg, 100, decisions, main=False) == 100  # 50 steps per epoch x 2
     assert decisions["eval_steps"].value == 12 and decisions["save_steps"].value == 50
     assert decisions["warmup_steps"].value == 10 and "warmup_ratio" in decisions["warmup_steps"].reason
 

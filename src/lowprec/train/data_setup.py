@@ -10,12 +10,15 @@ import logging
 import os
 from typing import Any
 
+from lowprec.train.data import TokenBatches, build_datasets
 from lowprec.train.examples import DataSource, ExampleBatches, build_examples
+from lowprec.train.hf_model import load_run_tokenizer
+from lowprec.utils.parallelism import data_shard
 from lowprec.train.data_files import ROW_EXTENSIONS, is_saved_dataset, read_rows
 from lowprec.train.chat_templates import template_text
 from lowprec.train.prompts import PromptOptions
 
-__all__ = ["uses_examples", "data_sources", "example_loaders"]
+__all__ = ["uses_examples", "data_sources", "example_loaders", "run_data", "DATA_KEYS"]
 
 logger = logging.getLogger("lowprec")
 
@@ -116,3 +119,65 @@ def example_loaders(cfg: Any, tokenizer: Any, acc: Any):
             train.fingerprint,
         )
     return loader, val_loader
+
+
+# data.py's parameter names -> the YAML keys (and flag) a user can change, for its error messages
+DATA_KEYS = {
+    "seq_len": "sequence_len",
+    "max_bytes": "dataset_max_bytes",
+    "val_fraction": "val_set_size",
+    "batch_size": "micro_batch_size",
+    "world_size": "--num_processes",
+}
+
+
+def run_data(cfg: Any, acc: Any):
+    """Tokenizer, training batches (this rank's share) and validation batches (or None)."""
+
+    tokenizer = load_run_tokenizer(cfg)
+    if uses_examples(cfg):  # instruction / chat / pre-tokenized data, or packing
+        return (tokenizer, *example_loaders(cfg, tokenizer, acc))
+    with acc.main_process_first():
+        train_ds, val_ds = build_datasets(
+            cfg.dataset_paths,
+            tokenizer,
+            seq_len=cfg.sequence_len,
+            max_bytes=cfg.dataset_max_bytes,
+            val_fraction=cfg.val_set_size,
+            seed=cfg.seed,
+            text_field=cfg.text_field,
+            names=DATA_KEYS,
+        )
+
+    # the processes of one tensor-parallel group read the same batches
+    rank, world = data_shard(acc.parallelism_config, acc.process_index, acc.num_processes, acc.device.type)
+    loader = TokenBatches(
+        train_ds,
+        cfg.micro_batch_size,
+        cfg.sequence_len,
+        seed=cfg.seed,
+        rank=rank,
+        world_size=world,
+        names=DATA_KEYS,
+    )
+    val_loader = None
+    if val_ds is not None:
+        val_loader = TokenBatches(
+            val_ds,
+            cfg.micro_batch_size,
+            cfg.sequence_len,
+            seed=cfg.seed,
+            rank=rank,
+            world_size=world,
+            shuffle=False,
+            names={**DATA_KEYS, "batch_size": "micro_batch_size (validation)"},
+        )
+    if acc.is_main_process:
+        logger.info(
+            "lowprec: data %s: %d train tokens, %d validation tokens, fingerprint %s",
+            train_ds.name,
+            train_ds.n_tokens,
+            0 if val_ds is None else val_ds.n_tokens,
+            train_ds.fingerprint,
+        )
+    return tokenizer, loader, val_loader

@@ -9,6 +9,7 @@ else probes the hardware. Tests pass hand-made capabilities to cover GPUs they d
 from __future__ import annotations
 
 import importlib.util
+import math
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -21,7 +22,7 @@ from lowprec.train.config import TrainConfig
 from lowprec.train.hf_model import tokenizer_choice
 from lowprec.train.adapters import check_adapter_backend
 
-__all__ = ["Capabilities", "Decision", "RunPlan", "resolve", "precision_label"]
+__all__ = ["Capabilities", "Decision", "RunPlan", "resolve", "precision_label", "total_steps"]
 
 logger = logging.getLogger("lowprec")
 
@@ -191,3 +192,40 @@ def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: i
         decisions=d,
         fp8_hardware=hardware if mp.value == "fp8" else None,
     )
+
+
+def total_steps(cfg: TrainConfig, batches_per_epoch: int, decisions: dict, main: bool) -> int:
+    """Optimizer steps of the run (``max_steps`` or epochs), with warmup clamped for smoke runs."""
+    per_epoch = batches_per_epoch // cfg.gradient_accumulation_steps
+    if cfg.max_steps is not None:
+        total = cfg.max_steps
+        why = "max_steps" + (" (wins over num_epochs)" if cfg.num_epochs is not None else "")
+    else:
+        epochs = cfg.num_epochs if cfg.num_epochs is not None else 1.0
+        total = max(1, math.ceil(epochs * per_epoch))
+        why = f"num_epochs: {epochs} x {per_epoch} steps per epoch" + ("" if cfg.num_epochs else " (default 1 epoch)")
+    decisions["total_steps"] = Decision(total, why)
+    if cfg.warmup_ratio is not None:  # Axolotl: warmup_steps = ratio x the run's steps
+        decisions["warmup_steps"] = Decision(
+            int(cfg.warmup_ratio * total), f"warmup_ratio: {cfg.warmup_ratio} x {total} steps"
+        )
+    elif cfg.warmup_steps >= total:  # a smoke run (--max_steps 3) of a config with a long warmup
+        warmup = max(0, total - 1)
+        decisions["warmup_steps"] = Decision(
+            warmup, f"warmup_steps: {cfg.warmup_steps} clamped to the run's {total} steps"
+        )
+        if main:
+            logger.warning(
+                "lowprec: note: warmup_steps: %d clamped to %d for this %d-step run", cfg.warmup_steps, warmup, total
+            )
+    # evals_per_epoch / saves_per_epoch -> a step interval, as Axolotl: steps per epoch // N
+    for key, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
+        n = getattr(cfg, key)
+        if n is not None:
+            decisions[steps] = Decision(max(1, per_epoch // n), f"{key}: {n} in {per_epoch} steps per epoch")
+    if main:
+        logger.info("lowprec: total_steps = %d (%s)", total, why)
+        for key in ("warmup_steps", "eval_steps", "save_steps"):
+            if key in decisions and (key != "warmup_steps" or cfg.warmup_ratio is not None):
+                logger.info("lowprec: %s = %s (%s)", key, decisions[key].value, decisions[key].reason)
+    return total

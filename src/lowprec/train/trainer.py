@@ -41,7 +41,7 @@ from lowprec.train.metrics import MetricsWriter, peak_memory_mb, read_metrics, t
 from lowprec.train.outputs import write_conversion_report
 from lowprec.train.run_lock import hold_output_dir, make_output_dir
 from lowprec.train.loop import Run, run_loop
-from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve
+from lowprec.train.resolve import Capabilities, Decision, RunPlan, resolve, total_steps
 from lowprec import Accelerator, __version__
 from lowprec.fp8 import DEFAULT_SKIP_PATTERNS, Float8BaseLinear, has_fp8_layers
 from lowprec.fp8.modules.autocast import replay_context
@@ -54,18 +54,16 @@ from lowprec.kwargs import (
 from lowprec.kwargs import DeepSpeedPlugin
 from lowprec.parallelism_config import ParallelismConfig
 from lowprec.train.adapters import LoraSettings, apply_lora, check_new_tokens
-from lowprec.train.data import TokenBatches, build_datasets
-from lowprec.train.data_setup import example_loaders, uses_examples
+from lowprec.train.data_setup import run_data
 from lowprec.train.generations import EvalTable
 from lowprec.train.hf_files import locate_pretrained
-from lowprec.train.hf_model import export_pretrained, load_causal_lm, load_run_tokenizer
+from lowprec.train.hf_model import export_pretrained, load_causal_lm
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 from lowprec.train.outputs import export_model, write_resolved_config
 from lowprec.train.packing import packed_causal_mask
 from lowprec.train.plots import plot_fp8_report, plot_loss
 from lowprec.train.resume_check import apply_changes, check_resume, saved_settings, settings_of
 from lowprec.utils.dataclasses import DataLoaderConfiguration
-from lowprec.utils.parallelism import data_shard
 
 __all__ = ["train", "RunResult", "Interrupted", "build_optimizer", "build_scheduler", "lr_lambda"]
 
@@ -285,16 +283,6 @@ def _write_interrupted(output_dir: str, state: ckpt.TrainerState, main: bool, la
     return path
 
 
-# data.py's parameter names -> the YAML keys (and flag) a user can change, for its error messages
-DATA_KEYS = {
-    "seq_len": "sequence_len",
-    "max_bytes": "dataset_max_bytes",
-    "val_fraction": "val_set_size",
-    "batch_size": "micro_batch_size",
-    "world_size": "--num_processes",
-}
-
-
 # ------------------------------------------------------------------------ the loop
 def train(
     cfg: TrainConfig,
@@ -331,8 +319,8 @@ def _train(
         for note in cfg.notes:  # keys the rest of the config makes inert (config/inert.py)
             logger.warning("lowprec: note: %s", note)
     acc.wait_for_everyone()
-    tokenizer, loader, val_loader = _data(cfg, acc)
-    total = _total_steps(cfg, len(loader), decisions, main)
+    tokenizer, loader, val_loader = run_data(cfg, acc)
+    total = total_steps(cfg, len(loader), decisions, main)
     run = _build(cfg, plan, acc, tokenizer, total, output_dir, loader, val_loader, decisions)
     run.tokenizer = tokenizer
     run.on_log = on_log
@@ -387,95 +375,6 @@ def _raise_storage(run: Run, exc: BaseException) -> None:
             "free space or make the directory writable, then resume"
         ),
     ) from None
-
-
-def _data(cfg: TrainConfig, acc):
-    """Tokenizer, training batches (this rank's share) and validation batches (or None)."""
-
-    tokenizer = load_run_tokenizer(cfg)
-    if uses_examples(cfg):  # instruction / chat / pre-tokenized data, or packing
-        return (tokenizer, *example_loaders(cfg, tokenizer, acc))
-    with acc.main_process_first():
-        train_ds, val_ds = build_datasets(
-            cfg.dataset_paths,
-            tokenizer,
-            seq_len=cfg.sequence_len,
-            max_bytes=cfg.dataset_max_bytes,
-            val_fraction=cfg.val_set_size,
-            seed=cfg.seed,
-            text_field=cfg.text_field,
-            names=DATA_KEYS,
-        )
-
-    # the processes of one tensor-parallel group read the same batches
-    rank, world = data_shard(acc.parallelism_config, acc.process_index, acc.num_processes, acc.device.type)
-    loader = TokenBatches(
-        train_ds,
-        cfg.micro_batch_size,
-        cfg.sequence_len,
-        seed=cfg.seed,
-        rank=rank,
-        world_size=world,
-        names=DATA_KEYS,
-    )
-    val_loader = None
-    if val_ds is not None:
-        val_loader = TokenBatches(
-            val_ds,
-            cfg.micro_batch_size,
-            cfg.sequence_len,
-            seed=cfg.seed,
-            rank=rank,
-            world_size=world,
-            shuffle=False,
-            names={**DATA_KEYS, "batch_size": "micro_batch_size (validation)"},
-        )
-    if acc.is_main_process:
-        logger.info(
-            "lowprec: data %s: %d train tokens, %d validation tokens, fingerprint %s",
-            train_ds.name,
-            train_ds.n_tokens,
-            0 if val_ds is None else val_ds.n_tokens,
-            train_ds.fingerprint,
-        )
-    return tokenizer, loader, val_loader
-
-
-def _total_steps(cfg: TrainConfig, batches_per_epoch: int, decisions: dict, main: bool) -> int:
-    """Optimizer steps of the run (``max_steps`` or epochs), with warmup clamped for smoke runs."""
-    per_epoch = batches_per_epoch // cfg.gradient_accumulation_steps
-    if cfg.max_steps is not None:
-        total = cfg.max_steps
-        why = "max_steps" + (" (wins over num_epochs)" if cfg.num_epochs is not None else "")
-    else:
-        epochs = cfg.num_epochs if cfg.num_epochs is not None else 1.0
-        total = max(1, math.ceil(epochs * per_epoch))
-        why = f"num_epochs: {epochs} x {per_epoch} steps per epoch" + ("" if cfg.num_epochs else " (default 1 epoch)")
-    decisions["total_steps"] = Decision(total, why)
-    if cfg.warmup_ratio is not None:  # Axolotl: warmup_steps = ratio x the run's steps
-        decisions["warmup_steps"] = Decision(
-            int(cfg.warmup_ratio * total), f"warmup_ratio: {cfg.warmup_ratio} x {total} steps"
-        )
-    elif cfg.warmup_steps >= total:  # a smoke run (--max_steps 3) of a config with a long warmup
-        warmup = max(0, total - 1)
-        decisions["warmup_steps"] = Decision(
-            warmup, f"warmup_steps: {cfg.warmup_steps} clamped to the run's {total} steps"
-        )
-        if main:
-            logger.warning(
-                "lowprec: note: warmup_steps: %d clamped to %d for this %d-step run", cfg.warmup_steps, warmup, total
-            )
-    # evals_per_epoch / saves_per_epoch -> a step interval, as Axolotl: steps per epoch // N
-    for key, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
-        n = getattr(cfg, key)
-        if n is not None:
-            decisions[steps] = Decision(max(1, per_epoch // n), f"{key}: {n} in {per_epoch} steps per epoch")
-    if main:
-        logger.info("lowprec: total_steps = %d (%s)", total, why)
-        for key in ("warmup_steps", "eval_steps", "save_steps"):
-            if key in decisions and (key != "warmup_steps" or cfg.warmup_ratio is not None):
-                logger.info("lowprec: %s = %s (%s)", key, decisions[key].value, decisions[key].reason)
-    return total
 
 
 def _build(
