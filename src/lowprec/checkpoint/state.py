@@ -40,9 +40,13 @@ from lowprec.durable import fsync_dir, fsync_tree, os_error_of, owner_alive, tem
 from lowprec.checkpoint.serialization import (
     check_deepspeed_dir,
     load_object,
+    load_optimizer,
     load_pickle,
+    load_tensors,
     read_checked,
     save_object,
+    save_optimizer,
+    save_tensors,
     write_sharded,
 )
 from lowprec.errors import CheckpointError, StorageError
@@ -62,117 +66,6 @@ __all__ = ["save_state", "load_state", "save_model", "save_tensors", "load_tenso
 META = "lowprec_state.json"
 
 logger = logging.getLogger("lowprec")
-
-
-# --------------------------------------------------------------------------- tensors
-def save_tensors(state_dict: dict, path: str, safe: bool) -> None:
-    """safetensors (shared tensors stored once, aliases in the metadata) or pickle."""
-    if not safe:
-        torch.save(state_dict, path)
-        return
-    from safetensors.torch import save_file
-
-    seen: dict[tuple, str] = {}
-    tensors, aliases = {}, {}
-    for key, t in state_dict.items():
-        t = t.detach()
-        ident = (
-            (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-            if t.numel()
-            else None
-        )
-        if ident is not None and ident in seen:  # the same tensor twice (tied weights): store once
-            aliases[key] = seen[ident]
-            continue
-        if ident is not None:
-            seen[ident] = key
-        tensors[key] = t
-    # safetensors refuses distinct tensors that share memory (views) and non-contiguous ones:
-    # copy exactly those, not the whole model
-    storages: dict[int, int] = {}
-    for t in tensors.values():
-        if t.numel():
-            storages[t.untyped_storage().data_ptr()] = storages.get(t.untyped_storage().data_ptr(), 0) + 1
-    tensors = {
-        k: t.contiguous().clone()
-        if (not t.is_contiguous() or (t.numel() and storages[t.untyped_storage().data_ptr()] > 1))
-        else t
-        for k, t in tensors.items()
-    }
-    save_file(tensors, path, metadata={"format": "pt", "aliases": json.dumps(aliases)})
-
-
-def load_tensors(path: str) -> dict:
-    if not path.endswith(".safetensors"):
-        return load_pickle(path)
-    return read_checked(path, _read_tensors)
-
-
-def _read_tensors(path: str) -> dict:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    tensors = load_file(path)
-    with safe_open(path, framework="pt") as f:
-        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-    for key, target in aliases.items():
-        tensors[key] = tensors[target]
-    return tensors
-
-
-def save_optimizer(state_dict: dict, path_stem: str, safe: bool) -> None:
-    """Optimizer state: tensors in safetensors, the rest (param groups, step counts kept as
-    numbers) as JSON in its metadata; or one pickle with ``safe=False``."""
-    if not safe:
-        torch.save(state_dict, path_stem + ".bin")
-        return
-    tensors: dict[str, torch.Tensor] = {}
-    skeleton: dict[str, dict] = {}
-    for pid, entry in state_dict["state"].items():
-        skeleton[str(pid)] = {}
-        for k, v in entry.items():
-            if isinstance(v, torch.Tensor):
-                tensors[f"{pid}/{k}"] = v.detach().cpu().contiguous()
-                skeleton[str(pid)][k] = None
-            else:
-                skeleton[str(pid)][k] = v
-    meta = {
-        "state": skeleton,
-        "param_groups": state_dict["param_groups"],
-        "int_keys": all(isinstance(k, int) for k in state_dict["state"]),
-        # JSON has no tuples: remember which group values were (Adam's betas), so a loaded
-        # optimizer's state_dict equals the saved one
-        "tuple_keys": [[k for k, v in g.items() if isinstance(v, tuple)] for g in state_dict["param_groups"]],
-    }
-    from safetensors.torch import save_file
-
-    save_file(
-        {k: v.clone() for k, v in tensors.items()},
-        path_stem + ".safetensors",
-        metadata={"lowprec_optimizer": json.dumps(meta)},
-    )
-
-
-def load_optimizer(path_stem: str) -> dict:
-    if os.path.isfile(path_stem + ".bin"):
-        return load_pickle(path_stem + ".bin")
-    return read_checked(path_stem + ".safetensors", _read_optimizer)
-
-
-def _read_optimizer(path: str) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
-        meta = json.loads(f.metadata()["lowprec_optimizer"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    state: dict = {}
-    for pid, entry in meta["state"].items():
-        key = int(pid) if meta["int_keys"] else pid
-        state[key] = {k: tensors[f"{pid}/{k}"] if v is None else v for k, v in entry.items()}
-    groups = meta["param_groups"]
-    for g, keys in zip(groups, meta.get("tuple_keys", [])):
-        g.update({k: tuple(g[k]) for k in keys})
-    return {"state": state, "param_groups": groups}
 
 
 def _model_file(directory: str, i: int, safe: bool) -> str:
