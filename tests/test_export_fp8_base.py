@@ -19,7 +19,8 @@ import lowprec.fp8 as fp8
 from lowprec.cli.main import main
 from lowprec.export import export_model, load_fp8_base
 from lowprec.export.fp8_merge import merge_lora_fp8_base
-from tests.test_export import _FAST, TINY, _base_layers, _gpt2, _llama, _lora_steps, _one_line, _qwen3, _rel
+from tests.test_export import _FAST, TINY, _base_layers, _gpt2, _llama, _one_line, _qwen3, _rel
+from tests.test_export_lora_bases import _lora_steps
 
 import transformers  # noqa: E402  (the dev extra)
 

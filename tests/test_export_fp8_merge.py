@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import lowprec.export.shards as shards
 from lowprec.export import load_fp8_base
 from lowprec.export.fp8_merge import merge_lora_fp8_base
-from tests.test_export import _lora_steps
+from tests.test_export_lora_bases import _lora_steps
 from tests.test_export_fp8_base import IDS, _export
 
 CASES = [  # arch, recipe, base format, LoRA targets, merge formats
