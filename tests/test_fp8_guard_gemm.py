@@ -21,7 +21,8 @@ from lowprec.train.config import load_config, parse_config
 from lowprec.train.metrics import read_metrics
 from lowprec.train.trainer import train
 
-from test_fp8_guard import ACT, REPRO_LAYER, TINY, _outlier_on, _repro, _step  # noqa: E402
+from test_fp8_guard import TINY, _outlier_on, _step  # noqa: E402
+from test_fp8_guard_runs import ACT, REPRO_LAYER, _repro  # noqa: E402
 
 ALL_FP8 = {"fprop": False, "dgrad": False, "wgrad": False}
 
@@ -234,7 +235,7 @@ def test_reproducer_under_gemm_scope_moves_fprop_and_wgrad_of_the_injected_layer
 
 
 def test_reproducer_under_gemm_scope_moves_the_gemms_back_once_the_outlier_fades(tmp_path):
-    """As test_fp8_guard's fade run (move at step 4, side casts healthy from step 12, M = 2),
+    """As test_fp8_guard_runs' fade run (move at step 4, side casts healthy from step 12, M = 2),
     per GEMM: fprop and wgrad move, and the move back at step 14 restores exactly those two; the
     run ends with every GEMM of every layer in FP8."""
     args = ["--steps", "24", "--check", "2", "--variants", "act", "--bits", "30", "--patience", "2"]
