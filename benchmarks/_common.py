@@ -10,6 +10,7 @@ import platform
 import shlex
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -201,3 +202,10 @@ def spawn_and_load(worker, world: int, *args):
         out = f"{d}/r.pt"
         mp.start_processes(worker, args=(world, free_port(), *args, out), nprocs=world, start_method="spawn")
         return torch.load(out, weights_only=True)
+
+
+def run_child(script: str, *args: str) -> dict:
+    """``python script --child *args`` in a fresh process (a peak-memory measurement of its own);
+    the JSON object on its last line of output."""
+    run = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True, check=True)
+    return json.loads(run.stdout.strip().splitlines()[-1])

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_name, rss_peaks, write_json  # noqa: E402
+from _common import device_name, rss_peaks, run_child, write_json  # noqa: E402
 
 SHAPE = dict(
     vocab_size=8192,
@@ -103,14 +102,8 @@ def main() -> None:
             model = _export(d, fmt)
             for dtype in args.dtypes.split(","):
                 for loader in ("transformers", "direct"):
-                    run = subprocess.run(
-                        [sys.executable, __file__, "--child", d, loader, dtype],
-                        capture_output=True,
-                        text=True,
-                        check=True,
-                    )
                     row = {"format": fmt, "dtype": dtype, "loader": loader, **model}
-                    row.update(json.loads(run.stdout.strip().splitlines()[-1]))
+                    row.update(run_child(__file__, d, loader, dtype))
                     row["bf16_bytes"] = 2 * row["params"]
                     print(json.dumps(row), flush=True)
                     rows.append(row)

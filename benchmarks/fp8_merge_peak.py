@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import device_name, rss_peaks, write_json  # noqa: E402
+from _common import device_name, rss_peaks, run_child, write_json  # noqa: E402
 from fp8_base_load import SHAPE, _export  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -91,14 +90,8 @@ def main() -> None:
                 for mode in args.modes.split(","):
                     for repeat in range(args.repeats):
                         out = os.path.join(d, f"merged-{merge}-{mode}-{repeat}")
-                        run = subprocess.run(
-                            [sys.executable, __file__, "--child", base, out, merge, mode],
-                            capture_output=True,
-                            text=True,
-                            check=True,
-                        )
                         row = {"format": fmt, "merge": merge, "mode": mode, "repeat": repeat, **model}
-                        row.update(json.loads(run.stdout.strip().splitlines()[-1]))
+                        row.update(run_child(__file__, base, out, merge, mode))
                         print(json.dumps(row), flush=True)
                         rows.append(row)
                         shutil.rmtree(out)

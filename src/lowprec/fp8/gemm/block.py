@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from lowprec.fp8.gemm.capability import traced
 from lowprec.fp8.cast.quantize import Float8Data, dequantize, quantize_blockwise
+from lowprec.fp8.kernels.select import emulation_gap
 
 __all__ = ["BLOCK", "supported", "blockwise_mm", "self_check"]
 
@@ -114,11 +115,8 @@ def self_check(device: torch.device) -> bool:
         a = quantize_blockwise(x, torch.float8_e4m3fn, (1, BLOCK))
         b = quantize_blockwise(w, torch.float8_e4m3fn, (BLOCK, BLOCK)).t()
         got = blockwise_mm(a, b, torch.float32)
-        ref = dequantize(a) @ dequantize(b)
-        err = (got - ref).abs().max().item()
-        bound = 2.0**-7 * ref.abs().max().item()  # bf16 output rounding, fp32 accumulation
-        ok = err <= bound
-        why = f"max |kernel - emulation| {err:.3g} > {bound:.3g}" if not ok else ""
+        why = emulation_gap(got, dequantize(a) @ dequantize(b))
+        ok = not why
     except Exception as exc:  # noqa: BLE001 - any failure means: emulate on this device
         why = f"{type(exc).__name__}: {exc}"[:200]
     _CHECKED[key] = ok

@@ -25,7 +25,7 @@ import torch
 from lowprec.fp8.gemm.capability import cuda_capability, is_cuda
 from lowprec.fp8.cast.quantize import Float8Data, dequantize
 from lowprec.fp8.gemm import block as block_gemm
-from lowprec.fp8.kernels.select import checked_once, triton_allowed
+from lowprec.fp8.kernels.select import checked_once, emulation_gap, triton_allowed
 from lowprec.fp8.cast.quantize import quantize_blockwise
 
 __all__ = ["supported", "runs", "mm", "self_check", "describe_cuda", "KERNEL"]
@@ -116,11 +116,9 @@ def _check(device: torch.device) -> bool:
         ]
         for qa, qb in pairs:
             got = mm(qa, qb, torch.float32)
-            ref = dequantize(qa) @ dequantize(qb)
-            err = (got - ref).abs().max().item()
-            bound = 2.0**-7 * ref.abs().max().item()
-            if not err <= bound:
-                why = f"max |kernel - emulation| {err:.3g} > {bound:.3g} ({qa.block} x {qb.block})"
+            gap = emulation_gap(got, dequantize(qa) @ dequantize(qb))
+            if gap:
+                why = f"{gap} ({qa.block} x {qb.block})"
                 break
     except Exception as exc:  # noqa: BLE001 - any failure means: emulate on this device
         why = f"{type(exc).__name__}: {exc}"[:200]

@@ -82,6 +82,15 @@ def checked_once(results: dict, device: torch.device, check: Callable[[torch.dev
     return results[device.index]
 
 
+def emulation_gap(got: torch.Tensor, ref: torch.Tensor) -> str:
+    """A GEMM kernel's self-check rule: ``""`` when its float32 output is within 2^-7 * max|ref| of
+    the float32 emulation ``ref`` (float32 accumulation in another order, the bf16 output rounding
+    the kernel may apply), else what was measured."""
+    err = (got - ref).abs().max().item()
+    bound = 2.0**-7 * ref.abs().max().item()
+    return "" if err <= bound else f"max |kernel - emulation| {err:.3g} > {bound:.3g}"
+
+
 def available(device: torch.device | str, op: str | None = None, x: torch.Tensor | None = None) -> bool:
     """True where the fused Triton casts run: a CUDA device, triton importable, not disabled,
     and the self-check passed there: for ``op`` (one of the ops in :mod:`.ops`) on inputs of

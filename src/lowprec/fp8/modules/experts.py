@@ -234,15 +234,7 @@ class Float8Experts(FP8Switch):
                 "process (expert parallelism is not supported yet); convert without its experts "
                 "(skip_patterns=['experts']) or train without expert parallelism"
             )
-        hp = torch_autocast_dtype(hidden_states.device.type, hidden_states.dtype)
-
-        def gemm(proj: str, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
-            grouped = self._modules.get(GEMM_PREFIX + proj)  # type: ignore[attr-defined]
-            # kept in high precision, moved there by the FP8 guard, or FP8 off (expert parallel)
-            if grouped is None or grouped.high_precision or recipe is None:
-                return grouped_mm_hp(x, weight, counts, hp)
-            return grouped(x, weight, counts, recipe, hp)
-
+        gemm = self._projection_gemm(recipe, torch_autocast_dtype(hidden_states.device.type, hidden_states.dtype))
         if ep is not None:  # this rank's experts only (lowprec.distributed.expert_parallel)
             return ep.forward(self, hidden_states, top_k_index, top_k_weights, recipe, gemm)
         return run_experts(self, self.fp8_layout, hidden_states, top_k_index, top_k_weights, gemm)  # type: ignore[arg-type]
@@ -250,7 +242,6 @@ class Float8Experts(FP8Switch):
     def _grouped_forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor, recipe: Recipe) -> torch.Tensor:
         """torchtitan's call: ``x`` holds ``num_tokens_per_expert[e]`` rows per expert in order, then
         padding rows, whose output is zeros (as its for-loop path writes them)."""
-        hp = torch_autocast_dtype(x.device.type, x.dtype)
         counts = tuple(int(c) for c in num_tokens_per_expert.tolist())  # one host read, as torchtitan's loop
         used = sum(counts)
         if len(counts) != self.fp8_layout.num_experts or used > x.shape[0]:
@@ -261,16 +252,24 @@ class Float8Experts(FP8Switch):
         with torch.no_grad():
             self.tokens_per_expert.copy_(num_tokens_per_expert.to(self.tokens_per_expert.dtype))
 
-        def gemm(proj: str, rows: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
-            grouped = self._modules.get(GEMM_PREFIX + proj)  # type: ignore[attr-defined]
-            if grouped is None or grouped.high_precision:  # kept in high precision, or moved by the guard
-                return grouped_mm_hp(rows, weight, counts, hp)
-            return grouped(rows, weight, counts, recipe, hp)
-
+        gemm = self._projection_gemm(recipe, torch_autocast_dtype(x.device.type, x.dtype))
         out = expert_rows(self, self.fp8_layout, x[:used], counts, None, gemm).to(x.dtype)
         if used == x.shape[0]:
             return out
         return torch.cat([out, out.new_zeros(x.shape[0] - used, out.shape[-1])])
+
+    def _projection_gemm(self, recipe: Recipe | None, hp: torch.dtype):
+        """``gemm(proj, x, weight, counts)``: one grouped projection, in FP8 through its
+        ``fp8_<proj>`` module, or in ``hp`` where it has none (kept in high precision), the FP8
+        guard moved it, or FP8 is off (``recipe`` None: expert parallelism still runs)."""
+
+        def gemm(proj: str, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
+            grouped = self._modules.get(GEMM_PREFIX + proj)  # type: ignore[attr-defined]
+            if grouped is None or grouped.high_precision or recipe is None:
+                return grouped_mm_hp(x, weight, counts, hp)
+            return grouped(x, weight, counts, recipe, hp)
+
+        return gemm
 
     def fp8_gemms(self) -> dict[str, Float8GroupedGemm]:
         """The projections in FP8 and their grouped GEMM modules."""

@@ -409,6 +409,7 @@ class HealthMonitor:
     ) -> None:
         # with recover_after, moved layers are measured on the side (what FP8 would do now)
         self.probe = HealthProbe(model, side=recover_after is not None)
+        self.layers = guarded_layers(model)  # the Linear layers and the grouped expert projections
         th = Thresholds(patience=patience, recover_after=recover_after, **(thresholds or {}))
         self.guard = None if guard == "off" else Guard(model, mode=guard, thresholds=th, scope=scope)
         self.sqnr_every = sqnr_every
@@ -428,7 +429,7 @@ class HealthMonitor:
         episode started, a move back)."""
         # grouped expert projections: their worst routed expert's statistics (no probe readings)
         tele = {**tele, **grouped_telemetry(self.probe.model)}
-        health = signals(tele, guarded_layers(self.probe.model), self.probe.take(), self.previous)
+        health = signals(tele, self.layers, self.probe.take(), self.previous)
         self.previous = health
         records: list[dict[str, Any]] = [{"kind": "fp8_health", "step": step, "layers": health}]
         if self.guard is not None:
