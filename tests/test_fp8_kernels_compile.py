@@ -121,6 +121,7 @@ from lowprec.fp8.kernels.gemm_ops import GEMM_TILE
 from lowprec.fp8.kernels.ops import BLOCK_WARPS, _EPS_BITS
 from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
 from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
+from lowprec.fp8.kernels.triton_mx import MX_TILE_N, cast_mx_kernel
 
 BK = {"x_ptr": "*bf16", "q_ptr": "*u8", "qt_ptr": "*u8", "s_ptr": "*fp32", "st_ptr": "*fp32",
       "M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32"}
@@ -156,6 +157,16 @@ for square in (False,):
     out.append(dict(cc=90, kernel="cast_2d" if square else "cast_1d", cubin=len(k.asm["cubin"]), spills=".local" in ptx,
                     hw_cvt="cvt.rn.satfinite.e4m3x2.f32" in ptx, vector_loads="ld.global.v4" in ptx,
                     vector_stores="st.global.v4" in ptx, scalar_byte_stores=ptx.count("st.global.b8")))
+# the MXFP8 cast (both layouts from one read) where MXFP8 GEMMs run (Blackwell) and on Hopper
+MX = {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*u8", "qt_ptr": "*u8", "st_ptr": "*u8", "M": "i32", "N": "i32",
+      "stride_xm": "i32", "stride_xn": "i32"}
+for cc in (90, 100):
+    const = dict(FP8_MAX=448.0, EMAX=8, E4M3=True, RCEIL=True, SOFT_CAST=False, ROW=True, COL=True, BLOCK_N=MX_TILE_N,
+                 stride_xn=1)
+    k = build(cast_mx_kernel, MX, const, (0, 1, 2, 3, 4, 5, 6, 7), cc, 4)
+    ptx = k.asm["ptx"]
+    out.append(dict(cc=cc, kernel="mx", cubin=len(k.asm["cubin"]), spills=".local" in ptx,
+                    hw_cvt="cvt.rn.satfinite.e4m3x2.f32" in ptx, vector_loads="ld.global.v4" in ptx))
 print(json.dumps(out))
 """
 
@@ -171,7 +182,8 @@ MMA = {
 def test_blockwise_kernels_compile_for_ada_hopper_and_blackwell(compiled):
     """The Triton blockwise GEMM to sm_89/sm_90/sm_100 cubins on FP8 tensor-core instructions,
     within each one's shared memory and without spills; the blockwise cast (both layouts of
-    1-D tiles) with 16-byte loads and stores and the hardware round-to-nearest-even convert."""
+    1-D tiles) with 16-byte loads and stores and the hardware round-to-nearest-even convert; the
+    MXFP8 cast (both layouts) to sm_90 / sm_100 cubins, without spills, on the hardware convert."""
     rows = compiled[1]
     gemms = [r for r in rows if r["kernel"] == "gemm"]
     assert [r["cc"] for r in gemms] == [89, 90, 100]
@@ -184,6 +196,8 @@ def test_blockwise_kernels_compile_for_ada_hopper_and_blackwell(compiled):
     for r in rows:
         if r["kernel"].startswith("cast"):
             assert r["hw_cvt"] and r["vector_loads"] and r["vector_stores"] and r["scalar_byte_stores"] == 0, r
+    # the MXFP8 cast on the hardware round-to-nearest-even convert, for Hopper and Blackwell
+    assert [(r["cc"], r["hw_cvt"]) for r in rows if r["kernel"] == "mx"] == [(90, True), (100, True)]
 
 
 GROUPED_SCRIPT = r"""

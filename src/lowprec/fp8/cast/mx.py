@@ -42,6 +42,7 @@ from lowprec.fp8.gemm.capability import device_constant
 
 __all__ = [
     "MX_BLOCK",
+    "E8M0",
     "SCALE_ROUNDINGS",
     "DEFAULT_SCALE_ROUNDING",
     "BlockScaledData",

@@ -190,14 +190,21 @@ def _upcast(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> 
     return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
+def _rows_to(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (``t`` itself where it has them)."""
+    if t.shape[0] == rows:
+        return t
+    return torch.nn.functional.pad(t.view(torch.uint8), (0, 0, 0, rows - t.shape[0])).view(t.dtype)
+
+
 def _native(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> torch.Tensor:
     F = torch.nn.functional
     m, n = a.rows, bt.rows
-    pad_rows = lambda t, r: F.pad(t.view(torch.uint8), (0, 0, 0, r - t.shape[0])).view(t.dtype)  # noqa: E731
     mp, np_ = -(-m // 16) * 16, -(-n // 16) * 16
-    # row-major both (the kernel's A and column-major B^T): a transposed weight's cast (grad_input
-    # re-casting W^T from the Parameter) is column-major, and torch refuses it
-    ad, bd = pad_rows(a.data, mp).contiguous(), pad_rows(bt.data, np_).contiguous()
+    # rows padded to 16 only where they are not whole (a pad of nothing still copies), row-major
+    # both (the kernel's A and column-major B^T): a transposed weight's cast (grad_input re-casting
+    # W^T from the Parameter) is column-major, and torch refuses it
+    ad, bd = _rows_to(a.data, mp).contiguous(), _rows_to(bt.data, np_).contiguous()
     swz = F.SwizzleType.SWIZZLE_32_4_4
     sa: Any
     sb: Any

@@ -9,7 +9,8 @@ over the other dim) and ``amax(|x|)`` (TransformerEngine's ``cast_transpose``).
 per-column amaxes, and ``cast_rowwise_dual`` writes both axis casts a rowwise recipe needs (row
 scales, and given column scales stored transposed) from one pass; ``cast_cols_t`` the second
 alone; ``cast_block_1d`` / ``cast_block_2d`` are the blockwise (DeepSeek-V3 tile) casts, both
-layouts and the scales from one read. The functions choose at run time (:func:`available`): Triton on CUDA by default when
+layouts and the scales from one read; ``cast_mx`` the MXFP8 casts (1 x 32 and 32 x 1 blocks, E8M0
+scales) likewise. The functions choose at run time (:func:`available`): Triton on CUDA by default when
 triton imports and a one-time self-check on the device agrees with the torch path
 (:mod:`lowprec.fp8.kernels.selfcheck`; ``LOWPREC_DISABLE_TRITON=1`` always wins), otherwise
 :mod:`lowprec.fp8.kernels.reference` (same results; what CPU runs). Importing this package
@@ -40,6 +41,7 @@ __all__ = [
     "reference",
     "cast_block_1d",
     "cast_block_2d",
+    "cast_mx",
 ]
 
 
@@ -169,3 +171,13 @@ def cast_block_2d(
     if available(x.device, "cast_block_2d", x):
         return _ops().cast_block_2d(x, fp8_dtype, block, power_of_2, rows, cols)
     return reference.cast_block_2d(x, fp8_dtype, block, power_of_2, rows, cols)
+
+
+def cast_mx(
+    x: torch.Tensor, fp8_dtype: torch.dtype, rceil: bool, rows: bool = True, cols: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, qt, scale_t)``: ``quantize_mx(x)``'s data and E8M0 scale bytes (``rows``)
+    and ``quantize_mx(x.t())``'s (``cols``); one read on CUDA (``rceil``: the scale rule)."""
+    if available(x.device, "cast_mx", x):
+        return _ops().cast_mx(x, fp8_dtype, rceil, rows, cols)
+    return reference.cast_mx(x, fp8_dtype, rceil, rows, cols)

@@ -31,6 +31,7 @@ from torch.library import triton_op, wrap_triton
 from lowprec.fp8.cast.formats import fp8_max
 from lowprec.fp8.kernels.classes import INPUT_DTYPES, input_class
 from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
+from lowprec.fp8.kernels.triton_mx import MX_TILE_N, cast_mx_kernel
 from lowprec.fp8.kernels.triton_cast import (
     amax_cols_kernel,
     cast_rowwise_kernel,
@@ -55,6 +56,7 @@ __all__ = [
     "interpreting",
     "cast_block_1d",
     "cast_block_2d",
+    "cast_mx",
 ]
 
 # Inductor traces into the operators and compiles the kernels itself only when asked (see above)
@@ -493,3 +495,59 @@ def cast_block_2d(
         x, fp8_dtype, block, power_of_2, True, q if rows else None, qt if cols else None, s, st if cols else None
     )
     return q.view(fp8_dtype), s, qt.view(fp8_dtype), st.t() if cols else st
+
+
+_MX_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}  # as lowprec.fp8.cast.mx
+
+
+@_operator("lowprec::cast_mx", ())
+def cast_mx(
+    x: torch.Tensor, fp8_dtype: torch.dtype, rceil: bool, rows: bool, cols: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP8 casts from one read (``triton_mx``): ``(q, scale, qt, scale_t)`` as uint8 (the FP8
+    elements, the E8M0 scale bytes). ``rows``: ``quantize_mx(x)``'s data (M, N padded to 32) and
+    scales (M, N/32); ``cols``: ``quantize_mx(x.t())``'s, (N, M padded) and (N, M/32). ``rceil``:
+    the ``rceil`` scale rule, else ``floor``. Outputs not asked for are empty."""
+    _check(x, fp8_dtype)
+    m, n = x.shape
+    mp, np_ = triton.cdiv(m, 32) * 32, triton.cdiv(n, 32) * 32
+    dev = x.device
+    q = torch.empty((m, np_) if rows else (0,), dtype=torch.uint8, device=dev)
+    s = torch.empty((m, np_ // 32) if rows else (0,), dtype=torch.uint8, device=dev)
+    qt = torch.empty((n, mp) if cols else (0,), dtype=torch.uint8, device=dev)
+    st = torch.empty((n, mp // 32) if cols else (0,), dtype=torch.uint8, device=dev)
+    if m and n:
+        if rows and cols and two_pass("cast_mx", x):
+            _launch_mx(x, fp8_dtype, rceil, q, s, None, None)
+            _launch_mx(x, fp8_dtype, rceil, None, None, qt, st)
+        else:
+            _launch_mx(x, fp8_dtype, rceil, q if rows else None, s, qt if cols else None, st)
+    return q.view(fp8_dtype), s, qt.view(fp8_dtype), st
+
+
+def _launch_mx(x, fp8_dtype, rceil, q, s, qt, st) -> None:
+    """cast_mx_kernel: the row casts into ``q``/``s`` and/or the column casts into ``qt``/``st``."""
+    if _skip(x) or (q is None and qt is None):
+        return
+    m, n = x.shape
+    dummy, dummy_s = (q, s) if q is not None else (qt, st)
+    _kernel(cast_mx_kernel)[(triton.cdiv(m, 32), triton.cdiv(n, MX_TILE_N))](
+        x,
+        dummy if q is None else q,
+        dummy_s if q is None else s,
+        dummy if qt is None else qt,
+        dummy_s if qt is None else st,
+        m,
+        n,
+        x.stride(0),
+        x.stride(1),
+        FP8_MAX=fp8_max(fp8_dtype),
+        EMAX=_MX_EMAX[fp8_dtype],
+        E4M3=fp8_dtype == torch.float8_e4m3fn,
+        RCEIL=rceil,
+        SOFT_CAST=interpreting(),
+        ROW=q is not None,
+        COL=qt is not None,
+        BLOCK_N=MX_TILE_N,
+        num_warps=4,
+    )

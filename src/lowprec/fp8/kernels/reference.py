@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from lowprec.fp8.cast.mx import quantize_mx
 from lowprec.fp8.cast.torch_casts import quantize_blockwise_torch, saturated_cast
 from lowprec.fp8.cast.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
 
@@ -28,6 +29,7 @@ __all__ = [
     "delayed_scale_update",
     "cast_block_1d",
     "cast_block_2d",
+    "cast_mx",
 ]
 
 
@@ -135,3 +137,17 @@ def cast_block_2d(
     q = b.data if rows else empty[0]
     qt, st = (b.data.t().contiguous(), b.scale) if cols else empty
     return q, b.scale, qt, st
+
+
+def cast_mx(
+    x: torch.Tensor, fp8_dtype: torch.dtype, rceil: bool, rows: bool, cols: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, qt, scale_t)``: ``quantize_mx(x)`` (``rows``) and ``quantize_mx(x.t())``
+    (``cols``), data and E8M0 scale bytes (uint8); empty tensors for what is not asked."""
+    rounding = "rceil" if rceil else "floor"
+    none = torch.empty(0, dtype=fp8_dtype, device=x.device), torch.empty(0, dtype=torch.uint8, device=x.device)
+    r = quantize_mx(x, fp8_dtype, rounding) if rows else None
+    c = quantize_mx(x.t(), fp8_dtype, rounding) if cols else None
+    q, s = (r.data, r.scale.view(torch.uint8)) if r is not None else none
+    qt, st = (c.data, c.scale.view(torch.uint8)) if c is not None else none
+    return q, s, qt, st

@@ -32,7 +32,7 @@ __all__ = ["passed", "run_checks", "input_class", "TWO_PASS_OPS", "OPS", "CLASSE
 logger = logging.getLogger("lowprec.fp8")
 # ops with a plain and a transposed store, which can run as two launches of one store each
 TWO_PASS_OPS = frozenset(
-    {"cast_transpose_amax", "recast_if_changed", "cast_rowwise_dual", "cast_block_1d", "cast_block_2d"}
+    {"cast_transpose_amax", "recast_if_changed", "cast_rowwise_dual", "cast_block_1d", "cast_block_2d", "cast_mx"}
 )
 # (device index, class, op) -> whether the op runs on the GPU for that class there
 _RESULT: dict[tuple, bool] = {}
@@ -98,6 +98,7 @@ _CALLS = {
     "cast_cols_t": lambda m, x, d, s, c: (m.cast_cols_t(x, c, d),),
     "cast_block_1d": lambda m, x, d, s, c: m.cast_block_1d(x, d, 128, True, True, True),
     "cast_block_2d": lambda m, x, d, s, c: m.cast_block_2d(x, d, 128, False, True, True),
+    "cast_mx": lambda m, x, d, s, c: (*m.cast_mx(x, d, True, True, True), *m.cast_mx(x, d, False, True, False)),
     "amax": lambda m, x, d, s, c: (m.amax(x),),
     "amax_cols": lambda m, x, d, s, c: (m.amax_cols(x),),
 }

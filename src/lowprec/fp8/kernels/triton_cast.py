@@ -81,7 +81,13 @@ def _saturate_to_fp8_bits(y, FP8_MAX: tl.constexpr, E4M3: tl.constexpr, SOFT_CAS
     """Saturate finite values to +-fp8_max, keep NaN/inf non-finite (as NaN), cast; uint8."""
     bad = (y != y) | (tl.abs(y) == float("inf"))
     nan = tl.full(y.shape, _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
-    y = tl.where(bad, nan, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
+    return _fp8_bits(tl.where(bad, nan, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)), E4M3, SOFT_CAST)
+
+
+@triton.jit
+def _fp8_bits(y, E4M3: tl.constexpr, SOFT_CAST: tl.constexpr):
+    """Saturated float32 ``y`` (in range, or NaN) -> FP8 bits (uint8), round to nearest even:
+    the hardware convert, or the software one under the interpreter."""
     if SOFT_CAST:
         return _soft_fp8_bits(y, E4M3).to(tl.uint8)
     elif E4M3:

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from lowprec.fp8 import kernels
 from lowprec.fp8.kinds import base
-from lowprec.fp8.cast.mx import BlockScaledData, quantize_mx
+from lowprec.fp8.cast.mx import E8M0, MX_BLOCK, BlockScaledData, quantize_mx
 from lowprec.fp8.gemm.mx import native_block_scaled_available
 from lowprec.fp8.modules.mx_linear import Codec, mx_linear
 from lowprec.fp8.kinds.plan import GemmCast, OperandCast
@@ -26,9 +27,25 @@ if TYPE_CHECKING:
 __all__ = ["MXCodec", "Microscaled", "MXFP8"]
 
 
+def cast_mx(t: torch.Tensor, dtype: torch.dtype, rounding: str) -> BlockScaledData:
+    """``quantize_mx(t, dtype, rounding)``, bit for bit; on CUDA one Triton kernel
+    (``kernels.cast_mx``, where its first-use check passed), reading a transposed view (the
+    operands of the backward GEMMs, ``x.t()``, ``dY.t()``, ``W.t()``) as the column cast of the
+    contiguous tensor under it, with no copy."""
+    if t.dim() != 2 or not kernels.available(t.device, "cast_mx", t.t() if t.stride(0) == 1 else t):
+        return quantize_mx(t, dtype, rounding)
+    rceil = rounding == "rceil"
+    src = t.detach()
+    if src.stride(0) == 1 and src.stride(1) != 1:  # a transposed view: its base's column cast
+        _, _, q, s = kernels.cast_mx(src.t(), dtype, rceil, rows=False, cols=True)
+    else:
+        q, s, _, _ = kernels.cast_mx(src, dtype, rceil, rows=True, cols=False)
+    return BlockScaledData(q, s.view(E8M0), t.shape[1], MX_BLOCK)
+
+
 class MXCodec(Codec):
     def quantize(self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None) -> BlockScaledData:
-        return quantize_mx(t, dtype, recipe.scale_rounding)
+        return cast_mx(t, dtype, recipe.scale_rounding)
 
 
 class Microscaled(base.Kind):
