@@ -47,6 +47,17 @@ class MXCodec(Codec):
     def quantize(self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None) -> BlockScaledData:
         return cast_mx(t, dtype, recipe.scale_rounding)
 
+    def quantize_pair(
+        self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, both: bool
+    ) -> tuple[BlockScaledData, BlockScaledData | None]:
+        """On CUDA both casts of ``t`` (1 x 32 along its rows, 32 x 1 for ``t.t()``) from one read."""
+        if not both or t.dim() != 2 or not kernels.available(t.device, "cast_mx", t):
+            return super().quantize_pair(t, recipe, dtype, both)
+        q, s, qt, st = kernels.cast_mx(t.detach(), dtype, recipe.scale_rounding == "rceil", rows=True, cols=True)
+        return BlockScaledData(q, s.view(E8M0), t.shape[1], MX_BLOCK), BlockScaledData(
+            qt, st.view(E8M0), t.shape[0], MX_BLOCK
+        )
+
 
 class Microscaled(base.Kind):
     """What the microscaling kinds share: their GEMMs (``mx_linear``) and their report line."""

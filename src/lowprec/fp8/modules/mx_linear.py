@@ -71,6 +71,14 @@ class Codec:
         """(M, C) -> (C, M) high precision, ready to quantize along M."""
         return t.t()
 
+    def quantize_pair(
+        self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, both: bool
+    ) -> tuple[BlockScaledData, BlockScaledData | None]:
+        """``(quantize(t), quantize(wgrad_operand(t)))``, the second only where ``both``: an
+        operand's casts for its two GEMMs (a kind may make both from one read)."""
+        q = self.quantize(t, recipe, dtype)
+        return q, (self.quantize(self.wgrad_operand(t, recipe), recipe, dtype) if both else None)
+
 
 @dataclass(frozen=True)
 class _MXConfig:
@@ -121,7 +129,9 @@ class _MXLinearFn(torch.autograd.Function):
             if olp[0]:
                 out = torch.matmul(x.to(hp), weight.to(hp).t())
             else:
-                xq = codec.quantize(x, recipe, fwd)
+                # x^T cast along M for grad_weight, from the high-precision x (not from xq)
+                x_col_now = need_wgrad and not olp[2] and recipe.save_fp8_activations
+                xq, x_col = codec.quantize_pair(x, recipe, fwd, x_col_now)
                 wq = as_mx_weight(weight, 1)  # the FSDP2 FP8 all-gather delivered it cast
                 if wq is None:
                     wq = codec.quantize_weight(weight, recipe, fwd)
@@ -141,8 +151,10 @@ class _MXLinearFn(torch.autograd.Function):
             if need_wgrad:
                 if olp[2] or not recipe.save_fp8_activations:
                     x_saved = x.to(hp)
-                else:  # x^T cast along M, from the high-precision x, now (not from xq)
+                elif olp[0]:  # the forward GEMM in high precision cast nothing: x^T along M now
                     x_saved = codec.quantize(codec.wgrad_operand(x, recipe), recipe, fwd)
+                else:
+                    x_saved = x_col
         save_operands(ctx, (w_saved, x_saved), cfg=cfg, stats=stats, x_dtype=x.dtype, w_dtype=weight.dtype)
         return out
 
@@ -157,11 +169,14 @@ class _MXLinearFn(torch.autograd.Function):
         grad_x = grad_w = None
         first = None
         with torch_autocast_off(dy.device.type):
+            dyq = dytq = None
+            if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and not (olp[1] or olp[2]) and seeds == (None, None):
+                dyq, dytq = codec.quantize_pair(dy, recipe, bwd, True)  # dY's two casts, one read where it can
             if ctx.needs_input_grad[0]:
                 if olp[1]:
                     grad_x = torch.matmul(dy.to(hp), w_saved.to(hp))
                 else:
-                    dyq = codec.quantize(dy, recipe, bwd, seeds[0])
+                    dyq = dyq if dyq is not None else codec.quantize(dy, recipe, bwd, seeds[0])
                     first = dyq
                     if isinstance(w_saved, SavedWeight):  # the forward's tiles: a function of the weight
                         wtq = codec.transpose_weight(codec.quantize_weight(w_saved.weight, recipe, fwd))
@@ -177,7 +192,8 @@ class _MXLinearFn(torch.autograd.Function):
                 if olp[2]:
                     grad_w = torch.matmul(dy.t().to(hp), x_saved.to(hp))
                 else:
-                    dytq = codec.quantize(codec.wgrad_operand(dy, recipe), recipe, bwd, seeds[1])
+                    if dytq is None:
+                        dytq = codec.quantize(codec.wgrad_operand(dy, recipe), recipe, bwd, seeds[1])
                     xq = (
                         x_saved
                         if isinstance(x_saved, BlockScaledData)
