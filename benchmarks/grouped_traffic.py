@@ -25,10 +25,9 @@ The ideal (the rules of ``benchmarks/traffic.py``'s docstring, per element of x,
 of each high-precision operand per pass that must finish before its cast (current scaling needs
 the amax first: one extra read; delayed scaling and per-block scales none), each FP8 layout a
 GEMM needs written once, amax fused into a pass, the weight gradient written by its GEMM in
-fp32. The five recipes of ``traffic.py`` use its table; ``mxfp8`` (one 32x32 tile gives both
-layouts' scales: one read) and ``nvfp4`` (a per-tensor amax first, then 4-bit values) are added
-here with their block scales' bytes (1 byte per 32 / per 16 elements and layout), which are not
-small beside 4-bit data. Nothing for padding, routing or the combine: those are outside this GEMM.
+fp32. The recipes of ``traffic.py`` use its table (``mxfp8``: one 32x32 tile gives both layouts'
+scales, one read); ``nvfp4`` (a per-tensor amax first, then 4-bit values) is added here with its
+block scales' bytes (1 byte per 16 elements and layout), which are not small beside 4-bit data. Nothing for padding, routing or the combine: those are outside this GEMM.
 
 ``bf16`` is the same GEMMs in bf16 (``torch._grouped_mm``; the fp32 weight cast to bf16 per
 call, its gradient cast back), as ``torch.autocast`` runs transformers' grouped experts.
@@ -65,10 +64,8 @@ SM = {"mxfp8": (10, 0), "nvfp4": (10, 0)}
 TARGET_RATIO = 1.15  # issue 25: traced non-GEMM bytes of the grouped path <= 1.15x its ideal
 
 # bytes per element of (x, W, dY) for the recipes traffic.py does not define (see the docstring)
-_MX_SCALE, _NV_SCALE = 1 / 32, 1 / 16
+_NV_SCALE = 1 / 16
 EXTRA_IDEAL = {
-    # no amax pass; both layouts (values + E8M0 block scales) from one read
-    "mxfp8": (2 + 2 * (1 + _MX_SCALE), 4 + 2 * (1 + _MX_SCALE), 2 + 2 * (1 + _MX_SCALE)),
     # per-tensor amax read, cast read, both layouts (4-bit values + E4M3 block scales)
     "nvfp4": (2 + 2 + 2 * (0.5 + _NV_SCALE), 4 + 4 + 2 * (0.5 + _NV_SCALE), 2 + 2 + 2 * (0.5 + _NV_SCALE)),
 }

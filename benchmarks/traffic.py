@@ -15,6 +15,7 @@ counted (``lowprec.fp8.observe.traffic``). Exact and deterministic on any machin
 * torchao's ``Float8Linear`` (tensorwise, rowwise, rowwise_with_gw_hp), when torchao imports;
 * blockwise traced as sm_89 and sm_100, where torch has no blockwise FP8 GEMM and lowprec's
   Triton one runs (the weight gradient written in float32 by the kernel);
+* mxfp8 traced as sm_100 (``SM``), where torch's block-scaled GEMMs run;
 * ``ideal``: one read of each high-precision operand per pass that must finish before its cast
   (current scaling needs the amax first: one extra read; delayed scaling none), each FP8
   layout a GEMM needs written once, amax fused into a pass, the weight gradient written by its
@@ -46,7 +47,10 @@ from lowprec.fp8.observe.traffic import trace_linear  # noqa: E402
 
 FULL = (16384, 4096, 14336)
 TINY = (256, 128, 384)
-RECIPES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise")
+RECIPES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
+# recipes traced as another GPU than --sm: MXFP8 as sm_100, where torch's block-scaled GEMMs run
+# (elsewhere its GEMMs are emulated in float32)
+SM = {"mxfp8": (10, 0)}
 # issue 9's targets for bytes outside the GEMMs at FULL, on the CUDA default path
 TARGET_GB = {"tensorwise": 2.8, "delayed": 2.0, "rowwise": 3.5, "blockwise": 3.5}
 # H100 SXM, achieved (not peak) rates: the roofline ESTIMATE's inputs
@@ -72,12 +76,14 @@ IDEAL_BYTES_PER_ELEMENT = {
     "rowwise_with_gw_hp": (2 + 1, 4 + 4 + 1 + 1, 2 + 1),
     # 1x128 and 128x1 block scales both come from one 128x128 tile on chip: one read
     "blockwise": (2 + 1 + 1, 4 + 1 + 1, 2 + 1 + 1),
+    # no amax pass: both layouts (values + E8M0 scales, a byte per 32) from one read of a 32x32 tile
+    "mxfp8": (2 + 2 * (1 + 1 / 32), 4 + 2 * (1 + 1 / 32), 2 + 2 * (1 + 1 / 32)),
 }
 
 
 def ideal_bytes(recipe: str, m: int, k: int, n: int) -> int:
     bx, bw, bdy = IDEAL_BYTES_PER_ELEMENT[recipe]
-    return bx * m * k + bw * n * k + bdy * m * n
+    return round(bx * m * k + bw * n * k + bdy * m * n)
 
 
 def _bf16(lin: nn.Linear):
@@ -132,7 +138,7 @@ def trace_variants(m, k, n, recipes, torchao: bool, sm=(9, 0)) -> list[dict]:
         for path, triton in paths:
             row = _row(
                 name if path == "default" else f"{name} [{DISABLE_ENV}=1]",
-                trace_linear(_lowprec(name), m, k, n, sm=sm, triton=triton),
+                trace_linear(_lowprec(name), m, k, n, sm=SM.get(name, sm), triton=triton),
                 m,
                 k,
                 n,
@@ -142,6 +148,8 @@ def trace_variants(m, k, n, recipes, torchao: bool, sm=(9, 0)) -> list[dict]:
                 path="fused Triton casts" if triton else "torch ops",
                 ideal_outside_gemm_bytes=ideal_bytes(name, m, k, n),
             )
+            if name in SM:
+                row.update(traced_as=f"sm_{SM[name][0]}{SM[name][1]}", estimate_note="GEMM FLOPs at the H100 rates")
             if path == "default" and (m, k, n) == FULL and name in TARGET_GB:
                 row["target_gb"] = TARGET_GB[name]
                 row["meets_target"] = row["outside_gemm_gb"] <= TARGET_GB[name]
