@@ -154,6 +154,7 @@ def test_grouped_experts_on_the_triton_gemm_on_cuda(name, monkeypatch):
     pytest.importorskip("triton")
     from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton, grouped_wgrad
 
+    assert grouped_triton.self_check(dev) and grouped_wgrad.self_check(dev)  # before counting launches
     calls, wgrads = [], []
     real, real_wgrad = grouped_triton.mm, grouped_wgrad.mm_into
     monkeypatch.setattr(grouped_gemm, "native_grouped_available", lambda device: False)
