@@ -9,7 +9,7 @@ Issue 25, benchmark item 5 (first part). One grouped GEMM of a 3-D expert weight
 (the rows the target is judged on): ``S / E`` rows per expert (256 at DeepSeek-V3, 512 at
 Qwen3-30B-A3B; multiples of 16, so no group needs padding for the grouped kernels); ``skewed``:
 a deterministic uneven split (:func:`skewed_counts`), groups not multiples of 16. Counted: the output GEMM, grad_input (grouped) and
-grad_weight (per expert), and every op around them (casts, amaxes, packing, the weight
+grad_weight (grouped where its Triton kernel takes the recipe's casts, else per expert), and every op around them (casts, amaxes, packing, the weight
 gradient's assembly). Shapes (the experts' up projection, hidden K -> expert N):
 
 * ``deepseek-v3``: E=256, K=7168, N=2048;

@@ -29,18 +29,20 @@ def sqnr(ref: torch.Tensor, test: torch.Tensor) -> float:
     return float(10 * torch.log10(ref.pow(2).sum() / noise.clamp_min(1e-300)))
 
 
-def assert_within_gemm_bound(got, ref, a, b, *, output_roundings: int) -> None:
+def assert_within_gemm_bound(got, ref, a, b, *, output_roundings: int, scale_roundings: int = 0) -> None:
     """``got`` and ``ref`` are two kernels' results for ``dequant(a) @ dequant(b)``.
 
     The documented bound (lowprec/fp8/gemm/cpu.py): the same exact products summed in another
     order (at most ``K * eps32 * (|A| @ |B|)``), plus ``output_roundings`` roundings of the
-    output to bf16 (each at most one bf16 ulp, ``2**-7`` relative) on top of the reference's.
-    Computed in float64 from the operands, so it holds on any CPU's summation order.
+    output to bf16 (each at most one bf16 ulp, ``2**-7`` relative) on top of the reference's,
+    plus ``scale_roundings`` float32 roundings where the two apply scales that are not powers of
+    two in different places (the dequantized operands against a scale epilogue: each ``eps32 *
+    (|A| @ |B|)``). Computed in float64 from the operands, so it holds on any CPU's summation order.
     """
     da, db = a.dequantize().double(), b.dequantize().double()
     k = da.shape[1]
     magnitude = da.abs() @ db.abs()
-    bound = k * torch.finfo(torch.float32).eps * magnitude
+    bound = (k + scale_roundings) * torch.finfo(torch.float32).eps * magnitude
     if output_roundings or got.dtype == torch.bfloat16 or ref.dtype == torch.bfloat16:
         bound = bound + (output_roundings + 1) * 2.0**-7 * ref.double().abs()
     err = (got.double() - ref.double()).abs()

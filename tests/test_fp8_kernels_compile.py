@@ -81,14 +81,14 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def compiled():
     """Every kernel compiled in one subprocess (triton imported once): ``(cast rows, blockwise rows,
-    grouped GEMM rows: tensor/axis and block scales)``."""
+    grouped GEMM rows: tensor/axis and block scales, grouped weight-gradient rows)``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TRITON_DEFAULT_FP_FUSION="1")
     env.pop("TRITON_INTERPRET", None)
-    script = SCRIPT + "\n" + BLOCK_SCRIPT + "\n" + GROUPED_SCRIPT
+    script = SCRIPT + "\n" + BLOCK_SCRIPT + "\n" + GROUPED_SCRIPT + "\n" + WGRAD_SCRIPT
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
-    return json.loads(lines[-3]), json.loads(lines[-2]), json.loads(lines[-1])
+    return tuple(json.loads(line) for line in lines[-4:])
 
 
 def test_kernels_compile_for_hopper(compiled):
@@ -250,3 +250,44 @@ def test_grouped_gemm_compiles_for_ada_hopper_and_blackwell(compiled, block):
         fp8 = "e4m3" if r["a_e4m3"] else "e5m2"
         if r["cc"] != 100:  # tcgen05's kind::f8f6f4 names no operand format; the others do
             assert all(fp8 in m for m in r["mma"]), r  # FP8 operands, not upcast
+
+
+WGRAD_SCRIPT = r"""
+from lowprec.fp8.kernels.gemm_ops import WGRAD_TILE
+from lowprec.fp8.kernels.triton_grouped_wgrad import grouped_wgrad_kernel
+
+GW = {"dy_table_ptr": "*i64", "x_table_ptr": "*i64", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "c_ptr": "*fp32",
+      "N": "i32", "K": "i32", "TILES_N": "i32", "TILES_K": "i32", "stride_sae": "i32", "stride_san": "i32",
+      "stride_sbe": "i32", "stride_sbk": "i32", "stride_ce": "i32", "stride_cn": "i32", "stride_ck": "i32"}
+names = list(GW)
+bm, bn, bk, warps, stages, gm = WGRAD_TILE["default"]
+out = []
+# the grouped weight gradient on every FP8 tensor-core generation: tensorwise's E5M2 dY and rowwise's E4M3,
+# both operands as the fused casts write them on CUDA (token stride 1); on Hopper also row-major groups
+modes = [(89, False, True), (89, True, True), (90, False, True), (90, True, True), (90, True, False),
+         (100, False, True), (100, True, True)]
+for cc, a_e4m3, unit in modes:
+    const = dict(A_E4M3=a_e4m3, B_E4M3=True, DY_TOKEN_UNIT=unit, X_TOKEN_UNIT=unit, SOFT_FP8=False, BLOCK_M=bm,
+                 BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, stride_ck=1)
+    aligned = [names.index(x) for x in ("dy_table_ptr", "x_table_ptr", "sa_ptr", "sb_ptr", "c_ptr", "N", "K",
+                                        "stride_ce", "stride_cn")]
+    k = build(grouped_wgrad_kernel, GW, const, aligned, cc, warps, stages)
+    ptx = k.asm["ptx"]
+    out.append(dict(cc=cc, a_e4m3=a_e4m3, unit=unit, cubin=len(k.asm["cubin"]), shared=k.metadata.shared,
+                    spills=".local" in ptx, mma=sorted(set(re.findall(r"(?:mma\.sync|wgmma\.mma_async|tcgen05\.mma)\S*", ptx)))))
+print(json.dumps(out))
+"""
+
+
+def test_grouped_wgrad_compiles_for_ada_hopper_and_blackwell(compiled):
+    """The grouped weight gradient (one launch for all experts, group addresses from a table) to
+    sm_89/sm_90/sm_100 cubins on FP8 tensor-core instructions with E5M2 (tensorwise's dY) and E4M3
+    A, operands contiguous along the tokens or not, within shared memory and without spills."""
+    rows = compiled[3]
+    assert sorted({r["cc"] for r in rows}) == [89, 90, 100] and len(rows) == 7
+    for r in rows:
+        assert r["cubin"] > 0 and not r["spills"], r
+        assert r["shared"] <= SHARED_LIMIT[r["cc"]], r
+        assert any(GROUPED_MMA[r["cc"]] in m for m in r["mma"]), r
+        if r["cc"] != 100:  # tcgen05's kind::f8f6f4 names no operand format
+            assert all(("e4m3" if r["a_e4m3"] else "e5m2") in m for m in r["mma"]), r  # FP8, not upcast

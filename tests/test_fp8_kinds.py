@@ -32,6 +32,7 @@ GRANULARITY_LAYER = {
     "fp8/gemm/block_triton.py",
     "fp8/gemm/grouped_triton.py",
     "fp8/gemm/grouped_block_triton.py",
+    "fp8/gemm/grouped_wgrad.py",
     "fp8/modules/cast_state.py",
     "fp8/modules/gathered.py",
     "fp8/kinds/plan.py",

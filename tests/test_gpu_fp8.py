@@ -148,17 +148,51 @@ def test_triton_grouped_gemm_matches_the_loop_on_cuda(gran, gemm):
 @pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
 def test_grouped_experts_on_the_triton_gemm_on_cuda(name, monkeypatch):
     """The grouped kinds with torch's grouped kernel hidden (as on Ada): output and grad_input
-    of all experts on the Triton kernel, fwd+bwd against the per-expert emulation."""
+    of all experts on the Triton kernel, grad_weight on the Triton grouped weight gradient,
+    fwd+bwd against the per-expert emulation."""
     dev = _fp8_gpu()
     pytest.importorskip("triton")
-    from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton
+    from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton, grouped_wgrad
 
-    calls = []
-    real = grouped_triton.mm
+    assert grouped_triton.self_check(dev) and grouped_wgrad.self_check(dev)  # before counting launches
+    calls, wgrads = [], []
+    real, real_wgrad = grouped_triton.mm, grouped_wgrad.mm_into
     monkeypatch.setattr(grouped_gemm, "native_grouped_available", lambda device: False)
     monkeypatch.setattr(grouped_triton, "mm", lambda a, b, out, *packed: calls.append(out) or real(a, b, out, *packed))
+    monkeypatch.setattr(grouped_wgrad, "mm_into", lambda *a: wgrads.append(1) or real_wgrad(*a))
     _grouped_fwd_bwd_against_the_emulation(name, dev)
-    assert len(calls) == 2  # output and grad_input; emulate: the per-expert loop
+    assert len(calls) == 2 and wgrads == [1]  # output, grad_input, grad_weight; emulate: the per-expert loop
+
+
+# --- lowprec's Triton grouped weight gradient (fp8/gemm/grouped_wgrad.py) on hardware ----------------
+@pytest.mark.parametrize("gran,dy_dtype", [("tensor", torch.float8_e5m2), ("axis", torch.float8_e4m3fn)])
+def test_triton_grouped_wgrad_matches_the_loop_on_cuda(gran, dy_dtype):
+    """Every expert's weight gradient in one launch (ragged groups over the 64-row steps, empty
+    experts, the fused casts' transposed layouts) against one torch._scaled_mm per expert into
+    its float32 slice (the loop grouped_fn runs without it) and the float32 emulation: within the
+    self-check's bound (2**-7 max |ref|) and > 40 dB; an empty expert's gradient is zeros."""
+    dev = _fp8_gpu()
+    pytest.importorskip("triton")
+    from lowprec.fp8.gemm import grouped_wgrad
+
+    assert grouped_wgrad.self_check(dev)
+    torch.manual_seed(0)
+    counts, n, k = (300, 0, 77, 1, 512, 129, 0), 768, 1024
+    dy = [fp8.quantize(torch.randn(c, n, device=dev), dy_dtype, gran, dim=0) if c else None for c in counts]
+    x = [
+        fp8.quantize(torch.randn(c, k, device=dev) * 3, torch.float8_e4m3fn, gran, dim=0) if c else None for c in counts
+    ]
+    assert grouped_wgrad.supported(dy, x)
+    got = torch.full((len(counts), n, k), float("nan"), device=dev)
+    grouped_wgrad.mm_into(dy, x, got)
+    loop = torch.zeros_like(got)
+    for e, (d, g) in enumerate(zip(dy, x)):
+        if d is not None:
+            loop[e] = fp8.scaled_mm(d.t(), g, torch.float32)
+    emulated = grouped_wgrad.loop_reference(dy, x, n, k)
+    assert not got.isnan().any() and torch.equal(got[1], torch.zeros(n, k, device=dev))
+    assert (got - loop).abs().max() <= 2.0**-7 * loop.abs().max()
+    assert sqnr(emulated, got) > 40 and sqnr(loop, got) > 40
 
 
 def _grouped_fwd_bwd_against_the_emulation(name, dev):

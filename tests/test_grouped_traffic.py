@@ -28,7 +28,9 @@ ROWS = bench.TOKENS * bench.TOP_K
 BUDGET = {
     "tensorwise": (bench.TARGET_RATIO, bench.TARGET_RATIO),
     "delayed": (2.35, 2.25),
-    "rowwise": (2.4, 2.15),
+    # grad_weight of all experts in one Triton launch writing float32 in place (1.77 / 1.67; before
+    # it, one _scaled_mm per expert writing bf16, copied into the float32 gradient: 2.32 / 2.06)
+    "rowwise": (1.8, 1.7),
     "rowwise_with_gw_hp": (3.0, 2.9),
     # blockwise traced as sm_90: each expert on torch's blockwise GEMM, as the dense layer runs it
     # (3.81 / 3.26). The Triton blockwise grouped GEMM (sm_89 / sm_100, or sm_90 without torch's
@@ -51,6 +53,9 @@ def test_grouped_bytes_outside_the_gemms_within_budget(recipe, shape):
     ratio = c.outside_gemm_bytes() / ideal
     assert 0.85 <= ratio <= BUDGET[recipe][list(bench.SHAPES).index(shape)], (round(ratio, 3), c.by_op())
     # every GEMM in FP8 (mxfp8 traced as sm_100, where torch's block-scaled GEMM runs)
+    if recipe in ("tensorwise", "rowwise"):  # the weight gradient written by its one GEMM, never copied
+        assert "aten.copy_" not in c.by_op(), c.by_op()
+        assert "lowprec.grouped_wgrad_scaled_mm" in {g.name for g in c.gemms()}
     dtypes = {g.operand_dtype for g in c.gemms()}
     if recipe == "rowwise_with_gw_hp":  # its weight-gradient GEMMs are bf16 by definition
         dtypes -= {"bfloat16"}
@@ -58,11 +63,12 @@ def test_grouped_bytes_outside_the_gemms_within_budget(recipe, shape):
 
 
 @needs_triton
-@pytest.mark.parametrize("shape, budget", [("deepseek-v3", 1.05), ("qwen3-30b-a3b", 1.4)])
+@pytest.mark.parametrize("shape, budget", [("deepseek-v3", 0.98), ("qwen3-30b-a3b", 1.16)])
 def test_tensorwise_with_uneven_groups(shape, budget):
     """Groups that are not multiples of 16 rows (``skewed_counts``): torch's grouped kernel gets
-    padded groups (a copy of A, the output's real rows gathered) and each grad_weight GEMM pads
-    its token dim (copies of its two FP8 operands); the weight gradient is still written in place."""
+    padded groups (a copy of A, the output's real rows gathered); grad_weight's one Triton launch
+    masks each group's last row step (nothing padded: 0.96 / 1.13, from 1.01 / 1.34 when each
+    expert's GEMM padded its token dim) and writes the weight gradient in place."""
     experts, k, n = bench.SHAPES[shape]
     c = bench.trace_recipe("tensorwise", experts, k, n, ROWS, routing="skewed")
     ratio = c.outside_gemm_bytes() / bench.ideal_bytes("tensorwise", experts, ROWS, k, n)

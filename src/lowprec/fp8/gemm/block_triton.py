@@ -18,19 +18,17 @@ torch's kernel.
 
 from __future__ import annotations
 
-import logging
 
 import torch
 
 from lowprec.fp8.gemm.capability import cuda_capability, is_cuda
 from lowprec.fp8.cast.quantize import Float8Data, dequantize
 from lowprec.fp8.gemm import block as block_gemm
-from lowprec.fp8.kernels.select import checked_once, emulation_gap, triton_allowed
+from lowprec.fp8.kernels.select import checked_once, emulation_gap, self_check_verdict, triton_allowed
 from lowprec.fp8.cast.quantize import quantize_blockwise
 
 __all__ = ["supported", "runs", "mm", "self_check", "describe_cuda", "KERNEL"]
 
-logger = logging.getLogger("lowprec.fp8")
 
 KERNEL = "lowprec Triton blockwise FP8 GEMM"
 _CHECKED: dict[int | None, bool] = {}
@@ -102,8 +100,7 @@ def self_check(device: torch.device) -> bool:
 
 
 def _check(device: torch.device) -> bool:
-    why = ""
-    try:
+    def cases() -> str:
         gen = torch.Generator(device="cpu").manual_seed(0)
         x, w, g = (torch.randn(s, generator=gen).to(device) for s in ((96, 256), (160, 256), (96, 160)))
         a = quantize_blockwise(x, torch.float8_e4m3fn, (1, 128))
@@ -115,15 +112,9 @@ def _check(device: torch.device) -> bool:
             ),
         ]
         for qa, qb in pairs:
-            got = mm(qa, qb, torch.float32)
-            gap = emulation_gap(got, dequantize(qa) @ dequantize(qb))
+            gap = emulation_gap(mm(qa, qb, torch.float32), dequantize(qa) @ dequantize(qb))
             if gap:
-                why = f"{gap} ({qa.block} x {qb.block})"
-                break
-    except Exception as exc:  # noqa: BLE001 - any failure means: emulate on this device
-        why = f"{type(exc).__name__}: {exc}"[:200]
-    if why:
-        logger.warning(
-            "lowprec.fp8: blockwise FP8 GEMMs on %s are emulated: the %s failed its self-check: %s", device, KERNEL, why
-        )
-    return not why
+                return f"{gap} ({qa.block} x {qb.block})"
+        return ""
+
+    return self_check_verdict(device, KERNEL, "blockwise FP8 GEMMs", "are emulated", cases)

@@ -42,6 +42,14 @@ Paths
 ``loop``  one :func:`~lowprec.fp8.gemm.dispatch.scaled_mm` per expert holding tokens: every device and
     granularity, the dense Linear's GEMM path (on CPU the exact bf16 upcast).
 
+These are the 2-D x 3-D GEMMs (the output, grad_input). grad_weight, each expert's ``dY_e^T @
+x_e`` contracting over its own tokens, has its own: where the one-call path runs, the tensorwise
+and rowwise casts take lowprec's Triton grouped weight gradient
+(:mod:`lowprec.fp8.gemm.grouped_wgrad`: one launch for all experts, float32 written in place,
+self-checked at first use, **not yet run on a GPU**); the blockwise casts, a failed check and
+every other device run one ``scaled_mm`` per expert (torch's row-scaled ``_scaled_mm`` writes bf16
+there, copied into the float32 gradient). The choice is logged once per device.
+
 The choice is made per call (:func:`route`) in that order, and logged once per device and
 choice: which kernel runs the grouped GEMMs, and why the faster one did not.
 

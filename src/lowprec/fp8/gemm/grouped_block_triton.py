@@ -28,18 +28,16 @@ next GPU run; its cubins for sm_89/sm_90/sm_100 are compiled in CI
 
 from __future__ import annotations
 
-import logging
 from typing import Optional, Sequence
 
 import torch
 
 from lowprec.fp8.cast.quantize import Float8Data, quantize_blockwise
 from lowprec.fp8.gemm import grouped_triton
-from lowprec.fp8.kernels.select import checked_once, emulation_gap
+from lowprec.fp8.kernels.select import checked_once, emulation_gap, self_check_verdict
 
 __all__ = ["KERNEL", "supported", "may_run", "ready", "mm", "pack", "self_check", "probe"]
 
-logger = logging.getLogger("lowprec.fp8")
 
 KERNEL = "lowprec Triton blockwise grouped FP8 GEMM"
 _CHECKED: dict[int | None, bool] = {}
@@ -135,23 +133,12 @@ def probe(device: torch.device, gemm: str, dy: bool = False, block: int = 128):
 
 
 def _check(device: torch.device) -> bool:
-    why = ""
-    try:
+    def cases() -> str:
         for gemm, dy in (("output", False), ("grad_input", True)):
             groups, experts = probe(device, gemm, dy)
-            got = mm(groups, experts, torch.float32)
-            gap = emulation_gap(got, grouped_triton.loop_reference(groups, experts))
+            gap = emulation_gap(mm(groups, experts, torch.float32), grouped_triton.loop_reference(groups, experts))
             if gap:
-                why = f"{gap} ({gemm})"
-                break
-    except Exception as exc:  # noqa: BLE001 - any failure means: the per-expert loop on this device
-        why = f"{type(exc).__name__}: {exc}"[:200]
-    if why:
-        logger.warning(
-            "lowprec.fp8: blockwise grouped expert GEMMs on %s run one GEMM per expert: the %s failed its "
-            "self-check: %s",
-            device,
-            KERNEL,
-            why,
-        )
-    return not why
+                return f"{gap} ({gemm})"
+        return ""
+
+    return self_check_verdict(device, KERNEL, "blockwise grouped expert GEMMs", "run one GEMM per expert", cases)

@@ -29,13 +29,12 @@ with the loop on the next GPU run; its cubins for sm_89/sm_90/sm_100 are compile
 
 from __future__ import annotations
 
-import logging
 from typing import Optional, Sequence
 
 import torch
 
 from lowprec.fp8.gemm.capability import cuda_capability, is_cuda
-from lowprec.fp8.kernels.select import checked_once, emulation_gap, triton_allowed
+from lowprec.fp8.kernels.select import checked_once, emulation_gap, self_check_verdict, triton_allowed
 from lowprec.fp8.cast.quantize import Float8Data, quantize
 
 __all__ = [
@@ -53,7 +52,6 @@ __all__ = [
     "stack_experts",
 ]
 
-logger = logging.getLogger("lowprec.fp8")
 
 KERNEL = "lowprec Triton grouped FP8 GEMM"
 _CHECKED: dict[int | None, bool] = {}
@@ -196,23 +194,13 @@ def loop_reference(a: Sequence[Optional[Float8Data]], b: Sequence[Float8Data]) -
 
 
 def _check(device: torch.device) -> bool:
-    why = ""
-    try:
+    def cases() -> str:
         for row_scales, dy in ((False, False), (True, False), (False, True)):
             groups, experts = probe(device, row_scales, dy)
-            got = mm(groups, experts, torch.float32)
-            gap = emulation_gap(got, loop_reference(groups, experts))
+            gap = emulation_gap(mm(groups, experts, torch.float32), loop_reference(groups, experts))
             if gap:
                 kind = "row/column" if row_scales else "per-tensor"
-                why = f"{gap} ({kind} scales{', E5M2 A' if dy else ''})"
-                break
-    except Exception as exc:  # noqa: BLE001 - any failure means: the per-expert loop on this device
-        why = f"{type(exc).__name__}: {exc}"[:200]
-    if why:
-        logger.warning(
-            "lowprec.fp8: grouped expert GEMMs on %s run one scaled GEMM per expert: the %s failed its self-check: %s",
-            device,
-            KERNEL,
-            why,
-        )
-    return not why
+                return f"{gap} ({kind} scales{', E5M2 A' if dy else ''})"
+        return ""
+
+    return self_check_verdict(device, KERNEL, "grouped expert GEMMs", "run one scaled GEMM per expert", cases)

@@ -1,5 +1,5 @@
-"""``torch.library`` operators around the Triton GEMM kernels: the blockwise-scaled GEMM and the
-grouped (mixture-of-experts) GEMM (imports triton: load lazily).
+"""``torch.library`` operators around the Triton GEMM kernels: the blockwise-scaled GEMM, the
+grouped (mixture-of-experts) GEMM and the grouped weight gradient (imports triton: load lazily).
 
 The operator wrapper, the launch guard under a fake implementation and the interpreter switch are
 :mod:`.ops`'s, shared with the cast operators.
@@ -13,14 +13,17 @@ import triton
 from lowprec.fp8.kernels.ops import _kernel, _operator, _skip, interpreting
 from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
 from lowprec.fp8.kernels.triton_grouped_gemm import grouped_scaled_mm_kernel
+from lowprec.fp8.kernels.triton_grouped_wgrad import TABLE_COLUMNS, grouped_wgrad_kernel
 
 __all__ = [
     "block_scaled_mm",
     "grouped_block_scaled_mm",
     "grouped_scaled_mm",
     "grouped_tile",
+    "grouped_wgrad_scaled_mm",
     "GEMM_TILE",
     "GROUPED_TILE",
+    "WGRAD_TILE",
 ]
 
 # blockwise GEMM: (BLOCK_M, BLOCK_N, num_warps, num_stages, GROUP_M); BLOCK_K is the scale block.
@@ -221,3 +224,77 @@ def grouped_block_scaled_mm(
     sa, sb = a_inv_scale, b_inv_scale
     strides = (sa.stride(0), 0, sa.stride(1), sb.stride(0), sb.stride(1), sb.stride(2))
     return _grouped_launch("grouped_block_scaled_mm", a, b, (sa, sb, offs), tiles_m, out_dtype, strides, block)
+
+
+# The grouped weight gradient's tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_M), a
+# 128 x 128 output tile (W's N x K) per program and 64 token rows per contraction step (a group's
+# rows are often a few hundred).
+# Three stages of 128x64 + 64x128 FP8 tiles are 48 KiB of shared memory: sm_89 takes them too.
+WGRAD_TILE = {"default": (128, 128, 64, 8, 3, 8), "interpreter": (32, 32, 16, 4, 1, 2)}
+
+
+def _group_table(groups: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, bool]:
+    """``(table, token_unit)``: each group's ``(address, rows, token stride, feature stride)``,
+    int64 (E, 4) on ``device``, and whether every group's token stride is 1 (empty groups: address
+    0, no rows). Read on the host from the tensors' metadata: no device value is read."""
+    rows = []
+    for g in groups:
+        rows += [g.data_ptr() if g.numel() else 0, g.shape[0], g.stride(0), g.stride(1)]
+    unit = all(g.stride(0) == 1 for g in groups if g.shape[0] > 1)
+    table = torch.tensor(rows, dtype=torch.int64).view(len(groups), TABLE_COLUMNS)
+    # from pinned memory, not waiting: a copy from pageable memory would wait for the stream
+    pinned = device.type == "cuda"
+    return (table.pin_memory().to(device, non_blocking=True) if pinned else table.to(device)), unit
+
+
+@_operator("lowprec::grouped_wgrad_scaled_mm", ("out",), opaque=True)  # reads the groups' addresses
+def grouped_wgrad_scaled_mm(
+    dy: list[torch.Tensor],
+    x: list[torch.Tensor],
+    dy_inv_scale: torch.Tensor,
+    x_inv_scale: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Every expert's weight gradient ``out[e] = dequant(dy[e])^T @ dequant(x[e])`` written into
+    ``out`` (E, N, K) float32 in one launch (see :mod:`.triton_grouped_wgrad`): FP8 ``dy[e]``
+    (c_e, N) and ``x[e]`` (c_e, K), any strides, c_e >= 0 (an empty expert's slice gets zeros);
+    dequantization scales ``dy_inv_scale`` (E, N) per column or (E,) per group, ``x_inv_scale``
+    (E, K) or (E,). One FP8 dtype across ``dy`` and one across ``x``; float32 accumulation."""
+    if len(dy) != len(x) or out.dim() != 3 or out.shape[0] != len(dy):
+        raise ValueError(
+            f"grouped_wgrad_scaled_mm needs E groups of dY and x and out (E, N, K), got {len(dy)}, "
+            f"{len(x)} and {tuple(out.shape)}"
+        )
+    e, n, k = out.shape
+    if any(d.shape[0] != g.shape[0] or d.shape[1] != n or g.shape[1] != k for d, g in zip(dy, x)):
+        raise ValueError(f"grouped_wgrad_scaled_mm: each dy[e] (c_e, {n}) and x[e] (c_e, {k}) share their rows")
+    if out.dtype != torch.float32:
+        raise TypeError(f"grouped_wgrad_scaled_mm writes float32, got {out.dtype}")
+    if _skip(out) or e == 0:
+        return
+    dy_table, dy_unit = _group_table(dy, out.device)
+    x_table, x_unit = _group_table(x, out.device)
+    bm, bn, bk, warps, stages, group_m = WGRAD_TILE["interpreter" if interpreting() else "default"]
+    tiles_n, tiles_k = triton.cdiv(n, bm), triton.cdiv(k, bn)  # W's N and K
+    sa, sb = dy_inv_scale, x_inv_scale
+    grouped_wgrad_kernel[(e * tiles_n * tiles_k,)](  # opaque: its own launch, never wrap_triton
+        dy_table,
+        x_table,
+        sa,
+        sb,
+        out,
+        n,
+        k,
+        tiles_n,
+        tiles_k,
+        sa.stride(0),
+        sa.stride(1) if sa.dim() == 2 else 0,
+        sb.stride(0),
+        sb.stride(1) if sb.dim() == 2 else 0,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        DY_TOKEN_UNIT=dy_unit,
+        X_TOKEN_UNIT=x_unit,
+        **_gemm_launch(dy[0], x[0], (bm, bn, bk, warps, stages, group_m)),  # GEMM (N, K) += (N, c) @ (c, K)
+    )

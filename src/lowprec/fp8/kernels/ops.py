@@ -85,12 +85,14 @@ def _kernel(k):
     return wrap_triton(k) if TRACED else k
 
 
-def _operator(name: str, mutates_args) -> Callable:
+def _operator(name: str, mutates_args, opaque: bool = False) -> Callable:
     """``triton_op`` (traced form) or an opaque ``custom_op`` whose fake runs the same body
-    without launching (outputs get their shapes, dtypes and strides from the body)."""
+    without launching (outputs get their shapes, dtypes and strides from the body). ``opaque``:
+    a custom op in the traced form too (a body that reads its tensors' addresses, which a trace's
+    fake tensors have none of)."""
 
     def wrap(fn: Callable):
-        if TRACED:
+        if TRACED and not opaque:
             return triton_op(name, mutates_args=mutates_args)(fn)
         op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
 

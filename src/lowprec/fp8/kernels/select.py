@@ -18,6 +18,7 @@ would do as well, but applying it imports torch._dynamo, which imports triton.)
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Callable
 
@@ -34,7 +35,10 @@ __all__ = [
     "enabled_by_env",
     "triton_allowed",
     "checked_once",
+    "self_check_verdict",
 ]
+
+logger = logging.getLogger("lowprec.fp8")
 
 DISABLE_ENV = "LOWPREC_DISABLE_TRITON"
 ENABLE_ENV = "LOWPREC_TRITON_KERNELS"
@@ -80,6 +84,20 @@ def checked_once(results: dict, device: torch.device, check: Callable[[torch.dev
     if device.index not in results:
         results[device.index] = check(device)
     return results[device.index]
+
+
+def self_check_verdict(device: torch.device, kernel: str, what: str, instead: str, cases: Callable[[], str]) -> bool:
+    """A Triton GEMM's first-use self-check: ``cases()`` runs its problems on ``device`` and returns
+    ``""`` or what differed; an exception fails it too. A failure is logged once, with what runs
+    instead (``"{what} on {device} {instead}"``, e.g. "grouped expert GEMMs on cuda:0 run one
+    scaled GEMM per expert")."""
+    try:
+        why = cases()
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use the kernel on this device
+        why = f"{type(exc).__name__}: {exc}"[:200]
+    if why:
+        logger.warning("lowprec.fp8: %s on %s %s: the %s failed its self-check: %s", what, device, instead, kernel, why)
+    return not why
 
 
 def emulation_gap(got: torch.Tensor, ref: torch.Tensor) -> str:

@@ -15,9 +15,13 @@ grad_input      dY_e cast along N, W_e cast along N          one grouped call: t
                                                              one for tensorwise's E5M2 dY (torch's
                                                              takes E4M3 only); per expert where
                                                              neither runs
-grad_weight     dY_e^T and x_e cast along the group's rows   per expert holding tokens, float32
-                                                             output as the Linear's (the grouped
-                                                             2-D x 2-D kernel writes bf16)
+grad_weight     dY_e^T and x_e cast along the group's rows   one Triton launch for all experts
+                                                             (``gemm/grouped_wgrad.py``: tensor or
+                                                             column scales, E4M3/E5M2), float32
+                                                             written in place, as the Linear's;
+                                                             per expert holding tokens where it
+                                                             does not run (blockwise, CPU, its
+                                                             check failed). Not yet run on a GPU
 ==============  ===========================================  ===================================
 
 Backward keeps what the Linear keeps: x_e cast for grad_weight (1 byte per element) and, for
@@ -29,8 +33,9 @@ the Linear's own function.
 Where the fused casts run (CUDA) the per-tensor recipe writes each operand's casts into one
 buffer (``_packs``: x's groups (S, K), the experts' weights (E, N, K), dY's groups (S, N), each
 with its own scale as above), so the grouped GEMMs read them where they were written, with no
-concatenation or stack between; each grad_weight GEMM writes its expert's slice of the
-gradient. The values are those of the per-group casts bit for bit (the same amax, scale and
+concatenation or stack between; grad_weight reads each group's transposed copies where they were
+written (a table of addresses) and writes the whole gradient (the per-expert loop: each GEMM its
+expert's slice). The values are those of the per-group casts bit for bit (the same amax, scale and
 kernel). Bytes moved around these GEMMs: ``benchmarks/grouped_traffic.py``.
 """
 
@@ -42,7 +47,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from lowprec.fp8 import kernels
-from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton
+from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton, grouped_wgrad
 from lowprec.fp8.modules.autocast import torch_autocast_off
 from lowprec.fp8.gemm.dispatch import scaled_mm
 from lowprec.fp8.gemm.grouped import grouped_mm
@@ -254,14 +259,16 @@ class GroupedScaledFn(torch.autograd.Function):
                     packed_a=dy_packed,
                     packed_b=w_packed,
                 ).to(ctx.x_dtype)
-            if need_wgrad:  # per expert holding tokens, float32 as the Linear's; zero elsewhere
-                # each GEMM writes its expert's slice where torch's kernel can (else a copy into it)
+            if need_wgrad:  # float32 as the Linear's: one Triton launch for all experts where it runs
                 grad_w = torch.empty(ctx.w_shape, dtype=torch.float32, device=dy.device)
-                for e, (d, xs) in enumerate(zip(dy_col, x_saved)):
-                    if d is not None and xs is not None:
-                        scaled_mm(d.t(), xs, torch.float32, path=recipe.gemm, out=grad_w[e])
-                    else:
-                        grad_w[e].zero_()
+                if not (cfg.single_call and grouped_wgrad.run_into(dy_col, x_saved, grad_w, dy.device)):
+                    # per expert holding tokens, zero elsewhere; each GEMM writes its expert's slice
+                    # where torch's kernel can (else a copy into it)
+                    for e, (d, xs) in enumerate(zip(dy_col, x_saved)):
+                        if d is not None and xs is not None:
+                            scaled_mm(d.t(), xs, torch.float32, path=recipe.gemm, out=grad_w[e])
+                        else:
+                            grad_w[e].zero_()
                 grad_w = grad_w.to(ctx.w_dtype)
         return grad_x, grad_w, None
 
@@ -318,6 +325,8 @@ class SingleCallGrouped(base.Kind):
         eligible = self._grouped_eligible(recipe, False)
         triton = eligible and grouped_triton.may_run(device)  # no kernel runs for a note
         rest = f"grad_weight per expert: {self.gemm_note(recipe, device)}"
+        if eligible and grouped_wgrad.may_run(device) and grouped_wgrad.takes_granularities(plan.wgrad.casts):
+            rest = f"grad_weight of all experts in one launch of the {grouped_wgrad.KERNEL} (self-checked at first use)"
         if eligible and grouped_gemm.native_grouped_available(device):
             e4m3 = all(o.dtype == torch.float8_e4m3fn for o in plan.dgrad.casts)  # else E5M2 dY
             dgrad = (

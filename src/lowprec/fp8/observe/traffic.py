@@ -23,7 +23,8 @@ Rules (one each):
   scalars and returns unless delayed scaling's amax history was empty, as on the first step).
 
 GEMMs (``mm``, ``addmm``, ``bmm``, ``_scaled_mm``, ..., and lowprec's Triton GEMMs
-``lowprec.block_scaled_mm``, ``lowprec.grouped_scaled_mm`` and ``lowprec.grouped_block_scaled_mm``) are recorded with their FLOPs and kept
+``lowprec.block_scaled_mm``, ``lowprec.grouped_scaled_mm``, ``lowprec.grouped_block_scaled_mm`` and
+``lowprec.grouped_wgrad_scaled_mm``) are recorded with their FLOPs and kept
 apart: the question the counts answer is how many bytes move *outside* the GEMMs.
 """
 
@@ -51,7 +52,14 @@ __all__ = [
 
 GEMM_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_mm_v2", "_scaled_grouped_mm"})
 # lowprec's own GEMM kernels (custom ops): (M, K) x (K, N) in their first two arguments
-CUSTOM_GEMM_OPS = frozenset({"lowprec.block_scaled_mm", "lowprec.grouped_scaled_mm", "lowprec.grouped_block_scaled_mm"})
+CUSTOM_GEMM_OPS = frozenset(
+    {
+        "lowprec.block_scaled_mm",
+        "lowprec.grouped_scaled_mm",
+        "lowprec.grouped_block_scaled_mm",
+        "lowprec.grouped_wgrad_scaled_mm",  # its first two arguments: the groups of dY (c, N) and x (c, K)
+    }
+)
 _FREE = frozenset(
     {
         "_unsafe_view",
@@ -101,6 +109,10 @@ class OpRecord:
 
 def _gemm_flops(name: str, args) -> tuple[int, str]:
     a, b = (args[1], args[2]) if name in ("addmm", "baddbmm") else (args[0], args[1])
+    if isinstance(a, (list, tuple)):  # grouped weight gradient: dY_e^T (N, c_e) @ x_e (c_e, K) per group
+        return sum(2 * d.shape[0] * d.shape[1] * g.shape[1] for d, g in zip(a, b)), str(a[0].dtype).replace(
+            "torch.", ""
+        )
     if a.dim() == 3:  # bmm: (B, M, K) x (B, K, N)
         return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2], str(a.dtype).replace("torch.", "")
     return 2 * a.shape[0] * a.shape[1] * b.shape[-1], str(a.dtype).replace("torch.", "")
