@@ -114,7 +114,7 @@ def test_benchmark_tiny_writes_its_json(tmp_path):
 @needs_triton
 def test_a_custom_op_writing_an_argument_and_returning_a_tensor_counts_both():
     """``lowprec.cast_into`` writes its ``out`` argument (a slice of a buffer) and returns the
-    transposed copy: both are written bytes, the input and the scale read ones."""
+    transposed copy and the amax: all written bytes, the input and the scale read ones."""
     import lowprec.fp8 as fp8
     from lowprec.fp8 import kernels
     from lowprec.fp8.observe.traffic import ByteCounter
@@ -124,7 +124,7 @@ def test_a_custom_op_writing_an_argument_and_returning_a_tensor_counts_both():
         buf = torch.empty(100, 32, device="meta", dtype=torch.float8_e4m3fn)
         scale = torch.empty((), device="meta")
         with ByteCounter() as c:
-            qt = kernels.cast_into(x, scale, torch.float8_e4m3fn, buf[10:74], True)
-    assert qt is not None and qt.shape == (32, 64)
+            qt, amax = kernels.cast_into(x, scale, torch.float8_e4m3fn, buf[10:74], True)
+    assert qt is not None and qt.shape == (32, 64) and amax.shape == ()
     (rec,) = c.records
-    assert rec.name == "lowprec.cast_into" and (rec.read, rec.written) == (64 * 32 * 2 + 4, 2 * 64 * 32)
+    assert rec.name == "lowprec.cast_into" and (rec.read, rec.written) == (64 * 32 * 2 + 4, 2 * 64 * 32 + 4)

@@ -124,7 +124,7 @@ def _cast_into(
             continue
         scale = amax_to_scale(kernels.amax(t), spec.dtype, margin=recipe.margin, power_of_2=pow2)
         rows = buf[start : start + t.shape[0]]
-        qt = kernels.cast_into(t, scale, spec.dtype, rows, transpose)
+        qt, _ = kernels.cast_into(t, scale, spec.dtype, rows, transpose)
         casts.append(Float8Data(rows, scale, "tensor", None, pow2))
         cols.append(None if qt is None else Float8Data(qt.t(), scale, "tensor", None, pow2))
         start += t.shape[0]
