@@ -22,12 +22,13 @@ import grouped_traffic as bench  # noqa: E402
 from tests.test_traffic import run_tiny  # noqa: E402
 
 ROWS = bench.TOKENS * bench.TOP_K
-# ratio to the ideal, per recipe: (deepseek-v3, qwen3-30b-a3b). tensorwise meets the issue's
-# target (0.91 / 0.94: below 1 because grad_input reads the weights' one FP8 layout where the
-# Triton grouped GEMM runs it, and the ideal counts two); the others are the levels reached
+# ratio to the ideal, per recipe: (deepseek-v3, qwen3-30b-a3b). tensorwise and delayed meet the
+# issue's target (tensorwise 0.91 / 0.94, delayed 0.85 / 0.90: below 1 because grad_input reads
+# the weights' one FP8 layout where the Triton grouped GEMM runs it, and the ideal counts two);
+# the others are the levels reached
 BUDGET = {
     "tensorwise": (bench.TARGET_RATIO, bench.TARGET_RATIO),
-    "delayed": (2.35, 2.25),
+    "delayed": (0.87, 0.92),
     "rowwise": (2.4, 2.15),
     "rowwise_with_gw_hp": (3.0, 2.9),
     # blockwise traced as sm_90: each expert on torch's blockwise GEMM, as the dense layer runs it
@@ -36,6 +37,14 @@ BUDGET = {
     "blockwise": (3.85, 3.3),
     "mxfp8": (14.5, 16.5),
 }
+
+
+def _floor(recipe: str, ideal: float, experts: int, n: int, k: int) -> float:
+    """The least ratio the counts may show: 0.85; for delayed exactly the ideal less one FP8 layout
+    of the weights (no amax pass anywhere, grad_input reading the forward's one layout)."""
+    return 1 - experts * n * k / ideal if recipe == "delayed" else 0.85
+
+
 needs_triton = pytest.mark.skipif(
     not triton_importable(), reason="the fused ops' fake implementations come from triton"
 )
@@ -49,7 +58,10 @@ def test_grouped_bytes_outside_the_gemms_within_budget(recipe, shape):
     c = bench.trace_recipe(recipe, experts, k, n, ROWS)
     ideal = bench.ideal_bytes(recipe, experts, ROWS, k, n)
     ratio = c.outside_gemm_bytes() / ideal
-    assert 0.85 <= ratio <= BUDGET[recipe][list(bench.SHAPES).index(shape)], (round(ratio, 3), c.by_op())
+    assert _floor(recipe, ideal, experts, n, k) <= ratio <= BUDGET[recipe][list(bench.SHAPES).index(shape)], (
+        round(ratio, 3),
+        c.by_op(),
+    )
     # every GEMM in FP8 (mxfp8 traced as sm_100, where torch's block-scaled GEMM runs)
     dtypes = {g.operand_dtype for g in c.gemms()}
     if recipe == "rowwise_with_gw_hp":  # its weight-gradient GEMMs are bf16 by definition
@@ -71,11 +83,12 @@ def test_tensorwise_with_uneven_groups(shape, budget):
 
 
 @needs_triton
-@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise", "mxfp8"])
 def test_the_per_expert_path_gathers_the_gradients_once(recipe):
-    """The per-expert path (each expert a Linear's GEMMs) hands every expert's gradient back
-    through one stack / concatenation, never a zero tensor of the whole weight per expert added
-    up (select / slice backward: E full-size passes, 550 GB at the Qwen3 shape before)."""
+    """The per-expert path (mxfp8: each expert a Linear's GEMMs) hands every expert's gradient
+    back through one stack / concatenation, and a one-call kind (delayed, blockwise) writes it in
+    place: never a zero tensor of the whole weight per expert added up (select / slice backward:
+    E full-size passes, 550 GB at the Qwen3 shape before)."""
     experts, k, n = 16, 256, 128
     c = bench.trace_recipe(recipe, experts, k, n, 16 * 64)
     ops = c.by_op()
