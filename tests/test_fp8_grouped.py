@@ -153,7 +153,7 @@ def test_no_token_at_all_and_mismatched_counts():
 # torch._scaled_grouped_mm runs on CUDA sm_90/sm_100 only; on CPU the same dispatch runs with the
 # kernel replaced by its reference (same packed arguments, float32 math), and torch's own meta
 # kernel checks the arguments' layout. Unverified on a GPU (no device was drawn for this session).
-SINGLE = ["tensorwise", "rowwise"]
+SINGLE = ["tensorwise", "delayed", "rowwise"]
 
 
 @pytest.fixture
@@ -211,7 +211,7 @@ def test_single_call_path_through_the_kinds_dispatch(seed, single_call, name):
     assert torch.equal(got[2], loop[2])  # grad_weight: per expert in both paths
 
 
-@pytest.mark.parametrize("name", ["tensorwise", "tensorwise_e4m3", "rowwise"])
+@pytest.mark.parametrize("name", ["tensorwise", "tensorwise_e4m3", "delayed", "rowwise"])
 def test_casts_written_into_one_buffer_change_no_bit(seed, single_call, monkeypatch, name):
     """Where the fused casts run (CUDA) the tensorwise grouped path writes every group's and
     expert's cast into one buffer per operand, which the grouped GEMMs read in place, and each
@@ -290,7 +290,7 @@ def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch, caplog):
 # are compiled in test_fp8_kernels_compile.py; here: the dispatch, traced and on CPU.
 @pytest.mark.parametrize("name", SINGLE)
 def test_a_traced_ada_gpu_runs_the_grouped_gemms_on_the_triton_kernel(name):
-    """Tensorwise / rowwise grouped fwd+bwd traced as sm_89 (no torch grouped kernel there) with
+    """Tensorwise / delayed / rowwise grouped fwd+bwd traced as sm_89 (no torch grouped kernel there) with
     triton: the output and grad_input GEMMs of all experts are one lowprec.grouped_scaled_mm each,
     on FP8 operands; grad_weight one lowprec.grouped_wgrad_scaled_mm for all experts; the report
     says so."""
@@ -313,7 +313,7 @@ def test_a_traced_ada_gpu_runs_the_grouped_gemms_on_the_triton_kernel(name):
             out.backward(torch.empty(sum(counts), N, device="meta", dtype=torch.bfloat16))
         note = recipe.kind.grouped_note(recipe, torch.device("meta"))
     gemms = [(g.name, g.operand_dtype) for g in counter.gemms()]
-    dy = "float8_e5m2" if name == "tensorwise" else "float8_e4m3fn"
+    dy = "float8_e4m3fn" if name == "rowwise" else "float8_e5m2"  # the per-tensor recipes: HYBRID
     grouped = [("lowprec.grouped_scaled_mm", "float8_e4m3fn"), ("lowprec.grouped_scaled_mm", dy)]
     assert gemms == [*grouped, ("lowprec.grouped_wgrad_scaled_mm", dy)], gemms
     assert note.startswith(grouped_triton.KERNEL) and grouped_wgrad.KERNEL in note, note
@@ -332,3 +332,94 @@ def test_a_triton_grouped_gemm_that_fails_its_check_is_not_used(monkeypatch, cap
         assert not grouped_triton.ready(torch.device("cpu"))
     assert caplog.text.count("lowprec Triton grouped FP8 GEMM failed its self-check") == 1
     assert got[0].shape == (24, N) and got[0].abs().sum() > 0  # the per-expert path ran
+
+
+# ------------------------------------------------------------------ delayed scaling, one call per GEMM
+# Delayed scaling runs GroupedScaledFn where tensorwise does, each expert's scales from its own row
+# of the state buffers. Here the single-call dispatch is switched on (``single_call_ready``) and
+# routed to its per-expert GEMMs (no grouped kernel on CPU: the Linear's GEMM path), so everything
+# but the GEMM kernel is the grouped function's, bit for bit against the per-expert loop.
+DELAYED_STEPS = [(37, 0, 64, 19), (5, 40, 0, 77), (0, 0, 96, 3), (16, 16, 16, 16), (1, 0, 0, 120)]
+
+
+@pytest.fixture
+def grouped_switch(monkeypatch):
+    """``switch["on"]``: the single-call path runs (else the per-expert loop); ``switch["fn"]``
+    counts the GroupedScaledFn calls."""
+    from lowprec.fp8.gemm import grouped as grouped_gemm
+    from lowprec.fp8.modules import grouped_fn
+
+    switch = {"on": False, "fn": 0}
+    monkeypatch.setattr(grouped_gemm, "single_call_ready", lambda device: switch["on"])
+    apply = grouped_fn.GroupedScaledFn.apply
+
+    def counted(*args):
+        switch["fn"] += 1
+        return apply(*args)
+
+    monkeypatch.setattr(grouped_fn.GroupedScaledFn, "apply", counted)
+    return switch
+
+
+def _delayed_run(gemm, recipe, counts, x, w, dy, checkpointed):
+    xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+    run = lambda a, b: gemm(a, b, counts, recipe, torch.float32)  # noqa: E731
+    out = fp8.checkpoint(run, xt, wt) if checkpointed else run(xt, wt)
+    out.backward(dy)
+    return out, xt.grad, wt.grad
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["per_group_casts", "casts_into_one_buffer"])
+@pytest.mark.parametrize(
+    "fields",
+    [dict(amax_history_len=4), dict(amax_history_len=3, interval=2, amax_compute_algo="most_recent")],
+    ids=["max", "most_recent_interval_2"],
+)
+def test_delayed_single_call_path_is_the_per_expert_loop_bit_for_bit(seed, grouped_switch, monkeypatch, fields, packed):
+    """Five steps with skewed counts, experts empty on some steps (an empty expert records nothing,
+    not even its weight's amax), a history refresh every ``interval`` steps, and an activation-
+    checkpoint recompute (the first forward's scales replayed, no second update): the output,
+    both gradients and every state buffer are the per-expert loop's, bit for bit."""
+    from lowprec.fp8 import kernels
+    from lowprec.fp8.modules import grouped_fn
+
+    updates = []  # the delayed updates inside the casts (kernels.delayed_scale_update)
+    if packed:  # the fused casts' path, with the torch casts standing in (kernels.cast_into, ...)
+        monkeypatch.setattr(grouped_fn, "fused_casts_here", lambda device: True)
+        update = kernels.delayed_scale_update
+        monkeypatch.setattr(kernels, "delayed_scale_update", lambda *a: updates.append(1) or update(*a))
+    recipe = fp8.Recipe.from_name("delayed", **fields)
+    loop, grouped = Float8GroupedGemm(E, recipe), Float8GroupedGemm(E, recipe)
+    w = torch.randn(E, N, K)
+    for step, counts in enumerate(DELAYED_STEPS):
+        s = sum(counts)
+        x, dy = torch.randn(s, K) * (1 + step), torch.randn(s, N) * 2.0**-step
+        x[: counts[0]] *= 50  # expert 0's tokens louder: each expert's history is its own
+        checkpointed = step == 3
+        grouped_switch["on"] = False
+        want = _delayed_run(loop, recipe, counts, x, w, dy, checkpointed)
+        grouped_switch["on"], calls = True, grouped_switch["fn"]
+        got = _delayed_run(grouped, recipe, counts, x, w, dy, checkpointed)
+        assert grouped_switch["fn"] == calls + 1 + checkpointed  # the grouped function ran (twice: recompute)
+        # packed: x, W and dY of each expert holding tokens updated in their casts (none in the recompute)
+        assert len(updates) == (3 * sum(map(bool, counts)) if packed else 0)
+        updates.clear()
+        for key, g, r in zip(("out", "grad_input", "grad_weight"), got, want):
+            assert torch.equal(g, r), f"step {step} {key}"
+        for name, buf in loop.named_buffers():
+            assert torch.equal(getattr(grouped, name), buf), f"step {step} {name}"
+    # one step per forward where the expert held tokens (the recompute counted none)
+    assert grouped.fp8_step.tolist() == [4, 2, 3, 5] and grouped.fp8_step_grad.tolist() == [4, 2, 3, 5]
+    assert (grouped.fp8_amax_history_weight.amax(1) > 0).all()
+
+
+def test_delayed_runs_the_grouped_function_where_tensorwise_does(grouped_switch):
+    """Eligible where tensorwise is (every GEMM in FP8, FP8 activations kept, telemetry off, the
+    scaled GEMM path); the report says how its experts' GEMMs run."""
+    grouped_switch["on"] = True
+    kind = fp8.Recipe.from_name("delayed").kind
+    cpu = torch.device("cpu")
+    assert kind.grouped_single_call(fp8.Recipe.from_name("delayed"), cpu, telemetry=False)
+    assert not kind.grouped_single_call(fp8.Recipe.from_name("delayed"), cpu, telemetry=True)
+    assert not kind.grouped_single_call(fp8.Recipe.from_name("delayed", gemm="upcast"), cpu, telemetry=False)
+    assert not kind.grouped_single_call(fp8.Recipe.from_name("delayed", save_fp8_activations=False), cpu, False)

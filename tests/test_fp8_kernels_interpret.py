@@ -77,18 +77,26 @@ def test_cast_transpose_amax_matches_the_torch_path(dtype, in_dtype, shape, seed
 @pytest.mark.parametrize("dtype", FP8)
 def test_cast_into_writes_the_cast_into_a_slice_of_a_buffer(dtype, transpose, shape, seed):
     """The grouped path's cast (``lowprec::cast_into``): the bits of cast_transpose_amax, written
-    into rows of a larger buffer (the rows around them untouched) and the transpose returned."""
+    into rows of a larger buffer (the rows around them untouched), the transpose and the amax
+    (what delayed scaling records) returned; the torch path (``reference.cast_into``) the same."""
     x = awkward(shape, torch.bfloat16)
     scale = torch.tensor(FP8_MAX[dtype] / 64.0)
     buf = torch.full((shape[0] + 7, shape[1]), 0x5A, dtype=torch.uint8)
-    qt = ops.cast_into(x, scale, dtype, transpose, buf[3 : 3 + shape[0]])
-    rq, rqt, _ = ops.cast_transpose_amax(x, scale, dtype)
+    qt, a = ops.cast_into(x, scale, dtype, transpose, buf[3 : 3 + shape[0]])
+    rq, rqt, ra = ops.cast_transpose_amax(x, scale, dtype)
     assert torch.equal(buf[3 : 3 + shape[0]], bits(rq))
     assert (buf[:3] == 0x5A).all() and (buf[3 + shape[0] :] == 0x5A).all()
+    assert a.dtype == torch.float32 and a.dim() == 0 and torch.equal(a, ra)
     if transpose:
         assert qt.dtype == dtype and qt.is_contiguous() and torch.equal(bits(qt), bits(rqt))
     else:
         assert qt.numel() == 0
+    ref_buf = torch.zeros(shape, dtype=dtype)
+    ref_qt, ref_a = reference.cast_into(x, scale, dtype, ref_buf, transpose)
+    assert_same_fp8(buf[3 : 3 + shape[0]].view(dtype), ref_buf)
+    assert torch.equal(a, ref_a) and (ref_qt is None) == (not transpose)
+    if transpose:
+        assert_same_fp8(qt, ref_qt)
     torch.library.opcheck(torch.ops.lowprec.cast_into.default, (x, scale, dtype, transpose, buf[3 : 3 + shape[0]]))
 
 
@@ -252,6 +260,25 @@ def test_recast_if_changed_matches_the_torch_path(changed, seed):
     assert torch.equal(bits(qt), bits(rqt))
     if changed is True:
         assert_same_fp8(q, reference.cast_amax(x, used, E4M3)[0])
+
+
+@pytest.mark.parametrize("changed", [False, True])
+def test_recast_if_changed_without_a_transposed_copy(changed, seed):
+    """An empty ``qt`` (a grouped expert weight whose transposed copy is not kept): only ``q``,
+    a slice of a larger buffer, is re-cast; the rows around it stay."""
+    x = awkward((70, 90), torch.bfloat16)
+    cast = torch.tensor(2.0)
+    used = torch.tensor(0.25) if changed else cast.clone()
+    buf = torch.full((75, 90), 0x5A, dtype=torch.uint8)
+    ops.cast_into(x, cast, E4M3, False, buf[2:72])
+    ref = buf.clone()
+    empty = torch.empty(0, 0, dtype=E4M3)
+    ops.recast_if_changed(x, used, cast, buf[2:72].view(E4M3), empty)
+    reference.recast_if_changed(x, used, cast, ref[2:72].view(E4M3), empty)
+    assert torch.equal(buf, ref)
+    want = reference.cast_amax(x, used, E4M3)[0]
+    assert_same_fp8(buf[2:72].view(E4M3), want)
+    assert (buf[:2] == 0x5A).all() and (buf[72:] == 0x5A).all()
 
 
 @pytest.mark.parametrize(

@@ -145,7 +145,7 @@ def test_triton_grouped_gemm_matches_the_loop_on_cuda(gran, gemm):
     assert sqnr(emulated, got) > 40 and sqnr(loop, got) > 40
 
 
-@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("name", ["tensorwise", "delayed", "rowwise"])
 def test_grouped_experts_on_the_triton_gemm_on_cuda(name, monkeypatch):
     """The grouped kinds with torch's grouped kernel hidden (as on Ada): output and grad_input
     of all experts on the Triton kernel, grad_weight on the Triton grouped weight gradient,
@@ -213,6 +213,37 @@ def _grouped_fwd_bwd_against_the_emulation(name, dev):
         runs.append((out.detach(), xt.grad, wt.grad))
     for got, want in zip(*runs):
         assert sqnr(want, got) > 35
+
+
+def test_delayed_grouped_state_is_the_per_expert_loops_on_cuda(monkeypatch):
+    """Delayed scaling on the one-call grouped path (casts into one buffer per operand, amaxes
+    recorded in the same pass) against the per-expert loop (each expert a Linear's fused delayed
+    casts), three steps with an empty expert: every state buffer bit for bit (the same amaxes and
+    the same update kernel), outputs and gradients > 35 dB (other GEMM kernels)."""
+    dev = _fp8_gpu()
+    pytest.importorskip("triton")
+    from lowprec.fp8.gemm import grouped as grouped_gemm
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
+
+    torch.manual_seed(0)
+    recipe = fp8.Recipe.from_name("delayed", amax_history_len=4)
+    k, n = 512, 384
+    w = torch.randn(4, n, k, device=dev)
+    gemms = {on: Float8GroupedGemm(4, recipe).to(dev) for on in (True, False)}
+    for counts in ((200, 0, 333, 19), (64, 128, 0, 7), (1, 2, 3, 400)):
+        x = torch.randn(sum(counts), k, device=dev) * 4
+        dy = torch.randn(sum(counts), n, device=dev)
+        runs = {}
+        for on, gemm in gemms.items():
+            monkeypatch.setattr(grouped_gemm, "single_call_ready", lambda device, on=on: on)
+            xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+            out = gemm(xt, wt, counts, recipe, torch.float32)
+            out.backward(dy)
+            runs[on] = (out.detach(), xt.grad, wt.grad)
+        for got, want in zip(runs[True], runs[False]):
+            assert sqnr(want, got) > 35
+        for name, buf in gemms[False].named_buffers():
+            assert torch.equal(getattr(gemms[True], name), buf), name
 
 
 # --- lowprec's Triton blockwise grouped FP8 GEMM (fp8/gemm/grouped_block_triton.py) on hardware ---

@@ -22,12 +22,13 @@ import grouped_traffic as bench  # noqa: E402
 from tests.test_traffic import run_tiny  # noqa: E402
 
 ROWS = bench.TOKENS * bench.TOP_K
-# ratio to the ideal, per recipe: (deepseek-v3, qwen3-30b-a3b). tensorwise meets the issue's
-# target (0.91 / 0.94: below 1 because grad_input reads the weights' one FP8 layout where the
-# Triton grouped GEMM runs it, and the ideal counts two); the others are the levels reached
+# ratio to the ideal, per recipe: (deepseek-v3, qwen3-30b-a3b). tensorwise and delayed meet the
+# issue's target (tensorwise 0.91 / 0.94, delayed 0.85 / 0.90: below 1 because grad_input reads
+# the weights' one FP8 layout where the Triton grouped GEMM runs it, and the ideal counts two);
+# the others are the levels reached
 BUDGET = {
     "tensorwise": (bench.TARGET_RATIO, bench.TARGET_RATIO),
-    "delayed": (2.35, 2.25),
+    "delayed": (0.87, 0.92),
     # grad_weight of all experts in one Triton launch writing float32 in place (1.77 / 1.67; before
     # it, one _scaled_mm per expert writing bf16, copied into the float32 gradient: 2.32 / 2.06)
     "rowwise": (1.8, 1.7),
@@ -38,6 +39,14 @@ BUDGET = {
     "blockwise": (3.85, 3.3),
     "mxfp8": (3.9, 3.35),
 }
+
+
+def _floor(recipe: str, ideal: float, experts: int, n: int, k: int) -> float:
+    """The least ratio the counts may show: 0.85; for delayed exactly the ideal less one FP8 layout
+    of the weights (no amax pass anywhere, grad_input reading the forward's one layout)."""
+    return 1 - experts * n * k / ideal if recipe == "delayed" else 0.85
+
+
 needs_triton = pytest.mark.skipif(
     not triton_importable(), reason="the fused ops' fake implementations come from triton"
 )
@@ -51,7 +60,10 @@ def test_grouped_bytes_outside_the_gemms_within_budget(recipe, shape):
     c = bench.trace_recipe(recipe, experts, k, n, ROWS)
     ideal = bench.ideal_bytes(recipe, experts, ROWS, k, n)
     ratio = c.outside_gemm_bytes() / ideal
-    assert 0.85 <= ratio <= BUDGET[recipe][list(bench.SHAPES).index(shape)], (round(ratio, 3), c.by_op())
+    assert _floor(recipe, ideal, experts, n, k) <= ratio <= BUDGET[recipe][list(bench.SHAPES).index(shape)], (
+        round(ratio, 3),
+        c.by_op(),
+    )
     # every GEMM in FP8 (mxfp8 traced as sm_100, where torch's block-scaled GEMM runs)
     if recipe in ("tensorwise", "rowwise"):  # the weight gradient written by its one GEMM, never copied
         assert "aten.copy_" not in c.by_op(), c.by_op()
@@ -77,11 +89,12 @@ def test_tensorwise_with_uneven_groups(shape, budget):
 
 
 @needs_triton
-@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise", "mxfp8"])
 def test_the_per_expert_path_gathers_the_gradients_once(recipe):
-    """The per-expert path (each expert a Linear's GEMMs) hands every expert's gradient back
-    through one stack / concatenation, never a zero tensor of the whole weight per expert added
-    up (select / slice backward: E full-size passes, 550 GB at the Qwen3 shape before)."""
+    """The per-expert path (mxfp8: each expert a Linear's GEMMs) hands every expert's gradient
+    back through one stack / concatenation, and a one-call kind (delayed, blockwise) writes it in
+    place: never a zero tensor of the whole weight per expert added up (select / slice backward:
+    E full-size passes, 550 GB at the Qwen3 shape before)."""
     experts, k, n = 16, 256, 128
     c = bench.trace_recipe(recipe, experts, k, n, 16 * 64)
     ops = c.by_op()
@@ -120,7 +133,7 @@ def test_benchmark_tiny_writes_its_json(tmp_path):
 @needs_triton
 def test_a_custom_op_writing_an_argument_and_returning_a_tensor_counts_both():
     """``lowprec.cast_into`` writes its ``out`` argument (a slice of a buffer) and returns the
-    transposed copy: both are written bytes, the input and the scale read ones."""
+    transposed copy and the amax: all written bytes, the input and the scale read ones."""
     import lowprec.fp8 as fp8
     from lowprec.fp8 import kernels
     from lowprec.fp8.observe.traffic import ByteCounter
@@ -130,7 +143,7 @@ def test_a_custom_op_writing_an_argument_and_returning_a_tensor_counts_both():
         buf = torch.empty(100, 32, device="meta", dtype=torch.float8_e4m3fn)
         scale = torch.empty((), device="meta")
         with ByteCounter() as c:
-            qt = kernels.cast_into(x, scale, torch.float8_e4m3fn, buf[10:74], True)
-    assert qt is not None and qt.shape == (32, 64)
+            qt, amax = kernels.cast_into(x, scale, torch.float8_e4m3fn, buf[10:74], True)
+    assert qt is not None and qt.shape == (32, 64) and amax.shape == ()
     (rec,) = c.records
-    assert rec.name == "lowprec.cast_into" and (rec.read, rec.written) == (64 * 32 * 2 + 4, 2 * 64 * 32)
+    assert rec.name == "lowprec.cast_into" and (rec.read, rec.written) == (64 * 32 * 2 + 4, 2 * 64 * 32 + 4)

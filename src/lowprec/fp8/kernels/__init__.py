@@ -73,16 +73,15 @@ def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> t
 
 def cast_into(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, out: torch.Tensor, transpose: bool = False
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """``saturate(x * scale)`` written into ``out`` (``x``'s shape, contiguous, ``fp8_dtype``:
-    a slice of a buffer holding several casts) and, where ``transpose``, its contiguous
-    transpose returned; one pass on CUDA (the kernel of :func:`cast_transpose_amax`)."""
+    a slice of a buffer holding several casts); returns ``(its contiguous transpose where
+    transpose, else None; amax(|x|))``, one pass on CUDA (the kernel of
+    :func:`cast_transpose_amax`)."""
     if available(x.device, "cast_transpose_amax", x):
-        qt = _ops().cast_into(x, scale, fp8_dtype, transpose, out.view(torch.uint8))
-        return qt if transpose else None
-    q = reference.cast_amax(x, scale, fp8_dtype)[0]
-    out.copy_(q)
-    return q.t().contiguous() if transpose else None
+        qt, a = _ops().cast_into(x, scale, fp8_dtype, transpose, out.view(torch.uint8))
+        return (qt if transpose else None), a
+    return reference.cast_into(x, scale, fp8_dtype, out, transpose)
 
 
 def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +126,8 @@ def recast_if_changed(
     x: torch.Tensor, scale_used: torch.Tensor, scale_cast: torch.Tensor, q: torch.Tensor, qt: torch.Tensor
 ) -> None:
     """Delayed scaling: re-cast ``x`` into ``q``/``qt`` in place when ``scale_used`` differs
-    from ``scale_cast`` (an empty amax history); on CUDA a kernel that returns at once otherwise."""
+    from ``scale_cast`` (an empty amax history; an empty ``qt``: no transposed copy kept); on
+    CUDA a kernel that returns at once otherwise."""
     if available(x.device, "recast_if_changed", x):
         return _ops().recast_if_changed(x, scale_used, scale_cast, q, qt)
     return reference.recast_if_changed(x, scale_used, scale_cast, q, qt)

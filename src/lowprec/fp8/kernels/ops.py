@@ -222,12 +222,12 @@ def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> t
 @_operator("lowprec::cast_into", ("out",))
 def cast_into(
     x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool, out: torch.Tensor
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass: ``saturate(x * scale)`` written into ``out`` (uint8, ``x``'s shape, contiguous:
-    a slice of one buffer holding several casts, such as every expert's) and, where
-    ``transpose``, its contiguous transpose returned ((0, 0) otherwise). The launches of
-    :func:`cast_transpose_amax` (``transpose``) or :func:`cast_amax`, amax included (into a
-    scratch scalar, dropped): the same compiled kernels their device self-checks ran."""
+    a slice of one buffer holding several casts, such as every expert's); returns ``(its
+    contiguous transpose where transpose, else (0, 0); amax(|x|))``. The launches of
+    :func:`cast_transpose_amax` (``transpose``) or :func:`cast_amax`: the same compiled kernels
+    their device self-checks ran, and the amax delayed scaling records from the same pass."""
     _check(x, fp8_dtype)
     m, n = x.shape
     qt = torch.empty((n, m) if transpose else (0, 0), dtype=torch.uint8, device=x.device)
@@ -237,7 +237,7 @@ def cast_into(
         launch_cast(x, scale, fp8_dtype, None, qt, None)
     else:
         launch_cast(x, scale, fp8_dtype, out, qt if transpose else None, amax_bits)
-    return qt.view(fp8_dtype)
+    return qt.view(fp8_dtype), amax_bits.view(torch.float32)
 
 
 @_operator("lowprec::cast_rowwise", ())
@@ -337,21 +337,28 @@ def cast_cols_t(x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype
 def recast_if_changed(
     x: torch.Tensor, scale_used: torch.Tensor, scale_cast: torch.Tensor, q: torch.Tensor, qt: torch.Tensor
 ) -> None:
-    """Re-cast ``x`` into ``q`` and ``qt`` (its transpose) with ``scale_used`` when it differs
-    from ``scale_cast``, the scale they hold; a no-op kernel otherwise (no read of ``x``)."""
+    """Re-cast ``x`` into ``q`` and ``qt`` (its transpose; an empty ``qt``: none kept) with
+    ``scale_used`` when it differs from ``scale_cast``, the scale they hold; a no-op kernel
+    otherwise (no read of ``x``)."""
     _check(x, q.dtype)
     if _skip(x):
         return
     m, n = x.shape
     bm, bn, warps = TILE
-    stores = ((True, False), (False, True)) if two_pass("recast_if_changed", x) else ((True, True),)
+    keep_t = qt.numel() == q.numel()  # an empty qt: no transposed copy to keep in step
+    if not keep_t:
+        stores: tuple[tuple[bool, bool], ...] = ((True, False),)
+    elif two_pass("recast_if_changed", x):
+        stores = ((True, False), (False, True))
+    else:
+        stores = ((True, True),)
     for write_q, write_t in stores:
         _kernel(recast_if_changed_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             x,
             scale_used,
             scale_cast,
             q.view(torch.uint8),
-            qt.view(torch.uint8),
+            (qt if keep_t else q).view(torch.uint8),  # never written without keep_t
             m,
             n,
             x.stride(0),

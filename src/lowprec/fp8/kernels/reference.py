@@ -20,6 +20,7 @@ from lowprec.fp8.cast.scaling import amax, amax_along, amax_to_scale, delayed_sc
 __all__ = [
     "cast_transpose_amax",
     "cast_amax",
+    "cast_into",
     "cast_rowwise",
     "amax",
     "amax_cols",
@@ -46,6 +47,16 @@ def cast_transpose_amax(
     that contracts over the other dim: Hopper's FP8 GEMM is TN-only)."""
     q, a = cast_amax(x, scale, fp8_dtype)
     return q, q.t().contiguous(), a
+
+
+def cast_into(
+    x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, out: torch.Tensor, transpose: bool
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:func:`cast_amax` written into ``out`` (a slice of a buffer holding several casts):
+    returns ``(the contiguous transpose where transpose, else None; amax(|x|))``."""
+    q, a = cast_amax(x, scale, fp8_dtype)
+    out.copy_(q)
+    return (q.t().contiguous() if transpose else None), a
 
 
 def cast_rowwise(x: torch.Tensor, fp8_dtype: torch.dtype, power_of_2: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,11 +88,13 @@ def recast_if_changed(
     x: torch.Tensor, scale_used: torch.Tensor, scale_cast: torch.Tensor, q: torch.Tensor, qt: torch.Tensor
 ) -> None:
     """Where ``scale_used != scale_cast`` (NaN included), overwrite ``q`` and ``qt`` (its
-    contiguous transpose) with ``x`` cast at ``scale_used``; else leave them (in place)."""
+    contiguous transpose; an empty ``qt``: none kept) with ``x`` cast at ``scale_used``; else
+    leave them (in place)."""
     redo = scale_used != scale_cast
     new = saturated_cast(x.to(torch.float32) * scale_used, q.dtype).view(torch.uint8)
     q.view(torch.uint8).copy_(torch.where(redo, new, q.view(torch.uint8)))
-    qt.view(torch.uint8).copy_(torch.where(redo, new.t(), qt.view(torch.uint8)))
+    if qt.numel() == q.numel():
+        qt.view(torch.uint8).copy_(torch.where(redo, new.t(), qt.view(torch.uint8)))
 
 
 def delayed_scale_update(

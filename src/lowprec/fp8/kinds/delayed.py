@@ -11,6 +11,14 @@ input then weight in forward (one step counter), grad_output in backward (its ow
 CUDA with the Triton kernels the update runs inside the casts (one pass per operand,
 :func:`cast_delayed_fused`).
 
+Grouped expert GEMMs keep these buffers per expert (a leading expert dim) and run in one call
+per GEMM where tensorwise's do (``fp8/modules/grouped_fn.py``): :meth:`Delayed.grouped_cast_states`
+gives each expert holding tokens the :class:`DelayedCastState` of its own row, the one the
+per-expert loop would make, so scales, history updates, step counters and recompute replay are
+the loop's; where every expert's cast is written into one buffer per operand its amax is
+recorded from that same pass (:meth:`DelayedCastState.cast_into`). An expert without tokens
+records nothing.
+
 The casts and GEMMs are tensorwise's (``tensorwise.py``), with the scale handed in.
 """
 
@@ -25,7 +33,7 @@ from lowprec.fp8 import kernels
 from lowprec.fp8.cast import host_scale
 from lowprec.fp8.modules import shared_cast
 from lowprec.fp8.modules.autocast import recomputing
-from lowprec.fp8.modules.cast_state import CastState
+from lowprec.fp8.modules.cast_state import GRAD_OUTPUT, INPUT, WEIGHT, CastState, tensor_casts
 from lowprec.fp8.cast.formats import fp8_max
 from lowprec.fp8.modules.gathered import Float8GatheredWeight, gathered_scale_and_amax
 from lowprec.fp8.kinds import base
@@ -35,6 +43,7 @@ from lowprec.fp8.cast.quantize import Float8Data
 from lowprec.fp8.cast.scaling import delayed_scale_step
 
 if TYPE_CHECKING:
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
     from lowprec.fp8.modules.linear import Float8Linear
     from lowprec.fp8.recipes import Recipe
 
@@ -57,10 +66,18 @@ def cast_delayed_fused(
     ``(row-major cast, column-major cast, scale_used)``.
     """
     q, qt, amax_now = kernels.cast_transpose_amax(t, scale, spec.dtype)
-    used, cast_with = kernels.delayed_scale_update(hist, scale, step, amax_now, spec.dtype, recipe)
-    kernels.recast_if_changed(t, used, cast_with, q, qt)
+    used = _record(t, amax_now, q, qt, spec, recipe, hist, scale, step)
     pow2 = recipe.power_of_2_scales
     return Float8Data(q, used, "tensor", None, pow2), Float8Data(qt.t(), used, "tensor", None, pow2), used
+
+
+def _record(t, amax_now, q, qt, spec: OperandCast, recipe: Recipe, hist, scale, step) -> torch.Tensor:
+    """After a cast of ``t`` into ``q`` (and ``qt``, its transpose; empty: none) with ``scale``,
+    the history's: record ``amax_now`` from that pass (``hist`` and ``scale`` updated in place)
+    and re-cast where the scale to use differs (an empty history). Returns the scale used."""
+    used, cast_with = kernels.delayed_scale_update(hist, scale, step, amax_now, spec.dtype, recipe)
+    kernels.recast_if_changed(t, used, cast_with, q, qt)
+    return used
 
 
 class DelayedCastState(CastState):
@@ -82,6 +99,7 @@ class DelayedCastState(CastState):
             for o in ("input", "weight", "grad_output")
         }
         self.step, self.step_grad, self.last = layer.fp8_step, layer.fp8_step_grad, layer.fp8_last_scales
+        self.used: dict[int, torch.Tensor] = {}  # fused: the scales the grouped casts used (cast_into)
         if mode == "replay":  # same scales as the first forward; its state update already ran
             self.x_scale, self.w_scale = self.last[0], self.last[1]
         elif mode == "eager":
@@ -160,6 +178,29 @@ class DelayedCastState(CastState):
         self.step_grad.add_(1)
         return used
 
+    def cast_into(
+        self, row: int, t: torch.Tensor, spec: OperandCast, recipe: Recipe, out: torch.Tensor, transpose: bool
+    ) -> tuple[Float8Data, Float8Data | None]:
+        """The grouped path's cast into a buffer; ``fused``: as :func:`cast_delayed_fused`, one pass
+        (cast with the history's scale, its amax recorded, re-cast where the scale changed),
+        the input and weight steps counted by :meth:`forward_casts_done`; otherwise with the
+        scales handed in (replayed, or computed when this state was made; dY's now)."""
+        if not self.fused:
+            return super().cast_into(row, t, spec, recipe, out, transpose)
+        hist, scale = self.state[OPERANDS[row]]
+        qt, amax_now = kernels.cast_into(t, scale, spec.dtype, out, transpose)
+        step = self.step_grad if row == GRAD_OUTPUT else self.step
+        used = _record(t, amax_now, out, out.new_empty(0, 0) if qt is None else qt, spec, recipe, hist, scale, step)
+        if row == GRAD_OUTPUT:
+            self.step_grad.add_(1)
+        else:
+            self.used[row] = used
+        return tensor_casts(out, qt, used, recipe)
+
+    def forward_casts_done(self) -> None:
+        if self.fused:  # the input's and weight's updates ran in their casts (cast_into)
+            self._forward_done(self.used[INPUT], self.used[WEIGHT])
+
 
 class Delayed(Tensorwise):
     """Delayed per-tensor scaling (see the module docstring)."""
@@ -197,6 +238,31 @@ class Delayed(Tensorwise):
         # replay: the scales of the first forward (its state update already ran)
         mode = "replay" if recomputing() else "fused" if _fused(layer, x2, recipe) else "eager"
         return DelayedCastState(layer, recipe, x2, mode, stats)
+
+    def grouped_cast_states(
+        self,
+        gemm: Float8GroupedGemm,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        counts: tuple[int, ...],
+        recipe: Recipe,
+        packed: bool,
+    ) -> list[CastState]:
+        """Per expert holding tokens, the :class:`DelayedCastState` of its slot (its row of each
+        buffer), as the per-expert loop makes it: replaying in a recompute, the update inside
+        the casts where they are written into one buffer per operand (``packed``), else the
+        scales computed now (input then weight, then the step counted). An expert without
+        tokens records nothing, as in the loop (not even its weight's amax): its weight, which
+        no token reads, is cast with its own amax."""
+        mode = "replay" if recomputing() else "fused" if packed else "eager"
+        states: list[CastState] = []
+        with torch.no_grad():  # the updates read amaxes only
+            experts, groups = weight.unbind(0), x.split(list(counts))
+            for e, n in enumerate(counts):
+                states.append(
+                    DelayedCastState(gemm.slot(e, experts[e]), recipe, groups[e], mode, None) if n else CastState()
+                )
+        return states
 
 
 def _fused(layer: Float8Linear, x2: torch.Tensor, recipe: Recipe) -> bool:

@@ -7,6 +7,10 @@ happens around those casts lives here, behind one object per call that the funct
   written except, with telemetry on, the layer's statistics rows.
 * a scaling kind with state subclasses it: ``DelayedCastState`` (``fp8/kinds/delayed.py``)
   hands in the scales of the layer's amax histories and updates them.
+
+The grouped expert path (``fp8/modules/grouped_fn.py``) holds one such object per expert and
+asks it the same things, plus :meth:`CastState.cast_into` where every expert's cast is written
+into one buffer per operand.
 """
 
 from __future__ import annotations
@@ -15,14 +19,16 @@ import torch
 
 from typing import TYPE_CHECKING
 
+from lowprec.fp8 import kernels
 from lowprec.fp8.cast.formats import saturation_threshold
 from lowprec.fp8.cast.quantize import Float8Data, expand_blocks
+from lowprec.fp8.cast.scaling import amax_to_scale
 
 if TYPE_CHECKING:
     from lowprec.fp8.kinds.plan import OperandCast
     from lowprec.fp8.recipes import Recipe
 
-__all__ = ["CastState", "cast_stats", "INPUT", "WEIGHT", "GRAD_OUTPUT"]
+__all__ = ["CastState", "cast_stats", "tensor_casts", "INPUT", "WEIGHT", "GRAD_OUTPUT"]
 
 # telemetry rows of Float8Linear.fp8_stats
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
@@ -121,3 +127,32 @@ class CastState:
     def grad_scale(self, dy: torch.Tensor, recipe: Recipe) -> torch.Tensor | None:
         """The per-tensor scale for dY's casts; ``None``: from dY's own amax."""
         return None
+
+    def cast_into(
+        self, row: int, t: torch.Tensor, spec: OperandCast, recipe: Recipe, out: torch.Tensor, transpose: bool
+    ) -> tuple[Float8Data, Float8Data | None]:
+        """Operand ``row`` (INPUT, WEIGHT or GRAD_OUTPUT) cast with one tensor scale into ``out``
+        (its rows of a buffer holding several casts: the grouped path) and, where ``transpose``,
+        its transposed copy: with the scale handed in (:attr:`x_scale`, :attr:`w_scale`,
+        :meth:`grad_scale`), else one from ``t``'s own amax (``TensorCast``'s amax, scale and
+        kernel). Returns ``(cast, transposed cast or None)``."""
+        scale = self.grad_scale(t, recipe) if row == GRAD_OUTPUT else self.x_scale if row == INPUT else self.w_scale
+        if scale is None:
+            scale = amax_to_scale(
+                kernels.amax(t), spec.dtype, margin=recipe.margin, power_of_2=recipe.power_of_2_scales
+            )
+        qt, _ = kernels.cast_into(t, scale, spec.dtype, out, transpose)
+        return tensor_casts(out, qt, scale, recipe)
+
+    def forward_casts_done(self) -> None:
+        """The forward's :meth:`cast_into` calls have run (delayed scaling counts its step here)."""
+
+
+def tensor_casts(
+    q: torch.Tensor, qt: torch.Tensor | None, scale: torch.Tensor, recipe: Recipe
+) -> tuple[Float8Data, Float8Data | None]:
+    """``(q, qt.t())`` as tensor-scaled :class:`Float8Data` (``qt``: a contiguous transposed
+    copy, read column-major; ``None`` where none was written)."""
+    pow2 = recipe.power_of_2_scales
+    col = None if qt is None else Float8Data(qt.t(), scale, "tensor", None, pow2)
+    return Float8Data(q, scale, "tensor", None, pow2), col

@@ -25,8 +25,11 @@ Every kind can: by default each expert runs the GEMMs of a Float8Linear of its k
 :class:`ExpertSlot` (the expert's weight and its row of each state buffer), so the casts, the
 FP8 copies backward keeps (1 byte per input element, as for a Linear), the GEMM path (on CPU
 the exact bf16 upcast) and the numerics are a Linear's: with every token on one expert the
-result is a Float8Linear's bit for bit. Where torch has a grouped FP8 kernel, a kind may run
-all experts in one call instead (``grouped_scaled.py``).
+result is a Float8Linear's bit for bit. Where a one-call grouped FP8 kernel runs (torch's, or
+lowprec's Triton one), the tensorwise, delayed, rowwise and blockwise kinds run all experts in
+one call per GEMM instead (``grouped_fn.py``), with the same per-expert scales and state:
+delayed scaling reads and updates each expert's row of its amax histories as the per-expert
+loop does, bit for bit (``tests/test_fp8_grouped.py``).
 
 The experts module that calls this (routing, gating, combining) is ``fp8/modules/experts.py``.
 """

@@ -1,6 +1,6 @@
-"""The three grouped GEMMs of the per-tensor, rowwise and blockwise kinds in one autograd
-function, for devices where a one-call grouped FP8 kernel runs (``grouped_gemm.py``: torch's
-``_scaled_grouped_mm``, else lowprec's Triton grouped GEMM; for blockwise's block scales
+"""The three grouped GEMMs of the per-tensor (tensorwise, delayed), rowwise and blockwise kinds in
+one autograd function, for devices where a one-call grouped FP8 kernel runs (``grouped_gemm.py``:
+torch's ``_scaled_grouped_mm``, else lowprec's Triton grouped GEMM; for blockwise's block scales
 lowprec's Triton blockwise grouped GEMM).
 
 The casts are the Linear's (``linear_fn.cast`` / ``cast_pair``, per expert: a token group never
@@ -26,23 +26,33 @@ grad_weight     dY_e^T and x_e cast along the group's rows   one Triton launch f
 
 Backward keeps what the Linear keeps: x_e cast for grad_weight (1 byte per element) and, for
 per-tensor recipes, the forward's cast of each expert weight (rowwise re-casts it from the
-Parameter). The kind decides when this runs (``ScaledGemmKind.grouped_forward``: no amax
-history, every GEMM in FP8, FP8 activations kept, telemetry off); elsewhere each expert runs
-the Linear's own function.
+Parameter). The kind decides when this runs (``SingleCallGrouped.grouped_forward``: every GEMM
+in FP8, FP8 activations kept, telemetry off); elsewhere each expert runs the Linear's own
+function.
 
-Where the fused casts run (CUDA) the per-tensor recipe writes each operand's casts into one
+Each expert's scales come from one :class:`~lowprec.fp8.modules.cast_state.CastState` per expert
+(``SingleCallGrouped.grouped_cast_states``), as a Linear's come from its one: current scaling
+hands nothing in (each cast takes its own amax); delayed scaling hands in the scales of the
+expert's own row of the amax histories and updates that row exactly as the per-expert loop
+does (input then weight, one step, in forward; dY in backward; the last forward's scales
+replayed in an activation-checkpoint recompute; nothing for an expert without tokens).
+
+Where the fused casts run (CUDA) the per-tensor recipes write each operand's casts into one
 buffer (``_packs``: x's groups (S, K), the experts' weights (E, N, K), dY's groups (S, N), each
 with its own scale as above), so the grouped GEMMs read them where they were written, with no
 concatenation or stack between; grad_weight reads each group's transposed copies where they were
 written (a table of addresses) and writes the whole gradient (the per-expert loop: each GEMM its
-expert's slice). The values are those of the per-group casts bit for bit (the same amax, scale and
-kernel). Bytes moved around these GEMMs: ``benchmarks/grouped_traffic.py``.
+expert's slice). Delayed scaling records each group's amax from that same pass and re-casts only
+where the scale changed (an empty history), as ``cast_delayed_fused`` does for a Linear: one
+pass per operand per group. The values are those of the per-group casts bit for bit (the same
+amax, scale and kernel). Bytes moved around these GEMMs: ``benchmarks/grouped_traffic.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -52,10 +62,10 @@ from lowprec.fp8.modules.autocast import torch_autocast_off
 from lowprec.fp8.gemm.dispatch import scaled_mm
 from lowprec.fp8.gemm.grouped import grouped_mm
 from lowprec.fp8.kinds import base
-from lowprec.fp8.modules.linear_fn import cast, cast_both_layouts, cast_pair
+from lowprec.fp8.modules.cast_state import GRAD_OUTPUT, INPUT, WEIGHT, CastState
+from lowprec.fp8.modules.linear_fn import cast, cast_both_layouts, cast_pair, handed_scale
 from lowprec.fp8.kinds.plan import LinearPlan, OperandCast
 from lowprec.fp8.cast.quantize import Float8Data
-from lowprec.fp8.cast.scaling import amax_to_scale
 from lowprec.fp8.modules.saved import save_operands, saved_operands
 
 if TYPE_CHECKING:
@@ -82,15 +92,18 @@ class GroupedConfig:
     hp_dtype: torch.dtype
     counts: tuple[int, ...]
     single_call: bool  # the device runs a one-call grouped kernel (else the per-expert loop: CPU tests)
+    packed: bool  # every cast written into one buffer per operand (_packs)
 
 
-def _packs(plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor, both_grads: bool) -> bool:
-    """Whether every cast can be written into one buffer per operand (``_cast_into``): per-tensor
-    casts that serve both layouts (tensorwise), plain tensors, and the fused casts running here
-    (CUDA), so a grouped GEMM reads its operands where the casts wrote them: no concatenation
-    of the groups' FP8 rows, no stack of the experts' casts."""
+def _packs(plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether every cast can be written into one buffer per operand (``_cast_into``): both
+    gradients wanted, per-tensor casts that serve both layouts (tensorwise, delayed), plain
+    tensors, and the fused casts running here (CUDA), so a grouped GEMM reads its operands where
+    the casts wrote them: no concatenation of the groups' FP8 rows, no stack of the experts' casts."""
     return (
-        both_grads
+        torch.is_grad_enabled()
+        and x.requires_grad
+        and weight.requires_grad
         and plan.per_tensor
         and plan.x_dual
         and plan.w_reused
@@ -110,28 +123,31 @@ def fused_casts_here(device: torch.device) -> bool:
 
 
 def _cast_into(
-    parts: list[Optional[torch.Tensor]], spec: OperandCast, recipe: Recipe, transpose: bool
+    row: int,
+    parts: list[Optional[torch.Tensor]],
+    states: Sequence[CastState],
+    spec: OperandCast,
+    recipe: Recipe,
+    transpose: bool,
 ) -> tuple[torch.Tensor, list[Optional[Float8Data]], list[Optional[Float8Data]]]:
     """``(buffer, casts, transposed casts)``: each 2-D part (a token group or an expert weight;
-    None for an empty group) cast with its own tensor scale, as ``TensorCast`` casts it (the
-    same amax, scale and kernel), its rows written one after another into one buffer; where
-    ``transpose`` also its transposed copy (the layout its second GEMM reads)."""
+    None for an empty group) cast with its own tensor scale by its expert's state
+    (:meth:`CastState.cast_into`: its own amax as ``TensorCast`` takes it, or the scale its
+    history gives, updated in the same pass), its rows written one after another into one
+    buffer; where ``transpose`` also its transposed copy (the layout its second GEMM reads)."""
     live = [t for t in parts if t is not None]
     buf = torch.empty(sum(t.shape[0] for t in live), live[0].shape[1], dtype=spec.dtype, device=live[0].device)
-    pow2 = recipe.power_of_2_scales
     casts: list[Optional[Float8Data]] = []
     cols: list[Optional[Float8Data]] = []
     start = 0
-    for t in parts:
+    for t, state in zip(parts, states):
         if t is None:
             casts.append(None)
             cols.append(None)
             continue
-        scale = amax_to_scale(kernels.amax(t), spec.dtype, margin=recipe.margin, power_of_2=pow2)
-        rows = buf[start : start + t.shape[0]]
-        qt = kernels.cast_into(t, scale, spec.dtype, rows, transpose)
-        casts.append(Float8Data(rows, scale, "tensor", None, pow2))
-        cols.append(None if qt is None else Float8Data(qt.t(), scale, "tensor", None, pow2))
+        q, col = state.cast_into(row, t, spec, recipe, buf[start : start + t.shape[0]], transpose)
+        casts.append(q)
+        cols.append(col)
         start += t.shape[0]
     return buf, casts, cols
 
@@ -145,13 +161,15 @@ def _groups(t: torch.Tensor, counts: tuple[int, ...]) -> list[Optional[torch.Ten
     return out
 
 
-def _save(ctx, cfg: GroupedConfig, x, weight, w_saved, x_saved, w_param, w_packed) -> None:
+def _save(ctx, cfg: GroupedConfig, states, x, weight, w_saved, x_saved, w_param, w_packed) -> None:
     """What backward reads: the weight casts grad_input takes (or the Parameter to re-cast), x's
-    casts for grad_weight, and the packed forward's (E, N, K) weight buffer (or None)."""
+    casts for grad_weight, the packed forward's (E, N, K) weight buffer (or None), and each
+    expert's state (dY's scale, delayed scaling's grad_output history)."""
     save_operands(
         ctx,
         [*w_saved, *x_saved, w_param, w_packed],
         cfg=cfg,
+        states=states,
         n_w=len(w_saved),
         x_dtype=x.dtype,
         w_dtype=weight.dtype,
@@ -161,29 +179,30 @@ def _save(ctx, cfg: GroupedConfig, x, weight, w_saved, x_saved, w_param, w_packe
 
 class GroupedScaledFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, cfg: GroupedConfig):
+    def forward(ctx, x, weight, cfg: GroupedConfig, states: Sequence[CastState]):
         recipe, plan, hp = cfg.recipe, cfg.plan, cfg.hp_dtype
         spec_x, spec_w = plan.fprop.casts
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         experts = weight.shape[0]
-        if _packs(plan, x, weight, need_dgrad and need_wgrad):
-            return GroupedScaledFn._packed_forward(ctx, x, weight, cfg)
+        if cfg.packed:
+            return GroupedScaledFn._packed_forward(ctx, x, weight, cfg, states)
         with torch_autocast_off(x.device.type):
             xq: list[Optional[Float8Data]] = []  # per expert: None where it holds no token
             x_saved: list[Optional[Float8Data]] = []
-            for g in _groups(x, cfg.counts):
+            for g, state in zip(_groups(x, cfg.counts), states):
                 if g is None:
                     xq.append(None)
                     x_saved.append(None)
                     continue
-                q, col = cast_pair(g, spec_x, recipe, None, need_wgrad and plan.x_dual)
+                q, col = cast_pair(g, spec_x, recipe, state.x_scale, need_wgrad and plan.x_dual)
                 xq.append(q)
                 if need_wgrad and col is None:
-                    col = cast(g, plan.wgrad.casts[1], 0, recipe)
+                    spec_xw = plan.wgrad.casts[1]
+                    col = cast(g, spec_xw, 0, recipe, handed_scale(spec_xw, state.x_scale))
                 x_saved.append(col if need_wgrad else None)
             wq, w_col = [], []
             for e in range(experts):
-                q, col = cast_pair(weight[e], spec_w, recipe, None, need_dgrad and plan.w_dual)
+                q, col = cast_pair(weight[e], spec_w, recipe, states[e].w_scale, need_dgrad and plan.w_dual)
                 wq.append(q)
                 w_col.append(col if col is not None else q)
             out = grouped_mm(xq, [w.t() for w in wq], hp, single_call=cfg.single_call, path=recipe.gemm)
@@ -191,11 +210,11 @@ class GroupedScaledFn(torch.autograd.Function):
             w_saved = w_col if (need_dgrad and plan.w_reused) else []
         # rowwise: grad_input re-casts the weight from the Parameter (a reference, as the Linear)
         w_param = weight if (need_dgrad and not plan.w_reused) else None
-        _save(ctx, cfg, x, weight, w_saved, x_saved, w_param, None)
+        _save(ctx, cfg, states, x, weight, w_saved, x_saved, w_param, None)
         return out
 
     @staticmethod
-    def _packed_forward(ctx, x, weight, cfg: GroupedConfig):
+    def _packed_forward(ctx, x, weight, cfg: GroupedConfig, states: Sequence[CastState]):
         """The forward where every cast writes into one buffer per operand (``_packs``): x's
         groups into one (S, K) FP8 buffer (their transposed copies kept for grad_weight), the
         experts' weights into one (E, N, K) buffer, which the output GEMM reads transposed and
@@ -206,8 +225,10 @@ class GroupedScaledFn(torch.autograd.Function):
         experts, n, k = weight.shape
         native_dgrad = all(o.dtype == torch.float8_e4m3fn for o in plan.dgrad.casts)
         with torch_autocast_off(x.device.type):
-            xbuf, xq, x_saved = _cast_into(_groups(x, cfg.counts), spec_x, recipe, True)
-            wbuf, wq, w_t = _cast_into(list(weight.unbind(0)), spec_w, recipe, native_dgrad)
+            xbuf, xq, x_saved = _cast_into(INPUT, _groups(x, cfg.counts), states, spec_x, recipe, True)
+            wbuf, wq, w_t = _cast_into(WEIGHT, list(weight.unbind(0)), states, spec_w, recipe, native_dgrad)
+            for state in states:
+                state.forward_casts_done()
             wbuf = wbuf.view(experts, n, k)
             out = grouped_mm(
                 xq,
@@ -219,14 +240,14 @@ class GroupedScaledFn(torch.autograd.Function):
                 packed_b=wbuf.transpose(-2, -1),
             )
         w_saved = [c if c is not None else q for c, q in zip(w_t, wq)]
-        _save(ctx, cfg, x, weight, w_saved, x_saved, None, wbuf)
+        _save(ctx, cfg, states, x, weight, w_saved, x_saved, None, wbuf)
         return out
 
     @staticmethod
     def backward(ctx, dy):
         saved = saved_operands(ctx)
         w_saved, x_saved, w_param, w_packed = saved[: ctx.n_w], saved[ctx.n_w : -2], saved[-2], saved[-1]
-        cfg = ctx.cfg
+        cfg, states = ctx.cfg, ctx.states
         recipe, plan, hp = cfg.recipe, cfg.plan, cfg.hp_dtype
         dg, wg = plan.dgrad, plan.wgrad
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -235,18 +256,20 @@ class GroupedScaledFn(torch.autograd.Function):
             dyq, dy_col = [], []
             dy_packed = None
             if w_packed is not None:  # the packed forward ran (_packs): dY's casts into one buffer too
-                dy_packed, dyq, dy_col = _cast_into(_groups(dy, cfg.counts), dg.a, recipe, True)
-            for g in _groups(dy, cfg.counts) if dy_packed is None else ():
+                dy_packed, dyq, dy_col = _cast_into(GRAD_OUTPUT, _groups(dy, cfg.counts), states, dg.a, recipe, True)
+            for g, state in zip(_groups(dy, cfg.counts), states) if dy_packed is None else ():
                 if g is None:
                     dyq.append(None)
                     dy_col.append(None)
-                elif need_wgrad and plan.dy_dual:
-                    q, col = cast_both_layouts(g, dg.a, recipe)
+                    continue
+                dy_scale = state.grad_scale(g, recipe)  # delayed scaling: this expert's dY history
+                if need_wgrad and plan.dy_dual:
+                    q, col = cast_both_layouts(g, dg.a, recipe, dy_scale)
                     dyq.append(q)
                     dy_col.append(col)
                 else:
-                    dyq.append(cast(g, dg.a, 1, recipe) if need_dgrad else None)
-                    dy_col.append(cast(g, wg.a, 0, recipe) if need_wgrad else None)
+                    dyq.append(cast(g, dg.a, 1, recipe, handed_scale(dg.a, dy_scale)) if need_dgrad else None)
+                    dy_col.append(cast(g, wg.a, 0, recipe, handed_scale(wg.a, dy_scale)) if need_wgrad else None)
             if need_dgrad:
                 experts = len(cfg.counts)
                 w_dgrad = w_saved or [cast(w_param[e], dg.b, 0, recipe) for e in range(experts)]
@@ -270,7 +293,7 @@ class GroupedScaledFn(torch.autograd.Function):
                         else:
                             grad_w[e].zero_()
                 grad_w = grad_w.to(ctx.w_dtype)
-        return grad_x, grad_w, None
+        return grad_x, grad_w, None, None
 
 
 def grouped_scaled_gemms(
@@ -280,25 +303,29 @@ def grouped_scaled_gemms(
     recipe: Recipe,
     hp: torch.dtype,
     single_call: bool,
+    states: Callable[[bool], Sequence[CastState]],
 ) -> torch.Tensor:
-    """``(S, N)``: the grouped output through :class:`GroupedScaledFn`."""
+    """``(S, N)``: the grouped output through :class:`GroupedScaledFn`; ``states(packed)``: each
+    expert's :class:`CastState`, made once the path is known (delayed scaling updates its
+    histories inside the casts where they are written into one buffer per operand)."""
     if not any(counts):
         return x.new_zeros((0, weight.shape[1]), dtype=hp)
-    return GroupedScaledFn.apply(x, weight, GroupedConfig(recipe, recipe.plan(), hp, counts, single_call))
+    plan = recipe.plan()
+    packed = _packs(plan, x, weight)
+    cfg = GroupedConfig(recipe, plan, hp, counts, single_call, packed)
+    return GroupedScaledFn.apply(x, weight, cfg, states(packed))
 
 
 class SingleCallGrouped(base.Kind):
-    """What the tensor-, row- and block-scaled kinds (``tensorwise``, ``rowwise``, ``blockwise``)
-    add to a kind: their grouped GEMMs in :class:`GroupedScaledFn` with a one-call grouped kernel
-    (torch's, or lowprec's Triton one; ``blockwise``: the Triton blockwise one) where one runs and
-    passed its check (:meth:`grouped_kernel_ready`); elsewhere, and for a kind with an amax history
-    (delayed), the per-expert loop every kind has."""
+    """What the tensor-, row- and block-scaled kinds (``tensorwise``, ``delayed``, ``rowwise``,
+    ``blockwise``) add to a kind: their grouped GEMMs in :class:`GroupedScaledFn` with a one-call
+    grouped kernel (torch's, or lowprec's Triton one; ``blockwise``: the Triton blockwise one)
+    where one runs and passed its check (:meth:`grouped_kernel_ready`), each expert's scales and
+    state from :meth:`grouped_cast_states`; elsewhere the per-expert loop every kind has."""
 
     def _grouped_eligible(self, recipe: Recipe, telemetry: bool) -> bool:
-        """A recipe torch's grouped kernel can run: no amax history, its GEMM path, its casts."""
-        return (
-            not self.keeps_history and recipe.gemm in ("auto", "scaled_mm") and fits(recipe, recipe.plan(), telemetry)
-        )
+        """A recipe a one-call grouped kernel can run: its GEMM path, its casts."""
+        return recipe.gemm in ("auto", "scaled_mm") and fits(recipe, recipe.plan(), telemetry)
 
     def grouped_kernel_ready(self, device: torch.device) -> bool:
         """A one-call grouped kernel for this kind's operands runs on ``device`` (checked once)."""
@@ -317,8 +344,23 @@ class SingleCallGrouped(base.Kind):
         hp: torch.dtype,
     ) -> torch.Tensor:
         if self.grouped_single_call(recipe, x.device, gemm.fp8_telemetry):
-            return grouped_scaled_gemms(x, weight, counts, recipe, hp, single_call=True)
+            states = partial(self.grouped_cast_states, gemm, x, weight, counts, recipe)  # given `packed`
+            return grouped_scaled_gemms(x, weight, counts, recipe, hp, True, states)
         return super().grouped_forward(gemm, x, weight, counts, recipe, hp)
+
+    def grouped_cast_states(
+        self,
+        gemm: Float8GroupedGemm,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        counts: tuple[int, ...],
+        recipe: Recipe,
+        packed: bool,
+    ) -> list[CastState]:
+        """Per expert, what :class:`GroupedScaledFn` asks for the scales handed in and the state
+        to update (as :meth:`ScaledGemmKind.cast_state` for a Linear); ``packed``: the casts are
+        written into one buffer per operand. Current scaling: nothing handed in, nothing kept."""
+        return [CastState()] * len(counts)
 
     def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
         plan = recipe.plan()
@@ -327,6 +369,11 @@ class SingleCallGrouped(base.Kind):
         rest = f"grad_weight per expert: {self.gemm_note(recipe, device)}"
         if eligible and grouped_wgrad.may_run(device) and grouped_wgrad.takes_granularities(plan.wgrad.casts):
             rest = f"grad_weight of all experts in one launch of the {grouped_wgrad.KERNEL} (self-checked at first use)"
+        if self.keeps_history:
+            rest += (
+                "; each expert's scales from its own row of the amax histories "
+                "(updated inside the fused casts where they run)"
+            )
         if eligible and grouped_gemm.native_grouped_available(device):
             e4m3 = all(o.dtype == torch.float8_e4m3fn for o in plan.dgrad.casts)  # else E5M2 dY
             dgrad = (
