@@ -25,9 +25,9 @@ The ideal (the rules of ``benchmarks/traffic.py``'s docstring, per element of x,
 of each high-precision operand per pass that must finish before its cast (current scaling needs
 the amax first: one extra read; delayed scaling and per-block scales none), each FP8 layout a
 GEMM needs written once, amax fused into a pass, the weight gradient written by its GEMM in
-fp32. The recipes of ``traffic.py`` use its table (``mxfp8``: one 32x32 tile gives both layouts'
-scales, one read); ``nvfp4`` (a per-tensor amax first, then 4-bit values) is added here with its
-block scales' bytes (1 byte per 16 elements and layout), which are not small beside 4-bit data. Nothing for padding, routing or the combine: those are outside this GEMM.
+fp32: ``traffic.py``'s table (``mxfp8``: one 32x32 tile gives both layouts' scales, one read;
+``nvfp4``: a per-tensor amax first, then 4-bit values, with the block scales' bytes, 1 byte per
+16 elements and layout, which are not small beside 4-bit data). Nothing for padding, routing or the combine: those are outside this GEMM.
 
 ``bf16`` is the same GEMMs in bf16 (``torch._grouped_mm``; the fp32 weight cast to bf16 per
 call, its gradient cast back), as ``torch.autocast`` runs transformers' grouped experts.
@@ -63,13 +63,6 @@ RECIPES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise"
 SM = {"mxfp8": (10, 0), "nvfp4": (10, 0)}
 TARGET_RATIO = 1.15  # issue 25: traced non-GEMM bytes of the grouped path <= 1.15x its ideal
 
-# bytes per element of (x, W, dY) for the recipes traffic.py does not define (see the docstring)
-_NV_SCALE = 1 / 16
-EXTRA_IDEAL = {
-    # per-tensor amax read, cast read, both layouts (4-bit values + E4M3 block scales)
-    "nvfp4": (2 + 2 + 2 * (0.5 + _NV_SCALE), 4 + 4 + 2 * (0.5 + _NV_SCALE), 2 + 2 + 2 * (0.5 + _NV_SCALE)),
-}
-
 
 # what was found tracing torchao 0.18's grouped path (docs/LOG.md, 2026-11-28, session 13)
 TORCHAO_NOTE = (
@@ -85,7 +78,7 @@ TORCHAO_NOTE = (
 
 def ideal_bytes(recipe: str, experts: int, rows: int, k: int, n: int) -> int:
     """The ideal bytes outside the GEMMs of one grouped fwd+bwd (``rows`` routed tokens)."""
-    bx, bw, bdy = EXTRA_IDEAL.get(recipe) or dense.IDEAL_BYTES_PER_ELEMENT[recipe]
+    bx, bw, bdy = dense.IDEAL_BYTES_PER_ELEMENT[recipe]
     return round(bx * rows * k + bw * experts * n * k + bdy * rows * n)
 
 
@@ -110,24 +103,11 @@ def skewed_counts(experts: int, rows: int) -> tuple[int, ...]:
 ROUTINGS = {"even": even_counts, "skewed": skewed_counts}
 
 
-def _seed_nvfp4_host_state(gemm: Float8GroupedGemm) -> None:
-    # NVFP4 mirrors its rounding-stream state on the host, read once from the buffer (a device
-    # read meta tensors cannot do): read it here, on CPU, before the module moves to meta
-    from lowprec.fp8.kinds import nvfp4
-
-    for e in range(gemm.num_experts):
-        slot = gemm.slot(e, torch.empty(0))
-        nvfp4._host_state(slot, getattr(slot, nvfp4.SR_STATE))
-
-
 def lowprec_make(name: str):
     recipe = fp8.Recipe.from_name(name)
 
     def make(experts: int):
-        gemm = Float8GroupedGemm(experts, recipe)
-        if recipe.kind.name == "nvfp4":
-            _seed_nvfp4_host_state(gemm)
-        gemm = gemm.to("meta")
+        gemm = Float8GroupedGemm(experts, recipe).to("meta")
         return lambda x, w, counts: gemm(x, w, counts, recipe, torch.bfloat16)
 
     return make

@@ -15,7 +15,7 @@ counted (``lowprec.fp8.observe.traffic``). Exact and deterministic on any machin
 * torchao's ``Float8Linear`` (tensorwise, rowwise, rowwise_with_gw_hp), when torchao imports;
 * blockwise traced as sm_89 and sm_100, where torch has no blockwise FP8 GEMM and lowprec's
   Triton one runs (the weight gradient written in float32 by the kernel);
-* mxfp8 traced as sm_100 (``SM``), where torch's block-scaled GEMMs run;
+* mxfp8 and nvfp4 traced as sm_100 (``SM``), where torch's block-scaled GEMMs run;
 * ``ideal``: one read of each high-precision operand per pass that must finish before its cast
   (current scaling needs the amax first: one extra read; delayed scaling none), each FP8
   layout a GEMM needs written once, amax fused into a pass, the weight gradient written by its
@@ -47,10 +47,10 @@ from lowprec.fp8.observe.traffic import trace_linear  # noqa: E402
 
 FULL = (16384, 4096, 14336)
 TINY = (256, 128, 384)
-RECIPES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8")
-# recipes traced as another GPU than --sm: MXFP8 as sm_100, where torch's block-scaled GEMMs run
-# (elsewhere its GEMMs are emulated in float32)
-SM = {"mxfp8": (10, 0)}
+RECIPES = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise", "mxfp8", "nvfp4")
+# recipes traced as another GPU than --sm: MXFP8 and NVFP4 as sm_100, where torch's block-scaled
+# GEMMs run (elsewhere their GEMMs are emulated in float32)
+SM = {"mxfp8": (10, 0), "nvfp4": (10, 0)}
 # issue 9's targets for bytes outside the GEMMs at FULL, on the CUDA default path
 TARGET_GB = {"tensorwise": 2.8, "delayed": 2.0, "rowwise": 3.5, "blockwise": 3.5}
 # H100 SXM, achieved (not peak) rates: the roofline ESTIMATE's inputs
@@ -78,6 +78,8 @@ IDEAL_BYTES_PER_ELEMENT = {
     "blockwise": (2 + 1 + 1, 4 + 1 + 1, 2 + 1 + 1),
     # no amax pass: both layouts (values + E8M0 scales, a byte per 32) from one read of a 32x32 tile
     "mxfp8": (2 + 2 * (1 + 1 / 32), 4 + 2 * (1 + 1 / 32), 2 + 2 * (1 + 1 / 32)),
+    # per-tensor amax read, cast read, both layouts (4-bit values + E4M3 scales, a byte per 16)
+    "nvfp4": (2 + 2 + 2 * (0.5 + 1 / 16), 4 + 4 + 2 * (0.5 + 1 / 16), 2 + 2 + 2 * (0.5 + 1 / 16)),
 }
 
 
@@ -115,7 +117,7 @@ def estimate_ms(counter) -> float:
 
 def _row(variant: str, counter, m: int, k: int, n: int) -> dict:
     outside = counter.outside_gemm_bytes()
-    return {
+    row = {
         "variant": variant,
         "outside_gemm_bytes": outside,
         "outside_gemm_gb": round(outside / 1e9, 3),
@@ -125,8 +127,13 @@ def _row(variant: str, counter, m: int, k: int, n: int) -> dict:
             {"op": g.name, "dtype": g.operand_dtype, "flops": g.flops, "bytes": g.bytes} for g in counter.gemms()
         ],
         "top_ops": {name: d for name, d in list(counter.by_op().items())[:8]},
-        "estimate_ms_h100": round(estimate_ms(counter), 6),
     }
+    no_rate = sorted({g.operand_dtype for g in counter.gemms()} - set(FLOPS_PER_S))
+    if no_rate:  # FP4 GEMMs do not exist on an H100: no estimate rather than an invented rate
+        row["estimate_note"] = f"no H100 estimate: {', '.join(no_rate)} GEMMs have no H100 rate"
+    else:
+        row["estimate_ms_h100"] = round(estimate_ms(counter), 6)
+    return row
 
 
 def trace_variants(m, k, n, recipes, torchao: bool, sm=(9, 0)) -> list[dict]:
@@ -183,7 +190,7 @@ def trace_variants(m, k, n, recipes, torchao: bool, sm=(9, 0)) -> list[dict]:
     for r in rows:
         if "estimate_ms_h100" in r:
             r["estimate_speedup_vs_bf16"] = round(bf16_ms / r["estimate_ms_h100"], 3)
-        if "ideal_outside_gemm_bytes" in r:
+        if "ideal_outside_gemm_bytes" in r and "estimate_ms_h100" in r:
             ideal = dict(r, outside_gemm_bytes=r["ideal_outside_gemm_bytes"])
             gemm_s = sum(g["flops"] / FLOPS_PER_S[g["dtype"]] for g in r["gemms"])
             ideal_ms = 1e3 * (gemm_s + ideal["outside_gemm_bytes"] / HBM_BYTES_PER_S)
@@ -212,9 +219,8 @@ def main(argv=None) -> int:
             print(f"{r['variant']:44s} error: {r['error']}")
             continue
         ideal = f"{r['ideal_outside_gemm_bytes'] / 1e9:7.2f}G" if "ideal_outside_gemm_bytes" in r else ""
-        print(
-            f"{r['variant']:44s} {r['outside_gemm_gb']:13.3f}G {ideal:>8s} {r['ops_outside_gemm']:5d} {r['estimate_speedup_vs_bf16']:11.2f}x"
-        )
+        est = f"{r['estimate_speedup_vs_bf16']:11.2f}x" if "estimate_speedup_vs_bf16" in r else f"{'-':>12s}"
+        print(f"{r['variant']:44s} {r['outside_gemm_gb']:13.3f}G {ideal:>8s} {r['ops_outside_gemm']:5d} {est}")
     print(
         "est. x bf16 is a roofline ESTIMATE at H100 rates (3.35 TB/s; FP8 1300, bf16 750, fp32 50 TFLOP/s), not a measurement"
     )

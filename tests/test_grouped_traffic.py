@@ -147,3 +147,17 @@ def test_a_custom_op_writing_an_argument_and_returning_a_tensor_counts_both():
     assert qt is not None and qt.shape == (32, 64) and amax.shape == ()
     (rec,) = c.records
     assert rec.name == "lowprec.cast_into" and (rec.read, rec.written) == (64 * 32 * 2 + 4, 2 * 64 * 32 + 4)
+
+
+@needs_triton
+def test_nvfp4_grouped_path_traces_within_its_level():
+    """NVFP4's grouped GEMMs trace on meta tensors (its stochastic rounding draws there; its
+    rounding streams read no device value): the level its torch-op casts reach, 15.28x the ideal
+    at Qwen3-30B-A3B shapes (9.84x at DeepSeek-V3), GEMMs on 4-bit operands (the random Hadamard
+    rotation of the weight-gradient operands is a float32 bmm)."""
+    experts, k, n = bench.SHAPES["qwen3-30b-a3b"]
+    c = bench.trace_recipe("nvfp4", experts, k, n, ROWS)
+    ratio = c.outside_gemm_bytes() / bench.ideal_bytes("nvfp4", experts, ROWS, k, n)
+    assert 1 <= ratio <= 15.5, round(ratio, 3)
+    dtypes = {g.operand_dtype for g in c.gemms()}
+    assert dtypes == {"float4_e2m1fn_x2", "float32"}, dtypes

@@ -120,7 +120,10 @@ def e2m1_encode(y: torch.Tensor, generator: torch.Generator | None = None) -> to
     lo = torch.bucketize(a, grid, right=True, out_int32=True).sub_(1)
     # (a - lo) / step as a multiply by 1/step (powers of two: exact, the same p); 6 -> p = 0
     p = (a - grid[lo]).mul_(inv_step[lo])
-    u = torch.rand(a.shape, generator=generator, device=generator.device).to(a.device)
+    if a.device.type == "meta":  # a trace (fp8.trace_as): the draw's shape and bytes, no values
+        u = torch.rand(a.shape, device=a.device)
+    else:
+        u = torch.rand(a.shape, generator=generator, device=generator.device).to(a.device)
     code = (lo + (u < p)).to(torch.uint8)
     sign = ((y < 0) & (code > 0)).to(torch.uint8) << 3  # no negative zero
     return code | sign

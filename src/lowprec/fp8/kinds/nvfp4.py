@@ -40,8 +40,8 @@ class NVCodec(Codec):
 
     def quantize(self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None) -> BlockScaledData:
         gen = None
-        if seed is not None:
-            gen = torch.Generator(device=t.device)
+        if seed is not None:  # a trace on meta tensors draws on meta (e2m1_encode): a CPU generator stands in
+            gen = torch.Generator(device=t.device if t.device.type != "meta" else "cpu")
             gen.manual_seed(seed)
         return quantize_nvfp4(t, gen)
 
@@ -65,7 +65,9 @@ _HOST_COPY = "_nvfp4_sr_host"
 def _host_state(layer, state: torch.Tensor) -> tuple[int, int]:
     copy = layer.__dict__.get(_HOST_COPY)
     if copy is None or copy[0] != state_epoch():
-        copy = layer.__dict__[_HOST_COPY] = (state_epoch(), *(int(v) for v in state.tolist()))
+        # a trace on meta tensors (fp8.trace_as) has no values to read: stream (0, 0)
+        values = (0, 0) if state.device.type == "meta" else (int(v) for v in state.tolist())
+        copy = layer.__dict__[_HOST_COPY] = (state_epoch(), *values)
     return copy[1], copy[2]
 
 
