@@ -640,3 +640,26 @@ def test_an_expert_missing_from_the_saved_optimizer_state_is_an_error_not_a_sile
     with pytest.raises(RuntimeError, match="has no entry 'weight' for a sharded expert parameter"):
         ep.gather_expert_optimizer_state(opt, renamed, model)
     assert ep.gather_expert_optimizer_state(opt, {"state": {}}, model) == {"state": {}}  # FSDP2: ranks > 0
+
+
+def test_moments_of_another_expert_count_are_an_error_not_cut_into_other_experts(monkeypatch):
+    """slice_expert_optimizer_state on rank 1 of 2 (4 experts, 2 here): the whole moments give
+    this rank experts 2-3, its own slice stays as it is, a state of 3 experts (one process's
+    slice saved by another count) is one error naming the parameter. Collectives stood in for."""
+    from lowprec.distributed import expert_parallel as ep
+
+    monkeypatch.setattr(ep.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(ep.dist, "get_rank", lambda group=None: 1)
+    model = torch.nn.Linear(4, 2, bias=False)  # weight (2, 4): this rank's 2 of 4 experts
+    model.weight._lowprec_ep_group = None  # as _shard marks an expert parameter
+    opt = torch.optim.AdamW(model.parameters())
+    whole = torch.arange(16.0).reshape(4, 4)
+
+    def state(moments):
+        return {"state": {0: {"step": torch.tensor(3.0), "exp_avg": moments}}, "param_groups": []}
+
+    got = ep.slice_expert_optimizer_state(opt, state(whole))["state"][0]
+    assert torch.equal(got["exp_avg"], whole[2:]) and got["step"] == 3
+    assert torch.equal(ep.slice_expert_optimizer_state(opt, state(whole[:2]))["state"][0]["exp_avg"], whole[:2])
+    with pytest.raises(ValueError, match=r"'exp_avg' of expert parameter 0 holds 3 experts; the model has 4 \(2 on"):
+        ep.slice_expert_optimizer_state(opt, state(whole[:3]))

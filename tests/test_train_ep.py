@@ -194,7 +194,8 @@ def test_a_data_position_on_another_process_count(tmp_path):
     assert [position_on(saved, w) for w in (1, 2, 3, 6)] == [6, 3, 2, 1]
     with pytest.raises(ValueError, match=r"4 processes read 16 per batch, .* --num_processes 1 / 2 / 3 / 6,"):
         position_on(saved, 4)
-    (tmp_path / "lowprec_state.json").write_text(json.dumps({"num_processes": 2}))
+    meta = {"mixed_precision": "fp8", "fp8_backend": "native", "num_processes": 2}
+    (tmp_path / "lowprec_state.json").write_text(json.dumps(meta))
     cfg = parse_config({"base_model": "builtin:moe-tiny", "micro_batch_size": 4})
     assert check_process_count(str(tmp_path), 2, cfg) is None
     assert check_process_count(str(tmp_path), 1, cfg).endswith(

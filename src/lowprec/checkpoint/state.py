@@ -61,7 +61,16 @@ from lowprec.utils.distributed import (
 from lowprec.checkpoint.sharded import load_sharded, save_sharded, uses_sharded
 from lowprec.utils.offload import fill_offloaded
 
-__all__ = ["save_state", "load_state", "save_model", "save_tensors", "load_tensors", "save_optimizer", "load_optimizer"]
+__all__ = [
+    "save_state",
+    "load_state",
+    "checkpoint_meta",
+    "save_model",
+    "save_tensors",
+    "load_tensors",
+    "save_optimizer",
+    "load_optimizer",
+]
 
 META = "lowprec_state.json"
 
@@ -277,7 +286,7 @@ def load_state(acc: Any, input_dir: str) -> None:
     meta_path = os.path.join(input_dir, META)
     if not os.path.isfile(meta_path):
         raise ValueError(f"{input_dir} is not a lowprec checkpoint (no {META}); pass the directory save_state wrote")
-    meta = read_checked(meta_path, _read_meta)
+    meta = checkpoint_meta(input_dir)
     if meta["mixed_precision"] != acc.mixed_precision or meta["fp8_backend"] != acc.fp8_backend.value:
         raise ValueError(
             f"checkpoint {input_dir} was saved with mixed_precision={meta['mixed_precision']!r}, "
@@ -334,6 +343,12 @@ def load_state(acc: Any, input_dir: str) -> None:
     acc.wait_for_everyone()
 
 
+def checkpoint_meta(input_dir: str) -> dict:
+    """A checkpoint's ``lowprec_state.json`` (precision, backend, process count); a file that
+    does not parse is one error line naming it."""
+    return read_checked(os.path.join(input_dir, META), _read_meta)
+
+
 def _load_models(acc: Any, input_dir: str, sharded: set, saved_procs: int, reshard: bool, safe: bool) -> None:
     """Each prepared model's weights (DeepSpeed's own files, FSDP2 shards or one full state) and
     its per-rank FP8 scaling buffers."""
@@ -364,6 +379,12 @@ def _load_models(acc: Any, input_dir: str, sharded: set, saved_procs: int, resha
             with torch.no_grad():
                 named = dict(inner.named_buffers())
                 for k, v in load_tensors(own).items():
+                    if named[k].shape != v.shape:  # copy_ would broadcast, or fail in a traceback
+                        raise CheckpointError(
+                            f"{own} holds {k} of shape {tuple(v.shape)}, this model's is {tuple(named[k].shape)} "
+                            f"(an earlier lowprec kept each process's experts' FP8 state there): resume it on "
+                            f"{saved_procs} processes"
+                        )
                     named[k].copy_(v)
 
 

@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 from lowprec.checkpoint.serialization import load_object
+from lowprec.checkpoint.state import checkpoint_meta
 from lowprec.fp8.gemm.cpu import cpu_gemm_choice
 from lowprec.train.data import position_on
 
@@ -234,9 +235,7 @@ def check_process_count(checkpoint: str, processes: int, cfg: Any) -> Optional[s
     changes (logged by the run), or a ValueError when the saved data position falls inside one
     of this run's batches (:func:`lowprec.train.data.position_on`). Called before any worker
     starts, so that the error is the CLI's one line."""
-    meta_path = os.path.join(checkpoint, "lowprec_state.json")
-    with open(meta_path) as f:
-        saved_procs = json.load(f).get("num_processes", processes)
+    saved_procs = checkpoint_meta(checkpoint).get("num_processes", processes)
     if saved_procs == processes:
         return None
     if any(name.startswith("deepspeed_") for name in os.listdir(checkpoint)):
