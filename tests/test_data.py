@@ -312,6 +312,32 @@ def test_rank_shards_are_disjoint_and_equal_length():
     assert not (seen[0] & seen[1]) and not (seen[0] & seen[2]) and not (seen[1] & seen[2])
 
 
+def test_resume_on_another_world_size_reads_the_same_sequences():
+    """Rank r reads every world-th item of the epoch's order, so 2 ranks after 3 batches of 2
+    have read the order's first 12 items: one rank continues at its 7th batch, 3 ranks at their
+    3rd, and the next 4 items are the 2 ranks' next batches; 4 ranks (8 a batch) cannot continue."""
+    tokens = torch.arange(16 * 64, dtype=torch.int32)  # block id = first token // 16
+
+    def blocks(batches):
+        return sorted(int(row[0]) // 16 for b in batches for row in b["input_ids"])
+
+    loaders = [TokenBatches(tokens, 2, 16, seed=3, rank=r, world_size=2) for r in range(2)]
+    two = [iter(x) for x in loaders]
+    read = blocks([next(it) for it in two for _ in range(3)])
+    state = loaders[0].state_dict()
+    following = blocks([next(it) for it in two])
+    one = TokenBatches(tokens, 2, 16, seed=3)
+    assert blocks([b for _, b in zip(range(6), one)]) == read  # the same 12 from the start
+    one.load_state_dict(state)
+    assert one.position == 6 and blocks([b for _, b in zip(range(2), one)]) == following
+    three = [TokenBatches(tokens, 2, 16, seed=3, rank=r, world_size=3) for r in range(3)]
+    for x in three:
+        x.load_state_dict(state)
+    assert {x.position for x in three} == {2}
+    with pytest.raises(ValueError, match="4 processes read 8 per batch, which does not divide 12"):
+        TokenBatches(tokens, 2, 16, seed=3, world_size=4).load_state_dict(state)
+
+
 def test_loader_errors():
     tokens = _stream(100)
     with pytest.raises(ValueError, match="fewer than batch_size=8 x world_size=1"):

@@ -6,7 +6,8 @@ per rank; rowwise: the same FP8 values in the expert GEMMs, the sums in another 
 (2-core EPYC, 5 steps at lr 3e-3, rowwise): max |loss diff| 3.7e-3 at loss ~4.5 (8 steps:
 7.9e-3); tolerance 2e-2 (test_train_tp.py's). The exported model holds every expert. With
 ``--fsdp_version 2`` the other weights shard under FSDP2 (against FSDP2 alone); ``--save_steps``
-checkpoints resume bit for bit. Bad inputs: one line each, exit 2 from the CLI."""
+checkpoints resume bit for bit, and on another process count (2 -> 1, 4 -> 2) follow the
+uninterrupted run of the new layout. Bad inputs: one line each, exit 2 from the CLI."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from lowprec.train.config import parse_config
+from lowprec.train.config import load_config, parse_config
 from lowprec.train.metrics import read_metrics
+from lowprec.train.trainer import train
 from tests.torchrun_util import run_torchrun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,23 +65,27 @@ def test_expert_parallel_degree_is_ep_size():
     assert cfg.ep_size == 4
 
 
-def test_cli_exit_2_with_one_line_when_the_processes_do_not_match(tmp_path):
+def _error_lines(*flags):
+    """``lowprec train examples/moe_tiny.yaml FLAGS``, which must exit 2: its error lines."""
     proc = subprocess.run(
-        [sys.executable, "-m", "lowprec.cli.main", "train", MOE, "--ep_size", "2", "--output_dir", str(tmp_path)],
+        [sys.executable, "-m", "lowprec.cli.main", "train", MOE, *flags],
         capture_output=True,
         text=True,
         env=ENV,
         timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("lowprec: error")]
-    assert lines == [
+    return [x for x in proc.stderr.splitlines() if x.startswith("lowprec: error")]
+
+
+def test_cli_exit_2_with_one_line_when_the_processes_do_not_match(tmp_path):
+    assert _error_lines("--ep_size", "2", "--output_dir", str(tmp_path)) == [
         "lowprec: error: ep_size: 2 with --num_processes 1: the experts are sharded over every process "
         "(expert replicas are not implemented); launch --num_processes 2 or set ep_size: 1"
-    ], proc.stderr
+    ]
 
 
-def _launch(out, *flags):
+def _launch(out, *flags, procs=2, steps=5):
     run_torchrun(
         [
             sys.executable,
@@ -88,9 +94,9 @@ def _launch(out, *flags):
             "train",
             MOE,
             "--num_processes",
-            "2",
+            str(procs),
             "--max_steps",
-            "5",
+            str(steps),
             "--val_set_size",
             "0",
             "--output_dir",
@@ -131,3 +137,70 @@ def test_expert_parallel_follows_the_plain_run_and_resumes_as_uninterrupted(tmp_
     resumed = _launch(tmp_path / "b", "--ep_size", "2", "--resume_from_checkpoint", str(ckpt), *flags)
     assert [r["step"] for r in read_metrics(str(tmp_path / "b"), "train")] == [4, 5]
     assert resumed == full[3:]
+    if not flags:  # the same checkpoint on other process counts (DDP only: the path is the same)
+        _on_one_process_and_on_four(tmp_path, ckpt, full)
+
+
+def _on_one_process_and_on_four(tmp_path, ckpt, full):
+    """checkpoint-3 of ``--num_processes 2 --ep_size 2`` resumed on one process without expert
+    parallelism, ``gradient_accumulation_steps: 2`` keeping 8 sequences a step: the data continues
+    at sequence 24, and steps 4-5 follow both the uninterrupted one-process run of that layout
+    (the same sequences from the start) and the 2-process run, within 2e-2 (measured, 2-core
+    EPYC: 1.5e-4 / 2.3e-3 and 1e-5 / 5e-4). That the state loaded is the saved one, every
+    expert's slice in its place: test_expert_parallel.py. On 4 processes the saved position (24
+    sequences) falls inside a batch of 16: one line, exit 2, before any worker starts."""
+    one = {"max_steps": 5, "val_set_size": 0, "gradient_accumulation_steps": 2, "progress_bar": False}
+    resumed = train(load_config(MOE, {**one, "output_dir": str(tmp_path / "one"), "resume_from_checkpoint": str(ckpt)}))
+    ref = train(load_config(MOE, {**one, "output_dir": str(tmp_path / "one_ref")}))
+    assert [s for s, _ in resumed.train_losses] == [4, 5]
+    after = [loss for _, loss in resumed.train_losses]
+    assert after == pytest.approx([loss for s, loss in ref.train_losses if s > 3], abs=2e-2)
+    assert after == pytest.approx(full[3:], abs=2e-2)
+    four = ["--num_processes", "4", "--ep_size", "4", "--output_dir", str(tmp_path / "four")]
+    assert _error_lines(*four, "--resume_from_checkpoint", str(ckpt)) == [
+        f"lowprec: error: resume_from_checkpoint: {ckpt}: the data position was saved by 2 processes, 24 "
+        "sequences into epoch 0 (3 batches of 4 each); 4 processes read 16 per batch, which does not divide 24: "
+        "resume with --num_processes 1 / 2 / 3 / 6, or from a checkpoint where it divides"
+    ]
+    assert not (tmp_path / "four").exists()  # nothing started
+
+
+def test_four_process_checkpoint_resumes_on_two(tmp_path):
+    """``--num_processes 4 --ep_size 4`` (2 experts a process, 16 sequences a step), checkpoint-2
+    resumed with ``--num_processes 2 --ep_size 2 --gradient_accumulation_steps 2`` (still 16 a
+    step, from sequence 32): every process loads its 4 experts and their moments from the whole
+    saved ones, and steps 3-4 follow the uninterrupted run of that layout (the same sequences from
+    the start) and the 4-process run within 2e-2 (measured, 2-core EPYC: 1.5e-4 / 5.1e-4 and 1e-6 / 5e-5)."""
+    four = _launch(tmp_path / "four", "--ep_size", "4", "--save_steps", "2", procs=4, steps=4)
+    two = ["--ep_size", "2", "--gradient_accumulation_steps", "2"]
+    resumed = _launch(
+        tmp_path / "b", *two, "--resume_from_checkpoint", str(tmp_path / "four" / "checkpoint-2"), steps=4
+    )
+    ref = _launch(tmp_path / "ref", *two, steps=4)
+    assert [r["step"] for r in read_metrics(str(tmp_path / "b"), "train")] == [3, 4]
+    assert resumed == pytest.approx(ref[2:], abs=2e-2)
+    assert resumed == pytest.approx(four[2:], abs=2e-2)
+
+
+def test_a_data_position_on_another_process_count(tmp_path):
+    """position_on: the same sequences consumed on another process count, or one line naming the
+    counts that continue; check_process_count: the line the run logs, DeepSpeed's files refused."""
+    import json
+
+    from lowprec.train.data import position_on
+    from lowprec.train.resume_check import check_process_count
+
+    saved = {"epoch": 0, "position": 3, "batch_size": 4, "world_size": 2}
+    assert [position_on(saved, w) for w in (1, 2, 3, 6)] == [6, 3, 2, 1]
+    with pytest.raises(ValueError, match=r"4 processes read 16 per batch, .* --num_processes 1 / 2 / 3 / 6,"):
+        position_on(saved, 4)
+    meta = {"mixed_precision": "fp8", "fp8_backend": "native", "num_processes": 2}
+    (tmp_path / "lowprec_state.json").write_text(json.dumps(meta))
+    cfg = parse_config({"base_model": "builtin:moe-tiny", "micro_batch_size": 4})
+    assert check_process_count(str(tmp_path), 2, cfg) is None
+    assert check_process_count(str(tmp_path), 1, cfg).endswith(
+        "takes 4 sequences (it took 8): gradient_accumulation_steps 2 keeps 8"
+    )
+    (tmp_path / "deepspeed_0").mkdir()
+    with pytest.raises(ValueError, match="under DeepSpeed, .* resume with --num_processes 2$"):
+        check_process_count(str(tmp_path), 1, cfg)

@@ -61,7 +61,16 @@ from lowprec.utils.distributed import (
 from lowprec.checkpoint.sharded import load_sharded, save_sharded, uses_sharded
 from lowprec.utils.offload import fill_offloaded
 
-__all__ = ["save_state", "load_state", "save_model", "save_tensors", "load_tensors", "save_optimizer", "load_optimizer"]
+__all__ = [
+    "save_state",
+    "load_state",
+    "checkpoint_meta",
+    "save_model",
+    "save_tensors",
+    "load_tensors",
+    "save_optimizer",
+    "load_optimizer",
+]
 
 META = "lowprec_state.json"
 
@@ -234,8 +243,11 @@ def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
         if _per_rank_buffers(m):
             # FSDP2 and DeepSpeed do not synchronise buffers (DDP broadcasts rank 0's; DeepSpeed
             # writes rank 0's only): each process keeps its own FP8 scaling state (amax histories
-            # of its own data), so each saves its own
-            buffers = {k: b.detach().cpu() for k, b in acc.unwrap_model(m).named_buffers()}
+            # of its own data), so each saves its own. Not the sharded experts' (expert
+            # parallelism): the model file holds them whole, which loads on any process count
+            inner = acc.unwrap_model(m)
+            experts = set(expert_parallel_names(inner))
+            buffers = {k: b.detach().cpu() for k, b in inner.named_buffers() if k not in experts}
             save_tensors(buffers, os.path.join(tmp, f"buffers_{i}_rank{acc.process_index}.safetensors"), True)
 
 
@@ -274,7 +286,7 @@ def load_state(acc: Any, input_dir: str) -> None:
     meta_path = os.path.join(input_dir, META)
     if not os.path.isfile(meta_path):
         raise ValueError(f"{input_dir} is not a lowprec checkpoint (no {META}); pass the directory save_state wrote")
-    meta = read_checked(meta_path, _read_meta)
+    meta = checkpoint_meta(input_dir)
     if meta["mixed_precision"] != acc.mixed_precision or meta["fp8_backend"] != acc.fp8_backend.value:
         raise ValueError(
             f"checkpoint {input_dir} was saved with mixed_precision={meta['mixed_precision']!r}, "
@@ -285,13 +297,14 @@ def load_state(acc: Any, input_dir: str) -> None:
     saved_procs = meta.get("num_processes", acc.num_processes)
     sharded = set(meta.get("sharded", []))
     reshard = saved_procs != acc.num_processes
-    if reshard and not (sharded and sharded == {i for i, m in enumerate(acc._models) if not _is_ds(m)}):
+    # a full-state model file holds every weight (expert parallelism: every expert, gathered) and
+    # the optimizer file every state (the experts' moments gathered too), sharded (DCP) files
+    # reshard: either loads on any process count. DeepSpeed's partitioned files do not.
+    if reshard and any(_is_ds(m) for m in acc._models):
         raise ValueError(
-            f"checkpoint {input_dir} was saved by {saved_procs} process(es); this run has "
+            f"checkpoint {input_dir} was saved by {saved_procs} process(es) with DeepSpeed; this run has "
             f"{acc.num_processes}. Resume with the same number of processes (e.g. `lowprec launch "
-            f"--num_processes {saved_procs}`), save with FSDP2 sharded checkpoints (fsdp_state_dict_type: "
-            "SHARDED_STATE_DICT), which load on any number of processes, or load the weights alone with "
-            "model.load_state_dict"
+            f"--num_processes {saved_procs}`), or load the weights alone with model.load_state_dict"
         )
     safe = meta.get("safe_serialization", True)
     _load_models(acc, input_dir, sharded, saved_procs, reshard, safe)
@@ -330,6 +343,12 @@ def load_state(acc: Any, input_dir: str) -> None:
     acc.wait_for_everyone()
 
 
+def checkpoint_meta(input_dir: str) -> dict:
+    """A checkpoint's ``lowprec_state.json`` (precision, backend, process count); a file that
+    does not parse is one error line naming it."""
+    return read_checked(os.path.join(input_dir, META), _read_meta)
+
+
 def _load_models(acc: Any, input_dir: str, sharded: set, saved_procs: int, reshard: bool, safe: bool) -> None:
     """Each prepared model's weights (DeepSpeed's own files, FSDP2 shards or one full state) and
     its per-rank FP8 scaling buffers."""
@@ -347,15 +366,25 @@ def _load_models(acc: Any, input_dir: str, sharded: set, saved_procs: int, resha
             path = _model_file(input_dir, i, safe)
             _apply(lambda sd, inner=inner: load_full_model_state_dict(inner, sd), load_tensors(path), path)
         own = os.path.join(input_dir, f"buffers_{i}_rank{acc.process_index}.safetensors")
-        if reshard and not os.path.isfile(own):
+        if (
+            reshard
+            and not os.path.isfile(own)
+            and glob.glob(os.path.join(glob.escape(input_dir), f"buffers_{i}_rank*"))
+        ):
             log_once(
                 f"lowprec: {os.path.basename(own)} is not in the checkpoint (saved by {saved_procs} processes); "
-                "this process keeps the FP8 scaling state of the sharded model state (rank 0's)"
+                "this process keeps the FP8 scaling state of the loaded model state (rank 0's)"
             )
         if _per_rank_buffers(m) and os.path.isfile(own):
             with torch.no_grad():
                 named = dict(inner.named_buffers())
                 for k, v in load_tensors(own).items():
+                    if named[k].shape != v.shape:  # copy_ would broadcast, or fail in a traceback
+                        raise CheckpointError(
+                            f"{own} holds {k} of shape {tuple(v.shape)}, this model's is {tuple(named[k].shape)} "
+                            f"(an earlier lowprec kept each process's experts' FP8 state there): resume it on "
+                            f"{saved_procs} processes"
+                        )
                     named[k].copy_(v)
 
 

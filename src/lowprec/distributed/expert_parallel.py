@@ -12,8 +12,11 @@ Parameters
     :func:`gather_expert_state` (called by ``Accelerator.get_state_dict`` /
     ``full_model_state_dict``, on every rank) all-gathers them to the whole ``(E, ...)``
     tensors, and ``load_state_dict`` of a whole tensor keeps this rank's slice (a checkpoint of
-    the unsharded model loads as it is). Optimizer state stays per rank (not gathered). The grouped GEMMs' per-expert FP8 state (``fp8_<proj>``
-    buffers, delayed scaling's histories) is sliced the same way. Non-expert weights are
+    the unsharded model loads as it is). The grouped GEMMs' per-expert FP8 state (``fp8_<proj>``
+    buffers, delayed scaling's histories) is sliced, gathered and loaded the same way, and the
+    experts' optimizer state by :func:`gather_expert_optimizer_state` /
+    :func:`slice_expert_optimizer_state`: a checkpoint holds every expert whole and loads on any
+    ``ep_size`` (or one process without expert parallelism). Non-expert weights are
     replicated: their gradients are partial sums over each rank's tokens and need the
     data-parallel reduction the caller already does (DDP, FSDP2 with the experts as its
     ``ignored_params`` (the Accelerator does both), or the all-reduce of a test).
@@ -286,18 +289,27 @@ def gather_expert_optimizer_state(optimizer: Any, state_dict: dict, model: Optio
 def slice_expert_optimizer_state(optimizer: Any, state_dict: dict, model: Optional[nn.Module] = None) -> dict:
     """``state_dict`` with every whole ``(E, ...)`` state tensor of a sharded expert parameter cut
     to this rank's slice (:func:`gather_expert_optimizer_state`'s inverse; nothing to do without
-    expert parallelism or for a state already of the slice's shape)."""
+    expert parallelism or for a state already of the slice's shape). A state of another number
+    of experts (one rank's slice saved by another process count) is a ValueError naming the
+    parameter: cut, it would give this rank's moments to other experts."""
     states = state_dict.get("state", {})
     for key, p, group in _optimizer_experts(optimizer, model):
         if key not in states:
             continue
         local, first = p.shape[0], dist.get_rank(group) * p.shape[0]
-        states[key] = {
-            k: v[first : first + local]
-            if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.shape[0] != local and v.shape[1:] == p.shape[1:]
-            else v
-            for k, v in states[key].items()
-        }
+        whole = local * dist.get_world_size(group)
+        cut = {}
+        for k, v in states[key].items():
+            if isinstance(v, torch.Tensor) and v.dim() == p.dim() and v.shape[1:] == p.shape[1:]:
+                if v.shape[0] not in (local, whole):
+                    raise ValueError(
+                        f"the optimizer state {k!r} of expert parameter {key!r} holds {v.shape[0]} experts; the "
+                        f"model has {whole} ({local} on this process): a checkpoint that kept one process's experts "
+                        "loads on that process count only; resume with the process count that saved it"
+                    )
+                v = v[first : first + local] if v.shape[0] != local else v
+            cut[k] = v
+        states[key] = cut
     return state_dict
 
 

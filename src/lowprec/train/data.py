@@ -37,6 +37,7 @@ __all__ = [
     "TokenDataset",
     "TokenBatches",
     "ShardedEpochs",
+    "position_on",
     "build_datasets",
     "corpus_fingerprint",
     "stdlib_documents",
@@ -288,6 +289,28 @@ def _named(names: Mapping[str, str] | None) -> Callable[..., str]:
 
 
 # ---------------------------------------------------------------------- batches
+def position_on(state: Mapping[str, Any], world_size: int) -> int:
+    """The batches each of ``world_size`` ranks has taken at the place a :class:`ShardedEpochs`
+    state (saved by ``state["world_size"]`` ranks) stands in its epoch. Rank r takes every
+    world-th item of the epoch's order, so after p batches of b the ranks together have taken
+    its first ``p * b * world`` items: on another world size the same items are taken when
+    ``b * world_size`` divides that count. Otherwise no position continues without repeating
+    or skipping items: one ValueError naming the process counts that do."""
+    saved, position, batch = int(state.get("world_size", world_size)), int(state["position"]), int(state["batch_size"])
+    if saved == world_size:
+        return position
+    items = position * batch * saved
+    if items % (batch * world_size):
+        fits = [n for n in range(1, min(position * saved, 1024) + 1) if (position * saved) % n == 0][:6]
+        raise ValueError(
+            f"the data position was saved by {saved} processes, {items} sequences into epoch {state['epoch']} "
+            f"({position} batches of {batch} each); {world_size} processes read {batch * world_size} per batch, "
+            f"which does not divide {items}: resume with --num_processes {' / '.join(map(str, fits))}, or from "
+            "a checkpoint where it divides"
+        )
+    return items // (batch * world_size)
+
+
 class ShardedEpochs:
     """Batches of indexed items, shuffled per epoch, sharded by rank, resumable.
 
@@ -356,18 +379,20 @@ class ShardedEpochs:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at (epoch, position). The data settings must match the saved ones, since a
-        different batch size or corpus would silently feed different data."""
+        different batch size or corpus would silently feed different data. Another
+        ``world_size`` (a run resumed on another process count) is the same place in the epoch's
+        item order: :func:`position_on`."""
         diff = [
             f"{k}: saved {state[k]!r}, now {getattr(self, k)!r}"
             for k in self._CHECKED
-            if k in state and state[k] != getattr(self, k)
+            if k != "world_size" and k in state and state[k] != getattr(self, k)
         ]
         if diff:
             raise ValueError(
                 "cannot resume the data loader, its settings changed (" + "; ".join(diff) + "); "
                 "restore the original data settings or start a fresh run"
             )
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.epoch, self.position = int(state["epoch"]), position_on(state, self.world_size)
 
 
 class TokenBatches(ShardedEpochs):

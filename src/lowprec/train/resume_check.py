@@ -31,9 +31,11 @@ from typing import Any, Optional
 
 import torch
 from lowprec.checkpoint.serialization import load_object
+from lowprec.checkpoint.state import checkpoint_meta
 from lowprec.fp8.gemm.cpu import cpu_gemm_choice
+from lowprec.train.data import position_on
 
-__all__ = ["RULES", "settings_of", "saved_settings", "check_resume", "apply_changes"]
+__all__ = ["RULES", "settings_of", "saved_settings", "check_resume", "check_process_count", "apply_changes"]
 
 logger = logging.getLogger("lowprec")
 
@@ -225,3 +227,44 @@ def apply_changes(run: Any, changes: dict[str, tuple], main: bool) -> None:
             logger.warning(
                 "lowprec: changed %s from %s to %s on resume (%s)", key, _show(old), _show(new), RULES[key][1]
             )
+
+
+def check_process_count(checkpoint: str, processes: int, cfg: Any) -> Optional[str]:
+    """A checkpoint resumed on another process count (``processes``; the data is split over
+    ``processes / tensor_parallel_size``): None on the same count; else the line saying what
+    changes (logged by the run), or a ValueError when the saved data position falls inside one
+    of this run's batches (:func:`lowprec.train.data.position_on`). Called before any worker
+    starts, so that the error is the CLI's one line."""
+    saved_procs = checkpoint_meta(checkpoint).get("num_processes", processes)
+    if saved_procs == processes:
+        return None
+    if any(name.startswith("deepspeed_") for name in os.listdir(checkpoint)):
+        raise ValueError(
+            f"resume_from_checkpoint: {checkpoint} was saved by {saved_procs} processes under DeepSpeed, whose "
+            f"partitioned files load on that count only: resume with --num_processes {saved_procs}"
+        )
+    world = processes // max(1, cfg.tensor_parallel_size)
+    loader, settings = None, {}
+    for name in sorted(os.listdir(checkpoint)):
+        if name.startswith("custom_checkpoint_") and name.endswith(".safetensors"):
+            state = load_object(os.path.join(checkpoint, name))
+            if isinstance(state, dict) and {"position", "world_size", "batch_size"} <= set(state):
+                loader = state
+            elif isinstance(state, dict) and isinstance(state.get("settings"), dict):
+                settings = state["settings"]
+    if loader is not None:
+        try:
+            position_on(loader, world)
+        except ValueError as exc:
+            raise ValueError(f"resume_from_checkpoint: {checkpoint}: {exc}") from None
+    before = (loader or {}).get("world_size", saved_procs) * settings.get("micro_batch_size", cfg.micro_batch_size)
+    before *= settings.get("gradient_accumulation_steps", cfg.gradient_accumulation_steps)
+    now = world * cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    keep = before // (world * cfg.micro_batch_size) if before % (world * cfg.micro_batch_size) == 0 else None
+    return (
+        f"lowprec: resuming {checkpoint} (saved by {saved_procs} processes) on {processes}: the whole saved model, "
+        "optimizer and FP8 scaling state load (under ep_size each process takes its experts' share), the data "
+        "continues at the same sequence; "
+        f"an optimizer step takes {now} sequences (it took {before})"
+        + ("" if now == before or keep is None else f": gradient_accumulation_steps {keep} keeps {before}")
+    )

@@ -62,7 +62,7 @@ from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 from lowprec.train.outputs import export_model, write_resolved_config
 from lowprec.train.packing import packed_causal_mask
 from lowprec.train.plots import plot_fp8_report, plot_loss
-from lowprec.train.resume_check import apply_changes, check_resume, saved_settings, settings_of
+from lowprec.train.resume_check import apply_changes, check_process_count, check_resume, saved_settings, settings_of
 from lowprec.utils.dataclasses import DataLoaderConfiguration
 
 __all__ = ["train", "RunResult", "Interrupted", "build_optimizer", "build_scheduler", "lr_lambda"]
@@ -443,6 +443,9 @@ def _resume(run: Run, decisions: dict) -> Optional[str]:
         # before loading: a checkpoint that means nothing under this config is refused by key
         saved = saved_settings(resume_path, acc._custom_objects.index(run.state))
         changes = check_resume(saved, run.state.settings, resume_path)
+        moved = check_process_count(resume_path, acc.num_processes, run.cfg)
+        if main and moved is not None:
+            logger.warning(moved)
         try:
             acc.load_state(resume_path)
         except AssertionError as exc:  # torch.distributed.checkpoint wraps a reader's failure so

@@ -17,7 +17,9 @@ from lowprec.cli.launch import build_command
 from lowprec.config.env import LaunchSettings, owned_env_var
 from lowprec.config.json_file import read_json_object
 from lowprec.errors import EXIT_NONFINITE, EXIT_STORAGE, NonFiniteError, StorageError
+from lowprec.train.checkpoints import resolve_resume
 from lowprec.train.config import load_config, parse_override_value
+from lowprec.train.resume_check import check_process_count
 from lowprec.train.run_lock import hold_output_dir, launcher_env, make_output_dir
 from lowprec.train.trainer import train
 from lowprec.utils.deepspeed import check_deepspeed_config
@@ -140,6 +142,16 @@ def _check_tensor_parallel(cfg: Any, processes: int) -> None:
         )
 
 
+def _check_resume_processes(cfg: Any, processes: int) -> None:
+    """Before any worker starts: a checkpoint of another process count whose data position
+    this count cannot continue is one line (resume_check.check_process_count)."""
+    if cfg.resume_from_checkpoint is None:
+        return
+    path, _ = resolve_resume(cfg.resume_from_checkpoint, os.path.abspath(cfg.output_dir))
+    if path is not None:
+        check_process_count(path, processes, cfg)
+
+
 def _check_deepspeed(cfg: Any, processes: int) -> None:
     """DeepSpeed's schema check, then the launch: DeepSpeed initialises its process group from
     the launcher's variables, so a plain one-process run would fail inside deepspeed.initialize."""
@@ -161,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     if args.num_processes < 1:
         raise ValueError(f"--num_processes {args.num_processes}: use 1 or more")
     _check_tensor_parallel(cfg, int(os.environ.get("WORLD_SIZE", args.num_processes)))
+    _check_resume_processes(cfg, int(os.environ.get("WORLD_SIZE", args.num_processes)))
     if cfg.deepspeed is not None:
         _check_deepspeed(cfg, args.num_processes)
     if args.num_processes > 1 and "WORLD_SIZE" not in os.environ:
