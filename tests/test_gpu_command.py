@@ -18,7 +18,7 @@ import run as gpu_run  # noqa: E402  (benchmarks/gpu/run.py: imports no torch)
 EXPECTED_FILES = {
     "setup.json",
     "gpu_tests.json",
-    "compile_diag.json",
+    "moe.json",
     "linear.json",
     "cast.json",
     "train.json",
@@ -52,7 +52,7 @@ def rehearsal(tmp_path_factory):
     folder = out / "cpu-dry-run"
     parts = {
         p: json.loads((folder / f"{p}.json").read_text())
-        for p in ("setup", "gpu_tests", "compile_diag", "linear", "cast", "train")
+        for p in ("setup", "gpu_tests", "moe", "linear", "cast", "train")
         if (folder / f"{p}.json").exists()
     }
     return res, folder, parts
@@ -102,13 +102,16 @@ def test_gpu_tests_are_collected_and_reported(rehearsal):
     assert "<testsuite" in parts["gpu_tests"]["junit_xml"]  # the report, inside gpu_tests.json
 
 
-def test_compile_diagnosis_reports_every_gradient(rehearsal):
+def test_moe_rows_time_every_recipe_beside_bf16(rehearsal):
     _, _, parts = rehearsal
-    rows = parts["compile_diag"]["result"]["rows"]
-    assert rows and all("error" not in r for r in rows), rows
-    for r in rows:
-        assert {"output", "grad_input", "grad_weight"} <= set(r)
-        assert r["grad_input"]["zero_fraction"] < 0.5 and r["grad_input"]["sqnr_vs_eager_db"] > 20
+    moe = parts["moe"]["result"]
+    names = [r["variant"] for r in moe["results"]]
+    assert names[0] == "bf16" and {"tensorwise", "delayed", "rowwise", "blockwise"} <= set(names), names
+    for r in moe["results"]:
+        assert "error" not in r and r["ms"] > 0, r
+        if r["variant"] != "bf16":
+            assert r["speedup_vs_bf16"] > 0 and r["sqnr_vs_bf16_db"] > 20, r
+    assert moe["complete"] and moe["shape"]["routing"] == "even"
 
 
 def test_linear_rows_carry_measurements_and_estimates(rehearsal):
@@ -266,3 +269,19 @@ def test_compile_probe_runs_on_cpu(tmp_path):
     for label in ("triton_casts", "torch_casts"):
         assert len(result[label]["call_ms"]) == 2, result[label]
         assert result[label]["counters"]["stats"]["unique_graphs"] >= 1
+
+
+def test_compile_diagnosis_runs_on_cpu(tmp_path):
+    """benchmarks/gpu/compile_diag.py (out of the plan since compiled equals eager on the GPU, run
+    alone) in its CPU smoke form: every gradient reported, none of them zero."""
+    out = tmp_path / "diag.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks/gpu/compile_diag.py"), str(out), "--device", "cpu"]
+    cmd += ["--shape", "64,128,64", "--variants", "aot_eager", "--recipes", "tensorwise"]
+    subprocess.run(
+        cmd, check=True, timeout=300, capture_output=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all("error" not in r for r in rows), rows
+    for r in rows:
+        assert {"output", "grad_input", "grad_weight"} <= set(r)
+        assert r["grad_input"]["zero_fraction"] < 0.5 and r["grad_input"]["sqnr_vs_eager_db"] > 20

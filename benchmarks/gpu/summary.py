@@ -202,25 +202,21 @@ def render(summary: dict, parts: dict[str, dict]) -> str:
         ]
         lines += [f"- FAILED {f['test']}: {f['message']}" for f in tests["failed_tests"][:20]]
         lines += [f"- skipped x{n}: {m}" for m, n in list(tests["skip_reasons"].items())[:5]]
-    diag = (parts.get("compile_diag") or {}).get("result")
-    if diag:
-        lines += ["", "## Compiled FP8 layer, traced: SQNR vs eager, dB (zero fraction)", ""]
-
-        def cell(r, k):
-            return f"{r[k]['sqnr_vs_eager_db']} ({r[k]['zero_fraction']})" if k in r else r.get("error", "")[:60]
-
-        rows = [
-            [
-                r["recipe"],
-                r["variant"],
-                cell(r, "output"),
-                cell(r, "grad_input"),
-                cell(r, "grad_weight"),
-                r.get("seconds"),
-            ]
-            for r in diag.get("rows", [])
+    moe = (parts.get("moe") or {}).get("result")
+    if moe:
+        shape = moe.get("shape", {})
+        lines += [
+            "",
+            f"## Grouped expert projection fwd+bwd (E={shape.get('E')}, K={shape.get('K')}, N={shape.get('N')}, "
+            f"{shape.get('rows')} rows; ms)",
+            "",
         ]
-        lines += _table(["recipe", "variant", "output", "grad_input", "grad_weight", "s"], rows)
+        rows = [
+            [r["variant"], r.get("ms", r.get("error", "")[:60]), r.get("speedup_vs_bf16"), r.get("sqnr_vs_bf16_db")]
+            for r in moe.get("results", [])
+        ]
+        lines += _table(["variant", "ms", "x bf16", "SQNR vs bf16, dB"], rows)
+        lines += [f"- log: {m}" for m in moe.get("lowprec_log", [])[:12]]
     lin = (parts.get("linear") or {}).get("result")
     if lin:
         lines += ["", "## Float8Linear fwd+bwd (ms; traced bytes and both estimates beside each)", ""]
