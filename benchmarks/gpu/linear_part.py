@@ -106,8 +106,10 @@ def _torchao_importable() -> bool:
 
 
 class _Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
+    """Every distinct log line at ``level`` and up (a kernel's fallback and its reason, say)."""
+
+    def __init__(self, level: int = logging.WARNING):
+        super().__init__(level)
         self.messages: list[str] = []
 
     def emit(self, record):

@@ -33,7 +33,7 @@ sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import device_name, time_fn  # noqa: E402
 from grouped_traffic import bf16_make, even_counts  # noqa: E402
-from linear_part import supported_recipes  # noqa: E402
+from linear_part import _Collect, supported_recipes  # noqa: E402
 
 import lowprec.fp8 as fp8  # noqa: E402
 from lowprec.fp8.modules.grouped import Float8GroupedGemm  # noqa: E402
@@ -41,19 +41,6 @@ from lowprec.fp8.modules.grouped import Float8GroupedGemm  # noqa: E402
 # (E, K, N, tokens x top-k): Qwen3-30B-A3B's expert projection (hidden 2048 -> 768), 8192 tokens, top-8
 SHAPE = (128, 2048, 768, 8192 * 8)
 TINY = (4, 64, 32, 64)
-
-
-class _Lines(logging.Handler):
-    """Every distinct lowprec log line (INFO and up): the routes taken, fallbacks and their reasons."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        msg = record.getMessage()[:300]
-        if msg not in self.messages:
-            self.messages.append(msg)
 
 
 def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -96,7 +83,7 @@ def main(argv=None) -> int:
     experts, k, n, rows = SHAPE if cuda else TINY
     recipes = supported_recipes(device) if cuda else supported_recipes(device, sm=(9, 0))
     iters, warmup = (10, 3) if cuda else (1, 0)
-    lines = _Lines()
+    lines = _Collect(logging.INFO)  # the routes taken too, not only fallbacks
     logging.getLogger("lowprec").addHandler(lines)
     logging.getLogger("lowprec").setLevel(logging.INFO)
     payload = {
