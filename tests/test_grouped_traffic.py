@@ -147,3 +147,27 @@ def test_a_custom_op_writing_an_argument_and_returning_a_tensor_counts_both():
     assert qt is not None and qt.shape == (32, 64) and amax.shape == ()
     (rec,) = c.records
     assert rec.name == "lowprec.cast_into" and (rec.read, rec.written) == (64 * 32 * 2 + 4, 2 * 64 * 32 + 4)
+
+
+@needs_triton
+def test_the_buffers_a_custom_op_writes_are_not_read():
+    """``lowprec.cast_rowwise_into`` writes its ``out`` / ``out_t`` arguments (slices of buffers)
+    without reading them: the input and the column scales read, both casts and the row scales
+    written."""
+    import lowprec.fp8 as fp8
+    from lowprec.fp8 import kernels
+    from lowprec.fp8.observe.traffic import ByteCounter
+
+    with fp8.trace_as(sm=(9, 0), triton=True):
+        x = torch.empty(64, 32, device="meta", dtype=torch.bfloat16)
+        buf = torch.empty(100, 32, device="meta", dtype=torch.float8_e4m3fn)
+        buf_t = torch.empty(32, 64, device="meta", dtype=torch.float8_e4m3fn)
+        cols = torch.empty(1, 32, device="meta")
+        with ByteCounter() as c:
+            rows = kernels.cast_rowwise_into(x, cols, torch.float8_e4m3fn, True, buf[10:74], buf_t)
+    assert rows.shape == (64, 1)
+    (rec,) = c.records
+    assert rec.name == "lowprec.cast_rowwise_into" and (rec.read, rec.written) == (
+        64 * 32 * 2 + 32 * 4,
+        2 * 64 * 32 + 64 * 4,
+    )

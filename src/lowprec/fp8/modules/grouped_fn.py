@@ -63,6 +63,7 @@ from lowprec.fp8.gemm.dispatch import scaled_mm
 from lowprec.fp8.gemm.grouped import grouped_mm
 from lowprec.fp8.kinds import base
 from lowprec.fp8.modules.cast_state import GRAD_OUTPUT, INPUT, WEIGHT, CastState
+from lowprec.fp8.modules.grouped_axes import axis_plan_packs, cast_axis_parts, cast_axis_weights
 from lowprec.fp8.modules.linear_fn import cast, cast_both_layouts, cast_pair, handed_scale
 from lowprec.fp8.kinds.plan import LinearPlan, OperandCast
 from lowprec.fp8.cast.quantize import Float8Data
@@ -93,6 +94,7 @@ class GroupedConfig:
     counts: tuple[int, ...]
     single_call: bool  # the device runs a one-call grouped kernel (else the per-expert loop: CPU tests)
     packed: bool  # every cast written into one buffer per operand (_packs)
+    packed_axes: bool = False  # the axis (rowwise) casts likewise (_packs_axes, grouped_axes.py)
 
 
 def _packs(plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -100,14 +102,22 @@ def _packs(plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor) -> bool:
     gradients wanted, per-tensor casts that serve both layouts (tensorwise, delayed), plain
     tensors, and the fused casts running here (CUDA), so a grouped GEMM reads its operands where
     the casts wrote them: no concatenation of the groups' FP8 rows, no stack of the experts' casts."""
+    return plan.per_tensor and plan.x_dual and plan.w_reused and plan.dy_dual and _fused_operands(x, weight)
+
+
+def _packs_axes(plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the axis casts (rowwise) can be written into one buffer per operand
+    (``grouped_axes.py``): as :func:`_packs`, with axis scales on the output and grad_input
+    GEMMs and x's and dY's casts serving grad_weight."""
+    return axis_plan_packs(plan) and _fused_operands(x, weight)
+
+
+def _fused_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Both gradients wanted, plain tensors the fused casts take, the fused casts running here."""
     return (
         torch.is_grad_enabled()
         and x.requires_grad
         and weight.requires_grad
-        and plan.per_tensor
-        and plan.x_dual
-        and plan.w_reused
-        and plan.dy_dual
         and type(x) is torch.Tensor
         and type(weight) in (torch.Tensor, torch.nn.Parameter)
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -186,6 +196,8 @@ class GroupedScaledFn(torch.autograd.Function):
         experts = weight.shape[0]
         if cfg.packed:
             return GroupedScaledFn._packed_forward(ctx, x, weight, cfg, states)
+        if cfg.packed_axes:
+            return GroupedScaledFn._axes_forward(ctx, x, weight, cfg, states)
         with torch_autocast_off(x.device.type):
             xq: list[Optional[Float8Data]] = []  # per expert: None where it holds no token
             x_saved: list[Optional[Float8Data]] = []
@@ -244,6 +256,30 @@ class GroupedScaledFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    def _axes_forward(ctx, x, weight, cfg: GroupedConfig, states: Sequence[CastState]):
+        """The forward where the axis casts write into one buffer per operand (``_packs_axes``,
+        ``grouped_axes.py``): x's groups row-scaled into one (S, K) buffer (their column-scaled
+        copies kept for grad_weight), the experts' weights row-scaled into one (E, N, K) buffer
+        and column-scaled into one (E, K, N) buffer from the same read, kept for grad_input,
+        which reads it as torch's grouped kernel takes its ``mat_b`` (column-major)."""
+        recipe, plan, hp = cfg.recipe, cfg.plan, cfg.hp_dtype
+        spec_x, spec_w = plan.fprop.casts
+        with torch_autocast_off(x.device.type):
+            xbuf, xq, x_saved = cast_axis_parts(_groups(x, cfg.counts), spec_x, recipe)
+            wbuf, wq, wtbuf, w_dgrad = cast_axis_weights(weight, spec_w, recipe)
+            out = grouped_mm(
+                xq,
+                [w.t() for w in wq],
+                hp,
+                single_call=cfg.single_call,
+                path=recipe.gemm,
+                packed_a=xbuf,
+                packed_b=wbuf.transpose(-2, -1),
+            )
+        _save(ctx, cfg, states, x, weight, w_dgrad, x_saved, None, wtbuf.transpose(-2, -1))
+        return out
+
+    @staticmethod
     def backward(ctx, dy):
         saved = saved_operands(ctx)
         w_saved, x_saved, w_param, w_packed = saved[: ctx.n_w], saved[ctx.n_w : -2], saved[-2], saved[-1]
@@ -255,7 +291,9 @@ class GroupedScaledFn(torch.autograd.Function):
         with torch_autocast_off(dy.device.type):
             dyq, dy_col = [], []
             dy_packed = None
-            if w_packed is not None:  # the packed forward ran (_packs): dY's casts into one buffer too
+            if w_packed is not None and cfg.packed_axes:  # _axes_forward ran: dY's axis casts into one buffer
+                dy_packed, dyq, dy_col = cast_axis_parts(_groups(dy, cfg.counts), dg.a, recipe)
+            elif w_packed is not None:  # the packed forward ran (_packs): dY's casts into one buffer too
                 dy_packed, dyq, dy_col = _cast_into(GRAD_OUTPUT, _groups(dy, cfg.counts), states, dg.a, recipe, True)
             for g, state in zip(_groups(dy, cfg.counts), states) if dy_packed is None else ():
                 if g is None:
@@ -312,7 +350,7 @@ def grouped_scaled_gemms(
         return x.new_zeros((0, weight.shape[1]), dtype=hp)
     plan = recipe.plan()
     packed = _packs(plan, x, weight)
-    cfg = GroupedConfig(recipe, plan, hp, counts, single_call, packed)
+    cfg = GroupedConfig(recipe, plan, hp, counts, single_call, packed, not packed and _packs_axes(plan, x, weight))
     return GroupedScaledFn.apply(x, weight, cfg, states(packed))
 
 
