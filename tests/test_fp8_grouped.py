@@ -241,6 +241,53 @@ def test_casts_written_into_one_buffer_change_no_bit(seed, single_call, monkeypa
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("hp", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", [(37, 0, 64, 19), (16, 0, 48, 32)], ids=["padded", "aligned"])
+def test_rowwise_with_gw_hp_runs_the_grouped_function_where_its_casts_pack(seed, single_call, monkeypatch, counts, hp):
+    """rowwise_with_gw_hp on the one-call path where the fused casts run (the torch casts standing
+    in here): its output and grad_input GEMMs grouped in FP8 (row scales; grad_input's weight
+    tensor-scaled, written into the (E, K, N) buffer torch's kernel reads), grad_weight its
+    high-precision GEMM per expert writing its float32 slice. Against the per-expert loop: the
+    same casts (the one-call kernel rounds its output once), grad_weight the same bits; where the
+    fused casts do not run it keeps the per-expert loop."""
+    from lowprec.fp8 import kernels
+    from lowprec.fp8.gemm import grouped as grouped_gemm
+    from lowprec.fp8.modules import grouped_fn
+
+    recipe = fp8.Recipe.from_name("rowwise_with_gw_hp")
+    s = sum(counts)
+    x, w, dy = torch.randn(s, K) * 2, torch.randn(E, N, K), torch.randn(s, N)
+    x, w, dy = x.to(hp), w, dy.to(hp)
+
+    def run():
+        xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = Float8GroupedGemm(E, recipe)(xt, wt, counts, recipe, hp)
+        out.backward(dy)
+        return out, xt.grad, wt.grad
+
+    loop = run()
+    before = len(single_call)  # the kernel's one-time check at most: no fused casts, the per-expert loop
+    assert before <= 1
+    into, packs = [], []
+    cast_into, pack = kernels.cast_rowwise_into, grouped_gemm.pack_2d3d
+    monkeypatch.setattr(kernels, "cast_rowwise_into", lambda *a, **k: into.append(1) or cast_into(*a, **k))
+    monkeypatch.setattr(grouped_gemm, "pack_2d3d", lambda *a, **k: packs.append(k) or pack(*a, **k))
+    monkeypatch.setattr(grouped_fn, "fused_casts_here", lambda device: True)
+    got = run()
+    assert len(into) == 3 + E + 3  # x's groups, the experts, dY's groups
+    assert len(single_call) == before + 2  # the output and grad_input GEMMs, one call each
+    assert len(packs) == 2 and all(k["packed_b"].stride(-2) == 1 for k in packs)  # B read where written
+    ref = _reference(counts, x.float(), w, dy.float())
+    floors = _floors(recipe)
+    for key, g, r, lp in zip(("out", "grad_input", "grad_weight"), got, ref, loop):
+        assert g.dtype == lp.dtype and g.shape == lp.shape
+        if hp == torch.float32:  # bf16: its rounding dominates; the loop is the reference
+            assert sqnr(r, g) >= floors[key], f"{key}: {sqnr(r, g):.1f} dB"
+        assert sqnr(lp, g) >= (40 if hp == torch.bfloat16 else 45), key
+    assert torch.equal(got[2], loop[2])  # grad_weight: the same high-precision GEMMs
+    assert (got[2][1] == 0).all()  # the expert without tokens
+
+
 def test_single_call_arguments_pass_torchs_own_checks():
     """The packed operands of a real grouped cast, as meta tensors of the same shapes, strides
     and dtypes, go through torch's meta kernel for _scaled_grouped_mm (its CUDA checks)."""

@@ -31,19 +31,21 @@ import torch
 from lowprec.fp8 import kernels
 from lowprec.fp8.cast.quantize import Float8Data
 from lowprec.fp8.cast.scaling import amax_to_scale
+from lowprec.fp8.gemm.capability import is_cuda
 from lowprec.fp8.kinds.plan import LinearPlan, OperandCast
 
 if TYPE_CHECKING:
     from lowprec.fp8.recipes import Recipe
 
-__all__ = ["axis_plan_packs", "cast_axis_parts", "cast_axis_weights"]
+__all__ = ["axis_plan_packs", "cast_axis_parts", "cast_axis_weights", "hp_weight_grads"]
 
 
 def axis_plan_packs(plan: LinearPlan) -> bool:
     """The output and grad_input GEMMs cast every operand with axis scales, the weight's two
-    casts in one dtype (one kernel writes both), x and dY serving grad_weight from the same pass
-    (``x_dual``, ``dy_dual``)."""
-    return plan.axis_fdgrad and plan.x_dual and plan.dy_dual
+    casts in one dtype (one kernel writes both), and grad_weight reads x's and dY's casts from
+    the same pass (``x_dual``, ``dy_dual``: rowwise); or grad_input's weight cast has one tensor
+    scale and grad_weight runs in high precision (rowwise_with_gw_hp)."""
+    return (plan.axis_fdgrad and plan.x_dual and plan.dy_dual) or (plan.axis_tensor_w and plan.wgrad.high_precision)
 
 
 def _col_scale(t: torch.Tensor, dtype: torch.dtype, recipe: Recipe) -> torch.Tensor:
@@ -52,11 +54,12 @@ def _col_scale(t: torch.Tensor, dtype: torch.dtype, recipe: Recipe) -> torch.Ten
 
 
 def cast_axis_parts(
-    parts: Sequence[Optional[torch.Tensor]], spec: OperandCast, recipe: Recipe
+    parts: Sequence[Optional[torch.Tensor]], spec: OperandCast, recipe: Recipe, transposed: bool = True
 ) -> tuple[torch.Tensor, list[Optional[Float8Data]], list[Optional[Float8Data]]]:
     """``(buffer, row-scaled casts, column-scaled casts)``: each 2-D part (a token group; None
     for an empty one) cast with one scale per row, its rows written one after another into one
-    buffer, and with one scale per column, stored transposed (the layout grad_weight reads)."""
+    buffer, and where ``transposed`` with one scale per column, stored transposed (the layout
+    grad_weight reads; else None)."""
     live = [t for t in parts if t is not None]
     pow2 = recipe.power_of_2_scales
     buf = torch.empty(sum(t.shape[0] for t in live), live[0].shape[1], dtype=spec.dtype, device=live[0].device)
@@ -68,23 +71,27 @@ def cast_axis_parts(
             casts.append(None)
             cols.append(None)
             continue
-        col_scale = _col_scale(t, spec.dtype, recipe)
         q = buf[start : start + t.shape[0]]
-        qt = torch.empty(t.shape[1], t.shape[0], dtype=spec.dtype, device=t.device)
-        row_scale = kernels.cast_rowwise_into(t, col_scale, spec.dtype, pow2, q, qt)
+        if transposed:
+            col_scale = _col_scale(t, spec.dtype, recipe)
+            qt = torch.empty(t.shape[1], t.shape[0], dtype=spec.dtype, device=t.device)
+            row_scale = kernels.cast_rowwise_into(t, col_scale, spec.dtype, pow2, q, qt)
+            cols.append(Float8Data(qt.t(), col_scale, "axis", None, pow2))
+        else:
+            row_scale = kernels.cast_rowwise_into(t, None, spec.dtype, pow2, q)
+            cols.append(None)
         casts.append(Float8Data(q, row_scale, "axis", None, pow2))
-        cols.append(Float8Data(qt.t(), col_scale, "axis", None, pow2))
         start += t.shape[0]
     return buf, casts, cols
 
 
 def cast_axis_weights(
-    weight: torch.Tensor, spec: OperandCast, recipe: Recipe
+    weight: torch.Tensor, spec: OperandCast, recipe: Recipe, tensor_dgrad: bool = False
 ) -> tuple[torch.Tensor, list[Float8Data], torch.Tensor, list[Float8Data]]:
     """``(wbuf, casts, wtbuf, dgrad casts)`` of an (E, N, K) expert weight: each expert's
-    row-scaled cast (along K, the output GEMM's) into ``wbuf`` (E, N, K) and its column-scaled
-    cast (along N, grad_input's) stored transposed into ``wtbuf`` (E, K, N), both from one read
-    after the column amaxes."""
+    row-scaled cast (along K, the output GEMM's) into ``wbuf`` (E, N, K) and its grad_input cast
+    (along N: column scales, or where ``tensor_dgrad`` one tensor scale, each column cast with
+    it) stored transposed into ``wtbuf`` (E, K, N), both from one read after the amaxes."""
     experts, n, k = weight.shape
     pow2 = recipe.power_of_2_scales
     wbuf = torch.empty(experts, n, k, dtype=spec.dtype, device=weight.device)
@@ -92,8 +99,33 @@ def cast_axis_weights(
     casts: list[Float8Data] = []
     dgrad_casts: list[Float8Data] = []
     for e in range(experts):
-        col_scale = _col_scale(weight[e], spec.dtype, recipe)
+        if tensor_dgrad:  # TensorCast's scale
+            scale = amax_to_scale(kernels.amax(weight[e]), spec.dtype, margin=recipe.margin, power_of_2=pow2)
+            col_scale = scale.expand(1, k).contiguous()
+        else:
+            col_scale = scale = _col_scale(weight[e], spec.dtype, recipe)
         row_scale = kernels.cast_rowwise_into(weight[e], col_scale, spec.dtype, pow2, wbuf[e], wtbuf[e])
         casts.append(Float8Data(wbuf[e], row_scale, "axis", None, pow2))
-        dgrad_casts.append(Float8Data(wtbuf[e].t(), col_scale, "axis", None, pow2))
+        dgrad_casts.append(Float8Data(wtbuf[e].t(), scale, "tensor" if tensor_dgrad else "axis", None, pow2))
     return wbuf, casts, wtbuf, dgrad_casts
+
+
+def hp_weight_grads(
+    dy: torch.Tensor, x: torch.Tensor, counts: Sequence[int], hp: torch.dtype, grad_w: torch.Tensor
+) -> None:
+    """``grad_w[e] = dY_e^T x_e`` (float32, (E, N, K), written in place; zero for an expert
+    without tokens) from high-precision GEMMs in ``hp`` (rowwise_with_gw_hp's grad_weight, as
+    its Linear's): on CUDA each GEMM writes its float32 slice itself (``torch.mm``'s
+    ``out_dtype``, float32 accumulation not rounded to ``hp``); elsewhere the ``hp`` product is
+    copied in, the Linear's numbers bit for bit."""
+    start = 0
+    for e, n in enumerate(counts):
+        if not n:
+            grad_w[e].zero_()
+            continue
+        a, b = dy[start : start + n].t().to(hp), x[start : start + n].to(hp)
+        if is_cuda(grad_w.device) and hp in (torch.bfloat16, torch.float16):
+            torch.mm(a, b, out_dtype=torch.float32, out=grad_w[e])
+        else:
+            grad_w[e].copy_(torch.mm(a, b))
+        start += n

@@ -63,7 +63,7 @@ from lowprec.fp8.gemm.dispatch import scaled_mm
 from lowprec.fp8.gemm.grouped import grouped_mm
 from lowprec.fp8.kinds import base
 from lowprec.fp8.modules.cast_state import GRAD_OUTPUT, INPUT, WEIGHT, CastState
-from lowprec.fp8.modules.grouped_axes import axis_plan_packs, cast_axis_parts, cast_axis_weights
+from lowprec.fp8.modules.grouped_axes import axis_plan_packs, cast_axis_parts, cast_axis_weights, hp_weight_grads
 from lowprec.fp8.modules.linear_fn import cast, cast_both_layouts, cast_pair, handed_scale
 from lowprec.fp8.kinds.plan import LinearPlan, OperandCast
 from lowprec.fp8.cast.quantize import Float8Data
@@ -77,10 +77,12 @@ __all__ = ["GroupedConfig", "GroupedScaledFn", "grouped_scaled_gemms", "fits", "
 
 
 def fits(recipe: Recipe, plan: LinearPlan, telemetry: bool) -> bool:
-    """Whether the three GEMMs can run here: all in FP8 from FP8 activations, no telemetry rows
-    to fill (the per-expert path fills them)."""
+    """Whether the three GEMMs can run here: all in FP8 from FP8 activations (rowwise_with_gw_hp:
+    grad_weight in high precision, where its casts are written into one buffer per operand:
+    :func:`_packs_axes`), no telemetry rows to fill (the per-expert path fills them)."""
     return (
-        not (plan.fprop.high_precision or plan.dgrad.high_precision or plan.wgrad.high_precision)
+        not (plan.fprop.high_precision or plan.dgrad.high_precision)
+        and (not plan.wgrad.high_precision or plan.axis_tensor_w)
         and recipe.save_fp8_activations
         and not telemetry
     )
@@ -264,9 +266,10 @@ class GroupedScaledFn(torch.autograd.Function):
         which reads it as torch's grouped kernel takes its ``mat_b`` (column-major)."""
         recipe, plan, hp = cfg.recipe, cfg.plan, cfg.hp_dtype
         spec_x, spec_w = plan.fprop.casts
+        hp_wgrad = plan.wgrad.high_precision  # rowwise_with_gw_hp: x kept in high precision
         with torch_autocast_off(x.device.type):
-            xbuf, xq, x_saved = cast_axis_parts(_groups(x, cfg.counts), spec_x, recipe)
-            wbuf, wq, wtbuf, w_dgrad = cast_axis_weights(weight, spec_w, recipe)
+            xbuf, xq, x_saved = cast_axis_parts(_groups(x, cfg.counts), spec_x, recipe, not hp_wgrad)
+            wbuf, wq, wtbuf, w_dgrad = cast_axis_weights(weight, spec_w, recipe, plan.axis_tensor_w)
             out = grouped_mm(
                 xq,
                 [w.t() for w in wq],
@@ -276,7 +279,8 @@ class GroupedScaledFn(torch.autograd.Function):
                 packed_a=xbuf,
                 packed_b=wbuf.transpose(-2, -1),
             )
-        _save(ctx, cfg, states, x, weight, w_dgrad, x_saved, None, wtbuf.transpose(-2, -1))
+        x_kept = [x.to(hp)] if hp_wgrad else x_saved  # a reference where x is in hp already, as the Linear's
+        _save(ctx, cfg, states, x, weight, w_dgrad, x_kept, None, wtbuf.transpose(-2, -1))
         return out
 
     @staticmethod
@@ -292,7 +296,7 @@ class GroupedScaledFn(torch.autograd.Function):
             dyq, dy_col = [], []
             dy_packed = None
             if w_packed is not None and cfg.packed_axes:  # _axes_forward ran: dY's axis casts into one buffer
-                dy_packed, dyq, dy_col = cast_axis_parts(_groups(dy, cfg.counts), dg.a, recipe)
+                dy_packed, dyq, dy_col = cast_axis_parts(_groups(dy, cfg.counts), dg.a, recipe, not wg.high_precision)
             elif w_packed is not None:  # the packed forward ran (_packs): dY's casts into one buffer too
                 dy_packed, dyq, dy_col = _cast_into(GRAD_OUTPUT, _groups(dy, cfg.counts), states, dg.a, recipe, True)
             for g, state in zip(_groups(dy, cfg.counts), states) if dy_packed is None else ():
@@ -322,7 +326,9 @@ class GroupedScaledFn(torch.autograd.Function):
                 ).to(ctx.x_dtype)
             if need_wgrad:  # float32 as the Linear's: one Triton launch for all experts where it runs
                 grad_w = torch.empty(ctx.w_shape, dtype=torch.float32, device=dy.device)
-                if not (cfg.single_call and grouped_wgrad.run_into(dy_col, x_saved, grad_w, dy.device)):
+                if wg.high_precision:  # rowwise_with_gw_hp: its bf16 GEMMs, each writing its expert's slice
+                    hp_weight_grads(dy, x_saved[0], cfg.counts, hp, grad_w)
+                elif not (cfg.single_call and grouped_wgrad.run_into(dy_col, x_saved, grad_w, dy.device)):
                     # per expert holding tokens, zero elsewhere; each GEMM writes its expert's slice
                     # where torch's kernel can (else a copy into it)
                     for e, (d, xs) in enumerate(zip(dy_col, x_saved)):
@@ -381,7 +387,10 @@ class SingleCallGrouped(base.Kind):
         recipe: Recipe,
         hp: torch.dtype,
     ) -> torch.Tensor:
-        if self.grouped_single_call(recipe, x.device, gemm.fp8_telemetry):
+        hp_wgrad = recipe.plan().wgrad.high_precision  # only where its casts pack (_axes_forward)
+        if self.grouped_single_call(recipe, x.device, gemm.fp8_telemetry) and (
+            not hp_wgrad or _packs_axes(recipe.plan(), x, weight)
+        ):
             states = partial(self.grouped_cast_states, gemm, x, weight, counts, recipe)  # given `packed`
             return grouped_scaled_gemms(x, weight, counts, recipe, hp, True, states)
         return super().grouped_forward(gemm, x, weight, counts, recipe, hp)
@@ -405,7 +414,12 @@ class SingleCallGrouped(base.Kind):
         eligible = self._grouped_eligible(recipe, False)
         triton = eligible and grouped_triton.may_run(device)  # no kernel runs for a note
         rest = f"grad_weight per expert: {self.gemm_note(recipe, device)}"
-        if eligible and grouped_wgrad.may_run(device) and grouped_wgrad.takes_granularities(plan.wgrad.casts):
+        if eligible and plan.wgrad.high_precision:
+            rest = (
+                "grad_weight in high precision, one GEMM per expert holding tokens writing its float32 slice "
+                "(where the fused casts run; else each expert as a Linear)"
+            )
+        elif eligible and grouped_wgrad.may_run(device) and grouped_wgrad.takes_granularities(plan.wgrad.casts):
             rest = f"grad_weight of all experts in one launch of the {grouped_wgrad.KERNEL} (self-checked at first use)"
         if self.keeps_history:
             rest += (
