@@ -1,7 +1,7 @@
-"""The three grouped GEMMs of the per-tensor (tensorwise, delayed), rowwise and blockwise kinds in
-one autograd function, for devices where a one-call grouped FP8 kernel runs (``grouped_gemm.py``:
-torch's ``_scaled_grouped_mm``, else lowprec's Triton grouped GEMM; for blockwise's block scales
-lowprec's Triton blockwise grouped GEMM).
+"""The three grouped GEMMs of the per-tensor (tensorwise, delayed), rowwise (rowwise,
+rowwise_with_gw_hp) and blockwise kinds in one autograd function, for devices where a one-call
+grouped FP8 kernel runs (``grouped_gemm.py``: torch's ``_scaled_grouped_mm``, else lowprec's
+Triton grouped GEMM; for blockwise's block scales lowprec's Triton blockwise grouped GEMM).
 
 The casts are the Linear's (``linear_fn.cast`` / ``cast_pair``, per expert: a token group never
 shares a scale with another expert's tokens); what changes is how the GEMMs run:
@@ -11,7 +11,7 @@ GEMM            operands (per expert e)                      how
 ==============  ===========================================  ===================================
 output          x_e cast along K, W_e cast along K           one grouped call (2-D x 3-D)
 grad_input      dY_e cast along N, W_e cast along N          one grouped call: torch's kernel when
-                                                             both are E4M3 (rowwise), the Triton
+                (rowwise_with_gw_hp: W_e tensor-scaled)      both are E4M3 (rowwise), the Triton
                                                              one for tensorwise's E5M2 dY (torch's
                                                              takes E4M3 only); per expert where
                                                              neither runs
@@ -22,13 +22,18 @@ grad_weight     dY_e^T and x_e cast along the group's rows   one Triton launch f
                                                              per expert holding tokens where it
                                                              does not run (blockwise, CPU, its
                                                              check failed). Not yet run on a GPU
+grad_weight     dY_e^T x_e in high precision                 one GEMM per expert holding tokens,
+(gw_hp)                                                      each writing its float32 slice (on
+                                                             CUDA ``torch.mm``'s ``out_dtype``)
 ==============  ===========================================  ===================================
 
-Backward keeps what the Linear keeps: x_e cast for grad_weight (1 byte per element) and, for
-per-tensor recipes, the forward's cast of each expert weight (rowwise re-casts it from the
-Parameter). The kind decides when this runs (``SingleCallGrouped.grouped_forward``: every GEMM
-in FP8, FP8 activations kept, telemetry off); elsewhere each expert runs the Linear's own
-function.
+Backward keeps what the Linear keeps: x_e cast for grad_weight (1 byte per element; x itself for
+rowwise_with_gw_hp) and, for per-tensor recipes, the forward's cast of each expert weight (the
+rowwise kinds keep grad_input's weight cast made in the forward where their casts pack, below;
+else they re-cast it from the Parameter). The kind decides when this runs
+(``SingleCallGrouped.grouped_forward``: every GEMM in FP8 but rowwise_with_gw_hp's grad_weight,
+which runs here only where its casts pack; FP8 activations kept, telemetry off); elsewhere each
+expert runs the Linear's own function.
 
 Each expert's scales come from one :class:`~lowprec.fp8.modules.cast_state.CastState` per expert
 (``SingleCallGrouped.grouped_cast_states``), as a Linear's come from its one: current scaling
@@ -44,8 +49,14 @@ concatenation or stack between; grad_weight reads each group's transposed copies
 written (a table of addresses) and writes the whole gradient (the per-expert loop: each GEMM its
 expert's slice). Delayed scaling records each group's amax from that same pass and re-casts only
 where the scale changed (an empty history), as ``cast_delayed_fused`` does for a Linear: one
-pass per operand per group. The values are those of the per-group casts bit for bit (the same
-amax, scale and kernel). Bytes moved around these GEMMs: ``benchmarks/grouped_traffic.py``.
+pass per operand per group. The rowwise kinds do the same with their axis casts
+(``_packs_axes``, :mod:`~lowprec.fp8.modules.grouped_axes`): x's and dY's row-scaled casts into
+(S, K) / (S, N) buffers (rowwise: their column-scaled copies beside, for grad_weight), each
+expert weight read once after its amax for both its casts: row-scaled into (E, N, K) for the
+output GEMM, grad_input's into the column-major (E, K, N) buffer torch's kernel reads, kept for
+backward (1 byte per weight element, as the per-tensor recipes keep theirs). The values are
+those of the per-group casts bit for bit (the same amax, scale and kernel). Bytes moved around
+these GEMMs: ``benchmarks/grouped_traffic.py``.
 """
 
 from __future__ import annotations
