@@ -211,26 +211,81 @@ def test_single_call_path_through_the_kinds_dispatch(seed, single_call, name):
     assert torch.equal(got[2], loop[2])  # grad_weight: per expert in both paths
 
 
+@pytest.mark.parametrize("counts", [(37, 0, 64, 19), (16, 0, 48, 32)], ids=["padded", "aligned"])
 @pytest.mark.parametrize("name", ["tensorwise", "tensorwise_e4m3", "delayed", "rowwise"])
-def test_casts_written_into_one_buffer_change_no_bit(seed, single_call, monkeypatch, name):
-    """Where the fused casts run (CUDA) the tensorwise grouped path writes every group's and
-    expert's cast into one buffer per operand, which the grouped GEMMs read in place, and each
-    weight-gradient GEMM writes its expert's slice. Run here with the torch casts standing in:
-    the output and both gradients are those of the per-group casts bit for bit (rowwise keeps
-    its per-group casts: the same path twice)."""
+def test_casts_written_into_one_buffer_change_no_bit(seed, single_call, monkeypatch, name, counts):
+    """Where the fused casts run (CUDA) the grouped path writes every group's and expert's cast
+    into one buffer per operand (rowwise: its row-scaled and column-scaled casts, the weight's
+    column-scaled one into grad_input's column-major (E, K, N) buffer), which the grouped GEMMs
+    read in place (groups of 16-multiple rows: nothing copied), and each weight-gradient GEMM
+    writes its expert's slice. Run here with the torch casts standing in: the output and both
+    gradients are those of the per-group casts bit for bit."""
     from lowprec.fp8 import kernels
+    from lowprec.fp8.gemm import grouped as grouped_gemm
     from lowprec.fp8.modules import grouped_fn
 
-    recipe, counts, x, w, dy = _single_case(name)
+    recipe, _, x, w, dy = _single_case(name)
+    x, dy = x[: sum(counts)], dy[: sum(counts)]
     plain = _grouped(recipe, counts, x, w, dy)
-    into = []
-    cast_into = kernels.cast_into
-    monkeypatch.setattr(kernels, "cast_into", lambda *a, **k: into.append(1) or cast_into(*a, **k))
+    into, packs = [], []
+    op = "cast_rowwise_into" if name == "rowwise" else "cast_into"
+    cast_into, pack = getattr(kernels, op), grouped_gemm.pack_2d3d
+    monkeypatch.setattr(kernels, op, lambda *a, **k: into.append(1) or cast_into(*a, **k))
+    monkeypatch.setattr(grouped_gemm, "pack_2d3d", lambda *a, **k: packs.append(k) or pack(*a, **k))
     monkeypatch.setattr(grouped_fn, "fused_casts_here", lambda device: True)
     packed = _grouped(recipe, counts, x, w, dy)
-    assert len(into) == (0 if name == "rowwise" else 3 + E + 3)  # x's groups, the experts, dY's groups
+    assert len(into) == 3 + E + 3  # x's groups, the experts, dY's groups
+    if name == "rowwise":  # both grouped GEMMs on torch's kernel, B read where written (no stack)
+        assert len(packs) == 2 and all(k["packed_b"] is not None and k["packed_b"].stride(-2) == 1 for k in packs)
     for a, b in zip(plain, packed):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("hp", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", [(37, 0, 64, 19), (16, 0, 48, 32)], ids=["padded", "aligned"])
+def test_rowwise_with_gw_hp_runs_the_grouped_function_where_its_casts_pack(seed, single_call, monkeypatch, counts, hp):
+    """rowwise_with_gw_hp on the one-call path where the fused casts run (the torch casts standing
+    in here): its output and grad_input GEMMs grouped in FP8 (row scales; grad_input's weight
+    tensor-scaled, written into the (E, K, N) buffer torch's kernel reads), grad_weight its
+    high-precision GEMM per expert writing its float32 slice. Against the per-expert loop: the
+    same casts (the one-call kernel rounds its output once), grad_weight the same bits; where the
+    fused casts do not run it keeps the per-expert loop."""
+    from lowprec.fp8 import kernels
+    from lowprec.fp8.gemm import grouped as grouped_gemm
+    from lowprec.fp8.modules import grouped_fn
+
+    recipe = fp8.Recipe.from_name("rowwise_with_gw_hp")
+    s = sum(counts)
+    x, w, dy = torch.randn(s, K) * 2, torch.randn(E, N, K), torch.randn(s, N)
+    x, w, dy = x.to(hp), w, dy.to(hp)
+
+    def run():
+        xt, wt = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = Float8GroupedGemm(E, recipe)(xt, wt, counts, recipe, hp)
+        out.backward(dy)
+        return out, xt.grad, wt.grad
+
+    loop = run()
+    before = len(single_call)  # the kernel's one-time check at most: no fused casts, the per-expert loop
+    assert before <= 1
+    into, packs = [], []
+    cast_into, pack = kernels.cast_rowwise_into, grouped_gemm.pack_2d3d
+    monkeypatch.setattr(kernels, "cast_rowwise_into", lambda *a, **k: into.append(1) or cast_into(*a, **k))
+    monkeypatch.setattr(grouped_gemm, "pack_2d3d", lambda *a, **k: packs.append(k) or pack(*a, **k))
+    monkeypatch.setattr(grouped_fn, "fused_casts_here", lambda device: True)
+    got = run()
+    assert len(into) == 3 + E + 3  # x's groups, the experts, dY's groups
+    assert len(single_call) == before + 2  # the output and grad_input GEMMs, one call each
+    assert len(packs) == 2 and all(k["packed_b"].stride(-2) == 1 for k in packs)  # B read where written
+    ref = _reference(counts, x.float(), w, dy.float())
+    floors = _floors(recipe)
+    for key, g, r, lp in zip(("out", "grad_input", "grad_weight"), got, ref, loop):
+        assert g.dtype == lp.dtype and g.shape == lp.shape
+        if hp == torch.float32:  # bf16: its rounding dominates; the loop is the reference
+            assert sqnr(r, g) >= floors[key], f"{key}: {sqnr(r, g):.1f} dB"
+        assert sqnr(lp, g) >= (40 if hp == torch.bfloat16 else 45), key
+    assert torch.equal(got[2], loop[2])  # grad_weight: the same high-precision GEMMs
+    assert (got[2][1] == 0).all()  # the expert without tokens
 
 
 def test_single_call_arguments_pass_torchs_own_checks():

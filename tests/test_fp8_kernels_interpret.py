@@ -100,6 +100,41 @@ def test_cast_into_writes_the_cast_into_a_slice_of_a_buffer(dtype, transpose, sh
     torch.library.opcheck(torch.ops.lowprec.cast_into.default, (x, scale, dtype, transpose, buf[3 : 3 + shape[0]]))
 
 
+@pytest.mark.parametrize("row, col", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("dtype", FP8)
+def test_cast_rowwise_into_writes_the_axis_casts_into_slices_of_buffers(dtype, row, col, seed):
+    """The rowwise grouped path's cast (``lowprec::cast_rowwise_into``): the bits and row scales
+    of cast_rowwise / cast_cols_t, written into rows of larger buffers (the rows around them
+    untouched); the torch path (``reference.cast_rowwise_into``) the same."""
+    from lowprec.fp8.cast.scaling import amax_to_scale
+
+    shape = (45, 300)  # ragged against the 32 x 128 and 4 x 512 tiles
+    x = awkward(shape, torch.bfloat16)
+    cols = amax_to_scale(reference.amax_cols(torch.nan_to_num(x.float(), 0.0, 0.0, 0.0)), dtype, power_of_2=True)
+    outs = []
+    for m in (ops, reference):
+        buf = torch.full((shape[0] + 7, shape[1]), 0x5A, dtype=torch.uint8)
+        buf_t = torch.full((shape[1] + 7, shape[0]), 0x5A, dtype=torch.uint8)
+        q = buf[3 : 3 + shape[0]] if row else buf[:0]
+        qt = buf_t[3 : 3 + shape[1]] if col else buf_t[:0]
+        outs.append((m.cast_rowwise_into(x, cols, dtype, True, q, qt), buf, buf_t))
+    (scale, buf, buf_t), (ref_scale, ref_buf, ref_buf_t) = outs
+    rq, rs = ops.cast_rowwise(x, dtype, True)
+    if row:
+        assert torch.equal(scale, rs) and torch.equal(ref_scale, rs)
+        assert_same_fp8(buf[3 : 3 + shape[0]].view(dtype), rq)
+    if col:
+        assert_same_fp8(buf_t[3 : 3 + shape[1]].view(dtype), ops.cast_cols_t(x, cols, dtype))
+    for b in (buf, buf_t):  # the rows around the slices, and an unasked buffer, untouched
+        assert (b[:3] == 0x5A).all() and (b[-4:] == 0x5A).all()
+    assert (buf == 0x5A).all() != row and (buf_t == 0x5A).all() != col
+    assert_same_fp8(buf.view(dtype), ref_buf.view(dtype))
+    assert_same_fp8(buf_t.view(dtype), ref_buf_t.view(dtype))
+    q = buf[3 : 3 + shape[0]] if row else buf[:0]
+    qt = buf_t[3 : 3 + shape[1]] if col else buf_t[:0]
+    torch.library.opcheck(torch.ops.lowprec.cast_rowwise_into.default, (x, cols, dtype, True, q, qt))
+
+
 @pytest.mark.parametrize("dtype", FP8)
 def test_every_bfloat16_value_rounds_like_torch(dtype):
     """All 65536 bf16 bit patterns (every binade, subnormals, +-0, inf, NaN) at scale 1.

@@ -8,8 +8,9 @@ over the other dim) and ``amax(|x|)`` (TransformerEngine's ``cast_transpose``).
 ``cast_rowwise`` computes one scale per row and casts in the same kernel; ``amax_cols`` gives
 per-column amaxes, and ``cast_rowwise_dual`` writes both axis casts a rowwise recipe needs (row
 scales, and given column scales stored transposed) from one pass; ``cast_cols_t`` the second
-alone; ``cast_block_1d`` / ``cast_block_2d`` are the blockwise (DeepSeek-V3 tile) casts, both
-layouts and the scales from one read; ``cast_mx`` the MXFP8 casts (1 x 32 and 32 x 1 blocks, E8M0
+alone; ``cast_rowwise_into`` either or both into slices of the caller's buffers (one buffer for
+every expert's casts); ``cast_block_1d`` / ``cast_block_2d`` are the blockwise (DeepSeek-V3 tile)
+casts, both layouts and the scales from one read; ``cast_mx`` the MXFP8 casts (1 x 32 and 32 x 1 blocks, E8M0
 scales) likewise. The functions choose at run time (:func:`available`): Triton on CUDA by default when
 triton imports and a one-time self-check on the device agrees with the torch path
 (:mod:`lowprec.fp8.kernels.selfcheck`; ``LOWPREC_DISABLE_TRITON=1`` always wins), otherwise
@@ -36,6 +37,7 @@ __all__ = [
     "amax_cols",
     "cast_rowwise_dual",
     "cast_cols_t",
+    "cast_rowwise_into",
     "recast_if_changed",
     "delayed_scale_update",
     "reference",
@@ -120,6 +122,30 @@ def cast_cols_t(x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype
     if available(x.device, "cast_cols_t", x):
         return _ops().cast_cols_t(x, col_scale, fp8_dtype)
     return reference.cast_cols_t(x, col_scale, fp8_dtype)
+
+
+def cast_rowwise_into(
+    x: torch.Tensor,
+    col_scale: torch.Tensor | None,
+    fp8_dtype: torch.dtype,
+    power_of_2: bool,
+    q: torch.Tensor | None = None,
+    qt: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The axis casts written into the caller's buffers (contiguous ``fp8_dtype`` tensors: slices
+    of one buffer holding several casts): the row-scaled cast of a 2-D ``x`` into ``q`` (``x``'s
+    shape) and, with ``col_scale`` (1, cols), the column-scaled one stored transposed into ``qt``
+    (cols, rows); either may be None. Returns the row scales (rows, 1) ((0, 1) without ``q``).
+    One pass over ``x`` on CUDA; the bits of :func:`cast_rowwise` / :func:`cast_cols_t`."""
+    empty = x.new_empty(0, dtype=torch.uint8)
+    qb = empty if q is None else q.view(torch.uint8)
+    qtb = empty if qt is None else qt.view(torch.uint8)
+    cs = x.new_empty(0, dtype=torch.float32) if col_scale is None else col_scale
+    if available(x.device, "cast_rowwise_into", x):
+        scale = _ops().cast_rowwise_into(x, cs, fp8_dtype, power_of_2, qb, qtb)
+    else:
+        scale = reference.cast_rowwise_into(x, cs, fp8_dtype, power_of_2, qb, qtb)
+    return scale
 
 
 def recast_if_changed(

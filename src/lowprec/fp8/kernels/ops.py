@@ -333,6 +333,32 @@ def cast_cols_t(x: torch.Tensor, col_scale: torch.Tensor, fp8_dtype: torch.dtype
     return qt.view(fp8_dtype)
 
 
+@_operator("lowprec::cast_rowwise_into", ("out", "out_t"))
+def cast_rowwise_into(
+    x: torch.Tensor, cols: torch.Tensor, dtype: torch.dtype, pow2: bool, out: torch.Tensor, out_t: torch.Tensor
+) -> torch.Tensor:
+    """The axis casts written into the caller's buffers (uint8, contiguous: slices of one buffer
+    holding several casts, such as every expert's): the row-scaled cast into ``out`` (``x``'s
+    shape) and, with the column scales ``cols`` (1, n), the column-scaled one stored transposed
+    into ``out_t`` (n, m); an empty ``out`` or ``out_t`` is not written. Returns the row scales
+    (m, 1) ((0, 1) where ``out`` is empty). The launches of :func:`cast_rowwise_dual` (both),
+    :func:`cast_rowwise` (``out`` alone) or :func:`cast_cols_t` (``out_t`` alone)."""
+    _check(x, dtype)
+    m, n = x.shape
+    row, col = out.numel() > 0, out_t.numel() > 0
+    scale = torch.empty((m if row else 0, 1), dtype=torch.float32, device=x.device)
+    if row and col and two_pass("cast_rowwise_into", x):
+        _launch_axes(x, dtype, pow2, out, scale, None, None, ROW_TILE)
+        _launch_axes(x, dtype, pow2, None, None, cols, out_t, DUAL_TILE)
+    elif row and col:
+        _launch_axes(x, dtype, pow2, out, scale, cols, out_t, DUAL_TILE)
+    elif row:
+        _launch_axes(x, dtype, pow2, out, scale, None, None, ROW_TILE)
+    elif col:
+        _launch_axes(x, dtype, False, None, None, cols, out_t, DUAL_TILE)
+    return scale
+
+
 @_operator("lowprec::recast_if_changed", {"q", "qt"})
 def recast_if_changed(
     x: torch.Tensor, scale_used: torch.Tensor, scale_cast: torch.Tensor, q: torch.Tensor, qt: torch.Tensor

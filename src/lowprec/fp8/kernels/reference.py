@@ -26,6 +26,7 @@ __all__ = [
     "amax_cols",
     "cast_rowwise_dual",
     "cast_cols_t",
+    "cast_rowwise_into",
     "recast_if_changed",
     "delayed_scale_update",
     "cast_block_1d",
@@ -82,6 +83,21 @@ def cast_rowwise_dual(
     """:func:`cast_rowwise` and :func:`cast_cols_t` together: ``(q, row_scale, qt)``."""
     q, scale = cast_rowwise(x, fp8_dtype, power_of_2)
     return q, scale, cast_cols_t(x, col_scale, fp8_dtype)
+
+
+def cast_rowwise_into(
+    x: torch.Tensor, cols: torch.Tensor, dtype: torch.dtype, pow2: bool, out: torch.Tensor, out_t: torch.Tensor
+) -> torch.Tensor:
+    """:func:`cast_rowwise` written into ``out`` and :func:`cast_cols_t` into ``out_t`` (caller's
+    buffers, slices of larger ones; an empty one is not written); returns the row scales
+    ((0, 1) where ``out`` is empty)."""
+    scale = torch.empty((0, 1), dtype=torch.float32, device=x.device)
+    if out.numel():
+        rq, scale = cast_rowwise(x, dtype, pow2)
+        out.view(torch.uint8).copy_(rq.view(torch.uint8))
+    if out_t.numel():
+        out_t.view(torch.uint8).copy_(cast_cols_t(x, cols, dtype).view(torch.uint8))
+    return scale
 
 
 def recast_if_changed(

@@ -32,7 +32,15 @@ __all__ = ["passed", "run_checks", "input_class", "TWO_PASS_OPS", "OPS", "CLASSE
 logger = logging.getLogger("lowprec.fp8")
 # ops with a plain and a transposed store, which can run as two launches of one store each
 TWO_PASS_OPS = frozenset(
-    {"cast_transpose_amax", "recast_if_changed", "cast_rowwise_dual", "cast_block_1d", "cast_block_2d", "cast_mx"}
+    {
+        "cast_transpose_amax",
+        "recast_if_changed",
+        "cast_rowwise_dual",
+        "cast_rowwise_into",
+        "cast_block_1d",
+        "cast_block_2d",
+        "cast_mx",
+    }
 )
 # (device index, class, op) -> whether the op runs on the GPU for that class there
 _RESULT: dict[tuple, bool] = {}
@@ -96,6 +104,7 @@ _CALLS = {
     "cast_rowwise": lambda m, x, d, s, c: (*m.cast_rowwise(x, d, True), *m.cast_rowwise(x, d, False)),
     "cast_rowwise_dual": lambda m, x, d, s, c: m.cast_rowwise_dual(x, c, d, True),
     "cast_cols_t": lambda m, x, d, s, c: (m.cast_cols_t(x, c, d),),
+    "cast_rowwise_into": lambda m, x, d, s, c: _into(m, x, d, c),
     "cast_block_1d": lambda m, x, d, s, c: m.cast_block_1d(x, d, 128, True, True, True),
     "cast_block_2d": lambda m, x, d, s, c: m.cast_block_2d(x, d, 128, False, True, True),
     "cast_mx": lambda m, x, d, s, c: (*m.cast_mx(x, d, True, True, True), *m.cast_mx(x, d, False, True, False)),
@@ -103,6 +112,21 @@ _CALLS = {
     "amax_cols": lambda m, x, d, s, c: (m.amax_cols(x),),
 }
 _NO_FP8_DTYPE = ("amax", "amax_cols")
+
+
+def _into(m, x: torch.Tensor, dtype: torch.dtype, cols: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``cast_rowwise_into`` as the grouped path calls it: both casts, then each alone, into
+    slices of larger buffers that start one row in (the rows around them are compared too)."""
+    rows, n = x.shape
+    out: list[torch.Tensor] = []
+    for row, col in ((True, True), (True, False), (False, True)):
+        buf = torch.zeros(rows + 2, n, dtype=torch.uint8, device=x.device)
+        buf_t = torch.zeros(n + 2, rows, dtype=torch.uint8, device=x.device)
+        q, qt = buf[1 : rows + 1] if row else buf[:0], buf_t[1 : n + 1] if col else buf_t[:0]
+        out += [m.cast_rowwise_into(x, cols, dtype, True, q, qt), buf, buf_t]
+    return tuple(out)
+
+
 OPS = (*_CALLS, "recast_if_changed")  # the ops checked per input class
 
 

@@ -67,6 +67,10 @@ class LinearPlan:
       both; used only for a frozen weight, whose cast is kept anyway (``frozen.py``).
     * ``dy_dual``: grad_input casts ``dY`` in both layouts and grad_weight reads the second.
     * ``per_tensor``: every operand of the three GEMMs is cast with one scale per tensor.
+    * ``axis_fdgrad``: the output and grad_input GEMMs cast every operand with axis scales, the
+      weight in one dtype for both (one pass writes both of its casts: rowwise).
+    * ``axis_tensor_w``: as ``axis_fdgrad`` but grad_input's weight cast has one tensor scale
+      (``dgrad_weight_tensorwise``: rowwise_with_gw_hp).
     """
 
     fprop: GemmCast
@@ -79,6 +83,8 @@ class LinearPlan:
     w_square: bool = field(init=False)
     dy_dual: bool = field(init=False)
     per_tensor: bool = field(init=False)
+    axis_fdgrad: bool = field(init=False)
+    axis_tensor_w: bool = field(init=False)
 
     def __post_init__(self) -> None:
         fp, dg, wg = self.fprop, self.dgrad, self.wgrad
@@ -93,6 +99,11 @@ class LinearPlan:
         set_("dy_dual", _same_cast(dg, dg.a, wg, wg.a, axes))
         casts = [o for g in (fp, dg, wg) for o in (g.a, g.b)]
         set_("per_tensor", all(o is not None and o.granularity == "tensor" for o in casts))
+        fd = [o for g in (fp, dg) for o in (g.a, g.b)]
+        same_w = fp.b is not None and dg.b is not None and fp.b.dtype == dg.b.dtype
+        set_("axis_fdgrad", same_w and all(o is not None and o.granularity == "axis" for o in fd))
+        axis_but_w = same_w and all(o is not None and o.granularity == "axis" for o in fd[:3])
+        set_("axis_tensor_w", axis_but_w and dg.b is not None and dg.b.granularity == "tensor")
 
 
 HIGH_PRECISION = GemmCast(None, None)  # a GEMM that casts nothing

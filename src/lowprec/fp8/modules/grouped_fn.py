@@ -1,7 +1,7 @@
-"""The three grouped GEMMs of the per-tensor (tensorwise, delayed), rowwise and blockwise kinds in
-one autograd function, for devices where a one-call grouped FP8 kernel runs (``grouped_gemm.py``:
-torch's ``_scaled_grouped_mm``, else lowprec's Triton grouped GEMM; for blockwise's block scales
-lowprec's Triton blockwise grouped GEMM).
+"""The three grouped GEMMs of the per-tensor (tensorwise, delayed), rowwise (rowwise,
+rowwise_with_gw_hp) and blockwise kinds in one autograd function, for devices where a one-call
+grouped FP8 kernel runs (``grouped_gemm.py``: torch's ``_scaled_grouped_mm``, else lowprec's
+Triton grouped GEMM; for blockwise's block scales lowprec's Triton blockwise grouped GEMM).
 
 The casts are the Linear's (``linear_fn.cast`` / ``cast_pair``, per expert: a token group never
 shares a scale with another expert's tokens); what changes is how the GEMMs run:
@@ -11,7 +11,7 @@ GEMM            operands (per expert e)                      how
 ==============  ===========================================  ===================================
 output          x_e cast along K, W_e cast along K           one grouped call (2-D x 3-D)
 grad_input      dY_e cast along N, W_e cast along N          one grouped call: torch's kernel when
-                                                             both are E4M3 (rowwise), the Triton
+                (rowwise_with_gw_hp: W_e tensor-scaled)      both are E4M3 (rowwise), the Triton
                                                              one for tensorwise's E5M2 dY (torch's
                                                              takes E4M3 only); per expert where
                                                              neither runs
@@ -22,13 +22,18 @@ grad_weight     dY_e^T and x_e cast along the group's rows   one Triton launch f
                                                              per expert holding tokens where it
                                                              does not run (blockwise, CPU, its
                                                              check failed). Not yet run on a GPU
+grad_weight     dY_e^T x_e in high precision                 one GEMM per expert holding tokens,
+(gw_hp)                                                      each writing its float32 slice (on
+                                                             CUDA ``torch.mm``'s ``out_dtype``)
 ==============  ===========================================  ===================================
 
-Backward keeps what the Linear keeps: x_e cast for grad_weight (1 byte per element) and, for
-per-tensor recipes, the forward's cast of each expert weight (rowwise re-casts it from the
-Parameter). The kind decides when this runs (``SingleCallGrouped.grouped_forward``: every GEMM
-in FP8, FP8 activations kept, telemetry off); elsewhere each expert runs the Linear's own
-function.
+Backward keeps what the Linear keeps: x_e cast for grad_weight (1 byte per element; x itself for
+rowwise_with_gw_hp) and, for per-tensor recipes, the forward's cast of each expert weight (the
+rowwise kinds keep grad_input's weight cast made in the forward where their casts pack, below;
+else they re-cast it from the Parameter). The kind decides when this runs
+(``SingleCallGrouped.grouped_forward``: every GEMM in FP8 but rowwise_with_gw_hp's grad_weight,
+which runs here only where its casts pack; FP8 activations kept, telemetry off); elsewhere each
+expert runs the Linear's own function.
 
 Each expert's scales come from one :class:`~lowprec.fp8.modules.cast_state.CastState` per expert
 (``SingleCallGrouped.grouped_cast_states``), as a Linear's come from its one: current scaling
@@ -44,8 +49,14 @@ concatenation or stack between; grad_weight reads each group's transposed copies
 written (a table of addresses) and writes the whole gradient (the per-expert loop: each GEMM its
 expert's slice). Delayed scaling records each group's amax from that same pass and re-casts only
 where the scale changed (an empty history), as ``cast_delayed_fused`` does for a Linear: one
-pass per operand per group. The values are those of the per-group casts bit for bit (the same
-amax, scale and kernel). Bytes moved around these GEMMs: ``benchmarks/grouped_traffic.py``.
+pass per operand per group. The rowwise kinds do the same with their axis casts
+(``_packs_axes``, :mod:`~lowprec.fp8.modules.grouped_axes`): x's and dY's row-scaled casts into
+(S, K) / (S, N) buffers (rowwise: their column-scaled copies beside, for grad_weight), each
+expert weight read once after its amax for both its casts: row-scaled into (E, N, K) for the
+output GEMM, grad_input's into the column-major (E, K, N) buffer torch's kernel reads, kept for
+backward (1 byte per weight element, as the per-tensor recipes keep theirs). The values are
+those of the per-group casts bit for bit (the same amax, scale and kernel). Bytes moved around
+these GEMMs: ``benchmarks/grouped_traffic.py``.
 """
 
 from __future__ import annotations
@@ -63,6 +74,7 @@ from lowprec.fp8.gemm.dispatch import scaled_mm
 from lowprec.fp8.gemm.grouped import grouped_mm
 from lowprec.fp8.kinds import base
 from lowprec.fp8.modules.cast_state import GRAD_OUTPUT, INPUT, WEIGHT, CastState
+from lowprec.fp8.modules.grouped_axes import axis_plan_packs, cast_axis_parts, cast_axis_weights, hp_weight_grads
 from lowprec.fp8.modules.linear_fn import cast, cast_both_layouts, cast_pair, handed_scale
 from lowprec.fp8.kinds.plan import LinearPlan, OperandCast
 from lowprec.fp8.cast.quantize import Float8Data
@@ -76,10 +88,12 @@ __all__ = ["GroupedConfig", "GroupedScaledFn", "grouped_scaled_gemms", "fits", "
 
 
 def fits(recipe: Recipe, plan: LinearPlan, telemetry: bool) -> bool:
-    """Whether the three GEMMs can run here: all in FP8 from FP8 activations, no telemetry rows
-    to fill (the per-expert path fills them)."""
+    """Whether the three GEMMs can run here: all in FP8 from FP8 activations (rowwise_with_gw_hp:
+    grad_weight in high precision, where its casts are written into one buffer per operand:
+    :func:`_packs_axes`), no telemetry rows to fill (the per-expert path fills them)."""
     return (
-        not (plan.fprop.high_precision or plan.dgrad.high_precision or plan.wgrad.high_precision)
+        not (plan.fprop.high_precision or plan.dgrad.high_precision)
+        and (not plan.wgrad.high_precision or plan.axis_tensor_w)
         and recipe.save_fp8_activations
         and not telemetry
     )
@@ -93,6 +107,7 @@ class GroupedConfig:
     counts: tuple[int, ...]
     single_call: bool  # the device runs a one-call grouped kernel (else the per-expert loop: CPU tests)
     packed: bool  # every cast written into one buffer per operand (_packs)
+    packed_axes: bool = False  # the axis (rowwise) casts likewise (_packs_axes, grouped_axes.py)
 
 
 def _packs(plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -100,14 +115,22 @@ def _packs(plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor) -> bool:
     gradients wanted, per-tensor casts that serve both layouts (tensorwise, delayed), plain
     tensors, and the fused casts running here (CUDA), so a grouped GEMM reads its operands where
     the casts wrote them: no concatenation of the groups' FP8 rows, no stack of the experts' casts."""
+    return plan.per_tensor and plan.x_dual and plan.w_reused and plan.dy_dual and _fused_operands(x, weight)
+
+
+def _packs_axes(plan: LinearPlan, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the axis casts (rowwise) can be written into one buffer per operand
+    (``grouped_axes.py``): as :func:`_packs`, with axis scales on the output and grad_input
+    GEMMs and x's and dY's casts serving grad_weight."""
+    return axis_plan_packs(plan) and _fused_operands(x, weight)
+
+
+def _fused_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Both gradients wanted, plain tensors the fused casts take, the fused casts running here."""
     return (
         torch.is_grad_enabled()
         and x.requires_grad
         and weight.requires_grad
-        and plan.per_tensor
-        and plan.x_dual
-        and plan.w_reused
-        and plan.dy_dual
         and type(x) is torch.Tensor
         and type(weight) in (torch.Tensor, torch.nn.Parameter)
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -186,6 +209,8 @@ class GroupedScaledFn(torch.autograd.Function):
         experts = weight.shape[0]
         if cfg.packed:
             return GroupedScaledFn._packed_forward(ctx, x, weight, cfg, states)
+        if cfg.packed_axes:
+            return GroupedScaledFn._axes_forward(ctx, x, weight, cfg, states)
         with torch_autocast_off(x.device.type):
             xq: list[Optional[Float8Data]] = []  # per expert: None where it holds no token
             x_saved: list[Optional[Float8Data]] = []
@@ -244,6 +269,32 @@ class GroupedScaledFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    def _axes_forward(ctx, x, weight, cfg: GroupedConfig, states: Sequence[CastState]):
+        """The forward where the axis casts write into one buffer per operand (``_packs_axes``,
+        ``grouped_axes.py``): x's groups row-scaled into one (S, K) buffer (their column-scaled
+        copies kept for grad_weight), the experts' weights row-scaled into one (E, N, K) buffer
+        and column-scaled into one (E, K, N) buffer from the same read, kept for grad_input,
+        which reads it as torch's grouped kernel takes its ``mat_b`` (column-major)."""
+        recipe, plan, hp = cfg.recipe, cfg.plan, cfg.hp_dtype
+        spec_x, spec_w = plan.fprop.casts
+        hp_wgrad = plan.wgrad.high_precision  # rowwise_with_gw_hp: x kept in high precision
+        with torch_autocast_off(x.device.type):
+            xbuf, xq, x_saved = cast_axis_parts(_groups(x, cfg.counts), spec_x, recipe, not hp_wgrad)
+            wbuf, wq, wtbuf, w_dgrad = cast_axis_weights(weight, spec_w, recipe, plan.axis_tensor_w)
+            out = grouped_mm(
+                xq,
+                [w.t() for w in wq],
+                hp,
+                single_call=cfg.single_call,
+                path=recipe.gemm,
+                packed_a=xbuf,
+                packed_b=wbuf.transpose(-2, -1),
+            )
+        x_kept = [x.to(hp)] if hp_wgrad else x_saved  # a reference where x is in hp already, as the Linear's
+        _save(ctx, cfg, states, x, weight, w_dgrad, x_kept, None, wtbuf.transpose(-2, -1))
+        return out
+
+    @staticmethod
     def backward(ctx, dy):
         saved = saved_operands(ctx)
         w_saved, x_saved, w_param, w_packed = saved[: ctx.n_w], saved[ctx.n_w : -2], saved[-2], saved[-1]
@@ -255,7 +306,9 @@ class GroupedScaledFn(torch.autograd.Function):
         with torch_autocast_off(dy.device.type):
             dyq, dy_col = [], []
             dy_packed = None
-            if w_packed is not None:  # the packed forward ran (_packs): dY's casts into one buffer too
+            if w_packed is not None and cfg.packed_axes:  # _axes_forward ran: dY's axis casts into one buffer
+                dy_packed, dyq, dy_col = cast_axis_parts(_groups(dy, cfg.counts), dg.a, recipe, not wg.high_precision)
+            elif w_packed is not None:  # the packed forward ran (_packs): dY's casts into one buffer too
                 dy_packed, dyq, dy_col = _cast_into(GRAD_OUTPUT, _groups(dy, cfg.counts), states, dg.a, recipe, True)
             for g, state in zip(_groups(dy, cfg.counts), states) if dy_packed is None else ():
                 if g is None:
@@ -284,7 +337,9 @@ class GroupedScaledFn(torch.autograd.Function):
                 ).to(ctx.x_dtype)
             if need_wgrad:  # float32 as the Linear's: one Triton launch for all experts where it runs
                 grad_w = torch.empty(ctx.w_shape, dtype=torch.float32, device=dy.device)
-                if not (cfg.single_call and grouped_wgrad.run_into(dy_col, x_saved, grad_w, dy.device)):
+                if wg.high_precision:  # rowwise_with_gw_hp: its bf16 GEMMs, each writing its expert's slice
+                    hp_weight_grads(dy, x_saved[0], cfg.counts, hp, grad_w)
+                elif not (cfg.single_call and grouped_wgrad.run_into(dy_col, x_saved, grad_w, dy.device)):
                     # per expert holding tokens, zero elsewhere; each GEMM writes its expert's slice
                     # where torch's kernel can (else a copy into it)
                     for e, (d, xs) in enumerate(zip(dy_col, x_saved)):
@@ -312,7 +367,7 @@ def grouped_scaled_gemms(
         return x.new_zeros((0, weight.shape[1]), dtype=hp)
     plan = recipe.plan()
     packed = _packs(plan, x, weight)
-    cfg = GroupedConfig(recipe, plan, hp, counts, single_call, packed)
+    cfg = GroupedConfig(recipe, plan, hp, counts, single_call, packed, not packed and _packs_axes(plan, x, weight))
     return GroupedScaledFn.apply(x, weight, cfg, states(packed))
 
 
@@ -343,7 +398,10 @@ class SingleCallGrouped(base.Kind):
         recipe: Recipe,
         hp: torch.dtype,
     ) -> torch.Tensor:
-        if self.grouped_single_call(recipe, x.device, gemm.fp8_telemetry):
+        hp_wgrad = recipe.plan().wgrad.high_precision  # only where its casts pack (_axes_forward)
+        if self.grouped_single_call(recipe, x.device, gemm.fp8_telemetry) and (
+            not hp_wgrad or _packs_axes(recipe.plan(), x, weight)
+        ):
             states = partial(self.grouped_cast_states, gemm, x, weight, counts, recipe)  # given `packed`
             return grouped_scaled_gemms(x, weight, counts, recipe, hp, True, states)
         return super().grouped_forward(gemm, x, weight, counts, recipe, hp)
@@ -367,7 +425,12 @@ class SingleCallGrouped(base.Kind):
         eligible = self._grouped_eligible(recipe, False)
         triton = eligible and grouped_triton.may_run(device)  # no kernel runs for a note
         rest = f"grad_weight per expert: {self.gemm_note(recipe, device)}"
-        if eligible and grouped_wgrad.may_run(device) and grouped_wgrad.takes_granularities(plan.wgrad.casts):
+        if eligible and plan.wgrad.high_precision:
+            rest = (
+                "grad_weight in high precision, one GEMM per expert holding tokens writing its float32 slice "
+                "(where the fused casts run; else each expert as a Linear)"
+            )
+        elif eligible and grouped_wgrad.may_run(device) and grouped_wgrad.takes_granularities(plan.wgrad.casts):
             rest = f"grad_weight of all experts in one launch of the {grouped_wgrad.KERNEL} (self-checked at first use)"
         if self.keeps_history:
             rest += (

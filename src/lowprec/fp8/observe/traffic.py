@@ -17,7 +17,8 @@ Rules (one each):
 * outputs are written; an in-place op writes its mutated argument (and reads it, except for
   ``copy_``/``fill_``/``zero_``, which only write it);
 * a custom op (``torch.ops.lowprec.*``) declares its cost through its schema and fake
-  implementation: its tensor inputs read, its outputs written, once. That is the traffic of a
+  implementation: its tensor inputs read, its outputs (and the buffers it writes, ``out`` /
+  ``out_t`` arguments written, not read) written, once. That is the traffic of a
   single fused kernel, which is what those ops are. A conditional kernel declares its
   steady-state cost in :data:`STEADY_STATE_BYTES` instead (``recast_if_changed`` reads two
   scalars and returns unless delayed scaling's amax history was empty, as on the first step).
@@ -78,6 +79,8 @@ _FREE = frozenset(
 # (read, written) of conditional kernels in steady state; see the module docstring
 STEADY_STATE_BYTES = {"lowprec.recast_if_changed": (8, 0)}
 _WRITE_ONLY = frozenset({"copy_", "fill_", "zero_", "uniform_", "normal_", "bernoulli_"})
+# a custom op's arguments that it writes without reading (the caller's output buffers)
+_OUT_ARGS = frozenset({"out", "out_t"})
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -150,7 +153,7 @@ class ByteCounter(TorchDispatchMode):
             mutated = arg.alias_info is not None and arg.alias_info.is_write
             if mutated:
                 written_args += tensors
-            if mutated and (name in _WRITE_ONLY or arg.name == "out"):
+            if mutated and (name in _WRITE_ONLY or arg.name in _OUT_ARGS):
                 continue
             for t in tensors:
                 if id(t) not in read_ids:
