@@ -95,6 +95,8 @@ def fake_scaled_mm(calls):
         mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, swizzle_a=None, swizzle_b=None, output_dtype=None
     ):
         calls.append((tuple(mat_a.shape), tuple(mat_b.shape), swizzle_a))
+        # torch's check (its meta kernel): the contraction in whole 16-byte runs, FP4 included
+        assert mat_a.shape[1] % 16 == 0 and mat_b.shape[0] % 16 == 0, (mat_a.shape, mat_b.shape)
         a = decode(mat_a, scale_a, recipe_a, mat_a.shape[0])
         b = decode(mat_b.t(), scale_b, recipe_b, mat_b.shape[1])
         return (a @ b.t()).to(output_dtype)
@@ -102,13 +104,14 @@ def fake_scaled_mm(calls):
     return scaled_mm
 
 
+@pytest.mark.parametrize("k", [96, 80, 1000])  # NVFP4 at 80 / 1000: 16-element blocks, not 32: padded
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
-def test_native_call_passes_data_and_swizzled_scales_as_cublas_reads_them(monkeypatch, fmt):
+def test_native_call_passes_data_and_swizzled_scales_as_cublas_reads_them(monkeypatch, fmt, k):
     calls = []
     monkeypatch.setattr(torch.nn.functional, "scaled_mm", fake_scaled_mm(calls), raising=False)
     monkeypatch.setattr(mx_gemm, "native_block_scaled_available", lambda device: True)
     torch.manual_seed(1)
-    a, b = torch.randn(37, 96), torch.randn(21, 96)  # M, N not multiples of 16: padded for the kernel
+    a, b = torch.randn(37, k), torch.randn(21, k)  # M, N not multiples of 16: padded for the kernel
     if fmt == "mxfp8":
         qa, qb = quantize_mx(a), quantize_mx(b)
     else:

@@ -197,6 +197,17 @@ def _rows_to(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(t.view(torch.uint8), (0, 0, 0, rows - t.shape[0])).view(t.dtype)
 
 
+def _bytes_to_16(t: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 data with zero bytes appended to a multiple of 16 per row (``t`` itself where
+    it has them). NVFP4 pads the contraction to 16-element blocks; torch's FP4 GEMM wants 32, and a
+    token count such as 1000 or 1040 (or an expert's group) is not one: the added zero elements
+    fall in a block the scale swizzle already pads with a zero scale (its columns go to 4)."""
+    pad = (-t.shape[1]) % 16
+    if not pad:
+        return t
+    return torch.nn.functional.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
+
+
 def _native(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> torch.Tensor:
     F = torch.nn.functional
     m, n = a.rows, bt.rows
@@ -204,7 +215,10 @@ def _native(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> 
     # rows padded to 16 only where they are not whole (a pad of nothing still copies), row-major
     # both (the kernel's A and column-major B^T): a transposed weight's cast (grad_input re-casting
     # W^T from the Parameter) is column-major, and torch refuses it
-    ad, bd = _rows_to(a.data, mp).contiguous(), _rows_to(bt.data, np_).contiguous()
+    ad, bd = _rows_to(a.data, mp), _rows_to(bt.data, np_)
+    if a.tensor_scale is not None:  # NVFP4: torch takes the contraction in whole 16-byte (32-element) runs
+        ad, bd = _bytes_to_16(ad), _bytes_to_16(bd)
+    ad, bd = ad.contiguous(), bd.contiguous()
     swz = F.SwizzleType.SWIZZLE_32_4_4
     sa: Any
     sb: Any
