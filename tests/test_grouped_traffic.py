@@ -191,3 +191,19 @@ def test_the_buffers_a_custom_op_writes_are_not_read():
         64 * 32 * 2 + 32 * 4,
         2 * 64 * 32 + 64 * 4,
     )
+
+
+@needs_triton
+@pytest.mark.parametrize("sm", [(8, 9), (9, 0), (10, 0)])
+@pytest.mark.parametrize("recipe", bench.RECIPES)
+def test_odd_widths_and_ragged_groups_meet_the_kernels_contracts(recipe, sm):
+    """Every recipe's grouped fwd+bwd traced as each GPU through torch's meta kernels, which check
+    their contracts (torch's grouped FP8 GEMM takes a contraction of whole 16-byte runs; its FP4
+    GEMM 32 elements): expert widths 200 and 40 and token groups of 0, 17, 33, 1 and 100 rows take
+    a path that accepts them (before: tensor- and row-scaled recipes failed at K = 200 / N = 40,
+    NVFP4 at groups of 17 and 33 tokens)."""
+    from lowprec.fp8.observe.traffic import trace_grouped
+
+    for k, n in ((200, 40), (40, 200)):
+        c = trace_grouped(bench.lowprec_make(recipe), (0, 17, 33, 1, 100), k, n, sm=sm, triton=True)
+        assert c.gemms() and c.outside_gemm_bytes() > 0

@@ -96,10 +96,13 @@ def native_grouped_available(device: torch.device) -> bool:
 
 def single_call_operands(a: Float8Data, b: Float8Data) -> bool:
     """Whether one group's operands fit the single-call kernel: E4M3 both, tensor or axis
-    scales (the axis along the kernel's rows for ``a``, columns for ``b``)."""
+    scales (the axis along the kernel's rows for ``a``, columns for ``b``), a contraction of a
+    whole number of 16-byte runs (torch checks both operands' leading strides: K % 16 for FP8;
+    an expert width such as 200 or 40 takes another path)."""
     grans = ("tensor", "axis")
     return (
-        a.data.dtype == _E4M3
+        a.data.shape[1] % 16 == 0
+        and a.data.dtype == _E4M3
         and b.data.dtype == _E4M3
         and a.granularity in grans
         and b.granularity in grans
