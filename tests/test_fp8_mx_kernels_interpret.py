@@ -87,18 +87,6 @@ def test_strided_input_reads_in_place(seed):
         assert_same(g, w)
 
 
-@pytest.mark.parametrize("two_pass", [False, True])
-def test_the_self_check_passes_cast_mx(two_pass):
-    """The first-use check's probes find the kernel equal to quantize_mx, in one pass and as
-    the two-pass fallback."""
-    for cls in selfcheck.CLASSES:
-        ops.set_two_pass(cls, "cast_mx", two_pass)
-    try:
-        assert selfcheck.run_checks(ops, reference, torch.device("cpu"), selfcheck.CLASSES, ("cast_mx",)) == {}
-    finally:
-        ops._TWO_PASS.clear()
-
-
 def test_operator_fake_matches(seed):
     x = awkward((48, 80), torch.float32)
     torch.library.opcheck(torch.ops.lowprec.cast_mx.default, (x, E4M3, True, True, True))
