@@ -152,6 +152,15 @@ def _cast_into(
     return buf, casts, cols
 
 
+def _keeps_weight_cast(plan: LinearPlan) -> bool:
+    """Whether the forward casts each expert weight in both layouts and grad_input reads the
+    second: one scale per tensor (``w_reused``), or square blocks (blockwise: ``w_square``, one
+    128x128 block cast written row-major and transposed from one read). Unlike the dense Linear,
+    which re-casts a blockwise weight in backward to keep no FP8 copy, the experts keep theirs (1
+    byte per parameter until backward) for one read of the float32 weights instead of two."""
+    return plan.w_reused or plan.w_square
+
+
 def _groups(t: torch.Tensor, counts: tuple[int, ...]) -> list[Optional[torch.Tensor]]:
     out: list[Optional[torch.Tensor]] = []
     start = 0
@@ -201,15 +210,16 @@ class GroupedScaledFn(torch.autograd.Function):
                     col = cast(g, spec_xw, 0, recipe, handed_scale(spec_xw, state.x_scale))
                 x_saved.append(col if need_wgrad else None)
             wq, w_col = [], []
+            keep_w = need_dgrad and _keeps_weight_cast(plan)
             for e in range(experts):
-                q, col = cast_pair(weight[e], spec_w, recipe, states[e].w_scale, need_dgrad and plan.w_dual)
+                q, col = cast_pair(weight[e], spec_w, recipe, states[e].w_scale, keep_w)
                 wq.append(q)
                 w_col.append(col if col is not None else q)
             out = grouped_mm(xq, [w.t() for w in wq], hp, single_call=cfg.single_call, path=recipe.gemm)
             # grad_input reads the forward's weight casts where one scale serves both orientations
-            w_saved = w_col if (need_dgrad and plan.w_reused) else []
+            w_saved = w_col if keep_w else []
         # rowwise: grad_input re-casts the weight from the Parameter (a reference, as the Linear)
-        w_param = weight if (need_dgrad and not plan.w_reused) else None
+        w_param = weight if (need_dgrad and not keep_w) else None
         _save(ctx, cfg, states, x, weight, w_saved, x_saved, w_param, None)
         return out
 
