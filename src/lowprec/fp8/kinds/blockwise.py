@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lowprec.fp8.gemm import block_triton as block_gemm_triton, grouped_block_triton
+from lowprec.fp8.gemm import block_triton as block_gemm_triton, grouped_block_triton, grouped_wgrad
 from lowprec.fp8.cast.block_cast import cast_block_both, quantize_square_transposed
 from lowprec.fp8.kinds import base
 from lowprec.fp8.modules.grouped_fn import SingleCallGrouped
@@ -51,7 +51,9 @@ register_caster(BlockCast())
 
 class Blockwise(SingleCallGrouped, ScaledGemmKind):
     """Tile scaling (see the module docstring). Grouped expert GEMMs: output and grad_input on
-    lowprec's Triton blockwise grouped GEMM (one launch each) where it runs, else per expert."""
+    lowprec's Triton blockwise grouped GEMM (one launch each) where it runs, else per expert;
+    grad_weight of all experts in one launch of the Triton grouped grad_weight GEMM's block mode
+    where that runs."""
 
     name = "blockwise"
 
@@ -75,10 +77,12 @@ class Blockwise(SingleCallGrouped, ScaledGemmKind):
 
     def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
         if self._grouped_eligible(recipe, False) and grouped_block_triton.may_run(device):  # no kernel runs
+            wgrad = f"grad_weight per expert: {self.gemm_note(recipe, device)}"
+            if grouped_wgrad.may_run(device) and grouped_wgrad.takes_granularities(recipe.plan().wgrad.casts):
+                wgrad = f"grad_weight of all experts in one launch of the {grouped_wgrad.KERNEL} (self-checked at first use)"
             return (
                 f"{grouped_block_triton.KERNEL} on {device.type}: the output and grad_input GEMMs of all experts in "
-                f"one launch each (self-checked at first use; per expert where the check fails); grad_weight per "
-                f"expert: {self.gemm_note(recipe, device)}"
+                f"one launch each (self-checked at first use; per expert where the check fails); {wgrad}"
             )
         return base.Kind.grouped_note(self, recipe, device)
 
