@@ -235,7 +235,7 @@ _ROUTES_LOGGED: set[tuple[str, str]] = set()
 
 
 def route(device: torch.device, a: Sequence[Optional[Float8Data]], b: Sequence[Float8Data]) -> str:
-    """``scaled_grouped_mm`` | ``triton`` | ``triton_block`` | ``loop``: which kernel runs these grouped operands on
+    """``scaled_grouped_mm`` | ``triton`` | ``blockwise_loop`` | ``triton_block`` | ``loop``: which kernel runs these grouped operands on
     ``device`` (the caller decided the device may run a one-call kernel); logged once per choice."""
     live = [(g, w) for g, w in zip(a, b) if g is not None and g.data.shape[0]]
     fits_native = all(single_call_operands(g, w) for g, w in live)
@@ -266,7 +266,7 @@ def route(device: torch.device, a: Sequence[Optional[Float8Data]], b: Sequence[F
         _ROUTES_LOGGED.add(key)
         log = logger.info if choice != "loop" else logger.warning  # loop: no one-call kernel takes them
         log("lowprec.fp8: grouped expert GEMMs (%s operands) on %s: %s", dtypes, device, why)
-    return "loop" if choice == "blockwise_loop" else choice
+    return choice
 
 
 def grouped_mm(
@@ -298,5 +298,19 @@ def grouped_mm(
         return grouped_triton.mm(a, b, out_dtype, packed_a, packed_b)
     if choice == "triton_block":
         return grouped_block_triton.mm(a, b, out_dtype)
+    if choice == "blockwise_loop":
+        return per_expert_into(live, out_dtype, path)
     outs = [scaled_mm(g, w, out_dtype, path=path) for g, w in live]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def per_expert_into(live: Sequence[tuple[Float8Data, Float8Data]], out_dtype: torch.dtype, path: str) -> torch.Tensor:
+    """One :func:`~lowprec.fp8.gemm.dispatch.scaled_mm` per expert, each writing its group's rows of
+    one (S, N) buffer (torch's blockwise GEMM takes ``out``: no concatenation after)."""
+    w0 = live[0][1].data
+    out = torch.empty(sum(g.data.shape[0] for g, _ in live), w0.shape[1], dtype=out_dtype, device=w0.device)
+    start = 0
+    for g, w in live:
+        scaled_mm(g, w, out_dtype, path=path, out=out[start : start + g.data.shape[0]])
+        start += g.data.shape[0]
+    return out
