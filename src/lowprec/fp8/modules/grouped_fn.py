@@ -17,16 +17,21 @@ grad_input      dY_e cast along N, W_e cast along N          one grouped call: t
                                                              neither runs
 grad_weight     dY_e^T and x_e cast along the group's rows   one Triton launch for all experts
                                                              (``gemm/grouped_wgrad.py``: tensor or
-                                                             column scales, E4M3/E5M2), float32
-                                                             written in place, as the Linear's;
+                                                             column scales, E4M3/E5M2; blockwise's
+                                                             128 x 1 tiles per group in its block
+                                                             mode), float32 written in place;
                                                              per expert holding tokens where it
-                                                             does not run (blockwise, CPU, its
-                                                             check failed). Not yet run on a GPU
+                                                             does not run (CPU, its check
+                                                             failed). Not yet run on a GPU
 ==============  ===========================================  ===================================
 
 Backward keeps what the Linear keeps: x_e cast for grad_weight (1 byte per element) and, for
 per-tensor recipes, the forward's cast of each expert weight (rowwise re-casts it from the
-Parameter). The kind decides when this runs (``SingleCallGrouped.grouped_forward``: every GEMM
+Parameter); blockwise keeps each expert weight's transposed 128x128-block cast, written in the
+same pass as the forward's (``_keeps_weight_cast``: one read of the float32 weights, 1 byte per
+parameter held until backward, where the dense Linear re-casts). On sm_90 blockwise's output and
+grad_input run torch's blockwise GEMM per expert (cuBLAS, as the dense layer; the Triton grouped
+GEMM has not been timed against it), each writing its rows of one output buffer. The kind decides when this runs (``SingleCallGrouped.grouped_forward``: every GEMM
 in FP8, FP8 activations kept, telemetry off); elsewhere each expert runs the Linear's own
 function.
 
