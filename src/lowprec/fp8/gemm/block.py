@@ -76,6 +76,14 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _col_major_data(t: torch.Tensor) -> torch.Tensor:
+    """B's FP8 data column-major, as it is where it already is, with any leading dimension (one
+    expert's columns of all experts' transposed weight cast: cuBLAS takes the stride as ``ldb``,
+    torch's checks ask for ``stride(0) == 1`` only); else copied. Scales keep their exact layout."""
+    aligned = t.stride(1) % 16 == 0  # 16-byte aligned columns, as cuBLAS's FP8 kernels load them
+    return t if t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0]) and aligned else _col_major(t)
+
+
 def _scales(a: Float8Data, b: Float8Data) -> tuple[torch.Tensor, torch.Tensor]:
     sa = _col_major(a.scale.reciprocal().to(torch.float32))  # (M, K/128)
     inv_b = b.scale.reciprocal().to(torch.float32)
@@ -96,7 +104,7 @@ def blockwise_mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype, out: torc
     ra, rb = _recipes(a, b)
     sa, sb = _scales(a, b)
     ad = a.data.contiguous()  # row-major A
-    bd = _col_major(b.data)  # column-major B
+    bd = _col_major_data(b.data)  # column-major B
     kernel_out = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     if out is not None and out.dtype == kernel_out and out.is_contiguous() and not torch.compiler.is_compiling():
         # F.scaled_mm's call with out= (the same kernel: torch's functional form runs this overload)

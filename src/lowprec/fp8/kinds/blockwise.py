@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lowprec.fp8.gemm import block_triton as block_gemm_triton, grouped_block_triton, grouped_wgrad
-from lowprec.fp8.cast.block_cast import cast_block_both, quantize_square_transposed
+from lowprec.fp8.cast.block_cast import cast_block_both, cast_experts_square, quantize_square_transposed
 from lowprec.fp8.kinds import base
 from lowprec.fp8.modules.grouped_fn import SingleCallGrouped
 from lowprec.fp8.modules.linear_fn import Caster, ScaledGemmKind, register_caster
@@ -44,6 +44,12 @@ class BlockCast(Caster):
     def both(self, t, spec: OperandCast, recipe: Recipe, scale=None) -> tuple[Float8Data, Float8Data]:
         """1x128 and 128x1 tiles, or square blocks and their transpose, in one pass."""
         return cast_block_both(t, spec.dtype, recipe.block_size, recipe.power_of_2_scales, square=spec.block_2d)
+
+    def experts_both(self, w, spec: OperandCast, recipe: Recipe):
+        """Square blocks: every expert in one pass (``cast_experts_square``)."""
+        if not spec.block_2d:
+            return None
+        return cast_experts_square(w, spec.dtype, recipe.block_size, recipe.power_of_2_scales)
 
 
 register_caster(BlockCast())

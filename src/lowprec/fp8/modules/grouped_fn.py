@@ -28,8 +28,9 @@ grad_weight     dY_e^T and x_e cast along the group's rows   one Triton launch f
 Backward keeps what the Linear keeps: x_e cast for grad_weight (1 byte per element) and, for
 per-tensor recipes, the forward's cast of each expert weight (rowwise re-casts it from the
 Parameter); blockwise keeps each expert weight's transposed 128x128-block cast, written in the
-same pass as the forward's (``_keeps_weight_cast``: one read of the float32 weights, 1 byte per
-parameter held until backward, where the dense Linear re-casts). On sm_90 blockwise's output and
+same pass as the forward's (``_keeps_weight_cast``: one read of the float32 weights, all experts
+in one launch where the blocks do not span experts; 1 byte per parameter held until backward,
+where the dense Linear re-casts). On sm_90 blockwise's output and
 grad_input run torch's blockwise GEMM per expert (cuBLAS, as the dense layer; the Triton grouped
 GEMM has not been timed against it), each writing its rows of one output buffer. The kind decides when this runs (``SingleCallGrouped.grouped_forward``: every GEMM
 in FP8, FP8 activations kept, telemetry off); elsewhere each expert runs the Linear's own
@@ -68,7 +69,13 @@ from lowprec.fp8.gemm.dispatch import scaled_mm
 from lowprec.fp8.gemm.grouped import grouped_mm
 from lowprec.fp8.kinds import base
 from lowprec.fp8.modules.cast_state import GRAD_OUTPUT, INPUT, WEIGHT, CastState
-from lowprec.fp8.modules.linear_fn import cast, cast_both_layouts, cast_pair, handed_scale
+from lowprec.fp8.modules.linear_fn import (
+    cast,
+    cast_both_layouts,
+    cast_experts_both_layouts,
+    cast_pair,
+    handed_scale,
+)
 from lowprec.fp8.kinds.plan import LinearPlan, OperandCast
 from lowprec.fp8.cast.quantize import Float8Data
 from lowprec.fp8.modules.saved import save_operands, saved_operands
@@ -214,9 +221,11 @@ class GroupedScaledFn(torch.autograd.Function):
                     spec_xw = plan.wgrad.casts[1]
                     col = cast(g, spec_xw, 0, recipe, handed_scale(spec_xw, state.x_scale))
                 x_saved.append(col if need_wgrad else None)
-            wq, w_col = [], []
             keep_w = need_dgrad and _keeps_weight_cast(plan)
-            for e in range(experts):
+            # square blocks: all experts in one pass, each one's casts views of one buffer per layout
+            both = cast_experts_both_layouts(weight, spec_w, recipe) if keep_w and plan.w_square else None
+            wq, w_col = both or ([], [])
+            for e in range(0 if both else experts):
                 q, col = cast_pair(weight[e], spec_w, recipe, states[e].w_scale, keep_w)
                 wq.append(q)
                 w_col.append(col if col is not None else q)
