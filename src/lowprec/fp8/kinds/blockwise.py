@@ -3,7 +3,9 @@ gradients, 128x128 blocks for weights, power-of-two scales, E4M3 everywhere.
 
 Square weight blocks would serve both orientations, but the weight is re-cast from the
 Parameter in backward (same values: the cast is deterministic), so that backward keeps no FP8
-copy per layer (1 byte/param at the memory peak). Activations and gradients are cast in 1x128
+copy per layer (1 byte/param at the memory peak). Grouped experts keep theirs instead: all
+experts' weights cast in one pass, both layouts (``BlockCast.experts_both``), for one read of the
+float32 weights per step (``modules/grouped_fn.py``). Activations and gradients are cast in 1x128
 and 128x1 tiles in one pass where the kernels run (``fp8/cast/block_cast.py``). This module holds the
 ``block`` granularity's casts.
 """
