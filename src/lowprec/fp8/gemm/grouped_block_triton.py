@@ -98,9 +98,11 @@ def experts_view(b: Sequence[Float8Data]) -> Optional[torch.Tensor]:
     """The expert operands (E, K, N) as one strided view where they are equal views of one
     buffer at a constant distance (the experts' weights cast in one pass,
     ``block_cast.cast_experts_square``): read where the cast wrote them, no stack; else None."""
+    if len(b) < 2 or torch.compiler.is_compiling():  # a trace: the stack (views' bases are eager facts)
+        return None
     first = b[0].data
     base = first._base
-    if base is None or len(b) < 2:
+    if base is None:
         return None
     step = b[1].data.storage_offset() - first.storage_offset()
     same = all(
