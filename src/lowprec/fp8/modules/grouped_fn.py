@@ -30,11 +30,11 @@ per-tensor recipes, the forward's cast of each expert weight (rowwise re-casts i
 Parameter); blockwise keeps each expert weight's transposed 128x128-block cast, written in the
 same pass as the forward's (``_keeps_weight_cast``: one read of the float32 weights, all experts
 in one launch where the blocks do not span experts; 1 byte per parameter held until backward,
-where the dense Linear re-casts). On sm_90 blockwise's output and
-grad_input run torch's blockwise GEMM per expert (cuBLAS, as the dense layer; the Triton grouped
-GEMM has not been timed against it), each writing its rows of one output buffer. The kind decides when this runs (``SingleCallGrouped.grouped_forward``: every GEMM
-in FP8, FP8 activations kept, telemetry off); elsewhere each expert runs the Linear's own
-function.
+where the dense Linear re-casts). On sm_90 blockwise's output and grad_input run torch's
+blockwise GEMM per expert (cuBLAS, as the dense layer; the Triton grouped GEMM has not been timed
+against it), each writing its rows of one output buffer. The kind decides when this runs
+(``SingleCallGrouped.grouped_forward``: every GEMM in FP8, FP8 activations kept, telemetry off);
+elsewhere each expert runs the Linear's own function.
 
 Each expert's scales come from one :class:`~lowprec.fp8.modules.cast_state.CastState` per expert
 (``SingleCallGrouped.grouped_cast_states``), as a Linear's come from its one: current scaling
