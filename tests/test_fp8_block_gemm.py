@@ -241,3 +241,29 @@ def test_a_frozen_weight_is_cast_once_and_serves_both_gemms(monkeypatch):
         for a, b in zip(*grads):
             assert torch.equal(a, b)
     assert squares.count(True) == 1
+
+
+def test_experts_gemms_write_their_rows_and_read_strided_weights_in_place():
+    """The grouped experts' per-expert path on torch's kernel, on meta tensors: a GEMM given
+    ``out`` (an expert's rows of one output) is written there by the kernel (``_scaled_mm_v2.out``,
+    which passes torch's meta checks), and grad_input's B, an expert's columns of all experts'
+    transposed weight cast (leading dimension E*N), reaches the kernel without a copy."""
+    from lowprec.fp8.cast.quantize import Float8Data
+    from lowprec.fp8.observe.traffic import ByteCounter
+
+    e4m3 = torch.float8_e4m3fn
+    experts, m, k, n = 3, 64, 256, 128
+    qt = torch.empty(k, experts * n, device="meta", dtype=e4m3)  # (E*N, K) cast, written transposed
+    st = torch.empty(experts * n // 128, k // 128, device="meta")
+    w1 = Float8Data(qt.t()[n : 2 * n], st[1:2], "block", (128, 128), True)  # expert 1's W (N, K)
+    dy = Float8Data(
+        torch.empty(m, n, device="meta", dtype=e4m3), torch.empty(m, 1, device="meta"), "block", (1, 128), True
+    )
+    out = torch.empty(2 * m, k, device="meta", dtype=torch.bfloat16)
+    assert block_gemm.supported(dy, w1)
+    with ByteCounter() as c:
+        got = block_gemm.blockwise_mm(dy, w1, torch.bfloat16, out=out[m:])
+    assert got.data_ptr() == out[m:].data_ptr() and got.shape == (m, k)
+    assert [r.name for r in c.records if r.gemm] == ["aten._scaled_mm_v2"]
+    copies = [r for r in c.records if r.name in ("aten.clone", "aten.copy_", "aten.contiguous")]
+    assert sum(r.read for r in copies) < n * k // 128, c.records  # the scales' layout at most, never W's data

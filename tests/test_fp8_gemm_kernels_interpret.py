@@ -397,3 +397,36 @@ def test_blockwise_grouped_gemms_run_the_triton_block_gemm_in_one_launch_each(bl
     for got, want in zip(*runs):
         assert sqnr(want, got) >= 45
     assert torch.equal(runs[0][2], runs[1][2])
+
+
+def test_experts_cast_in_one_pass_feed_the_block_grouped_gemm_without_a_stack(monkeypatch, seed):
+    """The experts' weights (E, N, K) cast as one (E*N, K) tensor (the fused kernel, as on CUDA;
+    N a multiple of the block, so no block spans two experts): each expert's casts (both layouts)
+    equal its own cast, they are views of one buffer per layout, and the blockwise grouped GEMM
+    reads them there as one strided (E, K, N) operand (no stack) with the stacked run's result
+    bit for bit, for the output GEMM (transposed views) and grad_input (the transposed copies)."""
+    from lowprec.fp8 import kernels
+    from lowprec.fp8.cast import block_cast
+    from lowprec.fp8.cast.quantize import quantize
+    from lowprec.fp8.gemm import grouped_block_triton, grouped_triton
+
+    w = torch.randn(3, 64, 96)
+    plain = [block_cast.cast_block_both(w[e], E4M3, 32, True, square=True) for e in range(3)]
+    monkeypatch.setattr(kernels, "available", lambda device, op=None, x=None: True)
+    rows, cols = block_cast.cast_experts_square(w, E4M3, 32, True)
+    for (p, p_col), r, c in zip(plain, rows, cols):
+        assert torch.equal(p.dequantize(), r.dequantize()) and torch.equal(p_col.dequantize(), c.dequantize())
+        assert r.block == c.block == (32, 32)
+    groups = [quantize(torch.randn(c, 96), E4M3, "block", block=(1, 32), power_of_2=True) for c in (5, 40, 17)]
+    dgroups = [quantize(torch.randn(c, 64), E5M2, "block", block=(1, 32), power_of_2=True) for c in (5, 40, 17)]
+    for a, b in ((groups, [r.t() for r in rows]), (dgroups, cols)):
+        view = grouped_block_triton.experts_view(b)
+        assert view is not None and torch.equal(
+            view.view(torch.uint8), grouped_triton.stack_experts(b).view(torch.uint8)
+        )
+        got = grouped_block_triton.mm(a, b, torch.float32)
+        monkeypatch.setattr(grouped_block_triton, "experts_view", lambda b: None)  # stacked instead
+        assert torch.equal(got, grouped_block_triton.mm(a, b, torch.float32))
+        monkeypatch.undo()
+        monkeypatch.setattr(kernels, "available", lambda device, op=None, x=None: True)
+    assert grouped_block_triton.experts_view([p for p, _ in plain]) is None  # separate casts: stacked

@@ -478,3 +478,24 @@ def test_delayed_runs_the_grouped_function_where_tensorwise_does(grouped_switch)
     assert not kind.grouped_single_call(fp8.Recipe.from_name("delayed"), cpu, telemetry=True)
     assert not kind.grouped_single_call(fp8.Recipe.from_name("delayed", gemm="upcast"), cpu, telemetry=False)
     assert not kind.grouped_single_call(fp8.Recipe.from_name("delayed", save_fp8_activations=False), cpu, False)
+
+
+def test_per_expert_gemms_write_their_rows_of_one_output(seed):
+    """The blockwise experts' per-expert path where torch's blockwise GEMM takes every expert (sm_90):
+    each GEMM writes its group's rows of one (S, N) buffer; the same values as the products
+    concatenated (here the CPU's GEMM, copied into the rows), every row written."""
+    from lowprec.fp8.cast.quantize import quantize
+    from lowprec.fp8.gemm import grouped as grouped_gemm
+    from lowprec.fp8.gemm.dispatch import scaled_mm
+
+    live = [
+        (
+            quantize(torch.randn(c, 256), fp8.E4M3, "block", block=(1, 128), power_of_2=True),
+            quantize(torch.randn(64, 256), fp8.E4M3, "block", block=(128, 128), power_of_2=True).t(),
+        )
+        for c in (32, 16, 48)
+    ]
+    for dtype in (torch.bfloat16, torch.float32):
+        got = grouped_gemm.per_expert_into(live, dtype, "auto")
+        want = torch.cat([scaled_mm(g, w, dtype) for g, w in live])
+        assert got.dtype == dtype and torch.equal(got, want)

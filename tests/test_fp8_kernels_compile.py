@@ -253,8 +253,8 @@ def test_grouped_gemm_compiles_for_ada_hopper_and_blackwell(compiled, block):
 
 
 WGRAD_SCRIPT = r"""
-from lowprec.fp8.kernels.gemm_ops import WGRAD_TILE
-from lowprec.fp8.kernels.triton_grouped_wgrad import grouped_wgrad_kernel
+from lowprec.fp8.kernels.gemm_ops import GEMM_TILE, WGRAD_TILE
+from lowprec.fp8.kernels.triton_grouped_wgrad import grouped_block_wgrad_kernel, grouped_wgrad_kernel
 
 GW = {"dy_table_ptr": "*i64", "x_table_ptr": "*i64", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "c_ptr": "*fp32",
       "N": "i32", "K": "i32", "TILES_N": "i32", "TILES_K": "i32", "stride_sae": "i32", "stride_san": "i32",
@@ -273,18 +273,36 @@ for cc, a_e4m3, unit in modes:
                                         "stride_ce", "stride_cn")]
     k = build(grouped_wgrad_kernel, GW, const, aligned, cc, warps, stages)
     ptx = k.asm["ptx"]
-    out.append(dict(cc=cc, a_e4m3=a_e4m3, unit=unit, cubin=len(k.asm["cubin"]), shared=k.metadata.shared,
+    out.append(dict(cc=cc, block=False, a_e4m3=a_e4m3, unit=unit, cubin=len(k.asm["cubin"]), shared=k.metadata.shared,
+                    spills=".local" in ptx, mma=sorted(set(re.findall(r"(?:mma\.sync|wgmma\.mma_async|tcgen05\.mma)\S*", ptx)))))
+# block scales along the tokens (the blockwise recipe): the dense blockwise GEMM's tiles, BLOCK_K = 128
+BW = {"dy_table_ptr": "*i64", "x_table_ptr": "*i64", "first_tile_ptr": "*i64", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
+      "c_ptr": "*fp32", "N": "i32", "K": "i32", "TILES_N": "i32", "TILES_K": "i32", "stride_sat": "i32",
+      "stride_san": "i32", "stride_sbt": "i32", "stride_sbk": "i32", "stride_ce": "i32", "stride_cn": "i32",
+      "stride_ck": "i32"}
+names = list(BW)
+for cc, unit in ((89, True), (90, True), (90, False), (100, True)):
+    bm, bn, warps, stages, gm = GEMM_TILE["sm89" if cc == 89 else "default"]
+    const = dict(A_E4M3=True, B_E4M3=True, DY_TOKEN_UNIT=unit, X_TOKEN_UNIT=unit, SOFT_FP8=False, BLOCK_M=bm,
+                 BLOCK_N=bn, BLOCK_K=128, GROUP_M=gm, stride_ck=1, stride_san=1, stride_sbk=1)
+    aligned = [names.index(x) for x in ("dy_table_ptr", "x_table_ptr", "first_tile_ptr", "sa_ptr", "sb_ptr", "c_ptr",
+                                        "N", "K", "stride_sat", "stride_sbt", "stride_ce", "stride_cn")]
+    k = build(grouped_block_wgrad_kernel, BW, const, aligned, cc, warps, stages)
+    ptx = k.asm["ptx"]
+    out.append(dict(cc=cc, block=True, a_e4m3=True, unit=unit, cubin=len(k.asm["cubin"]), shared=k.metadata.shared,
                     spills=".local" in ptx, mma=sorted(set(re.findall(r"(?:mma\.sync|wgmma\.mma_async|tcgen05\.mma)\S*", ptx)))))
 print(json.dumps(out))
 """
 
 
-def test_grouped_wgrad_compiles_for_ada_hopper_and_blackwell(compiled):
+@pytest.mark.parametrize("block", [False, True])
+def test_grouped_wgrad_compiles_for_ada_hopper_and_blackwell(compiled, block):
     """The grouped weight gradient (one launch for all experts, group addresses from a table) to
     sm_89/sm_90/sm_100 cubins on FP8 tensor-core instructions with E5M2 (tensorwise's dY) and E4M3
-    A, operands contiguous along the tokens or not, within shared memory and without spills."""
-    rows = compiled[3]
-    assert sorted({r["cc"] for r in rows}) == [89, 90, 100] and len(rows) == 7
+    A, operands contiguous along the tokens or not, within shared memory and without spills;
+    ``block``: its block mode (the blockwise recipe: one 128-token scale tile per step, E4M3)."""
+    rows = [r for r in compiled[3] if r["block"] == block]
+    assert sorted({r["cc"] for r in rows}) == [89, 90, 100] and len(rows) == (4 if block else 7)
     for r in rows:
         assert r["cubin"] > 0 and not r["spills"], r
         assert r["shared"] <= SHARED_LIMIT[r["cc"]], r

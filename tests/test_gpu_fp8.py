@@ -183,8 +183,17 @@ def test_triton_grouped_wgrad_matches_the_loop_on_cuda(gran, dy_dtype):
         fp8.quantize(torch.randn(c, k, device=dev) * 3, torch.float8_e4m3fn, gran, dim=0) if c else None for c in counts
     ]
     assert grouped_wgrad.supported(dy, x)
-    got = torch.full((len(counts), n, k), float("nan"), device=dev)
-    grouped_wgrad.mm_into(dy, x, got)
+    _wgrad_against_the_loop(grouped_wgrad.mm_into, dy, x, n, k, dev)
+
+
+def _wgrad_against_the_loop(run, dy, x, n, k, dev):
+    """``run(dy, x, out)`` (one launch) against one ``scaled_mm`` per expert into float32 and the
+    float32 emulation: within 2**-7 max |ref| and > 40 dB, every element written, the second
+    expert (empty) zeros."""
+    from lowprec.fp8.gemm import grouped_wgrad
+
+    got = torch.full((len(dy), n, k), float("nan"), device=dev)
+    run(dy, x, got)
     loop = torch.zeros_like(got)
     for e, (d, g) in enumerate(zip(dy, x)):
         if d is not None:
@@ -195,13 +204,54 @@ def test_triton_grouped_wgrad_matches_the_loop_on_cuda(gran, dy_dtype):
     assert sqnr(emulated, got) > 40 and sqnr(loop, got) > 40
 
 
-def _grouped_fwd_bwd_against_the_emulation(name, dev):
+def test_triton_grouped_block_wgrad_matches_the_loop_on_cuda():
+    """The block mode (the blockwise recipe's 128 x 1 tiles along each group's tokens): every
+    expert's weight gradient in one launch (ragged groups across 128-row tiles, empty experts, the
+    fused casts' transposed layouts) against the per-expert blockwise GEMM (``scaled_mm``: cuBLAS on
+    sm_90, the Triton blockwise GEMM elsewhere) and the float32 emulation: within 2**-7 max |ref|
+    and > 40 dB; an empty expert's gradient is zeros."""
+    dev = _fp8_gpu()
+    pytest.importorskip("triton")
+    from lowprec.fp8.gemm import grouped_wgrad
+
+    assert grouped_wgrad.self_check(dev)
+    torch.manual_seed(0)
+    counts, n, k = (300, 0, 77, 1, 512, 129, 0), 768, 1024
+
+    def cast(c, cols, s):
+        return fp8.quantize(torch.randn(c, cols, device=dev) * s, torch.float8_e4m3fn, "block", block=(128, 1))
+
+    dy = [cast(c, n, 1) if c else None for c in counts]
+    x = [cast(c, k, 3) if c else None for c in counts]
+    assert grouped_wgrad.block_supported(dy, x)
+    _wgrad_against_the_loop(grouped_wgrad.block_mm_into, dy, x, n, k, dev)
+
+
+def test_blockwise_grouped_experts_on_cublas_per_expert_on_sm90(monkeypatch):
+    """sm_90 with groups cuBLAS takes (multiples of 16 rows): output and grad_input on torch's
+    blockwise GEMM per expert, each writing its rows of one buffer; grad_input's B an expert's
+    columns of the one-pass transposed weight cast (leading dimension E*N, not copied);
+    grad_weight one Triton launch. fwd+bwd against the per-expert emulation."""
+    dev = _fp8_gpu()
+    pytest.importorskip("triton")
+    from lowprec.fp8.gemm import block, grouped as grouped_gemm
+
+    if torch.cuda.get_device_capability(dev) != (9, 0) or not block.self_check(dev):
+        pytest.skip("torch's blockwise GEMM runs on sm_90 only")
+    rows = []
+    real = grouped_gemm.per_expert_into
+    monkeypatch.setattr(grouped_gemm, "per_expert_into", lambda live, *a: rows.append(len(live)) or real(live, *a))
+    _grouped_fwd_bwd_against_the_emulation("blockwise", dev, counts=(128, 0, 256, 32))  # multiples of 16
+    assert rows == [3, 3]  # output, grad_input; emulate: the per-expert loop
+
+
+def _grouped_fwd_bwd_against_the_emulation(name, dev, counts=(200, 0, 333, 19)):
     """A grouped GEMM fwd+bwd with ``gemm="auto"`` against ``gemm="emulate"`` (the per-expert
     loop): output and both gradients > 35 dB."""
     from lowprec.fp8.modules.grouped import Float8GroupedGemm
 
     torch.manual_seed(0)
-    counts, k, n = (200, 0, 333, 19), 512, 384
+    k, n = 512, 384
     x, w = torch.randn(sum(counts), k, device=dev), torch.randn(len(counts), n, k, device=dev)
     dy = torch.randn(sum(counts), n, device=dev)
     runs = []
@@ -314,8 +364,13 @@ def test_blockwise_grouped_experts_on_the_triton_gemm_on_cuda(monkeypatch):
     pytest.importorskip("triton")
     from lowprec.fp8.gemm import grouped_block_triton
 
-    calls = []
-    real = grouped_block_triton.mm
+    from lowprec.fp8.gemm import grouped_wgrad
+
+    calls, wgrads = [], []
+    real, real_wgrad = grouped_block_triton.mm, grouped_wgrad.block_mm_into
     monkeypatch.setattr(grouped_block_triton, "mm", lambda a, b, out: calls.append(out) or real(a, b, out))
+    monkeypatch.setattr(grouped_wgrad, "block_mm_into", lambda *a: wgrads.append(1) or real_wgrad(*a))
+    assert grouped_wgrad.self_check(dev)  # before counting launches
     _grouped_fwd_bwd_against_the_emulation("blockwise", dev)
     assert len(calls) == 2  # output and grad_input; emulate: the per-expert loop
+    assert wgrads == [1]  # grad_weight of all experts in one launch

@@ -158,24 +158,27 @@ def test_grouped_wgrad_self_check_passes_under_the_interpreter(monkeypatch):
     assert grouped_wgrad.self_check(torch.device("cpu")) and grouped_wgrad._CHECKED == {None: True}
 
 
-@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "blockwise"])
 def test_grouped_experts_write_grad_weight_in_one_launch(name, monkeypatch, caplog, seed):
     """The grouped kinds' backward as on a GPU where the Triton grouped GEMMs passed their checks:
-    grad_weight of all experts in one launch (logged once), against the per-expert loop's
-    gradient (the same casts) within the GEMM's summation order; an empty expert's gradient 0."""
+    grad_weight of all experts in one launch (logged once; blockwise: the block mode), against the
+    per-expert loop's gradient (the same casts) within the GEMM's summation order; an empty
+    expert's gradient 0."""
     from lowprec import fp8
-    from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton, grouped_wgrad
+    from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_block_triton, grouped_triton, grouped_wgrad
     from lowprec.fp8.modules.grouped import Float8GroupedGemm
     from tests.conftest import sqnr
 
     launches = []
-    real = grouped_wgrad.mm_into
+    into = "block_mm_into" if name == "blockwise" else "mm_into"
+    real = getattr(grouped_wgrad, into)
     monkeypatch.setattr(grouped_triton, "ready", lambda device: True)
+    monkeypatch.setattr(grouped_block_triton, "ready", lambda device: True)
     monkeypatch.setattr(grouped_gemm, "_ROUTES_LOGGED", set())
     monkeypatch.setattr(grouped_wgrad, "may_run", lambda device: True)
     monkeypatch.setattr(grouped_wgrad, "self_check", lambda device: True)
     monkeypatch.setattr(grouped_wgrad, "_LOGGED", set())
-    monkeypatch.setattr(grouped_wgrad, "mm_into", lambda *a: launches.append(1) or real(*a))
+    monkeypatch.setattr(grouped_wgrad, into, lambda *a: launches.append(1) or real(*a))
     counts, k, n = (21, 0, 17), 48, 40
     x, w, dy = torch.randn(sum(counts), k) * 2, torch.randn(len(counts), n, k), torch.randn(sum(counts), n)
     grads = []
@@ -191,3 +194,125 @@ def test_grouped_experts_write_grad_weight_in_one_launch(name, monkeypatch, capl
     assert torch.equal(grads[0][1], torch.zeros(n, k))
     # the same casts; the loop (CPU upcast) rounds each accumulator to bf16 (2**-9 relative, ~54 dB), the kernel not
     assert sqnr(grads[1], grads[0]) >= 50
+
+
+# --- block scales along the tokens (the blockwise recipe) -------------------------------------------------
+
+BLOCK_LAYOUTS = [(37, 0, 5, 70), (0, 33, 0)]  # groups inside one 32-row tile, across tiles, empty ones
+
+
+def _block_operands(counts, block=32, layout="cols", exact=False):
+    """The blockwise recipe's grad_weight casts per expert: dY (c, N) and x (c, K) in ``block x 1``
+    tiles along the group's tokens, power-of-two scales; ``layout`` as :func:`_operands`.
+    ``exact``: integer FP8 values in [-8, 8] and power-of-two tile scales (every sum exact)."""
+    from lowprec.fp8.cast.quantize import quantize
+
+    def cast(c, cols, i):
+        if exact:
+            data = torch.randint(-8, 9, (c, cols)).float().to(E4M3)
+            scale = torch.exp2(torch.randint(-3, 4, (-(-c // block), cols)).float())
+            q = Float8Data(data, scale, "block", (block, 1), True)
+        else:
+            q = quantize(torch.randn(c, cols) * 3, E4M3, "block", block=(block, 1), power_of_2=True)
+        return _transposed(q) if layout == "cols" or (layout == "mixed" and i % 2) else q
+
+    dy = [cast(c, N, i) if c else None for i, c in enumerate(counts)]
+    x = [cast(c, K, i + 1) if c else None for i, c in enumerate(counts)]
+    return dy, x
+
+
+def _run_block(dy, x):
+    from lowprec.fp8.gemm import grouped_wgrad
+
+    assert grouped_wgrad.block_supported(dy, x) and not grouped_wgrad.supported(dy, x)
+    out = torch.full((len(dy), N, K), float("nan"))  # every element must be written
+    grouped_wgrad.block_mm_into(dy, x, out)
+    return out
+
+
+@pytest.mark.parametrize("counts,layout", [(BLOCK_LAYOUTS[0], "mixed"), (BLOCK_LAYOUTS[1], "rows")])
+def test_grouped_block_wgrad_is_the_per_expert_gemm_within_the_documented_bound(counts, layout, seed):
+    """Block scales along each group's tokens (tiles from its first row): one launch against each
+    expert's ``dequant(dY_e)^T @ dequant(x_e)`` in float32 within the summation-order bound (the
+    power-of-two scales are exact in either place); an empty expert's slice zeros."""
+    from lowprec.fp8.gemm import grouped_wgrad
+    from tests.conftest import assert_within_gemm_bound
+
+    dy, x = _block_operands(counts, layout=layout)
+    got = _run_block(dy, x)
+    ref = grouped_wgrad.loop_reference(dy, x, N, K)
+    for e, (d, g) in enumerate(zip(dy, x)):
+        if d is None:
+            assert torch.equal(got[e], torch.zeros(N, K)), e
+        else:
+            assert_within_gemm_bound(got[e], ref[e], d.t(), g, output_roundings=0)
+
+
+def test_grouped_block_wgrad_is_exact_where_sums_are_exact(seed):
+    """Integer FP8 values and power-of-two tile scales: every partial sum is exact, so the kernel
+    gives the exact gradient (float64) bit for bit, and the per-expert blockwise GEMM the loop runs
+    (CPU's exact upcast, 1x b x 1x b) rounded to bf16 is the kernel's rounded to bf16."""
+    from lowprec.fp8.gemm.dispatch import scaled_mm
+
+    dy, x = _block_operands(BLOCK_LAYOUTS[0], exact=True, layout="mixed")
+    got = _run_block(dy, x)
+    for e, (d, g) in enumerate(zip(dy, x)):
+        if d is None:
+            assert torch.equal(got[e], torch.zeros(N, K))
+            continue
+        exact = d.t().dequantize().double() @ g.dequantize().double()
+        assert torch.equal(got[e].double(), exact), e
+        loop = scaled_mm(d.t(), g, torch.float32, path="auto")
+        assert torch.equal(got[e].to(torch.bfloat16), loop.to(torch.bfloat16)), e
+
+
+def test_grouped_block_wgrad_takes_token_tiles_only():
+    from lowprec.fp8.cast.quantize import quantize
+    from lowprec.fp8.gemm import grouped_wgrad
+
+    dy, x = _block_operands((40, 0, 9))
+    assert grouped_wgrad.block_supported(dy, x)
+    tiles_k = [
+        None if g is None else quantize(torch.randn(g.data.shape[0], K), E4M3, "block", block=(1, 32)) for g in x
+    ]
+    assert not grouped_wgrad.block_supported(dy, tiles_k)  # 1 x b tiles contract over K, not the tokens
+    other = _block_operands((40, 0, 9), block=64)[1]
+    assert not grouped_wgrad.block_supported(dy, other)  # one tile size for both operands
+
+
+def test_grouped_block_wgrad_operator_opcheck():
+    """torch's operator checks on the block-scale operator: the fake writes nothing, inputs unchanged,
+    ``out`` written whole; scales of the wrong tile count are refused."""
+    from lowprec.fp8.gemm import grouped_wgrad
+
+    dy, x = _block_operands((5, 0, 40), layout="mixed")
+    d0, x0 = dy[0], x[0]
+    dy_data, x_data = grouped_wgrad._data(dy, d0), grouped_wgrad._data(x, x0)
+    sa = torch.cat([d.scale for d in dy if d is not None]).reciprocal()
+    sb = torch.cat([g.scale for g in x if g is not None]).reciprocal()
+    out = torch.full((3, N, K), float("nan"))
+    before = [t.view(torch.uint8).clone() for t in dy_data + x_data]
+    args = (dy_data, x_data, sa, sb, 32, out)
+    torch.library.opcheck(
+        torch.ops.lowprec.grouped_block_wgrad_scaled_mm.default,
+        args,
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+    torch.ops.lowprec.grouped_block_wgrad_scaled_mm(*args)
+    assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(before, dy_data + x_data))
+    assert not out.isnan().any() and torch.equal(out[1], torch.zeros(N, K))
+    with pytest.raises(ValueError, match="tiles"):
+        torch.ops.lowprec.grouped_block_wgrad_scaled_mm(dy_data, x_data, sa[1:], sb[1:], 32, out)
+
+
+def test_grouped_wgrad_self_check_covers_block_scales(monkeypatch):
+    """The first-use check runs the block mode too (b = 128 on its problem: a group across a tile
+    edge, an empty one) and fails where the block mode's results are wrong."""
+    from lowprec.fp8.gemm import grouped_wgrad
+
+    dy, x = grouped_wgrad.block_probe(torch.device("cpu"), n=N, k=K)
+    assert grouped_wgrad.block_supported(dy, x) and dy[0].block == (128, 1)
+    real = grouped_wgrad.block_mm_into
+    monkeypatch.setattr(grouped_wgrad, "block_mm_into", lambda d, g, out: real(d, g, out) or out.mul_(1.1))
+    monkeypatch.setattr(grouped_wgrad, "_CHECKED", {})
+    assert not grouped_wgrad._check(torch.device("cpu"), n=N, k=K)

@@ -19,7 +19,13 @@ import torch
 from lowprec.fp8 import kernels
 from lowprec.fp8.cast.torch_casts import Float8Data, quantize_blockwise_torch
 
-__all__ = ["fusable", "quantize_blockwise_fused", "cast_block_both", "quantize_square_transposed"]
+__all__ = [
+    "fusable",
+    "quantize_blockwise_fused",
+    "cast_block_both",
+    "quantize_square_transposed",
+    "cast_experts_square",
+]
 
 
 def _edge(block: tuple[int, int]) -> int:
@@ -88,3 +94,25 @@ def quantize_square_transposed(w: torch.Tensor, dtype: torch.dtype, size: int, p
         return quantize_blockwise_torch(w, dtype, (size, size), power_of_2)
     _, _, qt, st = kernels.cast_block_2d(w.detach(), dtype, size, power_of_2, rows=False, cols=True)
     return Float8Data(qt.t(), st, "block", (size, size), power_of_2)
+
+
+def cast_experts_square(
+    w: torch.Tensor, dtype: torch.dtype, size: int, power_of_2: bool
+) -> tuple[list[Float8Data], list[Float8Data]]:
+    """Each expert weight of ``w`` (E, N, K) in size x size blocks, both layouts, as
+    ``cast_block_both(w[e], square=True)`` per expert gives them. Where the fused kernel runs and
+    ``N % size == 0`` (a block never spans two experts) the experts are cast as one (E*N, K)
+    tensor, one launch, and each expert's casts are views of one buffer per layout (the grouped
+    GEMMs read them there: no stack of the experts' casts)."""
+    experts, n, k = w.shape
+    flat = w.reshape(experts * n, k)
+    if n % size or not _fused(flat, size):
+        pairs = [cast_block_both(w[e], dtype, size, power_of_2, square=True) for e in range(experts)]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+    q, qt = cast_block_both(flat, dtype, size, power_of_2, square=True)
+    nb = n // size
+
+    def part(c: Float8Data, e: int) -> Float8Data:
+        return Float8Data(c.data[e * n : (e + 1) * n], c.scale[e * nb : (e + 1) * nb], "block", c.block, power_of_2)
+
+    return [part(q, e) for e in range(experts)], [part(qt, e) for e in range(experts)]

@@ -31,7 +31,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from lowprec.fp8.gemm.capability import traced
+from lowprec.fp8.gemm.capability import meta_out_kernel, traced
 from lowprec.fp8.cast.quantize import Float8Data, dequantize, quantize_blockwise
 from lowprec.fp8.kernels.select import emulation_gap
 
@@ -76,6 +76,14 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def _col_major_data(t: torch.Tensor) -> torch.Tensor:
+    """B's FP8 data column-major, as it is where it already is, with any leading dimension (one
+    expert's columns of all experts' transposed weight cast: cuBLAS takes the stride as ``ldb``,
+    torch's checks ask for ``stride(0) == 1`` only); else copied. Scales keep their exact layout."""
+    aligned = t.stride(1) % 16 == 0  # 16-byte aligned columns, as cuBLAS's FP8 kernels load them
+    return t if t.stride(0) == 1 and t.stride(1) >= max(1, t.shape[0]) and aligned else _col_major(t)
+
+
 def _scales(a: Float8Data, b: Float8Data) -> tuple[torch.Tensor, torch.Tensor]:
     sa = _col_major(a.scale.reciprocal().to(torch.float32))  # (M, K/128)
     inv_b = b.scale.reciprocal().to(torch.float32)
@@ -88,15 +96,27 @@ def _scales(a: Float8Data, b: Float8Data) -> tuple[torch.Tensor, torch.Tensor]:
     return sa, inv_b.contiguous().t()  # (K/128, N) row-major = (N, K/128) column-major
 
 
-def blockwise_mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Tensor:
-    """``dequant(a) @ dequant(b)`` with torch's blockwise kernel (``supported(a, b)`` must hold)."""
+def blockwise_mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``dequant(a) @ dequant(b)`` with torch's blockwise kernel (``supported(a, b)`` must hold).
+    ``out`` ((M, N), ``out_dtype``): written by the kernel itself where it is contiguous in the
+    kernel's output dtype (one expert's rows of a grouped output: no concatenation after), else
+    copied there."""
     ra, rb = _recipes(a, b)
     sa, sb = _scales(a, b)
     ad = a.data.contiguous()  # row-major A
-    bd = _col_major(b.data)  # column-major B
+    bd = _col_major_data(b.data)  # column-major B
     kernel_out = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    out = F.scaled_mm(ad, bd, sa, ra, sb, rb, output_dtype=kernel_out)
-    return out if out.dtype == out_dtype else out.to(out_dtype)  # as gemm.as_dtype
+    if out is not None and out.dtype == kernel_out and out.is_contiguous() and not torch.compiler.is_compiling():
+        # F.scaled_mm's call with out= (the same kernel: torch's functional form runs this overload)
+        if ad.device.type == "meta":
+            meta_out_kernel("aten::_scaled_mm_v2.out", torch._scaled_mm_v2)
+        return torch._scaled_mm_v2(
+            ad, bd, [sa], [ra.value], [], [sb], [rb.value], [], None, kernel_out, [], False, out=out
+        )
+    res = F.scaled_mm(ad, bd, sa, ra, sb, rb, output_dtype=kernel_out)
+    if out is not None:
+        return out.copy_(res)
+    return res if res.dtype == out_dtype else res.to(out_dtype)  # as gemm.as_dtype
 
 
 def self_check(device: torch.device) -> bool:

@@ -32,7 +32,15 @@ from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["trace_as", "traced", "is_cuda", "cuda_capability", "triton_override", "triton_findable"]
+__all__ = [
+    "trace_as",
+    "traced",
+    "is_cuda",
+    "cuda_capability",
+    "triton_override",
+    "triton_findable",
+    "meta_out_kernel",
+]
 
 
 @dataclass(frozen=True)
@@ -117,3 +125,24 @@ def device_constant(key: tuple, device: torch.device, make: Callable[[torch.devi
     if found is None:
         found = _DEVICE_CONSTANTS[full] = make(device)
     return found
+
+
+_META_OUT: dict[str, torch.library.Library] = {}  # out= overloads given a meta kernel here, and their library
+
+
+def meta_out_kernel(name: str, functional: Callable) -> None:
+    """Give the out= overload ``name`` (``"aten::op.out"``) a meta kernel where torch has none (2.13:
+    ``_scaled_mm.out``, ``_scaled_mm_v2.out``), once: it runs ``functional``'s meta (the same
+    argument checks) and returns ``out`` where it fits, so a trace on meta tensors takes the path a
+    GPU takes."""
+    if name in _META_OUT or torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+        return
+
+    def meta(*args, out, **kwargs):
+        res = functional(*args, **kwargs)
+        torch._check(res.shape == out.shape and res.dtype == out.dtype, lambda: f"{name}: out does not fit")
+        return out
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl(name.split("::")[1], meta, "Meta")
+    _META_OUT[name] = lib

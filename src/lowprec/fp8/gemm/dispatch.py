@@ -34,7 +34,7 @@ import logging
 import torch
 
 from lowprec.fp8.gemm import block as block_gemm, block_triton as block_gemm_triton, cpu as cpu_gemm
-from lowprec.fp8.gemm.capability import cuda_capability, is_cuda
+from lowprec.fp8.gemm.capability import cuda_capability, is_cuda, meta_out_kernel
 from lowprec.fp8.cast.quantize import Float8Data, dequantize
 
 __all__ = ["scaled_mm", "native_scaled_mm_available", "gemm_path", "GEMM_PATHS"]
@@ -141,26 +141,6 @@ def _axis_scale(q: Float8Data, shape: tuple[int, int]) -> torch.Tensor:
     return inv if q.scale.dim() == 0 else inv.expand(shape).contiguous()
 
 
-_META_OUT: list = []  # the library holding a meta kernel for aten::_scaled_mm.out, once registered
-
-
-def _meta_scaled_mm_out() -> None:
-    """torch has no meta kernel for ``_scaled_mm.out`` (2.13): one that checks the arguments as
-    the functional form's does, so a trace (``fp8.trace_as``, meta tensors) takes the same path."""
-    name = "aten::_scaled_mm.out"
-    if _META_OUT or torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
-        return
-
-    def meta(self, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False, *, out):
-        res = torch._scaled_mm(self, mat2, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)
-        torch._check(res.shape == out.shape and res.dtype == out.dtype, lambda: "_scaled_mm.out: out does not fit")
-        return out
-
-    lib = torch.library.Library("aten", "IMPL")
-    lib.impl("_scaled_mm.out", meta, "Meta")
-    _META_OUT.append(lib)
-
-
 def _native(
     a: Float8Data, b: Float8Data, out_dtype: torch.dtype, use_fast_accum: bool, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -193,7 +173,7 @@ def _native(
         and not torch.compiler.is_compiling()
     ):  # the kernel writes the caller's buffer (one expert's slice of a grouped weight gradient)
         if ad.device.type == "meta":
-            _meta_scaled_mm_out()
+            meta_out_kernel("aten::_scaled_mm.out", torch._scaled_mm)
         fast = use_fast_accum
         return torch._scaled_mm(ad, bd, scale_a=sa, scale_b=sb, out_dtype=kernel_out, use_fast_accum=fast, out=out)
     res = torch._scaled_mm(ad, bd, scale_a=sa, scale_b=sb, out_dtype=kernel_out, use_fast_accum=use_fast_accum)
@@ -234,6 +214,8 @@ def scaled_mm(
     resolved = gemm_path(path, a.data.device, a, b)
     if resolved == "scaled_mm" and "block" not in (a.granularity, b.granularity):
         return _native(a, b, out_dtype, use_fast_accum, out)
+    if resolved == "scaled_mm" and out is not None:
+        return block_gemm.blockwise_mm(a, b, out_dtype, out)
     res = _scaled_mm_other(a, b, out_dtype, resolved)
     return res if out is None else out.copy_(res)
 

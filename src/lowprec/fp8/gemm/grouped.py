@@ -36,9 +36,15 @@ Paths
     E5M2 dY in grad_input). Tensor or row/column scales, E4M3 or E5M2, no padding. Self-checked
     at first use on the device; checked against the loop under the Triton interpreter in CI and
     compiled to sm_89/sm_90/sm_100 cubins there.
+``blockwise_loop``  the blockwise recipe's grouped GEMMs where torch's blockwise GEMM (cuBLAS, sm_90)
+    takes every expert: one per expert, as the dense layer runs them, each writing its group's
+    rows of one (S, N) output (:func:`per_expert_into`: no concatenation). Kept over the Triton
+    grouped GEMM because the two have not been timed against each other on a GPU (the bytes
+    outside the GEMMs are the same: neither packs its operands here).
 ``triton_block``  the blockwise recipe's grouped GEMMs (1 x b tiles for A, b x b blocks for B) on
     lowprec's Triton blockwise grouped GEMM (:mod:`lowprec.fp8.gemm.grouped_block_triton`), one
-    launch for all groups, where it runs (CUDA sm_89+, its first-use self-check passed).
+    launch for all groups, where it runs (CUDA sm_89+, its first-use self-check passed) and
+    torch's blockwise GEMM does not take every expert (sm_89, sm_100; groups not multiples of 16).
 ``loop``  one :func:`~lowprec.fp8.gemm.dispatch.scaled_mm` per expert holding tokens: every device and
     granularity, the dense Linear's GEMM path (on CPU the exact bf16 upcast).
 
@@ -46,9 +52,10 @@ These are the 2-D x 3-D GEMMs (the output, grad_input). grad_weight, each expert
 x_e`` contracting over its own tokens, has its own: where the one-call path runs, the tensorwise
 and rowwise casts take lowprec's Triton grouped weight gradient
 (:mod:`lowprec.fp8.gemm.grouped_wgrad`: one launch for all experts, float32 written in place,
-self-checked at first use, **not yet run on a GPU**); the blockwise casts, a failed check and
-every other device run one ``scaled_mm`` per expert (torch's row-scaled ``_scaled_mm`` writes bf16
-there, copied into the float32 gradient). The choice is logged once per device.
+self-checked at first use, **not yet run on a GPU**), and so do the blockwise casts (its block
+mode: 128 x 1 tiles along each group's tokens); a failed check and every other device run one
+``scaled_mm`` per expert (torch's row- and block-scaled GEMMs write bf16 there, copied into the
+float32 gradient). The choice is logged once per device.
 
 The choice is made per call (:func:`route`) in that order, and logged once per device and
 choice: which kernel runs the grouped GEMMs, and why the faster one did not.
@@ -78,6 +85,7 @@ __all__ = [
     "ALIGN",
     "route",
     "single_call_ready",
+    "per_expert_into",
 ]
 
 logger = logging.getLogger("lowprec.fp8")
@@ -238,8 +246,9 @@ _ROUTES_LOGGED: set[tuple[str, str]] = set()
 
 
 def route(device: torch.device, a: Sequence[Optional[Float8Data]], b: Sequence[Float8Data]) -> str:
-    """``scaled_grouped_mm`` | ``triton`` | ``triton_block`` | ``loop``: which kernel runs these grouped operands on
-    ``device`` (the caller decided the device may run a one-call kernel); logged once per choice."""
+    """``scaled_grouped_mm`` | ``triton`` | ``blockwise_loop`` | ``triton_block`` | ``loop``: which
+    kernel runs these grouped operands on ``device`` (the caller decided the device may run a
+    one-call kernel); logged once per choice."""
     live = [(g, w) for g, w in zip(a, b) if g is not None and g.data.shape[0]]
     fits_native = all(single_call_operands(g, w) for g, w in live)
     if fits_native and native_ready(device):
@@ -269,7 +278,7 @@ def route(device: torch.device, a: Sequence[Optional[Float8Data]], b: Sequence[F
         _ROUTES_LOGGED.add(key)
         log = logger.info if choice != "loop" else logger.warning  # loop: no one-call kernel takes them
         log("lowprec.fp8: grouped expert GEMMs (%s operands) on %s: %s", dtypes, device, why)
-    return "loop" if choice == "blockwise_loop" else choice
+    return choice
 
 
 def grouped_mm(
@@ -301,5 +310,19 @@ def grouped_mm(
         return grouped_triton.mm(a, b, out_dtype, packed_a, packed_b)
     if choice == "triton_block":
         return grouped_block_triton.mm(a, b, out_dtype)
+    if choice == "blockwise_loop":
+        return per_expert_into(live, out_dtype, path)
     outs = [scaled_mm(g, w, out_dtype, path=path) for g, w in live]
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def per_expert_into(live: Sequence[tuple[Float8Data, Float8Data]], out_dtype: torch.dtype, path: str) -> torch.Tensor:
+    """One :func:`~lowprec.fp8.gemm.dispatch.scaled_mm` per expert, each writing its group's rows of
+    one (S, N) buffer (torch's blockwise GEMM takes ``out``: no concatenation after)."""
+    w0 = live[0][1].data
+    out = torch.empty(sum(g.data.shape[0] for g, _ in live), w0.shape[1], dtype=out_dtype, device=w0.device)
+    start = 0
+    for g, w in live:
+        scaled_mm(g, w, out_dtype, path=path, out=out[start : start + g.data.shape[0]])
+        start += g.data.shape[0]
+    return out

@@ -11,9 +11,10 @@ inside the grouped kernel's group walk: ragged groups and empty experts as they 
 padded.
 
 What ``mm(a, b, out_dtype)`` hands the kernel: the live groups' FP8 rows one after another (one
-copy of A when there is more than one group), the expert operands stacked (E, K, N) in their own
-layout (one copy), the dequantization scales concatenated (S, K/b) and stacked (E, K/b, N/b),
-the int32 cumulative group ends.
+copy of A when there is more than one group), the expert operands (E, K, N) in their own layout:
+read where the cast wrote them when they are views of one buffer (the experts' weights cast in
+one pass, :func:`experts_view`), else stacked (one copy), the dequantization scales concatenated
+(S, K/b) and stacked (E, K/b, N/b), the int32 cumulative group ends.
 
 Accuracy, checked under the Triton interpreter in CI (``tests/test_fp8_gemm_kernels_interpret.py``):
 each group's rows against the dense Triton blockwise GEMM for its expert within
@@ -36,7 +37,7 @@ from lowprec.fp8.cast.quantize import Float8Data, quantize_blockwise
 from lowprec.fp8.gemm import grouped_triton
 from lowprec.fp8.kernels.select import checked_once, emulation_gap, self_check_verdict
 
-__all__ = ["KERNEL", "supported", "may_run", "ready", "mm", "pack", "self_check", "probe"]
+__all__ = ["KERNEL", "supported", "may_run", "ready", "mm", "pack", "experts_view", "self_check", "probe"]
 
 
 KERNEL = "lowprec Triton blockwise grouped FP8 GEMM"
@@ -88,7 +89,32 @@ def pack(
     # the scales gathered first, then one reciprocal each (not one per expert)
     scale_a = _inv(live[0].scale if len(live) == 1 else torch.cat([g.scale for g in live]))
     scale_b = _inv(torch.stack([w.scale for w in b]))
-    return mat_a, grouped_triton.stack_experts(b), scale_a, scale_b, grouped_triton.group_ends(sizes, device), sizes
+    mat_b = experts_view(b)
+    mat_b = grouped_triton.stack_experts(b) if mat_b is None else mat_b
+    return mat_a, mat_b, scale_a, scale_b, grouped_triton.group_ends(sizes, device), sizes
+
+
+def experts_view(b: Sequence[Float8Data]) -> Optional[torch.Tensor]:
+    """The expert operands (E, K, N) as one strided view where they are equal views of one
+    buffer at a constant distance (the experts' weights cast in one pass,
+    ``block_cast.cast_experts_square``): read where the cast wrote them, no stack; else None."""
+    if len(b) < 2 or torch.compiler.is_compiling():  # a trace: the stack (views' bases are eager facts)
+        return None
+    first = b[0].data
+    base = first._base
+    if base is None:
+        return None
+    step = b[1].data.storage_offset() - first.storage_offset()
+    same = all(
+        w.data._base is base
+        and w.data.shape == first.shape
+        and w.data.stride() == first.stride()
+        and w.data.storage_offset() == first.storage_offset() + e * step
+        for e, w in enumerate(b)
+    )
+    if not same or step <= 0:
+        return None
+    return first.as_strided((len(b), *first.shape), (step, *first.stride()), first.storage_offset())
 
 
 def mm(a: Sequence[Optional[Float8Data]], b: Sequence[Float8Data], out_dtype: torch.dtype) -> torch.Tensor:

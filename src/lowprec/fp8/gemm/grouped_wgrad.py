@@ -14,8 +14,10 @@ torch casts, ``(c_e, N)`` row-major), the dequantization scales stacked ((E,) pe
 tensor scales, (E, N) / (E, K) per column for the rowwise recipe's casts along the tokens).
 Operands it takes: tensor or column scales (one per column of dY_e and of x_e), E4M3 or E5M2
 (tensorwise's dY is E5M2), one granularity and one dtype per operand across the experts. Block
-scales (the blockwise recipe: 1 x 128 tiles along the tokens, which a group's edge cuts) are not
-taken: those run the loop.
+scales (the blockwise recipe: ``b x 1`` tiles along each group's tokens, starting at its first
+row, so a tile never crosses a group) run the kernel's block mode (:func:`block_supported`,
+:func:`block_mm_into`): one contraction step per scale tile, each group's tile scales stacked
+(``(T, N)`` and ``(T, K)``, one concatenation of the small scale tensors and one reciprocal each).
 
 Accuracy: the same exact FP8 products as the per-expert GEMM summed in float32 in another order
 (``K * eps32 * (|A| @ |B|)``, ``cpu.py``'s bound, with the contraction length c_e), the scales
@@ -41,13 +43,16 @@ from lowprec.fp8.cast.quantize import Float8Data, quantize
 __all__ = [
     "KERNEL",
     "supported",
+    "block_supported",
     "takes_granularities",
     "may_run",
     "ready",
     "mm_into",
+    "block_mm_into",
     "run_into",
     "self_check",
     "probe",
+    "block_probe",
     "loop_reference",
 ]
 
@@ -81,10 +86,31 @@ def supported(dy: Sequence[Optional[Float8Data]], x: Sequence[Optional[Float8Dat
     )
 
 
+def _token_tiles(g: Float8Data) -> bool:
+    """Cast in ``b x 1`` tiles along the group's tokens (dim 0) with b in 32/64/128: scales
+    (ceil(c_e / b), cols)."""
+    b = g.block[0] if g.granularity == "block" and g.block else 0
+    return g.block == (b, 1) and b in (32, 64, 128) and g.scale.shape == (-(-g.data.shape[0] // b), g.data.shape[1])
+
+
+def block_supported(dy: Sequence[Optional[Float8Data]], x: Sequence[Optional[Float8Data]]) -> bool:
+    """Operands the kernel's block mode takes: each live group's dY (c_e, N) and x (c_e, K) FP8,
+    cast in ``b x 1`` tiles along its tokens (one b for all), one FP8 dtype per operand."""
+    live = [(d, g) for d, g in zip(dy, x) if d is not None and g is not None]
+    return (
+        bool(live)
+        and len(dy) == len(x)
+        and all(t.data.dtype in _FP8 and t.data.dim() == 2 and _token_tiles(t) for pair in live for t in pair)
+        and len({t.block for pair in live for t in pair}) == 1
+        and len({d.data.dtype for d, _ in live}) == 1
+        and len({g.data.dtype for _, g in live}) == 1
+    )
+
+
 def takes_granularities(specs) -> bool:
     """Whether operands cast as ``specs`` (a recipe's grad_weight ``OperandCast`` pair) are of the
-    granularities the kernel takes (tensor, axis: no block scales); for reports, nothing runs."""
-    return all(s.granularity in ("tensor", "axis") for s in specs)
+    granularities the kernel takes (tensor, axis; 1-D block tiles); for reports, nothing runs."""
+    return all(s.granularity in ("tensor", "axis") or (s.granularity == "block" and not s.block_2d) for s in specs)
 
 
 def may_run(device: torch.device) -> bool:
@@ -112,12 +138,27 @@ def mm_into(dy: Sequence[Optional[Float8Data]], x: Sequence[Optional[Float8Data]
 
     d0 = next(d for d in dy if d is not None)
     x0 = next(g for g in x if g is not None)
+    gemm_ops.grouped_wgrad_scaled_mm(_data(dy, d0), _data(x, x0), _stack_inv(dy, d0), _stack_inv(x, x0), out)
 
-    def data(groups: Sequence[Optional[Float8Data]], like: Float8Data) -> list[torch.Tensor]:
-        empty = like.data.new_empty(0, like.data.shape[1])  # an expert without tokens: no rows
-        return [empty if g is None else g.data for g in groups]
 
-    gemm_ops.grouped_wgrad_scaled_mm(data(dy, d0), data(x, x0), _stack_inv(dy, d0), _stack_inv(x, x0), out)
+def block_mm_into(dy: Sequence[Optional[Float8Data]], x: Sequence[Optional[Float8Data]], out: torch.Tensor) -> None:
+    """As :func:`mm_into` for block scales along the tokens (``block_supported(dy, x)`` must hold):
+    the groups' tile scales stacked in group order, one reciprocal each."""
+    from lowprec.fp8.kernels import gemm_ops  # imports triton: only reached where the kernel runs
+
+    live_dy = [d for d in dy if d is not None]
+    live_x = [g for g in x if g is not None]
+    d0, x0 = live_dy[0], live_x[0]
+    sa = torch.cat([d.scale for d in live_dy]).reciprocal().to(torch.float32)
+    sb = torch.cat([g.scale for g in live_x]).reciprocal().to(torch.float32)
+    rows = d0.block[0] if d0.block else 0  # block_supported: (rows, 1) tiles
+    gemm_ops.grouped_block_wgrad_scaled_mm(_data(dy, d0), _data(x, x0), sa, sb, rows, out)
+
+
+def _data(groups: Sequence[Optional[Float8Data]], like: Float8Data) -> list[torch.Tensor]:
+    """Each group's FP8 data; an expert without tokens gets no rows."""
+    empty = like.data.new_empty(0, like.data.shape[1])
+    return [empty if g is None else g.data for g in groups]
 
 
 def run_into(
@@ -126,8 +167,9 @@ def run_into(
     """Every expert's weight gradient written into ``out`` by the kernel where it takes these
     operands and runs on ``device`` (True), else nothing done (False: the caller's per-expert
     loop); the choice, and why the kernel did not run, logged once per device and choice."""
-    if not supported(dy, x):
-        choice, why = "loop", "operands it does not take (block scales, or mixed formats across the experts)"
+    block = block_supported(dy, x)
+    if not (block or supported(dy, x)):
+        choice, why = "loop", "operands it does not take (row or square scales, or mixed formats across the experts)"
     elif not may_run(device):
         choice, why = "loop", "it runs on CUDA sm_89+ with triton only"
     elif not self_check(device):
@@ -147,7 +189,7 @@ def run_into(
                 why,
             )
     if choice == "triton":
-        mm_into(dy, x, out)
+        (block_mm_into if block else mm_into)(dy, x, out)
     return choice == "triton"
 
 
@@ -186,15 +228,34 @@ def loop_reference(dy: Sequence[Optional[Float8Data]], x: Sequence[Optional[Floa
     return out
 
 
+def block_probe(device: torch.device, n: int = 136, k: int = 160, block: int = 128):
+    """As :func:`probe` for the blockwise recipe's grad_weight casts: E4M3 ``block x 1`` tiles
+    along each group's tokens, power-of-two scales; one group across a tile edge."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    dy: list[Optional[Float8Data]] = []
+    x: list[Optional[Float8Data]] = []
+    for c in (70, 0, 3, 129):
+        parts = [(torch.randn(c, cols, generator=gen) * s).to(device) for cols, s in ((n, 1), (k, 3))] if c else []
+        cast = [quantize(t, torch.float8_e4m3fn, "block", block=(block, 1), power_of_2=True) for t in parts]
+        dy.append(cast[0] if c else None)
+        x.append(cast[1] if c else None)
+    return dy, x
+
+
 def _check(device: torch.device, n: int = 136, k: int = 160) -> bool:
+    problems = [
+        (f"{'column' if rows else 'per-tensor'} scales", probe(device, rows, e5m2, n, k), mm_into)
+        for rows, e5m2 in ((False, True), (True, False))
+    ]
+    problems.append(("block scales", block_probe(device, n, k), block_mm_into))
+
     def cases() -> str:
-        for row_scales, e5m2 in ((False, True), (True, False)):
-            dy, x = probe(device, row_scales, e5m2, n, k)
+        for label, (dy, x), run in problems:
             out = torch.full((len(dy), n, k), float("nan"), device=device)  # every element must be written
-            mm_into(dy, x, out)
+            run(dy, x, out)
             gap = emulation_gap(out, loop_reference(dy, x, n, k))
             if gap or out.isnan().any():
-                return f"{gap or 'elements left unwritten'} ({'column' if row_scales else 'per-tensor'} scales)"
+                return f"{gap or 'elements left unwritten'} ({label})"
         return ""
 
     return self_check_verdict(device, KERNEL, "grouped expert grad_weight", "runs one scaled GEMM per expert", cases)

@@ -13,7 +13,7 @@ import triton
 from lowprec.fp8.kernels.ops import _kernel, _operator, _skip, interpreting
 from lowprec.fp8.kernels.triton_block_gemm import block_scaled_mm_kernel
 from lowprec.fp8.kernels.triton_grouped_gemm import grouped_scaled_mm_kernel
-from lowprec.fp8.kernels.triton_grouped_wgrad import TABLE_COLUMNS, grouped_wgrad_kernel
+from lowprec.fp8.kernels.triton_grouped_wgrad import TABLE_COLUMNS, grouped_block_wgrad_kernel, grouped_wgrad_kernel
 
 __all__ = [
     "block_scaled_mm",
@@ -21,6 +21,7 @@ __all__ = [
     "grouped_scaled_mm",
     "grouped_tile",
     "grouped_wgrad_scaled_mm",
+    "grouped_block_wgrad_scaled_mm",
     "GEMM_TILE",
     "GROUPED_TILE",
     "WGRAD_TILE",
@@ -241,10 +242,56 @@ def _group_table(groups: list[torch.Tensor], device: torch.device) -> tuple[torc
     for g in groups:
         rows += [g.data_ptr() if g.numel() else 0, g.shape[0], g.stride(0), g.stride(1)]
     unit = all(g.stride(0) == 1 for g in groups if g.shape[0] > 1)
-    table = torch.tensor(rows, dtype=torch.int64).view(len(groups), TABLE_COLUMNS)
-    # from pinned memory, not waiting: a copy from pageable memory would wait for the stream
-    pinned = device.type == "cuda"
-    return (table.pin_memory().to(device, non_blocking=True) if pinned else table.to(device)), unit
+    return _to_device(torch.tensor(rows, dtype=torch.int64).view(len(groups), TABLE_COLUMNS), device), unit
+
+
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host table on ``device``: from pinned memory, not waiting (a copy from pageable memory
+    would wait for the stream)."""
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table.to(device)
+
+
+def _wgrad_launch(kernel, dy, x, tables: tuple, scales: tuple, out: torch.Tensor, tile: tuple) -> None:
+    """One launch of a grouped weight-gradient kernel: one program per (expert, output tile);
+    its arguments in the kernels' order (the groups' tables, ``tables``, ``scales`` (pointers,
+    then strides), ``out`` and its sizes, tile counts and strides); ``tile`` as ``_gemm_launch``."""
+    e, n, k = out.shape
+    dy_table, dy_unit = _group_table(dy, out.device)
+    x_table, x_unit = _group_table(x, out.device)
+    tiles_n, tiles_k = triton.cdiv(n, tile[0]), triton.cdiv(k, tile[1])  # W's N and K
+    sa, sb, *strides = scales
+    kernel[(e * tiles_n * tiles_k,)](  # opaque: its own launch, never wrap_triton
+        dy_table,
+        x_table,
+        *tables,
+        sa,
+        sb,
+        out,
+        n,
+        k,
+        tiles_n,
+        tiles_k,
+        *strides,
+        *out.stride(),
+        DY_TOKEN_UNIT=dy_unit,
+        X_TOKEN_UNIT=x_unit,
+        **_gemm_launch(dy[0], x[0], tile),  # GEMM (N, K) += (N, c) @ (c, K)
+    )
+
+
+def _wgrad_shape(name: str, dy: list[torch.Tensor], x: list[torch.Tensor], out: torch.Tensor) -> tuple[int, int, int]:
+    """``(E, N, K)`` of a grouped weight gradient's arguments, checked: E groups of dY (c_e, N)
+    and x (c_e, K), ``out`` (E, N, K) float32."""
+    if len(dy) != len(x) or out.dim() != 3 or out.shape[0] != len(dy):
+        raise ValueError(
+            f"{name} needs E groups of dY and x and out (E, N, K), got {len(dy)}, {len(x)} and {tuple(out.shape)}"
+        )
+    e, n, k = out.shape
+    if any(d.shape[0] != g.shape[0] or d.shape[1] != n or g.shape[1] != k for d, g in zip(dy, x)):
+        raise ValueError(f"{name}: each dy[e] (c_e, {n}) and x[e] (c_e, {k}) share their rows")
+    if out.dtype != torch.float32:
+        raise TypeError(f"{name} writes float32, got {out.dtype}")
+    return e, n, k
 
 
 @_operator("lowprec::grouped_wgrad_scaled_mm", ("out",), opaque=True)  # reads the groups' addresses
@@ -260,41 +307,43 @@ def grouped_wgrad_scaled_mm(
     (c_e, N) and ``x[e]`` (c_e, K), any strides, c_e >= 0 (an empty expert's slice gets zeros);
     dequantization scales ``dy_inv_scale`` (E, N) per column or (E,) per group, ``x_inv_scale``
     (E, K) or (E,). One FP8 dtype across ``dy`` and one across ``x``; float32 accumulation."""
-    if len(dy) != len(x) or out.dim() != 3 or out.shape[0] != len(dy):
-        raise ValueError(
-            f"grouped_wgrad_scaled_mm needs E groups of dY and x and out (E, N, K), got {len(dy)}, "
-            f"{len(x)} and {tuple(out.shape)}"
-        )
-    e, n, k = out.shape
-    if any(d.shape[0] != g.shape[0] or d.shape[1] != n or g.shape[1] != k for d, g in zip(dy, x)):
-        raise ValueError(f"grouped_wgrad_scaled_mm: each dy[e] (c_e, {n}) and x[e] (c_e, {k}) share their rows")
-    if out.dtype != torch.float32:
-        raise TypeError(f"grouped_wgrad_scaled_mm writes float32, got {out.dtype}")
+    e, n, k = _wgrad_shape("grouped_wgrad_scaled_mm", dy, x, out)
     if _skip(out) or e == 0:
         return
-    dy_table, dy_unit = _group_table(dy, out.device)
-    x_table, x_unit = _group_table(x, out.device)
-    bm, bn, bk, warps, stages, group_m = WGRAD_TILE["interpreter" if interpreting() else "default"]
-    tiles_n, tiles_k = triton.cdiv(n, bm), triton.cdiv(k, bn)  # W's N and K
     sa, sb = dy_inv_scale, x_inv_scale
-    grouped_wgrad_kernel[(e * tiles_n * tiles_k,)](  # opaque: its own launch, never wrap_triton
-        dy_table,
-        x_table,
-        sa,
-        sb,
-        out,
-        n,
-        k,
-        tiles_n,
-        tiles_k,
-        sa.stride(0),
-        sa.stride(1) if sa.dim() == 2 else 0,
-        sb.stride(0),
-        sb.stride(1) if sb.dim() == 2 else 0,
-        out.stride(0),
-        out.stride(1),
-        out.stride(2),
-        DY_TOKEN_UNIT=dy_unit,
-        X_TOKEN_UNIT=x_unit,
-        **_gemm_launch(dy[0], x[0], (bm, bn, bk, warps, stages, group_m)),  # GEMM (N, K) += (N, c) @ (c, K)
-    )
+    strides = (sa.stride(0), sa.stride(1) if sa.dim() == 2 else 0, sb.stride(0), sb.stride(1) if sb.dim() == 2 else 0)
+    tile = WGRAD_TILE["interpreter" if interpreting() else "default"]
+    _wgrad_launch(grouped_wgrad_kernel, dy, x, (), (sa, sb, *strides), out, tile)
+
+
+@_operator("lowprec::grouped_block_wgrad_scaled_mm", ("out",), opaque=True)  # reads the groups' addresses
+def grouped_block_wgrad_scaled_mm(
+    dy: list[torch.Tensor],
+    x: list[torch.Tensor],
+    dy_inv_scale: torch.Tensor,
+    x_inv_scale: torch.Tensor,
+    block: int,
+    out: torch.Tensor,
+) -> None:
+    """Every expert's weight gradient ``out[e] = dequant(dy[e])^T @ dequant(x[e])`` written into
+    ``out`` (E, N, K) float32 in one launch, block scales along the tokens (see
+    :mod:`.triton_grouped_wgrad`): FP8 ``dy[e]`` (c_e, N) and ``x[e]`` (c_e, K), any strides, c_e
+    >= 0; dequantization scales of each group's ``block`` x 1 tiles (starting at its first row)
+    stacked in group order, ``dy_inv_scale`` (T, N) and ``x_inv_scale`` (T, K), ``T = sum_e
+    ceil(c_e / block)``. One FP8 dtype across ``dy`` and one across ``x``; float32 accumulation."""
+    e, n, k = _wgrad_shape("grouped_block_wgrad_scaled_mm", dy, x, out)
+    if block not in (32, 64, 128):
+        raise ValueError(f"grouped_block_wgrad_scaled_mm takes block 32/64/128, got {block}")
+    tiles = [triton.cdiv(d.shape[0], block) for d in dy]
+    if dy_inv_scale.shape != (sum(tiles), n) or x_inv_scale.shape != (sum(tiles), k):
+        raise ValueError(
+            f"grouped_block_wgrad_scaled_mm: scales ({sum(tiles)}, {n}) and ({sum(tiles)}, {k}) for {block}-row "
+            f"tiles, got {tuple(dy_inv_scale.shape)} and {tuple(x_inv_scale.shape)}"
+        )
+    if _skip(out) or e == 0:
+        return
+    first = _to_device(torch.tensor([0, *tiles[:-1]], dtype=torch.int64).cumsum(0), out.device)
+    bm, bn, warps, stages, group_m = _gemm_tile(out.device)  # the contraction step is the scale tile
+    sa, sb = dy_inv_scale, x_inv_scale
+    scales = (sa, sb, sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1))
+    _wgrad_launch(grouped_block_wgrad_kernel, dy, x, (first,), scales, out, (bm, bn, block, warps, stages, group_m))

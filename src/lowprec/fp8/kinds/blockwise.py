@@ -3,7 +3,9 @@ gradients, 128x128 blocks for weights, power-of-two scales, E4M3 everywhere.
 
 Square weight blocks would serve both orientations, but the weight is re-cast from the
 Parameter in backward (same values: the cast is deterministic), so that backward keeps no FP8
-copy per layer (1 byte/param at the memory peak). Activations and gradients are cast in 1x128
+copy per layer (1 byte/param at the memory peak). Grouped experts keep theirs instead: all
+experts' weights cast in one pass, both layouts (``BlockCast.experts_both``), for one read of the
+float32 weights per step (``modules/grouped_fn.py``). Activations and gradients are cast in 1x128
 and 128x1 tiles in one pass where the kernels run (``fp8/cast/block_cast.py``). This module holds the
 ``block`` granularity's casts.
 """
@@ -14,8 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lowprec.fp8.gemm import block_triton as block_gemm_triton, grouped_block_triton
-from lowprec.fp8.cast.block_cast import cast_block_both, quantize_square_transposed
+from lowprec.fp8.gemm import block_triton as block_gemm_triton, grouped_block_triton, grouped_wgrad
+from lowprec.fp8.cast.block_cast import cast_block_both, cast_experts_square, quantize_square_transposed
 from lowprec.fp8.kinds import base
 from lowprec.fp8.modules.grouped_fn import SingleCallGrouped
 from lowprec.fp8.modules.linear_fn import Caster, ScaledGemmKind, register_caster
@@ -45,13 +47,21 @@ class BlockCast(Caster):
         """1x128 and 128x1 tiles, or square blocks and their transpose, in one pass."""
         return cast_block_both(t, spec.dtype, recipe.block_size, recipe.power_of_2_scales, square=spec.block_2d)
 
+    def experts_both(self, w, spec: OperandCast, recipe: Recipe):
+        """Square blocks: every expert in one pass (``cast_experts_square``)."""
+        if not spec.block_2d:
+            return None
+        return cast_experts_square(w, spec.dtype, recipe.block_size, recipe.power_of_2_scales)
+
 
 register_caster(BlockCast())
 
 
 class Blockwise(SingleCallGrouped, ScaledGemmKind):
     """Tile scaling (see the module docstring). Grouped expert GEMMs: output and grad_input on
-    lowprec's Triton blockwise grouped GEMM (one launch each) where it runs, else per expert."""
+    lowprec's Triton blockwise grouped GEMM (one launch each) where it runs, else per expert;
+    grad_weight of all experts in one launch of the Triton grouped grad_weight GEMM's block mode
+    where that runs."""
 
     name = "blockwise"
 
@@ -75,10 +85,12 @@ class Blockwise(SingleCallGrouped, ScaledGemmKind):
 
     def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
         if self._grouped_eligible(recipe, False) and grouped_block_triton.may_run(device):  # no kernel runs
+            wgrad = f"grad_weight per expert: {self.gemm_note(recipe, device)}"
+            if grouped_wgrad.may_run(device) and grouped_wgrad.takes_granularities(recipe.plan().wgrad.casts):
+                wgrad = f"grad_weight of all experts in one launch of the {grouped_wgrad.KERNEL} (self-checked at first use)"
             return (
                 f"{grouped_block_triton.KERNEL} on {device.type}: the output and grad_input GEMMs of all experts in "
-                f"one launch each (self-checked at first use; per expert where the check fails); grad_weight per "
-                f"expert: {self.gemm_note(recipe, device)}"
+                f"one launch each (self-checked at first use; per expert where the check fails); {wgrad}"
             )
         return base.Kind.grouped_note(self, recipe, device)
 

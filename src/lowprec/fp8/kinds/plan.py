@@ -64,7 +64,8 @@ class LinearPlan:
     * ``w_reused``: grad_input reads the forward's cast of ``W`` (a tensor scale serves both
       orientations) instead of re-casting the weight in backward (rowwise, blockwise).
     * ``w_square``: both GEMMs of ``W`` use the same square blocks, so one cast could serve
-      both; used only for a frozen weight, whose cast is kept anyway (``frozen.py``).
+      both; used for a frozen weight, whose cast is kept anyway (``frozen.py``), and for grouped
+      expert weights, cast once for both GEMMs (``grouped_fn.py``).
     * ``dy_dual``: grad_input casts ``dY`` in both layouts and grad_weight reads the second.
     * ``per_tensor``: every operand of the three GEMMs is cast with one scale per tensor.
     * ``axis_fdgrad``: the output and grad_input GEMMs cast every operand with axis scales, the

@@ -17,11 +17,12 @@ grad_input      dY_e cast along N, W_e cast along N          one grouped call: t
                                                              neither runs
 grad_weight     dY_e^T and x_e cast along the group's rows   one Triton launch for all experts
                                                              (``gemm/grouped_wgrad.py``: tensor or
-                                                             column scales, E4M3/E5M2), float32
-                                                             written in place, as the Linear's;
+                                                             column scales, E4M3/E5M2; blockwise's
+                                                             128 x 1 tiles per group in its block
+                                                             mode), float32 written in place;
                                                              per expert holding tokens where it
-                                                             does not run (blockwise, CPU, its
-                                                             check failed). Not yet run on a GPU
+                                                             does not run (CPU, its check
+                                                             failed). Not yet run on a GPU
 grad_weight     dY_e^T x_e in high precision                 one GEMM per expert holding tokens,
 (gw_hp)                                                      each writing its float32 slice (on
                                                              CUDA ``torch.mm``'s ``out_dtype``)
@@ -30,10 +31,15 @@ grad_weight     dY_e^T x_e in high precision                 one GEMM per expert
 Backward keeps what the Linear keeps: x_e cast for grad_weight (1 byte per element; x itself for
 rowwise_with_gw_hp) and, for per-tensor recipes, the forward's cast of each expert weight (the
 rowwise kinds keep grad_input's weight cast made in the forward where their casts pack, below;
-else they re-cast it from the Parameter). The kind decides when this runs
-(``SingleCallGrouped.grouped_forward``: every GEMM in FP8 but rowwise_with_gw_hp's grad_weight,
-which runs here only where its casts pack; FP8 activations kept, telemetry off); elsewhere each
-expert runs the Linear's own function.
+else they re-cast it from the Parameter); blockwise keeps each expert weight's transposed
+128x128-block cast, written in the same pass as the forward's (``_keeps_weight_cast``: one read
+of the float32 weights, all experts in one launch where the blocks do not span experts; 1 byte
+per parameter held until backward, where the dense Linear re-casts). On sm_90 blockwise's output
+and grad_input run torch's blockwise GEMM per expert (cuBLAS, as the dense layer; the Triton
+grouped GEMM has not been timed against it), each writing its rows of one output buffer. The kind
+decides when this runs (``SingleCallGrouped.grouped_forward``: every GEMM in FP8 but
+rowwise_with_gw_hp's grad_weight, which runs here only where its casts pack; FP8 activations
+kept, telemetry off); elsewhere each expert runs the Linear's own function.
 
 Each expert's scales come from one :class:`~lowprec.fp8.modules.cast_state.CastState` per expert
 (``SingleCallGrouped.grouped_cast_states``), as a Linear's come from its one: current scaling
@@ -75,7 +81,13 @@ from lowprec.fp8.gemm.grouped import grouped_mm
 from lowprec.fp8.kinds import base
 from lowprec.fp8.modules.cast_state import GRAD_OUTPUT, INPUT, WEIGHT, CastState
 from lowprec.fp8.modules.grouped_axes import axis_plan_packs, cast_axis_parts, cast_axis_weights, hp_weight_grads
-from lowprec.fp8.modules.linear_fn import cast, cast_both_layouts, cast_pair, handed_scale
+from lowprec.fp8.modules.linear_fn import (
+    cast,
+    cast_both_layouts,
+    cast_experts_both_layouts,
+    cast_pair,
+    handed_scale,
+)
 from lowprec.fp8.kinds.plan import LinearPlan, OperandCast
 from lowprec.fp8.cast.quantize import Float8Data
 from lowprec.fp8.modules.saved import save_operands, saved_operands
@@ -175,6 +187,15 @@ def _cast_into(
     return buf, casts, cols
 
 
+def _keeps_weight_cast(plan: LinearPlan) -> bool:
+    """Whether the forward casts each expert weight in both layouts and grad_input reads the
+    second: one scale per tensor (``w_reused``), or square blocks (blockwise: ``w_square``, one
+    128x128 block cast written row-major and transposed from one read). Unlike the dense Linear,
+    which re-casts a blockwise weight in backward to keep no FP8 copy, the experts keep theirs (1
+    byte per parameter until backward) for one read of the float32 weights instead of two."""
+    return plan.w_reused or plan.w_square
+
+
 def _groups(t: torch.Tensor, counts: tuple[int, ...]) -> list[Optional[torch.Tensor]]:
     out: list[Optional[torch.Tensor]] = []
     start = 0
@@ -225,16 +246,19 @@ class GroupedScaledFn(torch.autograd.Function):
                     spec_xw = plan.wgrad.casts[1]
                     col = cast(g, spec_xw, 0, recipe, handed_scale(spec_xw, state.x_scale))
                 x_saved.append(col if need_wgrad else None)
-            wq, w_col = [], []
-            for e in range(experts):
-                q, col = cast_pair(weight[e], spec_w, recipe, states[e].w_scale, need_dgrad and plan.w_dual)
+            keep_w = need_dgrad and _keeps_weight_cast(plan)
+            # square blocks: all experts in one pass, each one's casts views of one buffer per layout
+            both = cast_experts_both_layouts(weight, spec_w, recipe) if keep_w and plan.w_square else None
+            wq, w_col = both or ([], [])
+            for e in range(0 if both else experts):
+                q, col = cast_pair(weight[e], spec_w, recipe, states[e].w_scale, keep_w)
                 wq.append(q)
                 w_col.append(col if col is not None else q)
             out = grouped_mm(xq, [w.t() for w in wq], hp, single_call=cfg.single_call, path=recipe.gemm)
             # grad_input reads the forward's weight casts where one scale serves both orientations
-            w_saved = w_col if (need_dgrad and plan.w_reused) else []
+            w_saved = w_col if keep_w else []
         # rowwise: grad_input re-casts the weight from the Parameter (a reference, as the Linear)
-        w_param = weight if (need_dgrad and not plan.w_reused) else None
+        w_param = weight if (need_dgrad and not keep_w) else None
         _save(ctx, cfg, states, x, weight, w_saved, x_saved, w_param, None)
         return out
 

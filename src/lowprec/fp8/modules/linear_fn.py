@@ -64,6 +64,14 @@ class Caster:
     def both(self, t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale=None) -> tuple[Float8Data, Float8Data]:
         return self.one(t, spec, 1, recipe, scale), self.one(t, spec, 0, recipe)
 
+    def experts_both(
+        self, w: torch.Tensor, spec: OperandCast, recipe: Recipe
+    ) -> tuple[list[Float8Data], list[Float8Data]] | None:
+        """Every expert weight of ``w`` (E, N, K) in both layouts at once (one pass over all
+        experts, each expert's casts views of one buffer per layout), or None where this
+        granularity has no such cast (the caller casts expert by expert)."""
+        return None
+
     def takes_scale(self) -> bool:
         """Whether a per-tensor scale handed in applies to this granularity's casts."""
         return False
@@ -106,6 +114,16 @@ def cast_both_layouts(t: torch.Tensor, spec: OperandCast, recipe: Recipe, scale=
     if pre is not None:
         return pre, pre
     return _caster(spec).both(t, spec, recipe, scale)
+
+
+def cast_experts_both_layouts(
+    w: torch.Tensor, spec: OperandCast, recipe: Recipe
+) -> tuple[list[Float8Data], list[Float8Data]] | None:
+    """:meth:`Caster.experts_both` of ``spec``'s granularity for a plain (E, N, K) weight (no scale
+    handed in), else None."""
+    if type(w) not in (torch.Tensor, torch.nn.Parameter) or w.dim() != 3:
+        return None
+    return _caster(spec).experts_both(w, spec, recipe)
 
 
 def handed_scale(spec: OperandCast, scale):

@@ -25,7 +25,7 @@ Rules (one each):
 
 GEMMs (``mm``, ``addmm``, ``bmm``, ``_scaled_mm``, ..., and lowprec's Triton GEMMs
 ``lowprec.block_scaled_mm``, ``lowprec.grouped_scaled_mm``, ``lowprec.grouped_block_scaled_mm`` and
-``lowprec.grouped_wgrad_scaled_mm``) are recorded with their FLOPs and kept
+``lowprec.grouped_wgrad_scaled_mm``, ``lowprec.grouped_block_wgrad_scaled_mm``) are recorded with their FLOPs and kept
 apart: the question the counts answer is how many bytes move *outside* the GEMMs.
 """
 
@@ -59,6 +59,7 @@ CUSTOM_GEMM_OPS = frozenset(
         "lowprec.grouped_scaled_mm",
         "lowprec.grouped_block_scaled_mm",
         "lowprec.grouped_wgrad_scaled_mm",  # its first two arguments: the groups of dY (c, N) and x (c, K)
+        "lowprec.grouped_block_wgrad_scaled_mm",  # the same, block scales along the tokens
     }
 )
 _FREE = frozenset(
