@@ -663,3 +663,23 @@ def test_moments_of_another_expert_count_are_an_error_not_cut_into_other_experts
     assert torch.equal(ep.slice_expert_optimizer_state(opt, state(whole[:2]))["state"][0]["exp_avg"], whole[:2])
     with pytest.raises(ValueError, match=r"'exp_avg' of expert parameter 0 holds 3 experts; the model has 4 \(2 on"):
         ep.slice_expert_optimizer_state(opt, state(whole[:3]))
+
+
+def test_moments_of_another_share_of_the_experts_are_refused_without_expert_parallelism():
+    """One process without expert parallelism loading AdamW moments of half the experts (one rank's
+    share, kept per process by an earlier lowprec): a ValueError naming the state before any step,
+    not a failure at the first step; states of other ranks (a factored moment) are not compared."""
+    from lowprec.utils.distributed import load_full_optimizer_state_dict
+
+    w = torch.nn.Parameter(torch.randn(8, 6, 4))
+    opt = torch.optim.AdamW([w])
+    w.grad = torch.randn_like(w)
+    opt.step()
+    sd = opt.state_dict()
+    whole = {k: v.clone() for k, v in sd["state"][0].items()}
+    sd["state"][0]["exp_avg"] = whole["exp_avg"][:4].clone()
+    with pytest.raises(ValueError, match=r"'exp_avg' of parameter 0 is \(4, 6, 4\), the parameter is \(8, 6, 4\)"):
+        load_full_optimizer_state_dict(None, opt, sd)
+    sd["state"][0] = {**whole, "row_factor": torch.ones(8)}  # another rank: not compared
+    load_full_optimizer_state_dict(None, opt, sd)
+    assert torch.equal(opt.state[w]["exp_avg"], whole["exp_avg"])

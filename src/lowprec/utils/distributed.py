@@ -189,12 +189,31 @@ def load_full_model_state_dict(model: nn.Module, state_dict: dict) -> None:
 
 def load_full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any, state_dict: dict) -> None:
     if model is None or not _dtensor_params(model):
-        optimizer.load_state_dict(slice_expert_optimizer_state(optimizer, state_dict))
+        state_dict = slice_expert_optimizer_state(optimizer, state_dict)
+        _check_state_shapes(optimizer, state_dict)
+        optimizer.load_state_dict(state_dict)
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     state_dict = slice_expert_optimizer_state(optimizer, state_dict, model)  # expert parallelism: this rank's
     set_optimizer_state_dict(model, optimizer, state_dict, options=_options())
+
+
+def _check_state_shapes(optimizer: Any, state_dict: dict) -> None:
+    """A ValueError where a state tensor is its parameter's shape but for the first dim (AdamW's
+    moments of another number of experts or rows: one process's share, saved by another process
+    count or an earlier lowprec): ``Optimizer.load_state_dict`` takes it as it is and the first
+    step fails, or broadcasts. States of other ranks (factored moments, scales) are not compared."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        for k, v in state_dict.get("state", {}).get(i, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() == p.dim() >= 1 and v.shape != p.shape:
+                if v.shape[1:] == p.shape[1:]:
+                    raise ValueError(
+                        f"the optimizer state {k!r} of parameter {i} is {tuple(v.shape)}, the parameter is "
+                        f"{tuple(p.shape)}: it holds another share of the rows (experts) than this run's; resume "
+                        "with the process count (and ep_size) that saved it"
+                    )
 
 
 def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
