@@ -83,7 +83,8 @@ from torch.utils._pytree import tree_map_only
 from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.fp8.modules.gathered import Float8GatheredWeight
 from lowprec.fp8.modules.linear import Float8Linear
-from lowprec.fp8.cast.mx import MX_BLOCK, quantize_mx
+from lowprec.fp8.cast.mx import MX_BLOCK
+from lowprec.fp8.kinds.mxfp8 import cast_mx
 from lowprec.fp8.cast.quantize import quantize_axiswise, quantize_blockwise, quantize_tensorwise
 from lowprec.fp8.cast.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
 
@@ -260,9 +261,9 @@ class Float8AllGatherWeight(torch.Tensor):
             )
         rounding = cast(str, self._mx_rounding)
         if not _in_backward():
-            q = quantize_mx(rounded, self._fp8_dtype, rounding)
+            q = cast_mx(rounded, self._fp8_dtype, rounding)  # quantize_mx; on CUDA one kernel
             return (q.data.view(torch.uint8), q.scale.view(torch.uint8)), ("mx", 1, None)
-        q = quantize_mx(rounded.t(), self._fp8_dtype, rounding)  # (K, rows): blocks along N
+        q = cast_mx(rounded.t(), self._fp8_dtype, rounding)  # (K, rows): blocks along N, read in place
         data = q.data.t().contiguous().view(torch.uint8)
         scale = q.scale.view(torch.uint8).t().contiguous().reshape(rows, cols // MX_BLOCK)
         return (data, scale), ("mx", 0, None)
