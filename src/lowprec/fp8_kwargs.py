@@ -5,7 +5,7 @@ one parser, :mod:`lowprec.config.values`), else its ``ACCELERATE_FP8_*`` variabl
 one reader, :func:`lowprec.config.env.read_env`), else the one default
 (:data:`lowprec.catalog.FIELD_DEFAULTS`). Unlike Accelerate (reference section 8, bug 10),
 ``to_kwargs()`` returns *every* resolved value. Wrong types fail here, at construction, with
-one line naming the field (issue 10 item 7), not later inside ``prepare``.
+one line naming the field, not later inside ``prepare``.
 """
 
 from __future__ import annotations

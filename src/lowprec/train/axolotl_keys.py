@@ -10,7 +10,7 @@ makes every key Axolotl documents (its config reference, v0.x schema, read 2026-
   not support and what to use instead (exit code 2);
 * any other key is unknown: an error with "did you mean" (pydantic's ``extra="forbid"``).
 
-``OWNED_BY_MODELS`` are the model-loading and adapter keys that issue 13's model/adapter work
+``OWNED_BY_MODELS`` are the model-loading and adapter keys that the model/adapter work
 implements in ``config/model.py`` / ``config/adapter.py``; once a key is a schema field, the
 table no longer applies to it.
 """

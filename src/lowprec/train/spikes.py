@@ -1,4 +1,4 @@
-"""Loss spikes (issue 27 item 3): a robust z-score of each optimizer step's training loss over the
+"""Loss spikes: a robust z-score of each optimizer step's training loss over the
 last ``loss_spike_window`` steps, and, with ``loss_spike: act``, the PaLM recipe: roll back to the
 last checkpoint and skip the batches that produced the spike.
 

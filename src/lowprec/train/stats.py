@@ -1,7 +1,7 @@
 """Small-sample statistics for ``lowprec compare``: pure functions on lists of floats, no torch.
 
 A parity verdict from one seed says nothing: on the quickstart config the seed-to-seed spread
-of an FP8-vs-bf16 validation-loss gap was about 20x the 0.5% we promise (issue 16). So every
+of an FP8-vs-bf16 validation-loss gap was about 20x the 0.5% we promise. So every
 number here comes with a Student-t 95% interval over seeds, and the precisions are compared
 *paired* (same seed = same initialisation, data order and validation split), which removes the
 part of the spread the two runs share.

@@ -1,4 +1,4 @@
-"""The FP8 guard in a script on the Accelerate API (issue 27): ``NativeRecipeKwargs(fp8_guard=...)``.
+"""The FP8 guard in a script on the Accelerate API: ``NativeRecipeKwargs(fp8_guard=...)``.
 
 When the Accelerator prepares a model the native engine converted, and the handler asks for
 health signals (``fp8_health``, or any ``fp8_guard`` but ``off``), :class:`HealthHooks` builds a

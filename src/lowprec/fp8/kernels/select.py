@@ -3,7 +3,7 @@
 The Triton path runs only on CUDA tensors, only when ``triton`` can be imported, never when
 ``LOWPREC_DISABLE_TRITON=1`` (or ``LOWPREC_TRITON_KERNELS=0``), and only on a device where the
 one-time self-check against the torch path passed (:mod:`lowprec.fp8.kernels.selfcheck`; a
-failure is logged once and the torch path runs). On by default (issue 9): the kernels are
+failure is logged once and the torch path runs). On by default: the kernels are
 bit-exact against the torch path in Triton's interpreter (CI) and compile to sm_89/sm_90
 cubins (CI); the self-check covers the hardware neither of those runs. Inside
 ``fp8.trace_as`` the trace decides instead. Nothing here imports triton: ``importlib.util.find_spec``

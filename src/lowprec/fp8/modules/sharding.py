@@ -7,7 +7,7 @@ storage the wrapper frees: nothing stays. An FP8 Linear whose forward cast also 
 grad_input (per-tensor recipes: one scale serves both orientations; nvfp4: 16x16 tiles serve
 both) would keep that cast instead, a fresh tensor the wrapper does not know: 1 byte (nvfp4 0.5)
 per element of the *whole* weight, on every rank, from forward to backward; summed over the
-model it does not fall with the number of ranks (issue 29: 6 of 6 layers held).
+model it does not fall with the number of ranks (6 of 6 layers held).
 
 So where the weight is sharded, backward keeps :class:`SavedWeight`: the reference and the
 forward's per-tensor scale, and re-casts the re-gathered weight with that scale. The cast is

@@ -18,7 +18,7 @@ The efficiency constants were fitted to torchao's published H100 rowwise table (
 and its two tensorwise points by ``benchmarks/fit_cost_model.py``; ``tests/test_fp8_cost_model.py``
 checks the fit. Per-device profiles hold datasheet peaks. These are published numbers, not
 ours: on a lent GPU, ``benchmarks/linear.py`` measures the real table, and a profile can be
-re-fitted from its JSON (issue 6).
+re-fitted from its JSON.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _cast_s(elements: int, passes: int, transposed: bool, p: DeviceProfile) -> f
     """Seconds of ``passes`` casts of a bf16 tensor to FP8: an amax pass, then read + FP8 write
     (+ the transposed write). Delayed scaling pays the amax pass too in lowprec today: its
     history needs the current amax, which the fused kernel computes but does not yet feed
-    back (TransformerEngine saves this pass; see docs/LOG.md, issue 6)."""
+    back (TransformerEngine saves this pass; see docs/LOG.md)."""
     per = 2 + 2 + 1 + (1 if transposed else 0)
     return passes * (elements * per / (p.mem_gbs * 1e9 * p.mem_eff) + p.cast_overhead_us * 1e-6)
 

@@ -1,4 +1,4 @@
-"""FP8 health signals per layer and operand, cheap enough to leave on (issue 27).
+"""FP8 health signals per layer and operand, cheap enough to leave on.
 
 From the telemetry a step already records (``telemetry.py``: amax, scale, saturated and
 underflow fractions of x, W and dY) and two readings a :class:`HealthProbe` takes in the

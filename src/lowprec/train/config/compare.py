@@ -1,4 +1,4 @@
-"""Trainer keys for precision comparisons (issue 16): ``compare:`` and ``fp8_backend``.
+"""Trainer keys for precision comparisons: ``compare:`` and ``fp8_backend``.
 
 ``compare:`` holds what ``lowprec compare`` reads (``lowprec train`` ignores it), so a config
 file carries its own parity test::

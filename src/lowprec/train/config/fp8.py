@@ -40,7 +40,7 @@ class FP8RecipeSpec(StrictModel):
         # cross-field rules); the Recipe that runs is built once, by the backend
         self.to_recipe()
         unread = unread_recipe_fields(self.name, self.overrides)
-        if unread:  # issue 10 item 8: a setting that does nothing is an error, not kept silently
+        if unread:  # a setting that does nothing is an error, not kept silently
             raise ValueError(
                 f"fp8_recipe.{unread[0]}: the {self.name} recipe does not read it (it tunes "
                 f"{'delayed scaling' if unread[0] != 'block_size' else 'blockwise scaling'}); drop it or "
