@@ -112,6 +112,14 @@ def rss_peaks():
         out["rss_anon_after_delta_bytes"] = (now - anon0) * 1024
 
 
+def replace_json(path: Path, payload: dict, indent: int = 2) -> None:
+    """``payload`` as ``path``, written to ``path`` with the suffix ``.tmp`` then renamed: a reader
+    (or a part killed at its budget) finds the previous whole file or the new one."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=indent) + "\n")
+    os.replace(tmp, path)
+
+
 def write_json(payload: dict, out: str | None, default_name: str) -> Path:
     device = payload.get("device", "")
     envelope = {
@@ -123,9 +131,7 @@ def write_json(payload: dict, out: str | None, default_name: str) -> Path:
     }
     path = Path(out) if out else Path(__file__).parent / "results" / default_name
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(envelope, indent=2) + "\n")
-    os.replace(tmp, path)
+    replace_json(path, envelope)
     print(f"wrote {path} ({device})")
     return path
 
@@ -142,9 +148,7 @@ def collect_rows(out: Path, result: dict, jobs, hide: str) -> None:
             row = {**label, "error": f"{type(e).__name__}: {str(e)[:800]}"}
         print(json.dumps({k: v for k, v in row.items() if k != hide}), flush=True)
         result["rows"].append(row)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        os.replace(tmp, out)
+        replace_json(out, result, indent=1)
 
 
 def cpu_alloc_peak(fn, busiest_thread_only: bool = False) -> int:

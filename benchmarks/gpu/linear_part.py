@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
-from _common import device_name  # noqa: E402
+from _common import device_name, replace_json  # noqa: E402
 from linear import bench_shape  # noqa: E402
 
 from lowprec.catalog import RECIPES, Granularity  # noqa: E402
@@ -165,10 +164,8 @@ def main(argv=None) -> int:
     out = Path(a.out)
 
     def save():
-        tmp = out.with_suffix(".tmp")
         payload["lowprec_warnings"] = warnings.messages
-        tmp.write_text(json.dumps(payload, indent=2) + "\n")
-        os.replace(tmp, out)
+        replace_json(out, payload)
 
     t0 = time.monotonic()
     for m, k, n, _ in shapes:

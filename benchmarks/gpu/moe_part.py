@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import device_name, time_fn  # noqa: E402
+from _common import device_name, replace_json, time_fn  # noqa: E402
 from grouped_traffic import bf16_make, even_counts  # noqa: E402
 from linear_part import _Collect, supported_recipes  # noqa: E402
 
@@ -101,10 +100,8 @@ def main(argv=None) -> int:
     out = Path(a.out)
 
     def save():
-        tmp = out.with_suffix(".tmp")
         payload["lowprec_log"] = lines.messages
-        tmp.write_text(json.dumps(payload, indent=2) + "\n")
-        os.replace(tmp, out)
+        replace_json(out, payload)
 
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(rows, k, generator=g).to(device=device, dtype=torch.bfloat16)

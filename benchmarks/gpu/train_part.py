@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCH))
 sys.path.insert(0, str(BENCH / "gpu"))
-from _common import device_name, time_fn  # noqa: E402
+from _common import device_name, replace_json, time_fn  # noqa: E402
 from linear_part import supported_recipes  # noqa: E402
 from train_step import _torchao_convert  # noqa: E402
 
@@ -177,9 +176,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
 
     def save():
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(payload, indent=2) + "\n")
-        os.replace(tmp, out)
+        replace_json(out, payload)
 
     save()
     for name, convert, use_fp8, compiled in plan:
