@@ -75,13 +75,20 @@ WORKER = textwrap.dedent(
     from lowprec.distributed.comm_count import CommBytes
     SENT = CommBytes()  # the forward collectives of every MLP run
 
+    MESHES = {}  # one mesh per shape, shared by the runs: each new mesh is four new gloo groups
+
+    def mesh_of(dp, tp):
+        if (dp, tp) not in MESHES:
+            MESHES[dp, tp] = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+        return MESHES[dp, tp]
+
     def run(dp=1, tp=1, sp=False):
         torch.manual_seed(0)
         model = MLP()
         fp8.convert(model, recipe=fp8.Recipe.from_name("tensorwise"))  # up, down (first/last stay bf16)
         mesh = None
         if tp > 1:
-            mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+            mesh = mesh_of(dp, tp)
             parallelize_module(model, mesh["tp"], SP_PLAN if sp else PLAN)  # FP8 first, then TP, then FSDP2
         if dp > 1:
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -118,7 +125,7 @@ WORKER = textwrap.dedent(
         torch.manual_seed(0)
         model = build_model("llama-tiny", n_layers=2).to(dtype)
         fp8.convert(model, recipe=fp8.Recipe.from_name("tensorwise"))
-        mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")) if tp > 1 else None
+        mesh = mesh_of(dp, tp) if tp > 1 else None
         if tp > 1:
             apply_tp_plan(model, mesh["tp"], sequence_parallel=sp)
         if fsdp:
