@@ -13,9 +13,12 @@ Paths
 ``scaled_mm`` CUDA sm_100+ where ``torch.nn.functional.scaled_mm`` exists:
              ``ScalingType.BlockWise1x32`` with E8M0 scales (MXFP8), ``BlockWise1x16`` with E4M3
              scales plus a ``TensorWise`` float32 scale (NVFP4), scales in the swizzled layout
-             below. No sm_100 GPU was available to this project when it was written: the path
-             is selected by capability, and ``tests/test_mx_gemm.py`` checks its scale layout on
-             CPU against a reference written from the cuBLAS documentation.
+             below; bf16 and float32 outputs (grad_weight's) come straight from the GEMM's
+             float32 accumulator, other dtypes by a cast of the bf16 output; :func:`mx_mm_into`
+             writes into a given buffer. No sm_100 GPU was available to this project when it
+             was written: the path is selected by capability, and ``tests/test_mx_gemm.py``
+             checks its scale layout on CPU against a reference written from the cuBLAS
+             documentation.
 
 ``upcast``    CPU: the GEMM in bf16 (oneDNN; fp32 accumulation, one bf16 rounding of the
              output), its operands built straight in bf16 and exact: an E4M3/E5M2 element's
@@ -49,12 +52,18 @@ from typing import Any
 
 import torch
 
-from lowprec.fp8.gemm.capability import cuda_capability, is_cuda
+from lowprec.fp8.gemm.capability import cuda_capability, is_cuda, meta_out_kernel
 from lowprec.fp8.gemm.cpu import upcast_to_bf16
 from lowprec.fp8.cast.mx import BlockScaledData, e8m0_decode
 from lowprec.fp8.cast.nvfp4 import E2M1_VALUES, e2m1_unpack
 
-__all__ = ["mx_mm", "swizzle_scales", "native_block_scaled_available", "mx_gemm_path"]  # paths: see docstring
+__all__ = [
+    "mx_mm",
+    "mx_mm_into",
+    "swizzle_scales",
+    "native_block_scaled_available",
+    "mx_gemm_path",
+]  # paths: see docstring
 
 logger = logging.getLogger("lowprec.fp8")
 _LOGGED: set[str] = set()
@@ -208,7 +217,17 @@ def _bytes_to_16(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t.view(torch.uint8), (0, pad)).view(t.dtype)
 
 
-def _native(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> torch.Tensor:
+# output dtypes the block-scaled GEMM writes itself, from its float32 accumulator (one rounding)
+_DIRECT_OUT = (torch.bfloat16, torch.float32)
+
+
+def _v2_ints(items: Any) -> list[int]:
+    return [i.value for i in (items if isinstance(items, list) else [items])]
+
+
+def _native(
+    a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     F = torch.nn.functional
     m, n = a.rows, bt.rows
     mp, np_ = -(-m // 16) * 16, -(-n // 16) * 16
@@ -235,18 +254,46 @@ def _native(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype) -> 
         sa, sb = [swizzle_scales(a.scale), a.tensor_scale], [swizzle_scales(bt.scale), bt.tensor_scale]
         ra = rb = [blk, tw]
         za = zb = [swz, F.SwizzleType.NO_SWIZZLE]
-    out = F.scaled_mm(ad, bd.t(), sa, ra, sb, rb, swizzle_a=za, swizzle_b=zb, output_dtype=torch.bfloat16)
-    out = out if out.shape == (m, n) else out[:m, :n]
-    return out if out.dtype == out_dtype else out.to(out_dtype)  # as gemm.as_dtype
+    odt = out_dtype if out_dtype in _DIRECT_OUT else torch.bfloat16
+    whole = (mp, np_) == (m, n)
+    if out is not None and out.dtype == odt and whole and out.is_contiguous() and not torch.compiler.is_compiling():
+        # straight into the caller's buffer (an output's rows, an expert's gradient): F.scaled_mm's
+        # call with out= (the same kernel); under torch.compile (no fake kernel for out=) a copy
+        if ad.device.type == "meta":
+            meta_out_kernel("aten::_scaled_mm_v2.out", torch._scaled_mm_v2)
+        as_list = lambda v: v if isinstance(v, list) else [v]  # noqa: E731
+        return torch._scaled_mm_v2(
+            ad, bd.t(), as_list(sa), _v2_ints(ra), _v2_ints(za), as_list(sb), _v2_ints(rb), _v2_ints(zb),
+            None, odt, [], False, out=out,
+        )  # fmt: skip
+    res = F.scaled_mm(ad, bd.t(), sa, ra, sb, rb, swizzle_a=za, swizzle_b=zb, output_dtype=odt)
+    res = res if res.shape == (m, n) else res[:m, :n]
+    res = res if res.dtype == out_dtype else res.to(out_dtype)  # as gemm.as_dtype
+    return res if out is None else out.copy_(res)
 
 
-def mx_mm(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype, *, path: str = "auto") -> torch.Tensor:
-    """``dequant(a) @ dequant(bt)^T`` in ``out_dtype`` (see module docstring for the paths)."""
+def _check_operands(a: BlockScaledData, bt: BlockScaledData) -> None:
     if a.cols != bt.cols or a.block != bt.block or a.fmt != bt.fmt:
         raise ValueError(
             f"mx_mm needs two {a.fmt} operands quantized along the same K: got {a.fmt} {a.shape}/{a.block} "
             f"and {bt.fmt} {bt.shape}/{bt.block}"
         )
+
+
+def mx_mm_into(a: BlockScaledData, bt: BlockScaledData, out: torch.Tensor, *, path: str = "auto") -> torch.Tensor:
+    """:func:`mx_mm` written into ``out`` ((a.rows, bt.rows), its dtype the output's): an
+    output's rows or an expert's gradient slice. torch's block-scaled GEMM writes it itself
+    where the rows are whole (multiples of 16); elsewhere the product is copied in."""
+    _check_operands(a, bt)
+    resolved = mx_gemm_path(path, a.data.device)
+    if resolved == "scaled_mm":
+        return _native(a, bt, out.dtype, out)
+    return out.copy_(_upcast(a, bt, out.dtype) if resolved == "upcast" else _emulate(a, bt, out.dtype))
+
+
+def mx_mm(a: BlockScaledData, bt: BlockScaledData, out_dtype: torch.dtype, *, path: str = "auto") -> torch.Tensor:
+    """``dequant(a) @ dequant(bt)^T`` in ``out_dtype`` (see module docstring for the paths)."""
+    _check_operands(a, bt)
     resolved = mx_gemm_path(path, a.data.device)
     if resolved == "scaled_mm":
         return _native(a, bt, out_dtype)

@@ -16,10 +16,12 @@ from lowprec.fp8 import kernels
 from lowprec.fp8.kinds import base
 from lowprec.fp8.cast.mx import E8M0, MX_BLOCK, BlockScaledData, quantize_mx
 from lowprec.fp8.gemm.mx import native_block_scaled_available
+from lowprec.fp8.modules import grouped_mx
 from lowprec.fp8.modules.mx_linear import Codec, mx_linear
 from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 
 if TYPE_CHECKING:
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
     from lowprec.fp8.modules.linear import Float8Linear
     from lowprec.fp8.cast.quantize import Float8Data
     from lowprec.fp8.recipes import Recipe
@@ -97,6 +99,28 @@ class MXFP8(Microscaled):
 
     def describe_operand(self, o: OperandCast) -> str:
         return f"{str(o.dtype).replace('torch.float8_', '')}/1x32"
+
+    def grouped_forward(
+        self,
+        gemm: Float8GroupedGemm,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        counts: tuple[int, ...],
+        recipe: Recipe,
+        hp: torch.dtype,
+    ) -> torch.Tensor:
+        """All experts in one autograd function (``fp8/modules/grouped_mx.py``: each cast read
+        once, every GEMM writing its rows or slice in place) where it runs; else the loop."""
+        if grouped_mx.runs(recipe, x, weight, gemm.fp8_telemetry):
+            return grouped_mx.grouped_mx_gemms(x, weight, counts, recipe, hp, self.codec)
+        return super().grouped_forward(gemm, x, weight, counts, recipe, hp)
+
+    def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
+        return (
+            "all experts in one autograd function, each operand's casts from one read, each GEMM per expert "
+            f"writing its rows or gradient slice in place: {self.gemm_note(recipe, device)} (the per-expert "
+            "loop with telemetry or override_linear_precision)"
+        )
 
 
 base.register(MXFP8())
