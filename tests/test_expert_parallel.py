@@ -225,11 +225,13 @@ ACCEL_WORKER = ACCEL_PRELUDE + textwrap.dedent(
         opt.zero_grad()
         ref.append(loss.item())
 
-    acc = Accelerator(parallelism_config=ParallelismConfig(expert_parallel_degree=2))
+    ep = int(sys.argv[4]) if len(sys.argv) > 4 else 2  # fewer than the processes: expert replicas
+    acc = Accelerator(parallelism_config=ParallelismConfig(expert_parallel_degree=ep))
     model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
     rank, world = acc.process_index, acc.num_processes
+    local = 8 // ep  # experts per process; this process holds experts local * (rank % ep) ...
     got, norms = [], []
     for ids in batches():
         with fp8.autocast():
@@ -245,18 +247,26 @@ ACCEL_WORKER = ACCEL_PRELUDE + textwrap.dedent(
     from lowprec.distributed.expert_parallel import apply_expert_parallel
     full = acc.get_state_dict(model)
     fresh = make()
-    apply_expert_parallel(fresh, ep_size=world)
+    apply_expert_parallel(fresh, ep_size=ep, group=acc.parallelism_config.ep_group())
     fresh.load_state_dict(full)
     own = dict(inner.named_parameters())
     round_trip = all(torch.equal(p, own[n]) for n, p in fresh.named_parameters())
     key = "model.layers.1.mlp.experts.down_proj"
-    gathered = list(full[key].shape) == [8, 128, 192] and torch.equal(full[key][4 * rank : 4 * rank + 4], own[key])
+    first = local * (rank % ep)
+    gathered = list(full[key].shape) == [8, 128, 192] and torch.equal(full[key][first : first + local], own[key])
+    # the replicas (the same place in another expert-parallel group) hold equal experts after training
+    import torch.distributed as dist
+    mine = torch.cat([p.detach().reshape(-1) for n, p in inner.named_parameters() if ".experts." in n])
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    replicas_equal = all(torch.equal(every[r], mine) for r in range(rank % ep, world, ep))
     restored = save_spoil_load(acc, inner, opt.optimizer)
     from safetensors.torch import load_file
     moments = {tuple(v.shape) for k, v in load_file(f"{out_dir}/ckpt/optimizer_0.safetensors").items() if k.endswith("/exp_avg")}
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(dict(ref=ref, got=got, ref_norms=ref_norms, norms=norms, shapes=shapes, round_trip=round_trip,
-                       gathered=gathered, restored=restored, whole_moments=(8, 384, 128) in moments), f)
+                       gathered=gathered, restored=restored, whole_moments=(8, 384, 128) in moments,
+                       replicas_equal=replicas_equal), f)
     acc.wait_for_everyone()
     """
 )
@@ -270,10 +280,23 @@ def test_accelerator_ep_size_trains_as_one_process(tmp_path):
     whole experts and their whole AdamW moments, load_state giving each rank its slices back.
     rowwise, the whole model in FP8 (row scales: a Linear's forward does not depend on the batch
     split)."""
-    outs = _run(tmp_path, 2, [], [], script=ACCEL_WORKER)
+    _check_accelerator_run(_run(tmp_path, 2, [], [], script=ACCEL_WORKER), 4)
+
+
+def test_accelerator_expert_replicas_train_as_one_process(tmp_path):
+    """4 processes, ep_size 2: two expert-parallel groups (ranks 0-1, 2-3), each holding every
+    expert once and dispatching its own tokens; the expert gradients averaged over the replicas
+    (ranks 0 and 2, 1 and 3) after each backward. Against one process on the whole batch, as
+    above: losses, clipped norms, the whole experts gathered and loaded back, save / load_state;
+    the replicas' experts equal after training."""
+    _check_accelerator_run(_run(tmp_path, 4, [], [], "2", script=ACCEL_WORKER), 4)
+
+
+def _check_accelerator_run(outs, local):
     for res in outs:
-        assert res["shapes"]["model.layers.0.mlp.experts.gate_up_proj"] == [4, 384, 128]
+        assert res["shapes"]["model.layers.0.mlp.experts.gate_up_proj"] == [local, 384, 128]
         assert res["gathered"] and res["round_trip"] and res["restored"] and res["whole_moments"]
+        assert res["replicas_equal"]
         for a, b in zip(res["got"], res["ref"]):
             assert abs(a - b) <= 3e-3, (res["got"], res["ref"])
         for a, b in zip(res["norms"], res["ref_norms"]):
@@ -309,7 +332,8 @@ FSDP_WORKER = ACCEL_PRELUDE + textwrap.dedent(
 
     _, _, ref, ref_norms = run(None, make())  # one process, the whole batch, no FSDP2
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
-    acc = Accelerator(fsdp_plugin=plugin, parallelism_config=ParallelismConfig(ep_size=int(os.environ["WORLD_SIZE"]), ep_combine=combine))
+    ep = int(sys.argv[4]) if len(sys.argv) > 4 else int(os.environ["WORLD_SIZE"])  # fewer: expert replicas
+    acc = Accelerator(fsdp_plugin=plugin, parallelism_config=ParallelismConfig(ep_size=ep, ep_combine=combine))
     model, opt, got, norms = run(acc, make())
     from torch.distributed.fsdp import FSDPModule
     inner = acc.unwrap_model(model)
@@ -317,9 +341,9 @@ FSDP_WORKER = ACCEL_PRELUDE + textwrap.dedent(
     full = acc.get_state_dict(model)  # every rank takes part; rank 0 holds the whole model
     key = "model.layers.1.mlp.experts.down_proj"
     gathered = list(full[key].shape) if key in full else None
-    local = 8 // acc.num_processes
+    local, first = 8 // ep, 8 // ep * (acc.process_index % ep)
     own = dict(inner.named_parameters())[key].detach()
-    same = bool(torch.equal(full[key][local * acc.process_index : local * (acc.process_index + 1)], own)) if key in full else None
+    same = bool(torch.equal(full[key][first : first + local], own)) if key in full else None
     restored = save_spoil_load(acc, inner, opt.optimizer)  # FULL_STATE_DICT
     import dataclasses
     acc.state.fsdp_plugin = dataclasses.replace(acc.state.fsdp_plugin, state_dict_type="SHARDED_STATE_DICT")
@@ -336,15 +360,16 @@ FSDP_WORKER = ACCEL_PRELUDE + textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("nproc, combine", [(2, "hp"), (4, "hp"), (2, "fp8")])
-def test_fsdp2_for_the_rest_trains_as_one_process(tmp_path, nproc, combine):
+@pytest.mark.parametrize("nproc, combine, ep", [(2, "hp", 2), (4, "hp", 4), (2, "fp8", 2), (4, "hp", 2)])
+def test_fsdp2_for_the_rest_trains_as_one_process(tmp_path, nproc, combine, ep):
     """ParallelismConfig(ep_size=world) with FSDP2 (each decoder layer and the root sharded) for
     the non-expert weights: the experts are FSDP2's ignored parameters (plain, each rank its
     slice), the rest DTensors; 4 AdamW steps with clipping at 0.5 against one process on the whole
     batch without FSDP2 (rowwise, whole model FP8); get_state_dict gives rank 0 every expert;
     save_state / load_state (FULL_STATE_DICT) restore weights and moments after spoiling them;
-    under SHARDED_STATE_DICT save_state is one error."""
-    outs = _run(tmp_path, nproc, [], [combine], script=FSDP_WORKER)
+    under SHARDED_STATE_DICT save_state is one error. ep 2 of 4 processes: expert replicas, FSDP2
+    sharding the rest over all four."""
+    outs = _run(tmp_path, nproc, [], [combine], str(ep), script=FSDP_WORKER)
     for rank, res in enumerate(outs):
         assert res["fsdp"] and res["restored"] and res["refused"]
         kinds = res["kinds"]
@@ -519,8 +544,9 @@ def test_parallelism_config_ep_size_and_its_alias():
     with pytest.raises(ValueError, match="ep_size 2 runs the non-expert weights under DDP or FSDP2 .* got DEEPSPEED"):
         for_accelerator(ParallelismConfig(ep_size=2), 2, "DEEPSPEED")
     assert for_accelerator(ParallelismConfig(ep_size=2), 2, "FSDP").ep_enabled  # FSDP2 for the rest
-    with pytest.raises(ValueError, match="set ep_size to the number of processes \\(4\\)"):
-        for_accelerator(ParallelismConfig(ep_size=2), 4, "MULTI_CPU")
+    assert for_accelerator(ParallelismConfig(ep_size=2), 4, "MULTI_CPU").ep_enabled  # two replicas of 2
+    with pytest.raises(ValueError, match=r"ep_size=4\) does not divide the 6 data-parallel processes"):
+        for_accelerator(ParallelismConfig(ep_size=4), 6, "MULTI_CPU")
 
 
 def test_combine_wire_formats_and_a_bad_value():

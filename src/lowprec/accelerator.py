@@ -144,6 +144,7 @@ class Accelerator(PrepareMixin, ProcessControlMixin, CheckpointingMixin, Trackin
             skip_nonfinite_steps, max_consecutive_skipped_steps, self.use_distributed, self.device
         )
         self._models: list[nn.Module] = []
+        self._expert_replicas: list[Any] = []  # ExpertReplicas of prepared models (ep_size < processes)
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[DataLoaderShard] = []
@@ -278,6 +279,9 @@ class Accelerator(PrepareMixin, ProcessControlMixin, CheckpointingMixin, Trackin
             self.scaler.scale(loss).backward(**kwargs)
         else:
             loss.backward(**kwargs)
+        if self.sync_gradients:  # where DDP's all-reduce ran: the expert replicas' average
+            for replicas in self._expert_replicas:
+                replicas.reduce()
 
     def _do_sync(self) -> None:
         gs = self.gradient_state

@@ -12,8 +12,11 @@ processes of one tensor-parallel group read the same batch). Environment:
 replicated data parallelism (``cp_size``, ``dp_replicate_size`` > 1) are not implemented.
 ``ep_size`` (alias ``expert_parallel_degree``, torchtitan's name; environment
 ``PARALLELISM_CONFIG_EP_SIZE``) shards the model's FP8 experts over ``ep_size`` processes of the
-data-parallel dimension with tokens dispatched in FP8 (:mod:`lowprec.distributed.expert_parallel`);
-not with ``tp_size`` > 1; ``ep_combine`` (lowprec's field: ``hp``, ``bf16`` or ``fp8``) is the wire
+data-parallel dimension with tokens dispatched in FP8 (:mod:`lowprec.distributed.expert_parallel`):
+``ep_size`` consecutive processes share the experts, and with more processes than ``ep_size`` each
+group of them is a replica (the processes at the same place in every group hold the same experts;
+their gradients are averaged over them after each backward that syncs). Not with ``tp_size`` > 1;
+``ep_combine`` (lowprec's field: ``hp``, ``bf16`` or ``fp8``) is the wire
 format of the expert outputs on their way back. ``sequence_parallel=True`` (lowprec's field) adds the model's ``_sp_plan``: norms and the
 residual stream on sequence slices, block inputs all-gathered in FP8
 (:mod:`lowprec.distributed.sequence_parallel`), rowwise outputs reduce-scattered.
@@ -68,6 +71,7 @@ class ParallelismConfig:
             )
         self._mesh: Any = None
         self._ep_group: Any = None
+        self._ep_replicas: Any = None
 
     def _init_ep(self) -> None:
         ep, alias = self.ep_size, self.expert_parallel_degree
@@ -120,6 +124,21 @@ class ParallelismConfig:
 
             self._ep_group, _ = dist.new_subgroups(group_size=self.ep_size)
         return self._ep_group
+
+    def ep_replica_group(self) -> Any:
+        """The processes holding this process's experts in the other expert-parallel groups
+        (ranks ``r, r + ep_size, r + 2 ep_size, ...``), over which the expert gradients are
+        averaged; ``None`` where ``ep_size`` is every process (no replicas). Built once, a
+        collective on first call."""
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        if world == self.ep_size:
+            return None
+        if self._ep_replicas is None:
+            ranks = [list(range(r, world, self.ep_size)) for r in range(self.ep_size)]
+            self._ep_replicas, _ = dist.new_subgroups_by_enumeration(ranks)
+        return self._ep_replicas
 
     @property
     def tp_enabled(self) -> bool:

@@ -93,7 +93,9 @@ class PrepareMixin:
         model = self._convert_and_wrap_forward(model)
         dt, pc = self.distributed_type, self.parallelism_config
         apply_tp(pc, model, self.device.type)  # tensor parallelism: after FP8 conversion, before FSDP2
-        own_experts = apply_ep(pc, model)  # expert parallelism: after FP8 conversion, before DDP / FSDP2
+        own_experts, replicas = apply_ep(pc, model)  # expert parallelism: after FP8 conversion, before DDP / FSDP2
+        if replicas is not None:  # more processes than ep_size: expert gradients averaged after backward
+            self._expert_replicas.append(replicas)
         if not evaluation_mode:
             if dt.is_ddp and (pc is None or not pc.tp_enabled):
                 kw = (self.handlers.get(DistributedDataParallelKwargs) or DistributedDataParallelKwargs()).to_kwargs()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from lowprec.distributed.expert_parallel import apply_expert_parallel, expert_parallel_names
+from lowprec.distributed.expert_replicas import ExpertReplicas
 from lowprec.kwargs import env_int
 from lowprec.parallelism_config import ParallelismConfig
 
@@ -83,11 +84,6 @@ def for_accelerator(
                 f"processes, without DeepSpeed, which does not compose with expert parallelism yet); got "
                 f"{distributed_type}"
             )
-        if config.ep_size != world:
-            raise ValueError(
-                f"ep_size {config.ep_size} with {world} processes: expert replicas over data parallelism are "
-                f"not implemented; set ep_size to the number of processes ({world})"
-            )
     return config if (config.tp_enabled or config.ep_enabled) else None
 
 
@@ -107,17 +103,24 @@ def apply_tp(config: Optional[ParallelismConfig], model: Any, device_type: str) 
         apply_tp_plan(model, config.mesh(device_type)["tp"], config.sequence_parallel)
 
 
-def apply_ep(config: Optional[ParallelismConfig], model: Any) -> list[str]:
+def apply_ep(config: Optional[ParallelismConfig], model: Any) -> tuple[list[str], Optional[ExpertReplicas]]:
     """The Accelerator's expert-parallel step, after FP8 conversion and before DDP / FSDP2:
     shard the experts (:func:`lowprec.distributed.expert_parallel.apply_expert_parallel`) with
-    DDP's / FSDP2's averaging (expert gradients scaled by 1 / ep_size); returns the names of the
-    parameters and buffers DDP / FSDP2 must leave alone (each rank's own experts)."""
+    DDP's / FSDP2's averaging (expert gradients scaled by 1 / ep_size, then averaged over the
+    replicas where there are more processes than ``ep_size``); returns the names of the
+    parameters and buffers DDP / FSDP2 must leave alone (each rank's own experts) and the
+    replicas' gradient reduction (``None`` without replicas)."""
     if config is None or not config.ep_enabled:
-        return []
+        return [], None
     apply_expert_parallel(
         model, config.ep_size, config.ep_group(), grad_scale=1.0 / config.ep_size, combine=config.ep_combine
     )
-    return expert_parallel_names(model)
+    names = expert_parallel_names(model)
+    group = config.ep_replica_group()
+    if group is None:
+        return names, None
+    own = set(names)
+    return names, ExpertReplicas(group, [p for n, p in model.named_parameters() if n in own])
 
 
 def dp_mesh(config: Optional[ParallelismConfig], device_type: str) -> Any:

@@ -130,10 +130,10 @@ def _check_tensor_parallel(cfg: Any, processes: int) -> None:
             f"multiple of {tp} processes or change tensor_parallel_size"
         )
     ep = cfg.ep_size
-    if ep > 1 and ep != processes:
+    if ep > 1 and processes % ep:
         raise ValueError(
-            f"ep_size: {ep} with --num_processes {processes}: the experts are sharded over every process "
-            f"(expert replicas are not implemented); launch --num_processes {ep} or set ep_size: {processes}"
+            f"ep_size: {ep} does not divide --num_processes {processes}: every {ep} processes share the "
+            f"experts (more are replicas); launch a multiple of {ep} processes or change ep_size"
         )
     if tp > 1 and processes // tp > 1 and cfg.fsdp_version != 2:
         raise ValueError(

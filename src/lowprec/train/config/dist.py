@@ -55,7 +55,8 @@ class DistributedKeys(StrictModel):
         default=1,
         ge=1,
         description="expert parallelism: the FP8 experts of an MoE model (builtin:moe-tiny, transformers' fused "
-        "experts) sharded over this many processes (all of them: --num_processes), tokens dispatched in FP8 "
+        "experts) sharded over this many consecutive processes (a divisor of --num_processes; with more processes, each "
+        "group of ep_size is a replica and the expert gradients are averaged over them), tokens dispatched in FP8 "
         "(fp8: true; tensorwise or rowwise, other recipes dispatch in bf16); the other weights train under DDP, or FSDP2 with fsdp_version: 2; "
         "torchtitan's expert_parallel_degree is accepted for it",
     )
