@@ -85,14 +85,14 @@ def test_cli_exit_2_with_one_line_when_the_processes_do_not_match(tmp_path):
     ]
 
 
-def _launch(out, *flags, procs=2, steps=5):
+def _launch(out, *flags, procs=2, steps=5, config=MOE):
     run_torchrun(
         [
             sys.executable,
             "-m",
             "lowprec.cli.main",
             "train",
-            MOE,
+            config,
             "--num_processes",
             str(procs),
             "--max_steps",
@@ -182,6 +182,8 @@ def test_expert_replicas_follow_the_plain_run_and_resume_bit_for_bit(tmp_path):
     resumed = _launch(tmp_path / "b", "--ep_size", "2", "--resume_from_checkpoint", str(ckpt), procs=4, steps=4)
     assert [r["step"] for r in read_metrics(str(tmp_path / "b"), "train")] == [3, 4]
     assert resumed == full[2:]
+    report = (tmp_path / "a" / "fp8_conversion.txt").read_text()
+    assert "ep_size 2 of 4 processes" in report and "2 replicas of the experts" in report, report
 
 
 def test_four_process_checkpoint_resumes_on_two(tmp_path):
@@ -223,3 +225,66 @@ def test_a_data_position_on_another_process_count(tmp_path):
     (tmp_path / "deepspeed_0").mkdir()
     with pytest.raises(ValueError, match="under DeepSpeed, .* resume with --num_processes 2$"):
         check_process_count(str(tmp_path), 1, cfg)
+
+
+def _hf_moe(tmp_path):
+    """A tiny transformers Mixtral (tests/tiny_moe.py, 8 experts) with the byte-level tokenizer, saved."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from tests.test_train_hf_moe import _tokenizer
+    from tests.tiny_moe import build
+
+    tok = _tokenizer()
+    model = build("mixtral")
+    model.resize_token_embeddings(-(-len(tok) // 16) * 16)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(model.config, k, getattr(tok, k))
+    model.config._experts_implementation = None
+    out = tmp_path / "mixtral"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return transformers, str(out)
+
+
+def test_lora_on_attention_with_expert_parallel_experts(tmp_path):
+    """LoRA on attention (the experts frozen in FP8) with ``--ep_size 2``: each process holds 4 of
+    Mixtral's 8 frozen experts, dispatches in FP8, and only the adapters train (DDP); losses follow
+    the same 2-process run without expert parallelism within 2e-2; the adapter is saved, and the
+    merged model (adapter onto the whole base on disk: each process holds only some experts) reloads
+    in transformers and gives base + adapter's logits. LoRA on the expert weights themselves
+    (``lora_target_parameters``) with ``ep_size``: one error."""
+    import peft
+    import torch
+
+    transformers, base = _hf_moe(tmp_path)
+    on_experts = {"base_model": base, "fp8": True, "ep_size": 2, "adapter": "lora", "lora_r": 8}
+    with pytest.raises(ValueError, match="ep_size: 2 with lora_target_parameters: adapters on the expert weights"):
+        parse_config({**on_experts, "lora_target_parameters": ["mlp.experts.down_proj"]})
+    config = tmp_path / "lora.yaml"
+    notes = os.path.join(ROOT, "examples", "data", "notes.jsonl")
+    config.write_text(
+        f"base_model: {base}\ndatasets: [{notes}]\nfp8: true\nfp8_recipe: tensorwise\nsequence_len: 32\n"
+        "micro_batch_size: 2\nlearning_rate: 3.0e-3\nadapter: lora\nlora_r: 8\nlora_alpha: 32\n"
+        "lora_target_modules: [q_proj, k_proj, v_proj, o_proj]\nmerge_lora: true\nprogress_bar: false\n"
+        "use_tensorboard: false\nlogging_steps: 1\n"
+    )
+    ep = _launch(tmp_path / "ep", "--ep_size", "2", steps=6, config=str(config))
+    plain = _launch(tmp_path / "plain", steps=6, config=str(config))
+    report = (tmp_path / "ep" / "fp8_conversion.txt").read_text()
+    assert "expert parallelism: ep_size 2 of 2 processes" in report, report  # the experts were sharded
+    assert "expert parallelism" not in (tmp_path / "plain" / "fp8_conversion.txt").read_text()
+    assert len(ep) == len(plain) == 6 and ep == pytest.approx(plain, abs=2e-2)
+    assert ep[-1] < ep[0]  # the adapters learn
+    ids = torch.tensor([[5, 80, 81, 90, 100, 33, 47, 60]])
+    with torch.no_grad():
+        adapted = (
+            peft.PeftModel.from_pretrained(
+                transformers.AutoModelForCausalLM.from_pretrained(base), str(tmp_path / "ep")
+            )
+            .eval()(ids)
+            .logits
+        )
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ep" / "merged").eval()(ids).logits
+        plain_base = transformers.AutoModelForCausalLM.from_pretrained(base).eval()(ids).logits
+    assert (adapted - merged).abs().mean() < 0.05 * adapted.abs().mean()  # merged == base + adapter
+    assert (adapted - plain_base).abs().mean() > 10 * (adapted - merged).abs().mean()  # ... which learned

@@ -28,6 +28,7 @@ from torch import nn
 
 from lowprec.errors import did_you_mean
 from lowprec.checkpoint.serialization import load_error_reason
+from lowprec.distributed.expert_parallel import expert_parallel_names
 from lowprec.fp8 import plain_state_dict, unconvert
 from lowprec.train.adapters import is_peft_model
 from lowprec.train.hf_files import has_tokenizer, locate_pretrained
@@ -207,10 +208,13 @@ def save_adapter(
     peft_model.save_pretrained(output_dir, safe_serialization=True)
     files = {"adapter": os.path.join(output_dir, "adapter_model.safetensors")}
     if merge:
-        unconvert(peft_model)
-        if getattr(peft_model.get_base_model(), "is_loaded_in_4bit", False):
-            merged = _merge_on_full_precision_base(peft_model, output_dir, trust_remote_code)
+        if expert_parallel_names(peft_model):  # each process holds some experts: the frozen base's are on disk
+            merged = _merge_on_full_precision_base(peft_model, output_dir, trust_remote_code, "expert parallelism")
+        elif getattr(peft_model.get_base_model(), "is_loaded_in_4bit", False):
+            unconvert(peft_model)
+            merged = _merge_on_full_precision_base(peft_model, output_dir, trust_remote_code, "a 4-bit base")
         else:
+            unconvert(peft_model)
             merged = peft_model.merge_and_unload()
         out = os.path.join(output_dir, "merged")
         _save_model(merged, None, out)
@@ -219,17 +223,17 @@ def save_adapter(
 
 
 def _merge_on_full_precision_base(
-    peft_model: nn.Module, adapter_dir: str, trust_remote_code: bool = False
+    peft_model: nn.Module, adapter_dir: str, trust_remote_code: bool = False, why: str = "a 4-bit base"
 ) -> nn.Module:
     """QLoRA's merge, as ``axolotl merge-lora`` does it: the saved adapter onto the base model
     loaded again unquantized (float32, then saved bf16). Merging into the NF4 weights instead
-    would round the merged weights to 4 bits, which is neither the base nor the trained model."""
+    would round the merged weights to 4 bits, which is neither the base nor the trained model.
+    Under expert parallelism each process holds a share of the (frozen) experts: the whole base
+    is the one on disk."""
     from peft import PeftModel
 
     base_path = peft_model.peft_config["default"].base_model_name_or_path
-    logger.info(
-        "lowprec: merge_lora with a 4-bit base: merging the adapter onto %s loaded in full precision", base_path
-    )
+    logger.info("lowprec: merge_lora with %s: merging the adapter onto %s loaded in full precision", why, base_path)
     base = load_causal_lm(base_path, trust_remote_code=trust_remote_code)  # the run's setting, as when it loaded
     rows = peft_model.get_input_embeddings().num_embeddings
     if base.get_input_embeddings().num_embeddings != rows:

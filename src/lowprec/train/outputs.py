@@ -18,6 +18,7 @@ import yaml
 from lowprec.fp8 import plain_state_dict
 from lowprec.guard_moves import is_move_back, moved_gemms, moved_layers
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
+from lowprec.utils.parallelism import describe_ep
 
 __all__ = ["export_model", "write_resolved_config", "load_exported_model", "write_conversion_report"]
 
@@ -95,7 +96,8 @@ def write_conversion_report(acc, output_dir: str, moves: tuple = ()) -> Optional
     report = getattr(getattr(acc, "backend", None), "report", None)
     if report is None:
         return None
+    ep = describe_ep(getattr(acc, "parallelism_config", None), acc.num_processes)
     path = os.path.join(output_dir, "fp8_conversion.txt")
     with open(path, "w") as f:
-        f.write(str(report) + "\n" + (moves_text(list(moves)) + "\n" if moves else ""))
+        f.write(str(report) + "\n" + (ep + "\n" if ep else "") + (moves_text(list(moves)) + "\n" if moves else ""))
     return path

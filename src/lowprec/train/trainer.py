@@ -141,7 +141,9 @@ def _build_model(
             "an FP8 checkpoint; drop merge_lora_format (bf16 merge) and export the run to FP8 with export: [hf-fp8]"
         )
     if is_fp8_base(path):
-        sharded = cfg.fsdp_version is not None or cfg.deepspeed is not None or cfg.tensor_parallel_size > 1
+        sharded = (
+            cfg.fsdp_version is not None or cfg.deepspeed is not None or cfg.tensor_parallel_size > 1 or cfg.ep_size > 1
+        )
         check_trainer_fp8_base(path, cfg.adapter, sharded)
         try:
             model = load_fp8_base(path)

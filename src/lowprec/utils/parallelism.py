@@ -123,6 +123,21 @@ def apply_ep(config: Optional[ParallelismConfig], model: Any) -> tuple[list[str]
     return names, ExpertReplicas(group, [p for n, p in model.named_parameters() if n in own])
 
 
+def describe_ep(config: Optional[ParallelismConfig], world: int) -> Optional[str]:
+    """One line for the conversion report: how the experts are shared out (None without ``ep_size``)."""
+    if config is None or not config.ep_enabled:
+        return None
+    replicas = world // config.ep_size
+    line = (
+        f"expert parallelism: ep_size {config.ep_size} of {world} processes: each process holds 1/{config.ep_size} "
+        f"of every experts module's experts, tokens dispatched among {config.ep_size} processes (outputs back: "
+        f"{config.ep_combine})"
+    )
+    if replicas > 1:
+        line += f"; {replicas} replicas of the experts, their gradients averaged over the replicas"
+    return line
+
+
 def dp_mesh(config: Optional[ParallelismConfig], device_type: str) -> Any:
     """The mesh FSDP2 shards over: ``dp_shard`` under tensor parallelism, else None (all processes)."""
     return None if config is None else config.mesh(device_type)["dp_shard"]

@@ -91,10 +91,14 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
             return
         if not self.fp8:  # a library backend: check_fp8_backend refuses ep_size
             raise ValueError(f"ep_size: {ep} shards lowprec's FP8 experts: set fp8: true")
+        if self.adapter is not None and self.lora_target_parameters:
+            raise ValueError(
+                f"ep_size: {ep} with lora_target_parameters: adapters on the expert weights are not sharded with "
+                "them; put LoRA on attention (lora_target_modules) with the experts frozen, or set ep_size: 1"
+            )
         for key, on in (
             ("tensor_parallel_size", self.tensor_parallel_size > 1),
             ("deepspeed", self.deepspeed is not None),
-            ("adapter", self.adapter is not None),
         ):
             if on:
                 raise ValueError(
