@@ -94,3 +94,54 @@ def test_warn_moves_nothing_and_a_checkpoint_restores_the_moves(seed):
     fresh = copy.deepcopy(_block(seed))
     HealthMonitor(fresh, "act", 1, 10**9).load_state_dict(state)
     assert fresh.experts.fp8_gate_up_proj.high_precision and not fresh.experts.fp8_down_proj.high_precision
+
+
+def _steps_with_rows(block, monitor, xs, first=1):
+    """As _steps, keeping the health rows of the gate_up projection too."""
+    events, rows = [], []
+    for step, x in enumerate(xs, first):
+        monitor.arm(step)
+        fp8.enable_telemetry(block)
+        block(x).float().sum().backward()
+        tele = fp8.telemetry(block)
+        fp8.disable_telemetry(block)
+        for r in monitor.check(step, tele):
+            if r["kind"] == "fp8_guard":
+                events.append(r)
+            else:
+                rows.append(r["layers"].get(GATE_UP))
+    return events, rows
+
+
+def test_a_moved_projection_is_measured_on_the_side_and_moves_back(seed):
+    """``recover_after``: a moved expert projection runs in high precision, and at each check its
+    experts' would-be FP8 casts (x_e, W_e, dY_e per expert holding tokens) are measured on the
+    side, the row its worst expert's (``side_cast``); while the outlier stays it stays moved, and
+    after ``recover_after`` healthy checks in a row it moves back to FP8 and computes what a fresh
+    FP8 block computes. (With gate_up in bf16 the outlier reaches down_proj's input, which FP8 had
+    flushed: down_proj moves at step 2 and back at step 4 too.)"""
+    block = _block(seed)
+    monitor = HealthMonitor(block, "act", 1, 10**9, recover_after=2)
+    x = torch.randn(2, 16, 64)
+    events, rows = _steps_with_rows(block, monitor, [_outlier(x), _outlier(x), x, x])
+    gate_up = block.experts.fp8_gate_up_proj
+    assert not rows[0].get("side_cast")  # step 1: it ran FP8 (its own telemetry)
+    assert all(r["side_cast"] for r in rows[1:])  # steps 2-4: moved, measured on the side
+    assert rows[1]["input"]["underflow"] > 0.5  # the outlier still there: still unhealthy
+    assert rows[2]["input"]["underflow"] == 0 and rows[3]["input"]["underflow"] == 0
+    assert rows[3]["grad_output"]["headroom_bits"] is not None
+    moves = [(e["layer"], e["step"], e.get("direction")) for e in events]
+    down = "experts.fp8_down_proj"
+    assert moves == [(GATE_UP, 1, None), (down, 2, None), (GATE_UP, 4, "to_fp8"), (down, 4, "to_fp8")], moves
+    assert not gate_up.high_precision and not block.experts.fp8_down_proj.high_precision
+    assert torch.equal(block(x), _block(seed)(x))  # FP8 again, fresh state: a converted block's output
+
+
+def test_without_recover_after_nothing_is_measured_on_the_side(seed):
+    block = _block(seed)
+    monitor = HealthMonitor(block, "act", 1, 10**9)
+    x = torch.randn(2, 16, 64)
+    events, rows = _steps_with_rows(block, monitor, [_outlier(x), x, x])
+    assert block.experts.fp8_gate_up_proj.high_precision  # moved, stays moved
+    assert not any(r.get("side_cast") for r in rows)
+    assert "_lowprec_side_probe" not in block.experts.fp8_gate_up_proj.__dict__

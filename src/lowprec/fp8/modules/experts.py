@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec.fp8.modules.autocast import torch_autocast_dtype
-from lowprec.fp8.modules.grouped import Float8GroupedGemm, grouped_mm_hp
+from lowprec.fp8.modules.grouped import SIDE_PROBE, Float8GroupedGemm, grouped_mm_hp
 from lowprec.fp8.modules.linear import FP8Switch
 from lowprec.fp8.recipes import Recipe
 
@@ -266,7 +266,11 @@ class Float8Experts(FP8Switch):
         def gemm(proj: str, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...]) -> torch.Tensor:
             grouped = self._modules.get(GEMM_PREFIX + proj)  # type: ignore[attr-defined]
             if grouped is None or grouped.high_precision or recipe is None:
-                return grouped_mm_hp(x, weight, counts, hp)
+                out = grouped_mm_hp(x, weight, counts, hp)
+                side = None if grouped is None or recipe is None else grouped.__dict__.get(SIDE_PROBE)
+                if side is not None:  # the health probe measures a moved projection on the side
+                    side(grouped, x, weight, counts, out)
+                return out
             return grouped(x, weight, counts, recipe, hp)
 
         return gemm

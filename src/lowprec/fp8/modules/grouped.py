@@ -51,7 +51,11 @@ if TYPE_CHECKING:
     from lowprec.fp8.modules.linear import Float8Linear
     from lowprec.fp8.recipes import Recipe
 
-__all__ = ["Float8GroupedGemm", "ExpertSlot", "grouped_mm_hp"]
+__all__ = ["Float8GroupedGemm", "ExpertSlot", "grouped_mm_hp", "SIDE_PROBE"]
+
+# where the health probe (``fp8/observe/health.py``) puts its callback on a grouped GEMM it measures
+# on the side: ``probe(gemm, x, weight, counts, out)`` after a moved projection's high-precision run
+SIDE_PROBE = "_lowprec_side_probe"
 
 
 class ExpertSlot:

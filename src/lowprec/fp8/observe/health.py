@@ -36,7 +36,10 @@ the SQNR is that of the emulated FP8 GEMM (the dequantized operands' float32 pro
 the output's dtype) against the float32 shadow GEMM. Such a row carries ``side_cast: true``.
 This costs three casts (and, sampled, one more GEMM) per moved layer per check: the casts the
 layer itself stopped making, at the cadence telemetry already runs; the step's values are
-unchanged. A tensor-parallel layer (a sharded weight) is not measured on the side.
+unchanged. A tensor-parallel layer (a sharded weight) is not measured on the side. A grouped
+expert projection the guard moved runs ``grouped_mm_hp`` outside its module, so the experts call
+the probe's callback (``SIDE_PROBE``) there: x_e, W_e and dY_e cast per expert holding tokens, the
+row its worst expert's, as its telemetry row is (no SQNR, no max-to-rms for experts).
 """
 
 from __future__ import annotations
@@ -50,13 +53,13 @@ from torch import nn
 
 from lowprec.fp8.modules.cast_state import cast_stats
 from lowprec.fp8.cast.formats import fp8_max
-from lowprec.fp8.modules.grouped import Float8GroupedGemm
+from lowprec.fp8.modules.grouped import SIDE_PROBE, Float8GroupedGemm
 from lowprec.fp8.modules.linear import Float8Linear
 from lowprec.fp8.modules.linear_fn import cast
 from lowprec.fp8.modules.mx_linear import block_stats
 from lowprec.fp8.kinds.plan import OperandCast
 from lowprec.fp8.cast.quantize import dequantize
-from lowprec.fp8.observe.telemetry import STAT_FIELDS
+from lowprec.fp8.observe.telemetry import STAT_FIELDS, worst_expert
 from lowprec.fp8.modules.tp_linear import is_tensor_parallel
 
 __all__ = [
@@ -186,6 +189,19 @@ def side_cast(layer: Float8Linear, t: torch.Tensor, spec: OperandCast, contract:
     return dict(zip(STAT_FIELDS, stats.tolist())), deq
 
 
+def _starts(counts: tuple[int, ...]) -> list[int]:
+    starts, at = [], 0
+    for n in counts:
+        starts.append(at)
+        at += n
+    return starts
+
+
+def _worst(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Per-expert side statistics as one row (``telemetry.worst_expert``)."""
+    return worst_expert(torch.tensor([[r[f] for f in STAT_FIELDS] for r in rows], dtype=torch.float64))
+
+
 def _grad_cast(layer: Float8Linear) -> Optional[tuple[OperandCast, int]]:
     """dY's first FP8 cast in backward (what telemetry reports): grad_input's, else grad_weight's."""
     plan = layer.recipe.plan()
@@ -211,6 +227,11 @@ class HealthProbe:
         self._outliers = self._sqnr = False
         self._readings: dict[str, dict[str, Any]] = {}
         self._handles = [m.register_forward_hook(self._hook(n)) for n, m in self.layers.items()]
+        # a grouped expert projection the guard moved runs outside its module (grouped_mm_hp): the
+        # experts call this probe's callback there instead of a hook
+        self.grouped = {n: m for n, m in model.named_modules() if isinstance(m, Float8GroupedGemm)} if side else {}
+        for n, m in self.grouped.items():
+            m.__dict__[SIDE_PROBE] = self._grouped_side(n)
 
     def arm(self, outliers: bool = True, sqnr: bool = False) -> None:
         self._outliers, self._sqnr = outliers, sqnr
@@ -224,6 +245,40 @@ class HealthProbe:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for m in self.grouped.values():
+            m.__dict__.pop(SIDE_PROBE, None)
+        self.grouped = {}
+
+    def _grouped_side(self, name: str):
+        """A moved grouped expert projection measured on the side at an armed step: each
+        operand's would-be FP8 cast per expert holding tokens (x_e and W_e as the forward GEMM
+        casts them, dY_e from a hook on the output's gradient), the projection's row that of its
+        worst expert per operand, as its telemetry row is (``telemetry.worst_expert``)."""
+
+        def probe(gemm: Float8GroupedGemm, x, weight, counts, out: torch.Tensor) -> None:
+            if not (self._outliers or self._sqnr) or not gemm.training:
+                return
+            side = self._readings.setdefault(name, {}).setdefault("side", {})
+            groups = [(e, start, n) for e, (start, n) in enumerate(zip(_starts(counts), counts)) if n]
+            fp = gemm.recipe.plan().fprop
+            with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+                if groups and not fp.high_precision:
+                    spec_x, spec_w = fp.casts
+                    xs = [side_cast(gemm, x[a : a + n].detach(), spec_x, 1)[0] for _, a, n in groups]  # type: ignore[arg-type]
+                    ws = [side_cast(gemm, weight[e].detach(), spec_w, 1, weight=True)[0] for e, _, _ in groups]  # type: ignore[arg-type]
+                    side["input"], side["weight"] = _worst(xs), _worst(ws)
+            spec = _grad_cast(gemm)  # type: ignore[arg-type]
+            if spec is None or not groups or not out.requires_grad:
+                return
+
+            def on_grad(dy: torch.Tensor) -> None:
+                with torch.no_grad(), torch.autocast(dy.device.type, enabled=False):
+                    rows = [side_cast(gemm, dy[a : a + n].detach(), *spec)[0] for _, a, n in groups]  # type: ignore[arg-type]
+                    side["grad_output"] = _worst(rows)
+
+            out.register_hook(on_grad)
+
+        return probe
 
     def _hook(self, name: str):
         def hook(module: Float8Linear, args: tuple, output: torch.Tensor) -> None:

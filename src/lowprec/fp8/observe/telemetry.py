@@ -35,7 +35,7 @@ from lowprec.fp8.modules.grouped import Float8GroupedGemm
 from lowprec.fp8.modules.linear import OPERANDS, Float8Linear
 from lowprec.fp8.step_stage import spike_counts, warn_counted
 
-__all__ = ["enable", "disable", "telemetry", "expert_telemetry", "grouped_telemetry", "STAT_FIELDS"]
+__all__ = ["enable", "disable", "telemetry", "expert_telemetry", "grouped_telemetry", "worst_expert", "STAT_FIELDS"]
 
 STAT_FIELDS = ("amax", "scale", "saturated", "underflow")  # the columns of a telemetry row
 
@@ -104,15 +104,18 @@ def grouped_telemetry(model: nn.Module) -> dict[str, dict[str, dict[str, float]]
             rows = g.fp8_stats.detach().cpu()[ran]  # (experts that ran, 3, 4)
             if rows.numel() == 0:
                 continue
-            row: dict[str, dict[str, float]] = {}
-            for i, op in enumerate(OPERANDS):
-                st = rows[:, i]
-                worst = int(torch.argmax(st[:, 0] * st[:, 1]))
-                row[op] = {
-                    "amax": float(st[worst, 0]),
-                    "scale": float(st[worst, 1]),
-                    "saturated": float(st[:, 2].max()),
-                    "underflow": float(st[:, 3].max()),
-                }
-            out[f"{name}.{GEMM_PREFIX}{proj}"] = row
+            out[f"{name}.{GEMM_PREFIX}{proj}"] = {op: worst_expert(rows[:, i]) for i, op in enumerate(OPERANDS)}
     return out
+
+
+def worst_expert(st: torch.Tensor) -> dict[str, float]:
+    """One operand's telemetry over the experts that ran, ``st`` (experts, 4) in ``STAT_FIELDS``
+    order, as one row: the largest saturated and underflow fractions, the amax and scale of the
+    expert with the least headroom (largest ``amax * scale``)."""
+    worst = int(torch.argmax(st[:, 0] * st[:, 1]))
+    return {
+        "amax": float(st[worst, 0]),
+        "scale": float(st[worst, 1]),
+        "saturated": float(st[:, 2].max()),
+        "underflow": float(st[:, 3].max()),
+    }
