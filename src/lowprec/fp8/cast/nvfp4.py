@@ -47,6 +47,8 @@ __all__ = [
     "quantize_nvfp4",
     "quantize_nvfp4_2d",
     "transpose_2d",
+    "tensor_scales",
+    "RNE_POSITIVE_BOUNDS",
 ]
 
 NVFP4_BLOCK = 16
@@ -87,6 +89,9 @@ def _rne_boundaries() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _RNE: dict = {}
+# the positive boundaries of the signed line (0.25 .. 5): the RNE code of |y| is the count of
+# them below |y| (the negative side's boundaries are these moved one ulp out: the same count)
+RNE_POSITIVE_BOUNDS = tuple(float(b) for b in _rne_boundaries()[0] if 0 < b < float("inf"))
 
 
 def _encode_rne(y: torch.Tensor) -> torch.Tensor:
@@ -135,19 +140,25 @@ def e2m1_pack(codes: torch.Tensor) -> torch.Tensor:
     return (lo | (hi << 4)).contiguous().view(FP4X2)
 
 
-def _tensor_scales(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S, 1/S): encode and decode per-tensor factors; S = 448 * 6 / amax (1 for a zero tensor,
-    NaN for a non-finite one, which then reaches every decoded value)."""
-    amax = x32.abs().amax()
+def tensor_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, 1/S) from the tensor's amax (a float32 scalar): encode and decode per-tensor factors;
+    S = 448 * 6 / amax (1 for a zero tensor, NaN for a non-finite one, which then reaches every
+    decoded value)."""
     s = torch.where(amax > 0, (_E4M3_MAX * FP4_MAX) / amax, torch.ones_like(amax))
     s = torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
     return s, s.reciprocal()
 
 
+def _tensor_scales(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return tensor_scales(x32.abs().amax())
+
+
 def _block_amax(tiles: torch.Tensor) -> torch.Tensor:
-    """max |x| over the last dim in one pass (``aminmax``: no |x| temporary); NaN propagates."""
+    """max |x| over the last dim in one pass (``aminmax``: no |x| temporary); NaN propagates.
+    A zero block's amax is +0 (``abs_``: ``maximum(0, -0)`` may be either zero, which reached the
+    E4M3 scale byte as 0x80 or 0x00)."""
     lo, hi = torch.aminmax(tiles, dim=-1)
-    return torch.maximum(hi, -lo)
+    return torch.maximum(hi, -lo).abs_()
 
 
 def _encode_blocks(
@@ -162,29 +173,37 @@ def _encode_blocks(
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, generator: torch.Generator | None = None, block: int = NVFP4_BLOCK
+    x: torch.Tensor,
+    generator: torch.Generator | None = None,
+    block: int = NVFP4_BLOCK,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> BlockScaledData:
     """NVFP4 with 1x``block`` blocks along the last dim of a 2-D ``x``; ``generator`` turns on
-    stochastic rounding (gradients)."""
+    stochastic rounding (gradients). ``scales``: (S, 1/S) already known (:func:`tensor_scales`
+    of ``x``'s amax, as the fused cast takes them), else computed here."""
     if x.dim() != 2:
         raise ValueError(f"NVFP4 quantization needs a 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape
     x32 = pad_to_blocks(x.detach().to(torch.float32, memory_format=torch.contiguous_format), block)
     tiles = x32.reshape(rows, -1, block)
     block_amax = _block_amax(tiles)
-    s, decode = _tensor_scales(block_amax)  # the tensor amax is the largest block amax
+    # the tensor amax is the largest block amax
+    s, decode = _tensor_scales(block_amax) if scales is None else scales
     scale, codes = _encode_blocks(tiles, block_amax, s, generator)
     return BlockScaledData(e2m1_pack(codes.reshape(rows, -1)), scale, cols, block, decode)
 
 
-def quantize_nvfp4_2d(w: torch.Tensor, block: int = NVFP4_BLOCK) -> BlockScaledData:
+def quantize_nvfp4_2d(
+    w: torch.Tensor, block: int = NVFP4_BLOCK, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> BlockScaledData:
     """NVFP4 with ``block`` x ``block`` tiles (weights), round to nearest. The result is quantized
-    along the last dim like any operand; its scale is the tile's, repeated on each of its rows."""
+    along the last dim like any operand; its scale is the tile's, repeated on each of its rows.
+    ``scales`` as for :func:`quantize_nvfp4`."""
     rows, cols = w.shape
     w32 = pad_to_blocks(w.detach().to(torch.float32), block)
     rp = (-rows) % block
     wp = torch.nn.functional.pad(w32, (0, 0, 0, rp)) if rp else w32  # zero rows: amax only
-    s, decode = _tensor_scales(w32)
+    s, decode = _tensor_scales(w32) if scales is None else scales
     nr, nc = wp.shape[0] // block, wp.shape[1] // block
     tile_amax = wp.reshape(nr, block, nc, block).abs().amax(dim=(1, 3))  # (nr, nc)
     row_amax = tile_amax.repeat_interleave(block, dim=0)[:rows]  # each row's blocks: its tile's amax

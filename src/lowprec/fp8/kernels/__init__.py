@@ -11,7 +11,8 @@ scales, and given column scales stored transposed) from one pass; ``cast_cols_t`
 alone; ``cast_rowwise_into`` either or both into slices of the caller's buffers (one buffer for
 every expert's casts); ``cast_block_1d`` / ``cast_block_2d`` are the blockwise (DeepSeek-V3 tile)
 casts, both layouts and the scales from one read; ``cast_mx`` the MXFP8 casts (1 x 32 and 32 x 1 blocks, E8M0
-scales) likewise. The functions choose at run time (:func:`available`): Triton on CUDA by default when
+scales) likewise; ``cast_nvfp4`` the NVFP4 casts (1 x 16 blocks, or 16 x 16 tiles with both layouts,
+E4M3 scales, given the tensor scale). The functions choose at run time (:func:`available`): Triton on CUDA by default when
 triton imports and a one-time self-check on the device agrees with the torch path
 (:mod:`lowprec.fp8.kernels.selfcheck`; ``LOWPREC_DISABLE_TRITON=1`` always wins), otherwise
 :mod:`lowprec.fp8.kernels.reference` (same results; what CPU runs). Importing this package
@@ -44,6 +45,7 @@ __all__ = [
     "cast_block_1d",
     "cast_block_2d",
     "cast_mx",
+    "cast_nvfp4",
 ]
 
 
@@ -207,3 +209,14 @@ def cast_mx(
     if available(x.device, "cast_mx", x):
         return _ops().cast_mx(x, fp8_dtype, rceil, rows, cols)
     return reference.cast_mx(x, fp8_dtype, rceil, rows, cols)
+
+
+def cast_nvfp4(
+    x: torch.Tensor, s: torch.Tensor, tile2d: bool = False, rows: bool = True, cols: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, qt, scale_t)`` as uint8: ``quantize_nvfp4(x)``'s packed E2M1 data and E4M3
+    scale bytes given the tensor encode factor ``s`` (``rows``; ``tile2d``: 16x16 tiles), and
+    ``transpose_2d`` of the tiles' (``cols``); one read on CUDA."""
+    if available(x.device, "cast_nvfp4", x):
+        return _ops().cast_nvfp4(x, s, tile2d, rows, cols)
+    return reference.cast_nvfp4(x, s, tile2d, rows, cols)

@@ -25,6 +25,7 @@ import logging
 import torch
 from lowprec.fp8.kernels import reference as ref
 from lowprec.fp8.kernels.classes import INPUT_DTYPES, input_class
+from lowprec.fp8.cast.nvfp4 import tensor_scales
 from lowprec.fp8.cast.scaling import amax_to_scale
 
 __all__ = ["passed", "run_checks", "input_class", "TWO_PASS_OPS", "OPS", "CLASSES"]
@@ -40,6 +41,7 @@ TWO_PASS_OPS = frozenset(
         "cast_block_1d",
         "cast_block_2d",
         "cast_mx",
+        "cast_nvfp4",
     }
 )
 # (device index, class, op) -> whether the op runs on the GPU for that class there
@@ -108,10 +110,21 @@ _CALLS = {
     "cast_block_1d": lambda m, x, d, s, c: m.cast_block_1d(x, d, 128, True, True, True),
     "cast_block_2d": lambda m, x, d, s, c: m.cast_block_2d(x, d, 128, False, True, True),
     "cast_mx": lambda m, x, d, s, c: (*m.cast_mx(x, d, True, True, True), *m.cast_mx(x, d, False, True, False)),
+    "cast_nvfp4": lambda m, x, d, s, c: _nvfp4(m, x),
     "amax": lambda m, x, d, s, c: (m.amax(x),),
     "amax_cols": lambda m, x, d, s, c: (m.amax_cols(x),),
 }
-_NO_FP8_DTYPE = ("amax", "amax_cols")
+_NO_FP8_DTYPE = ("amax", "amax_cols", "cast_nvfp4")
+
+
+def _nvfp4(m, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``cast_nvfp4``: 1x16 blocks and 16x16 tiles (both layouts) of the probe, and of the probe
+    with its NaN and inf zeroed (a non-finite amax makes every scale NaN)."""
+    out: list[torch.Tensor] = []
+    for t in (x, torch.nan_to_num(x, nan=0.0, posinf=0.0)):
+        s = tensor_scales(ref.amax(t).float())[0]
+        out += [*m.cast_nvfp4(t, s, False, True, False), *m.cast_nvfp4(t, s, True, True, True)]
+    return tuple(out)
 
 
 def _into(m, x: torch.Tensor, dtype: torch.dtype, cols: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -15,14 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lowprec.fp8 import kernels
 from lowprec.fp8.modules.autocast import recomputing
-from lowprec.fp8.cast.formats import Format
+from lowprec.fp8.cast.formats import E4M3, Format
 from lowprec.fp8.cast.hadamard import apply_rht, random_hadamard
 from lowprec.fp8.kinds import base
 from lowprec.fp8.kinds.mxfp8 import Microscaled
 from lowprec.fp8.cast.mx import BlockScaledData
 from lowprec.fp8.modules.mx_linear import Codec, mx_linear
-from lowprec.fp8.cast.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
+from lowprec.fp8.cast.nvfp4 import FP4X2, NVFP4_BLOCK, quantize_nvfp4, quantize_nvfp4_2d, tensor_scales, transpose_2d
 from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 from lowprec.fp8.state_epoch import state_epoch
 
@@ -30,15 +31,35 @@ if TYPE_CHECKING:
     from lowprec.fp8.modules.linear import Float8Linear
     from lowprec.fp8.recipes import Recipe
 
-__all__ = ["NVCodec", "NVFP4", "SR_STATE"]
+__all__ = ["NVCodec", "NVFP4", "SR_STATE", "cast_nvfp4"]
 
 SR_STATE = "fp8_sr_state"  # (layer index, step) of the stochastic rounding stream
+
+
+def _fused(t: torch.Tensor) -> bool:
+    """Whether ``t``'s round-to-nearest casts go to ``lowprec::cast_nvfp4``: 2-D, contiguous
+    along its last dim (the layout the kernel's first-use check ran), where the check passed."""
+    return t.dim() == 2 and t.stride(-1) == 1 and kernels.available(t.device, "cast_nvfp4", t)
+
+
+def cast_nvfp4(t: torch.Tensor) -> BlockScaledData:
+    """``quantize_nvfp4(t)``, bit for bit; on CUDA the tensor amax (``kernels.amax``, one read)
+    and one Triton kernel for the rest (``kernels.cast_nvfp4``, a second read), where their
+    first-use checks passed."""
+    if not _fused(t):
+        return quantize_nvfp4(t)
+    src = t.detach()
+    s, decode = tensor_scales(kernels.amax(src))
+    q, sc, _, _ = kernels.cast_nvfp4(src, s, False, True, False)
+    return BlockScaledData(q.view(FP4X2), sc.view(E4M3), t.shape[1], NVFP4_BLOCK, decode)
 
 
 class NVCodec(Codec):
     reuses_weight = True
 
     def quantize(self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None) -> BlockScaledData:
+        if seed is None:
+            return cast_nvfp4(t)
         gen = None
         if seed is not None:  # a trace on meta tensors draws on meta (e2m1_encode): a CPU generator stands in
             gen = torch.Generator(device=t.device if t.device.type != "meta" else "cpu")

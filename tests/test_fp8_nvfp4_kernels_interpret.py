@@ -1,0 +1,147 @@
+"""The NVFP4 cast kernel (``lowprec::cast_nvfp4``, ``fp8/kernels/triton_nvfp4.py``) run by Triton's
+CPU interpreter against ``quantize_nvfp4`` / ``quantize_nvfp4_2d`` / ``transpose_2d``, bit for bit:
+packed E2M1 data and E4M3 scale bytes. Skipped where triton is not installed and on machines with a
+GPU (test_fp8_kernels_gpu.py runs the compiled kernels there)."""
+
+import pytest
+import torch
+
+from tests import triton_interpret
+
+ops, _ = triton_interpret.load(__file__)
+
+from lowprec.fp8.cast.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, tensor_scales, transpose_2d  # noqa: E402
+from lowprec.fp8.kernels import reference, selfcheck, triton_nvfp4  # noqa: E402
+from tests.test_fp8_kernels_interpret import awkward  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ops.interpreting()
+
+
+def scales_of(x):
+    return tensor_scales(reference.amax(x).float())
+
+
+def same(got, want) -> bool:
+    return all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def as_bytes(q):
+    return q.data.view(torch.uint8), q.scale.view(torch.uint8)
+
+
+def check(x, tile2d):
+    """The kernel against the reference op, and the reference op against the cast functions
+    themselves (which compute their own tensor scale)."""
+    s, _ = scales_of(x)
+    got = ops.cast_nvfp4(x, s, tile2d, True, tile2d)
+    assert same(got, reference.cast_nvfp4(x, s, tile2d, True, tile2d))
+    q = quantize_nvfp4_2d(x) if tile2d else quantize_nvfp4(x)
+    assert same(got[:2], as_bytes(q))
+    if tile2d:
+        assert same(got[2:], as_bytes(transpose_2d(q)))
+    return got
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 200), (17, 40), (33, 130), (64, 128), (48, 272)])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("tile2d", [False, True])
+def test_cast_nvfp4_matches_the_torch_casts(tile2d, in_dtype, shape, seed):
+    x = awkward(shape, in_dtype, spread=1.5 if in_dtype == torch.float16 else 3.0)
+    check(x, tile2d)
+
+
+def e2m1_ties() -> torch.Tensor:
+    """A (16, 48) tensor whose amax is 2688 (S = 1): a block of amax 6 (scale 1) holding every
+    E2M1 midpoint and its float32 neighbours, both signs; a block of amax 6 * 2**-10 (an E4M3
+    subnormal scale); a flushed block (scale rounds to 0)."""
+    x = torch.zeros(16, 48)
+    x[0, 0] = 2688.0
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    up = torch.nextafter(mids, torch.tensor(10.0))
+    down = torch.nextafter(mids, torch.tensor(-10.0))
+    vals = torch.cat([mids, up, down, torch.tensor([6.0, 5.9, 0.0])])  # 24
+    x[1:5, 16:32] = torch.cat([vals, -vals, vals[:8] * 0.5, -vals[:8] * 2]).reshape(4, 16)
+    x[1:5, 16] = 6.0
+    x[5, 32:48] = torch.linspace(-1, 1, 16) * 6 * 2.0**-10
+    x[6, 32:48] = 1e-30
+    return x
+
+
+@pytest.mark.parametrize("tile2d", [False, True])
+def test_ties_subnormal_scales_and_flushed_blocks(tile2d):
+    got = check(e2m1_ties(), tile2d)
+    if not tile2d:
+        assert got[1][6, 2].item() == 0  # flushed: the E4M3 scale rounded to 0
+
+
+@pytest.mark.parametrize("tile2d", [False, True])
+def test_zero_nan_and_inf_tensors(tile2d):
+    """A zero tensor (S = 1, scale bytes 0), a NaN or an inf anywhere (S is NaN: every scale NaN,
+    every code 0)."""
+    for fill in (None, float("nan"), float("inf"), float("-inf")):
+        x = torch.zeros(20, 40) if fill is None else torch.randn(20, 40)
+        if fill is not None:
+            x[7, 3] = fill
+        got = check(x, tile2d)
+        if fill is not None:
+            assert (got[1] == 0x7F).all() and (got[0] == 0).all()
+
+
+def test_a_wrong_kernel_fails_the_comparison(monkeypatch, seed):
+    """The comparison sees a one-ulp mistake: the 0.75 boundary moved onto the tie (ties away
+    from zero there) makes the kernel differ from the torch path."""
+    x = e2m1_ties()
+    s, _ = scales_of(x)
+    monkeypatch.setattr(triton_nvfp4, "_B1", 0.75)
+    got = ops.cast_nvfp4(x, s, False, True, False)
+    assert not same(got, reference.cast_nvfp4(x, s, False, True, False))
+
+
+def test_one_layout_alone_and_the_operator_fake(seed):
+    x = awkward((40, 96), torch.bfloat16)
+    s, _ = scales_of(x)
+    full = ops.cast_nvfp4(x, s, True, True, True)
+    rows, cols = ops.cast_nvfp4(x, s, True, True, False), ops.cast_nvfp4(x, s, True, False, True)
+    assert same(rows[:2], full[:2]) and same(cols[2:], full[2:])
+    assert rows[2].numel() == 0 and cols[0].numel() == 0
+    with pytest.raises(ValueError, match="tile2d"):
+        ops.cast_nvfp4(x, s, False, True, True)
+    torch.library.opcheck(torch.ops.lowprec.cast_nvfp4.default, (x, s, False, True, False))
+    torch.library.opcheck(torch.ops.lowprec.cast_nvfp4.default, (x, s, True, True, True))
+
+
+def test_the_self_check_agrees_on_its_probes():
+    """What the first-use check on a GPU compares, on the probes of two classes."""
+    for cls in ((torch.bfloat16, False, False), (torch.float32, True, True)):
+        assert not selfcheck.run_checks(ops, reference, torch.device("cpu"), (cls,), ("cast_nvfp4",))
+
+
+def test_nvfp4_linear_through_the_kernel_is_bit_identical(monkeypatch, seed):
+    """A whole NVFP4 Float8Linear fwd+bwd with its round-to-nearest casts through the kernels (as
+    on CUDA) gives the torch path's output and gradients bit for bit."""
+    from lowprec import fp8
+    from lowprec.fp8 import kernels
+
+    lin = torch.nn.Linear(96, 64, bias=False)
+    x = torch.randn(40, 96) * 3
+    outs, routed = [], []
+    for fused in (True, False):
+        if fused:
+            monkeypatch.setattr(
+                kernels, "available", lambda device, op=None, x=None: routed.append(op) or op in ("cast_nvfp4", "amax")
+            )
+        else:
+            monkeypatch.undo()
+        m = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("nvfp4"))
+        xi = x.clone().requires_grad_()
+        with fp8.autocast():
+            y = m(xi)
+        y.backward(torch.randn_like(y, generator=torch.Generator().manual_seed(1)))
+        outs.append((y.detach(), xi.grad, m.weight.grad))
+    assert "cast_nvfp4" in routed
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
