@@ -122,9 +122,11 @@ def test_the_self_check_agrees_on_its_probes():
 
 def test_nvfp4_linear_through_the_kernel_is_bit_identical(monkeypatch, seed):
     """A whole NVFP4 Float8Linear fwd+bwd with its round-to-nearest casts through the kernels (as
-    on CUDA) gives the torch path's output and gradients bit for bit."""
+    on CUDA; the weight's two layouts from one kernel call) gives the torch path's output and
+    gradients bit for bit."""
     from lowprec import fp8
     from lowprec.fp8 import kernels
+    from lowprec.fp8.kinds import nvfp4 as nvfp4_kind
 
     lin = torch.nn.Linear(96, 64, bias=False)
     x = torch.randn(40, 96) * 3
@@ -134,6 +136,8 @@ def test_nvfp4_linear_through_the_kernel_is_bit_identical(monkeypatch, seed):
             monkeypatch.setattr(
                 kernels, "available", lambda device, op=None, x=None: routed.append(op) or op in ("cast_nvfp4", "amax")
             )
+            # grad_input's weight: the kernel's transposed layout, never the torch unpack/repack
+            monkeypatch.setattr(nvfp4_kind, "transpose_2d", lambda q: pytest.fail("transpose_2d ran"))
         else:
             monkeypatch.undo()
         m = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("nvfp4"))

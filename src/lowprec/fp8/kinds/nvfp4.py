@@ -11,6 +11,7 @@ uninterrupted one. The casts are in ``fp8/cast/nvfp4.py``, the Hadamard transfor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from lowprec.fp8.modules.linear import Float8Linear
     from lowprec.fp8.recipes import Recipe
 
-__all__ = ["NVCodec", "NVFP4", "SR_STATE", "cast_nvfp4"]
+__all__ = ["NVCodec", "NVFP4", "NVWeight", "SR_STATE", "cast_nvfp4"]
 
 SR_STATE = "fp8_sr_state"  # (layer index, step) of the stochastic rounding stream
 
@@ -54,6 +55,31 @@ def cast_nvfp4(t: torch.Tensor) -> BlockScaledData:
     return BlockScaledData(q.view(FP4X2), sc.view(E4M3), t.shape[1], NVFP4_BLOCK, decode)
 
 
+@dataclass
+class NVWeight(BlockScaledData):
+    """The weight's 16x16 tiles with their transpose (``transpose_2d``: grad_input's operand)
+    made by the same kernel from the same read; backward keeps both layouts (0.5 + 1/16 bytes
+    per weight element each) instead of unpacking and repacking the tiles."""
+
+    t_data: torch.Tensor | None = None
+    t_scale: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        extra = 0 if self.t_data is None or self.t_scale is None else self.t_data.numel() + self.t_scale.numel()
+        return super().nbytes() + extra
+
+
+def cast_weight(w: torch.Tensor) -> BlockScaledData:
+    """``quantize_nvfp4_2d(w)``, bit for bit; on CUDA (``kernels.cast_nvfp4``, where its check
+    passed) an :class:`NVWeight` holding ``transpose_2d`` of it too, from the same read."""
+    if not _fused(w):
+        return quantize_nvfp4_2d(w)
+    src = w.detach()
+    s, decode = tensor_scales(kernels.amax(src))
+    q, sc, qt, st = kernels.cast_nvfp4(src, s, True, True, True)
+    return NVWeight(q.view(FP4X2), sc.view(E4M3), w.shape[1], NVFP4_BLOCK, decode, qt.view(FP4X2), st.view(E4M3))
+
+
 class NVCodec(Codec):
     reuses_weight = True
 
@@ -67,9 +93,11 @@ class NVCodec(Codec):
         return quantize_nvfp4(t, gen)
 
     def quantize_weight(self, w: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> BlockScaledData:
-        return quantize_nvfp4_2d(w)
+        return cast_weight(w)
 
     def transpose_weight(self, wq: BlockScaledData) -> BlockScaledData:
+        if isinstance(wq, NVWeight) and wq.t_data is not None and wq.t_scale is not None:
+            return BlockScaledData(wq.t_data, wq.t_scale, wq.rows, wq.block, wq.tensor_scale)
         return transpose_2d(wq)
 
     def wgrad_operand(self, t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
