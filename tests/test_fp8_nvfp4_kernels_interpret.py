@@ -10,7 +10,13 @@ from tests import triton_interpret
 
 ops, _ = triton_interpret.load(__file__)
 
-from lowprec.fp8.cast.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, tensor_scales, transpose_2d  # noqa: E402
+from lowprec.fp8.cast.nvfp4 import (  # noqa: E402
+    quantize_nvfp4,
+    quantize_nvfp4_2d,
+    sr_key,
+    tensor_scales,
+    transpose_2d,
+)
 from lowprec.fp8.kernels import reference, selfcheck, triton_nvfp4  # noqa: E402
 from tests.test_fp8_kernels_interpret import awkward  # noqa: E402
 
@@ -101,6 +107,50 @@ def test_a_wrong_kernel_fails_the_comparison(monkeypatch, seed):
     assert not same(got, reference.cast_nvfp4(x, s, False, True, False))
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (3, 200), (33, 130), (64, 128)])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("stream", [0, 12345, 2**63 - 25])
+def test_stochastic_rounding_matches_the_torch_path(stream, in_dtype, shape, seed):
+    """The kernel's counter-based noise (uint32 hashing) is the torch path's (int64 masked to 32
+    bits): ``quantize_nvfp4(x, seed)`` bit for bit, for 64-bit seeds too."""
+    x = awkward(shape, in_dtype)
+    s, _ = scales_of(x)
+    got = ops.cast_nvfp4(x, s, False, True, False, sr_key(stream))
+    assert same(got, reference.cast_nvfp4(x, s, False, True, False, sr_key(stream)))
+    assert same(got[:2], as_bytes(quantize_nvfp4(x, stream)))
+
+
+@pytest.mark.parametrize("stream", [None, 99])
+def test_a_transposed_view_is_read_in_place(stream, seed):
+    """The weight-gradient operands (``apply_rht(t).t()``) are read through their strides: the
+    casts of the view, as ``quantize_nvfp4`` of the view gives them."""
+    base = awkward((96, 40), torch.float32)
+    view = base.t()
+    s, _ = scales_of(view)
+    key = -1 if stream is None else sr_key(stream)
+    got = ops.cast_nvfp4(view, s, False, True, False, key)
+    assert same(got[:2], as_bytes(quantize_nvfp4(view, stream)))
+
+
+def test_stochastic_rounding_in_the_kernel_is_unbiased():
+    """Each value repeated 4096 times (one row each, in 16-blocks whose amax is 6: scale 1) rounds
+    to the value on average, within 6 standard errors (step <= 2: 1 / sqrt(n) each)."""
+    values = torch.tensor([0.1, 0.3, 0.6, 1.2, 1.9, 2.2, 2.75, 3.3, 4.5, 5.9, -0.7, -4.1])
+    n = 4096
+    x = values[:, None].repeat(1, n)
+    x[:, ::16] = 6.0  # every block's amax 6: S = 448, each block scale 448, the elements x itself
+    s, _ = scales_of(x)
+    q, sc, _, _ = ops.cast_nvfp4(x, s, False, True, False, sr_key(7))
+    from lowprec.fp8.cast.nvfp4 import BlockScaledData
+
+    dq = BlockScaledData(q.view(torch.float4_e2m1fn_x2), sc.view(torch.float8_e4m3fn), n, 16, s.reciprocal())
+    d = dq.dequantize()
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[::16] = False
+    means = d[:, keep].mean(1)
+    assert (means - values).abs().max() <= 6 / (n * 15 / 16) ** 0.5
+
+
 def test_one_layout_alone_and_the_operator_fake(seed):
     x = awkward((40, 96), torch.bfloat16)
     s, _ = scales_of(x)
@@ -112,6 +162,9 @@ def test_one_layout_alone_and_the_operator_fake(seed):
         ops.cast_nvfp4(x, s, False, True, True)
     torch.library.opcheck(torch.ops.lowprec.cast_nvfp4.default, (x, s, False, True, False))
     torch.library.opcheck(torch.ops.lowprec.cast_nvfp4.default, (x, s, True, True, True))
+    torch.library.opcheck(torch.ops.lowprec.cast_nvfp4.default, (x, s, False, True, False, sr_key(3)))
+    with pytest.raises(ValueError, match="stochastic"):
+        ops.cast_nvfp4(x, s, True, True, False, sr_key(3))
 
 
 def test_the_self_check_agrees_on_its_probes():
@@ -121,16 +174,17 @@ def test_the_self_check_agrees_on_its_probes():
 
 
 def test_nvfp4_linear_through_the_kernel_is_bit_identical(monkeypatch, seed):
-    """A whole NVFP4 Float8Linear fwd+bwd with its round-to-nearest casts through the kernels (as
-    on CUDA; the weight's two layouts from one kernel call) gives the torch path's output and
-    gradients bit for bit."""
+    """A whole NVFP4 Float8Linear fwd+bwd with its casts through the kernels as on CUDA (x, the
+    weight's two layouts from one call, dY's stochastically rounded cast for grad_input) gives the
+    torch path's output and gradients bit for bit."""
     from lowprec import fp8
     from lowprec.fp8 import kernels
     from lowprec.fp8.kinds import nvfp4 as nvfp4_kind
 
     lin = torch.nn.Linear(96, 64, bias=False)
     x = torch.randn(40, 96) * 3
-    outs, routed = [], []
+    outs, routed, keys = [], [], []
+    real = kernels.cast_nvfp4
     for fused in (True, False):
         if fused:
             monkeypatch.setattr(
@@ -138,6 +192,7 @@ def test_nvfp4_linear_through_the_kernel_is_bit_identical(monkeypatch, seed):
             )
             # grad_input's weight: the kernel's transposed layout, never the torch unpack/repack
             monkeypatch.setattr(nvfp4_kind, "transpose_2d", lambda q: pytest.fail("transpose_2d ran"))
+            monkeypatch.setattr(kernels, "cast_nvfp4", lambda *a: keys.append(a[5] if len(a) > 5 else -1) or real(*a))
         else:
             monkeypatch.undo()
         m = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("nvfp4"))
@@ -147,5 +202,6 @@ def test_nvfp4_linear_through_the_kernel_is_bit_identical(monkeypatch, seed):
         y.backward(torch.randn_like(y, generator=torch.Generator().manual_seed(1)))
         outs.append((y.detach(), xi.grad, m.weight.grad))
     assert "cast_nvfp4" in routed
+    assert any(k >= 0 for k in keys)  # dY's stochastically rounded cast (grad_input) went there too
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)

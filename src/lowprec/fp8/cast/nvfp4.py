@@ -15,9 +15,10 @@ the tensor's largest value) is flushed to zero: telemetry counts it as underflow
 Weights are quantized in 16x16 tiles (:func:`quantize_nvfp4_2d`): one scale per tile, so the
 dgrad GEMM's W^T (quantized along the other dim) is the *same* numbers transposed
 (:func:`transpose_2d`), and forward and backward see one weight. Activations and gradients use
-1x16 blocks. Gradients are rounded stochastically (:func:`e2m1_encode` with a seeded
-``torch.Generator``: P(round up) = distance to the lower grid value / grid step, so the rounding
-is unbiased in expectation); weights and activations round to nearest, ties to even.
+1x16 blocks. Gradients are rounded stochastically (:func:`e2m1_encode` with a seed: P(round up)
+= distance to the lower grid value / grid step, so the rounding is unbiased in expectation; the
+noise is counter-based, :func:`sr_uniform`, a hash of the seed and the element's index, so a
+Triton kernel draws the same); weights and activations round to nearest, ties to even.
 Padding as for MXFP8 (``mx.py``): the contraction dim is zero-padded to whole blocks before the
 amax and stored padded.
 """
@@ -48,6 +49,10 @@ __all__ = [
     "quantize_nvfp4_2d",
     "transpose_2d",
     "tensor_scales",
+    "mix32",
+    "sr_key",
+    "SRKey",
+    "sr_uniform",
     "RNE_POSITIVE_BOUNDS",
 ]
 
@@ -109,26 +114,66 @@ def _sr_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
     return grid, torch.where(step > 0, 1 / torch.where(step > 0, step, 1.0), 0.0)
 
 
-def e2m1_encode(y: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def mix32(x):
+    """lowbias32 (C. Wellons' hash-prospector), a bijective 32-bit integer mixer, on a Python int or
+    an int64 tensor holding values in [0, 2**32): the same bits as Triton's uint32 arithmetic
+    (each multiply split in 16-bit halves, so no int64 product overflows)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x, c: int):
+    """``(x * c) mod 2**32`` for x in [0, 2**32) (int or int64 tensor)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def sr_key(seed: int) -> int:
+    """The 32-bit key of a stochastic-rounding stream: ``seed_lo ^ mix32(seed_hi)`` of a 64-bit seed."""
+    seed = int(seed) & (2**64 - 1)
+    return (seed & 0xFFFFFFFF) ^ mix32(seed >> 32)
+
+
+class SRKey(int):
+    """A stream already keyed (:func:`sr_key` of its seed): what the fused cast op takes."""
+
+
+def sr_uniform(key: int, shape: tuple[int, ...], device) -> torch.Tensor:
+    """The counter-based noise: element ``i`` (its index in the row-major ``shape``, the quantized
+    operand's layout with the contraction dim padded to whole blocks) gets
+    ``u = (mix32(key ^ (i mod 2**32)) >> 8) * 2**-24``, a float32 in [0, 1) on a 2**-24 grid."""
+    n = 1
+    for d in shape:
+        n *= d
+    i = torch.arange(n, dtype=torch.int64, device=device).reshape(shape) & 0xFFFFFFFF
+    return (mix32(i ^ key) >> 8).to(torch.float32) * 2.0**-24
+
+
+def e2m1_encode(y: torch.Tensor, generator: torch.Generator | int | None = None) -> torch.Tensor:
     """Already-scaled float32 values -> E2M1 codes (uint8, 0..15), saturating at +-6.
 
     ``generator=None``: round to nearest, ties to even (``torch.round`` in each binade's step
     gives the even code at a tie: 0.75 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). Otherwise
-    stochastic rounding with noise from ``generator``: up with probability (|y| - lo) / (hi - lo).
-    NaN becomes code 0; callers carry NaN in the scale instead (E2M1 has no NaN).
+    stochastic rounding: up with probability (|y| - lo) / (hi - lo), the noise
+    :func:`sr_uniform` of the stream ``generator`` (an int seed; a ``torch.Generator`` gives one
+    seed per call, drawn from it) at each element's row-major index in ``y``, so the fused cast
+    kernel draws the same noise. NaN becomes code 0; callers carry NaN in the scale instead
+    (E2M1 has no NaN).
     """
     if generator is None:  # one pass (see _rne_boundaries); same codes as _code_of with round
         return _encode_rne(y.to(torch.float32))
+    if isinstance(generator, torch.Generator):
+        generator = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
     a = torch.nan_to_num(y.abs(), nan=0.0).clamp_(max=FP4_MAX)
     grid, inv_step = _sr_tables(y.device)
     # lo: the largest grid value <= a (one bucketize; the same code as _code_of with floor)
     lo = torch.bucketize(a, grid, right=True, out_int32=True).sub_(1)
     # (a - lo) / step as a multiply by 1/step (powers of two: exact, the same p); 6 -> p = 0
     p = (a - grid[lo]).mul_(inv_step[lo])
-    if a.device.type == "meta":  # a trace (fp8.trace_as): the draw's shape and bytes, no values
-        u = torch.rand(a.shape, device=a.device)
-    else:
-        u = torch.rand(a.shape, generator=generator, device=generator.device).to(a.device)
+    key = generator if isinstance(generator, SRKey) else sr_key(generator)
+    u = sr_uniform(key, tuple(a.shape), a.device)
     code = (lo + (u < p)).to(torch.uint8)
     sign = ((y < 0) & (code > 0)).to(torch.uint8) << 3  # no negative zero
     return code | sign
@@ -174,7 +219,7 @@ def _encode_blocks(
 
 def quantize_nvfp4(
     x: torch.Tensor,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | int | None = None,
     block: int = NVFP4_BLOCK,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> BlockScaledData:

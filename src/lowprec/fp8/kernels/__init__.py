@@ -212,11 +212,12 @@ def cast_mx(
 
 
 def cast_nvfp4(
-    x: torch.Tensor, s: torch.Tensor, tile2d: bool = False, rows: bool = True, cols: bool = False
+    x: torch.Tensor, s: torch.Tensor, tile2d: bool = False, rows: bool = True, cols: bool = False, key: int = -1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, scale, qt, scale_t)`` as uint8: ``quantize_nvfp4(x)``'s packed E2M1 data and E4M3
     scale bytes given the tensor encode factor ``s`` (``rows``; ``tile2d``: 16x16 tiles), and
-    ``transpose_2d`` of the tiles' (``cols``); one read on CUDA."""
+    ``transpose_2d`` of the tiles' (``cols``); ``key`` >= 0 (``nvfp4.sr_key`` of a seed, 1x16
+    only): stochastic rounding with that stream. One read on CUDA."""
     if available(x.device, "cast_nvfp4", x):
-        return _ops().cast_nvfp4(x, s, tile2d, rows, cols)
-    return reference.cast_nvfp4(x, s, tile2d, rows, cols)
+        return _ops().cast_nvfp4(x, s, tile2d, rows, cols, key)
+    return reference.cast_nvfp4(x, s, tile2d, rows, cols, key)

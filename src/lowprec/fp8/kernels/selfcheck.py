@@ -25,7 +25,7 @@ import logging
 import torch
 from lowprec.fp8.kernels import reference as ref
 from lowprec.fp8.kernels.classes import INPUT_DTYPES, input_class
-from lowprec.fp8.cast.nvfp4 import tensor_scales
+from lowprec.fp8.cast.nvfp4 import sr_key, tensor_scales
 from lowprec.fp8.cast.scaling import amax_to_scale
 
 __all__ = ["passed", "run_checks", "input_class", "TWO_PASS_OPS", "OPS", "CLASSES"]
@@ -118,12 +118,18 @@ _NO_FP8_DTYPE = ("amax", "amax_cols", "cast_nvfp4")
 
 
 def _nvfp4(m, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``cast_nvfp4``: 1x16 blocks and 16x16 tiles (both layouts) of the probe, and of the probe
-    with its NaN and inf zeroed (a non-finite amax makes every scale NaN)."""
+    """``cast_nvfp4``: 1x16 blocks (round to nearest, and stochastic with a 64-bit seed's stream)
+    and 16x16 tiles (both layouts) of the probe, and of the probe with its NaN and inf zeroed (a
+    non-finite amax makes every scale NaN); the 1x16 casts of a transposed view of it too (the
+    weight-gradient operands are read through their strides: another compiled variant)."""
     out: list[torch.Tensor] = []
     for t in (x, torch.nan_to_num(x, nan=0.0, posinf=0.0)):
         s = tensor_scales(ref.amax(t).float())[0]
         out += [*m.cast_nvfp4(t, s, False, True, False), *m.cast_nvfp4(t, s, True, True, True)]
+        tt = t.t().contiguous().t()  # the same values, column-major
+        for v in (t, tt):
+            out += m.cast_nvfp4(v, s, False, True, False, sr_key(0x9E3779B97F4A7C15))[:2]
+        out += m.cast_nvfp4(tt, s, False, True, False)[:2]
     return tuple(out)
 
 

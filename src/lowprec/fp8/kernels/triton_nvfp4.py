@@ -61,6 +61,43 @@ def _e2m1_rne(y):
 
 
 @triton.jit
+def _mix32(x):
+    """``nvfp4.mix32`` (lowbias32) on uint32."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _e2m1_sr(y, idx, key):
+    """Scaled float32 ``y`` -> E2M1 codes (int32), stochastic rounding with ``nvfp4.sr_uniform``'s
+    noise at the int64 element indices ``idx`` of the stream ``key``: up with probability
+    (|y| - lo) / step, as ``nvfp4.e2m1_encode`` (NaN -> 0, saturating at 6)."""
+    h = _mix32(((idx ^ key) & 0xFFFFFFFF).to(tl.uint32))
+    u = (h >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+    a = tl.abs(y)
+    a = tl.where(a != a, 0.0, tl.minimum(a, 6.0))
+    lo = (
+        (a >= 0.5).to(tl.int32)
+        + (a >= 1.0).to(tl.int32)
+        + (a >= 1.5).to(tl.int32)
+        + (a >= 2.0).to(tl.int32)
+        + (a >= 3.0).to(tl.int32)
+        + (a >= 4.0).to(tl.int32)
+        + (a >= 6.0).to(tl.int32)
+    )
+    g = tl.where(
+        lo < 4, lo.to(tl.float32) * 0.5, tl.where(lo == 4, 2.0, tl.where(lo == 5, 3.0, tl.where(lo == 6, 4.0, 6.0)))
+    )
+    inv = tl.where(lo < 4, 2.0, tl.where(lo < 6, 1.0, tl.where(lo == 6, 0.5, 0.0)))
+    p = (a - g) * inv
+    code = lo + (u < p).to(tl.int32)
+    return tl.where((y < 0) & (code > 0), code | 8, code)
+
+
+@triton.jit
 def _block_scale(amax, has_nan, s, SOFT_CAST: tl.constexpr):
     """Blocks' E4M3 scale bits (uint8) and the element factor ``S / scale`` (float32)."""
     v = tl.div_rn(amax, 6.0) * s
@@ -96,7 +133,9 @@ def cast_nvfp4_kernel(
     N,
     stride_xm,
     stride_xn,
+    key,
     SOFT_CAST: tl.constexpr,
+    SR: tl.constexpr,
     TILE2D: tl.constexpr,
     ROW: tl.constexpr,
     COL: tl.constexpr,
@@ -106,7 +145,8 @@ def cast_nvfp4_kernel(
     """Tile (program_id(0): ``BLOCK_M`` rows, program_id(1): ``BLOCK_N`` columns). ``s_ptr``:
     the tensor encode factor S (float32 scalar). ``q`` (M, NP/2) and ``sc`` (M, NP/16) for ROW;
     ``qt`` (N, MP/2) and ``st`` (N, MP/16) for COL (``TILE2D`` only); NP / MP the sizes padded
-    to 16. The pointers not written may be any tensor."""
+    to 16. The pointers not written may be any tensor. ``SR`` (1 x 16 only): stochastic rounding
+    with the stream ``key`` (``nvfp4.sr_key``; an int in [0, 2**32))."""
     B: tl.constexpr = 16
     NB: tl.constexpr = BLOCK_N // B
     pid_m = tl.program_id(0)
@@ -128,8 +168,11 @@ def cast_nvfp4_kernel(
         rnan = tl.broadcast_to(tnan[None, :], (BLOCK_M, NB))
     byte, enc = _block_scale(ra, rnan > 0, s, SOFT_CAST)
     ex = tl.reshape(tl.broadcast_to(enc[:, :, None], (BLOCK_M, NB, B)), (BLOCK_M, BLOCK_N))
-    codes = _e2m1_rne(x * ex)
     np_ = tl.cdiv(N, B) * B
+    if SR:  # the element index on the quantized layout (M, NP): row * NP + column
+        codes = _e2m1_sr(x * ex, rm[:, None] * np_ + rn[None, :], key)
+    else:
+        codes = _e2m1_rne(x * ex)
     if ROW:
         rh = (pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)).to(tl.int64)
         tl.store(

@@ -6,7 +6,9 @@ layers in high precision (NVIDIA keeps ~15%).
 
 The rounding stream is seeded from ``recipe.seed``, the layer's index and its step; the step
 lives in the layer's state_dict (``fp8_sr_state``), so a resumed run draws the same noise as an
-uninterrupted one. The casts are in ``fp8/cast/nvfp4.py``, the Hadamard transform in ``hadamard.py``.
+uninterrupted one. The noise is counter-based (``nvfp4.sr_uniform``: a hash of the stream's seed
+and each element's index on the quantized operand's layout), so the torch path and the cast
+kernel round alike. The casts are in ``fp8/cast/nvfp4.py``, the Hadamard transform in ``hadamard.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from lowprec.fp8.kinds import base
 from lowprec.fp8.kinds.mxfp8 import Microscaled
 from lowprec.fp8.cast.mx import BlockScaledData
 from lowprec.fp8.modules.mx_linear import Codec, mx_linear
-from lowprec.fp8.cast.nvfp4 import FP4X2, NVFP4_BLOCK, quantize_nvfp4, quantize_nvfp4_2d, tensor_scales, transpose_2d
+from lowprec.fp8.cast.nvfp4 import (
+    FP4X2,
+    NVFP4_BLOCK,
+    quantize_nvfp4,
+    quantize_nvfp4_2d,
+    sr_key,
+    tensor_scales,
+    transpose_2d,
+)
 from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 from lowprec.fp8.state_epoch import state_epoch
 
@@ -38,20 +48,22 @@ SR_STATE = "fp8_sr_state"  # (layer index, step) of the stochastic rounding stre
 
 
 def _fused(t: torch.Tensor) -> bool:
-    """Whether ``t``'s round-to-nearest casts go to ``lowprec::cast_nvfp4``: 2-D, contiguous
-    along its last dim (the layout the kernel's first-use check ran), where the check passed."""
-    return t.dim() == 2 and t.stride(-1) == 1 and kernels.available(t.device, "cast_nvfp4", t)
+    """Whether ``t``'s casts go to ``lowprec::cast_nvfp4``: 2-D, contiguous along either dim
+    (a transposed view, such as the weight-gradient operands, is read through its strides: the
+    first-use check runs both layouts), where the check passed."""
+    return t.dim() == 2 and 1 in t.stride() and kernels.available(t.device, "cast_nvfp4", t)
 
 
-def cast_nvfp4(t: torch.Tensor) -> BlockScaledData:
-    """``quantize_nvfp4(t)``, bit for bit; on CUDA the tensor amax (``kernels.amax``, one read)
-    and one Triton kernel for the rest (``kernels.cast_nvfp4``, a second read), where their
-    first-use checks passed."""
+def cast_nvfp4(t: torch.Tensor, seed: int | None = None) -> BlockScaledData:
+    """``quantize_nvfp4(t, seed)`` (``seed``: stochastic rounding with that stream), bit for bit;
+    on CUDA the tensor amax (``kernels.amax``, one read) and one Triton kernel for the rest
+    (``kernels.cast_nvfp4``, a second read), where their first-use checks passed."""
     if not _fused(t):
-        return quantize_nvfp4(t)
+        return quantize_nvfp4(t, seed)
     src = t.detach()
     s, decode = tensor_scales(kernels.amax(src))
-    q, sc, _, _ = kernels.cast_nvfp4(src, s, False, True, False)
+    key = -1 if seed is None else sr_key(seed)
+    q, sc, _, _ = kernels.cast_nvfp4(src, s, False, True, False, key)
     return BlockScaledData(q.view(FP4X2), sc.view(E4M3), t.shape[1], NVFP4_BLOCK, decode)
 
 
@@ -84,13 +96,7 @@ class NVCodec(Codec):
     reuses_weight = True
 
     def quantize(self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None) -> BlockScaledData:
-        if seed is None:
-            return cast_nvfp4(t)
-        gen = None
-        if seed is not None:  # a trace on meta tensors draws on meta (e2m1_encode): a CPU generator stands in
-            gen = torch.Generator(device=t.device if t.device.type != "meta" else "cpu")
-            gen.manual_seed(seed)
-        return quantize_nvfp4(t, gen)
+        return cast_nvfp4(t, seed)
 
     def quantize_weight(self, w: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> BlockScaledData:
         return cast_weight(w)
