@@ -10,6 +10,7 @@ from tests import triton_interpret
 
 ops, _ = triton_interpret.load(__file__)
 
+from lowprec.fp8.cast.hadamard import rht, rht_sign_bits  # noqa: E402
 from lowprec.fp8.cast.nvfp4 import (  # noqa: E402
     quantize_nvfp4,
     quantize_nvfp4_2d,
@@ -132,6 +133,40 @@ def test_a_transposed_view_is_read_in_place(stream, seed):
     assert same(got[:2], as_bytes(quantize_nvfp4(view, stream)))
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (17, 40), (37, 130), (64, 128), (100, 64)])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("stream", [None, 2**63 - 25])
+def test_the_hadamard_transform_in_the_kernel(stream, in_dtype, shape, seed):
+    """The weight-gradient operand's amax and cast with the random Hadamard transform applied in
+    registers: ``quantize_nvfp4(rht(t, seed).t())`` bit for bit (rows zero-padded to 16)."""
+    t = awkward(shape, in_dtype)
+    bits = rht_sign_bits(5)
+    rotated = rht(t, 5)
+    amax = ops.rht_amax(t, bits)
+    assert torch.equal(amax, reference.amax(rotated))
+    s, _ = tensor_scales(amax)
+    key = -1 if stream is None else sr_key(stream)
+    got = ops.cast_nvfp4_rht(t, s, bits, key)
+    assert same(got, reference.cast_nvfp4_rht(t, s, bits, key))
+    assert same(got, as_bytes(quantize_nvfp4(rotated.t(), stream)))
+
+
+def test_the_hadamard_kernels_on_nan_inf_and_a_wrong_sign():
+    t = torch.randn(40, 24)
+    t[3, 5] = float("inf")
+    t[20, 7] = float("nan")
+    bits = rht_sign_bits(1)
+    assert ops.rht_amax(t, bits).isnan() and ops.rht_amax(t[:16], bits).isinf()
+    for x in (t, t[:16]):
+        s, _ = tensor_scales(reference.rht_amax(x, bits))
+        assert same(ops.cast_nvfp4_rht(x, s, bits), reference.cast_nvfp4_rht(x, s, bits))
+    x = torch.randn(32, 64)
+    s, _ = tensor_scales(reference.rht_amax(x, bits))
+    assert not same(ops.cast_nvfp4_rht(x, s, bits ^ 1), reference.cast_nvfp4_rht(x, s, bits))
+    torch.library.opcheck(torch.ops.lowprec.cast_nvfp4_rht.default, (x, s, bits, sr_key(2)))
+    torch.library.opcheck(torch.ops.lowprec.rht_amax.default, (x, bits))
+
+
 def test_stochastic_rounding_in_the_kernel_is_unbiased():
     """Each value repeated 4096 times (one row each, in 16-blocks whose amax is 6: scale 1) rounds
     to the value on average, within 6 standard errors (step <= 2: 1 / sqrt(n) each)."""
@@ -170,13 +205,14 @@ def test_one_layout_alone_and_the_operator_fake(seed):
 def test_the_self_check_agrees_on_its_probes():
     """What the first-use check on a GPU compares, on the probes of two classes."""
     for cls in ((torch.bfloat16, False, False), (torch.float32, True, True)):
-        assert not selfcheck.run_checks(ops, reference, torch.device("cpu"), (cls,), ("cast_nvfp4",))
+        assert not selfcheck.run_checks(ops, reference, torch.device("cpu"), (cls,), ("cast_nvfp4", "cast_nvfp4_rht"))
 
 
 def test_nvfp4_linear_through_the_kernel_is_bit_identical(monkeypatch, seed):
     """A whole NVFP4 Float8Linear fwd+bwd with its casts through the kernels as on CUDA (x, the
-    weight's two layouts from one call, dY's stochastically rounded cast for grad_input) gives the
-    torch path's output and gradients bit for bit."""
+    weight's two layouts from one call, dY's stochastically rounded cast for grad_input, x^T and
+    dY^T with the random Hadamard transform in the kernel) gives the torch path's output and
+    gradients bit for bit."""
     from lowprec import fp8
     from lowprec.fp8 import kernels
     from lowprec.fp8.kinds import nvfp4 as nvfp4_kind
@@ -188,7 +224,9 @@ def test_nvfp4_linear_through_the_kernel_is_bit_identical(monkeypatch, seed):
     for fused in (True, False):
         if fused:
             monkeypatch.setattr(
-                kernels, "available", lambda device, op=None, x=None: routed.append(op) or op in ("cast_nvfp4", "amax")
+                kernels,
+                "available",
+                lambda device, op=None, x=None: routed.append(op) or op in ("cast_nvfp4", "cast_nvfp4_rht", "amax"),
             )
             # grad_input's weight: the kernel's transposed layout, never the torch unpack/repack
             monkeypatch.setattr(nvfp4_kind, "transpose_2d", lambda q: pytest.fail("transpose_2d ran"))
@@ -201,7 +239,7 @@ def test_nvfp4_linear_through_the_kernel_is_bit_identical(monkeypatch, seed):
             y = m(xi)
         y.backward(torch.randn_like(y, generator=torch.Generator().manual_seed(1)))
         outs.append((y.detach(), xi.grad, m.weight.grad))
-    assert "cast_nvfp4" in routed
+    assert "cast_nvfp4" in routed and "cast_nvfp4_rht" in routed
     assert any(k >= 0 for k in keys)  # dY's stochastically rounded cast (grad_input) went there too
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)

@@ -166,6 +166,23 @@ def test_the_counter_based_rounding_noise():
     assert abs(torch.corrcoef(torch.stack([u.flatten(), v.flatten()]))[0, 1].item()) < 0.01
 
 
+def test_the_butterfly_hadamard_transform_is_apply_rhts():
+    """``rht`` (the butterfly the fused cast computes) is ``apply_rht`` with the seed's Q up to
+    float32 summation order, and keeps the weight-gradient product: (Q^T dY)^T (Q^T X) = dY^T X."""
+    from lowprec.fp8.cast.hadamard import rht, rht_sign_bits
+
+    torch.manual_seed(0)
+    x, dy = torch.randn(37, 24), torch.randn(37, 8)
+    q = random_hadamard(seed=11)
+    a, b = rht(x, 11), apply_rht(x, q)
+    assert a.shape == b.shape == (48, 24)
+    assert (a - b).abs().max() <= 4 * 2.0**-24 * x.abs().max() * 16
+    g = rht(dy, 11).t() @ rht(x, 11)
+    assert torch.allclose(g, dy.t() @ x, atol=1e-4, rtol=1e-5)
+    signs = q[0] * 4  # the first row of H16 is all ones
+    assert rht_sign_bits(11) == sum(1 << i for i in range(16) if signs[i] < 0)
+
+
 def test_nvfp4_two_level_scales():
     torch.manual_seed(2)
     x = torch.randn(8, 64) * 3

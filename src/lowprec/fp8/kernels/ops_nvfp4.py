@@ -10,8 +10,9 @@ import triton
 
 from lowprec.fp8.kernels.op_support import _check, _kernel, _operator, _skip, interpreting, two_pass
 from lowprec.fp8.kernels.triton_nvfp4 import NV_TILE_M, NV_TILE_N, cast_nvfp4_kernel
+from lowprec.fp8.kernels.triton_nvfp4_rht import cast_nvfp4_rht_kernel, rht_amax_kernel
 
-__all__ = ["cast_nvfp4"]
+__all__ = ["cast_nvfp4", "rht_amax", "cast_nvfp4_rht"]
 
 
 @_operator("lowprec::cast_nvfp4", ())
@@ -73,3 +74,53 @@ def _launch(x, s, tile2d, key, q, sc, qt, st) -> None:
         BLOCK_N=NV_TILE_N,
         num_warps=4,
     )
+
+
+# weight-gradient operands: 16 rows (one Hadamard block) by 64 columns per program
+_RHT_TILE_N = 64
+
+
+@_operator("lowprec::rht_amax", ())
+def rht_amax(t: torch.Tensor, sign_bits: int) -> torch.Tensor:
+    """``max |hadamard.rht(t, seed)|`` (``sign_bits``: ``rht_sign_bits(seed)``) as a float32
+    scalar, one read of ``t`` (NaN where the transform holds one)."""
+    _check(t, torch.float8_e4m3fn)
+    bits = torch.zeros((), dtype=torch.int32, device=t.device)
+    m, n = t.shape
+    if m and n and not _skip(t):
+        _kernel(rht_amax_kernel)[(triton.cdiv(m, 16), triton.cdiv(n, _RHT_TILE_N))](
+            t, bits, sign_bits, m, n, t.stride(0), t.stride(1), BLOCK_N=_RHT_TILE_N, num_warps=4
+        )
+    return bits.view(torch.float32)
+
+
+@_operator("lowprec::cast_nvfp4_rht", ())
+def cast_nvfp4_rht(
+    t: torch.Tensor, s: torch.Tensor, sign_bits: int, key: int = -1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_nvfp4(hadamard.rht(t, seed).t())`` given the tensor encode factor ``s``: data
+    (N, M padded to 16 / 2) and E4M3 scale bytes (N, M padded / 16) as uint8, from one read of
+    ``t`` (M, N); ``key`` >= 0: stochastic rounding with that stream."""
+    _check(t, torch.float8_e4m3fn)
+    m, n = t.shape
+    mp = triton.cdiv(m, 16) * 16
+    qt = torch.empty((n, mp // 2), dtype=torch.uint8, device=t.device)
+    st = torch.empty((n, mp // 16), dtype=torch.uint8, device=t.device)
+    if m and n and not _skip(t):
+        _kernel(cast_nvfp4_rht_kernel)[(triton.cdiv(m, 16), triton.cdiv(n, _RHT_TILE_N))](
+            t,
+            s,
+            qt,
+            st,
+            sign_bits,
+            m,
+            n,
+            t.stride(0),
+            t.stride(1),
+            max(key, 0),
+            SOFT_CAST=interpreting(),
+            SR=key >= 0,
+            BLOCK_N=_RHT_TILE_N,
+            num_warps=4,
+        )
+    return qt, st

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from lowprec.fp8.cast.mx import quantize_mx
+from lowprec.fp8.cast.hadamard import rht_rows
 from lowprec.fp8.cast.nvfp4 import SRKey, quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
 from lowprec.fp8.cast.torch_casts import quantize_blockwise_torch, saturated_cast
 from lowprec.fp8.cast.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
@@ -34,6 +35,8 @@ __all__ = [
     "cast_block_2d",
     "cast_mx",
     "cast_nvfp4",
+    "rht_amax",
+    "cast_nvfp4_rht",
 ]
 
 
@@ -203,3 +206,17 @@ def cast_nvfp4(
     out = (q.data.view(torch.uint8), q.scale.view(torch.uint8)) if rows else (empty, empty)
     out_t = (t.data.view(torch.uint8), t.scale.view(torch.uint8)) if t is not None else (empty, empty)
     return (*out, *out_t)
+
+
+def rht_amax(t: torch.Tensor, sign_bits: int) -> torch.Tensor:
+    """``max |rht(t)|`` (the random Hadamard transform with the signs ``sign_bits``), float32."""
+    return amax(rht_rows(t, sign_bits))
+
+
+def cast_nvfp4_rht(
+    t: torch.Tensor, s: torch.Tensor, sign_bits: int, key: int = -1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_nvfp4(rht(t).t())`` given the tensor encode factor ``s`` (``key`` >= 0:
+    stochastic rounding with that stream): data and E4M3 scale bytes as uint8."""
+    q = quantize_nvfp4(rht_rows(t, sign_bits).t(), SRKey(key) if key >= 0 else None, scales=(s, s.reciprocal()))
+    return q.data.view(torch.uint8), q.scale.view(torch.uint8)

@@ -21,7 +21,7 @@ import torch
 from lowprec.fp8 import kernels
 from lowprec.fp8.modules.autocast import recomputing
 from lowprec.fp8.cast.formats import E4M3, Format
-from lowprec.fp8.cast.hadamard import apply_rht, random_hadamard
+from lowprec.fp8.cast.hadamard import rht, rht_sign_bits
 from lowprec.fp8.kinds import base
 from lowprec.fp8.kinds.mxfp8 import Microscaled
 from lowprec.fp8.cast.mx import BlockScaledData
@@ -107,7 +107,22 @@ class NVCodec(Codec):
         return transpose_2d(wq)
 
     def wgrad_operand(self, t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-        return apply_rht(t, random_hadamard(recipe.seed, device=t.device)).t()
+        return rht(t, recipe.seed).t()
+
+    def quantize_wgrad(
+        self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None
+    ) -> BlockScaledData:
+        """``quantize(wgrad_operand(t), seed)``, bit for bit; on CUDA the random Hadamard transform
+        applied inside the amax and cast kernels (``kernels.rht_amax``, ``kernels.cast_nvfp4_rht``:
+        two reads of ``t``, no rotated float32 copy), where their first-use check passed."""
+        if not (t.dim() == 2 and 1 in t.stride() and kernels.available(t.device, "cast_nvfp4_rht", t)):
+            return super().quantize_wgrad(t, recipe, dtype, seed)
+        src, bits = t.detach(), rht_sign_bits(recipe.seed)
+        s, decode = tensor_scales(kernels.rht_amax(src, bits))
+        q, sc = kernels.cast_nvfp4_rht(src, s, bits, -1 if seed is None else sr_key(seed))
+        return BlockScaledData(
+            q.view(FP4X2), sc.view(E4M3), -(-t.shape[0] // NVFP4_BLOCK) * NVFP4_BLOCK, NVFP4_BLOCK, decode
+        )
 
 
 # The seeds are host integers; the state lives in a buffer (checkpoints, device moves). The
