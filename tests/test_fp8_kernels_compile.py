@@ -167,6 +167,35 @@ for cc in (90, 100):
     ptx = k.asm["ptx"]
     out.append(dict(cc=cc, kernel="mx", cubin=len(k.asm["cubin"]), spills=".local" in ptx,
                     hw_cvt="cvt.rn.satfinite.e4m3x2.f32" in ptx, vector_loads="ld.global.v4" in ptx))
+# the NVFP4 cast: 1x16 blocks (activations), and 16x16 tiles with both layouts (weights)
+from lowprec.fp8.kernels.triton_nvfp4 import NV_TILE_M, NV_TILE_N, cast_nvfp4_kernel
+NV = {"x_ptr": "*bf16", "s_ptr": "*fp32", "q_ptr": "*u8", "sc_ptr": "*u8", "qt_ptr": "*u8", "st_ptr": "*u8",
+      "M": "i32", "N": "i32", "stride_xm": "i32", "stride_xn": "i32", "key": "u32"}
+for cc in (90, 100):
+    for name, tile2d, sr in (("nvfp4", False, False), ("nvfp4_sr", False, True), ("nvfp4_2d", True, False)):
+        const = dict(SOFT_CAST=False, TILE2D=tile2d, SR=sr, ROW=True, COL=tile2d, BLOCK_M=16 if tile2d else NV_TILE_M,
+                     BLOCK_N=NV_TILE_N, stride_xn=1)
+        k = build(cast_nvfp4_kernel, NV, const, (0, 2, 3, 4, 5, 6, 7, 8), cc, 4)
+        ptx = k.asm["ptx"]
+        out.append(dict(cc=cc, kernel=name, cubin=len(k.asm["cubin"]), spills=".local" in ptx,
+                        hw_cvt="cvt.rn.satfinite.e4m3x2.f32" in ptx, vector_loads="ld.global.v4" in ptx))
+# the weight-gradient operands' amax and cast with the random Hadamard transform in registers
+from lowprec.fp8.kernels.ops_nvfp4 import _RHT_TILE_N
+from lowprec.fp8.kernels.triton_nvfp4_rht import cast_nvfp4_rht_kernel, rht_amax_kernel
+RA = {"t_ptr": "*bf16", "amax_ptr": "*i32", "sign_bits": "i32", "M": "i32", "N": "i32", "stride_m": "i32",
+      "stride_n": "i32"}
+RC = {"t_ptr": "*bf16", "s_ptr": "*fp32", "qt_ptr": "*u8", "st_ptr": "*u8", "sign_bits": "i32", "M": "i32",
+      "N": "i32", "stride_m": "i32", "stride_n": "i32", "key": "u32"}
+for cc in (90, 100):
+    k = build(rht_amax_kernel, RA, dict(BLOCK_N=_RHT_TILE_N, stride_n=1), (0, 1, 3, 4, 5), cc, 4)
+    out.append(dict(cc=cc, kernel="nvfp4_rht_amax", cubin=len(k.asm["cubin"]), spills=".local" in k.asm["ptx"],
+                    hw_cvt=True, vector_loads=True))
+    for sr in (False, True):
+        const = dict(SOFT_CAST=False, SR=sr, BLOCK_N=_RHT_TILE_N, stride_n=1)
+        k = build(cast_nvfp4_rht_kernel, RC, const, (0, 1, 2, 3, 5, 6, 7), cc, 4)
+        ptx = k.asm["ptx"]
+        out.append(dict(cc=cc, kernel="nvfp4_rht_sr" if sr else "nvfp4_rht", cubin=len(k.asm["cubin"]),
+                        spills=".local" in ptx, hw_cvt="cvt.rn.satfinite.e4m3x2.f32" in ptx, vector_loads=True))
 print(json.dumps(out))
 """
 
@@ -183,7 +212,8 @@ def test_blockwise_kernels_compile_for_ada_hopper_and_blackwell(compiled):
     """The Triton blockwise GEMM to sm_89/sm_90/sm_100 cubins on FP8 tensor-core instructions,
     within each one's shared memory and without spills; the blockwise cast (both layouts of
     1-D tiles) with 16-byte loads and stores and the hardware round-to-nearest-even convert; the
-    MXFP8 cast (both layouts) to sm_90 / sm_100 cubins, without spills, on the hardware convert."""
+    MXFP8 cast (both layouts) and the NVFP4 cast (1x16 blocks, round to nearest or stochastic;
+    16x16 tiles, both layouts) to sm_90 / sm_100 cubins, without spills, on the hardware convert."""
     rows = compiled[1]
     gemms = [r for r in rows if r["kernel"] == "gemm"]
     assert [r["cc"] for r in gemms] == [89, 90, 100]
@@ -198,6 +228,12 @@ def test_blockwise_kernels_compile_for_ada_hopper_and_blackwell(compiled):
             assert r["hw_cvt"] and r["vector_loads"] and r["vector_stores"] and r["scalar_byte_stores"] == 0, r
     # the MXFP8 cast on the hardware round-to-nearest-even convert, for Hopper and Blackwell
     assert [(r["cc"], r["hw_cvt"]) for r in rows if r["kernel"] == "mx"] == [(90, True), (100, True)]
+    # the NVFP4 cast (its E4M3 block scales on the hardware convert): 1x16 round to nearest and
+    # stochastic, 16x16 tiles with both layouts, the random Hadamard transform's amax and casts,
+    # both targets
+    nv = [(r["cc"], r["kernel"], r["hw_cvt"]) for r in rows if r["kernel"].startswith("nvfp4")]
+    kinds = ("nvfp4", "nvfp4_sr", "nvfp4_2d", "nvfp4_rht_amax", "nvfp4_rht", "nvfp4_rht_sr")
+    assert sorted(nv) == sorted((cc, k, True) for cc in (90, 100) for k in kinds), nv
 
 
 GROUPED_SCRIPT = r"""

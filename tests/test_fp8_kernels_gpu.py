@@ -356,3 +356,25 @@ def test_triton_block_gemm_matches_emulation(dev, square, seed):
     ref = fp8.scaled_mm(a, b, torch.float32, path="emulate")
     assert (got - ref).abs().max() <= 2.0**-7 * ref.abs().max()
     assert sqnr(ref, got) > 40
+
+
+@pytest.mark.parametrize("shape", [(65, 130), (2048, 4096), (4097, 1000)])
+def test_nvfp4_casts_match_the_torch_path(ops, dev, shape, seed):
+    """The NVFP4 cast kernels (1x16 round to nearest and stochastic, 16x16 tiles with both
+    layouts, the weight-gradient operands with the random Hadamard transform) equal the torch
+    path bit for bit on the hardware."""
+    from lowprec.fp8.cast.hadamard import rht_sign_bits
+    from lowprec.fp8.cast.nvfp4 import sr_key, tensor_scales
+
+    x = awkward(shape, torch.bfloat16, dev)
+    s = tensor_scales(reference.amax(x))[0]
+    for args in ((False, True, False), (False, True, False, sr_key(3)), (True, True, True)):
+        got = ops.cast_nvfp4(checked("cast_nvfp4", x), s, *args)
+        assert all(torch.equal(g, w) for g, w in zip(got, reference.cast_nvfp4(x, s, *args), strict=True)), args
+    bits = rht_sign_bits(7)
+    a = ops.rht_amax(checked("cast_nvfp4_rht", x), bits)
+    assert torch.equal(a, reference.rht_amax(x, bits))
+    s = tensor_scales(a)[0]
+    for key in (-1, sr_key(5)):
+        got = ops.cast_nvfp4_rht(x, s, bits, key)
+        assert all(torch.equal(g, w) for g, w in zip(got, reference.cast_nvfp4_rht(x, s, bits, key), strict=True))

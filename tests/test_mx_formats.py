@@ -144,6 +144,45 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     assert torch.equal(e2m1_decode(e2m1_encode(on_grid, g)), on_grid)  # grid values never move
 
 
+def test_the_counter_based_rounding_noise():
+    """``sr_uniform``: the same bits from Python ints and int64 tensors (the kernel's uint32
+    arithmetic), a pure function of (key, index), uniform on [0, 1) to the eye of its mean,
+    variance and deciles, and unrelated between neighbouring keys."""
+    from lowprec.fp8.cast.nvfp4 import mix32, sr_key, sr_uniform
+
+    edge = [0, 1, 2, 0xFFFF, 0x10000, 2**31 - 1, 2**31, 2**32 - 1, 0x9E3779B9]
+    assert mix32(torch.tensor(edge)).tolist() == [mix32(v) for v in edge]
+    assert all(0 <= mix32(v) < 2**32 for v in edge) and len({mix32(v) for v in edge}) == len(edge)
+    assert 0 <= sr_key(2**64 - 1) < 2**32 and sr_key(5) != sr_key(5 + 2**32)
+    u = sr_uniform(sr_key(1234), (256, 1024), "cpu")
+    assert torch.equal(u, sr_uniform(sr_key(1234), (256, 1024), "cpu"))
+    assert u.min() >= 0 and u.max() < 1
+    n = u.numel()  # mean 1/2 (sd 0.29 / sqrt(n)), variance 1/12, each decile 1/10 of the draws
+    assert abs(u.mean().item() - 0.5) < 6 * 0.2887 / math.sqrt(n)
+    assert abs(u.var().item() - 1 / 12) < 1e-3
+    deciles = torch.histc(u, bins=10, min=0, max=1) / n
+    assert (deciles - 0.1).abs().max() < 6 * math.sqrt(0.09 / n)
+    v = sr_uniform(sr_key(1235), (256, 1024), "cpu")
+    assert abs(torch.corrcoef(torch.stack([u.flatten(), v.flatten()]))[0, 1].item()) < 0.01
+
+
+def test_the_butterfly_hadamard_transform_is_apply_rhts():
+    """``rht`` (the butterfly the fused cast computes) is ``apply_rht`` with the seed's Q up to
+    float32 summation order, and keeps the weight-gradient product: (Q^T dY)^T (Q^T X) = dY^T X."""
+    from lowprec.fp8.cast.hadamard import rht, rht_sign_bits
+
+    torch.manual_seed(0)
+    x, dy = torch.randn(37, 24), torch.randn(37, 8)
+    q = random_hadamard(seed=11)
+    a, b = rht(x, 11), apply_rht(x, q)
+    assert a.shape == b.shape == (48, 24)
+    assert (a - b).abs().max() <= 4 * 2.0**-24 * x.abs().max() * 16
+    g = rht(dy, 11).t() @ rht(x, 11)
+    assert torch.allclose(g, dy.t() @ x, atol=1e-4, rtol=1e-5)
+    signs = q[0] * 4  # the first row of H16 is all ones
+    assert rht_sign_bits(11) == sum(1 << i for i in range(16) if signs[i] < 0)
+
+
 def test_nvfp4_two_level_scales():
     torch.manual_seed(2)
     x = torch.randn(8, 64) * 3

@@ -15,9 +15,10 @@ the tensor's largest value) is flushed to zero: telemetry counts it as underflow
 Weights are quantized in 16x16 tiles (:func:`quantize_nvfp4_2d`): one scale per tile, so the
 dgrad GEMM's W^T (quantized along the other dim) is the *same* numbers transposed
 (:func:`transpose_2d`), and forward and backward see one weight. Activations and gradients use
-1x16 blocks. Gradients are rounded stochastically (:func:`e2m1_encode` with a seeded
-``torch.Generator``: P(round up) = distance to the lower grid value / grid step, so the rounding
-is unbiased in expectation); weights and activations round to nearest, ties to even.
+1x16 blocks. Gradients are rounded stochastically (:func:`e2m1_encode` with a seed: P(round up)
+= distance to the lower grid value / grid step, so the rounding is unbiased in expectation; the
+noise is counter-based, :func:`sr_uniform`, a hash of the seed and the element's index, so a
+Triton kernel draws the same); weights and activations round to nearest, ties to even.
 Padding as for MXFP8 (``mx.py``): the contraction dim is zero-padded to whole blocks before the
 amax and stored padded.
 """
@@ -47,6 +48,12 @@ __all__ = [
     "quantize_nvfp4",
     "quantize_nvfp4_2d",
     "transpose_2d",
+    "tensor_scales",
+    "mix32",
+    "sr_key",
+    "SRKey",
+    "sr_uniform",
+    "RNE_POSITIVE_BOUNDS",
 ]
 
 NVFP4_BLOCK = 16
@@ -87,6 +94,9 @@ def _rne_boundaries() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 _RNE: dict = {}
+# the positive boundaries of the signed line (0.25 .. 5): the RNE code of |y| is the count of
+# them below |y| (the negative side's boundaries are these moved one ulp out: the same count)
+RNE_POSITIVE_BOUNDS = tuple(float(b) for b in _rne_boundaries()[0] if 0 < b < float("inf"))
 
 
 def _encode_rne(y: torch.Tensor) -> torch.Tensor:
@@ -104,26 +114,66 @@ def _sr_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
     return grid, torch.where(step > 0, 1 / torch.where(step > 0, step, 1.0), 0.0)
 
 
-def e2m1_encode(y: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def mix32(x):
+    """lowbias32 (C. Wellons' hash-prospector), a bijective 32-bit integer mixer, on a Python int or
+    an int64 tensor holding values in [0, 2**32): the same bits as Triton's uint32 arithmetic
+    (each multiply split in 16-bit halves, so no int64 product overflows)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _mul32(x, c: int):
+    """``(x * c) mod 2**32`` for x in [0, 2**32) (int or int64 tensor)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def sr_key(seed: int) -> int:
+    """The 32-bit key of a stochastic-rounding stream: ``seed_lo ^ mix32(seed_hi)`` of a 64-bit seed."""
+    seed = int(seed) & (2**64 - 1)
+    return (seed & 0xFFFFFFFF) ^ mix32(seed >> 32)
+
+
+class SRKey(int):
+    """A stream already keyed (:func:`sr_key` of its seed): what the fused cast op takes."""
+
+
+def sr_uniform(key: int, shape: tuple[int, ...], device) -> torch.Tensor:
+    """The counter-based noise: element ``i`` (its index in the row-major ``shape``, the quantized
+    operand's layout with the contraction dim padded to whole blocks) gets
+    ``u = (mix32(key ^ (i mod 2**32)) >> 8) * 2**-24``, a float32 in [0, 1) on a 2**-24 grid."""
+    n = 1
+    for d in shape:
+        n *= d
+    i = torch.arange(n, dtype=torch.int64, device=device).reshape(shape) & 0xFFFFFFFF
+    return (mix32(i ^ key) >> 8).to(torch.float32) * 2.0**-24
+
+
+def e2m1_encode(y: torch.Tensor, generator: torch.Generator | int | None = None) -> torch.Tensor:
     """Already-scaled float32 values -> E2M1 codes (uint8, 0..15), saturating at +-6.
 
     ``generator=None``: round to nearest, ties to even (``torch.round`` in each binade's step
     gives the even code at a tie: 0.75 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4). Otherwise
-    stochastic rounding with noise from ``generator``: up with probability (|y| - lo) / (hi - lo).
-    NaN becomes code 0; callers carry NaN in the scale instead (E2M1 has no NaN).
+    stochastic rounding: up with probability (|y| - lo) / (hi - lo), the noise
+    :func:`sr_uniform` of the stream ``generator`` (an int seed; a ``torch.Generator`` gives one
+    seed per call, drawn from it) at each element's row-major index in ``y``, so the fused cast
+    kernel draws the same noise. NaN becomes code 0; callers carry NaN in the scale instead
+    (E2M1 has no NaN).
     """
     if generator is None:  # one pass (see _rne_boundaries); same codes as _code_of with round
         return _encode_rne(y.to(torch.float32))
+    if isinstance(generator, torch.Generator):
+        generator = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device).item())
     a = torch.nan_to_num(y.abs(), nan=0.0).clamp_(max=FP4_MAX)
     grid, inv_step = _sr_tables(y.device)
     # lo: the largest grid value <= a (one bucketize; the same code as _code_of with floor)
     lo = torch.bucketize(a, grid, right=True, out_int32=True).sub_(1)
     # (a - lo) / step as a multiply by 1/step (powers of two: exact, the same p); 6 -> p = 0
     p = (a - grid[lo]).mul_(inv_step[lo])
-    if a.device.type == "meta":  # a trace (fp8.trace_as): the draw's shape and bytes, no values
-        u = torch.rand(a.shape, device=a.device)
-    else:
-        u = torch.rand(a.shape, generator=generator, device=generator.device).to(a.device)
+    key = generator if isinstance(generator, SRKey) else sr_key(generator)
+    u = sr_uniform(key, tuple(a.shape), a.device)
     code = (lo + (u < p)).to(torch.uint8)
     sign = ((y < 0) & (code > 0)).to(torch.uint8) << 3  # no negative zero
     return code | sign
@@ -135,19 +185,25 @@ def e2m1_pack(codes: torch.Tensor) -> torch.Tensor:
     return (lo | (hi << 4)).contiguous().view(FP4X2)
 
 
-def _tensor_scales(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(S, 1/S): encode and decode per-tensor factors; S = 448 * 6 / amax (1 for a zero tensor,
-    NaN for a non-finite one, which then reaches every decoded value)."""
-    amax = x32.abs().amax()
+def tensor_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(S, 1/S) from the tensor's amax (a float32 scalar): encode and decode per-tensor factors;
+    S = 448 * 6 / amax (1 for a zero tensor, NaN for a non-finite one, which then reaches every
+    decoded value)."""
     s = torch.where(amax > 0, (_E4M3_MAX * FP4_MAX) / amax, torch.ones_like(amax))
     s = torch.where(torch.isfinite(amax), s, torch.full_like(s, float("nan")))
     return s, s.reciprocal()
 
 
+def _tensor_scales(x32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return tensor_scales(x32.abs().amax())
+
+
 def _block_amax(tiles: torch.Tensor) -> torch.Tensor:
-    """max |x| over the last dim in one pass (``aminmax``: no |x| temporary); NaN propagates."""
+    """max |x| over the last dim in one pass (``aminmax``: no |x| temporary); NaN propagates.
+    A zero block's amax is +0 (``abs_``: ``maximum(0, -0)`` may be either zero, which reached the
+    E4M3 scale byte as 0x80 or 0x00)."""
     lo, hi = torch.aminmax(tiles, dim=-1)
-    return torch.maximum(hi, -lo)
+    return torch.maximum(hi, -lo).abs_()
 
 
 def _encode_blocks(
@@ -162,29 +218,37 @@ def _encode_blocks(
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, generator: torch.Generator | None = None, block: int = NVFP4_BLOCK
+    x: torch.Tensor,
+    generator: torch.Generator | int | None = None,
+    block: int = NVFP4_BLOCK,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> BlockScaledData:
     """NVFP4 with 1x``block`` blocks along the last dim of a 2-D ``x``; ``generator`` turns on
-    stochastic rounding (gradients)."""
+    stochastic rounding (gradients). ``scales``: (S, 1/S) already known (:func:`tensor_scales`
+    of ``x``'s amax, as the fused cast takes them), else computed here."""
     if x.dim() != 2:
         raise ValueError(f"NVFP4 quantization needs a 2-D tensor, got shape {tuple(x.shape)}")
     rows, cols = x.shape
     x32 = pad_to_blocks(x.detach().to(torch.float32, memory_format=torch.contiguous_format), block)
     tiles = x32.reshape(rows, -1, block)
     block_amax = _block_amax(tiles)
-    s, decode = _tensor_scales(block_amax)  # the tensor amax is the largest block amax
+    # the tensor amax is the largest block amax
+    s, decode = _tensor_scales(block_amax) if scales is None else scales
     scale, codes = _encode_blocks(tiles, block_amax, s, generator)
     return BlockScaledData(e2m1_pack(codes.reshape(rows, -1)), scale, cols, block, decode)
 
 
-def quantize_nvfp4_2d(w: torch.Tensor, block: int = NVFP4_BLOCK) -> BlockScaledData:
+def quantize_nvfp4_2d(
+    w: torch.Tensor, block: int = NVFP4_BLOCK, scales: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> BlockScaledData:
     """NVFP4 with ``block`` x ``block`` tiles (weights), round to nearest. The result is quantized
-    along the last dim like any operand; its scale is the tile's, repeated on each of its rows."""
+    along the last dim like any operand; its scale is the tile's, repeated on each of its rows.
+    ``scales`` as for :func:`quantize_nvfp4`."""
     rows, cols = w.shape
     w32 = pad_to_blocks(w.detach().to(torch.float32), block)
     rp = (-rows) % block
     wp = torch.nn.functional.pad(w32, (0, 0, 0, rp)) if rp else w32  # zero rows: amax only
-    s, decode = _tensor_scales(w32)
+    s, decode = _tensor_scales(w32) if scales is None else scales
     nr, nc = wp.shape[0] // block, wp.shape[1] // block
     tile_amax = wp.reshape(nr, block, nc, block).abs().amax(dim=(1, 3))  # (nr, nc)
     row_amax = tile_amax.repeat_interleave(block, dim=0)[:rows]  # each row's blocks: its tile's amax

@@ -11,7 +11,9 @@ scales, and given column scales stored transposed) from one pass; ``cast_cols_t`
 alone; ``cast_rowwise_into`` either or both into slices of the caller's buffers (one buffer for
 every expert's casts); ``cast_block_1d`` / ``cast_block_2d`` are the blockwise (DeepSeek-V3 tile)
 casts, both layouts and the scales from one read; ``cast_mx`` the MXFP8 casts (1 x 32 and 32 x 1 blocks, E8M0
-scales) likewise. The functions choose at run time (:func:`available`): Triton on CUDA by default when
+scales) likewise; ``cast_nvfp4`` the NVFP4 casts (1 x 16 blocks, or 16 x 16 tiles with both layouts,
+E4M3 scales, given the tensor scale); ``rht_amax`` / ``cast_nvfp4_rht`` the weight-gradient
+operands' amax and cast with the random Hadamard transform applied in the kernel. The functions choose at run time (:func:`available`): Triton on CUDA by default when
 triton imports and a one-time self-check on the device agrees with the torch path
 (:mod:`lowprec.fp8.kernels.selfcheck`; ``LOWPREC_DISABLE_TRITON=1`` always wins), otherwise
 :mod:`lowprec.fp8.kernels.reference` (same results; what CPU runs). Importing this package
@@ -44,6 +46,9 @@ __all__ = [
     "cast_block_1d",
     "cast_block_2d",
     "cast_mx",
+    "cast_nvfp4",
+    "rht_amax",
+    "cast_nvfp4_rht",
 ]
 
 
@@ -207,3 +212,32 @@ def cast_mx(
     if available(x.device, "cast_mx", x):
         return _ops().cast_mx(x, fp8_dtype, rceil, rows, cols)
     return reference.cast_mx(x, fp8_dtype, rceil, rows, cols)
+
+
+def cast_nvfp4(
+    x: torch.Tensor, s: torch.Tensor, tile2d: bool = False, rows: bool = True, cols: bool = False, key: int = -1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, qt, scale_t)`` as uint8: ``quantize_nvfp4(x)``'s packed E2M1 data and E4M3
+    scale bytes given the tensor encode factor ``s`` (``rows``; ``tile2d``: 16x16 tiles), and
+    ``transpose_2d`` of the tiles' (``cols``); ``key`` >= 0 (``nvfp4.sr_key`` of a seed, 1x16
+    only): stochastic rounding with that stream. One read on CUDA."""
+    if available(x.device, "cast_nvfp4", x):
+        return _ops().cast_nvfp4(x, s, tile2d, rows, cols, key)
+    return reference.cast_nvfp4(x, s, tile2d, rows, cols, key)
+
+
+def rht_amax(t: torch.Tensor, sign_bits: int) -> torch.Tensor:
+    """``max |hadamard.rht_rows(t, sign_bits)|``, float32; one read of ``t`` on CUDA."""
+    if available(t.device, "cast_nvfp4_rht", t):
+        return _ops().rht_amax(t, sign_bits)
+    return reference.rht_amax(t, sign_bits)
+
+
+def cast_nvfp4_rht(
+    t: torch.Tensor, s: torch.Tensor, sign_bits: int, key: int = -1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_nvfp4(rht_rows(t, sign_bits).t())``'s data and E4M3 scale bytes (uint8) given
+    the tensor encode factor ``s`` (``key`` >= 0: stochastic rounding); one read on CUDA."""
+    if available(t.device, "cast_nvfp4_rht", t):
+        return _ops().cast_nvfp4_rht(t, s, sign_bits, key)
+    return reference.cast_nvfp4_rht(t, s, sign_bits, key)

@@ -19,17 +19,28 @@ Launch shapes are fixed (no autotuning, so no benchmark runs inside a training s
 
 from __future__ import annotations
 
-import contextlib
-import os
 import struct
-from collections.abc import Callable, Iterator
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
 
 from lowprec.fp8.cast.formats import fp8_max
-from lowprec.fp8.kernels.classes import INPUT_DTYPES, input_class
+from lowprec.fp8.kernels.op_support import (  # noqa: F401  (re-exported: tests and callers read them here)
+    _FAKE,
+    _INTERPRETED,
+    _TWO_PASS,
+    INDUCTOR_KERNELS_ENV,
+    TRACED,
+    _check,
+    _kernel,
+    _no_launch,
+    _operator,
+    _skip,
+    interpreting,
+    set_two_pass,
+    two_pass,
+)
+from lowprec.fp8.kernels.ops_nvfp4 import cast_nvfp4, cast_nvfp4_rht, rht_amax
 from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
 from lowprec.fp8.kernels.triton_mx import MX_TILE_N, cast_mx_kernel
 from lowprec.fp8.kernels.triton_cast import (
@@ -57,54 +68,10 @@ __all__ = [
     "cast_block_1d",
     "cast_block_2d",
     "cast_mx",
+    "cast_nvfp4",
+    "cast_nvfp4_rht",
+    "rht_amax",
 ]
-
-# Inductor traces into the operators and compiles the kernels itself only when asked (see above)
-INDUCTOR_KERNELS_ENV = "LOWPREC_INDUCTOR_KERNELS"
-TRACED = os.environ.get(INDUCTOR_KERNELS_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-_FAKE = [False]  # True while an operator's fake implementation runs its body: no launches
-
-
-@contextlib.contextmanager
-def _no_launch() -> Iterator[None]:
-    _FAKE[0] = True
-    try:
-        yield
-    finally:
-        _FAKE[0] = False
-
-
-def _skip(t: torch.Tensor) -> bool:
-    """No launch: a trace (``fp8.trace_as``: meta tensors carry shapes only) or a fake run."""
-    return _FAKE[0] or t.device.type == "meta"
-
-
-def _kernel(k):
-    """What to launch ``k`` through: ``wrap_triton`` (so a trace records it) in the traced form,
-    else the kernel itself (the operator is opaque; its own launch is the checked binary)."""
-    return wrap_triton(k) if TRACED else k
-
-
-def _operator(name: str, mutates_args, opaque: bool = False) -> Callable:
-    """``triton_op`` (traced form) or an opaque ``custom_op`` whose fake runs the same body
-    without launching (outputs get their shapes, dtypes and strides from the body). ``opaque``:
-    a custom op in the traced form too (a body that reads its tensors' addresses, which a trace's
-    fake tensors have none of)."""
-
-    def wrap(fn: Callable):
-        if TRACED and not opaque:
-            return triton_op(name, mutates_args=mutates_args)(fn)
-        op = torch.library.custom_op(name, mutates_args=mutates_args)(fn)
-
-        def fake(*args, **kwargs):
-            with _no_launch():
-                return fn(*args, **kwargs)
-
-        op.register_fake(fake)
-        return op
-
-    return wrap
-
 
 _EPS_BITS = struct.unpack("<q", struct.pack("<d", AMAX_EPS))[0]  # float64 bits of AMAX_EPS
 
@@ -113,42 +80,6 @@ TILE = (64, 64, 4)
 ROW_TILE = (4, 512, 4)
 # both axis casts: taller row blocks so the transposed store writes 32-byte runs
 DUAL_TILE = (32, 128, 4)
-
-
-# Decided once, from the kernel objects themselves: under ``TRITON_INTERPRET=1`` at import
-# ``triton.jit`` returns an InterpretedFunction, whatever the variable says later.
-_INTERPRETED = type(cast_transpose_amax_kernel).__name__ == "InterpretedFunction"
-
-
-# (input class, op) pairs that run as two launches, one store each (the plain layout, then the
-# transposed one), because their one-pass kernel failed the device self-check for that class
-# (selfcheck.TWO_PASS_OPS). Process-wide: one GPU model per process is assumed.
-_TWO_PASS: set[tuple] = set()
-
-
-def set_two_pass(cls: tuple, name: str, on: bool) -> None:
-    """Inputs of class ``cls`` (``classes.input_class``): run the op ``name`` as two passes, or not."""
-    (_TWO_PASS.add if on else _TWO_PASS.discard)((cls, name))
-
-
-def two_pass(name: str, x: torch.Tensor) -> bool:
-    return (input_class(x), name) in _TWO_PASS
-
-
-def interpreting() -> bool:
-    """True when the kernels run in Triton's CPU interpreter (tests): use the software FP8
-    convert, since the interpreter's own is not round-to-nearest-even."""
-    return _INTERPRETED
-
-
-def _check(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
-    if x.dim() != 2:
-        raise ValueError(
-            f"the fused FP8 cast takes a 2-D tensor, got shape {tuple(x.shape)}; reshape to (-1, last_dim)"
-        )
-    if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"the fused FP8 cast takes bfloat16/float16/float32 input, got {x.dtype}")
-    fp8_max(fp8_dtype)  # raises a clear ValueError for a non-FP8 dtype
 
 
 def launch_cast(

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 from lowprec.fp8.cast.mx import quantize_mx
+from lowprec.fp8.cast.hadamard import rht_rows
+from lowprec.fp8.cast.nvfp4 import SRKey, quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
 from lowprec.fp8.cast.torch_casts import quantize_blockwise_torch, saturated_cast
 from lowprec.fp8.cast.scaling import amax, amax_along, amax_to_scale, delayed_scale_step
 
@@ -32,6 +34,9 @@ __all__ = [
     "cast_block_1d",
     "cast_block_2d",
     "cast_mx",
+    "cast_nvfp4",
+    "rht_amax",
+    "cast_nvfp4_rht",
 ]
 
 
@@ -180,3 +185,38 @@ def cast_mx(
     q, s = (r.data, r.scale.view(torch.uint8)) if r is not None else none
     qt, st = (c.data, c.scale.view(torch.uint8)) if c is not None else none
     return q, s, qt, st
+
+
+def cast_nvfp4(
+    x: torch.Tensor, s: torch.Tensor, tile2d: bool, rows: bool, cols: bool, key: int = -1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, qt, scale_t)`` as uint8: ``quantize_nvfp4(x)`` (or ``quantize_nvfp4_2d`` with
+    ``tile2d``) with the tensor encode factor ``s`` (``rows``), and ``transpose_2d`` of the 2-D
+    one (``cols``); empty tensors for what is not asked. ``key`` >= 0: stochastic rounding with
+    the stream of that key (1x16 only)."""
+    if cols and not tile2d:
+        raise ValueError("cast_nvfp4: the transposed layout is the 16x16 tiles' (tile2d=True)")
+    if key >= 0 and tile2d:
+        raise ValueError("cast_nvfp4: stochastic rounding is for 1x16 blocks (tile2d=False)")
+    scales = (s, s.reciprocal())
+    sr = SRKey(key) if key >= 0 else None
+    q = quantize_nvfp4_2d(x, scales=scales) if tile2d else quantize_nvfp4(x, sr, scales=scales)
+    empty = torch.empty(0, dtype=torch.uint8, device=x.device)
+    t = transpose_2d(q) if cols else None
+    out = (q.data.view(torch.uint8), q.scale.view(torch.uint8)) if rows else (empty, empty)
+    out_t = (t.data.view(torch.uint8), t.scale.view(torch.uint8)) if t is not None else (empty, empty)
+    return (*out, *out_t)
+
+
+def rht_amax(t: torch.Tensor, sign_bits: int) -> torch.Tensor:
+    """``max |rht(t)|`` (the random Hadamard transform with the signs ``sign_bits``), float32."""
+    return amax(rht_rows(t, sign_bits))
+
+
+def cast_nvfp4_rht(
+    t: torch.Tensor, s: torch.Tensor, sign_bits: int, key: int = -1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_nvfp4(rht(t).t())`` given the tensor encode factor ``s`` (``key`` >= 0:
+    stochastic rounding with that stream): data and E4M3 scale bytes as uint8."""
+    q = quantize_nvfp4(rht_rows(t, sign_bits).t(), SRKey(key) if key >= 0 else None, scales=(s, s.reciprocal()))
+    return q.data.view(torch.uint8), q.scale.view(torch.uint8)

@@ -25,6 +25,7 @@ import logging
 import torch
 from lowprec.fp8.kernels import reference as ref
 from lowprec.fp8.kernels.classes import INPUT_DTYPES, input_class
+from lowprec.fp8.cast.nvfp4 import sr_key, tensor_scales
 from lowprec.fp8.cast.scaling import amax_to_scale
 
 __all__ = ["passed", "run_checks", "input_class", "TWO_PASS_OPS", "OPS", "CLASSES"]
@@ -40,6 +41,7 @@ TWO_PASS_OPS = frozenset(
         "cast_block_1d",
         "cast_block_2d",
         "cast_mx",
+        "cast_nvfp4",
     }
 )
 # (device index, class, op) -> whether the op runs on the GPU for that class there
@@ -108,10 +110,28 @@ _CALLS = {
     "cast_block_1d": lambda m, x, d, s, c: m.cast_block_1d(x, d, 128, True, True, True),
     "cast_block_2d": lambda m, x, d, s, c: m.cast_block_2d(x, d, 128, False, True, True),
     "cast_mx": lambda m, x, d, s, c: (*m.cast_mx(x, d, True, True, True), *m.cast_mx(x, d, False, True, False)),
+    "cast_nvfp4": lambda m, x, d, s, c: _nvfp4(m, x),
+    "cast_nvfp4_rht": lambda m, x, d, s, c: _nvfp4_rht(m, x),
     "amax": lambda m, x, d, s, c: (m.amax(x),),
     "amax_cols": lambda m, x, d, s, c: (m.amax_cols(x),),
 }
-_NO_FP8_DTYPE = ("amax", "amax_cols")
+_NO_FP8_DTYPE = ("amax", "amax_cols", "cast_nvfp4", "cast_nvfp4_rht")
+
+
+def _nvfp4(m, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``cast_nvfp4``: 1x16 blocks (round to nearest, and stochastic with a 64-bit seed's stream)
+    and 16x16 tiles (both layouts) of the probe, and of the probe with its NaN and inf zeroed (a
+    non-finite amax makes every scale NaN); the 1x16 casts of a transposed view of it too (the
+    weight-gradient operands are read through their strides: another compiled variant)."""
+    out: list[torch.Tensor] = []
+    for t in (x, torch.nan_to_num(x, nan=0.0, posinf=0.0)):
+        s = tensor_scales(ref.amax(t).float())[0]
+        out += [*m.cast_nvfp4(t, s, False, True, False), *m.cast_nvfp4(t, s, True, True, True)]
+        tt = t.t().contiguous().t()  # the same values, column-major
+        for v in (t, tt):
+            out += m.cast_nvfp4(v, s, False, True, False, sr_key(0x9E3779B97F4A7C15))[:2]
+        out += m.cast_nvfp4(tt, s, False, True, False)[:2]
+    return tuple(out)
 
 
 def _into(m, x: torch.Tensor, dtype: torch.dtype, cols: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -124,6 +144,18 @@ def _into(m, x: torch.Tensor, dtype: torch.dtype, cols: torch.Tensor) -> tuple[t
         buf_t = torch.zeros(n + 2, rows, dtype=torch.uint8, device=x.device)
         q, qt = buf[1 : rows + 1] if row else buf[:0], buf_t[1 : n + 1] if col else buf_t[:0]
         out += [m.cast_rowwise_into(x, cols, dtype, True, q, qt), buf, buf_t]
+    return tuple(out)
+
+
+def _nvfp4_rht(m, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``rht_amax`` and ``cast_nvfp4_rht`` (round to nearest and stochastic) of the probe, with and
+    without its NaN and inf."""
+    out: list[torch.Tensor] = []
+    bits = 0b1011001110001101  # a mix of signs
+    for t in (x, torch.nan_to_num(x, nan=0.0, posinf=0.0)):
+        a = m.rht_amax(t, bits)
+        s = tensor_scales(ref.rht_amax(t, bits))[0]
+        out += [a, *m.cast_nvfp4_rht(t, s, bits), *m.cast_nvfp4_rht(t, s, bits, sr_key(0x9E3779B97F4A7C15))]
     return tuple(out)
 
 

@@ -6,23 +6,35 @@ layers in high precision (NVIDIA keeps ~15%).
 
 The rounding stream is seeded from ``recipe.seed``, the layer's index and its step; the step
 lives in the layer's state_dict (``fp8_sr_state``), so a resumed run draws the same noise as an
-uninterrupted one. The casts are in ``fp8/cast/nvfp4.py``, the Hadamard transform in ``hadamard.py``.
+uninterrupted one. The noise is counter-based (``nvfp4.sr_uniform``: a hash of the stream's seed
+and each element's index on the quantized operand's layout), so the torch path and the cast
+kernel round alike. The casts are in ``fp8/cast/nvfp4.py``, the Hadamard transform in ``hadamard.py``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from lowprec.fp8 import kernels
 from lowprec.fp8.modules.autocast import recomputing
-from lowprec.fp8.cast.formats import Format
-from lowprec.fp8.cast.hadamard import apply_rht, random_hadamard
+from lowprec.fp8.cast.formats import E4M3, Format
+from lowprec.fp8.cast.hadamard import rht, rht_sign_bits
 from lowprec.fp8.kinds import base
 from lowprec.fp8.kinds.mxfp8 import Microscaled
 from lowprec.fp8.cast.mx import BlockScaledData
 from lowprec.fp8.modules.mx_linear import Codec, mx_linear
-from lowprec.fp8.cast.nvfp4 import quantize_nvfp4, quantize_nvfp4_2d, transpose_2d
+from lowprec.fp8.cast.nvfp4 import (
+    FP4X2,
+    NVFP4_BLOCK,
+    quantize_nvfp4,
+    quantize_nvfp4_2d,
+    sr_key,
+    tensor_scales,
+    transpose_2d,
+)
 from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 from lowprec.fp8.state_epoch import state_epoch
 
@@ -30,29 +42,87 @@ if TYPE_CHECKING:
     from lowprec.fp8.modules.linear import Float8Linear
     from lowprec.fp8.recipes import Recipe
 
-__all__ = ["NVCodec", "NVFP4", "SR_STATE"]
+__all__ = ["NVCodec", "NVFP4", "NVWeight", "SR_STATE", "cast_nvfp4"]
 
 SR_STATE = "fp8_sr_state"  # (layer index, step) of the stochastic rounding stream
+
+
+def _fused(t: torch.Tensor) -> bool:
+    """Whether ``t``'s casts go to ``lowprec::cast_nvfp4``: 2-D, contiguous along either dim
+    (a transposed view, such as the weight-gradient operands, is read through its strides: the
+    first-use check runs both layouts), where the check passed."""
+    return t.dim() == 2 and 1 in t.stride() and kernels.available(t.device, "cast_nvfp4", t)
+
+
+def cast_nvfp4(t: torch.Tensor, seed: int | None = None) -> BlockScaledData:
+    """``quantize_nvfp4(t, seed)`` (``seed``: stochastic rounding with that stream), bit for bit;
+    on CUDA the tensor amax (``kernels.amax``, one read) and one Triton kernel for the rest
+    (``kernels.cast_nvfp4``, a second read), where their first-use checks passed."""
+    if not _fused(t):
+        return quantize_nvfp4(t, seed)
+    src = t.detach()
+    s, decode = tensor_scales(kernels.amax(src))
+    key = -1 if seed is None else sr_key(seed)
+    q, sc, _, _ = kernels.cast_nvfp4(src, s, False, True, False, key)
+    return BlockScaledData(q.view(FP4X2), sc.view(E4M3), t.shape[1], NVFP4_BLOCK, decode)
+
+
+@dataclass
+class NVWeight(BlockScaledData):
+    """The weight's 16x16 tiles with their transpose (``transpose_2d``: grad_input's operand)
+    made by the same kernel from the same read; backward keeps both layouts (0.5 + 1/16 bytes
+    per weight element each) instead of unpacking and repacking the tiles."""
+
+    t_data: torch.Tensor | None = None
+    t_scale: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        extra = 0 if self.t_data is None or self.t_scale is None else self.t_data.numel() + self.t_scale.numel()
+        return super().nbytes() + extra
+
+
+def cast_weight(w: torch.Tensor) -> BlockScaledData:
+    """``quantize_nvfp4_2d(w)``, bit for bit; on CUDA (``kernels.cast_nvfp4``, where its check
+    passed) an :class:`NVWeight` holding ``transpose_2d`` of it too, from the same read."""
+    if not _fused(w):
+        return quantize_nvfp4_2d(w)
+    src = w.detach()
+    s, decode = tensor_scales(kernels.amax(src))
+    q, sc, qt, st = kernels.cast_nvfp4(src, s, True, True, True)
+    return NVWeight(q.view(FP4X2), sc.view(E4M3), w.shape[1], NVFP4_BLOCK, decode, qt.view(FP4X2), st.view(E4M3))
 
 
 class NVCodec(Codec):
     reuses_weight = True
 
     def quantize(self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None) -> BlockScaledData:
-        gen = None
-        if seed is not None:  # a trace on meta tensors draws on meta (e2m1_encode): a CPU generator stands in
-            gen = torch.Generator(device=t.device if t.device.type != "meta" else "cpu")
-            gen.manual_seed(seed)
-        return quantize_nvfp4(t, gen)
+        return cast_nvfp4(t, seed)
 
     def quantize_weight(self, w: torch.Tensor, recipe: Recipe, dtype: torch.dtype) -> BlockScaledData:
-        return quantize_nvfp4_2d(w)
+        return cast_weight(w)
 
     def transpose_weight(self, wq: BlockScaledData) -> BlockScaledData:
+        if isinstance(wq, NVWeight) and wq.t_data is not None and wq.t_scale is not None:
+            return BlockScaledData(wq.t_data, wq.t_scale, wq.rows, wq.block, wq.tensor_scale)
         return transpose_2d(wq)
 
     def wgrad_operand(self, t: torch.Tensor, recipe: Recipe) -> torch.Tensor:
-        return apply_rht(t, random_hadamard(recipe.seed, device=t.device)).t()
+        return rht(t, recipe.seed).t()
+
+    def quantize_wgrad(
+        self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None
+    ) -> BlockScaledData:
+        """``quantize(wgrad_operand(t), seed)``, bit for bit; on CUDA the random Hadamard transform
+        applied inside the amax and cast kernels (``kernels.rht_amax``, ``kernels.cast_nvfp4_rht``:
+        two reads of ``t``, no rotated float32 copy), where their first-use check passed."""
+        if not (t.dim() == 2 and 1 in t.stride() and kernels.available(t.device, "cast_nvfp4_rht", t)):
+            return super().quantize_wgrad(t, recipe, dtype, seed)
+        src, bits = t.detach(), rht_sign_bits(recipe.seed)
+        s, decode = tensor_scales(kernels.rht_amax(src, bits))
+        q, sc = kernels.cast_nvfp4_rht(src, s, bits, -1 if seed is None else sr_key(seed))
+        return BlockScaledData(
+            q.view(FP4X2), sc.view(E4M3), -(-t.shape[0] // NVFP4_BLOCK) * NVFP4_BLOCK, NVFP4_BLOCK, decode
+        )
 
 
 # The seeds are host integers; the state lives in a buffer (checkpoints, device moves). The

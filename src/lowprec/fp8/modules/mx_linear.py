@@ -71,13 +71,20 @@ class Codec:
         """(M, C) -> (C, M) high precision, ready to quantize along M."""
         return t.t()
 
+    def quantize_wgrad(
+        self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seed: int | None = None
+    ) -> BlockScaledData:
+        """The weight-gradient GEMM's operand of ``t`` (M, C): ``quantize(wgrad_operand(t))``
+        (a kind may fuse the two)."""
+        return self.quantize(self.wgrad_operand(t, recipe), recipe, dtype, seed)
+
     def quantize_pair(
         self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, both: bool
     ) -> tuple[BlockScaledData, BlockScaledData | None]:
-        """``(quantize(t), quantize(wgrad_operand(t)))``, the second only where ``both``: an
-        operand's casts for its two GEMMs (a kind may make both from one read)."""
+        """``(quantize(t), quantize_wgrad(t))``, the second only where ``both``: an operand's casts
+        for its two GEMMs (a kind may make both from one read)."""
         q = self.quantize(t, recipe, dtype)
-        return q, (self.quantize(self.wgrad_operand(t, recipe), recipe, dtype) if both else None)
+        return q, (self.quantize_wgrad(t, recipe, dtype) if both else None)
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,7 @@ class _MXLinearFn(torch.autograd.Function):
                 if olp[2] or not recipe.save_fp8_activations:
                     x_saved = x.to(hp)
                 elif olp[0]:  # the forward GEMM in high precision cast nothing: x^T along M now
-                    x_saved = codec.quantize(codec.wgrad_operand(x, recipe), recipe, fwd)
+                    x_saved = codec.quantize_wgrad(x, recipe, fwd)
                 else:
                     x_saved = x_col
         save_operands(ctx, (w_saved, x_saved), cfg=cfg, stats=stats, x_dtype=x.dtype, w_dtype=weight.dtype)
@@ -193,12 +200,8 @@ class _MXLinearFn(torch.autograd.Function):
                     grad_w = torch.matmul(dy.t().to(hp), x_saved.to(hp))
                 else:
                     if dytq is None:
-                        dytq = codec.quantize(codec.wgrad_operand(dy, recipe), recipe, bwd, seeds[1])
-                    xq = (
-                        x_saved
-                        if isinstance(x_saved, BlockScaledData)
-                        else codec.quantize(codec.wgrad_operand(x_saved, recipe), recipe, fwd)
-                    )
+                        dytq = codec.quantize_wgrad(dy, recipe, bwd, seeds[1])
+                    xq = x_saved if isinstance(x_saved, BlockScaledData) else codec.quantize_wgrad(x_saved, recipe, fwd)
                     grad_w = mx_mm(dytq, xq, torch.float32, path=recipe.gemm)
                 grad_w = grad_w.to(ctx.w_dtype)
             if cfg.stats and first is not None:

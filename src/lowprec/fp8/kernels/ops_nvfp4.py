@@ -1,0 +1,126 @@
+"""The NVFP4 cast operator (``lowprec::cast_nvfp4``) around ``triton_nvfp4`` (imports triton:
+load lazily; :mod:`.ops` re-exports it). Registered as the other casts are (``_operator``:
+opaque, with a fake that runs the body without launching, so a trace on meta tensors counts its
+bytes)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from lowprec.fp8.kernels.op_support import _check, _kernel, _operator, _skip, interpreting, two_pass
+from lowprec.fp8.kernels.triton_nvfp4 import NV_TILE_M, NV_TILE_N, cast_nvfp4_kernel
+from lowprec.fp8.kernels.triton_nvfp4_rht import cast_nvfp4_rht_kernel, rht_amax_kernel
+
+__all__ = ["cast_nvfp4", "rht_amax", "cast_nvfp4_rht"]
+
+
+@_operator("lowprec::cast_nvfp4", ())
+def cast_nvfp4(
+    x: torch.Tensor, s: torch.Tensor, tile2d: bool, rows: bool, cols: bool, key: int = -1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 casts of a 2-D ``x`` given the tensor encode factor ``s`` (float32 scalar,
+    ``nvfp4.tensor_scales(amax)[0]``): ``(q, scale, qt, scale_t)`` as uint8 (packed E2M1
+    pairs, E4M3 scale bytes). ``rows``: ``quantize_nvfp4(x)``'s data (M, N padded to 16 / 2) and
+    scales (M, N/16), or with ``tile2d`` ``quantize_nvfp4_2d(x)``'s; ``cols`` (``tile2d`` only):
+    ``transpose_2d`` of it, (N, M padded / 2) and (N, M/16), from the same read. Outputs not
+    asked for are empty. ``key`` >= 0 (``nvfp4.sr_key`` of a seed; 1x16 only): stochastic
+    rounding with that stream, as ``quantize_nvfp4(x, seed)``."""
+    _check(x, torch.float8_e4m3fn)
+    if cols and not tile2d:
+        raise ValueError("cast_nvfp4: the transposed layout is the 16x16 tiles' (tile2d=True)")
+    if key >= 0 and tile2d:
+        raise ValueError("cast_nvfp4: stochastic rounding is for 1x16 blocks (tile2d=False)")
+    m, n = x.shape
+    mp, np_ = triton.cdiv(m, 16) * 16, triton.cdiv(n, 16) * 16
+    dev = x.device
+    q = torch.empty((m, np_ // 2) if rows else (0,), dtype=torch.uint8, device=dev)
+    sc = torch.empty((m, np_ // 16) if rows else (0,), dtype=torch.uint8, device=dev)
+    qt = torch.empty((n, mp // 2) if cols else (0,), dtype=torch.uint8, device=dev)
+    st = torch.empty((n, mp // 16) if cols else (0,), dtype=torch.uint8, device=dev)
+    if m and n:
+        if rows and cols and two_pass("cast_nvfp4", x):
+            _launch(x, s, tile2d, key, q, sc, None, None)
+            _launch(x, s, tile2d, key, None, None, qt, st)
+        else:
+            _launch(x, s, tile2d, key, q if rows else None, sc, qt if cols else None, st)
+    return q, sc, qt, st
+
+
+def _launch(x, s, tile2d, key, q, sc, qt, st) -> None:
+    if _skip(x) or (q is None and qt is None):
+        return
+    m, n = x.shape
+    bm = 16 if tile2d else NV_TILE_M
+    dummy, dummy_s = (q, sc) if q is not None else (qt, st)
+    _kernel(cast_nvfp4_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, NV_TILE_N))](
+        x,
+        s,
+        dummy if q is None else q,
+        dummy_s if q is None else sc,
+        dummy if qt is None else qt,
+        dummy_s if qt is None else st,
+        m,
+        n,
+        x.stride(0),
+        x.stride(1),
+        max(key, 0),
+        SOFT_CAST=interpreting(),
+        SR=key >= 0,
+        TILE2D=tile2d,
+        ROW=q is not None,
+        COL=qt is not None,
+        BLOCK_M=bm,
+        BLOCK_N=NV_TILE_N,
+        num_warps=4,
+    )
+
+
+# weight-gradient operands: 16 rows (one Hadamard block) by 64 columns per program
+_RHT_TILE_N = 64
+
+
+@_operator("lowprec::rht_amax", ())
+def rht_amax(t: torch.Tensor, sign_bits: int) -> torch.Tensor:
+    """``max |hadamard.rht(t, seed)|`` (``sign_bits``: ``rht_sign_bits(seed)``) as a float32
+    scalar, one read of ``t`` (NaN where the transform holds one)."""
+    _check(t, torch.float8_e4m3fn)
+    bits = torch.zeros((), dtype=torch.int32, device=t.device)
+    m, n = t.shape
+    if m and n and not _skip(t):
+        _kernel(rht_amax_kernel)[(triton.cdiv(m, 16), triton.cdiv(n, _RHT_TILE_N))](
+            t, bits, sign_bits, m, n, t.stride(0), t.stride(1), BLOCK_N=_RHT_TILE_N, num_warps=4
+        )
+    return bits.view(torch.float32)
+
+
+@_operator("lowprec::cast_nvfp4_rht", ())
+def cast_nvfp4_rht(
+    t: torch.Tensor, s: torch.Tensor, sign_bits: int, key: int = -1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_nvfp4(hadamard.rht(t, seed).t())`` given the tensor encode factor ``s``: data
+    (N, M padded to 16 / 2) and E4M3 scale bytes (N, M padded / 16) as uint8, from one read of
+    ``t`` (M, N); ``key`` >= 0: stochastic rounding with that stream."""
+    _check(t, torch.float8_e4m3fn)
+    m, n = t.shape
+    mp = triton.cdiv(m, 16) * 16
+    qt = torch.empty((n, mp // 2), dtype=torch.uint8, device=t.device)
+    st = torch.empty((n, mp // 16), dtype=torch.uint8, device=t.device)
+    if m and n and not _skip(t):
+        _kernel(cast_nvfp4_rht_kernel)[(triton.cdiv(m, 16), triton.cdiv(n, _RHT_TILE_N))](
+            t,
+            s,
+            qt,
+            st,
+            sign_bits,
+            m,
+            n,
+            t.stride(0),
+            t.stride(1),
+            max(key, 0),
+            SOFT_CAST=interpreting(),
+            SR=key >= 0,
+            BLOCK_N=_RHT_TILE_N,
+            num_warps=4,
+        )
+    return qt, st

@@ -1,0 +1,100 @@
+"""Triton kernels: the random Hadamard transform fused into NVFP4's weight-gradient casts.
+
+The weight-gradient GEMM contracts over the token dim M, so its operands are ``t^T`` (C, M) for
+``t`` = x or dY (M, C), quantized along M after ``Q^T`` is applied to each block of 16 rows
+(``fp8/cast/hadamard.py``). One program loads a ``16 x BLOCK_N`` tile of ``t`` (rows past M are the
+zero padding), applies ``Q^T = diag(signs) H16 / 4`` in registers, as :func:`~lowprec.fp8.cast.hadamard.apply_rht`
+does: the fast Walsh-Hadamard butterfly, stages of pairs 8, 4, 2 and 1 rows apart (``a + b``,
+``a - b``), then the exact factor ``+-1/4`` of each row. The same float32 operations in the same
+order as the torch path: bit for bit. Then either the amax of the transformed tensor
+(:func:`rht_amax_kernel`, an atomic max of float32 bits; NaN tracked apart) or the cast
+(:func:`cast_nvfp4_rht_kernel`): each column of the tile is one 1 x 16 block of the operand row
+``c``, written transposed, as ``quantize_nvfp4(apply_rht(t, Q).t())`` holds it, rounding to
+nearest or stochastically (the element index on the operand's layout: ``c * MP + m``).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lowprec.fp8.kernels.triton_nvfp4 import _block_scale, _e2m1_rne, _e2m1_sr, _pack
+
+__all__ = ["rht_amax_kernel", "cast_nvfp4_rht_kernel"]
+
+
+@triton.jit
+def _pairs(x, G: tl.constexpr, H: tl.constexpr, BN: tl.constexpr):
+    """One butterfly stage on the rows of a (16, BN) tile: rows ``i`` and ``i + H`` (within
+    groups of ``2 H``) become their sum and difference."""
+    y = tl.permute(tl.reshape(x, (G, 2, H, BN)), (0, 2, 3, 1))
+    a, b = tl.split(y)
+    y = tl.permute(tl.join(a + b, a - b), (0, 3, 1, 2))
+    return tl.reshape(y, (16, BN))
+
+
+@triton.jit
+def _rht_tile(t_ptr, sign_bits, pid_m, pid_n, M, N, stride_m, stride_n, BN: tl.constexpr):
+    """The transformed (16, BN) tile as float32, its rows, columns and in-bounds mask."""
+    rm = (pid_m * 16 + tl.arange(0, 16)).to(tl.int64)
+    rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    x = tl.load(t_ptr + rm[:, None] * stride_m + rn[None, :] * stride_n, mask=mask, other=0.0).to(tl.float32)
+    x = _pairs(x, 1, 8, BN)
+    x = _pairs(x, 2, 4, BN)
+    x = _pairs(x, 4, 2, BN)
+    x = _pairs(x, 8, 1, BN)
+    row_sign = tl.where(((sign_bits >> tl.arange(0, 16)) & 1) > 0, -0.25, 0.25)
+    return x * row_sign[:, None], rm, rn
+
+
+@triton.jit
+def rht_amax_kernel(t_ptr, amax_ptr, sign_bits, M, N, stride_m, stride_n, BLOCK_N: tl.constexpr):
+    """``max |apply_rht(t)|`` as float32 bits, atomic max into ``*amax_ptr`` (int32, starts at 0);
+    0x7FC00000 where the tile holds a NaN."""
+    y, rm, rn = _rht_tile(t_ptr, sign_bits, tl.program_id(0), tl.program_id(1), M, N, stride_m, stride_n, BLOCK_N)
+    a = tl.abs(y)
+    is_nan = a != a
+    top = tl.max(tl.max(tl.where(is_nan, 0.0, a), axis=1), axis=0)
+    has_nan = tl.max(tl.max(is_nan.to(tl.int32), axis=1), axis=0)
+    tl.atomic_max(amax_ptr, tl.where(has_nan > 0, 0x7FC00000, top.to(tl.int32, bitcast=True)))
+
+
+@triton.jit
+def cast_nvfp4_rht_kernel(
+    t_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    sign_bits,
+    M,
+    N,
+    stride_m,
+    stride_n,
+    key,
+    SOFT_CAST: tl.constexpr,
+    SR: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``quantize_nvfp4(apply_rht(t).t())``: data ``qt`` (N, MP/2) and E4M3 scale bytes ``st``
+    (N, MP/16), MP = M padded to 16; ``s_ptr`` the tensor encode factor S; ``SR``: stochastic
+    rounding with the stream ``key``."""
+    pid_m = tl.program_id(0)
+    y, rm, rn = _rht_tile(t_ptr, sign_bits, pid_m, tl.program_id(1), M, N, stride_m, stride_n, BLOCK_N)
+    s = tl.load(s_ptr)
+    a = tl.abs(y)
+    is_nan = (a != a).to(tl.int32)
+    ca = tl.max(tl.where(is_nan > 0, 0.0, a), axis=0)  # (BLOCK_N,): one block per column
+    byte, enc = _block_scale(ca, tl.max(is_nan, axis=0) > 0, s, SOFT_CAST)
+    mp = tl.cdiv(M, 16) * 16
+    if SR:
+        codes = _e2m1_sr(y * enc[None, :], rn[None, :] * mp + rm[:, None], key)
+    else:
+        codes = _e2m1_rne(y * enc[None, :])
+    rt = (pid_m * 8 + tl.arange(0, 8)).to(tl.int64)
+    tl.store(
+        qt_ptr + rn[:, None] * (mp // 2) + rt[None, :],
+        _pack(tl.trans(codes), BLOCK_N, 16),
+        mask=(rn[:, None] < N) & (rt[None, :] < mp // 2),
+    )
+    tl.store(st_ptr + rn * (mp // 16) + pid_m, byte, mask=rn < N)
