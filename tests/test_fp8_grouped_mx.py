@@ -1,7 +1,9 @@
-"""MXFP8's grouped expert GEMMs in one autograd function (``fp8/modules/grouped_mx.py``): the
-same numbers as the per-expert loop (each expert an MXFP8 Linear) bit for bit, output and both
-gradients, with ragged and empty groups; which gradients are asked for; where the loop runs
-instead; and, traced as a B200 (sm_100), every GEMM writing its rows or slice in place."""
+"""The block-scaled kinds' grouped expert GEMMs in one autograd function (``fp8/modules/grouped_mx.py``):
+the same numbers as the per-expert loop (each expert a block-scaled Linear) bit for bit, output and
+both gradients, with ragged and empty groups, for MXFP8 and NVFP4 (its stochastic-rounding streams
+over several steps); which gradients are asked for; the weight cast again in backward where it is
+sharded; where the loop runs instead; and, traced as a B200 (sm_100), every GEMM writing its rows
+or slice in place."""
 
 from __future__ import annotations
 
@@ -29,11 +31,11 @@ def _run(recipe, counts, x, w, dy, loop, hp=torch.float32, x_grad=True, w_grad=T
     return out, xt.grad, wt.grad
 
 
-@pytest.mark.parametrize("fmt", ["E4M3", "HYBRID"])
+@pytest.mark.parametrize("name, fmt", [("mxfp8", "E4M3"), ("mxfp8", "HYBRID"), ("nvfp4", "E4M3")])
 @pytest.mark.parametrize("counts", [(37, 0, 64, 19), (0, 0, 120, 0), (32, 32, 32, 32)])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
-def test_grouped_function_is_the_per_expert_loop_bit_for_bit(seed, fmt, counts, wdtype):
-    recipe = fp8.Recipe.from_name("mxfp8", fp8_format=getattr(fp8.Format, fmt))
+def test_grouped_function_is_the_per_expert_loop_bit_for_bit(seed, name, fmt, counts, wdtype):
+    recipe = fp8.Recipe.from_name(name, fp8_format=getattr(fp8.Format, fmt))
     s = sum(counts)
     x = torch.randn(s, K) * 3
     w = (torch.randn(E, N, K) * 0.1).to(wdtype)
@@ -68,9 +70,10 @@ def test_on_cuda_the_grouped_function_is_the_per_expert_loop_bit_for_bit(counts)
         assert torch.equal(g, ref), name
 
 
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("which", ["grad_input", "grad_weight"])
-def test_one_gradient_asked_for(seed, which):
-    recipe = fp8.Recipe.from_name("mxfp8")
+def test_one_gradient_asked_for(seed, name, which):
+    recipe = fp8.Recipe.from_name(name)
     counts = (40, 0, 56, 24)
     x, w, dy = torch.randn(120, K), torch.randn(E, N, K), torch.randn(120, N)
     flags = dict(x_grad=which == "grad_input", w_grad=which == "grad_weight")
@@ -80,6 +83,47 @@ def test_one_gradient_asked_for(seed, which):
     assert (got[1] is None) == (which != "grad_input") and (got[2] is None) == (which != "grad_weight")
     g, ref = (got[1], want[1]) if which == "grad_input" else (got[2], want[2])
     assert torch.equal(g, ref)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_weight_cast_again_in_backward_where_asked(seed, name):
+    """``force_recompute_fp8_weight_in_bwd`` (auto: where FSDP / ZeRO-3 shard the weight): backward
+    keeps a reference to the weight and casts W^T again, with the same numbers."""
+    recipe = fp8.Recipe.from_name(name, force_recompute_fp8_weight_in_bwd=True)
+    counts = (24, 40, 0, 16)
+    x, w, dy = torch.randn(80, K), torch.randn(E, N, K), torch.randn(80, N)
+    got = _run(recipe, counts, x, w, dy, loop=False)
+    want = _run(fp8.Recipe.from_name(name), counts, x, w, dy, loop=True)
+    assert got[0].grad_fn.name() == "_GroupedMXFnBackward"
+    for g, ref in zip(got, want):
+        assert torch.equal(g, ref)
+
+
+def test_nvfp4_rounding_streams_advance_per_expert_as_the_loop_does(seed):
+    """Three steps on one module each: every expert holding tokens draws its own stream, advanced
+    once per forward (an expert without tokens does not advance), the same as the loop's."""
+    recipe = fp8.Recipe.from_name("nvfp4")
+    steps = [(30, 0, 50, 16), (0, 40, 40, 16), (24, 24, 0, 48)]
+    runs = []
+    for loop in (False, True):
+        gemm = Float8GroupedGemm(E, recipe)
+        gemm.number_experts(3)
+        w = torch.randn(E, N, K, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        grads = []
+        for i, counts in enumerate(steps):
+            g = torch.Generator().manual_seed(10 + i)
+            x, dy = torch.randn(96, K, generator=g).requires_grad_(), torch.randn(96, N, generator=g)
+            fwd = base.Kind.grouped_forward if loop else lambda kind, m, *a: m(*a)
+            out = fwd(recipe.kind, gemm, x, w, counts, recipe, torch.float32)
+            out.backward(dy)
+            grads.append((out.detach(), x.grad, w.grad.clone()))
+            w.grad = None
+        runs.append((grads, gemm.fp8_sr_state.clone()))
+    (got, state_got), (want, state_want) = runs
+    assert torch.equal(state_got, state_want) and state_got[:, 1].tolist() == [2, 2, 2, 3]
+    for a, b in zip(got, want):
+        for t, u in zip(a, b):
+            assert torch.equal(t, u)
 
 
 def test_bf16_activations_in_and_out(seed):

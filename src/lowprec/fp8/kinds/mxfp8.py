@@ -18,6 +18,7 @@ from lowprec.fp8.cast.mx import E8M0, MX_BLOCK, BlockScaledData, quantize_mx
 from lowprec.fp8.gemm.mx import native_block_scaled_available
 from lowprec.fp8.modules import grouped_mx
 from lowprec.fp8.modules.mx_linear import Codec, mx_linear
+from lowprec.fp8.modules.sharding import recast_weight_in_backward
 from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 
 if TYPE_CHECKING:
@@ -79,6 +80,37 @@ class Microscaled(base.Kind):
         with torch.no_grad():
             return self.codec.quantize_weight(layer.gemm_weight(), recipe, recipe.fp8_format.forward_dtype)
 
+    def grouped_forward(
+        self,
+        gemm: Float8GroupedGemm,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        counts: tuple[int, ...],
+        recipe: Recipe,
+        hp: torch.dtype,
+    ) -> torch.Tensor:
+        """All experts in one autograd function (``fp8/modules/grouped_mx.py``: each cast read
+        once, every GEMM writing its rows or slice in place) where it runs; else the loop."""
+        if grouped_mx.runs(recipe, x, weight, gemm.fp8_telemetry, self.codec):
+            seeds = self.grouped_seeds(gemm, weight, counts, recipe)
+            recast = recast_weight_in_backward(gemm, weight, recipe)
+            return grouped_mx.grouped_mx_gemms(x, weight, counts, recipe, hp, self.codec, seeds, recast)
+        return super().grouped_forward(gemm, x, weight, counts, recipe, hp)
+
+    def grouped_seeds(
+        self, gemm: Float8GroupedGemm, weight: torch.Tensor, counts: tuple[int, ...], recipe: Recipe
+    ) -> list[tuple[int, int] | None] | None:
+        """Each expert's stochastic-rounding seeds for dY's two casts, as its ``forward`` takes
+        them (None: round to nearest)."""
+        return None
+
+    def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
+        return (
+            "all experts in one autograd function, each operand's casts from one read, each GEMM per expert "
+            f"writing its rows or gradient slice in place: {self.gemm_note(recipe, device)} (the per-expert "
+            "loop with telemetry or override_linear_precision)"
+        )
+
     def gemm_note(self, recipe: Recipe, device: torch.device) -> str:
         if native_block_scaled_available(device):
             return f"torch block-scaled scaled_mm on {device.type} ({recipe.scaling}, swizzled scales)"
@@ -99,28 +131,6 @@ class MXFP8(Microscaled):
 
     def describe_operand(self, o: OperandCast) -> str:
         return f"{str(o.dtype).replace('torch.float8_', '')}/1x32"
-
-    def grouped_forward(
-        self,
-        gemm: Float8GroupedGemm,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        counts: tuple[int, ...],
-        recipe: Recipe,
-        hp: torch.dtype,
-    ) -> torch.Tensor:
-        """All experts in one autograd function (``fp8/modules/grouped_mx.py``: each cast read
-        once, every GEMM writing its rows or slice in place) where it runs; else the loop."""
-        if grouped_mx.runs(recipe, x, weight, gemm.fp8_telemetry):
-            return grouped_mx.grouped_mx_gemms(x, weight, counts, recipe, hp, self.codec)
-        return super().grouped_forward(gemm, x, weight, counts, recipe, hp)
-
-    def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
-        return (
-            "all experts in one autograd function, each operand's casts from one read, each GEMM per expert "
-            f"writing its rows or gradient slice in place: {self.gemm_note(recipe, device)} (the per-expert "
-            "loop with telemetry or override_linear_precision)"
-        )
 
 
 base.register(MXFP8())

@@ -39,6 +39,7 @@ from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 from lowprec.fp8.state_epoch import state_epoch
 
 if TYPE_CHECKING:
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
     from lowprec.fp8.modules.linear import Float8Linear
     from lowprec.fp8.recipes import Recipe
 
@@ -184,21 +185,32 @@ class NVFP4(Microscaled):
         layer.__dict__.pop(_HOST_COPY, None)
 
     def forward(self, layer: Float8Linear, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype) -> torch.Tensor:
-        seeds = None
-        if torch.is_grad_enabled():
-            state = getattr(layer, SR_STATE)
-            index, step = _host_state(layer, state)
-            # a recompute replays the stream of the forward that advanced it; a reentrant
-            # checkpoint's first forward runs without grad and advanced nothing, so its recompute
-            # is the call that takes this step's stream (as the uncheckpointed run would)
-            if recomputing() and layer.__dict__.get("_nvfp4_advanced", False):
-                step -= 1
-            else:
-                state[1] += 1  # the buffer (saved in checkpoints) and its host copy advance together
-                layer.__dict__[_HOST_COPY] = (state_epoch(), index, step + 1)
-            layer.__dict__["_nvfp4_advanced"] = not recomputing()
-            seeds = (_stream_seed(recipe, index, step, 0), _stream_seed(recipe, index, step, 1))
-        return mx_linear(layer, x2, recipe, hp, self.codec, seeds)
+        return mx_linear(layer, x2, recipe, hp, self.codec, self._seeds(layer, recipe))
+
+    def _seeds(self, layer: Float8Linear, recipe: Recipe) -> tuple[int, int] | None:
+        """This call's stochastic-rounding seeds (dgrad's and wgrad's dY), advancing the layer's
+        stream; None without grad (nothing to round)."""
+        if not torch.is_grad_enabled():
+            return None
+        state = getattr(layer, SR_STATE)
+        index, step = _host_state(layer, state)
+        # a recompute replays the stream of the forward that advanced it; a reentrant
+        # checkpoint's first forward runs without grad and advanced nothing, so its recompute
+        # is the call that takes this step's stream (as the uncheckpointed run would)
+        if recomputing() and layer.__dict__.get("_nvfp4_advanced", False):
+            step -= 1
+        else:
+            state[1] += 1  # the buffer (saved in checkpoints) and its host copy advance together
+            layer.__dict__[_HOST_COPY] = (state_epoch(), index, step + 1)
+        layer.__dict__["_nvfp4_advanced"] = not recomputing()
+        return _stream_seed(recipe, index, step, 0), _stream_seed(recipe, index, step, 1)
+
+    def grouped_seeds(
+        self, gemm: Float8GroupedGemm, weight: torch.Tensor, counts: tuple[int, ...], recipe: Recipe
+    ) -> list[tuple[int, int] | None] | None:
+        """Each expert holding tokens advances its own stream, in expert order, as the per-expert
+        loop's ``forward`` calls do."""
+        return [self._seeds(gemm.slot(e, weight[e]), recipe) if n else None for e, n in enumerate(counts)]
 
 
 base.register(NVFP4())
