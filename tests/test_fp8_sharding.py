@@ -156,3 +156,35 @@ def test_compiled_recast_is_bitwise_the_kept_cast():
         y.pow(2).sum().backward()
         outs.append((y.detach(), x.grad, layer.weight.grad))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_experts_under_fsdp_keep_a_reference_to_their_weights():
+    """An expert's slot is sharded as its grouped GEMM module is (fully_shard marks every module
+    it manages); there the tensor- and block-scaled kinds' one-call path, which keeps every expert
+    weight's FP8 cast until backward, gives way to the per-expert loop (each expert as a Linear:
+    a reference, cast again in backward). Traced as an H100: per-expert GEMMs, not the grouped one."""
+    from lowprec.fp8.kernels.select import triton_importable
+    from lowprec.fp8.modules.grouped import Float8GroupedGemm
+    from lowprec.fp8.observe.traffic import trace_grouped
+
+    recipe = fp8.Recipe.from_name("tensorwise")
+    gemm = Float8GroupedGemm(4, recipe)
+    w = torch.randn(4, 32, 64)
+    slot = gemm.slot(0, w[0])
+    assert weight_sharded(slot, w[0]) is None
+    gemm._is_fsdp_managed_module = True  # what fully_shard sets on the modules it manages
+    assert weight_sharded(slot, w[0]) == "FSDP manages the layer"
+    assert recast_weight_in_backward(gemm, w, recipe)
+
+    def names(fsdp):
+        def make(experts):
+            g = Float8GroupedGemm(experts, recipe).to("meta")
+            if fsdp:
+                g._is_fsdp_managed_module = True
+            return lambda x, weight, c: g(x, weight, c, recipe, torch.bfloat16)
+
+        c = trace_grouped(make, (32, 48, 0, 16), 128, 64, sm=(9, 0), triton=triton_importable())
+        return {r.name for r in c.gemms()}
+
+    assert "aten._scaled_grouped_mm" in names(False)
+    assert names(True) == {"aten._scaled_mm"}

@@ -76,6 +76,7 @@ import torch
 from lowprec.fp8 import kernels
 from lowprec.fp8.gemm import grouped as grouped_gemm, grouped_triton, grouped_wgrad
 from lowprec.fp8.modules.autocast import torch_autocast_off
+from lowprec.fp8.modules.sharding import recast_weight_in_backward
 from lowprec.fp8.gemm.dispatch import scaled_mm
 from lowprec.fp8.gemm.grouped import grouped_mm
 from lowprec.fp8.kinds import base
@@ -423,8 +424,14 @@ class SingleCallGrouped(base.Kind):
         hp: torch.dtype,
     ) -> torch.Tensor:
         hp_wgrad = recipe.plan().wgrad.high_precision  # only where its casts pack (_axes_forward)
-        if self.grouped_single_call(recipe, x.device, gemm.fp8_telemetry) and (
-            not hp_wgrad or _packs_axes(recipe.plan(), x, weight)
+        # FSDP / ZeRO-3 shard the experts (force_recompute_fp8_weight_in_bwd auto), or asked: the
+        # one-call path keeps the experts' weight casts until backward; each expert as a Linear
+        # keeps a reference and casts again (the loop), as the dense layer does
+        recast = recast_weight_in_backward(gemm, weight, recipe)
+        if (
+            not recast
+            and self.grouped_single_call(recipe, x.device, gemm.fp8_telemetry)
+            and (not hp_wgrad or _packs_axes(recipe.plan(), x, weight))
         ):
             states = partial(self.grouped_cast_states, gemm, x, weight, counts, recipe)  # given `packed`
             return grouped_scaled_gemms(x, weight, counts, recipe, hp, True, states)

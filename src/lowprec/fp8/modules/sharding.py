@@ -54,7 +54,9 @@ class SavedWeight:
 
 
 def weight_sharded(layer: torch.nn.Module, weight: torch.Tensor) -> Optional[str]:
-    """Why ``weight`` is freed between forward and backward, or ``None`` when it is not."""
+    """Why ``weight`` is freed between forward and backward, or ``None`` when it is not. An
+    expert's slot (``grouped.ExpertSlot``) is sharded as its grouped GEMM module is."""
+    layer = layer.__dict__.get("_owner", layer)
     if layer.__dict__.get("_is_fsdp_managed_module", False):  # set by fully_shard on every module it manages
         return "FSDP manages the layer"
     if getattr(weight, "ds_id", None) is not None:  # a ZeRO-3 partitioned Parameter
