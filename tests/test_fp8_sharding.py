@@ -175,6 +175,8 @@ def test_experts_under_fsdp_keep_a_reference_to_their_weights():
     gemm._is_fsdp_managed_module = True  # what fully_shard sets on the modules it manages
     assert weight_sharded(slot, w[0]) == "FSDP manages the layer"
     assert recast_weight_in_backward(gemm, w, recipe)
+    gemm._lowprec_ep_local = True  # expert parallelism: each rank's own experts, FSDP2's ignored params
+    assert weight_sharded(slot, w[0]) is None and not recast_weight_in_backward(gemm, w, recipe)
 
     def names(fsdp):
         def make(experts):

@@ -95,6 +95,7 @@ from lowprec.fp8.modules.experts import GEMM_PREFIX, Float8Experts, combine, exp
 from lowprec.fp8.modules.linear_fn import cast
 from lowprec.fp8.cast.formats import fp8_max
 from lowprec.fp8.cast.torch_casts import saturate_
+from lowprec.fp8.modules.sharding import EP_LOCAL
 
 __all__ = [
     "ExpertParallelState",
@@ -351,6 +352,7 @@ def _shard(m: Any, ep: ExpertParallelState) -> None:
         for j, s in enumerate(g._slots):
             s.__dict__["_index"] = j
         g.num_experts = ep.local
+        g.__dict__[EP_LOCAL] = True  # each rank's own weights: no wrapper frees them (sharding.weight_sharded)
     m.__dict__["fp8_ep"] = ep
     m._register_load_state_dict_pre_hook(_load_slices, with_module=True)
 

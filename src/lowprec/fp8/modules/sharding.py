@@ -37,7 +37,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["SavedWeight", "weight_sharded", "recast_weight_in_backward", "reshape_output"]
+__all__ = ["SavedWeight", "weight_sharded", "recast_weight_in_backward", "reshape_output", "EP_LOCAL"]
+
+# set on a grouped GEMM module whose experts expert parallelism sharded: each rank holds its own
+# experts whole, which FSDP2 leaves alone (its ignored parameters) though it marks the module
+EP_LOCAL = "_lowprec_ep_local"
 
 logger = logging.getLogger("lowprec")
 _LOGGED: set[str] = set()
@@ -57,6 +61,8 @@ def weight_sharded(layer: torch.nn.Module, weight: torch.Tensor) -> Optional[str
     """Why ``weight`` is freed between forward and backward, or ``None`` when it is not. An
     expert's slot (``grouped.ExpertSlot``) is sharded as its grouped GEMM module is."""
     layer = layer.__dict__.get("_owner", layer)
+    if layer.__dict__.get(EP_LOCAL, False):  # FSDP ignores expert-parallel weights: never freed
+        return None
     if layer.__dict__.get("_is_fsdp_managed_module", False):  # set by fully_shard on every module it manages
         return "FSDP manages the layer"
     if getattr(weight, "ds_id", None) is not None:  # a ZeRO-3 partitioned Parameter
