@@ -196,6 +196,21 @@ for cc in (90, 100):
         ptx = k.asm["ptx"]
         out.append(dict(cc=cc, kernel="nvfp4_rht_sr" if sr else "nvfp4_rht", cubin=len(k.asm["cubin"]),
                         spills=".local" in ptx, hw_cvt="cvt.rn.satfinite.e4m3x2.f32" in ptx, vector_loads=True))
+# both operands of x / dY from one read: the two amaxes, the two casts (and the two-pass forms)
+from lowprec.fp8.kernels.triton_nvfp4_dual import cast_nvfp4_dual_kernel, nvfp4_dual_amax_kernel
+DC = {"t_ptr": "*bf16", "s_ptr": "*fp32", "q_ptr": "*u8", "sc_ptr": "*u8", "qt_ptr": "*u8", "st_ptr": "*u8",
+      "sign_bits": "i32", "M": "i32", "N": "i32", "stride_m": "i32", "stride_n": "i32", "key": "u32", "key_t": "u32"}
+for cc in (90, 100):
+    k = build(nvfp4_dual_amax_kernel, RA, dict(BLOCK_N=_RHT_TILE_N, stride_n=1), (0, 1, 3, 4, 5), cc, 4)
+    out.append(dict(cc=cc, kernel="nvfp4_dual_amax", cubin=len(k.asm["cubin"]), spills=".local" in k.asm["ptx"],
+                    hw_cvt=True, vector_loads=True))
+    for name, sr, row, rot in (("nvfp4_dual", False, True, True), ("nvfp4_dual_sr", True, True, True),
+                               ("nvfp4_dual_row_sr", True, True, False), ("nvfp4_dual_rht_sr", True, False, True)):
+        const = dict(SOFT_CAST=False, SR=sr, SR_T=sr, ROW=row, RHT=rot, BLOCK_N=_RHT_TILE_N, stride_n=1)
+        k = build(cast_nvfp4_dual_kernel, DC, const, (0, 1, 2, 3, 4, 5, 7, 8, 9), cc, 4)
+        ptx = k.asm["ptx"]
+        out.append(dict(cc=cc, kernel=name, cubin=len(k.asm["cubin"]), spills=".local" in ptx,
+                        hw_cvt="cvt.rn.satfinite.e4m3x2.f32" in ptx, vector_loads=True))
 print(json.dumps(out))
 """
 
@@ -230,9 +245,10 @@ def test_blockwise_kernels_compile_for_ada_hopper_and_blackwell(compiled):
     assert [(r["cc"], r["hw_cvt"]) for r in rows if r["kernel"] == "mx"] == [(90, True), (100, True)]
     # the NVFP4 cast (its E4M3 block scales on the hardware convert): 1x16 round to nearest and
     # stochastic, 16x16 tiles with both layouts, the random Hadamard transform's amax and casts,
-    # both targets
+    # both operands of one tensor from one read (amaxes; casts, one pass or two), both targets
     nv = [(r["cc"], r["kernel"], r["hw_cvt"]) for r in rows if r["kernel"].startswith("nvfp4")]
-    kinds = ("nvfp4", "nvfp4_sr", "nvfp4_2d", "nvfp4_rht_amax", "nvfp4_rht", "nvfp4_rht_sr")
+    kinds = ("nvfp4", "nvfp4_sr", "nvfp4_2d", "nvfp4_rht_amax", "nvfp4_rht", "nvfp4_rht_sr", "nvfp4_dual_amax")
+    kinds += ("nvfp4_dual", "nvfp4_dual_sr", "nvfp4_dual_row_sr", "nvfp4_dual_rht_sr")
     assert sorted(nv) == sorted((cc, k, True) for cc in (90, 100) for k in kinds), nv
 
 

@@ -378,3 +378,33 @@ def test_nvfp4_casts_match_the_torch_path(ops, dev, shape, seed):
     for key in (-1, sr_key(5)):
         got = ops.cast_nvfp4_rht(x, s, bits, key)
         assert all(torch.equal(g, w) for g, w in zip(got, reference.cast_nvfp4_rht(x, s, bits, key), strict=True))
+
+
+@pytest.mark.parametrize("shape", [(65, 130), (2048, 4096), (4097, 1000)])
+def test_nvfp4_dual_casts_match_the_torch_path(ops, dev, shape, seed):
+    """Both NVFP4 operands of one tensor from one read per pass (the plain 1x16 cast and the
+    Hadamard-rotated weight-gradient operand, each with its own tensor scale and rounding stream)
+    equal the torch path, and the separate ops, bit for bit on the hardware; and NVCodec's pair
+    equals the two separate casts."""
+    from lowprec.fp8.cast.hadamard import rht_sign_bits
+    from lowprec.fp8.cast.nvfp4 import sr_key, tensor_scales
+    from lowprec.fp8.kinds.nvfp4 import NVCodec
+
+    x = awkward(shape, torch.bfloat16, dev)
+    bits = rht_sign_bits(7)
+    a = ops.nvfp4_dual_amax(checked("cast_nvfp4_dual", x), bits)
+    assert torch.equal(a, reference.nvfp4_dual_amax(x, bits))
+    s = tensor_scales(a)[0]
+    for keys in ((-1, -1), (sr_key(3), sr_key(5)), (-1, sr_key(5))):
+        got = ops.cast_nvfp4_dual(x, s, bits, *keys)
+        want = reference.cast_nvfp4_dual(x, s, bits, *keys)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), keys
+    recipe = fp8.Recipe.from_name("nvfp4")
+    codec = NVCodec()
+    for seeds in ((None, None), (11, 12)):
+        pair = codec.quantize_pair_seeded(x, recipe, E4M3, seeds)
+        apart = codec.quantize(x, recipe, E4M3, seeds[0]), codec.quantize_wgrad(x, recipe, E4M3, seeds[1])
+        for p, q in zip(pair, apart, strict=True):
+            assert torch.equal(p.data.view(torch.uint8), q.data.view(torch.uint8))
+            assert torch.equal(p.scale.view(torch.uint8), q.scale.view(torch.uint8))
+            assert torch.equal(p.tensor_scale, q.tensor_scale) and p.cols == q.cols

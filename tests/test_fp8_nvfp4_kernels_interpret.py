@@ -18,7 +18,7 @@ from lowprec.fp8.cast.nvfp4 import (  # noqa: E402
     tensor_scales,
     transpose_2d,
 )
-from lowprec.fp8.kernels import reference, selfcheck, triton_nvfp4  # noqa: E402
+from lowprec.fp8.kernels import ops_nvfp4, reference, selfcheck, triton_nvfp4  # noqa: E402
 from tests.test_fp8_kernels_interpret import awkward  # noqa: E402
 
 
@@ -241,5 +241,123 @@ def test_nvfp4_linear_through_the_kernel_is_bit_identical(monkeypatch, seed):
         outs.append((y.detach(), xi.grad, m.weight.grad))
     assert "cast_nvfp4" in routed and "cast_nvfp4_rht" in routed
     assert any(k >= 0 for k in keys)  # dY's stochastically rounded cast (grad_input) went there too
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (17, 40), (37, 130), (64, 128), (100, 64)])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("streams", [(None, None), (2**63 - 25, 7), (None, 3)])
+def test_both_operands_from_one_read(streams, in_dtype, shape, seed):
+    """``nvfp4_dual_amax`` / ``cast_nvfp4_dual``: x's 1x16 cast and its Hadamard-rotated weight-gradient
+    operand, each with its own tensor scale and rounding stream, are the separate ops' bit for bit
+    (and ``quantize_nvfp4(x, s0)``, ``quantize_nvfp4(rht(x).t(), s1)``)."""
+    t = awkward(shape, in_dtype)
+    bits = rht_sign_bits(5)
+    amaxes = ops.nvfp4_dual_amax(t, bits)
+    assert torch.equal(amaxes, reference.nvfp4_dual_amax(t, bits))
+    assert torch.equal(amaxes[0], ops.amax(t)) and torch.equal(amaxes[1], ops.rht_amax(t, bits))
+    s, _ = tensor_scales(amaxes)
+    keys = [-1 if k is None else sr_key(k) for k in streams]
+    got = ops.cast_nvfp4_dual(t, s, bits, *keys)
+    assert same(got, reference.cast_nvfp4_dual(t, s, bits, *keys))
+    assert same(got[:2], ops.cast_nvfp4(t, s[0], False, True, False, keys[0])[:2])
+    assert same(got[2:], ops.cast_nvfp4_rht(t, s[1], bits, keys[1]))
+    assert same(got[:2], as_bytes(quantize_nvfp4(t, streams[0])))
+    assert same(got[2:], as_bytes(quantize_nvfp4(rht(t, 5).t(), streams[1])))
+
+
+def test_both_operands_on_zero_nan_inf_views_and_two_passes(monkeypatch):
+    """A zero tensor, an inf, a NaN (every scale NaN), a transposed view read through its strides,
+    and the two-pass form the device check falls back to."""
+    bits = rht_sign_bits(3)
+    for fill in (None, float("inf"), float("nan")):
+        t = torch.zeros(40, 48) if fill is None else torch.randn(40, 48)
+        if fill is not None:
+            t[21, 5] = fill
+        a = ops.nvfp4_dual_amax(t, bits)
+        want = reference.nvfp4_dual_amax(t, bits)
+        assert torch.equal(a.isnan(), want.isnan()) and torch.equal(a.nan_to_num(), want.nan_to_num())
+        s, _ = tensor_scales(want)
+        got = ops.cast_nvfp4_dual(t, s, bits, sr_key(1), sr_key(2))
+        assert same(got, reference.cast_nvfp4_dual(t, s, bits, sr_key(1), sr_key(2)))
+        if fill is not None and fill != fill:
+            assert (got[1] == 0x7F).all() and (got[3] == 0x7F).all()
+    view = awkward((48, 33), torch.float32).t()
+    s, _ = tensor_scales(reference.nvfp4_dual_amax(view, bits))
+    assert torch.equal(ops.nvfp4_dual_amax(view, bits), reference.nvfp4_dual_amax(view, bits))
+    one = ops.cast_nvfp4_dual(view, s, bits, sr_key(4), -1)
+    assert same(one, reference.cast_nvfp4_dual(view, s, bits, sr_key(4), -1))
+    monkeypatch.setattr(ops_nvfp4, "two_pass", lambda name, x: name == "cast_nvfp4_dual")
+    assert same(ops.cast_nvfp4_dual(view, s, bits, sr_key(4), -1), one)
+
+
+def test_a_wrong_dual_kernel_fails_the_comparison(monkeypatch):
+    """A moved E2M1 boundary, a flipped Hadamard sign, and the two streams swapped: each caught."""
+    x = e2m1_ties()
+    bits = rht_sign_bits(9)
+    s, _ = tensor_scales(reference.nvfp4_dual_amax(x, bits))
+    want = reference.cast_nvfp4_dual(x, s, bits, sr_key(1), sr_key(2))
+    assert not same(ops.cast_nvfp4_dual(x, s, bits, sr_key(2), sr_key(1)), want)
+    assert not same(ops.cast_nvfp4_dual(x, s, bits ^ 2, sr_key(1), sr_key(2)), want)
+    assert not torch.equal(ops.nvfp4_dual_amax(torch.randn(32, 64), bits ^ 1), reference.nvfp4_dual_amax(x, bits))
+    monkeypatch.setattr(triton_nvfp4, "_B1", 0.75)
+    assert not same(ops.cast_nvfp4_dual(x, s, bits), reference.cast_nvfp4_dual(x, s, bits))
+
+
+def test_the_dual_operators_and_their_self_check():
+    x = awkward((40, 96), torch.bfloat16)
+    bits = rht_sign_bits(2)
+    s, _ = tensor_scales(reference.nvfp4_dual_amax(x, bits))
+    torch.library.opcheck(torch.ops.lowprec.nvfp4_dual_amax.default, (x, bits))
+    torch.library.opcheck(torch.ops.lowprec.cast_nvfp4_dual.default, (x, s, bits, sr_key(2), -1))
+    with pytest.raises(ValueError, match="encode factors"):
+        ops.cast_nvfp4_dual(x, s[0], bits)
+    for cls in ((torch.bfloat16, False, False), (torch.float32, True, True)):
+        assert not selfcheck.run_checks(ops, reference, torch.device("cpu"), (cls,), ("cast_nvfp4_dual",))
+
+
+FUSED_OPS = ("cast_nvfp4", "cast_nvfp4_dual", "amax")
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_nvfp4_through_the_dual_kernels_is_bit_identical(monkeypatch, grouped, seed):
+    """A whole NVFP4 Float8Linear (or grouped expert GEMMs) fwd+bwd with x's and dY's two operands
+    each from ``nvfp4_dual_amax`` + ``cast_nvfp4_dual`` (dY with both its stochastic-rounding
+    streams) gives the torch path's output and gradients bit for bit; the separate ops do not run
+    for x or dY."""
+    from lowprec import fp8
+    from lowprec.fp8 import kernels
+
+    outs, keys = [], []
+    real = kernels.cast_nvfp4_dual
+    for fused in (True, False):
+        if fused:
+            monkeypatch.setattr(kernels, "available", lambda device, op=None, x=None: op in FUSED_OPS)
+            monkeypatch.setattr(kernels, "cast_nvfp4_dual", lambda *a: keys.append(a[3:]) or real(*a))
+            monkeypatch.setattr(kernels, "cast_nvfp4_rht", lambda *a: pytest.fail("cast_nvfp4_rht ran"))
+        else:
+            monkeypatch.undo()
+        torch.manual_seed(0)
+        if grouped:
+            from lowprec.fp8.kinds import base
+            from lowprec.fp8.modules.grouped_mx import grouped_mx_gemms
+
+            recipe = fp8.Recipe.from_name("nvfp4")
+            w = (torch.randn(3, 48, 64) / 8).requires_grad_()
+            xi = (torch.randn(41, 64) * 3).requires_grad_()
+            seeds = [(11, 12), None, (13, 14)]
+            y = grouped_mx_gemms(xi, w, (20, 0, 21), recipe, torch.float32, base.get("nvfp4").codec, seeds)
+            params = w
+        else:
+            lin = torch.nn.Linear(96, 64, bias=False)
+            m = fp8.Float8Linear.from_linear(lin, fp8.Recipe.from_name("nvfp4"))
+            xi = (torch.randn(40, 96) * 3).requires_grad_()
+            with fp8.autocast():
+                y = m(xi)
+            params = m.weight
+        y.backward(torch.randn_like(y, generator=torch.Generator().manual_seed(1)))
+        outs.append((y.detach(), xi.grad, params.grad))
+    assert len(keys) == (4 if grouped else 2) and all(k >= 0 for k in keys[-1]), keys
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)

@@ -13,7 +13,9 @@ every expert's casts); ``cast_block_1d`` / ``cast_block_2d`` are the blockwise (
 casts, both layouts and the scales from one read; ``cast_mx`` the MXFP8 casts (1 x 32 and 32 x 1 blocks, E8M0
 scales) likewise; ``cast_nvfp4`` the NVFP4 casts (1 x 16 blocks, or 16 x 16 tiles with both layouts,
 E4M3 scales, given the tensor scale); ``rht_amax`` / ``cast_nvfp4_rht`` the weight-gradient
-operands' amax and cast with the random Hadamard transform applied in the kernel. The functions choose at run time (:func:`available`): Triton on CUDA by default when
+operands' amax and cast with the random Hadamard transform applied in the kernel;
+``nvfp4_dual_amax`` / ``cast_nvfp4_dual`` both NVFP4 operands of one tensor (the plain 1 x 16 one
+and the rotated weight-gradient one) from one read per pass. The functions choose at run time (:func:`available`): Triton on CUDA by default when
 triton imports and a one-time self-check on the device agrees with the torch path
 (:mod:`lowprec.fp8.kernels.selfcheck`; ``LOWPREC_DISABLE_TRITON=1`` always wins), otherwise
 :mod:`lowprec.fp8.kernels.reference` (same results; what CPU runs). Importing this package
@@ -49,6 +51,8 @@ __all__ = [
     "cast_nvfp4",
     "rht_amax",
     "cast_nvfp4_rht",
+    "nvfp4_dual_amax",
+    "cast_nvfp4_dual",
 ]
 
 
@@ -241,3 +245,21 @@ def cast_nvfp4_rht(
     if available(t.device, "cast_nvfp4_rht", t):
         return _ops().cast_nvfp4_rht(t, s, sign_bits, key)
     return reference.cast_nvfp4_rht(t, s, sign_bits, key)
+
+
+def nvfp4_dual_amax(t: torch.Tensor, sign_bits: int) -> torch.Tensor:
+    """``(max |t|, max |hadamard.rht_rows(t, sign_bits)|)``, float32 (2,); one read of ``t`` on CUDA."""
+    if available(t.device, "cast_nvfp4_dual", t):
+        return _ops().nvfp4_dual_amax(t, sign_bits)
+    return reference.nvfp4_dual_amax(t, sign_bits)
+
+
+def cast_nvfp4_dual(
+    t: torch.Tensor, s: torch.Tensor, sign_bits: int, key: int = -1, key_t: int = -1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, qt, scale_t)`` as uint8: :func:`cast_nvfp4`'s 1x16 cast of ``t`` with the encode
+    factor ``s[0]`` (``key`` >= 0: stochastic rounding) and :func:`cast_nvfp4_rht`'s with ``s[1]``
+    (``key_t``); one read of ``t`` on CUDA."""
+    if available(t.device, "cast_nvfp4_dual", t):
+        return _ops().cast_nvfp4_dual(t, s, sign_bits, key, key_t)
+    return reference.cast_nvfp4_dual(t, s, sign_bits, key, key_t)

@@ -40,7 +40,7 @@ from lowprec.fp8.kernels.op_support import (  # noqa: F401  (re-exported: tests 
     set_two_pass,
     two_pass,
 )
-from lowprec.fp8.kernels.ops_nvfp4 import cast_nvfp4, cast_nvfp4_rht, rht_amax
+from lowprec.fp8.kernels.ops_nvfp4 import cast_nvfp4, cast_nvfp4_dual, cast_nvfp4_rht, nvfp4_dual_amax, rht_amax
 from lowprec.fp8.kernels.triton_block import cast_blockwise_kernel
 from lowprec.fp8.kernels.triton_mx import MX_TILE_N, cast_mx_kernel
 from lowprec.fp8.kernels.triton_cast import (
@@ -70,6 +70,8 @@ __all__ = [
     "cast_mx",
     "cast_nvfp4",
     "cast_nvfp4_rht",
+    "nvfp4_dual_amax",
+    "cast_nvfp4_dual",
     "rht_amax",
 ]
 

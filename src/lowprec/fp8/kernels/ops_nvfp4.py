@@ -1,4 +1,6 @@
-"""The NVFP4 cast operator (``lowprec::cast_nvfp4``) around ``triton_nvfp4`` (imports triton:
+"""The NVFP4 cast operators (``lowprec::cast_nvfp4``, the Hadamard-rotated weight-gradient operand's
+``rht_amax`` / ``cast_nvfp4_rht``, and both operands of one tensor from one read each:
+``nvfp4_dual_amax`` / ``cast_nvfp4_dual``) around ``triton_nvfp4*`` (imports triton:
 load lazily; :mod:`.ops` re-exports it). Registered as the other casts are (``_operator``:
 opaque, with a fake that runs the body without launching, so a trace on meta tensors counts its
 bytes)."""
@@ -10,9 +12,10 @@ import triton
 
 from lowprec.fp8.kernels.op_support import _check, _kernel, _operator, _skip, interpreting, two_pass
 from lowprec.fp8.kernels.triton_nvfp4 import NV_TILE_M, NV_TILE_N, cast_nvfp4_kernel
+from lowprec.fp8.kernels.triton_nvfp4_dual import cast_nvfp4_dual_kernel, nvfp4_dual_amax_kernel
 from lowprec.fp8.kernels.triton_nvfp4_rht import cast_nvfp4_rht_kernel, rht_amax_kernel
 
-__all__ = ["cast_nvfp4", "rht_amax", "cast_nvfp4_rht"]
+__all__ = ["cast_nvfp4", "rht_amax", "cast_nvfp4_rht", "nvfp4_dual_amax", "cast_nvfp4_dual"]
 
 
 @_operator("lowprec::cast_nvfp4", ())
@@ -84,14 +87,29 @@ _RHT_TILE_N = 64
 def rht_amax(t: torch.Tensor, sign_bits: int) -> torch.Tensor:
     """``max |hadamard.rht(t, seed)|`` (``sign_bits``: ``rht_sign_bits(seed)``) as a float32
     scalar, one read of ``t`` (NaN where the transform holds one)."""
+    return _amax_bits(rht_amax_kernel, t, sign_bits, ())
+
+
+def _amax_bits(kernel, t: torch.Tensor, sign_bits: int, shape: tuple) -> torch.Tensor:
+    """``kernel``'s atomic maxes over 16 x 64 tiles of ``t`` into int32 slots of ``shape``, as float32."""
     _check(t, torch.float8_e4m3fn)
-    bits = torch.zeros((), dtype=torch.int32, device=t.device)
+    bits = torch.zeros(shape, dtype=torch.int32, device=t.device)
     m, n = t.shape
     if m and n and not _skip(t):
-        _kernel(rht_amax_kernel)[(triton.cdiv(m, 16), triton.cdiv(n, _RHT_TILE_N))](
+        _kernel(kernel)[(triton.cdiv(m, 16), triton.cdiv(n, _RHT_TILE_N))](
             t, bits, sign_bits, m, n, t.stride(0), t.stride(1), BLOCK_N=_RHT_TILE_N, num_warps=4
         )
     return bits.view(torch.float32)
+
+
+def _rotated_outputs(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight-gradient operand's data (N, M padded to 16 / 2) and scale bytes (N, M padded / 16)."""
+    m, n = t.shape
+    mp = triton.cdiv(m, 16) * 16
+    return (
+        torch.empty((n, mp // 2), dtype=torch.uint8, device=t.device),
+        torch.empty((n, mp // 16), dtype=torch.uint8, device=t.device),
+    )
 
 
 @_operator("lowprec::cast_nvfp4_rht", ())
@@ -103,9 +121,7 @@ def cast_nvfp4_rht(
     ``t`` (M, N); ``key`` >= 0: stochastic rounding with that stream."""
     _check(t, torch.float8_e4m3fn)
     m, n = t.shape
-    mp = triton.cdiv(m, 16) * 16
-    qt = torch.empty((n, mp // 2), dtype=torch.uint8, device=t.device)
-    st = torch.empty((n, mp // 16), dtype=torch.uint8, device=t.device)
+    qt, st = _rotated_outputs(t)
     if m and n and not _skip(t):
         _kernel(cast_nvfp4_rht_kernel)[(triton.cdiv(m, 16), triton.cdiv(n, _RHT_TILE_N))](
             t,
@@ -124,3 +140,58 @@ def cast_nvfp4_rht(
             num_warps=4,
         )
     return qt, st
+
+
+@_operator("lowprec::nvfp4_dual_amax", ())
+def nvfp4_dual_amax(t: torch.Tensor, sign_bits: int) -> torch.Tensor:
+    """``(max |t|, max |hadamard.rht(t, seed)|)`` as a float32 (2,) tensor (``sign_bits``:
+    ``rht_sign_bits(seed)``), one read of ``t``; NaN where the tensor holds one."""
+    return _amax_bits(nvfp4_dual_amax_kernel, t, sign_bits, (2,))
+
+
+@_operator("lowprec::cast_nvfp4_dual", ())
+def cast_nvfp4_dual(
+    t: torch.Tensor, s: torch.Tensor, sign_bits: int, key: int = -1, key_t: int = -1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both operands of ``t`` (M, N) from one read, given their tensor encode factors ``s`` (float32
+    (2,)): ``cast_nvfp4(t, s[0], False, True, False, key)``'s data and scales, and
+    ``cast_nvfp4_rht(t, s[1], sign_bits, key_t)``'s (``key`` / ``key_t`` >= 0: stochastic rounding
+    with that stream)."""
+    _check(t, torch.float8_e4m3fn)
+    if s.shape != (2,) or s.dtype != torch.float32:
+        raise ValueError(
+            f"cast_nvfp4_dual: s holds the two operands' encode factors (float32 (2,)), got {s.dtype} {tuple(s.shape)}"
+        )
+    s = s.contiguous()
+    m, n = t.shape
+    np_ = triton.cdiv(n, 16) * 16
+    q = torch.empty((m, np_ // 2), dtype=torch.uint8, device=t.device)
+    sc = torch.empty((m, np_ // 16), dtype=torch.uint8, device=t.device)
+    qt, st = _rotated_outputs(t)
+    if m and n and not _skip(t):
+        # where the one-pass kernel failed the device check: the plain layout, then the rotated one
+        passes = ((True, False), (False, True)) if two_pass("cast_nvfp4_dual", t) else ((True, True),)
+        for row, rot in passes:
+            _kernel(cast_nvfp4_dual_kernel)[(triton.cdiv(m, 16), triton.cdiv(n, _RHT_TILE_N))](
+                t,
+                s,
+                q,
+                sc,
+                qt,
+                st,
+                sign_bits,
+                m,
+                n,
+                t.stride(0),
+                t.stride(1),
+                max(key, 0),
+                max(key_t, 0),
+                SOFT_CAST=interpreting(),
+                SR=key >= 0,
+                SR_T=key_t >= 0,
+                ROW=row,
+                RHT=rot,
+                BLOCK_N=_RHT_TILE_N,
+                num_warps=4,
+            )
+    return q, sc, qt, st

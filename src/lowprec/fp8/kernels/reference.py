@@ -37,6 +37,8 @@ __all__ = [
     "cast_nvfp4",
     "rht_amax",
     "cast_nvfp4_rht",
+    "nvfp4_dual_amax",
+    "cast_nvfp4_dual",
 ]
 
 
@@ -220,3 +222,18 @@ def cast_nvfp4_rht(
     stochastic rounding with that stream): data and E4M3 scale bytes as uint8."""
     q = quantize_nvfp4(rht_rows(t, sign_bits).t(), SRKey(key) if key >= 0 else None, scales=(s, s.reciprocal()))
     return q.data.view(torch.uint8), q.scale.view(torch.uint8)
+
+
+def nvfp4_dual_amax(t: torch.Tensor, sign_bits: int) -> torch.Tensor:
+    """``(amax(t), rht_amax(t, sign_bits))`` as a float32 (2,) tensor."""
+    return torch.stack([amax(t), rht_amax(t, sign_bits)])
+
+
+def cast_nvfp4_dual(
+    t: torch.Tensor, s: torch.Tensor, sign_bits: int, key: int = -1, key_t: int = -1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Both operands of ``t`` given their tensor encode factors ``s`` (2,): the 1x16 cast
+    ``cast_nvfp4(t, s[0], ..., key)``'s data and scales, then ``cast_nvfp4_rht(t, s[1], sign_bits,
+    key_t)``'s."""
+    q, sc, _, _ = cast_nvfp4(t, s[0], False, True, False, key)
+    return (q, sc, *cast_nvfp4_rht(t, s[1], sign_bits, key_t))

@@ -42,6 +42,7 @@ TWO_PASS_OPS = frozenset(
         "cast_block_2d",
         "cast_mx",
         "cast_nvfp4",
+        "cast_nvfp4_dual",
     }
 )
 # (device index, class, op) -> whether the op runs on the GPU for that class there
@@ -112,10 +113,11 @@ _CALLS = {
     "cast_mx": lambda m, x, d, s, c: (*m.cast_mx(x, d, True, True, True), *m.cast_mx(x, d, False, True, False)),
     "cast_nvfp4": lambda m, x, d, s, c: _nvfp4(m, x),
     "cast_nvfp4_rht": lambda m, x, d, s, c: _nvfp4_rht(m, x),
+    "cast_nvfp4_dual": lambda m, x, d, s, c: _nvfp4_dual(m, x),
     "amax": lambda m, x, d, s, c: (m.amax(x),),
     "amax_cols": lambda m, x, d, s, c: (m.amax_cols(x),),
 }
-_NO_FP8_DTYPE = ("amax", "amax_cols", "cast_nvfp4", "cast_nvfp4_rht")
+_NO_FP8_DTYPE = ("amax", "amax_cols", "cast_nvfp4", "cast_nvfp4_rht", "cast_nvfp4_dual")
 
 
 def _nvfp4(m, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -156,6 +158,22 @@ def _nvfp4_rht(m, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         a = m.rht_amax(t, bits)
         s = tensor_scales(ref.rht_amax(t, bits))[0]
         out += [a, *m.cast_nvfp4_rht(t, s, bits), *m.cast_nvfp4_rht(t, s, bits, sr_key(0x9E3779B97F4A7C15))]
+    return tuple(out)
+
+
+def _nvfp4_dual(m, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``nvfp4_dual_amax`` and ``cast_nvfp4_dual`` (both round to nearest, both stochastic with two
+    streams, one of each) of the probe, with and without its NaN and inf, and of a column-major view."""
+    out: list[torch.Tensor] = []
+    bits = 0b0110100111010010
+    k0, k1 = sr_key(0x9E3779B97F4A7C15), sr_key(12345)
+    for t in (x, torch.nan_to_num(x, nan=0.0, posinf=0.0)):
+        s = tensor_scales(ref.nvfp4_dual_amax(t, bits))[0]
+        out.append(m.nvfp4_dual_amax(t, bits))
+        for keys in ((-1, -1), (k0, k1), (k0, -1), (-1, k1)):
+            out += m.cast_nvfp4_dual(t, s, bits, *keys)
+    tt = x.t().contiguous().t()  # the same values, column-major: another compiled variant
+    out += m.cast_nvfp4_dual(tt, tensor_scales(ref.nvfp4_dual_amax(tt, bits))[0], bits, k0, k1)
     return tuple(out)
 
 

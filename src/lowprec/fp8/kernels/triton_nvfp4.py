@@ -122,6 +122,44 @@ def _pack(codes, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _row_block_amax(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each 1 x 16 block's amax of a (BLOCK_M, BLOCK_N) float32 tile, (BLOCK_M, BLOCK_N / 16), NaN
+    dropped, and whether the block holds a NaN (int32)."""
+    NB: tl.constexpr = BLOCK_N // 16
+    a = tl.abs(x)
+    is_nan = (a != a).to(tl.int32)
+    a = tl.where(is_nan > 0, 0.0, a)
+    ra = tl.max(tl.reshape(a, (BLOCK_M, NB, 16)), axis=2)
+    return ra, tl.max(tl.reshape(is_nan, (BLOCK_M, NB, 16)), axis=2)
+
+
+@triton.jit
+def _row_codes(x, enc, rm, rn, N, key, SR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tile's E2M1 codes given each row block's element factor ``enc`` (BLOCK_M, BLOCK_N / 16);
+    ``SR``: the element index on the quantized layout (M, NP) is row * NP + column."""
+    NB: tl.constexpr = BLOCK_N // 16
+    ex = tl.reshape(tl.broadcast_to(enc[:, :, None], (BLOCK_M, NB, 16)), (BLOCK_M, BLOCK_N))
+    if SR:
+        return _e2m1_sr(x * ex, rm[:, None] * (tl.cdiv(N, 16) * 16) + rn[None, :], key)
+    return _e2m1_rne(x * ex)
+
+
+@triton.jit
+def _store_rows(q_ptr, sc_ptr, codes, byte, rm, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The 1 x 16 layout's packed codes into ``q`` (M, NP / 2) and scale bytes into ``sc`` (M, NP / 16)."""
+    NB: tl.constexpr = BLOCK_N // 16
+    np_ = tl.cdiv(N, 16) * 16
+    rh = (pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)).to(tl.int64)
+    tl.store(
+        q_ptr + rm[:, None] * (np_ // 2) + rh[None, :],
+        _pack(codes, BLOCK_M, BLOCK_N),
+        mask=(rm[:, None] < M) & (rh[None, :] < np_ // 2),
+    )
+    cb = (pid_n * NB + tl.arange(0, NB)).to(tl.int64)
+    tl.store(sc_ptr + rm[:, None] * (np_ // 16) + cb[None, :], byte, mask=(rm[:, None] < M) & (cb[None, :] < np_ // 16))
+
+
+@triton.jit
 def cast_nvfp4_kernel(
     x_ptr,
     s_ptr,
@@ -156,34 +194,16 @@ def cast_nvfp4_kernel(
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(s_ptr)
-    a = tl.abs(x)
-    is_nan = (a != a).to(tl.int32)
-    a = tl.where(is_nan > 0, 0.0, a)
-    ra = tl.max(tl.reshape(a, (BLOCK_M, NB, B)), axis=2)  # (BLOCK_M, NB) row-block amaxes
-    rnan = tl.max(tl.reshape(is_nan, (BLOCK_M, NB, B)), axis=2)
+    ra, rnan = _row_block_amax(x, BLOCK_M, BLOCK_N)
     if TILE2D:  # one amax per 16 x 16 tile (BLOCK_M == 16), on each of its rows
         ta = tl.max(ra, axis=0)
         tnan = tl.max(rnan, axis=0)
         ra = tl.broadcast_to(ta[None, :], (BLOCK_M, NB))
         rnan = tl.broadcast_to(tnan[None, :], (BLOCK_M, NB))
     byte, enc = _block_scale(ra, rnan > 0, s, SOFT_CAST)
-    ex = tl.reshape(tl.broadcast_to(enc[:, :, None], (BLOCK_M, NB, B)), (BLOCK_M, BLOCK_N))
-    np_ = tl.cdiv(N, B) * B
-    if SR:  # the element index on the quantized layout (M, NP): row * NP + column
-        codes = _e2m1_sr(x * ex, rm[:, None] * np_ + rn[None, :], key)
-    else:
-        codes = _e2m1_rne(x * ex)
+    codes = _row_codes(x, enc, rm, rn, N, key, SR, BLOCK_M, BLOCK_N)
     if ROW:
-        rh = (pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)).to(tl.int64)
-        tl.store(
-            q_ptr + rm[:, None] * (np_ // 2) + rh[None, :],
-            _pack(codes, BLOCK_M, BLOCK_N),
-            mask=(rm[:, None] < M) & (rh[None, :] < np_ // 2),
-        )
-        cb = (pid_n * NB + tl.arange(0, NB)).to(tl.int64)
-        tl.store(
-            sc_ptr + rm[:, None] * (np_ // B) + cb[None, :], byte, mask=(rm[:, None] < M) & (cb[None, :] < np_ // B)
-        )
+        _store_rows(q_ptr, sc_ptr, codes, byte, rm, pid_n, M, N, BLOCK_M, BLOCK_N)
     if COL:  # transpose_2d: the same codes along the rows, stored transposed; the tile scales per column
         mp = tl.cdiv(M, B) * B
         rt = (pid_m * (BLOCK_M // 2) + tl.arange(0, BLOCK_M // 2)).to(tl.int64)

@@ -34,30 +34,66 @@ def _pairs(x, G: tl.constexpr, H: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _rht_tile(t_ptr, sign_bits, pid_m, pid_n, M, N, stride_m, stride_n, BN: tl.constexpr):
-    """The transformed (16, BN) tile as float32, its rows, columns and in-bounds mask."""
+def _load16(t_ptr, pid_m, pid_n, M, N, stride_m, stride_n, BN: tl.constexpr):
+    """A (16, BN) tile of ``t`` as float32 (zeros outside it), its rows and columns (int64)."""
     rm = (pid_m * 16 + tl.arange(0, 16)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     x = tl.load(t_ptr + rm[:, None] * stride_m + rn[None, :] * stride_n, mask=mask, other=0.0).to(tl.float32)
+    return x, rm, rn
+
+
+@triton.jit
+def _rht(x, sign_bits, BN: tl.constexpr):
+    """``Q^T`` applied to the rows of a (16, BN) float32 tile: the butterfly, then +-1/4 per row."""
     x = _pairs(x, 1, 8, BN)
     x = _pairs(x, 2, 4, BN)
     x = _pairs(x, 4, 2, BN)
     x = _pairs(x, 8, 1, BN)
     row_sign = tl.where(((sign_bits >> tl.arange(0, 16)) & 1) > 0, -0.25, 0.25)
-    return x * row_sign[:, None], rm, rn
+    return x * row_sign[:, None]
+
+
+@triton.jit
+def _amax_bits(y):
+    """``max |y|`` of a 2-D tile as float32 bits (int32), 0x7FC00000 where it holds a NaN."""
+    a = tl.abs(y)
+    is_nan = a != a
+    top = tl.max(tl.max(tl.where(is_nan, 0.0, a), axis=1), axis=0)
+    has_nan = tl.max(tl.max(is_nan.to(tl.int32), axis=1), axis=0)
+    return tl.where(has_nan > 0, 0x7FC00000, top.to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _cast_rht_store(
+    y, s, rm, rn, pid_m, M, N, qt_ptr, st_ptr, key, SR: tl.constexpr, SOFT_CAST: tl.constexpr, BN: tl.constexpr
+):
+    """The transformed (16, BN) tile ``y`` cast with the tensor encode factor ``s``: each column one
+    1 x 16 block of the operand row ``c``, stored transposed into ``qt`` (N, MP/2) and ``st`` (N, MP/16)."""
+    a = tl.abs(y)
+    is_nan = (a != a).to(tl.int32)
+    ca = tl.max(tl.where(is_nan > 0, 0.0, a), axis=0)  # (BN,): one block per column
+    byte, enc = _block_scale(ca, tl.max(is_nan, axis=0) > 0, s, SOFT_CAST)
+    mp = tl.cdiv(M, 16) * 16
+    if SR:
+        codes = _e2m1_sr(y * enc[None, :], rn[None, :] * mp + rm[:, None], key)
+    else:
+        codes = _e2m1_rne(y * enc[None, :])
+    rt = (pid_m * 8 + tl.arange(0, 8)).to(tl.int64)
+    tl.store(
+        qt_ptr + rn[:, None] * (mp // 2) + rt[None, :],
+        _pack(tl.trans(codes), BN, 16),
+        mask=(rn[:, None] < N) & (rt[None, :] < mp // 2),
+    )
+    tl.store(st_ptr + rn * (mp // 16) + pid_m, byte, mask=rn < N)
 
 
 @triton.jit
 def rht_amax_kernel(t_ptr, amax_ptr, sign_bits, M, N, stride_m, stride_n, BLOCK_N: tl.constexpr):
     """``max |apply_rht(t)|`` as float32 bits, atomic max into ``*amax_ptr`` (int32, starts at 0);
     0x7FC00000 where the tile holds a NaN."""
-    y, rm, rn = _rht_tile(t_ptr, sign_bits, tl.program_id(0), tl.program_id(1), M, N, stride_m, stride_n, BLOCK_N)
-    a = tl.abs(y)
-    is_nan = a != a
-    top = tl.max(tl.max(tl.where(is_nan, 0.0, a), axis=1), axis=0)
-    has_nan = tl.max(tl.max(is_nan.to(tl.int32), axis=1), axis=0)
-    tl.atomic_max(amax_ptr, tl.where(has_nan > 0, 0x7FC00000, top.to(tl.int32, bitcast=True)))
+    x, _, _ = _load16(t_ptr, tl.program_id(0), tl.program_id(1), M, N, stride_m, stride_n, BLOCK_N)
+    tl.atomic_max(amax_ptr, _amax_bits(_rht(x, sign_bits, BLOCK_N)))
 
 
 @triton.jit
@@ -80,21 +116,6 @@ def cast_nvfp4_rht_kernel(
     (N, MP/16), MP = M padded to 16; ``s_ptr`` the tensor encode factor S; ``SR``: stochastic
     rounding with the stream ``key``."""
     pid_m = tl.program_id(0)
-    y, rm, rn = _rht_tile(t_ptr, sign_bits, pid_m, tl.program_id(1), M, N, stride_m, stride_n, BLOCK_N)
-    s = tl.load(s_ptr)
-    a = tl.abs(y)
-    is_nan = (a != a).to(tl.int32)
-    ca = tl.max(tl.where(is_nan > 0, 0.0, a), axis=0)  # (BLOCK_N,): one block per column
-    byte, enc = _block_scale(ca, tl.max(is_nan, axis=0) > 0, s, SOFT_CAST)
-    mp = tl.cdiv(M, 16) * 16
-    if SR:
-        codes = _e2m1_sr(y * enc[None, :], rn[None, :] * mp + rm[:, None], key)
-    else:
-        codes = _e2m1_rne(y * enc[None, :])
-    rt = (pid_m * 8 + tl.arange(0, 8)).to(tl.int64)
-    tl.store(
-        qt_ptr + rn[:, None] * (mp // 2) + rt[None, :],
-        _pack(tl.trans(codes), BLOCK_N, 16),
-        mask=(rn[:, None] < N) & (rt[None, :] < mp // 2),
-    )
-    tl.store(st_ptr + rn * (mp // 16) + pid_m, byte, mask=rn < N)
+    x, rm, rn = _load16(t_ptr, pid_m, tl.program_id(1), M, N, stride_m, stride_n, BLOCK_N)
+    y = _rht(x, sign_bits, BLOCK_N)
+    _cast_rht_store(y, tl.load(s_ptr), rm, rn, pid_m, M, N, qt_ptr, st_ptr, key, SR, SOFT_CAST, BLOCK_N)

@@ -121,9 +121,36 @@ class NVCodec(Codec):
         src, bits = t.detach(), rht_sign_bits(recipe.seed)
         s, decode = tensor_scales(kernels.rht_amax(src, bits))
         q, sc = kernels.cast_nvfp4_rht(src, s, bits, -1 if seed is None else sr_key(seed))
-        return BlockScaledData(
-            q.view(FP4X2), sc.view(E4M3), -(-t.shape[0] // NVFP4_BLOCK) * NVFP4_BLOCK, NVFP4_BLOCK, decode
-        )
+        return _wgrad_data(q, sc, t, decode)
+
+    def quantize_pair(
+        self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, both: bool
+    ) -> tuple[BlockScaledData, BlockScaledData | None]:
+        if not both:
+            return self.quantize(t, recipe, dtype), None
+        return self.quantize_pair_seeded(t, recipe, dtype, (None, None))
+
+    def quantize_pair_seeded(
+        self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seeds: tuple[int | None, int | None]
+    ) -> tuple[BlockScaledData, BlockScaledData]:
+        """``(quantize(t, seeds[0]), quantize_wgrad(t, seeds[1]))``, bit for bit; on CUDA from two
+        reads of ``t`` instead of four: one for both tensor amaxes (``kernels.nvfp4_dual_amax``),
+        one for both casts (``kernels.cast_nvfp4_dual``), where their first-use check passed."""
+        if not (t.dim() == 2 and 1 in t.stride() and kernels.available(t.device, "cast_nvfp4_dual", t)):
+            return self.quantize(t, recipe, dtype, seeds[0]), self.quantize_wgrad(t, recipe, dtype, seeds[1])
+        src, bits = t.detach(), rht_sign_bits(recipe.seed)
+        s, decode = tensor_scales(kernels.nvfp4_dual_amax(src, bits))
+        keys = (-1 if seed is None else sr_key(seed) for seed in seeds)
+        q, sc, qt, st = kernels.cast_nvfp4_dual(src, s, bits, *keys)
+        plain = BlockScaledData(q.view(FP4X2), sc.view(E4M3), t.shape[1], NVFP4_BLOCK, decode[0])
+        return plain, _wgrad_data(qt, st, t, decode[1])
+
+
+def _wgrad_data(q: torch.Tensor, sc: torch.Tensor, t: torch.Tensor, decode: torch.Tensor) -> BlockScaledData:
+    """The weight-gradient operand of ``t`` (M, C) from a kernel's bytes: (C, M padded to 16)."""
+    return BlockScaledData(
+        q.view(FP4X2), sc.view(E4M3), -(-t.shape[0] // NVFP4_BLOCK) * NVFP4_BLOCK, NVFP4_BLOCK, decode
+    )
 
 
 # The seeds are host integers; the state lives in a buffer (checkpoints, device moves). The

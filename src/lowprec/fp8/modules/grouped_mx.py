@@ -17,10 +17,10 @@ grad_input      dY_e along N, W_e^T along N                    its rows of one (
 grad_weight     dY_e^T along the group's rows, x_e^T likewise  its (N, K) slice of the gradient
 ==============  =============================================  ==============================
 
-Each operand's casts are the codec's (``Codec.quantize_pair``: on CUDA one kernel launch per group
-gives both of x_e's, and of dY_e's where neither is stochastically rounded; NVFP4's weight-gradient
-operands go through the random Hadamard transform as the codec's ``quantize_wgrad`` does). x_e^T is
-kept for grad_weight, as the Linear keeps it. grad_input's weight: MXFP8 casts W_e^T in the same
+Each operand's casts are the codec's (``Codec.quantize_pair``, ``quantize_pair_seeded`` for dY_e
+with its two rounding seeds: on CUDA one read per pass gives both of x_e's, and both of dY_e's;
+NVFP4's weight-gradient operands go through the random Hadamard transform as the codec's
+``quantize_wgrad`` does). x_e^T is kept for grad_weight, as the Linear keeps it. grad_input's weight: MXFP8 casts W_e^T in the same
 read as W_e and keeps it (1 + 1/32 bytes per weight element until backward, where the Linear
 re-reads the float32 Parameter); NVFP4 keeps the forward's 16x16 tiles, as the Linear does. Where
 FSDP or ZeRO-3 shards the weight (``sharding.recast_weight_in_backward``), backward keeps a
@@ -141,8 +141,8 @@ class _GroupedMXFn(torch.autograd.Function):
                 s_dgrad, s_wgrad = (cfg.seeds[e] or (None, None)) if cfg.seeds else (None, None)
                 dy_e, dytq = dy[start : start + n], None
                 if need_dgrad:
-                    if need_wgrad and s_dgrad is None and s_wgrad is None:  # both casts from one read
-                        dyq, dytq = codec.quantize_pair(dy_e, recipe, bwd, True)
+                    if need_wgrad:  # both casts, each with its own seed, from one read where the codec can
+                        dyq, dytq = codec.quantize_pair_seeded(dy_e, recipe, bwd, (s_dgrad, s_wgrad))
                     else:
                         dyq = codec.quantize(dy_e, recipe, bwd, s_dgrad)
                     mx_mm_into(

@@ -86,6 +86,18 @@ class Codec:
         q = self.quantize(t, recipe, dtype)
         return q, (self.quantize_wgrad(t, recipe, dtype) if both else None)
 
+    def quantize_pair_seeded(
+        self, t: torch.Tensor, recipe: Recipe, dtype: torch.dtype, seeds: tuple[int | None, int | None]
+    ) -> tuple[BlockScaledData, BlockScaledData]:
+        """``(quantize(t, seeds[0]), quantize_wgrad(t, seeds[1]))``: dY's casts for grad_input and
+        grad_weight, each with its own stochastic-rounding seed (None: round to nearest); a kind
+        may make both from one read. Without seeds, :meth:`quantize_pair`'s."""
+        if seeds == (None, None):
+            q, qt = self.quantize_pair(t, recipe, dtype, True)
+            assert qt is not None
+            return q, qt
+        return self.quantize(t, recipe, dtype, seeds[0]), self.quantize_wgrad(t, recipe, dtype, seeds[1])
+
 
 @dataclass(frozen=True)
 class _MXConfig:
@@ -177,8 +189,8 @@ class _MXLinearFn(torch.autograd.Function):
         first = None
         with torch_autocast_off(dy.device.type):
             dyq = dytq = None
-            if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and not (olp[1] or olp[2]) and seeds == (None, None):
-                dyq, dytq = codec.quantize_pair(dy, recipe, bwd, True)  # dY's two casts, one read where it can
+            if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] and not (olp[1] or olp[2]):
+                dyq, dytq = codec.quantize_pair_seeded(dy, recipe, bwd, seeds)  # dY's two casts, one read where it can
             if ctx.needs_input_grad[0]:
                 if olp[1]:
                     grad_x = torch.matmul(dy.to(hp), w_saved.to(hp))
