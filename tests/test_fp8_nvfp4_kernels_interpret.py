@@ -208,6 +208,22 @@ def test_the_self_check_agrees_on_its_probes():
         assert not selfcheck.run_checks(ops, reference, torch.device("cpu"), (cls,), ("cast_nvfp4", "cast_nvfp4_rht"))
 
 
+def test_the_two_pass_fallback_of_the_nvfp4_casts():
+    """The two-pass form (one store per launch) the first-use check switches a differing op to
+    on a GPU gives the torch path's bits too (one input class: the probes cost seconds each under
+    the interpreter; every class runs one pass in the tests above)."""
+    x = torch.empty(64, 128, dtype=torch.float32)
+    names = ("cast_nvfp4", "cast_nvfp4_dual")
+    cls = (torch.float32, True, True)
+    for name in names:
+        ops.set_two_pass(cls, name, True)
+    try:
+        assert all(ops.two_pass(name, x) for name in names)
+        assert not selfcheck.run_checks(ops, reference, torch.device("cpu"), (cls,), names)
+    finally:
+        ops._TWO_PASS.clear()
+
+
 def test_nvfp4_linear_through_the_kernel_is_bit_identical(monkeypatch, seed):
     """A whole NVFP4 Float8Linear fwd+bwd with its casts through the kernels as on CUDA (x, the
     weight's two layouts from one call, dY's stochastically rounded cast for grad_input, x^T and
