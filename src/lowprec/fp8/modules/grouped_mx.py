@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from lowprec.fp8.cast.mx import BlockScaledData
     from lowprec.fp8.recipes import Recipe
 
-__all__ = ["runs", "grouped_mx_gemms"]
+__all__ = ["runs", "grouped_mx_gemms", "expert_groups"]
 
 
 def runs(recipe: Recipe, x: torch.Tensor, weight: torch.Tensor, telemetry: bool, codec: Codec) -> bool:
@@ -82,7 +82,7 @@ class _Config:
     recast: bool  # keep the weight, not its casts (FSDP / ZeRO-3 sharding: fp8/modules/sharding.py)
 
 
-def _groups(counts: tuple[int, ...]):
+def expert_groups(counts: tuple[int, ...]):
     """(expert, first row, rows) of every expert holding tokens."""
     start = 0
     for e, n in enumerate(counts):
@@ -104,7 +104,7 @@ class _GroupedMXFn(torch.autograd.Function):
         with torch_autocast_off(x.device.type):
             x = x.contiguous()
             out = x.new_empty((x.shape[0], weight.shape[1]), dtype=cfg.hp_dtype)
-            for e, start, n in _groups(cfg.counts):
+            for e, start, n in expert_groups(cfg.counts):
                 xq, x_cols[e] = codec.quantize_pair(x[start : start + n], recipe, fwd, need_wgrad)
                 if codec.reuses_weight:  # NVFP4: the forward's 16x16 tiles serve grad_input transposed
                     wq = codec.quantize_weight(weight[e], recipe, fwd)
@@ -137,7 +137,7 @@ class _GroupedMXFn(torch.autograd.Function):
                 for e, n in enumerate(cfg.counts):
                     if not n:
                         grad_w[e].zero_()
-            for e, start, n in _groups(cfg.counts):
+            for e, start, n in expert_groups(cfg.counts):
                 s_dgrad, s_wgrad = (cfg.seeds[e] or (None, None)) if cfg.seeds else (None, None)
                 dy_e, dytq = dy[start : start + n], None
                 if need_dgrad:

@@ -54,6 +54,7 @@ from torch import nn
 from lowprec.fp8.modules.cast_state import cast_stats
 from lowprec.fp8.cast.formats import fp8_max
 from lowprec.fp8.modules.grouped import SIDE_PROBE, Float8GroupedGemm
+from lowprec.fp8.modules.grouped_mx import expert_groups
 from lowprec.fp8.modules.linear import Float8Linear
 from lowprec.fp8.modules.linear_fn import cast
 from lowprec.fp8.modules.mx_linear import block_stats
@@ -189,14 +190,6 @@ def side_cast(layer: Float8Linear, t: torch.Tensor, spec: OperandCast, contract:
     return dict(zip(STAT_FIELDS, stats.tolist())), deq
 
 
-def _starts(counts: tuple[int, ...]) -> list[int]:
-    starts, at = [], 0
-    for n in counts:
-        starts.append(at)
-        at += n
-    return starts
-
-
 def _worst(rows: list[dict[str, float]]) -> dict[str, float]:
     """Per-expert side statistics as one row (``telemetry.worst_expert``)."""
     return worst_expert(torch.tensor([[r[f] for f in STAT_FIELDS] for r in rows], dtype=torch.float64))
@@ -259,7 +252,7 @@ class HealthProbe:
             if not (self._outliers or self._sqnr) or not gemm.training:
                 return
             side = self._readings.setdefault(name, {}).setdefault("side", {})
-            groups = [(e, start, n) for e, (start, n) in enumerate(zip(_starts(counts), counts)) if n]
+            groups = list(expert_groups(counts))
             fp = gemm.recipe.plan().fprop
             with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
                 if groups and not fp.high_precision:
