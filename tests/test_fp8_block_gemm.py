@@ -40,7 +40,7 @@ def test_every_blockwise_gemm_passes_torchs_layout_checks():
     from lowprec.fp8.modules.linear_fn import cast as _cast
 
     recipe = fp8.Recipe.from_name("blockwise")
-    plan = recipe.plan()
+    plan = recipe.plan
     m, k, n = 256, 640, 384
     x, w, dy = (torch.empty(s, device="meta") for s in ((m, k), (n, k), (m, n)))
     gemms = {

@@ -294,7 +294,7 @@ def test_single_call_arguments_pass_torchs_own_checks():
     from lowprec.fp8.gemm.grouped import pack_2d3d
 
     recipe = fp8.Recipe.from_name("rowwise")
-    spec_x, spec_w = recipe.plan().fprop.casts
+    spec_x, spec_w = recipe.plan.fprop.casts
     from lowprec.fp8.modules.linear_fn import cast
 
     counts = (5, 0, 33, 16)

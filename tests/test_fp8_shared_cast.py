@@ -127,8 +127,8 @@ def test_other_scale_is_a_miss(monkeypatch):
         b.fp8_amax_history_input.fill_(100.0)
         b.fp8_scale_input.fill_(448.0 / 100.0)
     x = torch.randn(16, 64)
-    key_a = shared_cast.cast_key(a.recipe.plan().fprop.a, a.recipe, torch.tensor(448.0 / 4.0), False)
-    key_b = shared_cast.cast_key(b.recipe.plan().fprop.a, b.recipe, torch.tensor(448.0 / 100.0), False)
+    key_a = shared_cast.cast_key(a.recipe.plan.fprop.a, a.recipe, torch.tensor(448.0 / 4.0), False)
+    key_b = shared_cast.cast_key(b.recipe.plan.fprop.a, b.recipe, torch.tensor(448.0 / 100.0), False)
     assert key_a != key_b
     with fp8.autocast():
         a(x)

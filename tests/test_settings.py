@@ -120,7 +120,7 @@ def test_catalog_is_the_engine_recipes():
     for name, info in RECIPES.items():
         r = Recipe.from_name(name)
         assert r.scaling == info.scaling and r.name == name
-        plan = r.plan()
+        plan = r.plan
         gran = {
             Granularity.TENSOR: ("tensor",),
             Granularity.AXIS: ("axis",),

@@ -389,7 +389,7 @@ def _wire_for(recipe: Any, has_fp8_gemm: bool, operand: str, payload: str) -> _W
             f"({operand}: FP8 payloads only feed FP8 GEMMs)"
         )
         return _Wire("hp", torch.bfloat16)
-    plan = recipe.plan()
+    plan = recipe.plan
     gemm = plan.fprop if operand == "x" else plan.dgrad
     spec = None if gemm.high_precision else gemm.casts[0]
     if (

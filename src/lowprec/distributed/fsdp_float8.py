@@ -367,7 +367,7 @@ def enable_fsdp_float8_all_gather(model: nn.Module) -> int:
             continue
         r = m.recipe
         delayed = DelayedWeightScale(m) if r.kind.keeps_history else None
-        fprop_w, dgrad_w = r.plan().fprop.b, r.plan().dgrad.b
+        fprop_w, dgrad_w = r.plan.fprop.b, r.plan.dgrad.b
         rowwise = block = mx_rounding = None
         if fprop_w is not None and fprop_w.granularity == "mx32":  # MXFP8: E8M0 scales per 32
             mx_rounding = r.scale_rounding

@@ -56,7 +56,7 @@ def is_float8_input(x: Any) -> bool:
 class _Float8SequenceAllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mesh, dim: int, recipe, as_dtensor: bool):
-        fp8 = recipe.plan().fprop.a.dtype  # the dtype the colwise GEMMs cast x to
+        fp8 = recipe.plan.fprop.a.dtype  # the dtype the colwise GEMMs cast x to
         a = amax(x).reshape(1)
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=mesh.get_group())  # the whole tensor's amax
         scale = amax_to_scale(a[0], fp8, margin=recipe.margin, power_of_2=recipe.power_of_2_scales)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 from lowprec.catalog import FIELD_DEFAULTS, FIELD_MINIMUMS, RECIPE_NAMES, RECIPE_OPTIONS, check_int_field, recipe_info
@@ -139,6 +139,9 @@ class Recipe:
     seed: int = 0
     high_precision_last: float = 0.0
     name: str = field(default="", compare=False)
+    if TYPE_CHECKING:  # set in __post_init__; not fields at run time (left out of asdict, ==, repr)
+        kind: kinds.Kind = field(init=False)  # the scaling kind (lowprec/fp8/kinds/): what the engine asks
+        plan: LinearPlan = field(init=False)  # per-GEMM, per-operand casts: Float8Linear's dtype table
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -154,7 +157,7 @@ class Recipe:
             )
         set_("override_linear_precision", olp)
         kind = kinds.get(self.scaling)  # ValueError naming the known kinds
-        set_("_kind", kind)
+        set_("kind", kind)
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise ValueError(f"amax_compute_algo={self.amax_compute_algo!r}; use 'max' or 'most_recent'")
         for name in FIELD_MINIMUMS:  # the catalog's one range check per field
@@ -195,7 +198,7 @@ class Recipe:
             set_("name", self.scaling)
         # Built here, once: the fields are frozen, and Float8Linear reads the plan on every
         # call (a plain attribute, which torch.compile traces without a guard on a lock).
-        set_("_plan", self._build_plan())
+        set_("plan", self._build_plan())
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -220,17 +223,8 @@ class Recipe:
 
     # ------------------------------------------------------------------ derived
     @property
-    def kind(self) -> kinds.Kind:
-        """This recipe's scaling kind (``lowprec/fp8/kinds/``): what the engine asks."""
-        return self._kind  # type: ignore[attr-defined]  # set in __post_init__; not a field (asdict, ==)
-
-    @property
     def per_tensor(self) -> bool:
         return self.kind.per_tensor
-
-    def plan(self) -> LinearPlan:
-        """Per-GEMM, per-operand casts (the dtype table of Float8Linear); built once per recipe."""
-        return self._plan  # type: ignore[attr-defined]  # set in __post_init__; not a field (asdict, ==)
 
     def _build_plan(self) -> LinearPlan:
         g = [HIGH_PRECISION if hp else gc for gc, hp in zip(self.kind.gemms(self), self.override_linear_precision)]
@@ -239,7 +233,7 @@ class Recipe:
     def describe(self) -> str:
         """One line per GEMM, e.g. for reports and docs."""
         rows = []
-        plan = self.plan()
+        plan = self.plan
         for gemm in ("fprop", "dgrad", "wgrad"):
             gc: GemmCast = getattr(plan, gemm)
             if gc.high_precision:

@@ -86,7 +86,7 @@ class Blockwise(SingleCallGrouped, ScaledGemmKind):
     def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
         if self._grouped_eligible(recipe, False) and grouped_block_triton.may_run(device):  # no kernel runs
             wgrad = f"grad_weight per expert: {self.gemm_note(recipe, device)}"
-            if grouped_wgrad.may_run(device) and grouped_wgrad.takes_granularities(recipe.plan().wgrad.casts):
+            if grouped_wgrad.may_run(device) and grouped_wgrad.takes_granularities(recipe.plan.wgrad.casts):
                 wgrad = f"grad_weight of all experts in one launch of the {grouped_wgrad.KERNEL} (self-checked at first use)"
             return (
                 f"{grouped_block_triton.KERNEL} on {device.type}: the output and grad_input GEMMs of all experts in "

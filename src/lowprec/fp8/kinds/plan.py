@@ -7,6 +7,7 @@ A :class:`LinearPlan` is built once per recipe by its scaling kind (``fp8/kinds/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -31,11 +32,12 @@ class GemmCast:
     a: OperandCast | None
     b: OperandCast | None
 
-    @property
+    # cached: read on every call of a layer, computed once (a frozen dataclass's __dict__)
+    @cached_property
     def high_precision(self) -> bool:
         return self.a is None
 
-    @property
+    @cached_property
     def casts(self) -> tuple[OperandCast, OperandCast]:
         """``(a, b)`` of an FP8 GEMM (a high-precision one casts nothing)."""
         if self.a is None or self.b is None:

@@ -390,7 +390,7 @@ def grouped_scaled_gemms(
     histories inside the casts where they are written into one buffer per operand)."""
     if not any(counts):
         return x.new_zeros((0, weight.shape[1]), dtype=hp)
-    plan = recipe.plan()
+    plan = recipe.plan
     packed = _packs(plan, x, weight)
     cfg = GroupedConfig(recipe, plan, hp, counts, single_call, packed, not packed and _packs_axes(plan, x, weight))
     return GroupedScaledFn.apply(x, weight, cfg, states(packed))
@@ -405,7 +405,7 @@ class SingleCallGrouped(base.Kind):
 
     def _grouped_eligible(self, recipe: Recipe, telemetry: bool) -> bool:
         """A recipe a one-call grouped kernel can run: its GEMM path, its casts."""
-        return recipe.gemm in ("auto", "scaled_mm") and fits(recipe, recipe.plan(), telemetry)
+        return recipe.gemm in ("auto", "scaled_mm") and fits(recipe, recipe.plan, telemetry)
 
     def grouped_kernel_ready(self, device: torch.device) -> bool:
         """A one-call grouped kernel for this kind's operands runs on ``device`` (checked once)."""
@@ -423,7 +423,7 @@ class SingleCallGrouped(base.Kind):
         recipe: Recipe,
         hp: torch.dtype,
     ) -> torch.Tensor:
-        hp_wgrad = recipe.plan().wgrad.high_precision  # only where its casts pack (_axes_forward)
+        hp_wgrad = recipe.plan.wgrad.high_precision  # only where its casts pack (_axes_forward)
         # FSDP / ZeRO-3 shard the experts (force_recompute_fp8_weight_in_bwd auto), or asked: the
         # one-call path keeps the experts' weight casts until backward; each expert as a Linear
         # keeps a reference and casts again (the loop), as the dense layer does
@@ -431,7 +431,7 @@ class SingleCallGrouped(base.Kind):
         if (
             not recast
             and self.grouped_single_call(recipe, x.device, gemm.fp8_telemetry)
-            and (not hp_wgrad or _packs_axes(recipe.plan(), x, weight))
+            and (not hp_wgrad or _packs_axes(recipe.plan, x, weight))
         ):
             states = partial(self.grouped_cast_states, gemm, x, weight, counts, recipe)  # given `packed`
             return grouped_scaled_gemms(x, weight, counts, recipe, hp, True, states)
@@ -452,7 +452,7 @@ class SingleCallGrouped(base.Kind):
         return [CastState()] * len(counts)
 
     def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
-        plan = recipe.plan()
+        plan = recipe.plan
         eligible = self._grouped_eligible(recipe, False)
         triton = eligible and grouped_triton.may_run(device)  # no kernel runs for a note
         rest = f"grad_weight per expert: {self.gemm_note(recipe, device)}"

@@ -144,7 +144,7 @@ def cast_pair(
 class FnConfig:
     recipe: Recipe
     hp_dtype: torch.dtype
-    plan: LinearPlan  # recipe.plan(), built once per recipe
+    plan: LinearPlan  # recipe.plan, built once per recipe
     weight_cache: Any = None  # a frozen weight's cast store (fp8/modules/frozen.py), or None
     # keep the weight and the forward's scale, not its FP8 cast, for grad_input (fp8/modules/sharding.py)
     recast_weight: bool = False
@@ -251,7 +251,7 @@ def linear_gemms(
     layer: Float8Linear, x2: torch.Tensor, recipe: Recipe, hp: torch.dtype, state: CastState
 ) -> torch.Tensor:
     """``layer``'s output for 2-D ``x2`` through :class:`Float8LinearFn` (bias not added)."""
-    plan = recipe.plan()
+    plan = recipe.plan
     recast = recast_weight_in_backward(layer, layer.weight, recipe)  # sharded weight: no FP8 copy kept
     grads = torch.is_grad_enabled() and x2.requires_grad
     cache = None if recast else frozen_weight_cache(layer, layer.weight, recipe, plan, grads)
@@ -269,7 +269,7 @@ class ScaledGemmKind(base.Kind):
         return linear_gemms(layer, x2, recipe, hp, self.cast_state(layer, x2, recipe))
 
     def forward_weight_cast(self, layer: Float8Linear, recipe: Recipe) -> Float8Data | BlockScaledData:
-        fp = recipe.plan().fprop
+        fp = recipe.plan.fprop
         if self.keeps_history or fp.high_precision:
             return super().forward_weight_cast(layer, recipe)  # the refusal
         with torch.no_grad():

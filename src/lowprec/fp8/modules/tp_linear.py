@@ -70,7 +70,7 @@ def tp_forward(layer, x: torch.Tensor, recipe, hp: torch.dtype) -> torch.Tensor:
     x_local = x.to_local(grad_placements=[Partial()] if colwise else None)
     w_local = w.to_local()
     fwd = recipe.fp8_format.forward_dtype
-    pre = as_float8_data(x_local, recipe.plan().fprop.a.dtype, "tensor")  # an FP8-gathered sequence-parallel input
+    pre = as_float8_data(x_local, recipe.plan.fprop.a.dtype, "tensor")  # an FP8-gathered sequence-parallel input
     # one collective for both amaxes (a colwise input is replicated: the MAX leaves its amax as
     # it is); an input cast before its gather already carries the whole tensor's scale
     amaxes = torch.stack([amax(w_local)] if pre is not None else [amax(x_local), amax(w_local)])
@@ -80,7 +80,7 @@ def tp_forward(layer, x: torch.Tensor, recipe, hp: torch.dtype) -> torch.Tensor:
     state = CastState(layer.fp8_stats if layer.fp8_telemetry else None)
     # whole-tensor scales, handed in
     state.x_scale, state.w_scale = (pre.scale, scales[0]) if pre is not None else (scales[0], scales[1])
-    cfg = FnConfig(recipe, hp, recipe.plan(), recast_weight=recast_weight_in_backward(layer, w, recipe))  # FSDP2 x TP
+    cfg = FnConfig(recipe, hp, recipe.plan, recast_weight=recast_weight_in_backward(layer, w, recipe))  # FSDP2 x TP
     out = Float8LinearFn.apply(x2, w_local, cfg, state)
     out = out.reshape(*x_local.shape[:-1], w_local.shape[0])
     bias = layer.bias

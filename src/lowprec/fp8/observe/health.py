@@ -197,7 +197,7 @@ def _worst(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def _grad_cast(layer: Float8Linear) -> Optional[tuple[OperandCast, int]]:
     """dY's first FP8 cast in backward (what telemetry reports): grad_input's, else grad_weight's."""
-    plan = layer.recipe.plan()
+    plan = layer.recipe.plan
     if not plan.dgrad.high_precision:
         return plan.dgrad.casts[0], 1
     if not plan.wgrad.high_precision:
@@ -253,7 +253,7 @@ class HealthProbe:
                 return
             side = self._readings.setdefault(name, {}).setdefault("side", {})
             groups = list(expert_groups(counts))
-            fp = gemm.recipe.plan().fprop
+            fp = gemm.recipe.plan.fprop
             with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
                 if groups and not fp.high_precision:
                     spec_x, spec_w = fp.casts
@@ -304,7 +304,7 @@ class HealthProbe:
         """x's and W's would-be casts into ``got["side"]``; on a sampled step, the emulated FP8
         GEMM's output (None when the recipe runs the forward GEMM in high precision)."""
         side = got.setdefault("side", {})
-        fp = module.recipe.plan().fprop
+        fp = module.recipe.plan.fprop
         if fp.high_precision:
             return None
         spec_x, spec_w = fp.casts
