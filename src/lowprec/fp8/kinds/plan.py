@@ -7,7 +7,7 @@ A :class:`LinearPlan` is built once per recipe by its scaling kind (``fp8/kinds/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,17 +32,16 @@ class GemmCast:
     a: OperandCast | None
     b: OperandCast | None
 
-    # cached: read on every call of a layer, computed once (a frozen dataclass's __dict__)
-    @cached_property
-    def high_precision(self) -> bool:
-        return self.a is None
+    if TYPE_CHECKING:  # set in __post_init__, not fields; an FP8 GEMM's casts are (a, b), a high-precision one has none
+        high_precision: bool = field(init=False)
+        casts: tuple[OperandCast, OperandCast] = field(init=False)
 
-    @cached_property
-    def casts(self) -> tuple[OperandCast, OperandCast]:
-        """``(a, b)`` of an FP8 GEMM (a high-precision one casts nothing)."""
-        if self.a is None or self.b is None:
-            raise ValueError("a high-precision GEMM has no FP8 casts")
-        return self.a, self.b
+    def __post_init__(self) -> None:
+        # plain attributes, read on every call of a layer: no property call, and torch.compile
+        # traces an attribute read without a guard on a lock (functools.cached_property holds one)
+        object.__setattr__(self, "high_precision", self.a is None)
+        if self.a is not None and self.b is not None:
+            object.__setattr__(self, "casts", (self.a, self.b))
 
 
 def _same_cast(first: GemmCast, a: OperandCast | None, second: GemmCast, b: OperandCast | None, grans: tuple) -> bool:
