@@ -24,7 +24,7 @@ def _run(recipe, counts, x, w, dy, loop, hp=torch.float32, x_grad=True, w_grad=T
     gemm.fp8_telemetry = telemetry
     xt, wt = x.clone().requires_grad_(x_grad), w.clone().requires_grad_(w_grad)
     if loop:  # the per-expert loop every kind has: each expert an MXFP8 Linear
-        out = base.Kind.grouped_forward(recipe.kind, gemm, xt, wt, tuple(counts), recipe, hp)
+        out = base.Kind.grouped_forward(recipe.kind, base.GroupedCall(gemm, xt, wt, tuple(counts), recipe, hp))
     else:
         out = gemm(xt, wt, tuple(counts), recipe, hp)
     out.backward(dy.to(out.dtype))
@@ -113,8 +113,12 @@ def test_nvfp4_rounding_streams_advance_per_expert_as_the_loop_does(seed):
         for i, counts in enumerate(steps):
             g = torch.Generator().manual_seed(10 + i)
             x, dy = torch.randn(96, K, generator=g).requires_grad_(), torch.randn(96, N, generator=g)
-            fwd = base.Kind.grouped_forward if loop else lambda kind, m, *a: m(*a)
-            out = fwd(recipe.kind, gemm, x, w, counts, recipe, torch.float32)
+            if loop:
+                out = base.Kind.grouped_forward(
+                    recipe.kind, base.GroupedCall(gemm, x, w, counts, recipe, torch.float32)
+                )
+            else:
+                out = gemm(x, w, counts, recipe, torch.float32)
             out.backward(dy)
             grads.append((out.detach(), x.grad, w.grad.clone()))
             w.grad = None

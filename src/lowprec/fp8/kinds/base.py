@@ -25,6 +25,7 @@ single-call grouped kernel overrides it (``ScaledGemmKind``: ``torch._scaled_gro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import importlib
@@ -43,12 +44,27 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Kind",
+    "GroupedCall",
     "register",
     "unregister",
     "get",
     "names",
     "state_buffers",
 ]
+
+
+@dataclass(frozen=True)
+class GroupedCall:
+    """One call of a grouped expert GEMM module (``fp8/modules/grouped.py``): ``x`` (S, K) holds
+    ``counts[e]`` consecutive rows per expert ``e``, each group multiplied by ``weight[e].t()``
+    (``weight``: (E, N, K)), output in ``hp``; ``gemm`` holds the experts' state rows."""
+
+    gemm: Float8GroupedGemm
+    x: torch.Tensor
+    weight: torch.Tensor
+    counts: tuple[int, ...]
+    recipe: Recipe
+    hp: torch.dtype
 
 
 class Kind:
@@ -123,21 +139,13 @@ class Kind:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ grouped expert GEMMs
-    def grouped_forward(
-        self,
-        gemm: Float8GroupedGemm,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        counts: tuple[int, ...],
-        recipe: Recipe,
-        hp: torch.dtype,
-    ) -> torch.Tensor:
-        """``(S, N)``: ``x`` (S, K) holds ``counts[e]`` consecutive rows per expert ``e``; each
-        group is multiplied by ``weight[e].t()`` (``weight``: (E, N, K)). By default each
+    def grouped_forward(self, call: GroupedCall) -> torch.Tensor:
+        """``(S, N)``, the experts' outputs (see :class:`GroupedCall`). By default each
         non-empty expert runs :meth:`forward` on its slot (``gemm.slot(e, weight[e])``): the
         Linear's casts with scales of its own (a token group never shares one with another
         expert's tokens), its state row, the FP8 copies it keeps for backward, its GEMM path;
         an empty expert runs nothing."""
+        gemm, x, weight, counts, recipe, hp = call.gemm, call.x, call.weight, call.counts, call.recipe, call.hp
         outs = []
         # unbind / split, not weight[e] / x[a:b]: their backward stacks (concatenates) the experts'
         # gradients once; a select / slice per expert would make each expert's gradient a zero

@@ -43,7 +43,6 @@ from lowprec.fp8.cast.quantize import Float8Data
 from lowprec.fp8.cast.scaling import delayed_scale_step
 
 if TYPE_CHECKING:
-    from lowprec.fp8.modules.grouped import Float8GroupedGemm
     from lowprec.fp8.modules.linear import Float8Linear
     from lowprec.fp8.recipes import Recipe
 
@@ -239,15 +238,7 @@ class Delayed(Tensorwise):
         mode = "replay" if recomputing() else "fused" if _fused(layer, x2, recipe) else "eager"
         return DelayedCastState(layer, recipe, x2, mode, stats)
 
-    def grouped_cast_states(
-        self,
-        gemm: Float8GroupedGemm,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        counts: tuple[int, ...],
-        recipe: Recipe,
-        packed: bool,
-    ) -> list[CastState]:
+    def grouped_cast_states(self, call: base.GroupedCall, packed: bool) -> list[CastState]:
         """Per expert holding tokens, the :class:`DelayedCastState` of its slot (its row of each
         buffer), as the per-expert loop makes it: replaying in a recompute, the update inside
         the casts where they are written into one buffer per operand (``packed``), else the
@@ -257,10 +248,11 @@ class Delayed(Tensorwise):
         mode = "replay" if recomputing() else "fused" if packed else "eager"
         states: list[CastState] = []
         with torch.no_grad():  # the updates read amaxes only
-            experts, groups = weight.unbind(0), x.split(list(counts))
-            for e, n in enumerate(counts):
+            experts, groups = call.weight.unbind(0), call.x.split(list(call.counts))
+            for e, n in enumerate(call.counts):
+                slot = call.gemm.slot(e, experts[e]) if n else None
                 states.append(
-                    DelayedCastState(gemm.slot(e, experts[e]), recipe, groups[e], mode, None) if n else CastState()
+                    CastState() if slot is None else DelayedCastState(slot, call.recipe, groups[e], mode, None)
                 )
         return states
 

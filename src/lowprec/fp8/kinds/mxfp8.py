@@ -22,7 +22,6 @@ from lowprec.fp8.modules.sharding import recast_weight_in_backward
 from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 
 if TYPE_CHECKING:
-    from lowprec.fp8.modules.grouped import Float8GroupedGemm
     from lowprec.fp8.modules.linear import Float8Linear
     from lowprec.fp8.cast.quantize import Float8Data
     from lowprec.fp8.recipes import Recipe
@@ -80,26 +79,17 @@ class Microscaled(base.Kind):
         with torch.no_grad():
             return self.codec.quantize_weight(layer.gemm_weight(), recipe, recipe.fp8_format.forward_dtype)
 
-    def grouped_forward(
-        self,
-        gemm: Float8GroupedGemm,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        counts: tuple[int, ...],
-        recipe: Recipe,
-        hp: torch.dtype,
-    ) -> torch.Tensor:
+    def grouped_forward(self, call: base.GroupedCall) -> torch.Tensor:
         """All experts in one autograd function (``fp8/modules/grouped_mx.py``: each cast read
         once, every GEMM writing its rows or slice in place) where it runs; else the loop."""
-        if grouped_mx.runs(recipe, x, weight, gemm.fp8_telemetry, self.codec):
-            seeds = self.grouped_seeds(gemm, weight, counts, recipe)
-            recast = recast_weight_in_backward(gemm, weight, recipe)
-            return grouped_mx.grouped_mx_gemms(x, weight, counts, recipe, hp, self.codec, seeds, recast)
-        return super().grouped_forward(gemm, x, weight, counts, recipe, hp)
+        recipe, x, weight = call.recipe, call.x, call.weight
+        if grouped_mx.runs(recipe, x, weight, call.gemm.fp8_telemetry, self.codec):
+            seeds = self.grouped_seeds(call)
+            recast = recast_weight_in_backward(call.gemm, weight, recipe)
+            return grouped_mx.grouped_mx_gemms(x, weight, call.counts, recipe, call.hp, self.codec, seeds, recast)
+        return super().grouped_forward(call)
 
-    def grouped_seeds(
-        self, gemm: Float8GroupedGemm, weight: torch.Tensor, counts: tuple[int, ...], recipe: Recipe
-    ) -> list[tuple[int, int] | None] | None:
+    def grouped_seeds(self, call: base.GroupedCall) -> list[tuple[int, int] | None] | None:
         """Each expert's stochastic-rounding seeds for dY's two casts, as its ``forward`` takes
         them (None: round to nearest)."""
         return None

@@ -39,7 +39,6 @@ from lowprec.fp8.kinds.plan import GemmCast, OperandCast
 from lowprec.fp8.state_epoch import state_epoch
 
 if TYPE_CHECKING:
-    from lowprec.fp8.modules.grouped import Float8GroupedGemm
     from lowprec.fp8.modules.linear import Float8Linear
     from lowprec.fp8.recipes import Recipe
 
@@ -232,12 +231,11 @@ class NVFP4(Microscaled):
         layer.__dict__["_nvfp4_advanced"] = not recomputing()
         return _stream_seed(recipe, index, step, 0), _stream_seed(recipe, index, step, 1)
 
-    def grouped_seeds(
-        self, gemm: Float8GroupedGemm, weight: torch.Tensor, counts: tuple[int, ...], recipe: Recipe
-    ) -> list[tuple[int, int] | None] | None:
+    def grouped_seeds(self, call: base.GroupedCall) -> list[tuple[int, int] | None] | None:
         """Each expert holding tokens advances its own stream, in expert order, as the per-expert
         loop's ``forward`` calls do."""
-        return [self._seeds(gemm.slot(e, weight[e]), recipe) if n else None for e, n in enumerate(counts)]
+        gemm, weight = call.gemm, call.weight
+        return [self._seeds(gemm.slot(e, weight[e]), call.recipe) if n else None for e, n in enumerate(call.counts)]
 
 
 base.register(NVFP4())

@@ -44,6 +44,7 @@ from torch import nn
 
 from lowprec.fp8.gemm import compile_guard
 from lowprec.fp8.modules.autocast import torch_autocast_off
+from lowprec.fp8.kinds.base import GroupedCall
 from lowprec.fp8.modules.linear import bump_state_epoch
 from lowprec.guard_moves import GEMMS as GEMM_NAMES
 
@@ -174,9 +175,10 @@ class Float8GroupedGemm(nn.Module):
                 f"{tuple(weight.shape)} weight"
             )
         try:
+            call = GroupedCall(self, x, weight, counts, recipe, hp)
             if torch.compiler.is_compiling() and compile_guard.keeps_eager():  # LOWPREC_COMPILE_FP8=0
-                return compile_guard.run_eagerly(recipe.kind.grouped_forward, self, x, weight, counts, recipe, hp)
-            return recipe.kind.grouped_forward(self, x, weight, counts, recipe, hp)
+                return compile_guard.run_eagerly(recipe.kind.grouped_forward, call)
+            return recipe.kind.grouped_forward(call)
         finally:  # the slots held views of this call's weight: let them go with the call
             for s in self._slots:
                 s.__dict__.pop("weight", None)

@@ -94,7 +94,6 @@ from lowprec.fp8.cast.quantize import Float8Data
 from lowprec.fp8.modules.saved import save_operands, saved_operands
 
 if TYPE_CHECKING:
-    from lowprec.fp8.modules.grouped import Float8GroupedGemm
     from lowprec.fp8.recipes import Recipe
 
 __all__ = ["GroupedConfig", "GroupedScaledFn", "grouped_scaled_gemms", "fits", "SingleCallGrouped"]
@@ -414,15 +413,8 @@ class SingleCallGrouped(base.Kind):
     def grouped_single_call(self, recipe: Recipe, device: torch.device, telemetry: bool) -> bool:
         return self._grouped_eligible(recipe, telemetry) and self.grouped_kernel_ready(device)
 
-    def grouped_forward(
-        self,
-        gemm: Float8GroupedGemm,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        counts: tuple[int, ...],
-        recipe: Recipe,
-        hp: torch.dtype,
-    ) -> torch.Tensor:
+    def grouped_forward(self, call: base.GroupedCall) -> torch.Tensor:
+        gemm, x, weight, counts, recipe, hp = call.gemm, call.x, call.weight, call.counts, call.recipe, call.hp
         hp_wgrad = recipe.plan.wgrad.high_precision  # only where its casts pack (_axes_forward)
         # FSDP / ZeRO-3 shard the experts (force_recompute_fp8_weight_in_bwd auto), or asked: the
         # one-call path keeps the experts' weight casts until backward; each expert as a Linear
@@ -433,23 +425,15 @@ class SingleCallGrouped(base.Kind):
             and self.grouped_single_call(recipe, x.device, gemm.fp8_telemetry)
             and (not hp_wgrad or _packs_axes(recipe.plan, x, weight))
         ):
-            states = partial(self.grouped_cast_states, gemm, x, weight, counts, recipe)  # given `packed`
+            states = partial(self.grouped_cast_states, call)  # given `packed`
             return grouped_scaled_gemms(x, weight, counts, recipe, hp, True, states)
-        return super().grouped_forward(gemm, x, weight, counts, recipe, hp)
+        return super().grouped_forward(call)
 
-    def grouped_cast_states(
-        self,
-        gemm: Float8GroupedGemm,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        counts: tuple[int, ...],
-        recipe: Recipe,
-        packed: bool,
-    ) -> list[CastState]:
+    def grouped_cast_states(self, call: base.GroupedCall, packed: bool) -> list[CastState]:
         """Per expert, what :class:`GroupedScaledFn` asks for the scales handed in and the state
         to update (as :meth:`ScaledGemmKind.cast_state` for a Linear); ``packed``: the casts are
         written into one buffer per operand. Current scaling: nothing handed in, nothing kept."""
-        return [CastState()] * len(counts)
+        return [CastState()] * len(call.counts)
 
     def grouped_note(self, recipe: Recipe, device: torch.device) -> str:
         plan = recipe.plan
