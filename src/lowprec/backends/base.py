@@ -37,10 +37,11 @@ logger = logging.getLogger("lowprec")
 _LOGGED: set[str] = set()
 
 
-def log_once(message: str) -> None:
+def log_once(message: str, level: int = logging.WARNING) -> None:
+    """Log ``message`` to the ``lowprec`` logger the first time this process sees it."""
     if message not in _LOGGED:
         _LOGGED.add(message)
-        logger.warning(message)
+        logger.log(level, message)
 
 
 @dataclass(frozen=True)
