@@ -90,7 +90,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowprec.backends.base import log_once
+from lowprec.logs import log_once
 from lowprec.fp8.modules.experts import GEMM_PREFIX, Float8Experts, combine, expert_rows, route
 from lowprec.fp8.modules.linear_fn import cast
 from lowprec.fp8.cast.formats import fp8_max

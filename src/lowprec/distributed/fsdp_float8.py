@@ -80,7 +80,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from lowprec.backends.base import log_once
+from lowprec.logs import log_once
 from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.fp8.modules.gathered import Float8GatheredWeight
 from lowprec.fp8.modules.linear import Float8Linear
