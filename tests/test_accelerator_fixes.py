@@ -135,7 +135,7 @@ def test_load_state_on_another_num_processes_and_warns_on_missing_rng(tmp_path, 
     on 1, with one line about the random states it takes."""
     import json
 
-    from lowprec.backends.base import _LOGGED
+    from lowprec.logs import _LOGGED
 
     _LOGGED.clear()
     acc, model, opt = _trained(tmp_path)

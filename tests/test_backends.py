@@ -20,7 +20,7 @@ from torch import nn
 import lowprec.fp8 as fp8
 from lowprec import Accelerator
 from lowprec.backends import select_backend
-from lowprec.backends.base import _LOGGED
+from lowprec.logs import _LOGGED
 from lowprec.backends.engines import msamp as msamp_engine
 from lowprec.kwargs import AORecipeKwargs, MSAMPRecipeKwargs, NativeRecipeKwargs, TERecipeKwargs
 

@@ -512,10 +512,11 @@ def test_model_without_fp8_experts_is_refused():
 
 
 def test_unsupported_recipe_falls_back_to_bf16_with_one_log_line(caplog):
+    from lowprec import logs
     from lowprec.distributed import expert_parallel as ep
     from lowprec.fp8.recipes import Recipe
 
-    ep._LOGGED.clear()
+    logs._LOGGED.clear()  # expert parallelism logs through logs.log_once
     with caplog.at_level(logging.WARNING, logger="lowprec"):
         for _ in range(2):
             wire = ep._wire_for(Recipe.from_name("delayed"), True, "x", "fp8")

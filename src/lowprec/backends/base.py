@@ -16,7 +16,6 @@ plus ``plain_state_dict(sd)`` for :meth:`Accelerator.save_model`.
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ContextManager, Optional, Protocol, runtime_checkable
 
@@ -30,17 +29,7 @@ __all__ = [
     "BaseBackend",
     "remap_optimizer_params",
     "named_params",
-    "log_once",
 ]
-
-logger = logging.getLogger("lowprec")
-_LOGGED: set[str] = set()
-
-
-def log_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logger.warning(message)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from lowprec.backends.base import Backend, log_once
+from lowprec.backends.base import Backend
+from lowprec.logs import log_once
 from lowprec.backends.spec import BackendSpec, get_spec, lookup, specs
 from lowprec.decision import Decision
 from lowprec.fp8_kwargs import FP8RecipeKwargs, RecipeKwargs

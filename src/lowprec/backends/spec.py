@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 from lowprec.catalog import RECIPE_OPTIONS
 from lowprec.errors import did_you_mean
 from lowprec.backends import availability
-from lowprec.backends.base import log_once
+from lowprec.logs import log_once
 from lowprec.catalog import TE_SWITCHES, recipes_markdown
 
 __all__ = [

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from lowprec.backends.base import log_once
+from lowprec.logs import log_once
 from lowprec.distributed.expert_parallel import expert_parallel_names
 from lowprec.durable import fsync_dir, fsync_tree, os_error_of, owner_alive, temp_suffix
 from lowprec.checkpoint.serialization import (

@@ -83,7 +83,6 @@ reason. Limits: no tensor parallelism inside an expert-parallel group; ``to_expe
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -91,6 +90,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowprec.logs import log_once
 from lowprec.fp8.modules.experts import GEMM_PREFIX, Float8Experts, combine, expert_rows, route
 from lowprec.fp8.modules.linear_fn import cast
 from lowprec.fp8.cast.formats import fp8_max
@@ -108,16 +108,8 @@ __all__ = [
     "slice_expert_optimizer_state",
 ]
 
-logger = logging.getLogger("lowprec")
-_LOGGED: set[str] = set()
 PAYLOADS = ("fp8", "bf16")
 COMBINES = ("hp", "bf16", "fp8")
-
-
-def _log_once(msg: str) -> None:
-    if msg not in _LOGGED:
-        _LOGGED.add(msg)
-        logger.warning(msg)
 
 
 @dataclass
@@ -384,7 +376,7 @@ def _wire_for(recipe: Any, has_fp8_gemm: bool, operand: str, payload: str) -> _W
     if payload == "bf16" or recipe is None:
         return _Wire("hp", torch.bfloat16)
     if not has_fp8_gemm:
-        _log_once(
+        log_once(
             "lowprec expert parallelism: a projection kept in high precision receives its rows in bf16 "
             f"({operand}: FP8 payloads only feed FP8 GEMMs)"
         )
@@ -398,7 +390,7 @@ def _wire_for(recipe: Any, has_fp8_gemm: bool, operand: str, payload: str) -> _W
         or spec.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)
         or spec.granularity not in ("tensor", "axis")
     ):
-        _log_once(
+        log_once(
             f"lowprec expert parallelism: recipe {recipe.name!r}: token rows ({operand}) travel in bf16 "
             "(FP8 dispatch supports tensor- and row-scaled casts without amax history: tensorwise, rowwise)"
         )
@@ -565,7 +557,7 @@ def run_experts_parallel(
     if dy_wire.mode != "hp" and (layout.bias or layout.post_norm):
         # the down projection's bias / the post-norm read the same gradient outside the FP8 GEMM:
         # FP8 rows would round their gradients (measured 2-6% off on gpt-oss's down_proj_bias)
-        _log_once(
+        log_once(
             f"lowprec expert parallelism: {type(module).__name__} has a down-projection bias or a post-expert "
             "norm: its output gradient rows travel in their own dtype, not FP8 (the bias/norm gradient reads them)"
         )

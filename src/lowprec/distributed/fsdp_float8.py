@@ -80,6 +80,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from lowprec.logs import log_once
 from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.fp8.modules.gathered import Float8GatheredWeight
 from lowprec.fp8.modules.linear import Float8Linear
@@ -97,8 +98,6 @@ __all__ = [
     "install_counting_all_gather",
 ]
 
-logger = logging.getLogger("lowprec")
-_FALLBACK_LOGGED: set[str] = set()
 
 # FSDP2 pads, slices, copies and moves the sharded tensor: those keep the wrapper (torchao's
 # list); anything else (optimizer math, amax) runs on the plain high-precision tensor
@@ -193,9 +192,7 @@ class Float8AllGatherWeight(torch.Tensor):
         if pre is not None and pre[1] == self._tensor._version:
             return pre[0]
         why = "first step" if pre is None else "the weight changed after its amax was precomputed"
-        if why not in _FALLBACK_LOGGED:
-            _FALLBACK_LOGGED.add(why)
-            logger.info("lowprec: FSDP2 FP8 all-gather: one amax all-reduce per weight (%s)", why)
+        log_once(f"lowprec: FSDP2 FP8 all-gather: one amax all-reduce per weight ({why})", logging.INFO)
         a = amax(self._rounded()).reshape(1)
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=mesh.get_group())
         return a[0]

@@ -6,6 +6,7 @@ whose golden loss curves and resume format predate this module."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -151,27 +152,18 @@ def run_data(cfg: Any, acc: Any):
 
     # the processes of one tensor-parallel group read the same batches
     rank, world = data_shard(acc.parallelism_config, acc.process_index, acc.num_processes, acc.device.type)
-    loader = TokenBatches(
-        train_ds,
-        cfg.micro_batch_size,
-        cfg.sequence_len,
+    batches = functools.partial(
+        TokenBatches,
+        batch_size=cfg.micro_batch_size,
+        seq_len=cfg.sequence_len,
         seed=cfg.seed,
         rank=rank,
         world_size=world,
-        names=DATA_KEYS,
     )
+    loader = batches(train_ds, names=DATA_KEYS)
     val_loader = None
     if val_ds is not None:
-        val_loader = TokenBatches(
-            val_ds,
-            cfg.micro_batch_size,
-            cfg.sequence_len,
-            seed=cfg.seed,
-            rank=rank,
-            world_size=world,
-            shuffle=False,
-            names={**DATA_KEYS, "batch_size": "micro_batch_size (validation)"},
-        )
+        val_loader = batches(val_ds, shuffle=False, names={**DATA_KEYS, "batch_size": "micro_batch_size (validation)"})
     if acc.is_main_process:
         logger.info(
             "lowprec: data %s: %d train tokens, %d validation tokens, fingerprint %s",

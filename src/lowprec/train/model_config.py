@@ -21,8 +21,9 @@ def round_up(n: int, multiple: int = GEMM_MULTIPLE) -> int:
     return -(-int(n) // multiple) * multiple
 
 
+_TINY: dict[str, Any] = dict(vocab_size=272, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=512)
 _PRESETS: dict[str, dict[str, Any]] = {
-    "llama-tiny": dict(vocab_size=272, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=512),
+    "llama-tiny": _TINY,
     "llama-small": dict(vocab_size=272, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1408, max_seq_len=1024),
     "llama-base": dict(vocab_size=272, dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=3072, max_seq_len=2048),
     # Llama-3.2-1B: same widths, GQA 32/8, rope_theta 5e5, tied embeddings.
@@ -36,17 +37,8 @@ _PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=4096,
         rope_theta=500000.0,
     ),
-    "moe-tiny": dict(
-        vocab_size=272,
-        dim=128,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=192,
-        max_seq_len=512,
-        n_experts=8,
-        experts_per_token=2,
-    ),
+    # llama-tiny's shape with 8 experts (top-2), each half as wide
+    "moe-tiny": dict(_TINY, ffn_dim=192, n_experts=8, experts_per_token=2),
 }
 MODEL_NAMES = tuple(_PRESETS)
 

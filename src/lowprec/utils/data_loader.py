@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from lowprec.backends.base import log_once
+from lowprec.logs import log_once
 from lowprec.utils.aliases import alias
 from lowprec.utils.operations import send_to_device
 from lowprec.utils.random import synchronize_rng_states

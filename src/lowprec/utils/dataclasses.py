@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Any, Callable, Optional
 
 from lowprec.kwargs import KwargsHandler
-from lowprec.backends.base import log_once
+from lowprec.logs import log_once
 from lowprec.config.values import parse_bool
 from lowprec.utils.imports import is_torchdata_stateful_dataloader_available
 

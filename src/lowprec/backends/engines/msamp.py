@@ -23,7 +23,8 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lowprec.backends.base import BaseBackend, PrepareContext, log_once
+from lowprec.backends.base import BaseBackend, PrepareContext
+from lowprec.logs import log_once
 from lowprec.backends.engines.native import NativeBackend
 from lowprec.fp8.recipes import Recipe
 from lowprec.kwargs import MSAMPRecipeKwargs

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from lowprec import fp8
-from lowprec.backends.base import BaseBackend, PrepareContext, log_once
+from lowprec.backends.base import BaseBackend, PrepareContext
+from lowprec.logs import log_once
 from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.distributed.amax_sync import reduce_delayed_amaxes
 from lowprec.distributed.fsdp_float8 import enable_fsdp_float8_all_gather, precompute_float8_scales_for_fsdp

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lowprec.backends.base import log_once
+from lowprec.logs import log_once
 from lowprec.fp8.modules.conv1d import is_conv1d
 from lowprec.fp8.modules.experts import experts_layout
 

@@ -17,7 +17,8 @@ from typing import Any, ContextManager, Optional
 import torch
 from torch import nn
 
-from lowprec.backends.base import BaseBackend, PrepareContext, log_once
+from lowprec.backends.base import BaseBackend, PrepareContext
+from lowprec.logs import log_once
 from lowprec.backends.engines.native import NativeBackend
 from lowprec.backends.engines.shared import note_unconverted_conv1d
 from lowprec.backends.spec import get_spec

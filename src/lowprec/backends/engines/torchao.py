@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from torch import nn
 
-from lowprec.backends.base import BaseBackend, PrepareContext, log_once
+from lowprec.backends.base import BaseBackend, PrepareContext
+from lowprec.logs import log_once
 from lowprec.backends.engines.native import NativeBackend
 from lowprec.backends.engines.shared import note_unconverted_conv1d
 from lowprec.fp8 import default_module_filter

@@ -6,15 +6,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from lowprec import guard_settings
 from lowprec.catalog import RECIPE_NAMES, unread_recipe_fields
-from lowprec.guard_settings import (
-    check_recover_needs_act,
-    check_scope_needs_act,
-    check_thresholds,
-    guard_mode,
-    guard_scope,
-    health_on,
-)
 from lowprec.train.config.base import StrictModel, yaml_text
 
 __all__ = ["FP8RecipeSpec", "PrecisionKeys", "yaml_spelling"]
@@ -136,29 +129,29 @@ class PrecisionKeys(StrictModel):
     @field_validator("fp8_guard")
     @classmethod
     def _guard(cls, v: Union[str, bool]) -> str:
-        return guard_mode(v, yaml_spelling)
+        return guard_settings.guard_mode(v, yaml_spelling)
 
     @field_validator("fp8_guard_scope", mode="before")
     @classmethod
     def _scope(cls, v: Any) -> str:
-        return guard_scope(v, yaml_spelling)
+        return guard_settings.guard_scope(v, yaml_spelling)
 
     @field_validator("fp8_guard_thresholds")
     @classmethod
     def _thresholds(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
-        check_thresholds(v)
+        guard_settings.check_thresholds(v)
         return v
 
     @model_validator(mode="after")
     def _recover_needs_act(self) -> "PrecisionKeys":
-        check_recover_needs_act(self.fp8_guard_recover_after, self.fp8_guard, yaml_spelling)
-        check_scope_needs_act(self.fp8_guard_scope, self.fp8_guard, yaml_spelling)
+        guard_settings.check_recover_needs_act(self.fp8_guard_recover_after, self.fp8_guard, yaml_spelling)
+        guard_settings.check_scope_needs_act(self.fp8_guard_scope, self.fp8_guard, yaml_spelling)
         return self
 
     @property
     def fp8_health_on(self) -> bool:
         """Health signals are recorded: fp8_health: true, or by default with a guard."""
-        return health_on(self.fp8_guard, self.fp8_health)
+        return guard_settings.health_on(self.fp8_guard, self.fp8_health)
 
     @field_validator("fp8_recipe")
     @classmethod
