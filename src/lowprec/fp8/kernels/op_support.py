@@ -109,10 +109,10 @@ def _fp8_args(fp8_dtype: torch.dtype, soft_cast: bool | None = None) -> dict:
     )
 
 
-def _filled(*outputs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """``outputs`` with each None replaced by the first given one: a kernel takes a pointer for
-    every output, and writes only those its flags ask for."""
-    first = next(t for t in outputs if t is not None)
+def _filled(*outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``outputs`` with each None replaced by the first given one (all None where none is): a
+    kernel takes a pointer for every output, and writes only those its flags ask for."""
+    first = next((t for t in outputs if t is not None), None)
     return tuple(first if t is None else t for t in outputs)
 
 
