@@ -30,30 +30,8 @@ from lowprec.fp8.kernels import reference
 from lowprec.fp8.kernels.classes import INPUT_DTYPES
 from lowprec.fp8.kernels.select import DISABLE_ENV, available
 
-__all__ = [
-    "available",
-    "DISABLE_ENV",
-    "cast_transpose_amax",
-    "cast_amax",
-    "cast_into",
-    "cast_rowwise",
-    "amax",
-    "amax_cols",
-    "cast_rowwise_dual",
-    "cast_cols_t",
-    "cast_rowwise_into",
-    "recast_if_changed",
-    "delayed_scale_update",
-    "reference",
-    "cast_block_1d",
-    "cast_block_2d",
-    "cast_mx",
-    "cast_nvfp4",
-    "rht_amax",
-    "cast_nvfp4_rht",
-    "nvfp4_dual_amax",
-    "cast_nvfp4_dual",
-]
+# the dispatching form of every torch-path function, by the same name
+__all__ = ["available", "DISABLE_ENV", "reference", *reference.__all__]
 
 
 def _ops():

@@ -1,8 +1,8 @@
 """What the ``torch.library`` operators around the Triton kernels share (:mod:`.ops`,
 :mod:`.ops_nvfp4`; imports triton: load lazily): the operator decorator (opaque custom ops whose
 fake runs the body without launching, or ``triton_op`` with ``LOWPREC_INDUCTOR_KERNELS=1``: see
-:mod:`.ops`), whether the kernels run in Triton's interpreter, and the (input class, op) pairs
-that run as two passes after a device self-check.
+:mod:`.ops`), whether the kernels run in Triton's interpreter, the (input class, op) pairs
+that run as two passes after a device self-check, and the launch arguments the cast kernels share.
 """
 
 from __future__ import annotations
@@ -91,6 +91,37 @@ def interpreting() -> bool:
     """True when the kernels run in Triton's CPU interpreter (tests): use the software FP8
     convert, since the interpreter's own is not round-to-nearest-even."""
     return _INTERPRETED
+
+
+def _dims(x: torch.Tensor) -> tuple[int, ...]:
+    """``(rows, cols, row stride, column stride)`` of a 2-D ``x``: the ``M, N, stride_xm, stride_xn``
+    every cast kernel takes after its pointers."""
+    return (*x.shape, *x.stride())
+
+
+def _fp8_args(fp8_dtype: torch.dtype, soft_cast: bool | None = None) -> dict:
+    """The format constants of the FP8 cast kernels: ``FP8_MAX``, ``E4M3`` and ``SOFT_CAST`` (the
+    software convert, by default under the interpreter)."""
+    return dict(
+        FP8_MAX=fp8_max(fp8_dtype),
+        E4M3=fp8_dtype == torch.float8_e4m3fn,
+        SOFT_CAST=interpreting() if soft_cast is None else soft_cast,
+    )
+
+
+def _filled(*outputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``outputs`` with each None replaced by the first given one (all None where none is): a
+    kernel takes a pointer for every output, and writes only those its flags ask for."""
+    first = next((t for t in outputs if t is not None), None)
+    return tuple(first if t is None else t for t in outputs)
+
+
+def _row_col_outputs(q, s, qt, st) -> tuple[torch.Tensor, ...]:
+    """``(q, s, qt, st)``, the row outputs (data, scales) and the column ones, with the pair left
+    out (its data None) filled with the other pair: what the MX and NVFP4 cast kernels take."""
+    rows = (q, s) if q is not None else (qt, st)
+    cols = (qt, st) if qt is not None else (q, s)
+    return (*rows, *cols)
 
 
 def _check(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:

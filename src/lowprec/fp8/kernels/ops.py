@@ -32,9 +32,13 @@ from lowprec.fp8.kernels.op_support import (  # noqa: F401  (re-exported: tests 
     INDUCTOR_KERNELS_ENV,
     TRACED,
     _check,
+    _dims,
+    _filled,
+    _fp8_args,
     _kernel,
     _no_launch,
     _operator,
+    _row_col_outputs,
     _skip,
     interpreting,
     set_two_pass,
@@ -101,26 +105,18 @@ def launch_cast(
     m, n = x.shape
     bm, bn, warps = tile
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    dummy = next(t for t in (q, qt, amax_bits) if t is not None)
     _kernel(cast_transpose_amax_kernel)[grid](
         x,
         scale,
-        dummy if q is None else q,
-        dummy if qt is None else qt,
-        dummy if amax_bits is None else amax_bits,
-        m,
-        n,
-        x.stride(0),
-        x.stride(1),
-        FP8_MAX=fp8_max(fp8_dtype),
-        E4M3=fp8_dtype == torch.float8_e4m3fn,
+        *_filled(q, qt, amax_bits),
+        *_dims(x),
         WRITE_T=qt is not None,
         WRITE_AMAX=amax_bits is not None,
-        SOFT_CAST=interpreting() if soft_cast is None else soft_cast,
         BLOCK_M=bm,
         BLOCK_N=bn,
         WRITE_Q=q is not None,
         num_warps=warps,
+        **_fp8_args(fp8_dtype, soft_cast),
     )
 
 
@@ -190,28 +186,27 @@ def _launch_axes(x, fp8_dtype, power_of_2, q, row_scale, col_scale, qt, tile) ->
         return
     m, n = x.shape
     bm, bn, warps = tile
-    dummy = q if q is not None else qt
+    q_ptr, qt_ptr = _filled(q, qt)
     _kernel(cast_rowwise_kernel)[(triton.cdiv(m, bm),)](
         x,
-        dummy if q is None else q,
+        q_ptr,
         x if row_scale is None else row_scale,
-        m,
-        n,
-        x.stride(0),
-        x.stride(1),
-        FP8_MAX=fp8_max(fp8_dtype),
-        E4M3=fp8_dtype == torch.float8_e4m3fn,
-        POW2=power_of_2,
-        SOFT_CAST=interpreting(),
-        EPS_BITS=_EPS_BITS,
+        *_dims(x),
         BLOCK_M=bm,
         BLOCK_N=bn,
         col_scale_ptr=x if col_scale is None else col_scale,
-        qt_ptr=dummy if qt is None else qt,
+        qt_ptr=qt_ptr,
         ROW=q is not None,
         COL=qt is not None,
         num_warps=warps,
+        **_scale_args(fp8_dtype, power_of_2),
     )
+
+
+def _scale_args(fp8_dtype: torch.dtype, power_of_2: bool) -> dict:
+    """:func:`_fp8_args` and what a kernel that computes its scales takes besides: ``POW2`` and
+    ``EPS_BITS``."""
+    return dict(_fp8_args(fp8_dtype), POW2=power_of_2, EPS_BITS=_EPS_BITS)
 
 
 @_operator("lowprec::amax", ())
@@ -318,18 +313,13 @@ def recast_if_changed(
             scale_cast,
             q.view(torch.uint8),
             (qt if keep_t else q).view(torch.uint8),  # never written without keep_t
-            m,
-            n,
-            x.stride(0),
-            x.stride(1),
-            FP8_MAX=fp8_max(q.dtype),
-            E4M3=q.dtype == torch.float8_e4m3fn,
-            SOFT_CAST=interpreting(),
+            *_dims(x),
             BLOCK_M=bm,
             BLOCK_N=bn,
             WRITE_Q=write_q,
             WRITE_T=write_t,
             num_warps=warps,
+            **_fp8_args(q.dtype),
         )
 
 
@@ -384,27 +374,18 @@ def _launch_block(x, fp8_dtype, block, power_of_2, square, q, qt, s, st) -> None
         _launch_block(x, fp8_dtype, block, power_of_2, square, None, qt, s if square else None, st)
         return
     m, n = x.shape
-    dummy = q if q is not None else qt
     _kernel(cast_blockwise_kernel)[(triton.cdiv(m, block), triton.cdiv(n, block))](
         x,
-        dummy if q is None else q,
-        dummy if qt is None else qt,
+        *_filled(q, qt),
         x if s is None else s,
         x if st is None else st,
-        m,
-        n,
-        x.stride(0),
-        x.stride(1),
-        FP8_MAX=fp8_max(fp8_dtype),
-        E4M3=fp8_dtype == torch.float8_e4m3fn,
-        POW2=power_of_2,
-        SOFT_CAST=interpreting(),
-        EPS_BITS=_EPS_BITS,
+        *_dims(x),
         BLOCK=block,
         SQUARE=square,
         ROW=q is not None,
         COL=qt is not None,
         num_warps=BLOCK_WARPS if block >= 128 else 4,
+        **_scale_args(fp8_dtype, power_of_2),
     )
 
 
@@ -498,24 +479,15 @@ def _launch_mx(x, fp8_dtype, rceil, q, s, qt, st) -> None:
     if _skip(x) or (q is None and qt is None):
         return
     m, n = x.shape
-    dummy, dummy_s = (q, s) if q is not None else (qt, st)
     _kernel(cast_mx_kernel)[(triton.cdiv(m, 32), triton.cdiv(n, MX_TILE_N))](
         x,
-        dummy if q is None else q,
-        dummy_s if q is None else s,
-        dummy if qt is None else qt,
-        dummy_s if qt is None else st,
-        m,
-        n,
-        x.stride(0),
-        x.stride(1),
-        FP8_MAX=fp8_max(fp8_dtype),
+        *_row_col_outputs(q, s, qt, st),
+        *_dims(x),
         EMAX=_MX_EMAX[fp8_dtype],
-        E4M3=fp8_dtype == torch.float8_e4m3fn,
         RCEIL=rceil,
-        SOFT_CAST=interpreting(),
         ROW=q is not None,
         COL=qt is not None,
         BLOCK_N=MX_TILE_N,
         num_warps=4,
+        **_fp8_args(fp8_dtype),
     )

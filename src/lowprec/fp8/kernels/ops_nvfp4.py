@@ -10,7 +10,16 @@ from __future__ import annotations
 import torch
 import triton
 
-from lowprec.fp8.kernels.op_support import _check, _kernel, _operator, _skip, interpreting, two_pass
+from lowprec.fp8.kernels.op_support import (
+    _check,
+    _dims,
+    _kernel,
+    _operator,
+    _row_col_outputs,
+    _skip,
+    interpreting,
+    two_pass,
+)
 from lowprec.fp8.kernels.triton_nvfp4 import NV_TILE_M, NV_TILE_N, cast_nvfp4_kernel
 from lowprec.fp8.kernels.triton_nvfp4_dual import cast_nvfp4_dual_kernel, nvfp4_dual_amax_kernel
 from lowprec.fp8.kernels.triton_nvfp4_rht import cast_nvfp4_rht_kernel, rht_amax_kernel
@@ -55,18 +64,11 @@ def _launch(x, s, tile2d, key, q, sc, qt, st) -> None:
         return
     m, n = x.shape
     bm = 16 if tile2d else NV_TILE_M
-    dummy, dummy_s = (q, sc) if q is not None else (qt, st)
     _kernel(cast_nvfp4_kernel)[(triton.cdiv(m, bm), triton.cdiv(n, NV_TILE_N))](
         x,
         s,
-        dummy if q is None else q,
-        dummy_s if q is None else sc,
-        dummy if qt is None else qt,
-        dummy_s if qt is None else st,
-        m,
-        n,
-        x.stride(0),
-        x.stride(1),
+        *_row_col_outputs(q, sc, qt, st),
+        *_dims(x),
         max(key, 0),
         SOFT_CAST=interpreting(),
         SR=key >= 0,
@@ -94,12 +96,18 @@ def _amax_bits(kernel, t: torch.Tensor, sign_bits: int, shape: tuple) -> torch.T
     """``kernel``'s atomic maxes over 16 x 64 tiles of ``t`` into int32 slots of ``shape``, as float32."""
     _check(t, torch.float8_e4m3fn)
     bits = torch.zeros(shape, dtype=torch.int32, device=t.device)
+    _launch16(kernel, t, (bits,), sign_bits, ())
+    return bits.view(torch.float32)
+
+
+def _launch16(kernel, t: torch.Tensor, outputs: tuple, sign_bits: int, keys: tuple, **flags) -> None:
+    """``kernel`` over 16 x 64 tiles of ``t`` (none where ``t`` is empty or a trace's): its
+    arguments ``t``, ``outputs``, ``sign_bits``, ``t``'s sizes and strides, ``keys``, ``flags``."""
     m, n = t.shape
     if m and n and not _skip(t):
         _kernel(kernel)[(triton.cdiv(m, 16), triton.cdiv(n, _RHT_TILE_N))](
-            t, bits, sign_bits, m, n, t.stride(0), t.stride(1), BLOCK_N=_RHT_TILE_N, num_warps=4
+            t, *outputs, sign_bits, *_dims(t), *keys, BLOCK_N=_RHT_TILE_N, num_warps=4, **flags
         )
-    return bits.view(torch.float32)
 
 
 def _rotated_outputs(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,25 +128,8 @@ def cast_nvfp4_rht(
     (N, M padded to 16 / 2) and E4M3 scale bytes (N, M padded / 16) as uint8, from one read of
     ``t`` (M, N); ``key`` >= 0: stochastic rounding with that stream."""
     _check(t, torch.float8_e4m3fn)
-    m, n = t.shape
     qt, st = _rotated_outputs(t)
-    if m and n and not _skip(t):
-        _kernel(cast_nvfp4_rht_kernel)[(triton.cdiv(m, 16), triton.cdiv(n, _RHT_TILE_N))](
-            t,
-            s,
-            qt,
-            st,
-            sign_bits,
-            m,
-            n,
-            t.stride(0),
-            t.stride(1),
-            max(key, 0),
-            SOFT_CAST=interpreting(),
-            SR=key >= 0,
-            BLOCK_N=_RHT_TILE_N,
-            num_warps=4,
-        )
+    _launch16(cast_nvfp4_rht_kernel, t, (s, qt, st), sign_bits, (max(key, 0),), SOFT_CAST=interpreting(), SR=key >= 0)
     return qt, st
 
 
@@ -172,26 +163,6 @@ def cast_nvfp4_dual(
         # where the one-pass kernel failed the device check: the plain layout, then the rotated one
         passes = ((True, False), (False, True)) if two_pass("cast_nvfp4_dual", t) else ((True, True),)
         for row, rot in passes:
-            _kernel(cast_nvfp4_dual_kernel)[(triton.cdiv(m, 16), triton.cdiv(n, _RHT_TILE_N))](
-                t,
-                s,
-                q,
-                sc,
-                qt,
-                st,
-                sign_bits,
-                m,
-                n,
-                t.stride(0),
-                t.stride(1),
-                max(key, 0),
-                max(key_t, 0),
-                SOFT_CAST=interpreting(),
-                SR=key >= 0,
-                SR_T=key_t >= 0,
-                ROW=row,
-                RHT=rot,
-                BLOCK_N=_RHT_TILE_N,
-                num_warps=4,
-            )
+            flags = dict(SOFT_CAST=interpreting(), SR=key >= 0, SR_T=key_t >= 0, ROW=row, RHT=rot)
+            _launch16(cast_nvfp4_dual_kernel, t, (s, q, sc, qt, st), sign_bits, (max(key, 0), max(key_t, 0)), **flags)
     return q, sc, qt, st
