@@ -329,9 +329,9 @@ def test_save_state_mid_epoch_with_a_generator_resumes_the_same_order(tmp_path):
 
 
 def test_prepared_loader_without_a_generator_says_once_how_it_shuffles(caplog, monkeypatch):
-    from lowprec.backends import base
+    from lowprec import logs
 
-    monkeypatch.setattr(base, "_LOGGED", set())
+    monkeypatch.setattr(logs, "_LOGGED", set())
     with caplog.at_level("INFO", logger="lowprec"):
         torch.manual_seed(0)
         first = _epochs(lowprec.Accelerator(cpu=True).prepare(_shuffled_loader(False)))
