@@ -181,32 +181,30 @@ for cc in (90, 100):
                         hw_cvt="cvt.rn.satfinite.e4m3x2.f32" in ptx, vector_loads="ld.global.v4" in ptx))
 # the weight-gradient operands' amax and cast with the random Hadamard transform in registers
 from lowprec.fp8.kernels.ops_nvfp4 import _RHT_TILE_N
-from lowprec.fp8.kernels.triton_nvfp4_rht import cast_nvfp4_rht_kernel, rht_amax_kernel
+from lowprec.fp8.kernels.triton_nvfp4_dual import cast_nvfp4_dual_kernel, nvfp4_dual_amax_kernel
 RA = {"t_ptr": "*bf16", "amax_ptr": "*i32", "sign_bits": "i32", "M": "i32", "N": "i32", "stride_m": "i32",
       "stride_n": "i32"}
-RC = {"t_ptr": "*bf16", "s_ptr": "*fp32", "qt_ptr": "*u8", "st_ptr": "*u8", "sign_bits": "i32", "M": "i32",
-      "N": "i32", "stride_m": "i32", "stride_n": "i32", "key": "u32"}
+DC = {"t_ptr": "*bf16", "s_ptr": "*fp32", "q_ptr": "*u8", "sc_ptr": "*u8", "qt_ptr": "*u8", "st_ptr": "*u8",
+      "sign_bits": "i32", "M": "i32", "N": "i32", "stride_m": "i32", "stride_n": "i32", "key": "u32", "key_t": "u32"}
+# the rotated operand alone (lowprec::rht_amax, lowprec::cast_nvfp4_rht): the dual kernels, plain half off
 for cc in (90, 100):
-    k = build(rht_amax_kernel, RA, dict(BLOCK_N=_RHT_TILE_N, stride_n=1), (0, 1, 3, 4, 5), cc, 4)
+    k = build(nvfp4_dual_amax_kernel, RA, dict(BLOCK_N=_RHT_TILE_N, PLAIN=False, stride_n=1), (0, 1, 3, 4, 5), cc, 4)
     out.append(dict(cc=cc, kernel="nvfp4_rht_amax", cubin=len(k.asm["cubin"]), spills=".local" in k.asm["ptx"],
                     hw_cvt=True, vector_loads=True))
     for sr in (False, True):
-        const = dict(SOFT_CAST=False, SR=sr, BLOCK_N=_RHT_TILE_N, stride_n=1)
-        k = build(cast_nvfp4_rht_kernel, RC, const, (0, 1, 2, 3, 5, 6, 7), cc, 4)
+        const = dict(SOFT_CAST=False, SR=False, SR_T=sr, ROW=False, RHT=True, S_T=0, BLOCK_N=_RHT_TILE_N, stride_n=1)
+        k = build(cast_nvfp4_dual_kernel, DC, const, (0, 1, 2, 3, 4, 5, 7, 8, 9), cc, 4)
         ptx = k.asm["ptx"]
         out.append(dict(cc=cc, kernel="nvfp4_rht_sr" if sr else "nvfp4_rht", cubin=len(k.asm["cubin"]),
                         spills=".local" in ptx, hw_cvt="cvt.rn.satfinite.e4m3x2.f32" in ptx, vector_loads=True))
 # both operands of x / dY from one read: the two amaxes, the two casts (and the two-pass forms)
-from lowprec.fp8.kernels.triton_nvfp4_dual import cast_nvfp4_dual_kernel, nvfp4_dual_amax_kernel
-DC = {"t_ptr": "*bf16", "s_ptr": "*fp32", "q_ptr": "*u8", "sc_ptr": "*u8", "qt_ptr": "*u8", "st_ptr": "*u8",
-      "sign_bits": "i32", "M": "i32", "N": "i32", "stride_m": "i32", "stride_n": "i32", "key": "u32", "key_t": "u32"}
 for cc in (90, 100):
-    k = build(nvfp4_dual_amax_kernel, RA, dict(BLOCK_N=_RHT_TILE_N, stride_n=1), (0, 1, 3, 4, 5), cc, 4)
+    k = build(nvfp4_dual_amax_kernel, RA, dict(BLOCK_N=_RHT_TILE_N, PLAIN=True, stride_n=1), (0, 1, 3, 4, 5), cc, 4)
     out.append(dict(cc=cc, kernel="nvfp4_dual_amax", cubin=len(k.asm["cubin"]), spills=".local" in k.asm["ptx"],
                     hw_cvt=True, vector_loads=True))
     for name, sr, row, rot in (("nvfp4_dual", False, True, True), ("nvfp4_dual_sr", True, True, True),
                                ("nvfp4_dual_row_sr", True, True, False), ("nvfp4_dual_rht_sr", True, False, True)):
-        const = dict(SOFT_CAST=False, SR=sr, SR_T=sr, ROW=row, RHT=rot, BLOCK_N=_RHT_TILE_N, stride_n=1)
+        const = dict(SOFT_CAST=False, SR=sr, SR_T=sr, ROW=row, RHT=rot, S_T=1, BLOCK_N=_RHT_TILE_N, stride_n=1)
         k = build(cast_nvfp4_dual_kernel, DC, const, (0, 1, 2, 3, 4, 5, 7, 8, 9), cc, 4)
         ptx = k.asm["ptx"]
         out.append(dict(cc=cc, kernel=name, cubin=len(k.asm["cubin"]), spills=".local" in ptx,

@@ -22,7 +22,6 @@ from lowprec.fp8.kernels.op_support import (
 )
 from lowprec.fp8.kernels.triton_nvfp4 import NV_TILE_M, NV_TILE_N, cast_nvfp4_kernel
 from lowprec.fp8.kernels.triton_nvfp4_dual import cast_nvfp4_dual_kernel, nvfp4_dual_amax_kernel
-from lowprec.fp8.kernels.triton_nvfp4_rht import cast_nvfp4_rht_kernel, rht_amax_kernel
 
 __all__ = ["cast_nvfp4", "rht_amax", "cast_nvfp4_rht", "nvfp4_dual_amax", "cast_nvfp4_dual"]
 
@@ -89,14 +88,15 @@ _RHT_TILE_N = 64
 def rht_amax(t: torch.Tensor, sign_bits: int) -> torch.Tensor:
     """``max |hadamard.rht(t, seed)|`` (``sign_bits``: ``rht_sign_bits(seed)``) as a float32
     scalar, one read of ``t`` (NaN where the transform holds one)."""
-    return _amax_bits(rht_amax_kernel, t, sign_bits, ())
+    return _amax_bits(t, sign_bits, ())
 
 
-def _amax_bits(kernel, t: torch.Tensor, sign_bits: int, shape: tuple) -> torch.Tensor:
-    """``kernel``'s atomic maxes over 16 x 64 tiles of ``t`` into int32 slots of ``shape``, as float32."""
+def _amax_bits(t: torch.Tensor, sign_bits: int, shape: tuple) -> torch.Tensor:
+    """The dual amax kernel's atomic maxes over 16 x 64 tiles of ``t`` into int32 slots of ``shape``
+    (``(2,)``: the plain and the rotated amax; ``()``: the rotated one), as float32."""
     _check(t, torch.float8_e4m3fn)
     bits = torch.zeros(shape, dtype=torch.int32, device=t.device)
-    _launch16(kernel, t, (bits,), sign_bits, ())
+    _launch16(nvfp4_dual_amax_kernel, t, (bits,), sign_bits, (), PLAIN=shape == (2,))
     return bits.view(torch.float32)
 
 
@@ -129,7 +129,9 @@ def cast_nvfp4_rht(
     ``t`` (M, N); ``key`` >= 0: stochastic rounding with that stream."""
     _check(t, torch.float8_e4m3fn)
     qt, st = _rotated_outputs(t)
-    _launch16(cast_nvfp4_rht_kernel, t, (s, qt, st), sign_bits, (max(key, 0),), SOFT_CAST=interpreting(), SR=key >= 0)
+    # the dual kernel's rotated half alone (ROW off: its plain outputs are never written), s at 0
+    flags = dict(SOFT_CAST=interpreting(), SR=False, SR_T=key >= 0, ROW=False, RHT=True, S_T=0)
+    _launch16(cast_nvfp4_dual_kernel, t, (s, qt, st, qt, st), sign_bits, (0, max(key, 0)), **flags)
     return qt, st
 
 
@@ -137,7 +139,7 @@ def cast_nvfp4_rht(
 def nvfp4_dual_amax(t: torch.Tensor, sign_bits: int) -> torch.Tensor:
     """``(max |t|, max |hadamard.rht(t, seed)|)`` as a float32 (2,) tensor (``sign_bits``:
     ``rht_sign_bits(seed)``), one read of ``t``; NaN where the tensor holds one."""
-    return _amax_bits(nvfp4_dual_amax_kernel, t, sign_bits, (2,))
+    return _amax_bits(t, sign_bits, (2,))
 
 
 @_operator("lowprec::cast_nvfp4_dual", ())
@@ -163,6 +165,6 @@ def cast_nvfp4_dual(
         # where the one-pass kernel failed the device check: the plain layout, then the rotated one
         passes = ((True, False), (False, True)) if two_pass("cast_nvfp4_dual", t) else ((True, True),)
         for row, rot in passes:
-            flags = dict(SOFT_CAST=interpreting(), SR=key >= 0, SR_T=key_t >= 0, ROW=row, RHT=rot)
+            flags = dict(SOFT_CAST=interpreting(), SR=key >= 0, SR_T=key_t >= 0, ROW=row, RHT=rot, S_T=1)
             _launch16(cast_nvfp4_dual_kernel, t, (s, q, sc, qt, st), sign_bits, (max(key, 0), max(key_t, 0)), **flags)
     return q, sc, qt, st

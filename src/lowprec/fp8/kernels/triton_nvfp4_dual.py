@@ -10,10 +10,12 @@ scale from ``amax(rht(t))``). One program loads a ``16 x BLOCK_N`` tile of ``t``
 * :func:`cast_nvfp4_dual_kernel`: both casts, each with its own tensor encode factor and its own
   rounding (round to nearest, or stochastic with its own stream and its own element indexing:
   ``row * NP + column`` on the plain layout, ``column * MP + row`` on the rotated one), the
-  rotated tile computed in registers as ``cast_nvfp4_rht_kernel`` computes it.
+  rotated tile computed in registers (``triton_nvfp4_rht.py``'s helpers).
 
-The arithmetic is the one of ``cast_nvfp4_kernel``'s 1 x 16 form and of ``cast_nvfp4_rht_kernel``
-(the same helpers), so the bits are theirs: checked under the Triton interpreter.
+With the plain operand turned off (``PLAIN`` / ``ROW`` false) the same kernels are the rotated
+operand's alone: ``lowprec::rht_amax`` and ``lowprec::cast_nvfp4_rht``. The arithmetic is the one
+of ``cast_nvfp4_kernel``'s 1 x 16 form and of the Hadamard helpers, so the bits are theirs:
+checked under the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -28,12 +30,19 @@ __all__ = ["nvfp4_dual_amax_kernel", "cast_nvfp4_dual_kernel"]
 
 
 @triton.jit
-def nvfp4_dual_amax_kernel(t_ptr, amax_ptr, sign_bits, M, N, stride_m, stride_n, BLOCK_N: tl.constexpr):
-    """``max |t|`` into ``amax_ptr[0]`` and ``max |apply_rht(t)|`` into ``amax_ptr[1]`` (int32 float
-    bits, starting at 0; 0x7FC00000 where a tile holds a NaN)."""
+def nvfp4_dual_amax_kernel(
+    t_ptr, amax_ptr, sign_bits, M, N, stride_m, stride_n, BLOCK_N: tl.constexpr, PLAIN: tl.constexpr
+):
+    """``PLAIN``: ``max |t|`` into ``amax_ptr[0]`` and ``max |apply_rht(t)|`` into ``amax_ptr[1]``;
+    else the second alone into ``amax_ptr[0]`` (``lowprec::rht_amax``). int32 float bits, starting
+    at 0; 0x7FC00000 where a tile holds a NaN."""
     x, _, _ = _load16(t_ptr, tl.program_id(0), tl.program_id(1), M, N, stride_m, stride_n, BLOCK_N)
-    tl.atomic_max(amax_ptr, _amax_bits(x))
-    tl.atomic_max(amax_ptr + 1, _amax_bits(_rht(x, sign_bits, BLOCK_N)))
+    rotated = _amax_bits(_rht(x, sign_bits, BLOCK_N))
+    if PLAIN:
+        tl.atomic_max(amax_ptr, _amax_bits(x))
+        tl.atomic_max(amax_ptr + 1, rotated)
+    else:
+        tl.atomic_max(amax_ptr, rotated)
 
 
 @triton.jit
@@ -57,8 +66,10 @@ def cast_nvfp4_dual_kernel(
     ROW: tl.constexpr,
     RHT: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    S_T: tl.constexpr,
 ):
-    """``s_ptr``: the two tensor encode factors (float32: the plain operand's, the rotated one's).
+    """``s_ptr``: the tensor encode factors (float32), the plain operand's at 0 and the rotated
+    one's at ``S_T`` (1; 0 where ``s_ptr`` holds the rotated one's alone: ``lowprec::cast_nvfp4_rht``).
     ``ROW``: ``quantize_nvfp4(t)`` into ``q`` (M, NP/2) and ``sc`` (M, NP/16), stochastic with the
     stream ``key`` where ``SR``; ``RHT``: ``quantize_nvfp4(apply_rht(t).t())`` into ``qt`` (N, MP/2)
     and ``st`` (N, MP/16), stochastic with ``key_t`` where ``SR_T``. NP / MP: N / M padded to 16."""
@@ -72,4 +83,4 @@ def cast_nvfp4_dual_kernel(
         _store_rows(q_ptr, sc_ptr, codes, byte, rm, pid_n, M, N, 16, BLOCK_N)
     if RHT:
         y = _rht(x, sign_bits, BLOCK_N)
-        _cast_rht_store(y, tl.load(s_ptr + 1), rm, rn, pid_m, M, N, qt_ptr, st_ptr, key_t, SR_T, SOFT_CAST, BLOCK_N)
+        _cast_rht_store(y, tl.load(s_ptr + S_T), rm, rn, pid_m, M, N, qt_ptr, st_ptr, key_t, SR_T, SOFT_CAST, BLOCK_N)

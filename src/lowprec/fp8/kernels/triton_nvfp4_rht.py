@@ -1,4 +1,5 @@
-"""Triton kernels: the random Hadamard transform fused into NVFP4's weight-gradient casts.
+"""Triton helpers: the random Hadamard transform fused into NVFP4's weight-gradient casts (the
+kernels that use them: ``triton_nvfp4_dual.py``).
 
 The weight-gradient GEMM contracts over the token dim M, so its operands are ``t^T`` (C, M) for
 ``t`` = x or dY (M, C), quantized along M after ``Q^T`` is applied to each block of 16 rows
@@ -7,8 +8,8 @@ zero padding), applies ``Q^T = diag(signs) H16 / 4`` in registers, as :func:`~lo
 does: the fast Walsh-Hadamard butterfly, stages of pairs 8, 4, 2 and 1 rows apart (``a + b``,
 ``a - b``), then the exact factor ``+-1/4`` of each row. The same float32 operations in the same
 order as the torch path: bit for bit. Then either the amax of the transformed tensor
-(:func:`rht_amax_kernel`, an atomic max of float32 bits; NaN tracked apart) or the cast
-(:func:`cast_nvfp4_rht_kernel`): each column of the tile is one 1 x 16 block of the operand row
+(:func:`_amax_bits`, for an atomic max of float32 bits; NaN tracked apart) or the cast
+(:func:`_cast_rht_store`): each column of the tile is one 1 x 16 block of the operand row
 ``c``, written transposed, as ``quantize_nvfp4(apply_rht(t, Q).t())`` holds it, rounding to
 nearest or stochastically (the element index on the operand's layout: ``c * MP + m``).
 """
@@ -20,7 +21,7 @@ import triton.language as tl
 
 from lowprec.fp8.kernels.triton_nvfp4 import _block_scale, _e2m1_rne, _e2m1_sr, _pack
 
-__all__ = ["rht_amax_kernel", "cast_nvfp4_rht_kernel"]
+__all__: list[str] = []  # helpers only, imported by name
 
 
 @triton.jit
@@ -86,36 +87,3 @@ def _cast_rht_store(
         mask=(rn[:, None] < N) & (rt[None, :] < mp // 2),
     )
     tl.store(st_ptr + rn * (mp // 16) + pid_m, byte, mask=rn < N)
-
-
-@triton.jit
-def rht_amax_kernel(t_ptr, amax_ptr, sign_bits, M, N, stride_m, stride_n, BLOCK_N: tl.constexpr):
-    """``max |apply_rht(t)|`` as float32 bits, atomic max into ``*amax_ptr`` (int32, starts at 0);
-    0x7FC00000 where the tile holds a NaN."""
-    x, _, _ = _load16(t_ptr, tl.program_id(0), tl.program_id(1), M, N, stride_m, stride_n, BLOCK_N)
-    tl.atomic_max(amax_ptr, _amax_bits(_rht(x, sign_bits, BLOCK_N)))
-
-
-@triton.jit
-def cast_nvfp4_rht_kernel(
-    t_ptr,
-    s_ptr,
-    qt_ptr,
-    st_ptr,
-    sign_bits,
-    M,
-    N,
-    stride_m,
-    stride_n,
-    key,
-    SOFT_CAST: tl.constexpr,
-    SR: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """``quantize_nvfp4(apply_rht(t).t())``: data ``qt`` (N, MP/2) and E4M3 scale bytes ``st``
-    (N, MP/16), MP = M padded to 16; ``s_ptr`` the tensor encode factor S; ``SR``: stochastic
-    rounding with the stream ``key``."""
-    pid_m = tl.program_id(0)
-    x, rm, rn = _load16(t_ptr, pid_m, tl.program_id(1), M, N, stride_m, stride_n, BLOCK_N)
-    y = _rht(x, sign_bits, BLOCK_N)
-    _cast_rht_store(y, tl.load(s_ptr), rm, rn, pid_m, M, N, qt_ptr, st_ptr, key, SR, SOFT_CAST, BLOCK_N)
