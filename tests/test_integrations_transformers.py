@@ -276,7 +276,10 @@ def test_trl_dpo_example_trains_fp8_close_to_bf16():
     assert abs(r["loss_first"] - math.log(2)) < 1e-3
     assert r["loss_fp8"] < 0.5 * math.log(2) and r["accuracy_fp8"] >= 0.9  # it learned the preferences
     assert r["loss_fp8"] != r["loss_bf16"]  # FP8 ran ...
-    assert abs(r["loss_fp8"] - r["loss_bf16"]) / math.log(2) < 0.005  # ... and stays close (measured: 0.34%)
+    # ... and stays close: measured 0.34% of log 2 on a 2-core AMD EPYC, 0.79% on a 2-core Intel
+    # Xeon (the two CPUs' bf16 GEMMs round differently, and 20 steps amplify it); a wrong scale or
+    # format moves it by far more
+    assert abs(r["loss_fp8"] - r["loss_bf16"]) / math.log(2) < 0.02
     assert r["unexpected_keys"] == [] and r["missing_keys"] == [] and r["weights_equal"]
 
 
