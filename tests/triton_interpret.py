@@ -39,9 +39,58 @@ def load(test_file: str):
     try:
         pytest.importorskip("triton")
         from lowprec.fp8.kernels import gemm_ops, ops
+
+        _patch_once_per_launch()
     finally:
         if old is None:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = old
     return ops, gemm_ops
+
+
+_LAUNCHES: list[set] = []  # per running interpreted launch: the language modules it has patched
+
+
+def _patch_once_per_launch() -> None:
+    """Triton's interpreter re-patches ``triton.language`` (an ``inspect.getmembers`` scan of its
+    modules) at every call of a ``@triton.jit`` helper inside a kernel, not only at the launch:
+    a quarter to a third of the interpreter tests' time, for kernels built of helpers. The launch
+    patches those modules and restores them when it ends, so within it a helper that sees the
+    same modules finds them patched already; skip that repeat. A helper that sees another module
+    of the language is patched as before. Kernels run the same operations either way. Where the
+    interpreter's internals differ (another Triton), nothing is changed."""
+    import inspect
+
+    try:
+        from triton.runtime import interpreter
+
+        import triton.language as tl
+
+        patch, launch, scope = interpreter._patch_lang, interpreter.GridExecutor.__call__, interpreter._LangPatchScope
+    except (ImportError, AttributeError):
+        return
+    if getattr(patch, "_once_per_launch", False):
+        return
+
+    def langs(fn) -> frozenset:
+        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+
+    def patch_lang(fn):
+        if _LAUNCHES:
+            seen = langs(fn)
+            if seen and seen <= _LAUNCHES[-1]:
+                return scope()  # patched by this launch already: nothing of its own to restore
+            _LAUNCHES[-1].update(seen)
+        return patch(fn)
+
+    def run_launch(self, *args, **kwargs):
+        _LAUNCHES.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            _LAUNCHES.pop()
+
+    patch_lang._once_per_launch = True  # type: ignore[attr-defined]
+    interpreter._patch_lang = patch_lang
+    interpreter.GridExecutor.__call__ = run_launch

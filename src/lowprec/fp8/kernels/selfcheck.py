@@ -59,9 +59,15 @@ CLASSES = (
 
 
 def _probe_shape(cls: tuple) -> tuple[int, int]:
-    """Rows and columns of the probe of ``cls``: multiples of 16 where the class has them."""
+    """Rows and columns of the probe of ``cls``: multiples of 16 where the class has them.
+
+    Each probe holds whole tiles of every kernel (64 x 64, 32 x 128, 16 x 64, 128 x 128 blocks)
+    and ragged ones past them: 144 x 176 ends 16 rows into a 128-row tile and 48 columns into a
+    64- or 128-column one, so the 16-divisible binaries run their masked edges too. Not square,
+    so a transposed store that swapped the dims would not fit. Small, because the same probes run
+    under Triton's interpreter in CI, where each program instance costs Python time."""
     _, div_m, div_n = cls
-    return (256 if div_m else 67), (512 if div_n else 130)
+    return (144 if div_m else 67), (176 if div_n else 130)
 
 
 def _describe(cls: tuple) -> str:
