@@ -17,7 +17,7 @@ from tests import triton_interpret
 ops, gemm_ops = triton_interpret.load(__file__)
 
 from lowprec.fp8 import E4M3, E5M2  # noqa: E402
-from lowprec.fp8.kernels import reference  # noqa: E402
+from lowprec.fp8.kernels import reference, selfcheck  # noqa: E402
 
 FP8 = [E4M3, E5M2]
 FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
@@ -26,6 +26,7 @@ FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(selfcheck, "PROBE_DIVISIBLE", triton_interpret.PROBE_DIVISIBLE)
     assert ops.interpreting()
 
 
@@ -460,7 +461,6 @@ NVFP4_OPS = ("cast_nvfp4", "cast_nvfp4_rht", "cast_nvfp4_dual")
 
 
 def _non_nvfp4_ops() -> tuple[str, ...]:
-    from lowprec.fp8.kernels import selfcheck
 
     assert set(NVFP4_OPS) <= set(selfcheck.OPS)  # the names this file leaves to the NVFP4 one
     return tuple(n for n in selfcheck.OPS if n not in NVFP4_OPS)
@@ -474,7 +474,6 @@ def test_the_self_check_passes_the_kernels_in_one_and_two_passes(two_pass):
     """The first-use check's probes (ragged and 16-divisible, bf16 and float32, rows decades
     apart) find every op equal to the torch path, as one pass and as the two-pass fallback
     (one store per launch) the check switches a differing op to on a GPU."""
-    from lowprec.fp8.kernels import selfcheck
 
     for cls in selfcheck.CLASSES:
         for name in selfcheck.TWO_PASS_OPS:
@@ -493,7 +492,6 @@ def test_the_self_check_passes_the_kernels_in_one_and_two_passes(two_pass):
 
 def test_the_self_check_finds_a_wrong_transposed_store(monkeypatch):
     """A kernel whose transposed output is wrong (as ptxas made it on the H200) is named."""
-    from lowprec.fp8.kernels import selfcheck
 
     real = ops.cast_transpose_amax
 

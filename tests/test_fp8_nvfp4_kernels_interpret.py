@@ -25,6 +25,7 @@ from tests.test_fp8_kernels_interpret import awkward  # noqa: E402
 @pytest.fixture(autouse=True)
 def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(selfcheck, "PROBE_DIVISIBLE", triton_interpret.PROBE_DIVISIBLE)
     assert ops.interpreting()
 
 

@@ -58,16 +58,19 @@ CLASSES = (
 )
 
 
-def _probe_shape(cls: tuple) -> tuple[int, int]:
-    """Rows and columns of the probe of ``cls``: multiples of 16 where the class has them.
+# The probes' rows x columns: for 16-divisible dims, and for ragged ones. 256 x 512 is the probe
+# that caught the ptxas fault on the H200 (whole tiles of every kernel: 64 x 64, 32 x 128,
+# 16 x 64, 128 x 128 blocks, the rowwise kernel's 512-column chunk); the interpreter tests check
+# the same logic on a smaller one (tests/triton_interpret.py), since there each program instance
+# costs Python time and no hardware fault can show.
+PROBE_DIVISIBLE = (256, 512)
+PROBE_RAGGED = (67, 130)
 
-    Each probe holds whole tiles of every kernel (64 x 64, 32 x 128, 16 x 64, 128 x 128 blocks)
-    and ragged ones past them: 144 x 176 ends 16 rows into a 128-row tile and 48 columns into a
-    64- or 128-column one, so the 16-divisible binaries run their masked edges too. Not square,
-    so a transposed store that swapped the dims would not fit. Small, because the same probes run
-    under Triton's interpreter in CI, where each program instance costs Python time."""
+
+def _probe_shape(cls: tuple) -> tuple[int, int]:
+    """Rows and columns of the probe of ``cls``: multiples of 16 where the class has them."""
     _, div_m, div_n = cls
-    return (144 if div_m else 67), (176 if div_n else 130)
+    return (PROBE_DIVISIBLE[0] if div_m else PROBE_RAGGED[0]), (PROBE_DIVISIBLE[1] if div_n else PROBE_RAGGED[1])
 
 
 def _describe(cls: tuple) -> str:
