@@ -21,6 +21,8 @@ import copy
 import logging
 from typing import Any, Optional
 
+from lowprec.logs import log_once
+
 logger = logging.getLogger("lowprec")
 
 __all__ = [
@@ -108,6 +110,7 @@ def deepspeed_initialize(model: Any, optimizer: Any, config: dict) -> tuple[Any,
             "DeepSpeed was asked for (deepspeed_plugin / ACCELERATE_USE_DEEPSPEED) but is not "
             "installed: pip install 'lowprec[deepspeed]' (on CPU also set DS_ACCELERATOR=cpu)"
         ) from None
+    _no_shm_build_on_cpu(deepspeed)
     try:
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     except Exception as exc:
@@ -117,6 +120,30 @@ def deepspeed_initialize(model: Any, optimizer: Any, config: dict) -> tuple[Any,
         raise ValueError(line) from None
     mark_partition_segments(ds_optimizer)
     return engine, ds_optimizer
+
+
+def _no_shm_build_on_cpu(deepspeed: Any) -> None:
+    """On its CPU accelerator, DeepSpeed's communication backend JIT-compiles a shared-memory
+    all-reduce (``deepspeed_shm_comm``) when it starts: about a minute of C++ on two cores, which
+    needs a compiler, and again whenever the cached build's command differs (two commands were
+    seen alternating on one machine, 40-200 s a build). Only DeepSpeed's inference all-reduce uses
+    it; ZeRO training sends its collectives through ``torch.distributed``. So it is marked
+    unavailable before ``deepspeed.initialize`` and never built (said once)."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() != "cpu":
+            return
+        compatible = deepspeed.ops.__compatible_ops__
+    except (ImportError, AttributeError):  # another DeepSpeed: leave it as it is
+        return
+    if compatible.get("deepspeed_shm_comm"):
+        compatible["deepspeed_shm_comm"] = False
+        log_once(
+            "lowprec: DeepSpeed on CPU: its shared-memory all-reduce op (used by inference only) is not "
+            "compiled; ZeRO's collectives go through torch.distributed",
+            logging.INFO,
+        )
 
 
 def _key_path(node: Any, loc: tuple, value: Any, path: tuple = ()) -> Optional[tuple]:
