@@ -121,6 +121,8 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 
                     ax.plot(steps, series[lay], lw=1.4, color=f"C{k}", label=lay)
                 if st in ("amax", "scale") and all(v > 0 for ys in series.values() for v in ys if v == v):
                     ax.set_yscale("log")
+                elif st in ("saturated", "underflow"):  # 1.2 and "1e-4" above the axis, not 0.000125
+                    ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
                 for ev in guard:  # fp8_guard: a move solid red, a move back solid green, a warning dashed orange
                     guard_line(ax, ev)
             ax.set_title(f"{op}: {st}", fontsize=9)
@@ -153,10 +155,32 @@ def plot_fp8_report(records: Sequence[Mapping[str, Any]], path: str, top: int = 
             else f"worst {len(worst)} of {len(layers)} layers by saturated + underflow fraction (others grey)",
         )
     fig.suptitle("FP8 telemetry per layer (saturated / underflow: fraction of values)")
-    fig.tight_layout(rect=(0, 0.1, 1, 0.91 if guard else 0.96))
+    _grid_layout(fig, len(ops), len(stats), bottom=0.1, top=0.91 if guard else 0.96)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _grid_layout(fig, rows: int, cols: int, bottom: float, top: float) -> None:
+    """Fixed margins in inches for a grid of small axes: room for the tick labels on the left of
+    each axes, a title and the x tick labels between rows. ``tight_layout`` measured every tick
+    label of the 12 axes for the same result and took 60% of the report's time (0.8 s at the end
+    of every run)."""
+    width, height = fig.get_size_inches()
+    left, right, gap_w = 0.8, 0.15, 0.8  # inches: y tick labels such as 0.00010, and the next axes'
+    gap_h = 0.55 if rows > 1 else 0.0  # inches: an axes' title above, the x tick labels below
+    inner_w = width - left - right
+    inner_h = height * (top - bottom) - 0.35  # the top axes' title
+    axes_w = (inner_w - gap_w * (cols - 1)) / cols
+    axes_h = (inner_h - gap_h * (rows - 1)) / rows
+    fig.subplots_adjust(
+        left=left / width,
+        right=1 - right / width,
+        bottom=bottom + 0.35 / height,  # the bottom row's x label
+        top=top - 0.35 / height,
+        wspace=gap_w / axes_w,
+        hspace=gap_h / axes_h,
+    )
 
 
 def worst_layers(fp8_records: Sequence[Mapping[str, Any]], top: int = 5) -> list[str]:
