@@ -61,7 +61,31 @@ def _no_leftover_process_group():
         dist.destroy_process_group()
 
 
+# The files whose tests take the longest (each over ~40 s of one core on CI's 2-core machine,
+# most of it in processes they launch), longest first. They run before the rest: pytest-xdist
+# hands tests out in order, so the suite ends on short tests and neither worker idles while the
+# other finishes a long one. Only the order changes; every test still runs.
+LONG_FIRST = (
+    "test_train_ep.py",
+    "test_accelerate_conformance.py",
+    "test_fp8_nvfp4_kernels_interpret.py",
+    "test_examples_accelerate.py",
+    "test_fp8_kernels_interpret.py",
+    "test_benchmarks.py",
+    "test_trainer_accelerator.py",
+    "test_msamp_deepspeed.py",
+    "test_fp8_kernels_compile.py",
+    "test_expert_parallel.py",
+    "test_integrations_transformers.py",
+    "test_train_run.py",
+    "test_examples_transformers.py",
+    "test_gpu_command.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept within
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
