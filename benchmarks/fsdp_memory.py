@@ -153,14 +153,6 @@ def run_zero3(config: str, model_name: str, batch: int, seq: int, rank: int) -> 
     from lowprec.train.model import build_model
     from lowprec.utils import DeepSpeedPlugin
 
-    import deepspeed.ops
-
-    # DeepSpeed's comm backend JIT-compiles its shared-memory all-reduce op when it starts: a
-    # minute or more of C++ on 2 cores, redone whenever the cached build's command differs (two
-    # commands seen alternating on one machine). Only its inference all-reduce uses the op;
-    # ZeRO-3 training sends every collective through torch.distributed (gloo here), so the op is
-    # marked unavailable and never built.
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     recipe_name, _, opt = config.removeprefix("zero3/").partition(":")
     use_fp8 = recipe_name != "bf16"
     zero = {
