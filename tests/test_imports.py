@@ -206,3 +206,18 @@ def test_the_accelerator_imports_without_torch_distributed_tensor():
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_launching_train_process_imports_no_torch():
+    """What runners/train's in-function imports keep: ``lowprec train --num_processes 2`` with a
+    named recipe validates its config and starts torchrun without importing torch itself (~2 s of
+    one core per launch); its workers import it."""
+    config = SRC.parent / "examples" / "tiny.yaml"
+    code = (
+        "import sys; import lowprec.cli.runners.train; from lowprec.train.config import load_config; "
+        f"cfg = load_config({str(config)!r}, {{'max_steps': 2}}); "
+        "assert cfg.fp8_recipe.name == 'tensorwise'; assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

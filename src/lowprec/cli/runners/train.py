@@ -14,15 +14,13 @@ from typing import Any, Sequence
 
 from lowprec.cli._torchrun import CONTINUE_VAR, report_stop
 from lowprec.cli.launch import build_command
+from lowprec.config.deepspeed_schema import check_deepspeed_config
 from lowprec.config.env import LaunchSettings, owned_env_var
 from lowprec.config.json_file import read_json_object
 from lowprec.errors import EXIT_NONFINITE, EXIT_STORAGE, NonFiniteError, StorageError
 from lowprec.train.checkpoints import resolve_resume
 from lowprec.train.config import load_config, parse_override_value
-from lowprec.train.resume_check import check_process_count
 from lowprec.train.run_lock import hold_output_dir, launcher_env, make_output_dir
-from lowprec.train.trainer import train
-from lowprec.utils.deepspeed import check_deepspeed_config
 
 __all__ = ["run", "overrides_from_args", "relaunch_command", "resume_command"]
 
@@ -149,6 +147,9 @@ def _check_resume_processes(cfg: Any, processes: int) -> None:
         return
     path, _ = resolve_resume(cfg.resume_from_checkpoint, os.path.abspath(cfg.output_dir))
     if path is not None:
+        # here, not at the top: it reads checkpoints with torch, which a launching process never imports
+        from lowprec.train.resume_check import check_process_count
+
         check_process_count(path, processes, cfg)
 
 
@@ -184,6 +185,9 @@ def run(args: argparse.Namespace) -> int:
             env = {**_child_env(), CONTINUE_VAR: resume_command(args), **launcher_env(cfg.output_dir)}
             proc = subprocess.run(cmd, env=env, check=False)
         return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
+    # here, not at the top: the trainer imports torch, which a launching process never needs
+    from lowprec.train.trainer import train
+
     _setup_logging(args.quiet)
     _drop_launch_env()
     try:

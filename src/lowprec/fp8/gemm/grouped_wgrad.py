@@ -131,11 +131,16 @@ def _stack_inv(groups: Sequence[Optional[Float8Data]], like: Float8Data) -> torc
     return inv if inv.dim() == 1 else inv.flatten(1)
 
 
+def _gemm_ops():
+    from lowprec.fp8.kernels import gemm_ops  # imports triton: only reached where the kernels run
+
+    return gemm_ops
+
+
 def mm_into(dy: Sequence[Optional[Float8Data]], x: Sequence[Optional[Float8Data]], out: torch.Tensor) -> None:
     """``out[e] = dequant(dy[e])^T @ dequant(x[e])`` for every expert, in one launch, into the
     float32 ``out`` (E, N, K); ``None`` groups (no tokens) get zeros. ``supported(dy, x)`` must hold."""
-    from lowprec.fp8.kernels import gemm_ops  # imports triton: only reached where the kernel runs
-
+    gemm_ops = _gemm_ops()
     d0 = next(d for d in dy if d is not None)
     x0 = next(g for g in x if g is not None)
     gemm_ops.grouped_wgrad_scaled_mm(_data(dy, d0), _data(x, x0), _stack_inv(dy, d0), _stack_inv(x, x0), out)
@@ -144,8 +149,7 @@ def mm_into(dy: Sequence[Optional[Float8Data]], x: Sequence[Optional[Float8Data]
 def block_mm_into(dy: Sequence[Optional[Float8Data]], x: Sequence[Optional[Float8Data]], out: torch.Tensor) -> None:
     """As :func:`mm_into` for block scales along the tokens (``block_supported(dy, x)`` must hold):
     the groups' tile scales stacked in group order, one reciprocal each."""
-    from lowprec.fp8.kernels import gemm_ops  # imports triton: only reached where the kernel runs
-
+    gemm_ops = _gemm_ops()
     live_dy = [d for d in dy if d is not None]
     live_x = [g for g in x if g is not None]
     d0, x0 = live_dy[0], live_x[0]

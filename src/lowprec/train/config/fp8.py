@@ -30,8 +30,11 @@ class FP8RecipeSpec(StrictModel):
     @model_validator(mode="after")
     def _known(self) -> "FP8RecipeSpec":
         # validation only (the engine's own messages: unknown name / field with "did you mean",
-        # cross-field rules); the Recipe that runs is built once, by the backend
-        self.to_recipe()
+        # cross-field rules); the Recipe that runs is built once, by the backend. A known name
+        # alone is a valid recipe as it is: not built here, so that a process that only launches
+        # workers (`lowprec train --num_processes N`) does not import torch for it
+        if self.name not in RECIPE_NAMES or self.overrides:
+            self.to_recipe()
         unread = unread_recipe_fields(self.name, self.overrides)
         if unread:  # a setting that does nothing is an error, not kept silently
             raise ValueError(
