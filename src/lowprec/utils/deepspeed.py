@@ -141,8 +141,8 @@ def _no_shm_build_on_cpu(deepspeed: Any) -> None:
     if compatible.get("deepspeed_shm_comm"):
         compatible["deepspeed_shm_comm"] = False
         log_once(
-            "lowprec: DeepSpeed on CPU: its shared-memory all-reduce op (used by inference only) is not "
-            "compiled; ZeRO's collectives go through torch.distributed",
+            "lowprec: DeepSpeed on CPU: its shared-memory all-reduce op (used by inference only) is neither "
+            "compiled nor used; ZeRO's collectives go through torch.distributed",
             logging.INFO,
         )
 
