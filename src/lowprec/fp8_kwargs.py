@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import InitVar, dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, cast
 
 from lowprec.catalog import (
     FIELD_DEFAULTS,
@@ -298,7 +298,7 @@ class NativeRecipeKwargs(RecipeKwargs):
         overrides = dict(self.overrides)
         overrides.setdefault("use_during_eval", self.use_autocast_during_eval)
         overrides.setdefault("force_recompute_fp8_weight_in_bwd", self.force_recompute_fp8_weight_in_bwd)
-        object.__setattr__(self, "_recipe", Recipe.from_name(self.recipe, **overrides))
+        object.__setattr__(self, "_recipe", Recipe.from_name(self._name, **overrides))
 
     def _check_guard(self) -> None:
         """The guard's fields, by the rules ``lowprec train``'s schema applies to its keys."""
@@ -326,12 +326,17 @@ class NativeRecipeKwargs(RecipeKwargs):
         """The Accelerator records health signals (and runs the guard, unless ``off``)."""
         return health_on(self.fp8_guard, self.fp8_health)
 
+    @property
+    def _name(self) -> str:
+        """``recipe`` from ``__post_init__`` on: a preset's name (None became the default there)."""
+        return cast(str, self.recipe)
+
     def _check_overrides(self) -> None:
         known = set(RECIPE_FIELDS)
         for key in self.overrides:
             if key not in known:
                 raise ValueError(f"unknown recipe field(s) {key!r}{did_you_mean(key, known)}")
-        unread = unread_recipe_fields(self.recipe, self.overrides)
+        unread = unread_recipe_fields(self._name, self.overrides)
         if unread:
             warnings.warn(
                 f"NativeRecipeKwargs: the {self.recipe} recipe does not read {', '.join(unread)}; "
@@ -394,7 +399,7 @@ class FP8RecipeKwargs(TERecipeKwargs):
         self._resolve_te_fields()  # its fields and MSAMPRecipeKwargs's opt_level
 
     def to_handler(self) -> RecipeKwargs:
-        cls = get_spec(self.backend).kwargs_class
+        cls = get_spec(cast(str, self.backend)).kwargs_class  # a backend name from __post_init__ on
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, cast
 
 from lowprec.config import values as V
 from lowprec.config.env import clear_environment
@@ -102,7 +102,8 @@ class KwargsHandler:
     """
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        fields = dataclasses.fields(cast(Any, self))  # the handler classes are dataclasses; this base is not
+        return {f.name: getattr(self, f.name) for f in fields if not f.name.startswith("_")}
 
     def to_kwargs(self) -> dict[str, Any]:
         with clear_environment():

@@ -25,7 +25,7 @@ residual stream on sequence slices, block inputs all-gathered in FP8
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from lowprec.kwargs import env_int
 
@@ -84,7 +84,7 @@ class ParallelismConfig:
         ep = ep if ep is not None else env_int("PARALLELISM_CONFIG_EP_SIZE", 1)
         if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
             raise ValueError(f"ParallelismConfig(ep_size={ep!r}): a positive integer (processes sharing the experts)")
-        if ep > 1 and self.tp_size > 1:
+        if ep > 1 and self._tp > 1:
             raise ValueError(
                 f"ParallelismConfig(ep_size={ep}, tp_size={self.tp_size}): expert parallelism with tensor "
                 "parallelism is not implemented; set one of them to 1"
@@ -97,22 +97,33 @@ class ParallelismConfig:
         """Fill ``dp_shard_size`` for ``world`` processes; one error naming both sizes if they
         do not multiply to it (and ``ep_size`` must divide the data-parallel processes)."""
         if self.dp_shard_size is None:
-            self.dp_shard_size = env_int("PARALLELISM_CONFIG_DP_SHARD_SIZE", max(world // self.tp_size, 1))
-        if self.dp_shard_size * self.tp_size != world:
+            self.dp_shard_size = env_int("PARALLELISM_CONFIG_DP_SHARD_SIZE", max(world // self._tp, 1))
+        dp = self.dp_shard_size
+        if dp * self._tp != world:
             raise ValueError(
-                f"ParallelismConfig: dp_shard_size {self.dp_shard_size} x tp_size {self.tp_size} != "
-                f"{world} processes; launch {self.dp_shard_size * self.tp_size} processes or change "
+                f"ParallelismConfig: dp_shard_size {dp} x tp_size {self.tp_size} != "
+                f"{world} processes; launch {dp * self._tp} processes or change "
                 "the sizes"
             )
-        if self.dp_shard_size % self.ep_size:
+        if dp % self._ep:
             raise ValueError(
-                f"ParallelismConfig(ep_size={self.ep_size}) does not divide the {self.dp_shard_size} data-parallel "
+                f"ParallelismConfig(ep_size={self.ep_size}) does not divide the {dp} data-parallel "
                 f"processes; launch a multiple of {self.ep_size} processes or change ep_size"
             )
 
+    # tp_size and ep_size are ints from __post_init__ on (None in the constructor: from the
+    # environment, as Accelerate reads them)
+    @property
+    def _tp(self) -> int:
+        return cast(int, self.tp_size)
+
+    @property
+    def _ep(self) -> int:
+        return cast(int, self.ep_size)
+
     @property
     def ep_enabled(self) -> bool:
-        return self.ep_size > 1
+        return self._ep > 1
 
     def ep_group(self) -> Any:
         """This process's expert-parallel group: ``ep_size`` consecutive ranks, a process group
@@ -122,7 +133,7 @@ class ParallelismConfig:
         if self._ep_group is None:
             import torch.distributed as dist
 
-            self._ep_group, _ = dist.new_subgroups(group_size=self.ep_size)
+            self._ep_group, _ = dist.new_subgroups(group_size=self._ep)
         return self._ep_group
 
     def ep_replica_group(self) -> Any:
@@ -133,16 +144,16 @@ class ParallelismConfig:
         import torch.distributed as dist
 
         world = dist.get_world_size()
-        if world == self.ep_size:
+        if world == self._ep:
             return None
         if self._ep_replicas is None:
-            ranks = [list(range(r, world, self.ep_size)) for r in range(self.ep_size)]
+            ranks = [list(range(r, world, self._ep)) for r in range(self._ep)]
             self._ep_replicas, _ = dist.new_subgroups_by_enumeration(ranks)
         return self._ep_replicas
 
     @property
     def tp_enabled(self) -> bool:
-        return self.tp_size > 1
+        return self._tp > 1
 
     # Accelerate's read-only surface (dp_replicate and cp are always 1 here)
     @property
@@ -153,7 +164,7 @@ class ParallelismConfig:
 
     @property
     def total_size(self) -> int:
-        return (self.dp_shard_size or 1) * self.tp_size
+        return (self.dp_shard_size or 1) * self._tp
 
     @property
     def data_parallel_size(self) -> int:
@@ -161,7 +172,7 @@ class ParallelismConfig:
 
     @property
     def non_data_parallel_size(self) -> int:
-        return self.tp_size
+        return self._tp
 
     def get_device_mesh(self, device_type: Optional[str] = None):
         """Accelerate's name for :meth:`mesh`."""
@@ -175,6 +186,6 @@ class ParallelismConfig:
             from torch.distributed.device_mesh import init_device_mesh
 
             self._mesh = init_device_mesh(
-                device_type, (self.dp_shard_size, self.tp_size), mesh_dim_names=("dp_shard", "tp")
+                device_type, (cast(int, self.dp_shard_size), self._tp), mesh_dim_names=("dp_shard", "tp")
             )
         return self._mesh

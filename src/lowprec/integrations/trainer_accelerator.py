@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from lowprec.accelerate_objects import from_accelerate
 from lowprec.accelerator import Accelerator
@@ -154,14 +154,17 @@ class _lowprec_functions:
 
 
 def _dispatch(name: str, theirs: Any) -> Any:
-    ours = {
+    table: dict[str, Callable[..., Any]] = {
         "skip_first_batches": _skip_first_batches,
         "save_fsdp_model": save_fsdp_model,
         "load_fsdp_model": load_fsdp_model,
         "save_fsdp_optimizer": save_fsdp_optimizer,
         "load_fsdp_optimizer": load_fsdp_optimizer,
-    }[name]
-    is_ours = (lambda a: isinstance(a[0], DataLoaderShard)) if name == "skip_first_batches" else _lowprec_plugin
+    }
+    ours = table[name]
+    is_ours: Callable[[tuple], bool] = (
+        (lambda a: isinstance(a[0], DataLoaderShard)) if name == "skip_first_batches" else _lowprec_plugin
+    )
 
     def call(*args: Any, **kwargs: Any) -> Any:
         return (ours if is_ours(args) else theirs)(*args, **kwargs)

@@ -121,9 +121,10 @@ def _strip_fp8_state_on_save(model: nn.Module) -> int:
     n = 0
     for module in model.modules():
         if hasattr(module, "save_pretrained") and hasattr(module, "_keys_to_ignore_on_save"):
-            current = module._keys_to_ignore_on_save
+            pretrained: Any = module  # a PreTrainedModel: the attribute is transformers'
+            current = pretrained._keys_to_ignore_on_save
             if not isinstance(current, _IgnoreOnSave):
-                module._keys_to_ignore_on_save = _IgnoreOnSave(module, current)
+                pretrained._keys_to_ignore_on_save = _IgnoreOnSave(module, current)
             n += 1
     return n
 
@@ -307,7 +308,7 @@ class FP8Callback(TrainerCallback):
         if self.guard_mode != "off" and self.health is None:
             self.health = HealthMonitor(model, self.guard_mode, *self._health_args)
         if state.global_step > 0:
-            self._restore(args, state)
+            self._restore(model, args, state)
         n = self.counts.attach(model)
         logger.info(
             "lowprec: %d FP8 layer(s) under Trainer; FP8 on wherever they run in training mode, off inside "
@@ -336,7 +337,7 @@ class FP8Callback(TrainerCallback):
         os.replace(tmp, path)  # never a half-written file under the final name
         fsync_dir(folder)
 
-    def _restore(self, args, state) -> None:
+    def _restore(self, model: nn.Module, args, state) -> None:
         """A resumed run (``global_step`` > 0 at ``on_train_begin``) takes back the FP8 scaling state
         its checkpoint holds: from ``args.resume_from_checkpoint`` when that names a directory,
         else from ``<output_dir>/checkpoint-<step>`` (``resume_from_checkpoint=True``'s choice)."""
@@ -348,19 +349,11 @@ class FP8Callback(TrainerCallback):
             )
             if f
         ]
-        self._restore_guard(folders)
-        keys = fp8_state_keys(self.model)
+        self._restore_guard(model, folders)
+        keys = fp8_state_keys(model)
         if not keys:
             return
         name = FP8_STATE_FILE.format(rank=args.process_index)
-        folders = [
-            f
-            for f in (
-                args.resume_from_checkpoint if isinstance(args.resume_from_checkpoint, str) else None,
-                os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"),
-            )
-            if f
-        ]
         path = next((os.path.join(f, name) for f in folders if os.path.isfile(os.path.join(f, name))), None)
         if path is None:
             logger.warning(
@@ -380,10 +373,10 @@ class FP8Callback(TrainerCallback):
                 f"difference: {sorted(found ^ keys)[0]}): resume with the recipe and layers the checkpoint "
                 "was trained with"
             )
-        self.model.load_state_dict(saved, strict=False)
+        model.load_state_dict(saved, strict=False)
         logger.info("lowprec: FP8 scaling state of step %d restored from %s", state.global_step, path)
 
-    def _restore_guard(self, folders: list[str]) -> None:
+    def _restore_guard(self, model: nn.Module, folders: list[str]) -> None:
         """The guard's moves, streaks and episodes from the checkpoint; a checkpoint's moves are
         re-applied even with the guard off now (the layers were trained in bf16 from then on)."""
         path = next((os.path.join(f, GUARD_FILE) for f in folders if os.path.isfile(os.path.join(f, GUARD_FILE))), None)
@@ -392,7 +385,7 @@ class FP8Callback(TrainerCallback):
         with open(path) as f:
             saved = json.load(f)
         if self.health is None:
-            Guard(self.model, mode="act").restore(saved.get("moved", []))
+            Guard(model, mode="act").restore(saved.get("moved", []))
             return
         self.health.load_state_dict(saved)
         moved = len(self.health.moved_layers())

@@ -71,6 +71,7 @@ def read_distributed_env() -> DistributedEnv:
 
 
 def resolve_mixed_precision(explicit: Optional[str]) -> Decision:
+    value: Optional[str]
     if explicit is not None:
         value, reason = explicit, "Accelerator(mixed_precision=...)"
     elif env_get("ACCELERATE_MIXED_PRECISION") is not None:
