@@ -248,7 +248,7 @@ class Accelerator(PrepareMixin, ProcessControlMixin, CheckpointingMixin, Trackin
     skipped_steps = property(lambda self: self.nonfinite.skipped)  # non-finite steps skipped, scaler's too
 
     @property
-    def fp8_backend(self) -> FP8BackendType:
+    def fp8_backend(self) -> FP8BackendType | str:
         # the declaration's ACCELERATE_FP8_BACKEND spelling; a plug-in beyond the enum: its string
         value = "NO" if self.backend is None else get_spec(self.backend.name).env_value
         return FP8BackendType(value) if value in FP8BackendType.__members__ else value
@@ -298,15 +298,16 @@ class Accelerator(PrepareMixin, ProcessControlMixin, CheckpointingMixin, Trackin
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):
-        if hasattr(model, "no_sync"):  # DDP
-            with model.no_sync():
+        wrapped: Any = model  # DDP's or FSDP2's methods, found by hasattr
+        if hasattr(wrapped, "no_sync"):  # DDP
+            with wrapped.no_sync():
                 yield
-        elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            model.set_requires_gradient_sync(False)
+        elif hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
+            wrapped.set_requires_gradient_sync(False)
             try:
                 yield
             finally:
-                model.set_requires_gradient_sync(True)
+                wrapped.set_requires_gradient_sync(True)
         else:
             yield
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
-from lowprec.backends.base import named_params, remap_optimizer_params
+from lowprec.accelerator_host import AcceleratorHost
+from lowprec.backends.base import Backend, named_params, remap_optimizer_params
 from lowprec.kwargs import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -41,7 +42,7 @@ def _is_scheduler(obj: Any) -> bool:
     )
 
 
-class PrepareMixin:
+class PrepareMixin(AcceleratorHost):
     """``prepare`` and ``prepare_*`` of the Accelerator (see the module docstring)."""
 
     def prepare(self, *args: Any, device_placement: Optional[list] = None) -> Any:
@@ -117,7 +118,7 @@ class PrepareMixin:
             if self.backend is not None:
                 self.backend.after_wrap(model, self._ctx())
         if self.dynamo_plugin.enabled:
-            model = torch.compile(model, **self.dynamo_plugin.compile_kwargs())
+            model = cast(nn.Module, torch.compile(model, **self.dynamo_plugin.compile_kwargs()))  # an OptimizedModule
         self._param_maps.append((before, named_params(self.unwrap_model(model))))
         self._models.append(model)
         return model
@@ -195,8 +196,9 @@ class PrepareMixin:
         return None
 
     def _step_hooks(self, model: nn.Module) -> tuple:  # after a step that ran; after a skipped one (FP8 state undone)
+        backend = cast(Backend, self.backend)  # called only with a backend
         after_step, after_skip = (
-            functools.partial(f, model) for f in (self.backend.after_optimizer_step, self.backend.after_skipped_step)
+            functools.partial(f, model) for f in (backend.after_optimizer_step, backend.after_skipped_step)
         )
         return self._fp8_health.after_step(self.unwrap_model(model), after_step), after_skip  # + fp8_guard
 
@@ -239,7 +241,8 @@ class PrepareMixin:
                         "optimizer; pass the model and the optimizer in the same prepare() call"
                     )
                 results[idx] = new_model
-                self._models[self._models.index(owner)] = new_model
+                # a backend returns a new model only for the one it was given (owner is not None)
+                self._models[self._models.index(cast(nn.Module, owner))] = new_model
                 self._optimizer_models[id(opt)] = new_model
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
@@ -280,5 +283,5 @@ class PrepareMixin:
         self._dataloaders.append(shard)
         return shard
 
-    def skip_first_batches(self, dataloader: DataLoaderShard, num_batches: int = 0) -> DataLoaderShard:
+    def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
         return skip_first_batches(dataloader, num_batches)

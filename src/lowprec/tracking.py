@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional, cast
 
+from lowprec.accelerator_host import AcceleratorHost
 from lowprec.state.process_group import destroy_group
 from lowprec.utils.dataclasses import LoggerType
 from lowprec.utils.imports import (
@@ -42,6 +43,9 @@ class GeneralTracker:
     """Base for trackers. A subclass sets ``name`` and ``requires_logging_directory``; pass an
     instance in ``log_with``, or ``register_tracker_class`` it and pass its name."""
 
+    # declared for the type checker only: a subclass sets them (register_tracker_class checks)
+    name: str
+    requires_logging_directory: bool
     main_process_only = True
 
     def start(self) -> None:
@@ -119,6 +123,7 @@ class _HostedTracker(GeneralTracker):
     library's run object once started, and what ``tracker`` returns."""
 
     requires_logging_directory = False
+    run: Any  # the library's run object, None until started
 
     def __init__(self, run_name: str, **kwargs: Any) -> None:
         self.run_name, self.kwargs, self.run = run_name, kwargs, None
@@ -201,7 +206,7 @@ class CometMLTracker(_HostedTracker):
 
 
 # tracker name -> class (built-ins, then those added by register_tracker_class)
-LOGGER_TYPE_TO_CLASS: dict[str, type] = {
+LOGGER_TYPE_TO_CLASS: dict[str, type[GeneralTracker]] = {
     "tensorboard": TensorBoardTracker,
     "wandb": WandBTracker,
     "mlflow": MLflowTracker,
@@ -270,7 +275,7 @@ def filter_trackers(log_with: Any, logging_dir: Optional[str] = None) -> list:
     return out
 
 
-class TrackingMixin:
+class TrackingMixin(AcceleratorHost):
     """The Accelerator's tracker methods; needs ``self.log_with``, ``self.logging_dir``,
     ``self.is_main_process``, ``self.trackers``."""
 
@@ -285,11 +290,12 @@ class TrackingMixin:
                 tracker = item
             else:
                 cls = LOGGER_TYPE_TO_CLASS[item]
+                build = cast(Callable[..., GeneralTracker], cls)  # each class's own arguments (register_tracker_class)
                 kw = init_kwargs.get(item, {})
                 tracker = (
-                    cls(project_name, self.logging_dir, **kw)
+                    build(project_name, self.logging_dir, **kw)
                     if cls.requires_logging_directory
-                    else cls(project_name, **kw)
+                    else build(project_name, **kw)
                 )
             if self.is_main_process or not tracker.main_process_only:
                 tracker.start()

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from lowprec.accelerator_host import AcceleratorHost
 from lowprec.checkpoint.serialization import parse_size, write_sharded
 from lowprec.utils.dataclasses import ProjectConfiguration
 
@@ -39,7 +40,7 @@ def _numbered(folder: str) -> list[str]:
     return [os.path.join(folder, d) for d in sorted(found, key=lambda d: int(d.split("_")[1]))]
 
 
-class CheckpointingMixin:
+class CheckpointingMixin(AcceleratorHost):
     """Needs ``self.is_main_process``, ``self._models``, ``self._custom_objects``."""
 
     def _init_project(self, project_dir: Optional[str], project_config: Optional[ProjectConfiguration]) -> None:

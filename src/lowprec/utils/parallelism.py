@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
+from lowprec.accelerator_host import AcceleratorHost
 from lowprec.distributed.expert_parallel import apply_expert_parallel, expert_parallel_names
 from lowprec.distributed.expert_replicas import ExpertReplicas
 from lowprec.kwargs import env_int
@@ -71,8 +72,8 @@ def for_accelerator(
     ):
         return None
     config = config or ParallelismConfig()
-    config.resolve(world)
-    if config.tp_enabled and config.dp_shard_size > 1 and distributed_type != "FSDP":
+    config.resolve(world)  # sets dp_shard_size (an int from here on)
+    if config.tp_enabled and cast(int, config.dp_shard_size) > 1 and distributed_type != "FSDP":
         raise ValueError(
             f"tp_size {config.tp_size} with dp_shard_size {config.dp_shard_size} needs FSDP2 for the "
             "data-parallel dimension: launch with --use_fsdp (or fsdp_version: 2)"
@@ -91,7 +92,8 @@ def data_shard(config: Optional[ParallelismConfig], rank: int, world: int, devic
     """(rank, world size) the data is split over: the dp_shard dimension under tensor parallelism."""
     if config is None or not config.tp_enabled:  # expert parallelism: every process its own data
         return rank, world
-    return config.mesh(device_type)["dp_shard"].get_local_rank(), config.dp_shard_size
+    # dp_shard_size: resolved (an int) by for_accelerator
+    return config.mesh(device_type)["dp_shard"].get_local_rank(), cast(int, config.dp_shard_size)
 
 
 def apply_tp(config: Optional[ParallelismConfig], model: Any, device_type: str) -> None:
@@ -112,9 +114,8 @@ def apply_ep(config: Optional[ParallelismConfig], model: Any) -> tuple[list[str]
     replicas' gradient reduction (``None`` without replicas)."""
     if config is None or not config.ep_enabled:
         return [], None
-    apply_expert_parallel(
-        model, config.ep_size, config.ep_group(), grad_scale=1.0 / config.ep_size, combine=config.ep_combine
-    )
+    ep_size = cast(int, config.ep_size)  # an int once ParallelismConfig is built (__post_init__)
+    apply_expert_parallel(model, ep_size, config.ep_group(), grad_scale=1.0 / ep_size, combine=config.ep_combine)
     names = expert_parallel_names(model)
     group = config.ep_replica_group()
     if group is None:
@@ -127,7 +128,7 @@ def describe_ep(config: Optional[ParallelismConfig], world: int) -> Optional[str
     """One line for the conversion report: how the experts are shared out (None without ``ep_size``)."""
     if config is None or not config.ep_enabled:
         return None
-    replicas = world // config.ep_size
+    replicas = world // cast(int, config.ep_size)  # an int once ParallelismConfig is built (__post_init__)
     line = (
         f"expert parallelism: ep_size {config.ep_size} of {world} processes: each process holds 1/{config.ep_size} "
         f"of every experts module's experts, tokens dispatched among {config.ep_size} processes (outputs back: "
@@ -143,10 +144,9 @@ def dp_mesh(config: Optional[ParallelismConfig], device_type: str) -> Any:
     return None if config is None else config.mesh(device_type)["dp_shard"]
 
 
-class ParallelismMixin:
+class ParallelismMixin(AcceleratorHost):
     """Accelerate's mesh and rank properties (needs ``parallelism_config`` and ``device``)."""
 
-    parallelism_config: Optional[ParallelismConfig]
     _parallelism_from_kwargs = staticmethod(parallelism_from_kwargs)
 
     @property

@@ -11,13 +11,14 @@ from typing import Any, Callable, Optional
 import torch
 
 from lowprec.accelerate_objects import from_accelerate
+from lowprec.accelerator_host import AcceleratorHost
 from lowprec.state.partial import PartialState
 from lowprec.utils.dataclasses import ProfileKwargs
 
 __all__ = ["ProcessControlMixin"]
 
 
-class ProcessControlMixin:
+class ProcessControlMixin(AcceleratorHost):
     """Needs ``self.device``, ``self.reduce`` and ``self.handlers``."""
 
     _flag_tensor: Optional[torch.Tensor] = None
