@@ -214,6 +214,17 @@ def test_init_empty_weights_puts_params_on_meta():
     assert m.weight.is_meta and m.bias.is_meta
 
 
+def test_init_empty_weights_buffers_take_torchs_keywords():
+    class WithBuffer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("scale", tensor=torch.ones(2), persistent=False)
+
+    with init_empty_weights(include_buffers=True):
+        m = WithBuffer()
+    assert m.scale.is_meta and "scale" in m._non_persistent_buffers_set
+
+
 def test_unwrap_keep_torch_compile():
     acc = Accelerator(cpu=True)
     model = torch.nn.Linear(2, 2)

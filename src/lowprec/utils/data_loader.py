@@ -23,7 +23,7 @@ builds a DataLoader and iterates it as given (its batch sampler does any shardin
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional, Sized, cast
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,8 @@ class SkipDataLoader(DataLoader):
         super().__init__(dataset, **kwargs)
         self.skip_batches = skip_batches
 
-    def __iter__(self) -> Iterator[Any]:
+    # a generator, not DataLoader's _BaseDataLoaderIter (as Accelerate's subclasses)
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         for i, batch in enumerate(super().__iter__()):
             if i >= self.skip_batches:
                 yield batch
@@ -184,7 +185,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         self.rng_types, self.synchronized_generator = None, None
         sampler = dataloader.sampler
         shuffled = isinstance(sampler, RandomSampler) and seed is not None
-        self.user_generator = sampler.generator if shuffled else None
+        self.user_generator: Optional[torch.Generator] = cast(RandomSampler, sampler).generator if shuffled else None
         self._generator_state: Optional[torch.Tensor] = None  # user_generator at this epoch's start
         if shuffled and self.user_generator is None:
             log_once(
@@ -224,25 +225,32 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
     iteration = alias("epoch", "Accelerate's name for the epoch counter.")
 
     # ------------------------------------------------------------------ batches of this process
+    def _epoch_seed(self) -> int:
+        """``seed + epoch``; only on the resharding path, where ``seed`` is set (not :attr:`given`)."""
+        return cast(int, self.seed) + self.epoch
+
+    def _batch_sampler(self) -> Iterable[list[int]]:
+        """The base loader's batch sampler; set whenever batches are resharded (not :attr:`iterable`)."""
+        return cast("Iterable[list[int]]", self.base.batch_sampler)
+
     def _global_batches(self) -> list[list[int]]:
         sampler = self.base.sampler
         if not isinstance(sampler, RandomSampler):
-            return [list(b) for b in self.base.batch_sampler][self.skip_batches :]
+            return [list(b) for b in self._batch_sampler()][self.skip_batches :]
         if self.user_generator is not None:
-            self._replay_user_generator()
-            return [list(b) for b in self.base.batch_sampler][self.skip_batches :]
+            self._replay_user_generator(self.user_generator)
+            return [list(b) for b in self._batch_sampler()][self.skip_batches :]
         # every process draws the same permutation for this epoch; the user's sampler is left as it was
-        sampler.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        sampler.generator = torch.Generator().manual_seed(self._epoch_seed())
         try:
-            return [list(b) for b in self.base.batch_sampler][self.skip_batches :]
+            return [list(b) for b in self._batch_sampler()][self.skip_batches :]
         finally:
             sampler.generator = None
 
-    def _replay_user_generator(self) -> None:
-        """The user's generator as at the start of this epoch (recorded the first time, process 0's
+    def _replay_user_generator(self, g: torch.Generator) -> None:
+        """The user's generator ``g`` as at the start of this epoch (recorded the first time, process 0's
         under several processes), then PyTorch's first draw: a DataLoader iterator takes its workers'
         base seed from the generator before the sampler's permutation."""
-        g = self.user_generator
         if self._generator_state is None:
             state = g.get_state()
             if self.world_size > 1 and not self.dispatches and dist.is_available() and dist.is_initialized():
@@ -295,7 +303,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
             return max(0, len(self.base) - self.skip_batches)
         if self.iterable:
             return len(self.base)
-        n = max(0, len(self.base.batch_sampler) - self.skip_batches)
+        n = max(0, len(cast(Sized, self._batch_sampler())) - self.skip_batches)
         if self.split_batches or self.world_size == 1:
             return n
         if not self.even_batches:
@@ -319,7 +327,8 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         self.__dict__.update(state)
         self.gradient_state = GradientState()
 
-    def __iter__(self) -> Iterator[Any]:
+    # a generator, not DataLoader's _BaseDataLoaderIter (as Accelerate's DataLoaderShard)
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         gs = self.gradient_state
         if self.rng_types:
             synchronize_rng_states(self.rng_types, self.synchronized_generator)
@@ -329,6 +338,8 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         self.reset()
         try:
             skip, self._skip = self._skip, 0
+            source: Iterator[Any]
+            count: Optional[int]
             if self.iterable or self.given:
                 source = itertools.islice(iter(self.base), skip + (self.skip_batches if self.given else 0), None)
                 count, remainder = None, -1
@@ -343,7 +354,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
                     worker_init_fn=self.base.worker_init_fn,
                     # its own generator: starting an epoch must not draw from the global RNG, or
                     # a run resumed mid-epoch would see a shifted dropout/noise stream
-                    generator=torch.Generator().manual_seed(self.seed + self.epoch),
+                    generator=torch.Generator().manual_seed(self._epoch_seed()),
                 )
                 source, count = iter(loader), len(mine)
             self.batches_yielded = skip
@@ -365,7 +376,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         that has ``set_epoch`` (a custom or distributed sampler, an HF dataset)."""
         self.epoch = epoch
         batch_sampler = self.base.batch_sampler
-        samplers = [
+        samplers: list[Any] = [
             t
             for t in (
                 batch_sampler,
@@ -380,7 +391,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
-        state = {"epoch": self.epoch, "batches_yielded": self.batches_yielded, "seed": self.seed}
+        state: dict[str, Any] = {"epoch": self.epoch, "batches_yielded": self.batches_yielded, "seed": self.seed}
         if self._generator_state is not None:  # a list of bytes: save_state writes this dict as JSON
             state["generator_state"] = self._generator_state.tolist()
         return state

@@ -176,7 +176,7 @@ class TorchDynamoPlugin(KwargsHandler):
 
     def compile_kwargs(self) -> dict:
         """Keywords for ``torch.compile``."""
-        kw = {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        kw: dict[str, Any] = {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
         if self.options:
             kw["options"] = self.options
         else:

@@ -15,7 +15,7 @@ the filling. Process 0 reads one step ahead to know which step is the last.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sized, cast
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,12 @@ __all__ = ["DataLoaderDispatcher"]
 
 def _batch_len(batch: Any) -> int:
     found: list[int] = []
-    recursively_apply(lambda t: found.append(t.shape[0] if t.ndim else 1) or t, batch)
+
+    def record(t: Any) -> Any:
+        found.append(t.shape[0] if t.ndim else 1)
+        return t
+
+    recursively_apply(record, batch)
     return found[0] if found else 1
 
 
@@ -88,7 +93,7 @@ class DataLoaderDispatcher(DataLoaderShard):
                 else (n // self.world_size if self._drop_last else -(-n // self.world_size))
             )
             return max(0, steps - self.skip_batches)
-        n = len(self.base) if self.iterable else len(self.base.batch_sampler) - self.skip_batches
+        n = len(self.base) if self.iterable else len(cast(Sized, self._batch_sampler())) - self.skip_batches
         return n if self.split_batches or self.world_size == 1 else -(-n // self.world_size)
 
     def _source(self, skip_steps: int) -> Iterator[Any]:
@@ -105,7 +110,7 @@ class DataLoaderDispatcher(DataLoaderShard):
                 num_workers=self.base.num_workers,
                 pin_memory=self.base.pin_memory,
                 worker_init_fn=self.base.worker_init_fn,
-                generator=torch.Generator().manual_seed(self.seed + self.epoch),
+                generator=torch.Generator().manual_seed(self._epoch_seed()),
             )
         )
 
@@ -114,13 +119,11 @@ class DataLoaderDispatcher(DataLoaderShard):
         w = self.world_size
         if self.split_batches:
             for b in self._source(skip_steps):
-                if getattr(self, "slice_fn", None) is not None:
+                slice_fn = getattr(self, "slice_fn", None)  # unset on a loader built by wrap()
+                if slice_fn is not None:
                     k = _batch_len(b) // w
                     yield (
-                        [
-                            self.slice_fn(b, slice(r * k, (r + 1) * k), process_index=r, num_processes=w)
-                            for r in range(w)
-                        ],
+                        [slice_fn(b, slice(r * k, (r + 1) * k), process_index=r, num_processes=w) for r in range(w)],
                         -1,
                     )
                 else:
@@ -144,7 +147,8 @@ class DataLoaderDispatcher(DataLoaderShard):
         dist.broadcast_object_list(box, src=0)
         return None if box[0] is None else (box[0][0][self.rank], box[0][1])
 
-    def __iter__(self) -> Iterator[Any]:
+    # a generator, not DataLoader's _BaseDataLoaderIter (as Accelerate's DataLoaderDispatcher)
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         if self.world_size == 1:
             yield from super().__iter__()  # one process: the original batches, as a shard
             return

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -241,7 +241,7 @@ def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0) -> 
             dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=key[1])
             norms.append(part if inf else part.pow(1.0 / norm_type))
         else:
-            norms.append(norm if key is None else norm.full_tensor())
+            norms.append(norm if key is None else cast(DTensor, norm).full_tensor())  # a mesh: DTensor grads
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)

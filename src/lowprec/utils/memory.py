@@ -30,11 +30,11 @@ def clear_device_cache(garbage_collection: bool = False) -> None:
 
 def release_memory(*objects: Any) -> list:
     """Drop the references passed (returns a list of ``None``, one per object) and free caches."""
-    objects = list(objects)
-    for i in range(len(objects)):
-        objects[i] = None
+    released: list = list(objects)
+    for i in range(len(released)):
+        released[i] = None
     clear_device_cache(garbage_collection=True)
-    return objects
+    return released
 
 
 def should_reduce_batch_size(exception: BaseException) -> bool:

@@ -4,7 +4,7 @@ allocating its weights."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional, cast
 
 import torch
 from torch import nn
@@ -28,12 +28,12 @@ def extract_model_from_parallel(
     ``keep_fp32_wrapper=False`` also removes lowprec's precision wrapper from ``forward``."""
     compiled = model if hasattr(model, "_orig_mod") else None
     if compiled is not None:
-        model = model._orig_mod
+        model = cast(nn.Module, model._orig_mod)
     while True:
         if _is_wrapper(model):
-            model = model.module
+            model = cast(nn.Module, model.module)
         elif hasattr(model, "_orig_mod"):  # compiled inside a wrapper
-            model = model._orig_mod
+            model = cast(nn.Module, model._orig_mod)
         else:
             break
     if not keep_fp32_wrapper:
@@ -49,18 +49,20 @@ def init_on_device(device: torch.device, include_buffers: bool = False) -> Itera
     """Modules built inside get their parameters (and buffers, if asked) on ``device``."""
     old_param, old_buffer = nn.Module.register_parameter, nn.Module.register_buffer
 
-    def register_parameter(module: nn.Module, name: str, param) -> None:
-        old_param(module, name, param)
+    # nn.Module's own signatures (argument names too): ``register_buffer(name, tensor=...)`` keeps working
+    def register_parameter(self: nn.Module, name: str, param: Optional[nn.Parameter]) -> None:
+        old_param(self, name, param)
         if param is not None:
-            cls = type(module._parameters[name])
-            kwargs = module._parameters[name].__dict__
+            registered = cast(nn.Parameter, self._parameters[name])  # ``param``, just registered
+            cls = type(registered)
+            kwargs = registered.__dict__
             kwargs["requires_grad"] = param.requires_grad
-            module._parameters[name] = cls(module._parameters[name].to(device), **kwargs)
+            self._parameters[name] = cls(registered.to(device), **kwargs)
 
-    def register_buffer(module: nn.Module, name: str, buffer, persistent: bool = True) -> None:
-        old_buffer(module, name, buffer, persistent=persistent)
-        if buffer is not None:
-            module._buffers[name] = module._buffers[name].to(device)
+    def register_buffer(self: nn.Module, name: str, tensor: Optional[torch.Tensor], persistent: bool = True) -> None:
+        old_buffer(self, name, tensor, persistent=persistent)
+        if tensor is not None:
+            self._buffers[name] = cast(torch.Tensor, self._buffers[name]).to(device)
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
     if include_buffers:

@@ -28,7 +28,7 @@ reads each process's own part (FSDP2 shards, ZeRO-3 partitions) and all-reduces 
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, cast
 
 import torch
 
@@ -46,7 +46,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     empty placeholder outside forward/backward; ``ds_tensor`` is this process's partition); the
     tensor itself otherwise."""
     t = t._local_tensor if hasattr(t, "_local_tensor") else t
-    t = t.ds_tensor if getattr(t, "ds_tensor", None) is not None else t
+    t = cast(Any, t).ds_tensor if getattr(t, "ds_tensor", None) is not None else t
     return t.coalesce().values() if t.is_sparse else t
 
 
@@ -76,7 +76,7 @@ def nonfinite_flag(tensors: Iterable[torch.Tensor], device: torch.device, fused:
 def _saved_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters and persistent buffers (FP8 scaling state): what a checkpoint holds. Telemetry
     buffers are not saved and may rightly record the inf they saw."""
-    out = list(model.named_parameters())
+    out: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
     for prefix, mod in model.named_modules():
         for name, b in mod._buffers.items():
             if b is not None and name not in mod._non_persistent_buffers_set:
@@ -156,7 +156,7 @@ class NonFiniteGuard:
         ``unscale_``; private but stable since torch 1.6), so ``scaler.step`` skips on it too."""
         infs = scaler._per_optimizer_states[id(optimizer)].get("found_inf_per_device") or {}
         for found in infs.values():
-            found.add_(self._loss_flag.to(found.device))
+            found.add_(cast(torch.Tensor, self._loss_flag).to(found.device))  # set: loss_flag_pending()
             break
 
     def loss_was_nonfinite(self) -> bool:

@@ -8,7 +8,7 @@ outputs are converted to float32. ``unwrap_model(keep_fp32_wrapper=False)`` remo
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ class PrecisionForward:
 def wrap_forward(model: nn.Module, autocast: Callable[[], Any], fp8: Optional[Callable[[nn.Module], Any]]) -> None:
     if isinstance(model.__dict__.get("forward"), PrecisionForward):
         return  # prepared before
-    model._original_forward = model.forward
+    cast(Any, model)._original_forward = model.forward  # nn.Module.__setattr__ is typed for tensors and modules
     model.forward = PrecisionForward(model, model.forward, autocast, fp8)
 
 

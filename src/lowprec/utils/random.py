@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
@@ -43,10 +43,12 @@ def synchronize_rng_states(rng_types: list, generator: Optional[torch.Generator]
         state = {
             "torch": torch.get_rng_state,
             "cuda": torch.cuda.get_rng_state,
-            "generator": lambda: generator.get_state(),
+            "generator": lambda: cast(torch.Generator, generator).get_state(),  # checked above
         }[kind]()
         box = [state]
         dist.broadcast_object_list(box, src=0)
-        {"torch": torch.set_rng_state, "cuda": torch.cuda.set_rng_state, "generator": lambda s: generator.set_state(s)}[
-            kind
-        ](box[0])
+        {
+            "torch": torch.set_rng_state,
+            "cuda": torch.cuda.set_rng_state,
+            "generator": lambda s: cast(torch.Generator, generator).set_state(s),
+        }[kind](box[0])
