@@ -92,7 +92,8 @@ def _gemm_leaf(module: nn.Module) -> bool:
 def linear_module_names(model: nn.Module) -> list[str]:
     """Last name components of the GEMM layers (nn.Linear, transformers Conv1D), output head
     excluded: what ``lora_target_linear: true`` targets (Axolotl's rule; peft's "all-linear")."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    hf: Any = model  # a transformers model when it has get_output_embeddings (duck-typed)
+    head = hf.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names = {n.rpartition(".")[2] for n, m in model.named_modules() if _gemm_leaf(m) and m is not head and n}
     return sorted(names)
 
@@ -105,7 +106,8 @@ def check_new_tokens(model: nn.Module, lora: LoraSettings, new_tokens: dict[str,
     trained = [t for t, key in new_tokens.items() if key != "special_tokens.pad_token"]
     if not trained:
         return
-    layers = [model.get_input_embeddings(), model.get_output_embeddings()]
+    hf: Any = model  # a transformers PreTrainedModel (duck-typed)
+    layers = [hf.get_input_embeddings(), hf.get_output_embeddings()]
     names = [n.rpartition(".")[2] for n, m in model.named_modules() if n and any(m is x for x in layers)]
     missing = [n for n in dict.fromkeys(names) if n not in lora.modules_to_save]
     if missing:
@@ -174,7 +176,8 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
         kwargs["fan_in_fan_out"] = True  # GPT-2's Conv1D stores weights (in, out); peft needs to know
     config = LoraConfig(
         r=lora.r,
-        lora_alpha=lora.alpha,
+        # peft annotates lora_alpha as int but only divides it by r; lowprec takes fractional alphas (lora_alpha: float)
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]
         lora_dropout=lora.dropout,
         target_modules=targets,
         target_parameters=lora.target_parameters or None,

@@ -26,7 +26,7 @@ import os
 import platform
 import sysconfig
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 
 import torch
 
@@ -112,7 +112,7 @@ def read_documents(
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[str] = []
-    for p in map(os.fspath, paths):
+    for p in (os.fspath(x) for x in paths):
         if os.path.isdir(p):
             inner = sorted(os.path.join(d, f) for d, _, fs in os.walk(p) for f in fs if f.endswith((".txt", ".jsonl")))
             if not inner:
@@ -226,7 +226,8 @@ def build_datasets(
     ``names`` renames the parameters in error messages (a caller with its own config keys,
     e.g. the trainer's ``sequence_len``), see :func:`_named`."""
     n = _named(names)
-    tokenizer = tokenizer or ByteTokenizer()
+    # ByteTokenizer is a Tokenizer but for its bos_id, int where the protocol's settable attribute is int | None
+    tokenizer = tokenizer or cast(Tokenizer, ByteTokenizer())
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"{n('val_fraction')} must be in [0, 1), got {val_fraction!r}")
     if seq_len < 1:

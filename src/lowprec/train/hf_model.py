@@ -21,7 +21,7 @@ import copy
 import logging
 import os
 import pickle
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import nn
@@ -141,7 +141,7 @@ def export_pretrained(
     full state dict (gathered under FSDP2). A full fine-tune saves the model; a peft model
     saves its adapter and, with ``merge_lora``, the merged model in ``output_dir/merged``."""
 
-    inner = wrapper.model
+    inner = cast(nn.Module, wrapper.model)  # the wrapped transformers model, a submodule
     tok = getattr(tokenizer, "hf_tokenizer", None)
     files: dict[str, str] = {}
     if is_peft_model(inner):
@@ -160,12 +160,13 @@ def export_pretrained(
 def _save_model(model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]], out: str) -> None:
     """``save_pretrained`` in bf16 (config says so, so dtype="auto" loads bf16). Without a state
     dict the model itself is cast: only done at the very end, to a model nothing trains again."""
+    hf: Any = model  # a transformers PreTrainedModel (duck-typed: save_pretrained, config)
     if state_dict is None:
         model.to(torch.bfloat16)
-    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    hf.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
     # save_pretrained writes the dtype of the model's own (float32 master) parameters; the
     # file holds bf16, and the config says what the file holds
-    config = copy.deepcopy(model.config)
+    config = copy.deepcopy(hf.config)
     config.dtype = torch.bfloat16
     config.save_pretrained(out)
 
@@ -205,17 +206,18 @@ def save_adapter(
     """The adapter (``adapter_model.safetensors`` + ``adapter_config.json``) and, with ``merge``,
     the merged model in ``output_dir/merged``. Merging changes the model in place, so it runs
     last; FP8 layers go back to ``nn.Linear`` first (merged weights are plain weights)."""
-    peft_model.save_pretrained(output_dir, safe_serialization=True)
+    pm: Any = peft_model  # a peft PeftModel (duck-typed: save_pretrained, get_base_model, merge_and_unload)
+    pm.save_pretrained(output_dir, safe_serialization=True)
     files = {"adapter": os.path.join(output_dir, "adapter_model.safetensors")}
     if merge:
         if expert_parallel_names(peft_model):  # each process holds some experts: the frozen base's are on disk
             merged = _merge_on_full_precision_base(peft_model, output_dir, trust_remote_code, "expert parallelism")
-        elif getattr(peft_model.get_base_model(), "is_loaded_in_4bit", False):
+        elif getattr(pm.get_base_model(), "is_loaded_in_4bit", False):
             unconvert(peft_model)
             merged = _merge_on_full_precision_base(peft_model, output_dir, trust_remote_code, "a 4-bit base")
         else:
             unconvert(peft_model)
-            merged = peft_model.merge_and_unload()
+            merged = pm.merge_and_unload()
         out = os.path.join(output_dir, "merged")
         _save_model(merged, None, out)
         files["merged"] = out
@@ -232,10 +234,11 @@ def _merge_on_full_precision_base(
     is the one on disk."""
     from peft import PeftModel
 
-    base_path = peft_model.peft_config["default"].base_model_name_or_path
+    pm: Any = peft_model  # a peft PeftModel (duck-typed: peft_config, get_input_embeddings)
+    base_path = pm.peft_config["default"].base_model_name_or_path
     logger.info("lowprec: merge_lora with %s: merging the adapter onto %s loaded in full precision", why, base_path)
-    base = load_causal_lm(base_path, trust_remote_code=trust_remote_code)  # the run's setting, as when it loaded
-    rows = peft_model.get_input_embeddings().num_embeddings
+    base: Any = load_causal_lm(base_path, trust_remote_code=trust_remote_code)  # the run's setting, as when it loaded
+    rows = pm.get_input_embeddings().num_embeddings
     if base.get_input_embeddings().num_embeddings != rows:
         base.resize_token_embeddings(rows)  # the trainer resized it for new tokens
     return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()

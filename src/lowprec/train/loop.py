@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 
@@ -125,6 +125,11 @@ class Loop:
     rollbacks: int = 0  # loss_spike: act, in this process
     rolled_back: bool = False  # the last optimizer_step ended in a rollback
 
+    @property
+    def _window_sum(self) -> torch.Tensor:
+        """``window_loss``, which run_loop sets right after building the Loop (None only before that)."""
+        return cast(torch.Tensor, self.window_loss)
+
     def optimizer_step(self) -> tuple[float, Optional[torch.Tensor]]:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the
         learning rate it used and the grad norm when clipped. Adds its mean loss to the window."""
@@ -160,7 +165,7 @@ class Loop:
             hit = self.spikes.observe(loss)
             if hit is not None and self._spike(loss, *hit):
                 return lr, grad_norm
-        self.window_loss += step_loss / cfg.gradient_accumulation_steps
+        self._window_sum.add_(step_loss / cfg.gradient_accumulation_steps)  # in place, as += on a tensor
         self.window_steps += 1
         self.window_tokens += step_tokens
         return lr, grad_norm
@@ -226,7 +231,8 @@ class Loop:
         """Axolotl's loss watchdog: a loss above the threshold for ``patience`` steps in a row
         means training has broken down; stop (exit code 3) instead of burning the budget."""
         cfg = self.run.cfg
-        self.high_loss_steps = self.high_loss_steps + 1 if loss > cfg.loss_watchdog_threshold else 0
+        threshold = cast(float, cfg.loss_watchdog_threshold)  # optimizer_step calls _watch only when it is set
+        self.high_loss_steps = self.high_loss_steps + 1 if loss > threshold else 0
         patience = cfg.loss_watchdog_patience or 3
         if self.high_loss_steps >= patience:
             raise NonFiniteError(
@@ -257,7 +263,7 @@ class Loop:
     def log_window(self, lr: float, grad_norm) -> None:
         run = self.run
         acc, state = run.acc, run.state
-        loss_mean = float(acc.reduce(self.window_loss / self.window_steps, "mean"))
+        loss_mean = float(acc.reduce(self._window_sum / self.window_steps, "mean"))
         elapsed = time.perf_counter() - self.window_t0
         state.train_time_s += elapsed
         rec = {
@@ -294,7 +300,7 @@ class Loop:
             fp8_engine.disable_telemetry(run.inner)
             if run.health is not None:
                 self._check_health(tele)
-        self.window_loss.zero_()
+        self._window_sum.zero_()
         self.window_steps, self.window_tokens, self.window_t0 = 0, 0, time.perf_counter()
 
     def _check_health(self, tele: dict) -> None:
@@ -350,7 +356,7 @@ class Loop:
         since only the main process writes it: one process resumes bit-exactly, several to
         rounding (the mean of sums is taken in another order)."""
         acc = self.run.acc
-        loss = self.window_loss.clone()
+        loss = self._window_sum.clone()
         if acc.num_processes > 1:
             loss = acc.reduce(loss, "mean")
         return {
@@ -360,7 +366,7 @@ class Loop:
         }
 
     def restore_window(self, saved: dict[str, Any]) -> None:
-        self.window_loss.copy_(saved["window_loss"])
+        self._window_sum.copy_(saved["window_loss"])
         self.window_t0 = time.perf_counter() - float(saved["window_s"])
         for k in self._SAVED:
             setattr(self, k, saved[k])

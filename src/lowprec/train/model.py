@@ -45,7 +45,7 @@ at least as large as the tokenizer's works; pass ``vocab_size=`` to override.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +114,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        kv_dim = cfg.n_kv_heads * cfg.head_dim
+        kv_dim = cast(int, cfg.n_kv_heads) * cfg.head_dim  # LlamaConfig.__post_init__ fills None with n_heads
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.dim, kv_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, kv_dim, bias=False)

@@ -165,7 +165,9 @@ def check_resume(saved: Optional[dict[str, Any]], now: dict[str, Any], checkpoin
             checkpoint,
         )
         return {}
-    changed = {k: (saved[k], now.get(k)) for k in RULES if k in saved and saved[k] != now.get(k)}
+    changed: dict[str, tuple[Any, Any]] = {
+        k: (saved[k], now.get(k)) for k in RULES if k in saved and saved[k] != now.get(k)
+    }
     notes = {k: changed.pop(k) for k in [k for k in changed if RULES[k][0] == NOTE]}
     for cause, consequences in _FOLLOWS.items():  # named once, by the key the user changed
         if cause in changed:

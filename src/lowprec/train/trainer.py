@@ -23,7 +23,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from lowprec.export.fp8_base import check_trainer_fp8_base, is_fp8_base, load_fp
 from lowprec.export.fp8_merge import merge_lora_fp8_base
 from lowprec.train import checkpoints as ckpt
 from lowprec.train.config import TrainConfig
+from lowprec.train.config.fp8 import FP8RecipeSpec
 from lowprec.train.health import attach_health
 from lowprec.train.metrics import MetricsWriter, peak_memory_mb, read_metrics, truncate_after
 from lowprec.train.outputs import write_conversion_report
@@ -140,6 +141,7 @@ def _build_model(
             f"merge_lora_format: fp8 writes the merge in an FP8 base_model's own format, and {cfg.base_model} is not "
             "an FP8 checkpoint; drop merge_lora_format (bf16 merge) and export the run to FP8 with export: [hf-fp8]"
         )
+    model: Any  # a transformers PreTrainedModel (duck-typed: get_input_embeddings, resize_token_embeddings, config)
     if is_fp8_base(path):
         sharded = (
             cfg.fsdp_version is not None or cfg.deepspeed is not None or cfg.tensor_parallel_size > 1 or cfg.ep_size > 1
@@ -170,7 +172,7 @@ class _HFLoss(nn.Module):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.model = model
+        self.model: Any = model  # a transformers PreTrainedModel or peft PeftModel (duck-typed)
 
     def forward(self, input_ids, labels=None, attention_mask=None, position_ids=None):
         if position_ids is not None and attention_mask is None:
@@ -184,14 +186,16 @@ class _HFLoss(nn.Module):
 
 def _accelerator(cfg: TrainConfig, plan: RunPlan):
     handlers: list = []
+    recipe = cast(FP8RecipeSpec, cfg.fp8_recipe)  # the field's validator turns a recipe name into a spec
     library = trainer_backends().get(cfg.fp8_backend) if cfg.fp8 else None
     if library is not None:  # e.g. torchao; recipe / filter limits checked in the schema
-        handlers.append(library.trainer_handler(cfg.fp8_recipe.name))
+        # trainer_backends() lists the backends with trainer_recipes, which all have a trainer_handler
+        handlers.append(cast(Callable[[str], Any], library.trainer_handler)(recipe.name))
     elif cfg.fp8:
         handlers.append(
             NativeRecipeKwargs(
-                recipe=cfg.fp8_recipe.name,
-                overrides=cfg.fp8_recipe.overrides,
+                recipe=recipe.name,
+                overrides=recipe.overrides,
                 skip_patterns=tuple(DEFAULT_SKIP_PATTERNS) + tuple(cfg.fp8_filter),
                 enable_fsdp_float8_all_gather=cfg.fp8_enable_fsdp_float8_all_gather,
                 force_recompute_fp8_weight_in_bwd=None
@@ -394,7 +398,7 @@ def _build(
                 gradient_checkpointing_kwargs={**kwargs, "context_fn": replay_context}
             )
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            cast(LlamaForCausalLM, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if plan.weights_dtype == "bfloat16":
         model = model.to(torch.bfloat16)
     optimizer = build_optimizer(cfg, model)
@@ -402,7 +406,7 @@ def _build(
     scheduler = build_scheduler(cfg, optimizer, total, warmup)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     if plan.torch_compile:
-        model = torch.compile(model)
+        model = cast(nn.Module, torch.compile(model))  # a module compiles to an OptimizedModule, a module too
 
     state = ckpt.TrainerState(
         settings=settings_of(cfg, plan, model_config, total, scheduler_warmup(cfg, total, warmup))
@@ -425,7 +429,7 @@ def _build(
         loader=loader,
         val_loader=val_loader,
         state=state,
-        writer=None,
+        writer=cast(MetricsWriter, None),  # _train opens it after the resume has cut metrics.jsonl back
         fp8_layers=fp8_layers,
         main=acc.is_main_process,
         model_config=model_config,
@@ -485,7 +489,8 @@ def _merge_fp8_base(run: Run, output_dir: str) -> str:
     out = os.path.join(output_dir, "merged")
     # logs what it wrote (and, for fp8, that the merged scales are new); files of at most 10 GB,
     # Accelerate's save_model default: the merge holds one file's new tensors at a time
-    merge_lora_fp8_base(run.inner.model, out, run.cfg.merge_lora_format or "fp8", max_shard_bytes=MERGE_SHARD_BYTES)
+    peft_model = cast(nn.Module, run.inner.model)  # inner is the _HFLoss wrapper of a peft model
+    merge_lora_fp8_base(peft_model, out, run.cfg.merge_lora_format or "fp8", max_shard_bytes=MERGE_SHARD_BYTES)
     tok = getattr(run.tokenizer, "hf_tokenizer", None)
     if tok is not None:
         tok.save_pretrained(out)
@@ -513,7 +518,8 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
                 )
             )
         if cfg.export:  # the trainer's export: key
-            files.update(export_after_training(run.inner, cfg.export, output_dir))
+            formats = cast(list[str], cfg.export)  # format names; the exporter only reads the list
+            files.update(export_after_training(run.inner, formats, output_dir))
         if fp8_merge:
             files["merged"] = _merge_fp8_base(run, output_dir)
         records = read_metrics(output_dir)
