@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, cast
 
 from lowprec.catalog import RECIPE_OPTIONS
 from lowprec.errors import did_you_mean
@@ -157,12 +157,16 @@ class BackendSpec:
         if self.available():
             return self.create(handler, why if self.library is None else f"{why}; {self.library} installed")
 
-        recipe = self.native_recipe(handler)
+        # a spec with a library declares both (every SPEC does); where one did not, the call still
+        # raises the TypeError it always did
+        native_recipe = cast(Callable[[Any], Any], self.native_recipe)
+        fallback = cast(Callable[[Any, Any, str], Any], self.fallback)
+        recipe = native_recipe(handler)
         reason = (
             f"{why}; {self.library} is not installed, so lowprec's native engine runs the same recipe ({recipe.name})"
         )
         log_once(f"lowprec: FP8 backend {self.name!r}: {reason}")
-        return self.fallback(handler, recipe, reason)
+        return fallback(handler, recipe, reason)
 
     def handler_from_fields(self, fields: Mapping[str, Any]) -> Any:
         """The kwargs handler for launch-style settings (``fp8_margin=2`` -> ``margin=2``)."""

@@ -40,7 +40,7 @@ def _argtype(parse: Callable[[Any], Any], metavar: str | None = None) -> Callabl
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    convert.__name__ = metavar or getattr(parse, "__name__", "value")
+    convert.__name__ = metavar if metavar else getattr(parse, "__name__", "value")
     return convert
 
 

@@ -98,7 +98,9 @@ def finish() -> None:
     import atexit
     import threading
 
-    threading._shutdown()  # noqa: SLF001 - what the interpreter calls first at exit: join non-daemon threads
+    # what the interpreter calls first at exit: join non-daemon threads (a private CPython
+    # function, absent from typeshed's stubs: hence the ignore)
+    threading._shutdown()  # type: ignore[attr-defined]  # noqa: SLF001
     atexit._run_exitfuncs()  # noqa: SLF001 - runs and clears them, printing (not raising) their errors
     _flush_open_files()
     done_dir = os.environ.get(DONE_DIR_VAR)

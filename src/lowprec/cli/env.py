@@ -11,6 +11,7 @@ reported as such; the command itself never fails.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -99,7 +100,7 @@ def _torch_info() -> dict[str, Any]:
                     "name": torch.cuda.get_device_name(i),
                     "compute_capability": f"{cc[0]}.{cc[1]}",
                     "fp8_gemm": cc >= (8, 9),
-                    "blockwise_gemm": _probe(lambda i=i: hardware.blockwise_gemm(i)),
+                    "blockwise_gemm": _probe(functools.partial(hardware.blockwise_gemm, i)),
                 }
             )
     info["devices"] = devices
@@ -142,7 +143,7 @@ def collect() -> dict[str, Any]:
         info.update(torch_info)
     else:
         info["torch"] = torch_info
-    info["optional_backends"] = {name: _probe(lambda n=name: package_version(n)) for name in optional_packages()}
+    info["optional_backends"] = {name: _probe(functools.partial(package_version, name)) for name in optional_packages()}
     info["fp8_backends"] = _probe(_fp8_backends)
     path = _probe(default_config_path)
     info["default_config"] = str(path)

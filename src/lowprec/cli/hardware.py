@@ -33,15 +33,15 @@ def hardware_default() -> tuple[LaunchSettings, str]:
         )
     count = torch.cuda.device_count()
     cc = min(torch.cuda.get_device_capability(i) for i in range(count))
-    procs = {"num_processes": count}
     if cc >= (8, 9):
-        return LaunchSettings(mixed_precision="fp8", fp8_backend="native", fp8_recipe="tensorwise", **procs), (
+        fp8 = LaunchSettings(mixed_precision="fp8", fp8_backend="native", fp8_recipe="tensorwise", num_processes=count)
+        return fp8, (
             f"{count} GPU(s) with compute capability {cc[0]}.{cc[1]} >= 8.9: native FP8 GEMMs, tensorwise recipe"
         )
     if torch.cuda.is_bf16_supported():
-        return LaunchSettings(mixed_precision="bf16", **procs), (
+        return LaunchSettings(mixed_precision="bf16", num_processes=count), (
             f"compute capability {cc[0]}.{cc[1]} < 8.9 has no FP8 GEMMs; bf16 is supported"
         )
-    return LaunchSettings(mixed_precision="fp16", **procs), (
+    return LaunchSettings(mixed_precision="fp16", num_processes=count), (
         f"compute capability {cc[0]}.{cc[1]} has neither FP8 nor bf16: fp16 with loss scaling"
     )

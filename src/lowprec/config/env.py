@@ -78,7 +78,7 @@ import dataclasses
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 from lowprec.config import values as V
 from lowprec.catalog import check_tensor_parallel
@@ -134,6 +134,10 @@ class _Var:
     def __post_init__(self) -> None:
         if self.render is None:
             object.__setattr__(self, "render", V.format_bool if self.parse is V.parse_bool else str)
+
+    def render_value(self, value: Any) -> str:
+        # __post_init__ replaced a None render with the default, so it is always a callable here
+        return cast(Callable[[Any], str], self.render)(value)
 
 
 def _upper(value: Any) -> str:
@@ -513,7 +517,7 @@ class LaunchSettings:
 
     def to_env(self) -> dict[str, str]:
         """The variables to export for the training processes (see the module table)."""
-        env = {v.name: v.render(getattr(self, v.field)) for v in ENV_VARS if self._written(v)}
+        env = {v.name: v.render_value(getattr(self, v.field)) for v in ENV_VARS if self._written(v)}
         if self.fp8 and self.fp8_override_linear_precision is not None:
             for name, flag in zip(FP8_OVERRIDE_VARS, self.fp8_override_linear_precision):
                 env[name] = V.format_bool(flag)

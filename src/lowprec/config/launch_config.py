@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Callable, Mapping, Optional
 
 import yaml
 from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -326,7 +326,7 @@ _SECTIONS: dict[str, type[BaseModel]] = {
 }
 
 
-def _describe(err: dict[str, Any]) -> str:
+def _describe(err: Mapping[str, Any]) -> str:
     loc = [str(p) for p in err["loc"]]
     key = ".".join(loc)
     if err["type"] == "extra_forbidden":

@@ -21,6 +21,7 @@ exactly the trained numbers. compressed-tensors' global scale is the encode fact
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -101,7 +102,8 @@ def scheme_for(fmt: str, recipe: Recipe | None) -> Scheme:
         return Scheme("channel")
     if trained in MICRO:
         return Scheme(trained, MICRO[trained][0])
-    return Scheme(trained, recipe.block_size if trained == "block" else BLOCK)
+    # export_holds passed above only for a kind with an export_scheme: ``trained`` is a str here
+    return Scheme(cast(str, trained), recipe.block_size if trained == "block" else BLOCK)
 
 
 def trained_matches(recipe: Recipe | None, scheme: Scheme) -> tuple[bool, str]:
@@ -148,4 +150,5 @@ def format_scale(q: Float8Data | BlockScaledData) -> torch.Tensor:
 def format_global_scale(q: BlockScaledData) -> torch.Tensor:
     """compressed-tensors' NVFP4 global scale (the encode factor ``448 * 6 / amax``, float32) of an
     NVFP4 cast, which keeps the decode factor: its reciprocal, rounded once."""
-    return torch.reciprocal(q.tensor_scale.to(torch.float32))
+    # an NVFP4 cast (the only kind passed here) always holds its tensor scale
+    return torch.reciprocal(cast(torch.Tensor, q.tensor_scale).to(torch.float32))

@@ -35,7 +35,7 @@ class CtBase:
     describe: str
 
 
-def _args(a: Any) -> tuple:
+def _args(a: Any) -> tuple[Any, ...] | None:
     return (
         None
         if a is None

@@ -30,6 +30,7 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -276,6 +277,6 @@ def _load_dequantized(path: str, fmt: BaseFormat, dtype: torch.dtype) -> nn.Modu
     for name, how in layers.items():
         old = model.get_submodule(name)
         q, s = _read(files[f"{name}.weight"], f"{name}.weight"), _read(files[f"{name}{suffix}"], f"{name}{suffix}")
-        bias = None if old.bias is None else old.bias.detach()
+        bias = None if old.bias is None else cast(torch.Tensor, old.bias).detach()  # Linear / Conv1D: a Parameter
         model.set_submodule(name, _base_layer(path, name, old, q, s, bias, how))
     return model

@@ -26,11 +26,13 @@ bit for bit.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import os
+import typing
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -43,8 +45,12 @@ from lowprec.export.layers import LayerPlan, QuantizedLayer
 from lowprec.export.shards import Entry, atomic_write, write_json, write_tensors
 from lowprec.export.writers import _STORED, _compressed_tensors, _refuse_unheld, hf_fp8_quantization_config
 from lowprec.fp8 import plain_state_dict, unconvert
+from lowprec.fp8.cast.quantize import Float8Data
 from lowprec.fp8.modules.conv1d import is_conv1d
 from lowprec.fp8.modules.fp8_base import Float8BaseLinear
+
+if TYPE_CHECKING:  # transformers: optional at run time
+    from transformers import PreTrainedModel
 
 __all__ = ["MergeReport", "merge_lora_fp8_base", "MERGE_FORMATS"]
 
@@ -94,7 +100,8 @@ def merge_lora_fp8_base(
         )
     if not stream and max_shard_bytes is not None:
         raise ValueError("merge_lora_fp8_base(stream=False) writes one file; drop max_shard_bytes or stream")
-    inner = peft_model.get_base_model()
+    peft: Any = peft_model  # a peft PeftModel: get_base_model / merge_and_unload are peft's
+    inner = peft.get_base_model()
     fmt: BaseFormat = getattr(inner, BASE_ATTR, None) or read_base_format(str(inner.name_or_path))
     os.makedirs(out, exist_ok=True)
     if stream and format == "bf16" and _converts_keys_on_save(inner):
@@ -141,8 +148,8 @@ def _merge_layers(inner: nn.Module, make: Any) -> list[str]:
         if isinstance(m, LoraLayer) and isinstance(m.get_base_layer(), Float8BaseLinear)
     ]
     for name in names:
-        lora = inner.get_submodule(name)
-        base = lora.get_base_layer()
+        lora = typing.cast(LoraLayer, inner.get_submodule(name))  # names: LoRA layers on FP8 base layers
+        base = typing.cast(Float8BaseLinear, lora.get_base_layer())
         w = base.fp8_weight().dequantize(torch.float32)
         w += lora_delta(lora).to(w.device)
         inner.set_submodule(name, make(base, w))  # the adapter is merged: peft's merge skips it
@@ -210,7 +217,7 @@ def _plan(model: nn.Module, layers: dict[str, Float8BaseLinear]) -> LayerPlan:
 
 
 def _stream_fp8(
-    peft_model: nn.Module, inner: nn.Module, fmt: BaseFormat, out: str, max_shard_bytes: int | None
+    peft_model: Any, inner: nn.Module, fmt: BaseFormat, out: str, max_shard_bytes: int | None
 ) -> tuple[list[str], list[str]]:
     merged = _merge_layers(inner, _requantized)
     plain = peft_model.merge_and_unload()  # adapters on high-precision layers, modules_to_save
@@ -278,7 +285,7 @@ def _write_ct(
     from compressed_tensors.compressors.base import compress_module
     from compressed_tensors.quantization import QuantizationStatus
 
-    first = plan.quantized[0].cast
+    first = typing.cast(Float8Data, plan.quantized[0].cast)  # FP8 base layers' casts (fp8_weight)
     _refuse_unheld(plan, Scheme({"axis": "channel"}.get(first.granularity, first.granularity), fmt.block))
     base = fmt.ct.config if fmt.ct else None
     if base is None:
@@ -298,11 +305,11 @@ def _write_ct(
         stored = {k: t for k, t in shell.state_dict().items() if t.dtype == E4M3 or k.endswith(_STORED)}
         if name not in merged:  # the stored bytes and scales, in the shapes the compressor writes
             shape = tuple(stored["weight_scale"].shape)
-            entries.append(Entry(f"{name}.weight", m.weight.numel(), lambda m=m: m.weight.view(E4M3)))
+            entries.append(Entry(f"{name}.weight", m.weight.numel(), functools.partial(_stored_weight, m)))
             scale = Entry(
                 f"{name}.weight_scale",
                 4 * m.stored_scale().numel(),
-                lambda m=m, shape=shape: m.stored_scale().reshape(shape),
+                functools.partial(_stored_scale, m, shape),
             )
             entries.append(scale)
             continue
@@ -318,8 +325,7 @@ def _write_ct(
             return cache.pop(key)
 
         entries += [
-            Entry(f"{name}.{k}", t.numel() * t.element_size(), lambda k=k, make=make: make(k))
-            for k, t in stored.items()
+            Entry(f"{name}.{k}", t.numel() * t.element_size(), functools.partial(make, k)) for k, t in stored.items()
         ]
     write_tensors(entries, out, max_shard_bytes)
 
@@ -333,6 +339,14 @@ def _write_ct(
         os.rmdir(d)
 
     atomic_write(os.path.join(out, "config.json"), config_json)
+
+
+def _stored_weight(m: Float8BaseLinear) -> torch.Tensor:
+    return m.weight.view(E4M3)
+
+
+def _stored_scale(m: Float8BaseLinear, shape: tuple[int, ...]) -> torch.Tensor:
+    return m.stored_scale().reshape(shape)
 
 
 def _compressed(shell: nn.Module, layer: QuantizedLayer, kind: str, rows: slice | None = None) -> dict:
@@ -350,7 +364,8 @@ def _compressed(shell: nn.Module, layer: QuantizedLayer, kind: str, rows: slice 
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
     initialize_module_for_quantization(linear, shell.quantization_scheme)
-    linear.weight_scale.data = scale.reshape(linear.weight_scale.shape).to(linear.weight_scale.dtype)
+    weight_scale = typing.cast(torch.Tensor, linear.weight_scale)  # the Parameter initialize_... registered
+    weight_scale.data = scale.reshape(weight_scale.shape).to(weight_scale.dtype)
     compress_module(linear, kind)
     return {k: t.detach() for k, t in linear.state_dict().items()}
 
@@ -374,7 +389,8 @@ def _compress_by_rows(m: Float8BaseLinear, shell: nn.Module, layer: QuantizedLay
     values to a neighbour), those are returned as views, else the blocks concatenated; None when
     it writes other tensors than ``weight`` and ``weight_scale`` (then compress the layer whole)."""
     out = m.out_features
-    b = layer.cast.block[0] if layer.cast.block else None  # row blocks: whole scale blocks each
+    block = typing.cast(Float8Data, layer.cast).block  # an FP8 base layer's cast (fp8_weight)
+    b = block[0] if block else None  # row blocks: whole scale blocks each
     step = 256 if b is None else max(b, 256 // b * b)
     q, scale = m.weight.view(E4M3), m.stored_scale()
     blocks: dict[str, list[torch.Tensor]] = {"weight": [], "weight_scale": []}
@@ -398,7 +414,7 @@ def _compress_by_rows(m: Float8BaseLinear, shell: nn.Module, layer: QuantizedLay
 
 
 def _stream_bf16(
-    peft_model: nn.Module, inner: nn.Module, out: str, max_shard_bytes: int | None
+    peft_model: Any, inner: nn.Module, out: str, max_shard_bytes: int | None
 ) -> tuple[list[str], list[str]]:
     """``format="bf16"``: each merged layer's weight made (dequantized + delta in float32, rounded
     to bf16) and each unchanged FP8 layer dequantized to bf16 only as its file is written (the
@@ -410,8 +426,7 @@ def _stream_bf16(
 
     lazy: dict[str, Any] = {}  # merged layer name -> its LoRA layer (base + adapters)
     for name, m in list(inner.named_modules()):
-        if isinstance(m, LoraLayer) and isinstance(m.get_base_layer(), Float8BaseLinear):
-            base = m.get_base_layer()
+        if isinstance(m, LoraLayer) and isinstance(base := m.get_base_layer(), Float8BaseLinear):
             placeholder = torch.empty(base.out_features, base.in_features, dtype=torch.bfloat16, device="meta")
             inner.set_submodule(name, dense_layer(base, placeholder, own_layout=True))  # peft's merge skips it
             lazy[name] = m
@@ -428,9 +443,9 @@ def _stream_bf16(
         if k not in keys or k.endswith(".weight_scale_bits") and k[: -len(".weight_scale_bits")] in layers:
             continue
         if name in lazy:
-            entries.append(Entry(k, 2 * t.numel(), lambda lora=lazy[name]: _merged_bf16(lora)))
+            entries.append(Entry(k, 2 * t.numel(), functools.partial(_merged_bf16, lazy[name])))
         elif name in layers and k.endswith(".weight"):
-            entries.append(Entry(k, 2 * t.numel(), lambda m=layers[name]: _dequantized_bf16(m)))
+            entries.append(Entry(k, 2 * t.numel(), functools.partial(_dequantized_bf16, layers[name])))
         else:
             entries.append(_bf16_entry(k, t))
     write_tensors(entries, out, max_shard_bytes)
@@ -458,7 +473,7 @@ def _dequantized_bf16(m: Float8BaseLinear) -> torch.Tensor:
     return w.t().contiguous() if m.transposed else w
 
 
-def _converts_keys_on_save(model: nn.Module) -> bool:
+def _converts_keys_on_save(model: PreTrainedModel) -> bool:
     """Whether ``save_pretrained`` would rename or convert the model's weights (transformers'
     conversion mapping of the class, or the one its load attached), as ``revert_weight_conversion``
     decides it."""
@@ -474,7 +489,7 @@ def _converts_keys_on_save(model: nn.Module) -> bool:
     return bool(conversions)
 
 
-def _saved_keys(model: nn.Module) -> set[str]:
+def _saved_keys(model: PreTrainedModel) -> set[str]:
     """The keys ``save_pretrained`` writes: the state dict without transformers' tied and ignored
     keys. A model whose keys transformers renames on save is refused (the dense merge writes it)."""
     # transformers: the FP8 base is a transformers model

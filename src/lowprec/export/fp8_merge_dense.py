@@ -9,6 +9,7 @@ stream=False)``), and as the "before" of ``benchmarks/fp8_merge_peak.py``.
 from __future__ import annotations
 
 import os
+import typing
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from lowprec.export.fp8_base import BASE_ATTR, BaseFormat
 from lowprec.export.hf_config import hf_config_of
 from lowprec.export.layers import LayerPlan, QuantizedLayer
 from lowprec.export.writers import write_compressed_tensors, write_hf_fp8
+from lowprec.fp8.cast.quantize import Float8Data
 from lowprec.fp8.modules.conv1d import is_conv1d
 from lowprec.fp8.modules.fp8_base import Float8BaseLinear
 
@@ -60,17 +62,17 @@ def _merged_weights(inner: nn.Module) -> list[tuple[str, Float8BaseLinear, torch
     # peft: optional; a model with adapters has it
     from peft.tuners.lora import LoraLayer
 
-    out = []
+    out: list[tuple[str, Float8BaseLinear, torch.Tensor]] = []
     for name, m in list(inner.named_modules()):
-        if isinstance(m, LoraLayer) and isinstance(m.get_base_layer(), Float8BaseLinear):
-            base = m.get_base_layer()
+        if isinstance(m, LoraLayer) and isinstance(base := m.get_base_layer(), Float8BaseLinear):
             out.append((name, base, base.fp8_weight().dequantize(torch.float32) + lora_delta(m).to(base.weight.device)))
     return out
 
 
 def merge_dense(peft_model: nn.Module, fmt: BaseFormat, out: str, format: str) -> tuple[list[str], list[str]]:
     """Write the merge to ``out`` through the dense model: (merged layers, unchanged FP8 layers)."""
-    inner = peft_model.get_base_model()
+    peft: Any = peft_model  # a peft PeftModel: get_base_model / merge_and_unload are peft's
+    inner = peft.get_base_model()
     if format == "bf16":
         return _merge_to_bf16(peft_model, inner, out)
     merged: dict[str, Float8BaseLinear] = {}
@@ -86,7 +88,7 @@ def merge_dense(peft_model: nn.Module, fmt: BaseFormat, out: str, format: str) -
         )
         inner.set_submodule(name, new)  # the adapter is merged: peft's merge below skips it
         merged[name] = new
-    plain = peft_model.merge_and_unload()  # adapters on high-precision layers, modules_to_save
+    plain = peft.merge_and_unload()  # adapters on high-precision layers, modules_to_save
     plan = LayerPlan(how="re-quantized once with the base's format rule after the merge (not trained scales)")
     unchanged = []
     for name, m in list(plain.named_modules()):
@@ -105,13 +107,13 @@ def merge_dense(peft_model: nn.Module, fmt: BaseFormat, out: str, format: str) -
     if fmt.format == "hf-fp8":
         write_hf_fp8(plain, plan, config, out)
     else:
-        first = plan.quantized[0].cast
+        first = typing.cast(Float8Data, plan.quantized[0].cast)  # FP8 base layers' casts (fp8_weight)
         scheme = Scheme({"axis": "channel"}.get(first.granularity, first.granularity), fmt.block)
         write_compressed_tensors(plain, plan, scheme, config, out, base=fmt.ct.config if fmt.ct else None)
     return sorted(merged), sorted(unchanged)
 
 
-def _merge_to_bf16(peft_model: nn.Module, inner: nn.Module, out: str) -> tuple[list[str], list[str]]:
+def _merge_to_bf16(peft_model: Any, inner: nn.Module, out: str) -> tuple[list[str], list[str]]:
     """``merge_lora_fp8_base(format="bf16")``: every layer dense, the model in bf16,
     ``save_pretrained`` (a config without ``quantization_config``)."""
     merged = []

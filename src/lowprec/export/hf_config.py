@@ -58,7 +58,7 @@ def builtin_to_mixtral(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def hf_config_of(model: nn.Module) -> dict[str, Any]:
-    hf = getattr(model, "config", None)
+    hf: Any = getattr(model, "config", None)  # duck-typed: a transformers config, or anything else
     if hasattr(hf, "to_dict") and hasattr(hf, "model_type"):  # a transformers PreTrainedConfig
         d = hf.to_dict()
         d.pop("quantization_config", None)

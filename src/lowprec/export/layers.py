@@ -80,7 +80,7 @@ def plan_layers(model: nn.Module, scheme: Scheme, recipe: Recipe | None, requant
         if converted and not isinstance(m, Float8Linear):
             plan.kept[name] = "high precision in training (first/last Linear, lm_head, router, gate or fp8_filter)"
             continue
-        if not converted:
+        if rule is not None:  # not converted
             why = rule(m, name)
             if why is not None:
                 plan.kept[name] = why

@@ -9,6 +9,7 @@ file under a loader's name.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -81,7 +82,7 @@ def write_tensors(entries: Iterable[Entry], out: str, max_shard_bytes: int | Non
     names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for name, group in zip(names, groups):
         tensors = {e.key: e.make().contiguous() for e in group}
-        atomic_write(os.path.join(out, name), lambda tmp, t=tensors: save_file(t, tmp, metadata={"format": "pt"}))
+        atomic_write(os.path.join(out, name), functools.partial(save_file, tensors, metadata={"format": "pt"}))
         del tensors  # this file's tensors go before the next file's are made
     if n > 1:
         index = {

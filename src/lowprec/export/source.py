@@ -123,7 +123,8 @@ def load_run(path: str) -> tuple[nn.Module, nn.Module, dict[str, Any], list[str]
                 "its checkpoint-N directories"
             )
         model = LlamaForCausalLM(LlamaConfig(**_read_json(os.path.join(run, "config.json"))))
-        target, prefix = model, ""
+        target: nn.Module = model
+        prefix = ""
     else:
         # transformers, optional: only a Hugging Face run needs it
 
@@ -203,7 +204,7 @@ def _merged_adapter_model(run: str, cfg: dict[str, Any]) -> tuple[nn.Module, str
         raise ValueError(
             f"RUN_OR_CHECKPOINT: {run} holds a {cfg['adapter']} adapter; merging it needs peft: pip install peft"
         ) from None
-    base = load_causal_lm(base_path, cfg.get("model_type"), remote)
+    base: Any = load_causal_lm(base_path, cfg.get("model_type"), remote)  # a transformers PreTrainedModel
     with open(os.path.join(run, "adapter_config.json")) as f:
         adapter_cfg = json.load(f)
     rows = _adapter_embedding_rows(run, adapter_cfg)
@@ -257,7 +258,7 @@ def export_after_training(model: nn.Module, formats: list[str], output_dir: str)
     """The trainer's ``export:`` key: each format to ``output_dir/<format>`` from the trained model
     in memory (its float32 master weights: the FP8 casts of the last step). ``model`` is the
     trainer's unwrapped model: the built-in model, or its wrapper of a transformers model."""
-    hf = getattr(model, "model", None)
+    hf: Any = getattr(model, "model", None)  # duck-typed: a wrapped transformers model, or anything else
     target = hf if hasattr(getattr(hf, "config", None), "model_type") else model
     files = {}
     for fmt in formats:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import typing
 from types import SimpleNamespace
 from typing import Any
 
@@ -25,6 +26,8 @@ from torch import nn
 from lowprec.export.casts import Scheme, format_global_scale
 from lowprec.export.experts import checkpoint_names
 from lowprec.export.layers import LayerPlan, QuantizedLayer
+from lowprec.fp8.cast.mx import BlockScaledData
+from lowprec.fp8.cast.quantize import Float8Data
 from lowprec.fp8 import plain_state_dict, unconvert
 
 __all__ = ["bf16_state", "write_hf_fp8", "write_compressed_tensors", "hf_fp8_quantization_config"]
@@ -81,7 +84,8 @@ def _per_expert(
     out = {names[k]: v for k, v in plain.items()}
     for layer in plan.quantized:
         if layer.expert is not None:
-            key = names[(layer.name, *layer.expert[:2])]
+            fused_key = (layer.name, *layer.expert[:2])
+            key = names[fused_key]
             out.update(write(key.removesuffix(".weight"), layer))
     return out
 
@@ -122,7 +126,11 @@ def hf_fp8_quantization_config(config: dict[str, Any], plan: LayerPlan) -> dict[
 
 
 def plan_block(plan: LayerPlan) -> int:
-    return plan.quantized[0].cast.block[0] if plan.quantized and plan.quantized[0].cast.block else 128
+    if not plan.quantized:
+        return 128
+    # hf-fp8's casts are Float8Data (scheme_for refuses microscaled weights for it)
+    block = typing.cast(Float8Data, plan.quantized[0].cast).block
+    return block[0] if block else 128
 
 
 def _compressed_tensors() -> SimpleNamespace:
@@ -188,7 +196,12 @@ def _refuse_unheld(plan: LayerPlan, scheme: Scheme) -> None:
             "--format compressed-tensors: this model has Conv1D layers (GPT-2 style, weights stored "
             "in x out), which compressed-tensors' FP8 schemes do not read; use --format hf-fp8"
         )
-    ragged = [q.name for q in plan.quantized if scheme.microscaled and q.cast.cols % scheme.block]
+    # a microscaled scheme's casts are the trained BlockScaledData (--requantize: FP8 per channel)
+    ragged = [
+        q.name
+        for q in plan.quantized
+        if scheme.microscaled and typing.cast(BlockScaledData, q.cast).cols % scheme.block
+    ]
     if ragged:
         raise ValueError(
             f"--format compressed-tensors: {ragged[0]} has an input dim that is not a multiple of "
@@ -202,10 +215,14 @@ def _set_cast(m: nn.Module, layer: QuantizedLayer) -> None:
     convention, from which that package's compressor rounds back to exactly the cast's values (a
     value ``q * s`` divided by ``s`` lands within a float32 ulp of ``q``)."""
     cast = layer.cast
-    m.weight.data = cast.dequantize(torch.float32).cpu().reshape(m.weight.shape)
-    m.weight_scale.data = layer.format_scale().cpu().reshape(m.weight_scale.shape).to(m.weight_scale.dtype)
-    if hasattr(m, "weight_global_scale"):  # NVFP4
-        m.weight_global_scale.data = format_global_scale(cast).cpu().reshape(m.weight_global_scale.shape)
+    # the layer's Parameters (weight_scale, weight_global_scale: registered by compressed-tensors)
+    weight = typing.cast(torch.Tensor, m.weight)
+    weight.data = cast.dequantize(torch.float32).cpu().reshape(weight.shape)
+    weight_scale = typing.cast(torch.Tensor, m.weight_scale)
+    weight_scale.data = layer.format_scale().cpu().reshape(weight_scale.shape).to(weight_scale.dtype)
+    if hasattr(m, "weight_global_scale"):  # NVFP4: its casts are BlockScaledData
+        global_scale = typing.cast(torch.Tensor, m.weight_global_scale)
+        global_scale.data = format_global_scale(typing.cast(BlockScaledData, cast)).cpu().reshape(global_scale.shape)
 
 
 def write_compressed_tensors(

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import IO, Any, Mapping, Optional, Sequence
 
 import yaml
 
@@ -177,15 +177,22 @@ def finished_summary(run: CompareRun) -> Optional[dict]:
     return summary if same and summary.get("lowprec_version") == __version__ else None
 
 
-def _launch(run: CompareRun) -> subprocess.Popen:
+class _Launched(subprocess.Popen):
+    """A run's process with its log file and start time."""
+
+    log_file: IO[str]
+    started: float
+
+
+def _launch(run: CompareRun) -> _Launched:
     os.makedirs(os.path.dirname(run.config_path), exist_ok=True)
     with open(run.config_path, "w") as f:
         f.write(_config_text(run))
     cmd = [sys.executable, "-m", "lowprec.cli.main", "train", run.config_path]
     log = open(run.log_path, "w")  # noqa: SIM115 - closed when the process is reaped
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    proc.log_file = log  # type: ignore[attr-defined]
-    proc.started = time.perf_counter()  # type: ignore[attr-defined]
+    proc = _Launched(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_file = log
+    proc.started = time.perf_counter()
     return proc
 
 
@@ -195,7 +202,8 @@ def _run_all(runs: list[CompareRun], workers: int, quiet: bool, reuse: bool = Fa
     failure stops the comparison with the run's log named. With ``reuse``, finished runs of the
     same config are read, not run again (:func:`finished_summary`)."""
 
-    pending, active = [], []
+    pending: list[CompareRun] = []
+    active: list[tuple[CompareRun, _Launched]] = []
     summaries: dict[str, dict[int, dict]] = {}
     failed: dict[str, dict[int, str]] = {}
     done = 0

@@ -107,7 +107,9 @@ def build_examples(
     if not rows:
         raise ValueError(f"data files {files} hold no rows")
     is_val = split_documents([k for k, _, _ in rows], val_fraction, seed) if val_fraction else [False] * len(rows)
-    train, val, dropped = [], [], 0
+    train: list[tuple[list[int], list[int]]] = []
+    val: list[tuple[list[int], list[int]]] = []
+    dropped = 0
     for (k, row, opt), v in zip(rows, is_val):
         ids, labels = tokenize_row(row, opt, tokenizer, k)
         bad = check_vocab(ids, tokenizer.vocab_size, k)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Optional
+from typing import Optional, cast
 
 __all__ = ["locate_pretrained", "hf_cache_dir", "missing_model_files", "has_tokenizer"]
 
@@ -40,7 +40,7 @@ def missing_model_files(path: Optional[str], tokenizer: bool = False) -> list[st
     missing = [] if "config.json" in have else ["config.json"]
     index = next((w for w in _WEIGHTS if w.endswith(".index.json") and w in have), None)
     if index is not None:
-        with open(os.path.join(path, index)) as f:
+        with open(os.path.join(cast(str, path), index)) as f:  # an index was listed: path is a directory
             shards = sorted(set(json.load(f).get("weight_map", {}).values()))
         missing += [s for s in shards if s not in have]
     elif not have & set(_WEIGHTS):
@@ -79,7 +79,7 @@ def locate_pretrained(spec: str, key: str = "base_model", tokenizer: bool = Fals
             f"downloads are not supported: run `hf download {spec}` on a machine with network and copy "
             "the cache here (or set HF_HUB_CACHE), or give a local directory"
         )
-    return path
+    return cast(str, path)  # no snapshot (None) lacks every file: raised above
 
 
 def _cached_snapshot(repo_id: str, cache: str) -> Optional[str]:

@@ -18,7 +18,7 @@ import json
 import os
 import resource
 import sys
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, TextIO, cast
 
 import torch
 from lowprec.fp8.observe.guard import Event
@@ -87,8 +87,9 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        f = cast(TextIO, self._file)  # opened in __init__ when enabled
+        f.write(json.dumps(record) + "\n")
+        f.flush()
         if self._tb is not None:
             for tag, value in _scalars(record):
                 self._tb.add_scalar(tag, value, record["step"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from lowprec.errors import did_you_mean
 
@@ -102,6 +102,7 @@ class LlamaConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"model tie_embeddings must be true or false, got {self.tie_embeddings!r}")
         set_("vocab_size", round_up(self.vocab_size))
+        n_kv = cast(int, self.n_kv_heads)  # None became n_heads above; checked a positive int
         if self.dim % self.n_heads:
             raise ValueError(
                 f"model dim={self.dim} is not divisible by n_heads={self.n_heads}; "
@@ -111,7 +112,7 @@ class LlamaConfig:
             raise ValueError(
                 f"model head_dim = dim / n_heads = {self.head_dim} must be even for RoPE; change dim or n_heads"
             )
-        if self.n_heads % self.n_kv_heads:
+        if self.n_heads % n_kv:
             raise ValueError(
                 f"model n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}; "
                 f"pick n_kv_heads among {_divisors(self.n_heads)}"
@@ -122,7 +123,7 @@ class LlamaConfig:
                     f"model {f}={v} must be a multiple of {GEMM_MULTIPLE} (FP8 GEMMs need it); "
                     f"use {v - v % GEMM_MULTIPLE or GEMM_MULTIPLE} or {round_up(v)}"
                 )
-        if (self.n_kv_heads * self.head_dim) % GEMM_MULTIPLE:
+        if (n_kv * self.head_dim) % GEMM_MULTIPLE:
             raise ValueError(
                 f"model n_kv_heads * head_dim = {self.n_kv_heads} * {self.head_dim} must be a "
                 f"multiple of {GEMM_MULTIPLE} (the k_proj/v_proj width, an FP8 GEMM dim); "
@@ -157,7 +158,7 @@ class LlamaConfig:
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Analytic parameter count (equals ``LlamaForCausalLM(self).num_parameters()``)."""
-        d, kv = self.dim, self.n_kv_heads * self.head_dim
+        d, kv = self.dim, cast(int, self.n_kv_heads) * self.head_dim  # an int after __post_init__
         mlp = 3 * d * self.ffn_dim * max(self.n_experts, 1) + d * self.n_experts  # experts + router
         per_layer = 2 * d * d + 2 * d * kv + mlp + 2 * d
         body = self.n_layers * per_layer + d
@@ -169,7 +170,7 @@ class LlamaConfig:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward): 6 * (matmul params) + 12 * L * d * T
         for attention scores and values (PaLM appendix B; causality is not halved)."""
-        d, kv = self.dim, self.n_kv_heads * self.head_dim
+        d, kv = self.dim, cast(int, self.n_kv_heads) * self.head_dim  # an int after __post_init__
         active = self.experts_per_token if self.n_experts else 1  # an MoE token runs top-k experts
         mlp = 3 * d * self.ffn_dim * active + d * self.n_experts
         matmul = self.n_layers * (2 * d * d + 2 * d * kv + mlp) + self.vocab_size * d

@@ -14,12 +14,12 @@ data, schedule, seed) is the config's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from lowprec.backends.spec import BackendSpec, trainer_backends
 from lowprec.catalog import RECIPE_NAMES
 from lowprec.errors import did_you_mean
-from lowprec.train.config import TrainConfig
+from lowprec.train.config import FP8RecipeSpec, TrainConfig
 from lowprec.train.config.compare import FP8_BACKENDS
 
 __all__ = [
@@ -96,9 +96,10 @@ def precision_overrides(name: str, cfg: TrainConfig) -> dict[str, Any]:
     keys: dict[str, Any] = {"fp8": True, "fp16": None, "fp8_backend": backend}
     # FP8 keeps the config's bf16 choice for the non-FP8 ops (auto by default)
     keys["bf16"] = cfg.bf16 if cfg.bf16 is not False else "auto"
-    own = cfg.fp8_recipe.name
+    spec = cast(FP8RecipeSpec, cfg.fp8_recipe)  # validated: the schema made a name a spec
+    own = spec.name
     if recipe is None or recipe == own:  # the config's recipe, with its field overrides
-        keys["fp8_recipe"] = {"name": own, **cfg.fp8_recipe.overrides}
+        keys["fp8_recipe"] = {"name": own, **spec.overrides}
     else:
         keys["fp8_recipe"] = recipe
     if library and (recipe or own) not in library.trainer_recipes:

@@ -137,7 +137,7 @@ def _messages(row: dict[str, Any], opt: PromptOptions, where: str) -> list[dict[
             raise ValueError(
                 f"{where}: message {j} has no {opt.role_key!r} (set message_property_mappings: {{role: <key>}})"
             )
-        role = to_role.get(m[opt.role_key], m[opt.role_key])
+        role: Any = to_role.get(m[opt.role_key], m[opt.role_key])  # an alias's role, else the row's value as is
         if role == "system" and opt.drop_system_message:
             continue
         out.append({"role": role, "content": _text(m.get(opt.content_key), opt.content_key, where)})
@@ -147,11 +147,11 @@ def _messages(row: dict[str, Any], opt: PromptOptions, where: str) -> list[dict[
 def tokenize_row(row: dict[str, Any], opt: PromptOptions, tokenizer: Any, where: str) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of one row; labels are -100 where the loss must not look."""
     if opt.type == "pretokenized":
-        ids = _need(row, "input_ids", where, "pre-tokenized (no type:)")
-        labels = row.get("labels", ids)
-        if not isinstance(ids, (list, tuple)) or len(labels) != len(ids):
+        given = _need(row, "input_ids", where, "pre-tokenized (no type:)")
+        given_labels = row.get("labels", given)
+        if not isinstance(given, (list, tuple)) or len(given_labels) != len(given):
             raise ValueError(f"{where}: input_ids must be a list of token ids and labels (if given) as long")
-        return [int(i) for i in ids], [int(i) for i in labels]
+        return [int(i) for i in given], [int(i) for i in given_labels]
     ids: list[int] = []
     labels: list[int] = []
     if opt.type in ("completion", "alpaca") and tokenizer.bos_id is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, cast
 
 __all__ = [
     "t_quantile",
@@ -187,11 +187,13 @@ def verdict(gaps: Sequence[float], threshold: float, level: float = 0.95) -> Ver
     gap = interval(gaps, level)
     if gap.n < 2:
         return Verdict(INCONCLUSIVE, threshold, gap, None, "one seed has no spread to measure: run --seeds 3 or more")
-    if gap.high <= threshold:
+    # interval() sets sd, low and high whenever n >= 2
+    high, low, sd = cast(float, gap.high), cast(float, gap.low), cast(float, gap.sd)
+    if high <= threshold:
         return Verdict(WITHIN, threshold, gap)
-    if gap.low > threshold:
+    if low > threshold:
         return Verdict(OUTSIDE, threshold, gap)
-    need = seeds_needed(gap.mean, gap.sd, threshold, level)
+    need = seeds_needed(gap.mean, sd, threshold, level)
     why = (
         f"about {need} seeds in all would resolve it at the measured spread"
         if need is not None

@@ -36,9 +36,11 @@ def _round_up16(n: int) -> int:
 class Tokenizer(Protocol):
     name: str
     vocab_size: int
-    bos_id: int | None
     eos_id: int
     pad_id: int
+
+    @property
+    def bos_id(self) -> int | None: ...  # read-only: ByteTokenizer's is always an int
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]: ...
 
@@ -129,7 +131,7 @@ class HFTokenizer:
             names = [n for n in dir(transformers) if n.endswith(("Tokenizer", "TokenizerFast"))]
             raise ValueError(
                 f"tokenizer_type: {tokenizer_type!r} is not a transformers tokenizer class"
-                f"{did_you_mean(tokenizer_type, names)}; use AutoTokenizer or e.g. PreTrainedTokenizerFast"
+                f"{did_you_mean(str(tokenizer_type), names)}; use AutoTokenizer or e.g. PreTrainedTokenizerFast"
             )
         try:
             # always explicit: transformers' default (None) asks "[y/N]" on a terminal, and "y" runs

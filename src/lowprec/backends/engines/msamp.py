@@ -19,7 +19,7 @@ an error naming the fixes.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from torch import nn
 
@@ -142,9 +142,14 @@ def native_recipe(handler: MSAMPRecipeKwargs) -> Any:
     return Recipe.from_name("delayed", amax_compute_algo="max")
 
 
+def _opt_level(handler: MSAMPRecipeKwargs) -> str:
+    # _resolve_fields (the handler's __post_init__) filled it ("O2" by default), never None
+    return cast(str, handler.opt_level)
+
+
 def create(handler: MSAMPRecipeKwargs, reason: str) -> MSAMPBackend:
-    return MSAMPBackend(handler.opt_level, reason)
+    return MSAMPBackend(_opt_level(handler), reason)
 
 
 def fallback(handler: MSAMPRecipeKwargs, recipe: Any, reason: str) -> NativeOptLevelBackend:
-    return NativeOptLevelBackend(recipe, handler.opt_level, reason)
+    return NativeOptLevelBackend(recipe, _opt_level(handler), reason)

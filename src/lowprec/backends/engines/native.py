@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, cast
 
 import torch
 from torch import nn
@@ -160,5 +160,6 @@ def create(handler: NativeRecipeKwargs, why: str) -> NativeBackend:
         module_filter=handler.module_filter_func,
         skip_first_last=handler.skip_first_last,
         skip_patterns=handler.skip_patterns,
-        fsdp_float8_all_gather=handler.enable_fsdp_float8_all_gather,
+        # _resolve_fields (the handler's __post_init__) filled it: a bool, never None
+        fsdp_float8_all_gather=cast(bool, handler.enable_fsdp_float8_all_gather),
     )

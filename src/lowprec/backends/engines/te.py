@@ -12,7 +12,7 @@ distributed path (bugs 2, 3), and no "model and optimizer together" rule (bug 16
 from __future__ import annotations
 
 import inspect
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, cast
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ def te_convert(model: nn.Module, te: Any) -> int:
     swapped = 0
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            new: Optional[nn.Module] = None
+            new: Any = None  # a TE module (duck-typed: TE is optional)
             if type(child) is nn.Linear:
                 if child.in_features % 16 or child.out_features % 16:
                     continue  # skip this layer only; siblings still convert
@@ -123,6 +123,8 @@ def native_recipe(handler: TERecipeKwargs) -> Any:
             f"fp8_format={handler.fp8_format!r} needs TransformerEngine; the native engine runs "
             f"{' or '.join(engine_formats)}"
         )
+    # _resolve_fields (the handler's __post_init__) filled it: (fprop, dgrad, wgrad), never None
+    override = cast("tuple[bool, bool, bool]", handler.override_linear_precision)
     switch = te_switch_recipe(vars(handler))
     if switch is not None:
         # TE's block-scaled recipes have no amax history, margin or interval: those fields are
@@ -131,7 +133,7 @@ def native_recipe(handler: TERecipeKwargs) -> Any:
         return Recipe.from_name(
             switch,
             fp8_format=handler.fp8_format if takes_format else "E4M3",
-            override_linear_precision=tuple(handler.override_linear_precision),
+            override_linear_precision=tuple(override),
             use_during_eval=handler.use_autocast_during_eval,
         )
     return Recipe.from_name(
@@ -141,7 +143,7 @@ def native_recipe(handler: TERecipeKwargs) -> Any:
         interval=handler.interval,
         amax_history_len=handler.amax_history_len,
         amax_compute_algo=handler.amax_compute_algo,
-        override_linear_precision=tuple(handler.override_linear_precision),
+        override_linear_precision=tuple(override),
         use_during_eval=handler.use_autocast_during_eval,
     )
 

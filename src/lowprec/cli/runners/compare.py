@@ -47,7 +47,7 @@ def compare_settings(args: argparse.Namespace, cfg: Any):
     try:
         return CompareSpec.model_validate({**spec.model_dump(exclude_unset=True), **flags})
     except Exception as exc:  # pydantic's ValidationError: name the flag, not the model
-        errs = getattr(exc, "errors", lambda **_: [])(include_url=False)
+        errs: list[dict[str, Any]] = getattr(exc, "errors", lambda **_: [])(include_url=False)
         if not errs:
             raise
         e = errs[0]

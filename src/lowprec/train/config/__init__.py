@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, Any, Optional, get_args
+from typing import Annotated, Any, Mapping, Optional, Sequence, cast, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, PrivateAttr, TypeAdapter, ValidationError, model_validator
@@ -148,14 +148,15 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
             )
         if self.fp8_enable_fsdp_float8_all_gather and not self.fp8:
             raise ValueError("fp8_enable_fsdp_float8_all_gather: true needs fp8: true; set fp8: true or drop it")
+        recipe = cast(FP8RecipeSpec, self.fp8_recipe)  # PrecisionKeys._recipe made a name a spec
         if self.fp8_enable_fsdp_float8_all_gather:
-            check_fsdp_fp8_all_gather(self.fp8_recipe.name)
+            check_fsdp_fp8_all_gather(recipe.name)
         recompute = self.fp8_force_recompute_fp8_weight_in_bwd
         if recompute != "auto" and not self.fp8:
             raise ValueError(
                 f"fp8_force_recompute_fp8_weight_in_bwd: {yaml_text(recompute)} needs fp8: true; set fp8: true or drop it"
             )
-        in_recipe = self.fp8_recipe.overrides.get("force_recompute_fp8_weight_in_bwd", "auto")
+        in_recipe = recipe.overrides.get("force_recompute_fp8_weight_in_bwd", "auto")
         if recompute != "auto" and in_recipe not in ("auto", None, recompute):
             raise ValueError(
                 f"fp8_force_recompute_fp8_weight_in_bwd: {yaml_text(recompute)} and fp8_recipe."
@@ -165,7 +166,7 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         if tp > 1 and self.deepspeed is not None:
             raise ValueError(f"tensor_parallel_size: {tp} runs with FSDP2, not deepspeed; drop one of them")
         if tp > 1 and self.fp8:
-            check_tensor_parallel(self.fp8_recipe.name, what=f"tensor_parallel_size: {tp} with fp8")
+            check_tensor_parallel(recipe.name, what=f"tensor_parallel_size: {tp} with fp8")
         if self.sequence_parallel and (tp == 1 or self.sequence_len % tp):
             raise ValueError(
                 f"sequence_parallel: true splits each sequence over the tensor_parallel_size ({tp}) "
@@ -217,14 +218,16 @@ class TrainConfig(CompareKeys, AdapterKeys, DistributedKeys, PrecisionKeys, Outp
         if (self.fp8_guard != "off" or self.fp8_health) and not self.fp8:
             key = f"fp8_guard: {self.fp8_guard}" if self.fp8_guard != "off" else "fp8_health: true"
             raise ValueError(f"{key} watches FP8 layers but fp8 is {yaml_text(self.fp8)}; set fp8: true or drop it")
-        check_health_for_guard(self.fp8_guard, self.fp8_health, yaml_spelling)
-        check_act_with_fp8_all_gather(self.fp8_guard, self.fp8_enable_fsdp_float8_all_gather, yaml_spelling)
+        guard = cast(str, self.fp8_guard)  # PrecisionKeys._guard made a bool a mode
+        check_health_for_guard(guard, self.fp8_health, yaml_spelling)
+        check_act_with_fp8_all_gather(guard, self.fp8_enable_fsdp_float8_all_gather, yaml_spelling)
         check_fp8_backend(self)
         return self
 
     def to_yaml_dict(self) -> dict[str, Any]:
         d = self.model_dump(mode="json")
-        d["fp8_recipe"] = {"name": self.fp8_recipe.name, **self.fp8_recipe.overrides}
+        recipe = cast(FP8RecipeSpec, self.fp8_recipe)  # PrecisionKeys._recipe made a name a spec
+        d["fp8_recipe"] = {"name": recipe.name, **recipe.overrides}
         if not self.fp8:  # a recipe without fp8 does nothing (and is an error when read back)
             del d["fp8_recipe"]
         return d
@@ -255,7 +258,9 @@ def _check_inert_values(data: dict[str, Any], inert: dict[str, str]) -> None:
         field = TrainConfig.model_fields.get(key)
         if field is None:
             continue
-        adapter = TypeAdapter(Annotated[field.annotation, field], config=ConfigDict(strict=True, allow_inf_nan=False))
+        adapter: TypeAdapter[Any] = TypeAdapter(
+            Annotated[field.annotation, field], config=ConfigDict(strict=True, allow_inf_nan=False)
+        )
         try:
             adapter.validate_python(data[key])
         except ValidationError as exc:
@@ -307,7 +312,7 @@ def _model_names(model: type[BaseModel], seen: set[str]) -> set[str]:
 _MODEL_TAGS = frozenset(_model_names(TrainConfig, set()))
 
 
-def _split_loc(err: dict[str, Any]) -> tuple[tuple, Optional[str]]:
+def _split_loc(err: Mapping[str, Any]) -> tuple[tuple, Optional[str]]:
     """(key path, union branch tag or None) of a pydantic error: pydantic puts the branch of a
     Union in the loc. The last part of an unknown-key error is the user's key, whatever it looks
     like (``learning-rate``, ``learning rate``, an emoji), never a tag."""
@@ -361,7 +366,7 @@ def _tag_words(tag: Optional[str]) -> str:
     return _TAG_WORDS.get(tag, tag)
 
 
-def _describe_key(loc: tuple, errs: list[dict[str, Any]]) -> str:
+def _describe_key(loc: tuple, errs: Sequence[Mapping[str, Any]]) -> str:
     key = ".".join(str(p) for p in loc) or "config"
     err = errs[0]
     if err["type"] == "extra_forbidden":
@@ -386,8 +391,8 @@ def _describe_key(loc: tuple, errs: list[dict[str, Any]]) -> str:
     return f"{key}: {err['msg']}{shown}"
 
 
-def _describe_all(errors: list[dict[str, Any]]) -> list[tuple[tuple, str]]:
-    groups: dict[tuple, list[dict[str, Any]]] = {}
+def _describe_all(errors: Sequence[Mapping[str, Any]]) -> list[tuple[tuple, str]]:
+    groups: dict[tuple, list[Mapping[str, Any]]] = {}
     for e in errors:
         groups.setdefault(_split_loc(e)[0], []).append(e)
     return [(loc, _describe_key(loc, errs)) for loc, errs in groups.items()]

@@ -30,7 +30,7 @@ lowprec's engine (the ``fp8-torchao`` precision of ``lowprec compare`` sets it).
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -42,6 +42,10 @@ __all__ = ["CompareSpec", "CompareKeys", "FP8_BACKENDS", "check_fp8_backend"]
 # the engine first (the default), then each backend that declares trainer recipes (backends/<name>.py)
 FP8_BACKENDS = (get_spec("native").name, *trainer_backends())
 ARM_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")  # a directory name and a report label
+if TYPE_CHECKING:
+    _Backend = str  # the registered backends' names: a Literal built at import time, which a checker cannot read
+else:
+    _Backend = Literal[FP8_BACKENDS]
 # keys lowprec compare sets on every run: an arm does not change them
 COMPARE_MANAGED = ("seed", "output_dir", "compare", "resume_from_checkpoint", "save_steps", "saves_per_epoch")
 
@@ -142,7 +146,7 @@ class CompareSpec(_Strict):
 class CompareKeys(_Strict):
     """The top-level keys this file adds to :class:`lowprec.train.config.TrainConfig`."""
 
-    fp8_backend: Literal[FP8_BACKENDS] = Field(
+    fp8_backend: _Backend = Field(
         default=FP8_BACKENDS[0],
         description=f"{FP8_BACKENDS[0]} (lowprec's engine) or "
         + "; ".join(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union, cast
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -147,14 +147,15 @@ class PrecisionKeys(StrictModel):
 
     @model_validator(mode="after")
     def _recover_needs_act(self) -> "PrecisionKeys":
-        guard_settings.check_recover_needs_act(self.fp8_guard_recover_after, self.fp8_guard, yaml_spelling)
-        guard_settings.check_scope_needs_act(self.fp8_guard_scope, self.fp8_guard, yaml_spelling)
+        guard = cast(str, self.fp8_guard)  # _guard made a bool a mode
+        guard_settings.check_recover_needs_act(self.fp8_guard_recover_after, guard, yaml_spelling)
+        guard_settings.check_scope_needs_act(self.fp8_guard_scope, guard, yaml_spelling)
         return self
 
     @property
     def fp8_health_on(self) -> bool:
         """Health signals are recorded: fp8_health: true, or by default with a guard."""
-        return guard_settings.health_on(self.fp8_guard, self.fp8_health)
+        return guard_settings.health_on(cast(str, self.fp8_guard), self.fp8_health)  # _guard made a bool a mode
 
     @field_validator("fp8_recipe")
     @classmethod

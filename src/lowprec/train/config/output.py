@@ -111,7 +111,7 @@ class OutputKeys(StrictModel):
         recipe = getattr(getattr(self, "fp8_recipe", None), "name", None)
         trained = kind_info(recipe_info(recipe).scaling) if recipe else None
         unheld = [f for f in self.export if trained is not None and not export_holds(f, trained)]
-        if unheld and getattr(self, "fp8", None):
+        if unheld and trained is not None and getattr(self, "fp8", None):  # unheld lists formats only with trained set
             held = " (compressed-tensors holds them)" if export_holds("compressed-tensors", trained) else ""
             raise ValueError(
                 f"export: fp8_recipe {recipe} trains microscaled weights that {', '.join(unheld)} does not "
