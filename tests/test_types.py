@@ -1,7 +1,5 @@
-"""The type checker is part of the test command: `mypy` over the engine (fp8), the optimizers,
-the distributed code and the public API (the Accelerator and what ``import lowprec`` names, the
-kwargs handlers, ``lowprec.utils``, the transformers integration), with pyproject.toml's
-[tool.mypy] settings."""
+"""The type checker is part of the test command: `mypy` over the whole package, with
+pyproject.toml's [tool.mypy] settings."""
 
 import os
 import subprocess
