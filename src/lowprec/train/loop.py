@@ -46,7 +46,7 @@ class Run:
     loader: Any
     val_loader: Any
     state: ckpt.TrainerState
-    writer: MetricsWriter
+    writer: MetricsWriter = field(init=False)  # opened by the trainer once a resume has cut metrics.jsonl back
     fp8_layers: bool
     main: bool
     model_config: Any = None
@@ -115,7 +115,8 @@ class Loop:
     window_steps: int = 0
     window_tokens: int = 0
     window_t0: float = field(default_factory=time.perf_counter)
-    window_loss: Optional[torch.Tensor] = None
+    # the window's loss sum; run_loop puts it on the accelerator's device
+    window_loss: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     high_loss_steps: int = 0  # loss_watchdog: optimizer steps in a row above the threshold
     best_eval: Optional[float] = None
     evals_without_gain: int = 0  # early_stopping_patience
@@ -124,11 +125,6 @@ class Loop:
     spikes: Any = None  # spikes.SpikeDetector with loss_spike
     rollbacks: int = 0  # loss_spike: act, in this process
     rolled_back: bool = False  # the last optimizer_step ended in a rollback
-
-    @property
-    def _window_sum(self) -> torch.Tensor:
-        """``window_loss``, which run_loop sets right after building the Loop (None only before that)."""
-        return cast(torch.Tensor, self.window_loss)
 
     def optimizer_step(self) -> tuple[float, Optional[torch.Tensor]]:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; returns the
@@ -165,7 +161,7 @@ class Loop:
             hit = self.spikes.observe(loss)
             if hit is not None and self._spike(loss, *hit):
                 return lr, grad_norm
-        self._window_sum.add_(step_loss / cfg.gradient_accumulation_steps)  # in place, as += on a tensor
+        self.window_loss += step_loss / cfg.gradient_accumulation_steps
         self.window_steps += 1
         self.window_tokens += step_tokens
         return lr, grad_norm
@@ -263,7 +259,7 @@ class Loop:
     def log_window(self, lr: float, grad_norm) -> None:
         run = self.run
         acc, state = run.acc, run.state
-        loss_mean = float(acc.reduce(self._window_sum / self.window_steps, "mean"))
+        loss_mean = float(acc.reduce(self.window_loss / self.window_steps, "mean"))
         elapsed = time.perf_counter() - self.window_t0
         state.train_time_s += elapsed
         rec = {
@@ -300,7 +296,7 @@ class Loop:
             fp8_engine.disable_telemetry(run.inner)
             if run.health is not None:
                 self._check_health(tele)
-        self._window_sum.zero_()
+        self.window_loss.zero_()
         self.window_steps, self.window_tokens, self.window_t0 = 0, 0, time.perf_counter()
 
     def _check_health(self, tele: dict) -> None:
@@ -356,7 +352,7 @@ class Loop:
         since only the main process writes it: one process resumes bit-exactly, several to
         rounding (the mean of sums is taken in another order)."""
         acc = self.run.acc
-        loss = self._window_sum.clone()
+        loss = self.window_loss.clone()
         if acc.num_processes > 1:
             loss = acc.reduce(loss, "mean")
         return {
@@ -366,7 +362,7 @@ class Loop:
         }
 
     def restore_window(self, saved: dict[str, Any]) -> None:
-        self._window_sum.copy_(saved["window_loss"])
+        self.window_loss.copy_(saved["window_loss"])
         self.window_t0 = time.perf_counter() - float(saved["window_s"])
         for k in self._SAVED:
             setattr(self, k, saved[k])

@@ -429,7 +429,6 @@ def _build(
         loader=loader,
         val_loader=val_loader,
         state=state,
-        writer=cast(MetricsWriter, None),  # _train opens it after the resume has cut metrics.jsonl back
         fp8_layers=fp8_layers,
         main=acc.is_main_process,
         model_config=model_config,

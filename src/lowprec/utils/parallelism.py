@@ -73,7 +73,7 @@ def for_accelerator(
         return None
     config = config or ParallelismConfig()
     config.resolve(world)  # sets dp_shard_size (an int from here on)
-    if config.tp_enabled and cast(int, config.dp_shard_size) > 1 and distributed_type != "FSDP":
+    if config.tp_enabled and config.dp_shard_enabled and distributed_type != "FSDP":
         raise ValueError(
             f"tp_size {config.tp_size} with dp_shard_size {config.dp_shard_size} needs FSDP2 for the "
             "data-parallel dimension: launch with --use_fsdp (or fsdp_version: 2)"
@@ -92,8 +92,7 @@ def data_shard(config: Optional[ParallelismConfig], rank: int, world: int, devic
     """(rank, world size) the data is split over: the dp_shard dimension under tensor parallelism."""
     if config is None or not config.tp_enabled:  # expert parallelism: every process its own data
         return rank, world
-    # dp_shard_size: resolved (an int) by for_accelerator
-    return config.mesh(device_type)["dp_shard"].get_local_rank(), cast(int, config.dp_shard_size)
+    return config.mesh(device_type)["dp_shard"].get_local_rank(), config.data_parallel_size
 
 
 def apply_tp(config: Optional[ParallelismConfig], model: Any, device_type: str) -> None:
