@@ -328,6 +328,18 @@ def test_save_state_mid_epoch_with_a_generator_resumes_the_same_order(tmp_path):
     assert [b.tolist() for b in again] == rest
 
 
+def test_save_state_between_epochs_with_a_generator_resumes_the_next_epochs_order(tmp_path):
+    acc = lowprec.Accelerator(cpu=True)
+    loader = acc.prepare(_shuffled_loader(True))
+    first = [b.tolist() for b in loader]
+    acc.save_state(str(tmp_path / "ckpt"))  # the most common checkpoint: at the end of an epoch
+    later = _epochs(loader)
+    acc2 = lowprec.Accelerator(cpu=True)
+    again = acc2.prepare(_shuffled_loader(True))  # freshly seeded: would replay the first epoch
+    acc2.load_state(str(tmp_path / "ckpt"))
+    assert _epochs(again) == later and later[0] != first
+
+
 def test_prepared_loader_without_a_generator_says_once_how_it_shuffles(caplog, monkeypatch):
     from lowprec import logs
 

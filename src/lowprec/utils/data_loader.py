@@ -392,8 +392,13 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
         state: dict[str, Any] = {"epoch": self.epoch, "batches_yielded": self.batches_yielded, "seed": self.seed}
-        if self._generator_state is not None:  # a list of bytes: save_state writes this dict as JSON
-            state["generator_state"] = self._generator_state.tolist()
+        generator_state = self._generator_state  # mid-epoch: the user's generator at this epoch's start
+        if generator_state is None and getattr(self, "user_generator", None) is not None:
+            # between epochs: the state the next epoch starts from (else a resumed run would
+            # replay the freshly seeded generator's first epoch)
+            generator_state = cast(torch.Generator, self.user_generator).get_state()
+        if generator_state is not None:  # a list of bytes: save_state writes this dict as JSON
+            state["generator_state"] = generator_state.tolist()
         return state
 
     def load_state_dict(self, state: dict) -> None:
