@@ -492,3 +492,22 @@ def test_backend_protocol_is_narrow():
         "plain_state_dict",
         "describe",
     }
+
+
+@pytest.mark.parametrize("handler", ["native", "te", "ao"])
+def test_fp8_that_converts_no_layer_is_a_warning_naming_why(caplog, handler):
+    if handler == "ao":
+        pytest.importorskip("torchao.float8")
+    make = {"native": NativeRecipeKwargs, "te": TERecipeKwargs, "ao": AORecipeKwargs}[handler]
+    # native and torchao keep the first and last Linear; TE converts them, not dims off 16
+    small, why = (mlp(30, 50, 10), "not multiples of 16") if handler == "te" else (mlp(32, 64, 16), "first")
+    with caplog.at_level("WARNING", logger="lowprec"):
+        model = Accelerator(mixed_precision="fp8", kwargs_handlers=[make()]).prepare(small)
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+    said = [r.getMessage() for r in caplog.records if "converted no layer" in r.getMessage()]
+    assert len(said) == 1 and "trains without FP8" in said[0] and why in said[0]
+    caplog.clear()
+    _LOGGED.clear()
+    with caplog.at_level("WARNING", logger="lowprec"):  # a model with layers to convert: no warning
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[make()]).prepare(mlp(32, 32, 32, 32, 32))
+    assert not [r for r in caplog.records if "converted no layer" in r.getMessage()]

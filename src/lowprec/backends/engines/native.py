@@ -12,6 +12,7 @@ from torch import nn
 
 from lowprec import fp8
 from lowprec.backends.base import BaseBackend, PrepareContext
+from lowprec.backends.engines.shared import warn_if_nothing_converted
 from lowprec.logs import log_once
 from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.distributed.amax_sync import reduce_delayed_amaxes
@@ -76,6 +77,17 @@ class NativeBackend(BaseBackend):
         if int(os.environ.get("RANK", "0")) == 0:
             logger.info("lowprec: %s", self.report.summary())
         logger.debug("lowprec: FP8 conversion (%s):\n%s", self.engine, self.report)
+        warn_if_nothing_converted(
+            self.report.num_converted + len(self.report.experts),
+            self.report.skipped,
+            self.engine,
+            (
+                "To convert the first and last Linear too: NativeRecipeKwargs(skip_first_last=False); "
+                if self.skip_first_last
+                else ""
+            )
+            + "FP8 GEMMs need both dims of a weight divisible by 16",
+        )
         self._check_experts(model, ctx)
         if self.fsdp_float8_all_gather and ctx.distributed_type == "FSDP":
             # new weight Parameters: the Accelerator remaps the optimizer to them by name

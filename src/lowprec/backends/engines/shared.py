@@ -8,7 +8,7 @@ from lowprec.logs import log_once
 from lowprec.fp8.modules.conv1d import is_conv1d
 from lowprec.fp8.modules.experts import experts_layout
 
-__all__ = ["note_unconverted_conv1d"]
+__all__ = ["note_unconverted_conv1d", "warn_if_nothing_converted"]
 
 
 def note_unconverted_conv1d(model: nn.Module, library: str) -> None:
@@ -26,3 +26,18 @@ def note_unconverted_conv1d(model: nn.Module, library: str) -> None:
             f"lowprec: {library} converts nn.Linear only: {n} mixture-of-experts module(s) with 3-D expert "
             "weights stay in high precision; the native backend (fp8_backend: native) runs them as grouped FP8 GEMMs"
         )
+
+
+def warn_if_nothing_converted(converted: int, kept: list[tuple[str, str]], engine: str, fix: str) -> None:
+    """``mixed_precision="fp8"`` that converted no layer trains in high precision only: say so once,
+    as a warning, with why the layers were kept (``kept``: (layer, reason)) and ``fix``."""
+    if converted:
+        return
+    reasons: dict[str, int] = {}
+    for _, reason in kept:
+        reasons[reason] = reasons.get(reason, 0) + 1
+    why = "; ".join(f"{n} x {r}" for r, n in reasons.items()) if reasons else "the model has no Linear layer"
+    log_once(
+        f"lowprec: mixed_precision='fp8' converted no layer to FP8 ({engine}; kept in high precision: {why}): "
+        f"this model trains without FP8. {fix}"
+    )

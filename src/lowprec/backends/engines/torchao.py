@@ -21,7 +21,7 @@ from torch import nn
 from lowprec.backends.base import BaseBackend, PrepareContext
 from lowprec.logs import log_once
 from lowprec.backends.engines.native import NativeBackend
-from lowprec.backends.engines.shared import note_unconverted_conv1d
+from lowprec.backends.engines.shared import note_unconverted_conv1d, warn_if_nothing_converted
 from lowprec.fp8 import default_module_filter
 from lowprec.fp8.recipes import Recipe
 from lowprec.kwargs import AORecipeKwargs
@@ -105,6 +105,16 @@ class TorchAOBackend(BaseBackend):
         # Accelerator, by name, whatever the order of prepare calls
         convert_to_float8_training(model, module_filter_fn=module_filter, config=self.config)
         note_unconverted_conv1d(model, "torchao")
+        kept = [(n, "not picked by the module filter") for n, m in model.named_modules() if type(m) is nn.Linear]
+        warn_if_nothing_converted(
+            sum(isinstance(m, Float8Linear) for m in model.modules()),
+            kept,
+            "torchao",
+            "Your module_filter_func picked none"
+            if self.handler.module_filter_func
+            else "The default filter keeps the first and last Linear and any with a dim not divisible by 16; "
+            "pass AORecipeKwargs(module_filter_func=...) to pick layers",
+        )
         return model
 
     def fp8_context(self, model: nn.Module):
