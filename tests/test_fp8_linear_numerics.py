@@ -21,18 +21,25 @@ RECIPES = list(fp8.RECIPE_NAMES)
 SHAPES = [((64, 128), 96), ((3, 40, 256), 160), ((7, 5, 48), 32)]  # 2-D, 3-D, non-square/odd M
 
 
-def _run(recipe, in_shape, out_features, dtype=torch.float32, autocast_bf16=False):
+def _run(recipe, in_shape, out_features, dtype=torch.float32, autocast_bf16=False, autocast_dtype=None):
     k = in_shape[-1]
     lin = nn.Linear(k, out_features)
     ref = nn.Linear(k, out_features).double()
     ref.load_state_dict(lin.state_dict())
+    if dtype == torch.float16:  # a float16 model (ref keeps the float16 weights' values)
+        lin.half()
+        ref.load_state_dict(lin.state_dict())
+    autocast_dtype = torch.bfloat16 if autocast_bf16 else autocast_dtype
     layer = fp8.Float8Linear.from_linear(lin, recipe)
     x = torch.randn(*in_shape) * 2
     g = torch.randn(*in_shape[:-1], out_features)
     xr = x.double().requires_grad_()
     ref(xr).backward(g.double())
     xt = x.clone().to(dtype).requires_grad_()
-    with fp8.autocast(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_bf16):
+    with (
+        fp8.autocast(),
+        torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None),
+    ):
         y = layer(xt)
     y.backward(g.to(y.dtype))
     return {
@@ -71,6 +78,28 @@ def test_under_bf16_autocast(seed, name):
         r, t = res[key]
         assert t.dtype == torch.float32
         assert sqnr(r, t) >= (13 if fp4 else 20)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("how", ["float16 model", "float16 autocast"])
+def test_float16(seed, name, how):
+    """float16's range ends at 65504: the unscaled sums of an FP8 GEMM pass it where the scaled
+    output does not, so an output scaled after rounding to float16 was inf (rowwise on CPU)."""
+    model = how == "float16 model"
+    res = _run(
+        fp8.Recipe.from_name(name),
+        (4, 24, 256),
+        64,
+        dtype=torch.float16 if model else torch.float32,
+        autocast_dtype=None if model else torch.float16,
+    )
+    assert res["out"][1].dtype == torch.float16
+    fp4 = name == "nvfp4"
+    for key in ("out", "grad_input", "grad_weight"):
+        r, t = res[key]
+        assert torch.isfinite(t).all(), f"{name} {key}: not finite"
+        floor = (15 if fp4 else 25) if key == "out" else (13 if fp4 else 20)
+        assert sqnr(r, t) >= floor, f"{name} {key}: {sqnr(r, t):.1f} dB"
 
 
 def test_bf16_model(seed):

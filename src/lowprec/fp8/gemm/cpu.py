@@ -142,14 +142,19 @@ def upcast_mm(a: Float8Data, b: Float8Data, out_dtype: torch.dtype) -> torch.Ten
         return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
     inv_a, inv_b = a.scale.reciprocal(), b.scale.reciprocal()
     out = torch.mm(av, bv)
-    if out_dtype != torch.bfloat16:
-        out = out.to(out_dtype)
+    # the unscaled sums can pass float16's range (65504) where the scaled output does not: a
+    # float16 output is scaled in float32 first, then rounded once
+    work = torch.float32 if out_dtype == torch.float16 else out_dtype
+    if work != torch.bfloat16:
+        out = out.to(work)
     if torch.compiler.is_compiling():  # out of place: a traced result must be one op's (gemm.as_dtype)
         scaled = out * (inv_a * inv_b) if inv_a.dim() == 0 and inv_b.dim() == 0 else out * inv_a * inv_b
-        return scaled if scaled.dtype == out.dtype else scaled.to(out.dtype)
+        return scaled if scaled.dtype == out_dtype else scaled.to(out_dtype)
     if inv_a.dim() == 0 and inv_b.dim() == 0:
-        return out.mul_(inv_a * inv_b)
-    return out.mul_(inv_a).mul_(inv_b)  # (M, 1) then (1, N): broadcast in place
+        out.mul_(inv_a * inv_b)
+    else:
+        out.mul_(inv_a).mul_(inv_b)  # (M, 1) then (1, N): broadcast in place
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def _cached_upcast(q: Float8Data) -> torch.Tensor:
