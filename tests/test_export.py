@@ -250,6 +250,26 @@ def test_a_recipe_that_disagrees_with_the_format_is_quantized_once_and_says_so(t
     assert "quantized once" in open(tmp_path / "README.md").read()
 
 
+@pytest.mark.parametrize("fmt", ["hf-fp8", "compressed-tensors"])
+def test_a_peft_model_exports_its_adapters_merged_under_transformers_names(tmp_path, fmt):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        _llama(), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    fp8.convert(model, "blockwise")
+    report = export_model(model, str(tmp_path), fmt)
+    assert any("merged" in n for n in report.notes)
+    assert not any("lora" in k or k.startswith("base_model") for k in load_file(str(tmp_path / "model.safetensors")))
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(6))
+    model.eval()
+    with torch.no_grad():  # the adapters' delta is in (init_lora_weights=False: not zero)
+        trained, served = model(ids).logits, loaded(ids).logits.float()
+    assert float((served - trained).norm() / trained.norm()) < 0.1
+    assert any("lora_A" in n for n, _ in model.named_modules())  # the model passed in keeps its adapters
+
+
 def test_blocks_that_do_not_tile_a_dim_are_noted(tmp_path):
     cfg = transformers.LlamaConfig(
         vocab_size=256,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -71,6 +72,7 @@ def export_model(
     measured logit gap (default: 64 ids drawn with seed 0)."""
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not an export format; choose one of {', '.join(FORMATS)}")
+    model, merged = _adapters_merged(model)
     recipe = model_recipe(model)
     scheme = scheme_for(format, None if requantize else recipe)
     config = dict(config) if config is not None else hf_config_of(model)
@@ -85,7 +87,7 @@ def export_model(
     else:
         write_compressed_tensors(model, plan, scheme, config, out_dir)
     gap = logit_gap(model, plan, probe_ids, config.get("vocab_size"))
-    notes = list(notes or []) + plan.notes + _ragged_note(plan)
+    notes = list(notes or []) + merged + plan.notes + _ragged_note(plan)
     report = ExportReport(
         out_dir=os.path.abspath(out_dir),
         format=format,
@@ -102,6 +104,25 @@ def export_model(
     write_json(os.path.join(out_dir, "lowprec_export.json"), report.to_dict(), indent=1)
     write_card(report, out_dir)
     return report
+
+
+def _adapters_merged(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """A peft model is exported as its base with the adapters merged (what inference engines
+    load: transformers' names, no adapter tensors), merged by peft in a copy, so the model
+    passed in keeps training; any other model as it is."""
+    if not (hasattr(model, "merge_and_unload") and hasattr(model, "get_base_model")):
+        return model, []
+    try:
+        merged = copy.deepcopy(model).merge_and_unload()
+    except Exception as exc:  # noqa: BLE001 - peft's own reason, in one line
+        raise ValueError(
+            f"export_model: a peft model whose adapters peft cannot merge ({type(exc).__name__}: {exc}); "
+            "merge them first (model.merge_and_unload()) and export the merged model"
+        ) from None
+    return merged, [
+        "source: a peft model; its adapters merged into the base by peft (merge_and_unload, in a copy), "
+        "so the FP8 casts are of the merged weights"
+    ]
 
 
 def _ragged_note(plan) -> list[str]:
