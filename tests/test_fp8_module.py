@@ -111,6 +111,20 @@ def test_unconvert_restores_identical_weights_and_outputs(seed):
     assert torch.equal(net(x), before)
 
 
+def test_converting_again_keeps_the_same_recipe_and_refuses_another():
+    net = Net()
+    first = fp8.convert(net, "tensorwise")
+    again = fp8.convert(net, "tensorwise")
+    assert not again.converted and len(again.already) == len(first.converted) > 0
+    assert again.skipped == first.skipped  # the same layers kept in high precision, no more
+    assert f"{len(first.converted)} already FP8" in again.summary()
+    with pytest.raises(ValueError, match="already FP8 with the tensorwise recipe.*unconvert"):
+        fp8.convert(net, "rowwise")
+    assert all(m.recipe.name == "tensorwise" for m in net.modules() if isinstance(m, fp8.Float8Linear))
+    fp8.unconvert(net)
+    assert len(fp8.convert(net, "rowwise").converted) == len(first.converted)
+
+
 def test_conversion_is_the_switch_autocast_disables_and_eval_is_high_precision(seed):
     net = Net()
     x = torch.randn(4, 16)

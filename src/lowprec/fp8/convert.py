@@ -98,6 +98,9 @@ class ConversionReport:
     fp8_activations: list[str] = field(default_factory=list)
     # MoE: (experts module, experts, [(projection, in, out) in FP8]) and (router, its class)
     experts: list[tuple[str, int, list[tuple[str, int, int]]]] = field(default_factory=list)
+    # layers an earlier convert() made FP8 with this recipe: left as they are (neither converted
+    # by this call nor kept in high precision)
+    already: list[str] = field(default_factory=list)
     routers: list[tuple[str, str]] = field(default_factory=list)
     grouped_gemm: str = ""
 
@@ -110,6 +113,7 @@ class ConversionReport:
             "recipe": self.recipe.to_dict(),
             "converted": [{"name": n, "in_features": i, "out_features": o} for n, i, o in self.converted],
             "skipped": [{"name": n, "reason": r} for n, r in self.skipped],
+            "already_fp8": list(self.already),
             "gemm": self.gemm,
             "kept_in_high_precision_by_type": {t: {"count": n, "reasons": r} for t, (n, r) in self.kept_types.items()},
             "fp8_activations": list(self.fp8_activations),
@@ -139,8 +143,9 @@ class ConversionReport:
                 f"; MoE: {len(self.experts)} experts module(s) with grouped FP8 GEMMs, "
                 f"{len(self.routers)} router(s) kept in high precision"
             )
+        already = f", {len(self.already)} already FP8" if self.already else ""
         return (
-            f"FP8 conversion: {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high "
+            f"FP8 conversion: {len(self.converted)} Linear layer(s) converted{already}, {len(self.skipped)} kept in high "
             f"precision{by_type}; recipe {self.recipe.name}; GEMMs: {self.gemm}{acts}{moe}; {self.switch()}"
         )
 
@@ -156,6 +161,10 @@ class ConversionReport:
             f"  {self.switch()}",
             f"  {len(self.converted)} Linear layer(s) converted, {len(self.skipped)} kept in high precision",
         ]
+        if self.already:
+            lines.append(
+                f"  {len(self.already)} layer(s) already FP8 with this recipe (an earlier convert), left as they are"
+            )
         if self.kept_types:
             kept = "; ".join(f"{t} x{n} ({', '.join(r)})" for t, (n, r) in self.kept_types.items())
             lines.append(f"  high precision by layer type: {kept}")
@@ -336,9 +345,12 @@ def convert(
         if router:
             report.routers.append((fqn, type(module).__name__))
         if isinstance(module, (Float8Linear, Float8Experts)):
-            report.skipped.append(
-                (fqn, f"already {'Float8Linear' if isinstance(module, Float8Linear) else 'FP8 experts'}")
-            )
+            if module.recipe != recipe:  # silently keeping the old recipe would contradict the report
+                raise ValueError(
+                    f"convert(recipe={recipe.name}): {fqn or 'the model'} is already FP8 with the "
+                    f"{module.recipe.name} recipe; to change recipes, fp8.unconvert(model) first"
+                )
+            report.already.append(fqn)
             continue
         layout = experts_layout(module)
         if layout is not None:
