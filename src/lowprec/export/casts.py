@@ -93,8 +93,8 @@ def scheme_for(fmt: str, recipe: Recipe | None) -> Scheme:
         held = f"use --format compressed-tensors (its {trained.upper()} scheme keeps them), " if trained else ""
         raise ValueError(
             f"--format {fmt}: a {recipe.scaling} run trained with microscaled weights that {fmt}'s FP8 layout "
-            f"cannot hold; {held}pass --requantize to quantize it once with the format's rule, or use the bf16 "
-            "model.safetensors"
+            f"cannot hold; {held}pass --requantize (export_model: requantize=True) to quantize it once with the format's "
+            "rule, or serve the bf16 weights"
         )
     if fmt == "hf-fp8":
         return Scheme("block", BLOCK)

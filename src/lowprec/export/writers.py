@@ -206,7 +206,7 @@ def _refuse_unheld(plan: LayerPlan, scheme: Scheme) -> None:
         raise ValueError(
             f"--format compressed-tensors: {ragged[0]} has an input dim that is not a multiple of "
             f"{scheme.granularity}'s block of {scheme.block}, which its {scheme.granularity.upper()} scheme does not hold; "
-            "pass --requantize (FP8 per channel) or use the bf16 model.safetensors"
+            "pass --requantize (export_model: requantize=True; FP8 per channel) or serve the bf16 weights"
         )
 
 
