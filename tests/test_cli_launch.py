@@ -459,3 +459,31 @@ def test_gradient_clipping_only_under_deepspeed_and_unread_settings_not_exported
     assert any("dynamo_backend" in n and "no effect" in n for n in notes), out
     assert any("opt_level" in n and "te FP8 backend does not read it" in n for n in notes), out
     assert not any("margin" in n for n in notes), out  # te reads margin
+
+
+def _without_transformer_engine(monkeypatch, installed=False):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    fake = object() if installed else None
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: fake if name == "transformer_engine" else real_find_spec(name, *a)
+    )
+
+
+def test_e5m2_without_transformer_engine_is_refused_at_launch(monkeypatch, tmp_path, capsys):
+    """E5M2 runs on TransformerEngine only; without it the te backend falls back to the native
+    engine, which refused it in every worker with a traceback (exit 1). Now: one line at launch."""
+    _without_transformer_engine(monkeypatch)
+    flags = ["--mixed_precision", "fp8", "--fp8_backend", "te"]
+    err = usage_error(["launch", "--dry_run", *flags, "--fp8_format", "E5M2", SCRIPT], capsys)
+    assert err.startswith("lowprec: error: --fp8_format E5M2: runs only on transformer_engine") and err.count("\n") == 1
+    assert "install transformer_engine, or use HYBRID or E4M3" in err, err
+    cfg = write(tmp_path, "mixed_precision: fp8\nfp8_config: {backend: TE, fp8_format: E5M2}\n")
+    err = usage_error(["launch", "--dry_run", "--config_file", cfg, SCRIPT], capsys)
+    assert f"fp8_config.fp8_format in {cfg} E5M2: runs only on transformer_engine" in err and err.count("\n") == 1
+    env, _, _ = dry_run([*flags, "--fp8_format", "HYBRID", SCRIPT], capsys)  # the native engine runs it
+    assert env["ACCELERATE_FP8_FORMAT"] == "HYBRID"
+    _without_transformer_engine(monkeypatch, installed=True)
+    env, _, _ = dry_run([*flags, "--fp8_format", "E5M2", SCRIPT], capsys)
+    assert env["ACCELERATE_FP8_FORMAT"] == "E5M2"

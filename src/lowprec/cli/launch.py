@@ -28,6 +28,7 @@ from lowprec.config.env import (
     fp8_fields_unread,
     owned_env_var,
 )
+from lowprec.backends.spec import spec_or_native
 from lowprec.config.json_file import read_json_object
 from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError
@@ -154,6 +155,7 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         raise UsageError(f"{exc}{_origins(str(exc), yaml_layer, cli_layer, config_file)}") from None
     check_cli_flags_apply(cli_layer, settings)
     _check_files(settings, cli_layer, config_file)
+    _check_fp8_library(settings, cli_layer, config_file)
 
     ignored = sorted(k for k in yaml_layer if k in FP8_FIELDS and k not in cli_layer)
     if ignored and not settings.fp8:
@@ -190,21 +192,40 @@ def _origins(message: str, yaml_layer: Mapping[str, Any], cli_layer: Mapping[str
     return f" ({'; '.join(parts)})" if parts else ""
 
 
+def _where(name: str, section: str, cli_layer: Mapping[str, Any], config_file: str | None) -> str:
+    """How the user wrote setting ``name``: ``--name``, or its key in the config file."""
+    return f"--{name}" if name in cli_layer else f"{section} in {config_file}"
+
+
 def _check_files(settings: LaunchSettings, cli_layer: Mapping[str, Any], config_file: str | None) -> None:
     """Every file the launch is given is read now, before any process starts (a missing
     DeepSpeed config otherwise surfaces as a traceback inside each worker)."""
     path = settings.deepspeed_config_file
     if path is None:
         return
-    where = (
-        "--deepspeed_config_file"
-        if "deepspeed_config_file" in cli_layer
-        else (f"deepspeed_config.deepspeed_config_file in {config_file}")
-    )
+    where = _where("deepspeed_config_file", "deepspeed_config.deepspeed_config_file", cli_layer, config_file)
     try:
         read_json_object(path)
     except ValueError as exc:
         raise UsageError(f"{where}: {exc}") from None
+
+
+def _check_fp8_library(settings: LaunchSettings, cli_layer: Mapping[str, Any], config_file: str | None) -> None:
+    """An fp8_format only the backend's library runs (TE's E5M2) where that library is not
+    installed: the backend would fall back to the native engine, which refuses it inside every
+    worker; refuse it here in one line instead."""
+    if not settings.fp8 or settings.fp8_format is None:
+        return
+    spec = spec_or_native(settings.fp8_backend)
+    native = spec_or_native("native").fp8_formats
+    if settings.fp8_format in native or spec.library is None or spec.available():
+        return
+    where = _where("fp8_format", "fp8_config.fp8_format", cli_layer, config_file)
+    raise UsageError(
+        f"{where} {settings.fp8_format}: runs only on {spec.library}, which is not installed here (the "
+        f"{spec.name} backend would fall back to lowprec's native engine); install {spec.library}, or use "
+        f"{' or '.join(native)}"
+    )
 
 
 def _yaml_notes(
