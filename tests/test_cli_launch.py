@@ -487,3 +487,26 @@ def test_e5m2_without_transformer_engine_is_refused_at_launch(monkeypatch, tmp_p
     _without_transformer_engine(monkeypatch, installed=True)
     env, _, _ = dry_run([*flags, "--fp8_format", "E5M2", SCRIPT], capsys)
     assert env["ACCELERATE_FP8_FORMAT"] == "E5M2"
+
+
+def test_multi_gpu_config_without_a_gpu_warns_once(monkeypatch, tmp_path, capsys):
+    """distributed_type MULTI_GPU with use_cpu false where torch sees no GPU ran two CPU/gloo
+    processes without a word; now one warning says so (dry run and real run alike)."""
+    import subprocess as sp
+
+    import torch
+
+    import lowprec.cli.launch as launch_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = write(tmp_path, "distributed_type: MULTI_GPU\ngpu_ids: all\nuse_cpu: false\nnum_processes: 2\n")
+    assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
+    out = capsys.readouterr().out
+    warnings = [ln for ln in out.splitlines() if ln.startswith("# warning: ")]
+    assert len(warnings) == 1 and "no GPU found: running 2 CPU process(es)" in warnings[0] and "gloo" in out, out
+    monkeypatch.setattr(launch_mod.subprocess, "run", lambda *a, **k: sp.CompletedProcess(a, 0))
+    assert main(["launch", "--config_file", cfg, SCRIPT]) == 0
+    err = capsys.readouterr().err
+    assert err.count("lowprec: warning: no GPU found") == 1, err
+    assert main(["launch", "--dry_run", "--config_file", cfg, "--cpu", SCRIPT]) == 0  # said: no warning
+    assert "# warning" not in capsys.readouterr().out

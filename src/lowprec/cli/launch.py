@@ -15,7 +15,7 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,7 @@ class LaunchPlan:
     env: dict[str, str]  # the child's full environment
     config_file: str | None
     notes: list[str]
+    warnings: list[str] = field(default_factory=list)
 
 
 def build_command(settings: LaunchSettings, script: str, script_args: Sequence[str], module: bool) -> list[str]:
@@ -175,7 +176,23 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     env = {k: v for k, v in environ.items() if k not in removed}
     env.update(exported)
     command = build_command(settings, script, args.training_script_args, args.module)
-    return LaunchPlan(settings, command, exported, removed, env, config_file, notes)
+    return LaunchPlan(settings, command, exported, removed, env, config_file, notes, _gpu_warnings(settings))
+
+
+def _gpu_warnings(settings: LaunchSettings) -> list[str]:
+    """Several GPU processes asked for (``use_cpu`` false) where torch sees no GPU: each rank falls
+    back to the CPU and gloo (state/), so say it once here instead of letting it pass unseen.
+    torch is imported only on this path (torchrun, which the launch starts next, imports it too)."""
+    if not settings.distributed or settings.use_cpu:
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    return [
+        f"no GPU found: running {settings.processes_per_machine} CPU process(es) on this machine with gloo "
+        "(use_cpu is false / distributed_type MULTI_GPU); set --cpu (use_cpu: true) to say so, or launch where GPUs are"
+    ]
 
 
 def _origins(message: str, yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], config_file: str | None) -> str:
@@ -265,6 +282,7 @@ def _yaml_notes(
 def format_plan(plan: LaunchPlan) -> str:
     lines = [f"# config file: {plan.config_file or '(none)'}"]
     lines += [f"# note: {n}" for n in plan.notes]
+    lines += [f"# warning: {w}" for w in plan.warnings]
     lines.append("# environment of the training processes")
     lines += [f"unset {k}" for k in plan.removed]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.exported.items())]
@@ -280,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for note in plan.notes:
         print(f"lowprec: note: {note}", file=sys.stderr)
+    for warning in plan.warnings:
+        print(f"lowprec: warning: {warning}", file=sys.stderr)
 
     again = plan.env.get(CONTINUE_VAR) or shlex.join(["lowprec", "launch", *getattr(args, "argv", sys.argv[2:])])
     try:
