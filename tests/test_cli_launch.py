@@ -510,3 +510,34 @@ def test_multi_gpu_config_without_a_gpu_warns_once(monkeypatch, tmp_path, capsys
     assert err.count("lowprec: warning: no GPU found") == 1, err
     assert main(["launch", "--dry_run", "--config_file", cfg, "--cpu", SCRIPT]) == 0  # said: no warning
     assert "# warning" not in capsys.readouterr().out
+
+
+def test_fp8_fields_without_a_backend_reach_the_scripts_handler(monkeypatch, tmp_path, capsys):
+    """No --fp8_backend / --fp8_recipe: the script's handler (TERecipeKwargs(), MSAMPRecipeKwargs())
+    picks the backend and reads ACCELERATE_FP8_*, as under `accelerate launch`. launch refused
+    --fp8_amax_history_len ("the tensorwise recipe does not read it") and --fp8_opt_level ("the
+    native FP8 backend does not read it") against its own default; now they pass through, and a
+    handler that does not read a set value logs it once."""
+    from lowprec.backends.registry import select_backend
+    from lowprec.kwargs import MSAMPRecipeKwargs, TERecipeKwargs
+
+    fp8 = ["--mixed_precision", "fp8"]
+    env, _, _ = dry_run([*fp8, "--fp8_amax_history_len", "7", "--fp8_opt_level", "O1", SCRIPT], capsys)
+    assert (env["ACCELERATE_FP8_AMAX_HISTORY_LEN"], env["ACCELERATE_FP8_OPT_LEVEL"]) == ("7", "O1")
+    assert "ACCELERATE_FP8_BACKEND" not in env
+    cfg = write(tmp_path, "mixed_precision: fp8\nfp8_config: {amax_history_len: 7, opt_level: O1}\n")
+    assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
+    assert "does not read" not in capsys.readouterr().out  # the same as a flag: passed, no note
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert TERecipeKwargs(margin=2).amax_history_len == 7 and MSAMPRecipeKwargs().opt_level == "O1"
+    with pytest.warns(UserWarning, match="tensorwise recipe does not read amax_history_len"):
+        select_backend(None)  # no handler: native tensorwise, which reads neither
+    # a launch that names the backend or recipe is checked against it, and says how to make it count
+    err = usage_error(
+        ["launch", "--dry_run", *fp8, "--fp8_recipe", "tensorwise", "--fp8_amax_history_len", "7", SCRIPT], capsys
+    )
+    assert "--fp8_amax_history_len: the tensorwise recipe does not read it" in err, err
+    assert "drop it, or set fp8_recipe delayed, or fp8_backend te" in err, err
+    err = usage_error(["launch", "--dry_run", *fp8, "--fp8_backend", "native", "--fp8_opt_level", "O1", SCRIPT], capsys)
+    assert "(read by: msamp); drop it, or set fp8_backend msamp" in err, err

@@ -17,7 +17,13 @@ from lowprec.config import values as V
 from lowprec.config.env import FP8_FIELDS, UNREAD_FIELDS, LaunchSettings, check_fp8_fields
 from lowprec.errors import UsageError, did_you_mean
 
-__all__ = ["LowprecArgumentParser", "add_settings_flags", "settings_from_args", "check_cli_flags_apply"]
+__all__ = [
+    "LowprecArgumentParser",
+    "add_settings_flags",
+    "settings_from_args",
+    "check_cli_flags_apply",
+    "fp8_backend_chosen",
+]
 
 
 class LowprecArgumentParser(argparse.ArgumentParser):
@@ -245,4 +251,15 @@ def check_cli_flags_apply(cli: dict[str, Any], settings: LaunchSettings) -> None
         raise UsageError(f"{', '.join(unread)}: no effect in lowprec (nothing reads it); drop it")
     if settings.fp8:
         fp8_cli = {k: v for k, v in cli.items() if k in FP8_FIELDS}
-        check_fp8_fields(settings.fp8_backend, settings.fp8_recipe, fp8_cli, lambda k: f"--{k}")
+        chosen = fp8_backend_chosen(settings)
+        check_fp8_fields(
+            settings.fp8_backend, settings.fp8_recipe, fp8_cli, lambda k: f"--{k}", chosen, recipe_unread=chosen
+        )
+
+
+def fp8_backend_chosen(settings: LaunchSettings) -> bool:
+    """Whether the launch names the FP8 backend (``fp8_backend``, or ``fp8_recipe``: native's).
+    Where it does not, the script's kwargs handler (``TERecipeKwargs()``...) picks it and reads the
+    ``ACCELERATE_FP8_*`` values, as under ``accelerate launch``, and logs once a set value it does
+    not read (``warn_unread_env``, the recipe's own warning); launch checks them against nothing."""
+    return settings.fp8_backend is not None or settings.fp8_recipe is not None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowprec.cli._flags import add_settings_flags, check_cli_flags_apply, settings_from_args
+from lowprec.cli._flags import add_settings_flags, check_cli_flags_apply, fp8_backend_chosen, settings_from_args
 from lowprec.config.env import (
     FP8_FIELDS,
     UNREAD_FIELDS,
@@ -262,15 +262,18 @@ def _yaml_notes(
         )
     if settings.fp8:
         # refused settings and fields the recipe does not read are errors; fields another backend
-        # reads stay notes (an Accelerate-written file may carry them)
+        # reads stay notes (an Accelerate-written file may carry them). No backend named: the
+        # script's handler picks one and reads them (fp8_backend_chosen)
+        chosen = fp8_backend_chosen(settings)
         check_fp8_fields(
             settings.fp8_backend,
             settings.fp8_recipe,
             {k: v for k, v in from_yaml.items() if k in FP8_FIELDS},
             lambda k: f"fp8_config.{k.removeprefix('fp8_')} in {config_file}",
             backend_unread=False,
+            recipe_unread=chosen,
         )
-        dropped = fp8_fields_unread(settings.fp8_backend, from_yaml)
+        dropped = fp8_fields_unread(settings.fp8_backend, from_yaml) if chosen else []
         if dropped:
             notes.append(
                 f"fp8_config {', '.join(f.removeprefix('fp8_') for f in dropped)} in {config_file}: "
