@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lowprec.cli._launch_options import LaunchOptions, add_accelerate_flags, launch_options
 from lowprec.cli._flags import add_settings_flags, check_cli_flags_apply, fp8_backend_chosen, settings_from_args
 from lowprec.config.env import (
     FP8_FIELDS,
@@ -70,6 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="print the environment and command, run nothing",
     )
     add_settings_flags(p)
+    add_accelerate_flags(p)
     p.add_argument("training_script", nargs="?", help="the script (or module with -m)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="passed to the script unchanged")
     return p
@@ -106,12 +108,19 @@ class LaunchPlan:
     warnings: list[str] = field(default_factory=list)
 
 
-def build_command(settings: LaunchSettings, script: str, script_args: Sequence[str], module: bool) -> list[str]:
+def build_command(
+    settings: LaunchSettings,
+    script: str,
+    script_args: Sequence[str],
+    module: bool,
+    options: LaunchOptions | None = None,
+) -> list[str]:
+    options = options or LaunchOptions()
     target = (["-m"] if module else []) + [script, *script_args]
     if not settings.distributed:
-        return [sys.executable, *target]
+        return target if options.no_python else [sys.executable, *target]
     # torchrun's own run(), ending in one lowprec line when a worker fails (cli/_torchrun.py)
-    cmd = [sys.executable, "-m", "lowprec.cli._torchrun"]
+    cmd = [sys.executable, "-m", "lowprec.cli._torchrun", *options.torchrun]
     if settings.num_machines == 1 and not settings.main_process_port:  # None or 0: any free port
         # c10d rendezvous on a free local port: parallel launches on one box do not collide.
         cmd += ["--standalone", f"--nproc_per_node={settings.processes_per_machine}"]
@@ -120,9 +129,15 @@ def build_command(settings: LaunchSettings, script: str, script_args: Sequence[s
             f"--nproc_per_node={settings.processes_per_machine}",
             f"--nnodes={settings.num_machines}",
             f"--node_rank={settings.machine_rank}",
-            f"--master_addr={settings.main_process_ip or '127.0.0.1'}",
-            f"--master_port={settings.main_process_port or DEFAULT_PORT}",
         ]
+        address = f"{settings.main_process_ip or '127.0.0.1'}:{settings.main_process_port or DEFAULT_PORT}"
+        if settings.num_machines > 1 and options.rdzv_backend not in (None, "static"):
+            cmd += [f"--rdzv_backend={options.rdzv_backend}", f"--rdzv_endpoint={address}"]
+        else:
+            host, port = address.rsplit(":", 1)
+            cmd += [f"--master_addr={host}", f"--master_port={port}"]
+    if options.no_python:  # the script is an executable; torchrun runs it as it is
+        return cmd + ["--no-python", *target]
     # each rank runs the script under cli/_worker.py: it records that the rank finished and leaves
     # without interpreter finalization (where torch's gloo threads can abort a finished rank)
     return cmd + ["-m", "lowprec.cli._worker", *target]
@@ -144,16 +159,22 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         if config_file is not None:  # an unseen file deciding the run confuses; say it is used
             notes.append(f"using the default config file {config_file}")
     yaml_layer: dict[str, Any] = {}
+    yaml_options: dict[str, Any] = {}
     if config_file is not None:
         # pydantic (~0.1 s): only a launch with a config file pays for it
         from lowprec.config.launch_config import load_launch_config
 
-        yaml_layer = load_launch_config(config_file).to_settings()
+        config = load_launch_config(config_file)
+        yaml_layer, yaml_options = config.to_settings(), config.accelerate_options()
+    options = launch_options(args, yaml_options, config_file)
     cli_layer = settings_from_args(args)
+    _apply_multi_gpu(options, cli_layer, yaml_layer)
     try:
         settings = LaunchSettings.from_layers(yaml_layer, cli_layer)
     except UsageError as exc:  # a combination: say where each value named in it came from
         raise UsageError(f"{exc}{_origins(str(exc), yaml_layer, cli_layer, config_file)}") from None
+    if getattr(args, "fsdp_sharding_strategy", None) is not None and not settings.use_fsdp:
+        raise UsageError("--fsdp_sharding_strategy: FSDP option without --use_fsdp: add it or drop it")
     check_cli_flags_apply(cli_layer, settings)
     _check_files(settings, cli_layer, config_file)
     _check_fp8_library(settings, cli_layer, config_file)
@@ -161,8 +182,13 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     ignored = sorted(k for k in yaml_layer if k in FP8_FIELDS and k not in cli_layer)
     if ignored and not settings.fp8:
         notes.append(f"fp8_config in {config_file} is not used: mixed_precision is {settings.mixed_precision!r}")
-    notes += _yaml_notes(yaml_layer, cli_layer, settings, config_file)
-    exported = settings.to_env()
+    notes += _yaml_notes(yaml_layer, cli_layer, settings, config_file) + options.notes
+    if options.torchrun and not settings.distributed:
+        notes.append(
+            f"{', '.join(o.split('=')[0] for o in options.torchrun)}: ignored: one process runs without "
+            "torchrun (they apply with num_processes > 1)"
+        )
+    exported = {**settings.to_env(), **options.env}
     removed = sorted(k for k in environ if owned_env_var(k) and k not in exported)
     overridden = sorted(k for k in exported if k in environ and environ[k] != exported[k])
     if removed:  # a stale shell variable changing nothing must still be seen (not only in --dry_run)
@@ -175,8 +201,25 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         )
     env = {k: v for k, v in environ.items() if k not in removed}
     env.update(exported)
-    command = build_command(settings, script, args.training_script_args, args.module)
+    command = build_command(settings, script, args.training_script_args, args.module, options)
+    notes = [] if options.quiet else notes
     return LaunchPlan(settings, command, exported, removed, env, config_file, notes, _gpu_warnings(settings))
+
+
+def _apply_multi_gpu(options: LaunchOptions, cli_layer: dict[str, Any], yaml_layer: Mapping[str, Any]) -> None:
+    """``--multi_gpu``: several GPU processes (not CPU), as many as GPUs unless num_processes is given."""
+    if not options.multi_gpu:
+        return
+    if cli_layer.get("use_cpu"):
+        raise UsageError("--multi_gpu and --cpu both given: GPU or CPU processes; drop one")
+    cli_layer["use_cpu"] = False
+    if "num_processes" not in cli_layer and "num_processes" not in yaml_layer:
+        import torch
+
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise UsageError("--multi_gpu: no GPU found to count processes by; give --num_processes N")
+        cli_layer["num_processes"] = count
 
 
 def _gpu_warnings(settings: LaunchSettings) -> list[str]:
