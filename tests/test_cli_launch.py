@@ -510,6 +510,9 @@ def test_multi_gpu_config_without_a_gpu_warns_once(monkeypatch, tmp_path, capsys
     assert err.count("lowprec: warning: no GPU found") == 1, err
     assert main(["launch", "--dry_run", "--config_file", cfg, "--cpu", SCRIPT]) == 0  # said: no warning
     assert "# warning" not in capsys.readouterr().out
+    # GPUs not asked for (use_cpu false is only the default): no warning, and torch not imported for it
+    assert main(["launch", "--dry_run", "--num_processes", "2", SCRIPT]) == 0
+    assert "# warning" not in capsys.readouterr().out
 
 
 def test_fp8_fields_without_a_backend_reach_the_scripts_handler(monkeypatch, tmp_path, capsys):

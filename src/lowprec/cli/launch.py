@@ -203,7 +203,9 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     env.update(exported)
     command = build_command(settings, script, args.training_script_args, args.module, options)
     notes = [] if options.quiet else notes
-    return LaunchPlan(settings, command, exported, removed, env, config_file, notes, _gpu_warnings(settings))
+    asked_gpus = any(layer.get("use_cpu") is False or "gpu_ids" in layer for layer in (yaml_layer, cli_layer))
+    warnings = _gpu_warnings(settings) if asked_gpus else []
+    return LaunchPlan(settings, command, exported, removed, env, config_file, notes, warnings)
 
 
 def _apply_multi_gpu(options: LaunchOptions, cli_layer: dict[str, Any], yaml_layer: Mapping[str, Any]) -> None:
@@ -223,7 +225,8 @@ def _apply_multi_gpu(options: LaunchOptions, cli_layer: dict[str, Any], yaml_lay
 
 
 def _gpu_warnings(settings: LaunchSettings) -> list[str]:
-    """Several GPU processes asked for (``use_cpu`` false) where torch sees no GPU: each rank falls
+    """Several GPU processes asked for (``use_cpu: false``, ``gpu_ids``, ``--multi_gpu``: not the
+    default) where torch sees no GPU: each rank falls
     back to the CPU and gloo (state/), so say it once here instead of letting it pass unseen.
     torch is imported only on this path (torchrun, which the launch starts next, imports it too)."""
     if not settings.distributed or settings.use_cpu:
