@@ -459,3 +459,176 @@ def test_gradient_clipping_only_under_deepspeed_and_unread_settings_not_exported
     assert any("dynamo_backend" in n and "no effect" in n for n in notes), out
     assert any("opt_level" in n and "te FP8 backend does not read it" in n for n in notes), out
     assert not any("margin" in n for n in notes), out  # te reads margin
+
+
+def _without_transformer_engine(monkeypatch, installed=False):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    fake = object() if installed else None
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: fake if name == "transformer_engine" else real_find_spec(name, *a)
+    )
+
+
+def test_e5m2_without_transformer_engine_is_refused_at_launch(monkeypatch, tmp_path, capsys):
+    """E5M2 runs on TransformerEngine only; without it the te backend falls back to the native
+    engine, which refused it in every worker with a traceback (exit 1). Now: one line at launch."""
+    _without_transformer_engine(monkeypatch)
+    flags = ["--mixed_precision", "fp8", "--fp8_backend", "te"]
+    err = usage_error(["launch", "--dry_run", *flags, "--fp8_format", "E5M2", SCRIPT], capsys)
+    assert err.startswith("lowprec: error: --fp8_format E5M2: runs only on transformer_engine") and err.count("\n") == 1
+    assert "install transformer_engine, or use HYBRID or E4M3" in err, err
+    cfg = write(tmp_path, "mixed_precision: fp8\nfp8_config: {backend: TE, fp8_format: E5M2}\n")
+    err = usage_error(["launch", "--dry_run", "--config_file", cfg, SCRIPT], capsys)
+    assert f"fp8_config.fp8_format in {cfg} E5M2: runs only on transformer_engine" in err and err.count("\n") == 1
+    env, _, _ = dry_run([*flags, "--fp8_format", "HYBRID", SCRIPT], capsys)  # the native engine runs it
+    assert env["ACCELERATE_FP8_FORMAT"] == "HYBRID"
+    _without_transformer_engine(monkeypatch, installed=True)
+    env, _, _ = dry_run([*flags, "--fp8_format", "E5M2", SCRIPT], capsys)
+    assert env["ACCELERATE_FP8_FORMAT"] == "E5M2"
+
+
+def test_multi_gpu_config_without_a_gpu_warns_once(monkeypatch, tmp_path, capsys):
+    """distributed_type MULTI_GPU with use_cpu false where torch sees no GPU ran two CPU/gloo
+    processes without a word; now one warning says so (dry run and real run alike)."""
+    import subprocess as sp
+
+    import torch
+
+    import lowprec.cli.launch as launch_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = write(tmp_path, "distributed_type: MULTI_GPU\ngpu_ids: all\nuse_cpu: false\nnum_processes: 2\n")
+    assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
+    out = capsys.readouterr().out
+    warnings = [ln for ln in out.splitlines() if ln.startswith("# warning: ")]
+    assert len(warnings) == 1 and "no GPU found: running 2 CPU process(es)" in warnings[0] and "gloo" in out, out
+    monkeypatch.setattr(launch_mod.subprocess, "run", lambda *a, **k: sp.CompletedProcess(a, 0))
+    assert main(["launch", "--config_file", cfg, SCRIPT]) == 0
+    err = capsys.readouterr().err
+    assert err.count("lowprec: warning: no GPU found") == 1, err
+    assert main(["launch", "--dry_run", "--config_file", cfg, "--cpu", SCRIPT]) == 0  # said: no warning
+    assert "# warning" not in capsys.readouterr().out
+    # GPUs not asked for (use_cpu false is only the default): no warning, and torch not imported for it
+    assert main(["launch", "--dry_run", "--num_processes", "2", SCRIPT]) == 0
+    assert "# warning" not in capsys.readouterr().out
+
+
+def test_fp8_fields_without_a_backend_reach_the_scripts_handler(monkeypatch, tmp_path, capsys):
+    """No --fp8_backend / --fp8_recipe: the script's handler (TERecipeKwargs(), MSAMPRecipeKwargs())
+    picks the backend and reads ACCELERATE_FP8_*, as under `accelerate launch`. launch refused
+    --fp8_amax_history_len ("the tensorwise recipe does not read it") and --fp8_opt_level ("the
+    native FP8 backend does not read it") against its own default; now they pass through, and a
+    handler that does not read a set value logs it once."""
+    from lowprec.backends.registry import select_backend
+    from lowprec.kwargs import MSAMPRecipeKwargs, TERecipeKwargs
+
+    fp8 = ["--mixed_precision", "fp8"]
+    env, _, _ = dry_run([*fp8, "--fp8_amax_history_len", "7", "--fp8_opt_level", "O1", SCRIPT], capsys)
+    assert (env["ACCELERATE_FP8_AMAX_HISTORY_LEN"], env["ACCELERATE_FP8_OPT_LEVEL"]) == ("7", "O1")
+    assert "ACCELERATE_FP8_BACKEND" not in env
+    cfg = write(tmp_path, "mixed_precision: fp8\nfp8_config: {amax_history_len: 7, opt_level: O1}\n")
+    assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
+    assert "does not read" not in capsys.readouterr().out  # the same as a flag: passed, no note
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert TERecipeKwargs(margin=2).amax_history_len == 7 and MSAMPRecipeKwargs().opt_level == "O1"
+    with pytest.warns(UserWarning, match="tensorwise recipe does not read amax_history_len"):
+        select_backend(None)  # no handler: native tensorwise, which reads neither
+    # a launch that names the backend or recipe is checked against it, and says how to make it count
+    err = usage_error(
+        ["launch", "--dry_run", *fp8, "--fp8_recipe", "tensorwise", "--fp8_amax_history_len", "7", SCRIPT], capsys
+    )
+    assert "--fp8_amax_history_len: the tensorwise recipe does not read it" in err, err
+    assert "drop it, or set fp8_recipe delayed, or fp8_backend te" in err, err
+    err = usage_error(["launch", "--dry_run", *fp8, "--fp8_backend", "native", "--fp8_opt_level", "O1", SCRIPT], capsys)
+    assert "(read by: msamp); drop it, or set fp8_backend msamp" in err, err
+
+
+def test_every_accelerate_launch_option_is_accepted():
+    """Each option string of Accelerate's own `accelerate launch` parser (the pinned version) is an
+    option of lowprec's, taking a value where Accelerate's does: a new Accelerate flag fails here."""
+    launch_command_parser = pytest.importorskip("accelerate.commands.launch").launch_command_parser
+    from lowprec.cli.main import build_parser
+
+    ours = build_parser()[1]["launch"][1]._option_string_actions
+    theirs = launch_command_parser()._option_string_actions
+    missing = sorted(o for o in theirs if o not in ours)
+    assert not missing, f"accelerate launch options lowprec launch lacks: {missing}"
+    switches = sorted(
+        o for o, a in theirs.items() if o not in ("-h", "--help") and (a.nargs == 0) != (ours[o].nargs == 0)
+    )
+    assert not switches, f"a switch in one parser takes a value in the other: {switches}"
+
+
+def test_accelerate_flags_take_effect_or_are_noted(tmp_path, capsys):
+    argv = ["--multi_gpu", "--num_processes", "2", "--num_cpu_threads_per_process", "1", "--debug", "-q"]
+    argv += ["--same_network", "--rdzv_backend", "static", "--main_training_function", "main"]
+    argv += ["--max_restarts", "1", "--monitor_interval", "0.5", "--tee", "3", "--log_dir", str(tmp_path)]
+    env, _, cmd = dry_run([*argv, SCRIPT], capsys)
+    assert env["OMP_NUM_THREADS"] == "1" and env["ACCELERATE_DEBUG_MODE"] == "true"
+    assert env["ACCELERATE_USE_CPU"] == "false" and "--nproc_per_node=2" in cmd
+    assert {"--max_restarts=1", "--monitor_interval=0.5", "--tee=3", f"--log_dir={tmp_path}"} <= set(cmd)
+    assert main(["launch", "--dry_run", *argv, SCRIPT]) == 0
+    assert "# note" not in capsys.readouterr().out  # -q: no notes
+    # ignored ones: one note per reason, naming the flags; the same keys in a config file alike
+    flags = ["--tpu_use_sudo", "--vm", "v1", "--enable_cpu_affinity", "--zero3_save_16bit_model", "true"]
+    assert main(["launch", "--dry_run", *flags, "--dynamo_mode", "max-autotune", SCRIPT]) == 0
+    out = capsys.readouterr().out
+    assert "# note: --tpu_use_sudo, --vm: ignored: a TPU option" in out, out
+    assert "# note: --enable_cpu_affinity: ignored: NUMA" in out and "--zero3_save_16bit_model: ignored" in out
+    assert "--dynamo_mode: ignored: launch does not export torch.compile settings" in out, out
+    cfg = write(
+        tmp_path,
+        "tpu_use_sudo: true\nenable_cpu_affinity: true\ndebug: true\ndynamo_config: {dynamo_mode: max-autotune}\n",
+    )
+    env, _, _ = dry_run(["--config_file", cfg, SCRIPT], capsys)
+    assert env["ACCELERATE_DEBUG_MODE"] == "true"
+    assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
+    out = capsys.readouterr().out
+    assert f"tpu_use_sudo in {cfg}: ignored: a TPU option" in out and f"enable_cpu_affinity in {cfg}: ignored" in out
+    assert f"dynamo_mode in {cfg}: ignored" in out
+    # torchrun options on one process: noted, not passed
+    assert main(["launch", "--dry_run", "--max_restarts", "2", SCRIPT]) == 0
+    assert "--max_restarts: ignored: one process runs without torchrun" in capsys.readouterr().out
+
+
+def test_accelerate_flags_mapped_to_settings(capsys):
+    env, _, _ = dry_run(["--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP", SCRIPT], capsys)
+    assert env["FSDP_RESHARD_AFTER_FORWARD"] == "false"
+    env, _, cmd = dry_run(
+        ["--num_processes", "4", "--num_machines", "2", "--main_process_ip", "h", "--rdzv_backend", "c10d", SCRIPT],
+        capsys,
+    )
+    assert {"--rdzv_backend=c10d", "--rdzv_endpoint=h:29500"} <= set(cmd) and not any("master_addr" in c for c in cmd)
+    _, _, cmd = dry_run(["--no_python", SCRIPT, "a"], capsys)
+    assert cmd == [SCRIPT, "a"]
+    env, _, _ = dry_run(["--parallelism_config_cp_size", "1", SCRIPT], capsys)
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--tpu"], "--tpu: lowprec does not run on TPU"),
+        (["--use_megatron_lm"], "--use_megatron_lm: Megatron-LM is not run by lowprec"),
+        (["--downcast_bf16"], "--downcast_bf16: downcast_bf16 is a TPU option"),
+        (["--multi_gpu", "--cpu", "--num_processes", "2"], "--multi_gpu and --cpu both given"),
+        (
+            ["--parallelism_config_cp_size", "2"],
+            "--parallelism_config_cp_size 2: context parallelism is not implemented",
+        ),
+        (["--fsdp_sharding_strategy", "FULL_SHARD"], "--fsdp_sharding_strategy: FSDP option without --use_fsdp"),
+        (["--use_fsdp", "--fsdp_sharding_strategy", "NO_SHARD"], "--fsdp_sharding_strategy 'NO_SHARD': use FULL_SHARD"),
+        (["--no_python", "-m"], "--no_python and -m/--module both given"),
+    ],
+)
+def test_accelerate_flags_refused_in_one_line(argv, expected, capsys):
+    err = usage_error(["launch", "--dry_run", *argv, SCRIPT], capsys)
+    assert err.startswith("lowprec: error: ") and expected in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("flag, hint", [("--multi_gpus", "--multi_gpu"), ("--use_gpu", None), ("--single_gpu", None)])
+def test_unknown_flag_hint_is_close_and_never_the_opposite(flag, hint, capsys):
+    err = usage_error(["launch", flag, SCRIPT], capsys)
+    assert (f"(did you mean '{hint}'?)" in err) if hint else ("did you mean" not in err), err

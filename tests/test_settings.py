@@ -156,7 +156,9 @@ def test_fields_the_recipe_does_not_read(capsys):
         parse_config({"fp8": True, "fp8_recipe": {"name": "tensorwise", "amax_history_len": 16}})
     with pytest.raises(ValueError, match="fp8_recipe is set but fp8 is false"):
         parse_config({"fp8": False, "fp8_recipe": "rowwise"})
-    assert main(["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_amax_history_len", "16", SCRIPT]) == 2
+    # (a launch naming the recipe; with none named the script's handler picks it: test_cli_launch.py)
+    launch = ["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_recipe", "tensorwise"]
+    assert main([*launch, "--fp8_amax_history_len", "16", SCRIPT]) == 2
     assert "--fp8_amax_history_len: the tensorwise recipe does not read it" in capsys.readouterr().err
 
 

@@ -10,6 +10,7 @@ the command line" is exact and a flag can never override the YAML with its own d
 from __future__ import annotations
 
 import argparse
+import difflib
 from typing import Any, Callable
 
 from lowprec.catalog import RECIPE_OPTIONS
@@ -17,7 +18,13 @@ from lowprec.config import values as V
 from lowprec.config.env import FP8_FIELDS, UNREAD_FIELDS, LaunchSettings, check_fp8_fields
 from lowprec.errors import UsageError, did_you_mean
 
-__all__ = ["LowprecArgumentParser", "add_settings_flags", "settings_from_args", "check_cli_flags_apply"]
+__all__ = [
+    "LowprecArgumentParser",
+    "add_settings_flags",
+    "settings_from_args",
+    "check_cli_flags_apply",
+    "fp8_backend_chosen",
+]
 
 
 class LowprecArgumentParser(argparse.ArgumentParser):
@@ -28,9 +35,18 @@ class LowprecArgumentParser(argparse.ArgumentParser):
         if message.startswith(prefix):
             known = [s for s in self._option_string_actions if s.startswith("--")]
             words = message[len(prefix) :].split()
-            hints = [f"{w}{did_you_mean(w.split('=')[0], known)}" for w in words if w.startswith("-")] or words
+            hints = [f"{w}{_close_flag(w.split('=')[0], known)}" for w in words if w.startswith("-")] or words
             message = f"unknown argument(s): {', '.join(hints)}"
         super().error(message)
+
+
+def _close_flag(word: str, known: list[str]) -> str:
+    """`` (did you mean '--x'?)`` for a close option only, never one that means the opposite
+    (``--use_gpu`` is not ``--use_cpu``)."""
+    norm = lambda flag: flag.replace("-", "_")  # noqa: E731 - --use-cpu is --use_cpu
+    swapped = {norm(word).replace("gpu", "cpu"), norm(word).replace("cpu", "gpu")} - {norm(word)}
+    candidates = [k for k in difflib.get_close_matches(word, known, n=3, cutoff=0.75) if norm(k) not in swapped]
+    return did_you_mean(word, candidates[:1])
 
 
 def _argtype(parse: Callable[[Any], Any], metavar: str | None = None) -> Callable[[str], Any]:
@@ -106,6 +122,12 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
     _add(fsdp, "fsdp_transformer_layer_cls_to_wrap", metavar="CLS[,CLS]")
     _add(fsdp, "fsdp_min_num_params", type=_int(0), metavar="N")
     _add(fsdp, "fsdp_state_dict_type", metavar="TYPE", help="FULL_STATE_DICT or SHARDED_STATE_DICT")
+    _add(
+        fsdp,
+        "fsdp_sharding_strategy",
+        metavar="STRATEGY",
+        help="FSDP1's spelling: FULL_SHARD (reshard after forward) or SHARD_GRAD_OP (keep)",
+    )
 
     tp = parser.add_argument_group("tensor parallelism (Accelerate's ParallelismConfig)")
     _add(
@@ -126,6 +148,9 @@ def add_settings_flags(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="Accelerate's --dp_shard_size",
     )
+
+    for key in V.UNSUPPORTED_PARALLEL_SIZES:
+        _add(tp, f"parallelism_config_{key}", type=_int(1), metavar="1", help=argparse.SUPPRESS)
 
     ds = parser.add_argument_group("DeepSpeed")
     _add(ds, "use_deepspeed", action="store_const", const=True, help="use DeepSpeed ZeRO")
@@ -203,6 +228,17 @@ _SETTINGS_FIELDS = frozenset(LaunchSettings.__dataclass_fields__)
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The settings the user typed (one layer for ``LaunchSettings.from_layers``)."""
     given = {k: v for k, v in vars(args).items() if k in _SETTINGS_FIELDS}
+    for key in V.UNSUPPORTED_PARALLEL_SIZES:
+        try:
+            V.check_parallel_size(key, getattr(args, f"parallelism_config_{key}", None))
+        except ValueError as err:
+            raise UsageError(f"--parallelism_config_{key} {err}") from None
+    strategy = getattr(args, "fsdp_sharding_strategy", None)
+    if strategy is not None:
+        try:
+            given.setdefault("fsdp_reshard_after_forward", V.reshard_after_forward(strategy))
+        except ValueError as err:
+            raise UsageError(f"--fsdp_sharding_strategy {err}") from None
     if given.get("use_fsdp") and given.get("use_deepspeed"):
         raise UsageError("--use_fsdp and --use_deepspeed are both given; pick one")
     # One parallelism flag replaces the config file's choice instead of adding to it.
@@ -245,4 +281,15 @@ def check_cli_flags_apply(cli: dict[str, Any], settings: LaunchSettings) -> None
         raise UsageError(f"{', '.join(unread)}: no effect in lowprec (nothing reads it); drop it")
     if settings.fp8:
         fp8_cli = {k: v for k, v in cli.items() if k in FP8_FIELDS}
-        check_fp8_fields(settings.fp8_backend, settings.fp8_recipe, fp8_cli, lambda k: f"--{k}")
+        chosen = fp8_backend_chosen(settings)
+        check_fp8_fields(
+            settings.fp8_backend, settings.fp8_recipe, fp8_cli, lambda k: f"--{k}", chosen, recipe_unread=chosen
+        )
+
+
+def fp8_backend_chosen(settings: LaunchSettings) -> bool:
+    """Whether the launch names the FP8 backend (``fp8_backend``, or ``fp8_recipe``: native's).
+    Where it does not, the script's kwargs handler (``TERecipeKwargs()``...) picks it and reads the
+    ``ACCELERATE_FP8_*`` values, as under ``accelerate launch``, and logs once a set value it does
+    not read (``warn_unread_env``, the recipe's own warning); launch checks them against nothing."""
+    return settings.fp8_backend is not None or settings.fp8_recipe is not None

@@ -15,11 +15,12 @@ import shlex
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lowprec.cli._flags import add_settings_flags, check_cli_flags_apply, settings_from_args
+from lowprec.cli._launch_options import LaunchOptions, add_accelerate_flags, launch_options
+from lowprec.cli._flags import add_settings_flags, check_cli_flags_apply, fp8_backend_chosen, settings_from_args
 from lowprec.config.env import (
     FP8_FIELDS,
     UNREAD_FIELDS,
@@ -28,6 +29,7 @@ from lowprec.config.env import (
     fp8_fields_unread,
     owned_env_var,
 )
+from lowprec.backends.spec import spec_or_native
 from lowprec.config.json_file import read_json_object
 from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError
@@ -69,6 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="print the environment and command, run nothing",
     )
     add_settings_flags(p)
+    add_accelerate_flags(p)
     p.add_argument("training_script", nargs="?", help="the script (or module with -m)")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER, help="passed to the script unchanged")
     return p
@@ -102,14 +105,22 @@ class LaunchPlan:
     env: dict[str, str]  # the child's full environment
     config_file: str | None
     notes: list[str]
+    warnings: list[str] = field(default_factory=list)
 
 
-def build_command(settings: LaunchSettings, script: str, script_args: Sequence[str], module: bool) -> list[str]:
+def build_command(
+    settings: LaunchSettings,
+    script: str,
+    script_args: Sequence[str],
+    module: bool,
+    options: LaunchOptions | None = None,
+) -> list[str]:
+    options = options or LaunchOptions()
     target = (["-m"] if module else []) + [script, *script_args]
     if not settings.distributed:
-        return [sys.executable, *target]
+        return target if options.no_python else [sys.executable, *target]
     # torchrun's own run(), ending in one lowprec line when a worker fails (cli/_torchrun.py)
-    cmd = [sys.executable, "-m", "lowprec.cli._torchrun"]
+    cmd = [sys.executable, "-m", "lowprec.cli._torchrun", *options.torchrun]
     if settings.num_machines == 1 and not settings.main_process_port:  # None or 0: any free port
         # c10d rendezvous on a free local port: parallel launches on one box do not collide.
         cmd += ["--standalone", f"--nproc_per_node={settings.processes_per_machine}"]
@@ -118,9 +129,15 @@ def build_command(settings: LaunchSettings, script: str, script_args: Sequence[s
             f"--nproc_per_node={settings.processes_per_machine}",
             f"--nnodes={settings.num_machines}",
             f"--node_rank={settings.machine_rank}",
-            f"--master_addr={settings.main_process_ip or '127.0.0.1'}",
-            f"--master_port={settings.main_process_port or DEFAULT_PORT}",
         ]
+        address = f"{settings.main_process_ip or '127.0.0.1'}:{settings.main_process_port or DEFAULT_PORT}"
+        if settings.num_machines > 1 and options.rdzv_backend not in (None, "static"):
+            cmd += [f"--rdzv_backend={options.rdzv_backend}", f"--rdzv_endpoint={address}"]
+        else:
+            host, port = address.rsplit(":", 1)
+            cmd += [f"--master_addr={host}", f"--master_port={port}"]
+    if options.no_python:  # the script is an executable; torchrun runs it as it is
+        return cmd + ["--no-python", *target]
     # each rank runs the script under cli/_worker.py: it records that the rank finished and leaves
     # without interpreter finalization (where torch's gloo threads can abort a finished rank)
     return cmd + ["-m", "lowprec.cli._worker", *target]
@@ -142,24 +159,36 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         if config_file is not None:  # an unseen file deciding the run confuses; say it is used
             notes.append(f"using the default config file {config_file}")
     yaml_layer: dict[str, Any] = {}
+    yaml_options: dict[str, Any] = {}
     if config_file is not None:
         # pydantic (~0.1 s): only a launch with a config file pays for it
         from lowprec.config.launch_config import load_launch_config
 
-        yaml_layer = load_launch_config(config_file).to_settings()
+        config = load_launch_config(config_file)
+        yaml_layer, yaml_options = config.to_settings(), config.accelerate_options()
+    options = launch_options(args, yaml_options, config_file)
     cli_layer = settings_from_args(args)
+    _apply_multi_gpu(options, cli_layer, yaml_layer)
     try:
         settings = LaunchSettings.from_layers(yaml_layer, cli_layer)
     except UsageError as exc:  # a combination: say where each value named in it came from
         raise UsageError(f"{exc}{_origins(str(exc), yaml_layer, cli_layer, config_file)}") from None
+    if getattr(args, "fsdp_sharding_strategy", None) is not None and not settings.use_fsdp:
+        raise UsageError("--fsdp_sharding_strategy: FSDP option without --use_fsdp: add it or drop it")
     check_cli_flags_apply(cli_layer, settings)
     _check_files(settings, cli_layer, config_file)
+    _check_fp8_library(settings, cli_layer, config_file)
 
     ignored = sorted(k for k in yaml_layer if k in FP8_FIELDS and k not in cli_layer)
     if ignored and not settings.fp8:
         notes.append(f"fp8_config in {config_file} is not used: mixed_precision is {settings.mixed_precision!r}")
-    notes += _yaml_notes(yaml_layer, cli_layer, settings, config_file)
-    exported = settings.to_env()
+    notes += _yaml_notes(yaml_layer, cli_layer, settings, config_file) + options.notes
+    if options.torchrun and not settings.distributed:
+        notes.append(
+            f"{', '.join(o.split('=')[0] for o in options.torchrun)}: ignored: one process runs without "
+            "torchrun (they apply with num_processes > 1)"
+        )
+    exported = {**settings.to_env(), **options.env}
     removed = sorted(k for k in environ if owned_env_var(k) and k not in exported)
     overridden = sorted(k for k in exported if k in environ and environ[k] != exported[k])
     if removed:  # a stale shell variable changing nothing must still be seen (not only in --dry_run)
@@ -172,8 +201,44 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         )
     env = {k: v for k, v in environ.items() if k not in removed}
     env.update(exported)
-    command = build_command(settings, script, args.training_script_args, args.module)
-    return LaunchPlan(settings, command, exported, removed, env, config_file, notes)
+    command = build_command(settings, script, args.training_script_args, args.module, options)
+    notes = [] if options.quiet else notes
+    asked_gpus = any(layer.get("use_cpu") is False or "gpu_ids" in layer for layer in (yaml_layer, cli_layer))
+    warnings = _gpu_warnings(settings) if asked_gpus else []
+    return LaunchPlan(settings, command, exported, removed, env, config_file, notes, warnings)
+
+
+def _apply_multi_gpu(options: LaunchOptions, cli_layer: dict[str, Any], yaml_layer: Mapping[str, Any]) -> None:
+    """``--multi_gpu``: several GPU processes (not CPU), as many as GPUs unless num_processes is given."""
+    if not options.multi_gpu:
+        return
+    if cli_layer.get("use_cpu"):
+        raise UsageError("--multi_gpu and --cpu both given: GPU or CPU processes; drop one")
+    cli_layer["use_cpu"] = False
+    if "num_processes" not in cli_layer and "num_processes" not in yaml_layer:
+        import torch
+
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise UsageError("--multi_gpu: no GPU found to count processes by; give --num_processes N")
+        cli_layer["num_processes"] = count
+
+
+def _gpu_warnings(settings: LaunchSettings) -> list[str]:
+    """Several GPU processes asked for (``use_cpu: false``, ``gpu_ids``, ``--multi_gpu``: not the
+    default) where torch sees no GPU: each rank falls
+    back to the CPU and gloo (state/), so say it once here instead of letting it pass unseen.
+    torch is imported only on this path (torchrun, which the launch starts next, imports it too)."""
+    if not settings.distributed or settings.use_cpu:
+        return []
+    import torch
+
+    if torch.cuda.is_available():
+        return []
+    return [
+        f"no GPU found: running {settings.processes_per_machine} CPU process(es) on this machine with gloo "
+        "(use_cpu is false / distributed_type MULTI_GPU); set --cpu (use_cpu: true) to say so, or launch where GPUs are"
+    ]
 
 
 def _origins(message: str, yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], config_file: str | None) -> str:
@@ -190,21 +255,40 @@ def _origins(message: str, yaml_layer: Mapping[str, Any], cli_layer: Mapping[str
     return f" ({'; '.join(parts)})" if parts else ""
 
 
+def _where(name: str, section: str, cli_layer: Mapping[str, Any], config_file: str | None) -> str:
+    """How the user wrote setting ``name``: ``--name``, or its key in the config file."""
+    return f"--{name}" if name in cli_layer else f"{section} in {config_file}"
+
+
 def _check_files(settings: LaunchSettings, cli_layer: Mapping[str, Any], config_file: str | None) -> None:
     """Every file the launch is given is read now, before any process starts (a missing
     DeepSpeed config otherwise surfaces as a traceback inside each worker)."""
     path = settings.deepspeed_config_file
     if path is None:
         return
-    where = (
-        "--deepspeed_config_file"
-        if "deepspeed_config_file" in cli_layer
-        else (f"deepspeed_config.deepspeed_config_file in {config_file}")
-    )
+    where = _where("deepspeed_config_file", "deepspeed_config.deepspeed_config_file", cli_layer, config_file)
     try:
         read_json_object(path)
     except ValueError as exc:
         raise UsageError(f"{where}: {exc}") from None
+
+
+def _check_fp8_library(settings: LaunchSettings, cli_layer: Mapping[str, Any], config_file: str | None) -> None:
+    """An fp8_format only the backend's library runs (TE's E5M2) where that library is not
+    installed: the backend would fall back to the native engine, which refuses it inside every
+    worker; refuse it here in one line instead."""
+    if not settings.fp8 or settings.fp8_format is None:
+        return
+    spec = spec_or_native(settings.fp8_backend)
+    native = spec_or_native("native").fp8_formats
+    if settings.fp8_format in native or spec.library is None or spec.available():
+        return
+    where = _where("fp8_format", "fp8_config.fp8_format", cli_layer, config_file)
+    raise UsageError(
+        f"{where} {settings.fp8_format}: runs only on {spec.library}, which is not installed here (the "
+        f"{spec.name} backend would fall back to lowprec's native engine); install {spec.library}, or use "
+        f"{' or '.join(native)}"
+    )
 
 
 def _yaml_notes(
@@ -224,15 +308,18 @@ def _yaml_notes(
         )
     if settings.fp8:
         # refused settings and fields the recipe does not read are errors; fields another backend
-        # reads stay notes (an Accelerate-written file may carry them)
+        # reads stay notes (an Accelerate-written file may carry them). No backend named: the
+        # script's handler picks one and reads them (fp8_backend_chosen)
+        chosen = fp8_backend_chosen(settings)
         check_fp8_fields(
             settings.fp8_backend,
             settings.fp8_recipe,
             {k: v for k, v in from_yaml.items() if k in FP8_FIELDS},
             lambda k: f"fp8_config.{k.removeprefix('fp8_')} in {config_file}",
             backend_unread=False,
+            recipe_unread=chosen,
         )
-        dropped = fp8_fields_unread(settings.fp8_backend, from_yaml)
+        dropped = fp8_fields_unread(settings.fp8_backend, from_yaml) if chosen else []
         if dropped:
             notes.append(
                 f"fp8_config {', '.join(f.removeprefix('fp8_') for f in dropped)} in {config_file}: "
@@ -244,6 +331,7 @@ def _yaml_notes(
 def format_plan(plan: LaunchPlan) -> str:
     lines = [f"# config file: {plan.config_file or '(none)'}"]
     lines += [f"# note: {n}" for n in plan.notes]
+    lines += [f"# warning: {w}" for w in plan.warnings]
     lines.append("# environment of the training processes")
     lines += [f"unset {k}" for k in plan.removed]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(plan.exported.items())]
@@ -259,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for note in plan.notes:
         print(f"lowprec: note: {note}", file=sys.stderr)
+    for warning in plan.warnings:
+        print(f"lowprec: warning: {warning}", file=sys.stderr)
 
     again = plan.env.get(CONTINUE_VAR) or shlex.join(["lowprec", "launch", *getattr(args, "argv", sys.argv[2:])])
     try:

@@ -249,11 +249,16 @@ def fp8_readers(field_name: str) -> list[str]:
 
 
 def check_fp8_fields(
-    backend: str | None, recipe: str | None, fields: Any, spell: Callable[[str], str] = str, backend_unread: bool = True
+    backend: str | None,
+    recipe: str | None,
+    fields: Any,
+    spell: Callable[[str], str] = str,
+    backend_unread: bool = True,
+    recipe_unread: bool = True,
 ) -> None:
     """FP8 settings the chosen backend refuses, or that it (``backend_unread``) or the chosen
-    recipe would ignore, are errors naming the key (``spell`` renders a setting name as the
-    user wrote it: ``--fp8_margin``, ``fp8_config.margin``)."""
+    recipe (``recipe_unread``) would ignore, are errors naming the key and the fix (``spell``
+    renders a setting name as the user wrote it: ``--fp8_margin``, ``fp8_config.margin``)."""
 
     spec = spec_or_native(backend)
     for name in sorted(fields):
@@ -262,22 +267,33 @@ def check_fp8_fields(
     for name in fp8_fields_unread(backend, fields) if backend_unread else ():
         if name in spec.rejects:
             continue
-        readers = ", ".join(fp8_readers(name)) or "none"
+        readers = fp8_readers(name)
+        fix = f"drop it, or set fp8_backend {' or '.join(readers)}" if readers else "drop it"
         raise UsageError(
-            f"{spell(name)}: the {spec.env_value.lower()} FP8 backend does not read it (read by: {readers}); "
-            "drop it or pick the fp8 backend accordingly"
+            f"{spell(name)}: the {spec.env_value.lower()} FP8 backend does not read it "
+            f"(read by: {', '.join(readers) or 'none'}); {fix}"
         )
     refusal = spec.check_fields(recipe, fields) if spec.check_fields is not None else None
     if refusal is not None:  # a combination the backend cannot run, e.g. native FP8 all-gather + delayed
         name, why = refusal
         raise UsageError(f"{spell(name)}: {why}")
-    if "fp8_recipe" in spec.reads:
+    if "fp8_recipe" in spec.reads and recipe_unread:
         by_engine = {recipe_field(f): f for f in fields}
         for name in unread_recipe_fields(recipe or "tensorwise", by_engine):
             raise UsageError(
                 f"{spell(by_engine[name])}: the {recipe or 'tensorwise'} recipe does not read it "
-                "(it tunes delayed/per-tensor/block scaling); drop it or pick a recipe that reads it"
+                f"(it tunes delayed/per-tensor/block scaling); {_recipe_fix(name, by_engine[name])}"
             )
+
+
+def _recipe_fix(engine_field: str, setting: str) -> str:
+    """How to make a recipe field count: the native recipes that read it, and the backends with
+    their own recipe that read it (TE's delayed scaling reads amax_history_len)."""
+    recipes = [r for r in V.FP8_RECIPES if not unread_recipe_fields(r, [engine_field])]
+    backends = [s.env_value.lower() for s in specs() if setting in s.reads and "fp8_recipe" not in s.reads]
+    options = [f"fp8_recipe {' or '.join(recipes)}"] if recipes else []
+    options += [f"fp8_backend {b}" for b in backends]
+    return "drop it, or set " + ", or ".join(options) if options else "drop it"
 
 
 def read_env(environ: Mapping[str, str] | None = None, fields: Any = None) -> dict[str, Any]:

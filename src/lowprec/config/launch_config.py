@@ -19,9 +19,10 @@ any ``fp8_config`` key as an env var nobody reads). Example::
     parallelism_config:                # Accelerate's keys: tensor parallelism x FSDP2 shards
       parallelism_config_tp_size: 2
 
-Keys Accelerate writes that mean nothing here (``debug``, ``main_training_function``,
-``rdzv_backend``, ``tpu_*``, FSDP1-only ``fsdp_*`` keys ...) are accepted and ignored, so an
-existing Accelerate config keeps working. Settings a config cannot express (TPU, Megatron,
+Keys Accelerate writes that mean nothing here (``main_training_function``, ``tpu_*``, FSDP1-only
+``fsdp_*`` keys ...) are accepted and ignored (noted where they differ from Accelerate's default), so
+an existing Accelerate config keeps working; ``debug`` and ``rdzv_backend`` act as the launch flags
+of the same name (``config/accelerate_flags.py``). Settings a config cannot express (TPU, Megatron,
 FSDP1) are rejected with the fix.
 """
 
@@ -78,6 +79,11 @@ Ignored = Optional[Any]  # accepted for Accelerate compatibility, not used
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+def _ignored_fields(model: BaseModel) -> set[str]:
+    """The keys accepted for Accelerate and not used (``config/accelerate_flags.py`` says why)."""
+    return {k for k, info in type(model).model_fields.items() if info.annotation == Ignored}
 
 
 class FP8Config(_Strict):
@@ -152,33 +158,18 @@ class FSDPConfig(_Strict):
     fsdp_use_orig_params: Ignored = _alias("fsdp_use_orig_params", "use_orig_params")
     fsdp_forward_prefetch: Ignored = _alias("fsdp_forward_prefetch", "forward_prefetch")
     fsdp_backward_prefetch: Ignored = _alias("fsdp_backward_prefetch", "backward_prefetch")
+    fsdp_activation_checkpointing_offload: Ignored = _alias(
+        "fsdp_activation_checkpointing_offload", "activation_checkpointing_offload"
+    )
 
     def to_settings(self) -> dict[str, Any]:
-        skip = {
-            "fsdp_sharding_strategy",
-            "fsdp_sync_module_states",
-            "fsdp_use_orig_params",
-            "fsdp_forward_prefetch",
-            "fsdp_backward_prefetch",
-        }
+        skip = {"fsdp_sharding_strategy", *_ignored_fields(self)}
         out = {k: getattr(self, k) for k in self.model_fields_set - skip if getattr(self, k) is not None}
         if self.fsdp_sharding_strategy is not None and "fsdp_reshard_after_forward" not in out:
-            strategy = str(self.fsdp_sharding_strategy).upper()
-            # FSDP2 has one knob: FULL_SHARD reshards after forward, SHARD_GRAD_OP keeps them.
-            reshard = {
-                "FULL_SHARD": True,
-                "HYBRID_SHARD": True,
-                "SHARD_GRAD_OP": False,
-                "_HYBRID_SHARD_ZERO2": False,
-                "1": True,
-                "2": False,
-            }
-            if strategy not in reshard:
-                raise UsageError(
-                    f"fsdp_config.fsdp_sharding_strategy={self.fsdp_sharding_strategy!r}: use "
-                    "FULL_SHARD or SHARD_GRAD_OP (NO_SHARD is plain data parallel: drop FSDP)"
-                )
-            out["fsdp_reshard_after_forward"] = reshard[strategy]
+            try:
+                out["fsdp_reshard_after_forward"] = V.reshard_after_forward(self.fsdp_sharding_strategy)
+            except ValueError as err:
+                raise UsageError(f"fsdp_config.fsdp_sharding_strategy={err}") from None
         return out
 
 
@@ -194,9 +185,15 @@ class DeepSpeedConfig(_Strict):
     gradient_clipping: Annotated[Optional[float], _opt(V.parse_float)] = None
     zero3_save_16bit_model: Ignored = None
     deepspeed_multinode_launcher: Ignored = None
+    deepspeed_hostfile: Ignored = None
+    deepspeed_exclusion_filter: Ignored = None
+    deepspeed_inclusion_filter: Ignored = None
+    deepspeed_moe_layer_cls_names: Ignored = None
+    offload_optimizer_nvme_path: Ignored = None
+    offload_param_nvme_path: Ignored = None
 
     def to_settings(self) -> dict[str, Any]:
-        skip = {"zero3_save_16bit_model", "deepspeed_multinode_launcher"}
+        skip = _ignored_fields(self)
         return {k: getattr(self, k) for k in self.model_fields_set - skip if getattr(self, k) is not None}
 
 
@@ -214,18 +211,18 @@ class ParallelismSection(_Strict):
     cp_comm_strategy: Ignored = _alias("parallelism_config_cp_comm_strategy", "cp_comm_strategy")
     cp_backend: Ignored = _alias("parallelism_config_cp_backend", "cp_backend")
     sp_backend: Ignored = _alias("parallelism_config_sp_backend", "sp_backend")
+    sp_seq_length: Ignored = _alias("parallelism_config_sp_seq_length", "sp_seq_length")
+    sp_seq_length_is_variable: Ignored = _alias(
+        "parallelism_config_sp_seq_length_is_variable", "sp_seq_length_is_variable"
+    )
+    sp_attn_implementation: Ignored = _alias("parallelism_config_sp_attn_implementation", "sp_attn_implementation")
 
     def to_settings(self) -> dict[str, Any]:
-        for key, what in (
-            ("dp_replicate_size", "replicated data parallelism (HSDP)"),
-            ("cp_size", "context parallelism"),
-            ("sp_size", "DeepSpeed Ulysses sequence parallelism"),
-        ):
-            if (getattr(self, key) or 1) != 1:
-                raise UsageError(
-                    f"parallelism_config.parallelism_config_{key}={getattr(self, key)}: {what} is not "
-                    "implemented in lowprec (FSDP2 shards x tensor parallelism only); set it to 1"
-                )
+        for key in V.UNSUPPORTED_PARALLEL_SIZES:
+            try:
+                V.check_parallel_size(key, getattr(self, key))
+            except ValueError as err:
+                raise UsageError(f"parallelism_config.parallelism_config_{key}={err}") from None
         return {k: getattr(self, k) for k in ("tp_size", "dp_shard_size") if getattr(self, k) is not None}
 
 
@@ -258,7 +255,8 @@ class LaunchConfig(_Strict):
     deepspeed_config: Optional[DeepSpeedConfig] = None
     dynamo_config: Optional[DynamoConfig] = None
     parallelism_config: Optional[ParallelismSection] = None
-    # Accelerate keys with no meaning for lowprec (accepted so its configs load)
+    # Accelerate keys that are no launch setting: debug and rdzv_backend act as the flags of the same
+    # name, the rest are noted as ignored (config/accelerate_flags.py; accelerate_options())
     debug: Ignored = None
     downcast_bf16: Ignored = None
     enable_cpu_affinity: Ignored = None
@@ -268,6 +266,18 @@ class LaunchConfig(_Strict):
     tpu_env: Ignored = None
     tpu_use_cluster: Ignored = None
     tpu_use_sudo: Ignored = None
+
+    def accelerate_options(self) -> dict[str, Any]:
+        """The keys that are no launch setting, under the names of ``accelerate launch``'s flags
+        (``cli/_launch_options.py`` treats both alike): ``debug``, ``rdzv_backend`` and every
+        key accepted and not used (``parallelism_config.cp_backend`` as ``parallelism_config_cp_backend``)."""
+        out = {k: getattr(self, k) for k in ("debug", "rdzv_backend") if getattr(self, k) is not None}
+        for section in (self, self.fsdp_config, self.deepspeed_config, self.dynamo_config, self.parallelism_config):
+            prefix = "parallelism_config_" if isinstance(section, ParallelismSection) else ""
+            for key in _ignored_fields(section) if section is not None else ():
+                if getattr(section, key) is not None:
+                    out[prefix + key] = getattr(section, key)
+        return out
 
     def to_settings(self) -> dict[str, Any]:
         if self.compute_environment not in (None, "LOCAL_MACHINE"):

@@ -42,6 +42,9 @@ __all__ = [
     "parse_recipe_int",
     "parse_recipe_option",
     "format_bool",
+    "reshard_after_forward",
+    "UNSUPPORTED_PARALLEL_SIZES",
+    "check_parallel_size",
 ]
 
 MIXED_PRECISIONS = ("no", "fp16", "bf16", "fp8")
@@ -217,3 +220,38 @@ def parse_override_linear_precision(value: Any) -> tuple[bool, bool, bool]:
             item = ast.literal_eval(item.strip())
         out.append(parse_bool(item))
     return (out[0], out[1], out[2])
+
+
+# FSDP1's sharding strategies -> FSDP2's one knob: FULL_SHARD reshards after forward, SHARD_GRAD_OP keeps them
+_RESHARD = {
+    "FULL_SHARD": True,
+    "HYBRID_SHARD": True,
+    "SHARD_GRAD_OP": False,
+    "_HYBRID_SHARD_ZERO2": False,
+    "1": True,
+    "2": False,
+}
+
+
+def reshard_after_forward(strategy: Any) -> bool:
+    """``fsdp_sharding_strategy`` (Accelerate's FSDP1 spelling) as FSDP2's ``reshard_after_forward``."""
+    key = str(strategy).strip().upper()
+    if key not in _RESHARD:
+        raise ValueError(f"{strategy!r}: use FULL_SHARD or SHARD_GRAD_OP (NO_SHARD is plain data parallel: drop FSDP)")
+    return _RESHARD[key]
+
+
+UNSUPPORTED_PARALLEL_SIZES = {
+    "dp_replicate_size": "replicated data parallelism (HSDP)",
+    "cp_size": "context parallelism",
+    "sp_size": "DeepSpeed Ulysses sequence parallelism",
+}
+
+
+def check_parallel_size(key: str, value: Any) -> None:
+    """A ParallelismConfig size lowprec does not run must be 1 (``key``: ``cp_size``, ...)."""
+    if value is not None and parse_int(value, minimum=1) != 1:
+        raise ValueError(
+            f"{value}: {UNSUPPORTED_PARALLEL_SIZES[key]} is not implemented in lowprec (FSDP2 shards x tensor "
+            "parallelism only); set it to 1"
+        )
