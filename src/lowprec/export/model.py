@@ -113,7 +113,8 @@ def _adapters_merged(model: nn.Module) -> tuple[nn.Module, list[str]]:
     if not (hasattr(model, "merge_and_unload") and hasattr(model, "get_base_model")):
         return model, []
     try:
-        merged = copy.deepcopy(model).merge_and_unload()
+        peft_copy: Any = copy.deepcopy(model)  # a peft PeftModel: merge_and_unload is peft's
+        merged = peft_copy.merge_and_unload()
     except Exception as exc:  # noqa: BLE001 - peft's own reason, in one line
         raise ValueError(
             f"export_model: a peft model whose adapters peft cannot merge ({type(exc).__name__}: {exc}); "
