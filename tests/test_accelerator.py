@@ -264,6 +264,30 @@ def test_fp16_clip_unscales_and_skipped_step():
     assert torch.equal(before, next(model.parameters())) and acc.scaler.get_scale() == 512.0
 
 
+def test_clip_on_a_micro_step_returns_the_partial_norm_and_clips_nothing(caplog):
+    """A script printing ``clip_grad_norm_(...).item()`` inside accumulate() got None on micro-steps:
+    the norm of the partial gradients comes back (unscaled, gradients untouched), said once in
+    the log; the clip itself happens at the accumulation boundary."""
+    set_seed(2)
+    acc = Accelerator(
+        mixed_precision="fp16", gradient_accumulation_steps=2, kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)]
+    )
+    model, opt = acc.prepare(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1))
+    x, y = next(iter(loader()))
+    grads = lambda: torch.cat([p.grad.flatten() for p in model.parameters()])  # noqa: E731
+    with caplog.at_level("INFO", logger="lowprec"):
+        for micro in range(2):
+            with acc.accumulate(model):
+                acc.backward(nn.functional.cross_entropy(model(x), y))
+                before = grads().clone()
+                norm = acc.clip_grad_norm_(model.parameters(), 1e-3)
+                if micro == 0:
+                    torch.testing.assert_close(norm, before.norm() / 1024.0, rtol=1e-4, atol=0)
+                    assert torch.equal(grads(), before)  # not clipped, not unscaled
+    assert norm.item() > 1e-3 and grads().norm().item() <= 1e-3 * 1.01  # the boundary clips
+    assert sum("at the accumulation boundary" in r.getMessage() for r in caplog.records) == 1
+
+
 # --------------------------------------------------------------------------- checkpoints
 def train_run(tmp_path, mp, safe, save_at=None, resume_from=None, steps=8):
     set_seed(5)
