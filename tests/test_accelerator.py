@@ -369,6 +369,22 @@ def test_save_model_loads_into_unconverted_model(tmp_path, safe):
     torch.testing.assert_close(plain(x), inner(x))
 
 
+def test_get_state_dict_is_the_plain_weights_save_model_writes(tmp_path):
+    """``save_pretrained(dir, state_dict=acc.get_state_dict(model))`` carried the delayed recipe's
+    ``fp8_amax_history_*`` / ``fp8_scale_*`` / ``fp8_step*`` buffers, which the unconverted model
+    reports as unexpected keys; save_state still keeps them (its own files)."""
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(amax_history_len=4)])
+    model = acc.prepare(mlp())
+    model(torch.randn(4, 32)).sum().backward()
+    sd = acc.get_state_dict(model)
+    assert set(sd) == set(mlp().state_dict())
+    mlp().load_state_dict(sd)  # strict
+    acc.save_state(str(tmp_path / "c"))
+    from lowprec.checkpoint.state import load_tensors
+
+    assert any("fp8_amax_history" in k for k in load_tensors(str(tmp_path / "c" / "model_0.safetensors")))
+
+
 def test_unwrap_removes_wrapper_and_pickles():
     acc = Accelerator(mixed_precision="bf16")
     model = acc.prepare(mlp())

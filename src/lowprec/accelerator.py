@@ -411,7 +411,11 @@ class Accelerator(PrepareMixin, ProcessControlMixin, CheckpointingMixin, Trackin
         return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
-        return full_model_state_dict(self.unwrap_model(model) if unwrap else model)
+        """The full (unsharded) weights as ``save_model`` writes them, without FP8 scaling state, so
+        ``save_pretrained(dir, state_dict=...)`` loads into the unconverted model; ``save_state``
+        keeps that state in its own files. Collective under FSDP2 and expert parallelism."""
+        sd = full_model_state_dict(self.unwrap_model(model) if unwrap else model)
+        return sd if self.backend is None else self.backend.plain_state_dict(sd)
 
     def free_memory(self, *objects: Any):
         """Forget every prepared object (and the bookkeeping that holds references to them),
