@@ -351,6 +351,23 @@ def test_load_state_refuses_other_precision(tmp_path):
         other.load_state(str(tmp_path / "c"))
 
 
+def test_resume_with_another_amax_history_len_names_the_setting(tmp_path):
+    """A checkpoint of TERecipeKwargs() loaded with amax_history_len=16 was torch's size-mismatch
+    text for one buffer and "written by another script or model?"; now one line names the setting."""
+    from lowprec.errors import CheckpointError
+
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(amax_history_len=8)])
+    acc.prepare(mlp())
+    acc.save_state(str(tmp_path / "c"))
+    other = Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(amax_history_len=16)])
+    other.prepare(mlp())
+    with pytest.raises(CheckpointError) as err:
+        other.load_state(str(tmp_path / "c"))
+    msg = str(err.value)
+    assert "\n" not in msg and "are 8 long" in msg and "amax_history_len is 16" in msg
+    assert "resume with amax_history_len=8" in msg
+
+
 @pytest.mark.parametrize("safe", [True, False])
 def test_save_model_loads_into_unconverted_model(tmp_path, safe):
     set_seed(4)
