@@ -49,6 +49,7 @@ from lowprec.utils.modeling import extract_model_from_parallel
 from lowprec.utils.precision import autocast_context
 from lowprec.utils.parallelism import ParallelismMixin, for_accelerator
 from lowprec.utils.process_control import ProcessControlMixin
+from lowprec.utils.settings import SettingsMixin
 from lowprec.utils.distributed import full_model_state_dict
 from lowprec.utils.operations import recursively_apply
 
@@ -57,7 +58,9 @@ __all__ = ["Accelerator", "FP8BackendType"]
 logger = logging.getLogger("lowprec")
 
 
-class Accelerator(PrepareMixin, ProcessControlMixin, CheckpointingMixin, TrackingMixin, ParallelismMixin):
+class Accelerator(
+    PrepareMixin, ProcessControlMixin, CheckpointingMixin, TrackingMixin, ParallelismMixin, SettingsMixin
+):
     def __init__(
         self,
         device_placement: bool = True,
