@@ -342,3 +342,23 @@ def test_dynamo_plugin_reads_accelerates_variables_and_prepare_compiles(monkeypa
     assert not isinstance(
         Accelerator(cpu=True).prepare(torch.nn.Linear(4, 4)), torch._dynamo.eval_frame.OptimizedModule
     )
+
+
+def test_accelerate_115_settings_members_on_one_process():
+    """Accelerate 1.15 members a script calls were AttributeErrors: the dataloader settings, the
+    distributed read-outs, ``clear``, ``verify_device_map`` and ``join_uneven_inputs``."""
+    cfg = DataLoaderConfiguration(even_batches=False, non_blocking=True, dispatch_batches=False)
+    acc = Accelerator(cpu=True, dataloader_config=cfg)
+    assert (acc.even_batches, acc.non_blocking, acc.dispatch_batches) == (False, True, False)
+    assert not acc.use_seedable_sampler and not acc.use_stateful_dataloader
+    assert not acc.is_fsdp2 and not acc.multi_device and acc.deepspeed_plugin is None and acc.should_save_model
+    acc.even_batches = True
+    assert cfg.even_batches
+    model = torch.nn.Linear(2, 2)
+    assert not acc.verify_device_map(model)
+    model.hf_device_map = {"a": 0, "b": "cpu"}
+    assert acc.verify_device_map(model)
+    prepared = acc.prepare(model)
+    with acc.join_uneven_inputs([prepared], even_batches=False):  # one process: nothing to join
+        prepared(torch.ones(1, 2))
+    assert acc.clear(prepared) == [None] and acc._models == []

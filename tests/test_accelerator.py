@@ -264,6 +264,30 @@ def test_fp16_clip_unscales_and_skipped_step():
     assert torch.equal(before, next(model.parameters())) and acc.scaler.get_scale() == 512.0
 
 
+def test_clip_on_a_micro_step_returns_the_partial_norm_and_clips_nothing(caplog):
+    """A script printing ``clip_grad_norm_(...).item()`` inside accumulate() got None on micro-steps:
+    the norm of the partial gradients comes back (unscaled, gradients untouched), said once in
+    the log; the clip itself happens at the accumulation boundary."""
+    set_seed(2)
+    acc = Accelerator(
+        mixed_precision="fp16", gradient_accumulation_steps=2, kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)]
+    )
+    model, opt = acc.prepare(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1))
+    x, y = next(iter(loader()))
+    grads = lambda: torch.cat([p.grad.flatten() for p in model.parameters()])  # noqa: E731
+    with caplog.at_level("INFO", logger="lowprec"):
+        for micro in range(2):
+            with acc.accumulate(model):
+                acc.backward(nn.functional.cross_entropy(model(x), y))
+                before = grads().clone()
+                norm = acc.clip_grad_norm_(model.parameters(), 1e-3)
+                if micro == 0:
+                    torch.testing.assert_close(norm, before.norm() / 1024.0, rtol=1e-4, atol=0)
+                    assert torch.equal(grads(), before)  # not clipped, not unscaled
+    assert norm.item() > 1e-3 and grads().norm().item() <= 1e-3 * 1.01  # the boundary clips
+    assert sum("at the accumulation boundary" in r.getMessage() for r in caplog.records) == 1
+
+
 # --------------------------------------------------------------------------- checkpoints
 def train_run(tmp_path, mp, safe, save_at=None, resume_from=None, steps=8):
     set_seed(5)
@@ -327,6 +351,23 @@ def test_load_state_refuses_other_precision(tmp_path):
         other.load_state(str(tmp_path / "c"))
 
 
+def test_resume_with_another_amax_history_len_names_the_setting(tmp_path):
+    """A checkpoint of TERecipeKwargs() loaded with amax_history_len=16 was torch's size-mismatch
+    text for one buffer and "written by another script or model?"; now one line names the setting."""
+    from lowprec.errors import CheckpointError
+
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(amax_history_len=8)])
+    acc.prepare(mlp())
+    acc.save_state(str(tmp_path / "c"))
+    other = Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(amax_history_len=16)])
+    other.prepare(mlp())
+    with pytest.raises(CheckpointError) as err:
+        other.load_state(str(tmp_path / "c"))
+    msg = str(err.value)
+    assert "\n" not in msg and "are 8 long" in msg and "amax_history_len is 16" in msg
+    assert "resume with amax_history_len=8" in msg
+
+
 @pytest.mark.parametrize("safe", [True, False])
 def test_save_model_loads_into_unconverted_model(tmp_path, safe):
     set_seed(4)
@@ -343,6 +384,22 @@ def test_save_model_loads_into_unconverted_model(tmp_path, safe):
     fp8.unconvert(inner)
     x = torch.randn(4, 32)
     torch.testing.assert_close(plain(x), inner(x))
+
+
+def test_get_state_dict_is_the_plain_weights_save_model_writes(tmp_path):
+    """``save_pretrained(dir, state_dict=acc.get_state_dict(model))`` carried the delayed recipe's
+    ``fp8_amax_history_*`` / ``fp8_scale_*`` / ``fp8_step*`` buffers, which the unconverted model
+    reports as unexpected keys; save_state still keeps them (its own files)."""
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(amax_history_len=4)])
+    model = acc.prepare(mlp())
+    model(torch.randn(4, 32)).sum().backward()
+    sd = acc.get_state_dict(model)
+    assert set(sd) == set(mlp().state_dict())
+    mlp().load_state_dict(sd)  # strict
+    acc.save_state(str(tmp_path / "c"))
+    from lowprec.checkpoint.state import load_tensors
+
+    assert any("fp8_amax_history" in k for k in load_tensors(str(tmp_path / "c" / "model_0.safetensors")))
 
 
 def test_unwrap_removes_wrapper_and_pickles():

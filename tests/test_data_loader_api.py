@@ -51,6 +51,29 @@ def test_shard_skip_batches_device_and_resume_position():
     assert [b.tolist() for b in dl] == [[4, 5, 6, 7], [8, 9]]
 
 
+def test_skip_first_batches_of_a_prepared_loader_is_a_new_loader():
+    """``skip_first_batches(prepared, 1)`` returned the prepared loader itself with len() 4 of
+    range(10) in threes; Accelerate gives a new loader of 3 batches and leaves the prepared one
+    whole. The copy skips in its first epoch only; its epoch is the loader's next order."""
+    acc = Accelerator(cpu=True)
+    p = acc.prepare(DataLoader(range(10), batch_size=3, shuffle=True))
+    epoch0 = [b.tolist() for b in p.skipping(0)]  # the order of the loader's epoch 0
+    p.set_epoch(0)
+    s = acc.skip_first_batches(p, 1)
+    assert s is not p and len(s) == 3 and len(p) == 4 and p.epoch == 0
+    seen = []
+    for b in s:
+        seen.append(b.tolist())
+        if len(seen) == 1:  # save_state while the copy runs records the copy's position for p
+            assert p.state_dict()["batches_yielded"] == 2 and p.state_dict()["epoch"] == 0
+    assert seen == epoch0[1:] and p.epoch == 1
+    assert [b.tolist() for b in p] != epoch0 and len(p) == 4  # the next epoch's order, whole
+    assert len(s) == 4 and len([b for b in s]) == 4  # the copy's later epochs are whole too
+    p.load_state_dict({"epoch": 3, "batches_yielded": 2, "seed": p.seed})  # a resumed position
+    s = skip_first_batches(p, 2)  # the caller resumes through the copy: p no longer skips
+    assert len(s) == 2 and len([b for b in s]) == 2 and len([b for b in p]) == 4 and p.epoch == 5
+
+
 def test_set_epoch_reaches_a_custom_batch_sampler_through_prepare():
     sampler = EpochBatchSampler(6, 2)
     dl = Accelerator(cpu=True).prepare_data_loader(DataLoader(list(range(6)), batch_sampler=sampler))

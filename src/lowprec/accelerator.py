@@ -32,6 +32,7 @@ from lowprec.kwargs import (
     env_int,
 )
 from lowprec.errors import did_you_mean
+from lowprec.logs import log_once
 from lowprec.state import AcceleratorState, Decision, DistributedType
 from lowprec.tracking import TrackingMixin, filter_trackers
 from lowprec.utils.aliases import alias
@@ -40,7 +41,7 @@ from lowprec.utils.data_loader import DataLoaderShard, GradientState
 from lowprec.utils.fp8_health import HealthHooks
 from lowprec.utils.dataclasses import DataLoaderConfiguration, FP8BackendType, ProjectConfiguration, TorchDynamoPlugin
 from lowprec.utils.deepspeed import deepspeed_clip
-from lowprec.utils.distributed import clip_grad_norm, trigger_sync_in_backward
+from lowprec.utils.distributed import clip_grad_norm, grad_norm, trigger_sync_in_backward
 from lowprec.utils.nonfinite import NonFiniteGuard
 from lowprec.utils.operations import gather, gather_object, has_tensor, pad_across_processes, reduce
 from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler
@@ -48,6 +49,7 @@ from lowprec.utils.modeling import extract_model_from_parallel
 from lowprec.utils.precision import autocast_context
 from lowprec.utils.parallelism import ParallelismMixin, for_accelerator
 from lowprec.utils.process_control import ProcessControlMixin
+from lowprec.utils.settings import SettingsMixin
 from lowprec.utils.distributed import full_model_state_dict
 from lowprec.utils.operations import recursively_apply
 
@@ -56,7 +58,9 @@ __all__ = ["Accelerator", "FP8BackendType"]
 logger = logging.getLogger("lowprec")
 
 
-class Accelerator(PrepareMixin, ProcessControlMixin, CheckpointingMixin, TrackingMixin, ParallelismMixin):
+class Accelerator(
+    PrepareMixin, ProcessControlMixin, CheckpointingMixin, TrackingMixin, ParallelismMixin, SettingsMixin
+):
     def __init__(
         self,
         device_placement: bool = True,
@@ -348,14 +352,28 @@ class Accelerator(PrepareMixin, ProcessControlMixin, CheckpointingMixin, Trackin
                 opt.unscaled = True
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0):
-        """Unscales first (fp16 and MS-AMP alike), then clips. On accumulation micro-steps it does
-        nothing and returns None: clipping a partial sum would distort the final gradient."""
-        if not self.sync_gradients:
-            return None
+        """The total gradient norm; clips at the accumulation boundary only, after unscaling (fp16
+        and MS-AMP alike). On a micro-step it clips nothing (clipping a partial sum would distort
+        the final gradient; Accelerate clips each micro-step's) and returns the norm of the partial
+        gradients so far, divided by the loss scale, the gradients untouched. Under DeepSpeed the
+        engine clips inside its own step at the boundary; this returns the engine's global norm
+        (its last step's; None before the first), as Accelerate does."""
         if self._ds_engine is not None:
-            return deepspeed_clip(self._ds_engine, max_norm)
-        self.unscale_gradients()
-        norm = clip_grad_norm(parameters, max_norm, norm_type=norm_type)
+            deepspeed_clip(self._ds_engine, max_norm)  # only configures the engine's next step
+            return self._ds_engine.get_global_grad_norm()
+        if not self.sync_gradients:
+            log_once(
+                "lowprec: clip_grad_norm_ on an accumulation micro-step returns the partial gradients' "
+                "norm and clips nothing: lowprec clips once, at the accumulation boundary (Accelerate "
+                "clips every micro-step's partial sum)",
+                logging.INFO,  # the documented behaviour, and the accumulate() loop calls it every step
+            )
+            norm = grad_norm(parameters, norm_type)
+            if self.scaler is not None and not all(o.unscaled for o in self._optimizers):
+                norm = norm / self.scaler.get_scale()  # still scaled: the boundary's unscale_ is to come
+        else:
+            self.unscale_gradients()
+            norm = clip_grad_norm(parameters, max_norm, norm_type=norm_type)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def clip_grad_value_(self, parameters, clip_value: float) -> None:
@@ -396,7 +414,11 @@ class Accelerator(PrepareMixin, ProcessControlMixin, CheckpointingMixin, Trackin
         return extract_model_from_parallel(model, keep_fp32_wrapper, keep_torch_compile)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
-        return full_model_state_dict(self.unwrap_model(model) if unwrap else model)
+        """The full (unsharded) weights as ``save_model`` writes them, without FP8 scaling state, so
+        ``save_pretrained(dir, state_dict=...)`` loads into the unconverted model; ``save_state``
+        keeps that state in its own files. Collective under FSDP2 and expert parallelism."""
+        sd = full_model_state_dict(self.unwrap_model(model) if unwrap else model)
+        return sd if self.backend is None else self.backend.plain_state_dict(sd)
 
     def free_memory(self, *objects: Any):
         """Forget every prepared object (and the bookkeeping that holds references to them),

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from lowprec.errors import CheckpointError
+from lowprec.checkpoint.fp8_fit import check_amax_histories
 from lowprec.checkpoint.serialization import load_error_reason
 from lowprec.utils.distributed import is_fsdp2
 
@@ -93,6 +94,10 @@ def load_sharded(acc: Any, model: Any, directory: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     inner = acc.unwrap_model(model)
+    if os.path.isfile(os.path.join(directory, ".metadata")):  # else load_into names what is missing
+        saved = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
+        shapes = {k[len("model.") :]: tuple(getattr(m, "size", ())) for k, m in saved.items() if k.startswith("model.")}
+        check_amax_histories(shapes, inner, directory)
     opts = _optimizers_of(acc, model)
     msd, osd = get_state_dict(inner, opts)  # the shapes and placements to read into
     state = load_into({"model": msd, "optimizer": osd}, directory)

@@ -58,6 +58,7 @@ from lowprec.utils.distributed import (
     load_full_model_state_dict,
     load_full_optimizer_state_dict,
 )
+from lowprec.checkpoint.fp8_fit import check_amax_histories
 from lowprec.checkpoint.sharded import load_sharded, save_sharded, uses_sharded
 from lowprec.utils.offload import fill_offloaded
 
@@ -364,7 +365,9 @@ def _load_models(acc: Any, input_dir: str, sharded: set, saved_procs: int, resha
             load_sharded(acc, m, os.path.join(input_dir, f"sharded_{i}"))
         else:
             path = _model_file(input_dir, i, safe)
-            _apply(lambda sd, inner=inner: load_full_model_state_dict(inner, sd), load_tensors(path), path)
+            sd = load_tensors(path)
+            check_amax_histories({k: v.shape for k, v in sd.items()}, inner, path)
+            _apply(lambda sd, inner=inner: load_full_model_state_dict(inner, sd), sd, path)
         own = os.path.join(input_dir, f"buffers_{i}_rank{acc.process_index}.safetensors")
         if (
             reshard
@@ -378,7 +381,9 @@ def _load_models(acc: Any, input_dir: str, sharded: set, saved_procs: int, resha
         if _per_rank_buffers(m) and os.path.isfile(own):
             with torch.no_grad():
                 named = dict(inner.named_buffers())
-                for k, v in load_tensors(own).items():
+                kept = load_tensors(own)
+                check_amax_histories({k: v.shape for k, v in kept.items()}, inner, own)
+                for k, v in kept.items():
                     if named[k].shape != v.shape:  # copy_ would broadcast, or fail in a traceback
                         raise CheckpointError(
                             f"{own} holds {k} of shape {tuple(v.shape)}, this model's is {tuple(named[k].shape)} "

@@ -100,6 +100,8 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
     placement, ``skip_batches``, ``set_epoch`` and the end-of-dataloader state."""
 
     dispatches = False  # DataLoaderDispatcher (utils/dispatcher.py): process 0 reads, the others receive
+    _skipped_from: Optional["DataLoaderShard"] = None  # set on what skip_first_batches returns
+    _len_skip = 0  # batches len() leaves out: those a skip_first_batches copy skips this epoch
 
     def __init__(
         self,
@@ -299,6 +301,10 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         return out
 
     def __len__(self) -> int:
+        return max(0, self._epoch_len() - self._len_skip)
+
+    def _epoch_len(self) -> int:
+        """Batches in a whole epoch of this process (``skip_batches`` left out)."""
         if self.given:
             return max(0, len(self.base) - self.skip_batches)
         if self.iterable:
@@ -337,7 +343,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         gs.end_of_dataloader = False
         self.reset()
         try:
-            skip, self._skip = self._skip, 0
+            skip = self._take_skip()
             source: Iterator[Any]
             count: Optional[int]
             if self.iterable or self.given:
@@ -363,13 +369,44 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
                 self.end_of_dataloader = gs.end_of_dataloader = last
                 self.remainder = gs.remainder = remainder if last else -1
                 yield send_to_device(batch, self.device, self.non_blocking) if self.device is not None else batch
-            self.epoch += 1
-            self.batches_yielded = 0
-            self._generator_state = None
+            self._end_epoch()
         finally:
             if self in gs.active:  # a new Accelerator may have reset the loop state meanwhile
                 gs.active.remove(self)
             gs.end_of_dataloader = False if not gs.active else gs.end_of_dataloader
+
+    def _take_skip(self) -> int:
+        """The batches this iteration skips (a position load_state restored, or skip_first_batches'),
+        used once; a skip_first_batches copy's len() leaves them out until this epoch ends."""
+        skip, self._skip = self._skip, 0
+        self._len_skip = skip if self._skipped_from is not None else 0
+        return skip
+
+    def _end_epoch(self) -> None:
+        self.epoch += 1
+        self.batches_yielded = 0
+        self._generator_state = None
+        self._len_skip = 0
+        origin = self._skipped_from
+        if origin is not None and origin.epoch < self.epoch:
+            # the copy ran the loader's epoch: the loader goes on with the next one (the next
+            # shuffle), not this one's order again
+            origin.epoch, origin._generator_state = self.epoch, None
+
+    def skipping(self, num_batches: int) -> "DataLoaderShard":
+        """What ``skip_first_batches`` returns: a new loader over the same data, sampler, seed,
+        epoch, device placement and gradient state whose first iteration starts ``num_batches``
+        in (its ``len()`` the batches left) and whose later ones are whole (Accelerate's copy
+        skips every epoch). This loader is left as it is: iterated again, it yields whole epochs,
+        the next one once the copy has finished one; a position ``load_state`` restored here passes
+        to the copy, which the caller resumes through. While the copy is iterated, ``save_state``
+        records its position for this loader."""
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)  # not copy.copy: __getstate__ drops the gradient state
+        twin._skip = twin._len_skip = num_batches
+        twin._skipped_from = self
+        self._skip = 0
+        return twin
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch, passed on (as Accelerate) to a batch sampler, its sampler, or else the dataset
@@ -391,6 +428,9 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict:
+        live = next((d for d in self.gradient_state.active if d._skipped_from is self), None)
+        if live is not None:  # mid-epoch through a skip_first_batches copy: where the copy is
+            return live.state_dict()
         state: dict[str, Any] = {"epoch": self.epoch, "batches_yielded": self.batches_yielded, "seed": self.seed}
         generator_state = self._generator_state  # mid-epoch: the user's generator at this epoch's start
         if generator_state is None and getattr(self, "user_generator", None) is not None:
@@ -435,12 +475,11 @@ def _with_last(source: Iterator[Any], count: Optional[int], start: int) -> Itera
 
 
 def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
-    """A prepared dataloader: its next iteration starts ``num_batches`` in (resume mid-epoch).
-    A plain DataLoader: a ``SkipDataLoader`` over the same data whose every iteration skips them
-    (prepare it as usual)."""
+    """A prepared dataloader: a new one whose first iteration starts ``num_batches`` in (resume
+    mid-epoch; :meth:`DataLoaderShard.skipping`), the given one unchanged. A plain DataLoader: a
+    ``SkipDataLoader`` over the same data whose every iteration skips them (prepare it as usual)."""
     if isinstance(dataloader, DataLoaderShard):
-        dataloader._skip = int(num_batches)
-        return dataloader
+        return dataloader.skipping(int(num_batches))
     if not isinstance(dataloader, DataLoader):
         raise TypeError(f"skip_first_batches takes a DataLoader, got {type(dataloader).__name__}")
     if dataloader.batch_sampler is None or isinstance(dataloader.dataset, IterableDataset):

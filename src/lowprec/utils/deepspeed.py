@@ -269,7 +269,7 @@ class DeepSpeedOptimizer:
 def deepspeed_clip(engine: Any, max_norm: float) -> None:
     """DeepSpeed clips inside its own step (the gradients are partitioned by then): hand it
     ``max_norm`` for the step that follows. The norm is known only after that step
-    (``engine.get_global_grad_norm()``), so this returns None."""
+    (``engine.get_global_grad_norm()``, what ``Accelerator.clip_grad_norm_`` returns)."""
     engine._config.gradient_clipping = max_norm
     if hasattr(engine.optimizer, "clip_grad"):
         engine.optimizer.clip_grad = max_norm

@@ -84,7 +84,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         self.slice_fn = slice_fn
         self.epoch = iteration
 
-    def __len__(self) -> int:
+    def _epoch_len(self) -> int:
         if self.given:
             n = len(self.base)
             steps = (
@@ -158,7 +158,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         gs.end_of_dataloader = False
         self.reset()
         try:
-            skip, self._skip = self._skip, 0
+            skip = self._take_skip()
             steps = self._steps(skip + (self.skip_batches if self.given else 0)) if self.rank == 0 else None
             self.batches_yielded = skip
             nxt = self._next(steps)
@@ -168,8 +168,7 @@ class DataLoaderDispatcher(DataLoaderShard):
                 self.end_of_dataloader = gs.end_of_dataloader = nxt is None
                 self.remainder = gs.remainder = remainder if nxt is None else -1
                 yield send_to_device(batch, self.device, self.non_blocking) if self.device is not None else batch
-            self.epoch += 1
-            self.batches_yielded = 0
+            self._end_epoch()
         finally:
             if self in gs.active:
                 gs.active.remove(self)

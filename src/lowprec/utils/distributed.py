@@ -216,22 +216,24 @@ def _check_state_shapes(optimizer: Any, state_dict: dict) -> None:
                     )
 
 
-def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``, also over gradients on several meshes or none (tensor
-    parallelism: the split Linears are DTensors on the tensor-parallel mesh, embeddings plain;
-    under FSDP2 + TP, 2-D DTensors beside the 1-D ones FSDP2 made of the embeddings; torch's
-    foreach kernels refuse the mix): each group's norm, whole, is combined into the one total."""
+def _grad_groups(parameters: Any) -> dict[Any, list]:
+    """The parameters with a gradient, grouped by where their norm is taken: one plain group, one
+    per DTensor mesh, one per expert-parallel group (each rank holds other experts)."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters) if p.grad is not None]
     groups: dict[Any, list] = {}
     for p in params:
-        # expert parallelism: each rank holds other experts (lowprec.distributed.expert_parallel)
-        ep = getattr(p, "_lowprec_ep_group", None)
+        ep = getattr(p, "_lowprec_ep_group", None)  # lowprec.distributed.expert_parallel
         key = ("ep", ep) if ep is not None else (p.grad.device_mesh if isinstance(p.grad, DTensor) else None)
         groups.setdefault(key, []).append(p)
-    if len(groups) <= 1 and not any(isinstance(k, tuple) for k in groups):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    return groups
+
+
+def _total_norm(groups: dict[Any, list], norm_type: float) -> torch.Tensor:
+    """Each group's norm, whole (over its mesh or every rank's experts), combined into one."""
+    from torch.distributed.tensor import DTensor
+
     norms = []
     for key, group in groups.items():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type)
@@ -242,7 +244,25 @@ def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0) -> 
             norms.append(part if inf else part.pow(1.0 / norm_type))
         else:
             norms.append(norm if key is None else cast(DTensor, norm).full_tensor())  # a mesh: DTensor grads
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.tensor(0.0)
+
+
+def grad_norm(parameters: Any, norm_type: float = 2.0) -> torch.Tensor:
+    """The total gradient norm :func:`clip_grad_norm` would clip with, gradients left untouched
+    (collective where the gradients are sharded or experts are spread over ranks)."""
+    return _total_norm(_grad_groups(parameters), norm_type)
+
+
+def clip_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, also over gradients on several meshes or none (tensor
+    parallelism: the split Linears are DTensors on the tensor-parallel mesh, embeddings plain;
+    under FSDP2 + TP, 2-D DTensors beside the 1-D ones FSDP2 made of the embeddings; torch's
+    foreach kernels refuse the mix): each group's norm, whole, is combined into the one total."""
+    groups = _grad_groups(parameters)
+    if len(groups) <= 1 and not any(isinstance(k, tuple) for k in groups):
+        params = [p for group in groups.values() for p in group]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+    total = _total_norm(groups, norm_type)
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
