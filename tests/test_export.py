@@ -491,6 +491,19 @@ def test_bad_inputs_are_one_exit_2_line(tiny_run, tmp_path, capsys):
     assert cfg["format"] == "nvfp4-pack-quantized"
 
 
+def test_an_out_that_is_the_run_or_its_checkpoint_is_refused_before_writing(tiny_run, capsys):
+    import hashlib
+
+    digest = lambda f: hashlib.sha256(open(f, "rb").read()).hexdigest()  # noqa: E731
+    files = {f: digest(f) for f in tiny_run.rglob("*") if f.is_file()}
+    checkpoints = sorted(d for d in tiny_run.iterdir() if d.name.startswith("checkpoint-"))
+    for target in [tiny_run, *checkpoints[-1:]]:
+        assert main(["export", str(target), "--format", "compressed-tensors", "--out", str(target)]) == 2
+        line = _one_line(capsys)
+        assert "which this export reads" in line and "Choose a new directory" in line
+    assert {f: digest(f) for f in tiny_run.rglob("*") if f.is_file()} == files  # nothing written
+
+
 def _base_layers(model) -> dict:
     return {n: m for n, m in model.named_modules() if isinstance(m, fp8.Float8BaseLinear)}
 

@@ -230,13 +230,30 @@ def _adapter_embedding_rows(run: str, adapter_cfg: dict[str, Any]) -> int | None
 
 def export_run(path: str, out_dir: str, format: str = "hf-fp8", *, requantize: bool = False) -> ExportReport:
     """Export a ``lowprec train`` output directory or checkpoint (see the module docstring)."""
-    run, _ = _locate(path)
+    run, checkpoint = _locate(path)
     with open(os.path.join(run, "resolved_config.yaml")) as f:
-        scheme_for(format, None if requantize else _recipe(yaml.safe_load(f)))  # a bad format before any loading
+        cfg = yaml.safe_load(f)
+    scheme_for(format, None if requantize else _recipe(cfg))  # a bad format before any loading
+    _refuse_writing_a_source(out_dir, run, checkpoint, cfg, format)
     model, _, _, notes = load_run(path)
     report = export_model(model, out_dir, format, requantize=requantize, notes=notes)
     _copy_tokenizer(run, out_dir)
     return report
+
+
+def _refuse_writing_a_source(out_dir: str, run: str, checkpoint: str | None, cfg: Any, format: str) -> None:
+    """The export writes model.safetensors, config.json, README.md and the tokenizer files: into
+    the run, its checkpoint, its merged/ model or a local base model it would overwrite what it
+    reads (the run's own bf16 model first)."""
+    base = cfg.get("base_model") if isinstance(cfg, dict) else None
+    sources = [run, os.path.join(run, "merged"), checkpoint] + ([base] if isinstance(base, str) else [])
+    out = os.path.realpath(out_dir)
+    hit = next((s for s in sources if s and os.path.isdir(s) and os.path.realpath(s) == out), None)
+    if hit is not None:
+        raise ValueError(
+            f"--out {out_dir}: that is {hit}, which this export reads; writing there would overwrite its model. "
+            f"Choose a new directory, e.g. {os.path.join(run, format)}"
+        )
 
 
 def _copy_tokenizer(run: str, out_dir: str) -> None:
