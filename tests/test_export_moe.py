@@ -196,6 +196,26 @@ def test_gate_and_up_blocks_that_straddle_are_quantized_once_and_said(tmp_path):
     assert "spanning gate and up rows" in open(tmp_path / "README.md").read()
 
 
+def test_block_scaled_experts_in_compressed_tensors_say_transformers_cannot_load_them(tmp_path, caplog):
+    """Several 128x128 blocks per expert weight (intermediate 256): the file is compressed-tensors'
+    layout, but transformers' expert loader multiplies by the scale without expanding blocks. The
+    note must be true: if transformers learns to load it, this test says the note is out of date."""
+    model = tiny_hf(
+        "Mixtral", intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False
+    )
+    fp8.convert(model, "blockwise")
+    with caplog.at_level("WARNING", logger="lowprec"):
+        report = export_model(model, str(tmp_path / "ct"), "compressed-tensors")
+    assert any("transformers cannot load" in n for n in report.notes)
+    assert any("transformers cannot load" in r.getMessage() for r in caplog.records)
+    with pytest.raises(RuntimeError):
+        _load(str(tmp_path / "ct"), "compressed-tensors")
+    report = export_model(model, str(tmp_path / "hf"), "hf-fp8")  # the format the note points to
+    assert not any("transformers cannot load" in n for n in report.notes)
+    with torch.no_grad():
+        assert torch.isfinite(_load(str(tmp_path / "hf"), "hf-fp8")(IDS).logits).all()
+
+
 def test_what_the_moe_export_cannot_write_is_one_line(tmp_path):
     model = _mixtral()
     fp8.convert(model, "mxfp8")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -87,7 +88,7 @@ def export_model(
     else:
         write_compressed_tensors(model, plan, scheme, config, out_dir)
     gap = logit_gap(model, plan, probe_ids, config.get("vocab_size"))
-    notes = list(notes or []) + merged + plan.notes + _ragged_note(plan)
+    notes = list(notes or []) + merged + plan.notes + _ragged_note(plan) + _block_experts_note(plan, format, scheme)
     report = ExportReport(
         out_dir=os.path.abspath(out_dir),
         format=format,
@@ -124,6 +125,25 @@ def _adapters_merged(model: nn.Module) -> tuple[nn.Module, list[str]]:
         "source: a peft model; its adapters merged into the base by peft (merge_and_unload, in a copy), "
         "so the FP8 casts are of the merged weights"
     ]
+
+
+def _block_experts_note(plan, format: str, scheme) -> list[str]:
+    """compressed-tensors' block-scaled FP8 experts are written as its spec lays them out, but
+    transformers' loader folds an expert's scale into its weight by a plain broadcast product, which
+    holds for one block per expert weight only (measured: transformers 5.24 fails to load more)."""
+    if format != "compressed-tensors" or scheme.granularity != "block":
+        return []
+    many = [q.name for q in plan.quantized if q.expert is not None and q.cast.scale.numel() > 1]
+    if not many:
+        return []
+    note = (
+        f"experts: {many[0]} (and others) have several 128x128 scale blocks per expert weight; transformers "
+        "cannot load compressed-tensors FP8 experts with block scales (its loader multiplies each expert's "
+        "weight by its scale without expanding the blocks); other compressed-tensors loaders were not tested "
+        "here. For transformers, export --format hf-fp8 (block scales, loads: tested)"
+    )
+    logging.getLogger("lowprec").warning("lowprec export: %s", note)
+    return [note]
 
 
 def _ragged_note(plan) -> list[str]:
