@@ -281,3 +281,89 @@ def test_chat_template_tokenizer_default_with_a_hf_tokenizer(tmp_path):
         2,
     ]  # <|im_start|> user hi there <|im_end|> <|im_start|> assistant hello <|im_end|>
     assert [i for i, y in zip(ids, labels) if y != IGNORE] == [7, 2]  # "hello" and its <|im_end|>
+
+
+_CORPUS = [
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+    "Instruction Response Reverse the word amber rebma hello there how are you user assistant",
+] * 5
+
+
+def _hf_tokenizer(tmp_path, kind):
+    """A local fast tokenizer: ``metaspace`` is SentencePiece-style (Llama-2 / Mistral: a BPE with
+    the Metaspace pre-tokenizer, prepend_scheme first), ``bytelevel`` is Llama-3 / Qwen-style."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from lowprec.train.tokenizer import load_tokenizer
+
+    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "<|im_start|>", "<|im_end|>"]
+    core = Tokenizer(models.BPE(unk_token="<unk>"))
+    if kind == "metaspace":
+        core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+        alphabet = sorted(set("".join(_CORPUS) + "#:.?!+0123456789\n"))
+    else:
+        core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        core.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=alphabet)
+    core.train_from_iterator(_CORPUS, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = (  # Llama-2 style: the answer follows "[/INST] "
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+        "{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+    )
+    fast.save_pretrained(tmp_path / kind)
+    return load_tokenizer(str(tmp_path / kind))
+
+
+def _text_of(tok, ids):
+    return "".join(tok._tok.convert_ids_to_tokens(ids)).replace("▁", " ").replace("Ġ", " ").replace("Ċ", "\n")
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "bytelevel"])
+def test_alpaca_and_chat_ids_are_the_whole_text_encoding(tmp_path, kind):
+    """No stray '▁' token where prompt and response (or two turns) meet: the ids are the
+    tokenizer's encoding of the whole text; the mask covers exactly the response / assistant turns."""
+    from lowprec.train.chat_templates import template_text
+    from lowprec.train.prompts import ALPACA_PROMPT_NO_INPUT
+
+    tok = _hf_tokenizer(tmp_path, kind)
+    row = {"instruction": "Reverse the word amber.", "output": "rebma"}
+    ids, labels = tokenize_row(row, PromptOptions("alpaca"), tok, "row")
+    prompt = ALPACA_PROMPT_NO_INPUT.format(instruction=row["instruction"])
+    assert ids == [tok.bos_id] + tok._tok.encode(prompt + "rebma", add_special_tokens=False) + [tok.eos_id]
+    trained = [i for i, y in zip(ids, labels) if y != IGNORE]
+    assert trained[-1] == tok.eos_id and _text_of(tok, trained[:-1]).strip() == "rebma"
+    assert _text_of(tok, [i for i, y in zip(ids[1:], labels[1:]) if y == IGNORE]).rstrip().endswith("### Response:")
+
+    chat = [("user", "hello there"), ("assistant", "how are you"), ("user", "hello"), ("assistant", "there")]
+    messages = [{"role": r, "content": c} for r, c in chat]
+    opt = PromptOptions("chat_template", chat_template=template_text("tokenizer_default", tok._tok.chat_template, None))
+    ids, labels = tokenize_row({"messages": messages}, opt, tok, "row")
+    assert ids == tok._tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    spans, run = [], []
+    for i, y in zip(ids, labels):
+        if y != IGNORE:
+            run.append(i)
+        elif run:
+            spans, run = spans + [run], []
+    assert [_text_of(tok, s).strip() for s in spans + [run]] == ["how are you</s>", "there</s>"]
+
+
+def test_a_tokenizer_without_offsets_tokenizes_per_segment_and_says_so_once(caplog):
+    class NoOffsets(ByteTokenizer):
+        name = "slow-test-tokenizer"
+
+        def encode_with_offsets(self, text):
+            return None  # a slow Hugging Face tokenizer
+
+    with caplog.at_level("INFO", logger="lowprec"):
+        for row in ALPACA[:3]:
+            assert tokenize_row(row, PromptOptions("alpaca"), NoOffsets(), "row") == tokenize_row(
+                row, PromptOptions("alpaca"), TOK, "row"
+            )
+    assert sum("not a fast tokenizer" in r.getMessage() for r in caplog.records) == 1

@@ -33,7 +33,7 @@ from lowprec.train.packing import pack as pack_rows
 __all__ = ["ExampleSet", "ExampleBatches", "DataSource", "build_examples"]
 
 logger = logging.getLogger("lowprec")
-_FORMAT = 1  # bump when the saved layout or the tokenization rules change
+_FORMAT = 2  # bump when the saved layout or the tokenization rules change
 
 
 @dataclass(frozen=True)
