@@ -367,3 +367,24 @@ def test_a_tokenizer_without_offsets_tokenizes_per_segment_and_says_so_once(capl
                 row, PromptOptions("alpaca"), TOK, "row"
             )
     assert sum("not a fast tokenizer" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_completion_rows_without_text_name_the_real_key(tmp_path):
+    """type: completion on rows without 'text' names datasets[].field (a key that exists), on the
+    token-stream path and the examples path alike, and says when the rows look like alpaca."""
+    from lowprec.train.config import parse_config
+    from lowprec.train.data import build_datasets
+    from lowprec.train.data_setup import DATA_KEYS
+
+    path = _write(tmp_path, ALPACA)
+    fix = r"set datasets\[\]\.field to the field that holds the text \(these look like alpaca rows: type: alpaca\)"
+    with pytest.raises(
+        ValueError, match=r"line 1: no 'text' field \(keys: \['input', 'instruction', 'output'\]\); " + fix
+    ):
+        build_datasets([path], seq_len=8, val_fraction=0.0, names=DATA_KEYS)
+    with pytest.raises(ValueError, match=r"jsonl:1: no 'text' field .*; " + fix):
+        tokenize_row(ALPACA[0], PromptOptions("completion"), TOK, f"{path}:1")
+    cfg = parse_config({"datasets": [{"path": path, "type": "completion", "field": "output"}]})
+    assert cfg.text_field == "output"  # the key the message names is a real one
+    train, _ = build_datasets([path], seq_len=8, val_fraction=0.0, text_field=cfg.text_field, names=DATA_KEYS)
+    assert TOK.decode(train.tokens).startswith("0")

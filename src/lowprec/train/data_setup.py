@@ -129,6 +129,7 @@ DATA_KEYS = {
     "val_fraction": "val_set_size",
     "batch_size": "micro_batch_size",
     "world_size": "--num_processes",
+    "text_field": "datasets[].field",
 }
 
 

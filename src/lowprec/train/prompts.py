@@ -36,6 +36,7 @@ __all__ = [
     "PromptOptions",
     "row_segments",
     "tokenize_row",
+    "row_type_hint",
     "check_vocab",
     "ALPACA_PROMPT",
     "ALPACA_PROMPT_NO_INPUT",
@@ -82,9 +83,23 @@ class PromptOptions:
     eot_tokens: tuple[str, ...] = ()
 
 
+def row_type_hint(row: dict[str, Any]) -> str:
+    """``" (these look like alpaca rows: type: alpaca)"`` where the row's keys name a type, else ''."""
+    if "instruction" in row and "output" in row:
+        return " (these look like alpaca rows: type: alpaca)"
+    if "messages" in row or "conversations" in row:
+        return " (these look like chat rows: type: chat_template)"
+    return ""
+
+
 def _need(row: dict[str, Any], key: str, where: str, kind: str) -> Any:
     if key not in row:
-        raise ValueError(f"{where}: no {key!r} field (keys: {sorted(row)}); type: {kind} rows need it")
+        fix = (
+            f"set datasets[].field to the field that holds the text{row_type_hint(row)}"
+            if kind == "completion"
+            else f"type: {kind} rows need it"
+        )
+        raise ValueError(f"{where}: no {key!r} field (keys: {sorted(row)}); {fix}")
     return row[key]
 
 
