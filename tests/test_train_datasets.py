@@ -388,3 +388,39 @@ def test_completion_rows_without_text_name_the_real_key(tmp_path):
     assert cfg.text_field == "output"  # the key the message names is a real one
     train, _ = build_datasets([path], seq_len=8, val_fraction=0.0, text_field=cfg.text_field, names=DATA_KEYS)
     assert TOK.decode(train.tokens).startswith("0")
+
+
+def test_roles_to_train_typos_are_named_not_an_empty_dataset(tmp_path):
+    """A misspelt role once gave 'no training example fits sequence_len'; now it is one line naming
+    the key, the value and the role meant, at config time (near misses) or once the data's roles
+    are known (a role no row has after the roles mapping)."""
+    from lowprec.train.config import parse_config
+
+    chat = [
+        {"messages": [{"role": "user", "content": f"{i}+{i}?"}, {"role": "assistant", "content": str(2 * i)}]}
+        for i in range(4)
+    ]
+    path = _write(tmp_path, chat)
+    bad = {
+        "roles_to_train": (
+            ["asistant"],
+            r"datasets.0.roles_to_train: 'asistant' is not a role .*did you mean 'assistant'",
+        ),
+        "roles": ({"asistant": ["gpt"]}, r"datasets.0.roles: 'asistant' is not a chat role \(did you mean 'assistant'"),
+        "train_on_eos": ("turns", r"datasets.0.train_on_eos: 'turns' is not one of turn, .*did you mean 'turn'"),
+    }
+    for key, (value, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            parse_config({"datasets": [{"path": path, "type": "chat_template", key: value}]})
+    custom = {"path": path, "type": "chat_template", "roles": {"function": ["fn"]}, "roles_to_train": ["function"]}
+    assert parse_config({"datasets": [custom]}).datasets[0].roles_to_train == ["function"]  # own roles pass
+
+    def build(**kw):
+        opt = PromptOptions("chat_template", chat_template=TEMPLATES["chatml"], **kw)
+        return build_examples([DataSource((path,), None, opt, "datasets.0")], TOK, 256, 0.0, 0)
+
+    assert build()[0].n_trained > 0
+    with pytest.raises(ValueError, match=r"^datasets.0.roles_to_train: \['bot'\] names no role of the data \(its "):
+        build(roles_to_train=("bot",))
+    with pytest.raises(ValueError, match=r"roles mapping: helper, user\) \(did you mean 'helper'"):
+        build(roles={"helper": ["assistant"], "user": ["user"]}, roles_to_train=("helpr",))

@@ -37,6 +37,7 @@ __all__ = [
     "row_segments",
     "tokenize_row",
     "row_type_hint",
+    "row_roles",
     "check_vocab",
     "ALPACA_PROMPT",
     "ALPACA_PROMPT_NO_INPUT",
@@ -143,6 +144,11 @@ def row_segments(row: dict[str, Any], opt: PromptOptions, where: str, tokenizer:
             eot_tokens=opt.eot_tokens,
         )
     raise ValueError(f"unknown dataset type {kind!r}")
+
+
+def row_roles(row: dict[str, Any], opt: PromptOptions, where: str) -> set[str]:
+    """The roles of a chat row's messages after the ``roles`` mapping."""
+    return {m["role"] for m in _messages(row, opt, where)}
 
 
 def _messages(row: dict[str, Any], opt: PromptOptions, where: str) -> list[dict[str, str]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from lowprec.train.config.base import StrictModel
 from lowprec.errors import did_you_mean
@@ -17,6 +17,8 @@ __all__ = ["DatasetSpec", "DataKeys", "SpecialTokens", "DATASET_TYPES"]
 
 
 DATASET_TYPES = ("completion", "alpaca", "input_output", "chat_template")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles templates know; others pass through as named
+_EOS_CHOICES = ("turn", "all", "none", "last")
 
 
 def _checked_template(v: Optional[str]) -> Optional[str]:
@@ -103,6 +105,38 @@ class DatasetSpec(StrictModel):
     @classmethod
     def _jinja(cls, v: Optional[str]) -> Optional[str]:
         return _checked_template(v)
+
+    @field_validator("roles")
+    @classmethod
+    def _roles(cls, v: Optional[dict[str, list[str]]]) -> Optional[dict[str, list[str]]]:
+        """A mapping target that is a near miss of a template role (``asistant``) is a typo."""
+        for role in v or {}:
+            hint = did_you_mean(role, CHAT_ROLES)
+            if role not in CHAT_ROLES and hint:
+                raise ValueError(
+                    f"{role!r} is not a chat role{hint}; map the data's role names to {', '.join(CHAT_ROLES)}"
+                )
+        return v
+
+    @field_validator("roles_to_train")
+    @classmethod
+    def _roles_to_train(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        """Roles after the ``roles:`` mapping; a near miss of a known one (``asistant``) is a typo."""
+        known = dict.fromkeys([*CHAT_ROLES, *(info.data.get("roles") or {})])
+        for role in v:
+            hint = did_you_mean(role, known)
+            if role not in known and hint:
+                raise ValueError(
+                    f"{role!r} is not a role after the roles mapping{hint}; list roles of {', '.join(known)}"
+                )
+        return v
+
+    @field_validator("train_on_eos", mode="before")
+    @classmethod
+    def _eos(cls, v: Any) -> Any:
+        if isinstance(v, str) and v not in _EOS_CHOICES:
+            raise ValueError(f"{v!r} is not one of {', '.join(_EOS_CHOICES)}{did_you_mean(v, _EOS_CHOICES)}")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> "DatasetSpec":
