@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import Any, Literal, Optional, Union
 
@@ -169,6 +170,37 @@ class SpecialTokens(StrictModel):
     additional_special_tokens: Optional[list[str]] = None
 
 
+# Hugging Face `datasets` builders that read local files: {path: json, data_files: a.jsonl} (Axolotl's
+# local-file form) is the file a.jsonl, read as lowprec reads any local file; the value is its ds_type
+_LOCAL_BUILDERS = {"json": "json", "csv": "csv", "parquet": "parquet", "arrow": "arrow", "text": None}
+
+
+def _local_builder_entries(entry: Any) -> list[Any]:
+    """``{path: json, data_files: [a.jsonl, b.jsonl]}`` -> ``[{path: a.jsonl}, {path: b.jsonl}]``
+    (globs expanded, a ``{split: files}`` mapping read at ``split``, default train); other entries as given."""
+    if not isinstance(entry, dict) or entry.get("path") not in _LOCAL_BUILDERS or entry.get("data_files") is None:
+        return [entry]
+    builder, files = entry["path"], entry["data_files"]
+    rest = {k: v for k, v in entry.items() if k not in ("path", "data_files")}
+    if isinstance(files, dict):
+        split = rest.pop("split", None) or "train"
+        if split not in files:
+            raise ValueError(
+                f"path: {builder} with data_files {sorted(files)} has no {split!r} split; set split: to one "
+                "of them, or write path: <the file>"
+            )
+        files = files[split]
+    names = [files] if isinstance(files, str) else files
+    if not isinstance(names, list) or not names or not all(isinstance(f, str) for f in names):
+        raise ValueError(
+            f"path: {builder}: data_files must name local files (a path or a list); write path: <the file>"
+        )
+    if _LOCAL_BUILDERS[builder] and rest.get("ds_type") is None:
+        rest["ds_type"] = _LOCAL_BUILDERS[builder]
+    found = [g for f in names for g in (sorted(glob.glob(f)) if glob.has_magic(f) else [f])]
+    return [{"path": f, **rest} for f in found or names]
+
+
 class DataKeys(StrictModel):
     datasets: list[DatasetSpec] = Field(
         default_factory=lambda: [DatasetSpec(path="builtin:stdlib")],
@@ -224,7 +256,7 @@ class DataKeys(StrictModel):
         if isinstance(v, str):
             v = [v]
         if isinstance(v, list):
-            return [{"path": d} if isinstance(d, str) else d for d in v]
+            return [e for d in v for e in _local_builder_entries({"path": d} if isinstance(d, str) else d)]
         return v
 
     @field_validator("chat_template_jinja")
