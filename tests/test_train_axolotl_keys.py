@@ -254,3 +254,27 @@ def test_inert_keys_chain_and_defaults_ask_for_nothing():
         ).notes
         == ()
     )
+
+
+def test_local_files_through_the_hf_json_builder_load_as_local_files(tmp_path):
+    """Axolotl's local-file form {path: json, data_files: a.jsonl} once was 'datasets.0: datasets:
+    data_files: an Axolotl key lowprec does not support (datasets from the Hugging Face Hub; ...)':
+    it is the local file (one entry per file; found next to the config as path is)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("a.jsonl", "b.jsonl"):
+        (data / name).write_text('{"instruction": "Say hi.", "output": "hi"}\n')
+    one = parse_config({"datasets": [{"path": "json", "data_files": str(data / "a.jsonl"), "type": "alpaca"}]})
+    assert [(d.path, d.ds_type, d.type) for d in one.datasets] == [(str(data / "a.jsonl"), "json", "alpaca")]
+    many = parse_config({"datasets": [{"path": "json", "data_files": str(data / "*.jsonl"), "type": "alpaca"}]})
+    assert [d.path for d in many.datasets] == [str(data / "a.jsonl"), str(data / "b.jsonl")]
+    split = {"path": "json", "data_files": {"train": str(data / "b.jsonl")}, "split": "train", "type": "alpaca"}
+    assert parse_config({"datasets": [split]}).datasets[0].path == str(data / "b.jsonl")
+    (tmp_path / "conf").mkdir()
+    yaml = tmp_path / "conf" / "c.yaml"
+    yaml.write_text("datasets:\n  - path: json\n    data_files: [../data/a.jsonl]\n    type: alpaca\n")
+    assert load_config(str(yaml)).datasets[0].path == str(tmp_path / "conf" / "../data/a.jsonl")
+    with pytest.raises(ValueError, match=r"datasets.0: data_files: an Axolotl key lowprec does not support \(datasets"):
+        parse_config({"datasets": [{"path": "org/name", "data_files": "a.jsonl"}]})  # the Hub: one prefix
+    with pytest.raises(ValueError, match=r"path: json with data_files \['test'\] has no 'train' split; set split"):
+        parse_config({"datasets": [{"path": "json", "data_files": {"test": "a.jsonl"}}]})

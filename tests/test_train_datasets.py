@@ -281,3 +281,146 @@ def test_chat_template_tokenizer_default_with_a_hf_tokenizer(tmp_path):
         2,
     ]  # <|im_start|> user hi there <|im_end|> <|im_start|> assistant hello <|im_end|>
     assert [i for i, y in zip(ids, labels) if y != IGNORE] == [7, 2]  # "hello" and its <|im_end|>
+
+
+_CORPUS = [
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+    "Instruction Response Reverse the word amber rebma hello there how are you user assistant",
+] * 5
+
+
+def _hf_tokenizer(tmp_path, kind):
+    """A local fast tokenizer: ``metaspace`` is SentencePiece-style (Llama-2 / Mistral: a BPE with
+    the Metaspace pre-tokenizer, prepend_scheme first), ``bytelevel`` is Llama-3 / Qwen-style."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from lowprec.train.tokenizer import load_tokenizer
+
+    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "<|im_start|>", "<|im_end|>"]
+    core = Tokenizer(models.BPE(unk_token="<unk>"))
+    if kind == "metaspace":
+        core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+        alphabet = sorted(set("".join(_CORPUS) + "#:.?!+0123456789\n"))
+    else:
+        core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        core.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=alphabet)
+    core.train_from_iterator(_CORPUS, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.chat_template = (  # Llama-2 style: the answer follows "[/INST] "
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}"
+        "{% else %}{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}"
+    )
+    fast.save_pretrained(tmp_path / kind)
+    return load_tokenizer(str(tmp_path / kind))
+
+
+def _text_of(tok, ids):
+    return "".join(tok._tok.convert_ids_to_tokens(ids)).replace("▁", " ").replace("Ġ", " ").replace("Ċ", "\n")
+
+
+@pytest.mark.parametrize("kind", ["metaspace", "bytelevel"])
+def test_alpaca_and_chat_ids_are_the_whole_text_encoding(tmp_path, kind):
+    """No stray '▁' token where prompt and response (or two turns) meet: the ids are the
+    tokenizer's encoding of the whole text; the mask covers exactly the response / assistant turns."""
+    from lowprec.train.chat_templates import template_text
+    from lowprec.train.prompts import ALPACA_PROMPT_NO_INPUT
+
+    tok = _hf_tokenizer(tmp_path, kind)
+    row = {"instruction": "Reverse the word amber.", "output": "rebma"}
+    ids, labels = tokenize_row(row, PromptOptions("alpaca"), tok, "row")
+    prompt = ALPACA_PROMPT_NO_INPUT.format(instruction=row["instruction"])
+    assert ids == [tok.bos_id] + tok._tok.encode(prompt + "rebma", add_special_tokens=False) + [tok.eos_id]
+    trained = [i for i, y in zip(ids, labels) if y != IGNORE]
+    assert trained[-1] == tok.eos_id and _text_of(tok, trained[:-1]).strip() == "rebma"
+    assert _text_of(tok, [i for i, y in zip(ids[1:], labels[1:]) if y == IGNORE]).rstrip().endswith("### Response:")
+
+    chat = [("user", "hello there"), ("assistant", "how are you"), ("user", "hello"), ("assistant", "there")]
+    messages = [{"role": r, "content": c} for r, c in chat]
+    opt = PromptOptions("chat_template", chat_template=template_text("tokenizer_default", tok._tok.chat_template, None))
+    ids, labels = tokenize_row({"messages": messages}, opt, tok, "row")
+    assert ids == tok._tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    spans, run = [], []
+    for i, y in zip(ids, labels):
+        if y != IGNORE:
+            run.append(i)
+        elif run:
+            spans, run = spans + [run], []
+    assert [_text_of(tok, s).strip() for s in spans + [run]] == ["how are you</s>", "there</s>"]
+
+
+def test_a_tokenizer_without_offsets_tokenizes_per_segment_and_says_so_once(caplog):
+    class NoOffsets(ByteTokenizer):
+        name = "slow-test-tokenizer"
+
+        def encode_with_offsets(self, text):
+            return None  # a slow Hugging Face tokenizer
+
+    with caplog.at_level("INFO", logger="lowprec"):
+        for row in ALPACA[:3]:
+            assert tokenize_row(row, PromptOptions("alpaca"), NoOffsets(), "row") == tokenize_row(
+                row, PromptOptions("alpaca"), TOK, "row"
+            )
+    assert sum("not a fast tokenizer" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_completion_rows_without_text_name_the_real_key(tmp_path):
+    """type: completion on rows without 'text' names datasets[].field (a key that exists), on the
+    token-stream path and the examples path alike, and says when the rows look like alpaca."""
+    from lowprec.train.config import parse_config
+    from lowprec.train.data import build_datasets
+    from lowprec.train.data_setup import DATA_KEYS
+
+    path = _write(tmp_path, ALPACA)
+    fix = r"set datasets\[\]\.field to the field that holds the text \(these look like alpaca rows: type: alpaca\)"
+    with pytest.raises(
+        ValueError, match=r"line 1: no 'text' field \(keys: \['input', 'instruction', 'output'\]\); " + fix
+    ):
+        build_datasets([path], seq_len=8, val_fraction=0.0, names=DATA_KEYS)
+    with pytest.raises(ValueError, match=r"jsonl:1: no 'text' field .*; " + fix):
+        tokenize_row(ALPACA[0], PromptOptions("completion"), TOK, f"{path}:1")
+    cfg = parse_config({"datasets": [{"path": path, "type": "completion", "field": "output"}]})
+    assert cfg.text_field == "output"  # the key the message names is a real one
+    train, _ = build_datasets([path], seq_len=8, val_fraction=0.0, text_field=cfg.text_field, names=DATA_KEYS)
+    assert TOK.decode(train.tokens).startswith("0")
+
+
+def test_roles_to_train_typos_are_named_not_an_empty_dataset(tmp_path):
+    """A misspelt role once gave 'no training example fits sequence_len'; now it is one line naming
+    the key, the value and the role meant, at config time (near misses) or once the data's roles
+    are known (a role no row has after the roles mapping)."""
+    from lowprec.train.config import parse_config
+
+    chat = [
+        {"messages": [{"role": "user", "content": f"{i}+{i}?"}, {"role": "assistant", "content": str(2 * i)}]}
+        for i in range(4)
+    ]
+    path = _write(tmp_path, chat)
+    bad = {
+        "roles_to_train": (
+            ["asistant"],
+            r"datasets.0.roles_to_train: 'asistant' is not a role .*did you mean 'assistant'",
+        ),
+        "roles": ({"asistant": ["gpt"]}, r"datasets.0.roles: 'asistant' is not a chat role \(did you mean 'assistant'"),
+        "train_on_eos": ("turns", r"datasets.0.train_on_eos: 'turns' is not one of turn, .*did you mean 'turn'"),
+    }
+    for key, (value, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            parse_config({"datasets": [{"path": path, "type": "chat_template", key: value}]})
+    custom = {"path": path, "type": "chat_template", "roles": {"function": ["fn"]}, "roles_to_train": ["function"]}
+    assert parse_config({"datasets": [custom]}).datasets[0].roles_to_train == ["function"]  # own roles pass
+
+    def build(**kw):
+        opt = PromptOptions("chat_template", chat_template=TEMPLATES["chatml"], **kw)
+        return build_examples([DataSource((path,), None, opt, "datasets.0")], TOK, 256, 0.0, 0)
+
+    assert build()[0].n_trained > 0
+    with pytest.raises(ValueError, match=r"^datasets.0.roles_to_train: \['bot'\] names no role of the data \(its "):
+        build(roles_to_train=("bot",))
+    with pytest.raises(ValueError, match=r"roles mapping: helper, user\) \(did you mean 'helper'"):
+        build(roles={"helper": ["assistant"], "user": ["user"]}, roles_to_train=("helpr",))

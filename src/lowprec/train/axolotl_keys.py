@@ -219,7 +219,8 @@ AXOLOTL_DEFAULTS: dict[str, Any] = {
 # dataset entry keys (Axolotl's SFTDataset) that DatasetSpec does not implement
 DATASET_UNSUPPORTED: dict[str, str] = {
     **{
-        k: "datasets from the Hugging Face Hub; lowprec reads local files: give their path"
+        k: "datasets from the Hugging Face Hub; lowprec reads local files: give their path (path: data.jsonl, "
+        "or Axolotl's path: json with data_files: data.jsonl)"
         for k in _keys("name data_files revision trust_remote_code shards shards_idx preprocess_shards")
     },
     **{
@@ -277,7 +278,7 @@ def screen_dataset_entry(entry: Any, fields: set[str]) -> Any:
         if value is None and key in fields | set(DATASET_UNSUPPORTED):
             continue
         if key not in fields and key in DATASET_UNSUPPORTED and value is not False:
-            raise _error(key, "datasets: ", DATASET_UNSUPPORTED[key])
+            raise _error(key, "", DATASET_UNSUPPORTED[key])  # pydantic prefixes datasets.<i>
         if key in fields or key not in DATASET_UNSUPPORTED:
             out[key] = value
     return out

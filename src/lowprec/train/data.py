@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, cast
 import torch
 
 from lowprec.train.data_files import BUILTIN_CORPORA
+from lowprec.train.prompts import row_type_hint
 from lowprec.train.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
@@ -105,10 +106,12 @@ def read_documents(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
     text_field: str = "text",
     max_bytes: int | None = None,
+    names: Mapping[str, str] | None = None,
 ) -> list[tuple[str, str]]:
     """(key, text) documents from local files: a ``.txt`` file is one document, each line of a
     ``.jsonl`` file is one (its ``text_field``). Directories contribute their .txt/.jsonl files
-    in sorted order. Keys (file name, plus line number for jsonl) drive the split."""
+    in sorted order. Keys (file name, plus line number for jsonl) drive the split. ``names``
+    renames ``text_field`` in error messages (the trainer's ``datasets[].field``)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files: list[str] = []
@@ -127,7 +130,9 @@ def read_documents(
     docs: list[tuple[str, str]] = []
     total = 0
     for f in files:
-        for key, text in _read_jsonl(f, text_field) if f.endswith(".jsonl") else [_read_txt(f)]:
+        for key, text in (
+            _read_jsonl(f, text_field, _named(names)("text_field")) if f.endswith(".jsonl") else [_read_txt(f)]
+        ):
             if not text:
                 continue
             size = len(text.encode("utf-8"))
@@ -150,7 +155,7 @@ def _read_txt(path: str) -> tuple[str, str]:
         ) from e
 
 
-def _read_jsonl(path: str, text_field: str) -> Iterator[tuple[str, str]]:
+def _read_jsonl(path: str, text_field: str, field_key: str = "text_field") -> Iterator[tuple[str, str]]:
     name = os.path.basename(path)
     with open(path, encoding="utf-8", errors="strict") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -170,8 +175,8 @@ def _read_jsonl(path: str, text_field: str) -> Iterator[tuple[str, str]]:
                 )
             if text_field not in row:
                 raise ValueError(
-                    f"{where}: no {text_field!r} field (keys: {sorted(row)}); "
-                    "set text_field to the field that holds the text"
+                    f"{where}: no {text_field!r} field (keys: {sorted(row)}); set {field_key} to the field "
+                    f"that holds the text{row_type_hint(row)}"
                 )
             text = row[text_field]
             if not isinstance(text, str):
@@ -242,7 +247,7 @@ def build_datasets(
         docs: Sequence[tuple[str, str | bytes]] = stdlib_documents(max_bytes)
         prefix = f"python{platform.python_version()}-"
     else:
-        docs = read_documents(spec, text_field=text_field, max_bytes=max_bytes)
+        docs = read_documents(spec, text_field=text_field, max_bytes=max_bytes, names=names)
         if not docs:
             raise ValueError(f"data files {spec!r} contain no text")
         prefix = ""

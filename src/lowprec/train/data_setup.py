@@ -79,7 +79,7 @@ def data_sources(cfg: Any, tokenizer: Any) -> list:
             paths = sorted(os.path.join(r, f) for r, _, fs in os.walk(d.path) for f in fs if f.endswith(ROW_EXTENSIONS))
             if not paths:
                 raise ValueError(f"datasets.{i}: directory {d.path!r} holds no {'/'.join(ROW_EXTENSIONS)} files")
-        out.append(DataSource(tuple(paths), d.split, opt))
+        out.append(DataSource(tuple(paths), d.split, opt, f"datasets.{i}"))
     return out
 
 
@@ -129,6 +129,7 @@ DATA_KEYS = {
     "val_fraction": "val_set_size",
     "batch_size": "micro_batch_size",
     "world_size": "--num_processes",
+    "text_field": "datasets[].field",
 }
 
 

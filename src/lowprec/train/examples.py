@@ -26,14 +26,15 @@ import torch
 
 from lowprec.train.data import ShardedEpochs, split_documents
 from lowprec.train.data_files import read_rows
-from lowprec.train.prompts import IGNORE, PromptOptions, check_vocab, tokenize_row
+from lowprec.errors import did_you_mean
+from lowprec.train.prompts import IGNORE, PromptOptions, check_vocab, row_roles, tokenize_row
 from lowprec.checkpoint.serialization import load_error_reason
 from lowprec.train.packing import pack as pack_rows
 
 __all__ = ["ExampleSet", "ExampleBatches", "DataSource", "build_examples"]
 
 logger = logging.getLogger("lowprec")
-_FORMAT = 1  # bump when the saved layout or the tokenization rules change
+_FORMAT = 2  # bump when the saved layout or the tokenization rules change
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class DataSource:
     paths: tuple[str, ...]
     split: Optional[str]
     options: PromptOptions
+    entry: str = "datasets"  # its place in the config (``datasets.0``), for error messages
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,8 @@ def build_examples(
             rows += [(k, r, src.options) for k, r in read_rows(path, src.split)]
     if not rows:
         raise ValueError(f"data files {files} hold no rows")
+    for src in sources:
+        _check_roles_to_train(src, [(k, r) for k, r, opt in rows if opt is src.options])
     is_val = split_documents([k for k, _, _ in rows], val_fraction, seed) if val_fraction else [False] * len(rows)
     train: list[tuple[list[int], list[int]]] = []
     val: list[tuple[list[int], list[int]]] = []
@@ -141,6 +145,24 @@ def build_examples(
         _save(cache, out_train, out_val)
         logger.info("lowprec: dataset_prepared_path: tokenized data saved to %s", cache)
     return out_train, out_val
+
+
+def _check_roles_to_train(src: DataSource, rows: Sequence[tuple[str, dict]]) -> None:
+    """A chat dataset whose roles_to_train names no role of its data (after the roles mapping)
+    would train nothing: one line naming the key, the value and the data's roles."""
+    opt = src.options
+    if opt.type != "chat_template" or opt.train_on_inputs or not rows:
+        return
+    present: set[str] = set()
+    for k, row in rows:
+        present |= row_roles(row, opt, k)
+    if present and not present & set(opt.roles_to_train):
+        bad = opt.roles_to_train[0] if opt.roles_to_train else ""
+        raise ValueError(
+            f"{src.entry}.roles_to_train: {list(opt.roles_to_train)} names no role of the data (its roles after "
+            f"the roles mapping: {', '.join(sorted(present))}){did_you_mean(bad, present)}; list the roles to "
+            "learn, or map the data's role names with roles: {assistant: [<name>]}"
+        )
 
 
 def _chunks(ids: list[int], labels: list[int], n: int) -> list[tuple[list[int], list[int]]]:

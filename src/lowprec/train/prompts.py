@@ -11,15 +11,23 @@ chat_template   ``messages: [{role, content}]``             turns of ``roles_to_
 (none)          ``input_ids`` (+ ``labels``)                as given (pre-tokenized)
 ==============  ==========================================  ==================================
 
-Every type first becomes text segments ``[(text, trained)]``, each tokenized on its own and
-concatenated, so the mask follows segment boundaries exactly (Axolotl does the same for
-``input_output``; for alpaca it tokenizes the prompt alone to count its tokens, which is this).
+Every type first becomes text segments ``[(text, trained)]``. ``alpaca`` and ``chat_template``
+tokenize the whole text at once, as Axolotl does (prompt + response; the rendered conversation),
+so the ids are exactly the tokenizer's encoding of that text (a SentencePiece-style tokenizer
+adds no space token at a segment boundary); the fast tokenizer's character offsets then give each
+token its segment: the one holding the token's first non-whitespace character (``"▁how"`` after
+``"[/INST] "`` belongs to the answer ``"how"``), or, for a token of whitespace only, the one where
+it starts. The byte tokenizer and a tokenizer without offsets (a slow Hugging Face tokenizer,
+logged once) tokenize each segment on its own and concatenate (exact for the byte tokenizer).
+``input_output`` always tokenizes segment by segment (as Axolotl documents for it).
 ``train_on_inputs: true`` trains every token (the chat template's roles included).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 from lowprec.train.chat_templates import render_segments
@@ -28,6 +36,8 @@ __all__ = [
     "PromptOptions",
     "row_segments",
     "tokenize_row",
+    "row_type_hint",
+    "row_roles",
     "check_vocab",
     "ALPACA_PROMPT",
     "ALPACA_PROMPT_NO_INPUT",
@@ -35,6 +45,9 @@ __all__ = [
 ]
 
 IGNORE = -100
+logger = logging.getLogger("lowprec")
+_WHOLE_TEXT_TYPES = ("alpaca", "chat_template")  # tokenized as one text, masked by character offsets
+_NOTED_SLOW: set[str] = set()  # tokenizers already logged as tokenized per segment
 # the Stanford Alpaca prompt (as Axolotl's `type: alpaca` writes it)
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -71,9 +84,23 @@ class PromptOptions:
     eot_tokens: tuple[str, ...] = ()
 
 
+def row_type_hint(row: dict[str, Any]) -> str:
+    """``" (these look like alpaca rows: type: alpaca)"`` where the row's keys name a type, else ''."""
+    if "instruction" in row and "output" in row:
+        return " (these look like alpaca rows: type: alpaca)"
+    if "messages" in row or "conversations" in row:
+        return " (these look like chat rows: type: chat_template)"
+    return ""
+
+
 def _need(row: dict[str, Any], key: str, where: str, kind: str) -> Any:
     if key not in row:
-        raise ValueError(f"{where}: no {key!r} field (keys: {sorted(row)}); type: {kind} rows need it")
+        fix = (
+            f"set datasets[].field to the field that holds the text{row_type_hint(row)}"
+            if kind == "completion"
+            else f"type: {kind} rows need it"
+        )
+        raise ValueError(f"{where}: no {key!r} field (keys: {sorted(row)}); {fix}")
     return row[key]
 
 
@@ -119,6 +146,11 @@ def row_segments(row: dict[str, Any], opt: PromptOptions, where: str, tokenizer:
     raise ValueError(f"unknown dataset type {kind!r}")
 
 
+def row_roles(row: dict[str, Any], opt: PromptOptions, where: str) -> set[str]:
+    """The roles of a chat row's messages after the ``roles`` mapping."""
+    return {m["role"] for m in _messages(row, opt, where)}
+
+
 def _messages(row: dict[str, Any], opt: PromptOptions, where: str) -> list[dict[str, str]]:
     raw = row.get(opt.field_messages)
     if raw is None:
@@ -157,14 +189,58 @@ def tokenize_row(row: dict[str, Any], opt: PromptOptions, tokenizer: Any, where:
     if opt.type in ("completion", "alpaca") and tokenizer.bos_id is not None:
         ids.append(tokenizer.bos_id)
         labels.append(tokenizer.bos_id if opt.type == "completion" or opt.train_on_inputs else IGNORE)
-    for text, trained in row_segments(row, opt, where, tokenizer):
-        part = tokenizer.encode(text)
-        ids += part
-        labels += part if (trained or opt.train_on_inputs) else [IGNORE] * len(part)
+    segments = row_segments(row, opt, where, tokenizer)
+    whole = _encode_whole(segments, tokenizer) if opt.type in _WHOLE_TEXT_TYPES else None
+    if whole is None:
+        whole = _encode_each(segments, tokenizer)
+    for tok_id, trained in zip(*whole):
+        ids.append(tok_id)
+        labels.append(tok_id if (trained or opt.train_on_inputs) else IGNORE)
     if opt.type in ("completion", "alpaca"):  # the model learns to stop
         ids.append(tokenizer.eos_id)
         labels.append(tokenizer.eos_id)
     return ids, labels
+
+
+def _encode_each(segments: Sequence[tuple[str, bool]], tokenizer: Any) -> tuple[list[int], list[bool]]:
+    """Each segment tokenized on its own, concatenated: the mask follows segment boundaries."""
+    ids: list[int] = []
+    flags: list[bool] = []
+    for text, trained in segments:
+        part = tokenizer.encode(text)
+        ids += part
+        flags += [trained] * len(part)
+    return ids, flags
+
+
+def _encode_whole(segments: Sequence[tuple[str, bool]], tokenizer: Any) -> Optional[tuple[list[int], list[bool]]]:
+    """The joined text tokenized once, each token flagged by the segment of its first
+    non-whitespace character (whitespace-only tokens: where they start); None where the
+    tokenizer gives no offsets (the byte tokenizer, exact per segment; a slow HF tokenizer)."""
+    encode = getattr(tokenizer, "encode_with_offsets", None)
+    if encode is None or not segments:
+        return None
+    text = "".join(t for t, _ in segments)
+    got = encode(text)
+    if got is None:
+        if tokenizer.name not in _NOTED_SLOW:
+            _NOTED_SLOW.add(tokenizer.name)
+            logger.info(
+                "lowprec: note: %s is not a fast tokenizer (no character offsets), so prompt and response "
+                "are tokenized separately; a SentencePiece tokenizer may add a space token where they meet",
+                tokenizer.name,
+            )
+        return None
+    ids, offsets = got
+    ends: list[int] = []
+    for t, _ in segments:
+        ends.append((ends[-1] if ends else 0) + len(t))
+    flags = []
+    for start, end in offsets:
+        piece = text[start:end]
+        at = start + (len(piece) - len(piece.lstrip())) if piece.strip() else start
+        flags.append(segments[min(bisect.bisect_right(ends, at), len(segments) - 1)][1])
+    return list(ids), flags
 
 
 def check_vocab(ids: Sequence[int], vocab_size: int, where: str) -> Optional[str]:

@@ -180,6 +180,14 @@ class HFTokenizer:
         head = [self.bos_id] if bos and self.bos_id is not None else []
         return head + ids + [self.eos_id] * eos
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]] | None:
+        """``encode(text)`` with each token's ``(start, end)`` character span in ``text``; None
+        for a slow (Python) tokenizer, which has no offsets."""
+        if not getattr(self._tok, "is_fast", False):
+            return None
+        enc = self._tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [(int(a), int(b)) for a, b in enc["offset_mapping"]]
+
     def decode(self, ids: Iterable[int]) -> str:
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()

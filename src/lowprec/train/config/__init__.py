@@ -500,12 +500,28 @@ def _relative_to(base: Path, data: dict[str, Any]) -> dict[str, Any]:
         data["datasets"] = [
             fix(d)
             if isinstance(d, str)
-            else ({**d, "path": fix(d.get("path"))} if isinstance(d, dict) and "path" in d else d)
+            else (
+                {**d, "path": fix(d.get("path")), **_fixed_data_files(d, fix)}
+                if isinstance(d, dict) and "path" in d
+                else d
+            )
             for d in ds
         ]
     if isinstance(data.get("deepspeed"), str):
         data["deepspeed"] = fix(data["deepspeed"])
     return data
+
+
+def _fixed_data_files(entry: dict[str, Any], fix: Any) -> dict[str, Any]:
+    """``data_files`` (Axolotl's ``path: json`` form) found next to the config as ``path`` is."""
+    files = entry.get("data_files")
+    if isinstance(files, str):
+        return {"data_files": fix(files)}
+    if isinstance(files, list):
+        return {"data_files": [fix(f) for f in files]}
+    if isinstance(files, dict):
+        return {"data_files": {k: [fix(f) for f in v] if isinstance(v, list) else fix(v) for k, v in files.items()}}
+    return {}
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from lowprec.train.config.base import StrictModel
 from lowprec.errors import did_you_mean
@@ -17,6 +18,8 @@ __all__ = ["DatasetSpec", "DataKeys", "SpecialTokens", "DATASET_TYPES"]
 
 
 DATASET_TYPES = ("completion", "alpaca", "input_output", "chat_template")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles templates know; others pass through as named
+_EOS_CHOICES = ("turn", "all", "none", "last")
 
 
 def _checked_template(v: Optional[str]) -> Optional[str]:
@@ -104,6 +107,38 @@ class DatasetSpec(StrictModel):
     def _jinja(cls, v: Optional[str]) -> Optional[str]:
         return _checked_template(v)
 
+    @field_validator("roles")
+    @classmethod
+    def _roles(cls, v: Optional[dict[str, list[str]]]) -> Optional[dict[str, list[str]]]:
+        """A mapping target that is a near miss of a template role (``asistant``) is a typo."""
+        for role in v or {}:
+            hint = did_you_mean(role, CHAT_ROLES)
+            if role not in CHAT_ROLES and hint:
+                raise ValueError(
+                    f"{role!r} is not a chat role{hint}; map the data's role names to {', '.join(CHAT_ROLES)}"
+                )
+        return v
+
+    @field_validator("roles_to_train")
+    @classmethod
+    def _roles_to_train(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        """Roles after the ``roles:`` mapping; a near miss of a known one (``asistant``) is a typo."""
+        known = dict.fromkeys([*CHAT_ROLES, *(info.data.get("roles") or {})])
+        for role in v:
+            hint = did_you_mean(role, known)
+            if role not in known and hint:
+                raise ValueError(
+                    f"{role!r} is not a role after the roles mapping{hint}; list roles of {', '.join(known)}"
+                )
+        return v
+
+    @field_validator("train_on_eos", mode="before")
+    @classmethod
+    def _eos(cls, v: Any) -> Any:
+        if isinstance(v, str) and v not in _EOS_CHOICES:
+            raise ValueError(f"{v!r} is not one of {', '.join(_EOS_CHOICES)}{did_you_mean(v, _EOS_CHOICES)}")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self) -> "DatasetSpec":
         if self.ds_type is not None and not self.path.startswith("builtin:"):
@@ -133,6 +168,37 @@ class SpecialTokens(StrictModel):
     pad_token: Optional[str] = None
     unk_token: Optional[str] = None
     additional_special_tokens: Optional[list[str]] = None
+
+
+# Hugging Face `datasets` builders that read local files: {path: json, data_files: a.jsonl} (Axolotl's
+# local-file form) is the file a.jsonl, read as lowprec reads any local file; the value is its ds_type
+_LOCAL_BUILDERS = {"json": "json", "csv": "csv", "parquet": "parquet", "arrow": "arrow", "text": None}
+
+
+def _local_builder_entries(entry: Any) -> list[Any]:
+    """``{path: json, data_files: [a.jsonl, b.jsonl]}`` -> ``[{path: a.jsonl}, {path: b.jsonl}]``
+    (globs expanded, a ``{split: files}`` mapping read at ``split``, default train); other entries as given."""
+    if not isinstance(entry, dict) or entry.get("path") not in _LOCAL_BUILDERS or entry.get("data_files") is None:
+        return [entry]
+    builder, files = entry["path"], entry["data_files"]
+    rest = {k: v for k, v in entry.items() if k not in ("path", "data_files")}
+    if isinstance(files, dict):
+        split = rest.pop("split", None) or "train"
+        if split not in files:
+            raise ValueError(
+                f"path: {builder} with data_files {sorted(files)} has no {split!r} split; set split: to one "
+                "of them, or write path: <the file>"
+            )
+        files = files[split]
+    names = [files] if isinstance(files, str) else files
+    if not isinstance(names, list) or not names or not all(isinstance(f, str) for f in names):
+        raise ValueError(
+            f"path: {builder}: data_files must name local files (a path or a list); write path: <the file>"
+        )
+    if _LOCAL_BUILDERS[builder] and rest.get("ds_type") is None:
+        rest["ds_type"] = _LOCAL_BUILDERS[builder]
+    found = [g for f in names for g in (sorted(glob.glob(f)) if glob.has_magic(f) else [f])]
+    return [{"path": f, **rest} for f in found or names]
 
 
 class DataKeys(StrictModel):
@@ -190,7 +256,7 @@ class DataKeys(StrictModel):
         if isinstance(v, str):
             v = [v]
         if isinstance(v, list):
-            return [{"path": d} if isinstance(d, str) else d for d in v]
+            return [e for d in v for e in _local_builder_entries({"path": d} if isinstance(d, str) else d)]
         return v
 
     @field_validator("chat_template_jinja")
