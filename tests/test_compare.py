@@ -211,6 +211,8 @@ def test_cli_parsing_and_usage_errors(tmp_path, capsys):
         (["--precisions", "bf16,fp9"], "unknown precision 'fp9'"),
         (["--baseline", "fp32", "--precisions", "bf16,fp8"], "--baseline fp32"),
         (["--compare", "{seedz: 2}"], "unknown key 'compare.seedz' (did you mean 'seeds'?)"),
+        (["--tensor_parallel_size", "2"], "tensor_parallel_size: 2: that needs several processes per run"),
+        (["--deepspeed", "{zero_optimization: {stage: 2}}"], "deepspeed: set: that needs several processes"),
     ):
         assert main(["compare", TINY, "--compare_dir", str(tmp_path), *argv]) == 2, argv
         err = capsys.readouterr().err

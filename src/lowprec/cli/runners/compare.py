@@ -63,8 +63,29 @@ def _int_flag(name: str, text: str) -> int:
         raise ValueError(f"{name} {text}: give a whole number or auto") from None
 
 
+def check_one_process(cfg: Any) -> None:
+    """compare runs every arm as one process (in parallel workers); a config that needs several
+    processes per run is refused here, not inside each run with a flag compare does not take."""
+    needs = [
+        f"{key}: {value}"
+        for key, value, several in (
+            ("deepspeed", "set", cfg.deepspeed is not None),
+            ("tensor_parallel_size", cfg.tensor_parallel_size, cfg.tensor_parallel_size > 1),
+            ("ep_size", cfg.ep_size, cfg.ep_size > 1),
+        )
+        if several
+    ]
+    if needs:
+        raise ValueError(
+            f"{', '.join(needs)}: that needs several processes per run, and lowprec compare runs each run "
+            "as one process; compare without it (e.g. --ep_size 1), or train each precision with "
+            "lowprec train --num_processes N and compare their metrics"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, overrides_from_args(args))
+    check_one_process(cfg)
     spec = compare_settings(args, cfg)
     report, out = compare(
         cfg,
