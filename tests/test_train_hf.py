@@ -539,3 +539,25 @@ def test_a_lora_run_exports_its_adapter_merged_to_fp8(tiny_llama, tmp_path):
         err, moved = float((got - adapted).norm()), float((plain - adapted).norm())
         assert err < 0.05 * float(adapted.norm()), name  # FP8 weights (and merged/'s bf16 rounding)
         assert err < moved, name  # closer to the adapted model than the base is: the adapter is in
+
+
+def test_fp8_where_no_layer_converts_says_so_in_trainer_terms(tmp_path, capsys, caplog):
+    """hidden_size 40 (not a multiple of 16): fp8: true converts nothing. The warning names no
+    Python API the YAML cannot reach (NativeRecipeKwargs) and the summary does not say "(fp8)"
+    as if FP8 had run."""
+    import logging
+
+    from lowprec.cli.main import main
+
+    base = _maker().main([str(tmp_path / "m40"), "--hidden", "40", "--pretrain_steps", "0"])
+    argv = ["train", "--base_model", base, "--output_dir", str(tmp_path / "run"), "--max_steps", "1"]
+    argv += ["--datasets", NOTES]
+    for key, value in FAST.items():
+        argv += [f"--{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    with caplog.at_level(logging.WARNING):
+        assert main(argv) == 0
+    out, err = capsys.readouterr()
+    said = [r.getMessage() for r in caplog.records] + err.splitlines()
+    warned = " ".join(line for line in said if "converted no layer" in line)
+    assert warned and "NativeRecipeKwargs" not in warned and "first and last Linear" in warned, warned
+    assert "1 steps (fp8 (no layer converted))" in out, out

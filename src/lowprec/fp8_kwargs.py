@@ -250,6 +250,9 @@ class NativeRecipeKwargs(RecipeKwargs):
     module_filter_func: Optional[Callable] = None
     skip_first_last: bool = True
     skip_patterns: tuple = ("lm_head", "router", "gate")
+    # the fix named when no layer converts (None: this class's skip_first_last field); a caller
+    # with its own settings (lowprec train) names those instead
+    nothing_converted_hint: Optional[str] = None
     use_autocast_during_eval: Optional[bool] = _setting("fp8_use_autocast_during_eval")
     # off unless asked for on the native engine (torchao's handler defaults it on): it changes
     # what FSDP2 gathers and needs the tensorwise recipe, so it is never switched on silently

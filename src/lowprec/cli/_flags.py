@@ -27,8 +27,20 @@ __all__ = [
 ]
 
 
+# short spellings users type for a long flag, which no string distance finds
+_FLAG_ALIASES = {"--lr": "--learning_rate", "--bs": "--micro_batch_size", "--steps": "--max_steps"}
+
+
 class LowprecArgumentParser(argparse.ArgumentParser):
-    """argparse with a "did you mean" for unknown flags (exit code 2, as argparse)."""
+    """argparse with a "did you mean" for unknown flags, one line on stderr, exit code 2.
+
+    Prefix matching is off (``allow_abbrev=False``, also for every subcommand's parser, which
+    argparse builds with this class): ``--learning_rat 0.5`` is an unknown flag with a hint, as
+    the same misspelling in YAML is, not a silent ``--learning_rate 0.5``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> Any:  # type: ignore[override]
         prefix = "unrecognized arguments: "
@@ -36,13 +48,15 @@ class LowprecArgumentParser(argparse.ArgumentParser):
             known = [s for s in self._option_string_actions if s.startswith("--")]
             words = message[len(prefix) :].split()
             hints = [f"{w}{_close_flag(w.split('=')[0], known)}" for w in words if w.startswith("-")] or words
-            message = f"unknown argument(s): {', '.join(hints)}"
-        super().error(message)
+            message = f"unknown argument(s): {', '.join(hints)}; see {self.prog} --help"
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _close_flag(word: str, known: list[str]) -> str:
     """`` (did you mean '--x'?)`` for a close option only, never one that means the opposite
     (``--use_gpu`` is not ``--use_cpu``)."""
+    if _FLAG_ALIASES.get(word) in known:
+        return f" (did you mean {_FLAG_ALIASES[word]!r}?)"
     norm = lambda flag: flag.replace("-", "_")  # noqa: E731 - --use-cpu is --use_cpu
     swapped = {norm(word).replace("gpu", "cpu"), norm(word).replace("cpu", "gpu")} - {norm(word)}
     candidates = [k for k in difflib.get_close_matches(word, known, n=3, cutoff=0.75) if norm(k) not in swapped]

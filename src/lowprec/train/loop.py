@@ -49,6 +49,7 @@ class Run:
     writer: MetricsWriter = field(init=False)  # opened by the trainer once a resume has cut metrics.jsonl back
     fp8_layers: bool
     main: bool
+    fp8_nothing_converted: bool = False  # fp8: true on lowprec's engine, and no layer converted
     model_config: Any = None
     tokenizer: Any = None  # saved next to a Hugging Face model's export
     on_log: Optional[Callable[[dict], None]] = None

@@ -84,6 +84,8 @@ class RunResult:
     train_losses: list = field(default_factory=list)  # (step, loss) per logging window
     eval_losses: list = field(default_factory=list)  # (step, loss)
     files: dict = field(default_factory=dict)
+    # fp8: true where no layer converted (the run trained in high precision; warned at convert)
+    fp8_nothing_converted: bool = False
 
 
 class Interrupted(KeyboardInterrupt):
@@ -197,6 +199,8 @@ def _accelerator(cfg: TrainConfig, plan: RunPlan):
                 recipe=recipe.name,
                 overrides=recipe.overrides,
                 skip_patterns=tuple(DEFAULT_SKIP_PATTERNS) + tuple(cfg.fp8_filter),
+                # the trainer always keeps the first and last Linear in high precision (no key)
+                nothing_converted_hint="lowprec train keeps the first and last Linear in high precision; ",
                 enable_fsdp_float8_all_gather=cfg.fp8_enable_fsdp_float8_all_gather,
                 force_recompute_fp8_weight_in_bwd=None
                 if cfg.fp8_force_recompute_fp8_weight_in_bwd == "auto"
@@ -416,6 +420,7 @@ def _build(
 
     # telemetry reads lowprec's own Float8Linear; torchao's layers (fp8_backend: torchao) have none
     fp8_layers = bool(cfg.fp8) and acc.fp8_enabled and has_fp8_layers(inner)
+    native = bool(cfg.fp8) and trainer_backends().get(cfg.fp8_backend) is None
     return Run(
         cfg=cfg,
         acc=acc,
@@ -430,6 +435,7 @@ def _build(
         val_loader=val_loader,
         state=state,
         fp8_layers=fp8_layers,
+        fp8_nothing_converted=native and not fp8_layers,
         main=acc.is_main_process,
         model_config=model_config,
         eval_every=decisions["eval_steps"].value if "eval_steps" in decisions else cfg.eval_steps,
@@ -538,6 +544,7 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
     result = RunResult(
         output_dir=output_dir,
         precision=plan.label,
+        fp8_nothing_converted=run.fp8_nothing_converted,
         steps=state.step,
         final_train_loss=loop.last_train
         if loop.last_train is not None

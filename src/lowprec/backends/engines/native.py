@@ -40,6 +40,7 @@ class NativeBackend(BaseBackend):
         skip_first_last: bool = True,
         skip_patterns: tuple = ("lm_head", "router", "gate"),
         fsdp_float8_all_gather: bool = False,
+        nothing_converted_hint: Optional[str] = None,
     ) -> None:
         self.recipe = recipe
         self.name = name
@@ -48,6 +49,7 @@ class NativeBackend(BaseBackend):
         self.module_filter = module_filter
         self.skip_first_last = skip_first_last
         self.skip_patterns = tuple(skip_patterns)
+        self.nothing_converted_hint = nothing_converted_hint
         self.report: Any = None
         if fsdp_float8_all_gather:
             check_fsdp_fp8_all_gather(recipe.name, recipe.scaling)
@@ -82,7 +84,9 @@ class NativeBackend(BaseBackend):
             self.report.skipped,
             self.engine,
             (
-                "To convert the first and last Linear too: NativeRecipeKwargs(skip_first_last=False); "
+                self.nothing_converted_hint
+                if self.nothing_converted_hint is not None
+                else "To convert the first and last Linear too: NativeRecipeKwargs(skip_first_last=False); "
                 if self.skip_first_last
                 else ""
             )
@@ -174,4 +178,5 @@ def create(handler: NativeRecipeKwargs, why: str) -> NativeBackend:
         skip_patterns=handler.skip_patterns,
         # _resolve_fields (the handler's __post_init__) filled it: a bool, never None
         fsdp_float8_all_gather=cast(bool, handler.enable_fsdp_float8_all_gather),
+        nothing_converted_hint=handler.nothing_converted_hint,
     )

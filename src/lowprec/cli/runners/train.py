@@ -215,8 +215,9 @@ def run(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         ev = "n/a" if result.final_eval_loss is None else f"{result.final_eval_loss:.4f}"
         tr = "n/a" if result.final_train_loss is None else f"{result.final_train_loss:.4f}"
+        precision = result.precision + (" (no layer converted)" if result.fp8_nothing_converted else "")
         print(
-            f"lowprec train: {result.steps} steps ({result.precision}), final train loss {tr}, "
+            f"lowprec train: {result.steps} steps ({precision}), final train loss {tr}, "
             f"validation loss {ev}, {result.tokens_per_s:.0f} tokens/s, {result.wall_s:.1f} s; "
             f"outputs in {result.output_dir}"
         )
