@@ -42,6 +42,12 @@ REFUSED = [
     ("sequence_len", "16", "32", "16"),
     ("seed", "8", "7", "8"),
     ("datasets", "CORPUS", None, None),  # a local text file (written by the test)
+    ("val_set_size", "0.2", None, None),
+    ("dataset_max_bytes", "50000", None, None),
+    ("train_on_inputs", "true", "false", "true"),
+    ("pad_to_sequence_len", "true", None, None),
+    ("chat_template", "chatml", None, None),
+    ("eot_tokens", "[x]", None, None),
 ]
 # (key, flags, saved value as printed, new value as printed)
 APPLIED = [
@@ -56,7 +62,7 @@ APPLIED = [
     ("max_grad_norm", ["--max_grad_norm", "0.5"], "1.0", "0.5"),
 ]
 # noted, not refused: the same run on other arithmetic (test_other_arithmetic_is_noted_once)
-NOTED = {"torch", "cpu_fp8_gemm"}
+NOTED = {"torch", "cpu_fp8_gemm", "bf16"}
 # the LoRA keys need a Hugging Face base model: their rows live with the adapter tests' models
 NOT_HERE = {
     "model",
@@ -66,6 +72,12 @@ NOT_HERE = {
     "lora_target_modules",
     "lora_target_linear",
     "lora_modules_to_save",
+    # a Hugging Face tokenizer's settings (the built-in byte tokenizer has no template or added tokens),
+    # and packing, which needs typed local datasets (the built-in corpus is plain text)
+    "chat_template_jinja",
+    "sample_packing",
+    "special_tokens",
+    "tokens",
 }
 
 

@@ -59,6 +59,17 @@ RULES: dict[str, tuple[str, str]] = {
     "micro_batch_size": (REFUSE, "its data position counts batches of that size"),
     "sequence_len": (REFUSE, "its data position counts sequences of that length"),
     "seed": (REFUSE, "its data position is a place in the order that seed shuffles"),
+    # what the example stream is made of: another value makes other examples (or other tokens)
+    "val_set_size": (REFUSE, "its data position is a place among the examples that split leaves for training"),
+    "dataset_max_bytes": (REFUSE, "its data position is a place in the corpus that cap reads"),
+    "sample_packing": (REFUSE, "its data position counts batches packed (or not) that way"),
+    "pad_to_sequence_len": (REFUSE, "its data position counts batches padded (or not) that way"),
+    "chat_template": (REFUSE, "its examples are the conversations rendered with that template"),
+    "chat_template_jinja": (REFUSE, "its examples are the conversations rendered with that template"),
+    "train_on_inputs": (REFUSE, "its examples are those with a token to learn under that mask"),
+    "special_tokens": (REFUSE, "the tokenizer and the embeddings trained with those tokens"),
+    "tokens": (REFUSE, "the tokenizer and the embeddings trained with those tokens"),
+    "eot_tokens": (REFUSE, "its examples' loss masks end turns at those tokens"),
     # applied: the weights, optimizer state and data position stay meaningful
     "learning_rate": (APPLY, "the schedule continues at this step with the new peak rate"),
     "weight_decay": (APPLY, "the optimizer uses it from the next step"),
@@ -73,6 +84,7 @@ RULES: dict[str, tuple[str, str]] = {
     "max_grad_norm": (APPLY, "gradients are clipped to it from the next step"),
     # noted: the same run on other arithmetic
     "torch": (NOTE, "torch's kernels may round differently"),
+    "bf16": (NOTE, "the layers outside FP8 compute in another dtype"),
     "cpu_fp8_gemm": (NOTE, "the two CPU FP8 GEMM kernels sum in different orders (LOWPREC_CPU_FP8_GEMM chooses one)"),
 }
 _LORA = ("adapter", "lora_r", "lora_alpha", "lora_target_modules", "lora_target_linear", "lora_modules_to_save")
@@ -118,6 +130,17 @@ def settings_of(cfg: Any, plan: Any, model_config: Optional[dict], total: int, w
         "lr_scheduler",
         "gradient_accumulation_steps",
         "max_grad_norm",
+        "val_set_size",
+        "dataset_max_bytes",
+        "sample_packing",
+        "pad_to_sequence_len",
+        "chat_template",
+        "chat_template_jinja",
+        "train_on_inputs",
+        "special_tokens",
+        "tokens",
+        "eot_tokens",
+        "bf16",
     ):
         out[key] = y.get(key)
     return _plain(out)
