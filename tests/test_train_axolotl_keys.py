@@ -278,3 +278,29 @@ def test_local_files_through_the_hf_json_builder_load_as_local_files(tmp_path):
         parse_config({"datasets": [{"path": "org/name", "data_files": "a.jsonl"}]})  # the Hub: one prefix
     with pytest.raises(ValueError, match=r"path: json with data_files \['test'\] has no 'train' split; set split"):
         parse_config({"datasets": [{"path": "json", "data_files": {"test": "a.jsonl"}}]})
+
+
+def test_defaults_that_are_not_axolotls_are_named_for_a_hugging_face_model(tmp_path):
+    """A Hugging Face run whose config leaves out keys where lowprec's default is not Axolotl's
+    resolves one setting naming each, with Axolotl's value; a config that sets them, or a
+    built-in model (lowprec's own defaults are for those), resolves none."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lowprec.train.resolve import resolve
+
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, num_key_value_heads=1, **shape)).save_pretrained(tmp_path / "m")
+    model = {"base_model": str(tmp_path / "m"), "tokenizer": "byte"}
+    said = resolve(parse_config({**model, "sequence_len": 64})).decisions["defaults"].value
+    for part in (
+        "val_set_size 0.03 (Axolotl: 0.0)",
+        "micro_batch_size 8 (Axolotl: 1)",
+        "adam_beta2 0.95",
+        "one per epoch",
+    ):
+        assert part in said, said
+    assert "sequence_len" not in said  # set in the config
+    axolotl = {"val_set_size": 0.0, "sequence_len": 512, "micro_batch_size": 1, "adam_beta2": 0.999}
+    every = {**axolotl, "save_total_limit": None, "saves_per_epoch": 1}
+    assert "defaults" not in resolve(parse_config({**model, **every})).decisions
+    assert "defaults" not in resolve(parse_config({"base_model": "builtin:llama-tiny"})).decisions

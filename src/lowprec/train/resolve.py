@@ -18,6 +18,7 @@ import torch
 
 from lowprec.decision import Decision
 from lowprec.state import fp8_capability_decision
+from lowprec.train.axolotl_defaults import differing_defaults
 from lowprec.train.config import TrainConfig
 from lowprec.train.hf_model import tokenizer_choice
 from lowprec.train.adapters import check_adapter_backend
@@ -173,6 +174,11 @@ def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: i
         d["use_tensorboard"] = Decision(has, "tensorboard installed" if has else "tensorboard not installed")
     else:
         d["use_tensorboard"] = Decision(bool(cfg.use_tensorboard), "from the config")
+    differ = differing_defaults(cfg)
+    if differ is not None:  # an Axolotl config trains otherwise where it leaves these out: say which
+        d["defaults"] = Decision(
+            differ, "not set in the config, and lowprec's default is not Axolotl's: set them to train as Axolotl"
+        )
     if cfg.cpu_threads is not None:
         d["cpu_threads"] = Decision(cfg.cpu_threads, "cpu_threads from the config")
     else:
