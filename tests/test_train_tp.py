@@ -11,7 +11,9 @@ are compared in test_tensor_parallel_fp8.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -38,6 +40,50 @@ RUN = {
 def test_tensor_parallel_size_needs_tensorwise_fp8():
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 .*fp8_recipe: tensorwise"):
         parse_config({"tensor_parallel_size": 2, "fp8": True, "fp8_recipe": "rowwise"})
+
+
+@pytest.mark.parametrize("tp, bad", [(4, "2 key/value heads"), (3, "4 attention heads and 2 key/value heads")])
+def test_a_tensor_parallel_size_that_does_not_split_the_heads_is_one_line_before_any_worker(tmp_path, tp, bad):
+    """builtin:llama-tiny has 4 attention heads and 2 key/value heads: --num_processes 4
+    --tensor_parallel_size 4 (or 3 and 3) crashed in every worker (``shape '[4, 32, -1, 32]' is
+    invalid``, exit 1, advising a resume); now one line naming the setting and the sizes that
+    fit, exit 2, before any worker starts."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowprec.cli.main", "train", TINY, "--num_processes", str(tp)]
+        + ["--tensor_parallel_size", str(tp), "--output_dir", str(out)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")},
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"lowprec: error: tensor_parallel_size: {tp} does not divide builtin:llama-tiny's {bad} (each process "
+        f"takes 1/{tp} of them; the model has 4 attention heads, 2 key/value heads, 384 MLP units): set "
+        "tensor_parallel_size to 2, or shard with fsdp_version: 2 instead"
+    ]
+    assert not out.exists()  # nothing started
+
+
+def test_a_hugging_face_models_heads_are_read_from_its_config_json(tmp_path):
+    from lowprec.train.tp_dims import check_tensor_parallel_dims
+
+    conf = {"num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 1536}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    check_tensor_parallel_dims(str(tmp_path), 4)  # 12, 4 and 1536 all split in 4
+    with pytest.raises(
+        ValueError,
+        match=r"^tensor_parallel_size: 8 does not divide .*'s 12 attention heads and 4 "
+        r"key/value heads .*: set tensor_parallel_size to 2 or 4, or shard",
+    ):
+        check_tensor_parallel_dims(str(tmp_path), 8)
+    nested = {"text_config": {"num_attention_heads": 6, "intermediate_size": 1536}}  # a multimodal model's
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    with pytest.raises(
+        ValueError, match=r"6 key/value heads \(each process takes 1/4 .*: set tensor_parallel_size to 2 or 3 or 6,"
+    ):
+        check_tensor_parallel_dims(str(tmp_path), 4)
 
 
 def test_tensor_parallel_training_follows_one_process(tmp_path):
