@@ -86,6 +86,30 @@ def test_a_hugging_face_models_heads_are_read_from_its_config_json(tmp_path):
         check_tensor_parallel_dims(str(tmp_path), 4)
 
 
+def test_the_resolved_distribution_names_tensor_parallelism():
+    """The run's ``distributed`` line and the Accelerator's ``distributed_type`` reason said
+    ``DDP (2 processes)`` / ``DistributedDataParallel`` under --tensor_parallel_size 2, and
+    ``FSDP2 (4 processes...)`` under TP 2 x FSDP2: they now name tensor parallelism."""
+    from lowprec.state import DistributedEnv, DistributedType, _resolve_distributed
+    from lowprec.train.resolve import Capabilities, resolve
+
+    cpu = Capabilities(cuda_capability=None, packages=frozenset())
+    tp = parse_config({"tensor_parallel_size": 2, "fp8": True, "fp8_recipe": "tensorwise"})
+    assert resolve(tp, cpu, world_size=2).decisions["distributed"].value == "TP"
+    both = resolve(tp.model_copy(update={"fsdp_version": 2}), cpu, world_size=4).decisions["distributed"]
+    assert (both.value, both.reason) == (
+        "TP x FSDP2",
+        "4 processes, tensor_parallel_size: 2 x 2 FSDP2 shards, fsdp_version: 2",
+    )
+    assert resolve(parse_config({}), cpu, world_size=2).decisions["distributed"].value == "DDP"
+    decision, _, _ = _resolve_distributed(DistributedEnv(world_size=2), None, None, tp=2)
+    assert (
+        decision.value == DistributedType.MULTI_CPU and decision.reason == "WORLD_SIZE=2: tensor parallelism, tp_size=2"
+    )
+    decision, _, _ = _resolve_distributed(DistributedEnv(world_size=2), None, None)
+    assert decision.reason == "WORLD_SIZE=2: DistributedDataParallel"
+
+
 def test_tensor_parallel_training_follows_one_process(tmp_path):
     out = tmp_path / "tp"
     flags = [f"--{k}={'null' if v is None else v}" for k, v in RUN.items()]
