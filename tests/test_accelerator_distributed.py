@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -177,3 +178,57 @@ def test_distributed_path(tmp_path, mode, dtype):
 
     keys = set(load_file(str(tmp_path / "plain" / "model.safetensors")))
     assert keys == {f"{i}.{k}" for i in (0, 2, 4) for k in ("weight", "bias")}
+
+
+ONE_PROCESS_DS = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+    from lowprec import Accelerator
+
+    acc = Accelerator()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dl = DataLoader(TensorDataset(torch.randn(32, 16), torch.randn(32, 16)), batch_size=8)
+    model, opt, dl = acc.prepare(model, opt, dl)
+    losses = []
+    for xb, yb in dl:
+        loss = nn.functional.mse_loss(model(xb).float(), yb)
+        acc.backward(loss); opt.step(); opt.zero_grad()
+        losses.append(loss.item())
+    report = {"distributed_type": str(acc.distributed_type), "num_processes": acc.num_processes,
+              "zero_stage": model.zero_optimization_stage(), "losses": losses}
+    with open(sys.argv[1], "w") as f:
+        json.dump(report, f)
+    acc.end_training()
+    """
+)
+
+
+@pytest.mark.skipif(not has_deepspeed(), reason="DeepSpeed is an optional extra")
+def test_lowprec_launch_runs_deepspeed_on_one_process(tmp_path):
+    """``lowprec launch --mixed_precision fp8 --use_deepspeed --zero_stage 2 script.py`` without
+    --num_processes ended in DeepSpeed's ``AssertionError: DeepSpeed requires the LOCAL_RANK
+    environment variable``, exit 1: the launch now exports what torchrun would for one process
+    (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, a free MASTER_PORT) and the
+    script trains under ZeRO-2 on one process."""
+    script = tmp_path / "one.py"
+    script.write_text(ONE_PROCESS_DS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
+    env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env.update(PYTHONPATH=src, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", LOWPREC_CONFIG_HOME=str(tmp_path / "home"))
+    launch = [sys.executable, "-m", "lowprec.cli.main", "launch", "--mixed_precision", "fp8", "--use_deepspeed"]
+    launch += ["--zero_stage", "2"]
+    proc = subprocess.run([*launch, str(script), str(tmp_path / "r.json")], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["distributed_type"].endswith("DEEPSPEED") and report["num_processes"] == 1
+    assert report["zero_stage"] == 2 and len(report["losses"]) == 4
+    dry = subprocess.run([*launch, "--dry_run", str(script)], env=env, capture_output=True, text=True).stdout
+    for line in ("RANK=0", "LOCAL_RANK=0", "WORLD_SIZE=1", "LOCAL_WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1"):
+        assert f"export {line}\n" in dry, dry
+    assert "export MASTER_PORT=" in dry

@@ -128,3 +128,24 @@ def test_a_config_that_switches_deepspeeds_check_off_is_an_error(ds_env):
     model = nn.Linear(DIM, DIM)
     with pytest.raises(ValueError, match="bf16.check_grad_overflow=false.*skip_nonfinite_steps=False"):
         acc.prepare(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_a_zero3_checkpoint_loaded_without_deepspeed_is_one_line(ds_env, tmp_path):
+    """load_state of a ZeRO-3 checkpoint into an Accelerator without DeepSpeed said
+    'checkpoint file .../model_0.safetensors is missing; the checkpoint is incomplete' on each
+    rank; it now says the checkpoint was saved under DeepSpeed and how to resume it. A
+    checkpoint saved without DeepSpeed loaded under it is named the same way."""
+    from lowprec.errors import CheckpointError
+
+    acc, model, opt = _setup(3, "bf16")
+    _step(acc, model, opt)
+    acc.save_state(str(tmp_path / "zero3"))
+    plain = Accelerator(mixed_precision="bf16")
+    torch.manual_seed(0)
+    net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(DIM, DIM), nn.ReLU())][:-1])
+    net, popt = plain.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    with pytest.raises(CheckpointError, match=r"zero3 was saved under DeepSpeed \(.*deepspeed_0/.*\): resume it with"):
+        plain.load_state(str(tmp_path / "zero3"))
+    plain.save_state(str(tmp_path / "plain"))
+    with pytest.raises(CheckpointError, match=r"plain was saved without DeepSpeed .*: resume it without DeepSpeed$"):
+        acc.load_state(str(tmp_path / "plain"))

@@ -249,8 +249,11 @@ def test_a_data_position_on_another_process_count(tmp_path):
         "takes 4 sequences (it took 8): gradient_accumulation_steps 2 keeps 8"
     )
     (tmp_path / "deepspeed_0").mkdir()
+    ds = parse_config({"base_model": "builtin:moe-tiny", "micro_batch_size": 4, "deepspeed": {"zero_optimization": {}}})
     with pytest.raises(ValueError, match="under DeepSpeed, .* resume with --num_processes 2$"):
-        check_process_count(str(tmp_path), 1, cfg)
+        check_process_count(str(tmp_path), 1, ds)
+    with pytest.raises(ValueError, match=r"saved under DeepSpeed .*: resume it with the deepspeed settings that saved"):
+        check_process_count(str(tmp_path), 1, cfg)  # and without deepspeed
 
 
 def _hf_moe(tmp_path):
@@ -316,3 +319,32 @@ def test_lora_on_attention_with_expert_parallel_experts(tmp_path):
         plain_base = transformers.AutoModelForCausalLM.from_pretrained(base).eval()(ids).logits
     assert (adapted - merged).abs().mean() < 0.05 * adapted.abs().mean()  # merged == base + adapter
     assert (adapted - plain_base).abs().mean() > 10 * (adapted - merged).abs().mean()  # ... which learned
+
+
+def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_one_line_before_any_worker(tmp_path):
+    """A ZeRO-3 checkpoint (deepspeed_0/, no model_0.safetensors) resumed without deepspeed on the
+    same process count failed in every rank with 'checkpoint file .../model_0.safetensors is
+    missing; the checkpoint is incomplete'; now one line before any worker starts, exit 2."""
+    import json
+
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    (ckpt / "deepspeed_0").mkdir(parents=True)
+    meta = {"mixed_precision": "fp8", "fp8_backend": "native", "num_processes": 2}
+    (ckpt / "lowprec_state.json").write_text(json.dumps(meta))
+    tiny = os.path.join(ROOT, "examples", "tiny.yaml")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowprec.cli.main", "train", tiny, "--num_processes", "2"]
+        + ["--output_dir", str(out), "--resume_from_checkpoint", str(ckpt)],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"lowprec: error: resume_from_checkpoint: {ckpt} was saved under DeepSpeed (its model and optimizer are "
+        "DeepSpeed's files in deepspeed_0/, not model_0.safetensors): resume it with the deepspeed settings that "
+        "saved it, on 2 processes (--num_processes 2)"
+    ]
+    assert not out.exists()  # nothing started

@@ -47,7 +47,7 @@ from lowprec.utils.operations import gather, gather_object, has_tensor, pad_acro
 from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler
 from lowprec.utils.modeling import extract_model_from_parallel
 from lowprec.utils.precision import autocast_context
-from lowprec.utils.parallelism import ParallelismMixin, for_accelerator
+from lowprec.utils.parallelism import ParallelismMixin, for_accelerator, tp_size_of
 from lowprec.utils.process_control import ProcessControlMixin
 from lowprec.utils.settings import SettingsMixin
 from lowprec.utils.distributed import full_model_state_dict
@@ -116,6 +116,7 @@ class Accelerator(
             deepspeed_plugin=deepspeed_plugin,
             init_kwargs=self.handlers.get(InitProcessGroupKwargs),
             fp8_hardware=fp8_hardware,
+            tp_size=tp_size_of(parallelism_config),  # named in the distributed_type decision
         )
         self.fp8_settings, self.backend = self._resolve_fp8(recipe_handler)
         self.parallelism_config = for_accelerator(parallelism_config, self.num_processes, self.distributed_type)

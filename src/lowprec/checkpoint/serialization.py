@@ -43,6 +43,7 @@ __all__ = [
     "load_pickle",
     "read_checked",
     "check_deepspeed_dir",
+    "deepspeed_mismatch",
     "LEGACY_ALLOWED",
     "DEEPSPEED_ALLOWED",
     "OBJECT_KEY",
@@ -217,6 +218,23 @@ def check_deepspeed_dir(directory: str) -> None:
             if name == "latest" or name.endswith(".py"):  # a text tag and helper scripts DeepSpeed copies
                 continue
             read_checked(os.path.join(root, name), _check_globals)
+
+
+def deepspeed_mismatch(checkpoint: str, saved_under_ds: bool, prefix: str, setting: str, processes: int) -> str:
+    """The line for a checkpoint saved with DeepSpeed resumed without it, or the other way round:
+    DeepSpeed writes its own partitioned model and optimizer files (``deepspeed_<i>/``) instead
+    of ``model_<i>.safetensors`` and ``optimizer_<i>``, and neither loader reads the other's.
+    ``processes``: the saved run's process count (DeepSpeed's files load on that count only)."""
+    if saved_under_ds:
+        return (
+            f"{prefix}{checkpoint} was saved under DeepSpeed (its model and optimizer are DeepSpeed's files in "
+            f"deepspeed_0/, not model_0.safetensors): resume it with the {setting} settings that saved it, on "
+            f"{processes} process{'es' if processes > 1 else ''} (--num_processes {processes})"
+        )
+    return (
+        f"{prefix}{checkpoint} was saved without DeepSpeed (model_0.safetensors, no deepspeed_0/), which DeepSpeed "
+        f"cannot load: resume it without {setting}"
+    )
 
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

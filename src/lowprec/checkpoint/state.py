@@ -39,6 +39,7 @@ from lowprec.distributed.expert_parallel import expert_parallel_names
 from lowprec.durable import fsync_dir, fsync_tree, os_error_of, owner_alive, temp_suffix
 from lowprec.checkpoint.serialization import (
     check_deepspeed_dir,
+    deepspeed_mismatch,
     load_object,
     load_optimizer,
     load_pickle,
@@ -358,6 +359,11 @@ def _load_models(acc: Any, input_dir: str, sharded: set, saved_procs: int, resha
         inner = acc.unwrap_model(m)
         if id(m) not in to_load:
             continue
+        saved_under_ds = os.path.isdir(os.path.join(input_dir, f"deepspeed_{i}"))
+        if saved_under_ds != _is_ds(m) and (saved_under_ds or os.path.isfile(_model_file(input_dir, i, safe))):
+            raise CheckpointError(
+                deepspeed_mismatch(input_dir, saved_under_ds, "checkpoint ", "DeepSpeed", saved_procs)
+            )
         if _is_ds(m):
             check_deepspeed_dir(os.path.join(input_dir, f"deepspeed_{i}"))  # DeepSpeed itself unpickles freely
             m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")

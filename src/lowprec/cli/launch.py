@@ -1,6 +1,7 @@
 """``lowprec launch``: resolve flags > config file > defaults, export, run the script.
 
-One process runs as ``python script.py args``; several processes or machines run under
+One process runs as ``python script.py args`` (under DeepSpeed with the variables torchrun would
+set for one process: DeepSpeed reads them); several processes or machines run under
 torchrun (``python -m torch.distributed.run``). The settings travel as environment variables
 (:mod:`lowprec.config.env`); the script's own arguments (everything after the script path,
 including ones that look like our flags) are passed through untouched. The exit code is the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -188,7 +190,7 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
             f"{', '.join(o.split('=')[0] for o in options.torchrun)}: ignored: one process runs without "
             "torchrun (they apply with num_processes > 1)"
         )
-    exported = {**settings.to_env(), **options.env}
+    exported = {**settings.to_env(), **options.env, **_one_process_deepspeed_env(settings, environ)}
     removed = sorted(k for k in environ if owned_env_var(k) and k not in exported)
     overridden = sorted(k for k in exported if k in environ and environ[k] != exported[k])
     if removed:  # a stale shell variable changing nothing must still be seen (not only in --dry_run)
@@ -326,6 +328,29 @@ def _yaml_notes(
                 f"the {settings.fp8_backend or 'native'} FP8 backend does not read it"
             )
     return notes
+
+
+def _one_process_deepspeed_env(settings: LaunchSettings, environ: Mapping[str, str]) -> dict[str, str]:
+    """DeepSpeed on one process (no torchrun): the variables torchrun would set, which
+    ``deepspeed.initialize`` reads (it asserts on LOCAL_RANK) and its process group
+    rendezvous uses; a free local port unless main_process_port is set. Those already in the
+    environment (a scheduler's) are kept."""
+    if not settings.use_deepspeed or settings.distributed:
+        return {}
+    port = settings.main_process_port
+    if not port:
+        with socket.socket() as s:  # a free port, as torchrun --standalone picks one
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    wanted = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": settings.main_process_ip or "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    return {k: v for k, v in wanted.items() if k not in environ}
 
 
 def format_plan(plan: LaunchPlan) -> str:

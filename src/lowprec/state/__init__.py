@@ -135,7 +135,9 @@ def _resolve_device(cpu: bool, env: DistributedEnv) -> Decision:
     return Decision(*_device_and_reason(cpu, env.local_rank))
 
 
-def _resolve_distributed(env: DistributedEnv, fsdp_plugin, deepspeed_plugin) -> tuple[Decision, Any, Any]:
+def _resolve_distributed(env: DistributedEnv, fsdp_plugin, deepspeed_plugin, tp: int = 1) -> tuple[Decision, Any, Any]:
+    """The distributed type (Accelerate's: tensor parallelism keeps MULTI_* or FSDP) and why,
+    naming tensor parallelism where ``tp`` (tp_size) > 1: the processes are not DDP replicas."""
     use_fsdp = fsdp_plugin is not None or env_flag("ACCELERATE_USE_FSDP")
     use_ds = deepspeed_plugin is not None or env_flag("ACCELERATE_USE_DEEPSPEED")
     if use_fsdp and use_ds:
@@ -143,6 +145,10 @@ def _resolve_distributed(env: DistributedEnv, fsdp_plugin, deepspeed_plugin) -> 
     if use_fsdp:
         plugin = fsdp_plugin if fsdp_plugin is not None else FullyShardedDataParallelPlugin()
         why = "fsdp_plugin" if fsdp_plugin is not None else "env ACCELERATE_USE_FSDP"
+        if tp > 1:
+            why += (
+                f"; tensor parallelism tp_size={tp} x FSDP2 over {max(1, env.world_size // tp)} data-parallel shard(s)"
+            )
         return Decision(DistributedType.FSDP, why), plugin, None
     if use_ds:
         plugin = deepspeed_plugin if deepspeed_plugin is not None else DeepSpeedPlugin()
@@ -154,7 +160,8 @@ def _resolve_distributed(env: DistributedEnv, fsdp_plugin, deepspeed_plugin) -> 
             if torch.cuda.is_available() and not env_flag("ACCELERATE_USE_CPU")
             else DistributedType.MULTI_CPU
         )
-        return Decision(kind, f"WORLD_SIZE={env.world_size}: DistributedDataParallel"), None, None
+        how = f"tensor parallelism, tp_size={tp}" if tp > 1 else "DistributedDataParallel"
+        return Decision(kind, f"WORLD_SIZE={env.world_size}: {how}"), None, None
     return Decision(DistributedType.NO, "single process"), None, None
 
 
@@ -193,13 +200,14 @@ class AcceleratorState(ProcessFacts):
         deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
         init_kwargs: Optional[InitProcessGroupKwargs] = None,
         fp8_hardware: Optional[Decision] = None,
+        tp_size: int = 1,
     ) -> None:
         self.decisions: dict[str, Decision] = {}
         self.env = read_distributed_env()
         cpu = cpu or env_flag("ACCELERATE_USE_CPU")
         device = self._decide("device", _resolve_device(cpu, self.env))
         dist_decision, self.fsdp_plugin, self.deepspeed_plugin = _resolve_distributed(
-            self.env, fsdp_plugin, deepspeed_plugin
+            self.env, fsdp_plugin, deepspeed_plugin, tp_size
         )
         self.distributed_type = self._decide("distributed_type", dist_decision)
         requested = self._decide("mixed_precision", resolve_mixed_precision(mixed_precision))

@@ -184,10 +184,7 @@ def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: i
     else:
         d["cpu_threads"] = Decision(torch.get_num_threads(), "torch's default (OMP_NUM_THREADS or the core count)")
     if world_size > 1:
-        kind = "FSDP2" if cfg.fsdp_version == 2 else ("DeepSpeed" if cfg.deepspeed is not None else "DDP")
-        d["distributed"] = Decision(
-            kind, f"{world_size} processes" + {"FSDP2": ", fsdp_version: 2", "DeepSpeed": ", deepspeed"}.get(kind, "")
-        )
+        d["distributed"] = _distributed(cfg, world_size)
     return RunPlan(
         mixed_precision=mp.value,
         bf16_autocast=autocast,
@@ -197,6 +194,21 @@ def resolve(cfg: TrainConfig, caps: Optional[Capabilities] = None, world_size: i
         label=precision_label(mp.value, weights),
         decisions=d,
         fp8_hardware=hardware if mp.value == "fp8" else None,
+    )
+
+
+def _distributed(cfg: TrainConfig, world_size: int) -> Decision:
+    """How the processes share the work: DDP, FSDP2, DeepSpeed, TP (tensor_parallel_size
+    processes split each Linear) or TP x FSDP2 (FSDP2 over the tensor-parallel groups)."""
+    tp = cfg.tensor_parallel_size
+    if tp > 1:
+        groups = world_size // tp
+        kind = "TP x FSDP2" if groups > 1 else "TP"
+        why = f"{world_size} processes, tensor_parallel_size: {tp}"
+        return Decision(kind, why + (f" x {groups} FSDP2 shards, fsdp_version: 2" if groups > 1 else ""))
+    kind = "FSDP2" if cfg.fsdp_version == 2 else ("DeepSpeed" if cfg.deepspeed is not None else "DDP")
+    return Decision(
+        kind, f"{world_size} processes" + {"FSDP2": ", fsdp_version: 2", "DeepSpeed": ", deepspeed"}.get(kind, "")
     )
 
 

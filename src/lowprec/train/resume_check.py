@@ -30,7 +30,7 @@ import os
 from typing import Any, Optional
 
 import torch
-from lowprec.checkpoint.serialization import load_object
+from lowprec.checkpoint.serialization import deepspeed_mismatch, load_object
 from lowprec.checkpoint.state import checkpoint_meta
 from lowprec.fp8.gemm.cpu import cpu_gemm_choice
 from lowprec.train.data import position_on
@@ -261,9 +261,12 @@ def check_process_count(checkpoint: str, processes: int, cfg: Any) -> Optional[s
     of this run's batches (:func:`lowprec.train.data.position_on`). Called before any worker
     starts, so that the error is the CLI's one line."""
     saved_procs = checkpoint_meta(checkpoint).get("num_processes", processes)
+    under_ds = any(name.startswith("deepspeed_") for name in os.listdir(checkpoint))
+    if under_ds != (cfg.deepspeed is not None):
+        raise ValueError(deepspeed_mismatch(checkpoint, under_ds, "resume_from_checkpoint: ", "deepspeed", saved_procs))
     if saved_procs == processes:
         return None
-    if any(name.startswith("deepspeed_") for name in os.listdir(checkpoint)):
+    if under_ds:
         raise ValueError(
             f"resume_from_checkpoint: {checkpoint} was saved by {saved_procs} processes under DeepSpeed, whose "
             f"partitioned files load on that count only: resume with --num_processes {saved_procs}"

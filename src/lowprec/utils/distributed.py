@@ -195,8 +195,47 @@ def load_full_optimizer_state_dict(model: Optional[nn.Module], optimizer: Any, s
         return
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    state_dict = _keyed_by_name(model, optimizer, state_dict)  # a one-process / DDP checkpoint's
     state_dict = slice_expert_optimizer_state(optimizer, state_dict, model)  # expert parallelism: this rank's
     set_optimizer_state_dict(model, optimizer, state_dict, options=_options())
+
+
+def _keyed_by_name(model: nn.Module, optimizer: Any, state_dict: dict) -> dict:
+    """A whole optimizer state keyed by parameter index (``Optimizer.state_dict``'s numbering, as
+    one process or DDP saves it: ``state[0]``, ``param_groups[g]["params"] == [0, 1, ...]``) keyed
+    by parameter name instead, as torch.distributed's full optimizer state dict is (FSDP2, tensor
+    parallelism). The rule ``Optimizer.load_state_dict`` maps by: the saved groups' ``params`` in
+    order against this optimizer's ``param_groups`` in order. A state already keyed by name is
+    returned as it is; groups of other sizes are a ValueError."""
+    saved = state_dict.get("param_groups", [])
+    if not any(isinstance(i, int) and not isinstance(i, bool) for g in saved for i in g.get("params", [])):
+        return state_dict
+    groups = optimizer.param_groups
+    sizes, own = [len(g["params"]) for g in saved], [len(g["params"]) for g in groups]
+    if sizes != own:
+        raise ValueError(
+            f"the saved optimizer has parameter groups of {sizes} parameters, this run's {own}: "
+            "another model or optimizer setup"
+        )
+    names = _parameter_names(model)
+    name_of = {i: names[id(p)] for s, g in zip(saved, groups) for i, p in zip(s["params"], g["params"])}
+    unknown = [k for k in state_dict.get("state", {}) if k not in name_of]
+    if unknown:
+        raise ValueError(f"the saved optimizer holds state for parameter index {unknown[0]!r}, which no group lists")
+    return {
+        "state": {name_of[k]: v for k, v in state_dict.get("state", {}).items()},
+        "param_groups": [{**s, "params": [name_of[i] for i in s["params"]]} for s in saved],
+    }
+
+
+def _parameter_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> the name torch.distributed's optimizer state dicts key it by (wrapper
+    prefixes such as DDP's ``module.`` or ``_orig_mod.`` left out, as ``_get_fqns`` does)."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+    except ImportError:  # pragma: no cover - a torch without the helper: the plain names
+        return {id(p): n for n, p in model.named_parameters()}
+    return {id(p): next(iter(_get_fqns(model, n))) for n, p in model.named_parameters()}
 
 
 def _check_state_shapes(optimizer: Any, state_dict: dict) -> None:

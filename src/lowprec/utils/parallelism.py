@@ -29,6 +29,7 @@ __all__ = [
     "ParallelismMixin",
     "parallelism_from_kwargs",
     "for_accelerator",
+    "tp_size_of",
     "data_shard",
     "apply_tp",
     "dp_mesh",
@@ -86,6 +87,11 @@ def for_accelerator(
                 f"{distributed_type}"
             )
     return config if (config.tp_enabled or config.ep_enabled) else None
+
+
+def tp_size_of(config: Optional[ParallelismConfig]) -> int:
+    """The tensor-parallel size asked for (the config's, else env PARALLELISM_CONFIG_TP_SIZE)."""
+    return int(config.tp_size or 1) if config is not None else env_int("PARALLELISM_CONFIG_TP_SIZE", 1)
 
 
 def data_shard(config: Optional[ParallelismConfig], rank: int, world: int, device_type: str) -> tuple[int, int]:

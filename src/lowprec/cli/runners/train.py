@@ -20,6 +20,7 @@ from lowprec.config.json_file import read_json_object
 from lowprec.errors import EXIT_NONFINITE, EXIT_STORAGE, NonFiniteError, StorageError
 from lowprec.train.checkpoints import resolve_resume
 from lowprec.train.config import load_config, parse_override_value
+from lowprec.train.tp_dims import check_tensor_parallel_dims
 from lowprec.train.run_lock import hold_output_dir, launcher_env, make_output_dir
 
 __all__ = ["run", "overrides_from_args", "relaunch_command", "resume_command"]
@@ -119,14 +120,16 @@ def _setup_logging(quiet: bool) -> None:
 
 
 def _check_tensor_parallel(cfg: Any, processes: int) -> None:
-    """Before any worker starts: the process count must split into tensor-parallel groups, and
-    more than one group needs FSDP2 to hold the data-parallel dimension."""
+    """Before any worker starts: the process count must split into tensor-parallel groups, the
+    model's heads and MLP units into tensor_parallel_size parts, and more than one group needs
+    FSDP2 to hold the data-parallel dimension."""
     tp = cfg.tensor_parallel_size
     if tp > 1 and processes % tp:
         raise ValueError(
             f"tensor_parallel_size: {tp} does not divide --num_processes {processes}; launch a "
             f"multiple of {tp} processes or change tensor_parallel_size"
         )
+    check_tensor_parallel_dims(cfg.base_model, tp)  # heads and MLP units split evenly
     ep = cfg.ep_size
     if ep > 1 and processes % ep:
         raise ValueError(
