@@ -67,6 +67,11 @@ class Scheme:
     def microscaled(self) -> bool:
         return self.granularity in MICRO
 
+    @property
+    def block_scaled(self) -> bool:
+        """``block x block`` tiles (hf-fp8's layout; compressed-tensors' block strategy)."""
+        return self.granularity == "block"
+
     def describe(self) -> str:
         if self.microscaled:
             return f"{self.granularity}, 1x{self.block} blocks"

@@ -131,7 +131,7 @@ def _block_experts_note(plan, format: str, scheme) -> list[str]:
     """compressed-tensors' block-scaled FP8 experts are written as its spec lays them out, but
     transformers' loader folds an expert's scale into its weight by a plain broadcast product, which
     holds for one block per expert weight only (measured: transformers 5.24 fails to load more)."""
-    if format != "compressed-tensors" or scheme.granularity != "block":
+    if format != "compressed-tensors" or not scheme.block_scaled:
         return []
     many = [q.name for q in plan.quantized if q.expert is not None and q.cast.scale.numel() > 1]
     if not many:
