@@ -332,6 +332,11 @@ def test_dynamo_plugin_reads_accelerates_variables_and_prepare_compiles(monkeypa
         os.environ["ACCELERATE_DYNAMO_BACKEND"] = "EAGER"
         os.environ["ACCELERATE_DYNAMO_MODE"] = "reduce-overhead"
         assert TorchDynamoPlugin().to_kwargs() == {"backend": "eager", "mode": "reduce-overhead"}
+        # the names accelerate launch --dynamo_use_fullgraph / --dynamo_use_dynamic export
+        os.environ["ACCELERATE_DYNAMO_USE_FULLGRAPH"] = "True"
+        os.environ["ACCELERATE_DYNAMO_USE_DYNAMIC"] = "False"
+        plugin = TorchDynamoPlugin()
+        assert plugin.fullgraph is True and plugin.dynamic is False
     assert os.environ.get("ACCELERATE_DYNAMO_BACKEND") is None  # the environment came back
     model = torch.nn.Linear(4, 4)
     acc = Accelerator(cpu=True, dynamo_backend="eager")

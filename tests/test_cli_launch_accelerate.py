@@ -37,21 +37,25 @@ def test_accelerate_flags_take_effect_or_are_noted(tmp_path, capsys):
     assert "# note" not in capsys.readouterr().out  # -q: no notes
     # ignored ones: one note per reason, naming the flags; the same keys in a config file alike
     flags = ["--tpu_use_sudo", "--vm", "v1", "--enable_cpu_affinity", "--zero3_save_16bit_model", "true"]
-    assert main(["launch", "--dry_run", *flags, "--dynamo_mode", "max-autotune", SCRIPT]) == 0
+    assert main(["launch", "--dry_run", *flags, SCRIPT]) == 0
     out = capsys.readouterr().out
     assert "# note: --tpu_use_sudo, --vm: ignored: a TPU option" in out, out
     assert "# note: --enable_cpu_affinity: ignored: NUMA" in out and "--zero3_save_16bit_model: ignored" in out
-    assert "--dynamo_mode: ignored: launch does not export torch.compile settings" in out, out
+    # torch.compile's settings reach the script's TorchDynamoPlugin, as Accelerate exports them
+    dynamo = ["--dynamo_backend", "inductor", "--dynamo_mode", "max-autotune", "--dynamo_use_fullgraph"]
+    env, _, _ = dry_run([*dynamo, SCRIPT], capsys)
+    assert env["ACCELERATE_DYNAMO_BACKEND"] == "INDUCTOR" and env["ACCELERATE_DYNAMO_MODE"] == "max-autotune"
+    assert env["ACCELERATE_DYNAMO_USE_FULLGRAPH"] == "true" and "ACCELERATE_DYNAMO_USE_DYNAMIC" not in env
     cfg = write(
         tmp_path,
         "tpu_use_sudo: true\nenable_cpu_affinity: true\ndebug: true\ndynamo_config: {dynamo_mode: max-autotune}\n",
     )
     env, _, _ = dry_run(["--config_file", cfg, SCRIPT], capsys)
-    assert env["ACCELERATE_DEBUG_MODE"] == "true"
+    assert env["ACCELERATE_DEBUG_MODE"] == "true" and env["ACCELERATE_DYNAMO_MODE"] == "max-autotune"
     assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
     out = capsys.readouterr().out
     assert f"tpu_use_sudo in {cfg}: ignored: a TPU option" in out and f"enable_cpu_affinity in {cfg}: ignored" in out
-    assert f"dynamo_mode in {cfg}: ignored" in out
+    assert "dynamo_mode" not in out.split("# environment")[0]  # exported, not noted
     # torchrun options on one process: noted, not passed
     assert main(["launch", "--dry_run", "--max_restarts", "2", SCRIPT]) == 0
     assert "--max_restarts: ignored: one process runs without torchrun" in capsys.readouterr().out

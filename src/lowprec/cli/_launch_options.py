@@ -31,6 +31,11 @@ def add_accelerate_flags(parser: argparse.ArgumentParser) -> None:
     _add(run, "no_python", **_SWITCH, help="run the script as an executable, not with python")
     _add(run, "same_network", **_SWITCH, help="(lowprec always rendezvous at main_process_ip:main_process_port)")
     _add(run, "rdzv_backend", metavar="BACKEND", help="torchrun rendezvous on several machines: static (default), c10d")
+    _add(
+        run, "dynamo_mode", metavar="MODE", help="torch.compile's mode (ACCELERATE_DYNAMO_MODE; with --dynamo_backend)"
+    )
+    _add(run, "dynamo_use_fullgraph", **_SWITCH, help="torch.compile(fullgraph=True) (ACCELERATE_DYNAMO_USE_FULLGRAPH)")
+    _add(run, "dynamo_use_dynamic", **_SWITCH, help="torch.compile(dynamic=True) (ACCELERATE_DYNAMO_USE_DYNAMIC)")
     for name, kind in A.TORCHRUN_OPTIONS.items():
         parse = _int(0) if kind is int else (_argtype(V.parse_float, "float") if kind is float else str)
         _add(run, name, type=parse, metavar="VALUE", help=f"torchrun --{name}")
@@ -60,6 +65,13 @@ class LaunchOptions:
     notes: list[str] = field(default_factory=list)
 
 
+_DYNAMO_VARS = {
+    "dynamo_mode": "ACCELERATE_DYNAMO_MODE",
+    "dynamo_use_fullgraph": "ACCELERATE_DYNAMO_USE_FULLGRAPH",
+    "dynamo_use_dynamic": "ACCELERATE_DYNAMO_USE_DYNAMIC",
+}
+
+
 def launch_options(args: argparse.Namespace, yaml_options: Mapping[str, Any], config_file: str | None) -> LaunchOptions:
     """Flags beat the config file's keys of the same name; refused ones are errors, ignored ones
     one note per reason (a config file's only where it differs from Accelerate's default)."""
@@ -77,6 +89,10 @@ def launch_options(args: argparse.Namespace, yaml_options: Mapping[str, Any], co
         env["OMP_NUM_THREADS"] = str(given["num_cpu_threads_per_process"])
     if given.get("debug", yaml_options.get("debug")) in (True, "true", "yes"):
         env["ACCELERATE_DEBUG_MODE"] = "true"
+    for name, var in _DYNAMO_VARS.items():  # TorchDynamoPlugin reads them, as Accelerate's does
+        value = given.get(name, yaml_options.get(name))
+        if value is not None:
+            env[var] = str(value).lower() if isinstance(value, bool) or name != "dynamo_mode" else str(value)
     torchrun = [f"--{name}={given[name]}" for name in A.TORCHRUN_OPTIONS if name in given]
     rdzv = given.get("rdzv_backend", yaml_options.get("rdzv_backend"))
     return LaunchOptions(

@@ -6,7 +6,8 @@ Every option of Accelerate's ``accelerate launch`` parser is accepted by ``lowpr
 one row each, as one of:
 
 - an effect on how the processes start: torchrun's own options (:data:`TORCHRUN_OPTIONS`),
-  ``--num_cpu_threads_per_process`` (``OMP_NUM_THREADS``), ``--debug``
+  ``--num_cpu_threads_per_process`` (``OMP_NUM_THREADS``), ``--dynamo_mode`` / ``--dynamo_use_fullgraph`` /
+  ``--dynamo_use_dynamic`` (``ACCELERATE_DYNAMO_*``, read by ``TorchDynamoPlugin``), ``--debug``
   (``ACCELERATE_DEBUG_MODE``), ``--quiet``, ``--multi_gpu``, ``--no_python``, ``--rdzv_backend``;
 - refused (:data:`REFUSED`): it asks for something lowprec does not run (TPU, Megatron-LM);
 - ignored (:data:`IGNORED`): it tunes something lowprec does not run; launch accepts it and
@@ -53,10 +54,6 @@ _DS_LAUNCHER = (
     "(run lowprec launch on each with --machine_rank)"
 )
 _CP_SP = "a context/sequence parallelism option; lowprec runs neither (their sizes must be 1)"
-_DYNAMO = (
-    "launch does not export torch.compile settings (as dynamo_backend); pass "
-    "TorchDynamoPlugin(backend=..., mode=..., fullgraph=..., dynamic=...) to the Accelerator in the script"
-)
 _MEGATRON = "a Megatron-LM option (read with --use_megatron_lm only, which lowprec does not run)"
 
 IGNORED: dict[str, str] = {
@@ -72,9 +69,6 @@ IGNORED: dict[str, str] = {
     "aws_secret_access_key": "a SageMaker option; lowprec launches on this machine only",
     "mpirun_hostfile": "several CPU processes start under torchrun in lowprec, not mpirun",
     "dynamo_use_regional_compilation": "regional compilation is not implemented in lowprec; the whole model compiles",
-    "dynamo_mode": _DYNAMO,
-    "dynamo_use_fullgraph": _DYNAMO,
-    "dynamo_use_dynamic": _DYNAMO,
     "fsdp_backward_prefetch": _FSDP1,
     "fsdp_forward_prefetch": _FSDP1,
     "fsdp_use_orig_params": _FSDP1,

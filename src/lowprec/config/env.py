@@ -34,6 +34,7 @@ PARALLELISM_CONFIG_DP_SHARD_SIZE               if set                 int >= 1: 
 ACCELERATE_GRADIENT_ACCUMULATION_STEPS         if set                 int >= 1
 ACCELERATE_GRADIENT_CLIPPING                   DeepSpeed, if set      float (max grad norm; DeepSpeed clips)
 CUDA_VISIBLE_DEVICES                           if gpu_ids set         e.g. 0,1 (not written for "all")
+ACCELERATE_DYNAMO_BACKEND                      if set                 NO | INDUCTOR | ... (TorchDynamoPlugin reads it)
 ACCELERATE_FP8_BACKEND                         fp8, if set            NATIVE | TE | MSAMP | AO | AUTO (upper case,
                                                                       as Accelerate's FP8BackendType; read any case)
 LOWPREC_FP8_RECIPE                             fp8, if set            delayed | tensorwise | rowwise |
@@ -59,9 +60,10 @@ ACCELERATE_FP8_FORCE_RECOMPUTE_FP8_WEIGHT_IN_BWD fp8, if set          true | fal
                                                                       (auto: where FSDP / ZeRO-3 shards it)
 ============================================== ====================== =====================================
 
-Not written: ``dynamo_backend`` (ACCELERATE_DYNAMO_BACKEND) and ``zero3_init_flag``
-(ACCELERATE_DEEPSPEED_ZERO3_INIT) are accepted in
-a config file (Accelerate writes them) but nothing in lowprec reads them (``UNREAD_FIELDS``).
+Not written: ``zero3_init_flag`` (ACCELERATE_DEEPSPEED_ZERO3_INIT) is accepted in a config file
+(Accelerate writes it) but nothing in lowprec reads it (``UNREAD_FIELDS``). ``dynamo_backend`` is
+written when set (``TorchDynamoPlugin`` reads it, with ``--dynamo_mode`` / ``--dynamo_use_fullgraph``
+/ ``--dynamo_use_dynamic``: ``cli/_launch_options.py``).
 
 "If set" means the user gave the value (flag or YAML); an unset value is not written, so the
 consumer's own default applies (for ``fp8_recipe: rowwise`` that is the recipe's E4M3 format,
@@ -233,7 +235,7 @@ FP8_FIELDS = tuple(v.field for v in ENV_VARS if v.when == "fp8") + ("fp8_overrid
 
 # Accepted for Accelerate compatibility (its config files carry them) but read by nothing in
 # lowprec: never exported, and `launch` says so instead of pretending they act.
-UNREAD_FIELDS = ("dynamo_backend", "zero3_init_flag")
+UNREAD_FIELDS = ("zero3_init_flag",)
 
 
 def fp8_fields_unread(backend: str | None, fields: Any) -> list[str]:

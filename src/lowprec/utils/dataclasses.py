@@ -146,8 +146,9 @@ DYNAMO_PREFIX = "ACCELERATE_DYNAMO_"
 class TorchDynamoPlugin(KwargsHandler):
     """``torch.compile`` settings for the models ``prepare`` returns (Accelerate's plugin).
 
-    Each field unset reads ``ACCELERATE_DYNAMO_<FIELD>`` (what ``accelerate launch
-    --dynamo_backend`` exports), else the default; ``backend="no"`` compiles nothing.
+    Each field unset reads what ``accelerate launch --dynamo_*`` exports
+    (``ACCELERATE_DYNAMO_BACKEND`` / ``_MODE`` / ``_USE_FULLGRAPH`` / ``_USE_DYNAMIC``), else the
+    default; ``backend="no"`` compiles nothing.
     """
 
     backend: Optional[str] = None
@@ -164,9 +165,12 @@ class TorchDynamoPlugin(KwargsHandler):
         object.__setattr__(
             self, "mode", self.mode if self.mode is not None else env.get(DYNAMO_PREFIX + "MODE", "default")
         )
-        for name in ("fullgraph", "dynamic"):
-            if getattr(self, name) is None and DYNAMO_PREFIX + name.upper() in env:
-                object.__setattr__(self, name, parse_bool(env[DYNAMO_PREFIX + name.upper()]))
+        for name in ("fullgraph", "dynamic"):  # accelerate launch exports ACCELERATE_DYNAMO_USE_<FIELD>
+            var = next(
+                (DYNAMO_PREFIX + v for v in (f"USE_{name.upper()}", name.upper()) if DYNAMO_PREFIX + v in env), None
+            )
+            if getattr(self, name) is None and var is not None:
+                object.__setattr__(self, name, parse_bool(env[var]))
         if self.fullgraph is None:
             object.__setattr__(self, "fullgraph", False)
 
