@@ -92,7 +92,7 @@ def launch_options(args: argparse.Namespace, yaml_options: Mapping[str, Any], co
     for name, var in _DYNAMO_VARS.items():  # TorchDynamoPlugin reads them, as Accelerate's does
         value = given.get(name, yaml_options.get(name))
         if value is not None:
-            env[var] = str(value).lower() if isinstance(value, bool) or name != "dynamo_mode" else str(value)
+            env[var] = str(value) if name == "dynamo_mode" else str(value).lower()  # true | false
     torchrun = [f"--{name}={given[name]}" for name in A.TORCHRUN_OPTIONS if name in given]
     rdzv = given.get("rdzv_backend", yaml_options.get("rdzv_backend"))
     return LaunchOptions(

@@ -227,6 +227,8 @@ class ParallelismSection(_Strict):
 
 
 class DynamoConfig(_Strict):
+    # dynamo_backend is a launch setting; mode / fullgraph / dynamic are no setting but reach launch
+    # through accelerate_options(), which exports them as the flags of the same name (ACCELERATE_DYNAMO_*)
     dynamo_backend: Annotated[Optional[str], _opt(V.parse_dynamo_backend)] = None
     dynamo_mode: Ignored = None
     dynamo_use_fullgraph: Ignored = None

@@ -117,32 +117,8 @@ def settings_of(cfg: Any, plan: Any, model_config: Optional[dict], total: int, w
         "torch": torch.__version__,
         "cpu_fp8_gemm": _cpu_fp8_gemm(plan) if fp8 else None,
     }
-    for key in (
-        "optimizer",
-        "datasets",
-        "micro_batch_size",
-        "sequence_len",
-        "seed",
-        "learning_rate",
-        "weight_decay",
-        "adam_beta1",
-        "adam_beta2",
-        "lr_scheduler",
-        "gradient_accumulation_steps",
-        "max_grad_norm",
-        "val_set_size",
-        "dataset_max_bytes",
-        "sample_packing",
-        "pad_to_sequence_len",
-        "chat_template",
-        "chat_template_jinja",
-        "train_on_inputs",
-        "special_tokens",
-        "tokens",
-        "eot_tokens",
-        "bf16",
-    ):
-        out[key] = y.get(key)
+    # every other key is the config's value, as the user wrote it
+    out.update({key: y.get(key) for key in RULES if key not in out})
     return _plain(out)
 
 
