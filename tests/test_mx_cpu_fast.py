@@ -2,6 +2,8 @@
 operands, a bf16 GEMM within the documented bound of the float32 emulation, the fallback where
 bf16 would not be exact, and the one-pass E2M1 encoder against the per-binade rounding rule."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -82,3 +84,14 @@ def test_one_pass_e2m1_encoding_is_round_to_nearest_even():
     mag = _code_of(torch.nan_to_num(pts.abs(), nan=0.0).clamp(max=FP4_MAX), torch.round).to(torch.uint8)
     expected = mag | (((pts < 0) & (mag > 0)).to(torch.uint8) << 3)
     assert torch.equal(e2m1_encode(pts), expected)
+
+
+@pytest.mark.parametrize("generator", [None, 7], ids=["rne", "stochastic"])
+def test_e2m1_encoding_of_a_strided_view_is_silent_and_the_same(generator):
+    # the column-major casts hand a transposed view: torch's bucketize warned once per program
+    # ("input value tensor is non-contiguous") on the user's screen
+    y = torch.randn(32, 48, generator=torch.Generator().manual_seed(1)) * 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        strided = e2m1_encode(y.t(), generator)
+    assert torch.equal(strided, e2m1_encode(y.t().contiguous(), generator))
