@@ -279,6 +279,8 @@ class Accelerator(
                 self.nonfinite.nan_if_nonfinite(loss), **kwargs
             )  # DeepSpeed scales by its accumulation steps
             return
+        if self.nonfinite.ranks_agree:  # join_uneven_inputs: no collective of the guard's own
+            loss = self.nonfinite.nan_if_nonfinite(loss)
         loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
             self.scaler.scale(loss).backward(**kwargs)

@@ -9,6 +9,9 @@ precision:
   (``torch._amp_foreach_non_finite_check_and_unscale_`` with scale 1, the kernel GradScaler
   uses), the flags are summed on the device and, with several processes, all-reduced (FSDP2
   shards hold different gradients; every process must take the same decision);
+  inside ``Accelerator.join_uneven_inputs`` (DDP) there is no all-reduce: a process out of
+  batches shadows DDP's collectives only; DDP's gradients are the same everywhere and a
+  non-finite loss is made NaN before ``backward``, so every process decides alike;
 * the decision costs one host read per optimizer step, the same one GradScaler makes in
   ``scaler.step``; under a GradScaler the scaler's own decision is used and nothing is added;
 * a skipped step skips the optimizer and the backend's after-step hook (FP8 weight casts, MS-AMP
@@ -107,6 +110,11 @@ class NonFiniteGuard:
         self.distributed = distributed
         self.device = device or torch.device("cpu")
         self._loss_flag: Optional[torch.Tensor] = None
+        # True inside ``join_uneven_inputs`` under DDP: a process that ran out of batches shadows
+        # DDP's collectives only, so the decision must take none of its own. DDP's all-reduce
+        # leaves the same gradients on every process, and ``backward`` makes a non-finite loss
+        # reach them as NaN (``nan_if_nonfinite``): each process decides alone, all alike.
+        self.ranks_agree = False
         self.optimizer_steps = 0  # optimizer.step() calls at sync points, 1-based in messages
         self.skipped = 0
         self.consecutive = 0
@@ -146,7 +154,7 @@ class NonFiniteGuard:
         flag = nonfinite_flag(grads, self.device, fused=True)
         if self._loss_flag is not None:
             flag = flag + self._loss_flag.to(flag.device)
-        return bool(self._reduce(flag).item() > 0)
+        return bool((flag if self.ranks_agree else self._reduce(flag)).item() > 0)
 
     def loss_flag_pending(self) -> bool:
         return self._loss_flag is not None

@@ -80,9 +80,14 @@ class SettingsMixin(AcceleratorHost):
         for d in overridden:
             d.even_batches = bool(even_batches)
         uneven = not (self.even_batches if even_batches is None else even_batches)
+        # the non-finite guard's per-step all-reduce is no collective Join shadows: decided
+        # without it inside the block (lowprec.utils.nonfinite, NonFiniteGuard.ranks_agree)
+        agreed = self.nonfinite.ranks_agree
+        self.nonfinite.ranks_agree = agreed or uneven
         try:
             with Join(joinables, enable=uneven, throw_on_early_termination=False):
                 yield
         finally:
+            self.nonfinite.ranks_agree = agreed
             for d, value in zip(overridden, saved):
                 d.even_batches = value
