@@ -4,7 +4,8 @@ A run on 4 CPU processes (gloo) saves a SHARDED_STATE_DICT checkpoint after 3 of
 delayed scaling with amax agreement, AdamW) and resumes from it in the same processes
 (bitwise); runs on 2 processes and on 1 resume from the same files. The global batch (8) is
 kept, so every run sees the same samples at each step; the losses continue within 1e-3
-(FSDP2's reduce-scatter sums in another order on another world size, nothing else differs).
+(FSDP2's reduce-scatter sums in another order on another world size, nothing else differs). A run
+with another ``amax_history_len`` is refused naming that setting.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ WORKER = textwrap.dedent(
         model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8))
         kind = "FULL_STATE_DICT" if mode == "from_plain" else "SHARDED_STATE_DICT"
         plugin = None if mode == "plain" else FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=kind)
-        recipe = NativeRecipeKwargs(recipe="delayed", overrides={"amax_history_len": 4})
+        history = 8 if mode == "longer" else 4  # "longer": a resume with another amax_history_len
+        recipe = NativeRecipeKwargs(recipe="delayed", overrides={"amax_history_len": history})
         acc = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, kwargs_handlers=[recipe])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         g = torch.Generator().manual_seed(0)
@@ -62,6 +64,16 @@ WORKER = textwrap.dedent(
     if mode in ("save", "plain"):
         report["losses"] = train(*make(), 6, save_at=3)
     acc, model, opt, dl = make()
+    if mode == "longer":
+        from lowprec.errors import CheckpointError
+
+        try:
+            acc.load_state(ckpt)
+        except CheckpointError as e:
+            report["refused"] = str(e)
+        with open(os.path.join(out_dir, f"{mode}_rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+        sys.exit(0)
     acc.load_state(ckpt)
     moments = [getattr(opt, "optimizer", opt).state[p]["exp_avg"] for p in model.parameters()]
     report["moments"] = [float(getattr(m, "full_tensor", lambda: m)().sum()) for m in moments]  # whole, in order
@@ -95,6 +107,9 @@ def test_sharded_checkpoint_reshards_4_to_2_to_1(tmp_path):
     for mode, nproc in (("two", 2), ("one", 1)):
         resumed = launch(tmp_path, mode, nproc)["resumed"]
         assert max(abs(a - b) for a, b in zip(resumed, saved["losses"][3:])) < 1e-3, (mode, resumed, saved)
+    # the sharded reader checks the histories' length too: one line naming the setting
+    refused = launch(tmp_path, "longer", 1).get("refused", "")
+    assert "amax histories are 4 long" in refused and "amax_history_len=4" in refused, refused
 
 
 def test_a_checkpoint_of_one_plain_process_resumes_under_fsdp2(tmp_path):
