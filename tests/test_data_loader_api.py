@@ -91,8 +91,8 @@ def test_dispatcher_rank0_of_two_drop_last_skip_and_slice_fn(monkeypatch):
     dl.world_size = 2  # as process 0 of two sees it: 5 batches are 2 full steps, the third dropped
     assert len(dl) == 2 and [b.tolist() for b in dl] == [[0, 1], [4, 5]] and dl.end_of_dataloader
     dl = DataLoaderDispatcher(list(range(10)), batch_size=2, skip_batches=1)
-    dl.world_size = 2  # a short last step is filled from the start; skip_batches counts steps
-    assert len(dl) == 2 and [b.tolist() for b in dl] == [[4, 5], [8, 9]]
+    dl.world_size = 2  # a short last step is cut in equal slices; skip_batches counts steps
+    assert len(dl) == 2 and [b.tolist() for b in dl] == [[4, 5], [8]]
 
     def halves(batch, sl, process_index, num_processes):
         return batch[sl] * 10
@@ -100,6 +100,37 @@ def test_dispatcher_rank0_of_two_drop_last_skip_and_slice_fn(monkeypatch):
     dl = DataLoaderDispatcher(list(range(8)), split_batches=True, slice_fn=halves, batch_size=4)
     dl.world_size = 2
     assert [b.tolist() for b in dl] == [[0, 10], [40, 50]]
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 7, 10, 11])
+@pytest.mark.parametrize("batch_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3])
+def test_dispatched_steps_give_every_process_a_batch_of_one_size(n, batch_size, world):
+    """Process 0's plan for every step: one batch per process, all of one size (``gather`` and
+    ``gather_for_metrics`` need it), every sample of the epoch once among the real ones, the
+    filling (the epoch's first samples) at the end, counted by the last step's remainder. Was:
+    a short last batch on one process beside a whole filling batch on another."""
+    dl = DataLoaderDispatcher(list(range(n)), batch_size=batch_size)
+    dl.world_size = world
+    steps = list(dl._steps(0))
+    seen = []
+    for k, (per_process, real) in enumerate(steps):
+        assert len(per_process) == world and len({len(b) for b in per_process}) == 1, steps
+        flat = [int(v) for b in per_process for v in b]
+        assert real == -1 or k == len(steps) - 1
+        seen += flat[:real] if real != -1 else flat
+        filling = flat[len(flat) if real == -1 else real :]
+        assert filling == [i % min(n, world * batch_size) for i in range(len(filling))]  # the first samples
+    assert seen == list(range(n))
+    assert len(steps) == len(dl)
+
+
+def test_dispatched_batches_that_cannot_be_cut_are_filled_whole():
+    # strings have no batch dimension to cut: the last step takes whole first batches
+    data = [f"s{i}" for i in range(5)]
+    dl = DataLoaderDispatcher(data, batch_size=2)
+    dl.world_size = 2
+    assert list(dl._steps(0)) == [([["s0", "s1"], ["s2", "s3"]], -1), ([["s4"], ["s0", "s1"]], 1)]
 
 
 def test_constructor_refuses_what_it_cannot_honour():

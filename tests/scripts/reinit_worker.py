@@ -17,10 +17,10 @@ from lowprec import Accelerator
 
 class Stream(IterableDataset):
     def __iter__(self):
-        return iter(torch.arange(10.0).view(10, 1))
+        return iter(torch.arange(7.0).view(7, 1))
 
     def __len__(self):
-        return 10
+        return 7
 
 
 CYCLES = 6
@@ -29,7 +29,7 @@ sums = []
 for i in range(CYCLES):
     acc = Accelerator(cpu=True)
     if i == 0:
-        loader = acc.prepare(DataLoader(Stream(), batch_size=2))
+        loader = acc.prepare(DataLoader(Stream(), batch_size=3))
         seen, gathered = [], []
         for x in loader:
             seen.append(x.view(-1).tolist())

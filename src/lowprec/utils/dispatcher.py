@@ -7,9 +7,13 @@ on several processes too, each step on different data. Per step process 0 takes
 ``num_processes`` batches (with ``split_batches``, one batch cut into ``num_processes`` equal
 slices), and broadcasts them (``broadcast_object_list``: pickled, fine for CPU/gloo batches;
 Accelerate broadcasts the concatenated tensors); each process keeps its own. A last step with
-fewer batches is filled with the epoch's first batches (as ``even_batches``), and
-``GradientState.remainder`` says how many samples were real, so ``gather_for_metrics`` drops
-the filling. Process 0 reads one step ahead to know which step is the last.
+fewer samples is made even as Accelerate makes it: its real samples, then the epoch's first
+samples up to a multiple of ``num_processes``, cut into equal slices, so every process holds a
+batch of the same size (``gather`` needs it; a short last batch on one process and a whole
+filling batch on another aborted the job). ``GradientState.remainder`` says how many samples
+were real, so ``gather_for_metrics`` drops the filling. Batches holding anything but tensors
+with a batch dimension (strings, say) cannot be cut: their last step is filled with whole
+first batches. Process 0 reads one step ahead to know which step is the last.
 """
 
 from __future__ import annotations
@@ -26,6 +30,53 @@ from lowprec.utils.data_loader import DataLoaderShard, GradientState, _check_con
 from lowprec.utils.operations import recursively_apply, send_to_device
 
 __all__ = ["DataLoaderDispatcher"]
+
+
+def _cuttable(batch: Any, n: int) -> bool:
+    """Whether every leaf of ``batch`` is a tensor whose first dimension is its ``n`` samples."""
+    ok = [True]
+
+    def check(leaf: Any) -> Any:
+        ok[0] = ok[0] and isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and leaf.shape[0] == n
+        return leaf
+
+    recursively_apply(check, batch, test_type=lambda _: True)
+    return ok[0]
+
+
+def _join(parts: list) -> Any:
+    """Batches of one structure concatenated along the samples (tensor leaves only)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, dict):
+        return type(first)({k: _join([p[k] for p in parts]) for k in first})
+    out = [_join([p[i] for p in parts]) for i in range(len(first))]
+    return type(first)(*out) if hasattr(first, "_fields") else type(first)(out)
+
+
+def _even_step(step: list, first: list, w: int) -> tuple[list, int]:
+    """One batch per process for a step's batches (``step``: ``w`` of them, or fewer at the end of
+    an epoch) and the step's real samples, or -1 when nothing was filled. ``w`` batches of one
+    size go as they are. Otherwise the samples are cut into ``w`` equal slices, the epoch's first
+    samples (``first``: its first batches) filling up to a multiple of ``w``; batches that are not
+    made of tensors with a batch dimension are filled with whole first batches instead."""
+    lens = [_batch_len(b) for b in step]
+    if len(step) == w and len(set(lens)) == 1:
+        return step, -1
+    if not all(_cuttable(b, n) for b, n in zip(step + first, lens + [_batch_len(b) for b in first])):
+        whole = step + [first[k % len(first)] for k in range(w - len(step))]
+        return whole, (sum(lens) if len(step) < w else -1)
+    real = sum(lens)
+    per = -(-real // w)
+    fill = per * w - real
+    pool = _join(first)
+    while _batch_len(pool) < fill:  # an epoch shorter than the filling: its samples again
+        pool = _join([pool, pool])
+    samples = _join([*step, recursively_apply(lambda t: t[:fill], pool)]) if fill else _join(step)
+    return [recursively_apply(lambda t, r=r: t[r * per : (r + 1) * per], samples) for r in range(w)], (
+        real if fill else -1
+    )
 
 
 def _batch_len(batch: Any) -> int:
@@ -136,11 +187,10 @@ class DataLoaderDispatcher(DataLoaderShard):
             if len(first) < w:
                 first.append(b)
             if len(step) == w:
-                yield step, -1
+                yield _even_step(step, first, w)
                 step = []
         if step and not self._drop_last:
-            real = sum(_batch_len(b) for b in step)
-            yield step + [first[k % len(first)] for k in range(w - len(step))], real
+            yield _even_step(step, first, w)
 
     def _next(self, steps: Optional[Iterator]) -> Optional[tuple[Any, int]]:
         box = [next(steps, None) if steps is not None else None]
