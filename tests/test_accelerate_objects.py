@@ -116,7 +116,6 @@ def test_plugins_and_recipes_convert_field_by_field():
 @pytest.mark.parametrize(
     "make, where, names",
     [
-        (lambda: au.DistributedDataParallelKwargs(comm_hook="fp16"), "kwargs_handlers", "comm_hook='fp16'"),
         (lambda: au.TorchDynamoPlugin(use_regional_compilation=True), "dynamo_plugin", "use_regional_compilation=True"),
         (
             lambda: au.FullyShardedDataParallelPlugin(fsdp_version=2, activation_checkpointing=True),
@@ -143,9 +142,22 @@ def test_what_has_no_equivalent_is_refused_in_one_line(make, where, names):
     assert "\n" not in msg and msg.startswith(f"{where}: Accelerate's ") and names in msg
 
 
+def test_accelerates_ddp_communication_hook_becomes_lowprecs():
+    theirs = au.DistributedDataParallelKwargs(
+        comm_hook=au.DDPCommunicationHookType.POWER_SGD,
+        comm_wrapper=au.DDPCommunicationHookType.FP16,
+        comm_state_option={"matrix_approximation_rank": 2},
+    )
+    ours = from_accelerate(theirs, "kwargs_handlers")
+    assert isinstance(ours, K.DistributedDataParallelKwargs)
+    assert (ours.comm_hook, ours.comm_wrapper) == (
+        K.DDPCommunicationHookType.POWER_SGD,
+        K.DDPCommunicationHookType.FP16,
+    )
+    assert ours.comm_state_option == {"matrix_approximation_rank": 2}
+
+
 def test_the_accelerator_refuses_rather_than_drops():
-    with pytest.raises(UsageError, match=r"^kwargs_handlers: .*comm_hook='fp16'"):
-        lowprec.Accelerator(cpu=True, kwargs_handlers=[au.DistributedDataParallelKwargs(comm_hook="fp16")])
     with pytest.raises(UsageError, match=r"^dynamo_plugin: .*use_regional_compilation=True"):
         lowprec.Accelerator(cpu=True, dynamo_plugin=au.TorchDynamoPlugin(use_regional_compilation=True))
 

@@ -133,7 +133,6 @@ DERIVED = {
 # values that ask for nothing beyond the general rule (DeepSpeed's accumulation of one step)
 INERT = {"DeepSpeedPlugin": {"gradient_accumulation_steps": (1,)}, "ParallelismConfig": {"sp_size": (1,)}}
 FIXES = {
-    "DistributedDataParallelKwargs": "lowprec's FP8 gradient all-reduce is MSAMPRecipeKwargs(opt_level='O1'); drop the hook",
     "TorchDynamoPlugin": "compile the whole model (drop use_regional_compilation)",
     "FullyShardedDataParallelPlugin": "lowprec runs FSDP2 (fully_shard) with its own mixed precision and wrapping; drop it",
     "DeepSpeedPlugin": "set it in the DeepSpeed config dict (hf_ds_config), pass gradient_accumulation_steps to the "

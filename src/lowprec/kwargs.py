@@ -13,6 +13,8 @@ by :func:`lowprec.config.env.read_env` over it).
 from __future__ import annotations
 
 import dataclasses
+import enum
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -38,6 +40,7 @@ from lowprec.kwargs_base import (  # noqa: F401 - re-exported (__all__)
     parse_bool,
     parse_override_linear_precision,
 )
+from lowprec.logs import log_once
 
 # what a script imports from here: the shared helpers, the handlers below, the FP8 handlers
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "AutocastKwargs",
     "GradScalerKwargs",
     "DistributedDataParallelKwargs",
+    "DDPCommunicationHookType",
     "InitProcessGroupKwargs",
     "GradientAccumulationPlugin",
     "FullyShardedDataParallelPlugin",
@@ -68,6 +72,21 @@ class GradScalerKwargs(ForwardEveryField):
     enabled: bool = True
 
 
+class DDPCommunicationHookType(str, enum.Enum):
+    """How DDP all-reduces gradients (Accelerate's names and values): torch's compression hooks
+    (``torch.distributed.algorithms.ddp_comm_hooks``): FP16 / BF16 halves, or PowerSGD's
+    low-rank approximation; as ``comm_wrapper``, FP16 / BF16 around a PowerSGD hook."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
+_COMM_FIELDS = ("comm_hook", "comm_wrapper", "comm_state_option")
+
+
 @dataclass(frozen=True)
 class DistributedDataParallelKwargs(KwargsHandler):
     dim: int = 0
@@ -77,14 +96,68 @@ class DistributedDataParallelKwargs(KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("comm_hook", "comm_wrapper"):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, DDPCommunicationHookType(getattr(value, "value", value)))
+            except ValueError:
+                names = ", ".join(repr(t.value) for t in DDPCommunicationHookType)
+                raise ValueError(f"DistributedDataParallelKwargs({name}={value!r}): use one of {names}") from None
+        if self.comm_wrapper not in ("no", "fp16", "bf16"):
+            raise ValueError(
+                f"DistributedDataParallelKwargs(comm_wrapper={self.comm_wrapper.value!r}): a wrapper is "
+                "'fp16' or 'bf16' (around a PowerSGD comm_hook), or 'no'"
+            )
 
     def to_kwargs(self) -> dict[str, Any]:
-        d = self.to_dict()
+        d = {k: v for k, v in self.to_dict().items() if k not in _COMM_FIELDS}  # registered after wrapping
         d.pop("check_reduction")  # accepted for Accelerate scripts; DDP deprecated it
         if d["broadcast_buffers"]:
             # DDP's own default; passing it explicitly triggers torch's deprecation warning
             d.pop("broadcast_buffers")
         return d
+
+    def register_comm_hook(self, model: Any) -> None:
+        """Register ``comm_hook`` (wrapped in ``comm_wrapper``; PowerSGD with a state built from
+        ``comm_state_option``) on the DDP ``model``; nothing for ``'no'``."""
+        if self.comm_hook == "no":
+            if self.comm_wrapper != "no" or self.comm_state_option:
+                log_once(
+                    "lowprec: DistributedDataParallelKwargs: comm_wrapper / comm_state_option apply to a "
+                    "comm_hook, and comm_hook is 'no': nothing registered",
+                    logging.WARNING,
+                )
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        hooks = {
+            "fp16": default_hooks.fp16_compress_hook,
+            "bf16": default_hooks.bf16_compress_hook,
+            "power_sgd": powerSGD_hook.powerSGD_hook,
+            "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook,
+        }
+        hook: Any = hooks[self.comm_hook.value]
+        power_sgd = self.comm_hook in ("power_sgd", "batched_power_sgd")
+        if self.comm_wrapper != "no":
+            if not power_sgd:
+                raise ValueError(
+                    f"DistributedDataParallelKwargs(comm_wrapper={self.comm_wrapper.value!r}) wraps a PowerSGD "
+                    f"comm_hook; comm_hook={self.comm_hook.value!r} compresses already: drop comm_wrapper"
+                )
+            wrap = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}
+            hook = wrap[self.comm_wrapper.value](hook)
+        elif self.comm_state_option and not power_sgd:
+            raise ValueError(
+                "DistributedDataParallelKwargs(comm_state_option=...) configures a PowerSGD comm_hook; "
+                f"comm_hook={self.comm_hook.value!r} takes none: drop it"
+            )
+        state = powerSGD_hook.PowerSGDState(None, **self.comm_state_option) if power_sgd else None
+        model.register_comm_hook(state=state, hook=hook)
 
 
 @dataclass(frozen=True)

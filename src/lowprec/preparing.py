@@ -99,8 +99,9 @@ class PrepareMixin(AcceleratorHost):
             self._expert_replicas.append(replicas)
         if not evaluation_mode:
             if dt.is_ddp and (pc is None or not pc.tp_enabled):
-                kw = (self.handlers.get(DistributedDataParallelKwargs) or DistributedDataParallelKwargs()).to_kwargs()
-                model = wrap_ddp(model, self.device, kw, ignore=own_experts)
+                ddp = self.handlers.get(DistributedDataParallelKwargs) or DistributedDataParallelKwargs()
+                model = wrap_ddp(model, self.device, ddp.to_kwargs(), ignore=own_experts)
+                ddp.register_comm_hook(model)  # Accelerate's comm_hook / comm_wrapper, if any
             elif dt == DistributedType.FSDP:
                 model = wrap_fsdp2(
                     model,

@@ -187,6 +187,14 @@ def register_fp8_allreduce(
             f"register_fp8_allreduce needs a DistributedDataParallel model, got "
             f"{type(ddp_model).__name__}; wrap it with torch.nn.parallel.DistributedDataParallel first"
         )
+    hooks = getattr(ddp_model, "_comm_hooks", None)  # torch keeps the registered (hook, state) pairs
+    if hooks:
+        name = getattr(hooks[0][0], "__name__", repr(hooks[0][0]))
+        raise ValueError(
+            f"FP8 gradient all-reduce (MS-AMP opt_level O1/O2) is a DDP communication hook, and this model "
+            f"has one already ({name}, e.g. DistributedDataParallelKwargs(comm_hook=...)); DDP takes one: "
+            "drop comm_hook, or the FP8 all-reduce (opt_level)"
+        )
     group = process_group if process_group is not None else ddp_model.process_group
     state = FP8AllReduceState(process_group=group, fp8_dtype=fp8_dtype)
     ddp_model.register_comm_hook(state, fp8_allreduce_hook)
