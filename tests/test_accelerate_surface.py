@@ -63,6 +63,25 @@ def test_automatic_checkpoint_naming_rotates(tmp_path):
     torch.testing.assert_close(model.weight, weights[-1])
 
 
+def test_a_resumed_run_keeps_saving_after_the_checkpoint_it_loaded(tmp_path):
+    """A new Accelerator (a restarted script) that load_state()s the newest automatically named
+    checkpoint saves the next one after it, and total_limit removes the oldest. Was: the next
+    save_state refused ('checkpoint_0 already exists') unless the script set iteration itself."""
+    cfg = dict(project_dir=str(tmp_path), automatic_checkpoint_naming=True, total_limit=2)
+    first = Accelerator(cpu=True, project_config=ProjectConfiguration(**cfg))
+    model = first.prepare(torch.nn.Linear(2, 2))
+    for _ in range(2):
+        first.save_state()
+    again = Accelerator(cpu=True, project_config=ProjectConfiguration(**cfg))
+    again.prepare(torch.nn.Linear(2, 2))
+    again.load_state()
+    assert again.save_iteration == 2
+    again.save_state()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["checkpoint_1", "checkpoint_2"]
+    again.load_state(str(tmp_path / "checkpoints" / "checkpoint_1"))  # an older one: the counter stays
+    assert again.save_iteration == 3 and model is first._models[0]
+
+
 def test_save_and_load_hooks_see_the_checkpoint_folder(tmp_path):
     acc = Accelerator(cpu=True)
     model = acc.prepare(torch.nn.Linear(2, 2))

@@ -166,6 +166,24 @@ class CheckpointingMixin(AcceleratorHost):
         elif input_dir is None:
             input_dir = os.path.join(self._need_project_dir(), "checkpoint")
         _state().load_state(self, input_dir)
+        self._continue_numbering(input_dir)
+
+    def _continue_numbering(self, loaded: str) -> None:
+        """After loading ``checkpoint_{n}`` of the automatic naming, the next ``save_state`` writes
+        ``checkpoint_{n+1}``: a resumed run keeps saving (Accelerate leaves ``iteration`` at 0, so
+        its next save reuses the oldest slot's number under ``total_limit``, and the newest state
+        then sorts first and is the next one removed); an ``iteration`` already past it is kept."""
+        pc = self.project_configuration
+        if not pc.automatic_checkpoint_naming or pc.checkpoints_dir is None:
+            return
+        match = re.fullmatch(r"checkpoint_(\d+)", os.path.basename(os.path.normpath(loaded)))
+        if match is None or os.path.realpath(os.path.dirname(os.path.normpath(loaded))) != os.path.realpath(
+            pc.checkpoints_dir
+        ):
+            return
+        if pc.iteration <= int(match.group(1)):
+            pc.iteration = int(match.group(1)) + 1
+            logger.info("lowprec: load_state(%s): the next save_state writes checkpoint_%d", loaded, pc.iteration)
 
     def save_model(
         self,
