@@ -125,6 +125,34 @@ def test_dispatched_steps_give_every_process_a_batch_of_one_size(n, batch_size, 
     assert len(steps) == len(dl)
 
 
+@pytest.mark.parametrize("n, batch_size", [(7, 4), (10, 4), (5, 4), (3, 4), (9, 2), (8, 4)])
+def test_split_batches_give_equal_slices_and_count_the_filling(n, batch_size):
+    """split_batches on 2 processes, sharded and dispatched: every process's slice of a step has
+    one size and the real samples of the epoch come once, the filling (the epoch's first samples)
+    at the end of the last step, counted by its remainder; the slices are Accelerate 1.15's
+    (checked on 2 CPU processes). Was: a short last batch cut unevenly when dispatched (gloo
+    aborted in gather), and, sharded, padded with no remainder (gather_for_metrics kept the
+    filling) or, for an epoch of one short batch, cut to the first slices (samples lost)."""
+    from lowprec.utils.data_loader import DataLoaderShard, GradientState
+
+    slices = {}
+    for rank in (0, 1):
+        loader = DataLoader(list(range(n)), batch_size=batch_size)
+        shard = DataLoaderShard.wrap(
+            loader, rank=rank, world_size=2, device=None, seed=0, gradient_state=GradientState(), split_batches=True
+        )
+        slices[rank], remainder = shard._local_batches()
+    sharded = [[a, b] for a, b in zip(slices[0], slices[1])]
+    dl = DataLoaderDispatcher(list(range(n)), batch_size=batch_size, split_batches=True)
+    dl.world_size = 2
+    dispatched = list(dl._steps(0))
+    for steps, real in ((sharded, remainder), ([[b.tolist() for b in s] for s, _ in dispatched], dispatched[-1][1])):
+        assert all(len(a) == len(b) for a, b in steps), steps
+        flat = [i for a, b in steps for i in a + b]
+        kept = flat if real == -1 else flat[: len(flat) - sum(map(len, steps[-1])) + real]
+        assert kept == list(range(n)), (steps, real)
+
+
 def test_dispatched_batches_that_cannot_be_cut_are_filled_whole():
     # strings have no batch dimension to cut: the last step takes whole first batches
     data = [f"s{i}" for i in range(5)]

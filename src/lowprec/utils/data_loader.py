@@ -268,7 +268,9 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         if self.world_size == 1 or not batches:
             return batches, -1  # one process: exactly the original batches (PyTorch's behaviour)
         if self.split_batches:
-            return self._split(batches), -1
+            # a short last batch is padded: gather_for_metrics keeps its real samples only
+            short = len(batches[-1]) < self._split_width(batches)
+            return self._split(batches), (len(batches[-1]) if short else -1)
         if not self.even_batches:
             return batches[self.rank :: self.world_size], -1
         n, width = len(batches), len(batches[0])
@@ -288,10 +290,15 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         changed = len(padded) != n or len(padded[n - 1]) != len(batches[-1])
         return padded[self.rank :: self.world_size], (remainder if changed else -1)
 
+    def _split_width(self, batches: list[list[int]]) -> int:
+        """The size a batch is padded to before it is cut: the loader's batch size (an epoch of one
+        short batch too), else the first batch's (a custom batch sampler)."""
+        return self.base.batch_size or len(batches[0])
+
     def _split(self, batches: list[list[int]]) -> list[list[int]]:
         """Slice ``rank`` of each batch; a short last batch is padded from the start first (as
         Accelerate) so every slice has the same size."""
-        width = len(batches[0])
+        width = self._split_width(batches)
         flat = [i for b in batches for i in b]
         out = []
         for b in batches:

@@ -169,7 +169,9 @@ class DataLoaderDispatcher(DataLoaderShard):
         """Process 0: (one batch per process, real samples or -1 when nothing was filled)."""
         w = self.world_size
         if self.split_batches:
+            head = None  # the epoch's first batch: what fills a short last one
             for b in self._source(skip_steps):
+                head = b if head is None else head
                 slice_fn = getattr(self, "slice_fn", None)  # unset on a loader built by wrap()
                 if slice_fn is not None:
                     k = _batch_len(b) // w
@@ -177,6 +179,8 @@ class DataLoaderDispatcher(DataLoaderShard):
                         [slice_fn(b, slice(r * k, (r + 1) * k), process_index=r, num_processes=w) for r in range(w)],
                         -1,
                     )
+                elif _cuttable(b, _batch_len(b)) and _cuttable(head, _batch_len(head)):
+                    yield _even_step([b], [head], w)  # a short last batch filled to equal slices
                 else:
                     yield [recursively_apply(lambda t, r=r: t.tensor_split(w)[r], b) for r in range(w)], -1
             return
