@@ -8,8 +8,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from lowprec.state.partial import PartialState
+
 __all__ = [
     "CannotPadNestedTensorWarning",
+    "DistributedOperationException",
     "is_torch_tensor",
     "recursively_apply",
     "send_to_device",
@@ -26,6 +29,35 @@ __all__ = [
 
 class CannotPadNestedTensorWarning(UserWarning):
     """``pad_across_processes`` was given a nested tensor (ragged: no single size to pad); it is returned as is."""
+
+
+class DistributedOperationException(Exception):
+    """In debug mode (``PartialState().debug``, ``ACCELERATE_DEBUG_MODE=1``), a collective given
+    tensors whose shapes differ between processes: said on every process, naming each one's
+    shapes, instead of the hang or the transport error the collective itself would end in."""
+
+
+def _debug() -> bool:
+    # the state's flag as set, without building a state (PartialState() would initialise one)
+    return bool(PartialState._shared_state.get("debug")) and _distributed()
+
+
+def _shapes(data: Any) -> list[tuple[int, ...]]:
+    found: list[tuple[int, ...]] = []
+    recursively_apply(lambda t: found.append(tuple(t.shape)), data)
+    return found
+
+
+def _verify(operation: str, shapes: list) -> None:
+    """Debug mode: every process passed the same ``shapes``, or one exception on every process."""
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, shapes)
+    if any(s != every[0] for s in every):
+        per = "; ".join(f"process {i}: {s}" for i, s in enumerate(every))
+        raise DistributedOperationException(
+            f"{operation}: the tensors' shapes differ between processes ({per}); every process must pass "
+            "tensors of one shape (pad_across_processes pads them along one dimension)"
+        )
 
 
 def is_torch_tensor(data: Any) -> bool:
@@ -101,17 +133,24 @@ def _gather_one(t: torch.Tensor) -> torch.Tensor:
 
 def gather(data: Any) -> Any:
     """Concatenate each tensor across processes along dim 0 (scalars become shape [world])."""
+    if _debug():
+        _verify("gather", _shapes(data))
     return recursively_apply(_gather_one, data)
 
 
-def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-    if reduction not in ("sum", "mean", "none"):
-        raise ValueError(f"reduction={reduction!r}; use 'sum', 'mean' or 'none'")
+def reduce(data: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    """Every tensor of ``data`` reduced across processes: ``"sum"``, ``"mean"`` (the default, as
+    Accelerate's ``utils.reduce``; ``Accelerator.reduce``'s is ``"sum"``), ``"max"``, or ``"none"``
+    (this process's copy), then times ``scale``."""
+    if reduction not in ("sum", "mean", "max", "none"):
+        raise ValueError(f"reduction={reduction!r}; use 'sum', 'mean', 'max' or 'none'")
+    if _debug():
+        _verify("reduce", _shapes(data))
 
     def one(t: torch.Tensor) -> torch.Tensor:
         t = t.clone()
         if _distributed() and reduction != "none":
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if reduction == "max" else dist.ReduceOp.SUM)
             if reduction == "mean":
                 t = t / dist.get_world_size()
         return t * scale if scale != 1.0 else t
@@ -121,6 +160,8 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
 
 def pad_across_processes(data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
     """Pad each tensor along ``dim`` to the largest size across processes (so it can be gathered)."""
+    if _debug():  # the sizes along dim may differ; the number of dimensions may not
+        _verify("pad_across_processes", [(len(s),) for s in _shapes(data)])
 
     def one(t: torch.Tensor, dim: int = dim) -> torch.Tensor:
         if t.is_nested:
@@ -174,6 +215,8 @@ def gather_object(obj: Any) -> list:
 
 def broadcast(data: Any, from_process: int = 0) -> Any:
     """Every tensor (nested) takes process ``from_process``'s value, in place; returned too."""
+    if _debug():
+        _verify("broadcast", _shapes(data))
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if _distributed():

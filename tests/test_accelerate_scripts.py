@@ -1,0 +1,50 @@
+"""Accelerate's own multi-process test scripts (``accelerate/test_utils/scripts``, shipped in the
+pinned ``accelerate`` package the dev extra installs), run on 2 CPU processes under plain
+``torchrun`` with Accelerate's objects rebound to lowprec's (tests/accelerate_shim.py, through a
+``sitecustomize.py`` as in tests/test_accelerate_conformance.py). Accelerate's test suite launches
+them with ``accelerate launch --num_processes 2``; each asserts inside and exits non-zero on a
+failure. Real Accelerate 1.15 passes them on this setup (2 CPU processes, gloo; checked by hand,
+docs/LOG.md 2026-11-29).
+
+- ``test_ops.py``: gather, gather_object, broadcast, pad_across_processes, reduce (sum, mean, max)
+  and debug mode's shape check (``DistributedOperationException``), then
+  ``destroy_process_group``. lowprec lacked ``reduce(..., "max")`` and the debug check, and the
+  script's finished ranks aborted at exit (4 of 6 runs) while lowprec kept the destroyed group
+  to interpreter finalization.
+- ``test_sync.py``: gradient synchronisation under ``no_sync`` / ``accumulate``.
+
+Each run must also have reached lowprec's code (the shim's marker), so a rebinding that silently
+fell back to Accelerate's own objects fails here.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import accelerate
+import pytest
+
+from torchrun_util import run_torchrun
+
+HERE = Path(__file__).resolve().parent
+SITECUSTOMIZE = "import accelerate_shim  # noqa: F401\n"
+
+
+@pytest.mark.parametrize("script", ["test_ops.py", "test_sync.py"])
+def test_accelerates_launched_script_passes_on_lowprec(tmp_path, script):
+    source = Path(accelerate.__file__).parent / "test_utils" / "scripts" / script
+    shutil.copy(HERE / "accelerate_shim.py", tmp_path / "accelerate_shim.py")
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    reached = tmp_path / "reached"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_", "FSDP_"))}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(tmp_path), str(HERE.parent / "src")]),
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        LOWPREC_REACHED=str(reached),
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0", str(source)]
+    run_torchrun(cmd, lambda p: reached.exists(), env=env, timeout=240, cwd=str(tmp_path))
