@@ -11,9 +11,15 @@ The usual trigger is a script that destroys the group, then returns from ``main`
 freed with the model, holds the last reference. It was seen in 2 of 8 loaded two-process runs,
 and in a test's spawned rank.
 
-So every destroy here keeps a reference to each group it destroys. Those groups go at interpreter
-exit, when their threads are long idle, or never under ``lowprec launch``, whose ranks leave with
-``os._exit``. Until then each costs its idle threads and sockets.
+So every destroy here keeps a reference to each group it destroys, until the process ends. Under
+``lowprec launch`` that is never: its ranks leave with ``os._exit``. Elsewhere (a script under
+plain ``torchrun``) an ``atexit`` handler lets them go: it first sleeps 50 ms, the GIL released,
+so a worker still dropping a finished collective's tensors finishes, then drops them while the
+interpreter is whole. Left to interpreter finalization instead, their gloo threads took the GIL
+after finalization began and the finished process aborted ("terminate called without an active
+exception": Accelerate's ``test_ops.py`` script, which ends with ``destroy_process_group``, in 4
+of 6 runs under torchrun, docs/LOG.md 2026-11-29). Until then each costs its idle threads and
+sockets.
 
 * :func:`destroy_group` is lowprec's own destroy: ``end_training`` and the states'.
 * :func:`retain_destroyed_groups` makes ``torch.distributed.destroy_process_group`` itself keep
@@ -23,7 +29,10 @@ exit, when their threads are long idle, or never under ``lowprec launch``, whose
 
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
+import time
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
@@ -32,6 +41,15 @@ __all__ = ["destroy_group", "retain_destroyed_groups"]
 
 _retired: list[Any] = []
 _torch_destroy: Optional[Callable[..., Any]] = None  # torch's own, once patched
+_at_exit = {"registered": False, "release": True}  # release: False where ranks leave with os._exit
+
+
+def _release_at_exit() -> None:
+    if not (_retired and _at_exit["release"]):
+        return
+    time.sleep(0.05)  # the GIL released: a gloo worker still freeing a finished collective ends
+    _retired.clear()
+    gc.collect()
 
 
 def _retain(group: Any) -> None:
@@ -40,6 +58,9 @@ def _retain(group: Any) -> None:
     world = getattr(dist.distributed_c10d, "_world", None)
     groups = list(getattr(world, "pg_map", {})) if group is None else [group]
     _retired.extend(g for g in groups if g is not None)
+    if not _at_exit["registered"]:
+        _at_exit["registered"] = True
+        atexit.register(_release_at_exit)
 
 
 def destroy_group(group: Any = None) -> None:
@@ -52,8 +73,10 @@ def destroy_group(group: Any = None) -> None:
 
 
 def retain_destroyed_groups() -> None:
-    """Make ``torch.distributed.destroy_process_group`` keep what it destroys (idempotent)."""
+    """Make ``torch.distributed.destroy_process_group`` keep what it destroys (idempotent), for a
+    rank that leaves with ``os._exit`` (``lowprec launch``): kept to the end, never released."""
     global _torch_destroy
+    _at_exit["release"] = False
     if _torch_destroy is not None:
         return
     original = dist.destroy_process_group
