@@ -153,6 +153,32 @@ def test_split_batches_give_equal_slices_and_count_the_filling(n, batch_size):
         assert kept == list(range(n)), (steps, real)
 
 
+@pytest.mark.parametrize("own_generator", [False, True], ids=["unseeded", "sampler-generator"])
+def test_a_users_batch_sampler_over_a_random_sampler_shuffles_alike_on_every_process(own_generator):
+    """DataLoader(batch_sampler=BatchSampler(RandomSampler(ds), ...)) on 2 processes: each process
+    drew its own permutation, so within an epoch some samples came twice and others never
+    (Accelerate's own test_distributed_data_loop.py caught it). Now one permutation per epoch,
+    dealt out: every sample once, shuffled, and a new order the next epoch."""
+    from torch.utils.data import RandomSampler
+
+    from lowprec.utils.data_loader import GradientState
+
+    epochs: list[list[int]] = [[], []]
+    for rank in (0, 1):
+        torch.manual_seed(100 + rank)  # each process's global RNG differs
+        gen = torch.Generator().manual_seed(7) if own_generator else None
+        data = list(range(24))
+        loader = DataLoader(data, batch_sampler=BatchSampler(RandomSampler(data, generator=gen), 4, False))
+        shard = DataLoaderShard.wrap(
+            loader, rank=rank, world_size=2, device=None, seed=0, gradient_state=GradientState()
+        )
+        for seen in epochs:  # two epochs, the loader's own epoch counting
+            seen += [int(i) for b in shard for i in b]
+    first, second = epochs
+    assert sorted(first) == list(range(24)) and first != sorted(first)
+    assert sorted(second) == list(range(24)) and second != first
+
+
 def test_dispatched_batches_that_cannot_be_cut_are_filled_whole():
     # strings have no batch dimension to cut: the last step takes whole first batches
     data = [f"s{i}" for i in range(5)]

@@ -39,6 +39,17 @@ from lowprec.utils.dataclasses import DataLoaderConfiguration
 __all__ = ["GradientState", "DataLoaderStateMixin", "DataLoaderShard", "SkipDataLoader", "skip_first_batches"]
 
 
+def _random_sampler(loader: DataLoader) -> Optional[RandomSampler]:
+    """The ``RandomSampler`` that shuffles ``loader``: its sampler, or the sampler of a batch sampler
+    the user passed (``DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), ...))``), whose
+    draws must be the same on every process too (each drew its own permutation: samples repeated
+    across processes and others never seen, within an epoch); None when nothing shuffles."""
+    for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if isinstance(sampler, RandomSampler):
+            return sampler
+    return None
+
+
 class SkipDataLoader(DataLoader):
     """A plain DataLoader whose iterations start ``skip_batches`` batches in (what
     ``skip_first_batches`` returns for a dataloader that was not prepared)."""
@@ -185,8 +196,8 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         self.gradient_state = gradient_state
         self.split_batches, self.even_batches, self.non_blocking = split_batches, even_batches, non_blocking
         self.rng_types, self.synchronized_generator = None, None
-        sampler = dataloader.sampler
-        shuffled = isinstance(sampler, RandomSampler) and seed is not None
+        sampler = _random_sampler(dataloader)
+        shuffled = sampler is not None and seed is not None
         self.user_generator: Optional[torch.Generator] = cast(RandomSampler, sampler).generator if shuffled else None
         self._generator_state: Optional[torch.Tensor] = None  # user_generator at this epoch's start
         if shuffled and self.user_generator is None:
@@ -236,8 +247,8 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         return cast("Iterable[list[int]]", self.base.batch_sampler)
 
     def _global_batches(self) -> list[list[int]]:
-        sampler = self.base.sampler
-        if not isinstance(sampler, RandomSampler):
+        sampler = _random_sampler(self.base)
+        if sampler is None:
             return [list(b) for b in self._batch_sampler()][self.skip_batches :]
         if self.user_generator is not None:
             self._replay_user_generator(self.user_generator)
@@ -261,7 +272,8 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
                 state = box[0]
             self._generator_state = state
         g.set_state(self._generator_state)
-        torch.empty((), dtype=torch.int64).random_(generator=g)
+        if g is self.base.generator:  # the loader's own: its iterator draws first (a sampler's own: not)
+            torch.empty((), dtype=torch.int64).random_(generator=g)
 
     def _local_batches(self) -> tuple[list[list[int]], int]:
         batches = self._global_batches()
