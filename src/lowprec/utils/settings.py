@@ -5,13 +5,12 @@ configuration, the distributed setup), ``join_uneven_inputs``, ``clear`` and
 from __future__ import annotations
 
 import contextlib
-import logging
+import warnings
 from typing import Any, Iterator, Optional
 
 from torch import nn
 
 from lowprec.accelerator_host import AcceleratorHost
-from lowprec.logs import log_once
 
 __all__ = ["SettingsMixin"]
 
@@ -63,11 +62,12 @@ class SettingsMixin(AcceleratorHost):
         prepared sharded loaders' setting inside the block), so processes that run out of data
         shadow the others' collectives. Elsewhere nothing (one process: silently, as Accelerate)."""
         if not (self.use_distributed and self.distributed_type.is_ddp):
-            if self.use_distributed:
-                log_once(
-                    f"lowprec: join_uneven_inputs does nothing under {self.distributed_type}: "
-                    "torch's Join works with DDP only",
-                    logging.WARNING,
+            if self.use_distributed:  # a UserWarning, as Accelerate's (scripts filter on its words)
+                warnings.warn(
+                    f"join_uneven_inputs is only supported for multi-GPU / multi-CPU training with DDP; under "
+                    f"{self.distributed_type} it does nothing (torch's Join shadows DDP's collectives only)",
+                    UserWarning,
+                    stacklevel=3,
                 )
             yield
             return
@@ -75,7 +75,12 @@ class SettingsMixin(AcceleratorHost):
 
         overridden = [d for d in self._dataloaders if not d.dispatches] if even_batches is not None else []
         if even_batches is not None and len(overridden) < len(self._dataloaders):
-            log_once("lowprec: join_uneven_inputs(even_batches=...) does not change dispatched dataloaders")
+            warnings.warn(
+                "join_uneven_inputs(even_batches=...) is only supported for map-style datasets: a dispatched "
+                "(iterable) dataloader keeps its batches",
+                UserWarning,
+                stacklevel=3,
+            )
         saved = [d.even_batches for d in overridden]
         for d in overridden:
             d.even_batches = bool(even_batches)
