@@ -282,3 +282,46 @@ def test_contextual_fp8_autocast_use_during_eval_runs_fp8_in_eval(use_during_eva
         assert 1e-4 < err < 0.2 * ref.abs().max().item()  # FP8 rounding: close, not equal
     else:
         torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("split", [False, True])  # one prepare call; optimizer and scheduler before the model
+def test_msamp_o2_scheduler_drives_the_fp8_optimizer(split, recwarn):
+    from lowprec.utils import MSAMPRecipeKwargs
+
+    set_seed(0)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0)],
+        milestones=[1],
+    )
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[MSAMPRecipeKwargs(opt_level="O2")])
+    if split:
+        opt, sched = acc.prepare(opt, sched)
+        model = acc.prepare(model)
+    else:
+        model, opt, sched = acc.prepare(model, opt, sched)
+    assert type(opt.optimizer).__name__ == "FP8AdamW"
+    x = torch.randn(8, 16)
+    for step in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        acc.backward(model(x).float().pow(2).mean())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        moved = max((p - b).abs().max().item() for p, b in zip(model.parameters(), before))
+        assert (moved > 0) == (step == 0), step  # lr 0 from the second step: nothing moves
+        assert [g["lr"] for g in opt.param_groups] == sched.get_last_lr()
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message)]
+
+
+def test_replaced_optimizer_wrapper_still_pickles():
+    import pickle
+
+    from lowprec.utils.optimizer import AcceleratedOptimizer
+
+    params = list(mlp().parameters())
+    wrapped = AcceleratedOptimizer(torch.optim.AdamW(params), None, None)
+    wrapped.replace_optimizer(torch.optim.SGD(params, lr=0.1))
+    assert type(pickle.loads(pickle.dumps(wrapped)).optimizer) is torch.optim.SGD
