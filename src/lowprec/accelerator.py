@@ -95,6 +95,8 @@ class Accelerator(
                 (project_config, "project_config"),
             )
         )
+        if "kwarg_handlers" in kwargs:  # the spelling Accelerate's own FP8 docs use
+            kwargs_handlers = [*(kwargs_handlers or []), *(kwargs.pop("kwarg_handlers") or [])]
         kwargs_handlers = [from_accelerate(h, "kwargs_handlers") for h in kwargs_handlers or []]
         for key in ("dynamo_plugin", "parallelism_config", "torch_tp_plugin"):
             if key in kwargs:
@@ -167,8 +169,6 @@ class Accelerator(
         """The kwargs handlers, the dynamo plugin and the dataloader configuration, with the
         spellings Accelerate also accepts; an unknown keyword is an error with a suggestion."""
         handlers = list(kwargs_handlers or [])
-        if "kwarg_handlers" in kwargs:  # the spelling Accelerate's own FP8 docs use
-            handlers += list(kwargs.pop("kwarg_handlers") or [])
         # torch.compile of prepared models (Accelerate's dynamo_backend / dynamo_plugin)
         self.dynamo_plugin = kwargs.pop("dynamo_plugin", None) or TorchDynamoPlugin(
             backend=kwargs.pop("dynamo_backend", None)
