@@ -181,6 +181,18 @@ def test_process_helpers_single_process(capsys):
     assert GradientState().num_steps == 3
 
 
+def test_accelerator_state_has_accelerates_process_control(capsys):
+    """Accelerate's AcceleratorState has the process helpers too (its test_script.py calls
+    ``state.wait_for_everyone()``); they were missing from lowprec's."""
+    state = Accelerator(cpu=True).state
+    state.wait_for_everyone()
+    with state.main_process_first(), state.local_main_process_first():
+        state.print("printed")
+    with state.split_between_processes([1, 2, 3]) as part:
+        assert part == [1, 2, 3]
+    assert capsys.readouterr().out == "printed\n"
+
+
 def test_partial_state_reset_message():
     state = PartialState()
     assert state.num_processes == 1

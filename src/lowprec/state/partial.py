@@ -111,6 +111,34 @@ class ProcessFacts:
     def is_last_process(self) -> bool:
         return self.process_index == self.num_processes - 1
 
+    # process control: PartialState's and AcceleratorState's (Accelerate has both)
+    def wait_for_everyone(self) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def _goes_first(self, first: bool):
+        if not first:
+            self.wait_for_everyone()
+        yield
+        if first:
+            self.wait_for_everyone()
+
+    def main_process_first(self):
+        """The main process runs the block, then the others (e.g. a dataset download)."""
+        return self._goes_first(self.is_main_process)
+
+    def local_main_process_first(self):
+        return self._goes_first(self.is_local_main_process)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False):
+        yield split_between(inputs, self.process_index, self.num_processes, apply_padding)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
     def __getattr__(self, name: str) -> Any:
         """Accelerate's message for a state read after ``_reset_state()`` (``_known_attrs``)."""
         cls = type(self).__name__
@@ -167,30 +195,6 @@ class PartialState(SharedState, ProcessFacts):
     def default_device(self) -> torch.device:
         return self.device
 
-    # ------------------------------------------------------------------ process control
-    def wait_for_everyone(self) -> None:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
-
-    @contextlib.contextmanager
-    def _goes_first(self, first: bool):
-        if not first:
-            self.wait_for_everyone()
-        yield
-        if first:
-            self.wait_for_everyone()
-
-    def main_process_first(self):
-        """The main process runs the block, then the others (e.g. a dataset download)."""
-        return self._goes_first(self.is_main_process)
-
-    def local_main_process_first(self):
-        return self._goes_first(self.is_local_main_process)
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False):
-        yield split_between(inputs, self.process_index, self.num_processes, apply_padding)
-
     def _on(self, function: Optional[Callable], run: Callable[[], bool]):
         if function is None:  # used as @decorator() with parentheses
             return lambda f: self._on(f, run)
@@ -220,10 +224,6 @@ class PartialState(SharedState, ProcessFacts):
         if function is None:
             return functools.partial(self.on_local_process, local_process_index=local_process_index)
         return self._on(function, lambda: self.local_process_index == local_process_index)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_local_main_process:
-            print(*args, **kwargs)
 
     def destroy_process_group(self, group: Any = None) -> None:
         destroy_group(group)
