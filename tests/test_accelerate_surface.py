@@ -193,6 +193,28 @@ def test_accelerator_state_has_accelerates_process_control(capsys):
     assert capsys.readouterr().out == "printed\n"
 
 
+def test_split_between_processes_keeps_a_dataset_and_pads_with_the_inputs_last():
+    from datasets import Dataset
+
+    from lowprec.state.partial import split_between
+
+    data = Dataset.from_list([{"k": v} for v in range(5)])
+    with PartialState().split_between_processes(data) as part:  # one process: the input itself
+        assert part is data
+    shares = [split_between(data, i, 4, apply_padding=True) for i in range(4)]
+    assert all(isinstance(p, Dataset) for p in shares)
+    # Accelerate pads every short share with the input's last element
+    assert [list(p["k"]) for p in shares] == [[0, 1], [2, 4], [3, 4], [4, 4]]
+    assert [split_between(list(range(5)), i, 4, apply_padding=True) for i in range(4)] == [
+        [0, 1],
+        [2, 4],
+        [3, 4],
+        [4, 4],
+    ]
+    assert split_between(torch.arange(5), 1, 4, apply_padding=True).tolist() == [2, 4]
+    assert list(split_between(data, 3, 4)["k"]) == [4]
+
+
 def test_partial_state_reset_message():
     state = PartialState()
     assert state.num_processes == 1

@@ -68,10 +68,18 @@ def _resolve_device(cpu: bool, local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "no CUDA device"
 
 
+def _is_hf_dataset(obj: Any) -> bool:
+    """A ``datasets.Dataset`` (slicing one gives a dict of columns; ``select`` keeps the type)."""
+    return type(obj).__module__.split(".")[0] == "datasets" and hasattr(obj, "select")
+
+
 def split_between(inputs: Any, index: int, count: int, apply_padding: bool = False) -> Any:
-    """Process ``index``'s contiguous share of ``inputs`` (list, tuple, tensor, or dict of them);
-    the first ``len % count`` processes get one more; with ``apply_padding`` every share has the
-    same length, padded by repeating the last element."""
+    """Process ``index``'s contiguous share of ``inputs`` (list, tuple, tensor, ``datasets.Dataset``,
+    or dict of them); the first ``len % count`` processes get one more; with ``apply_padding``
+    every share has the same length, padded by repeating the input's last element (Accelerate's
+    rule). One process gets ``inputs`` itself, as under Accelerate."""
+    if count == 1:
+        return inputs
     if isinstance(inputs, dict):
         lengths = {len(v) for v in inputs.values()}
         if len(lengths) != 1:
@@ -81,13 +89,16 @@ def split_between(inputs: Any, index: int, count: int, apply_padding: bool = Fal
     per, extra = divmod(n, count)
     start = index * per + min(index, extra)
     end = start + per + (1 if index < extra else 0)
+    missing = (per + 1 - (end - start)) if apply_padding and extra and n else 0
+    if _is_hf_dataset(inputs):
+        return inputs.select([*range(start, end), *[n - 1] * missing])
     part = inputs[start:end]
-    if apply_padding and extra and len(part) < per + 1 and n:
-        last = inputs[-1:] if len(part) == 0 else part[-1:]
+    if missing:
+        last = inputs[-1:]
         if isinstance(part, torch.Tensor):
-            part = torch.cat([part, last.repeat(per + 1 - len(part), *([1] * (part.ndim - 1)))])
+            part = torch.cat([part, last.repeat(missing, *([1] * (part.ndim - 1)))])
         else:
-            part = part + type(part)(last) * (per + 1 - len(part))
+            part = part + type(part)(last) * missing
     return part
 
 
