@@ -401,3 +401,12 @@ def test_accelerate_115_settings_members_on_one_process():
     with acc.join_uneven_inputs([prepared], even_batches=False):  # one process: nothing to join
         prepared(torch.ones(1, 2))
     assert acc.clear(prepared) == [None] and acc._models == []
+
+
+def test_state_repr_is_accelerates_summary():
+    """Accelerate's examples log ``accelerator.state``: a summary, not an object address."""
+    acc = Accelerator(cpu=True, mixed_precision="fp8")
+    text = repr(acc.state)
+    assert text.startswith("Distributed environment: NO\nNum processes: 1\nProcess index: 0\n")
+    assert "Device: cpu\n" in text and "Mixed precision type: fp8\n" in text and "FP8 backend: " in text
+    assert repr(PartialState()).startswith("Distributed environment: NO\nNum processes: 1\n")

@@ -150,6 +150,19 @@ class ProcessFacts:
         if self.is_local_main_process:
             print(*args, **kwargs)
 
+    def __repr__(self) -> str:
+        """The summary Accelerate's ``print(accelerator.state)`` gives (its examples log it)."""
+        facts = self.__dict__
+        if "device" not in facts:  # after _reset_state()
+            return f"{type(self).__name__}() (reset: make an Accelerator or PartialState again)"
+        backend = facts.get("backend") or (dist.get_backend() if dist.is_initialized() else None)
+        return (
+            f"Distributed environment: {facts.get('distributed_type')}"
+            + (f"  Backend: {backend}" if backend else "")
+            + f"\nNum processes: {self.num_processes}\nProcess index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\nDevice: {facts['device']}\n"
+        )
+
     def __getattr__(self, name: str) -> Any:
         """Accelerate's message for a state read after ``_reset_state()`` (``_known_attrs``)."""
         cls = type(self).__name__
