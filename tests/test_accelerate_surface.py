@@ -410,3 +410,26 @@ def test_state_repr_is_accelerates_summary():
     assert text.startswith("Distributed environment: NO\nNum processes: 1\nProcess index: 0\n")
     assert "Device: cpu\n" in text and "Mixed precision type: fp8\n" in text and "FP8 backend: " in text
     assert repr(PartialState()).startswith("Distributed environment: NO\nNum processes: 1\n")
+
+
+def test_get_logger_takes_accelerates_keywords(caplog, monkeypatch):
+    """``from accelerate.logging import get_logger`` becomes ``from lowprec.logging import get_logger``."""
+    import logging
+
+    from lowprec.logging import get_logger
+
+    monkeypatch.delenv("ACCELERATE_LOG_LEVEL", raising=False)
+    PartialState._reset_state()
+    logger = get_logger("lowprec_test_logger", log_level="INFO")
+    with pytest.raises(RuntimeError, match="create the Accelerator"):
+        logger.info("too early")
+    Accelerator(cpu=True)
+    with caplog.at_level(logging.INFO, logger="lowprec_test_logger"):
+        logger.info("a %s", "b", main_process_only=False)
+        logger.info("in order", in_order=True)
+        logger.warning_once("once")
+        logger.warning_once("once")
+        logger.debug("hidden")
+    records = [r for r in caplog.records if r.name == "lowprec_test_logger"]
+    assert [r.getMessage() for r in records] == ["[RANK 0] a b", "[RANK 0] in order", "[RANK 0] once"]
+    assert {r.filename for r in records[:2]} == {"test_accelerate_surface.py"}  # the caller's line
