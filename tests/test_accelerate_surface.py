@@ -433,3 +433,24 @@ def test_get_logger_takes_accelerates_keywords(caplog, monkeypatch):
     records = [r for r in caplog.records if r.name == "lowprec_test_logger"]
     assert [r.getMessage() for r in records] == ["[RANK 0] a b", "[RANK 0] in order", "[RANK 0] once"]
     assert {r.filename for r in records[:2]} == {"test_accelerate_surface.py"}  # the caller's line
+
+
+def test_accelerates_top_level_names_and_submodules():
+    """``from accelerate import Accelerator, DistributedDataParallelKwargs`` (Accelerate's docs)
+    and ``import accelerate; accelerate.utils.set_seed(0)`` work with the import switched."""
+    import subprocess
+    import sys
+
+    code = (
+        "import lowprec\n"
+        "lowprec.utils.set_seed(0)\n"
+        "assert lowprec.state.AcceleratorState and lowprec.logging.get_logger\n"
+        "from lowprec import (AutocastKwargs, DeepSpeedPlugin, DistributedDataParallelKwargs,\n"
+        "    FullyShardedDataParallelPlugin, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)\n"
+        "from lowprec import utils\n"
+        "assert DistributedDataParallelKwargs is utils.DistributedDataParallelKwargs\n"
+        "assert ProfileKwargs is utils.ProfileKwargs and DeepSpeedPlugin is utils.DeepSpeedPlugin\n"
+    )
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)  # a fresh interpreter: nothing imported yet
