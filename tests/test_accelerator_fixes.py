@@ -325,3 +325,34 @@ def test_replaced_optimizer_wrapper_still_pickles():
     wrapped = AcceleratedOptimizer(torch.optim.AdamW(params), None, None)
     wrapped.replace_optimizer(torch.optim.SGD(params, lr=0.1))
     assert type(pickle.loads(pickle.dumps(wrapped)).optimizer) is torch.optim.SGD
+
+
+def test_save_pretrained_after_prepare_writes_weights_only(tmp_path):
+    """Accelerate's saving idiom, ``unwrap_model(model).save_pretrained(dir)``, on a model a
+    delayed-scaling recipe converted: no FP8 scaling state in the files (it loads with no
+    unexpected keys), while save_state still keeps that state."""
+    transformers = pytest.importorskip("transformers")
+    from lowprec.utils import TERecipeKwargs
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64
+    )
+    set_seed(0)
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(amax_history_len=4)])
+    model = transformers.LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    ids = torch.randint(0, 64, (2, 8))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    acc.unwrap_model(model).save_pretrained(tmp_path / "hf", save_function=acc.save)
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    history = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items() if "amax_history" in k}
+    assert history and all(v.abs().sum() > 0 for v in history.values())
+    acc.save_state(tmp_path / "state")
+    for k in history:
+        acc.unwrap_model(model).state_dict()[k].zero_()
+    acc.load_state(tmp_path / "state")
+    after = acc.unwrap_model(model).state_dict()
+    assert all(torch.equal(after[k], v) for k, v in history.items())
