@@ -424,11 +424,14 @@ class Accelerator(
     def free_memory(self, *objects: Any):
         """Forget every prepared object (and the bookkeeping that holds references to them),
         then collect garbage; like Accelerate, returns a list with ``None`` for each object passed, so
-        ``model, opt = accelerator.free_memory(model, opt)`` drops the caller's references too."""
+        ``model, opt = accelerator.free_memory(model, opt)`` drops the caller's references too.
+        Objects given to ``register_for_checkpointing`` stay registered, as under Accelerate (a
+        ``find_executable_batch_size`` loop calls this before preparing again, and ``save_state``
+        must still write them)."""
         import gc
 
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
-        self._param_maps, self._optimizer_models, self._custom_objects = [], {}, []
+        self._param_maps, self._optimizer_models = [], {}
         self._fp8_health.clear()
         self._ds_engine = None
         self.step = 0
