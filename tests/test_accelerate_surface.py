@@ -63,6 +63,15 @@ def test_automatic_checkpoint_naming_rotates(tmp_path):
     torch.testing.assert_close(model.weight, weights[-1])
 
 
+def test_save_iteration_counts_every_save_state(tmp_path):
+    """Accelerate's ``save_iteration`` counts every ``save_state``, with or without automatic naming."""
+    acc = Accelerator(cpu=True)
+    acc.prepare(torch.nn.Linear(2, 2))
+    for _ in range(2):
+        acc.save_state(str(tmp_path / f"ckpt_{acc.save_iteration}"))
+    assert acc.save_iteration == 2 and sorted(os.listdir(tmp_path)) == ["ckpt_0", "ckpt_1"]
+
+
 def test_save_and_load_hooks_see_the_checkpoint_folder(tmp_path):
     acc = Accelerator(cpu=True)
     model = acc.prepare(torch.nn.Linear(2, 2))
