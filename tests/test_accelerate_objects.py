@@ -162,6 +162,15 @@ def test_the_accelerator_refuses_rather_than_drops():
         lowprec.Accelerator(cpu=True, dynamo_plugin=au.TorchDynamoPlugin(use_regional_compilation=True))
 
 
+def test_accelerates_objects_convert_under_the_kwarg_handlers_spelling_too():
+    """Accelerate's FP8 guide spells the argument ``kwarg_handlers``; its objects convert there as
+    under ``kwargs_handlers`` (before: a TypeError saying lowprec's classes are needed)."""
+    acc = lowprec.Accelerator(cpu=True, mixed_precision="fp8", kwarg_handlers=[au.AutocastKwargs(cache_enabled=False)])
+    assert acc.handlers[K.AutocastKwargs].cache_enabled is False
+    acc = lowprec.Accelerator(cpu=True, kwarg_handlers=[au.DistributedDataParallelKwargs(comm_hook="fp16")])
+    assert acc.handlers[K.DistributedDataParallelKwargs].comm_hook == K.DDPCommunicationHookType.FP16
+
+
 def _tiny_llama(transformers):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(

@@ -82,6 +82,15 @@ def test_a_resumed_run_keeps_saving_after_the_checkpoint_it_loaded(tmp_path):
     assert again.save_iteration == 3 and model is first._models[0]
 
 
+def test_save_iteration_counts_every_save_state(tmp_path):
+    """Accelerate's ``save_iteration`` counts every ``save_state``, with or without automatic naming."""
+    acc = Accelerator(cpu=True)
+    acc.prepare(torch.nn.Linear(2, 2))
+    for _ in range(2):
+        acc.save_state(str(tmp_path / f"ckpt_{acc.save_iteration}"))
+    assert acc.save_iteration == 2 and sorted(os.listdir(tmp_path)) == ["ckpt_0", "ckpt_1"]
+
+
 def test_save_and_load_hooks_see_the_checkpoint_folder(tmp_path):
     acc = Accelerator(cpu=True)
     model = acc.prepare(torch.nn.Linear(2, 2))
@@ -198,6 +207,40 @@ def test_process_helpers_single_process(capsys):
     from lowprec.state import GradientState
 
     assert GradientState().num_steps == 3
+
+
+def test_accelerator_state_has_accelerates_process_control(capsys):
+    """Accelerate's AcceleratorState has the process helpers too (its test_script.py calls
+    ``state.wait_for_everyone()``); they were missing from lowprec's."""
+    state = Accelerator(cpu=True).state
+    state.wait_for_everyone()
+    with state.main_process_first(), state.local_main_process_first():
+        state.print("printed")
+    with state.split_between_processes([1, 2, 3]) as part:
+        assert part == [1, 2, 3]
+    assert capsys.readouterr().out == "printed\n"
+
+
+def test_split_between_processes_keeps_a_dataset_and_pads_with_the_inputs_last():
+    from datasets import Dataset
+
+    from lowprec.state.partial import split_between
+
+    data = Dataset.from_list([{"k": v} for v in range(5)])
+    with PartialState().split_between_processes(data) as part:  # one process: the input itself
+        assert part is data
+    shares = [split_between(data, i, 4, apply_padding=True) for i in range(4)]
+    assert all(isinstance(p, Dataset) for p in shares)
+    # Accelerate pads every short share with the input's last element
+    assert [list(p["k"]) for p in shares] == [[0, 1], [2, 4], [3, 4], [4, 4]]
+    assert [split_between(list(range(5)), i, 4, apply_padding=True) for i in range(4)] == [
+        [0, 1],
+        [2, 4],
+        [3, 4],
+        [4, 4],
+    ]
+    assert split_between(torch.arange(5), 1, 4, apply_padding=True).tolist() == [2, 4]
+    assert list(split_between(data, 3, 4)["k"]) == [4]
 
 
 def test_partial_state_reset_message():
@@ -386,3 +429,56 @@ def test_accelerate_115_settings_members_on_one_process():
     with acc.join_uneven_inputs([prepared], even_batches=False):  # one process: nothing to join
         prepared(torch.ones(1, 2))
     assert acc.clear(prepared) == [None] and acc._models == []
+
+
+def test_state_repr_is_accelerates_summary():
+    """Accelerate's examples log ``accelerator.state``: a summary, not an object address."""
+    acc = Accelerator(cpu=True, mixed_precision="fp8")
+    text = repr(acc.state)
+    assert text.startswith("Distributed environment: NO\nNum processes: 1\nProcess index: 0\n")
+    assert "Device: cpu\n" in text and "Mixed precision type: fp8\n" in text and "FP8 backend: " in text
+    assert repr(PartialState()).startswith("Distributed environment: NO\nNum processes: 1\n")
+
+
+def test_get_logger_takes_accelerates_keywords(caplog, monkeypatch):
+    """``from accelerate.logging import get_logger`` becomes ``from lowprec.logging import get_logger``."""
+    import logging
+
+    from lowprec.logging import get_logger
+
+    monkeypatch.delenv("ACCELERATE_LOG_LEVEL", raising=False)
+    PartialState._reset_state()
+    logger = get_logger("lowprec_test_logger", log_level="INFO")
+    with pytest.raises(RuntimeError, match="create the Accelerator"):
+        logger.info("too early")
+    Accelerator(cpu=True)
+    with caplog.at_level(logging.INFO, logger="lowprec_test_logger"):
+        logger.info("a %s", "b", main_process_only=False)
+        logger.info("in order", in_order=True)
+        logger.warning_once("once")
+        logger.warning_once("once")
+        logger.debug("hidden")
+    records = [r for r in caplog.records if r.name == "lowprec_test_logger"]
+    assert [r.getMessage() for r in records] == ["[RANK 0] a b", "[RANK 0] in order", "[RANK 0] once"]
+    assert {r.filename for r in records[:2]} == {"test_accelerate_surface.py"}  # the caller's line
+
+
+def test_accelerates_top_level_names_and_submodules():
+    """``from accelerate import Accelerator, DistributedDataParallelKwargs`` (Accelerate's docs)
+    and ``import accelerate; accelerate.utils.set_seed(0)`` work with the import switched."""
+    import subprocess
+    import sys
+
+    code = (
+        "import lowprec\n"
+        "lowprec.utils.set_seed(0)\n"
+        "assert lowprec.state.AcceleratorState and lowprec.logging.get_logger\n"
+        "from lowprec import (AutocastKwargs, DeepSpeedPlugin, DistributedDataParallelKwargs,\n"
+        "    FullyShardedDataParallelPlugin, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)\n"
+        "from lowprec import utils\n"
+        "assert DistributedDataParallelKwargs is utils.DistributedDataParallelKwargs\n"
+        "assert ProfileKwargs is utils.ProfileKwargs and DeepSpeedPlugin is utils.DeepSpeedPlugin\n"
+    )
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)  # a fresh interpreter: nothing imported yet

@@ -231,7 +231,7 @@ def test_rng_types_warns_and_device_placement_list_is_used(caplog):
         acc.prepare(loader(8, 4), device_placement=[True, False])
 
 
-def test_free_memory_drops_every_reference():
+def test_free_memory_drops_every_reference(tmp_path):
     import gc
     import weakref
 
@@ -240,23 +240,29 @@ def test_free_memory_drops_every_reference():
     model, opt = acc.prepare(base, torch.optim.SGD(base.parameters(), lr=0.1))
 
     class Counter:
+        n = 5
+
         def state_dict(self):
-            return {}
+            return {"n": self.n}
 
         def load_state_dict(self, state):
-            pass
+            self.n = state["n"]
 
     counter = Counter()
     acc.register_for_checkpointing(counter)
-    probe, cprobe = weakref.ref(base[0].weight), weakref.ref(counter)
+    probe = weakref.ref(base[0].weight)
     model, opt = acc.free_memory(model, opt)
-    del base, counter
+    del base
     gc.collect()
     assert [model, opt] == [None, None]
-    assert (
-        acc._param_maps == [] and acc._optimizer_models == {} and acc._custom_objects == [] and acc._ds_engine is None
-    )
-    assert probe() is None and cprobe() is None
+    assert acc._param_maps == [] and acc._optimizer_models == {} and acc._ds_engine is None
+    assert probe() is None
+    # registered objects stay registered, as under Accelerate: still saved and restored
+    acc.prepare(mlp())
+    acc.save_state(tmp_path / "ckpt")
+    counter.n = 0
+    acc.load_state(tmp_path / "ckpt")
+    assert counter.n == 5
 
 
 @pytest.mark.parametrize("use_during_eval", [True, False])
@@ -282,3 +288,77 @@ def test_contextual_fp8_autocast_use_during_eval_runs_fp8_in_eval(use_during_eva
         assert 1e-4 < err < 0.2 * ref.abs().max().item()  # FP8 rounding: close, not equal
     else:
         torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("split", [False, True])  # one prepare call; optimizer and scheduler before the model
+def test_msamp_o2_scheduler_drives_the_fp8_optimizer(split, recwarn):
+    from lowprec.utils import MSAMPRecipeKwargs
+
+    set_seed(0)
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0)],
+        milestones=[1],
+    )
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[MSAMPRecipeKwargs(opt_level="O2")])
+    if split:
+        opt, sched = acc.prepare(opt, sched)
+        model = acc.prepare(model)
+    else:
+        model, opt, sched = acc.prepare(model, opt, sched)
+    assert type(opt.optimizer).__name__ == "FP8AdamW"
+    x = torch.randn(8, 16)
+    for step in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        acc.backward(model(x).float().pow(2).mean())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        moved = max((p - b).abs().max().item() for p, b in zip(model.parameters(), before))
+        assert (moved > 0) == (step == 0), step  # lr 0 from the second step: nothing moves
+        assert [g["lr"] for g in opt.param_groups] == sched.get_last_lr()
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message)]
+
+
+def test_replaced_optimizer_wrapper_still_pickles():
+    import pickle
+
+    from lowprec.utils.optimizer import AcceleratedOptimizer
+
+    params = list(mlp().parameters())
+    wrapped = AcceleratedOptimizer(torch.optim.AdamW(params), None, None)
+    wrapped.replace_optimizer(torch.optim.SGD(params, lr=0.1))
+    assert type(pickle.loads(pickle.dumps(wrapped)).optimizer) is torch.optim.SGD
+
+
+def test_save_pretrained_after_prepare_writes_weights_only(tmp_path):
+    """Accelerate's saving idiom, ``unwrap_model(model).save_pretrained(dir)``, on a model a
+    delayed-scaling recipe converted: no FP8 scaling state in the files (it loads with no
+    unexpected keys), while save_state still keeps that state."""
+    transformers = pytest.importorskip("transformers")
+    from lowprec.utils import TERecipeKwargs
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64
+    )
+    set_seed(0)
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(amax_history_len=4)])
+    model = transformers.LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    ids = torch.randint(0, 64, (2, 8))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    acc.unwrap_model(model).save_pretrained(tmp_path / "hf", save_function=acc.save)
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    history = {k: v.clone() for k, v in acc.unwrap_model(model).state_dict().items() if "amax_history" in k}
+    assert history and all(v.abs().sum() > 0 for v in history.values())
+    acc.save_state(tmp_path / "state")
+    for k in history:
+        acc.unwrap_model(model).state_dict()[k].zero_()
+    acc.load_state(tmp_path / "state")
+    after = acc.unwrap_model(model).state_dict()
+    assert all(torch.equal(after[k], v) for k, v in history.items())

@@ -245,3 +245,28 @@ def test_elastic_checkpoint_is_refused_for_fp8_adamw():
     check_client_optimizer(opt, {"zero_optimization": {"stage": 2}})  # the default is fine
     plain = torch.optim.AdamW([nn.Parameter(torch.zeros(4))])
     check_client_optimizer(plain, {"zero_optimization": {"elastic_checkpoint": True}})  # not ours to judge
+
+
+def test_o2_under_deepspeed_scheduler_drives_the_fp8_optimizer(ds_env, recwarn):
+    """A scheduler built on the user's AdamW sets the learning rate of the FP8AdamW ZeRO steps."""
+    torch.manual_seed(0)
+    acc = Accelerator(
+        mixed_precision="fp8",
+        deepspeed_plugin=DeepSpeedPlugin(zero_stage=2),
+        kwargs_handlers=[MSAMPRecipeKwargs(opt_level="O2")],
+    )
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 1 else 0.0)
+    model, opt, sched = acc.prepare(model, opt, sched)
+    x = torch.randn(8, 16)
+    for step in range(2):
+        before = [p.detach().float().clone() for p in model.parameters()]
+        acc.backward(model(x).float().pow(2).mean())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        moved = max((p.float() - b).abs().max().item() for p, b in zip(model.parameters(), before))
+        assert (moved > 0) == (step == 0), step  # lr 0 from the second step: nothing moves
+        assert [g["lr"] for g in opt.param_groups] == sched.get_last_lr() == [0.0]
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message)]

@@ -25,7 +25,17 @@ _LAZY = {
     "init_empty_weights": "lowprec.utils.modeling",
     "init_on_device": "lowprec.utils.modeling",
     "ParallelismConfig": "lowprec.parallelism_config",
+    # the kwargs handlers and plugins Accelerate also exports at its top level
+    "AutocastKwargs": "lowprec.kwargs",
+    "DeepSpeedPlugin": "lowprec.kwargs",
+    "DistributedDataParallelKwargs": "lowprec.kwargs",
+    "FullyShardedDataParallelPlugin": "lowprec.kwargs",
+    "GradScalerKwargs": "lowprec.kwargs",
+    "InitProcessGroupKwargs": "lowprec.kwargs",
+    "ProfileKwargs": "lowprec.utils.dataclasses",
 }
+# submodules reachable as attributes after ``import lowprec`` (``accelerate.utils.set_seed`` style)
+_SUBMODULES = ("utils", "state", "logging", "fp8", "optim", "integrations")
 
 __all__ = ["__version__", *_LAZY]
 
@@ -33,4 +43,6 @@ __all__ = ["__version__", *_LAZY]
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"lowprec.{name}")
     raise AttributeError(f"module 'lowprec' has no attribute {name!r}")

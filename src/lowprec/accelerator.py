@@ -95,6 +95,8 @@ class Accelerator(
                 (project_config, "project_config"),
             )
         )
+        if "kwarg_handlers" in kwargs:  # the spelling Accelerate's own FP8 docs use
+            kwargs_handlers = [*(kwargs_handlers or []), *(kwargs.pop("kwarg_handlers") or [])]
         kwargs_handlers = [from_accelerate(h, "kwargs_handlers") for h in kwargs_handlers or []]
         for key in ("dynamo_plugin", "parallelism_config", "torch_tp_plugin"):
             if key in kwargs:
@@ -167,8 +169,6 @@ class Accelerator(
         """The kwargs handlers, the dynamo plugin and the dataloader configuration, with the
         spellings Accelerate also accepts; an unknown keyword is an error with a suggestion."""
         handlers = list(kwargs_handlers or [])
-        if "kwarg_handlers" in kwargs:  # the spelling Accelerate's own FP8 docs use
-            handlers += list(kwargs.pop("kwarg_handlers") or [])
         # torch.compile of prepared models (Accelerate's dynamo_backend / dynamo_plugin)
         self.dynamo_plugin = kwargs.pop("dynamo_plugin", None) or TorchDynamoPlugin(
             backend=kwargs.pop("dynamo_backend", None)
@@ -426,11 +426,14 @@ class Accelerator(
     def free_memory(self, *objects: Any):
         """Forget every prepared object (and the bookkeeping that holds references to them),
         then collect garbage; like Accelerate, returns a list with ``None`` for each object passed, so
-        ``model, opt = accelerator.free_memory(model, opt)`` drops the caller's references too."""
+        ``model, opt = accelerator.free_memory(model, opt)`` drops the caller's references too.
+        Objects given to ``register_for_checkpointing`` stay registered, as under Accelerate (a
+        ``find_executable_batch_size`` loop calls this before preparing again, and ``save_state``
+        must still write them)."""
         import gc
 
         self._models, self._optimizers, self._schedulers, self._dataloaders = [], [], [], []
-        self._param_maps, self._optimizer_models, self._custom_objects = [], {}, []
+        self._param_maps, self._optimizer_models = [], {}
         self._fp8_health.clear()
         self._ds_engine = None
         self.step = 0

@@ -28,7 +28,7 @@ from lowprec.utils.dispatcher import DataLoaderDispatcher
 from lowprec.utils.fp8_health import ModelHealth
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_initialize
 from lowprec.utils.distributed import wrap_ddp, wrap_fsdp2
-from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler
+from lowprec.utils.optimizer import AcceleratedOptimizer, AcceleratedScheduler, note_replaced, retarget_scheduler
 from lowprec.utils.precision import autocast_context, wrap_forward
 from lowprec.utils.parallelism import apply_ep, apply_tp, data_shard, dp_mesh
 
@@ -158,7 +158,7 @@ class PrepareMixin(AcceleratorHost):
         model = results[models[0]].to(self.device)
         before = named_params(model)
         model = self._convert_and_wrap_forward(model)
-        optimizer = results[opts[0]]
+        optimizer = given = results[opts[0]]
         remap_optimizer_params(optimizer, before, named_params(model))
         if self.backend is not None:
             optimizer, model = self.backend.prepare_optimizer(optimizer, model, self._ctx())
@@ -172,12 +172,15 @@ class PrepareMixin(AcceleratorHost):
         )
         engine, ds_opt = deepspeed_initialize(model, optimizer, cfg)
         wrapped = DeepSpeedOptimizer(engine, ds_opt, self.nonfinite)
+        note_replaced(wrapped, given, optimizer)  # ZeRO steps the client optimizer's param groups
         if self.backend is not None:
             wrapped.after_step, wrapped.after_skip = self._step_hooks(engine.module)
             self.backend.after_wrap(engine, self._ctx())
         self._ds_engine = engine
         self._models.append(engine)
         self._optimizers.append(wrapped)  # type: ignore[arg-type]
+        for sched in self._schedulers:  # prepared in an earlier call, on the replaced optimizer
+            retarget_scheduler(sched.scheduler, self._optimizers)
         self._optimizer_models[id(wrapped)] = engine
         results[models[0]], results[opts[0]] = engine, wrapped
 
@@ -231,7 +234,9 @@ class PrepareMixin(AcceleratorHost):
                 continue
             # the model as held (DDP-wrapped): MS-AMP O-levels hook DDP's gradient all-reduce
             new_opt, new_model = self.backend.prepare_optimizer(opt.optimizer, owner, self._ctx())
-            opt.optimizer = new_opt
+            opt.replace_optimizer(new_opt)
+            for sched in self._schedulers:  # prepared in an earlier call, on the replaced optimizer
+                retarget_scheduler(sched.scheduler, self._optimizers)
             if owner is not None:
                 opt.after_step, opt.after_skip = self._step_hooks(owner)
             if new_model is not None and new_model is not owner:
@@ -247,6 +252,7 @@ class PrepareMixin(AcceleratorHost):
                 self._optimizer_models[id(opt)] = new_model
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        retarget_scheduler(scheduler, self._optimizers)  # built on an optimizer a backend replaced
         wrapped = AcceleratedScheduler(
             scheduler,
             self._optimizers,

@@ -50,8 +50,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Set
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 from accelerate.utils import DistributedDataParallelKwargs
@@ -64,6 +63,7 @@ from lowprec import fp8
 from lowprec.checkpoint.serialization import load_object, save_object
 from lowprec.durable import fsync_dir, fsync_file, temp_suffix
 from lowprec.fp8.convert import DEFAULT_SKIP_PATTERNS, ConversionReport, ModuleFilter
+from lowprec.fp8.plain_save import fp8_state_keys, strip_fp8_state_on_save
 from lowprec.fp8.observe.guard import GUARD_MODES, GUARD_SCOPES, THRESHOLD_NAMES, Guard, HealthMonitor, Thresholds
 from lowprec.distributed import register_fp8_allreduce
 from lowprec.optim import OPT_LEVELS, hold_grads_in_fp8, to_fp8_adamw
@@ -88,47 +88,6 @@ def _write_json(path: str, obj: Any) -> None:
 logger = logging.getLogger("lowprec")
 
 
-def fp8_state_keys(model: nn.Module) -> set[str]:
-    """The ``state_dict`` keys of ``model`` that hold FP8 scaling state, not weights."""
-    sd = model.state_dict()
-    return set(sd) - set(fp8.plain_state_dict(sd))
-
-
-class _IgnoreOnSave(Set):
-    """``_keys_to_ignore_on_save`` of one PreTrainedModel: the keys it had, plus its FP8 state
-    keys as they are when ``save_pretrained`` reads them (iteration and ``len``)."""
-
-    def __init__(self, model: nn.Module, before: Iterable[str] | None) -> None:
-        self.model = model  # a strong reference: deepcopy maps it to the copy
-        self.before = frozenset(before or ())
-
-    def _keys(self) -> frozenset[str]:
-        return self.before | fp8_state_keys(self.model)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys())
-
-    def __len__(self) -> int:
-        return len(self._keys())
-
-
-def _strip_fp8_state_on_save(model: nn.Module) -> int:
-    """Install :class:`_IgnoreOnSave` on every PreTrainedModel inside ``model`` (a peft model
-    holds one); returns how many."""
-    n = 0
-    for module in model.modules():
-        if hasattr(module, "save_pretrained") and hasattr(module, "_keys_to_ignore_on_save"):
-            pretrained: Any = module  # a PreTrainedModel: the attribute is transformers'
-            current = pretrained._keys_to_ignore_on_save
-            if not isinstance(current, _IgnoreOnSave):
-                pretrained._keys_to_ignore_on_save = _IgnoreOnSave(module, current)
-            n += 1
-    return n
-
-
 def enable_fp8(
     model: nn.Module,
     recipe: fp8.Recipe | str | None = "tensorwise",
@@ -148,7 +107,7 @@ def enable_fp8(
             "precision: see the report's skip reasons); training would run in full precision. Loosen "
             "skip_patterns/module_filter, or train without FP8"
         )
-    _strip_fp8_state_on_save(model)
+    strip_fp8_state_on_save(model)
     logger.info("lowprec: %s", report.summary())
     return report
 
@@ -291,7 +250,7 @@ class FP8Callback(TrainerCallback):
                 "lowprec's Accelerator: no Linear layer was converted, see its conversion log)"
             )
         self.model = model
-        _strip_fp8_state_on_save(model)  # converted by lowprec.Accelerator: save_pretrained stays plain
+        strip_fp8_state_on_save(model)  # converted by lowprec.Accelerator: save_pretrained stays plain
         self.counts.total_fp8 = self.counts.total_hp = 0  # fp8_counts: since this train() began
         if (
             getattr(args, "fsdp", None)

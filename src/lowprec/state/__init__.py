@@ -257,6 +257,14 @@ class AcceleratorState(ProcessFacts):
     def initialized(self) -> bool:
         return "device" in self.__dict__
 
+    def __repr__(self) -> str:
+        text = super().__repr__()
+        if not self.initialized:
+            return text
+        text += f"\nMixed precision type: {self.mixed_precision}\n"
+        fp8 = self.decisions.get("fp8_backend")
+        return text + (f"FP8 backend: {fp8.value} ({fp8.reason})\n" if fp8 is not None else "")
+
     def destroy_process_group(self, group: Any = None) -> None:
         destroy_group(group)
 

@@ -68,10 +68,18 @@ def _resolve_device(cpu: bool, local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "no CUDA device"
 
 
+def _is_hf_dataset(obj: Any) -> bool:
+    """A ``datasets.Dataset`` (slicing one gives a dict of columns; ``select`` keeps the type)."""
+    return type(obj).__module__.split(".")[0] == "datasets" and hasattr(obj, "select")
+
+
 def split_between(inputs: Any, index: int, count: int, apply_padding: bool = False) -> Any:
-    """Process ``index``'s contiguous share of ``inputs`` (list, tuple, tensor, or dict of them);
-    the first ``len % count`` processes get one more; with ``apply_padding`` every share has the
-    same length, padded by repeating the last element."""
+    """Process ``index``'s contiguous share of ``inputs`` (list, tuple, tensor, ``datasets.Dataset``,
+    or dict of them); the first ``len % count`` processes get one more; with ``apply_padding``
+    every share has the same length, padded by repeating the input's last element (Accelerate's
+    rule). One process gets ``inputs`` itself, as under Accelerate."""
+    if count == 1:
+        return inputs
     if isinstance(inputs, dict):
         lengths = {len(v) for v in inputs.values()}
         if len(lengths) != 1:
@@ -81,13 +89,16 @@ def split_between(inputs: Any, index: int, count: int, apply_padding: bool = Fal
     per, extra = divmod(n, count)
     start = index * per + min(index, extra)
     end = start + per + (1 if index < extra else 0)
+    missing = (per + 1 - (end - start)) if apply_padding and extra and n else 0
+    if _is_hf_dataset(inputs):
+        return inputs.select([*range(start, end), *[n - 1] * missing])
     part = inputs[start:end]
-    if apply_padding and extra and len(part) < per + 1 and n:
-        last = inputs[-1:] if len(part) == 0 else part[-1:]
+    if missing:
+        last = inputs[-1:]
         if isinstance(part, torch.Tensor):
-            part = torch.cat([part, last.repeat(per + 1 - len(part), *([1] * (part.ndim - 1)))])
+            part = torch.cat([part, last.repeat(missing, *([1] * (part.ndim - 1)))])
         else:
-            part = part + type(part)(last) * (per + 1 - len(part))
+            part = part + type(part)(last) * missing
     return part
 
 
@@ -110,6 +121,47 @@ class ProcessFacts:
     @property
     def is_last_process(self) -> bool:
         return self.process_index == self.num_processes - 1
+
+    # process control: PartialState's and AcceleratorState's (Accelerate has both)
+    def wait_for_everyone(self) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def _goes_first(self, first: bool):
+        if not first:
+            self.wait_for_everyone()
+        yield
+        if first:
+            self.wait_for_everyone()
+
+    def main_process_first(self):
+        """The main process runs the block, then the others (e.g. a dataset download)."""
+        return self._goes_first(self.is_main_process)
+
+    def local_main_process_first(self):
+        return self._goes_first(self.is_local_main_process)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False):
+        yield split_between(inputs, self.process_index, self.num_processes, apply_padding)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        """The summary Accelerate's ``print(accelerator.state)`` gives (its examples log it)."""
+        facts = self.__dict__
+        if "device" not in facts:  # after _reset_state()
+            return f"{type(self).__name__}() (reset: make an Accelerator or PartialState again)"
+        backend = facts.get("backend") or (dist.get_backend() if dist.is_initialized() else None)
+        return (
+            f"Distributed environment: {facts.get('distributed_type')}"
+            + (f"  Backend: {backend}" if backend else "")
+            + f"\nNum processes: {self.num_processes}\nProcess index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\nDevice: {facts['device']}\n"
+        )
 
     def __getattr__(self, name: str) -> Any:
         """Accelerate's message for a state read after ``_reset_state()`` (``_known_attrs``)."""
@@ -167,30 +219,6 @@ class PartialState(SharedState, ProcessFacts):
     def default_device(self) -> torch.device:
         return self.device
 
-    # ------------------------------------------------------------------ process control
-    def wait_for_everyone(self) -> None:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
-
-    @contextlib.contextmanager
-    def _goes_first(self, first: bool):
-        if not first:
-            self.wait_for_everyone()
-        yield
-        if first:
-            self.wait_for_everyone()
-
-    def main_process_first(self):
-        """The main process runs the block, then the others (e.g. a dataset download)."""
-        return self._goes_first(self.is_main_process)
-
-    def local_main_process_first(self):
-        return self._goes_first(self.is_local_main_process)
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False):
-        yield split_between(inputs, self.process_index, self.num_processes, apply_padding)
-
     def _on(self, function: Optional[Callable], run: Callable[[], bool]):
         if function is None:  # used as @decorator() with parentheses
             return lambda f: self._on(f, run)
@@ -220,10 +248,6 @@ class PartialState(SharedState, ProcessFacts):
         if function is None:
             return functools.partial(self.on_local_process, local_process_index=local_process_index)
         return self._on(function, lambda: self.local_process_index == local_process_index)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        if self.is_local_main_process:
-            print(*args, **kwargs)
 
     def destroy_process_group(self, group: Any = None) -> None:
         destroy_group(group)

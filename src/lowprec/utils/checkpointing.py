@@ -138,8 +138,8 @@ class CheckpointingMixin(AcceleratorHost):
         elif output_dir is None:
             output_dir = os.path.join(self._need_project_dir(), "checkpoint")
         path = _state().save_state(self, output_dir, safe_serialization)
+        pc.iteration += 1  # every save counts (Accelerate's save_iteration), named ones or not
         if pc.automatic_checkpoint_naming:
-            pc.iteration += 1
             if pc.total_limit is not None and self.is_main_process:
                 for old in _numbered(self._auto_dir())[: -pc.total_limit]:
                     shutil.rmtree(old, ignore_errors=True)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
 
 from lowprec.utils.aliases import alias
 
-__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler"]
+__all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "note_replaced", "retarget_scheduler"]
 
 
 class AcceleratedOptimizer(torch.optim.Optimizer):
@@ -36,6 +38,13 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.guard = guard
         self._is_overflow = False  # step_was_skipped (Accelerate's attribute name behind it)
         self.unscaled = False
+        self._replaced: list = []  # (weak reference to an optimizer a backend replaced, its replacement)
+
+    def replace_optimizer(self, new: Any) -> None:
+        """Wrap ``new`` instead (a backend rebuilt the optimizer, e.g. MS-AMP O2's FP8AdamW); LR
+        schedulers built on the replaced one are pointed at ``new`` by :func:`retarget_scheduler`."""
+        note_replaced(self, self.optimizer, new)
+        self.optimizer = new
 
     step_was_skipped = alias(
         "_is_overflow", "Whether the last ``step`` was skipped (the loss scaler found inf/nan gradients)."
@@ -59,7 +68,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         return f"AcceleratedOptimizer({self.optimizer!r})"
 
     def __getstate__(self):
-        return self.__dict__
+        return {**self.__dict__, "_replaced": []}  # weak references do not pickle
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -161,3 +170,43 @@ class AcceleratedScheduler:
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["scheduler"], name)
+
+
+def _track_step_called(optimizer: Any) -> None:
+    """What torch's LRScheduler does to the optimizer it is built on: ``step`` marks
+    ``_opt_called``, so the scheduler's "lr_scheduler.step() before optimizer.step()" check reads
+    the optimizer that actually steps."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    owner = weakref.ref(optimizer)  # no reference cycle through the bound method
+    inner = optimizer.step
+    func = getattr(inner, "__func__", None)
+
+    @functools.wraps(inner)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        opt = owner()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func(opt, *args, **kwargs) if func is not None else inner(*args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = step
+
+
+def note_replaced(wrapper: Any, old: Any, new: Any) -> None:
+    """Record on an optimizer ``wrapper`` (what ``prepare`` returned) that a backend replaced the
+    user's optimizer ``old`` by ``new``, for :func:`retarget_scheduler`."""
+    if new is not old:
+        wrapper._replaced = [*getattr(wrapper, "_replaced", []), (weakref.ref(old), new)]
+
+
+def retarget_scheduler(scheduler: Any, optimizers: list) -> None:
+    """Point ``scheduler`` (and the schedulers a ``SequentialLR`` / ``ChainedScheduler`` holds)
+    at the optimizer that now steps, where it was built on one a backend replaced (MS-AMP O2's
+    FP8AdamW): otherwise its learning rates would go to an optimizer nobody steps, and the
+    schedule would silently not apply."""
+    replaced = [pair for opt in optimizers for pair in getattr(opt, "_replaced", ())]
+    for sched in (scheduler, *getattr(scheduler, "_schedulers", ())):
+        for old, new in replaced:  # in the order of replacement: A -> B, then B -> C
+            if old() is getattr(sched, "optimizer", None):
+                sched.optimizer = new
+                _track_step_called(new)

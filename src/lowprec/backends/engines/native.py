@@ -17,6 +17,7 @@ from lowprec.logs import log_once
 from lowprec.catalog import check_fsdp_fp8_all_gather
 from lowprec.distributed.amax_sync import reduce_delayed_amaxes
 from lowprec.distributed.fsdp_float8 import enable_fsdp_float8_all_gather, precompute_float8_scales_for_fsdp
+from lowprec.fp8.plain_save import strip_fp8_state_on_save
 from lowprec.fp8.step_stage import ScalingStage
 from lowprec.kwargs import NativeRecipeKwargs
 
@@ -63,6 +64,9 @@ class NativeBackend(BaseBackend):
     def convert(self, model: nn.Module, ctx: PrepareContext) -> nn.Module:
         if ctx.emulate and self.recipe.gemm != "emulate":
             self.recipe = self.recipe.replace(gemm="emulate")
+        # a transformers model's save_pretrained (the usual unwrap_model(model).save_pretrained)
+        # writes weights only, not the FP8 scaling state (fp8/plain_save.py)
+        strip_fp8_state_on_save(model)
         if fp8.has_fp8_layers(model):
             self._check_experts(model, ctx)
             self._stage(model)  # converted by the user before prepare: staged all the same
