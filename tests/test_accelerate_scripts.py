@@ -12,6 +12,10 @@ docs/LOG.md 2026-11-29).
   script's finished ranks aborted at exit (4 of 6 runs) while lowprec kept the destroyed group
   to interpreter finalization.
 - ``test_sync.py``: gradient synchronisation under ``no_sync`` / ``accumulate``.
+- ``test_script.py``'s checks (process control, ``split_between_processes``, RNG synchronisation,
+  dataloader preparation and samplers, training on 2 processes against one, with split batches,
+  bf16 and fp16, the breakpoint trigger), called in its order by tests/scripts/accelerate_test_script.py,
+  which says why two are left out (internals of Accelerate's data loader and its shared state).
 
 Each run must also have reached lowprec's code (the shim's marker), so a rebinding that silently
 fell back to Accelerate's own objects fails here.
@@ -33,9 +37,15 @@ HERE = Path(__file__).resolve().parent
 SITECUSTOMIZE = "import accelerate_shim  # noqa: F401\n"
 
 
-@pytest.mark.parametrize("script", ["test_ops.py", "test_sync.py"])
-def test_accelerates_launched_script_passes_on_lowprec(tmp_path, script):
-    source = Path(accelerate.__file__).parent / "test_utils" / "scripts" / script
+SCRIPTS = Path(accelerate.__file__).parent / "test_utils" / "scripts"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [SCRIPTS / "test_ops.py", SCRIPTS / "test_sync.py", HERE / "scripts" / "accelerate_test_script.py"],
+    ids=["test_ops", "test_sync", "test_script"],
+)
+def test_accelerates_launched_script_passes_on_lowprec(tmp_path, source):
     shutil.copy(HERE / "accelerate_shim.py", tmp_path / "accelerate_shim.py")
     (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
     reached = tmp_path / "reached"
