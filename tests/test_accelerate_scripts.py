@@ -16,6 +16,11 @@ docs/LOG.md 2026-11-29).
   dataloader preparation and samplers, training on 2 processes against one, with split batches,
   bf16 and fp16, the breakpoint trigger), called in its order by tests/scripts/accelerate_test_script.py,
   which says why two are left out (internals of Accelerate's data loader and its shared state).
+- ``test_distributed_data_loop.py``'s checks (even batches, ``join_uneven_inputs`` and its warnings,
+  every sample once per epoch for a shuffled loader, a user's batch sampler and a ``BatchSampler``
+  given as ``sampler=``), likewise through tests/scripts/accelerate_data_loop.py. It found two
+  defects: a user's ``BatchSampler(RandomSampler(ds))`` drew a permutation per process (samples
+  repeated and lost), and a ``BatchSampler`` as ``sampler=`` was refused.
 
 Each run must also have reached lowprec's code (the shim's marker), so a rebinding that silently
 fell back to Accelerate's own objects fails here.
@@ -42,8 +47,13 @@ SCRIPTS = Path(accelerate.__file__).parent / "test_utils" / "scripts"
 
 @pytest.mark.parametrize(
     "source",
-    [SCRIPTS / "test_ops.py", SCRIPTS / "test_sync.py", HERE / "scripts" / "accelerate_test_script.py"],
-    ids=["test_ops", "test_sync", "test_script"],
+    [
+        SCRIPTS / "test_ops.py",
+        SCRIPTS / "test_sync.py",
+        HERE / "scripts" / "accelerate_test_script.py",
+        HERE / "scripts" / "accelerate_data_loop.py",
+    ],
+    ids=["test_ops", "test_sync", "test_script", "test_distributed_data_loop"],
 )
 def test_accelerates_launched_script_passes_on_lowprec(tmp_path, source):
     shutil.copy(HERE / "accelerate_shim.py", tmp_path / "accelerate_shim.py")

@@ -179,6 +179,29 @@ def test_a_users_batch_sampler_over_a_random_sampler_shuffles_alike_on_every_pro
     assert sorted(second) == list(range(24)) and second != first
 
 
+def test_a_batch_sampler_given_as_the_sampler_is_sharded_and_read_a_list_at_a_time():
+    """DataLoader(ds, sampler=BatchSampler(...), batch_size=None): the dataset reads each list of
+    indices at once (as a datasets.Dataset does); on 2 processes the lists are dealt out (it was
+    refused as an unbatched loader)."""
+    from lowprec.utils.data_loader import GradientState
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, index):  # a list of indices: one read
+            return torch.tensor(index) * 10
+
+    seen = {}
+    for rank in (0, 1):
+        loader = DataLoader(Rows(), sampler=BatchSampler(SequentialSampler(range(10)), 3, False), batch_size=None)
+        shard = DataLoaderShard.wrap(
+            loader, rank=rank, world_size=2, device=None, seed=0, gradient_state=GradientState()
+        )
+        seen[rank] = [b.tolist() for b in shard]
+    assert seen[0] == [[0, 10, 20], [60, 70, 80]] and seen[1] == [[30, 40, 50], [90, 0, 10]]
+
+
 def test_dispatched_batches_that_cannot_be_cut_are_filled_whole():
     # strings have no batch dimension to cut: the last step takes whole first batches
     data = [f"s{i}" for i in range(5)]

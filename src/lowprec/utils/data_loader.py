@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Optional, Sized, cast
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
 from lowprec.logs import log_once
 from lowprec.utils.aliases import alias
@@ -39,12 +39,22 @@ from lowprec.utils.dataclasses import DataLoaderConfiguration
 __all__ = ["GradientState", "DataLoaderStateMixin", "DataLoaderShard", "SkipDataLoader", "skip_first_batches"]
 
 
+def _batches_of(loader: DataLoader) -> Optional[Iterable[list[int]]]:
+    """What yields ``loader``'s batches of indices: its batch sampler, or a ``BatchSampler`` given
+    as its ``sampler`` with ``batch_size=None`` (the dataset then fetches each list at once, as a
+    ``datasets.Dataset`` does); None for an unbatched loader."""
+    if loader.batch_sampler is not None:
+        return loader.batch_sampler
+    return loader.sampler if isinstance(loader.sampler, BatchSampler) else None
+
+
 def _random_sampler(loader: DataLoader) -> Optional[RandomSampler]:
     """The ``RandomSampler`` that shuffles ``loader``: its sampler, or the sampler of a batch sampler
     the user passed (``DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), ...))``), whose
     draws must be the same on every process too (each drew its own permutation: samples repeated
     across processes and others never seen, within an epoch); None when nothing shuffles."""
-    for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+    batches = _batches_of(loader)
+    for sampler in (loader.sampler, getattr(batches, "sampler", None)):
         if isinstance(sampler, RandomSampler):
             return sampler
     return None
@@ -221,7 +231,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
                 f"{dataloader.batch_size} does not divide by {world_size}; use a multiple of {world_size}"
             )
         # an IterableDataset, or batch_size=None (no batching), is passed through unsharded
-        self.iterable = isinstance(dataloader.dataset, IterableDataset) or dataloader.batch_sampler is None
+        self.iterable = isinstance(dataloader.dataset, IterableDataset) or _batches_of(dataloader) is None
         if self.iterable and world_size > 1 and not self.dispatches:
             raise ValueError(
                 "prepare() can shard only a DataLoader with a batch size over a map-style dataset; "
@@ -244,7 +254,26 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
 
     def _batch_sampler(self) -> Iterable[list[int]]:
         """The base loader's batch sampler; set whenever batches are resharded (not :attr:`iterable`)."""
-        return cast("Iterable[list[int]]", self.base.batch_sampler)
+        return cast("Iterable[list[int]]", _batches_of(self.base))
+
+    def _epoch_loader(self, batches: list[list[int]]) -> DataLoader:
+        """A DataLoader over ``batches`` (lists of indices) as the base loader fetches them: through
+        its collate_fn, or, for a ``BatchSampler`` given as the sampler, one dataset read per list.
+        Its own generator: starting an epoch must not draw from the global RNG, or a run resumed
+        mid-epoch would see a shifted dropout/noise stream."""
+        base = self.base
+        how: dict[str, Any] = (
+            {"batch_sampler": batches} if base.batch_sampler is not None else {"sampler": batches, "batch_size": None}
+        )
+        return DataLoader(
+            base.dataset,
+            **how,
+            collate_fn=base.collate_fn,
+            num_workers=base.num_workers,
+            pin_memory=base.pin_memory,
+            worker_init_fn=base.worker_init_fn,
+            generator=torch.Generator().manual_seed(self._epoch_seed()),
+        )
 
     def _global_batches(self) -> list[list[int]]:
         sampler = _random_sampler(self.base)
@@ -370,18 +399,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
                 count, remainder = None, -1
             else:
                 mine, remainder = self._local_batches()
-                loader = DataLoader(
-                    self.base.dataset,
-                    batch_sampler=mine[skip:],
-                    collate_fn=self.base.collate_fn,
-                    num_workers=self.base.num_workers,
-                    pin_memory=self.base.pin_memory,
-                    worker_init_fn=self.base.worker_init_fn,
-                    # its own generator: starting an epoch must not draw from the global RNG, or
-                    # a run resumed mid-epoch would see a shifted dropout/noise stream
-                    generator=torch.Generator().manual_seed(self._epoch_seed()),
-                )
-                source, count = iter(loader), len(mine)
+                source, count = iter(self._epoch_loader(mine[skip:])), len(mine)
             self.batches_yielded = skip
             for batch, last in _with_last(source, count, skip):
                 self.batches_yielded += 1
@@ -431,7 +449,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         """The epoch, passed on (as Accelerate) to a batch sampler, its sampler, or else the dataset
         that has ``set_epoch`` (a custom or distributed sampler, an HF dataset)."""
         self.epoch = epoch
-        batch_sampler = self.base.batch_sampler
+        batch_sampler = _batches_of(self.base)
         samplers: list[Any] = [
             t
             for t in (

@@ -152,18 +152,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         per_step = 1 if self.split_batches else self.world_size
         if self.iterable or self.given:
             return itertools.islice(iter(self.base), skip_steps * per_step, None)
-        batches = self._global_batches()[skip_steps * per_step :]
-        return iter(
-            DataLoader(
-                self.base.dataset,
-                batch_sampler=batches,
-                collate_fn=self.base.collate_fn,
-                num_workers=self.base.num_workers,
-                pin_memory=self.base.pin_memory,
-                worker_init_fn=self.base.worker_init_fn,
-                generator=torch.Generator().manual_seed(self._epoch_seed()),
-            )
-        )
+        return iter(self._epoch_loader(self._global_batches()[skip_steps * per_step :]))
 
     def _steps(self, skip_steps: int) -> Iterator[tuple[list, int]]:
         """Process 0: (one batch per process, real samples or -1 when nothing was filled)."""
