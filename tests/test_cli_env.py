@@ -75,6 +75,23 @@ def test_env_never_crashes_when_probes_fail(monkeypatch, capsys):
     assert "torch: unknown (RuntimeError: driver exploded)" in out
 
 
+def test_a_bad_cpu_fp8_gemm_variable_fails_its_own_line_not_torchs(monkeypatch, capsys):
+    import torch
+
+    from lowprec.fp8.gemm import cpu as cpu_gemm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(cpu_gemm.CPU_GEMM_ENV, "bogus")
+    cpu_gemm.reset_cpu_gemm_choice()
+    try:
+        assert main(["env"]) == 0
+    finally:
+        cpu_gemm.reset_cpu_gemm_choice()
+    out = capsys.readouterr().out
+    assert f"- torch: {torch.__version__}\n" in out and "- cuda_available: False" in out
+    assert "- fp8_gemm: unknown (ValueError: LOWPREC_CPU_FP8_GEMM='bogus'" in out
+
+
 def test_env_names_the_forced_cpu_fp8_gemm(monkeypatch):
     from lowprec.cli import hardware
     from lowprec.fp8.gemm import cpu as cpu_gemm
