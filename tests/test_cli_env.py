@@ -105,6 +105,14 @@ def test_env_names_the_forced_cpu_fp8_gemm(monkeypatch):
         cpu_gemm.reset_cpu_gemm_choice()
 
 
+def test_every_commands_help_shows_its_text_as_written(capsys):
+    # argparse expands %-escapes in help strings and usage, not in a description: "95%%" stays doubled there
+    for name in main_module.COMMANDS:
+        assert main([name, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "%%" not in out, f"lowprec {name} --help: {out[out.index('%%') - 60 : out.index('%%') + 20]!r}"
+
+
 def test_registry_skips_missing_commands_and_loads_present_ones(monkeypatch):
     commands = {**main_module.COMMANDS, "no_such_command_yet": ("lowprec.cli.no_such_command_yet", "x:run")}
     monkeypatch.setattr(
