@@ -293,6 +293,9 @@ def _check_fp8_library(settings: LaunchSettings, cli_layer: Mapping[str, Any], c
     )
 
 
+_DEEPSPEED_KEYS = ("zero_stage", "offload_optimizer_device", "offload_param_device", "deepspeed_config_file")
+
+
 def _yaml_notes(
     yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], settings: LaunchSettings, config_file: str | None
 ) -> list[str]:
@@ -303,6 +306,19 @@ def _yaml_notes(
     unread = sorted(k for k in from_yaml if k in UNREAD_FIELDS and not (k == "dynamo_backend" and from_yaml[k] == "no"))
     if unread:
         notes.append(f"{', '.join(unread)} in {config_file}: no effect in lowprec (nothing reads it)")
+    # a section the distributed_type does not select (Accelerate drops it silently): say so
+    fsdp = sorted(k for k in from_yaml if k.startswith("fsdp_") and k != "fsdp_version")
+    if fsdp and not settings.use_fsdp:
+        notes.append(
+            f"fsdp_config in {config_file} is not used ({', '.join(fsdp)}): FSDP2 shards only with "
+            "distributed_type: FSDP (or --use_fsdp)"
+        )
+    ds = sorted(k for k in from_yaml if k in _DEEPSPEED_KEYS)
+    if ds and not settings.use_deepspeed:
+        notes.append(
+            f"deepspeed_config in {config_file} is not used ({', '.join(ds)}): DeepSpeed runs only with "
+            "distributed_type: DEEPSPEED (or --use_deepspeed)"
+        )
     if "gradient_clipping" in from_yaml and not settings.use_deepspeed:
         notes.append(
             f"gradient_clipping in {config_file} is applied by DeepSpeed only; clip in the script "
