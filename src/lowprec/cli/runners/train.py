@@ -169,6 +169,18 @@ def _check_deepspeed(cfg: Any, processes: int) -> None:
         )
 
 
+def _wait_for(proc: subprocess.Popen) -> int:
+    """The launched workers' exit code. A Ctrl-C reaches them too (one process group): they stop
+    at the end of the step, write the summary and checkpoint and say how to continue, so the
+    launcher waits for them (and holds the output_dir lock) instead of killing them as
+    ``subprocess.run`` does."""
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            continue
+
+
 def run(args: argparse.Namespace) -> int:
     overrides = overrides_from_args(args)
     if args.quiet:
@@ -186,8 +198,8 @@ def run(args: argparse.Namespace) -> int:
         # refused here, before any worker starts (rank 0 sees the launcher named in launcher_env)
         with hold_output_dir(make_output_dir(cfg.output_dir)):
             env = {**_child_env(), CONTINUE_VAR: resume_command(args), **launcher_env(cfg.output_dir)}
-            proc = subprocess.run(cmd, env=env, check=False)
-        return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
+            code = _wait_for(subprocess.Popen(cmd, env=env))
+        return 128 - code if code < 0 else code
     # here, not at the top: the trainer imports torch, which a launching process never needs
     from lowprec.train.trainer import train
 
