@@ -289,3 +289,25 @@ def test_ctrl_c_under_num_processes_waits_for_the_workers(tmp_path, monkeypatch,
     workers = _launch_interrupted(tmp_path, monkeypatch)
     assert not workers.killed and workers.waits == 2
     assert capsys.readouterr().err.strip() == ""  # the workers say why and how to continue
+
+
+def test_a_worker_of_num_processes_names_the_multi_process_command_to_continue(tmp_path, monkeypatch, capsys):
+    """Rank 0 of ``lowprec train --num_processes 2`` runs ``train`` without --num_processes (the
+    launcher took it off); its "to continue" command is the launcher's, which keeps it."""
+    import lowprec.train.trainer as trainer
+    from lowprec.cli.main import main
+
+    workers = _launch_interrupted(tmp_path, monkeypatch)
+    again = workers.env["LOWPREC_CONTINUE_COMMAND"]
+    assert "--num_processes 2" in again and again.endswith("--resume_from_checkpoint auto")
+
+    def interrupted(cfg):  # that launch's rank 0, Ctrl-C at step 3
+        raise KeyboardInterrupt("interrupted at step 3 of 8")
+
+    monkeypatch.setattr(trainer, "train", interrupted)
+    for key, value in {**workers.env, "WORLD_SIZE": "2", "RANK": "0"}.items():
+        if key.startswith(("LOWPREC_", "WORLD_SIZE", "RANK")):
+            monkeypatch.setenv(key, value)
+    capsys.readouterr()
+    assert main(["train", _TINY, "--output_dir", str(tmp_path / "run")]) == 130
+    assert capsys.readouterr().err.strip() == f"lowprec: interrupted at step 3 of 8; to continue: {again}"

@@ -222,8 +222,10 @@ def run(args: argparse.Namespace) -> int:
             report_stop(str(exc), rank, code)  # does not return under a launcher
         if rank != 0:  # every rank stops alike; rank 0 says why
             return code
-        # one line, with the command that continues the run (the CLI prints it and exits 3 / 74 / 130)
-        text = f"{exc or 'interrupted'}; to continue: {resume_command(args)}"
+        # one line, with the command that continues the run (the CLI prints it and exits 3 / 74 / 130);
+        # a worker of `--num_processes N` has lost that flag: its launcher's command (with it) is in the env
+        again = os.environ.get(CONTINUE_VAR) if _UNDER_LAUNCHER in os.environ else None
+        text = f"{exc or 'interrupted'}; to continue: {again or resume_command(args)}"
         if isinstance(exc, StorageError):
             raise StorageError(exc.errno, text) from None
         raise type(exc)(text) from None
