@@ -311,3 +311,22 @@ def test_a_worker_of_num_processes_names_the_multi_process_command_to_continue(t
     capsys.readouterr()
     assert main(["train", _TINY, "--output_dir", str(tmp_path / "run")]) == 130
     assert capsys.readouterr().err.strip() == f"lowprec: interrupted at step 3 of 8; to continue: {again}"
+
+
+def test_ctrl_c_under_launch_lets_the_script_finish_its_own_handling(tmp_path, monkeypatch, capsys):
+    """``lowprec launch script.py``: the script gets the same Ctrl-C and may save a checkpoint in
+    its ``except KeyboardInterrupt``; the launcher waits for it (subprocess.run killed it 0.25 s
+    later), then says how to continue and exits 130."""
+    import subprocess
+
+    from lowprec.cli.main import main
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    _Workers.launched = []
+    monkeypatch.setenv("LOWPREC_CONFIG_HOME", str(tmp_path))  # no default config file
+    monkeypatch.setattr(subprocess, "Popen", _Workers)
+    assert main(["launch", str(script)]) == 130
+    (child,) = _Workers.launched
+    assert not child.killed and child.waits == 2
+    assert capsys.readouterr().err.strip() == f"lowprec: interrupted; to continue: lowprec launch {script}"

@@ -392,12 +392,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"lowprec: warning: {warning}", file=sys.stderr)
 
     again = plan.env.get(CONTINUE_VAR) or shlex.join(["lowprec", "launch", *getattr(args, "argv", sys.argv[2:])])
-    try:
-        proc = subprocess.run(plan.command, env={**plan.env, CONTINUE_VAR: again}, check=False)
-    except KeyboardInterrupt:  # the child got the same SIGINT from the terminal
-        print(f"lowprec: interrupted; to continue: {again}", file=sys.stderr)
-        return 130
-    code = proc.returncode
-    if code and not plan.settings.distributed:  # under torchrun, cli/_torchrun.py says it
-        print(f"lowprec: the script failed: {describe_exit(code)}; to continue: {again}", file=sys.stderr)
-    return 128 - code if code < 0 else code
+    proc = subprocess.Popen(plan.command, env={**plan.env, CONTINUE_VAR: again})
+    interrupted = False
+    while True:  # not subprocess.run: it kills the child 0.25 s after a Ctrl-C, mid-way through its own handling
+        try:
+            code = proc.wait()
+            break
+        except KeyboardInterrupt:  # the child got the same SIGINT from the terminal: let it stop as it does
+            interrupted = True
+    if not plan.settings.distributed:  # under torchrun, cli/_torchrun.py says it
+        if interrupted:
+            print(f"lowprec: interrupted; to continue: {again}", file=sys.stderr)
+        elif code:
+            print(f"lowprec: the script failed: {describe_exit(code)}; to continue: {again}", file=sys.stderr)
+    code = 128 - code if code < 0 else code
+    return (code or 130) if interrupted else code
