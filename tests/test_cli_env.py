@@ -113,6 +113,16 @@ def test_every_commands_help_shows_its_text_as_written(capsys):
         assert "%%" not in out, f"lowprec {name} --help: {out[out.index('%%') - 60 : out.index('%%') + 20]!r}"
 
 
+def test_a_bare_ctrl_c_in_a_command_is_one_line_saying_so(monkeypatch, capsys):
+    # lowprec compare's Ctrl-C (or one before a run starts) is a KeyboardInterrupt with no text
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(main_module, "runner", lambda name: interrupted)
+    assert main(["env"]) == 130
+    assert capsys.readouterr().err == "lowprec: interrupted\n"
+
+
 def test_registry_skips_missing_commands_and_loads_present_ones(monkeypatch):
     commands = {**main_module.COMMANDS, "no_such_command_yet": ("lowprec.cli.no_such_command_yet", "x:run")}
     monkeypatch.setattr(
