@@ -336,7 +336,7 @@ def _train(
     run.on_log = on_log
     resume_path = _resume(run, decisions)
     attach_health(run)
-    run.writer = MetricsWriter(output_dir, main, plan.use_tensorboard, append=resume_path is not None)
+    run.writer = MetricsWriter(output_dir, main, plan.use_tensorboard, resume_path is not None, run.state.step)
     if cfg.eval_table_size and val_loader is not None:
         run.table = EvalTable.build(
             cfg, val_loader, tokenizer, output_dir, f"{cfg.base_model} ({plan.label})", decisions, logger
