@@ -498,5 +498,11 @@ def write_launch_config(settings: LaunchSettings, path: str | os.PathLike[str]) 
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(settings_to_yaml_dict(settings), sort_keys=False)
-    path.write_text("# written by `lowprec config`; read by `lowprec launch`\n" + text)
+    tmp = path.with_name(f".{path.name}.tmp")  # whole or not there: launch reads it unseen (the default file)
+    try:
+        tmp.write_text("# written by `lowprec config`; read by `lowprec launch`\n" + text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
