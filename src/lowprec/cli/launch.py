@@ -36,6 +36,7 @@ from lowprec.config.json_file import read_json_object
 from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError
 from lowprec.cli._torchrun import CONTINUE_VAR, describe_exit
+from lowprec.cli._worker import exit_mode
 
 __all__ = ["NAME", "HELP", "add_parser", "split_argv", "run", "LaunchPlan", "plan_launch", "build_command"]
 
@@ -203,6 +204,8 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         )
     env = {k: v for k, v in environ.items() if k not in removed}
     env.update(exported)
+    if settings.distributed:  # each rank runs under cli/_worker.py, which reads it
+        exit_mode(environ)
     command = build_command(settings, script, args.training_script_args, args.module, options)
     notes = [] if options.quiet else notes
     asked_gpus = any(layer.get("use_cpu") is False or "gpu_ids" in layer for layer in (yaml_layer, cli_layer))

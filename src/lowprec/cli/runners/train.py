@@ -13,6 +13,7 @@ import sys
 from typing import Any, Sequence
 
 from lowprec.cli._torchrun import CONTINUE_VAR, report_stop
+from lowprec.cli._worker import exit_mode
 from lowprec.cli.launch import build_command
 from lowprec.config.deepspeed_schema import check_deepspeed_config
 from lowprec.config.env import LaunchSettings, owned_env_var
@@ -193,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.deepspeed is not None:
         _check_deepspeed(cfg, args.num_processes)
     if args.num_processes > 1 and "WORLD_SIZE" not in os.environ:
+        exit_mode()  # each worker runs under cli/_worker.py, which reads LOWPREC_WORKER_EXIT
         cmd = relaunch_command(_argv_of(args), args.num_processes)
         # the launcher holds the output_dir lock for its workers' whole life: a second run is
         # refused here, before any worker starts (rank 0 sees the launcher named in launcher_env)
