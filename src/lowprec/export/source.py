@@ -94,7 +94,11 @@ def _finished_steps(run: str, latest: str | None) -> int | None:
         if isinstance(summary, dict)
         else "it has no complete summary.json (still running, or stopped before its end)"
     )
-    hint = f"export its newest checkpoint, {latest}" if latest else "resume it to its end or train it again"
+    hint = (
+        f"export its newest checkpoint, {latest}, or let the run finish (resume_from_checkpoint: auto)"
+        if latest
+        else "let the run finish (resume_from_checkpoint: auto continues a stopped one) or train it again"
+    )
     raise ValueError(
         f"RUN_OR_CHECKPOINT: {run} did not finish: {why}, so its model files may be an earlier run's; {hint}"
     )
