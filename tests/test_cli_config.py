@@ -207,6 +207,34 @@ def test_config_flag_errors(tmp_path, capsys):
     assert not (tmp_path / "x.yaml").exists()
 
 
+def test_a_config_file_that_cannot_be_written_is_one_line(monkeypatch, tmp_path, capsys):
+    assert main(["config", "--mixed_precision", "bf16", "--config_file", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert f"--config_file {tmp_path}: is a directory; give a file path" in err
+    (tmp_path / "home").write_text("")  # LOWPREC_CONFIG_HOME names a file
+    monkeypatch.setenv("LOWPREC_CONFIG_HOME", str(tmp_path / "home"))
+    assert main(["config", "--mixed_precision", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"(LOWPREC_CONFIG_HOME={tmp_path / 'home'}): cannot be written" in err
+    assert "give --config_file PATH, or set LOWPREC_CONFIG_HOME to a writable directory" in err
+
+
+def test_the_config_file_is_written_whole_or_not_at_all(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("mixed_precision: fp8\n")  # an earlier config
+
+    def fails(self, text, *args, **kwargs):  # a write cut short (disk full, Ctrl-C)
+        with open(self, "w") as f:
+            f.write(text[:20])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", fails)
+    assert main(["config", "--mixed_precision", "bf16", "--config_file", str(path)]) == 2
+    assert "cannot be written (No space left on device)" in capsys.readouterr().err
+    assert path.read_text() == "mixed_precision: fp8\n" and os.listdir(tmp_path) == ["c.yaml"]
+
+
 def test_wizard_asks_the_recipe_options_the_catalog_declares(monkeypatch, tmp_path, capsys):
     """Issue 14: mxfp8's scale_rounding is asked (its question comes from
     lowprec.catalog.RECIPE_OPTIONS), written to the launch YAML, exported by launch, and reaches

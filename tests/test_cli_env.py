@@ -75,6 +75,23 @@ def test_env_never_crashes_when_probes_fail(monkeypatch, capsys):
     assert "torch: unknown (RuntimeError: driver exploded)" in out
 
 
+def test_a_bad_cpu_fp8_gemm_variable_fails_its_own_line_not_torchs(monkeypatch, capsys):
+    import torch
+
+    from lowprec.fp8.gemm import cpu as cpu_gemm
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv(cpu_gemm.CPU_GEMM_ENV, "bogus")
+    cpu_gemm.reset_cpu_gemm_choice()
+    try:
+        assert main(["env"]) == 0
+    finally:
+        cpu_gemm.reset_cpu_gemm_choice()
+    out = capsys.readouterr().out
+    assert f"- torch: {torch.__version__}\n" in out and "- cuda_available: False" in out
+    assert "- fp8_gemm: unknown (ValueError: LOWPREC_CPU_FP8_GEMM='bogus'" in out
+
+
 def test_env_names_the_forced_cpu_fp8_gemm(monkeypatch):
     from lowprec.cli import hardware
     from lowprec.fp8.gemm import cpu as cpu_gemm
@@ -86,6 +103,24 @@ def test_env_names_the_forced_cpu_fp8_gemm(monkeypatch):
         assert "LOWPREC_CPU_FP8_GEMM=upcast" in hardware.cpu_fp8_gemm()
     finally:
         cpu_gemm.reset_cpu_gemm_choice()
+
+
+def test_every_commands_help_shows_its_text_as_written(capsys):
+    # argparse expands %-escapes in help strings and usage, not in a description: "95%%" stays doubled there
+    for name in main_module.COMMANDS:
+        assert main([name, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "%%" not in out, f"lowprec {name} --help: {out[out.index('%%') - 60 : out.index('%%') + 20]!r}"
+
+
+def test_a_bare_ctrl_c_in_a_command_is_one_line_saying_so(monkeypatch, capsys):
+    # lowprec compare's Ctrl-C (or one before a run starts) is a KeyboardInterrupt with no text
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(main_module, "runner", lambda name: interrupted)
+    assert main(["env"]) == 130
+    assert capsys.readouterr().err == "lowprec: interrupted\n"
 
 
 def test_registry_skips_missing_commands_and_loads_present_ones(monkeypatch):

@@ -492,8 +492,6 @@ def test_e5m2_without_transformer_engine_is_refused_at_launch(monkeypatch, tmp_p
 def test_multi_gpu_config_without_a_gpu_warns_once(monkeypatch, tmp_path, capsys):
     """distributed_type MULTI_GPU with use_cpu false where torch sees no GPU ran two CPU/gloo
     processes without a word; now one warning says so (dry run and real run alike)."""
-    import subprocess as sp
-
     import torch
 
     import lowprec.cli.launch as launch_mod
@@ -504,7 +502,15 @@ def test_multi_gpu_config_without_a_gpu_warns_once(monkeypatch, tmp_path, capsys
     out = capsys.readouterr().out
     warnings = [ln for ln in out.splitlines() if ln.startswith("# warning: ")]
     assert len(warnings) == 1 and "no GPU found: running 2 CPU process(es)" in warnings[0] and "gloo" in out, out
-    monkeypatch.setattr(launch_mod.subprocess, "run", lambda *a, **k: sp.CompletedProcess(a, 0))
+
+    class Finished:  # the launched processes, as launch waits for them
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(launch_mod.subprocess, "Popen", Finished)
     assert main(["launch", "--config_file", cfg, SCRIPT]) == 0
     err = capsys.readouterr().err
     assert err.count("lowprec: warning: no GPU found") == 1, err

@@ -99,3 +99,38 @@ def test_accelerate_flags_refused_in_one_line(argv, expected, capsys):
 def test_unknown_flag_hint_is_close_and_never_the_opposite(flag, hint, capsys):
     err = usage_error(["launch", flag, SCRIPT], capsys)
     assert (f"(did you mean '{hint}'?)" in err) if hint else ("did you mean" not in err), err
+
+
+def test_accelerate_config_sections_of_ignored_options_are_noted(tmp_path, capsys):
+    """`accelerate config` writes mpirun_config (MULTI_CPU with mpirun) and megatron_lm_config: the
+    file loads, their keys noted as ignored as the flags of the same names are; a misspelt key is
+    an error naming its section (not "did you mean 'fp8_config'" for the section itself)."""
+    text = "distributed_type: MULTI_CPU\nnum_processes: 2\nmpirun_config:\n  mpirun_hostfile: ~/hostfile\n"
+    cfg = write(tmp_path, text + "megatron_lm_config:\n  megatron_lm_tp_degree: 2\n")
+    assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
+    out = capsys.readouterr().out
+    assert f"mpirun_hostfile in {cfg}: ignored: several CPU processes start under torchrun" in out
+    assert f"megatron_lm_tp_degree in {cfg}: ignored: a Megatron-LM option" in out
+    cfg = write(tmp_path, "mpirun_config:\n  mpirun_hostfil: ~/hostfile\n")
+    err = usage_error(["launch", "--dry_run", "--config_file", cfg, SCRIPT], capsys)
+    assert "unknown key 'mpirun_config.mpirun_hostfil' (did you mean 'mpirun_hostfile'?)" in err
+
+
+def test_a_config_section_its_distributed_type_does_not_select_is_noted(tmp_path, capsys):
+    """fsdp_config under MULTI_GPU, deepspeed_config under MULTI_CPU: Accelerate drops them silently;
+    launch runs without them (a file may be Accelerate's, so no error) and says so, as for fp8_config."""
+    fsdp = "fsdp_config:\n  fsdp_version: 2\n  fsdp_offload_params: true\n"
+    cfg = write(tmp_path, "distributed_type: MULTI_GPU\nnum_processes: 2\n" + fsdp)
+    env, _, _ = dry_run(["--config_file", cfg, SCRIPT], capsys)
+    assert env["ACCELERATE_USE_FSDP"] == "false" and "FSDP_OFFLOAD_PARAMS" not in env
+    assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
+    assert f"fsdp_config in {cfg} is not used (fsdp_offload_params): FSDP2 shards only with" in capsys.readouterr().out
+    ds = "deepspeed_config:\n  zero_stage: 3\n  gradient_accumulation_steps: 2\n"
+    cfg = write(tmp_path, "distributed_type: MULTI_CPU\nnum_processes: 2\n" + ds)
+    assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
+    out = capsys.readouterr().out
+    assert f"deepspeed_config in {cfg} is not used (zero_stage): DeepSpeed runs only with" in out
+    assert "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=2" in out  # read without DeepSpeed too
+    cfg = write(tmp_path, "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\n" + fsdp)
+    assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
+    assert "is not used" not in capsys.readouterr().out

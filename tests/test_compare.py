@@ -217,6 +217,9 @@ def test_cli_parsing_and_usage_errors(tmp_path, capsys):
         assert main(["compare", TINY, "--compare_dir", str(tmp_path), *argv]) == 2, argv
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err, (argv, err)
+    # no config: its usage says CONFIG.yaml; on defaults alone it started three whole-epoch runs
+    assert main(["compare", "--precisions", "bf16,fp8", "--compare_dir", str(tmp_path)]) == 2
+    assert "a YAML config comes first: lowprec compare CONFIG.yaml" in capsys.readouterr().err
 
 
 def test_compare_end_to_end_two_seeds(tmp_path, capsys, monkeypatch):

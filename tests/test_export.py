@@ -469,6 +469,7 @@ def _one_line(capsys):
 def test_bad_inputs_are_one_exit_2_line(tiny_run, tmp_path, capsys):
     assert main(["export", str(tmp_path), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
     assert "is neither a `lowprec train` output_dir" in _one_line(capsys)
+    assert not os.path.exists(tmp_path / "o")  # a refused export leaves no empty --out behind
     assert main(["export", str(tmp_path / "nope"), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
     assert "is not a directory" in _one_line(capsys)
     # a run trained with NVFP4: its microscaled weights are not hf-fp8's layout (compressed-tensors' NVFP4)

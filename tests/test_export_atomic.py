@@ -36,3 +36,32 @@ def test_an_interrupted_export_leaves_the_earlier_one_whole(tmp_path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         export_model(model, str(tmp_path), "hf-fp8")
     assert _files(tmp_path) == before  # the earlier export, byte for byte; no temporary file left
+
+
+def test_a_run_that_did_not_finish_is_not_exported_from_an_earlier_runs_files(tmp_path, capsys):
+    """A fresh run into the directory of a finished one, interrupted before its end, leaves the
+    earlier run's model.safetensors there: the export refuses the run (it is not that model)."""
+    from lowprec.cli.main import main
+    from lowprec.train.config import load_config
+    from lowprec.train.trainer import train
+    from tests.test_export import _FAST, TINY
+
+    run, fast = tmp_path / "run", {**_FAST, "dataset_max_bytes": 100_000, "output_dir": str(tmp_path / "run")}
+    train(load_config(TINY, {**fast, "max_steps": 1}))
+    assert os.path.isfile(run / "summary.json") and os.path.isfile(run / "model.safetensors")
+    seen = []
+
+    def ctrl_c(record):
+        seen.append(os.path.exists(run / "summary.json"))
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(TINY, {**fast, "max_steps": 5}), on_log=ctrl_c)
+    assert seen == [False]  # the earlier run's summary.json went when this run started
+    assert main(["export", str(run), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "did not finish: it was interrupted at step 1" in err
+    assert not os.path.exists(tmp_path / "o" / "model.safetensors")
+    os.remove(run / "summary.json")  # killed: no summary at all
+    assert main(["export", str(run), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
+    assert "it has no complete summary.json" in capsys.readouterr().err

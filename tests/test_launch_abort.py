@@ -199,3 +199,26 @@ def test_worker_failure_leaves_without_the_finalization_that_aborts(tmp_path):
 def test_worker_exit_message_is_printed_with_code_1(tmp_path):
     p, marker = _run_worker(tmp_path, "import sys\nsys.exit('bad input: see --help')\n")
     assert p.returncode == 1 and "bad input: see --help" in p.stderr and not marker.exists()
+
+
+def test_a_misspelt_worker_exit_mode_is_refused_before_any_worker_starts(tmp_path, monkeypatch, capsys):
+    """LOWPREC_WORKER_EXIT other than fast / finalize (any case) ran the fast exit without a word."""
+    from lowprec.cli.main import main
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    script, tiny = tmp_path / "s.py", os.path.join(os.path.dirname(ABORT_WORKER), "..", "..", "examples", "tiny.yaml")
+    script.write_text("pass\n")
+    monkeypatch.setenv("LOWPREC_CONFIG_HOME", str(tmp_path))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(subprocess, "Popen", no_launch)
+    monkeypatch.setenv("LOWPREC_WORKER_EXIT", "finalise")
+    for argv in (
+        ["launch", "--cpu", "--num_processes", "2", str(script)],
+        ["train", tiny, "--num_processes", "2", "--output_dir", str(tmp_path / "run")],
+    ):
+        assert main(argv) == 2
+        assert "LOWPREC_WORKER_EXIT='finalise': use fast (the default) or finalize" in capsys.readouterr().err
+    monkeypatch.setenv("LOWPREC_WORKER_EXIT", "Finalize")
+    assert main(["launch", "--dry_run", "--cpu", "--num_processes", "2", str(script)]) == 0

@@ -229,3 +229,104 @@ def test_the_first_ctrl_c_is_latched_for_the_step_boundary_the_second_stops_at_o
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.5)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+class _Workers:
+    """torchrun and its workers as ``subprocess.Popen`` sees them: the first wait is cut by the
+    Ctrl-C that reached the launcher too; they then exit 130 (the trainer's interrupted exit)."""
+
+    launched: list = []
+
+    def __init__(self, cmd, env=None, **kwargs):
+        self.env, self.waits, self.killed, self.returncode = env, 0, False, None
+        _Workers.launched.append(self)
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        if self.waits == 1:
+            raise KeyboardInterrupt
+        self.returncode = 130
+        return 130
+
+    def communicate(self, input=None, timeout=None):
+        self.wait()
+        return None, None
+
+    def poll(self):
+        return self.returncode
+
+    def kill(self):
+        self.killed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _launch_interrupted(tmp_path, monkeypatch) -> _Workers:
+    """``lowprec train tiny.yaml --num_processes 2`` in-process, its workers faked (exit 130)."""
+    import subprocess
+
+    from lowprec.cli.main import main
+
+    _Workers.launched = []
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(subprocess, "Popen", _Workers)
+    assert main(["train", _TINY, "--output_dir", str(tmp_path / "run"), "--num_processes", "2"]) == 130
+    (workers,) = _Workers.launched
+    return workers
+
+
+_TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tiny.yaml")
+
+
+def test_ctrl_c_under_num_processes_waits_for_the_workers(tmp_path, monkeypatch, capsys):
+    """``lowprec train --num_processes 2``: Ctrl-C reaches the launcher and its workers alike. The
+    launcher waits for the workers to stop (they write the summary and checkpoint; it holds the
+    output_dir lock meanwhile) instead of killing them, adds no empty line, exits as they do."""
+    workers = _launch_interrupted(tmp_path, monkeypatch)
+    assert not workers.killed and workers.waits == 2
+    assert capsys.readouterr().err.strip() == ""  # the workers say why and how to continue
+
+
+def test_a_worker_of_num_processes_names_the_multi_process_command_to_continue(tmp_path, monkeypatch, capsys):
+    """Rank 0 of ``lowprec train --num_processes 2`` runs ``train`` without --num_processes (the
+    launcher took it off); its "to continue" command is the launcher's, which keeps it."""
+    import lowprec.train.trainer as trainer
+    from lowprec.cli.main import main
+
+    workers = _launch_interrupted(tmp_path, monkeypatch)
+    again = workers.env["LOWPREC_CONTINUE_COMMAND"]
+    assert "--num_processes 2" in again and again.endswith("--resume_from_checkpoint auto")
+
+    def interrupted(cfg):  # that launch's rank 0, Ctrl-C at step 3
+        raise KeyboardInterrupt("interrupted at step 3 of 8")
+
+    monkeypatch.setattr(trainer, "train", interrupted)
+    for key, value in {**workers.env, "WORLD_SIZE": "2", "RANK": "0"}.items():
+        if key.startswith(("LOWPREC_", "WORLD_SIZE", "RANK")):
+            monkeypatch.setenv(key, value)
+    capsys.readouterr()
+    assert main(["train", _TINY, "--output_dir", str(tmp_path / "run")]) == 130
+    assert capsys.readouterr().err.strip() == f"lowprec: interrupted at step 3 of 8; to continue: {again}"
+
+
+def test_ctrl_c_under_launch_lets_the_script_finish_its_own_handling(tmp_path, monkeypatch, capsys):
+    """``lowprec launch script.py``: the script gets the same Ctrl-C and may save a checkpoint in
+    its ``except KeyboardInterrupt``; the launcher waits for it (subprocess.run killed it 0.25 s
+    later), then says how to continue and exits 130."""
+    import subprocess
+
+    from lowprec.cli.main import main
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    _Workers.launched = []
+    monkeypatch.setenv("LOWPREC_CONFIG_HOME", str(tmp_path))  # no default config file
+    monkeypatch.setattr(subprocess, "Popen", _Workers)
+    assert main(["launch", str(script)]) == 130
+    (child,) = _Workers.launched
+    assert not child.killed and child.waits == 2
+    assert capsys.readouterr().err.strip() == f"lowprec: interrupted; to continue: lowprec launch {script}"

@@ -162,6 +162,24 @@ def test_fields_the_recipe_does_not_read(capsys):
     assert "--fp8_amax_history_len: the tensorwise recipe does not read it" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "field,value,reader", [("scale_rounding", "floor", "mxfp8"), ("high_precision_last", 0.1, "nvfp4")]
+)
+def test_a_field_the_recipe_does_not_read_names_the_recipe_that_does(capsys, field, value, reader):
+    # it said "(it tunes delayed scaling)" for MXFP8's scale_rounding and NVFP4's high_precision_last
+    from lowprec.train.config import parse_config
+
+    with pytest.raises(ValueError) as err:
+        parse_config({"fp8": True, "fp8_recipe": {"name": "tensorwise", field: value}})
+    assert f"does not read it (read by: {reader}); drop it or set fp8_recipe name: {reader}" in str(err.value)
+    assert "delayed" not in str(err.value)
+    if field == "scale_rounding":  # a launch flag too
+        launch = ["launch", "--dry_run", "--mixed_precision", "fp8", "--fp8_recipe", "tensorwise"]
+        assert main([*launch, "--fp8_scale_rounding", "floor", SCRIPT]) == 2
+        err_line = capsys.readouterr().err
+        assert "the tensorwise recipe does not read it (read by: mxfp8); drop it, or set fp8_recipe mxfp8" in err_line
+
+
 @pytest.mark.parametrize("name,switch", [("mxfp8", "use_mxfp8_block_scaling"), ("nvfp4", "use_nvfp4_block_scaling")])
 def test_block_scaled_recipes_mean_one_thing_everywhere(monkeypatch, tmp_path, capsys, name, switch):
     from lowprec.backends import select_backend

@@ -77,6 +77,14 @@ def test_axolotl_example_config_validates_and_its_gpu_only_keys_are_named(tmp_pa
         parse_config({"evals_per_epoch": 2, "eval_steps": 3})
 
 
+def test_the_parallelism_keys_name_the_command_that_runs_the_trainer_on_n_processes():
+    # `lowprec launch` runs a Python script, not a YAML config: the fix names `lowprec train`
+    with pytest.raises(ValueError, match="fsdp: an Axolotl key") as err:
+        parse_config({"fsdp": ["full_shard", "auto_wrap"]})
+    assert "`lowprec train CONFIG.yaml --num_processes N`" in str(err.value)
+    assert "lowprec launch" not in str(err.value)
+
+
 def test_per_epoch_intervals_and_warmup_ratio_resolve_once():
     from lowprec.train.resolve import total_steps
 

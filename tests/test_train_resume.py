@@ -117,6 +117,29 @@ def test_a_fresh_run_removes_an_earlier_runs_checkpoints(tmp_path):
     assert [r["step"] for r in read_metrics(str(tmp_path), "train")] == [1, 2, 3, 4, 5]
 
 
+def test_tensorboard_shows_one_value_per_step_after_a_fresh_run_and_a_resume(tmp_path):
+    """runs/ keeps every events file: an earlier run's (a fresh run over it) and the steps an
+    interrupted run logged past its checkpoint (resumed) would be drawn beside this run's."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    cfg = {**NO_FP8_RUN, "fp8": False, "eval_steps": None, "output_dir": str(tmp_path), "use_tensorboard": True}
+    train(load_config(TINY, {**cfg, "max_steps": 4}))
+
+    def ctrl_c_at_4(record):
+        if record["step"] == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # fresh (another seed), interrupted after step 4: checkpoint-3
+        train(load_config(TINY, {**cfg, "max_steps": 5, "seed": 3}), on_log=ctrl_c_at_4)
+    train(load_config(TINY, {**cfg, "max_steps": 5, "seed": 3, "resume_from_checkpoint": "auto"}))
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    drawn = [(e.step, round(e.value, 5)) for e in events.Scalars("train/loss")]
+    assert drawn == [(r["step"], round(r["loss"], 5)) for r in read_metrics(str(tmp_path), "train")]
+    assert [step for step, _ in drawn] == [1, 2, 3, 4, 5]
+
+
 # the CLI, killed by a real SIGKILL right after writing checkpoint-<KILL_AFTER> when that is set
 _CLI = """
 import os, signal, sys

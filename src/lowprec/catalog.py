@@ -51,6 +51,7 @@ __all__ = [
     "register_recipe",
     "unregister_recipe",
     "unread_recipe_fields",
+    "recipes_reading",
     "recipes_markdown",
 ]
 
@@ -416,6 +417,11 @@ def unread_recipe_fields(name: str, fields: Iterable[str]) -> list[str]:
     """Which of ``fields`` (engine field names) the recipe ``name`` never reads."""
     reads = set(recipe_info(name).reads)
     return sorted(f for f in fields if f in SCALING_FIELDS and f not in reads)
+
+
+def recipes_reading(field: str) -> list[str]:
+    """The built-in recipes that read the engine field ``field`` (for "read by ..." in errors)."""
+    return [name for name, info in RECIPES.items() if field in info.reads]
 
 
 def recipes_markdown() -> str:

@@ -42,11 +42,25 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 
-__all__ = ["DONE_DIR_VAR", "EXIT_MODE_VAR", "marker_path", "finish", "main"]
+__all__ = ["DONE_DIR_VAR", "EXIT_MODE_VAR", "marker_path", "exit_mode", "finish", "main"]
 
 DONE_DIR_VAR = "LOWPREC_DONE_DIR"
 EXIT_MODE_VAR = "LOWPREC_WORKER_EXIT"  # "fast" (default) or "finalize"
+EXIT_MODES = ("fast", "finalize")
+
+
+def exit_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``LOWPREC_WORKER_EXIT`` (any case; unset or empty: fast). The launchers check it before any
+    worker starts: another value is a ``ValueError`` naming it, not a silent fast exit."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(EXIT_MODE_VAR, "").strip().lower() or "fast"
+    if value not in EXIT_MODES:
+        raise ValueError(f"{EXIT_MODE_VAR}={environ[EXIT_MODE_VAR]!r}: use fast (the default) or finalize")
+    return value
+
+
 _WAIT_FOR_PEERS_S = 600.0
 
 
@@ -106,7 +120,7 @@ def finish() -> None:
     done_dir = os.environ.get(DONE_DIR_VAR)
     if done_dir and os.path.isdir(done_dir):
         _write_marker(done_dir, int(os.environ.get("LOCAL_RANK", "0")))
-    if os.environ.get(EXIT_MODE_VAR, "fast") == "finalize":
+    if os.environ.get(EXIT_MODE_VAR, "").strip().lower() == "finalize":  # checked by the launcher
         if done_dir and os.path.isdir(done_dir):
             _wait_for_peers(done_dir)
         return

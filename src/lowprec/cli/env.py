@@ -112,8 +112,8 @@ def _torch_info() -> dict[str, Any]:
             if native
             else "emulated (needs CUDA compute capability >= 8.9; these GPUs are older)"
         )
-    else:
-        info["fp8_gemm"] = hardware.cpu_fp8_gemm()
+    else:  # a probe of its own: a bad LOWPREC_CPU_FP8_GEMM is this line's, not torch's
+        info["fp8_gemm"] = _probe(hardware.cpu_fp8_gemm)
     return info
 
 

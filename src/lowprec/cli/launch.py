@@ -36,6 +36,7 @@ from lowprec.config.json_file import read_json_object
 from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError
 from lowprec.cli._torchrun import CONTINUE_VAR, describe_exit
+from lowprec.cli._worker import exit_mode
 
 __all__ = ["NAME", "HELP", "add_parser", "split_argv", "run", "LaunchPlan", "plan_launch", "build_command"]
 
@@ -203,6 +204,8 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         )
     env = {k: v for k, v in environ.items() if k not in removed}
     env.update(exported)
+    if settings.distributed:  # each rank runs under cli/_worker.py, which reads it
+        exit_mode(environ)
     command = build_command(settings, script, args.training_script_args, args.module, options)
     notes = [] if options.quiet else notes
     asked_gpus = any(layer.get("use_cpu") is False or "gpu_ids" in layer for layer in (yaml_layer, cli_layer))
@@ -293,6 +296,9 @@ def _check_fp8_library(settings: LaunchSettings, cli_layer: Mapping[str, Any], c
     )
 
 
+_DEEPSPEED_KEYS = ("zero_stage", "offload_optimizer_device", "offload_param_device", "deepspeed_config_file")
+
+
 def _yaml_notes(
     yaml_layer: Mapping[str, Any], cli_layer: Mapping[str, Any], settings: LaunchSettings, config_file: str | None
 ) -> list[str]:
@@ -303,6 +309,19 @@ def _yaml_notes(
     unread = sorted(k for k in from_yaml if k in UNREAD_FIELDS and not (k == "dynamo_backend" and from_yaml[k] == "no"))
     if unread:
         notes.append(f"{', '.join(unread)} in {config_file}: no effect in lowprec (nothing reads it)")
+    # a section the distributed_type does not select (Accelerate drops it silently): say so
+    fsdp = sorted(k for k in from_yaml if k.startswith("fsdp_") and k != "fsdp_version")
+    if fsdp and not settings.use_fsdp:
+        notes.append(
+            f"fsdp_config in {config_file} is not used ({', '.join(fsdp)}): FSDP2 shards only with "
+            "distributed_type: FSDP (or --use_fsdp)"
+        )
+    ds = sorted(k for k in from_yaml if k in _DEEPSPEED_KEYS)
+    if ds and not settings.use_deepspeed:
+        notes.append(
+            f"deepspeed_config in {config_file} is not used ({', '.join(ds)}): DeepSpeed runs only with "
+            "distributed_type: DEEPSPEED (or --use_deepspeed)"
+        )
     if "gradient_clipping" in from_yaml and not settings.use_deepspeed:
         notes.append(
             f"gradient_clipping in {config_file} is applied by DeepSpeed only; clip in the script "
@@ -376,12 +395,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"lowprec: warning: {warning}", file=sys.stderr)
 
     again = plan.env.get(CONTINUE_VAR) or shlex.join(["lowprec", "launch", *getattr(args, "argv", sys.argv[2:])])
-    try:
-        proc = subprocess.run(plan.command, env={**plan.env, CONTINUE_VAR: again}, check=False)
-    except KeyboardInterrupt:  # the child got the same SIGINT from the terminal
-        print(f"lowprec: interrupted; to continue: {again}", file=sys.stderr)
-        return 130
-    code = proc.returncode
-    if code and not plan.settings.distributed:  # under torchrun, cli/_torchrun.py says it
-        print(f"lowprec: the script failed: {describe_exit(code)}; to continue: {again}", file=sys.stderr)
-    return 128 - code if code < 0 else code
+    proc = subprocess.Popen(plan.command, env={**plan.env, CONTINUE_VAR: again})
+    interrupted = False
+    while True:  # not subprocess.run: it kills the child 0.25 s after a Ctrl-C, mid-way through its own handling
+        try:
+            code = proc.wait()
+            break
+        except KeyboardInterrupt:  # the child got the same SIGINT from the terminal: let it stop as it does
+            interrupted = True
+    if not plan.settings.distributed:  # under torchrun, cli/_torchrun.py says it
+        if interrupted:
+            print(f"lowprec: interrupted; to continue: {again}", file=sys.stderr)
+        elif code:
+            print(f"lowprec: the script failed: {describe_exit(code)}; to continue: {again}", file=sys.stderr)
+    code = 128 - code if code < 0 else code
+    return (code or 130) if interrupted else code

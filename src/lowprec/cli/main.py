@@ -134,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         if os.environ.get("LOWPREC_DEBUG"):
             raise
-        print(f"lowprec: {exc or 'interrupted'}", file=sys.stderr)
+        print(f"lowprec: {str(exc) or 'interrupted'}", file=sys.stderr)  # a bare Ctrl-C has no text
         return 130  # the shell's code for SIGINT
 
 

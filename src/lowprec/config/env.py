@@ -86,7 +86,7 @@ from lowprec.config import values as V
 from lowprec.catalog import check_tensor_parallel
 from lowprec.errors import UsageError, did_you_mean
 from lowprec.backends.spec import ENGINE_SETTINGS, RECIPE_SETTINGS, recipe_field, spec_or_native, specs
-from lowprec.catalog import unread_recipe_fields
+from lowprec.catalog import recipes_reading, unread_recipe_fields
 
 
 __all__ = [
@@ -284,7 +284,7 @@ def check_fp8_fields(
         for name in unread_recipe_fields(recipe or "tensorwise", by_engine):
             raise UsageError(
                 f"{spell(by_engine[name])}: the {recipe or 'tensorwise'} recipe does not read it "
-                f"(it tunes delayed/per-tensor/block scaling); {_recipe_fix(name, by_engine[name])}"
+                f"(read by: {', '.join(recipes_reading(name)) or 'none'}); {_recipe_fix(name, by_engine[name])}"
             )
 
 

@@ -20,7 +20,7 @@ any ``fp8_config`` key as an env var nobody reads). Example::
       parallelism_config_tp_size: 2
 
 Keys Accelerate writes that mean nothing here (``main_training_function``, ``tpu_*``, FSDP1-only
-``fsdp_*`` keys ...) are accepted and ignored (noted where they differ from Accelerate's default), so
+``fsdp_*`` keys, ``mpirun_config``, ``megatron_lm_config`` ...) are accepted and ignored (noted where they differ from Accelerate's default), so
 an existing Accelerate config keeps working; ``debug`` and ``rdzv_backend`` act as the launch flags
 of the same name (``config/accelerate_flags.py``). Settings a config cannot express (TPU, Megatron,
 FSDP1) are rejected with the fix.
@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Mapping, Optional
 
 import yaml
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from lowprec.backends.spec import get_spec
 from lowprec.catalog import TE_SWITCHES, te_switch_recipe
 from lowprec.config import values as V
+from lowprec.config.accelerate_flags import IGNORED
 from lowprec.config.env import LaunchSettings
 from lowprec.config.paths import default_config_path
 from lowprec.errors import UsageError, did_you_mean
@@ -236,6 +237,31 @@ class DynamoConfig(_Strict):
     dynamo_use_regional_compilation: Ignored = None
 
 
+class MpirunSection(_Strict):
+    """``mpirun_config:`` as ``accelerate config`` writes it for MULTI_CPU with mpirun: noted as ignored
+    (several CPU processes start under torchrun here)."""
+
+    mpirun_hostfile: Ignored = None
+
+
+_MEGATRON_DOC = """``megatron_lm_config:`` (Accelerate's Megatron-LM settings: its ``megatron_lm_*`` keys, which
+``accelerate launch`` reads as the flags of the same names): noted as ignored, as those flags are
+(``config/accelerate_flags.py``)."""
+
+if TYPE_CHECKING:
+
+    class MegatronSection(_Strict):
+        pass
+
+else:  # one Ignored field per megatron_lm_* option of the table
+    MegatronSection = create_model(
+        "MegatronSection",
+        __base__=_Strict,
+        __doc__=_MEGATRON_DOC,
+        **{name: (Ignored, None) for name in IGNORED if name.startswith("megatron_lm_")},
+    )
+
+
 class LaunchConfig(_Strict):
     """The whole launch YAML. :meth:`to_settings` gives the keys the user wrote, as
     ``LaunchSettings`` fields (one layer of ``LaunchSettings.from_layers``)."""
@@ -257,6 +283,8 @@ class LaunchConfig(_Strict):
     deepspeed_config: Optional[DeepSpeedConfig] = None
     dynamo_config: Optional[DynamoConfig] = None
     parallelism_config: Optional[ParallelismSection] = None
+    mpirun_config: Optional[MpirunSection] = None
+    megatron_lm_config: Optional[MegatronSection] = None
     # Accelerate keys that are no launch setting: debug and rdzv_backend act as the flags of the same
     # name, the rest are noted as ignored (config/accelerate_flags.py; accelerate_options())
     debug: Ignored = None
@@ -274,7 +302,8 @@ class LaunchConfig(_Strict):
         (``cli/_launch_options.py`` treats both alike): ``debug``, ``rdzv_backend`` and every
         key accepted and not used (``parallelism_config.cp_backend`` as ``parallelism_config_cp_backend``)."""
         out = {k: getattr(self, k) for k in ("debug", "rdzv_backend") if getattr(self, k) is not None}
-        for section in (self, self.fsdp_config, self.deepspeed_config, self.dynamo_config, self.parallelism_config):
+        sections = (self.fsdp_config, self.deepspeed_config, self.dynamo_config, self.parallelism_config)
+        for section in (self, *sections, self.mpirun_config, self.megatron_lm_config):
             prefix = "parallelism_config_" if isinstance(section, ParallelismSection) else ""
             for key in _ignored_fields(section) if section is not None else ():
                 if getattr(section, key) is not None:
@@ -335,6 +364,8 @@ _SECTIONS: dict[str, type[BaseModel]] = {
     "deepspeed_config": DeepSpeedConfig,
     "dynamo_config": DynamoConfig,
     "parallelism_config": ParallelismSection,
+    "mpirun_config": MpirunSection,
+    "megatron_lm_config": MegatronSection,
 }
 
 
@@ -467,5 +498,11 @@ def write_launch_config(settings: LaunchSettings, path: str | os.PathLike[str]) 
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     text = yaml.safe_dump(settings_to_yaml_dict(settings), sort_keys=False)
-    path.write_text("# written by `lowprec config`; read by `lowprec launch`\n" + text)
+    tmp = path.with_name(f".{path.name}.tmp")  # whole or not there: launch reads it unseen (the default file)
+    try:
+        tmp.write_text("# written by `lowprec config`; read by `lowprec launch`\n" + text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path

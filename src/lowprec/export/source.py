@@ -5,7 +5,9 @@ recipe, ``fp8_filter``) and converted with the same rules, so the same layers ar
 weights are the float32 master weights of the checkpoint (a ``checkpoint-N`` directory given,
 or a run's newest checkpoint when it is from the run's last step), so the trained FP8 casts are
 recomputed from exactly the weights the last forward read. Without such a checkpoint the run's
-bf16 ``model.safetensors`` is used, and the report says so.
+bf16 ``model.safetensors`` is used, and the report says so. A run that did not finish (no
+``summary.json``, or one saying it was interrupted) is refused: its directory may hold an earlier
+run's model files.
 
 A LoRA / QLoRA run exports its adapter merged into the base model: the run's ``merged/`` when
 ``merge_lora`` wrote it, else the base model (full precision, QLoRA's too) with the adapter
@@ -70,11 +72,36 @@ def _locate(path: str) -> tuple[str, str | None]:
     if not os.path.isfile(os.path.join(path, "resolved_config.yaml")):
         raise ValueError(f"RUN_OR_CHECKPOINT: {path} {_NOT_A_RUN}")
     found = list_checkpoints(path)
-    summary = os.path.join(path, "summary.json")
-    last_step = _read_json(summary).get("steps") if os.path.isfile(summary) else None
-    if found and (last_step is None or found[-1][0] == last_step):
+    last_step = _finished_steps(path, found[-1][1] if found else None)
+    if found and found[-1][0] == last_step:
         return path, found[-1][1]
     return path, None
+
+
+def _finished_steps(run: str, latest: str | None) -> int | None:
+    """The steps of a run that finished (its ``summary.json``, which the trainer removes when a
+    run starts and writes when it ends). A run that did not finish (interrupted, killed, still
+    running) may hold an earlier run's model files in its directory: refused, naming what to do."""
+    path = os.path.join(run, "summary.json")
+    try:
+        summary = _read_json(path) if os.path.isfile(path) else None
+    except (OSError, ValueError):
+        summary = None
+    if isinstance(summary, dict) and not summary.get("interrupted"):
+        return summary.get("steps")
+    why = (
+        f"it was interrupted at step {summary.get('steps')} (summary.json)"
+        if isinstance(summary, dict)
+        else "it has no complete summary.json (still running, or stopped before its end)"
+    )
+    hint = (
+        f"export its newest checkpoint, {latest}, or let the run finish (resume_from_checkpoint: auto)"
+        if latest
+        else "let the run finish (resume_from_checkpoint: auto continues a stopped one) or train it again"
+    )
+    raise ValueError(
+        f"RUN_OR_CHECKPOINT: {run} did not finish: {why}, so its model files may be an earlier run's; {hint}"
+    )
 
 
 def _recipe(cfg: dict[str, Any]) -> Recipe | None:

@@ -105,7 +105,7 @@ _GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "parallelism": (
         "lowprec shards with FSDP2 (fsdp_version: 2 + fsdp_config) or DeepSpeed (deepspeed:), launched with "
-        "`lowprec launch --num_processes N`, which also sets ranks and world size",
+        "`lowprec train CONFIG.yaml --num_processes N`, which also sets ranks and world size",
         _keys(
             "fsdp fsdp_final_state_dict_type dp_shard_size dp_replicate_size sequence_parallel_degree "
             "context_parallel_size deepcompile device world_size local_rank ddp ddp_timeout "

@@ -216,7 +216,7 @@ class Loop:
             tb = run.writer._tb is not None
             run.writer.close()
             truncate_after(run.output_dir, back)
-            run.writer = MetricsWriter(run.output_dir, True, tb, append=True)
+            run.writer = MetricsWriter(run.output_dir, True, tb, append=True, step=back)
         run.writer.write({**rec, "rolled_back_to": back})
         if self.bar is not None:
             self.bar.n = back

@@ -71,7 +71,10 @@ def truncate_after(output_dir: str, step: int) -> None:
 class MetricsWriter:
     """Writes records on the main process only; no-op elsewhere."""
 
-    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool, append: bool) -> None:
+    def __init__(self, output_dir: str, enabled: bool, tensorboard: bool, append: bool, step: int = 0) -> None:
+        """``append``: continue metrics.jsonl as cut back to ``step`` (a resume, a rollback), else a
+        fresh file. TensorBoard keeps every events file in ``runs/``: ``purge_step`` hides what an
+        earlier run (fresh: all of it) or the cut-off steps wrote there from ``step + 1`` on."""
         self.enabled = enabled
         self._file = None
         self._tb = None
@@ -82,7 +85,7 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(output_dir, "runs"))
+            self._tb = SummaryWriter(os.path.join(output_dir, "runs"), purge_step=step + 1 if append else 0)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:

@@ -336,7 +336,7 @@ def _train(
     run.on_log = on_log
     resume_path = _resume(run, decisions)
     attach_health(run)
-    run.writer = MetricsWriter(output_dir, main, plan.use_tensorboard, append=resume_path is not None)
+    run.writer = MetricsWriter(output_dir, main, plan.use_tensorboard, resume_path is not None, run.state.step)
     if cfg.eval_table_size and val_loader is not None:
         run.table = EvalTable.build(
             cfg, val_loader, tokenizer, output_dir, f"{cfg.base_model} ({plan.label})", decisions, logger
@@ -344,6 +344,9 @@ def _train(
         if main and resume_path is not None:  # metrics.jsonl was cut back to the checkpoint's step
             run.table.records = read_metrics(output_dir, "generations")
     if main:
+        # summary.json says a run here finished (lowprec export trusts the model files by it): not this one yet
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(output_dir, "summary.json"))
         write_resolved_config(cfg.to_yaml_dict(), decisions, output_dir)
         write_conversion_report(
             acc, output_dir, tuple(run.health.moves() if run.health is not None else run.kept_moves)

@@ -84,6 +84,11 @@ def check_one_process(cfg: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.config:  # on defaults alone it would start fp32, bf16 and fp8 runs of a whole epoch each
+        raise ValueError(
+            "a YAML config comes first: lowprec compare CONFIG.yaml [--precisions ...] (e.g. examples/tiny.yaml); "
+            "it sets the model, data and steps of every run"
+        )
     cfg = load_config(args.config, overrides_from_args(args))
     check_one_process(cfg)
     spec = compare_settings(args, cfg)

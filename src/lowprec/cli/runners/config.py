@@ -4,12 +4,15 @@ the flags, written as the launch YAML."""
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Any
 
 from lowprec.cli._flags import check_cli_flags_apply, settings_from_args
 from lowprec.cli.wizard import run_wizard
 from lowprec.config.env import LaunchSettings
 from lowprec.config.launch_config import default_config_path, write_launch_config
+from lowprec.errors import UsageError
 
 __all__ = ["run"]
 
@@ -28,7 +31,24 @@ def run(args: argparse.Namespace) -> int:
         check_cli_flags_apply(cli, settings)
     else:
         settings = run_wizard()
-    path = write_launch_config(settings, args.config_file or default_config_path())
+    path = _write(settings, args.config_file)
     print(f"lowprec config: wrote {path}")
     print(path.read_text(), end="")
     return 0
+
+
+def _write(settings: LaunchSettings, config_file: str | None) -> Path:
+    """Write the file, or one line naming where it was to go and what to give instead."""
+    target = Path(config_file).expanduser() if config_file else default_config_path()
+    if config_file:
+        where, fix = f"--config_file {config_file}", "give a file path you can write"
+    else:
+        home = os.environ.get("LOWPREC_CONFIG_HOME")
+        where = f"the default config file {target}" + (f" (LOWPREC_CONFIG_HOME={home})" if home else "")
+        fix = "give --config_file PATH" + (", or set LOWPREC_CONFIG_HOME to a writable directory" if home else "")
+    if target.is_dir():
+        raise UsageError(f"{where}: is a directory; {fix} (e.g. {target / 'default_config.yaml'})")
+    try:
+        return write_launch_config(settings, target)
+    except OSError as err:
+        raise UsageError(f"{where}: cannot be written ({err.strerror or err}); {fix}") from None

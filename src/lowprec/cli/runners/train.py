@@ -13,6 +13,7 @@ import sys
 from typing import Any, Sequence
 
 from lowprec.cli._torchrun import CONTINUE_VAR, report_stop
+from lowprec.cli._worker import exit_mode
 from lowprec.cli.launch import build_command
 from lowprec.config.deepspeed_schema import check_deepspeed_config
 from lowprec.config.env import LaunchSettings, owned_env_var
@@ -169,6 +170,18 @@ def _check_deepspeed(cfg: Any, processes: int) -> None:
         )
 
 
+def _wait_for(proc: subprocess.Popen) -> int:
+    """The launched workers' exit code. A Ctrl-C reaches them too (one process group): they stop
+    at the end of the step, write the summary and checkpoint and say how to continue, so the
+    launcher waits for them (and holds the output_dir lock) instead of killing them as
+    ``subprocess.run`` does."""
+    while True:
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            continue
+
+
 def run(args: argparse.Namespace) -> int:
     overrides = overrides_from_args(args)
     if args.quiet:
@@ -181,13 +194,14 @@ def run(args: argparse.Namespace) -> int:
     if cfg.deepspeed is not None:
         _check_deepspeed(cfg, args.num_processes)
     if args.num_processes > 1 and "WORLD_SIZE" not in os.environ:
+        exit_mode()  # each worker runs under cli/_worker.py, which reads LOWPREC_WORKER_EXIT
         cmd = relaunch_command(_argv_of(args), args.num_processes)
         # the launcher holds the output_dir lock for its workers' whole life: a second run is
         # refused here, before any worker starts (rank 0 sees the launcher named in launcher_env)
         with hold_output_dir(make_output_dir(cfg.output_dir)):
             env = {**_child_env(), CONTINUE_VAR: resume_command(args), **launcher_env(cfg.output_dir)}
-            proc = subprocess.run(cmd, env=env, check=False)
-        return 128 - proc.returncode if proc.returncode < 0 else proc.returncode
+            code = _wait_for(subprocess.Popen(cmd, env=env))
+        return 128 - code if code < 0 else code
     # here, not at the top: the trainer imports torch, which a launching process never needs
     from lowprec.train.trainer import train
 
@@ -210,8 +224,10 @@ def run(args: argparse.Namespace) -> int:
             report_stop(str(exc), rank, code)  # does not return under a launcher
         if rank != 0:  # every rank stops alike; rank 0 says why
             return code
-        # one line, with the command that continues the run (the CLI prints it and exits 3 / 74 / 130)
-        text = f"{exc or 'interrupted'}; to continue: {resume_command(args)}"
+        # one line, with the command that continues the run (the CLI prints it and exits 3 / 74 / 130);
+        # a worker of `--num_processes N` has lost that flag: its launcher's command (with it) is in the env
+        again = os.environ.get(CONTINUE_VAR) if _UNDER_LAUNCHER in os.environ else None
+        text = f"{exc or 'interrupted'}; to continue: {again or resume_command(args)}"
         if isinstance(exc, StorageError):
             raise StorageError(exc.errno, text) from None
         raise type(exc)(text) from None

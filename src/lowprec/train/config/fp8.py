@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional, Union, cast
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from lowprec import guard_settings
-from lowprec.catalog import RECIPE_NAMES, unread_recipe_fields
+from lowprec.catalog import RECIPE_NAMES, recipes_reading, unread_recipe_fields
 from lowprec.train.config.base import StrictModel, yaml_text
 
 __all__ = ["FP8RecipeSpec", "PrecisionKeys", "yaml_spelling"]
@@ -37,10 +37,11 @@ class FP8RecipeSpec(StrictModel):
             self.to_recipe()
         unread = unread_recipe_fields(self.name, self.overrides)
         if unread:  # a setting that does nothing is an error, not kept silently
+            readers = recipes_reading(unread[0])
             raise ValueError(
-                f"fp8_recipe.{unread[0]}: the {self.name} recipe does not read it (it tunes "
-                f"{'delayed scaling' if unread[0] != 'block_size' else 'blockwise scaling'}); drop it or "
-                "pick a recipe that reads it"
+                f"fp8_recipe.{unread[0]}: the {self.name} recipe does not read it (read by: "
+                f"{', '.join(readers) or 'none'}); drop it"
+                + (f" or set fp8_recipe name: {' or '.join(readers)}" if readers else "")
             )
         return self
 
