@@ -89,6 +89,22 @@ def test_resume_from_an_explicit_checkpoint_path(tmp_path):
     assert dict(again.train_losses) == {s: loss for s, loss in full.train_losses if s > 3}
 
 
+def test_resuming_a_finished_run_reports_its_final_losses(tmp_path):
+    """A run whose last checkpoint is its final step (killed while exporting, then run again with
+    resume_from_checkpoint: auto) trains nothing more; its result and summary.json still give the
+    final validation loss metrics.jsonl holds, not None ("validation loss n/a")."""
+    import json
+
+    cfg = {**NO_FP8_RUN, "fp8": False, "max_steps": 4, "save_steps": 2, "eval_steps": 2, "output_dir": str(tmp_path)}
+    ref = train(load_config(TINY, cfg))
+    assert ref.final_eval_loss is not None and [s for s, _ in list_checkpoints(str(tmp_path))] == [2, 4]
+    again = train(load_config(TINY, {**cfg, "resume_from_checkpoint": "auto"}))
+    assert again.steps == 4
+    assert again.final_eval_loss == ref.final_eval_loss
+    assert again.final_train_loss == ref.final_train_loss
+    assert json.loads((tmp_path / "summary.json").read_text())["final_eval_loss"] == ref.final_eval_loss
+
+
 def test_resume_rules(tmp_path):
     assert resolve_resume(None, str(tmp_path))[0] is None
     path, why = resolve_resume("auto", str(tmp_path))

@@ -541,6 +541,7 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
     records = read_metrics(output_dir) if main else []
     train_recs = [r for r in records if r["kind"] == "train"]
     tok_s = sum(r["tokens"] for r in train_recs[-1:]) / max(state.train_time_s, 1e-9) if train_recs else 0.0
+    eval_recs = [r for r in records if r["kind"] == "eval"]
     result = RunResult(
         output_dir=output_dir,
         precision=plan.label,
@@ -549,12 +550,16 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
         final_train_loss=loop.last_train
         if loop.last_train is not None
         else (train_recs[-1]["loss"] if train_recs else None),
-        final_eval_loss=loop.last_eval,
+        # a run resumed from its final step's checkpoint evaluates nothing itself: the metrics
+        # (cut back to that checkpoint) hold the final evaluation
+        final_eval_loss=loop.last_eval
+        if loop.last_eval is not None
+        else (eval_recs[-1]["loss"] if eval_recs else None),
         tokens_per_s=tok_s,
         peak_mem_mb=peak_memory_mb(acc.device),
         wall_s=time.perf_counter() - wall0,
         train_losses=[(r["step"], r["loss"]) for r in train_recs],
-        eval_losses=[(r["step"], r["loss"]) for r in records if r["kind"] == "eval"],
+        eval_losses=[(r["step"], r["loss"]) for r in eval_recs],
         files=files,
     )
     if main:
