@@ -296,11 +296,16 @@ def test_defaults_that_are_not_axolotls_are_named_for_a_hugging_face_model(tmp_p
         "val_set_size 0.03 (Axolotl: 0.0)",
         "micro_batch_size 8 (Axolotl: 1)",
         "adam_beta2 0.95",
+        "save_total_limit 2 (Axolotl: 4)",  # Axolotl's trainer builder: save_total_limit or 4
+        "warmup_steps 0 (Axolotl: 3% of the run's steps, at most 100)",  # Axolotl's warmup without either key
         "one per epoch",
     ):
         assert part in said, said
     assert "sequence_len" not in said  # set in the config
     axolotl = {"val_set_size": 0.0, "sequence_len": 512, "micro_batch_size": 1, "adam_beta2": 0.999}
-    every = {**axolotl, "save_total_limit": None, "saves_per_epoch": 1}
+    every = {**axolotl, "save_total_limit": 4, "saves_per_epoch": 1, "warmup_ratio": 0.03}
     assert "defaults" not in resolve(parse_config({**model, **every})).decisions
+    # save_total_limit: null keeps every checkpoint here; Axolotl reads its null as 4
+    said = resolve(parse_config({**model, **every, "save_total_limit": None})).decisions["defaults"].value
+    assert said.startswith("save_total_limit null: every checkpoint kept (Axolotl: 4)"), said
     assert "defaults" not in resolve(parse_config({"base_model": "builtin:llama-tiny"})).decisions
