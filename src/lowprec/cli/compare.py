@@ -37,7 +37,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         NAME,
         HELP,
         "Run one config at several precisions with the same seeds and compare the losses "
-        "(95%% intervals, paired gaps, a verdict). Exit codes: 0 within the threshold, 1 outside, "
+        "(95% intervals, paired gaps, a verdict). Exit codes: 0 within the threshold, 1 outside, "
         "2 usage error, 4 inconclusive.",
         "lowprec compare CONFIG.yaml [--precisions bf16,fp8] [--seeds N|LIST] [--threshold 0.005] "
         "[--workers N] [--key value ...]",
