@@ -77,6 +77,18 @@ def test_axolotl_example_config_validates_and_its_gpu_only_keys_are_named(tmp_pa
         parse_config({"evals_per_epoch": 2, "eval_steps": 3})
 
 
+def test_resume_keys_in_axolotls_and_transformers_shapes_name_resume_from_checkpoint_auto():
+    """Axolotl's auto_resume_from_checkpoints: true and transformers' resume_from_checkpoint: true
+    both mean 'continue from the latest checkpoint': the error names the key that does that here
+    (it said 'drop the key', which silently starts afresh, and 'Input should be a valid string')."""
+    for data in ({"auto_resume_from_checkpoints": True}, {"resume_from_checkpoint": True}):
+        with pytest.raises(ValueError, match="resume_from_checkpoint: auto") as err:
+            parse_config(data)
+        assert "drop the key" not in str(err.value) and "valid string" not in str(err.value), err.value
+    assert parse_config({"resume_from_checkpoint": False}).resume_from_checkpoint is None  # asks for nothing
+    assert parse_config({"auto_resume_from_checkpoints": False}).resume_from_checkpoint is None
+
+
 def test_per_epoch_intervals_and_warmup_ratio_resolve_once():
     from lowprec.train.resolve import total_steps
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -119,6 +119,17 @@ class OutputKeys(StrictModel):
                 "after training)"
             )
         return self
+
+    @field_validator("resume_from_checkpoint", mode="before")
+    @classmethod
+    def _resume(cls, v: Any) -> Any:
+        # transformers' resume_from_checkpoint=True (the latest checkpoint); false asks for nothing
+        if v is True:
+            raise ValueError(
+                "true: use resume_from_checkpoint: auto (the latest checkpoint in output_dir) or a "
+                "checkpoint-<step> directory"
+            )
+        return None if v is False else v
 
     @field_validator("loss_spike")
     @classmethod
