@@ -107,6 +107,25 @@ def test_per_epoch_intervals_and_warmup_ratio_resolve_once():
     assert decisions["warmup_steps"].value == 10 and "warmup_ratio" in decisions["warmup_steps"].reason
 
 
+def test_eval_and_save_steps_below_one_are_fractions_of_the_run():
+    """Axolotl documents eval_steps / save_steps as 'integer for every N steps, float for fraction
+    of total steps' (transformers resolves the fraction as ceil(fraction x steps)); they were
+    refused with pydantic's 'Input should be a valid integer'."""
+    from lowprec.train.resolve import total_steps
+
+    decisions: dict = {}
+    cfg = parse_config({"eval_steps": 0.25, "save_steps": 0.3, "max_steps": 7})
+    assert total_steps(cfg, 100, decisions, main=False) == 7
+    assert decisions["eval_steps"].value == 2 and decisions["save_steps"].value == 3  # ceil(1.75), ceil(2.1)
+    assert "eval_steps: 0.25 x 7 steps" in decisions["eval_steps"].reason
+    assert parse_config({"eval_steps": 5.0}).eval_steps == 5  # a whole float is a number of steps
+    for key in ("eval_steps", "save_steps"):
+        for bad in (1.5, 0, -0.5, 0.0):
+            with pytest.raises(ValueError, match=f"{key}: .*number of steps.*fraction") as err:
+                parse_config({key: bad})
+            assert "valid integer" not in str(err.value)
+
+
 def test_strict_limits_flags_to_keys_the_file_sets(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("strict: true\nlearning_rate: 0.001\n")

@@ -438,8 +438,9 @@ def _build(
         fp8_nothing_converted=native and not fp8_layers,
         main=acc.is_main_process,
         model_config=model_config,
-        eval_every=decisions["eval_steps"].value if "eval_steps" in decisions else cfg.eval_steps,
-        save_every=decisions["save_steps"].value if "save_steps" in decisions else cfg.save_steps,
+        # a fraction (eval_steps: 0.25) or a per-epoch count is resolved into decisions; else a number of steps
+        eval_every=decisions["eval_steps"].value if "eval_steps" in decisions else cast(Optional[int], cfg.eval_steps),
+        save_every=decisions["save_steps"].value if "save_steps" in decisions else cast(Optional[int], cfg.save_steps),
     )
 
 
