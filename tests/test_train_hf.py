@@ -561,3 +561,50 @@ def test_fp8_where_no_layer_converts_says_so_in_trainer_terms(tmp_path, capsys, 
     warned = " ".join(line for line in said if "converted no layer" in line)
     assert warned and "NativeRecipeKwargs" not in warned and "first and last Linear" in warned, warned
     assert "1 steps (fp8 (no layer converted))" in out, out
+
+
+def test_the_final_export_never_leaves_a_half_written_model(tmp_path, monkeypatch):
+    """save_pretrained wrote model.safetensors in place: a run killed (or out of disk) in the
+    middle of the final export left a truncated model.safetensors under the real name, over
+    the last good one. The export goes through a temporary directory in the target, whose files
+    replace the real ones only once written; one left by a killed export is removed by the next."""
+    import errno
+    from types import SimpleNamespace
+
+    import transformers.modeling_utils as mu
+
+    from lowprec.train.hf_model import export_pretrained
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    sd = {"model." + k: v for k, v in model.state_dict().items()}
+    (tmp_path / ".export-killed").mkdir()  # what a SIGKILL during an earlier export leaves
+    export_pretrained(SimpleNamespace(model=model), sd, None, str(tmp_path))
+    assert not (tmp_path / ".export-killed").exists()
+    good = (tmp_path / "model.safetensors").read_bytes()
+
+    real = mu.safe_save_file
+
+    def dies_half_way(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(mu, "safe_save_file", dies_half_way)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    sd = {"model." + k: v for k, v in model.state_dict().items()}
+    with pytest.raises(OSError):
+        export_pretrained(SimpleNamespace(model=model), sd, None, str(tmp_path))
+    assert (tmp_path / "model.safetensors").read_bytes() == good  # the last good export, whole
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    monkeypatch.setattr(mu, "safe_save_file", real)
+    for stale in ("model-00001-of-00002.safetensors", "model.safetensors.index.json"):  # an earlier, sharded export
+        (tmp_path / stale).write_text("{}")
+    export_pretrained(SimpleNamespace(model=model), sd, None, str(tmp_path))
+    assert not (tmp_path / "model.safetensors.index.json").exists()  # as save_pretrained in place removes them
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight.to(torch.bfloat16))
