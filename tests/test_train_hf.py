@@ -608,3 +608,30 @@ def test_the_final_export_never_leaves_a_half_written_model(tmp_path, monkeypatc
     assert not (tmp_path / "model.safetensors.index.json").exists()  # as save_pretrained in place removes them
     again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
     assert torch.equal(again.lm_head.weight, model.lm_head.weight.to(torch.bfloat16))
+
+
+def test_lora_target_modules_as_a_string_is_a_regex_as_in_axolotl():
+    """Axolotl: 'if you specify lora_target_modules as a str, it will be treated as a regex'
+    (peft's full match on module names), e.g. to put adapters on the language model only. The
+    string was made a one-name list, so peft matched it as a name suffix and failed with
+    'Target modules {...} not found in the base model'."""
+    from lowprec.train.adapters import LoraSettings, apply_lora
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+    )
+    model = apply_lora(
+        transformers.LlamaForCausalLM(cfg), LoraSettings(target_modules=r"model.layers.[\d]+.self_attn.(q|v)_proj")
+    )
+    adapted = sorted(n for n, m in model.named_modules() if n.endswith(".lora_A"))
+    assert [n.split("layers.")[1] for n in adapted] == [
+        "0.self_attn.q_proj.lora_A",
+        "0.self_attn.v_proj.lora_A",
+        "1.self_attn.q_proj.lora_A",
+        "1.self_attn.v_proj.lora_A",
+    ]
+    with pytest.raises(ValueError, match=r"^lora_target_modules: the regex '\S+' matches no module"):
+        apply_lora(transformers.LlamaForCausalLM(cfg), LoraSettings(target_modules=r"layers\.9\..*"))
+    # with lora_target_linear the string is one more name, as Axolotl adds it to the linear layers' names
+    both = apply_lora(transformers.LlamaForCausalLM(cfg), LoraSettings(target_modules="q_proj", target_linear=True))
+    assert any(n.endswith("mlp.down_proj.lora_A") for n, _ in both.named_modules())
