@@ -264,10 +264,13 @@ _ROUTER_WHY = "MoE router: its top-k choice is discrete, FP8 noise would move to
 
 
 def _is_router(fqn: str, module: nn.Module) -> bool:
-    """A mixture-of-experts router or shared-expert gate (holds its own parameters)."""
+    """A mixture-of-experts router or shared-expert gate (holds its own parameters); a peft
+    adapter on one (``...shared_expert_gate.lora_A.default``) is an adapter layer, not a router."""
     if not any(True for _ in module.parameters(recurse=False)):
         return False
     parts = fqn.split(".")
+    if any(p in ADAPTER_PATTERNS for p in parts):
+        return False
     return any(p in ROUTER_NAMES for p in parts) or type(module).__name__.endswith("Router")
 
 
