@@ -635,3 +635,29 @@ def test_lora_target_modules_as_a_string_is_a_regex_as_in_axolotl():
     # with lora_target_linear the string is one more name, as Axolotl adds it to the linear layers' names
     both = apply_lora(transformers.LlamaForCausalLM(cfg), LoraSettings(target_modules="q_proj", target_linear=True))
     assert any(n.endswith("mlp.down_proj.lora_A") for n, _ in both.named_modules())
+
+
+def test_the_configured_chat_template_is_saved_with_the_model(tiny_llama, tmp_path):
+    """Axolotl's chat_template: 'the selected chat template will be saved to the tokenizer_config.json
+    for easier inferencing' (load_tokenizer sets tokenizer.chat_template). The run trained on
+    Llama 3 turns but saved the tokenizer's own ChatML template, so apply_chat_template on the
+    output prompted the model in a format it was not trained on."""
+    from lowprec.train.chat_templates import TEMPLATES
+
+    chats = os.path.join(ROOT, "examples", "data", "chat_tiny.jsonl")
+    cfg = parse_config(
+        {
+            **FAST,
+            "sequence_len": 256,
+            "base_model": tiny_llama,
+            "datasets": [{"path": chats, "type": "chat_template"}],
+            "chat_template": "llama3",
+            "output_dir": str(tmp_path / "run"),
+            "max_steps": 1,
+            "val_set_size": 0,
+            "fp8": False,
+        }
+    )
+    train(cfg)
+    saved = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "run"))
+    assert saved.chat_template == TEMPLATES["llama3"]

@@ -35,6 +35,7 @@ from lowprec.checkpoint.serialization import load_error_reason
 from lowprec.distributed.expert_parallel import expert_parallel_names
 from lowprec.fp8 import plain_state_dict, unconvert
 from lowprec.train.adapters import is_peft_model
+from lowprec.train.chat_templates import template_text
 from lowprec.train.hf_files import has_tokenizer, locate_pretrained
 from lowprec.train.tokenizer import HFTokenizer, load_tokenizer, is_remote_code_refusal, remote_code_message
 
@@ -43,6 +44,7 @@ __all__ = [
     "export_pretrained",
     "tokenizer_choice",
     "load_run_tokenizer",
+    "set_chat_template",
 ]
 
 logger = logging.getLogger("lowprec")
@@ -213,6 +215,22 @@ def _save_model(model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]],
         config.save_pretrained(d)
 
     _write_whole(out, write)
+
+
+def set_chat_template(cfg: Any, tokenizer: Any) -> None:
+    """The top-level ``chat_template`` the config sets becomes the Hugging Face tokenizer's own, so
+    the tokenizer saved with the model prompts in the format it trained on, as Axolotl's
+    ``load_tokenizer`` does ('saved to the tokenizer_config.json for easier inferencing'). Called
+    once the data is tokenized (a dataset's ``tokenizer_default`` read the tokenizer's own)."""
+    tok = getattr(tokenizer, "hf_tokenizer", None)
+    if tok is None or "chat_template" not in cfg.model_fields_set:
+        return
+    try:
+        tok.chat_template = template_text(
+            cfg.chat_template, getattr(tok, "chat_template", None), cfg.chat_template_jinja
+        )
+    except ValueError:  # tokenizer_default on a tokenizer without one, no data using it: nothing to save
+        return
 
 
 def tokenizer_choice(cfg: Any) -> tuple[str, str]:

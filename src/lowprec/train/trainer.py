@@ -58,7 +58,7 @@ from lowprec.train.adapters import LoraSettings, apply_lora, check_new_tokens
 from lowprec.train.data_setup import run_data
 from lowprec.train.generations import EvalTable
 from lowprec.train.hf_files import locate_pretrained
-from lowprec.train.hf_model import export_pretrained, load_causal_lm
+from lowprec.train.hf_model import export_pretrained, load_causal_lm, set_chat_template
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 from lowprec.train.outputs import export_model, write_resolved_config
 from lowprec.train.packing import packed_causal_mask
@@ -330,6 +330,7 @@ def _train(
             logger.warning("lowprec: note: %s", note)
     acc.wait_for_everyone()
     tokenizer, loader, val_loader = run_data(cfg, acc)
+    set_chat_template(cfg, tokenizer)  # saved with the model, as Axolotl does
     total = total_steps(cfg, len(loader), decisions, main)
     run = _build(cfg, plan, acc, tokenizer, total, output_dir, loader, val_loader, decisions)
     run.tokenizer = tokenizer
