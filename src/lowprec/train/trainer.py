@@ -30,6 +30,7 @@ from torch import nn
 
 from lowprec.backends.spec import trainer_backends
 from lowprec.durable import os_error_of
+from lowprec.checkpoint.state import clean_interrupted_saves
 from lowprec.errors import CheckpointError, NonFiniteError, StorageError
 from lowprec.export import export_after_training
 from lowprec.export.fp8_base import check_trainer_fp8_base, is_fp8_base, load_fp8_base
@@ -448,6 +449,9 @@ def _build(
 def _resume(run: Run, decisions: dict) -> Optional[str]:
     """Load the checkpoint to continue from, or clear an earlier run's checkpoints."""
     acc, output_dir, main = run.acc, run.output_dir, run.main
+    if main:  # saves killed mid-write: a moved-aside checkpoint back under its name, partial copies removed
+        clean_interrupted_saves(output_dir, r"checkpoint-\d+")
+    acc.wait_for_everyone()
     resume_path, resume_why = ckpt.resolve_resume(run.cfg.resume_from_checkpoint, output_dir)
     decisions["resume"] = Decision(resume_path, resume_why)
     if main:
