@@ -318,3 +318,19 @@ def test_lora_adapters_on_a_router_are_adapters_not_routers():
     lora_a = "base_model.model.model.layers.0.mlp.shared_expert_gate.lora_A.default"
     assert skipped[lora_a].startswith("peft adapter layer"), skipped[lora_a]
     assert skipped["base_model.model.model.layers.0.mlp.shared_expert_gate.base_layer"] == _ROUTER_WHY
+
+
+def test_the_summary_line_counts_what_it_keeps_by_kind():
+    """fp8_filter: [mlp] on Mixtral keeps the experts' projections in high precision: the one-line
+    summary said '6 kept in high precision (Linear 2)', the projections missing from the
+    breakdown (the trainer prints this line)."""
+    import re
+
+    m = build("mixtral")
+    report = fp8.convert(m, "tensorwise", skip_patterns=tuple(fp8.DEFAULT_SKIP_PATTERNS) + ("mlp",))
+    line = report.summary()
+    kept = re.search(r"(\d+) kept in high precision \(([^)]*)\)", line)
+    assert kept is not None, line
+    counts = [int(part.rsplit(" ", 1)[1]) for part in kept.group(2).split(", ")]
+    assert sum(counts) == int(kept.group(1)) == len(report.skipped), line
+    assert "expert projections 4" in kept.group(2), line
