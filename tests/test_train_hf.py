@@ -661,3 +661,28 @@ def test_the_configured_chat_template_is_saved_with_the_model(tiny_llama, tmp_pa
     train(cfg)
     saved = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "run"))
     assert saved.chat_template == TEMPLATES["llama3"]
+
+
+def test_a_qlora_evaluation_leaves_the_4bit_base_as_training_runs_it(tiny_llama_64):
+    """On CPU bitsandbytes packs a Linear4bit's weights for its inference kernel at the first
+    eval-mode forward (the run's first evaluation), and training then ran on the packed weights:
+    a QLoRA run resumed from a checkpoint taken after an evaluation (a fresh, unpacked base)
+    never matched the uninterrupted run (losses apart from the first resumed step). The trainer's
+    4-bit base is never packed, so evaluating changes nothing the run trains with."""
+    pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (dev extra)")
+    from lowprec.train.hf_model import load_causal_lm
+
+    model = load_causal_lm(tiny_llama_64, load_in_4bit=True)
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fresh = model(ids).logits.detach()
+    model.eval()
+    with torch.no_grad():
+        model(ids)  # an evaluation
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        again = model(ids).logits.detach()
+    assert torch.equal(fresh, again), (fresh - again).abs().max()
+    packed = [m for m in model.modules() if getattr(getattr(m, "weight", None), "quant_state", None) is not None]
+    assert packed and not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in packed)

@@ -112,6 +112,14 @@ def load_causal_lm(
             else " (a model with its own code needs trust_remote_code: true, which runs that code)"
         )
         raise ValueError(f"base_model: {path} cannot be loaded as a causal LM: {first}{hint}") from None
+    if load_in_4bit:
+        # bitsandbytes packs a Linear4bit's weights for its CPU inference kernel at the first
+        # eval-mode forward (an evaluation), and training then runs on the packed weights: a run
+        # resumed after an evaluation (fresh, unpacked weights) no longer matched the uninterrupted
+        # one. Evaluation runs the training GEMMs instead (same numerics, resumable).
+        for m in model.modules():
+            if type(m).__name__ == "Linear4bit" and hasattr(m, "support_avx512bf16_for_cpu"):
+                m.support_avx512bf16_for_cpu = False
     logger.info(
         "lowprec: base_model %s: %s, %.2f M parameters",
         path,
