@@ -686,3 +686,28 @@ def test_a_qlora_evaluation_leaves_the_4bit_base_as_training_runs_it(tiny_llama_
     assert torch.equal(fresh, again), (fresh - again).abs().max()
     packed = [m for m in model.modules() if getattr(getattr(m, "weight", None), "quant_state", None) is not None]
     assert packed and not any(getattr(m.weight.quant_state, "packing_format_for_cpu", False) for m in packed)
+
+
+def test_saving_a_4bit_model_state_leaves_its_packed_weights_as_they_were(tiny_llama_64):
+    """Accelerator.save_state of a bitsandbytes 4-bit model whose weights an evaluation packed for
+    the CPU kernel: Linear4bit.state_dict() unpacks them in place, lossily (logits moved by ~1e-3
+    at each save). The saved model state leaves the frozen 4-bit weights out (load_state never
+    loads them back), and saving changes nothing."""
+    pytest.importorskip("bitsandbytes", reason="needs bitsandbytes (dev extra)")
+    from lowprec.train.adapters import LoraSettings, apply_lora
+    from lowprec.train.hf_model import load_causal_lm
+    from lowprec.utils.distributed import full_model_state_dict
+
+    base = load_causal_lm(tiny_llama_64, load_in_4bit=True)
+    for m in base.modules():  # as transformers loads it (the trainer turns packing off)
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = True
+    model = apply_lora(base, LoraSettings(target_linear=True)).eval()
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)  # an evaluation: packed where the CPU has the kernel
+        before = model(ids).logits
+        sd = full_model_state_dict(model)
+        after = model(ids).logits
+    assert torch.equal(before, after), (before - after).abs().max()
+    assert any(".lora_A." in k for k in sd) and not any("base_layer.weight" in k for k in sd)
