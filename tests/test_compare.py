@@ -222,6 +222,14 @@ def test_cli_parsing_and_usage_errors(tmp_path, capsys):
     assert "a YAML config comes first: lowprec compare CONFIG.yaml" in capsys.readouterr().err
 
 
+def test_help_prints_percent_signs_once(capsys):
+    """The description is printed as written (argparse formats help strings, not descriptions):
+    '95%%' there showed as two percent signs."""
+    assert main(["compare", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "95% intervals" in out and "%%" not in out, out
+
+
 def test_compare_end_to_end_two_seeds(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.path.join(ROOT, "src"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

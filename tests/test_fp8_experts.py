@@ -301,3 +301,36 @@ def test_a_router_stays_whatever_the_skip_patterns_and_asking_for_it_is_one_erro
     with pytest.raises(ValueError, match=f"router '{router}' in FP8.*return False for it in module_filter"):
         fp8.convert(m, "tensorwise", module_filter=lambda module, fqn: True)
     assert type(m.get_submodule(router)) is torch.nn.Linear  # refused before anything was swapped
+
+
+def test_lora_adapters_on_a_router_are_adapters_not_routers():
+    """lora_target_linear puts peft adapters on Qwen2-MoE's shared_expert_gate too: its lora_A /
+    lora_B are adapter layers (kept in high precision as adapters), not more routers. The report
+    counted them as routers (8 for a 2-layer model with 4) and their kept reason as the router's."""
+    peft = pytest.importorskip("peft")
+    m = build("qwen2_moe")
+    m = peft.get_peft_model(m, peft.LoraConfig(r=4, target_modules=["shared_expert_gate", "q_proj"]))
+    report = fp8.convert(m, "tensorwise")
+    routers = [n for n, _ in report.routers]
+    assert not [n for n in routers if "lora_" in n], routers
+    assert len(routers) == 2 * 2  # per layer: the top-k router and the shared-expert gate (its base_layer)
+    skipped = dict(report.skipped)
+    lora_a = "base_model.model.model.layers.0.mlp.shared_expert_gate.lora_A.default"
+    assert skipped[lora_a].startswith("peft adapter layer"), skipped[lora_a]
+    assert skipped["base_model.model.model.layers.0.mlp.shared_expert_gate.base_layer"] == _ROUTER_WHY
+
+
+def test_the_summary_line_counts_what_it_keeps_by_kind():
+    """fp8_filter: [mlp] on Mixtral keeps the experts' projections in high precision: the one-line
+    summary said '6 kept in high precision (Linear 2)', the projections missing from the
+    breakdown (the trainer prints this line)."""
+    import re
+
+    m = build("mixtral")
+    report = fp8.convert(m, "tensorwise", skip_patterns=tuple(fp8.DEFAULT_SKIP_PATTERNS) + ("mlp",))
+    line = report.summary()
+    kept = re.search(r"(\d+) kept in high precision \(([^)]*)\)", line)
+    assert kept is not None, line
+    counts = [int(part.rsplit(" ", 1)[1]) for part in kept.group(2).split(", ")]
+    assert sum(counts) == int(kept.group(1)) == len(report.skipped), line
+    assert "expert projections 4" in kept.group(2), line

@@ -85,6 +85,18 @@ def test_the_parallelism_keys_name_the_command_that_runs_the_trainer_on_n_proces
     assert "lowprec launch" not in str(err.value)
 
 
+def test_resume_keys_in_axolotls_and_transformers_shapes_name_resume_from_checkpoint_auto():
+    """Axolotl's auto_resume_from_checkpoints: true and transformers' resume_from_checkpoint: true
+    both mean 'continue from the latest checkpoint': the error names the key that does that here
+    (it said 'drop the key', which silently starts afresh, and 'Input should be a valid string')."""
+    for data in ({"auto_resume_from_checkpoints": True}, {"resume_from_checkpoint": True}):
+        with pytest.raises(ValueError, match="resume_from_checkpoint: auto") as err:
+            parse_config(data)
+        assert "drop the key" not in str(err.value) and "valid string" not in str(err.value), err.value
+    assert parse_config({"resume_from_checkpoint": False}).resume_from_checkpoint is None  # asks for nothing
+    assert parse_config({"auto_resume_from_checkpoints": False}).resume_from_checkpoint is None
+
+
 def test_per_epoch_intervals_and_warmup_ratio_resolve_once():
     from lowprec.train.resolve import total_steps
 
@@ -101,6 +113,25 @@ def test_per_epoch_intervals_and_warmup_ratio_resolve_once():
     assert total_steps(cfg, 100, decisions, main=False) == 100  # 50 steps per epoch x 2
     assert decisions["eval_steps"].value == 12 and decisions["save_steps"].value == 50
     assert decisions["warmup_steps"].value == 10 and "warmup_ratio" in decisions["warmup_steps"].reason
+
+
+def test_eval_and_save_steps_below_one_are_fractions_of_the_run():
+    """Axolotl documents eval_steps / save_steps as 'integer for every N steps, float for fraction
+    of total steps' (transformers resolves the fraction as ceil(fraction x steps)); they were
+    refused with pydantic's 'Input should be a valid integer'."""
+    from lowprec.train.resolve import total_steps
+
+    decisions: dict = {}
+    cfg = parse_config({"eval_steps": 0.25, "save_steps": 0.3, "max_steps": 7})
+    assert total_steps(cfg, 100, decisions, main=False) == 7
+    assert decisions["eval_steps"].value == 2 and decisions["save_steps"].value == 3  # ceil(1.75), ceil(2.1)
+    assert "eval_steps: 0.25 x 7 steps" in decisions["eval_steps"].reason
+    assert parse_config({"eval_steps": 5.0}).eval_steps == 5  # a whole float is a number of steps
+    for key in ("eval_steps", "save_steps"):
+        for bad in (1.5, 0, -0.5, 0.0):
+            with pytest.raises(ValueError, match=f"{key}: .*number of steps.*fraction") as err:
+                parse_config({key: bad})
+            assert "valid integer" not in str(err.value)
 
 
 def test_strict_limits_flags_to_keys_the_file_sets(tmp_path):
@@ -304,11 +335,16 @@ def test_defaults_that_are_not_axolotls_are_named_for_a_hugging_face_model(tmp_p
         "val_set_size 0.03 (Axolotl: 0.0)",
         "micro_batch_size 8 (Axolotl: 1)",
         "adam_beta2 0.95",
+        "save_total_limit 2 (Axolotl: 4)",  # Axolotl's trainer builder: save_total_limit or 4
+        "warmup_steps 0 (Axolotl: 3% of the run's steps, at most 100)",  # Axolotl's warmup without either key
         "one per epoch",
     ):
         assert part in said, said
     assert "sequence_len" not in said  # set in the config
     axolotl = {"val_set_size": 0.0, "sequence_len": 512, "micro_batch_size": 1, "adam_beta2": 0.999}
-    every = {**axolotl, "save_total_limit": None, "saves_per_epoch": 1}
+    every = {**axolotl, "save_total_limit": 4, "saves_per_epoch": 1, "warmup_ratio": 0.03}
     assert "defaults" not in resolve(parse_config({**model, **every})).decisions
+    # save_total_limit: null keeps every checkpoint here; Axolotl reads its null as 4
+    said = resolve(parse_config({**model, **every, "save_total_limit": None})).decisions["defaults"].value
+    assert said.startswith("save_total_limit null: every checkpoint kept (Axolotl: 4)"), said
     assert "defaults" not in resolve(parse_config({"base_model": "builtin:llama-tiny"})).decisions

@@ -209,6 +209,11 @@ def test_yaml_dataset_types_and_axolotl_keys(tmp_path):
     assert cfg.datasets[0].type == "alpaca" and cfg.sample_packing
     with pytest.raises(ValueError, match="datasets.0.type: dataset type 'sharegpt' is not supported; ShareGPT data"):
         parse_config({"datasets": [{"path": path, "type": "sharegpt"}]})
+    # Axolotl's user-defined prompt format (type: a mapping) was 'Input should be a valid string'
+    custom = {"field_instruction": "instruction", "format": "[INST] {instruction} [/INST]"}
+    with pytest.raises(ValueError, match="datasets.0.type: a custom prompt format .* use type: alpaca") as err:
+        parse_config({"datasets": [{"path": path, "type": custom}]})
+    assert "valid string" not in str(err.value)
     with pytest.raises(ValueError, match="wandb_project: an Axolotl key lowprec does not support .*use_tensorboard"):
         parse_config({"wandb_project": "mine"})
     with pytest.raises(ValueError, match="unknown key 'sample_pakcing' \\(did you mean 'sample_packing'"):

@@ -303,6 +303,10 @@ def test_qlora_trains_adapters_on_a_4bit_base_and_merges_on_the_full_base(tiny_l
         ({"load_in_4bit": True}, "load_in_4bit: true is what adapter: qlora loads with"),
         ({"adapter": "qlora", "lora_target_linear": True}, "adapter: qlora needs load_in_4bit: true"),
         ({"merge_lora": True}, "merge_lora: true needs adapter: lora"),
+        (  # peft's 'lora.ParamWrapper does not work with lora_dropout != 0', said in the config's terms
+            {"adapter": "lora", "lora_target_parameters": ["mlp.experts.down_proj"], "lora_dropout": 0.05},
+            "^config: lora_dropout: 0.05 with lora_target_parameters: .*set lora_dropout: 0",
+        ),
     ],
 )
 def test_adapter_and_model_key_errors(tiny_llama, tmp_path, bad, match):

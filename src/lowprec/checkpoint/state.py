@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from typing import Any
 
@@ -64,6 +65,7 @@ from lowprec.checkpoint.sharded import load_sharded, save_sharded, uses_sharded
 from lowprec.utils.offload import fill_offloaded
 
 __all__ = [
+    "clean_interrupted_saves",
     "save_state",
     "load_state",
     "checkpoint_meta",
@@ -271,6 +273,21 @@ def _clean_stale_siblings(output_dir: str) -> None:
     for stale in [p for p in _siblings(output_dir, "tmp") if not owner_alive(p, "tmp")] + olds:
         logger.warning("lowprec: removing %s left by an interrupted save_state", stale)
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def clean_interrupted_saves(directory: str, names: str = r".+") -> None:
+    """Put back and remove what saves killed mid-write left in ``directory``: the
+    ``<name>.tmp-<host>-<pid>`` / ``<name>.old-...`` folders of the targets whose name fully
+    matches the regex ``names``, by :func:`_clean_stale_siblings`' rule (a moved-aside last
+    complete checkpoint returns under its name, a live writer's folders are left alone). A save
+    cleans its own target's siblings only, so a run that never saves that name again (a fresh
+    run, another ``max_steps``) calls this first; else they stay for good."""
+    if not os.path.isdir(directory):
+        return
+    partial = re.compile(rf"^({names})\.(?:tmp|old)-[^/]*-\d+$")
+    found = {m.group(1) for m in map(partial.match, os.listdir(directory)) if m}
+    for name in sorted(found):
+        _clean_stale_siblings(os.path.join(directory, name))
 
 
 def _resolve_input(input_dir: str) -> str:

@@ -133,6 +133,10 @@ class ConversionReport:
     def summary(self) -> str:
         """One line for the console; ``str(report)`` is the full table (one line per layer)."""
         gemm_kept = {t: n for t, (n, _) in self.kept_types.items() if "Linear" in t or "Conv1D" in t}
+        # the rest of the kept entries are experts modules' projections (kept_types counts modules)
+        projections = len(self.skipped) - sum(gemm_kept.values())
+        if projections > 0:
+            gemm_kept["expert projections"] = projections
         by_type = f" ({', '.join(f'{t} {n}' for t, n in gemm_kept.items())})" if gemm_kept else ""
         acts = (
             f"; E4M3 activations saved in {len(self.fp8_activations)} module(s)" if self.recipe.fp8_activations else ""
@@ -264,10 +268,13 @@ _ROUTER_WHY = "MoE router: its top-k choice is discrete, FP8 noise would move to
 
 
 def _is_router(fqn: str, module: nn.Module) -> bool:
-    """A mixture-of-experts router or shared-expert gate (holds its own parameters)."""
+    """A mixture-of-experts router or shared-expert gate (holds its own parameters); a peft
+    adapter on one (``...shared_expert_gate.lora_A.default``) is an adapter layer, not a router."""
     if not any(True for _ in module.parameters(recurse=False)):
         return False
     parts = fqn.split(".")
+    if any(p in ADAPTER_PATTERNS for p in parts):
+        return False
     return any(p in ROUTER_NAMES for p in parts) or type(module).__name__.endswith("Router")
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 from typing import Any, Optional, Sequence
 
 from torch import nn
@@ -51,6 +52,9 @@ class LoraSettings:
     ) -> None:
         self.r, self.dropout = int(r), float(dropout)
         self.alpha = float(alpha) if alpha is not None else float(r)  # peft's default alpha is 8; Axolotl's r
+        # a string is a regex over whole module names (Axolotl, peft), unless lora_target_linear adds
+        # the linear layers' names to it: then, as in Axolotl, it is one more name
+        self.regex: Optional[str] = target_modules if isinstance(target_modules, str) and not target_linear else None
         self.target_modules = [target_modules] if isinstance(target_modules, str) else list(target_modules or [])
         self.target_linear = bool(target_linear)
         self.modules_to_save = list(modules_to_save or [])
@@ -151,7 +155,15 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
     available = linear_module_names(model)
     targets = list(lora.target_modules) + (available if lora.target_linear else [])
     targets = list(dict.fromkeys(targets))
-    if not targets and not lora.target_parameters:
+    if lora.regex is not None:
+        if not any(re.fullmatch(lora.regex, n) for n, _ in model.named_modules()):
+            raise ValueError(
+                f"lora_target_modules: the regex '{lora.regex}' matches no module of the model (a string is a "
+                f"regex over whole module names, e.g. 'model.layers.[\\d]+.self_attn.(q|v)_proj'); its GEMM "
+                f"layers are {', '.join(available)}: give a list of those names to match them anywhere"
+            )
+        targets = []  # peft takes the string itself
+    if not targets and not lora.target_parameters and lora.regex is None:
         raise ValueError(
             "adapter: lora needs lora_target_modules (e.g. [q_proj, v_proj]), lora_target_linear: true or "
             "lora_target_parameters (a mixture-of-experts model's expert weights)"
@@ -179,7 +191,7 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
         # peft annotates lora_alpha as int but only divides it by r; lowprec takes fractional alphas (lora_alpha: float)
         lora_alpha=lora.alpha,  # type: ignore[arg-type]
         lora_dropout=lora.dropout,
-        target_modules=targets,
+        target_modules=lora.regex if lora.regex is not None else targets,
         target_parameters=lora.target_parameters or None,
         modules_to_save=lora.modules_to_save or None,
         bias="none",
@@ -194,7 +206,7 @@ def apply_lora(model: nn.Module, lora: LoraSettings) -> nn.Module:
         "qlora" if getattr(model, "is_loaded_in_4bit", False) else "lora",
         lora.r,
         lora.alpha,
-        ", ".join(targets + lora.target_parameters),
+        ", ".join(([f"regex {lora.regex}"] if lora.regex is not None else targets) + lora.target_parameters),
         trainable,
         total,
         100.0 * trainable / max(total, 1),

@@ -16,7 +16,8 @@ AXOLOTL_DEFAULTS: dict[str, tuple[Any, str]] = {
     "sequence_len": (512, "512"),
     "micro_batch_size": (1, "1"),
     "adam_beta2": (0.999, "0.999 (torch AdamW's)"),
-    "save_total_limit": (None, "null: every checkpoint kept"),
+    # Axolotl's trainer builder passes save_total_limit or 4: its null (and its default) keep 4
+    "save_total_limit": (4, "4"),
 }
 
 
@@ -31,6 +32,11 @@ def differing_defaults(cfg: Any) -> Optional[str]:
         for key, (value, shown) in AXOLOTL_DEFAULTS.items()
         if key not in given and getattr(cfg, key) != value
     ]
+    if "save_total_limit" in given and cfg.save_total_limit is None:
+        parts.insert(0, "save_total_limit null: every checkpoint kept (Axolotl: 4)")
+    if "warmup_steps" not in given and "warmup_ratio" not in given:
+        # Axolotl's trainer builder without either key: min(int(0.03 x total steps), 100)
+        parts.append(f"warmup_steps {cfg.warmup_steps} (Axolotl: 3% of the run's steps, at most 100)")
     if "save_steps" not in given and "saves_per_epoch" not in given:
         parts.append("no save_steps / saves_per_epoch: no checkpoints (Axolotl: one per epoch)")
     return "; ".join(parts) or None

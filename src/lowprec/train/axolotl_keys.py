@@ -157,8 +157,7 @@ _GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
             "evaluation_strategy eval_strategy save_strategy save_first_step load_best_model_at_end save_only_model "
             "do_causal_lm_eval eval_causal_lm_metrics do_bench_eval bench_dataset bench_split metric_for_best_model "
             "greater_is_better gradio_title gradio_share gradio_server_name "
-            "gradio_server_port gradio_max_new_tokens gradio_temperature auto_resume_from_checkpoints "
-            "dynamic_checkpoint"
+            "gradio_server_port gradio_max_new_tokens gradio_temperature dynamic_checkpoint"
         ),
     ),
     "sample generation": (
@@ -180,6 +179,11 @@ _GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "precision aliases": (
         "spell precision as bf16 / fp16 / fp8 (true, false, auto), as lowprec's schema does",
         _keys("bfloat16 float16 float32 rope_scaling"),
+    ),
+    "resuming": (
+        "use resume_from_checkpoint: auto (continues from the latest checkpoint in output_dir, a fresh run "
+        "when there is none)",
+        _keys("auto_resume_from_checkpoints"),
     ),
     "compile options": (
         "torch_compile: true compiles with torch's default backend and mode; drop the key",

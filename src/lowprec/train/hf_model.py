@@ -21,16 +21,21 @@ import copy
 import logging
 import os
 import pickle
-from typing import Any, Optional, cast
+import re
+import shutil
+import tempfile
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import nn
 
+from lowprec.durable import fsync_dir, fsync_tree
 from lowprec.errors import did_you_mean
 from lowprec.checkpoint.serialization import load_error_reason
 from lowprec.distributed.expert_parallel import expert_parallel_names
 from lowprec.fp8 import plain_state_dict, unconvert
 from lowprec.train.adapters import is_peft_model
+from lowprec.train.chat_templates import template_text
 from lowprec.train.hf_files import has_tokenizer, locate_pretrained
 from lowprec.train.tokenizer import HFTokenizer, load_tokenizer, is_remote_code_refusal, remote_code_message
 
@@ -39,6 +44,7 @@ __all__ = [
     "export_pretrained",
     "tokenizer_choice",
     "load_run_tokenizer",
+    "set_chat_template",
 ]
 
 logger = logging.getLogger("lowprec")
@@ -106,6 +112,14 @@ def load_causal_lm(
             else " (a model with its own code needs trust_remote_code: true, which runs that code)"
         )
         raise ValueError(f"base_model: {path} cannot be loaded as a causal LM: {first}{hint}") from None
+    if load_in_4bit:
+        # bitsandbytes packs a Linear4bit's weights for its CPU inference kernel at the first
+        # eval-mode forward (an evaluation), and training then runs on the packed weights: a run
+        # resumed after an evaluation (fresh, unpacked weights) no longer matched the uninterrupted
+        # one. Evaluation runs the training GEMMs instead (same numerics, resumable).
+        for m in model.modules():
+            if type(m).__name__ == "Linear4bit" and hasattr(m, "support_avx512bf16_for_cpu"):
+                m.support_avx512bf16_for_cpu = False
     logger.info(
         "lowprec: base_model %s: %s, %.2f M parameters",
         path,
@@ -153,22 +167,78 @@ def export_pretrained(
         targets = [output_dir]
     if tok is not None:
         for d in targets:
-            tok.save_pretrained(d)
+            _write_whole(d, tok.save_pretrained)
     return files
 
 
+_PARTIAL = ".export-"  # prefix of the temporary directory an export writes into, inside its target
+# a model's weight files, one or sharded with an index (adapter_model.safetensors is not one)
+_WEIGHTS = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
+
+
+def _write_whole(out: str, write: Callable[[str], Any]) -> None:
+    """``write(directory)`` (a ``save_pretrained``) into a temporary directory inside ``out``,
+    then each file it wrote moved over its real name in ``out``: ``save_pretrained`` writes in
+    place, so a run killed or out of disk mid-write left a half-written ``model.safetensors``
+    over the last good one. Files are fsynced before the moves and ``out`` after them. What a
+    killed export left is removed first (a run holds its ``output_dir`` locked: nobody else
+    writes there)."""
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(out):
+        if name.startswith(_PARTIAL) and os.path.isdir(os.path.join(out, name)):
+            shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    tmp = tempfile.mkdtemp(prefix=_PARTIAL, dir=out)
+    try:
+        write(tmp)
+        fsync_tree(tmp)
+        written = sorted(os.listdir(tmp))
+        for name in written:
+            target = os.path.join(out, name)
+            if os.path.isdir(target) and not os.path.islink(target):  # a subfolder written again
+                shutil.rmtree(target)
+            os.replace(os.path.join(tmp, name), target)
+        if any(_WEIGHTS.match(n) for n in written):  # save_pretrained's own clean-up: an earlier export's shards
+            for name in os.listdir(out):
+                if _WEIGHTS.match(name) and name not in written:
+                    os.remove(os.path.join(out, name))
+        fsync_dir(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _save_model(model: nn.Module, state_dict: Optional[dict[str, torch.Tensor]], out: str) -> None:
-    """``save_pretrained`` in bf16 (config says so, so dtype="auto" loads bf16). Without a state
-    dict the model itself is cast: only done at the very end, to a model nothing trains again."""
+    """``save_pretrained`` in bf16 (config says so, so dtype="auto" loads bf16), whole or not at
+    all (:func:`_write_whole`). Without a state dict the model itself is cast: only done at the
+    very end, to a model nothing trains again."""
     hf: Any = model  # a transformers PreTrainedModel (duck-typed: save_pretrained, config)
     if state_dict is None:
         model.to(torch.bfloat16)
-    hf.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
-    # save_pretrained writes the dtype of the model's own (float32 master) parameters; the
-    # file holds bf16, and the config says what the file holds
-    config = copy.deepcopy(hf.config)
-    config.dtype = torch.bfloat16
-    config.save_pretrained(out)
+
+    def write(d: str) -> None:
+        hf.save_pretrained(d, state_dict=state_dict, safe_serialization=True)
+        # save_pretrained writes the dtype of the model's own (float32 master) parameters; the
+        # file holds bf16, and the config says what the file holds
+        config = copy.deepcopy(hf.config)
+        config.dtype = torch.bfloat16
+        config.save_pretrained(d)
+
+    _write_whole(out, write)
+
+
+def set_chat_template(cfg: Any, tokenizer: Any) -> None:
+    """The top-level ``chat_template`` the config sets becomes the Hugging Face tokenizer's own, so
+    the tokenizer saved with the model prompts in the format it trained on, as Axolotl's
+    ``load_tokenizer`` does ('saved to the tokenizer_config.json for easier inferencing'). Called
+    once the data is tokenized (a dataset's ``tokenizer_default`` read the tokenizer's own)."""
+    tok = getattr(tokenizer, "hf_tokenizer", None)
+    if tok is None or "chat_template" not in cfg.model_fields_set:
+        return
+    try:
+        tok.chat_template = template_text(
+            cfg.chat_template, getattr(tok, "chat_template", None), cfg.chat_template_jinja
+        )
+    except ValueError:  # tokenizer_default on a tokenizer without one, no data using it: nothing to save
+        return
 
 
 def tokenizer_choice(cfg: Any) -> tuple[str, str]:
@@ -207,7 +277,7 @@ def save_adapter(
     the merged model in ``output_dir/merged``. Merging changes the model in place, so it runs
     last; FP8 layers go back to ``nn.Linear`` first (merged weights are plain weights)."""
     pm: Any = peft_model  # a peft PeftModel (duck-typed: save_pretrained, get_base_model, merge_and_unload)
-    pm.save_pretrained(output_dir, safe_serialization=True)
+    _write_whole(output_dir, lambda d: pm.save_pretrained(d, safe_serialization=True))
     files = {"adapter": os.path.join(output_dir, "adapter_model.safetensors")}
     if merge:
         if expert_parallel_names(peft_model):  # each process holds some experts: the frozen base's are on disk

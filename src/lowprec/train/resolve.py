@@ -236,6 +236,10 @@ def total_steps(cfg: TrainConfig, batches_per_epoch: int, decisions: dict, main:
             logger.warning(
                 "lowprec: note: warmup_steps: %d clamped to %d for this %d-step run", cfg.warmup_steps, warmup, total
             )
+    for steps in ("eval_steps", "save_steps"):  # a fraction of the run, as transformers: ceil(fraction x steps)
+        fraction = getattr(cfg, steps)
+        if isinstance(fraction, float):
+            decisions[steps] = Decision(max(1, math.ceil(fraction * total)), f"{steps}: {fraction} x {total} steps")
     # evals_per_epoch / saves_per_epoch -> a step interval, as Axolotl: steps per epoch // N
     for key, steps in (("evals_per_epoch", "eval_steps"), ("saves_per_epoch", "save_steps")):
         n = getattr(cfg, key)

@@ -30,6 +30,7 @@ from torch import nn
 
 from lowprec.backends.spec import trainer_backends
 from lowprec.durable import os_error_of
+from lowprec.checkpoint.state import clean_interrupted_saves
 from lowprec.errors import CheckpointError, NonFiniteError, StorageError
 from lowprec.export import export_after_training
 from lowprec.export.fp8_base import check_trainer_fp8_base, is_fp8_base, load_fp8_base
@@ -58,7 +59,7 @@ from lowprec.train.adapters import LoraSettings, apply_lora, check_new_tokens
 from lowprec.train.data_setup import run_data
 from lowprec.train.generations import EvalTable
 from lowprec.train.hf_files import locate_pretrained
-from lowprec.train.hf_model import export_pretrained, load_causal_lm
+from lowprec.train.hf_model import export_pretrained, load_causal_lm, set_chat_template
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 from lowprec.train.outputs import export_model, write_resolved_config
 from lowprec.train.packing import packed_causal_mask
@@ -330,6 +331,7 @@ def _train(
             logger.warning("lowprec: note: %s", note)
     acc.wait_for_everyone()
     tokenizer, loader, val_loader = run_data(cfg, acc)
+    set_chat_template(cfg, tokenizer)  # saved with the model, as Axolotl does
     total = total_steps(cfg, len(loader), decisions, main)
     run = _build(cfg, plan, acc, tokenizer, total, output_dir, loader, val_loader, decisions)
     run.tokenizer = tokenizer
@@ -441,14 +443,18 @@ def _build(
         fp8_nothing_converted=native and not fp8_layers,
         main=acc.is_main_process,
         model_config=model_config,
-        eval_every=decisions["eval_steps"].value if "eval_steps" in decisions else cfg.eval_steps,
-        save_every=decisions["save_steps"].value if "save_steps" in decisions else cfg.save_steps,
+        # a fraction (eval_steps: 0.25) or a per-epoch count is resolved into decisions; else a number of steps
+        eval_every=decisions["eval_steps"].value if "eval_steps" in decisions else cast(Optional[int], cfg.eval_steps),
+        save_every=decisions["save_steps"].value if "save_steps" in decisions else cast(Optional[int], cfg.save_steps),
     )
 
 
 def _resume(run: Run, decisions: dict) -> Optional[str]:
     """Load the checkpoint to continue from, or clear an earlier run's checkpoints."""
     acc, output_dir, main = run.acc, run.output_dir, run.main
+    if main:  # saves killed mid-write: a moved-aside checkpoint back under its name, partial copies removed
+        clean_interrupted_saves(output_dir, r"checkpoint-\d+")
+    acc.wait_for_everyone()
     resume_path, resume_why = ckpt.resolve_resume(run.cfg.resume_from_checkpoint, output_dir)
     decisions["resume"] = Decision(resume_path, resume_why)
     if main:
@@ -544,6 +550,7 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
     records = read_metrics(output_dir) if main else []
     train_recs = [r for r in records if r["kind"] == "train"]
     tok_s = sum(r["tokens"] for r in train_recs[-1:]) / max(state.train_time_s, 1e-9) if train_recs else 0.0
+    eval_recs = [r for r in records if r["kind"] == "eval"]
     result = RunResult(
         output_dir=output_dir,
         precision=plan.label,
@@ -552,12 +559,16 @@ def _finish(run: Run, plan: RunPlan, loop, wall0: float) -> RunResult:
         final_train_loss=loop.last_train
         if loop.last_train is not None
         else (train_recs[-1]["loss"] if train_recs else None),
-        final_eval_loss=loop.last_eval,
+        # a run resumed from its final step's checkpoint evaluates nothing itself: the metrics
+        # (cut back to that checkpoint) hold the final evaluation
+        final_eval_loss=loop.last_eval
+        if loop.last_eval is not None
+        else (eval_recs[-1]["loss"] if eval_recs else None),
         tokens_per_s=tok_s,
         peak_mem_mb=peak_memory_mb(acc.device),
         wall_s=time.perf_counter() - wall0,
         train_losses=[(r["step"], r["loss"]) for r in train_recs],
-        eval_losses=[(r["step"], r["loss"]) for r in records if r["kind"] == "eval"],
+        eval_losses=[(r["step"], r["loss"]) for r in eval_recs],
         files=files,
     )
     if main:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any, Optional, Sequence, cast
 
 import torch
@@ -137,11 +138,35 @@ def _options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
+def _bias_only(module: nn.Module, destination: dict, prefix: str, keep_vars: bool) -> None:
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        destination[prefix + "bias"] = bias if keep_vars else bias.detach()
+
+
+def _state_dict_without_4bit_weights(model: nn.Module) -> dict:
+    """``model.state_dict()`` without bitsandbytes' frozen 4-bit weights (QLoRA). On CPU
+    ``Linear4bit`` packs its weights for the inference kernel at the first eval-mode forward and
+    its ``state_dict`` unpacks them in place, lossily: saved after an evaluation, a checkpoint
+    changed the base the run trained on. They are never loaded back
+    (:func:`load_full_model_state_dict` skips them; the base is loaded again from its files)."""
+    four_bit = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    if not four_bit:
+        return model.state_dict()
+    for m in four_bit:  # an instance attribute shadows the class's method while the dict is made
+        m._save_to_state_dict = types.MethodType(_bias_only, m)  # type: ignore[method-assign]
+    try:
+        return model.state_dict()
+    finally:
+        for m in four_bit:
+            del m._save_to_state_dict
+
+
 def full_model_state_dict(model: nn.Module) -> dict:
     """Full (unsharded) state dict; collective under FSDP2 and expert parallelism (the
     experts' slices all-gathered), on every process."""
     if not _dtensor_params(model):
-        return gather_expert_state(model, model.state_dict())
+        return gather_expert_state(model, _state_dict_without_4bit_weights(model))
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = get_model_state_dict(model, options=_options(cpu_offload=True))

@@ -111,6 +111,11 @@ class AdapterKeys(StrictModel):
                     f"adapter: {self.adapter} needs lora_target_modules (e.g. [q_proj, v_proj]), "
                     "lora_target_linear: true or lora_target_parameters (a mixture-of-experts model's expert weights)"
                 )
+            if self.lora_target_parameters and self.lora_dropout:
+                raise ValueError(
+                    f"lora_dropout: {self.lora_dropout} with lora_target_parameters: peft's adapters on "
+                    "parameters (expert weights) take no dropout; set lora_dropout: 0"
+                )
             for key in ("fsdp_version", "deepspeed"):
                 if getattr(self, key, None) is not None:
                     raise ValueError(

@@ -78,6 +78,17 @@ class DatasetSpec(StrictModel):
     def _axolotl_keys(cls, v: Any) -> Any:
         return screen_dataset_entry(v, set(cls.model_fields))
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _custom_format(cls, v: Any) -> Any:
+        if isinstance(v, dict):  # Axolotl's user-defined prompt format: field_instruction, format, ...
+            raise ValueError(
+                f"a custom prompt format ({', '.join(map(str, list(v)[:4]))}{', ...' if len(v) > 4 else ''}) is an "
+                "Axolotl form lowprec does not support; use type: alpaca (its fixed prompt), type: chat_template "
+                "for conversations, or write the rendered prompt and answer as type: input_output segments"
+            )
+        return v
+
     @field_validator("type")
     @classmethod
     def _type(cls, v: Optional[str]) -> Optional[str]:

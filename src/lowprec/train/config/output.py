@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -17,8 +17,10 @@ class OutputKeys(StrictModel):
         default="./outputs/lowprec-run", description="where metrics, plots, checkpoints and the model go"
     )
     logging_steps: int = Field(default=10, ge=1, description="log (and FP8 telemetry) every N steps")
-    eval_steps: Optional[int] = Field(
-        default=None, ge=1, description="validate every N steps (null: at the end only; needs val_set_size > 0)"
+    eval_steps: Optional[Union[int, float]] = Field(
+        default=None,
+        description="validate every N steps, or a fraction of the run's steps below 1 (Axolotl's float form) "
+        "(null: at the end only; needs val_set_size > 0)",
     )
     evals_per_epoch: Optional[int] = Field(
         default=None, ge=1, description="validate this many times per epoch (instead of eval_steps)"
@@ -38,7 +40,11 @@ class OutputKeys(StrictModel):
         description="tokens generated per eval_table_size prompt (default 128, at most half of "
         "sequence_len); prompt and generation share sequence_len",
     )
-    save_steps: Optional[int] = Field(default=None, ge=1, description="checkpoint every N steps (null: no checkpoints)")
+    save_steps: Optional[Union[int, float]] = Field(
+        default=None,
+        description="checkpoint every N steps, or a fraction of the run's steps below 1 (Axolotl's float form) "
+        "(null: no checkpoints)",
+    )
     saves_per_epoch: Optional[int] = Field(
         default=None, ge=1, description="checkpoint this many times per epoch (instead of save_steps)"
     )
@@ -119,6 +125,31 @@ class OutputKeys(StrictModel):
                 "after training)"
             )
         return self
+
+    @field_validator("eval_steps", "save_steps")
+    @classmethod
+    def _steps(cls, v: Optional[Union[int, float]], info: Any) -> Optional[Union[int, float]]:
+        # Axolotl (transformers): an integer is every N steps, a float below 1 a fraction of the
+        # run's steps, resolved once the run's length is known (resolve.total_steps)
+        if v is None or (isinstance(v, int) and v >= 1) or (isinstance(v, float) and 0 < v < 1):
+            return v
+        if isinstance(v, float) and v.is_integer() and v >= 1:
+            return int(v)
+        raise ValueError(
+            f"{v}: give a number of steps (1 or more) or a fraction of the run's steps between 0 and 1 "
+            f"(e.g. {info.field_name}: 0.25)"
+        )
+
+    @field_validator("resume_from_checkpoint", mode="before")
+    @classmethod
+    def _resume(cls, v: Any) -> Any:
+        # transformers' resume_from_checkpoint=True (the latest checkpoint); false asks for nothing
+        if v is True:
+            raise ValueError(
+                "true: use resume_from_checkpoint: auto (the latest checkpoint in output_dir) or a "
+                "checkpoint-<step> directory"
+            )
+        return None if v is False else v
 
     @field_validator("loss_spike")
     @classmethod
