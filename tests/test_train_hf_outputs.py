@@ -193,7 +193,9 @@ def test_saving_a_4bit_model_state_leaves_its_packed_weights_as_they_were(tiny_l
     with torch.no_grad():
         model(ids)  # an evaluation: packed where the CPU has the kernel
         before = model(ids).logits
-        sd = full_model_state_dict(model)
+        sd = full_model_state_dict(model, checkpoint=True)
         after = model(ids).logits
     assert torch.equal(before, after), (before - after).abs().max()
     assert any(".lora_A." in k for k in sd) and not any("base_layer.weight" in k for k in sd)
+    # a saved model (save_model, get_state_dict), not a checkpoint, keeps the 4-bit weights
+    assert any("base_layer.weight" in k for k in full_model_state_dict(model))

@@ -189,7 +189,8 @@ def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
 
     sharded = [uses_sharded(acc, m) for m in acc._models]
     models = [
-        None if _is_ds(m) or sh else full_model_state_dict(acc.unwrap_model(m)) for m, sh in zip(acc._models, sharded)
+        None if _is_ds(m) or sh else full_model_state_dict(acc.unwrap_model(m), checkpoint=True)
+        for m, sh in zip(acc._models, sharded)
     ]
     models = acc._run_save_hooks(tmp, models)  # a hook may write files into tmp, or drop a model
     for i, m in enumerate(acc._models):

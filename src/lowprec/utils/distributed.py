@@ -162,11 +162,14 @@ def _state_dict_without_4bit_weights(model: nn.Module) -> dict:
             del m._save_to_state_dict
 
 
-def full_model_state_dict(model: nn.Module) -> dict:
+def full_model_state_dict(model: nn.Module, checkpoint: bool = False) -> dict:
     """Full (unsharded) state dict; collective under FSDP2 and expert parallelism (the
-    experts' slices all-gathered), on every process."""
+    experts' slices all-gathered), on every process. ``checkpoint``: for ``save_state``, without
+    bitsandbytes' frozen 4-bit weights (see :func:`_state_dict_without_4bit_weights`); a saved
+    model (``save_model``, ``get_state_dict``) keeps them."""
     if not _dtensor_params(model):
-        return gather_expert_state(model, _state_dict_without_4bit_weights(model))
+        sd = _state_dict_without_4bit_weights(model) if checkpoint else model.state_dict()
+        return gather_expert_state(model, sd)
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = get_model_state_dict(model, options=_options(cpu_offload=True))
