@@ -79,11 +79,17 @@ logger = logging.getLogger("lowprec.fp8")
 CPU_GEMM_ENV = "LOWPREC_CPU_FP8_GEMM"
 CPU_GEMM_CHOICES = ("auto", "upcast", "scaled_mm")
 
-# (left shift into bf16 position, mask keeping sign + exponent + mantissa, 2**(127 - fp8 bias))
-_UPCAST = {
-    torch.float8_e4m3fn: (4, 0x87F0 - 0x10000, 2.0**120),
-    torch.float8_e5m2: (5, 0x8FE0 - 0x10000, 2.0**112),
-}
+
+def _upcast_constants(dtype: torch.dtype) -> tuple[int, int, float]:
+    """(left shift into bf16 position, mask keeping sign + exponent + mantissa, 2**(127 - fp8
+    bias)). Literals, not a module-level table: a float read from a global becomes a graph input
+    under ``torch.compile(dynamic=True)``, which Dynamo cannot lift out of a traced
+    autograd.Function (see ``formats.fp8_max``)."""
+    if dtype == torch.float8_e4m3fn:
+        return 4, 0x87F0 - 0x10000, 2.0**120
+    if dtype == torch.float8_e5m2:
+        return 5, 0x8FE0 - 0x10000, 2.0**112
+    raise ValueError(f"{dtype} is not an FP8 dtype (E4M3 or E5M2)")
 
 
 _SHIFTS = {n: torch.tensor([n], dtype=torch.int16) for n in (4, 5)}
@@ -98,7 +104,7 @@ def upcast_to_bf16(data: torch.Tensor) -> torch.Tensor:
     int8 -> int16 sign-extends, so after the shift the sign bit sits in bit 15 and the bits
     between it and the exponent are ones for negative values: the mask clears them.
     """
-    shift, mask, mult = _UPCAST[data.dtype]
+    shift, mask, mult = _upcast_constants(data.dtype)
     # int8 << int16[1]: promoted to int16 (sign-extended) and shifted in one op
     bits = torch.bitwise_left_shift(data.view(torch.int8), _SHIFTS[shift])
     bits.bitwise_and_(mask)

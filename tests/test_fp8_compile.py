@@ -1,0 +1,51 @@
+"""``torch.compile`` of a converted model on CPU: dynamic shapes, every recipe, against eager.
+
+Dynamo traces each FP8 layer's autograd.Function into a subgraph. Under ``dynamic=True`` it turns a
+float read from a module global (``fp8_max``'s table, ``AMAX_EPS``, the upcast's powers of two)
+into a graph input, and the second FP8 layer of a graph then failed inside Dynamo
+("lift_tracked_freevar_to_input should not be called on root SubgraphTracer"): the engine keeps
+those floats as literals in the traced code. The checks use ``aot_eager`` (Dynamo and AOT
+autograd, no code generation), where that failure happened, and compare with float64.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import lowprec.fp8 as fp8
+
+RECIPES = ["tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise"]
+
+
+def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref, got = ref.detach().double(), got.detach().double()
+    return float(10 * torch.log10(ref.pow(2).sum() / (ref - got).pow(2).sum().clamp_min(1e-300)))
+
+
+def _model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_dynamic_shapes_compile_and_match_eager(recipe):
+    torch.manual_seed(0)
+    compiled_model = _model()
+    ref = copy.deepcopy(compiled_model).double()
+    eager = copy.deepcopy(compiled_model)
+    for m in (compiled_model, eager):
+        fp8.convert(m, recipe, skip_first_last=False)
+    run = torch.compile(compiled_model, backend="aot_eager", dynamic=True, fullgraph=True)
+    for rows in (16, 17, 40):  # one graph for every batch size
+        x, g = torch.randn(rows, 64), torch.randn(rows, 32)
+        out, want = run(x), eager(x)
+        out.backward(g)
+        want.backward(g)
+        exact = ref(x.double())
+        exact.backward(g.double())
+        assert _sqnr(exact, out) > 20 and _sqnr(exact, out) > _sqnr(exact, want) - 1.0
+    for p, e, r in zip(compiled_model.parameters(), eager.parameters(), ref.parameters()):
+        assert _sqnr(r.grad, p.grad) > 15 and _sqnr(r.grad, p.grad) > _sqnr(r.grad, e.grad) - 1.0
