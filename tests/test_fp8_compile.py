@@ -11,6 +11,7 @@ autograd, no code generation), where that failure happened, and compare with flo
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -49,3 +50,16 @@ def test_dynamic_shapes_compile_and_match_eager(recipe):
         assert _sqnr(exact, out) > 20 and _sqnr(exact, out) > _sqnr(exact, want) - 1.0
     for p, e, r in zip(compiled_model.parameters(), eager.parameters(), ref.parameters()):
         assert _sqnr(r.grad, p.grad) > 15 and _sqnr(r.grad, p.grad) > _sqnr(r.grad, e.grad) - 1.0
+
+
+def test_compiling_warns_nothing_from_the_engine():
+    """Tracing an FP8 layer raised a UserWarning from Dynamo about an ``lru_cache`` in the CPU GEMM
+    dispatch ("Silent incorrectness is only a potential risk"), on every user's first compile."""
+    layer = fp8.Float8Linear(64, 32)
+    x = torch.randn(8, 64)
+    layer(x)  # the CPU GEMM choice made eagerly first (see the next test for the other order)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(layer, backend="eager", fullgraph=True)(x).sum().backward()
+    assert not [w for w in caught if "lru_cache" in str(w.message)]

@@ -31,7 +31,7 @@ def fp8_max(dtype: torch.dtype) -> float:
     Literals, not a read of ``_MAX``: under ``torch.compile(dynamic=True)`` Dynamo makes a float
     read from a module global a graph input, which it then cannot lift out of a traced
     autograd.Function (an AssertionError inside Dynamo at the second FP8 layer); a literal in
-    the code stays a constant. ``tests/test_fp8_compile_dynamic.py`` compiles with it.
+    the code stays a constant. ``tests/test_fp8_compile.py`` compiles with it.
     """
     if dtype == E4M3:
         return 448.0

@@ -45,7 +45,6 @@ verdict kept, every process on a machine runs the same kernel until the file is 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -186,10 +185,18 @@ def _scaled_bf16(q: Float8Data) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the one-time probe
-@functools.lru_cache(maxsize=None)
-def torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
+def _parse_version(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+# parsed once at import: a plain value, not an lru_cache, which Dynamo warns about (a
+# "silent incorrectness" UserWarning) each time a compiled FP8 GEMM traces through it
+_TORCH_VERSION = _parse_version(torch.__version__)
+
+
+def torch_version() -> tuple[int, int]:
+    return _TORCH_VERSION
 
 
 def cpu_scaled_mm_exists() -> bool:
