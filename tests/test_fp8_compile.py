@@ -63,3 +63,22 @@ def test_compiling_warns_nothing_from_the_engine():
         warnings.simplefilter("always")
         torch.compile(layer, backend="eager", fullgraph=True)(x).sum().backward()
     assert not [w for w in caught if "lru_cache" in str(w.message)]
+
+
+def test_fullgraph_compile_before_any_eager_call():
+    """The CPU GEMM choice (a kept verdict read from a file, else a timed probe; logged) is made
+    at the first FP8 GEMM. When that GEMM was traced by ``torch.compile`` (a ``Float8Linear`` built
+    directly, compiled before it ran eagerly) the file read broke the graph: ``fullgraph=True``
+    failed. Dynamo now runs the choice for real while tracing and keeps it as a constant."""
+    from lowprec.fp8.gemm import cpu as cpu_gemm
+
+    cpu_gemm.reset_cpu_gemm_choice()
+    torch._dynamo.reset()
+    layer = fp8.Float8Linear(64, 32)
+    eager = copy.deepcopy(layer)
+    x = torch.randn(8, 64)
+    out = torch.compile(layer, backend="aot_eager", fullgraph=True)(x)
+    out.sum().backward()
+    want = eager(x)
+    want.sum().backward()
+    assert _sqnr(want, out) > 40 and _sqnr(eager.weight.grad, layer.weight.grad) > 40

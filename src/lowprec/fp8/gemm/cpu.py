@@ -67,6 +67,7 @@ __all__ = [
     "upcast_to_bf16",
     "upcast_mm",
     "cpu_gemm_choice",
+    "cpu_gemm_path",
     "cpu_scaled_mm_exists",
     "reset_cpu_gemm_choice",
     "kept_probe",
@@ -290,6 +291,20 @@ def cpu_gemm_choice() -> CpuGemmChoice:
     _CHOICE[forced] = choice
     logger.info("lowprec.fp8: CPU FP8 GEMMs: %s", choice.describe())
     return choice
+
+
+def cpu_gemm_path() -> str:
+    """``cpu_gemm_choice().path``: what the GEMM dispatch reads. Under ``torch.compile`` Dynamo
+    calls it for real while it traces and takes the result as a constant: the first choice in a
+    process reads the kept verdict (or probes), writes it and logs, none of which traces (a
+    ``Float8Linear`` compiled before it ever ran eagerly failed under ``fullgraph=True`` and
+    broke its graph otherwise). The choice is fixed for the process, so the constant holds."""
+    return cpu_gemm_choice().path
+
+
+# what torch.compiler.assume_constant_result sets, set here without importing torch._dynamo
+# (``import lowprec.fp8`` does not load it)
+cpu_gemm_path._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- kept per machine
