@@ -82,3 +82,25 @@ def test_fullgraph_compile_before_any_eager_call():
     want = eager(x)
     want.sum().backward()
     assert _sqnr(want, out) > 40 and _sqnr(eager.weight.grad, layer.weight.grad) > 40
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_microscaling_recipes_compile_on_cpu(recipe, caplog):
+    """Inductor's CPU code generator has no float8_e8m0fnu (MXFP8 scales) or float4_e2m1fn_x2
+    (NVFP4 elements): compiling such a model failed with an InductorError. Off CUDA their GEMMs
+    now run eagerly inside the compiled model (a graph break per layer, logged once with the
+    reason): the eager results, bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])
+    fp8.convert(model, fp8.Recipe.from_name(recipe, high_precision_last=0.0), skip_first_last=False)
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    x = torch.randn(16, 64)
+    with caplog.at_level("WARNING", logger="lowprec.fp8"):
+        out = torch.compile(model)(x)
+    out.sum().backward()
+    want = eager(x)
+    want.sum().backward()
+    assert torch.equal(out, want)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), eager.parameters()))
+    assert any(recipe in r.getMessage() and "inductor" in r.getMessage() for r in caplog.records)

@@ -279,7 +279,7 @@ def test_compiled_fp8_layers_run_eagerly_when_asked(seed, monkeypatch, caplog, o
 
     from lowprec.fp8.gemm import compile_guard
 
-    monkeypatch.setattr(compile_guard, "_LOGGED", [False])
+    monkeypatch.setattr(compile_guard, "_LOGGED", set())
     if opt_in:
         monkeypatch.delenv(compile_guard.ENV, raising=False)
     else:
@@ -318,7 +318,7 @@ def test_a_compiled_fp8_base_layer_runs_its_gemms_eagerly_when_asked(seed, monke
     from lowprec.fp8.gemm import compile_guard
     from lowprec.fp8.modules.fp8_base import Float8BaseLinear
 
-    monkeypatch.setattr(compile_guard, "_LOGGED", [False])
+    monkeypatch.setattr(compile_guard, "_LOGGED", set())
     monkeypatch.setenv(compile_guard.ENV, "0")
     torch._dynamo.reset()
     counters.clear()

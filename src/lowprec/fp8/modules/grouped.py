@@ -176,8 +176,10 @@ class Float8GroupedGemm(nn.Module):
             )
         try:
             call = GroupedCall(self, x, weight, counts, recipe, hp)
-            if torch.compiler.is_compiling() and compile_guard.keeps_eager():  # LOWPREC_COMPILE_FP8=0
-                return compile_guard.run_eagerly(recipe.kind.grouped_forward, call)
+            if torch.compiler.is_compiling():  # LOWPREC_COMPILE_FP8=0, or a kind that cannot compile here
+                why = compile_guard.eager_reason(recipe.kind.compile_break(x.device))
+                if why is not None:
+                    return compile_guard.run_eagerly(recipe.kind.grouped_forward, call, why=why)
             return recipe.kind.grouped_forward(call)
         finally:  # the slots held views of this call's weight: let them go with the call
             for s in self._slots:

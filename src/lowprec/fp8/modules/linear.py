@@ -285,8 +285,10 @@ class Float8Linear(FP8Switch, nn.Linear):
         recipe = self._active_recipe()
         if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
             return F.linear(x, self.gemm_weight(), self.bias)
-        if torch.compiler.is_compiling() and compile_guard.keeps_eager():  # LOWPREC_COMPILE_FP8=0
-            return compile_guard.run_eagerly(self._fp8_forward, x, recipe)
+        if torch.compiler.is_compiling():  # LOWPREC_COMPILE_FP8=0, or a kind that cannot compile here
+            why = compile_guard.eager_reason(recipe.kind.compile_break(x.device))
+            if why is not None:
+                return compile_guard.run_eagerly(self._fp8_forward, x, recipe, why=why)
         return self._fp8_forward(x, recipe)
 
     def _fp8_forward(self, x: torch.Tensor, recipe: Recipe) -> torch.Tensor:
