@@ -104,7 +104,8 @@ def _encode_rne(y: torch.Tensor) -> torch.Tensor:
         b, c = _rne_boundaries()
         _RNE[y.device] = (b.to(y.device), c.to(y.device))
     bounds, codes = _RNE[y.device]
-    return codes[torch.bucketize(y, bounds, out_int32=True)]
+    # contiguous: torch copies a strided input anyway, with a UserWarning to the user
+    return codes[torch.bucketize(y.contiguous(), bounds, out_int32=True)]
 
 
 def _sr_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +191,7 @@ def e2m1_encode(y: torch.Tensor, generator: torch.Generator | int | None = None)
     a = torch.nan_to_num(y.abs(), nan=0.0).clamp_(max=FP4_MAX)
     grid, inv_step = _sr_tables(y.device)
     # lo: the largest grid value <= a (one bucketize; the same code as _code_of with floor)
-    lo = torch.bucketize(a, grid, right=True, out_int32=True).sub_(1)
+    lo = torch.bucketize(a.contiguous(), grid, right=True, out_int32=True).sub_(1)  # contiguous: as _encode_rne
     # (a - lo) / step as a multiply by 1/step (powers of two: exact, the same p); 6 -> p = 0
     p = (a - grid[lo]).mul_(inv_step[lo])
     key = generator if isinstance(generator, SRKey) else sr_key(generator)
