@@ -527,3 +527,17 @@ def test_checkpointed_blocks_match_plain_ones_exactly(seed, name):
         assert torch.equal(a.grad, b.grad), n
     for (n, a), b in zip(plain.named_buffers(), ckpt.buffers()):
         assert torch.equal(a, b), n
+
+
+def test_recipe_names_and_wrong_types():
+    """A recipe name works wherever a Recipe does (``convert`` took one, ``Float8Linear`` failed
+    with an AttributeError on it); any other type is one TypeError naming the call."""
+    assert fp8.Float8Linear(32, 32, recipe="delayed").recipe.name == "delayed"
+    assert fp8.Float8Linear.from_linear(nn.Linear(32, 32), "rowwise").recipe.name == "rowwise"
+    for call in (
+        lambda: fp8.convert(Net(), recipe=3),
+        lambda: fp8.Float8Linear(32, 32, recipe=3),
+        lambda: fp8.Float8Linear.from_linear(nn.Linear(32, 32), 3),
+    ):
+        with pytest.raises(TypeError, match="recipe must be a lowprec.fp8.Recipe or a recipe name"):
+            call()

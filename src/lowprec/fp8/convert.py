@@ -63,7 +63,7 @@ from lowprec.fp8.modules.conv1d import Float8Conv1D, gemm_dims, is_conv1d
 from lowprec.fp8.modules.experts import Float8Experts, experts_layout, float8_experts
 from lowprec.fp8.modules.fp8_base import Float8BaseLinear
 from lowprec.fp8.modules.linear import Float8Linear
-from lowprec.fp8.recipes import Recipe
+from lowprec.fp8.recipes import Recipe, as_recipe
 
 __all__ = [
     "ConversionReport",
@@ -330,8 +330,7 @@ def convert(
         module_filter: ``fn(module, fqn) -> bool``; True converts. Replaces the default rules.
         skip_first_last, skip_patterns: knobs of the default rules (see module docstring).
     """
-    if isinstance(recipe, str) or recipe is None:
-        recipe = Recipe.from_name(recipe or "tensorwise")
+    recipe = as_recipe(recipe, "convert()")
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() needs an nn.Module, got {type(model).__name__}")
     report = ConversionReport(recipe)

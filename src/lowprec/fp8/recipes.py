@@ -37,7 +37,7 @@ from lowprec.fp8.cast.formats import Format
 from lowprec.fp8.gemm.dispatch import GEMM_PATHS as GEMM_BACKENDS
 from lowprec.fp8.kinds.plan import HIGH_PRECISION, GemmCast, LinearPlan, OperandCast
 
-__all__ = ["Recipe", "OperandCast", "GemmCast", "LinearPlan", "RECIPE_NAMES"]
+__all__ = ["Recipe", "OperandCast", "GemmCast", "LinearPlan", "RECIPE_NAMES", "as_recipe"]
 
 # names, presets and defaults live in lowprec.catalog (torch-free, shared with the launcher);
 # what each scaling kind means for the engine lives in its module, lowprec/fp8/kinds/
@@ -242,3 +242,17 @@ class Recipe:
             a, b = gc.casts
             rows.append(f"{gemm}: {self.kind.describe_operand(a)} x {self.kind.describe_operand(b)}")
         return "; ".join(rows)
+
+
+def as_recipe(recipe: Any, where: str) -> Recipe:
+    """``recipe`` as a :class:`Recipe`: a Recipe as it is, a name (``"delayed"``) through
+    :meth:`Recipe.from_name`, None the default (tensorwise); anything else a ``TypeError`` naming
+    ``where`` (what was called) and what it takes."""
+    if recipe is None or isinstance(recipe, str):
+        return Recipe.from_name(recipe or "tensorwise")
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"{where}: recipe must be a lowprec.fp8.Recipe or a recipe name ({', '.join(RECIPE_NAMES)}), "
+            f"got {type(recipe).__name__}"
+        )
+    return recipe

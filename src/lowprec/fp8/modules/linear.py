@@ -56,7 +56,7 @@ from lowprec.fp8.modules.frozen import drop_frozen_cache
 from lowprec.fp8.kinds.delayed import OPERANDS
 from lowprec.fp8.cast.mx import BlockScaledData
 from lowprec.fp8.cast.quantize import Float8Data
-from lowprec.fp8.recipes import Recipe
+from lowprec.fp8.recipes import Recipe, as_recipe
 from lowprec.fp8.cast.scaling import delayed_scale_step
 from lowprec.fp8.modules.sharding import reshape_output
 from lowprec.fp8.state_epoch import bump_state_epoch, state_epoch
@@ -200,10 +200,10 @@ class Float8Linear(FP8Switch, nn.Linear):
         device=None,
         dtype=None,
         *,
-        recipe: Recipe | None = None,
+        recipe: Recipe | str | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_fp8(recipe or Recipe.from_name("tensorwise"))
+        self._init_fp8(as_recipe(recipe, "Float8Linear"))
 
     def _init_fp8(self, recipe: Recipe) -> None:
         self.recipe = recipe
@@ -215,7 +215,8 @@ class Float8Linear(FP8Switch, nn.Linear):
         self.register_buffer("fp8_stats", torch.zeros(3, 4, device=device), persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Recipe) -> "Float8Linear":
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe | str | None = None) -> "Float8Linear":
+        recipe = as_recipe(recipe, f"{cls.__name__}.from_linear")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
