@@ -529,6 +529,20 @@ def test_checkpointed_blocks_match_plain_ones_exactly(seed, name):
         assert torch.equal(a, b), n
 
 
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "mxfp8"])
+def test_bad_inputs_raise_nn_linears_errors(seed, name):
+    """nn.Linear refuses an integer input and a wrong last dim; the FP8 path computed an integer
+    input anyway (a wrong Long result) and reported a wrong width from deep inside scaled_mm."""
+    layer = fp8.Float8Linear(32, 16, recipe=name)
+    plain = nn.Linear(32, 16)
+    for x in (torch.ones(4, 32, dtype=torch.long), torch.randn(4, 31)):
+        with pytest.raises(RuntimeError) as ours:
+            layer(x)
+        with pytest.raises(RuntimeError) as theirs:
+            plain(x)
+        assert str(ours.value) == str(theirs.value)
+
+
 def test_recipe_names_and_wrong_types():
     """A recipe name works wherever a Recipe does (``convert`` took one, ``Float8Linear`` failed
     with an AttributeError on it); any other type is one TypeError naming the call."""

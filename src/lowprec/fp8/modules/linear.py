@@ -286,6 +286,8 @@ class Float8Linear(FP8Switch, nn.Linear):
         recipe = self._active_recipe()
         if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
             return F.linear(x, self.gemm_weight(), self.bias)
+        if not x.is_floating_point() or (x.shape[-1] != self.in_features and not is_tensor_parallel(self.weight)):
+            return F.linear(x, self.gemm_weight(), self.bias)  # raises nn.Linear's own error
         if torch.compiler.is_compiling():  # LOWPREC_COMPILE_FP8=0, or a kind that cannot compile here
             why = compile_guard.eager_reason(recipe.kind.compile_break(x.device))
             if why is not None:
