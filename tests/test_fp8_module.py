@@ -555,3 +555,18 @@ def test_recipe_names_and_wrong_types():
     ):
         with pytest.raises(TypeError, match="recipe must be a lowprec.fp8.Recipe or a recipe name"):
             call()
+
+
+def test_converting_nothing_is_logged(caplog):
+    """A model none of whose layers can convert ran in high precision with no word unless the
+    report was printed; now one warning names the reasons. Converting something says nothing."""
+    odd = nn.Sequential(nn.Linear(30, 50), nn.Linear(50, 50), nn.Linear(50, 10))
+    with caplog.at_level("WARNING", logger="lowprec.fp8"):
+        fp8.convert(odd, "tensorwise")
+    said = [r.getMessage() for r in caplog.records if "converted no layer" in r.getMessage()]
+    assert len(said) == 1 and "not multiples of 16" in said[0] and "high precision" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lowprec.fp8"):
+        fp8.convert(Net(), "tensorwise")
+        fp8.convert(nn.Sequential(nn.Linear(30, 50)), "tensorwise", warn_if_none=False)  # the caller says so
+    assert not [r for r in caplog.records if "converted no layer" in r.getMessage()]
