@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from lowprec.fp8.modules.state_dtype import Float32State
 from lowprec.fp8.gemm import compile_guard
 from lowprec.fp8.modules.autocast import torch_autocast_off
 from lowprec.fp8.kinds.base import GroupedCall
@@ -98,7 +99,7 @@ class _Template(nn.Module):
         self.weight = torch.empty(0, device=device)
 
 
-class Float8GroupedGemm(nn.Module):
+class Float8GroupedGemm(Float32State, nn.Module):
     """The FP8 state and dispatch of one grouped weight ``(E, N, K)`` (see module docstring).
 
     It holds no parameter: the weight stays where the model keeps it (a 3-D Parameter of the

@@ -59,6 +59,7 @@ from lowprec.fp8.cast.quantize import Float8Data
 from lowprec.fp8.recipes import Recipe, as_recipe
 from lowprec.fp8.cast.scaling import delayed_scale_step
 from lowprec.fp8.modules.sharding import reshape_output
+from lowprec.fp8.modules.state_dtype import Float32State
 from lowprec.fp8.state_epoch import bump_state_epoch, state_epoch
 from lowprec.fp8.modules.tp_linear import is_tensor_parallel, tp_forward
 from lowprec.guard_moves import GEMMS as GEMM_NAMES
@@ -163,7 +164,7 @@ class FP8Switch:
         recipe.kind.check_layer(self, recipe)  # type: ignore[arg-type]
 
 
-class Float8Linear(FP8Switch, nn.Linear):
+class Float8Linear(Float32State, FP8Switch, nn.Linear):
     """``nn.Linear`` with FP8 GEMMs (see module docstring); ``fp8.autocast(enabled=False)`` turns
     them off for a region.
 
