@@ -570,3 +570,16 @@ def test_converting_nothing_is_logged(caplog):
         fp8.convert(Net(), "tensorwise")
         fp8.convert(nn.Sequential(nn.Linear(30, 50)), "tensorwise", warn_if_none=False)  # the caller says so
     assert not [r for r in caplog.records if "converted no layer" in r.getMessage()]
+
+
+def test_a_recipe_field_the_recipe_does_not_read_is_a_warning():
+    """``Recipe.from_name("tensorwise", amax_history_len=16)`` was accepted without a word (only
+    delayed scaling reads a history); NativeRecipeKwargs warned and the trainer refused it."""
+    with pytest.warns(UserWarning, match="tensorwise recipe does not read amax_history_len"):
+        fp8.Recipe.from_name("tensorwise", amax_history_len=16)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8.Recipe.from_name("delayed", amax_history_len=16)
+        fp8.Recipe.from_name("tensorwise", use_during_eval=True)

@@ -26,11 +26,20 @@ nvfp4              1x16       E2M1 + E4M3      fp32 tensor scale; 16x16 weight t
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 
-from lowprec.catalog import FIELD_DEFAULTS, FIELD_MINIMUMS, RECIPE_NAMES, RECIPE_OPTIONS, check_int_field, recipe_info
+from lowprec.catalog import (
+    FIELD_DEFAULTS,
+    FIELD_MINIMUMS,
+    RECIPE_NAMES,
+    RECIPE_OPTIONS,
+    check_int_field,
+    recipe_info,
+    unread_recipe_fields,
+)
 from lowprec.errors import did_you_mean
 from lowprec.fp8 import kinds
 from lowprec.fp8.cast.formats import Format
@@ -210,6 +219,14 @@ class Recipe:
         bad = sorted(set(overrides) - fields)
         if bad:
             raise ValueError(f"unknown recipe field(s) {', '.join(repr(b) + did_you_mean(b, fields) for b in bad)}")
+        unread = unread_recipe_fields(info.name, overrides)
+        if unread:  # a setting that does nothing is said, never kept silently
+            warnings.warn(
+                f"Recipe.from_name({info.name!r}): the {info.name} recipe does not read "
+                f"{', '.join(unread)}; they have no effect (pick a recipe that reads them, or drop them)",
+                UserWarning,
+                stacklevel=2,
+            )
         return _built_once(cls, {**info.preset, "name": info.name, **overrides})
 
     def replace(self, **changes: Any) -> "Recipe":
