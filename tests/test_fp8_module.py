@@ -548,7 +548,9 @@ def test_recipe_names_and_wrong_types():
     with an AttributeError on it); any other type is one TypeError naming the call."""
     assert fp8.Float8Linear(32, 32, recipe="delayed").recipe.name == "delayed"
     assert fp8.Float8Linear.from_linear(nn.Linear(32, 32), "rowwise").recipe.name == "rowwise"
+    assert fp8.autocast(recipe="delayed").recipe == fp8.Recipe.from_name("delayed")  # was a TypeError
     for call in (
+        lambda: fp8.autocast(recipe=3),
         lambda: fp8.convert(Net(), recipe=3),
         lambda: fp8.Float8Linear(32, 32, recipe=3),
         lambda: fp8.Float8Linear.from_linear(nn.Linear(32, 32), 3),
