@@ -104,3 +104,24 @@ def test_microscaling_recipes_compile_on_cpu(recipe, caplog):
     assert torch.equal(out, want)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), eager.parameters()))
     assert any(recipe in r.getMessage() and "inductor" in r.getMessage() for r in caplog.records)
+
+
+def test_fp8_experts_compile_with_dynamic_shapes():
+    """The experts' routing breaks the graph (host counts); under ``dynamic=True`` Dynamo then
+    replayed the grouped GEMM's per-expert slot bookkeeping (set, then pop) as a delattr of a key
+    it never set: ``KeyError: 'weight'`` at the second sequence length."""
+    from lowprec.train.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model("moe-tiny", max_seq_len=32, n_layers=1)
+    fp8.convert(model, "tensorwise")
+    eager = copy.deepcopy(model)
+    run = torch.compile(model, backend="eager", dynamic=True)
+    for length in (16, 24):
+        ids = torch.randint(0, 200, (2, length))
+        loss = run(input_ids=ids, labels=ids).loss
+        want = eager(input_ids=ids, labels=ids).loss
+        loss.backward()
+        want.backward()
+        assert abs(loss.item() - want.item()) < 1e-2 * want.item()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())

@@ -184,7 +184,10 @@ class Float8GroupedGemm(Float32State, nn.Module):
             return recipe.kind.grouped_forward(call)
         finally:  # the slots held views of this call's weight: let them go with the call
             for s in self._slots:
-                s.__dict__.pop("weight", None)
+                # set to None, not popped: under torch.compile(dynamic=True) the routing's graph
+                # break made Dynamo replay "set, then pop" as a delattr of a key it never set
+                # (KeyError: 'weight' inside Dynamo's generated code)
+                s.__dict__["weight"] = None
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, recipe={self.recipe.name}"
