@@ -139,3 +139,40 @@ def test_cpu_casts_skip_the_guard_passes_only_where_nothing_can_saturate(seed, m
             assert marks.count(False) >= 1  # the input's cast keeps its guard passes
     unmarked = torch.tensor(1.0)
     assert not getattr(unmarked, tensorwise.UNSATURATED, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_model_to_dtype_keeps_the_scaling_state_float32(dtype):
+    """``model.to(dtype)`` / ``.half()`` after conversion cast the amax histories and scales too:
+    in float16 the gradient scale of small gradients (above 65504) became inf and the input
+    gradient all zeros. The state stays float32: casting after conversion equals casting before."""
+
+    def run(cast_after: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        if not cast_after:
+            model = model.to(dtype)
+        fp8.convert(model, "delayed", skip_first_last=False)
+        if cast_after:
+            model = model.half() if dtype == torch.float16 else model.to(dtype)
+        assert all(b.dtype != dtype for b in model.buffers())
+        grads = []
+        for _ in range(3):
+            x = (torch.randn(32, 64) * 1e-3).to(dtype).requires_grad_()
+            model(x).backward((torch.randn(32, 64) * 1e-4).to(dtype))
+            grads.append(x.grad)
+        return torch.stack(grads), model[1].fp8_scale_grad_output
+
+    got, scale = run(cast_after=True)
+    want, _ = run(cast_after=False)
+    assert torch.isfinite(scale) and scale > 65504  # past float16's range: kept as float32
+    assert got.abs().sum() > 0 and torch.equal(got, want)
+
+
+def test_module_to_device_and_meta_still_move_the_state():
+    layer = fp8.Float8Linear(32, 32, device="meta", recipe="delayed")
+    layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    assert layer.fp8_amax_history_input.device.type == "cpu" and layer.fp8_scale_input.dtype == torch.float32
+    layer.half()
+    assert layer.weight.dtype == torch.float16 and layer.fp8_amax_history_input.dtype == torch.float32

@@ -279,7 +279,7 @@ def test_compiled_fp8_layers_run_eagerly_when_asked(seed, monkeypatch, caplog, o
 
     from lowprec.fp8.gemm import compile_guard
 
-    monkeypatch.setattr(compile_guard, "_LOGGED", [False])
+    monkeypatch.setattr(compile_guard, "_LOGGED", set())
     if opt_in:
         monkeypatch.delenv(compile_guard.ENV, raising=False)
     else:
@@ -318,7 +318,7 @@ def test_a_compiled_fp8_base_layer_runs_its_gemms_eagerly_when_asked(seed, monke
     from lowprec.fp8.gemm import compile_guard
     from lowprec.fp8.modules.fp8_base import Float8BaseLinear
 
-    monkeypatch.setattr(compile_guard, "_LOGGED", [False])
+    monkeypatch.setattr(compile_guard, "_LOGGED", set())
     monkeypatch.setenv(compile_guard.ENV, "0")
     torch._dynamo.reset()
     counters.clear()
@@ -527,3 +527,61 @@ def test_checkpointed_blocks_match_plain_ones_exactly(seed, name):
         assert torch.equal(a.grad, b.grad), n
     for (n, a), b in zip(plain.named_buffers(), ckpt.buffers()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "mxfp8"])
+def test_bad_inputs_raise_nn_linears_errors(seed, name):
+    """nn.Linear refuses an integer input and a wrong last dim; the FP8 path computed an integer
+    input anyway (a wrong Long result) and reported a wrong width from deep inside scaled_mm."""
+    layer = fp8.Float8Linear(32, 16, recipe=name)
+    plain = nn.Linear(32, 16)
+    for x in (torch.ones(4, 32, dtype=torch.long), torch.randn(4, 31)):
+        with pytest.raises(RuntimeError) as ours:
+            layer(x)
+        with pytest.raises(RuntimeError) as theirs:
+            plain(x)
+        assert str(ours.value) == str(theirs.value)
+
+
+def test_recipe_names_and_wrong_types():
+    """A recipe name works wherever a Recipe does (``convert`` took one, ``Float8Linear`` failed
+    with an AttributeError on it); any other type is one TypeError naming the call."""
+    assert fp8.Float8Linear(32, 32, recipe="delayed").recipe.name == "delayed"
+    assert fp8.Float8Linear.from_linear(nn.Linear(32, 32), "rowwise").recipe.name == "rowwise"
+    assert fp8.autocast(recipe="delayed").recipe == fp8.Recipe.from_name("delayed")  # was a TypeError
+    for call in (
+        lambda: fp8.autocast(recipe=3),
+        lambda: fp8.convert(Net(), recipe=3),
+        lambda: fp8.Float8Linear(32, 32, recipe=3),
+        lambda: fp8.Float8Linear.from_linear(nn.Linear(32, 32), 3),
+    ):
+        with pytest.raises(TypeError, match="recipe must be a lowprec.fp8.Recipe or a recipe name"):
+            call()
+
+
+def test_converting_nothing_is_logged(caplog):
+    """A model none of whose layers can convert ran in high precision with no word unless the
+    report was printed; now one warning names the reasons. Converting something says nothing."""
+    odd = nn.Sequential(nn.Linear(30, 50), nn.Linear(50, 50), nn.Linear(50, 10))
+    with caplog.at_level("WARNING", logger="lowprec.fp8"):
+        fp8.convert(odd, "tensorwise")
+    said = [r.getMessage() for r in caplog.records if "converted no layer" in r.getMessage()]
+    assert len(said) == 1 and "not multiples of 16" in said[0] and "high precision" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="lowprec.fp8"):
+        fp8.convert(Net(), "tensorwise")
+        fp8.convert(nn.Sequential(nn.Linear(30, 50)), "tensorwise", warn_if_none=False)  # the caller says so
+    assert not [r for r in caplog.records if "converted no layer" in r.getMessage()]
+
+
+def test_a_recipe_field_the_recipe_does_not_read_is_a_warning():
+    """``Recipe.from_name("tensorwise", amax_history_len=16)`` was accepted without a word (only
+    delayed scaling reads a history); NativeRecipeKwargs warned and the trainer refused it."""
+    with pytest.warns(UserWarning, match="tensorwise recipe does not read amax_history_len"):
+        fp8.Recipe.from_name("tensorwise", amax_history_len=16)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8.Recipe.from_name("delayed", amax_history_len=16)
+        fp8.Recipe.from_name("tensorwise", use_during_eval=True)

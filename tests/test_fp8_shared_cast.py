@@ -189,3 +189,21 @@ def test_off_under_compile(monkeypatch):
     torch.compile(probe, backend="eager", fullgraph=True)(torch.ones(2))
     assert seen == [False]
     assert shared_cast.enabled()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_inference_mode_runs_and_shares_nothing(recipe, monkeypatch):
+    """Tensors made under ``torch.inference_mode()`` keep no version counter: a converted model in
+    training mode runs there (it raised "Inference tensors do not track version counter"), with
+    the same output as outside it and no cast shared."""
+    monkeypatch.setenv("LOWPREC_SHARE_CASTS", "1")
+    a, b = _layers(recipe)
+    c, d = _layers(recipe)
+    x = torch.randn(16, 64)
+    with torch.inference_mode():
+        xi = x.clone()
+        got = a(xi) + b(xi)
+        assert shared_cast._slot(xi) is None
+    with torch.no_grad():
+        want = c(x) + d(x)
+    assert torch.equal(got, want)

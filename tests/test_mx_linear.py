@@ -176,3 +176,20 @@ def test_accelerator_runs_the_te_switches_on_the_native_engine():
             loss = model(torch.randn(8, 32)).square().mean()
         acc.backward(loss)
         assert model[1].weight.grad is not None and torch.isfinite(model[1].weight.grad).all()
+
+
+def test_nvfp4_training_hands_bucketize_contiguous_inputs(monkeypatch):
+    """The round-to-nearest E2M1 encoding bucketized a strided tensor (the weight's transposed
+    tiles): torch copied it and raised a UserWarning ("input value tensor is non-contiguous") in
+    every nvfp4 user's first step."""
+    seen = []
+    real = torch.bucketize
+
+    def spy(values, *args, **kwargs):
+        seen.append(values.is_contiguous())
+        return real(values, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "bucketize", spy)
+    layer = Float8Linear.from_linear(nn.Linear(64, 48), fp8.Recipe.from_name("nvfp4"))
+    layer(torch.randn(32, 64, requires_grad=True)).sum().backward()
+    assert seen and all(seen)

@@ -301,7 +301,9 @@ class NativeRecipeKwargs(RecipeKwargs):
         overrides = dict(self.overrides)
         overrides.setdefault("use_during_eval", self.use_autocast_during_eval)
         overrides.setdefault("force_recompute_fp8_weight_in_bwd", self.force_recompute_fp8_weight_in_bwd)
-        object.__setattr__(self, "_recipe", Recipe.from_name(self._name, **overrides))
+        with warnings.catch_warnings():  # _check_overrides said it in this handler's own words
+            warnings.filterwarnings("ignore", message=r"Recipe\.from_name.*does not read", category=UserWarning)
+            object.__setattr__(self, "_recipe", Recipe.from_name(self._name, **overrides))
 
     def _check_guard(self) -> None:
         """The guard's fields, by the rules ``lowprec train``'s schema applies to its keys."""

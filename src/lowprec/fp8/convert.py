@@ -63,7 +63,7 @@ from lowprec.fp8.modules.conv1d import Float8Conv1D, gemm_dims, is_conv1d
 from lowprec.fp8.modules.experts import Float8Experts, experts_layout, float8_experts
 from lowprec.fp8.modules.fp8_base import Float8BaseLinear
 from lowprec.fp8.modules.linear import Float8Linear
-from lowprec.fp8.recipes import Recipe
+from lowprec.fp8.recipes import Recipe, as_recipe
 
 __all__ = [
     "ConversionReport",
@@ -329,6 +329,7 @@ def convert(
     *,
     skip_first_last: bool = True,
     skip_patterns: Iterable[str] = DEFAULT_SKIP_PATTERNS,
+    warn_if_none: bool = True,
 ) -> ConversionReport:
     """Swap eligible ``nn.Linear`` layers of ``model`` for ``Float8Linear``, in place.
 
@@ -336,9 +337,10 @@ def convert(
         recipe: a :class:`Recipe` or a recipe name (default ``tensorwise``).
         module_filter: ``fn(module, fqn) -> bool``; True converts. Replaces the default rules.
         skip_first_last, skip_patterns: knobs of the default rules (see module docstring).
+        warn_if_none: log a warning, with the reasons, when no layer converts (the model would
+            run in high precision); False for callers that say so themselves.
     """
-    if isinstance(recipe, str) or recipe is None:
-        recipe = Recipe.from_name(recipe or "tensorwise")
+    recipe = as_recipe(recipe, "convert()")
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert() needs an nn.Module, got {type(model).__name__}")
     report = ConversionReport(recipe)
@@ -433,6 +435,14 @@ def convert(
                 "lowprec.fp8: fp8_activations is on but no module supports it (the built-in model's "
                 "RMSNorm/LlamaMLP, Hugging Face LlamaRMSNorm/LlamaMLP); activations stay in high precision"
             )
+    if warn_if_none and not (report.converted or report.experts or report.already):  # never a silent no-op
+        reasons = sorted({why for _, why in report.skipped})
+        logger.warning(
+            "lowprec.fp8: convert(recipe=%s) converted no layer, so the model runs in high precision (%s); "
+            "print the returned report for each layer's reason",
+            recipe.name,
+            "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "") if reasons else "it has no Linear layer",
+        )
     if (report.converted or report.experts) and report.gemm.startswith("emulated") and recipe.gemm != "emulate":
         # a fallback is never silent: emulation is correct but slower than bf16
         logger.warning("lowprec.fp8: FP8 GEMMs will be %s", report.gemm)

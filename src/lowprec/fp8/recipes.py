@@ -26,18 +26,27 @@ nvfp4              1x16       E2M1 + E4M3      fp32 tensor scale; 16x16 weight t
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 
-from lowprec.catalog import FIELD_DEFAULTS, FIELD_MINIMUMS, RECIPE_NAMES, RECIPE_OPTIONS, check_int_field, recipe_info
+from lowprec.catalog import (
+    FIELD_DEFAULTS,
+    FIELD_MINIMUMS,
+    RECIPE_NAMES,
+    RECIPE_OPTIONS,
+    check_int_field,
+    recipe_info,
+    unread_recipe_fields,
+)
 from lowprec.errors import did_you_mean
 from lowprec.fp8 import kinds
 from lowprec.fp8.cast.formats import Format
 from lowprec.fp8.gemm.dispatch import GEMM_PATHS as GEMM_BACKENDS
 from lowprec.fp8.kinds.plan import HIGH_PRECISION, GemmCast, LinearPlan, OperandCast
 
-__all__ = ["Recipe", "OperandCast", "GemmCast", "LinearPlan", "RECIPE_NAMES"]
+__all__ = ["Recipe", "OperandCast", "GemmCast", "LinearPlan", "RECIPE_NAMES", "as_recipe"]
 
 # names, presets and defaults live in lowprec.catalog (torch-free, shared with the launcher);
 # what each scaling kind means for the engine lives in its module, lowprec/fp8/kinds/
@@ -210,6 +219,14 @@ class Recipe:
         bad = sorted(set(overrides) - fields)
         if bad:
             raise ValueError(f"unknown recipe field(s) {', '.join(repr(b) + did_you_mean(b, fields) for b in bad)}")
+        unread = unread_recipe_fields(info.name, overrides)
+        if unread:  # a setting that does nothing is said, never kept silently
+            warnings.warn(
+                f"Recipe.from_name({info.name!r}): the {info.name} recipe does not read "
+                f"{', '.join(unread)}; they have no effect (pick a recipe that reads them, or drop them)",
+                UserWarning,
+                stacklevel=2,
+            )
         return _built_once(cls, {**info.preset, "name": info.name, **overrides})
 
     def replace(self, **changes: Any) -> "Recipe":
@@ -242,3 +259,17 @@ class Recipe:
             a, b = gc.casts
             rows.append(f"{gemm}: {self.kind.describe_operand(a)} x {self.kind.describe_operand(b)}")
         return "; ".join(rows)
+
+
+def as_recipe(recipe: Any, where: str) -> Recipe:
+    """``recipe`` as a :class:`Recipe`: a Recipe as it is, a name (``"delayed"``) through
+    :meth:`Recipe.from_name`, None the default (tensorwise); anything else a ``TypeError`` naming
+    ``where`` (what was called) and what it takes."""
+    if recipe is None or isinstance(recipe, str):
+        return Recipe.from_name(recipe or "tensorwise")
+    if not isinstance(recipe, Recipe):
+        raise TypeError(
+            f"{where}: recipe must be a lowprec.fp8.Recipe or a recipe name ({', '.join(RECIPE_NAMES)}), "
+            f"got {type(recipe).__name__}"
+        )
+    return recipe

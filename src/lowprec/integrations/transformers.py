@@ -100,7 +100,9 @@ def enable_fp8(
     ``Trainer``; ``save_pretrained`` then writes plain weights. Arguments as
     :func:`lowprec.fp8.convert`. Raises ``ValueError`` when nothing converts (it would train in
     full precision)."""
-    report = fp8.convert(model, recipe, module_filter, skip_first_last=skip_first_last, skip_patterns=skip_patterns)
+    report = fp8.convert(
+        model, recipe, module_filter, skip_first_last=skip_first_last, skip_patterns=skip_patterns, warn_if_none=False
+    )  # nothing converted is the ValueError below
     if not fp8.has_fp8_layers(model):
         raise ValueError(
             f"enable_fp8: no Linear layer of {type(model).__name__} was converted ({len(report.skipped)} kept in high "

@@ -77,6 +77,7 @@ class NativeBackend(BaseBackend):
             module_filter=self.module_filter,
             skip_first_last=self.skip_first_last,
             skip_patterns=self.skip_patterns,
+            warn_if_none=False,  # warn_if_nothing_converted below, with the kwargs that fix it
         )
         # one line on the console (rank 0); the per-layer table at debug level and, from the
         # trainer, in output_dir/fp8_conversion.txt

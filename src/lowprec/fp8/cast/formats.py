@@ -26,11 +26,18 @@ _HALF_TOP_ULP = {E4M3: 16.0, E5M2: 4096.0}
 
 
 def fp8_max(dtype: torch.dtype) -> float:
-    """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
-    try:
-        return _MAX[dtype]
-    except KeyError:
-        raise ValueError(f"{dtype} is not an FP8 dtype; use lowprec.fp8.E4M3 or E5M2") from None
+    """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2).
+
+    Literals, not a read of ``_MAX``: under ``torch.compile(dynamic=True)`` Dynamo makes a float
+    read from a module global a graph input, which it then cannot lift out of a traced
+    autograd.Function (an AssertionError inside Dynamo at the second FP8 layer); a literal in
+    the code stays a constant. ``tests/test_fp8_compile.py`` compiles with it.
+    """
+    if dtype == E4M3:
+        return 448.0
+    if dtype == E5M2:
+        return 57344.0
+    raise ValueError(f"{dtype} is not an FP8 dtype; use lowprec.fp8.E4M3 or E5M2")
 
 
 def saturation_threshold(dtype: torch.dtype) -> float:

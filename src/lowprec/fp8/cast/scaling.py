@@ -39,9 +39,18 @@ __all__ = [
     "delayed_scale_step",
 ]
 
-# Smallest amax used to build a scale. With E5M2 (max 57344) the scale stays below 6e16,
-# comfortably inside float32, and zeros stay zeros.
-AMAX_EPS = 1e-12
+
+def amax_eps() -> float:
+    """Smallest amax used to build a scale. With E5M2 (max 57344) the scale stays below 6e16,
+    comfortably inside float32, and zeros stay zeros.
+
+    ``AMAX_EPS`` as a literal in the code, for what ``torch.compile`` traces: a float read
+    from a module global becomes a graph input under ``dynamic=True``, which Dynamo cannot lift
+    out of a traced autograd.Function (see ``formats.fp8_max``)."""
+    return 1e-12
+
+
+AMAX_EPS = amax_eps()
 
 
 def no_grad_view(x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +107,7 @@ def amax_to_scale(
     the same number on every device and in the Triton kernels (the H200 run found them 2x
     apart for amax 56). NaN stays NaN (``clamp`` keeps it); an inf amax gives 0.
     """
-    safe = torch.clamp(amax.to(torch.float64), min=AMAX_EPS)
+    safe = torch.clamp(amax.to(torch.float64), min=amax_eps())
     scale = torch.div(torch.full_like(safe, fp8_max(dtype)), safe)
     if margin:
         scale = scale / (2.0**margin)  # a power of two: exact

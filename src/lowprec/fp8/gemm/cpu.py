@@ -45,7 +45,6 @@ verdict kept, every process on a machine runs the same kernel until the file is 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -68,6 +67,7 @@ __all__ = [
     "upcast_to_bf16",
     "upcast_mm",
     "cpu_gemm_choice",
+    "cpu_gemm_path",
     "cpu_scaled_mm_exists",
     "reset_cpu_gemm_choice",
     "kept_probe",
@@ -79,11 +79,17 @@ logger = logging.getLogger("lowprec.fp8")
 CPU_GEMM_ENV = "LOWPREC_CPU_FP8_GEMM"
 CPU_GEMM_CHOICES = ("auto", "upcast", "scaled_mm")
 
-# (left shift into bf16 position, mask keeping sign + exponent + mantissa, 2**(127 - fp8 bias))
-_UPCAST = {
-    torch.float8_e4m3fn: (4, 0x87F0 - 0x10000, 2.0**120),
-    torch.float8_e5m2: (5, 0x8FE0 - 0x10000, 2.0**112),
-}
+
+def _upcast_constants(dtype: torch.dtype) -> tuple[int, int, float]:
+    """(left shift into bf16 position, mask keeping sign + exponent + mantissa, 2**(127 - fp8
+    bias)). Literals, not a module-level table: a float read from a global becomes a graph input
+    under ``torch.compile(dynamic=True)``, which Dynamo cannot lift out of a traced
+    autograd.Function (see ``formats.fp8_max``)."""
+    if dtype == torch.float8_e4m3fn:
+        return 4, 0x87F0 - 0x10000, 2.0**120
+    if dtype == torch.float8_e5m2:
+        return 5, 0x8FE0 - 0x10000, 2.0**112
+    raise ValueError(f"{dtype} is not an FP8 dtype (E4M3 or E5M2)")
 
 
 _SHIFTS = {n: torch.tensor([n], dtype=torch.int16) for n in (4, 5)}
@@ -98,7 +104,7 @@ def upcast_to_bf16(data: torch.Tensor) -> torch.Tensor:
     int8 -> int16 sign-extends, so after the shift the sign bit sits in bit 15 and the bits
     between it and the exponent are ones for negative values: the mask clears them.
     """
-    shift, mask, mult = _UPCAST[data.dtype]
+    shift, mask, mult = _upcast_constants(data.dtype)
     # int8 << int16[1]: promoted to int16 (sign-extended) and shifted in one op
     bits = torch.bitwise_left_shift(data.view(torch.int8), _SHIFTS[shift])
     bits.bitwise_and_(mask)
@@ -180,10 +186,18 @@ def _scaled_bf16(q: Float8Data) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the one-time probe
-@functools.lru_cache(maxsize=None)
-def torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
+def _parse_version(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+# parsed once at import: a plain value, not an lru_cache, which Dynamo warns about (a
+# "silent incorrectness" UserWarning) each time a compiled FP8 GEMM traces through it
+_TORCH_VERSION = _parse_version(torch.__version__)
+
+
+def torch_version() -> tuple[int, int]:
+    return _TORCH_VERSION
 
 
 def cpu_scaled_mm_exists() -> bool:
@@ -277,6 +291,20 @@ def cpu_gemm_choice() -> CpuGemmChoice:
     _CHOICE[forced] = choice
     logger.info("lowprec.fp8: CPU FP8 GEMMs: %s", choice.describe())
     return choice
+
+
+def cpu_gemm_path() -> str:
+    """``cpu_gemm_choice().path``: what the GEMM dispatch reads. Under ``torch.compile`` Dynamo
+    calls it for real while it traces and takes the result as a constant: the first choice in a
+    process reads the kept verdict (or probes), writes it and logs, none of which traces (a
+    ``Float8Linear`` compiled before it ever ran eagerly failed under ``fullgraph=True`` and
+    broke its graph otherwise). The choice is fixed for the process, so the constant holds."""
+    return cpu_gemm_choice().path
+
+
+# what torch.compiler.assume_constant_result sets, set here without importing torch._dynamo
+# (``import lowprec.fp8`` does not load it)
+cpu_gemm_path._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- kept per machine

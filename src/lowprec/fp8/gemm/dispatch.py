@@ -72,7 +72,7 @@ def default_path(device: torch.device, granularity: str) -> str:
     if device.type == "cpu":
         if granularity == "block":
             return "upcast"
-        return cpu_gemm.cpu_gemm_choice().path
+        return cpu_gemm.cpu_gemm_path()
     return "scaled_mm" if native_scaled_mm_available(device, granularity) else "emulate"
 
 

@@ -134,6 +134,11 @@ class Kind:
             "alone; quantize the weight with a format's rule instead"
         )
 
+    def compile_break(self, device: torch.device) -> str | None:
+        """Why this kind's GEMMs on ``device`` must run outside a ``torch.compile`` graph (a graph
+        break, logged once: ``fp8/gemm/compile_guard.py``), or None: they are traced."""
+        return None
+
     def gemm_note(self, recipe: Recipe, device: torch.device) -> str:
         """How this recipe's GEMMs run on ``device``, for the conversion report."""
         raise NotImplementedError

@@ -65,6 +65,8 @@ class Microscaled(base.Kind):
     """What the microscaling kinds share: their GEMMs (``mx_linear``) and their report line."""
 
     codec: ClassVar[Codec]
+    # the dtype of its casts that torch.compile's CPU code generator lacks (compile_break)
+    packed_dtype: ClassVar[str] = "torch.float8_e8m0fnu"
     # how the CPU path folds the scales, for the conversion report
     cpu_scales: ClassVar[str] = "block scales folded in"
 
@@ -99,6 +101,14 @@ class Microscaled(base.Kind):
             "all experts in one autograd function, each operand's casts from one read, each GEMM per expert "
             f"writing its rows or gradient slice in place: {self.gemm_note(recipe, device)} (the per-expert "
             "loop with telemetry or override_linear_precision)"
+        )
+
+    def compile_break(self, device: torch.device) -> str | None:
+        if device.type == "cuda":
+            return None
+        return (
+            f"{self.name} on {device.type}: its casts hold {self.packed_dtype} tensors, which inductor's "
+            f"{device.type} code generator has no type for"
         )
 
     def gemm_note(self, recipe: Recipe, device: torch.device) -> str:

@@ -178,6 +178,7 @@ def _stream_seed(recipe: Recipe, layer: int, step: int, which: int) -> int:
 
 class NVFP4(Microscaled):
     name = "nvfp4"
+    packed_dtype = "torch.float4_e2m1fn_x2"
     codec = NVCodec()
     cpu_scales = "block scales folded in, tensor scales on the output"
     state_buffers = (SR_STATE,)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowprec.fp8.recipes import Recipe
+from lowprec.fp8.recipes import Recipe, as_recipe
 
 __all__ = [
     "autocast",
@@ -115,14 +115,17 @@ class autocast:  # noqa: N801 - a context manager named like torch.autocast
 
     Args:
         enabled: FP8 on (True) or off (False) for the body.
-        recipe: optional recipe that overrides each layer's own for the body.
+        recipe: optional recipe (a :class:`Recipe` or a name, as ``convert`` takes) that
+            overrides each layer's own for the body.
         use_during_eval: True/False overrides the recipes' ``use_during_eval`` for the body;
             None (default) leaves it to them.
     """
 
-    def __init__(self, enabled: bool = True, recipe: Recipe | None = None, use_during_eval: bool | None = None) -> None:
-        if recipe is not None and not isinstance(recipe, Recipe):
-            raise TypeError(f"recipe must be a lowprec.fp8.Recipe, got {type(recipe).__name__}")
+    def __init__(
+        self, enabled: bool = True, recipe: Recipe | str | None = None, use_during_eval: bool | None = None
+    ) -> None:
+        if recipe is not None:
+            recipe = as_recipe(recipe, "fp8.autocast")
         self.enabled = bool(enabled)
         self.recipe = recipe
         self.use_during_eval = use_during_eval

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
+from lowprec.fp8.modules.state_dtype import Float32State
 from lowprec.fp8.gemm import compile_guard
 from lowprec.fp8.modules.autocast import torch_autocast_off
 from lowprec.fp8.kinds.base import GroupedCall
@@ -98,7 +99,7 @@ class _Template(nn.Module):
         self.weight = torch.empty(0, device=device)
 
 
-class Float8GroupedGemm(nn.Module):
+class Float8GroupedGemm(Float32State, nn.Module):
     """The FP8 state and dispatch of one grouped weight ``(E, N, K)`` (see module docstring).
 
     It holds no parameter: the weight stays where the model keeps it (a 3-D Parameter of the
@@ -176,12 +177,17 @@ class Float8GroupedGemm(nn.Module):
             )
         try:
             call = GroupedCall(self, x, weight, counts, recipe, hp)
-            if torch.compiler.is_compiling() and compile_guard.keeps_eager():  # LOWPREC_COMPILE_FP8=0
-                return compile_guard.run_eagerly(recipe.kind.grouped_forward, call)
+            if torch.compiler.is_compiling():  # LOWPREC_COMPILE_FP8=0, or a kind that cannot compile here
+                why = compile_guard.eager_reason(recipe.kind.compile_break(x.device))
+                if why is not None:
+                    return compile_guard.run_eagerly(recipe.kind.grouped_forward, call, why=why)
             return recipe.kind.grouped_forward(call)
         finally:  # the slots held views of this call's weight: let them go with the call
             for s in self._slots:
-                s.__dict__.pop("weight", None)
+                # set to None, not popped: under torch.compile(dynamic=True) the routing's graph
+                # break made Dynamo replay "set, then pop" as a delattr of a key it never set
+                # (KeyError: 'weight' inside Dynamo's generated code)
+                s.__dict__["weight"] = None
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, recipe={self.recipe.name}"

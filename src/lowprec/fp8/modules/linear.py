@@ -56,9 +56,10 @@ from lowprec.fp8.modules.frozen import drop_frozen_cache
 from lowprec.fp8.kinds.delayed import OPERANDS
 from lowprec.fp8.cast.mx import BlockScaledData
 from lowprec.fp8.cast.quantize import Float8Data
-from lowprec.fp8.recipes import Recipe
+from lowprec.fp8.recipes import Recipe, as_recipe
 from lowprec.fp8.cast.scaling import delayed_scale_step
 from lowprec.fp8.modules.sharding import reshape_output
+from lowprec.fp8.modules.state_dtype import Float32State
 from lowprec.fp8.state_epoch import bump_state_epoch, state_epoch
 from lowprec.fp8.modules.tp_linear import is_tensor_parallel, tp_forward
 from lowprec.guard_moves import GEMMS as GEMM_NAMES
@@ -163,7 +164,7 @@ class FP8Switch:
         recipe.kind.check_layer(self, recipe)  # type: ignore[arg-type]
 
 
-class Float8Linear(FP8Switch, nn.Linear):
+class Float8Linear(Float32State, FP8Switch, nn.Linear):
     """``nn.Linear`` with FP8 GEMMs (see module docstring); ``fp8.autocast(enabled=False)`` turns
     them off for a region.
 
@@ -200,10 +201,10 @@ class Float8Linear(FP8Switch, nn.Linear):
         device=None,
         dtype=None,
         *,
-        recipe: Recipe | None = None,
+        recipe: Recipe | str | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._init_fp8(recipe or Recipe.from_name("tensorwise"))
+        self._init_fp8(as_recipe(recipe, "Float8Linear"))
 
     def _init_fp8(self, recipe: Recipe) -> None:
         self.recipe = recipe
@@ -215,7 +216,8 @@ class Float8Linear(FP8Switch, nn.Linear):
         self.register_buffer("fp8_stats", torch.zeros(3, 4, device=device), persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Recipe) -> "Float8Linear":
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe | str | None = None) -> "Float8Linear":
+        recipe = as_recipe(recipe, f"{cls.__name__}.from_linear")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
@@ -285,8 +287,12 @@ class Float8Linear(FP8Switch, nn.Linear):
         recipe = self._active_recipe()
         if recipe is None or x.numel() == 0:  # an empty batch (e.g. an MoE expert with no tokens)
             return F.linear(x, self.gemm_weight(), self.bias)
-        if torch.compiler.is_compiling() and compile_guard.keeps_eager():  # LOWPREC_COMPILE_FP8=0
-            return compile_guard.run_eagerly(self._fp8_forward, x, recipe)
+        if not x.is_floating_point() or (x.shape[-1] != self.in_features and not is_tensor_parallel(self.weight)):
+            return F.linear(x, self.gemm_weight(), self.bias)  # raises nn.Linear's own error
+        if torch.compiler.is_compiling():  # LOWPREC_COMPILE_FP8=0, or a kind that cannot compile here
+            why = compile_guard.eager_reason(recipe.kind.compile_break(x.device))
+            if why is not None:
+                return compile_guard.run_eagerly(self._fp8_forward, x, recipe, why=why)
         return self._fp8_forward(x, recipe)
 
     def _fp8_forward(self, x: torch.Tensor, recipe: Recipe) -> torch.Tensor:

@@ -18,8 +18,9 @@ layer casts as before, so results are bit-identical with and without sharing
 Lifetime: one slot per thread holds the last cast (a weak reference to its input, never keeping
 it alive). It is replaced by the next Linear that reads another tensor and dropped when its
 input dies, so at most one cast (and one bf16 upcast) is held beyond what autograd saves.
-Skipped under ``torch.compile`` (the graph is traced once; host reads would break it) and
-when ``LOWPREC_SHARE_CASTS=0``.
+Skipped under ``torch.compile`` (the graph is traced once; host reads would break it), for
+tensors made under ``torch.inference_mode()`` (they keep no version counter) and when
+``LOWPREC_SHARE_CASTS=0``.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ class _Slot:
         return self.ref() is _root(x) and self.identity == _identity(x)
 
 
+def _trackable(x: torch.Tensor) -> bool:
+    """Whether an in-place write to ``x`` would show in its version counter: not for a tensor
+    made under ``torch.inference_mode()``, which keeps none, so its casts are not shared."""
+    return not x.is_inference()
+
+
 def _slot(x: torch.Tensor) -> _Slot | None:
     slot = getattr(_LOCAL, "slot", None)
     return slot if slot is not None and slot.matches(x) else None
@@ -98,7 +105,7 @@ def lookup(x: torch.Tensor, key: tuple | None) -> Any:
     """The cast stored for ``x`` under ``key``: (row-major cast, column-major cast or None), or
     ``None``. A hit marks the column-major cast, the one saved for the weight gradient, as
     shared, so that backward upcasts it once (:func:`shared_upcast`)."""
-    if key is None:
+    if key is None or not _trackable(x):
         return None
     slot = _slot(x)
     if slot is None or slot.box[0] != key:
@@ -110,7 +117,7 @@ def lookup(x: torch.Tensor, key: tuple | None) -> Any:
 
 
 def store(x: torch.Tensor, key: tuple | None, value: Any) -> None:
-    if key is None:
+    if key is None or not _trackable(x):
         return
     box = _slot_for(x).box
     box[0], box[1] = key, value
@@ -118,7 +125,7 @@ def store(x: torch.Tensor, key: tuple | None, value: Any) -> None:
 
 def amax(x: torch.Tensor, compute) -> float:
     """``compute(x)`` (a host amax), once per tensor while it is the slot's input."""
-    if not enabled():
+    if not enabled() or not _trackable(x):
         return compute(x)
     box = _slot_for(x).box
     if box[2] is None:
