@@ -57,8 +57,11 @@ def _no_leftover_process_group():
     yield
     import torch.distributed as dist
 
+    from lowprec.group_lifetime import forget_deepspeed_groups
+
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        forget_deepspeed_groups()  # DeepSpeed's groups cached from that group: the next engine's fail
 
 
 # The files whose tests take the longest (each over ~40 s of one core on CI's 2-core machine,

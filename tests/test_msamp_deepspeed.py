@@ -270,3 +270,15 @@ def test_o2_under_deepspeed_scheduler_drives_the_fp8_optimizer(ds_env, recwarn):
         assert (moved > 0) == (step == 0), step  # lr 0 from the second step: nothing moves
         assert [g["lr"] for g in opt.param_groups] == sched.get_last_lr() == [0.0]
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message)]
+
+
+def test_a_new_accelerator_after_end_training_runs_deepspeed_again(ds_env):
+    """end_training destroys the process group; DeepSpeed's groups cached from it (a clone of the
+    world group) made the next engine in the process fail: "Group ... is not registered"."""
+    for _ in range(2):
+        acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+        model = nn.Sequential(nn.Linear(16, 8))
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        acc.backward(model(torch.randn(4, 16)).float().pow(2).mean())
+        opt.step()
+        acc.end_training()

@@ -20,6 +20,7 @@ from torch import nn
 
 from lowprec import Accelerator
 from lowprec.errors import NonFiniteError
+from lowprec.group_lifetime import forget_deepspeed_groups
 from lowprec.utils import DeepSpeedPlugin
 
 DIM = 32
@@ -35,6 +36,7 @@ def _no_leftover_process_group():
 
     if dist.is_initialized():
         dist.destroy_process_group()
+        forget_deepspeed_groups()
 
 
 def _setup(stage: int, precision: str, zero: Optional[dict] = None, **kw):

@@ -32,12 +32,13 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
+import sys
 import time
 from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-__all__ = ["destroy_group", "retain_destroyed_groups"]
+__all__ = ["destroy_group", "forget_deepspeed_groups", "retain_destroyed_groups"]
 
 _retired: list[Any] = []
 _torch_destroy: Optional[Callable[..., Any]] = None  # torch's own, once patched
@@ -63,6 +64,23 @@ def _retain(group: Any) -> None:
         atexit.register(_release_at_exit)
 
 
+def forget_deepspeed_groups() -> None:
+    """DeepSpeed caches groups it derives from the default one (``deepspeed.utils.groups``: a
+    clone of the world group, data / model / expert parallel groups); once the default group is
+    destroyed they are unregistered, and the next engine in this process failed ("Group ... is
+    not registered"). Dropped with the default group, so a new Accelerator after
+    ``end_training`` can run DeepSpeed again."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return
+    for name, value in list(vars(groups).items()):
+        if name.endswith("_GROUP") or name.endswith("_GROUP_RANKS") or name == "mesh_device":
+            if isinstance(value, dict):
+                value.clear()
+            else:
+                setattr(groups, name, None)
+
+
 def destroy_group(group: Any = None) -> None:
     """``torch.distributed.destroy_process_group(group)`` (every group for ``None``), keeping a
     reference to each destroyed group for the rest of the process (module docstring)."""
@@ -70,6 +88,8 @@ def destroy_group(group: Any = None) -> None:
         return
     _retain(group)
     (_torch_destroy or dist.destroy_process_group)(group)
+    if group is None:
+        forget_deepspeed_groups()
 
 
 def retain_destroyed_groups() -> None:
@@ -86,6 +106,8 @@ def retain_destroyed_groups() -> None:
     def destroy_process_group(group: Any = None) -> None:
         _retain(group)
         original(group)
+        if group is None:
+            forget_deepspeed_groups()
 
     dist.destroy_process_group = destroy_process_group  # type: ignore[assignment]
     dist.distributed_c10d.destroy_process_group = destroy_process_group  # type: ignore[assignment]
