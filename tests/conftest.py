@@ -83,6 +83,8 @@ LONG_FIRST = (
     "test_train_run.py",
     "test_examples_transformers.py",
     "test_gpu_command.py",
+    "test_fp8_compile.py",
+    "test_accelerate_scripts.py",
 )
 
 

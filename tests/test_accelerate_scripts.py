@@ -11,7 +11,6 @@ docs/LOG.md 2026-11-29).
   ``destroy_process_group``. lowprec lacked ``reduce(..., "max")`` and the debug check, and the
   script's finished ranks aborted at exit (4 of 6 runs) while lowprec kept the destroyed group
   to interpreter finalization.
-- ``test_sync.py``: gradient synchronisation under ``no_sync`` / ``accumulate``.
 - ``test_script.py``'s checks (process control, ``split_between_processes``, RNG synchronisation,
   dataloader preparation and samplers, training on 2 processes against one, with split batches,
   bf16 and fp16, the breakpoint trigger), called in its order by tests/scripts/accelerate_test_script.py,
@@ -23,7 +22,9 @@ docs/LOG.md 2026-11-29).
   repeated and lost), and a ``BatchSampler`` as ``sampler=`` was refused.
 
 Each run must also have reached lowprec's code (the shim's marker), so a rebinding that silently
-fell back to Accelerate's own objects fails here.
+fell back to Accelerate's own objects fails here. (``test_sync.py`` passes too, checked by hand; its
+gradient-synchronisation checks are those of Accelerate's ``test_grad_sync.py``, which the
+conformance suite runs: left out for the suite's time.)
 """
 
 from __future__ import annotations
@@ -49,11 +50,10 @@ SCRIPTS = Path(accelerate.__file__).parent / "test_utils" / "scripts"
     "source",
     [
         SCRIPTS / "test_ops.py",
-        SCRIPTS / "test_sync.py",
         HERE / "scripts" / "accelerate_test_script.py",
         HERE / "scripts" / "accelerate_data_loop.py",
     ],
-    ids=["test_ops", "test_sync", "test_script", "test_distributed_data_loop"],
+    ids=["test_ops", "test_script", "test_distributed_data_loop"],
 )
 def test_accelerates_launched_script_passes_on_lowprec(tmp_path, source):
     shutil.copy(HERE / "accelerate_shim.py", tmp_path / "accelerate_shim.py")
