@@ -5,7 +5,6 @@ run repeats the uninterrupted one). Tiny models from examples/make_tiny_llama.py
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -16,6 +15,7 @@ peft = pytest.importorskip("peft", reason="needs peft (dev extra)")
 
 from lowprec.train.config import parse_config  # noqa: E402
 from lowprec.train.trainer import train  # noqa: E402
+from test_train_hf import _maker  # noqa: E402  (examples/make_tiny_llama.py, loaded once)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = {
@@ -25,15 +25,6 @@ FAST = {
     "use_tensorboard": False,
     "logging_steps": 4,
 }
-
-
-def _maker():
-    spec = importlib.util.spec_from_file_location(
-        "make_tiny_llama", os.path.join(ROOT, "examples", "make_tiny_llama.py")
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
