@@ -74,7 +74,9 @@ def _flush_open_files() -> None:
     import io
 
     for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
+        # the type, not isinstance: that asks a deprecated object (torch.distributed.reduce_op) for
+        # its __class__, which printed a FutureWarning at the end of every launched run
+        if issubclass(type(obj), io.IOBase):
             try:
                 if not obj.closed and obj.writable():
                     obj.flush()  # a text wrapper flushes its buffer below it too
