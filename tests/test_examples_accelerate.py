@@ -32,7 +32,8 @@ NEEDS_DS = pytest.mark.skipif(
         ("accelerate_single_device.py", 1),
         ("accelerate_ddp.py", 2),
         ("accelerate_fsdp2.py", 2),
-        pytest.param("accelerate_deepspeed.py --zero_stage 1", 2, marks=NEEDS_DS),
+        # ZeRO 1 (DeepSpeed's stage-2 optimizer class, without gradient partitioning): 2 processes
+        # through the Accelerator in test_msamp_deepspeed.py
         pytest.param("accelerate_deepspeed.py --zero_stage 2", 2, marks=NEEDS_DS),
         pytest.param("accelerate_deepspeed.py --zero_stage 3", 2, marks=NEEDS_DS),
     ],

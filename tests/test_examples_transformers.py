@@ -1,6 +1,6 @@
 """The transformers examples (a Llama causal LM and a BERT classifier, each built from a config,
 in FP8 with gradient accumulation, TensorBoard, automatic checkpoints and resume) run on CPU,
-alone and on 2 processes through `lowprec launch`."""
+alone (the causal LM) and on 2 processes through `lowprec launch`."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_causal_lm_example(tmp_path, procs):
     assert r["tensorboard_files"] >= 1 and r["checkpoints"] == ["checkpoint_0"]
 
 
-@pytest.mark.parametrize("procs", [1, 2])
+@pytest.mark.parametrize("procs", [2])  # one process: the causal LM's row (the same script shape)
 def test_seq_classification_example(tmp_path, procs):
     pytest.importorskip("transformers", reason="the example needs transformers (dev extra)")
     r = _launch(tmp_path, "accelerate_seq_classification.py", procs)

