@@ -134,3 +134,21 @@ def test_a_config_section_its_distributed_type_does_not_select_is_noted(tmp_path
     cfg = write(tmp_path, "distributed_type: FSDP\nnum_processes: 2\nuse_cpu: true\n" + fsdp)
     assert main(["launch", "--dry_run", "--config_file", cfg, SCRIPT]) == 0
     assert "is not used" not in capsys.readouterr().out
+
+
+def test_workers_get_one_thread_unless_told_otherwise(monkeypatch, capsys):
+    """Several processes per machine with OMP_NUM_THREADS unset: the launcher exports 1 (torchrun's
+    own default, which torchrun announced in a four-line banner on every run; Accelerate's
+    launcher exports it too). A value from the shell or --num_cpu_threads_per_process is kept; one
+    process, or one per machine, gets nothing."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    env, _, _ = dry_run(["--cpu", "--num_processes", "2", SCRIPT], capsys)
+    assert env["OMP_NUM_THREADS"] == "1"
+    env, _, _ = dry_run(["--cpu", "--num_processes", "2", "--num_cpu_threads_per_process", "3", SCRIPT], capsys)
+    assert env["OMP_NUM_THREADS"] == "3"
+    for one_each in (["--cpu"], ["--num_processes", "2", "--num_machines", "2", "--main_process_ip", "10.0.0.1"]):
+        env, _, _ = dry_run([*one_each, SCRIPT], capsys)
+        assert "OMP_NUM_THREADS" not in env, one_each
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    env, _, _ = dry_run(["--cpu", "--num_processes", "2", SCRIPT], capsys)
+    assert "OMP_NUM_THREADS" not in env  # the shell's 2 reaches the workers unchanged

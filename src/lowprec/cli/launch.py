@@ -111,6 +111,15 @@ class LaunchPlan:
     warnings: list[str] = field(default_factory=list)
 
 
+def worker_threads_env(settings: LaunchSettings, environ: Mapping[str, str]) -> dict[str, str]:
+    """``OMP_NUM_THREADS=1`` for the workers of a launch of several processes per machine when the
+    environment does not set it: torchrun's own default there, set by the launcher as Accelerate's
+    does, so torchrun does not print its four-line banner about it on every run."""
+    if settings.distributed and settings.processes_per_machine > 1 and "OMP_NUM_THREADS" not in environ:
+        return {"OMP_NUM_THREADS": "1"}
+    return {}
+
+
 def build_command(
     settings: LaunchSettings,
     script: str,
@@ -192,6 +201,7 @@ def plan_launch(args: argparse.Namespace, environ: Mapping[str, str] | None = No
             "torchrun (they apply with num_processes > 1)"
         )
     exported = {**settings.to_env(), **options.env, **_one_process_deepspeed_env(settings, environ)}
+    exported = {**worker_threads_env(settings, {**environ, **exported}), **exported}
     removed = sorted(k for k in environ if owned_env_var(k) and k not in exported)
     overridden = sorted(k for k in exported if k in environ and environ[k] != exported[k])
     if removed:  # a stale shell variable changing nothing must still be seen (not only in --dry_run)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from lowprec.cli._torchrun import CONTINUE_VAR, report_stop
 from lowprec.cli._worker import exit_mode
-from lowprec.cli.launch import build_command
+from lowprec.cli.launch import build_command, worker_threads_env
 from lowprec.config.deepspeed_schema import check_deepspeed_config
 from lowprec.config.env import LaunchSettings, owned_env_var
 from lowprec.config.json_file import read_json_object
@@ -200,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         # refused here, before any worker starts (rank 0 sees the launcher named in launcher_env)
         with hold_output_dir(make_output_dir(cfg.output_dir)):
             env = {**_child_env(), CONTINUE_VAR: resume_command(args), **launcher_env(cfg.output_dir)}
+            env.update(worker_threads_env(LaunchSettings(num_processes=args.num_processes), env))
             code = _wait_for(subprocess.Popen(cmd, env=env))
         return 128 - code if code < 0 else code
     # here, not at the top: the trainer imports torch, which a launching process never needs
