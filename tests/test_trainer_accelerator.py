@@ -189,7 +189,8 @@ def one_process(tmp_path_factory):
 # (DDP under `lowprec launch`: the Trainer example's 2-process run in test_integrations_transformers.py;
 # this example under `lowprec launch`: its FSDP row)
 LAUNCHES = {
-    "fsdp_from_training_args-torchrun": ("torchrun", [], ["--fsdp"]),
+    # (FSDP from TrainingArguments with plain AdamW: the O2 row's path with its optimizer, and
+    # the launcher's FSDP row's optimizer on its path)
     # MS-AMP's O2 (Accelerate's MSAMPRecipeKwargs, lowprec.optim without MS-AMP): FP8AdamW on the shards
     "fsdp_o2_from_training_args-torchrun": ("torchrun", [], ["--fsdp", "--opt_level", "O2"]),
     # Accelerate's own launcher: --multi_gpu is its torchrun path (on CPU its --cpu needs mpirun)
