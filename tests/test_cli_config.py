@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from lowprec.cli.launch import worker_threads_env
 from lowprec.cli.main import main
 from lowprec.config import values as V
 from lowprec.config.env import LaunchSettings, owned_env_var
@@ -94,7 +95,7 @@ def test_wizard_round_trip_fsdp_fp8(monkeypatch, tmp_path, capsys):
         fp8_enable_fsdp_float8_all_gather=True,
     )
     env = launch_env(["--config_file", str(path)], capsys)
-    assert env == s.to_env()
+    assert env == {**s.to_env(), **worker_threads_env(s, os.environ)}  # OMP_NUM_THREADS=1 where unset
 
 
 def test_wizard_reasks_on_bad_answer_and_fails_cleanly_on_eof(monkeypatch, tmp_path, capsys):
@@ -253,7 +254,7 @@ def test_wizard_asks_the_recipe_options_the_catalog_declares(monkeypatch, tmp_pa
     s = loaded(path)
     assert (s.fp8_recipe, s.fp8_scale_rounding, s.fp8_margin) == ("mxfp8", "floor", None)
     env = launch_env(["--config_file", str(path)], capsys)
-    assert env["LOWPREC_FP8_SCALE_ROUNDING"] == "floor" and env == s.to_env()
+    assert env["LOWPREC_FP8_SCALE_ROUNDING"] == "floor" and env == {**s.to_env(), **worker_threads_env(s, os.environ)}
     for key, value in env.items():  # what the launched script sees
         monkeypatch.setenv(key, value)
     recipe = Accelerator().backend.recipe
