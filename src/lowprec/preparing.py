@@ -179,8 +179,7 @@ class PrepareMixin(AcceleratorHost):
         self._ds_engine = engine
         self._models.append(engine)
         self._optimizers.append(wrapped)  # type: ignore[arg-type]
-        for sched in self._schedulers:  # prepared in an earlier call, on the replaced optimizer
-            retarget_scheduler(sched.scheduler, self._optimizers)
+        self._retarget_schedulers()
         self._optimizer_models[id(wrapped)] = engine
         results[models[0]], results[opts[0]] = engine, wrapped
 
@@ -235,8 +234,7 @@ class PrepareMixin(AcceleratorHost):
             # the model as held (DDP-wrapped): MS-AMP O-levels hook DDP's gradient all-reduce
             new_opt, new_model = self.backend.prepare_optimizer(opt.optimizer, owner, self._ctx())
             opt.replace_optimizer(new_opt)
-            for sched in self._schedulers:  # prepared in an earlier call, on the replaced optimizer
-                retarget_scheduler(sched.scheduler, self._optimizers)
+            self._retarget_schedulers()
             if owner is not None:
                 opt.after_step, opt.after_skip = self._step_hooks(owner)
             if new_model is not None and new_model is not owner:
@@ -250,6 +248,11 @@ class PrepareMixin(AcceleratorHost):
                 # a backend returns a new model only for the one it was given (owner is not None)
                 self._models[self._models.index(cast(nn.Module, owner))] = new_model
                 self._optimizer_models[id(opt)] = new_model
+
+    def _retarget_schedulers(self) -> None:
+        """Schedulers prepared in an earlier call, on an optimizer a backend has just replaced."""
+        for sched in self._schedulers:
+            retarget_scheduler(sched.scheduler, self._optimizers)
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         retarget_scheduler(scheduler, self._optimizers)  # built on an optimizer a backend replaced

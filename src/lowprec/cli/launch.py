@@ -120,6 +120,20 @@ def worker_threads_env(settings: LaunchSettings, environ: Mapping[str, str]) -> 
     return {}
 
 
+def wait_through_ctrl_c(proc: subprocess.Popen) -> tuple[int, bool]:
+    """The child's exit code, and whether a Ctrl-C came meanwhile. The child got the same SIGINT
+    from the terminal (one process group) and stops as it does (workers at the end of the step,
+    writing their summary and checkpoint), so the launcher waits for it, holding what it holds
+    (``lowprec train``'s output_dir lock), instead of killing it 0.25 s later as
+    ``subprocess.run`` does."""
+    interrupted = False
+    while True:
+        try:
+            return proc.wait(), interrupted
+        except KeyboardInterrupt:
+            interrupted = True
+
+
 def build_command(
     settings: LaunchSettings,
     script: str,
@@ -405,14 +419,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"lowprec: warning: {warning}", file=sys.stderr)
 
     again = plan.env.get(CONTINUE_VAR) or shlex.join(["lowprec", "launch", *getattr(args, "argv", sys.argv[2:])])
-    proc = subprocess.Popen(plan.command, env={**plan.env, CONTINUE_VAR: again})
-    interrupted = False
-    while True:  # not subprocess.run: it kills the child 0.25 s after a Ctrl-C, mid-way through its own handling
-        try:
-            code = proc.wait()
-            break
-        except KeyboardInterrupt:  # the child got the same SIGINT from the terminal: let it stop as it does
-            interrupted = True
+    code, interrupted = wait_through_ctrl_c(subprocess.Popen(plan.command, env={**plan.env, CONTINUE_VAR: again}))
     if not plan.settings.distributed:  # under torchrun, cli/_torchrun.py says it
         if interrupted:
             print(f"lowprec: interrupted; to continue: {again}", file=sys.stderr)

@@ -25,7 +25,7 @@ from lowprec.kwargs import (
     env_int,
 )
 from lowprec.state.partial import DistributedType, PartialState, ProcessFacts, _resolve_device as _device_and_reason
-from lowprec.state.process_group import destroy_group, init_default_group
+from lowprec.state.process_group import init_default_group
 from lowprec.fp8.gemm.cpu import cpu_gemm_choice
 from lowprec.state.gradient import GradientState
 
@@ -264,9 +264,6 @@ class AcceleratorState(ProcessFacts):
         text += f"\nMixed precision type: {self.mixed_precision}\n"
         fp8 = self.decisions.get("fp8_backend")
         return text + (f"FP8 backend: {fp8.value} ({fp8.reason})\n" if fp8 is not None else "")
-
-    def destroy_process_group(self, group: Any = None) -> None:
-        destroy_group(group)
 
     def _decide(self, key: str, decision: Decision) -> Any:
         self.decisions[key] = decision

@@ -150,6 +150,9 @@ class ProcessFacts:
         if self.is_local_main_process:
             print(*args, **kwargs)
 
+    def destroy_process_group(self, group: Any = None) -> None:
+        destroy_group(group)
+
     def __repr__(self) -> str:
         """The summary Accelerate's ``print(accelerator.state)`` gives (its examples log it)."""
         facts = self.__dict__
@@ -248,6 +251,3 @@ class PartialState(SharedState, ProcessFacts):
         if function is None:
             return functools.partial(self.on_local_process, local_process_index=local_process_index)
         return self._on(function, lambda: self.local_process_index == local_process_index)
-
-    def destroy_process_group(self, group: Any = None) -> None:
-        destroy_group(group)

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 from lowprec.cli._torchrun import CONTINUE_VAR, report_stop
 from lowprec.cli._worker import exit_mode
-from lowprec.cli.launch import build_command, worker_threads_env
+from lowprec.cli.launch import build_command, wait_through_ctrl_c, worker_threads_env
 from lowprec.config.deepspeed_schema import check_deepspeed_config
 from lowprec.config.env import LaunchSettings, owned_env_var
 from lowprec.config.json_file import read_json_object
@@ -170,18 +170,6 @@ def _check_deepspeed(cfg: Any, processes: int) -> None:
         )
 
 
-def _wait_for(proc: subprocess.Popen) -> int:
-    """The launched workers' exit code. A Ctrl-C reaches them too (one process group): they stop
-    at the end of the step, write the summary and checkpoint and say how to continue, so the
-    launcher waits for them (and holds the output_dir lock) instead of killing them as
-    ``subprocess.run`` does."""
-    while True:
-        try:
-            return proc.wait()
-        except KeyboardInterrupt:
-            continue
-
-
 def run(args: argparse.Namespace) -> int:
     overrides = overrides_from_args(args)
     if args.quiet:
@@ -201,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         with hold_output_dir(make_output_dir(cfg.output_dir)):
             env = {**_child_env(), CONTINUE_VAR: resume_command(args), **launcher_env(cfg.output_dir)}
             env.update(worker_threads_env(LaunchSettings(num_processes=args.num_processes), env))
-            code = _wait_for(subprocess.Popen(cmd, env=env))
+            code, _ = wait_through_ctrl_c(subprocess.Popen(cmd, env=env))
         return 128 - code if code < 0 else code
     # here, not at the top: the trainer imports torch, which a launching process never needs
     from lowprec.train.trainer import train
