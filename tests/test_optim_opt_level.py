@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
@@ -194,3 +196,40 @@ def test_o1_zero_grad_drops_held_fp8_gradients():
     assert fp8_grad(model.weight) is None
     model(x).sum().backward()
     assert torch.allclose(fp8_grad(model.weight).dequantize(), once)
+
+
+def _schedulers(opt):
+    warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3)
+    cos = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+    return torch.optim.lr_scheduler.SequentialLR(opt, [warm, cos], milestones=[3])
+
+
+@pytest.mark.parametrize("make", [_schedulers, lambda o: torch.optim.lr_scheduler.OneCycleLR(o, 1e-2, total_steps=8)])
+def test_o2_scheduler_built_before_the_rebuild_drives_the_new_optimizer(make):
+    """A scheduler built on the Adam that O2 replaces must schedule the FP8AdamW that steps:
+    the same learning rates (and OneCycle's betas) and weights as one built after the call,
+    without torch's "scheduler before optimizer" warning; the replaced Adam refuses to step."""
+    runs = []
+    for before in (True, False):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = make(opt) if before else None
+        model, new = apply_opt_level(model, opt, "O2")
+        sched = sched or make(new)
+        lrs = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for i in range(6):
+                model(torch.randn(8, 16, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
+                new.step()
+                new.zero_grad()
+                sched.step()
+                lrs.append((new.param_groups[0]["lr"], new.param_groups[0]["betas"]))
+        runs.append((lrs, [p.detach().clone() for p in model.parameters()]))
+        if before:
+            assert not opt.state  # its fp32 moments are freed (the scheduler keeps it alive)
+            with pytest.raises(RuntimeError, match="replaced by lowprec.optim.FP8AdamW"):
+                opt.step()
+    (lrs_before, w_before), (lrs_after, w_after) = runs
+    assert lrs_before == lrs_after and len({lr for lr, _ in lrs_after}) > 1
+    assert all(torch.equal(a, b) for a, b in zip(w_before, w_after))

@@ -18,12 +18,15 @@ O2  O1 + Adam/AdamW rebuilt as :class:`FP8AdamW` (FP8 first moment, FP16 second 
 Under DDP, call it on the *wrapped* model (``apply_opt_level(ddp_model, ...)``): wrapping after
 would hold local gradients while DDP writes reduced ones, which the optimizer step rejects
 with an error naming this fix. Like ``msamp.initialize`` it returns ``(model, optimizer)``; the model's Parameter objects are
-the same ones (nothing is re-created), the optimizer may be a new object: build LR schedulers
-*after* calling it. FP8 GEMMs are a separate switch (``lowprec.fp8.convert``).
+the same ones (nothing is re-created), the optimizer may be a new object: step the returned one.
+An LR scheduler built before the call on the replaced optimizer keeps driving the new one (the
+replaced optimizer hands over its param groups, frees its moments and refuses ``step()``).
+FP8 GEMMs are a separate switch (``lowprec.fp8.convert``).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, cast
 
 import torch
@@ -117,7 +120,35 @@ def to_fp8_adamw(optimizer: torch.optim.Optimizer, **fp8_kwargs) -> FP8AdamW:
         st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"] = finish_moments_shard(
             pm, everyone
         )
+    _hand_over(optimizer, fp8)
     return fp8
+
+
+def _hand_over(old: torch.optim.Optimizer, new: FP8AdamW) -> None:
+    """``old`` is replaced by ``new``. An LR scheduler built on ``old`` writes ``group["lr"]``
+    into ``old.param_groups``; they become ``new``'s, so the schedule applies to the optimizer
+    that steps (else it silently would not). A step of ``new`` counts as ``old``'s for torch's
+    "scheduler before optimizer" check. ``old``'s moments, now encoded in ``new``, are freed (a
+    scheduler keeps ``old`` alive), and ``old.step()`` refuses: it would step nothing."""
+    old.param_groups = new.param_groups
+    old.state.clear()
+    ref = weakref.ref(old)
+
+    def count_step(opt, args, kwargs) -> None:
+        replaced = ref()
+        if replaced is not None:
+            cast(Any, replaced)._opt_called = True
+
+    new.register_step_post_hook(count_step)
+
+    def step(*args, **kwargs):
+        raise RuntimeError(
+            f"this {type(old).__name__} was replaced by lowprec.optim.FP8AdamW (opt_level 'O2'); "
+            "step the optimizer apply_opt_level / to_fp8_adamw returned"
+        )
+
+    cast(Any, step)._wrapped_by_lr_sched = True  # torch's schedulers check for their wrapper
+    cast(Any, old).step = step
 
 
 def apply_opt_level(
