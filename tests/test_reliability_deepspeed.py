@@ -146,8 +146,42 @@ def test_a_zero3_checkpoint_loaded_without_deepspeed_is_one_line(ds_env, tmp_pat
     torch.manual_seed(0)
     net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(DIM, DIM), nn.ReLU())][:-1])
     net, popt = plain.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
-    with pytest.raises(CheckpointError, match=r"zero3 was saved under DeepSpeed \(.*deepspeed_0/.*\): resume it with"):
+    with pytest.raises(
+        CheckpointError, match=r"zero3 was saved under DeepSpeed \(.*deepspeed_0/.*\): resume it with.*\(ZeRO stage 3\)"
+    ):
         plain.load_state(str(tmp_path / "zero3"))
     plain.save_state(str(tmp_path / "plain"))
     with pytest.raises(CheckpointError, match=r"plain was saved without DeepSpeed .*: resume it without DeepSpeed$"):
         acc.load_state(str(tmp_path / "plain"))
+
+
+def test_a_checkpoint_of_another_zero_stage_is_one_line(ds_env, tmp_path):
+    """A ZeRO-3 checkpoint loaded under ZeRO-2 (or the reverse) stopped in DeepSpeed with a bare
+    ``AssertionError``; now one line naming both stages. Stages 1 and 2 share one file format and
+    load each other's checkpoints. A checkpoint without lowprec's record of the stage (an older
+    one) is recognised by DeepSpeed's file names."""
+    import json
+
+    from lowprec.errors import CheckpointError
+
+    for saved, other in ((3, 2), (2, 3)):
+        acc, model, opt = _setup(saved, "bf16")
+        _step(acc, model, opt)
+        acc.save_state(str(tmp_path / f"z{saved}"))
+        acc2, _, _ = _setup(other, "bf16")
+        with pytest.raises(
+            CheckpointError,
+            match=rf"saved under DeepSpeed ZeRO stage {saved}, whose files DeepSpeed ZeRO stage {other} cannot",
+        ):
+            acc2.load_state(str(tmp_path / f"z{saved}"))
+    meta_path = tmp_path / "z2" / "lowprec_state.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["deepspeed_zero_stages"] == [2]
+    meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "deepspeed_zero_stages"}))
+    with pytest.raises(CheckpointError, match=r"ZeRO stage 1 or 2, whose files DeepSpeed ZeRO stage 3 cannot"):
+        acc2.load_state(str(tmp_path / "z2"))  # acc2 runs ZeRO-3
+    acc1, model1, opt1 = _setup(1, "bf16")
+    acc1.load_state(str(tmp_path / "z2"))  # 2 -> 1 loads
+    before = _weights(model1)
+    assert not _step(acc1, model1, opt1)  # stepped
+    assert any(not torch.equal(a, b) for a, b in zip(before, _weights(model1)))

@@ -250,6 +250,19 @@ def test_a_data_position_on_another_process_count(tmp_path):
         check_process_count(str(tmp_path), 1, ds)
     with pytest.raises(ValueError, match=r"saved under DeepSpeed .*: resume it with the deepspeed settings that saved"):
         check_process_count(str(tmp_path), 1, cfg)  # and without deepspeed
+    # ZeRO-3's files and stage 1/2's do not load each other (DeepSpeed stops with a bare AssertionError)
+    (tmp_path / "deepspeed_0" / "state").mkdir()
+    (tmp_path / "deepspeed_0" / "state" / "zero_pp_rank_0_mp_rank_00_model_states.pt").touch()
+    with pytest.raises(ValueError, match=r"saved under DeepSpeed ZeRO stage 3, whose files DeepSpeed ZeRO stage 2 "):
+        check_process_count(str(tmp_path), 2, ds)  # no stage set: the plugin's 2
+    three = parse_config({"base_model": "builtin:moe-tiny", "deepspeed": {"zero_optimization": {"stage": 3}}})
+    assert check_process_count(str(tmp_path), 2, three) is None
+    with pytest.raises(ValueError, match=r"settings that saved it \(ZeRO stage 3\), on 2 processes"):
+        check_process_count(str(tmp_path), 2, cfg)
+    (tmp_path / "lowprec_state.json").write_text(json.dumps({**meta, "deepspeed_zero_stages": [1]}))  # the record wins
+    assert check_process_count(str(tmp_path), 2, ds) is None
+    with pytest.raises(ValueError, match=r"ZeRO stage 1, whose files DeepSpeed ZeRO stage 3 cannot load: resume it"):
+        check_process_count(str(tmp_path), 2, three)
 
 
 def _hf_moe(tmp_path):
@@ -341,6 +354,6 @@ def test_a_deepspeed_checkpoint_resumed_without_deepspeed_is_one_line_before_any
     assert proc.stderr.splitlines() == [
         f"lowprec: error: resume_from_checkpoint: {ckpt} was saved under DeepSpeed (its model and optimizer are "
         "DeepSpeed's files in deepspeed_0/, not model_0.safetensors): resume it with the deepspeed settings that "
-        "saved it, on 2 processes (--num_processes 2)"
+        "saved it (ZeRO stage 1 or 2), on 2 processes (--num_processes 2)"
     ]
     assert not out.exists()  # nothing started

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -44,6 +44,8 @@ __all__ = [
     "read_checked",
     "check_deepspeed_dir",
     "deepspeed_mismatch",
+    "saved_zero_stage",
+    "zero_stage_mismatch",
     "LEGACY_ALLOWED",
     "DEEPSPEED_ALLOWED",
     "OBJECT_KEY",
@@ -220,16 +222,53 @@ def check_deepspeed_dir(directory: str) -> None:
             read_checked(os.path.join(root, name), _check_globals)
 
 
-def deepspeed_mismatch(checkpoint: str, saved_under_ds: bool, prefix: str, setting: str, processes: int) -> str:
+def saved_zero_stage(checkpoint: str, index: int, meta: dict) -> Optional[int]:
+    """The ZeRO stage model ``index``'s ``deepspeed_<index>/`` was saved under: lowprec's record
+    in ``meta`` where there is one; else 3 when DeepSpeed's model files are per rank (ZeRO-3
+    writes ``zero_pp_rank_<r>_mp_rank_00_model_states.pt``); else None: stage 1 or 2, one file
+    format that either stage loads."""
+    stages = meta.get("deepspeed_zero_stages") or []
+    if index < len(stages) and isinstance(stages[index], int):
+        return stages[index]
+    for _, _, names in os.walk(os.path.join(checkpoint, f"deepspeed_{index}")):
+        if any(n.startswith("zero_pp_rank_") and n.endswith("_model_states.pt") for n in names):
+            return 3
+    return None
+
+
+def _stage_name(stage: Optional[int]) -> str:
+    return "ZeRO stage 1 or 2" if stage is None else f"ZeRO stage {stage}"
+
+
+def zero_stage_mismatch(
+    checkpoint: str, saved: Optional[int], current: Any, prefix: str, setting: str
+) -> Optional[str]:
+    """The line for a DeepSpeed checkpoint resumed under a ZeRO stage that cannot load its files
+    (ZeRO-3 against stage 1 or 2: DeepSpeed itself stops with a bare ``AssertionError``); None
+    where the stages load each other's files (1 and 2) or ``current`` is not a stage number."""
+    if not isinstance(current, int) or (saved == 3) == (current == 3):
+        return None
+    return (
+        f"{prefix}{checkpoint} was saved under DeepSpeed {_stage_name(saved)}, whose files DeepSpeed ZeRO stage "
+        f"{current} cannot load: resume it with the stage that saved it (zero_optimization.stage in the {setting} "
+        "config)"
+    )
+
+
+def deepspeed_mismatch(
+    checkpoint: str, saved_under_ds: bool, prefix: str, setting: str, processes: int, stage: Optional[int] = None
+) -> str:
     """The line for a checkpoint saved with DeepSpeed resumed without it, or the other way round:
     DeepSpeed writes its own partitioned model and optimizer files (``deepspeed_<i>/``) instead
     of ``model_<i>.safetensors`` and ``optimizer_<i>``, and neither loader reads the other's.
-    ``processes``: the saved run's process count (DeepSpeed's files load on that count only)."""
+    ``processes``: the saved run's process count (DeepSpeed's files load on that count only);
+    ``stage``: the ZeRO stage that saved it (:func:`saved_zero_stage`)."""
     if saved_under_ds:
         return (
             f"{prefix}{checkpoint} was saved under DeepSpeed (its model and optimizer are DeepSpeed's files in "
-            f"deepspeed_0/, not model_0.safetensors): resume it with the {setting} settings that saved it, on "
-            f"{processes} process{'es' if processes > 1 else ''} (--num_processes {processes})"
+            f"deepspeed_0/, not model_0.safetensors): resume it with the {setting} settings that saved it "
+            f"({_stage_name(stage)}), on {processes} process{'es' if processes > 1 else ''} "
+            f"(--num_processes {processes})"
         )
     return (
         f"{prefix}{checkpoint} was saved without DeepSpeed (model_0.safetensors, no deepspeed_0/), which DeepSpeed "

@@ -48,6 +48,8 @@ from lowprec.checkpoint.serialization import (
     read_checked,
     save_object,
     save_optimizer,
+    saved_zero_stage,
+    zero_stage_mismatch,
     save_tensors,
     write_sharded,
 )
@@ -240,6 +242,8 @@ def _write_state(acc: Any, tmp: str, safe_serialization: bool) -> None:
             "optimizer_steps": acc.nonfinite.optimizer_steps,
             "safe_serialization": safe_serialization,
             "sharded": [i for i, sh in enumerate(sharded) if sh],  # reshardable onto another world size
+            # which stage wrote each deepspeed_<i>/ (ZeRO-3's files and stage 1/2's do not load each other)
+            "deepspeed_zero_stages": [m.zero_optimization_stage() if _is_ds(m) else None for m in acc._models],
         }
         with open(os.path.join(tmp, META), "w") as f:
             json.dump(meta, f, indent=1)
@@ -327,7 +331,7 @@ def load_state(acc: Any, input_dir: str) -> None:
             f"--num_processes {saved_procs}`), or load the weights alone with model.load_state_dict"
         )
     safe = meta.get("safe_serialization", True)
-    _load_models(acc, input_dir, sharded, saved_procs, reshard, safe)
+    _load_models(acc, input_dir, sharded, meta, reshard, safe)
     for i, m in enumerate(acc._models):  # the guard's moves: after the weights, before the next step
         where = os.path.join(input_dir, f"fp8_health_{i}.json")
         if os.path.isfile(where):
@@ -369,9 +373,10 @@ def checkpoint_meta(input_dir: str) -> dict:
     return read_checked(os.path.join(input_dir, META), _read_meta)
 
 
-def _load_models(acc: Any, input_dir: str, sharded: set, saved_procs: int, reshard: bool, safe: bool) -> None:
+def _load_models(acc: Any, input_dir: str, sharded: set, meta: dict, reshard: bool, safe: bool) -> None:
     """Each prepared model's weights (DeepSpeed's own files, FSDP2 shards or one full state) and
     its per-rank FP8 scaling buffers."""
+    saved_procs = meta.get("num_processes", acc.num_processes)
     to_load = acc._run_load_hooks(input_dir)  # a hook may read its files, or drop a model
     for i, m in enumerate(acc._models):
         inner = acc.unwrap_model(m)
@@ -380,9 +385,20 @@ def _load_models(acc: Any, input_dir: str, sharded: set, saved_procs: int, resha
         saved_under_ds = os.path.isdir(os.path.join(input_dir, f"deepspeed_{i}"))
         if saved_under_ds != _is_ds(m) and (saved_under_ds or os.path.isfile(_model_file(input_dir, i, safe))):
             raise CheckpointError(
-                deepspeed_mismatch(input_dir, saved_under_ds, "checkpoint ", "DeepSpeed", saved_procs)
+                deepspeed_mismatch(
+                    input_dir,
+                    saved_under_ds,
+                    "checkpoint ",
+                    "DeepSpeed",
+                    saved_procs,
+                    saved_zero_stage(input_dir, i, meta),
+                )
             )
         if _is_ds(m):
+            stage = saved_zero_stage(input_dir, i, meta)
+            wrong = zero_stage_mismatch(input_dir, stage, m.zero_optimization_stage(), "checkpoint ", "DeepSpeed")
+            if wrong is not None:
+                raise CheckpointError(wrong)
             check_deepspeed_dir(os.path.join(input_dir, f"deepspeed_{i}"))  # DeepSpeed itself unpickles freely
             m.load_checkpoint(os.path.join(input_dir, f"deepspeed_{i}"), tag="state")
         elif i in sharded:

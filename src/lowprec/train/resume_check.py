@@ -30,9 +30,11 @@ import os
 from typing import Any, Optional
 
 import torch
-from lowprec.checkpoint.serialization import deepspeed_mismatch, load_object
+from lowprec.checkpoint.serialization import deepspeed_mismatch, load_object, saved_zero_stage, zero_stage_mismatch
 from lowprec.checkpoint.state import checkpoint_meta
+from lowprec.config.json_file import read_json_object
 from lowprec.fp8.gemm.cpu import cpu_gemm_choice
+from lowprec.kwargs import DeepSpeedPlugin
 from lowprec.train.data import position_on
 
 __all__ = ["RULES", "settings_of", "saved_settings", "check_resume", "check_process_count", "apply_changes"]
@@ -236,10 +238,19 @@ def check_process_count(checkpoint: str, processes: int, cfg: Any) -> Optional[s
     changes (logged by the run), or a ValueError when the saved data position falls inside one
     of this run's batches (:func:`lowprec.train.data.position_on`). Called before any worker
     starts, so that the error is the CLI's one line."""
-    saved_procs = checkpoint_meta(checkpoint).get("num_processes", processes)
+    meta = checkpoint_meta(checkpoint)
+    saved_procs = meta.get("num_processes", processes)
     under_ds = any(name.startswith("deepspeed_") for name in os.listdir(checkpoint))
+    stage = saved_zero_stage(checkpoint, 0, meta) if under_ds else None
     if under_ds != (cfg.deepspeed is not None):
-        raise ValueError(deepspeed_mismatch(checkpoint, under_ds, "resume_from_checkpoint: ", "deepspeed", saved_procs))
+        raise ValueError(
+            deepspeed_mismatch(checkpoint, under_ds, "resume_from_checkpoint: ", "deepspeed", saved_procs, stage)
+        )
+    wrong = under_ds and zero_stage_mismatch(
+        checkpoint, stage, _zero_stage(cfg.deepspeed), "resume_from_checkpoint: ", "deepspeed"
+    )
+    if wrong:
+        raise ValueError(wrong)
     if saved_procs == processes:
         return None
     if under_ds:
@@ -272,3 +283,12 @@ def check_process_count(checkpoint: str, processes: int, cfg: Any) -> Optional[s
         f"an optimizer step takes {now} sequences (it took {before})"
         + ("" if now == before or keep is None else f": gradient_accumulation_steps {keep} keeps {before}")
     )
+
+
+def _zero_stage(deepspeed: Any) -> Any:
+    """The ZeRO stage a ``deepspeed:`` setting (a JSON file or a mapping) runs: its
+    ``zero_optimization.stage``, else the plugin's (``ACCELERATE_DEEPSPEED_ZERO_STAGE``, 2);
+    not a number ("auto"): left to DeepSpeed."""
+    body = read_json_object(deepspeed) if isinstance(deepspeed, str) else deepspeed
+    stage = (body.get("zero_optimization") or {}).get("stage")
+    return DeepSpeedPlugin(hf_ds_config={}).zero_stage if stage is None else stage
