@@ -201,8 +201,14 @@ def test_few_imports_inside_functions_each_with_its_reason():
 
 def test_the_accelerator_imports_without_torch_distributed_tensor():
     """What LAZY_ON_PURPOSE's tensor-parallel entry (and lowprec.utils.deepspeed's lowprec.optim
-    imports) keep: ``import lowprec.accelerator`` does not pay ~0.4 s for DTensor."""
-    code = "import sys, lowprec.accelerator; assert 'torch.distributed.tensor' not in sys.modules"
+    imports) keep: ``import lowprec.accelerator`` does not pay ~0.4 s for DTensor. Nor does the
+    YAML trainer pay ~0.6 s for torch.distributed.checkpoint (which loads DTensor) in every
+    process: only a sharded checkpoint builds DCP's classes (``checkpoint/sharded.py``)."""
+    code = (
+        "import sys, lowprec.accelerator; assert 'torch.distributed.tensor' not in sys.modules; "
+        "import lowprec.train.trainer; "
+        "assert not {'torch.distributed.checkpoint', 'torch.distributed.tensor'} & set(sys.modules), 'imported'"
+    )
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -40,9 +40,10 @@ on every process (DCP's per-rank exception bundle is unwrapped).
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -57,8 +58,8 @@ __all__ = [
     "save_sharded",
     "load_sharded",
     "load_into",
-    "SafeFileSystemReader",
-    "SafeLoadPlanner",
+    "SafeFileSystemReader",  # noqa: F822 - built on first access (module __getattr__)
+    "SafeLoadPlanner",  # noqa: F822
 ]
 
 SHARDED = "SHARDED_STATE_DICT"
@@ -95,7 +96,7 @@ def load_sharded(acc: Any, model: Any, directory: str) -> None:
 
     inner = acc.unwrap_model(model)
     if os.path.isfile(os.path.join(directory, ".metadata")):  # else load_into names what is missing
-        saved = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
+        saved = _safe_classes()[0](directory).read_metadata().state_dict_metadata
         shapes = {k[len("model.") :]: tuple(getattr(m, "size", ())) for k, m in saved.items() if k.startswith("model.")}
         check_amax_histories(shapes, inner, directory)
     opts = _optimizers_of(acc, model)
@@ -114,10 +115,11 @@ def load_into(state: dict, directory: str) -> dict:
 
     if not os.path.isfile(os.path.join(directory, ".metadata")):
         raise CheckpointError(f"checkpoint directory {directory} has no .metadata; the checkpoint is incomplete")
-    reader = SafeFileSystemReader(directory)
+    reader_class, planner_class = _safe_classes()
+    reader = reader_class(directory)
     reader.read_metadata()  # refused here, before DCP (which would log the error and try per-rank files)
     try:
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=planner_class())
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - another model's checkpoint: one line
@@ -190,29 +192,22 @@ class _MetadataUnpickler(pickle.Unpickler):
         return obj
 
 
-def _storage_reader_base() -> type:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return FileSystemReader
-
-
-def _planner_base() -> type:
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    return DefaultLoadPlanner
-
-
-class SafeFileSystemReader(_storage_reader_base()):  # type: ignore[misc]
-    """DCP's ``FileSystemReader`` with the metadata read by :class:`_MetadataUnpickler` (checked
-    once, then reused) and each data file's failures named with its path."""
+class _SafeReading:
+    """What :class:`SafeFileSystemReader` adds to DCP's ``FileSystemReader``: the metadata read by
+    :class:`_MetadataUnpickler` (checked once, then reused) and each data file's failures named
+    with its path."""
 
     _checked: Any = None
+    fs: Any
+    path: Any
+    storage_data: Any
+    load_id: Any
 
     def read_metadata(self, *args: Any, **kwargs: Any):
         from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
         if self._checked is None:
-            path = self._get_metadata_path(None)  # the global file only (no per-rank fallback)
+            path = cast(Any, self)._get_metadata_path(None)  # the global file only (no per-rank fallback)
             try:
                 with self.fs.create_stream(path, "rb") as f:
                     metadata = _MetadataUnpickler(f).load()
@@ -244,7 +239,7 @@ class SafeFileSystemReader(_storage_reader_base()):  # type: ignore[misc]
         for name, items in per_file.items():
             path = os.path.join(str(self.path), name)
             try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+                cast(Any, super()).read_data(dataclasses.replace(plan, items=items), planner).wait()
             except CheckpointError as exc:
                 raise CheckpointError(f"checkpoint file {path}: {exc}") from None
             except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, OSError) as exc:
@@ -265,9 +260,15 @@ def _check_storage(metadata: Any, path: str) -> None:
             raise CheckpointError(f"checkpoint file {path} points outside its directory ({name!r}); refused")
 
 
-class SafeLoadPlanner(_planner_base()):  # type: ignore[misc]
-    """DCP's ``DefaultLoadPlanner``, but byte items (non-tensor state: optimizer ``param_groups``
-    values) are read with ``torch.load(weights_only=True)``, not DCP's ``weights_only=False``."""
+class _SafeBytes:
+    """What :class:`SafeLoadPlanner` changes in DCP's ``DefaultLoadPlanner``: byte items (non-tensor
+    state: optimizer ``param_groups`` values) are read with ``torch.load(weights_only=True)``, not
+    DCP's ``weights_only=False``."""
+
+    flatten_state_dict: bool
+    original_state_dict: Any
+    mappings: Any
+    state_dict: Any
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         # DCP's own helper for the nested destination (the same call DefaultLoadPlanner makes)
@@ -282,3 +283,22 @@ class SafeLoadPlanner(_planner_base()):  # type: ignore[misc]
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
             self.state_dict[fqn] = obj
+
+
+@functools.cache
+def _safe_classes() -> tuple[type, type]:
+    """``(SafeFileSystemReader, SafeLoadPlanner)``: DCP's reader and planner with the safe parts
+    above, built at first use: importing DCP costs every process ~0.6 s (it loads DTensor), and
+    only a sharded checkpoint needs it."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+    reader = type("SafeFileSystemReader", (_SafeReading, FileSystemReader), {"__module__": __name__})
+    planner = type("SafeLoadPlanner", (_SafeBytes, DefaultLoadPlanner), {"__module__": __name__})
+    return reader, planner
+
+
+def __getattr__(name: str) -> Any:
+    """``SafeFileSystemReader`` / ``SafeLoadPlanner``, built on first access (:func:`_safe_classes`)."""
+    if name in ("SafeFileSystemReader", "SafeLoadPlanner"):
+        return _safe_classes()[name == "SafeLoadPlanner"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
