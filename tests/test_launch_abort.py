@@ -123,11 +123,15 @@ def test_launch_abort_before_work_finished_fails(tmp_path):
     assert "warning" not in lines[0]
 
 
-def _run_worker(tmp_path: Path, body: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+def _run_worker(
+    tmp_path: Path, body: str, *args: str, failed_peer: int | None = None
+) -> tuple[subprocess.CompletedProcess, Path]:
     script = tmp_path / "user_script.py"
     script.write_text(body)
     done = tmp_path / "done"
     done.mkdir()
+    if failed_peer is not None:
+        (done / f"failed_rank{failed_peer}").touch()
     p = subprocess.run(
         [sys.executable, "-m", "lowprec.cli._worker", str(script), *args],
         capture_output=True,
@@ -224,3 +228,48 @@ def test_a_misspelt_worker_exit_mode_is_refused_before_any_worker_starts(tmp_pat
         assert "LOWPREC_WORKER_EXIT='finalise': use fast (the default) or finalize" in capsys.readouterr().err
     monkeypatch.setenv("LOWPREC_WORKER_EXIT", "Finalize")
     assert main(["launch", "--dry_run", "--cpu", "--num_processes", "2", str(script)]) == 0
+
+
+PEER_LOST = (
+    "raise RuntimeError('[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1. This is "
+    "typically caused by a remote worker crashing. Check the logs of the remote worker before reporting an error.')\n"
+)
+
+
+def test_a_rank_that_lost_its_peer_prints_one_line_or_nothing(tmp_path):
+    """A rank whose collective fails because another rank died printed a 40-line traceback of its
+    wait (under the other rank's one-line user error). Now: one line naming what was lost; nothing
+    where a local peer's failed marker says its error is already printed. Every failure leaves
+    that marker, for its peers."""
+    p, _ = _run_worker(tmp_path, PEER_LOST)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("lowprec: rank 0 lost another process of this run, which failed or was stopped ")
+    assert p.stderr.count("\n") == 1 and "Connection closed by peer" in p.stderr, p.stderr
+    assert (tmp_path / "done" / "failed_rank0").is_file()
+    second = tmp_path / "second"
+    second.mkdir()
+    p, _ = _run_worker(second, PEER_LOST, failed_peer=1)  # local rank 1 failed first
+    assert p.returncode == 1 and p.stderr == "", p.stderr
+
+
+def test_a_user_error_on_one_rank_of_a_launch_is_its_one_line(tmp_path):
+    """Rank 0 stops with a user error (one line, exit 2) while rank 1 waits in a barrier: the run
+    prints that line and nothing else (no traceback of rank 1's wait, no torchrun log lines)."""
+    script = tmp_path / "fails_on_rank0.py"
+    script.write_text(
+        "import sys, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "if dist.get_rank() == 0:\n"
+        "    print('lowprec: error: data.jsonl, line 2: not valid JSON', file=sys.stderr)\n"
+        "    sys.exit(2)\n"
+        "dist.barrier()\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "lowprec.cli.main", "launch", "--cpu", "--num_processes", "2", str(script)],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        timeout=300,
+    )
+    assert p.returncode == 2, p.stderr[-4000:]
+    assert p.stderr.splitlines() == ["lowprec: error: data.jsonl, line 2: not valid JSON"], p.stderr[-4000:]

@@ -21,6 +21,7 @@ exits 0 (:func:`aborted_after_done`). An abort before a rank's marker fails the 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -114,6 +115,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.run import determine_local_world_size, parse_args, run
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # its "Sending process N closing signal SIGTERM" / "failed (exitcode: 2) local_rank: 0" log
+    # lines: the line this ends with says which rank failed first, how, and that the rest stopped
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     stop_dir = tempfile.mkdtemp(prefix="lowprec-run-")
     stop_file = os.environ[STOP_FILE_VAR] = os.path.join(stop_dir, "reason")  # the workers inherit it
     os.environ[DONE_DIR_VAR] = stop_dir  # the workers' "finished" markers (cli/_worker.py)

@@ -27,7 +27,8 @@ CPython does at finalization that scripts rely on, flushing unclosed files, is s
 (after every local rank has written its own, so one rank's abort cannot get the others stopped
 mid-work) and an abort after it is reported as a warning.
 
-A script that fails (an exception, a non-zero exit) writes no marker. Its traceback (or exit
+A script that fails (an exception, a non-zero exit) writes no done marker (a ``failed_rank<N>``
+one instead, read by its peers: :func:`_fail`). Its traceback (or exit
 message) is printed as Python prints it, the atexit handlers run, files are flushed, and the rank
 leaves with exit code 1 (or the script's code) without finalization too: the same gloo race at
 finalization would otherwise turn the failure into a SIGABRT, and the launcher would report
@@ -87,6 +88,15 @@ def _flush_open_files() -> None:
             stream.flush()
         except Exception:  # noqa: BLE001 - a closed stdio
             pass
+
+
+def _local_peer_failed(done_dir: str, local_rank: int) -> bool:
+    """Whether another local rank has already failed (its ``failed_rank<N>`` marker)."""
+    try:
+        names = os.listdir(done_dir)
+    except OSError:
+        return False
+    return any(n.startswith("failed_rank") and n != f"failed_rank{local_rank}" for n in names)
 
 
 def _write_marker(done_dir: str, local_rank: int) -> None:
@@ -164,15 +174,46 @@ def main(argv: list[str] | None = None) -> None:
     finish()
 
 
+# what torch's collectives raise on a rank whose peer process is gone (gloo, NCCL, the TCP store)
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exited",
+    "caused by a remote worker crashing",
+)
+
+
+def _peer_lost(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_LOST)
+
+
 def _fail(exc: BaseException) -> None:
     """Leave a failed rank as the interpreter would (traceback or exit message, atexit handlers,
-    flushed files, its exit code) but without finalization (module docstring)."""
+    flushed files, its exit code) but without finalization (module docstring).
+
+    A rank that fails first leaves a ``failed_rank<N>`` marker before anything else. A rank whose
+    collective then fails because that peer is gone prints no traceback of the wait (in a
+    barrier, say): nothing where a local peer's marker says the error is already printed (a user
+    error is then one line, as on one process), else one line naming what was lost."""
     import atexit
 
+    done_dir = os.environ.get(DONE_DIR_VAR)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    peers_failed = bool(done_dir) and _peer_lost(exc) and _local_peer_failed(str(done_dir), local_rank)
+    if done_dir and os.path.isdir(done_dir):
+        open(os.path.join(done_dir, f"failed_rank{local_rank}"), "w").close()
     if isinstance(exc, SystemExit):
         code = exc.code if isinstance(exc.code, int) else 1
         if not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
+    elif _peer_lost(exc):
+        code = 1
+        if not peers_failed:
+            print(
+                f"lowprec: rank {os.environ.get('RANK', local_rank)} lost another process of this run, which failed "
+                f"or was stopped ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})",
+                file=sys.stderr,
+            )
     else:
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         sys.excepthook(type(exc), exc, exc.__traceback__)
