@@ -252,14 +252,16 @@ def test_a_rank_that_lost_its_peer_prints_one_line_or_nothing(tmp_path):
     assert p.returncode == 1 and p.stderr == "", p.stderr
 
 
-def test_a_user_error_on_one_rank_of_a_launch_is_its_one_line(tmp_path):
-    """Rank 0 stops with a user error (one line, exit 2) while rank 1 waits in a barrier: the run
-    prints that line and nothing else (no traceback of rank 1's wait, no torchrun log lines)."""
-    script = tmp_path / "fails_on_rank0.py"
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_user_error_on_one_rank_of_a_launch_is_its_one_line(tmp_path, failing):
+    """One rank stops with a user error (one line, exit 2) while the other waits in a barrier: the
+    run prints that line and nothing else (no traceback of the other's wait, no torchrun log
+    lines) and exits 2, also where the waiting rank is the lower one (torchrun's tie-break)."""
+    script = tmp_path / "fails_on_one_rank.py"
     script.write_text(
         "import sys, torch.distributed as dist\n"
         "dist.init_process_group('gloo')\n"
-        "if dist.get_rank() == 0:\n"
+        f"if dist.get_rank() == {failing}:\n"
         "    print('lowprec: error: data.jsonl, line 2: not valid JSON', file=sys.stderr)\n"
         "    sys.exit(2)\n"
         "dist.barrier()\n"

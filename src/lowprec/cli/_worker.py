@@ -63,6 +63,7 @@ def exit_mode(environ: Mapping[str, str] | None = None) -> str:
 
 
 _WAIT_FOR_PEERS_S = 600.0
+_PEER_LOST_GRACE_S = 2.0
 
 
 def marker_path(done_dir: str, local_rank: int) -> str:
@@ -214,6 +215,9 @@ def _fail(exc: BaseException) -> None:
                 f"or was stopped ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})",
                 file=sys.stderr,
             )
+        # torchrun names the failure it sees first, ties (the same second) going to the lowest
+        # rank: give the rank that failed the time to be seen, so its exit code is the run's
+        time.sleep(_PEER_LOST_GRACE_S)
     else:
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         sys.excepthook(type(exc), exc, exc.__traceback__)
