@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lowprec.state.partial import PartialState
-from lowprec.utils.data_loader import DataLoaderShard, GradientState, _check_constructor
+from lowprec.utils.loader_shard import DataLoaderShard, GradientState, _check_constructor
 from lowprec.utils.operations import recursively_apply, send_to_device
 
 __all__ = ["DataLoaderDispatcher"]
