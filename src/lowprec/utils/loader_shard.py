@@ -34,7 +34,7 @@ from lowprec.utils.aliases import alias
 from lowprec.utils.operations import send_to_device
 from lowprec.utils.random import synchronize_rng_states
 from lowprec.state.gradient import GradientState
-from lowprec.utils.dataclasses import DataLoaderConfiguration
+from lowprec.utils.dataclasses import require_torchdata
 
 __all__ = ["GradientState", "DataLoaderStateMixin", "DataLoaderShard", "SkipDataLoader", "skip_first_batches"]
 
@@ -105,7 +105,7 @@ def _check_constructor(use_stateful_dataloader: bool, torch_device_mesh: Any) ->
             "(Accelerator(parallelism_config=ParallelismConfig(...)).prepare(dataloader)); build them without it"
         )
     if use_stateful_dataloader:
-        DataLoaderConfiguration(use_stateful_dataloader=True)  # the same check and log line as prepare()
+        require_torchdata("use_stateful_dataloader=True")  # the same check and log line as prepare()
 
 
 class DataLoaderShard(DataLoader, DataLoaderStateMixin):
