@@ -145,7 +145,22 @@ class DataLoaderDispatcher(DataLoaderShard):
             )
             return max(0, steps - self.skip_batches)
         n = len(self.base) if self.iterable else len(cast(Sized, self._batch_sampler())) - self.skip_batches
-        return n if self.split_batches or self.world_size == 1 else -(-n // self.world_size)
+        if self.split_batches or self.world_size == 1:
+            return n
+        return n // self.world_size if self._drop_last else -(-n // self.world_size)
+
+    @property
+    def total_batch_size(self) -> Optional[int]:
+        """Samples in one step over all processes: the loader's batch size, times the number of
+        processes unless ``split_batches`` (what Accelerate 1.15's dispatcher means; its own reads
+        the dataset's ``batch_size`` and raises); None for ``batch_size=None``."""
+        size = self.base.batch_size
+        return size if size is None or self.split_batches else size * self.world_size
+
+    @property
+    def total_dataset_length(self) -> int:
+        """Samples in the dataset (Accelerate's dispatcher: its ``len``)."""
+        return len(self.dataset)
 
     def _source(self, skip_steps: int) -> Iterator[Any]:
         """Process 0: the original loader's batches of this epoch (same shuffle as a shard)."""

@@ -2,11 +2,12 @@
 position (for ``save_state``/``load_state``) and the last batch (for gradient accumulation and
 ``gather_for_metrics``).
 
-Sharding follows Accelerate's ``BatchSamplerShard``: the original batch sampler's batches are
-dealt round-robin, process ``r`` gets batches ``r, r + W, r + 2W, ...``. With several processes
-the last step is padded from the start (a short last batch filled, missing batches added as whole
-batches) so every process runs the same number of steps; the padding is dropped again by
-``gather_for_metrics``. One process gets the original batches unchanged.
+Sharding follows Accelerate's ``BatchSamplerShard`` (:mod:`lowprec.utils.batch_shard`, also the
+prepared loader's ``batch_sampler``): the original batch sampler's batches are dealt round-robin,
+process ``r`` gets batches ``r, r + W, r + 2W, ...``. With several processes the last step is
+completed from the start of the epoch (``even_batches``) so every process runs the same number of
+steps, the padding dropped again by ``gather_for_metrics``, or, under the batch sampler's
+``drop_last``, dropped. One process gets the original batches unchanged.
 
 Shuffling (a ``RandomSampler``): with the user's ``DataLoader(generator=g)``, the order is the one
 PyTorch and Accelerate give: ``g`` as it stands when the epoch starts (process 0's state on every
@@ -31,6 +32,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from lowprec.logs import log_once
 from lowprec.utils.aliases import alias
+from lowprec.utils.batch_shard import BatchSamplerShard
 from lowprec.utils.operations import send_to_device
 from lowprec.utils.random import synchronize_rng_states
 from lowprec.state.gradient import GradientState
@@ -200,11 +202,12 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         if isinstance(dataloader, SkipDataLoader):
             self.skip_batches = dataloader.skip_batches
         self.base = dataloader
-        self.rank, self.world_size = rank, world_size
+        # who gets which batches (rank, world_size, split_batches, even_batches read and write it)
+        self._shard = BatchSamplerShard.bound(_batches_of(dataloader), world_size, rank, split_batches, even_batches)
         self.device = device
         self.seed = seed  # None: built by the public constructor, iterated as given
         self.gradient_state = gradient_state
-        self.split_batches, self.even_batches, self.non_blocking = split_batches, even_batches, non_blocking
+        self.non_blocking = non_blocking
         self.rng_types, self.synchronized_generator = None, None
         sampler = _random_sampler(dataloader)
         shuffled = sampler is not None and seed is not None
@@ -216,7 +219,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
                 "every process and after a resume), not with a seed drawn from the global RNG as Accelerate; "
                 "pass DataLoader(generator=torch.Generator().manual_seed(...)) for PyTorch's and Accelerate's order"
             )
-        self._drop_last = False
+        self._drop_last = bool(getattr(dataloader, "drop_last", False))  # a dispatcher's last short step
         self.epoch = 0
         self.batches_yielded = 0
         self._skip = 0
@@ -246,6 +249,48 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         return self.seed is None
 
     iteration = alias("epoch", "Accelerate's name for the epoch counter.")
+    rank = alias("_shard.process_index", "This process's place among the ``world_size`` the data is dealt to.")
+    world_size = alias("_shard.num_processes", "The processes the data is dealt to.")
+    split_batches = alias("_shard.split_batches", "Each batch cut into ``world_size`` slices.")
+    even_batches = alias("_shard.even_batches", "Complete the last step from the start (join_uneven_inputs sets it).")
+
+    @property
+    def _deals(self) -> bool:
+        """Whether this loader deals out its batch sampler's batches itself (``prepare()``'s, over a
+        map-style dataset, not dispatched): its ``BatchSamplerShard`` then stands for the sampler."""
+        return not (self.given or self.iterable or self.dispatches)
+
+    @property
+    def batch_sampler(self) -> Any:  # type: ignore[override]  # DataLoader's attribute; read-only, it follows the loader
+        """Accelerate's ``BatchSamplerShard`` where this loader deals out the batches (``batch_size``,
+        ``drop_last``, ``num_processes``, ``process_index``, ``split_batches``, and ``even_batches``,
+        which takes effect at the next iteration), else the wrapped loader's batch sampler."""
+        base = self.base
+        return self._shard if self._deals and base.batch_sampler is not None else base.batch_sampler
+
+    @property
+    def sampler(self) -> Any:  # type: ignore[override]  # DataLoader's attribute; read-only, it follows the loader
+        """The wrapped loader's sampler; its ``BatchSamplerShard`` where that sampler is a batch
+        sampler this loader deals out (``DataLoader(ds, sampler=BatchSampler(...), batch_size=None)``)."""
+        base = self.base
+        return self._shard if self._deals and base.batch_sampler is None else base.sampler
+
+    @property
+    def total_batch_size(self) -> Optional[int]:
+        """Samples in one step over all processes, as Accelerate counts them: the batch size, times
+        the number of processes unless ``split_batches``; None where batches have no set size
+        (``batch_size=None``, a batch sampler without ``batch_size``)."""
+        batches = self.sampler if isinstance(self.sampler, BatchSampler) else self.batch_sampler
+        size = getattr(batches, "batch_size", None)
+        if size is None or getattr(batches, "split_batches", False):
+            return size
+        return size * getattr(batches, "num_processes", 1)
+
+    @property
+    def total_dataset_length(self) -> int:
+        """Samples in the dataset over all processes (a sharded dataset's ``total_length``)."""
+        dataset = self.dataset
+        return dataset.total_length if hasattr(dataset, "total_length") else len(dataset)
 
     # ------------------------------------------------------------------ batches of this process
     def _epoch_seed(self) -> int:
@@ -306,47 +351,9 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
 
     def _local_batches(self) -> tuple[list[list[int]], int]:
         batches = self._global_batches()
-        if self.world_size == 1 or not batches:
+        if self.world_size == 1:
             return batches, -1  # one process: exactly the original batches (PyTorch's behaviour)
-        if self.split_batches:
-            # a short last batch is padded: gather_for_metrics keeps its real samples only
-            short = len(batches[-1]) < self._split_width(batches)
-            return self._split(batches), (len(batches[-1]) if short else -1)
-        if not self.even_batches:
-            return batches[self.rank :: self.world_size], -1
-        n, width = len(batches), len(batches[0])
-        steps = -(-n // self.world_size)
-        last_step = range((steps - 1) * self.world_size, n)
-        remainder = sum(len(batches[i]) for i in last_step)
-        padded = [list(b) for b in batches]
-        regular = all(len(b) == width for b in batches[:-1])
-        if regular and len(batches[-1]) < width:
-            # a plain BatchSampler's short last batch: fill it from the start (as Accelerate), so
-            # every process holds equal-sized batches for gather()
-            flat = [i for b in batches for i in b]
-            padded[-1] += [flat[k % len(flat)] for k in range(width - len(batches[-1]))]
-        # missing batches: whole batches cycled from the start, so a custom batch sampler's
-        # boundaries are kept
-        padded += [list(batches[k % n]) for k in range(steps * self.world_size - n)]
-        changed = len(padded) != n or len(padded[n - 1]) != len(batches[-1])
-        return padded[self.rank :: self.world_size], (remainder if changed else -1)
-
-    def _split_width(self, batches: list[list[int]]) -> int:
-        """The size a batch is padded to before it is cut: the loader's batch size (an epoch of one
-        short batch too), else the first batch's (a custom batch sampler)."""
-        return self.base.batch_size or len(batches[0])
-
-    def _split(self, batches: list[list[int]]) -> list[list[int]]:
-        """Slice ``rank`` of each batch; a short last batch is padded from the start first (as
-        Accelerate) so every slice has the same size."""
-        width = self._split_width(batches)
-        flat = [i for b in batches for i in b]
-        out = []
-        for b in batches:
-            b = b + [flat[k % len(flat)] for k in range(width - len(b))] if len(b) < width else b
-            k = len(b) // self.world_size
-            out.append(b[self.rank * k : (self.rank + 1) * k])
-        return out
+        return self._shard.plan(batches)
 
     def __len__(self) -> int:
         return max(0, self._epoch_len() - self._len_skip)
@@ -358,11 +365,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         if self.iterable:
             return len(self.base)
         n = max(0, len(cast(Sized, self._batch_sampler())) - self.skip_batches)
-        if self.split_batches or self.world_size == 1:
-            return n
-        if not self.even_batches:
-            return len(range(self.rank, n, self.world_size))
-        return -(-n // self.world_size)
+        return n if self.world_size == 1 else self._shard.length(n)
 
     def __getattr__(self, name: str) -> Any:
         # DataLoader attributes this object does not set (sampler, collate_fn, num_workers, ...)
