@@ -80,7 +80,8 @@ class DataLoaderConfiguration:
       padding is dropped again by ``gather_for_metrics``); ``False`` gives some processes one
       batch less.
     - ``use_seedable_sampler`` / ``data_seed``: shuffling always uses a generator seeded
-      identically on every process (``data_seed`` when given, else the torch seed).
+      identically on every process (``data_seed`` when given, else the torch seed) plus the
+      epoch; a DataLoader's own generator is followed instead unless ``use_seedable_sampler``.
     - ``dispatch_batches``: process 0 reads the dataloader and sends each process its batch
       (``DataLoaderDispatcher``); ``None``: only for an ``IterableDataset`` on several processes
       (as Accelerate), a map-style dataset is sharded.

@@ -90,6 +90,16 @@ def _batch_len(batch: Any) -> int:
     return found[0] if found else 1
 
 
+def check_slice_fn(slice_fn: Optional[Callable], split_batches: bool, name: str) -> None:
+    """``slice_fn`` cuts batches under ``split_batches`` only: lowprec dispatches whole batches
+    otherwise (Accelerate cuts the concatenated step with it)."""
+    if slice_fn is not None and not split_batches:
+        raise ValueError(
+            f"{name}: lowprec's dispatcher sends whole batches unless split_batches=True; "
+            f"pass split_batches=True to have each batch cut by {name}, or drop {name}"
+        )
+
+
 class DataLoaderDispatcher(DataLoaderShard):
     """A prepared dataloader whose batches are read on process 0 and dispatched."""
 
@@ -114,11 +124,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         ``_drop_last`` drops a last step without a batch for every process instead of filling it;
         ``slice_fn(batch, slice, process_index=, num_processes=)`` cuts a batch under ``split_batches``."""
         _check_constructor(use_stateful_dataloader, torch_device_mesh)
-        if slice_fn is not None and not split_batches:
-            raise ValueError(
-                "slice_fn: lowprec's dispatcher sends whole batches unless split_batches=True; "
-                "pass split_batches=True to have each batch cut by slice_fn, or drop slice_fn"
-            )
+        check_slice_fn(slice_fn, split_batches, "slice_fn")
         state = PartialState()
         self._setup(
             DataLoader(dataset, **kwargs),

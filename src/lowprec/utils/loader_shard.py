@@ -167,9 +167,11 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         split_batches: bool = False,
         even_batches: bool = True,
         non_blocking: bool = False,
+        seedable: bool = False,
     ) -> "DataLoaderShard":
         """What ``prepare()`` builds: ``dataloader`` sharded over ``world_size`` processes, shuffled
-        with ``seed + epoch`` on every process."""
+        with ``seed + epoch`` on every process (``seedable``: also where the sampler has a
+        generator of its own, as Accelerate's ``use_seedable_sampler``)."""
         self = cls.__new__(cls)
         self._setup(
             dataloader,
@@ -181,6 +183,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
             split_batches=split_batches,
             even_batches=even_batches,
             non_blocking=non_blocking,
+            seedable=seedable,
         )
         return self
 
@@ -196,6 +199,7 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         split_batches: bool = False,
         even_batches: bool = True,
         non_blocking: bool = False,
+        seedable: bool = False,
     ) -> None:
         # DataLoader.__init__ is not called: this object builds a fresh DataLoader per epoch
         self.skip_batches = 0
@@ -211,9 +215,10 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
         self.rng_types, self.synchronized_generator = None, None
         sampler = _random_sampler(dataloader)
         shuffled = sampler is not None and seed is not None
-        self.user_generator: Optional[torch.Generator] = cast(RandomSampler, sampler).generator if shuffled else None
+        own = cast(RandomSampler, sampler).generator if shuffled and not seedable else None
+        self.user_generator: Optional[torch.Generator] = own
         self._generator_state: Optional[torch.Tensor] = None  # user_generator at this epoch's start
-        if shuffled and self.user_generator is None:
+        if shuffled and self.user_generator is None and not seedable:
             log_once(
                 "lowprec: a prepared DataLoader without generator= shuffles with seed + epoch (the same order on "
                 "every process and after a resume), not with a seed drawn from the global RNG as Accelerate; "
@@ -240,7 +245,8 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
                 "prepare() can shard only a DataLoader with a batch size over a map-style dataset; "
                 "shard an IterableDataset inside the dataset (e.g. by torch.distributed.get_rank()) "
                 "and pass that DataLoader per process, or let process 0 read it and dispatch: "
-                "DataLoaderConfiguration(dispatch_batches=True)"
+                "DataLoaderConfiguration(dispatch_batches=True) (prepare_data_loader: dispatch_batches=True, "
+                "put_on_device=True)"
             )
 
     @property
@@ -328,11 +334,11 @@ class DataLoaderShard(DataLoader, DataLoaderStateMixin):
             self._replay_user_generator(self.user_generator)
             return [list(b) for b in self._batch_sampler()][self.skip_batches :]
         # every process draws the same permutation for this epoch; the user's sampler is left as it was
-        sampler.generator = torch.Generator().manual_seed(self._epoch_seed())
+        own, sampler.generator = sampler.generator, torch.Generator().manual_seed(self._epoch_seed())
         try:
             return [list(b) for b in self._batch_sampler()][self.skip_batches :]
         finally:
-            sampler.generator = None
+            sampler.generator = own
 
     def _replay_user_generator(self, g: torch.Generator) -> None:
         """The user's generator ``g`` as at the start of this epoch (recorded the first time, process 0's
