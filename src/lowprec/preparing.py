@@ -12,7 +12,6 @@ import functools
 from typing import Any, Optional, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -23,8 +22,7 @@ from lowprec.kwargs import (
     DistributedDataParallelKwargs,
 )
 from lowprec.state import DistributedType
-from lowprec.utils.data_loader import DataLoaderShard, skip_first_batches
-from lowprec.utils.dispatcher import DataLoaderDispatcher
+from lowprec.utils.data_loader import DataLoaderDispatcher, DataLoaderShard, data_seed_default, skip_first_batches
 from lowprec.utils.fp8_health import ModelHealth
 from lowprec.utils.deepspeed import DeepSpeedOptimizer, build_ds_config, deepspeed_initialize
 from lowprec.utils.distributed import wrap_ddp, wrap_fsdp2
@@ -269,10 +267,7 @@ class PrepareMixin(AcceleratorHost):
 
     def prepare_data_loader(self, data_loader: DataLoader, device_placement: Optional[bool] = None) -> DataLoaderShard:
         if self._data_seed is None:
-            seed = torch.tensor([torch.initial_seed() % (2**31)], dtype=torch.int64)
-            if self.use_distributed:
-                dist.broadcast(seed, src=0)
-            self._data_seed = int(seed)
+            self._data_seed = data_seed_default(broadcast=self.use_distributed)
         placement = self.device_placement if device_placement is None else device_placement
         cfg = self.dataloader_config
         rank, world = data_shard(self.parallelism_config, self.process_index, self.num_processes, self.device.type)
@@ -289,6 +284,7 @@ class PrepareMixin(AcceleratorHost):
             split_batches=cfg.split_batches,
             even_batches=cfg.even_batches,
             non_blocking=cfg.non_blocking,
+            seedable=cfg.use_seedable_sampler,
         )
         self._dataloaders.append(shard)
         return shard

@@ -1,11 +1,7 @@
 """Accelerate's ``test_utils/scripts/test_distributed_data_loop.py`` checks, in its ``main()``'s
 order, on lowprec (run by tests/test_accelerate_scripts.py on 2 processes, Accelerate's objects
-rebound to lowprec's). Left out, each for its reason:
+rebound to lowprec's). Left out, for its reason:
 
-- ``test_join_can_override_even_batches`` and ``test_join_can_override_for_mixed_type_dataloaders``
-  read ``dataloader.batch_sampler.even_batches``, an attribute of Accelerate's ``BatchSamplerShard``;
-  lowprec keeps ``even_batches`` on the prepared loader, and ``join_uneven_inputs(even_batches=)``
-  changes it there (tests/test_accelerate_surface.py).
 - ``test_stateful_dataloader`` / ``test_stateful_dataloader_save_state`` need torchdata's
   ``StatefulDataLoader`` (``use_stateful_dataloader=True``), which lowprec does not build: its own
   loaders save their position in ``save_state``.
@@ -24,6 +20,8 @@ def main() -> None:
     T.test_default_ensures_even_batch_sizes()
     T.test_can_disable_even_batches()
     T.test_can_join_uneven_inputs()
+    T.test_join_can_override_even_batches()
+    T.test_join_can_override_for_mixed_type_dataloaders()
     T.test_join_raises_warning_for_iterable_when_overriding_even_batches()
     with mock.patch.object(accelerator.state, "distributed_type", DistributedType.FSDP):
         T.test_join_raises_warning_for_non_ddp_distributed(accelerator)

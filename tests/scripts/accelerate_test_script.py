@@ -2,9 +2,10 @@
 (run by tests/test_accelerate_scripts.py, with Accelerate's objects rebound to lowprec's). Two of
 them are left out, each for a reason of lowprec's design, not a defect a script meets:
 
-- ``check_seedable_sampler_in_batch_sampler_shard`` calls Accelerate's own module-level
-  ``prepare_data_loader`` and reads ``batch_sampler.batch_sampler.sampler``, the internals of its
-  ``BatchSamplerShard``; lowprec shards by index lists instead.
+- ``check_seedable_sampler_in_batch_sampler_shard`` asserts that ``prepare_data_loader`` put
+  Accelerate's ``SeedableRandomSampler`` under ``batch_sampler.batch_sampler.sampler``; lowprec
+  keeps the user's ``RandomSampler`` there and shuffles it with ``data_seed + epoch`` (the same
+  order: tests/test_data_loader_parity.py).
 - ``main()`` keeps the first Accelerator's ``state`` across the checks that reset every state
   (``AcceleratorState._reset_state()``); lowprec's states are one per Accelerator, not shared, so a
   state read after a reset is refused with Accelerate's message. The checks after that point run

@@ -1,532 +1,164 @@
-"""A prepared DataLoader: shards batches across processes, moves them to the device, knows its
-position (for ``save_state``/``load_state``) and the last batch (for gradient accumulation and
-``gather_for_metrics``).
+"""Accelerate's ``accelerate.data_loader``: the prepared dataloaders and their helpers, and the
+module-level ``prepare_data_loader``.
 
-Sharding follows Accelerate's ``BatchSamplerShard``: the original batch sampler's batches are
-dealt round-robin, process ``r`` gets batches ``r, r + W, r + 2W, ...``. With several processes
-the last step is padded from the start (a short last batch filled, missing batches added as whole
-batches) so every process runs the same number of steps; the padding is dropped again by
-``gather_for_metrics``. One process gets the original batches unchanged.
+The classes live in their own modules: :class:`DataLoaderShard` (every process reads its share;
+:mod:`lowprec.utils.loader_shard`), :class:`DataLoaderDispatcher` (process 0 reads and sends;
+:mod:`lowprec.utils.dispatcher`), :class:`BatchSamplerShard` (which batches a process gets;
+:mod:`lowprec.utils.batch_shard`).
 
-Shuffling (a ``RandomSampler``): with the user's ``DataLoader(generator=g)``, the order is the one
-PyTorch and Accelerate give: ``g`` as it stands when the epoch starts (process 0's state on every
-process, as Accelerate's ``rng_types=["generator"]``), advanced as PyTorch's DataLoader advances
-it; its state at the start of the epoch is saved, so a resumed run replays the same order.
-Without a generator, Accelerate draws a fresh seed from the global RNG each epoch; lowprec uses
-``seed + epoch`` instead (the same on every process, and after a resume, without touching the
-global RNG that dropout reads), and says so once in the log.
-
-Accelerate's public constructor, ``DataLoaderShard(dataset, device=None, ..., **dataloader_kwargs)``,
-builds a DataLoader and iterates it as given (its batch sampler does any sharding, as in Accelerate).
+``prepare_data_loader`` builds what ``Accelerator.prepare`` builds for a dataloader, for the
+processes and the process it is told: ``num_processes=2, process_index=r`` on one process gives
+process ``r``'s batches of a 2-process job, Accelerate's for a map-style dataset. What differs
+from Accelerate, each refused with the fix or said here: shuffling without a generator uses
+``data_seed`` (default: the torch seed) ``+ epoch`` rather than a seed drawn from the global RNG
+(set the seed on every process, or pass ``data_seed``); an ``IterableDataset`` is not split on
+several processes but dispatched (``dispatch_batches=True``, which needs the job's process group);
+``slice_fn_for_dispatch`` cuts batches under ``split_batches`` only.
 """
 
 from __future__ import annotations
 
-import itertools
-from typing import Any, Iterable, Iterator, Optional, Sized, cast
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset
 
-from lowprec.logs import log_once
-from lowprec.utils.aliases import alias
-from lowprec.utils.operations import send_to_device
-from lowprec.utils.random import synchronize_rng_states
-from lowprec.state.gradient import GradientState
-from lowprec.utils.dataclasses import DataLoaderConfiguration
+from lowprec.state.partial import DistributedType, PartialState
+from lowprec.utils.batch_shard import BatchSamplerShard
+from lowprec.utils.dispatcher import DataLoaderDispatcher, check_slice_fn
+from lowprec.utils.loader_shard import (
+    DataLoaderShard,
+    DataLoaderStateMixin,
+    GradientState,
+    SkipDataLoader,
+    _check_constructor,
+    skip_first_batches,
+)
 
-__all__ = ["GradientState", "DataLoaderStateMixin", "DataLoaderShard", "SkipDataLoader", "skip_first_batches"]
-
-
-def _batches_of(loader: DataLoader) -> Optional[Iterable[list[int]]]:
-    """What yields ``loader``'s batches of indices: its batch sampler, or a ``BatchSampler`` given
-    as its ``sampler`` with ``batch_size=None`` (the dataset then fetches each list at once, as a
-    ``datasets.Dataset`` does); None for an unbatched loader."""
-    if loader.batch_sampler is not None:
-        return loader.batch_sampler
-    return loader.sampler if isinstance(loader.sampler, BatchSampler) else None
-
-
-def _random_sampler(loader: DataLoader) -> Optional[RandomSampler]:
-    """The ``RandomSampler`` that shuffles ``loader``: its sampler, or the sampler of a batch sampler
-    the user passed (``DataLoader(ds, batch_sampler=BatchSampler(RandomSampler(ds), ...))``), whose
-    draws must be the same on every process too (each drew its own permutation: samples repeated
-    across processes and others never seen, within an epoch); None when nothing shuffles."""
-    batches = _batches_of(loader)
-    for sampler in (loader.sampler, getattr(batches, "sampler", None)):
-        if isinstance(sampler, RandomSampler):
-            return sampler
-    return None
+__all__ = [
+    "GradientState",
+    "BatchSamplerShard",
+    "DataLoaderStateMixin",
+    "DataLoaderShard",
+    "DataLoaderDispatcher",
+    "SkipDataLoader",
+    "prepare_data_loader",
+    "skip_first_batches",
+]
 
 
-class SkipDataLoader(DataLoader):
-    """A plain DataLoader whose iterations start ``skip_batches`` batches in (what
-    ``skip_first_batches`` returns for a dataloader that was not prepared)."""
-
-    def __init__(self, dataset: Any, skip_batches: int = 0, **kwargs: Any) -> None:
-        super().__init__(dataset, **kwargs)
-        self.skip_batches = skip_batches
-
-    # a generator, not DataLoader's _BaseDataLoaderIter (as Accelerate's subclasses)
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        for i, batch in enumerate(super().__iter__()):
-            if i >= self.skip_batches:
-                yield batch
-
-    def __len__(self) -> int:
-        return max(0, super().__len__() - self.skip_batches)
-
-    @property
-    def base_dataloader(self) -> DataLoader:
-        """Itself: a DataLoader subclass, not a wrapper (Accelerate's attribute name)."""
-        return self
+def data_seed_default(broadcast: bool = False) -> int:
+    """The shuffling seed when none is given: the torch seed (``torch.manual_seed`` / ``set_seed``),
+    below 2**31; ``broadcast``: process 0's on every process (a collective: every process calls it)."""
+    seed = torch.tensor([torch.initial_seed() % (2**31)], dtype=torch.int64)
+    if broadcast:
+        dist.broadcast(seed, src=0)
+    return int(seed)
 
 
-class DataLoaderStateMixin:
-    """Where the current iteration of one dataloader is (Accelerate's mixin, for ``isinstance``):
-    ``end_of_dataloader`` is True while its last batch is out, ``remainder`` the real samples of a
-    padded last global batch (-1: nothing padded). ``GradientState`` holds the same for the
-    innermost active loader."""
+def _mesh_shard(mesh: Any, rank: int, world: int, deepspeed: bool) -> tuple[int, int]:
+    """(rank, world size) the data is dealt over on ``mesh`` (Accelerate's reading of it):
+    processes that differ only in their tensor- or context-parallel coordinate share batches."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
 
-    end_of_dataloader: bool = False
-    remainder: int = -1
+    def size(name: str) -> int:
+        return int(mesh[name].size()) if name in names else 1
 
-    def reset(self) -> None:
-        self.end_of_dataloader = False
-        self.remainder = -1
+    if deepspeed:
+        return rank // size("tp"), world // size("tp")
+    return rank // (size("tp") * size("cp")), size("dp_replicate") * size("dp_shard")
 
 
-def _check_constructor(use_stateful_dataloader: bool, torch_device_mesh: Any) -> None:
-    """Accelerate constructor arguments lowprec's loaders do not take another way."""
-    if torch_device_mesh is not None:
+def prepare_data_loader(
+    dataloader: DataLoader,
+    device: Optional[torch.device] = None,
+    num_processes: Optional[int] = None,
+    process_index: Optional[int] = None,
+    split_batches: bool = False,
+    put_on_device: bool = False,
+    rng_types: Optional[list] = None,
+    dispatch_batches: Optional[bool] = None,
+    even_batches: bool = True,
+    slice_fn_for_dispatch: Optional[Callable] = None,
+    use_seedable_sampler: bool = False,
+    data_seed: Optional[int] = None,
+    non_blocking: bool = False,
+    use_stateful_dataloader: bool = False,
+    torch_device_mesh: Any = None,
+) -> DataLoader:
+    """``dataloader`` for process ``process_index`` of ``num_processes`` (default: this job's,
+    ``PartialState``), its batches moved to ``device`` when ``put_on_device``; Accelerate's
+    arguments and meaning (see the module docstring for the few differences).
+
+    - ``split_batches``: each batch cut into ``num_processes`` slices (its size must divide);
+      otherwise whole batches are dealt out. ``even_batches``: a last step short of batches is
+      completed from the start of the epoch (the DataLoader's ``drop_last`` drops it instead).
+    - ``dispatch_batches`` (default: for an ``IterableDataset`` when ``put_on_device``): process 0
+      reads and sends each process its batch; needs ``put_on_device`` and, on several processes,
+      the job's process group. ``slice_fn_for_dispatch(batch, slice, process_index=,
+      num_processes=)`` cuts a dispatched batch (with ``split_batches``).
+    - ``use_seedable_sampler``: shuffle with ``data_seed + epoch`` even where the sampler has a
+      generator of its own; ``rng_types``: random states copied from process 0 at every epoch.
+    - ``torch_device_mesh``: processes that differ only along ``tp`` / ``cp`` get the same batches.
+    """
+    _check_constructor(use_stateful_dataloader, None)
+    if dispatch_batches is None:
+        dispatch_batches = put_on_device and isinstance(dataloader.dataset, IterableDataset)
+    if dispatch_batches and not put_on_device:
         raise ValueError(
-            "torch_device_mesh: lowprec's dataloaders take the data-parallel shard from the Accelerator "
-            "(Accelerator(parallelism_config=ParallelismConfig(...)).prepare(dataloader)); build them without it"
+            "prepare_data_loader(dispatch_batches=True) needs put_on_device=True (as in Accelerate): dispatched "
+            "batches arrive on the device; pass put_on_device=True, or dispatch_batches=False"
         )
-    if use_stateful_dataloader:
-        DataLoaderConfiguration(use_stateful_dataloader=True)  # the same check and log line as prepare()
-
-
-class DataLoaderShard(DataLoader, DataLoaderStateMixin):
-    """A ``DataLoader`` (for ``isinstance`` checks) that iterates this process's share of the
-    wrapped one; other DataLoader attributes are the wrapped loader's. With ``split_batches``
-    each batch is cut into ``world_size`` equal slices instead of dealt whole; with
-    ``even_batches=False`` nothing is padded (processes may run a different number of steps).
-
-    Two ways to build one: ``prepare()`` wraps a user's DataLoader (:meth:`wrap`: lowprec shards,
-    shuffles and pads it); Accelerate's public constructor, ``DataLoaderShard(dataset, device=None,
-    ..., **dataloader_kwargs)``, builds a DataLoader from ``dataset`` and the keyword arguments and
-    iterates it as given (any sharding is its batch sampler's, as in Accelerate), adding device
-    placement, ``skip_batches``, ``set_epoch`` and the end-of-dataloader state."""
-
-    dispatches = False  # DataLoaderDispatcher (utils/dispatcher.py): process 0 reads, the others receive
-    _skipped_from: Optional["DataLoaderShard"] = None  # set on what skip_first_batches returns
-    _len_skip = 0  # batches len() leaves out: those a skip_first_batches copy skips this epoch
-
-    def __init__(
-        self,
-        dataset: Any,
-        device: Optional[torch.device] = None,
-        rng_types: Optional[list] = None,
-        synchronized_generator: Optional[torch.Generator] = None,
-        skip_batches: int = 0,
-        use_stateful_dataloader: bool = False,
-        _drop_last: bool = False,
-        _non_blocking: bool = False,
-        torch_device_mesh: Any = None,
-        iteration: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        _check_constructor(use_stateful_dataloader, torch_device_mesh)
-        self._setup(
-            DataLoader(dataset, **kwargs),
-            rank=0,
-            world_size=1,
-            device=device,
-            seed=None,
-            gradient_state=GradientState(),
-            non_blocking=_non_blocking,
-        )
-        self.skip_batches = skip_batches
-        self.rng_types, self.synchronized_generator = rng_types, synchronized_generator
-        self.epoch = iteration
-
-    @classmethod
-    def wrap(
-        cls,
-        dataloader: DataLoader,
-        *,
-        rank: int,
-        world_size: int,
-        device: Optional[torch.device],
-        seed: int,
-        gradient_state: GradientState,
-        split_batches: bool = False,
-        even_batches: bool = True,
-        non_blocking: bool = False,
-    ) -> "DataLoaderShard":
-        """What ``prepare()`` builds: ``dataloader`` sharded over ``world_size`` processes, shuffled
-        with ``seed + epoch`` on every process."""
-        self = cls.__new__(cls)
-        self._setup(
-            dataloader,
-            rank=rank,
-            world_size=world_size,
-            device=device,
-            seed=seed,
-            gradient_state=gradient_state,
-            split_batches=split_batches,
-            even_batches=even_batches,
-            non_blocking=non_blocking,
-        )
-        return self
-
-    def _setup(
-        self,
-        dataloader: DataLoader,
-        *,
-        rank: int,
-        world_size: int,
-        device: Optional[torch.device],
-        seed: Optional[int],
-        gradient_state: GradientState,
-        split_batches: bool = False,
-        even_batches: bool = True,
-        non_blocking: bool = False,
-    ) -> None:
-        # DataLoader.__init__ is not called: this object builds a fresh DataLoader per epoch
-        self.skip_batches = 0
-        if isinstance(dataloader, SkipDataLoader):
-            self.skip_batches = dataloader.skip_batches
-        self.base = dataloader
-        self.rank, self.world_size = rank, world_size
-        self.device = device
-        self.seed = seed  # None: built by the public constructor, iterated as given
-        self.gradient_state = gradient_state
-        self.split_batches, self.even_batches, self.non_blocking = split_batches, even_batches, non_blocking
-        self.rng_types, self.synchronized_generator = None, None
-        sampler = _random_sampler(dataloader)
-        shuffled = sampler is not None and seed is not None
-        self.user_generator: Optional[torch.Generator] = cast(RandomSampler, sampler).generator if shuffled else None
-        self._generator_state: Optional[torch.Tensor] = None  # user_generator at this epoch's start
-        if shuffled and self.user_generator is None:
-            log_once(
-                "lowprec: a prepared DataLoader without generator= shuffles with seed + epoch (the same order on "
-                "every process and after a resume), not with a seed drawn from the global RNG as Accelerate; "
-                "pass DataLoader(generator=torch.Generator().manual_seed(...)) for PyTorch's and Accelerate's order"
-            )
-        self._drop_last = False
-        self.epoch = 0
-        self.batches_yielded = 0
-        self._skip = 0
-        if (
-            split_batches
-            and world_size > 1
-            and dataloader.batch_size is not None
-            and dataloader.batch_size % world_size
-        ):
-            raise ValueError(
-                f"split_batches=True splits each batch across {world_size} processes, but batch_size="
-                f"{dataloader.batch_size} does not divide by {world_size}; use a multiple of {world_size}"
-            )
-        # an IterableDataset, or batch_size=None (no batching), is passed through unsharded
-        self.iterable = isinstance(dataloader.dataset, IterableDataset) or _batches_of(dataloader) is None
-        if self.iterable and world_size > 1 and not self.dispatches:
-            raise ValueError(
-                "prepare() can shard only a DataLoader with a batch size over a map-style dataset; "
-                "shard an IterableDataset inside the dataset (e.g. by torch.distributed.get_rank()) "
-                "and pass that DataLoader per process, or let process 0 read it and dispatch: "
-                "DataLoaderConfiguration(dispatch_batches=True)"
-            )
-
-    @property
-    def given(self) -> bool:
-        """Built by the public constructor: its DataLoader is iterated as given, not resharded."""
-        return self.seed is None
-
-    iteration = alias("epoch", "Accelerate's name for the epoch counter.")
-
-    # ------------------------------------------------------------------ batches of this process
-    def _epoch_seed(self) -> int:
-        """``seed + epoch``; only on the resharding path, where ``seed`` is set (not :attr:`given`)."""
-        return cast(int, self.seed) + self.epoch
-
-    def _batch_sampler(self) -> Iterable[list[int]]:
-        """The base loader's batch sampler; set whenever batches are resharded (not :attr:`iterable`)."""
-        return cast("Iterable[list[int]]", _batches_of(self.base))
-
-    def _epoch_loader(self, batches: list[list[int]]) -> DataLoader:
-        """A DataLoader over ``batches`` (lists of indices) as the base loader fetches them: through
-        its collate_fn, or, for a ``BatchSampler`` given as the sampler, one dataset read per list.
-        Its own generator: starting an epoch must not draw from the global RNG, or a run resumed
-        mid-epoch would see a shifted dropout/noise stream."""
-        base = self.base
-        how: dict[str, Any] = (
-            {"batch_sampler": batches} if base.batch_sampler is not None else {"sampler": batches, "batch_size": None}
-        )
-        return DataLoader(
-            base.dataset,
-            **how,
-            collate_fn=base.collate_fn,
-            num_workers=base.num_workers,
-            pin_memory=base.pin_memory,
-            worker_init_fn=base.worker_init_fn,
-            generator=torch.Generator().manual_seed(self._epoch_seed()),
-        )
-
-    def _global_batches(self) -> list[list[int]]:
-        sampler = _random_sampler(self.base)
-        if sampler is None:
-            return [list(b) for b in self._batch_sampler()][self.skip_batches :]
-        if self.user_generator is not None:
-            self._replay_user_generator(self.user_generator)
-            return [list(b) for b in self._batch_sampler()][self.skip_batches :]
-        # every process draws the same permutation for this epoch; the user's sampler is left as it was
-        sampler.generator = torch.Generator().manual_seed(self._epoch_seed())
-        try:
-            return [list(b) for b in self._batch_sampler()][self.skip_batches :]
-        finally:
-            sampler.generator = None
-
-    def _replay_user_generator(self, g: torch.Generator) -> None:
-        """The user's generator ``g`` as at the start of this epoch (recorded the first time, process 0's
-        under several processes), then PyTorch's first draw: a DataLoader iterator takes its workers'
-        base seed from the generator before the sampler's permutation."""
-        if self._generator_state is None:
-            state = g.get_state()
-            if self.world_size > 1 and not self.dispatches and dist.is_available() and dist.is_initialized():
-                box = [state]
-                dist.broadcast_object_list(box, src=0)
-                state = box[0]
-            self._generator_state = state
-        g.set_state(self._generator_state)
-        if g is self.base.generator:  # the loader's own: its iterator draws first (a sampler's own: not)
-            torch.empty((), dtype=torch.int64).random_(generator=g)
-
-    def _local_batches(self) -> tuple[list[list[int]], int]:
-        batches = self._global_batches()
-        if self.world_size == 1 or not batches:
-            return batches, -1  # one process: exactly the original batches (PyTorch's behaviour)
-        if self.split_batches:
-            # a short last batch is padded: gather_for_metrics keeps its real samples only
-            short = len(batches[-1]) < self._split_width(batches)
-            return self._split(batches), (len(batches[-1]) if short else -1)
-        if not self.even_batches:
-            return batches[self.rank :: self.world_size], -1
-        n, width = len(batches), len(batches[0])
-        steps = -(-n // self.world_size)
-        last_step = range((steps - 1) * self.world_size, n)
-        remainder = sum(len(batches[i]) for i in last_step)
-        padded = [list(b) for b in batches]
-        regular = all(len(b) == width for b in batches[:-1])
-        if regular and len(batches[-1]) < width:
-            # a plain BatchSampler's short last batch: fill it from the start (as Accelerate), so
-            # every process holds equal-sized batches for gather()
-            flat = [i for b in batches for i in b]
-            padded[-1] += [flat[k % len(flat)] for k in range(width - len(batches[-1]))]
-        # missing batches: whole batches cycled from the start, so a custom batch sampler's
-        # boundaries are kept
-        padded += [list(batches[k % n]) for k in range(steps * self.world_size - n)]
-        changed = len(padded) != n or len(padded[n - 1]) != len(batches[-1])
-        return padded[self.rank :: self.world_size], (remainder if changed else -1)
-
-    def _split_width(self, batches: list[list[int]]) -> int:
-        """The size a batch is padded to before it is cut: the loader's batch size (an epoch of one
-        short batch too), else the first batch's (a custom batch sampler)."""
-        return self.base.batch_size or len(batches[0])
-
-    def _split(self, batches: list[list[int]]) -> list[list[int]]:
-        """Slice ``rank`` of each batch; a short last batch is padded from the start first (as
-        Accelerate) so every slice has the same size."""
-        width = self._split_width(batches)
-        flat = [i for b in batches for i in b]
-        out = []
-        for b in batches:
-            b = b + [flat[k % len(flat)] for k in range(width - len(b))] if len(b) < width else b
-            k = len(b) // self.world_size
-            out.append(b[self.rank * k : (self.rank + 1) * k])
-        return out
-
-    def __len__(self) -> int:
-        return max(0, self._epoch_len() - self._len_skip)
-
-    def _epoch_len(self) -> int:
-        """Batches in a whole epoch of this process (``skip_batches`` left out)."""
-        if self.given:
-            return max(0, len(self.base) - self.skip_batches)
-        if self.iterable:
-            return len(self.base)
-        n = max(0, len(cast(Sized, self._batch_sampler())) - self.skip_batches)
-        if self.split_batches or self.world_size == 1:
-            return n
-        if not self.even_batches:
-            return len(range(self.rank, n, self.world_size))
-        return -(-n // self.world_size)
-
-    def __getattr__(self, name: str) -> Any:
-        # DataLoader attributes this object does not set (sampler, collate_fn, num_workers, ...)
-        # (not a property: on the class itself ``base_dataloader`` is an AttributeError, as in Accelerate)
-        base = self.__dict__.get("base")
-        if base is None or name.startswith("__"):
-            raise AttributeError(name)
-        return base if name == "base_dataloader" else getattr(base, name)
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.pop("gradient_state", None)  # process-wide; re-attached on load
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.gradient_state = GradientState()
-
-    # a generator, not DataLoader's _BaseDataLoaderIter (as Accelerate's DataLoaderShard)
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        gs = self.gradient_state
-        if self.rng_types:
-            synchronize_rng_states(self.rng_types, self.synchronized_generator)
-        self.set_epoch(self.epoch)  # a custom sampler / dataset with set_epoch reshuffles per epoch
-        gs.active.append(self)
-        gs.end_of_dataloader = False
-        self.reset()
-        try:
-            skip = self._take_skip()
-            source: Iterator[Any]
-            count: Optional[int]
-            if self.iterable or self.given:
-                source = itertools.islice(iter(self.base), skip + (self.skip_batches if self.given else 0), None)
-                count, remainder = None, -1
-            else:
-                mine, remainder = self._local_batches()
-                source, count = iter(self._epoch_loader(mine[skip:])), len(mine)
-            self.batches_yielded = skip
-            for batch, last in _with_last(source, count, skip):
-                self.batches_yielded += 1
-                self.end_of_dataloader = gs.end_of_dataloader = last
-                self.remainder = gs.remainder = remainder if last else -1
-                yield send_to_device(batch, self.device, self.non_blocking) if self.device is not None else batch
-            self._end_epoch()
-        finally:
-            if self in gs.active:  # a new Accelerator may have reset the loop state meanwhile
-                gs.active.remove(self)
-            gs.end_of_dataloader = False if not gs.active else gs.end_of_dataloader
-
-    def _take_skip(self) -> int:
-        """The batches this iteration skips (a position load_state restored, or skip_first_batches'),
-        used once; a skip_first_batches copy's len() leaves them out until this epoch ends."""
-        skip, self._skip = self._skip, 0
-        self._len_skip = skip if self._skipped_from is not None else 0
-        return skip
-
-    def _end_epoch(self) -> None:
-        self.epoch += 1
-        self.batches_yielded = 0
-        self._generator_state = None
-        self._len_skip = 0
-        origin = self._skipped_from
-        if origin is not None and origin.epoch < self.epoch:
-            # the copy ran the loader's epoch: the loader goes on with the next one (the next
-            # shuffle), not this one's order again
-            origin.epoch, origin._generator_state = self.epoch, None
-
-    def skipping(self, num_batches: int) -> "DataLoaderShard":
-        """What ``skip_first_batches`` returns: a new loader over the same data, sampler, seed,
-        epoch, device placement and gradient state whose first iteration starts ``num_batches``
-        in (its ``len()`` the batches left) and whose later ones are whole (Accelerate's copy
-        skips every epoch). This loader is left as it is: iterated again, it yields whole epochs,
-        the next one once the copy has finished one; a position ``load_state`` restored here passes
-        to the copy, which the caller resumes through. While the copy is iterated, ``save_state``
-        records its position for this loader."""
-        twin = type(self).__new__(type(self))
-        twin.__dict__.update(self.__dict__)  # not copy.copy: __getstate__ drops the gradient state
-        twin._skip = twin._len_skip = num_batches
-        twin._skipped_from = self
-        self._skip = 0
-        return twin
-
-    def set_epoch(self, epoch: int) -> None:
-        """The epoch, passed on (as Accelerate) to a batch sampler, its sampler, or else the dataset
-        that has ``set_epoch`` (a custom or distributed sampler, an HF dataset)."""
-        self.epoch = epoch
-        batch_sampler = _batches_of(self.base)
-        samplers: list[Any] = [
-            t
-            for t in (
-                batch_sampler,
-                getattr(batch_sampler, "sampler", None),
-                getattr(getattr(batch_sampler, "batch_sampler", None), "sampler", None),
-            )
-            if hasattr(t, "set_epoch")
-        ]
-        dataset = self.base.dataset
-        for t in samplers or ([dataset] if hasattr(dataset, "set_epoch") else []):
-            t.set_epoch(epoch)
-
-    # ------------------------------------------------------------------ checkpointing
-    def state_dict(self) -> dict:
-        live = next((d for d in self.gradient_state.active if d._skipped_from is self), None)
-        if live is not None:  # mid-epoch through a skip_first_batches copy: where the copy is
-            return live.state_dict()
-        state: dict[str, Any] = {"epoch": self.epoch, "batches_yielded": self.batches_yielded, "seed": self.seed}
-        generator_state = self._generator_state  # mid-epoch: the user's generator at this epoch's start
-        if generator_state is None and getattr(self, "user_generator", None) is not None:
-            # between epochs: the state the next epoch starts from (else a resumed run would
-            # replay the freshly seeded generator's first epoch)
-            generator_state = cast(torch.Generator, self.user_generator).get_state()
-        if generator_state is not None:  # a list of bytes: save_state writes this dict as JSON
-            state["generator_state"] = generator_state.tolist()
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """The next iteration resumes where the saved one was (same epoch, same shuffle)."""
-        self.epoch = int(state["epoch"])
-        self.seed = None if state["seed"] is None else int(state["seed"])
-        if hasattr(self, "user_generator"):
-            saved = state.get("generator_state")
-            self._generator_state = None if saved is None else torch.as_tensor(saved, dtype=torch.uint8)
-        self._skip = int(state["batches_yielded"])
-        self.batches_yielded = self._skip
-
-    @property
-    def dataset(self):
-        return self.base.dataset
-
-    @property
-    def batch_size(self):
-        return self.base.batch_size
-
-
-def _with_last(source: Iterator[Any], count: Optional[int], start: int) -> Iterator[tuple[Any, bool]]:
-    """(batch, is it the last) for each batch; without a known ``count``, by reading one ahead."""
-    if count is not None:
-        for i, batch in enumerate(source, start + 1):
-            yield batch, i == count
-        return
-    sentinel = object()
-    current = next(source, sentinel)
-    while current is not sentinel:
-        following = next(source, sentinel)
-        yield current, following is sentinel
-        current = following
-
-
-def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
-    """A prepared dataloader: a new one whose first iteration starts ``num_batches`` in (resume
-    mid-epoch; :meth:`DataLoaderShard.skipping`), the given one unchanged. A plain DataLoader: a
-    ``SkipDataLoader`` over the same data whose every iteration skips them (prepare it as usual)."""
-    if isinstance(dataloader, DataLoaderShard):
-        return dataloader.skipping(int(num_batches))
-    if not isinstance(dataloader, DataLoader):
-        raise TypeError(f"skip_first_batches takes a DataLoader, got {type(dataloader).__name__}")
-    if dataloader.batch_sampler is None or isinstance(dataloader.dataset, IterableDataset):
-        raise TypeError("skip_first_batches on an unprepared DataLoader needs a map-style dataset with batches")
-    return SkipDataLoader(
-        dataloader.dataset,
-        skip_batches=int(num_batches),
-        batch_sampler=dataloader.batch_sampler,
-        collate_fn=dataloader.collate_fn,
-        num_workers=dataloader.num_workers,
-        pin_memory=dataloader.pin_memory,
-        worker_init_fn=dataloader.worker_init_fn,
+    if num_processes is None or process_index is None or torch_device_mesh is not None:
+        state = PartialState()
+        num_processes = state.num_processes if num_processes is None else num_processes
+        process_index = state.process_index if process_index is None else process_index
+        if torch_device_mesh is not None:
+            if dispatch_batches:
+                raise ValueError(
+                    "prepare_data_loader(torch_device_mesh=..., dispatch_batches=True): lowprec's dispatcher "
+                    "sends every process its own batch; pass dispatch_batches=False (tensor-parallel ranks "
+                    "then read the same batches), or leave torch_device_mesh out"
+                )
+            deepspeed = state.distributed_type == DistributedType.DEEPSPEED
+            process_index, num_processes = _mesh_shard(torch_device_mesh, process_index, num_processes, deepspeed)
+    if dispatch_batches and num_processes > 1:
+        _check_dispatch_group(num_processes, process_index)
+        check_slice_fn(slice_fn_for_dispatch, split_batches, "slice_fn_for_dispatch")
+    loader = (DataLoaderDispatcher if dispatch_batches else DataLoaderShard).wrap(
+        dataloader,
+        rank=process_index,
+        world_size=num_processes,
+        device=device if put_on_device else None,
+        seed=data_seed_default() if data_seed is None else data_seed,
+        gradient_state=GradientState(),
+        split_batches=split_batches,
+        even_batches=even_batches,
+        non_blocking=non_blocking,
+        seedable=use_seedable_sampler,
     )
+    # the sampler's generator is replayed from process 0's state by the loader itself
+    loader.rng_types = [t for t in rng_types or [] if getattr(t, "value", t) != "generator"] or None
+    if dispatch_batches:
+        loader.slice_fn = slice_fn_for_dispatch
+    return loader
+
+
+def _check_dispatch_group(num_processes: int, process_index: int) -> None:
+    """Dispatching sends each batch from process 0 over the job's process group: one must exist,
+    of ``num_processes`` processes, this one being ``process_index``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"prepare_data_loader(dispatch_batches=True, num_processes={num_processes}): process 0 sends every "
+            "batch over the process group, and there is none (torch.distributed is not initialized); run under "
+            "lowprec launch / torchrun (or init_process_group first), or pass dispatch_batches=False to have "
+            "each process read its own batches by process_index"
+        )
+    if (num_processes, process_index) != (dist.get_world_size(), dist.get_rank()):
+        raise ValueError(
+            f"prepare_data_loader(dispatch_batches=True, num_processes={num_processes}, process_index="
+            f"{process_index}): dispatching goes over the process group, which has {dist.get_world_size()} "
+            f"processes, this one {dist.get_rank()}; leave num_processes / process_index out, or pass "
+            "dispatch_batches=False"
+        )

@@ -55,6 +55,21 @@ class LoggerType(str, Enum):
         return self.value
 
 
+def require_torchdata(where: str) -> None:
+    """``use_stateful_dataloader=True`` (``where`` names the call): one ImportError naming the fix
+    where torchdata is missing (as Accelerate, which builds a torchdata ``StatefulDataLoader``),
+    else a log line: lowprec's prepared dataloaders keep their position themselves."""
+    if not is_torchdata_stateful_dataloader_available():
+        raise ImportError(
+            f"{where} needs torchdata>=0.8, which is not installed: pip install torchdata, or leave "
+            "use_stateful_dataloader False (lowprec's prepared dataloaders resume mid-epoch without it)"
+        )
+    log_once(
+        "lowprec: use_stateful_dataloader=True: prepared dataloaders save and restore their "
+        "position themselves (state_dict/load_state_dict); they are not torchdata StatefulDataLoaders"
+    )
+
+
 @dataclass
 class DataLoaderConfiguration:
     """How ``prepare`` shards dataloaders.
@@ -65,7 +80,8 @@ class DataLoaderConfiguration:
       padding is dropped again by ``gather_for_metrics``); ``False`` gives some processes one
       batch less.
     - ``use_seedable_sampler`` / ``data_seed``: shuffling always uses a generator seeded
-      identically on every process (``data_seed`` when given, else the torch seed).
+      identically on every process (``data_seed`` when given, else the torch seed) plus the
+      epoch; a DataLoader's own generator is followed instead unless ``use_seedable_sampler``.
     - ``dispatch_batches``: process 0 reads the dataloader and sends each process its batch
       (``DataLoaderDispatcher``); ``None``: only for an ``IterableDataset`` on several processes
       (as Accelerate), a map-style dataset is sharded.
@@ -84,15 +100,7 @@ class DataLoaderConfiguration:
 
     def __post_init__(self) -> None:
         if self.use_stateful_dataloader:
-            if not is_torchdata_stateful_dataloader_available():
-                raise ImportError(
-                    "DataLoaderConfiguration(use_stateful_dataloader=True) needs torchdata>=0.8 "
-                    "(pip install torchdata); lowprec's prepared dataloaders resume mid-epoch without it"
-                )
-            log_once(
-                "lowprec: use_stateful_dataloader=True: prepared dataloaders save and restore their "
-                "position themselves (state_dict/load_state_dict); they are not torchdata StatefulDataLoaders"
-            )
+            require_torchdata("DataLoaderConfiguration(use_stateful_dataloader=True)")
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lowprec.state.partial import PartialState
-from lowprec.utils.data_loader import DataLoaderShard, GradientState, _check_constructor
+from lowprec.utils.loader_shard import DataLoaderShard, GradientState, _check_constructor
 from lowprec.utils.operations import recursively_apply, send_to_device
 
 __all__ = ["DataLoaderDispatcher"]
@@ -90,6 +90,16 @@ def _batch_len(batch: Any) -> int:
     return found[0] if found else 1
 
 
+def check_slice_fn(slice_fn: Optional[Callable], split_batches: bool, name: str) -> None:
+    """``slice_fn`` cuts batches under ``split_batches`` only: lowprec dispatches whole batches
+    otherwise (Accelerate cuts the concatenated step with it)."""
+    if slice_fn is not None and not split_batches:
+        raise ValueError(
+            f"{name}: lowprec's dispatcher sends whole batches unless split_batches=True; "
+            f"pass split_batches=True to have each batch cut by {name}, or drop {name}"
+        )
+
+
 class DataLoaderDispatcher(DataLoaderShard):
     """A prepared dataloader whose batches are read on process 0 and dispatched."""
 
@@ -114,11 +124,7 @@ class DataLoaderDispatcher(DataLoaderShard):
         ``_drop_last`` drops a last step without a batch for every process instead of filling it;
         ``slice_fn(batch, slice, process_index=, num_processes=)`` cuts a batch under ``split_batches``."""
         _check_constructor(use_stateful_dataloader, torch_device_mesh)
-        if slice_fn is not None and not split_batches:
-            raise ValueError(
-                "slice_fn: lowprec's dispatcher sends whole batches unless split_batches=True; "
-                "pass split_batches=True to have each batch cut by slice_fn, or drop slice_fn"
-            )
+        check_slice_fn(slice_fn, split_batches, "slice_fn")
         state = PartialState()
         self._setup(
             DataLoader(dataset, **kwargs),
@@ -145,7 +151,22 @@ class DataLoaderDispatcher(DataLoaderShard):
             )
             return max(0, steps - self.skip_batches)
         n = len(self.base) if self.iterable else len(cast(Sized, self._batch_sampler())) - self.skip_batches
-        return n if self.split_batches or self.world_size == 1 else -(-n // self.world_size)
+        if self.split_batches or self.world_size == 1:
+            return n
+        return n // self.world_size if self._drop_last else -(-n // self.world_size)
+
+    @property
+    def total_batch_size(self) -> Optional[int]:
+        """Samples in one step over all processes: the loader's batch size, times the number of
+        processes unless ``split_batches`` (what Accelerate 1.15's dispatcher means; its own reads
+        the dataset's ``batch_size`` and raises); None for ``batch_size=None``."""
+        size = self.base.batch_size
+        return size if size is None or self.split_batches else size * self.world_size
+
+    @property
+    def total_dataset_length(self) -> int:
+        """Samples in the dataset (Accelerate's dispatcher: its ``len``)."""
+        return len(self.dataset)
 
     def _source(self, skip_steps: int) -> Iterator[Any]:
         """Process 0: the original loader's batches of this epoch (same shuffle as a shard)."""
