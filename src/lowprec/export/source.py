@@ -262,6 +262,7 @@ def export_run(path: str, out_dir: str, format: str = "hf-fp8", *, requantize: b
         cfg = yaml.safe_load(f)
     scheme_for(format, None if requantize else _recipe(cfg))  # a bad format before any loading
     _refuse_writing_a_source(out_dir, run, checkpoint, cfg, format)
+    _refuse_a_foreign_out(out_dir)
     model, _, _, notes = load_run(path)
     report = export_model(model, out_dir, format, requantize=requantize, notes=notes)
     _copy_tokenizer(run, out_dir)
@@ -280,6 +281,19 @@ def _refuse_writing_a_source(out_dir: str, run: str, checkpoint: str | None, cfg
         raise ValueError(
             f"--out {out_dir}: that is {hit}, which this export reads; writing there would overwrite its model. "
             f"Choose a new directory, e.g. {os.path.join(run, format)}"
+        )
+
+
+def _refuse_a_foreign_out(out_dir: str) -> None:
+    """An ``out_dir`` with files in it that an earlier export did not write (another model, a
+    run): the export would overwrite its config.json and tokenizer and leave its other files,
+    which a loader may read with the export's. An earlier export there is replaced."""
+    held = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if held and "lowprec_export.json" not in held:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise ValueError(
+            f"--out {out_dir}: it already holds files ({shown}) and is not an earlier lowprec export; "
+            "choose a new or empty directory"
         )
 
 

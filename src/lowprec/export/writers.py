@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lowprec.export.shards import atomic_write, write_json
+from lowprec.export.shards import atomic_write, remove_stale_layout, write_json
 from torch import nn
 
 from lowprec.export.casts import Scheme, format_global_scale
@@ -49,11 +49,14 @@ def bf16_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _save(tensors: dict[str, torch.Tensor], config: dict[str, Any], out: str) -> None:
     """The weights, then the config, each written to a temporary file and renamed: an interrupted
-    export leaves no truncated file under either name (an earlier export's, if any, stays whole)."""
+    export leaves no truncated file under either name (an earlier export's, if any, stays whole).
+    A sharded model's index and shards already in ``out`` are removed once the new file is in place
+    (loaders that follow the index, vLLM and SGLang among them, would read those instead)."""
     atomic_write(
         os.path.join(out, "model.safetensors"),
         lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}),
     )
+    remove_stale_layout(out, ["model.safetensors"])
     write_json(os.path.join(out, "config.json"), config, indent=1, sort_keys=True)
 
 

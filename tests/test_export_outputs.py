@@ -1,0 +1,66 @@
+"""What an FP8 export directory holds besides the quantized weights, checked against the
+third-party libraries that read it: no weight file of something else a loader could read, the
+tokenizer and generation defaults transformers loads, ignore lists named as the checkpoint names
+its modules, and a report that says which scales training cast."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+
+import lowprec.fp8 as fp8
+from lowprec.cli.main import main
+from lowprec.export import export_model
+from tests.test_export import _llama
+
+transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
+
+
+def _weight_files(d) -> list[str]:
+    return sorted(f for f in os.listdir(d) if f.endswith(".safetensors") or f.endswith(".safetensors.index.json"))
+
+
+def test_an_export_over_a_sharded_model_leaves_no_shard_a_loader_would_read(tmp_path):
+    """An export into a directory holding a sharded model: its shards go, as transformers'
+    save_pretrained removes them, and so does their index (which save_pretrained leaves, naming
+    files that are gone; vLLM and SGLang read the files an index names when there is one)."""
+    old = _llama()
+    for d in ("by_transformers", "by_export"):
+        old.save_pretrained(tmp_path / d, max_shard_size="200KB")
+        assert "model-00002-of-00009.safetensors" in _weight_files(tmp_path / d)
+    _llama().save_pretrained(tmp_path / "by_transformers")  # one file now: the reference behaviour
+    by_transformers = _weight_files(tmp_path / "by_transformers")
+    assert not any("-of-" in f for f in by_transformers)
+    model = _llama()
+    fp8.convert(model, "blockwise")
+    export_model(model, str(tmp_path / "by_export"), "hf-fp8")
+    assert _weight_files(tmp_path / "by_export") == ["model.safetensors"]
+    assert set(by_transformers) - {"model.safetensors.index.json"} == {"model.safetensors"}
+
+
+def _fake_run(run, cfg) -> None:
+    """A finished `lowprec train` output_dir as far as the export reads it before loading."""
+    os.makedirs(run, exist_ok=True)
+    yaml.safe_dump(cfg, open(os.path.join(run, "resolved_config.yaml"), "w"))
+    json.dump({"steps": 1}, open(os.path.join(run, "summary.json"), "w"))
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_an_out_that_holds_another_model_is_refused(tmp_path, capsys):
+    run = tmp_path / "run"
+    _fake_run(run, {"base_model": "builtin:llama-tiny", "fp8": True, "fp8_recipe": "blockwise"})
+    other = tmp_path / "other-model"
+    _llama().save_pretrained(other)
+    before = {f: open(other / f, "rb").read() for f in os.listdir(other)}
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["export", str(run), "--format", "hf-fp8", "--out", str(other)]) == 2
+    assert "already holds files (config.json" in _one_line(capsys)
+    assert {f: open(other / f, "rb").read() for f in os.listdir(other)} == before
