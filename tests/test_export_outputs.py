@@ -9,12 +9,14 @@ import json
 import os
 
 import pytest
+import torch
 import yaml
 
 import lowprec.fp8 as fp8
 from lowprec.cli.main import main
 from lowprec.export import export_model
 from tests.test_export import _llama
+from tests.test_train_hf import _maker
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
 
@@ -64,3 +66,37 @@ def test_an_out_that_holds_another_model_is_refused(tmp_path, capsys):
     assert main(["export", str(run), "--format", "hf-fp8", "--out", str(other)]) == 2
     assert "already holds files (config.json" in _one_line(capsys)
     assert {f: open(other / f, "rb").read() for f in os.listdir(other)} == before
+
+
+@pytest.fixture(scope="module")
+def lora_export(tmp_path_factory):
+    """A LoRA run as the trainer leaves it (its adapter and tokenizer, here with a named chat
+    template besides the default one; no model files), exported: (base, run, export)."""
+    peft = pytest.importorskip("peft")
+    maker, tmp = _maker(), tmp_path_factory.mktemp("lora")
+    tok = maker.make_tokenizer()
+    base, run, out = tmp / "base", tmp / "run", tmp / "fp8"
+    torch.manual_seed(0)
+    model = maker.make_model(tok, hidden=128)
+    model.generation_config.max_new_tokens = 7  # not a default: the file is the base's
+    model.save_pretrained(base)
+    lora = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
+    _fake_run(run, {"base_model": str(base), "adapter": "lora", "fp8": True, "fp8_recipe": "blockwise"})
+    lora.save_pretrained(run)
+    tok.chat_template = {"default": maker.CHATML, "tool_use": maker.CHATML + "{# tools #}"}
+    tok.save_pretrained(run)
+    assert not os.path.exists(run / "generation_config.json")
+    assert main(["export", str(run), "--format", "hf-fp8", "--out", str(out)]) == 0
+    return base, run, out
+
+
+def test_a_lora_run_exports_the_base_generation_config_and_every_chat_template(lora_export):
+    base, run, out = lora_export
+    served = transformers.GenerationConfig.from_pretrained(out)
+    assert served.to_dict() == transformers.GenerationConfig.from_pretrained(base).to_dict()
+    assert served.max_new_tokens == 7
+    templates = transformers.AutoTokenizer.from_pretrained(out).chat_template
+    assert templates == transformers.AutoTokenizer.from_pretrained(run).chat_template
+    assert sorted(templates) == ["default", "tool_use"]
