@@ -100,3 +100,10 @@ def test_a_lora_run_exports_the_base_generation_config_and_every_chat_template(l
     templates = transformers.AutoTokenizer.from_pretrained(out).chat_template
     assert templates == transformers.AutoTokenizer.from_pretrained(run).chat_template
     assert sorted(templates) == ["default", "tool_use"]
+
+
+def test_a_lora_runs_merged_weights_are_not_reported_as_trained_casts(lora_export):
+    _, _, out = lora_export
+    report = json.load(open(out / "lowprec_export.json"))
+    assert not report["trained_scales"] and "adapter merged" in report["how"]
+    assert "adapter merged" in open(out / "README.md").read()

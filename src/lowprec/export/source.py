@@ -264,7 +264,9 @@ def export_run(path: str, out_dir: str, format: str = "hf-fp8", *, requantize: b
     _refuse_writing_a_source(out_dir, run, checkpoint, cfg, format)
     _refuse_a_foreign_out(out_dir)
     model, _, _, notes = load_run(path)
-    report = export_model(model, out_dir, format, requantize=requantize, notes=notes)
+    report = export_model(
+        model, out_dir, format, requantize=requantize, notes=notes, adapter_merged=bool(cfg.get("adapter"))
+    )
     _copy_tokenizer(run, out_dir, _model_dirs(run, cfg))
     return report
 
