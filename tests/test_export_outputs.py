@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 import yaml
+from safetensors import safe_open
 
 import lowprec.fp8 as fp8
 from lowprec.cli.main import main
@@ -107,3 +108,24 @@ def test_a_lora_runs_merged_weights_are_not_reported_as_trained_casts(lora_expor
     report = json.load(open(out / "lowprec_export.json"))
     assert not report["trained_scales"] and "adapter merged" in report["how"]
     assert "adapter merged" in open(out / "README.md").read()
+
+
+def test_hf_fp8_ignore_list_names_the_checkpoints_modules_as_compressed_tensors_does(tmp_path):
+    """Mixtral's router is ``mlp.gate`` in transformers' model and ``block_sparse_moe.gate`` in
+    its checkpoint: compressed-tensors maps its ignore list to the checkpoint's names, and the
+    hf-fp8 list names the same modules, each one whose weight the file holds."""
+    pytest.importorskip("compressed_tensors")
+    from tests.tiny_moe import build
+
+    model = build("mixtral")
+    fp8.convert(model, "tensorwise")
+    lists = {}
+    for fmt in ("hf-fp8", "compressed-tensors"):
+        export_model(model, str(tmp_path / fmt), fmt)
+        qc = json.load(open(tmp_path / fmt / "config.json"))["quantization_config"]
+        lists[fmt] = sorted(qc.get("modules_to_not_convert") or qc.get("ignore"))
+        with safe_open(str(tmp_path / fmt / "model.safetensors"), "pt") as f:
+            keys = set(f.keys())
+        assert all(f"{name}.weight" in keys for name in lists[fmt]), (fmt, lists[fmt])
+    assert lists["hf-fp8"] == lists["compressed-tensors"]
+    assert "model.layers.0.block_sparse_moe.gate" in lists["hf-fp8"]

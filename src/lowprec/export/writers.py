@@ -75,13 +75,14 @@ def _per_expert(
     plan: LayerPlan,
     config: dict[str, Any],
     write: Any,
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``tensors`` under the checkpoint names transformers writes, with each fused experts
     projection's bf16 3-D tensor replaced by its experts' parts as Linear layers: ``write(prefix,
-    layer)`` gives the tensors of one part (``prefix``: its Linear's name)."""
+    layer)`` gives the tensors of one part (``prefix``: its Linear's name); and each kept layer's
+    checkpoint name (what an ignore list names, as compressed-tensors maps its own)."""
     fused = _expert_pieces(plan)
     if not fused:
-        return tensors
+        return tensors, {k: k for k in plan.kept}
     plain = {k: v for k, v in tensors.items() if k not in fused}
     names = checkpoint_names(config, list(plain), fused)
     out = {names[k]: v for k, v in plain.items()}
@@ -90,7 +91,8 @@ def _per_expert(
             fused_key = (layer.name, *layer.expert[:2])
             key = names[fused_key]
             out.update(write(key.removesuffix(".weight"), layer))
-    return out
+    kept = {k: names.get(f"{k}.weight", f"{k}.weight").removesuffix(".weight") for k in plan.kept}
+    return out, kept
 
 
 def write_hf_fp8(model: nn.Module, plan: LayerPlan, config: dict[str, Any], out: str) -> None:
@@ -110,12 +112,15 @@ def write_hf_fp8(model: nn.Module, plan: LayerPlan, config: dict[str, Any], out:
             f"{prefix}.weight_scale_inv": layer.format_scale().cpu().contiguous(),
         }
 
-    tensors = _per_expert(tensors, plan, config, expert)
-    _save(tensors, hf_fp8_quantization_config(config, plan), out)
+    tensors, kept = _per_expert(tensors, plan, config, expert)
+    _save(tensors, hf_fp8_quantization_config(config, plan, list(kept.values())), out)
 
 
-def hf_fp8_quantization_config(config: dict[str, Any], plan: LayerPlan) -> dict[str, Any]:
-    """``config`` with hf-fp8's ``quantization_config`` (the plan's block, its kept layers not converted)."""
+def hf_fp8_quantization_config(
+    config: dict[str, Any], plan: LayerPlan, kept: list[str] | None = None
+) -> dict[str, Any]:
+    """``config`` with hf-fp8's ``quantization_config`` (the plan's block, its kept layers not
+    converted; ``kept``: their names in the checkpoint, where transformers renames them on load)."""
     return {
         **config,
         "quantization_config": {
@@ -123,7 +128,7 @@ def hf_fp8_quantization_config(config: dict[str, Any], plan: LayerPlan) -> dict[
             "activation_scheme": "dynamic",
             "fmt": "e4m3",
             "weight_block_size": [plan_block(plan), plan_block(plan)],
-            "modules_to_not_convert": sorted(plan.kept),
+            "modules_to_not_convert": sorted(plan.kept if kept is None else kept),
         },
     }
 
@@ -279,6 +284,9 @@ def write_compressed_tensors(
             if k.startswith(own) and (t.dtype == torch.float8_e4m3fn or k.endswith(_STORED))
         }
 
-    tensors = _per_expert(tensors, plan, config, expert)
+    tensors, kept = _per_expert(tensors, plan, config, expert)
     _save(tensors, config, out)
+    written = compressor.quantization_config
+    if written is not None and written.ignore:  # the checkpoint's names (compressed-tensors maps them
+        written.ignore = [kept.get(n, n) for n in written.ignore]  # only for a model transformers loaded)
     compressor.update_config(out)
