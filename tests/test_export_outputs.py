@@ -129,3 +129,25 @@ def test_hf_fp8_ignore_list_names_the_checkpoints_modules_as_compressed_tensors_
         assert all(f"{name}.weight" in keys for name in lists[fmt]), (fmt, lists[fmt])
     assert lists["hf-fp8"] == lists["compressed-tensors"]
     assert "model.layers.0.block_sparse_moe.gate" in lists["hf-fp8"]
+
+
+def test_save_model_fp8_under_fsdp2_names_an_export_path_that_reads_plain_weights(tmp_path, capsys):
+    """save_model(fp8_format=...) of a sharded model is refused; the way it names is export_model in
+    one process, not `lowprec export`, which reads `lowprec train` runs only (a plain weights
+    directory is refused there)."""
+    from types import SimpleNamespace
+
+    from lowprec.checkpoint.state import save_fp8_model
+
+    class DTensor(torch.nn.Parameter):  # what FSDP2 makes of a parameter, by its type's name
+        pass
+
+    model = torch.nn.Linear(16, 16)
+    model.weight = DTensor(model.weight.detach())
+    with pytest.raises(ValueError, match=r"call lowprec\.export\.export_model\(model, DIR") as info:
+        save_fp8_model(SimpleNamespace(unwrap_model=lambda m: m), model, str(tmp_path / "fp8"), "hf-fp8")
+    assert "`lowprec export`" not in str(info.value)
+    _llama().save_pretrained(tmp_path / "plain")  # plain weights: what save_model writes, with a config
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "plain"), "--format", "hf-fp8", "--out", str(tmp_path / "o")]) == 2
+    assert "is neither a `lowprec train` output_dir" in _one_line(capsys)
