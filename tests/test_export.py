@@ -381,6 +381,7 @@ def test_requantize_exports_a_run_whose_recipe_no_format_holds(tiny_run, tmp_pat
         ({"fp8_recipe": "nvfp4"}, "fp8_recipe nvfp4"),
         ({"fp8_recipe": "mxfp8", "export": ["compressed-tensors", "hf-fp8"]}, "that hf-fp8 does not hold"),
         ({"export": ["onnx"]}, "export"),
+        ({"adapter": "lora", "lora_target_linear": True}, r"run `lowprec export OUTPUT_DIR .*merges the adapter"),
     ],
 )
 def test_trainer_export_key_refuses_what_it_cannot_write(extra, needle):

@@ -166,6 +166,29 @@ def test_stored_names_that_are_not_the_models_load_through_transformers(tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("fmt", ["hf-fp8", "compressed-tensors"])
+def test_an_moe_export_as_an_fp8_base_is_one_line(tmp_path, fmt):
+    """A Mixtral export stores its experts per expert, as transformers' checkpoints do; transformers'
+    model fuses them on load, so there is no Linear layer to hold them frozen in FP8: one line, for
+    both loaders (before: the fallback's AttributeError for hf-fp8, a line blaming the config for
+    compressed-tensors)."""
+    if fmt == "compressed-tensors":
+        pytest.importorskip("compressed_tensors")
+    from tests.tiny_moe import build
+
+    model = build("mixtral")
+    fp8.convert(model, "tensorwise")
+    export_model(model, str(tmp_path), fmt)
+    for direct in (True, False):
+        with pytest.raises(
+            ValueError,
+            match=r"experts\.0\.w1 \(and \d+ more\) holds FP8 weights but is not a layer of transformers' "
+            r"MixtralForCausalLM \(it fuses",
+        ) as info:
+            load_fp8_base(str(tmp_path), direct=direct)
+        assert "\n" not in str(info.value)
+
+
 MERGES = [  # arch, recipe, format, LoRA targets
     ("llama", "blockwise", "hf-fp8", ["q_proj", "v_proj", "up_proj"]),
     ("llama", "rowwise", "compressed-tensors", ["q_proj", "v_proj", "up_proj"]),

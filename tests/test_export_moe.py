@@ -159,9 +159,10 @@ def test_moe_export_is_the_grouped_gemms_trained_expert_weights(tmp_path, arch, 
     # the router stays bf16 and is in the ignore list; the card says how the experts were written
     cfg = json.load(open(tmp_path / "config.json"))["quantization_config"]
     kept = cfg.get("modules_to_not_convert", cfg.get("ignore"))
-    assert "model.layers.0.mlp.gate" in kept and report.kept["model.layers.0.mlp.gate"].startswith("router")
-    router = [k for k in stored if k.endswith("layers.0.mlp.gate.weight") or k.endswith("block_sparse_moe.gate.weight")]
+    assert report.kept["model.layers.0.mlp.gate"].startswith("router")
+    router = [k for k in stored if k.endswith(("layers.0.mlp.gate.weight", "layers.0.block_sparse_moe.gate.weight"))]
     assert router and stored[router[0]].dtype == torch.bfloat16
+    assert router[0].removesuffix(".weight") in kept  # named as the checkpoint names it (Mixtral: block_sparse_moe)
     assert "experts" in open(tmp_path / "README.md").read()
     # transformers loads it (fusing the experts back); its logits are the trained FP8 forward's
     loaded = _load(str(tmp_path), fmt)

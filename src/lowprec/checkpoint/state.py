@@ -553,8 +553,9 @@ def save_fp8_model(acc: Any, model: Any, save_directory: str, fp8_format: str) -
     if _is_ds(model) or any(type(p).__name__ == "DTensor" for p in inner.parameters()):
         raise ValueError(
             f"save_model(fp8_format={fp8_format!r}) needs the whole model in one process (one process "
-            "or DDP); under FSDP2 / DeepSpeed save plain weights (no fp8_format) and run "
-            "`lowprec export` on them"
+            "or DDP); under FSDP2 / DeepSpeed save plain weights (no fp8_format), load them into the model in one "
+            "process and call lowprec.export.export_model(model, DIR, format=...) (fp8.convert it with the run's "
+            "recipe first to export its FP8 casts)"
         )
     acc.nonfinite.check_model(model, f"save_model({save_directory!r})")
     if acc.is_main_process:

@@ -147,6 +147,15 @@ def _fp8_layers(path: str, fmt: BaseFormat, model: nn.Module, stored: Iterable[s
     must have a stored ``weight_scale`` and no other layer one (a ``ValueError`` otherwise)."""
     suffix = ".weight_scale_inv" if fmt.ct is None else ".weight_scale"
     scaled = {k[: -len(suffix)] for k in stored if k.endswith(suffix)}
+    modules = dict(model.named_modules())
+    absent = sorted(n for n in scaled if n not in modules)
+    if absent:  # e.g. per-expert Linear weights of a model that fuses its experts on load
+        fused = " (it fuses each layer's experts into 3-D parameters)" if ".experts." in absent[0] else ""
+        raise ValueError(
+            f"FP8 base {path}: {absent[0]} (and {len(absent) - 1} more) holds FP8 weights but is not a layer of "
+            f"transformers' {type(model).__name__}{fused}; a frozen FP8 base loads FP8 Linear layers stored under "
+            "the model's own names, not FP8 experts: train on the bf16 model instead"
+        )
     if fmt.ct is None:
         return dict.fromkeys(sorted(scaled), ("block", fmt.block))
     layers = ct_layer_schemes(model, fmt.ct)

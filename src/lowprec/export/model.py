@@ -59,6 +59,7 @@ def export_model(
     config: dict[str, Any] | None = None,
     probe_ids: torch.Tensor | None = None,
     notes: list[str] | None = None,
+    adapter_merged: bool = False,
 ) -> ExportReport:
     """Write ``model`` to ``out_dir`` as ``format`` (``hf-fp8`` or ``compressed-tensors``).
 
@@ -70,7 +71,9 @@ def export_model(
     in the config's ignore list. An unconverted model quantizes the layers ``fp8.convert``'s
     default rules would convert. ``config``: the Hugging Face config dict (default: the model's
     own, or the built-in model's as a transformers Llama). ``probe_ids``: token ids for the
-    measured logit gap (default: 64 ids drawn with seed 0)."""
+    measured logit gap (default: 64 ids drawn with seed 0). ``adapter_merged``: the weights have
+    an adapter merged into them after training (as a peft model's are), so no training forward
+    cast them and the report does not call their scales trained."""
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not an export format; choose one of {', '.join(FORMATS)}")
     model, merged = _adapters_merged(model)
@@ -78,6 +81,8 @@ def export_model(
     scheme = scheme_for(format, None if requantize else recipe)
     config = dict(config) if config is not None else hf_config_of(model)
     plan = plan_layers(model, scheme, recipe, requantize)
+    if merged or adapter_merged:
+        _untrained(plan, recipe, scheme)
     if not plan.quantized:
         raise ValueError(
             "the model has no Linear layer to quantize (every one is kept in high precision); nothing to export in FP8"
@@ -125,6 +130,19 @@ def _adapters_merged(model: nn.Module) -> tuple[nn.Module, list[str]]:
         "source: a peft model; its adapters merged into the base by peft (merge_and_unload, in a copy), "
         "so the FP8 casts are of the merged weights"
     ]
+
+
+def _untrained(plan, recipe, scheme) -> None:
+    """Weights an adapter was merged into: the recipe's cast of them (where the format holds it)
+    is made at export, not read by any training forward."""
+    if not any(q.trained for q in plan.quantized):
+        return  # quantized once with the format's rule, and said so
+    for q in plan.quantized:
+        q.trained = False
+    plan.how = (
+        "an adapter merged into the weights after training, so no training forward cast them: quantized once "
+        f"at export with the {recipe.scaling} recipe's weight cast ({scheme.describe()})"
+    )
 
 
 def _block_experts_note(plan, format: str, scheme) -> list[str]:

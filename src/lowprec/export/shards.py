@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["Entry", "write_tensors", "atomic_write", "write_json"]
+__all__ = ["Entry", "write_tensors", "atomic_write", "write_json", "remove_stale_layout"]
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -90,9 +90,16 @@ def write_tensors(entries: Iterable[Entry], out: str, max_shard_bytes: int | Non
             "weight_map": {e.key: name for name, group in zip(names, groups) for e in group},
         }
         write_json(os.path.join(out, INDEX), index, indent=2, sort_keys=True)
-    for stale in ([INDEX] if n == 1 else [SINGLE]) + [
+    remove_stale_layout(out, names)
+    return [os.path.join(out, name) for name in names]
+
+
+def remove_stale_layout(out: str, names: list[str]) -> None:
+    """Remove the weight files of ``out`` that a write of ``names`` did not make (a previous
+    write's other layout: the index and shards of a sharded model beside one ``model.safetensors``,
+    or the reverse), as transformers' ``save_pretrained`` does: a loader would read them."""
+    for stale in ([INDEX] if names == [SINGLE] else [SINGLE]) + [
         f for f in os.listdir(out) if f.startswith("model-") and f.endswith(".safetensors") and f not in names
     ]:
-        if os.path.isfile(os.path.join(out, stale)):  # a previous write's other layout: a loader would read it
+        if os.path.isfile(os.path.join(out, stale)):
             os.remove(os.path.join(out, stale))
-    return [os.path.join(out, name) for name in names]

@@ -262,10 +262,21 @@ def export_run(path: str, out_dir: str, format: str = "hf-fp8", *, requantize: b
         cfg = yaml.safe_load(f)
     scheme_for(format, None if requantize else _recipe(cfg))  # a bad format before any loading
     _refuse_writing_a_source(out_dir, run, checkpoint, cfg, format)
+    _refuse_a_foreign_out(out_dir)
     model, _, _, notes = load_run(path)
-    report = export_model(model, out_dir, format, requantize=requantize, notes=notes)
-    _copy_tokenizer(run, out_dir)
+    report = export_model(
+        model, out_dir, format, requantize=requantize, notes=notes, adapter_merged=bool(cfg.get("adapter"))
+    )
+    _copy_tokenizer(run, out_dir, _model_dirs(run, cfg))
     return report
+
+
+def _model_dirs(run: str, cfg: dict[str, Any]) -> tuple[str, ...]:
+    """Where an adapter run's model files are: its merged/ model, else its base model's directory."""
+    base = str(cfg.get("base_model", ""))
+    if not cfg.get("adapter") or base.startswith("builtin:"):
+        return ()
+    return (os.path.join(run, "merged"), locate_pretrained(base))
 
 
 def _refuse_writing_a_source(out_dir: str, run: str, checkpoint: str | None, cfg: Any, format: str) -> None:
@@ -283,19 +294,53 @@ def _refuse_writing_a_source(out_dir: str, run: str, checkpoint: str | None, cfg
         )
 
 
-def _copy_tokenizer(run: str, out_dir: str) -> None:
-    for name in (
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "tokenizer.model",
-        "vocab.json",
-        "merges.txt",
-        "special_tokens_map.json",
-        "generation_config.json",
-        "chat_template.jinja",
-    ):
+def _refuse_a_foreign_out(out_dir: str) -> None:
+    """An ``out_dir`` with files in it that an earlier export did not write (another model, a
+    run): the export would overwrite its config.json and tokenizer and leave its other files,
+    which a loader may read with the export's. An earlier export there is replaced."""
+    held = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if held and "lowprec_export.json" not in held:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise ValueError(
+            f"--out {out_dir}: it already holds files ({shown}) and is not an earlier lowprec export; "
+            "choose a new or empty directory"
+        )
+
+
+# what save_pretrained writes beside the weights that a server reads: the tokenizer (its vocabulary
+# files, added tokens, chat templates: one, or named ones in additional_chat_templates/) and the
+# generation defaults (eos ids, sampling)
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+_TEMPLATES_DIR = "additional_chat_templates"
+
+
+def _copy_tokenizer(run: str, out_dir: str, model_dirs: tuple[str, ...] = ()) -> None:
+    """The run's tokenizer files, and ``generation_config.json`` from the run or, where it has none
+    (a LoRA run saves its adapter, not the model), the first of ``model_dirs`` that has one."""
+    for name in _TOKENIZER_FILES:
         if os.path.isfile(os.path.join(run, name)):
             shutil.copy(os.path.join(run, name), os.path.join(out_dir, name))
+    templates = os.path.join(out_dir, _TEMPLATES_DIR)
+    if os.path.isdir(templates):  # an earlier export's
+        shutil.rmtree(templates)
+    if os.path.isdir(os.path.join(run, _TEMPLATES_DIR)):
+        shutil.copytree(os.path.join(run, _TEMPLATES_DIR), templates)
+    for d in (run, *model_dirs):
+        if os.path.isfile(os.path.join(d, "generation_config.json")):
+            shutil.copy(os.path.join(d, "generation_config.json"), os.path.join(out_dir, "generation_config.json"))
+            break
 
 
 def export_after_training(model: nn.Module, formats: list[str], output_dir: str) -> dict[str, str]:

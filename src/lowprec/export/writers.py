@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from lowprec.export.shards import atomic_write, write_json
+from lowprec.export.shards import atomic_write, remove_stale_layout, write_json
 from torch import nn
 
 from lowprec.export.casts import Scheme, format_global_scale
@@ -49,11 +49,14 @@ def bf16_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _save(tensors: dict[str, torch.Tensor], config: dict[str, Any], out: str) -> None:
     """The weights, then the config, each written to a temporary file and renamed: an interrupted
-    export leaves no truncated file under either name (an earlier export's, if any, stays whole)."""
+    export leaves no truncated file under either name (an earlier export's, if any, stays whole).
+    A sharded model's index and shards already in ``out`` are removed once the new file is in place
+    (loaders that follow the index, vLLM and SGLang among them, would read those instead)."""
     atomic_write(
         os.path.join(out, "model.safetensors"),
         lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": "pt"}),
     )
+    remove_stale_layout(out, ["model.safetensors"])
     write_json(os.path.join(out, "config.json"), config, indent=1, sort_keys=True)
 
 
@@ -72,13 +75,14 @@ def _per_expert(
     plan: LayerPlan,
     config: dict[str, Any],
     write: Any,
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``tensors`` under the checkpoint names transformers writes, with each fused experts
     projection's bf16 3-D tensor replaced by its experts' parts as Linear layers: ``write(prefix,
-    layer)`` gives the tensors of one part (``prefix``: its Linear's name)."""
+    layer)`` gives the tensors of one part (``prefix``: its Linear's name); and each kept layer's
+    checkpoint name (what an ignore list names, as compressed-tensors maps its own)."""
     fused = _expert_pieces(plan)
     if not fused:
-        return tensors
+        return tensors, {k: k for k in plan.kept}
     plain = {k: v for k, v in tensors.items() if k not in fused}
     names = checkpoint_names(config, list(plain), fused)
     out = {names[k]: v for k, v in plain.items()}
@@ -87,7 +91,8 @@ def _per_expert(
             fused_key = (layer.name, *layer.expert[:2])
             key = names[fused_key]
             out.update(write(key.removesuffix(".weight"), layer))
-    return out
+    kept = {k: names.get(f"{k}.weight", f"{k}.weight").removesuffix(".weight") for k in plan.kept}
+    return out, kept
 
 
 def write_hf_fp8(model: nn.Module, plan: LayerPlan, config: dict[str, Any], out: str) -> None:
@@ -107,12 +112,15 @@ def write_hf_fp8(model: nn.Module, plan: LayerPlan, config: dict[str, Any], out:
             f"{prefix}.weight_scale_inv": layer.format_scale().cpu().contiguous(),
         }
 
-    tensors = _per_expert(tensors, plan, config, expert)
-    _save(tensors, hf_fp8_quantization_config(config, plan), out)
+    tensors, kept = _per_expert(tensors, plan, config, expert)
+    _save(tensors, hf_fp8_quantization_config(config, plan, list(kept.values())), out)
 
 
-def hf_fp8_quantization_config(config: dict[str, Any], plan: LayerPlan) -> dict[str, Any]:
-    """``config`` with hf-fp8's ``quantization_config`` (the plan's block, its kept layers not converted)."""
+def hf_fp8_quantization_config(
+    config: dict[str, Any], plan: LayerPlan, kept: list[str] | None = None
+) -> dict[str, Any]:
+    """``config`` with hf-fp8's ``quantization_config`` (the plan's block, its kept layers not
+    converted; ``kept``: their names in the checkpoint, where transformers renames them on load)."""
     return {
         **config,
         "quantization_config": {
@@ -120,7 +128,7 @@ def hf_fp8_quantization_config(config: dict[str, Any], plan: LayerPlan) -> dict[
             "activation_scheme": "dynamic",
             "fmt": "e4m3",
             "weight_block_size": [plan_block(plan), plan_block(plan)],
-            "modules_to_not_convert": sorted(plan.kept),
+            "modules_to_not_convert": sorted(plan.kept if kept is None else kept),
         },
     }
 
@@ -276,6 +284,9 @@ def write_compressed_tensors(
             if k.startswith(own) and (t.dtype == torch.float8_e4m3fn or k.endswith(_STORED))
         }
 
-    tensors = _per_expert(tensors, plan, config, expert)
+    tensors, kept = _per_expert(tensors, plan, config, expert)
     _save(tensors, config, out)
+    written = compressor.quantization_config
+    if written is not None and written.ignore:  # the checkpoint's names (compressed-tensors maps them
+        written.ignore = [kept.get(n, n) for n in written.ignore]  # only for a model transformers loaded)
     compressor.update_config(out)

@@ -111,8 +111,8 @@ class OutputKeys(StrictModel):
             )
         if self.export and getattr(self, "adapter", None):
             raise ValueError(
-                "export: writes full FP8 models; with adapter: lora drop export (export the merged "
-                "model in Python with lowprec.export.export_model)"
+                "export: writes full FP8 models; with adapter: lora drop export and run `lowprec export "
+                "OUTPUT_DIR --format F --out DIR` after training (it merges the adapter into the base and exports that)"
             )
         recipe = getattr(getattr(self, "fp8_recipe", None), "name", None)
         trained = kind_info(recipe_info(recipe).scaling) if recipe else None
