@@ -125,3 +125,40 @@ def test_fp8_experts_compile_with_dynamic_shapes():
         want.backward()
         assert abs(loss.item() - want.item()) < 1e-2 * want.item()
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_microscaling_experts_stay_out_of_the_graph_on_cpu(recipe):
+    """As above for the experts' grouped GEMMs. The grouped GEMM asked for its graph break inside a
+    try block, where Dynamo cannot resume after one: it ran that frame eagerly (is_compiling() False
+    there) and traced the kind's grouped GEMMs as a frame of their own, so inductor met their
+    float8_e8m0fnu / float4_e2m1fn_x2 tensors (InductorError). Checked without code generation: no
+    graph handed to the backend holds such a tensor, and the results are eager's."""
+    pytest.importorskip("transformers")
+    from tests.tiny_moe import build, moe_block
+
+    block = moe_block(build("mixtral"))
+    fp8.convert(block, recipe, skip_first_last=False)
+    eager = copy.deepcopy(block)
+    packed = {torch.float8_e8m0fnu, torch.float4_e2m1fn_x2}
+    seen: list[torch.dtype] = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                seen.append(value.dtype)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(1, 12, 64)
+    out = torch.compile(block, backend=backend)(x)
+    want = eager(x)
+    out = out[0] if isinstance(out, tuple) else out
+    want = want[0] if isinstance(want, tuple) else want
+    assert seen and not packed & set(seen), sorted(set(map(str, seen)))
+    out.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+    for a, b in zip(block.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6)

@@ -145,3 +145,60 @@ def test_without_recover_after_nothing_is_measured_on_the_side(seed):
     assert block.experts.fp8_gate_up_proj.high_precision  # moved, stays moved
     assert not any(r.get("side_cast") for r in rows)
     assert "_lowprec_side_probe" not in block.experts.fp8_gate_up_proj.__dict__
+
+
+def _accelerated(tmp_path, **fields):
+    """Mixtral through lowprec's Accelerator with a guard that moves every watched layer at its
+    first check (any underflow, even none, crosses a threshold of -1)."""
+    from lowprec import Accelerator
+    from lowprec.kwargs import NativeRecipeKwargs
+
+    torch.manual_seed(0)
+    handler = NativeRecipeKwargs(
+        recipe="tensorwise", fp8_guard="act", fp8_guard_patience=1, fp8_health_every=1,
+        fp8_guard_thresholds={"underflow": -1.0}, **fields,
+    )  # fmt: skip
+    acc = Accelerator(mixed_precision="fp8", cpu=True, project_dir=str(tmp_path), kwargs_handlers=[handler])
+    model = build("mixtral")
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    return acc, model, opt
+
+
+def _step(acc, model, opt):
+    ids = torch.randint(0, 128, (2, 16))
+    acc.backward(model(ids, labels=ids).loss)
+    opt.step()
+    opt.zero_grad()
+
+
+def _projections(model):
+    return {n: m for n, m in model.named_modules() if n.endswith(("fp8_gate_up_proj", "fp8_down_proj"))}
+
+
+def test_the_accelerator_watches_a_model_whose_only_fp8_layers_are_experts(tmp_path, caplog):
+    """Attention kept in bf16 (skip_patterns), the experts in FP8: the Accelerator said 'the model
+    has no FP8 layer (every Linear was kept in high precision); nothing is watched' and never
+    checked the experts (lowprec train watched them)."""
+    skip = ("lm_head", "router", "gate", "self_attn")
+    with caplog.at_level("WARNING", logger="lowprec"):
+        acc, model, opt = _accelerated(tmp_path, skip_patterns=skip)
+    inner = acc.unwrap_model(model)
+    assert not any(isinstance(m, fp8.Float8Linear) for m in inner.modules())
+    assert "nothing is watched" not in caplog.text
+    _step(acc, model, opt)
+    health = acc.fp8_health(model)
+    assert health is not None and sorted(health.monitor.moved_layers()) == sorted(_projections(inner))
+    assert all(g.high_precision for g in _projections(inner).values())
+
+
+def test_load_state_puts_expert_projections_moved_since_back_in_fp8(tmp_path):
+    """load_state of a checkpoint saved before a move reset the moved Linear layers only: the
+    expert projections the guard moved since stayed in bf16, unlike the checkpoint's run."""
+    acc, model, opt = _accelerated(tmp_path)
+    acc.save_state(str(tmp_path / "before"))
+    _step(acc, model, opt)
+    projections = _projections(acc.unwrap_model(model))
+    assert len(projections) == 4 and all(g.high_precision for g in projections.values())
+    acc.load_state(str(tmp_path / "before"))
+    assert not any(g.high_precision for g in projections.values())
+    assert acc.fp8_health(model).monitor.moved_layers() == []

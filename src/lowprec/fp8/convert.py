@@ -40,7 +40,10 @@ custom ``module_filter`` is asked once, with the experts module. Experts kept as
 Routers (a module named ``router``, ``gate`` or ``shared_expert_gate``, a layer inside one such
 as SwitchTransformers' ``router.classifier``, or a ``*Router`` class) are listed in the report.
 In a model with experts they stay in high precision whatever ``skip_patterns`` say, and a
-``module_filter`` that asks for one in FP8 is a ``ValueError`` naming it.
+``module_filter`` that asks for one in FP8 is a ``ValueError`` naming it. Expert weights in any
+other layout (a module with a 2-D/3-D Parameter of its own and ``expert`` in its class or name:
+Llama 4's batched experts, DBRX's, JetMoE's, Inkling's shared experts) stay in high precision: the
+report lists each as ``experts kept``, the summary counts them and one warning says so.
 
 A custom ``module_filter(module, fqn) -> bool`` replaces the default rules. A skipped layer
 never stops its siblings from converting (Accelerate's ``convert_model`` returns early).
@@ -103,6 +106,9 @@ class ConversionReport:
     already: list[str] = field(default_factory=list)
     routers: list[tuple[str, str]] = field(default_factory=list)
     grouped_gemm: str = ""
+    # expert weights in a layout the grouped GEMMs do not run: (module, its class), high precision
+    experts_kept: list[tuple[str, str]] = field(default_factory=list)
+    expert_projections_kept: int = 0  # projections of fused experts modules kept in high precision
 
     @property
     def num_converted(self) -> int:
@@ -126,25 +132,32 @@ class ConversionReport:
                 for n, e, ps in self.experts
             ],
             "routers": [{"name": n, "type": t} for n, t in self.routers],
+            "experts_kept": [{"name": n, "type": t} for n, t in self.experts_kept],
             "grouped_gemm": self.grouped_gemm,
             "switch": self.switch(),
         }
 
     def summary(self) -> str:
         """One line for the console; ``str(report)`` is the full table (one line per layer)."""
-        gemm_kept = {t: n for t, (n, _) in self.kept_types.items() if "Linear" in t or "Conv1D" in t}
-        # the rest of the kept entries are experts modules' projections (kept_types counts modules)
-        projections = len(self.skipped) - sum(gemm_kept.values())
-        if projections > 0:
-            gemm_kept["expert projections"] = projections
+        gemm_kept = {
+            t: n
+            for t, (n, why) in self.kept_types.items()
+            if "Linear" in t or "Conv1D" in t or any("Linear subclass" in w for w in why)
+        }
+        if self.expert_projections_kept:
+            gemm_kept["expert projections"] = self.expert_projections_kept
         by_type = f" ({', '.join(f'{t} {n}' for t, n in gemm_kept.items())})" if gemm_kept else ""
         acts = (
             f"; E4M3 activations saved in {len(self.fp8_activations)} module(s)" if self.recipe.fp8_activations else ""
         )
         moe = ""
-        if self.experts or self.routers:
+        if self.experts or self.routers or self.experts_kept:
+            kept = ""
+            if self.experts_kept:
+                kinds = sorted({t for _, t in self.experts_kept})
+                kept = f", {len(self.experts_kept)} experts module(s) in high precision ({', '.join(kinds)})"
             moe = (
-                f"; MoE: {len(self.experts)} experts module(s) with grouped FP8 GEMMs, "
+                f"; MoE: {len(self.experts)} experts module(s) with grouped FP8 GEMMs{kept}, "
                 f"{len(self.routers)} router(s) kept in high precision"
             )
         already = f", {len(self.already)} already FP8" if self.already else ""
@@ -186,6 +199,8 @@ class ConversionReport:
             for name, e, ps in self.experts:
                 projs = ", ".join(f"{p} ({i} -> {o})" for p, i, o in ps) or "none"
                 lines.append(f"    fp8   {name}  ({e} experts; FP8: {projs})")
+        for name, kind in self.experts_kept:
+            lines.append(f"    experts kept {name}  ({kind}: {_OTHER_EXPERTS_WHY})")
         for name, kind in self.routers:
             lines.append(f"    router {name}  ({kind}: kept in high precision)")
         return "\n".join(lines)
@@ -265,6 +280,19 @@ def _count_kept(report: ConversionReport, module: nn.Module, reason: str | None 
 
 
 _ROUTER_WHY = "MoE router: its top-k choice is discrete, FP8 noise would move tokens between experts"
+_OTHER_EXPERTS_WHY = (
+    "expert weights in a layout the grouped FP8 GEMMs do not run (they run transformers' "
+    "use_experts_implementation experts and torchtitan's GroupedExperts): high precision"
+)
+
+
+def _other_experts(fqn: str, module: nn.Module) -> bool:
+    """A module holding expert weights of its own (a 2-D or 3-D Parameter; ``expert`` in its
+    class name or its own name) that :func:`experts_layout` does not take: Llama 4's batched
+    ``Llama4TextExperts``, DBRX's ``DbrxExpertGLU``, JetMoE's ``JetMoeParallelExperts``."""
+    if not any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+        return False
+    return "expert" in type(module).__name__.lower() or "expert" in fqn.rpartition(".")[2].lower()
 
 
 def _is_router(fqn: str, module: nn.Module) -> bool:
@@ -302,6 +330,7 @@ def _experts_projections(
         raise ValueError("convert() got a bare experts module; wrap it in a module (its parent MoE block)")
     if module_filter is not None and not module_filter(module, fqn):
         report.skipped.append((fqn, "module_filter returned False"))
+        report.expert_projections_kept += 1
         return ()
     keep = []
     for p in layout.projections:
@@ -313,6 +342,7 @@ def _experts_projections(
             report.skipped.append((f"{fqn}.{p}", f"name matches {hit!r}"))
         else:
             keep.append(p)
+    report.expert_projections_kept += len(layout.projections) - len(keep)
     return tuple(keep)
 
 
@@ -371,7 +401,10 @@ def convert(
             continue
         conv1d = is_conv1d(module)
         if not isinstance(module, nn.Linear) and not conv1d:
-            _count_kept(report, module, _ROUTER_WHY if router else None)
+            other = not router and _other_experts(fqn, module)
+            if other:
+                report.experts_kept.append((fqn, type(module).__name__))
+            _count_kept(report, module, _ROUTER_WHY if router else (_OTHER_EXPERTS_WHY if other else None))
             continue
         if type(module) is not nn.Linear and not conv1d:
             reason = f"{type(module).__name__} is a Linear subclass with its own forward"
@@ -442,6 +475,15 @@ def convert(
             "print the returned report for each layer's reason",
             recipe.name,
             "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "") if reasons else "it has no Linear layer",
+        )
+    if report.experts_kept:  # the experts hold most of an MoE model's GEMMs: never silently in bf16
+        kinds = sorted({t for _, t in report.experts_kept})
+        logger.warning(
+            "lowprec.fp8: %d experts module(s) stay in high precision (%s, e.g. %s): %s",
+            len(report.experts_kept),
+            ", ".join(kinds),
+            report.experts_kept[0][0],
+            _OTHER_EXPERTS_WHY.replace(": high precision", ""),
         )
     if (report.converted or report.experts) and report.gemm.startswith("emulated") and recipe.gemm != "emulate":
         # a fallback is never silent: emulation is correct but slower than bf16

@@ -203,9 +203,7 @@ class Loop:
                 cfg.loss_spike_max_rollbacks,
             )
         if run.health is not None:  # the checkpoint's moves, not the ones made since
-            for layer in run.health.probe.layers.values():
-                layer.high_precision = False
-                layer.set_high_precision_gemms(())
+            run.health.clear_moves()
             run.health.load_state_dict(run.state.fp8_guard or {})
         if run.state.loop is not None:
             self.restore_window(run.state.loop)

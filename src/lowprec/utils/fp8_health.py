@@ -37,7 +37,7 @@ from torch import nn
 
 from lowprec.fp8.observe.guard import Event, Guard, HealthMonitor, moved_layers
 from lowprec.fp8.observe.health import health_scalars
-from lowprec.fp8.modules.linear import Float8Linear
+from lowprec.fp8.convert import has_fp8_layers
 from lowprec.fp8.observe.telemetry import disable as disable_telemetry
 from lowprec.fp8.observe.telemetry import enable as enable_telemetry
 from lowprec.fp8.observe.telemetry import telemetry
@@ -103,9 +103,7 @@ class ModelHealth:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state.get("steps", 0))
-        for layer in self.monitor.probe.layers.values():  # the checkpoint's moves, not the ones made since
-            layer.high_precision = False
-            layer.set_high_precision_gemms(())
+        self.monitor.clear_moves()  # the checkpoint's moves, not the ones made since
         self.monitor.load_state_dict(state.get("monitor", {}))
         disable_telemetry(self.model)  # armed for the step count of before: armed again below
         self.monitor.probe.take()
@@ -125,10 +123,10 @@ class HealthHooks:
         """A monitor for ``model`` (converted by the native engine) when ``handler`` asks for health."""
         if not getattr(handler, "fp8_health_on", False) or id(model) in self.by_model:
             return self.by_model.get(id(model))
-        if not any(isinstance(m, Float8Linear) for m in model.modules()):
+        if not has_fp8_layers(model):  # FP8 experts (grouped GEMMs) are watched too
             logger.warning(
-                "lowprec: fp8_guard / fp8_health: the model has no FP8 layer (every Linear was kept in high "
-                "precision); nothing is watched"
+                "lowprec: fp8_guard / fp8_health: the model has no FP8 layer (every Linear and experts module "
+                "was kept in high precision); nothing is watched"
             )
             return None
         self.by_model[id(model)] = health = ModelHealth(model, handler, log)

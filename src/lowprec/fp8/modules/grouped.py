@@ -175,13 +175,21 @@ class Float8GroupedGemm(Float32State, nn.Module):
                 f"grouped GEMM for {self.num_experts} experts got {len(counts)} group counts and a "
                 f"{tuple(weight.shape)} weight"
             )
+        if torch.compiler.is_compiling():  # LOWPREC_COMPILE_FP8=0, or a kind that cannot compile here
+            why = compile_guard.eager_reason(recipe.kind.compile_break(x.device))
+            if why is not None:
+                # outside the try block below: Dynamo cannot resume after a graph break inside one,
+                # so it ran this whole frame eagerly, where is_compiling() is False, and then traced
+                # the kind's grouped_forward as a frame of its own (mxfp8 / nvfp4 on CPU: an
+                # InductorError on their float8_e8m0fnu / float4_e2m1fn_x2 tensors)
+                return compile_guard.run_eagerly(self._run, x, weight, counts, recipe, hp, why=why)
+        return self._run(x, weight, counts, recipe, hp)
+
+    def _run(
+        self, x: torch.Tensor, weight: torch.Tensor, counts: tuple[int, ...], recipe: Recipe, hp: torch.dtype
+    ) -> torch.Tensor:
         try:
-            call = GroupedCall(self, x, weight, counts, recipe, hp)
-            if torch.compiler.is_compiling():  # LOWPREC_COMPILE_FP8=0, or a kind that cannot compile here
-                why = compile_guard.eager_reason(recipe.kind.compile_break(x.device))
-                if why is not None:
-                    return compile_guard.run_eagerly(recipe.kind.grouped_forward, call, why=why)
-            return recipe.kind.grouped_forward(call)
+            return recipe.kind.grouped_forward(GroupedCall(self, x, weight, counts, recipe, hp))
         finally:  # the slots held views of this call's weight: let them go with the call
             for s in self._slots:
                 # set to None, not popped: under torch.compile(dynamic=True) the routing's graph

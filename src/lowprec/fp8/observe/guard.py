@@ -456,6 +456,13 @@ class HealthMonitor:
             "healthy": dict(g.healthy) if g else {},
         }
 
+    def clear_moves(self) -> None:
+        """Every watched layer back in FP8 (grouped expert projections too), before a checkpoint's
+        moves are restored in a process that made moves since (``load_state``, a rollback)."""
+        for layer in self.layers.values():
+            layer.high_precision = False
+            layer.set_high_precision_gemms(())
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.previous = state.get("previous")
         self.last_sqnr_step = state.get("last_sqnr_step")
