@@ -17,7 +17,6 @@ import lowprec.fp8 as fp8
 from lowprec.cli.main import main
 from lowprec.export import export_model
 from tests.test_export import _llama
-from tests.test_train_hf import _maker
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (dev extra)")
 
@@ -74,6 +73,10 @@ def lora_export(tmp_path_factory):
     """A LoRA run as the trainer leaves it (its adapter and tokenizer, here with a named chat
     template besides the default one; no model files), exported: (base, run, export)."""
     peft = pytest.importorskip("peft")
+    # here, not at the top: tests.test_train_hf imports peft, which imports triton for a device, and
+    # the Triton-interpreter test modules collected after this one need it unimported
+    from tests.test_train_hf import _maker
+
     maker, tmp = _maker(), tmp_path_factory.mktemp("lora")
     tok = maker.make_tokenizer()
     base, run, out = tmp / "base", tmp / "run", tmp / "fp8"
