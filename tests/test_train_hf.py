@@ -61,16 +61,22 @@ FAST = {
 }
 
 
-def test_alpaca_lora_example_trains_in_fp8_merges_and_reloads(tiny_llama, tmp_path):
+def test_alpaca_lora_example_trains_in_fp8_merges_and_reloads(tiny_llama, tmp_path, capfd):
     """examples/hf/alpaca_lora.yaml on the tiny Llama: base layers in FP8, adapters not; the loss
-    falls; the adapter loads with peft, the merged model with transformers, and they agree."""
+    falls; the adapter loads with peft, the merged model with transformers, and they agree. With
+    progress_bar false (``--quiet``) transformers' loading / writing bars stay off too, and
+    DeepSpeed (imported by save_pretrained where installed) prints no accelerator guess on CPU."""
     out = tmp_path / "run"
     fast = {k: v for k, v in FAST.items() if k != "sequence_len"}  # alpaca prompts need the example's 256
     cfg = load_config(
         os.path.join(ROOT, "examples", "hf", "alpaca_lora.yaml"),
         {**fast, "base_model": tiny_llama, "output_dir": str(out), "max_steps": 8, "eval_steps": None},
     )
+    capfd.readouterr()
     result = train(cfg)
+    err = capfd.readouterr().err
+    assert "Loading weights" not in err and "Writing model shards" not in err, err[-2000:]
+    assert "Setting accelerator to CPU" not in err, err[-2000:]
     losses = [loss for _, loss in result.train_losses]
     assert len(losses) == 2 and losses[-1] < losses[0] - 0.1, losses
     tok = _check_lora_outputs(tiny_llama, out)

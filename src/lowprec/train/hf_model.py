@@ -17,14 +17,16 @@ their own format (:mod:`lowprec.train.outputs`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib.util
 import logging
 import os
 import pickle
 import re
 import shutil
 import tempfile
-from typing import Any, Callable, Optional, cast
+from typing import Any, Callable, Iterator, Optional, cast
 
 import torch
 from torch import nn
@@ -48,6 +50,33 @@ __all__ = [
 ]
 
 logger = logging.getLogger("lowprec")
+
+
+@contextlib.contextmanager
+def quiet_hf_libraries(progress_bar: bool, base_model: str) -> Iterator[None]:
+    """A Hugging Face model's run: transformers' own progress bars (loading and writing weights)
+    follow the run's ``progress_bar`` (``--quiet`` turns them off too), and on a machine without
+    CUDA DeepSpeed, which transformers' ``save_pretrained`` imports through Accelerate where it is
+    installed, is told its accelerator (``DS_ACCELERATOR=cpu``, what it would pick) instead of
+    printing a warning that it guessed. Both are put back after the run."""
+    if str(base_model).startswith("builtin:") or importlib.util.find_spec("transformers") is None:
+        yield
+        return
+    from transformers.utils import logging as hf_logging  # installed: checked above
+
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress_bar:
+        hf_logging.disable_progress_bar()
+    ds_env = "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
+    if ds_env:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+        if ds_env:
+            os.environ.pop("DS_ACCELERATOR", None)
 
 
 def _transformers(what: str):

@@ -59,7 +59,7 @@ from lowprec.train.adapters import LoraSettings, apply_lora, check_new_tokens
 from lowprec.train.data_setup import run_data
 from lowprec.train.generations import EvalTable
 from lowprec.train.hf_files import locate_pretrained
-from lowprec.train.hf_model import export_pretrained, load_causal_lm, set_chat_template
+from lowprec.train.hf_model import export_pretrained, load_causal_lm, quiet_hf_libraries, set_chat_template
 from lowprec.train.model import LlamaConfig, LlamaForCausalLM
 from lowprec.train.outputs import export_model, write_resolved_config
 from lowprec.train.packing import packed_causal_mask
@@ -311,7 +311,7 @@ def train(
         make_output_dir(output_dir)
         # one run per output_dir, taken before the process group exists (run_lock.py: who holds it)
         lock = hold_output_dir(output_dir)
-    with lock:
+    with lock, quiet_hf_libraries(cfg.progress_bar, cfg.base_model):
         return _train(cfg, plan, output_dir, on_log, wall0)
 
 
