@@ -571,3 +571,24 @@ def test_fp8_where_no_layer_converts_says_so_in_trainer_terms(tmp_path, capsys, 
     warned = " ".join(line for line in said if "converted no layer" in line)
     assert warned and "NativeRecipeKwargs" not in warned and "first and last Linear" in warned, warned
     assert "1 steps (fp8 (no layer converted))" in out, out
+
+
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        ('{"model_type": "llama", "hidden_size": "x"}', "Validation error for field 'hidden_size'"),
+        ("{not json", "config"),
+    ],
+)
+def test_a_model_directory_with_a_bad_config_is_one_line(tiny_llama, tmp_path, config, words):
+    """A config.json value of the wrong type raised huggingface_hub's strict-dataclass error (no
+    ValueError) out of from_pretrained: a traceback on every rank instead of the one line naming
+    base_model that a missing or unreadable file gets."""
+    from lowprec.train.hf_model import load_causal_lm
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_llama, bad)
+    (bad / "config.json").write_text(config)
+    with pytest.raises(ValueError, match=rf"^base_model: {bad} cannot be loaded as a causal LM: .*{words}") as err:
+        load_causal_lm(str(bad))
+    assert "\n" not in str(err.value)

@@ -131,10 +131,12 @@ def load_causal_lm(
             f"base_model: {path}: {', '.join(pickles) or 'its weights'} cannot be read "
             f"({load_error_reason(exc)}); restore the file or use a model saved as safetensors"
         ) from None
-    except (OSError, ValueError, KeyError) as exc:
+    except Exception as exc:  # noqa: BLE001 - what the directory's files make transformers raise
+        if not _model_dir_error(exc):
+            raise
         if is_remote_code_refusal(exc):
             raise ValueError(f"base_model: {remote_code_message(path)}") from None
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = " ".join(str(exc).split())[:300] or type(exc).__name__
         hint = (
             ""
             if trust_remote_code
@@ -156,6 +158,15 @@ def load_causal_lm(
         sum(p.numel() for p in model.parameters()) / 1e6,
     )
     return model
+
+
+def _model_dir_error(exc: Exception) -> bool:
+    """An error a model directory's files cause in ``from_pretrained``: a missing or unreadable
+    file, a config value of the wrong type (transformers' configs are huggingface_hub strict
+    dataclasses, whose validation errors are no ValueError), an unknown key."""
+    return isinstance(exc, (OSError, ValueError, KeyError, TypeError)) or type(exc).__module__.startswith(
+        "huggingface_hub."
+    )
 
 
 def _bf16_state(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
