@@ -65,6 +65,16 @@ def test_hf_tokenizer_without_transformers_names_the_fix(tmp_path, monkeypatch):
         load_tokenizer(str(tmp_path))
 
 
+def test_a_damaged_tokenizer_directory_is_one_line_naming_it(tmp_path):
+    """A truncated tokenizer.json made transformers raise a bare JSON error, printed as
+    "lowprec: error: Expecting ',' delimiter: line 2 column 1": no file, no key, no fix."""
+    pytest.importorskip("transformers")
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"')
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    with pytest.raises(ValueError, match=rf"^tokenizer: {tmp_path} cannot be loaded as a Hugging Face tokenizer \("):
+        load_tokenizer(str(tmp_path))
+
+
 def test_hf_tokenizer_wrapper_with_a_stub(tmp_path, monkeypatch):
     class Stub:
         """Character-level stand-in for a transformers tokenizer."""

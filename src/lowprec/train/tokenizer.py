@@ -137,10 +137,15 @@ class HFTokenizer:
             # always explicit: transformers' default (None) asks "[y/N]" on a terminal, and "y" runs
             # the directory's code; unset must mean refused
             self._tok = cls.from_pretrained(path, local_files_only=True, trust_remote_code=bool(trust_remote_code))
-        except ValueError as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # what the directory's files cause
             if is_remote_code_refusal(exc):
                 raise ValueError(remote_code_message(path)) from None
-            raise
+            # a damaged tokenizer.json said only "Expecting ',' delimiter: line 2 column 1": no file, no key
+            raise ValueError(
+                f"tokenizer: {path} cannot be loaded as a Hugging Face tokenizer "
+                f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); restore its files or point "
+                "tokenizer: at another directory"
+            ) from None
         known = set(self._tok.get_vocab()) if special_tokens or tokens else set()
         if special_tokens:  # Axolotl's special_tokens: set (or add) before anything is tokenized
             self._tok.add_special_tokens(dict(special_tokens))
