@@ -13,6 +13,7 @@ from typing import Any
 
 from lowprec.train.data import TokenBatches, build_datasets
 from lowprec.train.examples import DataSource, ExampleBatches, build_examples
+from lowprec.train.hf_files import dataset_split_files, locate_dataset
 from lowprec.train.hf_model import load_run_tokenizer
 from lowprec.utils.parallelism import data_shard
 from lowprec.train.data_files import ROW_EXTENSIONS, is_saved_dataset, read_rows
@@ -24,25 +25,34 @@ __all__ = ["uses_examples", "data_sources", "example_loaders", "run_data", "DATA
 logger = logging.getLogger("lowprec")
 
 
-def _is_pretokenized(path: str, split: Any) -> bool:
+def _is_pretokenized(path: str, split: Any, key: str) -> bool:
     """An entry without ``type:`` holds pre-tokenized rows when its first row has input_ids."""
+    hub = locate_dataset(path, key)
+    if hub is not None:
+        path, split = dataset_split_files(hub, split, key)[0], None
     if path.endswith(".txt") or path.startswith("builtin:") or (os.path.isdir(path) and not is_saved_dataset(path)):
         return False
     first = next(iter(read_rows(path, split)), (None, {}))[1]
     return "input_ids" in first
 
 
-def _resolved_type(spec: Any) -> str:
+def _resolved_type(spec: Any, key: str) -> str:
     if spec.type is not None:
         return spec.type
-    return "pretokenized" if _is_pretokenized(spec.path, spec.split) else "completion"
+    return "pretokenized" if _is_pretokenized(spec.path, spec.split, key) else "completion"
 
 
 def uses_examples(cfg: Any) -> bool:
     return (
         bool(cfg.sample_packing)
-        or any(_resolved_type(d) != "completion" for d in cfg.datasets)
-        or any(d.path.endswith(ROW_EXTENSIONS[1:]) or is_saved_dataset(d.path) or d.split for d in cfg.datasets)
+        or any(_resolved_type(d, f"datasets.{i}.path") != "completion" for i, d in enumerate(cfg.datasets))
+        or any(
+            d.path.endswith(ROW_EXTENSIONS[1:])
+            or is_saved_dataset(d.path)
+            or d.split
+            or locate_dataset(d.path, f"datasets.{i}.path")
+            for i, d in enumerate(cfg.datasets)
+        )
     )
 
 
@@ -53,7 +63,7 @@ def data_sources(cfg: Any, tokenizer: Any) -> list:
             raise ValueError(
                 f"datasets.{i}: {d.path} is plain text; sample_packing and typed datasets need local files"
             )
-        kind = _resolved_type(d)
+        kind = _resolved_type(d, f"datasets.{i}.path")
         template = ""
         if kind == "chat_template":
             own = getattr(getattr(tokenizer, "_tok", None), "chat_template", None)
@@ -74,12 +84,15 @@ def data_sources(cfg: Any, tokenizer: Any) -> list:
             drop_system_message=d.drop_system_message,
             eot_tokens=tuple(cfg.eot_tokens or ()),
         )
-        paths = [d.path]
-        if os.path.isdir(d.path) and not is_saved_dataset(d.path):
+        paths, split = [d.path], d.split
+        hub = locate_dataset(d.path, f"datasets.{i}.path")  # a hub dataset id in the local cache
+        if hub is not None:
+            paths, split = dataset_split_files(hub, d.split, f"datasets.{i}"), None
+        elif os.path.isdir(d.path) and not is_saved_dataset(d.path):
             paths = sorted(os.path.join(r, f) for r, _, fs in os.walk(d.path) for f in fs if f.endswith(ROW_EXTENSIONS))
             if not paths:
                 raise ValueError(f"datasets.{i}: directory {d.path!r} holds no {'/'.join(ROW_EXTENSIONS)} files")
-        out.append(DataSource(tuple(paths), d.split, opt, f"datasets.{i}"))
+        out.append(DataSource(tuple(paths), split, opt, f"datasets.{i}"))
     return out
 
 

@@ -1,7 +1,8 @@
-"""Where a Hugging Face model is on disk, without torch or transformers: a local directory or the
-cached snapshot of a hub id (never downloaded), and which files it lacks. The trainer's schema
-checks ``base_model`` and ``tokenizer_config`` with it; :mod:`lowprec.train.hf_model` loads the
-model."""
+"""Where a Hugging Face model or dataset is on disk, without torch or transformers: a local
+directory or the cached snapshot of a hub id (never downloaded), and which files it lacks. The
+trainer's schema checks ``base_model`` and ``tokenizer_config`` with it; :mod:`lowprec.train.hf_model`
+loads the model; ``datasets[].path`` may name a dataset repository in the cache
+(:func:`locate_dataset`, :func:`dataset_split_files`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import os
 import re
 from typing import Optional, cast
 
-__all__ = ["locate_pretrained", "hf_cache_dir", "missing_model_files", "has_tokenizer"]
+__all__ = [
+    "locate_pretrained",
+    "locate_dataset",
+    "dataset_split_files",
+    "hf_cache_dir",
+    "missing_model_files",
+    "has_tokenizer",
+]
 
 # org/name or name, as the hub spells repository ids
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -82,9 +90,10 @@ def locate_pretrained(spec: str, key: str = "base_model", tokenizer: bool = Fals
     return cast(str, path)  # no snapshot (None) lacks every file: raised above
 
 
-def _cached_snapshot(repo_id: str, cache: str) -> Optional[str]:
-    """The snapshot directory ``refs/main`` points at (huggingface_hub's cache layout), or None."""
-    repo = os.path.join(cache, "models--" + repo_id.replace("/", "--"))
+def _cached_snapshot(repo_id: str, cache: str, kind: str = "models") -> Optional[str]:
+    """The snapshot directory ``refs/main`` points at (huggingface_hub's cache layout), or None;
+    ``kind``: ``models`` or ``datasets`` (the repository type)."""
+    repo = os.path.join(cache, f"{kind}--" + repo_id.replace("/", "--"))
     try:
         with open(os.path.join(repo, "refs", "main")) as f:
             commit = f.read().strip()
@@ -94,3 +103,63 @@ def _cached_snapshot(repo_id: str, cache: str) -> Optional[str]:
         commit = found[-1] if len(found) == 1 else ""  # one snapshot and no ref: unambiguous
     path = os.path.join(repo, "snapshots", commit) if commit else None
     return path if path and os.path.isdir(path) else None
+
+
+# file formats a dataset repository holds its rows in (what lowprec.train.data_files reads)
+_DATA_FILES = (".jsonl", ".json", ".parquet", ".csv")
+# words in a data file's path that name its split (the hub's own convention: data/train-0000-of-0001.parquet)
+_SPLIT_WORDS = {
+    "train": "train",
+    "test": "test",
+    "validation": "validation",
+    "valid": "validation",
+    "val": "validation",
+}
+
+
+def locate_dataset(spec: str, key: str) -> Optional[str]:
+    """The cached snapshot of a hub dataset id (``org/name``, as Axolotl's ``path: tatsu-lab/alpaca``),
+    or None where ``spec`` is a local path (or a builtin corpus). A hub id that is not in the cache
+    is a ``ValueError`` naming ``key``: nothing is downloaded."""
+    if spec.startswith(("builtin:", ".", "/", "~")) or os.path.exists(spec) or "/" not in spec:
+        return None
+    if not _HUB_ID.match(spec):
+        return None
+    cache = hf_cache_dir()
+    path = _cached_snapshot(spec, cache, "datasets")
+    if path is None:
+        raise ValueError(
+            f"{key}: {spec!r} is neither a local file nor a dataset in the local Hugging Face cache ({cache}); "
+            f"downloads are not supported: run `hf download {spec} --repo-type dataset` on a machine with network "
+            "and copy the cache here (or set HF_HUB_CACHE), or give a local file"
+        )
+    return path
+
+
+def _split_of(rel: str) -> str:
+    """The split a data file's path names (``train`` where it names none)."""
+    for word in re.split(r"[^a-z]+", rel.lower()):
+        if word in _SPLIT_WORDS:
+            return _SPLIT_WORDS[word]
+    return "train"
+
+
+def dataset_split_files(root: str, split: Optional[str], key: str) -> list[str]:
+    """The data files of ``split`` (default ``train``) in a dataset snapshot, in path order: those
+    whose path names the split (``data/train-00000-of-00001.parquet``, ``test.jsonl``), and for
+    ``train`` also those naming none (``alpaca_data.json``)."""
+    want = _SPLIT_WORDS.get(split or "train", split or "train")
+    found = sorted(
+        os.path.relpath(os.path.join(d, f), root)
+        for d, _, fs in os.walk(root)
+        for f in fs
+        if f.endswith(_DATA_FILES) and not f.startswith(".")
+    )
+    files = [os.path.join(root, r) for r in found if _split_of(r) == want]
+    if not files:
+        have = sorted({_split_of(r) for r in found})
+        raise ValueError(
+            f"{key}: the cached dataset at {root} has no {'/'.join(_DATA_FILES)} file of split {want!r}"
+            + (f" (its files are of split {', '.join(have)}): set split: to one of them" if have else "")
+        )
+    return files

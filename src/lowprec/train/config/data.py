@@ -36,7 +36,8 @@ class DatasetSpec(StrictModel):
 
     path: str = Field(
         description="builtin:stdlib (the bundled corpus), a local .txt/.jsonl/.json/.parquet/.csv file, a "
-        "directory of .txt/.jsonl files, or a directory saved by `datasets` (save_to_disk)"
+        "directory of .txt/.jsonl files, a directory saved by `datasets` (save_to_disk), or a hub dataset id "
+        "(org/name) in the local Hugging Face cache"
     )
     type: Optional[str] = Field(
         default=None,
@@ -44,7 +45,9 @@ class DatasetSpec(StrictModel):
         "labels), chat_template (messages); unset: completion, or pre-tokenized rows when they hold input_ids",
     )
     field: str = Field(default="text", description="the column holding the text (type: completion)")
-    split: Optional[str] = Field(default=None, description="split of a `datasets` directory (default train)")
+    split: Optional[str] = Field(
+        default=None, description="split of a `datasets` directory or cached hub dataset (default train)"
+    )
     ds_type: Optional[Literal["json", "parquet", "csv", "arrow"]] = Field(
         default=None, description="file format (read from the extension; checked when given)"
     )
