@@ -313,7 +313,9 @@ def test_local_files_through_the_hf_json_builder_load_as_local_files(tmp_path):
     yaml = tmp_path / "conf" / "c.yaml"
     yaml.write_text("datasets:\n  - path: json\n    data_files: [../data/a.jsonl]\n    type: alpaca\n")
     assert load_config(str(yaml)).datasets[0].path == str(tmp_path / "conf" / "../data/a.jsonl")
-    with pytest.raises(ValueError, match=r"datasets.0: data_files: an Axolotl key lowprec does not support \(datasets"):
+    with pytest.raises(
+        ValueError, match=r"datasets.0: data_files: an Axolotl key lowprec does not support \(lowprec rea"
+    ):
         parse_config({"datasets": [{"path": "org/name", "data_files": "a.jsonl"}]})  # the Hub: one prefix
     with pytest.raises(ValueError, match=r"path: json with data_files \['test'\] has no 'train' split; set split"):
         parse_config({"datasets": [{"path": "json", "data_files": {"test": "a.jsonl"}}]})

@@ -88,3 +88,48 @@ def test_a_file_naming_no_split_is_train_and_a_missing_split_or_id_is_one_line(t
         ValueError, match=r"^datasets.0.path: 'org/absent' is neither a local file nor a dataset in the local "
     ):
         data_sources(cfg, ByteTokenizer())
+
+
+CARD = """---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+- config_name: socratic
+  data_files:
+  - split: train
+    path: socratic/train-*
+---
+# a dataset card
+"""
+
+
+def test_the_cards_configs_pick_the_files_and_name_picks_the_config(tmp_path, monkeypatch):
+    """A card declaring two configs (as openai/gsm8k's: main, socratic): name: is needed and picks
+    one config's files per split; a name that is not a config, or a name on a local file, is one line."""
+    snap = _cache(
+        tmp_path,
+        monkeypatch,
+        {
+            "main/train-00000-of-00001.jsonl": ROWS["train"],
+            "main/test-00000-of-00001.jsonl": ROWS["test"],
+            "socratic/train-00000-of-00001.jsonl": ROWS["test"],
+        },
+    )
+    (tmp_path / "hub" / "datasets--org--adds" / "snapshots" / "c0ffee" / "README.md").write_text(CARD)
+    with pytest.raises(ValueError, match=r"^datasets.0: the cached dataset has configs main, socratic; set name:"):
+        data_sources(_cfg(tmp_path), ByteTokenizer())
+    (src,) = data_sources(_cfg(tmp_path, name="socratic"), ByteTokenizer())
+    assert src.paths == (f"{snap}/socratic/train-00000-of-00001.jsonl",)
+    (src,) = data_sources(_cfg(tmp_path, name="main", split="test"), ByteTokenizer())
+    assert src.paths == (f"{snap}/main/test-00000-of-00001.jsonl",)
+    with pytest.raises(ValueError, match=r"^datasets.0.name: 'mian' is not a config .* use one of main, socratic"):
+        data_sources(_cfg(tmp_path, name="mian"), ByteTokenizer())
+    local = tmp_path / "local.jsonl"
+    local.write_text(json.dumps(ROWS["train"][0]) + "\n")
+    cfg = parse_config({"datasets": [{"path": str(local), "type": "alpaca", "name": "main"}]})
+    with pytest.raises(ValueError, match=r"^datasets.0.name: 'main' picks a config of a hub dataset .* drop name"):
+        data_sources(cfg, ByteTokenizer())

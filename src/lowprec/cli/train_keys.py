@@ -10,7 +10,7 @@ KEYS = (
     ('tokenizer_config', "tokenizer directory or cached hub id (default: base_model's own tokenizer for a Hugging Face base_model)", 'null'),
     ('tokenizer_type', 'transformers tokenizer class: AutoTokenizer (default) or e.g. PreTrainedTokenizerFast', 'null'),
     ('trust_remote_code', 'run model/tokenizer code shipped in the model directory (off: such models are refused)', 'false'),
-    ('datasets', 'training text: [{path: builtin:stdlib}] (default) or local .txt/.jsonl files', "[{chat_template: null, chat_template_jinja: null, drop_system_message: false, ds_type: null,\n    field: text, field_messages: messages, message_field_content: null, message_field_role: null,\n    message_property_mappings: null, path: 'builtin:stdlib', roles: null, roles_to_train: [\n      assistant], split: null, train_on_eos: turn, type: null}]"),
+    ('datasets', 'training text: [{path: builtin:stdlib}] (default) or local .txt/.jsonl files', "[{chat_template: null, chat_template_jinja: null, drop_system_message: false, ds_type: null,\n    field: text, field_messages: messages, message_field_content: null, message_field_role: null,\n    message_property_mappings: null, name: null, path: 'builtin:stdlib', roles: null,\n    roles_to_train: [assistant], split: null, train_on_eos: turn, type: null}]"),
     ('dataset_max_bytes', 'read at most this many bytes of plain text (completion data without packing; null: all)', '8000000'),
     ('val_set_size', 'fraction of documents held out for validation (0: none)', '0.03'),
     ('sequence_len', 'tokens per training sequence', '128'),

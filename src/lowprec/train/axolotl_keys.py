@@ -223,9 +223,9 @@ AXOLOTL_DEFAULTS: dict[str, Any] = {
 # dataset entry keys (Axolotl's SFTDataset) that DatasetSpec does not implement
 DATASET_UNSUPPORTED: dict[str, str] = {
     **{
-        k: "datasets from the Hugging Face Hub; lowprec reads local files: give their path (path: data.jsonl, "
-        "or Axolotl's path: json with data_files: data.jsonl)"
-        for k in _keys("name data_files revision trust_remote_code shards shards_idx preprocess_shards")
+        k: "lowprec reads local files (path: data.jsonl, or Axolotl's path: json with data_files: data.jsonl) "
+        "and hub datasets already in the local cache (path: org/name, name: its config, split:), as they are"
+        for k in _keys("data_files revision trust_remote_code shards shards_idx preprocess_shards")
     },
     **{
         k: "use type: chat_template with field_messages / message_property_mappings"

@@ -25,11 +25,11 @@ __all__ = ["uses_examples", "data_sources", "example_loaders", "run_data", "DATA
 logger = logging.getLogger("lowprec")
 
 
-def _is_pretokenized(path: str, split: Any, key: str) -> bool:
+def _is_pretokenized(path: str, split: Any, key: str, name: Any = None) -> bool:
     """An entry without ``type:`` holds pre-tokenized rows when its first row has input_ids."""
     hub = locate_dataset(path, key)
     if hub is not None:
-        path, split = dataset_split_files(hub, split, key)[0], None
+        path, split = dataset_split_files(hub, split, key, name)[0], None
     if path.endswith(".txt") or path.startswith("builtin:") or (os.path.isdir(path) and not is_saved_dataset(path)):
         return False
     first = next(iter(read_rows(path, split)), (None, {}))[1]
@@ -39,7 +39,7 @@ def _is_pretokenized(path: str, split: Any, key: str) -> bool:
 def _resolved_type(spec: Any, key: str) -> str:
     if spec.type is not None:
         return spec.type
-    return "pretokenized" if _is_pretokenized(spec.path, spec.split, key) else "completion"
+    return "pretokenized" if _is_pretokenized(spec.path, spec.split, key, spec.name) else "completion"
 
 
 def uses_examples(cfg: Any) -> bool:
@@ -87,7 +87,12 @@ def data_sources(cfg: Any, tokenizer: Any) -> list:
         paths, split = [d.path], d.split
         hub = locate_dataset(d.path, f"datasets.{i}.path")  # a hub dataset id in the local cache
         if hub is not None:
-            paths, split = dataset_split_files(hub, d.split, f"datasets.{i}"), None
+            paths, split = dataset_split_files(hub, d.split, f"datasets.{i}", d.name), None
+        elif d.name is not None:
+            raise ValueError(
+                f"datasets.{i}.name: {d.name!r} picks a config of a hub dataset (path: org/name, in the local "
+                f"cache); {d.path!r} is a local path: drop name"
+            )
         elif os.path.isdir(d.path) and not is_saved_dataset(d.path):
             paths = sorted(os.path.join(r, f) for r, _, fs in os.walk(d.path) for f in fs if f.endswith(ROW_EXTENSIONS))
             if not paths:

@@ -6,6 +6,7 @@ loads the model; ``datasets[].path`` may name a dataset repository in the cache
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -144,20 +145,75 @@ def _split_of(rel: str) -> str:
     return "train"
 
 
-def dataset_split_files(root: str, split: Optional[str], key: str) -> list[str]:
-    """The data files of ``split`` (default ``train``) in a dataset snapshot, in path order: those
-    whose path names the split (``data/train-00000-of-00001.parquet``, ``test.jsonl``), and for
-    ``train`` also those naming none (``alpaca_data.json``)."""
+def _card_configs(root: str) -> list[dict]:
+    """The ``configs:`` of a dataset card's YAML header (``README.md``): which files each config's
+    splits read, as the hub declares them; [] where the card declares none."""
+    try:
+        with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return []
+    if not text.startswith("---"):
+        return []
+    import yaml  # the trainer's own dependency (configs are YAML); imported only for a hub dataset
+
+    try:
+        header = yaml.safe_load(text.split("---", 2)[1]) or {}
+    except (yaml.YAMLError, IndexError):
+        return []
+    configs = header.get("configs") if isinstance(header, dict) else None
+    return [c for c in configs if isinstance(c, dict)] if isinstance(configs, list) else []
+
+
+def _declared_files(root: str, configs: list[dict], name: Optional[str], split: str, key: str) -> list[str]:
+    """The files the card's ``configs:`` give config ``name`` (default: the one marked default, or
+    the only one) for ``split``."""
+    names = [str(c.get("config_name", "default")) for c in configs]
+    if name is None:
+        chosen = [c for c in configs if c.get("default")] or (configs if len(configs) == 1 else [])
+        if not chosen:
+            raise ValueError(f"{key}: the cached dataset has configs {', '.join(names)}; set name: to one of them")
+        config = chosen[0]
+    elif name in names:
+        config = configs[names.index(name)]
+    else:
+        raise ValueError(f"{key}.name: {name!r} is not a config of the cached dataset; use one of {', '.join(names)}")
+    entries = config.get("data_files") or []
+    if isinstance(entries, (str, dict)):
+        entries = [entries]
+    patterns: list[str] = []
+    for e in entries:
+        if isinstance(e, str):  # a bare pattern: the train split
+            patterns += [e] if split == "train" else []
+        elif isinstance(e, dict) and e.get("split", "train") == split:
+            path = e.get("path")
+            patterns += [path] if isinstance(path, str) else [p for p in path or [] if isinstance(p, str)]
+    return sorted({f for p in patterns for f in glob.glob(os.path.join(root, p), recursive=True) if os.path.isfile(f)})
+
+
+def dataset_split_files(root: str, split: Optional[str], key: str, name: Optional[str] = None) -> list[str]:
+    """The data files of ``split`` (default ``train``) of config ``name`` in a dataset snapshot, in
+    path order: as the card's ``configs:`` declare them where it has any; else those whose path
+    names the split (``data/train-00000-of-00001.parquet``, ``test.jsonl``), and for ``train`` also
+    those naming none (``alpaca_data.json``), under the directory ``name`` where it is given."""
     want = _SPLIT_WORDS.get(split or "train", split or "train")
-    found = sorted(
-        os.path.relpath(os.path.join(d, f), root)
-        for d, _, fs in os.walk(root)
-        for f in fs
-        if f.endswith(_DATA_FILES) and not f.startswith(".")
-    )
-    files = [os.path.join(root, r) for r in found if _split_of(r) == want]
+    configs = _card_configs(root)
+    if configs:
+        files = _declared_files(root, configs, name, want, key)
+        found = files
+    else:
+        base = os.path.join(root, name) if name else root
+        if name and not os.path.isdir(base):
+            raise ValueError(f"{key}.name: the cached dataset at {root} has no config (directory) {name!r}")
+        found = sorted(
+            os.path.relpath(os.path.join(d, f), base)
+            for d, _, fs in os.walk(base)
+            for f in fs
+            if f.endswith(_DATA_FILES) and not f.startswith(".")
+        )
+        files = [os.path.join(base, r) for r in found if _split_of(r) == want]
     if not files:
-        have = sorted({_split_of(r) for r in found})
+        have = sorted({_split_of(r) for r in found}) if not configs else []
         raise ValueError(
             f"{key}: the cached dataset at {root} has no {'/'.join(_DATA_FILES)} file of split {want!r}"
             + (f" (its files are of split {', '.join(have)}): set split: to one of them" if have else "")

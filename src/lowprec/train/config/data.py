@@ -48,6 +48,9 @@ class DatasetSpec(StrictModel):
     split: Optional[str] = Field(
         default=None, description="split of a `datasets` directory or cached hub dataset (default train)"
     )
+    name: Optional[str] = Field(
+        default=None, description="config of a cached hub dataset (its card's configs:, or its directory)"
+    )
     ds_type: Optional[Literal["json", "parquet", "csv", "arrow"]] = Field(
         default=None, description="file format (read from the extension; checked when given)"
     )
