@@ -383,19 +383,12 @@ def _load_models(acc: Any, input_dir: str, sharded: set, meta: dict, reshard: bo
         if id(m) not in to_load:
             continue
         saved_under_ds = os.path.isdir(os.path.join(input_dir, f"deepspeed_{i}"))
+        stage = saved_zero_stage(input_dir, i, meta) if saved_under_ds else None
         if saved_under_ds != _is_ds(m) and (saved_under_ds or os.path.isfile(_model_file(input_dir, i, safe))):
             raise CheckpointError(
-                deepspeed_mismatch(
-                    input_dir,
-                    saved_under_ds,
-                    "checkpoint ",
-                    "DeepSpeed",
-                    saved_procs,
-                    saved_zero_stage(input_dir, i, meta),
-                )
+                deepspeed_mismatch(input_dir, saved_under_ds, "checkpoint ", "DeepSpeed", saved_procs, stage)
             )
         if _is_ds(m):
-            stage = saved_zero_stage(input_dir, i, meta)
             wrong = zero_stage_mismatch(input_dir, stage, m.zero_optimization_stage(), "checkpoint ", "DeepSpeed")
             if wrong is not None:
                 raise CheckpointError(wrong)

@@ -200,14 +200,15 @@ def _fail(exc: BaseException) -> None:
 
     done_dir = os.environ.get(DONE_DIR_VAR)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    peers_failed = bool(done_dir) and _peer_lost(exc) and _local_peer_failed(str(done_dir), local_rank)
+    lost = _peer_lost(exc)
+    peers_failed = bool(done_dir) and lost and _local_peer_failed(str(done_dir), local_rank)
     if done_dir and os.path.isdir(done_dir):
         open(os.path.join(done_dir, f"failed_rank{local_rank}"), "w").close()
     if isinstance(exc, SystemExit):
         code = exc.code if isinstance(exc.code, int) else 1
         if not isinstance(exc.code, int):
             print(exc.code, file=sys.stderr)
-    elif _peer_lost(exc):
+    elif lost:
         code = 1
         if not peers_failed:
             print(

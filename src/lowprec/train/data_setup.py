@@ -25,27 +25,45 @@ __all__ = ["uses_examples", "data_sources", "example_loaders", "run_data", "DATA
 logger = logging.getLogger("lowprec")
 
 
-def _is_pretokenized(path: str, split: Any, key: str, name: Any = None) -> bool:
-    """An entry without ``type:`` holds pre-tokenized rows when its first row has input_ids."""
-    hub = locate_dataset(path, key)
+def _files(d: Any, i: int) -> tuple[list[str], Any]:
+    """The files entry ``i`` of ``datasets:`` reads and the split to read them with: a cached hub
+    dataset's split files (:func:`dataset_split_files`), a directory's data files, or the path."""
+    hub = locate_dataset(d.path, f"datasets.{i}.path")
     if hub is not None:
-        path, split = dataset_split_files(hub, split, key, name)[0], None
+        return dataset_split_files(hub, d.split, f"datasets.{i}", d.name), None
+    if d.name is not None:
+        raise ValueError(
+            f"datasets.{i}.name: {d.name!r} picks a config of a hub dataset (path: org/name, in the local "
+            f"cache); {d.path!r} is a local path: drop name"
+        )
+    if os.path.isdir(d.path) and not is_saved_dataset(d.path):
+        paths = sorted(os.path.join(r, f) for r, _, fs in os.walk(d.path) for f in fs if f.endswith(ROW_EXTENSIONS))
+        if not paths:
+            raise ValueError(f"datasets.{i}: directory {d.path!r} holds no {'/'.join(ROW_EXTENSIONS)} files")
+        return paths, d.split
+    return [d.path], d.split
+
+
+def _is_pretokenized(d: Any, i: int) -> bool:
+    """An entry without ``type:`` holds pre-tokenized rows when its first row has input_ids."""
+    path = d.path
     if path.endswith(".txt") or path.startswith("builtin:") or (os.path.isdir(path) and not is_saved_dataset(path)):
         return False
-    first = next(iter(read_rows(path, split)), (None, {}))[1]
+    paths, split = _files(d, i)
+    first = next(iter(read_rows(paths[0], split)), (None, {}))[1]
     return "input_ids" in first
 
 
-def _resolved_type(spec: Any, key: str) -> str:
-    if spec.type is not None:
-        return spec.type
-    return "pretokenized" if _is_pretokenized(spec.path, spec.split, key, spec.name) else "completion"
+def _resolved_type(d: Any, i: int) -> str:
+    if d.type is not None:
+        return d.type
+    return "pretokenized" if _is_pretokenized(d, i) else "completion"
 
 
 def uses_examples(cfg: Any) -> bool:
     return (
         bool(cfg.sample_packing)
-        or any(_resolved_type(d, f"datasets.{i}.path") != "completion" for i, d in enumerate(cfg.datasets))
+        or any(_resolved_type(d, i) != "completion" for i, d in enumerate(cfg.datasets))
         or any(
             d.path.endswith(ROW_EXTENSIONS[1:])
             or is_saved_dataset(d.path)
@@ -63,7 +81,7 @@ def data_sources(cfg: Any, tokenizer: Any) -> list:
             raise ValueError(
                 f"datasets.{i}: {d.path} is plain text; sample_packing and typed datasets need local files"
             )
-        kind = _resolved_type(d, f"datasets.{i}.path")
+        kind = _resolved_type(d, i)
         template = ""
         if kind == "chat_template":
             own = getattr(getattr(tokenizer, "_tok", None), "chat_template", None)
@@ -84,19 +102,7 @@ def data_sources(cfg: Any, tokenizer: Any) -> list:
             drop_system_message=d.drop_system_message,
             eot_tokens=tuple(cfg.eot_tokens or ()),
         )
-        paths, split = [d.path], d.split
-        hub = locate_dataset(d.path, f"datasets.{i}.path")  # a hub dataset id in the local cache
-        if hub is not None:
-            paths, split = dataset_split_files(hub, d.split, f"datasets.{i}", d.name), None
-        elif d.name is not None:
-            raise ValueError(
-                f"datasets.{i}.name: {d.name!r} picks a config of a hub dataset (path: org/name, in the local "
-                f"cache); {d.path!r} is a local path: drop name"
-            )
-        elif os.path.isdir(d.path) and not is_saved_dataset(d.path):
-            paths = sorted(os.path.join(r, f) for r, _, fs in os.walk(d.path) for f in fs if f.endswith(ROW_EXTENSIONS))
-            if not paths:
-                raise ValueError(f"datasets.{i}: directory {d.path!r} holds no {'/'.join(ROW_EXTENSIONS)} files")
+        paths, split = _files(d, i)
         out.append(DataSource(tuple(paths), split, opt, f"datasets.{i}"))
     return out
 

@@ -39,7 +39,13 @@ from lowprec.fp8 import plain_state_dict, unconvert
 from lowprec.train.adapters import is_peft_model
 from lowprec.train.chat_templates import template_text
 from lowprec.train.hf_files import has_tokenizer, locate_pretrained
-from lowprec.train.tokenizer import HFTokenizer, load_tokenizer, is_remote_code_refusal, remote_code_message
+from lowprec.train.tokenizer import (
+    HFTokenizer,
+    directory_error,
+    is_remote_code_refusal,
+    load_tokenizer,
+    remote_code_message,
+)
 
 __all__ = [
     "load_causal_lm",
@@ -132,7 +138,7 @@ def load_causal_lm(
             f"({load_error_reason(exc)}); restore the file or use a model saved as safetensors"
         ) from None
     except Exception as exc:  # noqa: BLE001 - what the directory's files make transformers raise
-        if not _model_dir_error(exc):
+        if not directory_error(exc):
             raise
         if is_remote_code_refusal(exc):
             raise ValueError(f"base_model: {remote_code_message(path)}") from None
@@ -158,15 +164,6 @@ def load_causal_lm(
         sum(p.numel() for p in model.parameters()) / 1e6,
     )
     return model
-
-
-def _model_dir_error(exc: Exception) -> bool:
-    """An error a model directory's files cause in ``from_pretrained``: a missing or unreadable
-    file, a config value of the wrong type (transformers' configs are huggingface_hub strict
-    dataclasses, whose validation errors are no ValueError), an unknown key."""
-    return isinstance(exc, (OSError, ValueError, KeyError, TypeError)) or type(exc).__module__.startswith(
-        "huggingface_hub."
-    )
 
 
 def _bf16_state(state_dict: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ __all__ = [
     "load_tokenizer",
     "BYTE_VOCAB_SIZE",
     "is_remote_code_refusal",
+    "directory_error",
     "remote_code_message",
 ]
 
@@ -100,6 +101,16 @@ def is_remote_code_refusal(exc: BaseException) -> bool:
     return isinstance(exc, ValueError) and "trust_remote_code=True" in str(exc)
 
 
+def directory_error(exc: BaseException) -> bool:
+    """An error a Hugging Face model or tokenizer directory's files cause in ``from_pretrained``: a
+    missing, unreadable or malformed file, a config value of the wrong type (transformers' configs
+    are huggingface_hub strict dataclasses, whose validation errors are no ValueError), an unknown
+    key. The loaders turn these into one line naming their key; anything else is a bug, re-raised."""
+    return isinstance(exc, (OSError, ValueError, KeyError, TypeError)) or type(exc).__module__.startswith(
+        "huggingface_hub."
+    )
+
+
 def remote_code_message(path: str) -> str:
     return (
         f"{path} ships its own Python code (auto_map in its config), which lowprec does not run: set "
@@ -137,7 +148,9 @@ class HFTokenizer:
             # always explicit: transformers' default (None) asks "[y/N]" on a terminal, and "y" runs
             # the directory's code; unset must mean refused
             self._tok = cls.from_pretrained(path, local_files_only=True, trust_remote_code=bool(trust_remote_code))
-        except (OSError, ValueError, KeyError, TypeError) as exc:  # what the directory's files cause
+        except Exception as exc:  # noqa: BLE001 - what the directory's files cause (else re-raised)
+            if not directory_error(exc):
+                raise
             if is_remote_code_refusal(exc):
                 raise ValueError(remote_code_message(path)) from None
             # a damaged tokenizer.json said only "Expecting ',' delimiter: line 2 column 1": no file, no key
